@@ -1,0 +1,23 @@
+# `make demo` and `make test` need nothing installed beforehand: both build .venv/ first.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.installed
+
+.PHONY: setup demo test
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[test]"
+	# torchrec's metadata requires the CUDA fbgemm-gpu; --no-deps keeps fbgemm-gpu-cpu.
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.demo
+
+test: $(STAMP)
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests

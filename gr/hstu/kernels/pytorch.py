@@ -1,0 +1,75 @@
+"""Reference HSTU attention in plain PyTorch: pads to [B, L, L]. Runs on any device."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gr.hstu.kernels.common import RelativeBias, hstu_visibility, position_bucket, silu_norm, time_bucket
+from gr.jagged import history_lengths, lengths_from_offsets, token_offsets_in_seq, token_seq_ids
+
+
+def pytorch_hstu_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    num_targets: Optional[Tensor],
+    contextual_len: int,
+    max_attn_len: int,
+    alpha: float,
+    silu_scale: Optional[float],
+    rab: Optional[RelativeBias],
+) -> Tensor:
+    """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]."""
+    total, heads, _ = q.shape
+    batch = seq_offsets.numel() - 1
+    seq_len = max(int(max_seq_len), 1)
+    seq_ids = token_seq_ids(seq_offsets, total)
+    idx = token_offsets_in_seq(seq_offsets, total)
+
+    def pad(x: Tensor) -> Tensor:  # [T, H, D] -> [B, H, L, D]
+        out = x.new_zeros(batch, seq_len, heads, x.shape[-1])
+        out[seq_ids, idx] = x
+        return out.transpose(1, 2)
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    lengths = lengths_from_offsets(seq_offsets).view(batch, 1, 1)
+    hist = history_lengths(seq_offsets, num_targets).view(batch, 1, 1)
+    ar = torch.arange(seq_len, device=q.device)
+    row, col = ar.view(1, -1, 1), ar.view(1, 1, -1)
+    visible = hstu_visibility(row, col, lengths, hist, contextual_len, max_attn_len)  # [B, L, L]
+
+    logits = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, L, L]
+    if rab is not None:
+        logits = logits + _dense_bias(rab, seq_ids, idx, batch, seq_len, row, col, hist).unsqueeze(1).to(logits.dtype)
+    norm = silu_norm(torch.minimum(row, hist), silu_scale).to(logits.dtype)  # [B or 1, L, 1]
+    scores = F.silu(logits) * norm.unsqueeze(1) * visible.unsqueeze(1).to(logits.dtype)
+    out = torch.matmul(scores, vp)  # [B, H, L, Dv]
+    return out.transpose(1, 2)[seq_ids, idx]
+
+
+def _dense_bias(
+    rab: RelativeBias,
+    seq_ids: Tensor,
+    idx: Tensor,
+    batch: int,
+    seq_len: int,
+    row: Tensor,
+    col: Tensor,
+    hist: Tensor,
+) -> Tensor:
+    """[B, L, L] bias, zero where either part is off."""
+    bias = torch.zeros(batch, seq_len, seq_len, device=seq_ids.device)
+    if rab.position_weights is not None:
+        rel = torch.minimum(row, hist) - torch.minimum(col, hist)
+        bias = bias + rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
+    if rab.time_weights is not None:
+        ts = torch.zeros(batch, seq_len, dtype=torch.int64, device=seq_ids.device)
+        ts[seq_ids, idx] = rab.timestamps.long()
+        delta = ts.unsqueeze(2) - ts.unsqueeze(1)
+        bias = bias + rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
+    return bias

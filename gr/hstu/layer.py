@@ -1,0 +1,90 @@
+"""One HSTU layer (Zhai et al. 2024, eq. 1-3), split into steps a KV cache can reuse."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gr.hstu.config import HSTUConfig
+from gr.hstu.kernels import RelativeBias, hstu_attention
+
+
+class HSTULayer(nn.Module):
+    """``U,V,Q,K = split(SiLU(W1 LN(X)))``; ``A = SiLU(alpha QK^T + rab) * norm`` under the
+    mask; ``Y = X + W2 Dropout(LN(A V) * U)``.
+
+    Parameter names (fixed, the export format relies on them): ``input_norm.*``,
+    ``uvqk.*``, ``attn_norm.*``, ``output.*``, ``position_bias`` [P], ``time_bias`` [NB].
+    """
+
+    def __init__(self, config: HSTUConfig) -> None:
+        super().__init__()
+        self.config = config
+        heads, dl, da = config.num_heads, config.linear_dim, config.attention_dim
+        self.input_norm = nn.LayerNorm(config.hidden_dim, eps=config.layer_norm_eps)
+        self.uvqk = nn.Linear(config.hidden_dim, heads * (2 * dl + 2 * da))
+        self.attn_norm = nn.LayerNorm(heads * dl, eps=config.layer_norm_eps)
+        self.output = nn.Linear(heads * dl, config.hidden_dim)
+        self.dropout = nn.Dropout(config.dropout)
+        nn.init.normal_(self.uvqk.weight, std=0.02)
+        nn.init.zeros_(self.uvqk.bias)
+        pos_buckets = config.num_position_buckets
+        self.position_bias = nn.Parameter(torch.randn(pos_buckets) * 0.02) if pos_buckets > 0 else None
+        self.time_bias = nn.Parameter(torch.randn(config.time_buckets) * 0.02) if config.time_buckets > 0 else None
+
+    def project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x: [T, D] -> u: [T, H*Dl], q: [T, H, Da], k: [T, H, Da], v: [T, H, Dl]."""
+        c = self.config
+        heads, dl, da = c.num_heads, c.linear_dim, c.attention_dim
+        uvqk = F.silu(self.uvqk(self.input_norm(x)))
+        u, v, q, k = torch.split(uvqk, [heads * dl, heads * dl, heads * da, heads * da], dim=-1)
+        return u, q.reshape(-1, heads, da), k.reshape(-1, heads, da), v.reshape(-1, heads, dl)
+
+    def relative_bias(self, timestamps: Optional[Tensor]) -> Optional[RelativeBias]:
+        """timestamps: [T] int64 or None -> the bias parts the kernel fuses."""
+        if self.position_bias is None and self.time_bias is None:
+            return None
+        if self.time_bias is not None and timestamps is None:
+            raise ValueError("HSTU: timestamps are required when HSTUConfig.time_buckets > 0")
+        return RelativeBias(
+            position_weights=self.position_bias,
+            time_weights=self.time_bias,
+            timestamps=timestamps if self.time_bias is not None else None,
+            time_bucketing=self.config.time_bucketing,
+        )
+
+    def combine(self, x: Tensor, attn: Tensor, u: Tensor) -> Tensor:
+        """x: [T, D], attn: [T, H, Dl], u: [T, H*Dl] -> [T, D] (residual added)."""
+        mixed = self.attn_norm(attn.reshape(attn.shape[0], -1)) * u
+        return x + self.output(self.dropout(mixed))
+
+    def silu_scale(self) -> Optional[float]:
+        return 1.0 / self.config.max_seq_len if self.config.attn_norm == "max_seq_len" else None
+
+    def forward(
+        self,
+        x: Tensor,
+        seq_offsets: Tensor,
+        max_seq_len: int,
+        timestamps: Optional[Tensor] = None,
+        num_targets: Optional[Tensor] = None,
+    ) -> Tensor:
+        """x: [T, D] -> [T, D]; see ``HSTU.forward`` for the other arguments."""
+        u, q, k, v = self.project(x)
+        attn = hstu_attention(
+            q,
+            k,
+            v,
+            seq_offsets,
+            max_seq_len,
+            num_targets=num_targets,
+            contextual_len=self.config.contextual_len,
+            max_attn_len=self.config.max_attn_len,
+            alpha=self.config.alpha,
+            silu_scale=self.silu_scale(),
+            rab=self.relative_bias(timestamps),
+            backend=self.config.kernel_backend,
+        )
+        return self.combine(x, attn, u)

@@ -1,0 +1,161 @@
+"""GRModel: the fixed forward ``split_input -> PrefixDNN -> HSTU -> PostfixDNN``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torchrec import KeyedJaggedTensor
+
+from gr.hstu import HSTU, HSTUConfig
+from gr.jagged import offsets_from_lengths, target_token_index, token_seq_ids
+from gr.postfix_dnn import PostfixDNN
+from gr.prefix_dnn import PrefixDNN
+from gr.sparse import SparseEmbeddings, TableConfig
+
+# Members a GRModel subclass may not define: together they are the fixed pipeline.
+FIXED_MEMBERS = ("forward", "hstu", "embed_features", "scored_rows", "__setattr__")
+
+
+@dataclass
+class GRInput:
+    """What ``split_input`` returns: one jagged batch of B sequences.
+
+    seq_offsets: [B+1] int64
+    max_seq_len: int, >= the longest sequence (targets included)
+    timestamps: [T] int64 seconds, or None when the time bias is off
+    num_targets: [B] int64 or None; None -> every token is scored (autoregressive)
+    sequence_ids: KJT with stride B; each key has exactly one id per token
+        (lengths == sequence lengths). Keys the PrefixDNN does not read (e.g.
+        sampled negatives through the same table) are looked up too and returned
+        in ``GROutput.token_features``.
+    token_dense: {name: [T, d]} dense per-token features
+    common_ids: KJT with stride B, pooled per sequence
+    common_dense: {name: [B, d]} dense per-request features
+    labels: {name: tensor} for ``compute_loss``
+    """
+
+    seq_offsets: Tensor
+    max_seq_len: int
+    timestamps: Optional[Tensor] = None
+    num_targets: Optional[Tensor] = None
+    sequence_ids: Optional[KeyedJaggedTensor] = None
+    token_dense: Dict[str, Tensor] = field(default_factory=dict)
+    common_ids: Optional[KeyedJaggedTensor] = None
+    common_dense: Dict[str, Tensor] = field(default_factory=dict)
+    labels: Dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class GROutput:
+    """What the fixed forward returns.
+
+    predictions: PostfixDNN outputs, {name: [N, ...]}
+    hidden: [N, D] HSTU outputs at the scored rows
+    row_index: [N] int64 flat token index of each scored row
+    row_offsets: [B+1] int64, scored rows per sequence
+    token_features: {feature: [T_f, d]} every looked-up sequence feature and token_dense
+    common_features: {feature: [B, d]}
+    """
+
+    predictions: Dict[str, Tensor]
+    hidden: Tensor
+    row_index: Tensor
+    row_offsets: Tensor
+    token_features: Dict[str, Tensor]
+    common_features: Dict[str, Tensor]
+
+
+class GRModel(nn.Module):
+    """A generative recommender: TorchRec tables, the user's PrefixDNN, HSTU, the user's PostfixDNN.
+
+    Subclasses customise ``split_input`` (raw batch -> ``GRInput``) and
+    ``compute_loss``; the forward itself and the HSTU module are fixed, and a
+    subclass that defines them is refused when the class is created.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        clash = [name for name in FIXED_MEMBERS if name in cls.__dict__]
+        if clash and not cls.__module__.startswith("torch."):
+            raise TypeError(
+                f"{cls.__name__} defines {clash}: the GRModel forward (split_input -> PrefixDNN -> HSTU -> "
+                "PostfixDNN) and its HSTU module are fixed; override split_input/compute_loss, subclass "
+                "PrefixDNN/PostfixDNN, and configure HSTU through HSTUConfig"
+            )
+
+    def __init__(
+        self,
+        hstu: HSTUConfig,
+        prefix_dnn: PrefixDNN,
+        postfix_dnn: PostfixDNN,
+        tables: Sequence[TableConfig] = (),
+    ) -> None:
+        super().__init__()
+        if not isinstance(prefix_dnn, PrefixDNN):
+            raise TypeError(f"GRModel.prefix_dnn: expected a PrefixDNN subclass, got {type(prefix_dnn).__name__}")
+        if not isinstance(postfix_dnn, PostfixDNN):
+            raise TypeError(f"GRModel.postfix_dnn: expected a PostfixDNN subclass, got {type(postfix_dnn).__name__}")
+        self.embeddings = SparseEmbeddings(tables) if tables else None
+        self.prefix_dnn = prefix_dnn
+        self.hstu = HSTU(hstu)
+        self.postfix_dnn = postfix_dnn
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "hstu" and "hstu" in self.__dict__.get("_modules", {}):
+            raise AttributeError("GRModel.hstu is fixed once built; change it through HSTUConfig")
+        super().__setattr__(name, value)
+
+    # ---- user hooks -------------------------------------------------------------
+    def split_input(self, batch: Any) -> GRInput:
+        """Raw batch -> GRInput. The default accepts a GRInput as is."""
+        if isinstance(batch, GRInput):
+            return batch
+        raise TypeError(
+            f"{type(self).__name__}.split_input: got a {type(batch).__name__}; override split_input to turn "
+            "your batch into a GRInput"
+        )
+
+    def compute_loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
+        """-> {"loss": scalar, other logged terms...}. Override in a subclass."""
+        raise NotImplementedError(f"{type(self).__name__}.compute_loss(output, inputs) -> {{'loss': tensor}}")
+
+    # ---- the fixed pipeline -----------------------------------------------------
+    def embed_features(self, inputs: GRInput) -> tuple:
+        """Sparse lookups plus dense features -> ({name: [T_f, d]}, {name: [B, d]})."""
+        token, common = {}, {}
+        if inputs.sequence_ids is not None or inputs.common_ids is not None:
+            if self.embeddings is None:
+                raise ValueError("GRInput has sparse ids but the model was built without tables")
+            token, common = self.embeddings(inputs.sequence_ids, inputs.common_ids)
+        for name, value in inputs.token_dense.items():
+            token[name] = value
+        for name, value in inputs.common_dense.items():
+            common[name] = value
+        return token, common
+
+    @staticmethod
+    def scored_rows(inputs: GRInput, total_tokens: int) -> tuple:
+        """-> (row_index [N], row_offsets [B+1]): every token, or only the targets."""
+        if inputs.num_targets is None:
+            return torch.arange(total_tokens, device=inputs.seq_offsets.device), inputs.seq_offsets
+        return target_token_index(inputs.seq_offsets, inputs.num_targets), offsets_from_lengths(inputs.num_targets)
+
+    def forward(self, batch: Any) -> GROutput:
+        inputs = self.split_input(batch)
+        if not isinstance(inputs, GRInput):
+            raise TypeError(f"{type(self).__name__}.split_input must return a GRInput, got {type(inputs).__name__}")
+        token, common = self.embed_features(inputs)
+        missing = [n for n in self.prefix_dnn.feature_names if n not in token]
+        if missing:
+            raise KeyError(f"PrefixDNN {type(self.prefix_dnn).__name__} reads {missing}, absent from the batch "
+                           f"(have {sorted(token)})")
+        x = self.prefix_dnn({name: token[name] for name in self.prefix_dnn.feature_names})
+        h = self.hstu(x, inputs.seq_offsets, inputs.max_seq_len, inputs.timestamps, inputs.num_targets)
+        row_index, row_offsets = self.scored_rows(inputs, h.shape[0])
+        row_seq = token_seq_ids(row_offsets, row_index.numel())
+        hidden = h[row_index]
+        row_common = {name: common[name][row_seq] for name in self.postfix_dnn.common_feature_names}
+        predictions = self.postfix_dnn(hidden, row_common)
+        return GROutput(predictions, hidden, row_index, row_offsets, token, common)

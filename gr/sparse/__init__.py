@@ -1,0 +1,3 @@
+from gr.sparse.tables import SparseEmbeddings, TableConfig
+
+__all__ = ["SparseEmbeddings", "TableConfig"]

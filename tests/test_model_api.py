@@ -1,0 +1,147 @@
+"""The user API: fixed forward, user hooks, refused overrides, shipped PrefixDNN/PostfixDNN."""
+from typing import Dict
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torchrec import KeyedJaggedTensor
+
+from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN, TableConfig
+from gr.hstu import HSTU
+from gr.postfix_dnn import MMoERankingHead, RetrievalHead
+from gr.prefix_dnn import MLPTokenEncoder, check_token_wise
+
+CFG = HSTUConfig(hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=32, dropout=0.0, input_dropout=0.0)
+
+
+def ranking_model():
+    tables = [
+        TableConfig("item", 50, 16, ("item_id",)),
+        TableConfig("genre", 10, 4, ("genre",)),
+        TableConfig("user", 20, 8, ("user_id",), kind="common"),
+    ]
+    prefix = MLPTokenEncoder({"item_id": 16, "genre": 4, "age": 1}, 16, mlp_dims=(24,))
+    postfix = MMoERankingHead(16, ["click", "like"], num_experts=3, common_dims={"user_id": 8})
+    return GRModel(CFG, prefix, postfix, tables).eval()
+
+
+def ranking_batch(lengths, num_targets):
+    lengths = torch.tensor(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    seq_ids = KeyedJaggedTensor.from_lengths_sync(
+        ["item_id", "genre"], torch.cat([torch.randint(0, 50, (total,)), torch.randint(0, 10, (total,))]),
+        torch.cat([lengths, lengths]),
+    )
+    common = KeyedJaggedTensor.from_lengths_sync(["user_id"], torch.arange(len(lengths)), torch.ones(len(lengths), dtype=torch.long))
+    return GRInput(
+        seq_offsets=offsets, max_seq_len=int(lengths.max()), timestamps=torch.arange(total) * 60,
+        num_targets=torch.tensor(num_targets), sequence_ids=seq_ids, token_dense={"age": torch.rand(total, 1)},
+        common_ids=common,
+    )
+
+
+def test_fixed_forward_scores_each_target_with_every_task():
+    model = ranking_model()
+    out = model(ranking_batch([6, 3, 9], [2, 1, 4]))
+    assert set(out.predictions) == {"click", "like"}
+    assert out.predictions["click"].shape == (7,)
+    assert out.row_offsets.tolist() == [0, 2, 3, 7]
+    assert out.row_index.tolist() == [4, 5, 8, 14, 15, 16, 17]
+    assert out.common_features["user_id"].shape == (3, 8)
+
+
+def test_retrieval_head_gives_unit_queries_for_every_token_without_targets():
+    model = GRModel(CFG, MLPTokenEncoder({"item_id": 16}, 16), RetrievalHead(16, 16), [TableConfig("item", 50, 16, ("item_id",))])
+    lengths = torch.tensor([4, 1])
+    ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.randint(0, 50, (5,)), lengths)
+    out = model(GRInput(torch.tensor([0, 4, 5]), 4, torch.arange(5), sequence_ids=ids))
+    query = out.predictions["query"]
+    assert query.shape == (5, 16)
+    torch.testing.assert_close(query.norm(dim=-1), torch.ones(5))
+
+
+def test_shipped_prefix_dnn_is_token_wise():
+    encoder = MLPTokenEncoder({"item_id": 16, "genre": 4}, 12, mlp_dims=(20,)).eval()
+    check_token_wise(encoder, {"item_id": torch.randn(30, 16), "genre": torch.randn(30, 4)})
+
+
+def test_token_wise_check_catches_a_position_mixing_encoder():
+    class Mixer(PrefixDNN):
+        feature_names = ("x",)
+
+        def forward(self, features: Dict[str, Tensor]) -> Tensor:
+            x = features["x"]
+            return x + x.mean(0, keepdim=True)
+
+    with pytest.raises(AssertionError, match="Mixer"):
+        check_token_wise(Mixer(), {"x": torch.randn(10, 4)})
+
+
+def test_user_subclasses_plug_in():
+    class Encoder(PrefixDNN):
+        feature_names = ("item_id",)
+
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, features):
+            return torch.tanh(self.proj(features["item_id"]))
+
+    class Head(PostfixDNN):
+        output_names = ("score",)
+
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(16, 1)
+
+        def forward(self, hidden, common):
+            return {"score": self.out(hidden).squeeze(-1)}
+
+    class MyModel(GRModel):
+        def split_input(self, batch):
+            lengths = torch.tensor([len(s) for s in batch["items"]])
+            return GRInput(
+                seq_offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                max_seq_len=int(lengths.max()),
+                timestamps=torch.cat([torch.tensor(t) for t in batch["times"]]),
+                num_targets=torch.ones(len(lengths), dtype=torch.long),
+                sequence_ids=KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor(sum(batch["items"], [])), lengths),
+                labels={"score": torch.tensor(batch["label"], dtype=torch.float)},
+            )
+
+        def compute_loss(self, output, inputs):
+            loss = nn.functional.binary_cross_entropy_with_logits(output.predictions["score"], inputs.labels["score"])
+            return {"loss": loss}
+
+    model = MyModel(CFG, Encoder(), Head(), [TableConfig("item", 10, 16, ("item_id",))])
+    batch = {"items": [[1, 2, 3], [4, 5]], "times": [[1, 2, 3], [5, 9]], "label": [1.0, 0.0]}
+    out = model(batch)
+    loss = model.compute_loss(out, model.split_input(batch))["loss"]
+    loss.backward()
+    assert model.prefix_dnn.proj.weight.grad is not None
+    assert model.embeddings.sequence["dim16"].embeddings["item"].weight.grad is not None
+
+
+@pytest.mark.parametrize("member", ["forward", "hstu", "embed_features", "scored_rows"])
+def test_subclass_overriding_the_fixed_pipeline_is_refused(member):
+    with pytest.raises(TypeError, match="fixed"):
+        type("Bad", (GRModel,), {member: lambda self, *a: None})
+
+
+def test_replacing_hstu_on_an_instance_is_refused():
+    model = ranking_model()
+    with pytest.raises(AttributeError, match="HSTUConfig"):
+        model.hstu = HSTU(CFG)
+
+
+def test_wrong_module_types_and_missing_features_are_clear_errors():
+    with pytest.raises(TypeError, match="prefix_dnn"):
+        GRModel(CFG, nn.Linear(2, 2), RetrievalHead(16, 16))
+    model = GRModel(CFG, MLPTokenEncoder({"item_id": 16, "age": 1}, 16), RetrievalHead(16, 16), [TableConfig("item", 50, 16, ("item_id",))])
+    ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor([1, 2]), torch.tensor([2]))
+    with pytest.raises(KeyError, match="age"):
+        model(GRInput(torch.tensor([0, 2]), 2, torch.arange(2), sequence_ids=ids))
+    with pytest.raises(TypeError, match="split_input"):
+        model({"not": "a GRInput"})
