@@ -13,7 +13,7 @@ from gr.prefix_dnn.mlp_encoder import mlp
 class RetrievalHead(PostfixDNN):
     """hidden [N, D] -> {"query": [N, embedding_dim]}, unit L2 norm.
 
-    Scores against items are ``query . normalize(item_embedding)``; with no
+    Scores against items are ``query . item_embedding(item table row)``; with no
     ``mlp_dims`` and ``embedding_dim == D`` the head is a plain normalisation
     (the HSTU paper's retrieval setting).
     """
@@ -27,3 +27,11 @@ class RetrievalHead(PostfixDNN):
 
     def forward(self, hidden: Tensor, common: Dict[str, Tensor]) -> Dict[str, Tensor]:
         return {"query": F.normalize(self.mlp(hidden), dim=-1)}
+
+    @staticmethod
+    def item_embedding(item_rows: Tensor) -> Tensor:
+        """Item-side embedding scored against queries: item_rows [M, d] -> [M, d], unit norm.
+
+        Training (sampled softmax), evaluation and serving all score items this way.
+        """
+        return F.normalize(item_rows, dim=-1)
