@@ -9,6 +9,7 @@ from typing import Any, Dict, Mapping, Optional
 ATTN_NORMS = ("max_seq_len", "seq_len")
 TIME_BUCKETINGS = ("log", "sqrt")
 KERNEL_BACKENDS = ("auto", "pytorch", "triton", "ascend")
+RECOMPUTE_MODES = ("none", "attention", "layer")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class HSTUConfig:
     max_attn_len: int = 0  # local look-back window in positions; 0 -> unbounded
     layer_norm_eps: float = 1e-6
     kernel_backend: str = "auto"
+    # Activation recompute per layer in training: "none"; "attention" keeps the layer
+    # input and its U/V/Q/K projections and recomputes attention, norm and output;
+    # "layer" keeps only the layer input and recomputes everything.
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("hidden_dim", "num_layers", "num_heads", "attention_dim", "linear_dim", "max_seq_len"):
@@ -65,6 +70,7 @@ class HSTUConfig:
         _check_choice(self, "attn_norm", ATTN_NORMS)
         _check_choice(self, "time_bucketing", TIME_BUCKETINGS)
         _check_choice(self, "kernel_backend", KERNEL_BACKENDS)
+        _check_choice(self, "recompute", RECOMPUTE_MODES)
         for name in ("position_embedding", "scale_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HSTUConfig.{name}: expected true or false, got {getattr(self, name)!r}")

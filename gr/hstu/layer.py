@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from gr.hstu.config import HSTUConfig
 from gr.hstu.kernels import RelativeBias, hstu_attention
@@ -72,7 +73,30 @@ class HSTULayer(nn.Module):
         num_targets: Optional[Tensor] = None,
     ) -> Tensor:
         """x: [T, D] -> [T, D]; see ``HSTU.forward`` for the other arguments."""
+        args = (seq_offsets, max_seq_len, timestamps, num_targets)
+        recompute = self.config.recompute if torch.is_grad_enabled() and self.training else "none"
+        if recompute == "layer":
+            return checkpoint(self._project_attend_combine, x, *args, use_reentrant=False)
         u, q, k, v = self.project(x)
+        if recompute == "attention":
+            return checkpoint(self._attend_combine, x, u, q, k, v, *args, use_reentrant=False)
+        return self._attend_combine(x, u, q, k, v, *args)
+
+    def _project_attend_combine(self, x: Tensor, *args: object) -> Tensor:
+        return self._attend_combine(x, *self.project(x), *args)
+
+    def _attend_combine(
+        self,
+        x: Tensor,
+        u: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seq_offsets: Tensor,
+        max_seq_len: int,
+        timestamps: Optional[Tensor],
+        num_targets: Optional[Tensor],
+    ) -> Tensor:
         attn = hstu_attention(
             q,
             k,
