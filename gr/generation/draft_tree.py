@@ -1,0 +1,87 @@
+"""Draft tokens laid out as a tree (speculative decoding): branches causal, invisible to each other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Nodes in topological order (a parent always before its children).
+
+    items: [M] int64, the draft item of each node
+    parents: [M] int64, parent node index; -1 for children of the root (the sequence end)
+    """
+
+    items: Tensor
+    parents: Tensor
+
+    def __post_init__(self) -> None:
+        if self.items.shape != self.parents.shape or self.items.dim() != 1:
+            raise ValueError("DraftTree: items and parents must both be [M]")
+        if bool((self.parents >= torch.arange(self.parents.numel())).any()):
+            raise ValueError("DraftTree.parents: every parent must come before its child")
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.items.numel())
+
+    def depths(self) -> Tensor:
+        """[M] int64, 1 for children of the root."""
+        depth = torch.zeros(self.num_nodes, dtype=torch.long)
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return depth
+
+    def ancestor_mask(self) -> Tensor:
+        """[M, M] bool: node i may attend to node j iff j is i or an ancestor of i."""
+        mask = torch.eye(self.num_nodes, dtype=torch.bool)
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                mask[i] |= mask[p]
+        return mask
+
+    def children(self) -> Dict[int, List[int]]:
+        """{node (-1 = root): child nodes in order}."""
+        out: Dict[int, List[int]] = {-1: []}
+        for i, p in enumerate(self.parents.tolist()):
+            out.setdefault(p, []).append(i)
+            out.setdefault(i, [])
+        return out
+
+    def branches(self) -> List[List[int]]:
+        """Root-to-leaf node paths."""
+        kids = self.children()
+        paths: List[List[int]] = []
+        stack: List[Tuple[int, List[int]]] = [(c, [c]) for c in reversed(kids[-1])]
+        while stack:
+            node, path = stack.pop()
+            if not kids[node]:
+                paths.append(path)
+            stack.extend((c, path + [c]) for c in reversed(kids[node]))
+        return paths
+
+
+def tree_from_paths(paths: Sequence[Sequence[int]], max_nodes: int) -> DraftTree:
+    """Merge item paths (most useful first) into a prefix tree of at most ``max_nodes`` nodes.
+
+    Shared prefixes become shared nodes; a path is cut where the node budget ends.
+    """
+    items: List[int] = []
+    parents: List[int] = []
+    index: Dict[Tuple[int, ...], int] = {}
+    for path in paths:
+        parent = -1
+        for depth in range(1, len(path) + 1):
+            key = tuple(path[:depth])
+            if key not in index:
+                if len(items) >= max_nodes:
+                    break
+                index[key] = len(items)
+                items.append(int(path[depth - 1]))
+                parents.append(parent)
+            parent = index[key]
+    return DraftTree(torch.tensor(items, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
