@@ -103,7 +103,8 @@ class GRModel(nn.Module):
         self.postfix_dnn = postfix_dnn
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "hstu" and "hstu" in self.__dict__.get("_modules", {}):
+        # Re-assigning the same module is allowed: DistributedModelParallel re-sets every child it visits.
+        if name == "hstu" and self.__dict__.get("_modules", {}).get("hstu", value) is not value:
             raise AttributeError("GRModel.hstu is fixed once built; change it through HSTUConfig")
         super().__setattr__(name, value)
 

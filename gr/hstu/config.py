@@ -8,7 +8,7 @@ from typing import Any, Dict, Mapping, Optional
 
 ATTN_NORMS = ("max_seq_len", "seq_len")
 TIME_BUCKETINGS = ("log", "sqrt")
-KERNEL_BACKENDS = ("auto", "pytorch", "triton", "ascend")
+KERNEL_BACKENDS = ("auto", "pytorch", "cpu", "triton", "ascend", "ascend_triton")
 RECOMPUTE_MODES = ("none", "attention", "layer")
 
 

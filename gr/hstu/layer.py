@@ -64,6 +64,32 @@ class HSTULayer(nn.Module):
     def silu_scale(self) -> Optional[float]:
         return 1.0 / self.config.max_seq_len if self.config.attn_norm == "max_seq_len" else None
 
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seq_offsets: Tensor,
+        max_seq_len: int,
+        timestamps: Optional[Tensor] = None,
+        num_targets: Optional[Tensor] = None,
+    ) -> Tensor:
+        """q, k: [T, H, Da], v: [T, H, Dl] -> [T, H, Dl]: this layer's masked, biased attention."""
+        return hstu_attention(
+            q,
+            k,
+            v,
+            seq_offsets,
+            max_seq_len,
+            num_targets=num_targets,
+            contextual_len=self.config.contextual_len,
+            max_attn_len=self.config.max_attn_len,
+            alpha=self.config.alpha,
+            silu_scale=self.silu_scale(),
+            rab=self.relative_bias(timestamps),
+            backend=self.config.kernel_backend,
+        )
+
     def forward(
         self,
         x: Tensor,
@@ -97,18 +123,5 @@ class HSTULayer(nn.Module):
         timestamps: Optional[Tensor],
         num_targets: Optional[Tensor],
     ) -> Tensor:
-        attn = hstu_attention(
-            q,
-            k,
-            v,
-            seq_offsets,
-            max_seq_len,
-            num_targets=num_targets,
-            contextual_len=self.config.contextual_len,
-            max_attn_len=self.config.max_attn_len,
-            alpha=self.config.alpha,
-            silu_scale=self.silu_scale(),
-            rab=self.relative_bias(timestamps),
-            backend=self.config.kernel_backend,
-        )
+        attn = self.attend(q, k, v, seq_offsets, max_seq_len, timestamps, num_targets)
         return self.combine(x, attn, u)

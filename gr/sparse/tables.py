@@ -1,15 +1,28 @@
 """Sparse id features: TorchRec embedding tables built from the config."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    JaggedTensor,
+    KeyedJaggedTensor,
+)
 from torchrec.modules.embedding_configs import PoolingType
+
+from gr.sparse.optimizer import EmbeddingOptimizerConfig
 
 TABLE_KINDS = ("sequence", "common")
 POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+# Ways the TorchRec planner may split a table across ranks (fused kernels only).
+SHARDING_TYPES = ("row_wise", "table_wise", "column_wise", "table_row_wise")
 
 
 @dataclass(frozen=True)
@@ -20,6 +33,11 @@ class TableConfig:
           (jagged, one vector per token); "common" -> per-request ids pooled with
           ``EmbeddingBagCollection`` (one vector per sequence).
     features: the feature names (KJT keys) that read this table.
+    sharding: how ``DistributedModelParallel`` splits the table over ranks; None ->
+        "row_wise" for sequence tables, "table_wise" for common ones (TorchRec has no
+        row-wise pooled kernels on CPU).
+    optimizer: the table's embedding optimizer (fused in backward); None -> the
+        trainer's default.
     """
 
     name: str
@@ -30,6 +48,8 @@ class TableConfig:
     pooling: str = "sum"
     init_std: Optional[float] = None  # None -> TorchRec's default uniform init
     extra: Dict[str, object] = field(default_factory=dict)
+    sharding: Optional[str] = None
+    optimizer: Optional[EmbeddingOptimizerConfig] = None
 
     def __post_init__(self) -> None:
         where = f"table {self.name!r}"
@@ -43,17 +63,84 @@ class TableConfig:
             raise ValueError(f"{where}.kind: expected one of {list(TABLE_KINDS)}, got {self.kind!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"{where}.pooling: expected one of {list(POOLINGS)}, got {self.pooling!r}")
+        if self.sharding is None:
+            object.__setattr__(self, "sharding", "row_wise" if self.kind == "sequence" else "table_wise")
+        if self.sharding not in SHARDING_TYPES:
+            raise ValueError(f"{where}.sharding: expected one of {list(SHARDING_TYPES)}, got {self.sharding!r}")
+        if self.optimizer is not None and not isinstance(self.optimizer, EmbeddingOptimizerConfig):
+            raise ValueError(f"{where}.optimizer: expected an EmbeddingOptimizerConfig, got {self.optimizer!r}")
         object.__setattr__(self, "features", tuple(self.features))
+
+    @classmethod
+    def from_dict(
+        cls, values: Mapping[str, Any], where: str, cardinalities: Optional[Mapping[str, int]] = None
+    ) -> "TableConfig":
+        """Build from a config mapping. ``num_embeddings`` may be left out (or null): it is then
+        the largest cardinality in ``cardinalities`` among the table's features (ids from the
+        data), or 1 when no cardinalities are given (validating the rest before data is read)."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{where}: expected a mapping with name, embedding_dim, features, ..., got {values!r}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+        missing = [k for k in ("name", "embedding_dim", "features") if k not in values]
+        if missing:
+            raise ValueError(f"{where}: missing required key(s) {missing}")
+        values = dict(values)
+        features = values["features"]
+        if isinstance(features, str) or not isinstance(features, (list, tuple)):
+            raise ValueError(f"{where}.features: expected a list of feature names, got {features!r}")
+        for key in ("num_embeddings", "embedding_dim"):
+            value = values.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{where}.{key}: expected an int >= 1, got {value!r}")
+        if values.get("num_embeddings") is None:
+            known_rows = [cardinalities[f] for f in features if cardinalities and f in cardinalities]
+            if cardinalities is not None and not known_rows:
+                raise ValueError(
+                    f"{where}.num_embeddings: not given, and the data has no cardinality for {list(features)} "
+                    f"(it knows {sorted(cardinalities)})"
+                )
+            values["num_embeddings"] = max(known_rows, default=1)
+        if values.get("optimizer") is not None:
+            values["optimizer"] = EmbeddingOptimizerConfig.from_dict(values["optimizer"], f"{where}.optimizer")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from error
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out["features"] = list(self.features)
+        out["optimizer"] = None if self.optimizer is None else self.optimizer.to_dict()
+        return out
 
 
 class SparseEmbeddings(nn.Module):
     """Looks up sequence ids per token and common ids per request.
 
-    ``sequence`` (EmbeddingCollection) and ``common`` (EmbeddingBagCollection) are the
-    modules DistributedModelParallel shards.
+    ``sequence`` (EmbeddingCollection per embedding dim) and ``common``
+    (EmbeddingBagCollection) are the modules DistributedModelParallel shards. Each
+    collection always receives every feature it was built with, in its own order
+    (features absent from a batch get no ids), because a sharded collection fixes its
+    input layout at its first call.
+
+    dedup: look each distinct id of a table up once per batch ("unique before lookup"):
+        the ids of all features reading a table are made unique, looked up, and scattered
+        back, so the kernel's backward accumulates one gradient row per distinct id.
+        Long sequences (and sampled negatives) repeat ids a lot.
+    output_device: where looked-up vectors go (None: where the tables are), e.g. the
+        accelerator running the dense model while the tables live in host memory.
     """
 
-    def __init__(self, tables: Sequence[TableConfig], device: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        device: Optional[str] = None,
+        dedup: bool = False,
+        output_device: Optional[torch.device] = None,
+    ) -> None:
         super().__init__()
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
@@ -63,6 +150,8 @@ class SparseEmbeddings(nn.Module):
             raise ValueError(f"tables: a feature is mapped to two tables: {features}")
         self.tables = {t.name: t for t in tables}
         self.feature_to_table = {f: t for t in tables for f in t.features}
+        self.dedup = dedup
+        self.output_device = output_device
         seq = [t for t in tables if t.kind == "sequence"]
         common = [t for t in tables if t.kind == "common"]
         # TorchRec wants one embedding dim per EmbeddingCollection: one collection per dim.
@@ -85,6 +174,9 @@ class SparseEmbeddings(nn.Module):
                 for dim in sorted({t.embedding_dim for t in seq})
             }
         )
+        self.sequence_features = {
+            name: [f for t in seq if f"dim{t.embedding_dim}" == name for f in t.features] for name in self.sequence
+        }
         self.common = (
             EmbeddingBagCollection(
                 tables=[
@@ -103,6 +195,7 @@ class SparseEmbeddings(nn.Module):
             if common
             else None
         )
+        self.common_features = [f for t in common for f in t.features]
 
     def feature_dim(self, feature: str) -> int:
         return self.feature_to_table[feature].embedding_dim
@@ -110,8 +203,8 @@ class SparseEmbeddings(nn.Module):
     def forward(
         self, sequence_ids: Optional[KeyedJaggedTensor], common_ids: Optional[KeyedJaggedTensor]
     ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
-        """sequence_ids: KJT, stride B, one id per token -> {feature: [T_f, d]};
-        common_ids: KJT, stride B -> {feature: [B, d]} (pooled)."""
+        """sequence_ids: KJT, stride B -> {feature: [N_f, d]}, one row per id of the feature
+        (one per token for token features); common_ids: KJT, stride B -> {feature: [B, d]} (pooled)."""
         seq_out: Dict[str, Tensor] = {}
         common_out: Dict[str, Tensor] = {}
         if sequence_ids is not None:
@@ -121,15 +214,57 @@ class SparseEmbeddings(nn.Module):
                 raise ValueError(f"sequence ids: features {unknown} have no table of kind 'sequence'")
             jagged = sequence_ids.to_dict()
             for name, collection in self.sequence.items():
-                keys = [k for k in sequence_ids.keys() if f"dim{self.feature_dim(k)}" == name]
-                if keys:
-                    group = KeyedJaggedTensor.from_jt_dict({k: jagged[k] for k in keys})
-                    seq_out.update({k: jt.values() for k, jt in collection(group).items()})
+                if any(f in jagged for f in self.sequence_features[name]):
+                    lookup = self._lookup_unique if self.dedup else self._lookup
+                    seq_out.update(lookup(collection, self.sequence_features[name], jagged))
         if common_ids is not None:
-            if self.common is None:
-                raise ValueError(f"common ids {common_ids.keys()} given but no table has kind 'common'")
-            common_out = self.common(common_ids).to_dict()
+            unknown = [k for k in common_ids.keys() if k not in self.common_features]
+            if unknown:
+                raise ValueError(f"common ids: features {unknown} have no table of kind 'common'")
+            jagged = common_ids.to_dict()
+            pooled = self.common(_full_kjt(self.common_features, jagged, common_ids.stride())).to_dict()
+            common_out = {k: pooled[k] for k in common_ids.keys()}
+        if self.output_device is not None:
+            seq_out = {k: v.to(self.output_device, non_blocking=True) for k, v in seq_out.items()}
+            common_out = {k: v.to(self.output_device, non_blocking=True) for k, v in common_out.items()}
         return seq_out, common_out
+
+    @staticmethod
+    def _lookup(collection: nn.Module, features: List[str], jagged: Dict[str, JaggedTensor]) -> Dict[str, Tensor]:
+        stride = next(jagged[f].lengths().numel() for f in features if f in jagged)
+        looked_up = collection(_full_kjt(features, jagged, stride))
+        return {f: looked_up[f].values() for f in features if f in jagged}
+
+    def _lookup_unique(
+        self, collection: nn.Module, features: List[str], jagged: Dict[str, JaggedTensor]
+    ) -> Dict[str, Tensor]:
+        """Per table: unique ids over all its present features -> one lookup -> scatter back."""
+        present = [f for f in features if f in jagged]
+        by_table: Dict[str, List[str]] = {}
+        for f in present:
+            by_table.setdefault(self.feature_to_table[f].name, []).append(f)
+        unique_ids: Dict[str, JaggedTensor] = {}
+        inverse: Dict[str, Tensor] = {}
+        for table, table_features in by_table.items():
+            ids = torch.cat([jagged[f].values() for f in table_features])
+            unique, inverse[table] = torch.unique(ids, return_inverse=True)
+            # One "sample" holding every distinct id, under the table's first feature.
+            carrier = self.tables[table].features[0]
+            unique_ids[carrier] = JaggedTensor(values=unique, lengths=unique.new_tensor([unique.numel()]))
+        looked_up = collection(_full_kjt(features, unique_ids, 1))
+        out: Dict[str, Tensor] = {}
+        for table, table_features in by_table.items():
+            rows = looked_up[self.tables[table].features[0]].values()[inverse[table]]
+            sizes = [jagged[f].values().numel() for f in table_features]
+            out.update(zip(table_features, torch.split(rows, sizes)))
+        return out
+
+
+def _full_kjt(features: List[str], jagged: Dict[str, JaggedTensor], stride: int) -> KeyedJaggedTensor:
+    """A KJT with every feature in ``features`` (that order); features not in ``jagged`` get no ids."""
+    template = next(iter(jagged.values()))
+    empty = JaggedTensor(values=template.values().new_zeros(0), lengths=template.lengths().new_zeros(stride))
+    return KeyedJaggedTensor.from_jt_dict({f: jagged.get(f, empty) for f in features})
 
 
 def _init_fn(table: TableConfig):

@@ -1,20 +1,33 @@
 """One jagged HSTU attention API over several backends.
 
-``pytorch`` is the reference and runs on any device; fast backends are checked
-against it by the conformance tests.
+* ``pytorch``: the padded reference; runs on any device; the ground truth in tests.
+* ``cpu``: length-grouped, chunked, recomputing; the fast path for CPU tensors.
+* ``triton``: fused Triton kernels for CUDA (on CPU tensors under ``TRITON_INTERPRET=1``).
+* ``ascend``: RecSDK's ``torch.ops.mxrec.hstu_jagged`` when installed, else ``ascend_triton``.
+* ``ascend_triton``: the Triton kernels written to triton-ascend's NPU constraints.
+* ``auto``: by the tensors' device (cuda -> triton, npu -> ascend, cpu -> cpu).
+
+Backends load on first use, so a missing triton or NPU package only matters when asked for.
 """
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Callable, Dict, Optional
 
 from torch import Tensor
 
 from gr.hstu.kernels.common import RelativeBias
-from gr.hstu.kernels.pytorch import pytorch_hstu_attention
 
 __all__ = ["RelativeBias", "hstu_attention", "available_backends", "resolve_backend"]
 
-_BACKENDS: Dict[str, Callable[..., Tensor]] = {"pytorch": pytorch_hstu_attention}
+_BACKENDS: Dict[str, str] = {  # name -> "module:function"
+    "pytorch": "gr.hstu.kernels.pytorch:pytorch_hstu_attention",
+    "cpu": "gr.hstu.kernels.cpu:cpu_hstu_attention",
+    "triton": "gr.hstu.kernels.triton_attention:triton_hstu_attention",
+    "ascend": "gr.hstu.kernels.ascend:ascend_hstu_attention",
+    "ascend_triton": "gr.hstu.kernels.ascend_triton:ascend_triton_hstu_attention",
+}
+_AUTO = {"cuda": "triton", "npu": "ascend", "cpu": "cpu"}
 
 
 def available_backends() -> list:
@@ -22,10 +35,23 @@ def available_backends() -> list:
 
 
 def resolve_backend(backend: str, device_type: str) -> str:
-    """Map "auto" to a backend for tensors on ``device_type``."""
+    """Map "auto" to a backend for tensors on ``device_type`` (others: ``pytorch``)."""
     if backend != "auto":
         return backend
-    return "pytorch"
+    return _AUTO.get(device_type, "pytorch")
+
+
+def _load(name: str) -> Callable[..., Tensor]:
+    if name not in _BACKENDS:
+        raise ValueError(f"hstu_attention: unknown backend {name!r}; available: {available_backends()} or 'auto'")
+    module, function = _BACKENDS[name].split(":")
+    try:
+        return getattr(import_module(module), function)
+    except ImportError as err:
+        raise ImportError(
+            f"hstu_attention: backend {name!r} needs a package that is not installed ({err}); "
+            "triton comes with the 'cuda'/'test' extras, triton-ascend and torch-npu with 'ascend'"
+        ) from err
 
 
 def hstu_attention(
@@ -57,9 +83,5 @@ def hstu_attention(
     rab: relative bias parts (``RelativeBias``) or None
     returns: [T, H, Dv]
     """
-    name = resolve_backend(backend, q.device.type)
-    if name not in _BACKENDS:
-        raise ValueError(f"hstu_attention: unknown backend {name!r}; available: {available_backends()}")
-    return _BACKENDS[name](
-        q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab
-    )
+    attention = _load(resolve_backend(backend, q.device.type))
+    return attention(q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab)

@@ -89,3 +89,27 @@ def silu_norm(position: Tensor, silu_scale: Optional[float]) -> Tensor:
     if silu_scale is not None:
         return torch.full_like(position, silu_scale, dtype=torch.float32)
     return 1.0 / (position.to(torch.float32) + 1.0)
+
+
+def time_bucket_thresholds(bucketing: str, num_buckets: int, device: torch.device) -> Tensor:
+    """Where ``time_bucket`` steps up, for kernels that bucket |dt| with their own log/sqrt.
+
+    returns: [num_buckets + 1] float32; entry b (1 <= b < num_buckets) is the smallest float32
+    x >= 1 with ``time_bucket(x) >= b`` (+inf if none), entry 0 is 0 and the last is +inf.
+    ``time_bucket(x)`` is then the number of entries 1..num_buckets-1 that are <= x, so a kernel
+    whose log/sqrt is off by an ulp corrects its estimate by one step against this table and
+    agrees with the reference exactly. Computed on ``device`` with ``time_bucket`` itself.
+    """
+    finite = torch.tensor([1.0, torch.finfo(torch.float32).max], device=device).view(torch.int32).long()
+    targets = torch.arange(1, num_buckets, device=device)
+    lo = torch.full_like(targets, int(finite[0]))
+    hi = torch.full_like(targets, int(finite[1]))
+    for _ in range(32):  # binary search over the ordered bit patterns of positive floats
+        mid = (lo + hi) // 2
+        reached = time_bucket(mid.int().view(torch.float32), bucketing, num_buckets) >= targets
+        hi = torch.where(reached, mid, hi)
+        lo = torch.where(reached, lo, mid + 1)
+    found = lo.int().view(torch.float32)
+    found = torch.where(time_bucket(found, bucketing, num_buckets) >= targets, found, torch.inf)
+    edge = torch.tensor([0.0, torch.inf], device=device)
+    return torch.cat([edge[:1], found, edge[1:]])

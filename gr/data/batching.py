@@ -1,0 +1,260 @@
+"""Cutting splits into ``GRInput`` batches, vectorised with numpy.
+
+A DataLoader here is built with ``batch_size=None`` and a ``BatchPlan`` sampler: the
+sampler yields one ``BatchKey`` (epoch, batch number, sample rows) per batch and the
+split's dataset builds the whole batch at once. Randomness (negative candidates) is
+seeded by (seed, split, epoch, batch number), so batches do not depend on worker count.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+from torchrec import KeyedJaggedTensor
+
+from gr.data.config import TaskConfig
+from gr.data.features import ITEM_ID, SideFeatures
+from gr.data.sampling import UnseenSampler
+from gr.data.sequences import UserSequences, concat_ranges, window_starts
+from gr.jagged import offsets_from_lengths
+from gr.model import GRInput
+
+SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """One batch to build: sample rows of the split, and the (epoch, number) that seed it."""
+
+    epoch: int
+    number: int
+    rows: np.ndarray
+
+
+class BatchPlan(Sampler):
+    """Yields this rank's ``BatchKey``s for one split, one epoch at a time.
+
+    Rows are shuffled from (seed, epoch) when ``shuffle``, dealt round-robin to the
+    ``world_size`` ranks, and each rank's rows are cut into the same number of batches
+    (at most ``batch_size`` rows each), so every rank steps equally often and no row repeats.
+    Lightning calls ``set_epoch`` before each training epoch.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, shuffle: bool, seed: int, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if num_rows < world_size:
+            raise ValueError(f"BatchPlan: {num_rows} samples cannot feed {world_size} ranks")
+        self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return math.ceil(math.ceil(self.num_rows / self.world_size) / self.batch_size)
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
+        else:
+            order = np.arange(self.num_rows)
+        mine = order[self.rank :: self.world_size]
+        for i, rows in enumerate(np.array_split(mine, len(self))):
+            yield BatchKey(self.epoch, i * self.world_size + self.rank, rows)
+
+
+def identity_collate(batch: GRInput) -> GRInput:
+    """DataLoader collate_fn for batches that are already built."""
+    return batch
+
+
+@dataclass
+class Corpus:
+    """What every split's batches are cut from."""
+
+    sequences: UserSequences
+    item_features: SideFeatures
+    user_features: SideFeatures
+    sampler: UnseenSampler
+
+
+def assemble(
+    corpus: Corpus,
+    users: np.ndarray,
+    items: np.ndarray,
+    timestamps: np.ndarray,
+    lengths: np.ndarray,
+    num_targets: Optional[np.ndarray],
+    labels: Dict[str, np.ndarray],
+) -> GRInput:
+    """One jagged batch -> GRInput with every side feature the corpus has.
+
+    users: [B] int64 dense user ids; items: [T] int64 dense item ids per token;
+    timestamps: [T] int64; lengths: [B] tokens per sequence (targets included);
+    num_targets: [B] trailing candidate tokens, or None; labels: {name: array}.
+    """
+    lengths_t = torch.from_numpy(lengths.astype(np.int64))
+    item_features = corpus.item_features
+    sequence_keys = [ITEM_ID, *item_features.categorical]
+    sequence_values = [items, *(column[items] for column in item_features.categorical.values())]
+    user_features = corpus.user_features
+    common_ids = None
+    if user_features.categorical:
+        common_ids = KeyedJaggedTensor(
+            keys=list(user_features.categorical),
+            values=torch.from_numpy(np.concatenate([column[users] for column in user_features.categorical.values()])),
+            lengths=torch.ones(len(users) * len(user_features.categorical), dtype=torch.int64),
+        )
+    return GRInput(
+        seq_offsets=offsets_from_lengths(lengths_t),
+        max_seq_len=int(lengths.max()),
+        timestamps=torch.from_numpy(timestamps.astype(np.int64)),
+        num_targets=None if num_targets is None else torch.from_numpy(num_targets.astype(np.int64)),
+        sequence_ids=KeyedJaggedTensor(
+            keys=sequence_keys,
+            values=torch.from_numpy(np.concatenate(sequence_values).astype(np.int64)),
+            lengths=lengths_t.repeat(len(sequence_keys)),
+        ),
+        token_dense={name: torch.from_numpy(matrix[items]) for name, matrix in item_features.dense.items()},
+        common_ids=common_ids,
+        common_dense={name: torch.from_numpy(matrix[users]) for name, matrix in user_features.dense.items()},
+        labels={"user": torch.from_numpy(users.astype(np.int64)),
+                **{name: torch.from_numpy(value) for name, value in labels.items()}},
+    )
+
+
+class SplitBatches(Dataset):
+    """A split's samples; ``dataset[BatchKey]`` is the built batch of the key's rows."""
+
+    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int) -> None:
+        self.corpus, self.split, self.max_seq_len, self.seed = corpus, split, max_seq_len, seed
+
+    def __len__(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __getitem__(self, key: BatchKey) -> GRInput:
+        rng = np.random.default_rng([self.seed, SPLIT_CODES[self.split], key.epoch, key.number])
+        return self.build(np.asarray(key.rows, dtype=np.int64), rng)
+
+
+class RetrievalTrainBatches(SplitBatches):
+    """Autoregressive next-item samples: one per user with >= 2 training events.
+
+    Input: the most recent ``max_seq_len + 1`` training events minus the last;
+    ``labels["next_item"]``: [T] the event after each token.
+    """
+
+    def __init__(self, corpus: Corpus, max_seq_len: int, seed: int) -> None:
+        super().__init__(corpus, "train", max_seq_len, seed)
+        seqs = corpus.sequences
+        self.users = np.flatnonzero(seqs.train_ends() - seqs.starts >= 2)
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
+        seqs = self.corpus.sequences
+        users = self.users[rows]
+        last = seqs.train_ends()[users] - 1  # the last training event is only a label
+        starts = window_starts(seqs.starts[users], last, self.max_seq_len)
+        lengths = last - starts
+        index = concat_ranges(starts, lengths)
+        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], lengths, None,
+                        {"next_item": seqs.items[index + 1]})
+
+
+class RetrievalEvalBatches(SplitBatches):
+    """One sample per user: the history before the held-out event (most recent ``max_seq_len``).
+
+    labels: ``target_item`` [B]; ``exclude_offsets`` [B+1] and ``exclude_items`` [E]: the
+    distinct items not to rank (the whole history before the target, or only the input
+    window when ``exclude == "window"``), never the target itself.
+    """
+
+    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, exclude: str) -> None:
+        super().__init__(corpus, split, max_seq_len, seed)
+        self.exclude = exclude
+
+    def __len__(self) -> int:
+        return self.corpus.sequences.num_users
+
+    def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
+        seqs = self.corpus.sequences
+        users = rows
+        targets = seqs.targets(self.split)[users]
+        starts = window_starts(seqs.starts[users], targets, self.max_seq_len)
+        lengths = targets - starts
+        index = concat_ranges(starts, lengths)
+        target_items = seqs.items[targets]
+        exclude_starts = starts if self.exclude == "window" else seqs.starts[users]
+        exclude_lengths = targets - exclude_starts
+        owner = np.repeat(np.arange(len(users)), exclude_lengths)
+        excluded = seqs.items[concat_ranges(exclude_starts, exclude_lengths)]
+        keys = np.unique(owner * seqs.num_items + excluded)
+        keys = keys[keys % seqs.num_items != target_items[keys // seqs.num_items]]
+        exclude_offsets = np.concatenate([[0], np.cumsum(np.bincount(keys // seqs.num_items, minlength=len(users)))])
+        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], lengths, None, {
+            "target_item": target_items,
+            "exclude_offsets": exclude_offsets.astype(np.int64),
+            "exclude_items": keys % seqs.num_items,
+        })
+
+
+class RankingBatches(SplitBatches):
+    """Target-aware samples: a history + candidate tokens (real next events, then sampled items).
+
+    Each row is (user, cut): the history is the most recent ``max_seq_len`` events before
+    the cut, the candidates the ``positives`` events from the cut on plus ``negatives``
+    unseen items, all stamped with the cut event's time. Labels per candidate, one per
+    task: real event vs sampled (no ``min_rating``) or real event rated >= ``min_rating``.
+    ``negative_table`` [rows, negatives] fixes the negatives (evaluation); None draws them per batch.
+    """
+
+    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, row_users: np.ndarray,
+                 cuts: np.ndarray, positives: int, negatives: int, tasks: Sequence[TaskConfig],
+                 negative_table: Optional[np.ndarray] = None) -> None:
+        super().__init__(corpus, split, max_seq_len, seed)
+        self.row_users, self.cuts = row_users, cuts
+        self.positives, self.negatives, self.tasks = positives, negatives, tuple(tasks)
+        self.negative_table = negative_table
+
+    def __len__(self) -> int:
+        return len(self.row_users)
+
+    def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
+        seqs = self.corpus.sequences
+        users, cuts = self.row_users[rows], self.cuts[rows]
+        starts = window_starts(seqs.starts[users], cuts, self.max_seq_len)
+        history = cuts - starts
+        positive_rows = cuts[:, None] + np.arange(self.positives)  # [R, P]
+        if self.negative_table is not None:
+            negatives = self.negative_table[rows].astype(np.int64)
+        else:
+            negatives = self.corpus.sampler.sample(users, self.negatives, rng)
+        candidates = np.concatenate([seqs.items[positive_rows], negatives], axis=1)  # [R, P + N]
+        num_candidates = candidates.shape[1]
+        lengths = history + num_candidates
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        history_slots = concat_ranges(offsets[:-1], history)
+        candidate_slots = concat_ranges(offsets[:-1] + history, np.full(len(rows), num_candidates))
+        history_rows = concat_ranges(starts, history)
+        items = np.empty(int(offsets[-1]), dtype=np.int64)
+        times = np.empty(int(offsets[-1]), dtype=np.int64)
+        items[history_slots], items[candidate_slots] = seqs.items[history_rows], candidates.ravel()
+        times[history_slots] = seqs.timestamps[history_rows]
+        times[candidate_slots] = np.repeat(seqs.timestamps[cuts], num_candidates)
+        labels = {}
+        for task in self.tasks:
+            real = (np.ones_like(positive_rows, dtype=bool) if task.min_rating is None
+                    else seqs.ratings[positive_rows] >= task.min_rating)
+            labels[task.name] = np.concatenate([real, np.zeros_like(negatives, dtype=bool)], 1).ravel()
+            labels[task.name] = labels[task.name].astype(np.float32)
+        return assemble(self.corpus, users, items, times, lengths, np.full(len(rows), num_candidates), labels)

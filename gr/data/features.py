@@ -1,0 +1,70 @@
+"""Side features aligned with dense user/item ids, and the FeatureSpec a model is built from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from gr.data.interactions import SideTable
+from gr.data.mappings import IdMap
+
+ITEM_ID = "item_id"
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What the batches carry, with cardinalities (ids are dense, 0-based, < cardinality).
+
+    sequence: {feature: cardinality}, one id per token (always has "item_id")
+    common: {feature: cardinality}, one id per sequence (user attributes)
+    token_dense: {name: dim}, [T, dim] float per token
+    common_dense: {name: dim}, [B, dim] float per sequence
+    """
+
+    sequence: Dict[str, int]
+    common: Dict[str, int] = field(default_factory=dict)
+    token_dense: Dict[str, int] = field(default_factory=dict)
+    common_dense: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SideFeatures:
+    """Side features looked up by dense id. Categorical values are dense ids with 0 = unknown.
+
+    categorical: {feature: [num_ids] int64}
+    dense: {feature: [num_ids, d] float32} (zeros when unknown)
+    vocabularies: {feature: IdMap (offset 1)} raw value <-> dense id
+    dense_columns: {feature: column names}
+    """
+
+    categorical: Dict[str, np.ndarray] = field(default_factory=dict)
+    dense: Dict[str, np.ndarray] = field(default_factory=dict)
+    vocabularies: Dict[str, IdMap] = field(default_factory=dict)
+    dense_columns: Dict[str, List[str]] = field(default_factory=dict)
+
+    @classmethod
+    def align(cls, table: Optional[SideTable], ids: IdMap) -> "SideFeatures":
+        """Reorder ``table`` (rows keyed by raw id) to dense ids; ids the table lacks get 0/zeros."""
+        if table is None:
+            return cls()
+        dense_ids = ids.encode(table.keys, unknown=-1)
+        known = dense_ids >= 0
+        out = cls(dense_columns=dict(table.dense_columns))
+        for name, values in table.categorical.items():
+            vocabulary = IdMap.of(values, offset=1)
+            column = np.zeros(ids.cardinality, dtype=np.int64)
+            column[dense_ids[known]] = vocabulary.encode(values[known])
+            out.categorical[name], out.vocabularies[name] = column, vocabulary
+        for name, values in table.dense.items():
+            matrix = np.zeros((ids.cardinality, values.shape[1]), dtype=np.float32)
+            matrix[dense_ids[known]] = values[known]
+            out.dense[name] = matrix
+            out.dense_columns.setdefault(name, [f"{name}_{i}" for i in range(values.shape[1])])
+        return out
+
+    def cardinalities(self) -> Dict[str, int]:
+        return {name: vocabulary.cardinality for name, vocabulary in self.vocabularies.items()}
+
+    def dims(self) -> Dict[str, int]:
+        return {name: matrix.shape[1] for name, matrix in self.dense.items()}

@@ -1,0 +1,66 @@
+"""What every reader returns: raw interaction events plus optional user/item side tables."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+
+
+class DataFormatError(ValueError):
+    """Bad input data. The message starts with ``file:line:`` (or ``file:`` when no line applies)."""
+
+    def __init__(self, file: object, message: str, line: Optional[int] = None) -> None:
+        self.file = str(file)
+        self.line = line
+        super().__init__(f"{self.file}:{line}: {message}" if line is not None else f"{self.file}: {message}")
+
+
+@dataclass
+class SideTable:
+    """Side features of users (or items): one row per described raw id.
+
+    keys: [M] raw ids (int64 or str)
+    categorical: {feature: [M] raw values (int64 or str)}
+    dense: {feature: [M, d] float32}, e.g. multi-hot genres
+    dense_columns: {feature: the d column names}, e.g. the genre names
+    """
+
+    keys: np.ndarray
+    categorical: Dict[str, np.ndarray] = field(default_factory=dict)
+    dense: Dict[str, np.ndarray] = field(default_factory=dict)
+    dense_columns: Dict[str, List[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rows = len(self.keys)
+        bad = [n for n, v in {**self.categorical, **self.dense}.items() if len(v) != rows]
+        if bad:
+            raise ValueError(f"SideTable: features {bad} do not have one row per key ({rows})")
+
+
+@dataclass
+class Interactions:
+    """Raw events in file order (one row per user-item action).
+
+    users: [N] raw user ids (int64 or str)
+    items: [N] raw item ids (int64 or str)
+    timestamps: [N] int64 seconds
+    ratings: [N] float32, or None when the source has none
+    source: the file (or generator) it came from, for error messages
+    """
+
+    users: np.ndarray
+    items: np.ndarray
+    timestamps: np.ndarray
+    ratings: Optional[np.ndarray] = None
+    user_side: Optional[SideTable] = None
+    item_side: Optional[SideTable] = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.users)
+        lengths = [len(self.items), len(self.timestamps)] + ([len(self.ratings)] if self.ratings is not None else [])
+        if any(length != n for length in lengths):
+            raise ValueError(f"Interactions from {self.source}: columns have different lengths {[n, *lengths]}")
+        if n == 0:
+            raise DataFormatError(self.source, "no interactions (empty dataset)")

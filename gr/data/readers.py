@@ -1,0 +1,388 @@
+"""Readers for public interaction formats: one function per format, plus a registry.
+
+Files are parsed with pyarrow's vectorised CSV reader. When the fast parse fails (or
+leaves nulls / non-finite numbers), the file is scanned line by line to name the first
+bad line, so every data error reads ``file:line: what was expected``.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from gr.data.config import ColumnConfig, DataConfig
+from gr.data.interactions import DataFormatError, Interactions, SideTable
+from gr.data.synthetic import generate_synthetic
+
+log = logging.getLogger(__name__)
+
+ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string()}
+EXPECTED = {"int": "an integer", "float": "a number", "str": "a non-empty value"}
+INT_PATTERN = re.compile(r"-?\d+")
+CANONICAL_INT = r"^-?(0|[1-9][0-9]*)$"
+ML_AGE_BUCKETS = (1, 18, 25, 35, 45, 50, 56)  # MovieLens-1M age codes: under 18, 18-24, ..., 56+
+RATING_KINDS = ("int", "int", "float", "int")
+
+
+def _require_file(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing file ({what})")
+    return path
+
+
+def read_delimited(
+    path: Path,
+    columns: Sequence[Tuple[str, str]],
+    delimiter: str,
+    header: str = "none",
+    encoding: str = "utf8",
+    quoted: bool = False,
+) -> Dict[str, np.ndarray]:
+    """Parse a delimited text file into {column: [N] array}.
+
+    columns: (name, kind) with kind "int" | "float" | "str" | "skip". With header "none"
+    they are the file's fields in order; "expect": the first line must list exactly
+    these names; "select": the first line names the columns and these are picked by name.
+    delimiter: one character, or "::" (MovieLens-1M).
+    """
+    wanted = {name: kind for name, kind in columns if kind != "skip"}
+    names = [name for name, _ in columns]
+    first = _first_line(path, encoding)
+    if first is None:
+        raise DataFormatError(path, "empty file (empty dataset)")
+    source: object = str(path)
+    text_delimiter = delimiter
+    if delimiter == "::":
+        source, text_delimiter = io.BytesIO(path.read_bytes().replace(b"::", b"\x1f")), "\x1f"
+    if header != "none":
+        _check_header(path, first, names, delimiter, header, quoted)
+    read = pacsv.ReadOptions(column_names=None if header != "none" else names, encoding=encoding,
+                             autogenerate_column_names=False)
+    parse = pacsv.ParseOptions(delimiter=text_delimiter, quote_char='"' if quoted else False)
+    convert = pacsv.ConvertOptions(column_types={n: ARROW_TYPES[k] for n, k in wanted.items()},
+                                   include_columns=list(wanted), strings_can_be_null=True)
+    try:
+        table = pacsv.read_csv(source, read, parse, convert)
+        clean = all(table[n].null_count == 0 for n in wanted) and all(
+            _all_finite(table[n]) for n, k in wanted.items() if k == "float")
+        arrow_error = "null or non-finite values"
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        clean, arrow_error = False, str(error).splitlines()[0]
+    if not clean:
+        bad = _first_bad_line(path, columns, delimiter, header, encoding, quoted)
+        if bad is None:
+            raise DataFormatError(path, f"could not be parsed ({arrow_error})")
+        raise DataFormatError(path, bad[1], line=bad[0])
+    if table.num_rows == 0:
+        raise DataFormatError(path, "no data rows (empty dataset)")
+    return {n: _to_numpy(table[n], k) for n, k in wanted.items()}
+
+
+def _all_finite(column: pa.ChunkedArray) -> bool:
+    return bool(np.isfinite(column.to_numpy()).all())
+
+
+def _to_numpy(column: pa.ChunkedArray, kind: str) -> np.ndarray:
+    if kind == "str":
+        return column.to_numpy(zero_copy_only=False).astype(str)
+    return column.to_numpy()
+
+
+def _decoded_lines(path: Path, encoding: str, delimiter: str) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                text = line.decode(encoding)
+            except UnicodeDecodeError as error:
+                raise DataFormatError(path, f"not valid {encoding} text ({error.reason})", line=number) from None
+            yield text.replace("::", "\x1f") if delimiter == "::" else text
+
+
+def _records(path: Path, delimiter: str, encoding: str, quoted: bool) -> Iterator[Tuple[int, List[str]]]:
+    """(line number, fields) of every non-blank record."""
+    reader = csv.reader(
+        _decoded_lines(path, encoding, delimiter),
+        delimiter="\x1f" if delimiter == "::" else delimiter,
+        quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE,
+        strict=quoted,
+    )
+    start = 1
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:
+            raise DataFormatError(path, f"malformed quoting ({error})", line=reader.line_num) from None
+        if fields:
+            yield start, [f.rstrip("\r\n") for f in fields]
+        start = reader.line_num + 1
+
+
+def _first_line(path: Path, encoding: str) -> Optional[str]:
+    """The first non-blank line (without its line break), or None for a blank file."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                return line.decode(encoding, errors="replace").rstrip("\r\n")
+    return None
+
+
+def _check_header(path: Path, first: str, names: Sequence[str], delimiter: str, header: str, quoted: bool) -> None:
+    found = next(csv.reader([first], delimiter=delimiter, quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE))
+    if header == "expect" and found != list(names):
+        raise DataFormatError(path, f"expected the header {delimiter.join(names)!r}, got {first!r}", line=1)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise DataFormatError(path, f"the header lacks column(s) {missing}; it has {found}", line=1)
+
+
+def _first_bad_line(
+    path: Path, columns: Sequence[Tuple[str, str]], delimiter: str, header: str, encoding: str, quoted: bool
+) -> Optional[Tuple[int, str]]:
+    """(line number, what is wrong) of the first malformed record, or None."""
+    names = [name for name, _ in columns]
+    positions = {name: i for i, name in enumerate(names)}
+    expected_fields = len(names)
+    shown = "::" if delimiter == "::" else repr(delimiter)
+    records = _records(path, delimiter, encoding, quoted)
+    if header != "none":
+        _, fields = next(records)
+        positions = {name: fields.index(name) for name in names}
+        expected_fields = len(fields)
+    for line, fields in records:
+        if len(fields) != expected_fields:
+            layout = delimiter.join(names) if header == "none" else f"{expected_fields} columns"
+            return line, f"expected {expected_fields} fields separated by {shown} ({layout}), got {len(fields)}"
+        for name, kind in columns:
+            value = fields[positions[name]]
+            if kind != "skip" and not _valid(value, kind):
+                return line, f"column {name!r}: expected {EXPECTED[kind]}, got {value!r}"
+    return None
+
+
+def _valid(value: str, kind: str) -> bool:
+    if kind == "int":
+        return INT_PATTERN.fullmatch(value) is not None
+    if kind == "float":
+        try:
+            return math.isfinite(float(value))
+        except ValueError:
+            return False
+    return value != ""
+
+
+# ---- MovieLens -------------------------------------------------------------------------
+
+
+def _multi_hot(labels: np.ndarray) -> Tuple[np.ndarray, List[str]]:
+    """labels: [M] "A|B|C" strings -> ([M, V] float32 multi-hot, the V sorted names)."""
+    lists = pc.split_pattern(pa.array(labels, pa.string()), "|")
+    flat = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(str)
+    rows = pc.list_parent_indices(lists).to_numpy()
+    vocabulary, codes = np.unique(flat, return_inverse=True)
+    matrix = np.zeros((len(labels), len(vocabulary)), dtype=np.float32)
+    matrix[rows, codes] = 1.0
+    return matrix, vocabulary.tolist()
+
+
+def _ratings(path: Path, columns: Dict[str, np.ndarray]) -> Interactions:
+    return Interactions(columns["user"], columns["item"], columns["timestamp"],
+                        columns["rating"].astype(np.float32), source=str(path))
+
+
+def _optional(path: Path, wanted: bool, name: str) -> bool:
+    if wanted and not path.is_file():
+        log.info("%s: not found, no %s side features", path, name)
+    return wanted and path.is_file()
+
+
+def read_ml_100k(directory: str, item_features: bool = True, user_features: bool = True) -> Interactions:
+    """MovieLens-100K: ``u.data`` (tab: user item rating timestamp), optional ``u.item``
+    (``id|title|release|video release|url|19 genre flags``, latin-1) and ``u.user``
+    (``id|age|gender|occupation|zip``). Side features: item_genres [19] multi-hot;
+    user_age (bucketed like ML-1M), user_gender, user_occupation."""
+    root = Path(directory)
+    ratings_file = _require_file(root / "u.data", "MovieLens-100K ratings: user<TAB>item<TAB>rating<TAB>timestamp")
+    data = _ratings(ratings_file, read_delimited(
+        ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "\t"))
+    if _optional(root / "u.item", item_features, "item"):
+        genres = _ml_100k_genres(root / "u.genre")
+        flags = [f"genre_{i}" for i in range(len(genres))]
+        layout = [("item", "int"), ("title", "skip"), ("release_date", "skip"), ("video_release_date", "skip"),
+                  ("imdb_url", "skip"), *((f, "int") for f in flags)]
+        items = read_delimited(root / "u.item", layout, "|", encoding="latin-1")
+        matrix = np.stack([items[f] for f in flags], axis=1).astype(np.float32)
+        data.item_side = SideTable(items["item"], dense={"item_genres": matrix},
+                                   dense_columns={"item_genres": genres})
+    if _optional(root / "u.user", user_features, "user"):
+        layout = [("user", "int"), ("age", "int"), ("gender", "str"), ("occupation", "str"), ("zip", "skip")]
+        users = read_delimited(root / "u.user", layout, "|")
+        buckets = np.asarray(ML_AGE_BUCKETS)[np.digitize(users["age"], ML_AGE_BUCKETS[1:])]
+        data.user_side = SideTable(users["user"], categorical={
+            "user_age": buckets, "user_gender": users["gender"], "user_occupation": users["occupation"]})
+    return data
+
+
+def _ml_100k_genres(path: Path) -> List[str]:
+    """Genre names from ``u.genre`` (``name|index``), or the 19 standard names' positions."""
+    if not path.is_file():
+        return [f"genre_{i}" for i in range(19)]
+    columns = read_delimited(path, [("name", "str"), ("index", "int")], "|", encoding="latin-1")
+    return [str(n) for n in columns["name"][np.argsort(columns["index"], kind="stable")]]
+
+
+def read_ml_1m(directory: str, item_features: bool = True, user_features: bool = True) -> Interactions:
+    """MovieLens-1M: ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``), optional
+    ``movies.dat`` (``MovieID::Title::Genres``, genres pipe-separated, latin-1) and
+    ``users.dat`` (``UserID::Gender::Age::Occupation::Zip-code``)."""
+    root = Path(directory)
+    ratings_file = _require_file(root / "ratings.dat", "MovieLens-1M ratings: UserID::MovieID::Rating::Timestamp")
+    data = _ratings(ratings_file, read_delimited(
+        ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "::"))
+    if _optional(root / "movies.dat", item_features, "item"):
+        movies = read_delimited(root / "movies.dat", [("item", "int"), ("title", "skip"), ("genres", "str")], "::",
+                                encoding="latin-1")
+        matrix, names = _multi_hot(movies["genres"])
+        data.item_side = SideTable(movies["item"], dense={"item_genres": matrix}, dense_columns={"item_genres": names})
+    if _optional(root / "users.dat", user_features, "user"):
+        layout = [("user", "int"), ("gender", "str"), ("age", "int"), ("occupation", "int"), ("zip", "skip")]
+        users = read_delimited(root / "users.dat", layout, "::")
+        data.user_side = SideTable(users["user"], categorical={
+            "user_age": users["age"], "user_gender": users["gender"], "user_occupation": users["occupation"]})
+    return data
+
+
+def read_ml_20m(directory: str, item_features: bool = True, user_features: bool = True) -> Interactions:
+    """MovieLens-20M: ``ratings.csv`` with header ``userId,movieId,rating,timestamp`` (ratings
+    like 3.5), optional ``movies.csv`` (``movieId,title,genres``, quoted titles). No user file."""
+    root = Path(directory)
+    ratings_file = _require_file(root / "ratings.csv", "MovieLens-20M ratings: userId,movieId,rating,timestamp")
+    columns = read_delimited(ratings_file, list(zip(("userId", "movieId", "rating", "timestamp"), RATING_KINDS)), ",",
+                             header="expect")
+    data = Interactions(columns["userId"], columns["movieId"], columns["timestamp"],
+                        columns["rating"].astype(np.float32), source=str(ratings_file))
+    if _optional(root / "movies.csv", item_features, "item"):
+        movies = read_delimited(root / "movies.csv", [("movieId", "int"), ("title", "skip"), ("genres", "str")], ",",
+                                header="expect", quoted=True)
+        matrix, names = _multi_hot(movies["genres"])
+        data.item_side = SideTable(movies["movieId"], dense={"item_genres": matrix},
+                                   dense_columns={"item_genres": names})
+    return data
+
+
+def read_amazon(path: str) -> Interactions:
+    """Amazon reviews ``ratings_<Category>.csv``: no header, ``user,item,rating,timestamp``
+    with string ids (e.g. ``A1B2C3``, ``0123456789``; leading zeros kept)."""
+    file = _require_file(Path(path), "Amazon ratings: user,item,rating,timestamp without header")
+    columns = read_delimited(file, list(zip(("user", "item", "rating", "timestamp"), ("str", "str", "float", "int"))),
+                             ",")
+    return _ratings(file, columns)
+
+
+# ---- generic tables ----------------------------------------------------------------------
+
+
+def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
+    """A CSV with a header; ``columns`` names the user, item, timestamp (seconds) and optional
+    rating and categorical side-feature columns. Ids that are all canonical integers become int64."""
+    file = _require_file(Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, "
+                                     f"{columns.timestamp!r}")
+    layout = [(columns.user, "str"), (columns.item, "str"), (columns.timestamp, "float"),
+              *([(columns.rating, "float")] if columns.rating else []),
+              *((c, "str") for c in (*columns.user_features, *columns.item_features))]
+    values = read_delimited(file, layout, columns.delimiter, header="select", quoted=True)
+    return _table_interactions(file, values, columns)
+
+
+def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
+    """A Parquet file with the columns ``columns`` names (timestamp: numeric seconds or a timestamp type)."""
+    file = _require_file(Path(path), "Parquet file")
+    try:
+        schema = pq.read_schema(file)
+        wanted = [columns.user, columns.item, columns.timestamp, *([columns.rating] if columns.rating else []),
+                  *columns.user_features, *columns.item_features]
+        missing = [c for c in wanted if c not in schema.names]
+        if missing:
+            raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
+        table = pq.read_table(file, columns=wanted)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
+    if table.num_rows == 0:
+        raise DataFormatError(file, "no data rows (empty dataset)")
+    values: Dict[str, np.ndarray] = {}
+    for name in wanted:
+        column = table[name]
+        if column.null_count:
+            row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DataFormatError(file, f"row {row + 1}: column {name!r} is null")
+        values[name] = _parquet_column(file, name, column, numeric=name in (columns.timestamp, columns.rating))
+    return _table_interactions(file, values, columns)
+
+
+def _parquet_column(file: Path, name: str, column: pa.ChunkedArray, numeric: bool) -> np.ndarray:
+    kind = column.type
+    if pa.types.is_timestamp(kind) and numeric:
+        return pc.cast(pc.cast(column, pa.timestamp("s")), pa.int64()).to_numpy().astype(np.float64)
+    if numeric:
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+            raise DataFormatError(file, f"column {name!r}: expected numbers, got type {kind}")
+        array = column.to_numpy().astype(np.float64)
+        if not np.isfinite(array).all():
+            row = int(np.flatnonzero(~np.isfinite(array))[0])
+            raise DataFormatError(file, f"row {row + 1}: column {name!r} is not finite")
+        return array
+    return pc.cast(column, pa.string()).to_numpy(zero_copy_only=False).astype(str)
+
+
+def _as_ids(values: np.ndarray) -> np.ndarray:
+    """String ids that are all canonical integers -> int64 (so they sort numerically); else unchanged."""
+    if bool(pc.all(pc.match_substring_regex(pa.array(values, pa.string()), CANONICAL_INT)).as_py()):
+        return values.astype(np.int64)
+    return values
+
+
+def _last_value_table(keys: np.ndarray, features: Mapping[str, np.ndarray]) -> SideTable:
+    """One row per distinct key holding each feature's value at the key's last row."""
+    unique, first_in_reversed = np.unique(keys[::-1], return_index=True)
+    last = len(keys) - 1 - first_in_reversed
+    return SideTable(unique, categorical={name: values[last] for name, values in features.items()})
+
+
+def _table_interactions(file: Path, values: Dict[str, np.ndarray], columns: ColumnConfig) -> Interactions:
+    users, items = _as_ids(values[columns.user]), _as_ids(values[columns.item])
+    data = Interactions(users, items, np.floor(values[columns.timestamp]).astype(np.int64),
+                        values[columns.rating].astype(np.float32) if columns.rating else None, source=str(file))
+    if columns.user_features:
+        data.user_side = _last_value_table(users, {c: values[c] for c in columns.user_features})
+    if columns.item_features:
+        data.item_side = _last_value_table(items, {c: values[c] for c in columns.item_features})
+    return data
+
+
+# ---- registry ------------------------------------------------------------------------------
+
+READERS: Dict[str, Callable[[DataConfig], Interactions]] = {
+    "synthetic": lambda c: generate_synthetic(c.synthetic, c.seed),
+    "ml-100k": lambda c: read_ml_100k(c.path, c.item_features, c.user_features),
+    "ml-1m": lambda c: read_ml_1m(c.path, c.item_features, c.user_features),
+    "ml-20m": lambda c: read_ml_20m(c.path, c.item_features, c.user_features),
+    "amazon": lambda c: read_amazon(c.path),
+    "csv": lambda c: read_table_csv(c.path, c.columns),
+    "parquet": lambda c: read_table_parquet(c.path, c.columns),
+}
+
+
+def read_source(config: DataConfig) -> Interactions:
+    """The interactions ``config.source`` names (read from ``config.path``, or generated)."""
+    return READERS[config.source](config)

@@ -1,0 +1,116 @@
+"""Per-user time-ordered sequences with dense ids, and the leave-one-out split over them.
+
+Leave-one-out, for a user with n >= 3 events at flat rows ``s .. s+n-1``: the last event
+(``s+n-1``) is the test target, the second-to-last (``s+n-2``) the validation target,
+rows ``s .. s+n-3`` the training part. A target's history is every earlier event.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from gr.data.interactions import DataFormatError, Interactions
+from gr.data.mappings import IdMap
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+HELD_OUT = {"val": 2, "test": 1}  # the target of a split is the n-th event from the end
+
+
+@dataclass
+class UserSequences:
+    """Every kept user's events, user by user, each user's in time order.
+
+    offsets: [U+1] int64; user u (dense id) owns rows ``offsets[u]:offsets[u+1]``
+    items: [N] int64 dense item ids in [0, num_items)
+    timestamps: [N] int64 seconds, non-decreasing within a user
+    ratings: [N] float32, or None
+    """
+
+    offsets: np.ndarray
+    items: np.ndarray
+    timestamps: np.ndarray
+    ratings: Optional[np.ndarray]
+    num_items: int
+
+    @property
+    def num_users(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.offsets[:-1]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def train_ends(self) -> np.ndarray:
+        """[U] flat row one past each user's training part."""
+        return self.offsets[1:] - HELD_OUT["val"]
+
+    def targets(self, split: str) -> np.ndarray:
+        """[U] flat row of each user's held-out event for split "val" or "test"."""
+        if split not in HELD_OUT:
+            raise ValueError(f"split: expected one of {list(HELD_OUT)}, got {split!r}")
+        return self.offsets[1:] - HELD_OUT[split]
+
+
+def build_sequences(
+    data: Interactions, min_seq_len: int = 3, min_item_interactions: int = 1
+) -> Tuple[UserSequences, IdMap, IdMap]:
+    """Filter, remap and sort events -> (sequences, user map, item map).
+
+    Items with fewer than ``min_item_interactions`` events are dropped first, then users
+    with fewer than ``min_seq_len`` (logged). Dense ids follow sorted raw ids. Events are
+    sorted stably by (user, timestamp, original order).
+    """
+    keep = np.ones(len(data.users), dtype=bool)
+    if min_item_interactions > 1:
+        _, item_codes, item_counts = np.unique(data.items, return_inverse=True, return_counts=True)
+        keep = item_counts[item_codes] >= min_item_interactions
+        log.info("%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
+                 data.source, int((item_counts < min_item_interactions).sum()), len(item_counts),
+                 min_item_interactions)
+    user_raw, user_codes, user_counts = np.unique(data.users[keep], return_inverse=True, return_counts=True)
+    long_enough = user_counts >= min_seq_len
+    dropped = int((~long_enough).sum())
+    if dropped:
+        log.info("%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len)",
+                 data.source, dropped, len(user_raw), min_seq_len)
+    if not long_enough.any():
+        raise DataFormatError(data.source, f"no user has at least {min_seq_len} interactions "
+                                           "(data.min_seq_len): the dataset is empty after filtering")
+    rows = np.flatnonzero(keep)[long_enough[user_codes]]
+    users = IdMap(user_raw[long_enough])
+    user_dense = (np.cumsum(long_enough) - 1)[user_codes[long_enough[user_codes]]]
+    items = IdMap.of(data.items[rows])
+    item_dense = items.encode(data.items[rows])
+    timestamps = data.timestamps[rows].astype(np.int64)
+    order = np.lexsort((np.arange(len(rows)), timestamps, user_dense))
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(user_dense, minlength=len(users.raw)))]).astype(np.int64)
+    sequences = UserSequences(
+        offsets=offsets,
+        items=item_dense[order],
+        timestamps=timestamps[order],
+        ratings=None if data.ratings is None else data.ratings[rows][order].astype(np.float32),
+        num_items=len(items.raw),
+    )
+    return sequences, users, items
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[sum(lengths)] int64: ``starts[0] .. starts[0]+lengths[0]-1``, then the next range..."""
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    out_starts = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
+
+
+def window_starts(begins: np.ndarray, ends: np.ndarray, max_len: int) -> np.ndarray:
+    """[R] start of the most recent ``max_len`` rows of each range ``begins[r]:ends[r]``."""
+    return np.maximum(begins, ends - max_len)

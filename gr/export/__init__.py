@@ -1,0 +1,29 @@
+"""Sliced export of a trained model (DESIGN §5): write, validate and read export directories.
+
+``export_model``/``export_run`` (the writer) import the training code; everything else
+(``check_export``, ``open_export``, ``load_hstu``) does not, so serving can import it.
+Names load lazily for that reason.
+"""
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "export_model": "gr.export.writer",
+    "export_run": "gr.export.writer",
+    "check_export": "gr.export.reader",
+    "open_export": "gr.export.reader",
+    "load_hstu": "gr.export.reader",
+    "read_hstu_config": "gr.export.reader",
+    "ExportManifest": "gr.export.reader",
+    "ExportError": "gr.export.format",
+    "ExportFormatError": "gr.export.format",
+    "Problem": "gr.export.format",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gr.export' has no attribute {name!r}")

@@ -1,0 +1,263 @@
+"""Read and validate an export directory; rebuild the HSTU slice from its files alone.
+
+Imports no training code (no torchrec, lightning, gr.model/train/data): the serving
+runtime loads exports through this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import onnx
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from gr.export.format import (
+    BAG,
+    BATCH,
+    HSTU_CONFIG,
+    HSTU_INPUT,
+    HSTU_OUTPUT,
+    HSTU_SLICE,
+    HSTU_WEIGHTS,
+    NUM_TARGETS,
+    POSTFIX,
+    POSTFIX_ONNX,
+    PREFIX,
+    PREFIX_ONNX,
+    SEQ_OFFSETS,
+    SLICE_GRAPH,
+    SPARSE,
+    SPARSE_DIR,
+    SPARSE_INI,
+    TABLE_TENSOR,
+    TARGETS,
+    TIMESTAMPS,
+    TOKENS,
+    ExportFormatError,
+    Problem,
+    hstu_config_from_ini,
+    hstu_tensor_shapes,
+    read_ini,
+)
+from gr.export.slice_graph import SliceGraph, SliceSpec
+from gr.export.sparse_manifest import SparseManifest
+from gr.hstu import HSTU, HSTUConfig
+
+SLICE_FILES = {SPARSE: (SPARSE_INI,), PREFIX: (PREFIX_ONNX,), HSTU_SLICE: (HSTU_CONFIG, HSTU_WEIGHTS), POSTFIX: (POSTFIX_ONNX,)}
+HSTU_INPUTS = (HSTU_INPUT, TIMESTAMPS, SEQ_OFFSETS, NUM_TARGETS)
+ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
+SAFETENSORS_DTYPE = "F32"
+
+
+@dataclass(frozen=True)
+class ExportManifest:
+    """A validated export: its directory and parsed manifests."""
+
+    root: Path
+    graph: SliceGraph
+    sparse: SparseManifest
+    hstu_config: HSTUConfig
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+
+def check_export(export_dir: Union[str, Path]) -> List[Problem]:
+    """Every problem found in the export's files and cross-references (empty when it is valid)."""
+    return _inspect(Path(export_dir))[1]
+
+
+def open_export(export_dir: Union[str, Path]) -> ExportManifest:
+    """Validate and parse an export; raises ``ExportFormatError`` listing every problem."""
+    manifest, problems = _inspect(Path(export_dir))
+    if problems or manifest is None:
+        raise ExportFormatError(problems)
+    return manifest
+
+
+def read_hstu_config(export_dir: Union[str, Path]) -> HSTUConfig:
+    """``hstu/config.ini`` -> HSTUConfig; raises ``ExportFormatError`` naming the bad keys."""
+    problems: List[Problem] = []
+    config = _read_hstu_config(Path(export_dir), problems)
+    if config is None:
+        raise ExportFormatError(problems)
+    return config
+
+
+def load_hstu(export_dir: Union[str, Path]) -> HSTU:
+    """Rebuild the HSTU slice from ``hstu/config.ini`` and ``hstu/model.safetensors`` only (eval mode)."""
+    root = Path(export_dir)
+    config = read_hstu_config(root)
+    problems: List[Problem] = []
+    _check_hstu_weights(root, config, problems)
+    if problems:
+        raise ExportFormatError(problems)
+    model = HSTU(config)
+    model.load_state_dict(load_file(str(root / HSTU_WEIGHTS)), strict=True)
+    return model.eval()
+
+
+def _inspect(root: Path) -> Tuple[Optional[ExportManifest], List[Problem]]:
+    problems: List[Problem] = []
+    if not root.is_dir():
+        return None, [Problem(str(root), "-", "export directory does not exist")]
+    graph = None
+    parser = read_ini(root, SLICE_GRAPH, problems)
+    if parser is not None:
+        graph = SliceGraph.from_ini(parser, problems)
+    if graph is not None:
+        problems.extend(graph.check())
+    sparse = _read_sparse(root, problems)
+    hstu_config = _read_hstu_config(root, problems)
+    if hstu_config is not None:
+        _check_hstu_weights(root, hstu_config, problems)
+    if graph is not None:
+        slices = {s.name: s for s in graph.slices}
+        for name, files in SLICE_FILES.items():
+            if name in slices and slices[name].files != files:
+                problems.append(Problem(SLICE_GRAPH, f"slice.{name}.files", f"expected {', '.join(files)}"))
+        for name in (PREFIX, POSTFIX):
+            if name in slices:
+                _check_onnx(root, slices[name], problems)
+        if SPARSE in slices and sparse is not None:
+            _check_sparse_slice(slices[SPARSE], sparse, problems)
+        if HSTU_SLICE in slices and hstu_config is not None:
+            _check_hstu_slice(slices[HSTU_SLICE], hstu_config, problems)
+    if problems or graph is None or sparse is None or hstu_config is None:
+        return None, problems
+    return ExportManifest(root, graph, sparse, hstu_config), problems
+
+
+def _read_sparse(root: Path, problems: List[Problem]) -> Optional[SparseManifest]:
+    parser = read_ini(root, SPARSE_INI, problems)
+    if parser is None:
+        return None
+    manifest = SparseManifest.from_ini(parser, problems)
+    if manifest is None:
+        return None
+    start = len(problems)
+    for table in manifest.tables.values():
+        rel = f"{SPARSE_DIR}/{table.file}"
+        shapes = _safetensors_shapes(root, rel, problems)
+        if shapes is None:
+            continue
+        if TABLE_TENSOR not in shapes:
+            problems.append(Problem(rel, TABLE_TENSOR, f"tensor is missing (table {table.name})"))
+        elif shapes[TABLE_TENSOR] != (table.rows, table.dim):
+            problems.append(Problem(rel, TABLE_TENSOR, f"shape {list(shapes[TABLE_TENSOR])}, sparse.ini says "
+                                    f"[{table.rows}, {table.dim}] (table.{table.name}.rows/dim)"))
+    for feature in manifest.features.values():
+        if feature.id_mapping is not None and not (root / SPARSE_DIR / feature.id_mapping).is_file():
+            problems.append(Problem(SPARSE_INI, f"feature.{feature.name}.id_mapping", f"file {feature.id_mapping} is missing"))
+    return manifest if len(problems) == start else None
+
+
+def _read_hstu_config(root: Path, problems: List[Problem]) -> Optional[HSTUConfig]:
+    parser = read_ini(root, HSTU_CONFIG, problems)
+    return None if parser is None else hstu_config_from_ini(parser, HSTU_CONFIG, problems)
+
+
+def _check_hstu_weights(root: Path, config: HSTUConfig, problems: List[Problem]) -> None:
+    shapes = _safetensors_shapes(root, HSTU_WEIGHTS, problems)
+    if shapes is None:
+        return
+    expected = hstu_tensor_shapes(config)
+    for name, shape in expected.items():
+        if name not in shapes:
+            problems.append(Problem(HSTU_WEIGHTS, name, f"tensor is missing (expected shape {list(shape)})"))
+        elif shapes[name] != shape:
+            problems.append(Problem(HSTU_WEIGHTS, name, f"shape {list(shapes[name])}, config.ini implies {list(shape)}"))
+    for name in sorted(set(shapes) - set(expected)):
+        problems.append(Problem(HSTU_WEIGHTS, name, "unexpected tensor for this config.ini"))
+
+
+def _safetensors_shapes(root: Path, rel: str, problems: List[Problem]) -> Optional[Dict[str, Tuple[int, ...]]]:
+    """{name: shape} of a safetensors file (header only; checks the file covers every tensor)."""
+    path = root / rel
+    if not path.is_file():
+        problems.append(Problem(rel, "-", "file is missing"))
+        return None
+    try:
+        with safe_open(str(path), framework="np") as f:
+            out = {}
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                if tensor.get_dtype() != SAFETENSORS_DTYPE:
+                    problems.append(Problem(rel, name, f"dtype {tensor.get_dtype()}, expected {SAFETENSORS_DTYPE} (float32)"))
+                out[name] = tuple(tensor.get_shape())
+            return out
+    except (SafetensorError, OSError) as exc:
+        problems.append(Problem(rel, "-", f"not a readable safetensors file (truncated or corrupt?): {exc}"))
+        return None
+
+
+def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
+    rel = spec.files[0] if spec.files else ""
+    path = root / rel
+    if not rel or not path.is_file():
+        problems.append(Problem(rel or SLICE_GRAPH, "-", f"file is missing (slice {spec.name})"))
+        return
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+    except Exception as exc:  # onnx raises several unrelated types for corrupt files
+        problems.append(Problem(rel, "-", f"not a valid ONNX model: {type(exc).__name__}: {exc}"))
+        return
+    initializers = {i.name for i in model.graph.initializer}
+    for kind, declared, actual in (
+        ("input", spec.inputs, [i for i in model.graph.input if i.name not in initializers]),
+        ("output", spec.outputs, list(model.graph.output)),
+    ):
+        names = [t.name for t in declared]
+        if [v.name for v in actual] != names:
+            problems.append(Problem(rel, f"{kind}s", f"ONNX {kind}s {[v.name for v in actual]}, slice_graph.ini "
+                                    f"slice.{spec.name}.{kind}s says {names}"))
+            continue
+        for t, value in zip(declared, actual):
+            tensor_type = value.type.tensor_type
+            dtype = ONNX_DTYPES.get(tensor_type.elem_type, f"onnx type {tensor_type.elem_type}")
+            shape = tuple(d.dim_param or d.dim_value for d in tensor_type.shape.dim)
+            key = f"slice.{spec.name}.{kind}.{t.name}"
+            if dtype != t.dtype:
+                problems.append(Problem(rel, t.name, f"dtype {dtype}, {SLICE_GRAPH} {key}.dtype says {t.dtype}"))
+            if shape != tuple(t.shape):
+                problems.append(Problem(rel, t.name, f"shape {list(shape)}, {SLICE_GRAPH} {key}.shape says {list(t.shape)}"))
+
+
+def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[Problem]) -> None:
+    for t in spec.inputs:
+        key = f"slice.{SPARSE}.input.{t.name}"
+        feature = sparse.features.get(t.name)
+        if feature is None:
+            problems.append(Problem(SLICE_GRAPH, key, f"no [feature.{t.name}] in {SPARSE_INI}"))
+            continue
+        expected = (TOKENS,) if feature.kind == "sequence" else (BAG,)
+        if tuple(t.shape) != expected or t.dtype != "int64":
+            problems.append(Problem(SLICE_GRAPH, key, f"expected int64 {list(expected)} for a {feature.kind} feature"))
+    for t in spec.outputs:
+        key = f"slice.{SPARSE}.output.{t.name}"
+        feature = sparse.features.get(t.name)
+        if feature is None:
+            problems.append(Problem(SLICE_GRAPH, key, f"no [feature.{t.name}] in {SPARSE_INI}"))
+            continue
+        rows = TOKENS if feature.kind == "sequence" else BATCH
+        expected = (rows, sparse.feature_dim(t.name))
+        if tuple(t.shape) != expected or t.dtype != "float32":
+            problems.append(Problem(SLICE_GRAPH, key, f"expected float32 {list(expected)} (table "
+                                    f"{feature.table}), got {t.dtype} {list(t.shape)}"))
+
+
+def _check_hstu_slice(spec: SliceSpec, config: HSTUConfig, problems: List[Problem]) -> None:
+    names = [t.name for t in spec.inputs]
+    if names != list(HSTU_INPUTS):
+        problems.append(Problem(SLICE_GRAPH, f"slice.{HSTU_SLICE}.inputs", f"expected {', '.join(HSTU_INPUTS)}, got {', '.join(names)}"))
+    for kind, tensors, name, rows in (("input", spec.inputs, HSTU_INPUT, TOKENS), ("output", spec.outputs, HSTU_OUTPUT, TARGETS)):
+        match = [t for t in tensors if t.name == name]
+        key = f"slice.{HSTU_SLICE}.{kind}.{name}"
+        if not match:
+            problems.append(Problem(SLICE_GRAPH, key, "missing"))
+        elif tuple(match[0].shape) != (rows, config.hidden_dim):
+            problems.append(Problem(SLICE_GRAPH, f"{key}.shape", f"{list(match[0].shape)}, {HSTU_CONFIG} "
+                                    f"hidden_dim implies {[rows, config.hidden_dim]}"))

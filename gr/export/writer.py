@@ -1,0 +1,396 @@
+"""Write the sliced export of a trained GRModel (format in ``gr.export.format``)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from safetensors.torch import save as safetensors_bytes
+from torch import Tensor, nn
+
+from gr.export.format import (
+    BAG,
+    BATCH,
+    BATCH_OFFSETS,
+    HSTU_CONFIG,
+    HSTU_INPUT,
+    HSTU_OUTPUT,
+    HSTU_SLICE,
+    HSTU_WEIGHTS,
+    ID_MAPS_DIR,
+    NUM_TARGETS,
+    POSTFIX,
+    POSTFIX_HIDDEN,
+    POSTFIX_ONNX,
+    PREFIX,
+    PREFIX_ONNX,
+    PREFIX_OUTPUT,
+    REPEAT_PER_TARGET,
+    SEQ_OFFSETS,
+    SLICE_ENGINES,
+    SLICE_GRAPH,
+    SPARSE,
+    SPARSE_DIR,
+    SPARSE_INI,
+    TABLE_TENSOR,
+    TARGETS,
+    TIMESTAMPS,
+    TOKENS,
+    ExportError,
+    ExportFormatError,
+    hstu_config_sections,
+    hstu_tensor_shapes,
+    write_ini,
+)
+from gr.export.reader import ONNX_DTYPES, check_export
+from gr.export.slice_graph import REQUEST, SliceGraph, SliceSpec, TensorSpec
+from gr.export.sparse_manifest import FeatureEntry, SparseManifest, TableEntry
+from gr.model import GRModel
+from gr.postfix_dnn import PostfixDNN
+from gr.prefix_dnn import PrefixDNN, check_token_wise
+
+EXAMPLE_ROWS = 3  # rows of the example inputs traced for ONNX (>= 2: 0/1 sizes get specialised)
+VERIFY_ROWS = (1, 5)  # row counts at which ONNX Runtime is checked against PyTorch after export
+VERIFY_ATOL = 1e-4
+REQUEST_TENSORS = (TIMESTAMPS, SEQ_OFFSETS, NUM_TARGETS)  # request tensors besides the features
+
+
+def export_model(
+    model: GRModel,
+    export_dir: Union[str, Path],
+    *,
+    id_mappings_dir: Union[str, Path, None] = None,
+    dense_dims: Optional[Mapping[str, int]] = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
+
+    id_mappings_dir: a directory from ``SequenceDataModule.save_mappings``, copied to
+        ``sparse/id_maps/``; the map named after a feature, its table, or ``<name>s`` for
+        a feature ``<name>_id`` (item_id -> items) becomes its ``id_mapping`` in sparse.ini.
+    dense_dims: {feature: dim} of dense token/common features the DNNs read (features
+        without a table); defaults to the DNN's own ``feature_dims``/``common_dims`` when it has them.
+    overwrite: replace an existing export_dir (otherwise it is an error).
+    """
+    if not isinstance(model, GRModel):
+        raise TypeError(f"export_model: expected a GRModel, got {type(model).__name__}")
+    export_dir = Path(export_dir)
+    was_training = model.training
+    model.eval()
+    try:
+        with _atomic_directory(export_dir, overwrite) as tmp:
+            _write(model, tmp, id_mappings_dir, dict(dense_dims or {}))
+            problems = check_export(tmp)
+            if problems:
+                raise ExportFormatError(problems)
+    finally:
+        model.train(was_training)
+    return export_dir
+
+
+def export_run(run_dir: Union[str, Path], export_dir: Union[str, Path], *, overwrite: bool = False) -> Path:
+    """Export a training run's best checkpoint (all shards merged) with its id mappings."""
+    from gr.train import load_trained_model
+
+    run_dir = Path(run_dir)
+    model, _ = load_trained_model(run_dir)
+    mappings = run_dir / "mappings"
+    return export_model(model, export_dir, id_mappings_dir=mappings if mappings.is_dir() else None, overwrite=overwrite)
+
+
+@contextlib.contextmanager
+def _atomic_directory(target: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of ``target``; on success it replaces ``target`` by rename."""
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target}: already exists; pass overwrite=True (--overwrite) to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _write(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None], dense_dims: Dict[str, int]) -> None:
+    prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
+    sparse = _write_sparse(model, root, id_mappings_dir)
+    token_dims = _feature_dims(prefix, prefix.feature_names, sparse, "sequence", dense_dims, "feature_dims")
+    common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, "common", dense_dims, "common_dims")
+    _check_names(prefix, postfix)
+
+    prefix_inputs = {name: torch.randn(EXAMPLE_ROWS, dim) for name, dim in token_dims.items()}
+    _check_prefix_token_wise(prefix, prefix_inputs)
+    prefix_adapter = _PrefixAdapter(prefix).eval()
+    prefix_out = _export_onnx(
+        "prefix_dnn", prefix, prefix_adapter, tuple(prefix_inputs.values()), list(token_dims), [PREFIX_OUTPUT],
+        TOKENS, root / PREFIX_ONNX,
+    )
+    postfix_inputs = {POSTFIX_HIDDEN: torch.randn(EXAMPLE_ROWS, config.hidden_dim)}
+    postfix_inputs.update({name: torch.randn(EXAMPLE_ROWS, dim) for name, dim in common_dims.items()})
+    postfix_out = _export_onnx(
+        "postfix_dnn", postfix, _PostfixAdapter(postfix).eval(), tuple(postfix_inputs.values()), list(postfix_inputs),
+        list(postfix.output_names), TARGETS, root / POSTFIX_ONNX,
+    )
+    if prefix_out[0].shape != (TOKENS, config.hidden_dim):
+        raise ExportError(f"prefix_dnn ({type(prefix).__name__}): output shape {list(prefix_out[0].shape)}, "
+                          f"HSTU expects [{TOKENS}, {config.hidden_dim}] (HSTUConfig.hidden_dim)")
+
+    (root / "hstu").mkdir()
+    write_ini(root / HSTU_CONFIG, hstu_config_sections(config), header="HSTU slice: rebuild with gr.hstu.HSTU(HSTUConfig(**model))")
+    weights = {name: t.detach().to(torch.float32).contiguous() for name, t in model.hstu.state_dict().items()}
+    expected = hstu_tensor_shapes(config)
+    if {n: tuple(t.shape) for n, t in weights.items()} != expected:
+        raise ExportError(f"HSTU state_dict names/shapes {sorted(weights)} differ from the documented export schema "
+                          f"{sorted(expected)} (gr.export.format.hstu_tensor_shapes)")
+    (root / HSTU_WEIGHTS).write_bytes(safetensors_bytes(weights))
+
+    graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out)
+    write_ini(root / SLICE_GRAPH, graph.to_sections(), header="gr slice graph: slices in execution order")
+
+
+def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None]) -> SparseManifest:
+    (root / SPARSE_DIR).mkdir()
+    mapping_files: Dict[str, str] = {}
+    if id_mappings_dir is not None:
+        source = Path(id_mappings_dir)
+        if not source.is_dir():
+            raise FileNotFoundError(f"id_mappings_dir: {source} is not a directory")
+        shutil.copytree(source, root / ID_MAPS_DIR)
+        mapping_files = _mapping_files(root / ID_MAPS_DIR)
+    tables: Dict[str, TableEntry] = {}
+    features: Dict[str, FeatureEntry] = {}
+    embeddings = model.embeddings
+    for table in (embeddings.tables.values() if embeddings is not None else ()):
+        if table.kind == "sequence":
+            weight = embeddings.sequence[f"dim{table.embedding_dim}"].embeddings[table.name].weight
+        else:
+            weight = embeddings.common.embedding_bags[table.name].weight
+        file = f"{table.name}.safetensors"
+        (root / SPARSE_DIR / file).write_bytes(safetensors_bytes({TABLE_TENSOR: weight.detach().to(torch.float32).contiguous()}))
+        tables[table.name] = TableEntry(table.name, file, table.num_embeddings, table.embedding_dim)
+        pooling = "none" if table.kind == "sequence" else table.pooling
+        for feature in table.features:
+            names = (feature, table.name, f"{feature[:-3]}s" if feature.endswith("_id") else feature)
+            mapping = next((mapping_files[n] for n in names if n in mapping_files), None)
+            features[feature] = FeatureEntry(feature, table.name, table.kind, pooling, mapping)
+    manifest = SparseManifest(tables, features)
+    write_ini(root / SPARSE_INI, manifest.to_sections(), header="gr sparse tables: one safetensors file per table")
+    return manifest
+
+
+def _mapping_files(directory: Path) -> Dict[str, str]:
+    """{map name: file relative to sparse/}: from the ``mappings.json`` manifest written by
+    ``SequenceDataModule.save_mappings`` when present, else every ``<name>.tsv``."""
+    prefix = Path(ID_MAPS_DIR).relative_to(SPARSE_DIR)
+    manifest = directory / "mappings.json"
+    if manifest.is_file():
+        maps = json.loads(manifest.read_text()).get("maps", {})
+        return {name: str(prefix / entry["file"]) for name, entry in maps.items()}
+    return {p.name[: -len(".tsv")]: str(prefix / p.name) for p in sorted(directory.glob("*.tsv"))}
+
+
+def _feature_dims(
+    module: nn.Module, names: Sequence[str], sparse: SparseManifest, kind: str, dense_dims: Dict[str, int], attr: str
+) -> Dict[str, int]:
+    """{feature: dim} for the features a DNN reads: table dims for ids, given dims for dense ones."""
+    own = dict(getattr(module, attr, None) or {})
+    dims = {}
+    for name in names:
+        feature = sparse.features.get(name)
+        if feature is not None:
+            if feature.kind != kind:
+                raise ExportError(f"{type(module).__name__} reads {name!r}, a {feature.kind} feature; "
+                                  f"it can only read {kind} features")
+            dims[name] = sparse.feature_dim(name)
+        elif name in dense_dims or name in own:
+            dims[name] = int(dense_dims.get(name, own.get(name)))
+        else:
+            raise ExportError(f"{type(module).__name__} reads {name!r}, which has no embedding table: "
+                              f"pass dense_dims={{{name!r}: <dim>}} to export_model")
+    return dims
+
+
+def _check_names(prefix: PrefixDNN, postfix: PostfixDNN) -> None:
+    """Tensor names must not collide inside an ONNX graph or among the request tensors."""
+    features, common, outputs = list(prefix.feature_names), list(postfix.common_feature_names), list(postfix.output_names)
+    for owner, names in (("PrefixDNN.feature_names", features), ("PostfixDNN.common_feature_names", common),
+                         ("PostfixDNN.output_names", outputs)):
+        if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+            raise ExportError(f"{owner}: expected distinct non-empty names, got {names}")
+    if not outputs:
+        raise ExportError(f"{type(postfix).__name__}.output_names is empty: the export needs the task output names")
+    clashes = [
+        ("PrefixDNN.feature_names", features, (PREFIX_OUTPUT, *REQUEST_TENSORS)),
+        ("PostfixDNN.common_feature_names", common, (POSTFIX_HIDDEN, *REQUEST_TENSORS, *features)),
+        ("PostfixDNN.output_names", outputs, (POSTFIX_HIDDEN, *common)),
+    ]
+    for owner, names, taken in clashes:
+        clash = [n for n in names if n in taken]
+        if clash:
+            raise ExportError(f"{owner}: {clash} collide with other tensor names of the export ({sorted(set(taken))})")
+
+
+def _check_prefix_token_wise(prefix: PrefixDNN, inputs: Dict[str, Tensor]) -> None:
+    try:
+        check_token_wise(prefix, inputs)
+    except Exception as exc:  # AssertionError: not token-wise; anything else: the module fails on such rows
+        raise ExportError(f"prefix_dnn ({type(prefix).__name__}) is not token-wise (each token's output must "
+                          f"depend on that token only, or a cached history is wrong): {type(exc).__name__}: {exc}") from exc
+
+
+class _PrefixAdapter(nn.Module):
+    """Positional ONNX signature (one [T, d] tensor per feature) around a PrefixDNN."""
+
+    def __init__(self, prefix: PrefixDNN) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def forward(self, *features: Tensor) -> Tensor:
+        return self.prefix(dict(zip(self.prefix.feature_names, features)))
+
+
+class _PostfixAdapter(nn.Module):
+    """Positional ONNX signature (hidden, then one [N, d] tensor per common feature) around a PostfixDNN."""
+
+    def __init__(self, postfix: PostfixDNN) -> None:
+        super().__init__()
+        self.postfix = postfix
+
+    def forward(self, hidden: Tensor, *common: Tensor) -> Tuple[Tensor, ...]:
+        out = self.postfix(hidden, dict(zip(self.postfix.common_feature_names, common)))
+        missing = [n for n in self.postfix.output_names if n not in out]
+        if missing:
+            raise KeyError(f"outputs {missing} (in output_names) were not returned; got {sorted(out)}")
+        return tuple(out[name] for name in self.postfix.output_names)
+
+
+def _export_onnx(
+    slice_name: str,
+    module: nn.Module,
+    adapter: nn.Module,
+    example: Tuple[Tensor, ...],
+    input_names: List[str],
+    output_names: List[str],
+    dim_name: str,
+    path: Path,
+) -> List[TensorSpec]:
+    """Export ``adapter`` with a dynamic first dim, check ONNX Runtime against PyTorch; -> output specs."""
+    label = f"{slice_name} ({type(module).__qualname__})"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dim = torch.export.Dim(dim_name)
+    if isinstance(adapter, _PostfixAdapter):
+        dynamic = ({0: dim}, tuple({0: dim} for _ in example[1:]))
+    else:
+        dynamic = (tuple({0: dim} for _ in example),)
+    try:
+        with torch.no_grad():
+            torch.onnx.export(
+                adapter, example, str(path), dynamo=True, input_names=input_names, output_names=output_names,
+                dynamic_shapes=dynamic, verbose=False, external_data=False,
+            )
+    except Exception as exc:  # the exporter raises many types; all mean "cannot export this module"
+        raise ExportError(f"{label}: ONNX export failed: {type(exc).__name__}: {_first_lines(exc)}") from exc
+    _verify_onnx(label, adapter, example, input_names, output_names, path)
+    model = onnx.load(str(path))
+    specs = []
+    for value in model.graph.output:
+        tensor_type = value.type.tensor_type
+        shape = tuple(d.dim_param or d.dim_value for d in tensor_type.shape.dim)
+        if not shape or shape[0] != dim_name:
+            raise ExportError(f"{label}: output {value.name!r} has shape {list(shape)}; expected [{dim_name}, ...] "
+                              "(one row per input row)")
+        specs.append(TensorSpec(value.name, ONNX_DTYPES.get(tensor_type.elem_type, str(tensor_type.elem_type)), shape))
+    return specs
+
+
+def _verify_onnx(
+    label: str, adapter: nn.Module, example: Tuple[Tensor, ...], input_names: List[str], output_names: List[str], path: Path
+) -> None:
+    """ONNX Runtime must match PyTorch at several row counts (1 included)."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for rows in VERIFY_ROWS:
+        inputs = tuple(torch.randn(rows, *x.shape[1:]) for x in example)
+        with torch.no_grad():
+            expected = adapter(*inputs)
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        try:
+            got = session.run(output_names, {n: x.numpy() for n, x in zip(input_names, inputs)})
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ExportError(f"{label}: the exported ONNX model fails at {rows} row(s): {_first_lines(exc)}") from exc
+        for name, want, have in zip(output_names, expected, got):
+            err = float(np.abs(want.numpy() - have).max()) if have.size else 0.0
+            if have.shape != tuple(want.shape) or err > VERIFY_ATOL:
+                raise ExportError(f"{label}: ONNX Runtime output {name!r} differs from PyTorch at {rows} row(s) "
+                                  f"(shape {have.shape} vs {tuple(want.shape)}, max abs error {err:.2e})")
+
+
+def _slice_graph(
+    model: GRModel,
+    sparse: SparseManifest,
+    token_dims: Dict[str, int],
+    common_dims: Dict[str, int],
+    prefix_out: List[TensorSpec],
+    postfix_out: List[TensorSpec],
+) -> SliceGraph:
+    hidden = model.hstu.config.hidden_dim
+    request: List[TensorSpec] = []
+    sparse_in: List[TensorSpec] = []
+    sparse_out: List[TensorSpec] = []
+    prefix_in: List[TensorSpec] = []
+    postfix_in: List[TensorSpec] = [TensorSpec(POSTFIX_HIDDEN, "float32", (TARGETS, hidden), f"{HSTU_SLICE}.{HSTU_OUTPUT}")]
+    for names, dims, rows, out_rows, dest, repeat in (
+        (list(token_dims), token_dims, TOKENS, TOKENS, prefix_in, None),
+        (list(common_dims), common_dims, BAG, BATCH, postfix_in, REPEAT_PER_TARGET),
+    ):
+        for name in names:
+            dest_rows = TOKENS if dest is prefix_in else TARGETS
+            if name in sparse.features:
+                request.append(TensorSpec(name, "int64", (rows,)))
+                sparse_in.append(TensorSpec(name, "int64", (rows,), f"{REQUEST}.{name}"))
+                sparse_out.append(TensorSpec(name, "float32", (out_rows, dims[name])))
+                source = f"{SPARSE}.{name}"
+            else:
+                request.append(TensorSpec(name, "float32", (out_rows, dims[name])))
+                source = f"{REQUEST}.{name}"
+            dest.append(TensorSpec(name, "float32", (dest_rows, dims[name]), source, repeat))
+    request += [
+        TensorSpec(TIMESTAMPS, "int64", (TOKENS,)),
+        TensorSpec(SEQ_OFFSETS, "int64", (BATCH_OFFSETS,)),
+        TensorSpec(NUM_TARGETS, "int64", (BATCH,)),
+    ]
+    hstu_in = [
+        TensorSpec(HSTU_INPUT, "float32", (TOKENS, hidden), f"{PREFIX}.{PREFIX_OUTPUT}"),
+        TensorSpec(TIMESTAMPS, "int64", (TOKENS,), f"{REQUEST}.{TIMESTAMPS}"),
+        TensorSpec(SEQ_OFFSETS, "int64", (BATCH_OFFSETS,), f"{REQUEST}.{SEQ_OFFSETS}"),
+        TensorSpec(NUM_TARGETS, "int64", (BATCH,), f"{REQUEST}.{NUM_TARGETS}"),
+    ]
+    slices = (
+        SliceSpec(SPARSE, SLICE_ENGINES[SPARSE], (SPARSE_INI,), tuple(sparse_in), tuple(sparse_out)),
+        SliceSpec(PREFIX, SLICE_ENGINES[PREFIX], (PREFIX_ONNX,), tuple(prefix_in), tuple(prefix_out)),
+        SliceSpec(HSTU_SLICE, SLICE_ENGINES[HSTU_SLICE], (HSTU_CONFIG, HSTU_WEIGHTS), tuple(hstu_in),
+                  (TensorSpec(HSTU_OUTPUT, "float32", (TARGETS, hidden)),)),
+        SliceSpec(POSTFIX, SLICE_ENGINES[POSTFIX], (POSTFIX_ONNX,), tuple(postfix_in), tuple(postfix_out)),
+    )
+    return SliceGraph(tuple(request), slices)
+
+
+def _first_lines(exc: BaseException, limit: int = 12) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return "\n".join(lines[:limit]) + ("\n..." if len(lines) > limit else "")

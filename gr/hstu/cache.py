@@ -1,0 +1,263 @@
+"""Prefix (KV) caching for HSTU serving: encode a history once, then extend it or score candidates.
+
+HSTU history is causal and the attention normaliser is constant or per-position, so
+a history token's keys and values never change when tokens are appended; target
+tokens see the history and themselves only. A cached history therefore lets a new
+token (history or candidate) be computed from its own projections plus the cached
+per-layer K and V, with results equal to the one-pass ``HSTU.forward``.
+
+Imports only torch, gr.hstu and gr.jagged: the serving runtime uses it without the
+training code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gr.hstu.config import HSTUConfig
+from gr.hstu.kernels.common import hstu_visibility, position_bucket, silu_norm, time_bucket
+from gr.hstu.layer import HSTULayer
+from gr.hstu.stack import HSTU
+
+TIMESTAMP_BYTES = 8  # one int64 timestamp per cached token
+
+
+@dataclass(frozen=True)
+class HistoryCache:
+    """One user's encoded history; immutable, so concurrent readers can share it.
+
+    keys: per layer [H, L, Da] float
+    values: per layer [H, L, Dl] float
+    timestamps: [L] int64 seconds
+    """
+
+    keys: Tuple[Tensor, ...]
+    values: Tuple[Tensor, ...]
+    timestamps: Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.timestamps.numel())
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (*self.keys, *self.values, self.timestamps)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cache_bytes_per_token(config: HSTUConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes a ``HistoryCache`` holds per history token: K and V of every layer, plus its timestamp."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    per_layer = config.num_heads * (config.attention_dim + config.linear_dim) * element
+    return config.num_layers * per_layer + TIMESTAMP_BYTES
+
+
+def attend_cached(
+    layer: HSTULayer,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    query_positions: Tensor,
+    query_timestamps: Optional[Tensor],
+    cache_keys: Tensor,
+    cache_values: Tensor,
+    cache_timestamps: Optional[Tensor],
+    cache_visible: Tensor,
+    block_visible: Optional[Tensor],
+) -> Tensor:
+    """HSTU attention of n new tokens over L cached history tokens and the new block itself.
+
+    q, k: [n, H, Da] float, v: [n, H, Dl] float: the new tokens' projections
+    query_positions: [n] int64 position of each new token (a target's is the history length)
+    query_timestamps: [n] int64 or None (None only when the layer has no time bias)
+    cache_keys: [H, L, Da] float, cache_values: [H, L, Dl] float; cached key j has position j
+    cache_timestamps: [L] int64 or None
+    cache_visible: [n, L] or [1, L] bool, whether new token i sees cached token j
+    block_visible: [n, n] bool, whether new token i sees new token j; None -> itself only
+    returns: [n, H, Dl], equal to the rows of the one-pass attention for these tokens
+    """
+    alpha = layer.config.alpha
+    norm = silu_norm(query_positions, layer.silu_scale()).to(q.dtype).view(1, -1, 1)  # [1, n, 1]
+    qh = q.transpose(0, 1)  # [H, n, Da]
+    cache_positions = torch.arange(cache_keys.shape[1], device=q.device)
+    logits = torch.matmul(qh, cache_keys.transpose(1, 2)) * alpha  # [H, n, L]
+    bias = _bias(layer, query_positions, query_timestamps, cache_positions, cache_timestamps)
+    if bias is not None:
+        logits = logits + bias
+    scores = F.silu(logits) * norm
+    if not bool(cache_visible.all()):
+        scores = scores * cache_visible.to(scores.dtype)
+    out = torch.matmul(scores, cache_values)  # [H, n, Dl]
+    if block_visible is None:
+        self_logits = (q * k).sum(-1).transpose(0, 1) * alpha  # [H, n]
+        origin = torch.zeros(1, dtype=torch.long, device=q.device)
+        self_bias = _bias(layer, origin, origin, origin, origin)  # [1, 1]: distance 0, time delta 0
+        if self_bias is not None:
+            self_logits = self_logits + self_bias
+        self_scores = F.silu(self_logits) * norm[..., 0]
+        out = out + self_scores.unsqueeze(-1) * v.transpose(0, 1)
+    else:
+        block_logits = torch.matmul(qh, k.permute(1, 2, 0)) * alpha  # [H, n, n]
+        block_bias = _bias(layer, query_positions, query_timestamps, query_positions, query_timestamps)
+        if block_bias is not None:
+            block_logits = block_logits + block_bias
+        block_scores = F.silu(block_logits) * norm * block_visible.to(q.dtype)
+        out = out + torch.matmul(block_scores, v.transpose(0, 1))
+    return out.transpose(0, 1)
+
+
+def _bias(
+    layer: HSTULayer,
+    query_positions: Tensor,
+    query_timestamps: Optional[Tensor],
+    key_positions: Tensor,
+    key_timestamps: Optional[Tensor],
+) -> Optional[Tensor]:
+    """[n, K] relative bias (position and time parts, each when on), or None when both are off.
+
+    query_positions: [n] int64, query_timestamps: [n] int64 or None
+    key_positions: [K] int64, key_timestamps: [K] int64 or None
+    """
+    bias = None
+    if layer.position_bias is not None:
+        rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
+        bias = layer.position_bias[position_bucket(rel, layer.position_bias.numel())]
+    if layer.time_bias is not None:
+        if query_timestamps is None or key_timestamps is None:
+            raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
+        delta = query_timestamps.view(-1, 1) - key_timestamps.view(1, -1)
+        part = layer.time_bias[time_bucket(delta, layer.config.time_bucketing, layer.time_bias.numel())]
+        bias = part if bias is None else bias + part
+    return bias
+
+
+class CachedHSTU:
+    """Inference engine over a trained ``HSTU``: encode, extend and score with a ``HistoryCache``.
+
+    ``score`` after ``encode(history)`` equals ``HSTU.forward`` on history + candidates
+    with ``num_targets`` (candidates at position L, timestamps as given); ``extend`` equals
+    encoding the longer history in one pass.
+    """
+
+    def __init__(self, hstu: HSTU) -> None:
+        if not isinstance(hstu, HSTU):
+            raise TypeError(f"CachedHSTU: expected an HSTU module, got {type(hstu).__name__}")
+        self.hstu = hstu.eval()
+        self.config = hstu.config
+
+    def can_extend(self, cache: HistoryCache) -> bool:
+        """False while the history is shorter than contextual_len: contextual tokens see each
+        other in both directions, so such a history must be re-encoded, not extended."""
+        return cache.length >= self.config.contextual_len
+
+    @torch.inference_mode()
+    def encode(self, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
+        """x: [L, D] float PrefixDNN output of the history; timestamps: [L] int64 -> cache."""
+        length = self._check_tokens(x, timestamps, start=0)
+        if length == 0:
+            return self._empty(x)
+        positions = torch.arange(length, device=x.device)
+        h = self.hstu.embed(x, positions)
+        offsets = torch.tensor([0, length], device=x.device)
+        keys, values = [], []
+        for layer in self.hstu.layers:
+            u, q, k, v = layer.project(h)
+            attn = layer.attend(q, k, v, offsets, max(length, 1), timestamps)
+            h = layer.combine(h, attn, u)
+            keys.append(k.transpose(0, 1).contiguous())
+            values.append(v.transpose(0, 1).contiguous())
+        return HistoryCache(tuple(keys), tuple(values), self._timestamps(timestamps, length, x.device))
+
+    @torch.inference_mode()
+    def extend(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
+        """Append n history tokens, computing only them. x: [n, D] float; timestamps: [n] int64."""
+        if not self.can_extend(cache):
+            raise ValueError(
+                f"HSTU cache: a history of {cache.length} tokens is shorter than HSTUConfig.contextual_len "
+                f"{self.config.contextual_len}; encode the whole history instead"
+            )
+        n = self._check_tokens(x, timestamps, start=cache.length)
+        total = cache.length + n
+        index = torch.arange(cache.length, total, device=x.device)
+        cache_cols = torch.arange(cache.length, device=x.device)
+        history_len = torch.tensor(total, device=x.device)
+        cache_visible = self._visible(index.view(-1, 1), cache_cols.view(1, -1), history_len)
+        block_visible = self._visible(index.view(-1, 1), index.view(1, -1), history_len)
+        ts = self._timestamps(timestamps, n, x.device)
+        h = self.hstu.embed(x, index)
+        keys, values = [], []
+        for i, layer in enumerate(self.hstu.layers):
+            u, q, k, v = layer.project(h)
+            attn = attend_cached(
+                layer, q, k, v, index, timestamps, cache.keys[i], cache.values[i], cache.timestamps,
+                cache_visible, block_visible,
+            )
+            h = layer.combine(h, attn, u)
+            keys.append(torch.cat([cache.keys[i], k.transpose(0, 1)], dim=1))
+            values.append(torch.cat([cache.values[i], v.transpose(0, 1)], dim=1))
+        return HistoryCache(tuple(keys), tuple(values), torch.cat([cache.timestamps, ts]))
+
+    @torch.inference_mode()
+    def score(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor], micro_batch: int = 256) -> Tensor:
+        """HSTU outputs of N candidate tokens against the cached history.
+
+        x: [N, D] float PrefixDNN output of the candidates; timestamps: [N] int64 (request time)
+        micro_batch: candidates per pass; the result does not depend on it
+        returns: [N, D]
+        """
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch: expected >= 1, got {micro_batch}")
+        self._check_tokens(x, timestamps, start=cache.length, targets=True)
+        length = cache.length
+        history_len = torch.tensor(length, device=x.device)
+        cache_visible = self._visible(history_len.view(1, 1), torch.arange(length, device=x.device).view(1, -1), history_len)
+        outputs = []
+        for start in range(0, x.shape[0], micro_batch):
+            chunk = x[start : start + micro_batch]
+            ts = None if timestamps is None else timestamps[start : start + micro_batch]
+            positions = torch.full((chunk.shape[0],), length, dtype=torch.long, device=x.device)
+            h = self.hstu.embed(chunk, positions)
+            for i, layer in enumerate(self.hstu.layers):
+                u, q, k, v = layer.project(h)
+                attn = attend_cached(
+                    layer, q, k, v, positions, ts, cache.keys[i], cache.values[i], cache.timestamps,
+                    cache_visible, None,
+                )
+                h = layer.combine(h, attn, u)
+            outputs.append(h)
+        return torch.cat(outputs) if outputs else x.new_zeros(0, self.config.hidden_dim)
+
+    def _empty(self, x: Tensor) -> HistoryCache:
+        c = self.config
+        keys = tuple(x.new_zeros(c.num_heads, 0, c.attention_dim) for _ in range(c.num_layers))
+        values = tuple(x.new_zeros(c.num_heads, 0, c.linear_dim) for _ in range(c.num_layers))
+        return HistoryCache(keys, values, torch.zeros(0, dtype=torch.long, device=x.device))
+
+    def _visible(self, row: Tensor, col: Tensor, history_len: Tensor) -> Tensor:
+        big = torch.tensor(torch.iinfo(torch.int64).max, device=row.device)
+        return hstu_visibility(row, col, big, history_len, self.config.contextual_len, self.config.max_attn_len)
+
+    def _timestamps(self, timestamps: Optional[Tensor], count: int, device: torch.device) -> Tensor:
+        if timestamps is None:
+            return torch.zeros(count, dtype=torch.long, device=device)
+        return timestamps.to(torch.long)
+
+    def _check_tokens(self, x: Tensor, timestamps: Optional[Tensor], start: int, targets: bool = False) -> int:
+        """Validate a block of new tokens at ``start``; returns its token count."""
+        c = self.config
+        if x.dim() != 2 or x.shape[1] != c.hidden_dim:
+            raise ValueError(f"HSTU cache: x must be [n, {c.hidden_dim}], got {tuple(x.shape)}")
+        if timestamps is None and c.time_buckets > 0:
+            raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
+        if timestamps is not None and timestamps.shape != x.shape[:1]:
+            raise ValueError(f"HSTU cache: timestamps must be [{x.shape[0]}], got {tuple(timestamps.shape)}")
+        history_end = start if targets else start + x.shape[0]
+        if history_end > c.max_seq_len:
+            raise ValueError(
+                f"HSTU cache: a history of {history_end} tokens exceeds HSTUConfig.max_seq_len {c.max_seq_len}"
+            )
+        return int(x.shape[0])

@@ -1,0 +1,60 @@
+"""``python -m gr.serving rank EXPORT_DIR --request request.json`` prints the scores as JSON.
+
+request.json holds one request object (see ``gr.serving.request``) or a list of them.
+A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from gr.serving.errors import RequestError
+from gr.serving.request import RankRequest
+from gr.serving.runtime import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, LONG_HISTORY, Ranker
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gr.serving", description="Serve an exported gr model.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    rank = commands.add_parser("rank", help="score the candidates of one or more requests")
+    rank.add_argument("export_dir", type=Path)
+    rank.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
+    rank.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, help="candidates per HSTU pass")
+    rank.add_argument("--long-history", choices=LONG_HISTORY, default="truncate",
+                      help="histories longer than max_seq_len: keep the most recent tokens, or refuse")
+    rank.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
+    rank.add_argument("--no-cache", action="store_true", help="one target-aware pass per request, no history cache")
+    args = parser.parse_args(argv)
+
+    try:
+        payload = json.loads(args.request.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"--request {args.request}: cannot read JSON: {exc}", file=sys.stderr)
+        return 2
+    ranker = Ranker.load(args.export_dir, cache_bytes=args.cache_bytes, micro_batch=args.micro_batch,
+                         long_history=args.long_history)
+    single = not isinstance(payload, list)
+    outputs = [_rank_one(ranker, item, "request" if single else f"request[{i}]", not args.no_cache)
+               for i, item in enumerate([payload] if single else payload)]
+    print(json.dumps(outputs[0] if single else outputs))
+    failed = [o["error"] for o in outputs if "error" in o]
+    for message in failed:
+        print(message, file=sys.stderr)
+    return 2 if failed else 0
+
+
+def _rank_one(ranker: Ranker, item: Any, where: str, use_cache: bool) -> Dict[str, Any]:
+    try:
+        request = RankRequest.from_dict(item, where)
+        result = ranker.rank(request.user_id, request.history, request.candidates, request.common_features,
+                             request_time=request.request_time, use_cache=use_cache)
+    except RequestError as exc:
+        return {"error": f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)}
+    return {"user_id": request.user_id, **result.to_json()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

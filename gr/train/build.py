@@ -1,0 +1,118 @@
+"""Building a GRModel from a TrainConfig and what the data provides.
+
+Tables come from ``model.tables`` (``num_embeddings: null`` -> the data's cardinality).
+For retrieval, the item table also reads ``SAMPLED_ITEMS``: the positives and sampled
+negatives of the sampled softmax, looked up through the same (sharded) table.
+
+PrefixDNN / PostfixDNN classes come from ``model.prefix_dnn`` / ``model.postfix_dnn``
+(``class`` import path + ``kwargs``). Constructor arguments the config leaves out are
+filled when the constructor has them:
+  hidden_dim     model.hstu.hidden_dim
+  feature_dims   {token feature: dim}: every sequence id feature (its table's dim) and
+                 token dense feature of the data
+  common_dims    {common feature: dim}: every per-request id feature and dense feature
+  embedding_dim  the item table's dim (retrieval)
+  tasks          the data's ranking task names
+A list of feature names given for ``feature_dims`` / ``common_dims`` selects those
+features (with their dims).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Dict, List, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from gr.data.features import FeatureSpec
+from gr.model import GRModel
+from gr.sparse.tables import TableConfig
+from gr.train.config import ModuleSpec, TrainConfig
+
+SAMPLED_ITEMS = "sampled_item_id"
+CONTEXT_ARGUMENTS = ("hidden_dim", "feature_dims", "common_dims", "embedding_dim", "tasks")
+
+
+def build_tables(config: TrainConfig, spec: FeatureSpec) -> List[TableConfig]:
+    """The configured tables with rows resolved from the data, checked against its features."""
+    cardinalities = {**spec.sequence, **spec.common}
+    tables = [TableConfig.from_dict(t, f"model.tables[{i}]", cardinalities) for i, t in enumerate(config.model.tables)]
+    by_feature = {f: t for t in tables for f in t.features}
+    for kind, features in (("sequence", spec.sequence), ("common", spec.common)):
+        missing = [f for f in features if f not in by_feature]
+        if missing:
+            raise ValueError(
+                f"model.tables: no table reads the data's {kind} feature(s) {missing}; add a table of kind "
+                f"{kind!r} for them, or switch the side features off (data.item_features / data.user_features)"
+            )
+        for feature, cardinality in features.items():
+            table = by_feature[feature]
+            if table.kind != kind:
+                raise ValueError(f"model.tables[{table.name}].kind: feature {feature!r} is a {kind} feature, "
+                                 f"the table is {table.kind!r}")
+            if table.num_embeddings < cardinality:
+                raise ValueError(f"model.tables[{table.name}].num_embeddings: {table.num_embeddings} rows, but "
+                                 f"{feature!r} has ids up to {cardinality - 1}")
+    if config.task_type == "retrieval":
+        item = config.task.retrieval.item_feature
+        tables = [_with_feature(t, SAMPLED_ITEMS) if item in t.features else t for t in tables]
+    return tables
+
+
+def _with_feature(table: TableConfig, feature: str) -> TableConfig:
+    values = {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
+    return TableConfig(**{**values, "features": (*table.features, feature)})
+
+
+def item_table(tables: Sequence[TableConfig], item_feature: str) -> TableConfig:
+    return next(t for t in tables if item_feature in t.features)
+
+
+def build_model(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = ()) -> GRModel:
+    """A fresh GRModel (tables unsharded, on CPU). Seed torch first for identical ranks."""
+    tables = build_tables(config, spec)
+    dims = {f: t.embedding_dim for t in tables for f in t.features}
+    context: Dict[str, Any] = {
+        "hidden_dim": config.model.hstu.hidden_dim,
+        "feature_dims": {**{f: dims[f] for f in spec.sequence}, **spec.token_dense},
+        "common_dims": {**{f: dims[f] for f in spec.common}, **spec.common_dense},
+        "tasks": list(tasks),
+    }
+    if config.task_type == "retrieval":
+        context["embedding_dim"] = item_table(tables, config.task.retrieval.item_feature).embedding_dim
+    prefix = instantiate(config.model.prefix_dnn, context, "model.prefix_dnn")
+    postfix = instantiate(config.model.postfix_dnn, context, "model.postfix_dnn")
+    if config.task_type == "retrieval" and not callable(getattr(postfix, "item_embedding", None)):
+        raise ValueError(f"model.postfix_dnn.class: retrieval scores items with the head's item_embedding(rows); "
+                         f"{type(postfix).__name__} has none (RetrievalHead does)")
+    model = GRModel(config.model.hstu, prefix, postfix, tables)
+    model.embeddings.dedup = config.sparse.dedup
+    return model
+
+
+def instantiate(spec: ModuleSpec, context: Mapping[str, Any], where: str) -> nn.Module:
+    """spec.cls(**kwargs), with context arguments filled in (see the module docstring)."""
+    cls = spec.cls
+    parameters = inspect.signature(cls.__init__).parameters
+    kwargs = dict(spec.kwargs)
+    for name in CONTEXT_ARGUMENTS:
+        if name in parameters and name not in kwargs and name in context:
+            kwargs[name] = context[name]
+        elif name in ("feature_dims", "common_dims") and isinstance(kwargs.get(name), list):
+            unknown = [f for f in kwargs[name] if f not in context[name]]
+            if unknown:
+                raise ValueError(f"{where}.kwargs.{name}: the data has no feature(s) {unknown}; "
+                                 f"it has {sorted(context[name])}")
+            kwargs[name] = {f: context[name][f] for f in kwargs[name]}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {cls.__name__}(**{sorted(kwargs)}) failed: {error}") from error
+
+
+def seeded_model(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = ()) -> GRModel:
+    """``build_model`` under ``trainer.seed``, so every rank (and every run) starts from the same weights."""
+    with torch.random.fork_rng():
+        torch.manual_seed(config.trainer.seed)
+        return build_model(config, spec, tasks)

@@ -1,0 +1,462 @@
+"""TrainConfig: the whole recipe YAML, validated up front, every key overridable by dotted path.
+
+Sections: ``data`` (``gr.data.DataConfig``), ``model`` (``hstu``: HSTUConfig fields;
+``tables``: embedding tables; ``prefix_dnn`` / ``postfix_dnn``: ``{class: import.path,
+kwargs: {...}}``), ``sparse`` (table placement, id dedup, default embedding optimizer),
+``task`` (``retrieval`` / ``ranking`` loss and metric settings; which one runs is
+``data.task``), ``optimizer`` (the dense parameters') and ``trainer``. Any invalid or
+unknown key raises ValueError naming ``section.key`` and what was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+from dataclasses import InitVar, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import yaml
+
+from gr.data.config import DataConfig
+from gr.hstu import HSTUConfig
+from gr.postfix_dnn import PostfixDNN
+from gr.prefix_dnn import PrefixDNN
+from gr.sparse.optimizer import EmbeddingOptimizerConfig
+from gr.sparse.sharding import PLACEMENTS
+from gr.sparse.tables import TableConfig
+
+# The default PostfixDNN per task, and the metrics each task reports ("val/<name>", "test/<name>").
+DEFAULT_POSTFIX = {"retrieval": "gr.postfix_dnn.RetrievalHead", "ranking": "gr.postfix_dnn.MMoERankingHead"}
+DEFAULT_PREFIX = "gr.prefix_dnn.MLPTokenEncoder"
+NEGATIVE_SHARING = ("token", "batch")
+DENSE_OPTIMIZERS = ("adamw", "adam", "sgd")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "npu")
+
+Check = Tuple[Callable[[Any], bool], str]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def int_at_least(minimum: int) -> Check:
+    return (lambda v: _is_int(v) and v >= minimum), f"an int >= {minimum}"
+
+
+def number_in(low: float, high: float = math.inf, open_low: bool = False) -> Check:
+    bracket = "(" if open_low else "["
+    ok = (lambda v: _is_number(v) and (v > low if open_low else v >= low) and v <= high)
+    return ok, f"a number in {bracket}{low}, {high}]"
+
+
+def one_of(*choices: Any) -> Check:
+    return (lambda v: v in choices), f"one of {list(choices)}"
+
+
+def optional(check: Check) -> Check:
+    return (lambda v: v is None or check[0](v)), f"null or {check[1]}"
+
+
+BOOL: Check = ((lambda v: isinstance(v, bool)), "true or false")
+NAME: Check = ((lambda v: isinstance(v, str) and bool(v)), "a non-empty string")
+BETAS: Check = ((lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v)),
+                "two numbers in [0, 1)")
+TOP_K: Check = ((lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(k) and k >= 1 for k in v)),
+                "a non-empty list of ints >= 1")
+
+
+def checked(default: Any, check: Check) -> Any:
+    """A dataclass field whose value ``Section.validate`` checks."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+class Section:
+    """Mixin: build from a mapping, refusing unknown keys; check fields carrying a ``check``."""
+
+    def validate(self, where: str) -> None:
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            value = getattr(self, f.name)
+            if check is not None and not check[0](value):
+                raise ValueError(f"{where}.{f.name}: expected {check[1]}, got {value!r}")
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str) -> Any:
+        return cls(**known_keys(cls, values, where), where=where)
+
+
+def known_keys(cls: type, values: Any, where: str) -> Dict[str, Any]:
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where}: expected a mapping of keys to values, got {values!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+    return dict(values)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """A user-replaceable module: ``class`` (import path) and constructor ``kwargs``.
+
+    The builder fills constructor arguments the config leaves out when their names are
+    ``hidden_dim``, ``feature_dims``, ``common_dims``, ``embedding_dim`` or ``tasks``
+    (see ``gr.train.build``).
+    """
+
+    class_path: str
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    where: InitVar[str] = "model.module"
+    base: InitVar[type] = object
+
+    def __post_init__(self, where: str, base: type) -> None:
+        if not isinstance(self.kwargs, Mapping):
+            raise ValueError(f"{where}.kwargs: expected a mapping of constructor arguments, got {self.kwargs!r}")
+        cls = import_class(self.class_path, f"{where}.class")
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ValueError(f"{where}.class: {self.class_path} is not a {base.__name__} subclass")
+        parameters = inspect.signature(cls.__init__).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            unknown = sorted(set(self.kwargs) - set(parameters) - {"self"})
+            if unknown:
+                raise ValueError(f"{where}.kwargs: {cls.__name__} takes no argument(s) {unknown}; "
+                                 f"it takes {sorted(set(parameters) - {'self'})}")
+
+    @property
+    def cls(self) -> type:
+        return import_class(self.class_path, "class")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"class": self.class_path, "kwargs": dict(self.kwargs)}
+
+    @classmethod
+    def parse(cls, values: Any, where: str, base: type, default_class: str) -> "ModuleSpec":
+        values = dict(values or {})
+        unknown = sorted(set(values) - {"class", "kwargs"})
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; expected 'class' (import path) and 'kwargs'")
+        class_path = values.get("class") or default_class
+        if not isinstance(class_path, str):
+            raise ValueError(f"{where}.class: expected an import path like 'package.module.Class', got {class_path!r}")
+        return cls(class_path, dict(values.get("kwargs") or {}), where=where, base=base)
+
+
+def import_class(path: str, where: str) -> type:
+    module_name, _, name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{where}: expected an import path like 'package.module.Class', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"{where}: cannot import module {module_name!r} ({error})") from error
+    if not hasattr(module, name):
+        raise ValueError(f"{where}: module {module_name!r} has no {name!r}")
+    return getattr(module, name)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """hstu: HSTUConfig; tables: embedding table mappings (``TableConfig`` fields;
+    ``num_embeddings`` may be null: the data's cardinality); prefix_dnn / postfix_dnn."""
+
+    hstu: HSTUConfig
+    tables: Tuple[Mapping[str, Any], ...]
+    prefix_dnn: ModuleSpec
+    postfix_dnn: ModuleSpec
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str, task: str) -> "ModelSection":
+        values = known_keys(cls, values, where)
+        tables = values.get("tables") or []
+        if not isinstance(tables, (list, tuple)) or not tables:
+            raise ValueError(f"{where}.tables: expected a non-empty list of tables, got {tables!r}")
+        for i, table in enumerate(tables):
+            TableConfig.from_dict(table, f"{where}.tables[{i}]")
+        names = [t["name"] for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}.tables: duplicate table names {names}")
+        return cls(
+            hstu=HSTUConfig.from_dict(values.get("hstu") or {}, f"{where}.hstu"),
+            tables=tuple(dict(t) for t in tables),
+            prefix_dnn=ModuleSpec.parse(values.get("prefix_dnn"), f"{where}.prefix_dnn", PrefixDNN, DEFAULT_PREFIX),
+            postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN,
+                                         DEFAULT_POSTFIX[task]),
+        )
+
+    def table_with(self, feature: str) -> Optional[Mapping[str, Any]]:
+        return next((t for t in self.tables if feature in t["features"]), None)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"hstu": self.hstu.to_dict(), "tables": [dict(t) for t in self.tables],
+                "prefix_dnn": self.prefix_dnn.to_dict(), "postfix_dnn": self.postfix_dnn.to_dict()}
+
+
+@dataclass(frozen=True)
+class SparseSection(Section):
+    """placement: "device" (tables with the dense model) or "host" (tables in host memory);
+    dedup: look each distinct id of a batch up once; optimizer: tables' default optimizer."""
+
+    placement: str = checked("device", one_of(*PLACEMENTS))
+    dedup: bool = checked(True, BOOL)
+    optimizer: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
+    where: InitVar[str] = "sparse"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str) -> "SparseSection":
+        values = known_keys(cls, values, where)
+        if "optimizer" in values:
+            values["optimizer"] = EmbeddingOptimizerConfig.from_dict(values["optimizer"], f"{where}.optimizer")
+        return cls(**values, where=where)
+
+
+@dataclass(frozen=True)
+class RetrievalSection(Section):
+    """Sampled softmax over ``num_negatives`` items drawn uniformly from the catalogue, per
+    token ("token": the HSTU paper's) or shared by all tokens of a batch ("batch"); logits
+    are cosine similarities / ``temperature``. Evaluation ranks the whole catalogue:
+    HR@k and NDCG@k for k in ``top_k``, and MRR."""
+
+    num_negatives: int = checked(128, int_at_least(1))
+    temperature: float = checked(0.05, number_in(0.0, open_low=True))
+    negatives: str = checked("token", one_of(*NEGATIVE_SHARING))
+    top_k: Tuple[int, ...] = checked((10, 50, 200), TOP_K)
+    item_feature: str = checked("item_id", NAME)
+    where: InitVar[str] = "task.retrieval"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+
+    def metric_names(self) -> Tuple[str, ...]:
+        return (*(f"{m}@{k}" for m in ("hr", "ndcg") for k in self.top_k), "mrr")
+
+
+@dataclass(frozen=True)
+class RankingSection(Section):
+    """Multi-task BCE, one term per data task, weighted by ``task_weights`` (default 1)."""
+
+    task_weights: Dict[str, float] = field(default_factory=dict)
+    where: InitVar[str] = "task.ranking"
+
+    def __post_init__(self, where: str) -> None:
+        if not isinstance(self.task_weights, Mapping):
+            raise ValueError(f"{where}.task_weights: expected a mapping {{task: weight}}, got {self.task_weights!r}")
+        for name, weight in self.task_weights.items():
+            if not _is_number(weight) or weight < 0:
+                raise ValueError(f"{where}.task_weights.{name}: expected a number >= 0, got {weight!r}")
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    retrieval: RetrievalSection = field(default_factory=RetrievalSection)
+    ranking: RankingSection = field(default_factory=RankingSection)
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str) -> "TaskSection":
+        values = known_keys(cls, values, where)
+        return cls(RetrievalSection.from_dict(values.get("retrieval"), f"{where}.retrieval"),
+                   RankingSection.from_dict(values.get("ranking"), f"{where}.ranking"))
+
+
+@dataclass(frozen=True)
+class OptimizerSection(Section):
+    """The dense parameters' optimizer (embedding tables have theirs in ``sparse``);
+    linear warm-up over ``warmup_steps`` steps, then constant."""
+
+    type: str = checked("adamw", one_of(*DENSE_OPTIMIZERS))
+    lr: float = checked(1e-3, number_in(0.0, open_low=True))
+    betas: Tuple[float, float] = checked((0.9, 0.98), BETAS)
+    eps: float = checked(1e-8, number_in(0.0, open_low=True))
+    weight_decay: float = checked(0.0, number_in(0.0))
+    warmup_steps: int = checked(0, int_at_least(0))
+    where: InitVar[str] = "optimizer"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+
+
+@dataclass(frozen=True)
+class TrainerSection(Section):
+    """The Lightning loop. ``devices``: processes on this node ("auto": torchrun's
+    LOCAL_WORLD_SIZE, else 1). ``monitor``: the validation metric that picks the best
+    checkpoint (null: val/ndcg@10 for retrieval, val/auc for ranking)."""
+
+    max_epochs: int = checked(100, int_at_least(1))
+    seed: int = checked(0, int_at_least(0))
+    accelerator: str = checked("auto", one_of(*ACCELERATORS))
+    devices: Any = checked("auto", ((lambda v: v == "auto" or (_is_int(v) and v >= 1)), "'auto' or an int >= 1"))
+    num_nodes: int = checked(1, int_at_least(1))
+    monitor: Optional[str] = checked(None, optional(NAME))
+    monitor_mode: str = checked("max", one_of("max", "min"))
+    early_stopping_patience: int = checked(0, int_at_least(0))
+    gradient_clip_val: float = checked(0.0, number_in(0.0))
+    precision: str = checked("32-true", one_of(*PRECISIONS))
+    log_every_n_steps: int = checked(10, int_at_least(1))
+    check_val_every_n_epoch: int = checked(1, int_at_least(1))
+    limit_train_batches: Optional[int] = checked(None, optional(int_at_least(1)))
+    enable_progress_bar: bool = checked(True, BOOL)
+    num_threads: Optional[int] = checked(None, optional(int_at_least(1)))
+    where: InitVar[str] = "trainer"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: DataConfig
+    model: ModelSection
+    sparse: SparseSection
+    task: TaskSection
+    optimizer: OptimizerSection
+    trainer: TrainerSection
+
+    @property
+    def task_type(self) -> str:
+        return self.data.task
+
+    @property
+    def monitor(self) -> str:
+        return self.trainer.monitor or ("val/ndcg@10" if self.task_type == "retrieval" else "val/auc")
+
+    def metric_names(self) -> Tuple[str, ...]:
+        if self.task_type == "retrieval":
+            return self.task.retrieval.metric_names()
+        tasks = [t.name for t in self.data.ranking.tasks]
+        return ("auc", "logloss", *(f"{m}/{t}" for t in tasks for m in ("auc", "logloss")))
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "TrainConfig":
+        values = known_keys(cls, values, "config")
+        missing = [k for k in ("data", "model") if k not in values]
+        if missing:
+            raise ValueError(f"config: missing section(s) {missing}")
+        data = DataConfig.from_dict(values["data"], "data")
+        config = cls(
+            data=data,
+            model=ModelSection.from_dict(values["model"], "model", data.task),
+            sparse=SparseSection.from_dict(values.get("sparse"), "sparse"),
+            task=TaskSection.from_dict(values.get("task"), "task"),
+            optimizer=OptimizerSection.from_dict(values.get("optimizer"), "optimizer"),
+            trainer=TrainerSection.from_dict(values.get("trainer"), "trainer"),
+        )
+        config.check_consistency()
+        return config
+
+    def check_consistency(self) -> None:
+        """Checks across sections."""
+        if self.model.hstu.max_seq_len < self.data.max_seq_len:
+            raise ValueError(f"model.hstu.max_seq_len: {self.model.hstu.max_seq_len} is below data.max_seq_len "
+                             f"{self.data.max_seq_len}; HSTU must fit the longest history")
+        monitored = self.monitor.partition("/")[2]
+        if not self.monitor.startswith("val/") or monitored not in self.metric_names():
+            raise ValueError(f"trainer.monitor: expected 'val/<metric>' with a {self.task_type} metric "
+                             f"{list(self.metric_names())}, got {self.monitor!r}")
+        if self.task_type == "retrieval":
+            item = self.task.retrieval.item_feature
+            table = self.model.table_with(item)
+            if table is None or table.get("kind", "sequence") != "sequence":
+                raise ValueError(f"task.retrieval.item_feature: no sequence table in model.tables reads {item!r}")
+        else:
+            tasks = {t.name for t in self.data.ranking.tasks}
+            unknown = sorted(set(self.task.ranking.task_weights) - tasks)
+            if unknown:
+                raise ValueError(f"task.ranking.task_weights: {unknown} are not data.ranking.tasks {sorted(tasks)}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain YAML-ready values; ``from_dict(to_dict())`` gives an equal config."""
+        return plain({
+            "data": self.data.to_dict(),
+            "model": self.model.to_dict(),
+            "sparse": {**_fields(self.sparse), "optimizer": self.sparse.optimizer.to_dict()},
+            "task": {"retrieval": _fields(self.task.retrieval), "ranking": _fields(self.task.ranking)},
+            "optimizer": _fields(self.optimizer),
+            "trainer": _fields(self.trainer),
+        })
+
+
+def _fields(section: Any) -> Dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+def plain(value: Any) -> Any:
+    """Tuples -> lists, recursively (YAML/JSON-safe)."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value read as YAML: ``3`` -> int, ``true`` -> bool, ``[1, 2]`` -> list."""
+    return yaml.safe_load(text) if text.strip() else text
+
+
+def apply_override(values: Dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``values[a][b][c] = value`` for ``dotted = "a.b.c"``; list items by index (``tables.0.dim``).
+
+    Missing mappings are created, so a misspelt key reaches validation, which names it.
+    """
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ValueError(f"--{dotted}: expected a dotted config path like trainer.max_epochs")
+    node: Any = values
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            node = node[_list_index(node, part, where)]
+        else:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+        if not isinstance(node, (dict, list)):
+            raise ValueError(f"--{dotted}: {where} is a value ({node!r}), not a section")
+    if isinstance(node, list):
+        node[_list_index(node, parts[-1], dotted)] = value
+    else:
+        node[parts[-1]] = value
+
+
+def _list_index(node: list, part: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ValueError(f"--{where}: expected a list index below {len(node)}, got {part!r}")
+    return int(part)
+
+
+def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> TrainConfig:
+    """Read a recipe YAML, apply ``(dotted.key, text)`` overrides, validate. Errors name the file."""
+    path = Path(path)
+    try:
+        values = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read the config ({error})") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: invalid YAML: {error}") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of sections (data:, model:, ...), got {type(values).__name__}")
+    for dotted, text in overrides:
+        apply_override(values, dotted, parse_value(text))
+    try:
+        return TrainConfig.from_dict(values)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

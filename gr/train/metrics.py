@@ -1,0 +1,86 @@
+"""Evaluation metrics: full-catalogue ranking (retrieval) and AUC / log loss (ranking)."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics.functional.classification import binary_auroc
+
+from gr.jagged import token_seq_ids
+
+# Score rows per chunk when ranking a big catalogue: bounds the [rows, items] score matrix.
+SCORE_CHUNK_ELEMENTS = 1 << 24
+
+
+def target_ranks(
+    queries: Tensor,
+    items: Tensor,
+    targets: Tensor,
+    exclude_offsets: Tensor,
+    exclude_items: Tensor,
+) -> Tensor:
+    """0-based rank of each target among the catalogue, excluded items left out.
+
+    queries: [B, d] float; items: [I, d] float (the whole catalogue, scored by dot product)
+    targets: [B] int64 item ids; exclude_offsets: [B+1] int64; exclude_items: [E] int64,
+    the items not ranked for each query (a target listed there is still ranked).
+    Ties are broken by item id, as a stable sort of (-score, id) would: the rank is the
+    number of kept items scoring above the target, plus those tying it with a smaller id.
+    returns: [B] int64
+    """
+    rows = max(1, SCORE_CHUNK_ELEMENTS // max(1, items.shape[0]))
+    owner = token_seq_ids(exclude_offsets, exclude_items.numel())
+    ranks = []
+    for start in range(0, queries.shape[0], rows):
+        stop = min(start + rows, queries.shape[0])
+        scores = queries[start:stop] @ items.T
+        ranks.append(_ranks(scores, targets[start:stop], owner, exclude_items, start, stop))
+    return torch.cat(ranks) if ranks else targets.new_zeros(0)
+
+
+def score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclude_items: Tensor) -> Tensor:
+    """Like ``target_ranks`` for precomputed scores: [B, I] float (e.g. item popularity per row)."""
+    owner = token_seq_ids(exclude_offsets, exclude_items.numel())
+    return _ranks(scores.clone(), targets, owner, exclude_items, 0, scores.shape[0])
+
+
+def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor, start: int, stop: int) -> Tensor:
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    target_scores = scores[rows, targets].unsqueeze(1)
+    keep = (owner >= start) & (owner < stop)
+    scores[owner[keep] - start, exclude_items[keep]] = float("-inf")
+    ids = torch.arange(scores.shape[1], device=scores.device)
+    above = scores > target_scores
+    tied_before = (scores == target_scores) & (ids.unsqueeze(0) < targets.unsqueeze(1))
+    return (above | tied_before).sum(1)
+
+
+def retrieval_metrics(ranks: Tensor, top_k: Sequence[int]) -> Dict[str, float]:
+    """ranks: [U] int64 0-based target ranks, one per user -> HR@k, NDCG@k (one relevant item), MRR."""
+    ranks = ranks.double()
+    out: Dict[str, float] = {}
+    for k in top_k:
+        hit = ranks < k
+        out[f"hr@{k}"] = hit.double().mean().item()
+        out[f"ndcg@{k}"] = torch.where(hit, 1.0 / torch.log2(ranks + 2.0), torch.zeros_like(ranks)).mean().item()
+    out["mrr"] = (1.0 / (ranks + 1.0)).mean().item()
+    return out
+
+
+def ranking_metrics(logits: Dict[str, Tensor], labels: Dict[str, Tensor]) -> Dict[str, float]:
+    """Per task: AUC and log loss of logits [N] against 0/1 labels [N]; "auc"/"logloss": task means.
+
+    A task whose labels are all equal has no AUC (NaN).
+    """
+    out: Dict[str, float] = {}
+    for task, logit in logits.items():
+        label = labels[task].float()
+        both_classes = 0 < int(label.sum()) < label.numel()
+        out[f"auc/{task}"] = binary_auroc(logit, label.long()).item() if both_classes else float("nan")
+        out[f"logloss/{task}"] = F.binary_cross_entropy_with_logits(logit, label).item()
+    for metric in ("auc", "logloss"):
+        values = torch.tensor([out[f"{metric}/{task}"] for task in logits])
+        out[metric] = values.mean().item()
+    return out

@@ -1,0 +1,88 @@
+"""Per-user sequences: filtering, id remapping, stable time order, leave-one-out, negative sampling."""
+import logging
+
+import numpy as np
+import pytest
+
+from gr.data.interactions import DataFormatError, Interactions
+from gr.data.mappings import IdMap, load_mappings, save_mappings
+from gr.data.sampling import UnseenSampler
+from gr.data.sequences import build_sequences, concat_ranges, window_starts
+
+
+def events(rows, ratings=True):
+    users, items, times = (np.array(c) for c in zip(*rows))
+    return Interactions(users, items, times.astype(np.int64),
+                        np.arange(len(rows), dtype=np.float32) if ratings else None, source="mem")
+
+
+def test_sort_is_by_time_with_ties_in_file_order_and_ids_are_remapped():
+    data = events([("b", 30, 5), ("a", 10, 9), ("b", 20, 5), ("b", 40, 1), ("a", 20, 7), ("a", 30, 8)])
+    seqs, users, items = build_sequences(data)
+    assert users.raw.tolist() == ["a", "b"] and items.raw.tolist() == [10, 20, 30, 40]
+    assert seqs.offsets.tolist() == [0, 3, 6]
+    # user a: times 9, 7, 8 -> items 20, 30, 10; user b: 40 (t=1), then the tie at t=5 keeps file order 30, 20
+    assert items.decode(seqs.items).tolist() == [20, 30, 10, 40, 30, 20]
+    assert seqs.timestamps.tolist() == [7, 8, 9, 1, 5, 5]
+    assert seqs.ratings.tolist() == [4, 5, 1, 3, 0, 2]
+
+
+def test_short_users_are_dropped_and_counted_in_the_log(caplog):
+    data = events([(1, 1, 1), (1, 2, 2), (1, 3, 3), (2, 1, 1), (2, 2, 2), (3, 4, 1), (3, 5, 2), (3, 6, 3)])
+    with caplog.at_level(logging.INFO, logger="gr.data.sequences"):
+        seqs, users, items = build_sequences(data, min_seq_len=3)
+    assert users.raw.tolist() == [1, 3]
+    assert "dropped 1 of 3 users with fewer than 3 interactions" in caplog.text
+    assert items.raw.tolist() == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(DataFormatError, match=r"mem: no user has at least 4 interactions \(data.min_seq_len\)"):
+        build_sequences(data, min_seq_len=4)
+
+
+def test_rare_items_are_dropped_before_users():
+    data = events([(1, 1, 1), (1, 2, 2), (1, 9, 3), (1, 3, 4), (2, 1, 1), (2, 2, 2), (2, 3, 3)])
+    seqs, users, items = build_sequences(data, min_seq_len=3, min_item_interactions=2)
+    assert items.raw.tolist() == [1, 2, 3]
+    assert seqs.lengths.tolist() == [3, 3]
+
+
+def test_leave_one_out_targets_and_training_part():
+    seqs, _, _ = build_sequences(events([(1, i, i) for i in range(5)] + [(2, i, i) for i in range(3)]))
+    assert seqs.targets("test").tolist() == [4, 7]
+    assert seqs.targets("val").tolist() == [3, 6]
+    assert seqs.train_ends().tolist() == [3, 6]
+    with pytest.raises(ValueError, match="split"):
+        seqs.targets("train")
+
+
+def test_ranges_and_windows_keep_the_most_recent_rows():
+    assert concat_ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
+    assert window_starts(np.array([0, 10]), np.array([8, 12]), 3).tolist() == [5, 10]
+
+
+def test_sampled_negatives_are_unseen_and_distinct_per_row():
+    rng = np.random.default_rng(0)
+    rows = [(u, i, i) for u in range(20) for i in rng.choice(30, size=20, replace=False)]
+    seqs, _, _ = build_sequences(events(rows))
+    sampler = UnseenSampler(seqs)
+    users = np.repeat(np.arange(20), 3)
+    negatives = sampler.sample(users, 10, np.random.default_rng(1))
+    assert negatives.shape == (60, 10)
+    for user, row in zip(users, negatives):
+        seen = set(seqs.items[seqs.offsets[user]:seqs.offsets[user + 1]].tolist())
+        assert len(set(row.tolist())) == 10 and not seen & set(row.tolist())
+    with pytest.raises(ValueError, match=r"data.ranking.num_negatives: 11 negatives .* only 10 unseen"):
+        sampler.check_room(11, "data.ranking.num_negatives")
+
+
+def test_id_maps_round_trip_through_files(tmp_path):
+    maps = {"users": IdMap.of(np.array(["b", "a\tx", "c"])), "items": IdMap.of(np.array([30, 10])),
+            "user_age": IdMap.of(np.array([25, 18]), offset=1)}
+    save_mappings(str(tmp_path), maps, {"item_genres": ["Action", "Drama"]})
+    loaded, columns = load_mappings(str(tmp_path))
+    assert loaded["users"].raw.tolist() == ["a\tx", "b", "c"]
+    assert loaded["items"].encode(np.array([10, 30])).tolist() == [0, 1]
+    assert loaded["user_age"].encode(np.array([18, 99]), unknown=0).tolist() == [1, 0]
+    assert columns == {"item_genres": ["Action", "Drama"]}
+    assert (tmp_path / "items.tsv").read_text().splitlines() == ["dense_id\traw_id", "0\t10", "1\t30"]
+    with pytest.raises(KeyError, match="not in the mapping"):
+        loaded["items"].encode(np.array([20]))

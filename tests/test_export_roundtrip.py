@@ -1,0 +1,333 @@
+"""Sliced export round trips: ONNX slices = PyTorch, rebuilt HSTU = trained HSTU, the whole
+chain from the export alone = the trained model's predictions; user-defined DNNs; atomic writes.
+
+The model builders and request helpers here are shared with the other export/serving tests.
+"""
+import configparser
+import dataclasses
+import json
+from typing import Dict, List
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import Tensor, nn
+from torchrec import KeyedJaggedTensor
+
+from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN, TableConfig
+from gr.export import ExportError, check_export, export_model, load_hstu, open_export
+from gr.export.format import FORMAT_VERSION, HSTU_CONFIG, SPARSE_INI, hstu_tensor_shapes
+from gr.hstu import HSTU
+from gr.postfix_dnn import MMoERankingHead
+from gr.prefix_dnn import MLPTokenEncoder
+from gr.serving import Ranker
+
+HSTU_KW = dict(hidden_dim=16, num_layers=2, num_heads=2, attention_dim=8, linear_dim=8, max_seq_len=40,
+               dropout=0.0, input_dropout=0.0)
+DENSE_DIMS = {"user_score": 2}
+
+
+def perturb(model: nn.Module, seed: int = 0, std: float = 0.1) -> nn.Module:
+    """Add noise to every parameter so biases and norms are not at their trivial init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return model.eval()
+
+
+def build_ranking_model(**hstu_overrides) -> GRModel:
+    """Shipped DNNs: sequence ids (item, genre) + a dense token feature in, a pooled common id
+    and a dense common feature into an MMoE head with two tasks."""
+    tables = [
+        TableConfig("item", 50, 16, ("item_id",)),
+        TableConfig("genre", 10, 4, ("genre",)),
+        TableConfig("user", 20, 8, ("user_id",), kind="common", pooling="mean"),
+    ]
+    prefix = MLPTokenEncoder({"item_id": 16, "genre": 4, "age": 1}, 16, mlp_dims=(24,))
+    postfix = MMoERankingHead(16, ["click", "like"], num_experts=3, expert_dims=(12,), tower_dims=(8,),
+                              common_dims={"user_id": 8, "user_score": 2})
+    return perturb(GRModel(HSTUConfig(**{**HSTU_KW, **hstu_overrides}), prefix, postfix, tables))
+
+
+class GatedEncoder(PrefixDNN):
+    """A user-defined PrefixDNN: gated projection of the item embedding plus a dense feature."""
+
+    feature_names = ("item_id", "price")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16 + 3, 16)
+        self.gate = nn.Linear(3, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, features: Dict[str, Tensor]) -> Tensor:
+        x = torch.cat([features["item_id"], features["price"]], dim=-1)
+        return self.norm(self.proj(x) * torch.sigmoid(self.gate(features["price"])))
+
+
+class ScoreAndEmbed(PostfixDNN):
+    """A user-defined PostfixDNN: a [N] score and a [N, 4] embedding, with a dense common feature."""
+
+    common_feature_names = ("context",)
+    output_names = ("score", "embedding")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Sequential(nn.Linear(16 + 5, 8), nn.GELU(), nn.Linear(8, 1))
+        self.embed = nn.Linear(16, 4)
+
+    def forward(self, hidden: Tensor, common: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        x = torch.cat([hidden, common["context"]], dim=-1)
+        return {"score": self.score(x).squeeze(-1), "embedding": torch.tanh(self.embed(hidden))}
+
+
+def build_custom_model() -> GRModel:
+    tables = [TableConfig("item", 50, 16, ("item_id",))]
+    cfg = HSTUConfig(**{**HSTU_KW, "num_heads": 1, "attn_norm": "seq_len", "contextual_len": 2, "max_attn_len": 9})
+    return perturb(GRModel(cfg, GatedEncoder(), ScoreAndEmbed(), tables), seed=1)
+
+
+def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], seed: int = 0) -> GRInput:
+    """A jagged ranking batch for ``model``'s features: sorted history timestamps, candidates at
+    one later request time; ids drawn from each feature's table."""
+    g = torch.Generator().manual_seed(seed)
+    tables = model.embeddings.tables.values()
+    seq_tables = {f: t.num_embeddings for t in tables if t.kind == "sequence" for f in t.features}
+    common_tables = {f: t.num_embeddings for t in tables if t.kind == "common" for f in t.features}
+    lengths_t = torch.tensor(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths_t.cumsum(0)])
+    total = int(offsets[-1])
+    ts = []
+    for n, k in zip(lengths, num_targets):
+        hist = torch.sort(torch.randint(0, 10**6, (n - k,), generator=g)).values
+        ts += [hist, torch.full((k,), 10**6 + int(torch.randint(0, 5000, (1,), generator=g)))]
+    token_names = [f for f in model.prefix_dnn.feature_names if f in seq_tables]
+    seq_ids = KeyedJaggedTensor.from_lengths_sync(
+        token_names, torch.cat([torch.randint(0, seq_tables[f], (total,), generator=g) for f in token_names]),
+        torch.cat([lengths_t] * len(token_names)),
+    )
+    token_dense = {f: torch.randn(total, dim, generator=g) for f, dim in _dense(model.prefix_dnn, seq_tables).items()}
+    common_names = [f for f in model.postfix_dnn.common_feature_names if f in common_tables]
+    bags = [1 + int(torch.randint(0, 3, (1,), generator=g)) for _ in lengths]
+    common_ids = None
+    if common_names:
+        common_ids = KeyedJaggedTensor.from_lengths_sync(
+            common_names, torch.cat([torch.randint(0, common_tables[f], (sum(bags),), generator=g) for f in common_names]),
+            torch.tensor(bags * len(common_names)),
+        )
+    common_dense = {f: torch.randn(len(lengths), dim, generator=g)
+                    for f, dim in _dense(model.postfix_dnn, common_tables).items()}
+    return GRInput(seq_offsets=offsets, max_seq_len=max(lengths), timestamps=torch.cat(ts),
+                   num_targets=torch.tensor(num_targets), sequence_ids=seq_ids, token_dense=token_dense,
+                   common_ids=common_ids, common_dense=common_dense)
+
+
+def _dense(module: nn.Module, tables: Dict[str, int]) -> Dict[str, int]:
+    dims = {"age": 1, "price": 3, "user_score": 2, "context": 5}
+    names = getattr(module, "feature_names", None) or module.common_feature_names
+    return {f: dims[f] for f in names if f not in tables}
+
+
+def requests_from_batch(batch: GRInput) -> List[dict]:
+    """One serving request per sequence of ``batch`` (history = non-target tokens)."""
+    seq = batch.sequence_ids.to_dict() if batch.sequence_ids is not None else {}
+    common = batch.common_ids.to_dict() if batch.common_ids is not None else {}
+    offsets, targets = batch.seq_offsets.tolist(), batch.num_targets.tolist()
+    out = []
+    for b in range(len(targets)):
+        start, end = offsets[b], offsets[b + 1]
+        split = end - targets[b]
+        cols = {f: jt.values()[start:end].numpy() for f, jt in seq.items()}
+        cols.update({f: v[start:end].numpy() for f, v in batch.token_dense.items()})
+        cols["timestamps"] = batch.timestamps[start:end].numpy()
+        commons = {f: jt.values()[int(jt.offsets()[b]):int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
+        commons.update({f: v[b].numpy() for f, v in batch.common_dense.items()})
+        out.append({
+            "user_id": f"user{b}",
+            "history": {f: v[: split - start] for f, v in cols.items()},
+            "candidates": {f: v[split - start:] for f, v in cols.items()},
+            "common_features": commons,
+        })
+    return out
+
+
+def rank_all(ranker: Ranker, requests: List[dict], **kwargs) -> Dict[str, np.ndarray]:
+    """Scores of every request, concatenated per task in request order."""
+    results = [ranker.rank(r["user_id"], r["history"], r["candidates"], r["common_features"], **kwargs) for r in requests]
+    return {task: np.concatenate([res.scores[task] for res in results]) for task in results[0].scores}
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    model = build_ranking_model()
+    path = export_model(model, tmp_path_factory.mktemp("shipped") / "export", dense_dims=DENSE_DIMS)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def custom(tmp_path_factory):
+    model = build_custom_model()
+    path = export_model(model, tmp_path_factory.mktemp("custom") / "export", dense_dims={"price": 3, "context": 5})
+    return model, path
+
+
+@pytest.mark.parametrize("which", ["shipped", "custom"])
+def test_onnx_slices_match_pytorch_for_several_row_counts(which, request):
+    model, path = request.getfixturevalue(which)
+    graph = open_export(path).graph
+    prefix = ort.InferenceSession(str(path / "prefix_dnn/model.onnx"))
+    postfix = ort.InferenceSession(str(path / "postfix_dnn/model.onnx"))
+    prefix_inputs = graph.slice("prefix_dnn").inputs
+    postfix_inputs = graph.slice("postfix_dnn").inputs
+    assert [t.name for t in prefix_inputs] == list(model.prefix_dnn.feature_names)
+    assert [t.name for t in graph.slice("postfix_dnn").outputs] == list(model.postfix_dnn.output_names)
+    for rows in (1, 2, 7, 33):
+        feats = {t.name: torch.randn(rows, t.shape[1]) for t in prefix_inputs}
+        (got,) = prefix.run(None, {n: x.numpy() for n, x in feats.items()})
+        with torch.no_grad():
+            want = model.prefix_dnn(feats)
+        np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5)
+        hidden = torch.randn(rows, 16)
+        common = {t.name: torch.randn(rows, t.shape[1]) for t in postfix_inputs[1:]}
+        got = postfix.run(None, {"hidden": hidden.numpy(), **{n: x.numpy() for n, x in common.items()}})
+        with torch.no_grad():
+            want = model.postfix_dnn(hidden, common)
+        for name, value in zip(model.postfix_dnn.output_names, got):
+            assert value.shape == tuple(want[name].shape)
+            np.testing.assert_allclose(value, want[name].numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["shipped", "custom"])
+def test_rebuilt_hstu_matches_trained_on_jagged_batches_with_targets(which, request):
+    model, path = request.getfixturevalue(which)
+    rebuilt = load_hstu(path)
+    assert rebuilt.config == model.hstu.config
+    lengths, targets = [9, 1, 23, 14], [3, 1, 5, 0]
+    offsets = torch.tensor([0, 9, 10, 33, 47])
+    x = torch.randn(47, 16)
+    ts = torch.cat([torch.sort(torch.randint(0, 10**6, (n,))).values for n in lengths])
+    with torch.no_grad():
+        want = model.hstu(x, offsets, 23, ts, torch.tensor(targets))
+        got = rebuilt(x, offsets, 23, ts, torch.tensor(targets))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["shipped", "custom"])
+def test_chain_from_export_alone_reproduces_trained_predictions_on_test_users(which, request):
+    model, path = request.getfixturevalue(which)
+    batch = random_batch(model, [12, 30, 5, 1, 19], [4, 7, 1, 1, 3], seed=3)
+    with torch.no_grad():
+        want = model(batch).predictions
+    ranker = Ranker.load(path, micro_batch=3)
+    requests = requests_from_batch(batch)
+    for use_cache in (True, False):
+        got = rank_all(ranker, requests, use_cache=use_cache)
+        for task, value in want.items():
+            np.testing.assert_allclose(got[task], value.numpy(), rtol=0, atol=1e-5)
+
+
+def test_hstu_weight_names_are_the_documented_schema():
+    for overrides in ({}, {"position_embedding": False, "position_buckets": 0, "time_buckets": 0}, {"num_layers": 3}):
+        cfg = HSTUConfig(**{**HSTU_KW, **overrides})
+        assert {n: tuple(t.shape) for n, t in HSTU(cfg).state_dict().items()} == hstu_tensor_shapes(cfg)
+
+
+def test_config_ini_holds_model_type_dtype_version_and_every_field(shipped):
+    model, path = shipped
+    parser = configparser.ConfigParser()
+    parser.read(path / HSTU_CONFIG)
+    assert parser["format"]["version"] == str(FORMAT_VERSION)
+    section = parser["model"]
+    assert section["model_type"] == "hstu" and section["dtype"] == "float32"
+    fields = {f.name for f in dataclasses.fields(HSTUConfig)}
+    assert fields <= set(section)
+    assert int(section["hidden_dim"]) == model.hstu.config.hidden_dim
+    assert section["attn_alpha"] == "none"
+
+
+def test_sparse_ini_maps_features_to_tables_and_id_mappings(tmp_path):
+    maps = tmp_path / "maps"
+    maps.mkdir()
+    (maps / "items.tsv").write_text("dense_id\traw_id\n0\t1001\n")
+    (maps / "genre.tsv").write_text("dense_id\traw_id\n0\tdrama\n")
+    (maps / "mappings.json").write_text(json.dumps({"format_version": 1, "maps": {
+        "items": {"file": "items.tsv"}, "genre": {"file": "genre.tsv"}}, "columns": {}}))
+    model = build_ranking_model()
+    path = export_model(model, tmp_path / "export", id_mappings_dir=maps, dense_dims=DENSE_DIMS)
+    sparse = open_export(path).sparse
+    assert sparse.features["item_id"].table == "item" and sparse.features["item_id"].id_mapping == "id_maps/items.tsv"
+    assert sparse.features["genre"].id_mapping == "id_maps/genre.tsv"
+    assert sparse.features["user_id"].kind == "common" and sparse.features["user_id"].pooling == "mean"
+    assert sparse.features["user_id"].id_mapping is None
+    assert (sparse.tables["item"].rows, sparse.tables["item"].dim) == (50, 16)
+    assert (path / "sparse/id_maps/items.tsv").read_text().endswith("1001\n")
+    assert "id_mapping = id_maps/items.tsv" in (path / SPARSE_INI).read_text()
+
+
+def test_export_refuses_to_overwrite_unless_asked_and_replaces_atomically(shipped, tmp_path):
+    model, _ = shipped
+    target = tmp_path / "export"
+    target.mkdir()
+    (target / "keep.txt").write_text("old")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_model(model, target, dense_dims=DENSE_DIMS)
+    assert (target / "keep.txt").read_text() == "old"
+
+    class Broken(PostfixDNN):
+        output_names = ("score",)
+
+        def forward(self, hidden, common):
+            return {"score": torch.from_numpy(hidden.detach().numpy().sum(-1))}
+
+    broken = GRModel(model.hstu.config, model.prefix_dnn, Broken(), list(model.embeddings.tables.values()))
+    with pytest.raises(ExportError):
+        export_model(broken, target, dense_dims=DENSE_DIMS, overwrite=True)
+    assert (target / "keep.txt").read_text() == "old", "a failed export must leave the old directory untouched"
+    export_model(model, target, dense_dims=DENSE_DIMS, overwrite=True)
+    assert not (target / "keep.txt").exists() and check_export(target) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "no temporary directories are left behind"
+
+
+def test_unexportable_module_error_names_the_module_and_the_onnx_failure(shipped, tmp_path):
+    model, _ = shipped
+
+    class ViaPython(PrefixDNN):
+        feature_names = ("item_id",)
+
+        def forward(self, features):
+            x = features["item_id"]
+            return torch.tensor(x.tolist()) * 2.0  # token-wise, but leaves the traceable graph
+
+    bad = GRModel(model.hstu.config, ViaPython(), model.postfix_dnn, list(model.embeddings.tables.values()))
+    with pytest.raises(ExportError, match=r"prefix_dnn \(.*ViaPython\): ONNX export failed: \w+"):
+        export_model(bad, tmp_path / "export", dense_dims=DENSE_DIMS)
+
+    class NumpyHead(PostfixDNN):
+        output_names = ("score",)
+
+        def forward(self, hidden, common):
+            return {"score": torch.from_numpy(np.tanh(hidden.detach().numpy()).sum(-1))}
+
+    bad = GRModel(model.hstu.config, model.prefix_dnn, NumpyHead(), list(model.embeddings.tables.values()))
+    with pytest.raises(ExportError, match=r"postfix_dnn \(.*NumpyHead\): ONNX export failed: \w+"):
+        export_model(bad, tmp_path / "export2", dense_dims=DENSE_DIMS)
+    assert not (tmp_path / "export2").exists()
+
+
+def test_position_mixing_prefix_and_unknown_dense_dims_are_refused(shipped, tmp_path):
+    model, _ = shipped
+
+    class Mixer(PrefixDNN):
+        feature_names = ("item_id",)
+
+        def forward(self, features):
+            x = features["item_id"]
+            return x - x.mean(0, keepdim=True)
+
+    tables = list(model.embeddings.tables.values())
+    with pytest.raises(ExportError, match="Mixer.*token-wise"):
+        export_model(GRModel(model.hstu.config, Mixer(), model.postfix_dnn, tables), tmp_path / "a", dense_dims=DENSE_DIMS)
+    with pytest.raises(ExportError, match="user_score.*dense_dims"):
+        export_model(model, tmp_path / "b")
