@@ -47,3 +47,9 @@ def test_defaults_are_the_synthetic_retrieval_recipe_and_round_trip():
     assert config.source == "synthetic" and config.task == "retrieval" and config.eval_exclude == "history"
     assert [t.name for t in config.ranking.tasks] == ["watch", "like"]
     assert DataConfig.from_dict(config.to_dict()) == config
+
+
+def test_sections_given_as_mappings_are_validated_in_place():
+    assert DataConfig(synthetic={"num_users": 5}).synthetic.num_users == 5
+    with pytest.raises(ValueError, match=r"data\.ranking: expected a mapping"):
+        DataConfig(ranking=3)

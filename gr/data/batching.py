@@ -7,6 +7,7 @@ seeded by (seed, split, epoch, batch number), so batches do not depend on worker
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Sequence
@@ -128,17 +129,19 @@ def assemble(
     )
 
 
-class SplitBatches(Dataset):
+class SplitBatches(Dataset, abc.ABC):
     """A split's samples; ``dataset[BatchKey]`` is the built batch of the key's rows."""
 
     def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int) -> None:
         self.corpus, self.split, self.max_seq_len, self.seed = corpus, split, max_seq_len, seed
 
-    def __len__(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of samples (rows) in the split."""
 
-    def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
+        """rows: [B] int64 sample indices -> the batch."""
 
     def __getitem__(self, key: BatchKey) -> GRInput:
         rng = np.random.default_rng([self.seed, SPLIT_CODES[self.split], key.epoch, key.number])

@@ -246,18 +246,15 @@ class DataConfig:
             _check_int(f"{where}.{name}", getattr(self, name), minimum)
         for name in ("item_features", "user_features"):
             _check_bool(f"{where}.{name}", getattr(self, name))
-        for name, cls in (("columns", ColumnConfig), ("synthetic", SyntheticConfig), ("ranking", RankingConfig)):
-            if not isinstance(getattr(self, name), cls):
-                raise ValueError(f"{where}.{name}: expected a mapping, got {getattr(self, name)!r}")
+        for name, section in (("columns", ColumnConfig), ("synthetic", SyntheticConfig), ("ranking", RankingConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, section):
+                object.__setattr__(self, name, section.from_dict(value, f"{where}.{name}"))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "data") -> "DataConfig":
         """Build from the YAML ``data:`` mapping; any bad or unknown key raises ValueError naming it."""
-        values = _known_keys(cls, values, where)
-        for name, sub in (("columns", ColumnConfig), ("synthetic", SyntheticConfig), ("ranking", RankingConfig)):
-            if name in values:
-                values[name] = sub.from_dict(values[name], f"{where}.{name}")
-        return cls(**values, where=where)
+        return cls(**_known_keys(cls, values, where), where=where)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -307,8 +307,14 @@ def _export_onnx(
             )
     except Exception as exc:  # the exporter raises many types; all mean "cannot export this module"
         raise ExportError(f"{label}: ONNX export failed: {type(exc).__name__}: {_first_lines(exc)}") from exc
-    _verify_onnx(label, adapter, example, input_names, output_names, path)
     model = onnx.load(str(path))
+    for value in model.graph.input:
+        shape = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+        if not shape or shape[0] != dim_name:
+            raise ExportError(f"{label}: ONNX export failed: input {value.name!r} got shape {shape}, not "
+                              f"[{dim_name}, ...]: the traced graph depends on the row count, but the module "
+                              "must work for any number of rows")
+    _verify_onnx(label, adapter, example, input_names, output_names, path)
     specs = []
     for value in model.graph.output:
         tensor_type = value.type.tensor_type

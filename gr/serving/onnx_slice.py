@@ -15,6 +15,8 @@ class OnnxSlice:
 
     def __init__(self, path: Path, spec: SliceSpec, threads: Optional[int] = None) -> None:
         options = ort.SessionOptions()
+        # No busy-waiting between runs: the HSTU engine (torch) needs the same cores right after.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads is not None:
             options.intra_op_num_threads = threads
         self.spec = spec

@@ -34,8 +34,11 @@ SAMPLED_ITEMS = "sampled_item_id"
 CONTEXT_ARGUMENTS = ("hidden_dim", "feature_dims", "common_dims", "embedding_dim", "tasks")
 
 
-def build_tables(config: TrainConfig, spec: FeatureSpec) -> List[TableConfig]:
-    """The configured tables with rows resolved from the data, checked against its features."""
+def build_tables(config: TrainConfig, spec: FeatureSpec, for_training: bool = True) -> List[TableConfig]:
+    """The configured tables with rows resolved from the data, checked against its features.
+
+    for_training: give the retrieval item table the ``SAMPLED_ITEMS`` feature too.
+    """
     cardinalities = {**spec.sequence, **spec.common}
     tables = [TableConfig.from_dict(t, f"model.tables[{i}]", cardinalities) for i, t in enumerate(config.model.tables)]
     by_feature = {f: t for t in tables for f in t.features}
@@ -54,24 +57,22 @@ def build_tables(config: TrainConfig, spec: FeatureSpec) -> List[TableConfig]:
             if table.num_embeddings < cardinality:
                 raise ValueError(f"model.tables[{table.name}].num_embeddings: {table.num_embeddings} rows, but "
                                  f"{feature!r} has ids up to {cardinality - 1}")
-    if config.task_type == "retrieval":
+    if for_training and config.task_type == "retrieval":
         item = config.task.retrieval.item_feature
-        tables = [_with_feature(t, SAMPLED_ITEMS) if item in t.features else t for t in tables]
+        tables = [dataclasses.replace(t, features=(*t.features, SAMPLED_ITEMS)) if item in t.features else t
+                  for t in tables]
     return tables
-
-
-def _with_feature(table: TableConfig, feature: str) -> TableConfig:
-    values = {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
-    return TableConfig(**{**values, "features": (*table.features, feature)})
 
 
 def item_table(tables: Sequence[TableConfig], item_feature: str) -> TableConfig:
     return next(t for t in tables if item_feature in t.features)
 
 
-def build_model(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = ()) -> GRModel:
+def build_model(
+    config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = (), for_training: bool = True
+) -> GRModel:
     """A fresh GRModel (tables unsharded, on CPU). Seed torch first for identical ranks."""
-    tables = build_tables(config, spec)
+    tables = build_tables(config, spec, for_training)
     dims = {f: t.embedding_dim for t in tables for f in t.features}
     context: Dict[str, Any] = {
         "hidden_dim": config.model.hstu.hidden_dim,
@@ -115,4 +116,5 @@ def seeded_model(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = 
     """``build_model`` under ``trainer.seed``, so every rank (and every run) starts from the same weights."""
     with torch.random.fork_rng():
         torch.manual_seed(config.trainer.seed)
-        return build_model(config, spec, tasks)
+        with torch.device("cpu"):
+            return build_model(config, spec, tasks)

@@ -1,0 +1,42 @@
+"""Training: config, model building, the Lightning loop over TorchRec-sharded tables, checkpoints.
+
+Entry points: ``train(config, out_dir, resume=False)`` (what ``train.py`` runs),
+``load_config(path, overrides)``, ``load_trained_model(run_dir) -> (GRModel, TrainConfig)``.
+
+A run directory holds:
+
+    config.yaml        the resolved config actually used (table rows filled in from the data);
+                       ``load_config`` reads it back
+    features.json      what the data provided ({"spec": FeatureSpec fields, "tasks": [...]}),
+                       so the model can be rebuilt without reading the data
+    metrics.json       test metrics of the best checkpoint ("hr@10", "ndcg@10", ..., "mrr" for
+                       retrieval with "popularity": the most-popular baseline by the same code;
+                       "auc", "logloss", "auc/<task>", "logloss/<task>" for ranking), plus
+                       "best_val", "best_checkpoint", "epochs", "world_size",
+                       "table_rows_per_rank" and "config"
+    mappings/          raw <-> dense id mappings (``SequenceDataModule.save_mappings``)
+    checkpoints/       DCP checkpoint directories: "epoch=N" (the best by trainer.monitor)
+                       and "last" (for --resume); each has every rank's shards + meta.pt
+    logs/              TensorBoard events and metrics.csv (Lightning's CSV logger)
+
+Public names load lazily, so reading a config does not import Lightning.
+"""
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "TrainConfig": "gr.train.config",
+    "load_config": "gr.train.config",
+    "train": "gr.train.run",
+    "load_trained_model": "gr.train.run",
+    "read_run": "gr.train.run",
+    "build_model": "gr.train.build",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gr.train' has no attribute {name!r}")

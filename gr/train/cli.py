@@ -1,0 +1,71 @@
+"""The ``train.py`` command line: ``--config X.yaml [--out DIR] [--resume DIR] [--section.key value ...]``."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from gr.train.config import TrainConfig, load_config
+
+
+def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[Tuple[str, str]]]:
+    """-> (namespace with config/out/resume, [(dotted.key, value text), ...])."""
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a generative recommender. Any config key can be overridden by its dotted path, "
+                    "e.g. --trainer.max_epochs 3 --data.path ../shared/data/ml-100k",
+    )
+    parser.add_argument("--config", help="recipe YAML (default with --resume: the run's config.yaml)")
+    parser.add_argument("--out", help="run directory (default: runs/<config name>)")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    args, rest = parser.parse_known_args(list(argv))
+    overrides: List[Tuple[str, str]] = []
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if not token.startswith("--") or len(token) == 2:
+            parser.error(f"unexpected argument {token!r}: overrides look like --section.key value")
+        key, sep, value = token[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(rest):
+                parser.error(f"--{key}: missing value")
+            value = rest[i + 1]
+            i += 1
+        overrides.append((key, value))
+        i += 1
+    if args.config is None and args.resume is None:
+        parser.error("--config is required (or --resume DIR)")
+    if args.resume and args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+        parser.error("--resume continues the run in its own directory; drop --out")
+    return args, overrides
+
+
+def resolve(argv: Sequence[str]) -> Tuple[TrainConfig, Path, bool]:
+    """-> (validated config, run directory, resume?)."""
+    args, overrides = parse_args(argv)
+    if args.resume:
+        config_path = Path(args.config) if args.config else Path(args.resume) / "config.yaml"
+        return load_config(config_path, overrides), Path(args.resume), True
+    config = load_config(args.config, overrides)
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    if (out / "metrics.json").exists() or (out / "checkpoints").exists():
+        raise ValueError(f"{out} already holds a run; pass another --out, or --resume {out} to continue it")
+    return config, out, False
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import json
+    import sys
+
+    from gr.train.run import METRICS_FILE, train
+
+    try:
+        config, out, resume = resolve(sys.argv[1:] if argv is None else argv)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
+    metrics = train(config, out, resume=resume)
+    summary = {k: v for k, v in metrics.items() if k != "config"}
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out / METRICS_FILE}")
+    return 0

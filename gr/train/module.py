@@ -1,0 +1,146 @@
+"""GRTrainingModule: the Lightning module that trains a GRModel with sharded tables.
+
+The model is built and sharded in ``configure_model`` (every rank builds it from the
+same seed, then ``shard_model`` wraps it in DistributedModelParallel); the embedding
+optimizers run inside backward, so ``configure_optimizers`` gets the dense parameters only.
+
+Exact resume: every random draw of a training epoch (dropout, sampled negatives) comes
+from generators seeded by (trainer.seed, epoch, rank) at the start of the epoch, and the
+data module seeds its shuffle by epoch, so an epoch run after a resume is the same
+computation as in an uninterrupted run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from gr.data.features import FeatureSpec
+from gr.model import GRInput
+from gr.sparse.sharding import shard_model, table_device
+from gr.train.build import seeded_model
+from gr.train.config import TrainConfig
+from gr.train.tasks import RankingTask, RetrievalTask
+
+
+class GRTrainingModule(LightningModule):
+    """config: the run's TrainConfig; spec: what the data provides; tasks: ranking label
+    names; popularity: [num_items] training counts, for the most-popular baseline at test."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        spec: FeatureSpec,
+        tasks: Sequence[str] = (),
+        popularity: Optional[Tensor] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        self.tasks = tuple(tasks)
+        self.popularity = popularity
+        self.model: Optional[torch.nn.Module] = None
+        self.task: Any = None
+        self.generator = torch.Generator()
+
+    # ---- model -------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        gr_model = seeded_model(self.config, self.spec, self.tasks)
+        if self.config.task_type == "retrieval":
+            item_feature = self.config.task.retrieval.item_feature
+            self.task = RetrievalTask(self.config.task.retrieval, self.spec.sequence[item_feature],
+                                      gr_model.postfix_dnn.item_embedding)
+        else:
+            self.task = RankingTask(self.config.task.ranking, self.tasks)
+        sparse = self.config.sparse
+        self.model = shard_model(gr_model, sparse.optimizer, self.trainer.strategy.root_device, sparse.placement)
+
+    @property
+    def gr_model(self) -> torch.nn.Module:
+        """The GRModel inside DistributedModelParallel (its tables sharded)."""
+        return self.model.module
+
+    def sparse_optimizer_state(self) -> Dict[str, Any]:
+        """The fused embedding optimizers' state (sharded tensors), for checkpoints."""
+        return self.model.fused_optimizer.state_dict()
+
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["sparse_optimizer"] = self.sparse_optimizer_state()
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        self.model.fused_optimizer.load_state_dict(checkpoint["sparse_optimizer"])
+
+    def configure_optimizers(self) -> Any:
+        opt = self.config.optimizer
+        dense = [p for _, p in in_backward_optimizer_filter(self.model.named_parameters()) if p.requires_grad]
+        if opt.type == "sgd":
+            optimizer = torch.optim.SGD(dense, lr=opt.lr, weight_decay=opt.weight_decay)
+        else:
+            cls = torch.optim.AdamW if opt.type == "adamw" else torch.optim.Adam
+            optimizer = cls(dense, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        if opt.warmup_steps == 0:
+            return optimizer
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / opt.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Dense tensors to the model's device; ids to the tables' device (host memory when placed there)."""
+        if not isinstance(batch, GRInput):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        ids_device = table_device(device, self.config.sparse.placement)
+
+        def move(value: Any, to: torch.device) -> Any:
+            if isinstance(value, dict):
+                return {k: move(v, to) for k, v in value.items()}
+            return value.to(to) if value is not None and hasattr(value, "to") else value
+
+        moved = {f.name: move(getattr(batch, f.name), device) for f in dataclasses.fields(batch)}
+        moved["sequence_ids"] = move(batch.sequence_ids, ids_device)
+        moved["common_ids"] = move(batch.common_ids, ids_device)
+        return GRInput(**moved)
+
+    # ---- training ----------------------------------------------------------------------
+    def on_train_epoch_start(self) -> None:
+        seed = np.random.SeedSequence([self.config.trainer.seed, self.current_epoch, self.global_rank])
+        torch_seed, sampler_seed = (int(s) for s in seed.generate_state(2))
+        torch.manual_seed(torch_seed)
+        self.generator.manual_seed(sampler_seed)
+
+    def training_step(self, batch: GRInput, batch_idx: int) -> Tensor:
+        inputs = self.task.training_inputs(batch, self.generator)
+        output = self.model(inputs)
+        losses = self.task.loss(output, inputs)
+        size = int(batch.seq_offsets.numel() - 1)
+        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=size)
+        self.log_dict({f"train/{k}": v for k, v in losses.items() if k != "loss"}, batch_size=size)
+        return losses["loss"]
+
+    # ---- evaluation --------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self.task.start_evaluation(self.gr_model.embeddings)
+
+    def validation_step(self, batch: GRInput, batch_idx: int) -> None:
+        self.task.evaluation_step(self.model(batch), batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val", self.task.finish_evaluation())
+
+    def on_test_epoch_start(self) -> None:
+        self.task.start_evaluation(self.gr_model.embeddings)
+
+    def test_step(self, batch: GRInput, batch_idx: int) -> None:
+        self.task.evaluation_step(self.model(batch), batch, self.popularity)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test", self.task.finish_evaluation())
+
+    def _log_metrics(self, split: str, metrics: Dict[str, float]) -> None:
+        # Already gathered over all ranks: identical everywhere, no further reduction.
+        self.log_dict({f"{split}/{k}": v for k, v in metrics.items()}, prog_bar=False, sync_dist=False)

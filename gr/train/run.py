@@ -1,0 +1,171 @@
+"""``train``: one run from a TrainConfig into a run directory, and ``load_trained_model`` back out of it.
+
+See ``gr.train`` for the run directory layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from gr.data.datamodule import SequenceDataModule
+from gr.data.features import FeatureSpec
+from gr.model import GRModel
+from gr.sparse.sharding import local_table_rows
+from gr.train import checkpoint as ckpt
+from gr.train.build import build_model, build_tables
+from gr.train.config import TrainConfig, load_config, plain, save_config
+from gr.train.module import GRTrainingModule
+from gr.train.strategy import TorchRecStrategy
+
+CONFIG_FILE = "config.yaml"
+FEATURES_FILE = "features.json"
+METRICS_FILE = "metrics.json"
+MAPPINGS_DIR = "mappings"
+CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"
+LAST_CHECKPOINT = "last"
+
+
+def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dict[str, Any]:
+    """Train, validate every epoch, test the best checkpoint; returns what ``metrics.json`` holds.
+
+    resume: continue from ``out_dir/checkpoints/last`` (the same run, e.g. with a larger
+    ``trainer.max_epochs``).
+    """
+    out_dir = Path(out_dir)
+    last = out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT
+    if resume and not (last / ckpt.META_FILE).is_file():
+        raise FileNotFoundError(f"--resume {out_dir}: no checkpoint at {last}")
+    if config.trainer.num_threads:
+        torch.set_num_threads(config.trainer.num_threads)
+    datamodule = SequenceDataModule(config.data)
+    datamodule.setup()
+    spec = datamodule.feature_spec()
+    tables = build_tables(config, spec, for_training=False)  # refuses tables that do not fit the data
+    config = _with_resolved_tables(config, tables)
+    module = GRTrainingModule(config, spec, datamodule.tasks,
+                              datamodule.popularity() if config.task_type == "retrieval" else None)
+    checkpoints = ModelCheckpoint(dirpath=out_dir / CHECKPOINTS_DIR, filename="epoch={epoch}", monitor=config.monitor,
+                                  mode=config.trainer.monitor_mode, save_top_k=1, save_last=True,
+                                  auto_insert_metric_name=False)
+    checkpoints.CHECKPOINT_NAME_LAST = LAST_CHECKPOINT
+    checkpoints.FILE_EXTENSION = ""  # checkpoints are DCP directories
+    callbacks = [checkpoints]
+    if config.trainer.early_stopping_patience:
+        callbacks.append(EarlyStopping(config.monitor, patience=config.trainer.early_stopping_patience,
+                                       mode=config.trainer.monitor_mode))
+    t = config.trainer
+    trainer = Trainer(
+        strategy=TorchRecStrategy(),
+        accelerator="cuda" if t.accelerator == "gpu" else t.accelerator,
+        devices=_devices(t.devices),
+        num_nodes=t.num_nodes,
+        max_epochs=t.max_epochs,
+        precision=t.precision,
+        gradient_clip_val=t.gradient_clip_val or None,
+        log_every_n_steps=t.log_every_n_steps,
+        check_val_every_n_epoch=t.check_val_every_n_epoch,
+        limit_train_batches=t.limit_train_batches,
+        enable_progress_bar=t.enable_progress_bar,
+        callbacks=callbacks,
+        logger=[TensorBoardLogger(out_dir, name=LOGS_DIR, version=""), CSVLogger(out_dir, name=LOGS_DIR, version="")],
+        use_distributed_sampler=False,  # the data module deals batches to ranks itself
+        num_sanity_val_steps=0,
+    )
+    if trainer.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, out_dir / CONFIG_FILE)
+        _write_json(out_dir / FEATURES_FILE, {"spec": vars(spec), "tasks": list(datamodule.tasks)})
+        datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
+    test = trainer.test(module, datamodule=datamodule, ckpt_path="best", verbose=trainer.is_global_zero)[0]
+    metrics = _metrics_json(config, test, checkpoints, trainer, out_dir, module)
+    if trainer.is_global_zero:
+        _write_json(out_dir / METRICS_FILE, metrics)
+    return metrics
+
+
+def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: ModelCheckpoint, trainer: Trainer,
+                  out_dir: Path, module: GRTrainingModule) -> Dict[str, Any]:
+    """{metric: test value, "popularity": {...}, "best_val": ..., ..., "config": {...}}."""
+    values = {k.removeprefix("test/"): float(v) for k, v in test.items()}
+    metrics: Dict[str, Any] = {k: v for k, v in values.items() if not k.startswith("popularity/")}
+    baseline = {k.split("/", 1)[1]: v for k, v in values.items() if k.startswith("popularity/")}
+    if baseline:
+        metrics["popularity"] = baseline
+    rows = local_table_rows(module.model)
+    per_rank = [rows]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, rows)
+    metrics.update({
+        "best_val": {config.monitor: float(checkpoints.best_model_score)},
+        "best_checkpoint": str(Path(checkpoints.best_model_path).relative_to(out_dir.resolve())),
+        "epochs": trainer.current_epoch,
+        "world_size": trainer.world_size,
+        "table_rows_per_rank": {table: [r[table] for r in per_rank] for table in rows},
+        "config": config.to_dict(),
+    })
+    return metrics
+
+
+def _devices(devices: Any) -> int:
+    if devices != "auto":
+        return devices
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def _with_resolved_tables(config: TrainConfig, tables: list) -> TrainConfig:
+    """The config as actually used: table rows filled in from the data."""
+    model = replace(config.model, tables=tuple(t.to_dict() for t in tables))
+    return replace(config, model=model)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+        json.dump(plain(value), handle, indent=2)
+    os.replace(handle.name, path)
+
+
+# ---- reading a run back -----------------------------------------------------------------------
+def read_run(run_dir: str | Path) -> Tuple[TrainConfig, FeatureSpec, Tuple[str, ...]]:
+    """The config, feature spec and ranking tasks a run was trained with (no data read)."""
+    run_dir = Path(run_dir)
+    config = load_config(run_dir / CONFIG_FILE)
+    try:
+        features = json.loads((run_dir / FEATURES_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{run_dir / FEATURES_FILE}: cannot read the run's feature spec ({error})") from error
+    return config, FeatureSpec(**features["spec"]), tuple(features["tasks"])
+
+
+def best_checkpoint(run_dir: str | Path) -> Path:
+    """The best checkpoint directory of a run, as its checkpoint callback last recorded it."""
+    run_dir = Path(run_dir)
+    last = run_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT
+    if not (last / ckpt.META_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir}: no checkpoint at {last} (did the run finish an epoch?)")
+    states = ckpt.read_meta(last).get("callbacks", {})
+    best: Optional[str] = next((s.get("best_model_path") for k, s in states.items() if k.startswith("ModelCheckpoint")),
+                               None)
+    return run_dir / CHECKPOINTS_DIR / Path(best).name if best else last
+
+
+def load_trained_model(run_dir: str | Path) -> Tuple[GRModel, TrainConfig]:
+    """The run's best checkpoint as a plain unsharded GRModel (all shards merged, eval mode), and its config."""
+    config, spec, tasks = read_run(run_dir)
+    model = build_model(config, spec, tasks, for_training=False)
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    ckpt.load_checkpoint({"state_dict": state}, best_checkpoint(run_dir))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    return model.eval(), config

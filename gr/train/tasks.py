@@ -1,0 +1,155 @@
+"""The two training tasks: what a training step feeds the model, its loss, and its evaluation.
+
+Retrieval (autoregressive next-item prediction, sampled softmax). Negatives are drawn
+uniformly from the catalogue, per token by default (the HSTU paper's "local" sampling)
+or shared by every token of the batch (``negatives: batch``: one [K, d] matrix, far less
+lookup and memory, a noisier estimate per batch). The positives and negatives are looked
+up through the item table itself, as the extra KJT key ``SAMPLED_ITEMS``, so they go
+through the same sharded lookup (and id dedup: sampled ids repeat a lot) as the inputs,
+and their gradients reach the table's fused optimizer.
+
+Ranking: history + candidate tokens; per-task BCE on the PostfixDNN's logits.
+
+Evaluation state is kept per rank and gathered over all ranks at the end of the epoch
+(every rank then holds the same metrics); the data module deals disjoint samples to ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torchrec import JaggedTensor, KeyedJaggedTensor
+
+from gr.model import GRInput, GROutput
+from gr.sparse.tables import SparseEmbeddings
+from gr.train.build import SAMPLED_ITEMS
+from gr.train.config import RankingSection, RetrievalSection
+from gr.train.losses import multitask_bce, sampled_softmax_loss
+from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
+
+
+class RetrievalTask:
+    """num_items: catalogue size; item_embedding: item table rows [M, d] -> scored item vectors."""
+
+    name = "retrieval"
+
+    def __init__(self, config: RetrievalSection, num_items: int, item_embedding: Callable[[Tensor], Tensor]) -> None:
+        self.config = config
+        self.num_items = num_items
+        self.item_embedding = item_embedding
+        self.catalogue: Optional[Tensor] = None
+        self.ranks: Dict[str, List[Tensor]] = {}
+
+    # ---- training ---------------------------------------------------------------------
+    def training_inputs(self, batch: GRInput, generator: torch.Generator) -> GRInput:
+        """Add the positives (next items) and sampled negatives as ``SAMPLED_ITEMS`` ids.
+
+        Their rows come back as ``token_features[SAMPLED_ITEMS]``: [P + P*K] (per token)
+        or [P + K] (shared) vectors, P = tokens with a next item.
+        """
+        next_item = batch.labels["next_item"]
+        positives = next_item[next_item >= 0]
+        k = self.config.num_negatives
+        shape = (positives.numel(), k) if self.config.negatives == "token" else (k,)
+        negatives = torch.randint(0, self.num_items, shape, generator=generator).to(positives.device)
+        ids = torch.cat([positives, negatives.reshape(-1)])
+        features = batch.sequence_ids.to_dict()
+        lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=ids.device)
+        lengths[0] = ids.numel()  # one jagged row holding them all: they belong to no sequence
+        features[SAMPLED_ITEMS] = JaggedTensor(values=ids, lengths=lengths)
+        labels = {**batch.labels, "positive_ids": positives, "negative_ids": negatives}
+        return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
+
+    def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
+        valid = inputs.labels["next_item"] >= 0
+        queries = output.predictions["query"][valid]
+        positive_ids, negative_ids = inputs.labels["positive_ids"], inputs.labels["negative_ids"]
+        items = self.item_embedding(output.token_features[SAMPLED_ITEMS])
+        positives, negatives = items[: positive_ids.numel()], items[positive_ids.numel():]
+        negatives = negatives.reshape(*negative_ids.shape, items.shape[-1])
+        loss = sampled_softmax_loss(queries, positives, negatives, positive_ids, negative_ids, self.config.temperature)
+        return {"loss": loss}
+
+    # ---- evaluation -------------------------------------------------------------------
+    def start_evaluation(self, embeddings: SparseEmbeddings) -> None:
+        """Embed the whole catalogue once: each rank looks up a slice, then all gather."""
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        chunk = math.ceil(self.num_items / world)
+        ids = torch.arange(rank * chunk, (rank + 1) * chunk).clamp(max=self.num_items - 1)
+        kjt = KeyedJaggedTensor.from_lengths_sync([self.config.item_feature], ids, torch.tensor([chunk]))
+        with torch.no_grad():
+            rows = embeddings(kjt, None)[0][self.config.item_feature]
+            if world > 1:
+                gathered = [torch.empty_like(rows) for _ in range(world)]
+                dist.all_gather(gathered, rows.contiguous())
+                rows = torch.cat(gathered)
+            self.catalogue = self.item_embedding(rows[: self.num_items])
+        self.ranks = {}
+
+    def evaluation_step(self, output: GROutput, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
+        """Rank each sequence's held-out item; with ``popularity`` [I], the most-popular baseline too."""
+        if self.catalogue is None:
+            raise RuntimeError("RetrievalTask: call start_evaluation before evaluation_step")
+        labels = inputs.labels
+        queries = output.predictions["query"][output.row_offsets[1:] - 1]  # each sequence's last token
+        args = (labels["target_item"], labels["exclude_offsets"], labels["exclude_items"])
+        self.ranks.setdefault("model", []).append(target_ranks(queries, self.catalogue, *args).cpu())
+        if popularity is not None:
+            scores = popularity.to(queries.dtype).to(queries.device).expand(queries.shape[0], -1)
+            self.ranks.setdefault("popularity", []).append(score_ranks(scores, *args).cpu())
+
+    def finish_evaluation(self) -> Dict[str, float]:
+        """-> {"hr@10": ..., "mrr": ..., "popularity/hr@10": ...} over every rank's users."""
+        out: Dict[str, float] = {}
+        for scorer, ranks in self.ranks.items():
+            metrics = retrieval_metrics(gather_cat(ranks), self.config.top_k)
+            prefix = "" if scorer == "model" else f"{scorer}/"
+            out.update({f"{prefix}{name}": value for name, value in metrics.items()})
+        self.catalogue, self.ranks = None, {}
+        return out
+
+
+class RankingTask:
+    """tasks: label names; each is a logit [N] of the PostfixDNN and a 0/1 label [N] per candidate."""
+
+    name = "ranking"
+
+    def __init__(self, config: RankingSection, tasks: Sequence[str]) -> None:
+        self.config = config
+        self.tasks = tuple(tasks)
+        self.collected: Dict[str, List[Tensor]] = {}
+
+    def training_inputs(self, batch: GRInput, generator: torch.Generator) -> GRInput:
+        return batch
+
+    def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
+        logits = {t: output.predictions[t] for t in self.tasks}
+        return multitask_bce(logits, {t: inputs.labels[t] for t in self.tasks}, self.config.task_weights)
+
+    def start_evaluation(self, embeddings: SparseEmbeddings) -> None:
+        self.collected = {}
+
+    def evaluation_step(self, output: GROutput, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
+        for task in self.tasks:
+            self.collected.setdefault(f"logit/{task}", []).append(output.predictions[task].detach().float().cpu())
+            self.collected.setdefault(f"label/{task}", []).append(inputs.labels[task].float().cpu())
+
+    def finish_evaluation(self) -> Dict[str, float]:
+        gathered = {key: gather_cat(values) for key, values in self.collected.items()}
+        self.collected = {}
+        return ranking_metrics({t: gathered[f"logit/{t}"] for t in self.tasks},
+                               {t: gathered[f"label/{t}"] for t in self.tasks})
+
+
+def gather_cat(parts: Sequence[Tensor]) -> Tensor:
+    """Concatenate this rank's tensors, then every rank's (rank order)."""
+    local = torch.cat(list(parts)) if parts else torch.zeros(0)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    everyone: List[Optional[Tensor]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return torch.cat([t for t in everyone if t is not None])

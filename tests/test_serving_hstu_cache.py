@@ -1,0 +1,108 @@
+"""The KV-cache HSTU engine: cached scoring and incremental appends equal the one-pass forward."""
+import pytest
+import torch
+
+from gr.hstu import HSTU, HSTUConfig
+from gr.hstu.cache import CachedHSTU, cache_bytes_per_token
+
+CASES = [
+    dict(num_heads=2, attn_norm="max_seq_len", time_bucketing="log"),
+    dict(num_heads=1, attn_norm="seq_len", time_bucketing="sqrt", contextual_len=3),
+    dict(num_heads=2, max_attn_len=7, contextual_len=2),
+    dict(num_heads=2, position_buckets=0, time_buckets=0, position_embedding=False, scale_input=False),
+]
+
+
+def make_engine(**overrides) -> CachedHSTU:
+    cfg = HSTUConfig(**{**dict(hidden_dim=16, num_layers=2, attention_dim=8, linear_dim=6, max_seq_len=48,
+                               dropout=0.0, input_dropout=0.0), **overrides})
+    model = HSTU(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial biases and norms
+            p.add_(torch.randn_like(p) * 0.2)
+    return CachedHSTU(model)
+
+
+def tokens(history: int, candidates: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(history + candidates, 16, generator=g)
+    hist_ts = torch.sort(torch.randint(0, 10**7, (history,), generator=g)).values
+    ts = torch.cat([hist_ts, torch.full((candidates,), 10**7 + 123)])
+    return x, ts
+
+
+def one_pass(engine: CachedHSTU, x, ts, history: int):
+    """Rows of the candidates in one target-aware HSTU.forward over history + candidates."""
+    total = x.shape[0]
+    with torch.no_grad():
+        out = engine.hstu(x, torch.tensor([0, total]), total, ts, torch.tensor([total - history]))
+    return out[history:]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_cached_scores_equal_the_one_pass_target_aware_forward_for_any_micro_batch(case):
+    engine = make_engine(**case)
+    history, n = 37, 11
+    x, ts = tokens(history, n)
+    want = one_pass(engine, x, ts, history)
+    cache = engine.encode(x[:history], ts[:history])
+    for micro_batch in (1, 4, n, 1000):
+        got = engine.score(cache, x[history:], ts[history:], micro_batch=micro_batch)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_incremental_appends_equal_encoding_the_longer_history(case):
+    engine = make_engine(**case)
+    history, n = 40, 6
+    x, ts = tokens(history, n, seed=1)
+    full = engine.encode(x[:history], ts[:history])
+    cache = engine.encode(x[:20], ts[:20])
+    for start, end in ((20, 21), (21, 26), (26, 40)):
+        cache = engine.extend(cache, x[start:end], ts[start:end])
+    assert cache.length == history
+    for mine, ref in zip(cache.keys + cache.values, full.keys + full.values):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cache.timestamps, ts[:history])
+    got = engine.score(cache, x[history:], ts[history:], micro_batch=4)
+    torch.testing.assert_close(got, one_pass(engine, x, ts, history), rtol=0, atol=1e-5)
+
+
+def test_candidates_of_a_user_without_history_see_only_themselves():
+    engine = make_engine(num_heads=2)
+    x, ts = tokens(0, 5)
+    got = engine.score(engine.encode(x[:0], ts[:0]), x, ts, micro_batch=2)
+    torch.testing.assert_close(got, one_pass(engine, x, ts, 0), rtol=0, atol=1e-5)
+
+
+def test_a_history_shorter_than_contextual_len_is_re_encoded_not_extended():
+    engine = make_engine(contextual_len=4)
+    x, ts = tokens(6, 0)
+    short = engine.encode(x[:3], ts[:3])
+    assert not engine.can_extend(short) and engine.can_extend(engine.encode(x[:4], ts[:4]))
+    with pytest.raises(ValueError, match="contextual_len"):
+        engine.extend(short, x[3:6], ts[3:6])
+
+
+def test_cache_memory_per_history_token_is_k_and_v_of_every_layer_plus_the_timestamp():
+    engine = make_engine(num_heads=2, num_layers=3, attention_dim=8, linear_dim=6)
+    per_token = cache_bytes_per_token(engine.config)
+    assert per_token == 3 * 2 * (8 + 6) * 4 + 8
+    x, ts = tokens(25, 0)
+    cache = engine.encode(x, ts)
+    assert cache.nbytes == 25 * per_token
+    assert engine.extend(cache, *tokens(5, 0, seed=3)).nbytes == 30 * per_token
+
+
+def test_histories_beyond_max_seq_len_and_bad_shapes_are_refused():
+    engine = make_engine(max_seq_len=10)
+    x, ts = tokens(12, 0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.encode(x, ts)
+    cache = engine.encode(x[:8], ts[:8])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.extend(cache, x[8:11], ts[8:11])
+    with pytest.raises(ValueError, match="timestamps"):
+        engine.score(cache, x[:2], None)
+    with pytest.raises(ValueError, match=r"\[n, 16\]"):
+        engine.score(cache, x[:2, :8], ts[:2])
