@@ -227,26 +227,25 @@ def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
 
 
 def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[Problem]) -> None:
-    for t in spec.inputs:
-        key = f"slice.{SPARSE}.input.{t.name}"
-        feature = sparse.features.get(t.name)
-        if feature is None:
-            problems.append(Problem(SLICE_GRAPH, key, f"no [feature.{t.name}] in {SPARSE_INI}"))
-            continue
-        expected = (TOKENS,) if feature.kind == "sequence" else (BAG,)
-        if tuple(t.shape) != expected or t.dtype != "int64":
-            problems.append(Problem(SLICE_GRAPH, key, f"expected int64 {list(expected)} for a {feature.kind} feature"))
-    for t in spec.outputs:
-        key = f"slice.{SPARSE}.output.{t.name}"
-        feature = sparse.features.get(t.name)
-        if feature is None:
-            problems.append(Problem(SLICE_GRAPH, key, f"no [feature.{t.name}] in {SPARSE_INI}"))
-            continue
-        rows = TOKENS if feature.kind == "sequence" else BATCH
-        expected = (rows, sparse.feature_dim(t.name))
-        if tuple(t.shape) != expected or t.dtype != "float32":
-            problems.append(Problem(SLICE_GRAPH, key, f"expected float32 {list(expected)} (table "
-                                    f"{feature.table}), got {t.dtype} {list(t.shape)}"))
+    """Output <f> of the sparse slice is the lookup of its input <f>: ids in, table rows out."""
+    if [t.name for t in spec.inputs] != [t.name for t in spec.outputs]:
+        problems.append(Problem(SLICE_GRAPH, f"slice.{SPARSE}.outputs", "expected the same names as its inputs"))
+    for kind, tensors in (("input", spec.inputs), ("output", spec.outputs)):
+        for t in tensors:
+            key = f"slice.{SPARSE}.{kind}.{t.name}"
+            feature = sparse.features.get(t.name)
+            if feature is None:
+                problems.append(Problem(SLICE_GRAPH, key, f"no [feature.{t.name}] in {SPARSE_INI}"))
+                continue
+            sequence = feature.kind == "sequence"
+            if kind == "input":
+                expected = ("int64", (TOKENS,) if sequence else (BAG,))
+            else:
+                expected = ("float32", (TOKENS if sequence else BATCH, sparse.feature_dim(t.name)))
+            if (t.dtype, tuple(t.shape)) != expected:
+                problems.append(Problem(SLICE_GRAPH, key, f"expected {expected[0]} {list(expected[1])} for "
+                                        f"{feature.kind} feature {t.name} (table {feature.table}), got "
+                                        f"{t.dtype} {list(t.shape)}"))
 
 
 def _check_hstu_slice(spec: SliceSpec, config: HSTUConfig, problems: List[Problem]) -> None:

@@ -97,13 +97,18 @@ def export_model(
 
 
 def export_run(run_dir: Union[str, Path], export_dir: Union[str, Path], *, overwrite: bool = False) -> Path:
-    """Export a training run's best checkpoint (all shards merged) with its id mappings."""
-    from gr.train import load_trained_model
+    """Export a training run's best checkpoint (all shards merged) with its id mappings.
+
+    Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``.
+    """
+    from gr.train.run import MAPPINGS_DIR, load_trained_model, read_run
 
     run_dir = Path(run_dir)
+    _, spec, _ = read_run(run_dir)
     model, _ = load_trained_model(run_dir)
-    mappings = run_dir / "mappings"
-    return export_model(model, export_dir, id_mappings_dir=mappings if mappings.is_dir() else None, overwrite=overwrite)
+    mappings = run_dir / MAPPINGS_DIR
+    return export_model(model, export_dir, id_mappings_dir=mappings if mappings.is_dir() else None,
+                        dense_dims={**spec.token_dense, **spec.common_dense}, overwrite=overwrite)
 
 
 @contextlib.contextmanager
@@ -295,8 +300,10 @@ def _export_onnx(
     label = f"{slice_name} ({type(module).__qualname__})"
     path.parent.mkdir(parents=True, exist_ok=True)
     dim = torch.export.Dim(dim_name)
-    if isinstance(adapter, _PostfixAdapter):
+    if isinstance(adapter, _PostfixAdapter) and len(example) > 1:
         dynamic = ({0: dim}, tuple({0: dim} for _ in example[1:]))
+    elif isinstance(adapter, _PostfixAdapter):
+        dynamic = ({0: dim},)
     else:
         dynamic = (tuple({0: dim} for _ in example),)
     try:

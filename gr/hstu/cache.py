@@ -12,7 +12,7 @@ training code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -187,19 +187,10 @@ class CachedHSTU:
         history_len = torch.tensor(total, device=x.device)
         cache_visible = self._visible(index.view(-1, 1), cache_cols.view(1, -1), history_len)
         block_visible = self._visible(index.view(-1, 1), index.view(1, -1), history_len)
-        ts = self._timestamps(timestamps, n, x.device)
-        h = self.hstu.embed(x, index)
-        keys, values = [], []
-        for i, layer in enumerate(self.hstu.layers):
-            u, q, k, v = layer.project(h)
-            attn = attend_cached(
-                layer, q, k, v, index, timestamps, cache.keys[i], cache.values[i], cache.timestamps,
-                cache_visible, block_visible,
-            )
-            h = layer.combine(h, attn, u)
-            keys.append(torch.cat([cache.keys[i], k.transpose(0, 1)], dim=1))
-            values.append(torch.cat([cache.values[i], v.transpose(0, 1)], dim=1))
-        return HistoryCache(tuple(keys), tuple(values), torch.cat([cache.timestamps, ts]))
+        _, new_keys, new_values = self._run_new_tokens(cache, x, index, timestamps, cache_visible, block_visible)
+        keys = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.keys, new_keys))
+        values = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.values, new_values))
+        return HistoryCache(keys, values, torch.cat([cache.timestamps, self._timestamps(timestamps, n, x.device)]))
 
     @torch.inference_mode()
     def score(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor], micro_batch: int = 256) -> Tensor:
@@ -220,16 +211,33 @@ class CachedHSTU:
             chunk = x[start : start + micro_batch]
             ts = None if timestamps is None else timestamps[start : start + micro_batch]
             positions = torch.full((chunk.shape[0],), length, dtype=torch.long, device=x.device)
-            h = self.hstu.embed(chunk, positions)
-            for i, layer in enumerate(self.hstu.layers):
-                u, q, k, v = layer.project(h)
-                attn = attend_cached(
-                    layer, q, k, v, positions, ts, cache.keys[i], cache.values[i], cache.timestamps,
-                    cache_visible, None,
-                )
-                h = layer.combine(h, attn, u)
+            h, _, _ = self._run_new_tokens(cache, chunk, positions, ts, cache_visible, None)
             outputs.append(h)
         return torch.cat(outputs) if outputs else x.new_zeros(0, self.config.hidden_dim)
+
+    def _run_new_tokens(
+        self,
+        cache: HistoryCache,
+        x: Tensor,
+        positions: Tensor,
+        timestamps: Optional[Tensor],
+        cache_visible: Tensor,
+        block_visible: Optional[Tensor],
+    ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+        """New tokens through every layer against the cache (see ``attend_cached``).
+
+        -> (outputs [n, D], per-layer keys [H, n, Da], per-layer values [H, n, Dl])
+        """
+        h = self.hstu.embed(x, positions)
+        keys, values = [], []
+        for i, layer in enumerate(self.hstu.layers):
+            u, q, k, v = layer.project(h)
+            attn = attend_cached(layer, q, k, v, positions, timestamps, cache.keys[i], cache.values[i],
+                                 cache.timestamps, cache_visible, block_visible)
+            h = layer.combine(h, attn, u)
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        return h, keys, values
 
     def _empty(self, x: Tensor) -> HistoryCache:
         c = self.config

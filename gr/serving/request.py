@@ -89,13 +89,7 @@ class RequestSchema:
             columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
         if not isinstance(columns, Mapping):
             raise RequestError(f"{where}: expected an object {{feature: [one value per token]}}, got {type(columns).__name__}")
-        expected = (*self.token_ids, *self.token_dense)
-        unknown = sorted(set(columns) - set(expected) - {TIMESTAMPS})
-        if unknown:
-            raise RequestError(f"{where}: unknown feature(s) {unknown}; the model reads {list(expected)} and {TIMESTAMPS!r}")
-        missing = [name for name in expected if name not in columns]
-        if missing:
-            raise RequestError(f"{where}: missing feature(s) {missing}")
+        _check_features(columns, (*self.token_ids, *self.token_dense), where, optional=(TIMESTAMPS,))
         out: Dict[str, np.ndarray] = {}
         for name in self.token_ids:
             out[name] = _ids(columns[name], f"{where}.{name}")
@@ -120,13 +114,7 @@ class RequestSchema:
         values = {} if values is None else values
         if not isinstance(values, Mapping):
             raise RequestError(f"common_features: expected an object, got {type(values).__name__}")
-        expected = (*self.common_ids, *self.common_dense)
-        unknown = sorted(set(values) - set(expected))
-        if unknown:
-            raise RequestError(f"common_features: unknown feature(s) {unknown}; the model reads {list(expected)}")
-        missing = [name for name in expected if name not in values]
-        if missing:
-            raise RequestError(f"common_features: missing feature(s) {missing}")
+        _check_features(values, (*self.common_ids, *self.common_dense), "common_features")
         out: Dict[str, np.ndarray] = {}
         for name in self.common_ids:
             value = values[name]
@@ -135,6 +123,15 @@ class RequestSchema:
         for name, dim in self.common_dense.items():
             out[name] = _dense([values[name]], dim, f"common_features.{name}")
         return out
+
+
+def _check_features(given: Mapping[str, Any], expected: Tuple[str, ...], where: str, optional: Tuple[str, ...] = ()) -> None:
+    unknown = sorted(set(given) - set(expected) - set(optional))
+    if unknown:
+        raise RequestError(f"{where}: unknown feature(s) {unknown}; the model reads {[*expected, *optional]}")
+    missing = [name for name in expected if name not in given]
+    if missing:
+        raise RequestError(f"{where}: missing feature(s) {missing}")
 
 
 def _ids(values: Any, where: str) -> np.ndarray:

@@ -23,6 +23,17 @@ TABLE_KINDS = ("sequence", "common")
 POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 # Ways the TorchRec planner may split a table across ranks (fused kernels only).
 SHARDING_TYPES = ("row_wise", "table_wise", "column_wise", "table_row_wise")
+# FBGEMM's embedding kernels store rows in multiples of 4 floats.
+DIM_ALIGNMENT = 4
+
+
+def storage_dim(embedding_dim: int) -> int:
+    """Row width a table is stored with: ``embedding_dim`` rounded up to FBGEMM's alignment.
+
+    A table of dim 50 (the HSTU paper's) is stored 52 wide; lookups return its first 50
+    columns, so the 2 padding columns never get a gradient and never reach the model.
+    """
+    return -(-embedding_dim // DIM_ALIGNMENT) * DIM_ALIGNMENT
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,8 @@ class SparseEmbeddings(nn.Module):
     (EmbeddingBagCollection) are the modules DistributedModelParallel shards. Each
     collection always receives every feature it was built with, in its own order
     (features absent from a batch get no ids), because a sharded collection fixes its
-    input layout at its first call.
+    input layout at its first call. Tables are stored ``storage_dim`` wide; lookups are
+    cut back to each table's ``embedding_dim`` (``table_weight`` gives the unpadded rows).
 
     dedup: look each distinct id of a table up once per batch ("unique before lookup"):
         the ids of all features reading a table are made unique, looked up, and scattered
@@ -162,7 +174,7 @@ class SparseEmbeddings(nn.Module):
                         EmbeddingConfig(
                             name=t.name,
                             num_embeddings=t.num_embeddings,
-                            embedding_dim=t.embedding_dim,
+                            embedding_dim=storage_dim(t.embedding_dim),
                             feature_names=list(t.features),
                             init_fn=_init_fn(t),
                         )
@@ -183,7 +195,7 @@ class SparseEmbeddings(nn.Module):
                     EmbeddingBagConfig(
                         name=t.name,
                         num_embeddings=t.num_embeddings,
-                        embedding_dim=t.embedding_dim,
+                        embedding_dim=storage_dim(t.embedding_dim),
                         feature_names=list(t.features),
                         pooling=POOLINGS[t.pooling],
                         init_fn=_init_fn(t),
@@ -199,6 +211,15 @@ class SparseEmbeddings(nn.Module):
 
     def feature_dim(self, feature: str) -> int:
         return self.feature_to_table[feature].embedding_dim
+
+    def table_weight(self, name: str) -> Tensor:
+        """The rows of (unsharded) table ``name``: [num_embeddings, embedding_dim] float."""
+        table = self.tables[name]
+        if table.kind == "sequence":
+            weight = self.sequence[f"dim{table.embedding_dim}"].embeddings[name].weight
+        else:
+            weight = self.common.embedding_bags[name].weight
+        return weight[:, : table.embedding_dim]
 
     def forward(
         self, sequence_ids: Optional[KeyedJaggedTensor], common_ids: Optional[KeyedJaggedTensor]
@@ -223,17 +244,17 @@ class SparseEmbeddings(nn.Module):
                 raise ValueError(f"common ids: features {unknown} have no table of kind 'common'")
             jagged = common_ids.to_dict()
             pooled = self.common(_full_kjt(self.common_features, jagged, common_ids.stride())).to_dict()
-            common_out = {k: pooled[k] for k in common_ids.keys()}
+            common_out = {k: pooled[k][:, : self.feature_dim(k)] for k in common_ids.keys()}
         if self.output_device is not None:
             seq_out = {k: v.to(self.output_device, non_blocking=True) for k, v in seq_out.items()}
             common_out = {k: v.to(self.output_device, non_blocking=True) for k, v in common_out.items()}
         return seq_out, common_out
 
-    @staticmethod
-    def _lookup(collection: nn.Module, features: List[str], jagged: Dict[str, JaggedTensor]) -> Dict[str, Tensor]:
+    def _lookup(self, collection: nn.Module, features: List[str], jagged: Dict[str, JaggedTensor]) -> Dict[str, Tensor]:
         stride = next(jagged[f].lengths().numel() for f in features if f in jagged)
         looked_up = collection(_full_kjt(features, jagged, stride))
-        return {f: looked_up[f].values() for f in features if f in jagged}
+        dim = self.feature_dim(features[0])
+        return {f: looked_up[f].values()[:, :dim] for f in features if f in jagged}
 
     def _lookup_unique(
         self, collection: nn.Module, features: List[str], jagged: Dict[str, JaggedTensor]
@@ -254,7 +275,8 @@ class SparseEmbeddings(nn.Module):
         looked_up = collection(_full_kjt(features, unique_ids, 1))
         out: Dict[str, Tensor] = {}
         for table, table_features in by_table.items():
-            rows = looked_up[self.tables[table].features[0]].values()[inverse[table]]
+            rows = looked_up[self.tables[table].features[0]].values()[:, : self.tables[table].embedding_dim]
+            rows = rows[inverse[table]]
             sizes = [jagged[f].values().numel() for f in table_features]
             out.update(zip(table_features, torch.split(rows, sizes)))
         return out

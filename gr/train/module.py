@@ -12,7 +12,7 @@ computation as in an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -70,6 +70,14 @@ class GRTrainingModule(LightningModule):
     def sparse_optimizer_state(self) -> Dict[str, Any]:
         """The fused embedding optimizers' state (sharded tensors), for checkpoints."""
         return self.model.fused_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Route "model.*" keys through DistributedModelParallel, which maps them onto the shards."""
+        unknown = [k for k in state_dict if not k.startswith("model.")]
+        if unknown and strict:
+            raise KeyError(f"GRTrainingModule.load_state_dict: unexpected keys {unknown[:5]}")
+        return self.model.load_state_dict({k[len("model."):]: v for k, v in state_dict.items()
+                                           if k.startswith("model.")}, strict=strict)
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         checkpoint["sparse_optimizer"] = self.sparse_optimizer_state()

@@ -9,8 +9,9 @@ scores in backward (no L x L tensor is kept), so memory stays bounded by ``tile_
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,23 +30,28 @@ from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 
 QUERY_CHUNK = 256  # query rows per chunk
 TILE_ELEMENTS = 1 << 22  # score elements (all heads) per batched chunk, ~16 MB in fp32
+# Calls scoring at least this many elements run the tiles through torch.compile (2-3x faster
+# on this math, ~30 s one-off compile per graph); smaller calls would not pay it back soon.
+COMPILE_MIN_SCORES = 1 << 23
 
 
 @dataclass
 class _Chunk:
-    """Query rows [m0, m1) of a group against keys [0, ctx_hi) + [lo, hi) (padded indices)."""
+    """Query rows [m0, m1) of a group against keys [0, ctx_hi) + [lo, hi) (padded indices).
+
+    cols: [K] int64, those key indices
+    """
 
     m0: int
     m1: int
     ctx_hi: int
     lo: int
     hi: int
+    cols: Tensor
 
-    def keys(self, device: torch.device) -> Optional[Tensor]:
-        """Key indices when the set is not one slice, else None (use ``self.lo:self.hi``)."""
-        if self.ctx_hi == 0:
-            return None
-        return torch.cat([torch.arange(0, self.ctx_hi, device=device), torch.arange(self.lo, self.hi, device=device)])
+    @property
+    def rows(self) -> slice:
+        return slice(self.m0, self.m1)
 
 
 @dataclass
@@ -74,7 +80,7 @@ class _Problem:
     timestamps: Optional[Tensor]  # [T + 1] int64, padding row last
     time_thresholds: Optional[Tensor]  # [NB - 1] float32 bucket edges
     time_bucketing: str
-    dtype: torch.dtype  # compute dtype of the chunk weights
+    compiled: bool  # run the tiles through torch.compile
 
 
 def cpu_hstu_attention(
@@ -89,15 +95,17 @@ def cpu_hstu_attention(
     alpha: float,
     silu_scale: Optional[float],
     rab: Optional[RelativeBias],
+    compiled: Optional[bool] = None,
 ) -> Tensor:
     """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
-    and the bias weights. bf16/fp16 inputs are computed in fp32."""
+    and the bias weights. bf16/fp16 inputs are computed in fp32. ``compiled``: run the tiles
+    through torch.compile; None decides by the call's size (``COMPILE_MIN_SCORES``)."""
     compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
     problem = _build_problem(
-        q.shape[0], q.shape[1], seq_offsets, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab, compute
+        q.shape[0], q.shape[1], seq_offsets, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab, compiled
     )
     weights = [w.to(compute) if w is not None else None for w in (pos_w, time_w)]
     out = _ChunkedAttention.apply(qc, kc, vc, weights[0], weights[1], problem)
@@ -116,7 +124,7 @@ def _build_problem(
     alpha: float,
     silu_scale: Optional[float],
     rab: Optional[RelativeBias],
-    dtype: torch.dtype,
+    compiled: Optional[bool],
 ) -> _Problem:
     device = seq_offsets.device
     lengths = lengths_from_offsets(seq_offsets)
@@ -140,7 +148,10 @@ def _build_problem(
         timestamps = torch.cat([ts, ts.new_zeros(1)])
         bucketing = rab.time_bucketing
         thresholds = time_bucket_thresholds(bucketing, rab.time_weights.numel(), device)[1:-1]
-    return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, thresholds, bucketing, dtype)
+    if compiled is None:
+        scored = sum(g.tokens.shape[0] * heads * (c.m1 - c.m0) * c.cols.numel() for g in groups for c in g.chunks)
+        compiled = scored >= COMPILE_MIN_SCORES
+    return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, thresholds, bucketing, compiled)
 
 
 def _padded_lengths(lengths: Tensor) -> Tensor:
@@ -173,7 +184,8 @@ def _group(
         lo = max(min(m0, h_min) - max_attn_len, 0) if max_attn_len > 0 else 0
         ctx_hi = min(contextual_len, h_max, lo)
         if hi > lo or ctx_hi > 0:
-            chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi))
+            cols = torch.cat([torch.arange(0, ctx_hi, device=index.device), torch.arange(lo, hi, device=index.device)])
+            chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, cols))
     return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks)
 
 
@@ -184,21 +196,17 @@ class _ChunkedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem):  # noqa: D401
         ctx.problem = problem
         ctx.save_for_backward(q, k, v, pos_w, time_w)
-        total, heads, dv = v.shape
-        out = v.new_zeros(total + 1, heads, dv)
+        total, heads, dim_v = v.shape
+        out = v.new_zeros(total + 1, heads, dim_v)
+        forward_tile = _tile_functions(problem.compiled)[0]
         padded = [_pad_rows(x) for x in (q, k, v)]
         for group in problem.groups:
             qg, kg, vg = (x[group.tokens].transpose(1, 2) for x in padded)  # [G, H, Lp, D]
-            og = vg.new_zeros(vg.shape[:2] + (group.tokens.shape[1], dv))
+            og = vg.new_zeros(vg.shape[:2] + (group.tokens.shape[1], dim_v))
             for chunk in group.chunks:
-                keys = chunk.keys(q.device)
-                kc, vc = (_key_slice(x, chunk, keys) for x in (kg, vg))
-                weight, bias, _, _ = _tile_terms(problem, group, chunk, keys, pos_w, time_w)
-                scores = torch.matmul(qg[:, :, chunk.m0 : chunk.m1] * problem.alpha, kc.transpose(-1, -2))
-                if bias is not None:
-                    scores += bias
-                attn = F.silu(scores, inplace=True).mul_(weight)
-                og[:, :, chunk.m0 : chunk.m1] = torch.matmul(attn, vc)
+                og[:, :, chunk.rows] = forward_tile(
+                    qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), *_tile_context(problem, group, chunk, pos_w, time_w)
+                )
             out[group.tokens] = og.transpose(1, 2)
         return out[:total]
 
@@ -207,8 +215,8 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, pos_w, time_w = ctx.saved_tensors
         problem: _Problem = ctx.problem
-        alpha = problem.alpha
-        grads = [torch.zeros(x.shape[0] + 1, *x.shape[1:], dtype=x.dtype) for x in (q, k, v)]
+        backward_tile = _tile_functions(problem.compiled)[1]
+        grads = [x.new_zeros(x.shape[0] + 1, *x.shape[1:]) for x in (q, k, v)]
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
         padded = [_pad_rows(x) for x in (q, k, v, grad_out.contiguous())]
@@ -216,29 +224,19 @@ class _ChunkedAttention(torch.autograd.Function):
             qg, kg, vg, dog = (x[group.tokens].transpose(1, 2) for x in padded)
             dqg, dkg, dvg = (torch.zeros_like(x) for x in (qg, kg, vg))
             for chunk in group.chunks:
-                keys = chunk.keys(q.device)
-                rows = slice(chunk.m0, chunk.m1)
-                kc, vc = (_key_slice(x, chunk, keys) for x in (kg, vg))
-                weight, bias, pos_idx, time_idx = _tile_terms(problem, group, chunk, keys, pos_w, time_w)
-                scores = torch.matmul(qg[:, :, rows] * alpha, kc.transpose(-1, -2))
-                if bias is not None:
-                    scores += bias
-                sig = torch.sigmoid(scores)
-                silu = scores.mul_(sig)
-                attn = silu * weight
-                dvc = torch.matmul(attn.transpose(-1, -2), dog[:, :, rows])
-                dscore = torch.matmul(dog[:, :, rows], vc.transpose(-1, -2)).mul_(weight)
-                dscore.mul_(torch.addcmul(sig, silu, torch.rsub(sig, 1.0)))  # SiLU'(s) = sig + silu * (1 - sig)
-                dqg[:, :, rows] += torch.matmul(dscore, kc) * alpha
-                dkc = torch.matmul(dscore.transpose(-1, -2), qg[:, :, rows]) * alpha
-                _add_keys(dkg, dkc, chunk, keys)
-                _add_keys(dvg, dvc, chunk, keys)
-                if dpos is not None or dtime is not None:
-                    dbias = dscore.sum(1).flatten()
-                    if dpos is not None:
-                        dpos.index_add_(0, pos_idx.flatten(), dbias)
-                    if dtime is not None:
-                        dtime.index_add_(0, time_idx.flatten(), dbias)
+                dq, dk, dv, dbias_pos, dbias_time = backward_tile(
+                    qg[:, :, chunk.rows],
+                    *_key_part(chunk, kg, vg),
+                    dog[:, :, chunk.rows],
+                    *_tile_context(problem, group, chunk, pos_w, time_w),
+                )
+                dqg[:, :, chunk.rows] += dq
+                _add_keys(dkg, dk, chunk)
+                _add_keys(dvg, dv, chunk)
+                if dpos is not None:
+                    dpos += dbias_pos
+                if dtime is not None:
+                    dtime += dbias_time
             for grad, part in zip(grads, (dqg, dkg, dvg)):
                 grad.index_add_(0, group.tokens.flatten(), part.transpose(1, 2).flatten(0, 1))
         dq, dk, dv = (g[:-1] for g in grads)
@@ -250,48 +248,114 @@ def _pad_rows(x: Tensor) -> Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
 
-def _key_slice(x: Tensor, chunk: _Chunk, keys: Optional[Tensor]) -> Tensor:
-    return x[:, :, chunk.lo : chunk.hi] if keys is None else x[:, :, keys]
+def _key_part(chunk: _Chunk, *xs: Tensor) -> Tuple[Tensor, ...]:
+    """The chunk's keys of each [G, H, Lp, D] tensor."""
+    return tuple(x[:, :, chunk.lo : chunk.hi] if chunk.ctx_hi == 0 else x[:, :, chunk.cols] for x in xs)
 
 
-def _add_keys(acc: Tensor, part: Tensor, chunk: _Chunk, keys: Optional[Tensor]) -> None:
-    if keys is None:
+def _add_keys(acc: Tensor, part: Tensor, chunk: _Chunk) -> None:
+    if chunk.ctx_hi == 0:
         acc[:, :, chunk.lo : chunk.hi] += part
     else:
-        acc.index_add_(2, keys, part)
+        acc.index_add_(2, chunk.cols, part)
 
 
-def _tile_terms(
-    problem: _Problem,
-    group: _Group,
-    chunk: _Chunk,
-    keys: Optional[Tensor],
-    pos_w: Optional[Tensor],
-    time_w: Optional[Tensor],
-) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """Per-chunk terms shared by all heads, each [G, 1, C, K]: weight = visible * norm (history
-    keys only), bias (or None), and the position / time bucket indices [G, C, K] (or None)."""
-    device = group.tokens.device
-    rows = torch.arange(chunk.m0, chunk.m1, device=device).view(1, -1, 1)
-    cols = torch.arange(chunk.lo, chunk.hi, device=device) if keys is None else keys
-    cols = cols.view(1, 1, -1)
-    hist = group.history
-    visible = hstu_visibility(rows, cols, group.lengths, hist, problem.contextual_len, problem.max_attn_len)
-    visible &= cols < hist
-    row_pos = torch.minimum(rows, hist)
-    weight = visible.to(problem.dtype).mul_(silu_norm(row_pos, problem.silu_scale).to(problem.dtype))
-    bias = pos_idx = time_idx = None
-    if pos_w is not None:
-        pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_w.numel())
-        bias = pos_w[pos_idx]
+def _tile_context(
+    problem: _Problem, group: _Group, chunk: _Chunk, pos_w: Optional[Tensor], time_w: Optional[Tensor]
+) -> tuple:
+    """The tile functions' arguments after q, k, v (and grad_out)."""
+    row_ts = col_ts = None
     if time_w is not None:
         ts = problem.timestamps[group.tokens]
-        col_ts = ts[:, chunk.lo : chunk.hi] if keys is None else ts[:, keys]
-        delta = (ts[:, chunk.m0 : chunk.m1, None] - col_ts[:, None, :]).abs_().clamp_(min=1)
-        time_idx = torch.bucketize(delta.to(torch.float32), problem.time_thresholds, right=True)
-        bias = time_w[time_idx] if bias is None else bias.add_(time_w[time_idx])
-    weight = weight.unsqueeze(1)
-    return weight, bias.unsqueeze(1) if bias is not None else None, pos_idx, time_idx
+        row_ts, col_ts = ts[:, chunk.rows], ts[:, chunk.cols]
+    return (
+        torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device),
+        chunk.cols,
+        group.lengths,
+        group.history,
+        row_ts,
+        col_ts,
+        pos_w,
+        time_w,
+        problem.time_thresholds,
+        problem.alpha,
+        problem.silu_scale,
+        problem.contextual_len,
+        problem.max_attn_len,
+    )
+
+
+def _tile_scores(
+    q: Tensor,
+    k: Tensor,
+    rows: Tensor,
+    cols: Tensor,
+    lengths: Tensor,
+    hist: Tensor,
+    row_ts: Optional[Tensor],
+    col_ts: Optional[Tensor],
+    pos_w: Optional[Tensor],
+    time_w: Optional[Tensor],
+    thresholds: Optional[Tensor],
+    alpha: float,
+    silu_scale: Optional[float],
+    contextual_len: int,
+    max_attn_len: int,
+) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """One tile's pre-activation scores and what multiplies SiLU of them.
+
+    q: [G, H, C, Dqk], k: [G, H, K, Dqk]; rows: [C], cols: [K] int64 indices in the padded
+    sequences; lengths, hist: [G, 1, 1]; row_ts: [G, C], col_ts: [G, K] int64 or None.
+    returns scores [G, H, C, K] = alpha q.k + bias, weight [G, 1, C, K] = visible * norm over
+    history keys, and the position / time bucket indices [G, C, K] (None when off).
+    """
+    rows, cols = rows.view(1, -1, 1), cols.view(1, 1, -1)
+    visible = hstu_visibility(rows, cols, lengths, hist, contextual_len, max_attn_len) & (cols < hist)
+    row_pos = torch.minimum(rows, hist)
+    weight = visible.to(q.dtype) * silu_norm(row_pos, silu_scale).to(q.dtype)
+    scores = torch.matmul(q * alpha, k.transpose(-1, -2))
+    pos_idx = time_idx = None
+    if pos_w is not None:
+        pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_w.numel())
+        scores = scores + pos_w[pos_idx].unsqueeze(1)
+    if time_w is not None:
+        delta = (row_ts[:, :, None] - col_ts[:, None, :]).abs().clamp(min=1)
+        time_idx = torch.bucketize(delta.to(torch.float32), thresholds, right=True)
+        scores = scores + time_w[time_idx].unsqueeze(1)
+    return scores, weight.unsqueeze(1), pos_idx, time_idx
+
+
+def _forward_tile(q: Tensor, k: Tensor, v: Tensor, *context: object) -> Tensor:
+    """v: [G, H, K, Dv]; see ``_tile_scores`` for the rest -> [G, H, C, Dv]."""
+    scores, weight, _, _ = _tile_scores(q, k, *context)
+    return torch.matmul(F.silu(scores) * weight, v)
+
+
+def _backward_tile(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, *context: object) -> tuple:
+    """grad_out: [G, H, C, Dv] -> dq, dk, dv for the tile and the bias weights' gradients."""
+    scores, weight, pos_idx, time_idx = _tile_scores(q, k, *context)
+    alpha = context[9]
+    sig = torch.sigmoid(scores)
+    silu = scores * sig
+    dv = torch.matmul((silu * weight).transpose(-1, -2), grad_out)
+    dscores = torch.matmul(grad_out, v.transpose(-1, -2)) * weight * (sig + silu * (1 - sig))  # SiLU'
+    dq = torch.matmul(dscores, k) * alpha
+    dk = torch.matmul(dscores.transpose(-1, -2), q) * alpha
+    dbias = dscores.sum(1).flatten()
+    dpos = dtime = None
+    if pos_idx is not None:
+        dpos = dscores.new_zeros(context[6].numel()).index_add_(0, pos_idx.flatten(), dbias)
+    if time_idx is not None:
+        dtime = dscores.new_zeros(context[7].numel()).index_add_(0, time_idx.flatten(), dbias)
+    return dq, dk, dv, dpos, dtime
+
+
+@functools.lru_cache(maxsize=2)
+def _tile_functions(compiled: bool) -> Tuple[Callable[..., Tensor], Callable[..., tuple]]:
+    """(forward, backward) tile functions, through torch.compile (dynamic shapes) if asked."""
+    if not compiled:
+        return _forward_tile, _backward_tile
+    return torch.compile(_forward_tile, dynamic=True), torch.compile(_backward_tile, dynamic=True)
 
 
 def _add_target_self_terms(

@@ -1,0 +1,175 @@
+"""Serving speed of one ranking request, measured in one run through the exported model.
+
+A request scores N candidates for a user with L history tokens. Modes:
+  (a) pointwise: N separate forward passes of history + 1 candidate (what a pointwise ranker
+      does). At large L*N this is too slow to run fully here, so it runs on a sample of
+      candidates and is scaled per candidate (the output says how many were run);
+  (b) one target-aware pass over history + all N candidates, no cache;
+  (c) prefix caching with a cold user cache: encode the history once, then score the
+      candidates against the cached K/V in micro-batches;
+  (d) a warm user cache that lacks the user's k newest actions: extend by k tokens, then score.
+The model is the ML-1M shape scaled up (hidden 256, 4 layers, 2 heads of 128), exported with
+``gr.export`` and served by ``gr.serving.Ranker`` (sparse -> ONNX Runtime -> HSTU -> ONNX Runtime).
+
+FLOP bound of (a)/(c): per layer, a token costs its projections (2*D*H*(2*Dl+2*Da) + 2*H*Dl*D)
+and a visible (query, key) pair costs 2*H*(Da+Dl). (a) = N * [(L+1) tokens + L(L+1)/2 + (L+1) pairs];
+(c) = L tokens + L(L+1)/2 pairs + N * [1 token + (L+1) pairs].
+
+Run: ``.venv/bin/python bench/serving.py`` (a few minutes on 2 cores). Last line: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+
+from gr import GRModel, HSTUConfig, TableConfig
+from gr.export import export_model
+from gr.hstu.cache import cache_bytes_per_token
+from gr.postfix_dnn import MMoERankingHead
+from gr.prefix_dnn import MLPTokenEncoder
+from gr.serving import Ranker
+
+NUM_ITEMS = 3706  # ML-1M items
+USER = "bench-user"
+
+
+def build_model(max_len: int) -> GRModel:
+    config = HSTUConfig(hidden_dim=256, num_layers=4, num_heads=2, attention_dim=128, linear_dim=128,
+                        max_seq_len=max_len, dropout=0.0, input_dropout=0.0)
+    tables = [TableConfig("item", NUM_ITEMS, 256, ("item_id",), init_std=0.05)]
+    prefix = MLPTokenEncoder({"item_id": 256}, 256)
+    postfix = MMoERankingHead(256, ["watch", "like"], num_experts=4, expert_dims=(128,), tower_dims=(64,))
+    return GRModel(config, prefix, postfix, tables).eval()
+
+
+def flops_per_layer(config: HSTUConfig, tokens: float, pairs: float) -> float:
+    d, h, da, dl = config.hidden_dim, config.num_heads, config.attention_dim, config.linear_dim
+    per_token = 2 * d * h * (2 * dl + 2 * da) + 2 * h * dl * d
+    per_pair = 2 * h * (da + dl)
+    return tokens * per_token + pairs * per_pair
+
+
+def flop_bound(config: HSTUConfig, length: int, n: int) -> float:
+    history_pairs = length * (length + 1) / 2
+    pointwise = n * flops_per_layer(config, length + 1, history_pairs + length + 1)
+    cached = flops_per_layer(config, length + n, history_pairs + n * (length + 1))
+    return pointwise / cached
+
+
+def best_time(run: Callable[[], object], repeats: int, before: Callable[[], None] = lambda: None) -> float:
+    """Fastest of ``repeats`` timed runs, in seconds (``before`` runs untimed ahead of each)."""
+    times = []
+    for _ in range(repeats):
+        before()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--candidates", type=int, nargs="+", default=[64, 512, 2048])
+    parser.add_argument("--new-actions", type=int, default=8, help="k of mode (d)")
+    parser.add_argument("--micro-batch", type=int, default=512)
+    parser.add_argument("--pointwise-budget", type=float, default=4.0,
+                        help="seconds of pointwise forwards per (L, N) before scaling per candidate")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        export_dir = export_model(build_model(max(args.lengths)), Path(tmp) / "export")
+        print(f"export: {time.perf_counter() - start:.1f}s")
+        ranker = Ranker.load(export_dir, micro_batch=args.micro_batch, cache_bytes=2**31)
+        config = ranker.model.config
+        print(f"model: hidden {config.hidden_dim}, {config.num_layers} layers, {config.num_heads} heads x "
+              f"{config.attention_dim}; cache {cache_bytes_per_token(config)} bytes per history token")
+        warm_up(ranker, rng, max(args.lengths))
+        rows: Dict[str, Dict[str, float]] = {}
+        header = f"{'L':>5} {'N':>5} {'(a) ms':>10} {'(b) ms':>9} {'(c) ms':>8} {'(d) ms':>8} {'a/c':>7} {'bound':>7} {'b/c':>6} {'a run':>6}"
+        print(header)
+        for length in args.lengths:
+            history = request_tokens(rng, length, start_time=0)
+            for n in args.candidates:
+                candidates = {"item_id": rng.integers(0, NUM_ITEMS, n)}
+                row = measure(ranker, history, candidates, args)
+                row["bound"] = flop_bound(config, length, n)
+                rows[f"L{length}_N{n}"] = row
+                print(f"{length:>5} {n:>5} {row['a_ms']:>10.0f} {row['b_ms']:>9.1f} {row['c_ms']:>8.1f} "
+                      f"{row['d_ms']:>8.1f} {row['a_over_c']:>7.1f} {row['bound']:>7.1f} {row['b_over_c']:>6.2f} "
+                      f"{int(row['a_sampled']):>4}/{n}")
+    key = "L1024_N512"
+    summary = {
+        "bench": "serving",
+        "model": {"hidden_dim": 256, "num_layers": 4, "num_heads": 2, "head_dim": 128},
+        "cache_bytes_per_token": cache_bytes_per_token(config),
+        "a_is_sampled": "(a) runs a_sampled candidates and is scaled per candidate to N",
+        "ratios": {k: {m: round(v, 3) for m, v in r.items()} for k, r in rows.items()},
+    }
+    if key in rows:
+        summary["target_L1024_N512"] = {"a_over_c": round(rows[key]["a_over_c"], 1), "half_bound": round(rows[key]["bound"] / 2, 1),
+                                        "met": rows[key]["a_over_c"] >= rows[key]["bound"] / 2}
+    print(json.dumps(summary))
+
+
+def request_tokens(rng: np.random.Generator, length: int, start_time: int) -> Dict[str, np.ndarray]:
+    return {"item_id": rng.integers(0, NUM_ITEMS, length),
+            "timestamps": np.sort(rng.integers(start_time, start_time + 10**8, length))}
+
+
+def warm_up(ranker: Ranker, rng: np.random.Generator, length: int) -> None:
+    """One request per mode at the longest history, so one-off costs (kernel compiles) are not timed."""
+    history = request_tokens(rng, length, 0)
+    candidates = {"item_id": rng.integers(0, NUM_ITEMS, 4)}
+    ranker.rank("warm-up", history, candidates, use_cache=False)
+    ranker.rank("warm-up", history, candidates)
+    ranker.cache.invalidate()
+
+
+def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str, np.ndarray],
+            args: argparse.Namespace) -> Dict[str, float]:
+    n, length, k = len(candidates["item_id"]), len(history["item_id"]), args.new_actions
+    request_time = int(history["timestamps"][-1]) + 60
+
+    def rank(user: str, hist: Dict[str, np.ndarray], cands: Dict[str, np.ndarray], use_cache: bool = True):
+        return ranker.rank(user, hist, cands, request_time=request_time, use_cache=use_cache)
+
+    # (a) pointwise: one uncached pass per candidate, on as many candidates as fit the budget.
+    sampled: List[float] = []
+    while len(sampled) < n and sum(sampled) < args.pointwise_budget:
+        one = {"item_id": candidates["item_id"][len(sampled): len(sampled) + 1]}
+        start = time.perf_counter()
+        rank(USER, history, one, use_cache=False)
+        sampled.append(time.perf_counter() - start)
+    a = float(np.median(sampled)) * n
+    b = best_time(lambda: rank(USER, history, candidates, use_cache=False), args.repeats)
+    c = best_time(lambda: rank(USER, history, candidates), args.repeats, before=ranker.cache.invalidate)
+    # (d): the cache holds the history without its k newest actions; the request brings them.
+    older = {name: value[: length - k] for name, value in history.items()}
+    rank(USER, older, candidates)
+    stale = ranker.cache.get(USER)
+
+    def restore() -> None:
+        ranker.cache.put(USER, stale, ranker.cache.generation)
+
+    d = best_time(lambda: rank(USER, history, candidates), args.repeats, before=restore)
+    assert rank(USER, history, candidates).cache == "hit"
+    restore()
+    assert rank(USER, history, candidates).cache == "extend"
+    return {"a_ms": a * 1e3, "b_ms": b * 1e3, "c_ms": c * 1e3, "d_ms": d * 1e3, "a_over_c": a / c,
+            "b_over_c": b / c, "a_over_d": a / d, "a_sampled": float(len(sampled))}
+
+
+if __name__ == "__main__":
+    main()

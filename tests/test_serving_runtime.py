@@ -1,0 +1,233 @@
+"""The serving runtime: cached = uncached = trained scores, user cache (appends, LRU by bytes,
+reload, threads), bad requests, batch form and CLI."""
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from gr.export import export_model
+from gr.hstu.cache import cache_bytes_per_token
+from gr.serving import Ranker, RankRequest, RequestError, UserCache
+from gr.serving.__main__ import main as serving_main
+from test_export_roundtrip import DENSE_DIMS, build_ranking_model, random_batch, rank_all, requests_from_batch
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    model = build_ranking_model(max_seq_len=40, contextual_len=1)
+    return model, export_model(model, tmp_path_factory.mktemp("serving") / "export", dense_dims=DENSE_DIMS)
+
+
+@pytest.fixture(scope="module")
+def users(exported):
+    """Test users: a batch, the trained model's predictions on it, and one request per user."""
+    model, _ = exported
+    batch = random_batch(model, [30, 17, 40, 9], [5, 9, 2, 6], seed=7)
+    with torch.no_grad():
+        predictions = {k: v.numpy() for k, v in model(batch).predictions.items()}
+    return predictions, requests_from_batch(batch)
+
+
+def slice_history(request, end):
+    return {**request, "history": {k: v[:end] for k, v in request["history"].items()}}
+
+
+def rank(ranker, request, **kwargs):
+    return ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"], **kwargs)
+
+
+def test_cached_uncached_and_trained_scores_agree_for_every_micro_batch(exported, users):
+    _, path = exported
+    want, requests = users
+    for micro_batch in (1, 4, 1000):
+        ranker = Ranker.load(path, micro_batch=micro_batch)
+        cold = rank_all(ranker, requests)
+        warm = rank_all(ranker, requests)
+        uncached = rank_all(ranker, requests, use_cache=False)
+        for task in want:
+            np.testing.assert_allclose(cold[task], want[task], rtol=0, atol=ATOL)
+            np.testing.assert_allclose(warm[task], want[task], rtol=0, atol=ATOL)
+            np.testing.assert_allclose(uncached[task], want[task], rtol=0, atol=ATOL)
+
+
+def test_new_actions_extend_the_cached_history_and_match_the_trained_model(exported, users):
+    _, path = exported
+    want, requests = users
+    ranker = Ranker.load(path, micro_batch=3)
+    request = requests[0]  # 25 history tokens, 5 candidates
+    assert rank(ranker, slice_history(request, 18)).cache == "miss"
+    cached = ranker.cache.get(request["user_id"])
+    assert cached.history.length == 18
+    assert rank(ranker, slice_history(request, 19)).cache == "extend"
+    result = rank(ranker, request)
+    assert result.cache == "extend" and ranker.cache.get(request["user_id"]).history.length == 25
+    for task in want:
+        np.testing.assert_allclose(result.scores[task], want[task][:5], rtol=0, atol=ATOL)
+    assert rank(ranker, request).cache == "hit"
+    edited = {**request, "history": {**request["history"], "item_id": request["history"]["item_id"].copy()}}
+    edited["history"]["item_id"][3] = (edited["history"]["item_id"][3] + 1) % 50
+    assert rank(ranker, edited).cache == "miss", "a changed past action must not reuse the cache"
+
+
+def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_used(exported, users):
+    _, path = exported
+    _, requests = users
+    ranker = Ranker.load(path)
+    config = ranker.model.config
+    sizes = {}
+    for r in requests:
+        rank(ranker, r)
+        sizes[r["user_id"]] = ranker.cache.get(r["user_id"]).nbytes
+        history_bytes = ranker.cache.get(r["user_id"]).history.nbytes
+        assert history_bytes == len(r["history"]["timestamps"]) * cache_bytes_per_token(config)
+    u0, u1, u2, u3 = (r["user_id"] for r in requests)
+    bound = sizes[u0] + sizes[u1] + sizes[u2] - 1  # the three first users do not fit together
+    ranker = Ranker.load(path, cache_bytes=bound)
+    for r in requests[:3]:
+        rank(ranker, r)
+    assert ranker.cache.users() == [u1, u2] and ranker.cache.nbytes <= bound
+    rank(ranker, requests[1])  # u1 becomes the most recently used ...
+    rank(ranker, requests[0])  # ... so u2 is evicted for u0
+    assert ranker.cache.users() == [u1, u0] and ranker.cache.nbytes == sizes[u1] + sizes[u0]
+    tiny = Ranker.load(path, cache_bytes=sizes[u3] - 1)
+    assert rank(tiny, requests[3]).cache == "miss" and len(tiny.cache) == 0, "an entry above the bound is not kept"
+
+
+def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, users, tmp_path):
+    model, path = exported
+    _, requests = users
+    ranker = Ranker.load(path)
+    rank(ranker, requests[0])
+    generation = ranker.cache.generation
+    other = build_ranking_model(max_seq_len=40, contextual_len=1)
+    with torch.no_grad():
+        other.load_state_dict(model.state_dict())
+        other.postfix_dnn.towers["click"][-1].bias.add_(1.0)
+    new_path = export_model(other, tmp_path / "v2", dense_dims=DENSE_DIMS)
+    before = rank(ranker, requests[0]).scores["click"]
+    ranker.reload(new_path)
+    assert len(ranker.cache) == 0 and ranker.cache.generation == generation + 1
+    after = rank(ranker, requests[0])
+    assert after.cache == "miss"
+    np.testing.assert_allclose(after.scores["click"], before + 1.0, rtol=0, atol=1e-4)
+    assert not ranker.cache.put("late", ranker.cache.get(requests[0]["user_id"]), generation)
+
+
+def test_concurrent_requests_give_the_sequential_results(exported, users):
+    _, path = exported
+    want, requests = users
+    sequential = [rank(Ranker.load(path), r).scores for r in requests]
+    ranker = Ranker.load(path, cache_bytes=2 * 40 * cache_bytes_per_token(Ranker.load(path).model.config))
+    jobs = [requests[i % len(requests)] for i in range(24)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda r: (r["user_id"], rank(ranker, r)), jobs))
+    index = {r["user_id"]: i for i, r in enumerate(requests)}
+    for user, result in results:
+        for task, value in sequential[index[user]].items():
+            np.testing.assert_allclose(result.scores[task], value, rtol=0, atol=ATOL)
+    assert ranker.cache.nbytes <= ranker.cache.max_bytes
+    assert {res.cache for _, res in results} <= {"miss", "hit"}
+
+
+BAD_REQUESTS = {
+    "unknown feature": (lambda r: {**r, "candidates": {**r["candidates"], "colour": [1] * 5}}, r"candidates: unknown feature.*colour"),
+    "id out of range": (lambda r: {**r, "candidates": {**r["candidates"], "item_id": np.array([1, 2, 50, 3, 4])}},
+                        r"candidates\.item_id: ids \[50\] out of range \[0, 50\)"),
+    "common id out of range": (lambda r: {**r, "common_features": {**r["common_features"], "user_id": [-1]}},
+                               r"common_features\.user_id: ids \[-1\] out of range"),
+    "empty candidates": (lambda r: {**r, "candidates": {k: v[:0] for k, v in r["candidates"].items()}}, "candidates.*empty"),
+    "missing feature": (lambda r: {**r, "history": {k: v for k, v in r["history"].items() if k != "genre"}},
+                        r"history: missing feature.*genre"),
+    "ragged columns": (lambda r: {**r, "history": {**r["history"], "genre": r["history"]["genre"][:-1]}}, "different lengths"),
+    "wrong dense dim": (lambda r: {**r, "common_features": {**r["common_features"], "user_score": [0.5]}},
+                        r"user_score: expected 2 floats"),
+    "float ids": (lambda r: {**r, "history": {**r["history"], "item_id": r["history"]["item_id"] + 0.5}}, "integers"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_REQUESTS))
+def test_bad_requests_are_clear_errors_and_leave_the_cache_untouched(exported, users, kind):
+    _, path = exported
+    want, requests = users
+    ranker = Ranker.load(path)
+    request = requests[0]
+    rank(ranker, request)
+    entry, size = ranker.cache.get(request["user_id"]), ranker.cache.nbytes
+    corrupt, message = BAD_REQUESTS[kind]
+    with pytest.raises(RequestError, match=message):
+        rank(ranker, corrupt(request))
+    assert ranker.cache.get(request["user_id"]) is entry and ranker.cache.nbytes == size
+    again = rank(ranker, request)
+    assert again.cache == "hit"
+    np.testing.assert_allclose(again.scores["click"], want["click"][:5], rtol=0, atol=ATOL)
+
+
+def test_history_longer_than_max_seq_len_is_truncated_and_reported_or_refused(exported, users):
+    model, path = exported
+    _, requests = users
+    request = requests[2]  # 38 history tokens; make 45 > max_seq_len = 40
+    long = {**request, "history": {k: np.concatenate([v[:7], v]) for k, v in request["history"].items()}}
+    long["history"]["timestamps"] = np.sort(long["history"]["timestamps"])
+    with pytest.raises(RequestError, match="45 tokens exceed the model's max_seq_len 40"):
+        rank(Ranker.load(path, long_history="refuse"), long)
+    result = rank(Ranker.load(path), long)
+    assert result.truncated == 5 and result.history_length == 40
+    assert "truncated" in result.to_json()["warnings"][0]
+    kept = {**long, "history": {k: v[5:] for k, v in long["history"].items()}}
+    np.testing.assert_allclose(result.scores["like"], rank(Ranker.load(path), kept, use_cache=False).scores["like"],
+                               rtol=0, atol=ATOL)
+
+
+def test_batch_form_and_cli_print_scores_per_task(exported, users, tmp_path, capsys):
+    _, path = exported
+    want, requests = users
+    ranker = Ranker.load(path)
+    results = ranker.rank_batch([RankRequest(**r) for r in requests])
+    np.testing.assert_allclose(np.concatenate([r.scores["click"] for r in results]), want["click"], rtol=0, atol=ATOL)
+    with pytest.raises(RequestError, match=r"requests\[1\]: candidates.*empty"):
+        ranker.rank_batch([RankRequest(**requests[0]),
+                           RankRequest(**{**requests[1], "candidates": {k: v[:0] for k, v in requests[1]["candidates"].items()}})])
+
+    def as_json(r):
+        return {**r, "history": {k: v.tolist() for k, v in r["history"].items()},
+                "candidates": {k: v.tolist() for k, v in r["candidates"].items()},
+                "common_features": {k: v.tolist() for k, v in r["common_features"].items()}}
+
+    file = tmp_path / "request.json"
+    file.write_text(json.dumps(as_json(requests[1])))
+    assert serving_main(["rank", str(path), "--request", str(file), "--micro-batch", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["user_id"] == requests[1]["user_id"] and set(printed["scores"]) == {"click", "like"}
+    np.testing.assert_allclose(printed["scores"]["like"], want["like"][5:14], rtol=0, atol=ATOL)
+    bad = as_json(requests[1])
+    bad["candidates"]["item_id"][0] = 999
+    file.write_text(json.dumps([as_json(requests[0]), bad]))
+    assert serving_main(["rank", str(path), "--request", str(file)]) == 2
+    printed = json.loads(capsys.readouterr().out)
+    assert "scores" in printed[0] and "out of range" in printed[1]["error"] and "request[1]" in printed[1]["error"]
+
+
+def test_user_cache_is_thread_safe_under_concurrent_puts():
+    class Entry:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+    cache = UserCache(max_bytes=1000)
+    generation = cache.generation
+
+    def worker(offset):
+        for i in range(300):
+            cache.put((offset + i) % 37, Entry(10 + (i % 7) * 10), generation)
+            cache.get((offset * 3 + i) % 37)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.nbytes == sum(cache.get(u).nbytes for u in cache.users()) <= 1000
