@@ -19,7 +19,7 @@ from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN, TableConfig
 from gr.export import ExportError, check_export, export_model, load_hstu, open_export
 from gr.export.format import FORMAT_VERSION, HSTU_CONFIG, SPARSE_INI, hstu_tensor_shapes
 from gr.hstu import HSTU
-from gr.postfix_dnn import MMoERankingHead
+from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker
 
@@ -87,6 +87,13 @@ def build_custom_model() -> GRModel:
     tables = [TableConfig("item", 50, 16, ("item_id",))]
     cfg = HSTUConfig(**{**HSTU_KW, "num_heads": 1, "attn_norm": "seq_len", "contextual_len": 2, "max_attn_len": 9})
     return perturb(GRModel(cfg, GatedEncoder(), ScoreAndEmbed(), tables), seed=1)
+
+
+def build_retrieval_model() -> GRModel:
+    """The HSTU paper's retrieval setting: identity PrefixDNN, normalising head, no common features."""
+    tables = [TableConfig("item", 50, 16, ("item_id",))]
+    cfg = HSTUConfig(**{**HSTU_KW, "time_buckets": 0})
+    return perturb(GRModel(cfg, MLPTokenEncoder({"item_id": 16}, 16), RetrievalHead(16, 16), tables), seed=2)
 
 
 def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], seed: int = 0) -> GRInput:
@@ -173,7 +180,13 @@ def custom(tmp_path_factory):
     return model, path
 
 
-@pytest.mark.parametrize("which", ["shipped", "custom"])
+@pytest.fixture(scope="module")
+def retrieval(tmp_path_factory):
+    model = build_retrieval_model()
+    return model, export_model(model, tmp_path_factory.mktemp("retrieval") / "export")
+
+
+@pytest.mark.parametrize("which", ["shipped", "custom", "retrieval"])
 def test_onnx_slices_match_pytorch_for_several_row_counts(which, request):
     model, path = request.getfixturevalue(which)
     graph = open_export(path).graph
@@ -214,7 +227,7 @@ def test_rebuilt_hstu_matches_trained_on_jagged_batches_with_targets(which, requ
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["shipped", "custom"])
+@pytest.mark.parametrize("which", ["shipped", "custom", "retrieval"])
 def test_chain_from_export_alone_reproduces_trained_predictions_on_test_users(which, request):
     model, path = request.getfixturevalue(which)
     batch = random_batch(model, [12, 30, 5, 1, 19], [4, 7, 1, 1, 3], seed=3)

@@ -30,10 +30,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("export_dir", type=Path)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
     args = parser.parse_args(argv)
+    from gr.export.format import ExportError
     from gr.export.writer import export_run
 
     start = time.perf_counter()
-    export_run(args.run_dir, args.export_dir, overwrite=args.overwrite)
+    try:
+        export_run(args.run_dir, args.export_dir, overwrite=args.overwrite)
+    except (ExportError, FileExistsError, FileNotFoundError, ValueError) as exc:  # ExportFormatError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     size = sum(p.stat().st_size for p in args.export_dir.rglob("*") if p.is_file())
     print(f"exported {args.run_dir} -> {args.export_dir} in {time.perf_counter() - start:.1f}s ({size / 2**20:.2f} MiB)")
     return 0

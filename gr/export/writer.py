@@ -183,10 +183,7 @@ def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, 
     features: Dict[str, FeatureEntry] = {}
     embeddings = model.embeddings
     for table in (embeddings.tables.values() if embeddings is not None else ()):
-        if table.kind == "sequence":
-            weight = embeddings.sequence[f"dim{table.embedding_dim}"].embeddings[table.name].weight
-        else:
-            weight = embeddings.common.embedding_bags[table.name].weight
+        weight = embeddings.table_weight(table.name)  # [rows, embedding_dim], storage padding cut off
         file = f"{table.name}.safetensors"
         (root / SPARSE_DIR / file).write_bytes(safetensors_bytes({TABLE_TENSOR: weight.detach().to(torch.float32).contiguous()}))
         tables[table.name] = TableEntry(table.name, file, table.num_embeddings, table.embedding_dim)

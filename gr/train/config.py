@@ -188,8 +188,13 @@ class ModelSection:
         names = [t["name"] for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.tables: duplicate table names {names}")
+        try:
+            hstu = HSTUConfig.from_dict(values.get("hstu") or {}, f"{where}.hstu")
+        except (TypeError, ValueError) as error:
+            message = str(error)
+            raise ValueError(message if message.startswith(f"{where}.hstu") else f"{where}.hstu: {message}") from error
         return cls(
-            hstu=HSTUConfig.from_dict(values.get("hstu") or {}, f"{where}.hstu"),
+            hstu=hstu,
             tables=tuple(dict(t) for t in tables),
             prefix_dnn=ModuleSpec.parse(values.get("prefix_dnn"), f"{where}.prefix_dnn", PrefixDNN, DEFAULT_PREFIX),
             postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN,
@@ -294,7 +299,7 @@ class OptimizerSection(Section):
 class TrainerSection(Section):
     """The Lightning loop. ``devices``: processes on this node ("auto": torchrun's
     LOCAL_WORLD_SIZE, else 1). ``monitor``: the validation metric that picks the best
-    checkpoint (null: val/ndcg@10 for retrieval, val/auc for ranking)."""
+    checkpoint (null: val/ndcg@<first top_k> for retrieval, val/auc for ranking)."""
 
     max_epochs: int = checked(100, int_at_least(1))
     seed: int = checked(0, int_at_least(0))
@@ -332,7 +337,9 @@ class TrainConfig:
 
     @property
     def monitor(self) -> str:
-        return self.trainer.monitor or ("val/ndcg@10" if self.task_type == "retrieval" else "val/auc")
+        if self.trainer.monitor:
+            return self.trainer.monitor
+        return f"val/ndcg@{self.task.retrieval.top_k[0]}" if self.task_type == "retrieval" else "val/auc"
 
     def metric_names(self) -> Tuple[str, ...]:
         if self.task_type == "retrieval":

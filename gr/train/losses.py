@@ -10,28 +10,30 @@ from torch import Tensor
 
 def sampled_softmax_loss(
     queries: Tensor,
-    positives: Tensor,
-    negatives: Tensor,
-    positive_ids: Tensor,
-    negative_ids: Tensor,
+    items: Tensor,
+    positive_index: Tensor,
+    negative_index: Tensor,
     temperature: float,
 ) -> Tensor:
-    """Mean over rows of -log softmax of the positive among itself and the negatives.
+    """Mean over rows of -log softmax of the positive among itself and the row's negatives.
 
-    queries: [N, d] float; positives: [N, d] float (the true next items' embeddings)
-    negatives: [N, K, d] float (per-row samples) or [K, d] float (shared by all rows)
-    positive_ids: [N] int64; negative_ids: [N, K] or [K] int64, matching ``negatives``
-    Logits are dot products / temperature (cosines when both sides are unit vectors); a
+    queries: [N, d] float; items: [U, d] float, the distinct sampled items' vectors
+    positive_index: [N] int64, each row's true next item (a row of ``items``)
+    negative_index: [N, K] int64 (negatives per row) or [K] int64 (shared by all rows)
+    Logits are dot products / temperature (cosines when both sides are unit vectors). A
     negative that is the row's own positive is masked out, so it is never pushed down.
     returns: scalar
     """
-    positive_logits = (queries * positives).sum(-1, keepdim=True)  # [N, 1]
-    if negatives.dim() == 3:
-        negative_logits = torch.einsum("nd,nkd->nk", queries, negatives)
+    positive_logits = (queries * items[positive_index]).sum(-1, keepdim=True)  # [N, 1]
+    if negative_index.dim() == 1:
+        negative_logits = queries @ items[negative_index].T
+        negative_index = negative_index.unsqueeze(0)
+    elif items.shape[0] <= negative_index.shape[1] * items.shape[1]:
+        # Fewer distinct items than gathered values: score every row against all of them once.
+        negative_logits = (queries @ items.T).gather(1, negative_index)
     else:
-        negative_logits = queries @ negatives.T
-        negative_ids = negative_ids.unsqueeze(0)
-    negative_logits = negative_logits.masked_fill(negative_ids == positive_ids.unsqueeze(1), float("-inf"))
+        negative_logits = torch.einsum("nd,nkd->nk", queries, items[negative_index])
+    negative_logits = negative_logits.masked_fill(negative_index == positive_index.unsqueeze(1), float("-inf"))
     logits = torch.cat([positive_logits, negative_logits], dim=1) / temperature
     return -F.log_softmax(logits, dim=1)[:, 0].mean()
 

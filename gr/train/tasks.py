@@ -3,10 +3,10 @@
 Retrieval (autoregressive next-item prediction, sampled softmax). Negatives are drawn
 uniformly from the catalogue, per token by default (the HSTU paper's "local" sampling)
 or shared by every token of the batch (``negatives: batch``: one [K, d] matrix, far less
-lookup and memory, a noisier estimate per batch). The positives and negatives are looked
-up through the item table itself, as the extra KJT key ``SAMPLED_ITEMS``, so they go
-through the same sharded lookup (and id dedup: sampled ids repeat a lot) as the inputs,
-and their gradients reach the table's fused optimizer.
+lookup and memory, a noisier estimate per batch). The distinct positives and negatives
+of a batch are looked up once each through the item table itself, as the extra KJT key
+``SAMPLED_ITEMS``, so they go through the same sharded lookup as the inputs and their
+gradients reach the table's fused optimizer; the loss then indexes into those rows.
 
 Ranking: history + candidate tokens; per-task BCE on the PostfixDNN's logits.
 
@@ -46,32 +46,31 @@ class RetrievalTask:
 
     # ---- training ---------------------------------------------------------------------
     def training_inputs(self, batch: GRInput, generator: torch.Generator) -> GRInput:
-        """Add the positives (next items) and sampled negatives as ``SAMPLED_ITEMS`` ids.
+        """Add the distinct positives (next items) and sampled negatives as ``SAMPLED_ITEMS`` ids.
 
-        Their rows come back as ``token_features[SAMPLED_ITEMS]``: [P + P*K] (per token)
-        or [P + K] (shared) vectors, P = tokens with a next item.
+        Their rows come back as ``token_features[SAMPLED_ITEMS]`` [U, d]; labels
+        ``positive_index`` [P] and ``negative_index`` [P, K] (per token) or [K] (shared)
+        point into them (P = tokens with a next item).
         """
         next_item = batch.labels["next_item"]
         positives = next_item[next_item >= 0]
         k = self.config.num_negatives
         shape = (positives.numel(), k) if self.config.negatives == "token" else (k,)
         negatives = torch.randint(0, self.num_items, shape, generator=generator).to(positives.device)
-        ids = torch.cat([positives, negatives.reshape(-1)])
+        distinct, index = torch.unique(torch.cat([positives, negatives.reshape(-1)]), return_inverse=True)
         features = batch.sequence_ids.to_dict()
-        lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=ids.device)
-        lengths[0] = ids.numel()  # one jagged row holding them all: they belong to no sequence
-        features[SAMPLED_ITEMS] = JaggedTensor(values=ids, lengths=lengths)
-        labels = {**batch.labels, "positive_ids": positives, "negative_ids": negatives}
+        lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=distinct.device)
+        lengths[0] = distinct.numel()  # one jagged row holding them all: they belong to no sequence
+        features[SAMPLED_ITEMS] = JaggedTensor(values=distinct, lengths=lengths)
+        labels = {**batch.labels, "positive_index": index[: positives.numel()],
+                  "negative_index": index[positives.numel():].reshape(shape)}
         return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
 
     def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
-        valid = inputs.labels["next_item"] >= 0
-        queries = output.predictions["query"][valid]
-        positive_ids, negative_ids = inputs.labels["positive_ids"], inputs.labels["negative_ids"]
+        queries = output.predictions["query"][inputs.labels["next_item"] >= 0]
         items = self.item_embedding(output.token_features[SAMPLED_ITEMS])
-        positives, negatives = items[: positive_ids.numel()], items[positive_ids.numel():]
-        negatives = negatives.reshape(*negative_ids.shape, items.shape[-1])
-        loss = sampled_softmax_loss(queries, positives, negatives, positive_ids, negative_ids, self.config.temperature)
+        loss = sampled_softmax_loss(queries, items, inputs.labels["positive_index"], inputs.labels["negative_index"],
+                                    self.config.temperature)
         return {"loss": loss}
 
     # ---- evaluation -------------------------------------------------------------------

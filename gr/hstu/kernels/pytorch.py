@@ -45,30 +45,30 @@ def pytorch_hstu_attention(
 
     logits = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, L, L]
     if rab is not None:
-        logits = logits + _dense_bias(rab, seq_ids, idx, batch, seq_len, row, col, hist).unsqueeze(1).to(logits.dtype)
+        logits = logits + dense_relative_bias(rab, seq_offsets, num_targets, seq_len).unsqueeze(1).to(logits.dtype)
     norm = silu_norm(torch.minimum(row, hist), silu_scale).to(logits.dtype)  # [B or 1, L, 1]
     scores = F.silu(logits) * norm.unsqueeze(1) * visible.unsqueeze(1).to(logits.dtype)
     out = torch.matmul(scores, vp)  # [B, H, L, Dv]
     return out.transpose(1, 2)[seq_ids, idx]
 
 
-def _dense_bias(
-    rab: RelativeBias,
-    seq_ids: Tensor,
-    idx: Tensor,
-    batch: int,
-    seq_len: int,
-    row: Tensor,
-    col: Tensor,
-    hist: Tensor,
+def dense_relative_bias(
+    rab: RelativeBias, seq_offsets: Tensor, num_targets: Optional[Tensor], max_seq_len: int
 ) -> Tensor:
-    """[B, L, L] bias, zero where either part is off."""
-    bias = torch.zeros(batch, seq_len, seq_len, device=seq_ids.device)
+    """[B, L, L] bias (L = max_seq_len) of each padded (query, key) pair, zero where both parts are off."""
+    batch = seq_offsets.numel() - 1
+    total = int(seq_offsets[-1])
+    seq_ids = token_seq_ids(seq_offsets, total)
+    idx = token_offsets_in_seq(seq_offsets, total)
+    hist = history_lengths(seq_offsets, num_targets).view(batch, 1, 1)
+    ar = torch.arange(max_seq_len, device=seq_offsets.device)
+    row, col = ar.view(1, -1, 1), ar.view(1, 1, -1)
+    bias = torch.zeros(batch, max_seq_len, max_seq_len, device=seq_offsets.device)
     if rab.position_weights is not None:
         rel = torch.minimum(row, hist) - torch.minimum(col, hist)
         bias = bias + rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
     if rab.time_weights is not None:
-        ts = torch.zeros(batch, seq_len, dtype=torch.int64, device=seq_ids.device)
+        ts = torch.zeros(batch, max_seq_len, dtype=torch.int64, device=seq_offsets.device)
         ts[seq_ids, idx] = rab.timestamps.long()
         delta = ts.unsqueeze(2) - ts.unsqueeze(1)
         bias = bias + rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]

@@ -1,5 +1,5 @@
-"""What the GPU and NPU Triton kernels share: host-side preparation, the autograd wrapper,
-and the per-element contract math as ``@triton.jit`` helpers.
+"""Host side of the Triton kernels (GPU and NPU variants): argument checks, the inputs laid
+out for the kernels, and the autograd wrapper. Device code: ``triton_blocks``.
 
 The relative bias is fused from bucket weights and timestamps (``RelativeBias``): a
 precomputed [B, L, L] bias would bring back the O(L^2) memory and padding the kernels avoid,
@@ -14,14 +14,12 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
-from gr.hstu.kernels.common import TIME_BUCKET_LOG_DIV, RelativeBias, time_bucket_thresholds
+from gr.hstu.kernels.common import RelativeBias, time_bucket_thresholds
 from gr.jagged import history_lengths
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LOG_DIV = tl.constexpr(TIME_BUCKET_LOG_DIV)
 
 
 @dataclass
@@ -156,109 +154,39 @@ def head_block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-@triton.jit
-def sequence_of(SeqOffsets, History, b):
-    """-> start (int64), length, history length of sequence b."""
-    start = tl.load(SeqOffsets + b)
-    length = tl.load(SeqOffsets + b + 1) - start
-    return start.to(tl.int64), length, tl.load(History + b)
+def strides(*tensors: Tensor) -> tuple:
+    """(token stride, head stride) of each [T, H, D] tensor, flattened."""
+    return tuple(s for x in tensors for s in (x.stride(0), x.stride(1)))
 
 
-@triton.jit
-def key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M: tl.constexpr, HAS_CONTEXT: tl.constexpr,
-               HAS_WINDOW: tl.constexpr):
-    """History keys query rows [m0, m0 + BLOCK_M) may see: [0, ctx_hi) and [lo, hi)."""
-    hi = tl.minimum(m0 + BLOCK_M, hist)
-    lo = hi * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(tl.minimum(m0, hist) - max_attn_len, 0)
-    ctx_hi = lo * 0
-    if HAS_CONTEXT:
-        ctx_hi = tl.minimum(tl.minimum(contextual_len, hist), lo)
-    return ctx_hi, lo, hi
+def scalar_args(inputs: KernelInputs, q: Tensor, v: Tensor) -> tuple:
+    """The block functions' scalar arguments, in their order."""
+    return (
+        inputs.alpha,
+        inputs.silu_scale,
+        inputs.contextual_len,
+        inputs.max_attn_len,
+        inputs.num_pos,
+        inputs.num_time,
+        q.shape[2],
+        v.shape[2],
+    )
 
 
-@triton.jit
-def query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N: tl.constexpr, HAS_CONTEXT: tl.constexpr,
-                HAS_WINDOW: tl.constexpr):
-    """Query rows [lo, hi) that may see a history key of [n0, n0 + BLOCK_N) (empty if none)."""
-    key_hi = tl.minimum(n0 + BLOCK_N, hist)
-    lo = n0
-    hi = length
-    if HAS_WINDOW:
-        # history rows see keys at most max_attn_len back; targets (at position hist) too
-        targets_see = hist - (key_hi - 1) <= max_attn_len
-        hi = tl.where(targets_see, length, tl.minimum(hist, key_hi + max_attn_len))
-    if HAS_CONTEXT:
-        is_context = n0 < tl.minimum(contextual_len, hist)
-        lo = tl.where(is_context, 0, lo)
-        hi = tl.where(is_context, length, hi)
-    hi = tl.where(n0 < hist, hi, lo)
-    return lo, hi
+def table_args(inputs: KernelInputs) -> tuple:
+    return (inputs.seq_offsets, inputs.history, inputs.timestamps, inputs.pos_w, inputs.time_w, inputs.thresholds)
 
 
-@triton.jit
-def visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT: tl.constexpr,
-            HAS_WINDOW: tl.constexpr):
-    """[M, N] mask of ``hstu_visibility`` restricted to history keys (cols < hist)."""
-    pos_r = tl.minimum(rows, hist)[:, None]
-    pos_c = tl.minimum(cols, hist)[None, :]
-    dist = pos_r - pos_c
-    seen = dist > 0
-    if HAS_WINDOW:
-        seen = seen & (dist <= max_attn_len)
-    if HAS_CONTEXT:
-        seen = seen | ((cols < contextual_len) & (cols < hist))[None, :]
-    seen = seen | (rows[:, None] == cols[None, :])
-    return seen & (rows < length)[:, None] & (cols < hist)[None, :]
-
-
-@triton.jit
-def row_norm(rows, hist, silu_scale, SCALE_BY_POSITION: tl.constexpr):
-    """Per-query factor after SiLU: 1 / (pos + 1) or silu_scale, fp32 [M]."""
-    if SCALE_BY_POSITION:
-        norm = 1.0 / (tl.minimum(rows, hist).to(tl.float32) + 1.0)
-    else:
-        norm = tl.zeros(rows.shape, dtype=tl.float32) + silu_scale
-    return norm
-
-
-@triton.jit
-def position_bucket(pos_delta, num_pos):
-    return tl.minimum(tl.maximum(pos_delta, 0), num_pos - 1)
-
-
-@triton.jit
-def time_bucket(delta, Thresholds, num_time, TIME_LOG: tl.constexpr):
-    """|dt| (int32, any shape) -> bucket of ``common.time_bucket``: a log/sqrt estimate, then
-    one correction step against the threshold table."""
-    x = tl.maximum(tl.abs(delta).to(tl.float32), 1.0)
-    if TIME_LOG:
-        estimate = tl.log(x) / _LOG_DIV
-    else:
-        estimate = tl.sqrt(x)
-    bucket = tl.minimum(estimate.to(tl.int32), num_time - 1)
-    bucket = bucket - (x < tl.load(Thresholds + bucket)).to(tl.int32)
-    bucket = bucket + (x >= tl.load(Thresholds + bucket + 1)).to(tl.int32)
-    return tl.minimum(tl.maximum(bucket, 0), num_time - 1)
-
-
-@triton.jit
-def silu_parts(s):
-    """-> sigmoid(s), silu(s) (fp32)."""
-    sig = 1.0 / (1.0 + tl.exp(-s))
-    return sig, s * sig
-
-
-@triton.jit
-def self_bias(like, PosW, TimeW, Thresholds, num_time, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-              TIME_LOG: tl.constexpr):
-    """Bias of a token on itself (relative position 0, time delta 0), shaped like ``like`` [M]."""
-    bias = tl.zeros(like.shape, dtype=tl.float32)
-    zero = like.to(tl.int32) * 0
-    if HAS_POS:
-        bias += tl.load(PosW + zero)
-    if HAS_TIME:
-        bias += tl.load(TimeW + time_bucket(zero, Thresholds, num_time, TIME_LOG))
-    return bias
-
+def flags(inputs: KernelInputs, q: Tensor, v: Tensor) -> dict:
+    """Compile-time switches of the block functions."""
+    return dict(
+        HAS_POS=inputs.num_pos > 0,
+        HAS_TIME=inputs.num_time > 0,
+        TIME_LOG=inputs.time_log,
+        SCALE_BY_POSITION=inputs.scale_by_position,
+        HAS_CONTEXT=inputs.contextual_len > 0,
+        HAS_WINDOW=inputs.max_attn_len > 0,
+        BLOCK_DQK=head_block(q.shape[2]),
+        BLOCK_DV=head_block(v.shape[2]),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )

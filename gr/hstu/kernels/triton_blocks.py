@@ -1,0 +1,344 @@
+"""Device code shared by the GPU and NPU Triton kernels: one block of HSTU attention work.
+
+``forward_block`` / ``dq_block`` compute one query block [m0, m0 + BLOCK_M) of one sequence and
+head; ``dkv_block`` one key block [n0, n0 + BLOCK_N). The kernels differ only in how programs
+map to blocks and in two switches:
+
+* ``UB_TABLES``: look bias weights and time-bucket thresholds up in tables preloaded into
+  on-chip memory (``tl.gather``; position weights as one contiguous window per tile) instead
+  of scattered global loads: what triton-ascend recommends for NPUs.
+* The bias-weight gradient is added with fp32 ``tl.atomic_add`` (a dtype both CUDA and
+  Ascend A2/A3 support); q, k, v gradients need no atomics.
+
+Block skipping: a query block visits history keys [0, ctx_hi) and [lo, hi) only; a key block
+the query rows that can see it; a target's only visible target key is itself, added as a
+per-row term from its own K/V row, so no target loads another target's K/V.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gr.hstu.kernels.common import TIME_BUCKET_LOG_DIV
+
+_LOG_DIV = tl.constexpr(TIME_BUCKET_LOG_DIV)
+
+
+@triton.jit
+def sequence_of(SeqOffsets, History, b):
+    """-> start (int64), length, history length of sequence b."""
+    start = tl.load(SeqOffsets + b)
+    length = tl.load(SeqOffsets + b + 1) - start
+    return start.to(tl.int64), length, tl.load(History + b)
+
+
+@triton.jit
+def key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):
+    """History keys query rows [m0, m0 + BLOCK_M) may see: [0, ctx_hi) and [lo, hi)."""
+    hi = tl.minimum(m0 + BLOCK_M, hist)
+    lo = hi * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(tl.minimum(m0, hist) - max_attn_len, 0)
+    ctx_hi = lo * 0
+    if HAS_CONTEXT:
+        ctx_hi = tl.minimum(tl.minimum(contextual_len, hist), lo)
+    return ctx_hi, lo, hi
+
+
+@triton.jit
+def query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):
+    """Query rows [lo, hi) that may see a history key of [n0, n0 + BLOCK_N) (empty if none)."""
+    key_hi = tl.minimum(n0 + BLOCK_N, hist)
+    lo = n0
+    hi = length
+    if HAS_WINDOW:
+        # history rows see keys at most max_attn_len back; targets (at position hist) too
+        targets_see = hist - (key_hi - 1) <= max_attn_len
+        hi = tl.where(targets_see, length, tl.minimum(hist, key_hi + max_attn_len))
+    if HAS_CONTEXT:
+        is_context = n0 < tl.minimum(contextual_len, hist)
+        lo = tl.where(is_context, 0, lo)
+        hi = tl.where(is_context, length, hi)
+    hi = tl.where(n0 < hist, hi, lo)
+    return lo, hi
+
+
+@triton.jit
+def visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT: tl.constexpr,
+            HAS_WINDOW: tl.constexpr):
+    """[M, N] mask of ``hstu_visibility`` restricted to history keys (cols < hist)."""
+    pos_r = tl.minimum(rows, hist)[:, None]
+    pos_c = tl.minimum(cols, hist)[None, :]
+    dist = pos_r - pos_c
+    seen = dist > 0
+    if HAS_WINDOW:
+        seen = seen & (dist <= max_attn_len)
+    if HAS_CONTEXT:
+        seen = seen | ((cols < contextual_len) & (cols < hist))[None, :]
+    seen = seen | (rows[:, None] == cols[None, :])
+    return seen & (rows < length)[:, None] & (cols < hist)[None, :]
+
+
+@triton.jit
+def row_norm(rows, hist, silu_scale, SCALE_BY_POSITION: tl.constexpr):
+    """Per-query factor after SiLU: 1 / (pos + 1) or silu_scale, fp32 [M]."""
+    if SCALE_BY_POSITION:
+        norm = 1.0 / (tl.minimum(rows, hist).to(tl.float32) + 1.0)
+    else:
+        norm = tl.zeros(rows.shape, dtype=tl.float32) + silu_scale
+    return norm
+
+
+@triton.jit
+def silu_parts(s):
+    """-> sigmoid(s), silu(s) (fp32)."""
+    sig = 1.0 / (1.0 + tl.exp(-s))
+    return sig, s * sig
+
+
+@triton.jit
+def _lookup(table, idx):
+    """table[idx] for an on-chip 1-D table and an index tensor of any shape."""
+    flat = tl.gather(table, tl.reshape(idx, [idx.numel]), 0)
+    return tl.reshape(flat, idx.shape)
+
+
+@triton.jit
+def time_bucket(delta, Thresholds, thr_table, num_time, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr):
+    """|dt| (int32, any shape) -> bucket of ``common.time_bucket``: a log/sqrt estimate, then
+    one correction step against the threshold table."""
+    x = tl.maximum(tl.abs(delta).to(tl.float32), 1.0)
+    if TIME_LOG:
+        estimate = tl.log(x) / _LOG_DIV
+    else:
+        estimate = tl.sqrt(x)
+    bucket = tl.minimum(estimate.to(tl.int32), num_time - 1)
+    if UB_TABLES:
+        bucket = bucket - (x < _lookup(thr_table, bucket)).to(tl.int32)
+        bucket = bucket + (x >= _lookup(thr_table, bucket + 1)).to(tl.int32)
+    else:
+        bucket = bucket - (x < tl.load(Thresholds + bucket)).to(tl.int32)
+        bucket = bucket + (x >= tl.load(Thresholds + bucket + 1)).to(tl.int32)
+    return tl.minimum(tl.maximum(bucket, 0), num_time - 1)
+
+
+@triton.jit
+def _weights(idx, Weights, table, UB_TABLES: tl.constexpr):
+    if UB_TABLES:
+        w = _lookup(table, idx)
+    else:
+        w = tl.load(Weights + idx)
+    return w
+
+
+@triton.jit
+def tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table, thr_table, num_pos, num_time,
+              HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr,
+              POS_WINDOW: tl.constexpr):
+    """-> bias [M, N] fp32 and its position / time bucket indices (zeros when a part is off).
+
+    With UB_TABLES the position weights come from one contiguous window per tile: a tile's
+    relative positions span fewer than M + N <= POS_WINDOW consecutive buckets."""
+    pos_idx = rows[:, None] * 0 + cols[None, :] * 0
+    time_idx = pos_idx
+    bias = tl.zeros(pos_idx.shape, dtype=tl.float32)
+    if HAS_POS:
+        delta = tl.minimum(rows, hist)[:, None] - tl.minimum(cols, hist)[None, :]
+        pos_idx = tl.minimum(tl.maximum(delta, 0), num_pos - 1)
+        if UB_TABLES:
+            base = tl.min(pos_idx)
+            window = base + tl.arange(0, POS_WINDOW)
+            bias += _lookup(tl.load(PosW + window, mask=window < num_pos, other=0.0), pos_idx - base)
+        else:
+            bias += tl.load(PosW + pos_idx)
+    if HAS_TIME:
+        time_idx = time_bucket(ts_rows[:, None] - ts_cols[None, :], Thresholds, thr_table, num_time, TIME_LOG,
+                               UB_TABLES)
+        bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
+    return bias, pos_idx, time_idx
+
+
+@triton.jit
+def self_bias(like, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS: tl.constexpr,
+              HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr):
+    """Bias of a token on itself (relative position 0, time delta 0), shaped like ``like`` [M];
+    also its time bucket."""
+    bias = tl.zeros(like.shape, dtype=tl.float32)
+    zero = like.to(tl.int32) * 0
+    time_idx = zero
+    if HAS_POS:
+        bias += tl.load(PosW + zero)
+    if HAS_TIME:
+        time_idx = time_bucket(zero, Thresholds, thr_table, num_time, TIME_LOG, UB_TABLES)
+        bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
+    return bias, time_idx
+
+
+@triton.jit
+def _load_rows(X, start, idx, ok, h, stride_t, stride_h, DIM, BLOCK_D: tl.constexpr):
+    """Rows ``idx`` of head h of a [T, H, D] tensor -> [len(idx), BLOCK_D] (zeros where not ok)."""
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(X + (start + idx)[:, None] * stride_t + h * stride_h + d[None, :],
+                   mask=ok[:, None] & (d < DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(X, value, start, idx, ok, h, stride_t, stride_h, DIM, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    tl.store(X + (start + idx)[:, None] * stride_t + h * stride_h + d[None, :], value.to(X.dtype.element_ty),
+             mask=ok[:, None] & (d < DIM)[None, :])
+
+
+@triton.jit
+def _query_pass(acc, q, do, rows, norm, ts_rows, n_lo, n_hi, start, length, hist, h,
+                K, V, Ts, PosW, TimeW, Thresholds, time_table, thr_table,
+                stride_kt, stride_kh, stride_vt, stride_vh,
+                alpha, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
+                HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, UB_TABLES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, GRAD: tl.constexpr):
+    """Loop over history keys [n_lo, n_hi) of a query block. GRAD False: acc [M, Dv] += SiLU(s)
+    * mask * norm @ v. GRAD True: acc [M, Dqk] += dS @ k (alpha applied by the caller)."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_hi
+        k = _load_rows(K, start, cols, col_ok, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK)
+        v = _load_rows(V, start, cols, col_ok, h, stride_vt, stride_vh, DIM_V, BLOCK_DV)
+        ts_cols = cols
+        if HAS_TIME:
+            ts_cols = tl.load(Ts + start + cols, mask=col_ok, other=0)
+        bias, _, _ = tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table, thr_table,
+                               num_pos, num_time, HAS_POS, HAS_TIME, TIME_LOG, UB_TABLES, POS_WINDOW)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha + bias
+        mask = visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW)
+        weight = tl.where(mask & col_ok[None, :], norm[:, None], 0.0)
+        sig, silu = silu_parts(s)
+        if GRAD:
+            d_attn = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = d_attn * weight * (sig + silu * (1.0 - sig))
+            acc += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        else:
+            acc += tl.dot((silu * weight).to(v.dtype), v, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, PosW, TimeW, Thresholds, time_table, thr_table,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                stride_ot, stride_oh,
+                alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
+                HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr,
+                SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                UB_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, GRAD: tl.constexpr):
+    """Query block [m0, m0 + BLOCK_M) of sequence b, head h. GRAD False: Out = attention output
+    [T, H, Dv] (DO unused). GRAD True: Out = dq [T, H, Dqk] given DO = d output."""
+    start, length, hist = sequence_of(SeqOffsets, History, b)
+    if m0 < length:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < length
+        q = _load_rows(Q, start, rows, row_ok, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK)
+        do = q
+        if GRAD:
+            do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
+        ts_rows = rows
+        if HAS_TIME:
+            ts_rows = tl.load(Ts + start + rows, mask=row_ok, other=0)
+        norm = row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
+        ctx_hi, lo, hi = key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M, HAS_CONTEXT, HAS_WINDOW)
+        if GRAD:
+            acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc = _query_pass(acc, q, do, rows, norm, ts_rows, 0, ctx_hi, start, length, hist, h, K, V, Ts, PosW, TimeW,
+                          Thresholds, time_table, thr_table, stride_kt, stride_kh, stride_vt, stride_vh, alpha,
+                          contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG,
+                          HAS_CONTEXT, HAS_WINDOW, UB_TABLES, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION,
+                          GRAD)
+        acc = _query_pass(acc, q, do, rows, norm, ts_rows, lo, hi, start, length, hist, h, K, V, Ts, PosW, TimeW,
+                          Thresholds, time_table, thr_table, stride_kt, stride_kh, stride_vt, stride_vh, alpha,
+                          contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG,
+                          HAS_CONTEXT, HAS_WINDOW, UB_TABLES, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION,
+                          GRAD)
+        # a target's only visible target key is itself: its own K/V row, nobody else's
+        target = row_ok & (rows >= hist)
+        k_self = _load_rows(K, start, rows, target, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK).to(tl.float32)
+        v_self = _load_rows(V, start, rows, target, h, stride_vt, stride_vh, DIM_V, BLOCK_DV).to(tl.float32)
+        bias_self, _ = self_bias(rows, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS, HAS_TIME,
+                                 TIME_LOG, UB_TABLES)
+        sig, silu = silu_parts(tl.sum(q.to(tl.float32) * k_self, 1) * alpha + bias_self)
+        weight_self = tl.where(target, norm, 0.0)
+        if GRAD:
+            ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * (sig + silu * (1.0 - sig))
+            acc = (acc + ds_self[:, None] * k_self) * alpha
+            _store_rows(Out, acc, start, rows, row_ok, h, stride_ot, stride_oh, DIM_QK, BLOCK_DQK)
+        else:
+            acc += (silu * weight_self)[:, None] * v_self
+            _store_rows(Out, acc, start, rows, row_ok, h, stride_ot, stride_oh, DIM_V, BLOCK_DV)
+
+
+@triton.jit
+def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, PosW, TimeW, Thresholds,
+              time_table, thr_table,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+              stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+              alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
+              HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr,
+              SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              UB_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+              BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """dk, dv of key block [n0, n0 + BLOCK_N) of sequence b, head h; adds dS into DPos / DTime."""
+    start, length, hist = sequence_of(SeqOffsets, History, b)
+    if n0 < length:
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < length
+        k = _load_rows(K, start, cols, col_ok, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK)
+        v = _load_rows(V, start, cols, col_ok, h, stride_vt, stride_vh, DIM_V, BLOCK_DV)
+        ts_cols = cols
+        if HAS_TIME:
+            ts_cols = tl.load(Ts + start + cols, mask=col_ok, other=0)
+        dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        m_lo, m_hi = query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N, HAS_CONTEXT, HAS_WINDOW)
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < m_hi
+            q = _load_rows(Q, start, rows, row_ok, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK)
+            do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
+            ts_rows = rows
+            if HAS_TIME:
+                ts_rows = tl.load(Ts + start + rows, mask=row_ok, other=0)
+            bias, pos_idx, time_idx = tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds,
+                                                time_table, thr_table, num_pos, num_time, HAS_POS, HAS_TIME,
+                                                TIME_LOG, UB_TABLES, POS_WINDOW)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha + bias
+            mask = visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW)
+            mask = mask & row_ok[:, None]
+            weight = tl.where(mask, row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)[:, None], 0.0)
+            sig, silu = silu_parts(s)
+            dv += tl.dot(tl.trans((silu * weight).to(do.dtype)), do, input_precision=PRECISION)
+            ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * weight * (sig + silu * (1.0 - sig))
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            if HAS_POS:
+                tl.atomic_add(DPos + pos_idx, ds, mask=mask)
+            if HAS_TIME:
+                tl.atomic_add(DTime + time_idx, ds, mask=mask)
+        # target keys: only the target itself sees them
+        target = col_ok & (cols >= hist)
+        q_self = _load_rows(Q, start, cols, target, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK).to(tl.float32)
+        do_self = _load_rows(DO, start, cols, target, h, stride_dot, stride_doh, DIM_V, BLOCK_DV).to(tl.float32)
+        bias_self, time_self = self_bias(cols, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS,
+                                         HAS_TIME, TIME_LOG, UB_TABLES)
+        sig, silu = silu_parts(tl.sum(q_self * k.to(tl.float32), 1) * alpha + bias_self)
+        weight_self = tl.where(target, row_norm(cols, hist, silu_scale, SCALE_BY_POSITION), 0.0)
+        dv += (silu * weight_self)[:, None] * do_self
+        ds_self = tl.sum(do_self * v.to(tl.float32), 1) * weight_self * (sig + silu * (1.0 - sig))
+        dk += ds_self[:, None] * q_self
+        if HAS_POS:
+            tl.atomic_add(DPos + cols * 0, ds_self, mask=target)
+        if HAS_TIME:
+            tl.atomic_add(DTime + time_self, ds_self, mask=target)
+        _store_rows(DK, dk * alpha, start, cols, col_ok, h, stride_dkt, stride_dkh, DIM_QK, BLOCK_DQK)
+        _store_rows(DV, dv, start, cols, col_ok, h, stride_dvt, stride_dvh, DIM_V, BLOCK_DV)
