@@ -111,7 +111,8 @@ def test_dangling_graph_edge_is_an_error(export):
     edit(export / "default/slice_graph.ini", "source = prefix_dnn.embedding", "source = postfix_dnn.click")
     keys = {k: m for f, k, m in problems(export) if f == "default/slice_graph.ini"}
     assert keys["slice.postfix_dnn.input.hidden.source"].startswith("dangling edge: 'hstu.last_hidden'")
-    assert keys["slice.hstu.input.x.source"].startswith("dangling edge: 'postfix_dnn.click'"), "edges only point upstream"
+    assert keys["slice.hstu.input.x.source"].startswith("dangling edge: 'postfix_dnn.click'"), \
+        "edges only point upstream"
 
 
 def test_check_cli_reports_problems_by_file_and_key(export, capsys):

@@ -120,10 +120,9 @@ def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], see
     bags = [1 + int(torch.randint(0, 3, (1,), generator=g)) for _ in lengths]
     common_ids = None
     if common_names:
-        common_ids = KeyedJaggedTensor.from_lengths_sync(
-            common_names, torch.cat([torch.randint(0, common_tables[f], (sum(bags),), generator=g) for f in common_names]),
-            torch.tensor(bags * len(common_names)),
-        )
+        ids = [torch.randint(0, common_tables[f], (sum(bags),), generator=g) for f in common_names]
+        bag_lengths = torch.tensor(bags * len(common_names))
+        common_ids = KeyedJaggedTensor.from_lengths_sync(common_names, torch.cat(ids), bag_lengths)
     common_dense = {f: torch.randn(len(lengths), dim, generator=g)
                     for f, dim in _dense(model.postfix_dnn, common_tables).items()}
     return GRInput(seq_offsets=offsets, max_seq_len=max(lengths), timestamps=torch.cat(ts),
@@ -162,7 +161,8 @@ def requests_from_batch(batch: GRInput) -> List[dict]:
 
 def rank_all(ranker: Ranker, requests: List[dict], **kwargs) -> Dict[str, np.ndarray]:
     """Scores of every request, concatenated per task in request order."""
-    results = [ranker.rank(r["user_id"], r["history"], r["candidates"], r["common_features"], **kwargs) for r in requests]
+    results = [ranker.rank(r["user_id"], r["history"], r["candidates"], r["common_features"], **kwargs)
+               for r in requests]
     return {task: np.concatenate([res.scores[task] for res in results]) for task in results[0].scores}
 
 
@@ -341,6 +341,7 @@ def test_position_mixing_prefix_and_unknown_dense_dims_are_refused(shipped, tmp_
 
     tables = list(model.embeddings.tables.values())
     with pytest.raises(ExportError, match="Mixer.*token-wise"):
-        export_model(GRModel(model.hstu.config, Mixer(), model.postfix_dnn, tables), tmp_path / "a", dense_dims=DENSE_DIMS)
+        export_model(GRModel(model.hstu.config, Mixer(), model.postfix_dnn, tables), tmp_path / "a",
+                     dense_dims=DENSE_DIMS)
     with pytest.raises(ExportError, match="user_score.*dense_dims"):
         export_model(model, tmp_path / "b")

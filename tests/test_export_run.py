@@ -36,8 +36,8 @@ OVERRIDES = [
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "ml100k-ranking"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    run = subprocess.run([sys.executable, "train.py", "--config", "configs/ml100k_hstu.yaml", "--out", str(out), *OVERRIDES],
-                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    command = [sys.executable, "train.py", "--config", "configs/ml100k_hstu.yaml", "--out", str(out), *OVERRIDES]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return out
 

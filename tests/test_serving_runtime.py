@@ -38,7 +38,8 @@ def slice_history(request, end):
 
 
 def rank(ranker, request, **kwargs):
-    return ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"], **kwargs)
+    return ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"],
+                       **kwargs)
 
 
 def test_cached_uncached_and_trained_scores_agree_for_every_micro_batch(exported, users):
@@ -135,15 +136,18 @@ def test_concurrent_requests_give_the_sequential_results(exported, users):
 
 
 BAD_REQUESTS = {
-    "unknown feature": (lambda r: {**r, "candidates": {**r["candidates"], "colour": [1] * 5}}, r"candidates: unknown feature.*colour"),
+    "unknown feature": (lambda r: {**r, "candidates": {**r["candidates"], "colour": [1] * 5}},
+                        r"candidates: unknown feature.*colour"),
     "id out of range": (lambda r: {**r, "candidates": {**r["candidates"], "item_id": np.array([1, 2, 50, 3, 4])}},
                         r"candidates\.item_id: ids \[50\] out of range \[0, 50\)"),
     "common id out of range": (lambda r: {**r, "common_features": {**r["common_features"], "user_id": [-1]}},
                                r"common_features\.user_id: ids \[-1\] out of range"),
-    "empty candidates": (lambda r: {**r, "candidates": {k: v[:0] for k, v in r["candidates"].items()}}, "candidates.*empty"),
+    "empty candidates": (lambda r: {**r, "candidates": {k: v[:0] for k, v in r["candidates"].items()}},
+                         "candidates.*empty"),
     "missing feature": (lambda r: {**r, "history": {k: v for k, v in r["history"].items() if k != "genre"}},
                         r"history: missing feature.*genre"),
-    "ragged columns": (lambda r: {**r, "history": {**r["history"], "genre": r["history"]["genre"][:-1]}}, "different lengths"),
+    "ragged columns": (lambda r: {**r, "history": {**r["history"], "genre": r["history"]["genre"][:-1]}},
+                       "different lengths"),
     "wrong dense dim": (lambda r: {**r, "common_features": {**r["common_features"], "user_score": [0.5]}},
                         r"user_score: expected 2 floats"),
     "float ids": (lambda r: {**r, "history": {**r["history"], "item_id": r["history"]["item_id"] + 0.5}}, "integers"),
@@ -190,8 +194,8 @@ def test_batch_form_and_cli_print_scores_per_task(exported, users, tmp_path, cap
     results = ranker.rank_batch([RankRequest(**r) for r in requests])
     np.testing.assert_allclose(np.concatenate([r.scores["click"] for r in results]), want["click"], rtol=0, atol=ATOL)
     with pytest.raises(RequestError, match=r"requests\[1\]: candidates.*empty"):
-        ranker.rank_batch([RankRequest(**requests[0]),
-                           RankRequest(**{**requests[1], "candidates": {k: v[:0] for k, v in requests[1]["candidates"].items()}})])
+        no_candidates = {k: v[:0] for k, v in requests[1]["candidates"].items()}
+        ranker.rank_batch([RankRequest(**requests[0]), RankRequest(**{**requests[1], "candidates": no_candidates})])
 
     def as_json(r):
         return {**r, "history": {k: v.tolist() for k, v in r["history"].items()},

@@ -60,7 +60,8 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(tmp_path):
         want_hidden = model.hstu(x, batch.seq_offsets, batch.max_seq_len, batch.timestamps, batch.num_targets)
     np.savez(tmp_path / "hstu_inputs.npz", x=x.numpy(), offsets=batch.seq_offsets.numpy(), max_len=batch.max_seq_len,
              timestamps=batch.timestamps.numpy(), num_targets=batch.num_targets.numpy())
-    requests = [{**r, **{part: {k: v.tolist() for k, v in r[part].items()} for part in ("history", "candidates", "common_features")}}
+    parts = ("history", "candidates", "common_features")
+    requests = [{**r, **{part: {k: v.tolist() for k, v in r[part].items()} for part in parts}}
                 for r in requests_from_batch(batch)]
     (tmp_path / "requests.json").write_text(json.dumps(requests))
 

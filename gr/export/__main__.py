@@ -24,7 +24,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1 if problems else 0
     parser = argparse.ArgumentParser(
         prog="python -m gr.export",
-        description="Export a training run's best checkpoint as serving slices (or: python -m gr.export check EXPORT_DIR).",
+        description="Export a training run's best checkpoint as serving slices "
+        "(or: python -m gr.export check EXPORT_DIR).",
     )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("export_dir", type=Path)
@@ -40,7 +41,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in args.export_dir.rglob("*") if p.is_file())
-    print(f"exported {args.run_dir} -> {args.export_dir} in {time.perf_counter() - start:.1f}s ({size / 2**20:.2f} MiB)")
+    elapsed = time.perf_counter() - start
+    print(f"exported {args.run_dir} -> {args.export_dir} in {elapsed:.1f}s ({size / 2**20:.2f} MiB)")
     return 0
 
 

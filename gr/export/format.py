@@ -152,7 +152,8 @@ def read_ini(root: Path, rel: str, problems: List[Problem]) -> Optional[configpa
         problems.append(Problem(rel, "format.version", "missing"))
         return None
     if version.strip() != str(FORMAT_VERSION):
-        problems.append(Problem(rel, "format.version", f"unknown format version {version!r}; this reader knows {FORMAT_VERSION}"))
+        problems.append(Problem(rel, "format.version",
+                                f"unknown format version {version!r}; this reader knows {FORMAT_VERSION}"))
         return None
     return parser
 
@@ -192,7 +193,8 @@ def hstu_config_from_ini(
     if section.get("model_type") != MODEL_TYPE:
         problems.append(Problem(rel, "model.model_type", f"expected {MODEL_TYPE!r}, got {section.get('model_type')!r}"))
     if section.get("dtype") not in HSTU_DTYPES:
-        problems.append(Problem(rel, "model.dtype", f"expected one of {list(HSTU_DTYPES)}, got {section.get('dtype')!r}"))
+        problems.append(Problem(rel, "model.dtype",
+                                f"expected one of {list(HSTU_DTYPES)}, got {section.get('dtype')!r}"))
     hints = typing.get_type_hints(HSTUConfig)
     known = {f.name for f in fields(HSTUConfig)}
     for key in sorted(set(section) - known - {"model_type", "dtype"}):

@@ -45,7 +45,9 @@ from gr.export.slice_graph import SliceGraph, SliceSpec
 from gr.export.sparse_manifest import SparseManifest
 from gr.hstu import HSTU, HSTUConfig
 
-SLICE_FILES = {SPARSE: (SPARSE_INI,), PREFIX: (PREFIX_ONNX,), HSTU_SLICE: (HSTU_CONFIG, HSTU_WEIGHTS), POSTFIX: (POSTFIX_ONNX,)}
+SLICE_FILES = {
+    SPARSE: (SPARSE_INI,), PREFIX: (PREFIX_ONNX,), HSTU_SLICE: (HSTU_CONFIG, HSTU_WEIGHTS), POSTFIX: (POSTFIX_ONNX,),
+}
 HSTU_INPUTS = (HSTU_INPUT, TIMESTAMPS, SEQ_OFFSETS, NUM_TARGETS)
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
 SAFETENSORS_DTYPE = "F32"
@@ -150,7 +152,8 @@ def _read_sparse(root: Path, problems: List[Problem]) -> Optional[SparseManifest
                                     f"[{table.rows}, {table.dim}] (table.{table.name}.rows/dim)"))
     for feature in manifest.features.values():
         if feature.id_mapping is not None and not (root / SPARSE_DIR / feature.id_mapping).is_file():
-            problems.append(Problem(SPARSE_INI, f"feature.{feature.name}.id_mapping", f"file {feature.id_mapping} is missing"))
+            problems.append(Problem(SPARSE_INI, f"feature.{feature.name}.id_mapping",
+                                    f"file {feature.id_mapping} is missing"))
     return manifest if len(problems) == start else None
 
 
@@ -168,7 +171,8 @@ def _check_hstu_weights(root: Path, config: HSTUConfig, problems: List[Problem])
         if name not in shapes:
             problems.append(Problem(HSTU_WEIGHTS, name, f"tensor is missing (expected shape {list(shape)})"))
         elif shapes[name] != shape:
-            problems.append(Problem(HSTU_WEIGHTS, name, f"shape {list(shapes[name])}, config.ini implies {list(shape)}"))
+            problems.append(Problem(HSTU_WEIGHTS, name,
+                                    f"shape {list(shapes[name])}, config.ini implies {list(shape)}"))
     for name in sorted(set(shapes) - set(expected)):
         problems.append(Problem(HSTU_WEIGHTS, name, "unexpected tensor for this config.ini"))
 
@@ -185,7 +189,8 @@ def _safetensors_shapes(root: Path, rel: str, problems: List[Problem]) -> Option
             for name in f.keys():
                 tensor = f.get_slice(name)
                 if tensor.get_dtype() != SAFETENSORS_DTYPE:
-                    problems.append(Problem(rel, name, f"dtype {tensor.get_dtype()}, expected {SAFETENSORS_DTYPE} (float32)"))
+                    problems.append(Problem(rel, name,
+                                            f"dtype {tensor.get_dtype()}, expected {SAFETENSORS_DTYPE} (float32)"))
                 out[name] = tuple(tensor.get_shape())
             return out
     except (SafetensorError, OSError) as exc:
@@ -223,7 +228,8 @@ def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
             if dtype != t.dtype:
                 problems.append(Problem(rel, t.name, f"dtype {dtype}, {SLICE_GRAPH} {key}.dtype says {t.dtype}"))
             if shape != tuple(t.shape):
-                problems.append(Problem(rel, t.name, f"shape {list(shape)}, {SLICE_GRAPH} {key}.shape says {list(t.shape)}"))
+                problems.append(Problem(rel, t.name,
+                                        f"shape {list(shape)}, {SLICE_GRAPH} {key}.shape says {list(t.shape)}"))
 
 
 def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[Problem]) -> None:
@@ -251,8 +257,10 @@ def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[
 def _check_hstu_slice(spec: SliceSpec, config: HSTUConfig, problems: List[Problem]) -> None:
     names = [t.name for t in spec.inputs]
     if names != list(HSTU_INPUTS):
-        problems.append(Problem(SLICE_GRAPH, f"slice.{HSTU_SLICE}.inputs", f"expected {', '.join(HSTU_INPUTS)}, got {', '.join(names)}"))
-    for kind, tensors, name, rows in (("input", spec.inputs, HSTU_INPUT, TOKENS), ("output", spec.outputs, HSTU_OUTPUT, TARGETS)):
+        problems.append(Problem(SLICE_GRAPH, f"slice.{HSTU_SLICE}.inputs",
+                                f"expected {', '.join(HSTU_INPUTS)}, got {', '.join(names)}"))
+    for kind, tensors, name, rows in (("input", spec.inputs, HSTU_INPUT, TOKENS),
+                                      ("output", spec.outputs, HSTU_OUTPUT, TARGETS)):
         match = [t for t in tensors if t.name == name]
         key = f"slice.{HSTU_SLICE}.{kind}.{name}"
         if not match:

@@ -118,8 +118,8 @@ class SliceGraph:
                 name=name,
                 engine=values.get("engine", ""),
                 files=tuple(split_list(values.get("files", ""))),
-                inputs=tuple(_read_tensors(parser, section, "inputs", f"{section}.input", problems, with_source=True)),
-                outputs=tuple(_read_tensors(parser, section, "outputs", f"{section}.output", problems, with_source=False)),
+                inputs=tuple(_read_tensors(parser, section, "inputs", f"{section}.input", problems, True)),
+                outputs=tuple(_read_tensors(parser, section, "outputs", f"{section}.output", problems, False)),
             ))
         if len(problems) > start:
             return None
@@ -131,18 +131,20 @@ class SliceGraph:
         problems: List[Problem] = []
         names = [s.name for s in self.slices]
         if tuple(names) != SLICE_ORDER:
-            problems.append(Problem(SLICE_GRAPH, "graph.order", f"expected {', '.join(SLICE_ORDER)}, got {', '.join(names)}"))
+            problems.append(Problem(SLICE_GRAPH, "graph.order",
+                                    f"expected {', '.join(SLICE_ORDER)}, got {', '.join(names)}"))
         available = {f"{REQUEST}.{t.name}": t for t in self.request}
         for s in self.slices:
             expected_engine = SLICE_ENGINES.get(s.name)
             if expected_engine is not None and s.engine != expected_engine:
-                problems.append(Problem(SLICE_GRAPH, f"slice.{s.name}.engine", f"expected {expected_engine!r}, got {s.engine!r}"))
+                problems.append(Problem(SLICE_GRAPH, f"slice.{s.name}.engine",
+                                        f"expected {expected_engine!r}, got {s.engine!r}"))
             for t in s.inputs:
                 key = f"slice.{s.name}.input.{t.name}.source"
                 upstream = available.get(t.source or "")
                 if upstream is None:
-                    problems.append(Problem(SLICE_GRAPH, key, f"dangling edge: {t.source!r} is neither a request tensor "
-                                            "nor an output of an earlier slice"))
+                    problems.append(Problem(SLICE_GRAPH, key, f"dangling edge: {t.source!r} is neither a request "
+                                            "tensor nor an output of an earlier slice"))
                     continue
                 problems.extend(_edge_problems(key, upstream, t))
             available.update({f"{s.name}.{t.name}": t for t in s.outputs})
@@ -156,12 +158,14 @@ def _edge_problems(key: str, upstream: TensorSpec, dest: TensorSpec) -> List[Pro
     shape = upstream.shape
     if dest.repeat == REPEAT_PER_TARGET:
         if not shape or shape[0] != BATCH:
-            out.append(Problem(SLICE_GRAPH, key, f"repeat = {REPEAT_PER_TARGET} needs a [{BATCH}, ...] source, got {list(shape)}"))
+            out.append(Problem(SLICE_GRAPH, key,
+                               f"repeat = {REPEAT_PER_TARGET} needs a [{BATCH}, ...] source, got {list(shape)}"))
         shape = (TARGETS, *shape[1:])
     elif dest.repeat is not None:
         out.append(Problem(SLICE_GRAPH, key.replace(".source", ".repeat"), f"unknown repeat {dest.repeat!r}"))
     if tuple(shape) != tuple(dest.shape):
-        out.append(Problem(SLICE_GRAPH, key, f"{dest.source} has shape {list(shape)}, the input expects {list(dest.shape)}"))
+        out.append(Problem(SLICE_GRAPH, key,
+                           f"{dest.source} has shape {list(shape)}, the input expects {list(dest.shape)}"))
     return out
 
 

@@ -76,14 +76,16 @@ class SparseManifest:
                 name = section[len("feature."):]
                 kind = values.get("kind")
                 if kind not in FEATURE_KINDS:
-                    problems.append(Problem(SPARSE_INI, f"{section}.kind", f"expected one of {list(FEATURE_KINDS)}, got {kind!r}"))
+                    problems.append(Problem(SPARSE_INI, f"{section}.kind",
+                                            f"expected one of {list(FEATURE_KINDS)}, got {kind!r}"))
                 elif values.get("pooling") not in POOLINGS[kind]:
-                    problems.append(Problem(SPARSE_INI, f"{section}.pooling",
-                                            f"expected one of {list(POOLINGS[kind])} for kind {kind}, got {values.get('pooling')!r}"))
+                    problems.append(Problem(SPARSE_INI, f"{section}.pooling", f"expected one of "
+                                            f"{list(POOLINGS[kind])} for kind {kind}, got {values.get('pooling')!r}"))
                 features[name] = FeatureEntry(name, values.get("table", ""), kind or "", values.get("pooling", ""),
                                               values.get("id_mapping"))
             elif section != "format":
-                problems.append(Problem(SPARSE_INI, section, "unknown section; expected table.<name> or feature.<name>"))
+                problems.append(Problem(SPARSE_INI, section,
+                                        "unknown section; expected table.<name> or feature.<name>"))
         for f in features.values():
             if f.table not in tables:
                 problems.append(Problem(SPARSE_INI, f"feature.{f.name}.table", f"no [table.{f.table}] section"))

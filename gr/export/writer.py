@@ -73,6 +73,8 @@ def export_model(
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
+    model: an unsharded GRModel (``gr.train.load_trained_model`` returns one)
+
     id_mappings_dir: a directory from ``SequenceDataModule.save_mappings``, copied to
         ``sparse/id_maps/``; the map named after a feature, its table, or ``<name>s`` for
         a feature ``<name>_id`` (item_id -> items) becomes its ``id_mapping`` in sparse.ini.
@@ -142,23 +144,23 @@ def _write(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None], 
 
     prefix_inputs = {name: torch.randn(EXAMPLE_ROWS, dim) for name, dim in token_dims.items()}
     _check_prefix_token_wise(prefix, prefix_inputs)
-    prefix_adapter = _PrefixAdapter(prefix).eval()
     prefix_out = _export_onnx(
-        "prefix_dnn", prefix, prefix_adapter, tuple(prefix_inputs.values()), list(token_dims), [PREFIX_OUTPUT],
-        TOKENS, root / PREFIX_ONNX,
+        "prefix_dnn", prefix, _PrefixAdapter(prefix).eval(), tuple(prefix_inputs.values()), list(token_dims),
+        [PREFIX_OUTPUT], TOKENS, root / PREFIX_ONNX,
     )
+    if prefix_out[0].shape != (TOKENS, config.hidden_dim):
+        raise ExportError(f"prefix_dnn ({type(prefix).__name__}): output shape {list(prefix_out[0].shape)}, "
+                          f"HSTU expects [{TOKENS}, {config.hidden_dim}] (HSTUConfig.hidden_dim)")
     postfix_inputs = {POSTFIX_HIDDEN: torch.randn(EXAMPLE_ROWS, config.hidden_dim)}
     postfix_inputs.update({name: torch.randn(EXAMPLE_ROWS, dim) for name, dim in common_dims.items()})
     postfix_out = _export_onnx(
         "postfix_dnn", postfix, _PostfixAdapter(postfix).eval(), tuple(postfix_inputs.values()), list(postfix_inputs),
         list(postfix.output_names), TARGETS, root / POSTFIX_ONNX,
     )
-    if prefix_out[0].shape != (TOKENS, config.hidden_dim):
-        raise ExportError(f"prefix_dnn ({type(prefix).__name__}): output shape {list(prefix_out[0].shape)}, "
-                          f"HSTU expects [{TOKENS}, {config.hidden_dim}] (HSTUConfig.hidden_dim)")
 
     (root / "hstu").mkdir()
-    write_ini(root / HSTU_CONFIG, hstu_config_sections(config), header="HSTU slice: rebuild with gr.hstu.HSTU(HSTUConfig(**model))")
+    write_ini(root / HSTU_CONFIG, hstu_config_sections(config),
+              header="HSTU slice: rebuild with gr.hstu.HSTU(HSTUConfig(**model)) (gr.export.load_hstu)")
     weights = {name: t.detach().to(torch.float32).contiguous() for name, t in model.hstu.state_dict().items()}
     expected = hstu_tensor_shapes(config)
     if {n: tuple(t.shape) for n, t in weights.items()} != expected:
@@ -185,7 +187,8 @@ def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, 
     for table in (embeddings.tables.values() if embeddings is not None else ()):
         weight = embeddings.table_weight(table.name)  # [rows, embedding_dim], storage padding cut off
         file = f"{table.name}.safetensors"
-        (root / SPARSE_DIR / file).write_bytes(safetensors_bytes({TABLE_TENSOR: weight.detach().to(torch.float32).contiguous()}))
+        rows = weight.detach().to(torch.float32).contiguous()
+        (root / SPARSE_DIR / file).write_bytes(safetensors_bytes({TABLE_TENSOR: rows}))
         tables[table.name] = TableEntry(table.name, file, table.num_embeddings, table.embedding_dim)
         pooling = "none" if table.kind == "sequence" else table.pooling
         for feature in table.features:
@@ -231,7 +234,8 @@ def _feature_dims(
 
 def _check_names(prefix: PrefixDNN, postfix: PostfixDNN) -> None:
     """Tensor names must not collide inside an ONNX graph or among the request tensors."""
-    features, common, outputs = list(prefix.feature_names), list(postfix.common_feature_names), list(postfix.output_names)
+    features, common = list(prefix.feature_names), list(postfix.common_feature_names)
+    outputs = list(postfix.output_names)
     for owner, names in (("PrefixDNN.feature_names", features), ("PostfixDNN.common_feature_names", common),
                          ("PostfixDNN.output_names", outputs)):
         if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
@@ -254,7 +258,8 @@ def _check_prefix_token_wise(prefix: PrefixDNN, inputs: Dict[str, Tensor]) -> No
         check_token_wise(prefix, inputs)
     except Exception as exc:  # AssertionError: not token-wise; anything else: the module fails on such rows
         raise ExportError(f"prefix_dnn ({type(prefix).__name__}) is not token-wise (each token's output must "
-                          f"depend on that token only, or a cached history is wrong): {type(exc).__name__}: {exc}") from exc
+                          f"depend on that token only, or a cached history is wrong): "
+                          f"{type(exc).__name__}: {exc}") from exc
 
 
 class _PrefixAdapter(nn.Module):
@@ -331,7 +336,12 @@ def _export_onnx(
 
 
 def _verify_onnx(
-    label: str, adapter: nn.Module, example: Tuple[Tensor, ...], input_names: List[str], output_names: List[str], path: Path
+    label: str,
+    adapter: nn.Module,
+    example: Tuple[Tensor, ...],
+    input_names: List[str],
+    output_names: List[str],
+    path: Path,
 ) -> None:
     """ONNX Runtime must match PyTorch at several row counts (1 included)."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -364,7 +374,7 @@ def _slice_graph(
     sparse_in: List[TensorSpec] = []
     sparse_out: List[TensorSpec] = []
     prefix_in: List[TensorSpec] = []
-    postfix_in: List[TensorSpec] = [TensorSpec(POSTFIX_HIDDEN, "float32", (TARGETS, hidden), f"{HSTU_SLICE}.{HSTU_OUTPUT}")]
+    postfix_in = [TensorSpec(POSTFIX_HIDDEN, "float32", (TARGETS, hidden), f"{HSTU_SLICE}.{HSTU_OUTPUT}")]
     for names, dims, rows, out_rows, dest, repeat in (
         (list(token_dims), token_dims, TOKENS, TOKENS, prefix_in, None),
         (list(common_dims), common_dims, BAG, BATCH, postfix_in, REPEAT_PER_TARGET),

@@ -205,7 +205,8 @@ class CachedHSTU:
         self._check_tokens(x, timestamps, start=cache.length, targets=True)
         length = cache.length
         history_len = torch.tensor(length, device=x.device)
-        cache_visible = self._visible(history_len.view(1, 1), torch.arange(length, device=x.device).view(1, -1), history_len)
+        history_cols = torch.arange(length, device=x.device).view(1, -1)
+        cache_visible = self._visible(history_len.view(1, 1), history_cols, history_len)
         outputs = []
         for start in range(0, x.shape[0], micro_batch):
             chunk = x[start : start + micro_batch]

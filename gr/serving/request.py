@@ -88,7 +88,8 @@ class RequestSchema:
         if columns is None or (isinstance(columns, Mapping) and not columns):
             columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
         if not isinstance(columns, Mapping):
-            raise RequestError(f"{where}: expected an object {{feature: [one value per token]}}, got {type(columns).__name__}")
+            raise RequestError(f"{where}: expected an object {{feature: [one value per token]}}, "
+                               f"got {type(columns).__name__}")
         _check_features(columns, (*self.token_ids, *self.token_dense), where, optional=(TIMESTAMPS,))
         out: Dict[str, np.ndarray] = {}
         for name in self.token_ids:
@@ -125,7 +126,9 @@ class RequestSchema:
         return out
 
 
-def _check_features(given: Mapping[str, Any], expected: Tuple[str, ...], where: str, optional: Tuple[str, ...] = ()) -> None:
+def _check_features(
+    given: Mapping[str, Any], expected: Tuple[str, ...], where: str, optional: Tuple[str, ...] = ()
+) -> None:
     unknown = sorted(set(given) - set(expected) - set(optional))
     if unknown:
         raise RequestError(f"{where}: unknown feature(s) {unknown}; the model reads {[*expected, *optional]}")

@@ -204,7 +204,8 @@ class Ranker:
         for i, request in enumerate(requests):
             try:
                 results.append(self.rank(request.user_id, request.history, request.candidates,
-                                         request.common_features, request_time=request.request_time, use_cache=use_cache))
+                                         request.common_features, request_time=request.request_time,
+                                         use_cache=use_cache))
             except RequestError as exc:
                 raise RequestError(f"requests[{i}]: {exc}") from exc
         return results
@@ -219,10 +220,12 @@ class Ranker:
     ) -> Tuple[Tokens, Tokens, Tokens, int]:
         """Check the whole request before anything is computed or cached."""
         hist = model.schema.tokens(history, "history", model.sparse)
-        if request_time is not None and (isinstance(request_time, bool) or not isinstance(request_time, (int, np.integer))):
+        if request_time is not None and (isinstance(request_time, bool)
+                                         or not isinstance(request_time, (int, np.integer))):
             raise RequestError(f"request_time: expected an integer (seconds), got {request_time!r}")
-        default_time = request_time if request_time is not None else (int(hist[TIMESTAMPS][-1]) if len(hist[TIMESTAMPS]) else 0)
-        cands = model.schema.tokens(candidates, "candidates", model.sparse, default_timestamp=default_time)
+        if request_time is None:  # candidates stand right after the last action
+            request_time = int(hist[TIMESTAMPS][-1]) if len(hist[TIMESTAMPS]) else 0
+        cands = model.schema.tokens(candidates, "candidates", model.sparse, default_timestamp=request_time)
         if len(cands[TIMESTAMPS]) == 0:
             raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
         common = model.schema.common(common_features, model.sparse)

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import inspect
 import math
+import re
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
@@ -410,9 +411,24 @@ def plain(value: Any) -> Any:
     return value
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as a string; read it (and ``5E+2``...) as a float, like YAML 1.2."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def parse_value(text: str) -> Any:
-    """A command-line value read as YAML: ``3`` -> int, ``true`` -> bool, ``[1, 2]`` -> list."""
-    return yaml.safe_load(text) if text.strip() else text
+    """A command-line value read as YAML: ``3`` -> int, ``1e-3`` -> float, ``true`` -> bool, ``[1, 2]`` -> list."""
+    return read_yaml(text) if text.strip() else text
 
 
 def apply_override(values: Dict[str, Any], dotted: str, value: Any) -> None:
@@ -450,7 +466,7 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
     """Read a recipe YAML, apply ``(dotted.key, text)`` overrides, validate. Errors name the file."""
     path = Path(path)
     try:
-        values = yaml.safe_load(path.read_text())
+        values = read_yaml(path.read_text())
     except OSError as error:
         raise ValueError(f"{path}: cannot read the config ({error})") from error
     except yaml.YAMLError as error:

@@ -47,6 +47,7 @@ class GRTrainingModule(LightningModule):
         self.model: Optional[torch.nn.Module] = None
         self.task: Any = None
         self.generator = torch.Generator()
+        self.last_metrics: Dict[str, Dict[str, float]] = {}  # split -> the latest evaluation, full precision
 
     # ---- model -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -150,5 +151,6 @@ class GRTrainingModule(LightningModule):
         self._log_metrics("test", self.task.finish_evaluation())
 
     def _log_metrics(self, split: str, metrics: Dict[str, float]) -> None:
-        # Already gathered over all ranks: identical everywhere, no further reduction.
-        self.log_dict({f"{split}/{k}": v for k, v in metrics.items()}, prog_bar=False, sync_dist=False)
+        self.last_metrics[split] = metrics
+        # Gathered over all ranks already, so identical on every rank: the sync is a no-op mean.
+        self.log_dict({f"{split}/{k}": v for k, v in metrics.items()}, sync_dist=True)

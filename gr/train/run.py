@@ -88,8 +88,8 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
         _write_json(out_dir / FEATURES_FILE, {"spec": vars(spec), "tasks": list(datamodule.tasks)})
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
-    test = trainer.test(module, datamodule=datamodule, ckpt_path="best", verbose=trainer.is_global_zero)[0]
-    metrics = _metrics_json(config, test, checkpoints, trainer, out_dir, module)
+    trainer.test(module, datamodule=datamodule, ckpt_path="best", verbose=trainer.is_global_zero)
+    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module)
     if trainer.is_global_zero:
         _write_json(out_dir / METRICS_FILE, metrics)
     return metrics
@@ -98,9 +98,8 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
 def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: ModelCheckpoint, trainer: Trainer,
                   out_dir: Path, module: GRTrainingModule) -> Dict[str, Any]:
     """{metric: test value, "popularity": {...}, "best_val": ..., ..., "config": {...}}."""
-    values = {k.removeprefix("test/"): float(v) for k, v in test.items()}
-    metrics: Dict[str, Any] = {k: v for k, v in values.items() if not k.startswith("popularity/")}
-    baseline = {k.split("/", 1)[1]: v for k, v in values.items() if k.startswith("popularity/")}
+    metrics: Dict[str, Any] = {k: v for k, v in test.items() if not k.startswith("popularity/")}
+    baseline = {k.split("/", 1)[1]: v for k, v in test.items() if k.startswith("popularity/")}
     if baseline:
         metrics["popularity"] = baseline
     rows = local_table_rows(module.model)

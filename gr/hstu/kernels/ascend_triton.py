@@ -40,7 +40,7 @@ from gr.hstu.kernels.triton_common import (
 from gr.jagged import lengths_from_offsets
 
 NPU_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) on an NPU
-INTERPRETER_BLOCKS = (32, 32)
+INTERPRETER_BLOCKS = (64, 64)
 INTERPRETER_CORES = 3  # programs of the persistent grid when interpreted on CPU
 
 
@@ -79,7 +79,7 @@ def ascend_triton_hstu_attention(
         q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab,
         "ascend_triton",
     )
-    return apply_kernels(q, k, v, inputs, rab, AscendKernels(blocks, num_cores))
+    return apply_kernels(q, k, v, inputs, rab, AscendKernels(blocks, num_cores, interpreted))
 
 
 def _ai_cores(device: torch.device) -> int:
@@ -107,13 +107,13 @@ def work_list(seq_offsets: Tensor, block: int, query_major: bool) -> Tuple[Tenso
 class AscendKernels:
     """Launches the persistent kernels: grid = (num_cores,)."""
 
-    def __init__(self, blocks: Tuple[int, int], num_cores: int) -> None:
-        self.blocks, self.num_cores = blocks, num_cores
+    def __init__(self, blocks: Tuple[int, int], num_cores: int, interpreted: bool) -> None:
+        self.blocks, self.num_cores, self.interpreted = blocks, num_cores, interpreted
 
     def _meta(self, inputs: KernelInputs, q: Tensor, v: Tensor) -> dict:
         block_m, block_n = self.blocks
         return dict(
-            flags(inputs, q, v),
+            flags(inputs, q, v, self.interpreted),
             H=q.shape[1],
             BLOCK_M=block_m,
             BLOCK_N=block_n,

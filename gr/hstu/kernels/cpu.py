@@ -126,20 +126,7 @@ def _build_problem(
     rab: Optional[RelativeBias],
     compiled: Optional[bool],
 ) -> _Problem:
-    device = seq_offsets.device
-    lengths = lengths_from_offsets(seq_offsets)
-    history = history_lengths(seq_offsets, num_targets)
-    padded = _padded_lengths(lengths)
-    groups: List[_Group] = []
-    for padded_len in torch.unique(padded[lengths > 0]).tolist():
-        members = torch.nonzero(padded == padded_len).flatten()
-        rows = min(padded_len, QUERY_CHUNK)
-        per_seq = max(heads * rows * padded_len, 1)
-        step = max(1, TILE_ELEMENTS // per_seq)
-        for part in torch.split(members, step):
-            groups.append(
-                _group(part, seq_offsets, lengths, history, total, padded_len, rows, contextual_len, max_attn_len)
-            )
+    groups = _groups(total, heads, seq_offsets, num_targets, contextual_len, max_attn_len)
     timestamps = thresholds = None
     bucketing = "log"
     if rab is not None and rab.time_weights is not None:
@@ -147,11 +134,49 @@ def _build_problem(
         ts = ts - ts.min() if ts.numel() else ts
         timestamps = torch.cat([ts, ts.new_zeros(1)])
         bucketing = rab.time_bucketing
-        thresholds = time_bucket_thresholds(bucketing, rab.time_weights.numel(), device)[1:-1]
+        thresholds = time_bucket_thresholds(bucketing, rab.time_weights.numel(), seq_offsets.device)[1:-1]
     if compiled is None:
-        scored = sum(g.tokens.shape[0] * heads * (c.m1 - c.m0) * c.cols.numel() for g in groups for c in g.chunks)
-        compiled = scored >= COMPILE_MIN_SCORES
+        compiled = _score_count(groups, heads) >= COMPILE_MIN_SCORES
     return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, thresholds, bucketing, compiled)
+
+
+def score_elements(
+    seq_offsets: Tensor, num_targets: Optional[Tensor], heads: int, contextual_len: int = 0, max_attn_len: int = 0
+) -> int:
+    """How many q.k scores this backend computes for a batch (all heads, padding included).
+
+    seq_offsets: [B+1] int64; num_targets: [B] int64 or None
+    """
+    groups = _groups(int(seq_offsets[-1]), heads, seq_offsets, num_targets, contextual_len, max_attn_len)
+    return _score_count(groups, heads)
+
+
+def _score_count(groups: List[_Group], heads: int) -> int:
+    return sum(g.tokens.shape[0] * heads * (c.m1 - c.m0) * c.cols.numel() for g in groups for c in g.chunks)
+
+
+def _groups(
+    total: int,
+    heads: int,
+    seq_offsets: Tensor,
+    num_targets: Optional[Tensor],
+    contextual_len: int,
+    max_attn_len: int,
+) -> List[_Group]:
+    """Sequences of similar length, in batches of at most ``TILE_ELEMENTS`` scores per chunk."""
+    lengths = lengths_from_offsets(seq_offsets)
+    history = history_lengths(seq_offsets, num_targets)
+    padded = _padded_lengths(lengths)
+    groups: List[_Group] = []
+    for padded_len in torch.unique(padded[lengths > 0]).tolist():
+        members = torch.nonzero(padded == padded_len).flatten()
+        rows = min(padded_len, QUERY_CHUNK)
+        step = max(1, TILE_ELEMENTS // (heads * rows * padded_len))
+        for part in torch.split(members, step):
+            groups.append(
+                _group(part, seq_offsets, lengths, history, total, padded_len, rows, contextual_len, max_attn_len)
+            )
+    return groups
 
 
 def _padded_lengths(lengths: Tensor) -> Tensor:

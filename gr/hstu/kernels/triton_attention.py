@@ -32,7 +32,7 @@ from gr.hstu.kernels.triton_common import (
     table_args,
 )
 
-INTERPRETER_BLOCKS = (32, 32)  # (BLOCK_M, BLOCK_N) when interpreted on CPU
+INTERPRETER_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) when interpreted on CPU
 
 
 def triton_hstu_attention(
@@ -67,14 +67,14 @@ def triton_hstu_attention(
     )
     if blocks is None and interpreted:
         blocks = INTERPRETER_BLOCKS
-    return apply_kernels(q, k, v, inputs, rab, CudaKernels(blocks))
+    return apply_kernels(q, k, v, inputs, rab, CudaKernels(blocks, interpreted))
 
 
 class CudaKernels:
     """Launches the three kernels with fixed blocks, or autotuned ones when ``blocks`` is None."""
 
-    def __init__(self, blocks: Optional[Tuple[int, int]]) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: Optional[Tuple[int, int]], interpreted: bool) -> None:
+        self.blocks, self.interpreted = blocks, interpreted
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor:
         out = torch.empty(*q.shape[:2], v.shape[-1], dtype=v.dtype, device=v.device)
@@ -96,7 +96,9 @@ class CudaKernels:
     def _launch(self, kernel, block: str, args: tuple, inputs: KernelInputs, q: Tensor, v: Tensor) -> None:
         """Grid: (blocks along the longest sequence, B * H)."""
         heads = q.shape[1]
-        meta_args = dict(flags(inputs, q, v), H=heads, AUTOTUNE_MAX_LEN=triton.next_power_of_2(inputs.max_seq_len))
+        meta_args = dict(
+            flags(inputs, q, v, self.interpreted), H=heads, AUTOTUNE_MAX_LEN=triton.next_power_of_2(inputs.max_seq_len)
+        )
         if self.blocks is None:
             grid = lambda meta: (triton.cdiv(inputs.max_seq_len, meta[block]), inputs.batch * heads)  # noqa: E731
             _tuned(kernel)[grid](*args, **meta_args)

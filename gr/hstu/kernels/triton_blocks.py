@@ -99,6 +99,17 @@ def silu_parts(s):
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """tl.dot with fp32 accumulation. PRECISION "upcast" multiplies 16-bit operands in fp32
+    (the same products and fp32 sums; for Triton's interpreter, whose bf16 dot is wrong)."""
+    if PRECISION == "upcast":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
 def _lookup(table, idx):
     """table[idx] for an on-chip 1-D table and an index tensor of any shape."""
     flat = tl.gather(table, tl.reshape(idx, [idx.numel]), 0)
@@ -211,16 +222,16 @@ def _query_pass(acc, q, do, rows, norm, ts_rows, n_lo, n_hi, start, length, hist
             ts_cols = tl.load(Ts + start + cols, mask=col_ok, other=0)
         bias, _, _ = tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table, thr_table,
                                num_pos, num_time, HAS_POS, HAS_TIME, TIME_LOG, UB_TABLES, POS_WINDOW)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha + bias
+        s = _dot(q, tl.trans(k), PRECISION) * alpha + bias
         mask = visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW)
         weight = tl.where(mask & col_ok[None, :], norm[:, None], 0.0)
         sig, silu = silu_parts(s)
         if GRAD:
-            d_attn = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            d_attn = _dot(do, tl.trans(v), PRECISION)
             ds = d_attn * weight * (sig + silu * (1.0 - sig))
-            acc += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            acc += _dot(ds.to(k.dtype), k, PRECISION)
         else:
-            acc += tl.dot((silu * weight).to(v.dtype), v, input_precision=PRECISION)
+            acc += _dot((silu * weight).to(v.dtype), v, PRECISION)
     return acc
 
 
@@ -313,14 +324,14 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
             bias, pos_idx, time_idx = tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds,
                                                 time_table, thr_table, num_pos, num_time, HAS_POS, HAS_TIME,
                                                 TIME_LOG, UB_TABLES, POS_WINDOW)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha + bias
+            s = _dot(q, tl.trans(k), PRECISION) * alpha + bias
             mask = visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW)
             mask = mask & row_ok[:, None]
             weight = tl.where(mask, row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)[:, None], 0.0)
             sig, silu = silu_parts(s)
-            dv += tl.dot(tl.trans((silu * weight).to(do.dtype)), do, input_precision=PRECISION)
-            ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * weight * (sig + silu * (1.0 - sig))
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            dv += _dot(tl.trans((silu * weight).to(do.dtype)), do, PRECISION)
+            ds = _dot(do, tl.trans(v), PRECISION) * weight * (sig + silu * (1.0 - sig))
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
             if HAS_POS:
                 tl.atomic_add(DPos + pos_idx, ds, mask=mask)
             if HAS_TIME:

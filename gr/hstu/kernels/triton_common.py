@@ -177,8 +177,12 @@ def table_args(inputs: KernelInputs) -> tuple:
     return (inputs.seq_offsets, inputs.history, inputs.timestamps, inputs.pos_w, inputs.time_w, inputs.thresholds)
 
 
-def flags(inputs: KernelInputs, q: Tensor, v: Tensor) -> dict:
+def flags(inputs: KernelInputs, q: Tensor, v: Tensor, interpreted: bool) -> dict:
     """Compile-time switches of the block functions."""
+    if q.dtype == torch.float32:
+        precision = "ieee"
+    else:
+        precision = "upcast" if interpreted else "tf32"  # tf32: ignored for 16-bit operands
     return dict(
         HAS_POS=inputs.num_pos > 0,
         HAS_TIME=inputs.num_time > 0,
@@ -188,5 +192,5 @@ def flags(inputs: KernelInputs, q: Tensor, v: Tensor) -> dict:
         HAS_WINDOW=inputs.max_attn_len > 0,
         BLOCK_DQK=head_block(q.shape[2]),
         BLOCK_DV=head_block(v.shape[2]),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=precision,
     )

@@ -1,0 +1,112 @@
+"""Training throughput on the ML-100K retrieval recipe with and without id dedup ("unique before lookup").
+
+    python bench/train_dedup.py [--config configs/ml100k_hstu.yaml] [--steps 6] [--data.path ...]
+
+Builds the recipe's model, shards it with TorchRec on one rank (gloo), and times full
+training steps (sampling, sharded lookup, HSTU, sampled softmax, backward with the fused
+embedding optimizer, dense AdamW) on the same batches, alternating dedup off / on so that
+both see the same machine load. Also times the sparse part alone (lookup forward +
+backward) on the batches' item ids. Prints one line per setting; the last line is one
+JSON object with samples/s, tokens/s and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
+
+from gr.data.datamodule import SequenceDataModule  # noqa: E402
+from gr.sparse.sharding import shard_model  # noqa: E402
+from gr.train.build import seeded_model  # noqa: E402
+from gr.train.cli import parse_args  # noqa: E402
+from gr.train.config import load_config  # noqa: E402
+from gr.train.tasks import RetrievalTask  # noqa: E402
+
+
+def build(config, spec):
+    model = seeded_model(config, spec)
+    task = RetrievalTask(config.task.retrieval, spec.sequence[config.task.retrieval.item_feature],
+                         model.postfix_dnn.item_embedding)
+    dmp = shard_model(model, config.sparse.optimizer, torch.device("cpu"))
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    return dmp, task, torch.optim.AdamW(dense, lr=config.optimizer.lr, betas=config.optimizer.betas)
+
+
+def train_step(dmp, task, optimizer, batch, generator) -> None:
+    inputs = task.training_inputs(batch, generator)
+    loss = task.loss(dmp(inputs), inputs)["loss"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def sparse_step(dmp, batch) -> None:
+    out, _ = dmp.module.embeddings(batch.sequence_ids, None)
+    sum(v.sum() for v in out.values()).backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="timed training steps per setting")
+    own, rest = parser.parse_known_args()
+    args, overrides = parse_args(["--config", "configs/ml100k_hstu.yaml", *rest] if "--config" not in rest else rest)
+    config = load_config(args.config, overrides)
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    data = SequenceDataModule(config.data)
+    data.setup()
+    spec = data.feature_spec()
+    batches = list(data.train_dataloader())
+    setups = {}
+    for dedup in (False, True):
+        dmp, task, optimizer = build(config, spec)
+        dmp.module.embeddings.dedup = dedup
+        setups[dedup] = (dmp, task, optimizer)
+    timings = {False: [], True: []}
+    sparse_timings = {False: [], True: []}
+    generator = torch.Generator()
+    for step in range(args.steps + 1):  # step 0 warms up
+        batch = batches[step % len(batches)]
+        for dedup in (False, True):
+            dmp, task, optimizer = setups[dedup]
+            generator.manual_seed(step)
+            start = time.perf_counter()
+            train_step(dmp, task, optimizer, batch, generator)
+            middle = time.perf_counter()
+            sparse_step(dmp, batch)
+            if step:
+                timings[dedup].append(middle - start)
+                sparse_timings[dedup].append(time.perf_counter() - middle)
+    timed = [batches[s % len(batches)] for s in range(1, args.steps + 1)]
+    samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
+    tokens = sum(int(b.seq_offsets[-1]) for b in timed)
+    ids = torch.cat([b.sequence_ids.values() for b in timed])
+    result = {"config": str(args.config), "steps": args.steps, "batch_size": config.data.batch_size,
+              "tokens_per_batch": tokens / args.steps, "distinct_ids_per_batch":
+              sum(int(b.sequence_ids.values().unique().numel()) for b in timed) / args.steps,
+              "ids_per_batch": ids.numel() / args.steps}
+    for dedup, name in ((False, "no_dedup"), (True, "dedup")):
+        seconds = sum(timings[dedup])
+        result[f"{name}_samples_per_s"] = samples / seconds
+        result[f"{name}_tokens_per_s"] = tokens / seconds
+        result[f"{name}_sparse_ms_per_batch"] = 1000 * sum(sparse_timings[dedup]) / args.steps
+        print(f"{name:9s} {samples / seconds:8.1f} samples/s  {tokens / seconds:9.0f} tokens/s  "
+              f"sparse fwd+bwd {result[f'{name}_sparse_ms_per_batch']:.1f} ms/batch", flush=True)
+    result["train_speedup"] = result["dedup_samples_per_s"] / result["no_dedup_samples_per_s"]
+    result["sparse_speedup"] = result["no_dedup_sparse_ms_per_batch"] / result["dedup_sparse_ms_per_batch"]
+    dist.destroy_process_group()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

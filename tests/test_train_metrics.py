@@ -1,0 +1,129 @@
+"""Losses, metrics and the retrieval task's sampling, each against a naive implementation written here."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchrec import KeyedJaggedTensor
+
+from gr import GRInput
+from gr.train.build import SAMPLED_ITEMS
+from gr.train.config import RetrievalSection
+from gr.train.losses import multitask_bce, sampled_softmax_loss
+from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
+from gr.train.tasks import RetrievalTask
+
+
+def naive_rank(scores, target, excluded):
+    t = scores[target]
+    return sum(1 for i, s in enumerate(scores.tolist()) if i not in excluded and (s > t or (s == t and i < target)))
+
+
+def test_target_rank_excludes_items_and_breaks_ties_by_id():
+    torch.manual_seed(0)
+    queries, items = torch.randn(7, 4), torch.randn(30, 4)
+    items[5] = items[3]  # a tie
+    targets = torch.tensor([3, 5, 0, 29, 11, 3, 17])
+    excluded = [[1, 2, 5], [], [0, 4], list(range(10)), [11], [3, 5, 7], [16, 18]]
+    offsets = torch.tensor([0] + [len(e) for e in excluded]).cumsum(0)
+    flat = torch.tensor([i for e in excluded for i in e], dtype=torch.long)
+    ranks = target_ranks(queries, items, targets, offsets, flat)
+    expected = [naive_rank(queries[b] @ items.T, int(targets[b]), set(excluded[b])) for b in range(7)]
+    assert ranks.tolist() == expected
+    popularity = torch.tensor([float(i % 4) for i in range(30)]).expand(7, -1)
+    expected_pop = [naive_rank(popularity[b], int(targets[b]), set(excluded[b])) for b in range(7)]
+    assert score_ranks(popularity, targets, offsets, flat).tolist() == expected_pop
+
+
+def test_target_rank_in_chunks_matches_one_pass(monkeypatch):
+    import gr.train.metrics as metrics
+
+    torch.manual_seed(1)
+    queries, items = torch.randn(9, 3), torch.randn(20, 3)
+    targets = torch.randint(0, 20, (9,))
+    offsets, flat = torch.tensor([0, 1] + [1] * 8), torch.tensor([4])
+    whole = target_ranks(queries, items, targets, offsets, flat)
+    monkeypatch.setattr(metrics, "SCORE_CHUNK_ELEMENTS", 40)  # two rows per chunk
+    assert target_ranks(queries, items, targets, offsets, flat).tolist() == whole.tolist()
+
+
+def test_retrieval_metrics_follow_their_definitions():
+    ranks = torch.tensor([0, 3, 9, 10, 150])
+    m = retrieval_metrics(ranks, (10, 200))
+    assert m["hr@10"] == pytest.approx(3 / 5)
+    assert m["hr@200"] == pytest.approx(1.0)
+    assert m["ndcg@10"] == pytest.approx((1 + 1 / math.log2(5) + 1 / math.log2(11)) / 5)
+    assert m["mrr"] == pytest.approx(sum(1 / (r + 1) for r in ranks.tolist()) / 5)
+
+
+def test_auc_and_logloss_per_task():
+    torch.manual_seed(0)
+    logits = {"watch": torch.randn(50), "like": torch.randn(50)}
+    labels = {"watch": (torch.rand(50) > 0.5).float(), "like": (torch.rand(50) > 0.7).float()}
+    m = ranking_metrics(logits, labels)
+    for task in logits:
+        pos, neg = logits[task][labels[task] == 1], logits[task][labels[task] == 0]
+        pairs = (pos[:, None] > neg[None, :]).float() + 0.5 * (pos[:, None] == neg[None, :]).float()
+        assert m[f"auc/{task}"] == pytest.approx(pairs.mean().item(), abs=1e-6)
+        p = torch.sigmoid(logits[task])
+        manual = -(labels[task] * p.log() + (1 - labels[task]) * (1 - p).log()).mean()
+        assert m[f"logloss/{task}"] == pytest.approx(manual.item(), abs=1e-5)
+    assert m["auc"] == pytest.approx((m["auc/watch"] + m["auc/like"]) / 2)
+    assert math.isnan(ranking_metrics({"x": torch.randn(4)}, {"x": torch.ones(4)})["auc/x"])
+
+
+def naive_sampled_softmax(queries, items, positive_index, negative_index, temperature):
+    losses = []
+    for n in range(queries.shape[0]):
+        negs = negative_index[n] if negative_index.dim() == 2 else negative_index
+        logits = [queries[n] @ items[positive_index[n]]]
+        logits += [queries[n] @ items[j] for j in negs.tolist() if j != int(positive_index[n])]
+        logits = torch.stack(logits) / temperature
+        losses.append(-F.log_softmax(logits, 0)[0])
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("shape, distinct", [((6, 5), 12), ((6, 5), 400), ((5,), 12)],
+                         ids=["per-token-few-items", "per-token-many-items", "shared"])
+def test_sampled_softmax_matches_naive_and_masks_the_positive(shape, distinct):
+    torch.manual_seed(0)
+    queries = F.normalize(torch.randn(6, 4), dim=-1).requires_grad_(True)
+    items = F.normalize(torch.randn(distinct, 4), dim=-1)
+    positive_index = torch.randint(0, distinct, (6,))
+    negative_index = torch.randint(0, distinct, shape)
+    if negative_index.dim() == 2:
+        negative_index[0, :2] = positive_index[0]  # sampled negatives equal to the positive
+    loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
+    expected = naive_sampled_softmax(queries, items, positive_index, negative_index, 0.05)
+    torch.testing.assert_close(loss, expected)
+    grad, = torch.autograd.grad(loss, queries)
+    expected_grad, = torch.autograd.grad(expected, queries)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_multitask_bce_weights_tasks():
+    logits = {"a": torch.tensor([0.0, 2.0]), "b": torch.tensor([1.0, -1.0])}
+    labels = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([1.0, 1.0])}
+    out = multitask_bce(logits, labels, {"b": 3.0})
+    bce = {k: F.binary_cross_entropy_with_logits(logits[k], labels[k]) for k in logits}
+    torch.testing.assert_close(out["loss"], bce["a"] + 3 * bce["b"])
+    torch.testing.assert_close(out["bce/b"], bce["b"])
+
+
+@pytest.mark.parametrize("negatives", ["token", "batch"])
+def test_retrieval_inputs_carry_distinct_sampled_items(negatives):
+    config = RetrievalSection(num_negatives=8, negatives=negatives)
+    task = RetrievalTask(config, num_items=50, item_embedding=lambda rows: rows)
+    lengths = torch.tensor([3, 2])
+    ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor([4, 5, 6, 9, 4]), lengths)
+    batch = GRInput(torch.tensor([0, 3, 5]), 3, sequence_ids=ids, labels={"next_item": torch.tensor([5, 6, 7, 4, -1])})
+    inputs = task.training_inputs(batch, torch.Generator().manual_seed(0))
+    sampled = inputs.sequence_ids.to_dict()[SAMPLED_ITEMS]
+    distinct = sampled.values()
+    assert sampled.lengths().tolist() == [distinct.numel(), 0]
+    assert distinct.unique().numel() == distinct.numel()
+    assert distinct[inputs.labels["positive_index"]].tolist() == [5, 6, 7, 4]
+    negative_ids = distinct[inputs.labels["negative_index"]]
+    assert negative_ids.shape == ((4, 8) if negatives == "token" else (8,))
+    assert int(negative_ids.min()) >= 0 and int(negative_ids.max()) < 50
+    assert inputs.sequence_ids.to_dict()["item_id"].values().tolist() == [4, 5, 6, 9, 4]
