@@ -6,6 +6,7 @@ The model builders and request helpers here are shared with the other export/ser
 import configparser
 import dataclasses
 import json
+from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
@@ -166,10 +167,21 @@ def rank_all(ranker: Ranker, requests: List[dict], **kwargs) -> Dict[str, np.nda
     return {task: np.concatenate([res.scores[task] for res in results]) for task in results[0].scores}
 
 
+def write_id_mappings(directory: Path) -> Path:
+    """A mappings directory as ``SequenceDataModule.save_mappings`` writes it (items and one feature)."""
+    directory.mkdir()
+    (directory / "items.tsv").write_text("dense_id\traw_id\n0\t1001\n")
+    (directory / "genre.tsv").write_text("dense_id\traw_id\n0\tdrama\n")
+    (directory / "mappings.json").write_text(json.dumps({"format_version": 1, "maps": {
+        "items": {"file": "items.tsv"}, "genre": {"file": "genre.tsv"}}, "columns": {}}))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
     model = build_ranking_model()
-    path = export_model(model, tmp_path_factory.mktemp("shipped") / "export", dense_dims=DENSE_DIMS)
+    root = tmp_path_factory.mktemp("shipped")
+    path = export_model(model, root / "export", id_mappings_dir=write_id_mappings(root / "maps"), dense_dims=DENSE_DIMS)
     return model, path
 
 
@@ -260,15 +272,8 @@ def test_config_ini_holds_model_type_dtype_version_and_every_field(shipped):
     assert section["attn_alpha"] == "none"
 
 
-def test_sparse_ini_maps_features_to_tables_and_id_mappings(tmp_path):
-    maps = tmp_path / "maps"
-    maps.mkdir()
-    (maps / "items.tsv").write_text("dense_id\traw_id\n0\t1001\n")
-    (maps / "genre.tsv").write_text("dense_id\traw_id\n0\tdrama\n")
-    (maps / "mappings.json").write_text(json.dumps({"format_version": 1, "maps": {
-        "items": {"file": "items.tsv"}, "genre": {"file": "genre.tsv"}}, "columns": {}}))
-    model = build_ranking_model()
-    path = export_model(model, tmp_path / "export", id_mappings_dir=maps, dense_dims=DENSE_DIMS)
+def test_sparse_ini_maps_features_to_tables_and_id_mappings(shipped):
+    _, path = shipped
     sparse = open_export(path).sparse
     assert sparse.features["item_id"].table == "item" and sparse.features["item_id"].id_mapping == "id_maps/items.tsv"
     assert sparse.features["genre"].id_mapping == "id_maps/genre.tsv"
@@ -288,15 +293,8 @@ def test_export_refuses_to_overwrite_unless_asked_and_replaces_atomically(shippe
         export_model(model, target, dense_dims=DENSE_DIMS)
     assert (target / "keep.txt").read_text() == "old"
 
-    class Broken(PostfixDNN):
-        output_names = ("score",)
-
-        def forward(self, hidden, common):
-            return {"score": torch.from_numpy(hidden.detach().numpy().sum(-1))}
-
-    broken = GRModel(model.hstu.config, model.prefix_dnn, Broken(), list(model.embeddings.tables.values()))
-    with pytest.raises(ExportError):
-        export_model(broken, target, dense_dims=DENSE_DIMS, overwrite=True)
+    with pytest.raises(ExportError, match="user_score"):  # fails after part of the export was written
+        export_model(model, target, overwrite=True)
     assert (target / "keep.txt").read_text() == "old", "a failed export must leave the old directory untouched"
     export_model(model, target, dense_dims=DENSE_DIMS, overwrite=True)
     assert not (target / "keep.txt").exists() and check_export(target) == []
@@ -317,15 +315,18 @@ def test_unexportable_module_error_names_the_module_and_the_onnx_failure(shipped
     with pytest.raises(ExportError, match=r"prefix_dnn \(.*ViaPython\): ONNX export failed: \w+"):
         export_model(bad, tmp_path / "export", dense_dims=DENSE_DIMS)
 
-    class NumpyHead(PostfixDNN):
+    class BranchHead(PostfixDNN):
         output_names = ("score",)
 
         def forward(self, hidden, common):
-            return {"score": torch.from_numpy(np.tanh(hidden.detach().numpy()).sum(-1))}
+            if float(hidden.mean()) > 0:  # a Python branch on tensor values: no static graph
+                return {"score": hidden.sum(-1)}
+            return {"score": -hidden.sum(-1)}
 
-    bad = GRModel(model.hstu.config, model.prefix_dnn, NumpyHead(), list(model.embeddings.tables.values()))
-    with pytest.raises(ExportError, match=r"postfix_dnn \(.*NumpyHead\): ONNX export failed: \w+"):
+    bad = GRModel(model.hstu.config, model.prefix_dnn, BranchHead(), list(model.embeddings.tables.values()))
+    with pytest.raises(ExportError, match=r"postfix_dnn \(.*BranchHead\): ONNX export failed: \w+") as info:
         export_model(bad, tmp_path / "export2", dense_dims=DENSE_DIMS)
+    assert "data-dependent" in str(info.value), "the message carries torch.export's reason"
     assert not (tmp_path / "export2").exists()
 
 

@@ -1,12 +1,20 @@
 """The serving runtime: cached = uncached = trained scores, user cache (appends, LRU by bytes,
-reload, threads), bad requests, batch form and CLI."""
+reload, threads), bad requests, batch form and CLI; and the HSTU slice and the runtime loading
+and scoring in a process that cannot import the training code (an import guard refuses
+torchrec, lightning and gr.model/train/data/sparse/DNNs)."""
 import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 from gr.export import export_model
 from gr.hstu.cache import cache_bytes_per_token
@@ -15,6 +23,44 @@ from gr.serving.__main__ import main as serving_main
 from test_export_roundtrip import DENSE_DIMS, build_ranking_model, random_batch, rank_all, requests_from_batch
 
 ATOL = 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+# The import guard of the standalone test: training code a serving process must never load.
+BLOCKED = ("torchrec", "fbgemm_gpu", "lightning", "pytorch_lightning", "gr.model", "gr.train", "gr.data",
+           "gr.sparse", "gr.prefix_dnn", "gr.postfix_dnn", "gr.export.writer")
+
+SCRIPT = r"""
+import importlib.abc, json, sys
+import numpy as np
+
+BLOCKED = tuple(json.loads(sys.argv[1]))
+
+class Guard(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"import guard: {name} is training code")
+        return None
+
+sys.meta_path.insert(0, Guard())
+import torch
+from gr.export import load_hstu
+from gr.serving import Ranker
+
+export_dir, work = sys.argv[2], sys.argv[3]
+inputs = np.load(f"{work}/hstu_inputs.npz")
+hstu = load_hstu(export_dir)
+with torch.no_grad():
+    hidden = hstu(torch.from_numpy(inputs["x"]), torch.from_numpy(inputs["offsets"]), int(inputs["max_len"]),
+                  torch.from_numpy(inputs["timestamps"]), torch.from_numpy(inputs["num_targets"]))
+ranker = Ranker.load(export_dir, micro_batch=2)
+scores = {}
+for request in json.load(open(f"{work}/requests.json")):
+    result = ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"])
+    for task, value in result.scores.items():
+        scores.setdefault(task, []).append(value)
+leaked = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+np.savez(f"{work}/out.npz", hidden=hidden.numpy(), **{k: np.concatenate(v) for k, v in scores.items()})
+print(json.dumps({"leaked": leaked}))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -100,23 +146,24 @@ def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_u
 
 
 def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, users, tmp_path):
-    model, path = exported
+    _, path = exported
     _, requests = users
+    newer = tmp_path / "newer"  # the same export with different HSTU weights: a "newer model"
+    shutil.copytree(path, newer)
+    weights = load_file(str(newer / "hstu/model.safetensors"))
+    weights["layers.1.output.bias"] += 0.5
+    save_file(weights, str(newer / "hstu/model.safetensors"))
     ranker = Ranker.load(path)
-    rank(ranker, requests[0])
-    generation = ranker.cache.generation
-    other = build_ranking_model(max_seq_len=40, contextual_len=1)
-    with torch.no_grad():
-        other.load_state_dict(model.state_dict())
-        other.postfix_dnn.towers["click"][-1].bias.add_(1.0)
-    new_path = export_model(other, tmp_path / "v2", dense_dims=DENSE_DIMS)
     before = rank(ranker, requests[0]).scores["click"]
-    ranker.reload(new_path)
+    generation = ranker.cache.generation
+    stale = ranker.cache.get(requests[0]["user_id"])
+    ranker.reload(newer)
     assert len(ranker.cache) == 0 and ranker.cache.generation == generation + 1
     after = rank(ranker, requests[0])
-    assert after.cache == "miss"
-    np.testing.assert_allclose(after.scores["click"], before + 1.0, rtol=0, atol=1e-4)
-    assert not ranker.cache.put("late", ranker.cache.get(requests[0]["user_id"]), generation)
+    assert after.cache == "miss" and not np.allclose(after.scores["click"], before, atol=1e-3)
+    np.testing.assert_allclose(after.scores["click"], rank(Ranker.load(newer), requests[0]).scores["click"],
+                               rtol=0, atol=ATOL)
+    assert not ranker.cache.put("late", stale, generation), "an entry computed before the reload is refused"
 
 
 def test_concurrent_requests_give_the_sequential_results(exported, users):
@@ -235,3 +282,35 @@ def test_user_cache_is_thread_safe_under_concurrent_puts():
     for t in threads:
         t.join()
     assert cache.nbytes == sum(cache.get(u).nbytes for u in cache.users()) <= 1000
+
+
+def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_path):
+    model, export_dir = exported
+    batch = random_batch(model, [14, 6, 21], [3, 2, 4], seed=11)
+    with torch.no_grad():
+        want_scores = model(batch).predictions
+        x = torch.randn(int(batch.seq_offsets[-1]), 16)
+        want_hidden = model.hstu(x, batch.seq_offsets, batch.max_seq_len, batch.timestamps, batch.num_targets)
+    np.savez(tmp_path / "hstu_inputs.npz", x=x.numpy(), offsets=batch.seq_offsets.numpy(), max_len=batch.max_seq_len,
+             timestamps=batch.timestamps.numpy(), num_targets=batch.num_targets.numpy())
+    parts = ("history", "candidates", "common_features")
+    requests = [{**r, **{part: {k: v.tolist() for k, v in r[part].items()} for part in parts}}
+                for r in requests_from_batch(batch)]
+    (tmp_path / "requests.json").write_text(json.dumps(requests))
+
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(BLOCKED), str(export_dir), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"leaked": []}
+    out = np.load(tmp_path / "out.npz")
+    np.testing.assert_allclose(out["hidden"], want_hidden.numpy(), rtol=0, atol=1e-5)
+    for task, value in want_scores.items():
+        np.testing.assert_allclose(out[task], value.numpy(), rtol=0, atol=1e-5)
+
+
+def test_the_import_guard_refuses_training_code():
+    probe = SCRIPT.split("import torch")[0] + "import gr.model\n"
+    run = subprocess.run([sys.executable, "-c", probe, json.dumps(BLOCKED)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert run.returncode != 0 and "import guard: gr.model is training code" in run.stderr

@@ -412,5 +412,10 @@ def _slice_graph(
 
 
 def _first_lines(exc: BaseException, limit: int = 12) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
+    """The informative head of an exception message (the summary section of torch.export errors)."""
+    text = str(exc)
+    summary = "## Exception summary"
+    if summary in text:
+        text = text.split(summary, 1)[1]
+    lines = [line for line in text.splitlines() if line.strip()]
     return "\n".join(lines[:limit]) + ("\n..." if len(lines) > limit else "")

@@ -73,10 +73,12 @@ class RankResult:
 
 @dataclass(frozen=True)
 class CachedUser:
-    """A user-cache entry: the history tokens the cache was built from, and its K/V."""
+    """A user-cache entry: the history tokens the cache was built from, its K/V, and the
+    cache generation (model) that computed them."""
 
     tokens: Tokens
     history: HistoryCache
+    generation: int
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +193,7 @@ class Ranker:
         if not use_cache:
             hidden = self._one_pass(model, hist, cands)
             return RankResult(model.heads(hidden, common), len(hist[TIMESTAMPS]), truncated, "off")
-        cached, status = self._history(model, user_id, hist)
+        cached, status = self._history(model, generation, user_id, hist)
         x = model.embed_tokens(cands)
         hidden = model.engine.score(cached.history, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch)
         if status != "hit":
@@ -238,11 +240,14 @@ class Ranker:
             hist = {name: value[length - limit:].copy() for name, value in hist.items()}
         return hist, cands, common, max(length - limit, 0)
 
-    def _history(self, model: ServingModel, user_id: Hashable, hist: Tokens) -> Tuple[CachedUser, str]:
-        """The user's cached history for ``hist``: reused, extended with the new tokens, or encoded."""
+    def _history(self, model: ServingModel, generation: int, user_id: Hashable, hist: Tokens) -> Tuple[CachedUser, str]:
+        """The user's cached history for ``hist``: reused, extended with the new tokens, or encoded.
+
+        Only an entry of this request's model generation is used (a reload may race the request).
+        """
         entry = self.cache.get(user_id)
         length = len(hist[TIMESTAMPS])
-        if isinstance(entry, CachedUser) and _is_prefix(entry.tokens, hist):
+        if isinstance(entry, CachedUser) and entry.generation == generation and _is_prefix(entry.tokens, hist):
             known = entry.history.length
             if known == length:
                 return entry, "hit"
@@ -250,9 +255,9 @@ class Ranker:
                 new = {name: value[known:] for name, value in hist.items()}
                 x = model.embed_tokens(new)
                 extended = model.engine.extend(entry.history, x, torch.from_numpy(new[TIMESTAMPS]))
-                return CachedUser(hist, extended), "extend"
+                return CachedUser(hist, extended, generation), "extend"
         x = model.embed_tokens(hist)
-        return CachedUser(hist, model.engine.encode(x, torch.from_numpy(hist[TIMESTAMPS]))), "miss"
+        return CachedUser(hist, model.engine.encode(x, torch.from_numpy(hist[TIMESTAMPS])), generation), "miss"
 
     def _one_pass(self, model: ServingModel, hist: Tokens, cands: Tokens) -> Tensor:
         """HSTU outputs at the candidates from one target-aware pass over history + candidates: [N, D]."""

@@ -1,0 +1,87 @@
+"""The CPU fast path: work proportional to sum(L_i^2), bounded memory at L = 4096, the
+torch.compile'd tiles equal to eager ones, and "auto" choosing it for CPU tensors."""
+import pytest
+import torch
+
+from gr.hstu.kernels import RelativeBias, hstu_attention, resolve_backend
+from gr.hstu.kernels.cpu import cpu_hstu_attention, score_elements
+
+pytestmark = pytest.mark.attention
+
+
+def offsets_of(lengths):
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])
+
+
+def test_auto_picks_the_device_backend():
+    assert resolve_backend("auto", "cpu") == "cpu"
+    assert resolve_backend("auto", "cuda") == "triton"
+    assert resolve_backend("auto", "npu") == "ascend"
+    assert resolve_backend("pytorch", "cuda") == "pytorch"
+
+
+def test_unknown_backend_is_refused_with_the_choices():
+    x = torch.zeros(2, 1, 4)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'.*cpu.*triton"):
+        hstu_attention(x, x, x, torch.tensor([0, 2]), 2, backend="cuda")
+
+
+def test_scored_work_follows_sum_of_squares_not_padding():
+    """One 2048-long sequence among 63 short ones: padding to [B, Lmax, Lmax] would score
+    ~30x more than the causal pairs; the grouped, chunked path stays within 1.4x of them."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [2048] + torch.randint(1, 200, (63,), generator=g).tolist()
+    offsets = offsets_of(lengths)
+    causal_pairs = sum(n * (n + 1) // 2 for n in lengths)
+    scored = score_elements(offsets, None, heads=1)
+    assert causal_pairs <= scored <= 1.4 * causal_pairs
+    assert 64 * 2048 * 2048 > 30 * scored
+
+
+def test_targets_and_window_shrink_the_scored_work():
+    offsets = offsets_of([1024])
+    hist, targets = 768, 256
+    # targets meet the history and themselves only: ~hist^2 / 2 + targets * hist, not 1024^2 / 2
+    assert score_elements(offsets, torch.tensor([targets]), heads=1) <= 1.3 * (hist * hist / 2 + targets * hist)
+    assert score_elements(offsets, None, heads=1, max_attn_len=64) < 0.6 * score_elements(offsets, None, heads=1)
+
+
+def test_memory_stays_bounded_at_4096_and_matches_reference():
+    """Backward keeps only the inputs (scores are recomputed chunk by chunk, each chunk at most
+    TILE_ELEMENTS scores), while the result equals the padded reference."""
+    length, heads, dim = 4096, 1, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(length, heads, dim, generator=g) for _ in range(3))
+    pos_w = torch.randn(length + 1, generator=g) * 0.1
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, pos_w)]
+    offsets = offsets_of([length])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        out = cpu_hstu_attention(*leaves[:3], offsets, length, None, 0, 0, 0.3, None, RelativeBias(leaves[3]), compiled=False)
+    assert sum(saved) < 64 * length * heads * dim * 4  # O(L), not O(L^2) = 64 MB per [L, L] fp32
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v, pos_w)]
+    ref = hstu_attention(*ref_leaves[:3], offsets, length, alpha=0.3, rab=RelativeBias(ref_leaves[3]), backend="pytorch")
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()))
+
+
+def test_compiled_tiles_equal_eager_tiles():
+    """torch.compile'd tiles (used for large calls) against eager ones, forward and gradients.
+    Every length group holds >= 2 sequences so the one dynamic-shape graph per pass is reused."""
+    lengths, targets = [5, 6, 7, 8, 40, 38], [0, 1, 0, 2, 3, 0]
+    offsets = offsets_of(lengths)
+    g = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    base = [torch.randn(total, 2, 16, generator=g) for _ in range(3)] + [torch.randn(64, generator=g), torch.randn(20, generator=g)]
+    ts = torch.arange(total) * 977
+    results = []
+    for compiled in (False, True):
+        leaves = [x.clone().requires_grad_(True) for x in base]
+        rab = RelativeBias(leaves[3], leaves[4], ts)
+        out = cpu_hstu_attention(*leaves[:3], offsets, 40, torch.tensor(targets), 2, 0, 0.3, None, rab, compiled=compiled)
+        results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+    for got, want in zip(*reversed(results)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
