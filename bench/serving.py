@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -86,6 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
+    load_start = os.getloadavg()[0]  # other processes on the 2 cores skew every timing
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -113,6 +115,7 @@ def main() -> None:
     key = "L1024_N512"
     summary = {
         "bench": "serving",
+        "load_average_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         "model": {"hidden_dim": 256, "num_layers": 4, "num_heads": 2, "head_dim": 128},
         "cache_bytes_per_token": cache_bytes_per_token(config),
         "a_is_sampled": "(a) runs a_sampled candidates and is scaled per candidate to N",

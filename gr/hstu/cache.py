@@ -80,34 +80,40 @@ def attend_cached(
     block_visible: [n, n] bool, whether new token i sees new token j; None -> itself only
     returns: [n, H, Dl], equal to the rows of the one-pass attention for these tokens
     """
-    alpha = layer.config.alpha
     norm = silu_norm(query_positions, layer.silu_scale()).to(q.dtype).view(1, -1, 1)  # [1, n, 1]
-    qh = q.transpose(0, 1)  # [H, n, Da]
+    qh = (q * layer.config.alpha).transpose(0, 1)  # [H, n, Da]
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)
+    # Every row of the bias is the same when the new tokens share position and timestamp
+    # (candidates of one request): compute it once, broadcast over the rows.
+    rows = 1 if _all_equal(query_positions) and (query_timestamps is None or _all_equal(query_timestamps)) else None
     cache_positions = torch.arange(cache_keys.shape[1], device=q.device)
-    logits = torch.matmul(qh, cache_keys.transpose(1, 2)) * alpha  # [H, n, L]
-    bias = _bias(layer, query_positions, query_timestamps, cache_positions, cache_timestamps)
+    logits = torch.matmul(qh, cache_keys.transpose(1, 2))  # [H, n, L]
+    bias = _bias(layer, query_positions[:rows], None if query_timestamps is None else query_timestamps[:rows],
+                 cache_positions, cache_timestamps)
     if bias is not None:
-        logits = logits + bias
-    scores = F.silu(logits) * norm
+        logits.add_(bias)
+    scores = F.silu(logits, inplace=True)
     if not bool(cache_visible.all()):
-        scores = scores * cache_visible.to(scores.dtype)
+        scores.mul_(cache_visible.to(scores.dtype))
     out = torch.matmul(scores, cache_values)  # [H, n, Dl]
     if block_visible is None:
-        self_logits = (q * k).sum(-1).transpose(0, 1) * alpha  # [H, n]
+        self_logits = (qh * kh).sum(-1)  # [H, n]
         origin = torch.zeros(1, dtype=torch.long, device=q.device)
         self_bias = _bias(layer, origin, origin, origin, origin)  # [1, 1]: distance 0, time delta 0
         if self_bias is not None:
             self_logits = self_logits + self_bias
-        self_scores = F.silu(self_logits) * norm[..., 0]
-        out = out + self_scores.unsqueeze(-1) * v.transpose(0, 1)
+        out = out + F.silu(self_logits).unsqueeze(-1) * vh
     else:
-        block_logits = torch.matmul(qh, k.permute(1, 2, 0)) * alpha  # [H, n, n]
+        block_logits = torch.matmul(qh, kh.transpose(1, 2))  # [H, n, n]
         block_bias = _bias(layer, query_positions, query_timestamps, query_positions, query_timestamps)
         if block_bias is not None:
             block_logits = block_logits + block_bias
-        block_scores = F.silu(block_logits) * norm * block_visible.to(q.dtype)
-        out = out + torch.matmul(block_scores, v.transpose(0, 1))
-    return out.transpose(0, 1)
+        out = out + torch.matmul(F.silu(block_logits) * block_visible.to(q.dtype), vh)
+    return (out * norm).transpose(0, 1)  # the per-query norm, applied after the sums
+
+
+def _all_equal(values: Tensor) -> bool:
+    return values.numel() <= 1 or bool((values == values[0]).all())
 
 
 def _bias(
@@ -215,6 +221,42 @@ class CachedHSTU:
             h, _, _ = self._run_new_tokens(cache, chunk, positions, ts, cache_visible, None)
             outputs.append(h)
         return torch.cat(outputs) if outputs else x.new_zeros(0, self.config.hidden_dim)
+
+    @torch.inference_mode()
+    def run_block(
+        self,
+        cache: HistoryCache,
+        x: Tensor,
+        timestamps: Optional[Tensor],
+        depths: Tensor,
+        block_visible: Tensor,
+    ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+        """Run a block of n new history tokens after the cache without committing them (e.g. a draft
+        token tree: branches causal, invisible to each other).
+
+        x: [n, D] float PrefixDNN output; timestamps: [n] int64
+        depths: [n] int64 >= 1, token i sits at position cache.length + depths[i] - 1
+        block_visible: [n, n] bool, whether new token i sees new token j (the diagonal must be set)
+        returns: (outputs [n, D], per-layer keys [H, n, Da], per-layer values [H, n, Dl]); a token
+        whose visible block tokens are exactly its predecessors at depths 1..d-1 gets the outputs
+        and K/V that ``extend`` with that chain would compute
+        """
+        n = self._check_tokens(x, timestamps, start=cache.length, targets=True)
+        if depths.shape != (n,) or block_visible.shape != (n, n):
+            raise ValueError(f"HSTU cache: depths must be [{n}] and block_visible [{n}, {n}], "
+                             f"got {tuple(depths.shape)} and {tuple(block_visible.shape)}")
+        if n and (int(depths.min()) < 1 or cache.length + int(depths.max()) > self.config.max_seq_len):
+            raise ValueError(f"HSTU cache: depths must lie in [1, {self.config.max_seq_len - cache.length}]")
+        if not self.can_extend(cache):
+            raise ValueError(f"HSTU cache: a history of {cache.length} tokens is shorter than "
+                             f"HSTUConfig.contextual_len {self.config.contextual_len}; encode it instead")
+        positions = cache.length + depths.to(torch.long) - 1
+        history_len = torch.tensor(cache.length + n, device=x.device)
+        cache_cols = torch.arange(cache.length, device=x.device)
+        cache_visible = self._visible(positions.view(-1, 1), cache_cols.view(1, -1), history_len)
+        window = self._visible(positions.view(-1, 1), positions.view(1, -1), history_len) | torch.eye(
+            n, dtype=torch.bool, device=x.device)
+        return self._run_new_tokens(cache, x, positions, timestamps, cache_visible, block_visible & window)
 
     def _run_new_tokens(
         self,

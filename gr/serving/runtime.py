@@ -34,6 +34,7 @@ from gr.export.reader import load_hstu, open_export
 from gr.export.slice_graph import REQUEST
 from gr.hstu.cache import CachedHSTU, HistoryCache
 from gr.serving.errors import RequestError
+from gr.serving.generate import Catalogue, GenerateResult, generate
 from gr.serving.onnx_slice import OnnxSlice
 from gr.serving.request import RankRequest, RequestSchema
 from gr.serving.sparse_store import SparseStore
@@ -155,6 +156,7 @@ class Ranker:
         self.threads = threads
         self.cache = UserCache(cache_bytes)
         self._model = model
+        self._catalogue: Optional[Catalogue] = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -211,6 +213,36 @@ class Ranker:
             except RequestError as exc:
                 raise RequestError(f"requests[{i}]: {exc}") from exc
         return results
+
+    def generate(self, user_id: Hashable, history: Mapping[str, Any], k: int, strategy: str = "greedy",
+                 exclude_seen: bool = True, **options: Any) -> GenerateResult:
+        """Generate the user's next ``k`` items after ``history`` (columns as in ``gr.serving.request``).
+
+        strategy: "greedy" (lowest item id on ties), "beam" (``beam_width``, ``temperature``) or
+        "sample" (``temperature``, ``seed``); exclude_seen: never repeat a history or generated item.
+        ``draft`` (a ``gr.generation.drafts.DraftSource``) turns greedy speculative: drafts verified
+        in one HSTU pass each, ``verification`` ``Strict()`` (the greedy items exactly) or ``Relaxed``.
+        Other options: ``common_features``, ``request_time`` (the generated tokens' timestamp,
+        default the last history timestamp), ``attribute`` (routes a cold user to a pool).
+        The user's cached history is used and updated as in ``rank``. See ``gr.serving.generate``.
+        """
+        return generate(self, user_id, history, k, strategy, exclude_seen, **options)
+
+    def catalogue(self) -> Tuple[Catalogue, int]:
+        """The current model's generation catalogue (built on first use) and the cache generation."""
+        with self._lock:
+            model, generation = self._model, self.cache.generation
+            if self._catalogue is None or self._catalogue.model is not model:
+                self._catalogue = Catalogue(model)
+            return self._catalogue, generation
+
+    def cached_history(self, model: ServingModel, generation: int, user_id: Hashable, hist: Tokens) -> Tuple[HistoryCache, str]:
+        """The encoded history ``hist`` of a user (reused, extended or encoded; stored in the user cache)
+        -> (cache, "hit" | "extend" | "miss")."""
+        cached, status = self._history(model, generation, user_id, hist)
+        if status != "hit":
+            self.cache.put(user_id, cached, generation)
+        return cached.history, status
 
     def _validate(
         self,

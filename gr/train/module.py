@@ -4,10 +4,10 @@ The model is built and sharded in ``configure_model`` (every rank builds it from
 same seed, then ``shard_model`` wraps it in DistributedModelParallel); the embedding
 optimizers run inside backward, so ``configure_optimizers`` gets the dense parameters only.
 
-Exact resume: every random draw of a training epoch (dropout, sampled negatives) comes
-from generators seeded by (trainer.seed, epoch, rank) at the start of the epoch, and the
+Exact resume: every random draw of a training step (dropout, sampled negatives) comes
+from generators seeded by (trainer.seed, epoch, batch, rank) just before the step, and the
 data module seeds its shuffle by epoch, so an epoch run after a resume is the same
-computation as in an uninterrupted run.
+computation as in an uninterrupted run, whatever else drew random numbers in between.
 """
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ class GRTrainingModule(LightningModule):
         return GRInput(**moved)
 
     # ---- training ----------------------------------------------------------------------
-    def on_train_epoch_start(self) -> None:
-        seed = np.random.SeedSequence([self.config.trainer.seed, self.current_epoch, self.global_rank])
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        seed = np.random.SeedSequence([self.config.trainer.seed, self.current_epoch, batch_idx, self.global_rank])
         torch_seed, sampler_seed = (int(s) for s in seed.generate_state(2))
         torch.manual_seed(torch_seed)
         self.generator.manual_seed(sampler_seed)

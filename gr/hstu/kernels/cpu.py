@@ -5,13 +5,13 @@ wastes at most ~12% per side), each group is cut into query chunks that only mee
 they can see (causal / window / contextual), and each chunk is one batched matmul pair over
 the group. Targets are computed against history keys only; their one visible target key
 (themselves) is a per-token term. Forward and backward run chunk by chunk and recompute the
-scores in backward (no L x L tensor is kept), so memory stays bounded by ``tile_elements``.
+scores in backward (no L x L tensor is kept), so memory stays bounded by ``TILE_ELEMENTS``.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -230,7 +230,7 @@ class _ChunkedAttention(torch.autograd.Function):
             og = vg.new_zeros(vg.shape[:2] + (group.tokens.shape[1], dim_v))
             for chunk in group.chunks:
                 og[:, :, chunk.rows] = forward_tile(
-                    qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), *_tile_context(problem, group, chunk, pos_w, time_w)
+                    qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), _tile_context(problem, group, chunk, pos_w, time_w)
                 )
             out[group.tokens] = og.transpose(1, 2)
         return out[:total]
@@ -253,7 +253,7 @@ class _ChunkedAttention(torch.autograd.Function):
                     qg[:, :, chunk.rows],
                     *_key_part(chunk, kg, vg),
                     dog[:, :, chunk.rows],
-                    *_tile_context(problem, group, chunk, pos_w, time_w),
+                    _tile_context(problem, group, chunk, pos_w, time_w),
                 )
                 dqg[:, :, chunk.rows] += dq
                 _add_keys(dkg, dk, chunk)
@@ -285,93 +285,86 @@ def _add_keys(acc: Tensor, part: Tensor, chunk: _Chunk) -> None:
         acc.index_add_(2, chunk.cols, part)
 
 
+class _TileContext(NamedTuple):
+    """What one tile needs besides q, k, v (and grad_out).
+
+    rows: [C], cols: [K] int64 indices in the padded sequences; lengths, history: [G, 1, 1];
+    row_ts: [G, C], col_ts: [G, K] int64 (None without time bias); thresholds: [NB - 1].
+    """
+
+    rows: Tensor
+    cols: Tensor
+    lengths: Tensor
+    history: Tensor
+    row_ts: Optional[Tensor]
+    col_ts: Optional[Tensor]
+    pos_w: Optional[Tensor]
+    time_w: Optional[Tensor]
+    thresholds: Optional[Tensor]
+    alpha: float
+    silu_scale: Optional[float]
+    contextual_len: int
+    max_attn_len: int
+
+
 def _tile_context(
     problem: _Problem, group: _Group, chunk: _Chunk, pos_w: Optional[Tensor], time_w: Optional[Tensor]
-) -> tuple:
-    """The tile functions' arguments after q, k, v (and grad_out)."""
+) -> _TileContext:
     row_ts = col_ts = None
     if time_w is not None:
         ts = problem.timestamps[group.tokens]
         row_ts, col_ts = ts[:, chunk.rows], ts[:, chunk.cols]
-    return (
-        torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device),
-        chunk.cols,
-        group.lengths,
-        group.history,
-        row_ts,
-        col_ts,
-        pos_w,
-        time_w,
-        problem.time_thresholds,
-        problem.alpha,
-        problem.silu_scale,
-        problem.contextual_len,
-        problem.max_attn_len,
+    rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device)
+    return _TileContext(
+        rows, chunk.cols, group.lengths, group.history, row_ts, col_ts, pos_w, time_w, problem.time_thresholds,
+        problem.alpha, problem.silu_scale, problem.contextual_len, problem.max_attn_len,
     )
 
 
-def _tile_scores(
-    q: Tensor,
-    k: Tensor,
-    rows: Tensor,
-    cols: Tensor,
-    lengths: Tensor,
-    hist: Tensor,
-    row_ts: Optional[Tensor],
-    col_ts: Optional[Tensor],
-    pos_w: Optional[Tensor],
-    time_w: Optional[Tensor],
-    thresholds: Optional[Tensor],
-    alpha: float,
-    silu_scale: Optional[float],
-    contextual_len: int,
-    max_attn_len: int,
-) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+def _tile_scores(q: Tensor, k: Tensor, c: _TileContext) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """One tile's pre-activation scores and what multiplies SiLU of them.
 
-    q: [G, H, C, Dqk], k: [G, H, K, Dqk]; rows: [C], cols: [K] int64 indices in the padded
-    sequences; lengths, hist: [G, 1, 1]; row_ts: [G, C], col_ts: [G, K] int64 or None.
-    returns scores [G, H, C, K] = alpha q.k + bias, weight [G, 1, C, K] = visible * norm over
-    history keys, and the position / time bucket indices [G, C, K] (None when off).
+    q: [G, H, C, Dqk], k: [G, H, K, Dqk] -> scores [G, H, C, K] = alpha q.k + bias, weight
+    [G, 1, C, K] = visible * norm over history keys, and the position / time bucket indices
+    [G, C, K] (None when off).
     """
-    rows, cols = rows.view(1, -1, 1), cols.view(1, 1, -1)
-    visible = hstu_visibility(rows, cols, lengths, hist, contextual_len, max_attn_len) & (cols < hist)
+    rows, cols, hist = c.rows.view(1, -1, 1), c.cols.view(1, 1, -1), c.history
+    visible = hstu_visibility(rows, cols, c.lengths, hist, c.contextual_len, c.max_attn_len) & (cols < hist)
     row_pos = torch.minimum(rows, hist)
-    weight = visible.to(q.dtype) * silu_norm(row_pos, silu_scale).to(q.dtype)
-    scores = torch.matmul(q * alpha, k.transpose(-1, -2))
+    weight = visible.to(q.dtype) * silu_norm(row_pos, c.silu_scale).to(q.dtype)
+    scores = torch.matmul(q * c.alpha, k.transpose(-1, -2))
     pos_idx = time_idx = None
-    if pos_w is not None:
-        pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_w.numel())
-        scores = scores + pos_w[pos_idx].unsqueeze(1)
-    if time_w is not None:
-        delta = (row_ts[:, :, None] - col_ts[:, None, :]).abs().clamp(min=1)
-        time_idx = torch.bucketize(delta.to(torch.float32), thresholds, right=True)
-        scores = scores + time_w[time_idx].unsqueeze(1)
+    if c.pos_w is not None:
+        pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), c.pos_w.numel())
+        scores = scores + c.pos_w[pos_idx].unsqueeze(1)
+    if c.time_w is not None:
+        delta = (c.row_ts[:, :, None] - c.col_ts[:, None, :]).abs().clamp(min=1)
+        time_idx = torch.bucketize(delta.to(torch.float32), c.thresholds, right=True)
+        scores = scores + c.time_w[time_idx].unsqueeze(1)
     return scores, weight.unsqueeze(1), pos_idx, time_idx
 
 
-def _forward_tile(q: Tensor, k: Tensor, v: Tensor, *context: object) -> Tensor:
-    """v: [G, H, K, Dv]; see ``_tile_scores`` for the rest -> [G, H, C, Dv]."""
-    scores, weight, _, _ = _tile_scores(q, k, *context)
+def _forward_tile(q: Tensor, k: Tensor, v: Tensor, c: _TileContext) -> Tensor:
+    """v: [G, H, K, Dv] -> [G, H, C, Dv]."""
+    scores, weight, _, _ = _tile_scores(q, k, c)
     return torch.matmul(F.silu(scores) * weight, v)
 
 
-def _backward_tile(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, *context: object) -> tuple:
-    """grad_out: [G, H, C, Dv] -> dq, dk, dv for the tile and the bias weights' gradients."""
-    scores, weight, pos_idx, time_idx = _tile_scores(q, k, *context)
-    alpha = context[9]
+def _backward_tile(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, c: _TileContext) -> tuple:
+    """grad_out: [G, H, C, Dv] -> dq, dk, dv of the tile and the bias weights' gradients (or None)."""
+    scores, weight, pos_idx, time_idx = _tile_scores(q, k, c)
     sig = torch.sigmoid(scores)
     silu = scores * sig
     dv = torch.matmul((silu * weight).transpose(-1, -2), grad_out)
     dscores = torch.matmul(grad_out, v.transpose(-1, -2)) * weight * (sig + silu * (1 - sig))  # SiLU'
-    dq = torch.matmul(dscores, k) * alpha
-    dk = torch.matmul(dscores.transpose(-1, -2), q) * alpha
+    dq = torch.matmul(dscores, k) * c.alpha
+    dk = torch.matmul(dscores.transpose(-1, -2), q) * c.alpha
     dbias = dscores.sum(1).flatten()
     dpos = dtime = None
     if pos_idx is not None:
-        dpos = dscores.new_zeros(context[6].numel()).index_add_(0, pos_idx.flatten(), dbias)
+        dpos = dscores.new_zeros(c.pos_w.numel()).index_add_(0, pos_idx.flatten(), dbias)
     if time_idx is not None:
-        dtime = dscores.new_zeros(context[7].numel()).index_add_(0, time_idx.flatten(), dbias)
+        dtime = dscores.new_zeros(c.time_w.numel()).index_add_(0, time_idx.flatten(), dbias)
     return dq, dk, dv, dpos, dtime
 
 

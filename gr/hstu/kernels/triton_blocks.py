@@ -25,7 +25,7 @@ _LOG_DIV = tl.constexpr(TIME_BUCKET_LOG_DIV)
 
 
 @triton.jit
-def sequence_of(SeqOffsets, History, b):
+def _sequence_of(SeqOffsets, History, b):
     """-> start (int64), length, history length of sequence b."""
     start = tl.load(SeqOffsets + b)
     length = tl.load(SeqOffsets + b + 1) - start
@@ -33,7 +33,7 @@ def sequence_of(SeqOffsets, History, b):
 
 
 @triton.jit
-def key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+def _key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M: tl.constexpr, HAS_CONTEXT: tl.constexpr,
                HAS_WINDOW: tl.constexpr):
     """History keys query rows [m0, m0 + BLOCK_M) may see: [0, ctx_hi) and [lo, hi)."""
     hi = tl.minimum(m0 + BLOCK_M, hist)
@@ -47,7 +47,7 @@ def key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M: tl.constexpr, HA
 
 
 @triton.jit
-def query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+def _query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N: tl.constexpr, HAS_CONTEXT: tl.constexpr,
                 HAS_WINDOW: tl.constexpr):
     """Query rows [lo, hi) that may see a history key of [n0, n0 + BLOCK_N) (empty if none)."""
     key_hi = tl.minimum(n0 + BLOCK_N, hist)
@@ -66,7 +66,7 @@ def query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N: tl.cons
 
 
 @triton.jit
-def visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT: tl.constexpr,
+def _visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT: tl.constexpr,
             HAS_WINDOW: tl.constexpr):
     """[M, N] mask of ``hstu_visibility`` restricted to history keys (cols < hist)."""
     pos_r = tl.minimum(rows, hist)[:, None]
@@ -82,7 +82,7 @@ def visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT:
 
 
 @triton.jit
-def row_norm(rows, hist, silu_scale, SCALE_BY_POSITION: tl.constexpr):
+def _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION: tl.constexpr):
     """Per-query factor after SiLU: 1 / (pos + 1) or silu_scale, fp32 [M]."""
     if SCALE_BY_POSITION:
         norm = 1.0 / (tl.minimum(rows, hist).to(tl.float32) + 1.0)
@@ -92,10 +92,16 @@ def row_norm(rows, hist, silu_scale, SCALE_BY_POSITION: tl.constexpr):
 
 
 @triton.jit
-def silu_parts(s):
+def _silu_parts(s):
     """-> sigmoid(s), silu(s) (fp32)."""
     sig = 1.0 / (1.0 + tl.exp(-s))
     return sig, s * sig
+
+
+@triton.jit
+def _silu_grad(sig, silu):
+    """SiLU'(s) from sigmoid(s) and silu(s)."""
+    return sig + silu * (1.0 - sig)
 
 
 @triton.jit
@@ -117,7 +123,7 @@ def _lookup(table, idx):
 
 
 @triton.jit
-def time_bucket(delta, Thresholds, thr_table, num_time, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr):
+def _time_bucket(delta, Thresholds, thr_table, num_time, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr):
     """|dt| (int32, any shape) -> bucket of ``common.time_bucket``: a log/sqrt estimate, then
     one correction step against the threshold table."""
     x = tl.maximum(tl.abs(delta).to(tl.float32), 1.0)
@@ -145,7 +151,7 @@ def _weights(idx, Weights, table, UB_TABLES: tl.constexpr):
 
 
 @triton.jit
-def tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table, thr_table, num_pos, num_time,
+def _tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table, thr_table, num_pos, num_time,
               HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr,
               POS_WINDOW: tl.constexpr):
     """-> bias [M, N] fp32 and its position / time bucket indices (zeros when a part is off).
@@ -165,14 +171,14 @@ def tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_
         else:
             bias += tl.load(PosW + pos_idx)
     if HAS_TIME:
-        time_idx = time_bucket(ts_rows[:, None] - ts_cols[None, :], Thresholds, thr_table, num_time, TIME_LOG,
+        time_idx = _time_bucket(ts_rows[:, None] - ts_cols[None, :], Thresholds, thr_table, num_time, TIME_LOG,
                                UB_TABLES)
         bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
     return bias, pos_idx, time_idx
 
 
 @triton.jit
-def self_bias(like, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS: tl.constexpr,
+def _self_bias(like, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS: tl.constexpr,
               HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr):
     """Bias of a token on itself (relative position 0, time delta 0), shaped like ``like`` [M];
     also its time bucket."""
@@ -182,7 +188,7 @@ def self_bias(like, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HA
     if HAS_POS:
         bias += tl.load(PosW + zero)
     if HAS_TIME:
-        time_idx = time_bucket(zero, Thresholds, thr_table, num_time, TIME_LOG, UB_TABLES)
+        time_idx = _time_bucket(zero, Thresholds, thr_table, num_time, TIME_LOG, UB_TABLES)
         bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
     return bias, time_idx
 
@@ -193,6 +199,31 @@ def _load_rows(X, start, idx, ok, h, stride_t, stride_h, DIM, BLOCK_D: tl.conste
     d = tl.arange(0, BLOCK_D)
     return tl.load(X + (start + idx)[:, None] * stride_t + h * stride_h + d[None, :],
                    mask=ok[:, None] & (d < DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _timestamps(Ts, start, idx, ok, HAS_TIME: tl.constexpr):
+    """Timestamps of tokens ``idx`` (the indices themselves, unused, without time bias)."""
+    ts = idx
+    if HAS_TIME:
+        ts = tl.load(Ts + start + idx, mask=ok, other=0)
+    return ts
+
+
+@triton.jit
+def _tile(q, k, rows, cols, tile_ok, norm, length, hist, ts_rows, ts_cols, alpha, contextual_len, max_attn_len,
+          PosW, TimeW, Thresholds, time_table, thr_table, num_pos, num_time,
+          HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+          HAS_WINDOW: tl.constexpr, UB_TABLES: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """One [M, N] tile of query rows x history keys -> sigmoid and SiLU of the scores, weight
+    (mask * norm), the mask, and the position / time bucket indices."""
+    bias, pos_idx, time_idx = _tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table,
+                                        thr_table, num_pos, num_time, HAS_POS, HAS_TIME, TIME_LOG, UB_TABLES,
+                                        POS_WINDOW)
+    sig, silu = _silu_parts(_dot(q, tl.trans(k), PRECISION) * alpha + bias)
+    mask = _visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW) & tile_ok
+    weight = tl.where(mask, norm[:, None], 0.0)
+    return sig, silu, weight, mask, pos_idx, time_idx
 
 
 @triton.jit
@@ -217,18 +248,13 @@ def _query_pass(acc, q, do, rows, norm, ts_rows, n_lo, n_hi, start, length, hist
         col_ok = cols < n_hi
         k = _load_rows(K, start, cols, col_ok, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK)
         v = _load_rows(V, start, cols, col_ok, h, stride_vt, stride_vh, DIM_V, BLOCK_DV)
-        ts_cols = cols
-        if HAS_TIME:
-            ts_cols = tl.load(Ts + start + cols, mask=col_ok, other=0)
-        bias, _, _ = tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table, thr_table,
-                               num_pos, num_time, HAS_POS, HAS_TIME, TIME_LOG, UB_TABLES, POS_WINDOW)
-        s = _dot(q, tl.trans(k), PRECISION) * alpha + bias
-        mask = visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW)
-        weight = tl.where(mask & col_ok[None, :], norm[:, None], 0.0)
-        sig, silu = silu_parts(s)
+        ts_cols = _timestamps(Ts, start, cols, col_ok, HAS_TIME)
+        sig, silu, weight, _, _, _ = _tile(q, k, rows, cols, col_ok[None, :], norm, length, hist, ts_rows, ts_cols,
+                                           alpha, contextual_len, max_attn_len, PosW, TimeW, Thresholds, time_table,
+                                           thr_table, num_pos, num_time, HAS_POS, HAS_TIME, TIME_LOG, HAS_CONTEXT,
+                                           HAS_WINDOW, UB_TABLES, POS_WINDOW, PRECISION)
         if GRAD:
-            d_attn = _dot(do, tl.trans(v), PRECISION)
-            ds = d_attn * weight * (sig + silu * (1.0 - sig))
+            ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
             acc += _dot(ds.to(k.dtype), k, PRECISION)
         else:
             acc += _dot((silu * weight).to(v.dtype), v, PRECISION)
@@ -246,7 +272,7 @@ def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, PosW, TimeW
                 BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, GRAD: tl.constexpr):
     """Query block [m0, m0 + BLOCK_M) of sequence b, head h. GRAD False: Out = attention output
     [T, H, Dv] (DO unused). GRAD True: Out = dq [T, H, Dqk] given DO = d output."""
-    start, length, hist = sequence_of(SeqOffsets, History, b)
+    start, length, hist = _sequence_of(SeqOffsets, History, b)
     if m0 < length:
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < length
@@ -254,11 +280,9 @@ def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, PosW, TimeW
         do = q
         if GRAD:
             do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
-        ts_rows = rows
-        if HAS_TIME:
-            ts_rows = tl.load(Ts + start + rows, mask=row_ok, other=0)
-        norm = row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
-        ctx_hi, lo, hi = key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M, HAS_CONTEXT, HAS_WINDOW)
+        ts_rows = _timestamps(Ts, start, rows, row_ok, HAS_TIME)
+        norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
+        ctx_hi, lo, hi = _key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M, HAS_CONTEXT, HAS_WINDOW)
         if GRAD:
             acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
         else:
@@ -277,12 +301,12 @@ def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, PosW, TimeW
         target = row_ok & (rows >= hist)
         k_self = _load_rows(K, start, rows, target, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK).to(tl.float32)
         v_self = _load_rows(V, start, rows, target, h, stride_vt, stride_vh, DIM_V, BLOCK_DV).to(tl.float32)
-        bias_self, _ = self_bias(rows, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS, HAS_TIME,
+        bias_self, _ = _self_bias(rows, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS, HAS_TIME,
                                  TIME_LOG, UB_TABLES)
-        sig, silu = silu_parts(tl.sum(q.to(tl.float32) * k_self, 1) * alpha + bias_self)
+        sig, silu = _silu_parts(tl.sum(q.to(tl.float32) * k_self, 1) * alpha + bias_self)
         weight_self = tl.where(target, norm, 0.0)
         if GRAD:
-            ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * (sig + silu * (1.0 - sig))
+            ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * _silu_grad(sig, silu)
             acc = (acc + ds_self[:, None] * k_self) * alpha
             _store_rows(Out, acc, start, rows, row_ok, h, stride_ot, stride_oh, DIM_QK, BLOCK_DQK)
         else:
@@ -301,36 +325,29 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
               UB_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """dk, dv of key block [n0, n0 + BLOCK_N) of sequence b, head h; adds dS into DPos / DTime."""
-    start, length, hist = sequence_of(SeqOffsets, History, b)
+    start, length, hist = _sequence_of(SeqOffsets, History, b)
     if n0 < length:
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < length
         k = _load_rows(K, start, cols, col_ok, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK)
         v = _load_rows(V, start, cols, col_ok, h, stride_vt, stride_vh, DIM_V, BLOCK_DV)
-        ts_cols = cols
-        if HAS_TIME:
-            ts_cols = tl.load(Ts + start + cols, mask=col_ok, other=0)
+        ts_cols = _timestamps(Ts, start, cols, col_ok, HAS_TIME)
         dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        m_lo, m_hi = query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N, HAS_CONTEXT, HAS_WINDOW)
+        m_lo, m_hi = _query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N, HAS_CONTEXT, HAS_WINDOW)
         for m0 in range(m_lo, m_hi, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < m_hi
             q = _load_rows(Q, start, rows, row_ok, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK)
             do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
-            ts_rows = rows
-            if HAS_TIME:
-                ts_rows = tl.load(Ts + start + rows, mask=row_ok, other=0)
-            bias, pos_idx, time_idx = tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds,
-                                                time_table, thr_table, num_pos, num_time, HAS_POS, HAS_TIME,
-                                                TIME_LOG, UB_TABLES, POS_WINDOW)
-            s = _dot(q, tl.trans(k), PRECISION) * alpha + bias
-            mask = visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW)
-            mask = mask & row_ok[:, None]
-            weight = tl.where(mask, row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)[:, None], 0.0)
-            sig, silu = silu_parts(s)
+            norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
+            ts_rows = _timestamps(Ts, start, rows, row_ok, HAS_TIME)
+            sig, silu, weight, mask, pos_idx, time_idx = _tile(
+                q, k, rows, cols, row_ok[:, None], norm, length, hist, ts_rows, ts_cols, alpha, contextual_len,
+                max_attn_len, PosW, TimeW, Thresholds, time_table, thr_table, num_pos, num_time, HAS_POS, HAS_TIME,
+                TIME_LOG, HAS_CONTEXT, HAS_WINDOW, UB_TABLES, POS_WINDOW, PRECISION)
             dv += _dot(tl.trans((silu * weight).to(do.dtype)), do, PRECISION)
-            ds = _dot(do, tl.trans(v), PRECISION) * weight * (sig + silu * (1.0 - sig))
+            ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
             if HAS_POS:
                 tl.atomic_add(DPos + pos_idx, ds, mask=mask)
@@ -340,12 +357,12 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
         target = col_ok & (cols >= hist)
         q_self = _load_rows(Q, start, cols, target, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK).to(tl.float32)
         do_self = _load_rows(DO, start, cols, target, h, stride_dot, stride_doh, DIM_V, BLOCK_DV).to(tl.float32)
-        bias_self, time_self = self_bias(cols, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS,
+        bias_self, time_self = _self_bias(cols, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS,
                                          HAS_TIME, TIME_LOG, UB_TABLES)
-        sig, silu = silu_parts(tl.sum(q_self * k.to(tl.float32), 1) * alpha + bias_self)
-        weight_self = tl.where(target, row_norm(cols, hist, silu_scale, SCALE_BY_POSITION), 0.0)
+        sig, silu = _silu_parts(tl.sum(q_self * k.to(tl.float32), 1) * alpha + bias_self)
+        weight_self = tl.where(target, _row_norm(cols, hist, silu_scale, SCALE_BY_POSITION), 0.0)
         dv += (silu * weight_self)[:, None] * do_self
-        ds_self = tl.sum(do_self * v.to(tl.float32), 1) * weight_self * (sig + silu * (1.0 - sig))
+        ds_self = tl.sum(do_self * v.to(tl.float32), 1) * weight_self * _silu_grad(sig, silu)
         dk += ds_self[:, None] * q_self
         if HAS_POS:
             tl.atomic_add(DPos + cols * 0, ds_self, mask=target)

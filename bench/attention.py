@@ -1,0 +1,180 @@
+"""HSTU attention: a fast backend against a padded dense implementation of the same math.
+
+The batch has skewed lengths (lognormal, mean ~300, one sequence at the 2048 maximum), position
+and time bias on, as in training. Measured in one run: forward and forward+backward time of
+the backend and of the padded implementation (``pytorch``: pads to [B, H, L, L] and masks, the
+way padded frameworks compute HSTU), the useful GFLOP/s (q.k and attention.v multiply-adds of
+visible pairs only: 2 * pairs * H * (Dqk + Dv) forward, three times that forward+backward) and
+the device's fp32 matmul peak. The last line is one JSON object with the ratios.
+
+Here (CPU):        python bench/attention.py
+On a CUDA host:    python bench/attention.py --device cuda --backend triton
+On an Ascend host: python bench/attention.py --device npu --backend ascend_triton   (or ascend)
+(the Triton kernels only run on those hosts; nothing here measured them).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from gr.hstu.kernels import RelativeBias, hstu_attention
+from gr.hstu.kernels.cpu import cpu_hstu_attention
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "npu":
+        torch.npu.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, repeats: int) -> float:
+    """Best wall time of ``repeats`` calls, seconds."""
+    best = math.inf
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_peak_gflops(device: str, size: int = 2048, repeats: int = 5) -> float:
+    a, b = (torch.randn(size, size, device=device) for _ in range(2))
+    torch.mm(a, b)
+    return 2 * size**3 / timed(lambda: torch.mm(a, b), device, repeats) / 1e9
+
+
+def skewed_batch(args: argparse.Namespace) -> Dict[str, object]:
+    g = torch.Generator().manual_seed(args.seed)
+    sigma = 1.0
+    mu = math.log(args.mean_len) - sigma**2 / 2  # lognormal with mean mean_len
+    lengths = torch.exp(mu + sigma * torch.randn(args.batch, generator=g)).round().clamp(1, args.max_len).long()
+    lengths[0] = args.max_len
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    q, k, v = (torch.randn(total, args.heads, args.dim, generator=g) * 0.5 for _ in range(3))
+    ts = torch.cat([torch.sort(torch.randint(0, 10**8, (int(n),), generator=g)).values for n in lengths])
+    return dict(
+        lengths=lengths,
+        offsets=offsets.to(args.device),
+        timestamps=ts.to(args.device),
+        inputs=[x.to(args.device) for x in (q, k, v, torch.randn(args.max_len + 1, generator=g) * 0.02,
+                                              torch.randn(128, generator=g) * 0.02)],
+    )
+
+
+def attention_call(attention: Callable, batch: Dict[str, object], args: argparse.Namespace, backward: bool) -> Callable:
+    """A call of ``attention`` (hstu_attention's arguments) on the batch -> [out] or [out, grads...]."""
+
+    def call() -> List[torch.Tensor]:
+        leaves = [x.detach().requires_grad_(backward) for x in batch["inputs"]]
+        rab = RelativeBias(leaves[3], leaves[4], batch["timestamps"])
+        out = attention(
+            *leaves[:3], batch["offsets"], args.max_len, alpha=1 / math.sqrt(args.dim), silu_scale=1 / args.max_len,
+            rab=rab,
+        )
+        if not backward:
+            return [out]
+        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+
+    return call
+
+
+def contenders(args: argparse.Namespace) -> List[tuple]:
+    """(label, attention function, timed repeats after a warm-up call; 0 = time the first call)."""
+    chosen = [(args.backend, functools.partial(hstu_attention, backend=args.backend), args.repeats)]
+    if args.backend == "cpu":  # the same path without torch.compile, to show what compile buys
+
+        def eager(q, k, v, seq_offsets, max_seq_len, *, alpha, silu_scale, rab):
+            return cpu_hstu_attention(q, k, v, seq_offsets, max_seq_len, None, 0, 0, alpha, silu_scale, rab, compiled=False)
+
+        chosen.append(("cpu-eager", eager, args.repeats))
+    chosen.append(("padded", functools.partial(hstu_attention, backend="pytorch"), 0))
+    return chosen
+
+
+def max_relative_error(got: List[torch.Tensor], want: List[torch.Tensor]) -> float:
+    return max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(got, want))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="cpu", help="backend measured against 'pytorch' (padded)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--mean-len", type=float, default=300.0)
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    peak = matmul_peak_gflops(args.device)
+    batch = skewed_batch(args)
+    lengths = batch["lengths"]
+    pairs = int((lengths * (lengths + 1) // 2).sum())  # causal: visible (query, key) pairs
+    fwd_flops = 2 * pairs * args.heads * (args.dim + args.dim)
+    padded_pairs = args.batch * args.max_len**2
+    print(f"device {args.device}, fp32 matmul peak {peak:.1f} GFLOP/s")
+    print(
+        f"batch: B={args.batch} lengths mean {lengths.float().mean():.0f} median {lengths.median():.0f} "
+        f"max {int(lengths.max())}, H={args.heads}, D={args.dim}; visible pairs {pairs:,} "
+        f"(padded [B, L, L]: {padded_pairs:,}, {padded_pairs / pairs:.0f}x)"
+    )
+
+    results = {}
+    for label, attention, repeats in contenders(args):
+        for backward in (False, True):
+            call = attention_call(attention, batch, args, backward)
+            synchronize(args.device)
+            start = time.perf_counter()
+            outputs = call()
+            synchronize(args.device)
+            first = time.perf_counter() - start
+            seconds = timed(call, args.device, repeats) if repeats else first
+            results[label, backward] = dict(seconds=seconds, first=first, outputs=outputs)
+
+    print(f"\n{'backend':<10} {'pass':<9} {'seconds':>9} {'first call':>11} {'GFLOP/s':>9} {'% of peak':>10}")
+    for (label, backward), r in results.items():
+        gflops = fwd_flops * (3 if backward else 1) / r["seconds"] / 1e9
+        r["gflops"] = gflops
+        print(
+            f"{label:<10} {'fwd+bwd' if backward else 'fwd':<9} {r['seconds']:>9.3f} {r['first']:>11.2f} "
+            f"{gflops:>9.1f} {100 * gflops / peak:>9.1f}%"
+        )
+    fast_fwd, fast_bwd = results[args.backend, False], results[args.backend, True]
+    ref_fwd, ref_bwd = results["padded", False], results["padded", True]
+    error = max_relative_error(fast_bwd["outputs"], ref_bwd["outputs"])
+    print(f"\nmax relative difference to the padded reference (output and all gradients): {error:.1e}")
+    if ("cpu-eager", True) in results:
+        eager = results["cpu-eager", True]["seconds"]
+        print(f"torch.compile'd tiles vs eager, fwd+bwd: {eager / fast_bwd['seconds']:.2f}x")
+    summary = dict(
+        device=args.device,
+        backend=args.backend,
+        fwd_speedup_vs_padded=round(ref_fwd["seconds"] / fast_fwd["seconds"], 2),
+        fwd_bwd_speedup_vs_padded=round(ref_bwd["seconds"] / fast_bwd["seconds"], 2),
+        fwd_gflops=round(fast_fwd["gflops"], 2),
+        fwd_bwd_gflops=round(fast_bwd["gflops"], 2),
+        matmul_peak_gflops=round(peak, 1),
+        fwd_fraction_of_peak=round(fast_fwd["gflops"] / peak, 3),
+        fwd_bwd_fraction_of_peak=round(fast_bwd["gflops"] / peak, 3),
+        padded_fwd_fraction_of_peak=round(ref_fwd["gflops"] / peak, 4),
+        max_relative_error=float(f"{error:.2e}"),
+    )
+    if ("cpu-eager", True) in results:
+        summary["compile_speedup_fwd_bwd"] = round(results["cpu-eager", True]["seconds"] / fast_bwd["seconds"], 2)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

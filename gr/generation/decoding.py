@@ -1,0 +1,320 @@
+"""Generating a user's next K items with a KV-cached HSTU: greedy, beam, sampling, speculative greedy.
+
+Every generated item is appended as a history token (timestamp = the request time); the
+query at the last token (the retrieval head's output) picks the next item by maximum inner
+product over the catalogue. Speculative greedy verifies a draft token tree in one HSTU pass
+(``CachedHSTU.run_block``) and, with strict verification, returns exactly the greedy items.
+
+Imports only torch, gr.hstu and gr.generation: the serving runtime uses it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor
+
+from gr.generation.draft_tree import DraftTree
+from gr.generation.index import ItemIndex, exclusion_mask, top_items
+from gr.hstu.cache import CachedHSTU, HistoryCache
+
+
+class GenerativeModel(Protocol):
+    """What generation needs from a model: the cached HSTU engine, item tokens and retrieval queries."""
+
+    engine: CachedHSTU
+
+    def item_tokens(self, items: Tensor) -> Tensor:
+        """items: [n] int64 -> [n, D] float HSTU input (the PrefixDNN output of each item as a token)."""
+
+    def queries(self, hidden: Tensor) -> Tensor:
+        """hidden: [n, D] float HSTU outputs -> [n, d] float retrieval queries."""
+
+
+class Drafter(Protocol):
+    """Proposes future items for one request."""
+
+    def propose(self, sequence: Sequence[int], depth: int, banned: Set[int]) -> DraftTree:
+        """A tree of continuations of ``sequence`` (history + generated), at most ``depth`` levels,
+        without ``banned`` items (they could never be accepted)."""
+
+
+@dataclass
+class DecodeState:
+    """A sequence being generated: its committed tokens' cache, items, and the query at the last one.
+
+    query: [d] float, what the model retrieves next
+    """
+
+    cache: HistoryCache
+    items: List[int]
+    query: Tensor
+
+
+@dataclass
+class GenerationStats:
+    """passes: HSTU passes after the history (one per step); drafted/accepted: draft tokens
+    verified / accepted; draft_seconds and total_seconds: wall time of draft lookup and of the whole."""
+
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_per_pass(self) -> float:
+        return self.accepted / self.passes if self.passes else 0.0
+
+
+@dataclass
+class Generation:
+    items: List[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass(frozen=True)
+class Strict:
+    """Accept a draft item only when it is the model's greedy choice (output = plain greedy)."""
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """Accept a draft item when it is among the model's ``top_k`` and its probability
+    (softmax of the scores / ``temperature`` over the allowed items) is at least ``min_prob``."""
+
+    top_k: int = 5
+    min_prob: float = 0.05
+    temperature: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or not 0.0 <= self.min_prob <= 1.0 or self.temperature <= 0:
+            raise ValueError("Relaxed: expected top_k >= 1, 0 <= min_prob <= 1, temperature > 0")
+
+
+def truncate(cache: HistoryCache, length: int) -> HistoryCache:
+    """The cache of the first ``length`` tokens."""
+    return HistoryCache(tuple(k[:, :length] for k in cache.keys), tuple(v[:, :length] for v in cache.values),
+                        cache.timestamps[:length])
+
+
+def append(cache: HistoryCache, keys: List[Tensor], values: List[Tensor], timestamps: Tensor, rows: Tensor) -> HistoryCache:
+    """Commit ``rows`` of a ``run_block`` result. keys/values: per layer [H, n, *]; timestamps: [n]; rows: [r] int64."""
+    return HistoryCache(
+        tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)),
+        tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.values, values)),
+        torch.cat([cache.timestamps, timestamps[rows].to(torch.long)]),
+    )
+
+
+def chain_mask(n: int) -> Tensor:
+    """[n, n] bool causal mask of a plain chain of new tokens."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def start(
+    model: GenerativeModel, items: Tensor, timestamps: Tensor, cached: Optional[HistoryCache] = None
+) -> DecodeState:
+    """Encode a history and compute the query at its last token.
+
+    items: [L] int64 history items (L >= 1); timestamps: [L] int64
+    cached: the cache of exactly this history, if known (only its last token is recomputed)
+    """
+    length = int(items.numel())
+    if length == 0:
+        raise ValueError("generate: the history is empty; generation needs at least one item to start from")
+    x = model.item_tokens(items)
+    if cached is not None and cached.length == length:
+        base = truncate(cached, length - 1)
+    else:
+        base = model.engine.encode(x[:-1], timestamps[:-1])
+    return advance(model, DecodeState(base, items[:-1].tolist(), torch.empty(0)), items[-1:], x[-1:], timestamps[-1:])
+
+
+def advance(model: GenerativeModel, state: DecodeState, items: Tensor, x: Tensor, timestamps: Tensor) -> DecodeState:
+    """Append a chain of tokens (items: [n], x: [n, D], timestamps: [n]) -> the new state."""
+    n = int(items.numel())
+    hidden, keys, values = model.engine.run_block(state.cache, x, timestamps, torch.arange(1, n + 1), chain_mask(n))
+    cache = append(state.cache, keys, values, timestamps, torch.arange(n))
+    return DecodeState(cache, state.items + items.tolist(), model.queries(hidden[-1:])[0])
+
+
+def _banned(state: DecodeState, exclude_seen: bool) -> Set[int]:
+    return set(state.items) if exclude_seen else set()
+
+
+def _step(model: GenerativeModel, state: DecodeState, item: int, request_time: int) -> DecodeState:
+    items = torch.tensor([item])
+    return advance(model, state, items, model.item_tokens(items), torch.tensor([request_time]))
+
+
+def greedy(
+    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int, exclude_seen: bool = True
+) -> Generation:
+    """Plain greedy: k items, one HSTU pass per item after the first. Ties -> lowest item id."""
+    began, stats = time.perf_counter(), GenerationStats()
+    banned, out = _banned(state, exclude_seen), []
+    while True:
+        _, ids = index.search(state.query.view(1, -1), exclusion_mask(index.num_items, 1, banned), 1)
+        item = int(ids[0, 0])
+        out.append(item)
+        if exclude_seen:
+            banned.add(item)
+        if len(out) >= k:
+            break
+        state = _step(model, state, item, request_time)
+        stats.passes += 1
+    stats.total_seconds = time.perf_counter() - began
+    return Generation(out, stats)
+
+
+def sample(
+    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
+    exclude_seen: bool = True, temperature: float = 1.0, generator: Optional[torch.Generator] = None,
+) -> Generation:
+    """Ancestral sampling from softmax(scores / temperature) over the allowed items."""
+    if temperature <= 0:
+        raise ValueError(f"generate: temperature must be > 0, got {temperature}")
+    began, stats = time.perf_counter(), GenerationStats()
+    banned, out = _banned(state, exclude_seen), []
+    while True:
+        scores = index.scores(state.query.view(1, -1)).masked_fill(exclusion_mask(index.num_items, 1, banned), float("-inf"))
+        item = int(torch.multinomial(torch.softmax(scores / temperature, dim=1), 1, generator=generator)[0, 0])
+        out.append(item)
+        if exclude_seen:
+            banned.add(item)
+        if len(out) >= k:
+            break
+        state = _step(model, state, item, request_time)
+        stats.passes += 1
+    stats.total_seconds = time.perf_counter() - began
+    return Generation(out, stats)
+
+
+def beam_search(
+    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
+    exclude_seen: bool = True, width: int = 4, temperature: float = 1.0,
+) -> Generation:
+    """The most likely slate under sum of log softmax(scores / temperature), ``width`` beams kept."""
+    if width < 1 or temperature <= 0:
+        raise ValueError(f"generate: beam width must be >= 1 and temperature > 0, got {width}, {temperature}")
+    began, stats = time.perf_counter(), GenerationStats()
+    base = _banned(state, exclude_seen)
+    beams: List[Tuple[float, DecodeState, List[int]]] = [(0.0, state, [])]
+    while True:
+        expansions = []
+        for b, (logp, beam, out) in enumerate(beams):
+            banned = base | set(out) if exclude_seen else base
+            scores = index.scores(beam.query.view(1, -1))
+            logprobs = torch.log_softmax(scores.masked_fill(exclusion_mask(index.num_items, 1, banned), float("-inf")) / temperature, 1)
+            values, ids = top_items(logprobs, exclusion_mask(index.num_items, 1, banned), width)
+            expansions += [(logp + float(v), b, int(i)) for v, i in zip(values[0], ids[0]) if v > float("-inf")]
+        expansions.sort(key=lambda e: -e[0])  # stable: earlier beams and lower ids win ties
+        chosen = expansions[:width]
+        done = len(beams[0][2]) + 1 >= k
+        next_beams = []
+        for logp, b, item in chosen:
+            beam, out = beams[b][1], beams[b][2] + [item]
+            if not done:
+                beam = _step(model, beam, item, request_time)
+                stats.passes += 1
+            next_beams.append((logp, beam, out))
+        beams = next_beams
+        if done:
+            break
+    stats.total_seconds = time.perf_counter() - began
+    return Generation(beams[0][2], stats)
+
+
+def speculative_greedy(
+    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
+    drafter: Drafter, exclude_seen: bool = True, verification: Strict | Relaxed = Strict(),
+) -> Generation:
+    """Greedy generation verifying drafts: each pass runs the pending item plus a draft tree, accepts
+    the longest branch prefix the verification allows, then the model's own choice after it.
+
+    With ``Strict`` the items equal ``greedy``'s (same exclusions, same tie-breaking).
+    """
+    began, stats = time.perf_counter(), GenerationStats()
+    banned = _banned(state, exclude_seen)
+    _, ids = index.search(state.query.view(1, -1), exclusion_mask(index.num_items, 1, banned), 1)
+    out = [int(ids[0, 0])]
+    if exclude_seen:
+        banned.add(out[0])
+    while len(out) < k:
+        drafted = time.perf_counter()
+        tree = drafter.propose(state.items + out[-1:], k - len(out), banned)
+        stats.draft_seconds += time.perf_counter() - drafted
+        state, accepted, bonus = _verify(model, index, state, out[-1], tree, request_time, banned, exclude_seen,
+                                         verification, k - len(out))
+        stats.passes += 1
+        stats.drafted += tree.num_nodes
+        stats.accepted += len(accepted)
+        out += accepted
+        if len(out) < k:
+            out.append(bonus)
+        if exclude_seen:
+            banned.update(accepted + [bonus])
+    stats.total_seconds = time.perf_counter() - began
+    return Generation(out[:k], stats)
+
+
+def _verify(
+    model: GenerativeModel, index: ItemIndex, state: DecodeState, pending: int, tree: DraftTree, request_time: int,
+    banned: Set[int], exclude_seen: bool, verification: Strict | Relaxed, room: int,
+) -> Tuple[DecodeState, List[int], int]:
+    """One pass over [pending item] + tree -> (state with pending + accepted committed, accepted items, next item)."""
+    m = tree.num_nodes
+    items = torch.cat([torch.tensor([pending]), tree.items])
+    depths = torch.cat([torch.ones(1, dtype=torch.long), tree.depths() + 1])
+    visible = torch.zeros(m + 1, m + 1, dtype=torch.bool)
+    visible[:, 0] = True
+    visible[1:, 1:] = tree.ancestor_mask()
+    timestamps = torch.full((m + 1,), request_time, dtype=torch.long)
+    hidden, keys, values = model.engine.run_block(state.cache, model.item_tokens(items), timestamps, depths, visible)
+    queries = model.queries(hidden)
+    scores = index.scores(queries)
+    exclude = exclusion_mask(index.num_items, m + 1, banned)
+    if exclude_seen:  # each node also excludes the items on its own branch
+        rows, cols = visible.nonzero(as_tuple=True)
+        exclude[rows, items[cols]] = True
+    _, best = top_items(scores, exclude, 1)
+    children: Dict[int, List[int]] = {}
+    for node, parent in enumerate(tree.parents.tolist()):
+        children.setdefault(parent + 1, []).append(node + 1)
+    accept = _acceptor(verification, scores, exclude)
+    path, node = [0], 0
+    while len(path) - 1 < room:
+        nxt = accept(node, int(best[node, 0]), [(c, int(items[c])) for c in children.get(node, [])])
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    rows = torch.tensor(path)
+    cache = append(state.cache, keys, values, timestamps, rows)
+    new_state = DecodeState(cache, state.items + items[rows].tolist(), queries[node])
+    return new_state, items[rows[1:]].tolist(), int(best[node, 0])
+
+
+def _acceptor(
+    verification: Strict | Relaxed, scores: Tensor, exclude: Tensor
+) -> Callable[[int, int, List[Tuple[int, int]]], Optional[int]]:
+    """-> accept(node, greedy item, [(child, child item)]) -> the accepted child or None."""
+    if isinstance(verification, Strict):
+        return lambda node, best, kids: next((c for c, item in kids if item == best), None)
+
+    def relaxed(node: int, best: int, kids: List[Tuple[int, int]]) -> Optional[int]:
+        row = scores[node].masked_fill(exclude[node], float("-inf"))
+        probs = torch.softmax(row / verification.temperature, dim=0)
+        _, top = top_items(row.view(1, -1), exclude[node].view(1, -1), verification.top_k)
+        allowed = set(top[0].tolist())
+        ok = [(float(row[item]), c) for c, item in kids if item in allowed and float(probs[item]) >= verification.min_prob]
+        return max(ok)[1] if ok else None
+
+    return relaxed

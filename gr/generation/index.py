@@ -1,0 +1,67 @@
+"""Maximum-inner-product search over the item catalogue, with per-query exclusions.
+
+Ties are broken towards the lowest item id everywhere, so greedy generation is
+deterministic and speculative verification can reproduce it exactly.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Set, Tuple
+
+import torch
+from torch import Tensor
+
+
+class ItemIndex(Protocol):
+    """A nearest-neighbour index over the catalogue (exact, or approximate behind the same calls)."""
+
+    @property
+    def num_items(self) -> int: ...
+
+    def scores(self, queries: Tensor) -> Tensor:
+        """queries: [Q, d] float -> [Q, M] inner products with every item."""
+
+    def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        """queries: [Q, d] float; exclude: [Q, M] bool -> (scores [Q, k], item ids [Q, k] int64), best first."""
+
+
+class ExactIndex:
+    """Exact, batched inner-product search over ``items: [M, d] float`` (rows already normalised)."""
+
+    def __init__(self, items: Tensor) -> None:
+        if items.dim() != 2 or items.shape[0] == 0:
+            raise ValueError(f"ExactIndex.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}")
+        self.items = items.float().contiguous()
+
+    @property
+    def num_items(self) -> int:
+        return int(self.items.shape[0])
+
+    def scores(self, queries: Tensor) -> Tensor:
+        return queries.float() @ self.items.T
+
+    def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        return top_items(self.scores(queries), exclude, k)
+
+
+def top_items(scores: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """scores: [Q, M] float; exclude: [Q, M] bool -> the k best non-excluded (scores [Q, k], ids [Q, k]).
+
+    Equal scores rank the lower id first; excluded items come out with score -inf only when
+    fewer than k items remain.
+    """
+    if scores.shape != exclude.shape:
+        raise ValueError(f"exclude: expected shape {tuple(scores.shape)}, got {tuple(exclude.shape)}")
+    masked = scores.masked_fill(exclude, float("-inf"))
+    if k == 1:  # argmax returns the first (lowest-id) maximum
+        ids = masked.argmax(dim=1, keepdim=True)
+        return masked.gather(1, ids), ids
+    values, ids = torch.sort(masked, dim=1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
+
+
+def exclusion_mask(num_items: int, rows: int, banned: Set[int]) -> Tensor:
+    """[rows, num_items] bool with every ``banned`` item excluded on every row."""
+    mask = torch.zeros(rows, num_items, dtype=torch.bool)
+    if banned:
+        mask[:, torch.tensor(sorted(banned))] = True
+    return mask

@@ -1,0 +1,125 @@
+"""``Ranker.generate`` on an export: greedy = the trained model's step-by-step argmax, speculative
+(pool and draft-model drafts) = greedy, beam/sample options, the user cache, bad requests."""
+import numpy as np
+import pytest
+import torch
+from torchrec import KeyedJaggedTensor
+
+from gr import GRInput, GRModel, HSTUConfig, TableConfig
+from gr.export import export_model
+from gr.generation.drafts import ModelDrafts, PoolDrafts
+from gr.generation.pools import GroupedPools, SequencePool
+from gr.postfix_dnn import RetrievalHead
+from gr.prefix_dnn import MLPTokenEncoder
+from gr.serving import Ranker, RequestError
+from gr.serving.generate import ServingGenerativeModel
+from test_export_roundtrip import HSTU_KW, perturb
+
+NUM_ITEMS = 50
+
+
+def build_generative_model(num_layers: int, seed: int) -> GRModel:
+    """Retrieval with a time bias, an MLP PrefixDNN and an MLP retrieval head."""
+    torch.manual_seed(seed)
+    tables = [TableConfig("item", NUM_ITEMS, 16, ("item_id",))]
+    cfg = HSTUConfig(**{**HSTU_KW, "num_layers": num_layers})
+    return perturb(GRModel(cfg, MLPTokenEncoder({"item_id": 16}, 16, mlp_dims=(24,)),
+                           RetrievalHead(16, 16, mlp_dims=(20,)), tables), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    target, draft = build_generative_model(2, 3), build_generative_model(1, 4)
+    return target, export_model(target, root / "target"), export_model(draft, root / "draft")
+
+
+def users(count: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for u in range(count):
+        length = 6 + u % 5
+        items = torch.randperm(NUM_ITEMS, generator=g)[:length].numpy()
+        ts = np.sort(torch.randint(0, 10**6, (length,), generator=g).numpy())
+        out.append((f"u{u}", {"item_id": items, "timestamps": ts}))
+    return out
+
+
+REQUEST_TIME = 2 * 10**6
+
+
+def trained_greedy(model: GRModel, history, k: int):
+    """Greedy by full forwards of the trained model: argmax of query . normalised item rows."""
+    seq, times = history["item_id"].tolist(), history["timestamps"].tolist()
+    items = RetrievalHead.item_embedding(model.embeddings.table_weight("item"))
+    out = []
+    with torch.no_grad():
+        for _ in range(k):
+            n = len(seq)
+            batch = GRInput(seq_offsets=torch.tensor([0, n]), max_seq_len=n, timestamps=torch.tensor(times),
+                            sequence_ids=KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor(seq),
+                                                                             torch.tensor([n])))
+            scores = items @ model(batch).predictions["query"][-1]
+            scores[torch.tensor(seq)] = float("-inf")
+            out.append(int(scores.argmax()))
+            seq.append(out[-1])
+            times.append(REQUEST_TIME)
+    return out
+
+
+def test_served_greedy_equals_the_trained_models_step_by_step_argmax(exports):
+    model, path, _ = exports
+    ranker = Ranker.load(path)
+    for user, history in users(3):
+        result = ranker.generate(user, history, 6, request_time=REQUEST_TIME)
+        assert result.items == trained_greedy(model, history, 6)
+        assert result.cache == "miss" and result.stats.passes == 5
+    user, history = users(1)[0]
+    again = ranker.generate(user, history, 6, request_time=REQUEST_TIME)
+    assert again.cache == "hit" and again.items == trained_greedy(model, history, 6)
+
+
+def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(exports):
+    _, path, draft_path = exports
+    ranker = Ranker.load(path)
+    population = users(12, seed=1)
+    slates = [ranker.generate(u, h, 8, request_time=REQUEST_TIME).items for u, h in population]
+    sequences = [h["item_id"].tolist() + s for (_, h), s in zip(population, slates)]
+    catalogue, _ = ranker.catalogue()
+    embeddings = torch.stack([catalogue.index.items[h["item_id"][-1]] for _, h in population])
+    grouped = GroupedPools.build(sequences[:8], embeddings[:8], num_groups=2, attributes=["a", "b"] * 4)
+    draft = Ranker.load(draft_path).catalogue()[0]
+    sources = [PoolDrafts(grouped, max_depth=4, max_nodes=8, min_history=8),
+               ModelDrafts(ServingGenerativeModel(draft, {}), draft.index, max_depth=3)]
+    everyone = SequencePool()
+    for seq in sequences[:8]:
+        everyone.add(seq)
+    sources.append(PoolDrafts(everyone, max_depth=6))
+    for source in sources:
+        accepted = 0
+        for (user, history), want in zip(population, slates):
+            got = ranker.generate(user, history, 8, request_time=REQUEST_TIME, draft=source, attribute="a")
+            assert got.items == want
+            accepted += got.stats.accepted
+        if isinstance(source.pools if isinstance(source, PoolDrafts) else None, SequencePool):
+            assert accepted > 0, "the pool holds eight of these users' slates: some drafts must be accepted"
+
+
+def test_beam_and_sampling_options_and_bad_requests(exports):
+    _, path, _ = exports
+    ranker = Ranker.load(path)
+    user, history = users(1, seed=2)[0]
+    greedy = ranker.generate(user, history, 5, request_time=REQUEST_TIME).items
+    assert ranker.generate(user, history, 5, "beam", request_time=REQUEST_TIME, beam_width=1).items == greedy
+    drawn = [ranker.generate(user, history, 5, "sample", request_time=REQUEST_TIME, seed=9).items for _ in range(2)]
+    assert drawn[0] == drawn[1] and not set(drawn[0]) & set(history["item_id"].tolist())
+    repeats = ranker.generate(user, history, 5, exclude_seen=False, request_time=REQUEST_TIME).items
+    assert len(repeats) == 5
+    with pytest.raises(RequestError, match="strategy"):
+        ranker.generate(user, history, 5, "topp")
+    with pytest.raises(RequestError, match="k: expected"):
+        ranker.generate(user, history, 0)
+    with pytest.raises(RequestError, match="history: empty"):
+        ranker.generate(user, {"item_id": [], "timestamps": []}, 3)
+    with pytest.raises(RequestError, match="draft"):
+        ranker.generate(user, history, 3, "beam", draft=PoolDrafts(SequencePool()))
