@@ -94,7 +94,9 @@ def contenders(args: argparse.Namespace) -> List[tuple]:
     if args.backend == "cpu":  # the same path without torch.compile, to show what compile buys
 
         def eager(q, k, v, seq_offsets, max_seq_len, *, alpha, silu_scale, rab):
-            return cpu_hstu_attention(q, k, v, seq_offsets, max_seq_len, None, 0, 0, alpha, silu_scale, rab, compiled=False)
+            return cpu_hstu_attention(
+                q, k, v, seq_offsets, max_seq_len, None, 0, 0, alpha, silu_scale, rab, compiled=False
+            )
 
         chosen.append(("cpu-eager", eager, args.repeats))
     chosen.append(("padded", functools.partial(hstu_attention, backend="pytorch"), 0))

@@ -52,7 +52,8 @@ def batch(seed=0):
     lengths = [1, 9, 30, 4]
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])
     total = sum(lengths)
-    tensors = [torch.randn(total, 2, 16, generator=g) for _ in range(3)] + [torch.randn(40, generator=g), torch.randn(16, generator=g)]
+    tensors = [torch.randn(total, 2, 16, generator=g) for _ in range(3)]
+    tensors += [torch.randn(40, generator=g), torch.randn(16, generator=g)]  # position, time bias weights
     ts = torch.cat([torch.sort(torch.randint(0, 10**6, (n,), generator=g)).values for n in lengths])
     return tensors, offsets, ts, torch.tensor([0, 3, 5, 4])
 

@@ -183,7 +183,9 @@ def test_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
     assert_matches(grads["time_w"], ref_grads["time_w"], 2e-4, "dtime_w")
 
 
-def naive_attention(q, k, v, lengths, targets, alpha, silu_scale, contextual_len, max_attn_len, pos_w, time_w, ts, bucketing):
+def naive_attention(
+    q, k, v, lengths, targets, alpha, silu_scale, contextual_len, max_attn_len, pos_w, time_w, ts, bucketing
+):
     """Sequence by sequence, pair by pair, from the spec (DESIGN / gr.hstu.kernels.common)."""
     outs, start = [], 0
     for b, n in enumerate(lengths):

@@ -56,12 +56,19 @@ def test_memory_stays_bounded_at_4096_and_matches_reference():
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, pos_w)]
     offsets = offsets_of([length])
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
-        out = cpu_hstu_attention(*leaves[:3], offsets, length, None, 0, 0, 0.3, None, RelativeBias(leaves[3]), compiled=False)
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rab = RelativeBias(leaves[3])
+        out = cpu_hstu_attention(*leaves[:3], offsets, length, None, 0, 0, 0.3, None, rab, compiled=False)
     assert sum(saved) < 64 * length * heads * dim * 4  # O(L), not O(L^2) = 64 MB per [L, L] fp32
     grads = torch.autograd.grad(out.square().sum(), leaves)
     ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v, pos_w)]
-    ref = hstu_attention(*ref_leaves[:3], offsets, length, alpha=0.3, rab=RelativeBias(ref_leaves[3]), backend="pytorch")
+    ref_rab = RelativeBias(ref_leaves[3])
+    ref = hstu_attention(*ref_leaves[:3], offsets, length, alpha=0.3, rab=ref_rab, backend="pytorch")
     ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for got, want in zip(grads, ref_grads):
@@ -75,13 +82,16 @@ def test_compiled_tiles_equal_eager_tiles():
     offsets = offsets_of(lengths)
     g = torch.Generator().manual_seed(0)
     total = sum(lengths)
-    base = [torch.randn(total, 2, 16, generator=g) for _ in range(3)] + [torch.randn(64, generator=g), torch.randn(20, generator=g)]
+    base = [torch.randn(total, 2, 16, generator=g) for _ in range(3)]
+    base += [torch.randn(64, generator=g), torch.randn(20, generator=g)]  # position, time bias weights
     ts = torch.arange(total) * 977
     results = []
     for compiled in (False, True):
         leaves = [x.clone().requires_grad_(True) for x in base]
         rab = RelativeBias(leaves[3], leaves[4], ts)
-        out = cpu_hstu_attention(*leaves[:3], offsets, 40, torch.tensor(targets), 2, 0, 0.3, None, rab, compiled=compiled)
+        out = cpu_hstu_attention(
+            *leaves[:3], offsets, 40, torch.tensor(targets), 2, 0, 0.3, None, rab, compiled=compiled
+        )
         results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
     for got, want in zip(*reversed(results)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

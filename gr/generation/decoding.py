@@ -68,9 +68,6 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    @property
-    def accepted_per_pass(self) -> float:
-        return self.accepted / self.passes if self.passes else 0.0
 
 
 @dataclass
@@ -149,7 +146,8 @@ def _banned(state: DecodeState, exclude_seen: bool) -> Set[int]:
     return set(state.items) if exclude_seen else set()
 
 
-def _step(model: GenerativeModel, state: DecodeState, item: int, request_time: int) -> DecodeState:
+def step(model: GenerativeModel, state: DecodeState, item: int, request_time: int) -> DecodeState:
+    """Append one generated item (timestamp ``request_time``) -> the new state."""
     items = torch.tensor([item])
     return advance(model, state, items, model.item_tokens(items), torch.tensor([request_time]))
 
@@ -168,7 +166,7 @@ def greedy(
             banned.add(item)
         if len(out) >= k:
             break
-        state = _step(model, state, item, request_time)
+        state = step(model, state, item, request_time)
         stats.passes += 1
     stats.total_seconds = time.perf_counter() - began
     return Generation(out, stats)
@@ -191,7 +189,7 @@ def sample(
             banned.add(item)
         if len(out) >= k:
             break
-        state = _step(model, state, item, request_time)
+        state = step(model, state, item, request_time)
         stats.passes += 1
     stats.total_seconds = time.perf_counter() - began
     return Generation(out, stats)
@@ -222,7 +220,7 @@ def beam_search(
         for logp, b, item in chosen:
             beam, out = beams[b][1], beams[b][2] + [item]
             if not done:
-                beam = _step(model, beam, item, request_time)
+                beam = step(model, beam, item, request_time)
                 stats.passes += 1
             next_beams.append((logp, beam, out))
         beams = next_beams
@@ -314,7 +312,8 @@ def _acceptor(
         probs = torch.softmax(row / verification.temperature, dim=0)
         _, top = top_items(row.view(1, -1), exclude[node].view(1, -1), verification.top_k)
         allowed = set(top[0].tolist())
-        ok = [(float(row[item]), c) for c, item in kids if item in allowed and float(probs[item]) >= verification.min_prob]
-        return max(ok)[1] if ok else None
+        ok = [(float(row[item]), -item, c) for c, item in kids
+              if item in allowed and float(probs[item]) >= verification.min_prob]
+        return max(ok)[2] if ok else None  # the best-scored passing child (lowest id on ties)
 
     return relaxed

@@ -20,6 +20,9 @@ class ItemIndex(Protocol):
     def scores(self, queries: Tensor) -> Tensor:
         """queries: [Q, d] float -> [Q, M] inner products with every item."""
 
+    def scores_of(self, queries: Tensor, items: Tensor) -> Tensor:
+        """queries: [Q, d] float; items: [C] int64 -> [Q, C] inner products with those items only."""
+
     def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         """queries: [Q, d] float; exclude: [Q, M] bool -> (scores [Q, k], item ids [Q, k] int64), best first."""
 
@@ -38,6 +41,9 @@ class ExactIndex:
 
     def scores(self, queries: Tensor) -> Tensor:
         return queries.float() @ self.items.T
+
+    def scores_of(self, queries: Tensor, items: Tensor) -> Tensor:
+        return queries.float() @ self.items[items].T
 
     def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         return top_items(self.scores(queries), exclude, k)

@@ -17,10 +17,11 @@ from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
 from gr.generation.decoding import (
-    Drafter, GenerationStats, Relaxed, Strict, beam_search, greedy, sample, speculative_greedy, start,
+    DecodeState, Drafter, GenerationStats, Relaxed, Strict, beam_search, greedy, sample, speculative_greedy, start,
 )
 from gr.generation.drafts import DraftSource
 from gr.generation.index import ExactIndex, ItemIndex
+from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
 from gr.hstu.cache import CachedHSTU
 from gr.serving.errors import RequestError
 
@@ -93,6 +94,55 @@ class GenerateResult:
                 "passes": self.stats.passes, "accepted": self.stats.accepted}
 
 
+@dataclass
+class _Prepared:
+    model: ServingGenerativeModel
+    state: DecodeState
+    items: Tensor  # [L] int64 history items used
+    timestamps: Tensor  # [L] int64
+    request_time: int
+    truncated: int
+    cache: str
+
+
+def _prepare(
+    ranker: "Ranker", user_id: Hashable, history: Mapping[str, Any], k: int,
+    common_features: Optional[Mapping[str, Any]], request_time: Optional[int],
+) -> _Prepared:
+    """Validate a request, get the user's cached history and the query at its last token."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise RequestError(f"k: expected an integer >= 1, got {k!r}")
+    catalogue, generation = ranker.catalogue()
+    model = catalogue.model
+    hist = model.schema.tokens(history, "history", model.sparse)
+    length = len(hist[TIMESTAMPS])
+    if length == 0:
+        raise RequestError("history: empty; generation starts from at least one item")
+    if k >= model.config.max_seq_len:
+        raise RequestError(f"k: {k} items do not fit the model's max_seq_len {model.config.max_seq_len}")
+    limit = model.config.max_seq_len - k  # room for the generated tokens (and a draft tree's last level)
+    if length > limit:
+        if ranker.long_history == "refuse":
+            raise RequestError(f"history: {length} tokens + {k} generated exceed the model's max_seq_len "
+                               f"{model.config.max_seq_len} (long_history='refuse')")
+        hist = {name: value[length - limit:].copy() for name, value in hist.items()}
+    common = model.schema.common(common_features, model.sparse)
+    cached, status = ranker.cached_history(model, generation, user_id, hist)
+    lm = ServingGenerativeModel(catalogue, common)
+    items = torch.from_numpy(hist[catalogue.item_feature])
+    timestamps = torch.from_numpy(hist[TIMESTAMPS])
+    when = int(hist[TIMESTAMPS][-1]) if request_time is None else int(request_time)
+    return _Prepared(lm, start(lm, items, timestamps, cached), items, timestamps, when, max(length - limit, 0), status)
+
+
+def user_embedding(
+    ranker: "Ranker", user_id: Hashable, history: Mapping[str, Any],
+    common_features: Optional[Mapping[str, Any]] = None,
+) -> Tensor:
+    """The retrieval query at the user's last history token: [d] float (what pools group users by)."""
+    return _prepare(ranker, user_id, history, 1, common_features, None).state.query
+
+
 def generate(
     ranker: "Ranker",
     user_id: Hashable,
@@ -109,45 +159,31 @@ def generate(
     temperature: float = 1.0,
     seed: Optional[int] = None,
     attribute: Optional[Hashable] = None,
+    speculative_retrieval: Optional[SpeculativeRetrieval] = None,
 ) -> GenerateResult:
     """Generate ``k`` next items for a user (see ``Ranker.generate``)."""
-    if not isinstance(k, int) or k < 1:
-        raise RequestError(f"k: expected an integer >= 1, got {k!r}")
     if strategy not in STRATEGIES:
         raise RequestError(f"strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
-    if draft is not None and strategy != "greedy":
-        raise RequestError(f"draft: speculative decoding verifies greedy choices; strategy {strategy!r} takes none")
-    catalogue, generation = ranker.catalogue()
-    model = catalogue.model
-    hist = model.schema.tokens(history, "history", model.sparse)
-    length = len(hist[TIMESTAMPS])
-    if length == 0:
-        raise RequestError("history: empty; generation starts from at least one item")
-    if request_time is None:
-        request_time = int(hist[TIMESTAMPS][-1])
-    if k >= model.config.max_seq_len:
-        raise RequestError(f"k: {k} items do not fit the model's max_seq_len {model.config.max_seq_len}")
-    limit = model.config.max_seq_len - k  # room for the generated tokens (and a draft tree's last level)
-    if length > limit:
-        if ranker.long_history == "refuse":
-            raise RequestError(f"history: {length} tokens + {k} generated exceed the model's max_seq_len "
-                               f"{model.config.max_seq_len} (long_history='refuse')")
-        hist = {name: value[length - limit:].copy() for name, value in hist.items()}
-    common = model.schema.common(common_features, model.sparse)
-    cached, status = ranker.cached_history(model, generation, user_id, hist)
-    lm = ServingGenerativeModel(catalogue, common)
-    items = torch.from_numpy(hist[catalogue.item_feature])
-    timestamps = torch.from_numpy(hist[TIMESTAMPS])
-    state = start(lm, items, timestamps, cached)
-    index = catalogue.index
+    if (draft is not None or speculative_retrieval is not None) and strategy != "greedy":
+        raise RequestError(f"draft / speculative_retrieval: both verify greedy choices; strategy {strategy!r} "
+                           "takes neither")
+    if draft is not None and speculative_retrieval is not None:
+        raise RequestError("draft and speculative_retrieval: choose one")
+    p = _prepare(ranker, user_id, history, k, common_features, request_time)
+    lm, state, index, when = p.model, p.state, p.model.catalogue.index, p.request_time
+    available = index.num_items - (len(set(state.items)) if exclude_seen else 0)
+    if k > available:
+        raise RequestError(f"k: {k} items requested but only {available} catalogue items are not in the history")
     if strategy == "beam":
-        out = beam_search(lm, index, state, k, request_time, exclude_seen, beam_width, temperature)
+        out = beam_search(lm, index, state, k, when, exclude_seen, beam_width, temperature)
     elif strategy == "sample":
         generator = None if seed is None else torch.Generator().manual_seed(seed)
-        out = sample(lm, index, state, k, request_time, exclude_seen, temperature, generator)
+        out = sample(lm, index, state, k, when, exclude_seen, temperature, generator)
+    elif speculative_retrieval is not None:
+        out = greedy_speculative_retrieval(lm, index, state, k, when, speculative_retrieval, exclude_seen)
     elif draft is None:
-        out = greedy(lm, index, state, k, request_time, exclude_seen)
+        out = greedy(lm, index, state, k, when, exclude_seen)
     else:
-        drafter: Drafter = draft.drafter(items, timestamps, request_time, state.query, attribute)
-        out = speculative_greedy(lm, index, state, k, request_time, drafter, exclude_seen, verification)
-    return GenerateResult(out.items, out.stats, len(hist[TIMESTAMPS]), max(length - limit, 0), status)
+        drafter: Drafter = draft.drafter(p.items, p.timestamps, when, state.query, attribute)
+        out = speculative_greedy(lm, index, state, k, when, drafter, exclude_seen, verification)
+    return GenerateResult(out.items, out.stats, int(p.items.numel()), p.truncated, p.cache)

@@ -222,6 +222,8 @@ class Ranker:
         "sample" (``temperature``, ``seed``); exclude_seen: never repeat a history or generated item.
         ``draft`` (a ``gr.generation.drafts.DraftSource``) turns greedy speculative: drafts verified
         in one HSTU pass each, ``verification`` ``Strict()`` (the greedy items exactly) or ``Relaxed``.
+        ``speculative_retrieval`` (a ``gr.generation.speculative_retrieval.SpeculativeRetrieval``)
+        answers greedy's searches from a local cache checked in batches against the exact index.
         Other options: ``common_features``, ``request_time`` (the generated tokens' timestamp,
         default the last history timestamp), ``attribute`` (routes a cold user to a pool).
         The user's cached history is used and updated as in ``rank``. See ``gr.serving.generate``.

@@ -1,3 +1,4 @@
-from gr.sparse.tables import SparseEmbeddings, TableConfig
+from gr.sparse.optimizer import EmbeddingOptimizerConfig
+from gr.sparse.tables import SparseEmbeddings, TableConfig, storage_dim
 
-__all__ = ["SparseEmbeddings", "TableConfig"]
+__all__ = ["EmbeddingOptimizerConfig", "SparseEmbeddings", "TableConfig", "storage_dim"]

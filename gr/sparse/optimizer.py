@@ -98,10 +98,18 @@ class EmbeddingOptimizerConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str) -> "EmbeddingOptimizerConfig":
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{where}: expected a mapping like {{type: rowwise_adagrad, lr: 0.01}}, got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
-        return cls(**values, where=where)
+        return cls(**known_keys(cls, values, where), where=where)
+
+
+def known_keys(cls: type, values: Any, where: str, ignore: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """``values`` as a dict, refusing anything but a mapping of ``cls``'s dataclass fields
+    (minus ``ignore``) with an error naming ``where``. None reads as an empty mapping."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where}: expected a mapping of keys to values, got {values!r}")
+    known = {f.name for f in dataclasses.fields(cls)} - set(ignore)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+    return dict(values)

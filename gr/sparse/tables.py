@@ -17,7 +17,7 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import PoolingType
 
-from gr.sparse.optimizer import EmbeddingOptimizerConfig
+from gr.sparse.optimizer import EmbeddingOptimizerConfig, known_keys
 
 TABLE_KINDS = ("sequence", "common")
 POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
@@ -89,16 +89,10 @@ class TableConfig:
         """Build from a config mapping. ``num_embeddings`` may be left out (or null): it is then
         the largest cardinality in ``cardinalities`` among the table's features (ids from the
         data), or 1 when no cardinalities are given (validating the rest before data is read)."""
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{where}: expected a mapping with name, embedding_dim, features, ..., got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+        values = known_keys(cls, values, where, ignore=("extra",))
         missing = [k for k in ("name", "embedding_dim", "features") if k not in values]
         if missing:
             raise ValueError(f"{where}: missing required key(s) {missing}")
-        values = dict(values)
         features = values["features"]
         if isinstance(features, str) or not isinstance(features, (list, tuple)):
             raise ValueError(f"{where}.features: expected a list of feature names, got {features!r}")
@@ -170,17 +164,7 @@ class SparseEmbeddings(nn.Module):
         self.sequence = nn.ModuleDict(
             {
                 f"dim{dim}": EmbeddingCollection(
-                    tables=[
-                        EmbeddingConfig(
-                            name=t.name,
-                            num_embeddings=t.num_embeddings,
-                            embedding_dim=storage_dim(t.embedding_dim),
-                            feature_names=list(t.features),
-                            init_fn=_init_fn(t),
-                        )
-                        for t in seq
-                        if t.embedding_dim == dim
-                    ],
+                    tables=[EmbeddingConfig(**_table_arguments(t)) for t in seq if t.embedding_dim == dim],
                     device=device,
                 )
                 for dim in sorted({t.embedding_dim for t in seq})
@@ -191,17 +175,7 @@ class SparseEmbeddings(nn.Module):
         }
         self.common = (
             EmbeddingBagCollection(
-                tables=[
-                    EmbeddingBagConfig(
-                        name=t.name,
-                        num_embeddings=t.num_embeddings,
-                        embedding_dim=storage_dim(t.embedding_dim),
-                        feature_names=list(t.features),
-                        pooling=POOLINGS[t.pooling],
-                        init_fn=_init_fn(t),
-                    )
-                    for t in common
-                ],
+                tables=[EmbeddingBagConfig(**_table_arguments(t), pooling=POOLINGS[t.pooling]) for t in common],
                 device=device,
             )
             if common
@@ -289,8 +263,13 @@ def _full_kjt(features: List[str], jagged: Dict[str, JaggedTensor], stride: int)
     return KeyedJaggedTensor.from_jt_dict({f: jagged.get(f, empty) for f in features})
 
 
-def _init_fn(table: TableConfig):
-    if table.init_std is None:
-        return None
+def _table_arguments(table: TableConfig) -> Dict[str, Any]:
+    """TorchRec table config arguments: rows stored ``storage_dim`` wide."""
     std = table.init_std
-    return lambda weight: nn.init.normal_(weight, std=std)
+    return {
+        "name": table.name,
+        "num_embeddings": table.num_embeddings,
+        "embedding_dim": storage_dim(table.embedding_dim),
+        "feature_names": list(table.features),
+        "init_fn": None if std is None else (lambda weight: nn.init.normal_(weight, std=std)),
+    }

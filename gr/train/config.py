@@ -24,7 +24,7 @@ from gr.data.config import DataConfig
 from gr.hstu import HSTUConfig
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN
-from gr.sparse.optimizer import EmbeddingOptimizerConfig
+from gr.sparse.optimizer import EmbeddingOptimizerConfig, known_keys
 from gr.sparse.sharding import PLACEMENTS
 from gr.sparse.tables import TableConfig
 
@@ -95,18 +95,6 @@ class Section:
     @classmethod
     def from_dict(cls, values: Any, where: str) -> Any:
         return cls(**known_keys(cls, values, where), where=where)
-
-
-def known_keys(cls: type, values: Any, where: str) -> Dict[str, Any]:
-    if values is None:
-        return {}
-    if not isinstance(values, Mapping):
-        raise ValueError(f"{where}: expected a mapping of keys to values, got {values!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
-    return dict(values)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,9 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
         _write_json(out_dir / FEATURES_FILE, {"spec": vars(spec), "tasks": list(datamodule.tasks)})
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
-    trainer.test(module, datamodule=datamodule, ckpt_path="best", verbose=trainer.is_global_zero)
+    # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
+    best = "best" if checkpoints.best_model_path else str(last)
+    trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
     metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module)
     if trainer.is_global_zero:
         _write_json(out_dir / METRICS_FILE, metrics)
@@ -107,9 +109,11 @@ def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: Mode
     if dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, rows)
+    best = Path(checkpoints.best_model_path or checkpoints.last_model_path)
+    score = checkpoints.best_model_score
     metrics.update({
-        "best_val": {config.monitor: float(checkpoints.best_model_score)},
-        "best_checkpoint": str(Path(checkpoints.best_model_path).relative_to(out_dir.resolve())),
+        "best_val": {config.monitor: None if score is None else float(score)},
+        "best_checkpoint": str(best.relative_to(out_dir.resolve())),
         "epochs": trainer.current_epoch,
         "world_size": trainer.world_size,
         "table_rows_per_rank": {table: [r[table] for r in per_rank] for table in rows},

@@ -84,4 +84,6 @@ def hstu_attention(
     returns: [T, H, Dv]
     """
     attention = _load(resolve_backend(backend, q.device.type))
-    return attention(q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab)
+    return attention(
+        q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab
+    )

@@ -82,7 +82,7 @@ def mxrec_hstu_attention(
     elif silu_scale <= 0:
         refusals.append(f"silu_scale={silu_scale} (RecSDK reads 0 as 1/max_seq_len; must be > 0)")
     if contextual_len > 0:
-        refusals.append(f"contextual_len={contextual_len} (its num_context also opens the whole history to context rows)")
+        refusals.append(f"contextual_len={contextual_len} (its num_context also shows context rows all history)")
     if max_attn_len > 0:
         refusals.append(f"max_attn_len={max_attn_len} (no look-back window)")
     if rab is not None and alpha == 0:

@@ -137,7 +137,9 @@ def _build_problem(
         thresholds = time_bucket_thresholds(bucketing, rab.time_weights.numel(), seq_offsets.device)[1:-1]
     if compiled is None:
         compiled = _score_count(groups, heads) >= COMPILE_MIN_SCORES
-    return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, thresholds, bucketing, compiled)
+    return _Problem(
+        groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, thresholds, bucketing, compiled
+    )
 
 
 def score_elements(
@@ -209,6 +211,8 @@ def _group(
         lo = max(min(m0, h_min) - max_attn_len, 0) if max_attn_len > 0 else 0
         ctx_hi = min(contextual_len, h_max, lo)
         if hi > lo or ctx_hi > 0:
+            if hi - lo == 1:  # a masked extra key rather than a size-1 dim, which torch.compile specializes
+                lo, hi = (lo - 1, hi) if lo > ctx_hi else (lo, min(hi + 1, padded_len))
             cols = torch.cat([torch.arange(0, ctx_hi, device=index.device), torch.arange(lo, hi, device=index.device)])
             chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, cols))
     return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks)
@@ -218,7 +222,7 @@ class _ChunkedAttention(torch.autograd.Function):
     """Attention of every token to the history keys it sees (targets' self term excluded)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem):  # noqa: D401
+    def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem):
         ctx.problem = problem
         ctx.save_for_backward(q, k, v, pos_w, time_w)
         total, heads, dim_v = v.shape

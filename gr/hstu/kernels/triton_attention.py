@@ -127,9 +127,8 @@ def _tuned(kernel):
     """The kernel wrapped in triton.autotune (built on first CUDA use; the bias-gradient
     buffers are reset between trials since the key-major pass accumulates into them)."""
     reset = ["DPos", "DTime"] if kernel is _backward_dkv_kernel else None
-    return triton.autotune(configs=_autotune_configs(), key=["AUTOTUNE_MAX_LEN", "DIM_QK", "DIM_V"], reset_to_zero=reset)(
-        kernel
-    )
+    keys = ["AUTOTUNE_MAX_LEN", "DIM_QK", "DIM_V"]
+    return triton.autotune(configs=_autotune_configs(), key=keys, reset_to_zero=reset)(kernel)
 
 
 @triton.jit

@@ -99,7 +99,7 @@ def prepare_inputs(
         ts = rab.timestamps.to(device=device, dtype=torch.int64)
         ts = ts - ts.min() if ts.numel() else ts
         if ts.numel() and int(ts.max()) >= 2**31:
-            raise ValueError(f"hstu_attention[{backend}]: timestamps span {int(ts.max())} s; at most 2^31 - 1 supported")
+            raise ValueError(f"hstu_attention[{backend}]: timestamps span {int(ts.max())} s, more than 2^31 - 1")
         timestamps = ts.to(torch.int32)
         thresholds = time_bucket_thresholds(rab.time_bucketing, time_w.numel(), device)
         time_log = rab.time_bucketing == "log"
@@ -126,7 +126,7 @@ class TritonAttention(torch.autograd.Function):
     """Differentiable in q, k, v and the bias weights; the kernels recompute scores in backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos_w, time_w, inputs: KernelInputs, kernels: KernelSet):  # noqa: D401
+    def forward(ctx, q, k, v, pos_w, time_w, inputs: KernelInputs, kernels: KernelSet):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         ctx.save_for_backward(q, k, v)
         ctx.inputs, ctx.kernels = inputs, kernels
@@ -143,7 +143,10 @@ class TritonAttention(torch.autograd.Function):
         return dq, dk, dv, dpos, dtime, None, None
 
 
-def apply_kernels(q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs, rab: Optional[RelativeBias], kernels: KernelSet) -> Tensor:
+def apply_kernels(
+    q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs, rab: Optional[RelativeBias], kernels: KernelSet
+) -> Tensor:
+    """Run ``kernels`` under autograd; q, k: [T, H, Dqk], v: [T, H, Dv] -> [T, H, Dv]."""
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
     return TritonAttention.apply(q, k, v, pos_w, time_w, inputs, kernels)

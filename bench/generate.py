@@ -1,0 +1,205 @@
+"""Generation speed: plain greedy vs speculative greedy (retrieval pools, draft model), relaxed verification.
+
+For each dataset (MovieLens-100K and the synthetic set) a target model (the recipe) and a draft
+model (the same recipe with 1 HSTU layer) are trained with the public entry (``train.py``) unless
+their run directories already exist, exported with ``gr.export``, and served by
+``gr.serving.Ranker``. Each evaluated user's history is their sequence without the last two
+events (never trained on); every mode generates a slate of K items with ``Ranker.generate``
+(user cache warm, so a request re-runs only the last history token), and reports:
+
+* items/s and the speedup over plain greedy, for K = 10 and 50;
+* acceptance rate (accepted / drafted tokens), mean accepted items per HSTU pass, time share of
+  draft lookup;
+* pools (DARE): n-gram pools of the users' training sequences and of the greedy slates generated
+  for ``--pool-users`` other users (not the evaluated ones), built per user group (k-means
+  of the model's user embeddings = the query at a user's last history token) from many small
+  groups to one pool of all users; users with fewer than ``--min-history`` items are routed by
+  attribute (ML-100K: age bucket and occupation);
+* the draft model (assisted generation);
+* relaxed verification on the all-users pool: HR@K of the slate against the user's two held-out
+  events, next to strict's (= greedy's).
+Strict modes are checked to return exactly the greedy items (``mismatches`` must be 0).
+
+Run: ``.venv/bin/python bench/generate.py --runs-dir runs/bench_generate`` (trains 4 small models
+on first use). Last line: one JSON object with the speedups.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import yaml
+
+from gr.data.config import DataConfig
+from gr.data.datamodule import SequenceDataModule
+from gr.data.readers import read_ml_100k
+from gr.generation.decoding import Relaxed, Strict
+from gr.generation.drafts import DraftSource, ModelDrafts, PoolDrafts
+from gr.generation.pools import GroupedPools
+from gr.serving import Ranker
+from gr.serving.generate import ServingGenerativeModel, user_embedding
+
+ROOT = Path(__file__).resolve().parents[1]
+HELD_OUT = 2
+DATASETS = {
+    "ml100k": ("configs/ml100k_hstu.yaml", ["--trainer.max_epochs", "4"]),
+    # sequences up to 50 events; room for a 50-item slate after them
+    "synthetic": ("configs/quickstart.yaml", ["--data.max_seq_len", "100", "--model.hstu.max_seq_len", "100"]),
+}
+
+
+def ensure_export(runs: Path, name: str, config: str, extra: Sequence[str], data_path: str) -> Path:
+    """Train (train.py) and export (gr.export) a model unless already there -> the export dir."""
+    run, export = runs / name, runs / f"{name}_export"
+    args = ["--data.path", data_path] if "ml100k" in name else []
+    if not (run / "metrics.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / config), "--out", str(run),
+                        *args, *extra], check=True, cwd=ROOT)
+    if not (export / "default").exists():
+        subprocess.run([sys.executable, "-m", "gr.export", str(run), str(export)], check=True, cwd=ROOT)
+    return export
+
+
+def user_data(run: Path, data_path: str) -> Tuple[List[np.ndarray], List[np.ndarray], List[object]]:
+    """Per user (dense id order): items, timestamps (model ids, time order) and an attribute key."""
+    config = yaml.safe_load((run / "config.yaml").read_text())["data"]
+    if config["source"] == "ml-100k":
+        config["path"] = data_path
+    module = SequenceDataModule(DataConfig.from_dict(config))
+    module.setup()
+    seqs = module.corpus.sequences
+    items = [seqs.items[a:b] for a, b in zip(seqs.offsets[:-1], seqs.offsets[1:])]
+    times = [seqs.timestamps[a:b] for a, b in zip(seqs.offsets[:-1], seqs.offsets[1:])]
+    attributes: List[object] = [None] * len(items)
+    if config["source"] == "ml-100k":
+        side = read_ml_100k(data_path, item_features=False, user_features=True).user_side
+        dense = module.user_map.encode(side.keys, unknown=-1)
+        for u, age, job in zip(dense, side.categorical["user_age"], side.categorical["user_occupation"]):
+            if u >= 0:
+                attributes[u] = (int(age), str(job))
+    return items, times, attributes
+
+
+def run_mode(ranker: Ranker, users: Sequence[int], histories: Dict[int, dict], k: int,
+             **options) -> Dict[str, object]:
+    """Generate a slate for every user; -> items per user and the aggregate statistics."""
+    slates, passes, drafted, accepted, draft_s = {}, 0, 0, 0, 0.0
+    began = time.perf_counter()
+    for u in users:
+        result = ranker.generate(u, histories[u]["history"], k, attribute=histories[u]["attribute"], **options)
+        slates[u] = result.items
+        passes += result.stats.passes
+        drafted += result.stats.drafted
+        accepted += result.stats.accepted
+        draft_s += result.stats.draft_seconds
+    seconds = time.perf_counter() - began
+    return {"slates": slates, "seconds": seconds, "items_per_s": k * len(users) / seconds,
+            "acceptance": accepted / drafted if drafted else 0.0, "accepted_per_pass": accepted / max(passes, 1),
+            "draft_share": draft_s / seconds, "passes": passes}
+
+
+def hit_rate(slates: Dict[int, List[int]], held_out: Dict[int, set]) -> float:
+    return float(np.mean([bool(set(s) & held_out[u]) for u, s in slates.items()]))
+
+
+def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_users: int, pool_users: int,
+                  groups: Sequence[int],
+                  relaxed: Relaxed, min_history: int, draft_depth: int, pool_depth: int, pool_nodes: int) -> Dict:
+    config, extra = DATASETS[name]
+    target = ensure_export(runs, f"{name}_target", config, extra, data_path)
+    draft = ensure_export(runs, f"{name}_draft", config, [*extra, "--model.hstu.num_layers", "1"], data_path)
+    items, times, attributes = user_data(runs / f"{name}_target", data_path)
+    ranker = Ranker.load(target, cache_bytes=2**31)
+    max_len = ranker.model.config.max_seq_len
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(items)).tolist()
+    users = sorted(order[:num_users])
+    generators = sorted(order[num_users:num_users + pool_users])
+    histories, held_out, train_seqs = {}, {}, []
+    for u in range(len(items)):
+        keep = len(items[u]) - HELD_OUT
+        train_seqs.append(items[u][:keep].tolist())
+        start = max(0, keep - (max_len - max(ks)))
+        histories[u] = {"history": {"item_id": items[u][start:keep], "timestamps": times[u][start:keep]},
+                        "attribute": attributes[u]}
+        held_out[u] = set(items[u][keep:].tolist())
+    # user embeddings: the query at each user's last history token (also warms the user cache)
+    embeddings_t = torch.stack([user_embedding(ranker, u, histories[u]["history"]) for u in range(len(items))])
+    lengths = [len(histories[u]["history"]["item_id"]) for u in range(len(items))]
+    print(f"# {name}: {len(items)} users, {ranker.catalogue()[0].index.num_items} items, evaluating {len(users)} "
+          f"users, history length mean {np.mean([lengths[u] for u in users]):.0f}", flush=True)
+    # pools hold what was seen (every user's training sequence) and what was generated: the greedy
+    # slates of other users (never the evaluated users' own), continuing their histories
+    began = time.perf_counter()
+    for u in generators:
+        train_seqs[u] = train_seqs[u] + ranker.generate(u, histories[u]["history"], max(ks)).items
+    print(f"# pools: {len(train_seqs)} training sequences + {len(generators)} generated slates of "
+          f"{max(ks)} ({time.perf_counter() - began:.0f}s)", flush=True)
+    draft_catalogue = Ranker.load(draft).catalogue()[0]
+    sources: Dict[str, Tuple[DraftSource, object]] = {}
+    for g in groups:
+        pools = GroupedPools.build(train_seqs, embeddings_t, g, attributes, seed=0)
+        label = "pool-all" if g == 1 else f"pool-{g}groups"
+        sources[label] = (PoolDrafts(pools, pool_depth, pool_nodes, min_history), Strict())
+    sources["draft-model"] = (ModelDrafts(ServingGenerativeModel(draft_catalogue, {}), draft_catalogue.index,
+                                          draft_depth), Strict())
+    sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed)
+    out: Dict[str, Dict] = {}
+    for k in ks:
+        base = run_mode(ranker, users, histories, k)
+        base_hr = hit_rate(base["slates"], held_out)
+        print(f"{name} K={k:<3} {'greedy':<18} {base['items_per_s']:8.1f} items/s  speedup 1.00  "
+              f"HR@{k} {base_hr:.3f}", flush=True)
+        out[f"K{k}"] = {"greedy_items_per_s": base["items_per_s"], "greedy_hr": base_hr}
+        for label, (source, verification) in sources.items():
+            res = run_mode(ranker, users, histories, k, draft=source, verification=verification)
+            mismatches = sum(res["slates"][u] != base["slates"][u] for u in users)
+            hr = hit_rate(res["slates"], held_out)
+            speedup = res["items_per_s"] / base["items_per_s"]
+            print(f"{name} K={k:<3} {label:<18} {res['items_per_s']:8.1f} items/s  speedup {speedup:4.2f}  "
+                  f"accept {res['acceptance']:.3f}  accepted/pass {res['accepted_per_pass']:.2f}  "
+                  f"draft share {res['draft_share']:.3f}  HR@{k} {hr:.3f}  "
+                  f"{'changed' if isinstance(verification, Relaxed) else 'mismatches'} {mismatches}", flush=True)
+            out[f"K{k}"][label] = {"speedup": round(speedup, 3), "acceptance": round(res["acceptance"], 3),
+                                   "accepted_per_pass": round(res["accepted_per_pass"], 3),
+                                   "draft_share": round(res["draft_share"], 3), "hr": round(hr, 4),
+                                   "differs_from_greedy": mismatches}
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench_generate")
+    parser.add_argument("--data-path", default=str(ROOT.parent / "shared" / "data" / "ml-100k"))
+    parser.add_argument("--ks", type=int, nargs="+", default=[10, 50], help="slate sizes K")
+    parser.add_argument("--users", type=int, default=25, help="evaluated users per dataset")
+    parser.add_argument("--pool-users", type=int, default=40, help="other users whose greedy slates join the pools")
+    parser.add_argument("--groups", type=int, nargs="+", default=[64, 8, 1], help="pool groups (1 = all users)")
+    parser.add_argument("--min-history", type=int, default=30, help="shorter histories route by attribute")
+    parser.add_argument("--pool-depth", type=int, default=8)
+    parser.add_argument("--pool-nodes", type=int, default=32)
+    parser.add_argument("--draft-depth", type=int, default=4)
+    parser.add_argument("--relaxed-top-k", type=int, default=5)
+    parser.add_argument("--relaxed-min-prob", type=float, default=0.02)
+    parser.add_argument("--temperature", type=float, default=0.05, help="the training softmax temperature")
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    relaxed = Relaxed(args.relaxed_top_k, args.relaxed_min_prob, args.temperature)
+    results = {name: bench_dataset(name, args.runs_dir, args.data_path, args.ks, args.users, args.pool_users, args.groups, relaxed,
+                                   args.min_history, args.draft_depth, args.pool_depth, args.pool_nodes)
+               for name in args.datasets}
+    summary = {name: {k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict)}
+                      for k, modes in res.items()} for name, res in results.items()}
+    print(json.dumps({"speedup_over_greedy": summary, "details": results}))
+
+
+if __name__ == "__main__":
+    main()
