@@ -15,7 +15,9 @@ FLOP bound of (a)/(c): per layer, a token costs its projections (2*D*H*(2*Dl+2*D
 and a visible (query, key) pair costs 2*H*(Da+Dl). (a) = N * [(L+1) tokens + L(L+1)/2 + (L+1) pairs];
 (c) = L tokens + L(L+1)/2 pairs + N * [1 token + (L+1) pairs].
 
-Run: ``.venv/bin/python bench/serving.py`` (a few minutes on 2 cores). Last line: one JSON object.
+Run: ``.venv/bin/python bench/serving.py [--clock thread]`` (a few minutes on 2 cores). ``--clock
+thread`` runs on one thread and reports its CPU time: use it when other processes share the
+machine. Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -64,14 +66,15 @@ def flop_bound(config: HSTUConfig, length: int, n: int) -> float:
     return pointwise / cached
 
 
-def best_time(run: Callable[[], object], repeats: int, before: Callable[[], None] = lambda: None) -> float:
-    """Fastest of ``repeats`` timed runs, in seconds (``before`` runs untimed ahead of each)."""
+def best_time(clock: Callable[[], float], run: Callable[[], object], repeats: int,
+              before: Callable[[], None] = lambda: None) -> float:
+    """Fastest of ``repeats`` runs timed by ``clock``, in seconds (``before`` runs untimed ahead of each)."""
     times = []
     for _ in range(repeats):
         before()
-        start = time.perf_counter()
+        start = clock()
         run()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
@@ -84,7 +87,13 @@ def main() -> None:
     parser.add_argument("--pointwise-budget", type=float, default=4.0,
                         help="seconds of pointwise forwards per (L, N) before scaling per candidate")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="wall: wall time with the default threads; thread: one thread (torch and ONNX "
+                             "Runtime) timed by its CPU time, which other processes on the machine barely skew")
     args = parser.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    if args.clock == "thread":
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     load_start = os.getloadavg()[0]  # other processes on the 2 cores skew every timing
@@ -93,10 +102,12 @@ def main() -> None:
         start = time.perf_counter()
         export_dir = export_model(build_model(max(args.lengths)), Path(tmp) / "export")
         print(f"export: {time.perf_counter() - start:.1f}s")
-        ranker = Ranker.load(export_dir, micro_batch=args.micro_batch, cache_bytes=2**31)
+        ranker = Ranker.load(export_dir, micro_batch=args.micro_batch, cache_bytes=2**31,
+                             threads=1 if args.clock == "thread" else None)
         config = ranker.model.config
-        print(f"model: hidden {config.hidden_dim}, {config.num_layers} layers, {config.num_heads} heads x "
-              f"{config.attention_dim}; cache {cache_bytes_per_token(config)} bytes per history token")
+        print(f"clock: {args.clock}; model: hidden {config.hidden_dim}, {config.num_layers} layers, "
+              f"{config.num_heads} heads x {config.attention_dim}; cache {cache_bytes_per_token(config)} bytes "
+              "per history token")
         warm_up(ranker, rng, max(args.lengths))
         rows: Dict[str, Dict[str, float]] = {}
         header = (f"{'L':>5} {'N':>5} {'(a) ms':>10} {'(b) ms':>9} {'(c) ms':>8} {'(d) ms':>8} {'a/c':>7} "
@@ -106,7 +117,7 @@ def main() -> None:
             history = request_tokens(rng, length, start_time=0)
             for n in args.candidates:
                 candidates = {"item_id": rng.integers(0, NUM_ITEMS, n)}
-                row = measure(ranker, history, candidates, args)
+                row = measure(ranker, history, candidates, args, clock)
                 row["bound"] = flop_bound(config, length, n)
                 rows[f"L{length}_N{n}"] = row
                 print(f"{length:>5} {n:>5} {row['a_ms']:>10.0f} {row['b_ms']:>9.1f} {row['c_ms']:>8.1f} "
@@ -115,6 +126,7 @@ def main() -> None:
     key = "L1024_N512"
     summary = {
         "bench": "serving",
+        "clock": args.clock,
         "load_average_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         "model": {"hidden_dim": 256, "num_layers": 4, "num_heads": 2, "head_dim": 128},
         "cache_bytes_per_token": cache_bytes_per_token(config),
@@ -143,7 +155,7 @@ def warm_up(ranker: Ranker, rng: np.random.Generator, length: int) -> None:
 
 
 def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str, np.ndarray],
-            args: argparse.Namespace) -> Dict[str, float]:
+            args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, float]:
     n, length, k = len(candidates["item_id"]), len(history["item_id"]), args.new_actions
     request_time = int(history["timestamps"][-1]) + 60
 
@@ -154,12 +166,12 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
     sampled: List[float] = []
     while len(sampled) < n and sum(sampled) < args.pointwise_budget:
         one = {"item_id": candidates["item_id"][len(sampled): len(sampled) + 1]}
-        start = time.perf_counter()
+        start = clock()
         rank(USER, history, one, use_cache=False)
-        sampled.append(time.perf_counter() - start)
+        sampled.append(clock() - start)
     a = float(np.median(sampled)) * n
-    b = best_time(lambda: rank(USER, history, candidates, use_cache=False), args.repeats)
-    c = best_time(lambda: rank(USER, history, candidates), args.repeats, before=ranker.cache.invalidate)
+    b = best_time(clock, lambda: rank(USER, history, candidates, use_cache=False), args.repeats)
+    c = best_time(clock, lambda: rank(USER, history, candidates), args.repeats, before=ranker.cache.invalidate)
     # (d): the cache holds the history without its k newest actions; the request brings them.
     older = {name: value[: length - k] for name, value in history.items()}
     rank(USER, older, candidates)
@@ -168,7 +180,7 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
     def restore() -> None:
         ranker.cache.put(USER, stale, ranker.cache.generation)
 
-    d = best_time(lambda: rank(USER, history, candidates), args.repeats, before=restore)
+    d = best_time(clock, lambda: rank(USER, history, candidates), args.repeats, before=restore)
     assert rank(USER, history, candidates).cache == "hit"
     restore()
     assert rank(USER, history, candidates).cache == "extend"

@@ -62,7 +62,8 @@ def main() -> None:
     own, rest = parser.parse_known_args()
     args, overrides = parse_args(["--config", "configs/ml100k_hstu.yaml", *rest] if "--config" not in rest else rest)
     config = load_config(args.config, overrides)
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    store = tempfile.TemporaryDirectory()
+    dist.init_process_group("gloo", init_method=f"file://{store.name}/pg", rank=0, world_size=1)
     data = SequenceDataModule(config.data)
     data.setup()
     spec = data.feature_spec()
@@ -75,7 +76,7 @@ def main() -> None:
     timings = {False: [], True: []}
     sparse_timings = {False: [], True: []}
     generator = torch.Generator()
-    for step in range(args.steps + 1):  # step 0 warms up
+    for step in range(own.steps + 1):  # step 0 warms up
         batch = batches[step % len(batches)]
         for dedup in (False, True):
             dmp, task, optimizer = setups[dedup]
@@ -87,19 +88,19 @@ def main() -> None:
             if step:
                 timings[dedup].append(middle - start)
                 sparse_timings[dedup].append(time.perf_counter() - middle)
-    timed = [batches[s % len(batches)] for s in range(1, args.steps + 1)]
+    timed = [batches[s % len(batches)] for s in range(1, own.steps + 1)]
     samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
     tokens = sum(int(b.seq_offsets[-1]) for b in timed)
     ids = torch.cat([b.sequence_ids.values() for b in timed])
-    result = {"config": str(args.config), "steps": args.steps, "batch_size": config.data.batch_size,
-              "tokens_per_batch": tokens / args.steps, "distinct_ids_per_batch":
-              sum(int(b.sequence_ids.values().unique().numel()) for b in timed) / args.steps,
-              "ids_per_batch": ids.numel() / args.steps}
+    result = {"config": str(args.config), "steps": own.steps, "batch_size": config.data.batch_size,
+              "tokens_per_batch": tokens / own.steps, "distinct_ids_per_batch":
+              sum(int(b.sequence_ids.values().unique().numel()) for b in timed) / own.steps,
+              "ids_per_batch": ids.numel() / own.steps}
     for dedup, name in ((False, "no_dedup"), (True, "dedup")):
         seconds = sum(timings[dedup])
         result[f"{name}_samples_per_s"] = samples / seconds
         result[f"{name}_tokens_per_s"] = tokens / seconds
-        result[f"{name}_sparse_ms_per_batch"] = 1000 * sum(sparse_timings[dedup]) / args.steps
+        result[f"{name}_sparse_ms_per_batch"] = 1000 * sum(sparse_timings[dedup]) / own.steps
         print(f"{name:9s} {samples / seconds:8.1f} samples/s  {tokens / seconds:9.0f} tokens/s  "
               f"sparse fwd+bwd {result[f'{name}_sparse_ms_per_batch']:.1f} ms/batch", flush=True)
     result["train_speedup"] = result["dedup_samples_per_s"] / result["no_dedup_samples_per_s"]

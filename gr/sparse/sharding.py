@@ -8,8 +8,9 @@ over every dense parameter.
 
 Placement: ``"device"`` keeps the tables where the dense model runs; ``"host"`` keeps
 them (and their optimizer state) in host memory and runs the dense model on the
-accelerator, moving looked-up vectors over. That is the plan for accelerators whose
-embedding kernels are immature (NPUs).
+accelerator, moving looked-up vectors over; the tables then talk over a gloo process
+group while the dense model's DDP keeps the default one. That is the plan for
+accelerators whose embedding kernels are immature (NPUs).
 """
 from __future__ import annotations
 
@@ -116,14 +117,16 @@ def shard_model(
     apply_embedding_optimizers(embeddings, default_optimizer, device.type)
     if device != dense_device:
         embeddings.output_device = dense_device
-    plan = plan_sharding(model, embeddings, device, pg)
+    # Host-memory tables exchange CPU tensors: their collectives need gloo, whatever the dense model uses.
+    sparse_pg = dist.new_group(backend="gloo") if device.type == "cpu" and dist.get_backend(pg) != "gloo" else pg
+    plan = plan_sharding(model, embeddings, device, sparse_pg)
     dmp = DistributedModelParallel(
         model,
-        env=ShardingEnv.from_process_group(pg),
+        env=ShardingEnv.from_process_group(sparse_pg),
         device=device,
         plan=plan,
         sharders=sharders(),
-        data_parallel_wrapper=DenseDataParallelWrapper(dense_device),
+        data_parallel_wrapper=DenseDataParallelWrapper(dense_device, pg),
     )
     if initial_bags is not None:  # TorchRec copies EmbeddingCollection weights into shards, not bag weights
         dmp.module.embeddings.common.load_state_dict(initial_bags)
@@ -135,11 +138,13 @@ def sharders() -> List:
 
 
 class DenseDataParallelWrapper(DefaultDataParallelWrapper):
-    """DDP over the dense modules, placed on ``dense_device``; sharded tables stay on their device."""
+    """DDP over the dense modules, placed on ``dense_device``, over process group ``pg``;
+    sharded tables stay on their device."""
 
-    def __init__(self, dense_device: torch.device) -> None:
+    def __init__(self, dense_device: torch.device, pg: dist.ProcessGroup) -> None:
         super().__init__()
         self.dense_device = dense_device
+        self.pg = pg
 
     def _ddp_wrap(
         self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device, ddp_ignore_param_names: Set[str]
@@ -154,7 +159,7 @@ class DenseDataParallelWrapper(DefaultDataParallelWrapper):
         dmp._dmp_wrapped_module = DistributedDataParallel(
             module,
             device_ids=None if self.dense_device.type == "cpu" else [self.dense_device],
-            process_group=env.process_group,
+            process_group=self.pg,
             gradient_as_bucket_view=True,
             broadcast_buffers=False,
             static_graph=self._static_graph,

@@ -135,7 +135,7 @@ class SparseEmbeddings(nn.Module):
     dedup: look each distinct id of a table up once per batch ("unique before lookup"):
         the ids of all features reading a table are made unique, looked up, and scattered
         back, so the kernel's backward accumulates one gradient row per distinct id.
-        Long sequences (and sampled negatives) repeat ids a lot.
+        Long sequences repeat ids a lot (an ML-100K batch: ~12k item tokens, <1.7k distinct).
     output_device: where looked-up vectors go (None: where the tables are), e.g. the
         accelerator running the dense model while the tables live in host memory.
     """

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import inspect
 import math
+import os
 import re
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
@@ -470,4 +471,8 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    """Write ``config`` as YAML (to a temporary file, then renamed over ``path``)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(tmp, path)

@@ -55,16 +55,33 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     config = _with_resolved_tables(config, tables)
     module = GRTrainingModule(config, spec, datamodule.tasks,
                               datamodule.popularity() if config.task_type == "retrieval" else None)
+    trainer, checkpoints = make_trainer(config, out_dir)
+    if trainer.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, out_dir / CONFIG_FILE)
+        _write_json(out_dir / FEATURES_FILE, {"spec": vars(spec), "tasks": list(datamodule.tasks)})
+        datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
+    # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
+    best = "best" if checkpoints.best_model_path else str(last)
+    trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
+    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module)
+    if trainer.is_global_zero:
+        _write_json(out_dir / METRICS_FILE, metrics)
+    return metrics
+
+
+def make_trainer(config: TrainConfig, out_dir: Path) -> Tuple[Trainer, ModelCheckpoint]:
+    """The Lightning Trainer of a run (TorchRec strategy, DCP checkpoints of the best and last
+    epoch, optional early stopping, TensorBoard and CSV logs), and its checkpoint callback."""
+    t = config.trainer
     checkpoints = ModelCheckpoint(dirpath=out_dir / CHECKPOINTS_DIR, filename="epoch={epoch}", monitor=config.monitor,
-                                  mode=config.trainer.monitor_mode, save_top_k=1, save_last=True,
-                                  auto_insert_metric_name=False)
+                                  mode=t.monitor_mode, save_top_k=1, save_last=True, auto_insert_metric_name=False)
     checkpoints.CHECKPOINT_NAME_LAST = LAST_CHECKPOINT
     checkpoints.FILE_EXTENSION = ""  # checkpoints are DCP directories
     callbacks = [checkpoints]
-    if config.trainer.early_stopping_patience:
-        callbacks.append(EarlyStopping(config.monitor, patience=config.trainer.early_stopping_patience,
-                                       mode=config.trainer.monitor_mode))
-    t = config.trainer
+    if t.early_stopping_patience:
+        callbacks.append(EarlyStopping(config.monitor, patience=t.early_stopping_patience, mode=t.monitor_mode))
     trainer = Trainer(
         strategy=TorchRecStrategy(),
         accelerator="cuda" if t.accelerator == "gpu" else t.accelerator,
@@ -82,19 +99,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
         use_distributed_sampler=False,  # the data module deals batches to ranks itself
         num_sanity_val_steps=0,
     )
-    if trainer.is_global_zero:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, out_dir / CONFIG_FILE)
-        _write_json(out_dir / FEATURES_FILE, {"spec": vars(spec), "tasks": list(datamodule.tasks)})
-        datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
-    # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
-    best = "best" if checkpoints.best_model_path else str(last)
-    trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
-    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module)
-    if trainer.is_global_zero:
-        _write_json(out_dir / METRICS_FILE, metrics)
-    return metrics
+    return trainer, checkpoints
 
 
 def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: ModelCheckpoint, trainer: Trainer,

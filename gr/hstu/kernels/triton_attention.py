@@ -94,17 +94,17 @@ class CudaKernels:
         return dq, dk, dv, dpos[: inputs.num_pos], dtime[: inputs.num_time]
 
     def _launch(self, kernel, block: str, args: tuple, inputs: KernelInputs, q: Tensor, v: Tensor) -> None:
-        """Grid: (blocks along the longest sequence, B * H)."""
+        """Grid: (B * H, blocks along the longest sequence); B * H first, CUDA's axis 0 has no 65535 limit."""
         heads = q.shape[1]
         meta_args = dict(
             flags(inputs, q, v, self.interpreted), H=heads, AUTOTUNE_MAX_LEN=triton.next_power_of_2(inputs.max_seq_len)
         )
         if self.blocks is None:
-            grid = lambda meta: (triton.cdiv(inputs.max_seq_len, meta[block]), inputs.batch * heads)  # noqa: E731
+            grid = lambda meta: (inputs.batch * heads, triton.cdiv(inputs.max_seq_len, meta[block]))  # noqa: E731
             _tuned(kernel)[grid](*args, **meta_args)
         else:
             sizes = {"BLOCK_M": self.blocks[0], "BLOCK_N": self.blocks[1]}
-            grid = (triton.cdiv(inputs.max_seq_len, sizes[block]), inputs.batch * heads)
+            grid = (inputs.batch * heads, triton.cdiv(inputs.max_seq_len, sizes[block]))
             kernel[grid](*args, **meta_args, **sizes)
 
 
@@ -141,7 +141,7 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, PosW, TimeW, Thre
                     SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     PRECISION: tl.constexpr):
-    query_block(tl.program_id(1) // H, tl.program_id(1) % H, tl.program_id(0) * BLOCK_M, Q, K, V, DO, Out,
+    query_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_M, Q, K, V, DO, Out,
                 SeqOffsets, History, Ts, PosW, TimeW, Thresholds, 0, 0,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                 stride_ot, stride_oh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
@@ -159,7 +159,7 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, PosW, TimeW, T
                         SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    query_block(tl.program_id(1) // H, tl.program_id(1) % H, tl.program_id(0) * BLOCK_M, Q, K, V, DO, DQ,
+    query_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_M, Q, K, V, DO, DQ,
                 SeqOffsets, History, Ts, PosW, TimeW, Thresholds, 0, 0,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                 stride_dqt, stride_dqh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
@@ -177,7 +177,7 @@ def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, 
                          SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                          BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    key_block(tl.program_id(1) // H, tl.program_id(1) % H, tl.program_id(0) * BLOCK_N, Q, K, V, DO, DK, DV, DPos,
+    key_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_N, Q, K, V, DO, DK, DV, DPos,
               DTime, SeqOffsets, History, Ts, PosW, TimeW, Thresholds, 0, 0,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, alpha, silu_scale, contextual_len, max_attn_len,
