@@ -16,8 +16,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
 	touch $(STAMP)
 
+STAMP_NOW := $(shell date +%Y%m%d-%H%M%S)
+RUN := runs/quickstart-$(STAMP_NOW)
+EXPORT := exports/quickstart-$(STAMP_NOW)
+
+# Train on the built-in synthetic data, export the serving slices, validate them, rank a request.
 demo: $(STAMP)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.demo
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) train.py --config configs/quickstart.yaml --out $(RUN)
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export $(RUN) $(EXPORT)
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export check $(EXPORT)
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving rank $(EXPORT) --request examples/quickstart_request.json
 
 test: $(STAMP)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests

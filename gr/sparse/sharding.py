@@ -1,6 +1,6 @@
 """Sharding the embedding tables over ranks with TorchRec's planner and DistributedModelParallel.
 
-``shard_model`` is the only entry point: it attaches each table's optimizer with
+``shard_model`` does it all: it attaches each table's optimizer with
 ``apply_optimizer_in_backward`` (before sharding, as TorchRec requires), plans with
 ``EmbeddingShardingPlanner`` under per-table constraints (row-wise by default, fused
 kernels), and wraps the model in ``DistributedModelParallel``: sharded tables plus DDP

@@ -99,6 +99,10 @@ class GRTrainingModule(LightningModule):
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / opt.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
+    def _ids_device(self) -> torch.device:
+        """Where the tables take ids: host memory, or the dense model's device."""
+        return table_device(self.trainer.strategy.root_device, self.config.sparse.placement)
+
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Dense tensors to the model's device; ids to the tables' device (host memory when placed there)."""
         if not isinstance(batch, GRInput):
@@ -133,7 +137,7 @@ class GRTrainingModule(LightningModule):
 
     # ---- evaluation --------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
-        self.task.start_evaluation(self.gr_model.embeddings)
+        self.task.start_evaluation(self.gr_model.embeddings, self._ids_device())
 
     def validation_step(self, batch: GRInput, batch_idx: int) -> None:
         self.task.evaluation_step(self.model(batch), batch)
@@ -142,7 +146,7 @@ class GRTrainingModule(LightningModule):
         self._log_metrics("val", self.task.finish_evaluation())
 
     def on_test_epoch_start(self) -> None:
-        self.task.start_evaluation(self.gr_model.embeddings)
+        self.task.start_evaluation(self.gr_model.embeddings, self._ids_device())
 
     def test_step(self, batch: GRInput, batch_idx: int) -> None:
         self.task.evaluation_step(self.model(batch), batch, self.popularity)

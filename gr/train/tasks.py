@@ -59,9 +59,10 @@ class RetrievalTask:
         negatives = torch.randint(0, self.num_items, shape, generator=generator).to(positives.device)
         distinct, index = torch.unique(torch.cat([positives, negatives.reshape(-1)]), return_inverse=True)
         features = batch.sequence_ids.to_dict()
-        lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=distinct.device)
+        ids_device = batch.sequence_ids.values().device  # the tables' (host memory when placed there)
+        lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=ids_device)
         lengths[0] = distinct.numel()  # one jagged row holding them all: they belong to no sequence
-        features[SAMPLED_ITEMS] = JaggedTensor(values=distinct, lengths=lengths)
+        features[SAMPLED_ITEMS] = JaggedTensor(values=distinct.to(ids_device), lengths=lengths)
         labels = {**batch.labels, "positive_index": index[: positives.numel()],
                   "negative_index": index[positives.numel():].reshape(shape)}
         return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
@@ -74,12 +75,15 @@ class RetrievalTask:
         return {"loss": loss}
 
     # ---- evaluation -------------------------------------------------------------------
-    def start_evaluation(self, embeddings: SparseEmbeddings) -> None:
-        """Embed the whole catalogue once: each rank looks up a slice, then all gather."""
+    def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = torch.device("cpu")) -> None:
+        """Embed the whole catalogue once: each rank looks up a slice, then all gather.
+
+        ids_device: where the tables take their ids."""
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         chunk = math.ceil(self.num_items / world)
-        ids = torch.arange(rank * chunk, (rank + 1) * chunk).clamp(max=self.num_items - 1)
-        kjt = KeyedJaggedTensor.from_lengths_sync([self.config.item_feature], ids, torch.tensor([chunk]))
+        ids = torch.arange(rank * chunk, (rank + 1) * chunk, device=ids_device).clamp(max=self.num_items - 1)
+        lengths = torch.tensor([chunk], device=ids_device)
+        kjt = KeyedJaggedTensor.from_lengths_sync([self.config.item_feature], ids, lengths)
         with torch.no_grad():
             rows = embeddings(kjt, None)[0][self.config.item_feature]
             if world > 1:
@@ -129,7 +133,7 @@ class RankingTask:
         logits = {t: output.predictions[t] for t in self.tasks}
         return multitask_bce(logits, {t: inputs.labels[t] for t in self.tasks}, self.config.task_weights)
 
-    def start_evaluation(self, embeddings: SparseEmbeddings) -> None:
+    def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = torch.device("cpu")) -> None:
         self.collected = {}
 
     def evaluation_step(self, output: GROutput, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
