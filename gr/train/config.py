@@ -29,13 +29,13 @@ from gr.sparse.optimizer import EmbeddingOptimizerConfig, known_keys
 from gr.sparse.sharding import PLACEMENTS
 from gr.sparse.tables import TableConfig
 
-# The default PostfixDNN per task, and the metrics each task reports ("val/<name>", "test/<name>").
+# The shipped PrefixDNN, and the PostfixDNN per task, used when the config names no class.
 DEFAULT_POSTFIX = {"retrieval": "gr.postfix_dnn.RetrievalHead", "ranking": "gr.postfix_dnn.MMoERankingHead"}
 DEFAULT_PREFIX = "gr.prefix_dnn.MLPTokenEncoder"
 NEGATIVE_SHARING = ("token", "batch")
 DENSE_OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "npu")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 Check = Tuple[Callable[[Any], bool], str]
 
@@ -134,6 +134,8 @@ class ModuleSpec:
 
     @classmethod
     def parse(cls, values: Any, where: str, base: type, default_class: str) -> "ModuleSpec":
+        if values is not None and not isinstance(values, Mapping):
+            raise ValueError(f"{where}: expected {{class: import.path, kwargs: {{...}}}}, got {values!r}")
         values = dict(values or {})
         unknown = sorted(set(values) - {"class", "kwargs"})
         if unknown:

@@ -234,7 +234,9 @@ class _ChunkedAttention(torch.autograd.Function):
             og = vg.new_zeros(vg.shape[:2] + (group.tokens.shape[1], dim_v))
             for chunk in group.chunks:
                 og[:, :, chunk.rows] = forward_tile(
-                    qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), _tile_context(problem, group, chunk, pos_w, time_w)
+                    qg[:, :, chunk.rows].contiguous(),
+                    *_key_part(chunk, kg, vg),
+                    _tile_context(problem, group, chunk, pos_w, time_w),
                 )
             out[group.tokens] = og.transpose(1, 2)
         return out[:total]
@@ -254,9 +256,9 @@ class _ChunkedAttention(torch.autograd.Function):
             dqg, dkg, dvg = (torch.zeros_like(x) for x in (qg, kg, vg))
             for chunk in group.chunks:
                 dq, dk, dv, dbias_pos, dbias_time = backward_tile(
-                    qg[:, :, chunk.rows],
+                    qg[:, :, chunk.rows].contiguous(),
                     *_key_part(chunk, kg, vg),
-                    dog[:, :, chunk.rows],
+                    dog[:, :, chunk.rows].contiguous(),
                     _tile_context(problem, group, chunk, pos_w, time_w),
                 )
                 dqg[:, :, chunk.rows] += dq
@@ -278,8 +280,8 @@ def _pad_rows(x: Tensor) -> Tensor:
 
 
 def _key_part(chunk: _Chunk, *xs: Tensor) -> Tuple[Tensor, ...]:
-    """The chunk's keys of each [G, H, Lp, D] tensor."""
-    return tuple(x[:, :, chunk.lo : chunk.hi] if chunk.ctx_hi == 0 else x[:, :, chunk.cols] for x in xs)
+    """The chunk's keys of each [G, H, Lp, D] tensor (contiguous: stable strides for torch.compile)."""
+    return tuple((x[:, :, chunk.lo : chunk.hi] if chunk.ctx_hi == 0 else x[:, :, chunk.cols]).contiguous() for x in xs)
 
 
 def _add_keys(acc: Tensor, part: Tensor, chunk: _Chunk) -> None:
@@ -319,6 +321,7 @@ def _tile_context(
         ts = problem.timestamps[group.tokens]
         row_ts, col_ts = ts[:, chunk.rows], ts[:, chunk.cols]
     rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device)
+    pos_w, time_w = (w.detach() if w is not None else None for w in (pos_w, time_w))  # one compiled graph
     return _TileContext(
         rows, chunk.cols, group.lengths, group.history, row_ts, col_ts, pos_w, time_w, problem.time_thresholds,
         problem.alpha, problem.silu_scale, problem.contextual_len, problem.max_attn_len,
