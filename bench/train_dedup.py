@@ -1,8 +1,9 @@
 """Training throughput on the ML-100K retrieval recipe with and without id dedup ("unique before lookup").
 
     python bench/train_dedup.py [--config configs/ml100k_hstu.yaml] [--steps 6] [--data.path ...]
+    torchrun --nproc_per_node 2 bench/train_dedup.py ...   # tables row-wise over 2 ranks
 
-Builds the recipe's model, shards it with TorchRec on one rank (gloo), and times full
+Builds the recipe's model, shards it with TorchRec (gloo; one rank, or torchrun's), and times full
 training steps (sampling, sharded lookup, HSTU, sampled softmax, backward with the fused
 embedding optimizer, dense AdamW) on the same batches, alternating dedup off / on so that
 both see the same machine load. Also times the sparse part alone (lookup forward +
@@ -63,7 +64,11 @@ def main() -> None:
     args, overrides = parse_args(["--config", "configs/ml100k_hstu.yaml", *rest] if "--config" not in rest else rest)
     config = load_config(args.config, overrides)
     store = tempfile.TemporaryDirectory()
-    dist.init_process_group("gloo", init_method=f"file://{store.name}/pg", rank=0, world_size=1)
+    if "WORLD_SIZE" in os.environ:  # under torchrun
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{store.name}/pg", rank=0, world_size=1)
+    world = dist.get_world_size()
     data = SequenceDataModule(config.data)
     data.setup()
     spec = data.feature_spec()
@@ -91,22 +96,23 @@ def main() -> None:
     timed = [batches[s % len(batches)] for s in range(1, own.steps + 1)]
     samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
     tokens = sum(int(b.seq_offsets[-1]) for b in timed)
-    ids = torch.cat([b.sequence_ids.values() for b in timed])
-    result = {"config": str(args.config), "steps": own.steps, "batch_size": config.data.batch_size,
-              "tokens_per_batch": tokens / own.steps, "distinct_ids_per_batch":
-              sum(int(b.sequence_ids.values().unique().numel()) for b in timed) / own.steps,
-              "ids_per_batch": ids.numel() / own.steps}
+    result = {"config": str(args.config), "ranks": world, "steps": own.steps, "batch_size": config.data.batch_size,
+              "item_ids_per_batch": tokens / own.steps, "distinct_item_ids_per_batch":
+              sum(int(b.sequence_ids.values().unique().numel()) for b in timed) / own.steps}
+    samples, tokens = world * samples, world * tokens  # every rank trains on its own batch
     for dedup, name in ((False, "no_dedup"), (True, "dedup")):
         seconds = sum(timings[dedup])
         result[f"{name}_samples_per_s"] = samples / seconds
         result[f"{name}_tokens_per_s"] = tokens / seconds
         result[f"{name}_sparse_ms_per_batch"] = 1000 * sum(sparse_timings[dedup]) / own.steps
-        print(f"{name:9s} {samples / seconds:8.1f} samples/s  {tokens / seconds:9.0f} tokens/s  "
-              f"sparse fwd+bwd {result[f'{name}_sparse_ms_per_batch']:.1f} ms/batch", flush=True)
+        if dist.get_rank() == 0:
+            print(f"{name:9s} {samples / seconds:8.1f} samples/s  {tokens / seconds:9.0f} tokens/s  "
+                  f"sparse fwd+bwd {result[f'{name}_sparse_ms_per_batch']:.1f} ms/batch", flush=True)
     result["train_speedup"] = result["dedup_samples_per_s"] / result["no_dedup_samples_per_s"]
     result["sparse_speedup"] = result["no_dedup_sparse_ms_per_batch"] / result["dedup_sparse_ms_per_batch"]
+    if dist.get_rank() == 0:
+        print(json.dumps(result))
     dist.destroy_process_group()
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":

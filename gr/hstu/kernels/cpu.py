@@ -319,7 +319,7 @@ def _tile_context(
     row_ts = col_ts = None
     if time_w is not None:
         ts = problem.timestamps[group.tokens]
-        row_ts, col_ts = ts[:, chunk.rows], ts[:, chunk.cols]
+        row_ts, col_ts = ts[:, chunk.rows].contiguous(), ts[:, chunk.cols]
     rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device)
     pos_w, time_w = (w.detach() if w is not None else None for w in (pos_w, time_w))  # one compiled graph
     return _TileContext(
