@@ -24,7 +24,6 @@ from gr.hstu.kernels.common import (
     position_bucket,
     silu_norm,
     time_bucket,
-    time_bucket_thresholds,
 )
 from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 
@@ -78,7 +77,6 @@ class _Problem:
     contextual_len: int
     max_attn_len: int
     timestamps: Optional[Tensor]  # [T + 1] int64, padding row last
-    time_thresholds: Optional[Tensor]  # [NB - 1] float32 bucket edges
     time_bucketing: str
     compiled: bool  # run the tiles through torch.compile
 
@@ -127,18 +125,15 @@ def _build_problem(
     compiled: Optional[bool],
 ) -> _Problem:
     groups = _groups(total, heads, seq_offsets, num_targets, contextual_len, max_attn_len)
-    timestamps = thresholds = None
+    timestamps = None
     bucketing = "log"
     if rab is not None and rab.time_weights is not None:
-        ts = rab.timestamps.long()
-        ts = ts - ts.min() if ts.numel() else ts
-        timestamps = torch.cat([ts, ts.new_zeros(1)])
+        timestamps = torch.cat([rab.timestamps.long(), rab.timestamps.new_zeros(1, dtype=torch.long)])
         bucketing = rab.time_bucketing
-        thresholds = time_bucket_thresholds(bucketing, rab.time_weights.numel(), seq_offsets.device)[1:-1]
     if compiled is None:
         compiled = _score_count(groups, heads) >= COMPILE_MIN_SCORES
     return _Problem(
-        groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, thresholds, bucketing, compiled
+        groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, bucketing, compiled
     )
 
 
@@ -295,7 +290,7 @@ class _TileContext(NamedTuple):
     """What one tile needs besides q, k, v (and grad_out).
 
     rows: [C], cols: [K] int64 indices in the padded sequences; lengths, history: [G, 1, 1];
-    row_ts: [G, C], col_ts: [G, K] int64 (None without time bias); thresholds: [NB - 1].
+    row_ts: [G, C], col_ts: [G, K] int64 (None without time bias).
     """
 
     rows: Tensor
@@ -306,7 +301,7 @@ class _TileContext(NamedTuple):
     col_ts: Optional[Tensor]
     pos_w: Optional[Tensor]
     time_w: Optional[Tensor]
-    thresholds: Optional[Tensor]
+    time_bucketing: str
     alpha: float
     silu_scale: Optional[float]
     contextual_len: int
@@ -323,7 +318,7 @@ def _tile_context(
     rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device)
     pos_w, time_w = (w.detach() if w is not None else None for w in (pos_w, time_w))  # one compiled graph
     return _TileContext(
-        rows, chunk.cols, group.lengths, group.history, row_ts, col_ts, pos_w, time_w, problem.time_thresholds,
+        rows, chunk.cols, group.lengths, group.history, row_ts, col_ts, pos_w, time_w, problem.time_bucketing,
         problem.alpha, problem.silu_scale, problem.contextual_len, problem.max_attn_len,
     )
 
@@ -345,8 +340,7 @@ def _tile_scores(q: Tensor, k: Tensor, c: _TileContext) -> Tuple[Tensor, Tensor,
         pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), c.pos_w.numel())
         scores = scores + c.pos_w[pos_idx].unsqueeze(1)
     if c.time_w is not None:
-        delta = (c.row_ts[:, :, None] - c.col_ts[:, None, :]).abs().clamp(min=1)
-        time_idx = torch.bucketize(delta.to(torch.float32), c.thresholds, right=True)
+        time_idx = time_bucket(c.row_ts[:, :, None] - c.col_ts[:, None, :], c.time_bucketing, c.time_w.numel())
         scores = scores + c.time_w[time_idx].unsqueeze(1)
     return scores, weight.unsqueeze(1), pos_idx, time_idx
 
