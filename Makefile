@@ -26,6 +26,7 @@ demo: $(STAMP)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export $(RUN) $(EXPORT)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export check $(EXPORT)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving rank $(EXPORT) --request examples/quickstart_request.json
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving generate $(EXPORT) --request examples/quickstart_request.json --k 10
 
 test: $(STAMP)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests

@@ -24,7 +24,6 @@ from typing import Callable, Dict, List
 import torch
 
 from gr.hstu.kernels import RelativeBias, hstu_attention
-from gr.hstu.kernels.cpu import cpu_hstu_attention
 
 
 def synchronize(device: str) -> None:
@@ -82,25 +81,18 @@ def attention_call(attention: Callable, batch: Dict[str, object], args: argparse
             rab=rab,
         )
         if not backward:
-            return [out]
-        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+            return [out.detach()]
+        return [out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out))]
 
     return call
 
 
 def contenders(args: argparse.Namespace) -> List[tuple]:
     """(label, attention function, timed repeats after a warm-up call; 0 = time the first call)."""
-    chosen = [(args.backend, functools.partial(hstu_attention, backend=args.backend), args.repeats)]
-    if args.backend == "cpu":  # the same path without torch.compile, to show what compile buys
-
-        def eager(q, k, v, seq_offsets, max_seq_len, *, alpha, silu_scale, rab):
-            return cpu_hstu_attention(
-                q, k, v, seq_offsets, max_seq_len, None, 0, 0, alpha, silu_scale, rab, compiled=False
-            )
-
-        chosen.append(("cpu-eager", eager, args.repeats))
-    chosen.append(("padded", functools.partial(hstu_attention, backend="pytorch"), 0))
-    return chosen
+    return [
+        (args.backend, functools.partial(hstu_attention, backend=args.backend), args.repeats),
+        ("padded", functools.partial(hstu_attention, backend="pytorch"), 0),
+    ]
 
 
 def max_relative_error(got: List[torch.Tensor], want: List[torch.Tensor]) -> float:
@@ -157,9 +149,6 @@ def main() -> None:
     ref_fwd, ref_bwd = results["padded", False], results["padded", True]
     error = max_relative_error(fast_bwd["outputs"], ref_bwd["outputs"])
     print(f"\nmax relative difference to the padded reference (output and all gradients): {error:.1e}")
-    if ("cpu-eager", True) in results:
-        eager = results["cpu-eager", True]["seconds"]
-        print(f"torch.compile'd tiles vs eager, fwd+bwd: {eager / fast_bwd['seconds']:.2f}x")
     summary = dict(
         device=args.device,
         backend=args.backend,
@@ -173,8 +162,6 @@ def main() -> None:
         padded_fwd_fraction_of_peak=round(ref_fwd["gflops"] / peak, 4),
         max_relative_error=float(f"{error:.2e}"),
     )
-    if ("cpu-eager", True) in results:
-        summary["compile_speedup_fwd_bwd"] = round(results["cpu-eager", True]["seconds"] / fast_bwd["seconds"], 2)
     print(json.dumps(summary))
 
 

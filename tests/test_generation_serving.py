@@ -126,3 +126,19 @@ def test_beam_and_sampling_options_and_bad_requests(exports):
         ranker.generate(user, {"item_id": [], "timestamps": []}, 3)
     with pytest.raises(RequestError, match="draft"):
         ranker.generate(user, history, 3, "beam", draft=PoolDrafts(SequencePool()))
+
+
+def test_generate_cli_prints_the_same_slate_as_the_api(exports, tmp_path, capsys):
+    import json
+
+    from gr.serving.__main__ import main as serving_main
+
+    _, target_dir, _ = exports
+    user, history = users(1, seed=5)[0]
+    request = {"user_id": user, "history": {k: v.tolist() for k, v in history.items()}, "request_time": REQUEST_TIME}
+    file = tmp_path / "request.json"
+    file.write_text(json.dumps(request))
+    assert serving_main(["generate", str(target_dir), "--request", str(file), "--k", "4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = Ranker.load(target_dir).generate(user, history, 4, request_time=REQUEST_TIME).items
+    assert printed["items"] == expected and len(expected) == 4

@@ -1,4 +1,6 @@
-"""``python -m gr.serving rank EXPORT_DIR --request request.json`` prints the scores as JSON.
+"""``python -m gr.serving rank EXPORT_DIR --request request.json`` prints the scores as JSON;
+``python -m gr.serving generate EXPORT_DIR --request request.json --k 10`` prints each user's
+next k items (greedy; the request's ``candidates`` are not needed).
 
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
@@ -27,7 +29,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="histories longer than max_seq_len: keep the most recent tokens, or refuse")
     rank.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     rank.add_argument("--no-cache", action="store_true", help="one target-aware pass per request, no history cache")
+    gen = commands.add_parser("generate", help="generate each request's user's next k items (greedy)")
+    gen.add_argument("export_dir", type=Path)
+    gen.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
+    gen.add_argument("--k", type=int, default=10, help="items to generate per user")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        args.micro_batch, args.long_history, args.cache_bytes, args.no_cache = (
+            DEFAULT_MICRO_BATCH, "truncate", DEFAULT_CACHE_BYTES, False)
 
     try:
         payload = json.loads(args.request.read_text())
@@ -37,7 +46,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ranker = Ranker.load(args.export_dir, cache_bytes=args.cache_bytes, micro_batch=args.micro_batch,
                          long_history=args.long_history)
     single = not isinstance(payload, list)
-    outputs = [_rank_one(ranker, item, "request" if single else f"request[{i}]", not args.no_cache)
+    serve_one = _rank_one if args.command == "rank" else _generate_one
+    outputs = [serve_one(ranker, item, "request" if single else f"request[{i}]", args)
                for i, item in enumerate([payload] if single else payload)]
     print(json.dumps(outputs[0] if single else outputs))
     failed = [o["error"] for o in outputs if "error" in o]
@@ -46,14 +56,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 2 if failed else 0
 
 
-def _rank_one(ranker: Ranker, item: Any, where: str, use_cache: bool) -> Dict[str, Any]:
+def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
     try:
         request = RankRequest.from_dict(item, where)
         result = ranker.rank(request.user_id, request.history, request.candidates, request.common_features,
-                             request_time=request.request_time, use_cache=use_cache)
+                             request_time=request.request_time, use_cache=not args.no_cache)
     except RequestError as exc:
-        return {"error": f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)}
+        return _error(where, exc)
     return {"user_id": request.user_id, **result.to_json()}
+
+
+def _generate_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
+    try:
+        if isinstance(item, dict):
+            item = {"candidates": {}, **item}
+        request = RankRequest.from_dict(item, where)
+        result = ranker.generate(request.user_id, request.history, args.k, common_features=request.common_features,
+                                 request_time=request.request_time)
+    except RequestError as exc:
+        return _error(where, exc)
+    return {"user_id": request.user_id, **result.to_json()}
+
+
+def _error(where: str, exc: RequestError) -> Dict[str, Any]:
+    return {"error": f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)}
 
 
 if __name__ == "__main__":

@@ -9,9 +9,8 @@ scores in backward (no L x L tensor is kept), so memory stays bounded by ``TILE_
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +26,8 @@ from gr.hstu.kernels.common import (
 )
 from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 
-QUERY_CHUNK = 256  # query rows per chunk
+QUERY_CHUNK = 128  # query rows per chunk
 TILE_ELEMENTS = 1 << 22  # score elements (all heads) per batched chunk, ~16 MB in fp32
-# Calls scoring at least this many elements run the tiles through torch.compile (2-3x faster
-# on this math, ~30 s one-off compile per graph); smaller calls would not pay it back soon.
-COMPILE_MIN_SCORES = 1 << 23
 
 
 @dataclass
@@ -78,7 +74,6 @@ class _Problem:
     max_attn_len: int
     timestamps: Optional[Tensor]  # [T + 1] int64, padding row last
     time_bucketing: str
-    compiled: bool  # run the tiles through torch.compile
 
 
 def cpu_hstu_attention(
@@ -93,17 +88,15 @@ def cpu_hstu_attention(
     alpha: float,
     silu_scale: Optional[float],
     rab: Optional[RelativeBias],
-    compiled: Optional[bool] = None,
 ) -> Tensor:
     """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
-    and the bias weights. bf16/fp16 inputs are computed in fp32. ``compiled``: run the tiles
-    through torch.compile; None decides by the call's size (``COMPILE_MIN_SCORES``)."""
+    and the bias weights. bf16/fp16 inputs are computed in fp32."""
     compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
     problem = _build_problem(
-        q.shape[0], q.shape[1], seq_offsets, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab, compiled
+        q.shape[0], q.shape[1], seq_offsets, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab
     )
     weights = [w.to(compute) if w is not None else None for w in (pos_w, time_w)]
     out = _ChunkedAttention.apply(qc, kc, vc, weights[0], weights[1], problem)
@@ -122,7 +115,6 @@ def _build_problem(
     alpha: float,
     silu_scale: Optional[float],
     rab: Optional[RelativeBias],
-    compiled: Optional[bool],
 ) -> _Problem:
     groups = _groups(total, heads, seq_offsets, num_targets, contextual_len, max_attn_len)
     timestamps = None
@@ -130,11 +122,7 @@ def _build_problem(
     if rab is not None and rab.time_weights is not None:
         timestamps = torch.cat([rab.timestamps.long(), rab.timestamps.new_zeros(1, dtype=torch.long)])
         bucketing = rab.time_bucketing
-    if compiled is None:
-        compiled = _score_count(groups, heads) >= COMPILE_MIN_SCORES
-    return _Problem(
-        groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, bucketing, compiled
-    )
+    return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, bucketing)
 
 
 def score_elements(
@@ -206,8 +194,6 @@ def _group(
         lo = max(min(m0, h_min) - max_attn_len, 0) if max_attn_len > 0 else 0
         ctx_hi = min(contextual_len, h_max, lo)
         if hi > lo or ctx_hi > 0:
-            if hi - lo == 1:  # a masked extra key rather than a size-1 dim, which torch.compile specializes
-                lo, hi = (lo - 1, hi) if lo > ctx_hi else (lo, min(hi + 1, padded_len))
             cols = torch.cat([torch.arange(0, ctx_hi, device=index.device), torch.arange(lo, hi, device=index.device)])
             chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, cols))
     return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks)
@@ -222,17 +208,13 @@ class _ChunkedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, pos_w, time_w)
         total, heads, dim_v = v.shape
         out = v.new_zeros(total + 1, heads, dim_v)
-        forward_tile = _tile_functions(problem.compiled)[0]
         padded = [_pad_rows(x) for x in (q, k, v)]
         for group in problem.groups:
             qg, kg, vg = (x[group.tokens].transpose(1, 2) for x in padded)  # [G, H, Lp, D]
             og = vg.new_zeros(vg.shape[:2] + (group.tokens.shape[1], dim_v))
             for chunk in group.chunks:
-                og[:, :, chunk.rows] = forward_tile(
-                    qg[:, :, chunk.rows].contiguous(),
-                    *_key_part(chunk, kg, vg),
-                    _tile_context(problem, group, chunk, pos_w, time_w),
-                )
+                context = _tile_context(problem, group, chunk, pos_w, time_w)
+                og[:, :, chunk.rows] = _forward_tile(qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), context)
             out[group.tokens] = og.transpose(1, 2)
         return out[:total]
 
@@ -241,7 +223,6 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, pos_w, time_w = ctx.saved_tensors
         problem: _Problem = ctx.problem
-        backward_tile = _tile_functions(problem.compiled)[1]
         grads = [x.new_zeros(x.shape[0] + 1, *x.shape[1:]) for x in (q, k, v)]
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
@@ -250,11 +231,9 @@ class _ChunkedAttention(torch.autograd.Function):
             qg, kg, vg, dog = (x[group.tokens].transpose(1, 2) for x in padded)
             dqg, dkg, dvg = (torch.zeros_like(x) for x in (qg, kg, vg))
             for chunk in group.chunks:
-                dq, dk, dv, dbias_pos, dbias_time = backward_tile(
-                    qg[:, :, chunk.rows].contiguous(),
-                    *_key_part(chunk, kg, vg),
-                    dog[:, :, chunk.rows].contiguous(),
-                    _tile_context(problem, group, chunk, pos_w, time_w),
+                context = _tile_context(problem, group, chunk, pos_w, time_w)
+                dq, dk, dv, dbias_pos, dbias_time = _backward_tile(
+                    qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), dog[:, :, chunk.rows], context
                 )
                 dqg[:, :, chunk.rows] += dq
                 _add_keys(dkg, dk, chunk)
@@ -275,8 +254,8 @@ def _pad_rows(x: Tensor) -> Tensor:
 
 
 def _key_part(chunk: _Chunk, *xs: Tensor) -> Tuple[Tensor, ...]:
-    """The chunk's keys of each [G, H, Lp, D] tensor (contiguous: stable strides for torch.compile)."""
-    return tuple((x[:, :, chunk.lo : chunk.hi] if chunk.ctx_hi == 0 else x[:, :, chunk.cols]).contiguous() for x in xs)
+    """The chunk's keys of each [G, H, Lp, D] tensor."""
+    return tuple(x[:, :, chunk.lo : chunk.hi] if chunk.ctx_hi == 0 else x[:, :, chunk.cols] for x in xs)
 
 
 def _add_keys(acc: Tensor, part: Tensor, chunk: _Chunk) -> None:
@@ -314,9 +293,8 @@ def _tile_context(
     row_ts = col_ts = None
     if time_w is not None:
         ts = problem.timestamps[group.tokens]
-        row_ts, col_ts = ts[:, chunk.rows].contiguous(), ts[:, chunk.cols]
+        row_ts, col_ts = ts[:, chunk.rows], ts[:, chunk.cols]
     rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device)
-    pos_w, time_w = (w.detach() if w is not None else None for w in (pos_w, time_w))  # one compiled graph
     return _TileContext(
         rows, chunk.cols, group.lengths, group.history, row_ts, col_ts, pos_w, time_w, problem.time_bucketing,
         problem.alpha, problem.silu_scale, problem.contextual_len, problem.max_attn_len,
@@ -367,14 +345,6 @@ def _backward_tile(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, c: _TileCo
     if time_idx is not None:
         dtime = dscores.new_zeros(c.time_w.numel()).index_add_(0, time_idx.flatten(), dbias)
     return dq, dk, dv, dpos, dtime
-
-
-@functools.lru_cache(maxsize=2)
-def _tile_functions(compiled: bool) -> Tuple[Callable[..., Tensor], Callable[..., tuple]]:
-    """(forward, backward) tile functions, through torch.compile (dynamic shapes) if asked."""
-    if not compiled:
-        return _forward_tile, _backward_tile
-    return torch.compile(_forward_tile, dynamic=True), torch.compile(_backward_tile, dynamic=True)
 
 
 def _add_target_self_terms(
