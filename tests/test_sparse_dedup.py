@@ -95,3 +95,13 @@ def test_unknown_feature_is_refused():
     ids = KeyedJaggedTensor.from_lengths_sync(["movie"], torch.tensor([1]), torch.tensor([1]))
     with pytest.raises(ValueError, match=r"features \['movie'\] have no table"):
         embeddings(True)(ids, None)
+
+
+@pytest.mark.parametrize("num_rows", [50, 10**9], ids=["mask", "sort"])
+def test_unique_ids_maps_every_id_to_its_distinct_row(num_rows):
+    from gr.sparse.dedup import unique_ids
+
+    ids = torch.tensor([7, 3, 7, 49, 3, 0, 7])
+    distinct, inverse = unique_ids(ids, num_rows)
+    assert distinct.tolist() == [0, 3, 7, 49]
+    assert torch.equal(distinct[inverse], ids)

@@ -17,6 +17,7 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import PoolingType
 
+from gr.sparse.dedup import unique_ids
 from gr.sparse.optimizer import EmbeddingOptimizerConfig, known_keys
 
 TABLE_KINDS = ("sequence", "common")
@@ -238,15 +239,15 @@ class SparseEmbeddings(nn.Module):
         by_table: Dict[str, List[str]] = {}
         for f in present:
             by_table.setdefault(self.feature_to_table[f].name, []).append(f)
-        unique_ids: Dict[str, JaggedTensor] = {}
+        distinct_ids: Dict[str, JaggedTensor] = {}
         inverse: Dict[str, Tensor] = {}
         for table, table_features in by_table.items():
             ids = torch.cat([jagged[f].values() for f in table_features])
-            unique, inverse[table] = torch.unique(ids, return_inverse=True)
+            unique, inverse[table] = unique_ids(ids, self.tables[table].num_embeddings)
             # One "sample" holding every distinct id, under the table's first feature.
             carrier = self.tables[table].features[0]
-            unique_ids[carrier] = JaggedTensor(values=unique, lengths=unique.new_tensor([unique.numel()]))
-        looked_up = collection(_full_kjt(features, unique_ids, 1))
+            distinct_ids[carrier] = JaggedTensor(values=unique, lengths=unique.new_tensor([unique.numel()]))
+        looked_up = collection(_full_kjt(features, distinct_ids, 1))
         out: Dict[str, Tensor] = {}
         for table, table_features in by_table.items():
             rows = looked_up[self.tables[table].features[0]].values()[:, : self.tables[table].embedding_dim]

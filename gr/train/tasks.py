@@ -25,6 +25,7 @@ from torch import Tensor
 from torchrec import JaggedTensor, KeyedJaggedTensor
 
 from gr.model import GRInput, GROutput
+from gr.sparse.dedup import unique_ids
 from gr.sparse.tables import SparseEmbeddings
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
@@ -57,7 +58,7 @@ class RetrievalTask:
         k = self.config.num_negatives
         shape = (positives.numel(), k) if self.config.negatives == "token" else (k,)
         negatives = torch.randint(0, self.num_items, shape, generator=generator).to(positives.device)
-        distinct, index = torch.unique(torch.cat([positives, negatives.reshape(-1)]), return_inverse=True)
+        distinct, index = unique_ids(torch.cat([positives, negatives.reshape(-1)]), self.num_items)
         features = batch.sequence_ids.to_dict()
         ids_device = batch.sequence_ids.values().device  # the tables' (host memory when placed there)
         lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=ids_device)

@@ -12,7 +12,7 @@ Backends load on first use, so a missing triton or NPU package only matters when
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from torch import Tensor
 
@@ -30,7 +30,7 @@ _BACKENDS: Dict[str, str] = {  # name -> "module:function"
 _AUTO = {"cuda": "triton", "npu": "ascend", "cpu": "cpu"}
 
 
-def available_backends() -> list:
+def available_backends() -> List[str]:
     return sorted(_BACKENDS)
 
 
@@ -81,6 +81,7 @@ def hstu_attention(
     max_attn_len: look-back window in positions, 0 = unbounded
     silu_scale: norm_i; None -> 1 / (pos_i + 1) (per-sequence length so far)
     rab: relative bias parts (``RelativeBias``) or None
+    backend: one of ``available_backends()`` or "auto" (by q's device)
     returns: [T, H, Dv]
     """
     attention = _load(resolve_backend(backend, q.device.type))

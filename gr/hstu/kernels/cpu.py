@@ -6,6 +6,10 @@ they can see (causal / window / contextual), and each chunk is one batched matmu
 the group. Targets are computed against history keys only; their one visible target key
 (themselves) is a per-token term. Forward and backward run chunk by chunk and recompute the
 scores in backward (no L x L tensor is kept), so memory stays bounded by ``TILE_ELEMENTS``.
+
+torch.compile of the chunk functions was measured on bench/attention.py's batch and not kept:
+the same CPU time per call as eager (once the time bucket is a log rather than a binary
+search), for ~30 s of compiling per graph and recompiles on single-sequence groups.
 """
 from __future__ import annotations
 
