@@ -2,8 +2,7 @@
 
 Public names load lazily, so ``import gr.hstu`` (serving) does not pull in TorchRec.
 """
-from importlib import import_module
-from typing import Any
+from gr.lazy import lazy_getattr
 
 _EXPORTS = {
     "GRModel": "gr.model",
@@ -17,8 +16,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'gr' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -4,8 +4,7 @@
 (``check_export``, ``open_export``, ``load_hstu``) does not, so serving can import it.
 Names load lazily for that reason.
 """
-from importlib import import_module
-from typing import Any
+from gr.lazy import lazy_getattr
 
 _EXPORTS = {
     "export_model": "gr.export.writer",
@@ -22,8 +21,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'gr.export' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

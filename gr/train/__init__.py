@@ -21,8 +21,7 @@ A run directory holds:
 
 Public names load lazily, so reading a config does not import Lightning.
 """
-from importlib import import_module
-from typing import Any
+from gr.lazy import lazy_getattr
 
 _EXPORTS = {
     "TrainConfig": "gr.train.config",
@@ -35,8 +34,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'gr.train' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
