@@ -7,7 +7,9 @@ way padded frameworks compute HSTU), the useful GFLOP/s (q.k and attention.v mul
 visible pairs only: 2 * pairs * H * (Dqk + Dv) forward, three times that forward+backward) and
 the device's fp32 matmul peak. The last line is one JSON object with the ratios.
 
-Here (CPU):        python bench/attention.py
+Here (CPU):        python bench/attention.py    (add --threads 1 when other jobs load the cores: with
+                   more threads than free cores, every op waits at OpenMP barriers for a
+                   descheduled thread, and the many small ops of a jagged path suffer most)
 On a CUDA host:    python bench/attention.py --device cuda --backend triton
 On an Ascend host: python bench/attention.py --device npu --backend ascend_triton   (or ascend)
 (the Triton kernels only run on those hosts; nothing here measured them).
@@ -18,6 +20,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import time
 from typing import Callable, Dict, List
 
@@ -110,7 +113,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     peak = matmul_peak_gflops(args.device)
     batch = skewed_batch(args)
@@ -118,7 +124,11 @@ def main() -> None:
     pairs = int((lengths * (lengths + 1) // 2).sum())  # causal: visible (query, key) pairs
     fwd_flops = 2 * pairs * args.heads * (args.dim + args.dim)
     padded_pairs = args.batch * args.max_len**2
-    print(f"device {args.device}, fp32 matmul peak {peak:.1f} GFLOP/s")
+    load = os.getloadavg()[0]
+    print(
+        f"device {args.device}, {torch.get_num_threads()} threads, fp32 matmul peak {peak:.1f} GFLOP/s "
+        f"(same threads), load average {load:.1f} (1 min, includes other jobs)"
+    )
     print(
         f"batch: B={args.batch} lengths mean {lengths.float().mean():.0f} median {lengths.median():.0f} "
         f"max {int(lengths.max())}, H={args.heads}, D={args.dim}; visible pairs {pairs:,} "
@@ -152,6 +162,8 @@ def main() -> None:
     summary = dict(
         device=args.device,
         backend=args.backend,
+        threads=torch.get_num_threads(),
+        load_average=round(load, 2),
         fwd_speedup_vs_padded=round(ref_fwd["seconds"] / fast_fwd["seconds"], 2),
         fwd_bwd_speedup_vs_padded=round(ref_bwd["seconds"] / fast_bwd["seconds"], 2),
         fwd_gflops=round(fast_fwd["gflops"], 2),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gr.hstu.kernels import RelativeBias, hstu_attention, resolve_backend
-from gr.hstu.kernels.cpu import cpu_hstu_attention, score_elements
+from gr.hstu.kernels.cpu import QUERY_CHUNK, cpu_hstu_attention, score_elements
 
 pytestmark = pytest.mark.attention
 
@@ -73,3 +73,53 @@ def test_memory_stays_bounded_at_4096_and_matches_reference():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()))
+
+
+def outputs_and_grads(backend, tensors, timestamps, offsets, num_targets, **options):
+    """Output and gradients of q, k, v, position and time weights under a fixed cotangent."""
+    leaves = [x.clone().requires_grad_(True) for x in tensors]
+    rab = RelativeBias(leaves[3], leaves[4], timestamps)
+    max_len = int((offsets[1:] - offsets[:-1]).max())
+    out = hstu_attention(*leaves[:3], offsets, max_len, num_targets=num_targets, rab=rab, backend=backend, **options)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return [out.detach(), *torch.autograd.grad((out * cotangent).sum(), leaves)]
+
+
+def random_inputs(lengths, time_span, pos_buckets=400, time_buckets=64):
+    """q, k, v [T, 1, 8], position and time bias weights; sorted timestamps in [0, time_span) per sequence."""
+    g = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, 1, 8, generator=g) for _ in range(3))
+    weights = [torch.randn(n, generator=g) for n in (pos_buckets, time_buckets)]
+    timestamps = torch.cat([torch.sort(torch.randint(0, time_span, (n,), generator=g)).values for n in lengths])
+    return [q, k, v, *weights], timestamps
+
+
+def assert_all_close(got, want):
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dpos_w", "dtime_w"], got, want):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4 * float(b.abs().max()), msg=name)
+
+
+def test_chunks_past_the_first_with_context_window_and_targets_match_reference():
+    """Sequences longer than QUERY_CHUNK: later chunks meet the contextual keys apart from their
+    window's keys, and targets sit in a later chunk than some of their history."""
+    lengths = [2 * QUERY_CHUNK + 44, QUERY_CHUNK + 12, 7]
+    tensors, timestamps = random_inputs(lengths, 10**7)
+    offsets, num_targets = offsets_of(lengths), torch.tensor([20, 3, 2])
+    options = dict(alpha=0.3, silu_scale=None, contextual_len=5, max_attn_len=40)
+    got = outputs_and_grads("cpu", tensors, timestamps, offsets, num_targets, **options)
+    want = outputs_and_grads("pytorch", tensors, timestamps, offsets, num_targets, **options)
+    assert_all_close(got, want)
+
+
+@pytest.mark.parametrize("time_span", [10**6, 5 * 10**9])
+def test_time_bias_is_exact_whether_timestamps_span_more_than_int32_or_not(time_span):
+    """Deltas are taken in int32 when the timestamps span less than 2^31 s, else in int64."""
+    lengths = [QUERY_CHUNK + 30, 50]
+    tensors, timestamps = random_inputs(lengths, time_span)
+    timestamps = timestamps + 10**12  # absolute epoch offsets must not matter
+    offsets = offsets_of(lengths)
+    options = dict(alpha=0.3, silu_scale=0.02)
+    got = outputs_and_grads("cpu", tensors, timestamps, offsets, None, **options)
+    want = outputs_and_grads("pytorch", tensors, timestamps, offsets, None, **options)
+    assert_all_close(got, want)

@@ -43,12 +43,12 @@ class RelativeBias:
 
 def time_bucket(delta_seconds: Tensor, bucketing: str, num_buckets: int) -> Tensor:
     """|dt| (any int/float shape) -> bucket index in [0, num_buckets) (int64)."""
-    dt = delta_seconds.abs().to(torch.float32).clamp(min=1.0)
+    dt = delta_seconds.abs().to(torch.float32).clamp_(min=1.0)  # a fresh tensor: in place from here on
     if bucketing == "log":
-        bucket = torch.log(dt) / TIME_BUCKET_LOG_DIV
+        bucket = dt.log_().div_(TIME_BUCKET_LOG_DIV)
     else:
-        bucket = torch.sqrt(dt)
-    return bucket.long().clamp(0, num_buckets - 1)
+        bucket = dt.sqrt_()
+    return bucket.long().clamp_(0, num_buckets - 1)
 
 
 def position_bucket(rel_position: Tensor, num_buckets: int) -> Tensor:

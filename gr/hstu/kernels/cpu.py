@@ -1,20 +1,34 @@
 """Fast HSTU attention for CPU tensors: work proportional to sum(L_i^2), bounded memory.
 
-Sequences are grouped by their length rounded up to 1/8 of its power of two (so padding
-wastes at most ~12% per side), each group is cut into query chunks that only meet the keys
+Sequences are grouped by their length rounded up to 1/8 of its power of two, at least 32 (so
+padding wastes at most ~12% per side beyond 256 tokens; shorter sequences trade some padding
+for fewer, larger chunk calls, whose fixed cost dominates there), each group is cut into query chunks that only meet the keys
 they can see (causal / window / contextual), and each chunk is one batched matmul pair over
 the group. Targets are computed against history keys only; their one visible target key
 (themselves) is a per-token term. Forward and backward run chunk by chunk and recompute the
 scores in backward (no L x L tensor is kept), so memory stays bounded by ``TILE_ELEMENTS``.
 
-torch.compile of the chunk functions was measured on bench/attention.py's batch and not kept:
-the same CPU time per call as eager (once the time bucket is a log rather than a binary
-search), for ~30 s of compiling per graph and recompiles on single-sequence groups.
+Per score the work is the two matmuls plus a few elementwise passes, kept few on purpose:
+padding needs no mask (its q, k, v and output-gradient rows are zeros, so it adds nothing
+and what it receives is dropped); the visibility mask is applied only to the key columns of
+a chunk that some query may not see (the diagonal block when causal); the SiLU normaliser is
+per query, so it scales the chunk's output (and output gradient) rows, not the scores; the
+bias is added by the q.k matmul itself (``baddbmm``); bias and mask of groups without targets
+are computed once for all their sequences.
+
+Time deltas are taken in int32 (timestamps relative to the batch's earliest, int64 when they
+span 2^31 s or more) and bias weights are read with ``index_select``, several times cheaper
+here than int64 deltas and advanced indexing.
+
+torch.compile is not used (and was not measured for this version): the chunks' shapes vary
+with every batch (recompiles, or dynamic kernels) and a compile costs tens of seconds on the
+first call, which small serving calls must not pay. What it could still win is the fusion of
+the elementwise passes (bias, SiLU, mask) around the matmuls.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +46,15 @@ from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 
 QUERY_CHUNK = 128  # query rows per chunk
 TILE_ELEMENTS = 1 << 22  # score elements (all heads) per batched chunk, ~16 MB in fp32
+MIN_GRANULE = 32  # lengths are padded to a multiple of at least this
 
 
 @dataclass
 class _Chunk:
-    """Query rows [m0, m1) of a group against keys [0, ctx_hi) + [lo, hi) (padded indices).
+    """Query rows [m0, m1) of a group against the keys ``cols`` (padded indices).
 
-    cols: [K] int64, those key indices
+    cols: [K] int64, keys [0, ctx_hi) then [lo, hi)
+    mask_from: first of the K key columns that some query of the chunk may not see (K: none)
     """
 
     m0: int
@@ -47,6 +63,7 @@ class _Chunk:
     lo: int
     hi: int
     cols: Tensor
+    mask_from: int
 
     @property
     def rows(self) -> slice:
@@ -58,7 +75,8 @@ class _Group:
     """Sequences padded to one length ``tokens.shape[1]``.
 
     tokens: [G, Lp] int64 flat token index, T (a zero row) for padding
-    lengths, history: [G, 1, 1] int64
+    lengths, history: [G, 1, 1] int64 when some sequence of the group has targets, else
+    [1, 1, 1] = Lp, so that masks and position buckets are computed once for the group
     """
 
     tokens: Tensor
@@ -76,7 +94,7 @@ class _Problem:
     silu_scale: Optional[float]
     contextual_len: int
     max_attn_len: int
-    timestamps: Optional[Tensor]  # [T + 1] int64, padding row last
+    timestamps: Optional[Tensor]  # [T + 1] int32 (int64 if they span >= 2^31 s), padding row last
     time_bucketing: str
 
 
@@ -124,9 +142,19 @@ def _build_problem(
     timestamps = None
     bucketing = "log"
     if rab is not None and rab.time_weights is not None:
-        timestamps = torch.cat([rab.timestamps.long(), rab.timestamps.new_zeros(1, dtype=torch.long)])
+        timestamps = _relative_timestamps(rab.timestamps)
         bucketing = rab.time_bucketing
     return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, bucketing)
+
+
+def _relative_timestamps(timestamps: Tensor) -> Tensor:
+    """timestamps: [T] int -> [T + 1] seconds since the earliest, zero row last; int32 when they fit,
+    which halves the memory traffic of the per-pair time deltas (differences stay exact)."""
+    ts = timestamps.long()
+    if ts.numel():
+        ts = ts - ts.min()
+    ts = torch.cat([ts, ts.new_zeros(1)])
+    return ts.int() if int(ts.max()) < 2**31 else ts
 
 
 def score_elements(
@@ -137,10 +165,6 @@ def score_elements(
     seq_offsets: [B+1] int64; num_targets: [B] int64 or None
     """
     groups = _groups(int(seq_offsets[-1]), heads, seq_offsets, num_targets, contextual_len, max_attn_len)
-    return _score_count(groups, heads)
-
-
-def _score_count(groups: List[_Group], heads: int) -> int:
     return sum(g.tokens.shape[0] * heads * (c.m1 - c.m0) * c.cols.numel() for g in groups for c in g.chunks)
 
 
@@ -169,9 +193,9 @@ def _groups(
 
 
 def _padded_lengths(lengths: Tensor) -> Tensor:
-    """Round each length up to a multiple of max(8, 2^floor(log2 L) / 8)."""
+    """Round each length up to a multiple of max(MIN_GRANULE, 2^floor(log2 L) / 8)."""
     top = torch.floor(torch.log2(lengths.clamp(min=1).double())).long()
-    granule = torch.clamp(torch.pow(2, top) // 8, min=8)
+    granule = torch.clamp(torch.pow(2, top) // 8, min=MIN_GRANULE)
     return (lengths + granule - 1) // granule * granule
 
 
@@ -199,8 +223,84 @@ def _group(
         ctx_hi = min(contextual_len, h_max, lo)
         if hi > lo or ctx_hi > 0:
             cols = torch.cat([torch.arange(0, ctx_hi, device=index.device), torch.arange(lo, hi, device=index.device)])
-            chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, cols))
-    return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks)
+            # without a window, every query row >= m0 sees all history keys < min(m0, h_min)
+            mask_from = min(m0, h_min, hi) if max_attn_len == 0 else 0
+            chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, cols, mask_from))
+    if bool((hist < lens).any()):
+        return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks)
+    shared = torch.full((1, 1, 1), padded_len, device=index.device)
+    return _Group(tokens, shared, shared, chunks)
+
+
+class _Tile:
+    """One chunk of one group: its bias, mask and normaliser, computed once per pass.
+
+    bias: [G or 1, 1, C, K] or None; mask: [G or 1, 1, C, K - mask_from] or None;
+    norm: [G or 1, 1, C, 1]; pos_idx: [G or 1, C, K], time_idx: [G, C, K] int64 or None.
+    """
+
+    def __init__(
+        self,
+        problem: _Problem,
+        group: _Group,
+        chunk: _Chunk,
+        group_ts: Optional[Tensor],
+        pos_w: Optional[Tensor],
+        time_w: Optional[Tensor],
+        dtype: torch.dtype,
+    ) -> None:
+        self.chunk = chunk
+        rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device).view(1, -1, 1)
+        cols = chunk.cols.view(1, 1, -1)
+        hist = group.history
+        row_pos = torch.minimum(rows, hist)
+        self.norm = silu_norm(row_pos, problem.silu_scale).to(dtype).unsqueeze(1)
+        self.mask = None
+        if chunk.mask_from < cols.shape[-1]:
+            part = cols[..., chunk.mask_from :]
+            visible = hstu_visibility(
+                rows, part, group.lengths, hist, problem.contextual_len, problem.max_attn_len
+            ) & (part < hist)
+            self.mask = visible.to(dtype).unsqueeze(1)
+        self.pos_idx = self.time_idx = None
+        bias = None
+        if pos_w is not None:
+            self.pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_w.numel())
+            bias = _lookup(pos_w, self.pos_idx)
+        if time_w is not None:
+            delta = group_ts[:, chunk.rows, None] - group_ts[:, None, chunk.cols]
+            self.time_idx = time_bucket(delta, problem.time_bucketing, time_w.numel())
+            time_bias = _lookup(time_w, self.time_idx)
+            bias = time_bias if bias is None else time_bias.add_(bias)
+        self.bias = bias.unsqueeze(1) if bias is not None else None
+
+    def keys(self, *xs: Tensor) -> Tuple[Tensor, ...]:
+        """The chunk's keys of each [G, H, Lp, D] tensor."""
+        c = self.chunk
+        return tuple(x[:, :, c.lo : c.hi] if c.ctx_hi == 0 else x[:, :, c.cols] for x in xs)
+
+    def add_keys(self, acc: Tensor, part: Tensor) -> None:
+        """acc[:, :, keys] += part, for acc [G, H, Lp, D] and part [G, H, K, D]."""
+        c = self.chunk
+        if c.ctx_hi == 0:
+            acc[:, :, c.lo : c.hi] += part
+        else:
+            acc.index_add_(2, c.cols, part)
+
+    def scores(self, q: Tensor, k: Tensor) -> Tensor:
+        """q: [G, H, C, D] (alpha applied), k: [G, H, K, D] -> q.k + bias: [G, H, C, K]."""
+        if self.bias is None:
+            return torch.matmul(q, k.transpose(-1, -2))
+        g, h, c, d = q.shape
+        out = self.bias.expand(g, h, c, k.shape[2]).contiguous()
+        out.view(g * h, c, -1).baddbmm_(q.reshape(g * h, c, d), k.reshape(g * h, -1, d).transpose(1, 2))
+        return out
+
+    def apply_mask(self, x: Tensor) -> Tensor:
+        """Zero, in place, the entries of x [G, H, C, K] whose query does not see the key."""
+        if self.mask is not None:
+            x[..., self.chunk.mask_from :].mul_(self.mask)
+        return x
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -212,13 +312,16 @@ class _ChunkedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, pos_w, time_w)
         total, heads, dim_v = v.shape
         out = v.new_zeros(total + 1, heads, dim_v)
-        padded = [_pad_rows(x) for x in (q, k, v)]
+        padded = [_pad_rows(x) for x in (q * problem.alpha, k, v)]
         for group in problem.groups:
-            qg, kg, vg = (x[group.tokens].transpose(1, 2) for x in padded)  # [G, H, Lp, D]
+            qg, kg, vg = (_gather_group(x, group) for x in padded)  # [G, H, Lp, D]
+            group_ts = problem.timestamps[group.tokens] if time_w is not None else None
             og = vg.new_zeros(vg.shape[:2] + (group.tokens.shape[1], dim_v))
             for chunk in group.chunks:
-                context = _tile_context(problem, group, chunk, pos_w, time_w)
-                og[:, :, chunk.rows] = _forward_tile(qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), context)
+                tile = _Tile(problem, group, chunk, group_ts, pos_w, time_w, q.dtype)
+                kk, vv = tile.keys(kg, vg)
+                weights = tile.apply_mask(F.silu(tile.scores(qg[:, :, chunk.rows], kk), inplace=True))
+                og[:, :, chunk.rows] = torch.matmul(weights, vv).mul_(tile.norm)
             out[group.tokens] = og.transpose(1, 2)
         return out[:total]
 
@@ -227,29 +330,36 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, pos_w, time_w = ctx.saved_tensors
         problem: _Problem = ctx.problem
+        alpha = problem.alpha
         grads = [x.new_zeros(x.shape[0] + 1, *x.shape[1:]) for x in (q, k, v)]
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
-        padded = [_pad_rows(x) for x in (q, k, v, grad_out.contiguous())]
+        padded = [_pad_rows(x) for x in (q * alpha, k, v, grad_out)]
         for group in problem.groups:
-            qg, kg, vg, dog = (x[group.tokens].transpose(1, 2) for x in padded)
+            qg, kg, vg, dog = (_gather_group(x, group) for x in padded)
+            group_ts = problem.timestamps[group.tokens] if time_w is not None else None
             dqg, dkg, dvg = (torch.zeros_like(x) for x in (qg, kg, vg))
             for chunk in group.chunks:
-                context = _tile_context(problem, group, chunk, pos_w, time_w)
-                dq, dk, dv, dbias_pos, dbias_time = _backward_tile(
-                    qg[:, :, chunk.rows], *_key_part(chunk, kg, vg), dog[:, :, chunk.rows], context
-                )
-                dqg[:, :, chunk.rows] += dq
-                _add_keys(dkg, dk, chunk)
-                _add_keys(dvg, dv, chunk)
-                if dpos is not None:
-                    dpos += dbias_pos
-                if dtime is not None:
-                    dtime += dbias_time
+                tile = _Tile(problem, group, chunk, group_ts, pos_w, time_w, q.dtype)
+                kk, vv = tile.keys(kg, vg)
+                qq, g = qg[:, :, chunk.rows], dog[:, :, chunk.rows] * tile.norm
+                scores = tile.scores(qq, kk)
+                tile.add_keys(dvg, torch.matmul(tile.apply_mask(F.silu(scores)).transpose(-1, -2), g))
+                dweights = tile.apply_mask(torch.matmul(g, vv.transpose(-1, -2)))
+                dscores = torch.ops.aten.silu_backward(dweights, scores)
+                dqg[:, :, chunk.rows] = torch.matmul(dscores, kk).mul_(alpha)
+                tile.add_keys(dkg, torch.matmul(dscores.transpose(-1, -2), qq))
+                if dpos is not None or dtime is not None:
+                    _add_bias_grads(tile, dscores.sum(1), dpos, dtime)
             for grad, part in zip(grads, (dqg, dkg, dvg)):
-                grad.index_add_(0, group.tokens.flatten(), part.transpose(1, 2).flatten(0, 1))
+                grad[group.tokens] = part.transpose(1, 2)  # each token is in one group; padding -> row T
         dq, dk, dv = (g[:-1] for g in grads)
         return dq, dk, dv, dpos, dtime, None
+
+
+def _lookup(weights: Tensor, index: Tensor) -> Tensor:
+    """weights[index] for 1-d weights (index_select: several times faster than indexing)."""
+    return weights.index_select(0, index.flatten()).view(index.shape)
 
 
 def _pad_rows(x: Tensor) -> Tensor:
@@ -257,98 +367,19 @@ def _pad_rows(x: Tensor) -> Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
 
-def _key_part(chunk: _Chunk, *xs: Tensor) -> Tuple[Tensor, ...]:
-    """The chunk's keys of each [G, H, Lp, D] tensor."""
-    return tuple(x[:, :, chunk.lo : chunk.hi] if chunk.ctx_hi == 0 else x[:, :, chunk.cols] for x in xs)
+def _gather_group(x: Tensor, group: _Group) -> Tensor:
+    """x: [T + 1, H, D] -> the group's rows [G, H, Lp, D], contiguous."""
+    rows = x.index_select(0, group.tokens.flatten()).view(*group.tokens.shape, *x.shape[1:])
+    return rows.permute(0, 2, 1, 3).contiguous()
 
 
-def _add_keys(acc: Tensor, part: Tensor, chunk: _Chunk) -> None:
-    if chunk.ctx_hi == 0:
-        acc[:, :, chunk.lo : chunk.hi] += part
-    else:
-        acc.index_add_(2, chunk.cols, part)
-
-
-class _TileContext(NamedTuple):
-    """What one tile needs besides q, k, v (and grad_out).
-
-    rows: [C], cols: [K] int64 indices in the padded sequences; lengths, history: [G, 1, 1];
-    row_ts: [G, C], col_ts: [G, K] int64 (None without time bias).
-    """
-
-    rows: Tensor
-    cols: Tensor
-    lengths: Tensor
-    history: Tensor
-    row_ts: Optional[Tensor]
-    col_ts: Optional[Tensor]
-    pos_w: Optional[Tensor]
-    time_w: Optional[Tensor]
-    time_bucketing: str
-    alpha: float
-    silu_scale: Optional[float]
-    contextual_len: int
-    max_attn_len: int
-
-
-def _tile_context(
-    problem: _Problem, group: _Group, chunk: _Chunk, pos_w: Optional[Tensor], time_w: Optional[Tensor]
-) -> _TileContext:
-    row_ts = col_ts = None
-    if time_w is not None:
-        ts = problem.timestamps[group.tokens]
-        row_ts, col_ts = ts[:, chunk.rows], ts[:, chunk.cols]
-    rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device)
-    return _TileContext(
-        rows, chunk.cols, group.lengths, group.history, row_ts, col_ts, pos_w, time_w, problem.time_bucketing,
-        problem.alpha, problem.silu_scale, problem.contextual_len, problem.max_attn_len,
-    )
-
-
-def _tile_scores(q: Tensor, k: Tensor, c: _TileContext) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """One tile's pre-activation scores and what multiplies SiLU of them.
-
-    q: [G, H, C, Dqk], k: [G, H, K, Dqk] -> scores [G, H, C, K] = alpha q.k + bias, weight
-    [G, 1, C, K] = visible * norm over history keys, and the position / time bucket indices
-    [G, C, K] (None when off).
-    """
-    rows, cols, hist = c.rows.view(1, -1, 1), c.cols.view(1, 1, -1), c.history
-    visible = hstu_visibility(rows, cols, c.lengths, hist, c.contextual_len, c.max_attn_len) & (cols < hist)
-    row_pos = torch.minimum(rows, hist)
-    weight = visible.to(q.dtype) * silu_norm(row_pos, c.silu_scale).to(q.dtype)
-    scores = torch.matmul(q * c.alpha, k.transpose(-1, -2))
-    pos_idx = time_idx = None
-    if c.pos_w is not None:
-        pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), c.pos_w.numel())
-        scores = scores + c.pos_w[pos_idx].unsqueeze(1)
-    if c.time_w is not None:
-        time_idx = time_bucket(c.row_ts[:, :, None] - c.col_ts[:, None, :], c.time_bucketing, c.time_w.numel())
-        scores = scores + c.time_w[time_idx].unsqueeze(1)
-    return scores, weight.unsqueeze(1), pos_idx, time_idx
-
-
-def _forward_tile(q: Tensor, k: Tensor, v: Tensor, c: _TileContext) -> Tensor:
-    """v: [G, H, K, Dv] -> [G, H, C, Dv]."""
-    scores, weight, _, _ = _tile_scores(q, k, c)
-    return torch.matmul(F.silu(scores) * weight, v)
-
-
-def _backward_tile(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, c: _TileContext) -> tuple:
-    """grad_out: [G, H, C, Dv] -> dq, dk, dv of the tile and the bias weights' gradients (or None)."""
-    scores, weight, pos_idx, time_idx = _tile_scores(q, k, c)
-    sig = torch.sigmoid(scores)
-    silu = scores * sig
-    dv = torch.matmul((silu * weight).transpose(-1, -2), grad_out)
-    dscores = torch.matmul(grad_out, v.transpose(-1, -2)) * weight * (sig + silu * (1 - sig))  # SiLU'
-    dq = torch.matmul(dscores, k) * c.alpha
-    dk = torch.matmul(dscores.transpose(-1, -2), q) * c.alpha
-    dbias = dscores.sum(1).flatten()
-    dpos = dtime = None
-    if pos_idx is not None:
-        dpos = dscores.new_zeros(c.pos_w.numel()).index_add_(0, pos_idx.flatten(), dbias)
-    if time_idx is not None:
-        dtime = dscores.new_zeros(c.time_w.numel()).index_add_(0, time_idx.flatten(), dbias)
-    return dq, dk, dv, dpos, dtime
+def _add_bias_grads(tile: _Tile, dbias: Tensor, dpos: Optional[Tensor], dtime: Optional[Tensor]) -> None:
+    """dbias: [G, C, K], the scores' gradient summed over heads -> into dpos [P], dtime [NB]."""
+    if dpos is not None:
+        shared = dbias.sum(0, keepdim=True) if tile.pos_idx.shape[0] == 1 else dbias
+        dpos.index_add_(0, tile.pos_idx.flatten(), shared.flatten())
+    if dtime is not None:
+        dtime.index_add_(0, tile.time_idx.flatten(), dbias.flatten())
 
 
 def _add_target_self_terms(
