@@ -1,21 +1,28 @@
 """Generation speed: plain greedy vs speculative greedy (retrieval pools, draft model), relaxed verification.
 
-For each dataset (MovieLens-100K and the synthetic set) a target model (the recipe) and a draft
-model (the same recipe with 1 HSTU layer) are trained with the public entry (``train.py``) unless
-their run directories already exist, exported with ``gr.export``, and served by
-``gr.serving.Ranker``. Each evaluated user's history is their sequence without the last two
-events (never trained on); every mode generates a slate of K items with ``Ranker.generate``
-(user cache warm, so a request re-runs only the last history token), and reports:
+For each dataset (MovieLens-100K and the synthetic set) a target model and a draft model are trained
+with the public entry (``train.py``) unless their exports already exist, exported with
+``gr.export``, and served by ``gr.serving.Ranker``. Target recipes: ML-100K ``configs/ml100k_hstu.yaml``
+(early stopping on val HR@10), synthetic ``configs/quickstart.yaml`` (sequences up to 100).
+Draft models: 1 HSTU layer and smaller dims (ML-100K 24, synthetic 16), cached incrementally.
+Each evaluated user's history is their sequence without the last two events (never trained on);
+every mode generates a slate of K items with ``Ranker.generate`` (user cache warm, so a request
+re-runs only the last history token), and reports:
 
-* items/s and the speedup over plain greedy, for K = 10 and 50;
+* items/s and the speedup over plain greedy, for K = 10 and 50; ms per HSTU pass (a verification
+  pass of a draft tree against greedy's one-token pass);
 * acceptance rate (accepted / drafted tokens), mean accepted items per HSTU pass, time share of
   draft lookup;
 * pools (DARE): n-gram pools of the users' training sequences and of the greedy slates generated
   for ``--pool-users`` other users (not the evaluated ones), built per user group (k-means
   of the model's user embeddings = the query at a user's last history token) from many small
   groups to one pool of all users; users with fewer than ``--min-history`` items are routed by
-  attribute (ML-100K: age bucket and occupation);
-* the draft model (assisted generation);
+  attribute (ML-100K: age bucket and occupation). Trees sized by the adaptive budget
+  (``gr.generation.budget.AdaptiveBudget``); ``pool-all-fixed`` drafts full trees every pass;
+* the draft model (assisted generation; adaptive depth, ``--draft-width`` candidates per level),
+  with the cost of one draft pass relative to one target pass (the draft model's own greedy);
+* ranking self-drafts (``RankingDrafts``): the runners-up of the query that picked the last item,
+  as a tree (16 / 3 / 2 / 1 per level, 32 nodes): no pool, no draft model;
 * relaxed verification on the all-users pool: HR@K of the slate against the user's two held-out
   events, next to strict's (= greedy's).
 Strict modes are checked to return exactly the greedy items (``mismatches`` must be 0).
@@ -40,18 +47,26 @@ import yaml
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.readers import read_ml_100k
+from gr.generation.budget import AdaptiveBudget
 from gr.generation.decoding import Relaxed, Strict
-from gr.generation.drafts import DraftSource, ModelDrafts, PoolDrafts
-from gr.generation.pools import GroupedPools
+from gr.generation.drafts import DraftSource, ModelDrafts, PoolDrafts, RankingDrafts
+from gr.generation.pools import GroupedPools, SequencePool
 from gr.serving import Ranker
 from gr.serving.generate import ServingGenerativeModel
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 2
 DATASETS = {
-    "ml100k": ("configs/ml100k_hstu.yaml", ["--trainer.max_epochs", "4"]),
+    # (config, target arguments, draft arguments)
+    "ml100k": ("configs/ml100k_hstu.yaml",
+               ["--trainer.monitor", "val/hr@10", "--trainer.enable_progress_bar", "false"],
+               ["--model.hstu.num_layers", "1", "--model.hstu.hidden_dim", "24", "--model.hstu.attention_dim", "24",
+                "--model.hstu.linear_dim", "24", "--trainer.max_epochs", "6"]),
     # sequences up to 50 events; room for a 50-item slate after them
-    "synthetic": ("configs/quickstart.yaml", ["--data.max_seq_len", "100", "--model.hstu.max_seq_len", "100"]),
+    "synthetic": ("configs/quickstart.yaml", ["--data.max_seq_len", "100", "--model.hstu.max_seq_len", "100",
+                                           "--trainer.enable_progress_bar", "false"],
+                  ["--model.hstu.num_layers", "1", "--model.hstu.num_heads", "1", "--model.hstu.hidden_dim", "16",
+                   "--model.hstu.attention_dim", "8", "--model.hstu.linear_dim", "8"]),
 }
 
 
@@ -88,22 +103,34 @@ def user_data(run: Path, data_path: str) -> Tuple[List[np.ndarray], List[np.ndar
     return items, times, attributes
 
 
-def run_mode(ranker: Ranker, users: Sequence[int], histories: Dict[int, dict], k: int,
-             **options) -> Dict[str, object]:
-    """Generate a slate for every user; -> items per user and the aggregate statistics."""
-    slates, passes, drafted, accepted, draft_s = {}, 0, 0, 0, 0.0
-    began = time.perf_counter()
-    for u in users:
-        result = ranker.generate(u, histories[u]["history"], k, attribute=histories[u]["attribute"], **options)
-        slates[u] = result.items
-        passes += result.stats.passes
-        drafted += result.stats.drafted
-        accepted += result.stats.accepted
-        draft_s += result.stats.draft_seconds
-    seconds = time.perf_counter() - began
-    return {"slates": slates, "seconds": seconds, "items_per_s": k * len(users) / seconds,
-            "acceptance": accepted / drafted if drafted else 0.0, "accepted_per_pass": accepted / max(passes, 1),
-            "draft_share": draft_s / seconds, "passes": passes}
+def run_modes(modes: Dict[str, Tuple[Ranker, dict]], users: Sequence[int], histories: Dict[int, dict],
+              k: int) -> Dict[str, Dict[str, object]]:
+    """Generate a slate for every user in every mode -> per mode: items per user and aggregate statistics.
+
+    The modes take turns user by user (in a rotating order), so load from other processes on the
+    machine falls on all of them alike; each request is timed on its own.
+    """
+    labels = list(modes)
+    totals = {label: {"slates": {}, "seconds": 0.0, "passes": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
+              for label in labels}
+    for i, u in enumerate(users):
+        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+            ranker, options = modes[label]
+            began = time.perf_counter()
+            result = ranker.generate(u, histories[u]["history"], k, attribute=histories[u]["attribute"], **options)
+            t = totals[label]
+            t["seconds"] += time.perf_counter() - began
+            t["slates"][u] = result.items
+            t["passes"] += result.stats.passes
+            t["drafted"] += result.stats.drafted
+            t["accepted"] += result.stats.accepted
+            t["draft_s"] += result.stats.draft_seconds
+    return {label: {"slates": t["slates"], "seconds": t["seconds"], "items_per_s": k * len(users) / t["seconds"],
+                    "pass_ms": 1e3 * (t["seconds"] - t["draft_s"]) / max(t["passes"], 1),
+                    "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
+                    "accepted_per_pass": t["accepted"] / max(t["passes"], 1),
+                    "draft_share": t["draft_s"] / t["seconds"], "passes": t["passes"]}
+            for label, t in totals.items()}
 
 
 def user_embeddings(ranker: Ranker, histories: Sequence[dict]) -> torch.Tensor:
@@ -123,13 +150,13 @@ def hit_rate(slates: Dict[int, List[int]], held_out: Dict[int, set]) -> float:
 
 
 def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_users: int, pool_users: int,
-                  groups: Sequence[int],
-                  relaxed: Relaxed, min_history: int, draft_depth: int, pool_depth: int, pool_nodes: int) -> Dict:
-    config, extra = DATASETS[name]
-    target = ensure_export(runs, f"{name}_target", config, extra, data_path)
-    draft = ensure_export(runs, f"{name}_draft", config, [*extra, "--model.hstu.num_layers", "1"], data_path)
+                  groups: Sequence[int], relaxed: Relaxed, min_history: int, draft_depth: int, draft_width: int,
+                  pool_depth: int, pool_nodes: int) -> Dict:
+    config, target_args, draft_args = DATASETS[name]
+    target = ensure_export(runs, f"{name}_target", config, target_args, data_path)
+    draft = ensure_export(runs, f"{name}_draft", config, [*target_args, *draft_args], data_path)
     items, times, attributes = user_data(runs / f"{name}_target", data_path)
-    ranker = Ranker.load(target, cache_bytes=2**31)
+    ranker = Ranker.load(target, cache_bytes=2**31, threads=1)
     max_len = ranker.model.config.max_seq_len
     rng = np.random.default_rng(0)
     order = rng.permutation(len(items)).tolist()
@@ -144,44 +171,63 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
                         "attribute": attributes[u]}
         held_out[u] = set(items[u][keep:].tolist())
     embeddings_t = user_embeddings(ranker, [histories[u]["history"] for u in range(len(items))])
-    for u in users:  # warm user cache: every timed request re-runs only its last history token
+    draft_ranker = Ranker.load(draft, cache_bytes=2**31, threads=1)
+    for u in users:  # warm user caches: every timed request re-runs only its last history token
         ranker.generate(u, histories[u]["history"], 1)
+        draft_ranker.generate(u, histories[u]["history"], 1)
     lengths = [len(histories[u]["history"]["item_id"]) for u in range(len(items))]
     print(f"# {name}: {len(items)} users, {ranker.catalogue()[0].index.num_items} items, evaluating {len(users)} "
           f"users, history length mean {np.mean([lengths[u] for u in users]):.0f}", flush=True)
     # pools hold what was seen (every user's training sequence) and what was generated: the greedy
     # slates of other users (never the evaluated users' own), continuing their histories
-    began = time.perf_counter()
+    # (served as they would be: speculatively, from a pool that grows with every slate served)
+    began, served = time.perf_counter(), SequencePool()
     for u in generators:
-        train_seqs[u] = train_seqs[u] + ranker.generate(u, histories[u]["history"], max(ks)).items
+        result = ranker.generate(u, histories[u]["history"], max(ks), attribute=histories[u]["attribute"],
+                                 draft=PoolDrafts(served, pool_depth, pool_nodes), budget=AdaptiveBudget())
+        train_seqs[u] = train_seqs[u] + result.items
+        served.add(train_seqs[u])
     print(f"# pools: {len(train_seqs)} training sequences + {len(generators)} generated slates of "
           f"{max(ks)} ({time.perf_counter() - began:.0f}s)", flush=True)
-    draft_catalogue = Ranker.load(draft).catalogue()[0]
-    sources: Dict[str, Tuple[DraftSource, object]] = {}
+    draft_catalogue = draft_ranker.catalogue()[0]
+    adaptive = AdaptiveBudget(max_depth=pool_depth, nodes_per_level=max(1, pool_nodes // pool_depth))
+    sources: Dict[str, Tuple[DraftSource, object, Optional[AdaptiveBudget]]] = {}
     for g in groups:
         pools = GroupedPools.build(train_seqs, embeddings_t, g, attributes, seed=0)
         label = "pool-all" if g == 1 else f"pool-{g}groups"
-        sources[label] = (PoolDrafts(pools, pool_depth, pool_nodes, min_history), Strict())
+        sources[label] = (PoolDrafts(pools, pool_depth, pool_nodes, min_history), Strict(), adaptive)
+    sources["pool-all-fixed"] = (sources["pool-all"][0], Strict(), None)
     sources["draft-model"] = (ModelDrafts(ServingGenerativeModel(draft_catalogue, {}), draft_catalogue.index,
-                                          draft_depth), Strict())
-    sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed)
+                                          draft_depth, draft_width), Strict(),
+                              AdaptiveBudget(max_depth=draft_depth, nodes_per_level=draft_width))
+    sources["ranking"] = (RankingDrafts(ranker.catalogue()[0].index), Strict(), None)
+    sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed, adaptive)
     out: Dict[str, Dict] = {}
     for k in ks:
-        base = run_mode(ranker, users, histories, k)
+        modes = {"greedy": (ranker, {}), "draft-model-alone": (draft_ranker, {})}
+        modes.update({label: (ranker, {"draft": source, "verification": verification, "budget": budget})
+                      for label, (source, verification, budget) in sources.items()})
+        results = run_modes(modes, users, histories, k)
+        base, alone = results.pop("greedy"), results.pop("draft-model-alone")
         base_hr = hit_rate(base["slates"], held_out)
+        cost = base["items_per_s"] / alone["items_per_s"]
         print(f"{name} K={k:<3} {'greedy':<18} {base['items_per_s']:8.1f} items/s  speedup 1.00  "
-              f"HR@{k} {base_hr:.3f}", flush=True)
-        out[f"K{k}"] = {"greedy_items_per_s": base["items_per_s"], "greedy_hr": base_hr}
-        for label, (source, verification) in sources.items():
-            res = run_mode(ranker, users, histories, k, draft=source, verification=verification)
+              f"{base['pass_ms']:5.2f} ms/pass  HR@{k} {base_hr:.3f}  (draft model greedy alone: "
+              f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)", flush=True)
+        out[f"K{k}"] = {"greedy_items_per_s": base["items_per_s"], "greedy_pass_ms": base["pass_ms"],
+                        "greedy_hr": base_hr, "draft_step_cost": round(cost, 3)}
+        for label, res in results.items():
+            verification = sources[label][1]
             mismatches = sum(res["slates"][u] != base["slates"][u] for u in users)
             hr = hit_rate(res["slates"], held_out)
             speedup = res["items_per_s"] / base["items_per_s"]
             print(f"{name} K={k:<3} {label:<18} {res['items_per_s']:8.1f} items/s  speedup {speedup:4.2f}  "
-                  f"accept {res['acceptance']:.3f}  accepted/pass {res['accepted_per_pass']:.2f}  "
-                  f"draft share {res['draft_share']:.3f}  HR@{k} {hr:.3f}  "
+                  f"{res['pass_ms']:5.2f} ms/pass  accept {res['acceptance']:.3f}  "
+                  f"accepted/pass {res['accepted_per_pass']:.2f}  draft share {res['draft_share']:.3f}  "
+                  f"HR@{k} {hr:.3f}  "
                   f"{'changed' if isinstance(verification, Relaxed) else 'mismatches'} {mismatches}", flush=True)
-            out[f"K{k}"][label] = {"speedup": round(speedup, 3), "acceptance": round(res["acceptance"], 3),
+            out[f"K{k}"][label] = {"speedup": round(speedup, 3), "pass_ms": round(res["pass_ms"], 3),
+                                   "acceptance": round(res["acceptance"], 3),
                                    "accepted_per_pass": round(res["accepted_per_pass"], 3),
                                    "draft_share": round(res["draft_share"], 3), "hr": round(hr, 4),
                                    "differs_from_greedy": mismatches}
@@ -200,6 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--pool-depth", type=int, default=8)
     parser.add_argument("--pool-nodes", type=int, default=32)
     parser.add_argument("--draft-depth", type=int, default=4)
+    parser.add_argument("--draft-width", type=int, default=3, help="draft-model candidates per level")
     parser.add_argument("--relaxed-top-k", type=int, default=5)
     parser.add_argument("--relaxed-min-prob", type=float, default=0.02)
     parser.add_argument("--temperature", type=float, default=0.05, help="the training softmax temperature")
@@ -208,7 +255,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     torch.set_num_threads(1)
     relaxed = Relaxed(args.relaxed_top_k, args.relaxed_min_prob, args.temperature)
     results = {name: bench_dataset(name, args.runs_dir, args.data_path, args.ks, args.users, args.pool_users, args.groups, relaxed,
-                                   args.min_history, args.draft_depth, args.pool_depth, args.pool_nodes)
+                                   args.min_history, args.draft_depth, args.draft_width, args.pool_depth,
+                                   args.pool_nodes)
                for name in args.datasets}
     summary = {name: {k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict)}
                       for k, modes in res.items()} for name, res in results.items()}

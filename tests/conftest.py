@@ -10,3 +10,13 @@ import torch  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One torch thread for a module of many tiny ops (generation): on a loaded 2-core machine,
+    intra-op threads make each small op wait for a busy core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -47,10 +47,22 @@ def test_pool_prefers_the_longest_matching_suffix_then_backs_off():
 def test_request_sequence_is_searched_as_a_temporary_branch():
     pool = SequencePool(max_ngram=2)
     pool.add([1, 2, 3])
-    own = [7, 8, 9, 7, 8]
+    own = SequencePool(max_ngram=2)
+    own.add([7, 8, 9, 7, 8])
     tree = pool.propose([9, 7, 8], depth=2, max_nodes=4, extra=[own])
     assert tree.items.tolist() == [9, 7]
     assert len(pool) == 1
+
+
+def test_extending_a_sequence_indexes_exactly_what_adding_it_whole_would():
+    whole, grown = SequencePool(max_ngram=3), SequencePool(max_ngram=3)
+    whole.add([4, 5, 6, 4, 5, 7, 4, 5])
+    sid = grown.add([4, 5])
+    for part in ([6, 4], [], [5, 7, 4], [5]):
+        grown.extend(sid, part)
+    assert grown.sequences == whole.sequences
+    for context in ([4, 5], [5], [6, 4, 5], [7, 4], [9]):
+        assert grown.continuations(context, depth=3) == whole.continuations(context, depth=3)
 
 
 def test_grouped_pools_route_by_embedding_and_by_attribute():

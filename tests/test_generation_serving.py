@@ -7,6 +7,7 @@ from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel, HSTUConfig, TableConfig
 from gr.export import export_model
+from gr.generation.budget import AdaptiveBudget
 from gr.generation.drafts import ModelDrafts, PoolDrafts
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval
@@ -15,6 +16,8 @@ from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker, RequestError
 from gr.serving.generate import ServingGenerativeModel
 from test_export_roundtrip import HSTU_KW, perturb
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 NUM_ITEMS = 50
 
@@ -70,7 +73,7 @@ def trained_greedy(model: GRModel, history, k: int):
 
 def test_served_greedy_equals_the_trained_models_step_by_step_argmax(exports):
     model, path, _ = exports
-    ranker = Ranker.load(path)
+    ranker = Ranker.load(path, threads=1)
     for user, history in users(3):
         result = ranker.generate(user, history, 6, request_time=REQUEST_TIME)
         assert result.items == trained_greedy(model, history, 6)
@@ -82,14 +85,14 @@ def test_served_greedy_equals_the_trained_models_step_by_step_argmax(exports):
 
 def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(exports):
     _, path, draft_path = exports
-    ranker = Ranker.load(path)
+    ranker = Ranker.load(path, threads=1)
     population = users(10, seed=1)
     slates = [ranker.generate(u, h, 8, request_time=REQUEST_TIME).items for u, h in population]
     sequences = [h["item_id"].tolist() + s for (_, h), s in zip(population, slates)]
     catalogue, _ = ranker.catalogue()
     embeddings = torch.stack([catalogue.index.items[h["item_id"][-1]] for _, h in population])
     grouped = GroupedPools.build(sequences[:8], embeddings[:8], num_groups=2, attributes=["a", "b"] * 4)
-    draft = Ranker.load(draft_path).catalogue()[0]
+    draft = Ranker.load(draft_path, threads=1).catalogue()[0]
     sources = [PoolDrafts(grouped, max_depth=4, max_nodes=8, min_history=8),
                ModelDrafts(ServingGenerativeModel(draft, {}), draft.index, max_depth=3)]
     everyone = SequencePool()
@@ -108,7 +111,7 @@ def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(ex
 
 def test_beam_and_sampling_options_and_bad_requests(exports):
     _, path, _ = exports
-    ranker = Ranker.load(path)
+    ranker = Ranker.load(path, threads=1)
     user, history = users(1, seed=2)[0]
     greedy = ranker.generate(user, history, 5, request_time=REQUEST_TIME).items
     assert ranker.generate(user, history, 5, "beam", request_time=REQUEST_TIME, beam_width=1).items == greedy
@@ -126,6 +129,8 @@ def test_beam_and_sampling_options_and_bad_requests(exports):
         ranker.generate(user, {"item_id": [], "timestamps": []}, 3)
     with pytest.raises(RequestError, match="draft"):
         ranker.generate(user, history, 3, "beam", draft=PoolDrafts(SequencePool()))
+    with pytest.raises(RequestError, match="budget"):
+        ranker.generate(user, history, 3, budget=AdaptiveBudget())
 
 
 def test_generate_cli_prints_the_same_slate_as_the_api(exports, tmp_path, capsys):

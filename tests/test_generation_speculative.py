@@ -8,16 +8,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gr.generation.budget import AdaptiveBudget
 from gr.generation.decoding import (
-    Relaxed, advance, beam_search, chain_mask, greedy, sample, speculative_greedy, start,
+    Relaxed, advance, beam_search, chain_mask, greedy, sample, speculative_greedy, start, step,
 )
-from gr.generation.draft_tree import DraftTree
-from gr.generation.drafts import ModelDrafter, PoolDrafter
+from gr.generation.draft_tree import DraftTree, tree_from_paths
+from gr.generation.drafts import ModelDrafter, PoolDrafter, RankingDrafter
 from gr.generation.index import ExactIndex, top_items
 from gr.generation.pools import SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.cache import CachedHSTU
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 NUM_ITEMS, DIM = 60, 16
 
@@ -107,8 +110,8 @@ def test_tree_attention_equals_running_each_branch_separately(model):
         torch.testing.assert_close(extended.keys[1][:, -n:], want_keys[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("max_nodes", [1, 24])
-def test_speculative_greedy_with_pool_drafts_equals_plain_greedy(model, index, max_nodes):
+@pytest.mark.parametrize("max_nodes,budget", [(1, None), (24, None), (24, AdaptiveBudget(start_depth=1))])
+def test_speculative_greedy_with_pool_drafts_equals_plain_greedy(model, index, max_nodes, budget):
     pool = SequencePool(max_ngram=2)
     users = [random_user(seed) for seed in range(10, 16)]
     for seed in range(4):  # pools of other users' generated slates and histories
@@ -118,7 +121,7 @@ def test_speculative_greedy_with_pool_drafts_equals_plain_greedy(model, index, m
     for items, ts in users:
         want = greedy(model, index, start(model, items, ts), 10, REQUEST_TIME)
         got = speculative_greedy(model, index, start(model, items, ts), 10, REQUEST_TIME,
-                                 PoolDrafter(pool, max_depth=6, max_nodes=max_nodes))
+                                 PoolDrafter(pool, max_depth=6, max_nodes=max_nodes), budget=budget)
         assert got.items == want.items
         # every pass yields its accepted drafts plus one item of its own (none after a full last branch)
         assert got.stats.passes + got.stats.accepted in (want.stats.passes, want.stats.passes + 1)
@@ -126,15 +129,16 @@ def test_speculative_greedy_with_pool_drafts_equals_plain_greedy(model, index, m
     assert accepted > 0, "the pool holds four of these users' own slates: some drafts must be accepted"
 
 
-def test_speculative_greedy_with_a_draft_model_equals_plain_greedy(model, index):
+@pytest.mark.parametrize("width,budget", [(1, None), (3, AdaptiveBudget(max_depth=4, nodes_per_level=3))])
+def test_speculative_greedy_with_a_draft_model_equals_plain_greedy(model, index, width, budget):
     draft = make_model(num_layers=1, seed=5)
     draft.table = model.table  # same catalogue; a different, smaller network
     accepted = 0
     for seed in range(20, 24):
         items, ts = random_user(seed)
         want = greedy(model, index, start(model, items, ts), 12, REQUEST_TIME)
-        drafter = ModelDrafter(draft, index, items, ts, REQUEST_TIME, max_depth=4)
-        got = speculative_greedy(model, index, start(model, items, ts), 12, REQUEST_TIME, drafter)
+        drafter = ModelDrafter(draft, index, items, ts, REQUEST_TIME, max_depth=4, width=width)
+        got = speculative_greedy(model, index, start(model, items, ts), 12, REQUEST_TIME, drafter, budget=budget)
         assert got.items == want.items
         accepted += got.stats.accepted
     self_drafter = ModelDrafter(model, index, items, ts, REQUEST_TIME, max_depth=4)
@@ -181,3 +185,88 @@ def test_speculative_retrieval_equals_exact_search(model, index, cache_size, str
         assert rollbacks > 0, "a one-item local cache cannot answer every step: the exact check must roll back"
     if cache_size == NUM_ITEMS:
         assert rollbacks == 0, "a local cache of the whole catalogue is exact"
+
+
+class FirstTreeDrafter:
+    """Proposes ``tree`` in the first pass, nothing afterwards."""
+
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree, self.calls = tree, 0
+
+    def propose(self, sequence, depth, banned, max_nodes=None, query=None) -> DraftTree:
+        self.calls += 1
+        return self.tree if self.calls == 1 else tree_from_paths([], 1)
+
+
+def test_one_pass_over_a_tree_verifies_like_one_token_steps_and_commits_the_right_cache(model, index):
+    items, ts = random_user(60)
+    want = greedy(model, index, start(model, items, ts), 9, REQUEST_TIME).items
+    decoys = [i for i in range(NUM_ITEMS) if i not in want and i not in items.tolist()]
+    # the greedy continuation after want[0] hidden among decoy siblings and a decoy branch
+    tree = tree_from_paths([[decoys[0], want[1]], [want[1], want[2], decoys[1]], want[1:5], [want[1], decoys[2]]], 32)
+    got = speculative_greedy(model, index, start(model, items, ts), 9, REQUEST_TIME, FirstTreeDrafter(tree))
+    assert got.items == want, "later one-token passes run on the K/V the tree pass committed"
+    assert got.stats.accepted == 4 and got.stats.passes == 1 + (9 - 6)
+
+
+def test_relaxed_verification_of_a_tree_picks_the_best_scored_child_like_one_token_steps(model, index):
+    items, ts = random_user(61)
+    seen = set(items.tolist())
+    roots, leaves = [3, 8, 21], [5, 13]
+    roots, leaves = [i for i in roots if i not in seen], [i for i in leaves if i not in seen]
+    tree = tree_from_paths([[r, leaf] for r in roots for leaf in leaves if leaf != r], 32)
+    state = start(model, items, ts)
+    first = greedy(model, index, state, 1, REQUEST_TIME).items[0]
+    # unbatched: one token at a time, the best-scored child (lowest id on ties) at each level
+    expected, current = [first], step(model, state, first, REQUEST_TIME)
+    for options in (roots, leaves):
+        options = [i for i in options if i not in expected]
+        scores = index.scores(current.query.view(1, -1))[0, torch.tensor(options)].tolist()
+        chosen = max(zip(scores, [-i for i in options]))[1] * -1
+        expected.append(chosen)
+        current = step(model, current, chosen, REQUEST_TIME)
+    expected.append(greedy(model, index, current, 1, REQUEST_TIME).items[0])  # the model's own item after them
+    got = speculative_greedy(model, index, state, 4, REQUEST_TIME, FirstTreeDrafter(tree),
+                             verification=Relaxed(top_k=NUM_ITEMS, min_prob=0.0))
+    assert got.items == expected and got.stats.passes == 1
+
+
+def test_adaptive_budget_stops_drafting_when_drafts_are_always_wrong(model, index):
+    items, ts = random_user(62)
+    want = greedy(model, index, start(model, items, ts), 30, REQUEST_TIME).items
+    wrong = SequencePool(max_ngram=1)
+    allowed = [i for i in range(NUM_ITEMS) if i not in want and i not in items.tolist()]
+    for item in want + items.tolist():  # every context continues with items greedy never picks
+        wrong.add([item, *allowed[:4]])
+    fixed = speculative_greedy(model, index, start(model, items, ts), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8))
+    adaptive = speculative_greedy(model, index, start(model, items, ts), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8),
+                                  budget=AdaptiveBudget(patience=1, pause=2, max_pause=8))
+    assert fixed.items == adaptive.items == want
+    assert fixed.stats.accepted == adaptive.stats.accepted == 0
+    assert adaptive.stats.passes == fixed.stats.passes == 29, "one item per pass: greedy's passes"
+    assert adaptive.stats.drafted <= fixed.stats.drafted // 4, "paused drafting verifies far fewer draft tokens"
+
+
+def test_ranking_drafts_are_the_runners_up_of_the_last_query_laid_out_breadth_first(model, index):
+    items, ts = random_user(63)
+    state = start(model, items, ts)
+    banned = set(items.tolist())
+    ranked = top_items(index.scores(state.query.view(1, -1)),
+                       torch.zeros(1, NUM_ITEMS, dtype=torch.bool).index_fill_(1, items, True), 5)[1][0].tolist()
+    tree = RankingDrafter(index, widths=(3, 2), max_nodes=7).propose(items.tolist(), 4, banned, query=state.query)
+    assert tree.items[:3].tolist() == ranked[:3] and tree.parents[:3].tolist() == [-1, -1, -1]
+    # level 2: under each root child, the best two runners-up not already on the branch; cut at 7 nodes
+    assert tree.items[3:].tolist() == [ranked[1], ranked[2], ranked[0], ranked[2]]
+    assert tree.parents[3:].tolist() == [0, 0, 1, 1]
+
+
+def test_speculative_greedy_with_ranking_drafts_equals_plain_greedy(model, index):
+    accepted = 0
+    for seed in range(70, 74):
+        items, ts = random_user(seed)
+        want = greedy(model, index, start(model, items, ts), 12, REQUEST_TIME)
+        got = speculative_greedy(model, index, start(model, items, ts), 12, REQUEST_TIME, RankingDrafter(index))
+        assert got.items == want.items
+        assert got.stats.passes + got.stats.accepted in (want.stats.passes, want.stats.passes + 1)
+        accepted += got.stats.accepted
+    assert accepted > 0, "16 runners-up of 60 items at the first level: some must be the next greedy item"

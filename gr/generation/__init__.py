@@ -1,18 +1,21 @@
 """Generation over a KV-cached HSTU (DESIGN §8): greedy, beam and sampled decoding, speculative
 greedy with draft token trees (retrieval pools or a draft model; strict or relaxed verification)
 and speculative retrieval. Imports only torch and gr.hstu, so the serving runtime uses it."""
+from gr.generation.budget import AdaptiveBudget
 from gr.generation.decoding import (
     Generation, GenerationStats, Relaxed, Strict, beam_search, greedy, sample, speculative_greedy, start,
 )
 from gr.generation.draft_tree import DraftTree, tree_from_paths
-from gr.generation.drafts import ModelDrafter, ModelDrafts, PoolDrafter, PoolDrafts
-from gr.generation.index import ExactIndex, ItemIndex
+from gr.generation.drafts import (
+    ModelDrafter, ModelDrafts, PoolDrafter, PoolDrafts, RankingDrafter, RankingDrafts,
+)
+from gr.generation.index import ExactIndex, Exclusions, ItemIndex
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
 
 __all__ = [
-    "DraftTree", "ExactIndex", "Generation", "GenerationStats", "GroupedPools", "ItemIndex", "ModelDrafter",
-    "ModelDrafts", "PoolDrafter", "PoolDrafts", "Relaxed", "SequencePool", "SpeculativeRetrieval", "Strict",
-    "beam_search", "greedy", "greedy_speculative_retrieval", "sample", "speculative_greedy", "start",
-    "tree_from_paths",
+    "AdaptiveBudget", "DraftTree", "ExactIndex", "Exclusions", "Generation", "GenerationStats", "GroupedPools",
+    "ItemIndex", "ModelDrafter", "ModelDrafts", "PoolDrafter", "PoolDrafts", "RankingDrafter", "RankingDrafts",
+    "Relaxed", "SequencePool", "SpeculativeRetrieval", "Strict", "beam_search", "greedy",
+    "greedy_speculative_retrieval", "sample", "speculative_greedy", "start", "tree_from_paths",
 ]

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
 
+from gr.generation.budget import AdaptiveBudget
 from gr.generation.draft_tree import DraftTree
-from gr.generation.index import ItemIndex, exclusion_mask, top_items
+from gr.generation.index import Exclusions, ItemIndex, exclusion_mask, top_items
 from gr.hstu.cache import CachedHSTU, HistoryCache
 
 
@@ -36,9 +37,13 @@ class GenerativeModel(Protocol):
 class Drafter(Protocol):
     """Proposes future items for one request."""
 
-    def propose(self, sequence: Sequence[int], depth: int, banned: Set[int]) -> DraftTree:
-        """A tree of continuations of ``sequence`` (history + generated), at most ``depth`` levels,
-        without ``banned`` items (they could never be accepted)."""
+    def propose(
+        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        query: Optional[Tensor] = None,
+    ) -> DraftTree:
+        """A tree of continuations of ``sequence`` (history + generated), at most ``depth`` levels and
+        ``max_nodes`` nodes (None: the drafter's own limit), without ``banned`` items (they could never
+        be accepted). query: [d] float, the target's query that picked the sequence's last item."""
 
 
 @dataclass
@@ -157,19 +162,26 @@ def greedy(
 ) -> Generation:
     """Plain greedy: k items, one HSTU pass per item after the first. Ties -> lowest item id."""
     began, stats = time.perf_counter(), GenerationStats()
-    banned, out = _banned(state, exclude_seen), []
+    exclusions, out = _exclusions(index, state, exclude_seen), []
     while True:
-        _, ids = index.search(state.query.view(1, -1), exclusion_mask(index.num_items, 1, banned), 1)
-        item = int(ids[0, 0])
-        out.append(item)
+        out.append(_best(index, state.query, exclusions))
         if exclude_seen:
-            banned.add(item)
+            exclusions.add(out[-1:])
         if len(out) >= k:
             break
-        state = step(model, state, item, request_time)
+        state = step(model, state, out[-1], request_time)
         stats.passes += 1
     stats.total_seconds = time.perf_counter() - began
     return Generation(out, stats)
+
+
+def _exclusions(index: ItemIndex, state: DecodeState, exclude_seen: bool) -> Exclusions:
+    return Exclusions(index.num_items, state.items if exclude_seen else ())
+
+
+def _best(index: ItemIndex, query: Tensor, exclusions: Exclusions) -> int:
+    """The greedy item for ``query: [d]``: the best allowed item, lowest id on ties."""
+    return int(index.search(query.view(1, -1), exclusions.rows(1), 1)[1][0, 0])
 
 
 def sample(
@@ -233,24 +245,32 @@ def beam_search(
 def speculative_greedy(
     model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
     drafter: Drafter, exclude_seen: bool = True, verification: Strict | Relaxed = Strict(),
+    budget: Optional[AdaptiveBudget] = None,
 ) -> Generation:
     """Greedy generation verifying drafts: each pass runs the pending item plus a draft tree, accepts
     the longest branch prefix the verification allows, then the model's own choice after it.
 
+    budget: sizes each tree from the acceptance so far (None: the drafter's own limits every pass).
     With ``Strict`` the items equal ``greedy``'s (same exclusions, same tie-breaking).
     """
     began, stats = time.perf_counter(), GenerationStats()
-    banned = _banned(state, exclude_seen)
-    _, ids = index.search(state.query.view(1, -1), exclusion_mask(index.num_items, 1, banned), 1)
-    out = [int(ids[0, 0])]
+    exclusions = _exclusions(index, state, exclude_seen)
+    out = [_best(index, state.query, exclusions)]
     if exclude_seen:
-        banned.add(out[0])
+        exclusions.add(out)
+    tracker = budget.tracker() if budget is not None else None
     while len(out) < k:
-        drafted = time.perf_counter()
-        tree = drafter.propose(state.items + out[-1:], k - len(out), banned)
-        stats.draft_seconds += time.perf_counter() - drafted
-        state, accepted, bonus = _verify(model, index, state, out[-1], tree, request_time, banned, exclude_seen,
-                                         verification, k - len(out))
+        room = k - len(out)
+        depth, max_nodes = tracker.next(room) if tracker is not None else (room, None)
+        tree = EMPTY_TREE
+        if depth:
+            drafted = time.perf_counter()
+            tree = drafter.propose(state.items + out[-1:], depth, exclusions.items, max_nodes, state.query)
+            stats.draft_seconds += time.perf_counter() - drafted
+        state, accepted, bonus = _verify(model, index, state, out[-1], tree, request_time, exclusions, exclude_seen,
+                                         verification, room)
+        if tracker is not None and depth:
+            tracker.observe(tree.depth, len(accepted))
         stats.passes += 1
         stats.drafted += tree.num_nodes
         stats.accepted += len(accepted)
@@ -258,16 +278,24 @@ def speculative_greedy(
         if len(out) < k:
             out.append(bonus)
         if exclude_seen:
-            banned.update(accepted + [bonus])
+            exclusions.add(accepted + [bonus])
     stats.total_seconds = time.perf_counter() - began
     return Generation(out[:k], stats)
 
 
+EMPTY_TREE = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
 def _verify(
     model: GenerativeModel, index: ItemIndex, state: DecodeState, pending: int, tree: DraftTree, request_time: int,
-    banned: Set[int], exclude_seen: bool, verification: Strict | Relaxed, room: int,
+    exclusions: Exclusions, exclude_seen: bool, verification: Strict | Relaxed, room: int,
 ) -> Tuple[DecodeState, List[int], int]:
-    """One pass over [pending item] + tree -> (state with pending + accepted committed, accepted items, next item)."""
+    """One pass over [pending item] + tree -> (state with pending + accepted committed, accepted items, next item).
+
+    Block row 0 is the pending item (already excluded), row i + 1 the tree's node i. The HSTU pass and
+    the queries cover the whole tree at once; the catalogue is searched only at the rows the walk down
+    the accepted branch visits (accepted + 1 rows, not the whole tree).
+    """
     m = tree.num_nodes
     items = torch.cat([torch.tensor([pending]), tree.items])
     depths = torch.cat([torch.ones(1, dtype=torch.long), tree.depths() + 1])
@@ -277,43 +305,42 @@ def _verify(
     timestamps = torch.full((m + 1,), request_time, dtype=torch.long)
     hidden, keys, values = model.engine.run_block(state.cache, model.item_tokens(items), timestamps, depths, visible)
     queries = model.queries(hidden)
-    scores = index.scores(queries)
-    exclude = exclusion_mask(index.num_items, m + 1, banned)
-    if exclude_seen:  # each node also excludes the items on its own branch
-        rows, cols = visible.nonzero(as_tuple=True)
-        exclude[rows, items[cols]] = True
-    _, best = top_items(scores, exclude, 1)
+    item_of = [pending] + tree.items.tolist()
     children: Dict[int, List[int]] = {}
-    for node, parent in enumerate(tree.parents.tolist()):
-        children.setdefault(parent + 1, []).append(node + 1)
-    accept = _acceptor(verification, scores, exclude)
+    for child, parent in enumerate(tree.parents.tolist(), start=1):
+        children.setdefault(parent + 1, []).append(child)
     path, node = [0], 0
-    while len(path) - 1 < room:
-        nxt = accept(node, int(best[node, 0]), [(c, int(items[c])) for c in children.get(node, [])])
-        if nxt is None:
+    while True:
+        # each node also excludes the items on its own branch
+        branch = [item_of[a + 1] for a in tree.ancestors[node - 1]] if node and exclude_seen else []
+        scores, exclude = index.scores(queries[node].view(1, -1)), exclusions.rows(1)
+        if branch:
+            exclude = exclude.clone()
+            exclude[0, torch.tensor(branch)] = True
+        best = int(top_items(scores, exclude, 1)[1][0, 0])
+        kids = [(c, item_of[c]) for c in children.get(node, [])] if len(path) - 1 < room else []
+        accepted = _accepted_child(verification, scores, exclude, best, kids) if kids else None
+        if accepted is None:
             break
-        path.append(nxt)
-        node = nxt
+        path.append(accepted)
+        node = accepted
     rows = torch.tensor(path)
+    committed = [item_of[r] for r in path]
     cache = append(state.cache, keys, values, timestamps, rows)
-    new_state = DecodeState(cache, state.items + items[rows].tolist(), queries[node])
-    return new_state, items[rows[1:]].tolist(), int(best[node, 0])
+    return DecodeState(cache, state.items + committed, queries[node]), committed[1:], best
 
 
-def _acceptor(
-    verification: Strict | Relaxed, scores: Tensor, exclude: Tensor
-) -> Callable[[int, int, List[Tuple[int, int]]], Optional[int]]:
-    """-> accept(node, greedy item, [(child, child item)]) -> the accepted child or None."""
+def _accepted_child(
+    verification: Strict | Relaxed, scores: Tensor, exclude: Tensor, best: int, kids: List[Tuple[int, int]]
+) -> Optional[int]:
+    """The child a node accepts, or None. scores, exclude: [1, M] at the node; best: its greedy item;
+    kids: [(child row, child item)] in tree order. Relaxed takes the best-scored passing child
+    (lowest id on ties)."""
     if isinstance(verification, Strict):
-        return lambda node, best, kids: next((c for c, item in kids if item == best), None)
-
-    def relaxed(node: int, best: int, kids: List[Tuple[int, int]]) -> Optional[int]:
-        row = scores[node].masked_fill(exclude[node], float("-inf"))
-        probs = torch.softmax(row / verification.temperature, dim=0)
-        _, top = top_items(row.view(1, -1), exclude[node].view(1, -1), verification.top_k)
-        allowed = set(top[0].tolist())
-        ok = [(float(row[item]), -item, c) for c, item in kids
-              if item in allowed and float(probs[item]) >= verification.min_prob]
-        return max(ok)[2] if ok else None  # the best-scored passing child (lowest id on ties)
-
-    return relaxed
+        return next((c for c, item in kids if item == best), None)
+    masked = scores[0].masked_fill(exclude[0], float("-inf"))
+    probs = torch.softmax(masked / verification.temperature, dim=0)
+    allowed = set(top_items(scores, exclude, verification.top_k)[1][0].tolist())
+    passing = [(float(masked[item]), -item, c) for c, item in kids if item in allowed
+               and float(probs[item]) >= verification.min_prob and float(masked[item]) > float("-inf")]
+    return max(passing)[2] if passing else None

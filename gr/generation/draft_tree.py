@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -29,19 +30,29 @@ class DraftTree:
     def num_nodes(self) -> int:
         return int(self.items.numel())
 
+    @cached_property
+    def ancestors(self) -> List[List[int]]:
+        """Per node: itself and its ancestors, nearest first."""
+        out: List[List[int]] = []
+        for i, p in enumerate(self.parents.tolist()):
+            out.append([i] + (out[p] if p >= 0 else []))
+        return out
+
+    @property
+    def depth(self) -> int:
+        """Levels of the tree (0 when empty)."""
+        return max((len(a) for a in self.ancestors), default=0)
+
     def depths(self) -> Tensor:
         """[M] int64, 1 for children of the root."""
-        depth = torch.zeros(self.num_nodes, dtype=torch.long)
-        for i, p in enumerate(self.parents.tolist()):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return depth
+        return torch.tensor([len(a) for a in self.ancestors], dtype=torch.long)
 
     def ancestor_mask(self) -> Tensor:
         """[M, M] bool: node i may attend to node j iff j is i or an ancestor of i."""
-        mask = torch.eye(self.num_nodes, dtype=torch.bool)
-        for i, p in enumerate(self.parents.tolist()):
-            if p >= 0:
-                mask[i] |= mask[p]
+        rows = [i for i, a in enumerate(self.ancestors) for _ in a]
+        cols = [j for a in self.ancestors for j in a]
+        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool)
+        mask[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = True
         return mask
 
     def children(self) -> Dict[int, List[int]]:

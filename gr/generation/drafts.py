@@ -1,31 +1,47 @@
-"""Draft sources for speculative generation: retrieval pools (DARE) and a smaller draft model."""
+"""Draft sources for speculative generation: retrieval pools (DARE), a smaller draft model, and the
+target's own ranking (self-drafting)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, List, Optional, Protocol, Sequence, Set, Union
+from typing import Hashable, List, Optional, Protocol, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from gr.generation.decoding import DecodeState, Drafter, GenerativeModel, advance, start, truncate
 from gr.generation.draft_tree import DraftTree, tree_from_paths
-from gr.generation.index import ItemIndex, exclusion_mask
+from gr.generation.index import Exclusions, ItemIndex
 from gr.generation.pools import GroupedPools, SequencePool
 
 
 class PoolDrafter:
     """Draft trees from a ``SequencePool`` (the request's group pool), looked up by the last n items
     of the current sequence (n backs off while nothing matches); the request's own sequence is
-    searched as a temporary branch. Paths stop before the first banned or repeated item."""
+    searched as a temporary branch (indexed incrementally as it grows). Paths stop before the first
+    banned or repeated item."""
 
     def __init__(self, pool: SequencePool, max_depth: int = 8, max_nodes: int = 32) -> None:
         if max_depth < 1 or max_nodes < 1:
             raise ValueError("PoolDrafter: max_depth and max_nodes must be >= 1")
         self.pool, self.max_depth, self.max_nodes = pool, max_depth, max_nodes
+        self.own = SequencePool(pool.max_ngram, pool.max_occurrences)
 
-    def propose(self, sequence: Sequence[int], depth: int, banned: Set[int]) -> DraftTree:
-        found = self.pool.continuations(sequence, min(depth, self.max_depth), extra=[sequence])
-        return tree_from_paths([_allowed_prefix(path, banned) for path, _ in found], self.max_nodes)
+    def propose(
+        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        query: Optional[Tensor] = None,
+    ) -> DraftTree:
+        if not self.own.sequences:
+            self.own.add(sequence)
+        else:
+            known = self.own.sequences[0]
+            if tuple(sequence[: len(known)]) != known:  # not a continuation: index it afresh
+                self.own = SequencePool(self.pool.max_ngram, self.pool.max_occurrences)
+                self.own.add(sequence)
+            else:
+                self.own.extend(0, sequence[len(known):])
+        found = self.pool.continuations(sequence, min(depth, self.max_depth), extra=[self.own])
+        nodes = self.max_nodes if max_nodes is None else min(max_nodes, self.max_nodes)
+        return tree_from_paths([_allowed_prefix(path, banned) for path, _ in found], nodes)
 
 
 def _allowed_prefix(path: Sequence[int], banned: Set[int]) -> List[int]:
@@ -38,31 +54,49 @@ def _allowed_prefix(path: Sequence[int], banned: Set[int]) -> List[int]:
 
 
 class ModelDrafter:
-    """A smaller GR model proposes one branch greedily; it keeps its own KV cache of the request.
+    """A smaller GR model drafts greedily; it keeps its own KV cache of the request.
 
+    Each round drafts one greedy branch of up to ``max_depth`` items (one draft pass per item)
+    and, at every level, its next ``width - 1`` best items as extra leaves: the target verifies
+    them in the same pass, so a near miss of the draft still advances by one item.
     items: [L] int64 history; timestamps: [L] int64; generated tokens get ``request_time``.
     """
 
     def __init__(
         self, model: GenerativeModel, index: ItemIndex, items: Tensor, timestamps: Tensor, request_time: int,
-        max_depth: int = 8,
+        max_depth: int = 8, width: int = 1,
     ) -> None:
-        if max_depth < 1:
-            raise ValueError("ModelDrafter.max_depth must be >= 1")
-        self.model, self.index, self.max_depth = model, index, max_depth
+        if max_depth < 1 or width < 1:
+            raise ValueError("ModelDrafter: max_depth and width must be >= 1")
+        self.model, self.index, self.max_depth, self.width = model, index, max_depth, width
         self.history_timestamps, self.request_time = timestamps.to(torch.long), int(request_time)
         self.state = start(model, items, timestamps)
 
-    def propose(self, sequence: Sequence[int], depth: int, banned: Set[int]) -> DraftTree:
+    def propose(
+        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        query: Optional[Tensor] = None,
+    ) -> DraftTree:
+        depth = min(depth, self.max_depth)
+        width = self.width if max_nodes is None else max(1, min(self.width, max_nodes // max(depth, 1)))
         state = self._sync(list(sequence))
-        branch: List[int] = []
-        for _ in range(min(depth, self.max_depth)):
-            _, ids = self.index.search(state.query.view(1, -1), exclusion_mask(self.index.num_items, 1, banned | set(branch)), 1)
-            branch.append(int(ids[0, 0]))
-            if len(branch) < min(depth, self.max_depth):
-                state = self._extend(state, branch[-1:], len(state.items))
+        items: List[int] = []
+        parents: List[int] = []
+        chain = -1  # the node of the branch's last item
+        exclusions = Exclusions(self.index.num_items, banned)  # and the branch's items
+        for level in range(depth):
+            scores, ids = self.index.search(state.query.view(1, -1), exclusions.rows(1), width)
+            ranked = [int(i) for s, i in zip(scores[0].tolist(), ids[0].tolist()) if s > float("-inf")]
+            if not ranked:
+                break
+            for item in ranked:
+                items.append(item)
+                parents.append(chain)
+            chain = len(items) - len(ranked)  # the greedy item continues the branch
+            exclusions.add(ranked[:1])
+            if level + 1 < depth:
+                state = self._extend(state, [ranked[0]], len(state.items))
         self.state = state
-        return tree_from_paths([_allowed_prefix(branch, banned)], self.max_depth)
+        return DraftTree(torch.tensor(items, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
     def _sync(self, sequence: List[int]) -> DecodeState:
         """The draft state of exactly ``sequence``: keep the common prefix, run the rest."""
@@ -82,6 +116,54 @@ class ModelDrafter:
         ts = torch.where(positions < history.numel(), history[positions.clamp(max=history.numel() - 1)],
                          torch.tensor(self.request_time))
         return advance(self.model, state, ids, self.model.item_tokens(ids), ts)
+
+
+class RankingDrafter:
+    """Self-drafting from the target's own ranking (no pool, no draft model): appending one item moves
+    the query little, so the next greedy items are mostly runners-up of the query that picked the
+    last one. The tree's level-d nodes are the best ``widths[d-1]`` runners-up not yet on their
+    branch (breadth first, so a node budget keeps the shallow levels).
+    """
+
+    def __init__(self, index: ItemIndex, widths: Sequence[int] = (16, 3, 2, 1), max_nodes: int = 32) -> None:
+        if not widths or min(widths) < 1 or max_nodes < 1:
+            raise ValueError("RankingDrafter: widths must be a non-empty list of ints >= 1, max_nodes >= 1")
+        self.index, self.widths, self.max_nodes = index, tuple(widths), max_nodes
+        self.exclusions = Exclusions(index.num_items)  # ``banned`` only grows within a request
+
+    def propose(
+        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        query: Optional[Tensor] = None,
+    ) -> DraftTree:
+        if query is None:
+            raise ValueError("RankingDrafter.propose: needs the target's query")
+        depth = min(depth, len(self.widths))
+        budget = self.max_nodes if max_nodes is None else min(max_nodes, self.max_nodes)
+        if not self.exclusions.items <= banned:
+            self.exclusions = Exclusions(self.index.num_items)
+        self.exclusions.add(banned - self.exclusions.items)
+        needed = min(sum(self.widths[:depth]), self.index.num_items)
+        # drafts need no tie order: a plain top-k (verification decides)
+        scores = self.index.scores(query.view(1, -1))[0].masked_fill(self.exclusions.mask, float("-inf"))
+        best, ids = torch.topk(scores, needed)
+        ranked = [i for s, i in zip(best.tolist(), ids.tolist()) if s > float("-inf")]
+        items: List[int] = []
+        parents: List[int] = []
+        branches: List[Tuple[int, ...]] = []
+        frontier: List[int] = [-1]
+        for level in range(depth):
+            next_frontier = []
+            for node in frontier:
+                on_branch = set(branches[node]) if node >= 0 else set()
+                for item in [i for i in ranked if i not in on_branch][: self.widths[level]]:
+                    if len(items) == budget:
+                        return DraftTree(torch.tensor(items, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+                    items.append(item)
+                    parents.append(node)
+                    branches.append((branches[node] if node >= 0 else ()) + (item,))
+                    next_frontier.append(len(items) - 1)
+            frontier = next_frontier
+        return DraftTree(torch.tensor(items, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
 class DraftSource(Protocol):
@@ -121,8 +203,23 @@ class ModelDrafts:
     model: GenerativeModel
     index: ItemIndex
     max_depth: int = 8
+    width: int = 1
 
     def drafter(
         self, items: Tensor, timestamps: Tensor, request_time: int, user_query: Tensor, attribute: Optional[Hashable]
     ) -> ModelDrafter:
-        return ModelDrafter(self.model, self.index, items, timestamps, request_time, self.max_depth)
+        return ModelDrafter(self.model, self.index, items, timestamps, request_time, self.max_depth, self.width)
+
+
+@dataclass
+class RankingDrafts:
+    """Self-drafts from the target's own ranking over ``index`` (see ``RankingDrafter``)."""
+
+    index: ItemIndex
+    widths: Sequence[int] = (16, 3, 2, 1)
+    max_nodes: int = 32
+
+    def drafter(
+        self, items: Tensor, timestamps: Tensor, request_time: int, user_query: Tensor, attribute: Optional[Hashable]
+    ) -> RankingDrafter:
+        return RankingDrafter(self.index, self.widths, self.max_nodes)

@@ -5,7 +5,7 @@ deterministic and speculative verification can reproduce it exactly.
 """
 from __future__ import annotations
 
-from typing import Protocol, Set, Tuple
+from typing import Iterable, Protocol, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -71,3 +71,22 @@ def exclusion_mask(num_items: int, rows: int, banned: Set[int]) -> Tensor:
     if banned:
         mask[:, torch.tensor(sorted(banned))] = True
     return mask
+
+
+class Exclusions:
+    """The items a request may no longer generate: a set and its [M] bool mask, updated together."""
+
+    def __init__(self, num_items: int, items: Iterable[int] = ()) -> None:
+        self.items: Set[int] = set()
+        self.mask = torch.zeros(num_items, dtype=torch.bool)
+        self.add(items)
+
+    def add(self, items: Iterable[int]) -> None:
+        new = [int(i) for i in items if int(i) not in self.items]
+        if new:
+            self.items.update(new)
+            self.mask[torch.tensor(new, dtype=torch.long)] = True
+
+    def rows(self, n: int) -> Tensor:
+        """[n, M] bool read-only view: the mask on every row."""
+        return self.mask.expand(n, -1)

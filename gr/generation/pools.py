@@ -30,43 +30,47 @@ class SequencePool:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def add(self, sequence: Sequence[int]) -> None:
-        """Index one item sequence (a user's history, or a generated slate)."""
-        seq = tuple(int(i) for i in sequence)
-        sid = len(self.sequences)
-        self.sequences.append(seq)
-        for end in range(1, len(seq)):  # an n-gram ending at `end` - 1, continued from `end`
+    def add(self, sequence: Sequence[int]) -> int:
+        """Index one item sequence (a user's history, or a generated slate) -> its sequence id."""
+        self.sequences.append(())
+        self.extend(len(self.sequences) - 1, sequence)
+        return len(self.sequences) - 1
+
+    def extend(self, sid: int, items: Sequence[int]) -> None:
+        """Append items to sequence ``sid``, indexing only the n-grams the new items complete
+        (a request's own growing sequence is kept this way)."""
+        old = self.sequences[sid]
+        seq = old + tuple(int(i) for i in items)
+        self.sequences[sid] = seq
+        for end in range(max(len(old), 1), len(seq)):  # an n-gram ending at `end` - 1, continued from `end`
             for n in range(1, min(self.max_ngram, end) + 1):
                 hits = self._index[seq[end - n : end]]
                 if len(hits) < self.max_occurrences:
                     hits.append((sid, end))
 
     def continuations(
-        self, context: Sequence[int], depth: int, extra: Sequence[Sequence[int]] = ()
+        self, context: Sequence[int], depth: int, extra: Sequence["SequencePool"] = ()
     ) -> List[Tuple[Tuple[int, ...], int]]:
         """-> [(continuation of up to ``depth`` items, count)], most frequent first.
 
-        extra: sequences searched too but not kept (the request's own sequence).
+        extra: pools searched too, e.g. the request's own sequence (a temporary branch, never kept here).
         """
-        context = tuple(int(i) for i in context)
-        for n in range(min(self.max_ngram, len(context)), 0, -1):
+        context = tuple(int(i) for i in context[-self.max_ngram:])
+        pools = (self, *extra)
+        for n in range(len(context), 0, -1):
             key = context[-n:]
             found: Counter = Counter()
-            for sid, end in self._index.get(key, ()):
-                cont = self.sequences[sid][end : end + depth]
-                if cont:
-                    found[cont] += 1
-            for seq in extra:
-                seq = tuple(int(i) for i in seq)
-                for end in range(n, len(seq)):
-                    if seq[end - n : end] == key:
-                        found[seq[end : end + depth]] += 1
+            for pool in pools:
+                for sid, end in pool._index.get(key, ()):
+                    cont = pool.sequences[sid][end : end + depth]
+                    if cont:
+                        found[cont] += 1
             if found:
                 return found.most_common()
         return []
 
     def propose(
-        self, context: Sequence[int], depth: int, max_nodes: int, extra: Sequence[Sequence[int]] = ()
+        self, context: Sequence[int], depth: int, max_nodes: int, extra: Sequence["SequencePool"] = ()
     ) -> DraftTree:
         """A draft tree of at most ``max_nodes`` nodes and ``depth`` levels (empty if nothing matches)."""
         paths = [cont for cont, _ in self.continuations(context, depth, extra)]

@@ -68,6 +68,8 @@ def attend_cached(
     cache_timestamps: Optional[Tensor],
     cache_visible: Tensor,
     block_visible: Optional[Tensor],
+    cache_buckets: Optional["BiasBuckets"] = None,
+    block_buckets: Optional["BiasBuckets"] = None,
 ) -> Tensor:
     """HSTU attention of n new tokens over L cached history tokens and the new block itself.
 
@@ -78,18 +80,18 @@ def attend_cached(
     cache_timestamps: [L] int64 or None
     cache_visible: [n, L] or [1, L] bool, whether new token i sees cached token j
     block_visible: [n, n] bool, whether new token i sees new token j; None -> itself only
+    cache_buckets, block_buckets: the bias buckets of (new, cached) and (new, new) pairs when already
+        computed for another layer (``BiasBuckets.between``); None -> computed here
     returns: [n, H, Dl], equal to the rows of the one-pass attention for these tokens
     """
     norm = silu_norm(query_positions, layer.silu_scale()).to(q.dtype).view(1, -1, 1)  # [1, n, 1]
     qh = (q * layer.config.alpha).transpose(0, 1)  # [H, n, Da]
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)
-    # Every row of the bias is the same when the new tokens share position and timestamp
-    # (candidates of one request): compute it once, broadcast over the rows.
-    rows = 1 if _all_equal(query_positions) and (query_timestamps is None or _all_equal(query_timestamps)) else None
-    cache_positions = torch.arange(cache_keys.shape[1], device=q.device)
+    if cache_buckets is None:
+        cache_buckets = BiasBuckets.for_cache(layer.config, query_positions, query_timestamps, cache_timestamps,
+                                              cache_keys.shape[1])
     logits = torch.matmul(qh, cache_keys.transpose(1, 2))  # [H, n, L]
-    bias = _bias(layer, query_positions[:rows], None if query_timestamps is None else query_timestamps[:rows],
-                 cache_positions, cache_timestamps)
+    bias = cache_buckets.bias(layer)
     if bias is not None:
         logits.add_(bias)
     scores = F.silu(logits, inplace=True)
@@ -99,13 +101,17 @@ def attend_cached(
     if block_visible is None:
         self_logits = (qh * kh).sum(-1)  # [H, n]
         origin = torch.zeros(1, dtype=torch.long, device=q.device)
-        self_bias = _bias(layer, origin, origin, origin, origin)  # [1, 1]: distance 0, time delta 0
+        # [1, 1]: distance 0, time delta 0
+        self_bias = BiasBuckets.between(layer.config, origin, origin, origin, origin).bias(layer)
         if self_bias is not None:
             self_logits = self_logits + self_bias
         out = out + F.silu(self_logits).unsqueeze(-1) * vh
     else:
         block_logits = torch.matmul(qh, kh.transpose(1, 2))  # [H, n, n]
-        block_bias = _bias(layer, query_positions, query_timestamps, query_positions, query_timestamps)
+        if block_buckets is None:
+            block_buckets = BiasBuckets.between(layer.config, query_positions, query_timestamps, query_positions,
+                                                query_timestamps)
+        block_bias = block_buckets.bias(layer)
         if block_bias is not None:
             block_logits = block_logits + block_bias
         out = out + torch.matmul(F.silu(block_logits) * block_visible.to(q.dtype), vh)
@@ -116,29 +122,68 @@ def _all_equal(values: Tensor) -> bool:
     return values.numel() <= 1 or bool((values == values[0]).all())
 
 
-def _bias(
-    layer: HSTULayer,
-    query_positions: Tensor,
-    query_timestamps: Optional[Tensor],
-    key_positions: Tensor,
-    key_timestamps: Optional[Tensor],
-) -> Optional[Tensor]:
-    """[n, K] relative bias (position and time parts, each when on), or None when both are off.
+@dataclass(frozen=True)
+class BiasBuckets:
+    """Bucket indices of the relative bias between n queries and K keys; every layer of a pass
+    shares them (only the bias tables differ per layer).
 
-    query_positions: [n] int64, query_timestamps: [n] int64 or None
-    key_positions: [K] int64, key_timestamps: [K] int64 or None
+    position: [n, K] int64 or None (position bias off); time: [n, K] int64 or None (time bias off)
+    Either may have 1 row, broadcast over every query.
     """
-    bias = None
-    if layer.position_bias is not None:
-        rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
-        bias = layer.position_bias[position_bucket(rel, layer.position_bias.numel())]
-    if layer.time_bias is not None:
-        if query_timestamps is None or key_timestamps is None:
-            raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
-        delta = query_timestamps.view(-1, 1) - key_timestamps.view(1, -1)
-        part = layer.time_bias[time_bucket(delta, layer.config.time_bucketing, layer.time_bias.numel())]
-        bias = part if bias is None else bias + part
-    return bias
+
+    position: Optional[Tensor]
+    time: Optional[Tensor]
+
+    @classmethod
+    def between(
+        cls,
+        config: HSTUConfig,
+        query_positions: Tensor,
+        query_timestamps: Optional[Tensor],
+        key_positions: Tensor,
+        key_timestamps: Optional[Tensor],
+    ) -> "BiasBuckets":
+        """query_positions: [n] int64, query_timestamps: [n] int64 or None;
+        key_positions: [K] int64, key_timestamps: [K] int64 or None."""
+        position = time = None
+        if config.num_position_buckets > 0:
+            rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
+            position = position_bucket(rel, config.num_position_buckets)
+        if config.time_buckets > 0:
+            if query_timestamps is None or key_timestamps is None:
+                raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
+            delta = query_timestamps.view(-1, 1) - key_timestamps.view(1, -1)
+            time = time_bucket(delta, config.time_bucketing, config.time_buckets)
+        return cls(position, time)
+
+    @classmethod
+    def for_cache(
+        cls,
+        config: HSTUConfig,
+        query_positions: Tensor,
+        query_timestamps: Optional[Tensor],
+        cache_timestamps: Optional[Tensor],
+        cache_length: int,
+    ) -> "BiasBuckets":
+        """The buckets of new tokens against cached tokens 0..cache_length-1 (cached key j has position j).
+
+        Every row is the same when the new tokens share position and timestamp (candidates of one
+        request): computed once, broadcast over the rows.
+        """
+        rows = 1 if _all_equal(query_positions) and (query_timestamps is None or _all_equal(query_timestamps)) else None
+        cache_positions = torch.arange(cache_length, device=query_positions.device)
+        query_times = None if query_timestamps is None else query_timestamps[:rows]
+        return cls.between(config, query_positions[:rows], query_times, cache_positions, cache_timestamps)
+
+    def bias(self, layer: HSTULayer) -> Optional[Tensor]:
+        """The layer's [n, K] bias (position and time parts, each when on), or None when both are off."""
+        bias = None
+        if self.position is not None and layer.position_bias is not None:
+            bias = layer.position_bias[self.position]
+        if self.time is not None and layer.time_bias is not None:
+            part = layer.time_bias[self.time]
+            bias = part if bias is None else bias + part
+        return bias
 
 
 class CachedHSTU:
@@ -272,11 +317,14 @@ class CachedHSTU:
         -> (outputs [n, D], per-layer keys [H, n, Da], per-layer values [H, n, Dl])
         """
         h = self.hstu.embed(x, positions)
+        cache_buckets = BiasBuckets.for_cache(self.config, positions, timestamps, cache.timestamps, cache.length)
+        block_buckets = None if block_visible is None else BiasBuckets.between(
+            self.config, positions, timestamps, positions, timestamps)
         keys, values = [], []
         for i, layer in enumerate(self.hstu.layers):
             u, q, k, v = layer.project(h)
             attn = attend_cached(layer, q, k, v, positions, timestamps, cache.keys[i], cache.values[i],
-                                 cache.timestamps, cache_visible, block_visible)
+                                 cache.timestamps, cache_visible, block_visible, cache_buckets, block_buckets)
             h = layer.combine(h, attn, u)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
+from gr.generation.budget import AdaptiveBudget
 from gr.generation.decoding import (
     DecodeState, Drafter, GenerationStats, Relaxed, Strict, beam_search, greedy, sample, speculative_greedy, start,
 )
@@ -155,6 +156,7 @@ def generate(
     request_time: Optional[int] = None,
     draft: Optional[DraftSource] = None,
     verification: Union[Strict, Relaxed] = Strict(),
+    budget: Optional[AdaptiveBudget] = None,
     beam_width: int = 4,
     temperature: float = 1.0,
     seed: Optional[int] = None,
@@ -169,6 +171,8 @@ def generate(
                            "takes neither")
     if draft is not None and speculative_retrieval is not None:
         raise RequestError("draft and speculative_retrieval: choose one")
+    if budget is not None and draft is None:
+        raise RequestError("budget: sizes draft trees; it needs a draft source (draft=...)")
     p = _prepare(ranker, user_id, history, k, common_features, request_time)
     lm, state, index, when = p.model, p.state, p.model.catalogue.index, p.request_time
     available = index.num_items - (len(set(state.items)) if exclude_seen else 0)
@@ -185,5 +189,5 @@ def generate(
         out = greedy(lm, index, state, k, when, exclude_seen)
     else:
         drafter: Drafter = draft.drafter(p.items, p.timestamps, when, state.query, attribute)
-        out = speculative_greedy(lm, index, state, k, when, drafter, exclude_seen, verification)
+        out = speculative_greedy(lm, index, state, k, when, drafter, exclude_seen, verification, budget)
     return GenerateResult(out.items, out.stats, int(p.items.numel()), p.truncated, p.cache)

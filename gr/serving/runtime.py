@@ -221,7 +221,8 @@ class Ranker:
         strategy: "greedy" (lowest item id on ties), "beam" (``beam_width``, ``temperature``) or
         "sample" (``temperature``, ``seed``); exclude_seen: never repeat a history or generated item.
         ``draft`` (a ``gr.generation.drafts.DraftSource``) turns greedy speculative: drafts verified
-        in one HSTU pass each, ``verification`` ``Strict()`` (the greedy items exactly) or ``Relaxed``.
+        in one HSTU pass each, ``verification`` ``Strict()`` (the greedy items exactly) or ``Relaxed``;
+        ``budget`` (a ``gr.generation.budget.AdaptiveBudget``) sizes each draft tree from the acceptance so far.
         ``speculative_retrieval`` (a ``gr.generation.speculative_retrieval.SpeculativeRetrieval``)
         answers greedy's searches from a local cache checked in batches against the exact index.
         Other options: ``common_features``, ``request_time`` (the generated tokens' timestamp,
