@@ -16,10 +16,16 @@ class HSTU(nn.Module):
 
     Parameter names: ``position_embedding.weight`` [max_seq_len + 1, D] (when on) and
     ``layers.{i}.*`` (see ``HSTULayer``). Subclassing is refused: HSTU is fixed so
-    that it can have fused kernels and serving caches.
+    that it can have fused kernels and serving caches; the one exception is the class
+    FSDP2's ``fully_shard`` derives to shard the stack (``FSDPHSTU``: FSDPModule + HSTU).
     """
 
     def __init_subclass__(cls, **kwargs: object) -> None:
+        from torch.distributed.fsdp import FSDPModule  # only when a subclass is made: serving never pays for it
+
+        if cls.__bases__ == (FSDPModule, HSTU):
+            super().__init_subclass__(**kwargs)
+            return
         raise TypeError(
             f"{cls.__name__}: HSTU is owned by the framework and cannot be subclassed; "
             "change it through HSTUConfig, and put custom logic in PrefixDNN/PostfixDNN"

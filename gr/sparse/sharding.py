@@ -101,8 +101,12 @@ def shard_model(
     dense_device: torch.device,
     placement: str = "device",
     pg: Optional[dist.ProcessGroup] = None,
+    dense_wrapper: Optional["DenseDataParallelWrapper"] = None,
 ) -> DistributedModelParallel:
     """Shard ``model.embeddings`` (a SparseEmbeddings) over the ranks of ``pg`` (default: WORLD).
+
+    dense_wrapper: how the dense modules are spread over ranks (default: DDP over all of
+    them, ``DenseDataParallelWrapper(dense_device, pg)``).
 
     The model must be built identically on every rank (same seed): EmbeddingCollection
     tables are copied into their shards, so the initial weights do not depend on the
@@ -126,7 +130,7 @@ def shard_model(
         device=device,
         plan=plan,
         sharders=sharders(),
-        data_parallel_wrapper=DenseDataParallelWrapper(dense_device, pg),
+        data_parallel_wrapper=dense_wrapper or DenseDataParallelWrapper(dense_device, pg),
     )
     if initial_bags is not None:  # TorchRec copies EmbeddingCollection weights into shards, not bag weights
         dmp.module.embeddings.common.load_state_dict(initial_bags)

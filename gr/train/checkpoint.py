@@ -1,9 +1,11 @@
 """Checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own table shards.
 
 A checkpoint is a directory: the DCP files of the sharded parts (``state_dict``: the
-model, ``sparse_optimizer``: the fused embedding optimizers' state) plus ``meta.pt``
-(everything else Lightning keeps: epoch, loops, callbacks, dense optimizer and scheduler
-state), written by rank 0. It is written under ``<name>.tmp`` and renamed when complete.
+model, ``sparse_optimizer``: the fused embedding optimizers' state, and, when the dense
+model is sharded too, ``optimizer_states``: the dense optimizers' state,
+``DENSE_OPTIMIZER_KEY``) plus ``meta.pt`` (everything else Lightning keeps: epoch, loops,
+callbacks, scheduler state, a replicated dense optimizer's state), written by rank 0. It
+is written under ``<name>.tmp`` and renamed when complete.
 DCP reshards on load, so a checkpoint loads on any number of ranks, or into an unsharded
 model in a plain process.
 """
@@ -11,27 +13,30 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 SHARDED_KEYS = ("state_dict", "sparse_optimizer")
+DENSE_OPTIMIZER_KEY = "optimizer_states"
 META_FILE = "meta.pt"
 
 
-def save_checkpoint(checkpoint: Dict[str, Any], path: str | Path) -> None:
-    """Write ``checkpoint`` (a Lightning checkpoint dict) to directory ``path``; call on every rank."""
+def save_checkpoint(checkpoint: Dict[str, Any], path: str | Path, sharded_keys: Sequence[str] = SHARDED_KEYS) -> None:
+    """Write ``checkpoint`` (a Lightning checkpoint dict) to directory ``path``; call on every rank.
+
+    sharded_keys: the entries every rank writes its part of through DCP; rank 0 pickles the rest."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     leader = _rank() == 0
     if leader and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
-    dcp.save({k: checkpoint[k] for k in SHARDED_KEYS if k in checkpoint}, checkpoint_id=str(tmp))
+    dcp.save({k: checkpoint[k] for k in sharded_keys if k in checkpoint}, checkpoint_id=str(tmp))
     if leader:
-        torch.save({k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}, tmp / META_FILE)
+        torch.save({k: v for k, v in checkpoint.items() if k not in sharded_keys}, tmp / META_FILE)
         _replace_directory(tmp, path)
     _barrier()
 

@@ -19,6 +19,16 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[Tuple[str,
     parser.add_argument("--out", help="run directory (default: runs/<config name>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     args, rest = parser.parse_known_args(list(argv))
+    overrides = parse_overrides(parser, rest)
+    if args.config is None and args.resume is None:
+        parser.error("--config is required (or --resume DIR)")
+    if args.resume and args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+        parser.error("--resume continues the run in its own directory; drop --out")
+    return args, overrides
+
+
+def parse_overrides(parser: argparse.ArgumentParser, rest: Sequence[str]) -> List[Tuple[str, str]]:
+    """The arguments ``parser`` left over -> [(dotted.key, value text), ...]; errors through ``parser``."""
     overrides: List[Tuple[str, str]] = []
     i = 0
     while i < len(rest):
@@ -33,11 +43,7 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[Tuple[str,
             i += 1
         overrides.append((key, value))
         i += 1
-    if args.config is None and args.resume is None:
-        parser.error("--config is required (or --resume DIR)")
-    if args.resume and args.out and Path(args.out).resolve() != Path(args.resume).resolve():
-        parser.error("--resume continues the run in its own directory; drop --out")
-    return args, overrides
+    return overrides
 
 
 def resolve(argv: Sequence[str]) -> Tuple[TrainConfig, Path, bool]:

@@ -4,7 +4,8 @@ Sections: ``data`` (``gr.data.DataConfig``), ``model`` (``hstu``: HSTUConfig fie
 ``tables``: embedding tables; ``prefix_dnn`` / ``postfix_dnn``: ``{class: import.path,
 kwargs: {...}}``), ``sparse`` (table placement, id dedup, default embedding optimizer),
 ``task`` (``retrieval`` / ``ranking`` loss and metric settings; which one runs is
-``data.task``), ``optimizer`` (the dense parameters') and ``trainer``. Any invalid or
+``data.task``), ``optimizer`` (the dense parameters'), ``trainer`` and ``distributed``
+(how dense parameters are spread over ranks). Any invalid or
 unknown key raises ValueError naming ``section.key`` and what was expected.
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ NEGATIVE_SHARING = ("token", "batch")
 DENSE_OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+GPU_ACCELERATORS = ("gpu", "cuda")
+# "none": every rank holds the dense model whole (DDP); "fsdp2": the HSTU stack is sharded
+# over ranks with FSDP2 (``fully_shard``), the DNNs stay replicated (DDP).
+DENSE_SHARDINGS = ("none", "fsdp2")
 
 Check = Tuple[Callable[[Any], bool], str]
 
@@ -291,7 +296,13 @@ class OptimizerSection(Section):
 class TrainerSection(Section):
     """The Lightning loop. ``devices``: processes on this node ("auto": torchrun's
     LOCAL_WORLD_SIZE, else 1). ``monitor``: the validation metric that picks the best
-    checkpoint (null: val/ndcg@<first top_k> for retrieval, val/auc for ranking)."""
+    checkpoint (null: val/ndcg@<first top_k> for retrieval, val/auc for ranking).
+    ``precision``: "32-true", or "bf16-mixed" (the step runs under bf16 autocast, HSTU and
+    DNNs included, while parameters and optimizer state stay fp32; runs on CPU), or
+    "16-mixed" (fp16 with loss scaling, GPU only). ``stochastic_length_alpha``: null (off)
+    or alpha in (1, 2]: training histories longer than data.max_seq_len^(alpha/2) are
+    subsampled to that length with probability 1 - max_seq_len^alpha / length^2
+    (``gr.data.stochastic_length``; never at evaluation)."""
 
     max_epochs: int = checked(100, int_at_least(1))
     seed: int = checked(0, int_at_least(0))
@@ -308,7 +319,21 @@ class TrainerSection(Section):
     limit_train_batches: Optional[int] = checked(None, optional(int_at_least(1)))
     enable_progress_bar: bool = checked(True, BOOL)
     num_threads: Optional[int] = checked(None, optional(int_at_least(1)))
+    stochastic_length_alpha: Optional[float] = checked(None, optional(number_in(1.0, 2.0, open_low=True)))
     where: InitVar[str] = "trainer"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+
+
+@dataclass(frozen=True)
+class DistributedSection(Section):
+    """dense_sharding: "none" (dense parameters replicated on every rank, gradients
+    all-reduced by DDP) or "fsdp2" (the HSTU stack sharded over ranks with FSDP2, its
+    parameters gathered per layer when used; tables are sharded by TorchRec either way)."""
+
+    dense_sharding: str = checked("none", one_of(*DENSE_SHARDINGS))
+    where: InitVar[str] = "distributed"
 
     def __post_init__(self, where: str) -> None:
         self.validate(where)
@@ -322,6 +347,7 @@ class TrainConfig:
     task: TaskSection
     optimizer: OptimizerSection
     trainer: TrainerSection
+    distributed: DistributedSection = field(default_factory=DistributedSection)
 
     @property
     def task_type(self) -> str:
@@ -353,6 +379,7 @@ class TrainConfig:
             task=TaskSection.from_dict(values.get("task"), "task"),
             optimizer=OptimizerSection.from_dict(values.get("optimizer"), "optimizer"),
             trainer=TrainerSection.from_dict(values.get("trainer"), "trainer"),
+            distributed=DistributedSection.from_dict(values.get("distributed"), "distributed"),
         )
         config.check_consistency()
         return config
@@ -362,6 +389,12 @@ class TrainConfig:
         if self.model.hstu.max_seq_len < self.data.max_seq_len:
             raise ValueError(f"model.hstu.max_seq_len: {self.model.hstu.max_seq_len} is below data.max_seq_len "
                              f"{self.data.max_seq_len}; HSTU must fit the longest history")
+        if self.trainer.precision == "16-mixed" and self.trainer.accelerator not in GPU_ACCELERATORS:
+            raise ValueError(f"trainer.precision: '16-mixed' (fp16 with loss scaling) needs trainer.accelerator "
+                             f"gpu; got accelerator {self.trainer.accelerator!r}. On CPU use 'bf16-mixed'")
+        if self.distributed.dense_sharding == "fsdp2" and self.trainer.gradient_clip_val:
+            raise ValueError("trainer.gradient_clip_val: clipping by the global norm is not supported with "
+                             "distributed.dense_sharding 'fsdp2' (sharded and replicated gradients); set it to 0")
         monitored = self.monitor.partition("/")[2]
         if not self.monitor.startswith("val/") or monitored not in self.metric_names():
             raise ValueError(f"trainer.monitor: expected 'val/<metric>' with a {self.task_type} metric "
@@ -386,6 +419,7 @@ class TrainConfig:
             "task": {"retrieval": _fields(self.task.retrieval), "ranking": _fields(self.task.ranking)},
             "optimizer": _fields(self.optimizer),
             "trainer": _fields(self.trainer),
+            "distributed": _fields(self.distributed),
         })
 
 

@@ -4,10 +4,11 @@ The model is built and sharded in ``configure_model`` (every rank builds it from
 same seed, then ``shard_model`` wraps it in DistributedModelParallel); the embedding
 optimizers run inside backward, so ``configure_optimizers`` gets the dense parameters only.
 
-Exact resume: every random draw of a training step (dropout, sampled negatives) comes
-from generators seeded by (trainer.seed, epoch, batch, rank) just before the step, and the
-data module seeds its shuffle by epoch, so an epoch run after a resume is the same
-computation as in an uninterrupted run, whatever else drew random numbers in between.
+Exact resume: every random draw of a training step (dropout, sampled negatives,
+stochastic-length cuts) comes from generators seeded by (trainer.seed, epoch, batch, rank)
+just before the step, and the data module seeds its shuffle by epoch, so an epoch run after
+a resume is the same computation as in an uninterrupted run, whatever else drew random
+numbers in between.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from torch import Tensor
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from gr.data.features import FeatureSpec
+from gr.data.stochastic_length import subsample_histories
 from gr.model import GRInput
 from gr.sparse.sharding import shard_model, table_device
 from gr.train.build import seeded_model
 from gr.train.config import TrainConfig
+from gr.train.fsdp import FSDP2DenseWrapper
 from gr.train.tasks import RankingTask, RetrievalTask
 
 
@@ -60,8 +63,16 @@ class GRTrainingModule(LightningModule):
                                       gr_model.postfix_dnn.item_embedding)
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)
-        sparse = self.config.sparse
-        self.model = shard_model(gr_model, sparse.optimizer, self.trainer.strategy.root_device, sparse.placement)
+        sparse, device = self.config.sparse, self.trainer.strategy.root_device
+        dense_wrapper = None
+        if self.dense_sharded:
+            dense_wrapper = FSDP2DenseWrapper(device, torch.distributed.group.WORLD)
+        self.model = shard_model(gr_model, sparse.optimizer, device, sparse.placement, dense_wrapper=dense_wrapper)
+
+    @property
+    def dense_sharded(self) -> bool:
+        """Whether the HSTU stack is sharded over ranks (FSDP2) rather than replicated."""
+        return self.config.distributed.dense_sharding == "fsdp2"
 
     @property
     def gr_model(self) -> torch.nn.Module:
@@ -71,6 +82,16 @@ class GRTrainingModule(LightningModule):
     def sparse_optimizer_state(self) -> Dict[str, Any]:
         """The fused embedding optimizers' state (sharded tensors), for checkpoints."""
         return self.model.fused_optimizer.state_dict()
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+        """``model.*``: DistributedModelParallel's state dict (table shards, dense parameters).
+
+        Asked with a prefix, DMP doubles it unless DDP wraps the dense part (with FSDP2 and
+        no replicated dense parameter, nothing does), so its state dict is taken unprefixed."""
+        state = self.model.state_dict(keep_vars=keep_vars)
+        out = destination if destination is not None else {}
+        out.update({f"{prefix}model.{k}": v for k, v in state.items()})
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Route "model.*" keys through DistributedModelParallel, which maps them onto the shards."""
@@ -127,6 +148,9 @@ class GRTrainingModule(LightningModule):
         self.generator.manual_seed(sampler_seed)
 
     def training_step(self, batch: GRInput, batch_idx: int) -> Tensor:
+        alpha = self.config.trainer.stochastic_length_alpha
+        if alpha is not None:
+            batch = subsample_histories(batch, self.config.data.max_seq_len, alpha, self.generator)
         inputs = self.task.training_inputs(batch, self.generator)
         output = self.model(inputs)
         losses = self.task.loss(output, inputs)

@@ -5,15 +5,21 @@ tables), move it to one device, broadcast rank 0's parameters at evaluation (ove
 the other ranks' table shards) and save rank 0's state only. Here the module builds its
 DMP in ``configure_model`` (DMP does DDP for the dense part itself), nothing is wrapped,
 moved or broadcast, and checkpoints go through DCP (``gr.train.checkpoint``) on every rank.
+
+With the HSTU stack sharded by FSDP2 (``distributed.dense_sharding: fsdp2``) the dense
+optimizer's state is sharded too: it is keyed by parameter name and saved through DCP with
+the rest, and a resume loads it after the optimizers exist (``restore_checkpoint_after_setup``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
 
 from gr.train import checkpoint as ckpt
+from gr.train.fsdp import dense_optimizer_state, load_dense_optimizer_state
 
 
 class TorchRecStrategy(DDPStrategy):
@@ -35,12 +41,36 @@ class TorchRecStrategy(DDPStrategy):
     def model_to_device(self) -> None:
         """DistributedModelParallel placed tables and dense modules when it was built."""
 
+    @property
+    def dense_sharded(self) -> bool:
+        return bool(getattr(self.lightning_module, "dense_sharded", False))
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Sharded dense optimizer state loads into the optimizers, which exist only after setup."""
+        return self.dense_sharded
+
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        if not self.dense_sharded:
+            return super().optimizer_state(optimizer)
+        return dense_optimizer_state(self.lightning_module.gr_model, getattr(optimizer, "_optimizer", optimizer))
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self.dense_sharded:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, state in zip(self.optimizers, checkpoint[ckpt.DENSE_OPTIMIZER_KEY]):
+            load_dense_optimizer_state(self.lightning_module.gr_model, optimizer, state)
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        ckpt.save_checkpoint(checkpoint, filepath)
+        dense = (ckpt.DENSE_OPTIMIZER_KEY,) if self.dense_sharded else ()
+        ckpt.save_checkpoint(checkpoint, filepath, (*ckpt.SHARDED_KEYS, *dense))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         module = self.lightning_module
         template = {"state_dict": module.state_dict(), "sparse_optimizer": module.sparse_optimizer_state()}
+        if self.dense_sharded and self.optimizers:
+            template[ckpt.DENSE_OPTIMIZER_KEY] = [dense_optimizer_state(module.gr_model, o) for o in self.optimizers]
         return ckpt.load_checkpoint(template, checkpoint_path)
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -1,0 +1,120 @@
+"""gr.plan: parameter counts equal the built model's, the activation estimate matches torch's
+CPU memory profiler, FLOPs match torch's FLOP counter, and the command line reads the trainer's config."""
+import dataclasses
+
+import pytest
+import torch
+import yaml
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
+
+from gr.data.datamodule import SequenceDataModule
+from gr.hstu import HSTU, HSTUConfig
+from gr.plan import hstu_activation_bytes, hstu_forward_flops_per_token, hstu_parameter_count, main, plan_from_config
+from gr.train.build import build_model
+from gr.train.config import TrainConfig
+from tiny_runs import recipe
+
+RANKING = (
+    ("data.task", "ranking"), ("data.item_features", True), ("data.user_features", True),
+    ("data.ranking", {"positives_per_sample": 2, "samples_per_user": 2, "num_negatives": 4, "eval_num_negatives": 9,
+                      "tasks": [{"name": "watch"}]}),
+    ("task", {"ranking": {}}),
+    ("model.tables", [
+        {"name": "item", "embedding_dim": 16, "features": ["item_id"]},
+        {"name": "category", "embedding_dim": 6, "features": ["item_category"]},  # stored 8 wide
+        {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
+        {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common"},
+    ]),
+)
+
+
+@pytest.mark.parametrize("overrides", [(), (("model.hstu.position_embedding", False), ("model.hstu.time_buckets", 0),
+                                            ("model.hstu.position_buckets", 0), ("model.hstu.num_heads", 1))])
+def test_hstu_parameter_count_equals_the_built_stack(overrides):
+    config = TrainConfig.from_dict(recipe(*overrides)).model.hstu
+    assert hstu_parameter_count(config) == sum(p.numel() for p in HSTU(config).parameters())
+
+
+def test_sparse_and_dense_counts_equal_the_built_model_and_shard_over_ranks():
+    config = TrainConfig.from_dict(recipe(*RANKING, ("distributed.dense_sharding", "fsdp2")))
+    plan = plan_from_config(config, nproc=3)
+    data = SequenceDataModule(config.data)
+    data.setup()
+    model = build_model(config, data.feature_spec(), data.tasks)
+    tables = {t.name: t for t in plan.tables}
+    for name in ("item", "category", "age", "gender"):
+        assert tables[name].params == model.embeddings.table_weight(name).shape[0] * tables[name].dim
+        assert sum(tables[name].params_per_rank) == tables[name].params
+    stored = sum(p.numel() for n, p in model.named_parameters() if n.startswith("embeddings."))
+    assert plan.sparse_params == stored
+    assert tables["category"].dim == 8 and tables["item"].sharding == "row_wise"
+    assert sorted(tables["age"].params_per_rank)[:2] == [0, 0]  # table-wise: whole on one rank
+    for module in ("prefix_dnn", "hstu", "postfix_dnn"):
+        assert plan.dense_params[module] == sum(p.numel() for p in getattr(model, module).parameters()), module
+    assert plan.dense_params["prefix_dnn"] > 0 and plan.dense_params["postfix_dnn"] > 0
+    replicated = plan.dense_params["prefix_dnn"] + plan.dense_params["postfix_dnn"]
+    assert sum(p - replicated for p in plan.dense_params_per_rank) == plan.dense_params["hstu"]
+    assert plan.tokens_per_sample == config.data.max_seq_len + 2 + 4  # history + positives + negatives
+
+
+def measured_activation_bytes(config: HSTUConfig, seq_len: int, precision: str) -> float:
+    """Bytes per token a training forward of the stack leaves allocated (torch's CPU memory
+    profiler), as the difference between batches of 4 and 2 sequences (constant terms such
+    as bf16 weight copies cancel)."""
+    allocated = {}
+    for batch in (2, 4):
+        torch.manual_seed(0)
+        stack = HSTU(config).train()
+        x = torch.randn(batch * seq_len, config.hidden_dim)
+        offsets = torch.arange(batch + 1) * seq_len
+        timestamps = torch.arange(batch * seq_len) * 60
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                out = stack(x, offsets, seq_len, timestamps)
+        allocated[batch] = sum(e.self_cpu_memory_usage for e in prof.events())
+        del out
+    return (allocated[4] - allocated[2]) / (2 * seq_len)
+
+
+@pytest.mark.parametrize("recompute, precision, dropout", [
+    *((mode, precision, 0.2) for mode in ("none", "attention", "layer") for precision in ("32-true", "bf16-mixed")),
+    ("none", "32-true", 0.0), ("none", "bf16-mixed", 0.0),
+])
+def test_activation_estimate_matches_the_profiled_forward(recompute, precision, dropout):
+    """Within 2%: the model counts every tensor the layers keep; what it leaves out (a few
+    index tensors of the kernel's bookkeeping) is a few bytes per token."""
+    config = HSTUConfig(hidden_dim=64, num_layers=2, num_heads=2, attention_dim=32, linear_dim=32, max_seq_len=64,
+                        dropout=dropout, input_dropout=dropout, recompute=recompute)
+    estimate, peak = hstu_activation_bytes(config, 1, recompute, 4 if precision == "32-true" else 2)
+    assert estimate == pytest.approx(measured_activation_bytes(config, 64, precision), rel=0.02)
+    full = hstu_activation_bytes(dataclasses.replace(config, recompute="none"), 1, "none", 4 if precision == "32-true" else 2)
+    assert peak - estimate >= full[1] - full[0] and (peak - estimate > full[1] - full[0]) == (recompute != "none")
+
+
+def test_forward_flops_per_token_match_the_flop_counter():
+    """torch's FLOP counter sees the projections and the attention-times-V matmuls (the CPU
+    kernel's q.k is an in-place baddbmm_, which it does not count), so compare with the
+    estimate less its q.k half. The kernel multiplies whole 128-key blocks of a chunk (the
+    diagonal one masked after): at most one block per query beyond the causal average."""
+    config = HSTUConfig(hidden_dim=64, num_layers=2, num_heads=2, attention_dim=32, linear_dim=32, max_seq_len=512)
+    stack = HSTU(config).train()
+    x, offsets = torch.randn(512, 64), torch.tensor([0, 512])
+    with FlopCounterMode(display=False) as counter:
+        stack(x, offsets, 512, torch.arange(512))
+    counted = counter.get_total_flops() / 512
+    per_key = config.num_layers * 2 * config.num_heads  # per key and per q/k (or v) dim
+    estimate_without_qk = hstu_forward_flops_per_token(config, 512) - per_key * config.attention_dim * (512 + 1) / 2
+    assert estimate_without_qk <= counted <= estimate_without_qk + per_key * config.linear_dim * 128
+
+
+def test_command_line_reads_overrides_and_says_whether_it_fits(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(recipe()))
+    assert main(["--config", str(path), "--nproc", "2", "--memory-gib", "1", "--model.hstu.num_layers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in 1.0 GiB" in out and "item: " in out and "recompute" in out
+    assert main(["--config", str(path), "--memory-gib", "0.0001"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["--config", str(path), "--model.hstu.recompute", "some"]) == 2
+    assert "recompute: expected one of ['none', 'attention', 'layer']" in capsys.readouterr().err
