@@ -6,6 +6,7 @@ conformance tests hold each of them to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -91,6 +92,7 @@ def silu_norm(position: Tensor, silu_scale: Optional[float]) -> Tensor:
     return 1.0 / (position.to(torch.float32) + 1.0)
 
 
+@lru_cache(maxsize=16)
 def time_bucket_thresholds(bucketing: str, num_buckets: int, device: torch.device) -> Tensor:
     """Where ``time_bucket`` steps up, for kernels that bucket |dt| with their own log/sqrt.
 
@@ -98,7 +100,8 @@ def time_bucket_thresholds(bucketing: str, num_buckets: int, device: torch.devic
     x >= 1 with ``time_bucket(x) >= b`` (+inf if none), entry 0 is 0 and the last is +inf.
     ``time_bucket(x)`` is then the number of entries 1..num_buckets-1 that are <= x, so a kernel
     whose log/sqrt is off by an ulp corrects its estimate by one step against this table and
-    agrees with the reference exactly. Computed on ``device`` with ``time_bucket`` itself.
+    agrees with the reference exactly. Computed on ``device`` with ``time_bucket`` itself, once per
+    (bucketing, num_buckets, device): kernels call it on every layer. Callers must not modify it.
     """
     finite = torch.tensor([1.0, torch.finfo(torch.float32).max], device=device).view(torch.int32).long()
     targets = torch.arange(1, num_buckets, device=device)
