@@ -13,11 +13,10 @@ Gloo implements the two collectives FSDP2 needs (``all_gather_into_tensor`` and
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Set
+from typing import Set
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torchrec.distributed import DistributedModelParallel
@@ -48,17 +47,4 @@ def shard_hstu(hstu: nn.Module, mesh: DeviceMesh) -> None:
     for layer in hstu.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(hstu, mesh=mesh)
-
-
-def dense_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """``optimizer``'s state keyed by parameter name, sharded tensors left sharded (for DCP).
-
-    Creates the state of an optimizer that has not stepped yet, so the result can serve as
-    the template a checkpoint is loaded into."""
-    return get_optimizer_state_dict(model, optimizer)
-
-
-def load_dense_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
-    """Inverse of ``dense_optimizer_state``."""
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
 

@@ -8,7 +8,9 @@ moved or broadcast, and checkpoints go through DCP (``gr.train.checkpoint``) on 
 
 With the HSTU stack sharded by FSDP2 (``distributed.dense_sharding: fsdp2``) the dense
 optimizer's state is sharded too: it is keyed by parameter name and saved through DCP with
-the rest, and a resume loads it after the optimizers exist (``restore_checkpoint_after_setup``).
+the rest (``get_optimizer_state_dict``, which also creates the state of an optimizer that
+has not stepped yet, so it serves as the template a checkpoint loads into), and a resume
+loads it after the optimizers exist (``restore_checkpoint_after_setup``).
 """
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ from typing import Any, Dict, Mapping, Optional
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 
 from gr.train import checkpoint as ckpt
-from gr.train.fsdp import dense_optimizer_state, load_dense_optimizer_state
 
 
 class TorchRecStrategy(DDPStrategy):
@@ -53,14 +55,14 @@ class TorchRecStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         if not self.dense_sharded:
             return super().optimizer_state(optimizer)
-        return dense_optimizer_state(self.lightning_module.gr_model, getattr(optimizer, "_optimizer", optimizer))
+        return get_optimizer_state_dict(self.lightning_module.gr_model, getattr(optimizer, "_optimizer", optimizer))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self.dense_sharded:
             super().load_optimizer_state_dict(checkpoint)
             return
         for optimizer, state in zip(self.optimizers, checkpoint[ckpt.DENSE_OPTIMIZER_KEY]):
-            load_dense_optimizer_state(self.lightning_module.gr_model, optimizer, state)
+            set_optimizer_state_dict(self.lightning_module.gr_model, optimizer, optim_state_dict=state)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         dense = (ckpt.DENSE_OPTIMIZER_KEY,) if self.dense_sharded else ()
@@ -70,7 +72,7 @@ class TorchRecStrategy(DDPStrategy):
         module = self.lightning_module
         template = {"state_dict": module.state_dict(), "sparse_optimizer": module.sparse_optimizer_state()}
         if self.dense_sharded and self.optimizers:
-            template[ckpt.DENSE_OPTIMIZER_KEY] = [dense_optimizer_state(module.gr_model, o) for o in self.optimizers]
+            template[ckpt.DENSE_OPTIMIZER_KEY] = [get_optimizer_state_dict(module.gr_model, o) for o in self.optimizers]
         return ckpt.load_checkpoint(template, checkpoint_path)
 
     def remove_checkpoint(self, filepath: Any) -> None:
