@@ -58,9 +58,9 @@ def batch(seed=0):
     return tensors, offsets, ts, torch.tensor([0, 3, 5, 4])
 
 
-def run(backend, tensors, offsets, ts, targets, **options):
+def run(backend, tensors, offsets, ts, targets, query_ts=None, **options):
     leaves = [x.clone().requires_grad_(True) for x in tensors]
-    rab = RelativeBias(leaves[3], leaves[4], ts)
+    rab = RelativeBias(leaves[3], leaves[4], ts, query_timestamps=query_ts)
     out = hstu_attention(*leaves[:3], offsets, 30, num_targets=targets, rab=rab, backend=backend, **options)
     return (out, *torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), leaves))
 
@@ -78,6 +78,22 @@ def test_mxrec_mapping_matches_reference_forward_and_gradients(monkeypatch):
     assert call["mask"] is None and call["mask_type"] == 0 and call["num_context"] is None
     assert call["target_group_size"] == 1 and call["max_seq_len"] == 30 and call["alpha"] == 0.3
     assert call["bias_shape"] == (4, 2, 30, 30)
+
+
+def test_mxrec_mapping_measures_time_from_query_times(monkeypatch):
+    """Next-event query times reach RecSDK's op through the dense bias: it matches the reference
+    with query times, which differs from the bias on the tokens' own times."""
+    fake = FakeHstuJagged()
+    monkeypatch.setattr(ascend, "find_mxrec_hstu_jagged", lambda: fake)
+    tensors, offsets, ts, targets = batch()
+    query_ts = ts + torch.randint(1, 10**4, ts.shape, generator=torch.Generator().manual_seed(1))
+    options = dict(alpha=0.3, silu_scale=1 / 30)
+    got = run("ascend", tensors, offsets, ts, targets, query_ts=query_ts, **options)
+    want = run("pytorch", tensors, offsets, ts, targets, query_ts=query_ts, **options)
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dpos_w", "dtime_w"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    own_times = run("pytorch", tensors, offsets, ts, targets, **options)
+    assert not torch.allclose(got[0], own_times[0], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(

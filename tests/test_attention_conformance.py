@@ -40,8 +40,11 @@ KERNEL_BACKENDS = [
 ]
 
 
-def make_batch(lengths, targets, heads=1, dim_qk=16, dim_v=12, pos_buckets=0, time_buckets=0, bucketing="log", seed=0):
-    """Random jagged batch on DEVICE; bias weights large enough that a wrong bucket shows."""
+def make_batch(lengths, targets, heads=1, dim_qk=16, dim_v=12, pos_buckets=0, time_buckets=0, bucketing="log", seed=0,
+               query_times=False):
+    """Random jagged batch on DEVICE; bias weights large enough that a wrong bucket shows.
+
+    query_times: give each query its own time (a random later one, like the next event's)."""
     g = torch.Generator().manual_seed(seed)
     lengths_t = torch.tensor(lengths)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths_t.cumsum(0)])
@@ -52,8 +55,10 @@ def make_batch(lengths, targets, heads=1, dim_qk=16, dim_v=12, pos_buckets=0, ti
     pos_w = torch.randn(pos_buckets, generator=g) if pos_buckets else None
     time_w = torch.randn(time_buckets, generator=g) if time_buckets else None
     num_targets = torch.tensor(targets) if targets is not None else None
+    query_ts = ts + torch.randint(0, 10**5, ts.shape, generator=g) if query_times else None
     tensors = dict(q=q, k=k, v=v, pos_w=pos_w, time_w=time_w)
-    meta = dict(seq_offsets=offsets, num_targets=num_targets, timestamps=ts, bucketing=bucketing)
+    meta = dict(seq_offsets=offsets, num_targets=num_targets, timestamps=ts, bucketing=bucketing,
+                query_timestamps=query_ts)
     return {name: x.to(DEVICE) if x is not None else None for name, x in tensors.items()}, {
         name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in meta.items()
     }
@@ -69,6 +74,7 @@ def run(backend, tensors, meta, dtype=torch.float32, **options):
             time_weights=leaves["time_w"],
             timestamps=meta["timestamps"] if leaves["time_w"] is not None else None,
             time_bucketing=meta["bucketing"],
+            query_timestamps=meta.get("query_timestamps") if leaves["time_w"] is not None else None,
         )
     max_len = int((meta["seq_offsets"][1:] - meta["seq_offsets"][:-1]).max())
     out = hstu_attention(
@@ -106,6 +112,14 @@ CASES = {
         options=dict(alpha=0.25, silu_scale=None, contextual_len=2, max_attn_len=9),
     ),
     "window,no-bias": dict(lengths=SMALL, targets=None, options=dict(alpha=0.25, silu_scale=1 / 64, max_attn_len=20)),
+    "causal,pos+next-event-time": dict(
+        lengths=SMALL, targets=None, heads=2, pos_buckets=100, time_buckets=40, query_times=True,
+        options=dict(alpha=0.3, silu_scale=None),
+    ),
+    "targets,context,next-event-time": dict(
+        lengths=SMALL, targets=[1, 0, 4, 7, 0, 2, 3], time_buckets=64, bucketing="sqrt", query_times=True,
+        options=dict(alpha=0.25, silu_scale=1 / 90, contextual_len=2),
+    ),
     "long-sequence,targets,pos+time": dict(
         lengths=[520, 1, 6], targets=[6, 0, 2], pos_buckets=600, time_buckets=64,
         options=dict(alpha=0.25, silu_scale=None),
@@ -158,22 +172,32 @@ def test_backend_matches_reference_in_bf16(backend):
         assert_matches(grads[name], ref, 5e-2, f"d{name}")
 
 
-@pytest.mark.parametrize("bucketing", ["log", "sqrt"])
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
-    """Time deltas on and next to every bucket boundary: an off-by-one bucket would show, since
-    neighbouring bucket weights differ by ~1."""
+def bucket_edge_deltas(bucketing):
+    """[69] time deltas on and next to each of the first 23 bucket boundaries, ascending."""
     edges = range(1, 24)
     if bucketing == "log":
         deltas = [int(math.exp(0.301 * b)) + d for b in edges for d in (-1, 0, 1)]
     else:
         deltas = [b * b + d for b in edges for d in (-1, 0, 1)]
-    deltas = [max(d, 0) for d in deltas]
+    return [max(d, 0) for d in deltas]
+
+
+def alternating_bucket_weights(num_buckets):
+    """[num_buckets] fp32 of -1, 1, -1, ...: neighbouring buckets differ by 2, so an off-by-one shows."""
+    return torch.arange(num_buckets, dtype=torch.float32, device=DEVICE) % 2 * 2.0 - 1.0
+
+
+@pytest.mark.parametrize("bucketing", ["log", "sqrt"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
+    """Time deltas on and next to every bucket boundary: an off-by-one bucket would show, since
+    neighbouring bucket weights differ by ~1."""
+    deltas = bucket_edge_deltas(bucketing)
     ts = torch.tensor([0] + deltas).cumsum(0).flip(0).neg()  # increasing, so every pair is a sum of deltas
     length = ts.numel()
     tensors, meta = make_batch([length], None, time_buckets=32, bucketing=bucketing)
     meta["timestamps"] = (ts - ts.min()).to(DEVICE)
-    tensors["time_w"] = torch.arange(32, dtype=torch.float32, device=DEVICE) % 2 * 2.0 - 1.0
+    tensors["time_w"] = alternating_bucket_weights(32)
     options = dict(alpha=0.25, silu_scale=0.05)
     out, grads = run(backend, tensors, meta, **options)
     ref_out, ref_grads = run("pytorch", tensors, meta, **options)
@@ -181,10 +205,34 @@ def test_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
     assert_matches(grads["time_w"], ref_grads["time_w"], 2e-4, "dtime_w")
 
 
+@pytest.mark.parametrize("bucketing", ["log", "sqrt"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_query_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
+    """Each token is queried a bucket-edge delta after or before its own time (tq_i - t_i = +-edge),
+    so every token's bias on itself lands on or next to a bucket boundary: in the score tiles for
+    the all-history sequence, in the target self terms for the same tokens as targets."""
+    offsets = torch.tensor([0] + bucket_edge_deltas(bucketing))
+    offsets[1::2] *= -1  # |tq - t| either way round
+    n = offsets.numel()
+    ts = torch.arange(n) * 1000
+    tensors, meta = make_batch([n, n], [0, n - 1], time_buckets=32, bucketing=bucketing)
+    meta["timestamps"] = torch.cat([ts, ts]).to(DEVICE)
+    meta["query_timestamps"] = torch.cat([ts + offsets, ts + offsets]).to(DEVICE)
+    tensors["time_w"] = alternating_bucket_weights(32)
+    options = dict(alpha=0.25, silu_scale=0.05)
+    out, grads = run(backend, tensors, meta, **options)
+    ref_out, ref_grads = run("pytorch", tensors, meta, **options)
+    assert_matches(out, ref_out, 1e-4, "output")
+    for name in ("q", "k", "v", "time_w"):
+        assert_matches(grads[name], ref_grads[name], 2e-4, f"d{name}")
+
+
 def naive_attention(
-    q, k, v, lengths, targets, alpha, silu_scale, contextual_len, max_attn_len, pos_w, time_w, ts, bucketing
+    q, k, v, lengths, targets, alpha, silu_scale, contextual_len, max_attn_len, pos_w, time_w, ts, bucketing,
+    query_ts=None,
 ):
     """Sequence by sequence, pair by pair, from the spec (DESIGN / gr.hstu.kernels.common)."""
+    query_ts = ts if query_ts is None else query_ts
     outs, start = [], 0
     for b, n in enumerate(lengths):
         hist = n - (targets[b] if targets is not None else 0)
@@ -206,7 +254,7 @@ def naive_attention(
                 if pos_w is not None:
                     bias[i, j] += pos_w[min(max(pi - pj, 0), pos_w.numel() - 1)]
                 if time_w is not None:
-                    dt = max(abs(int(ts[start + i]) - int(ts[start + j])), 1)
+                    dt = max(abs(int(query_ts[start + i]) - int(ts[start + j])), 1)
                     bucket = math.log(dt) / 0.301 if bucketing == "log" else math.sqrt(dt)
                     bias[i, j] += time_w[min(int(bucket), time_w.numel() - 1)]
         pos = torch.tensor([min(i, hist) for i in range(n)], dtype=torch.float64)
@@ -221,7 +269,9 @@ def naive_attention(
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("case", ["targets,pos+sqrt-time", "targets,context,window,time", "window,no-bias"])
+@pytest.mark.parametrize(
+    "case", ["targets,pos+sqrt-time", "targets,context,window,time", "window,no-bias", "targets,context,next-event-time"]
+)
 def test_reference_matches_naive_spec(case):
     spec = dict(CASES[case])
     options = spec.pop("options")
@@ -232,6 +282,6 @@ def test_reference_matches_naive_spec(case):
     expected = naive_attention(
         tensors["q"], tensors["k"], tensors["v"], spec["lengths"], spec["targets"], options["alpha"],
         options["silu_scale"], options.get("contextual_len", 0), options.get("max_attn_len", 0),
-        tensors["pos_w"], tensors["time_w"], meta["timestamps"], meta["bucketing"],
+        tensors["pos_w"], tensors["time_w"], meta["timestamps"], meta["bucketing"], meta["query_timestamps"],
     )
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)  # the reference rounds 1/(pos+1) to fp32

@@ -56,12 +56,14 @@ def test_retrieval_train_batch_is_the_recent_training_part_shifted_by_one(retrie
     tokens = split_tokens(batch, batch.sequence_ids["item_id"].values())
     labels = split_tokens(batch, batch.labels["next_item"])
     times = split_tokens(batch, batch.timestamps)
+    query_times = split_tokens(batch, batch.query_timestamps)
     for b, user in enumerate(batch.labels["user"].tolist()):
         items, stamps, _ = user_rows(retrieval, user)
         train = items[:-2]  # leave-one-out: the last two events are held out
         assert tokens[b] == train[:-1][-MAX_LEN:].tolist()
         assert labels[b] == train[1:][-MAX_LEN:].tolist()
         assert times[b] == stamps[:-2][:-1][-MAX_LEN:].tolist()
+        assert query_times[b] == stamps[:-2][1:][-MAX_LEN:].tolist()  # each label's time
     assert batch.max_seq_len == MAX_LEN  # sequences are >= 8 long, so some history is cut to the window
     categories = retrieval.corpus.item_features.categorical["item_category"]
     assert torch.equal(batch.sequence_ids["item_category"].values(),
@@ -72,12 +74,14 @@ def test_retrieval_train_batch_is_the_recent_training_part_shifted_by_one(retrie
 def test_retrieval_eval_batch_holds_out_one_event_and_excludes_the_history(retrieval, split, held_out):
     batch = next(iter(getattr(retrieval, f"{split}_dataloader")()))
     tokens = split_tokens(batch, batch.sequence_ids["item_id"].values())
+    query_times = split_tokens(batch, batch.query_timestamps)
     offsets = batch.labels["exclude_offsets"].tolist()
     for b, user in enumerate(batch.labels["user"].tolist()):
-        items, _, _ = user_rows(retrieval, user)
+        items, stamps, _ = user_rows(retrieval, user)
         target = len(items) - held_out
         assert batch.labels["target_item"][b] == items[target]
         assert tokens[b] == items[:target][-MAX_LEN:].tolist()
+        assert query_times[b] == stamps[1 : target + 1][-MAX_LEN:].tolist()  # the last: the target's time
         excluded = batch.labels["exclude_items"][offsets[b]:offsets[b + 1]].tolist()
         assert excluded == sorted(set(items[:target].tolist()))
 
@@ -100,6 +104,7 @@ def test_ranking_train_sample_is_history_then_real_next_items_then_unseen_negati
     assert batch.num_targets.tolist() == [7] * len(batch.num_targets)
     tokens = split_tokens(batch, batch.sequence_ids["item_id"].values())
     times = split_tokens(batch, batch.timestamps)
+    query_times = split_tokens(batch, batch.query_timestamps)
     watch = batch.labels["watch"].view(-1, 7)
     like = batch.labels["like"].view(-1, 7)
     for b, user in enumerate(batch.labels["user"].tolist()):
@@ -110,7 +115,7 @@ def test_ranking_train_sample_is_history_then_real_next_items_then_unseen_negati
         assert cut + 2 <= len(items) - 2  # positives come from the training part only
         assert not set(candidates[2:]) & set(items.tolist()) and len(set(candidates)) == 7
         assert times[b][-7:] == [stamps[cut]] * 7
-        assert watch[b].tolist() == [1, 1, 0, 0, 0, 0, 0]
+        assert query_times[b] == times[b][1:-7] + [stamps[cut]] * 8  # the request (cut) ends the history        assert watch[b].tolist() == [1, 1, 0, 0, 0, 0, 0]
         assert like[b].tolist() == [float(r >= 4) for r in ratings[cut:cut + 2]] + [0.0] * 5
 
 

@@ -100,6 +100,13 @@ def test_bad_config_values_are_named_by_key(export):
     assert "expected 'hstu'" in found[("hstu/config.ini", "model.model_type")]
 
 
+def test_a_missing_field_is_an_error_unless_it_came_after_format_1(export):
+    edit(export / "hstu/config.ini", "query_time = token\n", "")
+    assert problems(export) == [] and load_hstu(export).config.query_time == "token"  # older exports still load
+    edit(export / "hstu/config.ini", "num_heads = 2\n", "")
+    assert ("hstu/config.ini", "model.num_heads", "missing HSTUConfig field") in problems(export)
+
+
 @pytest.mark.parametrize("file", ["default/slice_graph.ini", "sparse/sparse.ini", "hstu/config.ini"])
 def test_unknown_format_version_is_an_error(export, file):
     edit(export / file, "version = 1", "version = 7")

@@ -99,7 +99,7 @@ def build_retrieval_model() -> GRModel:
 
 def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], seed: int = 0) -> GRInput:
     """A jagged ranking batch for ``model``'s features: sorted history timestamps, candidates at
-    one later request time; ids drawn from each feature's table."""
+    one later request time (each sequence needs one or more); ids drawn from each feature's table."""
     g = torch.Generator().manual_seed(seed)
     tables = model.embeddings.tables.values()
     seq_tables = {f: t.num_embeddings for t in tables if t.kind == "sequence" for f in t.features}
@@ -107,10 +107,12 @@ def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], see
     lengths_t = torch.tensor(lengths)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths_t.cumsum(0)])
     total = int(offsets[-1])
-    ts = []
+    ts, query_ts = [], []
     for n, k in zip(lengths, num_targets):
         hist = torch.sort(torch.randint(0, 10**6, (n - k,), generator=g)).values
-        ts += [hist, torch.full((k,), 10**6 + int(torch.randint(0, 5000, (1,), generator=g)))]
+        request = torch.full((k,), 10**6 + int(torch.randint(0, 5000, (1,), generator=g)))
+        ts += [hist, request]
+        query_ts += [torch.cat([hist, request[:1]])[1:], request]  # the next event's time (the request's)
     token_names = [f for f in model.prefix_dnn.feature_names if f in seq_tables]
     seq_ids = KeyedJaggedTensor.from_lengths_sync(
         token_names, torch.cat([torch.randint(0, seq_tables[f], (total,), generator=g) for f in token_names]),
@@ -127,7 +129,7 @@ def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], see
     common_dense = {f: torch.randn(len(lengths), dim, generator=g)
                     for f, dim in _dense(model.postfix_dnn, common_tables).items()}
     return GRInput(seq_offsets=offsets, max_seq_len=max(lengths), timestamps=torch.cat(ts),
-                   num_targets=torch.tensor(num_targets), sequence_ids=seq_ids, token_dense=token_dense,
+                   query_timestamps=torch.cat(query_ts), num_targets=torch.tensor(num_targets), sequence_ids=seq_ids, token_dense=token_dense,
                    common_ids=common_ids, common_dense=common_dense)
 
 

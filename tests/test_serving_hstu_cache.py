@@ -10,7 +10,9 @@ CASES = [
     dict(num_heads=1, attn_norm="seq_len", time_bucketing="sqrt", contextual_len=3),
     dict(num_heads=2, max_attn_len=7, contextual_len=2),
     dict(num_heads=2, position_buckets=0, time_buckets=0, position_embedding=False, scale_input=False),
+    dict(num_heads=2, query_time="next_event", contextual_len=2),
 ]
+REQUEST_TIME = 10**7 + 123  # the candidates' timestamp
 
 
 def make_engine(**overrides) -> CachedHSTU:
@@ -27,16 +29,19 @@ def tokens(history: int, candidates: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(history + candidates, 16, generator=g)
     hist_ts = torch.sort(torch.randint(0, 10**7, (history,), generator=g)).values
-    ts = torch.cat([hist_ts, torch.full((candidates,), 10**7 + 123)])
+    ts = torch.cat([hist_ts, torch.full((candidates,), REQUEST_TIME)])
     return x, ts
 
 
-def one_pass(engine: CachedHSTU, x, ts, history: int):
-    """Rows of the candidates in one target-aware HSTU.forward over history + candidates."""
+def one_pass(engine: CachedHSTU, x, ts, history: int, request_time: int = REQUEST_TIME, rows: str = "candidates"):
+    """Rows of the candidates (or of the history) in one target-aware HSTU.forward over history +
+    candidates; query times (read by "next_event" models): the next history token's timestamp,
+    then the request time, then the candidates' own."""
     total = x.shape[0]
+    query_ts = torch.cat([ts[1:history], torch.tensor([request_time]), ts[history:]])[-total:]
     with torch.no_grad():
-        out = engine.hstu(x, torch.tensor([0, total]), total, ts, torch.tensor([total - history]))
-    return out[history:]
+        out = engine.hstu(x, torch.tensor([0, total]), total, ts, torch.tensor([total - history]), query_ts)
+    return out[history:] if rows == "candidates" else out[:history]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -47,7 +52,7 @@ def test_cached_scores_equal_the_one_pass_target_aware_forward_for_any_micro_bat
     want = one_pass(engine, x, ts, history)
     cache = engine.encode(x[:history], ts[:history])
     for micro_batch in (1, 4, n, 1000):
-        got = engine.score(cache, x[history:], ts[history:], micro_batch=micro_batch)
+        got = engine.score(cache, x[history:], ts[history:], micro_batch=micro_batch, request_time=REQUEST_TIME)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
@@ -64,7 +69,7 @@ def test_incremental_appends_equal_encoding_the_longer_history(case):
     for mine, ref in zip(cache.keys + cache.values, full.keys + full.values):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(cache.timestamps, ts[:history])
-    got = engine.score(cache, x[history:], ts[history:], micro_batch=4)
+    got = engine.score(cache, x[history:], ts[history:], micro_batch=4, request_time=REQUEST_TIME)
     torch.testing.assert_close(got, one_pass(engine, x, ts, history), rtol=0, atol=1e-5)
 
 
@@ -106,3 +111,28 @@ def test_histories_beyond_max_seq_len_and_bad_shapes_are_refused():
         engine.score(cache, x[:2], None)
     with pytest.raises(ValueError, match=r"\[n, 16\]"):
         engine.score(cache, x[:2, :8], ts[:2])
+
+
+def test_next_event_query_time_keeps_the_last_history_token_pending_until_the_request():
+    """With query_time "next_event" the last history token's output depends on when the request
+    comes: the cache keeps its input only, and each request settles it at its own time."""
+    engine = make_engine(num_heads=2, query_time="next_event")
+    history, n = 30, 5
+    x, ts = tokens(history, n, seed=4)
+    cache = engine.encode(x[:history], ts[:history])
+    assert (cache.length, cache.committed, tuple(cache.pending.shape)) == (history, history - 1, (1, 16))
+    with pytest.raises(ValueError, match="request_time"):
+        engine.score(cache, x[history:], ts[history:])
+    scores = {}
+    for when in (REQUEST_TIME, REQUEST_TIME + 10**6):
+        cands_ts = torch.full((n,), when)
+        all_ts = torch.cat([ts[:history], cands_ts])
+        scores[when] = engine.score(cache, x[history:], cands_ts, request_time=when)
+        torch.testing.assert_close(scores[when], one_pass(engine, x, all_ts, history, when), rtol=0, atol=1e-5)
+        settled, hidden = engine.settle(cache, when)
+        assert settled.pending is None and settled.committed == history
+        want_last = one_pass(engine, x, all_ts, history, when, rows="history")[-1:]
+        torch.testing.assert_close(hidden, want_last, rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="settle"):
+            engine.run_block(cache, x[history:history + 1], cands_ts[:1], torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool))
+    assert not torch.allclose(scores[REQUEST_TIME], scores[REQUEST_TIME + 10**6], atol=1e-4)

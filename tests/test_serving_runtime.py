@@ -121,6 +121,24 @@ def test_new_actions_extend_the_cached_history_and_match_the_trained_model(expor
     assert rank(ranker, edited).cache == "miss", "a changed past action must not reuse the cache"
 
 
+def test_next_event_models_rank_as_trained_cached_extended_and_uncached(tmp_path):
+    """query_time "next_event": the last history token's output depends on the request time, so
+    the cache keeps it pending and each request settles it; scores still equal the trained model's."""
+    model = build_ranking_model(max_seq_len=40, query_time="next_event")
+    path = export_model(model, tmp_path / "export", dense_dims=DENSE_DIMS)
+    batch = random_batch(model, [30, 17], [5, 9], seed=8)
+    with torch.no_grad():
+        want = {k: v.numpy() for k, v in model(batch).predictions.items()}
+    requests = requests_from_batch(batch)
+    ranker = Ranker.load(path, micro_batch=2)
+    assert rank(ranker, slice_history(requests[0], 20)).cache == "miss"
+    assert ranker.cache.get(requests[0]["user_id"]).history.pending is not None
+    results = [rank_all(ranker, requests), rank_all(ranker, requests), rank_all(ranker, requests, use_cache=False)]
+    for task in want:
+        for got in results:  # extended + miss, hits, one pass
+            np.testing.assert_allclose(got[task], want[task], rtol=0, atol=ATOL)
+
+
 def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_used(exported, users):
     _, path = exported
     _, requests = users

@@ -89,6 +89,7 @@ def assemble(
     users: np.ndarray,
     items: np.ndarray,
     timestamps: np.ndarray,
+    query_timestamps: np.ndarray,
     lengths: np.ndarray,
     num_targets: Optional[np.ndarray],
     labels: Dict[str, np.ndarray],
@@ -96,7 +97,8 @@ def assemble(
     """One jagged batch -> GRInput with every side feature the corpus has.
 
     users: [B] int64 dense user ids; items: [T] int64 dense item ids per token;
-    timestamps: [T] int64; lengths: [B] tokens per sequence (targets included);
+    timestamps: [T] int64; query_timestamps: [T] int64, the time of the event each token
+    predicts (``GRInput.query_timestamps``); lengths: [B] tokens per sequence (targets included);
     num_targets: [B] trailing candidate tokens, or None; labels: {name: array}.
     """
     lengths_t = torch.from_numpy(lengths.astype(np.int64))
@@ -115,6 +117,7 @@ def assemble(
         seq_offsets=offsets_from_lengths(lengths_t),
         max_seq_len=int(lengths.max()),
         timestamps=torch.from_numpy(timestamps.astype(np.int64)),
+        query_timestamps=torch.from_numpy(query_timestamps.astype(np.int64)),
         num_targets=None if num_targets is None else torch.from_numpy(num_targets.astype(np.int64)),
         sequence_ids=KeyedJaggedTensor(
             keys=sequence_keys,
@@ -170,8 +173,8 @@ class RetrievalTrainBatches(SplitBatches):
         starts = window_starts(seqs.starts[users], last, self.max_seq_len)
         lengths = last - starts
         index = concat_ranges(starts, lengths)
-        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], lengths, None,
-                        {"next_item": seqs.items[index + 1]})
+        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], seqs.timestamps[index + 1],
+                        lengths, None, {"next_item": seqs.items[index + 1]})
 
 
 class RetrievalEvalBatches(SplitBatches):
@@ -204,7 +207,9 @@ class RetrievalEvalBatches(SplitBatches):
         keys = np.unique(owner * seqs.num_items + excluded)
         keys = keys[keys % seqs.num_items != target_items[keys // seqs.num_items]]
         exclude_offsets = np.concatenate([[0], np.cumsum(np.bincount(keys // seqs.num_items, minlength=len(users)))])
-        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], lengths, None, {
+        # The token after each input token is the next one, then the target: its time is the request's.
+        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], seqs.timestamps[index + 1],
+                        lengths, None, {
             "target_item": target_items,
             "exclude_offsets": exclude_offsets.astype(np.int64),
             "exclude_items": keys % seqs.num_items,
@@ -254,10 +259,13 @@ class RankingBatches(SplitBatches):
         items[history_slots], items[candidate_slots] = seqs.items[history_rows], candidates.ravel()
         times[history_slots] = seqs.timestamps[history_rows]
         times[candidate_slots] = np.repeat(seqs.timestamps[cuts], num_candidates)
+        query_times = times.copy()  # the last history token's next event is the cut: the request
+        query_times[history_slots] = seqs.timestamps[history_rows + 1]
         labels = {}
         for task in self.tasks:
             real = (np.ones_like(positive_rows, dtype=bool) if task.min_rating is None
                     else seqs.ratings[positive_rows] >= task.min_rating)
             labels[task.name] = np.concatenate([real, np.zeros_like(negatives, dtype=bool)], 1).ravel()
             labels[task.name] = labels[task.name].astype(np.float32)
-        return assemble(self.corpus, users, items, times, lengths, np.full(len(rows), num_candidates), labels)
+        return assemble(self.corpus, users, items, times, query_times, lengths, np.full(len(rows), num_candidates),
+                        labels)

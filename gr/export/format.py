@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from gr.hstu.config import HSTUConfig
 
 FORMAT_VERSION = 1
+# HSTUConfig fields added after format 1 was released, and what an export without them means.
+FIELDS_SINCE_FORMAT_1 = {"query_time": "token"}
 
 SLICE_GRAPH = "default/slice_graph.ini"
 SPARSE_DIR = "sparse"
@@ -201,6 +203,9 @@ def hstu_config_from_ini(
         problems.append(Problem(rel, f"model.{key}", "unknown HSTUConfig field"))
     values: Dict[str, Any] = {}
     for name in sorted(known):
+        if name not in section and name in FIELDS_SINCE_FORMAT_1:
+            values[name] = FIELDS_SINCE_FORMAT_1[name]
+            continue
         if name not in section:
             problems.append(Problem(rel, f"model.{name}", "missing HSTUConfig field"))
             continue

@@ -121,21 +121,26 @@ def chain_mask(n: int) -> Tensor:
 
 
 def start(
-    model: GenerativeModel, items: Tensor, timestamps: Tensor, cached: Optional[HistoryCache] = None
+    model: GenerativeModel, items: Tensor, timestamps: Tensor, request_time: int,
+    cached: Optional[HistoryCache] = None,
 ) -> DecodeState:
     """Encode a history and compute the query at its last token.
 
     items: [L] int64 history items (L >= 1); timestamps: [L] int64
+    request_time: seconds, when the generated items happen (the event after the history)
     cached: the cache of exactly this history, if known (only its last token is recomputed)
     """
     length = int(items.numel())
     if length == 0:
         raise ValueError("generate: the history is empty; generation needs at least one item to start from")
     x = model.item_tokens(items)
-    if cached is not None and cached.length == length:
-        base = truncate(cached, length - 1)
-    else:
-        base = model.engine.encode(x[:-1], timestamps[:-1])
+    engine = model.engine
+    if cached is None or cached.length != length:
+        cached = engine.encode(x, timestamps) if engine.defers_last else engine.encode(x[:-1], timestamps[:-1])
+    if engine.defers_last:
+        cache, hidden = engine.settle(cached, request_time)
+        return DecodeState(cache, items.tolist(), model.queries(hidden[-1:])[0])
+    base = truncate(cached, length - 1) if cached.length == length else cached
     return advance(model, DecodeState(base, items[:-1].tolist(), torch.empty(0)), items[-1:], x[-1:], timestamps[-1:])
 
 

@@ -70,7 +70,7 @@ class ModelDrafter:
             raise ValueError("ModelDrafter: max_depth and width must be >= 1")
         self.model, self.index, self.max_depth, self.width = model, index, max_depth, width
         self.history_timestamps, self.request_time = timestamps.to(torch.long), int(request_time)
-        self.state = start(model, items, timestamps)
+        self.state = start(model, items, timestamps, self.request_time)
 
     def propose(
         self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,

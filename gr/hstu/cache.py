@@ -6,6 +6,11 @@ tokens see the history and themselves only. A cached history therefore lets a ne
 token (history or candidate) be computed from its own projections plus the cached
 per-layer K and V, with results equal to the one-pass ``HSTU.forward``.
 
+With ``HSTUConfig.query_time == "next_event"`` a history token's output depends on the time
+of the event after it, which for the last history token is the request's time. That token
+stays *pending* in the cache (only its input is kept) until the next event arrives
+(``extend``) or a request settles it (``score``, ``settle``): one token recomputed per request.
+
 Imports only torch, gr.hstu and gr.jagged: the serving runtime uses it without the
 training code.
 """
@@ -30,22 +35,30 @@ TIMESTAMP_BYTES = 8  # one int64 timestamp per cached token
 class HistoryCache:
     """One user's encoded history; immutable, so concurrent readers can share it.
 
-    keys: per layer [H, L, Da] float
-    values: per layer [H, L, Dl] float
-    timestamps: [L] int64 seconds
+    keys: per layer [H, C, Da] float, values: per layer [H, C, Dl] float: the C committed tokens
+    timestamps: [L] int64 seconds of all L history tokens
+    pending: [L - C, D] float or None: the input (PrefixDNN output) of the last history tokens,
+        whose outputs wait for the time of the event after them ("next_event" query time)
     """
 
     keys: Tuple[Tensor, ...]
     values: Tuple[Tensor, ...]
     timestamps: Tensor
+    pending: Optional[Tensor] = None
 
     @property
     def length(self) -> int:
+        """History tokens, pending ones included."""
         return int(self.timestamps.numel())
 
     @property
+    def committed(self) -> int:
+        """History tokens whose K/V are cached."""
+        return self.length - (0 if self.pending is None else int(self.pending.shape[0]))
+
+    @property
     def nbytes(self) -> int:
-        tensors = (*self.keys, *self.values, self.timestamps)
+        tensors = (*self.keys, *self.values, self.timestamps, *(() if self.pending is None else (self.pending,)))
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -62,34 +75,29 @@ def attend_cached(
     k: Tensor,
     v: Tensor,
     query_positions: Tensor,
-    query_timestamps: Optional[Tensor],
     cache_keys: Tensor,
     cache_values: Tensor,
-    cache_timestamps: Optional[Tensor],
     cache_visible: Tensor,
     block_visible: Optional[Tensor],
-    cache_buckets: Optional["BiasBuckets"] = None,
-    block_buckets: Optional["BiasBuckets"] = None,
+    cache_buckets: "BiasBuckets",
+    block_buckets: Optional["BiasBuckets"],
 ) -> Tensor:
     """HSTU attention of n new tokens over L cached history tokens and the new block itself.
 
     q, k: [n, H, Da] float, v: [n, H, Dl] float: the new tokens' projections
     query_positions: [n] int64 position of each new token (a target's is the history length)
-    query_timestamps: [n] int64 or None (None only when the layer has no time bias)
     cache_keys: [H, L, Da] float, cache_values: [H, L, Dl] float; cached key j has position j
-    cache_timestamps: [L] int64 or None
     cache_visible: [n, L] or [1, L] bool, whether new token i sees cached token j
     block_visible: [n, n] bool, whether new token i sees new token j; None -> itself only
-    cache_buckets, block_buckets: the bias buckets of (new, cached) and (new, new) pairs when already
-        computed for another layer (``BiasBuckets.between``); None -> computed here
+        (then each query's time is its own timestamp: the self term has time delta 0)
+    cache_buckets, block_buckets: the bias buckets of (new, cached) and (new, new) pairs
+        (``BiasBuckets``; computed once per pass, shared by the layers); block_buckets is
+        needed when block_visible is given
     returns: [n, H, Dl], equal to the rows of the one-pass attention for these tokens
     """
     norm = silu_norm(query_positions, layer.silu_scale()).to(q.dtype).view(1, -1, 1)  # [1, n, 1]
     qh = (q * layer.config.alpha).transpose(0, 1)  # [H, n, Da]
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)
-    if cache_buckets is None:
-        cache_buckets = BiasBuckets.for_cache(layer.config, query_positions, query_timestamps, cache_timestamps,
-                                              cache_keys.shape[1])
     logits = torch.matmul(qh, cache_keys.transpose(1, 2))  # [H, n, L]
     bias = cache_buckets.bias(layer)
     if bias is not None:
@@ -108,9 +116,6 @@ def attend_cached(
         out = out + F.silu(self_logits).unsqueeze(-1) * vh
     else:
         block_logits = torch.matmul(qh, kh.transpose(1, 2))  # [H, n, n]
-        if block_buckets is None:
-            block_buckets = BiasBuckets.between(layer.config, query_positions, query_timestamps, query_positions,
-                                                query_timestamps)
         block_bias = block_buckets.bias(layer)
         if block_bias is not None:
             block_logits = block_logits + block_bias
@@ -190,7 +195,8 @@ class CachedHSTU:
     """Inference engine over a trained ``HSTU``: encode, extend and score with a ``HistoryCache``.
 
     ``score`` after ``encode(history)`` equals ``HSTU.forward`` on history + candidates
-    with ``num_targets`` (candidates at position L, timestamps as given); ``extend`` equals
+    with ``num_targets`` (candidates at position L, timestamps as given; with "next_event"
+    query times, the last history token's query time is ``request_time``); ``extend`` equals
     encoding the longer history in one pass.
     """
 
@@ -199,6 +205,8 @@ class CachedHSTU:
             raise TypeError(f"CachedHSTU: expected an HSTU module, got {type(hstu).__name__}")
         self.hstu = hstu.eval()
         self.config = hstu.config
+        # whether the last history token's output waits for the time of the event after it
+        self.defers_last = hstu.config.query_time == "next_event" and hstu.config.time_buckets > 0
 
     def can_extend(self, cache: HistoryCache) -> bool:
         """False while the history is shorter than contextual_len: contextual tokens see each
@@ -207,53 +215,76 @@ class CachedHSTU:
 
     @torch.inference_mode()
     def encode(self, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
-        """x: [L, D] float PrefixDNN output of the history; timestamps: [L] int64 -> cache."""
+        """x: [L, D] float PrefixDNN output of the history; timestamps: [L] int64 -> cache
+        (the last token pending when the engine ``defers_last``)."""
         length = self._check_tokens(x, timestamps, start=0)
-        if length == 0:
-            return self._empty(x)
-        positions = torch.arange(length, device=x.device)
-        h = self.hstu.embed(x, positions)
-        offsets = torch.tensor([0, length], device=x.device)
+        ts = self._timestamps(timestamps, length, x.device)
+        committed = length - 1 if self.defers_last and length else length
         keys, values = [], []
-        for layer in self.hstu.layers:
-            u, q, k, v = layer.project(h)
-            attn = layer.attend(q, k, v, offsets, max(length, 1), timestamps)
-            h = layer.combine(h, attn, u)
-            keys.append(k.transpose(0, 1).contiguous())
-            values.append(v.transpose(0, 1).contiguous())
-        return HistoryCache(tuple(keys), tuple(values), self._timestamps(timestamps, length, x.device))
+        if committed:
+            positions = torch.arange(committed, device=x.device)
+            h = self.hstu.embed(x[:committed], positions)
+            offsets = torch.tensor([0, committed], device=x.device)
+            query_ts = ts[1:] if self.defers_last else None
+            for layer in self.hstu.layers:
+                u, q, k, v = layer.project(h)
+                attn = layer.attend(q, k, v, offsets, committed, ts[:committed], query_timestamps=query_ts)
+                h = layer.combine(h, attn, u)
+                keys.append(k.transpose(0, 1).contiguous())
+                values.append(v.transpose(0, 1).contiguous())
+        else:
+            keys, values = self._empty_kv(x)
+        return HistoryCache(tuple(keys), tuple(values), ts, x[committed:] if committed < length else None)
 
     @torch.inference_mode()
     def extend(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
-        """Append n history tokens, computing only them. x: [n, D] float; timestamps: [n] int64."""
+        """Append n history tokens, computing only them (and the pending one, whose next event
+        they bring). x: [n, D] float; timestamps: [n] int64."""
         if not self.can_extend(cache):
             raise ValueError(
                 f"HSTU cache: a history of {cache.length} tokens is shorter than HSTUConfig.contextual_len "
                 f"{self.config.contextual_len}; encode the whole history instead"
             )
         n = self._check_tokens(x, timestamps, start=cache.length)
-        total = cache.length + n
-        index = torch.arange(cache.length, total, device=x.device)
-        cache_cols = torch.arange(cache.length, device=x.device)
-        history_len = torch.tensor(total, device=x.device)
-        cache_visible = self._visible(index.view(-1, 1), cache_cols.view(1, -1), history_len)
-        block_visible = self._visible(index.view(-1, 1), index.view(1, -1), history_len)
-        _, new_keys, new_values = self._run_new_tokens(cache, x, index, timestamps, cache_visible, block_visible)
-        keys = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.keys, new_keys))
-        values = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.values, new_values))
-        return HistoryCache(keys, values, torch.cat([cache.timestamps, self._timestamps(timestamps, n, x.device)]))
+        if n == 0:
+            return cache
+        tokens = x if cache.pending is None else torch.cat([cache.pending, x])
+        ts = torch.cat([cache.timestamps, self._timestamps(timestamps, n, x.device)])
+        run = tokens.shape[0] - 1 if self.defers_last else tokens.shape[0]
+        settled = self._commit(cache, tokens[:run], ts[cache.committed :], ts.numel())[0]
+        return HistoryCache(settled.keys, settled.values, ts, tokens[run:] if run < tokens.shape[0] else None)
 
     @torch.inference_mode()
-    def score(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor], micro_batch: int = 256) -> Tensor:
+    def settle(self, cache: HistoryCache, request_time: Optional[int]) -> Tuple[HistoryCache, Tensor]:
+        """Commit the pending history tokens, the request being the event after the last one.
+
+        -> (a cache with nothing pending, the settled tokens' HSTU outputs [p, D])
+        request_time: seconds; needed only when something is pending
+        """
+        if cache.pending is None:
+            return cache, cache.timestamps.new_zeros(0, self.config.hidden_dim, dtype=torch.float32)
+        if request_time is None:
+            raise ValueError("HSTU cache: request_time is required: the last history token's output depends on "
+                             "the time of the request (HSTUConfig.query_time is 'next_event')")
+        request = torch.tensor([int(request_time)], dtype=torch.long, device=cache.timestamps.device)
+        settled, hidden = self._commit(cache, cache.pending, torch.cat([cache.timestamps[cache.committed :], request]),
+                                       cache.length)
+        return HistoryCache(settled.keys, settled.values, cache.timestamps), hidden
+
+    @torch.inference_mode()
+    def score(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor], micro_batch: int = 256,
+              request_time: Optional[int] = None) -> Tensor:
         """HSTU outputs of N candidate tokens against the cached history.
 
         x: [N, D] float PrefixDNN output of the candidates; timestamps: [N] int64 (request time)
         micro_batch: candidates per pass; the result does not depend on it
+        request_time: seconds, needed when the cache has a pending token (see ``settle``)
         returns: [N, D]
         """
         if micro_batch < 1:
             raise ValueError(f"micro_batch: expected >= 1, got {micro_batch}")
         self._check_tokens(x, timestamps, start=cache.length, targets=True)
+        cache = self.settle(cache, request_time)[0]
         length = cache.length
         history_len = torch.tensor(length, device=x.device)
         history_cols = torch.arange(length, device=x.device).view(1, -1)
@@ -277,7 +308,8 @@ class CachedHSTU:
         block_visible: Tensor,
     ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
         """Run a block of n new history tokens after the cache without committing them (e.g. a draft
-        token tree: branches causal, invisible to each other).
+        token tree: branches causal, invisible to each other). Each token's query time is its own
+        timestamp (generated tokens: the event after them is generated at the same request time).
 
         x: [n, D] float PrefixDNN output; timestamps: [n] int64
         depths: [n] int64 >= 1, token i sits at position cache.length + depths[i] - 1
@@ -286,6 +318,8 @@ class CachedHSTU:
         whose visible block tokens are exactly its predecessors at depths 1..d-1 gets the outputs
         and K/V that ``extend`` with that chain would compute
         """
+        if cache.pending is not None:
+            raise ValueError("HSTU cache: the history has a pending token; settle(cache, request_time) first")
         n = self._check_tokens(x, timestamps, start=cache.length, targets=True)
         if depths.shape != (n,) or block_visible.shape != (n, n):
             raise ValueError(f"HSTU cache: depths must be [{n}] and block_visible [{n}, {n}], "
@@ -303,6 +337,27 @@ class CachedHSTU:
             n, dtype=torch.bool, device=x.device)
         return self._run_new_tokens(cache, x, positions, timestamps, cache_visible, block_visible & window)
 
+    def _commit(self, cache: HistoryCache, x: Tensor, times: Tensor, history_len: int) -> Tuple[HistoryCache, Tensor]:
+        """Run history tokens right after the committed ones as a causal chain and commit them.
+
+        x: [n, D] float; times: [n] int64 their timestamps, or [n + 1] when the engine defers
+        the last token (then times[i + 1] is token i's query time); history_len: tokens in the
+        whole history -> (cache of committed + these tokens, timestamps as ``cache``'s; outputs [n, D])
+        """
+        n, start = x.shape[0], cache.committed
+        if n == 0:
+            return cache, x.new_zeros(0, self.config.hidden_dim)
+        index = torch.arange(start, start + n, device=x.device)
+        length = torch.tensor(history_len, device=x.device)
+        cache_visible = self._visible(index.view(-1, 1), torch.arange(start, device=x.device).view(1, -1), length)
+        block_visible = self._visible(index.view(-1, 1), index.view(1, -1), length)
+        committed = HistoryCache(cache.keys, cache.values, cache.timestamps[:start])
+        hidden, keys, values = self._run_new_tokens(committed, x, index, times[:n], cache_visible, block_visible,
+                                                    times[1:] if self.defers_last else None)
+        keys = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.keys, keys))
+        values = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.values, values))
+        return HistoryCache(keys, values, cache.timestamps), hidden
+
     def _run_new_tokens(
         self,
         cache: HistoryCache,
@@ -311,30 +366,33 @@ class CachedHSTU:
         timestamps: Optional[Tensor],
         cache_visible: Tensor,
         block_visible: Optional[Tensor],
+        query_timestamps: Optional[Tensor] = None,
     ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
-        """New tokens through every layer against the cache (see ``attend_cached``).
+        """New tokens through every layer against a cache with nothing pending (see ``attend_cached``).
 
+        query_timestamps: [n] int64, each token's query time; None -> its own timestamp
         -> (outputs [n, D], per-layer keys [H, n, Da], per-layer values [H, n, Dl])
         """
+        query_ts = timestamps if query_timestamps is None else query_timestamps
         h = self.hstu.embed(x, positions)
-        cache_buckets = BiasBuckets.for_cache(self.config, positions, timestamps, cache.timestamps, cache.length)
+        cache_buckets = BiasBuckets.for_cache(self.config, positions, query_ts, cache.timestamps, cache.length)
         block_buckets = None if block_visible is None else BiasBuckets.between(
-            self.config, positions, timestamps, positions, timestamps)
+            self.config, positions, query_ts, positions, timestamps)
         keys, values = [], []
         for i, layer in enumerate(self.hstu.layers):
             u, q, k, v = layer.project(h)
-            attn = attend_cached(layer, q, k, v, positions, timestamps, cache.keys[i], cache.values[i],
-                                 cache.timestamps, cache_visible, block_visible, cache_buckets, block_buckets)
+            attn = attend_cached(layer, q, k, v, positions, cache.keys[i], cache.values[i], cache_visible,
+                                 block_visible, cache_buckets, block_buckets)
             h = layer.combine(h, attn, u)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         return h, keys, values
 
-    def _empty(self, x: Tensor) -> HistoryCache:
+    def _empty_kv(self, x: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
         c = self.config
-        keys = tuple(x.new_zeros(c.num_heads, 0, c.attention_dim) for _ in range(c.num_layers))
-        values = tuple(x.new_zeros(c.num_heads, 0, c.linear_dim) for _ in range(c.num_layers))
-        return HistoryCache(keys, values, torch.zeros(0, dtype=torch.long, device=x.device))
+        keys = [x.new_zeros(c.num_heads, 0, c.attention_dim) for _ in range(c.num_layers)]
+        values = [x.new_zeros(c.num_heads, 0, c.linear_dim) for _ in range(c.num_layers)]
+        return keys, values
 
     def _visible(self, row: Tensor, col: Tensor, history_len: Tensor) -> Tensor:
         big = torch.tensor(torch.iinfo(torch.int64).max, device=row.device)

@@ -10,6 +10,7 @@ ATTN_NORMS = ("max_seq_len", "seq_len")
 TIME_BUCKETINGS = ("log", "sqrt")
 KERNEL_BACKENDS = ("auto", "pytorch", "cpu", "triton", "ascend", "ascend_triton")
 RECOMPUTE_MODES = ("none", "attention", "layer")
+QUERY_TIMES = ("token", "next_event")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class HSTUConfig:
     position_buckets: Optional[int] = None  # relative position bias; None -> max_seq_len + 1, 0 -> off
     time_buckets: int = 128  # relative time bias buckets; 0 -> off
     time_bucketing: str = "log"  # how |t_query - t_key| (seconds) maps to a bucket
+    # t_query of the time bias: "token", the query token's own timestamp; "next_event", the time
+    # of the event the token predicts (the next token's; the request time for the last history
+    # token), as in the HSTU paper's code. "next_event" needs ``query_timestamps`` in forward.
+    query_time: str = "token"
     contextual_len: int = 0  # leading tokens every token may attend to
     max_attn_len: int = 0  # local look-back window in positions; 0 -> unbounded
     layer_norm_eps: float = 1e-6
@@ -71,6 +76,7 @@ class HSTUConfig:
         _check_choice(self, "time_bucketing", TIME_BUCKETINGS)
         _check_choice(self, "kernel_backend", KERNEL_BACKENDS)
         _check_choice(self, "recompute", RECOMPUTE_MODES)
+        _check_choice(self, "query_time", QUERY_TIMES)
         for name in ("position_embedding", "scale_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HSTUConfig.{name}: expected true or false, got {getattr(self, name)!r}")

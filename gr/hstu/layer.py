@@ -43,17 +43,24 @@ class HSTULayer(nn.Module):
         u, v, q, k = torch.split(uvqk, [heads * dl, heads * dl, heads * da, heads * da], dim=-1)
         return u, q.reshape(-1, heads, da), k.reshape(-1, heads, da), v.reshape(-1, heads, dl)
 
-    def relative_bias(self, timestamps: Optional[Tensor]) -> Optional[RelativeBias]:
-        """timestamps: [T] int64 or None -> the bias parts the kernel fuses."""
+    def relative_bias(
+        self, timestamps: Optional[Tensor], query_timestamps: Optional[Tensor] = None
+    ) -> Optional[RelativeBias]:
+        """timestamps, query_timestamps: [T] int64 or None -> the bias parts the kernel fuses."""
         if self.position_bias is None and self.time_bias is None:
             return None
-        if self.time_bias is not None and timestamps is None:
+        timed = self.time_bias is not None
+        if timed and timestamps is None:
             raise ValueError("HSTU: timestamps are required when HSTUConfig.time_buckets > 0")
+        if timed and self.config.query_time == "next_event" and query_timestamps is None:
+            raise ValueError("HSTU: query_timestamps (each token's next event time) are required when "
+                             "HSTUConfig.query_time is 'next_event'")
         return RelativeBias(
             position_weights=self.position_bias,
             time_weights=self.time_bias,
-            timestamps=timestamps if self.time_bias is not None else None,
+            timestamps=timestamps if timed else None,
             time_bucketing=self.config.time_bucketing,
+            query_timestamps=query_timestamps if timed and self.config.query_time == "next_event" else None,
         )
 
     def combine(self, x: Tensor, attn: Tensor, u: Tensor) -> Tensor:
@@ -73,6 +80,7 @@ class HSTULayer(nn.Module):
         max_seq_len: int,
         timestamps: Optional[Tensor] = None,
         num_targets: Optional[Tensor] = None,
+        query_timestamps: Optional[Tensor] = None,
     ) -> Tensor:
         """q, k: [T, H, Da], v: [T, H, Dl] -> [T, H, Dl]: this layer's masked, biased attention."""
         return hstu_attention(
@@ -86,7 +94,7 @@ class HSTULayer(nn.Module):
             max_attn_len=self.config.max_attn_len,
             alpha=self.config.alpha,
             silu_scale=self.silu_scale(),
-            rab=self.relative_bias(timestamps),
+            rab=self.relative_bias(timestamps, query_timestamps),
             backend=self.config.kernel_backend,
         )
 
@@ -97,9 +105,10 @@ class HSTULayer(nn.Module):
         max_seq_len: int,
         timestamps: Optional[Tensor] = None,
         num_targets: Optional[Tensor] = None,
+        query_timestamps: Optional[Tensor] = None,
     ) -> Tensor:
         """x: [T, D] -> [T, D]; see ``HSTU.forward`` for the other arguments."""
-        args = (seq_offsets, max_seq_len, timestamps, num_targets)
+        args = (seq_offsets, max_seq_len, timestamps, num_targets, query_timestamps)
         recompute = self.config.recompute if torch.is_grad_enabled() and self.training else "none"
         if recompute == "layer":
             return checkpoint(self._project_attend_combine, x, *args, use_reentrant=False)
@@ -122,6 +131,7 @@ class HSTULayer(nn.Module):
         max_seq_len: int,
         timestamps: Optional[Tensor],
         num_targets: Optional[Tensor],
+        query_timestamps: Optional[Tensor],
     ) -> Tensor:
-        attn = self.attend(q, k, v, seq_offsets, max_seq_len, timestamps, num_targets)
+        attn = self.attend(q, k, v, seq_offsets, max_seq_len, timestamps, num_targets, query_timestamps)
         return self.combine(x, attn, u)

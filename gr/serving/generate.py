@@ -133,7 +133,8 @@ def _prepare(
     items = torch.from_numpy(hist[catalogue.item_feature])
     timestamps = torch.from_numpy(hist[TIMESTAMPS])
     when = int(hist[TIMESTAMPS][-1]) if request_time is None else int(request_time)
-    return _Prepared(lm, start(lm, items, timestamps, cached), items, timestamps, when, max(length - limit, 0), status)
+    return _Prepared(lm, start(lm, items, timestamps, when, cached), items, timestamps, when, max(length - limit, 0),
+                     status)
 
 
 def user_embedding(

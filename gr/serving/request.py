@@ -6,10 +6,12 @@ A request carries token features column by column::
      "history":    {"item_id": [3, 8, 1], "timestamps": [100, 160, 200], <dense>: [[...], ...]},
      "candidates": {"item_id": [5, 9]},              # timestamps optional: default request_time
      "common_features": {"user_age": 2, <dense>: [0.1, 0.3]},
-     "request_time": 260}                            # optional: default the last history timestamp
+     "request_time": 260}                            # optional: default the latest candidate
+                                                     # timestamp, else the last history one
 
 Ids are model ids (rows of the tables, as in ``sparse/id_maps``); a pooled common
-feature takes one id or a list of ids.
+feature takes one id or a list of ids. The request time is when the last history action's
+next event happens, for models whose ``HSTUConfig.query_time`` is "next_event".
 """
 from __future__ import annotations
 

@@ -188,16 +188,18 @@ class Ranker:
         """Score ``candidates`` for a user with ``history`` (columns as in ``gr.serving.request``).
 
         use_cache=False runs one target-aware pass over history + candidates instead.
+        request_time: seconds (see ``gr.serving.request``); "next_event" models read it.
         """
         with self._lock:
             model, generation = self._model, self.cache.generation
-        hist, cands, common, truncated = self._validate(model, history, candidates, common_features, request_time)
+        hist, cands, common, truncated, when = self._validate(model, history, candidates, common_features,
+                                                              request_time)
         if not use_cache:
-            hidden = self._one_pass(model, hist, cands)
+            hidden = self._one_pass(model, hist, cands, when)
             return RankResult(model.heads(hidden, common), len(hist[TIMESTAMPS]), truncated, "off")
         cached, status = self._history(model, generation, user_id, hist)
         x = model.embed_tokens(cands)
-        hidden = model.engine.score(cached.history, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch)
+        hidden = model.engine.score(cached.history, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch, when)
         if status != "hit":
             self.cache.put(user_id, cached, generation)
         return RankResult(model.heads(hidden, common), len(hist[TIMESTAMPS]), truncated, status)
@@ -254,17 +256,22 @@ class Ranker:
         candidates: Mapping[str, Any],
         common_features: Optional[Mapping[str, Any]],
         request_time: Optional[int],
-    ) -> Tuple[Tokens, Tokens, Tokens, int]:
-        """Check the whole request before anything is computed or cached."""
+    ) -> Tuple[Tokens, Tokens, Tokens, int, int]:
+        """Check the whole request before anything is computed or cached.
+
+        -> (history, candidates, common features, tokens truncated, request time)"""
         hist = model.schema.tokens(history, "history", model.sparse)
         if request_time is not None and (isinstance(request_time, bool)
                                          or not isinstance(request_time, (int, np.integer))):
             raise RequestError(f"request_time: expected an integer (seconds), got {request_time!r}")
-        if request_time is None:  # candidates stand right after the last action
-            request_time = int(hist[TIMESTAMPS][-1]) if len(hist[TIMESTAMPS]) else 0
-        cands = model.schema.tokens(candidates, "candidates", model.sparse, default_timestamp=request_time)
+        default_time = request_time
+        if request_time is None:  # candidates without timestamps stand right after the last action
+            default_time = int(hist[TIMESTAMPS][-1]) if len(hist[TIMESTAMPS]) else 0
+        cands = model.schema.tokens(candidates, "candidates", model.sparse, default_timestamp=default_time)
         if len(cands[TIMESTAMPS]) == 0:
             raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
+        if request_time is None:  # the request is when its candidates are shown
+            request_time = int(cands[TIMESTAMPS].max())
         common = model.schema.common(common_features, model.sparse)
         limit = model.config.max_seq_len
         length = len(hist[TIMESTAMPS])
@@ -273,7 +280,7 @@ class Ranker:
                 raise RequestError(f"history: {length} tokens exceed the model's max_seq_len {limit} "
                                    "(long_history='refuse'; use 'truncate' to keep the most recent ones)")
             hist = {name: value[length - limit:].copy() for name, value in hist.items()}
-        return hist, cands, common, max(length - limit, 0)
+        return hist, cands, common, max(length - limit, 0), request_time
 
     def _history(self, model: ServingModel, generation: int, user_id: Hashable, hist: Tokens) -> Tuple[CachedUser, str]:
         """The user's cached history for ``hist``: reused, extended with the new tokens, or encoded.
@@ -294,15 +301,19 @@ class Ranker:
         x = model.embed_tokens(hist)
         return CachedUser(hist, model.engine.encode(x, torch.from_numpy(hist[TIMESTAMPS])), generation), "miss"
 
-    def _one_pass(self, model: ServingModel, hist: Tokens, cands: Tokens) -> Tensor:
-        """HSTU outputs at the candidates from one target-aware pass over history + candidates: [N, D]."""
+    def _one_pass(self, model: ServingModel, hist: Tokens, cands: Tokens, request_time: int) -> Tensor:
+        """HSTU outputs at the candidates from one target-aware pass over history + candidates: [N, D].
+
+        Query times (read by "next_event" models): each history token's is the next one's
+        timestamp, the last one's the request time; a candidate's is its own timestamp."""
         tokens = {name: np.concatenate([hist[name], cands[name]]) for name in hist}
         x = model.embed_tokens(tokens)
         length, count = len(hist[TIMESTAMPS]), len(cands[TIMESTAMPS])
         total = length + count
+        query_times = np.concatenate([hist[TIMESTAMPS][1:], [request_time], cands[TIMESTAMPS]])[-total:]
         with torch.inference_mode():
             h = model.engine.hstu(x, torch.tensor([0, total]), total, torch.from_numpy(tokens[TIMESTAMPS]),
-                                  torch.tensor([count]))
+                                  torch.tensor([count]), torch.from_numpy(query_times.astype(np.int64)))
         return h[length:]
 
 

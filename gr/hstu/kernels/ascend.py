@@ -10,9 +10,9 @@ seq_offset, num_context, num_target, target_group_size, alpha)`` (RecSDK compute
 * mask_type 0 (lower-triangular) with ``num_target`` and ``target_group_size=1``: history
   causal, each target sees the history and itself -- our mask without context or window;
 * ``silu_scale`` as is (a constant; RecSDK reads 0 as 1/max_seq_len, so it must be > 0);
-* the fused relative bias becomes the dense ``attn_bias`` [B, H, L, L] the op takes, divided
-  by alpha because RecSDK scales the bias with the scores; its gradient reaches the bucket
-  weights through autograd.
+* the fused relative bias becomes the dense ``attn_bias`` [B, H, L, L] the op takes
+  (``dense_relative_bias``, next-event query times included), divided by alpha because RecSDK
+  scales the bias with the scores; its gradient reaches the bucket weights through autograd.
 Refused with an error (use backend="ascend_triton"): per-position norm (silu_scale=None), a
 contextual prefix (RecSDK's num_context also lets context rows see the whole history, ours
 only makes context keys visible to all), a look-back window (no such parameter).

@@ -164,13 +164,14 @@ def _tables(TimeW, Thresholds, num_time, HAS_TIME: tl.constexpr, TIME_TABLE: tl.
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, PosW, TimeW, Thresholds, TileSeq, TileStart,
-                    num_tiles,
+def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, TileSeq,
+                    TileStart, num_tiles,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_ot, stride_oh,
                     alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
                     H: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr,
-                    SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    QUERY_TIMES: tl.constexpr, SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     POS_WINDOW: tl.constexpr, TIME_TABLE: tl.constexpr, THR_TABLE: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -178,21 +179,22 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, PosW, TimeW, Thre
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
         query_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, Out,
-                    SeqOffsets, History, Ts, PosW, TimeW, Thresholds, time_table, thr_table,
+                    SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, time_table, thr_table,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_ot, stride_oh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
-                    DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, SCALE_BY_POSITION, HAS_CONTEXT, HAS_WINDOW, True,
-                    BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION, False)
+                    DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
+                    HAS_WINDOW, True, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION, False)
 
 
 @triton.jit
-def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, PosW, TimeW, Thresholds, TileSeq, TileStart,
-                        num_tiles,
+def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, TileSeq,
+                        TileStart, num_tiles,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dqt, stride_dqh,
                         alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
                         H: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr,
-                        SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        QUERY_TIMES: tl.constexpr, SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, TIME_TABLE: tl.constexpr,
                         THR_TABLE: tl.constexpr, PRECISION: tl.constexpr):
@@ -200,21 +202,22 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, PosW, TimeW, T
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
         query_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, DQ,
-                    SeqOffsets, History, Ts, PosW, TimeW, Thresholds, time_table, thr_table,
+                    SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, time_table, thr_table,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_dqt, stride_dqh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
-                    DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, SCALE_BY_POSITION, HAS_CONTEXT, HAS_WINDOW, True,
-                    BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION, True)
+                    DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
+                    HAS_WINDOW, True, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION, True)
 
 
 @triton.jit
-def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, PosW, TimeW, Thresholds,
-                         TileSeq, TileStart, num_tiles,
+def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, QueryTs, PosW, TimeW,
+                         Thresholds, TileSeq, TileStart, num_tiles,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                          alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
                          H: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TIME_LOG: tl.constexpr,
-                         SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         QUERY_TIMES: tl.constexpr, SCALE_BY_POSITION: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                          BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, TIME_TABLE: tl.constexpr,
                          THR_TABLE: tl.constexpr, PRECISION: tl.constexpr):
@@ -222,8 +225,8 @@ def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, 
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
         key_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, DK, DV, DPos, DTime,
-                  SeqOffsets, History, Ts, PosW, TimeW, Thresholds, time_table, thr_table,
+                  SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, time_table, thr_table,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                   stride_dkt, stride_dkh, stride_dvt, stride_dvh, alpha, silu_scale, contextual_len, max_attn_len,
-                  num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, SCALE_BY_POSITION, HAS_CONTEXT,
-                  HAS_WINDOW, True, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION)
+                  num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION,
+                  HAS_CONTEXT, HAS_WINDOW, True, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION)

@@ -39,6 +39,7 @@ from gr.hstu.kernels.common import (
     RelativeBias,
     hstu_visibility,
     position_bucket,
+    rebased_times,
     silu_norm,
     time_bucket,
 )
@@ -95,6 +96,7 @@ class _Problem:
     contextual_len: int
     max_attn_len: int
     timestamps: Optional[Tensor]  # [T + 1] int32 (int64 if they span >= 2^31 s), padding row last
+    query_times: Optional[Tensor]  # [T + 1] like timestamps: when each query is asked
     time_bucketing: str
 
 
@@ -139,22 +141,24 @@ def _build_problem(
     rab: Optional[RelativeBias],
 ) -> _Problem:
     groups = _groups(total, heads, seq_offsets, num_targets, contextual_len, max_attn_len)
-    timestamps = None
+    timestamps = query_times = None
     bucketing = "log"
     if rab is not None and rab.time_weights is not None:
-        timestamps = _relative_timestamps(rab.timestamps)
+        timestamps, query_times = _relative_timestamps(rab)
         bucketing = rab.time_bucketing
-    return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, bucketing)
+    return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, query_times, bucketing)
 
 
-def _relative_timestamps(timestamps: Tensor) -> Tensor:
-    """timestamps: [T] int -> [T + 1] seconds since the earliest, zero row last; int32 when they fit,
-    which halves the memory traffic of the per-pair time deltas (differences stay exact)."""
-    ts = timestamps.long()
-    if ts.numel():
-        ts = ts - ts.min()
-    ts = torch.cat([ts, ts.new_zeros(1)])
-    return ts.int() if int(ts.max()) < 2**31 else ts
+def _relative_timestamps(rab: RelativeBias) -> Tuple[Tensor, Tensor]:
+    """-> (key timestamps, query times), each [T + 1] seconds since the earliest of both, zero row
+    last; int32 when they fit, which halves the memory traffic of the per-pair time deltas
+    (differences stay exact). One tensor twice when the queries use the tokens' own times."""
+    keys, queries = rebased_times(rab, rab.timestamps.device)
+    both = torch.stack([keys, queries]) if queries is not keys else keys.unsqueeze(0)
+    both = torch.cat([both, both.new_zeros(both.shape[0], 1)], dim=1)
+    both = both.int() if int(both.max()) < 2**31 else both
+    key_times = both[0]
+    return key_times, (both[1] if both.shape[0] == 2 else key_times)
 
 
 def score_elements(
@@ -244,7 +248,7 @@ class _Tile:
         problem: _Problem,
         group: _Group,
         chunk: _Chunk,
-        group_ts: Optional[Tensor],
+        group_ts: Optional[Tuple[Tensor, Tensor]],
         pos_w: Optional[Tensor],
         time_w: Optional[Tensor],
         dtype: torch.dtype,
@@ -268,7 +272,8 @@ class _Tile:
             self.pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_w.numel())
             bias = _lookup(pos_w, self.pos_idx)
         if time_w is not None:
-            delta = group_ts[:, chunk.rows, None] - group_ts[:, None, chunk.cols]
+            query_ts, key_ts = group_ts
+            delta = query_ts[:, chunk.rows, None] - key_ts[:, None, chunk.cols]
             self.time_idx = time_bucket(delta, problem.time_bucketing, time_w.numel())
             time_bias = _lookup(time_w, self.time_idx)
             bias = time_bias if bias is None else time_bias.add_(bias)
@@ -315,7 +320,7 @@ class _ChunkedAttention(torch.autograd.Function):
         padded = [_pad_rows(x) for x in (q * problem.alpha, k, v)]
         for group in problem.groups:
             qg, kg, vg = (_gather_group(x, group) for x in padded)  # [G, H, Lp, D]
-            group_ts = problem.timestamps[group.tokens] if time_w is not None else None
+            group_ts = _group_times(problem, group) if time_w is not None else None
             og = vg.new_zeros(vg.shape[:2] + (group.tokens.shape[1], dim_v))
             for chunk in group.chunks:
                 tile = _Tile(problem, group, chunk, group_ts, pos_w, time_w, q.dtype)
@@ -337,7 +342,7 @@ class _ChunkedAttention(torch.autograd.Function):
         padded = [_pad_rows(x) for x in (q * alpha, k, v, grad_out)]
         for group in problem.groups:
             qg, kg, vg, dog = (_gather_group(x, group) for x in padded)
-            group_ts = problem.timestamps[group.tokens] if time_w is not None else None
+            group_ts = _group_times(problem, group) if time_w is not None else None
             dqg, dkg, dvg = (torch.zeros_like(x) for x in (qg, kg, vg))
             for chunk in group.chunks:
                 tile = _Tile(problem, group, chunk, group_ts, pos_w, time_w, q.dtype)
@@ -355,6 +360,14 @@ class _ChunkedAttention(torch.autograd.Function):
                 grad[group.tokens] = part.transpose(1, 2)  # each token is in one group; padding -> row T
         dq, dk, dv = (g[:-1] for g in grads)
         return dq, dk, dv, dpos, dtime, None
+
+
+def _group_times(problem: _Problem, group: _Group) -> Tuple[Tensor, Tensor]:
+    """The group's (query times, key timestamps), each [G, Lp] (one tensor twice when equal)."""
+    keys = problem.timestamps[group.tokens]
+    if problem.query_times is problem.timestamps:
+        return keys, keys
+    return problem.query_times[group.tokens], keys
 
 
 def _lookup(weights: Tensor, index: Tensor) -> Tensor:
@@ -401,8 +414,8 @@ def _add_target_self_terms(
     if pos_w is not None:
         logits = logits + pos_w[0]  # same position: bucket 0
     if time_w is not None:
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        logits = logits + time_w[time_bucket(zero, problem.time_bucketing, time_w.numel())]
+        delta = problem.query_times[idx] - problem.timestamps[idx]
+        logits = logits + time_w[time_bucket(delta, problem.time_bucketing, time_w.numel())].unsqueeze(-1)
     owner_hist = history_lengths(seq_offsets, num_targets).repeat_interleave(num_targets.long())
     norm = silu_norm(owner_hist, problem.silu_scale).to(q.dtype)
     return out.index_add(0, idx, F.silu(logits).mul(norm[:, None]).unsqueeze(-1) * v[idx])

@@ -68,8 +68,9 @@ def dense_relative_bias(
         rel = torch.minimum(row, hist) - torch.minimum(col, hist)
         bias = bias + rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
     if rab.time_weights is not None:
-        ts = torch.zeros(batch, max_seq_len, dtype=torch.int64, device=seq_offsets.device)
-        ts[seq_ids, idx] = rab.timestamps.long()
-        delta = ts.unsqueeze(2) - ts.unsqueeze(1)
+        ts = torch.zeros(2, batch, max_seq_len, dtype=torch.int64, device=seq_offsets.device)
+        ts[0, seq_ids, idx] = rab.queries_at.long()
+        ts[1, seq_ids, idx] = rab.timestamps.long()
+        delta = ts[0].unsqueeze(2) - ts[1].unsqueeze(1)
         bias = bias + rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
     return bias

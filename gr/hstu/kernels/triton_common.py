@@ -5,7 +5,9 @@ The relative bias is fused from bucket weights and timestamps (``RelativeBias``)
 precomputed [B, L, L] bias would bring back the O(L^2) memory and padding the kernels avoid,
 and its gradient is only needed per bucket. The time bucket is estimated with the device's
 log/sqrt and corrected by one step against ``time_bucket_thresholds``, so it equals the
-reference bucket exactly; timestamps are rebased to the batch minimum and passed as int32.
+reference bucket exactly. Key timestamps and query times (``RelativeBias.queries_at``) are
+rebased to the minimum of both and passed as int32; when the queries use the tokens' own times
+one tensor is passed twice and the kernels compile without the query-time path.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 import triton
 from torch import Tensor
 
-from gr.hstu.kernels.common import RelativeBias, time_bucket_thresholds
+from gr.hstu.kernels.common import RelativeBias, rebased_times, time_bucket_thresholds
 from gr.jagged import history_lengths
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,13 +29,16 @@ class KernelInputs:
     """One call's jagged metadata and fused-bias tables, laid out for the kernels.
 
     seq_offsets: [B+1] int32; history: [B] int32 (history length per sequence)
-    timestamps: [T] int32 rebased to the batch minimum ([1] dummy when time bias is off)
+    timestamps: [T] int32 key times, rebased to the batch minimum ([1] dummy when time bias is off)
+    query_times: [T] int32 query times, same base; the ``timestamps`` tensor itself when the
+        queries use the tokens' own times (``RelativeBias.query_timestamps`` None)
     pos_w: [P] fp32, time_w: [NB] fp32, thresholds: [NB+1] fp32 (each [1] dummy when off)
     """
 
     seq_offsets: Tensor
     history: Tensor
     timestamps: Tensor
+    query_times: Tensor
     pos_w: Tensor
     time_w: Tensor
     thresholds: Tensor
@@ -50,6 +55,11 @@ class KernelInputs:
     @property
     def batch(self) -> int:
         return self.seq_offsets.numel() - 1
+
+    @property
+    def has_query_times(self) -> bool:
+        """Whether queries measure time from their own query times rather than their timestamps."""
+        return self.query_times is not self.timestamps
 
 
 class KernelSet(Protocol):
@@ -92,21 +102,18 @@ def prepare_inputs(
     dummy = torch.zeros(1, dtype=torch.float32, device=device)
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
-    timestamps = torch.zeros(1, dtype=torch.int32, device=device)
+    timestamps = query_times = torch.zeros(1, dtype=torch.int32, device=device)
     thresholds = dummy
     time_log = True
     if time_w is not None:
-        ts = rab.timestamps.to(device=device, dtype=torch.int64)
-        ts = ts - ts.min() if ts.numel() else ts
-        if ts.numel() and int(ts.max()) >= 2**31:
-            raise ValueError(f"hstu_attention[{backend}]: timestamps span {int(ts.max())} s, more than 2^31 - 1")
-        timestamps = ts.to(torch.int32)
+        timestamps, query_times = _rebased_times(rab, device, backend)
         thresholds = time_bucket_thresholds(rab.time_bucketing, time_w.numel(), device)
         time_log = rab.time_bucketing == "log"
     return KernelInputs(
         seq_offsets=seq_offsets.to(device=device, dtype=torch.int32),
         history=history_lengths(seq_offsets, num_targets).to(device=device, dtype=torch.int32),
         timestamps=timestamps,
+        query_times=query_times,
         pos_w=pos_w.detach().float().contiguous() if pos_w is not None else dummy,
         time_w=time_w.detach().float().contiguous() if time_w is not None else dummy,
         thresholds=thresholds,
@@ -120,6 +127,18 @@ def prepare_inputs(
         contextual_len=int(contextual_len),
         max_attn_len=int(max_attn_len),
     )
+
+
+def _rebased_times(rab: RelativeBias, device: torch.device, backend: str) -> Tuple[Tensor, Tensor]:
+    """-> (key timestamps, query times), each [T] int32 seconds since the earliest of both; one
+    tensor twice when ``rab.query_timestamps`` is None."""
+    keys, queries = rebased_times(rab, device)
+    span = max(int(keys.max()), int(queries.max())) if keys.numel() else 0
+    if span >= 2**31:
+        raise ValueError(f"hstu_attention[{backend}]: RelativeBias.timestamps (and query_timestamps) span "
+                         f"{span} s, more than 2^31 - 1")
+    keys32 = keys.to(torch.int32)
+    return (keys32, keys32) if queries is keys else (keys32, queries.to(torch.int32))
 
 
 class TritonAttention(torch.autograd.Function):
@@ -177,7 +196,16 @@ def scalar_args(inputs: KernelInputs, q: Tensor, v: Tensor) -> tuple:
 
 
 def table_args(inputs: KernelInputs) -> tuple:
-    return (inputs.seq_offsets, inputs.history, inputs.timestamps, inputs.pos_w, inputs.time_w, inputs.thresholds)
+    """The block functions' table pointers, in their order."""
+    return (
+        inputs.seq_offsets,
+        inputs.history,
+        inputs.timestamps,
+        inputs.query_times,
+        inputs.pos_w,
+        inputs.time_w,
+        inputs.thresholds,
+    )
 
 
 def flags(inputs: KernelInputs, q: Tensor, v: Tensor, interpreted: bool) -> dict:
@@ -190,6 +218,7 @@ def flags(inputs: KernelInputs, q: Tensor, v: Tensor, interpreted: bool) -> dict
         HAS_POS=inputs.num_pos > 0,
         HAS_TIME=inputs.num_time > 0,
         TIME_LOG=inputs.time_log,
+        QUERY_TIMES=inputs.has_query_times,
         SCALE_BY_POSITION=inputs.scale_by_position,
         HAS_CONTEXT=inputs.contextual_len > 0,
         HAS_WINDOW=inputs.max_attn_len > 0,
