@@ -153,13 +153,16 @@ def test_worker_processes_give_the_same_batches(retrieval):
         assert torch.equal(ours.sequence_ids.values(), theirs.sequence_ids.values())
 
 
-def test_batch_plan_gives_ranks_disjoint_rows_and_equal_step_counts():
+def test_batch_plan_splits_each_global_batch_over_ranks_with_disjoint_rows():
     plans = [BatchPlan(103, 10, shuffle=True, seed=5, rank=r, world_size=3) for r in range(3)]
     batches = [list(plan) for plan in plans]
-    assert [len(b) for b in batches] == [4, 4, 4]
+    assert [len(b) for b in batches] == [11, 11, 11]  # the steps of one process: ceil(103 / 10)
+    assert len(list(BatchPlan(103, 10, shuffle=True, seed=5))) == 11
     rows = np.concatenate([key.rows for rank in batches for key in rank])
     assert sorted(rows.tolist()) == list(range(103))
-    assert max(len(key.rows) for rank in batches for key in rank) <= 10
+    assert max(len(key.rows) for rank in batches for key in rank) <= 4  # ceil(10 / 3)
+    with pytest.raises(ValueError, match="global batch of 2 cannot feed 3 ranks"):
+        BatchPlan(103, 2, shuffle=True, seed=5, rank=0, world_size=3)
 
 
 def test_popularity_counts_training_parts_only(retrieval):

@@ -137,7 +137,7 @@ def test_ranking_run_with_host_placed_tables_reports_auc_and_logloss_per_task(tm
 def test_two_rank_torchrun_shards_tables_and_matches_one_rank(retrieval_run, tmp_path):
     """torchrun, 2 CPU processes (gloo): the item table is split row-wise, each rank writes its
     own checkpoint shard, the merged model reproduces the run's metrics, and the metrics are
-    close to the one-process run's (each rank sees half the users per step)."""
+    close to the one-process run's (the same steps: each rank takes half of each global batch)."""
     _, one_rank = retrieval_run
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(RETRIEVAL))

@@ -39,16 +39,21 @@ class BatchKey:
 class BatchPlan(Sampler):
     """Yields this rank's ``BatchKey``s for one split, one epoch at a time.
 
-    Rows are shuffled from (seed, epoch) when ``shuffle``, dealt round-robin to the
-    ``world_size`` ranks, and each rank's rows are cut into the same number of batches
-    (at most ``batch_size`` rows each), so every rank steps equally often and no row repeats.
-    Lightning calls ``set_epoch`` before each training epoch.
+    ``batch_size`` is the global batch: rows per step over all ranks, so a run takes the same
+    steps of the same size on any number of ranks. Rows are shuffled from (seed, epoch) when
+    ``shuffle``, dealt round-robin to the ``world_size`` ranks, and each rank's rows are cut
+    into ceil(num_rows / batch_size) batches (about batch_size / world_size rows each), so
+    every rank steps equally often and no row repeats. Lightning calls ``set_epoch`` before
+    each training epoch.
     """
 
     def __init__(self, num_rows: int, batch_size: int, shuffle: bool, seed: int, rank: int = 0,
                  world_size: int = 1) -> None:
         if num_rows < world_size:
             raise ValueError(f"BatchPlan: {num_rows} samples cannot feed {world_size} ranks")
+        if batch_size < world_size:
+            raise ValueError(f"BatchPlan: a global batch of {batch_size} cannot feed {world_size} ranks "
+                             "(data.batch_size and data.eval_batch_size count samples over all ranks)")
         self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
@@ -57,7 +62,7 @@ class BatchPlan(Sampler):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return math.ceil(math.ceil(self.num_rows / self.world_size) / self.batch_size)
+        return math.ceil(self.num_rows / self.batch_size)
 
     def __iter__(self) -> Iterator[BatchKey]:
         if self.shuffle:

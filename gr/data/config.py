@@ -207,6 +207,8 @@ class DataConfig:
     unpacked directory) | "amazon" (path: ratings_<Category>.csv) | "csv" | "parquet"
     (path: the file; columns say which column is what).
     max_seq_len: longest history fed to the model (the most recent items are kept).
+    batch_size / eval_batch_size: samples per step over all ranks (each rank takes its share),
+    so torchrun runs the schedule of one process.
     min_seq_len: users with fewer interactions are dropped (leave-one-out needs >= 3).
     min_item_interactions: items with fewer interactions are dropped first.
     eval_exclude: items not ranked at evaluation: the user's whole "history" before the
