@@ -270,7 +270,8 @@ def naive_attention(
 
 
 @pytest.mark.parametrize(
-    "case", ["targets,pos+sqrt-time", "targets,context,window,time", "window,no-bias", "targets,context,next-event-time"]
+    "case",
+    ["targets,pos+sqrt-time", "targets,context,window,time", "window,no-bias", "targets,context,next-event-time"],
 )
 def test_reference_matches_naive_spec(case):
     spec = dict(CASES[case])

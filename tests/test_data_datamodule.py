@@ -115,7 +115,8 @@ def test_ranking_train_sample_is_history_then_real_next_items_then_unseen_negati
         assert cut + 2 <= len(items) - 2  # positives come from the training part only
         assert not set(candidates[2:]) & set(items.tolist()) and len(set(candidates)) == 7
         assert times[b][-7:] == [stamps[cut]] * 7
-        assert query_times[b] == times[b][1:-7] + [stamps[cut]] * 8  # the request (cut) ends the history        assert watch[b].tolist() == [1, 1, 0, 0, 0, 0, 0]
+        assert query_times[b] == times[b][1:-7] + [stamps[cut]] * 8  # the request (cut) ends the history
+        assert watch[b].tolist() == [1, 1, 0, 0, 0, 0, 0]
         assert like[b].tolist() == [float(r >= 4) for r in ratings[cut:cut + 2]] + [0.0] * 5
 
 

@@ -60,6 +60,11 @@ def random_user(seed: int, length: int = 12):
 REQUEST_TIME = 2 * 10**6
 
 
+def begin(model, items, ts):
+    """The decode state after a user's history, generating at REQUEST_TIME."""
+    return start(model, items, ts, REQUEST_TIME)
+
+
 @pytest.fixture(scope="module")
 def model():
     return make_model()
@@ -81,7 +86,7 @@ def test_top_items_breaks_ties_towards_the_lowest_id_and_skips_excluded():
 def test_greedy_generates_the_argmax_of_a_full_forward_at_every_step(query_time, index):
     model = make_model(query_time=query_time)
     items, ts = random_user(1)
-    got = greedy(model, index, start(model, items, ts, REQUEST_TIME), 6, REQUEST_TIME).items
+    got = greedy(model, index, begin(model, items, ts), 6, REQUEST_TIME).items
     seq, times = items.tolist(), ts.tolist()
     for item in got:
         x = model.item_tokens(torch.tensor(seq))
@@ -98,7 +103,7 @@ def test_greedy_generates_the_argmax_of_a_full_forward_at_every_step(query_time,
 
 def test_tree_attention_equals_running_each_branch_separately(model):
     items, ts = random_user(2)
-    state = start(model, items, ts, REQUEST_TIME)
+    state = begin(model, items, ts)
     tree = DraftTree(torch.tensor([3, 7, 9, 11, 13, 5]), torch.tensor([-1, 0, 0, 2, -1, 4]))
     hidden, keys, _ = model.engine.run_block(state.cache, model.item_tokens(tree.items),
                                             torch.full((6,), REQUEST_TIME), tree.depths(), tree.ancestor_mask())
@@ -119,11 +124,11 @@ def test_speculative_greedy_with_pool_drafts_equals_plain_greedy(model, index, m
     users = [random_user(seed) for seed in range(10, 16)]
     for seed in range(4):  # pools of other users' generated slates and histories
         items, ts = users[seed]
-        pool.add(items.tolist() + greedy(model, index, start(model, items, ts, REQUEST_TIME), 10, REQUEST_TIME).items)
+        pool.add(items.tolist() + greedy(model, index, begin(model, items, ts), 10, REQUEST_TIME).items)
     accepted = 0
     for items, ts in users:
-        want = greedy(model, index, start(model, items, ts, REQUEST_TIME), 10, REQUEST_TIME)
-        got = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 10, REQUEST_TIME,
+        want = greedy(model, index, begin(model, items, ts), 10, REQUEST_TIME)
+        got = speculative_greedy(model, index, begin(model, items, ts), 10, REQUEST_TIME,
                                  PoolDrafter(pool, max_depth=6, max_nodes=max_nodes), budget=budget)
         assert got.items == want.items
         # every pass yields its accepted drafts plus one item of its own (none after a full last branch)
@@ -139,24 +144,24 @@ def test_speculative_greedy_with_a_draft_model_equals_plain_greedy(model, index,
     accepted = 0
     for seed in range(20, 24):
         items, ts = random_user(seed)
-        want = greedy(model, index, start(model, items, ts, REQUEST_TIME), 12, REQUEST_TIME)
+        want = greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME)
         drafter = ModelDrafter(draft, index, items, ts, REQUEST_TIME, max_depth=4, width=width)
-        got = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 12, REQUEST_TIME, drafter, budget=budget)
+        got = speculative_greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME, drafter, budget=budget)
         assert got.items == want.items
         accepted += got.stats.accepted
     self_drafter = ModelDrafter(model, index, items, ts, REQUEST_TIME, max_depth=4)
-    got = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 12, REQUEST_TIME, self_drafter)
+    got = speculative_greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME, self_drafter)
     assert got.items == want.items and got.stats.acceptance_rate == 1.0, "the target drafting itself is always right"
 
 
 def test_relaxed_verification_accepts_more_and_keeps_items_within_the_target_top_k(model, index):
     items, ts = random_user(30)
     wrong = SequencePool(max_ngram=1)
-    ranked = top_items(index.scores(start(model, items, ts, REQUEST_TIME).query.view(1, -1)),
+    ranked = top_items(index.scores(begin(model, items, ts).query.view(1, -1)),
                        torch.zeros(1, NUM_ITEMS, dtype=torch.bool).index_fill_(1, items, True), 3)[1][0].tolist()
     wrong.add([int(items[-1]), ranked[0]])
-    strict = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 5, REQUEST_TIME, PoolDrafter(wrong))
-    relaxed = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 5, REQUEST_TIME, PoolDrafter(wrong),
+    strict = speculative_greedy(model, index, begin(model, items, ts), 5, REQUEST_TIME, PoolDrafter(wrong))
+    relaxed = speculative_greedy(model, index, begin(model, items, ts), 5, REQUEST_TIME, PoolDrafter(wrong),
                                  verification=Relaxed(top_k=NUM_ITEMS, min_prob=0.0))
     assert relaxed.stats.accepted >= strict.stats.accepted
     assert len(relaxed.items) == 5 and len(set(relaxed.items)) == 5
@@ -164,11 +169,11 @@ def test_relaxed_verification_accepts_more_and_keeps_items_within_the_target_top
 
 def test_beam_of_width_one_is_greedy_and_sampling_is_reproducible(model, index):
     items, ts = random_user(40)
-    want = greedy(model, index, start(model, items, ts, REQUEST_TIME), 5, REQUEST_TIME).items
-    assert beam_search(model, index, start(model, items, ts, REQUEST_TIME), 5, REQUEST_TIME, width=1).items == want
-    wide = beam_search(model, index, start(model, items, ts, REQUEST_TIME), 5, REQUEST_TIME, width=3)
+    want = greedy(model, index, begin(model, items, ts), 5, REQUEST_TIME).items
+    assert beam_search(model, index, begin(model, items, ts), 5, REQUEST_TIME, width=1).items == want
+    wide = beam_search(model, index, begin(model, items, ts), 5, REQUEST_TIME, width=3)
     assert len(set(wide.items)) == 5 and not set(wide.items) & set(items.tolist())
-    draws = [sample(model, index, start(model, items, ts, REQUEST_TIME), 5, REQUEST_TIME, temperature=0.5,
+    draws = [sample(model, index, begin(model, items, ts), 5, REQUEST_TIME, temperature=0.5,
                     generator=torch.Generator().manual_seed(3)).items for _ in range(2)]
     assert draws[0] == draws[1] and not set(draws[0]) & set(items.tolist())
 
@@ -178,8 +183,8 @@ def test_speculative_retrieval_equals_exact_search(model, index, cache_size, str
     rollbacks = 0
     for seed in (50, 51, 52):
         items, ts = random_user(seed)
-        want = greedy(model, index, start(model, items, ts, REQUEST_TIME), 9, REQUEST_TIME).items
-        got = greedy_speculative_retrieval(model, index, start(model, items, ts, REQUEST_TIME), 9, REQUEST_TIME,
+        want = greedy(model, index, begin(model, items, ts), 9, REQUEST_TIME).items
+        got = greedy_speculative_retrieval(model, index, begin(model, items, ts), 9, REQUEST_TIME,
                                            SpeculativeRetrieval(cache_size, stride))
         assert got.items == want
         assert got.stats.verifications <= 9
@@ -203,11 +208,11 @@ class FirstTreeDrafter:
 
 def test_one_pass_over_a_tree_verifies_like_one_token_steps_and_commits_the_right_cache(model, index):
     items, ts = random_user(60)
-    want = greedy(model, index, start(model, items, ts, REQUEST_TIME), 9, REQUEST_TIME).items
+    want = greedy(model, index, begin(model, items, ts), 9, REQUEST_TIME).items
     decoys = [i for i in range(NUM_ITEMS) if i not in want and i not in items.tolist()]
     # the greedy continuation after want[0] hidden among decoy siblings and a decoy branch
     tree = tree_from_paths([[decoys[0], want[1]], [want[1], want[2], decoys[1]], want[1:5], [want[1], decoys[2]]], 32)
-    got = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 9, REQUEST_TIME, FirstTreeDrafter(tree))
+    got = speculative_greedy(model, index, begin(model, items, ts), 9, REQUEST_TIME, FirstTreeDrafter(tree))
     assert got.items == want, "later one-token passes run on the K/V the tree pass committed"
     assert got.stats.accepted == 4 and got.stats.passes == 1 + (9 - 6)
 
@@ -218,7 +223,7 @@ def test_relaxed_verification_of_a_tree_picks_the_best_scored_child_like_one_tok
     roots, leaves = [3, 8, 21], [5, 13]
     roots, leaves = [i for i in roots if i not in seen], [i for i in leaves if i not in seen]
     tree = tree_from_paths([[r, leaf] for r in roots for leaf in leaves if leaf != r], 32)
-    state = start(model, items, ts, REQUEST_TIME)
+    state = begin(model, items, ts)
     first = greedy(model, index, state, 1, REQUEST_TIME).items[0]
     # unbatched: one token at a time, the best-scored child (lowest id on ties) at each level
     expected, current = [first], step(model, state, first, REQUEST_TIME)
@@ -236,13 +241,13 @@ def test_relaxed_verification_of_a_tree_picks_the_best_scored_child_like_one_tok
 
 def test_adaptive_budget_stops_drafting_when_drafts_are_always_wrong(model, index):
     items, ts = random_user(62)
-    want = greedy(model, index, start(model, items, ts, REQUEST_TIME), 30, REQUEST_TIME).items
+    want = greedy(model, index, begin(model, items, ts), 30, REQUEST_TIME).items
     wrong = SequencePool(max_ngram=1)
     allowed = [i for i in range(NUM_ITEMS) if i not in want and i not in items.tolist()]
     for item in want + items.tolist():  # every context continues with items greedy never picks
         wrong.add([item, *allowed[:4]])
-    fixed = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8))
-    adaptive = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8),
+    fixed = speculative_greedy(model, index, begin(model, items, ts), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8))
+    adaptive = speculative_greedy(model, index, begin(model, items, ts), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8),
                                   budget=AdaptiveBudget(patience=1, pause=2, max_pause=8))
     assert fixed.items == adaptive.items == want
     assert fixed.stats.accepted == adaptive.stats.accepted == 0
@@ -252,7 +257,7 @@ def test_adaptive_budget_stops_drafting_when_drafts_are_always_wrong(model, inde
 
 def test_ranking_drafts_are_the_runners_up_of_the_last_query_laid_out_breadth_first(model, index):
     items, ts = random_user(63)
-    state = start(model, items, ts, REQUEST_TIME)
+    state = begin(model, items, ts)
     banned = set(items.tolist())
     ranked = top_items(index.scores(state.query.view(1, -1)),
                        torch.zeros(1, NUM_ITEMS, dtype=torch.bool).index_fill_(1, items, True), 5)[1][0].tolist()
@@ -267,8 +272,8 @@ def test_speculative_greedy_with_ranking_drafts_equals_plain_greedy(model, index
     accepted = 0
     for seed in range(70, 74):
         items, ts = random_user(seed)
-        want = greedy(model, index, start(model, items, ts, REQUEST_TIME), 12, REQUEST_TIME)
-        got = speculative_greedy(model, index, start(model, items, ts, REQUEST_TIME), 12, REQUEST_TIME, RankingDrafter(index))
+        want = greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME)
+        got = speculative_greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME, RankingDrafter(index))
         assert got.items == want.items
         assert got.stats.passes + got.stats.accepted in (want.stats.passes, want.stats.passes + 1)
         accepted += got.stats.accepted

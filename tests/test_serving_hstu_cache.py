@@ -134,5 +134,6 @@ def test_next_event_query_time_keeps_the_last_history_token_pending_until_the_re
         want_last = one_pass(engine, x, all_ts, history, when, rows="history")[-1:]
         torch.testing.assert_close(hidden, want_last, rtol=0, atol=1e-5)
         with pytest.raises(ValueError, match="settle"):
-            engine.run_block(cache, x[history:history + 1], cands_ts[:1], torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool))
+            engine.run_block(cache, x[history:history + 1], cands_ts[:1], torch.tensor([1]),
+                             torch.ones(1, 1, dtype=torch.bool))
     assert not torch.allclose(scores[REQUEST_TIME], scores[REQUEST_TIME + 10**6], atol=1e-4)
