@@ -97,9 +97,9 @@ def main() -> None:
     samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
     tokens = sum(int(b.seq_offsets[-1]) for b in timed)
     result = {"config": str(args.config), "ranks": world, "steps": own.steps, "batch_size": config.data.batch_size,
-              "item_ids_per_batch": tokens / own.steps, "distinct_item_ids_per_batch":
+              "item_ids_per_rank_batch": tokens / own.steps, "distinct_item_ids_per_rank_batch":
               sum(int(b.sequence_ids.values().unique().numel()) for b in timed) / own.steps}
-    samples, tokens = world * samples, world * tokens  # every rank trains on its own batch
+    samples, tokens = world * samples, world * tokens  # every rank trains on its share of each global batch
     for dedup, name in ((False, "no_dedup"), (True, "dedup")):
         seconds = sum(timings[dedup])
         result[f"{name}_samples_per_s"] = samples / seconds

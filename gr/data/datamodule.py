@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import lightning
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from gr.data import mappings
@@ -27,8 +28,9 @@ class SequenceDataModule(lightning.LightningDataModule):
     as ``GRInput`` batches for ``config.task`` ("retrieval" or "ranking").
 
     After ``setup()``: ``num_users``, ``num_items``, ``tasks`` (ranking label names),
-    ``feature_spec()``, ``popularity()``, ``save_mappings(dir)``. With several ranks, the
-    module shards batches itself (run Lightning with ``use_distributed_sampler=False``).
+    ``feature_spec()``, ``popularity()``, ``save_mappings(dir)``. With several ranks (the
+    trainer's, else an initialised torch.distributed group's), the module shards batches
+    itself (run Lightning with ``use_distributed_sampler=False``).
     """
 
     def __init__(self, config: Union[DataConfig, Mapping[str, Any]]) -> None:
@@ -149,7 +151,12 @@ class SequenceDataModule(lightning.LightningDataModule):
         self._corpus()
         dataset = self.splits[split]
         config = self.config
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        if self.trainer is not None:
+            rank, world = self.trainer.global_rank, self.trainer.world_size
+        elif dist.is_initialized():  # under torchrun without Lightning (e.g. a benchmark)
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = 0, 1
         plan = BatchPlan(len(dataset), config.batch_size if split == "train" else config.eval_batch_size,
                          shuffle=split == "train", seed=config.seed, rank=rank, world_size=world)
         return DataLoader(dataset, batch_size=None, sampler=plan, collate_fn=identity_collate,
