@@ -86,7 +86,7 @@ class Plan:
     forward_flops_per_token: Dict[str, int]  # "hstu", "dnn"
     training_flops_per_token: int
     state_bytes_per_rank: Tuple[int, ...]  # parameters, gradients, optimizer state
-    batch_activation_bytes: int  # per rank: peak for batch_size samples, the config's recompute and precision
+    batch_activation_bytes: int  # per rank: peak for its share of the global batch (recompute, precision)
 
     @property
     def sparse_params(self) -> int:
@@ -187,11 +187,16 @@ def make_plan(config: TrainConfig, tables: Sequence[TableConfig], prefix_dnn: nn
             sparse_per_rank[rank] += FP32 * (params + rows * table.optimizer_floats)
     state = tuple(dense_state * d + s for d, s in zip(dense_per_rank, sparse_per_rank))
     compute_bytes = PRECISION_BYTES[config.trainer.precision]
-    sequences = config.data.batch_size
+    sequences = rank_batch(config, nproc)
     per_sample = hstu_activation_bytes(hstu, tokens, hstu.recompute, compute_bytes)[1]
     batch = (sequences * (per_sample - attention_backward_bytes(hstu, tokens))
              + attention_backward_bytes(hstu, tokens, sequences))
     return Plan(nproc, tokens, tuple(table_plans), dense, dense_per_rank, kept, peak, forward, training, state, batch)
+
+
+def rank_batch(config: TrainConfig, nproc: int) -> int:
+    """Samples a rank trains per step: its share of the global ``data.batch_size``."""
+    return math.ceil(config.data.batch_size / nproc)
 
 
 def plan_from_config(config: TrainConfig, nproc: int) -> Plan:
@@ -209,7 +214,7 @@ def plan_from_config(config: TrainConfig, nproc: int) -> Plan:
 
 def format_plan(plan: Plan, config: TrainConfig, memory_gib: Optional[float]) -> str:
     lines = [f"ranks: {plan.nproc}   tokens per sample: {plan.tokens_per_sample}   "
-             f"batch per rank: {config.data.batch_size}",
+             f"batch per rank: {rank_batch(config, plan.nproc)} (global {config.data.batch_size})",
              f"sparse parameters: {plan.sparse_params:,}"]
     for t in plan.tables:
         lines.append(f"  {t.name}: {t.rows:,} x {t.dim} ({t.sharding}) = {t.params:,}; per rank "

@@ -79,13 +79,12 @@ def test_plan_counts_per_rank_equal_the_sharded_run(two_rank_runs):
 
 
 def test_fsdp2_loss_curve_matches_replicated_dense_on_one_rank_and_one_rank_on_two(two_rank_runs, tmp_path):
-    """One rank with the two ranks' global batch (2 x 32 rows) takes the same steps on the same
+    """data.batch_size is the global batch, so one rank takes the two ranks' steps on the same
     rows; the ranks draw other negatives and dropout masks and rank 0 logs its half's loss, so
     per-epoch losses match within noise: 5%, against a drop of ~45% per epoch here. On one
     rank, FSDP2 and the replicated (DDP) dense model compute exactly the same losses."""
-    global_batch = ("data.batch_size", 2 * RECIPE["data"]["batch_size"])
-    train(TrainConfig.from_dict(recipe(FSDP2, global_batch)), tmp_path / "fsdp2")
-    train(TrainConfig.from_dict(recipe(global_batch, ("trainer.max_epochs", 1))), tmp_path / "none")
+    train(TrainConfig.from_dict(recipe(FSDP2)), tmp_path / "fsdp2")
+    train(TrainConfig.from_dict(recipe(("trainer.max_epochs", 1))), tmp_path / "none")
     replicated = step_losses(tmp_path / "none")
     assert len(replicated) >= 2 and step_losses(tmp_path / "fsdp2")[:len(replicated)] == replicated
     one_rank, two_ranks = epoch_losses(tmp_path / "fsdp2"), epoch_losses(two_rank_runs["fsdp"])
