@@ -251,8 +251,8 @@ class CachedHSTU:
         tokens = x if cache.pending is None else torch.cat([cache.pending, x])
         ts = torch.cat([cache.timestamps, self._timestamps(timestamps, n, x.device)])
         run = tokens.shape[0] - 1 if self.defers_last else tokens.shape[0]
-        settled = self._commit(cache, tokens[:run], ts[cache.committed :], ts.numel())[0]
-        return HistoryCache(settled.keys, settled.values, ts, tokens[run:] if run < tokens.shape[0] else None)
+        keys, values, _ = self._commit(cache, tokens[:run], ts[cache.committed :], ts.numel())
+        return HistoryCache(keys, values, ts, tokens[run:] if run < tokens.shape[0] else None)
 
     @torch.inference_mode()
     def settle(self, cache: HistoryCache, request_time: Optional[int]) -> Tuple[HistoryCache, Tensor]:
@@ -267,9 +267,9 @@ class CachedHSTU:
             raise ValueError("HSTU cache: request_time is required: the last history token's output depends on "
                              "the time of the request (HSTUConfig.query_time is 'next_event')")
         request = torch.tensor([int(request_time)], dtype=torch.long, device=cache.timestamps.device)
-        settled, hidden = self._commit(cache, cache.pending, torch.cat([cache.timestamps[cache.committed :], request]),
-                                       cache.length)
-        return HistoryCache(settled.keys, settled.values, cache.timestamps), hidden
+        keys, values, hidden = self._commit(cache, cache.pending,
+                                            torch.cat([cache.timestamps[cache.committed :], request]), cache.length)
+        return HistoryCache(keys, values, cache.timestamps), hidden
 
     @torch.inference_mode()
     def score(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor], micro_batch: int = 256,
@@ -337,16 +337,18 @@ class CachedHSTU:
             n, dtype=torch.bool, device=x.device)
         return self._run_new_tokens(cache, x, positions, timestamps, cache_visible, block_visible & window)
 
-    def _commit(self, cache: HistoryCache, x: Tensor, times: Tensor, history_len: int) -> Tuple[HistoryCache, Tensor]:
-        """Run history tokens right after the committed ones as a causal chain and commit them.
+    def _commit(
+        self, cache: HistoryCache, x: Tensor, times: Tensor, history_len: int
+    ) -> Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...], Tensor]:
+        """Run history tokens right after the committed ones as a causal chain.
 
         x: [n, D] float; times: [n] int64 their timestamps, or [n + 1] when the engine defers
         the last token (then times[i + 1] is token i's query time); history_len: tokens in the
-        whole history -> (cache of committed + these tokens, timestamps as ``cache``'s; outputs [n, D])
+        whole history -> (per-layer keys and values of the committed tokens and these, outputs [n, D])
         """
         n, start = x.shape[0], cache.committed
         if n == 0:
-            return cache, x.new_zeros(0, self.config.hidden_dim)
+            return cache.keys, cache.values, x.new_zeros(0, self.config.hidden_dim)
         index = torch.arange(start, start + n, device=x.device)
         length = torch.tensor(history_len, device=x.device)
         cache_visible = self._visible(index.view(-1, 1), torch.arange(start, device=x.device).view(1, -1), length)
@@ -356,7 +358,7 @@ class CachedHSTU:
                                                     times[1:] if self.defers_last else None)
         keys = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.keys, keys))
         values = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.values, values))
-        return HistoryCache(keys, values, cache.timestamps), hidden
+        return keys, values, hidden
 
     def _run_new_tokens(
         self,

@@ -50,9 +50,10 @@ class HSTULayer(nn.Module):
         if self.position_bias is None and self.time_bias is None:
             return None
         timed = self.time_bias is not None
+        next_event = timed and self.config.query_time == "next_event"
         if timed and timestamps is None:
             raise ValueError("HSTU: timestamps are required when HSTUConfig.time_buckets > 0")
-        if timed and self.config.query_time == "next_event" and query_timestamps is None:
+        if next_event and query_timestamps is None:
             raise ValueError("HSTU: query_timestamps (each token's next event time) are required when "
                              "HSTUConfig.query_time is 'next_event'")
         return RelativeBias(
@@ -60,7 +61,7 @@ class HSTULayer(nn.Module):
             time_weights=self.time_bias,
             timestamps=timestamps if timed else None,
             time_bucketing=self.config.time_bucketing,
-            query_timestamps=query_timestamps if timed and self.config.query_time == "next_event" else None,
+            query_timestamps=query_timestamps if next_event else None,
         )
 
     def combine(self, x: Tensor, attn: Tensor, u: Tensor) -> Tensor:

@@ -154,11 +154,14 @@ def _relative_timestamps(rab: RelativeBias) -> Tuple[Tensor, Tensor]:
     last; int32 when they fit, which halves the memory traffic of the per-pair time deltas
     (differences stay exact). One tensor twice when the queries use the tokens' own times."""
     keys, queries = rebased_times(rab, rab.timestamps.device)
-    both = torch.stack([keys, queries]) if queries is not keys else keys.unsqueeze(0)
-    both = torch.cat([both, both.new_zeros(both.shape[0], 1)], dim=1)
-    both = both.int() if int(both.max()) < 2**31 else both
-    key_times = both[0]
-    return key_times, (both[1] if both.shape[0] == 2 else key_times)
+    span = max(int(keys.max()), int(queries.max())) if keys.numel() else 0
+    dtype = torch.int32 if span < 2**31 else torch.int64
+
+    def padded(times: Tensor) -> Tensor:
+        return torch.cat([times, times.new_zeros(1)]).to(dtype)
+
+    key_times = padded(keys)
+    return key_times, key_times if queries is keys else padded(queries)
 
 
 def score_elements(
