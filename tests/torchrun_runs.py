@@ -11,6 +11,7 @@ import sys
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from gr.train import train  # noqa: E402
+from gr.train.cli import end_process_group  # noqa: E402
 from gr.train.config import TrainConfig  # noqa: E402
 
 if __name__ == "__main__":
@@ -18,3 +19,4 @@ if __name__ == "__main__":
         runs = json.load(handle)
     for run in runs:
         train(TrainConfig.from_dict(run["config"]), run["out"], resume=run.get("resume", False))
+    end_process_group()

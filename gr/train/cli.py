@@ -74,4 +74,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = {k: v for k, v in metrics.items() if k != "config"}
     print(json.dumps(summary, indent=2))
     print(f"wrote {out / METRICS_FILE}")
+    end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """Destroy the torch.distributed group (torchrun) before the interpreter exits: left to
+    interpreter shutdown, gloo's threads sometimes abort the process ("terminate called
+    without an active exception", exit -6) after the run has finished."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
