@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
+
+from gr.atomic import atomic_file, write_json
 
 MAPPINGS_FORMAT_VERSION = 1
 MANIFEST = "mappings.json"
@@ -58,17 +58,6 @@ class IdMap:
         return self.raw[np.asarray(dense) - self.offset]
 
 
-def _write_atomic(path: Path, write) -> None:
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w", newline="", encoding="utf8") as f:
-            write(f)
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
-
-
 def save_mappings(directory: str, maps: Mapping[str, IdMap], columns: Mapping[str, List[str]]) -> None:
     """Write ``<name>.tsv`` (``dense_id<TAB>raw_id``) per map, ``<name>.columns.tsv`` per dense
     feature (its column names) and the manifest ``mappings.json``; each file via temp + rename."""
@@ -77,14 +66,15 @@ def save_mappings(directory: str, maps: Mapping[str, IdMap], columns: Mapping[st
     manifest: Dict[str, object] = {"format_version": MAPPINGS_FORMAT_VERSION, "maps": {}, "columns": {}}
     for name, id_map in maps.items():
         rows = zip(range(id_map.offset, id_map.cardinality), id_map.raw.tolist())
-        _write_atomic(root / f"{name}.tsv", lambda f, rows=rows: _write_tsv(f, ("dense_id", "raw_id"), rows))
+        with atomic_file(root / f"{name}.tsv") as f:
+            _write_tsv(f, ("dense_id", "raw_id"), rows)
         kind = "int" if id_map.raw.dtype.kind in "iu" else "str"
         manifest["maps"][name] = {"file": f"{name}.tsv", "raw_type": kind, "offset": id_map.offset}
     for name, names in columns.items():
-        _write_atomic(root / f"{name}.columns.tsv",
-                      lambda f, names=names: _write_tsv(f, ("column", "name"), enumerate(names)))
+        with atomic_file(root / f"{name}.columns.tsv") as f:
+            _write_tsv(f, ("column", "name"), enumerate(names))
         manifest["columns"][name] = f"{name}.columns.tsv"
-    _write_atomic(root / MANIFEST, lambda f: json.dump(manifest, f, indent=2))
+    write_json(root / MANIFEST, manifest)
 
 
 def _write_tsv(f, header: Tuple[str, str], rows) -> None:

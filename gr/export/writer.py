@@ -1,13 +1,10 @@
 """Write the sliced export of a trained GRModel (format in ``gr.export.format``)."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
@@ -16,6 +13,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
+from gr.atomic import atomic_directory
 from gr.export.format import (
     BAG,
     BATCH,
@@ -88,7 +86,7 @@ def export_model(
     was_training = model.training
     model.eval()
     try:
-        with _atomic_directory(export_dir, overwrite) as tmp:
+        with atomic_directory(export_dir, overwrite=overwrite) as tmp:
             _write(model, tmp, id_mappings_dir, dict(dense_dims or {}))
             problems = check_export(tmp)
             if problems:
@@ -111,28 +109,6 @@ def export_run(run_dir: Union[str, Path], export_dir: Union[str, Path], *, overw
     mappings = run_dir / MAPPINGS_DIR
     return export_model(model, export_dir, id_mappings_dir=mappings if mappings.is_dir() else None,
                         dense_dims={**spec.token_dense, **spec.common_dense}, overwrite=overwrite)
-
-
-@contextlib.contextmanager
-def _atomic_directory(target: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of ``target``; on success it replaces ``target`` by rename."""
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target}: already exists; pass overwrite=True (--overwrite) to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def _write(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None], dense_dims: Dict[str, int]) -> None:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from gr.atomic import replace_directory
+
 SHARDED_KEYS = ("state_dict", "sparse_optimizer")
 DENSE_OPTIMIZER_KEY = "optimizer_states"
 META_FILE = "meta.pt"
@@ -37,7 +39,7 @@ def save_checkpoint(checkpoint: Dict[str, Any], path: str | Path, sharded_keys: 
     dcp.save({k: checkpoint[k] for k in sharded_keys if k in checkpoint}, checkpoint_id=str(tmp))
     if leader:
         torch.save({k: v for k, v in checkpoint.items() if k not in sharded_keys}, tmp / META_FILE)
-        _replace_directory(tmp, path)
+        replace_directory(tmp, path)
     _barrier()
 
 
@@ -59,17 +61,6 @@ def read_meta(path: str | Path) -> Dict[str, Any]:
 def remove_checkpoint(path: str | Path) -> None:
     if _rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _replace_directory(source: Path, target: Path) -> None:
-    if not target.exists():
-        source.rename(target)
-        return
-    old = target.with_name(target.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    target.rename(old)
-    source.rename(target)
-    shutil.rmtree(old)
 
 
 def _rank() -> int:

@@ -14,7 +14,6 @@ import dataclasses
 import importlib
 import inspect
 import math
-import os
 import re
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
+from gr.atomic import write_text
 from gr.data.config import DataConfig
 from gr.hstu import HSTUConfig
 from gr.postfix_dnn import PostfixDNN
@@ -508,7 +508,4 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
     """Write ``config`` as YAML (to a temporary file, then renamed over ``path``)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,6 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from gr.atomic import write_json
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.model import GRModel
@@ -59,7 +59,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     if trainer.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, out_dir / CONFIG_FILE)
-        _write_json(out_dir / FEATURES_FILE, {"spec": vars(spec), "tasks": list(datamodule.tasks)})
+        write_json(out_dir / FEATURES_FILE, plain({"spec": vars(spec), "tasks": list(datamodule.tasks)}))
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
     # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
@@ -67,7 +67,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
     metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module)
     if trainer.is_global_zero:
-        _write_json(out_dir / METRICS_FILE, metrics)
+        write_json(out_dir / METRICS_FILE, plain(metrics))
     return metrics
 
 
@@ -137,12 +137,6 @@ def _with_resolved_tables(config: TrainConfig, tables: list) -> TrainConfig:
     """The config as actually used: table rows filled in from the data."""
     model = replace(config.model, tables=tuple(t.to_dict() for t in tables))
     return replace(config, model=model)
-
-
-def _write_json(path: Path, value: Any) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-        json.dump(plain(value), handle, indent=2)
-    os.replace(handle.name, path)
 
 
 # ---- reading a run back -----------------------------------------------------------------------
