@@ -21,7 +21,7 @@ re-runs only the last history token), and reports:
   (``gr.generation.budget.AdaptiveBudget``); ``pool-all-fixed`` drafts full trees every pass;
 * the draft model (assisted generation; adaptive depth, ``--draft-width`` candidates per level),
   with the cost of one draft pass relative to one target pass (the draft model's own greedy);
-* ranking self-drafts (``RankingDrafts``): the runners-up of the query that picked the last item,
+* ranking self-drafts (``RankingDraftSource``): the runners-up of the query that picked the last item,
   as a tree (16 / 3 / 2 / 1 per level, 32 nodes): no pool, no draft model;
 * relaxed verification on the all-users pool: HR@K of the slate against the user's two held-out
   events, next to strict's (= greedy's).
@@ -49,7 +49,7 @@ from gr.data.datamodule import SequenceDataModule
 from gr.data.readers import read_ml_100k
 from gr.generation.budget import AdaptiveBudget
 from gr.generation.decoding import Relaxed, Strict
-from gr.generation.drafts import DraftSource, ModelDrafts, PoolDrafts, RankingDrafts
+from gr.generation.drafts import DraftSource, ModelDraftSource, PoolDraftSource, RankingDraftSource
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.serving import Ranker
 from gr.serving.generate import ServingGenerativeModel
@@ -184,7 +184,7 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
     began, served = time.perf_counter(), SequencePool()
     for u in generators:
         result = ranker.generate(u, histories[u]["history"], max(ks), attribute=histories[u]["attribute"],
-                                 draft=PoolDrafts(served, pool_depth, pool_nodes), budget=AdaptiveBudget())
+                                 draft=PoolDraftSource(served, pool_depth, pool_nodes), budget=AdaptiveBudget())
         train_seqs[u] = train_seqs[u] + result.items
         served.add(train_seqs[u])
     print(f"# pools: {len(train_seqs)} training sequences + {len(generators)} generated slates of "
@@ -195,12 +195,12 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
     for g in groups:
         pools = GroupedPools.build(train_seqs, embeddings_t, g, attributes, seed=0)
         label = "pool-all" if g == 1 else f"pool-{g}groups"
-        sources[label] = (PoolDrafts(pools, pool_depth, pool_nodes, min_history), Strict(), adaptive)
+        sources[label] = (PoolDraftSource(pools, pool_depth, pool_nodes, min_history), Strict(), adaptive)
     sources["pool-all-fixed"] = (sources["pool-all"][0], Strict(), None)
-    sources["draft-model"] = (ModelDrafts(ServingGenerativeModel(draft_catalogue, {}), draft_catalogue.index,
+    sources["draft-model"] = (ModelDraftSource(ServingGenerativeModel(draft_catalogue, {}), draft_catalogue.index,
                                           draft_depth, draft_width), Strict(),
                               AdaptiveBudget(max_depth=draft_depth, nodes_per_level=draft_width))
-    sources["ranking"] = (RankingDrafts(ranker.catalogue()[0].index), Strict(), None)
+    sources["ranking"] = (RankingDraftSource(ranker.catalogue()[0].index), Strict(), None)
     sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed, adaptive)
     out: Dict[str, Dict] = {}
     for k in ks:

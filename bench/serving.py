@@ -181,9 +181,9 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
         ranker.cache.put(USER, stale, ranker.cache.generation)
 
     d = best_time(clock, lambda: rank(USER, history, candidates), args.repeats, before=restore)
-    assert rank(USER, history, candidates).cache == "hit"
+    assert rank(USER, history, candidates).cache_status == "hit"
     restore()
-    assert rank(USER, history, candidates).cache == "extend"
+    assert rank(USER, history, candidates).cache_status == "extend"
     return {"a_ms": a * 1e3, "b_ms": b * 1e3, "c_ms": c * 1e3, "d_ms": d * 1e3, "a_over_c": a / c,
             "b_over_c": b / c, "a_over_d": a / d, "a_sampled": float(len(sampled))}
 

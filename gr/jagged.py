@@ -72,7 +72,7 @@ def validate_jagged(
     max_seq_len: int,
     num_targets: Optional[Tensor] = None,
     timestamps: Optional[Tensor] = None,
-    query_timestamps: Optional[Tensor] = None,
+    query_times: Optional[Tensor] = None,
 ) -> None:
     """Raise ValueError with the argument's name when a jagged batch is inconsistent."""
     if seq_offsets.dim() != 1 or seq_offsets.numel() < 1:
@@ -94,6 +94,6 @@ def validate_jagged(
             raise ValueError(f"num_targets: expected [B]={tuple(lengths.shape)}, got {tuple(num_targets.shape)}")
         if bool((num_targets < 0).any()) or bool((num_targets > lengths).any()):
             raise ValueError("num_targets: each entry must lie in [0, sequence length]")
-    for name, times in (("timestamps", timestamps), ("query_timestamps", query_timestamps)):
+    for name, times in (("timestamps", timestamps), ("query_times", query_times)):
         if times is not None and times.shape != values.shape[:1]:
             raise ValueError(f"{name}: expected [T]={values.shape[0]}, got {tuple(times.shape)}")

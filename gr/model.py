@@ -34,7 +34,7 @@ class GRInput:
     common_ids: KJT with stride B, pooled per sequence
     common_dense: {name: [B, d]} dense per-request features
     labels: {name: tensor} for ``compute_loss``
-    query_timestamps: [T] int64 seconds or None: the time of the event each token predicts
+    query_times: [T] int64 seconds or None: the time of the event each token predicts
         (the next token's; for the last history token and the targets, the request time).
         Read only when ``HSTUConfig.query_time`` is "next_event".
     """
@@ -48,7 +48,7 @@ class GRInput:
     common_ids: Optional[KeyedJaggedTensor] = None
     common_dense: Dict[str, Tensor] = field(default_factory=dict)
     labels: Dict[str, Tensor] = field(default_factory=dict)
-    query_timestamps: Optional[Tensor] = None
+    query_times: Optional[Tensor] = None
 
 
 @dataclass
@@ -158,7 +158,7 @@ class GRModel(nn.Module):
                            f"(have {sorted(token)})")
         x = self.prefix_dnn({name: token[name] for name in self.prefix_dnn.feature_names})
         h = self.hstu(x, inputs.seq_offsets, inputs.max_seq_len, inputs.timestamps, inputs.num_targets,
-                      inputs.query_timestamps)
+                      inputs.query_times)
         row_index, row_offsets = self.scored_rows(inputs, h.shape[0])
         row_seq = token_seq_ids(row_offsets, row_index.numel())
         hidden = h[row_index]

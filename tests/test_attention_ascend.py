@@ -60,7 +60,7 @@ def batch(seed=0):
 
 def run(backend, tensors, offsets, ts, targets, query_ts=None, **options):
     leaves = [x.clone().requires_grad_(True) for x in tensors]
-    rab = RelativeBias(leaves[3], leaves[4], ts, query_timestamps=query_ts)
+    rab = RelativeBias(leaves[3], leaves[4], ts, query_times=query_ts)
     out = hstu_attention(*leaves[:3], offsets, 30, num_targets=targets, rab=rab, backend=backend, **options)
     return (out, *torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), leaves))
 

@@ -58,7 +58,7 @@ def make_batch(lengths, targets, heads=1, dim_qk=16, dim_v=12, pos_buckets=0, ti
     query_ts = ts + torch.randint(0, 10**5, ts.shape, generator=g) if query_times else None
     tensors = dict(q=q, k=k, v=v, pos_w=pos_w, time_w=time_w)
     meta = dict(seq_offsets=offsets, num_targets=num_targets, timestamps=ts, bucketing=bucketing,
-                query_timestamps=query_ts)
+                query_times=query_ts)
     return {name: x.to(DEVICE) if x is not None else None for name, x in tensors.items()}, {
         name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in meta.items()
     }
@@ -74,7 +74,7 @@ def run(backend, tensors, meta, dtype=torch.float32, **options):
             time_weights=leaves["time_w"],
             timestamps=meta["timestamps"] if leaves["time_w"] is not None else None,
             time_bucketing=meta["bucketing"],
-            query_timestamps=meta.get("query_timestamps") if leaves["time_w"] is not None else None,
+            query_times=meta.get("query_times") if leaves["time_w"] is not None else None,
         )
     max_len = int((meta["seq_offsets"][1:] - meta["seq_offsets"][:-1]).max())
     out = hstu_attention(
@@ -217,7 +217,7 @@ def test_query_time_buckets_agree_with_reference_at_bucket_edges(backend, bucket
     ts = torch.arange(n) * 1000
     tensors, meta = make_batch([n, n], [0, n - 1], time_buckets=32, bucketing=bucketing)
     meta["timestamps"] = torch.cat([ts, ts]).to(DEVICE)
-    meta["query_timestamps"] = torch.cat([ts + offsets, ts + offsets]).to(DEVICE)
+    meta["query_times"] = torch.cat([ts + offsets, ts + offsets]).to(DEVICE)
     tensors["time_w"] = alternating_bucket_weights(32)
     options = dict(alpha=0.25, silu_scale=0.05)
     out, grads = run(backend, tensors, meta, **options)
@@ -283,6 +283,6 @@ def test_reference_matches_naive_spec(case):
     expected = naive_attention(
         tensors["q"], tensors["k"], tensors["v"], spec["lengths"], spec["targets"], options["alpha"],
         options["silu_scale"], options.get("contextual_len", 0), options.get("max_attn_len", 0),
-        tensors["pos_w"], tensors["time_w"], meta["timestamps"], meta["bucketing"], meta["query_timestamps"],
+        tensors["pos_w"], tensors["time_w"], meta["timestamps"], meta["bucketing"], meta["query_times"],
     )
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)  # the reference rounds 1/(pos+1) to fp32

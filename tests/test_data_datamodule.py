@@ -56,7 +56,7 @@ def test_retrieval_train_batch_is_the_recent_training_part_shifted_by_one(retrie
     tokens = split_tokens(batch, batch.sequence_ids["item_id"].values())
     labels = split_tokens(batch, batch.labels["next_item"])
     times = split_tokens(batch, batch.timestamps)
-    query_times = split_tokens(batch, batch.query_timestamps)
+    query_times = split_tokens(batch, batch.query_times)
     for b, user in enumerate(batch.labels["user"].tolist()):
         items, stamps, _ = user_rows(retrieval, user)
         train = items[:-2]  # leave-one-out: the last two events are held out
@@ -74,7 +74,7 @@ def test_retrieval_train_batch_is_the_recent_training_part_shifted_by_one(retrie
 def test_retrieval_eval_batch_holds_out_one_event_and_excludes_the_history(retrieval, split, held_out):
     batch = next(iter(getattr(retrieval, f"{split}_dataloader")()))
     tokens = split_tokens(batch, batch.sequence_ids["item_id"].values())
-    query_times = split_tokens(batch, batch.query_timestamps)
+    query_times = split_tokens(batch, batch.query_times)
     offsets = batch.labels["exclude_offsets"].tolist()
     for b, user in enumerate(batch.labels["user"].tolist()):
         items, stamps, _ = user_rows(retrieval, user)
@@ -104,7 +104,7 @@ def test_ranking_train_sample_is_history_then_real_next_items_then_unseen_negati
     assert batch.num_targets.tolist() == [7] * len(batch.num_targets)
     tokens = split_tokens(batch, batch.sequence_ids["item_id"].values())
     times = split_tokens(batch, batch.timestamps)
-    query_times = split_tokens(batch, batch.query_timestamps)
+    query_times = split_tokens(batch, batch.query_times)
     watch = batch.labels["watch"].view(-1, 7)
     like = batch.labels["like"].view(-1, 7)
     for b, user in enumerate(batch.labels["user"].tolist()):

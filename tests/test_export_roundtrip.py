@@ -130,7 +130,7 @@ def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], see
                     for f, dim in _dense(model.postfix_dnn, common_tables).items()}
     return GRInput(seq_offsets=offsets, max_seq_len=max(lengths), timestamps=torch.cat(ts),
                    num_targets=torch.tensor(num_targets), sequence_ids=seq_ids, token_dense=token_dense,
-                   common_ids=common_ids, common_dense=common_dense, query_timestamps=torch.cat(query_ts))
+                   common_ids=common_ids, common_dense=common_dense, query_times=torch.cat(query_ts))
 
 
 def _dense(module: nn.Module, tables: Dict[str, int]) -> Dict[str, int]:

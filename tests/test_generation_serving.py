@@ -8,7 +8,7 @@ from torchrec import KeyedJaggedTensor
 from gr import GRInput, GRModel, HSTUConfig, TableConfig
 from gr.export import export_model
 from gr.generation.budget import AdaptiveBudget
-from gr.generation.drafts import ModelDrafts, PoolDrafts
+from gr.generation.drafts import ModelDraftSource, PoolDraftSource
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval
 from gr.postfix_dnn import RetrievalHead
@@ -77,10 +77,10 @@ def test_served_greedy_equals_the_trained_models_step_by_step_argmax(exports):
     for user, history in users(3):
         result = ranker.generate(user, history, 6, request_time=REQUEST_TIME)
         assert result.items == trained_greedy(model, history, 6)
-        assert result.cache == "miss" and result.stats.passes == 5
+        assert result.cache_status == "miss" and result.stats.passes == 5
     user, history = users(1)[0]
     again = ranker.generate(user, history, 6, request_time=REQUEST_TIME)
-    assert again.cache == "hit" and again.items == trained_greedy(model, history, 6)
+    assert again.cache_status == "hit" and again.items == trained_greedy(model, history, 6)
 
 
 def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(exports):
@@ -93,12 +93,12 @@ def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(ex
     embeddings = torch.stack([catalogue.index.items[h["item_id"][-1]] for _, h in population])
     grouped = GroupedPools.build(sequences[:8], embeddings[:8], num_groups=2, attributes=["a", "b"] * 4)
     draft = Ranker.load(draft_path, threads=1).catalogue()[0]
-    sources = [PoolDrafts(grouped, max_depth=4, max_nodes=8, min_history=8),
-               ModelDrafts(ServingGenerativeModel(draft, {}), draft.index, max_depth=3)]
+    sources = [PoolDraftSource(grouped, max_depth=4, max_nodes=8, min_history=8),
+               ModelDraftSource(ServingGenerativeModel(draft, {}), draft.index, max_depth=3)]
     everyone = SequencePool()
     for seq in sequences[:8]:
         everyone.add(seq)
-    sources.append(PoolDrafts(everyone, max_depth=6))
+    sources.append(PoolDraftSource(everyone, max_depth=6))
     for source in sources:
         accepted = 0
         for (user, history), want in zip(population, slates):
@@ -128,7 +128,7 @@ def test_beam_and_sampling_options_and_bad_requests(exports):
     with pytest.raises(RequestError, match="history: empty"):
         ranker.generate(user, {"item_id": [], "timestamps": []}, 3)
     with pytest.raises(RequestError, match="draft"):
-        ranker.generate(user, history, 3, "beam", draft=PoolDrafts(SequencePool()))
+        ranker.generate(user, history, 3, "beam", draft=PoolDraftSource(SequencePool()))
     with pytest.raises(RequestError, match="budget"):
         ranker.generate(user, history, 3, budget=AdaptiveBudget())
 

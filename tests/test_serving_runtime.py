@@ -107,18 +107,18 @@ def test_new_actions_extend_the_cached_history_and_match_the_trained_model(expor
     want, requests = users
     ranker = Ranker.load(path, micro_batch=3)
     request = requests[0]  # 25 history tokens, 5 candidates
-    assert rank(ranker, slice_history(request, 18)).cache == "miss"
+    assert rank(ranker, slice_history(request, 18)).cache_status == "miss"
     cached = ranker.cache.get(request["user_id"])
     assert cached.history.length == 18
-    assert rank(ranker, slice_history(request, 19)).cache == "extend"
+    assert rank(ranker, slice_history(request, 19)).cache_status == "extend"
     result = rank(ranker, request)
-    assert result.cache == "extend" and ranker.cache.get(request["user_id"]).history.length == 25
+    assert result.cache_status == "extend" and ranker.cache.get(request["user_id"]).history.length == 25
     for task in want:
         np.testing.assert_allclose(result.scores[task], want[task][:5], rtol=0, atol=ATOL)
-    assert rank(ranker, request).cache == "hit"
+    assert rank(ranker, request).cache_status == "hit"
     edited = {**request, "history": {**request["history"], "item_id": request["history"]["item_id"].copy()}}
     edited["history"]["item_id"][3] = (edited["history"]["item_id"][3] + 1) % 50
-    assert rank(ranker, edited).cache == "miss", "a changed past action must not reuse the cache"
+    assert rank(ranker, edited).cache_status == "miss", "a changed past action must not reuse the cache"
 
 
 def test_next_event_models_rank_as_trained_cached_extended_and_uncached(tmp_path):
@@ -131,7 +131,7 @@ def test_next_event_models_rank_as_trained_cached_extended_and_uncached(tmp_path
         want = {k: v.numpy() for k, v in model(batch).predictions.items()}
     requests = requests_from_batch(batch)
     ranker = Ranker.load(path, micro_batch=2)
-    assert rank(ranker, slice_history(requests[0], 20)).cache == "miss"
+    assert rank(ranker, slice_history(requests[0], 20)).cache_status == "miss"
     assert ranker.cache.get(requests[0]["user_id"]).history.pending is not None
     results = [rank_all(ranker, requests), rank_all(ranker, requests), rank_all(ranker, requests, use_cache=False)]
     for task in want:
@@ -160,7 +160,7 @@ def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_u
     rank(ranker, requests[0])  # ... so u2 is evicted for u0
     assert ranker.cache.users() == [u1, u0] and ranker.cache.nbytes == sizes[u1] + sizes[u0]
     tiny = Ranker.load(path, cache_bytes=sizes[u3] - 1)
-    assert rank(tiny, requests[3]).cache == "miss" and len(tiny.cache) == 0, "an entry above the bound is not kept"
+    assert rank(tiny, requests[3]).cache_status == "miss" and len(tiny.cache) == 0, "an entry above the bound is not kept"
 
 
 def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, users, tmp_path):
@@ -173,15 +173,15 @@ def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, us
     save_file(weights, str(newer / "hstu/model.safetensors"))
     ranker = Ranker.load(path)
     before = rank(ranker, requests[0]).scores["click"]
-    generation = ranker.cache.generation
+    version = ranker.cache.model_version
     stale = ranker.cache.get(requests[0]["user_id"])
     ranker.reload(newer)
-    assert len(ranker.cache) == 0 and ranker.cache.generation == generation + 1
+    assert len(ranker.cache) == 0 and ranker.cache.model_version == version + 1
     after = rank(ranker, requests[0])
-    assert after.cache == "miss" and not np.allclose(after.scores["click"], before, atol=1e-3)
+    assert after.cache_status == "miss" and not np.allclose(after.scores["click"], before, atol=1e-3)
     np.testing.assert_allclose(after.scores["click"], rank(Ranker.load(newer), requests[0]).scores["click"],
                                rtol=0, atol=ATOL)
-    assert not ranker.cache.put("late", stale, generation), "an entry computed before the reload is refused"
+    assert not ranker.cache.put("late", stale, version), "an entry computed before the reload is refused"
 
 
 def test_concurrent_requests_give_the_sequential_results(exported, users):
@@ -197,7 +197,7 @@ def test_concurrent_requests_give_the_sequential_results(exported, users):
         for task, value in sequential[index[user]].items():
             np.testing.assert_allclose(result.scores[task], value, rtol=0, atol=ATOL)
     assert ranker.cache.nbytes <= ranker.cache.max_bytes
-    assert {res.cache for _, res in results} <= {"miss", "hit"}
+    assert {res.cache_status for _, res in results} <= {"miss", "hit"}
 
 
 BAD_REQUESTS = {
@@ -232,7 +232,7 @@ def test_bad_requests_are_clear_errors_and_leave_the_cache_untouched(exported, u
         rank(ranker, corrupt(request))
     assert ranker.cache.get(request["user_id"]) is entry and ranker.cache.nbytes == size
     again = rank(ranker, request)
-    assert again.cache == "hit"
+    assert again.cache_status == "hit"
     np.testing.assert_allclose(again.scores["click"], want["click"][:5], rtol=0, atol=ATOL)
 
 
@@ -287,11 +287,11 @@ def test_user_cache_is_thread_safe_under_concurrent_puts():
             self.nbytes = nbytes
 
     cache = UserCache(max_bytes=1000)
-    generation = cache.generation
+    version = cache.model_version
 
     def worker(offset):
         for i in range(300):
-            cache.put((offset + i) % 37, Entry(10 + (i % 7) * 10), generation)
+            cache.put((offset + i) % 37, Entry(10 + (i % 7) * 10), version)
             cache.get((offset * 3 + i) % 37)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]

@@ -22,7 +22,7 @@ def batch(lengths, num_targets=None):
     ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], tokens, lengths)
     labels = {"next_item": tokens.clone()} if num_targets is None else {"click": torch.arange(int(sum(num_targets)))}
     return GRInput(seq_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-                   max_seq_len=int(lengths.max()), timestamps=tokens.clone(), query_timestamps=tokens.clone(),
+                   max_seq_len=int(lengths.max()), timestamps=tokens.clone(), query_times=tokens.clone(),
                    num_targets=None if num_targets is None else torch.tensor(num_targets), sequence_ids=ids,
                    token_dense={"age": tokens.float().unsqueeze(1)}, labels=labels)
 
@@ -52,7 +52,7 @@ def test_cut_batch_keeps_tokens_in_order_with_their_features_and_labels():
     assert cut.seq_offsets.tolist() == [0, 3, 7, 11] and cut.max_seq_len == 4
     kept = cut.sequence_ids["item_id"].values()
     assert torch.equal(cut.timestamps, kept) and torch.equal(cut.labels["next_item"], kept)
-    assert torch.equal(cut.query_timestamps, kept)
+    assert torch.equal(cut.query_times, kept)
     assert torch.equal(cut.token_dense["age"].squeeze(1).long(), kept)
     assert kept[:3].tolist() == [0, 1, 2]  # the short history is whole
     for start, end, lo, hi in ((3, 7, 3, 15), (7, 11, 15, 25)):

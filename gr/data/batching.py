@@ -94,7 +94,7 @@ def assemble(
     users: np.ndarray,
     items: np.ndarray,
     timestamps: np.ndarray,
-    query_timestamps: np.ndarray,
+    query_times: np.ndarray,
     lengths: np.ndarray,
     num_targets: Optional[np.ndarray],
     labels: Dict[str, np.ndarray],
@@ -102,8 +102,8 @@ def assemble(
     """One jagged batch -> GRInput with every side feature the corpus has.
 
     users: [B] int64 dense user ids; items: [T] int64 dense item ids per token;
-    timestamps: [T] int64; query_timestamps: [T] int64, the time of the event each token
-    predicts (``GRInput.query_timestamps``); lengths: [B] tokens per sequence (targets included);
+    timestamps: [T] int64; query_times: [T] int64, the time of the event each token
+    predicts (``GRInput.query_times``); lengths: [B] tokens per sequence (targets included);
     num_targets: [B] trailing candidate tokens, or None; labels: {name: array}.
     """
     lengths_t = torch.from_numpy(lengths.astype(np.int64))
@@ -122,7 +122,7 @@ def assemble(
         seq_offsets=offsets_from_lengths(lengths_t),
         max_seq_len=int(lengths.max()),
         timestamps=torch.from_numpy(timestamps.astype(np.int64)),
-        query_timestamps=torch.from_numpy(query_timestamps.astype(np.int64)),
+        query_times=torch.from_numpy(query_times.astype(np.int64)),
         num_targets=None if num_targets is None else torch.from_numpy(num_targets.astype(np.int64)),
         sequence_ids=KeyedJaggedTensor(
             keys=sequence_keys,

@@ -63,7 +63,7 @@ def stochastic_length_index(
 def subsample_histories(batch: GRInput, max_len: int, alpha: float, generator: torch.Generator) -> GRInput:
     """``batch`` with long histories cut as described in the module docstring.
 
-    Per-token fields follow the kept tokens: timestamps, query_timestamps, every key of ``sequence_ids``,
+    Per-token fields follow the kept tokens: timestamps, query_times, every key of ``sequence_ids``,
     ``token_dense``, and the labels of an autoregressive batch (no ``num_targets``: one label
     row per token); labels of target tokens are untouched (targets are all kept).
     """
@@ -86,7 +86,7 @@ def subsample_histories(batch: GRInput, max_len: int, alpha: float, generator: t
         seq_offsets=offsets_from_lengths(lengths),
         max_seq_len=int(lengths.max()) if lengths.numel() else batch.max_seq_len,
         timestamps=None if batch.timestamps is None else batch.timestamps[index],
-        query_timestamps=None if batch.query_timestamps is None else batch.query_timestamps[index],
+        query_times=None if batch.query_times is None else batch.query_times[index],
         sequence_ids=ids,
         token_dense={k: v[index] for k, v in batch.token_dense.items()},
         labels=labels,

@@ -7,7 +7,7 @@ from gr.generation.decoding import (
 )
 from gr.generation.draft_tree import DraftTree, tree_from_paths
 from gr.generation.drafts import (
-    ModelDrafter, ModelDrafts, PoolDrafter, PoolDrafts, RankingDrafter, RankingDrafts,
+    ModelDrafter, ModelDraftSource, PoolDrafter, PoolDraftSource, RankingDrafter, RankingDraftSource,
 )
 from gr.generation.index import ExactIndex, Exclusions, ItemIndex
 from gr.generation.pools import GroupedPools, SequencePool
@@ -15,7 +15,7 @@ from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_spe
 
 __all__ = [
     "AdaptiveBudget", "DraftTree", "ExactIndex", "Exclusions", "Generation", "GenerationStats", "GroupedPools",
-    "ItemIndex", "ModelDrafter", "ModelDrafts", "PoolDrafter", "PoolDrafts", "RankingDrafter", "RankingDrafts",
+    "ItemIndex", "ModelDrafter", "ModelDraftSource", "PoolDrafter", "PoolDraftSource", "RankingDrafter", "RankingDraftSource",
     "Relaxed", "SequencePool", "SpeculativeRetrieval", "Strict", "beam_search", "greedy",
     "greedy_speculative_retrieval", "sample", "speculative_greedy", "start", "tree_from_paths",
 ]

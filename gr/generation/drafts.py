@@ -177,7 +177,7 @@ class DraftSource(Protocol):
 
 
 @dataclass
-class PoolDrafts:
+class PoolDraftSource:
     """Drafts from retrieval pools: one pool for everyone, or ``GroupedPools`` routed per user
     (by the user embedding when the history has at least ``min_history`` items, else by attribute)."""
 
@@ -197,7 +197,7 @@ class PoolDrafts:
 
 
 @dataclass
-class ModelDrafts:
+class ModelDraftSource:
     """Drafts from a smaller generative model over the same catalogue (assisted generation)."""
 
     model: GenerativeModel
@@ -212,7 +212,7 @@ class ModelDrafts:
 
 
 @dataclass
-class RankingDrafts:
+class RankingDraftSource:
     """Self-drafts from the target's own ranking over ``index`` (see ``RankingDrafter``)."""
 
     index: ItemIndex

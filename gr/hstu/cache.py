@@ -144,20 +144,20 @@ class BiasBuckets:
         cls,
         config: HSTUConfig,
         query_positions: Tensor,
-        query_timestamps: Optional[Tensor],
+        query_times: Optional[Tensor],
         key_positions: Tensor,
         key_timestamps: Optional[Tensor],
     ) -> "BiasBuckets":
-        """query_positions: [n] int64, query_timestamps: [n] int64 or None;
+        """query_positions: [n] int64, query_times: [n] int64 or None;
         key_positions: [K] int64, key_timestamps: [K] int64 or None."""
         position = time = None
         if config.num_position_buckets > 0:
             rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
             position = position_bucket(rel, config.num_position_buckets)
         if config.time_buckets > 0:
-            if query_timestamps is None or key_timestamps is None:
+            if query_times is None or key_timestamps is None:
                 raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
-            delta = query_timestamps.view(-1, 1) - key_timestamps.view(1, -1)
+            delta = query_times.view(-1, 1) - key_timestamps.view(1, -1)
             time = time_bucket(delta, config.time_bucketing, config.time_buckets)
         return cls(position, time)
 
@@ -166,7 +166,7 @@ class BiasBuckets:
         cls,
         config: HSTUConfig,
         query_positions: Tensor,
-        query_timestamps: Optional[Tensor],
+        query_times: Optional[Tensor],
         cache_timestamps: Optional[Tensor],
         cache_length: int,
     ) -> "BiasBuckets":
@@ -175,9 +175,9 @@ class BiasBuckets:
         Every row is the same when the new tokens share position and timestamp (candidates of one
         request): computed once, broadcast over the rows.
         """
-        rows = 1 if _all_equal(query_positions) and (query_timestamps is None or _all_equal(query_timestamps)) else None
+        rows = 1 if _all_equal(query_positions) and (query_times is None or _all_equal(query_times)) else None
         cache_positions = torch.arange(cache_length, device=query_positions.device)
-        query_times = None if query_timestamps is None else query_timestamps[:rows]
+        query_times = None if query_times is None else query_times[:rows]
         return cls.between(config, query_positions[:rows], query_times, cache_positions, cache_timestamps)
 
     def bias(self, layer: HSTULayer) -> Optional[Tensor]:
@@ -228,7 +228,7 @@ class CachedHSTU:
             query_ts = ts[1:] if self.defers_last else None
             for layer in self.hstu.layers:
                 u, q, k, v = layer.project(h)
-                attn = layer.attend(q, k, v, offsets, committed, ts[:committed], query_timestamps=query_ts)
+                attn = layer.attend(q, k, v, offsets, committed, ts[:committed], query_times=query_ts)
                 h = layer.combine(h, attn, u)
                 keys.append(k.transpose(0, 1).contiguous())
                 values.append(v.transpose(0, 1).contiguous())
@@ -368,14 +368,14 @@ class CachedHSTU:
         timestamps: Optional[Tensor],
         cache_visible: Tensor,
         block_visible: Optional[Tensor],
-        query_timestamps: Optional[Tensor] = None,
+        query_times: Optional[Tensor] = None,
     ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
         """New tokens through every layer against a cache with nothing pending (see ``attend_cached``).
 
-        query_timestamps: [n] int64, each token's query time; None -> its own timestamp
+        query_times: [n] int64, each token's query time; None -> its own timestamp
         -> (outputs [n, D], per-layer keys [H, n, Da], per-layer values [H, n, Dl])
         """
-        query_ts = timestamps if query_timestamps is None else query_timestamps
+        query_ts = timestamps if query_times is None else query_times
         h = self.hstu.embed(x, positions)
         cache_buckets = BiasBuckets.for_cache(self.config, positions, query_ts, cache.timestamps, cache.length)
         block_buckets = None if block_visible is None else BiasBuckets.between(

@@ -41,7 +41,7 @@ class HSTUConfig:
     time_bucketing: str = "log"  # how |t_query - t_key| (seconds) maps to a bucket
     # t_query of the time bias: "token", the query token's own timestamp; "next_event", the time
     # of the event the token predicts (the next token's; the request time for the last history
-    # token), as in the HSTU paper's code. "next_event" needs ``query_timestamps`` in forward.
+    # token), as in the HSTU paper's code. "next_event" needs ``query_times`` in forward.
     query_time: str = "token"
     contextual_len: int = 0  # leading tokens every token may attend to
     max_attn_len: int = 0  # local look-back window in positions; 0 -> unbounded

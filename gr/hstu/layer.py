@@ -44,24 +44,24 @@ class HSTULayer(nn.Module):
         return u, q.reshape(-1, heads, da), k.reshape(-1, heads, da), v.reshape(-1, heads, dl)
 
     def relative_bias(
-        self, timestamps: Optional[Tensor], query_timestamps: Optional[Tensor] = None
+        self, timestamps: Optional[Tensor], query_times: Optional[Tensor] = None
     ) -> Optional[RelativeBias]:
-        """timestamps, query_timestamps: [T] int64 or None -> the bias parts the kernel fuses."""
+        """timestamps, query_times: [T] int64 or None -> the bias parts the kernel fuses."""
         if self.position_bias is None and self.time_bias is None:
             return None
         timed = self.time_bias is not None
         next_event = timed and self.config.query_time == "next_event"
         if timed and timestamps is None:
             raise ValueError("HSTU: timestamps are required when HSTUConfig.time_buckets > 0")
-        if next_event and query_timestamps is None:
-            raise ValueError("HSTU: query_timestamps (each token's next event time) are required when "
+        if next_event and query_times is None:
+            raise ValueError("HSTU: query_times (each token's next event time) are required when "
                              "HSTUConfig.query_time is 'next_event'")
         return RelativeBias(
             position_weights=self.position_bias,
             time_weights=self.time_bias,
             timestamps=timestamps if timed else None,
             time_bucketing=self.config.time_bucketing,
-            query_timestamps=query_timestamps if next_event else None,
+            query_times=query_times if next_event else None,
         )
 
     def combine(self, x: Tensor, attn: Tensor, u: Tensor) -> Tensor:
@@ -81,7 +81,7 @@ class HSTULayer(nn.Module):
         max_seq_len: int,
         timestamps: Optional[Tensor] = None,
         num_targets: Optional[Tensor] = None,
-        query_timestamps: Optional[Tensor] = None,
+        query_times: Optional[Tensor] = None,
     ) -> Tensor:
         """q, k: [T, H, Da], v: [T, H, Dl] -> [T, H, Dl]: this layer's masked, biased attention."""
         return hstu_attention(
@@ -95,7 +95,7 @@ class HSTULayer(nn.Module):
             max_attn_len=self.config.max_attn_len,
             alpha=self.config.alpha,
             silu_scale=self.silu_scale(),
-            rab=self.relative_bias(timestamps, query_timestamps),
+            rab=self.relative_bias(timestamps, query_times),
             backend=self.config.kernel_backend,
         )
 
@@ -106,10 +106,10 @@ class HSTULayer(nn.Module):
         max_seq_len: int,
         timestamps: Optional[Tensor] = None,
         num_targets: Optional[Tensor] = None,
-        query_timestamps: Optional[Tensor] = None,
+        query_times: Optional[Tensor] = None,
     ) -> Tensor:
         """x: [T, D] -> [T, D]; see ``HSTU.forward`` for the other arguments."""
-        args = (seq_offsets, max_seq_len, timestamps, num_targets, query_timestamps)
+        args = (seq_offsets, max_seq_len, timestamps, num_targets, query_times)
         recompute = self.config.recompute if torch.is_grad_enabled() and self.training else "none"
         if recompute == "layer":
             return checkpoint(self._project_attend_combine, x, *args, use_reentrant=False)
@@ -132,7 +132,7 @@ class HSTULayer(nn.Module):
         max_seq_len: int,
         timestamps: Optional[Tensor],
         num_targets: Optional[Tensor],
-        query_timestamps: Optional[Tensor],
+        query_times: Optional[Tensor],
     ) -> Tensor:
-        attn = self.attend(q, k, v, seq_offsets, max_seq_len, timestamps, num_targets, query_timestamps)
+        attn = self.attend(q, k, v, seq_offsets, max_seq_len, timestamps, num_targets, query_times)
         return self.combine(x, attn, u)

@@ -59,7 +59,7 @@ class HSTU(nn.Module):
         max_seq_len: int,
         timestamps: Optional[Tensor] = None,
         num_targets: Optional[Tensor] = None,
-        query_timestamps: Optional[Tensor] = None,
+        query_times: Optional[Tensor] = None,
     ) -> Tensor:
         """Run the stack over a jagged batch.
 
@@ -68,11 +68,11 @@ class HSTU(nn.Module):
         max_seq_len: int, >= the longest sequence (targets included)
         timestamps: [T] int64 seconds (needed when the time bias is on)
         num_targets: [B] int64 or None: trailing candidate tokens per sequence
-        query_timestamps: [T] int64 seconds, when ``HSTUConfig.query_time`` is "next_event":
-            the time of the event each token predicts (see ``GRInput.query_timestamps``)
+        query_times: [T] int64 seconds, when ``HSTUConfig.query_time`` is "next_event":
+            the time of the event each token predicts (see ``GRInput.query_times``)
         returns: [T, D]
         """
-        validate_jagged(x, seq_offsets, max_seq_len, num_targets, timestamps, query_timestamps)
+        validate_jagged(x, seq_offsets, max_seq_len, num_targets, timestamps, query_times)
         if x.shape[-1] != self.config.hidden_dim:
             raise ValueError(f"HSTU: input has dim {x.shape[-1]}, HSTUConfig.hidden_dim is {self.config.hidden_dim}")
         positions = token_positions(seq_offsets, num_targets)
@@ -83,5 +83,5 @@ class HSTU(nn.Module):
             )
         h = self.embed(x, positions)
         for layer in self.layers:
-            h = layer(h, seq_offsets, max_seq_len, timestamps, num_targets, query_timestamps)
+            h = layer(h, seq_offsets, max_seq_len, timestamps, num_targets, query_times)
         return h

@@ -34,7 +34,7 @@ QUERY = "query"
 
 
 class Catalogue:
-    """One export's items for generation: token inputs of every item, and the exact item index.
+    """One export's items for model_version: token inputs of every item, and the exact item index.
 
     item_feature: the token id feature that holds the item (its table is the catalogue)
     """
@@ -88,10 +88,10 @@ class GenerateResult:
     stats: GenerationStats
     history_length: int
     truncated: int
-    cache: str
+    cache_status: str
 
     def to_json(self) -> Dict[str, Any]:
-        return {"items": self.items, "history_length": self.history_length, "cache": self.cache,
+        return {"items": self.items, "history_length": self.history_length, "cache_status": self.cache_status, "cache": self.cache_status,
                 "passes": self.stats.passes, "accepted": self.stats.accepted}
 
 
@@ -103,7 +103,7 @@ class _Prepared:
     timestamps: Tensor  # [L] int64
     request_time: int
     truncated: int
-    cache: str
+    cache_status: str
 
 
 def _prepare(
@@ -113,7 +113,7 @@ def _prepare(
     """Validate a request, get the user's cached history and the query at its last token."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise RequestError(f"k: expected an integer >= 1, got {k!r}")
-    catalogue, generation = ranker.catalogue()
+    catalogue, model_version = ranker.catalogue()
     model = catalogue.model
     hist = model.schema.tokens(history, "history", model.sparse)
     length = len(hist[TIMESTAMPS])
@@ -128,12 +128,12 @@ def _prepare(
                                f"{model.config.max_seq_len} (long_history='refuse')")
         hist = {name: value[length - limit:].copy() for name, value in hist.items()}
     common = model.schema.common(common_features, model.sparse)
-    cached, status = ranker.cached_history(model, generation, user_id, hist)
+    cached, status = ranker.cached_history(model, model_version, user_id, hist)
     lm = ServingGenerativeModel(catalogue, common)
     items = torch.from_numpy(hist[catalogue.item_feature])
     timestamps = torch.from_numpy(hist[TIMESTAMPS])
-    when = int(hist[TIMESTAMPS][-1]) if request_time is None else int(request_time)
-    return _Prepared(lm, start(lm, items, timestamps, when, cached), items, timestamps, when, max(length - limit, 0),
+    request_time = int(hist[TIMESTAMPS][-1]) if request_time is None else int(request_time)
+    return _Prepared(lm, start(lm, items, timestamps, request_time, cached), items, timestamps, request_time, max(length - limit, 0),
                      status)
 
 
@@ -175,20 +175,20 @@ def generate(
     if budget is not None and draft is None:
         raise RequestError("budget: sizes draft trees; it needs a draft source (draft=...)")
     p = _prepare(ranker, user_id, history, k, common_features, request_time)
-    lm, state, index, when = p.model, p.state, p.model.catalogue.index, p.request_time
+    lm, state, index, request_time = p.model, p.state, p.model.catalogue.index, p.request_time
     available = index.num_items - (len(set(state.items)) if exclude_seen else 0)
     if k > available:
         raise RequestError(f"k: {k} items requested but only {available} catalogue items are not in the history")
     if strategy == "beam":
-        out = beam_search(lm, index, state, k, when, exclude_seen, beam_width, temperature)
+        out = beam_search(lm, index, state, k, request_time, exclude_seen, beam_width, temperature)
     elif strategy == "sample":
         generator = None if seed is None else torch.Generator().manual_seed(seed)
-        out = sample(lm, index, state, k, when, exclude_seen, temperature, generator)
+        out = sample(lm, index, state, k, request_time, exclude_seen, temperature, generator)
     elif speculative_retrieval is not None:
-        out = greedy_speculative_retrieval(lm, index, state, k, when, speculative_retrieval, exclude_seen)
+        out = greedy_speculative_retrieval(lm, index, state, k, request_time, speculative_retrieval, exclude_seen)
     elif draft is None:
-        out = greedy(lm, index, state, k, when, exclude_seen)
+        out = greedy(lm, index, state, k, request_time, exclude_seen)
     else:
-        drafter: Drafter = draft.drafter(p.items, p.timestamps, when, state.query, attribute)
-        out = speculative_greedy(lm, index, state, k, when, drafter, exclude_seen, verification, budget)
-    return GenerateResult(out.items, out.stats, int(p.items.numel()), p.truncated, p.cache)
+        drafter: Drafter = draft.drafter(p.items, p.timestamps, request_time, state.query, attribute)
+        out = speculative_greedy(lm, index, state, k, request_time, drafter, exclude_seen, verification, budget)
+    return GenerateResult(out.items, out.stats, int(p.items.numel()), p.truncated, p.cache_status)

@@ -59,13 +59,13 @@ class RankResult:
     scores: Dict[str, np.ndarray]
     history_length: int
     truncated: int
-    cache: str
+    cache_status: str
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {
             "scores": {name: value.tolist() for name, value in self.scores.items()},
             "history_length": self.history_length,
-            "cache": self.cache,
+            "cache_status": self.cache_status, "cache": self.cache_status,
         }
         if self.truncated:
             out["warnings"] = [f"history truncated: dropped the {self.truncated} oldest token(s) to fit max_seq_len"]
@@ -75,11 +75,11 @@ class RankResult:
 @dataclass(frozen=True)
 class CachedUser:
     """A user-cache entry: the history tokens the cache was built from, its K/V, and the
-    cache generation (model) that computed them."""
+    model version that computed them."""
 
     tokens: Tokens
     history: HistoryCache
-    generation: int
+    model_version: int
 
     @property
     def nbytes(self) -> int:
@@ -191,17 +191,17 @@ class Ranker:
         request_time: seconds (see ``gr.serving.request``); "next_event" models read it.
         """
         with self._lock:
-            model, generation = self._model, self.cache.generation
-        hist, cands, common, truncated, when = self._validate(model, history, candidates, common_features,
+            model, model_version = self._model, self.cache.model_version
+        hist, cands, common, truncated, request_time = self._validate(model, history, candidates, common_features,
                                                               request_time)
         if not use_cache:
-            hidden = self._one_pass(model, hist, cands, when)
+            hidden = self._one_pass(model, hist, cands, request_time)
             return RankResult(model.heads(hidden, common), len(hist[TIMESTAMPS]), truncated, "off")
-        cached, status = self._history(model, generation, user_id, hist)
+        cached, status = self._history(model, model_version, user_id, hist)
         x = model.embed_tokens(cands)
-        hidden = model.engine.score(cached.history, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch, when)
+        hidden = model.engine.score(cached.history, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch, request_time)
         if status != "hit":
-            self.cache.put(user_id, cached, generation)
+            self.cache.put(user_id, cached, model_version)
         return RankResult(model.heads(hidden, common), len(hist[TIMESTAMPS]), truncated, status)
 
     def rank_batch(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]:
@@ -234,19 +234,19 @@ class Ranker:
         return generate(self, user_id, history, k, strategy, exclude_seen, **options)
 
     def catalogue(self) -> Tuple[Catalogue, int]:
-        """The current model's generation catalogue (built on first use) and the cache generation."""
+        """The current model's generation catalogue (built on first use) and its model version."""
         with self._lock:
-            model, generation = self._model, self.cache.generation
+            model, model_version = self._model, self.cache.model_version
             if self._catalogue is None or self._catalogue.model is not model:
                 self._catalogue = Catalogue(model)
-            return self._catalogue, generation
+            return self._catalogue, model_version
 
-    def cached_history(self, model: ServingModel, generation: int, user_id: Hashable, hist: Tokens) -> Tuple[HistoryCache, str]:
+    def cached_history(self, model: ServingModel, model_version: int, user_id: Hashable, hist: Tokens) -> Tuple[HistoryCache, str]:
         """The encoded history ``hist`` of a user (reused, extended or encoded; stored in the user cache)
         -> (cache, "hit" | "extend" | "miss")."""
-        cached, status = self._history(model, generation, user_id, hist)
+        cached, status = self._history(model, model_version, user_id, hist)
         if status != "hit":
-            self.cache.put(user_id, cached, generation)
+            self.cache.put(user_id, cached, model_version)
         return cached.history, status
 
     def _validate(
@@ -282,14 +282,14 @@ class Ranker:
             hist = {name: value[length - limit:].copy() for name, value in hist.items()}
         return hist, cands, common, max(length - limit, 0), request_time
 
-    def _history(self, model: ServingModel, generation: int, user_id: Hashable, hist: Tokens) -> Tuple[CachedUser, str]:
+    def _history(self, model: ServingModel, model_version: int, user_id: Hashable, hist: Tokens) -> Tuple[CachedUser, str]:
         """The user's cached history for ``hist``: reused, extended with the new tokens, or encoded.
 
-        Only an entry of this request's model generation is used (a reload may race the request).
+        Only an entry of this request's model version is used (a reload may race the request).
         """
         entry = self.cache.get(user_id)
         length = len(hist[TIMESTAMPS])
-        if isinstance(entry, CachedUser) and entry.generation == generation and _is_prefix(entry.tokens, hist):
+        if isinstance(entry, CachedUser) and entry.model_version == model_version and _is_prefix(entry.tokens, hist):
             known = entry.history.length
             if known == length:
                 return entry, "hit"
@@ -297,9 +297,9 @@ class Ranker:
                 new = {name: value[known:] for name, value in hist.items()}
                 x = model.embed_tokens(new)
                 extended = model.engine.extend(entry.history, x, torch.from_numpy(new[TIMESTAMPS]))
-                return CachedUser(hist, extended, generation), "extend"
+                return CachedUser(hist, extended, model_version), "extend"
         x = model.embed_tokens(hist)
-        return CachedUser(hist, model.engine.encode(x, torch.from_numpy(hist[TIMESTAMPS])), generation), "miss"
+        return CachedUser(hist, model.engine.encode(x, torch.from_numpy(hist[TIMESTAMPS])), model_version), "miss"
 
     def _one_pass(self, model: ServingModel, hist: Tokens, cands: Tokens, request_time: int) -> Tensor:
         """HSTU outputs at the candidates from one target-aware pass over history + candidates: [N, D].

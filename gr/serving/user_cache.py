@@ -14,8 +14,8 @@ class Sized(Protocol):
 class UserCache:
     """{user id: entry} holding at most ``max_bytes`` (sum of ``entry.nbytes``), least recently used out first.
 
-    ``generation`` counts model reloads: ``invalidate`` drops everything and bumps it, and
-    ``put`` refuses an entry computed under an older generation, so a request that raced a
+    ``model_version`` counts model reloads: ``invalidate`` drops everything and bumps it, and
+    ``put`` refuses an entry computed under an older model version, so a request that raced a
     reload cannot store stale state. An entry larger than ``max_bytes`` is never stored.
     """
 
@@ -25,13 +25,13 @@ class UserCache:
         self.max_bytes = int(max_bytes)
         self._entries: "OrderedDict[Hashable, Sized]" = OrderedDict()
         self._bytes = 0
-        self._generation = 0
+        self._model_version = 0
         self._lock = threading.Lock()
 
     @property
-    def generation(self) -> int:
+    def model_version(self) -> int:
         with self._lock:
-            return self._generation
+            return self._model_version
 
     @property
     def nbytes(self) -> int:
@@ -54,11 +54,11 @@ class UserCache:
                 self._entries.move_to_end(user)
             return entry
 
-    def put(self, user: Hashable, entry: Sized, generation: int) -> bool:
+    def put(self, user: Hashable, entry: Sized, model_version: int) -> bool:
         """Store ``entry`` (replacing the user's old one) and evict LRU users to fit; -> stored?"""
         size = int(entry.nbytes)
         with self._lock:
-            if generation != self._generation:
+            if model_version != self._model_version:
                 return False
             old = self._entries.pop(user, None)
             if old is not None:
@@ -77,4 +77,4 @@ class UserCache:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
-            self._generation += 1
+            self._model_version += 1

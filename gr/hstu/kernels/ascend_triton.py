@@ -164,7 +164,7 @@ def _tables(TimeW, Thresholds, num_time, HAS_TIME: tl.constexpr, TIME_TABLE: tl.
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, TileSeq,
+def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, TileSeq,
                     TileStart, num_tiles,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_ot, stride_oh,
@@ -179,7 +179,7 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, Ti
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
         query_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, Out,
-                    SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, time_table, thr_table,
+                    SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, time_table, thr_table,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_ot, stride_oh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
                     DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
@@ -187,7 +187,7 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, Ti
 
 
 @triton.jit
-def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, TileSeq,
+def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, TileSeq,
                         TileStart, num_tiles,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dqt, stride_dqh,
@@ -202,7 +202,7 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTs, PosW,
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
         query_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, DQ,
-                    SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, time_table, thr_table,
+                    SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, time_table, thr_table,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_dqt, stride_dqh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
                     DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
@@ -210,7 +210,7 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTs, PosW,
 
 
 @triton.jit
-def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, QueryTs, PosW, TimeW,
+def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW,
                          Thresholds, TileSeq, TileStart, num_tiles,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -225,7 +225,7 @@ def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, 
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
         key_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, DK, DV, DPos, DTime,
-                  SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, time_table, thr_table,
+                  SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, time_table, thr_table,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                   stride_dkt, stride_dkh, stride_dvt, stride_dvh, alpha, silu_scale, contextual_len, max_attn_len,
                   num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION,

@@ -23,46 +23,46 @@ class RelativeBias:
                + time_weights[clamp(bucket(|tq_i - t_j|), 0, NB - 1)]
     Either part may be None (off). ``pos`` is ``gr.jagged.token_positions``
     (targets sit at the history length). ``tq_i`` is the time query i is asked at:
-    ``query_timestamps[i]``, or the token's own ``timestamps[i]`` when those are None.
+    ``query_times[i]``, or the token's own ``timestamps[i]`` when those are None.
 
     position_weights: [P] float, or None
     time_weights: [NB] float, or None
     timestamps: [T] int64 seconds; required when time_weights is given
     time_bucketing: "log" or "sqrt"
-    query_timestamps: [T] int64 seconds, or None
+    query_times: [T] int64 seconds, or None
     """
 
     position_weights: Optional[Tensor] = None
     time_weights: Optional[Tensor] = None
     timestamps: Optional[Tensor] = None
     time_bucketing: str = "log"
-    query_timestamps: Optional[Tensor] = None
+    query_times: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if self.time_weights is not None and self.timestamps is None:
             raise ValueError("RelativeBias.timestamps: required when time_weights is given")
         if self.time_bucketing not in ("log", "sqrt"):
             raise ValueError(f"RelativeBias.time_bucketing: expected 'log' or 'sqrt', got {self.time_bucketing!r}")
-        if self.query_timestamps is not None and (
-            self.timestamps is None or self.query_timestamps.shape != self.timestamps.shape
+        if self.query_times is not None and (
+            self.timestamps is None or self.query_times.shape != self.timestamps.shape
         ):
-            raise ValueError("RelativeBias.query_timestamps: expected the shape of timestamps [T]")
+            raise ValueError("RelativeBias.query_times: expected the shape of timestamps [T]")
 
     @property
-    def queries_at(self) -> Optional[Tensor]:
-        """[T] int64: the time each query is asked at (``query_timestamps`` or ``timestamps``)."""
-        return self.timestamps if self.query_timestamps is None else self.query_timestamps
+    def resolved_query_times(self) -> Optional[Tensor]:
+        """[T] int64: the time each query is asked at (``query_times`` or ``timestamps``)."""
+        return self.timestamps if self.query_times is None else self.query_times
 
 
 def rebased_times(rab: RelativeBias, device: torch.device) -> Tuple[Tensor, Tensor]:
     """-> (key timestamps, query times), each [T] int64 on ``device``, seconds since the earliest of
-    both (kernels then take time deltas in int32); one tensor twice when ``rab.query_timestamps``
+    both (kernels then take time deltas in int32); one tensor twice when ``rab.query_times``
     is None. Requires ``rab.timestamps``."""
     keys = rab.timestamps.to(device=device, dtype=torch.int64)
-    if rab.query_timestamps is None:
+    if rab.query_times is None:
         times = keys - keys.min() if keys.numel() else keys
         return times, times
-    both = torch.stack([keys, rab.query_timestamps.to(device=device, dtype=torch.int64)])
+    both = torch.stack([keys, rab.query_times.to(device=device, dtype=torch.int64)])
     both = both - both.min() if both.numel() else both
     return both[0], both[1]
 

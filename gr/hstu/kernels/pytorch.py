@@ -69,7 +69,7 @@ def dense_relative_bias(
         bias = bias + rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
     if rab.time_weights is not None:
         ts = torch.zeros(2, batch, max_seq_len, dtype=torch.int64, device=seq_offsets.device)
-        ts[0, seq_ids, idx] = rab.queries_at.long()
+        ts[0, seq_ids, idx] = rab.resolved_query_times.long()
         ts[1, seq_ids, idx] = rab.timestamps.long()
         delta = ts[0].unsqueeze(2) - ts[1].unsqueeze(1)
         bias = bias + rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]

@@ -132,7 +132,7 @@ def _tuned(kernel):
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds,
+def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_ot, stride_oh,
                     alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
@@ -143,7 +143,7 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, Ti
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     PRECISION: tl.constexpr):
     query_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_M, Q, K, V, DO, Out,
-                SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, 0, 0,
+                SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, 0, 0,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                 stride_ot, stride_oh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
                 DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
@@ -151,7 +151,7 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, Ti
 
 
 @triton.jit
-def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds,
+def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dqt, stride_dqh,
                         alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
@@ -162,7 +162,7 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTs, PosW,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     query_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_M, Q, K, V, DO, DQ,
-                SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, 0, 0,
+                SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, 0, 0,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                 stride_dqt, stride_dqh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
                 DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
@@ -170,7 +170,7 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTs, PosW,
 
 
 @triton.jit
-def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, QueryTs, PosW, TimeW,
+def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW,
                          Thresholds,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -182,7 +182,7 @@ def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, 
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                          BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     key_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_N, Q, K, V, DO, DK, DV, DPos,
-              DTime, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, 0, 0,
+              DTime, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, 0, 0,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh, alpha, silu_scale, contextual_len, max_attn_len,
               num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION,

@@ -14,7 +14,7 @@ Block skipping: a query block visits history keys [0, ctx_hi) and [lo, hi) only;
 the query rows that can see it; a target's only visible target key is itself, added as a
 per-row term from its own K/V row, so no target loads another target's K/V.
 
-Time bias: query rows read their times from ``QueryTs`` (``RelativeBias.queries_at``), key
+Time bias: query rows read their times from ``QueryTimes`` (``RelativeBias.resolved_query_times``), key
 columns from ``Ts``; a target's self term uses |tq_i - t_i|. ``QUERY_TIMES`` False means both
 pointers hold the same times: the self delta is then 0 and is not loaded.
 """
@@ -182,12 +182,12 @@ def _tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time
 
 
 @triton.jit
-def _self_time_delta(QueryTs, Ts, start, idx, ok, QUERY_TIMES: tl.constexpr):
+def _self_time_delta(QueryTimes, Ts, start, idx, ok, QUERY_TIMES: tl.constexpr):
     """tq - t of tokens ``idx`` paired with themselves, int32 [len(idx)]: zeros (nothing loaded)
     unless queries have their own times."""
     delta = idx * 0
     if QUERY_TIMES:
-        delta = tl.load(QueryTs + start + idx, mask=ok, other=0) - tl.load(Ts + start + idx, mask=ok, other=0)
+        delta = tl.load(QueryTimes + start + idx, mask=ok, other=0) - tl.load(Ts + start + idx, mask=ok, other=0)
     return delta
 
 
@@ -276,7 +276,7 @@ def _query_pass(acc, q, do, rows, norm, ts_rows, n_lo, n_hi, start, length, hist
 
 
 @triton.jit
-def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, PosW, TimeW, Thresholds, time_table,
+def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, time_table,
                 thr_table, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                 stride_ot, stride_oh,
                 alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V,
@@ -294,7 +294,7 @@ def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, Po
         do = q
         if GRAD:
             do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
-        ts_rows = _timestamps(QueryTs, start, rows, row_ok, HAS_TIME)
+        ts_rows = _timestamps(QueryTimes, start, rows, row_ok, HAS_TIME)
         norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
         ctx_hi, lo, hi = _key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M, HAS_CONTEXT, HAS_WINDOW)
         if GRAD:
@@ -315,7 +315,7 @@ def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, Po
         target = row_ok & (rows >= hist)
         k_self = _load_rows(K, start, rows, target, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK).to(tl.float32)
         v_self = _load_rows(V, start, rows, target, h, stride_vt, stride_vh, DIM_V, BLOCK_DV).to(tl.float32)
-        dt_self = _self_time_delta(QueryTs, Ts, start, rows, target, QUERY_TIMES)
+        dt_self = _self_time_delta(QueryTimes, Ts, start, rows, target, QUERY_TIMES)
         bias_self, _ = _self_bias(dt_self, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS,
                                  HAS_TIME, TIME_LOG, UB_TABLES)
         sig, silu = _silu_parts(tl.sum(q.to(tl.float32) * k_self, 1) * alpha + bias_self)
@@ -330,7 +330,7 @@ def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTs, Po
 
 
 @triton.jit
-def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, QueryTs, PosW, TimeW,
+def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW,
               Thresholds, time_table, thr_table,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -356,7 +356,7 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
             q = _load_rows(Q, start, rows, row_ok, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK)
             do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
             norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
-            ts_rows = _timestamps(QueryTs, start, rows, row_ok, HAS_TIME)
+            ts_rows = _timestamps(QueryTimes, start, rows, row_ok, HAS_TIME)
             sig, silu, weight, mask, pos_idx, time_idx = _tile(
                 q, k, rows, cols, row_ok[:, None], norm, length, hist, ts_rows, ts_cols, alpha, contextual_len,
                 max_attn_len, PosW, TimeW, Thresholds, time_table, thr_table, num_pos, num_time, HAS_POS, HAS_TIME,
@@ -372,7 +372,7 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
         target = col_ok & (cols >= hist)
         q_self = _load_rows(Q, start, cols, target, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK).to(tl.float32)
         do_self = _load_rows(DO, start, cols, target, h, stride_dot, stride_doh, DIM_V, BLOCK_DV).to(tl.float32)
-        dt_self = _self_time_delta(QueryTs, Ts, start, cols, target, QUERY_TIMES)
+        dt_self = _self_time_delta(QueryTimes, Ts, start, cols, target, QUERY_TIMES)
         bias_self, time_self = _self_bias(dt_self, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS,
                                          HAS_TIME, TIME_LOG, UB_TABLES)
         sig, silu = _silu_parts(tl.sum(q_self * k.to(tl.float32), 1) * alpha + bias_self)

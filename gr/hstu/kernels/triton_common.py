@@ -5,7 +5,7 @@ The relative bias is fused from bucket weights and timestamps (``RelativeBias``)
 precomputed [B, L, L] bias would bring back the O(L^2) memory and padding the kernels avoid,
 and its gradient is only needed per bucket. The time bucket is estimated with the device's
 log/sqrt and corrected by one step against ``time_bucket_thresholds``, so it equals the
-reference bucket exactly. Key timestamps and query times (``RelativeBias.queries_at``) are
+reference bucket exactly. Key timestamps and query times (``RelativeBias.resolved_query_times``) are
 rebased to the minimum of both and passed as int32; when the queries use the tokens' own times
 one tensor is passed twice and the kernels compile without the query-time path.
 """
@@ -31,7 +31,7 @@ class KernelInputs:
     seq_offsets: [B+1] int32; history: [B] int32 (history length per sequence)
     timestamps: [T] int32 key times, rebased to the batch minimum ([1] dummy when time bias is off)
     query_times: [T] int32 query times, same base; the ``timestamps`` tensor itself when the
-        queries use the tokens' own times (``RelativeBias.query_timestamps`` None)
+        queries use the tokens' own times (``RelativeBias.query_times`` None)
     pos_w: [P] fp32, time_w: [NB] fp32, thresholds: [NB+1] fp32 (each [1] dummy when off)
     """
 
@@ -131,11 +131,11 @@ def prepare_inputs(
 
 def _rebased_times(rab: RelativeBias, device: torch.device, backend: str) -> Tuple[Tensor, Tensor]:
     """-> (key timestamps, query times), each [T] int32 seconds since the earliest of both; one
-    tensor twice when ``rab.query_timestamps`` is None."""
+    tensor twice when ``rab.query_times`` is None."""
     keys, queries = rebased_times(rab, device)
     span = max(int(keys.max()), int(queries.max())) if keys.numel() else 0
     if span >= 2**31:
-        raise ValueError(f"hstu_attention[{backend}]: RelativeBias.timestamps (and query_timestamps) span "
+        raise ValueError(f"hstu_attention[{backend}]: RelativeBias.timestamps (and query_times) span "
                          f"{span} s, more than 2^31 - 1")
     keys32 = keys.to(torch.int32)
     return (keys32, keys32) if queries is keys else (keys32, queries.to(torch.int32))
