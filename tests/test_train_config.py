@@ -61,7 +61,7 @@ def config_with(*overrides):
         ("model.tables.0.sharding", "diagonal", r"model.tables\[0\]"),
         ("model.tables.0.embedding_dim", -1, r"model.tables\[0\].embedding_dim"),
         ("model.tables.0.optimizer", {"type": "adam", "lr": -1}, r"model.tables\[0\].optimizer.lr"),
-        ("model.hstu.num_heads", 0, r"model.hstu: HSTUConfig.num_heads"),
+        ("model.hstu.num_heads", 0, r"model.hstu.num_heads: expected an int >= 1"),
         ("model.hstu.max_seq_len", 10, "model.hstu.max_seq_len"),
         ("model.prefix_dnn.class", "gr.prefix_dnn.NoSuchEncoder", "model.prefix_dnn.class"),
         ("model.prefix_dnn.class", "gr.postfix_dnn.RetrievalHead", "not a PrefixDNN subclass"),

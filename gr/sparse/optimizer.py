@@ -8,13 +8,14 @@ rows it looked up during backward, so embedding weights never reach the dense
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import InitVar, dataclass
-from typing import Any, Dict, Mapping, Tuple, Type
+from typing import Any, Dict, Tuple, Type
 
 import torch
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from torchrec import optim as trec_optim
+
+from gr.config_checks import BETAS, Section, checked, number_in, one_of
 
 # FBGEMM's table-batched embedding kernels: which optimizers they fuse, per device type.
 # fbgemm-gpu-cpu (1.8) builds only the first three; the CUDA build has all of them.
@@ -35,7 +36,7 @@ _OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
 
 
 @dataclass(frozen=True)
-class EmbeddingOptimizerConfig:
+class EmbeddingOptimizerConfig(Section):
     """One table's optimizer, run inside the embedding kernel's backward.
 
     type: "sgd" | "adagrad" | "rowwise_adagrad" (one accumulator per row) | "adam" |
@@ -43,28 +44,16 @@ class EmbeddingOptimizerConfig:
     weight decay (AdamW); the Adagrad variants add it to the gradient (L2).
     """
 
-    type: str = "rowwise_adagrad"
-    lr: float = 0.01
-    eps: float = 1e-8
-    betas: Tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
+    type: str = checked("rowwise_adagrad", one_of(*OPTIMIZER_TYPES))
+    lr: float = checked(0.01, number_in(0.0))
+    eps: float = checked(1e-8, number_in(0.0))
+    betas: Tuple[float, float] = checked((0.9, 0.999), BETAS)
+    weight_decay: float = checked(0.0, number_in(0.0))
     where: InitVar[str] = "optimizer"
 
     def __post_init__(self, where: str) -> None:
-        if self.type not in OPTIMIZER_TYPES:
-            raise ValueError(f"{where}.type: expected one of {list(OPTIMIZER_TYPES)}, got {self.type!r}")
-        for name in ("lr", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{where}.{name}: expected a finite number >= 0, got {value!r}")
-        betas = self.betas
-        if (
-            not isinstance(betas, (list, tuple))
-            or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
-        ):
-            raise ValueError(f"{where}.betas: expected two numbers in [0, 1), got {betas!r}")
-        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+        self.validate(where)
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
 
     def check_device(self, device_type: str, where: str) -> None:
         """Raise unless FBGEMM fuses this optimizer on ``device_type`` ("cpu", "cuda")."""
@@ -95,21 +84,3 @@ class EmbeddingOptimizerConfig:
         out = dataclasses.asdict(self)
         out["betas"] = list(self.betas)
         return out
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], where: str) -> "EmbeddingOptimizerConfig":
-        return cls(**known_keys(cls, values, where), where=where)
-
-
-def known_keys(cls: type, values: Any, where: str, ignore: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """``values`` as a dict, refusing anything but a mapping of ``cls``'s dataclass fields
-    (minus ``ignore``) with an error naming ``where``. None reads as an empty mapping."""
-    if values is None:
-        return {}
-    if not isinstance(values, Mapping):
-        raise ValueError(f"{where}: expected a mapping of keys to values, got {values!r}")
-    known = {f.name for f in dataclasses.fields(cls)} - set(ignore)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
-    return dict(values)

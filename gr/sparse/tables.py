@@ -18,7 +18,8 @@ from torchrec import (
 from torchrec.modules.embedding_configs import PoolingType
 
 from gr.sparse.dedup import unique_ids
-from gr.sparse.optimizer import EmbeddingOptimizerConfig, known_keys
+from gr.config_checks import NAMES, int_at_least, known_keys, one_of, optional, require
+from gr.sparse.optimizer import EmbeddingOptimizerConfig
 
 TABLE_KINDS = ("sequence", "common")
 POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
@@ -71,14 +72,11 @@ class TableConfig:
             raise ValueError(f"{where}: num_embeddings and embedding_dim must be >= 1")
         if not self.features:
             raise ValueError(f"{where}.features: expected at least one feature name")
-        if self.kind not in TABLE_KINDS:
-            raise ValueError(f"{where}.kind: expected one of {list(TABLE_KINDS)}, got {self.kind!r}")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"{where}.pooling: expected one of {list(POOLINGS)}, got {self.pooling!r}")
+        require(f"{where}.kind", self.kind, one_of(*TABLE_KINDS))
+        require(f"{where}.pooling", self.pooling, one_of(*POOLINGS))
         if self.sharding is None:
             object.__setattr__(self, "sharding", "row_wise" if self.kind == "sequence" else "table_wise")
-        if self.sharding not in SHARDING_TYPES:
-            raise ValueError(f"{where}.sharding: expected one of {list(SHARDING_TYPES)}, got {self.sharding!r}")
+        require(f"{where}.sharding", self.sharding, one_of(*SHARDING_TYPES))
         if self.optimizer is not None and not isinstance(self.optimizer, EmbeddingOptimizerConfig):
             raise ValueError(f"{where}.optimizer: expected an EmbeddingOptimizerConfig, got {self.optimizer!r}")
         object.__setattr__(self, "features", tuple(self.features))
@@ -95,12 +93,9 @@ class TableConfig:
         if missing:
             raise ValueError(f"{where}: missing required key(s) {missing}")
         features = values["features"]
-        if isinstance(features, str) or not isinstance(features, (list, tuple)):
-            raise ValueError(f"{where}.features: expected a list of feature names, got {features!r}")
+        require(f"{where}.features", features, NAMES)
         for key in ("num_embeddings", "embedding_dim"):
-            value = values.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{where}.{key}: expected an int >= 1, got {value!r}")
+            require(f"{where}.{key}", values.get(key), optional(int_at_least(1)))
         if values.get("num_embeddings") is None:
             known_rows = [cardinalities[f] for f in features if cardinalities and f in cardinalities]
             if cardinalities is not None and not known_rows:

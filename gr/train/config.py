@@ -13,20 +13,22 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import math
 import re
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
 from gr.atomic import write_text
+from gr.config_checks import (
+    BETAS, BOOL, NAME, Check, Section, checked, int_at_least, is_int, is_number, known_keys, list_of, number_in, one_of, optional,
+)
 from gr.data.config import DataConfig
 from gr.hstu import HSTUConfig
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN
-from gr.sparse.optimizer import EmbeddingOptimizerConfig, known_keys
+from gr.sparse.optimizer import EmbeddingOptimizerConfig
 from gr.sparse.sharding import PLACEMENTS
 from gr.sparse.tables import TableConfig
 
@@ -42,65 +44,7 @@ GPU_ACCELERATORS = ("gpu", "cuda")
 # over ranks with FSDP2 (``fully_shard``), the DNNs stay replicated (DDP).
 DENSE_SHARDINGS = ("none", "fsdp2")
 
-Check = Tuple[Callable[[Any], bool], str]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def int_at_least(minimum: int) -> Check:
-    return (lambda v: _is_int(v) and v >= minimum), f"an int >= {minimum}"
-
-
-def number_in(low: float, high: float = math.inf, open_low: bool = False) -> Check:
-    bracket = "(" if open_low else "["
-    ok = (lambda v: _is_number(v) and (v > low if open_low else v >= low) and v <= high)
-    return ok, f"a number in {bracket}{low}, {high}]"
-
-
-def one_of(*choices: Any) -> Check:
-    return (lambda v: v in choices), f"one of {list(choices)}"
-
-
-def optional(check: Check) -> Check:
-    return (lambda v: v is None or check[0](v)), f"null or {check[1]}"
-
-
-BOOL: Check = ((lambda v: isinstance(v, bool)), "true or false")
-NAME: Check = ((lambda v: isinstance(v, str) and bool(v)), "a non-empty string")
-BETAS: Check = ((lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v)),
-                "two numbers in [0, 1)")
-TOP_K: Check = ((lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(k) and k >= 1 for k in v)),
-                "a non-empty list of ints >= 1")
-
-
-def checked(default: Any, check: Check) -> Any:
-    """A dataclass field whose value ``Section.validate`` checks."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"check": check})
-    return field(default=default, metadata={"check": check})
-
-
-class Section:
-    """Mixin: build from a mapping, refusing unknown keys; check fields carrying a ``check``."""
-
-    def validate(self, where: str) -> None:
-        for f in dataclasses.fields(self):
-            check = f.metadata.get("check")
-            value = getattr(self, f.name)
-            if check is not None and not check[0](value):
-                raise ValueError(f"{where}.{f.name}: expected {check[1]}, got {value!r}")
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
-
-    @classmethod
-    def from_dict(cls, values: Any, where: str) -> Any:
-        return cls(**known_keys(cls, values, where), where=where)
+TOP_K: Check = list_of(int_at_least(1), non_empty=True)
 
 
 @dataclass(frozen=True)
@@ -185,13 +129,8 @@ class ModelSection:
         names = [t["name"] for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.tables: duplicate table names {names}")
-        try:
-            hstu = HSTUConfig.from_dict(values.get("hstu") or {}, f"{where}.hstu")
-        except (TypeError, ValueError) as error:
-            message = str(error)
-            raise ValueError(message if message.startswith(f"{where}.hstu") else f"{where}.hstu: {message}") from error
         return cls(
-            hstu=hstu,
+            hstu=HSTUConfig.from_dict(values.get("hstu"), f"{where}.hstu"),
             tables=tuple(dict(t) for t in tables),
             prefix_dnn=ModuleSpec.parse(values.get("prefix_dnn"), f"{where}.prefix_dnn", PrefixDNN, DEFAULT_PREFIX),
             postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN,
@@ -259,7 +198,7 @@ class RankingSection(Section):
         if not isinstance(self.task_weights, Mapping):
             raise ValueError(f"{where}.task_weights: expected a mapping {{task: weight}}, got {self.task_weights!r}")
         for name, weight in self.task_weights.items():
-            if not _is_number(weight) or weight < 0:
+            if not is_number(weight) or weight < 0:
                 raise ValueError(f"{where}.task_weights.{name}: expected a number >= 0, got {weight!r}")
 
 
@@ -307,7 +246,7 @@ class TrainerSection(Section):
     max_epochs: int = checked(100, int_at_least(1))
     seed: int = checked(0, int_at_least(0))
     accelerator: str = checked("auto", one_of(*ACCELERATORS))
-    devices: Any = checked("auto", ((lambda v: v == "auto" or (_is_int(v) and v >= 1)), "'auto' or an int >= 1"))
+    devices: Any = checked("auto", ((lambda v: v == "auto" or (is_int(v) and v >= 1)), "'auto' or an int >= 1"))
     num_nodes: int = checked(1, int_at_least(1))
     monitor: Optional[str] = checked(None, optional(NAME))
     monitor_mode: str = checked("max", one_of("max", "min"))
