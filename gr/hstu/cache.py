@@ -11,22 +11,23 @@ of the event after it, which for the last history token is the request's time. T
 stays *pending* in the cache (only its input is kept) until the next event arrives
 (``extend``) or a request settles it (``score``, ``settle``): one token recomputed per request.
 
-Imports only torch, gr.hstu and gr.jagged: the serving runtime uses it without the
-training code.
+Attention runs through ``gr.hstu.kernels.hstu_cached_attention`` (the layer's backend), so
+serving reaches the same CPU fast path, Triton and Ascend kernels as training. Several users'
+caches run in one pass (``score_batch``, ``commit_batch``). Imports only torch, gr.hstu and
+gr.jagged: the serving runtime uses it without the training code.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from gr.hstu.config import HSTUConfig
-from gr.hstu.kernels.common import hstu_visibility, position_bucket, silu_norm, time_bucket
-from gr.hstu.layer import HSTULayer
+from gr.hstu.kernels.cached_common import default_positions
 from gr.hstu.stack import HSTU
+from gr.jagged import offsets_from_lengths
 
 TIMESTAMP_BYTES = 8  # one int64 timestamp per cached token
 
@@ -67,128 +68,6 @@ def cache_bytes_per_token(config: HSTUConfig, dtype: torch.dtype = torch.float32
     element = torch.empty(0, dtype=dtype).element_size()
     per_layer = config.num_heads * (config.attention_dim + config.linear_dim) * element
     return config.num_layers * per_layer + TIMESTAMP_BYTES
-
-
-def attend_cached(
-    layer: HSTULayer,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    query_positions: Tensor,
-    cache_keys: Tensor,
-    cache_values: Tensor,
-    cache_visible: Tensor,
-    block_visible: Optional[Tensor],
-    cache_buckets: "BiasBuckets",
-    block_buckets: Optional["BiasBuckets"],
-) -> Tensor:
-    """HSTU attention of n new tokens over L cached history tokens and the new block itself.
-
-    q, k: [n, H, Da] float, v: [n, H, Dl] float: the new tokens' projections
-    query_positions: [n] int64 position of each new token (a target's is the history length)
-    cache_keys: [H, L, Da] float, cache_values: [H, L, Dl] float; cached key j has position j
-    cache_visible: [n, L] or [1, L] bool, whether new token i sees cached token j
-    block_visible: [n, n] bool, whether new token i sees new token j; None -> itself only
-        (then each query's time is its own timestamp: the self term has time delta 0)
-    cache_buckets, block_buckets: the bias buckets of (new, cached) and (new, new) pairs
-        (``BiasBuckets``; computed once per pass, shared by the layers); block_buckets is
-        needed when block_visible is given
-    returns: [n, H, Dl], equal to the rows of the one-pass attention for these tokens
-    """
-    norm = silu_norm(query_positions, layer.silu_scale()).to(q.dtype).view(1, -1, 1)  # [1, n, 1]
-    qh = (q * layer.config.alpha).transpose(0, 1)  # [H, n, Da]
-    kh, vh = k.transpose(0, 1), v.transpose(0, 1)
-    logits = torch.matmul(qh, cache_keys.transpose(1, 2))  # [H, n, L]
-    bias = cache_buckets.bias(layer)
-    if bias is not None:
-        logits.add_(bias)
-    scores = F.silu(logits, inplace=True)
-    if not bool(cache_visible.all()):
-        scores.mul_(cache_visible.to(scores.dtype))
-    out = torch.matmul(scores, cache_values)  # [H, n, Dl]
-    if block_visible is None:
-        self_logits = (qh * kh).sum(-1)  # [H, n]
-        origin = torch.zeros(1, dtype=torch.long, device=q.device)
-        # [1, 1]: distance 0, time delta 0
-        self_bias = BiasBuckets.between(layer.config, origin, origin, origin, origin).bias(layer)
-        if self_bias is not None:
-            self_logits = self_logits + self_bias
-        out = out + F.silu(self_logits).unsqueeze(-1) * vh
-    else:
-        block_logits = torch.matmul(qh, kh.transpose(1, 2))  # [H, n, n]
-        block_bias = block_buckets.bias(layer)
-        if block_bias is not None:
-            block_logits = block_logits + block_bias
-        out = out + torch.matmul(F.silu(block_logits) * block_visible.to(q.dtype), vh)
-    return (out * norm).transpose(0, 1)  # the per-query norm, applied after the sums
-
-
-def _all_equal(values: Tensor) -> bool:
-    return values.numel() <= 1 or bool((values == values[0]).all())
-
-
-@dataclass(frozen=True)
-class BiasBuckets:
-    """Bucket indices of the relative bias between n queries and K keys; every layer of a pass
-    shares them (only the bias tables differ per layer).
-
-    position: [n, K] int64 or None (position bias off); time: [n, K] int64 or None (time bias off)
-    Either may have 1 row, broadcast over every query.
-    """
-
-    position: Optional[Tensor]
-    time: Optional[Tensor]
-
-    @classmethod
-    def between(
-        cls,
-        config: HSTUConfig,
-        query_positions: Tensor,
-        query_times: Optional[Tensor],
-        key_positions: Tensor,
-        key_timestamps: Optional[Tensor],
-    ) -> "BiasBuckets":
-        """query_positions: [n] int64, query_times: [n] int64 or None;
-        key_positions: [K] int64, key_timestamps: [K] int64 or None."""
-        position = time = None
-        if config.num_position_buckets > 0:
-            rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
-            position = position_bucket(rel, config.num_position_buckets)
-        if config.time_buckets > 0:
-            if query_times is None or key_timestamps is None:
-                raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
-            delta = query_times.view(-1, 1) - key_timestamps.view(1, -1)
-            time = time_bucket(delta, config.time_bucketing, config.time_buckets)
-        return cls(position, time)
-
-    @classmethod
-    def for_cache(
-        cls,
-        config: HSTUConfig,
-        query_positions: Tensor,
-        query_times: Optional[Tensor],
-        cache_timestamps: Optional[Tensor],
-        cache_length: int,
-    ) -> "BiasBuckets":
-        """The buckets of new tokens against cached tokens 0..cache_length-1 (cached key j has position j).
-
-        Every row is the same when the new tokens share position and timestamp (candidates of one
-        request): computed once, broadcast over the rows.
-        """
-        rows = 1 if _all_equal(query_positions) and (query_times is None or _all_equal(query_times)) else None
-        cache_positions = torch.arange(cache_length, device=query_positions.device)
-        query_times = None if query_times is None else query_times[:rows]
-        return cls.between(config, query_positions[:rows], query_times, cache_positions, cache_timestamps)
-
-    def bias(self, layer: HSTULayer) -> Optional[Tensor]:
-        """The layer's [n, K] bias (position and time parts, each when on), or None when both are off."""
-        bias = None
-        if self.position is not None and layer.position_bias is not None:
-            bias = layer.position_bias[self.position]
-        if self.time is not None and layer.time_bias is not None:
-            part = layer.time_bias[self.time]
-            bias = part if bias is None else bias + part
-        return bias
 
 
 class CachedHSTU:
@@ -251,8 +130,8 @@ class CachedHSTU:
         tokens = x if cache.pending is None else torch.cat([cache.pending, x])
         ts = torch.cat([cache.timestamps, self._timestamps(timestamps, n, x.device)])
         run = tokens.shape[0] - 1 if self.defers_last else tokens.shape[0]
-        keys, values, _ = self._commit(cache, tokens[:run], ts[cache.committed :], ts.numel())
-        return HistoryCache(keys, values, ts, tokens[run:] if run < tokens.shape[0] else None)
+        (committed, _), = self.commit_batch([cache], [tokens[:run]], [ts[cache.committed:]])
+        return HistoryCache(committed.keys, committed.values, ts, tokens[run:] if run < tokens.shape[0] else None)
 
     @torch.inference_mode()
     def settle(self, cache: HistoryCache, request_time: Optional[int]) -> Tuple[HistoryCache, Tensor]:
@@ -261,15 +140,28 @@ class CachedHSTU:
         -> (a cache with nothing pending, the settled tokens' HSTU outputs [p, D])
         request_time: seconds; needed only when something is pending
         """
-        if cache.pending is None:
-            return cache, cache.timestamps.new_zeros(0, self.config.hidden_dim, dtype=torch.float32)
-        if request_time is None:
-            raise ValueError("HSTU cache: request_time is required: the last history token's output depends on "
-                             "the time of the request (HSTUConfig.query_time is 'next_event')")
-        request = torch.tensor([int(request_time)], dtype=torch.long, device=cache.timestamps.device)
-        keys, values, hidden = self._commit(cache, cache.pending,
-                                            torch.cat([cache.timestamps[cache.committed :], request]), cache.length)
-        return HistoryCache(keys, values, cache.timestamps), hidden
+        return self.settle_batch([cache], [request_time])[0]
+
+    @torch.inference_mode()
+    def settle_batch(
+        self, caches: Sequence[HistoryCache], request_times: Sequence[Optional[int]]
+    ) -> List[Tuple[HistoryCache, Tensor]]:
+        """``settle`` for several users' caches, their pending tokens in one pass."""
+        out: List[Optional[Tuple[HistoryCache, Tensor]]] = [None] * len(caches)
+        pending = [i for i, c in enumerate(caches) if c.pending is not None]
+        for i, cache in enumerate(caches):
+            if cache.pending is None:
+                out[i] = cache, cache.timestamps.new_zeros(0, self.config.hidden_dim, dtype=torch.float32)
+            elif request_times[i] is None:
+                raise ValueError("HSTU cache: request_time is required: the last history token's output depends on "
+                                 "the time of the request (HSTUConfig.query_time is 'next_event')")
+        if pending:
+            times = [torch.cat([caches[i].timestamps[caches[i].committed:],
+                                caches[i].timestamps.new_tensor([int(request_times[i])])]) for i in pending]
+            committed = self.commit_batch([caches[i] for i in pending], [caches[i].pending for i in pending], times)
+            for i, (cache, hidden) in zip(pending, committed):
+                out[i] = HistoryCache(cache.keys, cache.values, caches[i].timestamps), hidden
+        return out
 
     @torch.inference_mode()
     def score(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor], micro_batch: int = 256,
@@ -281,21 +173,51 @@ class CachedHSTU:
         request_time: seconds, needed when the cache has a pending token (see ``settle``)
         returns: [N, D]
         """
+        offsets = torch.tensor([0, x.shape[0]], device=x.device)
+        return self.score_batch([cache], x, offsets, timestamps, micro_batch, [request_time])
+
+    @torch.inference_mode()
+    def score_batch(
+        self,
+        caches: Sequence[HistoryCache],
+        x: Tensor,
+        candidate_offsets: Tensor,
+        timestamps: Optional[Tensor],
+        micro_batch: int = 256,
+        request_times: Optional[Sequence[Optional[int]]] = None,
+    ) -> Tensor:
+        """HSTU outputs of several users' candidates, each against its own cached history, the
+        users batched into passes of at most ``micro_batch`` candidates (one user's candidates
+        split across passes when it has more). Equals ``score`` user by user.
+
+        x: [N, D] float candidates of B users back to back; candidate_offsets: [B+1] int64
+        timestamps: [N] int64 or None; request_times: B seconds or None (see ``settle``)
+        returns: [N, D]
+        """
         if micro_batch < 1:
             raise ValueError(f"micro_batch: expected >= 1, got {micro_batch}")
-        self._check_tokens(x, timestamps, start=cache.length, targets=True)
-        cache = self.settle(cache, request_time)[0]
-        length = cache.length
-        history_len = torch.tensor(length, device=x.device)
-        history_cols = torch.arange(length, device=x.device).view(1, -1)
-        cache_visible = self._visible(history_len.view(1, 1), history_cols, history_len)
-        outputs = []
-        for start in range(0, x.shape[0], micro_batch):
-            chunk = x[start : start + micro_batch]
-            ts = None if timestamps is None else timestamps[start : start + micro_batch]
-            positions = torch.full((chunk.shape[0],), length, dtype=torch.long, device=x.device)
-            h, _, _ = self._run_new_tokens(cache, chunk, positions, ts, cache_visible, None)
-            outputs.append(h)
+        bounds = candidate_offsets.tolist()
+        if len(bounds) != len(caches) + 1 or bounds[-1] != x.shape[0]:
+            raise ValueError(f"HSTU cache: candidate_offsets must be [{len(caches) + 1}] ending at {x.shape[0]}")
+        for b, cache in enumerate(caches):
+            ts = None if timestamps is None else timestamps[bounds[b]:bounds[b + 1]]
+            self._check_tokens(x[bounds[b]:bounds[b + 1]], ts, start=cache.length, targets=True)
+        settled = [c for c, _ in self.settle_batch(caches, request_times or [None] * len(caches))]
+        pieces = [(b, start, min(start + micro_batch, bounds[b + 1]))
+                  for b in range(len(caches)) for start in range(bounds[b], bounds[b + 1], micro_batch)]
+        outputs, group, size = [], [], 0
+        for piece in pieces + [None]:
+            if group and (piece is None or size + piece[2] - piece[1] > micro_batch):
+                rows = torch.cat([torch.arange(s, e) for _, s, e in group]).to(x.device)
+                lengths = torch.tensor([e - s for _, s, e in group], device=x.device)
+                hidden, _, _ = self._run_new_tokens(
+                    [settled[b] for b, _, _ in group], x[rows], offsets_from_lengths(lengths), "targets",
+                    None if timestamps is None else timestamps[rows])
+                outputs.append(hidden)
+                group, size = [], 0
+            if piece is not None:
+                group.append(piece)
+                size += piece[2] - piece[1]
         return torch.cat(outputs) if outputs else x.new_zeros(0, self.config.hidden_dim)
 
     @torch.inference_mode()
@@ -330,61 +252,73 @@ class CachedHSTU:
             raise ValueError(f"HSTU cache: a history of {cache.length} tokens is shorter than "
                              f"HSTUConfig.contextual_len {self.config.contextual_len}; encode it instead")
         positions = cache.length + depths.to(torch.long) - 1
-        history_len = torch.tensor(cache.length + n, device=x.device)
-        cache_cols = torch.arange(cache.length, device=x.device)
-        cache_visible = self._visible(positions.view(-1, 1), cache_cols.view(1, -1), history_len)
-        window = self._visible(positions.view(-1, 1), positions.view(1, -1), history_len) | torch.eye(
-            n, dtype=torch.bool, device=x.device)
-        return self._run_new_tokens(cache, x, positions, timestamps, cache_visible, block_visible & window)
+        offsets = torch.tensor([0, n], device=x.device)
+        return self._run_new_tokens([cache], x, offsets, "history", timestamps, positions=positions,
+                                    block_visible=block_visible)
 
-    def _commit(
-        self, cache: HistoryCache, x: Tensor, times: Tensor, history_len: int
-    ) -> Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...], Tensor]:
-        """Run history tokens right after the committed ones as a causal chain.
+    def commit_batch(
+        self, caches: Sequence[HistoryCache], xs: Sequence[Tensor], times: Sequence[Tensor]
+    ) -> List[Tuple[HistoryCache, Tensor]]:
+        """Run history tokens right after each cache's committed ones, every user in one pass.
 
-        x: [n, D] float; times: [n] int64 their timestamps, or [n + 1] when the engine defers
-        the last token (then times[i + 1] is token i's query time); history_len: tokens in the
-        whole history -> (per-layer keys and values of the committed tokens and these, outputs [n, D])
+        xs[b]: [n_b, D] float; times[b]: [n_b] int64 their timestamps, or [n_b + 1] when the
+        engine defers the last token (then times[b][i + 1] is token i's query time)
+        -> per user (a cache of the committed tokens and these, nothing pending; outputs [n_b, D])
         """
-        n, start = x.shape[0], cache.committed
-        if n == 0:
-            return cache.keys, cache.values, x.new_zeros(0, self.config.hidden_dim)
-        index = torch.arange(start, start + n, device=x.device)
-        length = torch.tensor(history_len, device=x.device)
-        cache_visible = self._visible(index.view(-1, 1), torch.arange(start, device=x.device).view(1, -1), length)
-        block_visible = self._visible(index.view(-1, 1), index.view(1, -1), length)
-        committed = HistoryCache(cache.keys, cache.values, cache.timestamps[:start])
-        hidden, keys, values = self._run_new_tokens(committed, x, index, times[:n], cache_visible, block_visible,
-                                                    times[1:] if self.defers_last else None)
-        keys = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.keys, keys))
-        values = tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.values, values))
-        return keys, values, hidden
+        lengths = torch.tensor([x.shape[0] for x in xs])
+        if int(lengths.sum()) == 0:
+            return [(HistoryCache(c.keys, c.values, c.timestamps[:c.committed]), x) for c, x in zip(caches, xs)]
+        x = torch.cat(list(xs))
+        timestamps = torch.cat([t[:n] for t, n in zip(times, lengths.tolist())])
+        query_times = torch.cat([t[1:] for t in times]) if self.defers_last else None
+        offsets = offsets_from_lengths(lengths).to(x.device)
+        hidden, keys, values = self._run_new_tokens(caches, x, offsets, "history", timestamps, query_times)
+        out, bounds = [], offsets.tolist()
+        for b, cache in enumerate(caches):
+            rows = slice(bounds[b], bounds[b + 1])
+            grown = HistoryCache(
+                tuple(torch.cat([old[:, :cache.committed], new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)),
+                tuple(torch.cat([old[:, :cache.committed], new[:, rows]], dim=1) for old, new in zip(cache.values, values)),
+                torch.cat([cache.timestamps[:cache.committed], timestamps[rows]]),
+            )
+            out.append((grown, hidden[rows]))
+        return out
 
     def _run_new_tokens(
         self,
-        cache: HistoryCache,
+        caches: Sequence[HistoryCache],
         x: Tensor,
-        positions: Tensor,
+        new_offsets: Tensor,
+        new_tokens: str,
         timestamps: Optional[Tensor],
-        cache_visible: Tensor,
-        block_visible: Optional[Tensor],
         query_times: Optional[Tensor] = None,
+        positions: Optional[Tensor] = None,
+        block_visible: Optional[Tensor] = None,
     ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
-        """New tokens through every layer against a cache with nothing pending (see ``attend_cached``).
+        """New tokens of B users (x: [N, D], new_offsets: [B+1]) through every layer against the
+        committed part of each user's cache (``gr.hstu.kernels.hstu_cached_attention``).
 
-        query_times: [n] int64, each token's query time; None -> its own timestamp
-        -> (outputs [n, D], per-layer keys [H, n, Da], per-layer values [H, n, Dl])
+        new_tokens: "targets" or "history"; timestamps: [N] int64 or None
+        query_times: [N] int64, each token's query time; None -> its own timestamp
+        positions, block_visible: draft-tree layout (see ``run_block``)
+        -> (outputs [N, D], per-layer keys [H, N, Da], per-layer values [H, N, Dl])
         """
-        query_ts = timestamps if query_times is None else query_times
-        h = self.hstu.embed(x, positions)
-        cache_buckets = BiasBuckets.for_cache(self.config, positions, query_ts, cache.timestamps, cache.length)
-        block_buckets = None if block_visible is None else BiasBuckets.between(
-            self.config, positions, query_ts, positions, timestamps)
+        committed = [c.committed for c in caches]
+        cache_offsets = offsets_from_lengths(torch.tensor(committed)).to(x.device)
+        h = self.hstu.embed(x, default_positions(new_offsets, cache_offsets, new_tokens) if positions is None
+                            else positions)
+        cache_ts = _joined([c.timestamps[:n] for c, n in zip(caches, committed)], dim=0)
         keys, values = [], []
         for i, layer in enumerate(self.hstu.layers):
             u, q, k, v = layer.project(h)
-            attn = attend_cached(layer, q, k, v, positions, cache.keys[i], cache.values[i], cache_visible,
-                                 block_visible, cache_buckets, block_buckets)
+            attn = layer.attend_cached(
+                q, k, v, new_offsets,
+                _joined([c.keys[i][:, :n] for c, n in zip(caches, committed)], dim=1),
+                _joined([c.values[i][:, :n] for c, n in zip(caches, committed)], dim=1),
+                cache_offsets, new_tokens=new_tokens, positions=positions, block_visible=block_visible,
+                timestamps=timestamps, query_times=timestamps if query_times is None else query_times,
+                cache_timestamps=cache_ts,
+            )
             h = layer.combine(h, attn, u)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
@@ -395,10 +329,6 @@ class CachedHSTU:
         keys = [x.new_zeros(c.num_heads, 0, c.attention_dim) for _ in range(c.num_layers)]
         values = [x.new_zeros(c.num_heads, 0, c.linear_dim) for _ in range(c.num_layers)]
         return keys, values
-
-    def _visible(self, row: Tensor, col: Tensor, history_len: Tensor) -> Tensor:
-        big = torch.tensor(torch.iinfo(torch.int64).max, device=row.device)
-        return hstu_visibility(row, col, big, history_len, self.config.contextual_len, self.config.max_attn_len)
 
     def _timestamps(self, timestamps: Optional[Tensor], count: int, device: torch.device) -> Tensor:
         if timestamps is None:
@@ -420,3 +350,8 @@ class CachedHSTU:
                 f"HSTU cache: a history of {history_end} tokens exceeds HSTUConfig.max_seq_len {c.max_seq_len}"
             )
         return int(x.shape[0])
+
+
+def _joined(tensors: Sequence[Tensor], dim: int) -> Tensor:
+    """One user's tensor as it is (no copy), several users' concatenated along ``dim``."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)

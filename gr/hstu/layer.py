@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gr.hstu.config import HSTUConfig
-from gr.hstu.kernels import RelativeBias, hstu_attention
+from gr.hstu.kernels import RelativeBias, hstu_attention, hstu_cached_attention
 
 
 class HSTULayer(nn.Module):
@@ -96,6 +96,45 @@ class HSTULayer(nn.Module):
             alpha=self.config.alpha,
             silu_scale=self.silu_scale(),
             rab=self.relative_bias(timestamps, query_times),
+            backend=self.config.kernel_backend,
+        )
+
+    def attend_cached(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        new_offsets: Tensor,
+        cache_k: Tensor,
+        cache_v: Tensor,
+        cache_offsets: Tensor,
+        *,
+        new_tokens: str,
+        positions: Optional[Tensor] = None,
+        block_visible: Optional[Tensor] = None,
+        timestamps: Optional[Tensor] = None,
+        query_times: Optional[Tensor] = None,
+        cache_timestamps: Optional[Tensor] = None,
+    ) -> Tensor:
+        """New tokens against cached K/V and themselves under this layer's mask and bias
+        (``gr.hstu.kernels.hstu_cached_attention``): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
+        return hstu_cached_attention(
+            q,
+            k,
+            v,
+            new_offsets,
+            cache_k,
+            cache_v,
+            cache_offsets,
+            new_tokens=new_tokens,
+            positions=positions,
+            block_visible=block_visible,
+            contextual_len=self.config.contextual_len,
+            max_attn_len=self.config.max_attn_len,
+            alpha=self.config.alpha,
+            silu_scale=self.silu_scale(),
+            rab=self.relative_bias(timestamps, query_times),
+            cache_timestamps=cache_timestamps,
             backend=self.config.kernel_backend,
         )
 

@@ -1,0 +1,78 @@
+"""Cached attention on a device backend by way of its training kernel: each request's cache and
+new tokens are laid out as one jagged sequence (history + targets, or a longer history) and
+the new tokens' rows are kept. Exact by construction; it also computes the cached rows, so it
+costs O((C + n)^2) per request instead of O(n (C + n)). Draft trees (``block_visible``) and
+explicit positions have no training-kernel layout and run on the pytorch reference."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from gr.hstu.kernels.common import RelativeBias
+from gr.hstu.kernels.pytorch_cached import pytorch_hstu_cached_attention
+from gr.jagged import lengths_from_offsets, offsets_from_lengths, token_offsets_in_seq
+
+
+def concat_hstu_cached_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    new_offsets: Tensor,
+    cache_k: Tensor,
+    cache_v: Tensor,
+    cache_offsets: Tensor,
+    new_tokens: str,
+    positions: Optional[Tensor],
+    block_visible: Optional[Tensor],
+    contextual_len: int,
+    max_attn_len: int,
+    alpha: float,
+    silu_scale: Optional[float],
+    rab: Optional[RelativeBias],
+    cache_timestamps: Optional[Tensor],
+    *,
+    backend: str,
+) -> Tensor:
+    """See ``gr.hstu.kernels.hstu_cached_attention``; ``backend`` names the training kernel used."""
+    from gr.hstu.kernels import hstu_attention
+
+    args = (q, k, v, new_offsets, cache_k, cache_v, cache_offsets, new_tokens, positions, block_visible,
+            contextual_len, max_attn_len, alpha, silu_scale, rab, cache_timestamps)
+    if block_visible is not None or positions is not None:
+        return pytorch_hstu_cached_attention(*args)
+    new_lengths, cache_lengths = lengths_from_offsets(new_offsets), lengths_from_offsets(cache_offsets)
+    seq_offsets = offsets_from_lengths(new_lengths + cache_lengths)
+    cache_rows, new_rows = _rows(seq_offsets, cache_lengths, new_lengths)
+    total = int(seq_offsets[-1])
+
+    def joined(cached: Tensor, new: Tensor) -> Tensor:  # cached [C, ...], new [N, ...] -> [C + N, ...]
+        out = new.new_zeros(total, *new.shape[1:])
+        out[cache_rows] = cached.to(new.dtype)
+        out[new_rows] = new
+        return out
+
+    full_rab = None
+    if rab is not None:
+        timestamps = query_times = None
+        if rab.time_weights is not None:
+            timestamps = joined(cache_timestamps, rab.timestamps)
+            query_times = joined(cache_timestamps, rab.resolved_query_times)
+        full_rab = RelativeBias(rab.position_weights, rab.time_weights, timestamps, rab.time_bucketing, query_times)
+    out = hstu_attention(
+        joined(torch.zeros_like(cache_k).transpose(0, 1), q), joined(cache_k.transpose(0, 1), k),
+        joined(cache_v.transpose(0, 1), v), seq_offsets,
+        int((new_lengths + cache_lengths).max()) if new_lengths.numel() else 0,
+        num_targets=new_lengths if new_tokens == "targets" else None, contextual_len=contextual_len,
+        max_attn_len=max_attn_len, alpha=alpha, silu_scale=silu_scale, rab=full_rab, backend=backend,
+    )
+    return out[new_rows]
+
+
+def _rows(seq_offsets: Tensor, cache_lengths: Tensor, new_lengths: Tensor) -> tuple:
+    """-> (rows of the cached tokens [C], rows of the new tokens [N]) in the joined layout."""
+    starts = seq_offsets[:-1]
+    cache_rows = torch.repeat_interleave(starts, cache_lengths) + token_offsets_in_seq(offsets_from_lengths(cache_lengths))
+    new_rows = torch.repeat_interleave(starts + cache_lengths, new_lengths) + token_offsets_in_seq(offsets_from_lengths(new_lengths))
+    return cache_rows, new_rows

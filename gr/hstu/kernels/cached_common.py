@@ -1,0 +1,144 @@
+"""The cached-attention problem every backend of ``hstu_cached_attention`` solves.
+
+New tokens (history extensions, candidates, draft-tree nodes) of B requests attend to their
+request's cached history K/V and to new tokens of the same request, under the training
+mask and bias (``gr.hstu.kernels.common``): the result equals the rows of the one-pass
+``hstu_attention`` over history + new tokens. This module holds the shared pieces: the
+per-request slices and the mask and bias of one request's (new, key) pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from gr.hstu.kernels.common import RelativeBias, hstu_visibility, position_bucket, time_bucket
+from gr.jagged import lengths_from_offsets, token_offsets_in_seq
+
+NEW_TOKEN_KINDS = ("targets", "history")
+
+
+@dataclass(frozen=True)
+class CachedRequest:
+    """One request's slice of a cached-attention call.
+
+    new: the request's rows in q/k/v ([start, end)); cache: its columns in cache_k/cache_v
+    positions: [n] int64 each new token's position; history_len: the request's history
+    length (cached + new history tokens; targets excluded); block_visible: [n, n] bool or None
+    """
+
+    new: slice
+    cache: slice
+    positions: Tensor
+    history_len: int
+    block_visible: Optional[Tensor]
+
+
+def default_positions(new_offsets: Tensor, cache_offsets: Tensor, new_tokens: str) -> Tensor:
+    """[N] int64 positions of new tokens: targets sit at their request's cache length, history
+    tokens follow the cache one by one."""
+    new_lengths = lengths_from_offsets(new_offsets)
+    cached = torch.repeat_interleave(lengths_from_offsets(cache_offsets), new_lengths)
+    if new_tokens == "targets":
+        return cached
+    return cached + token_offsets_in_seq(new_offsets, int(new_offsets[-1]))
+
+
+def requests(
+    new_offsets: Tensor,
+    cache_offsets: Tensor,
+    new_tokens: str,
+    positions: Optional[Tensor],
+    block_visible: Optional[Tensor],
+) -> Iterator[CachedRequest]:
+    """Split a call into its requests. positions default to each kind's: targets sit at the
+    cache length, history tokens follow the cache one by one."""
+    if new_tokens not in NEW_TOKEN_KINDS:
+        raise ValueError(f"hstu_cached_attention: new_tokens must be one of {list(NEW_TOKEN_KINDS)}, got {new_tokens!r}")
+    if new_offsets.shape != cache_offsets.shape or new_offsets.dim() != 1:
+        raise ValueError("hstu_cached_attention: new_offsets and cache_offsets must both be [B+1]")
+    if block_visible is not None and new_tokens != "history":
+        raise ValueError("hstu_cached_attention: block_visible is for new history tokens (draft trees) only")
+    new_bounds, cache_bounds = new_offsets.tolist(), cache_offsets.tolist()
+    all_positions = default_positions(new_offsets, cache_offsets, new_tokens) if positions is None else positions
+    for b in range(len(new_bounds) - 1):
+        ns, ne, cs, ce = new_bounds[b], new_bounds[b + 1], cache_bounds[b], cache_bounds[b + 1]
+        n, cached = ne - ns, ce - cs
+        pos = all_positions[ns:ne].long()
+        block = None if block_visible is None else block_visible[ns:ne, ns:ne]
+        yield CachedRequest(slice(ns, ne), slice(cs, ce), pos, cached + (n if new_tokens == "history" else 0), block)
+
+
+def visibility(
+    request: CachedRequest, new_tokens: str, contextual_len: int, max_attn_len: int
+) -> Tuple[Tensor, Tensor]:
+    """-> (cache_visible [n, C] bool, new_visible [n, n] bool) of one request."""
+    pos = request.positions
+    cached = request.cache.stop - request.cache.start
+    length = torch.tensor(torch.iinfo(torch.int64).max, device=pos.device)
+    history_len = torch.tensor(request.history_len, device=pos.device)
+    cols = torch.arange(cached, device=pos.device)
+    cache_visible = hstu_visibility(pos.view(-1, 1), cols.view(1, -1), length, history_len, contextual_len, max_attn_len)
+    eye = torch.eye(pos.numel(), dtype=torch.bool, device=pos.device)
+    if new_tokens == "targets":
+        return cache_visible, eye
+    new_visible = hstu_visibility(pos.view(-1, 1), pos.view(1, -1), length, history_len, contextual_len, max_attn_len)
+    if request.block_visible is not None:
+        new_visible = new_visible & request.block_visible.bool()
+    return cache_visible, new_visible | eye
+
+
+def bias_between(
+    rab: RelativeBias,
+    query_positions: Tensor,
+    query_times: Optional[Tensor],
+    key_positions: Tensor,
+    key_timestamps: Optional[Tensor],
+) -> Optional[Tensor]:
+    """[n, K] float relative bias of n queries against K keys of one request (None when off).
+
+    query_positions: [n] int64, query_times: [n] int64; key_positions: [K] int64,
+    key_timestamps: [K] int64. When every query shares position and time (a request's
+    candidates) one row is computed and returned as [1, K], broadcasting over the queries.
+    """
+    if rab.position_weights is None and rab.time_weights is None:
+        return None
+    if _all_equal(query_positions) and (query_times is None or _all_equal(query_times)):
+        query_positions = query_positions[:1]
+        query_times = None if query_times is None else query_times[:1]
+    bias = None
+    if rab.position_weights is not None:
+        rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
+        bias = rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
+    if rab.time_weights is not None:
+        delta = query_times.view(-1, 1) - key_timestamps.view(1, -1)
+        part = rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
+        bias = part if bias is None else bias + part
+    return bias
+
+
+def check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, new_offsets: Tensor, cache_k: Tensor, cache_v: Tensor, cache_offsets: Tensor,
+    rab: Optional[RelativeBias], cache_timestamps: Optional[Tensor],
+) -> None:
+    """Shapes every backend relies on; errors name the argument."""
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"hstu_cached_attention: q, k must be [N, H, Da] and v [N, H, Dl]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    heads = q.shape[1]
+    if cache_k.dim() != 3 or cache_k.shape[0] != heads or cache_k.shape[2] != q.shape[2]:
+        raise ValueError(f"hstu_cached_attention: cache_k must be [{heads}, C, {q.shape[2]}], got {tuple(cache_k.shape)}")
+    if cache_v.shape != (heads, cache_k.shape[1], v.shape[2]):
+        raise ValueError(f"hstu_cached_attention: cache_v must be [{heads}, {cache_k.shape[1]}, {v.shape[2]}], "
+                         f"got {tuple(cache_v.shape)}")
+    if int(new_offsets[-1]) != q.shape[0] or int(cache_offsets[-1]) != cache_k.shape[1]:
+        raise ValueError("hstu_cached_attention: new_offsets[-1] must be N and cache_offsets[-1] must be C")
+    if rab is not None and rab.time_weights is not None:
+        if cache_timestamps is None or cache_timestamps.shape != (cache_k.shape[1],):
+            raise ValueError("hstu_cached_attention: cache_timestamps [C] are required with a time bias")
+
+
+def _all_equal(values: Tensor) -> bool:
+    return values.numel() <= 1 or bool((values == values[0]).all())

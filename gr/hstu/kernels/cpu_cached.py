@@ -1,0 +1,85 @@
+"""Fast cached HSTU attention for CPU tensors: per request, the cached part and the new block
+as separate matmuls (no copy of the cache), one bias row for a request's candidates, the
+mask multiply skipped where everything is visible, and the candidates' self term elementwise."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gr.hstu.kernels.cached_common import bias_between, requests, visibility
+from gr.hstu.kernels.common import RelativeBias, silu_norm, time_bucket
+
+
+def cpu_hstu_cached_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    new_offsets: Tensor,
+    cache_k: Tensor,
+    cache_v: Tensor,
+    cache_offsets: Tensor,
+    new_tokens: str,
+    positions: Optional[Tensor],
+    block_visible: Optional[Tensor],
+    contextual_len: int,
+    max_attn_len: int,
+    alpha: float,
+    silu_scale: Optional[float],
+    rab: Optional[RelativeBias],
+    cache_timestamps: Optional[Tensor],
+) -> Tensor:
+    """See ``gr.hstu.kernels.hstu_cached_attention``; returns [N, H, Dl]."""
+    out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    timed = rab is not None and rab.time_weights is not None
+    for request in requests(new_offsets, cache_offsets, new_tokens, positions, block_visible):
+        new, cache, pos = request.new, request.cache, request.positions
+        cached = cache.stop - cache.start
+        qh = q[new].transpose(0, 1) * alpha  # [H, n, Da]
+        kh, vh = k[new].transpose(0, 1), v[new].transpose(0, 1)
+        query_ts = rab.resolved_query_times[new].long() if timed else None
+        new_ts = rab.timestamps[new].long() if timed else None
+        cache_visible, new_visible = visibility(request, new_tokens, contextual_len, max_attn_len)
+
+        logits = torch.matmul(qh, cache_k[:, cache].transpose(1, 2))  # [H, n, C]
+        if rab is not None:
+            bias = bias_between(rab, pos, query_ts, torch.arange(cached, device=q.device),
+                                cache_timestamps[cache].long() if timed else None)
+            if bias is not None:
+                logits.add_(bias.to(logits.dtype))
+        scores = F.silu(logits, inplace=True)
+        if not bool(cache_visible.all()):
+            scores.mul_(cache_visible.to(scores.dtype))
+        attn = torch.matmul(scores, cache_v[:, cache])  # [H, n, Dl]
+
+        if new_tokens == "targets":  # each candidate sees itself only: an elementwise term
+            self_logits = (qh * kh).sum(-1)  # [H, n]
+            if rab is not None:
+                self_bias = _self_bias(rab, pos, query_ts, new_ts)
+                if self_bias is not None:
+                    self_logits = self_logits + self_bias.to(self_logits.dtype)
+            attn.add_(F.silu(self_logits).unsqueeze(-1) * vh)
+        else:
+            block = torch.matmul(qh, kh.transpose(1, 2))  # [H, n, n]
+            if rab is not None:
+                bias = bias_between(rab, pos, query_ts, pos, new_ts)
+                if bias is not None:
+                    block = block + bias.to(block.dtype)
+            attn.add_(torch.matmul(F.silu(block) * new_visible.to(block.dtype), vh))
+        attn.mul_(silu_norm(pos, silu_scale).to(attn.dtype).view(1, -1, 1))
+        out[new] = attn.transpose(0, 1)
+    return out
+
+
+def _self_bias(rab: RelativeBias, pos: Tensor, query_ts: Optional[Tensor], new_ts: Optional[Tensor]) -> Optional[Tensor]:
+    """[n] bias of each token with itself: position distance 0, time delta query time - own time."""
+    bias = None
+    if rab.position_weights is not None:
+        bias = rab.position_weights[0].expand(pos.numel())
+    if rab.time_weights is not None:
+        delta = query_ts - new_ts
+        part = rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
+        bias = part if bias is None else bias + part
+    return bias
