@@ -9,8 +9,19 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+def evicted_prefix(lengths: "np.ndarray | int", max_len: int, block: int = 1) -> "np.ndarray | int":
+    """How many oldest tokens a history of ``lengths`` tokens drops to fit ``max_len``: whole
+    blocks of ``block`` tokens (``HSTUConfig.eviction_block``), so a growing history's window
+    start moves once per block, not on every new token. Training windows and served histories
+    both use it, which keeps train/serve parity and lets the serving cache extend in between."""
+    overflow = np.maximum(np.asarray(lengths) - max_len, 0)
+    dropped = -(-overflow // block) * block
+    return int(dropped) if dropped.ndim == 0 else dropped
 
 
 def lengths_from_offsets(seq_offsets: Tensor) -> Tensor:

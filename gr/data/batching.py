@@ -140,8 +140,13 @@ def assemble(
 class SplitBatches(Dataset, abc.ABC):
     """A split's samples; ``dataset[BatchKey]`` is the built batch of the key's rows."""
 
-    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int) -> None:
+    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, eviction_block: int = 1) -> None:
         self.corpus, self.split, self.max_seq_len, self.seed = corpus, split, max_seq_len, seed
+        self.eviction_block = eviction_block
+
+    def windows(self, begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """[R] start of each history's window (``window_starts`` with this split's eviction block)."""
+        return window_starts(begins, ends, self.max_seq_len, self.eviction_block)
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -163,8 +168,8 @@ class RetrievalTrainBatches(SplitBatches):
     ``labels["next_item"]``: [T] the event after each token.
     """
 
-    def __init__(self, corpus: Corpus, max_seq_len: int, seed: int) -> None:
-        super().__init__(corpus, "train", max_seq_len, seed)
+    def __init__(self, corpus: Corpus, max_seq_len: int, seed: int, eviction_block: int = 1) -> None:
+        super().__init__(corpus, "train", max_seq_len, seed, eviction_block)
         seqs = corpus.sequences
         self.users = np.flatnonzero(seqs.train_ends() - seqs.starts >= 2)
 
@@ -175,7 +180,7 @@ class RetrievalTrainBatches(SplitBatches):
         seqs = self.corpus.sequences
         users = self.users[rows]
         last = seqs.train_ends()[users] - 1  # the last training event is only a label
-        starts = window_starts(seqs.starts[users], last, self.max_seq_len)
+        starts = self.windows(seqs.starts[users], last)
         lengths = last - starts
         index = concat_ranges(starts, lengths)
         return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], seqs.timestamps[index + 1],
@@ -190,8 +195,9 @@ class RetrievalEvalBatches(SplitBatches):
     window when ``exclude == "window"``), never the target itself.
     """
 
-    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, exclude: str) -> None:
-        super().__init__(corpus, split, max_seq_len, seed)
+    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, exclude: str,
+                 eviction_block: int = 1) -> None:
+        super().__init__(corpus, split, max_seq_len, seed, eviction_block)
         self.exclude = exclude
 
     def __len__(self) -> int:
@@ -201,7 +207,7 @@ class RetrievalEvalBatches(SplitBatches):
         seqs = self.corpus.sequences
         users = rows
         targets = seqs.targets(self.split)[users]
-        starts = window_starts(seqs.starts[users], targets, self.max_seq_len)
+        starts = self.windows(seqs.starts[users], targets)
         lengths = targets - starts
         index = concat_ranges(starts, lengths)
         target_items = seqs.items[targets]
@@ -233,8 +239,8 @@ class RankingBatches(SplitBatches):
 
     def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, row_users: np.ndarray,
                  cuts: np.ndarray, positives: int, negatives: int, tasks: Sequence[TaskConfig],
-                 negative_table: Optional[np.ndarray] = None) -> None:
-        super().__init__(corpus, split, max_seq_len, seed)
+                 negative_table: Optional[np.ndarray] = None, eviction_block: int = 1) -> None:
+        super().__init__(corpus, split, max_seq_len, seed, eviction_block)
         self.row_users, self.cuts = row_users, cuts
         self.positives, self.negatives, self.tasks = positives, negatives, tuple(tasks)
         self.negative_table = negative_table
@@ -245,7 +251,7 @@ class RankingBatches(SplitBatches):
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         seqs = self.corpus.sequences
         users, cuts = self.row_users[rows], self.cuts[rows]
-        starts = window_starts(seqs.starts[users], cuts, self.max_seq_len)
+        starts = self.windows(seqs.starts[users], cuts)
         history = cuts - starts
         positive_rows = cuts[:, None] + np.arange(self.positives)  # [R, P]
         if self.negative_table is not None:

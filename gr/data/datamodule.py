@@ -33,9 +33,10 @@ class SequenceDataModule(lightning.LightningDataModule):
     itself (run Lightning with ``use_distributed_sampler=False``).
     """
 
-    def __init__(self, config: Union[DataConfig, Mapping[str, Any]]) -> None:
+    def __init__(self, config: Union[DataConfig, Mapping[str, Any]], eviction_block: int = 1) -> None:
         super().__init__()
         self.config = config if isinstance(config, DataConfig) else DataConfig.from_dict(config)
+        self.eviction_block = eviction_block  # histories over max_seq_len drop whole blocks (HSTUConfig)
         self.corpus: Optional[Corpus] = None
         self.user_map: Optional[IdMap] = None
         self.item_map: Optional[IdMap] = None
@@ -61,12 +62,13 @@ class SequenceDataModule(lightning.LightningDataModule):
 
     def _retrieval_splits(self) -> Dict[str, SplitBatches]:
         config, corpus = self.config, self.corpus
-        train = RetrievalTrainBatches(corpus, config.max_seq_len, config.seed)
+        train = RetrievalTrainBatches(corpus, config.max_seq_len, config.seed, self.eviction_block)
         if len(train) == 0:
             raise ValueError(f"{config.source}: no user has 2 training events (needs >= 4 interactions); "
                              "nothing to train on")
         return {"train": train, **{split: RetrievalEvalBatches(corpus, split, config.max_seq_len, config.seed,
-                                                               config.eval_exclude) for split in ("val", "test")}}
+                                                               config.eval_exclude, self.eviction_block)
+                                      for split in ("val", "test")}}
 
     def _ranking_splits(self) -> Dict[str, SplitBatches]:
         config, corpus, ranking = self.config, self.corpus, self.config.ranking
@@ -87,14 +89,14 @@ class SequenceDataModule(lightning.LightningDataModule):
             raise ValueError(f"data.ranking.positives_per_sample: no user has {positives + 1} training events")
         splits: Dict[str, SplitBatches] = {"train": RankingBatches(
             corpus, "train", config.max_seq_len, config.seed, row_users, cuts, positives, ranking.num_negatives,
-            ranking.tasks)}
+            ranking.tasks, eviction_block=self.eviction_block)}
         users = np.arange(sequences.num_users)
         for code, split in enumerate(("val", "test"), start=1):
             rng = np.random.default_rng([config.seed, code])
             table = corpus.sampler.sample(users, ranking.eval_num_negatives, rng).astype(np.int32)
             splits[split] = RankingBatches(corpus, split, config.max_seq_len, config.seed, users,
                                            sequences.targets(split), 1, ranking.eval_num_negatives,
-                                           ranking.tasks, negative_table=table)
+                                           ranking.tasks, negative_table=table, eviction_block=self.eviction_block)
         return splits
 
     # ---- what a model is built from ---------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 
 from gr.data.interactions import DataFormatError, Interactions
 from gr.data.mappings import IdMap
+from gr.jagged import evicted_prefix
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
 
 
-def window_starts(begins: np.ndarray, ends: np.ndarray, max_len: int) -> np.ndarray:
-    """[R] start of the most recent ``max_len`` rows of each range ``begins[r]:ends[r]``."""
-    return np.maximum(begins, ends - max_len)
+def window_starts(begins: np.ndarray, ends: np.ndarray, max_len: int, block: int = 1) -> np.ndarray:
+    """[R] start of the window of each range ``begins[r]:ends[r]``: its most recent ``max_len``
+    rows, the oldest dropped in whole blocks of ``block`` (``gr.jagged.evicted_prefix``)."""
+    return begins + evicted_prefix(ends - begins, max_len, block)

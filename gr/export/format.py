@@ -28,7 +28,7 @@ from gr.hstu.config import HSTUConfig
 
 FORMAT_VERSION = 1
 # HSTUConfig fields added after format 1 was released, and what an export without them means.
-FIELDS_SINCE_FORMAT_1 = {"query_time": "token"}
+FIELDS_SINCE_FORMAT_1 = {"query_time": "token", "eviction_block": 1}
 
 SLICE_GRAPH = "default/slice_graph.ini"
 SPARSE_DIR = "sparse"

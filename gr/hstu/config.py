@@ -32,6 +32,10 @@ class HSTUConfig(Section):
     attention_dim: int = checked(64, int_at_least(1))  # q/k size per head
     linear_dim: int = checked(64, int_at_least(1))  # v/u size per head
     max_seq_len: int = checked(200, int_at_least(1))  # longest history (targets excluded)
+    # a longer history drops its oldest tokens in blocks of this many (``gr.jagged.evicted_prefix``),
+    # in training windows and served histories alike: a served user's cache then survives all but
+    # one request per block. 1: slide by one token.
+    eviction_block: int = checked(1, int_at_least(1))
     dropout: float = checked(0.2, PROBABILITY)  # on LayerNorm(AV) * U, before the output projection
     input_dropout: float = checked(0.2, PROBABILITY)  # on the input embeddings
     attn_alpha: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))  # None -> 1 / sqrt(attention_dim)
@@ -58,6 +62,8 @@ class HSTUConfig(Section):
 
     def __post_init__(self, where: str) -> None:
         self.validate(where)
+        if self.eviction_block > self.max_seq_len:
+            raise ValueError(f"{where}.eviction_block: {self.eviction_block} exceeds max_seq_len {self.max_seq_len}")
         if self.contextual_len > self.max_seq_len:
             raise ValueError(f"{where}.contextual_len: {self.contextual_len} exceeds max_seq_len {self.max_seq_len}")
 

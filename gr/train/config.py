@@ -328,6 +328,9 @@ class TrainConfig:
         if self.model.hstu.max_seq_len < self.data.max_seq_len:
             raise ValueError(f"model.hstu.max_seq_len: {self.model.hstu.max_seq_len} is below data.max_seq_len "
                              f"{self.data.max_seq_len}; HSTU must fit the longest history")
+        if self.model.hstu.eviction_block > self.data.max_seq_len:
+            raise ValueError(f"model.hstu.eviction_block: {self.model.hstu.eviction_block} exceeds data.max_seq_len "
+                             f"{self.data.max_seq_len}; a block must fit in a window")
         if self.trainer.precision == "16-mixed" and self.trainer.accelerator not in GPU_ACCELERATORS:
             raise ValueError(f"trainer.precision: '16-mixed' (fp16 with loss scaling) needs trainer.accelerator "
                              f"gpu; got accelerator {self.trainer.accelerator!r}. On CPU use 'bf16-mixed'")

@@ -48,7 +48,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
         raise FileNotFoundError(f"--resume {out_dir}: no checkpoint at {last}")
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
-    datamodule = SequenceDataModule(config.data)
+    datamodule = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
     datamodule.setup()
     spec = datamodule.feature_spec()
     tables = build_tables(config, spec, for_training=False)  # refuses tables that do not fit the data
