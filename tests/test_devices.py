@@ -1,0 +1,76 @@
+"""Device selection without the device: trainer.accelerator npu accepted with host tables and
+refused otherwise, a clear error naming torch_npu / CANN when they are missing, the Lightning
+accelerator registered under "npu", and the torch_npu autoload switched off unless an NPU is
+requested or present. Nothing here ran on an NPU."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.accelerators import AcceleratorRegistry
+
+from gr import devices
+from gr.train.npu import NPUAccelerator
+from gr.train.run import make_trainer
+
+from test_train_config import config_with
+
+
+def test_npu_accelerator_is_accepted_with_tables_in_host_memory():
+    config = config_with(("trainer.accelerator", "npu"), ("sparse.placement", "host"))
+    assert config.trainer.accelerator == "npu"
+
+
+def test_npu_accelerator_with_tables_on_the_device_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"sparse.placement: trainer.accelerator 'npu' needs 'host'.*'device'"):
+        config_with(("trainer.accelerator", "npu"))
+
+
+def test_unknown_accelerator_lists_npu_among_the_choices():
+    with pytest.raises(ValueError, match=r"trainer.accelerator.*'npu'"):
+        config_with(("trainer.accelerator", "tpu"))
+
+
+def test_npu_trainer_without_torch_npu_names_the_missing_package(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_npu" else object())
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    config = config_with(("trainer.accelerator", "npu"), ("sparse.placement", "host"))
+    with pytest.raises(RuntimeError, match=r"trainer.accelerator: 'npu' needs the torch_npu package.* and CANN"):
+        make_trainer(config, tmp_path)
+
+
+def test_missing_cann_alone_is_named(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    with pytest.raises(RuntimeError, match=r"^x: 'npu' needs CANN \(ASCEND_HOME_PATH"):
+        devices.load_torch_npu("x")
+
+
+def test_npu_accelerator_registers_under_npu_and_is_unavailable_without_torch_npu():
+    registry = type(AcceleratorRegistry)()
+    NPUAccelerator.register_accelerators(registry)
+    assert registry["npu"]["accelerator"] is NPUAccelerator
+    assert not NPUAccelerator.is_available()
+    assert NPUAccelerator.auto_device_count() == 0
+    assert NPUAccelerator.parse_devices(2) == [0, 1] and NPUAccelerator.parse_devices([3]) == [3]
+
+
+@pytest.mark.parametrize(
+    "requested, present, expected",
+    [(None, False, "0"), ("cpu", True, "0"), ("npu", False, None), (None, True, None), ("auto", True, None)],
+)
+def test_backend_autoload_is_off_unless_an_npu_is_requested_or_present(monkeypatch, requested, present, expected):
+    monkeypatch.setattr(devices, "npu_present", lambda environ=None: present)
+    environ = {}
+    devices.configure_backend_autoload(requested, environ)
+    assert environ.get(devices.AUTOLOAD_VAR) == expected
+
+
+def test_npu_presence_needs_torch_npu_and_device_nodes_or_cann(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert not devices.npu_present({"ASCEND_HOME_PATH": "/usr/local/Ascend"})
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(devices.glob, "glob", lambda pattern: [])
+    assert devices.npu_present({"ASCEND_HOME_PATH": "/usr/local/Ascend"})
+    assert not devices.npu_present({})
