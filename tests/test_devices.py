@@ -74,3 +74,24 @@ def test_npu_presence_needs_torch_npu_and_device_nodes_or_cann(monkeypatch):
     monkeypatch.setattr(devices.glob, "glob", lambda pattern: [])
     assert devices.npu_present({"ASCEND_HOME_PATH": "/usr/local/Ascend"})
     assert not devices.npu_present({})
+
+
+def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
+    import torch
+
+    from gr.hstu.kernels.ascend import mxrec_misfits
+    from gr.train.config import load_config
+
+    config = load_config("configs/ml1m_hstu_npu.yaml")
+    hstu = config.model.hstu
+    assert (config.trainer.accelerator, config.sparse.placement) == ("npu", "host")
+    q = torch.zeros(3, hstu.num_heads, hstu.attention_dim, requires_grad=True)
+    v = torch.zeros(3, hstu.num_heads, hstu.linear_dim, requires_grad=True)
+
+    def op(q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset, num_context, num_target,
+           target_group_size, alpha):
+        raise AssertionError("only its signature is read")
+
+    misfits = mxrec_misfits(op, q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, None, 0, 0, hstu.attn_alpha,
+                            1.0 / hstu.max_seq_len, None)
+    assert misfits == []
