@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Mapping, MutableMapping, Optional
 
 DEVICES = ("cpu", "cuda", "npu")
+__test__ = False  # test_device is not a pytest test
 AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 CANN_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # set by CANN's set_env.sh
 
@@ -82,3 +83,13 @@ def require_device(device: str, where: str) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(f"{where}: 'cuda' needs a CUDA build of torch and a visible GPU "
                                f"(torch {torch.__version__} sees none)")
+
+
+def test_device(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The device the test suite runs on: ``GR_TEST_DEVICE`` (cpu|cuda|npu), or None when unset
+    (each test module detects its own, as before). Raises ValueError naming the variable."""
+    environ = os.environ if environ is None else environ
+    device = environ.get("GR_TEST_DEVICE") or None
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"GR_TEST_DEVICE: expected one of {list(DEVICES)}, got {device!r}")
+    return device

@@ -9,10 +9,11 @@ import pytest
 from lightning.pytorch.accelerators import AcceleratorRegistry
 
 from gr import devices
-from gr.train.npu import NPUAccelerator
-from gr.train.run import make_trainer
 
 from test_train_config import config_with
+
+# gr.train.run and gr.train.npu are imported inside the tests: importing the training stack at
+# collection would load the Triton kernels before the attention tests set TRITON_INTERPRET.
 
 
 def test_npu_accelerator_is_accepted_with_tables_in_host_memory():
@@ -31,6 +32,8 @@ def test_unknown_accelerator_lists_npu_among_the_choices():
 
 
 def test_npu_trainer_without_torch_npu_names_the_missing_package(tmp_path: Path, monkeypatch):
+    from gr.train.run import make_trainer
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_npu" else object())
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
     monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
@@ -48,6 +51,8 @@ def test_missing_cann_alone_is_named(monkeypatch):
 
 
 def test_npu_accelerator_registers_under_npu_and_is_unavailable_without_torch_npu():
+    from gr.train.npu import NPUAccelerator
+
     registry = type(AcceleratorRegistry)()
     NPUAccelerator.register_accelerators(registry)
     assert registry["npu"]["accelerator"] is NPUAccelerator
@@ -95,3 +100,10 @@ def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
     misfits = mxrec_misfits(op, q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, None, 0, 0, hstu.attn_alpha,
                             1.0 / hstu.max_seq_len, None)
     assert misfits == []
+
+
+def test_gr_test_device_selects_the_suite_device_and_refuses_others():
+    assert devices.test_device({}) is None
+    assert devices.test_device({"GR_TEST_DEVICE": "cpu"}) == "cpu"
+    with pytest.raises(ValueError, match=r"GR_TEST_DEVICE: expected one of \['cpu', 'cuda', 'npu'\], got 'gpu'"):
+        devices.test_device({"GR_TEST_DEVICE": "gpu"})
