@@ -2,10 +2,11 @@
 
 Runs on one process, or on several with ``torchrun --nproc_per_node N train.py ...``.
 """
-import os
 import sys
 
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+from gr.devices import configure_backend_autoload
+
+configure_backend_autoload()  # before torch is imported: torch_npu autoloads only on an NPU host
 
 from gr.train.cli import main  # noqa: E402
 

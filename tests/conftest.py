@@ -1,6 +1,9 @@
 import os
 
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+from gr.devices import configure_backend_autoload, test_device
+
+# GR_TEST_DEVICE=npu keeps torch_npu's autoload on; unset or cpu/cuda, it stays off unless an NPU host is detected
+configure_backend_autoload(test_device())
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402

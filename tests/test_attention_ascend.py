@@ -3,6 +3,7 @@
 replaces the lookup), refusals of what it cannot express, the fallback to the triton-ascend
 kernels, their work list, and imports that stay lazy. Nothing here ran on an NPU."""
 import os
+import re
 import subprocess
 import sys
 
@@ -22,13 +23,32 @@ pytestmark = pytest.mark.attention
 class FakeHstuJagged:
     """RecSDK's hstu_jagged golden math (its tests' reference): per sequence,
     SiLU(alpha * (q k^T + attn_bias)) * silu_scale * mask @ v with mask_type 0 = causal, the
-    trailing num_target tokens seeing the history and (target_group_size 1) themselves."""
+    trailing num_target tokens seeing the history and (target_group_size 1) themselves.
+
+    It refuses what the real op's TORCH_CHECKs refuse (Ascend/RecSDK,
+    cust_op/framework/torch_plugin/torch_library/hstu/hstu_jagged.cpp): head dims outside
+    [16, 512] or not multiples of 16, q / k / v of different sizes when gradients will flow,
+    attn_bias other than [B, H, max_seq_len, max_seq_len] in q's dtype, num_target without
+    num_context, target_group_size outside {1, 3}."""
 
     def __init__(self):
         self.calls = []
 
     def __call__(self, q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset, num_context,
-                 num_target, target_group_size, alpha):
+                 num_target, target_group_size, alpha=1.0):
+        batch_size, heads = seq_offset.numel() - 1, q.shape[1]
+        for dim in (q.shape[2], v.shape[2]):
+            if not 16 <= dim <= 512 or dim % 16:
+                raise RuntimeError(f"headDim expect in [16, 512], but value is {dim}")
+        if any(x.requires_grad for x in (q, k, v)) and not q.shape == k.shape == v.shape:
+            raise RuntimeError("Q and V batch size check failed")
+        if attn_bias is not None and (tuple(attn_bias.shape) != (batch_size, heads, max_seq_len, max_seq_len)
+                                      or attn_bias.dtype != q.dtype):
+            raise RuntimeError("The attnBias should be 4D in normal layout")
+        if (num_target is None) != (num_context is None):
+            raise RuntimeError("numContext is required when numTarget or targetGroupSize is not None")
+        if num_target is not None and target_group_size not in (1, 3):
+            raise RuntimeError("The targetGroupSize should be in [1, 3]")
         self.calls.append(dict(mask=mask, mask_type=mask_type, max_seq_len=max_seq_len, silu_scale=silu_scale,
                                num_context=num_context, target_group_size=target_group_size, alpha=alpha,
                                bias_shape=None if attn_bias is None else tuple(attn_bias.shape)))
@@ -75,7 +95,7 @@ def test_mxrec_mapping_matches_reference_forward_and_gradients(monkeypatch):
     for name, a, b in zip(["out", "dq", "dk", "dv", "dpos_w", "dtime_w"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     call = fake.calls[0]
-    assert call["mask"] is None and call["mask_type"] == 0 and call["num_context"] is None
+    assert call["mask"] is None and call["mask_type"] == 0 and call["num_context"].tolist() == [0, 0, 0, 0]
     assert call["target_group_size"] == 1 and call["max_seq_len"] == 30 and call["alpha"] == 0.3
     assert call["bias_shape"] == (4, 2, 30, 30)
 
@@ -109,7 +129,7 @@ def test_mxrec_refuses_what_it_cannot_express(monkeypatch, options, named):
     fake = FakeHstuJagged()
     monkeypatch.setattr(ascend, "find_mxrec_hstu_jagged", lambda: fake)
     tensors, offsets, ts, targets = batch()
-    with pytest.raises(ValueError, match=rf"mxrec.hstu_jagged cannot express {named}.*ascend_triton"):
+    with pytest.raises(ValueError, match=rf"mxrec.hstu_jagged cannot take {named}.*ascend_triton"):
         run("ascend", tensors, offsets, ts, targets, alpha=0.3, **options)
     assert fake.calls == []
 
@@ -151,3 +171,68 @@ def test_kernel_packages_load_only_when_their_backend_is_used():
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.strip() == "[]"
+
+
+class OldFakeHstuJagged(FakeHstuJagged):
+    """A RecSDK version whose hstu_jagged has no alpha argument."""
+
+    def __call__(self, q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset, num_context,
+                 num_target, target_group_size):
+        return super().__call__(q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset,
+                                num_context, num_target, target_group_size)
+
+
+def batch_with_dims(dim_qk, dim_v, seed=0):
+    (q, k, v, pos_w, time_w), offsets, ts, targets = batch(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q, k = (torch.randn(q.shape[0], 2, dim_qk, generator=g) for _ in range(2))
+    v = torch.randn(q.shape[0], 2, dim_v, generator=g)
+    return [q, k, v, pos_w, time_w], offsets, ts, targets
+
+
+MISFITS = [
+    (FakeHstuJagged, 50, 50, 0.3, r"attention_dim \(q, k head dim\)=50 \(must be a multiple of 16 in \[16, 512\]\)"),
+    (FakeHstuJagged, 16, 32, 0.3, r"attention_dim 16 != linear_dim 32 with gradients"),
+    (OldFakeHstuJagged, 16, 16, 0.3, r"alpha=0.3 \(this RecSDK version's hstu_jagged has no alpha argument\)"),
+]
+MISFIT_IDS = ["head-dim-50", "qk-16-v-32-backward", "alpha-on-an-old-op"]
+
+
+@pytest.mark.parametrize("fake_class, dim_qk, dim_v, alpha, named", MISFITS, ids=MISFIT_IDS)
+def test_explicit_ascend_refuses_a_misfit_before_calling_the_op(monkeypatch, fake_class, dim_qk, dim_v, alpha, named):
+    fake = fake_class()
+    monkeypatch.setattr(ascend, "find_mxrec_hstu_jagged", lambda: fake)
+    tensors, offsets, ts, targets = batch_with_dims(dim_qk, dim_v)
+    with pytest.raises(ValueError, match=named):
+        run("ascend", tensors, offsets, ts, targets, alpha=alpha, silu_scale=1 / 30)
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("fake_class, dim_qk, dim_v, alpha, named", MISFITS, ids=MISFIT_IDS)
+def test_auto_falls_back_to_triton_ascend_on_a_misfit_with_the_reason_logged(monkeypatch, caplog, fake_class, dim_qk,
+                                                                             dim_v, alpha, named):
+    """backend="auto" on an NPU (resolved to "ascend"; the device faked by resolve_backend)."""
+    import gr.hstu.kernels as kernels
+
+    fake = fake_class()
+    monkeypatch.setattr(ascend, "find_mxrec_hstu_jagged", lambda: fake)
+    monkeypatch.setattr(kernels, "resolve_backend", lambda backend, _: "ascend" if backend == "auto" else backend)
+    tensors, offsets, ts, targets = batch_with_dims(dim_qk, dim_v)
+    with caplog.at_level("WARNING", logger=ascend.__name__):
+        got = run("auto", tensors, offsets, ts, targets, alpha=alpha, silu_scale=1 / 30)
+    assert fake.calls == []
+    assert re.search(named, caplog.text) and "running ascend_triton instead" in caplog.text
+    want = run("pytorch", tensors, offsets, ts, targets, alpha=alpha, silu_scale=1 / 30)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_old_op_without_alpha_is_called_without_it_when_alpha_is_one(monkeypatch):
+    fake = OldFakeHstuJagged()
+    monkeypatch.setattr(ascend, "find_mxrec_hstu_jagged", lambda: fake)
+    tensors, offsets, ts, targets = batch()
+    got = run("ascend", tensors, offsets, ts, targets, alpha=1.0, silu_scale=1 / 30)
+    want = run("pytorch", tensors, offsets, ts, targets, alpha=1.0, silu_scale=1 / 30)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert len(fake.calls) == 1

@@ -14,7 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if torch.cuda.is_available():
+from gr.devices import load_torch_npu, test_device  # noqa: E402
+
+if test_device() is not None:
+    DEVICE = test_device()  # GR_TEST_DEVICE: run the suite on that device (cpu: interpreted kernels)
+    if DEVICE == "npu":
+        load_torch_npu("GR_TEST_DEVICE")
+    elif DEVICE == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+elif torch.cuda.is_available():
     DEVICE = "cuda"
 elif hasattr(torch, "npu") and torch.npu.is_available():
     DEVICE = "npu"

@@ -38,7 +38,7 @@ DEFAULT_PREFIX = "gr.prefix_dnn.MLPTokenEncoder"
 NEGATIVE_SHARING = ("token", "batch")
 DENSE_OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "npu")
 GPU_ACCELERATORS = ("gpu", "cuda")
 # "none": every rank holds the dense model whole (DDP); "fsdp2": the HSTU stack is sharded
 # over ranks with FSDP2 (``fully_shard``), the DNNs stay replicated (DDP).
@@ -334,6 +334,9 @@ class TrainConfig:
         if self.trainer.precision == "16-mixed" and self.trainer.accelerator not in GPU_ACCELERATORS:
             raise ValueError(f"trainer.precision: '16-mixed' (fp16 with loss scaling) needs trainer.accelerator "
                              f"gpu; got accelerator {self.trainer.accelerator!r}. On CPU use 'bf16-mixed'")
+        if self.trainer.accelerator == "npu" and self.sparse.placement != "host":
+            raise ValueError(f"sparse.placement: trainer.accelerator 'npu' needs 'host' (FBGEMM has no NPU embedding "
+                             f"kernels: tables in host memory, dense model on the NPU); got {self.sparse.placement!r}")
         if self.distributed.dense_sharding == "fsdp2" and self.trainer.gradient_clip_val:
             raise ValueError("trainer.gradient_clip_val: clipping by the global norm is not supported with "
                              "distributed.dense_sharding 'fsdp2' (sharded and replicated gradients); set it to 0")

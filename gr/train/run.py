@@ -25,6 +25,7 @@ from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables
 from gr.train.config import TrainConfig, load_config, plain, save_config
 from gr.train.module import GRTrainingModule
+from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
 from gr.train.strategy import TorchRecStrategy
 
 CONFIG_FILE = "config.yaml"
@@ -82,13 +83,17 @@ def make_trainer(config: TrainConfig, out_dir: Path) -> Tuple[Trainer, ModelChec
     callbacks = [checkpoints]
     if t.early_stopping_patience:
         callbacks.append(EarlyStopping(config.monitor, patience=t.early_stopping_patience, mode=t.monitor_mode))
+    device_args = dict(accelerator="cuda" if t.accelerator == "gpu" else t.accelerator, precision=t.precision)
+    strategy = TorchRecStrategy()
+    if t.accelerator == "npu":
+        device_args = npu_trainer_args(t.precision)
+        strategy = TorchRecStrategy(process_group_backend=NPU_PROCESS_GROUP_BACKEND)
     trainer = Trainer(
-        strategy=TorchRecStrategy(),
-        accelerator="cuda" if t.accelerator == "gpu" else t.accelerator,
+        strategy=strategy,
+        **device_args,
         devices=_devices(t.devices),
         num_nodes=t.num_nodes,
         max_epochs=t.max_epochs,
-        precision=t.precision,
         gradient_clip_val=t.gradient_clip_val or None,
         log_every_n_steps=t.log_every_n_steps,
         check_val_every_n_epoch=t.check_val_every_n_epoch,

@@ -3,7 +3,8 @@
 * ``pytorch``: the padded reference; runs on any device; the ground truth in tests.
 * ``cpu``: length-grouped, chunked, recomputing; the fast path for CPU tensors.
 * ``triton``: fused Triton kernels for CUDA (on CPU tensors under ``TRITON_INTERPRET=1``).
-* ``ascend``: RecSDK's ``torch.ops.mxrec.hstu_jagged`` when installed, else ``ascend_triton``.
+* ``ascend``: RecSDK's ``torch.ops.mxrec.hstu_jagged`` when installed, else ``ascend_triton``;
+  a call the op cannot take is an error (with ``auto``: a logged fallback to ``ascend_triton``).
 * ``ascend_triton``: the Triton kernels written to triton-ascend's NPU constraints.
 * ``auto``: by the tensors' device (cuda -> triton, npu -> ascend, cpu -> cpu).
 
@@ -93,9 +94,11 @@ def hstu_attention(
     backend: one of ``available_backends()`` or "auto" (by q's device)
     returns: [T, H, Dv]
     """
-    attention = _load(resolve_backend(backend, q.device.type))
-    return attention(
-        q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab
+    name = resolve_backend(backend, q.device.type)
+    # "auto" on an NPU lets the vendor op's misfits fall back to the NPU Triton kernels
+    options = {"explicit": False} if name == "ascend" and backend == "auto" else {}
+    return _load(name)(
+        q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab, **options
     )
 
 

@@ -124,10 +124,10 @@ class AscendKernels:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor:
         out = torch.empty(*q.shape[:2], v.shape[-1], dtype=v.dtype, device=v.device)
-        tiles = work_list(inputs.seq_offsets, self.blocks[0], query_major=True)
         _forward_kernel[(self.num_cores,)](
-            q, k, v, q, out, *table_args(inputs), *tiles, tiles[0].numel(), *strides(q, k, v, q, out),
-            *scalar_args(inputs, q, v), **self._meta(inputs, q, v),
+            Q=q, K=k, V=v, DO=q, Out=out, **table_args(inputs),
+            **_tile_args(work_list(inputs.seq_offsets, self.blocks[0], query_major=True)),
+            **strides(q=q, k=k, v=v, do=q, o=out), **scalar_args(inputs, q, v), **self._meta(inputs, q, v),
         )
         return out
 
@@ -135,18 +135,25 @@ class AscendKernels:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dpos = torch.zeros(max(inputs.num_pos, 1), dtype=torch.float32, device=q.device)
         dtime = torch.zeros(max(inputs.num_time, 1), dtype=torch.float32, device=q.device)
-        tables, scalars, meta = table_args(inputs), scalar_args(inputs, q, v), self._meta(inputs, q, v)
-        tiles = work_list(inputs.seq_offsets, self.blocks[0], query_major=True)
-        _backward_dq_kernel[(self.num_cores,)](
-            q, k, v, grad_out, dq, *tables, *tiles, tiles[0].numel(), *strides(q, k, v, grad_out, dq), *scalars,
-            **meta,
+        common = dict(
+            Q=q, K=k, V=v, DO=grad_out, **table_args(inputs), **scalar_args(inputs, q, v), **self._meta(inputs, q, v)
         )
-        tiles = work_list(inputs.seq_offsets, self.blocks[1], query_major=False)
+        _backward_dq_kernel[(self.num_cores,)](
+            DQ=dq, **_tile_args(work_list(inputs.seq_offsets, self.blocks[0], query_major=True)),
+            **strides(q=q, k=k, v=v, do=grad_out, dq=dq), **common,
+        )
         _backward_dkv_kernel[(self.num_cores,)](
-            q, k, v, grad_out, dk, dv, dpos, dtime, *tables, *tiles, tiles[0].numel(),
-            *strides(q, k, v, grad_out, dk, dv), *scalars, **meta,
+            DK=dk, DV=dv, DPos=dpos, DTime=dtime,
+            **_tile_args(work_list(inputs.seq_offsets, self.blocks[1], query_major=False)),
+            **strides(q=q, k=k, v=v, do=grad_out, dk=dk, dv=dv), **common,
         )
         return dq, dk, dv, dpos[: inputs.num_pos], dtime[: inputs.num_time]
+
+
+def _tile_args(tiles: Tuple[Tensor, Tensor]) -> dict:
+    """A ``work_list`` as the kernels' TileSeq, TileStart and num_tiles arguments."""
+    seq, start = tiles
+    return dict(TileSeq=seq, TileStart=start, num_tiles=seq.numel())
 
 
 @triton.jit
@@ -178,12 +185,18 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTimes, PosW,
     time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, TIME_TABLE, THR_TABLE)
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
-        query_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, Out,
-                    SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, time_table, thr_table,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                    stride_ot, stride_oh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
-                    DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
-                    HAS_WINDOW, True, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION, False)
+        query_block(
+            b=tl.load(TileSeq + tile), h=work % H, m0=tl.load(TileStart + tile), Q=Q, K=K, V=V, DO=DO, Out=Out,
+            SeqOffsets=SeqOffsets, History=History, Ts=Ts, QueryTimes=QueryTimes, PosW=PosW, TimeW=TimeW,
+            Thresholds=Thresholds, time_table=time_table, thr_table=thr_table,
+            stride_qt=stride_qt, stride_qh=stride_qh, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt,
+            stride_vh=stride_vh, stride_dot=stride_dot, stride_doh=stride_doh, stride_ot=stride_ot, stride_oh=stride_oh,
+            alpha=alpha, silu_scale=silu_scale, contextual_len=contextual_len, max_attn_len=max_attn_len,
+            num_pos=num_pos, num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V,
+            HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG, QUERY_TIMES=QUERY_TIMES,
+            SCALE_BY_POSITION=SCALE_BY_POSITION, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=True,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=POS_WINDOW,
+            PRECISION=PRECISION, GRAD=False)
 
 
 @triton.jit
@@ -201,12 +214,19 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTimes, Po
     time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, TIME_TABLE, THR_TABLE)
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
-        query_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, DQ,
-                    SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, time_table, thr_table,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                    stride_dqt, stride_dqh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
-                    DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
-                    HAS_WINDOW, True, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION, True)
+        query_block(
+            b=tl.load(TileSeq + tile), h=work % H, m0=tl.load(TileStart + tile), Q=Q, K=K, V=V, DO=DO, Out=DQ,
+            SeqOffsets=SeqOffsets, History=History, Ts=Ts, QueryTimes=QueryTimes, PosW=PosW, TimeW=TimeW,
+            Thresholds=Thresholds, time_table=time_table, thr_table=thr_table,
+            stride_qt=stride_qt, stride_qh=stride_qh, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt,
+            stride_vh=stride_vh, stride_dot=stride_dot, stride_doh=stride_doh,
+            stride_ot=stride_dqt, stride_oh=stride_dqh,
+            alpha=alpha, silu_scale=silu_scale, contextual_len=contextual_len, max_attn_len=max_attn_len,
+            num_pos=num_pos, num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V,
+            HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG, QUERY_TIMES=QUERY_TIMES,
+            SCALE_BY_POSITION=SCALE_BY_POSITION, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=True,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=POS_WINDOW,
+            PRECISION=PRECISION, GRAD=True)
 
 
 @triton.jit
@@ -224,9 +244,17 @@ def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, 
     time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, TIME_TABLE, THR_TABLE)
     for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
         tile = work // H
-        key_block(tl.load(TileSeq + tile), work % H, tl.load(TileStart + tile), Q, K, V, DO, DK, DV, DPos, DTime,
-                  SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, time_table, thr_table,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                  stride_dkt, stride_dkh, stride_dvt, stride_dvh, alpha, silu_scale, contextual_len, max_attn_len,
-                  num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION,
-                  HAS_CONTEXT, HAS_WINDOW, True, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION)
+        key_block(
+            b=tl.load(TileSeq + tile), h=work % H, n0=tl.load(TileStart + tile),
+            Q=Q, K=K, V=V, DO=DO, DK=DK, DV=DV, DPos=DPos, DTime=DTime,
+            SeqOffsets=SeqOffsets, History=History, Ts=Ts, QueryTimes=QueryTimes, PosW=PosW, TimeW=TimeW,
+            Thresholds=Thresholds, time_table=time_table, thr_table=thr_table,
+            stride_qt=stride_qt, stride_qh=stride_qh, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt,
+            stride_vh=stride_vh, stride_dot=stride_dot, stride_doh=stride_doh, stride_dkt=stride_dkt,
+            stride_dkh=stride_dkh, stride_dvt=stride_dvt, stride_dvh=stride_dvh,
+            alpha=alpha, silu_scale=silu_scale, contextual_len=contextual_len, max_attn_len=max_attn_len,
+            num_pos=num_pos, num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V,
+            HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG, QUERY_TIMES=QUERY_TIMES,
+            SCALE_BY_POSITION=SCALE_BY_POSITION, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=True,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=POS_WINDOW,
+            PRECISION=PRECISION)

@@ -78,7 +78,10 @@ class CudaKernels:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor:
         out = torch.empty(*q.shape[:2], v.shape[-1], dtype=v.dtype, device=v.device)
-        args = (q, k, v, q, out, *table_args(inputs), *strides(q, k, v, q, out), *scalar_args(inputs, q, v))
+        args = dict(
+            Q=q, K=k, V=v, DO=q, Out=out, **table_args(inputs), **strides(q=q, k=k, v=v, do=q, o=out),
+            **scalar_args(inputs, q, v),
+        )
         self._launch(_forward_kernel, "BLOCK_M", args, inputs, q, v)
         return out
 
@@ -86,26 +89,29 @@ class CudaKernels:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dpos = torch.zeros(max(inputs.num_pos, 1), dtype=torch.float32, device=q.device)
         dtime = torch.zeros(max(inputs.num_time, 1), dtype=torch.float32, device=q.device)
-        tables, scalars = table_args(inputs), scalar_args(inputs, q, v)
-        dq_args = (q, k, v, grad_out, dq, *tables, *strides(q, k, v, grad_out, dq), *scalars)
+        common = dict(Q=q, K=k, V=v, DO=grad_out, **table_args(inputs), **scalar_args(inputs, q, v))
+        dq_args = dict(common, DQ=dq, **strides(q=q, k=k, v=v, do=grad_out, dq=dq))
         self._launch(_backward_dq_kernel, "BLOCK_M", dq_args, inputs, q, v)
-        dkv_args = (q, k, v, grad_out, dk, dv, dpos, dtime, *tables, *strides(q, k, v, grad_out, dk, dv), *scalars)
+        dkv_args = dict(
+            common, DK=dk, DV=dv, DPos=dpos, DTime=dtime, **strides(q=q, k=k, v=v, do=grad_out, dk=dk, dv=dv)
+        )
         self._launch(_backward_dkv_kernel, "BLOCK_N", dkv_args, inputs, q, v)
         return dq, dk, dv, dpos[: inputs.num_pos], dtime[: inputs.num_time]
 
-    def _launch(self, kernel, block: str, args: tuple, inputs: KernelInputs, q: Tensor, v: Tensor) -> None:
-        """Grid: (B * H, blocks along the longest sequence); B * H first, CUDA's axis 0 has no 65535 limit."""
+    def _launch(self, kernel, block: str, args: dict, inputs: KernelInputs, q: Tensor, v: Tensor) -> None:
+        """Launch ``kernel`` with its arguments by name (``args`` and the switches). Grid: (B * H,
+        blocks along the longest sequence); B * H first, CUDA's axis 0 has no 65535 limit."""
         heads = q.shape[1]
         meta_args = dict(
             flags(inputs, q, v, self.interpreted), H=heads, AUTOTUNE_MAX_LEN=triton.next_power_of_2(inputs.max_seq_len)
         )
         if self.blocks is None:
             grid = lambda meta: (inputs.batch * heads, triton.cdiv(inputs.max_seq_len, meta[block]))  # noqa: E731
-            _tuned(kernel)[grid](*args, **meta_args)
+            _tuned(kernel)[grid](**args, **meta_args)
         else:
             sizes = {"BLOCK_M": self.blocks[0], "BLOCK_N": self.blocks[1]}
             grid = (inputs.batch * heads, triton.cdiv(inputs.max_seq_len, sizes[block]))
-            kernel[grid](*args, **meta_args, **sizes)
+            kernel[grid](**args, **meta_args, **sizes)
 
 
 def _autotune_configs() -> List[triton.Config]:
@@ -142,12 +148,18 @@ def _forward_kernel(Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTimes, PosW,
                     HAS_WINDOW: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     PRECISION: tl.constexpr):
-    query_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_M, Q, K, V, DO, Out,
-                SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, 0, 0,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                stride_ot, stride_oh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
-                DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
-                HAS_WINDOW, False, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, 1, PRECISION, False)
+    query_block(
+        b=tl.program_id(0) // H, h=tl.program_id(0) % H, m0=tl.program_id(1) * BLOCK_M, Q=Q, K=K, V=V, DO=DO, Out=Out,
+        SeqOffsets=SeqOffsets, History=History, Ts=Ts, QueryTimes=QueryTimes, PosW=PosW, TimeW=TimeW,
+        Thresholds=Thresholds, time_table=0, thr_table=0,
+        stride_qt=stride_qt, stride_qh=stride_qh, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt,
+        stride_vh=stride_vh, stride_dot=stride_dot, stride_doh=stride_doh, stride_ot=stride_ot, stride_oh=stride_oh,
+        alpha=alpha, silu_scale=silu_scale, contextual_len=contextual_len, max_attn_len=max_attn_len,
+        num_pos=num_pos, num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V,
+        HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG, QUERY_TIMES=QUERY_TIMES,
+        SCALE_BY_POSITION=SCALE_BY_POSITION, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=False,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=1,
+        PRECISION=PRECISION, GRAD=False)
 
 
 @triton.jit
@@ -161,12 +173,19 @@ def _backward_dq_kernel(Q, K, V, DO, DQ, SeqOffsets, History, Ts, QueryTimes, Po
                         HAS_WINDOW: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    query_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_M, Q, K, V, DO, DQ,
-                SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, 0, 0,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                stride_dqt, stride_dqh, alpha, silu_scale, contextual_len, max_attn_len, num_pos, num_time,
-                DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION, HAS_CONTEXT,
-                HAS_WINDOW, False, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, 1, PRECISION, True)
+    query_block(
+        b=tl.program_id(0) // H, h=tl.program_id(0) % H, m0=tl.program_id(1) * BLOCK_M, Q=Q, K=K, V=V, DO=DO, Out=DQ,
+        SeqOffsets=SeqOffsets, History=History, Ts=Ts, QueryTimes=QueryTimes, PosW=PosW, TimeW=TimeW,
+        Thresholds=Thresholds, time_table=0, thr_table=0,
+        stride_qt=stride_qt, stride_qh=stride_qh, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt,
+        stride_vh=stride_vh, stride_dot=stride_dot, stride_doh=stride_doh,
+        stride_ot=stride_dqt, stride_oh=stride_dqh,
+        alpha=alpha, silu_scale=silu_scale, contextual_len=contextual_len, max_attn_len=max_attn_len,
+        num_pos=num_pos, num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V,
+        HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG, QUERY_TIMES=QUERY_TIMES,
+        SCALE_BY_POSITION=SCALE_BY_POSITION, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=False,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=1,
+        PRECISION=PRECISION, GRAD=True)
 
 
 @triton.jit
@@ -181,9 +200,17 @@ def _backward_dkv_kernel(Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, 
                          HAS_WINDOW: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                          BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    key_block(tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * BLOCK_N, Q, K, V, DO, DK, DV, DPos,
-              DTime, SeqOffsets, History, Ts, QueryTimes, PosW, TimeW, Thresholds, 0, 0,
-              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-              stride_dkt, stride_dkh, stride_dvt, stride_dvh, alpha, silu_scale, contextual_len, max_attn_len,
-              num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG, QUERY_TIMES, SCALE_BY_POSITION,
-              HAS_CONTEXT, HAS_WINDOW, False, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, 1, PRECISION)
+    key_block(
+        b=tl.program_id(0) // H, h=tl.program_id(0) % H, n0=tl.program_id(1) * BLOCK_N,
+        Q=Q, K=K, V=V, DO=DO, DK=DK, DV=DV, DPos=DPos, DTime=DTime,
+        SeqOffsets=SeqOffsets, History=History, Ts=Ts, QueryTimes=QueryTimes, PosW=PosW, TimeW=TimeW,
+        Thresholds=Thresholds, time_table=0, thr_table=0,
+        stride_qt=stride_qt, stride_qh=stride_qh, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt,
+        stride_vh=stride_vh, stride_dot=stride_dot, stride_doh=stride_doh, stride_dkt=stride_dkt,
+        stride_dkh=stride_dkh, stride_dvt=stride_dvt, stride_dvh=stride_dvh,
+        alpha=alpha, silu_scale=silu_scale, contextual_len=contextual_len, max_attn_len=max_attn_len,
+        num_pos=num_pos, num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V,
+        HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG, QUERY_TIMES=QUERY_TIMES,
+        SCALE_BY_POSITION=SCALE_BY_POSITION, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=False,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=1,
+        PRECISION=PRECISION)

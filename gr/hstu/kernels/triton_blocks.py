@@ -1,8 +1,11 @@
 """Device code shared by the GPU and NPU Triton kernels: one block of HSTU attention work.
 
-``forward_block`` / ``dq_block`` compute one query block [m0, m0 + BLOCK_M) of one sequence and
-head; ``dkv_block`` one key block [n0, n0 + BLOCK_N). The kernels differ only in how programs
-map to blocks and in two switches:
+``query_block`` computes one query block [m0, m0 + BLOCK_M) of one sequence and head: the
+attention output (``GRAD`` False) or dq (``GRAD`` True); ``key_block`` computes dk, dv of one
+key block [n0, n0 + BLOCK_N) and adds the bias-weight gradients. Every call passes its
+arguments by keyword, so a missing or misnamed argument fails to compile instead of silently
+swapping strides or pointers. The kernels (``triton_attention`` for CUDA, ``ascend_triton``
+for NPUs) differ only in how programs map to blocks and in two switches:
 
 * ``UB_TABLES``: look bias weights and time-bucket thresholds up in tables preloaded into
   on-chip memory (``tl.gather``; position weights as one contiguous window per tile) instead
@@ -175,8 +178,8 @@ def _tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time
         else:
             bias += tl.load(PosW + pos_idx)
     if HAS_TIME:
-        time_idx = _time_bucket(ts_rows[:, None] - ts_cols[None, :], Thresholds, thr_table, num_time, TIME_LOG,
-                               UB_TABLES)
+        time_idx = _time_bucket(delta=ts_rows[:, None] - ts_cols[None, :], Thresholds=Thresholds,
+                                thr_table=thr_table, num_time=num_time, TIME_LOG=TIME_LOG, UB_TABLES=UB_TABLES)
         bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
     return bias, pos_idx, time_idx
 
@@ -202,7 +205,8 @@ def _self_bias(time_delta, PosW, TimeW, Thresholds, time_table, thr_table, num_t
     if HAS_POS:
         bias += tl.load(PosW + zero)
     if HAS_TIME:
-        time_idx = _time_bucket(time_delta, Thresholds, thr_table, num_time, TIME_LOG, UB_TABLES)
+        time_idx = _time_bucket(delta=time_delta, Thresholds=Thresholds, thr_table=thr_table, num_time=num_time,
+                                TIME_LOG=TIME_LOG, UB_TABLES=UB_TABLES)
         bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
     return bias, time_idx
 
@@ -231,11 +235,13 @@ def _tile(q, k, rows, cols, tile_ok, norm, length, hist, ts_rows, ts_cols, alpha
           HAS_WINDOW: tl.constexpr, UB_TABLES: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """One [M, N] tile of query rows x history keys -> sigmoid and SiLU of the scores, weight
     (mask * norm), the mask, and the position / time bucket indices."""
-    bias, pos_idx, time_idx = _tile_bias(rows, cols, hist, ts_rows, ts_cols, PosW, TimeW, Thresholds, time_table,
-                                        thr_table, num_pos, num_time, HAS_POS, HAS_TIME, TIME_LOG, UB_TABLES,
-                                        POS_WINDOW)
+    bias, pos_idx, time_idx = _tile_bias(
+        rows=rows, cols=cols, hist=hist, ts_rows=ts_rows, ts_cols=ts_cols, PosW=PosW, TimeW=TimeW,
+        Thresholds=Thresholds, time_table=time_table, thr_table=thr_table, num_pos=num_pos, num_time=num_time,
+        HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG, UB_TABLES=UB_TABLES, POS_WINDOW=POS_WINDOW)
     sig, silu = _silu_parts(_dot(q, tl.trans(k), PRECISION) * alpha + bias)
-    mask = _visible(rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT, HAS_WINDOW) & tile_ok
+    mask = _visible(rows=rows, cols=cols, length=length, hist=hist, contextual_len=contextual_len,
+                    max_attn_len=max_attn_len, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW) & tile_ok
     weight = tl.where(mask, norm[:, None], 0.0)
     return sig, silu, weight, mask, pos_idx, time_idx
 
@@ -260,13 +266,16 @@ def _query_pass(acc, q, do, rows, norm, ts_rows, n_lo, n_hi, start, length, hist
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < n_hi
-        k = _load_rows(K, start, cols, col_ok, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK)
-        v = _load_rows(V, start, cols, col_ok, h, stride_vt, stride_vh, DIM_V, BLOCK_DV)
+        k = _load_rows(K, start, cols, col_ok, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
+        v = _load_rows(V, start, cols, col_ok, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV)
         ts_cols = _timestamps(Ts, start, cols, col_ok, HAS_TIME)
-        sig, silu, weight, _, _, _ = _tile(q, k, rows, cols, col_ok[None, :], norm, length, hist, ts_rows, ts_cols,
-                                           alpha, contextual_len, max_attn_len, PosW, TimeW, Thresholds, time_table,
-                                           thr_table, num_pos, num_time, HAS_POS, HAS_TIME, TIME_LOG, HAS_CONTEXT,
-                                           HAS_WINDOW, UB_TABLES, POS_WINDOW, PRECISION)
+        sig, silu, weight, _, _, _ = _tile(
+            q=q, k=k, rows=rows, cols=cols, tile_ok=col_ok[None, :], norm=norm, length=length, hist=hist,
+            ts_rows=ts_rows, ts_cols=ts_cols, alpha=alpha, contextual_len=contextual_len, max_attn_len=max_attn_len,
+            PosW=PosW, TimeW=TimeW, Thresholds=Thresholds, time_table=time_table, thr_table=thr_table,
+            num_pos=num_pos, num_time=num_time, HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG,
+            HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=UB_TABLES, POS_WINDOW=POS_WINDOW,
+            PRECISION=PRECISION)
         if GRAD:
             ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
             acc += _dot(ds.to(k.dtype), k, PRECISION)
@@ -286,47 +295,62 @@ def query_block(b, h, m0, Q, K, V, DO, Out, SeqOffsets, History, Ts, QueryTimes,
                 BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, GRAD: tl.constexpr):
     """Query block [m0, m0 + BLOCK_M) of sequence b, head h. GRAD False: Out = attention output
     [T, H, Dv] (DO unused). GRAD True: Out = dq [T, H, Dqk] given DO = d output."""
-    start, length, hist = _sequence_of(SeqOffsets, History, b)
+    start, length, hist = _sequence_of(SeqOffsets=SeqOffsets, History=History, b=b)
     if m0 < length:
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < length
-        q = _load_rows(Q, start, rows, row_ok, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK)
+        q = _load_rows(Q, start, rows, row_ok, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
         do = q
         if GRAD:
-            do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
+            do = _load_rows(DO, start, rows, row_ok, h,
+                            stride_t=stride_dot, stride_h=stride_doh, DIM=DIM_V, BLOCK_D=BLOCK_DV)
         ts_rows = _timestamps(QueryTimes, start, rows, row_ok, HAS_TIME)
         norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
-        ctx_hi, lo, hi = _key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M, HAS_CONTEXT, HAS_WINDOW)
+        ctx_hi, lo, hi = _key_ranges(m0=m0, hist=hist, contextual_len=contextual_len, max_attn_len=max_attn_len,
+                                     BLOCK_M=BLOCK_M, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW)
         if GRAD:
             acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc = _query_pass(acc, q, do, rows, norm, ts_rows, 0, ctx_hi, start, length, hist, h, K, V, Ts, PosW, TimeW,
-                          Thresholds, time_table, thr_table, stride_kt, stride_kh, stride_vt, stride_vh, alpha,
-                          contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG,
-                          HAS_CONTEXT, HAS_WINDOW, UB_TABLES, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION,
-                          GRAD)
-        acc = _query_pass(acc, q, do, rows, norm, ts_rows, lo, hi, start, length, hist, h, K, V, Ts, PosW, TimeW,
-                          Thresholds, time_table, thr_table, stride_kt, stride_kh, stride_vt, stride_vh, alpha,
-                          contextual_len, max_attn_len, num_pos, num_time, DIM_QK, DIM_V, HAS_POS, HAS_TIME, TIME_LOG,
-                          HAS_CONTEXT, HAS_WINDOW, UB_TABLES, BLOCK_N, BLOCK_DQK, BLOCK_DV, POS_WINDOW, PRECISION,
-                          GRAD)
+        acc = _query_pass(
+            acc=acc, q=q, do=do, rows=rows, norm=norm, ts_rows=ts_rows, n_lo=0, n_hi=ctx_hi, start=start, length=length,
+            hist=hist, h=h, K=K, V=V, Ts=Ts, PosW=PosW, TimeW=TimeW, Thresholds=Thresholds, time_table=time_table,
+            thr_table=thr_table, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt, stride_vh=stride_vh,
+            alpha=alpha, contextual_len=contextual_len, max_attn_len=max_attn_len, num_pos=num_pos,
+            num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V, HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG,
+            HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=UB_TABLES, BLOCK_N=BLOCK_N,
+            BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=POS_WINDOW, PRECISION=PRECISION, GRAD=GRAD)
+        acc = _query_pass(
+            acc=acc, q=q, do=do, rows=rows, norm=norm, ts_rows=ts_rows, n_lo=lo, n_hi=hi, start=start, length=length,
+            hist=hist, h=h, K=K, V=V, Ts=Ts, PosW=PosW, TimeW=TimeW, Thresholds=Thresholds, time_table=time_table,
+            thr_table=thr_table, stride_kt=stride_kt, stride_kh=stride_kh, stride_vt=stride_vt, stride_vh=stride_vh,
+            alpha=alpha, contextual_len=contextual_len, max_attn_len=max_attn_len, num_pos=num_pos,
+            num_time=num_time, DIM_QK=DIM_QK, DIM_V=DIM_V, HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG,
+            HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=UB_TABLES, BLOCK_N=BLOCK_N,
+            BLOCK_DQK=BLOCK_DQK, BLOCK_DV=BLOCK_DV, POS_WINDOW=POS_WINDOW, PRECISION=PRECISION, GRAD=GRAD)
         # a target's only visible target key is itself: its own K/V row, nobody else's
         target = row_ok & (rows >= hist)
-        k_self = _load_rows(K, start, rows, target, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK).to(tl.float32)
-        v_self = _load_rows(V, start, rows, target, h, stride_vt, stride_vh, DIM_V, BLOCK_DV).to(tl.float32)
-        dt_self = _self_time_delta(QueryTimes, Ts, start, rows, target, QUERY_TIMES)
-        bias_self, _ = _self_bias(dt_self, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS,
-                                 HAS_TIME, TIME_LOG, UB_TABLES)
+        k_self = _load_rows(K, start, rows, target, h,
+                            stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK).to(tl.float32)
+        v_self = _load_rows(V, start, rows, target, h,
+                            stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV).to(tl.float32)
+        dt_self = _self_time_delta(QueryTimes=QueryTimes, Ts=Ts, start=start, idx=rows, ok=target,
+                                   QUERY_TIMES=QUERY_TIMES)
+        bias_self, _ = _self_bias(
+            time_delta=dt_self, PosW=PosW, TimeW=TimeW, Thresholds=Thresholds, time_table=time_table,
+            thr_table=thr_table, num_time=num_time, HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG,
+            UB_TABLES=UB_TABLES)
         sig, silu = _silu_parts(tl.sum(q.to(tl.float32) * k_self, 1) * alpha + bias_self)
         weight_self = tl.where(target, norm, 0.0)
         if GRAD:
             ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * _silu_grad(sig, silu)
             acc = (acc + ds_self[:, None] * k_self) * alpha
-            _store_rows(Out, acc, start, rows, row_ok, h, stride_ot, stride_oh, DIM_QK, BLOCK_DQK)
+            _store_rows(Out, acc, start, rows, row_ok, h,
+                        stride_t=stride_ot, stride_h=stride_oh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
         else:
             acc += (silu * weight_self)[:, None] * v_self
-            _store_rows(Out, acc, start, rows, row_ok, h, stride_ot, stride_oh, DIM_V, BLOCK_DV)
+            _store_rows(Out, acc, start, rows, row_ok, h,
+                        stride_t=stride_ot, stride_h=stride_oh, DIM=DIM_V, BLOCK_D=BLOCK_DV)
 
 
 @triton.jit
@@ -340,27 +364,34 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
               UB_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DV: tl.constexpr, POS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """dk, dv of key block [n0, n0 + BLOCK_N) of sequence b, head h; adds dS into DPos / DTime."""
-    start, length, hist = _sequence_of(SeqOffsets, History, b)
+    start, length, hist = _sequence_of(SeqOffsets=SeqOffsets, History=History, b=b)
     if n0 < length:
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < length
-        k = _load_rows(K, start, cols, col_ok, h, stride_kt, stride_kh, DIM_QK, BLOCK_DQK)
-        v = _load_rows(V, start, cols, col_ok, h, stride_vt, stride_vh, DIM_V, BLOCK_DV)
+        k = _load_rows(K, start, cols, col_ok, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
+        v = _load_rows(V, start, cols, col_ok, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV)
         ts_cols = _timestamps(Ts, start, cols, col_ok, HAS_TIME)
         dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        m_lo, m_hi = _query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N, HAS_CONTEXT, HAS_WINDOW)
+        m_lo, m_hi = _query_range(n0=n0, length=length, hist=hist, contextual_len=contextual_len,
+                                  max_attn_len=max_attn_len, BLOCK_N=BLOCK_N, HAS_CONTEXT=HAS_CONTEXT,
+                                  HAS_WINDOW=HAS_WINDOW)
         for m0 in range(m_lo, m_hi, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < m_hi
-            q = _load_rows(Q, start, rows, row_ok, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK)
-            do = _load_rows(DO, start, rows, row_ok, h, stride_dot, stride_doh, DIM_V, BLOCK_DV)
+            q = _load_rows(Q, start, rows, row_ok, h,
+                           stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
+            do = _load_rows(DO, start, rows, row_ok, h,
+                            stride_t=stride_dot, stride_h=stride_doh, DIM=DIM_V, BLOCK_D=BLOCK_DV)
             norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
             ts_rows = _timestamps(QueryTimes, start, rows, row_ok, HAS_TIME)
             sig, silu, weight, mask, pos_idx, time_idx = _tile(
-                q, k, rows, cols, row_ok[:, None], norm, length, hist, ts_rows, ts_cols, alpha, contextual_len,
-                max_attn_len, PosW, TimeW, Thresholds, time_table, thr_table, num_pos, num_time, HAS_POS, HAS_TIME,
-                TIME_LOG, HAS_CONTEXT, HAS_WINDOW, UB_TABLES, POS_WINDOW, PRECISION)
+                q=q, k=k, rows=rows, cols=cols, tile_ok=row_ok[:, None], norm=norm, length=length, hist=hist,
+                ts_rows=ts_rows, ts_cols=ts_cols, alpha=alpha, contextual_len=contextual_len,
+                max_attn_len=max_attn_len, PosW=PosW, TimeW=TimeW, Thresholds=Thresholds, time_table=time_table,
+                thr_table=thr_table, num_pos=num_pos, num_time=num_time, HAS_POS=HAS_POS, HAS_TIME=HAS_TIME,
+                TIME_LOG=TIME_LOG, HAS_CONTEXT=HAS_CONTEXT, HAS_WINDOW=HAS_WINDOW, UB_TABLES=UB_TABLES,
+                POS_WINDOW=POS_WINDOW, PRECISION=PRECISION)
             dv += _dot(tl.trans((silu * weight).to(do.dtype)), do, PRECISION)
             ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
@@ -370,11 +401,16 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
                 tl.atomic_add(DTime + time_idx, ds, mask=mask)
         # target keys: only the target itself sees them
         target = col_ok & (cols >= hist)
-        q_self = _load_rows(Q, start, cols, target, h, stride_qt, stride_qh, DIM_QK, BLOCK_DQK).to(tl.float32)
-        do_self = _load_rows(DO, start, cols, target, h, stride_dot, stride_doh, DIM_V, BLOCK_DV).to(tl.float32)
-        dt_self = _self_time_delta(QueryTimes, Ts, start, cols, target, QUERY_TIMES)
-        bias_self, time_self = _self_bias(dt_self, PosW, TimeW, Thresholds, time_table, thr_table, num_time, HAS_POS,
-                                         HAS_TIME, TIME_LOG, UB_TABLES)
+        q_self = _load_rows(Q, start, cols, target, h,
+                            stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK).to(tl.float32)
+        do_self = _load_rows(DO, start, cols, target, h,
+                             stride_t=stride_dot, stride_h=stride_doh, DIM=DIM_V, BLOCK_D=BLOCK_DV).to(tl.float32)
+        dt_self = _self_time_delta(QueryTimes=QueryTimes, Ts=Ts, start=start, idx=cols, ok=target,
+                                   QUERY_TIMES=QUERY_TIMES)
+        bias_self, time_self = _self_bias(
+            time_delta=dt_self, PosW=PosW, TimeW=TimeW, Thresholds=Thresholds, time_table=time_table,
+            thr_table=thr_table, num_time=num_time, HAS_POS=HAS_POS, HAS_TIME=HAS_TIME, TIME_LOG=TIME_LOG,
+            UB_TABLES=UB_TABLES)
         sig, silu = _silu_parts(tl.sum(q_self * k.to(tl.float32), 1) * alpha + bias_self)
         weight_self = tl.where(target, _row_norm(cols, hist, silu_scale, SCALE_BY_POSITION), 0.0)
         dv += (silu * weight_self)[:, None] * do_self
@@ -384,5 +420,7 @@ def key_block(b, h, n0, Q, K, V, DO, DK, DV, DPos, DTime, SeqOffsets, History, T
             tl.atomic_add(DPos + cols * 0, ds_self, mask=target)
         if HAS_TIME:
             tl.atomic_add(DTime + time_self, ds_self, mask=target)
-        _store_rows(DK, dk * alpha, start, cols, col_ok, h, stride_dkt, stride_dkh, DIM_QK, BLOCK_DQK)
-        _store_rows(DV, dv, start, cols, col_ok, h, stride_dvt, stride_dvh, DIM_V, BLOCK_DV)
+        _store_rows(DK, dk * alpha, start, cols, col_ok, h,
+                    stride_t=stride_dkt, stride_h=stride_dkh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
+        _store_rows(DV, dv, start, cols, col_ok, h,
+                    stride_t=stride_dvt, stride_h=stride_dvh, DIM=DIM_V, BLOCK_D=BLOCK_DV)

@@ -176,35 +176,39 @@ def head_block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def strides(*tensors: Tensor) -> tuple:
-    """(token stride, head stride) of each [T, H, D] tensor, flattened."""
-    return tuple(s for x in tensors for s in (x.stride(0), x.stride(1)))
+def strides(**tensors: Tensor) -> dict:
+    """``stride_{name}t`` (token) and ``stride_{name}h`` (head) of each named [T, H, D] tensor,
+    e.g. ``strides(q=q)`` -> {"stride_qt": .., "stride_qh": ..}."""
+    out = {}
+    for name, x in tensors.items():
+        out[f"stride_{name}t"], out[f"stride_{name}h"] = x.stride(0), x.stride(1)
+    return out
 
 
-def scalar_args(inputs: KernelInputs, q: Tensor, v: Tensor) -> tuple:
-    """The block functions' scalar arguments, in their order."""
-    return (
-        inputs.alpha,
-        inputs.silu_scale,
-        inputs.contextual_len,
-        inputs.max_attn_len,
-        inputs.num_pos,
-        inputs.num_time,
-        q.shape[2],
-        v.shape[2],
+def scalar_args(inputs: KernelInputs, q: Tensor, v: Tensor) -> dict:
+    """The block functions' scalar arguments, by name."""
+    return dict(
+        alpha=inputs.alpha,
+        silu_scale=inputs.silu_scale,
+        contextual_len=inputs.contextual_len,
+        max_attn_len=inputs.max_attn_len,
+        num_pos=inputs.num_pos,
+        num_time=inputs.num_time,
+        DIM_QK=q.shape[2],
+        DIM_V=v.shape[2],
     )
 
 
-def table_args(inputs: KernelInputs) -> tuple:
-    """The block functions' table pointers, in their order."""
-    return (
-        inputs.seq_offsets,
-        inputs.history,
-        inputs.timestamps,
-        inputs.query_times,
-        inputs.pos_w,
-        inputs.time_w,
-        inputs.thresholds,
+def table_args(inputs: KernelInputs) -> dict:
+    """The block functions' table pointers, by name."""
+    return dict(
+        SeqOffsets=inputs.seq_offsets,
+        History=inputs.history,
+        Ts=inputs.timestamps,
+        QueryTimes=inputs.query_times,
+        PosW=inputs.pos_w,
+        TimeW=inputs.time_w,
+        Thresholds=inputs.thresholds,
     )
 
 

@@ -1,0 +1,95 @@
+"""Which accelerator a process asks for or has, found without importing vendor packages.
+
+torch-npu, once installed, loads itself on ``import torch`` (the device backend autoload)
+and that import fails on a host without CANN. So the NPU is detected from the package's
+presence, the device nodes and CANN's environment only; ``configure_backend_autoload`` turns
+the autoload off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``) unless an NPU is requested or present,
+and ``load_torch_npu`` imports torch_npu explicitly when one is asked for. No torch import at
+module level: ``configure_backend_autoload`` runs before torch is imported.
+"""
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+from typing import Mapping, MutableMapping, Optional
+
+DEVICES = ("cpu", "cuda", "npu")
+__test__ = False  # test_device is not a pytest test
+AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+CANN_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # set by CANN's set_env.sh
+
+
+def cann_home(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """CANN's install directory from its environment, or None when CANN's set_env.sh was not sourced."""
+    environ = os.environ if environ is None else environ
+    return next((environ[name] for name in CANN_VARS if environ.get(name)), None)
+
+
+def npu_present(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this host looks like an Ascend host: torch_npu installed, and NPU device nodes
+    (/dev/davinci*) or CANN's environment present. Imports nothing."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    return bool(glob.glob("/dev/davinci[0-9]*")) or cann_home(environ) is not None
+
+
+def configure_backend_autoload(requested: Optional[str] = None,
+                               environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Set ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (unless already set) when no NPU is requested
+    and, with nothing requested (None or "auto"), none is present. Call before importing torch."""
+    environ = os.environ if environ is None else environ
+    if requested == "npu" or (requested in (None, "auto") and npu_present(environ)):
+        return
+    environ.setdefault(AUTOLOAD_VAR, "0")
+
+
+def load_torch_npu(where: str) -> ModuleType:
+    """Import torch_npu for an NPU run asked for by ``where`` (a config key or flag, named in
+    errors). Raises RuntimeError naming what is missing: the torch_npu package, CANN's
+    environment, or a visible NPU."""
+    missing = []
+    if importlib.util.find_spec("torch_npu") is None:
+        missing.append("the torch_npu package (pip install -e '.[ascend]' on the Ascend host)")
+    if cann_home() is None:
+        missing.append(f"CANN ({' / '.join(CANN_VARS)} unset: source <CANN>/set_env.sh)")
+    if missing:
+        raise RuntimeError(f"{where}: 'npu' needs " + " and ".join(missing))
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except (ImportError, OSError) as err:
+        raise RuntimeError(f"{where}: 'npu': torch_npu failed to load ({err}); check that its version matches "
+                           "torch and CANN") from err
+    import torch
+
+    if not torch.npu.is_available():
+        raise RuntimeError(f"{where}: 'npu': torch_npu loaded but sees no NPU (check npu-smi and "
+                           "ASCEND_RT_VISIBLE_DEVICES)")
+    return torch_npu
+
+
+def require_device(device: str, where: str) -> None:
+    """Check that ``device`` ("cpu", "cuda", "npu") can run here, loading torch_npu for "npu".
+    Raises ValueError for an unknown name, RuntimeError naming what is missing."""
+    if device not in DEVICES:
+        raise ValueError(f"{where}: expected one of {list(DEVICES)}, got {device!r}")
+    if device == "npu":
+        load_torch_npu(where)
+    elif device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{where}: 'cuda' needs a CUDA build of torch and a visible GPU "
+                               f"(torch {torch.__version__} sees none)")
+
+
+def test_device(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The device the test suite runs on: ``GR_TEST_DEVICE`` (cpu|cuda|npu), or None when unset
+    (each test module detects its own, as before). Raises ValueError naming the variable."""
+    environ = os.environ if environ is None else environ
+    device = environ.get("GR_TEST_DEVICE") or None
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"GR_TEST_DEVICE: expected one of {list(DEVICES)}, got {device!r}")
+    return device

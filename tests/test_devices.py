@@ -1,0 +1,109 @@
+"""Device selection without the device: trainer.accelerator npu accepted with host tables and
+refused otherwise, a clear error naming torch_npu / CANN when they are missing, the Lightning
+accelerator registered under "npu", and the torch_npu autoload switched off unless an NPU is
+requested or present. Nothing here ran on an NPU."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.accelerators import AcceleratorRegistry
+
+from gr import devices
+
+from test_train_config import config_with
+
+# gr.train.run and gr.train.npu are imported inside the tests: importing the training stack at
+# collection would load the Triton kernels before the attention tests set TRITON_INTERPRET.
+
+
+def test_npu_accelerator_is_accepted_with_tables_in_host_memory():
+    config = config_with(("trainer.accelerator", "npu"), ("sparse.placement", "host"))
+    assert config.trainer.accelerator == "npu"
+
+
+def test_npu_accelerator_with_tables_on_the_device_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"sparse.placement: trainer.accelerator 'npu' needs 'host'.*'device'"):
+        config_with(("trainer.accelerator", "npu"))
+
+
+def test_unknown_accelerator_lists_npu_among_the_choices():
+    with pytest.raises(ValueError, match=r"trainer.accelerator.*'npu'"):
+        config_with(("trainer.accelerator", "tpu"))
+
+
+def test_npu_trainer_without_torch_npu_names_the_missing_package(tmp_path: Path, monkeypatch):
+    from gr.train.run import make_trainer
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_npu" else object())
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    config = config_with(("trainer.accelerator", "npu"), ("sparse.placement", "host"))
+    with pytest.raises(RuntimeError, match=r"trainer.accelerator: 'npu' needs the torch_npu package.* and CANN"):
+        make_trainer(config, tmp_path)
+
+
+def test_missing_cann_alone_is_named(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    with pytest.raises(RuntimeError, match=r"^x: 'npu' needs CANN \(ASCEND_HOME_PATH"):
+        devices.load_torch_npu("x")
+
+
+def test_npu_accelerator_registers_under_npu_and_is_unavailable_without_torch_npu():
+    from gr.train.npu import NPUAccelerator
+
+    registry = type(AcceleratorRegistry)()
+    NPUAccelerator.register_accelerators(registry)
+    assert registry["npu"]["accelerator"] is NPUAccelerator
+    assert not NPUAccelerator.is_available()
+    assert NPUAccelerator.auto_device_count() == 0
+    assert NPUAccelerator.parse_devices(2) == [0, 1] and NPUAccelerator.parse_devices([3]) == [3]
+
+
+@pytest.mark.parametrize(
+    "requested, present, expected",
+    [(None, False, "0"), ("cpu", True, "0"), ("npu", False, None), (None, True, None), ("auto", True, None)],
+)
+def test_backend_autoload_is_off_unless_an_npu_is_requested_or_present(monkeypatch, requested, present, expected):
+    monkeypatch.setattr(devices, "npu_present", lambda environ=None: present)
+    environ = {}
+    devices.configure_backend_autoload(requested, environ)
+    assert environ.get(devices.AUTOLOAD_VAR) == expected
+
+
+def test_npu_presence_needs_torch_npu_and_device_nodes_or_cann(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert not devices.npu_present({"ASCEND_HOME_PATH": "/usr/local/Ascend"})
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(devices.glob, "glob", lambda pattern: [])
+    assert devices.npu_present({"ASCEND_HOME_PATH": "/usr/local/Ascend"})
+    assert not devices.npu_present({})
+
+
+def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
+    import torch
+
+    from gr.hstu.kernels.ascend import mxrec_misfits
+    from gr.train.config import load_config
+
+    config = load_config("configs/ml1m_hstu_npu.yaml")
+    hstu = config.model.hstu
+    assert (config.trainer.accelerator, config.sparse.placement) == ("npu", "host")
+    q = torch.zeros(3, hstu.num_heads, hstu.attention_dim, requires_grad=True)
+    v = torch.zeros(3, hstu.num_heads, hstu.linear_dim, requires_grad=True)
+
+    def op(q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset, num_context, num_target,
+           target_group_size, alpha):
+        raise AssertionError("only its signature is read")
+
+    misfits = mxrec_misfits(op, q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, None, 0, 0, hstu.attn_alpha,
+                            1.0 / hstu.max_seq_len, None)
+    assert misfits == []
+
+
+def test_gr_test_device_selects_the_suite_device_and_refuses_others():
+    assert devices.test_device({}) is None
+    assert devices.test_device({"GR_TEST_DEVICE": "cpu"}) == "cpu"
+    with pytest.raises(ValueError, match=r"GR_TEST_DEVICE: expected one of \['cpu', 'cuda', 'npu'\], got 'gpu'"):
+        devices.test_device({"GR_TEST_DEVICE": "gpu"})
