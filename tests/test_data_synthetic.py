@@ -52,3 +52,19 @@ def test_previous_item_predicts_the_next_far_better_than_popularity():
     popular = hit_rate_at_10(np.tile(popularity, (seqs.num_users, 1)), seqs)
     sequential = hit_rate_at_10(transitions[previous] + 1e-3 * popularity, seqs)
     assert sequential > 2 * popular, (sequential, popular)
+
+
+def top_follower_accuracy(config):
+    """Share of consecutive events whose next item is the previous item's most frequent follower."""
+    seqs, _, _ = build_sequences(generate_synthetic(config, 0))
+    pairs = np.flatnonzero(np.diff(np.repeat(np.arange(seqs.num_users), seqs.lengths)) == 0)
+    transitions = np.zeros((seqs.num_items, seqs.num_items))
+    np.add.at(transitions, (seqs.items[pairs], seqs.items[pairs + 1]), 1.0)
+    return float((transitions.argmax(1)[seqs.items[pairs]] == seqs.items[pairs + 1]).mean())
+
+
+def test_ranked_successors_make_the_most_frequent_follower_the_likely_next_item():
+    base = dict(num_users=300, num_items=200, min_len=10, max_len=40, taste_weight=0.5, transition_weight=6.0)
+    flat = top_follower_accuracy(SyntheticConfig(**base))
+    ranked = top_follower_accuracy(SyntheticConfig(**base, successor_decay=0.3))
+    assert ranked > 0.5 and ranked > flat + 0.15, (ranked, flat)

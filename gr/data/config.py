@@ -6,7 +6,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, Optional, Tuple
 
 from gr.config_checks import (
-    BOOL, NAME, NAMES, NUMBER, Check, Section, checked, int_at_least, known_keys, one_of, optional, require,
+    BOOL, NAME, NAMES, NUMBER, Check, Section, checked, int_at_least, known_keys, number_in, one_of, optional, require,
 )
 
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
@@ -51,8 +51,10 @@ class SyntheticConfig(Section):
 
     Each next item is drawn by a softmax over unseen items of
     ``taste_weight * <user taste, item> + similarity_weight * <previous item, item>
-    + category_stickiness * [same category as previous] + transition_weight * [a successor
-    of the previous item] + popularity_skew * log-Zipf popularity``.
+    + category_stickiness * [same category as previous] + transition_weight * successor_decay^r
+    [the r-th successor of the previous item] + popularity_skew * log-Zipf popularity``.
+    successor_decay < 1 ranks each item's successors (a sparse Markov chain whose most likely next
+    item is predictable: what speculative generation drafts from); 1 weighs them alike.
     """
 
     num_users: int = checked(1000, int_at_least(1))
@@ -66,6 +68,7 @@ class SyntheticConfig(Section):
     similarity_weight: float = checked(1.0, NUMBER)
     category_stickiness: float = checked(1.0, NUMBER)
     transition_weight: float = checked(4.0, NUMBER)
+    successor_decay: float = checked(1.0, number_in(0.0, 1.0, open_low=True))
     popularity_skew: float = checked(1.0, NUMBER)
     where: InitVar[str] = "data.synthetic"
 

@@ -1,14 +1,17 @@
 """The built-in synthetic dataset: deterministic, sequential, learnable.
 
 Items belong to categories and carry latent vectors near their category's centroid;
-each item has a few "successor" items of its own category (think sequels). Users have
+each item has a few "successor" items of its own category (think sequels), ranked: the r-th
+successor's bonus is ``transition_weight * successor_decay ** r``, so with ``successor_decay`` < 1
+the items form a sparse Markov chain whose likeliest next item is known from the previous one
+(the structure speculative generation drafts from, docs/generation.md). Users have
 an age bucket and a gender; each (age, gender) group prefers some categories, and a
 user's taste vector is built from two favourite categories. A user's next item is drawn
 (without repeats) from a softmax over the catalogue of
 
     taste_weight * <taste, item> + similarity_weight * <previous item, item>
     + category_stickiness * [same category as the previous item]
-    + transition_weight * [a successor of the previous item]
+    + transition_weight * successor_decay^r [the r-th successor of the previous item]
     + popularity_skew * log-Zipf popularity,
 
 so the previous item predicts the next one much better than popularity does. Ratings
@@ -97,7 +100,8 @@ class _World:
         # transition[i, j]: the score item j gets right after item i
         transition = config.similarity_weight * item_vectors @ item_vectors.T
         transition += config.category_stickiness * (item_category[:, None] == item_category[None, :])
-        transition[np.arange(len(successors))[:, None], successors] += config.transition_weight
+        ranked = config.transition_weight * config.successor_decay ** np.arange(successors.shape[1])
+        transition[np.arange(len(successors))[:, None], successors] += ranked
         self.transition = transition.astype(np.float32)  # [I, I]
 
     def walk(self, tastes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
