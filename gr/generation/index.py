@@ -61,8 +61,16 @@ def top_items(scores: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     if k == 1:  # argmax returns the first (lowest-id) maximum
         ids = masked.argmax(dim=1, keepdim=True)
         return masked.gather(1, ids), ids
-    values, ids = torch.sort(masked, dim=1, descending=True, stable=True)
-    return values[:, :k], ids[:, :k]
+    k = min(k, masked.shape[1])
+    # every item tied with the k-th best is a candidate: take them all (a top-k, not a sort of the
+    # catalogue), then order by score, lowest id first on ties
+    kth = torch.topk(masked, k, dim=1).values[:, -1:]
+    wide = int((masked >= kth).sum(1).max())
+    values, ids = torch.topk(masked, wide, dim=1)
+    by_id = torch.argsort(ids, dim=1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+    return values.gather(1, order), ids.gather(1, order)
 
 
 def exclusion_mask(num_items: int, rows: int, banned: Set[int]) -> Tensor:

@@ -1,0 +1,85 @@
+"""An inverted-file (IVF) approximate inner-product index over a large catalogue.
+
+Items are clustered by spherical k-means (on a sample) into ``num_lists`` lists; a query scores
+the list centroids, searches only the items of its ``probes`` best lists, and ranks those
+exactly (lowest id first on ties, like ``ExactIndex``). With ``probes == num_lists`` it is exact.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from gr.generation.index import top_items
+
+
+class IVFIndex:
+    """Approximate ``ItemIndex`` over ``items: [M, d] float`` (rows already normalised).
+
+    num_lists: clusters; probes: lists searched per query; train_size: items sampled for k-means
+    """
+
+    def __init__(self, items: Tensor, num_lists: int = 1024, probes: int = 16, train_size: int = 65536,
+                 iters: int = 10, seed: int = 0) -> None:
+        if items.dim() != 2 or items.shape[0] == 0:
+            raise ValueError(f"IVFIndex.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}")
+        if not 1 <= probes <= num_lists <= items.shape[0]:
+            raise ValueError(f"IVFIndex: expected 1 <= probes <= num_lists <= items, got probes {probes}, "
+                             f"num_lists {num_lists}, {items.shape[0]} items")
+        self.items = items.float().contiguous()
+        self.probes = probes
+        self.centroids = spherical_kmeans(self.items, num_lists, train_size, iters, seed)  # [C, d]
+        lists = assign(self.items, self.centroids)  # [M]
+        self.order = torch.argsort(lists, stable=True)  # item ids grouped by list, ascending within a list
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(lists, minlength=num_lists).cumsum(0)])
+        self.grouped = self.items[self.order]  # [M, d] rows in list order
+
+    @property
+    def num_items(self) -> int:
+        return int(self.items.shape[0])
+
+    def scores(self, queries: Tensor) -> Tensor:
+        """Exact [Q, M] inner products (what relaxed verification and sampling read)."""
+        return queries.float() @ self.items.T
+
+    def scores_of(self, queries: Tensor, items: Tensor) -> Tensor:
+        return queries.float() @ self.items[items].T
+
+    def candidates(self, query: Tensor) -> Tensor:
+        """query: [d] -> [C] int64 ids of the items in its ``probes`` best lists (ascending)."""
+        lists = torch.topk(self.centroids @ query.float(), self.probes).indices.tolist()
+        bounds = self.offsets.tolist()
+        return torch.sort(torch.cat([self.order[bounds[c]:bounds[c + 1]] for c in lists])).values
+
+    def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        """queries: [Q, d]; exclude: [Q, M] bool -> (scores [Q, k], ids [Q, k]) among each query's probed
+        lists; fewer than k allowed candidates pad with score -inf (id of an excluded or unprobed item)."""
+        out_scores = torch.full((queries.shape[0], k), float("-inf"))
+        out_ids = torch.zeros(queries.shape[0], k, dtype=torch.long)
+        for row in range(queries.shape[0]):
+            ids = self.candidates(queries[row])
+            scores = (self.items[ids] @ queries[row].float()).view(1, -1)
+            best, at = top_items(scores, exclude[row, ids].view(1, -1), min(k, ids.numel()))
+            out_scores[row, :best.shape[1]] = best[0]
+            out_ids[row, :best.shape[1]] = ids[at[0]]
+        return out_scores, out_ids
+
+
+def assign(points: Tensor, centroids: Tensor, block: int = 65536) -> Tensor:
+    """points: [N, d]; centroids: [C, d] -> [N] int64, the centroid of largest inner product."""
+    return torch.cat([(points[i:i + block] @ centroids.T).argmax(1) for i in range(0, points.shape[0], block)])
+
+
+def spherical_kmeans(points: Tensor, k: int, sample: int, iters: int, seed: int) -> Tensor:
+    """points: [N, d] -> [k, d] unit centroids, fitted on at most ``sample`` points."""
+    g = torch.Generator().manual_seed(seed)
+    train = points[torch.randperm(points.shape[0], generator=g)[:max(sample, k)]]
+    centroids = train[:k].clone()
+    for _ in range(iters):
+        lists = assign(train, centroids)
+        sums = torch.zeros_like(centroids).index_add_(0, lists, train)
+        empty = sums.norm(dim=1) == 0
+        sums[empty] = centroids[empty]  # an empty list keeps its centroid
+        centroids = torch.nn.functional.normalize(sums, dim=1)
+    return centroids
