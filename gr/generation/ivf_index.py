@@ -48,22 +48,34 @@ class IVFIndex:
 
     def candidates(self, query: Tensor) -> Tensor:
         """query: [d] -> [C] int64 ids of the items in its ``probes`` best lists (ascending)."""
-        lists = torch.topk(self.centroids @ query.float(), self.probes).indices.tolist()
         bounds = self.offsets.tolist()
+        lists = self._lists(query.view(1, -1))[0].tolist()
         return torch.sort(torch.cat([self.order[bounds[c]:bounds[c + 1]] for c in lists])).values
 
     def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         """queries: [Q, d]; exclude: [Q, M] bool -> (scores [Q, k], ids [Q, k]) among each query's probed
-        lists; fewer than k allowed candidates pad with score -inf (id of an excluded or unprobed item)."""
+        lists; fewer than k allowed candidates pad with score -inf. The queries share one pass over the
+        union of their lists (a batch of queries costs little more than one)."""
+        probed = self._lists(queries)
+        bounds = self.offsets.tolist()
+        lists = torch.unique(probed).tolist()
+        block = torch.cat([self.grouped[bounds[c]:bounds[c + 1]] for c in lists])  # [C, d], C = union size
+        scores = queries.float() @ block.T  # [Q, C]
+        member = torch.cat([(probed == c).any(1, keepdim=True).expand(-1, bounds[c + 1] - bounds[c])
+                            for c in lists], dim=1)  # [Q, C]: the item's list was probed by the query
+        ids = torch.cat([self.order[bounds[c]:bounds[c + 1]] for c in lists])
+        ids, by_id = torch.sort(ids)  # ascending ids: top_items breaks ties towards the lowest id
+        scores, member = scores[:, by_id], member[:, by_id]
+        best, at = top_items(scores, exclude[:, ids] | ~member, min(k, ids.numel()))
         out_scores = torch.full((queries.shape[0], k), float("-inf"))
         out_ids = torch.zeros(queries.shape[0], k, dtype=torch.long)
-        for row in range(queries.shape[0]):
-            ids = self.candidates(queries[row])
-            scores = (self.items[ids] @ queries[row].float()).view(1, -1)
-            best, at = top_items(scores, exclude[row, ids].view(1, -1), min(k, ids.numel()))
-            out_scores[row, :best.shape[1]] = best[0]
-            out_ids[row, :best.shape[1]] = ids[at[0]]
+        out_scores[:, :best.shape[1]] = best
+        out_ids[:, :best.shape[1]] = ids[at]
         return out_scores, out_ids
+
+    def _lists(self, queries: Tensor) -> Tensor:
+        """queries: [Q, d] -> [Q, probes] int64, each query's best lists."""
+        return torch.topk(queries.float() @ self.centroids.T, self.probes, dim=1).indices
 
 
 def assign(points: Tensor, centroids: Tensor, block: int = 65536) -> Tensor:
