@@ -58,22 +58,28 @@ ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 2
 DATASETS = {
     # (config, target arguments, draft arguments)
+    # (a) the ML-100K recipe, a short run (15 epochs, best val HR@10 kept)
     "ml100k": ("configs/ml100k_hstu.yaml",
-               ["--trainer.monitor", "val/hr@10", "--trainer.enable_progress_bar", "false"],
+               ["--trainer.monitor", "val/hr@10", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "15"],
                ["--model.hstu.num_layers", "1", "--model.hstu.hidden_dim", "24", "--model.hstu.attention_dim", "24",
                 "--model.hstu.linear_dim", "24", "--trainer.max_epochs", "6"]),
-    # sequences up to 50 events; room for a 50-item slate after them
-    "synthetic": ("configs/quickstart.yaml", ["--data.max_seq_len", "100", "--model.hstu.max_seq_len", "100",
-                                           "--trainer.enable_progress_bar", "false"],
-                  ["--model.hstu.num_layers", "1", "--model.hstu.num_heads", "1", "--model.hstu.hidden_dim", "16",
-                   "--model.hstu.attention_dim", "8", "--model.hstu.linear_dim", "8"]),
+    # (b) hidden 256, 4 layers, histories up to 1024, on synthetic data with ranked successors
+    "long": ("configs/generation_long.yaml", ["--trainer.enable_progress_bar", "false"],
+             ["--model.hstu.num_layers", "1", "--model.hstu.num_heads", "1", "--model.hstu.hidden_dim", "32",
+              "--model.hstu.attention_dim", "32", "--model.hstu.linear_dim", "32"]),
+    # --smoke: a tiny synthetic model trained in seconds (checks the bench runs, measures nothing)
+    "smoke": ("configs/quickstart.yaml", ["--data.max_seq_len", "60", "--model.hstu.max_seq_len", "60",
+                                          "--data.synthetic.num_users", "120", "--trainer.max_epochs", "1",
+                                          "--trainer.enable_progress_bar", "false"],
+              ["--model.hstu.num_layers", "1", "--model.hstu.num_heads", "1", "--model.hstu.hidden_dim", "16",
+               "--model.hstu.attention_dim", "8", "--model.hstu.linear_dim", "8"]),
 }
 
 
 def ensure_export(runs: Path, name: str, config: str, extra: Sequence[str], data_path: str) -> Path:
     """Train (train.py) and export (gr.export) a model unless already there -> the export dir."""
     run, export = runs / name, runs / f"{name}_export"
-    args = ["--data.path", data_path] if "ml100k" in name else []
+    args = ["--data.path", data_path] if "ml100k" in config else []
     if (export / "default").exists():
         return export
     if not (run / "metrics.json").exists():
@@ -140,13 +146,59 @@ def user_embeddings(ranker: Ranker, histories: Sequence[dict]) -> torch.Tensor:
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     x = catalogue.tokens[torch.from_numpy(np.concatenate([h["item_id"] for h in histories]))]
     timestamps = torch.from_numpy(np.concatenate([h["timestamps"] for h in histories]))
+    # each token's query time is the next event's; the last one's is the request time (its own, as generate's default)
+    query_times = torch.from_numpy(np.concatenate([np.append(h["timestamps"][1:], h["timestamps"][-1])
+                                                   for h in histories]))
+    next_event = ranker.model.config.query_time == "next_event"
     with torch.inference_mode():
-        hidden = ranker.model.engine.hstu(x, offsets, int(lengths.max()), timestamps)
+        hidden = ranker.model.engine.hstu(x, offsets, int(lengths.max()), timestamps, None,
+                                          query_times if next_event else None)
     return ServingGenerativeModel(catalogue, {}).queries(hidden[offsets[1:] - 1])
 
 
 def hit_rate(slates: Dict[int, List[int]], held_out: Dict[int, set]) -> float:
     return float(np.mean([bool(set(s) & held_out[u]) for u, s in slates.items()]))
+
+
+def ndcg(slates: Dict[int, List[int]], held_out: Dict[int, set]) -> float:
+    """Mean NDCG of each slate against the user's held-out events (binary gains)."""
+    out = []
+    for u, slate in slates.items():
+        dcg = sum(1.0 / np.log2(i + 2) for i, item in enumerate(slate) if item in held_out[u])
+        ideal = sum(1.0 / np.log2(i + 2) for i in range(min(len(held_out[u]), len(slate))))
+        out.append(dcg / ideal if ideal else 0.0)
+    return float(np.mean(out))
+
+
+def profile_pass(ranker: Ranker, users: Sequence[int], histories: Dict[int, dict],
+                 sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 5) -> Dict[str, Dict[int, float]]:
+    """Where a verification pass goes: ms of the HSTU block (``run_block`` of n chain tokens after the
+    user's cached history), of the query head over its n outputs, and of one catalogue search, per n
+    (median over users x repeats). A flat HSTU curve means fixed overhead dominates."""
+    from gr.generation.decoding import chain_mask, start  # the pieces a pass is made of
+    catalogue, _ = ranker.catalogue()
+    model = ServingGenerativeModel(catalogue, {})
+    times: Dict[str, Dict[int, List[float]]] = {"hstu_ms": {}, "heads_ms": {}, "search_ms": {}}
+    with torch.inference_mode():
+        for u in users:
+            hist = histories[u]["history"]
+            items, ts = torch.from_numpy(hist["item_id"]), torch.from_numpy(hist["timestamps"])
+            state = start(model, items, ts, int(ts[-1]))
+            room = ranker.model.config.max_seq_len - state.cache.length
+            for n in [n for n in sizes if n <= room]:
+                x = catalogue.tokens[torch.arange(n)]
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    hidden, _, _ = model.engine.run_block(state.cache, x, torch.full((n,), int(ts[-1])),
+                                                          torch.arange(1, n + 1), chain_mask(n))
+                    t1 = time.perf_counter()
+                    q = model.queries(hidden)
+                    t2 = time.perf_counter()
+                    catalogue.index.search(q[:1], torch.zeros(1, catalogue.index.num_items, dtype=torch.bool), 1)
+                    t3 = time.perf_counter()
+                    for key, value in (("hstu_ms", t1 - t0), ("heads_ms", t2 - t1), ("search_ms", t3 - t2)):
+                        times[key].setdefault(n, []).append(1e3 * value)
+    return {key: {n: round(float(np.median(v)), 3) for n, v in per.items()} for key, per in times.items()}
 
 
 def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_users: int, pool_users: int,
@@ -201,35 +253,39 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
                                           draft_depth, draft_width), Strict(),
                               AdaptiveBudget(max_depth=draft_depth, nodes_per_level=draft_width))
     sources["ranking"] = (RankingDraftSource(ranker.catalogue()[0].index), Strict(), None)
+    sources["ranking-adaptive"] = (sources["ranking"][0], Strict(), AdaptiveBudget(max_depth=4, nodes_per_level=8))
     sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed, adaptive)
-    out: Dict[str, Dict] = {}
+    sources["ranking-relaxed"] = (sources["ranking"][0], relaxed, None)
+    profile = profile_pass(ranker, users[:4], histories)
+    print(f"# {name} pass profile (ms by block tokens n): {json.dumps(profile)}", flush=True)
+    out: Dict[str, Dict] = {"pass_profile": profile}
     for k in ks:
         modes = {"greedy": (ranker, {}), "draft-model-alone": (draft_ranker, {})}
         modes.update({label: (ranker, {"draft": source, "verification": verification, "budget": budget})
                       for label, (source, verification, budget) in sources.items()})
         results = run_modes(modes, users, histories, k)
         base, alone = results.pop("greedy"), results.pop("draft-model-alone")
-        base_hr = hit_rate(base["slates"], held_out)
+        base_hr, base_ndcg = hit_rate(base["slates"], held_out), ndcg(base["slates"], held_out)
         cost = base["items_per_s"] / alone["items_per_s"]
         print(f"{name} K={k:<3} {'greedy':<18} {base['items_per_s']:8.1f} items/s  speedup 1.00  "
-              f"{base['pass_ms']:5.2f} ms/pass  HR@{k} {base_hr:.3f}  (draft model greedy alone: "
+              f"{base['pass_ms']:5.2f} ms/pass  HR@{k} {base_hr:.3f}  NDCG@{k} {base_ndcg:.3f}  (draft model greedy alone: "
               f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)", flush=True)
         out[f"K{k}"] = {"greedy_items_per_s": base["items_per_s"], "greedy_pass_ms": base["pass_ms"],
-                        "greedy_hr": base_hr, "draft_step_cost": round(cost, 3)}
+                        "greedy_hr": base_hr, "greedy_ndcg": base_ndcg, "draft_step_cost": round(cost, 3)}
         for label, res in results.items():
             verification = sources[label][1]
             mismatches = sum(res["slates"][u] != base["slates"][u] for u in users)
-            hr = hit_rate(res["slates"], held_out)
+            hr, nd = hit_rate(res["slates"], held_out), ndcg(res["slates"], held_out)
             speedup = res["items_per_s"] / base["items_per_s"]
             print(f"{name} K={k:<3} {label:<18} {res['items_per_s']:8.1f} items/s  speedup {speedup:4.2f}  "
                   f"{res['pass_ms']:5.2f} ms/pass  accept {res['acceptance']:.3f}  "
                   f"accepted/pass {res['accepted_per_pass']:.2f}  draft share {res['draft_share']:.3f}  "
-                  f"HR@{k} {hr:.3f}  "
+                  f"HR@{k} {hr:.3f}  NDCG@{k} {nd:.3f}  "
                   f"{'changed' if isinstance(verification, Relaxed) else 'mismatches'} {mismatches}", flush=True)
             out[f"K{k}"][label] = {"speedup": round(speedup, 3), "pass_ms": round(res["pass_ms"], 3),
                                    "acceptance": round(res["acceptance"], 3),
                                    "accepted_per_pass": round(res["accepted_per_pass"], 3),
-                                   "draft_share": round(res["draft_share"], 3), "hr": round(hr, 4),
+                                   "draft_share": round(res["draft_share"], 3), "hr": round(hr, 4), "ndcg": round(nd, 4),
                                    "differs_from_greedy": mismatches}
     return out
 
@@ -250,16 +306,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--relaxed-top-k", type=int, default=5)
     parser.add_argument("--relaxed-min-prob", type=float, default=0.02)
     parser.add_argument("--temperature", type=float, default=0.05, help="the training softmax temperature")
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    parser.add_argument("--datasets", nargs="+", default=["ml100k", "long"], choices=list(DATASETS))
+    parser.add_argument("--smoke", action="store_true", help="the tiny smoke model, 4 users, K 5 (checks the bench runs)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.datasets, args.users, args.pool_users, args.ks, args.groups = ["smoke"], 4, 4, [5], [1]
     torch.set_num_threads(1)
     relaxed = Relaxed(args.relaxed_top_k, args.relaxed_min_prob, args.temperature)
     results = {name: bench_dataset(name, args.runs_dir, args.data_path, args.ks, args.users, args.pool_users, args.groups, relaxed,
                                    args.min_history, args.draft_depth, args.draft_width, args.pool_depth,
                                    args.pool_nodes)
                for name in args.datasets}
-    summary = {name: {k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict)}
-                      for k, modes in res.items()} for name, res in results.items()}
+    summary = {name: {k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict) and "speedup" in v}
+                      for k, modes in res.items() if k != "pass_profile"} for name, res in results.items()}
     print(json.dumps({"speedup_over_greedy": summary, "details": results}))
 
 
