@@ -37,7 +37,7 @@ from generate import DATASETS, ROOT, ensure_export, user_data  # noqa: E402  (th
 from gr.serving import Ranker  # noqa: E402
 from gr.serving.generate import ServingGenerativeModel  # noqa: E402
 
-THRESHOLDS = (0.01, 0.03, 0.1, 0.3)
+THRESHOLDS = (0.01, 0.03, 0.1, 0.3, 1.0)
 Gate = Callable[[int, Tensor], Optional[Tensor]]  # (layer, u: [T, H*Dl]) -> keep mask [T, H*Dl] or None
 
 
