@@ -1,6 +1,6 @@
 import torch
 
-from gr.generation.draft_tree import DraftTree, tree_from_paths
+from gr.generation.draft_tree import DraftTree, tree_from_counted_paths, tree_from_paths
 from gr.generation.pools import GroupedPools, SequencePool
 
 
@@ -10,6 +10,17 @@ def test_tree_from_paths_shares_prefixes_and_respects_the_budget():
     assert tree.parents.tolist() == [-1, 0, 1, 1, 0]
     assert tree.depths().tolist() == [1, 2, 3, 3, 2]
     assert [[tree.items[i].item() for i in b] for b in tree.branches()] == [[5, 6, 7], [5, 6, 9], [5, 8]]
+
+
+def test_counted_paths_keep_the_most_frequent_prefixes_first():
+    # one path per occurrence, as pools return them: 9 starts three continuations, 5 one longer one
+    paths = [((5, 6, 7, 8), 1), ((9, 1), 1), ((9, 2), 1), ((9, 1, 3), 1)]
+    tree = tree_from_counted_paths(paths, max_nodes=3)
+    assert tree.items.tolist() == [9, 1, 5], "9 (weight 3), then 9->1 (2), then 5 (1, the earliest path)"
+    assert tree.parents.tolist() == [-1, 0, -1]
+    whole = tree_from_counted_paths(paths, max_nodes=32)
+    assert sorted(whole.items.tolist()) == [1, 2, 3, 5, 6, 7, 8, 9]
+    assert bool((whole.parents < torch.arange(whole.num_nodes)).all()), "parents come before children"
 
 
 def test_ancestor_mask_lets_a_node_see_only_its_branch():

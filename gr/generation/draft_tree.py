@@ -1,6 +1,7 @@
 """Draft tokens laid out as a tree (speculative decoding): branches causal, invisible to each other."""
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Sequence, Tuple
@@ -95,4 +96,38 @@ def tree_from_paths(paths: Sequence[Sequence[int]], max_nodes: int) -> DraftTree
                 items.append(int(path[depth - 1]))
                 parents.append(parent)
             parent = index[key]
+    return DraftTree(torch.tensor(items, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+def tree_from_counted_paths(paths: Sequence[Tuple[Sequence[int], int]], max_nodes: int) -> DraftTree:
+    """Merge (item path, count) pairs into a prefix tree of the ``max_nodes`` most frequent prefixes.
+
+    A prefix's weight is the total count of the paths through it; nodes are taken best first (a
+    child only after its parent; equal weights: the earlier path first), so a small budget keeps
+    the likeliest next items and the likeliest continuations of them (DARE's frequency trie),
+    not the first few whole paths.
+    """
+    weight: Dict[Tuple[int, ...], int] = {}
+    first: Dict[Tuple[int, ...], int] = {}
+    kids: Dict[Tuple[int, ...], List[Tuple[int, ...]]] = {(): []}
+    for order, (path, count) in enumerate(paths):
+        for depth in range(1, len(path) + 1):
+            key = tuple(int(i) for i in path[:depth])
+            if key not in weight:
+                weight[key], first[key] = 0, order
+                kids.setdefault(key[:-1], []).append(key)
+                kids[key] = []
+            weight[key] += count
+    items: List[int] = []
+    parents: List[int] = []
+    node_of: Dict[Tuple[int, ...], int] = {(): -1}
+    frontier = [(-weight[k], first[k], k) for k in kids[()]]
+    heapq.heapify(frontier)
+    while frontier and len(items) < max_nodes:
+        _, _, key = heapq.heappop(frontier)
+        node_of[key] = len(items)
+        items.append(key[-1])
+        parents.append(node_of[key[:-1]])
+        for child in kids[key]:
+            heapq.heappush(frontier, (-weight[child], first[child], child))
     return DraftTree(torch.tensor(items, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from gr.generation.decoding import DecodeState, Drafter, GenerativeModel, advance, start, truncate
-from gr.generation.draft_tree import DraftTree, tree_from_paths
+from gr.generation.draft_tree import DraftTree, tree_from_counted_paths
 from gr.generation.index import Exclusions, ItemIndex
 from gr.generation.pools import GroupedPools, SequencePool
 
@@ -18,7 +18,7 @@ class PoolDrafter:
     """Draft trees from a ``SequencePool`` (the request's group pool), looked up by the last n items
     of the current sequence (n backs off while nothing matches); the request's own sequence is
     searched as a temporary branch (indexed incrementally as it grows). Paths stop before the first
-    banned or repeated item."""
+    banned or repeated item; the tree keeps the most frequent prefixes (``tree_from_counted_paths``)."""
 
     def __init__(self, pool: SequencePool, max_depth: int = 8, max_nodes: int = 32) -> None:
         if max_depth < 1 or max_nodes < 1:
@@ -41,7 +41,7 @@ class PoolDrafter:
                 self.own.extend(0, sequence[len(known):])
         found = self.pool.continuations(sequence, min(depth, self.max_depth), extra=[self.own])
         nodes = self.max_nodes if max_nodes is None else min(max_nodes, self.max_nodes)
-        return tree_from_paths([_allowed_prefix(path, banned) for path, _ in found], nodes)
+        return tree_from_counted_paths([(_allowed_prefix(path, banned), count) for path, count in found], nodes)
 
 
 def _allowed_prefix(path: Sequence[int], banned: Set[int]) -> List[int]:

@@ -8,7 +8,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from gr.generation.draft_tree import DraftTree, tree_from_paths
+from gr.generation.draft_tree import DraftTree, tree_from_counted_paths
 
 
 class SequencePool:
@@ -72,9 +72,9 @@ class SequencePool:
     def propose(
         self, context: Sequence[int], depth: int, max_nodes: int, extra: Sequence["SequencePool"] = ()
     ) -> DraftTree:
-        """A draft tree of at most ``max_nodes`` nodes and ``depth`` levels (empty if nothing matches)."""
-        paths = [cont for cont, _ in self.continuations(context, depth, extra)]
-        return tree_from_paths(paths, max_nodes)
+        """A draft tree of the ``max_nodes`` most frequent continuation prefixes, at most ``depth``
+        levels (empty if nothing matches)."""
+        return tree_from_counted_paths(self.continuations(context, depth, extra), max_nodes)
 
 
 def kmeans(points: Tensor, k: int, iters: int = 25, seed: int = 0) -> Tuple[Tensor, Tensor]:
