@@ -62,11 +62,12 @@ def top_items(scores: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         ids = masked.argmax(dim=1, keepdim=True)
         return masked.gather(1, ids), ids
     k = min(k, masked.shape[1])
-    # every item tied with the k-th best is a candidate: take them all (a top-k, not a sort of the
-    # catalogue), then order by score, lowest id first on ties
-    kth = torch.topk(masked, k, dim=1).values[:, -1:]
-    wide = int((masked >= kth).sum(1).max())
-    values, ids = torch.topk(masked, wide, dim=1)
+    # a top-k, not a sort of the catalogue: one extra item shows whether ties cross the k-th place;
+    # if they do, every item tied with the k-th is a candidate. Then order by score, lowest id first.
+    values, ids = torch.topk(masked, min(k + 1, masked.shape[1]), dim=1)
+    if values.shape[1] > k and bool((values[:, k] == values[:, k - 1]).any()):
+        wide = int((masked >= values[:, k - 1:k]).sum(1).max())
+        values, ids = torch.topk(masked, wide, dim=1)
     by_id = torch.argsort(ids, dim=1)
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
     order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
