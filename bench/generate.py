@@ -14,7 +14,8 @@ re-runs only the last history token), and reports:
 * acceptance rate (accepted / drafted tokens), mean accepted items per HSTU pass, time share of
   draft lookup;
 * pools (DARE): n-gram pools of the users' training sequences and of the greedy slates generated
-  for ``--pool-users`` other users (not the evaluated ones), built per user group (k-means
+  for ``--pool-users`` other users (not the evaluated ones; ``pool-served``: those slates alone,
+  the model's own transitions as served traffic holds them), built per user group (k-means
   of the model's user embeddings = the query at a user's last history token) from many small
   groups to one pool of all users; users with fewer than ``--min-history`` items are routed by
   attribute (ML-100K: age bucket and occupation). Trees sized by the adaptive budget
@@ -139,8 +140,10 @@ def run_modes(modes: Dict[str, Tuple[Ranker, dict]], users: Sequence[int], histo
             for label, t in totals.items()}
 
 
-def user_embeddings(ranker: Ranker, histories: Sequence[dict]) -> torch.Tensor:
-    """The query at each user's last history token, from one batched HSTU pass: [U, d]."""
+def user_embeddings(ranker: Ranker, histories: Sequence[dict], chunk: int = 16) -> torch.Tensor:
+    """The query at each user's last history token, from batched HSTU passes of ``chunk`` users: [U, d]."""
+    if len(histories) > chunk:
+        return torch.cat([user_embeddings(ranker, histories[i:i + chunk], chunk) for i in range(0, len(histories), chunk)])
     catalogue, _ = ranker.catalogue()
     lengths = torch.tensor([len(h["item_id"]) for h in histories])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -233,12 +236,15 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
     # pools hold what was seen (every user's training sequence) and what was generated: the greedy
     # slates of other users (never the evaluated users' own), continuing their histories
     # (served as they would be: speculatively, from a pool that grows with every slate served)
-    began, served = time.perf_counter(), SequencePool()
+    # ``slates`` holds the served slates alone (each after its history's last items): the model's own
+    # greedy transitions, what DARE's traffic pools hold
+    began, served, slates = time.perf_counter(), SequencePool(), SequencePool()
     for u in generators:
         result = ranker.generate(u, histories[u]["history"], max(ks), attribute=histories[u]["attribute"],
                                  draft=PoolDraftSource(served, pool_depth, pool_nodes), budget=AdaptiveBudget())
         train_seqs[u] = train_seqs[u] + result.items
         served.add(train_seqs[u])
+        slates.add(histories[u]["history"]["item_id"][-slates.max_ngram:].tolist() + result.items)
     print(f"# pools: {len(train_seqs)} training sequences + {len(generators)} generated slates of "
           f"{max(ks)} ({time.perf_counter() - began:.0f}s)", flush=True)
     draft_catalogue = draft_ranker.catalogue()[0]
@@ -249,6 +255,7 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
         label = "pool-all" if g == 1 else f"pool-{g}groups"
         sources[label] = (PoolDraftSource(pools, pool_depth, pool_nodes, min_history), Strict(), adaptive)
     sources["pool-all-fixed"] = (sources["pool-all"][0], Strict(), None)
+    sources["pool-served"] = (PoolDraftSource(slates, pool_depth, pool_nodes), Strict(), adaptive)
     sources["draft-model"] = (ModelDraftSource(ServingGenerativeModel(draft_catalogue, {}), draft_catalogue.index,
                                           draft_depth, draft_width), Strict(),
                               AdaptiveBudget(max_depth=draft_depth, nodes_per_level=draft_width))
@@ -296,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--data-path", default=str(ROOT.parent / "shared" / "data" / "ml-100k"))
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 50], help="slate sizes K")
     parser.add_argument("--users", type=int, default=20, help="evaluated users per dataset")
-    parser.add_argument("--pool-users", type=int, default=30, help="other users whose greedy slates join the pools")
+    parser.add_argument("--pool-users", type=int, default=100, help="other users whose greedy slates join the pools")
     parser.add_argument("--groups", type=int, nargs="+", default=[64, 8, 1], help="pool groups (1 = all users)")
     parser.add_argument("--min-history", type=int, default=30, help="shorter histories route by attribute")
     parser.add_argument("--pool-depth", type=int, default=8)
