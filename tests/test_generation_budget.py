@@ -37,3 +37,20 @@ def test_bad_budget_bounds_are_refused():
         AdaptiveBudget(start_depth=5, max_depth=4)
     with pytest.raises(ValueError, match="pause"):
         AdaptiveBudget(pause=8, max_pause=4)
+
+
+def drafted_share(budget: AdaptiveBudget, passes: int = 200) -> float:
+    """Share of passes that draft when one drafted pass in four accepts a single item."""
+    tracker, drafted = budget.tracker(), 0
+    for _ in range(passes):
+        depth, _ = tracker.next(room=50)
+        if depth:
+            drafted += 1
+            tracker.observe(tree_depth=depth, accepted=1 if drafted % 4 == 0 else 0)
+    return drafted / passes
+
+
+def test_rare_accepted_drafts_below_break_even_no_longer_reset_the_pause():
+    free = drafted_share(AdaptiveBudget(patience=2, pause=2, max_pause=16, break_even=0.0))
+    costed = drafted_share(AdaptiveBudget(patience=2, pause=2, max_pause=16, break_even=0.5))
+    assert costed < free / 2, (costed, free)

@@ -16,6 +16,10 @@ class AdaptiveBudget:
     grow: levels added after a pass that accepted its whole drafted depth
     patience: consecutive passes that accepted nothing before drafting pauses
     pause, max_pause: passes without drafting after the first pause; each further pause doubles it
+    break_even: accepted items per drafted pass below which drafting does not pay (a tree pass and
+    its draft lookup cost that much more than a plain pass); while the running mean (``smoothing``
+    weight per drafted pass) stays below it, an occasional accepted draft no longer shortens the
+    pauses, so rare lucky drafts cannot keep an unprofitable source drafting
     """
 
     start_depth: int = 2
@@ -25,6 +29,8 @@ class AdaptiveBudget:
     patience: int = 2
     pause: int = 2
     max_pause: int = 16
+    break_even: float = 0.3
+    smoothing: float = 0.25
 
     def __post_init__(self) -> None:
         if not 1 <= self.start_depth <= self.max_depth:
@@ -33,6 +39,9 @@ class AdaptiveBudget:
         if min(self.nodes_per_level, self.grow, self.patience, self.pause) < 1 or self.max_pause < self.pause:
             raise ValueError("AdaptiveBudget: nodes_per_level, grow, patience and pause must be >= 1, "
                              "max_pause >= pause")
+        if self.break_even < 0 or not 0 < self.smoothing <= 1:
+            raise ValueError(f"AdaptiveBudget: expected break_even >= 0 and 0 < smoothing <= 1, got "
+                             f"{self.break_even}, {self.smoothing}")
 
     def tracker(self) -> "BudgetTracker":
         """A fresh tracker for one request."""
@@ -48,6 +57,7 @@ class BudgetTracker:
         self.misses = 0
         self.paused = 0
         self.next_pause = budget.pause
+        self.gain = 1.0  # running mean of accepted items per drafted pass (optimistic start)
 
     def next(self, room: int) -> Tuple[int, int]:
         """-> (depth, max nodes) of the next tree, at most ``room`` levels; (0, 0): do not draft."""
@@ -60,6 +70,7 @@ class BudgetTracker:
     def observe(self, tree_depth: int, accepted: int) -> None:
         """After a drafted pass: the depth of the tree verified (0 if empty) and the items accepted."""
         b = self.budget
+        self.gain += b.smoothing * (accepted - self.gain)
         if accepted == 0:
             self.misses += 1
             self.depth = max(1, self.depth - 1)
@@ -67,5 +78,7 @@ class BudgetTracker:
                 self.paused, self.misses = self.next_pause, 0
                 self.next_pause = min(2 * self.next_pause, b.max_pause)
             return
-        self.misses, self.next_pause = 0, b.pause
+        self.misses = 0
+        if self.gain >= b.break_even:
+            self.next_pause = b.pause
         self.depth = min(b.max_depth, self.depth + b.grow) if accepted >= tree_depth else max(1, accepted + 1)
