@@ -105,29 +105,30 @@ def tree_from_counted_paths(paths: Sequence[Tuple[Sequence[int], int]], max_node
     A prefix's weight is the total count of the paths through it; nodes are taken best first (a
     child only after its parent; equal weights: the earlier path first), so a small budget keeps
     the likeliest next items and the likeliest continuations of them (DARE's frequency trie),
-    not the first few whole paths.
+    not the first few whole paths. Paths are grouped lazily: only taken nodes split their group.
     """
-    weight: Dict[Tuple[int, ...], int] = {}
-    first: Dict[Tuple[int, ...], int] = {}
-    kids: Dict[Tuple[int, ...], List[Tuple[int, ...]]] = {(): []}
-    for order, (path, count) in enumerate(paths):
-        for depth in range(1, len(path) + 1):
-            key = tuple(int(i) for i in path[:depth])
-            if key not in weight:
-                weight[key], first[key] = 0, order
-                kids.setdefault(key[:-1], []).append(key)
-                kids[key] = []
-            weight[key] += count
     items: List[int] = []
     parents: List[int] = []
-    node_of: Dict[Tuple[int, ...], int] = {(): -1}
-    frontier = [(-weight[k], first[k], k) for k in kids[()]]
-    heapq.heapify(frontier)
+    # (-weight, first path, item, parent node, level of the item, paths through it)
+    frontier: List[Tuple[int, int, int, int, int, List[Tuple[int, Sequence[int], int]]]] = []
+
+    def split(group: List[Tuple[int, Sequence[int], int]], level: int, parent: int) -> None:
+        """Push the items at ``level`` of the paths in ``group`` (all sharing the parent's prefix)."""
+        by_item: Dict[int, list] = {}
+        for order, path, count in group:
+            if len(path) > level:
+                entry = by_item.get(int(path[level]))
+                if entry is None:
+                    entry = by_item[int(path[level])] = [0, order, []]
+                entry[0] += count
+                entry[2].append((order, path, count))
+        for item, (weight, order, members) in by_item.items():
+            heapq.heappush(frontier, (-weight, order, item, parent, level, members))
+
+    split([(order, path, count) for order, (path, count) in enumerate(paths)], 0, -1)
     while frontier and len(items) < max_nodes:
-        _, _, key = heapq.heappop(frontier)
-        node_of[key] = len(items)
-        items.append(key[-1])
-        parents.append(node_of[key[:-1]])
-        for child in kids[key]:
-            heapq.heappush(frontier, (-weight[child], first[child], child))
+        _, _, item, parent, level, members = heapq.heappop(frontier)
+        items.append(item)
+        parents.append(parent)
+        split(members, level + 1, len(items) - 1)
     return DraftTree(torch.tensor(items, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
