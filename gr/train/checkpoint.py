@@ -23,6 +23,7 @@ from typing import Any, Dict, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gr.atomic import replace_directory
 from gr.crash_points import crash_point
@@ -62,7 +63,11 @@ def load_checkpoint(template: Dict[str, Any], path: str | Path) -> Dict[str, Any
     path = Path(path)
     if not is_complete(path):
         raise FileNotFoundError(f"{path}: not a complete gr checkpoint directory (no {META_FILE})")
-    dcp.load(template, checkpoint_id=str(path))
+    try:
+        dcp.load(template, checkpoint_id=str(path))
+    except CheckpointException as error:  # a BaseException: would escape every `except Exception`
+        causes = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(error.failures.items()))
+        raise ValueError(f"{path}: the checkpoint does not fit this model and config ({causes})") from error
     return {**read_meta(path), **template}
 
 
