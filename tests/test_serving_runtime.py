@@ -17,6 +17,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from gr.export import export_model
+from gr.export.manifest import write_manifest
 from gr.hstu.cache import cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
 from gr.serving.__main__ import main as serving_main
@@ -169,8 +170,9 @@ def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, us
     newer = tmp_path / "newer"  # the same export with different HSTU weights: a "newer model"
     shutil.copytree(path, newer)
     weights = load_file(str(newer / "hstu/model.safetensors"))
-    weights["layers.1.output.bias"] += 0.5
+    weights["layers.1.o_proj.bias"] += 0.5
     save_file(weights, str(newer / "hstu/model.safetensors"))
+    write_manifest(newer)
     ranker = Ranker.load(path)
     before = rank(ranker, requests[0]).scores["click"]
     version = ranker.cache.model_version

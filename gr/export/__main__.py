@@ -1,4 +1,4 @@
-"""``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite]`` writes an export;
+"""``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite] [--hstu-dtype bfloat16]`` writes an export;
 ``python -m gr.export check EXPORT_DIR`` validates one (exit status 1 when it has problems)."""
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def _main(argv: List[str]) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("export_dir", type=Path)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
+    parser.add_argument("--hstu-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="how hstu/model.safetensors stores the weights (serving computes in float32)")
     args = parser.parse_args(argv)
     from gr.export.format import ExportError
     from gr.export.writer import export_run
@@ -47,7 +49,7 @@ def _main(argv: List[str]) -> int:
     if not args.run_dir.is_dir():
         raise NotADirectoryError(f"{args.run_dir}: no such run directory")
     try:
-        export_run(args.run_dir, args.export_dir, overwrite=args.overwrite)
+        export_run(args.run_dir, args.export_dir, overwrite=args.overwrite, hstu_dtype=args.hstu_dtype)
     except ExportError as exc:  # the run does not export (a RuntimeError, not bad input)
         print(f"python -m gr.export: error: {exc}", file=sys.stderr)
         return 1
