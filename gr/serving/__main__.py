@@ -14,8 +14,16 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from gr.serving.errors import RequestError
-from gr.serving.request import RankRequest
-from gr.serving.runtime import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, LONG_HISTORY, Ranker
+from gr.serving.id_maps import ID_SPACES
+from gr.serving.request import GenerateRequest, RankRequest
+from gr.serving.runtime import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_MICRO_BATCH,
+    LONG_HISTORY,
+    Ranker,
+)
+
+IDS_HELP = "ids of requests without an 'ids' key: raw (through sparse/id_maps) or model (table rows)"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -29,10 +37,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="histories longer than max_seq_len: keep the most recent tokens, or refuse")
     rank.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     rank.add_argument("--no-cache", action="store_true", help="one target-aware pass per request, no history cache")
+    rank.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
     gen = commands.add_parser("generate", help="generate each request's user's next k items (greedy)")
     gen.add_argument("export_dir", type=Path)
     gen.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
     gen.add_argument("--k", type=int, default=10, help="items to generate per user")
+    gen.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
     args = parser.parse_args(argv)
     if args.command == "generate":
         args.micro_batch, args.long_history, args.cache_bytes, args.no_cache = (
@@ -58,9 +68,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
     try:
-        request = RankRequest.from_dict(item, where)
-        result = ranker.rank(request.user_id, request.history, request.candidates, request.common_features,
-                             request_time=request.request_time, use_cache=not args.no_cache)
+        request = RankRequest.from_dict(item, where, default_ids=args.ids)
+        result = ranker.rank_request(request, use_cache=not args.no_cache)
     except RequestError as exc:
         return _error(where, exc)
     return {"user_id": request.user_id, **result.to_json()}
@@ -68,11 +77,10 @@ def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -
 
 def _generate_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
     try:
-        if isinstance(item, dict):
-            item = {"candidates": {}, **item}
-        request = RankRequest.from_dict(item, where)
-        result = ranker.generate(request.user_id, request.history, args.k, common_features=request.common_features,
-                                 request_time=request.request_time)
+        if isinstance(item, dict):  # a rank request's file serves too: its candidates are not needed
+            item = {"k": args.k, **{key: value for key, value in item.items() if key != "candidates"}}
+        request = GenerateRequest.from_dict(item, where, default_ids=args.ids)
+        result = ranker.generate(request)
     except RequestError as exc:
         return _error(where, exc)
     return {"user_id": request.user_id, **result.to_json()}
