@@ -17,3 +17,7 @@ class RequestError(ValueError):
 
 class ScoringError(RuntimeError):
     """The model produced non-finite scores: a server-side fault, never returned as NaN."""
+
+
+class IdMapError(RuntimeError):
+    """The export's id maps cannot be read, so raw ids cannot be served: a server-side fault."""

@@ -9,14 +9,14 @@ unknown ids (maps with offset 1, the categorical side features) and stays an err
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
 from gr.data.mappings import IdMap, load_mappings
 from gr.export.format import ID_MAPS_DIR, SPARSE_DIR
 from gr.export.sparse_manifest import SparseManifest
-from gr.serving.errors import RequestError
+from gr.serving.errors import IdMapError, RequestError
 
 ID_SPACES = ("raw", "model")
 UNKNOWN_IDS = ("error", "oov")
@@ -28,19 +28,31 @@ class IdMaps:
     def __init__(self, root: Path, sparse: SparseManifest) -> None:
         mapped = {name: f.id_mapping for name, f in sparse.features.items() if f.id_mapping is not None}
         self.maps: Dict[str, IdMap] = {}
+        self.problem: Optional[str] = None  # why the maps cannot be read (raw ids of mapped features then fail)
+        self.mapped = set(mapped)
         if not mapped:
             return
-        by_name, _ = load_mappings(str(root / ID_MAPS_DIR))
+        try:
+            by_name, _ = load_mappings(str(root / ID_MAPS_DIR))
+        except (OSError, KeyError, ValueError) as exc:
+            self.problem = f"{root / ID_MAPS_DIR}: unreadable id maps: {type(exc).__name__}: {exc}"
+            return
         for feature, file in mapped.items():
             name = Path(file).name[: -len(".tsv")]
             if name not in by_name:
-                raise ValueError(f"{root / SPARSE_DIR / 'sparse.ini'}: [feature.{feature}].id_mapping {file!r} "
-                                 f"is not a map of {root / ID_MAPS_DIR / 'mappings.json'} (maps: {sorted(by_name)})")
+                self.problem = (f"{root / SPARSE_DIR / 'sparse.ini'}: [feature.{feature}].id_mapping {file!r} is not "
+                                f"a map of {root / ID_MAPS_DIR / 'mappings.json'} (maps: {sorted(by_name)})")
+                return
             self.maps[feature] = by_name[name]
+
+    def _map(self, feature: str) -> Optional[IdMap]:
+        if feature in self.mapped and self.problem is not None:
+            raise IdMapError(self.problem)
+        return self.maps.get(feature)
 
     def encode(self, feature: str, values: Any, where: str, unknown_ids: str = "error") -> Any:
         """values: [n] raw ids of ``feature`` -> [n] int64 model ids (unchanged for an unmapped feature)."""
-        id_map = self.maps.get(feature)
+        id_map = self._map(feature)
         if id_map is None:
             return values
         raw = np.asarray(values)
@@ -59,7 +71,7 @@ class IdMaps:
 
     def decode(self, feature: str, ids: np.ndarray) -> list:
         """ids: [n] int64 model ids -> n raw ids (JSON-ready); unmapped feature: the ids themselves."""
-        id_map = self.maps.get(feature)
+        id_map = self._map(feature)
         if id_map is None:
             return np.asarray(ids).tolist()
         return id_map.decode(np.asarray(ids)).tolist()
