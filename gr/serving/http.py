@@ -43,7 +43,8 @@ def _body_schema(keys, required, example: Dict[str, Any]) -> Dict[str, Any]:
              "k": {"type": "integer", "minimum": 1}, "exclude_seen": {"type": "boolean"},
              "strategy": {"enum": ["greedy", "beam", "sample"]}, "beam_width": {"type": "integer", "minimum": 1},
              "temperature": {"type": "number", "exclusiveMinimum": 0}, "seed": {"type": "integer"},
-             "ids": {"enum": ["raw", "model"], "default": "raw"}, "unknown_ids": {"enum": ["error", "oov"]}}
+             "ids": {"enum": ["raw", "model"], "default": "raw"}, "unknown_ids": {"enum": ["error", "oov"]},
+             "export_dir": {"type": "string"}}
     schema = {"type": "object", "properties": {k: types[k] for k in keys}, "required": list(required),
               "additionalProperties": False, "example": example}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
