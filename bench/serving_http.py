@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import numpy as np
+from serving import (  # bench/serving.py: the same model and requests
+    build_model,
+    request_tokens,
+)
 
 from gr.export import export_model
 from gr.serving import Ranker
-from serving import build_model, request_tokens  # bench/serving.py: the same model and requests
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from gr.export.reader import check_export
+from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES
 from gr.serving.request import GenerateRequest, RankRequest
@@ -57,6 +58,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     serve.add_argument("--long-history", choices=LONG_HISTORY, default="truncate")
     serve.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
+    serve.add_argument("--index", choices=INDEXES, default="exact",
+                       help="catalogue search of recommend/generate: exact, or hnsw (approximate; needs faiss-cpu)")
     serve.add_argument("--admin-token", default=None,
                        help="enables POST /admin/reload for 'Authorization: Bearer <token>' (default: off); "
                             f"or set ${ADMIN_TOKEN_ENV}")
@@ -124,7 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     os.environ[OPTIONS_ENV] = json.dumps({
         "export_dir": str(args.export_dir.resolve()), "admin_token": token, "micro_batch": args.micro_batch,
-        "long_history": args.long_history, "cache_bytes": args.cache_bytes, "threads": args.threads})
+        "long_history": args.long_history, "cache_bytes": args.cache_bytes, "threads": args.threads,
+        "index": args.index})
     try:
         uvicorn.run("gr.serving.http:app_from_environment", factory=True, host=args.host, port=args.port,
                     workers=args.workers, log_level="warning")

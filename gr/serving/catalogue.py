@@ -10,7 +10,7 @@ temperature and evaluation ranks by.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
+from gr.generation.hnsw_index import HNSWIndex
 from gr.generation.index import ExactIndex, ItemIndex
 from gr.hstu.cache import CachedHSTU
 from gr.serving.errors import RequestError
@@ -27,17 +28,19 @@ if TYPE_CHECKING:
 
 QUERY = "query"
 ITEM_FEATURE = "item_id"
+INDEXES = {"exact": ExactIndex, "hnsw": HNSWIndex}
 
 
 class Catalogue:
     """One export's items: token inputs of every item [M, D], item vectors [M, d] and their index.
 
     item_feature: the token id feature that holds the item (its table is the catalogue)
-    index: an ``ItemIndex`` over the item vectors (default: exact search)
+    index: the ``ItemIndex`` over the item vectors: "exact" (default) or "hnsw" (approximate, FAISS)
     """
 
-    def __init__(self, model: "ServingModel", item_feature: str = ITEM_FEATURE,
-                 index: Optional[ItemIndex] = None) -> None:
+    def __init__(self, model: "ServingModel", item_feature: str = ITEM_FEATURE, index: str = "exact") -> None:
+        if index not in INDEXES:
+            raise ValueError(f"Catalogue.index: expected one of {list(INDEXES)}, got {index!r}")
         schema = model.schema
         if item_feature not in schema.token_ids:
             raise RequestError(f"model: the export has no token feature {item_feature!r} "
@@ -56,7 +59,7 @@ class Catalogue:
                                           TIMESTAMPS: np.zeros(rows, dtype=np.int64)})  # [M, D]
         table = model.sparse.tables[model.sparse.features[item_feature].table]
         self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]
-        self.index: ItemIndex = ExactIndex(self.vectors) if index is None else index
+        self.index: ItemIndex = INDEXES[index](self.vectors)
 
 
 @dataclass

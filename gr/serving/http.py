@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import time
 from pathlib import Path
-import os
 from typing import Any, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from gr.serving.errors import IdMapError, RequestError, ScoringError
 from gr.serving.metrics import ServerMetrics
 from gr.serving.request import (
-    GENERATE_KEYS, RECOMMEND_KEYS, REQUEST_KEYS, GenerateRequest, RankRequest, RecommendRequest,
+    GENERATE_KEYS,
+    RECOMMEND_KEYS,
+    REQUEST_KEYS,
+    GenerateRequest,
+    RankRequest,
+    RecommendRequest,
 )
 from gr.serving.runtime import Ranker
 

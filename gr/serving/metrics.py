@@ -1,7 +1,13 @@
 """Prometheus metrics of one server process, in their own registry (no global state)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from gr.serving.runtime import Ranker
 

@@ -27,7 +27,7 @@ from gr.export.format import (
 from gr.export.reader import load_hstu, open_export
 from gr.export.slice_graph import REQUEST
 from gr.hstu.cache import CachedHSTU
-from gr.serving.catalogue import QUERY, Catalogue
+from gr.serving.catalogue import INDEXES, QUERY, Catalogue
 from gr.serving.errors import ScoringError
 from gr.serving.id_maps import IdMaps
 from gr.serving.onnx_slice import OnnxSlice
@@ -40,7 +40,11 @@ Tokens = Dict[str, np.ndarray]
 class ServingModel:
     """One loaded export: sparse store, ONNX Runtime sessions and the HSTU engine, wired by the graph."""
 
-    def __init__(self, export_dir: Union[str, Path], threads: Optional[int] = None) -> None:
+    def __init__(self, export_dir: Union[str, Path], threads: Optional[int] = None, index: str = "exact") -> None:
+        """index: the catalogue's item index, "exact" or "hnsw" (approximate; needs faiss-cpu)."""
+        if index not in INDEXES:
+            raise ValueError(f"ServingModel.index: expected one of {list(INDEXES)}, got {index!r}")
+        self.index = index
         manifest = open_export(export_dir)
         self.root = manifest.root
         self.graph = manifest.graph
@@ -63,7 +67,7 @@ class ServingModel:
         """The item catalogue of this export (built on first use; RequestError if it has none)."""
         with self._catalogue_lock:
             if self._catalogue is None:
-                self._catalogue = Catalogue(self)
+                self._catalogue = Catalogue(self, index=self.index)
             return self._catalogue
 
     def embed_tokens(self, tokens: Tokens) -> Tensor:

@@ -31,7 +31,13 @@ from gr.serving.history import (
     last_token_state,
 )
 from gr.serving.model import ServingModel, check_finite
-from gr.serving.request import MODEL_IDS, GenerateRequest, IdOptions, RankRequest, RecommendRequest
+from gr.serving.request import (
+    MODEL_IDS,
+    GenerateRequest,
+    IdOptions,
+    RankRequest,
+    RecommendRequest,
+)
 from gr.serving.user_cache import UserCache
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -112,6 +118,7 @@ class Ranker:
     long_history: "truncate" (keep the most recent max_seq_len tokens, reported in the
         result) or "refuse" (a RequestError)
     threads: intra-op threads of each ONNX Runtime session (None: its default)
+    index: the catalogue's item index for recommend and generation: "exact" or "hnsw"
     Thread-safe: concurrent calls share the cache; ``reload`` swaps the model and invalidates
     the cache, and every result comes from one model (its ``model_version``).
     """
@@ -124,6 +131,7 @@ class Ranker:
         micro_batch: int = DEFAULT_MICRO_BATCH,
         long_history: str = "truncate",
         threads: Optional[int] = None,
+        index: str = "exact",
     ) -> None:
         if long_history not in LONG_HISTORY:
             raise ValueError(f"Ranker.long_history: expected one of {list(LONG_HISTORY)}, got {long_history!r}")
@@ -132,6 +140,7 @@ class Ranker:
         self.micro_batch = micro_batch
         self.long_history = long_history
         self.threads = threads
+        self.index = index
         self.cache = UserCache(cache_bytes)
         self._model = model
         self._lock = threading.Lock()
@@ -139,7 +148,7 @@ class Ranker:
     @classmethod
     def load(cls, export_dir: Union[str, Path], **options: Any) -> "Ranker":
         """Load and validate an export directory; ``options`` as in the constructor."""
-        return cls(ServingModel(export_dir, options.get("threads")), **options)
+        return cls(ServingModel(export_dir, options.get("threads"), options.get("index", "exact")), **options)
 
     @property
     def model(self) -> ServingModel:
@@ -147,7 +156,7 @@ class Ranker:
 
     def reload(self, export_dir: Union[str, Path]) -> None:
         """Load another export (e.g. a newer model) and invalidate every cached history."""
-        model = ServingModel(export_dir, self.threads)
+        model = ServingModel(export_dir, self.threads, self.index)
         with self._lock:
             self._model = model
             self.cache.invalidate()
