@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 from serving_servers import Server, metric, replica_of, write_item_map
 from test_export_roundtrip import (
     DENSE_DIMS,
@@ -201,3 +202,21 @@ def test_a_users_second_request_is_a_cache_hit_on_the_replica_its_id_hashes_to(s
         body = {"user_id": user, "history": HISTORY, "k": 2}
         first, second = (target.call("POST", "/v1/recommend", body)[1] for _ in range(2))
         assert (first["cache_status"], second["cache_status"]) == ("miss", "hit")
+
+
+def test_non_finite_scores_are_a_500_naming_the_error_never_nan_in_json(tmp_path):
+    model = build_generative_model(1, 3)
+    with torch.no_grad():
+        model.embeddings.table_weight("item")[7] = float("nan")  # one broken item vector
+    server = Server(export_model(model, tmp_path / "broken"))
+    try:
+        history = {"item_id": [1, 2, 3], "timestamps": [10, 20, 30]}
+        status, body = server.call("POST", "/v1/rank", {"user_id": "n", "history": history,
+                                                        "candidates": {"item_id": [4, 7]}})
+        assert status == 500 and body["error"] == "non_finite_score"
+        assert all(isinstance(value, str) for value in body.values())  # no score, so no NaN, in the body
+        status, body = server.call("POST", "/v1/rank", {"user_id": "n", "history": history,
+                                                        "candidates": {"item_id": [4, 5]}})
+        assert status == 200 and all(np.isfinite(body["scores"]["retrieval"]))
+    finally:
+        server.stop()
