@@ -19,6 +19,7 @@ from test_generation_serving import NUM_ITEMS, build_generative_model
 
 from gr.export import export_model
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
+from gr.serving.__main__ import main as serving_main
 
 RAW_ITEMS = [1000 + 7 * i for i in range(NUM_ITEMS)]  # raw id of model item i
 TOKEN = "s3cret"
@@ -220,3 +221,12 @@ def test_non_finite_scores_are_a_500_naming_the_error_never_nan_in_json(tmp_path
         assert status == 200 and all(np.isfinite(body["scores"]["retrieval"]))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("command", ["serve", "rank", "generate"])
+def test_the_serving_cli_reports_a_bad_export_in_one_line_and_exits_2(command, tmp_path, capsys):
+    (tmp_path / "request.json").write_text("{}")
+    extra = [] if command == "serve" else ["--request", str(tmp_path / "request.json")]
+    assert serving_main([command, str(tmp_path / "missing"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path / "missing") in err and "not a valid export" in err

@@ -338,3 +338,24 @@ def test_the_import_guard_refuses_training_code():
         run = subprocess.run([sys.executable, "-c", probe, json.dumps([BLOCKED, ALLOWED])], capture_output=True,
                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
         assert run.returncode != 0 and f"import guard: {module} is training code" in run.stderr
+
+
+def _imports(path: Path) -> set:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_generation_never_imports_the_serving_runtime_and_generate_not_the_ranker():
+    for path in sorted((ROOT / "gr" / "generation").glob("*.py")):
+        assert not any(name.startswith("gr.serving") for name in _imports(path)), path
+    for module in ("generate", "history", "catalogue", "model"):
+        assert not any(name.startswith("gr.serving.runtime") for name in _imports(ROOT / "gr" / "serving" / f"{module}.py"))

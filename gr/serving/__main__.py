@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from gr.export.format import ExportFormatError
 from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
@@ -75,8 +76,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         print(f"--request {args.request}: cannot read JSON: {exc}", file=sys.stderr)
         return 2
-    ranker = Ranker.load(args.export_dir, cache_bytes=args.cache_bytes, micro_batch=args.micro_batch,
-                         long_history=args.long_history)
+    try:
+        ranker = Ranker.load(args.export_dir, cache_bytes=args.cache_bytes, micro_batch=args.micro_batch,
+                             long_history=args.long_history)
+    except (ExportFormatError, OSError, ValueError) as exc:
+        print(f"{args.command}: {args.export_dir}: not a valid export: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     single = not isinstance(payload, list)
     serve_one = _rank_one if args.command == "rank" else _generate_one
     outputs = [serve_one(ranker, item, "request" if single else f"request[{i}]", args)
@@ -122,7 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         check = [str(exc)]
     if check:
-        print(f"serve: {args.export_dir}: not a valid export: {'; '.join(map(str, check))}", file=sys.stderr)
+        print(f"serve: {args.export_dir}: not a valid export: {' '.join('; '.join(map(str, check)).split())}",
+              file=sys.stderr)
         return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     os.environ[OPTIONS_ENV] = json.dumps({
