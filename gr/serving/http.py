@@ -83,15 +83,16 @@ def create_app(ranker: Ranker, *, admin_token: Optional[str] = None) -> FastAPI:
             answer = await run_in_threadpool(serve, payload)
             if "cache_status" in answer:
                 metrics.cache.labels(answer["cache_status"]).inc()
-            response = _json(answer)
+            try:
+                response = _json(answer)
+            except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through
+                raise ScoringError(str(exc)) from None
         except RequestError as exc:
             response = _error(400, "bad_request", str(exc), exc.field)
         except ScoringError as exc:
             response = _error(500, "non_finite_score", str(exc))
         except IdMapError as exc:
             response = _error(500, "id_maps_unreadable", str(exc))
-        except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through
-            response = _error(500, "non_finite_score", str(exc))
         if response.status_code >= 400:
             metrics.errors.labels(endpoint, str(response.status_code)).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
 from gr.generation.index import Exclusions
+from gr.hstu.cache import HistoryCache
 from gr.serving import generate as generation
 from gr.serving.catalogue import QUERY, Catalogue
 from gr.serving.errors import RequestError
@@ -102,7 +103,7 @@ class CachedUser:
     model version that computed them."""
 
     tokens: Tokens
-    history: Any  # HistoryCache
+    history: HistoryCache
     model_version: int
 
     @property
