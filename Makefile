@@ -20,13 +20,13 @@ STAMP_NOW := $(shell date +%Y%m%d-%H%M%S)
 RUN := runs/quickstart-$(STAMP_NOW)
 EXPORT := exports/quickstart-$(STAMP_NOW)
 
-# Train on the built-in synthetic data, export the serving slices, validate them, rank a request.
+# Train on the built-in synthetic data, export the serving slices, validate them, then start the
+# HTTP server, send one rank, one recommend and one generate, print the answers and stop it.
 demo: $(STAMP)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) train.py --config configs/quickstart.yaml --out $(RUN)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export $(RUN) $(EXPORT)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export check $(EXPORT)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving rank $(EXPORT) --request examples/quickstart_request.json
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving generate $(EXPORT) --request examples/quickstart_request.json --k 10
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) examples/http_demo.py $(EXPORT)
 
 test: $(STAMP)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests

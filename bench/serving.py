@@ -178,7 +178,7 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
     stale = ranker.cache.get(USER)
 
     def restore() -> None:
-        ranker.cache.put(USER, stale, ranker.cache.generation)
+        ranker.cache.put(USER, stale, ranker.cache.model_version)
 
     d = best_time(clock, lambda: rank(USER, history, candidates), args.repeats, before=restore)
     assert rank(USER, history, candidates).cache_status == "hit"

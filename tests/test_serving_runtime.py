@@ -28,16 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # The import guard of the standalone test: training code a serving process must never load.
 BLOCKED = ("torchrec", "fbgemm_gpu", "lightning", "pytorch_lightning", "gr.model", "gr.train", "gr.data",
            "gr.sparse", "gr.prefix_dnn", "gr.postfix_dnn", "gr.export.writer")
+# ...except the id-map format (numpy only, behind gr.data's lazy package init): serving reads raw ids with it.
+ALLOWED = ("gr.data", "gr.data.mappings")
 
 SCRIPT = r"""
 import importlib.abc, json, sys
 import numpy as np
 
-BLOCKED = tuple(json.loads(sys.argv[1]))
+BLOCKED, ALLOWED = (tuple(names) for names in json.loads(sys.argv[1]))
+
+def blocked(name):
+    return name not in ALLOWED and any(name == b or name.startswith(b + ".") for b in BLOCKED)
 
 class Guard(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+        if blocked(name):
             raise ImportError(f"import guard: {name} is training code")
         return None
 
@@ -58,7 +63,7 @@ for request in json.load(open(f"{work}/requests.json")):
     result = ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"])
     for task, value in result.scores.items():
         scores.setdefault(task, []).append(value)
-leaked = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+leaked = sorted(m for m in sys.modules if blocked(m))
 np.savez(f"{work}/out.npz", hidden=hidden.numpy(), **{k: np.concatenate(v) for k, v in scores.items()})
 print(json.dumps({"leaked": leaked}))
 """
@@ -319,7 +324,7 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
     (tmp_path / "requests.json").write_text(json.dumps(requests))
 
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(BLOCKED), str(export_dir), str(tmp_path)],
+    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([BLOCKED, ALLOWED]), str(export_dir), str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"leaked": []}
@@ -330,7 +335,29 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
 
 
 def test_the_import_guard_refuses_training_code():
-    probe = SCRIPT.split("import torch")[0] + "import gr.model\n"
-    run = subprocess.run([sys.executable, "-c", probe, json.dumps(BLOCKED)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
-    assert run.returncode != 0 and "import guard: gr.model is training code" in run.stderr
+    for module in ("gr.model", "gr.data.datamodule"):
+        probe = SCRIPT.split("import torch")[0] + f"import {module}\n"
+        run = subprocess.run([sys.executable, "-c", probe, json.dumps([BLOCKED, ALLOWED])], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+        assert run.returncode != 0 and f"import guard: {module} is training code" in run.stderr
+
+
+def _imports(path: Path) -> set:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_generation_never_imports_the_serving_runtime_and_generate_not_the_ranker():
+    for path in sorted((ROOT / "gr" / "generation").glob("*.py")):
+        assert not any(name.startswith("gr.serving") for name in _imports(path)), path
+    for module in ("generate", "history", "catalogue", "model"):
+        assert not any(name.startswith("gr.serving.runtime") for name in _imports(ROOT / "gr" / "serving" / f"{module}.py"))
