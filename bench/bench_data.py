@@ -6,18 +6,26 @@
 3. Batch building: retrieval-train and ranking-train batches per second on the default
    synthetic dataset.
 
-Run: ``.venv/bin/python bench/bench_data.py [--lines 2000000]``. The last line is one JSON object.
+Run: ``.venv/bin/python bench/bench_data.py [--lines 2000000]`` (``--smoke``: 20,000 lines and 5
+batches, checks it runs). The last line is one JSON object: lines, parse_seconds_pyarrow,
+parse_seconds_python_loop, parse_speedup, build_sequences_seconds,
+retrieval_train_batches_per_second, ranking_train_batches_per_second.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke  # noqa: E402
 
 
 def write_ratings(path: Path, lines: int) -> None:
@@ -67,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=2_000_000)
     parser.add_argument("--batches", type=int, default=50)
-    args = parser.parse_args()
+    args, _ = smoke.parse_args(parser, {"lines": 20_000, "batches": 5})
     from gr.data.readers import read_ml_20m
     from gr.data.sequences import build_sequences
 

@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gr.data.config import SyntheticConfig
+from gr.data.datamodule import SequenceDataModule
+from gr.data.synthetic import generate_synthetic
 from gr.finite import NonFiniteError
 from gr.train import train
 from gr.train.checkpoint import read_meta, save_checkpoint
@@ -110,3 +113,39 @@ def test_resume_appends_to_metrics_csv(tmp_path):
     train(TrainConfig.from_dict(recipe(("trainer.max_epochs", 2))), tmp_path, resume=True)
     after = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
     assert after[:len(first)] == first and len(after) > len(first)
+
+
+# ---- 6. duplicate data inflates metrics silently -----------------------------------------------
+def ratings_csv(path: Path, copies: int) -> Path:
+    """The tiny recipe's synthetic events as a CSV (user_id,item_id,timestamp,rating), every row ``copies`` times."""
+    data = generate_synthetic(SyntheticConfig(**recipe()["data"]["synthetic"]), seed=0)
+    rows = [f"{u},{i},{t},{r}" for u, i, t, r in zip(data.users, data.items, data.timestamps, data.ratings)]
+    path.write_text("user_id,item_id,timestamp,rating\n" + "\n".join(rows * copies) + "\n")
+    return path
+
+
+def csv_recipe(path: Path, *overrides) -> TrainConfig:
+    return TrainConfig.from_dict(recipe(("data.source", "csv"), ("data.path", str(path)),
+                                        ("data.columns.rating", "rating"), ("trainer.max_epochs", 1), *overrides))
+
+
+def test_every_row_duplicated_trains_to_the_clean_metrics_and_the_count_is_reported(tmp_path, caplog):
+    clean = train(csv_recipe(ratings_csv(tmp_path / "clean.csv", 1)), tmp_path / "clean")
+    doubled = train(csv_recipe(ratings_csv(tmp_path / "doubled.csv", 2)), tmp_path / "doubled")
+    rows = clean["data"]["rows_read"]
+    assert clean["data"]["duplicates_dropped"] == 0
+    assert doubled["data"] == {**clean["data"], "source": str(tmp_path / "doubled.csv"), "rows_read": 2 * rows,
+                               "duplicates_dropped": rows}
+    scores = ("hr@5", "hr@10", "ndcg@10", "mrr", "popularity", "best_val")
+    assert {k: doubled[k] for k in scores} == {k: clean[k] for k in scores}
+    assert f"dropped {rows} duplicate interactions" in caplog.text
+    assert '"duplicates_dropped": %d' % rows in (tmp_path / "doubled" / "metrics.json").read_text()
+
+
+def test_keep_duplicates_keeps_every_repeated_row(tmp_path):
+    config = csv_recipe(ratings_csv(tmp_path / "doubled.csv", 2), ("data.keep_duplicates", True))
+    datamodule = SequenceDataModule(config.data)
+    datamodule.setup()
+    rows = datamodule.summary["rows_read"] // 2
+    assert datamodule.summary["duplicates_kept"] == rows and datamodule.summary["duplicates_dropped"] == 0
+    assert datamodule.summary["interactions"] == 2 * rows

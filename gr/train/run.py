@@ -69,7 +69,8 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
     best = "best" if checkpoints.best_model_path else str(out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT)
     trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
-    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module)
+    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module,
+                            datamodule.summary)
     if trainer.is_global_zero:
         write_json(out_dir / METRICS_FILE, plain(metrics))
     return metrics
@@ -123,8 +124,9 @@ def make_trainer(config: TrainConfig, out_dir: Path,
 
 
 def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: ModelCheckpoint, trainer: Trainer,
-                  out_dir: Path, module: GRTrainingModule) -> Dict[str, Any]:
-    """{metric: test value, "popularity": {...}, "best_val": ..., ..., "config": {...}}."""
+                  out_dir: Path, module: GRTrainingModule, data: Dict[str, Any]) -> Dict[str, Any]:
+    """{metric: test value, "popularity": {...}, "best_val": ..., ..., "data": the data module's
+    summary (rows read, duplicates dropped or kept, ...), "config": {...}}."""
     metrics: Dict[str, Any] = {k: v for k, v in test.items() if not k.startswith("popularity/")}
     baseline = {k.split("/", 1)[1]: v for k, v in test.items() if k.startswith("popularity/")}
     if baseline:
@@ -142,6 +144,7 @@ def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: Mode
         "epochs": trainer.current_epoch,
         "world_size": trainer.world_size,
         "table_rows_per_rank": {table: [r[table] for r in per_rank] for table in rows},
+        "data": data,
         "config": config.to_dict(),
     })
     return metrics
