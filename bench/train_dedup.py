@@ -44,9 +44,11 @@ def build(config, spec):
     return dmp, task, torch.optim.AdamW(dense, lr=config.optimizer.lr, betas=config.optimizer.betas)
 
 
-def train_step(dmp, task, optimizer, batch, generator) -> None:
+def train_step(dmp, task, optimizer, batch, generator, precision: str = "32-true") -> None:
+    """One training step; "bf16-mixed" runs forward and loss under CPU bf16 autocast, as Lightning does."""
     inputs = task.training_inputs(batch, generator)
-    loss = task.loss(dmp(inputs), inputs)["loss"]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss = task.loss(dmp(inputs), inputs)["loss"]
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
