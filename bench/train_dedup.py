@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.autograd.profiler import record_function  # noqa: E402
 from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
@@ -46,12 +47,18 @@ def build(config, spec):
 
 def train_step(dmp, task, optimizer, batch, generator, precision: str = "32-true") -> None:
     """One training step; "bf16-mixed" runs forward and loss under CPU bf16 autocast, as Lightning does."""
-    inputs = task.training_inputs(batch, generator)
+    with record_function("phase: sampling"):
+        inputs = task.training_inputs(batch, generator)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-        loss = task.loss(dmp(inputs), inputs)["loss"]
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+        with record_function("phase: forward"):
+            output = dmp(inputs)
+        with record_function("phase: loss"):
+            loss = task.loss(output, inputs)["loss"]
+    with record_function("phase: backward (with the fused embedding optimizer)"):
+        loss.backward()
+    with record_function("phase: dense optimizer"):
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def sparse_step(dmp, batch) -> None:

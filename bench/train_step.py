@@ -117,7 +117,7 @@ def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile
     for step, batch in enumerate(batches):  # step 0 warms up
         for precision in PRECISIONS:
             generator.manual_seed(step)
-            profiler = profiled(precision) if profile and step else nullcontext()
+            profiler = profiled(precision, setups[precision][0]) if profile and step else nullcontext()
             start = time.perf_counter()
             with profiler:
                 train_step(*setups[precision], batch, generator, precision)
@@ -132,23 +132,45 @@ def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile
 
 
 PROFILES: Dict[str, List] = {}
+PHASE_MODULES = ("embeddings", "prefix_dnn", "hstu", "postfix_dnn")  # GRModel children timed in forward
+BACKWARD_GROUPS = {"attention": ("_ChunkedAttention",), "sampled softmax": ("_DenseSampledSoftmax",),
+                   "embedding lookup": ("SplitTableBatchedEmbedding", "Tbe", "tbe", "EmbeddingFunction")}
 
 
-def profiled(precision: str):
+def profiled(precision: str, dmp) -> object:
+    """A profiler for one step, with forward phases of ``dmp``'s GRModel labelled."""
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     PROFILES.setdefault(precision, []).append(profiler)
+    model = dmp.module
+    if not getattr(model, "_phase_hooks", False):
+        for name in PHASE_MODULES:
+            labels: List = []
+            module = getattr(model, name)
+            module.register_forward_pre_hook(lambda m, a, n=name, s=labels: s.append(
+                torch.autograd.profiler.record_function(f"phase: forward {n}").__enter__()))
+            module.register_forward_hook(lambda m, a, o, s=labels: s.pop().__exit__(None, None, None))
+        model._phase_hooks = True
     return profiler
 
 
 def print_profiles(steps: int) -> None:
-    """Top ops by self CPU time per step, for each precision."""
+    """Per precision: ms per step of each phase (inclusive), backward by group, then the top ops."""
     for precision, profilers in PROFILES.items():
-        totals: Dict[str, float] = {}
+        inclusive: Dict[str, float] = {}
+        own: Dict[str, float] = {}
         for profiler in profilers:
             for event in profiler.key_averages():
-                totals[event.key] = totals.get(event.key, 0.0) + event.self_cpu_time_total
+                inclusive[event.key] = inclusive.get(event.key, 0.0) + event.cpu_time_total
+                own[event.key] = own.get(event.key, 0.0) + event.self_cpu_time_total
+        print(f"--- {precision}: ms per step")
+        for key in sorted(k for k in inclusive if k.startswith("phase: ")):
+            print(f"{inclusive[key] / 1000 / steps:9.2f}  {key[7:]}")
+        backward = {k: v for k, v in inclusive.items() if k.startswith("autograd::engine::evaluate_function: ")}
+        for group, names in BACKWARD_GROUPS.items():
+            total = sum(v for k, v in backward.items() if any(n in k for n in names))
+            print(f"{total / 1000 / steps:9.2f}  backward {group} (in 'backward')")
         print(f"--- {precision}: self CPU ms per step, top ops")
-        for key, micros in sorted(totals.items(), key=lambda kv: -kv[1])[:25]:
+        for key, micros in sorted(own.items(), key=lambda kv: -kv[1])[:20]:
             print(f"{micros / 1000 / steps:9.2f}  {key}")
 
 
