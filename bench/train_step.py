@@ -109,8 +109,8 @@ def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile
     data = SequenceDataModule(config.data)
     data.setup()
     spec = data.feature_spec()
-    loader = iter(data.train_dataloader())
-    batches = [next(loader) for _ in range(steps + 1)]
+    epoch = list(data.train_dataloader())
+    batches = [epoch[i % len(epoch)] for i in range(steps + 1)]  # cycled when the data has fewer
     setups = {p: build(config, spec) for p in PRECISIONS}
     seconds = {p: 0.0 for p in PRECISIONS}
     generator = torch.Generator()
