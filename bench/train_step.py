@@ -134,7 +134,7 @@ def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile
 PROFILES: Dict[str, List] = {}
 PHASE_MODULES = ("embeddings", "prefix_dnn", "hstu", "postfix_dnn")  # GRModel children timed in forward
 BACKWARD_GROUPS = {"attention": ("_ChunkedAttention",), "sampled softmax": ("_DenseSampledSoftmax",),
-                   "embedding lookup": ("SplitTableBatchedEmbedding", "Tbe", "tbe", "EmbeddingFunction")}
+                   "embedding lookup + fused optimizer": ("SplitNoBagLookupFunction", "SplitLookupFunction")}
 
 
 def profiled(precision: str, dmp) -> object:
@@ -169,6 +169,9 @@ def print_profiles(steps: int) -> None:
         for group, names in BACKWARD_GROUPS.items():
             total = sum(v for k, v in backward.items() if any(n in k for n in names))
             print(f"{total / 1000 / steps:9.2f}  backward {group} (in 'backward')")
+        grouped = sum(v for k, v in backward.items() if any(n in k for names in BACKWARD_GROUPS.values() for n in names))
+        other = next(v for k, v in inclusive.items() if k.startswith("phase: backward")) - grouped
+        print(f"{other / 1000 / steps:9.2f}  backward of the rest: projections, norms, dropout (in 'backward')")
         print(f"--- {precision}: self CPU ms per step, top ops")
         for key, micros in sorted(own.items(), key=lambda kv: -kv[1])[:20]:
             print(f"{micros / 1000 / steps:9.2f}  {key}")

@@ -20,6 +20,9 @@ Time deltas are taken in int32 (timestamps relative to the batch's earliest, int
 span 2^31 s or more) and bias weights are read with ``index_select``, several times cheaper
 here than int64 deltas and advanced indexing.
 
+bf16 inputs are multiplied in bf16 (oneDNN accumulates in fp32); bias lookups and gradients and
+the k/v gradients summed over query chunks stay fp32.
+
 torch.compile is not used (and was not measured for this version): the chunks' shapes vary
 with every batch (recompiles, or dynamic kernels) and a compile costs tens of seconds on the
 first call, which small serving calls must not pay. What it could still win is the fusion of
