@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lightning.pytorch import Callback  # noqa: E402
-
 from bench_data import write_ml1m_shaped_ratings  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
+from train_dedup import build, train_step  # noqa: E402
+
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.plan import hstu_forward_flops_per_token, linear_flops  # noqa: E402
 from gr.train.config import TrainConfig, load_config  # noqa: E402
 from gr.train.module import GRTrainingModule  # noqa: E402
 from gr.train.run import make_trainer  # noqa: E402
-from train_dedup import build, train_step  # noqa: E402
 
 RECIPES = {"small": "configs/ml1m_hstu.yaml", "large": "configs/ml1m_hstu_large.yaml"}
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -169,7 +169,8 @@ def print_profiles(steps: int) -> None:
         for group, names in BACKWARD_GROUPS.items():
             total = sum(v for k, v in backward.items() if any(n in k for n in names))
             print(f"{total / 1000 / steps:9.2f}  backward {group} (in 'backward')")
-        grouped = sum(v for k, v in backward.items() if any(n in k for names in BACKWARD_GROUPS.values() for n in names))
+        names = [n for group in BACKWARD_GROUPS.values() for n in group]
+        grouped = sum(v for k, v in backward.items() if any(n in k for n in names))
         other = next(v for k, v in inclusive.items() if k.startswith("phase: backward")) - grouped
         print(f"{other / 1000 / steps:9.2f}  backward of the rest: projections, norms, dropout (in 'backward')")
         print(f"--- {precision}: self CPU ms per step, top ops")
@@ -196,7 +197,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="train_step_"))
     ratings = write_ml1m_shaped_ratings(work, users)
     peak_seconds = 0.2 if args.smoke else 1.0
-    peaks = {"32-true": matmul_peak(torch.float32, peak_seconds), "bf16-mixed": matmul_peak(torch.bfloat16, peak_seconds)}
+    peaks = {p: matmul_peak(dtype, peak_seconds) for p, dtype in zip(PRECISIONS, (torch.float32, torch.bfloat16))}
     print(f"{users} users, {ratings} ratings; matmul peak fp32 {peaks['32-true']:.0f} GFLOP/s, "
           f"bf16 {peaks['bf16-mixed']:.0f} GFLOP/s; {load()}", flush=True)
     result = {"users": users, "ratings": ratings, "steps": steps, "threads": torch.get_num_threads(),
@@ -217,7 +218,8 @@ def main() -> None:
         rates = step_rates(config, steps, peaks, args.profile)
         for precision, rate in rates.items():
             result.update({f"{recipe}/{precision}/{k}": v for k, v in rate.items()})
-            print(f"{recipe:5s} {precision:10s} {rate['samples_per_s']:7.1f} samples/s, {rate['step_ms']:7.1f} ms/step, "
+            print(f"{recipe:5s} {precision:10s} {rate['samples_per_s']:7.1f} samples/s, "
+                  f"{rate['step_ms']:7.1f} ms/step, "
                   f"{rate['gflops']:6.1f} GFLOP/s = {100 * rate['peak_fraction']:4.1f}% of peak; {load()}", flush=True)
         result[f"{recipe}/bf16_speedup"] = (result[f"{recipe}/bf16-mixed/samples_per_s"]
                                             / result[f"{recipe}/32-true/samples_per_s"])

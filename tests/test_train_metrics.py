@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torchrec import KeyedJaggedTensor
 
 from gr import GRInput
+from gr.train import losses
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RetrievalSection
-from gr.train import losses
 from gr.train.losses import multitask_bce, sampled_softmax_loss
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
 from gr.train.tasks import RetrievalTask

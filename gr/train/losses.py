@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-
 ROW_TILE_ELEMENTS = 1 << 18  # logits of one row tile in the dense path (1 MB in fp32: stays in cache)
 
 

@@ -365,7 +365,8 @@ class _ChunkedAttention(torch.autograd.Function):
                 dqg[:, :, chunk.rows] = torch.matmul(dscores, kk).mul_(alpha)
                 tile.add_keys(dkg, torch.matmul(dscores.transpose(-1, -2), qq).to(dkg.dtype))
                 if dpos is not None or dtime is not None:
-                    _add_bias_grads(tile, dscores.sum(1, dtype=(dpos if dpos is not None else dtime).dtype), dpos, dtime)
+                    bias_dtype = (dpos if dpos is not None else dtime).dtype  # fp32 for bf16 inputs
+                    _add_bias_grads(tile, dscores.sum(1, dtype=bias_dtype), dpos, dtime)
             for grad, part in zip(grads, (dqg, dkg, dvg)):
                 grad[group.tokens] = part.transpose(1, 2).to(grad.dtype)  # each token is in one group; padding -> row T
         dq, dk, dv = (g[:-1] for g in grads)
