@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.autograd.profiler import record_function  # noqa: E402
 from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
@@ -55,12 +56,20 @@ def build(config, spec):
     return dmp, task, torch.optim.AdamW(dense, lr=config.optimizer.lr, betas=config.optimizer.betas)
 
 
-def train_step(dmp, task, optimizer, batch, generator) -> None:
-    inputs = task.training_inputs(batch, generator)
-    loss = task.loss(dmp(inputs), inputs)["loss"]
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+def train_step(dmp, task, optimizer, batch, generator, precision: str = "32-true") -> None:
+    """One training step; "bf16-mixed" runs forward and loss under CPU bf16 autocast, as Lightning does."""
+    with record_function("phase: sampling"):
+        inputs = task.training_inputs(batch, generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        with record_function("phase: forward"):
+            output = dmp(inputs)
+        with record_function("phase: loss"):
+            loss = task.loss(output, inputs)["loss"]
+    with record_function("phase: backward (with the fused embedding optimizer)"):
+        loss.backward()
+    with record_function("phase: dense optimizer"):
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def sparse_step(dmp, batch) -> None:
