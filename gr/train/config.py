@@ -453,4 +453,9 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
     """Write ``config`` as YAML (to a temporary file, then renamed over ``path``)."""
-    write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
+    write_text(path, config_yaml(config))
+
+
+def config_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML text (every key, defaults filled in)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
