@@ -58,9 +58,11 @@ def resolve(argv: Sequence[str]) -> tuple[Optional[Callable[[List[str]], int]], 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from gr.console import quiet_console
     from gr.devices import configure_backend_autoload
 
     configure_backend_autoload()  # before torch is imported: torch_npu autoloads only on an NPU host
+    quiet_console()  # before fbgemm_gpu is imported: its logging.basicConfig() then adds no handler
     argv = sys.argv[1:] if argv is None else list(argv)
     function, rest, error = resolve(argv)
     if function is None:
