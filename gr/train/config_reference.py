@@ -52,7 +52,9 @@ def _keys(cls: type, prefix: str) -> Iterator[ConfigKey]:
         hint = hints[f.name]
         if cls is TableConfig and f.name == "extra":
             continue  # not a config key: TableConfig.from_dict ignores it
-        if cls is ModelSection and f.name == "tables":
+        if cls is ModelSection and f.name == "class_path":
+            yield ConfigKey(f"{prefix}class", "str", f.default, "an import path to a GRModel subclass")
+        elif cls is ModelSection and f.name == "tables":
             yield from _keys(TableConfig, f"{path}[].")
         elif hint is ModuleSpec:
             yield ConfigKey(f"{path}.class", "str", "(the built-in class)", "an import path like package.module.Class")
