@@ -1,5 +1,6 @@
 # `make demo` and `make test` need nothing installed beforehand: both build .venv/ first.
 PY := .venv/bin/python
+GR := .venv/bin/gr
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
@@ -10,6 +11,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
+	# The distribution was called "gr" before it became gr-hstu: drop that stale install.
+	$(PIP) uninstall -q -y gr 2>/dev/null || true
 	$(PIP) install -q -e ".[test]"
 	# torchrec's metadata requires the CUDA fbgemm-gpu; --no-deps keeps fbgemm-gpu-cpu.
 	$(PIP) install -q --no-deps torchrec==1.8.0
@@ -23,9 +26,9 @@ EXPORT := exports/quickstart-$(STAMP_NOW)
 # Train on the built-in synthetic data, export the serving slices, validate them, then start the
 # HTTP server, send one rank, one recommend and one generate, print the answers and stop it.
 demo: $(STAMP)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) train.py --config configs/quickstart.yaml --out $(RUN)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export $(RUN) $(EXPORT)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export check $(EXPORT)
+	$(GR) train --config configs/quickstart.yaml --out $(RUN)
+	$(GR) export $(RUN) $(EXPORT)
+	$(GR) check $(EXPORT)
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) examples/http_demo.py $(EXPORT)
 
 test: $(STAMP)

@@ -27,6 +27,7 @@ from gr.train.config import TrainConfig, load_config, plain, save_config
 from gr.train.csv_log import AppendingCSVLogger
 from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
+from gr.train.progress import progress_callbacks
 from gr.train.strategy import TorchRecStrategy
 
 CONFIG_FILE = "config.yaml"
@@ -96,7 +97,7 @@ def make_trainer(config: TrainConfig, out_dir: Path,
                                   mode=t.monitor_mode, save_top_k=1, save_last=True, auto_insert_metric_name=False)
     checkpoints.CHECKPOINT_NAME_LAST = LAST_CHECKPOINT
     checkpoints.FILE_EXTENSION = ""  # checkpoints are DCP directories
-    callbacks = [checkpoints, *extra_callbacks]
+    callbacks = [checkpoints, *progress_callbacks(t.enable_progress_bar), *extra_callbacks]
     if t.early_stopping_patience:
         callbacks.append(EarlyStopping(config.monitor, patience=t.early_stopping_patience, mode=t.monitor_mode))
     device_args = dict(accelerator="cuda" if t.accelerator == "gpu" else t.accelerator, precision=t.precision)
