@@ -16,17 +16,22 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
 	touch $(STAMP)
 
+# TORCH_DEVICE_BACKEND_AUTOLOAD=0 unless this is an Ascend host (torch_npu then loads with torch), decided by
+# gr.devices as train.py and tests/conftest.py decide it; a value already in the environment is kept.
+AUTOLOAD = $(shell $(PY) -c "from gr.devices import autoload_env; print(*(f'{k}={v}' for k, v in autoload_env().items()))")
+
 STAMP_NOW := $(shell date +%Y%m%d-%H%M%S)
 RUN := runs/quickstart-$(STAMP_NOW)
 EXPORT := exports/quickstart-$(STAMP_NOW)
 
 # Train on the built-in synthetic data, export the serving slices, validate them, rank a request.
 demo: $(STAMP)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) train.py --config configs/quickstart.yaml --out $(RUN)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export $(RUN) $(EXPORT)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export check $(EXPORT)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving rank $(EXPORT) --request examples/quickstart_request.json
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving generate $(EXPORT) --request examples/quickstart_request.json --k 10
+	$(AUTOLOAD) $(PY) train.py --config configs/quickstart.yaml --out $(RUN)
+	$(AUTOLOAD) $(PY) -m gr.export $(RUN) $(EXPORT)
+	$(AUTOLOAD) $(PY) -m gr.export check $(EXPORT)
+	$(AUTOLOAD) $(PY) -m gr.serving rank $(EXPORT) --request examples/quickstart_request.json
+	$(AUTOLOAD) $(PY) -m gr.serving generate $(EXPORT) --request examples/quickstart_request.json --k 10
 
+# GR_TEST_DEVICE=cuda|npu make test: the device suites on that device (tests/conftest.py decides the autoload).
 test: $(STAMP)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests
+	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests
