@@ -60,16 +60,21 @@ def resolve(argv: Sequence[str]) -> Tuple[TrainConfig, Path, bool]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import json
+    """train.py: bad input (config, data files, a run to resume, a diverged run) ends in one
+    line on stderr and exit status 2 (``gr.cli_errors``)."""
     import sys
+
+    from gr.cli_errors import run_cli
+
+    return run_cli("train.py", lambda: _train(sys.argv[1:] if argv is None else argv))
+
+
+def _train(argv: Sequence[str]) -> int:
+    import json
 
     from gr.train.run import METRICS_FILE, train
 
-    try:
-        config, out, resume = resolve(sys.argv[1:] if argv is None else argv)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
-        return 2
+    config, out, resume = resolve(argv)
     metrics = train(config, out, resume=resume)
     summary = {k: v for k, v in metrics.items() if k != "config"}
     print(json.dumps(summary, indent=2))

@@ -64,6 +64,10 @@ class ModuleSpec:
     def __post_init__(self, where: str, base: type) -> None:
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"{where}.kwargs: expected a mapping of constructor arguments, got {self.kwargs!r}")
+
+    def check_class(self, where: str, base: type) -> None:
+        """Import the class and check it against ``base`` and the kwargs. Imports run code, so
+        ``TrainConfig.from_dict`` calls this only once everything else has validated."""
         cls = import_class(self.class_path, f"{where}.class")
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ValueError(f"{where}.class: {self.class_path} is not a {base.__name__} subclass")
@@ -136,6 +140,11 @@ class ModelSection:
             postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN,
                                          DEFAULT_POSTFIX[task]),
         )
+
+    def check_classes(self, where: str) -> None:
+        """Import and check prefix_dnn.class and postfix_dnn.class (``ModuleSpec.check_class``)."""
+        self.prefix_dnn.check_class(f"{where}.prefix_dnn", PrefixDNN)
+        self.postfix_dnn.check_class(f"{where}.postfix_dnn", PostfixDNN)
 
     def table_with(self, feature: str) -> Optional[Mapping[str, Any]]:
         return next((t for t in self.tables if feature in t["features"]), None)
@@ -321,6 +330,7 @@ class TrainConfig:
             distributed=DistributedSection.from_dict(values.get("distributed"), "distributed"),
         )
         config.check_consistency()
+        config.model.check_classes("model")  # last: importing a class path runs its module's code
         return config
 
     def check_consistency(self) -> None:
