@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
 	touch $(STAMP)
 
+# TORCH_DEVICE_BACKEND_AUTOLOAD=0 unless this is an Ascend host (torch_npu then loads with torch), decided by
+# gr.devices as train.py and tests/conftest.py decide it; a value already in the environment is kept.
+AUTOLOAD = $(shell $(PY) -c "from gr.devices import autoload_env; print(*(f'{k}={v}' for k, v in autoload_env().items()))")
+
 STAMP_NOW := $(shell date +%Y%m%d-%H%M%S)
 RUN := runs/quickstart-$(STAMP_NOW)
 EXPORT := exports/quickstart-$(STAMP_NOW)
@@ -26,10 +30,11 @@ EXPORT := exports/quickstart-$(STAMP_NOW)
 # Train on the built-in synthetic data, export the serving slices, validate them, then start the
 # HTTP server, send one rank, one recommend and one generate, print the answers and stop it.
 demo: $(STAMP)
-	$(GR) train --config configs/quickstart.yaml --out $(RUN)
-	$(GR) export $(RUN) $(EXPORT)
-	$(GR) check $(EXPORT)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) examples/http_demo.py $(EXPORT)
+	$(AUTOLOAD) $(GR) train --config configs/quickstart.yaml --out $(RUN)
+	$(AUTOLOAD) $(GR) export $(RUN) $(EXPORT)
+	$(AUTOLOAD) $(GR) check $(EXPORT)
+	$(AUTOLOAD) $(PY) examples/http_demo.py $(EXPORT)
 
+# GR_TEST_DEVICE=cuda|npu make test: the device suites on that device (tests/conftest.py decides the autoload).
 test: $(STAMP)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests
+	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests
