@@ -9,7 +9,8 @@ Steps, each a subprocess with ``GR_TEST_DEVICE=<device>`` whose output is kept i
                 against the padded reference;
   serving       bench/serving.py: ranking through an export (the serving runtime itself runs on
                 CPU until it takes a device);
-  train_step    bench/train_step.py --device D [--smoke], when this tree has it.
+  train_step    bench/train_step.py [--smoke]: the training step on the CPU path only (it has no device
+                option yet), so a device host's report shows its host-side training speed.
 DIR/report.json and DIR/report.md hold each step's status, time and summary (a bench's last JSON
 line, the suite's counts), the device's name and the package versions. The last line printed is
 one JSON object; the exit status is 1 when the device is unusable or a step failed.
@@ -128,7 +129,7 @@ def plan(device: str, smoke: bool, out: Path) -> List[Step]:
         Step("attention", [python, "bench/attention.py", "--device", device, "--backend", ATTENTION_BACKEND[device],
                            *ATTENTION_SIZES[size]]),
         Step("serving", [python, "bench/serving.py", *SERVING_SIZES[size]]),
-        Step("train_step", [python, "bench/train_step.py", "--device", device, *(["--smoke"] if smoke else [])]),
+        Step("train_step", [python, "bench/train_step.py", *(["--smoke", "--no-epoch"] if smoke else [])]),
     ]
     if not (ROOT / "bench" / "train_step.py").is_file():
         steps[-1].note = "bench/train_step.py is not in this tree"

@@ -55,6 +55,8 @@ class _NotLightning(logging.Filter):
 
 def quiet_console() -> None:
     """Install the root handler and the message filters above (idempotent)."""
+    for category, pattern in KNOWN_WARNINGS:  # re-adding a filter moves it to the front, never duplicates it
+        warnings.filterwarnings("ignore", message=pattern, category=category)
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, logging.StreamHandler) and getattr(handler, "_gr_console", False):
@@ -68,5 +70,3 @@ def quiet_console() -> None:
     root.addHandler(handler)
     for name, pattern in KNOWN_LOG_LINES.items():
         logging.getLogger(name).addFilter(MessageFilter(pattern))
-    for category, pattern in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern, category=category)

@@ -27,7 +27,7 @@ def one_error_line(done, prog):
 def test_train_with_a_missing_data_path_names_the_file(tmp_path):
     done = run("train.py", "--config", "configs/ml100k_hstu.yaml", "--data.path", str(tmp_path / "nowhere"),
                "--out", str(tmp_path / "run"))
-    assert str(tmp_path / "nowhere") in one_error_line(done, "train.py")
+    assert str(tmp_path / "nowhere") in one_error_line(done, "gr train")
 
 
 def test_export_of_a_missing_run_and_check_of_a_missing_export_name_the_directory(tmp_path):
