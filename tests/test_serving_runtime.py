@@ -361,3 +361,29 @@ def test_generation_never_imports_the_serving_runtime_and_generate_not_the_ranke
         assert not any(name.startswith("gr.serving") for name in _imports(path)), path
     for module in ("generate", "history", "catalogue", "model"):
         assert not any(name.startswith("gr.serving.runtime") for name in _imports(ROOT / "gr" / "serving" / f"{module}.py"))
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_long_histories_are_evicted_in_blocks_and_the_cache_survives_between_them(block, tmp_path):
+    """max_seq_len 8: a history streamed one action at a time is re-encoded only when its window
+    start moves (once per ``eviction_block`` actions, not on every action past 8), and every
+    served score equals the one-pass scores of the window training draws (``window_starts``)."""
+    from gr.data.sequences import window_starts
+
+    model = build_ranking_model(max_seq_len=8, eviction_block=block)
+    path = export_model(model, tmp_path / "export", dense_dims=DENSE_DIMS)
+    request = requests_from_batch(random_batch(model, [23], [3], seed=5))[0]  # 20 history actions, 3 candidates
+    ranker = Ranker.load(path, micro_batch=2)
+    statuses = []
+    for length in range(1, 21):
+        start = int(window_starts(np.array([0]), np.array([length]), 8, block)[0])
+        served = rank(ranker, slice_history(request, length))
+        assert served.truncated == start and served.history_length == length - start
+        window = {**request, "history": {k: v[start:length] for k, v in request["history"].items()}}
+        one_pass = rank(ranker, window, use_cache=False)
+        for task, value in one_pass.scores.items():
+            np.testing.assert_allclose(served.scores[task], value, rtol=0, atol=ATOL)
+        statuses.append(served.cache_status)
+    misses = [length for length, status in enumerate(statuses, start=1) if status == "miss"]
+    assert misses == ([1, *range(9, 21)] if block == 1 else [1, 9, 13, 17])
+    assert set(statuses) - {"miss"} == {"extend"}

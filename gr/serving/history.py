@@ -12,6 +12,7 @@ import torch
 from gr.export.format import TIMESTAMPS
 from gr.generation.decoding import DecodeState, start
 from gr.hstu.cache import HistoryCache
+from gr.jagged import evicted_prefix
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import IdMaps
@@ -57,10 +58,13 @@ class EncodedHistory:
     cache_status: str
 
 
-def fit(tokens: Tokens, max_seq_len: int, reserve: int, long_history: str) -> Tuple[Tokens, int]:
-    """Keep the most recent ``max_seq_len - reserve`` tokens (or refuse) -> (tokens, tokens dropped).
+def fit(tokens: Tokens, max_seq_len: int, reserve: int, long_history: str, eviction_block: int = 1
+        ) -> Tuple[Tokens, int]:
+    """Drop the oldest tokens to fit ``max_seq_len - reserve`` (or refuse) -> (tokens, tokens dropped).
 
-    reserve: tokens kept free for generated items."""
+    reserve: tokens kept free for generated items. eviction_block: tokens are dropped in whole
+    blocks (``gr.jagged.evicted_prefix``, ``HSTUConfig.eviction_block``), as training windows
+    are, so a growing history keeps its window start (and its cache) for a block of actions."""
     length, limit = len(tokens[TIMESTAMPS]), max_seq_len - reserve
     if length <= limit:
         return tokens, 0
@@ -68,7 +72,8 @@ def fit(tokens: Tokens, max_seq_len: int, reserve: int, long_history: str) -> Tu
         generated = f" + {reserve} generated" if reserve else ""
         raise RequestError(f"history: {length} tokens{generated} exceed the model's max_seq_len {max_seq_len} "
                            "(long_history='refuse'; use 'truncate' to keep the most recent ones)")
-    return {name: value[length - limit:].copy() for name, value in tokens.items()}, length - limit
+    dropped = min(evicted_prefix(length, limit, eviction_block), length)
+    return {name: value[dropped:].copy() for name, value in tokens.items()}, dropped
 
 
 def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time: int) -> DecodeState:

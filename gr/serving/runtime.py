@@ -188,7 +188,8 @@ class Ranker:
         raw = model.id_maps if id_options.ids == "raw" else None
         tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
         common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
-        tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, self.long_history)
+        tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, self.long_history,
+                                model.config.eviction_block)
         return History(model, model_version, user_id, tokens, common, truncated, raw, id_options.unknown_ids)
 
     def encode(self, h: History, use_cache: bool = True) -> EncodedHistory:
