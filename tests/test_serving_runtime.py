@@ -387,3 +387,23 @@ def test_long_histories_are_evicted_in_blocks_and_the_cache_survives_between_the
     misses = [length for length, status in enumerate(statuses, start=1) if status == "miss"]
     assert misses == ([1, *range(9, 21)] if block == 1 else [1, 9, 13, 17])
     assert set(statuses) - {"miss"} == {"extend"}
+
+
+@pytest.mark.parametrize("query_time", ["token", "next_event"])
+def test_a_batch_of_users_scores_exactly_as_one_user_at_a_time(query_time, tmp_path):
+    """rank_batch packs several users' candidates into shared HSTU passes (micro_batch 4 splits one
+    user's 9 candidates and packs others together) and one postfix run: the scores equal ``rank``."""
+    model = build_ranking_model(max_seq_len=40, query_time=query_time)
+    path = export_model(model, tmp_path / "export", dense_dims=DENSE_DIMS)
+    requests = requests_from_batch(random_batch(model, [30, 17, 8, 22], [5, 9, 1, 3], seed=11))
+    one_by_one = Ranker.load(path, micro_batch=4)
+    want = [rank(one_by_one, r) for r in requests]
+    batched = Ranker.load(path, micro_batch=4)
+    rank(batched, slice_history(requests[0], 20))  # one user's cache holds a prefix: extended in the batch
+    got = batched.rank_batch([RankRequest(**r) for r in requests])
+    assert [g.cache_status for g in got] == ["extend", "miss", "miss", "miss"]
+    for g, w in zip(got, want):
+        assert g.scores.keys() == w.scores.keys()
+        for task in w.scores:
+            np.testing.assert_allclose(g.scores[task], w.scores[task], rtol=0, atol=ATOL)
+    assert [g.cache_status for g in batched.rank_batch([RankRequest(**r) for r in requests])] == ["hit"] * 4

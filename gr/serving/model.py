@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -86,19 +86,32 @@ class ServingModel:
         """hidden: [N, D] HSTU outputs at the candidates -> {task: [N, ...]} via the postfix_dnn slice.
 
         Raises ScoringError when an output is not finite."""
+        return self.heads_batch(hidden, [common], [hidden.shape[0]])
+
+    def heads_batch(self, hidden: Tensor, commons: Sequence[Tokens], rows: Sequence[int]) -> Dict[str, np.ndarray]:
+        """``heads`` for B requests in one postfix_dnn run: hidden [N, D] holds request b's
+        ``rows[b]`` candidates after request b-1's; each request's common features go to its rows."""
+        envs = [self._common_inputs(common) for common in commons]
+        inputs = {}
+        for t in self.postfix.spec.inputs:
+            if t.source == f"{HSTU_SLICE}.{HSTU_OUTPUT}":
+                inputs[t.name] = hidden.numpy()
+            elif t.repeat == REPEAT_PER_TARGET:
+                inputs[t.name] = np.concatenate([np.repeat(env[t.source], n, axis=0) for env, n in zip(envs, rows)])
+            else:
+                raise ValueError(f"{POSTFIX}: input {t.name} reads {t.source}, neither the HSTU output nor "
+                                 "repeated per target")
+        out = self.postfix.run(inputs)
+        check_finite(out, "postfix_dnn")
+        return out
+
+    def _common_inputs(self, common: Tokens) -> Dict[str, np.ndarray]:
+        """One request's common features by graph source name (ids pooled through the sparse store)."""
         env: Dict[str, np.ndarray] = {f"{REQUEST}.{name}": value for name, value in common.items()}
         for t in self.graph.slice(SPARSE).inputs:
             if t.shape == (BAG,):
                 env[f"{SPARSE}.{t.name}"] = self.sparse.pooled(t.name, env[t.source])
-        env[f"{HSTU_SLICE}.{HSTU_OUTPUT}"] = hidden.numpy()
-        rows = hidden.shape[0]
-        inputs = {}
-        for t in self.postfix.spec.inputs:
-            value = env[t.source]
-            inputs[t.name] = np.repeat(value, rows, axis=0) if t.repeat == REPEAT_PER_TARGET else value
-        out = self.postfix.run(inputs)
-        check_finite(out, "postfix_dnn")
-        return out
+        return env
 
 
 def check_finite(outputs: Dict[str, np.ndarray], where: str) -> None:

@@ -20,6 +20,7 @@ from torch import Tensor
 from gr.export.format import TIMESTAMPS
 from gr.generation.index import Exclusions
 from gr.hstu.cache import HistoryCache
+from gr.jagged import offsets_from_lengths
 from gr.serving import generate as generation
 from gr.serving.catalogue import QUERY, Catalogue
 from gr.serving.errors import RequestError
@@ -235,16 +236,7 @@ class Ranker:
         """
         h = self.history(user_id, history, common_features, id_options=id_options)
         model = h.model
-        _check_time(request_time)
-        default_time = request_time
-        if request_time is None:  # candidates without timestamps stand right after the last action
-            default_time = int(h.tokens[TIMESTAMPS][-1]) if h.length else 0
-        cands = model.schema.tokens(candidates, "candidates", model.sparse, default_timestamp=default_time,
-                                    raw=h.raw, unknown_ids=h.unknown_ids)
-        if len(cands[TIMESTAMPS]) == 0:
-            raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
-        if request_time is None:  # the request is when its candidates are shown
-            request_time = int(cands[TIMESTAMPS].max())
+        cands, request_time = self._candidates(h, candidates, request_time)
         if model.is_retrieval:
             catalogue = model.catalogue()
             if h.length == 0:
@@ -266,19 +258,55 @@ class Ranker:
         return RankResult(model.heads(hidden, h.common), h.length, h.truncated, encoded.cache_status,
                           h.model_version)
 
+    def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]
+                    ) -> Tuple[Tokens, int]:
+        """Validate a request's candidates -> (their token columns, the request time)."""
+        _check_time(request_time)
+        default_time = request_time
+        if request_time is None:  # candidates without timestamps stand right after the last action
+            default_time = int(h.tokens[TIMESTAMPS][-1]) if h.length else 0
+        cands = h.model.schema.tokens(candidates, "candidates", h.model.sparse, default_timestamp=default_time,
+                                      raw=h.raw, unknown_ids=h.unknown_ids)
+        if len(cands[TIMESTAMPS]) == 0:
+            raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
+        if request_time is None:  # the request is when its candidates are shown
+            request_time = int(cands[TIMESTAMPS].max())
+        return cands, request_time
+
     def rank_request(self, request: RankRequest, use_cache: bool = True) -> RankResult:
         return self.rank(request.user_id, request.history, request.candidates, request.common_features,
                          request_time=request.request_time, use_cache=use_cache, id_options=request.id_options)
 
     def rank_batch(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]:
-        """Rank several users' requests; a bad one raises RequestError naming its index."""
-        results = []
+        """Rank several users' requests as one batch; a bad one raises RequestError naming its index.
+
+        A ranking export scores every user's candidates against that user's cached history in
+        shared HSTU passes (``CachedHSTU.score_batch``: up to ``micro_batch`` candidates a pass,
+        users packed together) and shared prefix/postfix ONNX runs; scores equal ``rank`` user by
+        user. Retrieval exports, ``use_cache=False`` and a batch that raced a reload go one by one."""
+        prepared = []
         for i, request in enumerate(requests):
             try:
-                results.append(self.rank_request(request, use_cache))
+                h = self.history(request.user_id, request.history, request.common_features,
+                                 id_options=request.id_options)
+                prepared.append((h, *self._candidates(h, request.candidates, request.request_time)))
             except RequestError as exc:
                 raise RequestError(f"requests[{i}]: {exc}") from exc
-        return results
+        models = {id(h.model) for h, _, _ in prepared}
+        if not prepared or len(models) > 1 or prepared[0][0].model.is_retrieval or not use_cache:
+            return [self.rank_request(request, use_cache) for request in requests]
+        model = prepared[0][0].model
+        encoded = [self.encode(h) for h, _, _ in prepared]
+        counts = [len(cands[TIMESTAMPS]) for _, cands, _ in prepared]
+        joined = {name: np.concatenate([cands[name] for _, cands, _ in prepared]) for name in prepared[0][1]}
+        hidden = model.engine.score_batch(
+            [e.cache for e in encoded], model.embed_tokens(joined), offsets_from_lengths(torch.tensor(counts)),
+            torch.from_numpy(joined[TIMESTAMPS]), self.micro_batch, [t for _, _, t in prepared])
+        scores = model.heads_batch(hidden, [h.common for h, _, _ in prepared], counts)
+        bounds = np.cumsum([0, *counts])
+        return [RankResult({task: value[bounds[b]:bounds[b + 1]] for task, value in scores.items()}, h.length,
+                           h.truncated, e.cache_status, h.model_version)
+                for b, ((h, _, _), e) in enumerate(zip(prepared, encoded))]
 
     # ---- recommend --------------------------------------------------------------------------
     def recommend(self, request: RecommendRequest) -> RecommendResult:
