@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smoke  # noqa: E402
+from peak import matmul_peak  # noqa: E402
 
 from gr.hstu.kernels import RelativeBias, hstu_attention  # noqa: E402
 
@@ -58,12 +59,6 @@ def timed(fn: Callable[[], object], device: str, repeats: int) -> float:
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def matmul_peak_gflops(device: str, size: int, repeats: int = 5) -> float:
-    a, b = (torch.randn(size, size, device=device) for _ in range(2))
-    torch.mm(a, b)
-    return 2 * size**3 / timed(lambda: torch.mm(a, b), device, repeats) / 1e9
 
 
 def skewed_batch(args: argparse.Namespace) -> Dict[str, object]:
@@ -131,7 +126,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    peak = matmul_peak_gflops(args.device, args.peak_size)
+    peak = matmul_peak(torch.float32, 1.0, args.peak_size, args.device)
     batch = skewed_batch(args)
     lengths = batch["lengths"]
     pairs = int((lengths * (lengths + 1) // 2).sum())  # causal: visible (query, key) pairs

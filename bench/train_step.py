@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_data import write_ml1m_shaped_ratings  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
+from peak import matmul_peak  # noqa: E402
 from train_dedup import build, train_step  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
@@ -53,18 +54,6 @@ PRECISIONS = ("32-true", "bf16-mixed")
 
 def load() -> str:
     return "load average %.2f %.2f %.2f" % os.getloadavg()
-
-
-def matmul_peak(dtype: torch.dtype, seconds: float, size: int = 1024) -> float:
-    """GFLOP/s of [size, size] @ [size, size] in ``dtype``, best of repeated timings."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    torch.matmul(a, b)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        best = max(best, 2 * size**3 / (time.perf_counter() - start) / 1e9)
-    return best
 
 
 def training_flops(config: TrainConfig, model: torch.nn.Module, batch) -> float:
