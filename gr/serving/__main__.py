@@ -61,6 +61,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
     serve.add_argument("--index", choices=INDEXES, default="exact",
                        help="catalogue search of recommend/generate: exact, or hnsw (approximate; needs faiss-cpu)")
+    serve.add_argument("--batch-window-ms", type=float, default=2.0,
+                       help="rank requests arriving within this many ms of each other run as one batch (0: off)")
     serve.add_argument("--admin-token", default=None,
                        help="enables POST /admin/reload for 'Authorization: Bearer <token>' (default: off); "
                             f"or set ${ADMIN_TOKEN_ENV}")
@@ -119,8 +121,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gr.serving.http import OPTIONS_ENV
 
-    if args.workers < 1 or not 0 < args.port < 65536 or args.micro_batch < 1 or args.cache_bytes < 0:
-        print("serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0", file=sys.stderr)
+    if (args.workers < 1 or not 0 < args.port < 65536 or args.micro_batch < 1 or args.cache_bytes < 0
+            or args.batch_window_ms < 0):
+        print("serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
+              "--batch-window-ms >= 0", file=sys.stderr)
         return 2
     try:
         check = check_export(args.export_dir)
@@ -132,7 +136,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     os.environ[OPTIONS_ENV] = json.dumps({
-        "export_dir": str(args.export_dir.resolve()), "admin_token": token, "micro_batch": args.micro_batch,
+        "export_dir": str(args.export_dir.resolve()), "admin_token": token, "batch_window_ms": args.batch_window_ms,
+        "micro_batch": args.micro_batch,
         "long_history": args.long_history, "cache_bytes": args.cache_bytes, "threads": args.threads,
         "index": args.index})
     try:

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from gr.serving.batcher import RankBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
 from gr.serving.metrics import ServerMetrics
 from gr.serving.request import (
@@ -67,10 +68,12 @@ def _error(status: int, name: str, detail: str, field: str = "") -> Response:
     return _json({"error": name, "field": field, "detail": detail}, status)
 
 
-def create_app(ranker: Ranker, *, admin_token: Optional[str] = None) -> FastAPI:
-    """The service over ``ranker``. admin_token: enables POST /admin/reload for that bearer token."""
+def create_app(ranker: Ranker, *, admin_token: Optional[str] = None, batch_window_ms: float = 0.0) -> FastAPI:
+    """The service over ``ranker``. admin_token: enables POST /admin/reload for that bearer token;
+    batch_window_ms > 0: concurrent rank requests run as one batch (``gr.serving.batcher``)."""
     app = FastAPI(title="gr serving", description=__doc__, version="1")
     metrics = ServerMetrics(ranker)
+    rank_request = RankBatcher(ranker, batch_window_ms).rank if batch_window_ms > 0 else ranker.rank_request
 
     async def call(endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
         metrics.requests.labels(endpoint).inc()
@@ -100,7 +103,7 @@ def create_app(ranker: Ranker, *, admin_token: Optional[str] = None) -> FastAPI:
 
     def rank(payload: Any) -> Dict[str, Any]:
         request = RankRequest.from_dict(payload, "body", default_ids=RAW)
-        return {"user_id": request.user_id, **ranker.rank_request(request).to_json()}
+        return {"user_id": request.user_id, **rank_request(request).to_json()}
 
     def recommend(payload: Any) -> Dict[str, Any]:
         request = RecommendRequest.from_dict(payload, "body", default_ids=RAW)
@@ -167,4 +170,5 @@ def app_from_environment() -> FastAPI:
     {"export_dir", "admin_token", and Ranker options} that ``python -m gr.serving serve`` set."""
     options = json.loads(os.environ[OPTIONS_ENV])
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
-    return create_app(Ranker.load(export_dir, **options), admin_token=admin_token)
+    window = options.pop("batch_window_ms", 0.0)
+    return create_app(Ranker.load(export_dir, **options), admin_token=admin_token, batch_window_ms=window)

@@ -112,6 +112,16 @@ class CachedUser:
         return self.history.nbytes + sum(a.nbytes for a in self.tokens.values())
 
 
+@dataclass(frozen=True)
+class PreparedRank:
+    """A validated rank request: its history (``Ranker.history``), candidate columns and time."""
+
+    request: RankRequest
+    history: History
+    candidates: Tokens
+    request_time: int
+
+
 class Ranker:
     """Ranks, recommends and generates for users from an export, caching each user's encoded history.
 
@@ -287,26 +297,34 @@ class Ranker:
         prepared = []
         for i, request in enumerate(requests):
             try:
-                h = self.history(request.user_id, request.history, request.common_features,
-                                 id_options=request.id_options)
-                prepared.append((h, *self._candidates(h, request.candidates, request.request_time)))
+                prepared.append(self.prepare_rank(request))
             except RequestError as exc:
                 raise RequestError(f"requests[{i}]: {exc}") from exc
-        models = {id(h.model) for h, _, _ in prepared}
-        if not prepared or len(models) > 1 or prepared[0][0].model.is_retrieval or not use_cache:
-            return [self.rank_request(request, use_cache) for request in requests]
-        model = prepared[0][0].model
-        encoded = [self.encode(h) for h, _, _ in prepared]
-        counts = [len(cands[TIMESTAMPS]) for _, cands, _ in prepared]
-        joined = {name: np.concatenate([cands[name] for _, cands, _ in prepared]) for name in prepared[0][1]}
+        return self.rank_prepared(prepared, use_cache=use_cache)
+
+    def prepare_rank(self, request: RankRequest) -> PreparedRank:
+        """Validate one rank request against the current model (touches no cache)."""
+        h = self.history(request.user_id, request.history, request.common_features, id_options=request.id_options)
+        return PreparedRank(request, h, *self._candidates(h, request.candidates, request.request_time))
+
+    def rank_prepared(self, prepared: Sequence[PreparedRank], *, use_cache: bool = True) -> List[RankResult]:
+        """``rank_batch`` of requests already validated by ``prepare_rank``."""
+        if not prepared:
+            return []
+        model = prepared[0].history.model
+        if model.is_retrieval or not use_cache or any(p.history.model is not model for p in prepared):
+            return [self.rank_request(p.request, use_cache) for p in prepared]
+        encoded = [self.encode(p.history) for p in prepared]
+        counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
+        joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
         hidden = model.engine.score_batch(
             [e.cache for e in encoded], model.embed_tokens(joined), offsets_from_lengths(torch.tensor(counts)),
-            torch.from_numpy(joined[TIMESTAMPS]), self.micro_batch, [t for _, _, t in prepared])
-        scores = model.heads_batch(hidden, [h.common for h, _, _ in prepared], counts)
+            torch.from_numpy(joined[TIMESTAMPS]), self.micro_batch, [p.request_time for p in prepared])
+        scores = model.heads_batch(hidden, [p.history.common for p in prepared], counts)
         bounds = np.cumsum([0, *counts])
-        return [RankResult({task: value[bounds[b]:bounds[b + 1]] for task, value in scores.items()}, h.length,
-                           h.truncated, e.cache_status, h.model_version)
-                for b, ((h, _, _), e) in enumerate(zip(prepared, encoded))]
+        return [RankResult({task: value[bounds[b]:bounds[b + 1]] for task, value in scores.items()}, p.history.length,
+                           p.history.truncated, e.cache_status, p.history.model_version)
+                for b, (p, e) in enumerate(zip(prepared, encoded))]
 
     # ---- recommend --------------------------------------------------------------------------
     def recommend(self, request: RecommendRequest) -> RecommendResult:
