@@ -1,5 +1,6 @@
 # `make demo` and `make test` need nothing installed beforehand: both build .venv/ first.
 PY := .venv/bin/python
+GR := .venv/bin/gr
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
@@ -10,23 +11,30 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
+	# The distribution was called "gr" before it became gr-hstu: drop that stale install.
+	$(PIP) uninstall -q -y gr 2>/dev/null || true
 	$(PIP) install -q -e ".[test]"
 	# torchrec's metadata requires the CUDA fbgemm-gpu; --no-deps keeps fbgemm-gpu-cpu.
 	$(PIP) install -q --no-deps torchrec==1.8.0
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
 	touch $(STAMP)
 
+# TORCH_DEVICE_BACKEND_AUTOLOAD=0 unless this is an Ascend host (torch_npu then loads with torch), decided by
+# gr.devices as train.py and tests/conftest.py decide it; a value already in the environment is kept.
+AUTOLOAD = $(shell $(PY) -c "from gr.devices import autoload_env; print(*(f'{k}={v}' for k, v in autoload_env().items()))")
+
 STAMP_NOW := $(shell date +%Y%m%d-%H%M%S)
 RUN := runs/quickstart-$(STAMP_NOW)
 EXPORT := exports/quickstart-$(STAMP_NOW)
 
-# Train on the built-in synthetic data, export the serving slices, validate them, rank a request.
+# Train on the built-in synthetic data, export the serving slices, validate them, then start the
+# HTTP server, send one rank, one recommend and one generate, print the answers and stop it.
 demo: $(STAMP)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) train.py --config configs/quickstart.yaml --out $(RUN)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export $(RUN) $(EXPORT)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.export check $(EXPORT)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving rank $(EXPORT) --request examples/quickstart_request.json
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -m gr.serving generate $(EXPORT) --request examples/quickstart_request.json --k 10
+	$(AUTOLOAD) $(GR) train --config configs/quickstart.yaml --out $(RUN)
+	$(AUTOLOAD) $(GR) export $(RUN) $(EXPORT)
+	$(AUTOLOAD) $(GR) check $(EXPORT)
+	$(AUTOLOAD) $(PY) examples/http_demo.py $(EXPORT)
 
+# GR_TEST_DEVICE=cuda|npu make test: the device suites on that device (tests/conftest.py decides the autoload).
 test: $(STAMP)
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests
+	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests

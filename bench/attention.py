@@ -5,13 +5,17 @@ and time bias on, as in training. Measured in one run: forward and forward+backw
 the backend and of the padded implementation (``pytorch``: pads to [B, H, L, L] and masks, the
 way padded frameworks compute HSTU), the useful GFLOP/s (q.k and attention.v multiply-adds of
 visible pairs only: 2 * pairs * H * (Dqk + Dv) forward, three times that forward+backward) and
-the device's fp32 matmul peak. The last line is one JSON object with the ratios.
+the device's fp32 matmul peak. The last line is one JSON object with the ratios: device,
+backend, threads, load_average, fwd_speedup_vs_padded, fwd_bwd_speedup_vs_padded, fwd_gflops,
+fwd_bwd_gflops, matmul_peak_gflops, fwd_fraction_of_peak, fwd_bwd_fraction_of_peak,
+padded_fwd_fraction_of_peak, max_relative_error.
 
 Here (CPU):        python bench/attention.py    (add --threads 1 when other jobs load the cores: with
                    more threads than free cores, every op waits at OpenMP barriers for a
                    descheduled thread, and the many small ops of a jagged path suffer most)
 On a CUDA host:    python bench/attention.py --device cuda --backend triton
 On an Ascend host: python bench/attention.py --device npu --backend ascend_triton   (or ascend)
+A few seconds:     python bench/attention.py --smoke   (a small batch; checks it runs)
 (the Triton kernels only run on those hosts; nothing here measured them).
 """
 from __future__ import annotations
@@ -21,12 +25,21 @@ import functools
 import json
 import math
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
 
-from gr.hstu.kernels import RelativeBias, hstu_attention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke  # noqa: E402
+from peak import matmul_peak  # noqa: E402
+
+from gr.hstu.kernels import RelativeBias, hstu_attention  # noqa: E402
+
+SMOKE = {"batch": 4, "mean_len": 32.0, "max_len": 128, "dim": 16, "repeats": 1, "peak_size": 256}
 
 
 def synchronize(device: str) -> None:
@@ -46,12 +59,6 @@ def timed(fn: Callable[[], object], device: str, repeats: int) -> float:
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def matmul_peak_gflops(device: str, size: int = 2048, repeats: int = 5) -> float:
-    a, b = (torch.randn(size, size, device=device) for _ in range(2))
-    torch.mm(a, b)
-    return 2 * size**3 / timed(lambda: torch.mm(a, b), device, repeats) / 1e9
 
 
 def skewed_batch(args: argparse.Namespace) -> Dict[str, object]:
@@ -114,11 +121,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    args = parser.parse_args()
+    parser.add_argument("--peak-size", type=int, default=2048, help="square matmul size of the peak measure")
+    args, _ = smoke.parse_args(parser, SMOKE)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    peak = matmul_peak_gflops(args.device)
+    peak = matmul_peak(torch.float32, 1.0, args.peak_size, args.device)
     batch = skewed_batch(args)
     lengths = batch["lengths"]
     pairs = int((lengths * (lengths + 1) // 2).sum())  # causal: visible (query, key) pairs

@@ -6,18 +6,29 @@
 3. Batch building: retrieval-train and ranking-train batches per second on the default
    synthetic dataset.
 
-Run: ``.venv/bin/python bench/bench_data.py [--lines 2000000]``. The last line is one JSON object.
+Run: ``.venv/bin/python bench/bench_data.py [--lines 2000000]`` (``--smoke``: 20,000 lines and 5
+batches, checks it runs). The last line is one JSON object: lines, parse_seconds_pyarrow,
+parse_seconds_python_loop, parse_speedup, build_sequences_seconds,
+retrieval_train_batches_per_second, ranking_train_batches_per_second.
+
+``write_ml1m_shaped_ratings`` also gives other benches (bench/train_step.py) a ``ratings.dat``
+with MovieLens-1M's shape, since ML-1M itself is not on every machine.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke  # noqa: E402
 
 
 def write_ratings(path: Path, lines: int) -> None:
@@ -32,6 +43,42 @@ def write_ratings(path: Path, lines: int) -> None:
             block = slice(start, start + 500_000)
             f.writelines(f"{u},{i},{r:.1f},{t}\n" for u, i, r, t in
                          zip(users[block], items[block], ratings[block], times[block]))
+
+
+# MovieLens-1M's interactions per user: (quantile, length) knots of a log-linear quantile function.
+# Min 20, median 96, 90th percentile 400 and max 2,314 are ML-1M's; the 99th-percentile knot is
+# chosen so that the mean is ML-1M's 166 (6,040 users then have ~1.0M ratings, as ML-1M does).
+ML1M_LENGTH_KNOTS = ((0.0, 20), (0.5, 96), (0.9, 400), (0.99, 580), (1.0, 2314))
+ML1M_USERS, ML1M_ITEMS = 6040, 3706
+
+
+def ml1m_lengths(num_users: int, rng: np.random.Generator) -> np.ndarray:
+    """[num_users] int64 sequence lengths spread over ML-1M's quantiles, shuffled."""
+    quantiles, lengths = zip(*ML1M_LENGTH_KNOTS)
+    spread = np.arange(num_users) / max(num_users - 1, 1)
+    out = np.rint(np.exp(np.interp(spread, quantiles, np.log(lengths)))).astype(np.int64)
+    return rng.permutation(out)
+
+
+def write_ml1m_shaped_ratings(directory: Path, num_users: int = ML1M_USERS, seed: int = 0) -> int:
+    """Write ``directory/ratings.dat`` (``UserID::MovieID::Rating::Timestamp``) with ML-1M's
+    per-user lengths (``ml1m_lengths``) over its 3,706 items: each user's items are distinct,
+    drawn by Zipf popularity (Gumbel top-k), at increasing times. Returns the number of lines."""
+    rng = np.random.default_rng(seed)
+    lengths = ml1m_lengths(num_users, rng)
+    log_popularity = -np.log1p(rng.permutation(ML1M_ITEMS))
+    with open(Path(directory) / "ratings.dat", "w") as f:
+        for start in range(0, num_users, 1024):
+            block = lengths[start:start + 1024]
+            keys = log_popularity + rng.gumbel(size=(len(block), ML1M_ITEMS))
+            order = np.argsort(-keys, axis=1)
+            for offset, length in enumerate(block):
+                user = start + offset + 1
+                items = order[offset, :length] + 1
+                times = 978_000_000 + np.cumsum(rng.integers(1, 3600, size=length))
+                ratings = rng.integers(1, 6, size=length)
+                f.writelines(f"{user}::{i}::{r}::{t}\n" for i, r, t in zip(items, ratings, times))
+    return int(lengths.sum())
 
 
 def python_loop(path: Path) -> int:
@@ -67,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=2_000_000)
     parser.add_argument("--batches", type=int, default=50)
-    args = parser.parse_args()
+    args, _ = smoke.parse_args(parser, {"lines": 20_000, "batches": 5})
     from gr.data.readers import read_ml_20m
     from gr.data.sequences import build_sequences
 

@@ -1,6 +1,7 @@
 """Peak memory of one HSTU training step (forward, backward, AdamW step) against gr.plan's estimate.
 
     python bench/memory.py [--lengths 1024 2048 4096] [--recompute none layer] [--precisions 32-true bf16-mixed]
+    python bench/memory.py --smoke   # one short fp32 case: checks it runs
 
 One sequence of each length goes through an HSTU stack (hidden 128, 2 layers, 2 heads of
 64) with fp32 weights, in fp32 or under bf16 autocast, with each recompute mode. Every case
@@ -10,7 +11,8 @@ their buffers loaded), the measured peak is the process's resident-set high-wate
 already allocated), so it holds activations, gradients, the optimizer's state, the
 kernels' temporary buffers and what the allocator keeps. The estimate is gr.plan's: the
 stack's activation peak in backward (``hstu_activation_bytes``) + gradients + AdamW state.
-Prints a table; the last line is one JSON object.
+Prints a table; the last line is one JSON object: bench, model, cases (one per case: length,
+precision, recompute, measured_mib, estimate_mib, estimate_over_measured).
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import smoke  # noqa: E402
 import torch  # noqa: E402
 
 from gr.hstu import HSTU, HSTUConfig  # noqa: E402
@@ -32,6 +36,7 @@ from gr.hstu import HSTU, HSTUConfig  # noqa: E402
 MIB = 1 << 20
 WARM_UP_LENGTH = 128
 HIDDEN = 128
+SMOKE = {"lengths": [256], "precisions": ["32-true"], "recompute": ["none"]}
 
 
 def stack_config(length: int, recompute: str) -> HSTUConfig:
@@ -81,7 +86,7 @@ def main() -> None:
     parser.add_argument("--recompute", nargs="+", default=["none", "layer"])
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
     parser.add_argument("--case", nargs=3, metavar=("LENGTH", "RECOMPUTE", "PRECISION"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, _ = smoke.parse_args(parser, SMOKE)
     if args.case:
         print(measure(int(args.case[0]), args.case[1], args.case[2]))
         return

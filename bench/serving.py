@@ -11,19 +11,30 @@ A request scores N candidates for a user with L history tokens. Modes:
 The model is the ML-1M shape scaled up (hidden 256, 4 layers, 2 heads of 128), exported with
 ``gr.export`` and served by ``gr.serving.Ranker`` (sparse -> ONNX Runtime -> HSTU -> ONNX Runtime).
 
+Two more sections (issue 16):
+  streaming: one user streams ``--stream-actions`` actions, one request (``--stream-candidates``
+      candidates) per action, at max_seq_len ``--stream-max-len``: HSTU tokens encoded per request
+      and p50 latency with ``--eviction-block`` against eviction by one token (the old path);
+  batching: ``--batch-users`` users with histories of ``--batch-history`` and ``--batch-candidates``
+      candidates each, caches warm: ``Ranker.rank_batch`` (users packed into shared passes) against a
+      loop of ``rank``, and the batched path's FLOP rate as a fraction of the in-run matmul peak.
+
 FLOP bound of (a)/(c): per layer, a token costs its projections (2*D*H*(2*Dl+2*Da) + 2*H*Dl*D)
 and a visible (query, key) pair costs 2*H*(Da+Dl). (a) = N * [(L+1) tokens + L(L+1)/2 + (L+1) pairs];
 (c) = L tokens + L(L+1)/2 pairs + N * [1 token + (L+1) pairs].
 
 Run: ``.venv/bin/python bench/serving.py [--clock thread]`` (a few minutes on 2 cores). ``--clock
 thread`` runs on one thread and reports its CPU time: use it when other processes share the
-machine. Last line: one JSON object.
+machine. ``--smoke``: tiny sizes. Last line: one JSON object with keys bench, clock,
+load_average_1min, model, cache_bytes_per_token, ratios, streaming, batching.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +42,10 @@ from typing import Callable, Dict, List
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
+from peak import matmul_peak  # noqa: E402
 
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.export import export_model
@@ -43,9 +58,9 @@ NUM_ITEMS = 3706  # ML-1M items
 USER = "bench-user"
 
 
-def build_model(max_len: int) -> GRModel:
+def build_model(max_len: int, eviction_block: int = 1) -> GRModel:
     config = HSTUConfig(hidden_dim=256, num_layers=4, num_heads=2, attention_dim=128, linear_dim=128,
-                        max_seq_len=max_len, dropout=0.0, input_dropout=0.0)
+                        max_seq_len=max_len, dropout=0.0, input_dropout=0.0, eviction_block=eviction_block)
     tables = [TableConfig("item", NUM_ITEMS, 256, ("item_id",), init_std=0.05)]
     prefix = MLPTokenEncoder({"item_id": 256}, 256)
     postfix = MMoERankingHead(256, ["watch", "like"], num_experts=4, expert_dims=(128,), tower_dims=(64,))
@@ -90,7 +105,17 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="wall: wall time with the default threads; thread: one thread (torch and ONNX "
                              "Runtime) timed by its CPU time, which other processes on the machine barely skew")
-    args = parser.parse_args()
+    parser.add_argument("--stream-actions", type=int, default=2000)
+    parser.add_argument("--stream-max-len", type=int, default=1024)
+    parser.add_argument("--stream-candidates", type=int, default=16)
+    parser.add_argument("--eviction-block", type=int, default=128)
+    parser.add_argument("--batch-users", type=int, default=64)
+    parser.add_argument("--batch-history", type=int, default=1024)
+    parser.add_argument("--batch-candidates", type=int, default=512)
+    args, _ = smoke.parse_args(parser, {
+        "lengths": [32], "candidates": [8], "new_actions": 2, "micro_batch": 8, "pointwise_budget": 0.2,
+        "repeats": 1, "stream_actions": 40, "stream_max_len": 16, "stream_candidates": 4, "eviction_block": 4,
+        "batch_users": 3, "batch_history": 16, "batch_candidates": 8})
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     if args.clock == "thread":
         torch.set_num_threads(1)
@@ -133,6 +158,9 @@ def main() -> None:
         "a_is_sampled": "(a) runs a_sampled candidates and is scaled per candidate to N",
         "ratios": {k: {m: round(v, 3) for m, v in r.items()} for k, r in rows.items()},
     }
+    summary["streaming"] = streaming(args, clock)
+    summary["batching"] = batching(args, clock)
+    summary["load_average_1min"]["end"] = round(os.getloadavg()[0], 2)
     if key in rows:
         row = rows[key]
         summary["target_L1024_N512"] = {"a_over_c": round(row["a_over_c"], 1), "half_bound": round(row["bound"] / 2, 1),
@@ -178,7 +206,7 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
     stale = ranker.cache.get(USER)
 
     def restore() -> None:
-        ranker.cache.put(USER, stale, ranker.cache.generation)
+        ranker.cache.put(USER, stale, ranker.cache.model_version)
 
     d = best_time(clock, lambda: rank(USER, history, candidates), args.repeats, before=restore)
     assert rank(USER, history, candidates).cache_status == "hit"
@@ -186,6 +214,85 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
     assert rank(USER, history, candidates).cache_status == "extend"
     return {"a_ms": a * 1e3, "b_ms": b * 1e3, "c_ms": c * 1e3, "d_ms": d * 1e3, "a_over_c": a / c,
             "b_over_c": b / c, "a_over_d": a / d, "a_sampled": float(len(sampled))}
+
+
+def streaming(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, object]:
+    """One user streams actions, one request per action: tokens encoded and latency, with eviction in
+    blocks against eviction by one token."""
+    rng = np.random.default_rng(1)
+    history = request_tokens(rng, args.stream_actions, start_time=0)
+    candidates = {"item_id": rng.integers(0, NUM_ITEMS, args.stream_candidates)}
+    out: Dict[str, object] = {"actions": args.stream_actions, "max_seq_len": args.stream_max_len}
+    for name, block in (("block", args.eviction_block), ("one_token", 1)):
+        with tempfile.TemporaryDirectory() as tmp:
+            ranker = Ranker.load(export_model(build_model(args.stream_max_len, block), Path(tmp) / "e"),
+                                 micro_batch=args.micro_batch, cache_bytes=2**31,
+                                 threads=1 if args.clock == "thread" else None)
+            encoded = count_encoded_tokens(ranker)
+            times = []
+            for n in range(1, args.stream_actions + 1):
+                prefix = {k: v[:n] for k, v in history.items()}
+                start = clock()
+                ranker.rank(USER, prefix, candidates, request_time=int(prefix["timestamps"][-1]) + 60)
+                times.append(clock() - start)
+        full = [t for n, t in enumerate(times, start=1) if n > args.stream_max_len]  # once the window is full
+        out[name] = {"eviction_block": block, "tokens_encoded_per_request": sum(encoded) / len(encoded),
+                     "tokens_encoded_per_request_when_full": statistics.mean(encoded[args.stream_max_len:] or [0]),
+                     "p50_ms_when_full": 1e3 * statistics.median(full or times)}
+        print(f"streaming {name:9s} (block {block}): {out[name]}", flush=True)
+    out["p50_speedup_when_full"] = out["one_token"]["p50_ms_when_full"] / out["block"]["p50_ms_when_full"]
+    return out
+
+
+def count_encoded_tokens(ranker: Ranker) -> List[int]:
+    """Per request, the history tokens the HSTU engine runs (encode and extend; candidates excluded)."""
+    engine, counts = ranker.model.engine, []
+    encode, extend = engine.encode, engine.extend
+
+    def counted_encode(x, timestamps):
+        counts.append(int(x.shape[0]))
+        return encode(x, timestamps)
+
+    def counted_extend(cache, x, timestamps):
+        counts.append(int(x.shape[0]) + (0 if cache.pending is None else int(cache.pending.shape[0])))
+        return extend(cache, x, timestamps)
+
+    engine.encode, engine.extend = counted_encode, counted_extend
+    original_rank = ranker.rank
+
+    def rank(*a, **k):
+        before = len(counts)
+        result = original_rank(*a, **k)
+        if len(counts) == before:
+            counts.append(0)  # a cache hit encodes nothing
+        return result
+
+    ranker.rank = rank
+    return counts
+
+
+def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, object]:
+    """Warm caches, then the same requests ranked by a loop of ``rank`` and by ``rank_batch``."""
+    from gr.serving import RankRequest
+
+    rng = np.random.default_rng(2)
+    users, length, n = args.batch_users, args.batch_history, args.batch_candidates
+    with tempfile.TemporaryDirectory() as tmp:
+        ranker = Ranker.load(export_model(build_model(length), Path(tmp) / "e"), micro_batch=args.micro_batch,
+                             cache_bytes=2**33, threads=1 if args.clock == "thread" else None)
+        requests = [RankRequest(f"u{u}", request_tokens(rng, length, 0), {"item_id": rng.integers(0, NUM_ITEMS, n)},
+                                request_time=10**8 + 60) for u in range(users)]
+        ranker.rank_batch(requests)  # warm every user's cache
+        loop = best_time(clock, lambda: [ranker.rank_request(r) for r in requests], args.repeats)
+        batched = best_time(clock, lambda: ranker.rank_batch(requests), args.repeats)
+        config = ranker.model.config
+        flops = users * config.num_layers * flops_per_layer(config, n, n * (length + 1))
+    peak = matmul_peak(torch.float32, 1.0 if not args.smoke else 0.1)
+    out = {"users": users, "history": length, "candidates": n, "loop_s": loop, "batched_s": batched,
+           "speedup": loop / batched, "batched_gflops": flops / batched / 1e9, "matmul_peak_gflops": peak,
+           "batched_fraction_of_peak": flops / batched / 1e9 / peak}
+    print(f"batching: {out}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 
     python bench/train_dedup.py [--config configs/ml100k_hstu.yaml] [--steps 6] [--data.path ...]
     torchrun --nproc_per_node 2 bench/train_dedup.py ...   # tables row-wise over 2 ranks
+    python bench/train_dedup.py --smoke   # 2 steps of a tiny synthetic model: checks it runs
 
 Builds the recipe's model, shards it with TorchRec (gloo; one rank, or torchrun's), and times full
 training steps (sampling, sharded lookup, HSTU, sampled softmax, backward with the fused
 embedding optimizer, dense AdamW) on the same batches, alternating dedup off / on so that
 both see the same machine load. Also times the sparse part alone (lookup forward +
 backward) on the batches' item ids. Prints one line per setting; the last line is one
-JSON object with samples/s, tokens/s and the ratios.
+JSON object: config, ranks, steps, batch_size, item_ids_per_rank_batch,
+distinct_item_ids_per_rank_batch, {no_dedup,dedup}_samples_per_s, {no_dedup,dedup}_tokens_per_s,
+{no_dedup,dedup}_sparse_ms_per_batch, train_speedup, sparse_speedup.
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import smoke  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.autograd.profiler import record_function  # noqa: E402
 from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
@@ -33,6 +39,12 @@ from gr.train.build import seeded_model  # noqa: E402
 from gr.train.cli import parse_args  # noqa: E402
 from gr.train.config import load_config  # noqa: E402
 from gr.train.tasks import RetrievalTask  # noqa: E402
+
+# --smoke: the quickstart recipe shrunk to a few batches of a tiny model (given overrides still win).
+SMOKE_OVERRIDES = ["--config", "configs/quickstart.yaml", "--data.synthetic.num_users", "64",
+                   "--data.synthetic.num_items", "50", "--data.synthetic.min_len", "5",
+                   "--data.synthetic.max_len", "20", "--data.max_seq_len", "20", "--model.hstu.max_seq_len", "20",
+                   "--model.hstu.num_layers", "1", "--task.retrieval.num_negatives", "8", "--data.batch_size", "16"]
 
 
 def build(config, spec):
@@ -44,12 +56,20 @@ def build(config, spec):
     return dmp, task, torch.optim.AdamW(dense, lr=config.optimizer.lr, betas=config.optimizer.betas)
 
 
-def train_step(dmp, task, optimizer, batch, generator) -> None:
-    inputs = task.training_inputs(batch, generator)
-    loss = task.loss(dmp(inputs), inputs)["loss"]
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+def train_step(dmp, task, optimizer, batch, generator, precision: str = "32-true") -> None:
+    """One training step; "bf16-mixed" runs forward and loss under CPU bf16 autocast, as Lightning does."""
+    with record_function("phase: sampling"):
+        inputs = task.training_inputs(batch, generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        with record_function("phase: forward"):
+            output = dmp(inputs)
+        with record_function("phase: loss"):
+            loss = task.loss(output, inputs)["loss"]
+    with record_function("phase: backward (with the fused embedding optimizer)"):
+        loss.backward()
+    with record_function("phase: dense optimizer"):
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def sparse_step(dmp, batch) -> None:
@@ -60,7 +80,9 @@ def sparse_step(dmp, batch) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="timed training steps per setting")
-    own, rest = parser.parse_known_args()
+    own, rest = smoke.parse_args(parser, {"steps": 2}, known=True)
+    if own.smoke:
+        rest = [*SMOKE_OVERRIDES, *rest]
     args, overrides = parse_args(["--config", "configs/ml100k_hstu.yaml", *rest] if "--config" not in rest else rest)
     config = load_config(args.config, overrides)
     store = tempfile.TemporaryDirectory()

@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator, Union
 
+from gr.crash_points import crash_point
+
 PathLike = Union[str, Path]
 
 
@@ -87,5 +89,6 @@ def replace_directory(source: PathLike, target: PathLike) -> None:
     old = target.with_name(target.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     os.rename(target, old)
+    crash_point("replace_directory_mid_rename")
     os.rename(source, target)
     shutil.rmtree(old)

@@ -13,11 +13,11 @@ import glob
 import importlib
 import importlib.util
 import os
+import sys
 from types import ModuleType
-from typing import Mapping, MutableMapping, Optional
+from typing import Dict, Mapping, MutableMapping, Optional
 
 DEVICES = ("cpu", "cuda", "npu")
-__test__ = False  # test_device is not a pytest test
 AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 CANN_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # set by CANN's set_env.sh
 
@@ -36,14 +36,23 @@ def npu_present(environ: Optional[Mapping[str, str]] = None) -> bool:
     return bool(glob.glob("/dev/davinci[0-9]*")) or cann_home(environ) is not None
 
 
+def autoload_env(requested: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The environment a process asking for ``requested`` (cpu|cuda|npu, or None / "auto") should
+    start torch with: ``{TORCH_DEVICE_BACKEND_AUTOLOAD: "0"}`` unless an NPU is requested or, with
+    nothing requested, present; an already-set value is kept. Empty: leave torch's default."""
+    environ = os.environ if environ is None else environ
+    if AUTOLOAD_VAR in environ:
+        return {AUTOLOAD_VAR: environ[AUTOLOAD_VAR]}
+    if requested == "npu" or (requested in (None, "auto") and npu_present(environ)):
+        return {}
+    return {AUTOLOAD_VAR: "0"}
+
+
 def configure_backend_autoload(requested: Optional[str] = None,
                                environ: Optional[MutableMapping[str, str]] = None) -> None:
-    """Set ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (unless already set) when no NPU is requested
-    and, with nothing requested (None or "auto"), none is present. Call before importing torch."""
+    """Apply ``autoload_env`` to ``environ`` (default: this process). Call before importing torch."""
     environ = os.environ if environ is None else environ
-    if requested == "npu" or (requested in (None, "auto") and npu_present(environ)):
-        return
-    environ.setdefault(AUTOLOAD_VAR, "0")
+    environ.update(autoload_env(requested, environ))
 
 
 def load_torch_npu(where: str) -> ModuleType:
@@ -85,11 +94,32 @@ def require_device(device: str, where: str) -> None:
                                f"(torch {torch.__version__} sees none)")
 
 
-def test_device(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The device the test suite runs on: ``GR_TEST_DEVICE`` (cpu|cuda|npu), or None when unset
-    (each test module detects its own, as before). Raises ValueError naming the variable."""
+def requested_test_device(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The device the test suite is asked to run on: ``GR_TEST_DEVICE`` (cpu|cuda|npu), or None
+    when unset. Raises ValueError naming the variable."""
     environ = os.environ if environ is None else environ
     device = environ.get("GR_TEST_DEVICE") or None
     if device is not None and device not in DEVICES:
         raise ValueError(f"GR_TEST_DEVICE: expected one of {list(DEVICES)}, got {device!r}")
     return device
+
+
+def detected_device() -> str:
+    """The accelerator torch sees in this process: "cuda", "npu" (torch_npu already loaded), else "cpu"."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if "torch_npu" in sys.modules and torch.npu.is_available():
+        return "npu"
+    return "cpu"
+
+
+def suite_device(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The device the test suite runs on: ``GR_TEST_DEVICE`` checked with ``require_device``
+    (torch_npu loaded for "npu"), else the detected one. Call after ``configure_backend_autoload``."""
+    requested = requested_test_device(environ)
+    if requested is None:
+        return detected_device()
+    require_device(requested, "GR_TEST_DEVICE")
+    return requested

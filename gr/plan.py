@@ -13,8 +13,8 @@ bytes (4 fp32, 2 under bf16 autocast), D = hidden_dim, P = heads * (2 linear_dim
 attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention output):
 
   recompute "none":      x 4D + LayerNorm stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
-                         (+ fp32 copies of q, k, v 4(P - A) under bf16: the kernel computes
-                         in fp32) + attention eA + stats 8 + LN(attention) eA
+                         (the kernel keeps q, k, v as views of it, bf16 included)
+                         + attention eA + stats 8 + LN(attention) eA
                          + dropout mask eA and output eA (or the product eA without dropout)
   recompute "attention": x 4D + stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
   recompute "layer":     x 4D
@@ -114,9 +114,8 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
     kept = FP32 * d + LAYER_NORM_STATS + e * d + 2 * e * p
     if recompute == "attention":
         return kept
-    fp32_qkv = FP32 * (p - a) if e != FP32 else 0
     after_attention = (4 if config.dropout > 0 else 3) * e * a
-    return kept + fp32_qkv + LAYER_NORM_STATS + after_attention
+    return kept + LAYER_NORM_STATS + after_attention
 
 
 def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compute_bytes: int) -> Tuple[int, int]:

@@ -1,10 +1,14 @@
 import os
 
-from gr.devices import configure_backend_autoload, test_device
+from gr.devices import configure_backend_autoload, requested_test_device, suite_device
 
 # GR_TEST_DEVICE=npu keeps torch_npu's autoload on; unset or cpu/cuda, it stays off unless an NPU host is detected
-configure_backend_autoload(test_device())
+configure_backend_autoload(requested_test_device())
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+if suite_device() == "cpu":
+    # Triton's interpreter for the Triton kernels on CPU tensors: read when triton is first imported, and the
+    # training stack imports it (through torch) before any attention test module, so it is set here, once.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -2,25 +2,32 @@
 the one-pass ``hstu_attention`` reference over each request's history followed by its new
 tokens, with B requests in one call; draft trees equal chains. Forward only.
 
-On a CPU-only host the Triton backends run through Triton's interpreter."""
+Runs on the test suite's device (``GR_TEST_DEVICE``, else detected), like the training
+attention conformance suite: on CPU the Triton backends run through Triton's interpreter, on a
+CUDA or NPU host the compiled kernels and the vendor op run on the device. The reference rows are
+computed on CPU."""
 import importlib.util
-import os
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    DEVICE = "cpu"
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from gr.hstu.kernels import RelativeBias, hstu_attention, hstu_cached_attention  # noqa: E402
+from gr.devices import suite_device
+from gr.hstu.kernels import RelativeBias, hstu_attention, hstu_cached_attention
 
 pytestmark = pytest.mark.attention
 
+DEVICE = suite_device()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-BACKENDS = ["pytorch", "cpu"] + (["triton", "ascend_triton"] if HAS_TRITON else [])
+BACKENDS = ["pytorch"] + [
+    name
+    for name, ok in [
+        ("cpu", DEVICE == "cpu"),
+        ("triton", HAS_TRITON and DEVICE in ("cpu", "cuda")),
+        ("ascend_triton", HAS_TRITON and DEVICE in ("cpu", "npu")),
+        ("ascend", DEVICE == "npu"),
+    ]
+    if ok
+]
 CACHE_LENGTHS = [5, 0, 9, 1]
 NEW_LENGTHS = [3, 2, 4, 1]
 HEADS, DA, DL = 2, 8, 6

@@ -8,32 +8,18 @@ Select with ``-m attention``.
 """
 import importlib.util
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gr.devices import load_torch_npu, test_device  # noqa: E402
-
-if test_device() is not None:
-    DEVICE = test_device()  # GR_TEST_DEVICE: run the suite on that device (cpu: interpreted kernels)
-    if DEVICE == "npu":
-        load_torch_npu("GR_TEST_DEVICE")
-    elif DEVICE == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-elif hasattr(torch, "npu") and torch.npu.is_available():
-    DEVICE = "npu"
-else:
-    DEVICE = "cpu"
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel modules are first imported
-
-from gr.hstu.kernels import RelativeBias, hstu_attention  # noqa: E402
-from gr.hstu.kernels.ascend import find_mxrec_hstu_jagged  # noqa: E402
+from gr.devices import suite_device
+from gr.hstu.kernels import RelativeBias, hstu_attention
+from gr.hstu.kernels.ascend import find_mxrec_hstu_jagged
 
 pytestmark = pytest.mark.attention
+
+DEVICE = suite_device()  # GR_TEST_DEVICE, else detected (cpu: Triton's interpreter, set by tests/conftest.py)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_BACKENDS = [

@@ -170,6 +170,20 @@ def test_registry_dispatches_on_source(tmp_path):
     assert len(data.users) == 3 and data.user_side is None and data.item_side is not None
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_rows_repeating_user_item_and_timestamp_are_dropped_and_counted_unless_kept(tmp_path, keep, caplog):
+    root = ml_100k_dir(tmp_path)
+    ratings = (root / "u.data").read_text()
+    # every row again, plus (user 1, item 10) at another time: a repeat view, not a duplicate
+    write(root / "u.data", ratings + ratings + "1\t10\t3\t881250999\n")
+    data = read_source(DataConfig(source="ml-100k", path=str(root), keep_duplicates=keep))
+    assert data.duplicates == 3 and data.duplicates_dropped is not keep
+    rows = list(zip(data.users.tolist(), data.items.tolist(), data.timestamps.tolist(), data.ratings.tolist()))
+    first = [(1, 10, 881250949, 4.0), (2, 10, 881250950, 2.0), (1, 30, 881250000, 5.0)]
+    assert rows == (first + first if keep else first) + [(1, 10, 881250999, 3.0)]
+    assert ("dropped 3 duplicate interactions" in caplog.text) is not keep
+
+
 def test_generic_csv_bad_value_names_its_line(tmp_path):
     write(tmp_path / "events.csv", "user_id,item_id,timestamp\n1,2,100\n1,3,yesterday\n")
     with pytest.raises(DataFormatError, match=r"events\.csv:3: column 'timestamp': expected a number, got 'yesterday'"):

@@ -86,3 +86,13 @@ def test_id_maps_round_trip_through_files(tmp_path):
     assert (tmp_path / "items.tsv").read_text().splitlines() == ["dense_id\traw_id", "0\t10", "1\t30"]
     with pytest.raises(KeyError, match="not in the mapping"):
         loaded["items"].encode(np.array([20]))
+
+
+def test_windows_drop_the_oldest_events_in_whole_eviction_blocks():
+    from gr.data.sequences import window_starts
+    from gr.jagged import evicted_prefix
+
+    begins, ends = np.array([0, 10, 100, 7]), np.array([5, 30, 109, 16])
+    assert window_starts(begins, ends, 8).tolist() == [0, 22, 101, 8]  # block 1: the most recent 8
+    assert window_starts(begins, ends, 8, 4).tolist() == [0, 22, 104, 11]  # 12, 1 -> 4, 1 -> 4 dropped
+    assert [evicted_prefix(n, 8, 4) for n in (8, 9, 12, 13)] == [0, 4, 4, 8]

@@ -3,6 +3,9 @@ refused otherwise, a clear error naming torch_npu / CANN when they are missing, 
 accelerator registered under "npu", and the torch_npu autoload switched off unless an NPU is
 requested or present. Nothing here ran on an NPU."""
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +14,6 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from gr import devices
 
 from test_train_config import config_with
-
-# gr.train.run and gr.train.npu are imported inside the tests: importing the training stack at
-# collection would load the Triton kernels before the attention tests set TRITON_INTERPRET.
 
 
 def test_npu_accelerator_is_accepted_with_tables_in_host_memory():
@@ -103,7 +103,41 @@ def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
 
 
 def test_gr_test_device_selects_the_suite_device_and_refuses_others():
-    assert devices.test_device({}) is None
-    assert devices.test_device({"GR_TEST_DEVICE": "cpu"}) == "cpu"
+    assert devices.requested_test_device({}) is None
+    assert devices.requested_test_device({"GR_TEST_DEVICE": "cpu"}) == "cpu"
     with pytest.raises(ValueError, match=r"GR_TEST_DEVICE: expected one of \['cpu', 'cuda', 'npu'\], got 'gpu'"):
-        devices.test_device({"GR_TEST_DEVICE": "gpu"})
+        devices.requested_test_device({"GR_TEST_DEVICE": "gpu"})
+
+
+def test_suite_device_is_the_requested_one_or_the_detected_one():
+    assert devices.suite_device({"GR_TEST_DEVICE": "cpu"}) == "cpu"
+    assert devices.suite_device({}) == devices.detected_device()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has a GPU")
+def test_a_requested_suite_device_that_is_absent_is_refused_up_front():
+    with pytest.raises(RuntimeError, match=r"^GR_TEST_DEVICE: 'cuda' needs a CUDA build of torch and a visible GPU"):
+        devices.suite_device({"GR_TEST_DEVICE": "cuda"})
+
+
+def test_an_autoload_setting_already_in_the_environment_is_kept(monkeypatch):
+    monkeypatch.setattr(devices, "npu_present", lambda environ=None: False)
+    assert devices.autoload_env("cpu", {devices.AUTOLOAD_VAR: "1"}) == {devices.AUTOLOAD_VAR: "1"}
+    assert devices.autoload_env(None, {}) == {devices.AUTOLOAD_VAR: "0"}
+
+
+@pytest.mark.skipif(devices.requested_test_device() not in (None, "cpu") or not importlib.util.find_spec("triton"),
+                    reason="the interpreter is the CPU suite's concern")
+def test_interpreted_triton_kernels_pass_after_the_training_stack_is_collected_first():
+    """The training stack imports triton (through torch) at collection; TRITON_INTERPRET must
+    already be set then, so tests/conftest.py sets it, not the attention modules."""
+    root = Path(__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "GR_TEST_DEVICE")}
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings",
+               "tests/test_train_config.py::test_config_file_errors_name_the_file",
+               "tests/test_attention_conformance.py::test_backend_matches_reference_forward_and_gradients"
+               "[triton-causal,pos+next-event-time]"]
+    run = subprocess.run(command, cwd=root, env={**env, "GR_TEST_DEVICE": "cpu"}, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "2 passed" in run.stdout

@@ -1,13 +1,19 @@
-"""A damaged export is refused with an error naming the file and key: truncated weights, a missing
-slice, edited shapes, unknown versions, dangling edges. Also the ``check`` CLI."""
+"""A damaged export is refused with an error naming the file and key. Any edit after export is
+caught by the MANIFEST; the other checks are shown on exports damaged *and re-signed* (a consistent
+but wrong export): truncated weights, a missing slice, edited shapes, unknown versions, dangling
+edges, paths that leave the export, non-finite weights. Also the ``check`` CLI."""
+import json
+import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from gr.export import ExportFormatError, check_export, export_model, load_hstu
 from gr.export.__main__ import main as export_main
+from gr.export.manifest import write_manifest
 from gr.serving import Ranker
 from test_export_roundtrip import DENSE_DIMS, build_ranking_model
 
@@ -30,16 +36,86 @@ def problems(path: Path):
     return [(p.file, p.key, p.message) for p in check_export(path)]
 
 
-def edit(path: Path, old: str, new: str) -> None:
+def root_of(path: Path) -> Path:
+    return next(p for p in path.parents if (p / "MANIFEST").exists())
+
+
+def edit(path: Path, old: str, new: str, sign: bool = True) -> None:
+    """Replace text in one file of an export; ``sign`` rewrites the MANIFEST to match."""
     text = path.read_text()
     assert old in text, f"{old!r} not in {path}"
     path.write_text(text.replace(old, new, 1))
+    if sign:
+        write_manifest(root_of(path))
+
+
+def edit_config(export: Path, **changes) -> None:
+    path = export / "hstu/config.json"
+    values = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            del values[key]
+        else:
+            values[key] = value
+    path.write_text(json.dumps(values))
+    write_manifest(export)
 
 
 def truncate(path: Path, drop: int = 64) -> None:
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.truncate(size - drop)
+    write_manifest(root_of(path))
+
+
+def test_any_edit_after_export_is_a_manifest_error_for_the_checker_and_every_loader(export):
+    edit_config_unsigned = export / "hstu/config.json"
+    values = json.loads(edit_config_unsigned.read_text())
+    values["time_bucketing"] = "sqrt"  # would change scores silently
+    edit_config_unsigned.write_text(json.dumps(values))
+    assert problems(export) == [("hstu/config.json", "-",
+                                 "sha256 differs from MANIFEST: the file was changed after export")]
+    for load in (load_hstu, Ranker.load):
+        with pytest.raises(ExportFormatError, match="hstu/config.json .*sha256 differs from MANIFEST"):
+            load(export)
+
+
+def test_added_missing_and_linked_files_are_manifest_errors(export, tmp_path):
+    (export / "hstu/extra.bin").write_bytes(b"x")
+    (export / "sparse/user.safetensors").unlink()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    os.symlink(outside, export / "prefix_dnn/link.txt")
+    found = {(f, m.split(":")[0]) for f, _, m in problems(export)}
+    assert ("hstu/extra.bin", "file is not in MANIFEST") in found
+    assert ("sparse/user.safetensors", "file is missing (MANIFEST lists it)") in found
+    assert ("prefix_dnn/link.txt", "a symbolic link") in found
+
+
+def test_missing_manifest_or_a_format_1_export_is_refused_with_what_to_do(export):
+    (export / "MANIFEST").unlink()
+    assert problems(export)[0][:2] == ("MANIFEST", "-") and "re-export" in problems(export)[0][2]
+    (export / "hstu/config.json").rename(export / "hstu/config.ini")
+    write_manifest(export)
+    assert ("hstu/config.json", "-", "file is missing (this is a format-1 export with hstu/config.ini: re-export "
+            "the run with this version of gr)") in problems(export)
+
+
+def test_paths_in_an_ini_that_leave_the_export_are_refused_before_reading(export):
+    edit(export / "sparse/sparse.ini", "file = item.safetensors", "file = ../../item.safetensors")
+    edit(export / "sparse/sparse.ini", "[feature.user_id]\n", "[feature.user_id]\nid_mapping = /etc/passwd\n")
+    found = {(f, k): m for f, k, m in problems(export)}
+    assert "leaves the export directory" in found[("sparse/sparse.ini", "table.item.file")]
+    assert "leaves the export directory" in found[("sparse/sparse.ini", "feature.user_id.id_mapping")]
+
+
+def test_non_finite_weights_are_refused(export):
+    path = export / "hstu/model.safetensors"
+    tensors = load_file(str(path))
+    tensors["layers.0.o_proj.bias"][0] = np.nan
+    save_file(tensors, str(path))
+    write_manifest(export)
+    assert ("hstu/model.safetensors", "layers.0.o_proj.bias", "holds NaN or infinite values") in problems(export)
 
 
 def test_truncated_hstu_weights_are_an_error_for_the_checker_and_every_loader(export):
@@ -60,6 +136,7 @@ def test_truncated_embedding_table_is_an_error(export):
 
 def test_missing_slice_is_an_error(export):
     shutil.rmtree(export / "prefix_dnn")
+    write_manifest(export)
     assert ("prefix_dnn/model.onnx", "-", "file is missing (slice prefix_dnn)") in problems(export)
     with pytest.raises(ExportFormatError, match="prefix_dnn/model.onnx"):
         Ranker.load(export)
@@ -68,12 +145,13 @@ def test_missing_slice_is_an_error(export):
 def test_missing_or_misshaped_hstu_tensors_are_named(export):
     path = export / "hstu/model.safetensors"
     tensors = load_file(str(path))
-    del tensors["layers.1.time_bias"]
-    tensors["layers.0.uvqk.bias"] = tensors["layers.0.uvqk.bias"][:-1]
+    del tensors["layers.1.relative_time_bias"]
+    tensors["layers.0.q_proj.bias"] = tensors["layers.0.q_proj.bias"][:-1]
     save_file(tensors, str(path))
+    write_manifest(export)
     found = {(f, k): m for f, k, m in problems(export)}
-    assert "tensor is missing" in found[("hstu/model.safetensors", "layers.1.time_bias")]
-    assert "shape [63], config.ini implies [64]" in found[("hstu/model.safetensors", "layers.0.uvqk.bias")]
+    assert "tensor is missing" in found[("hstu/model.safetensors", "layers.1.relative_time_bias")]
+    assert "shape [15], hstu/config.json implies [16]" in found[("hstu/model.safetensors", "layers.0.q_proj.bias")]
 
 
 def test_edited_shape_in_the_slice_graph_is_an_error(export):
@@ -85,32 +163,35 @@ def test_edited_shape_in_the_slice_graph_is_an_error(export):
     assert "shape ['tokens', 4]" in found[("prefix_dnn/model.onnx", "genre")]
 
 
-def test_edited_hidden_dim_in_config_ini_is_an_error(export):
-    edit(export / "hstu/config.ini", "hidden_dim = 16", "hidden_dim = 32")
+def test_edited_hidden_size_in_config_json_is_an_error(export):
+    edit_config(export, hidden_size=32)
     found = {(f, k) for f, k, _ in problems(export)}
-    assert ("hstu/model.safetensors", "layers.0.uvqk.weight") in found
+    assert ("hstu/model.safetensors", "layers.0.q_proj.weight") in found
     assert ("default/slice_graph.ini", "slice.hstu.input.x.shape") in found
 
 
 def test_bad_config_values_are_named_by_key(export):
-    edit(export / "hstu/config.ini", "num_layers = 2", "num_layers = two")
-    edit(export / "hstu/config.ini", "model_type = hstu", "model_type = bert")
+    edit_config(export, model_type="bert", num_hidden_layers="two", alpha=3.0, rogue=1, num_attention_heads=None)
     found = {(f, k): m for f, k, m in problems(export)}
-    assert found[("hstu/config.ini", "model.num_layers")] == "expected an integer, got 'two'"
-    assert "expected 'hstu'" in found[("hstu/config.ini", "model.model_type")]
+    assert "expected 'hstu'" in found[("hstu/config.json", "model_type")]
+    assert found[("hstu/config.json", "rogue")] == "unknown key"
+    assert found[("hstu/config.json", "num_attention_heads")] == "missing key"
+    edit_config(export, model_type="hstu", rogue=None, num_attention_heads=2)
+    assert "hstu/config.json.num_layers: expected an int >= 1, got 'two'" in \
+        found_messages(export, ("hstu/config.json", "-"))
+    edit_config(export, num_hidden_layers=2)
+    assert "derived from the other keys" in dict(((f, k), m) for f, k, m in problems(export))[("hstu/config.json",
+                                                                                             "alpha")]
 
 
-def test_a_missing_field_is_an_error_unless_it_came_after_format_1(export):
-    edit(export / "hstu/config.ini", "query_time = token\n", "")
-    assert problems(export) == [] and load_hstu(export).config.query_time == "token"  # older exports still load
-    edit(export / "hstu/config.ini", "num_heads = 2\n", "")
-    assert ("hstu/config.ini", "model.num_heads", "missing HSTUConfig field") in problems(export)
+def found_messages(export, where):
+    return " ".join(m for f, k, m in problems(export) if (f, k) == where)
 
 
-@pytest.mark.parametrize("file", ["default/slice_graph.ini", "sparse/sparse.ini", "hstu/config.ini"])
+@pytest.mark.parametrize("file", ["default/slice_graph.ini", "sparse/sparse.ini"])
 def test_unknown_format_version_is_an_error(export, file):
-    edit(export / file, "version = 1", "version = 7")
-    assert (file, "format.version", "unknown format version '7'; this reader knows 1") in problems(export)
+    edit(export / file, "version = 2", "version = 7")
+    assert (file, "format.version", "unknown format version '7'; this reader knows 2") in problems(export)
 
 
 def test_dangling_graph_edge_is_an_error(export):

@@ -3,8 +3,6 @@ chain from the export alone = the trained model's predictions; user-defined DNNs
 
 The model builders and request helpers here are shared with the other export/serving tests.
 """
-import configparser
-import dataclasses
 import json
 from pathlib import Path
 from typing import Dict, List
@@ -18,7 +16,8 @@ from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN, TableConfig
 from gr.export import ExportError, check_export, export_model, load_hstu, open_export
-from gr.export.format import FORMAT_VERSION, HSTU_CONFIG, SPARSE_INI, hstu_tensor_shapes
+from gr.export.format import FORMAT_VERSION, HSTU_CONFIG, SPARSE_INI
+from gr.export.hstu_slice import from_slice, slice_tensor_shapes, to_slice
 from gr.hstu import HSTU
 from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
@@ -241,7 +240,7 @@ def test_rebuilt_hstu_matches_trained_on_jagged_batches_with_targets(which, requ
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["shipped", "custom", "retrieval"])
+@pytest.mark.parametrize("which", ["shipped", "custom"])
 def test_chain_from_export_alone_reproduces_trained_predictions_on_test_users(which, request):
     model, path = request.getfixturevalue(which)
     batch = random_batch(model, [12, 30, 5, 1, 19], [4, 7, 1, 1, 3], seed=3)
@@ -255,23 +254,59 @@ def test_chain_from_export_alone_reproduces_trained_predictions_on_test_users(wh
             np.testing.assert_allclose(got[task], value.numpy(), rtol=0, atol=1e-5)
 
 
-def test_hstu_weight_names_are_the_documented_schema():
+def test_retrieval_rank_scores_each_candidate_by_the_trained_query_at_the_last_history_token(retrieval):
+    """A retrieval export's rank: one score per candidate, the cosine that training divides by its
+    temperature and evaluation ranks by (last history token's query . normalised item row)."""
+    model, path = retrieval
+    batch = random_batch(model, [12, 30, 5, 19], [4, 7, 1, 3], seed=3)
+    items = RetrievalHead.item_embedding(model.embeddings.table_weight("item")).detach()
+    ranker = Ranker.load(path, micro_batch=3)
+    for request in requests_from_batch(batch):
+        history = request["history"]
+        n = len(history["item_id"])
+        alone = GRInput(seq_offsets=torch.tensor([0, n]), max_seq_len=n, timestamps=torch.from_numpy(history["timestamps"]),
+                        sequence_ids=KeyedJaggedTensor.from_lengths_sync(
+                            ["item_id"], torch.from_numpy(history["item_id"]), torch.tensor([n])))
+        with torch.no_grad():
+            query = model(alone).predictions["query"][-1]  # the history's last token: what training scores
+        want = items[torch.from_numpy(request["candidates"]["item_id"])] @ query
+        for use_cache in (True, False, True):
+            got = ranker.rank(request["user_id"], request["history"], request["candidates"], use_cache=use_cache)
+            assert list(got.scores) == ["retrieval"]
+            np.testing.assert_allclose(got.scores["retrieval"], want.numpy(), rtol=0, atol=1e-5)
+
+
+def test_hstu_slice_names_are_the_documented_schema_and_map_back_exactly():
     for overrides in ({}, {"position_embedding": False, "position_buckets": 0, "time_buckets": 0}, {"num_layers": 3}):
         cfg = HSTUConfig(**{**HSTU_KW, **overrides})
-        assert {n: tuple(t.shape) for n, t in HSTU(cfg).state_dict().items()} == hstu_tensor_shapes(cfg)
+        state = HSTU(cfg).state_dict()
+        sliced = to_slice(state, cfg, "float32")
+        assert {n: tuple(t.shape) for n, t in sliced.items()} == slice_tensor_shapes(cfg)
+        back = from_slice(sliced, cfg)
+        assert back.keys() == state.keys() and all(torch.equal(back[n], state[n]) for n in state)
 
 
-def test_config_ini_holds_model_type_dtype_version_and_every_field(shipped):
+def test_config_json_has_hugging_face_keys_hstu_keys_and_the_format_version(shipped):
     model, path = shipped
-    parser = configparser.ConfigParser()
-    parser.read(path / HSTU_CONFIG)
-    assert parser["format"]["version"] == str(FORMAT_VERSION)
-    section = parser["model"]
-    assert section["model_type"] == "hstu" and section["dtype"] == "float32"
-    fields = {f.name for f in dataclasses.fields(HSTUConfig)}
-    assert fields <= set(section)
-    assert int(section["hidden_dim"]) == model.hstu.config.hidden_dim
-    assert section["attn_alpha"] == "none"
+    values = json.loads((path / HSTU_CONFIG).read_text())
+    cfg = model.hstu.config
+    assert values["model_type"] == "hstu" and values["torch_dtype"] == "float32"
+    assert values["format_version"] == FORMAT_VERSION
+    assert (values["hidden_size"], values["num_hidden_layers"], values["num_attention_heads"],
+            values["max_position_embeddings"]) == (cfg.hidden_dim, cfg.num_layers, cfg.num_heads, cfg.max_seq_len)
+    assert values["alpha"] == cfg.alpha and values["attn_alpha"] is None
+    assert {"attention_dim", "linear_dim", "time_bucketing", "query_time", "eviction_block"} <= set(values)
+
+
+def test_a_bfloat16_hstu_slice_stores_half_the_bytes_and_scores_within_bf16_rounding(shipped, tmp_path):
+    model, path = shipped
+    half = export_model(model, tmp_path / "bf16", dense_dims=DENSE_DIMS, hstu_dtype="bfloat16")
+    assert json.loads((half / HSTU_CONFIG).read_text())["torch_dtype"] == "bfloat16"
+    full_bytes, half_bytes = ((p / "hstu/model.safetensors").stat().st_size for p in (path, half))
+    assert half_bytes < 0.6 * full_bytes
+    rounded = {n: t.to(torch.bfloat16).float() for n, t in model.hstu.state_dict().items()}
+    loaded = load_hstu(half).state_dict()
+    assert all(torch.equal(loaded[n], rounded[n]) for n in rounded)
 
 
 def test_sparse_ini_maps_features_to_tables_and_id_mappings(shipped):

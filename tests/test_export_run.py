@@ -58,7 +58,7 @@ def test_export_cli_writes_a_valid_export_of_the_run_and_refuses_to_overwrite(ru
     assert manifest.sparse.features["item_id"].id_mapping == "id_maps/items.tsv"
     assert manifest.sparse.features["user_age"].id_mapping == "id_maps/user_age.tsv"
     capsys.readouterr()
-    assert export_main([str(run_dir), str(exported)]) == 1
+    assert export_main([str(run_dir), str(exported)]) == 2  # bad input: one line, exit status 2
     assert "--overwrite" in capsys.readouterr().err
     assert check_export(exported) == []
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from gr.generation.budget import AdaptiveBudget
 from gr.generation.decoding import (
-    Relaxed, advance, beam_search, chain_mask, greedy, sample, speculative_greedy, start, step,
+    Relaxed, beam_search, chain_mask, greedy, sample, speculative_greedy, start, step,
 )
 from gr.generation.draft_tree import DraftTree, tree_from_paths
 from gr.generation.drafts import ModelDrafter, PoolDrafter, RankingDrafter

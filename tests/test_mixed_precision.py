@@ -2,11 +2,12 @@
 DNNs included) with fp32 master weights, and its loss tracks the fp32 run's."""
 import pytest
 import torch
+from tiny_runs import recipe, step_losses
 
 from gr.hstu import HSTU, HSTUConfig
 from gr.train import load_trained_model, train
 from gr.train.config import TrainConfig
-from tiny_runs import recipe, step_losses
+from gr.train.losses import sampled_softmax_loss
 
 ONE_EPOCH = ("trainer.max_epochs", 1)
 
@@ -51,3 +52,74 @@ def test_bf16_autocast_runs_hstu_projections_in_bf16_with_fp32_parameters_and_re
 def test_precision_is_validated_when_the_config_is_read(precision, error):
     with pytest.raises(ValueError, match=error):
         recipe(("trainer.precision", precision))
+
+
+def _stack_and_data(seed: int = 0):
+    """An HSTU stack with position and time bias (2 layers, 2 heads), a jagged batch of 12
+    sequences up to 150 tokens (two query chunks), and an item table of 300 rows."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    config = HSTUConfig(hidden_dim=32, num_layers=2, num_heads=2, attention_dim=16, linear_dim=16, max_seq_len=150,
+                        dropout=0.0, input_dropout=0.0)
+    lengths = torch.randint(20, 151, (12,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    items = torch.randint(0, 300, (total,), generator=g)
+    timestamps = torch.randint(1, 86_400, (total,), generator=g).cumsum(0)
+    return HSTU(config), torch.nn.Embedding(300, 32), items, offsets, timestamps
+
+
+def _forward_loss(stack, table, items, offsets, timestamps, generator):
+    """Sampled softmax (64 negatives per token) of each token's next item, as retrieval trains."""
+    h = stack(table(items), offsets, int((offsets[1:] - offsets[:-1]).max()), timestamps)
+    last = torch.zeros(items.numel(), dtype=torch.bool)
+    last[offsets[1:] - 1] = True
+    queries = torch.nn.functional.normalize(h[~last], dim=-1)
+    negatives = torch.randint(0, 300, (queries.shape[0], 64), generator=generator)
+    vectors = torch.nn.functional.normalize(table.weight, dim=-1)
+    return sampled_softmax_loss(queries, vectors, items[1:][~last[:-1]], negatives, 0.05)
+
+
+def test_bf16_autocast_forward_and_gradients_stay_close_to_fp32():
+    """HSTU + sampled softmax, fp32 against bf16 autocast on the same weights and data (the
+    projections, attention matmuls and loss dot products in bf16). Measured here: loss within
+    0.02%, gradients within ~1% of their largest entry, except the attention LayerNorm's
+    (``attn_norm``, up to ~6%; ~7% with the attention computed in fp32 and rounded to bf16:
+    autocast's bf16 attention output, not the kernel). Asserted: 0.5%, 2% and 10%."""
+    results = {}
+    for bf16 in (False, True):
+        stack, table, items, offsets, timestamps = _stack_and_data()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = _forward_loss(stack, table, items, offsets, timestamps, torch.Generator().manual_seed(0))
+        loss.backward()
+        results[bf16] = (loss.item(), {n: p.grad for n, p in [*stack.named_parameters(), ("table", table.weight)]})
+    assert results[True][0] != results[False][0]
+    assert results[True][0] == pytest.approx(results[False][0], rel=0.005)
+    for name, want in results[False][1].items():
+        got = results[True][1][name]
+        assert got.dtype == torch.float32
+        tolerance = 0.10 if ".attn_norm." in name else 0.02
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), name
+
+
+def test_twenty_bf16_training_steps_track_the_fp32_losses():
+    """20 AdamW steps (lr 1e-2) from the same weights on the same batch and negatives: the loss
+    falls by > 30% (11.1 -> 6.2) and the bf16 run's loss stays within 1% of the fp32 run's at
+    every step (measured here: <= 0.07%). A step lost or taken wrongly moves it by more."""
+    losses = {}
+    for bf16 in (False, True):
+        stack, table, items, offsets, timestamps = _stack_and_data()
+        optimizer = torch.optim.AdamW([*stack.parameters(), *table.parameters()], lr=1e-2)
+        generator = torch.Generator().manual_seed(0)
+        losses[bf16] = []
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = _forward_loss(stack, table, items, offsets, timestamps, generator)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[bf16].append(loss.item())
+    fp32, bf16 = losses[False], losses[True]
+    assert fp32[-1] < 0.7 * fp32[0]
+    assert bf16 != fp32
+    assert bf16 == pytest.approx(fp32, rel=0.01)

@@ -17,6 +17,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from gr.export import export_model
+from gr.export.manifest import write_manifest
 from gr.hstu.cache import cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
 from gr.serving.__main__ import main as serving_main
@@ -27,16 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # The import guard of the standalone test: training code a serving process must never load.
 BLOCKED = ("torchrec", "fbgemm_gpu", "lightning", "pytorch_lightning", "gr.model", "gr.train", "gr.data",
            "gr.sparse", "gr.prefix_dnn", "gr.postfix_dnn", "gr.export.writer")
+# ...except the id-map format (numpy only, behind gr.data's lazy package init): serving reads raw ids with it.
+ALLOWED = ("gr.data", "gr.data.mappings")
 
 SCRIPT = r"""
 import importlib.abc, json, sys
 import numpy as np
 
-BLOCKED = tuple(json.loads(sys.argv[1]))
+BLOCKED, ALLOWED = (tuple(names) for names in json.loads(sys.argv[1]))
+
+def blocked(name):
+    return name not in ALLOWED and any(name == b or name.startswith(b + ".") for b in BLOCKED)
 
 class Guard(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+        if blocked(name):
             raise ImportError(f"import guard: {name} is training code")
         return None
 
@@ -57,7 +63,7 @@ for request in json.load(open(f"{work}/requests.json")):
     result = ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"])
     for task, value in result.scores.items():
         scores.setdefault(task, []).append(value)
-leaked = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+leaked = sorted(m for m in sys.modules if blocked(m))
 np.savez(f"{work}/out.npz", hidden=hidden.numpy(), **{k: np.concatenate(v) for k, v in scores.items()})
 print(json.dumps({"leaked": leaked}))
 """
@@ -169,8 +175,9 @@ def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, us
     newer = tmp_path / "newer"  # the same export with different HSTU weights: a "newer model"
     shutil.copytree(path, newer)
     weights = load_file(str(newer / "hstu/model.safetensors"))
-    weights["layers.1.output.bias"] += 0.5
+    weights["layers.1.o_proj.bias"] += 0.5
     save_file(weights, str(newer / "hstu/model.safetensors"))
+    write_manifest(newer)
     ranker = Ranker.load(path)
     before = rank(ranker, requests[0]).scores["click"]
     version = ranker.cache.model_version
@@ -317,7 +324,7 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
     (tmp_path / "requests.json").write_text(json.dumps(requests))
 
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(BLOCKED), str(export_dir), str(tmp_path)],
+    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([BLOCKED, ALLOWED]), str(export_dir), str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"leaked": []}
@@ -328,7 +335,75 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
 
 
 def test_the_import_guard_refuses_training_code():
-    probe = SCRIPT.split("import torch")[0] + "import gr.model\n"
-    run = subprocess.run([sys.executable, "-c", probe, json.dumps(BLOCKED)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
-    assert run.returncode != 0 and "import guard: gr.model is training code" in run.stderr
+    for module in ("gr.model", "gr.data.datamodule"):
+        probe = SCRIPT.split("import torch")[0] + f"import {module}\n"
+        run = subprocess.run([sys.executable, "-c", probe, json.dumps([BLOCKED, ALLOWED])], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+        assert run.returncode != 0 and f"import guard: {module} is training code" in run.stderr
+
+
+def _imports(path: Path) -> set:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_generation_never_imports_the_serving_runtime_and_generate_not_the_ranker():
+    for path in sorted((ROOT / "gr" / "generation").glob("*.py")):
+        assert not any(name.startswith("gr.serving") for name in _imports(path)), path
+    for module in ("generate", "history", "catalogue", "model"):
+        assert not any(name.startswith("gr.serving.runtime") for name in _imports(ROOT / "gr" / "serving" / f"{module}.py"))
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_long_histories_are_evicted_in_blocks_and_the_cache_survives_between_them(block, tmp_path):
+    """max_seq_len 8: a history streamed one action at a time is re-encoded only when its window
+    start moves (once per ``eviction_block`` actions, not on every action past 8), and every
+    served score equals the one-pass scores of the window training draws (``window_starts``)."""
+    from gr.data.sequences import window_starts
+
+    model = build_ranking_model(max_seq_len=8, eviction_block=block)
+    path = export_model(model, tmp_path / "export", dense_dims=DENSE_DIMS)
+    request = requests_from_batch(random_batch(model, [23], [3], seed=5))[0]  # 20 history actions, 3 candidates
+    ranker = Ranker.load(path, micro_batch=2)
+    statuses = []
+    for length in range(1, 21):
+        start = int(window_starts(np.array([0]), np.array([length]), 8, block)[0])
+        served = rank(ranker, slice_history(request, length))
+        assert served.truncated == start and served.history_length == length - start
+        window = {**request, "history": {k: v[start:length] for k, v in request["history"].items()}}
+        one_pass = rank(ranker, window, use_cache=False)
+        for task, value in one_pass.scores.items():
+            np.testing.assert_allclose(served.scores[task], value, rtol=0, atol=ATOL)
+        statuses.append(served.cache_status)
+    misses = [length for length, status in enumerate(statuses, start=1) if status == "miss"]
+    assert misses == ([1, *range(9, 21)] if block == 1 else [1, 9, 13, 17])
+    assert set(statuses) - {"miss"} == {"extend"}
+
+
+@pytest.mark.parametrize("query_time", ["token", "next_event"])
+def test_a_batch_of_users_scores_exactly_as_one_user_at_a_time(query_time, tmp_path):
+    """rank_batch packs several users' candidates into shared HSTU passes (micro_batch 4 splits one
+    user's 9 candidates and packs others together) and one postfix run: the scores equal ``rank``."""
+    model = build_ranking_model(max_seq_len=40, query_time=query_time)
+    path = export_model(model, tmp_path / "export", dense_dims=DENSE_DIMS)
+    requests = requests_from_batch(random_batch(model, [30, 17, 8, 22], [5, 9, 1, 3], seed=11))
+    one_by_one = Ranker.load(path, micro_batch=4)
+    want = [rank(one_by_one, r) for r in requests]
+    batched = Ranker.load(path, micro_batch=4)
+    rank(batched, slice_history(requests[0], 20))  # one user's cache holds a prefix: extended in the batch
+    got = batched.rank_batch([RankRequest(**r) for r in requests])
+    assert [g.cache_status for g in got] == ["extend", "miss", "miss", "miss"]
+    for g, w in zip(got, want):
+        assert g.scores.keys() == w.scores.keys()
+        for task in w.scores:
+            np.testing.assert_allclose(g.scores[task], w.scores[task], rtol=0, atol=ATOL)
+    assert [g.cache_status for g in batched.rank_batch([RankRequest(**r) for r in requests])] == ["hit"] * 4

@@ -63,7 +63,7 @@ def test_run_directory_holds_config_metrics_mappings_checkpoints_and_logs(retrie
     assert saved.model.tables[0]["num_embeddings"] == items  # resolved from the data
     assert list(spec.sequence) == ["item_id"] and tasks == ()
     assert (out / "mappings").is_dir() and any((out / "mappings").iterdir())
-    assert (out / on_disk["best_checkpoint"] / "meta.pt").is_file()
+    assert (out / on_disk["best_checkpoint"] / "meta.json").is_file()
     assert (out / "checkpoints" / "last" / ".metadata").is_file()
     assert "val/ndcg@5" in (out / "logs" / "metrics.csv").read_text().splitlines()[0]
     assert list((out / "logs").glob("events.out.tfevents.*"))

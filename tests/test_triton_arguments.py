@@ -1,12 +1,7 @@
 """The Triton kernels are launched by keyword: the host-side argument dicts name exactly the
 kernels' parameters, and a launch missing one is an error instead of shifted arguments."""
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel modules are first imported
 
 pytest.importorskip("triton")
 

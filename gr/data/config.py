@@ -152,6 +152,8 @@ class DataConfig(Section):
     eval_exclude: items not ranked at evaluation: the user's whole "history" before the
     target, or only the items in the model's input "window" (the HSTU paper's protocol).
     item_features / user_features: emit side features when the source has them.
+    keep_duplicates: keep rows that repeat an earlier row's user, item and timestamp (by
+    default they are dropped, and the run's metrics.json counts them under "data").
     """
 
     source: str = checked("synthetic", one_of(*SOURCES))
@@ -167,6 +169,7 @@ class DataConfig(Section):
     eval_exclude: str = checked("history", one_of(*EVAL_EXCLUDES))
     item_features: bool = checked(True, BOOL)
     user_features: bool = checked(True, BOOL)
+    keep_duplicates: bool = checked(False, BOOL)
     columns: ColumnConfig = field(default_factory=ColumnConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)

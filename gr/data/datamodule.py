@@ -28,7 +28,8 @@ class SequenceDataModule(lightning.LightningDataModule):
     as ``GRInput`` batches for ``config.task`` ("retrieval" or "ranking").
 
     After ``setup()``: ``num_users``, ``num_items``, ``tasks`` (ranking label names),
-    ``feature_spec()``, ``popularity()``, ``save_mappings(dir)``. With several ranks (the
+    ``feature_spec()``, ``popularity()``, ``save_mappings(dir)``, ``summary`` (what was read and
+    kept: rows, duplicates dropped or kept, users, items, interactions). With several ranks (the
     trainer's, else an initialised torch.distributed group's), the module shards batches
     itself (run Lightning with ``use_distributed_sampler=False``).
     """
@@ -41,6 +42,7 @@ class SequenceDataModule(lightning.LightningDataModule):
         self.user_map: Optional[IdMap] = None
         self.item_map: Optional[IdMap] = None
         self.splits: Dict[str, SplitBatches] = {}
+        self.summary: Dict[str, Any] = {}
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self, stage: Optional[str] = None) -> None:
@@ -58,6 +60,11 @@ class SequenceDataModule(lightning.LightningDataModule):
         )
         log.info("%s: %d users, %d items, %d interactions", data.source, sequences.num_users,
                  sequences.num_items, len(sequences.items))
+        dropped = data.duplicates if data.duplicates_dropped else 0
+        self.summary = {"source": data.source, "rows_read": len(data.users) + dropped,
+                        "duplicates_dropped": dropped, "duplicates_kept": data.duplicates - dropped,
+                        "users": sequences.num_users, "items": sequences.num_items,
+                        "interactions": len(sequences.items)}
         self.splits = self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits()
 
     def _retrieval_splits(self) -> Dict[str, SplitBatches]:

@@ -1,7 +1,7 @@
 """What every reader returns: raw interaction events plus optional user/item side tables."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -47,6 +47,8 @@ class Interactions:
     timestamps: [N] int64 seconds
     ratings: [N] float32, or None when the source has none
     source: the file (or generator) it came from, for error messages
+    duplicates: how many rows repeat an earlier row's (user, item, timestamp); ``read_source``
+        drops them unless ``data.keep_duplicates`` (``duplicates_dropped`` says which)
     """
 
     users: np.ndarray
@@ -56,6 +58,8 @@ class Interactions:
     user_side: Optional[SideTable] = None
     item_side: Optional[SideTable] = None
     source: str = ""
+    duplicates: int = 0
+    duplicates_dropped: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.users)
@@ -64,3 +68,24 @@ class Interactions:
             raise ValueError(f"Interactions from {self.source}: columns have different lengths {[n, *lengths]}")
         if n == 0:
             raise DataFormatError(self.source, "no interactions (empty dataset)")
+
+    def duplicate_rows(self) -> np.ndarray:
+        """[N] bool: rows whose (user, item, timestamp) an earlier row (in file order) already has."""
+        order = np.lexsort((np.arange(len(self.users)), self.timestamps, self.items, self.users))
+        users, items, times = self.users[order], self.items[order], self.timestamps[order]
+        repeat = (users[1:] == users[:-1]) & (items[1:] == items[:-1]) & (times[1:] == times[:-1])
+        marked = np.zeros(len(order), dtype=bool)
+        marked[order[1:][repeat]] = True
+        return marked
+
+    def without_duplicates(self, drop: bool = True) -> "Interactions":
+        """These events with ``duplicates`` counted and, if ``drop``, every repeated row removed
+        (the first of each (user, item, timestamp) is kept). Side tables are shared."""
+        repeats = self.duplicate_rows()
+        count = int(repeats.sum())
+        if not (drop and count):
+            return replace(self, duplicates=count, duplicates_dropped=False)
+        keep = ~repeats
+        return replace(self, users=self.users[keep], items=self.items[keep], timestamps=self.timestamps[keep],
+                       ratings=None if self.ratings is None else self.ratings[keep], duplicates=count,
+                       duplicates_dropped=True)

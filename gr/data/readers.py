@@ -384,5 +384,14 @@ READERS: Dict[str, Callable[[DataConfig], Interactions]] = {
 
 
 def read_source(config: DataConfig) -> Interactions:
-    """The interactions ``config.source`` names (read from ``config.path``, or generated)."""
-    return READERS[config.source](config)
+    """The interactions ``config.source`` names (read from ``config.path``, or generated).
+
+    Rows repeating an earlier row's (user, item, timestamp) are dropped and counted (a warning
+    names how many) unless ``config.keep_duplicates``; ``Interactions.duplicates`` holds the count."""
+    data = READERS[config.source](config).without_duplicates(drop=not config.keep_duplicates)
+    if data.duplicates and data.duplicates_dropped:
+        log.warning("%s: dropped %d duplicate interactions (same user, item and timestamp as an earlier row); "
+                    "set data.keep_duplicates: true to keep them", data.source, data.duplicates)
+    elif data.duplicates:
+        log.info("%s: kept %d duplicate interactions (data.keep_duplicates)", data.source, data.duplicates)
+    return data

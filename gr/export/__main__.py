@@ -1,4 +1,4 @@
-"""``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite]`` writes an export;
+"""``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite] [--hstu-dtype bfloat16]`` writes an export;
 ``python -m gr.export check EXPORT_DIR`` validates one (exit status 1 when it has problems)."""
 from __future__ import annotations
 
@@ -10,13 +10,22 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Bad input (a missing run or export directory, an unreadable file) ends in one line on
+    stderr and exit status 2 (``gr.cli_errors``)."""
+    from gr.cli_errors import run_cli
+
+    return run_cli("python -m gr.export", lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: List[str]) -> int:
     if argv and argv[0] == "check":
         parser = argparse.ArgumentParser(prog="python -m gr.export check", description="Validate an export directory.")
         parser.add_argument("export_dir", type=Path)
         args = parser.parse_args(argv[1:])
         from gr.export.reader import check_export
 
+        if not args.export_dir.is_dir():
+            raise NotADirectoryError(f"{args.export_dir}: no such export directory")
         problems = check_export(args.export_dir)
         for problem in problems:
             print(f"ERROR {problem}")
@@ -30,15 +39,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("export_dir", type=Path)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
+    parser.add_argument("--hstu-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="how hstu/model.safetensors stores the weights (serving computes in float32)")
     args = parser.parse_args(argv)
     from gr.export.format import ExportError
     from gr.export.writer import export_run
 
     start = time.perf_counter()
+    if not args.run_dir.is_dir():
+        raise NotADirectoryError(f"{args.run_dir}: no such run directory")
     try:
-        export_run(args.run_dir, args.export_dir, overwrite=args.overwrite)
-    except (ExportError, FileExistsError, FileNotFoundError, ValueError) as exc:  # ExportFormatError is a ValueError
-        print(f"error: {exc}", file=sys.stderr)
+        export_run(args.run_dir, args.export_dir, overwrite=args.overwrite, hstu_dtype=args.hstu_dtype)
+    except ExportError as exc:  # the run does not export (a RuntimeError, not bad input)
+        print(f"python -m gr.export: error: {exc}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in args.export_dir.rglob("*") if p.is_file())
     elapsed = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""The export format (version 1): file layout, names, INI helpers and the HSTU tensor schema.
+"""The export format (version 2): file layout, names and INI helpers.
 
 Layout of an export directory::
 
@@ -7,9 +7,10 @@ Layout of an export directory::
     sparse/<table>.safetensors  one tensor "weight" [rows, dim] per table
     sparse/id_maps/           raw -> model id mappings, copied from the training run (optional)
     prefix_dnn/model.onnx     token features -> "embedding" [tokens, hidden_dim]
-    hstu/config.ini           model_type = hstu, every HSTUConfig field, dtype
-    hstu/model.safetensors    the HSTU weights, names from ``hstu_tensor_shapes``
+    hstu/config.json          Hugging Face-style keys + every HSTUConfig field (gr.export.hstu_slice)
+    hstu/model.safetensors    per-layer, per-projection weights, float32 or bfloat16 (docs/hstu_slice.md)
     postfix_dnn/model.onnx    "hidden" [targets, hidden_dim] + common features -> task outputs
+    MANIFEST                  sha256 of every other file (gr.export.manifest)
 
 Every INI has a ``[format]`` section with ``version``; readers refuse other versions.
 Symbolic dims: ``tokens`` (history + candidate tokens of a request), ``targets``
@@ -19,16 +20,15 @@ Symbolic dims: ``tokens`` (history + candidate tokens of a request), ``targets``
 from __future__ import annotations
 
 import configparser
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
-from gr.hstu.config import HSTUConfig
 
-FORMAT_VERSION = 1
-# HSTUConfig fields added after format 1 was released, and what an export without them means.
-FIELDS_SINCE_FORMAT_1 = {"query_time": "token", "eviction_block": 1}
+# 2: hstu/config.json (Hugging Face-style keys) and per-projection weight names, float32 or
+# bfloat16, and a MANIFEST of sha256 sums. Format 1 exports (hstu/config.ini, no MANIFEST) are
+# refused with an error that says to re-export: their files cannot be verified.
+FORMAT_VERSION = 2
 
 SLICE_GRAPH = "default/slice_graph.ini"
 SPARSE_DIR = "sparse"
@@ -36,7 +36,7 @@ SPARSE_INI = "sparse/sparse.ini"
 ID_MAPS_DIR = "sparse/id_maps"
 PREFIX_ONNX = "prefix_dnn/model.onnx"
 POSTFIX_ONNX = "postfix_dnn/model.onnx"
-HSTU_CONFIG = "hstu/config.ini"
+HSTU_CONFIG = "hstu/config.json"
 HSTU_WEIGHTS = "hstu/model.safetensors"
 
 # The four slices of a version-1 graph, in execution order, with their engines.
@@ -57,8 +57,6 @@ TABLE_TENSOR = "weight"  # the tensor inside each sparse/<table>.safetensors
 TOKENS, TARGETS, BATCH, BATCH_OFFSETS, BAG = "tokens", "targets", "batch", "batch+1", "bag"
 REPEAT_PER_TARGET = "per_target"  # a [batch, ...] source repeated once per target row
 DTYPES = ("float32", "int64")
-HSTU_DTYPES = ("float32",)
-MODEL_TYPE = "hstu"
 
 
 @dataclass(frozen=True)
@@ -84,36 +82,6 @@ class ExportFormatError(ValueError):
 
 class ExportError(RuntimeError):
     """Writing an export failed (e.g. a module that ONNX cannot export)."""
-
-
-def hstu_tensor_shapes(config: HSTUConfig) -> Dict[str, Tuple[int, ...]]:
-    """The documented tensor names and shapes of ``hstu/model.safetensors``.
-
-    ``position_embedding.weight`` [max_seq_len + 1, D] (when position_embedding), and per
-    layer i: ``layers.{i}.input_norm.{weight,bias}`` [D], ``layers.{i}.uvqk.weight``
-    [H*(2*Dl + 2*Da), D] and ``.bias`` [H*(2*Dl + 2*Da)] (output split as U, V, Q, K),
-    ``layers.{i}.attn_norm.{weight,bias}`` [H*Dl], ``layers.{i}.output.weight`` [D, H*Dl]
-    and ``.bias`` [D], ``layers.{i}.position_bias`` [P] (relative position bias table,
-    when P > 0) and ``layers.{i}.time_bias`` [time_buckets] (when > 0).
-    """
-    d, h = config.hidden_dim, config.num_heads
-    uvqk = h * (2 * config.linear_dim + 2 * config.attention_dim)
-    shapes: Dict[str, Tuple[int, ...]] = {}
-    if config.position_embedding:
-        shapes["position_embedding.weight"] = (config.max_seq_len + 1, d)
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "input_norm.weight": (d,), p + "input_norm.bias": (d,),
-            p + "uvqk.weight": (uvqk, d), p + "uvqk.bias": (uvqk,),
-            p + "attn_norm.weight": (h * config.linear_dim,), p + "attn_norm.bias": (h * config.linear_dim,),
-            p + "output.weight": (d, h * config.linear_dim), p + "output.bias": (d,),
-        })
-        if config.num_position_buckets > 0:
-            shapes[p + "position_bias"] = (config.num_position_buckets,)
-        if config.time_buckets > 0:
-            shapes[p + "time_bias"] = (config.time_buckets,)
-    return shapes
 
 
 # ---- INI -----------------------------------------------------------------------------
@@ -172,84 +140,3 @@ def format_shape(shape: Tuple[Any, ...]) -> str:
 def parse_shape(value: str) -> Tuple[Any, ...]:
     """"tokens, 16" -> ("tokens", 16)."""
     return tuple(int(d) if d.isdigit() else d for d in split_list(value))
-
-
-# ---- hstu/config.ini ---------------------------------------------------------------------
-def hstu_config_sections(config: HSTUConfig, dtype: str = "float32") -> Dict[str, Dict[str, str]]:
-    """-> INI sections: ``[model]`` with model_type, dtype and every HSTUConfig field."""
-    values = {"model_type": MODEL_TYPE, "dtype": dtype}
-    for f in fields(HSTUConfig):
-        values[f.name] = _format_value(getattr(config, f.name))
-    return {"model": values}
-
-
-def hstu_config_from_ini(
-    parser: configparser.ConfigParser, rel: str, problems: List[Problem]
-) -> Optional[HSTUConfig]:
-    """Parse ``[model]`` back into an HSTUConfig; each bad key becomes a problem."""
-    if not parser.has_section("model"):
-        problems.append(Problem(rel, "model", "section is missing"))
-        return None
-    section = parser["model"]
-    start = len(problems)
-    if section.get("model_type") != MODEL_TYPE:
-        problems.append(Problem(rel, "model.model_type", f"expected {MODEL_TYPE!r}, got {section.get('model_type')!r}"))
-    if section.get("dtype") not in HSTU_DTYPES:
-        problems.append(Problem(rel, "model.dtype",
-                                f"expected one of {list(HSTU_DTYPES)}, got {section.get('dtype')!r}"))
-    hints = typing.get_type_hints(HSTUConfig)
-    known = {f.name for f in fields(HSTUConfig)}
-    for key in sorted(set(section) - known - {"model_type", "dtype"}):
-        problems.append(Problem(rel, f"model.{key}", "unknown HSTUConfig field"))
-    values: Dict[str, Any] = {}
-    for name in sorted(known):
-        if name not in section and name in FIELDS_SINCE_FORMAT_1:
-            values[name] = FIELDS_SINCE_FORMAT_1[name]
-            continue
-        if name not in section:
-            problems.append(Problem(rel, f"model.{name}", "missing HSTUConfig field"))
-            continue
-        try:
-            values[name] = _parse_value(section[name], hints[name])
-        except ValueError as exc:
-            problems.append(Problem(rel, f"model.{name}", str(exc)))
-    if len(problems) > start:
-        return None
-    try:
-        return HSTUConfig(**values)
-    except ValueError as exc:
-        problems.append(Problem(rel, "model", str(exc)))
-        return None
-
-
-def _format_value(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, float) else str(value)
-
-
-def _parse_value(text: str, hint: Any) -> Any:
-    """Parse one INI value by the HSTUConfig field's type hint."""
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if optional else hint
-    text = text.strip()
-    if optional and text.lower() == "none":
-        return None
-    if base is bool:
-        if text.lower() not in ("true", "false"):
-            raise ValueError(f"expected true or false, got {text!r}")
-        return text.lower() == "true"
-    if base is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
-    if base is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
-    return text

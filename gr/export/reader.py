@@ -5,11 +5,14 @@ runtime loads exports through this module.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 import onnx
+import torch
+from onnx import numpy_helper
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
@@ -37,12 +40,13 @@ from gr.export.format import (
     TOKENS,
     ExportFormatError,
     Problem,
-    hstu_config_from_ini,
-    hstu_tensor_shapes,
     read_ini,
 )
+from gr.export.hstu_slice import SAFETENSORS_DTYPES, config_from_slice, from_slice, slice_tensor_shapes
+from gr.export.manifest import check_manifest, inside
 from gr.export.slice_graph import SliceGraph, SliceSpec
 from gr.export.sparse_manifest import SparseManifest
+from gr.finite import non_finite
 from gr.hstu import HSTU, HSTUConfig
 
 SLICE_FILES = {
@@ -50,7 +54,7 @@ SLICE_FILES = {
 }
 HSTU_INPUTS = (HSTU_INPUT, TIMESTAMPS, SEQ_OFFSETS, NUM_TARGETS)
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
-SAFETENSORS_DTYPE = "F32"
+TABLE_DTYPE = "F32"
 
 
 @dataclass(frozen=True)
@@ -80,31 +84,43 @@ def open_export(export_dir: Union[str, Path]) -> ExportManifest:
 
 
 def read_hstu_config(export_dir: Union[str, Path]) -> HSTUConfig:
-    """``hstu/config.ini`` -> HSTUConfig; raises ``ExportFormatError`` naming the bad keys."""
+    """``hstu/config.json`` -> HSTUConfig (after the MANIFEST check); raises ``ExportFormatError``
+    naming the bad keys."""
+    root = Path(export_dir)
     problems: List[Problem] = []
-    config = _read_hstu_config(Path(export_dir), problems)
-    if config is None:
+    read = _read_hstu_config(root, problems) if _verified(root, problems) else None
+    if read is None:
         raise ExportFormatError(problems)
-    return config
+    return read[0]
 
 
 def load_hstu(export_dir: Union[str, Path]) -> HSTU:
-    """Rebuild the HSTU slice from ``hstu/config.ini`` and ``hstu/model.safetensors`` only (eval mode)."""
+    """Rebuild the HSTU slice from ``hstu/config.json`` and ``hstu/model.safetensors`` only (eval
+    mode, float32 compute whatever the stored dtype), after the MANIFEST check."""
     root = Path(export_dir)
-    config = read_hstu_config(root)
     problems: List[Problem] = []
-    _check_hstu_weights(root, config, problems)
-    if problems:
+    read = _read_hstu_config(root, problems) if _verified(root, problems) else None
+    if read is not None:
+        _check_hstu_weights(root, *read, problems)
+    if problems or read is None:
         raise ExportFormatError(problems)
-    model = HSTU(config)
-    model.load_state_dict(load_file(str(root / HSTU_WEIGHTS)), strict=True)
+    model = HSTU(read[0])
+    model.load_state_dict(from_slice(load_file(str(root / HSTU_WEIGHTS)), read[0]), strict=True)
     return model.eval()
+
+
+def _verified(root: Path, problems: List[Problem]) -> bool:
+    """The export directory exists and its MANIFEST holds (problems added otherwise)."""
+    if not root.is_dir():
+        problems.append(Problem(str(root), "-", "export directory does not exist"))
+        return False
+    return check_manifest(root, problems)
 
 
 def _inspect(root: Path) -> Tuple[Optional[ExportManifest], List[Problem]]:
     problems: List[Problem] = []
-    if not root.is_dir():
-        return None, [Problem(str(root), "-", "export directory does not exist")]
+    if not _verified(root, problems):
+        return None, problems
     graph = None
     parser = read_ini(root, SLICE_GRAPH, problems)
     if parser is not None:
@@ -112,16 +128,17 @@ def _inspect(root: Path) -> Tuple[Optional[ExportManifest], List[Problem]]:
     if graph is not None:
         problems.extend(graph.check())
     sparse = _read_sparse(root, problems)
-    hstu_config = _read_hstu_config(root, problems)
-    if hstu_config is not None:
-        _check_hstu_weights(root, hstu_config, problems)
+    read = _read_hstu_config(root, problems)
+    hstu_config = None if read is None else read[0]
+    if read is not None:
+        _check_hstu_weights(root, *read, problems)
     if graph is not None:
         slices = {s.name: s for s in graph.slices}
         for name, files in SLICE_FILES.items():
             if name in slices and slices[name].files != files:
                 problems.append(Problem(SLICE_GRAPH, f"slice.{name}.files", f"expected {', '.join(files)}"))
         for name in (PREFIX, POSTFIX):
-            if name in slices:
+            if name in slices and slices[name].files == SLICE_FILES[name]:
                 _check_onnx(root, slices[name], problems)
         if SPARSE in slices and sparse is not None:
             _check_sparse_slice(slices[SPARSE], sparse, problems)
@@ -142,7 +159,9 @@ def _read_sparse(root: Path, problems: List[Problem]) -> Optional[SparseManifest
     start = len(problems)
     for table in manifest.tables.values():
         rel = f"{SPARSE_DIR}/{table.file}"
-        shapes = _safetensors_shapes(root, rel, problems)
+        if inside(root, table.file, SPARSE_INI, f"table.{table.name}.file", problems, base=SPARSE_DIR) is None:
+            continue
+        shapes = _safetensors_shapes(root, rel, TABLE_DTYPE, problems)
         if shapes is None:
             continue
         if TABLE_TENSOR not in shapes:
@@ -150,52 +169,79 @@ def _read_sparse(root: Path, problems: List[Problem]) -> Optional[SparseManifest
         elif shapes[TABLE_TENSOR] != (table.rows, table.dim):
             problems.append(Problem(rel, TABLE_TENSOR, f"shape {list(shapes[TABLE_TENSOR])}, sparse.ini says "
                                     f"[{table.rows}, {table.dim}] (table.{table.name}.rows/dim)"))
+        else:
+            _check_finite(rel, list(load_file(str(root / rel)).items()), problems)
     for feature in manifest.features.values():
-        if feature.id_mapping is not None and not (root / SPARSE_DIR / feature.id_mapping).is_file():
-            problems.append(Problem(SPARSE_INI, f"feature.{feature.name}.id_mapping",
-                                    f"file {feature.id_mapping} is missing"))
+        if feature.id_mapping is None:
+            continue
+        key = f"feature.{feature.name}.id_mapping"
+        path = inside(root, feature.id_mapping, SPARSE_INI, key, problems, base=SPARSE_DIR)
+        if path is not None and not path.is_file():
+            problems.append(Problem(SPARSE_INI, key, f"file {feature.id_mapping} is missing"))
     return manifest if len(problems) == start else None
 
 
-def _read_hstu_config(root: Path, problems: List[Problem]) -> Optional[HSTUConfig]:
-    parser = read_ini(root, HSTU_CONFIG, problems)
-    return None if parser is None else hstu_config_from_ini(parser, HSTU_CONFIG, problems)
+def _read_hstu_config(root: Path, problems: List[Problem]) -> Optional[Tuple[HSTUConfig, str]]:
+    """-> (config, weight dtype) from ``hstu/config.json``; a format-1 export is named as such."""
+    path = root / HSTU_CONFIG
+    if not path.is_file():
+        old = (root / "hstu" / "config.ini").is_file()
+        problems.append(Problem(HSTU_CONFIG, "-", "file is missing" + (
+            " (this is a format-1 export with hstu/config.ini: re-export the run with this version of gr)"
+            if old else "")))
+        return None
+    try:
+        values = json.loads(path.read_text(encoding="utf8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        problems.append(Problem(HSTU_CONFIG, "-", f"not valid JSON: {exc}"))
+        return None
+    return config_from_slice(values, HSTU_CONFIG, problems)
 
 
-def _check_hstu_weights(root: Path, config: HSTUConfig, problems: List[Problem]) -> None:
-    shapes = _safetensors_shapes(root, HSTU_WEIGHTS, problems)
+def _check_hstu_weights(root: Path, config: HSTUConfig, dtype: str, problems: List[Problem]) -> None:
+    shapes = _safetensors_shapes(root, HSTU_WEIGHTS, SAFETENSORS_DTYPES[dtype], problems)
     if shapes is None:
         return
-    expected = hstu_tensor_shapes(config)
+    start = len(problems)
+    expected = slice_tensor_shapes(config)
     for name, shape in expected.items():
         if name not in shapes:
             problems.append(Problem(HSTU_WEIGHTS, name, f"tensor is missing (expected shape {list(shape)})"))
         elif shapes[name] != shape:
             problems.append(Problem(HSTU_WEIGHTS, name,
-                                    f"shape {list(shapes[name])}, config.ini implies {list(shape)}"))
+                                    f"shape {list(shapes[name])}, {HSTU_CONFIG} implies {list(shape)}"))
     for name in sorted(set(shapes) - set(expected)):
-        problems.append(Problem(HSTU_WEIGHTS, name, "unexpected tensor for this config.ini"))
+        problems.append(Problem(HSTU_WEIGHTS, name, f"unexpected tensor for this {HSTU_CONFIG}"))
+    if len(problems) == start:
+        _check_finite(HSTU_WEIGHTS, list(load_file(str(root / HSTU_WEIGHTS)).items()), problems)
 
 
-def _safetensors_shapes(root: Path, rel: str, problems: List[Problem]) -> Optional[Dict[str, Tuple[int, ...]]]:
-    """{name: shape} of a safetensors file (header only; checks the file covers every tensor)."""
+def _safetensors_shapes(
+    root: Path, rel: str, dtype: str, problems: List[Problem]
+) -> Optional[Dict[str, Tuple[int, ...]]]:
+    """{name: shape} of a safetensors file whose tensors must all be ``dtype`` (header only)."""
     path = root / rel
     if not path.is_file():
         problems.append(Problem(rel, "-", "file is missing"))
         return None
     try:
-        with safe_open(str(path), framework="np") as f:
+        with safe_open(str(path), framework="pt") as f:
             out = {}
             for name in f.keys():
                 tensor = f.get_slice(name)
-                if tensor.get_dtype() != SAFETENSORS_DTYPE:
-                    problems.append(Problem(rel, name,
-                                            f"dtype {tensor.get_dtype()}, expected {SAFETENSORS_DTYPE} (float32)"))
+                if tensor.get_dtype() != dtype:
+                    problems.append(Problem(rel, name, f"dtype {tensor.get_dtype()}, expected {dtype}"))
                 out[name] = tuple(tensor.get_shape())
             return out
     except (SafetensorError, OSError) as exc:
         problems.append(Problem(rel, "-", f"not a readable safetensors file (truncated or corrupt?): {exc}"))
         return None
+
+
+def _check_finite(rel: str, named: List[Tuple[str, torch.Tensor]], problems: List[Problem]) -> None:
+    """Each of a file's tensors ((name, tensor) pairs) holds finite values only."""
+    for name in non_finite(named):
+        problems.append(Problem(rel, name, "holds NaN or infinite values"))
 
 
 def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
@@ -210,6 +256,8 @@ def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
     except Exception as exc:  # onnx raises several unrelated types for corrupt files
         problems.append(Problem(rel, "-", f"not a valid ONNX model: {type(exc).__name__}: {exc}"))
         return
+    _check_finite(rel, [(t.name, torch.from_numpy(numpy_helper.to_array(t).copy())) for t in model.graph.initializer],
+                  problems)
     initializers = {i.name for i in model.graph.initializer}
     for kind, declared, actual in (
         ("input", spec.inputs, [i for i in model.graph.input if i.name not in initializers]),

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
-from gr.atomic import atomic_directory
+from gr.atomic import atomic_directory, write_bytes, write_json
 from gr.export.format import (
     BAG,
     BATCH,
@@ -44,10 +44,10 @@ from gr.export.format import (
     TOKENS,
     ExportError,
     ExportFormatError,
-    hstu_config_sections,
-    hstu_tensor_shapes,
     write_ini,
 )
+from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
+from gr.export.manifest import write_manifest
 from gr.export.reader import ONNX_DTYPES, check_export
 from gr.export.slice_graph import REQUEST, SliceGraph, SliceSpec, TensorSpec
 from gr.export.sparse_manifest import FeatureEntry, SparseManifest, TableEntry
@@ -68,6 +68,7 @@ def export_model(
     id_mappings_dir: Union[str, Path, None] = None,
     dense_dims: Optional[Mapping[str, int]] = None,
     overwrite: bool = False,
+    hstu_dtype: str = "float32",
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
@@ -79,7 +80,11 @@ def export_model(
     dense_dims: {feature: dim} of dense token/common features the DNNs read (features
         without a table); defaults to the DNN's own ``feature_dims``/``common_dims`` when it has them.
     overwrite: replace an existing export_dir (otherwise it is an error).
+    hstu_dtype: "float32" or "bfloat16": how ``hstu/model.safetensors`` stores the weights
+    (the runtime computes in float32 either way).
     """
+    if hstu_dtype not in SLICE_DTYPES:
+        raise ValueError(f"hstu_dtype: expected one of {list(SLICE_DTYPES)}, got {hstu_dtype!r}")
     if not isinstance(model, GRModel):
         raise TypeError(f"export_model: expected a GRModel, got {type(model).__name__}")
     export_dir = Path(export_dir)
@@ -87,7 +92,8 @@ def export_model(
     model.eval()
     try:
         with atomic_directory(export_dir, overwrite=overwrite) as tmp:
-            _write(model, tmp, id_mappings_dir, dict(dense_dims or {}))
+            _write(model, tmp, id_mappings_dir, dict(dense_dims or {}), hstu_dtype)
+            write_manifest(tmp)
             problems = check_export(tmp)
             if problems:
                 raise ExportFormatError(problems)
@@ -96,7 +102,9 @@ def export_model(
     return export_dir
 
 
-def export_run(run_dir: Union[str, Path], export_dir: Union[str, Path], *, overwrite: bool = False) -> Path:
+def export_run(
+    run_dir: Union[str, Path], export_dir: Union[str, Path], *, overwrite: bool = False, hstu_dtype: str = "float32"
+) -> Path:
     """Export a training run's best checkpoint (all shards merged) with its id mappings.
 
     Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``.
@@ -108,10 +116,13 @@ def export_run(run_dir: Union[str, Path], export_dir: Union[str, Path], *, overw
     model, _ = load_trained_model(run_dir)
     mappings = run_dir / MAPPINGS_DIR
     return export_model(model, export_dir, id_mappings_dir=mappings if mappings.is_dir() else None,
-                        dense_dims={**spec.token_dense, **spec.common_dense}, overwrite=overwrite)
+                        dense_dims={**spec.token_dense, **spec.common_dense}, overwrite=overwrite,
+                        hstu_dtype=hstu_dtype)
 
 
-def _write(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None], dense_dims: Dict[str, int]) -> None:
+def _write(
+    model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None], dense_dims: Dict[str, int], hstu_dtype: str
+) -> None:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
     token_dims = _feature_dims(prefix, prefix.feature_names, sparse, "sequence", dense_dims, "feature_dims")
@@ -135,14 +146,13 @@ def _write(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None], 
     )
 
     (root / "hstu").mkdir()
-    write_ini(root / HSTU_CONFIG, hstu_config_sections(config),
-              header="HSTU slice: rebuild with gr.hstu.HSTU(HSTUConfig(**model)) (gr.export.load_hstu)")
-    weights = {name: t.detach().to(torch.float32).contiguous() for name, t in model.hstu.state_dict().items()}
-    expected = hstu_tensor_shapes(config)
+    write_json(root / HSTU_CONFIG, slice_config(config, hstu_dtype))
+    weights = to_slice(model.hstu.state_dict(), config, hstu_dtype)
+    expected = slice_tensor_shapes(config)
     if {n: tuple(t.shape) for n, t in weights.items()} != expected:
-        raise ExportError(f"HSTU state_dict names/shapes {sorted(weights)} differ from the documented export schema "
-                          f"{sorted(expected)} (gr.export.format.hstu_tensor_shapes)")
-    (root / HSTU_WEIGHTS).write_bytes(safetensors_bytes(weights))
+        raise ExportError(f"HSTU slice names/shapes {sorted(weights)} differ from the documented export schema "
+                          f"{sorted(expected)} (gr.export.hstu_slice.slice_tensor_shapes)")
+    write_bytes(root / HSTU_WEIGHTS, safetensors_bytes(weights))
 
     graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out)
     write_ini(root / SLICE_GRAPH, graph.to_sections(), header="gr slice graph: slices in execution order")

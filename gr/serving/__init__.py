@@ -2,9 +2,10 @@
 
 Imports no training code: only torch, onnxruntime, safetensors, gr.hstu and gr.export's reader.
 """
-from gr.serving.errors import RequestError
-from gr.serving.request import RankRequest
-from gr.serving.runtime import Ranker, RankResult, ServingModel
+from gr.serving.errors import RequestError, ScoringError
+from gr.serving.request import GenerateRequest, IdOptions, RankRequest, RecommendRequest
+from gr.serving.runtime import Ranker, RankResult, RecommendResult, ServingModel
 from gr.serving.user_cache import UserCache
 
-__all__ = ["RankRequest", "RankResult", "Ranker", "RequestError", "ServingModel", "UserCache"]
+__all__ = ["GenerateRequest", "IdOptions", "RankRequest", "RankResult", "Ranker", "RecommendRequest",
+           "RecommendResult", "RequestError", "ScoringError", "ServingModel", "UserCache"]

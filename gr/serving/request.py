@@ -1,4 +1,5 @@
-"""Ranking requests: what they hold, and their validation against what an export reads.
+"""Rank, recommend and generate requests: what they hold, and their validation against what an
+export reads.
 
 A request carries token features column by column::
 
@@ -9,8 +10,9 @@ A request carries token features column by column::
      "request_time": 260}                            # optional: default the latest candidate
                                                      # timestamp, else the last history one
 
-Ids are model ids (rows of the tables, as in ``sparse/id_maps``); a pooled common
-feature takes one id or a list of ids. The request time is when the last history action's
+Ids are raw ids ("ids": "raw", the HTTP and CLI default: the dataset's ids, through the
+export's ``sparse/id_maps``) or model ids ("ids": "model", the in-process default: rows of the
+tables); a pooled common feature takes one id or a list of ids. The request time is when the last history action's
 next event happens, for models whose ``HSTUConfig.query_time`` is "next_event".
 """
 from __future__ import annotations
@@ -23,9 +25,68 @@ import numpy as np
 from gr.export.format import BAG, BATCH, TIMESTAMPS, TOKENS
 from gr.export.slice_graph import SliceGraph
 from gr.serving.errors import RequestError
+from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS, IdMaps
 from gr.serving.sparse_store import SparseStore
 
-REQUEST_KEYS = ("user_id", "history", "candidates", "common_features", "request_time")
+ID_OPTIONS = ("ids", "unknown_ids")
+REQUEST_KEYS = ("user_id", "history", "candidates", "common_features", "request_time", *ID_OPTIONS)
+GENERATE_KEYS = ("user_id", "history", "k", "common_features", "request_time", "strategy", "exclude_seen",
+                 "beam_width", "temperature", "seed", *ID_OPTIONS)
+RECOMMEND_KEYS = ("user_id", "history", "k", "common_features", "request_time", "exclude_seen", *ID_OPTIONS)
+
+
+@dataclass(frozen=True)
+class IdOptions:
+    """ids: "raw" (the dataset's ids, through the export's id maps) or "model" (table rows);
+    unknown_ids: "error" (a RequestError naming the id) or "oov" (see ``gr.serving.id_maps``)."""
+
+    ids: str = "model"
+    unknown_ids: str = "error"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str, default_ids: str) -> "IdOptions":
+        ids, unknown = data.get("ids", default_ids), data.get("unknown_ids", "error")
+        if ids not in ID_SPACES:
+            raise RequestError(f"{where}.ids: expected one of {list(ID_SPACES)}, got {ids!r}")
+        if unknown not in UNKNOWN_IDS:
+            raise RequestError(f"{where}.unknown_ids: expected one of {list(UNKNOWN_IDS)}, got {unknown!r}")
+        return cls(ids, unknown)
+
+
+MODEL_IDS = IdOptions()  # the in-process default: model ids, unknown ids an error
+
+
+def _object(data: Any, where: str, keys: Tuple[str, ...], required: Tuple[str, ...]) -> Mapping[str, Any]:
+    """Check a request object's keys and its user_id."""
+    if not isinstance(data, Mapping):
+        raise RequestError(f"{where}: expected an object with keys {list(keys)}, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(keys))
+    if unknown:
+        raise RequestError(f"{where}: unknown key(s) {unknown}; expected some of {list(keys)}")
+    for key in required:
+        if key not in data:
+            raise RequestError(f"{where}.{key}: missing")
+    user = data["user_id"]
+    if not isinstance(user, (str, int)) or isinstance(user, bool):
+        raise RequestError(f"{where}.user_id: expected a string or an integer, got {user!r}")
+    return data
+
+
+def _int(data: Mapping[str, Any], key: str, where: str, default: Any, low: Optional[int] = None) -> Any:
+    value = data.get(key, default)
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        bound = "" if low is None else f" >= {low}"
+        raise RequestError(f"{where}.{key}: expected an integer{bound}, got {value!r}")
+    return value
+
+
+def _flag(data: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(f"{where}.{key}: expected true or false, got {value!r}")
+    return value
 
 
 @dataclass
@@ -37,21 +98,65 @@ class RankRequest:
     candidates: Mapping[str, Any]
     common_features: Optional[Mapping[str, Any]] = None
     request_time: Optional[int] = None
+    id_options: IdOptions = MODEL_IDS
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "request") -> "RankRequest":
-        if not isinstance(data, Mapping):
-            raise RequestError(f"{where}: expected an object with keys {list(REQUEST_KEYS)}, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(REQUEST_KEYS))
-        if unknown:
-            raise RequestError(f"{where}: unknown key(s) {unknown}; expected some of {list(REQUEST_KEYS)}")
-        for key in ("user_id", "history", "candidates"):
-            if key not in data:
-                raise RequestError(f"{where}.{key}: missing")
-        user = data["user_id"]
-        if not isinstance(user, (str, int)) or isinstance(user, bool):
-            raise RequestError(f"{where}.user_id: expected a string or an integer, got {user!r}")
-        return cls(user, data["history"], data["candidates"], data.get("common_features"), data.get("request_time"))
+    def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "RankRequest":
+        data = _object(data, where, REQUEST_KEYS, ("user_id", "history", "candidates"))
+        return cls(data["user_id"], data["history"], data["candidates"], data.get("common_features"),
+                   data.get("request_time"), IdOptions.from_dict(data, where, default_ids))
+
+
+@dataclass
+class RecommendRequest:
+    """The top ``k`` catalogue items for a user (retrieval exports); seen items excluded by default."""
+
+    user_id: Hashable
+    history: Mapping[str, Any]
+    k: int = 10
+    common_features: Optional[Mapping[str, Any]] = None
+    request_time: Optional[int] = None
+    exclude_seen: bool = True
+    id_options: IdOptions = MODEL_IDS
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "RecommendRequest":
+        data = _object(data, where, RECOMMEND_KEYS, ("user_id", "history"))
+        return cls(data["user_id"], data["history"], _int(data, "k", where, 10, 1), data.get("common_features"),
+                   data.get("request_time"), _flag(data, "exclude_seen", where, True),
+                   IdOptions.from_dict(data, where, default_ids))
+
+
+@dataclass
+class GenerateRequest:
+    """A user's next ``k`` items (``gr.serving.generate``): no candidates, a decoding strategy."""
+
+    user_id: Hashable
+    history: Mapping[str, Any]
+    k: int = 10
+    common_features: Optional[Mapping[str, Any]] = None
+    request_time: Optional[int] = None
+    strategy: str = "greedy"
+    exclude_seen: bool = True
+    beam_width: int = 4
+    temperature: float = 1.0
+    seed: Optional[int] = None
+    id_options: IdOptions = MODEL_IDS
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "GenerateRequest":
+        data = _object(data, where, GENERATE_KEYS, ("user_id", "history"))
+        temperature = data.get("temperature", 1.0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or temperature == float("inf"):
+            raise RequestError(f"{where}.temperature: expected a finite number > 0, got {temperature!r}")
+        strategy = data.get("strategy", "greedy")
+        if not isinstance(strategy, str):
+            raise RequestError(f"{where}.strategy: expected a string, got {strategy!r}")
+        return cls(data["user_id"], data["history"], _int(data, "k", where, 10, 1), data.get("common_features"),
+                   data.get("request_time"), strategy, _flag(data, "exclude_seen", where, True),
+                   _int(data, "beam_width", where, 4, 1), float(temperature), _int(data, "seed", where, None),
+                   IdOptions.from_dict(data, where, default_ids))
 
 
 @dataclass(frozen=True)
@@ -80,12 +185,14 @@ class RequestSchema:
         return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense)
 
     def tokens(
-        self, columns: Any, where: str, store: SparseStore, default_timestamp: Optional[int] = None
+        self, columns: Any, where: str, store: SparseStore, default_timestamp: Optional[int] = None,
+        raw: Optional[IdMaps] = None, unknown_ids: str = "error",
     ) -> Dict[str, np.ndarray]:
         """Columns -> {feature: [n] int64 | [n, d] float32, "timestamps": [n] int64}.
 
         ``default_timestamp`` fills missing timestamps (candidates); without it they are required.
-        An empty mapping is zero tokens.
+        An empty mapping is zero tokens. raw: the id maps that turn raw ids into model ids (None:
+        the ids are model ids).
         """
         if columns is None or (isinstance(columns, Mapping) and not columns):
             columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
@@ -95,7 +202,8 @@ class RequestSchema:
         _check_features(columns, (*self.token_ids, *self.token_dense), where, optional=(TIMESTAMPS,))
         out: Dict[str, np.ndarray] = {}
         for name in self.token_ids:
-            out[name] = _ids(columns[name], f"{where}.{name}")
+            values = columns[name] if raw is None else raw.encode(name, columns[name], f"{where}.{name}", unknown_ids)
+            out[name] = _ids(values, f"{where}.{name}")
             store.check_ids(name, out[name], where)
         for name, dim in self.token_dense.items():
             out[name] = _dense(columns[name], dim, f"{where}.{name}")
@@ -112,16 +220,20 @@ class RequestSchema:
             raise RequestError(f"{where}: features have different lengths {lengths}")
         return out
 
-    def common(self, values: Any, store: SparseStore) -> Dict[str, np.ndarray]:
-        """{feature: id | [ids] | [d floats]} -> {feature: [n] int64 bag | [1, d] float32}."""
+    def common(
+        self, values: Any, store: SparseStore, raw: Optional[IdMaps] = None, unknown_ids: str = "error"
+    ) -> Dict[str, np.ndarray]:
+        """{feature: id | [ids] | [d floats]} -> {feature: [n] int64 bag | [1, d] float32} (raw: as in ``tokens``)."""
         values = {} if values is None else values
         if not isinstance(values, Mapping):
             raise RequestError(f"common_features: expected an object, got {type(values).__name__}")
         _check_features(values, (*self.common_ids, *self.common_dense), "common_features")
         out: Dict[str, np.ndarray] = {}
         for name in self.common_ids:
-            value = values[name]
-            out[name] = _ids([value] if np.isscalar(value) else value, f"common_features.{name}")
+            value = [values[name]] if np.isscalar(values[name]) else values[name]
+            if raw is not None:
+                value = raw.encode(name, value, f"common_features.{name}", unknown_ids)
+            out[name] = _ids(value, f"common_features.{name}")
             store.check_ids(name, out[name], "common_features")
         for name, dim in self.common_dense.items():
             out[name] = _dense([values[name]], dim, f"common_features.{name}")

@@ -1,9 +1,10 @@
-"""The ranking runtime: an export's slices chained as slice_graph.ini says, with prefix caching.
+"""The serving runtime: rank, recommend and generate over an export, with prefix caching.
 
-Per request: the history's tokens go sparse -> prefix_dnn -> HSTU once (or only the
-new ones, when the user's cached history is a prefix of the request's), then the
-candidates go sparse -> prefix_dnn -> HSTU against the cached K/V (in micro-batches)
--> postfix_dnn. Imports no training code.
+Per request: the history is validated (``Ranker.history``), then its tokens go sparse ->
+prefix_dnn -> HSTU once (or only the new ones, when the user's cached history is a prefix of
+the request's: ``Ranker.encode``). Ranking exports then run the candidates against the cached
+K/V (in micro-batches) -> postfix_dnn; retrieval exports score items against the query at the
+last history token. Imports no training code.
 """
 from __future__ import annotations
 
@@ -16,60 +17,85 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gr.export.format import (
-    BAG,
-    HSTU_OUTPUT,
-    HSTU_SLICE,
-    POSTFIX,
-    POSTFIX_ONNX,
-    PREFIX,
-    PREFIX_ONNX,
-    PREFIX_OUTPUT,
-    REPEAT_PER_TARGET,
-    SPARSE,
-    TIMESTAMPS,
-    TOKENS,
-)
-from gr.export.reader import load_hstu, open_export
-from gr.export.slice_graph import REQUEST
-from gr.hstu.cache import CachedHSTU, HistoryCache
+from gr.export.format import TIMESTAMPS
+from gr.generation.index import Exclusions
+from gr.hstu.cache import HistoryCache
+from gr.jagged import offsets_from_lengths
+from gr.serving import generate as generation
+from gr.serving.catalogue import QUERY, Catalogue
 from gr.serving.errors import RequestError
-from gr.serving.generate import Catalogue, GenerateResult, generate
-from gr.serving.onnx_slice import OnnxSlice
-from gr.serving.request import RankRequest, RequestSchema
-from gr.serving.sparse_store import SparseStore
+from gr.serving.history import (
+    LONG_HISTORY,
+    EncodedHistory,
+    History,
+    Tokens,
+    fit,
+    last_token_state,
+)
+from gr.serving.model import ServingModel, check_finite
+from gr.serving.request import (
+    MODEL_IDS,
+    GenerateRequest,
+    IdOptions,
+    RankRequest,
+    RecommendRequest,
+)
 from gr.serving.user_cache import UserCache
 
-LONG_HISTORY = ("truncate", "refuse")
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_MICRO_BATCH = 256
+RETRIEVAL = "retrieval"  # the score name of a retrieval export's rank
 
-Tokens = Dict[str, np.ndarray]
+__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_MICRO_BATCH", "LONG_HISTORY", "Ranker", "RankResult",
+           "RecommendResult", "ServingModel"]
+
+
+def _warnings(truncated: int) -> Dict[str, Any]:
+    if not truncated:
+        return {}
+    return {"warnings": [f"history truncated: dropped the {truncated} oldest token(s) to fit max_seq_len"]}
 
 
 @dataclass(frozen=True)
 class RankResult:
-    """scores: {task: [N] (or [N, ...]) float32}, candidates in request order.
+    """scores: {task: [N] float32}, candidates in request order: a ranking head's outputs by
+    name, or for a retrieval export {"retrieval": the cosine of the query at the last history
+    token and each candidate's item vector}.
 
     history_length: history tokens used; truncated: oldest tokens dropped to fit
-    max_seq_len; cache: "miss" (history encoded), "extend" (only new actions encoded),
-    "hit" (nothing encoded) or "off" (one uncached target-aware pass).
+    max_seq_len; cache_status: "miss" (history encoded), "extend" (only new actions encoded),
+    "hit" (nothing encoded) or "off" (no history cache used); model_version: the reload
+    count of the model that computed every score.
     """
 
     scores: Dict[str, np.ndarray]
     history_length: int
     truncated: int
     cache_status: str
+    model_version: int = 0
 
     def to_json(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {
-            "scores": {name: value.tolist() for name, value in self.scores.items()},
-            "history_length": self.history_length,
-            "cache_status": self.cache_status, "cache": self.cache_status,
-        }
-        if self.truncated:
-            out["warnings"] = [f"history truncated: dropped the {self.truncated} oldest token(s) to fit max_seq_len"]
-        return out
+        return {"scores": {name: value.tolist() for name, value in self.scores.items()},
+                "history_length": self.history_length, "cache_status": self.cache_status,
+                "cache": self.cache_status, "model_version": self.model_version, **_warnings(self.truncated)}
+
+
+@dataclass(frozen=True)
+class RecommendResult:
+    """items: the top k catalogue items (in the request's id space), best first; scores: [k]
+    their cosines with the query (see RankResult); other fields as in RankResult."""
+
+    items: List[Any]
+    scores: np.ndarray
+    history_length: int
+    truncated: int
+    cache_status: str
+    model_version: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"items": self.items, "scores": self.scores.tolist(), "history_length": self.history_length,
+                "cache_status": self.cache_status, "cache": self.cache_status,
+                "model_version": self.model_version, **_warnings(self.truncated)}
 
 
 @dataclass(frozen=True)
@@ -86,56 +112,27 @@ class CachedUser:
         return self.history.nbytes + sum(a.nbytes for a in self.tokens.values())
 
 
-class ServingModel:
-    """One loaded export: sparse store, ONNX Runtime sessions and the HSTU engine, wired by the graph."""
+@dataclass(frozen=True)
+class PreparedRank:
+    """A validated rank request: its history (``Ranker.history``), candidate columns and time."""
 
-    def __init__(self, export_dir: Union[str, Path], threads: Optional[int] = None) -> None:
-        manifest = open_export(export_dir)
-        self.graph = manifest.graph
-        self.config = manifest.hstu_config
-        self.schema = RequestSchema.from_graph(self.graph)
-        self.sparse = SparseStore(manifest)
-        self.prefix = OnnxSlice(manifest.path(PREFIX_ONNX), self.graph.slice(PREFIX), threads)
-        self.engine = CachedHSTU(load_hstu(manifest.root))
-        self.postfix = OnnxSlice(manifest.path(POSTFIX_ONNX), self.graph.slice(POSTFIX), threads)
-
-    def embed_tokens(self, tokens: Tokens) -> Tensor:
-        """Token columns -> [T, D] HSTU input: sparse lookups, then the prefix_dnn slice."""
-        count = len(tokens[TIMESTAMPS])
-        if count == 0:
-            return torch.zeros(0, self.config.hidden_dim)
-        env = {f"{REQUEST}.{name}": value for name, value in tokens.items()}
-        for t in self.graph.slice(SPARSE).inputs:
-            if t.shape == (TOKENS,):
-                env[f"{SPARSE}.{t.name}"] = self.sparse.sequence(t.name, env[t.source])
-        out = self.prefix.run({t.name: env[t.source] for t in self.prefix.spec.inputs})
-        return torch.from_numpy(out[PREFIX_OUTPUT])
-
-    def heads(self, hidden: Tensor, common: Tokens) -> Dict[str, np.ndarray]:
-        """hidden: [N, D] HSTU outputs at the candidates -> {task: [N, ...]} via the postfix_dnn slice."""
-        env: Dict[str, np.ndarray] = {f"{REQUEST}.{name}": value for name, value in common.items()}
-        for t in self.graph.slice(SPARSE).inputs:
-            if t.shape == (BAG,):
-                env[f"{SPARSE}.{t.name}"] = self.sparse.pooled(t.name, env[t.source])
-        env[f"{HSTU_SLICE}.{HSTU_OUTPUT}"] = hidden.numpy()
-        rows = hidden.shape[0]
-        inputs = {}
-        for t in self.postfix.spec.inputs:
-            value = env[t.source]
-            inputs[t.name] = np.repeat(value, rows, axis=0) if t.repeat == REPEAT_PER_TARGET else value
-        return self.postfix.run(inputs)
+    request: RankRequest
+    history: History
+    candidates: Tokens
+    request_time: int
 
 
 class Ranker:
-    """Scores candidates for users from an export, caching each user's encoded history.
+    """Ranks, recommends and generates for users from an export, caching each user's encoded history.
 
     cache_bytes: bound of the user cache (LRU by bytes)
     micro_batch: candidates per HSTU pass (results do not depend on it)
     long_history: "truncate" (keep the most recent max_seq_len tokens, reported in the
         result) or "refuse" (a RequestError)
     threads: intra-op threads of each ONNX Runtime session (None: its default)
-    Thread-safe: concurrent ``rank`` calls share the cache; ``reload`` swaps the model and
-    invalidates the cache.
+    index: the catalogue's item index for recommend and generation: "exact" or "hnsw"
+    Thread-safe: concurrent calls share the cache; ``reload`` swaps the model and invalidates
+    the cache, and every result comes from one model (its ``model_version``).
     """
 
     def __init__(
@@ -146,6 +143,7 @@ class Ranker:
         micro_batch: int = DEFAULT_MICRO_BATCH,
         long_history: str = "truncate",
         threads: Optional[int] = None,
+        index: str = "exact",
     ) -> None:
         if long_history not in LONG_HISTORY:
             raise ValueError(f"Ranker.long_history: expected one of {list(LONG_HISTORY)}, got {long_history!r}")
@@ -154,15 +152,15 @@ class Ranker:
         self.micro_batch = micro_batch
         self.long_history = long_history
         self.threads = threads
+        self.index = index
         self.cache = UserCache(cache_bytes)
         self._model = model
-        self._catalogue: Optional[Catalogue] = None
         self._lock = threading.Lock()
 
     @classmethod
     def load(cls, export_dir: Union[str, Path], **options: Any) -> "Ranker":
         """Load and validate an export directory; ``options`` as in the constructor."""
-        return cls(ServingModel(export_dir, options.get("threads")), **options)
+        return cls(ServingModel(export_dir, options.get("threads"), options.get("index", "exact")), **options)
 
     @property
     def model(self) -> ServingModel:
@@ -170,11 +168,66 @@ class Ranker:
 
     def reload(self, export_dir: Union[str, Path]) -> None:
         """Load another export (e.g. a newer model) and invalidate every cached history."""
-        model = ServingModel(export_dir, self.threads)
+        model = ServingModel(export_dir, self.threads, self.index)
         with self._lock:
             self._model = model
             self.cache.invalidate()
 
+    def catalogue(self) -> Tuple[Catalogue, int]:
+        """The current model's item catalogue (built on first use) and its model version."""
+        with self._lock:
+            model, model_version = self._model, self.cache.model_version
+        return model.catalogue(), model_version
+
+    # ---- the one history path -------------------------------------------------------------
+    def history(
+        self,
+        user_id: Hashable,
+        history: Mapping[str, Any],
+        common_features: Optional[Mapping[str, Any]] = None,
+        *,
+        reserve: int = 0,
+        id_options: IdOptions = MODEL_IDS,
+    ) -> History:
+        """Validate a history (and common features) against the current model; touches no cache.
+
+        reserve: tokens to keep free of max_seq_len (generated items)."""
+        with self._lock:
+            model, model_version = self._model, self.cache.model_version
+        if reserve >= model.config.max_seq_len:
+            raise RequestError(f"k: {reserve} items do not fit the model's max_seq_len {model.config.max_seq_len}")
+        raw = model.id_maps if id_options.ids == "raw" else None
+        tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
+        common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
+        tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, self.long_history,
+                                model.config.eviction_block)
+        return History(model, model_version, user_id, tokens, common, truncated, raw, id_options.unknown_ids)
+
+    def encode(self, h: History, use_cache: bool = True) -> EncodedHistory:
+        """The user's encoded history: reused, extended with the new tokens, or encoded (and stored).
+
+        Only a cache entry of ``h``'s model version is used or stored (a reload may race the request)."""
+        if not use_cache:
+            return EncodedHistory(h, None, "off")
+        model, hist = h.model, h.tokens
+        entry = self.cache.get(h.user_id)
+        cached, status = None, "miss"
+        if isinstance(entry, CachedUser) and entry.model_version == h.model_version and _is_prefix(entry.tokens, hist):
+            known = entry.history.length
+            if known == h.length:
+                cached, status = entry, "hit"
+            elif model.engine.can_extend(entry.history):
+                new = {name: value[known:] for name, value in hist.items()}
+                extended = model.engine.extend(entry.history, model.embed_tokens(new), torch.from_numpy(new[TIMESTAMPS]))
+                cached, status = CachedUser(hist, extended, h.model_version), "extend"
+        if cached is None:
+            encoded = model.engine.encode(model.embed_tokens(hist), torch.from_numpy(hist[TIMESTAMPS]))
+            cached = CachedUser(hist, encoded, h.model_version)
+        if status != "hit":
+            self.cache.put(h.user_id, cached, h.model_version)
+        return EncodedHistory(h, cached.history, status)
+
+    # ---- rank -------------------------------------------------------------------------------
     def rank(
         self,
         user_id: Hashable,
@@ -184,137 +237,158 @@ class Ranker:
         *,
         request_time: Optional[int] = None,
         use_cache: bool = True,
+        id_options: IdOptions = MODEL_IDS,
     ) -> RankResult:
         """Score ``candidates`` for a user with ``history`` (columns as in ``gr.serving.request``).
 
-        use_cache=False runs one target-aware pass over history + candidates instead.
+        use_cache=False runs without the history cache (one target-aware pass for a ranking export).
         request_time: seconds (see ``gr.serving.request``); "next_event" models read it.
         """
-        with self._lock:
-            model, model_version = self._model, self.cache.model_version
-        hist, cands, common, truncated, request_time = self._validate(model, history, candidates, common_features,
-                                                              request_time)
+        h = self.history(user_id, history, common_features, id_options=id_options)
+        model = h.model
+        cands, request_time = self._candidates(h, candidates, request_time)
+        if model.is_retrieval:
+            catalogue = model.catalogue()
+            if h.length == 0:
+                raise RequestError("history: empty; a retrieval model scores items against the query at the "
+                                   "last history item")
+            encoded = self.encode(h, use_cache)
+            state = last_token_state(encoded, catalogue, request_time)
+            items = torch.from_numpy(cands[catalogue.item_feature])
+            scores = {RETRIEVAL: catalogue.index.scores_of(state.query.view(1, -1), items)[0].numpy()}
+            check_finite(scores, "retrieval")
+            return RankResult(scores, h.length, h.truncated, encoded.cache_status, h.model_version)
         if not use_cache:
-            hidden = self._one_pass(model, hist, cands, request_time)
-            return RankResult(model.heads(hidden, common), len(hist[TIMESTAMPS]), truncated, "off")
-        cached, status = self._history(model, model_version, user_id, hist)
+            hidden = _one_pass(model, h.tokens, cands, request_time)
+            return RankResult(model.heads(hidden, h.common), h.length, h.truncated, "off", h.model_version)
+        encoded = self.encode(h)
         x = model.embed_tokens(cands)
-        hidden = model.engine.score(cached.history, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch, request_time)
-        if status != "hit":
-            self.cache.put(user_id, cached, model_version)
-        return RankResult(model.heads(hidden, common), len(hist[TIMESTAMPS]), truncated, status)
+        hidden = model.engine.score(encoded.cache, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch,
+                                    request_time)
+        return RankResult(model.heads(hidden, h.common), h.length, h.truncated, encoded.cache_status,
+                          h.model_version)
 
-    def rank_batch(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]:
-        """Rank several users' requests; a bad one raises RequestError naming its index."""
-        results = []
-        for i, request in enumerate(requests):
-            try:
-                results.append(self.rank(request.user_id, request.history, request.candidates,
-                                         request.common_features, request_time=request.request_time,
-                                         use_cache=use_cache))
-            except RequestError as exc:
-                raise RequestError(f"requests[{i}]: {exc}") from exc
-        return results
-
-    def generate(self, user_id: Hashable, history: Mapping[str, Any], k: int, strategy: str = "greedy",
-                 exclude_seen: bool = True, **options: Any) -> GenerateResult:
-        """Generate the user's next ``k`` items after ``history`` (columns as in ``gr.serving.request``).
-
-        strategy: "greedy" (lowest item id on ties), "beam" (``beam_width``, ``temperature``) or
-        "sample" (``temperature``, ``seed``); exclude_seen: never repeat a history or generated item.
-        ``draft`` (a ``gr.generation.drafts.DraftSource``) turns greedy speculative: drafts verified
-        in one HSTU pass each, ``verification`` ``Strict()`` (the greedy items exactly) or ``Relaxed``;
-        ``budget`` (a ``gr.generation.budget.AdaptiveBudget``) sizes each draft tree from the acceptance so far.
-        ``speculative_retrieval`` (a ``gr.generation.speculative_retrieval.SpeculativeRetrieval``)
-        answers greedy's searches from a local cache checked in batches against the exact index.
-        Other options: ``common_features``, ``request_time`` (the generated tokens' timestamp,
-        default the last history timestamp), ``attribute`` (routes a cold user to a pool).
-        The user's cached history is used and updated as in ``rank``. See ``gr.serving.generate``.
-        """
-        return generate(self, user_id, history, k, strategy, exclude_seen, **options)
-
-    def catalogue(self) -> Tuple[Catalogue, int]:
-        """The current model's generation catalogue (built on first use) and its model version."""
-        with self._lock:
-            model, model_version = self._model, self.cache.model_version
-            if self._catalogue is None or self._catalogue.model is not model:
-                self._catalogue = Catalogue(model)
-            return self._catalogue, model_version
-
-    def cached_history(self, model: ServingModel, model_version: int, user_id: Hashable, hist: Tokens) -> Tuple[HistoryCache, str]:
-        """The encoded history ``hist`` of a user (reused, extended or encoded; stored in the user cache)
-        -> (cache, "hit" | "extend" | "miss")."""
-        cached, status = self._history(model, model_version, user_id, hist)
-        if status != "hit":
-            self.cache.put(user_id, cached, model_version)
-        return cached.history, status
-
-    def _validate(
-        self,
-        model: ServingModel,
-        history: Mapping[str, Any],
-        candidates: Mapping[str, Any],
-        common_features: Optional[Mapping[str, Any]],
-        request_time: Optional[int],
-    ) -> Tuple[Tokens, Tokens, Tokens, int, int]:
-        """Check the whole request before anything is computed or cached.
-
-        -> (history, candidates, common features, tokens truncated, request time)"""
-        hist = model.schema.tokens(history, "history", model.sparse)
-        if request_time is not None and (isinstance(request_time, bool)
-                                         or not isinstance(request_time, (int, np.integer))):
-            raise RequestError(f"request_time: expected an integer (seconds), got {request_time!r}")
+    def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]
+                    ) -> Tuple[Tokens, int]:
+        """Validate a request's candidates -> (their token columns, the request time)."""
+        _check_time(request_time)
         default_time = request_time
         if request_time is None:  # candidates without timestamps stand right after the last action
-            default_time = int(hist[TIMESTAMPS][-1]) if len(hist[TIMESTAMPS]) else 0
-        cands = model.schema.tokens(candidates, "candidates", model.sparse, default_timestamp=default_time)
+            default_time = int(h.tokens[TIMESTAMPS][-1]) if h.length else 0
+        cands = h.model.schema.tokens(candidates, "candidates", h.model.sparse, default_timestamp=default_time,
+                                      raw=h.raw, unknown_ids=h.unknown_ids)
         if len(cands[TIMESTAMPS]) == 0:
             raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
         if request_time is None:  # the request is when its candidates are shown
             request_time = int(cands[TIMESTAMPS].max())
-        common = model.schema.common(common_features, model.sparse)
-        limit = model.config.max_seq_len
-        length = len(hist[TIMESTAMPS])
-        if length > limit:
-            if self.long_history == "refuse":
-                raise RequestError(f"history: {length} tokens exceed the model's max_seq_len {limit} "
-                                   "(long_history='refuse'; use 'truncate' to keep the most recent ones)")
-            hist = {name: value[length - limit:].copy() for name, value in hist.items()}
-        return hist, cands, common, max(length - limit, 0), request_time
+        return cands, request_time
 
-    def _history(self, model: ServingModel, model_version: int, user_id: Hashable, hist: Tokens) -> Tuple[CachedUser, str]:
-        """The user's cached history for ``hist``: reused, extended with the new tokens, or encoded.
+    def rank_request(self, request: RankRequest, use_cache: bool = True) -> RankResult:
+        return self.rank(request.user_id, request.history, request.candidates, request.common_features,
+                         request_time=request.request_time, use_cache=use_cache, id_options=request.id_options)
 
-        Only an entry of this request's model version is used (a reload may race the request).
-        """
-        entry = self.cache.get(user_id)
-        length = len(hist[TIMESTAMPS])
-        if isinstance(entry, CachedUser) and entry.model_version == model_version and _is_prefix(entry.tokens, hist):
-            known = entry.history.length
-            if known == length:
-                return entry, "hit"
-            if model.engine.can_extend(entry.history):
-                new = {name: value[known:] for name, value in hist.items()}
-                x = model.embed_tokens(new)
-                extended = model.engine.extend(entry.history, x, torch.from_numpy(new[TIMESTAMPS]))
-                return CachedUser(hist, extended, model_version), "extend"
-        x = model.embed_tokens(hist)
-        return CachedUser(hist, model.engine.encode(x, torch.from_numpy(hist[TIMESTAMPS])), model_version), "miss"
+    def rank_batch(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]:
+        """Rank several users' requests as one batch; a bad one raises RequestError naming its index.
 
-    def _one_pass(self, model: ServingModel, hist: Tokens, cands: Tokens, request_time: int) -> Tensor:
-        """HSTU outputs at the candidates from one target-aware pass over history + candidates: [N, D].
+        A ranking export scores every user's candidates against that user's cached history in
+        shared HSTU passes (``CachedHSTU.score_batch``: up to ``micro_batch`` candidates a pass,
+        users packed together) and shared prefix/postfix ONNX runs; scores equal ``rank`` user by
+        user. Retrieval exports, ``use_cache=False`` and a batch that raced a reload go one by one."""
+        prepared = []
+        for i, request in enumerate(requests):
+            try:
+                prepared.append(self.prepare_rank(request))
+            except RequestError as exc:
+                raise RequestError(f"requests[{i}]: {exc}") from exc
+        return self.rank_prepared(prepared, use_cache=use_cache)
 
-        Query times (read by "next_event" models): each history token's is the next one's
-        timestamp, the last one's the request time; a candidate's is its own timestamp."""
-        tokens = {name: np.concatenate([hist[name], cands[name]]) for name in hist}
-        x = model.embed_tokens(tokens)
-        length, count = len(hist[TIMESTAMPS]), len(cands[TIMESTAMPS])
-        total = length + count
-        query_times = np.concatenate([hist[TIMESTAMPS][1:], [request_time], cands[TIMESTAMPS]])[-total:]
-        with torch.inference_mode():
-            h = model.engine.hstu(x, torch.tensor([0, total]), total, torch.from_numpy(tokens[TIMESTAMPS]),
-                                  torch.tensor([count]), torch.from_numpy(query_times.astype(np.int64)))
-        return h[length:]
+    def prepare_rank(self, request: RankRequest) -> PreparedRank:
+        """Validate one rank request against the current model (touches no cache)."""
+        h = self.history(request.user_id, request.history, request.common_features, id_options=request.id_options)
+        return PreparedRank(request, h, *self._candidates(h, request.candidates, request.request_time))
+
+    def rank_prepared(self, prepared: Sequence[PreparedRank], *, use_cache: bool = True) -> List[RankResult]:
+        """``rank_batch`` of requests already validated by ``prepare_rank``."""
+        if not prepared:
+            return []
+        model = prepared[0].history.model
+        if model.is_retrieval or not use_cache or any(p.history.model is not model for p in prepared):
+            return [self.rank_request(p.request, use_cache) for p in prepared]
+        encoded = [self.encode(p.history) for p in prepared]
+        counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
+        joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
+        hidden = model.engine.score_batch(
+            [e.cache for e in encoded], model.embed_tokens(joined), offsets_from_lengths(torch.tensor(counts)),
+            torch.from_numpy(joined[TIMESTAMPS]), self.micro_batch, [p.request_time for p in prepared])
+        scores = model.heads_batch(hidden, [p.history.common for p in prepared], counts)
+        bounds = np.cumsum([0, *counts])
+        return [RankResult({task: value[bounds[b]:bounds[b + 1]] for task, value in scores.items()}, p.history.length,
+                           p.history.truncated, e.cache_status, p.history.model_version)
+                for b, (p, e) in enumerate(zip(prepared, encoded))]
+
+    # ---- recommend --------------------------------------------------------------------------
+    def recommend(self, request: RecommendRequest) -> RecommendResult:
+        """The top ``request.k`` items of the whole catalogue for a user, through the catalogue's item index."""
+        h = self.history(request.user_id, request.history, request.common_features, id_options=request.id_options)
+        _check_time(request.request_time)
+        if not h.model.is_retrieval:
+            raise RequestError(f"model: recommend needs a retrieval export (a {QUERY!r} output); this one "
+                               f"outputs {h.model.postfix.output_names}: use rank")
+        catalogue = h.model.catalogue()
+        if h.length == 0:
+            raise RequestError("history: empty; recommend needs at least one item")
+        seen = Exclusions(catalogue.index.num_items, h.tokens[catalogue.item_feature] if request.exclude_seen else ())
+        available = catalogue.index.num_items - len(seen.items)
+        if request.k > available:
+            raise RequestError(f"k: {request.k} items requested but only {available} catalogue items are eligible")
+        request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
+        encoded = self.encode(h)
+        state = last_token_state(encoded, catalogue, request_time)
+        scores, items = catalogue.index.search(state.query.view(1, -1), seen.rows(1), request.k)
+        check_finite({"scores": scores.numpy()}, "recommend")
+        return RecommendResult(h.decode_items(catalogue.item_feature, items[0].numpy()), scores[0].numpy(),
+                               h.length, h.truncated, encoded.cache_status, h.model_version)
+
+    # ---- generate ---------------------------------------------------------------------------
+    def generate(self, request: Union[GenerateRequest, Hashable], history: Optional[Mapping[str, Any]] = None,
+                 k: Optional[int] = None, strategy: str = "greedy", exclude_seen: bool = True,
+                 **options: Any) -> generation.GenerateResult:
+        """Generate a user's next items: ``generate(GenerateRequest)``, or the keyword form
+        ``generate(user_id, history, k, strategy, exclude_seen, **options)`` whose options are
+        those of ``gr.serving.generate.run`` plus ``common_features``, ``request_time``, ``id_options``.
+
+        The user's cached history is used and updated as in ``rank``."""
+        if not isinstance(request, GenerateRequest):
+            fields = {key: options.pop(key) for key in ("common_features", "request_time", "beam_width",
+                                                       "temperature", "seed", "id_options") if key in options}
+            request = GenerateRequest(request, history, k, strategy=strategy, exclude_seen=exclude_seen, **fields)
+        generation.check_k(request.k)
+        h = self.history(request.user_id, request.history, request.common_features, reserve=request.k,
+                         id_options=request.id_options)
+        catalogue = h.model.catalogue()
+        plan = generation.plan(h, catalogue, request, **options)
+        return generation.run(plan, self.encode(h))
+
+
+def _check_time(request_time: Any) -> None:
+    if request_time is not None and (isinstance(request_time, bool) or not isinstance(request_time, (int, np.integer))):
+        raise RequestError(f"request_time: expected an integer (seconds), got {request_time!r}")
+
+
+def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: int) -> Tensor:
+    """HSTU outputs at the candidates from one target-aware pass over history + candidates: [N, D].
+
+    Query times (read by "next_event" models): each history token's is the next one's
+    timestamp, the last one's the request time; a candidate's is its own timestamp."""
+    tokens = {name: np.concatenate([hist[name], cands[name]]) for name in hist}
+    x = model.embed_tokens(tokens)
+    length, count = len(hist[TIMESTAMPS]), len(cands[TIMESTAMPS])
+    total = length + count
+    query_times = np.concatenate([hist[TIMESTAMPS][1:], [request_time], cands[TIMESTAMPS]])[-total:]
+    with torch.inference_mode():
+        h = model.engine.hstu(x, torch.tensor([0, total]), total, torch.from_numpy(tokens[TIMESTAMPS]),
+                              torch.tensor([count]), torch.from_numpy(query_times.astype(np.int64)))
+    return h[length:]
 
 
 def _is_prefix(cached: Tokens, tokens: Tokens) -> bool:

@@ -159,13 +159,17 @@ class DenseDataParallelWrapper(DefaultDataParallelWrapper):
                 child.to(self.dense_device)
         if not set(dict(dmp.named_parameters())) - ddp_ignore_param_names:
             return
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ddp_ignore_param_names)
+        # No buffer is ever synced: the sharded tables' buffers differ per rank and dense buffers
+        # are equal by construction. Ignoring every buffer keeps that with ``forward_sync_buffers``
+        # (which, unlike the deprecated ``broadcast_buffers=False``, syncs non-ignored buffers at init).
+        ignored = set(ddp_ignore_param_names) | {name for name, _ in module.named_buffers()}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
         dmp._dmp_wrapped_module = DistributedDataParallel(
             module,
             device_ids=None if self.dense_device.type == "cpu" else [self.dense_device],
             process_group=self.pg,
             gradient_as_bucket_view=True,
-            broadcast_buffers=False,
+            forward_sync_buffers=False,
             static_graph=self._static_graph,
             find_unused_parameters=self._find_unused_parameters,
             bucket_cap_mb=self._bucket_cap_mb,

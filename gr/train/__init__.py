@@ -13,7 +13,8 @@ A run directory holds:
                        retrieval with "popularity": the most-popular baseline by the same code;
                        "auc", "logloss", "auc/<task>", "logloss/<task>" for ranking), plus
                        "best_val", "best_checkpoint", "epochs", "world_size",
-                       "table_rows_per_rank" and "config"
+                       "table_rows_per_rank", "data" (rows read, duplicates dropped or
+                       kept, users, items, interactions) and "config"
     mappings/          raw <-> dense id mappings (``SequenceDataModule.save_mappings``)
     checkpoints/       DCP checkpoint directories: "epoch=N" (the best by trainer.monitor)
                        and "last" (for --resume); each has every rank's shards + meta.pt

@@ -4,6 +4,9 @@ Tables come from ``model.tables`` (``num_embeddings: null`` -> the data's cardin
 For retrieval, the item table also reads ``SAMPLED_ITEMS``: the positives and sampled
 negatives of the sampled softmax, looked up through the same (sharded) table.
 
+The model is ``model.class`` (a GRModel subclass; default GRModel) built as
+``cls(hstu config, prefix_dnn, postfix_dnn, tables)``.
+
 PrefixDNN / PostfixDNN classes come from ``model.prefix_dnn`` / ``model.postfix_dnn``
 (``class`` import path + ``kwargs``). Constructor arguments the config leaves out are
 filled when the constructor has them:
@@ -87,7 +90,7 @@ def build_model(
     if config.task_type == "retrieval" and not callable(getattr(postfix, "item_embedding", None)):
         raise ValueError(f"model.postfix_dnn.class: retrieval scores items with the head's item_embedding(rows); "
                          f"{type(postfix).__name__} has none (RetrievalHead does)")
-    model = GRModel(config.model.hstu, prefix, postfix, tables)
+    model = config.model.model_class()(config.model.hstu, prefix, postfix, tables)
     model.embeddings.dedup = config.sparse.dedup
     return model
 

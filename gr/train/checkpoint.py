@@ -3,11 +3,16 @@
 A checkpoint is a directory: the DCP files of the sharded parts (``state_dict``: the
 model, ``sparse_optimizer``: the fused embedding optimizers' state, and, when the dense
 model is sharded too, ``optimizer_states``: the dense optimizers' state,
-``DENSE_OPTIMIZER_KEY``) plus ``meta.pt`` (everything else Lightning keeps: epoch, loops,
-callbacks, scheduler state, a replicated dense optimizer's state), written by rank 0. It
-is written under ``<name>.tmp`` and renamed when complete.
+``DENSE_OPTIMIZER_KEY``) plus ``meta.json`` / ``meta.safetensors`` (everything else
+Lightning keeps: epoch, loops, callbacks, scheduler state, a replicated dense optimizer's
+state; no pickle, see ``gr.train.checkpoint_meta``), written by rank 0 after every shard.
+It is written under ``<name>.tmp`` and renamed when complete, so a directory holding
+``meta.json`` is complete. Weights that are not all finite are refused before anything is
+written (NonFiniteError). Checkpoints from before meta.json hold ``meta.pt``, read with
+``torch.load(weights_only=True)``.
 DCP reshards on load, so a checkpoint loads on any number of ranks, or into an unsharded
-model in a plain process.
+model in a plain process. DCP's own ``.metadata`` is torch's format (a pickle): a run
+directory is trusted input.
 """
 from __future__ import annotations
 
@@ -18,44 +23,81 @@ from typing import Any, Dict, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gr.atomic import replace_directory
+from gr.crash_points import crash_point
+from gr.finite import NonFiniteError, non_finite
+from gr.train import checkpoint_meta
 
 SHARDED_KEYS = ("state_dict", "sparse_optimizer")
 DENSE_OPTIMIZER_KEY = "optimizer_states"
-META_FILE = "meta.pt"
+META_FILE = checkpoint_meta.META_JSON
+LEGACY_META_FILE = "meta.pt"
 
 
 def save_checkpoint(checkpoint: Dict[str, Any], path: str | Path, sharded_keys: Sequence[str] = SHARDED_KEYS) -> None:
     """Write ``checkpoint`` (a Lightning checkpoint dict) to directory ``path``; call on every rank.
 
-    sharded_keys: the entries every rank writes its part of through DCP; rank 0 pickles the rest."""
+    sharded_keys: the entries every rank writes its part of through DCP; rank 0 writes the
+    rest as meta.json (+ meta.safetensors)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     leader = _rank() == 0
+    crash_point("checkpoint_before_save")
+    _refuse_non_finite(checkpoint.get("state_dict", {}), path)
     if leader and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
     dcp.save({k: checkpoint[k] for k in sharded_keys if k in checkpoint}, checkpoint_id=str(tmp))
+    crash_point("checkpoint_mid_save")
     if leader:
-        torch.save({k: v for k, v in checkpoint.items() if k not in sharded_keys}, tmp / META_FILE)
+        checkpoint_meta.write_meta({k: v for k, v in checkpoint.items() if k not in sharded_keys}, tmp)
         replace_directory(tmp, path)
+    crash_point("checkpoint_after_save")
     _barrier()
 
 
 def load_checkpoint(template: Dict[str, Any], path: str | Path) -> Dict[str, Any]:
     """Load directory ``path`` into ``template`` ({key: state dict to fill in place}) -> full checkpoint dict."""
     path = Path(path)
-    if not (path / META_FILE).is_file():
-        raise FileNotFoundError(f"{path}: not a gr checkpoint directory (no {META_FILE})")
-    dcp.load(template, checkpoint_id=str(path))
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    return {**meta, **template}
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path}: not a complete gr checkpoint directory (no {META_FILE})")
+    try:
+        dcp.load(template, checkpoint_id=str(path))
+    except CheckpointException as error:  # a BaseException: would escape every `except Exception`
+        causes = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(error.failures.items()))
+        raise ValueError(f"{path}: the checkpoint does not fit this model and config ({causes})") from error
+    return {**read_meta(path), **template}
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether directory ``path`` holds a whole checkpoint (its metadata is written last)."""
+    path = Path(path)
+    return (path / META_FILE).is_file() or (path / LEGACY_META_FILE).is_file()
 
 
 def read_meta(path: str | Path) -> Dict[str, Any]:
     """The non-sharded part of checkpoint directory ``path`` (epoch, callbacks, ...)."""
-    return torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        return checkpoint_meta.read_meta(path)
+    try:
+        return torch.load(path / LEGACY_META_FILE, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises UnpicklingError, RuntimeError, ... for refused content
+        raise ValueError(f"{path / LEGACY_META_FILE}: refused (only plain tensors and containers load; "
+                         f"{type(error).__name__}: {error})") from error
+
+
+def _refuse_non_finite(state: Dict[str, Any], path: Path) -> None:
+    """NonFiniteError on every rank when any rank's shard of ``state`` holds NaN or an infinity."""
+    bad = non_finite(state.items())
+    flag = torch.tensor([float(bool(bad))])
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if bool(flag.item()):
+        names = ", ".join(bad[:5]) or "another rank's shards"
+        raise NonFiniteError(f"{path}: not saved, the weights are not all finite ({names})")
 
 
 def remove_checkpoint(path: str | Path) -> None:

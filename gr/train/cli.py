@@ -1,23 +1,27 @@
-"""The ``train.py`` command line: ``--config X.yaml [--out DIR] [--resume DIR] [--section.key value ...]``."""
+"""The ``gr train`` (alias ``train.py``) command line:
+``--config X.yaml [--out DIR] [--resume DIR] [--print-config] [--section.key value ...]``."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from gr.train.config import TrainConfig, load_config
+from gr.train.config import TrainConfig, config_yaml, load_config
+from gr.train.config_reference import format_reference
 
 
-def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[Tuple[str, str]]]:
-    """-> (namespace with config/out/resume, [(dotted.key, value text), ...])."""
+def parse_args(argv: Sequence[str], prog: str = "gr train") -> Tuple[argparse.Namespace, List[Tuple[str, str]]]:
+    """-> (namespace with config/out/resume/print_config, [(dotted.key, value text), ...])."""
     parser = argparse.ArgumentParser(
-        prog="train.py",
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=format_reference(),
         description="Train a generative recommender. Any config key can be overridden by its dotted path, "
-                    "e.g. --trainer.max_epochs 3 --data.path ../shared/data/ml-100k",
+                    "e.g. --trainer.max_epochs 3 --data.path data/ml-100k",
     )
     parser.add_argument("--config", help="recipe YAML (default with --resume: the run's config.yaml)")
     parser.add_argument("--out", help="run directory (default: runs/<config name>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (YAML, every key) and exit without training")
     args, rest = parser.parse_known_args(list(argv))
     overrides = parse_overrides(parser, rest)
     if args.config is None and args.resume is None:
@@ -46,9 +50,9 @@ def parse_overrides(parser: argparse.ArgumentParser, rest: Sequence[str]) -> Lis
     return overrides
 
 
-def resolve(argv: Sequence[str]) -> Tuple[TrainConfig, Path, bool]:
+def resolve(argv: Sequence[str], prog: str = "gr train") -> Tuple[TrainConfig, Path, bool]:
     """-> (validated config, run directory, resume?)."""
-    args, overrides = parse_args(argv)
+    args, overrides = parse_args(argv, prog)
     if args.resume:
         config_path = Path(args.config) if args.config else Path(args.resume) / "config.yaml"
         return load_config(config_path, overrides), Path(args.resume), True
@@ -59,17 +63,27 @@ def resolve(argv: Sequence[str]) -> Tuple[TrainConfig, Path, bool]:
     return config, out, False
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import json
+def main(argv: Optional[Sequence[str]] = None, prog: str = "gr train") -> int:
+    """``gr train``: bad input (config, data files, a run to resume, a diverged run) ends in one
+    line on stderr and exit status 2 (``gr.cli_errors``)."""
     import sys
 
+    from gr.cli_errors import run_cli
+
+    return run_cli(prog, lambda: _train(sys.argv[1:] if argv is None else argv, prog))
+
+
+def _train(argv: Sequence[str], prog: str) -> int:
+    import json
+
+    args, overrides = parse_args(argv, prog)
+    if args.print_config:
+        config_path = Path(args.config) if args.config else Path(args.resume) / "config.yaml"
+        print(config_yaml(load_config(config_path, overrides)), end="")
+        return 0
+    config, out, resume = resolve(argv, prog)
     from gr.train.run import METRICS_FILE, train
 
-    try:
-        config, out, resume = resolve(sys.argv[1:] if argv is None else argv)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
-        return 2
     metrics = train(config, out, resume=resume)
     summary = {k: v for k, v in metrics.items() if k != "config"}
     print(json.dumps(summary, indent=2))

@@ -35,6 +35,7 @@ from gr.sparse.tables import TableConfig
 # The shipped PrefixDNN, and the PostfixDNN per task, used when the config names no class.
 DEFAULT_POSTFIX = {"retrieval": "gr.postfix_dnn.RetrievalHead", "ranking": "gr.postfix_dnn.MMoERankingHead"}
 DEFAULT_PREFIX = "gr.prefix_dnn.MLPTokenEncoder"
+DEFAULT_MODEL = "gr.model.GRModel"
 NEGATIVE_SHARING = ("token", "batch")
 DENSE_OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
@@ -64,6 +65,10 @@ class ModuleSpec:
     def __post_init__(self, where: str, base: type) -> None:
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"{where}.kwargs: expected a mapping of constructor arguments, got {self.kwargs!r}")
+
+    def check_class(self, where: str, base: type) -> None:
+        """Import the class and check it against ``base`` and the kwargs. Imports run code, so
+        ``TrainConfig.from_dict`` calls this only once everything else has validated."""
         cls = import_class(self.class_path, f"{where}.class")
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ValueError(f"{where}.class: {self.class_path} is not a {base.__name__} subclass")
@@ -111,16 +116,22 @@ def import_class(path: str, where: str) -> type:
 @dataclass(frozen=True)
 class ModelSection:
     """hstu: HSTUConfig; tables: embedding table mappings (``TableConfig`` fields;
-    ``num_embeddings`` may be null: the data's cardinality); prefix_dnn / postfix_dnn."""
+    ``num_embeddings`` may be null: the data's cardinality); prefix_dnn / postfix_dnn;
+    ``class`` (``class_path`` here): the GRModel subclass to build, by import path, checked
+    after the rest of the section. It is built as ``cls(hstu, prefix_dnn, postfix_dnn,
+    tables)`` and its ``split_input`` receives each batch (a GRInput with every feature)."""
 
     hstu: HSTUConfig
     tables: Tuple[Mapping[str, Any], ...]
     prefix_dnn: ModuleSpec
     postfix_dnn: ModuleSpec
+    class_path: str = DEFAULT_MODEL
 
     @classmethod
     def from_dict(cls, values: Any, where: str, task: str) -> "ModelSection":
-        values = known_keys(cls, values, where)
+        values = dict(values) if isinstance(values, Mapping) else values
+        class_path = values.pop("class", None) if isinstance(values, dict) else None
+        values = known_keys(cls, values, where, ignore=("class_path",))
         tables = values.get("tables") or []
         if not isinstance(tables, (list, tuple)) or not tables:
             raise ValueError(f"{where}.tables: expected a non-empty list of tables, got {tables!r}")
@@ -129,19 +140,38 @@ class ModelSection:
         names = [t["name"] for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.tables: duplicate table names {names}")
-        return cls(
+        section = cls(
             hstu=HSTUConfig.from_dict(values.get("hstu"), f"{where}.hstu"),
             tables=tuple(dict(t) for t in tables),
             prefix_dnn=ModuleSpec.parse(values.get("prefix_dnn"), f"{where}.prefix_dnn", PrefixDNN, DEFAULT_PREFIX),
             postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN,
                                          DEFAULT_POSTFIX[task]),
+            class_path=DEFAULT_MODEL if class_path is None else class_path,
         )
+        section.model_class(f"{where}.class")
+        return section
+
+    def model_class(self, where: str = "model.class") -> type:
+        """The GRModel subclass ``class`` names; ValueError naming ``where`` otherwise."""
+        from gr.model import GRModel
+
+        if not isinstance(self.class_path, str):
+            raise ValueError(f"{where}: expected an import path like 'package.module.Class', got {self.class_path!r}")
+        model_class = import_class(self.class_path, where)
+        if not (isinstance(model_class, type) and issubclass(model_class, GRModel)):
+            raise ValueError(f"{where}: {self.class_path} is not a GRModel subclass")
+        return model_class
+
+    def check_classes(self, where: str) -> None:
+        """Import and check prefix_dnn.class and postfix_dnn.class (``ModuleSpec.check_class``)."""
+        self.prefix_dnn.check_class(f"{where}.prefix_dnn", PrefixDNN)
+        self.postfix_dnn.check_class(f"{where}.postfix_dnn", PostfixDNN)
 
     def table_with(self, feature: str) -> Optional[Mapping[str, Any]]:
         return next((t for t in self.tables if feature in t["features"]), None)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"hstu": self.hstu.to_dict(), "tables": [dict(t) for t in self.tables],
+        return {"class": self.class_path, "hstu": self.hstu.to_dict(), "tables": [dict(t) for t in self.tables],
                 "prefix_dnn": self.prefix_dnn.to_dict(), "postfix_dnn": self.postfix_dnn.to_dict()}
 
 
@@ -321,6 +351,7 @@ class TrainConfig:
             distributed=DistributedSection.from_dict(values.get("distributed"), "distributed"),
         )
         config.check_consistency()
+        config.model.check_classes("model")  # last: importing a class path runs its module's code
         return config
 
     def check_consistency(self) -> None:
@@ -453,4 +484,9 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
     """Write ``config`` as YAML (to a temporary file, then renamed over ``path``)."""
-    write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
+    write_text(path, config_yaml(config))
+
+
+def config_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML text (every key, defaults filled in)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -6,6 +6,9 @@ from typing import Dict, Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+ROW_TILE_ELEMENTS = 1 << 18  # logits of one row tile in the dense path (1 MB in fp32: stays in cache)
 
 
 def sampled_softmax_loss(
@@ -22,20 +25,72 @@ def sampled_softmax_loss(
     negative_index: [N, K] int64 (negatives per row) or [K] int64 (shared by all rows)
     Logits are dot products / temperature (cosines when both sides are unit vectors). A
     negative that is the row's own positive is masked out, so it is never pushed down.
+    Under CPU/CUDA autocast the dot products run in the autocast dtype (bf16: fp32
+    accumulation, bf16 logits), the softmax in fp32.
     returns: scalar
     """
+    if negative_index.dim() == 2 and items.shape[0] <= negative_index.shape[1] * items.shape[1]:
+        # Fewer distinct items than gathered values: score rows against all items, tile by tile.
+        device = queries.device.type
+        autocast = torch.is_autocast_enabled(device)
+        compute = torch.get_autocast_dtype(device) if autocast else torch.promote_types(queries.dtype, items.dtype)
+        with torch.autocast(device, enabled=False):
+            return _DenseSampledSoftmax.apply(queries, items, positive_index, negative_index, temperature, compute)
     positive_logits = (queries * items[positive_index]).sum(-1, keepdim=True)  # [N, 1]
     if negative_index.dim() == 1:
         negative_logits = queries @ items[negative_index].T
         negative_index = negative_index.unsqueeze(0)
-    elif items.shape[0] <= negative_index.shape[1] * items.shape[1]:
-        # Fewer distinct items than gathered values: score every row against all of them once.
-        negative_logits = (queries @ items.T).gather(1, negative_index)
     else:
         negative_logits = torch.einsum("nd,nkd->nk", queries, items[negative_index])
     negative_logits = negative_logits.masked_fill(negative_index == positive_index.unsqueeze(1), float("-inf"))
     logits = torch.cat([positive_logits, negative_logits], dim=1) / temperature
     return -F.log_softmax(logits, dim=1)[:, 0].mean()
+
+
+class _DenseSampledSoftmax(torch.autograd.Function):
+    """Per-row negatives scored through row tiles ``queries[rows] @ items.T`` ([n, U], never
+    [N, U] at once): matmuls at full speed, no [N, K, d] gather. Forward keeps the softmax
+    [N, K + 1] (fp32); backward scatters its gradient into the same dense tiles and runs the
+    two matmuls ``G @ items`` and ``G^T @ queries``."""
+
+    @staticmethod
+    def forward(ctx, queries, items, positive_index, negative_index, temperature, compute):
+        q, it = queries.to(compute), items.to(compute)
+        rows = max(1, ROW_TILE_ELEMENTS // max(items.shape[0], 1))
+        total, k = negative_index.shape
+        probs = torch.empty(total, k + 1, dtype=torch.float32, device=q.device)
+        losses = torch.empty(total, dtype=torch.float32, device=q.device)
+        for s in range(0, total, rows):
+            pos, neg = positive_index[s : s + rows, None], negative_index[s : s + rows]
+            tile = (q[s : s + rows] @ it.T).float()  # [n, U]
+            logits = torch.cat([tile.gather(1, pos), tile.gather(1, neg).masked_fill_(neg == pos, float("-inf"))], 1)
+            logits.div_(temperature)
+            lse = torch.logsumexp(logits, 1, keepdim=True)
+            losses[s : s + rows] = (lse - logits[:, :1]).squeeze(1)
+            probs[s : s + rows] = logits.sub_(lse).exp_()
+        ctx.save_for_backward(q, it, positive_index, negative_index, probs)
+        ctx.temperature, ctx.dtypes = temperature, (queries.dtype, items.dtype)
+        return losses.mean()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, it, positive_index, negative_index, probs = ctx.saved_tensors
+        total = probs.shape[0]
+        rows = max(1, ROW_TILE_ELEMENTS // max(it.shape[0], 1))
+        probs[:, 0] -= 1.0  # d(-log p_positive) / d logit_j = p_j - [j is the positive]
+        probs.mul_(grad.float() / (total * ctx.temperature))
+        dq = torch.empty_like(q)
+        ditems = torch.zeros(it.shape, dtype=torch.float32, device=it.device)
+        for s in range(0, total, rows):
+            g = probs[s : s + rows]
+            tile = torch.zeros(g.shape[0], it.shape[0], dtype=torch.float32, device=q.device)
+            tile.scatter_add_(1, negative_index[s : s + rows], g[:, 1:])
+            tile.scatter_add_(1, positive_index[s : s + rows, None], g[:, :1])
+            tile = tile.to(q.dtype)
+            dq[s : s + rows] = tile @ it
+            ditems += (tile.T @ q[s : s + rows]).float()
+        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None
 
 
 def multitask_bce(logits: Mapping[str, Tensor], labels: Mapping[str, Tensor], weights: Mapping[str, float]) -> Dict[str, Tensor]:

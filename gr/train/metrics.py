@@ -28,6 +28,9 @@ def target_ranks(
     the items not ranked for each query (a target listed there is still ranked).
     Ties are broken by item id, as a stable sort of (-score, id) would: the rank is the
     number of kept items scoring above the target, plus those tying it with a smaller id.
+    Non-finite scores rank last: a NaN or infinite item never ranks above a finite target,
+    and a target scored NaN or infinite gets rank I (never a hit), so a diverged model
+    scores 0, not a perfect 1.
     returns: [B] int64
     """
     rows = max(1, SCORE_CHUNK_ELEMENTS // max(1, items.shape[0]))
@@ -51,10 +54,12 @@ def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor
     target_scores = scores[rows, targets].unsqueeze(1)
     keep = (owner >= start) & (owner < stop)
     scores[owner[keep] - start, exclude_items[keep]] = float("-inf")
+    scores[~scores.isfinite()] = float("-inf")  # excluded and non-finite items never rank above a target
     ids = torch.arange(scores.shape[1], device=scores.device)
     above = scores > target_scores
     tied_before = (scores == target_scores) & (ids.unsqueeze(0) < targets.unsqueeze(1))
-    return (above | tied_before).sum(1)
+    ranks = (above | tied_before).sum(1)
+    return torch.where(target_scores.squeeze(1).isfinite(), ranks, scores.shape[1])
 
 
 def retrieval_metrics(ranks: Tensor, top_k: Sequence[int]) -> Dict[str, float]:
@@ -72,13 +77,13 @@ def retrieval_metrics(ranks: Tensor, top_k: Sequence[int]) -> Dict[str, float]:
 def ranking_metrics(logits: Dict[str, Tensor], labels: Dict[str, Tensor]) -> Dict[str, float]:
     """Per task: AUC and log loss of logits [N] against 0/1 labels [N]; "auc"/"logloss": task means.
 
-    A task whose labels are all equal has no AUC (NaN).
+    A task whose labels are all equal, or whose logits are not all finite, has no AUC (NaN).
     """
     out: Dict[str, float] = {}
     for task, logit in logits.items():
         label = labels[task].float()
-        both_classes = 0 < int(label.sum()) < label.numel()
-        out[f"auc/{task}"] = binary_auroc(logit, label.long()).item() if both_classes else float("nan")
+        defined = 0 < int(label.sum()) < label.numel() and bool(logit.isfinite().all())
+        out[f"auc/{task}"] = binary_auroc(logit, label.long()).item() if defined else float("nan")
         out[f"logloss/{task}"] = F.binary_cross_entropy_with_logits(logit, label).item()
     for metric in ("auc", "logloss"):
         values = torch.tensor([out[f"{metric}/{task}"] for task in logits])

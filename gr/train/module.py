@@ -9,10 +9,16 @@ stochastic-length cuts) comes from generators seeded by (trainer.seed, epoch, ba
 just before the step, and the data module seeds its shuffle by epoch, so an epoch run after
 a resume is the same computation as in an uninterrupted run, whatever else drew random
 numbers in between.
+
+A non-finite loss or dense gradient stops the run before the optimizer step with a
+``NonFiniteError`` naming the step, epoch and batch (also logged); every rank stops at the
+same step. Embedding gradients are applied inside backward, so they are not checked here;
+a checkpoint with non-finite weights is refused when it is saved.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import numpy as np
@@ -23,12 +29,15 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from gr.data.features import FeatureSpec
 from gr.data.stochastic_length import subsample_histories
+from gr.finite import NonFiniteError, non_finite
 from gr.model import GRInput
 from gr.sparse.sharding import shard_model, table_device
 from gr.train.build import seeded_model
 from gr.train.config import TrainConfig
 from gr.train.fsdp import FSDP2DenseWrapper
 from gr.train.tasks import RankingTask, RetrievalTask
+
+log = logging.getLogger(__name__)
 
 
 class GRTrainingModule(LightningModule):
@@ -51,6 +60,8 @@ class GRTrainingModule(LightningModule):
         self.task: Any = None
         self.generator = torch.Generator()
         self.last_metrics: Dict[str, Dict[str, float]] = {}  # split -> the latest evaluation, full precision
+        self.step_loss: Optional[Tensor] = None  # the current training step's loss, checked before its optimizer step
+        self.step_batch = 0
 
     # ---- model -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -157,7 +168,29 @@ class GRTrainingModule(LightningModule):
         size = int(batch.seq_offsets.numel() - 1)
         self.log("train/loss", losses["loss"], prog_bar=True, batch_size=size)
         self.log_dict({f"train/{k}": v for k, v in losses.items() if k != "loss"}, batch_size=size)
+        self.step_loss, self.step_batch = losses["loss"].detach(), batch_idx
         return losses["loss"]
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Raise NonFiniteError, on every rank, when any rank's loss or dense gradients are not finite."""
+        bad_grads = non_finite((name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None)
+        loss_finite = self.step_loss is None or bool(self.step_loss.isfinite())
+        flags = torch.tensor([float(not loss_finite), float(bool(bad_grads))])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if not bool(flags.any()):
+            return
+        where = f"step {self.global_step} (epoch {self.current_epoch}, batch {self.step_batch}, rank {self.global_rank})"
+        if not loss_finite:
+            what = f"the training loss is {float(self.step_loss)}"
+        elif bad_grads:
+            what = f"non-finite gradients in {', '.join(bad_grads[:5])}"
+        else:
+            what = "another rank's loss or gradients are not finite"
+        message = (f"training diverged at {where}: {what}; nothing was stepped or saved "
+                   f"(try a lower optimizer.lr / sparse.optimizer.lr, or trainer.gradient_clip_val)")
+        log.error(message)
+        raise NonFiniteError(message)
 
     # ---- evaluation --------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

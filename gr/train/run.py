@@ -8,15 +8,15 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger
 
-from gr.atomic import write_json
+from gr.atomic import replace_directory, write_json
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.model import GRModel
@@ -24,8 +24,10 @@ from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables
 from gr.train.config import TrainConfig, load_config, plain, save_config
+from gr.train.csv_log import AppendingCSVLogger
 from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
+from gr.train.progress import progress_callbacks
 from gr.train.strategy import TorchRecStrategy
 
 CONFIG_FILE = "config.yaml"
@@ -40,13 +42,13 @@ LAST_CHECKPOINT = "last"
 def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dict[str, Any]:
     """Train, validate every epoch, test the best checkpoint; returns what ``metrics.json`` holds.
 
-    resume: continue from ``out_dir/checkpoints/last`` (the same run, e.g. with a larger
-    ``trainer.max_epochs``).
+    resume: continue from the run's newest complete checkpoint (``resume_checkpoint``; the
+    same run, e.g. with a larger ``trainer.max_epochs``). The run directory's files
+    (config.yaml, features.json, mappings) are written once training starts, after that
+    checkpoint has loaded, so a resume that fails leaves the run as it was; logs append.
     """
     out_dir = Path(out_dir)
-    last = out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT
-    if resume and not (last / ckpt.META_FILE).is_file():
-        raise FileNotFoundError(f"--resume {out_dir}: no checkpoint at {last}")
+    start = resume_checkpoint(out_dir) if resume else None
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
     datamodule = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
@@ -56,31 +58,46 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     config = _with_resolved_tables(config, tables)
     module = GRTrainingModule(config, spec, datamodule.tasks,
                               datamodule.popularity() if config.task_type == "retrieval" else None)
-    trainer, checkpoints = make_trainer(config, out_dir)
-    if trainer.is_global_zero:
+
+    def write_run_files() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, out_dir / CONFIG_FILE)
         write_json(out_dir / FEATURES_FILE, plain({"spec": vars(spec), "tasks": list(datamodule.tasks)}))
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None)
+
+    trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files)])
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(start) if start else None)
     # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
-    best = "best" if checkpoints.best_model_path else str(last)
+    best = "best" if checkpoints.best_model_path else str(out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT)
     trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
-    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module)
+    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module,
+                            datamodule.summary)
     if trainer.is_global_zero:
         write_json(out_dir / METRICS_FILE, plain(metrics))
     return metrics
 
 
-def make_trainer(config: TrainConfig, out_dir: Path) -> Tuple[Trainer, ModelCheckpoint]:
+class _OnTrainStart(Callback):
+    """Calls ``action`` on rank 0 when training starts: after a resumed checkpoint has loaded."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action = action
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.action()
+
+
+def make_trainer(config: TrainConfig, out_dir: Path,
+                 extra_callbacks: Sequence[Callback] = ()) -> Tuple[Trainer, ModelCheckpoint]:
     """The Lightning Trainer of a run (TorchRec strategy, DCP checkpoints of the best and last
-    epoch, optional early stopping, TensorBoard and CSV logs), and its checkpoint callback."""
+    epoch, optional early stopping, TensorBoard and appending CSV logs), and its checkpoint callback."""
     t = config.trainer
     checkpoints = ModelCheckpoint(dirpath=out_dir / CHECKPOINTS_DIR, filename="epoch={epoch}", monitor=config.monitor,
                                   mode=t.monitor_mode, save_top_k=1, save_last=True, auto_insert_metric_name=False)
     checkpoints.CHECKPOINT_NAME_LAST = LAST_CHECKPOINT
     checkpoints.FILE_EXTENSION = ""  # checkpoints are DCP directories
-    callbacks = [checkpoints]
+    callbacks = [checkpoints, *progress_callbacks(t.enable_progress_bar), *extra_callbacks]
     if t.early_stopping_patience:
         callbacks.append(EarlyStopping(config.monitor, patience=t.early_stopping_patience, mode=t.monitor_mode))
     device_args = dict(accelerator="cuda" if t.accelerator == "gpu" else t.accelerator, precision=t.precision)
@@ -100,7 +117,7 @@ def make_trainer(config: TrainConfig, out_dir: Path) -> Tuple[Trainer, ModelChec
         limit_train_batches=t.limit_train_batches,
         enable_progress_bar=t.enable_progress_bar,
         callbacks=callbacks,
-        logger=[TensorBoardLogger(out_dir, name=LOGS_DIR, version=""), CSVLogger(out_dir, name=LOGS_DIR, version="")],
+        logger=[TensorBoardLogger(out_dir, name=LOGS_DIR, version=""), AppendingCSVLogger(out_dir, name=LOGS_DIR, version="")],
         use_distributed_sampler=False,  # the data module deals batches to ranks itself
         num_sanity_val_steps=0,
     )
@@ -108,8 +125,9 @@ def make_trainer(config: TrainConfig, out_dir: Path) -> Tuple[Trainer, ModelChec
 
 
 def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: ModelCheckpoint, trainer: Trainer,
-                  out_dir: Path, module: GRTrainingModule) -> Dict[str, Any]:
-    """{metric: test value, "popularity": {...}, "best_val": ..., ..., "config": {...}}."""
+                  out_dir: Path, module: GRTrainingModule, data: Dict[str, Any]) -> Dict[str, Any]:
+    """{metric: test value, "popularity": {...}, "best_val": ..., ..., "data": the data module's
+    summary (rows read, duplicates dropped or kept, ...), "config": {...}}."""
     metrics: Dict[str, Any] = {k: v for k, v in test.items() if not k.startswith("popularity/")}
     baseline = {k.split("/", 1)[1]: v for k, v in test.items() if k.startswith("popularity/")}
     if baseline:
@@ -127,6 +145,7 @@ def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: Mode
         "epochs": trainer.current_epoch,
         "world_size": trainer.world_size,
         "table_rows_per_rank": {table: [r[table] for r in per_rank] for table in rows},
+        "data": data,
         "config": config.to_dict(),
     })
     return metrics
@@ -156,16 +175,54 @@ def read_run(run_dir: str | Path) -> Tuple[TrainConfig, FeatureSpec, Tuple[str, 
     return config, FeatureSpec(**features["spec"]), tuple(features["tasks"])
 
 
+def complete_checkpoints(run_dir: str | Path) -> List[Tuple[Path, Dict[str, Any]]]:
+    """[(checkpoint directory, its metadata), ...] of the run's complete checkpoints, newest
+    (most training steps) first; at equal steps ``last`` first. Read only."""
+    found = []
+    folder = Path(run_dir) / CHECKPOINTS_DIR
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if path.is_dir() and ckpt.is_complete(path):
+            meta = ckpt.read_meta(path)
+            found.append((path, meta))
+    return sorted(found, key=lambda pm: (-int(pm[1].get("global_step", 0)), pm[0].name != LAST_CHECKPOINT))
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint ``--resume`` continues from: the newest complete one.
+
+    First recovers ``last`` from a crash mid-replace: a complete ``last.tmp`` newer than
+    ``last`` (or with no ``last``) becomes ``last``, else a lone ``last.old`` does. A crash
+    while ``last.tmp`` was written leaves ``last`` older than the best checkpoint saved just
+    before it, and that best checkpoint is then the newest."""
+    folder = Path(run_dir) / CHECKPOINTS_DIR
+    last, tmp, old = (folder / f"{LAST_CHECKPOINT}{suffix}" for suffix in ("", ".tmp", ".old"))
+    steps = {path: int(meta.get("global_step", 0)) for path, meta in complete_checkpoints(run_dir)}
+    if tmp in steps and steps[tmp] > steps.get(last, -1):
+        replace_directory(tmp, last)
+    elif last not in steps and old in steps:
+        os.rename(old, last)
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint to resume from in {folder} "
+                                f"(none complete; did the run finish an epoch?)")
+    return found[0][0]
+
+
 def best_checkpoint(run_dir: str | Path) -> Path:
-    """The best checkpoint directory of a run, as its checkpoint callback last recorded it."""
+    """The best checkpoint directory of a run: as the newest complete checkpoint whose recorded
+    best still exists records it, else the newest complete checkpoint. Read only."""
     run_dir = Path(run_dir)
-    last = run_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT
-    if not (last / ckpt.META_FILE).is_file():
-        raise FileNotFoundError(f"{run_dir}: no checkpoint at {last} (did the run finish an epoch?)")
-    states = ckpt.read_meta(last).get("callbacks", {})
-    best: Optional[str] = next((s.get("best_model_path") for k, s in states.items() if k.startswith("ModelCheckpoint")),
-                               None)
-    return run_dir / CHECKPOINTS_DIR / Path(best).name if best else last
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise FileNotFoundError(f"{run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS_DIR} "
+                                f"(did the run finish an epoch?)")
+    for path, meta in found:
+        states = meta.get("callbacks", {})
+        best: Optional[str] = next((s.get("best_model_path") for k, s in states.items()
+                                    if k.startswith("ModelCheckpoint")), None)
+        if best and ckpt.is_complete(path.parent / Path(best).name):
+            return path.parent / Path(best).name
+    return found[0][0]
 
 
 def load_trained_model(run_dir: str | Path) -> Tuple[GRModel, TrainConfig]:

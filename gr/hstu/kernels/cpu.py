@@ -20,6 +20,9 @@ Time deltas are taken in int32 (timestamps relative to the batch's earliest, int
 span 2^31 s or more) and bias weights are read with ``index_select``, several times cheaper
 here than int64 deltas and advanced indexing.
 
+bf16 inputs are multiplied in bf16 (oneDNN accumulates in fp32); bias lookups and gradients and
+the k/v gradients summed over query chunks stay fp32.
+
 torch.compile is not used (and was not measured for this version): the chunks' shapes vary
 with every batch (recompiles, or dynamic kernels) and a compile costs tens of seconds on the
 first call, which small serving calls must not pay. What it could still win is the fusion of
@@ -114,15 +117,18 @@ def cpu_hstu_attention(
     rab: Optional[RelativeBias],
 ) -> Tensor:
     """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
-    and the bias weights. bf16/fp16 inputs are computed in fp32."""
-    compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    and the bias weights. fp16 inputs are computed in fp32. bf16 inputs stay bf16 through the
+    matmuls (which accumulate in fp32); the bias weights' lookups and gradients, the gradients
+    of k and v summed over query chunks, and the normaliser's reciprocal stay fp32."""
+    compute = torch.float32 if q.dtype == torch.float16 else q.dtype
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
     problem = _build_problem(
         q.shape[0], q.shape[1], seq_offsets, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab
     )
-    weights = [w.to(compute) if w is not None else None for w in (pos_w, time_w)]
+    bias_dtype = torch.float32 if compute == torch.bfloat16 else compute
+    weights = [w.to(bias_dtype) if w is not None else None for w in (pos_w, time_w)]
     out = _ChunkedAttention.apply(qc, kc, vc, weights[0], weights[1], problem)
     if num_targets is not None:
         out = _add_target_self_terms(out, qc, kc, vc, seq_offsets, num_targets, problem, weights[0], weights[1])
@@ -280,7 +286,7 @@ class _Tile:
             self.time_idx = time_bucket(delta, problem.time_bucketing, time_w.numel())
             time_bias = _lookup(time_w, self.time_idx)
             bias = time_bias if bias is None else time_bias.add_(bias)
-        self.bias = bias.unsqueeze(1) if bias is not None else None
+        self.bias = bias.to(dtype).unsqueeze(1) if bias is not None else None
 
     def keys(self, *xs: Tensor) -> Tuple[Tensor, ...]:
         """The chunk's keys of each [G, H, Lp, D] tensor."""
@@ -346,23 +352,30 @@ class _ChunkedAttention(torch.autograd.Function):
         for group in problem.groups:
             qg, kg, vg, dog = (_gather_group(x, group) for x in padded)
             group_ts = _group_times(problem, group) if time_w is not None else None
-            dqg, dkg, dvg = (torch.zeros_like(x) for x in (qg, kg, vg))
+            dqg = torch.zeros_like(qg)
+            dkg, dvg = (torch.zeros_like(x, dtype=_accumulation(x.dtype)) for x in (kg, vg))  # summed over chunks
             for chunk in group.chunks:
                 tile = _Tile(problem, group, chunk, group_ts, pos_w, time_w, q.dtype)
                 kk, vv = tile.keys(kg, vg)
                 qq, g = qg[:, :, chunk.rows], dog[:, :, chunk.rows] * tile.norm
                 scores = tile.scores(qq, kk)
-                tile.add_keys(dvg, torch.matmul(tile.apply_mask(F.silu(scores)).transpose(-1, -2), g))
+                tile.add_keys(dvg, torch.matmul(tile.apply_mask(F.silu(scores)).transpose(-1, -2), g).to(dvg.dtype))
                 dweights = tile.apply_mask(torch.matmul(g, vv.transpose(-1, -2)))
                 dscores = torch.ops.aten.silu_backward(dweights, scores)
                 dqg[:, :, chunk.rows] = torch.matmul(dscores, kk).mul_(alpha)
-                tile.add_keys(dkg, torch.matmul(dscores.transpose(-1, -2), qq))
+                tile.add_keys(dkg, torch.matmul(dscores.transpose(-1, -2), qq).to(dkg.dtype))
                 if dpos is not None or dtime is not None:
-                    _add_bias_grads(tile, dscores.sum(1), dpos, dtime)
+                    bias_dtype = (dpos if dpos is not None else dtime).dtype  # fp32 for bf16 inputs
+                    _add_bias_grads(tile, dscores.sum(1, dtype=bias_dtype), dpos, dtime)
             for grad, part in zip(grads, (dqg, dkg, dvg)):
-                grad[group.tokens] = part.transpose(1, 2)  # each token is in one group; padding -> row T
+                grad[group.tokens] = part.transpose(1, 2).to(grad.dtype)  # each token is in one group; padding -> row T
         dq, dk, dv = (g[:-1] for g in grads)
         return dq, dk, dv, dpos, dtime, None
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums over chunks are kept in: fp32 for bf16 inputs, else the inputs'."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
 def _group_times(problem: _Problem, group: _Group) -> Tuple[Tensor, Tensor]:
@@ -421,4 +434,4 @@ def _add_target_self_terms(
         logits = logits + time_w[time_bucket(delta, problem.time_bucketing, time_w.numel())].unsqueeze(-1)
     owner_hist = history_lengths(seq_offsets, num_targets).repeat_interleave(num_targets.long())
     norm = silu_norm(owner_hist, problem.silu_scale).to(q.dtype)
-    return out.index_add(0, idx, F.silu(logits).mul(norm[:, None]).unsqueeze(-1) * v[idx])
+    return out.index_add(0, idx, (F.silu(logits).mul(norm[:, None]).unsqueeze(-1) * v[idx]).to(out.dtype))

@@ -1,0 +1,225 @@
+"""Training speed of the ML-1M recipes at fp32 and bf16, on synthetic data of ML-1M's shape.
+
+    python bench/train_step.py [--smoke] [--steps 8] [--users 6040] [--recipes small,large] [--no-epoch]
+    python bench/train_step.py --smoke --profile     # where one step's time goes, per phase and op
+
+ML-1M itself need not be on the machine: ``bench_data.write_ml1m_shaped_ratings`` writes a
+``ratings.dat`` with its users, items and per-user lengths (mean 166, median 96, p90 400, max
+2,314; the recipes cap histories at 200), and the recipes (configs/ml1m_hstu.yaml, 2 layers;
+configs/ml1m_hstu_large.yaml, 8 layers) read it unchanged.
+
+For each recipe and precision ("32-true", "bf16-mixed" = forward and loss under CPU bf16
+autocast, as Lightning runs it):
+* samples/s of full training steps (sampling, sharded lookup, HSTU, sampled softmax, backward
+  with the fused embedding optimizer, dense AdamW) on the same batches, the precisions
+  alternating step by step so that both see the same machine load;
+* the fraction of the matmul peak of that precision (measured in this run on square matmuls)
+  that the step's useful FLOPs reach: 3x the forward FLOPs of the projections, of attention
+  over the keys each token sees (no padding) and of the sampled softmax's dot products;
+* unless --no-epoch, one whole Lightning epoch (``gr.train``'s trainer: train, validation,
+  checkpoint) and its validation part, in seconds.
+The load average is printed next to the numbers; the last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Dict, List
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from bench_data import write_ml1m_shaped_ratings  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
+from peak import matmul_peak  # noqa: E402
+from train_dedup import build, train_step  # noqa: E402
+
+from gr.data.datamodule import SequenceDataModule  # noqa: E402
+from gr.plan import hstu_forward_flops_per_token, linear_flops  # noqa: E402
+from gr.train.config import TrainConfig, load_config  # noqa: E402
+from gr.train.module import GRTrainingModule  # noqa: E402
+from gr.train.run import make_trainer  # noqa: E402
+
+RECIPES = {"small": "configs/ml1m_hstu.yaml", "large": "configs/ml1m_hstu_large.yaml"}
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def load() -> str:
+    return "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
+def training_flops(config: TrainConfig, model: torch.nn.Module, batch) -> float:
+    """Useful FLOPs of one training step (3x forward): projections and DNNs per token,
+    attention over the keys each token sees, sampled softmax dot products per scored token."""
+    hstu = config.model.hstu
+    lengths = (batch.seq_offsets[1:] - batch.seq_offsets[:-1]).tolist()
+    forward = sum(n * hstu_forward_flops_per_token(hstu, n) for n in lengths)
+    forward += sum(lengths) * (linear_flops(model.prefix_dnn) + linear_flops(model.postfix_dnn))
+    retrieval = config.task.retrieval
+    scored = int((batch.labels["next_item"] >= 0).sum())
+    forward += scored * 2 * config.model.tables[0]["embedding_dim"] * (retrieval.num_negatives + 1)
+    return 3.0 * forward
+
+
+class EpochClock(Callback):
+    """Seconds from the train epoch's start to the end of fit, and of the validation epoch."""
+
+    def on_train_epoch_start(self, trainer, module) -> None:
+        self.start = time.perf_counter()
+
+    def on_validation_epoch_start(self, trainer, module) -> None:
+        self.validation_start = time.perf_counter()
+
+    def on_validation_epoch_end(self, trainer, module) -> None:
+        self.validation = time.perf_counter() - self.validation_start
+
+
+def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
+    data = SequenceDataModule(config.data)
+    data.setup()
+    module = GRTrainingModule(config, data.feature_spec(), data.tasks, data.popularity())
+    trainer, _ = make_trainer(config, out_dir)
+    clock = EpochClock()
+    trainer.callbacks.append(clock)
+    trainer.fit(module, datamodule=data)
+    return {"epoch_s": time.perf_counter() - clock.start, "validation_s": clock.validation}
+
+
+def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile: bool) -> Dict[str, Dict[str, float]]:
+    """Per precision: samples/s and fraction of that precision's matmul peak over ``steps`` steps."""
+    data = SequenceDataModule(config.data)
+    data.setup()
+    spec = data.feature_spec()
+    epoch = list(data.train_dataloader())
+    batches = [epoch[i % len(epoch)] for i in range(steps + 1)]  # cycled when the data has fewer
+    setups = {p: build(config, spec) for p in PRECISIONS}
+    seconds = {p: 0.0 for p in PRECISIONS}
+    generator = torch.Generator()
+    for step, batch in enumerate(batches):  # step 0 warms up
+        for precision in PRECISIONS:
+            generator.manual_seed(step)
+            profiler = profiled(precision, setups[precision][0]) if profile and step else nullcontext()
+            start = time.perf_counter()
+            with profiler:
+                train_step(*setups[precision], batch, generator, precision)
+            if step:
+                seconds[precision] += time.perf_counter() - start
+    timed = batches[1:]
+    samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
+    flops = sum(training_flops(config, setups[PRECISIONS[0]][0].module, b) for b in timed)
+    return {p: {"samples_per_s": samples / seconds[p], "step_ms": 1000 * seconds[p] / steps,
+                "gflops": flops / seconds[p] / 1e9, "peak_fraction": flops / seconds[p] / 1e9 / peaks[p]}
+            for p in PRECISIONS}
+
+
+PROFILES: Dict[str, List] = {}
+PHASE_MODULES = ("embeddings", "prefix_dnn", "hstu", "postfix_dnn")  # GRModel children timed in forward
+BACKWARD_GROUPS = {"attention": ("_ChunkedAttention",), "sampled softmax": ("_DenseSampledSoftmax",),
+                   "embedding lookup + fused optimizer": ("SplitNoBagLookupFunction", "SplitLookupFunction")}
+
+
+def profiled(precision: str, dmp) -> object:
+    """A profiler for one step, with forward phases of ``dmp``'s GRModel labelled."""
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    PROFILES.setdefault(precision, []).append(profiler)
+    model = dmp.module
+    if not getattr(model, "_phase_hooks", False):
+        for name in PHASE_MODULES:
+            labels: List = []
+            module = getattr(model, name)
+            module.register_forward_pre_hook(lambda m, a, n=name, s=labels: s.append(
+                torch.autograd.profiler.record_function(f"phase: forward {n}").__enter__()))
+            module.register_forward_hook(lambda m, a, o, s=labels: s.pop().__exit__(None, None, None))
+        model._phase_hooks = True
+    return profiler
+
+
+def print_profiles(steps: int) -> None:
+    """Per precision: ms per step of each phase (inclusive), backward by group, then the top ops."""
+    for precision, profilers in PROFILES.items():
+        inclusive: Dict[str, float] = {}
+        own: Dict[str, float] = {}
+        for profiler in profilers:
+            for event in profiler.key_averages():
+                inclusive[event.key] = inclusive.get(event.key, 0.0) + event.cpu_time_total
+                own[event.key] = own.get(event.key, 0.0) + event.self_cpu_time_total
+        print(f"--- {precision}: ms per step")
+        for key in sorted(k for k in inclusive if k.startswith("phase: ")):
+            print(f"{inclusive[key] / 1000 / steps:9.2f}  {key[7:]}")
+        backward = {k: v for k, v in inclusive.items() if k.startswith("autograd::engine::evaluate_function: ")}
+        for group, names in BACKWARD_GROUPS.items():
+            total = sum(v for k, v in backward.items() if any(n in k for n in names))
+            print(f"{total / 1000 / steps:9.2f}  backward {group} (in 'backward')")
+        names = [n for group in BACKWARD_GROUPS.values() for n in group]
+        grouped = sum(v for k, v in backward.items() if any(n in k for n in names))
+        other = next(v for k, v in inclusive.items() if k.startswith("phase: backward")) - grouped
+        print(f"{other / 1000 / steps:9.2f}  backward of the rest: projections, norms, dropout (in 'backward')")
+        print(f"--- {precision}: self CPU ms per step, top ops")
+        for key, micros in sorted(own.items(), key=lambda kv: -kv[1])[:20]:
+            print(f"{micros / 1000 / steps:9.2f}  {key}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="400 users, 2 steps: checks that the bench runs")
+    parser.add_argument("--steps", type=int, default=None, help="timed training steps per precision (8; smoke 2)")
+    parser.add_argument("--users", type=int, default=None, help="synthetic users (6040, ML-1M's; smoke 400)")
+    parser.add_argument("--recipes", default="small,large", help=f"comma-separated of {sorted(RECIPES)}")
+    parser.add_argument("--no-epoch", action="store_true", help="skip the whole-epoch timings")
+    parser.add_argument("--profile", action="store_true", help="profile the timed steps, print the top ops")
+    args = parser.parse_args()
+    steps = args.steps or (2 if args.smoke else 8)
+    users = args.users or (400 if args.smoke else 6040)
+    recipes = args.recipes.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        parser.error(f"--recipes: unknown {unknown}; expected names from {sorted(RECIPES)}")
+    root = Path(__file__).resolve().parents[1]
+    work = Path(tempfile.mkdtemp(prefix="train_step_"))
+    ratings = write_ml1m_shaped_ratings(work, users)
+    peak_seconds = 0.2 if args.smoke else 1.0
+    peaks = {p: matmul_peak(dtype, peak_seconds) for p, dtype in zip(PRECISIONS, (torch.float32, torch.bfloat16))}
+    print(f"{users} users, {ratings} ratings; matmul peak fp32 {peaks['32-true']:.0f} GFLOP/s, "
+          f"bf16 {peaks['bf16-mixed']:.0f} GFLOP/s; {load()}", flush=True)
+    result = {"users": users, "ratings": ratings, "steps": steps, "threads": torch.get_num_threads(),
+              "peak_gflops": peaks, "load_before": os.getloadavg()}
+    for recipe in recipes:
+        for precision in PRECISIONS if not args.no_epoch else ():
+            config = load_config(root / RECIPES[recipe], [
+                ("data.path", str(work)), ("trainer.max_epochs", "1"), ("trainer.precision", precision),
+                ("trainer.enable_progress_bar", "false")])
+            timing = epoch_seconds(config, work / f"run_{recipe}_{precision}")
+            result[f"{recipe}/{precision}/epoch_s"] = timing["epoch_s"]
+            result[f"{recipe}/{precision}/validation_s"] = timing["validation_s"]
+            print(f"{recipe:5s} {precision:10s} epoch {timing['epoch_s']:6.2f} s (validation "
+                  f"{timing['validation_s']:.2f} s); {load()}", flush=True)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
+        config = load_config(root / RECIPES[recipe], [("data.path", str(work))])
+        rates = step_rates(config, steps, peaks, args.profile)
+        for precision, rate in rates.items():
+            result.update({f"{recipe}/{precision}/{k}": v for k, v in rate.items()})
+            print(f"{recipe:5s} {precision:10s} {rate['samples_per_s']:7.1f} samples/s, "
+                  f"{rate['step_ms']:7.1f} ms/step, "
+                  f"{rate['gflops']:6.1f} GFLOP/s = {100 * rate['peak_fraction']:4.1f}% of peak; {load()}", flush=True)
+        result[f"{recipe}/bf16_speedup"] = (result[f"{recipe}/bf16-mixed/samples_per_s"]
+                                            / result[f"{recipe}/32-true/samples_per_s"])
+        if args.profile:
+            print_profiles(steps)
+            PROFILES.clear()
+    result["load_after"] = os.getloadavg()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The ``gr`` command: one entry point with git-style subcommands.
+
+``gr train | export | check | serve | rank | generate | plan | data download``. Each
+subcommand forwards its arguments to the module that owns it (``gr.train.cli``,
+``gr.export``, ``gr.serving``, ``gr.plan``, ``gr.data.download``), imported only when
+chosen, so ``gr --help`` and ``gr data download`` never import torch.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+
+class Command(NamedTuple):
+    """module:function to call with the remaining arguments, after ``prefix``."""
+
+    module: str
+    function: str
+    summary: str
+    prefix: tuple = ()
+
+
+COMMANDS: Dict[str, Command] = {
+    "train": Command("gr.train.cli", "main", "train a model from a recipe YAML (gr train --help lists every key)"),
+    "export": Command("gr.export.__main__", "main", "export a run's best checkpoint as serving slices"),
+    "check": Command("gr.export.__main__", "main", "validate an export directory", ("check",)),
+    "serve": Command("gr.serving.__main__", "main", "run the HTTP service over an export", ("serve",)),
+    "rank": Command("gr.serving.__main__", "main", "score a request file's candidates", ("rank",)),
+    "generate": Command("gr.serving.__main__", "main", "generate each request's next items", ("generate",)),
+    "plan": Command("gr.plan", "main", "parameter counts and memory per rank for a recipe"),
+    "data": Command("gr.data.download", "main", "gr data download NAME DIR: fetch a public dataset"),
+}
+DATA_SUBCOMMANDS = ("download",)
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: gr COMMAND [ARGS...]   (gr COMMAND --help for a command's options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def resolve(argv: Sequence[str]) -> tuple[Optional[Callable[[List[str]], int]], List[str], str]:
+    """-> (the subcommand's main or None for usage, its arguments, error text or "")."""
+    if not argv or argv[0] in ("-h", "--help"):
+        return None, [], ""
+    name, rest = argv[0], list(argv[1:])
+    if name not in COMMANDS:
+        return None, [], f"gr: unknown command {name!r}; expected one of {sorted(COMMANDS)}"
+    if name == "data":
+        if not rest or rest[0] not in DATA_SUBCOMMANDS:
+            return None, [], f"gr data: expected a subcommand {list(DATA_SUBCOMMANDS)}, e.g. gr data download ml-1m DIR"
+        rest = rest[1:]
+    command = COMMANDS[name]
+    function = getattr(importlib.import_module(command.module), command.function)
+    return function, [*command.prefix, *rest], ""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from gr.console import quiet_console
+    from gr.devices import configure_backend_autoload
+
+    configure_backend_autoload()  # before torch is imported: torch_npu autoloads only on an NPU host
+    quiet_console()  # before fbgemm_gpu is imported: its logging.basicConfig() then adds no handler
+    argv = sys.argv[1:] if argv is None else list(argv)
+    function, rest, error = resolve(argv)
+    if function is None:
+        print(error or usage(), file=sys.stderr if error else sys.stdout)
+        return 2 if error else 0
+    return int(function(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""An approximate ``ItemIndex`` behind the same calls as ``ExactIndex``: FAISS HNSW graph search
+(inner product) for ``search``; ``scores`` and ``scores_of`` stay exact.
+
+Optional: needs the ``faiss-cpu`` package (``pip install 'gr[faiss]'``), imported only when an
+index is built. A search asks the graph for ``k`` plus the row's excluded count, drops excluded
+items, and falls back to exact search for a row left with fewer than ``k``.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gr.generation.index import top_items
+
+
+class HNSWIndex:
+    """Approximate inner-product search over ``items: [M, d] float`` (rows already normalised).
+
+    neighbours: HNSW graph degree (M in FAISS); ef_search: candidate list size at query time
+    (larger: closer to exact, slower)."""
+
+    def __init__(self, items: Tensor, neighbours: int = 32, ef_search: int = 128) -> None:
+        try:
+            import faiss
+        except ImportError:
+            raise ImportError("HNSWIndex needs the faiss-cpu package: pip install faiss-cpu") from None
+        if items.dim() != 2 or items.shape[0] == 0:
+            raise ValueError(f"HNSWIndex.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}")
+        self.items = items.float().contiguous()
+        self._index = faiss.IndexHNSWFlat(int(items.shape[1]), neighbours, faiss.METRIC_INNER_PRODUCT)
+        self._index.hnsw.efSearch = ef_search
+        self._index.add(self.items.numpy())
+
+    @property
+    def num_items(self) -> int:
+        return int(self.items.shape[0])
+
+    def scores(self, queries: Tensor) -> Tensor:
+        return queries.float() @ self.items.T
+
+    def scores_of(self, queries: Tensor, items: Tensor) -> Tensor:
+        return queries.float() @ self.items[items].T
+
+    def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        """queries: [Q, d]; exclude: [Q, M] bool -> (scores [Q, k], ids [Q, k]), best first (lower id on ties)."""
+        if exclude.shape != (queries.shape[0], self.num_items):
+            raise ValueError(f"exclude: expected shape {(queries.shape[0], self.num_items)}, got {tuple(exclude.shape)}")
+        wanted = min(k + int(exclude.sum(1).max()) if exclude.numel() else k, self.num_items)
+        _, found = self._index.search(queries.float().contiguous().numpy(), wanted)
+        out_scores, out_ids = [], []
+        for row in range(queries.shape[0]):
+            ids = torch.from_numpy(found[row][found[row] >= 0].astype(np.int64))
+            ids = ids[~exclude[row, ids]]
+            if ids.numel() < k:  # the graph returned too few eligible items: exact search for this row
+                scores, best = top_items(self.scores(queries[row: row + 1]), exclude[row: row + 1], k)
+                out_scores.append(scores[0])
+                out_ids.append(best[0])
+                continue
+            ids, _ = torch.sort(ids)
+            scores = self.scores_of(queries[row: row + 1], ids)[0]
+            order = torch.sort(scores, descending=True, stable=True).indices[:k]
+            out_scores.append(scores[order])
+            out_ids.append(ids[order])
+        return torch.stack(out_scores), torch.stack(out_ids)

@@ -1,0 +1,82 @@
+"""An export's item catalogue: the token input of every item and the item index searched by
+``recommend`` and generation, and the ``GenerativeModel`` view of an export.
+
+The item feature's token is the PrefixDNN output of its table row (computed once for the whole
+catalogue: the PrefixDNN is token-wise); the query is the postfix_dnn output ``query``; items are
+scored against the L2-normalised rows of the item table, as the retrieval head defines
+(``RetrievalHead.item_embedding``): a score is the cosine that training divides by its
+temperature and evaluation ranks by.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gr.export.format import TIMESTAMPS
+from gr.generation.hnsw_index import HNSWIndex
+from gr.generation.index import ExactIndex, ItemIndex
+from gr.hstu.cache import CachedHSTU
+from gr.serving.errors import RequestError
+
+if TYPE_CHECKING:
+    from gr.serving.model import ServingModel
+
+QUERY = "query"
+ITEM_FEATURE = "item_id"
+INDEXES = {"exact": ExactIndex, "hnsw": HNSWIndex}
+
+
+class Catalogue:
+    """One export's items: token inputs of every item [M, D], item vectors [M, d] and their index.
+
+    item_feature: the token id feature that holds the item (its table is the catalogue)
+    index: the ``ItemIndex`` over the item vectors: "exact" (default) or "hnsw" (approximate, FAISS)
+    """
+
+    def __init__(self, model: "ServingModel", item_feature: str = ITEM_FEATURE, index: str = "exact") -> None:
+        if index not in INDEXES:
+            raise ValueError(f"Catalogue.index: expected one of {list(INDEXES)}, got {index!r}")
+        schema = model.schema
+        if item_feature not in schema.token_ids:
+            raise RequestError(f"model: the export has no token feature {item_feature!r} "
+                               f"(token features: {list(schema.token_ids)})")
+        others = [f for f in (*schema.token_ids, *schema.token_dense) if f != item_feature]
+        if others:
+            raise RequestError(f"model: a catalogue token has only {item_feature!r}; the export also reads "
+                               f"token features {others}")
+        if QUERY not in model.postfix.output_names:
+            raise RequestError(f"model: the postfix_dnn has no {QUERY!r} output (a retrieval head is needed); "
+                               f"outputs: {model.postfix.output_names}")
+        rows = model.sparse.rows(item_feature)
+        self.model = model
+        self.item_feature = item_feature
+        self.tokens = model.embed_tokens({item_feature: np.arange(rows, dtype=np.int64),
+                                          TIMESTAMPS: np.zeros(rows, dtype=np.int64)})  # [M, D]
+        table = model.sparse.tables[model.sparse.features[item_feature].table]
+        self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]
+        self.index: ItemIndex = INDEXES[index](self.vectors)
+
+
+@dataclass
+class ServingGenerativeModel:
+    """``GenerativeModel`` over a loaded export for one request's common features."""
+
+    catalogue: Catalogue
+    common: Dict[str, np.ndarray]
+
+    @property
+    def engine(self) -> CachedHSTU:
+        return self.catalogue.model.engine
+
+    def item_tokens(self, items: Tensor) -> Tensor:
+        """items: [n] int64 -> [n, D] float."""
+        return self.catalogue.tokens[items]
+
+    def queries(self, hidden: Tensor) -> Tensor:
+        """hidden: [n, D] float -> [n, d] float (L2-normalised by the head)."""
+        return torch.from_numpy(self.catalogue.model.heads(hidden, self.common)[QUERY])

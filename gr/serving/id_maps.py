@@ -1,0 +1,77 @@
+"""Raw ids <-> model ids at serving time, through the maps an export carries in ``sparse/id_maps/``.
+
+A feature whose ``sparse.ini`` entry names an ``id_mapping`` takes the dataset's raw ids
+(int or str, as its map declares); a feature without one has no raw id space, so its ids are
+the model ids. An unknown raw id is a ``RequestError`` naming it (``unknown_ids="error"``, the
+default); with ``unknown_ids="oov"`` it becomes row 0 where the map reserves that row for
+unknown ids (maps with offset 1, the categorical side features) and stays an error elsewhere.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from gr.data.mappings import IdMap, load_mappings
+from gr.export.format import ID_MAPS_DIR, SPARSE_DIR
+from gr.export.sparse_manifest import SparseManifest
+from gr.serving.errors import IdMapError, RequestError
+
+ID_SPACES = ("raw", "model")
+UNKNOWN_IDS = ("error", "oov")
+
+
+class IdMaps:
+    """{feature: IdMap} of one export; ``encode`` raw -> model ids, ``decode`` model -> raw ids."""
+
+    def __init__(self, root: Path, sparse: SparseManifest) -> None:
+        mapped = {name: f.id_mapping for name, f in sparse.features.items() if f.id_mapping is not None}
+        self.maps: Dict[str, IdMap] = {}
+        self.problem: Optional[str] = None  # why the maps cannot be read (raw ids of mapped features then fail)
+        self.mapped = set(mapped)
+        if not mapped:
+            return
+        try:
+            by_name, _ = load_mappings(str(root / ID_MAPS_DIR))
+        except (OSError, KeyError, ValueError) as exc:
+            self.problem = f"{root / ID_MAPS_DIR}: unreadable id maps: {type(exc).__name__}: {exc}"
+            return
+        for feature, file in mapped.items():
+            name = Path(file).name[: -len(".tsv")]
+            if name not in by_name:
+                self.problem = (f"{root / SPARSE_DIR / 'sparse.ini'}: [feature.{feature}].id_mapping {file!r} is not "
+                                f"a map of {root / ID_MAPS_DIR / 'mappings.json'} (maps: {sorted(by_name)})")
+                return
+            self.maps[feature] = by_name[name]
+
+    def _map(self, feature: str) -> Optional[IdMap]:
+        if feature in self.mapped and self.problem is not None:
+            raise IdMapError(self.problem)
+        return self.maps.get(feature)
+
+    def encode(self, feature: str, values: Any, where: str, unknown_ids: str = "error") -> Any:
+        """values: [n] raw ids of ``feature`` -> [n] int64 model ids (unchanged for an unmapped feature)."""
+        id_map = self._map(feature)
+        if id_map is None:
+            return values
+        raw = np.asarray(values)
+        if raw.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if raw.ndim != 1 or raw.dtype.kind not in ("iu" if id_map.raw.dtype.kind in "iu" else "iuU"):
+            kind = "integers" if id_map.raw.dtype.kind in "iu" else "strings"
+            raise RequestError(f"{where}: expected a list of raw ids ({kind}, as in the id map), got {raw.tolist()!r}"[:300])
+        oov = 0 if unknown_ids == "oov" and id_map.offset >= 1 else None
+        encoded = id_map.encode(raw, unknown=-1 if oov is None else oov)
+        unknown = raw[encoded < 0]
+        if unknown.size:
+            raise RequestError(f"{where}: unknown raw id(s) {unknown[:5].tolist()} (not in the id map of "
+                               f"{feature!r}; unknown_ids={unknown_ids!r})")
+        return encoded
+
+    def decode(self, feature: str, ids: np.ndarray) -> list:
+        """ids: [n] int64 model ids -> n raw ids (JSON-ready); unmapped feature: the ids themselves."""
+        id_map = self._map(feature)
+        if id_map is None:
+            return np.asarray(ids).tolist()
+        return id_map.decode(np.asarray(ids)).tolist()

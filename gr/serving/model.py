@@ -1,0 +1,122 @@
+"""One loaded export: sparse store, id maps, ONNX Runtime sessions and the HSTU engine, wired by
+slice_graph.ini. Imports no training code."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gr.export.format import (
+    BAG,
+    HSTU_OUTPUT,
+    HSTU_SLICE,
+    POSTFIX,
+    POSTFIX_ONNX,
+    PREFIX,
+    PREFIX_ONNX,
+    PREFIX_OUTPUT,
+    REPEAT_PER_TARGET,
+    SPARSE,
+    TIMESTAMPS,
+    TOKENS,
+)
+from gr.export.reader import load_hstu, open_export
+from gr.export.slice_graph import REQUEST
+from gr.hstu.cache import CachedHSTU
+from gr.serving.catalogue import INDEXES, QUERY, Catalogue
+from gr.serving.errors import ScoringError
+from gr.serving.id_maps import IdMaps
+from gr.serving.onnx_slice import OnnxSlice
+from gr.serving.request import RequestSchema
+from gr.serving.sparse_store import SparseStore
+
+Tokens = Dict[str, np.ndarray]
+
+
+class ServingModel:
+    """One loaded export: sparse store, ONNX Runtime sessions and the HSTU engine, wired by the graph."""
+
+    def __init__(self, export_dir: Union[str, Path], threads: Optional[int] = None, index: str = "exact") -> None:
+        """index: the catalogue's item index, "exact" or "hnsw" (approximate; needs faiss-cpu)."""
+        if index not in INDEXES:
+            raise ValueError(f"ServingModel.index: expected one of {list(INDEXES)}, got {index!r}")
+        self.index = index
+        manifest = open_export(export_dir)
+        self.root = manifest.root
+        self.graph = manifest.graph
+        self.config = manifest.hstu_config
+        self.schema = RequestSchema.from_graph(self.graph)
+        self.sparse = SparseStore(manifest)
+        self.id_maps = IdMaps(manifest.root, manifest.sparse)
+        self.prefix = OnnxSlice(manifest.path(PREFIX_ONNX), self.graph.slice(PREFIX), threads)
+        self.engine = CachedHSTU(load_hstu(manifest.root))
+        self.postfix = OnnxSlice(manifest.path(POSTFIX_ONNX), self.graph.slice(POSTFIX), threads)
+        self._catalogue: Optional[Catalogue] = None
+        self._catalogue_lock = threading.Lock()
+
+    @property
+    def is_retrieval(self) -> bool:
+        """Whether the postfix_dnn is a retrieval head (a ``query`` output scored against the item table)."""
+        return QUERY in self.postfix.output_names
+
+    def catalogue(self) -> Catalogue:
+        """The item catalogue of this export (built on first use; RequestError if it has none)."""
+        with self._catalogue_lock:
+            if self._catalogue is None:
+                self._catalogue = Catalogue(self, index=self.index)
+            return self._catalogue
+
+    def embed_tokens(self, tokens: Tokens) -> Tensor:
+        """Token columns -> [T, D] HSTU input: sparse lookups, then the prefix_dnn slice."""
+        count = len(tokens[TIMESTAMPS])
+        if count == 0:
+            return torch.zeros(0, self.config.hidden_dim)
+        env = {f"{REQUEST}.{name}": value for name, value in tokens.items()}
+        for t in self.graph.slice(SPARSE).inputs:
+            if t.shape == (TOKENS,):
+                env[f"{SPARSE}.{t.name}"] = self.sparse.sequence(t.name, env[t.source])
+        out = self.prefix.run({t.name: env[t.source] for t in self.prefix.spec.inputs})
+        return torch.from_numpy(out[PREFIX_OUTPUT])
+
+    def heads(self, hidden: Tensor, common: Tokens) -> Dict[str, np.ndarray]:
+        """hidden: [N, D] HSTU outputs at the candidates -> {task: [N, ...]} via the postfix_dnn slice.
+
+        Raises ScoringError when an output is not finite."""
+        return self.heads_batch(hidden, [common], [hidden.shape[0]])
+
+    def heads_batch(self, hidden: Tensor, commons: Sequence[Tokens], rows: Sequence[int]) -> Dict[str, np.ndarray]:
+        """``heads`` for B requests in one postfix_dnn run: hidden [N, D] holds request b's
+        ``rows[b]`` candidates after request b-1's; each request's common features go to its rows."""
+        envs = [self._common_inputs(common) for common in commons]
+        inputs = {}
+        for t in self.postfix.spec.inputs:
+            if t.source == f"{HSTU_SLICE}.{HSTU_OUTPUT}":
+                inputs[t.name] = hidden.numpy()
+            elif t.repeat == REPEAT_PER_TARGET:
+                inputs[t.name] = np.concatenate([np.repeat(env[t.source], n, axis=0) for env, n in zip(envs, rows)])
+            else:
+                raise ValueError(f"{POSTFIX}: input {t.name} reads {t.source}, neither the HSTU output nor "
+                                 "repeated per target")
+        out = self.postfix.run(inputs)
+        check_finite(out, "postfix_dnn")
+        return out
+
+    def _common_inputs(self, common: Tokens) -> Dict[str, np.ndarray]:
+        """One request's common features by graph source name (ids pooled through the sparse store)."""
+        env: Dict[str, np.ndarray] = {f"{REQUEST}.{name}": value for name, value in common.items()}
+        for t in self.graph.slice(SPARSE).inputs:
+            if t.shape == (BAG,):
+                env[f"{SPARSE}.{t.name}"] = self.sparse.pooled(t.name, env[t.source])
+        return env
+
+
+def check_finite(outputs: Dict[str, np.ndarray], where: str) -> None:
+    """Raise ScoringError naming the first output holding NaN or infinity."""
+    for name, value in outputs.items():
+        if not np.isfinite(value).all():
+            raise ScoringError(f"{where} output {name!r}: non-finite values (NaN or infinity); the model or its "
+                               "inputs are broken, no score is returned")

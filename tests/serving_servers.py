@@ -1,0 +1,96 @@
+"""Real ``python -m gr.serving serve`` processes for the HTTP tests: a free port, a JSON client
+over urllib, and the replica a user id hashes to."""
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from gr.data.mappings import IdMap, save_mappings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_of(user_id: Any, replicas: int) -> int:
+    """The routing rule of the README: sha256 of the user id's text, as an integer, mod the replica count."""
+    return int.from_bytes(hashlib.sha256(str(user_id).encode()).digest()[:8], "big") % replicas
+
+
+class Server:
+    """One server process on a free port; ``call`` -> (status, JSON body or text)."""
+
+    def __init__(self, export_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gr.serving", "serve", str(export_dir), "--port", str(self.port), "--threads", "1",
+             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited {self.process.returncode}: {self.process.stdout.read()}")
+            try:
+                if self.call("GET", "/readyz")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become ready in 90 s")
+
+    def call(self, method: str, path: str, body: Any = None, raw: Optional[bytes] = None,
+             headers: Sequence[Tuple[str, str]] = ()) -> Tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json", **dict(headers)})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                status, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            status, text = exc.code, exc.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus text exposition (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        sample, _, rest = key.partition("{")
+        got = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
+        if sample == name and got == want:
+            return float(value)
+    return 0.0
+
+
+def write_item_map(directory: Path, raw_ids: Sequence[int]) -> Path:
+    """A mappings directory as ``SequenceDataModule.save_mappings`` writes it: items only."""
+    save_mappings(str(directory), {"items": IdMap(np.asarray(raw_ids))}, {})
+    return directory

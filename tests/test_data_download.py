@@ -1,0 +1,159 @@
+"""``gr data download``: checksums, truncation, safe unpacking and count checks, against a
+local HTTP server on 127.0.0.1 serving archives the tests build (no test reaches the internet)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import http.server
+import json
+import stat
+import threading
+import zipfile
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from gr.data import download as dl
+
+RATINGS = [(u, i, 1 + (u + i) % 5, 880_000_000 + 10 * u + i) for u in range(1, 6) for i in range(1, 8) if (u + i) % 3]
+ITEMS = len({i for _, i, _, _ in RATINGS})
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    """Serves the test's directory; ``/truncated/NAME`` announces NAME's full size but sends half."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if not self.path.startswith("/truncated/"):
+            return super().do_GET()
+        body = (Path(self.directory) / self.path.removeprefix("/truncated/")).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body[: len(body) // 2])
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def served(tmp_path):
+    """(directory served, base URL)."""
+    root = tmp_path / "served"
+    root.mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_Handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _ml_100k_zip(path: Path, extra: tuple = ()) -> Path:
+    """A MovieLens-100K-format zip (``ml-100k/u.data`` + README) plus ``extra`` (ZipInfo, bytes) members."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("ml-100k/README", "fixture\n")
+        zf.writestr("ml-100k/u.data", "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in RATINGS))
+        for info, data in extra:
+            zf.writestr(info, data)
+    return path
+
+
+def _source(path: Path, url: str, **changes) -> dict:
+    digest = hashlib.md5(path.read_bytes()).hexdigest()
+    fields = dict(url=url, md5=digest, interactions=len(RATINGS), items=ITEMS)
+    return {"ml-100k": dataclasses.replace(dl.DATASETS["ml-100k"], **{**fields, **changes})}
+
+
+def test_download_verifies_unpacks_into_dir_and_checks_counts(served, tmp_path):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    target = tmp_path / "data" / "ml-100k"
+    record = dl.download_dataset("ml-100k", target, progress=False,
+                                 sources=_source(archive, f"{base}/ml-100k.zip"))
+    assert sorted(p.name for p in target.iterdir()) == ["DOWNLOAD.json", "README", "u.data"]
+    assert record["sha256"] == hashlib.sha256(archive.read_bytes()).hexdigest()
+    assert json.loads((target / "DOWNLOAD.json").read_text()) == record
+    assert (record["interactions"], record["items"]) == (len(RATINGS), ITEMS)
+
+
+def test_wrong_md5_from_the_cli_is_a_checksum_mismatch_and_creates_nothing(served, tmp_path, capsys):
+    root, base = served
+    _ml_100k_zip(root / "ml-100k.zip")  # not the published archive: its md5 differs from GroupLens's
+    target = tmp_path / "ml-100k"
+    code = dl.main(["ml-100k", str(target), "--url", f"{base}/ml-100k.zip", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "ChecksumMismatch" in err and dl.DATASETS["ml-100k"].md5 in err
+    assert not target.exists() and list(tmp_path.iterdir()) == [root]
+
+
+def test_wrong_sha256_option_is_a_checksum_mismatch(served, tmp_path):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    with pytest.raises(dl.ChecksumMismatch, match=r"--sha256"):
+        dl.download_dataset("ml-100k", tmp_path / "out", sha256="0" * 64, progress=False,
+                            sources=_source(archive, f"{base}/ml-100k.zip"))
+
+
+def test_truncated_download_is_named(served, tmp_path):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    with pytest.raises(dl.TruncatedDownload, match="short|announced"):
+        dl.download_dataset("ml-100k", tmp_path / "out", progress=False,
+                            sources=_source(archive, f"{base}/truncated/ml-100k.zip"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["ml-100k/../../escaped.txt", "/tmp/escaped.txt", "ml-100k/a/../../../escaped.txt"])
+def test_archive_member_escaping_the_target_is_refused(served, tmp_path, name):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip", extra=((zipfile.ZipInfo(name), b"x"),))
+    with pytest.raises(dl.UnsafeArchive, match="outside the target"):
+        dl.download_dataset("ml-100k", tmp_path / "a" / "out", progress=False,
+                            sources=_source(archive, f"{base}/ml-100k.zip"))
+    assert not list(tmp_path.rglob("escaped.txt")) and not (tmp_path / "a" / "out").exists()
+
+
+def test_symlink_member_is_refused(served, tmp_path):
+    root, base = served
+    link = zipfile.ZipInfo("ml-100k/u.item")
+    link.external_attr = (stat.S_IFLNK | 0o777) << 16
+    archive = _ml_100k_zip(root / "ml-100k.zip", extra=((link, "/etc/passwd"),))
+    with pytest.raises(dl.UnsafeArchive, match="link or special file"):
+        dl.download_dataset("ml-100k", tmp_path / "out", progress=False,
+                            sources=_source(archive, f"{base}/ml-100k.zip"))
+
+
+@pytest.mark.parametrize("field,value", [("interactions", len(RATINGS) + 1), ("items", ITEMS - 1)])
+def test_wrong_counts_are_a_count_mismatch(served, tmp_path, field, value):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    with pytest.raises(dl.CountMismatch, match=f"{field}, the published dataset has {value}"):
+        dl.download_dataset("ml-100k", tmp_path / "out", progress=False,
+                            sources=_source(archive, f"{base}/ml-100k.zip", **{field: value}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_amazon_books_needs_sha256_and_is_saved_as_its_csv(served, tmp_path):
+    root, base = served
+    csv = root / "ratings_Books.csv"
+    csv.write_text("".join(f"A{u},{i:010d},{r}.0,{t}\n" for u, i, r, t in RATINGS))
+    sources = {"amazon-books": dataclasses.replace(dl.DATASETS["amazon-books"], url=f"{base}/ratings_Books.csv",
+                                                   interactions=len(RATINGS))}
+    with pytest.raises(dl.MissingChecksum, match="--sha256"):
+        dl.download_dataset("amazon-books", tmp_path / "books", progress=False, sources=sources)
+    digest = hashlib.sha256(csv.read_bytes()).hexdigest()
+    record = dl.download_dataset("amazon-books", tmp_path / "books", sha256=digest.upper(), progress=False,
+                                 sources=sources)
+    assert (tmp_path / "books" / "ratings_Books.csv").read_bytes() == csv.read_bytes()
+    assert record["items"] == ITEMS
+
+
+def test_every_dataset_documents_its_licence_in_help(capsys):
+    with pytest.raises(SystemExit):
+        dl.main(["--help"])
+    out = capsys.readouterr().out
+    for name, source in dl.DATASETS.items():
+        assert name in out and source.url in out
+    assert "Harper and J. A. Konstan" in out and "He and J. McAuley" in out

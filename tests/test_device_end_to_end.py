@@ -1,0 +1,74 @@
+"""Train -> export -> serve on the test suite's device (``GR_TEST_DEVICE``, else detected): a
+tiny synthetic ranking run trained with ``trainer.accelerator`` set to that device (tables in host
+memory on an NPU, FBGEMM having no NPU kernels), exported with ``python -m gr.export``, checked,
+and served: the export alone reproduces the run's predictions on its test users.
+
+The serving runtime runs on CPU whatever the device (issue 19d, serving on a device, is not
+done yet), so on a CUDA or NPU host the device part is the training run and its kernels."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from test_export_roundtrip import rank_all, requests_from_batch
+from test_train_run import RETRIEVAL, config
+
+from gr.data.datamodule import SequenceDataModule
+from gr.devices import suite_device
+from gr.export import check_export
+from gr.export.__main__ import main as export_main
+from gr.serving import Ranker
+from gr.train import load_trained_model, train
+
+DEVICE = suite_device()
+
+
+def ranking_recipe(device: str) -> dict:
+    """test_train_run's tiny synthetic recipe as a one-task ranking run on ``device``."""
+    values = copy.deepcopy(RETRIEVAL)
+    values["data"].update(task="ranking", item_features=True, user_features=True,
+                          ranking={"positives_per_sample": 2, "samples_per_user": 2, "num_negatives": 4,
+                                   "eval_num_negatives": 5, "tasks": [{"name": "watch"}]})
+    values["task"] = {"ranking": {"task_weights": {"watch": 1.0}}}
+    values["model"]["tables"] += [
+        {"name": "category", "embedding_dim": 8, "features": ["item_category"]},
+        {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
+        {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common", "pooling": "mean"},
+    ]
+    values["trainer"].update(accelerator=device, max_epochs=1, limit_train_batches=3)
+    if device == "npu":
+        values["sparse"]["placement"] = "host"
+    return values
+
+
+@pytest.fixture(scope="module")
+def device_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("device-run") / "run"
+    metrics = train(config(ranking_recipe(DEVICE)), run_dir)
+    export_dir = tmp_path_factory.mktemp("device-export") / "export"
+    assert export_main([str(run_dir), str(export_dir)]) == 0
+    return run_dir, export_dir, metrics
+
+
+def test_the_run_trains_on_the_suite_device_and_its_export_is_valid(device_run):
+    run_dir, export_dir, metrics = device_run
+    assert metrics["config"]["trainer"]["accelerator"] == DEVICE
+    assert np.isfinite(metrics["logloss"]) and 0.0 <= metrics["auc"] <= 1.0
+    assert check_export(export_dir) == []
+
+
+def test_the_export_served_reproduces_the_device_run_on_its_test_users(device_run):
+    run_dir, export_dir, _ = device_run
+    model, run_config = load_trained_model(run_dir)
+    data = SequenceDataModule(run_config.data)
+    data.setup()
+    batch = next(iter(data.test_dataloader()))
+    with torch.no_grad():
+        out = model(batch)
+    users = 12
+    got = rank_all(Ranker.load(export_dir, micro_batch=4), requests_from_batch(batch)[:users])
+    rows = int(out.row_offsets[users])
+    assert set(got) == set(out.predictions) == {"watch"}
+    for task, value in out.predictions.items():
+        assert got[task].shape == (rows,)
+        np.testing.assert_allclose(got[task], value[:rows].numpy(), rtol=0, atol=1e-5)

@@ -1,0 +1,68 @@
+"""kill -9 at each checkpoint phase, then ``--resume``: the run ends exactly like an
+uninterrupted one and exports.
+
+The crash comes from the ``GR_TEST_CRASH_AT`` hook (``gr.crash_points``: ``os._exit``, no
+cleanup) in a ``train.py`` subprocess; the resume runs in this process. The tiny recipe
+validates every epoch, so each epoch saves ``epoch=N`` (the best) and then ``last``: the
+4th arrival at a save point is epoch 1's save of ``last``, right after the best checkpoint
+moved from ``epoch=0`` to ``epoch=1`` (the crash of issue 14, finding 4), and the 1st
+``replace_directory`` with something to replace is epoch 1's ``last`` too.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gr.crash_points import CRASH_EXIT_STATUS
+from gr.export import export_run
+from gr.train import train
+from gr.train.config import TrainConfig
+from tiny_runs import recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = recipe(("trainer.max_epochs", 3))
+RESULT_KEYS = ("hr@5", "ndcg@5", "hr@10", "ndcg@10", "mrr", "best_val", "best_checkpoint", "epochs")
+
+CRASHES = {
+    "before_save": "checkpoint_before_save:4",
+    "mid_save": "checkpoint_mid_save:4",
+    "mid_rename": "replace_directory_mid_rename:1",
+    "after_save": "checkpoint_after_save:4",
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train(TrainConfig.from_dict(RECIPE), tmp_path_factory.mktemp("uninterrupted"))
+
+
+def crash_run(run_dir: Path, crash_at: str) -> None:
+    """train.py on RECIPE in a subprocess that the hook kills at ``crash_at``."""
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(yaml.safe_dump(RECIPE))
+    # Not this process's process-group address: Lightning left it in os.environ, and its port is taken.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update({"GR_TEST_CRASH_AT": crash_at, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(config), "--out", str(run_dir)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == CRASH_EXIT_STATUS, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("phase", sorted(CRASHES))
+def test_crash_at_checkpoint_phase_then_resume_ends_like_an_uninterrupted_run_and_exports(
+        phase, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    crash_run(run_dir, CRASHES[phase])
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    if phase == "mid_rename":
+        assert "last" not in checkpoints and {"last.old", "last.tmp"} <= set(checkpoints)
+    export_run(run_dir, tmp_path / "export_after_crash")  # the crashed run exports as it is (read only)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints
+    resumed = train(TrainConfig.from_dict(RECIPE), run_dir, resume=True)
+    for key in RESULT_KEYS:
+        assert resumed[key] == uninterrupted[key], (phase, key)
+    export_run(run_dir, tmp_path / "export")
+    assert (tmp_path / "export" / "default" / "slice_graph.ini").is_file()
