@@ -32,12 +32,14 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
 from generate import DATASETS, ROOT, ensure_export, user_data  # noqa: E402  (the bench's own models)
 
 from gr.serving import Ranker  # noqa: E402
 from gr.serving.generate import ServingGenerativeModel  # noqa: E402
 
 THRESHOLDS = (0.01, 0.03, 0.1, 0.3, 1.0)
+SMOKE = {"datasets": ["smoke"], "users": 20}  # the generation bench's tiny smoke model
 Gate = Callable[[int, Tensor], Optional[Tensor]]  # (layer, u: [T, H*Dl]) -> keep mask [T, H*Dl] or None
 
 
@@ -166,10 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--datasets", nargs="+", default=["ml100k", "long"], choices=list(DATASETS))
     parser.add_argument("--users", type=int, default=200)
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
-    parser.add_argument("--smoke", action="store_true", help="the tiny smoke model, 20 users")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        args.datasets, args.users = ["smoke"], 20
+    args, _ = smoke.parse_args(parser, SMOKE, argv)
     torch.set_num_threads(1)
     results = {}
     for name in args.datasets:

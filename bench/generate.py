@@ -45,6 +45,9 @@ import numpy as np
 import torch
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
+
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.readers import read_ml_100k
@@ -57,6 +60,7 @@ from gr.serving.generate import ServingGenerativeModel
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 2
+SMOKE = {"datasets": ["smoke"], "users": 4, "pool_users": 4, "ks": [5], "groups": [1]}  # the tiny smoke model
 DATASETS = {
     # (config, target arguments, draft arguments)
     # (a) the ML-100K recipe, a short run (15 epochs, best val HR@10 kept)
@@ -314,10 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--relaxed-min-prob", type=float, default=0.02)
     parser.add_argument("--temperature", type=float, default=0.05, help="the training softmax temperature")
     parser.add_argument("--datasets", nargs="+", default=["ml100k", "long"], choices=list(DATASETS))
-    parser.add_argument("--smoke", action="store_true", help="the tiny smoke model, 4 users, K 5 (checks the bench runs)")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        args.datasets, args.users, args.pool_users, args.ks, args.groups = ["smoke"], 4, 4, [5], [1]
+    args, _ = smoke.parse_args(parser, SMOKE, argv)
     torch.set_num_threads(1)
     relaxed = Relaxed(args.relaxed_top_k, args.relaxed_min_prob, args.temperature)
     results = {name: bench_dataset(name, args.runs_dir, args.data_path, args.ks, args.users, args.pool_users, args.groups, relaxed,

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
 
 from gr.generation.decoding import Generation, greedy, start
 from gr.generation.index import ExactIndex, ItemIndex
@@ -36,6 +41,7 @@ from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.cache import CachedHSTU
 
 REQUEST_TIME = 10**9
+SMOKE = {"items": 20_000, "clusters": 200, "lists": 64, "probes": 8, "users": 4, "k": 8}
 
 
 @dataclass
@@ -87,10 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--cache-size", type=int, default=64)
     parser.add_argument("--stride", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="20k items, 4 users, K 8 (seconds)")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        args.items, args.clusters, args.lists, args.probes, args.users, args.k = 20_000, 200, 64, 8, 4, 8
+    args, _ = smoke.parse_args(parser, SMOKE, argv)
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
     table = catalogue(args.items, args.dim, args.clusters, seed=0)
@@ -146,7 +149,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "speedup_exact_speculative": round(rate["exact-speculative"] / rate["exact"], 3),
         "speedup_ivf_speculative": round(rate["ivf-speculative"] / rate["ivf"], 3),
         "speedup_ivf_over_exact": round(rate["ivf"] / rate["exact"], 3),
-        "rollbacks_per_request": {m: totals[m]["rollbacks"] / args.users for m in ("exact-speculative", "ivf-speculative")},
+        "rollbacks_per_request": {m: totals[m]["rollbacks"] / args.users
+                                  for m in ("exact-speculative", "ivf-speculative")},
         "verifications_per_request": {m: totals[m]["verifications"] / args.users
                                       for m in ("exact-speculative", "ivf-speculative")},
         "mismatches": {"exact-speculative": sum(a != b for a, b in zip(totals["exact-speculative"]["slates"],

@@ -32,7 +32,8 @@ class IVFIndex:
         self.centroids = spherical_kmeans(self.items, num_lists, train_size, iters, seed)  # [C, d]
         lists = assign(self.items, self.centroids)  # [M]
         self.order = torch.argsort(lists, stable=True)  # item ids grouped by list, ascending within a list
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(lists, minlength=num_lists).cumsum(0)])
+        sizes = torch.bincount(lists, minlength=num_lists)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
         self.grouped = self.items[self.order]  # [M, d] rows in list order
 
     @property
