@@ -27,3 +27,20 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+DISTRIBUTED_ENV = {name: os.environ.get(name) for name in (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")}
+
+
+@pytest.fixture(autouse=True)
+def _distributed_env():
+    """A run in this process (Lightning) sets MASTER_PORT & co. and keeps its store listening on that
+    port; a later test's subprocess must not inherit them and try to listen there too. After each
+    test they are back to what the session started with."""
+    yield
+    for name, value in DISTRIBUTED_ENV.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -8,8 +8,15 @@ import pytest
 
 from gr.data.config import ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError
-from gr.data.readers import (read_amazon, read_ml_1m, read_ml_20m, read_ml_100k, read_source, read_table_csv,
-                             read_table_parquet)
+from gr.data.readers import (
+    read_amazon,
+    read_ml_1m,
+    read_ml_20m,
+    read_ml_100k,
+    read_source,
+    read_table_csv,
+    read_table_parquet,
+)
 
 ML_100K = Path("/work/shared/data/ml-100k")
 

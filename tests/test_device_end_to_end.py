@@ -10,8 +10,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from test_export_roundtrip import rank_all, requests_from_batch
-from test_train_run import RETRIEVAL, config
 
 from gr.data.datamodule import SequenceDataModule
 from gr.devices import suite_device
@@ -19,6 +17,8 @@ from gr.export import check_export
 from gr.export.__main__ import main as export_main
 from gr.serving import Ranker
 from gr.train import load_trained_model, train
+from helpers.models import rank_all, requests_from_batch
+from helpers.runs import RETRIEVAL, config
 
 DEVICE = suite_device()
 

@@ -12,23 +12,22 @@ import pytest
 from lightning.pytorch.accelerators import AcceleratorRegistry
 
 from gr import devices
-
-from test_train_config import config_with
+from helpers.runs import BASE, config
 
 
 def test_npu_accelerator_is_accepted_with_tables_in_host_memory():
-    config = config_with(("trainer.accelerator", "npu"), ("sparse.placement", "host"))
-    assert config.trainer.accelerator == "npu"
+    cfg = config(BASE, ("trainer.accelerator", "npu"), ("sparse.placement", "host"))
+    assert cfg.trainer.accelerator == "npu"
 
 
 def test_npu_accelerator_with_tables_on_the_device_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"sparse.placement: trainer.accelerator 'npu' needs 'host'.*'device'"):
-        config_with(("trainer.accelerator", "npu"))
+        config(BASE, ("trainer.accelerator", "npu"))
 
 
 def test_unknown_accelerator_lists_npu_among_the_choices():
     with pytest.raises(ValueError, match=r"trainer.accelerator.*'npu'"):
-        config_with(("trainer.accelerator", "tpu"))
+        config(BASE, ("trainer.accelerator", "tpu"))
 
 
 def test_npu_trainer_without_torch_npu_names_the_missing_package(tmp_path: Path, monkeypatch):
@@ -37,9 +36,9 @@ def test_npu_trainer_without_torch_npu_names_the_missing_package(tmp_path: Path,
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_npu" else object())
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
     monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
-    config = config_with(("trainer.accelerator", "npu"), ("sparse.placement", "host"))
+    cfg = config(BASE, ("trainer.accelerator", "npu"), ("sparse.placement", "host"))
     with pytest.raises(RuntimeError, match=r"trainer.accelerator: 'npu' needs the torch_npu package.* and CANN"):
-        make_trainer(config, tmp_path)
+        make_trainer(cfg, tmp_path)
 
 
 def test_missing_cann_alone_is_named(monkeypatch):

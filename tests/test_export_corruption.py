@@ -15,7 +15,7 @@ from gr.export import ExportFormatError, check_export, export_model, load_hstu
 from gr.export.__main__ import main as export_main
 from gr.export.manifest import write_manifest
 from gr.serving import Ranker
-from test_export_roundtrip import DENSE_DIMS, build_ranking_model
+from helpers.models import DENSE_DIMS, build_ranking_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from gr.export import check_export, open_export
 from gr.export.__main__ import main as export_main
 from gr.serving import Ranker
 from gr.train import load_trained_model
-from test_export_roundtrip import rank_all, requests_from_batch
+from helpers.models import rank_all, requests_from_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ML_100K = Path("/work/shared/data/ml-100k")

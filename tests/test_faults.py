@@ -20,7 +20,7 @@ from gr.crash_points import CRASH_EXIT_STATUS
 from gr.export import export_run
 from gr.train import train
 from gr.train.config import TrainConfig
-from tiny_runs import recipe
+from helpers.runs import recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = recipe(("trainer.max_epochs", 3))

@@ -18,8 +18,7 @@ from gr.plan import plan_from_config
 from gr.train import train
 from gr.train.checkpoint import read_meta
 from gr.train.config import TrainConfig
-from test_train_run import evaluate_loaded
-from tiny_runs import RECIPE, epoch_losses, recipe, step_losses
+from helpers.runs import RECIPE, epoch_losses, evaluate_loaded, recipe, step_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = RECIPE["trainer"]["max_epochs"]
@@ -39,7 +38,7 @@ def two_rank_runs(tmp_path_factory):
     (root / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(ROOT / "tests" / "torchrun_runs.py"), str(root / "runs.json")]
+               str(_free_port()), str(ROOT / "tests" / "helpers" / "torchrun_runs.py"), str(root / "runs.json")]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
     assert run.returncode == 0, run.stderr[-4000:]
     return outs

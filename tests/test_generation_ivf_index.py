@@ -4,12 +4,12 @@ top_items (a top-k, not a sort) orders like a stable sort of the catalogue."""
 import pytest
 import torch
 import torch.nn.functional as F
-from test_generation_speculative import REQUEST_TIME, TableModel, begin, make_model
 
 from gr.generation.decoding import greedy
 from gr.generation.index import ExactIndex, top_items
 from gr.generation.ivf_index import IVFIndex
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
+from helpers.generation import REQUEST_TIME, TableModel, begin, make_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -4,11 +4,11 @@ top_k at a probability of at least min_prob, and top_k = 1 (like strict) returns
 import pytest
 import torch
 import torch.nn.functional as F
-from test_generation_speculative import NUM_ITEMS, REQUEST_TIME, begin, make_model, random_user
 
 from gr.generation.decoding import Relaxed, greedy, speculative_greedy
 from gr.generation.drafts import RankingDrafter
 from gr.generation.index import ExactIndex
+from helpers.generation import NUM_ITEMS, REQUEST_TIME, begin, make_model, random_user
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

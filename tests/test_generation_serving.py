@@ -1,52 +1,27 @@
 """``Ranker.generate`` on an export: greedy = the trained model's step-by-step argmax, speculative
 (pool and draft-model drafts) = greedy, beam/sample options, the user cache, bad requests."""
-import numpy as np
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
-from gr import GRInput, GRModel, HSTUConfig, TableConfig
+from gr import GRInput, GRModel
 from gr.export import export_model
 from gr.generation.budget import AdaptiveBudget
 from gr.generation.drafts import ModelDraftSource, PoolDraftSource
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval
 from gr.postfix_dnn import RetrievalHead
-from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker, RequestError
 from gr.serving.generate import ServingGenerativeModel
-from test_export_roundtrip import HSTU_KW, perturb
+from helpers.models import build_generative_model, users
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-NUM_ITEMS = 50
-
-
-def build_generative_model(num_layers: int, seed: int) -> GRModel:
-    """Retrieval with a time bias, an MLP PrefixDNN and an MLP retrieval head."""
-    torch.manual_seed(seed)
-    tables = [TableConfig("item", NUM_ITEMS, 16, ("item_id",))]
-    cfg = HSTUConfig(**{**HSTU_KW, "num_layers": num_layers})
-    return perturb(GRModel(cfg, MLPTokenEncoder({"item_id": 16}, 16, mlp_dims=(24,)),
-                           RetrievalHead(16, 16, mlp_dims=(20,)), tables), seed=seed)
-
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
     target, draft = build_generative_model(2, 3), build_generative_model(1, 4)
     return target, export_model(target, root / "target"), export_model(draft, root / "draft")
-
-
-def users(count: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for u in range(count):
-        length = 6 + u % 5
-        items = torch.randperm(NUM_ITEMS, generator=g)[:length].numpy()
-        ts = np.sort(torch.randint(0, 10**6, (length,), generator=g).numpy())
-        out.append((f"u{u}", {"item_id": items, "timestamps": ts}))
-    return out
 
 
 REQUEST_TIME = 2 * 10**6

@@ -38,10 +38,9 @@ def test_hnsw_falls_back_to_exact_search_when_too_few_eligible_items_are_found()
 
 
 def test_recommend_through_hnsw_equals_exact_search_on_a_small_catalogue(tmp_path):
-    from test_generation_serving import build_generative_model, users
-
     from gr.export import export_model
     from gr.serving import Ranker, RecommendRequest
+    from helpers.models import build_generative_model, users
 
     path = export_model(build_generative_model(1, 3), tmp_path / "export")
     exact, approx = Ranker.load(path), Ranker.load(path, index="hnsw")

@@ -2,12 +2,12 @@
 DNNs included) with fp32 master weights, and its loss tracks the fp32 run's."""
 import pytest
 import torch
-from tiny_runs import recipe, step_losses
 
 from gr.hstu import HSTU, HSTUConfig
 from gr.train import load_trained_model, train
 from gr.train.config import TrainConfig
 from gr.train.losses import sampled_softmax_loss
+from helpers.runs import recipe, step_losses
 
 ONE_EPOCH = ("trainer.max_epochs", 1)
 

@@ -4,7 +4,6 @@ import copy
 
 import numpy as np
 import pytest
-from test_train_run import RETRIEVAL
 
 from gr.export.reader import check_export
 from gr.export.writer import export_run
@@ -13,6 +12,7 @@ from gr.serving.runtime import Ranker
 from gr.train.build import build_model
 from gr.train.config import TrainConfig
 from gr.train.run import load_trained_model, train
+from helpers.runs import RETRIEVAL
 
 
 class CountingModel(GRModel):

@@ -13,7 +13,7 @@ from gr.hstu import HSTU, HSTUConfig
 from gr.plan import hstu_activation_bytes, hstu_forward_flops_per_token, hstu_parameter_count, main, plan_from_config
 from gr.train.build import build_model
 from gr.train.config import TrainConfig
-from tiny_runs import recipe
+from helpers.runs import recipe
 
 RANKING = (
     ("data.task", "ranking"), ("data.item_features", True), ("data.user_features", True),

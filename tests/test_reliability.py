@@ -14,7 +14,7 @@ from gr.train import train
 from gr.train.checkpoint import read_meta, save_checkpoint
 from gr.train.config import TrainConfig
 from gr.train.metrics import retrieval_metrics, target_ranks
-from tiny_runs import recipe
+from helpers.runs import recipe
 
 
 def tree_digest(root: Path) -> dict:

@@ -9,7 +9,7 @@ from gr.export import export_model
 from gr.serving import Ranker, RankRequest, RequestError
 from gr.serving.batcher import RankBatcher
 from gr.serving.errors import ScoringError
-from test_export_roundtrip import DENSE_DIMS, build_ranking_model, random_batch, requests_from_batch
+from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, requests_from_batch
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from serving_servers import Server, metric, replica_of, write_item_map
-from test_export_roundtrip import (
-    DENSE_DIMS,
-    build_ranking_model,
-    random_batch,
-    requests_from_batch,
-)
-from test_generation_serving import NUM_ITEMS, build_generative_model
 
 from gr.export import export_model
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
 from gr.serving.__main__ import main as serving_main
+from helpers.models import (
+    DENSE_DIMS,
+    NUM_ITEMS,
+    build_generative_model,
+    build_ranking_model,
+    random_batch,
+    requests_from_batch,
+)
+from helpers.servers import Server, metric, replica_of, write_item_map
 
 RAW_ITEMS = [1000 + 7 * i for i in range(NUM_ITEMS)]  # raw id of model item i
 TOKEN = "s3cret"

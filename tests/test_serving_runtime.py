@@ -21,7 +21,7 @@ from gr.export.manifest import write_manifest
 from gr.hstu.cache import cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
 from gr.serving.__main__ import main as serving_main
-from test_export_roundtrip import DENSE_DIMS, build_ranking_model, random_batch, rank_all, requests_from_batch
+from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, rank_all, requests_from_batch
 
 ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]

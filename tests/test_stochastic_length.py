@@ -10,7 +10,7 @@ from gr.model import GRInput
 from gr.train import module as training_module
 from gr.train import train
 from gr.train.config import TrainConfig
-from tiny_runs import recipe
+from helpers.runs import recipe
 
 
 def batch(lengths, num_targets=None):

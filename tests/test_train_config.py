@@ -12,16 +12,8 @@ from gr.prefix_dnn import PrefixDNN
 from gr.train.build import SAMPLED_ITEMS, build_model, build_tables
 from gr.train.cli import parse_args
 from gr.train.config import TrainConfig, apply_override, load_config, parse_value
+from helpers.runs import BASE, config
 
-BASE = {
-    "data": {"source": "synthetic", "task": "retrieval", "max_seq_len": 20, "item_features": False,
-             "user_features": False},
-    "model": {
-        "hstu": {"hidden_dim": 16, "num_layers": 1, "num_heads": 2, "attention_dim": 8, "linear_dim": 8,
-                 "max_seq_len": 20},
-        "tables": [{"name": "item", "embedding_dim": 16, "features": ["item_id"]}],
-    },
-}
 SPEC = FeatureSpec(sequence={"item_id": 40})
 
 
@@ -40,10 +32,7 @@ class TinyEncoder(PrefixDNN):
 
 
 def config_with(*overrides):
-    values = copy.deepcopy(BASE)
-    for dotted, value in overrides:
-        apply_override(values, dotted, value)
-    return TrainConfig.from_dict(values)
+    return config(BASE, *overrides)
 
 
 @pytest.mark.parametrize(

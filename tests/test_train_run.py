@@ -10,36 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
-from gr.data.datamodule import SequenceDataModule
-from gr.train import load_trained_model, read_run, train
-from gr.train.config import TrainConfig, apply_override
-from gr.train.tasks import RetrievalTask
+from gr.train import read_run, train
+from helpers.runs import RETRIEVAL, config, evaluate_loaded
 
 ROOT = Path(__file__).resolve().parents[1]
-RETRIEVAL = {
-    "data": {"source": "synthetic", "task": "retrieval", "max_seq_len": 20, "batch_size": 32, "eval_batch_size": 64,
-             "item_features": False, "user_features": False,
-             "synthetic": {"num_users": 120, "num_items": 100, "min_len": 8, "max_len": 20}},
-    "model": {
-        "hstu": {"hidden_dim": 16, "num_layers": 1, "num_heads": 1, "attention_dim": 8, "linear_dim": 8,
-                 "max_seq_len": 20, "dropout": 0.1, "input_dropout": 0.1},
-        "tables": [{"name": "item", "embedding_dim": 16, "features": ["item_id"], "init_std": 0.02}],
-    },
-    "sparse": {"optimizer": {"type": "rowwise_adagrad", "lr": 0.05}},
-    "task": {"retrieval": {"num_negatives": 16, "top_k": [5, 10]}},
-    "optimizer": {"lr": 0.005},
-    "trainer": {"max_epochs": 3, "enable_progress_bar": False, "log_every_n_steps": 1},
-}
-
-
-def config(base, *overrides):
-    values = copy.deepcopy(base)
-    for dotted, value in overrides:
-        apply_override(values, dotted, value)
-    return TrainConfig.from_dict(values)
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +49,6 @@ def test_learning_beats_the_most_popular_baseline(retrieval_run):
     _, metrics = retrieval_run
     assert metrics["hr@10"] > metrics["popularity"]["hr@10"] + 0.1
     assert metrics["ndcg@10"] > metrics["popularity"]["ndcg@10"] + 0.05
-
-
-def evaluate_loaded(run_dir):
-    """Test metrics of ``load_trained_model(run_dir)``, computed in this process without sharding."""
-    model, cfg = load_trained_model(run_dir)
-    assert not model.training and "sampled_item_id" not in model.embeddings.tables["item"].features
-    data = SequenceDataModule(cfg.data)
-    data.setup()
-    task = RetrievalTask(cfg.task.retrieval, data.num_items, model.postfix_dnn.item_embedding)
-    task.start_evaluation(model.embeddings)
-    with torch.no_grad():
-        for batch in data.test_dataloader():
-            task.evaluation_step(model(batch), batch)
-    return model, task.finish_evaluation()
 
 
 def test_loaded_model_scores_the_test_set_like_the_run(retrieval_run):

@@ -1,6 +1,6 @@
 """Run several trainings in one torchrun launch (one process start-up and import for all of them).
 
-``python -m torch.distributed.run --nproc_per_node N tests/torchrun_runs.py RUNS.json`` where
+``python -m torch.distributed.run --nproc_per_node N tests/helpers/torchrun_runs.py RUNS.json`` where
 RUNS.json is a list of ``{"config": {...TrainConfig values...}, "out": dir, "resume": bool}``,
 run in order, each as ``gr.train.train`` (what ``train.py`` runs).
 """
