@@ -36,5 +36,8 @@ demo: $(STAMP)
 	$(AUTOLOAD) $(PY) examples/http_demo.py $(EXPORT)
 
 # GR_TEST_DEVICE=cuda|npu make test: the device suites on that device (tests/conftest.py decides the autoload).
+# Style first (ruff lint + format check, configured in pyproject.toml), then the suite.
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests

@@ -1,5 +1,6 @@
 """``python train.py ARGS`` is ``gr train ARGS`` (kept for torchrun, which launches a script:
 ``torchrun --nproc_per_node N train.py --config configs/X.yaml ...``)."""
+
 import sys
 
 from gr.cli import main

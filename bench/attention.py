@@ -18,6 +18,7 @@ On an Ascend host: python bench/attention.py --device npu --backend ascend_trito
 A few seconds:     python bench/attention.py --smoke   (a small batch; checks it runs)
 (the Triton kernels only run on those hosts; nothing here measured them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,10 @@ def skewed_batch(args: argparse.Namespace) -> Dict[str, object]:
         lengths=lengths,
         offsets=offsets.to(args.device),
         timestamps=ts.to(args.device),
-        inputs=[x.to(args.device) for x in (q, k, v, torch.randn(args.max_len + 1, generator=g) * 0.02,
-                                              torch.randn(128, generator=g) * 0.02)],
+        inputs=[
+            x.to(args.device)
+            for x in (q, k, v, torch.randn(args.max_len + 1, generator=g) * 0.02, torch.randn(128, generator=g) * 0.02)
+        ],
     )
 
 
@@ -87,7 +90,11 @@ def attention_call(attention: Callable, batch: Dict[str, object], args: argparse
         leaves = [x.detach().requires_grad_(backward) for x in batch["inputs"]]
         rab = RelativeBias(leaves[3], leaves[4], batch["timestamps"])
         out = attention(
-            *leaves[:3], batch["offsets"], args.max_len, alpha=1 / math.sqrt(args.dim), silu_scale=1 / args.max_len,
+            *leaves[:3],
+            batch["offsets"],
+            args.max_len,
+            alpha=1 / math.sqrt(args.dim),
+            silu_scale=1 / args.max_len,
             rab=rab,
         )
         if not backward:

@@ -14,6 +14,7 @@ retrieval_train_batches_per_second, ranking_train_batches_per_second.
 ``write_ml1m_shaped_ratings`` also gives other benches (bench/train_step.py) a ``ratings.dat``
 with MovieLens-1M's shape, since ML-1M itself is not on every machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def write_ratings(path: Path, lines: int) -> None:
         f.write("userId,movieId,rating,timestamp\n")
         for start in range(0, lines, 500_000):
             block = slice(start, start + 500_000)
-            f.writelines(f"{u},{i},{r:.1f},{t}\n" for u, i, r, t in
-                         zip(users[block], items[block], ratings[block], times[block]))
+            f.writelines(
+                f"{u},{i},{r:.1f},{t}\n" for u, i, r, t in zip(users[block], items[block], ratings[block], times[block])
+            )
 
 
 # MovieLens-1M's interactions per user: (quantile, length) knots of a log-linear quantile function.
@@ -69,7 +71,7 @@ def write_ml1m_shaped_ratings(directory: Path, num_users: int = ML1M_USERS, seed
     log_popularity = -np.log1p(rng.permutation(ML1M_ITEMS))
     with open(Path(directory) / "ratings.dat", "w") as f:
         for start in range(0, num_users, 1024):
-            block = lengths[start:start + 1024]
+            block = lengths[start : start + 1024]
             keys = log_popularity + rng.gumbel(size=(len(block), ML1M_ITEMS))
             order = np.argsort(-keys, axis=1)
             for offset, length in enumerate(block):
@@ -132,17 +134,23 @@ def main() -> None:
     sequences_seconds = time.perf_counter() - start
     retrieval = batches_per_second({"batch_size": 128, "max_seq_len": 50}, args.batches)
     ranking = batches_per_second({"batch_size": 128, "max_seq_len": 50, "task": "ranking"}, args.batches)
-    print(f"parse {args.lines} lines: pyarrow {arrow_seconds:.2f}s, python csv loop {loop_seconds:.2f}s; "
-          f"build_sequences {sequences_seconds:.2f}s; batches/s retrieval {retrieval:.0f}, ranking {ranking:.0f}")
-    print(json.dumps({
-        "lines": args.lines,
-        "parse_seconds_pyarrow": round(arrow_seconds, 3),
-        "parse_seconds_python_loop": round(loop_seconds, 3),
-        "parse_speedup": round(loop_seconds / arrow_seconds, 2),
-        "build_sequences_seconds": round(sequences_seconds, 3),
-        "retrieval_train_batches_per_second": round(retrieval, 1),
-        "ranking_train_batches_per_second": round(ranking, 1),
-    }))
+    print(
+        f"parse {args.lines} lines: pyarrow {arrow_seconds:.2f}s, python csv loop {loop_seconds:.2f}s; "
+        f"build_sequences {sequences_seconds:.2f}s; batches/s retrieval {retrieval:.0f}, ranking {ranking:.0f}"
+    )
+    print(
+        json.dumps(
+            {
+                "lines": args.lines,
+                "parse_seconds_pyarrow": round(arrow_seconds, 3),
+                "parse_seconds_python_loop": round(loop_seconds, 3),
+                "parse_speedup": round(loop_seconds / arrow_seconds, 2),
+                "build_sequences_seconds": round(sequences_seconds, 3),
+                "retrieval_train_batches_per_second": round(retrieval, 1),
+                "ranking_train_batches_per_second": round(ranking, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

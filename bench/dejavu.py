@@ -18,6 +18,7 @@ For each trained model (the generation bench's exports: ``ml100k`` = model (a), 
 Run after ``bench/generate.py`` has trained its models (it reuses them), or with ``--smoke``
 (a tiny synthetic model trained on the spot). Last line: one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,16 @@ def held_out(items: List[np.ndarray], times: List[np.ndarray], max_len: int, num
     """Users' last event as the target; the history is the events before it (at most max_len)."""
     rng = np.random.default_rng(0)
     chosen = sorted(rng.permutation(len(items))[:num_users].tolist())
-    return [{"items": items[u][-max_len - 1:-1], "times": times[u][-max_len - 1:-1],
-             "target": int(items[u][-1]), "target_time": int(times[u][-1])} for u in chosen if len(items[u]) > 1]
+    return [
+        {
+            "items": items[u][-max_len - 1 : -1],
+            "times": times[u][-max_len - 1 : -1],
+            "target": int(items[u][-1]),
+            "target_time": int(times[u][-1]),
+        }
+        for u in chosen
+        if len(items[u]) > 1
+    ]
 
 
 class GatedLayers:
@@ -139,26 +148,50 @@ def measure(name: str, export: Path, run: Path, data_path: str, num_users: int, 
     for t in thresholds:
         q, dropped, _ = queries(ranker, users, lambda i, u, t=t: u.abs() >= t)
         hr, ndcg = hr_ndcg(ranker, users, q)
-        rows.append({"threshold": t, "gated_mean": round(float(dropped.mean()), 4),
-                     "gated_p10": round(float(dropped.quantile(0.1)), 4),
-                     "gated_p90": round(float(dropped.quantile(0.9)), 4),
-                     "hr@10": round(hr, 4), "ndcg@10": round(ndcg, 4),
-                     "hr_rel_change": round((hr - base_hr) / base_hr, 4) if base_hr else None,
-                     "work_skipped": round(float(dropped.mean()) * share, 4)})
+        rows.append(
+            {
+                "threshold": t,
+                "gated_mean": round(float(dropped.mean()), 4),
+                "gated_p10": round(float(dropped.quantile(0.1)), 4),
+                "gated_p90": round(float(dropped.quantile(0.9)), 4),
+                "hr@10": round(hr, 4),
+                "ndcg@10": round(ndcg, 4),
+                "hr_rel_change": round((hr - base_hr) / base_hr, 4) if base_hr else None,
+                "work_skipped": round(float(dropped.mean()) * share, 4),
+            }
+        )
     heads = []
     h, dl = config.num_heads, config.linear_dim
     norm_share = (head_norms / head_norms.sum(1, keepdim=True)).mean(0)
     for head in range(h if h > 1 else 0):
         keep = torch.ones(h * dl, dtype=torch.bool)
-        keep[head * dl:(head + 1) * dl] = False
+        keep[head * dl : (head + 1) * dl] = False
         q, _, _ = queries(ranker, users, lambda i, u, keep=keep: keep.expand_as(u))
         hr, ndcg = hr_ndcg(ranker, users, q)
-        heads.append({"head": head, "output_norm_share": round(float(norm_share[head]), 4),
-                      "hr@10_without": round(hr, 4), "ndcg@10_without": round(ndcg, 4)})
-    return {"model": {"hidden_dim": config.hidden_dim, "num_layers": config.num_layers, "num_heads": h,
-                      "linear_dim": dl, "attention_dim": config.attention_dim},
-            "users": len(users), "mean_history": round(history, 1), "hr@10": round(base_hr, 4),
-            "ndcg@10": round(base_ndcg, 4), "max_work_share": round(share, 4), "thresholds": rows, "heads": heads}
+        heads.append(
+            {
+                "head": head,
+                "output_norm_share": round(float(norm_share[head]), 4),
+                "hr@10_without": round(hr, 4),
+                "ndcg@10_without": round(ndcg, 4),
+            }
+        )
+    return {
+        "model": {
+            "hidden_dim": config.hidden_dim,
+            "num_layers": config.num_layers,
+            "num_heads": h,
+            "linear_dim": dl,
+            "attention_dim": config.attention_dim,
+        },
+        "users": len(users),
+        "mean_history": round(history, 1),
+        "hr@10": round(base_hr, 4),
+        "ndcg@10": round(base_ndcg, 4),
+        "max_work_share": round(share, 4),
+        "thresholds": rows,
+        "heads": heads,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -174,18 +207,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for name in args.datasets:
         config, target_args, _ = DATASETS[name]
         export = ensure_export(args.runs_dir, f"{name}_target", config, target_args, args.data_path)
-        results[name] = measure(name, export, args.runs_dir / f"{name}_target", args.data_path, args.users,
-                                args.thresholds)
+        results[name] = measure(
+            name, export, args.runs_dir / f"{name}_target", args.data_path, args.users, args.thresholds
+        )
         r = results[name]
-        print(f"# {name}: {r['users']} users, history {r['mean_history']}, HR@10 {r['hr@10']}, NDCG@10 "
-              f"{r['ndcg@10']}; U + W2 columns are {100 * r['max_work_share']:.1f}% of a decode step", flush=True)
+        print(
+            f"# {name}: {r['users']} users, history {r['mean_history']}, HR@10 {r['hr@10']}, NDCG@10 "
+            f"{r['ndcg@10']}; U + W2 columns are {100 * r['max_work_share']:.1f}% of a decode step",
+            flush=True,
+        )
         for row in r["thresholds"]:
-            print(f"{name} |U|<{row['threshold']:<5} gated {row['gated_mean']:.3f} (p10 {row['gated_p10']:.3f}, "
-                  f"p90 {row['gated_p90']:.3f})  HR@10 {row['hr@10']:.4f} ({100 * (row['hr_rel_change'] or 0):+.1f}%)"
-                  f"  NDCG@10 {row['ndcg@10']:.4f}  work skipped {100 * row['work_skipped']:.1f}%", flush=True)
+            print(
+                f"{name} |U|<{row['threshold']:<5} gated {row['gated_mean']:.3f} (p10 {row['gated_p10']:.3f}, "
+                f"p90 {row['gated_p90']:.3f})  HR@10 {row['hr@10']:.4f} ({100 * (row['hr_rel_change'] or 0):+.1f}%)"
+                f"  NDCG@10 {row['ndcg@10']:.4f}  work skipped {100 * row['work_skipped']:.1f}%",
+                flush=True,
+            )
         for row in r["heads"]:
-            print(f"{name} head {row['head']}: output norm share {row['output_norm_share']:.3f}, HR@10 without it "
-                  f"{row['hr@10_without']:.4f}", flush=True)
+            print(
+                f"{name} head {row['head']}: output norm share {row['output_norm_share']:.3f}, HR@10 without it "
+                f"{row['hr@10_without']:.4f}",
+                flush=True,
+            )
     print(json.dumps(results))
 
 

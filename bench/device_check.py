@@ -15,6 +15,7 @@ DIR/report.json and DIR/report.md hold each step's status, time and summary (a b
 line, the suite's counts), the device's name and the package versions. The last line printed is
 one JSON object; the exit status is 1 when the device is unusable or a step failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,12 +44,37 @@ ATTENTION_SIZES = {
     "small": ["--batch", "16", "--mean-len", "256", "--max-len", "1024", "--dim", "64", "--repeats", "3"],
 }
 SERVING_SIZES = {
-    "smoke": ["--lengths", "32", "--candidates", "8", "--micro-batch", "8", "--repeats", "1",
-              "--pointwise-budget", "0.2", "--clock", "thread"],
+    "smoke": [
+        "--lengths",
+        "32",
+        "--candidates",
+        "8",
+        "--micro-batch",
+        "8",
+        "--repeats",
+        "1",
+        "--pointwise-budget",
+        "0.2",
+        "--clock",
+        "thread",
+    ],
     "small": ["--lengths", "256", "1024", "--candidates", "64", "512", "--repeats", "2"],
 }
-PACKAGES = ("torch", "triton", "triton-ascend", "torch-npu", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "lightning",
-            "onnx", "onnxruntime", "onnxruntime-gpu", "onnxruntime-cann", "numpy")
+PACKAGES = (
+    "torch",
+    "triton",
+    "triton-ascend",
+    "torch-npu",
+    "torchrec",
+    "fbgemm-gpu",
+    "fbgemm-gpu-cpu",
+    "lightning",
+    "onnx",
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "onnxruntime-cann",
+    "numpy",
+)
 LOG_TAIL_LINES = 8
 
 
@@ -72,8 +98,15 @@ def run_step(step: Step, env: Mapping[str, str], logs: Path, timeout_s: float, j
     line parsed as JSON (a bench's summary: none is a failure)."""
     start = time.perf_counter()
     try:
-        run = subprocess.run(step.command, cwd=ROOT, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, timeout=timeout_s)
+        run = subprocess.run(
+            step.command,
+            cwd=ROOT,
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout_s,
+        )
         output, returncode = run.stdout, run.returncode
     except subprocess.TimeoutExpired as err:
         output, returncode = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), None
@@ -126,8 +159,18 @@ def plan(device: str, smoke: bool, out: Path) -> List[Step]:
         pytest += ["-k", SMOKE_CASES]
     steps = [
         Step("conformance", pytest),
-        Step("attention", [python, "bench/attention.py", "--device", device, "--backend", ATTENTION_BACKEND[device],
-                           *ATTENTION_SIZES[size]]),
+        Step(
+            "attention",
+            [
+                python,
+                "bench/attention.py",
+                "--device",
+                device,
+                "--backend",
+                ATTENTION_BACKEND[device],
+                *ATTENTION_SIZES[size],
+            ],
+        ),
         Step("serving", [python, "bench/serving.py", *SERVING_SIZES[size]]),
         Step("train_step", [python, "bench/train_step.py", *(["--smoke", "--no-epoch"] if smoke else [])]),
     ]
@@ -144,8 +187,11 @@ def device_name(device: str) -> str:
     if device == "npu":
         return torch.npu.get_device_name(0)
     cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-              if line.startswith("model name")] if cpuinfo.is_file() else []
+    models = (
+        [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        if cpuinfo.is_file()
+        else []
+    )
     return f"{models[0] if models else platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
@@ -174,9 +220,13 @@ def host_facts(device: str, usable: bool) -> Dict[str, Any]:
 
 
 def markdown(report: Dict[str, Any]) -> str:
-    lines = [f"# Device check: {report['device']} ({report['device_name']})", "",
-             f"{report['started']}, {'smoke sizes' if report['smoke'] else 'small sizes'}: "
-             f"**{'all steps passed' if report['ok'] else 'FAILED'}**", ""]
+    lines = [
+        f"# Device check: {report['device']} ({report['device_name']})",
+        "",
+        f"{report['started']}, {'smoke sizes' if report['smoke'] else 'small sizes'}: "
+        f"**{'all steps passed' if report['ok'] else 'FAILED'}**",
+        "",
+    ]
     if report["device_error"]:
         lines += [f"Device unusable: {report['device_error']}", ""]
     lines += ["| step | status | seconds | note |", "|---|---|---|---|"]
@@ -223,13 +273,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{step.name:<12} {step.status:<8} {step.seconds:>8.1f} s  {last_line(step.note)}", flush=True)
 
     ok = error is None and all(step.status in ("passed", "skipped") for step in steps)
-    report = {"device": args.device, "device_name": name, "device_error": error, "smoke": args.smoke, "ok": ok,
-              "started": started, "host": host_facts(args.device, error is None), "packages": package_versions(),
-              "steps": [asdict(step) for step in steps]}
+    report = {
+        "device": args.device,
+        "device_name": name,
+        "device_error": error,
+        "smoke": args.smoke,
+        "ok": ok,
+        "started": started,
+        "host": host_facts(args.device, error is None),
+        "packages": package_versions(),
+        "steps": [asdict(step) for step in steps],
+    }
     write_json(out / "report.json", report)
     write_text(out / "report.md", markdown(report))
-    print(json.dumps({"bench": "device_check", "device": args.device, "device_name": name, "ok": ok,
-                      "report": str(out / "report.json"), "steps": {step.name: step.status for step in steps}}))
+    print(
+        json.dumps(
+            {
+                "bench": "device_check",
+                "device": args.device,
+                "device_name": name,
+                "ok": ok,
+                "report": str(out / "report.json"),
+                "steps": {step.name: step.status for step in steps},
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -31,6 +31,7 @@ Strict modes are checked to return exactly the greedy items (``mismatches`` must
 Run: ``.venv/bin/python bench/generate.py --runs-dir runs/bench_generate`` (trains 4 small models
 on first use). Last line: one JSON object with the speedups.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,20 +65,67 @@ SMOKE = {"datasets": ["smoke"], "users": 4, "pool_users": 4, "ks": [5], "groups"
 DATASETS = {
     # (config, target arguments, draft arguments)
     # (a) the ML-100K recipe, a short run (15 epochs, best val HR@10 kept)
-    "ml100k": ("configs/ml100k_hstu.yaml",
-               ["--trainer.monitor", "val/hr@10", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "15"],
-               ["--model.hstu.num_layers", "1", "--model.hstu.hidden_dim", "24", "--model.hstu.attention_dim", "24",
-                "--model.hstu.linear_dim", "24", "--trainer.max_epochs", "6"]),
+    "ml100k": (
+        "configs/ml100k_hstu.yaml",
+        ["--trainer.monitor", "val/hr@10", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "15"],
+        [
+            "--model.hstu.num_layers",
+            "1",
+            "--model.hstu.hidden_dim",
+            "24",
+            "--model.hstu.attention_dim",
+            "24",
+            "--model.hstu.linear_dim",
+            "24",
+            "--trainer.max_epochs",
+            "6",
+        ],
+    ),
     # (b) hidden 256, 4 layers, histories up to 1024, on synthetic data with ranked successors
-    "long": ("configs/generation_long.yaml", ["--trainer.enable_progress_bar", "false"],
-             ["--model.hstu.num_layers", "1", "--model.hstu.num_heads", "1", "--model.hstu.hidden_dim", "32",
-              "--model.hstu.attention_dim", "32", "--model.hstu.linear_dim", "32"]),
+    "long": (
+        "configs/generation_long.yaml",
+        ["--trainer.enable_progress_bar", "false"],
+        [
+            "--model.hstu.num_layers",
+            "1",
+            "--model.hstu.num_heads",
+            "1",
+            "--model.hstu.hidden_dim",
+            "32",
+            "--model.hstu.attention_dim",
+            "32",
+            "--model.hstu.linear_dim",
+            "32",
+        ],
+    ),
     # --smoke: a tiny synthetic model trained in seconds (checks the bench runs, measures nothing)
-    "smoke": ("configs/quickstart.yaml", ["--data.max_seq_len", "60", "--model.hstu.max_seq_len", "60",
-                                          "--data.synthetic.num_users", "120", "--trainer.max_epochs", "1",
-                                          "--trainer.enable_progress_bar", "false"],
-              ["--model.hstu.num_layers", "1", "--model.hstu.num_heads", "1", "--model.hstu.hidden_dim", "16",
-               "--model.hstu.attention_dim", "8", "--model.hstu.linear_dim", "8"]),
+    "smoke": (
+        "configs/quickstart.yaml",
+        [
+            "--data.max_seq_len",
+            "60",
+            "--model.hstu.max_seq_len",
+            "60",
+            "--data.synthetic.num_users",
+            "120",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        [
+            "--model.hstu.num_layers",
+            "1",
+            "--model.hstu.num_heads",
+            "1",
+            "--model.hstu.hidden_dim",
+            "16",
+            "--model.hstu.attention_dim",
+            "8",
+            "--model.hstu.linear_dim",
+            "8",
+        ],
+    ),
 }
 
 
@@ -88,8 +136,11 @@ def ensure_export(runs: Path, name: str, config: str, extra: Sequence[str], data
     if (export / "default").exists():
         return export
     if not (run / "metrics.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / config), "--out", str(run),
-                        *args, *extra], check=True, cwd=ROOT)
+        subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / config), "--out", str(run), *args, *extra],
+            check=True,
+            cwd=ROOT,
+        )
     subprocess.run([sys.executable, "-m", "gr.export", str(run), str(export)], check=True, cwd=ROOT)
     return export
 
@@ -114,18 +165,21 @@ def user_data(run: Path, data_path: str) -> Tuple[List[np.ndarray], List[np.ndar
     return items, times, attributes
 
 
-def run_modes(modes: Dict[str, Tuple[Ranker, dict]], users: Sequence[int], histories: Dict[int, dict],
-              k: int) -> Dict[str, Dict[str, object]]:
+def run_modes(
+    modes: Dict[str, Tuple[Ranker, dict]], users: Sequence[int], histories: Dict[int, dict], k: int
+) -> Dict[str, Dict[str, object]]:
     """Generate a slate for every user in every mode -> per mode: items per user and aggregate statistics.
 
     The modes take turns user by user (in a rotating order), so load from other processes on the
     machine falls on all of them alike; each request is timed on its own.
     """
     labels = list(modes)
-    totals = {label: {"slates": {}, "seconds": 0.0, "passes": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
-              for label in labels}
+    totals = {
+        label: {"slates": {}, "seconds": 0.0, "passes": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
+        for label in labels
+    }
     for i, u in enumerate(users):
-        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+        for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
             ranker, options = modes[label]
             began = time.perf_counter()
             result = ranker.generate(u, histories[u]["history"], k, attribute=histories[u]["attribute"], **options)
@@ -136,30 +190,41 @@ def run_modes(modes: Dict[str, Tuple[Ranker, dict]], users: Sequence[int], histo
             t["drafted"] += result.stats.drafted
             t["accepted"] += result.stats.accepted
             t["draft_s"] += result.stats.draft_seconds
-    return {label: {"slates": t["slates"], "seconds": t["seconds"], "items_per_s": k * len(users) / t["seconds"],
-                    "pass_ms": 1e3 * (t["seconds"] - t["draft_s"]) / max(t["passes"], 1),
-                    "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
-                    "accepted_per_pass": t["accepted"] / max(t["passes"], 1),
-                    "draft_share": t["draft_s"] / t["seconds"], "passes": t["passes"]}
-            for label, t in totals.items()}
+    return {
+        label: {
+            "slates": t["slates"],
+            "seconds": t["seconds"],
+            "items_per_s": k * len(users) / t["seconds"],
+            "pass_ms": 1e3 * (t["seconds"] - t["draft_s"]) / max(t["passes"], 1),
+            "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
+            "accepted_per_pass": t["accepted"] / max(t["passes"], 1),
+            "draft_share": t["draft_s"] / t["seconds"],
+            "passes": t["passes"],
+        }
+        for label, t in totals.items()
+    }
 
 
 def user_embeddings(ranker: Ranker, histories: Sequence[dict], chunk: int = 16) -> torch.Tensor:
     """The query at each user's last history token, from batched HSTU passes of ``chunk`` users: [U, d]."""
     if len(histories) > chunk:
-        return torch.cat([user_embeddings(ranker, histories[i:i + chunk], chunk) for i in range(0, len(histories), chunk)])
+        return torch.cat(
+            [user_embeddings(ranker, histories[i : i + chunk], chunk) for i in range(0, len(histories), chunk)]
+        )
     catalogue, _ = ranker.catalogue()
     lengths = torch.tensor([len(h["item_id"]) for h in histories])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     x = catalogue.tokens[torch.from_numpy(np.concatenate([h["item_id"] for h in histories]))]
     timestamps = torch.from_numpy(np.concatenate([h["timestamps"] for h in histories]))
     # each token's query time is the next event's; the last one's is the request time (its own, as generate's default)
-    query_times = torch.from_numpy(np.concatenate([np.append(h["timestamps"][1:], h["timestamps"][-1])
-                                                   for h in histories]))
+    query_times = torch.from_numpy(
+        np.concatenate([np.append(h["timestamps"][1:], h["timestamps"][-1]) for h in histories])
+    )
     next_event = ranker.model.config.query_time == "next_event"
     with torch.inference_mode():
-        hidden = ranker.model.engine.hstu(x, offsets, int(lengths.max()), timestamps, None,
-                                          query_times if next_event else None)
+        hidden = ranker.model.engine.hstu(
+            x, offsets, int(lengths.max()), timestamps, None, query_times if next_event else None
+        )
     return ServingGenerativeModel(catalogue, {}).queries(hidden[offsets[1:] - 1])
 
 
@@ -177,12 +242,18 @@ def ndcg(slates: Dict[int, List[int]], held_out: Dict[int, set]) -> float:
     return float(np.mean(out))
 
 
-def profile_pass(ranker: Ranker, users: Sequence[int], histories: Dict[int, dict],
-                 sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 5) -> Dict[str, Dict[int, float]]:
+def profile_pass(
+    ranker: Ranker,
+    users: Sequence[int],
+    histories: Dict[int, dict],
+    sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    repeats: int = 5,
+) -> Dict[str, Dict[int, float]]:
     """Where a verification pass goes: ms of the HSTU block (``run_block`` of n chain tokens after the
     user's cached history), of the query head over its n outputs, and of one catalogue search, per n
     (median over users x repeats). A flat HSTU curve means fixed overhead dominates."""
     from gr.generation.decoding import chain_mask, start  # the pieces a pass is made of
+
     catalogue, _ = ranker.catalogue()
     model = ServingGenerativeModel(catalogue, {})
     times: Dict[str, Dict[int, List[float]]] = {"hstu_ms": {}, "heads_ms": {}, "search_ms": {}}
@@ -196,8 +267,9 @@ def profile_pass(ranker: Ranker, users: Sequence[int], histories: Dict[int, dict
                 x = catalogue.tokens[torch.arange(n)]
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    hidden, _, _ = model.engine.run_block(state.cache, x, torch.full((n,), int(ts[-1])),
-                                                          torch.arange(1, n + 1), chain_mask(n))
+                    hidden, _, _ = model.engine.run_block(
+                        state.cache, x, torch.full((n,), int(ts[-1])), torch.arange(1, n + 1), chain_mask(n)
+                    )
                     t1 = time.perf_counter()
                     q = model.queries(hidden)
                     t2 = time.perf_counter()
@@ -208,9 +280,21 @@ def profile_pass(ranker: Ranker, users: Sequence[int], histories: Dict[int, dict
     return {key: {n: round(float(np.median(v)), 3) for n, v in per.items()} for key, per in times.items()}
 
 
-def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_users: int, pool_users: int,
-                  groups: Sequence[int], relaxed: Relaxed, min_history: int, draft_depth: int, draft_width: int,
-                  pool_depth: int, pool_nodes: int) -> Dict:
+def bench_dataset(
+    name: str,
+    runs: Path,
+    data_path: str,
+    ks: Sequence[int],
+    num_users: int,
+    pool_users: int,
+    groups: Sequence[int],
+    relaxed: Relaxed,
+    min_history: int,
+    draft_depth: int,
+    draft_width: int,
+    pool_depth: int,
+    pool_nodes: int,
+) -> Dict:
     config, target_args, draft_args = DATASETS[name]
     target = ensure_export(runs, f"{name}_target", config, target_args, data_path)
     draft = ensure_export(runs, f"{name}_draft", config, [*target_args, *draft_args], data_path)
@@ -220,14 +304,16 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
     rng = np.random.default_rng(0)
     order = rng.permutation(len(items)).tolist()
     users = sorted(order[:num_users])
-    generators = sorted(order[num_users:num_users + pool_users])
+    generators = sorted(order[num_users : num_users + pool_users])
     histories, held_out, train_seqs = {}, {}, []
     for u in range(len(items)):
         keep = len(items[u]) - HELD_OUT
         train_seqs.append(items[u][:keep].tolist())
         start = max(0, keep - (max_len - max(ks)))
-        histories[u] = {"history": {"item_id": items[u][start:keep], "timestamps": times[u][start:keep]},
-                        "attribute": attributes[u]}
+        histories[u] = {
+            "history": {"item_id": items[u][start:keep], "timestamps": times[u][start:keep]},
+            "attribute": attributes[u],
+        }
         held_out[u] = set(items[u][keep:].tolist())
     embeddings_t = user_embeddings(ranker, [histories[u]["history"] for u in range(len(items))])
     draft_ranker = Ranker.load(draft, cache_bytes=2**31, threads=1)
@@ -235,8 +321,11 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
         ranker.generate(u, histories[u]["history"], 1)
         draft_ranker.generate(u, histories[u]["history"], 1)
     lengths = [len(histories[u]["history"]["item_id"]) for u in range(len(items))]
-    print(f"# {name}: {len(items)} users, {ranker.catalogue()[0].index.num_items} items, evaluating {len(users)} "
-          f"users, history length mean {np.mean([lengths[u] for u in users]):.0f}", flush=True)
+    print(
+        f"# {name}: {len(items)} users, {ranker.catalogue()[0].index.num_items} items, evaluating {len(users)} "
+        f"users, history length mean {np.mean([lengths[u] for u in users]):.0f}",
+        flush=True,
+    )
     # pools hold what was seen (every user's training sequence) and what was generated: the greedy
     # slates of other users (never the evaluated users' own), continuing their histories
     # (served as they would be: speculatively, from a pool that grows with every slate served)
@@ -244,13 +333,22 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
     # greedy transitions, what DARE's traffic pools hold
     began, served, slates = time.perf_counter(), SequencePool(), SequencePool()
     for u in generators:
-        result = ranker.generate(u, histories[u]["history"], max(ks), attribute=histories[u]["attribute"],
-                                 draft=PoolDraftSource(served, pool_depth, pool_nodes), budget=AdaptiveBudget())
+        result = ranker.generate(
+            u,
+            histories[u]["history"],
+            max(ks),
+            attribute=histories[u]["attribute"],
+            draft=PoolDraftSource(served, pool_depth, pool_nodes),
+            budget=AdaptiveBudget(),
+        )
         train_seqs[u] = train_seqs[u] + result.items
         served.add(train_seqs[u])
-        slates.add(histories[u]["history"]["item_id"][-slates.max_ngram:].tolist() + result.items)
-    print(f"# pools: {len(train_seqs)} training sequences + {len(generators)} generated slates of "
-          f"{max(ks)} ({time.perf_counter() - began:.0f}s)", flush=True)
+        slates.add(histories[u]["history"]["item_id"][-slates.max_ngram :].tolist() + result.items)
+    print(
+        f"# pools: {len(train_seqs)} training sequences + {len(generators)} generated slates of "
+        f"{max(ks)} ({time.perf_counter() - began:.0f}s)",
+        flush=True,
+    )
     draft_catalogue = draft_ranker.catalogue()[0]
     adaptive = AdaptiveBudget(max_depth=pool_depth, nodes_per_level=max(1, pool_nodes // pool_depth))
     sources: Dict[str, Tuple[DraftSource, object, Optional[AdaptiveBudget]]] = {}
@@ -260,9 +358,11 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
         sources[label] = (PoolDraftSource(pools, pool_depth, pool_nodes, min_history), Strict(), adaptive)
     sources["pool-all-fixed"] = (sources["pool-all"][0], Strict(), None)
     sources["pool-served"] = (PoolDraftSource(slates, pool_depth, pool_nodes), Strict(), adaptive)
-    sources["draft-model"] = (ModelDraftSource(ServingGenerativeModel(draft_catalogue, {}), draft_catalogue.index,
-                                          draft_depth, draft_width), Strict(),
-                              AdaptiveBudget(max_depth=draft_depth, nodes_per_level=draft_width))
+    sources["draft-model"] = (
+        ModelDraftSource(ServingGenerativeModel(draft_catalogue, {}), draft_catalogue.index, draft_depth, draft_width),
+        Strict(),
+        AdaptiveBudget(max_depth=draft_depth, nodes_per_level=draft_width),
+    )
     sources["ranking"] = (RankingDraftSource(ranker.catalogue()[0].index), Strict(), None)
     sources["ranking-adaptive"] = (sources["ranking"][0], Strict(), AdaptiveBudget(max_depth=4, nodes_per_level=8))
     sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed, adaptive)
@@ -272,32 +372,53 @@ def bench_dataset(name: str, runs: Path, data_path: str, ks: Sequence[int], num_
     out: Dict[str, Dict] = {"pass_profile": profile}
     for k in ks:
         modes = {"greedy": (ranker, {}), "draft-model-alone": (draft_ranker, {})}
-        modes.update({label: (ranker, {"draft": source, "verification": verification, "budget": budget})
-                      for label, (source, verification, budget) in sources.items()})
+        modes.update(
+            {
+                label: (ranker, {"draft": source, "verification": verification, "budget": budget})
+                for label, (source, verification, budget) in sources.items()
+            }
+        )
         results = run_modes(modes, users, histories, k)
         base, alone = results.pop("greedy"), results.pop("draft-model-alone")
         base_hr, base_ndcg = hit_rate(base["slates"], held_out), ndcg(base["slates"], held_out)
         cost = base["items_per_s"] / alone["items_per_s"]
-        print(f"{name} K={k:<3} {'greedy':<18} {base['items_per_s']:8.1f} items/s  speedup 1.00  "
-              f"{base['pass_ms']:5.2f} ms/pass  HR@{k} {base_hr:.3f}  NDCG@{k} {base_ndcg:.3f}  (draft model greedy alone: "
-              f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)", flush=True)
-        out[f"K{k}"] = {"greedy_items_per_s": base["items_per_s"], "greedy_pass_ms": base["pass_ms"],
-                        "greedy_hr": base_hr, "greedy_ndcg": base_ndcg, "draft_step_cost": round(cost, 3)}
+        print(
+            f"{name} K={k:<3} {'greedy':<18} {base['items_per_s']:8.1f} items/s  speedup 1.00  "
+            f"{base['pass_ms']:5.2f} ms/pass  HR@{k} {base_hr:.3f}  NDCG@{k} {base_ndcg:.3f}  "
+            "(draft model greedy alone: "
+            f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)",
+            flush=True,
+        )
+        out[f"K{k}"] = {
+            "greedy_items_per_s": base["items_per_s"],
+            "greedy_pass_ms": base["pass_ms"],
+            "greedy_hr": base_hr,
+            "greedy_ndcg": base_ndcg,
+            "draft_step_cost": round(cost, 3),
+        }
         for label, res in results.items():
             verification = sources[label][1]
             mismatches = sum(res["slates"][u] != base["slates"][u] for u in users)
             hr, nd = hit_rate(res["slates"], held_out), ndcg(res["slates"], held_out)
             speedup = res["items_per_s"] / base["items_per_s"]
-            print(f"{name} K={k:<3} {label:<18} {res['items_per_s']:8.1f} items/s  speedup {speedup:4.2f}  "
-                  f"{res['pass_ms']:5.2f} ms/pass  accept {res['acceptance']:.3f}  "
-                  f"accepted/pass {res['accepted_per_pass']:.2f}  draft share {res['draft_share']:.3f}  "
-                  f"HR@{k} {hr:.3f}  NDCG@{k} {nd:.3f}  "
-                  f"{'changed' if isinstance(verification, Relaxed) else 'mismatches'} {mismatches}", flush=True)
-            out[f"K{k}"][label] = {"speedup": round(speedup, 3), "pass_ms": round(res["pass_ms"], 3),
-                                   "acceptance": round(res["acceptance"], 3),
-                                   "accepted_per_pass": round(res["accepted_per_pass"], 3),
-                                   "draft_share": round(res["draft_share"], 3), "hr": round(hr, 4), "ndcg": round(nd, 4),
-                                   "differs_from_greedy": mismatches}
+            print(
+                f"{name} K={k:<3} {label:<18} {res['items_per_s']:8.1f} items/s  speedup {speedup:4.2f}  "
+                f"{res['pass_ms']:5.2f} ms/pass  accept {res['acceptance']:.3f}  "
+                f"accepted/pass {res['accepted_per_pass']:.2f}  draft share {res['draft_share']:.3f}  "
+                f"HR@{k} {hr:.3f}  NDCG@{k} {nd:.3f}  "
+                f"{'changed' if isinstance(verification, Relaxed) else 'mismatches'} {mismatches}",
+                flush=True,
+            )
+            out[f"K{k}"][label] = {
+                "speedup": round(speedup, 3),
+                "pass_ms": round(res["pass_ms"], 3),
+                "acceptance": round(res["acceptance"], 3),
+                "accepted_per_pass": round(res["accepted_per_pass"], 3),
+                "draft_share": round(res["draft_share"], 3),
+                "hr": round(hr, 4),
+                "ndcg": round(nd, 4),
+                "differs_from_greedy": mismatches,
+            }
     return out
 
 
@@ -321,12 +442,32 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args, _ = smoke.parse_args(parser, SMOKE, argv)
     torch.set_num_threads(1)
     relaxed = Relaxed(args.relaxed_top_k, args.relaxed_min_prob, args.temperature)
-    results = {name: bench_dataset(name, args.runs_dir, args.data_path, args.ks, args.users, args.pool_users, args.groups, relaxed,
-                                   args.min_history, args.draft_depth, args.draft_width, args.pool_depth,
-                                   args.pool_nodes)
-               for name in args.datasets}
-    summary = {name: {k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict) and "speedup" in v}
-                      for k, modes in res.items() if k != "pass_profile"} for name, res in results.items()}
+    results = {
+        name: bench_dataset(
+            name,
+            args.runs_dir,
+            args.data_path,
+            args.ks,
+            args.users,
+            args.pool_users,
+            args.groups,
+            relaxed,
+            args.min_history,
+            args.draft_depth,
+            args.draft_width,
+            args.pool_depth,
+            args.pool_nodes,
+        )
+        for name in args.datasets
+    }
+    summary = {
+        name: {
+            k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict) and "speedup" in v}
+            for k, modes in res.items()
+            if k != "pass_profile"
+        }
+        for name, res in results.items()
+    }
     print(json.dumps({"speedup_over_greedy": summary, "details": results}))
 
 

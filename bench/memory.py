@@ -14,6 +14,7 @@ stack's activation peak in backward (``hstu_activation_bytes``) + gradients + Ad
 Prints a table; the last line is one JSON object: bench, model, cases (one per case: length,
 precision, recompute, measured_mib, estimate_mib, estimate_over_measured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,15 @@ SMOKE = {"lengths": [256], "precisions": ["32-true"], "recompute": ["none"]}
 
 
 def stack_config(length: int, recompute: str) -> HSTUConfig:
-    return HSTUConfig(hidden_dim=HIDDEN, num_layers=2, num_heads=2, attention_dim=64, linear_dim=64,
-                      max_seq_len=length, recompute=recompute)
+    return HSTUConfig(
+        hidden_dim=HIDDEN,
+        num_layers=2,
+        num_heads=2,
+        attention_dim=64,
+        linear_dim=64,
+        max_seq_len=length,
+        recompute=recompute,
+    )
 
 
 def resident_bytes() -> int:
@@ -95,16 +103,30 @@ def main() -> None:
     for length in args.lengths:
         for precision in args.precisions:
             for recompute in args.recompute:
-                run = subprocess.run([sys.executable, __file__, "--case", str(length), recompute, precision],
-                                     capture_output=True, text=True, check=True)
+                run = subprocess.run(
+                    [sys.executable, __file__, "--case", str(length), recompute, precision],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 measured = int(run.stdout.split()[-1])
                 predicted = estimate(length, recompute, precision)
-                rows.append({"length": length, "precision": precision, "recompute": recompute,
-                             "measured_mib": round(measured / MIB, 1), "estimate_mib": round(predicted / MIB, 1),
-                             "estimate_over_measured": round(predicted / measured, 3)})
+                rows.append(
+                    {
+                        "length": length,
+                        "precision": precision,
+                        "recompute": recompute,
+                        "measured_mib": round(measured / MIB, 1),
+                        "estimate_mib": round(predicted / MIB, 1),
+                        "estimate_over_measured": round(predicted / measured, 3),
+                    }
+                )
                 r = rows[-1]
-                print(f"{length:>6} {precision:>10} {recompute:>9} {r['measured_mib']:>12} {r['estimate_mib']:>12} "
-                      f"{r['estimate_over_measured']:>8}", flush=True)
+                print(
+                    f"{length:>6} {precision:>10} {recompute:>9} {r['measured_mib']:>12} {r['estimate_mib']:>12} "
+                    f"{r['estimate_over_measured']:>8}",
+                    flush=True,
+                )
     print(json.dumps({"bench": "memory", "model": "hstu d128 x2 layers, 2 heads of 64", "cases": rows}))
 
 

@@ -16,6 +16,7 @@ Reports items/s, the speedup of each speculative mode over its index's plain gre
 back per request, the share of search time, and the IVF slates' overlap with exact slates.
 Last line: one JSON object. ``--smoke``: a 20k-item catalogue, a few users (seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,13 +66,16 @@ def catalogue(num_items: int, dim: int, clusters: int, seed: int) -> Tensor:
     out = torch.empty(num_items, dim)
     for lo in range(0, num_items, 1 << 18):
         hi = min(num_items, lo + (1 << 18))
-        out[lo:hi] = F.normalize(centres[torch.randint(0, clusters, (hi - lo,), generator=g)]
-                                 + 0.4 * torch.randn(hi - lo, dim, generator=g), dim=1)
+        out[lo:hi] = F.normalize(
+            centres[torch.randint(0, clusters, (hi - lo,), generator=g)] + 0.4 * torch.randn(hi - lo, dim, generator=g),
+            dim=1,
+        )
     return out
 
 
-def run(model: EmbeddingModel, index: ItemIndex, users: Sequence, k: int,
-        speculative: Optional[SpeculativeRetrieval]) -> Generation:
+def run(
+    model: EmbeddingModel, index: ItemIndex, users: Sequence, k: int, speculative: Optional[SpeculativeRetrieval]
+) -> Generation:
     """One request: the decode state is built outside the timing."""
     items, ts = users
     state = start(model, items, ts, REQUEST_TIME)
@@ -98,30 +102,48 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     began = time.perf_counter()
     table = catalogue(args.items, args.dim, args.clusters, seed=0)
     torch.manual_seed(0)
-    hstu = HSTU(HSTUConfig(hidden_dim=args.dim, num_layers=2, num_heads=2, attention_dim=32, linear_dim=32,
-                           max_seq_len=args.history + args.k + 8, dropout=0.0, input_dropout=0.0)).eval()
+    hstu = HSTU(
+        HSTUConfig(
+            hidden_dim=args.dim,
+            num_layers=2,
+            num_heads=2,
+            attention_dim=32,
+            linear_dim=32,
+            max_seq_len=args.history + args.k + 8,
+            dropout=0.0,
+            input_dropout=0.0,
+        )
+    ).eval()
     model = EmbeddingModel(CachedHSTU(hstu), table)
     exact = ExactIndex(table)
     ivf = IVFIndex(table, num_lists=args.lists, probes=args.probes)
-    print(f"# {args.items} items x {args.dim}, IVF {args.lists} lists / {args.probes} probes, built in "
-          f"{time.perf_counter() - began:.1f}s", flush=True)
+    print(
+        f"# {args.items} items x {args.dim}, IVF {args.lists} lists / {args.probes} probes, built in "
+        f"{time.perf_counter() - began:.1f}s",
+        flush=True,
+    )
     g = torch.Generator().manual_seed(1)
     users = []
     for _ in range(args.users):  # a history from the items nearest a few topics
         topics = F.normalize(torch.randn(3, args.dim, generator=g), dim=1)
         near = torch.topk(table @ topics.T, args.history, dim=0).indices.T.flatten()
-        items = near[torch.randperm(near.numel(), generator=g)[:args.history]]
+        items = near[torch.randperm(near.numel(), generator=g)[: args.history]]
         users.append((items, torch.arange(args.history, dtype=torch.long) * 3600))
     spec = SpeculativeRetrieval(args.cache_size, args.stride)
-    modes = {"exact": (exact, None), "exact-speculative": (exact, spec), "ivf": (ivf, None),
-             "ivf-speculative": (ivf, spec)}
-    totals: Dict[str, Dict] = {m: {"seconds": 0.0, "slates": [], "rollbacks": 0, "verifications": 0, "passes": 0}
-                               for m in modes}
+    modes = {
+        "exact": (exact, None),
+        "exact-speculative": (exact, spec),
+        "ivf": (ivf, None),
+        "ivf-speculative": (ivf, spec),
+    }
+    totals: Dict[str, Dict] = {
+        m: {"seconds": 0.0, "slates": [], "rollbacks": 0, "verifications": 0, "passes": 0} for m in modes
+    }
     with torch.inference_mode():
         run(model, exact, users[0], 2, None)  # warm-up
         for u, user in enumerate(users):
             labels = list(modes)
-            for label in labels[u % 4:] + labels[:u % 4]:
+            for label in labels[u % 4 :] + labels[: u % 4]:
                 index, speculative = modes[label]
                 t0 = time.perf_counter()
                 out = run(model, index, user, args.k, speculative)
@@ -137,33 +159,47 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for name, index in (("exact", exact), ("ivf", ivf)):
             t0 = time.perf_counter()
             for q in range(8):
-                index.search(queries[q:q + 1], none[:1], 1)
+                index.search(queries[q : q + 1], none[:1], 1)
             search_ms[f"{name}_1"] = 1e3 * (time.perf_counter() - t0) / 8
             t0 = time.perf_counter()
-            index.search(queries[:args.stride], none[:args.stride], args.cache_size)
+            index.search(queries[: args.stride], none[: args.stride], args.cache_size)
             search_ms[f"{name}_batch{args.stride}_top{args.cache_size}"] = 1e3 * (time.perf_counter() - t0)
     rate = {m: args.k * args.users / t["seconds"] for m, t in totals.items()}
     summary = {
-        "items": args.items, "k": args.k, "users": args.users,
+        "items": args.items,
+        "k": args.k,
+        "users": args.users,
         "items_per_s": {m: round(r, 1) for m, r in rate.items()},
         "speedup_exact_speculative": round(rate["exact-speculative"] / rate["exact"], 3),
         "speedup_ivf_speculative": round(rate["ivf-speculative"] / rate["ivf"], 3),
         "speedup_ivf_over_exact": round(rate["ivf"] / rate["exact"], 3),
-        "rollbacks_per_request": {m: totals[m]["rollbacks"] / args.users
-                                  for m in ("exact-speculative", "ivf-speculative")},
-        "verifications_per_request": {m: totals[m]["verifications"] / args.users
-                                      for m in ("exact-speculative", "ivf-speculative")},
-        "mismatches": {"exact-speculative": sum(a != b for a, b in zip(totals["exact-speculative"]["slates"],
-                                                                        totals["exact"]["slates"])),
-                       "ivf-speculative": sum(a != b for a, b in zip(totals["ivf-speculative"]["slates"],
-                                                                      totals["ivf"]["slates"]))},
-        "ivf_slate_overlap_with_exact": round(sum(len(set(a) & set(b)) for a, b in zip(
-            totals["ivf"]["slates"], totals["exact"]["slates"])) / (args.k * args.users), 3),
+        "rollbacks_per_request": {
+            m: totals[m]["rollbacks"] / args.users for m in ("exact-speculative", "ivf-speculative")
+        },
+        "verifications_per_request": {
+            m: totals[m]["verifications"] / args.users for m in ("exact-speculative", "ivf-speculative")
+        },
+        "mismatches": {
+            "exact-speculative": sum(
+                a != b for a, b in zip(totals["exact-speculative"]["slates"], totals["exact"]["slates"])
+            ),
+            "ivf-speculative": sum(
+                a != b for a, b in zip(totals["ivf-speculative"]["slates"], totals["ivf"]["slates"])
+            ),
+        },
+        "ivf_slate_overlap_with_exact": round(
+            sum(len(set(a) & set(b)) for a, b in zip(totals["ivf"]["slates"], totals["exact"]["slates"]))
+            / (args.k * args.users),
+            3,
+        ),
         "search_ms": {name: round(v, 2) for name, v in search_ms.items()},
     }
     for m, r in rate.items():
-        print(f"{m:<18} {r:8.1f} items/s  rollbacks/request {totals[m]['rollbacks'] / args.users:5.2f}  "
-              f"verifications/request {totals[m]['verifications'] / args.users:5.2f}", flush=True)
+        print(
+            f"{m:<18} {r:8.1f} items/s  rollbacks/request {totals[m]['rollbacks'] / args.users:5.2f}  "
+            f"verifications/request {totals[m]['verifications'] / args.users:5.2f}",
+            flush=True,
+        )
     print(json.dumps(summary))
 
 

@@ -28,6 +28,7 @@ thread`` runs on one thread and reports its CPU time: use it when other processe
 machine. ``--smoke``: tiny sizes. Last line: one JSON object with keys bench, clock,
 load_average_1min, model, cache_bytes_per_token, ratios, streaming, batching.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,17 @@ USER = "bench-user"
 
 
 def build_model(max_len: int, eviction_block: int = 1) -> GRModel:
-    config = HSTUConfig(hidden_dim=256, num_layers=4, num_heads=2, attention_dim=128, linear_dim=128,
-                        max_seq_len=max_len, dropout=0.0, input_dropout=0.0, eviction_block=eviction_block)
+    config = HSTUConfig(
+        hidden_dim=256,
+        num_layers=4,
+        num_heads=2,
+        attention_dim=128,
+        linear_dim=128,
+        max_seq_len=max_len,
+        dropout=0.0,
+        input_dropout=0.0,
+        eviction_block=eviction_block,
+    )
     tables = [TableConfig("item", NUM_ITEMS, 256, ("item_id",), init_std=0.05)]
     prefix = MLPTokenEncoder({"item_id": 256}, 256)
     postfix = MMoERankingHead(256, ["watch", "like"], num_experts=4, expert_dims=(128,), tower_dims=(64,))
@@ -81,8 +91,9 @@ def flop_bound(config: HSTUConfig, length: int, n: int) -> float:
     return pointwise / cached
 
 
-def best_time(clock: Callable[[], float], run: Callable[[], object], repeats: int,
-              before: Callable[[], None] = lambda: None) -> float:
+def best_time(
+    clock: Callable[[], float], run: Callable[[], object], repeats: int, before: Callable[[], None] = lambda: None
+) -> float:
     """Fastest of ``repeats`` runs timed by ``clock``, in seconds (``before`` runs untimed ahead of each)."""
     times = []
     for _ in range(repeats):
@@ -99,12 +110,20 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, nargs="+", default=[64, 512, 2048])
     parser.add_argument("--new-actions", type=int, default=8, help="k of mode (d)")
     parser.add_argument("--micro-batch", type=int, default=512)
-    parser.add_argument("--pointwise-budget", type=float, default=4.0,
-                        help="seconds of pointwise forwards per (L, N) before scaling per candidate")
+    parser.add_argument(
+        "--pointwise-budget",
+        type=float,
+        default=4.0,
+        help="seconds of pointwise forwards per (L, N) before scaling per candidate",
+    )
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                        help="wall: wall time with the default threads; thread: one thread (torch and ONNX "
-                             "Runtime) timed by its CPU time, which other processes on the machine barely skew")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="wall: wall time with the default threads; thread: one thread (torch and ONNX "
+        "Runtime) timed by its CPU time, which other processes on the machine barely skew",
+    )
     parser.add_argument("--stream-actions", type=int, default=2000)
     parser.add_argument("--stream-max-len", type=int, default=1024)
     parser.add_argument("--stream-candidates", type=int, default=16)
@@ -112,10 +131,24 @@ def main() -> None:
     parser.add_argument("--batch-users", type=int, default=64)
     parser.add_argument("--batch-history", type=int, default=1024)
     parser.add_argument("--batch-candidates", type=int, default=512)
-    args, _ = smoke.parse_args(parser, {
-        "lengths": [32], "candidates": [8], "new_actions": 2, "micro_batch": 8, "pointwise_budget": 0.2,
-        "repeats": 1, "stream_actions": 40, "stream_max_len": 16, "stream_candidates": 4, "eviction_block": 4,
-        "batch_users": 3, "batch_history": 16, "batch_candidates": 8})
+    args, _ = smoke.parse_args(
+        parser,
+        {
+            "lengths": [32],
+            "candidates": [8],
+            "new_actions": 2,
+            "micro_batch": 8,
+            "pointwise_budget": 0.2,
+            "repeats": 1,
+            "stream_actions": 40,
+            "stream_max_len": 16,
+            "stream_candidates": 4,
+            "eviction_block": 4,
+            "batch_users": 3,
+            "batch_history": 16,
+            "batch_candidates": 8,
+        },
+    )
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     if args.clock == "thread":
         torch.set_num_threads(1)
@@ -127,16 +160,21 @@ def main() -> None:
         start = time.perf_counter()
         export_dir = export_model(build_model(max(args.lengths)), Path(tmp) / "export")
         print(f"export: {time.perf_counter() - start:.1f}s")
-        ranker = Ranker.load(export_dir, micro_batch=args.micro_batch, cache_bytes=2**31,
-                             threads=1 if args.clock == "thread" else None)
+        ranker = Ranker.load(
+            export_dir, micro_batch=args.micro_batch, cache_bytes=2**31, threads=1 if args.clock == "thread" else None
+        )
         config = ranker.model.config
-        print(f"clock: {args.clock}; model: hidden {config.hidden_dim}, {config.num_layers} layers, "
-              f"{config.num_heads} heads x {config.attention_dim}; cache {cache_bytes_per_token(config)} bytes "
-              "per history token")
+        print(
+            f"clock: {args.clock}; model: hidden {config.hidden_dim}, {config.num_layers} layers, "
+            f"{config.num_heads} heads x {config.attention_dim}; cache {cache_bytes_per_token(config)} bytes "
+            "per history token"
+        )
         warm_up(ranker, rng, max(args.lengths))
         rows: Dict[str, Dict[str, float]] = {}
-        header = (f"{'L':>5} {'N':>5} {'(a) ms':>10} {'(b) ms':>9} {'(c) ms':>8} {'(d) ms':>8} {'a/c':>7} "
-                  f"{'bound':>7} {'b/c':>6} {'a run':>6}")
+        header = (
+            f"{'L':>5} {'N':>5} {'(a) ms':>10} {'(b) ms':>9} {'(c) ms':>8} {'(d) ms':>8} {'a/c':>7} "
+            f"{'bound':>7} {'b/c':>6} {'a run':>6}"
+        )
         print(header)
         for length in args.lengths:
             history = request_tokens(rng, length, start_time=0)
@@ -145,9 +183,11 @@ def main() -> None:
                 row = measure(ranker, history, candidates, args, clock)
                 row["bound"] = flop_bound(config, length, n)
                 rows[f"L{length}_N{n}"] = row
-                print(f"{length:>5} {n:>5} {row['a_ms']:>10.0f} {row['b_ms']:>9.1f} {row['c_ms']:>8.1f} "
-                      f"{row['d_ms']:>8.1f} {row['a_over_c']:>7.1f} {row['bound']:>7.1f} {row['b_over_c']:>6.2f} "
-                      f"{int(row['a_sampled']):>4}/{n}")
+                print(
+                    f"{length:>5} {n:>5} {row['a_ms']:>10.0f} {row['b_ms']:>9.1f} {row['c_ms']:>8.1f} "
+                    f"{row['d_ms']:>8.1f} {row['a_over_c']:>7.1f} {row['bound']:>7.1f} {row['b_over_c']:>6.2f} "
+                    f"{int(row['a_sampled']):>4}/{n}"
+                )
     key = "L1024_N512"
     summary = {
         "bench": "serving",
@@ -163,14 +203,19 @@ def main() -> None:
     summary["load_average_1min"]["end"] = round(os.getloadavg()[0], 2)
     if key in rows:
         row = rows[key]
-        summary["target_L1024_N512"] = {"a_over_c": round(row["a_over_c"], 1), "half_bound": round(row["bound"] / 2, 1),
-                                        "met": row["a_over_c"] >= row["bound"] / 2}
+        summary["target_L1024_N512"] = {
+            "a_over_c": round(row["a_over_c"], 1),
+            "half_bound": round(row["bound"] / 2, 1),
+            "met": row["a_over_c"] >= row["bound"] / 2,
+        }
     print(json.dumps(summary))
 
 
 def request_tokens(rng: np.random.Generator, length: int, start_time: int) -> Dict[str, np.ndarray]:
-    return {"item_id": rng.integers(0, NUM_ITEMS, length),
-            "timestamps": np.sort(rng.integers(start_time, start_time + 10**8, length))}
+    return {
+        "item_id": rng.integers(0, NUM_ITEMS, length),
+        "timestamps": np.sort(rng.integers(start_time, start_time + 10**8, length)),
+    }
 
 
 def warm_up(ranker: Ranker, rng: np.random.Generator, length: int) -> None:
@@ -182,8 +227,13 @@ def warm_up(ranker: Ranker, rng: np.random.Generator, length: int) -> None:
     ranker.cache.invalidate()
 
 
-def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str, np.ndarray],
-            args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, float]:
+def measure(
+    ranker: Ranker,
+    history: Dict[str, np.ndarray],
+    candidates: Dict[str, np.ndarray],
+    args: argparse.Namespace,
+    clock: Callable[[], float],
+) -> Dict[str, float]:
     n, length, k = len(candidates["item_id"]), len(history["item_id"]), args.new_actions
     request_time = int(history["timestamps"][-1]) + 60
 
@@ -193,7 +243,7 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
     # (a) pointwise: one uncached pass per candidate, on as many candidates as fit the budget.
     sampled: List[float] = []
     while len(sampled) < n and sum(sampled) < args.pointwise_budget:
-        one = {"item_id": candidates["item_id"][len(sampled): len(sampled) + 1]}
+        one = {"item_id": candidates["item_id"][len(sampled) : len(sampled) + 1]}
         start = clock()
         rank(USER, history, one, use_cache=False)
         sampled.append(clock() - start)
@@ -212,8 +262,16 @@ def measure(ranker: Ranker, history: Dict[str, np.ndarray], candidates: Dict[str
     assert rank(USER, history, candidates).cache_status == "hit"
     restore()
     assert rank(USER, history, candidates).cache_status == "extend"
-    return {"a_ms": a * 1e3, "b_ms": b * 1e3, "c_ms": c * 1e3, "d_ms": d * 1e3, "a_over_c": a / c,
-            "b_over_c": b / c, "a_over_d": a / d, "a_sampled": float(len(sampled))}
+    return {
+        "a_ms": a * 1e3,
+        "b_ms": b * 1e3,
+        "c_ms": c * 1e3,
+        "d_ms": d * 1e3,
+        "a_over_c": a / c,
+        "b_over_c": b / c,
+        "a_over_d": a / d,
+        "a_sampled": float(len(sampled)),
+    }
 
 
 def streaming(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, object]:
@@ -225,9 +283,12 @@ def streaming(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str,
     out: Dict[str, object] = {"actions": args.stream_actions, "max_seq_len": args.stream_max_len}
     for name, block in (("block", args.eviction_block), ("one_token", 1)):
         with tempfile.TemporaryDirectory() as tmp:
-            ranker = Ranker.load(export_model(build_model(args.stream_max_len, block), Path(tmp) / "e"),
-                                 micro_batch=args.micro_batch, cache_bytes=2**31,
-                                 threads=1 if args.clock == "thread" else None)
+            ranker = Ranker.load(
+                export_model(build_model(args.stream_max_len, block), Path(tmp) / "e"),
+                micro_batch=args.micro_batch,
+                cache_bytes=2**31,
+                threads=1 if args.clock == "thread" else None,
+            )
             encoded = count_encoded_tokens(ranker)
             times = []
             for n in range(1, args.stream_actions + 1):
@@ -236,9 +297,12 @@ def streaming(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str,
                 ranker.rank(USER, prefix, candidates, request_time=int(prefix["timestamps"][-1]) + 60)
                 times.append(clock() - start)
         full = [t for n, t in enumerate(times, start=1) if n > args.stream_max_len]  # once the window is full
-        out[name] = {"eviction_block": block, "tokens_encoded_per_request": sum(encoded) / len(encoded),
-                     "tokens_encoded_per_request_when_full": statistics.mean(encoded[args.stream_max_len:] or [0]),
-                     "p50_ms_when_full": 1e3 * statistics.median(full or times)}
+        out[name] = {
+            "eviction_block": block,
+            "tokens_encoded_per_request": sum(encoded) / len(encoded),
+            "tokens_encoded_per_request_when_full": statistics.mean(encoded[args.stream_max_len :] or [0]),
+            "p50_ms_when_full": 1e3 * statistics.median(full or times),
+        }
         print(f"streaming {name:9s} (block {block}): {out[name]}", flush=True)
     out["p50_speedup_when_full"] = out["one_token"]["p50_ms_when_full"] / out["block"]["p50_ms_when_full"]
     return out
@@ -278,19 +342,38 @@ def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, 
     rng = np.random.default_rng(2)
     users, length, n = args.batch_users, args.batch_history, args.batch_candidates
     with tempfile.TemporaryDirectory() as tmp:
-        ranker = Ranker.load(export_model(build_model(length), Path(tmp) / "e"), micro_batch=args.micro_batch,
-                             cache_bytes=2**33, threads=1 if args.clock == "thread" else None)
-        requests = [RankRequest(f"u{u}", request_tokens(rng, length, 0), {"item_id": rng.integers(0, NUM_ITEMS, n)},
-                                request_time=10**8 + 60) for u in range(users)]
+        ranker = Ranker.load(
+            export_model(build_model(length), Path(tmp) / "e"),
+            micro_batch=args.micro_batch,
+            cache_bytes=2**33,
+            threads=1 if args.clock == "thread" else None,
+        )
+        requests = [
+            RankRequest(
+                f"u{u}",
+                request_tokens(rng, length, 0),
+                {"item_id": rng.integers(0, NUM_ITEMS, n)},
+                request_time=10**8 + 60,
+            )
+            for u in range(users)
+        ]
         ranker.rank_batch(requests)  # warm every user's cache
         loop = best_time(clock, lambda: [ranker.rank_request(r) for r in requests], args.repeats)
         batched = best_time(clock, lambda: ranker.rank_batch(requests), args.repeats)
         config = ranker.model.config
         flops = users * config.num_layers * flops_per_layer(config, n, n * (length + 1))
     peak = matmul_peak(torch.float32, 1.0 if not args.smoke else 0.1)
-    out = {"users": users, "history": length, "candidates": n, "loop_s": loop, "batched_s": batched,
-           "speedup": loop / batched, "batched_gflops": flops / batched / 1e9, "matmul_peak_gflops": peak,
-           "batched_fraction_of_peak": flops / batched / 1e9 / peak}
+    out = {
+        "users": users,
+        "history": length,
+        "candidates": n,
+        "loop_s": loop,
+        "batched_s": batched,
+        "speedup": loop / batched,
+        "batched_gflops": flops / batched / 1e9,
+        "matmul_peak_gflops": peak,
+        "batched_fraction_of_peak": flops / batched / 1e9 / peak,
+    }
     print(f"batching: {out}", flush=True)
     return out
 

@@ -11,6 +11,7 @@ Target: at one client, HTTP adds at most 10% to the in-process p50.
 Run: ``.venv/bin/python bench/serving_http.py`` (the full size: several minutes on 2 cores);
 ``--smoke`` runs a tiny size to check the script. Last line: one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,20 @@ def free_port() -> int:
 
 def start_server(export_dir: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-    server = subprocess.Popen([sys.executable, "-m", "gr.serving", "serve", str(export_dir), "--port", str(port),
-                               "--cache-bytes", str(2**31)], env=env)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gr.serving",
+            "serve",
+            str(export_dir),
+            "--port",
+            str(port),
+            "--cache-bytes",
+            str(2**31),
+        ],
+        env=env,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -87,8 +100,11 @@ def run_clients(clients: int, requests: int, call: Callable[[int], None]) -> Dic
         t.join()
     elapsed = time.perf_counter() - start
     ms = np.asarray(latencies) * 1e3
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "req_per_s": len(latencies) / elapsed}
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "req_per_s": len(latencies) / elapsed,
+    }
 
 
 def main() -> None:
@@ -105,9 +121,17 @@ def main() -> None:
     histories = [request_tokens(rng, args.history, 0) for _ in range(max(args.clients))]
     candidates = {"item_id": rng.integers(0, 3706, args.candidates)}
     request_time = max(int(h["timestamps"][-1]) for h in histories) + 60
-    bodies = [json.dumps({"user_id": f"user{c}", "history": {k: v.tolist() for k, v in h.items()},
-                          "candidates": {k: v.tolist() for k, v in candidates.items()}, "request_time": request_time})
-              for c, h in enumerate(histories)]
+    bodies = [
+        json.dumps(
+            {
+                "user_id": f"user{c}",
+                "history": {k: v.tolist() for k, v in h.items()},
+                "candidates": {k: v.tolist() for k, v in candidates.items()},
+                "request_time": request_time,
+            }
+        )
+        for c, h in enumerate(histories)
+    ]
     results: Dict[str, Dict[str, Dict[str, float]]] = {"in_process": {}, "http": {}}
     with tempfile.TemporaryDirectory() as tmp:
         export_dir = export_model(build_model(args.history), Path(tmp) / "export")
@@ -134,15 +158,28 @@ def main() -> None:
                 for mode, call in (("in_process", in_process), ("http", over_http)):
                     stats = run_clients(clients, args.requests, call)
                     results[mode][str(clients)] = stats
-                    print(f"{mode:>10} clients {clients:>2}: p50 {stats['p50_ms']:8.2f} ms  p99 "
-                          f"{stats['p99_ms']:8.2f} ms  {stats['req_per_s']:7.2f} req/s", flush=True)
+                    print(
+                        f"{mode:>10} clients {clients:>2}: p50 {stats['p50_ms']:8.2f} ms  p99 "
+                        f"{stats['p99_ms']:8.2f} ms  {stats['req_per_s']:7.2f} req/s",
+                        flush=True,
+                    )
         finally:
             server.terminate()
             server.wait()
     one = str(min(args.clients))
     overhead = results["http"][one]["p50_ms"] / results["in_process"][one]["p50_ms"] - 1
-    print(json.dumps({"history": args.history, "candidates": args.candidates, "requests_per_client": args.requests,
-                      "cpu_count": os.cpu_count(), **results, "http_p50_overhead_at_1_client": overhead}))
+    print(
+        json.dumps(
+            {
+                "history": args.history,
+                "candidates": args.candidates,
+                "requests_per_client": args.requests,
+                "cpu_count": os.cpu_count(),
+                **results,
+                "http_p50_overhead_at_1_client": overhead,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,17 +5,22 @@ A benchmark builds its argparse parser and calls ``parse_args(parser, smoke)``: 
 instead of the parser's default. Numbers measured at that size mean nothing; the run only
 shows that the benchmark still works end to end and prints its JSON last line.
 """
+
 from __future__ import annotations
 
 import argparse
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 
-def parse_args(parser: argparse.ArgumentParser, smoke: Mapping[str, Any], argv: Optional[Sequence[str]] = None,
-               known: bool = False) -> Tuple[argparse.Namespace, List[str]]:
+def parse_args(
+    parser: argparse.ArgumentParser, smoke: Mapping[str, Any], argv: Optional[Sequence[str]] = None, known: bool = False
+) -> Tuple[argparse.Namespace, List[str]]:
     """-> (arguments, the ones ``parser`` does not know: only with ``known``, else [] or an error)."""
-    parser.add_argument("--smoke", action="store_true",
-                        help="a size that runs in seconds and checks the benchmark works (its numbers mean nothing)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a size that runs in seconds and checks the benchmark works (its numbers mean nothing)",
+    )
     parse = parser.parse_known_args if known else (lambda a: (parser.parse_args(a), []))
     args, rest = parse(argv)
     if args.smoke:

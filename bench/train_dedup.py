@@ -13,6 +13,7 @@ JSON object: config, ranks, steps, batch_size, item_ids_per_rank_batch,
 distinct_item_ids_per_rank_batch, {no_dedup,dedup}_samples_per_s, {no_dedup,dedup}_tokens_per_s,
 {no_dedup,dedup}_sparse_ms_per_batch, train_speedup, sparse_speedup.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,35 @@ from gr.train.config import load_config  # noqa: E402
 from gr.train.tasks import RetrievalTask  # noqa: E402
 
 # --smoke: the quickstart recipe shrunk to a few batches of a tiny model (given overrides still win).
-SMOKE_OVERRIDES = ["--config", "configs/quickstart.yaml", "--data.synthetic.num_users", "64",
-                   "--data.synthetic.num_items", "50", "--data.synthetic.min_len", "5",
-                   "--data.synthetic.max_len", "20", "--data.max_seq_len", "20", "--model.hstu.max_seq_len", "20",
-                   "--model.hstu.num_layers", "1", "--task.retrieval.num_negatives", "8", "--data.batch_size", "16"]
+SMOKE_OVERRIDES = [
+    "--config",
+    "configs/quickstart.yaml",
+    "--data.synthetic.num_users",
+    "64",
+    "--data.synthetic.num_items",
+    "50",
+    "--data.synthetic.min_len",
+    "5",
+    "--data.synthetic.max_len",
+    "20",
+    "--data.max_seq_len",
+    "20",
+    "--model.hstu.max_seq_len",
+    "20",
+    "--model.hstu.num_layers",
+    "1",
+    "--task.retrieval.num_negatives",
+    "8",
+    "--data.batch_size",
+    "16",
+]
 
 
 def build(config, spec):
     model = seeded_model(config, spec)
-    task = RetrievalTask(config.task.retrieval, spec.sequence[config.task.retrieval.item_feature],
-                         model.postfix_dnn.item_embedding)
+    task = RetrievalTask(
+        config.task.retrieval, spec.sequence[config.task.retrieval.item_feature], model.postfix_dnn.item_embedding
+    )
     dmp = shard_model(model, config.sparse.optimizer, torch.device("cpu"))
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
     return dmp, task, torch.optim.AdamW(dense, lr=config.optimizer.lr, betas=config.optimizer.betas)
@@ -118,9 +138,15 @@ def main() -> None:
     timed = [batches[s % len(batches)] for s in range(1, own.steps + 1)]
     samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
     tokens = sum(int(b.seq_offsets[-1]) for b in timed)
-    result = {"config": str(args.config), "ranks": world, "steps": own.steps, "batch_size": config.data.batch_size,
-              "item_ids_per_rank_batch": tokens / own.steps, "distinct_item_ids_per_rank_batch":
-              sum(int(b.sequence_ids.values().unique().numel()) for b in timed) / own.steps}
+    result = {
+        "config": str(args.config),
+        "ranks": world,
+        "steps": own.steps,
+        "batch_size": config.data.batch_size,
+        "item_ids_per_rank_batch": tokens / own.steps,
+        "distinct_item_ids_per_rank_batch": sum(int(b.sequence_ids.values().unique().numel()) for b in timed)
+        / own.steps,
+    }
     samples, tokens = world * samples, world * tokens  # every rank trains on its share of each global batch
     for dedup, name in ((False, "no_dedup"), (True, "dedup")):
         seconds = sum(timings[dedup])
@@ -128,8 +154,11 @@ def main() -> None:
         result[f"{name}_tokens_per_s"] = tokens / seconds
         result[f"{name}_sparse_ms_per_batch"] = 1000 * sum(sparse_timings[dedup]) / own.steps
         if dist.get_rank() == 0:
-            print(f"{name:9s} {samples / seconds:8.1f} samples/s  {tokens / seconds:9.0f} tokens/s  "
-                  f"sparse fwd+bwd {result[f'{name}_sparse_ms_per_batch']:.1f} ms/batch", flush=True)
+            print(
+                f"{name:9s} {samples / seconds:8.1f} samples/s  {tokens / seconds:9.0f} tokens/s  "
+                f"sparse fwd+bwd {result[f'{name}_sparse_ms_per_batch']:.1f} ms/batch",
+                flush=True,
+            )
     result["train_speedup"] = result["dedup_samples_per_s"] / result["no_dedup_samples_per_s"]
     result["sparse_speedup"] = result["no_dedup_sparse_ms_per_batch"] / result["dedup_sparse_ms_per_batch"]
     if dist.get_rank() == 0:

@@ -20,6 +20,7 @@ autocast, as Lightning runs it):
   checkpoint) and its validation part, in seconds.
 The load average is printed next to the numbers; the last line is one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -115,15 +116,24 @@ def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile
     timed = batches[1:]
     samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
     flops = sum(training_flops(config, setups[PRECISIONS[0]][0].module, b) for b in timed)
-    return {p: {"samples_per_s": samples / seconds[p], "step_ms": 1000 * seconds[p] / steps,
-                "gflops": flops / seconds[p] / 1e9, "peak_fraction": flops / seconds[p] / 1e9 / peaks[p]}
-            for p in PRECISIONS}
+    return {
+        p: {
+            "samples_per_s": samples / seconds[p],
+            "step_ms": 1000 * seconds[p] / steps,
+            "gflops": flops / seconds[p] / 1e9,
+            "peak_fraction": flops / seconds[p] / 1e9 / peaks[p],
+        }
+        for p in PRECISIONS
+    }
 
 
 PROFILES: Dict[str, List] = {}
 PHASE_MODULES = ("embeddings", "prefix_dnn", "hstu", "postfix_dnn")  # GRModel children timed in forward
-BACKWARD_GROUPS = {"attention": ("_ChunkedAttention",), "sampled softmax": ("_DenseSampledSoftmax",),
-                   "embedding lookup + fused optimizer": ("SplitNoBagLookupFunction", "SplitLookupFunction")}
+BACKWARD_GROUPS = {
+    "attention": ("_ChunkedAttention",),
+    "sampled softmax": ("_DenseSampledSoftmax",),
+    "embedding lookup + fused optimizer": ("SplitNoBagLookupFunction", "SplitLookupFunction"),
+}
 
 
 def profiled(precision: str, dmp) -> object:
@@ -135,8 +145,11 @@ def profiled(precision: str, dmp) -> object:
         for name in PHASE_MODULES:
             labels: List = []
             module = getattr(model, name)
-            module.register_forward_pre_hook(lambda m, a, n=name, s=labels: s.append(
-                torch.autograd.profiler.record_function(f"phase: forward {n}").__enter__()))
+            module.register_forward_pre_hook(
+                lambda m, a, n=name, s=labels: s.append(
+                    torch.autograd.profiler.record_function(f"phase: forward {n}").__enter__()
+                )
+            )
             module.register_forward_hook(lambda m, a, o, s=labels: s.pop().__exit__(None, None, None))
         model._phase_hooks = True
     return profiler
@@ -187,31 +200,53 @@ def main() -> None:
     ratings = write_ml1m_shaped_ratings(work, users)
     peak_seconds = 0.2 if args.smoke else 1.0
     peaks = {p: matmul_peak(dtype, peak_seconds) for p, dtype in zip(PRECISIONS, (torch.float32, torch.bfloat16))}
-    print(f"{users} users, {ratings} ratings; matmul peak fp32 {peaks['32-true']:.0f} GFLOP/s, "
-          f"bf16 {peaks['bf16-mixed']:.0f} GFLOP/s; {load()}", flush=True)
-    result = {"users": users, "ratings": ratings, "steps": steps, "threads": torch.get_num_threads(),
-              "peak_gflops": peaks, "load_before": os.getloadavg()}
+    print(
+        f"{users} users, {ratings} ratings; matmul peak fp32 {peaks['32-true']:.0f} GFLOP/s, "
+        f"bf16 {peaks['bf16-mixed']:.0f} GFLOP/s; {load()}",
+        flush=True,
+    )
+    result = {
+        "users": users,
+        "ratings": ratings,
+        "steps": steps,
+        "threads": torch.get_num_threads(),
+        "peak_gflops": peaks,
+        "load_before": os.getloadavg(),
+    }
     for recipe in recipes:
         for precision in PRECISIONS if not args.no_epoch else ():
-            config = load_config(root / RECIPES[recipe], [
-                ("data.path", str(work)), ("trainer.max_epochs", "1"), ("trainer.precision", precision),
-                ("trainer.enable_progress_bar", "false")])
+            config = load_config(
+                root / RECIPES[recipe],
+                [
+                    ("data.path", str(work)),
+                    ("trainer.max_epochs", "1"),
+                    ("trainer.precision", precision),
+                    ("trainer.enable_progress_bar", "false"),
+                ],
+            )
             timing = epoch_seconds(config, work / f"run_{recipe}_{precision}")
             result[f"{recipe}/{precision}/epoch_s"] = timing["epoch_s"]
             result[f"{recipe}/{precision}/validation_s"] = timing["validation_s"]
-            print(f"{recipe:5s} {precision:10s} epoch {timing['epoch_s']:6.2f} s (validation "
-                  f"{timing['validation_s']:.2f} s); {load()}", flush=True)
+            print(
+                f"{recipe:5s} {precision:10s} epoch {timing['epoch_s']:6.2f} s (validation "
+                f"{timing['validation_s']:.2f} s); {load()}",
+                flush=True,
+            )
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
         config = load_config(root / RECIPES[recipe], [("data.path", str(work))])
         rates = step_rates(config, steps, peaks, args.profile)
         for precision, rate in rates.items():
             result.update({f"{recipe}/{precision}/{k}": v for k, v in rate.items()})
-            print(f"{recipe:5s} {precision:10s} {rate['samples_per_s']:7.1f} samples/s, "
-                  f"{rate['step_ms']:7.1f} ms/step, "
-                  f"{rate['gflops']:6.1f} GFLOP/s = {100 * rate['peak_fraction']:4.1f}% of peak; {load()}", flush=True)
-        result[f"{recipe}/bf16_speedup"] = (result[f"{recipe}/bf16-mixed/samples_per_s"]
-                                            / result[f"{recipe}/32-true/samples_per_s"])
+            print(
+                f"{recipe:5s} {precision:10s} {rate['samples_per_s']:7.1f} samples/s, "
+                f"{rate['step_ms']:7.1f} ms/step, "
+                f"{rate['gflops']:6.1f} GFLOP/s = {100 * rate['peak_fraction']:4.1f}% of peak; {load()}",
+                flush=True,
+            )
+        result[f"{recipe}/bf16_speedup"] = (
+            result[f"{recipe}/bf16-mixed/samples_per_s"] / result[f"{recipe}/32-true/samples_per_s"]
+        )
         if args.profile:
             print_profiles(steps)
             PROFILES.clear()

@@ -4,6 +4,7 @@ examples/quickstart_request.json, raw ids), print each answer, and stop the serv
 
 Run: ``.venv/bin/python examples/http_demo.py EXPORT_DIR``
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def main(export_dir: str) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "gr.serving", "serve", export_dir, "--port", str(port)],
-                              env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gr.serving", "serve", export_dir, "--port", str(port)],
+        env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+    )
     try:
         for _ in range(600):
             if server.poll() is not None:
@@ -46,8 +49,11 @@ def main(export_dir: str) -> int:
                 time.sleep(0.2)
         request = json.loads((HERE / "quickstart_request.json").read_text())
         history_only = {key: value for key, value in request.items() if key != "candidates"}
-        for path, body in (("/v1/rank", request), ("/v1/recommend", {**history_only, "k": 5}),
-                           ("/v1/generate", {**history_only, "k": 5})):
+        for path, body in (
+            ("/v1/rank", request),
+            ("/v1/recommend", {**history_only, "k": 5}),
+            ("/v1/generate", {**history_only, "k": 5}),
+        ):
             print(f"POST {path} {json.dumps(body)}\n  -> {json.dumps(post(url + path, body))}")
     finally:
         server.terminate()

@@ -1,4 +1,5 @@
 """``python -m gr COMMAND ...`` is the ``gr`` console command."""
+
 import sys
 
 from gr.cli import main

@@ -5,6 +5,7 @@ checkpoints, exports) goes through these helpers: the content is written to a te
 sibling, flushed, and renamed over the target, so a crash leaves the old version or the
 new one, never a torn file.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -5,6 +5,7 @@ subcommand forwards its arguments to the module that owns it (``gr.train.cli``,
 ``gr.export``, ``gr.serving``, ``gr.plan``, ``gr.data.download``), imported only when
 chosen, so ``gr --help`` and ``gr data download`` never import torch.
 """
+
 from __future__ import annotations
 
 import importlib

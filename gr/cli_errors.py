@@ -6,6 +6,7 @@ prints ``<prog>: error: <message>`` on stderr and returns ``USAGE_EXIT_STATUS``.
 messages of these errors name the file or config key. Anything else is a bug and keeps its
 traceback.
 """
+
 from __future__ import annotations
 
 import sys

@@ -7,6 +7,7 @@ A check is a ``(predicate, what it expects)`` pair built from the helpers below;
 that span fields call ``require`` (or raise with the same message shape) after ``validate``.
 ``known_keys`` refuses unknown keys before a section is built, naming them and the section.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,7 @@ def int_at_least(minimum: int) -> Check:
 
 def number_in(low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False) -> Check:
     def ok(v: Any) -> bool:
-        return (is_number(v) and (v > low if open_low else v >= low)
-                and (v < high if open_high else v <= high))
+        return is_number(v) and (v > low if open_low else v >= low) and (v < high if open_high else v <= high)
 
     return ok, f"a number in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
 
@@ -58,8 +58,10 @@ BOOL: Check = ((lambda v: isinstance(v, bool)), "true or false")
 NAME: Check = ((lambda v: isinstance(v, str) and bool(v)), "a non-empty string")
 NAMES: Check = list_of(NAME)
 PROBABILITY: Check = number_in(0.0, 1.0, open_high=True)
-BETAS: Check = ((lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v)),
-                "two numbers in [0, 1)")
+BETAS: Check = (
+    (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v)),
+    "two numbers in [0, 1)",
+)
 
 
 def require(where: str, value: Any, check: Check) -> None:

@@ -8,6 +8,7 @@ known third-party noise filtered by its exact message, never by silencing loggin
   except Lightning's, which Lightning prints itself.
 * The messages in ``KNOWN_WARNINGS`` / ``KNOWN_LOG_LINES`` say nothing a user can act on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,10 @@ KNOWN_LOG_LINES: Dict[str, str] = {
     "torch.onnx._internal.exporter._registration": r"^torchvision is not installed",
     # A one-process run's process group (gloo, world size 1); multi-process runs keep these lines.
     "lightning.fabric.utilities.distributed": r"^Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/1$",
-    "lightning.pytorch.utilities.rank_zero": (r"distributed_backend=\w+\nAll distributed processes registered\. "
-                                              r"Starting with 1 processes\n|^💡 Tip: For seamless cloud logging"),
+    "lightning.pytorch.utilities.rank_zero": (
+        r"distributed_backend=\w+\nAll distributed processes registered\. "
+        r"Starting with 1 processes\n|^💡 Tip: For seamless cloud logging"
+    ),
 }
 LIGHTNING = "lightning"
 

@@ -9,6 +9,7 @@ metadata not), ``checkpoint_after_save`` (in ``gr.train.checkpoint``) and
 ``replace_directory_mid_rename`` (the old directory moved aside, the new one not yet in
 place, in ``gr.atomic.replace_directory``).
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ the autoload off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``) unless an NPU is requeste
 and ``load_torch_npu`` imports torch_npu explicitly when one is asked for. No torch import at
 module level: ``configure_backend_autoload`` runs before torch is imported.
 """
+
 from __future__ import annotations
 
 import glob
@@ -48,8 +49,9 @@ def autoload_env(requested: Optional[str] = None, environ: Optional[Mapping[str,
     return {AUTOLOAD_VAR: "0"}
 
 
-def configure_backend_autoload(requested: Optional[str] = None,
-                               environ: Optional[MutableMapping[str, str]] = None) -> None:
+def configure_backend_autoload(
+    requested: Optional[str] = None, environ: Optional[MutableMapping[str, str]] = None
+) -> None:
     """Apply ``autoload_env`` to ``environ`` (default: this process). Call before importing torch."""
     environ = os.environ if environ is None else environ
     environ.update(autoload_env(requested, environ))
@@ -69,13 +71,15 @@ def load_torch_npu(where: str) -> ModuleType:
     try:
         torch_npu = importlib.import_module("torch_npu")
     except (ImportError, OSError) as err:
-        raise RuntimeError(f"{where}: 'npu': torch_npu failed to load ({err}); check that its version matches "
-                           "torch and CANN") from err
+        raise RuntimeError(
+            f"{where}: 'npu': torch_npu failed to load ({err}); check that its version matches torch and CANN"
+        ) from err
     import torch
 
     if not torch.npu.is_available():
-        raise RuntimeError(f"{where}: 'npu': torch_npu loaded but sees no NPU (check npu-smi and "
-                           "ASCEND_RT_VISIBLE_DEVICES)")
+        raise RuntimeError(
+            f"{where}: 'npu': torch_npu loaded but sees no NPU (check npu-smi and ASCEND_RT_VISIBLE_DEVICES)"
+        )
     return torch_npu
 
 
@@ -90,8 +94,9 @@ def require_device(device: str, where: str) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError(f"{where}: 'cuda' needs a CUDA build of torch and a visible GPU "
-                               f"(torch {torch.__version__} sees none)")
+            raise RuntimeError(
+                f"{where}: 'cuda' needs a CUDA build of torch and a visible GPU (torch {torch.__version__} sees none)"
+            )
 
 
 def requested_test_device(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

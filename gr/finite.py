@@ -3,6 +3,7 @@
 Used by training (loss and gradients every step, weights at every checkpoint) and by
 ``gr.export`` (``check`` refuses exported weights that are not all finite).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, List, Tuple

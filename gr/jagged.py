@@ -5,6 +5,7 @@ A batch of B sequences is stored flat: ``values [T, D]`` with ``seq_offsets [B+1
 ``num_targets[b]`` tokens of sequence b are candidate (target) tokens; the rest is
 history. Padding to ``[B, L, D]`` happens only inside a backend that needs it.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,5 @@
 """Lazy public names for packages whose imports are heavy (torch, TorchRec, Lightning)."""
+
 from __future__ import annotations
 
 from importlib import import_module

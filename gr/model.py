@@ -1,4 +1,5 @@
 """GRModel: the fixed forward ``split_input -> PrefixDNN -> HSTU -> PostfixDNN``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -154,11 +155,14 @@ class GRModel(nn.Module):
         token, common = self.embed_features(inputs)
         missing = [n for n in self.prefix_dnn.feature_names if n not in token]
         if missing:
-            raise KeyError(f"PrefixDNN {type(self.prefix_dnn).__name__} reads {missing}, absent from the batch "
-                           f"(have {sorted(token)})")
+            raise KeyError(
+                f"PrefixDNN {type(self.prefix_dnn).__name__} reads {missing}, absent from the batch "
+                f"(have {sorted(token)})"
+            )
         x = self.prefix_dnn({name: token[name] for name in self.prefix_dnn.feature_names})
-        h = self.hstu(x, inputs.seq_offsets, inputs.max_seq_len, inputs.timestamps, inputs.num_targets,
-                      inputs.query_times)
+        h = self.hstu(
+            x, inputs.seq_offsets, inputs.max_seq_len, inputs.timestamps, inputs.num_targets, inputs.query_times
+        )
         row_index, row_offsets = self.scored_rows(inputs, h.shape[0])
         row_seq = token_seq_ids(row_offsets, row_index.numel())
         hidden = h[row_index]

@@ -27,6 +27,7 @@ kernel's backward holds fp32 buffers of 16P - 8A bytes per token (q, k, v and th
 gradients, padded and gathered per group) and ~4 score tiles of heads x 128 queries x L
 keys: ``peak`` adds those (bench/memory.py compares it with measured peaks).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,13 @@ STACK_INDEX_BYTES = 4 * INT64  # token positions (embedding indices) and index b
 SCORE_TILES = 4  # score-sized fp32 buffers alive at once in the attention backward (scores, SiLU, gradients)
 # Optimizer state in floats: per parameter for dense optimizers, per table row (of `dim`) for sparse.
 DENSE_OPTIMIZER_FLOATS = {"adamw": 2, "adam": 2, "sgd": 0}
-SPARSE_OPTIMIZER_FLOATS = {"sgd": lambda dim: 0, "adagrad": lambda dim: dim, "rowwise_adagrad": lambda dim: 1,
-                           "adam": lambda dim: 2 * dim, "partial_rowwise_adam": lambda dim: dim + 1}
+SPARSE_OPTIMIZER_FLOATS = {
+    "sgd": lambda dim: 0,
+    "adagrad": lambda dim: dim,
+    "rowwise_adagrad": lambda dim: 1,
+    "adam": lambda dim: 2 * dim,
+    "partial_rowwise_adam": lambda dim: dim + 1,
+}
 GIB = 1 << 30
 
 
@@ -100,7 +106,7 @@ class Plan:
 def hstu_parameter_count(config: HSTUConfig) -> int:
     """Parameters of the HSTU stack built from ``config``."""
     d, p, a = config.hidden_dim, _projection_width(config), config.num_heads * config.linear_dim
-    per_layer = (config.num_position_buckets + config.time_buckets + 2 * d + (d * p + p) + 2 * a + (a * d + d))
+    per_layer = config.num_position_buckets + config.time_buckets + 2 * d + (d * p + p) + 2 * a + (a * d + d)
     positions = (config.max_seq_len + 1) * d if config.position_embedding else 0
     return positions + config.num_layers * per_layer
 
@@ -153,8 +159,9 @@ def linear_flops(module: nn.Module) -> int:
     return sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def make_plan(config: TrainConfig, tables: Sequence[TableConfig], prefix_dnn: nn.Module, postfix_dnn: nn.Module,
-              nproc: int) -> Plan:
+def make_plan(
+    config: TrainConfig, tables: Sequence[TableConfig], prefix_dnn: nn.Module, postfix_dnn: nn.Module, nproc: int
+) -> Plan:
     """The plan of ``config`` on ``nproc`` ranks; tables with their rows resolved, DNNs built (any device)."""
     if nproc < 1:
         raise ValueError(f"--nproc: expected an int >= 1, got {nproc}")
@@ -175,8 +182,12 @@ def make_plan(config: TrainConfig, tables: Sequence[TableConfig], prefix_dnn: nn
         kept[precision], peak[precision] = {}, {}
         for mode in RECOMPUTE_MODES:
             kept[precision][mode], peak[precision][mode] = hstu_activation_bytes(
-                hstu, tokens, mode, PRECISION_BYTES[precision])
-    forward = {"hstu": hstu_forward_flops_per_token(hstu, tokens), "dnn": linear_flops(prefix_dnn) + linear_flops(postfix_dnn)}
+                hstu, tokens, mode, PRECISION_BYTES[precision]
+            )
+    forward = {
+        "hstu": hstu_forward_flops_per_token(hstu, tokens),
+        "dnn": linear_flops(prefix_dnn) + linear_flops(postfix_dnn),
+    }
     training = 3 * sum(forward.values()) + _recomputed_flops(hstu, tokens)
     dense_state = FP32 * (2 + DENSE_OPTIMIZER_FLOATS[config.optimizer.type])  # weights, gradients, optimizer
     sparse_per_rank = [0] * nproc
@@ -188,8 +199,9 @@ def make_plan(config: TrainConfig, tables: Sequence[TableConfig], prefix_dnn: nn
     compute_bytes = PRECISION_BYTES[config.trainer.precision]
     sequences = rank_batch(config, nproc)
     per_sample = hstu_activation_bytes(hstu, tokens, hstu.recompute, compute_bytes)[1]
-    batch = (sequences * (per_sample - attention_backward_bytes(hstu, tokens))
-             + attention_backward_bytes(hstu, tokens, sequences))
+    batch = sequences * (per_sample - attention_backward_bytes(hstu, tokens)) + attention_backward_bytes(
+        hstu, tokens, sequences
+    )
     return Plan(nproc, tokens, tuple(table_plans), dense, dense_per_rank, kept, peak, forward, training, state, batch)
 
 
@@ -212,26 +224,36 @@ def plan_from_config(config: TrainConfig, nproc: int) -> Plan:
 
 
 def format_plan(plan: Plan, config: TrainConfig, memory_gib: Optional[float]) -> str:
-    lines = [f"ranks: {plan.nproc}   tokens per sample: {plan.tokens_per_sample}   "
-             f"batch per rank: {rank_batch(config, plan.nproc)} (global {config.data.batch_size})",
-             f"sparse parameters: {plan.sparse_params:,}"]
+    lines = [
+        f"ranks: {plan.nproc}   tokens per sample: {plan.tokens_per_sample}   "
+        f"batch per rank: {rank_batch(config, plan.nproc)} (global {config.data.batch_size})",
+        f"sparse parameters: {plan.sparse_params:,}",
+    ]
     for t in plan.tables:
-        lines.append(f"  {t.name}: {t.rows:,} x {t.dim} ({t.sharding}) = {t.params:,}; per rank "
-                     f"{', '.join(f'{p:,}' for p in t.params_per_rank)}")
-    lines.append(f"dense parameters: {sum(plan.dense_params.values()):,} "
-                 f"({', '.join(f'{k} {v:,}' for k, v in plan.dense_params.items())}); per rank "
-                 f"{', '.join(f'{p:,}' for p in plan.dense_params_per_rank)} "
-                 f"(dense_sharding: {config.distributed.dense_sharding})")
+        lines.append(
+            f"  {t.name}: {t.rows:,} x {t.dim} ({t.sharding}) = {t.params:,}; per rank "
+            f"{', '.join(f'{p:,}' for p in t.params_per_rank)}"
+        )
+    lines.append(
+        f"dense parameters: {sum(plan.dense_params.values()):,} "
+        f"({', '.join(f'{k} {v:,}' for k, v in plan.dense_params.items())}); per rank "
+        f"{', '.join(f'{p:,}' for p in plan.dense_params_per_rank)} "
+        f"(dense_sharding: {config.distributed.dense_sharding})"
+    )
     lines.append("HSTU activation memory per sample (kept after forward / peak in backward):")
     for precision, modes in plan.activation_bytes.items():
         cells = [f"{m} {_mib(v)} / {_mib(plan.activation_peak_bytes[precision][m])}" for m, v in modes.items()]
         lines.append(f"  {precision:>10}: " + "   ".join(cells))
-    lines.append(f"FLOPs per token: forward HSTU {plan.forward_flops_per_token['hstu']:,} + DNN linear "
-                 f"{plan.forward_flops_per_token['dnn']:,}; training ~{plan.training_flops_per_token:,} "
-                 f"(3x forward + recompute {config.model.hstu.recompute!r})")
+    lines.append(
+        f"FLOPs per token: forward HSTU {plan.forward_flops_per_token['hstu']:,} + DNN linear "
+        f"{plan.forward_flops_per_token['dnn']:,}; training ~{plan.training_flops_per_token:,} "
+        f"(3x forward + recompute {config.model.hstu.recompute!r})"
+    )
     need = max(plan.memory_bytes_per_rank)
-    lines.append(f"memory per rank (weights, gradients, optimizer state + batch activations at "
-                 f"{config.trainer.precision}, recompute {config.model.hstu.recompute!r}): {need / GIB:.3f} GiB")
+    lines.append(
+        f"memory per rank (weights, gradients, optimizer state + batch activations at "
+        f"{config.trainer.precision}, recompute {config.model.hstu.recompute!r}): {need / GIB:.3f} GiB"
+    )
     if memory_gib is not None:
         verdict = "fits" if need <= memory_gib * GIB else "does NOT fit"
         lines.append(f"{verdict} in {memory_gib} GiB per rank")
@@ -284,8 +306,17 @@ def _table_plans(config: TrainConfig, tables: Sequence[TableConfig], nproc: int)
             per_rank[load.index(min(load))] = rows * dim
         load = [a + b for a, b in zip(load, per_rank)]
         optimizer = (table.optimizer or config.sparse.optimizer).type
-        plans.append(TablePlan(table.name, rows, dim, table.sharding, rows * dim, tuple(per_rank),
-                               SPARSE_OPTIMIZER_FLOATS[optimizer](dim)))
+        plans.append(
+            TablePlan(
+                table.name,
+                rows,
+                dim,
+                table.sharding,
+                rows * dim,
+                tuple(per_rank),
+                SPARSE_OPTIMIZER_FLOATS[optimizer](dim),
+            )
+        )
     return sorted(plans, key=lambda t: t.name)
 
 

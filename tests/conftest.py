@@ -29,8 +29,19 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-DISTRIBUTED_ENV = {name: os.environ.get(name) for name in (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")}
+DISTRIBUTED_ENV = {
+    name: os.environ.get(name)
+    for name in (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+    )
+}
 
 
 @pytest.fixture(autouse=True)

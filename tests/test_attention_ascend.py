@@ -2,6 +2,7 @@
 ``torch.ops.mxrec.hstu_jagged`` (a stand-in op implementing RecSDK's documented semantics
 replaces the lookup), refusals of what it cannot express, the fallback to the triton-ascend
 kernels, their work list, and imports that stay lazy. Nothing here ran on an NPU."""
+
 import os
 import re
 import subprocess
@@ -30,24 +31,48 @@ class FakeHstuJagged:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset, num_context,
-                 num_target, target_group_size, alpha=1.0):
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        mask,
+        attn_bias,
+        mask_type,
+        max_seq_len,
+        silu_scale,
+        seq_offset,
+        num_context,
+        num_target,
+        target_group_size,
+        alpha=1.0,
+    ):
         batch_size, heads = seq_offset.numel() - 1, q.shape[1]
         for dim in (q.shape[2], v.shape[2]):
             if not 16 <= dim <= 512 or dim % 16:
                 raise RuntimeError(f"headDim expect in [16, 512], but value is {dim}")
         if any(x.requires_grad for x in (q, k, v)) and not q.shape == k.shape == v.shape:
             raise RuntimeError("Q and V batch size check failed")
-        if attn_bias is not None and (tuple(attn_bias.shape) != (batch_size, heads, max_seq_len, max_seq_len)
-                                      or attn_bias.dtype != q.dtype):
+        if attn_bias is not None and (
+            tuple(attn_bias.shape) != (batch_size, heads, max_seq_len, max_seq_len) or attn_bias.dtype != q.dtype
+        ):
             raise RuntimeError("The attnBias should be 4D in normal layout")
         if (num_target is None) != (num_context is None):
             raise RuntimeError("numContext is required when numTarget or targetGroupSize is not None")
         if num_target is not None and target_group_size not in (1, 3):
             raise RuntimeError("The targetGroupSize should be in [1, 3]")
-        self.calls.append(dict(mask=mask, mask_type=mask_type, max_seq_len=max_seq_len, silu_scale=silu_scale,
-                               num_context=num_context, target_group_size=target_group_size, alpha=alpha,
-                               bias_shape=None if attn_bias is None else tuple(attn_bias.shape)))
+        self.calls.append(
+            dict(
+                mask=mask,
+                mask_type=mask_type,
+                max_seq_len=max_seq_len,
+                silu_scale=silu_scale,
+                num_context=num_context,
+                target_group_size=target_group_size,
+                alpha=alpha,
+                bias_shape=None if attn_bias is None else tuple(attn_bias.shape),
+            )
+        )
         outs = []
         for b in range(seq_offset.numel() - 1):
             start, end = int(seq_offset[b]), int(seq_offset[b + 1])
@@ -89,7 +114,7 @@ def test_mxrec_mapping_matches_reference_forward_and_gradients(monkeypatch):
     got = run("ascend", tensors, offsets, ts, targets, **options)
     want = run("pytorch", tensors, offsets, ts, targets, **options)
     for name, a, b in zip(["out", "dq", "dk", "dv", "dpos_w", "dtime_w"], got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     call = fake.calls[0]
     assert call["mask"] is None and call["mask_type"] == 0 and call["num_context"].tolist() == [0, 0, 0, 0]
     assert call["target_group_size"] == 1 and call["max_seq_len"] == 30 and call["alpha"] == 0.3
@@ -107,7 +132,7 @@ def test_mxrec_mapping_measures_time_from_query_times(monkeypatch):
     got = run("ascend", tensors, offsets, ts, targets, query_ts=query_ts, **options)
     want = run("pytorch", tensors, offsets, ts, targets, query_ts=query_ts, **options)
     for name, a, b in zip(["out", "dq", "dk", "dv", "dpos_w", "dtime_w"], got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     own_times = run("pytorch", tensors, offsets, ts, targets, **options)
     assert not torch.allclose(got[0], own_times[0], rtol=1e-3, atol=1e-3)
 
@@ -172,10 +197,35 @@ def test_kernel_packages_load_only_when_their_backend_is_used():
 class OldFakeHstuJagged(FakeHstuJagged):
     """A RecSDK version whose hstu_jagged has no alpha argument."""
 
-    def __call__(self, q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset, num_context,
-                 num_target, target_group_size):
-        return super().__call__(q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset,
-                                num_context, num_target, target_group_size)
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        mask,
+        attn_bias,
+        mask_type,
+        max_seq_len,
+        silu_scale,
+        seq_offset,
+        num_context,
+        num_target,
+        target_group_size,
+    ):
+        return super().__call__(
+            q,
+            k,
+            v,
+            mask,
+            attn_bias,
+            mask_type,
+            max_seq_len,
+            silu_scale,
+            seq_offset,
+            num_context,
+            num_target,
+            target_group_size,
+        )
 
 
 def batch_with_dims(dim_qk, dim_v, seed=0):
@@ -205,8 +255,9 @@ def test_explicit_ascend_refuses_a_misfit_before_calling_the_op(monkeypatch, fak
 
 
 @pytest.mark.parametrize("fake_class, dim_qk, dim_v, alpha, named", MISFITS, ids=MISFIT_IDS)
-def test_auto_falls_back_to_triton_ascend_on_a_misfit_with_the_reason_logged(monkeypatch, caplog, fake_class, dim_qk,
-                                                                             dim_v, alpha, named):
+def test_auto_falls_back_to_triton_ascend_on_a_misfit_with_the_reason_logged(
+    monkeypatch, caplog, fake_class, dim_qk, dim_v, alpha, named
+):
     """backend="auto" on an NPU (resolved to "ascend"; the device faked by resolve_backend)."""
     import gr.hstu.kernels as kernels
 

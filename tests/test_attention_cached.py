@@ -6,6 +6,7 @@ Runs on the test suite's device (``GR_TEST_DEVICE``, else detected), like the tr
 attention conformance suite: on CPU the Triton backends run through Triton's interpreter, on a
 CUDA or NPU host the compiled kernels and the vendor op run on the device. The reference rows are
 computed on CPU."""
+
 import importlib.util
 
 import pytest
@@ -35,14 +36,22 @@ HEADS, DA, DL = 2, 8, 6
 CASES = {
     "plain": dict(options=dict(alpha=0.4, silu_scale=None)),
     "pos+log-time": dict(pos_buckets=30, time_buckets=24, options=dict(alpha=0.3, silu_scale=1 / 20)),
-    "next-event-times,sqrt": dict(pos_buckets=30, time_buckets=40, bucketing="sqrt", query_times=True,
-                                  options=dict(alpha=0.3, silu_scale=None)),
+    "next-event-times,sqrt": dict(
+        pos_buckets=30, time_buckets=40, bucketing="sqrt", query_times=True, options=dict(alpha=0.3, silu_scale=None)
+    ),
     "context,window": dict(pos_buckets=30, options=dict(alpha=0.5, silu_scale=None, contextual_len=2, max_attn_len=3)),
 }
 
 
-def problem(seed=0, pos_buckets=0, time_buckets=0, bucketing="log", query_times=False, cache_lengths=CACHE_LENGTHS,
-            new_lengths=NEW_LENGTHS):
+def problem(
+    seed=0,
+    pos_buckets=0,
+    time_buckets=0,
+    bucketing="log",
+    query_times=False,
+    cache_lengths=CACHE_LENGTHS,
+    new_lengths=NEW_LENGTHS,
+):
     """Random requests: per request a cached history and new tokens, joined one after the other."""
     g = torch.Generator().manual_seed(seed)
     lengths = [c + n for c, n in zip(cache_lengths, new_lengths)]
@@ -53,8 +62,18 @@ def problem(seed=0, pos_buckets=0, time_buckets=0, bucketing="log", query_times=
     query_ts = ts + torch.randint(0, 10**4, ts.shape, generator=g) if query_times else None
     pos_w = torch.randn(pos_buckets, generator=g) if pos_buckets else None
     time_w = torch.randn(time_buckets, generator=g) if time_buckets else None
-    return dict(q=q, k=k, v=v, ts=ts, query_ts=query_ts, pos_w=pos_w, time_w=time_w, bucketing=bucketing,
-                cache_lengths=cache_lengths, new_lengths=new_lengths)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        ts=ts,
+        query_ts=query_ts,
+        pos_w=pos_w,
+        time_w=time_w,
+        bucketing=bucketing,
+        cache_lengths=cache_lengths,
+        new_lengths=new_lengths,
+    )
 
 
 def split(p):
@@ -72,16 +91,30 @@ def bias(p, rows=None):
         return None
     pick = (lambda x: x) if rows is None else (lambda x: None if x is None else x[rows])
     timed = p["time_w"] is not None
-    return RelativeBias(p["pos_w"], p["time_w"], pick(p["ts"]) if timed else None, p["bucketing"],
-                        pick(p["query_ts"]) if timed else None)
+    return RelativeBias(
+        p["pos_w"],
+        p["time_w"],
+        pick(p["ts"]) if timed else None,
+        p["bucketing"],
+        pick(p["query_ts"]) if timed else None,
+    )
 
 
 def reference_rows(p, new_tokens, options):
     lengths = torch.tensor([c + n for c, n in zip(p["cache_lengths"], p["new_lengths"])])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     targets = torch.tensor(p["new_lengths"]) if new_tokens == "targets" else None
-    out = hstu_attention(p["q"], p["k"], p["v"], offsets, int(lengths.max()), num_targets=targets,
-                         rab=bias(p), backend="pytorch", **options)
+    out = hstu_attention(
+        p["q"],
+        p["k"],
+        p["v"],
+        offsets,
+        int(lengths.max()),
+        num_targets=targets,
+        rab=bias(p),
+        backend="pytorch",
+        **options,
+    )
     return out[split(p)[1]]
 
 
@@ -91,13 +124,27 @@ def cached(p, new_tokens, backend, options, **extra):
     dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
     rab = bias(p, new_rows)
     if rab is not None:
-        rab = RelativeBias(dev(rab.position_weights), dev(rab.time_weights), dev(rab.timestamps), rab.time_bucketing,
-                           dev(rab.query_times))
+        rab = RelativeBias(
+            dev(rab.position_weights),
+            dev(rab.time_weights),
+            dev(rab.timestamps),
+            rab.time_bucketing,
+            dev(rab.query_times),
+        )
     out = hstu_cached_attention(
-        dev(p["q"][new_rows]), dev(p["k"][new_rows]), dev(p["v"][new_rows]), dev(offsets(p["new_lengths"])),
-        dev(p["k"][cache_rows].transpose(0, 1)), dev(p["v"][cache_rows].transpose(0, 1)), dev(offsets(p["cache_lengths"])),
-        new_tokens=new_tokens, rab=rab, cache_timestamps=dev(p["ts"][cache_rows]), backend=backend,
-        **options, **extra,
+        dev(p["q"][new_rows]),
+        dev(p["k"][new_rows]),
+        dev(p["v"][new_rows]),
+        dev(offsets(p["new_lengths"])),
+        dev(p["k"][cache_rows].transpose(0, 1)),
+        dev(p["v"][cache_rows].transpose(0, 1)),
+        dev(offsets(p["cache_lengths"])),
+        new_tokens=new_tokens,
+        rab=rab,
+        cache_timestamps=dev(p["ts"][cache_rows]),
+        backend=backend,
+        **options,
+        **extra,
     )
     return out.cpu()
 
@@ -122,8 +169,9 @@ def test_a_draft_tree_branch_equals_the_chain_it_stands_for(backend):
     p["ts"][-1] = p["ts"][-2]  # the siblings share a time, as generated tokens of one request do
     visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     positions = torch.tensor([6, 7, 7])
-    tree = cached(p, "history", backend, dict(alpha=0.3), positions=positions.to(DEVICE),
-                  block_visible=visible.to(DEVICE))
+    tree = cached(
+        p, "history", backend, dict(alpha=0.3), positions=positions.to(DEVICE), block_visible=visible.to(DEVICE)
+    )
     chain = cached(p, "history", backend, dict(alpha=0.3))
     torch.testing.assert_close(tree[:2], chain[:2], rtol=1e-4, atol=1e-5)
     p["q"][-2], p["k"][-2], p["v"][-2] = p["q"][-1], p["k"][-1], p["v"][-1]  # the chain through branch 2
@@ -136,5 +184,12 @@ def test_bad_shapes_and_modes_are_named_errors():
     with pytest.raises(ValueError, match="new_tokens must be one of"):
         cached(p, "candidates", "pytorch", {})
     with pytest.raises(ValueError, match="cache_k must be"):
-        hstu_cached_attention(p["q"][:2], p["k"][:2], p["v"][:2], torch.tensor([0, 2]), torch.zeros(3, 4, DA),
-                              torch.zeros(3, 4, DL), torch.tensor([0, 4]))
+        hstu_cached_attention(
+            p["q"][:2],
+            p["k"][:2],
+            p["v"][:2],
+            torch.tensor([0, 2]),
+            torch.zeros(3, 4, DA),
+            torch.zeros(3, 4, DL),
+            torch.tensor([0, 4]),
+        )

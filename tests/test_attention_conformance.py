@@ -6,6 +6,7 @@ On a CPU-only host the Triton kernels (CUDA and triton-ascend variants) run in T
 interpreter; on a CUDA or NPU host the same tests run the compiled kernels on the device.
 Select with ``-m attention``.
 """
+
 import importlib.util
 import math
 
@@ -34,8 +35,18 @@ KERNEL_BACKENDS = [
 ]
 
 
-def make_batch(lengths, targets, heads=1, dim_qk=16, dim_v=12, pos_buckets=0, time_buckets=0, bucketing="log", seed=0,
-               query_times=False):
+def make_batch(
+    lengths,
+    targets,
+    heads=1,
+    dim_qk=16,
+    dim_v=12,
+    pos_buckets=0,
+    time_buckets=0,
+    bucketing="log",
+    seed=0,
+    query_times=False,
+):
     """Random jagged batch on DEVICE; bias weights large enough that a wrong bucket shows.
 
     query_times: give each query its own time (a random later one, like the next event's)."""
@@ -51,8 +62,7 @@ def make_batch(lengths, targets, heads=1, dim_qk=16, dim_v=12, pos_buckets=0, ti
     num_targets = torch.tensor(targets) if targets is not None else None
     query_ts = ts + torch.randint(0, 10**5, ts.shape, generator=g) if query_times else None
     tensors = dict(q=q, k=k, v=v, pos_w=pos_w, time_w=time_w)
-    meta = dict(seq_offsets=offsets, num_targets=num_targets, timestamps=ts, bucketing=bucketing,
-                query_times=query_ts)
+    meta = dict(seq_offsets=offsets, num_targets=num_targets, timestamps=ts, bucketing=bucketing, query_times=query_ts)
     return {name: x.to(DEVICE) if x is not None else None for name, x in tensors.items()}, {
         name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in meta.items()
     }
@@ -72,8 +82,15 @@ def run(backend, tensors, meta, dtype=torch.float32, **options):
         )
     max_len = int((meta["seq_offsets"][1:] - meta["seq_offsets"][:-1]).max())
     out = hstu_attention(
-        leaves["q"], leaves["k"], leaves["v"], meta["seq_offsets"], max_len, num_targets=meta["num_targets"],
-        rab=rab, backend=backend, **options,
+        leaves["q"],
+        leaves["k"],
+        leaves["v"],
+        meta["seq_offsets"],
+        max_len,
+        num_targets=meta["num_targets"],
+        rab=rab,
+        backend=backend,
+        **options,
     )
     g = torch.Generator().manual_seed(1)
     cotangent = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
@@ -94,28 +111,49 @@ CASES = {
         lengths=SMALL, targets=None, heads=2, pos_buckets=100, time_buckets=40, options=dict(alpha=0.3, silu_scale=None)
     ),
     "targets,pos+sqrt-time": dict(
-        lengths=SMALL, targets=[1, 0, 4, 7, 0, 2, 3], heads=2, pos_buckets=50, time_buckets=64, bucketing="sqrt",
+        lengths=SMALL,
+        targets=[1, 0, 4, 7, 0, 2, 3],
+        heads=2,
+        pos_buckets=50,
+        time_buckets=64,
+        bucketing="sqrt",
         options=dict(alpha=0.25, silu_scale=1 / 90),
     ),
     "targets,context,pos": dict(
-        lengths=SMALL, targets=[0, 1, 3, 5, 2, 0, 1], pos_buckets=100,
+        lengths=SMALL,
+        targets=[0, 1, 3, 5, 2, 0, 1],
+        pos_buckets=100,
         options=dict(alpha=0.25, silu_scale=None, contextual_len=3),
     ),
     "targets,context,window,time": dict(
-        lengths=SMALL, targets=[1, 0, 2, 6, 1, 3, 0], time_buckets=40,
+        lengths=SMALL,
+        targets=[1, 0, 2, 6, 1, 3, 0],
+        time_buckets=40,
         options=dict(alpha=0.25, silu_scale=None, contextual_len=2, max_attn_len=9),
     ),
     "window,no-bias": dict(lengths=SMALL, targets=None, options=dict(alpha=0.25, silu_scale=1 / 64, max_attn_len=20)),
     "causal,pos+next-event-time": dict(
-        lengths=SMALL, targets=None, heads=2, pos_buckets=100, time_buckets=40, query_times=True,
+        lengths=SMALL,
+        targets=None,
+        heads=2,
+        pos_buckets=100,
+        time_buckets=40,
+        query_times=True,
         options=dict(alpha=0.3, silu_scale=None),
     ),
     "targets,context,next-event-time": dict(
-        lengths=SMALL, targets=[1, 0, 4, 7, 0, 2, 3], time_buckets=64, bucketing="sqrt", query_times=True,
+        lengths=SMALL,
+        targets=[1, 0, 4, 7, 0, 2, 3],
+        time_buckets=64,
+        bucketing="sqrt",
+        query_times=True,
         options=dict(alpha=0.25, silu_scale=1 / 90, contextual_len=2),
     ),
     "long-sequence,targets,pos+time": dict(
-        lengths=[520, 1, 6], targets=[6, 0, 2], pos_buckets=600, time_buckets=64,
+        lengths=[520, 1, 6],
+        targets=[6, 0, 2],
+        pos_buckets=600,
+        time_buckets=64,
         options=dict(alpha=0.25, silu_scale=None),
     ),
 }
@@ -222,7 +260,19 @@ def test_query_time_buckets_agree_with_reference_at_bucket_edges(backend, bucket
 
 
 def naive_attention(
-    q, k, v, lengths, targets, alpha, silu_scale, contextual_len, max_attn_len, pos_w, time_w, ts, bucketing,
+    q,
+    k,
+    v,
+    lengths,
+    targets,
+    alpha,
+    silu_scale,
+    contextual_len,
+    max_attn_len,
+    pos_w,
+    time_w,
+    ts,
+    bucketing,
     query_ts=None,
 ):
     """Sequence by sequence, pair by pair, from the spec (DESIGN / gr.hstu.kernels.common)."""
@@ -252,7 +302,7 @@ def naive_attention(
                     bucket = math.log(dt) / 0.301 if bucketing == "log" else math.sqrt(dt)
                     bias[i, j] += time_w[min(int(bucket), time_w.numel() - 1)]
         pos = torch.tensor([min(i, hist) for i in range(n)], dtype=torch.float64)
-        norm = (1.0 / (pos + 1) if silu_scale is None else torch.full((n,), silu_scale, dtype=torch.float64))
+        norm = 1.0 / (pos + 1) if silu_scale is None else torch.full((n,), silu_scale, dtype=torch.float64)
         heads = []
         for h in range(q.shape[1]):
             qs, ks, vs = (x[start : start + n, h].double() for x in (q, k, v))
@@ -275,8 +325,19 @@ def test_reference_matches_naive_spec(case):
     meta = {name: x.cpu() if isinstance(x, torch.Tensor) else x for name, x in meta.items()}
     out, _ = run("pytorch", tensors, meta, dtype=torch.float64, **options)
     expected = naive_attention(
-        tensors["q"], tensors["k"], tensors["v"], spec["lengths"], spec["targets"], options["alpha"],
-        options["silu_scale"], options.get("contextual_len", 0), options.get("max_attn_len", 0),
-        tensors["pos_w"], tensors["time_w"], meta["timestamps"], meta["bucketing"], meta["query_times"],
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        spec["lengths"],
+        spec["targets"],
+        options["alpha"],
+        options["silu_scale"],
+        options.get("contextual_len", 0),
+        options.get("max_attn_len", 0),
+        tensors["pos_w"],
+        tensors["time_w"],
+        meta["timestamps"],
+        meta["bucketing"],
+        meta["query_times"],
     )
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)  # the reference rounds 1/(pos+1) to fp32

@@ -1,5 +1,6 @@
 """The CPU fast path: work proportional to sum(L_i^2), bounded memory at L = 4096, and
 "auto" choosing it for CPU tensors (its results: tests/test_attention_conformance.py)."""
+
 import pytest
 import torch
 

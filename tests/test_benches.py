@@ -4,6 +4,7 @@ stdout line is one JSON object holding the keys its docstring promises.
 One ``Bench`` row per benchmark (path, extra arguments, promised keys); adding a benchmark
 is adding a row, and ``test_every_benchmark_has_a_smoke_entry`` fails until it is added.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,28 +33,89 @@ class Bench:
 
 
 BENCHES = (
-    Bench("bench/attention.py", ("device", "backend", "threads", "load_average", "fwd_speedup_vs_padded",
-                                 "fwd_bwd_speedup_vs_padded", "fwd_gflops", "fwd_bwd_gflops", "matmul_peak_gflops",
-                                 "fwd_fraction_of_peak", "fwd_bwd_fraction_of_peak", "padded_fwd_fraction_of_peak",
-                                 "max_relative_error"), ("--threads", "1")),
+    Bench(
+        "bench/attention.py",
+        (
+            "device",
+            "backend",
+            "threads",
+            "load_average",
+            "fwd_speedup_vs_padded",
+            "fwd_bwd_speedup_vs_padded",
+            "fwd_gflops",
+            "fwd_bwd_gflops",
+            "matmul_peak_gflops",
+            "fwd_fraction_of_peak",
+            "fwd_bwd_fraction_of_peak",
+            "padded_fwd_fraction_of_peak",
+            "max_relative_error",
+        ),
+        ("--threads", "1"),
+    ),
     Bench("bench/memory.py", ("bench", "model", "cases")),
-    Bench("bench/train_dedup.py", ("config", "ranks", "steps", "batch_size", "item_ids_per_rank_batch",
-                                   "distinct_item_ids_per_rank_batch", "no_dedup_samples_per_s", "dedup_samples_per_s",
-                                   "no_dedup_tokens_per_s", "dedup_tokens_per_s", "no_dedup_sparse_ms_per_batch",
-                                   "dedup_sparse_ms_per_batch", "train_speedup", "sparse_speedup")),
-    Bench("bench/bench_data.py", ("lines", "parse_seconds_pyarrow", "parse_seconds_python_loop", "parse_speedup",
-                                  "build_sequences_seconds", "retrieval_train_batches_per_second",
-                                  "ranking_train_batches_per_second")),
+    Bench(
+        "bench/train_dedup.py",
+        (
+            "config",
+            "ranks",
+            "steps",
+            "batch_size",
+            "item_ids_per_rank_batch",
+            "distinct_item_ids_per_rank_batch",
+            "no_dedup_samples_per_s",
+            "dedup_samples_per_s",
+            "no_dedup_tokens_per_s",
+            "dedup_tokens_per_s",
+            "no_dedup_sparse_ms_per_batch",
+            "dedup_sparse_ms_per_batch",
+            "train_speedup",
+            "sparse_speedup",
+        ),
+    ),
+    Bench(
+        "bench/bench_data.py",
+        (
+            "lines",
+            "parse_seconds_pyarrow",
+            "parse_seconds_python_loop",
+            "parse_speedup",
+            "build_sequences_seconds",
+            "retrieval_train_batches_per_second",
+            "ranking_train_batches_per_second",
+        ),
+    ),
     Bench("bench/generate.py", ("speedup_over_greedy", "details")),
-    Bench("bench/retrieval_index.py", ("items", "speedup_exact_speculative", "speedup_ivf_speculative",
-                                       "rollbacks_per_request", "mismatches", "search_ms")),
+    Bench(
+        "bench/retrieval_index.py",
+        (
+            "items",
+            "speedup_exact_speculative",
+            "speedup_ivf_speculative",
+            "rollbacks_per_request",
+            "mismatches",
+            "search_ms",
+        ),
+    ),
     Bench("bench/dejavu.py", ("smoke",)),
-    Bench("bench/serving.py", ("bench", "clock", "load_average_1min", "model", "cache_bytes_per_token", "ratios",
-                               "streaming", "batching")),
+    Bench(
+        "bench/serving.py",
+        ("bench", "clock", "load_average_1min", "model", "cache_bytes_per_token", "ratios", "streaming", "batching"),
+    ),
     Bench("bench/serving_http.py", ("history", "candidates", "in_process", "http", "http_p50_overhead_at_1_client")),
-    Bench("bench/train_step.py", ("users", "steps", "threads", "peak_gflops", "small/32-true/samples_per_s",
-                                  "small/bf16-mixed/samples_per_s", "small/bf16_speedup", "small/32-true/epoch_s"),
-          ("--recipes", "small")),
+    Bench(
+        "bench/train_step.py",
+        (
+            "users",
+            "steps",
+            "threads",
+            "peak_gflops",
+            "small/32-true/samples_per_s",
+            "small/bf16-mixed/samples_per_s",
+            "small/bf16_speedup",
+            "small/32-true/epoch_s",
+        ),
+        ("--recipes", "small"),
+    ),
     Bench("bench/device_check.py", (), covered_by="tests/test_device_check.py"),
 )
 
@@ -81,13 +143,30 @@ def test_every_benchmark_has_a_smoke_entry():
     assert on_disk == {b.path for b in BENCHES}
 
 
-@pytest.mark.parametrize("bench", [pytest.param(b, id=Path(b.path).stem, marks=[pytest.mark.xfail(
-    reason=b.xfail, strict=True)] if b.xfail else []) for b in BENCHES if not b.covered_by])
+@pytest.mark.parametrize(
+    "bench",
+    [
+        pytest.param(b, id=Path(b.path).stem, marks=[pytest.mark.xfail(reason=b.xfail, strict=True)] if b.xfail else [])
+        for b in BENCHES
+        if not b.covered_by
+    ],
+)
 def test_benchmark_smoke_run_ends_with_its_promised_json(bench, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1",
-           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    run = subprocess.run([sys.executable, bench.path, "--smoke", *bench.args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=TIMEOUT_S)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    }
+    run = subprocess.run(
+        [sys.executable, bench.path, "--smoke", *bench.args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert run.returncode == 0, f"{bench.path} --smoke failed:\n{run.stderr[-3000:]}"
     lines = run.stdout.strip().splitlines()
     assert lines, f"{bench.path} --smoke printed nothing"

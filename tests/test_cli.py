@@ -1,5 +1,6 @@
 """The ``gr`` command: subcommand dispatch, the console script declaration, ``gr train --help``
 listing every config key, ``--print-config`` and the ``train.py`` alias."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,18 @@ def test_unknown_subcommand_is_an_error_naming_the_choices(capsys, argv, message
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name,prefix", [("train", []), ("export", []), ("check", ["check"]), ("serve", ["serve"]),
-                                         ("rank", ["rank"]), ("generate", ["generate"]), ("plan", [])])
+@pytest.mark.parametrize(
+    "name,prefix",
+    [
+        ("train", []),
+        ("export", []),
+        ("check", ["check"]),
+        ("serve", ["serve"]),
+        ("rank", ["rank"]),
+        ("generate", ["generate"]),
+        ("plan", []),
+    ],
+)
 def test_each_subcommand_forwards_to_its_module_main(name, prefix):
     function, rest, error = cli.resolve([name, "x", "--y"])
     assert error == "" and callable(function) and function.__name__ == "main"
@@ -89,7 +100,12 @@ def test_print_config_prints_the_resolved_yaml_and_trains_nothing(capsys, tmp_pa
 
 
 def test_train_py_is_an_alias_of_gr_train():
-    done = subprocess.run([sys.executable, "train.py", "--config", str(QUICKSTART), "--print-config",
-                           "--model.hstu.num_layers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "train.py", "--config", str(QUICKSTART), "--print-config", "--model.hstu.num_layers", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout)["model"]["hstu"]["num_layers"] == 1

@@ -1,4 +1,5 @@
 """Issue 14, finding 8: bad input to a command line ends in one line naming the file, exit status 2."""
+
 import json
 import os
 import subprocess
@@ -25,8 +26,15 @@ def one_error_line(done, prog):
 
 
 def test_train_with_a_missing_data_path_names_the_file(tmp_path):
-    done = run("train.py", "--config", "configs/ml100k_hstu.yaml", "--data.path", str(tmp_path / "nowhere"),
-               "--out", str(tmp_path / "run"))
+    done = run(
+        "train.py",
+        "--config",
+        "configs/ml100k_hstu.yaml",
+        "--data.path",
+        str(tmp_path / "nowhere"),
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert str(tmp_path / "nowhere") in one_error_line(done, "gr train")
 
 

@@ -1,5 +1,6 @@
 """Quiet, readable output at our entry points: a tiny ``gr train`` + ``gr export`` in a subprocess
 prints each log line once, none of the known third-party noise, one line per epoch."""
+
 import logging
 import re
 import subprocess
@@ -15,9 +16,15 @@ from gr.console import KNOWN_LOG_LINES, quiet_console
 from helpers.runs import recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-KNOWN_NOISE = ("HeuristicalStorageReservation", "known issue with TorchRec's dense tensor size", "broadcast_buffers",
-               "torchvision is not installed", "Initializing distributed", "Starting with 1 processes",
-               "Tip: For seamless cloud logging")
+KNOWN_NOISE = (
+    "HeuristicalStorageReservation",
+    "known issue with TorchRec's dense tensor size",
+    "broadcast_buffers",
+    "torchvision is not installed",
+    "Initializing distributed",
+    "Starting with 1 processes",
+    "Tip: For seamless cloud logging",
+)
 LOG_PREFIX = re.compile(r"^(INFO|WARNING|ERROR|DEBUG)(:[\w.]+:|: | [\w.]+: )")
 
 
@@ -33,7 +40,8 @@ def train_and_export_output(tmp_path_factory):
     config = root / "tiny.yaml"
     config.write_text(yaml.safe_dump(recipe(("trainer.enable_progress_bar", True), ("trainer.max_epochs", 2))))
     return _gr("train", "--config", str(config), "--out", str(root / "run")) + _gr(
-        "export", str(root / "run"), str(root / "export"))
+        "export", str(root / "run"), str(root / "export")
+    )
 
 
 def test_each_log_line_is_printed_once(train_and_export_output):
@@ -71,11 +79,16 @@ def test_filters_drop_only_the_known_messages(caplog):
         onnx.warning("torchvision is not installed. Skipping %s", "torchvision::nms")
         onnx.warning("an unknown operator")
         logging.getLogger("lightning.fabric.utilities.distributed").warning(
-            "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2")  # two processes: kept
+            "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2"
+        )  # two processes: kept
         assert [r.getMessage() for r in caplog.records] == [
-            "an unknown operator", "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2"]
-        assert len(root.handlers) == len([h for h in others if h.formatter is None
-                                          or h.formatter._fmt != logging.BASIC_FORMAT]) + 1
+            "an unknown operator",
+            "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2",
+        ]
+        assert (
+            len(root.handlers)
+            == len([h for h in others if h.formatter is None or h.formatter._fmt != logging.BASIC_FORMAT]) + 1
+        )
     finally:
         root.handlers[:] = saved_handlers
         for name, filters in loggers.items():

@@ -1,4 +1,5 @@
 """DataConfig: every bad key is named as data.<key> before any file is read."""
+
 import pytest
 
 from gr.data.config import DataConfig
@@ -33,10 +34,14 @@ def test_invalid_value_is_named(values, key):
         DataConfig.from_dict(values)
 
 
-@pytest.mark.parametrize("values, where", [({"max_len": 3}, r"data: unknown key\(s\) \['max_len'\]"),
-                                           ({"synthetic": {"users": 3}}, r"data\.synthetic: unknown key\(s\) \['users'\]"),
-                                           ({"ranking": {"tasks": [{"name": "a", "x": 1}]}},
-                                            r"data\.ranking\.tasks\[0\]: unknown key\(s\) \['x'\]")])
+@pytest.mark.parametrize(
+    "values, where",
+    [
+        ({"max_len": 3}, r"data: unknown key\(s\) \['max_len'\]"),
+        ({"synthetic": {"users": 3}}, r"data\.synthetic: unknown key\(s\) \['users'\]"),
+        ({"ranking": {"tasks": [{"name": "a", "x": 1}]}}, r"data\.ranking\.tasks\[0\]: unknown key\(s\) \['x'\]"),
+    ],
+)
 def test_unknown_keys_are_named(values, where):
     with pytest.raises(ValueError, match=where):
         DataConfig.from_dict(values)

@@ -1,4 +1,5 @@
 """SequenceDataModule batches follow docs DATA_CONTRACT: retrieval and ranking, every split."""
+
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,10 @@ def retrieval():
 
 @pytest.fixture(scope="module")
 def ranking():
-    return module(task="ranking", ranking={"positives_per_sample": 2, "samples_per_user": 3, "num_negatives": 5,
-                                           "eval_num_negatives": 7})
+    return module(
+        task="ranking",
+        ranking={"positives_per_sample": 2, "samples_per_user": 3, "num_negatives": 5, "eval_num_negatives": 7},
+    )
 
 
 def test_retrieval_train_batch_is_the_recent_training_part_shifted_by_one(retrieval):
@@ -66,8 +69,10 @@ def test_retrieval_train_batch_is_the_recent_training_part_shifted_by_one(retrie
         assert query_times[b] == stamps[:-2][1:][-MAX_LEN:].tolist()  # each label's time
     assert batch.max_seq_len == MAX_LEN  # sequences are >= 8 long, so some history is cut to the window
     categories = retrieval.corpus.item_features.categorical["item_category"]
-    assert torch.equal(batch.sequence_ids["item_category"].values(),
-                       torch.from_numpy(categories[batch.sequence_ids["item_id"].values().numpy()]))
+    assert torch.equal(
+        batch.sequence_ids["item_category"].values(),
+        torch.from_numpy(categories[batch.sequence_ids["item_id"].values().numpy()]),
+    )
 
 
 @pytest.mark.parametrize("split, held_out", [("val", 2), ("test", 1)])
@@ -82,7 +87,7 @@ def test_retrieval_eval_batch_holds_out_one_event_and_excludes_the_history(retri
         assert batch.labels["target_item"][b] == items[target]
         assert tokens[b] == items[:target][-MAX_LEN:].tolist()
         assert query_times[b] == stamps[1 : target + 1][-MAX_LEN:].tolist()  # the last: the target's time
-        excluded = batch.labels["exclude_items"][offsets[b]:offsets[b + 1]].tolist()
+        excluded = batch.labels["exclude_items"][offsets[b] : offsets[b + 1]].tolist()
         assert excluded == sorted(set(items[:target].tolist()))
 
 
@@ -110,20 +115,29 @@ def test_ranking_train_sample_is_history_then_real_next_items_then_unseen_negati
     for b, user in enumerate(batch.labels["user"].tolist()):
         items, stamps, ratings = user_rows(ranking, user)
         history, candidates = tokens[b][:-7], tokens[b][-7:]
-        cut = next(c for c in range(1, len(items) - 3) if items[max(0, c - MAX_LEN):c].tolist() == history
-                   and items[c:c + 2].tolist() == candidates[:2])
+        cut = next(
+            c
+            for c in range(1, len(items) - 3)
+            if items[max(0, c - MAX_LEN) : c].tolist() == history and items[c : c + 2].tolist() == candidates[:2]
+        )
         assert cut + 2 <= len(items) - 2  # positives come from the training part only
         assert not set(candidates[2:]) & set(items.tolist()) and len(set(candidates)) == 7
         assert times[b][-7:] == [stamps[cut]] * 7
         assert query_times[b] == times[b][1:-7] + [stamps[cut]] * 8  # the request (cut) ends the history
         assert watch[b].tolist() == [1, 1, 0, 0, 0, 0, 0]
-        assert like[b].tolist() == [float(r >= 4) for r in ratings[cut:cut + 2]] + [0.0] * 5
+        assert like[b].tolist() == [float(r >= 4) for r in ratings[cut : cut + 2]] + [0.0] * 5
 
 
 def test_ranking_eval_candidates_are_fixed_by_the_seed(ranking):
     first = next(iter(ranking.test_dataloader()))
-    again = next(iter(module(task="ranking", ranking={"positives_per_sample": 2, "samples_per_user": 3,
-                                                      "num_negatives": 5, "eval_num_negatives": 7}).test_dataloader()))
+    again = next(
+        iter(
+            module(
+                task="ranking",
+                ranking={"positives_per_sample": 2, "samples_per_user": 3, "num_negatives": 5, "eval_num_negatives": 7},
+            ).test_dataloader()
+        )
+    )
     assert first.num_targets.tolist() == [8] * len(first.num_targets)
     assert torch.equal(first.sequence_ids.values(), again.sequence_ids.values())
     tokens = split_tokens(first, first.sequence_ids["item_id"].values())
@@ -134,15 +148,20 @@ def test_ranking_eval_candidates_are_fixed_by_the_seed(ranking):
 
 
 def test_batches_are_seeded_and_reshuffled_per_epoch(ranking):
-    other = module(task="ranking", ranking={"positives_per_sample": 2, "samples_per_user": 3, "num_negatives": 5,
-                                            "eval_num_negatives": 7})
+    other = module(
+        task="ranking",
+        ranking={"positives_per_sample": 2, "samples_per_user": 3, "num_negatives": 5, "eval_num_negatives": 7},
+    )
     loaders = [ranking.train_dataloader(), other.train_dataloader()]
     first = [next(iter(loader)) for loader in loaders]
     assert torch.equal(first[0].sequence_ids.values(), first[1].sequence_ids.values())
     loaders[0].sampler.set_epoch(1)
     assert not torch.equal(next(iter(loaders[0])).labels["user"], first[0].labels["user"])
-    reseeded = module(task="ranking", seed=1, ranking={"positives_per_sample": 2, "samples_per_user": 3,
-                                                       "num_negatives": 5, "eval_num_negatives": 7})
+    reseeded = module(
+        task="ranking",
+        seed=1,
+        ranking={"positives_per_sample": 2, "samples_per_user": 3, "num_negatives": 5, "eval_num_negatives": 7},
+    )
     assert not torch.equal(next(iter(reseeded.train_dataloader())).labels["user"], first[0].labels["user"])
 
 

@@ -1,5 +1,6 @@
 """``gr data download``: checksums, truncation, safe unpacking and count checks, against a
 local HTTP server on 127.0.0.1 serving archives the tests build (no test reaches the internet)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,7 @@ def test_download_verifies_unpacks_into_dir_and_checks_counts(served, tmp_path):
     root, base = served
     archive = _ml_100k_zip(root / "ml-100k.zip")
     target = tmp_path / "data" / "ml-100k"
-    record = dl.download_dataset("ml-100k", target, progress=False,
-                                 sources=_source(archive, f"{base}/ml-100k.zip"))
+    record = dl.download_dataset("ml-100k", target, progress=False, sources=_source(archive, f"{base}/ml-100k.zip"))
     assert sorted(p.name for p in target.iterdir()) == ["DOWNLOAD.json", "README", "u.data"]
     assert record["sha256"] == hashlib.sha256(archive.read_bytes()).hexdigest()
     assert json.loads((target / "DOWNLOAD.json").read_text()) == record
@@ -92,16 +92,22 @@ def test_wrong_sha256_option_is_a_checksum_mismatch(served, tmp_path):
     root, base = served
     archive = _ml_100k_zip(root / "ml-100k.zip")
     with pytest.raises(dl.ChecksumMismatch, match=r"--sha256"):
-        dl.download_dataset("ml-100k", tmp_path / "out", sha256="0" * 64, progress=False,
-                            sources=_source(archive, f"{base}/ml-100k.zip"))
+        dl.download_dataset(
+            "ml-100k",
+            tmp_path / "out",
+            sha256="0" * 64,
+            progress=False,
+            sources=_source(archive, f"{base}/ml-100k.zip"),
+        )
 
 
 def test_truncated_download_is_named(served, tmp_path):
     root, base = served
     archive = _ml_100k_zip(root / "ml-100k.zip")
     with pytest.raises(dl.TruncatedDownload, match="short|announced"):
-        dl.download_dataset("ml-100k", tmp_path / "out", progress=False,
-                            sources=_source(archive, f"{base}/truncated/ml-100k.zip"))
+        dl.download_dataset(
+            "ml-100k", tmp_path / "out", progress=False, sources=_source(archive, f"{base}/truncated/ml-100k.zip")
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -110,8 +116,9 @@ def test_archive_member_escaping_the_target_is_refused(served, tmp_path, name):
     root, base = served
     archive = _ml_100k_zip(root / "ml-100k.zip", extra=((zipfile.ZipInfo(name), b"x"),))
     with pytest.raises(dl.UnsafeArchive, match="outside the target"):
-        dl.download_dataset("ml-100k", tmp_path / "a" / "out", progress=False,
-                            sources=_source(archive, f"{base}/ml-100k.zip"))
+        dl.download_dataset(
+            "ml-100k", tmp_path / "a" / "out", progress=False, sources=_source(archive, f"{base}/ml-100k.zip")
+        )
     assert not list(tmp_path.rglob("escaped.txt")) and not (tmp_path / "a" / "out").exists()
 
 
@@ -121,8 +128,9 @@ def test_symlink_member_is_refused(served, tmp_path):
     link.external_attr = (stat.S_IFLNK | 0o777) << 16
     archive = _ml_100k_zip(root / "ml-100k.zip", extra=((link, "/etc/passwd"),))
     with pytest.raises(dl.UnsafeArchive, match="link or special file"):
-        dl.download_dataset("ml-100k", tmp_path / "out", progress=False,
-                            sources=_source(archive, f"{base}/ml-100k.zip"))
+        dl.download_dataset(
+            "ml-100k", tmp_path / "out", progress=False, sources=_source(archive, f"{base}/ml-100k.zip")
+        )
 
 
 @pytest.mark.parametrize("field,value", [("interactions", len(RATINGS) + 1), ("items", ITEMS - 1)])
@@ -130,8 +138,12 @@ def test_wrong_counts_are_a_count_mismatch(served, tmp_path, field, value):
     root, base = served
     archive = _ml_100k_zip(root / "ml-100k.zip")
     with pytest.raises(dl.CountMismatch, match=f"{field}, the published dataset has {value}"):
-        dl.download_dataset("ml-100k", tmp_path / "out", progress=False,
-                            sources=_source(archive, f"{base}/ml-100k.zip", **{field: value}))
+        dl.download_dataset(
+            "ml-100k",
+            tmp_path / "out",
+            progress=False,
+            sources=_source(archive, f"{base}/ml-100k.zip", **{field: value}),
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -139,13 +151,17 @@ def test_amazon_books_needs_sha256_and_is_saved_as_its_csv(served, tmp_path):
     root, base = served
     csv = root / "ratings_Books.csv"
     csv.write_text("".join(f"A{u},{i:010d},{r}.0,{t}\n" for u, i, r, t in RATINGS))
-    sources = {"amazon-books": dataclasses.replace(dl.DATASETS["amazon-books"], url=f"{base}/ratings_Books.csv",
-                                                   interactions=len(RATINGS))}
+    sources = {
+        "amazon-books": dataclasses.replace(
+            dl.DATASETS["amazon-books"], url=f"{base}/ratings_Books.csv", interactions=len(RATINGS)
+        )
+    }
     with pytest.raises(dl.MissingChecksum, match="--sha256"):
         dl.download_dataset("amazon-books", tmp_path / "books", progress=False, sources=sources)
     digest = hashlib.sha256(csv.read_bytes()).hexdigest()
-    record = dl.download_dataset("amazon-books", tmp_path / "books", sha256=digest.upper(), progress=False,
-                                 sources=sources)
+    record = dl.download_dataset(
+        "amazon-books", tmp_path / "books", sha256=digest.upper(), progress=False, sources=sources
+    )
     assert (tmp_path / "books" / "ratings_Books.csv").read_bytes() == csv.read_bytes()
     assert record["items"] == ITEMS
 

@@ -1,4 +1,5 @@
 """Readers of the public formats: exact layouts, side features, and errors naming file and line."""
+
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +32,12 @@ def ml_100k_dir(root: Path) -> Path:
     flags = ["0"] * 19
     drama = flags.copy()
     drama[8] = "1"
-    write(root / "u.item", f"10|Amélie (2001)|01-Jan-2001||http://x|{'|'.join(drama)}\n"
-                           f"30|Toy Story (1995)|01-Jan-1995||http://y|{'|'.join(flags)}\n", "latin-1")
+    write(
+        root / "u.item",
+        f"10|Amélie (2001)|01-Jan-2001||http://x|{'|'.join(drama)}\n"
+        f"30|Toy Story (1995)|01-Jan-1995||http://y|{'|'.join(flags)}\n",
+        "latin-1",
+    )
     write(root / "u.user", "1|24|M|technician|85711\n2|60|F|other|94043\n")
     return root
 
@@ -60,8 +65,12 @@ def test_ml_100k_real_files_have_the_published_counts():
 
 def test_ml_1m_double_colon_layout_with_latin1_genres(tmp_path):
     write(tmp_path / "ratings.dat", "1::1193::5::978300760\n1::661::3::978302109\n2::1193::4::978298413\n")
-    write(tmp_path / "movies.dat", "1193::One Flew Over the Cuckoo's Nest (1975)::Drama\n"
-                                   "661::Café: a Story (1996)::Animation|Children's|Musical\n", "latin-1")
+    write(
+        tmp_path / "movies.dat",
+        "1193::One Flew Over the Cuckoo's Nest (1975)::Drama\n"
+        "661::Café: a Story (1996)::Animation|Children's|Musical\n",
+        "latin-1",
+    )
     write(tmp_path / "users.dat", "1::F::1::10::48067\n2::M::56::16::70072\n")
     data = read_ml_1m(str(tmp_path))
     assert data.items.tolist() == [1193, 661, 1193]
@@ -73,8 +82,10 @@ def test_ml_1m_double_colon_layout_with_latin1_genres(tmp_path):
 
 def test_ml_20m_header_and_half_star_ratings(tmp_path):
     write(tmp_path / "ratings.csv", "userId,movieId,rating,timestamp\n1,2,3.5,1112486027\n1,29,4.0,1112484676\n")
-    write(tmp_path / "movies.csv", 'movieId,title,genres\n2,"Jumanji, The (1995)",Adventure|Children\n'
-                                   "29,City (1995),(no genres listed)\n")
+    write(
+        tmp_path / "movies.csv",
+        'movieId,title,genres\n2,"Jumanji, The (1995)",Adventure|Children\n29,City (1995),(no genres listed)\n',
+    )
     data = read_ml_20m(str(tmp_path))
     assert data.ratings.tolist() == [3.5, 4.0]
     assert data.item_side.keys.tolist() == [2, 29]
@@ -97,10 +108,13 @@ def test_amazon_string_ids_keep_leading_zeros(tmp_path):
 
 
 def test_generic_csv_picks_named_columns_and_side_features(tmp_path):
-    path = write(tmp_path / "events.csv", "ts,who,what,score,country,brand\n"
-                                          "100,7,42,1.0,FR,acme\n90,7,43,0.0,DE,zeta\n95,8,42,1.0,IT,acme\n")
-    columns = ColumnConfig(user="who", item="what", timestamp="ts", rating="score",
-                           user_features=("country",), item_features=("brand",))
+    path = write(
+        tmp_path / "events.csv",
+        "ts,who,what,score,country,brand\n100,7,42,1.0,FR,acme\n90,7,43,0.0,DE,zeta\n95,8,42,1.0,IT,acme\n",
+    )
+    columns = ColumnConfig(
+        user="who", item="what", timestamp="ts", rating="score", user_features=("country",), item_features=("brand",)
+    )
     data = read_table_csv(str(path), columns)
     assert data.users.dtype.kind == "i" and data.users.tolist() == [7, 7, 8]
     assert data.timestamps.tolist() == [100, 90, 95]
@@ -109,8 +123,7 @@ def test_generic_csv_picks_named_columns_and_side_features(tmp_path):
 
 
 def test_parquet_with_a_timestamp_column(tmp_path):
-    table = pa.table({"u": ["x", "y", "x"], "i": [3, 4, 5],
-                      "t": pa.array([1_000, 2_000, 3_000], pa.timestamp("ms"))})
+    table = pa.table({"u": ["x", "y", "x"], "i": [3, 4, 5], "t": pa.array([1_000, 2_000, 3_000], pa.timestamp("ms"))})
     pq.write_table(table, tmp_path / "events.parquet")
     data = read_table_parquet(str(tmp_path / "events.parquet"), ColumnConfig(user="u", item="i", timestamp="t"))
     assert data.users.tolist() == ["x", "y", "x"]
@@ -168,7 +181,9 @@ def test_missing_and_empty_files_are_named(tmp_path):
 
 def test_csv_missing_column_names_the_header_line(tmp_path):
     write(tmp_path / "events.csv", "user_id,item\n1,2\n")
-    with pytest.raises(DataFormatError, match=r"events\.csv:1: the header lacks column\(s\) \['item_id', 'timestamp'\]"):
+    with pytest.raises(
+        DataFormatError, match=r"events\.csv:1: the header lacks column\(s\) \['item_id', 'timestamp'\]"
+    ):
         read_table_csv(str(tmp_path / "events.csv"), ColumnConfig())
 
 

@@ -1,4 +1,5 @@
 """Per-user sequences: filtering, id remapping, stable time order, leave-one-out, negative sampling."""
+
 import logging
 
 import numpy as np
@@ -12,8 +13,9 @@ from gr.data.sequences import build_sequences, concat_ranges, window_starts
 
 def events(rows, ratings=True):
     users, items, times = (np.array(c) for c in zip(*rows))
-    return Interactions(users, items, times.astype(np.int64),
-                        np.arange(len(rows), dtype=np.float32) if ratings else None, source="mem")
+    return Interactions(
+        users, items, times.astype(np.int64), np.arange(len(rows), dtype=np.float32) if ratings else None, source="mem"
+    )
 
 
 def test_sort_is_by_time_with_ties_in_file_order_and_ids_are_remapped():
@@ -68,15 +70,18 @@ def test_sampled_negatives_are_unseen_and_distinct_per_row():
     negatives = sampler.sample(users, 10, np.random.default_rng(1))
     assert negatives.shape == (60, 10)
     for user, row in zip(users, negatives):
-        seen = set(seqs.items[seqs.offsets[user]:seqs.offsets[user + 1]].tolist())
+        seen = set(seqs.items[seqs.offsets[user] : seqs.offsets[user + 1]].tolist())
         assert len(set(row.tolist())) == 10 and not seen & set(row.tolist())
     with pytest.raises(ValueError, match=r"data.ranking.num_negatives: 11 negatives .* only 10 unseen"):
         sampler.check_room(11, "data.ranking.num_negatives")
 
 
 def test_id_maps_round_trip_through_files(tmp_path):
-    maps = {"users": IdMap.of(np.array(["b", "a\tx", "c"])), "items": IdMap.of(np.array([30, 10])),
-            "user_age": IdMap.of(np.array([25, 18]), offset=1)}
+    maps = {
+        "users": IdMap.of(np.array(["b", "a\tx", "c"])),
+        "items": IdMap.of(np.array([30, 10])),
+        "user_age": IdMap.of(np.array([25, 18]), offset=1),
+    }
     save_mappings(str(tmp_path), maps, {"item_genres": ["Action", "Drama"]})
     loaded, columns = load_mappings(str(tmp_path))
     assert loaded["users"].raw.tolist() == ["a\tx", "b", "c"]

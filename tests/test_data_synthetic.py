@@ -1,4 +1,5 @@
 """The synthetic dataset: deterministic, well-formed, and predictable from the previous item."""
+
 import numpy as np
 
 from gr.data.config import SyntheticConfig
@@ -35,7 +36,7 @@ def hit_rate_at_10(scores, seqs):
     hits = 0
     for user, target in enumerate(targets):
         row = scores[user].astype(float).copy()
-        row[seqs.items[seqs.offsets[user]:target]] = -np.inf
+        row[seqs.items[seqs.offsets[user] : target]] = -np.inf
         hits += int((row > row[seqs.items[target]]).sum() < 10)
     return hits / len(targets)
 

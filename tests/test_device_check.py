@@ -1,5 +1,6 @@
 """bench/device_check.py: a step's result from its exit status and summary line, and the whole
 check at smoke size on CPU writing report.json / report.md and one JSON line."""
+
 import importlib.util
 import json
 import os
@@ -26,8 +27,9 @@ def test_a_step_that_ends_with_a_json_line_passes_with_that_summary(tmp_path):
 
 
 def test_a_failing_step_is_failed_with_its_error_and_one_without_a_summary_too(tmp_path):
-    step = device_check.run_step(python_step("boom", "raise SystemExit('no kernel for this device')"), os.environ,
-                                 tmp_path, 60)
+    step = device_check.run_step(
+        python_step("boom", "raise SystemExit('no kernel for this device')"), os.environ, tmp_path, 60
+    )
     assert step.status == "failed"
     assert step.note.startswith("exit status 1") and device_check.last_line(step.note) == "no kernel for this device"
     silent = device_check.run_step(python_step("silent", "print('done')"), os.environ, tmp_path, 60)
@@ -35,8 +37,9 @@ def test_a_failing_step_is_failed_with_its_error_and_one_without_a_summary_too(t
 
 
 def test_a_step_past_its_time_limit_is_a_timeout(tmp_path):
-    step = device_check.run_step(python_step("slow", "import time; print('start', flush=True); time.sleep(30)"),
-                                 os.environ, tmp_path, 1)
+    step = device_check.run_step(
+        python_step("slow", "import time; print('start', flush=True); time.sleep(30)"), os.environ, tmp_path, 1
+    )
     assert step.status == "timeout" and "start" in step.note
 
 
@@ -54,14 +57,25 @@ def test_the_plan_runs_the_device_backend_and_skips_a_missing_train_step_bench(t
 def test_smoke_check_on_cpu_writes_the_report_and_one_json_line(tmp_path):
     out = tmp_path / "check"
     env = {k: v for k, v in os.environ.items() if k != "GR_TEST_DEVICE"}
-    run = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--smoke", "--out", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "bench/device_check.py", "--device", "cpu", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     last = json.loads(run.stdout.strip().splitlines()[-1])
     report = json.loads((out / "report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
-    assert last == {"bench": "device_check", "device": "cpu", "device_name": report["device_name"],
-                    "ok": report["ok"], "report": str(out / "report.json"),
-                    "steps": {name: s["status"] for name, s in steps.items()}}
+    assert last == {
+        "bench": "device_check",
+        "device": "cpu",
+        "device_name": report["device_name"],
+        "ok": report["ok"],
+        "report": str(out / "report.json"),
+        "steps": {name: s["status"] for name, s in steps.items()},
+    }
     assert run.returncode == (0 if report["ok"] else 1)
     assert report["device_error"] is None and report["smoke"] is True
     assert {"torch", "onnxruntime", "lightning"} <= set(report["packages"])

@@ -5,6 +5,7 @@ and served: the export alone reproduces the run's predictions on its test users.
 
 The serving runtime runs on CPU whatever the device (issue 19d, serving on a device, is not
 done yet), so on a CUDA or NPU host the device part is the training run and its kernels."""
+
 import copy
 
 import numpy as np
@@ -26,9 +27,18 @@ DEVICE = suite_device()
 def ranking_recipe(device: str) -> dict:
     """test_train_run's tiny synthetic recipe as a one-task ranking run on ``device``."""
     values = copy.deepcopy(RETRIEVAL)
-    values["data"].update(task="ranking", item_features=True, user_features=True,
-                          ranking={"positives_per_sample": 2, "samples_per_user": 2, "num_negatives": 4,
-                                   "eval_num_negatives": 5, "tasks": [{"name": "watch"}]})
+    values["data"].update(
+        task="ranking",
+        item_features=True,
+        user_features=True,
+        ranking={
+            "positives_per_sample": 2,
+            "samples_per_user": 2,
+            "num_negatives": 4,
+            "eval_num_negatives": 5,
+            "tasks": [{"name": "watch"}],
+        },
+    )
     values["task"] = {"ranking": {"task_weights": {"watch": 1.0}}}
     values["model"]["tables"] += [
         {"name": "category", "embedding_dim": 8, "features": ["item_category"]},

@@ -2,6 +2,7 @@
 refused otherwise, a clear error naming torch_npu / CANN when they are missing, the Lightning
 accelerator registered under "npu", and the torch_npu autoload switched off unless an NPU is
 requested or present. Nothing here ran on an NPU."""
+
 import importlib.util
 import os
 import subprocess
@@ -92,12 +93,26 @@ def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
     q = torch.zeros(3, hstu.num_heads, hstu.attention_dim, requires_grad=True)
     v = torch.zeros(3, hstu.num_heads, hstu.linear_dim, requires_grad=True)
 
-    def op(q, k, v, mask, attn_bias, mask_type, max_seq_len, silu_scale, seq_offset, num_context, num_target,
-           target_group_size, alpha):
+    def op(
+        q,
+        k,
+        v,
+        mask,
+        attn_bias,
+        mask_type,
+        max_seq_len,
+        silu_scale,
+        seq_offset,
+        num_context,
+        num_target,
+        target_group_size,
+        alpha,
+    ):
         raise AssertionError("only its signature is read")
 
-    misfits = mxrec_misfits(op, q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, None, 0, 0, hstu.attn_alpha,
-                            1.0 / hstu.max_seq_len, None)
+    misfits = mxrec_misfits(
+        op, q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, None, 0, 0, hstu.attn_alpha, 1.0 / hstu.max_seq_len, None
+    )
     assert misfits == []
 
 
@@ -125,18 +140,29 @@ def test_an_autoload_setting_already_in_the_environment_is_kept(monkeypatch):
     assert devices.autoload_env(None, {}) == {devices.AUTOLOAD_VAR: "0"}
 
 
-@pytest.mark.skipif(devices.requested_test_device() not in (None, "cpu") or not importlib.util.find_spec("triton"),
-                    reason="the interpreter is the CPU suite's concern")
+@pytest.mark.skipif(
+    devices.requested_test_device() not in (None, "cpu") or not importlib.util.find_spec("triton"),
+    reason="the interpreter is the CPU suite's concern",
+)
 def test_interpreted_triton_kernels_pass_after_the_training_stack_is_collected_first():
     """The training stack imports triton (through torch) at collection; TRITON_INTERPRET must
     already be set then, so tests/conftest.py sets it, not the attention modules."""
     root = Path(__file__).resolve().parents[1]
     env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "GR_TEST_DEVICE")}
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings",
-               "tests/test_train_config.py::test_config_file_errors_name_the_file",
-               "tests/test_attention_conformance.py::test_backend_matches_reference_forward_and_gradients"
-               "[triton-causal,pos+next-event-time]"]
-    run = subprocess.run(command, cwd=root, env={**env, "GR_TEST_DEVICE": "cpu"}, capture_output=True, text=True,
-                         timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:warnings",
+        "tests/test_train_config.py::test_config_file_errors_name_the_file",
+        "tests/test_attention_conformance.py::test_backend_matches_reference_forward_and_gradients"
+        "[triton-causal,pos+next-event-time]",
+    ]
+    run = subprocess.run(
+        command, cwd=root, env={**env, "GR_TEST_DEVICE": "cpu"}, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout[-3000:]
     assert "2 passed" in run.stdout

@@ -2,6 +2,7 @@
 caught by the MANIFEST; the other checks are shown on exports damaged *and re-signed* (a consistent
 but wrong export): truncated weights, a missing slice, edited shapes, unknown versions, dangling
 edges, paths that leave the export, non-finite weights. Also the ``check`` CLI."""
+
 import json
 import os
 import shutil
@@ -73,8 +74,9 @@ def test_any_edit_after_export_is_a_manifest_error_for_the_checker_and_every_loa
     values = json.loads(edit_config_unsigned.read_text())
     values["time_bucketing"] = "sqrt"  # would change scores silently
     edit_config_unsigned.write_text(json.dumps(values))
-    assert problems(export) == [("hstu/config.json", "-",
-                                 "sha256 differs from MANIFEST: the file was changed after export")]
+    assert problems(export) == [
+        ("hstu/config.json", "-", "sha256 differs from MANIFEST: the file was changed after export")
+    ]
     for load in (load_hstu, Ranker.load):
         with pytest.raises(ExportFormatError, match="hstu/config.json .*sha256 differs from MANIFEST"):
             load(export)
@@ -97,8 +99,11 @@ def test_missing_manifest_or_a_format_1_export_is_refused_with_what_to_do(export
     assert problems(export)[0][:2] == ("MANIFEST", "-") and "re-export" in problems(export)[0][2]
     (export / "hstu/config.json").rename(export / "hstu/config.ini")
     write_manifest(export)
-    assert ("hstu/config.json", "-", "file is missing (this is a format-1 export with hstu/config.ini: re-export "
-            "the run with this version of gr)") in problems(export)
+    assert (
+        "hstu/config.json",
+        "-",
+        "file is missing (this is a format-1 export with hstu/config.ini: re-export the run with this version of gr)",
+    ) in problems(export)
 
 
 def test_paths_in_an_ini_that_leave_the_export_are_refused_before_reading(export):
@@ -155,11 +160,16 @@ def test_missing_or_misshaped_hstu_tensors_are_named(export):
 
 
 def test_edited_shape_in_the_slice_graph_is_an_error(export):
-    edit(export / "default/slice_graph.ini", "[slice.prefix_dnn.input.genre]\ndtype = float32\nshape = tokens, 4",
-         "[slice.prefix_dnn.input.genre]\ndtype = float32\nshape = tokens, 5")
+    edit(
+        export / "default/slice_graph.ini",
+        "[slice.prefix_dnn.input.genre]\ndtype = float32\nshape = tokens, 4",
+        "[slice.prefix_dnn.input.genre]\ndtype = float32\nshape = tokens, 5",
+    )
     found = {(f, k): m for f, k, m in problems(export)}
-    assert "sparse.genre has shape ['tokens', 4], the input expects ['tokens', 5]" in \
-        found[("default/slice_graph.ini", "slice.prefix_dnn.input.genre.source")]
+    assert (
+        "sparse.genre has shape ['tokens', 4], the input expects ['tokens', 5]"
+        in found[("default/slice_graph.ini", "slice.prefix_dnn.input.genre.source")]
+    )
     assert "shape ['tokens', 4]" in found[("prefix_dnn/model.onnx", "genre")]
 
 
@@ -177,11 +187,14 @@ def test_bad_config_values_are_named_by_key(export):
     assert found[("hstu/config.json", "rogue")] == "unknown key"
     assert found[("hstu/config.json", "num_attention_heads")] == "missing key"
     edit_config(export, model_type="hstu", rogue=None, num_attention_heads=2)
-    assert "hstu/config.json.num_layers: expected an int >= 1, got 'two'" in \
-        found_messages(export, ("hstu/config.json", "-"))
+    assert "hstu/config.json.num_layers: expected an int >= 1, got 'two'" in found_messages(
+        export, ("hstu/config.json", "-")
+    )
     edit_config(export, num_hidden_layers=2)
-    assert "derived from the other keys" in dict(((f, k), m) for f, k, m in problems(export))[("hstu/config.json",
-                                                                                             "alpha")]
+    assert (
+        "derived from the other keys"
+        in dict(((f, k), m) for f, k, m in problems(export))[("hstu/config.json", "alpha")]
+    )
 
 
 def found_messages(export, where):
@@ -199,8 +212,9 @@ def test_dangling_graph_edge_is_an_error(export):
     edit(export / "default/slice_graph.ini", "source = prefix_dnn.embedding", "source = postfix_dnn.click")
     keys = {k: m for f, k, m in problems(export) if f == "default/slice_graph.ini"}
     assert keys["slice.postfix_dnn.input.hidden.source"].startswith("dangling edge: 'hstu.last_hidden'")
-    assert keys["slice.hstu.input.x.source"].startswith("dangling edge: 'postfix_dnn.click'"), \
+    assert keys["slice.hstu.input.x.source"].startswith("dangling edge: 'postfix_dnn.click'"), (
         "edges only point upstream"
+    )
 
 
 def test_check_cli_reports_problems_by_file_and_key(export, capsys):

@@ -1,6 +1,7 @@
 """Sliced export round trips: ONNX slices = PyTorch, rebuilt HSTU = trained HSTU, the whole
 chain from the export alone = the trained model's predictions; user-defined DNNs; atomic writes.
 """
+
 import json
 
 import numpy as np
@@ -115,9 +116,14 @@ def test_retrieval_rank_scores_each_candidate_by_the_trained_query_at_the_last_h
     for request in requests_from_batch(batch):
         history = request["history"]
         n = len(history["item_id"])
-        alone = GRInput(seq_offsets=torch.tensor([0, n]), max_seq_len=n, timestamps=torch.from_numpy(history["timestamps"]),
-                        sequence_ids=KeyedJaggedTensor.from_lengths_sync(
-                            ["item_id"], torch.from_numpy(history["item_id"]), torch.tensor([n])))
+        alone = GRInput(
+            seq_offsets=torch.tensor([0, n]),
+            max_seq_len=n,
+            timestamps=torch.from_numpy(history["timestamps"]),
+            sequence_ids=KeyedJaggedTensor.from_lengths_sync(
+                ["item_id"], torch.from_numpy(history["item_id"]), torch.tensor([n])
+            ),
+        )
         with torch.no_grad():
             query = model(alone).predictions["query"][-1]  # the history's last token: what training scores
         want = items[torch.from_numpy(request["candidates"]["item_id"])] @ query
@@ -143,8 +149,12 @@ def test_config_json_has_hugging_face_keys_hstu_keys_and_the_format_version(ship
     cfg = model.hstu.config
     assert values["model_type"] == "hstu" and values["torch_dtype"] == "float32"
     assert values["format_version"] == FORMAT_VERSION
-    assert (values["hidden_size"], values["num_hidden_layers"], values["num_attention_heads"],
-            values["max_position_embeddings"]) == (cfg.hidden_dim, cfg.num_layers, cfg.num_heads, cfg.max_seq_len)
+    assert (
+        values["hidden_size"],
+        values["num_hidden_layers"],
+        values["num_attention_heads"],
+        values["max_position_embeddings"],
+    ) == (cfg.hidden_dim, cfg.num_layers, cfg.num_heads, cfg.max_seq_len)
     assert values["alpha"] == cfg.alpha and values["attn_alpha"] is None
     assert {"attention_dim", "linear_dim", "time_bucketing", "query_time", "eviction_block"} <= set(values)
 
@@ -230,7 +240,8 @@ def test_position_mixing_prefix_and_unknown_dense_dims_are_refused(shipped, tmp_
 
     tables = list(model.embeddings.tables.values())
     with pytest.raises(ExportError, match="Mixer.*token-wise"):
-        export_model(GRModel(model.hstu.config, Mixer(), model.postfix_dnn, tables), tmp_path / "a",
-                     dense_dims=DENSE_DIMS)
+        export_model(
+            GRModel(model.hstu.config, Mixer(), model.postfix_dnn, tables), tmp_path / "a", dense_dims=DENSE_DIMS
+        )
     with pytest.raises(ExportError, match="user_score.*dense_dims"):
         export_model(model, tmp_path / "b")

@@ -1,6 +1,7 @@
 """``python -m gr.export RUN_DIR EXPORT_DIR`` on a real (tiny) training run: ML-100K ranking with
 side features (an item table of dim 18, stored 20 wide by FBGEMM); the export alone reproduces
 the run's predictions on its test users."""
+
 import os
 import subprocess
 import sys
@@ -19,16 +20,29 @@ from helpers.models import rank_all, requests_from_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ML_100K = Path("/work/shared/data/ml-100k")
-TABLES = ("[{name: item, embedding_dim: 18, features: [item_id], init_std: 0.05},"
-          " {name: age, embedding_dim: 4, features: [user_age], kind: common},"
-          " {name: gender, embedding_dim: 4, features: [user_gender], kind: common},"
-          " {name: occupation, embedding_dim: 4, features: [user_occupation], kind: common, pooling: mean}]")
+TABLES = (
+    "[{name: item, embedding_dim: 18, features: [item_id], init_std: 0.05},"
+    " {name: age, embedding_dim: 4, features: [user_age], kind: common},"
+    " {name: gender, embedding_dim: 4, features: [user_gender], kind: common},"
+    " {name: occupation, embedding_dim: 4, features: [user_occupation], kind: common, pooling: mean}]"
+)
 OVERRIDES = [
-    f"--data.path={ML_100K}", "--data.task=ranking", "--data.item_features=true", "--data.user_features=true",
-    "--data.max_seq_len=30", "--data.ranking.eval_num_negatives=7", "--data.eval_batch_size=512",
-    "--model.hstu.hidden_dim=16", "--model.hstu.attention_dim=8", "--model.hstu.linear_dim=8",
-    "--model.hstu.num_heads=2", "--model.hstu.max_seq_len=30", f"--model.tables={TABLES}",
-    "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.early_stopping_patience=0",
+    f"--data.path={ML_100K}",
+    "--data.task=ranking",
+    "--data.item_features=true",
+    "--data.user_features=true",
+    "--data.max_seq_len=30",
+    "--data.ranking.eval_num_negatives=7",
+    "--data.eval_batch_size=512",
+    "--model.hstu.hidden_dim=16",
+    "--model.hstu.attention_dim=8",
+    "--model.hstu.linear_dim=8",
+    "--model.hstu.num_heads=2",
+    "--model.hstu.max_seq_len=30",
+    f"--model.tables={TABLES}",
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=3",
+    "--trainer.early_stopping_patience=0",
 ]
 
 
@@ -53,8 +67,12 @@ def test_export_cli_writes_a_valid_export_of_the_run_and_refuses_to_overwrite(ru
     assert check_export(exported) == []
     manifest = open_export(exported)
     assert [t.name for t in manifest.graph.slice("prefix_dnn").inputs] == ["item_id", "item_genres"]
-    assert {t.name for t in manifest.graph.slice("postfix_dnn").inputs} == {"hidden", "user_age", "user_gender",
-                                                                          "user_occupation"}
+    assert {t.name for t in manifest.graph.slice("postfix_dnn").inputs} == {
+        "hidden",
+        "user_age",
+        "user_gender",
+        "user_occupation",
+    }
     assert manifest.sparse.features["item_id"].id_mapping == "id_maps/items.tsv"
     assert manifest.sparse.features["user_age"].id_mapping == "id_maps/user_age.tsv"
     capsys.readouterr()

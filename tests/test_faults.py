@@ -8,6 +8,7 @@ validates every epoch, so each epoch saves ``epoch=N`` (the best) and then ``las
 moved from ``epoch=0`` to ``epoch=1`` (the crash of issue 14, finding 4), and the 1st
 ``replace_directory`` with something to replace is epoch 1's ``last`` too.
 """
+
 import os
 import subprocess
 import sys
@@ -46,14 +47,20 @@ def crash_run(run_dir: Path, crash_at: str) -> None:
     # Not this process's process-group address: Lightning left it in os.environ, and its port is taken.
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update({"GR_TEST_CRASH_AT": crash_at, "PYTHONPATH": str(ROOT)})
-    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(config), "--out", str(run_dir)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config", str(config), "--out", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == CRASH_EXIT_STATUS, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("phase", sorted(CRASHES))
 def test_crash_at_checkpoint_phase_then_resume_ends_like_an_uninterrupted_run_and_exports(
-        phase, uninterrupted, tmp_path):
+    phase, uninterrupted, tmp_path
+):
     run_dir = tmp_path / "run"
     crash_run(run_dir, CRASHES[phase])
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

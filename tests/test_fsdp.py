@@ -3,6 +3,7 @@
 One torchrun launch trains two runs of the same tiny recipe: FSDP2 for 2 epochs, and FSDP2
 for 1 epoch resumed to 2. One-rank runs in this process (FSDP2, and the replicated dense
 model) are the references for the loss curve."""
+
 import json
 import math
 import os
@@ -37,8 +38,17 @@ def two_rank_runs(tmp_path_factory):
     ]
     (root / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(ROOT / "tests" / "helpers" / "torchrun_runs.py"), str(root / "runs.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "tests" / "helpers" / "torchrun_runs.py"),
+        str(root / "runs.json"),
+    ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
     assert run.returncode == 0, run.stderr[-4000:]
     return outs
@@ -68,7 +78,9 @@ def test_plan_counts_per_rank_equal_the_sharded_run(two_rank_runs):
     config = TrainConfig.from_dict(recipe(FSDP2))
     plan = plan_from_config(config, nproc=2)
     item = next(t for t in plan.tables if t.name == "item")
-    assert [p // item.dim for p in item.params_per_rank] == metrics(two_rank_runs["fsdp"])["table_rows_per_rank"]["item"]
+    assert [p // item.dim for p in item.params_per_rank] == metrics(two_rank_runs["fsdp"])["table_rows_per_rank"][
+        "item"
+    ]
     stored = dcp.FileSystemReader(str(two_rank_runs["fsdp"] / "checkpoints" / "last")).read_metadata()
     per_rank = [0, 0]
     for key, value in stored.state_dict_metadata.items():
@@ -86,7 +98,7 @@ def test_fsdp2_loss_curve_matches_replicated_dense_on_one_rank_and_one_rank_on_t
     train(TrainConfig.from_dict(recipe(FSDP2)), tmp_path / "fsdp2")
     train(TrainConfig.from_dict(recipe(("trainer.max_epochs", 1))), tmp_path / "none")
     replicated = step_losses(tmp_path / "none")
-    assert len(replicated) >= 2 and step_losses(tmp_path / "fsdp2")[:len(replicated)] == replicated
+    assert len(replicated) >= 2 and step_losses(tmp_path / "fsdp2")[: len(replicated)] == replicated
     one_rank, two_ranks = epoch_losses(tmp_path / "fsdp2"), epoch_losses(two_rank_runs["fsdp"])
     assert len(two_ranks) == EPOCHS and two_ranks[-1] < 0.7 * two_ranks[0]
     assert two_ranks == pytest.approx(one_rank, rel=0.05), (two_ranks, one_rank)
@@ -111,6 +123,7 @@ def test_fsdp2_checkpoint_loads_into_a_plain_model_that_scores_like_the_run(two_
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,5 +1,6 @@
 """The adaptive draft budget: deeper after fully accepted drafts, back to just past the accepted
 prefix after a partial one, and drafting paused (with a growing pause) while nothing is accepted."""
+
 import pytest
 
 from gr.generation.budget import AdaptiveBudget

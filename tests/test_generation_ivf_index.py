@@ -1,6 +1,7 @@
 """The IVF index: exact when every list is probed, high recall on clustered items when few are,
 the same tie order as the exact index; speculative retrieval over it returns its greedy slate;
 top_items (a top-k, not a sort) orders like a stable sort of the catalogue."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,10 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def clustered(num_items: int, dim: int, clusters: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(clusters, dim, generator=g)
-    return F.normalize(centres[torch.randint(0, clusters, (num_items,), generator=g)]
-                       + 0.3 * torch.randn(num_items, dim, generator=g), dim=1)
+    return F.normalize(
+        centres[torch.randint(0, clusters, (num_items,), generator=g)] + 0.3 * torch.randn(num_items, dim, generator=g),
+        dim=1,
+    )
 
 
 def test_top_items_orders_like_a_stable_sort_of_the_whole_catalogue():
@@ -58,8 +61,9 @@ def test_speculative_retrieval_over_an_ivf_index_returns_its_greedy_slate():
         history = torch.randperm(3000, generator=torch.Generator().manual_seed(seed))[:12]
         ts = torch.arange(12) * 1000
         want = greedy(model, index, begin(model, history, ts), 8, REQUEST_TIME).items
-        got = greedy_speculative_retrieval(model, index, begin(model, history, ts), 8, REQUEST_TIME,
-                                           SpeculativeRetrieval(cache_size=4, stride=3))
+        got = greedy_speculative_retrieval(
+            model, index, begin(model, history, ts), 8, REQUEST_TIME, SpeculativeRetrieval(cache_size=4, stride=3)
+        )
         assert got.items == want
         rollbacks += got.stats.rollbacks
     assert rollbacks > 0, "a 4-item local cache must miss sometimes: the batched check rolls back"

@@ -25,11 +25,7 @@ def test_counted_paths_keep_the_most_frequent_prefixes_first():
 
 def test_ancestor_mask_lets_a_node_see_only_its_branch():
     tree = DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, 2]))
-    expected = torch.tensor(
-        [[1, 0, 0, 0],
-         [1, 1, 0, 0],
-         [1, 0, 1, 0],
-         [1, 0, 1, 1]], dtype=torch.bool)
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(tree.ancestor_mask(), expected)
 
 

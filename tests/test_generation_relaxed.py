@@ -1,6 +1,7 @@
 """Relaxed verification with real thresholds: top_k below the catalogue and a probability floor
 above zero change what is accepted (and the slate), every accepted item stays within the model's
 top_k at a probability of at least min_prob, and top_k = 1 (like strict) returns greedy's items."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,15 @@ def run(model, index, verification):
     out, accepted = [], 0
     for seed in USERS:
         items, ts = random_user(seed)
-        got = speculative_greedy(model, index, begin(model, items, ts), K, REQUEST_TIME,
-                                 RankingDrafter(index, widths=(6, 3, 2)), verification=verification)
+        got = speculative_greedy(
+            model,
+            index,
+            begin(model, items, ts),
+            K,
+            REQUEST_TIME,
+            RankingDrafter(index, widths=(6, 3, 2)),
+            verification=verification,
+        )
         want = greedy(model, index, begin(model, items, ts), K, REQUEST_TIME).items
         out.append((items, ts, got.items, want))
         accepted += got.stats.accepted
@@ -46,8 +54,14 @@ def rank_and_prob(model, index, items, ts, slate, position, temperature):
     seq = items.tolist() + slate[:position]
     times = ts.tolist() + [REQUEST_TIME] * position
     with torch.no_grad():
-        hidden = model.engine.hstu(model.item_tokens(torch.tensor(seq)), torch.tensor([0, len(seq)]), len(seq),
-                                   torch.tensor(times), None, torch.tensor(times[1:] + [REQUEST_TIME]))
+        hidden = model.engine.hstu(
+            model.item_tokens(torch.tensor(seq)),
+            torch.tensor([0, len(seq)]),
+            len(seq),
+            torch.tensor(times),
+            None,
+            torch.tensor(times[1:] + [REQUEST_TIME]),
+        )
     scores = index.scores(model.queries(hidden[-1:]))[0]
     scores[torch.tensor(seq)] = float("-inf")
     item = slate[position]

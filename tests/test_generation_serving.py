@@ -1,5 +1,6 @@
 """``Ranker.generate`` on an export: greedy = the trained model's step-by-step argmax, speculative
 (pool and draft-model drafts) = greedy, beam/sample options, the user cache, bad requests."""
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -16,6 +17,7 @@ from gr.serving.generate import ServingGenerativeModel
 from helpers.models import build_generative_model, users
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
@@ -35,9 +37,12 @@ def trained_greedy(model: GRModel, history, k: int):
     with torch.no_grad():
         for _ in range(k):
             n = len(seq)
-            batch = GRInput(seq_offsets=torch.tensor([0, n]), max_seq_len=n, timestamps=torch.tensor(times),
-                            sequence_ids=KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor(seq),
-                                                                             torch.tensor([n])))
+            batch = GRInput(
+                seq_offsets=torch.tensor([0, n]),
+                max_seq_len=n,
+                timestamps=torch.tensor(times),
+                sequence_ids=KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor(seq), torch.tensor([n])),
+            )
             scores = items @ model(batch).predictions["query"][-1]
             scores[torch.tensor(seq)] = float("-inf")
             out.append(int(scores.argmax()))
@@ -68,8 +73,10 @@ def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(ex
     embeddings = torch.stack([catalogue.index.items[h["item_id"][-1]] for _, h in population])
     grouped = GroupedPools.build(sequences[:8], embeddings[:8], num_groups=2, attributes=["a", "b"] * 4)
     draft = Ranker.load(draft_path, threads=1).catalogue()[0]
-    sources = [PoolDraftSource(grouped, max_depth=4, max_nodes=8, min_history=8),
-               ModelDraftSource(ServingGenerativeModel(draft, {}), draft.index, max_depth=3)]
+    sources = [
+        PoolDraftSource(grouped, max_depth=4, max_nodes=8, min_history=8),
+        ModelDraftSource(ServingGenerativeModel(draft, {}), draft.index, max_depth=3),
+    ]
     everyone = SequencePool()
     for seq in sequences[:8]:
         everyone.add(seq)
@@ -94,8 +101,16 @@ def test_beam_and_sampling_options_and_bad_requests(exports):
     assert drawn[0] == drawn[1] and not set(drawn[0]) & set(history["item_id"].tolist())
     repeats = ranker.generate(user, history, 5, exclude_seen=False, request_time=REQUEST_TIME).items
     assert len(repeats) == 5
-    assert ranker.generate(user, history, 5, request_time=REQUEST_TIME,
-                           speculative_retrieval=SpeculativeRetrieval(cache_size=4, stride=2)).items == greedy
+    assert (
+        ranker.generate(
+            user,
+            history,
+            5,
+            request_time=REQUEST_TIME,
+            speculative_retrieval=SpeculativeRetrieval(cache_size=4, stride=2),
+        ).items
+        == greedy
+    )
     with pytest.raises(RequestError, match="strategy"):
         ranker.generate(user, history, 5, "topp")
     with pytest.raises(RequestError, match="k: expected"):

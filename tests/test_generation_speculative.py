@@ -25,6 +25,7 @@ from helpers.generation import NUM_ITEMS, REQUEST_TIME, begin, make_model, rando
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+
 @pytest.fixture(scope="module")
 def model():
     return make_model()
@@ -65,16 +66,24 @@ def test_tree_attention_equals_running_each_branch_separately(model):
     items, ts = random_user(2)
     state = begin(model, items, ts)
     tree = DraftTree(torch.tensor([3, 7, 9, 11, 13, 5]), torch.tensor([-1, 0, 0, 2, -1, 4]))
-    hidden, keys, _ = model.engine.run_block(state.cache, model.item_tokens(tree.items),
-                                            torch.full((6,), REQUEST_TIME), tree.depths(), tree.ancestor_mask())
+    hidden, keys, _ = model.engine.run_block(
+        state.cache, model.item_tokens(tree.items), torch.full((6,), REQUEST_TIME), tree.depths(), tree.ancestor_mask()
+    )
     for branch in tree.branches():
         nodes = torch.tensor(branch)
         n = len(branch)
-        want, want_keys, _ = model.engine.run_block(state.cache, model.item_tokens(tree.items[nodes]),
-                                                    torch.full((n,), REQUEST_TIME), torch.arange(1, n + 1), chain_mask(n))
+        want, want_keys, _ = model.engine.run_block(
+            state.cache,
+            model.item_tokens(tree.items[nodes]),
+            torch.full((n,), REQUEST_TIME),
+            torch.arange(1, n + 1),
+            chain_mask(n),
+        )
         torch.testing.assert_close(hidden[nodes], want, rtol=0, atol=1e-5)
         torch.testing.assert_close(keys[1][:, nodes], want_keys[1], rtol=0, atol=1e-5)
-        extended = model.engine.extend(state.cache, model.item_tokens(tree.items[nodes]), torch.full((n,), REQUEST_TIME))
+        extended = model.engine.extend(
+            state.cache, model.item_tokens(tree.items[nodes]), torch.full((n,), REQUEST_TIME)
+        )
         torch.testing.assert_close(extended.keys[1][:, -n:], want_keys[1], rtol=0, atol=1e-5)
 
 
@@ -88,8 +97,15 @@ def test_speculative_greedy_with_pool_drafts_equals_plain_greedy(model, index, m
     accepted = 0
     for items, ts in users:
         want = greedy(model, index, begin(model, items, ts), 10, REQUEST_TIME)
-        got = speculative_greedy(model, index, begin(model, items, ts), 10, REQUEST_TIME,
-                                 PoolDrafter(pool, max_depth=6, max_nodes=max_nodes), budget=budget)
+        got = speculative_greedy(
+            model,
+            index,
+            begin(model, items, ts),
+            10,
+            REQUEST_TIME,
+            PoolDrafter(pool, max_depth=6, max_nodes=max_nodes),
+            budget=budget,
+        )
         assert got.items == want.items
         # every pass yields its accepted drafts plus one item of its own (none after a full last branch)
         assert got.stats.passes + got.stats.accepted in (want.stats.passes, want.stats.passes + 1)
@@ -117,12 +133,22 @@ def test_speculative_greedy_with_a_draft_model_equals_plain_greedy(model, index,
 def test_relaxed_verification_accepts_more_and_keeps_items_within_the_target_top_k(model, index):
     items, ts = random_user(30)
     wrong = SequencePool(max_ngram=1)
-    ranked = top_items(index.scores(begin(model, items, ts).query.view(1, -1)),
-                       torch.zeros(1, NUM_ITEMS, dtype=torch.bool).index_fill_(1, items, True), 3)[1][0].tolist()
+    ranked = top_items(
+        index.scores(begin(model, items, ts).query.view(1, -1)),
+        torch.zeros(1, NUM_ITEMS, dtype=torch.bool).index_fill_(1, items, True),
+        3,
+    )[1][0].tolist()
     wrong.add([int(items[-1]), ranked[0]])
     strict = speculative_greedy(model, index, begin(model, items, ts), 5, REQUEST_TIME, PoolDrafter(wrong))
-    relaxed = speculative_greedy(model, index, begin(model, items, ts), 5, REQUEST_TIME, PoolDrafter(wrong),
-                                 verification=Relaxed(top_k=NUM_ITEMS, min_prob=0.0))
+    relaxed = speculative_greedy(
+        model,
+        index,
+        begin(model, items, ts),
+        5,
+        REQUEST_TIME,
+        PoolDrafter(wrong),
+        verification=Relaxed(top_k=NUM_ITEMS, min_prob=0.0),
+    )
     assert relaxed.stats.accepted >= strict.stats.accepted
     assert len(relaxed.items) == 5 and len(set(relaxed.items)) == 5
 
@@ -133,8 +159,18 @@ def test_beam_of_width_one_is_greedy_and_sampling_is_reproducible(model, index):
     assert beam_search(model, index, begin(model, items, ts), 5, REQUEST_TIME, width=1).items == want
     wide = beam_search(model, index, begin(model, items, ts), 5, REQUEST_TIME, width=3)
     assert len(set(wide.items)) == 5 and not set(wide.items) & set(items.tolist())
-    draws = [sample(model, index, begin(model, items, ts), 5, REQUEST_TIME, temperature=0.5,
-                    generator=torch.Generator().manual_seed(3)).items for _ in range(2)]
+    draws = [
+        sample(
+            model,
+            index,
+            begin(model, items, ts),
+            5,
+            REQUEST_TIME,
+            temperature=0.5,
+            generator=torch.Generator().manual_seed(3),
+        ).items
+        for _ in range(2)
+    ]
     assert draws[0] == draws[1] and not set(draws[0]) & set(items.tolist())
 
 
@@ -144,8 +180,9 @@ def test_speculative_retrieval_equals_exact_search(model, index, cache_size, str
     for seed in (50, 51, 52):
         items, ts = random_user(seed)
         want = greedy(model, index, begin(model, items, ts), 9, REQUEST_TIME).items
-        got = greedy_speculative_retrieval(model, index, begin(model, items, ts), 9, REQUEST_TIME,
-                                           SpeculativeRetrieval(cache_size, stride))
+        got = greedy_speculative_retrieval(
+            model, index, begin(model, items, ts), 9, REQUEST_TIME, SpeculativeRetrieval(cache_size, stride)
+        )
         assert got.items == want
         assert got.stats.verifications <= 9
         rollbacks += got.stats.rollbacks
@@ -194,8 +231,15 @@ def test_relaxed_verification_of_a_tree_picks_the_best_scored_child_like_one_tok
         expected.append(chosen)
         current = step(model, current, chosen, REQUEST_TIME)
     expected.append(greedy(model, index, current, 1, REQUEST_TIME).items[0])  # the model's own item after them
-    got = speculative_greedy(model, index, state, 4, REQUEST_TIME, FirstTreeDrafter(tree),
-                             verification=Relaxed(top_k=NUM_ITEMS, min_prob=0.0))
+    got = speculative_greedy(
+        model,
+        index,
+        state,
+        4,
+        REQUEST_TIME,
+        FirstTreeDrafter(tree),
+        verification=Relaxed(top_k=NUM_ITEMS, min_prob=0.0),
+    )
     assert got.items == expected and got.stats.passes == 1
 
 
@@ -207,8 +251,15 @@ def test_adaptive_budget_stops_drafting_when_drafts_are_always_wrong(model, inde
     for item in want + items.tolist():  # every context continues with items greedy never picks
         wrong.add([item, *allowed[:4]])
     fixed = speculative_greedy(model, index, begin(model, items, ts), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8))
-    adaptive = speculative_greedy(model, index, begin(model, items, ts), 30, REQUEST_TIME, PoolDrafter(wrong, 4, 8),
-                                  budget=AdaptiveBudget(patience=1, pause=2, max_pause=8))
+    adaptive = speculative_greedy(
+        model,
+        index,
+        begin(model, items, ts),
+        30,
+        REQUEST_TIME,
+        PoolDrafter(wrong, 4, 8),
+        budget=AdaptiveBudget(patience=1, pause=2, max_pause=8),
+    )
     assert fixed.items == adaptive.items == want
     assert fixed.stats.accepted == adaptive.stats.accepted == 0
     assert adaptive.stats.passes == fixed.stats.passes == 29, "one item per pass: greedy's passes"
@@ -219,8 +270,11 @@ def test_ranking_drafts_are_the_runners_up_of_the_last_query_laid_out_breadth_fi
     items, ts = random_user(63)
     state = begin(model, items, ts)
     banned = set(items.tolist())
-    ranked = top_items(index.scores(state.query.view(1, -1)),
-                       torch.zeros(1, NUM_ITEMS, dtype=torch.bool).index_fill_(1, items, True), 5)[1][0].tolist()
+    ranked = top_items(
+        index.scores(state.query.view(1, -1)),
+        torch.zeros(1, NUM_ITEMS, dtype=torch.bool).index_fill_(1, items, True),
+        5,
+    )[1][0].tolist()
     tree = RankingDrafter(index, widths=(3, 2), max_nodes=7).propose(items.tolist(), 4, banned, query=state.query)
     assert tree.items[:3].tolist() == ranked[:3] and tree.parents[:3].tolist() == [-1, -1, -1]
     # level 2: under each root child, the best two runners-up not already on the branch; cut at 7 nodes

@@ -1,6 +1,7 @@
 """The approximate item index (FAISS HNSW) behind the ItemIndex calls: near-exact recall,
 exclusions honoured, exact scores, and recommend through it equal to exact search on a small
 catalogue."""
+
 import pytest
 import torch
 import torch.nn.functional as F

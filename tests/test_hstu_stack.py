@@ -1,4 +1,5 @@
 """The HSTU stack against a naive per-sequence implementation written here from the paper."""
+
 import math
 
 import pytest
@@ -42,7 +43,9 @@ def naive_hstu(model: HSTU, x, lengths, timestamps, num_targets):
             hid = hid + model.position_embedding.weight[pos]
         mask = naive_visible(n, h_len, cfg.contextual_len, cfg.max_attn_len).float()
         for layer in model.layers:
-            normed = F.layer_norm(hid, (cfg.hidden_dim,), layer.input_norm.weight, layer.input_norm.bias, cfg.layer_norm_eps)
+            normed = F.layer_norm(
+                hid, (cfg.hidden_dim,), layer.input_norm.weight, layer.input_norm.bias, cfg.layer_norm_eps
+            )
             proj = F.silu(normed @ layer.uvqk.weight.T + layer.uvqk.bias)
             H, dl, da = cfg.num_heads, cfg.linear_dim, cfg.attention_dim
             u = proj[:, : H * dl]
@@ -100,8 +103,14 @@ CASES = [
 def test_stack_matches_naive_forward_and_gradients(case, with_targets):
     lengths = [1, 7, 310, 2, 45]
     cfg = HSTUConfig(
-        hidden_dim=16, num_layers=2, attention_dim=8, linear_dim=6, max_seq_len=320,
-        dropout=0.0, input_dropout=0.0, **case,
+        hidden_dim=16,
+        num_layers=2,
+        attention_dim=8,
+        linear_dim=6,
+        max_seq_len=320,
+        dropout=0.0,
+        input_dropout=0.0,
+        **case,
     )
     model = HSTU(cfg).double()
     x, offsets, ts, targets = random_batch(lengths, 16, with_targets)
@@ -115,11 +124,13 @@ def test_stack_matches_naive_forward_and_gradients(case, with_targets):
     names = ["x"] + [n for n, _ in model.named_parameters()]
     for name, gf, gs in zip(names, grads_fast, grads_slow):
         gs = torch.zeros_like(gf) if gs is None else gs
-        torch.testing.assert_close(gf, gs, rtol=1e-8, atol=1e-9, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(gf, gs, rtol=1e-8, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_permuting_targets_permutes_their_outputs_only():
-    cfg = HSTUConfig(hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=64, dropout=0.0, input_dropout=0.0)
+    cfg = HSTUConfig(
+        hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=64, dropout=0.0, input_dropout=0.0
+    )
     model = HSTU(cfg).eval()
     hist, n_targets = 20, 6
     x = torch.randn(hist + n_targets, 16)
@@ -133,7 +144,13 @@ def test_permuting_targets_permutes_their_outputs_only():
     torch.testing.assert_close(out_perm[:hist], out[:hist])
     torch.testing.assert_close(out_perm[hist:], out[hist:][perm])
     # A target scored alone gives the same output as among the others.
-    alone = model(torch.cat([x[:hist], x[hist + 2 : hist + 3]]), torch.tensor([0, hist + 1]), hist + 1, ts[: hist + 1], torch.tensor([1]))
+    alone = model(
+        torch.cat([x[:hist], x[hist + 2 : hist + 3]]),
+        torch.tensor([0, hist + 1]),
+        hist + 1,
+        ts[: hist + 1],
+        torch.tensor([1]),
+    )
     torch.testing.assert_close(alone[hist], out[hist + 2])
 
 
@@ -146,13 +163,16 @@ def test_history_longer_than_config_is_refused():
 
 def test_hstu_cannot_be_subclassed():
     with pytest.raises(TypeError, match="HSTUConfig"):
+
         class MyHSTU(HSTU):  # noqa: F841
             pass
 
 
 @pytest.mark.parametrize("mode", ["attention", "layer"])
 def test_recompute_gives_the_same_outputs_and_gradients(mode):
-    base = dict(hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=64, dropout=0.3, input_dropout=0.1)
+    base = dict(
+        hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=64, dropout=0.3, input_dropout=0.1
+    )
     plain = HSTU(HSTUConfig(**base)).double().train()
     recomputed = HSTU(HSTUConfig(**base, recompute=mode)).double().train()
     recomputed.load_state_dict(plain.state_dict())
@@ -172,8 +192,14 @@ def test_recompute_saves_fewer_activation_bytes():
         # The padded reference keeps [B, H, L, L] scores for backward: the case recompute is for
         # (the cpu backend already recomputes them and saves little either way).
         cfg = HSTUConfig(
-            hidden_dim=32, attention_dim=16, linear_dim=16, num_heads=2, max_seq_len=256, num_layers=3,
-            recompute=mode, kernel_backend="pytorch",
+            hidden_dim=32,
+            attention_dim=16,
+            linear_dim=16,
+            num_heads=2,
+            max_seq_len=256,
+            num_layers=3,
+            recompute=mode,
+            kernel_backend="pytorch",
         )
         model = HSTU(cfg).train()
         total = 0

@@ -1,5 +1,6 @@
 """trainer.precision: bf16-mixed runs the training step under bf16 autocast on CPU (HSTU and
 DNNs included) with fp32 master weights, and its loss tracks the fp32 run's."""
+
 import pytest
 import torch
 
@@ -30,8 +31,7 @@ def test_bf16_mixed_loss_tracks_fp32_and_keeps_fp32_weights(tmp_path):
 
 
 def test_bf16_autocast_runs_hstu_projections_in_bf16_with_fp32_parameters_and_residual():
-    hstu = HSTU(HSTUConfig(hidden_dim=16, num_layers=2, attention_dim=8, linear_dim=8, max_seq_len=20,
-                           time_buckets=0))
+    hstu = HSTU(HSTUConfig(hidden_dim=16, num_layers=2, attention_dim=8, linear_dim=8, max_seq_len=20, time_buckets=0))
     projected = []
     for layer in hstu.layers:
         for linear in (layer.uvqk, layer.output):
@@ -45,10 +45,13 @@ def test_bf16_autocast_runs_hstu_projections_in_bf16_with_fp32_parameters_and_re
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in hstu.parameters())
 
 
-@pytest.mark.parametrize("precision, error", [
-    ("16-mixed", "trainer.precision: '16-mixed'.*gpu"),
-    ("bf16", r"trainer.precision: expected one of \['32-true', 'bf16-mixed', '16-mixed'\]"),
-])
+@pytest.mark.parametrize(
+    "precision, error",
+    [
+        ("16-mixed", "trainer.precision: '16-mixed'.*gpu"),
+        ("bf16", r"trainer.precision: expected one of \['32-true', 'bf16-mixed', '16-mixed'\]"),
+    ],
+)
 def test_precision_is_validated_when_the_config_is_read(precision, error):
     with pytest.raises(ValueError, match=error):
         recipe(("trainer.precision", precision))
@@ -59,8 +62,16 @@ def _stack_and_data(seed: int = 0):
     sequences up to 150 tokens (two query chunks), and an item table of 300 rows."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    config = HSTUConfig(hidden_dim=32, num_layers=2, num_heads=2, attention_dim=16, linear_dim=16, max_seq_len=150,
-                        dropout=0.0, input_dropout=0.0)
+    config = HSTUConfig(
+        hidden_dim=32,
+        num_layers=2,
+        num_heads=2,
+        attention_dim=16,
+        linear_dim=16,
+        max_seq_len=150,
+        dropout=0.0,
+        input_dropout=0.0,
+    )
     lengths = torch.randint(20, 151, (12,), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     total = int(offsets[-1])

@@ -1,4 +1,5 @@
 """The user API: fixed forward, user hooks, refused overrides, shipped PrefixDNN/PostfixDNN."""
+
 from typing import Dict
 
 import pytest
@@ -11,7 +12,9 @@ from gr.hstu import HSTU
 from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder, check_token_wise
 
-CFG = HSTUConfig(hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=32, dropout=0.0, input_dropout=0.0)
+CFG = HSTUConfig(
+    hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=32, dropout=0.0, input_dropout=0.0
+)
 
 
 def ranking_model():
@@ -30,13 +33,20 @@ def ranking_batch(lengths, num_targets):
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     total = int(offsets[-1])
     seq_ids = KeyedJaggedTensor.from_lengths_sync(
-        ["item_id", "genre"], torch.cat([torch.randint(0, 50, (total,)), torch.randint(0, 10, (total,))]),
+        ["item_id", "genre"],
+        torch.cat([torch.randint(0, 50, (total,)), torch.randint(0, 10, (total,))]),
         torch.cat([lengths, lengths]),
     )
-    common = KeyedJaggedTensor.from_lengths_sync(["user_id"], torch.arange(len(lengths)), torch.ones(len(lengths), dtype=torch.long))
+    common = KeyedJaggedTensor.from_lengths_sync(
+        ["user_id"], torch.arange(len(lengths)), torch.ones(len(lengths), dtype=torch.long)
+    )
     return GRInput(
-        seq_offsets=offsets, max_seq_len=int(lengths.max()), timestamps=torch.arange(total) * 60,
-        num_targets=torch.tensor(num_targets), sequence_ids=seq_ids, token_dense={"age": torch.rand(total, 1)},
+        seq_offsets=offsets,
+        max_seq_len=int(lengths.max()),
+        timestamps=torch.arange(total) * 60,
+        num_targets=torch.tensor(num_targets),
+        sequence_ids=seq_ids,
+        token_dense={"age": torch.rand(total, 1)},
         common_ids=common,
     )
 
@@ -52,7 +62,9 @@ def test_fixed_forward_scores_each_target_with_every_task():
 
 
 def test_retrieval_head_gives_unit_queries_for_every_token_without_targets():
-    model = GRModel(CFG, MLPTokenEncoder({"item_id": 16}, 16), RetrievalHead(16, 16), [TableConfig("item", 50, 16, ("item_id",))])
+    model = GRModel(
+        CFG, MLPTokenEncoder({"item_id": 16}, 16), RetrievalHead(16, 16), [TableConfig("item", 50, 16, ("item_id",))]
+    )
     lengths = torch.tensor([4, 1])
     ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.randint(0, 50, (5,)), lengths)
     out = model(GRInput(torch.tensor([0, 4, 5]), 4, torch.arange(5), sequence_ids=ids))
@@ -107,7 +119,9 @@ def test_user_subclasses_plug_in():
                 max_seq_len=int(lengths.max()),
                 timestamps=torch.cat([torch.tensor(t) for t in batch["times"]]),
                 num_targets=torch.ones(len(lengths), dtype=torch.long),
-                sequence_ids=KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor(sum(batch["items"], [])), lengths),
+                sequence_ids=KeyedJaggedTensor.from_lengths_sync(
+                    ["item_id"], torch.tensor(sum(batch["items"], [])), lengths
+                ),
                 labels={"score": torch.tensor(batch["label"], dtype=torch.float)},
             )
 
@@ -139,7 +153,12 @@ def test_replacing_hstu_on_an_instance_is_refused():
 def test_wrong_module_types_and_missing_features_are_clear_errors():
     with pytest.raises(TypeError, match="prefix_dnn"):
         GRModel(CFG, nn.Linear(2, 2), RetrievalHead(16, 16))
-    model = GRModel(CFG, MLPTokenEncoder({"item_id": 16, "age": 1}, 16), RetrievalHead(16, 16), [TableConfig("item", 50, 16, ("item_id",))])
+    model = GRModel(
+        CFG,
+        MLPTokenEncoder({"item_id": 16, "age": 1}, 16),
+        RetrievalHead(16, 16),
+        [TableConfig("item", 50, 16, ("item_id",))],
+    )
     ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor([1, 2]), torch.tensor([2]))
     with pytest.raises(KeyError, match="age"):
         model(GRInput(torch.tensor([0, 2]), 2, torch.arange(2), sequence_ids=ids))

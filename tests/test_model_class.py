@@ -1,5 +1,6 @@
 """``model.class``: a GRModel subclass named in the config is built, trained (its split_input
 receives every batch), exported and served like the built-in GRModel."""
+
 import copy
 
 import numpy as np
@@ -47,11 +48,14 @@ def test_default_class_is_grmodel_and_the_config_round_trips():
     assert named.to_dict()["model"]["class"] == f"{__name__}.CountingModel"
 
 
-@pytest.mark.parametrize("path,message", [
-    (f"{__name__}.NotAModel", "model.class: .*NotAModel is not a GRModel subclass"),
-    ("no_such_module.Model", "model.class: cannot import module 'no_such_module'"),
-    ("GRModel", "model.class: expected an import path"),
-])
+@pytest.mark.parametrize(
+    "path,message",
+    [
+        (f"{__name__}.NotAModel", "model.class: .*NotAModel is not a GRModel subclass"),
+        ("no_such_module.Model", "model.class: cannot import module 'no_such_module'"),
+        ("GRModel", "model.class: expected an import path"),
+    ],
+)
 def test_a_bad_model_class_is_refused_naming_the_key(path, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.from_dict(_values(path))
@@ -75,7 +79,8 @@ def test_named_subclass_is_trained_exported_and_served(tmp_path):
     export_run(tmp_path / "run", tmp_path / "export")
     assert check_export(tmp_path / "export") == []
     ranker = Ranker.load(tmp_path / "export")
-    result = ranker.rank("u", {"item_id": [1, 2, 3], "timestamps": [100, 200, 300]}, {"item_id": [4, 5]},
-                         request_time=400)
+    result = ranker.rank(
+        "u", {"item_id": [1, 2, 3], "timestamps": [100, 200, 300]}, {"item_id": [4, 5]}, request_time=400
+    )
     scores = next(iter(result.scores.values()))
     assert scores.shape[0] == 2 and np.isfinite(scores).all()

@@ -1,5 +1,6 @@
 """gr.plan: parameter counts equal the built model's, the activation estimate matches torch's
 CPU memory profiler, FLOPs match torch's FLOP counter, and the command line reads the trainer's config."""
+
 import dataclasses
 
 import pytest
@@ -16,21 +17,44 @@ from gr.train.config import TrainConfig
 from helpers.runs import recipe
 
 RANKING = (
-    ("data.task", "ranking"), ("data.item_features", True), ("data.user_features", True),
-    ("data.ranking", {"positives_per_sample": 2, "samples_per_user": 2, "num_negatives": 4, "eval_num_negatives": 9,
-                      "tasks": [{"name": "watch"}]}),
+    ("data.task", "ranking"),
+    ("data.item_features", True),
+    ("data.user_features", True),
+    (
+        "data.ranking",
+        {
+            "positives_per_sample": 2,
+            "samples_per_user": 2,
+            "num_negatives": 4,
+            "eval_num_negatives": 9,
+            "tasks": [{"name": "watch"}],
+        },
+    ),
     ("task", {"ranking": {}}),
-    ("model.tables", [
-        {"name": "item", "embedding_dim": 16, "features": ["item_id"]},
-        {"name": "category", "embedding_dim": 6, "features": ["item_category"]},  # stored 8 wide
-        {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
-        {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common"},
-    ]),
+    (
+        "model.tables",
+        [
+            {"name": "item", "embedding_dim": 16, "features": ["item_id"]},
+            {"name": "category", "embedding_dim": 6, "features": ["item_category"]},  # stored 8 wide
+            {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
+            {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common"},
+        ],
+    ),
 )
 
 
-@pytest.mark.parametrize("overrides", [(), (("model.hstu.position_embedding", False), ("model.hstu.time_buckets", 0),
-                                            ("model.hstu.position_buckets", 0), ("model.hstu.num_heads", 1))])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        (
+            ("model.hstu.position_embedding", False),
+            ("model.hstu.time_buckets", 0),
+            ("model.hstu.position_buckets", 0),
+            ("model.hstu.num_heads", 1),
+        ),
+    ],
+)
 def test_hstu_parameter_count_equals_the_built_stack(overrides):
     config = TrainConfig.from_dict(recipe(*overrides)).model.hstu
     assert hstu_parameter_count(config) == sum(p.numel() for p in HSTU(config).parameters())
@@ -77,18 +101,33 @@ def measured_activation_bytes(config: HSTUConfig, seq_len: int, precision: str) 
     return (allocated[4] - allocated[2]) / (2 * seq_len)
 
 
-@pytest.mark.parametrize("recompute, precision, dropout", [
-    *((mode, precision, 0.2) for mode in ("none", "attention", "layer") for precision in ("32-true", "bf16-mixed")),
-    ("none", "32-true", 0.0), ("none", "bf16-mixed", 0.0),
-])
+@pytest.mark.parametrize(
+    "recompute, precision, dropout",
+    [
+        *((mode, precision, 0.2) for mode in ("none", "attention", "layer") for precision in ("32-true", "bf16-mixed")),
+        ("none", "32-true", 0.0),
+        ("none", "bf16-mixed", 0.0),
+    ],
+)
 def test_activation_estimate_matches_the_profiled_forward(recompute, precision, dropout):
     """Within 2%: the model counts every tensor the layers keep; what it leaves out (a few
     index tensors of the kernel's bookkeeping) is a few bytes per token."""
-    config = HSTUConfig(hidden_dim=64, num_layers=2, num_heads=2, attention_dim=32, linear_dim=32, max_seq_len=64,
-                        dropout=dropout, input_dropout=dropout, recompute=recompute)
+    config = HSTUConfig(
+        hidden_dim=64,
+        num_layers=2,
+        num_heads=2,
+        attention_dim=32,
+        linear_dim=32,
+        max_seq_len=64,
+        dropout=dropout,
+        input_dropout=dropout,
+        recompute=recompute,
+    )
     estimate, peak = hstu_activation_bytes(config, 1, recompute, 4 if precision == "32-true" else 2)
     assert estimate == pytest.approx(measured_activation_bytes(config, 64, precision), rel=0.02)
-    full = hstu_activation_bytes(dataclasses.replace(config, recompute="none"), 1, "none", 4 if precision == "32-true" else 2)
+    full = hstu_activation_bytes(
+        dataclasses.replace(config, recompute="none"), 1, "none", 4 if precision == "32-true" else 2
+    )
     assert peak - estimate >= full[1] - full[0] and (peak - estimate > full[1] - full[0]) == (recompute != "none")
 
 

@@ -1,4 +1,5 @@
 """Issue 14's findings, one test each (crashes at checkpoint phases: test_faults.py)."""
+
 import hashlib
 import sys
 from pathlib import Path
@@ -19,8 +20,11 @@ from helpers.runs import recipe
 
 def tree_digest(root: Path) -> dict:
     """{relative path: sha256} of every file under ``root`` but TensorBoard event files."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "tfevents" not in p.name}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "tfevents" not in p.name
+    }
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +45,16 @@ def test_nan_scores_rank_last_so_a_nan_model_scores_zero():
 
 def test_nan_item_scores_never_rank_above_a_finite_target():
     queries, items = torch.ones(1, 2), torch.tensor([[1.0, 0.0], [float("nan"), 0.0], [float("inf"), 0.0]])
-    ranks = target_ranks(queries, items, torch.tensor([0]), torch.zeros(2, dtype=torch.long),
-                         torch.zeros(0, dtype=torch.long))
+    ranks = target_ranks(
+        queries, items, torch.tensor([0]), torch.zeros(2, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    )
     assert ranks.tolist() == [0]
 
 
 def test_diverging_run_stops_with_a_named_error_and_saves_no_checkpoint(tmp_path, caplog):
-    config = TrainConfig.from_dict(recipe(("optimizer.lr", 1e6), ("sparse.optimizer.lr", 1e6),
-                                          ("trainer.max_epochs", 2)))
+    config = TrainConfig.from_dict(
+        recipe(("optimizer.lr", 1e6), ("sparse.optimizer.lr", 1e6), ("trainer.max_epochs", 2))
+    )
     with pytest.raises(NonFiniteError, match=r"training diverged at step \d+ \(epoch \d+, batch \d+"):
         train(config, tmp_path)
     assert "training diverged at step" in caplog.text
@@ -66,9 +72,13 @@ def test_checkpoint_with_non_finite_weights_is_refused_before_anything_is_writte
 # ---- 2. a failed --resume breaks the run -----------------------------------------------------
 def test_failed_resume_leaves_the_run_directory_unchanged_and_resumable(one_epoch_run):
     before = tree_digest(one_epoch_run)
-    misfit = TrainConfig.from_dict(recipe(("trainer.max_epochs", 2), ("model.hstu.hidden_dim", 64),
-                                          ("model.tables", [{"name": "item", "embedding_dim": 64,
-                                                             "features": ["item_id"], "init_std": 0.02}])))
+    misfit = TrainConfig.from_dict(
+        recipe(
+            ("trainer.max_epochs", 2),
+            ("model.hstu.hidden_dim", 64),
+            ("model.tables", [{"name": "item", "embedding_dim": 64, "features": ["item_id"], "init_std": 0.02}]),
+        )
+    )
     with pytest.raises(ValueError, match="does not fit this model"):
         train(misfit, one_epoch_run, resume=True)
     assert tree_digest(one_epoch_run) == before
@@ -112,7 +122,7 @@ def test_resume_appends_to_metrics_csv(tmp_path):
     first = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
     train(TrainConfig.from_dict(recipe(("trainer.max_epochs", 2))), tmp_path, resume=True)
     after = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
-    assert after[:len(first)] == first and len(after) > len(first)
+    assert after[: len(first)] == first and len(after) > len(first)
 
 
 # ---- 6. duplicate data inflates metrics silently -----------------------------------------------
@@ -125,8 +135,15 @@ def ratings_csv(path: Path, copies: int) -> Path:
 
 
 def csv_recipe(path: Path, *overrides) -> TrainConfig:
-    return TrainConfig.from_dict(recipe(("data.source", "csv"), ("data.path", str(path)),
-                                        ("data.columns.rating", "rating"), ("trainer.max_epochs", 1), *overrides))
+    return TrainConfig.from_dict(
+        recipe(
+            ("data.source", "csv"),
+            ("data.path", str(path)),
+            ("data.columns.rating", "rating"),
+            ("trainer.max_epochs", 1),
+            *overrides,
+        )
+    )
 
 
 def test_every_row_duplicated_trains_to_the_clean_metrics_and_the_count_is_reported(tmp_path, caplog):
@@ -134,8 +151,12 @@ def test_every_row_duplicated_trains_to_the_clean_metrics_and_the_count_is_repor
     doubled = train(csv_recipe(ratings_csv(tmp_path / "doubled.csv", 2)), tmp_path / "doubled")
     rows = clean["data"]["rows_read"]
     assert clean["data"]["duplicates_dropped"] == 0
-    assert doubled["data"] == {**clean["data"], "source": str(tmp_path / "doubled.csv"), "rows_read": 2 * rows,
-                               "duplicates_dropped": rows}
+    assert doubled["data"] == {
+        **clean["data"],
+        "source": str(tmp_path / "doubled.csv"),
+        "rows_read": 2 * rows,
+        "duplicates_dropped": rows,
+    }
     scores = ("hr@5", "hr@10", "ndcg@10", "mrr", "popularity", "best_val")
     assert {k: doubled[k] for k in scores} == {k: clean[k] for k in scores}
     assert f"dropped {rows} duplicate interactions" in caplog.text

@@ -1,5 +1,6 @@
 """The request batcher: rank requests in flight together run as one batch, each answered as if
 alone; a bad request fails alone and a non-finite one does not take the batch down."""
+
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,8 +17,10 @@ from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, reques
 def served(tmp_path_factory):
     model = build_ranking_model(max_seq_len=40)
     path = export_model(model, tmp_path_factory.mktemp("batcher") / "export", dense_dims=DENSE_DIMS)
-    requests = [RankRequest(**r) for r in requests_from_batch(random_batch(model, [30, 17, 8, 22, 12, 9],
-                                                                           [5, 9, 1, 3, 2, 4], seed=4))]
+    requests = [
+        RankRequest(**r)
+        for r in requests_from_batch(random_batch(model, [30, 17, 8, 22, 12, 9], [5, 9, 1, 3, 2, 4], seed=4))
+    ]
     return path, requests
 
 
@@ -57,7 +60,7 @@ def test_non_finite_scores_fail_only_the_request_that_produces_them(served, monk
         hidden, start = hidden.clone(), 0
         for n in rows:
             if n == 9:
-                hidden[start:start + n] = float("nan")
+                hidden[start : start + n] = float("nan")
             start += n
         return heads(hidden, commons, rows)
 

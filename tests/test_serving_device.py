@@ -1,5 +1,6 @@
 """Serving on a device: the ONNX Runtime execution providers chosen for --device, and a clear
 error naming the provider when this onnxruntime build lacks it. Nothing here ran on a GPU/NPU."""
+
 import pytest
 
 from gr.serving.onnx_slice import execution_providers
@@ -15,8 +16,10 @@ def test_a_device_gets_its_provider_first_then_cpu_for_missing_ops(device, provi
     assert execution_providers(device, available) == [provider, "CPUExecutionProvider"]
 
 
-@pytest.mark.parametrize("device, provider, package", [("cuda", "CUDAExecutionProvider", "onnxruntime-gpu"),
-                                                       ("npu", "CANNExecutionProvider", "onnxruntime-cann")])
+@pytest.mark.parametrize(
+    "device, provider, package",
+    [("cuda", "CUDAExecutionProvider", "onnxruntime-gpu"), ("npu", "CANNExecutionProvider", "onnxruntime-cann")],
+)
 def test_a_missing_provider_is_named_with_what_to_install(device, provider, package):
     with pytest.raises(RuntimeError, match=rf"--device {device}: ONNX Runtime has no {provider}.*{package}"):
         execution_providers(device, ["CPUExecutionProvider"])

@@ -1,4 +1,5 @@
 """The KV-cache HSTU engine: cached scoring and incremental appends equal the one-pass forward."""
+
 import pytest
 import torch
 
@@ -16,8 +17,20 @@ REQUEST_TIME = 10**7 + 123  # the candidates' timestamp
 
 
 def make_engine(**overrides) -> CachedHSTU:
-    cfg = HSTUConfig(**{**dict(hidden_dim=16, num_layers=2, attention_dim=8, linear_dim=6, max_seq_len=48,
-                               dropout=0.0, input_dropout=0.0), **overrides})
+    cfg = HSTUConfig(
+        **{
+            **dict(
+                hidden_dim=16,
+                num_layers=2,
+                attention_dim=8,
+                linear_dim=6,
+                max_seq_len=48,
+                dropout=0.0,
+                input_dropout=0.0,
+            ),
+            **overrides,
+        }
+    )
     model = HSTU(cfg)
     with torch.no_grad():
         for p in model.parameters():  # non-trivial biases and norms
@@ -134,6 +147,7 @@ def test_next_event_query_time_keeps_the_last_history_token_pending_until_the_re
         want_last = one_pass(engine, x, all_ts, history, when, rows="history")[-1:]
         torch.testing.assert_close(hidden, want_last, rtol=0, atol=1e-5)
         with pytest.raises(ValueError, match="settle"):
-            engine.run_block(cache, x[history:history + 1], cands_ts[:1], torch.tensor([1]),
-                             torch.ones(1, 1, dtype=torch.bool))
+            engine.run_block(
+                cache, x[history : history + 1], cands_ts[:1], torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool)
+            )
     assert not torch.allclose(scores[REQUEST_TIME], scores[REQUEST_TIME + 10**6], atol=1e-4)

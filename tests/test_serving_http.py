@@ -2,6 +2,7 @@
 each bad request class gets its 400 naming the field (and changes nothing), metrics move, a
 reload under traffic never mixes two models in one answer, and hash-on-user-id routing keeps a
 user's cache warm on its replica."""
+
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,8 +70,11 @@ def test_http_scores_equal_the_in_process_rankers(exports, servers):
         for task, value in want.scores.items():
             np.testing.assert_allclose(body["scores"][task], value, rtol=0, atol=1e-6)
     local = Ranker.load(exports["first"])
-    status, body = retrieval.call("POST", "/v1/rank", {"user_id": "a", "history": HISTORY,
-                                                       "candidates": {"item_id": [RAW_ITEMS[1], RAW_ITEMS[40]]}})
+    status, body = retrieval.call(
+        "POST",
+        "/v1/rank",
+        {"user_id": "a", "history": HISTORY, "candidates": {"item_id": [RAW_ITEMS[1], RAW_ITEMS[40]]}},
+    )
     want = local.rank("a", MODEL_HISTORY, {"item_id": [1, 40]})
     assert status == 200 and list(body["scores"]) == ["retrieval"]
     np.testing.assert_allclose(body["scores"]["retrieval"], want.scores["retrieval"], rtol=0, atol=1e-6)
@@ -84,8 +88,9 @@ def test_raw_ids_round_trip_through_recommend_and_generate(exports, servers):
     assert status == 200 and body["items"] == [RAW_ITEMS[i] for i in want.items]
     assert not set(body["items"]) & set(HISTORY["item_id"])  # seen items excluded by default
     np.testing.assert_allclose(body["scores"], want.scores, rtol=0, atol=1e-6)
-    status, model_ids = server.call("POST", "/v1/recommend", {"user_id": "b", "history": MODEL_HISTORY, "k": 5,
-                                                               "ids": "model"})
+    status, model_ids = server.call(
+        "POST", "/v1/recommend", {"user_id": "b", "history": MODEL_HISTORY, "k": 5, "ids": "model"}
+    )
     assert status == 200 and model_ids["items"] == want.items
     status, body = server.call("POST", "/v1/generate", {"user_id": "b", "history": HISTORY, "k": 4})
     generated = local.generate(GenerateRequest("b", MODEL_HISTORY, 4))
@@ -101,8 +106,11 @@ BAD_REQUESTS = [  # (endpoint, body, field named)
     ("rank", {"user_id": "u", "history": HISTORY, "candidates": {"item_id": [5]}}, "candidates.item_id"),
     ("rank", {"user_id": "u", "history": HISTORY, "candidates": {"item_id": []}}, "candidates"),
     ("rank", {"user_id": "u", "history": {**HISTORY, "genre": [1] * 5}, "candidates": {"item_id": [1000]}}, "history"),
-    ("rank", {"user_id": "u", "history": {"item_id": HISTORY["item_id"]}, "candidates": {"item_id": [1000]}},
-     "history.timestamps"),
+    (
+        "rank",
+        {"user_id": "u", "history": {"item_id": HISTORY["item_id"]}, "candidates": {"item_id": [1000]}},
+        "history.timestamps",
+    ),
     ("recommend", {"user_id": "u", "history": HISTORY, "k": 0}, "body.k"),
     ("recommend", {"user_id": "u", "history": HISTORY, "k": 10**6}, "k"),
     ("recommend", {"user_id": "u", "history": HISTORY, "ids": "internal"}, "body.ids"),
@@ -131,8 +139,9 @@ def test_admin_reload_is_off_without_a_token_and_refuses_a_wrong_one(servers, ex
     body = {"export_dir": str(exports["first"])}
     assert without.call("POST", "/admin/reload", body)[0] == 404
     assert with_token.call("POST", "/admin/reload", body, headers=[("Authorization", "Bearer nope")])[0] == 401
-    status, answer = with_token.call("POST", "/admin/reload", {"export_dir": "/nonexistent"},
-                                     headers=[("Authorization", f"Bearer {TOKEN}")])
+    status, answer = with_token.call(
+        "POST", "/admin/reload", {"export_dir": "/nonexistent"}, headers=[("Authorization", f"Bearer {TOKEN}")]
+    )
     assert status == 400 and answer["field"] == "body.export_dir"
     assert with_token.call("GET", "/healthz") == (200, {"status": "ok"})
     assert without.call("GET", "/openapi.json")[1]["paths"].keys() >= {"/v1/rank", "/v1/recommend", "/v1/generate"}
@@ -142,8 +151,10 @@ def test_metrics_count_requests_errors_cache_statuses_and_latency(servers):
     server = servers[1]
     before = server.call("GET", "/metrics")[1]
     user = {"user_id": "metrics-user", "history": HISTORY, "k": 3}
-    longer = {**user, "history": {"item_id": HISTORY["item_id"] + [RAW_ITEMS[20]],
-                                  "timestamps": HISTORY["timestamps"] + [60]}}
+    longer = {
+        **user,
+        "history": {"item_id": HISTORY["item_id"] + [RAW_ITEMS[20]], "timestamps": HISTORY["timestamps"] + [60]},
+    }
     statuses = [server.call("POST", "/v1/recommend", body)[1]["cache_status"] for body in (user, user, longer)]
     assert statuses == ["miss", "hit", "extend"]
     assert server.call("POST", "/v1/recommend", {**user, "k": 0})[0] == 400
@@ -215,9 +226,15 @@ def test_non_finite_scores_are_a_500_naming_the_error_never_nan_in_json(tmp_path
     server = Server(export_model(model, tmp_path / "broken"))
     try:
         for history, status_wanted in (([1, 2, 7], 500), ([1, 2, 3], 200)):
-            status, body = server.call("POST", "/v1/rank", {
-                "user_id": "n", "history": {"item_id": history, "timestamps": [10, 20, 30]},
-                "candidates": {"item_id": [4, 5]}})
+            status, body = server.call(
+                "POST",
+                "/v1/rank",
+                {
+                    "user_id": "n",
+                    "history": {"item_id": history, "timestamps": [10, 20, 30]},
+                    "candidates": {"item_id": [4, 5]},
+                },
+            )
             assert status == status_wanted, body
             if status == 500:
                 assert body["error"] == "non_finite_score"

@@ -2,6 +2,7 @@
 reload, threads), bad requests, batch form and CLI; and the HSTU slice and the runtime loading
 and scoring in a process that cannot import the training code (an import guard refuses
 torchrec, lightning and gr.model/train/data/sparse/DNNs)."""
+
 import json
 import os
 import shutil
@@ -26,8 +27,19 @@ from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, rank_a
 ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
 # The import guard of the standalone test: training code a serving process must never load.
-BLOCKED = ("torchrec", "fbgemm_gpu", "lightning", "pytorch_lightning", "gr.model", "gr.train", "gr.data",
-           "gr.sparse", "gr.prefix_dnn", "gr.postfix_dnn", "gr.export.writer")
+BLOCKED = (
+    "torchrec",
+    "fbgemm_gpu",
+    "lightning",
+    "pytorch_lightning",
+    "gr.model",
+    "gr.train",
+    "gr.data",
+    "gr.sparse",
+    "gr.prefix_dnn",
+    "gr.postfix_dnn",
+    "gr.export.writer",
+)
 # ...except the id-map format (numpy only, behind gr.data's lazy package init): serving reads raw ids with it.
 ALLOWED = ("gr.data", "gr.data.mappings")
 
@@ -90,8 +102,9 @@ def slice_history(request, end):
 
 
 def rank(ranker, request, **kwargs):
-    return ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"],
-                       **kwargs)
+    return ranker.rank(
+        request["user_id"], request["history"], request["candidates"], request["common_features"], **kwargs
+    )
 
 
 def test_cached_uncached_and_trained_scores_agree_for_every_micro_batch(exported, users):
@@ -166,7 +179,9 @@ def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_u
     rank(ranker, requests[0])  # ... so u2 is evicted for u0
     assert ranker.cache.users() == [u1, u0] and ranker.cache.nbytes == sizes[u1] + sizes[u0]
     tiny = Ranker.load(path, cache_bytes=sizes[u3] - 1)
-    assert rank(tiny, requests[3]).cache_status == "miss" and len(tiny.cache) == 0, "an entry above the bound is not kept"
+    assert rank(tiny, requests[3]).cache_status == "miss" and len(tiny.cache) == 0, (
+        "an entry above the bound is not kept"
+    )
 
 
 def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, users, tmp_path):
@@ -186,8 +201,9 @@ def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, us
     assert len(ranker.cache) == 0 and ranker.cache.model_version == version + 1
     after = rank(ranker, requests[0])
     assert after.cache_status == "miss" and not np.allclose(after.scores["click"], before, atol=1e-3)
-    np.testing.assert_allclose(after.scores["click"], rank(Ranker.load(newer), requests[0]).scores["click"],
-                               rtol=0, atol=ATOL)
+    np.testing.assert_allclose(
+        after.scores["click"], rank(Ranker.load(newer), requests[0]).scores["click"], rtol=0, atol=ATOL
+    )
     assert not ranker.cache.put("late", stale, version), "an entry computed before the reload is refused"
 
 
@@ -208,20 +224,34 @@ def test_concurrent_requests_give_the_sequential_results(exported, users):
 
 
 BAD_REQUESTS = {
-    "unknown feature": (lambda r: {**r, "candidates": {**r["candidates"], "colour": [1] * 5}},
-                        r"candidates: unknown feature.*colour"),
-    "id out of range": (lambda r: {**r, "candidates": {**r["candidates"], "item_id": np.array([1, 2, 50, 3, 4])}},
-                        r"candidates\.item_id: ids \[50\] out of range \[0, 50\)"),
-    "common id out of range": (lambda r: {**r, "common_features": {**r["common_features"], "user_id": [-1]}},
-                               r"common_features\.user_id: ids \[-1\] out of range"),
-    "empty candidates": (lambda r: {**r, "candidates": {k: v[:0] for k, v in r["candidates"].items()}},
-                         "candidates.*empty"),
-    "missing feature": (lambda r: {**r, "history": {k: v for k, v in r["history"].items() if k != "genre"}},
-                        r"history: missing feature.*genre"),
-    "ragged columns": (lambda r: {**r, "history": {**r["history"], "genre": r["history"]["genre"][:-1]}},
-                       "different lengths"),
-    "wrong dense dim": (lambda r: {**r, "common_features": {**r["common_features"], "user_score": [0.5]}},
-                        r"user_score: expected 2 floats"),
+    "unknown feature": (
+        lambda r: {**r, "candidates": {**r["candidates"], "colour": [1] * 5}},
+        r"candidates: unknown feature.*colour",
+    ),
+    "id out of range": (
+        lambda r: {**r, "candidates": {**r["candidates"], "item_id": np.array([1, 2, 50, 3, 4])}},
+        r"candidates\.item_id: ids \[50\] out of range \[0, 50\)",
+    ),
+    "common id out of range": (
+        lambda r: {**r, "common_features": {**r["common_features"], "user_id": [-1]}},
+        r"common_features\.user_id: ids \[-1\] out of range",
+    ),
+    "empty candidates": (
+        lambda r: {**r, "candidates": {k: v[:0] for k, v in r["candidates"].items()}},
+        "candidates.*empty",
+    ),
+    "missing feature": (
+        lambda r: {**r, "history": {k: v for k, v in r["history"].items() if k != "genre"}},
+        r"history: missing feature.*genre",
+    ),
+    "ragged columns": (
+        lambda r: {**r, "history": {**r["history"], "genre": r["history"]["genre"][:-1]}},
+        "different lengths",
+    ),
+    "wrong dense dim": (
+        lambda r: {**r, "common_features": {**r["common_features"], "user_score": [0.5]}},
+        r"user_score: expected 2 floats",
+    ),
     "float ids": (lambda r: {**r, "history": {**r["history"], "item_id": r["history"]["item_id"] + 0.5}}, "integers"),
 }
 
@@ -255,8 +285,9 @@ def test_history_longer_than_max_seq_len_is_truncated_and_reported_or_refused(ex
     assert result.truncated == 5 and result.history_length == 40
     assert "truncated" in result.to_json()["warnings"][0]
     kept = {**long, "history": {k: v[5:] for k, v in long["history"].items()}}
-    np.testing.assert_allclose(result.scores["like"], rank(Ranker.load(path), kept, use_cache=False).scores["like"],
-                               rtol=0, atol=ATOL)
+    np.testing.assert_allclose(
+        result.scores["like"], rank(Ranker.load(path), kept, use_cache=False).scores["like"], rtol=0, atol=ATOL
+    )
 
 
 def test_batch_form_and_cli_print_scores_per_task(exported, users, tmp_path, capsys):
@@ -270,9 +301,12 @@ def test_batch_form_and_cli_print_scores_per_task(exported, users, tmp_path, cap
         ranker.rank_batch([RankRequest(**requests[0]), RankRequest(**{**requests[1], "candidates": no_candidates})])
 
     def as_json(r):
-        return {**r, "history": {k: v.tolist() for k, v in r["history"].items()},
-                "candidates": {k: v.tolist() for k, v in r["candidates"].items()},
-                "common_features": {k: v.tolist() for k, v in r["common_features"].items()}}
+        return {
+            **r,
+            "history": {k: v.tolist() for k, v in r["history"].items()},
+            "candidates": {k: v.tolist() for k, v in r["candidates"].items()},
+            "common_features": {k: v.tolist() for k, v in r["common_features"].items()},
+        }
 
     file = tmp_path / "request.json"
     file.write_text(json.dumps(as_json(requests[1])))
@@ -316,16 +350,29 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
         want_scores = model(batch).predictions
         x = torch.randn(int(batch.seq_offsets[-1]), 16)
         want_hidden = model.hstu(x, batch.seq_offsets, batch.max_seq_len, batch.timestamps, batch.num_targets)
-    np.savez(tmp_path / "hstu_inputs.npz", x=x.numpy(), offsets=batch.seq_offsets.numpy(), max_len=batch.max_seq_len,
-             timestamps=batch.timestamps.numpy(), num_targets=batch.num_targets.numpy())
+    np.savez(
+        tmp_path / "hstu_inputs.npz",
+        x=x.numpy(),
+        offsets=batch.seq_offsets.numpy(),
+        max_len=batch.max_seq_len,
+        timestamps=batch.timestamps.numpy(),
+        num_targets=batch.num_targets.numpy(),
+    )
     parts = ("history", "candidates", "common_features")
-    requests = [{**r, **{part: {k: v.tolist() for k, v in r[part].items()} for part in parts}}
-                for r in requests_from_batch(batch)]
+    requests = [
+        {**r, **{part: {k: v.tolist() for k, v in r[part].items()} for part in parts}}
+        for r in requests_from_batch(batch)
+    ]
     (tmp_path / "requests.json").write_text(json.dumps(requests))
 
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([BLOCKED, ALLOWED]), str(export_dir), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps([BLOCKED, ALLOWED]), str(export_dir), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"leaked": []}
     out = np.load(tmp_path / "out.npz")
@@ -337,8 +384,13 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
 def test_the_import_guard_refuses_training_code():
     for module in ("gr.model", "gr.data.datamodule"):
         probe = SCRIPT.split("import torch")[0] + f"import {module}\n"
-        run = subprocess.run([sys.executable, "-c", probe, json.dumps([BLOCKED, ALLOWED])], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+        run = subprocess.run(
+            [sys.executable, "-c", probe, json.dumps([BLOCKED, ALLOWED])],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+        )
         assert run.returncode != 0 and f"import guard: {module} is training code" in run.stderr
 
 
@@ -360,7 +412,9 @@ def test_generation_never_imports_the_serving_runtime_and_generate_not_the_ranke
     for path in sorted((ROOT / "gr" / "generation").glob("*.py")):
         assert not any(name.startswith("gr.serving") for name in _imports(path)), path
     for module in ("generate", "history", "catalogue", "model"):
-        assert not any(name.startswith("gr.serving.runtime") for name in _imports(ROOT / "gr" / "serving" / f"{module}.py"))
+        assert not any(
+            name.startswith("gr.serving.runtime") for name in _imports(ROOT / "gr" / "serving" / f"{module}.py")
+        )
 
 
 @pytest.mark.parametrize("block", [1, 4])

@@ -1,4 +1,5 @@
 """Sparse lookups: "unique before lookup" dedup, padded storage, and a stable input layout per collection."""
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -24,7 +25,8 @@ def batch():
     genres = torch.tensor([0, 1, 0, 0, 2, 1, 1, 3, 0, 2, 2, 6])
     sampled = torch.tensor([9, 1, 25, 25, 4])
     return KeyedJaggedTensor.from_lengths_sync(
-        ["item_id", "genre", "sampled_item_id"], torch.cat([items, genres, sampled]),
+        ["item_id", "genre", "sampled_item_id"],
+        torch.cat([items, genres, sampled]),
         torch.cat([lengths, lengths, torch.tensor([5, 0, 0])]),
     )
 
@@ -36,7 +38,7 @@ def test_dedup_gives_the_same_vectors_and_gradients_as_plain_lookup():
     out_dedup, pooled_dedup = dedup(batch(), common)
     assert sorted(out_plain) == sorted(out_dedup) == ["genre", "item_id", "sampled_item_id"]
     weights = {k: torch.randn_like(v) for k, v in out_plain.items()}
-    for out, model in ((out_plain, plain), (out_dedup, dedup)):
+    for out in (out_plain, out_dedup):
         sum((out[k] * weights[k]).sum() for k in out).backward()
     for k in out_plain:
         torch.testing.assert_close(out_dedup[k], out_plain[k])

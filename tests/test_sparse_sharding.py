@@ -2,6 +2,7 @@
 
 (The 2-rank case runs in tests/test_train_torchrun.py.)
 """
+
 import dataclasses
 
 import pytest
@@ -16,8 +17,9 @@ from gr.prefix_dnn import MLPTokenEncoder
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
 from gr.sparse.sharding import local_table_rows, shard_model, table_device
 
-HSTU = HSTUConfig(hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=16, dropout=0.0,
-                  input_dropout=0.0)
+HSTU = HSTUConfig(
+    hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=16, dropout=0.0, input_dropout=0.0
+)
 
 
 @pytest.fixture
@@ -32,9 +34,14 @@ def process_group(tmp_path):
 
 def model(tables=None):
     torch.manual_seed(0)
-    tables = tables or [TableConfig("item", 40, 16, ("item_id",)), TableConfig("user", 6, 8, ("user_id",), kind="common")]
+    tables = tables or [
+        TableConfig("item", 40, 16, ("item_id",)),
+        TableConfig("user", 6, 8, ("user_id",), kind="common"),
+    ]
     prefix = MLPTokenEncoder({"item_id": 16}, 16)
-    postfix = MMoERankingHead(16, ["click"], num_experts=2, expert_dims=(8,), tower_dims=(4,), common_dims={"user_id": 8})
+    postfix = MMoERankingHead(
+        16, ["click"], num_experts=2, expert_dims=(8,), tower_dims=(4,), common_dims={"user_id": 8}
+    )
     return GRModel(HSTU, prefix, postfix, tables)
 
 
@@ -56,8 +63,9 @@ def test_tables_are_sharded_by_plan_and_updated_inside_backward(process_group):
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     assert not any("embeddings." in name for name in dense) and "hstu.layers.0.uvqk.weight" in dense
     # The sharded tables hold the unsharded model's initial rows.
-    torch.testing.assert_close(dmp.state_dict()["embeddings.sequence.dim16.embeddings.item.weight"]
-                               .local_shards()[0].tensor, initial)
+    torch.testing.assert_close(
+        dmp.state_dict()["embeddings.sequence.dim16.embeddings.item.weight"].local_shards()[0].tensor, initial
+    )
 
     dmp(batch()).predictions["click"].sum().backward()  # no optimizer.step(): the kernel updates rows itself
     after = dmp.state_dict()["embeddings.sequence.dim16.embeddings.item.weight"].local_shards()[0].tensor
@@ -71,15 +79,19 @@ def test_tables_are_sharded_by_plan_and_updated_inside_backward(process_group):
 def test_optimizer_without_a_fused_cpu_kernel_is_refused(process_group):
     with pytest.raises(ValueError, match=r"sparse.optimizer.type: 'adam' has no fused embedding kernel on cpu"):
         shard_model(model(), EmbeddingOptimizerConfig("adam"), torch.device("cpu"))
-    tables = [TableConfig("item", 40, 16, ("item_id",), optimizer=EmbeddingOptimizerConfig("partial_rowwise_adam")),
-              TableConfig("user", 6, 8, ("user_id",), kind="common")]
+    tables = [
+        TableConfig("item", 40, 16, ("item_id",), optimizer=EmbeddingOptimizerConfig("partial_rowwise_adam")),
+        TableConfig("user", 6, 8, ("user_id",), kind="common"),
+    ]
     with pytest.raises(ValueError, match=r"model.tables\[item\].optimizer.type"):
         shard_model(model(tables), EmbeddingOptimizerConfig(), torch.device("cpu"))
 
 
 def test_sharding_type_torchrec_lacks_on_the_device_is_refused(process_group):
-    tables = [TableConfig("item", 40, 16, ("item_id",)),
-              TableConfig("user", 6, 8, ("user_id",), kind="common", sharding="row_wise")]
+    tables = [
+        TableConfig("item", 40, 16, ("item_id",)),
+        TableConfig("user", 6, 8, ("user_id",), kind="common", sharding="row_wise"),
+    ]
     with pytest.raises(ValueError, match=r"model.tables\[user\].sharding: TorchRec shards common tables on cpu"):
         shard_model(model(tables), EmbeddingOptimizerConfig(), torch.device("cpu"))
 
@@ -88,7 +100,9 @@ def test_host_placement_puts_tables_in_host_memory():
     assert table_device(torch.device("cuda", 1), "host") == torch.device("cpu")
     assert table_device(torch.device("cuda", 1), "device") == torch.device("cuda", 1)
     # An accelerator without TorchRec kernels (an NPU on an Ascend host; XPU constructs without hardware).
-    with pytest.raises(ValueError, match="sparse.placement: TorchRec has no embedding kernels for xpu; use placement: host"):
+    with pytest.raises(
+        ValueError, match="sparse.placement: TorchRec has no embedding kernels for xpu; use placement: host"
+    ):
         table_device(torch.device("xpu", 0), "device")
     assert table_device(torch.device("xpu", 0), "host") == torch.device("cpu")
 

@@ -1,6 +1,7 @@
 """Stochastic length: long training histories are cut to N^(alpha/2) tokens with probability
 1 - N^alpha / n^2, deterministically under the seed, targets and labels following the kept
 tokens; on in training only."""
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -21,15 +22,21 @@ def batch(lengths, num_targets=None):
     tokens = torch.arange(total)
     ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], tokens, lengths)
     labels = {"next_item": tokens.clone()} if num_targets is None else {"click": torch.arange(int(sum(num_targets)))}
-    return GRInput(seq_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-                   max_seq_len=int(lengths.max()), timestamps=tokens.clone(), query_times=tokens.clone(),
-                   num_targets=None if num_targets is None else torch.tensor(num_targets), sequence_ids=ids,
-                   token_dense={"age": tokens.float().unsqueeze(1)}, labels=labels)
+    return GRInput(
+        seq_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        max_seq_len=int(lengths.max()),
+        timestamps=tokens.clone(),
+        query_times=tokens.clone(),
+        num_targets=None if num_targets is None else torch.tensor(num_targets),
+        sequence_ids=ids,
+        token_dense={"age": tokens.float().unsqueeze(1)},
+        labels=labels,
+    )
 
 
 def test_keep_whole_probability_follows_the_paper():
     n = torch.tensor([1, 63, 64, 100, 200, 1000])
-    expected = torch.tensor([1.0, 1.0, 1000 ** 1.2 / 64 ** 2, 1000 ** 1.2 / 100 ** 2, 1000 ** 1.2 / 200 ** 2, 1000 ** 1.2 / 1000 ** 2])
+    expected = torch.tensor([1.0, 1.0, 1000**1.2 / 64**2, 1000**1.2 / 100**2, 1000**1.2 / 200**2, 1000**1.2 / 1000**2])
     assert kept_length(1000, 1.2) == 63  # 1000^0.6 = 63.1
     assert torch.allclose(keep_whole_probability(n, 1000, 1.2), expected.double())
     assert (keep_whole_probability(n, 1000, 2.0) == 1).all()  # alpha 2: dense, nothing cut
@@ -42,7 +49,7 @@ def test_long_histories_are_cut_at_the_papers_rate():
     generator = torch.Generator().manual_seed(0)
     index, lengths = stochastic_length_index(offsets, None, 200, 1.5, generator)
     assert set(lengths.tolist()) == {53, 100}
-    assert (lengths == 53).float().mean().item() == pytest.approx(1 - 200 ** 1.5 / 100 ** 2, abs=0.056)
+    assert (lengths == 53).float().mean().item() == pytest.approx(1 - 200**1.5 / 100**2, abs=0.056)
     assert index.numel() == int(lengths.sum())
 
 

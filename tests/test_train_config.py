@@ -1,4 +1,5 @@
 """The training config: up-front validation naming section.key, dotted overrides, user classes by import path."""
+
 import copy
 from typing import Dict
 
@@ -76,9 +77,23 @@ def test_config_file_errors_name_the_file(tmp_path):
 def test_dotted_overrides_from_the_command_line_reach_the_config(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(BASE))
-    args, overrides = parse_args(["--config", str(path), "--trainer.max_epochs", "3", "--data.path=../x",
-                                  "--model.tables.0.embedding_dim", "12", "--task.retrieval.top_k", "[5, 20]",
-                                  "--sparse.dedup", "false", "--out", "runs/x"])
+    args, overrides = parse_args(
+        [
+            "--config",
+            str(path),
+            "--trainer.max_epochs",
+            "3",
+            "--data.path=../x",
+            "--model.tables.0.embedding_dim",
+            "12",
+            "--task.retrieval.top_k",
+            "[5, 20]",
+            "--sparse.dedup",
+            "false",
+            "--out",
+            "runs/x",
+        ]
+    )
     assert args.out == "runs/x"
     assert overrides[:2] == [("trainer.max_epochs", "3"), ("data.path", "../x")]
     config = load_config(path, [o for o in overrides if o[0] != "data.path"])
@@ -122,8 +137,10 @@ def test_table_rows_come_from_the_data_and_every_data_feature_needs_a_table():
 
 
 def test_retrieval_needs_a_head_that_embeds_items():
-    config = config_with(("model.postfix_dnn.class", "gr.postfix_dnn.MMoERankingHead"),
-                         ("model.postfix_dnn.kwargs", {"tasks": ["click"]}))
+    config = config_with(
+        ("model.postfix_dnn.class", "gr.postfix_dnn.MMoERankingHead"),
+        ("model.postfix_dnn.kwargs", {"tasks": ["click"]}),
+    )
     with pytest.raises(ValueError, match="model.postfix_dnn.class: retrieval scores items"):
         build_model(config, SPEC)
 

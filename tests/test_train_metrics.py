@@ -1,4 +1,5 @@
 """Losses, metrics and the retrieval task's sampling, each against a naive implementation written here."""
+
 import math
 
 import pytest
@@ -84,8 +85,11 @@ def naive_sampled_softmax(queries, items, positive_index, negative_index, temper
     return torch.stack(losses).mean()
 
 
-@pytest.mark.parametrize("shape, distinct", [((6, 5), 12), ((6, 5), 400), ((5,), 12)],
-                         ids=["per-token-few-items", "per-token-many-items", "shared"])
+@pytest.mark.parametrize(
+    "shape, distinct",
+    [((6, 5), 12), ((6, 5), 400), ((5,), 12)],
+    ids=["per-token-few-items", "per-token-many-items", "shared"],
+)
 def test_sampled_softmax_matches_naive_and_masks_the_positive(shape, distinct):
     torch.manual_seed(0)
     queries = F.normalize(torch.randn(6, 4), dim=-1).requires_grad_(True)
@@ -97,8 +101,8 @@ def test_sampled_softmax_matches_naive_and_masks_the_positive(shape, distinct):
     loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
     expected = naive_sampled_softmax(queries, items, positive_index, negative_index, 0.05)
     torch.testing.assert_close(loss, expected)
-    grad, = torch.autograd.grad(loss, queries)
-    expected_grad, = torch.autograd.grad(expected, queries)
+    (grad,) = torch.autograd.grad(loss, queries)
+    (expected_grad,) = torch.autograd.grad(expected, queries)
     torch.testing.assert_close(grad, expected_grad)
 
 

@@ -1,6 +1,7 @@
 """End-to-end runs on tiny synthetic data: in this process (one rank) the run directory,
 load_trained_model, exact resume, the most-popular baseline and the ranking task; then the
 same recipe under torchrun on two ranks."""
+
 import copy
 import json
 import os
@@ -78,9 +79,18 @@ def test_ranking_run_with_host_placed_tables_reports_auc_and_logloss_per_task(tm
     """Also the host-placement path (tables in host memory, looked-up vectors moved to the
     dense model's device), which on this CPU-only machine is the same device."""
     ranking = copy.deepcopy(RETRIEVAL)
-    ranking["data"].update(task="ranking", item_features=True, user_features=True,
-                           ranking={"positives_per_sample": 2, "samples_per_user": 2, "num_negatives": 4,
-                                    "eval_num_negatives": 9, "tasks": [{"name": "watch"}]})
+    ranking["data"].update(
+        task="ranking",
+        item_features=True,
+        user_features=True,
+        ranking={
+            "positives_per_sample": 2,
+            "samples_per_user": 2,
+            "num_negatives": 4,
+            "eval_num_negatives": 9,
+            "tasks": [{"name": "watch"}],
+        },
+    )
     ranking["task"] = {"ranking": {"task_weights": {"watch": 1.0}}}
     ranking["sparse"]["placement"] = "host"
     ranking["model"]["tables"] += [
@@ -105,8 +115,20 @@ def test_two_rank_torchrun_shards_tables_and_matches_one_rank(retrieval_run, tmp
     recipe.write_text(yaml.safe_dump(RETRIEVAL))
     out = tmp_path / "run"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), "train.py", "--config", str(recipe), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "train.py",
+        "--config",
+        str(recipe),
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     two_ranks = json.loads((out / "metrics.json").read_text())

@@ -1,5 +1,6 @@
 """The Triton kernels are launched by keyword: the host-side argument dicts name exactly the
 kernels' parameters, and a launch missing one is an error instead of shifted arguments."""
+
 import pytest
 import torch
 
@@ -41,8 +42,18 @@ def test_host_argument_names_match_the_kernel_parameters(kernel, own):
     host = {*table_args(inputs), *scalar_args(inputs, q, v), *strides(q=q, k=k, v=v, do=q), *flags(inputs, q, v, True)}
     params = set(kernel.arg_names)
     assert host <= params, sorted(host - params)
-    launch_only = {"H", "AUTOTUNE_MAX_LEN", "BLOCK_M", "BLOCK_N", "POS_WINDOW", "TIME_TABLE", "THR_TABLE", "TileSeq",
-                   "TileStart", "num_tiles"}
+    launch_only = {
+        "H",
+        "AUTOTUNE_MAX_LEN",
+        "BLOCK_M",
+        "BLOCK_N",
+        "POS_WINDOW",
+        "TIME_TABLE",
+        "THR_TABLE",
+        "TileSeq",
+        "TileStart",
+        "num_tiles",
+    }
     assert params - host - own <= launch_only, sorted(params - host - own - launch_only)
 
 
@@ -50,8 +61,16 @@ def test_host_argument_names_match_the_kernel_parameters(kernel, own):
 def test_launch_without_an_argument_is_an_error():
     q, k, v, inputs = _inputs()
     out = torch.empty(5, 2, 32)
-    args = dict(Q=q, K=k, V=v, DO=q, Out=out, **table_args(inputs), **strides(q=q, k=k, v=v, do=q, o=out),
-                **scalar_args(inputs, q, v))
+    args = dict(
+        Q=q,
+        K=k,
+        V=v,
+        DO=q,
+        Out=out,
+        **table_args(inputs),
+        **strides(q=q, k=k, v=v, do=q, o=out),
+        **scalar_args(inputs, q, v),
+    )
     del args["stride_kt"]
     meta = dict(flags(inputs, q, v, True), H=2, AUTOTUNE_MAX_LEN=4, BLOCK_M=16, BLOCK_N=16)
     with pytest.raises(TypeError, match="stride_kt"):

@@ -2,6 +2,7 @@
 
 Public names load lazily, so reading files does not import torch or Lightning.
 """
+
 from gr.lazy import lazy_getattr
 
 _EXPORTS = {

@@ -5,6 +5,7 @@ sampler yields one ``BatchKey`` (epoch, batch number, sample rows) per batch and
 split's dataset builds the whole batch at once. Randomness (negative candidates) is
 seeded by (seed, split, epoch, batch number), so batches do not depend on worker count.
 """
+
 from __future__ import annotations
 
 import abc
@@ -47,13 +48,16 @@ class BatchPlan(Sampler):
     each training epoch.
     """
 
-    def __init__(self, num_rows: int, batch_size: int, shuffle: bool, seed: int, rank: int = 0,
-                 world_size: int = 1) -> None:
+    def __init__(
+        self, num_rows: int, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
         if num_rows < world_size:
             raise ValueError(f"BatchPlan: {num_rows} samples cannot feed {world_size} ranks")
         if batch_size < world_size:
-            raise ValueError(f"BatchPlan: a global batch of {batch_size} cannot feed {world_size} ranks "
-                             "(data.batch_size and data.eval_batch_size count samples over all ranks)")
+            raise ValueError(
+                f"BatchPlan: a global batch of {batch_size} cannot feed {world_size} ranks "
+                "(data.batch_size and data.eval_batch_size count samples over all ranks)"
+            )
         self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
@@ -132,8 +136,10 @@ def assemble(
         token_dense={name: torch.from_numpy(matrix[items]) for name, matrix in item_features.dense.items()},
         common_ids=common_ids,
         common_dense={name: torch.from_numpy(matrix[users]) for name, matrix in user_features.dense.items()},
-        labels={"user": torch.from_numpy(users.astype(np.int64)),
-                **{name: torch.from_numpy(value) for name, value in labels.items()}},
+        labels={
+            "user": torch.from_numpy(users.astype(np.int64)),
+            **{name: torch.from_numpy(value) for name, value in labels.items()},
+        },
     )
 
 
@@ -183,8 +189,16 @@ class RetrievalTrainBatches(SplitBatches):
         starts = self.windows(seqs.starts[users], last)
         lengths = last - starts
         index = concat_ranges(starts, lengths)
-        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], seqs.timestamps[index + 1],
-                        lengths, None, {"next_item": seqs.items[index + 1]})
+        return assemble(
+            self.corpus,
+            users,
+            seqs.items[index],
+            seqs.timestamps[index],
+            seqs.timestamps[index + 1],
+            lengths,
+            None,
+            {"next_item": seqs.items[index + 1]},
+        )
 
 
 class RetrievalEvalBatches(SplitBatches):
@@ -195,8 +209,9 @@ class RetrievalEvalBatches(SplitBatches):
     window when ``exclude == "window"``), never the target itself.
     """
 
-    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, exclude: str,
-                 eviction_block: int = 1) -> None:
+    def __init__(
+        self, corpus: Corpus, split: str, max_seq_len: int, seed: int, exclude: str, eviction_block: int = 1
+    ) -> None:
         super().__init__(corpus, split, max_seq_len, seed, eviction_block)
         self.exclude = exclude
 
@@ -219,12 +234,20 @@ class RetrievalEvalBatches(SplitBatches):
         keys = keys[keys % seqs.num_items != target_items[keys // seqs.num_items]]
         exclude_offsets = np.concatenate([[0], np.cumsum(np.bincount(keys // seqs.num_items, minlength=len(users)))])
         # The token after each input token is the next one, then the target: its time is the request's.
-        return assemble(self.corpus, users, seqs.items[index], seqs.timestamps[index], seqs.timestamps[index + 1],
-                        lengths, None, {
-            "target_item": target_items,
-            "exclude_offsets": exclude_offsets.astype(np.int64),
-            "exclude_items": keys % seqs.num_items,
-        })
+        return assemble(
+            self.corpus,
+            users,
+            seqs.items[index],
+            seqs.timestamps[index],
+            seqs.timestamps[index + 1],
+            lengths,
+            None,
+            {
+                "target_item": target_items,
+                "exclude_offsets": exclude_offsets.astype(np.int64),
+                "exclude_items": keys % seqs.num_items,
+            },
+        )
 
 
 class RankingBatches(SplitBatches):
@@ -237,9 +260,20 @@ class RankingBatches(SplitBatches):
     ``negative_table`` [rows, negatives] fixes the negatives (evaluation); None draws them per batch.
     """
 
-    def __init__(self, corpus: Corpus, split: str, max_seq_len: int, seed: int, row_users: np.ndarray,
-                 cuts: np.ndarray, positives: int, negatives: int, tasks: Sequence[TaskConfig],
-                 negative_table: Optional[np.ndarray] = None, eviction_block: int = 1) -> None:
+    def __init__(
+        self,
+        corpus: Corpus,
+        split: str,
+        max_seq_len: int,
+        seed: int,
+        row_users: np.ndarray,
+        cuts: np.ndarray,
+        positives: int,
+        negatives: int,
+        tasks: Sequence[TaskConfig],
+        negative_table: Optional[np.ndarray] = None,
+        eviction_block: int = 1,
+    ) -> None:
         super().__init__(corpus, split, max_seq_len, seed, eviction_block)
         self.row_users, self.cuts = row_users, cuts
         self.positives, self.negatives, self.tasks = positives, negatives, tuple(tasks)
@@ -274,9 +308,13 @@ class RankingBatches(SplitBatches):
         query_times[history_slots] = seqs.timestamps[history_rows + 1]
         labels = {}
         for task in self.tasks:
-            real = (np.ones_like(positive_rows, dtype=bool) if task.min_rating is None
-                    else seqs.ratings[positive_rows] >= task.min_rating)
+            real = (
+                np.ones_like(positive_rows, dtype=bool)
+                if task.min_rating is None
+                else seqs.ratings[positive_rows] >= task.min_rating
+            )
             labels[task.name] = np.concatenate([real, np.zeros_like(negatives, dtype=bool)], 1).ravel()
             labels[task.name] = labels[task.name].astype(np.float32)
-        return assemble(self.corpus, users, items, times, query_times, lengths, np.full(len(rows), num_candidates),
-                        labels)
+        return assemble(
+            self.corpus, users, items, times, query_times, lengths, np.full(len(rows), num_candidates), labels
+        )

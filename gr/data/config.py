@@ -1,4 +1,5 @@
 """DataConfig: the YAML ``data:`` section, validated before any file is read."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,15 +7,29 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, Optional, Tuple
 
 from gr.config_checks import (
-    BOOL, NAME, NAMES, NUMBER, Check, Section, checked, int_at_least, known_keys, number_in, one_of, optional, require,
+    BOOL,
+    NAME,
+    NAMES,
+    NUMBER,
+    Check,
+    Section,
+    checked,
+    int_at_least,
+    known_keys,
+    number_in,
+    one_of,
+    optional,
+    require,
 )
 
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
 EVAL_EXCLUDES = ("history", "window")
 MAX_SYNTHETIC_ITEMS = 10_000
-DELIMITER: Check = ((lambda v: isinstance(v, str) and len(v) == 1 and v not in "\n\r\""),
-                    "one character (not a quote or newline)")
+DELIMITER: Check = (
+    (lambda v: isinstance(v, str) and len(v) == 1 and v not in '\n\r"'),
+    "one character (not a quote or newline)",
+)
 TASK_LIST: Check = ((lambda v: isinstance(v, (list, tuple)) and len(v) > 0), "a non-empty list of {name, min_rating}")
 
 
@@ -38,11 +53,16 @@ class ColumnConfig(Section):
 
     def __post_init__(self, where: str) -> None:
         self.validate(where)
-        used = [self.user, self.item, self.timestamp, *([self.rating] if self.rating else []),
-                *self.user_features, *self.item_features]
+        used = [
+            self.user,
+            self.item,
+            self.timestamp,
+            *([self.rating] if self.rating else []),
+            *self.user_features,
+            *self.item_features,
+        ]
         if len(set(used)) != len(used):
             raise ValueError(f"{where}: a column is used twice in {used}")
-
 
 
 @dataclass(frozen=True)
@@ -76,12 +96,16 @@ class SyntheticConfig(Section):
         self.validate(where)
         require(f"{where}.max_len", self.max_len, int_at_least(self.min_len))
         if self.num_items > MAX_SYNTHETIC_ITEMS:
-            raise ValueError(f"{where}.num_items: at most {MAX_SYNTHETIC_ITEMS} (the generator keeps an "
-                             f"[items, items] transition matrix), got {self.num_items}")
+            raise ValueError(
+                f"{where}.num_items: at most {MAX_SYNTHETIC_ITEMS} (the generator keeps an "
+                f"[items, items] transition matrix), got {self.num_items}"
+            )
         if self.max_len > self.num_items:
             raise ValueError(f"{where}.max_len: {self.max_len} exceeds num_items {self.num_items} (items never repeat)")
         if self.successors >= self.num_items:
-            raise ValueError(f"{where}.successors: expected fewer than num_items ({self.num_items}), got {self.successors}")
+            raise ValueError(
+                f"{where}.successors: expected fewer than num_items ({self.num_items}), got {self.successors}"
+            )
 
 
 @dataclass(frozen=True)
@@ -134,7 +158,6 @@ class RankingConfig(Section):
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.tasks: duplicate task names {names}")
         object.__setattr__(self, "tasks", tasks)
-
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """SequenceDataModule: one LightningDataModule for every source, task and split."""
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,15 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from gr.data import mappings
-from gr.data.batching import (BatchPlan, Corpus, RankingBatches, RetrievalEvalBatches, RetrievalTrainBatches,
-                              SplitBatches, identity_collate)
+from gr.data.batching import (
+    BatchPlan,
+    Corpus,
+    RankingBatches,
+    RetrievalEvalBatches,
+    RetrievalTrainBatches,
+    SplitBatches,
+    identity_collate,
+)
 from gr.data.config import DataConfig
 from gr.data.features import ITEM_ID, FeatureSpec, SideFeatures
 from gr.data.mappings import IdMap
@@ -50,39 +58,59 @@ class SequenceDataModule(lightning.LightningDataModule):
             return
         config = self.config
         data = read_source(config)
-        sequences, self.user_map, self.item_map = build_sequences(data, config.min_seq_len,
-                                                                  config.min_item_interactions)
+        sequences, self.user_map, self.item_map = build_sequences(
+            data, config.min_seq_len, config.min_item_interactions
+        )
         self.corpus = Corpus(
             sequences=sequences,
             item_features=SideFeatures.align(data.item_side if config.item_features else None, self.item_map),
             user_features=SideFeatures.align(data.user_side if config.user_features else None, self.user_map),
             sampler=UnseenSampler(sequences),
         )
-        log.info("%s: %d users, %d items, %d interactions", data.source, sequences.num_users,
-                 sequences.num_items, len(sequences.items))
+        log.info(
+            "%s: %d users, %d items, %d interactions",
+            data.source,
+            sequences.num_users,
+            sequences.num_items,
+            len(sequences.items),
+        )
         dropped = data.duplicates if data.duplicates_dropped else 0
-        self.summary = {"source": data.source, "rows_read": len(data.users) + dropped,
-                        "duplicates_dropped": dropped, "duplicates_kept": data.duplicates - dropped,
-                        "users": sequences.num_users, "items": sequences.num_items,
-                        "interactions": len(sequences.items)}
+        self.summary = {
+            "source": data.source,
+            "rows_read": len(data.users) + dropped,
+            "duplicates_dropped": dropped,
+            "duplicates_kept": data.duplicates - dropped,
+            "users": sequences.num_users,
+            "items": sequences.num_items,
+            "interactions": len(sequences.items),
+        }
         self.splits = self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits()
 
     def _retrieval_splits(self) -> Dict[str, SplitBatches]:
         config, corpus = self.config, self.corpus
         train = RetrievalTrainBatches(corpus, config.max_seq_len, config.seed, self.eviction_block)
         if len(train) == 0:
-            raise ValueError(f"{config.source}: no user has 2 training events (needs >= 4 interactions); "
-                             "nothing to train on")
-        return {"train": train, **{split: RetrievalEvalBatches(corpus, split, config.max_seq_len, config.seed,
-                                                               config.eval_exclude, self.eviction_block)
-                                      for split in ("val", "test")}}
+            raise ValueError(
+                f"{config.source}: no user has 2 training events (needs >= 4 interactions); nothing to train on"
+            )
+        return {
+            "train": train,
+            **{
+                split: RetrievalEvalBatches(
+                    corpus, split, config.max_seq_len, config.seed, config.eval_exclude, self.eviction_block
+                )
+                for split in ("val", "test")
+            },
+        }
 
     def _ranking_splits(self) -> Dict[str, SplitBatches]:
         config, corpus, ranking = self.config, self.corpus, self.config.ranking
         sequences = corpus.sequences
         if sequences.ratings is None and any(t.min_rating is not None for t in ranking.tasks):
-            raise ValueError(f"data.ranking.tasks: {config.source} has no ratings; drop min_rating tasks "
-                             f"(got {[t.name for t in ranking.tasks]})")
+            raise ValueError(
+                f"data.ranking.tasks: {config.source} has no ratings; drop min_rating tasks "
+                f"(got {[t.name for t in ranking.tasks]})"
+            )
         corpus.sampler.check_room(ranking.num_negatives, "data.ranking.num_negatives")
         corpus.sampler.check_room(ranking.eval_num_negatives, "data.ranking.eval_num_negatives")
         positives = ranking.positives_per_sample
@@ -94,16 +122,37 @@ class SequenceDataModule(lightning.LightningDataModule):
         cuts = ends[row_users] - positives * (concat_ranges(np.zeros_like(per_user), per_user) + 1)
         if len(row_users) == 0:
             raise ValueError(f"data.ranking.positives_per_sample: no user has {positives + 1} training events")
-        splits: Dict[str, SplitBatches] = {"train": RankingBatches(
-            corpus, "train", config.max_seq_len, config.seed, row_users, cuts, positives, ranking.num_negatives,
-            ranking.tasks, eviction_block=self.eviction_block)}
+        splits: Dict[str, SplitBatches] = {
+            "train": RankingBatches(
+                corpus,
+                "train",
+                config.max_seq_len,
+                config.seed,
+                row_users,
+                cuts,
+                positives,
+                ranking.num_negatives,
+                ranking.tasks,
+                eviction_block=self.eviction_block,
+            )
+        }
         users = np.arange(sequences.num_users)
         for code, split in enumerate(("val", "test"), start=1):
             rng = np.random.default_rng([config.seed, code])
             table = corpus.sampler.sample(users, ranking.eval_num_negatives, rng).astype(np.int32)
-            splits[split] = RankingBatches(corpus, split, config.max_seq_len, config.seed, users,
-                                           sequences.targets(split), 1, ranking.eval_num_negatives,
-                                           ranking.tasks, negative_table=table, eviction_block=self.eviction_block)
+            splits[split] = RankingBatches(
+                corpus,
+                split,
+                config.max_seq_len,
+                config.seed,
+                users,
+                sequences.targets(split),
+                1,
+                ranking.eval_num_negatives,
+                ranking.tasks,
+                negative_table=table,
+                eviction_block=self.eviction_block,
+            )
         return splits
 
     # ---- what a model is built from ---------------------------------------------------------
@@ -145,8 +194,12 @@ class SequenceDataModule(lightning.LightningDataModule):
     def save_mappings(self, directory: str) -> None:
         """Write raw<->dense maps of users, items and categorical side features into ``directory``."""
         corpus = self._corpus()
-        maps = {"users": self.user_map, "items": self.item_map, **corpus.item_features.vocabularies,
-                **corpus.user_features.vocabularies}
+        maps = {
+            "users": self.user_map,
+            "items": self.item_map,
+            **corpus.item_features.vocabularies,
+            **corpus.user_features.vocabularies,
+        }
         columns = {**corpus.item_features.dense_columns, **corpus.user_features.dense_columns}
         mappings.save_mappings(directory, maps, columns)
 
@@ -166,10 +219,22 @@ class SequenceDataModule(lightning.LightningDataModule):
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
             rank, world = 0, 1
-        plan = BatchPlan(len(dataset), config.batch_size if split == "train" else config.eval_batch_size,
-                         shuffle=split == "train", seed=config.seed, rank=rank, world_size=world)
-        return DataLoader(dataset, batch_size=None, sampler=plan, collate_fn=identity_collate,
-                          num_workers=config.num_workers, persistent_workers=config.num_workers > 0)
+        plan = BatchPlan(
+            len(dataset),
+            config.batch_size if split == "train" else config.eval_batch_size,
+            shuffle=split == "train",
+            seed=config.seed,
+            rank=rank,
+            world_size=world,
+        )
+        return DataLoader(
+            dataset,
+            batch_size=None,
+            sampler=plan,
+            collate_fn=identity_collate,
+            num_workers=config.num_workers,
+            persistent_workers=config.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -12,6 +12,7 @@ below). The Amazon ratings file has no published checksum at all, so ``--sha256`
 required for it. Whatever is published, ``--sha256`` adds a SHA-256 check, and the SHA-256
 of every download is printed and recorded so a later download can be pinned to it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,13 +43,13 @@ RECORD = "DOWNLOAD.json"
 MOVIELENS_TERMS = (
     "GroupLens usage licence: research use; no commercial use and no redistribution without "
     "GroupLens's permission; no claim of endorsement; cite F. M. Harper and J. A. Konstan, "
-    "\"The MovieLens Datasets: History and Context\", ACM TiiS 5(4), 2015. "
+    '"The MovieLens Datasets: History and Context", ACM TiiS 5(4), 2015. '
     "Full terms: the README in the archive and https://grouplens.org/datasets/movielens/"
 )
 AMAZON_TERMS = (
     "Amazon review data (2014), McAuley lab, UCSD: released for research use; cite R. He and "
-    "J. McAuley, \"Ups and downs\", WWW 2016, and J. McAuley et al., \"Image-based "
-    "recommendations on styles and substitutes\", SIGIR 2015. "
+    'J. McAuley, "Ups and downs", WWW 2016, and J. McAuley et al., "Image-based '
+    'recommendations on styles and substitutes", SIGIR 2015. '
     "https://cseweb.ucsd.edu/~jmcauley/datasets/amazon/links.html"
 )
 
@@ -101,23 +102,45 @@ class DatasetSource:
 GROUPLENS = "https://files.grouplens.org/datasets/movielens"
 DATASETS: Dict[str, DatasetSource] = {
     "ml-100k": DatasetSource(
-        f"{GROUPLENS}/ml-100k.zip", "ml-100k.zip", lambda d: read_ml_100k(str(d)),
-        interactions=100_000, items=1_682, terms=MOVIELENS_TERMS, archive_root="ml-100k",
-        md5="0e33842e24a9c977be4e0107933c0723"),
+        f"{GROUPLENS}/ml-100k.zip",
+        "ml-100k.zip",
+        lambda d: read_ml_100k(str(d)),
+        interactions=100_000,
+        items=1_682,
+        terms=MOVIELENS_TERMS,
+        archive_root="ml-100k",
+        md5="0e33842e24a9c977be4e0107933c0723",
+    ),
     "ml-1m": DatasetSource(
-        f"{GROUPLENS}/ml-1m.zip", "ml-1m.zip", lambda d: read_ml_1m(str(d)),
-        interactions=1_000_209, items=3_706, terms=MOVIELENS_TERMS, archive_root="ml-1m",
-        md5="c4d9eecfca2ab87c1945afe126590906"),
+        f"{GROUPLENS}/ml-1m.zip",
+        "ml-1m.zip",
+        lambda d: read_ml_1m(str(d)),
+        interactions=1_000_209,
+        items=3_706,
+        terms=MOVIELENS_TERMS,
+        archive_root="ml-1m",
+        md5="c4d9eecfca2ab87c1945afe126590906",
+    ),
     "ml-20m": DatasetSource(
-        f"{GROUPLENS}/ml-20m.zip", "ml-20m.zip", lambda d: read_ml_20m(str(d)),
-        interactions=20_000_263, items=26_744, terms=MOVIELENS_TERMS, archive_root="ml-20m",
-        md5="cd245b17a1ae2cc31bb14903e1204af3"),
+        f"{GROUPLENS}/ml-20m.zip",
+        "ml-20m.zip",
+        lambda d: read_ml_20m(str(d)),
+        interactions=20_000_263,
+        items=26_744,
+        terms=MOVIELENS_TERMS,
+        archive_root="ml-20m",
+        md5="cd245b17a1ae2cc31bb14903e1204af3",
+    ),
     # The ratings-only file of the 2014 Amazon dump, as the HSTU paper's code fetches it.
     # Its page gives the rating count but no checksum and no distinct-item count.
     "amazon-books": DatasetSource(
         "http://snap.stanford.edu/data/amazon/productGraph/categoryFiles/ratings_Books.csv",
-        "ratings_Books.csv", lambda d: read_amazon(str(d / "ratings_Books.csv")),
-        interactions=22_507_155, items=None, terms=AMAZON_TERMS),
+        "ratings_Books.csv",
+        lambda d: read_amazon(str(d / "ratings_Books.csv")),
+        interactions=22_507_155,
+        items=None,
+        terms=AMAZON_TERMS,
+    ),
 }
 
 
@@ -146,7 +169,8 @@ def download_dataset(
     if sha256 is None and source.sha256 is None and source.md5 is None:
         raise MissingChecksum(
             f"{name}: no checksum is published for {source.url}; pass --sha256 HEX (the SHA-256 of a copy "
-            "you trust) so the download can be verified")
+            "you trust) so the download can be verified"
+        )
     url = url or source.url
     with atomic_directory(target, overwrite=overwrite) as tmp:
         fetched = tmp / source.file_name
@@ -173,8 +197,9 @@ def _fetch(url: str, path: Path, progress: bool) -> Dict[str, str]:
             announced = response.headers.get("Content-Length")
             total = int(announced) if announced is not None else None
             received = 0
-            with tqdm(total=total, unit="B", unit_scale=True, desc=path.name, disable=not progress,
-                      file=sys.stderr) as bar:
+            with tqdm(
+                total=total, unit="B", unit_scale=True, desc=path.name, disable=not progress, file=sys.stderr
+            ) as bar:
                 while chunk := response.read(CHUNK):
                     out.write(chunk)
                     sha.update(chunk)
@@ -182,8 +207,9 @@ def _fetch(url: str, path: Path, progress: bool) -> Dict[str, str]:
                     received += len(chunk)
                     bar.update(len(chunk))
     except http.client.IncompleteRead as error:
-        raise TruncatedDownload(f"{url}: the connection closed after {len(error.partial)} more bytes, "
-                                f"{error.expected} short; try again") from None
+        raise TruncatedDownload(
+            f"{url}: the connection closed after {len(error.partial)} more bytes, {error.expected} short; try again"
+        ) from None
     except urllib.error.URLError as error:
         raise DownloadError(f"{url}: download failed ({error.reason})") from None
     if total is not None and received != total:
@@ -192,13 +218,17 @@ def _fetch(url: str, path: Path, progress: bool) -> Dict[str, str]:
 
 
 def _verify(name: str, url: str, digests: Mapping[str, str], source: DatasetSource, sha256: Optional[str]) -> None:
-    expected = {"sha256 (--sha256)": (sha256, digests["sha256"]),
-                "published sha256": (source.sha256, digests["sha256"]),
-                "published md5": (source.md5, digests["md5"])}
+    expected = {
+        "sha256 (--sha256)": (sha256, digests["sha256"]),
+        "published sha256": (source.sha256, digests["sha256"]),
+        "published md5": (source.md5, digests["md5"]),
+    }
     for what, (want, got) in expected.items():
         if want is not None and want != got:
-            raise ChecksumMismatch(f"{name}: {url} does not match its {what}: expected {want}, got {got}; "
-                                   "the download is corrupt or not the published file")
+            raise ChecksumMismatch(
+                f"{name}: {url} does not match its {what}: expected {want}, got {got}; "
+                "the download is corrupt or not the published file"
+            )
 
 
 def _unpack(archive: Path, root: str, target: Path) -> None:
@@ -230,8 +260,7 @@ def _safe_member(archive: Path, member: zipfile.ZipInfo, root: str) -> Optional[
     if path.is_absolute() or ".." in path.parts or (path.parts and ":" in path.parts[0]):
         raise UnsafeArchive(f"{archive.name}: member {member.filename!r} would be written outside the target")
     if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
-        raise UnsafeArchive(f"{archive.name}: member {member.filename!r} is a link or special file, not a "
-                            "regular file")
+        raise UnsafeArchive(f"{archive.name}: member {member.filename!r} is a link or special file, not a regular file")
     if not path.parts or path.parts[0] != root:
         log.info("%s: skipping %s (outside %s/)", archive.name, member.filename, root)
         return None
@@ -242,28 +271,39 @@ def _safe_member(archive: Path, member: zipfile.ZipInfo, root: str) -> Optional[
 def _check_counts(name: str, source: DatasetSource, counts: Mapping[str, int]) -> None:
     for key, want in (("interactions", source.interactions), ("items", source.items)):
         if want is not None and counts[key] != want:
-            raise CountMismatch(f"{name}: parsed {counts[key]} {key}, the published dataset has {want}; "
-                                "the files are not the published release")
+            raise CountMismatch(
+                f"{name}: parsed {counts[key]} {key}, the published dataset has {want}; "
+                "the files are not the published release"
+            )
 
 
 def describe() -> str:
     """The --help epilog: each dataset's URL, checks and licence terms."""
     lines = ["datasets (use each under its licence terms):"]
     for name, source in DATASETS.items():
-        digest = ("md5 published by the host" if source.md5 else "sha256 published" if source.sha256
-                  else "no published checksum: --sha256 required")
+        digest = (
+            "md5 published by the host"
+            if source.md5
+            else "sha256 published"
+            if source.sha256
+            else "no published checksum: --sha256 required"
+        )
         items = f", {source.items:,} items" if source.items is not None else ""
-        lines += [f"  {name}: {source.url}",
-                  f"    {digest}; checks {source.interactions:,} interactions{items}",
-                  f"    terms: {source.terms}"]
+        lines += [
+            f"  {name}: {source.url}",
+            f"    {digest}; checks {source.interactions:,} interactions{items}",
+            f"    terms: {source.terms}",
+        ]
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="gr data download", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="gr data download",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Download a public dataset, verify its checksum, unpack it into DIR and check its counts.",
-        epilog=describe())
+        epilog=describe(),
+    )
     parser.add_argument("name", choices=sorted(DATASETS), metavar="NAME", help=f"one of {sorted(DATASETS)}")
     parser.add_argument("dir", type=Path, metavar="DIR", help="directory to create with the dataset's files")
     parser.add_argument("--sha256", help="expected SHA-256 (hex) of the download; required for amazon-books")
@@ -272,16 +312,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        record = download_dataset(args.name, args.dir, sha256=args.sha256, url=args.url, overwrite=args.overwrite,
-                                  progress=not args.no_progress)
+        record = download_dataset(
+            args.name,
+            args.dir,
+            sha256=args.sha256,
+            url=args.url,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
     except (DownloadError, FileExistsError, ValueError) as error:
         print(f"gr data download: error: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-    print(f"{args.name}: {record['interactions']:,} interactions, {record['items']:,} items in {args.dir} "
-          f"(sha256 {record['sha256']})")
+    print(
+        f"{args.name}: {record['interactions']:,} interactions, {record['items']:,} items in {args.dir} "
+        f"(sha256 {record['sha256']})"
+    )
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

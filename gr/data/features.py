@@ -1,4 +1,5 @@
 """Side features aligned with dense user/item ids, and the FeatureSpec a model is built from."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

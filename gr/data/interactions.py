@@ -1,4 +1,5 @@
 """What every reader returns: raw interaction events plus optional user/item side tables."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -86,6 +87,12 @@ class Interactions:
         if not (drop and count):
             return replace(self, duplicates=count, duplicates_dropped=False)
         keep = ~repeats
-        return replace(self, users=self.users[keep], items=self.items[keep], timestamps=self.timestamps[keep],
-                       ratings=None if self.ratings is None else self.ratings[keep], duplicates=count,
-                       duplicates_dropped=True)
+        return replace(
+            self,
+            users=self.users[keep],
+            items=self.items[keep],
+            timestamps=self.timestamps[keep],
+            ratings=None if self.ratings is None else self.ratings[keep],
+            duplicates=count,
+            duplicates_dropped=True,
+        )

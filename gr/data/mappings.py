@@ -1,4 +1,5 @@
 """Raw id <-> dense id mappings, saved as readable TSV files beside a run."""
+
 from __future__ import annotations
 
 import csv
@@ -102,8 +103,9 @@ def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]
         if dense != list(range(offset, offset + len(rows))):
             raise ValueError(f"{root / entry['file']}: dense ids must run from {offset} without gaps")
         maps[name] = IdMap(np.asarray(raw, dtype=np.int64 if entry["raw_type"] == "int" else str), offset)
-    columns = {name: [r[1] for r in _read_tsv(root / file, ("column", "name"))]
-               for name, file in manifest["columns"].items()}
+    columns = {
+        name: [r[1] for r in _read_tsv(root / file, ("column", "name"))] for name, file in manifest["columns"].items()
+    }
     return maps, columns
 
 

@@ -4,6 +4,7 @@ Files are parsed with pyarrow's vectorised CSV reader. When the fast parse fails
 leaves nulls / non-finite numbers), the file is scanned line by line to name the first
 bad line, so every data error reads ``file:line: what was expected``.
 """
+
 from __future__ import annotations
 
 import csv
@@ -66,15 +67,20 @@ def read_delimited(
         source, text_delimiter = io.BytesIO(path.read_bytes().replace(b"::", b"\x1f")), "\x1f"
     if header != "none":
         _check_header(path, first, names, delimiter, header, quoted)
-    read = pacsv.ReadOptions(column_names=None if header != "none" else names, encoding=encoding,
-                             autogenerate_column_names=False)
+    read = pacsv.ReadOptions(
+        column_names=None if header != "none" else names, encoding=encoding, autogenerate_column_names=False
+    )
     parse = pacsv.ParseOptions(delimiter=text_delimiter, quote_char='"' if quoted else False)
-    convert = pacsv.ConvertOptions(column_types={n: ARROW_TYPES[k] for n, k in wanted.items()},
-                                   include_columns=list(wanted), strings_can_be_null=True)
+    convert = pacsv.ConvertOptions(
+        column_types={n: ARROW_TYPES[k] for n, k in wanted.items()},
+        include_columns=list(wanted),
+        strings_can_be_null=True,
+    )
     try:
         table = pacsv.read_csv(source, read, parse, convert)
         clean = all(table[n].null_count == 0 for n in wanted) and all(
-            _all_finite(table[n]) for n, k in wanted.items() if k == "float")
+            _all_finite(table[n]) for n, k in wanted.items() if k == "float"
+        )
         arrow_error = "null or non-finite values"
     except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
         clean, arrow_error = False, str(error).splitlines()[0]
@@ -197,8 +203,9 @@ def _multi_hot(labels: np.ndarray) -> Tuple[np.ndarray, List[str]]:
 
 
 def _ratings(path: Path, columns: Dict[str, np.ndarray]) -> Interactions:
-    return Interactions(columns["user"], columns["item"], columns["timestamp"],
-                        columns["rating"].astype(np.float32), source=str(path))
+    return Interactions(
+        columns["user"], columns["item"], columns["timestamp"], columns["rating"].astype(np.float32), source=str(path)
+    )
 
 
 def _optional(path: Path, wanted: bool, name: str) -> bool:
@@ -214,23 +221,32 @@ def read_ml_100k(directory: str, item_features: bool = True, user_features: bool
     user_age (bucketed like ML-1M), user_gender, user_occupation."""
     root = Path(directory)
     ratings_file = _require_file(root / "u.data", "MovieLens-100K ratings: user<TAB>item<TAB>rating<TAB>timestamp")
-    data = _ratings(ratings_file, read_delimited(
-        ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "\t"))
+    data = _ratings(
+        ratings_file,
+        read_delimited(ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "\t"),
+    )
     if _optional(root / "u.item", item_features, "item"):
         genres = _ml_100k_genres(root / "u.genre")
         flags = [f"genre_{i}" for i in range(len(genres))]
-        layout = [("item", "int"), ("title", "skip"), ("release_date", "skip"), ("video_release_date", "skip"),
-                  ("imdb_url", "skip"), *((f, "int") for f in flags)]
+        layout = [
+            ("item", "int"),
+            ("title", "skip"),
+            ("release_date", "skip"),
+            ("video_release_date", "skip"),
+            ("imdb_url", "skip"),
+            *((f, "int") for f in flags),
+        ]
         items = read_delimited(root / "u.item", layout, "|", encoding="latin-1")
         matrix = np.stack([items[f] for f in flags], axis=1).astype(np.float32)
-        data.item_side = SideTable(items["item"], dense={"item_genres": matrix},
-                                   dense_columns={"item_genres": genres})
+        data.item_side = SideTable(items["item"], dense={"item_genres": matrix}, dense_columns={"item_genres": genres})
     if _optional(root / "u.user", user_features, "user"):
         layout = [("user", "int"), ("age", "int"), ("gender", "str"), ("occupation", "str"), ("zip", "skip")]
         users = read_delimited(root / "u.user", layout, "|")
         buckets = np.asarray(ML_AGE_BUCKETS)[np.digitize(users["age"], ML_AGE_BUCKETS[1:])]
-        data.user_side = SideTable(users["user"], categorical={
-            "user_age": buckets, "user_gender": users["gender"], "user_occupation": users["occupation"]})
+        data.user_side = SideTable(
+            users["user"],
+            categorical={"user_age": buckets, "user_gender": users["gender"], "user_occupation": users["occupation"]},
+        )
     return data
 
 
@@ -248,18 +264,27 @@ def read_ml_1m(directory: str, item_features: bool = True, user_features: bool =
     ``users.dat`` (``UserID::Gender::Age::Occupation::Zip-code``)."""
     root = Path(directory)
     ratings_file = _require_file(root / "ratings.dat", "MovieLens-1M ratings: UserID::MovieID::Rating::Timestamp")
-    data = _ratings(ratings_file, read_delimited(
-        ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "::"))
+    data = _ratings(
+        ratings_file,
+        read_delimited(ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "::"),
+    )
     if _optional(root / "movies.dat", item_features, "item"):
-        movies = read_delimited(root / "movies.dat", [("item", "int"), ("title", "skip"), ("genres", "str")], "::",
-                                encoding="latin-1")
+        movies = read_delimited(
+            root / "movies.dat", [("item", "int"), ("title", "skip"), ("genres", "str")], "::", encoding="latin-1"
+        )
         matrix, names = _multi_hot(movies["genres"])
         data.item_side = SideTable(movies["item"], dense={"item_genres": matrix}, dense_columns={"item_genres": names})
     if _optional(root / "users.dat", user_features, "user"):
         layout = [("user", "int"), ("gender", "str"), ("age", "int"), ("occupation", "int"), ("zip", "skip")]
         users = read_delimited(root / "users.dat", layout, "::")
-        data.user_side = SideTable(users["user"], categorical={
-            "user_age": users["age"], "user_gender": users["gender"], "user_occupation": users["occupation"]})
+        data.user_side = SideTable(
+            users["user"],
+            categorical={
+                "user_age": users["age"],
+                "user_gender": users["gender"],
+                "user_occupation": users["occupation"],
+            },
+        )
     return data
 
 
@@ -268,16 +293,28 @@ def read_ml_20m(directory: str, item_features: bool = True, user_features: bool 
     like 3.5), optional ``movies.csv`` (``movieId,title,genres``, quoted titles). No user file."""
     root = Path(directory)
     ratings_file = _require_file(root / "ratings.csv", "MovieLens-20M ratings: userId,movieId,rating,timestamp")
-    columns = read_delimited(ratings_file, list(zip(("userId", "movieId", "rating", "timestamp"), RATING_KINDS)), ",",
-                             header="expect")
-    data = Interactions(columns["userId"], columns["movieId"], columns["timestamp"],
-                        columns["rating"].astype(np.float32), source=str(ratings_file))
+    columns = read_delimited(
+        ratings_file, list(zip(("userId", "movieId", "rating", "timestamp"), RATING_KINDS)), ",", header="expect"
+    )
+    data = Interactions(
+        columns["userId"],
+        columns["movieId"],
+        columns["timestamp"],
+        columns["rating"].astype(np.float32),
+        source=str(ratings_file),
+    )
     if _optional(root / "movies.csv", item_features, "item"):
-        movies = read_delimited(root / "movies.csv", [("movieId", "int"), ("title", "skip"), ("genres", "str")], ",",
-                                header="expect", quoted=True)
+        movies = read_delimited(
+            root / "movies.csv",
+            [("movieId", "int"), ("title", "skip"), ("genres", "str")],
+            ",",
+            header="expect",
+            quoted=True,
+        )
         matrix, names = _multi_hot(movies["genres"])
-        data.item_side = SideTable(movies["movieId"], dense={"item_genres": matrix},
-                                   dense_columns={"item_genres": names})
+        data.item_side = SideTable(
+            movies["movieId"], dense={"item_genres": matrix}, dense_columns={"item_genres": names}
+        )
     return data
 
 
@@ -285,8 +322,9 @@ def read_amazon(path: str) -> Interactions:
     """Amazon reviews ``ratings_<Category>.csv``: no header, ``user,item,rating,timestamp``
     with string ids (e.g. ``A1B2C3``, ``0123456789``; leading zeros kept)."""
     file = _require_file(Path(path), "Amazon ratings: user,item,rating,timestamp without header")
-    columns = read_delimited(file, list(zip(("user", "item", "rating", "timestamp"), ("str", "str", "float", "int"))),
-                             ",")
+    columns = read_delimited(
+        file, list(zip(("user", "item", "rating", "timestamp"), ("str", "str", "float", "int"))), ","
+    )
     return _ratings(file, columns)
 
 
@@ -296,11 +334,16 @@ def read_amazon(path: str) -> Interactions:
 def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     """A CSV with a header; ``columns`` names the user, item, timestamp (seconds) and optional
     rating and categorical side-feature columns. Ids that are all canonical integers become int64."""
-    file = _require_file(Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, "
-                                     f"{columns.timestamp!r}")
-    layout = [(columns.user, "str"), (columns.item, "str"), (columns.timestamp, "float"),
-              *([(columns.rating, "float")] if columns.rating else []),
-              *((c, "str") for c in (*columns.user_features, *columns.item_features))]
+    file = _require_file(
+        Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
+    )
+    layout = [
+        (columns.user, "str"),
+        (columns.item, "str"),
+        (columns.timestamp, "float"),
+        *([(columns.rating, "float")] if columns.rating else []),
+        *((c, "str") for c in (*columns.user_features, *columns.item_features)),
+    ]
     values = read_delimited(file, layout, columns.delimiter, header="select", quoted=True)
     return _table_interactions(file, values, columns)
 
@@ -310,8 +353,14 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     file = _require_file(Path(path), "Parquet file")
     try:
         schema = pq.read_schema(file)
-        wanted = [columns.user, columns.item, columns.timestamp, *([columns.rating] if columns.rating else []),
-                  *columns.user_features, *columns.item_features]
+        wanted = [
+            columns.user,
+            columns.item,
+            columns.timestamp,
+            *([columns.rating] if columns.rating else []),
+            *columns.user_features,
+            *columns.item_features,
+        ]
         missing = [c for c in wanted if c not in schema.names]
         if missing:
             raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
@@ -361,8 +410,13 @@ def _last_value_table(keys: np.ndarray, features: Mapping[str, np.ndarray]) -> S
 
 def _table_interactions(file: Path, values: Dict[str, np.ndarray], columns: ColumnConfig) -> Interactions:
     users, items = _as_ids(values[columns.user]), _as_ids(values[columns.item])
-    data = Interactions(users, items, np.floor(values[columns.timestamp]).astype(np.int64),
-                        values[columns.rating].astype(np.float32) if columns.rating else None, source=str(file))
+    data = Interactions(
+        users,
+        items,
+        np.floor(values[columns.timestamp]).astype(np.int64),
+        values[columns.rating].astype(np.float32) if columns.rating else None,
+        source=str(file),
+    )
     if columns.user_features:
         data.user_side = _last_value_table(users, {c: values[c] for c in columns.user_features})
     if columns.item_features:
@@ -390,8 +444,12 @@ def read_source(config: DataConfig) -> Interactions:
     names how many) unless ``config.keep_duplicates``; ``Interactions.duplicates`` holds the count."""
     data = READERS[config.source](config).without_duplicates(drop=not config.keep_duplicates)
     if data.duplicates and data.duplicates_dropped:
-        log.warning("%s: dropped %d duplicate interactions (same user, item and timestamp as an earlier row); "
-                    "set data.keep_duplicates: true to keep them", data.source, data.duplicates)
+        log.warning(
+            "%s: dropped %d duplicate interactions (same user, item and timestamp as an earlier row); "
+            "set data.keep_duplicates: true to keep them",
+            data.source,
+            data.duplicates,
+        )
     elif data.duplicates:
         log.info("%s: kept %d duplicate interactions (data.keep_duplicates)", data.source, data.duplicates)
     return data

@@ -1,4 +1,5 @@
 """Negative candidates: items a user never interacted with, distinct within a sample."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,10 @@ class UnseenSampler:
         """Raise ValueError (naming the config ``key``) when some user has fewer than ``count`` unseen items."""
         room = self.num_items - int(self.distinct_seen.max())
         if count > room:
-            raise ValueError(f"{key}: {count} negatives per sample, but a user has only {room} unseen items "
-                             f"in a catalogue of {self.num_items}")
+            raise ValueError(
+                f"{key}: {count} negatives per sample, but a user has only {room} unseen items "
+                f"in a catalogue of {self.num_items}"
+            )
 
     def _is_seen(self, users: np.ndarray, items: np.ndarray) -> np.ndarray:
         keys = users * self.num_items + items
@@ -45,8 +48,9 @@ class UnseenSampler:
             if not bad.any():
                 return items
             items[bad] = rng.integers(0, self.num_items, size=int(bad.sum()))
-        raise RuntimeError(f"could not draw {count} distinct unseen items in {MAX_ROUNDS} rounds; "
-                           "lower the number of negatives")
+        raise RuntimeError(
+            f"could not draw {count} distinct unseen items in {MAX_ROUNDS} rounds; lower the number of negatives"
+        )
 
 
 def _repeats(items: np.ndarray) -> np.ndarray:

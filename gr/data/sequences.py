@@ -4,6 +4,7 @@ Leave-one-out, for a user with n >= 3 events at flat rows ``s .. s+n-1``: the la
 (``s+n-1``) is the test target, the second-to-last (``s+n-2``) the validation target,
 rows ``s .. s+n-3`` the training part. A target's history is every earlier event.
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,18 +75,29 @@ def build_sequences(
     if min_item_interactions > 1:
         _, item_codes, item_counts = np.unique(data.items, return_inverse=True, return_counts=True)
         keep = item_counts[item_codes] >= min_item_interactions
-        log.info("%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
-                 data.source, int((item_counts < min_item_interactions).sum()), len(item_counts),
-                 min_item_interactions)
+        log.info(
+            "%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
+            data.source,
+            int((item_counts < min_item_interactions).sum()),
+            len(item_counts),
+            min_item_interactions,
+        )
     user_raw, user_codes, user_counts = np.unique(data.users[keep], return_inverse=True, return_counts=True)
     long_enough = user_counts >= min_seq_len
     dropped = int((~long_enough).sum())
     if dropped:
-        log.info("%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len)",
-                 data.source, dropped, len(user_raw), min_seq_len)
+        log.info(
+            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len)",
+            data.source,
+            dropped,
+            len(user_raw),
+            min_seq_len,
+        )
     if not long_enough.any():
-        raise DataFormatError(data.source, f"no user has at least {min_seq_len} interactions "
-                                           "(data.min_seq_len): the dataset is empty after filtering")
+        raise DataFormatError(
+            data.source,
+            f"no user has at least {min_seq_len} interactions (data.min_seq_len): the dataset is empty after filtering",
+        )
     rows = np.flatnonzero(keep)[long_enough[user_codes]]
     users = IdMap(user_raw[long_enough])
     user_dense = (np.cumsum(long_enough) - 1)[user_codes[long_enough[user_codes]]]

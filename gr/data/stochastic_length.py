@@ -8,6 +8,7 @@ tokens (the trailing ``num_targets``) are always kept. Each kept token keeps its
 labels (for retrieval: the item that really came next), so the model learns to predict
 from a sparser history. Training only: evaluation always sees whole histories.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,11 @@ def kept_length(max_len: int, alpha: float) -> int:
 def keep_whole_probability(history: Tensor, max_len: int, alpha: float) -> Tensor:
     """history: [B] int64 history lengths -> [B] float: 1 up to N^(alpha/2), else N^alpha / n^2."""
     n = history.double()
-    return torch.where(history <= kept_length(max_len, alpha), torch.ones_like(n),
-                       (max_len ** alpha / n.clamp(min=1) ** 2).clamp(max=1.0))
+    return torch.where(
+        history <= kept_length(max_len, alpha),
+        torch.ones_like(n),
+        (max_len**alpha / n.clamp(min=1) ** 2).clamp(max=1.0),
+    )
 
 
 def stochastic_length_index(
@@ -74,10 +78,12 @@ def subsample_histories(batch: GRInput, max_len: int, alpha: float, generator: t
     ids = batch.sequence_ids
     if ids is not None:
         ids_index, ids_lengths = index.to(ids.values().device), lengths.to(ids.values().device)
-        ids = KeyedJaggedTensor.from_jt_dict({
-            key: JaggedTensor(values=jagged.values()[ids_index], lengths=ids_lengths)
-            for key, jagged in ids.to_dict().items()
-        })
+        ids = KeyedJaggedTensor.from_jt_dict(
+            {
+                key: JaggedTensor(values=jagged.values()[ids_index], lengths=ids_lengths)
+                for key, jagged in ids.to_dict().items()
+            }
+        )
     labels = batch.labels
     if batch.num_targets is None:
         labels = {k: v[index] if v.dim() > 0 and v.shape[0] == total else v for k, v in labels.items()}

@@ -17,6 +17,7 @@ user's taste vector is built from two favourite categories. A user's next item i
 so the previous item predicts the next one much better than popularity does. Ratings
 (1..5) grow with the taste/item affinity; timestamps strictly increase per user.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -67,8 +68,9 @@ def generate_synthetic(config: SyntheticConfig, seed: int) -> Interactions:
     tastes = _unit(centroids[favourites].sum(1) + 0.3 * rng.normal(size=(num_users, config.latent_dim)))
     lengths = rng.integers(config.min_len, config.max_len + 1, size=num_users)
 
-    sequence = np.concatenate([world.walk(tastes[start:start + USER_BLOCK], rng)
-                               for start in range(0, num_users, USER_BLOCK)])
+    sequence = np.concatenate(
+        [world.walk(tastes[start : start + USER_BLOCK], rng) for start in range(0, num_users, USER_BLOCK)]
+    )
     users = np.arange(num_users)
     keep = np.arange(config.max_len)[None, :] < lengths[:, None]  # [U, max_len]
     user_rows = np.repeat(users, lengths)
@@ -92,8 +94,14 @@ def generate_synthetic(config: SyntheticConfig, seed: int) -> Interactions:
 class _World:
     """The item catalogue a user walks through (see the module docstring)."""
 
-    def __init__(self, config: SyntheticConfig, item_vectors: np.ndarray, item_category: np.ndarray,
-                 popularity: np.ndarray, successors: np.ndarray) -> None:
+    def __init__(
+        self,
+        config: SyntheticConfig,
+        item_vectors: np.ndarray,
+        item_category: np.ndarray,
+        popularity: np.ndarray,
+        successors: np.ndarray,
+    ) -> None:
         self.config = config
         self.item_vectors = item_vectors  # [I, d]
         self.popularity = popularity  # [I]

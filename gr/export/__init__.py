@@ -4,6 +4,7 @@
 (``check_export``, ``open_export``, ``load_hstu``) does not, so serving can import it.
 Names load lazily for that reason.
 """
+
 from gr.lazy import lazy_getattr
 
 _EXPORTS = {

@@ -1,5 +1,6 @@
 """``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite] [--hstu-dtype bfloat16]`` writes an export;
 ``python -m gr.export check EXPORT_DIR`` validates one (exit status 1 when it has problems)."""
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ def _main(argv: List[str]) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("export_dir", type=Path)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
-    parser.add_argument("--hstu-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="how hstu/model.safetensors stores the weights (serving computes in float32)")
+    parser.add_argument(
+        "--hstu-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="how hstu/model.safetensors stores the weights (serving computes in float32)",
+    )
     args = parser.parse_args(argv)
     from gr.export.format import ExportError
     from gr.export.writer import export_run

@@ -17,13 +17,13 @@ Symbolic dims: ``tokens`` (history + candidate tokens of a request), ``targets``
 (candidate rows), ``batch`` (requests), ``batch+1`` (sequence offsets), ``bag``
 (ids of one pooled common feature).
 """
+
 from __future__ import annotations
 
 import configparser
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
-
 
 # 2: hstu/config.json (Hugging Face-style keys) and per-projection weight names, float32 or
 # bfloat16, and a MANIFEST of sha256 sums. Format 1 exports (hstu/config.ini, no MANIFEST) are
@@ -122,14 +122,15 @@ def read_ini(root: Path, rel: str, problems: List[Problem]) -> Optional[configpa
         problems.append(Problem(rel, "format.version", "missing"))
         return None
     if version.strip() != str(FORMAT_VERSION):
-        problems.append(Problem(rel, "format.version",
-                                f"unknown format version {version!r}; this reader knows {FORMAT_VERSION}"))
+        problems.append(
+            Problem(rel, "format.version", f"unknown format version {version!r}; this reader knows {FORMAT_VERSION}")
+        )
         return None
     return parser
 
 
 def split_list(value: str) -> List[str]:
-    """"a, b, c" -> ["a", "b", "c"]; "" -> []."""
+    """ "a, b, c" -> ["a", "b", "c"]; "" -> []."""
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
@@ -138,5 +139,5 @@ def format_shape(shape: Tuple[Any, ...]) -> str:
 
 
 def parse_shape(value: str) -> Tuple[Any, ...]:
-    """"tokens, 16" -> ("tokens", 16)."""
+    """ "tokens, 16" -> ("tokens", 16)."""
     return tuple(int(d) if d.isdigit() else d for d in split_list(value))

@@ -8,6 +8,7 @@ field under its own name, and the derived ``alpha`` and ``time_bucket_log_diviso
 weights have one tensor per projection per layer (``layers.{i}.q_proj.weight`` ...), float32
 or bfloat16. This module maps between those names and the ``HSTU`` module's state dict.
 """
+
 from __future__ import annotations
 
 import math
@@ -102,8 +103,14 @@ def slice_tensor_shapes(config: HSTUConfig) -> Dict[str, Tuple[int, ...]]:
         shapes.update({p + "input_layernorm.weight": (d,), p + "input_layernorm.bias": (d,)})
         for name, rows in zip(_UVQK, (h * dl, h * dl, h * da, h * da)):
             shapes.update({p + name + ".weight": (rows, d), p + name + ".bias": (rows,)})
-        shapes.update({p + "attn_layernorm.weight": (h * dl,), p + "attn_layernorm.bias": (h * dl,),
-                       p + "o_proj.weight": (d, h * dl), p + "o_proj.bias": (d,)})
+        shapes.update(
+            {
+                p + "attn_layernorm.weight": (h * dl,),
+                p + "attn_layernorm.bias": (h * dl,),
+                p + "o_proj.weight": (d, h * dl),
+                p + "o_proj.bias": (d,),
+            }
+        )
         if config.num_position_buckets > 0:
             shapes[p + "relative_position_bias"] = (config.num_position_buckets,)
         if config.time_buckets > 0:
@@ -124,7 +131,7 @@ def to_slice(state: Mapping[str, Tensor], config: HSTUConfig, dtype: str) -> Dic
         p = f"layers.{layer}."
         if rest.startswith("uvqk."):
             for part, block in zip(_UVQK, torch.split(tensor, split, dim=0)):
-                out[p + part + rest[len("uvqk"):]] = block
+                out[p + part + rest[len("uvqk") :]] = block
         else:
             out[p + _LAYER_NAMES[rest]] = tensor
     return {name: t.contiguous() for name, t in out.items()}

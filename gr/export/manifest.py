@@ -5,6 +5,7 @@ The file is in ``sha256sum`` format (``<hex digest>  <relative path>`` per line,
 it before reading anything else: a missing, extra or edited file is a named problem, and so
 is any path (in the manifest or in an .ini) that leaves the export directory.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,13 @@ def check_manifest(root: Path, problems: List[Problem]) -> bool:
     start = len(problems)
     path = root / MANIFEST
     if not path.is_file():
-        problems.append(Problem(MANIFEST, "-", "file is missing: every export carries the sha256 of its files "
-                                "(re-export it with this version of gr)"))
+        problems.append(
+            Problem(
+                MANIFEST,
+                "-",
+                "file is missing: every export carries the sha256 of its files (re-export it with this version of gr)",
+            )
+        )
         return False
     listed: Dict[str, str] = {}
     try:
@@ -75,8 +81,11 @@ def inside(root: Path, rel: str, where: str, key: str, problems: List[Problem], 
 
 def _files(root: Path) -> Dict[str, Path]:
     """{posix relative path: path} of the files under ``root`` except MANIFEST; links count as files."""
-    return {p.relative_to(root).as_posix(): p for p in root.rglob("*")
-            if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() != MANIFEST}
+    return {
+        p.relative_to(root).as_posix(): p
+        for p in root.rglob("*")
+        if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() != MANIFEST
+    }
 
 
 def _sha256(path: Path) -> str:

@@ -3,6 +3,7 @@
 Imports no training code (no torchrec, lightning, gr.model/train/data): the serving
 runtime loads exports through this module.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,10 @@ from gr.finite import non_finite
 from gr.hstu import HSTU, HSTUConfig
 
 SLICE_FILES = {
-    SPARSE: (SPARSE_INI,), PREFIX: (PREFIX_ONNX,), HSTU_SLICE: (HSTU_CONFIG, HSTU_WEIGHTS), POSTFIX: (POSTFIX_ONNX,),
+    SPARSE: (SPARSE_INI,),
+    PREFIX: (PREFIX_ONNX,),
+    HSTU_SLICE: (HSTU_CONFIG, HSTU_WEIGHTS),
+    POSTFIX: (POSTFIX_ONNX,),
 }
 HSTU_INPUTS = (HSTU_INPUT, TIMESTAMPS, SEQ_OFFSETS, NUM_TARGETS)
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
@@ -167,8 +171,14 @@ def _read_sparse(root: Path, problems: List[Problem]) -> Optional[SparseManifest
         if TABLE_TENSOR not in shapes:
             problems.append(Problem(rel, TABLE_TENSOR, f"tensor is missing (table {table.name})"))
         elif shapes[TABLE_TENSOR] != (table.rows, table.dim):
-            problems.append(Problem(rel, TABLE_TENSOR, f"shape {list(shapes[TABLE_TENSOR])}, sparse.ini says "
-                                    f"[{table.rows}, {table.dim}] (table.{table.name}.rows/dim)"))
+            problems.append(
+                Problem(
+                    rel,
+                    TABLE_TENSOR,
+                    f"shape {list(shapes[TABLE_TENSOR])}, sparse.ini says "
+                    f"[{table.rows}, {table.dim}] (table.{table.name}.rows/dim)",
+                )
+            )
         else:
             _check_finite(rel, list(load_file(str(root / rel)).items()), problems)
     for feature in manifest.features.values():
@@ -186,9 +196,18 @@ def _read_hstu_config(root: Path, problems: List[Problem]) -> Optional[Tuple[HST
     path = root / HSTU_CONFIG
     if not path.is_file():
         old = (root / "hstu" / "config.ini").is_file()
-        problems.append(Problem(HSTU_CONFIG, "-", "file is missing" + (
-            " (this is a format-1 export with hstu/config.ini: re-export the run with this version of gr)"
-            if old else "")))
+        problems.append(
+            Problem(
+                HSTU_CONFIG,
+                "-",
+                "file is missing"
+                + (
+                    " (this is a format-1 export with hstu/config.ini: re-export the run with this version of gr)"
+                    if old
+                    else ""
+                ),
+            )
+        )
         return None
     try:
         values = json.loads(path.read_text(encoding="utf8"))
@@ -208,8 +227,9 @@ def _check_hstu_weights(root: Path, config: HSTUConfig, dtype: str, problems: Li
         if name not in shapes:
             problems.append(Problem(HSTU_WEIGHTS, name, f"tensor is missing (expected shape {list(shape)})"))
         elif shapes[name] != shape:
-            problems.append(Problem(HSTU_WEIGHTS, name,
-                                    f"shape {list(shapes[name])}, {HSTU_CONFIG} implies {list(shape)}"))
+            problems.append(
+                Problem(HSTU_WEIGHTS, name, f"shape {list(shapes[name])}, {HSTU_CONFIG} implies {list(shape)}")
+            )
     for name in sorted(set(shapes) - set(expected)):
         problems.append(Problem(HSTU_WEIGHTS, name, f"unexpected tensor for this {HSTU_CONFIG}"))
     if len(problems) == start:
@@ -256,8 +276,9 @@ def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
     except Exception as exc:  # onnx raises several unrelated types for corrupt files
         problems.append(Problem(rel, "-", f"not a valid ONNX model: {type(exc).__name__}: {exc}"))
         return
-    _check_finite(rel, [(t.name, torch.from_numpy(numpy_helper.to_array(t).copy())) for t in model.graph.initializer],
-                  problems)
+    _check_finite(
+        rel, [(t.name, torch.from_numpy(numpy_helper.to_array(t).copy())) for t in model.graph.initializer], problems
+    )
     initializers = {i.name for i in model.graph.initializer}
     for kind, declared, actual in (
         ("input", spec.inputs, [i for i in model.graph.input if i.name not in initializers]),
@@ -265,8 +286,13 @@ def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
     ):
         names = [t.name for t in declared]
         if [v.name for v in actual] != names:
-            problems.append(Problem(rel, f"{kind}s", f"ONNX {kind}s {[v.name for v in actual]}, slice_graph.ini "
-                                    f"slice.{spec.name}.{kind}s says {names}"))
+            problems.append(
+                Problem(
+                    rel,
+                    f"{kind}s",
+                    f"ONNX {kind}s {[v.name for v in actual]}, slice_graph.ini slice.{spec.name}.{kind}s says {names}",
+                )
+            )
             continue
         for t, value in zip(declared, actual):
             tensor_type = value.type.tensor_type
@@ -276,8 +302,9 @@ def _check_onnx(root: Path, spec: SliceSpec, problems: List[Problem]) -> None:
             if dtype != t.dtype:
                 problems.append(Problem(rel, t.name, f"dtype {dtype}, {SLICE_GRAPH} {key}.dtype says {t.dtype}"))
             if shape != tuple(t.shape):
-                problems.append(Problem(rel, t.name,
-                                        f"shape {list(shape)}, {SLICE_GRAPH} {key}.shape says {list(t.shape)}"))
+                problems.append(
+                    Problem(rel, t.name, f"shape {list(shape)}, {SLICE_GRAPH} {key}.shape says {list(t.shape)}")
+                )
 
 
 def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[Problem]) -> None:
@@ -297,22 +324,38 @@ def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[
             else:
                 expected = ("float32", (TOKENS if sequence else BATCH, sparse.feature_dim(t.name)))
             if (t.dtype, tuple(t.shape)) != expected:
-                problems.append(Problem(SLICE_GRAPH, key, f"expected {expected[0]} {list(expected[1])} for "
-                                        f"{feature.kind} feature {t.name} (table {feature.table}), got "
-                                        f"{t.dtype} {list(t.shape)}"))
+                problems.append(
+                    Problem(
+                        SLICE_GRAPH,
+                        key,
+                        f"expected {expected[0]} {list(expected[1])} for "
+                        f"{feature.kind} feature {t.name} (table {feature.table}), got "
+                        f"{t.dtype} {list(t.shape)}",
+                    )
+                )
 
 
 def _check_hstu_slice(spec: SliceSpec, config: HSTUConfig, problems: List[Problem]) -> None:
     names = [t.name for t in spec.inputs]
     if names != list(HSTU_INPUTS):
-        problems.append(Problem(SLICE_GRAPH, f"slice.{HSTU_SLICE}.inputs",
-                                f"expected {', '.join(HSTU_INPUTS)}, got {', '.join(names)}"))
-    for kind, tensors, name, rows in (("input", spec.inputs, HSTU_INPUT, TOKENS),
-                                      ("output", spec.outputs, HSTU_OUTPUT, TARGETS)):
+        problems.append(
+            Problem(
+                SLICE_GRAPH, f"slice.{HSTU_SLICE}.inputs", f"expected {', '.join(HSTU_INPUTS)}, got {', '.join(names)}"
+            )
+        )
+    for kind, tensors, name, rows in (
+        ("input", spec.inputs, HSTU_INPUT, TOKENS),
+        ("output", spec.outputs, HSTU_OUTPUT, TARGETS),
+    ):
         match = [t for t in tensors if t.name == name]
         key = f"slice.{HSTU_SLICE}.{kind}.{name}"
         if not match:
             problems.append(Problem(SLICE_GRAPH, key, "missing"))
         elif tuple(match[0].shape) != (rows, config.hidden_dim):
-            problems.append(Problem(SLICE_GRAPH, f"{key}.shape", f"{list(match[0].shape)}, {HSTU_CONFIG} "
-                                    f"hidden_dim implies {[rows, config.hidden_dim]}"))
+            problems.append(
+                Problem(
+                    SLICE_GRAPH,
+                    f"{key}.shape",
+                    f"{list(match[0].shape)}, {HSTU_CONFIG} hidden_dim implies {[rows, config.hidden_dim]}",
+                )
+            )

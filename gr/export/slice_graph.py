@@ -12,6 +12,7 @@ INI layout::
 ``repeat = per_target`` feeds a ``[batch, ...]`` source to a ``[targets, ...]`` input, one
 copy per candidate row of the request.
 """
+
 from __future__ import annotations
 
 import configparser
@@ -100,7 +101,7 @@ class SliceGraph:
             problems.append(Problem(SLICE_GRAPH, "graph.order", "missing"))
             return None
         order = split_list(parser["graph"]["order"])
-        declared = [s[len("slice."):] for s in parser.sections() if s.startswith("slice.") and s.count(".") == 1]
+        declared = [s[len("slice.") :] for s in parser.sections() if s.startswith("slice.") and s.count(".") == 1]
         for name in sorted(set(declared) - set(order)):
             problems.append(Problem(SLICE_GRAPH, f"slice.{name}", "slice is not listed in graph.order"))
         request = tuple(_read_tensors(parser, REQUEST, "tensors", REQUEST, problems, with_source=False))
@@ -114,13 +115,15 @@ class SliceGraph:
             for key in ("engine", "files", "inputs", "outputs"):
                 if key not in values:
                     problems.append(Problem(SLICE_GRAPH, f"{section}.{key}", "missing"))
-            slices.append(SliceSpec(
-                name=name,
-                engine=values.get("engine", ""),
-                files=tuple(split_list(values.get("files", ""))),
-                inputs=tuple(_read_tensors(parser, section, "inputs", f"{section}.input", problems, True)),
-                outputs=tuple(_read_tensors(parser, section, "outputs", f"{section}.output", problems, False)),
-            ))
+            slices.append(
+                SliceSpec(
+                    name=name,
+                    engine=values.get("engine", ""),
+                    files=tuple(split_list(values.get("files", ""))),
+                    inputs=tuple(_read_tensors(parser, section, "inputs", f"{section}.input", problems, True)),
+                    outputs=tuple(_read_tensors(parser, section, "outputs", f"{section}.output", problems, False)),
+                )
+            )
         if len(problems) > start:
             return None
         return cls(request, tuple(slices))
@@ -131,20 +134,28 @@ class SliceGraph:
         problems: List[Problem] = []
         names = [s.name for s in self.slices]
         if tuple(names) != SLICE_ORDER:
-            problems.append(Problem(SLICE_GRAPH, "graph.order",
-                                    f"expected {', '.join(SLICE_ORDER)}, got {', '.join(names)}"))
+            problems.append(
+                Problem(SLICE_GRAPH, "graph.order", f"expected {', '.join(SLICE_ORDER)}, got {', '.join(names)}")
+            )
         available = {f"{REQUEST}.{t.name}": t for t in self.request}
         for s in self.slices:
             expected_engine = SLICE_ENGINES.get(s.name)
             if expected_engine is not None and s.engine != expected_engine:
-                problems.append(Problem(SLICE_GRAPH, f"slice.{s.name}.engine",
-                                        f"expected {expected_engine!r}, got {s.engine!r}"))
+                problems.append(
+                    Problem(SLICE_GRAPH, f"slice.{s.name}.engine", f"expected {expected_engine!r}, got {s.engine!r}")
+                )
             for t in s.inputs:
                 key = f"slice.{s.name}.input.{t.name}.source"
                 upstream = available.get(t.source or "")
                 if upstream is None:
-                    problems.append(Problem(SLICE_GRAPH, key, f"dangling edge: {t.source!r} is neither a request "
-                                            "tensor nor an output of an earlier slice"))
+                    problems.append(
+                        Problem(
+                            SLICE_GRAPH,
+                            key,
+                            f"dangling edge: {t.source!r} is neither a request "
+                            "tensor nor an output of an earlier slice",
+                        )
+                    )
                     continue
                 problems.extend(_edge_problems(key, upstream, t))
             available.update({f"{s.name}.{t.name}": t for t in s.outputs})
@@ -158,14 +169,18 @@ def _edge_problems(key: str, upstream: TensorSpec, dest: TensorSpec) -> List[Pro
     shape = upstream.shape
     if dest.repeat == REPEAT_PER_TARGET:
         if not shape or shape[0] != BATCH:
-            out.append(Problem(SLICE_GRAPH, key,
-                               f"repeat = {REPEAT_PER_TARGET} needs a [{BATCH}, ...] source, got {list(shape)}"))
+            out.append(
+                Problem(
+                    SLICE_GRAPH, key, f"repeat = {REPEAT_PER_TARGET} needs a [{BATCH}, ...] source, got {list(shape)}"
+                )
+            )
         shape = (TARGETS, *shape[1:])
     elif dest.repeat is not None:
         out.append(Problem(SLICE_GRAPH, key.replace(".source", ".repeat"), f"unknown repeat {dest.repeat!r}"))
     if tuple(shape) != tuple(dest.shape):
-        out.append(Problem(SLICE_GRAPH, key,
-                           f"{dest.source} has shape {list(shape)}, the input expects {list(dest.shape)}"))
+        out.append(
+            Problem(SLICE_GRAPH, key, f"{dest.source} has shape {list(shape)}, the input expects {list(dest.shape)}")
+        )
     return out
 
 
@@ -198,8 +213,11 @@ def _read_tensors(
             problems.append(Problem(SLICE_GRAPH, f"{tsec}.shape", "missing"))
         if with_source and "source" not in values:
             problems.append(Problem(SLICE_GRAPH, f"{tsec}.source", "missing: which upstream output feeds this input"))
-        tensors.append(TensorSpec(name, dtype or "", parse_shape(values.get("shape", "")),
-                                  values.get("source"), values.get("repeat")))
+        tensors.append(
+            TensorSpec(
+                name, dtype or "", parse_shape(values.get("shape", "")), values.get("source"), values.get("repeat")
+            )
+        )
     return tensors
 
 

@@ -9,6 +9,7 @@ INI layout::
 A ``sequence`` feature gives one row per token; a ``common`` feature pools the rows
 of a request's ids (its bag) with ``pooling``.
 """
+
 from __future__ import annotations
 
 import configparser
@@ -66,26 +67,34 @@ class SparseManifest:
         for section in parser.sections():
             values = parser[section]
             if section.startswith("table."):
-                name = section[len("table."):]
+                name = section[len("table.") :]
                 rows = _positive_int(values, section, "rows", problems)
                 dim = _positive_int(values, section, "dim", problems)
                 if "file" not in values:
                     problems.append(Problem(SPARSE_INI, f"{section}.file", "missing"))
                 tables[name] = TableEntry(name, values.get("file", ""), rows or 0, dim or 0)
             elif section.startswith("feature."):
-                name = section[len("feature."):]
+                name = section[len("feature.") :]
                 kind = values.get("kind")
                 if kind not in FEATURE_KINDS:
-                    problems.append(Problem(SPARSE_INI, f"{section}.kind",
-                                            f"expected one of {list(FEATURE_KINDS)}, got {kind!r}"))
+                    problems.append(
+                        Problem(SPARSE_INI, f"{section}.kind", f"expected one of {list(FEATURE_KINDS)}, got {kind!r}")
+                    )
                 elif values.get("pooling") not in POOLINGS[kind]:
-                    problems.append(Problem(SPARSE_INI, f"{section}.pooling", f"expected one of "
-                                            f"{list(POOLINGS[kind])} for kind {kind}, got {values.get('pooling')!r}"))
-                features[name] = FeatureEntry(name, values.get("table", ""), kind or "", values.get("pooling", ""),
-                                              values.get("id_mapping"))
+                    problems.append(
+                        Problem(
+                            SPARSE_INI,
+                            f"{section}.pooling",
+                            f"expected one of {list(POOLINGS[kind])} for kind {kind}, got {values.get('pooling')!r}",
+                        )
+                    )
+                features[name] = FeatureEntry(
+                    name, values.get("table", ""), kind or "", values.get("pooling", ""), values.get("id_mapping")
+                )
             elif section != "format":
-                problems.append(Problem(SPARSE_INI, section,
-                                        "unknown section; expected table.<name> or feature.<name>"))
+                problems.append(
+                    Problem(SPARSE_INI, section, "unknown section; expected table.<name> or feature.<name>")
+                )
         for f in features.values():
             if f.table not in tables:
                 problems.append(Problem(SPARSE_INI, f"feature.{f.name}.table", f"no [table.{f.table}] section"))

@@ -1,4 +1,5 @@
 """Write the sliced export of a trained GRModel (format in ``gr.export.format``)."""
+
 from __future__ import annotations
 
 import json
@@ -115,9 +116,14 @@ def export_run(
     _, spec, _ = read_run(run_dir)
     model, _ = load_trained_model(run_dir)
     mappings = run_dir / MAPPINGS_DIR
-    return export_model(model, export_dir, id_mappings_dir=mappings if mappings.is_dir() else None,
-                        dense_dims={**spec.token_dense, **spec.common_dense}, overwrite=overwrite,
-                        hstu_dtype=hstu_dtype)
+    return export_model(
+        model,
+        export_dir,
+        id_mappings_dir=mappings if mappings.is_dir() else None,
+        dense_dims={**spec.token_dense, **spec.common_dense},
+        overwrite=overwrite,
+        hstu_dtype=hstu_dtype,
+    )
 
 
 def _write(
@@ -132,17 +138,31 @@ def _write(
     prefix_inputs = {name: torch.randn(EXAMPLE_ROWS, dim) for name, dim in token_dims.items()}
     _check_prefix_token_wise(prefix, prefix_inputs)
     prefix_out = _export_onnx(
-        "prefix_dnn", prefix, _PrefixAdapter(prefix).eval(), tuple(prefix_inputs.values()), list(token_dims),
-        [PREFIX_OUTPUT], TOKENS, root / PREFIX_ONNX,
+        "prefix_dnn",
+        prefix,
+        _PrefixAdapter(prefix).eval(),
+        tuple(prefix_inputs.values()),
+        list(token_dims),
+        [PREFIX_OUTPUT],
+        TOKENS,
+        root / PREFIX_ONNX,
     )
     if prefix_out[0].shape != (TOKENS, config.hidden_dim):
-        raise ExportError(f"prefix_dnn ({type(prefix).__name__}): output shape {list(prefix_out[0].shape)}, "
-                          f"HSTU expects [{TOKENS}, {config.hidden_dim}] (HSTUConfig.hidden_dim)")
+        raise ExportError(
+            f"prefix_dnn ({type(prefix).__name__}): output shape {list(prefix_out[0].shape)}, "
+            f"HSTU expects [{TOKENS}, {config.hidden_dim}] (HSTUConfig.hidden_dim)"
+        )
     postfix_inputs = {POSTFIX_HIDDEN: torch.randn(EXAMPLE_ROWS, config.hidden_dim)}
     postfix_inputs.update({name: torch.randn(EXAMPLE_ROWS, dim) for name, dim in common_dims.items()})
     postfix_out = _export_onnx(
-        "postfix_dnn", postfix, _PostfixAdapter(postfix).eval(), tuple(postfix_inputs.values()), list(postfix_inputs),
-        list(postfix.output_names), TARGETS, root / POSTFIX_ONNX,
+        "postfix_dnn",
+        postfix,
+        _PostfixAdapter(postfix).eval(),
+        tuple(postfix_inputs.values()),
+        list(postfix_inputs),
+        list(postfix.output_names),
+        TARGETS,
+        root / POSTFIX_ONNX,
     )
 
     (root / "hstu").mkdir()
@@ -150,8 +170,10 @@ def _write(
     weights = to_slice(model.hstu.state_dict(), config, hstu_dtype)
     expected = slice_tensor_shapes(config)
     if {n: tuple(t.shape) for n, t in weights.items()} != expected:
-        raise ExportError(f"HSTU slice names/shapes {sorted(weights)} differ from the documented export schema "
-                          f"{sorted(expected)} (gr.export.hstu_slice.slice_tensor_shapes)")
+        raise ExportError(
+            f"HSTU slice names/shapes {sorted(weights)} differ from the documented export schema "
+            f"{sorted(expected)} (gr.export.hstu_slice.slice_tensor_shapes)"
+        )
     write_bytes(root / HSTU_WEIGHTS, safetensors_bytes(weights))
 
     graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out)
@@ -170,7 +192,7 @@ def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, 
     tables: Dict[str, TableEntry] = {}
     features: Dict[str, FeatureEntry] = {}
     embeddings = model.embeddings
-    for table in (embeddings.tables.values() if embeddings is not None else ()):
+    for table in embeddings.tables.values() if embeddings is not None else ():
         weight = embeddings.table_weight(table.name)  # [rows, embedding_dim], storage padding cut off
         file = f"{table.name}.safetensors"
         rows = weight.detach().to(torch.float32).contiguous()
@@ -207,14 +229,18 @@ def _feature_dims(
         feature = sparse.features.get(name)
         if feature is not None:
             if feature.kind != kind:
-                raise ExportError(f"{type(module).__name__} reads {name!r}, a {feature.kind} feature; "
-                                  f"it can only read {kind} features")
+                raise ExportError(
+                    f"{type(module).__name__} reads {name!r}, a {feature.kind} feature; "
+                    f"it can only read {kind} features"
+                )
             dims[name] = sparse.feature_dim(name)
         elif name in dense_dims or name in own:
             dims[name] = int(dense_dims.get(name, own.get(name)))
         else:
-            raise ExportError(f"{type(module).__name__} reads {name!r}, which has no embedding table: "
-                              f"pass dense_dims={{{name!r}: <dim>}} to export_model")
+            raise ExportError(
+                f"{type(module).__name__} reads {name!r}, which has no embedding table: "
+                f"pass dense_dims={{{name!r}: <dim>}} to export_model"
+            )
     return dims
 
 
@@ -222,8 +248,11 @@ def _check_names(prefix: PrefixDNN, postfix: PostfixDNN) -> None:
     """Tensor names must not collide inside an ONNX graph or among the request tensors."""
     features, common = list(prefix.feature_names), list(postfix.common_feature_names)
     outputs = list(postfix.output_names)
-    for owner, names in (("PrefixDNN.feature_names", features), ("PostfixDNN.common_feature_names", common),
-                         ("PostfixDNN.output_names", outputs)):
+    for owner, names in (
+        ("PrefixDNN.feature_names", features),
+        ("PostfixDNN.common_feature_names", common),
+        ("PostfixDNN.output_names", outputs),
+    ):
         if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
             raise ExportError(f"{owner}: expected distinct non-empty names, got {names}")
     if not outputs:
@@ -243,9 +272,11 @@ def _check_prefix_token_wise(prefix: PrefixDNN, inputs: Dict[str, Tensor]) -> No
     try:
         check_token_wise(prefix, inputs)
     except Exception as exc:  # AssertionError: not token-wise; anything else: the module fails on such rows
-        raise ExportError(f"prefix_dnn ({type(prefix).__name__}) is not token-wise (each token's output must "
-                          f"depend on that token only, or a cached history is wrong): "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ExportError(
+            f"prefix_dnn ({type(prefix).__name__}) is not token-wise (each token's output must "
+            f"depend on that token only, or a cached history is wrong): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 class _PrefixAdapter(nn.Module):
@@ -297,8 +328,15 @@ def _export_onnx(
     try:
         with torch.no_grad():
             torch.onnx.export(
-                adapter, example, str(path), dynamo=True, input_names=input_names, output_names=output_names,
-                dynamic_shapes=dynamic, verbose=False, external_data=False,
+                adapter,
+                example,
+                str(path),
+                dynamo=True,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_shapes=dynamic,
+                verbose=False,
+                external_data=False,
             )
     except Exception as exc:  # the exporter raises many types; all mean "cannot export this module"
         raise ExportError(f"{label}: ONNX export failed: {type(exc).__name__}: {_first_lines(exc)}") from exc
@@ -306,17 +344,21 @@ def _export_onnx(
     for value in model.graph.input:
         shape = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
         if not shape or shape[0] != dim_name:
-            raise ExportError(f"{label}: ONNX export failed: input {value.name!r} got shape {shape}, not "
-                              f"[{dim_name}, ...]: the traced graph depends on the row count, but the module "
-                              "must work for any number of rows")
+            raise ExportError(
+                f"{label}: ONNX export failed: input {value.name!r} got shape {shape}, not "
+                f"[{dim_name}, ...]: the traced graph depends on the row count, but the module "
+                "must work for any number of rows"
+            )
     _verify_onnx(label, adapter, example, input_names, output_names, path)
     specs = []
     for value in model.graph.output:
         tensor_type = value.type.tensor_type
         shape = tuple(d.dim_param or d.dim_value for d in tensor_type.shape.dim)
         if not shape or shape[0] != dim_name:
-            raise ExportError(f"{label}: output {value.name!r} has shape {list(shape)}; expected [{dim_name}, ...] "
-                              "(one row per input row)")
+            raise ExportError(
+                f"{label}: output {value.name!r} has shape {list(shape)}; expected [{dim_name}, ...] "
+                "(one row per input row)"
+            )
         specs.append(TensorSpec(value.name, ONNX_DTYPES.get(tensor_type.elem_type, str(tensor_type.elem_type)), shape))
     return specs
 
@@ -343,8 +385,10 @@ def _verify_onnx(
         for name, want, have in zip(output_names, expected, got):
             err = float(np.abs(want.numpy() - have).max()) if have.size else 0.0
             if have.shape != tuple(want.shape) or err > VERIFY_ATOL:
-                raise ExportError(f"{label}: ONNX Runtime output {name!r} differs from PyTorch at {rows} row(s) "
-                                  f"(shape {have.shape} vs {tuple(want.shape)}, max abs error {err:.2e})")
+                raise ExportError(
+                    f"{label}: ONNX Runtime output {name!r} differs from PyTorch at {rows} row(s) "
+                    f"(shape {have.shape} vs {tuple(want.shape)}, max abs error {err:.2e})"
+                )
 
 
 def _slice_graph(
@@ -390,8 +434,13 @@ def _slice_graph(
     slices = (
         SliceSpec(SPARSE, SLICE_ENGINES[SPARSE], (SPARSE_INI,), tuple(sparse_in), tuple(sparse_out)),
         SliceSpec(PREFIX, SLICE_ENGINES[PREFIX], (PREFIX_ONNX,), tuple(prefix_in), tuple(prefix_out)),
-        SliceSpec(HSTU_SLICE, SLICE_ENGINES[HSTU_SLICE], (HSTU_CONFIG, HSTU_WEIGHTS), tuple(hstu_in),
-                  (TensorSpec(HSTU_OUTPUT, "float32", (TARGETS, hidden)),)),
+        SliceSpec(
+            HSTU_SLICE,
+            SLICE_ENGINES[HSTU_SLICE],
+            (HSTU_CONFIG, HSTU_WEIGHTS),
+            tuple(hstu_in),
+            (TensorSpec(HSTU_OUTPUT, "float32", (TARGETS, hidden)),),
+        ),
         SliceSpec(POSTFIX, SLICE_ENGINES[POSTFIX], (POSTFIX_ONNX,), tuple(postfix_in), tuple(postfix_out)),
     )
     return SliceGraph(tuple(request), slices)

@@ -1,13 +1,27 @@
 """Generation over a KV-cached HSTU (DESIGN §8): greedy, beam and sampled decoding, speculative
 greedy with draft token trees (retrieval pools or a draft model; strict or relaxed verification)
 and speculative retrieval. Imports only torch and gr.hstu, so the serving runtime uses it."""
+
 from gr.generation.budget import AdaptiveBudget
 from gr.generation.decoding import (
-    Generation, GenerationStats, Relaxed, Strict, beam_search, greedy, sample, speculative_greedy, start,
+    Generation,
+    GenerationStats,
+    Relaxed,
+    Strict,
+    beam_search,
+    greedy,
+    sample,
+    speculative_greedy,
+    start,
 )
 from gr.generation.draft_tree import DraftTree, tree_from_counted_paths, tree_from_paths
 from gr.generation.drafts import (
-    ModelDrafter, ModelDraftSource, PoolDrafter, PoolDraftSource, RankingDrafter, RankingDraftSource,
+    ModelDrafter,
+    ModelDraftSource,
+    PoolDrafter,
+    PoolDraftSource,
+    RankingDrafter,
+    RankingDraftSource,
 )
 from gr.generation.index import ExactIndex, Exclusions, ItemIndex
 from gr.generation.ivf_index import IVFIndex
@@ -15,8 +29,31 @@ from gr.generation.pools import GroupedPools, SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
 
 __all__ = [
-    "AdaptiveBudget", "DraftTree", "ExactIndex", "Exclusions", "Generation", "GenerationStats", "GroupedPools",
-    "ItemIndex", "IVFIndex", "ModelDrafter", "ModelDraftSource", "PoolDrafter", "PoolDraftSource", "RankingDrafter", "RankingDraftSource",
-    "Relaxed", "SequencePool", "SpeculativeRetrieval", "Strict", "beam_search", "greedy",
-    "greedy_speculative_retrieval", "sample", "speculative_greedy", "start", "tree_from_counted_paths", "tree_from_paths",
+    "AdaptiveBudget",
+    "DraftTree",
+    "ExactIndex",
+    "Exclusions",
+    "Generation",
+    "GenerationStats",
+    "GroupedPools",
+    "ItemIndex",
+    "IVFIndex",
+    "ModelDrafter",
+    "ModelDraftSource",
+    "PoolDrafter",
+    "PoolDraftSource",
+    "RankingDrafter",
+    "RankingDraftSource",
+    "Relaxed",
+    "SequencePool",
+    "SpeculativeRetrieval",
+    "Strict",
+    "beam_search",
+    "greedy",
+    "greedy_speculative_retrieval",
+    "sample",
+    "speculative_greedy",
+    "start",
+    "tree_from_counted_paths",
+    "tree_from_paths",
 ]

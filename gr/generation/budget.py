@@ -1,6 +1,7 @@
 """Adaptive draft-tree budget for speculative decoding: draft deeper while drafts are accepted,
 shallower when they are not, and pause drafting (plain greedy passes, no draft lookup) while
 nothing is accepted, so poor drafts cost little more than plain greedy decoding."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,14 +35,18 @@ class AdaptiveBudget:
 
     def __post_init__(self) -> None:
         if not 1 <= self.start_depth <= self.max_depth:
-            raise ValueError(f"AdaptiveBudget: expected 1 <= start_depth <= max_depth, got {self.start_depth}, "
-                             f"{self.max_depth}")
+            raise ValueError(
+                f"AdaptiveBudget: expected 1 <= start_depth <= max_depth, got {self.start_depth}, {self.max_depth}"
+            )
         if min(self.nodes_per_level, self.grow, self.patience, self.pause) < 1 or self.max_pause < self.pause:
-            raise ValueError("AdaptiveBudget: nodes_per_level, grow, patience and pause must be >= 1, "
-                             "max_pause >= pause")
+            raise ValueError(
+                "AdaptiveBudget: nodes_per_level, grow, patience and pause must be >= 1, max_pause >= pause"
+            )
         if self.break_even < 0 or not 0 < self.smoothing <= 1:
-            raise ValueError(f"AdaptiveBudget: expected break_even >= 0 and 0 < smoothing <= 1, got "
-                             f"{self.break_even}, {self.smoothing}")
+            raise ValueError(
+                f"AdaptiveBudget: expected break_even >= 0 and 0 < smoothing <= 1, got "
+                f"{self.break_even}, {self.smoothing}"
+            )
 
     def tracker(self) -> "BudgetTracker":
         """A fresh tracker for one request."""

@@ -7,6 +7,7 @@ product over the catalogue. Speculative greedy verifies a draft token tree in on
 
 Imports only torch, gr.hstu and gr.generation: the serving runtime uses it.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,7 +39,11 @@ class Drafter(Protocol):
     """Proposes future items for one request."""
 
     def propose(
-        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        self,
+        sequence: Sequence[int],
+        depth: int,
+        banned: Set[int],
+        max_nodes: Optional[int] = None,
         query: Optional[Tensor] = None,
     ) -> DraftTree:
         """A tree of continuations of ``sequence`` (history + generated), at most ``depth`` levels and
@@ -74,7 +79,6 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-
 @dataclass
 class Generation:
     items: List[int]
@@ -102,11 +106,14 @@ class Relaxed:
 
 def truncate(cache: HistoryCache, length: int) -> HistoryCache:
     """The cache of the first ``length`` tokens."""
-    return HistoryCache(tuple(k[:, :length] for k in cache.keys), tuple(v[:, :length] for v in cache.values),
-                        cache.timestamps[:length])
+    return HistoryCache(
+        tuple(k[:, :length] for k in cache.keys), tuple(v[:, :length] for v in cache.values), cache.timestamps[:length]
+    )
 
 
-def append(cache: HistoryCache, keys: List[Tensor], values: List[Tensor], timestamps: Tensor, rows: Tensor) -> HistoryCache:
+def append(
+    cache: HistoryCache, keys: List[Tensor], values: List[Tensor], timestamps: Tensor, rows: Tensor
+) -> HistoryCache:
     """Commit ``rows`` of a ``run_block`` result. keys/values: per layer [H, n, *]; timestamps: [n]; rows: [r] int64."""
     return HistoryCache(
         tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)),
@@ -121,7 +128,10 @@ def chain_mask(n: int) -> Tensor:
 
 
 def start(
-    model: GenerativeModel, items: Tensor, timestamps: Tensor, request_time: int,
+    model: GenerativeModel,
+    items: Tensor,
+    timestamps: Tensor,
+    request_time: int,
     cached: Optional[HistoryCache] = None,
 ) -> DecodeState:
     """Encode a history and compute the query at its last token.
@@ -190,8 +200,14 @@ def _best(index: ItemIndex, query: Tensor, exclusions: Exclusions) -> int:
 
 
 def sample(
-    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
-    exclude_seen: bool = True, temperature: float = 1.0, generator: Optional[torch.Generator] = None,
+    model: GenerativeModel,
+    index: ItemIndex,
+    state: DecodeState,
+    k: int,
+    request_time: int,
+    exclude_seen: bool = True,
+    temperature: float = 1.0,
+    generator: Optional[torch.Generator] = None,
 ) -> Generation:
     """Ancestral sampling from softmax(scores / temperature) over the allowed items."""
     if temperature <= 0:
@@ -199,7 +215,9 @@ def sample(
     began, stats = time.perf_counter(), GenerationStats()
     banned, out = _banned(state, exclude_seen), []
     while True:
-        scores = index.scores(state.query.view(1, -1)).masked_fill(exclusion_mask(index.num_items, 1, banned), float("-inf"))
+        scores = index.scores(state.query.view(1, -1)).masked_fill(
+            exclusion_mask(index.num_items, 1, banned), float("-inf")
+        )
         item = int(torch.multinomial(torch.softmax(scores / temperature, dim=1), 1, generator=generator)[0, 0])
         out.append(item)
         if exclude_seen:
@@ -213,8 +231,14 @@ def sample(
 
 
 def beam_search(
-    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
-    exclude_seen: bool = True, width: int = 4, temperature: float = 1.0,
+    model: GenerativeModel,
+    index: ItemIndex,
+    state: DecodeState,
+    k: int,
+    request_time: int,
+    exclude_seen: bool = True,
+    width: int = 4,
+    temperature: float = 1.0,
 ) -> Generation:
     """The most likely slate under sum of log softmax(scores / temperature), ``width`` beams kept."""
     if width < 1 or temperature <= 0:
@@ -227,7 +251,9 @@ def beam_search(
         for b, (logp, beam, out) in enumerate(beams):
             banned = base | set(out) if exclude_seen else base
             scores = index.scores(beam.query.view(1, -1))
-            logprobs = torch.log_softmax(scores.masked_fill(exclusion_mask(index.num_items, 1, banned), float("-inf")) / temperature, 1)
+            logprobs = torch.log_softmax(
+                scores.masked_fill(exclusion_mask(index.num_items, 1, banned), float("-inf")) / temperature, 1
+            )
             values, ids = top_items(logprobs, exclusion_mask(index.num_items, 1, banned), width)
             expansions += [(logp + float(v), b, int(i)) for v, i in zip(values[0], ids[0]) if v > float("-inf")]
         expansions.sort(key=lambda e: -e[0])  # stable: earlier beams and lower ids win ties
@@ -248,8 +274,14 @@ def beam_search(
 
 
 def speculative_greedy(
-    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
-    drafter: Drafter, exclude_seen: bool = True, verification: Strict | Relaxed = Strict(),
+    model: GenerativeModel,
+    index: ItemIndex,
+    state: DecodeState,
+    k: int,
+    request_time: int,
+    drafter: Drafter,
+    exclude_seen: bool = True,
+    verification: Strict | Relaxed = Strict(),
     budget: Optional[AdaptiveBudget] = None,
 ) -> Generation:
     """Greedy generation verifying drafts: each pass runs the pending item plus a draft tree, accepts
@@ -272,8 +304,9 @@ def speculative_greedy(
             drafted = time.perf_counter()
             tree = drafter.propose(state.items + out[-1:], depth, exclusions.items, max_nodes, state.query)
             stats.draft_seconds += time.perf_counter() - drafted
-        state, accepted, bonus = _verify(model, index, state, out[-1], tree, request_time, exclusions, exclude_seen,
-                                         verification, room)
+        state, accepted, bonus = _verify(
+            model, index, state, out[-1], tree, request_time, exclusions, exclude_seen, verification, room
+        )
         if tracker is not None and depth:
             tracker.observe(tree.depth, len(accepted))
         stats.passes += 1
@@ -292,8 +325,16 @@ EMPTY_TREE = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=to
 
 
 def _verify(
-    model: GenerativeModel, index: ItemIndex, state: DecodeState, pending: int, tree: DraftTree, request_time: int,
-    exclusions: Exclusions, exclude_seen: bool, verification: Strict | Relaxed, room: int,
+    model: GenerativeModel,
+    index: ItemIndex,
+    state: DecodeState,
+    pending: int,
+    tree: DraftTree,
+    request_time: int,
+    exclusions: Exclusions,
+    exclude_seen: bool,
+    verification: Strict | Relaxed,
+    room: int,
 ) -> Tuple[DecodeState, List[int], int]:
     """One pass over [pending item] + tree -> (state with pending + accepted committed, accepted items, next item).
 
@@ -346,6 +387,9 @@ def _accepted_child(
     masked = scores[0].masked_fill(exclude[0], float("-inf"))
     probs = torch.softmax(masked / verification.temperature, dim=0)
     allowed = set(top_items(scores, exclude, verification.top_k)[1][0].tolist())
-    passing = [(float(masked[item]), -item, c) for c, item in kids if item in allowed
-               and float(probs[item]) >= verification.min_prob and float(masked[item]) > float("-inf")]
+    passing = [
+        (float(masked[item]), -item, c)
+        for c, item in kids
+        if item in allowed and float(probs[item]) >= verification.min_prob and float(masked[item]) > float("-inf")
+    ]
     return max(passing)[2] if passing else None

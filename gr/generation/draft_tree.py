@@ -1,4 +1,5 @@
 """Draft tokens laid out as a tree (speculative decoding): branches causal, invisible to each other."""
+
 from __future__ import annotations
 
 import heapq

@@ -1,5 +1,6 @@
 """Draft sources for speculative generation: retrieval pools (DARE), a smaller draft model, and the
 target's own ranking (self-drafting)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,11 @@ class PoolDrafter:
         self.own = SequencePool(pool.max_ngram, pool.max_occurrences)
 
     def propose(
-        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        self,
+        sequence: Sequence[int],
+        depth: int,
+        banned: Set[int],
+        max_nodes: Optional[int] = None,
         query: Optional[Tensor] = None,
     ) -> DraftTree:
         if not self.own.sequences:
@@ -38,7 +43,7 @@ class PoolDrafter:
                 self.own = SequencePool(self.pool.max_ngram, self.pool.max_occurrences)
                 self.own.add(sequence)
             else:
-                self.own.extend(0, sequence[len(known):])
+                self.own.extend(0, sequence[len(known) :])
         found = self.pool.continuations(sequence, min(depth, self.max_depth), extra=[self.own])
         nodes = self.max_nodes if max_nodes is None else min(max_nodes, self.max_nodes)
         return tree_from_counted_paths([(_allowed_prefix(path, banned), count) for path, count in found], nodes)
@@ -63,8 +68,14 @@ class ModelDrafter:
     """
 
     def __init__(
-        self, model: GenerativeModel, index: ItemIndex, items: Tensor, timestamps: Tensor, request_time: int,
-        max_depth: int = 8, width: int = 1,
+        self,
+        model: GenerativeModel,
+        index: ItemIndex,
+        items: Tensor,
+        timestamps: Tensor,
+        request_time: int,
+        max_depth: int = 8,
+        width: int = 1,
     ) -> None:
         if max_depth < 1 or width < 1:
             raise ValueError("ModelDrafter: max_depth and width must be >= 1")
@@ -73,7 +84,11 @@ class ModelDrafter:
         self.state = start(model, items, timestamps, self.request_time)
 
     def propose(
-        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        self,
+        sequence: Sequence[int],
+        depth: int,
+        banned: Set[int],
+        max_nodes: Optional[int] = None,
         query: Optional[Tensor] = None,
     ) -> DraftTree:
         depth = min(depth, self.max_depth)
@@ -113,8 +128,11 @@ class ModelDrafter:
         ids = torch.tensor(items)
         positions = torch.arange(at, at + len(items))
         history = self.history_timestamps
-        ts = torch.where(positions < history.numel(), history[positions.clamp(max=history.numel() - 1)],
-                         torch.tensor(self.request_time))
+        ts = torch.where(
+            positions < history.numel(),
+            history[positions.clamp(max=history.numel() - 1)],
+            torch.tensor(self.request_time),
+        )
         return advance(self.model, state, ids, self.model.item_tokens(ids), ts)
 
 
@@ -132,7 +150,11 @@ class RankingDrafter:
         self.exclusions = Exclusions(index.num_items)  # ``banned`` only grows within a request
 
     def propose(
-        self, sequence: Sequence[int], depth: int, banned: Set[int], max_nodes: Optional[int] = None,
+        self,
+        sequence: Sequence[int],
+        depth: int,
+        banned: Set[int],
+        max_nodes: Optional[int] = None,
         query: Optional[Tensor] = None,
     ) -> DraftTree:
         if query is None:

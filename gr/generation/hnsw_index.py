@@ -5,6 +5,7 @@ Optional: needs the ``faiss-cpu`` package (``pip install 'gr[faiss]'``), importe
 index is built. A search asks the graph for ``k`` plus the row's excluded count, drops excluded
 items, and falls back to exact search for a row left with fewer than ``k``.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -47,7 +48,9 @@ class HNSWIndex:
     def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         """queries: [Q, d]; exclude: [Q, M] bool -> (scores [Q, k], ids [Q, k]), best first (lower id on ties)."""
         if exclude.shape != (queries.shape[0], self.num_items):
-            raise ValueError(f"exclude: expected shape {(queries.shape[0], self.num_items)}, got {tuple(exclude.shape)}")
+            raise ValueError(
+                f"exclude: expected shape {(queries.shape[0], self.num_items)}, got {tuple(exclude.shape)}"
+            )
         wanted = min(k + int(exclude.sum(1).max()) if exclude.numel() else k, self.num_items)
         _, found = self._index.search(queries.float().contiguous().numpy(), wanted)
         out_scores, out_ids = [], []
@@ -55,12 +58,12 @@ class HNSWIndex:
             ids = torch.from_numpy(found[row][found[row] >= 0].astype(np.int64))
             ids = ids[~exclude[row, ids]]
             if ids.numel() < k:  # the graph returned too few eligible items: exact search for this row
-                scores, best = top_items(self.scores(queries[row: row + 1]), exclude[row: row + 1], k)
+                scores, best = top_items(self.scores(queries[row : row + 1]), exclude[row : row + 1], k)
                 out_scores.append(scores[0])
                 out_ids.append(best[0])
                 continue
             ids, _ = torch.sort(ids)
-            scores = self.scores_of(queries[row: row + 1], ids)[0]
+            scores = self.scores_of(queries[row : row + 1], ids)[0]
             order = torch.sort(scores, descending=True, stable=True).indices[:k]
             out_scores.append(scores[order])
             out_ids.append(ids[order])

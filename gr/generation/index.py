@@ -3,6 +3,7 @@
 Ties are broken towards the lowest item id everywhere, so greedy generation is
 deterministic and speculative verification can reproduce it exactly.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Protocol, Set, Tuple
@@ -66,7 +67,7 @@ def top_items(scores: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     # if they do, every item tied with the k-th is a candidate. Then order by score, lowest id first.
     values, ids = torch.topk(masked, min(k + 1, masked.shape[1]), dim=1)
     if values.shape[1] > k and bool((values[:, k] == values[:, k - 1]).any()):
-        wide = int((masked >= values[:, k - 1:k]).sum(1).max())
+        wide = int((masked >= values[:, k - 1 : k]).sum(1).max())
         values, ids = torch.topk(masked, wide, dim=1)
     by_id = torch.argsort(ids, dim=1)
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)

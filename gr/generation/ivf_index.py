@@ -4,6 +4,7 @@ Items are clustered by spherical k-means (on a sample) into ``num_lists`` lists;
 the list centroids, searches only the items of its ``probes`` best lists, and ranks those
 exactly (lowest id first on ties, like ``ExactIndex``). With ``probes == num_lists`` it is exact.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -20,13 +21,22 @@ class IVFIndex:
     num_lists: clusters; probes: lists searched per query; train_size: items sampled for k-means
     """
 
-    def __init__(self, items: Tensor, num_lists: int = 1024, probes: int = 16, train_size: int = 65536,
-                 iters: int = 10, seed: int = 0) -> None:
+    def __init__(
+        self,
+        items: Tensor,
+        num_lists: int = 1024,
+        probes: int = 16,
+        train_size: int = 65536,
+        iters: int = 10,
+        seed: int = 0,
+    ) -> None:
         if items.dim() != 2 or items.shape[0] == 0:
             raise ValueError(f"IVFIndex.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}")
         if not 1 <= probes <= num_lists <= items.shape[0]:
-            raise ValueError(f"IVFIndex: expected 1 <= probes <= num_lists <= items, got probes {probes}, "
-                             f"num_lists {num_lists}, {items.shape[0]} items")
+            raise ValueError(
+                f"IVFIndex: expected 1 <= probes <= num_lists <= items, got probes {probes}, "
+                f"num_lists {num_lists}, {items.shape[0]} items"
+            )
         self.items = items.float().contiguous()
         self.probes = probes
         self.centroids = spherical_kmeans(self.items, num_lists, train_size, iters, seed)  # [C, d]
@@ -51,7 +61,7 @@ class IVFIndex:
         """query: [d] -> [C] int64 ids of the items in its ``probes`` best lists (ascending)."""
         bounds = self.offsets.tolist()
         lists = self._lists(query.view(1, -1))[0].tolist()
-        return torch.sort(torch.cat([self.order[bounds[c]:bounds[c + 1]] for c in lists])).values
+        return torch.sort(torch.cat([self.order[bounds[c] : bounds[c + 1]] for c in lists])).values
 
     def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         """queries: [Q, d]; exclude: [Q, M] bool -> (scores [Q, k], ids [Q, k]) among each query's probed
@@ -60,18 +70,19 @@ class IVFIndex:
         probed = self._lists(queries)
         bounds = self.offsets.tolist()
         lists = torch.unique(probed).tolist()
-        block = torch.cat([self.grouped[bounds[c]:bounds[c + 1]] for c in lists])  # [C, d], C = union size
+        block = torch.cat([self.grouped[bounds[c] : bounds[c + 1]] for c in lists])  # [C, d], C = union size
         scores = queries.float() @ block.T  # [Q, C]
-        member = torch.cat([(probed == c).any(1, keepdim=True).expand(-1, bounds[c + 1] - bounds[c])
-                            for c in lists], dim=1)  # [Q, C]: the item's list was probed by the query
-        ids = torch.cat([self.order[bounds[c]:bounds[c + 1]] for c in lists])
+        member = torch.cat(
+            [(probed == c).any(1, keepdim=True).expand(-1, bounds[c + 1] - bounds[c]) for c in lists], dim=1
+        )  # [Q, C]: the item's list was probed by the query
+        ids = torch.cat([self.order[bounds[c] : bounds[c + 1]] for c in lists])
         ids, by_id = torch.sort(ids)  # ascending ids: top_items breaks ties towards the lowest id
         scores, member = scores[:, by_id], member[:, by_id]
         best, at = top_items(scores, exclude[:, ids] | ~member, min(k, ids.numel()))
         out_scores = torch.full((queries.shape[0], k), float("-inf"))
         out_ids = torch.zeros(queries.shape[0], k, dtype=torch.long)
-        out_scores[:, :best.shape[1]] = best
-        out_ids[:, :best.shape[1]] = ids[at]
+        out_scores[:, : best.shape[1]] = best
+        out_ids[:, : best.shape[1]] = ids[at]
         return out_scores, out_ids
 
     def _lists(self, queries: Tensor) -> Tensor:
@@ -81,13 +92,13 @@ class IVFIndex:
 
 def assign(points: Tensor, centroids: Tensor, block: int = 65536) -> Tensor:
     """points: [N, d]; centroids: [C, d] -> [N] int64, the centroid of largest inner product."""
-    return torch.cat([(points[i:i + block] @ centroids.T).argmax(1) for i in range(0, points.shape[0], block)])
+    return torch.cat([(points[i : i + block] @ centroids.T).argmax(1) for i in range(0, points.shape[0], block)])
 
 
 def spherical_kmeans(points: Tensor, k: int, sample: int, iters: int, seed: int) -> Tensor:
     """points: [N, d] -> [k, d] unit centroids, fitted on at most ``sample`` points."""
     g = torch.Generator().manual_seed(seed)
-    train = points[torch.randperm(points.shape[0], generator=g)[:max(sample, k)]]
+    train = points[torch.randperm(points.shape[0], generator=g)[: max(sample, k)]]
     centroids = train[:k].clone()
     for _ in range(iters):
         lists = assign(train, centroids)

@@ -1,4 +1,5 @@
 """Retrieval pools for draft proposals (DARE): n-gram-indexed item sequences per user group."""
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -55,7 +56,7 @@ class SequencePool:
 
         extra: pools searched too, e.g. the request's own sequence (a temporary branch, never kept here).
         """
-        context = tuple(int(i) for i in context[-self.max_ngram:])
+        context = tuple(int(i) for i in context[-self.max_ngram :])
         pools = (self, *extra)
         for n in range(len(context), 0, -1):
             key = context[-n:]

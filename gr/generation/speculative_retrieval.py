@@ -6,6 +6,7 @@ pending answers are checked against the full index in one batched query, and gen
 back to the first mismatch (replaced by the exact answer). Every returned item has been
 confirmed by the exact index with the same exclusions, so the slate equals exact greedy's.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,13 @@ class RetrievalStats(GenerationStats):
 
 
 def greedy_speculative_retrieval(
-    model: GenerativeModel, index: ItemIndex, state: DecodeState, k: int, request_time: int,
-    options: SpeculativeRetrieval = SpeculativeRetrieval(), exclude_seen: bool = True,
+    model: GenerativeModel,
+    index: ItemIndex,
+    state: DecodeState,
+    k: int,
+    request_time: int,
+    options: SpeculativeRetrieval = SpeculativeRetrieval(),
+    exclude_seen: bool = True,
 ) -> Generation:
     """Greedy generation (the items of ``greedy``) with speculative retrieval."""
     began, stats = time.perf_counter(), RetrievalStats()
@@ -56,7 +62,9 @@ def greedy_speculative_retrieval(
         full = len(out) == k
         if len(pending) == options.stride or full:
             queries = torch.stack([states[j].query for j in pending])
-            masks = torch.cat([exclusion_mask(index.num_items, 1, _banned(base, out[:j], exclude_seen)) for j in pending])
+            masks = torch.cat(
+                [exclusion_mask(index.num_items, 1, _banned(base, out[:j], exclude_seen)) for j in pending]
+            )
             _, exact = index.search(queries, masks, options.cache_size)
             stats.verifications += 1
             local = torch.unique(torch.cat([local, exact.flatten()]))

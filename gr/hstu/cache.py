@@ -16,6 +16,7 @@ serving reaches the same CPU fast path, Triton and Ascend kernels as training. S
 caches run in one pass (``score_batch``, ``commit_batch``). Imports only torch, gr.hstu and
 gr.jagged: the serving runtime uses it without the training code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -130,7 +131,7 @@ class CachedHSTU:
         tokens = x if cache.pending is None else torch.cat([cache.pending, x])
         ts = torch.cat([cache.timestamps, self._timestamps(timestamps, n, x.device)])
         run = tokens.shape[0] - 1 if self.defers_last else tokens.shape[0]
-        (committed, _), = self.commit_batch([cache], [tokens[:run]], [ts[cache.committed:]])
+        ((committed, _),) = self.commit_batch([cache], [tokens[:run]], [ts[cache.committed :]])
         return HistoryCache(committed.keys, committed.values, ts, tokens[run:] if run < tokens.shape[0] else None)
 
     @torch.inference_mode()
@@ -153,19 +154,34 @@ class CachedHSTU:
             if cache.pending is None:
                 out[i] = cache, cache.timestamps.new_zeros(0, self.config.hidden_dim, dtype=torch.float32)
             elif request_times[i] is None:
-                raise ValueError("HSTU cache: request_time is required: the last history token's output depends on "
-                                 "the time of the request (HSTUConfig.query_time is 'next_event')")
+                raise ValueError(
+                    "HSTU cache: request_time is required: the last history token's output depends on "
+                    "the time of the request (HSTUConfig.query_time is 'next_event')"
+                )
         if pending:
-            times = [torch.cat([caches[i].timestamps[caches[i].committed:],
-                                caches[i].timestamps.new_tensor([int(request_times[i])])]) for i in pending]
+            times = [
+                torch.cat(
+                    [
+                        caches[i].timestamps[caches[i].committed :],
+                        caches[i].timestamps.new_tensor([int(request_times[i])]),
+                    ]
+                )
+                for i in pending
+            ]
             committed = self.commit_batch([caches[i] for i in pending], [caches[i].pending for i in pending], times)
             for i, (cache, hidden) in zip(pending, committed):
                 out[i] = HistoryCache(cache.keys, cache.values, caches[i].timestamps), hidden
         return out
 
     @torch.inference_mode()
-    def score(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor], micro_batch: int = 256,
-              request_time: Optional[int] = None) -> Tensor:
+    def score(
+        self,
+        cache: HistoryCache,
+        x: Tensor,
+        timestamps: Optional[Tensor],
+        micro_batch: int = 256,
+        request_time: Optional[int] = None,
+    ) -> Tensor:
         """HSTU outputs of N candidate tokens against the cached history.
 
         x: [N, D] float PrefixDNN output of the candidates; timestamps: [N] int64 (request time)
@@ -200,19 +216,26 @@ class CachedHSTU:
         if len(bounds) != len(caches) + 1 or bounds[-1] != x.shape[0]:
             raise ValueError(f"HSTU cache: candidate_offsets must be [{len(caches) + 1}] ending at {x.shape[0]}")
         for b, cache in enumerate(caches):
-            ts = None if timestamps is None else timestamps[bounds[b]:bounds[b + 1]]
-            self._check_tokens(x[bounds[b]:bounds[b + 1]], ts, start=cache.length, targets=True)
+            ts = None if timestamps is None else timestamps[bounds[b] : bounds[b + 1]]
+            self._check_tokens(x[bounds[b] : bounds[b + 1]], ts, start=cache.length, targets=True)
         settled = [c for c, _ in self.settle_batch(caches, request_times or [None] * len(caches))]
-        pieces = [(b, start, min(start + micro_batch, bounds[b + 1]))
-                  for b in range(len(caches)) for start in range(bounds[b], bounds[b + 1], micro_batch)]
+        pieces = [
+            (b, start, min(start + micro_batch, bounds[b + 1]))
+            for b in range(len(caches))
+            for start in range(bounds[b], bounds[b + 1], micro_batch)
+        ]
         outputs, group, size = [], [], 0
         for piece in pieces + [None]:
             if group and (piece is None or size + piece[2] - piece[1] > micro_batch):
                 rows = torch.cat([torch.arange(s, e) for _, s, e in group]).to(x.device)
                 lengths = torch.tensor([e - s for _, s, e in group], device=x.device)
                 hidden, _, _ = self._run_new_tokens(
-                    [settled[b] for b, _, _ in group], x[rows], offsets_from_lengths(lengths), "targets",
-                    None if timestamps is None else timestamps[rows])
+                    [settled[b] for b, _, _ in group],
+                    x[rows],
+                    offsets_from_lengths(lengths),
+                    "targets",
+                    None if timestamps is None else timestamps[rows],
+                )
                 outputs.append(hidden)
                 group, size = [], 0
             if piece is not None:
@@ -244,17 +267,22 @@ class CachedHSTU:
             raise ValueError("HSTU cache: the history has a pending token; settle(cache, request_time) first")
         n = self._check_tokens(x, timestamps, start=cache.length, targets=True)
         if depths.shape != (n,) or block_visible.shape != (n, n):
-            raise ValueError(f"HSTU cache: depths must be [{n}] and block_visible [{n}, {n}], "
-                             f"got {tuple(depths.shape)} and {tuple(block_visible.shape)}")
+            raise ValueError(
+                f"HSTU cache: depths must be [{n}] and block_visible [{n}, {n}], "
+                f"got {tuple(depths.shape)} and {tuple(block_visible.shape)}"
+            )
         if n and (int(depths.min()) < 1 or cache.length + int(depths.max()) > self.config.max_seq_len):
             raise ValueError(f"HSTU cache: depths must lie in [1, {self.config.max_seq_len - cache.length}]")
         if not self.can_extend(cache):
-            raise ValueError(f"HSTU cache: a history of {cache.length} tokens is shorter than "
-                             f"HSTUConfig.contextual_len {self.config.contextual_len}; encode it instead")
+            raise ValueError(
+                f"HSTU cache: a history of {cache.length} tokens is shorter than "
+                f"HSTUConfig.contextual_len {self.config.contextual_len}; encode it instead"
+            )
         positions = cache.length + depths.to(torch.long) - 1
         offsets = torch.tensor([0, n], device=x.device)
-        return self._run_new_tokens([cache], x, offsets, "history", timestamps, positions=positions,
-                                    block_visible=block_visible)
+        return self._run_new_tokens(
+            [cache], x, offsets, "history", timestamps, positions=positions, block_visible=block_visible
+        )
 
     def commit_batch(
         self, caches: Sequence[HistoryCache], xs: Sequence[Tensor], times: Sequence[Tensor]
@@ -267,7 +295,7 @@ class CachedHSTU:
         """
         lengths = torch.tensor([x.shape[0] for x in xs])
         if int(lengths.sum()) == 0:
-            return [(HistoryCache(c.keys, c.values, c.timestamps[:c.committed]), x) for c, x in zip(caches, xs)]
+            return [(HistoryCache(c.keys, c.values, c.timestamps[: c.committed]), x) for c, x in zip(caches, xs)]
         x = torch.cat(list(xs))
         timestamps = torch.cat([t[:n] for t, n in zip(times, lengths.tolist())])
         query_times = torch.cat([t[1:] for t in times]) if self.defers_last else None
@@ -277,9 +305,14 @@ class CachedHSTU:
         for b, cache in enumerate(caches):
             rows = slice(bounds[b], bounds[b + 1])
             grown = HistoryCache(
-                tuple(torch.cat([old[:, :cache.committed], new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)),
-                tuple(torch.cat([old[:, :cache.committed], new[:, rows]], dim=1) for old, new in zip(cache.values, values)),
-                torch.cat([cache.timestamps[:cache.committed], timestamps[rows]]),
+                tuple(
+                    torch.cat([old[:, : cache.committed], new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)
+                ),
+                tuple(
+                    torch.cat([old[:, : cache.committed], new[:, rows]], dim=1)
+                    for old, new in zip(cache.values, values)
+                ),
+                torch.cat([cache.timestamps[: cache.committed], timestamps[rows]]),
             )
             out.append((grown, hidden[rows]))
         return out
@@ -305,18 +338,26 @@ class CachedHSTU:
         """
         committed = [c.committed for c in caches]
         cache_offsets = offsets_from_lengths(torch.tensor(committed)).to(x.device)
-        h = self.hstu.embed(x, default_positions(new_offsets, cache_offsets, new_tokens) if positions is None
-                            else positions)
+        h = self.hstu.embed(
+            x, default_positions(new_offsets, cache_offsets, new_tokens) if positions is None else positions
+        )
         cache_ts = _joined([c.timestamps[:n] for c, n in zip(caches, committed)], dim=0)
         keys, values = [], []
         for i, layer in enumerate(self.hstu.layers):
             u, q, k, v = layer.project(h)
             attn = layer.attend_cached(
-                q, k, v, new_offsets,
+                q,
+                k,
+                v,
+                new_offsets,
                 _joined([c.keys[i][:, :n] for c, n in zip(caches, committed)], dim=1),
                 _joined([c.values[i][:, :n] for c, n in zip(caches, committed)], dim=1),
-                cache_offsets, new_tokens=new_tokens, positions=positions, block_visible=block_visible,
-                timestamps=timestamps, query_times=timestamps if query_times is None else query_times,
+                cache_offsets,
+                new_tokens=new_tokens,
+                positions=positions,
+                block_visible=block_visible,
+                timestamps=timestamps,
+                query_times=timestamps if query_times is None else query_times,
                 cache_timestamps=cache_ts,
             )
             h = layer.combine(h, attn, u)

@@ -1,4 +1,5 @@
 """HSTUConfig: the only way users change the framework-owned HSTU stack."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,9 @@ class HSTUConfig(Section):
     eviction_block: int = checked(1, int_at_least(1))
     dropout: float = checked(0.2, PROBABILITY)  # on LayerNorm(AV) * U, before the output projection
     input_dropout: float = checked(0.2, PROBABILITY)  # on the input embeddings
-    attn_alpha: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))  # None -> 1 / sqrt(attention_dim)
+    attn_alpha: Optional[float] = checked(
+        None, optional(number_in(0.0, open_low=True))
+    )  # None -> 1 / sqrt(attention_dim)
     attn_norm: str = checked("max_seq_len", one_of(*ATTN_NORMS))
     position_embedding: bool = checked(True, BOOL)  # learned absolute positions added to the input
     scale_input: bool = checked(True, BOOL)  # multiply input embeddings by sqrt(hidden_dim)

@@ -1,4 +1,5 @@
 """One HSTU layer (Zhai et al. 2024, eq. 1-3), split into steps a KV cache can reuse."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -54,8 +55,10 @@ class HSTULayer(nn.Module):
         if timed and timestamps is None:
             raise ValueError("HSTU: timestamps are required when HSTUConfig.time_buckets > 0")
         if next_event and query_times is None:
-            raise ValueError("HSTU: query_times (each token's next event time) are required when "
-                             "HSTUConfig.query_time is 'next_event'")
+            raise ValueError(
+                "HSTU: query_times (each token's next event time) are required when "
+                "HSTUConfig.query_time is 'next_event'"
+            )
         return RelativeBias(
             position_weights=self.position_bias,
             time_weights=self.time_bias,

@@ -1,4 +1,5 @@
 """The HSTU stack: framework-owned, configured only through ``HSTUConfig``."""
+
 from __future__ import annotations
 
 import math

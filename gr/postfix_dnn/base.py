@@ -1,4 +1,5 @@
 """PostfixDNN: the user's heads behind HSTU."""
+
 from __future__ import annotations
 
 from typing import Dict, Sequence

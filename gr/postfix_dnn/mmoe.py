@@ -1,4 +1,5 @@
 """A ready PostfixDNN for multi-task ranking: MMoE experts, one gate and tower per task."""
+
 from __future__ import annotations
 
 from typing import Dict, Mapping, Sequence

@@ -1,4 +1,5 @@
 """A ready PostfixDNN for retrieval: an L2-normalised query embedding per row."""
+
 from __future__ import annotations
 
 from typing import Dict, Sequence

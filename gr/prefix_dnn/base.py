@@ -1,4 +1,5 @@
 """PrefixDNN: the user's token encoder in front of HSTU."""
+
 from __future__ import annotations
 
 from typing import Dict, Sequence

@@ -1,4 +1,5 @@
 """A ready PrefixDNN: concatenated token features (embedded ids + side features) -> MLP."""
+
 from __future__ import annotations
 
 from typing import Dict, Mapping, Sequence
@@ -31,7 +32,9 @@ class MLPTokenEncoder(PrefixDNN):
     identity (the HSTU paper's setting: the item embedding is the input).
     """
 
-    def __init__(self, feature_dims: Mapping[str, int], hidden_dim: int, mlp_dims: Sequence[int] = (), dropout: float = 0.0):
+    def __init__(
+        self, feature_dims: Mapping[str, int], hidden_dim: int, mlp_dims: Sequence[int] = (), dropout: float = 0.0
+    ):
         super().__init__()
         if not feature_dims:
             raise ValueError("MLPTokenEncoder.feature_dims: expected at least one token feature")

@@ -7,6 +7,7 @@ next k items (greedy; the request's ``candidates`` are not needed).
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank.add_argument("export_dir", type=Path)
     rank.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
     rank.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, help="candidates per HSTU pass")
-    rank.add_argument("--long-history", choices=LONG_HISTORY, default="truncate",
-                      help="histories longer than max_seq_len: keep the most recent tokens, or refuse")
+    rank.add_argument(
+        "--long-history",
+        choices=LONG_HISTORY,
+        default="truncate",
+        help="histories longer than max_seq_len: keep the most recent tokens, or refuse",
+    )
     rank.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     rank.add_argument("--no-cache", action="store_true", help="one target-aware pass per request, no history cache")
     rank.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
@@ -59,19 +64,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     serve.add_argument("--long-history", choices=LONG_HISTORY, default="truncate")
     serve.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
-    serve.add_argument("--index", choices=INDEXES, default="exact",
-                       help="catalogue search of recommend/generate: exact, or hnsw (approximate; needs faiss-cpu)")
-    serve.add_argument("--batch-window-ms", type=float, default=2.0,
-                       help="rank requests arriving within this many ms of each other run as one batch (0: off)")
-    serve.add_argument("--admin-token", default=None,
-                       help="enables POST /admin/reload for 'Authorization: Bearer <token>' (default: off); "
-                            f"or set ${ADMIN_TOKEN_ENV}")
+    serve.add_argument(
+        "--index",
+        choices=INDEXES,
+        default="exact",
+        help="catalogue search of recommend/generate: exact, or hnsw (approximate; needs faiss-cpu)",
+    )
+    serve.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=2.0,
+        help="rank requests arriving within this many ms of each other run as one batch (0: off)",
+    )
+    serve.add_argument(
+        "--admin-token",
+        default=None,
+        help="enables POST /admin/reload for 'Authorization: Bearer <token>' (default: off); "
+        f"or set ${ADMIN_TOKEN_ENV}",
+    )
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
         args.micro_batch, args.long_history, args.cache_bytes, args.no_cache = (
-            DEFAULT_MICRO_BATCH, "truncate", DEFAULT_CACHE_BYTES, False)
+            DEFAULT_MICRO_BATCH,
+            "truncate",
+            DEFAULT_CACHE_BYTES,
+            False,
+        )
 
     try:
         payload = json.loads(args.request.read_text())
@@ -79,15 +99,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"--request {args.request}: cannot read JSON: {exc}", file=sys.stderr)
         return 2
     try:
-        ranker = Ranker.load(args.export_dir, cache_bytes=args.cache_bytes, micro_batch=args.micro_batch,
-                             long_history=args.long_history)
+        ranker = Ranker.load(
+            args.export_dir, cache_bytes=args.cache_bytes, micro_batch=args.micro_batch, long_history=args.long_history
+        )
     except (ExportFormatError, OSError, ValueError) as exc:
         print(f"{args.command}: {args.export_dir}: not a valid export: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     single = not isinstance(payload, list)
     serve_one = _rank_one if args.command == "rank" else _generate_one
-    outputs = [serve_one(ranker, item, "request" if single else f"request[{i}]", args)
-               for i, item in enumerate([payload] if single else payload)]
+    outputs = [
+        serve_one(ranker, item, "request" if single else f"request[{i}]", args)
+        for i, item in enumerate([payload] if single else payload)
+    ]
     print(json.dumps(outputs[0] if single else outputs))
     failed = [o["error"] for o in outputs if "error" in o]
     for message in failed:
@@ -121,28 +144,51 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gr.serving.http import OPTIONS_ENV
 
-    if (args.workers < 1 or not 0 < args.port < 65536 or args.micro_batch < 1 or args.cache_bytes < 0
-            or args.batch_window_ms < 0):
-        print("serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
-              "--batch-window-ms >= 0", file=sys.stderr)
+    if (
+        args.workers < 1
+        or not 0 < args.port < 65536
+        or args.micro_batch < 1
+        or args.cache_bytes < 0
+        or args.batch_window_ms < 0
+    ):
+        print(
+            "serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
+            "--batch-window-ms >= 0",
+            file=sys.stderr,
+        )
         return 2
     try:
         check = check_export(args.export_dir)
     except OSError as exc:
         check = [str(exc)]
     if check:
-        print(f"serve: {args.export_dir}: not a valid export: {' '.join('; '.join(map(str, check)).split())}",
-              file=sys.stderr)
+        print(
+            f"serve: {args.export_dir}: not a valid export: {' '.join('; '.join(map(str, check)).split())}",
+            file=sys.stderr,
+        )
         return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
-    os.environ[OPTIONS_ENV] = json.dumps({
-        "export_dir": str(args.export_dir.resolve()), "admin_token": token, "batch_window_ms": args.batch_window_ms,
-        "micro_batch": args.micro_batch,
-        "long_history": args.long_history, "cache_bytes": args.cache_bytes, "threads": args.threads,
-        "index": args.index})
+    os.environ[OPTIONS_ENV] = json.dumps(
+        {
+            "export_dir": str(args.export_dir.resolve()),
+            "admin_token": token,
+            "batch_window_ms": args.batch_window_ms,
+            "micro_batch": args.micro_batch,
+            "long_history": args.long_history,
+            "cache_bytes": args.cache_bytes,
+            "threads": args.threads,
+            "index": args.index,
+        }
+    )
     try:
-        uvicorn.run("gr.serving.http:app_from_environment", factory=True, host=args.host, port=args.port,
-                    workers=args.workers, log_level="warning")
+        uvicorn.run(
+            "gr.serving.http:app_from_environment",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level="warning",
+        )
     except (OSError, SystemExit) as exc:
         print(f"serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

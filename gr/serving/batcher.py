@@ -7,6 +7,7 @@ one postfix run. Each request is validated on its own, so a bad request fails al
 changes what the others return; a batch whose scores are not finite is re-run one request at a
 time, so only the request that produces them fails.
 """
+
 from __future__ import annotations
 
 import threading

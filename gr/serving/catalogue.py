@@ -7,6 +7,7 @@ scored against the L2-normalised rows of the item table, as the retrieval head d
 (``RetrievalHead.item_embedding``): a score is the cosine that training divides by its
 temperature and evaluation ranks by.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,20 +44,25 @@ class Catalogue:
             raise ValueError(f"Catalogue.index: expected one of {list(INDEXES)}, got {index!r}")
         schema = model.schema
         if item_feature not in schema.token_ids:
-            raise RequestError(f"model: the export has no token feature {item_feature!r} "
-                               f"(token features: {list(schema.token_ids)})")
+            raise RequestError(
+                f"model: the export has no token feature {item_feature!r} (token features: {list(schema.token_ids)})"
+            )
         others = [f for f in (*schema.token_ids, *schema.token_dense) if f != item_feature]
         if others:
-            raise RequestError(f"model: a catalogue token has only {item_feature!r}; the export also reads "
-                               f"token features {others}")
+            raise RequestError(
+                f"model: a catalogue token has only {item_feature!r}; the export also reads token features {others}"
+            )
         if QUERY not in model.postfix.output_names:
-            raise RequestError(f"model: the postfix_dnn has no {QUERY!r} output (a retrieval head is needed); "
-                               f"outputs: {model.postfix.output_names}")
+            raise RequestError(
+                f"model: the postfix_dnn has no {QUERY!r} output (a retrieval head is needed); "
+                f"outputs: {model.postfix.output_names}"
+            )
         rows = model.sparse.rows(item_feature)
         self.model = model
         self.item_feature = item_feature
-        self.tokens = model.embed_tokens({item_feature: np.arange(rows, dtype=np.int64),
-                                          TIMESTAMPS: np.zeros(rows, dtype=np.int64)})  # [M, D]
+        self.tokens = model.embed_tokens(
+            {item_feature: np.arange(rows, dtype=np.int64), TIMESTAMPS: np.zeros(rows, dtype=np.int64)}
+        )  # [M, D]
         table = model.sparse.tables[model.sparse.features[item_feature].table]
         self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]
         self.index: ItemIndex = INDEXES[index](self.vectors)

@@ -3,6 +3,7 @@ the user's next k items (greedy, beam, sampled; speculative greedy with drafts o
 retrieval). Works on what ``gr.serving.history`` prepares; never on the Ranker itself.
 Imports no training code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from gr.serving.errors import RequestError
 from gr.serving.history import EncodedHistory, History, last_token_state
 from gr.serving.request import GenerateRequest
 
+STRICT = Strict()  # the default verification: greedy's exact output
+
 STRATEGIES = ("greedy", "beam", "sample")
 __all__ = ["GenerateResult", "Plan", "ServingGenerativeModel", "check_k", "plan", "run"]
 
@@ -48,9 +51,15 @@ class GenerateResult:
     model_version: int = 0
 
     def to_json(self) -> Dict[str, Any]:
-        return {"items": self.items, "history_length": self.history_length, "cache_status": self.cache_status,
-                "cache": self.cache_status, "model_version": self.model_version, "passes": self.stats.passes,
-                "accepted": self.stats.accepted}
+        return {
+            "items": self.items,
+            "history_length": self.history_length,
+            "cache_status": self.cache_status,
+            "cache": self.cache_status,
+            "model_version": self.model_version,
+            "passes": self.stats.passes,
+            "accepted": self.stats.accepted,
+        }
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ def plan(
     request: GenerateRequest,
     *,
     draft: Optional[DraftSource] = None,
-    verification: Union[Strict, Relaxed] = Strict(),
+    verification: Union[Strict, Relaxed] = STRICT,
     budget: Optional[AdaptiveBudget] = None,
     attribute: Optional[Hashable] = None,
     speculative_retrieval: Optional[SpeculativeRetrieval] = None,
@@ -97,8 +106,9 @@ def plan(
     if strategy not in STRATEGIES:
         raise RequestError(f"strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
     if (draft is not None or speculative_retrieval is not None) and strategy != "greedy":
-        raise RequestError(f"draft / speculative_retrieval: both verify greedy choices; strategy {strategy!r} "
-                           "takes neither")
+        raise RequestError(
+            f"draft / speculative_retrieval: both verify greedy choices; strategy {strategy!r} takes neither"
+        )
     if draft is not None and speculative_retrieval is not None:
         raise RequestError("draft and speculative_retrieval: choose one")
     if budget is not None and draft is None:
@@ -108,9 +118,12 @@ def plan(
     seen = set(h.tokens[catalogue.item_feature].tolist()) if request.exclude_seen else set()
     available = catalogue.index.num_items - len(seen)
     if request.k > available:
-        raise RequestError(f"k: {request.k} items requested but only {available} catalogue items are not in the history")
-    if request.request_time is not None and (isinstance(request.request_time, bool)
-                                             or not isinstance(request.request_time, int)):
+        raise RequestError(
+            f"k: {request.k} items requested but only {available} catalogue items are not in the history"
+        )
+    if request.request_time is not None and (
+        isinstance(request.request_time, bool) or not isinstance(request.request_time, int)
+    ):
         raise RequestError(f"request_time: expected an integer (seconds), got {request.request_time!r}")
     request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
     return Plan(h, catalogue, request, request_time, draft, verification, budget, attribute, speculative_retrieval)
@@ -133,9 +146,11 @@ def run(p: Plan, encoded: EncodedHistory) -> GenerateResult:
         out = greedy(lm, index, state, k, request_time, exclude_seen)
     else:
         items = torch.from_numpy(p.history.tokens[catalogue.item_feature])
-        drafter: Drafter = p.draft.drafter(items, torch.from_numpy(p.history.tokens[TIMESTAMPS]), request_time,
-                                           state.query, p.attribute)
+        drafter: Drafter = p.draft.drafter(
+            items, torch.from_numpy(p.history.tokens[TIMESTAMPS]), request_time, state.query, p.attribute
+        )
         out = speculative_greedy(lm, index, state, k, request_time, drafter, exclude_seen, p.verification, p.budget)
     items = p.history.decode_items(catalogue.item_feature, torch.tensor(out.items, dtype=torch.long).numpy())
-    return GenerateResult(items, out.stats, p.history.length, p.history.truncated, encoded.cache_status,
-                          p.history.model_version)
+    return GenerateResult(
+        items, out.stats, p.history.length, p.history.truncated, encoded.cache_status, p.history.model_version
+    )

@@ -1,6 +1,7 @@
 """The one history-preparation path of rank, recommend and generate: a validated history (of one
 model version, nothing cached yet), then the encoded one (the user's cache reused, extended or
 built), then the decoding state at its last token (the retrieval query)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,9 @@ class EncodedHistory:
     cache_status: str
 
 
-def fit(tokens: Tokens, max_seq_len: int, reserve: int, long_history: str, eviction_block: int = 1
-        ) -> Tuple[Tokens, int]:
+def fit(
+    tokens: Tokens, max_seq_len: int, reserve: int, long_history: str, eviction_block: int = 1
+) -> Tuple[Tokens, int]:
     """Drop the oldest tokens to fit ``max_seq_len - reserve`` (or refuse) -> (tokens, tokens dropped).
 
     reserve: tokens kept free for generated items. eviction_block: tokens are dropped in whole
@@ -70,8 +72,10 @@ def fit(tokens: Tokens, max_seq_len: int, reserve: int, long_history: str, evict
         return tokens, 0
     if long_history == "refuse":
         generated = f" + {reserve} generated" if reserve else ""
-        raise RequestError(f"history: {length} tokens{generated} exceed the model's max_seq_len {max_seq_len} "
-                           "(long_history='refuse'; use 'truncate' to keep the most recent ones)")
+        raise RequestError(
+            f"history: {length} tokens{generated} exceed the model's max_seq_len {max_seq_len} "
+            "(long_history='refuse'; use 'truncate' to keep the most recent ones)"
+        )
     dropped = min(evicted_prefix(length, limit, eviction_block), length)
     return {name: value[dropped:].copy() for name, value in tokens.items()}, dropped
 

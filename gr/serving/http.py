@@ -11,6 +11,7 @@ Errors are JSON ``{"error": name, "field": request field, "detail": message}``: 
 request (it touches no cache), 500 ``non_finite_score`` when the model outputs NaN or infinity.
 Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see README).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -42,17 +43,34 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _body_schema(keys, required, example: Dict[str, Any]) -> Dict[str, Any]:
-    columns = {"type": "object", "additionalProperties": {"type": "array"},
-               "description": "{feature: [one value per token]}, plus timestamps"}
-    types = {"user_id": {"oneOf": [{"type": "string"}, {"type": "integer"}]}, "history": columns,
-             "candidates": columns, "common_features": {"type": "object"}, "request_time": {"type": "integer"},
-             "k": {"type": "integer", "minimum": 1}, "exclude_seen": {"type": "boolean"},
-             "strategy": {"enum": ["greedy", "beam", "sample"]}, "beam_width": {"type": "integer", "minimum": 1},
-             "temperature": {"type": "number", "exclusiveMinimum": 0}, "seed": {"type": "integer"},
-             "ids": {"enum": ["raw", "model"], "default": "raw"}, "unknown_ids": {"enum": ["error", "oov"]},
-             "export_dir": {"type": "string"}}
-    schema = {"type": "object", "properties": {k: types[k] for k in keys}, "required": list(required),
-              "additionalProperties": False, "example": example}
+    columns = {
+        "type": "object",
+        "additionalProperties": {"type": "array"},
+        "description": "{feature: [one value per token]}, plus timestamps",
+    }
+    types = {
+        "user_id": {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+        "history": columns,
+        "candidates": columns,
+        "common_features": {"type": "object"},
+        "request_time": {"type": "integer"},
+        "k": {"type": "integer", "minimum": 1},
+        "exclude_seen": {"type": "boolean"},
+        "strategy": {"enum": ["greedy", "beam", "sample"]},
+        "beam_width": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "exclusiveMinimum": 0},
+        "seed": {"type": "integer"},
+        "ids": {"enum": ["raw", "model"], "default": "raw"},
+        "unknown_ids": {"enum": ["error", "oov"]},
+        "export_dir": {"type": "string"},
+    }
+    schema = {
+        "type": "object",
+        "properties": {k: types[k] for k in keys},
+        "required": list(required),
+        "additionalProperties": False,
+        "example": example,
+    }
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -115,15 +133,35 @@ def create_app(ranker: Ranker, *, admin_token: Optional[str] = None, batch_windo
 
     rank_example = {**EXAMPLE, "candidates": {"item_id": [5, 9]}}
     for path, serve, keys, required, example, summary in (
-        ("rank", rank, REQUEST_KEYS, ("user_id", "history", "candidates"), rank_example,
-         "Scores of the given candidates (ranking heads by name; retrieval: 'retrieval' cosines)"),
-        ("recommend", recommend, RECOMMEND_KEYS, ("user_id", "history"), {**EXAMPLE, "k": 10},
-         "The top k items of the whole catalogue, seen items excluded by default (retrieval exports)"),
-        ("generate", generate, GENERATE_KEYS, ("user_id", "history"), {**EXAMPLE, "k": 10},
-         "The user's next k items, generated autoregressively"),
+        (
+            "rank",
+            rank,
+            REQUEST_KEYS,
+            ("user_id", "history", "candidates"),
+            rank_example,
+            "Scores of the given candidates (ranking heads by name; retrieval: 'retrieval' cosines)",
+        ),
+        (
+            "recommend",
+            recommend,
+            RECOMMEND_KEYS,
+            ("user_id", "history"),
+            {**EXAMPLE, "k": 10},
+            "The top k items of the whole catalogue, seen items excluded by default (retrieval exports)",
+        ),
+        (
+            "generate",
+            generate,
+            GENERATE_KEYS,
+            ("user_id", "history"),
+            {**EXAMPLE, "k": 10},
+            "The user's next k items, generated autoregressively",
+        ),
     ):
+
         async def endpoint(request: Request, _path: str = path, _serve=serve) -> Response:
             return await call(_path, request, _serve)
+
         app.post(f"/v1/{path}", summary=summary, openapi_extra=_body_schema(keys, required, example))(endpoint)
 
     @app.get("/healthz", summary="The process is alive")
@@ -138,9 +176,11 @@ def create_app(ranker: Ranker, *, admin_token: Optional[str] = None, batch_windo
     def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=PROMETHEUS_TEXT)
 
-    @app.post("/admin/reload", summary="Swap in another export (needs the admin token)",
-              openapi_extra=_body_schema(("export_dir",), ("export_dir",), {"export_dir": "exports/new"})
-)
+    @app.post(
+        "/admin/reload",
+        summary="Swap in another export (needs the admin token)",
+        openapi_extra=_body_schema(("export_dir",), ("export_dir",), {"export_dir": "exports/new"}),
+    )
     async def reload(request: Request) -> Response:
         if admin_token is None:
             return _error(404, "not_found", "admin endpoints are off: start the server with --admin-token")
@@ -151,7 +191,11 @@ def create_app(ranker: Ranker, *, admin_token: Optional[str] = None, batch_windo
             payload = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return _error(400, "bad_request", f"body: not JSON: {exc}", "body")
-        if not isinstance(payload, dict) or set(payload) != {"export_dir"} or not isinstance(payload["export_dir"], str):
+        if (
+            not isinstance(payload, dict)
+            or set(payload) != {"export_dir"}
+            or not isinstance(payload["export_dir"], str)
+        ):
             return _error(400, "bad_request", 'body: expected {"export_dir": "<path>"}', "body.export_dir")
         try:
             await run_in_threadpool(ranker.reload, Path(payload["export_dir"]))

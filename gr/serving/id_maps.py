@@ -6,6 +6,7 @@ the model ids. An unknown raw id is a ``RequestError`` naming it (``unknown_ids=
 default); with ``unknown_ids="oov"`` it becomes row 0 where the map reserves that row for
 unknown ids (maps with offset 1, the categorical side features) and stays an error elsewhere.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,8 +41,10 @@ class IdMaps:
         for feature, file in mapped.items():
             name = Path(file).name[: -len(".tsv")]
             if name not in by_name:
-                self.problem = (f"{root / SPARSE_DIR / 'sparse.ini'}: [feature.{feature}].id_mapping {file!r} is not "
-                                f"a map of {root / ID_MAPS_DIR / 'mappings.json'} (maps: {sorted(by_name)})")
+                self.problem = (
+                    f"{root / SPARSE_DIR / 'sparse.ini'}: [feature.{feature}].id_mapping {file!r} is not "
+                    f"a map of {root / ID_MAPS_DIR / 'mappings.json'} (maps: {sorted(by_name)})"
+                )
                 return
             self.maps[feature] = by_name[name]
 
@@ -60,13 +63,17 @@ class IdMaps:
             return np.zeros(0, dtype=np.int64)
         if raw.ndim != 1 or raw.dtype.kind not in ("iu" if id_map.raw.dtype.kind in "iu" else "iuU"):
             kind = "integers" if id_map.raw.dtype.kind in "iu" else "strings"
-            raise RequestError(f"{where}: expected a list of raw ids ({kind}, as in the id map), got {raw.tolist()!r}"[:300])
+            raise RequestError(
+                f"{where}: expected a list of raw ids ({kind}, as in the id map), got {raw.tolist()!r}"[:300]
+            )
         oov = 0 if unknown_ids == "oov" and id_map.offset >= 1 else None
         encoded = id_map.encode(raw, unknown=-1 if oov is None else oov)
         unknown = raw[encoded < 0]
         if unknown.size:
-            raise RequestError(f"{where}: unknown raw id(s) {unknown[:5].tolist()} (not in the id map of "
-                               f"{feature!r}; unknown_ids={unknown_ids!r})")
+            raise RequestError(
+                f"{where}: unknown raw id(s) {unknown[:5].tolist()} (not in the id map of "
+                f"{feature!r}; unknown_ids={unknown_ids!r})"
+            )
         return encoded
 
     def decode(self, feature: str, ids: np.ndarray) -> list:

@@ -1,5 +1,6 @@
 """One loaded export: sparse store, id maps, ONNX Runtime sessions and the HSTU engine, wired by
 slice_graph.ini. Imports no training code."""
+
 from __future__ import annotations
 
 import threading
@@ -99,8 +100,9 @@ class ServingModel:
             elif t.repeat == REPEAT_PER_TARGET:
                 inputs[t.name] = np.concatenate([np.repeat(env[t.source], n, axis=0) for env, n in zip(envs, rows)])
             else:
-                raise ValueError(f"{POSTFIX}: input {t.name} reads {t.source}, neither the HSTU output nor "
-                                 "repeated per target")
+                raise ValueError(
+                    f"{POSTFIX}: input {t.name} reads {t.source}, neither the HSTU output nor repeated per target"
+                )
         out = self.postfix.run(inputs)
         check_finite(out, "postfix_dnn")
         return out
@@ -118,5 +120,7 @@ def check_finite(outputs: Dict[str, np.ndarray], where: str) -> None:
     """Raise ScoringError naming the first output holding NaN or infinity."""
     for name, value in outputs.items():
         if not np.isfinite(value).all():
-            raise ScoringError(f"{where} output {name!r}: non-finite values (NaN or infinity); the model or its "
-                               "inputs are broken, no score is returned")
+            raise ScoringError(
+                f"{where} output {name!r}: non-finite values (NaN or infinity); the model or its "
+                "inputs are broken, no score is returned"
+            )

@@ -1,4 +1,5 @@
 """An ONNX Runtime session for one DNN slice, fed by name as ``slice_graph.ini`` declares."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,10 @@ def execution_providers(device: str, available: Optional[Sequence[str]] = None) 
     available = list(ort.get_available_providers() if available is None else available)
     provider = DEVICE_PROVIDERS[device]
     if provider not in available:
-        raise RuntimeError(f"--device {device}: ONNX Runtime has no {provider} (available: {available}); "
-                           f"install {PROVIDER_PACKAGES[device]} in place of onnxruntime")
+        raise RuntimeError(
+            f"--device {device}: ONNX Runtime has no {provider} (available: {available}); "
+            f"install {PROVIDER_PACKAGES[device]} in place of onnxruntime"
+        )
     return [provider] if device == "cpu" else [provider, DEVICE_PROVIDERS["cpu"]]
 
 

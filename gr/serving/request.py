@@ -15,6 +15,7 @@ export's ``sparse/id_maps``) or model ids ("ids": "model", the in-process defaul
 tables); a pooled common feature takes one id or a list of ids. The request time is when the last history action's
 next event happens, for models whose ``HSTUConfig.query_time`` is "next_event".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,8 +31,19 @@ from gr.serving.sparse_store import SparseStore
 
 ID_OPTIONS = ("ids", "unknown_ids")
 REQUEST_KEYS = ("user_id", "history", "candidates", "common_features", "request_time", *ID_OPTIONS)
-GENERATE_KEYS = ("user_id", "history", "k", "common_features", "request_time", "strategy", "exclude_seen",
-                 "beam_width", "temperature", "seed", *ID_OPTIONS)
+GENERATE_KEYS = (
+    "user_id",
+    "history",
+    "k",
+    "common_features",
+    "request_time",
+    "strategy",
+    "exclude_seen",
+    "beam_width",
+    "temperature",
+    "seed",
+    *ID_OPTIONS,
+)
 RECOMMEND_KEYS = ("user_id", "history", "k", "common_features", "request_time", "exclude_seen", *ID_OPTIONS)
 
 
@@ -103,8 +115,14 @@ class RankRequest:
     @classmethod
     def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "RankRequest":
         data = _object(data, where, REQUEST_KEYS, ("user_id", "history", "candidates"))
-        return cls(data["user_id"], data["history"], data["candidates"], data.get("common_features"),
-                   data.get("request_time"), IdOptions.from_dict(data, where, default_ids))
+        return cls(
+            data["user_id"],
+            data["history"],
+            data["candidates"],
+            data.get("common_features"),
+            data.get("request_time"),
+            IdOptions.from_dict(data, where, default_ids),
+        )
 
 
 @dataclass
@@ -122,9 +140,15 @@ class RecommendRequest:
     @classmethod
     def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "RecommendRequest":
         data = _object(data, where, RECOMMEND_KEYS, ("user_id", "history"))
-        return cls(data["user_id"], data["history"], _int(data, "k", where, 10, 1), data.get("common_features"),
-                   data.get("request_time"), _flag(data, "exclude_seen", where, True),
-                   IdOptions.from_dict(data, where, default_ids))
+        return cls(
+            data["user_id"],
+            data["history"],
+            _int(data, "k", where, 10, 1),
+            data.get("common_features"),
+            data.get("request_time"),
+            _flag(data, "exclude_seen", where, True),
+            IdOptions.from_dict(data, where, default_ids),
+        )
 
 
 @dataclass
@@ -147,16 +171,29 @@ class GenerateRequest:
     def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "GenerateRequest":
         data = _object(data, where, GENERATE_KEYS, ("user_id", "history"))
         temperature = data.get("temperature", 1.0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
-                or temperature == float("inf"):
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not temperature > 0
+            or temperature == float("inf")
+        ):
             raise RequestError(f"{where}.temperature: expected a finite number > 0, got {temperature!r}")
         strategy = data.get("strategy", "greedy")
         if not isinstance(strategy, str):
             raise RequestError(f"{where}.strategy: expected a string, got {strategy!r}")
-        return cls(data["user_id"], data["history"], _int(data, "k", where, 10, 1), data.get("common_features"),
-                   data.get("request_time"), strategy, _flag(data, "exclude_seen", where, True),
-                   _int(data, "beam_width", where, 4, 1), float(temperature), _int(data, "seed", where, None),
-                   IdOptions.from_dict(data, where, default_ids))
+        return cls(
+            data["user_id"],
+            data["history"],
+            _int(data, "k", where, 10, 1),
+            data.get("common_features"),
+            data.get("request_time"),
+            strategy,
+            _flag(data, "exclude_seen", where, True),
+            _int(data, "beam_width", where, 4, 1),
+            float(temperature),
+            _int(data, "seed", where, None),
+            IdOptions.from_dict(data, where, default_ids),
+        )
 
 
 @dataclass(frozen=True)
@@ -185,8 +222,13 @@ class RequestSchema:
         return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense)
 
     def tokens(
-        self, columns: Any, where: str, store: SparseStore, default_timestamp: Optional[int] = None,
-        raw: Optional[IdMaps] = None, unknown_ids: str = "error",
+        self,
+        columns: Any,
+        where: str,
+        store: SparseStore,
+        default_timestamp: Optional[int] = None,
+        raw: Optional[IdMaps] = None,
+        unknown_ids: str = "error",
     ) -> Dict[str, np.ndarray]:
         """Columns -> {feature: [n] int64 | [n, d] float32, "timestamps": [n] int64}.
 
@@ -197,8 +239,9 @@ class RequestSchema:
         if columns is None or (isinstance(columns, Mapping) and not columns):
             columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
         if not isinstance(columns, Mapping):
-            raise RequestError(f"{where}: expected an object {{feature: [one value per token]}}, "
-                               f"got {type(columns).__name__}")
+            raise RequestError(
+                f"{where}: expected an object {{feature: [one value per token]}}, got {type(columns).__name__}"
+            )
         _check_features(columns, (*self.token_ids, *self.token_dense), where, optional=(TIMESTAMPS,))
         out: Dict[str, np.ndarray] = {}
         for name in self.token_ids:

@@ -6,6 +6,7 @@ the request's: ``Ranker.encode``). Ranking exports then run the candidates again
 K/V (in micro-batches) -> postfix_dnn; retrieval exports score items against the query at the
 last history token. Imports no training code.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,8 +47,15 @@ DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_MICRO_BATCH = 256
 RETRIEVAL = "retrieval"  # the score name of a retrieval export's rank
 
-__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_MICRO_BATCH", "LONG_HISTORY", "Ranker", "RankResult",
-           "RecommendResult", "ServingModel"]
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "DEFAULT_MICRO_BATCH",
+    "LONG_HISTORY",
+    "Ranker",
+    "RankResult",
+    "RecommendResult",
+    "ServingModel",
+]
 
 
 def _warnings(truncated: int) -> Dict[str, Any]:
@@ -75,9 +83,14 @@ class RankResult:
     model_version: int = 0
 
     def to_json(self) -> Dict[str, Any]:
-        return {"scores": {name: value.tolist() for name, value in self.scores.items()},
-                "history_length": self.history_length, "cache_status": self.cache_status,
-                "cache": self.cache_status, "model_version": self.model_version, **_warnings(self.truncated)}
+        return {
+            "scores": {name: value.tolist() for name, value in self.scores.items()},
+            "history_length": self.history_length,
+            "cache_status": self.cache_status,
+            "cache": self.cache_status,
+            "model_version": self.model_version,
+            **_warnings(self.truncated),
+        }
 
 
 @dataclass(frozen=True)
@@ -93,9 +106,15 @@ class RecommendResult:
     model_version: int
 
     def to_json(self) -> Dict[str, Any]:
-        return {"items": self.items, "scores": self.scores.tolist(), "history_length": self.history_length,
-                "cache_status": self.cache_status, "cache": self.cache_status,
-                "model_version": self.model_version, **_warnings(self.truncated)}
+        return {
+            "items": self.items,
+            "scores": self.scores.tolist(),
+            "history_length": self.history_length,
+            "cache_status": self.cache_status,
+            "cache": self.cache_status,
+            "model_version": self.model_version,
+            **_warnings(self.truncated),
+        }
 
 
 @dataclass(frozen=True)
@@ -199,8 +218,9 @@ class Ranker:
         raw = model.id_maps if id_options.ids == "raw" else None
         tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
         common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
-        tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, self.long_history,
-                                model.config.eviction_block)
+        tokens, truncated = fit(
+            tokens, model.config.max_seq_len, reserve, self.long_history, model.config.eviction_block
+        )
         return History(model, model_version, user_id, tokens, common, truncated, raw, id_options.unknown_ids)
 
     def encode(self, h: History, use_cache: bool = True) -> EncodedHistory:
@@ -218,7 +238,9 @@ class Ranker:
                 cached, status = entry, "hit"
             elif model.engine.can_extend(entry.history):
                 new = {name: value[known:] for name, value in hist.items()}
-                extended = model.engine.extend(entry.history, model.embed_tokens(new), torch.from_numpy(new[TIMESTAMPS]))
+                extended = model.engine.extend(
+                    entry.history, model.embed_tokens(new), torch.from_numpy(new[TIMESTAMPS])
+                )
                 cached, status = CachedUser(hist, extended, h.model_version), "extend"
         if cached is None:
             encoded = model.engine.encode(model.embed_tokens(hist), torch.from_numpy(hist[TIMESTAMPS]))
@@ -250,8 +272,9 @@ class Ranker:
         if model.is_retrieval:
             catalogue = model.catalogue()
             if h.length == 0:
-                raise RequestError("history: empty; a retrieval model scores items against the query at the "
-                                   "last history item")
+                raise RequestError(
+                    "history: empty; a retrieval model scores items against the query at the last history item"
+                )
             encoded = self.encode(h, use_cache)
             state = last_token_state(encoded, catalogue, request_time)
             items = torch.from_numpy(cands[catalogue.item_feature])
@@ -263,20 +286,25 @@ class Ranker:
             return RankResult(model.heads(hidden, h.common), h.length, h.truncated, "off", h.model_version)
         encoded = self.encode(h)
         x = model.embed_tokens(cands)
-        hidden = model.engine.score(encoded.cache, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch,
-                                    request_time)
-        return RankResult(model.heads(hidden, h.common), h.length, h.truncated, encoded.cache_status,
-                          h.model_version)
+        hidden = model.engine.score(
+            encoded.cache, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch, request_time
+        )
+        return RankResult(model.heads(hidden, h.common), h.length, h.truncated, encoded.cache_status, h.model_version)
 
-    def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]
-                    ) -> Tuple[Tokens, int]:
+    def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]) -> Tuple[Tokens, int]:
         """Validate a request's candidates -> (their token columns, the request time)."""
         _check_time(request_time)
         default_time = request_time
         if request_time is None:  # candidates without timestamps stand right after the last action
             default_time = int(h.tokens[TIMESTAMPS][-1]) if h.length else 0
-        cands = h.model.schema.tokens(candidates, "candidates", h.model.sparse, default_timestamp=default_time,
-                                      raw=h.raw, unknown_ids=h.unknown_ids)
+        cands = h.model.schema.tokens(
+            candidates,
+            "candidates",
+            h.model.sparse,
+            default_timestamp=default_time,
+            raw=h.raw,
+            unknown_ids=h.unknown_ids,
+        )
         if len(cands[TIMESTAMPS]) == 0:
             raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
         if request_time is None:  # the request is when its candidates are shown
@@ -284,8 +312,15 @@ class Ranker:
         return cands, request_time
 
     def rank_request(self, request: RankRequest, use_cache: bool = True) -> RankResult:
-        return self.rank(request.user_id, request.history, request.candidates, request.common_features,
-                         request_time=request.request_time, use_cache=use_cache, id_options=request.id_options)
+        return self.rank(
+            request.user_id,
+            request.history,
+            request.candidates,
+            request.common_features,
+            request_time=request.request_time,
+            use_cache=use_cache,
+            id_options=request.id_options,
+        )
 
     def rank_batch(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]:
         """Rank several users' requests as one batch; a bad one raises RequestError naming its index.
@@ -318,13 +353,25 @@ class Ranker:
         counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
         joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
         hidden = model.engine.score_batch(
-            [e.cache for e in encoded], model.embed_tokens(joined), offsets_from_lengths(torch.tensor(counts)),
-            torch.from_numpy(joined[TIMESTAMPS]), self.micro_batch, [p.request_time for p in prepared])
+            [e.cache for e in encoded],
+            model.embed_tokens(joined),
+            offsets_from_lengths(torch.tensor(counts)),
+            torch.from_numpy(joined[TIMESTAMPS]),
+            self.micro_batch,
+            [p.request_time for p in prepared],
+        )
         scores = model.heads_batch(hidden, [p.history.common for p in prepared], counts)
         bounds = np.cumsum([0, *counts])
-        return [RankResult({task: value[bounds[b]:bounds[b + 1]] for task, value in scores.items()}, p.history.length,
-                           p.history.truncated, e.cache_status, p.history.model_version)
-                for b, (p, e) in enumerate(zip(prepared, encoded))]
+        return [
+            RankResult(
+                {task: value[bounds[b] : bounds[b + 1]] for task, value in scores.items()},
+                p.history.length,
+                p.history.truncated,
+                e.cache_status,
+                p.history.model_version,
+            )
+            for b, (p, e) in enumerate(zip(prepared, encoded))
+        ]
 
     # ---- recommend --------------------------------------------------------------------------
     def recommend(self, request: RecommendRequest) -> RecommendResult:
@@ -332,8 +379,10 @@ class Ranker:
         h = self.history(request.user_id, request.history, request.common_features, id_options=request.id_options)
         _check_time(request.request_time)
         if not h.model.is_retrieval:
-            raise RequestError(f"model: recommend needs a retrieval export (a {QUERY!r} output); this one "
-                               f"outputs {h.model.postfix.output_names}: use rank")
+            raise RequestError(
+                f"model: recommend needs a retrieval export (a {QUERY!r} output); this one "
+                f"outputs {h.model.postfix.output_names}: use rank"
+            )
         catalogue = h.model.catalogue()
         if h.length == 0:
             raise RequestError("history: empty; recommend needs at least one item")
@@ -346,25 +395,41 @@ class Ranker:
         state = last_token_state(encoded, catalogue, request_time)
         scores, items = catalogue.index.search(state.query.view(1, -1), seen.rows(1), request.k)
         check_finite({"scores": scores.numpy()}, "recommend")
-        return RecommendResult(h.decode_items(catalogue.item_feature, items[0].numpy()), scores[0].numpy(),
-                               h.length, h.truncated, encoded.cache_status, h.model_version)
+        return RecommendResult(
+            h.decode_items(catalogue.item_feature, items[0].numpy()),
+            scores[0].numpy(),
+            h.length,
+            h.truncated,
+            encoded.cache_status,
+            h.model_version,
+        )
 
     # ---- generate ---------------------------------------------------------------------------
-    def generate(self, request: Union[GenerateRequest, Hashable], history: Optional[Mapping[str, Any]] = None,
-                 k: Optional[int] = None, strategy: str = "greedy", exclude_seen: bool = True,
-                 **options: Any) -> generation.GenerateResult:
+    def generate(
+        self,
+        request: Union[GenerateRequest, Hashable],
+        history: Optional[Mapping[str, Any]] = None,
+        k: Optional[int] = None,
+        strategy: str = "greedy",
+        exclude_seen: bool = True,
+        **options: Any,
+    ) -> generation.GenerateResult:
         """Generate a user's next items: ``generate(GenerateRequest)``, or the keyword form
         ``generate(user_id, history, k, strategy, exclude_seen, **options)`` whose options are
         those of ``gr.serving.generate.run`` plus ``common_features``, ``request_time``, ``id_options``.
 
         The user's cached history is used and updated as in ``rank``."""
         if not isinstance(request, GenerateRequest):
-            fields = {key: options.pop(key) for key in ("common_features", "request_time", "beam_width",
-                                                       "temperature", "seed", "id_options") if key in options}
+            fields = {
+                key: options.pop(key)
+                for key in ("common_features", "request_time", "beam_width", "temperature", "seed", "id_options")
+                if key in options
+            }
             request = GenerateRequest(request, history, k, strategy=strategy, exclude_seen=exclude_seen, **fields)
         generation.check_k(request.k)
-        h = self.history(request.user_id, request.history, request.common_features, reserve=request.k,
-                         id_options=request.id_options)
+        h = self.history(
+            request.user_id, request.history, request.common_features, reserve=request.k, id_options=request.id_options
+        )
         catalogue = h.model.catalogue()
         plan = generation.plan(h, catalogue, request, **options)
         return generation.run(plan, self.encode(h))
@@ -386,8 +451,14 @@ def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: in
     total = length + count
     query_times = np.concatenate([hist[TIMESTAMPS][1:], [request_time], cands[TIMESTAMPS]])[-total:]
     with torch.inference_mode():
-        h = model.engine.hstu(x, torch.tensor([0, total]), total, torch.from_numpy(tokens[TIMESTAMPS]),
-                              torch.tensor([count]), torch.from_numpy(query_times.astype(np.int64)))
+        h = model.engine.hstu(
+            x,
+            torch.tensor([0, total]),
+            total,
+            torch.from_numpy(tokens[TIMESTAMPS]),
+            torch.tensor([count]),
+            torch.from_numpy(query_times.astype(np.int64)),
+        )
     return h[length:]
 
 

@@ -1,4 +1,5 @@
 """Embedding lookups at serving time: tables from ``sparse/*.safetensors``, plain row gathers."""
+
 from __future__ import annotations
 
 from typing import Dict
@@ -29,8 +30,10 @@ class SparseStore:
         rows = self.rows(feature)
         bad = ids[(ids < 0) | (ids >= rows)]
         if bad.size:
-            raise RequestError(f"{where}.{feature}: ids {bad[:5].tolist()} out of range [0, {rows}) "
-                               f"(table {self.features[feature].table!r})")
+            raise RequestError(
+                f"{where}.{feature}: ids {bad[:5].tolist()} out of range [0, {rows}) "
+                f"(table {self.features[feature].table!r})"
+            )
 
     def sequence(self, feature: str, ids: np.ndarray) -> np.ndarray:
         """ids: [T] int64 -> [T, d] float32, one row per token."""

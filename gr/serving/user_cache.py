@@ -1,4 +1,5 @@
 """A byte-bounded LRU of per-user serving state, safe to share between request threads."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """Distinct ids of a batch and where each id went: the "unique before lookup" step."""
+
 from __future__ import annotations
 
 from typing import Tuple

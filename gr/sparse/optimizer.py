@@ -5,6 +5,7 @@ Each table gets its optimizer through ``apply_optimizer_in_backward`` before
 rows it looked up during backward, so embedding weights never reach the dense
 (Lightning) optimizer and their gradients are never materialised.
 """
+
 from __future__ import annotations
 
 import dataclasses

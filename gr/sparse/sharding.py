@@ -12,6 +12,7 @@ accelerator, moving looked-up vectors over; the tables then talk over a gloo pro
 group while the dense model's DDP keeps the default one. That is the plan for
 accelerators whose embedding kernels are immature (NPUs).
 """
+
 from __future__ import annotations
 
 import os
@@ -64,7 +65,9 @@ def apply_embedding_optimizers(
     chosen = {}
     for name, table in embeddings.tables.items():
         optimizer = table.optimizer or default
-        optimizer.check_device(device_type, f"model.tables[{name}].optimizer" if table.optimizer else "sparse.optimizer")
+        optimizer.check_device(
+            device_type, f"model.tables[{name}].optimizer" if table.optimizer else "sparse.optimizer"
+        )
         apply_optimizer_in_backward(optimizer.optimizer_class(), [weights[name]], optimizer.fused_kwargs())
         chosen[name] = optimizer
     return chosen

@@ -1,4 +1,5 @@
 """Sparse id features: TorchRec embedding tables built from the config."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,8 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import PoolingType
 
-from gr.sparse.dedup import unique_ids
 from gr.config_checks import NAMES, int_at_least, known_keys, one_of, optional, require
+from gr.sparse.dedup import unique_ids
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
 
 TABLE_KINDS = ("sequence", "common")
@@ -199,8 +200,11 @@ class SparseEmbeddings(nn.Module):
         seq_out: Dict[str, Tensor] = {}
         common_out: Dict[str, Tensor] = {}
         if sequence_ids is not None:
-            unknown = [k for k in sequence_ids.keys() if self.feature_to_table.get(k, None) is None
-                       or self.feature_to_table[k].kind != "sequence"]
+            unknown = [
+                k
+                for k in sequence_ids.keys()
+                if self.feature_to_table.get(k, None) is None or self.feature_to_table[k].kind != "sequence"
+            ]
             if unknown:
                 raise ValueError(f"sequence ids: features {unknown} have no table of kind 'sequence'")
             jagged = sequence_ids.to_dict()

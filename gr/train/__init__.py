@@ -22,6 +22,7 @@ A run directory holds:
 
 Public names load lazily, so reading a config does not import Lightning.
 """
+
 from gr.lazy import lazy_getattr
 
 _EXPORTS = {

@@ -19,6 +19,7 @@ filled when the constructor has them:
 A list of feature names given for ``feature_dims`` / ``common_dims`` selects those
 features (with their dims).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,15 +56,20 @@ def build_tables(config: TrainConfig, spec: FeatureSpec, for_training: bool = Tr
         for feature, cardinality in features.items():
             table = by_feature[feature]
             if table.kind != kind:
-                raise ValueError(f"model.tables[{table.name}].kind: feature {feature!r} is a {kind} feature, "
-                                 f"the table is {table.kind!r}")
+                raise ValueError(
+                    f"model.tables[{table.name}].kind: feature {feature!r} is a {kind} feature, "
+                    f"the table is {table.kind!r}"
+                )
             if table.num_embeddings < cardinality:
-                raise ValueError(f"model.tables[{table.name}].num_embeddings: {table.num_embeddings} rows, but "
-                                 f"{feature!r} has ids up to {cardinality - 1}")
+                raise ValueError(
+                    f"model.tables[{table.name}].num_embeddings: {table.num_embeddings} rows, but "
+                    f"{feature!r} has ids up to {cardinality - 1}"
+                )
     if for_training and config.task_type == "retrieval":
         item = config.task.retrieval.item_feature
-        tables = [dataclasses.replace(t, features=(*t.features, SAMPLED_ITEMS)) if item in t.features else t
-                  for t in tables]
+        tables = [
+            dataclasses.replace(t, features=(*t.features, SAMPLED_ITEMS)) if item in t.features else t for t in tables
+        ]
     return tables
 
 
@@ -88,8 +94,10 @@ def build_model(
     prefix = instantiate(config.model.prefix_dnn, context, "model.prefix_dnn")
     postfix = instantiate(config.model.postfix_dnn, context, "model.postfix_dnn")
     if config.task_type == "retrieval" and not callable(getattr(postfix, "item_embedding", None)):
-        raise ValueError(f"model.postfix_dnn.class: retrieval scores items with the head's item_embedding(rows); "
-                         f"{type(postfix).__name__} has none (RetrievalHead does)")
+        raise ValueError(
+            f"model.postfix_dnn.class: retrieval scores items with the head's item_embedding(rows); "
+            f"{type(postfix).__name__} has none (RetrievalHead does)"
+        )
     model = config.model.model_class()(config.model.hstu, prefix, postfix, tables)
     model.embeddings.dedup = config.sparse.dedup
     return model
@@ -106,8 +114,9 @@ def instantiate(spec: ModuleSpec, context: Mapping[str, Any], where: str) -> nn.
         elif name in ("feature_dims", "common_dims") and isinstance(kwargs.get(name), list):
             unknown = [f for f in kwargs[name] if f not in context[name]]
             if unknown:
-                raise ValueError(f"{where}.kwargs.{name}: the data has no feature(s) {unknown}; "
-                                 f"it has {sorted(context[name])}")
+                raise ValueError(
+                    f"{where}.kwargs.{name}: the data has no feature(s) {unknown}; it has {sorted(context[name])}"
+                )
             kwargs[name] = {f: context[name][f] for f in kwargs[name]}
     try:
         return cls(**kwargs)

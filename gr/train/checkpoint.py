@@ -14,6 +14,7 @@ DCP reshards on load, so a checkpoint loads on any number of ranks, or into an u
 model in a plain process. DCP's own ``.metadata`` is torch's format (a pickle): a run
 directory is trusted input.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -85,8 +86,10 @@ def read_meta(path: str | Path) -> Dict[str, Any]:
     try:
         return torch.load(path / LEGACY_META_FILE, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, ... for refused content
-        raise ValueError(f"{path / LEGACY_META_FILE}: refused (only plain tensors and containers load; "
-                         f"{type(error).__name__}: {error})") from error
+        raise ValueError(
+            f"{path / LEGACY_META_FILE}: refused (only plain tensors and containers load; "
+            f"{type(error).__name__}: {error})"
+        ) from error
 
 
 def _refuse_non_finite(state: Dict[str, Any], path: Path) -> None:

@@ -7,6 +7,7 @@ a tuple is ``{"__tuple__": [...]}``, a dict with keys that are not plain strings
 optimizer's ``{0: {...}}``) is ``{"__dict__": [[key, value], ...]}`` and a non-finite float
 is ``{"__float__": "nan" | "inf" | "-inf"}``. Any other type is a TypeError naming its place.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,10 +66,15 @@ def _encode(value: Any, where: str, tensors: Dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) and k not in _MARKERS for k in value):
             return {k: _encode(v, f"{where}.{k}", tensors) for k, v in value.items()}
-        return {"__dict__": [[_encode(k, f"{where} key", tensors), _encode(v, f"{where}[{k!r}]", tensors)]
-                             for k, v in value.items()]}
-    raise TypeError(f"{where}: a {type(value).__name__} cannot be stored in checkpoint metadata "
-                    f"(JSON values, tuples and tensors only)")
+        return {
+            "__dict__": [
+                [_encode(k, f"{where} key", tensors), _encode(v, f"{where}[{k!r}]", tensors)] for k, v in value.items()
+            ]
+        }
+    raise TypeError(
+        f"{where}: a {type(value).__name__} cannot be stored in checkpoint metadata "
+        f"(JSON values, tuples and tensors only)"
+    )
 
 
 def _decode(value: Any, tensors: Dict[str, torch.Tensor], path: Path) -> Any:

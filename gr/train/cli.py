@@ -1,5 +1,6 @@
 """The ``gr train`` (alias ``train.py``) command line:
 ``--config X.yaml [--out DIR] [--resume DIR] [--print-config] [--section.key value ...]``."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,15 +14,20 @@ from gr.train.config_reference import format_reference
 def parse_args(argv: Sequence[str], prog: str = "gr train") -> Tuple[argparse.Namespace, List[Tuple[str, str]]]:
     """-> (namespace with config/out/resume/print_config, [(dotted.key, value text), ...])."""
     parser = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=format_reference(),
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=format_reference(),
         description="Train a generative recommender. Any config key can be overridden by its dotted path, "
-                    "e.g. --trainer.max_epochs 3 --data.path data/ml-100k",
+        "e.g. --trainer.max_epochs 3 --data.path data/ml-100k",
     )
     parser.add_argument("--config", help="recipe YAML (default with --resume: the run's config.yaml)")
     parser.add_argument("--out", help="run directory (default: runs/<config name>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config (YAML, every key) and exit without training")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (YAML, every key) and exit without training",
+    )
     args, rest = parser.parse_known_args(list(argv))
     overrides = parse_overrides(parser, rest)
     if args.config is None and args.resume is None:

@@ -8,6 +8,7 @@ kwargs: {...}}``), ``sparse`` (table placement, id dedup, default embedding opti
 (how dense parameters are spread over ranks). Any invalid or
 unknown key raises ValueError naming ``section.key`` and what was expected.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,20 @@ import yaml
 
 from gr.atomic import write_text
 from gr.config_checks import (
-    BETAS, BOOL, NAME, Check, Section, checked, int_at_least, is_int, is_number, known_keys, list_of, number_in, one_of, optional,
+    BETAS,
+    BOOL,
+    NAME,
+    Check,
+    Section,
+    checked,
+    int_at_least,
+    is_int,
+    is_number,
+    known_keys,
+    list_of,
+    number_in,
+    one_of,
+    optional,
 )
 from gr.data.config import DataConfig
 from gr.hstu import HSTUConfig
@@ -76,8 +90,10 @@ class ModuleSpec:
         if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
             unknown = sorted(set(self.kwargs) - set(parameters) - {"self"})
             if unknown:
-                raise ValueError(f"{where}.kwargs: {cls.__name__} takes no argument(s) {unknown}; "
-                                 f"it takes {sorted(set(parameters) - {'self'})}")
+                raise ValueError(
+                    f"{where}.kwargs: {cls.__name__} takes no argument(s) {unknown}; "
+                    f"it takes {sorted(set(parameters) - {'self'})}"
+                )
 
     @property
     def cls(self) -> type:
@@ -144,8 +160,9 @@ class ModelSection:
             hstu=HSTUConfig.from_dict(values.get("hstu"), f"{where}.hstu"),
             tables=tuple(dict(t) for t in tables),
             prefix_dnn=ModuleSpec.parse(values.get("prefix_dnn"), f"{where}.prefix_dnn", PrefixDNN, DEFAULT_PREFIX),
-            postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN,
-                                         DEFAULT_POSTFIX[task]),
+            postfix_dnn=ModuleSpec.parse(
+                values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN, DEFAULT_POSTFIX[task]
+            ),
             class_path=DEFAULT_MODEL if class_path is None else class_path,
         )
         section.model_class(f"{where}.class")
@@ -171,8 +188,13 @@ class ModelSection:
         return next((t for t in self.tables if feature in t["features"]), None)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"class": self.class_path, "hstu": self.hstu.to_dict(), "tables": [dict(t) for t in self.tables],
-                "prefix_dnn": self.prefix_dnn.to_dict(), "postfix_dnn": self.postfix_dnn.to_dict()}
+        return {
+            "class": self.class_path,
+            "hstu": self.hstu.to_dict(),
+            "tables": [dict(t) for t in self.tables],
+            "prefix_dnn": self.prefix_dnn.to_dict(),
+            "postfix_dnn": self.postfix_dnn.to_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -240,8 +262,10 @@ class TaskSection:
     @classmethod
     def from_dict(cls, values: Any, where: str) -> "TaskSection":
         values = known_keys(cls, values, where)
-        return cls(RetrievalSection.from_dict(values.get("retrieval"), f"{where}.retrieval"),
-                   RankingSection.from_dict(values.get("ranking"), f"{where}.ranking"))
+        return cls(
+            RetrievalSection.from_dict(values.get("retrieval"), f"{where}.retrieval"),
+            RankingSection.from_dict(values.get("ranking"), f"{where}.ranking"),
+        )
 
 
 @dataclass(frozen=True)
@@ -357,24 +381,36 @@ class TrainConfig:
     def check_consistency(self) -> None:
         """Checks across sections."""
         if self.model.hstu.max_seq_len < self.data.max_seq_len:
-            raise ValueError(f"model.hstu.max_seq_len: {self.model.hstu.max_seq_len} is below data.max_seq_len "
-                             f"{self.data.max_seq_len}; HSTU must fit the longest history")
+            raise ValueError(
+                f"model.hstu.max_seq_len: {self.model.hstu.max_seq_len} is below data.max_seq_len "
+                f"{self.data.max_seq_len}; HSTU must fit the longest history"
+            )
         if self.model.hstu.eviction_block > self.data.max_seq_len:
-            raise ValueError(f"model.hstu.eviction_block: {self.model.hstu.eviction_block} exceeds data.max_seq_len "
-                             f"{self.data.max_seq_len}; a block must fit in a window")
+            raise ValueError(
+                f"model.hstu.eviction_block: {self.model.hstu.eviction_block} exceeds data.max_seq_len "
+                f"{self.data.max_seq_len}; a block must fit in a window"
+            )
         if self.trainer.precision == "16-mixed" and self.trainer.accelerator not in GPU_ACCELERATORS:
-            raise ValueError(f"trainer.precision: '16-mixed' (fp16 with loss scaling) needs trainer.accelerator "
-                             f"gpu; got accelerator {self.trainer.accelerator!r}. On CPU use 'bf16-mixed'")
+            raise ValueError(
+                f"trainer.precision: '16-mixed' (fp16 with loss scaling) needs trainer.accelerator "
+                f"gpu; got accelerator {self.trainer.accelerator!r}. On CPU use 'bf16-mixed'"
+            )
         if self.trainer.accelerator == "npu" and self.sparse.placement != "host":
-            raise ValueError(f"sparse.placement: trainer.accelerator 'npu' needs 'host' (FBGEMM has no NPU embedding "
-                             f"kernels: tables in host memory, dense model on the NPU); got {self.sparse.placement!r}")
+            raise ValueError(
+                f"sparse.placement: trainer.accelerator 'npu' needs 'host' (FBGEMM has no NPU embedding "
+                f"kernels: tables in host memory, dense model on the NPU); got {self.sparse.placement!r}"
+            )
         if self.distributed.dense_sharding == "fsdp2" and self.trainer.gradient_clip_val:
-            raise ValueError("trainer.gradient_clip_val: clipping by the global norm is not supported with "
-                             "distributed.dense_sharding 'fsdp2' (sharded and replicated gradients); set it to 0")
+            raise ValueError(
+                "trainer.gradient_clip_val: clipping by the global norm is not supported with "
+                "distributed.dense_sharding 'fsdp2' (sharded and replicated gradients); set it to 0"
+            )
         monitored = self.monitor.partition("/")[2]
         if not self.monitor.startswith("val/") or monitored not in self.metric_names():
-            raise ValueError(f"trainer.monitor: expected 'val/<metric>' with a {self.task_type} metric "
-                             f"{list(self.metric_names())}, got {self.monitor!r}")
+            raise ValueError(
+                f"trainer.monitor: expected 'val/<metric>' with a {self.task_type} metric "
+                f"{list(self.metric_names())}, got {self.monitor!r}"
+            )
         if self.task_type == "retrieval":
             item = self.task.retrieval.item_feature
             table = self.model.table_with(item)
@@ -388,15 +424,17 @@ class TrainConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain YAML-ready values; ``from_dict(to_dict())`` gives an equal config."""
-        return plain({
-            "data": self.data.to_dict(),
-            "model": self.model.to_dict(),
-            "sparse": {**_fields(self.sparse), "optimizer": self.sparse.optimizer.to_dict()},
-            "task": {"retrieval": _fields(self.task.retrieval), "ranking": _fields(self.task.ranking)},
-            "optimizer": _fields(self.optimizer),
-            "trainer": _fields(self.trainer),
-            "distributed": _fields(self.distributed),
-        })
+        return plain(
+            {
+                "data": self.data.to_dict(),
+                "model": self.model.to_dict(),
+                "sparse": {**_fields(self.sparse), "optimizer": self.sparse.optimizer.to_dict()},
+                "task": {"retrieval": _fields(self.task.retrieval), "ranking": _fields(self.task.ranking)},
+                "optimizer": _fields(self.optimizer),
+                "trainer": _fields(self.trainer),
+                "distributed": _fields(self.distributed),
+            }
+        )
 
 
 def _fields(section: Any) -> Dict[str, Any]:

@@ -1,5 +1,6 @@
 """Every config key with its type, default and what it accepts, read from the config
 dataclasses themselves (``gr train --help``), so the list cannot drift from the code."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,11 @@ from gr.train.config import ModelSection, ModuleSpec, TrainConfig
 
 NO_DEFAULT = "(required)"
 # Defaults that the field alone does not tell.
-DEFAULTS = {"model.tables[].num_embeddings": "null (the largest cardinality of the table's features in the data)",
-            "model.tables[].sharding": "null (row_wise for sequence tables, table_wise for common ones)",
-            "model.tables[].optimizer": "null (sparse.optimizer)"}
+DEFAULTS = {
+    "model.tables[].num_embeddings": "null (the largest cardinality of the table's features in the data)",
+    "model.tables[].sharding": "null (row_wise for sequence tables, table_wise for common ones)",
+    "model.tables[].optimizer": "null (sparse.optimizer)",
+}
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Lightning's CSVLogger deletes an existing ``metrics.csv`` when it opens its writ
 the writer keeps the file and starts from its header, so new rows go after the old ones
 (and a column first seen after the resume rewrites the file with every row kept).
 """
+
 from __future__ import annotations
 
 import csv

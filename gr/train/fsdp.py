@@ -11,6 +11,7 @@ Parameter names do not change, so DCP checkpoints hold the same keys as without 
 Gloo implements the two collectives FSDP2 needs (``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``), so this runs on CPU ranks as it does on GPUs with NCCL.
 """
+
 from __future__ import annotations
 
 from typing import Set
@@ -47,4 +48,3 @@ def shard_hstu(hstu: nn.Module, mesh: DeviceMesh) -> None:
     for layer in hstu.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(hstu, mesh=mesh)
-

@@ -1,4 +1,5 @@
 """Training losses: sampled softmax (retrieval) and multi-task binary cross-entropy (ranking)."""
+
 from __future__ import annotations
 
 from typing import Dict, Mapping
@@ -93,9 +94,12 @@ class _DenseSampledSoftmax(torch.autograd.Function):
         return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None
 
 
-def multitask_bce(logits: Mapping[str, Tensor], labels: Mapping[str, Tensor], weights: Mapping[str, float]) -> Dict[str, Tensor]:
+def multitask_bce(
+    logits: Mapping[str, Tensor], labels: Mapping[str, Tensor], weights: Mapping[str, float]
+) -> Dict[str, Tensor]:
     """Weighted sum of per-task BCE. logits, labels: {task: [N]} -> {"loss": scalar, "bce/<task>": scalar}."""
-    terms = {f"bce/{task}": F.binary_cross_entropy_with_logits(logit, labels[task].float())
-             for task, logit in logits.items()}
+    terms = {
+        f"bce/{task}": F.binary_cross_entropy_with_logits(logit, labels[task].float()) for task, logit in logits.items()
+    }
     total = sum(weights.get(task, 1.0) * terms[f"bce/{task}"] for task in logits)
     return {"loss": total, **terms}

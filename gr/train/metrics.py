@@ -1,4 +1,5 @@
 """Evaluation metrics: full-catalogue ranking (retrieval) and AUC / log loss (ranking)."""
+
 from __future__ import annotations
 
 from typing import Dict, Sequence

@@ -15,6 +15,7 @@ A non-finite loss or dense gradient stops the run before the optimizer step with
 same step. Embedding gradients are applied inside backward, so they are not checked here;
 a checkpoint with non-finite weights is refused when it is saved.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,9 @@ class GRTrainingModule(LightningModule):
         gr_model = seeded_model(self.config, self.spec, self.tasks)
         if self.config.task_type == "retrieval":
             item_feature = self.config.task.retrieval.item_feature
-            self.task = RetrievalTask(self.config.task.retrieval, self.spec.sequence[item_feature],
-                                      gr_model.postfix_dnn.item_embedding)
+            self.task = RetrievalTask(
+                self.config.task.retrieval, self.spec.sequence[item_feature], gr_model.postfix_dnn.item_embedding
+            )
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)
         sparse, device = self.config.sparse, self.trainer.strategy.root_device
@@ -109,8 +111,9 @@ class GRTrainingModule(LightningModule):
         unknown = [k for k in state_dict if not k.startswith("model.")]
         if unknown and strict:
             raise KeyError(f"GRTrainingModule.load_state_dict: unexpected keys {unknown[:5]}")
-        return self.model.load_state_dict({k[len("model."):]: v for k, v in state_dict.items()
-                                           if k.startswith("model.")}, strict=strict)
+        return self.model.load_state_dict(
+            {k[len("model.") :]: v for k, v in state_dict.items() if k.startswith("model.")}, strict=strict
+        )
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         checkpoint["sparse_optimizer"] = self.sparse_optimizer_state()
@@ -180,15 +183,19 @@ class GRTrainingModule(LightningModule):
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if not bool(flags.any()):
             return
-        where = f"step {self.global_step} (epoch {self.current_epoch}, batch {self.step_batch}, rank {self.global_rank})"
+        where = (
+            f"step {self.global_step} (epoch {self.current_epoch}, batch {self.step_batch}, rank {self.global_rank})"
+        )
         if not loss_finite:
             what = f"the training loss is {float(self.step_loss)}"
         elif bad_grads:
             what = f"non-finite gradients in {', '.join(bad_grads[:5])}"
         else:
             what = "another rank's loss or gradients are not finite"
-        message = (f"training diverged at {where}: {what}; nothing was stepped or saved "
-                   f"(try a lower optimizer.lr / sparse.optimizer.lr, or trainer.gradient_clip_val)")
+        message = (
+            f"training diverged at {where}: {what}; nothing was stepped or saved "
+            f"(try a lower optimizer.lr / sparse.optimizer.lr, or trainer.gradient_clip_val)"
+        )
         log.error(message)
         raise NonFiniteError(message)
 

@@ -6,6 +6,7 @@ imported by ``gr.devices.load_torch_npu`` when ``trainer.accelerator: npu`` is a
 never on import of this module. Dense modules run on the NPU; embedding tables stay in host
 memory (``sparse.placement: host``: FBGEMM has no NPU kernels), DDP talks over HCCL.
 """
+
 from __future__ import annotations
 
 import sys
@@ -72,5 +73,6 @@ def npu_trainer_args(precision: str) -> Dict[str, Any]:
     targets the npu device (Lightning's own would pick cuda for a custom accelerator)."""
     load_torch_npu("trainer.accelerator")
     plugin: Precision = MixedPrecision(precision, "npu") if precision.endswith("-mixed") else None
-    return dict(accelerator=NPUAccelerator(), plugins=[plugin] if plugin else None,
-                precision=None if plugin else precision)
+    return dict(
+        accelerator=NPUAccelerator(), plugins=[plugin] if plugin else None, precision=None if plugin else precision
+    )

@@ -1,5 +1,6 @@
 """Training progress for logs that are not a terminal: one line per epoch instead of a
 redrawn progress bar (which a file records as one ever-growing line)."""
+
 from __future__ import annotations
 
 import sys
@@ -31,10 +32,17 @@ class EpochLines(ProgressBar):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not (self._enabled and trainer.is_global_zero):
             return
-        shown = " ".join(f"{name}={value:.4f}" for name, value in sorted(_scalars(trainer.callback_metrics).items())
-                         if name.startswith(("train/loss", "val/")))
-        print(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: {shown} "
-              f"({time.perf_counter() - self._started:.1f}s)", file=sys.stdout, flush=True)
+        shown = " ".join(
+            f"{name}={value:.4f}"
+            for name, value in sorted(_scalars(trainer.callback_metrics).items())
+            if name.startswith(("train/loss", "val/"))
+        )
+        print(
+            f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: {shown} "
+            f"({time.perf_counter() - self._started:.1f}s)",
+            file=sys.stdout,
+            flush=True,
+        )
 
 
 def _scalars(metrics: Dict[str, Any]) -> Dict[str, float]:

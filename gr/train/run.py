@@ -2,6 +2,7 @@
 
 See ``gr.train`` for the run directory layout.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,9 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     spec = datamodule.feature_spec()
     tables = build_tables(config, spec, for_training=False)  # refuses tables that do not fit the data
     config = _with_resolved_tables(config, tables)
-    module = GRTrainingModule(config, spec, datamodule.tasks,
-                              datamodule.popularity() if config.task_type == "retrieval" else None)
+    module = GRTrainingModule(
+        config, spec, datamodule.tasks, datamodule.popularity() if config.task_type == "retrieval" else None
+    )
 
     def write_run_files() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -70,8 +72,9 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
     best = "best" if checkpoints.best_model_path else str(out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT)
     trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
-    metrics = _metrics_json(config, module.last_metrics["test"], checkpoints, trainer, out_dir, module,
-                            datamodule.summary)
+    metrics = _metrics_json(
+        config, module.last_metrics["test"], checkpoints, trainer, out_dir, module, datamodule.summary
+    )
     if trainer.is_global_zero:
         write_json(out_dir / METRICS_FILE, plain(metrics))
     return metrics
@@ -88,13 +91,21 @@ class _OnTrainStart(Callback):
             self.action()
 
 
-def make_trainer(config: TrainConfig, out_dir: Path,
-                 extra_callbacks: Sequence[Callback] = ()) -> Tuple[Trainer, ModelCheckpoint]:
+def make_trainer(
+    config: TrainConfig, out_dir: Path, extra_callbacks: Sequence[Callback] = ()
+) -> Tuple[Trainer, ModelCheckpoint]:
     """The Lightning Trainer of a run (TorchRec strategy, DCP checkpoints of the best and last
     epoch, optional early stopping, TensorBoard and appending CSV logs), and its checkpoint callback."""
     t = config.trainer
-    checkpoints = ModelCheckpoint(dirpath=out_dir / CHECKPOINTS_DIR, filename="epoch={epoch}", monitor=config.monitor,
-                                  mode=t.monitor_mode, save_top_k=1, save_last=True, auto_insert_metric_name=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=out_dir / CHECKPOINTS_DIR,
+        filename="epoch={epoch}",
+        monitor=config.monitor,
+        mode=t.monitor_mode,
+        save_top_k=1,
+        save_last=True,
+        auto_insert_metric_name=False,
+    )
     checkpoints.CHECKPOINT_NAME_LAST = LAST_CHECKPOINT
     checkpoints.FILE_EXTENSION = ""  # checkpoints are DCP directories
     callbacks = [checkpoints, *progress_callbacks(t.enable_progress_bar), *extra_callbacks]
@@ -117,15 +128,25 @@ def make_trainer(config: TrainConfig, out_dir: Path,
         limit_train_batches=t.limit_train_batches,
         enable_progress_bar=t.enable_progress_bar,
         callbacks=callbacks,
-        logger=[TensorBoardLogger(out_dir, name=LOGS_DIR, version=""), AppendingCSVLogger(out_dir, name=LOGS_DIR, version="")],
+        logger=[
+            TensorBoardLogger(out_dir, name=LOGS_DIR, version=""),
+            AppendingCSVLogger(out_dir, name=LOGS_DIR, version=""),
+        ],
         use_distributed_sampler=False,  # the data module deals batches to ranks itself
         num_sanity_val_steps=0,
     )
     return trainer, checkpoints
 
 
-def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: ModelCheckpoint, trainer: Trainer,
-                  out_dir: Path, module: GRTrainingModule, data: Dict[str, Any]) -> Dict[str, Any]:
+def _metrics_json(
+    config: TrainConfig,
+    test: Dict[str, float],
+    checkpoints: ModelCheckpoint,
+    trainer: Trainer,
+    out_dir: Path,
+    module: GRTrainingModule,
+    data: Dict[str, Any],
+) -> Dict[str, Any]:
     """{metric: test value, "popularity": {...}, "best_val": ..., ..., "data": the data module's
     summary (rows read, duplicates dropped or kept, ...), "config": {...}}."""
     metrics: Dict[str, Any] = {k: v for k, v in test.items() if not k.startswith("popularity/")}
@@ -139,15 +160,17 @@ def _metrics_json(config: TrainConfig, test: Dict[str, float], checkpoints: Mode
         dist.all_gather_object(per_rank, rows)
     best = Path(checkpoints.best_model_path or checkpoints.last_model_path)
     score = checkpoints.best_model_score
-    metrics.update({
-        "best_val": {config.monitor: None if score is None else float(score)},
-        "best_checkpoint": str(best.relative_to(out_dir.resolve())),
-        "epochs": trainer.current_epoch,
-        "world_size": trainer.world_size,
-        "table_rows_per_rank": {table: [r[table] for r in per_rank] for table in rows},
-        "data": data,
-        "config": config.to_dict(),
-    })
+    metrics.update(
+        {
+            "best_val": {config.monitor: None if score is None else float(score)},
+            "best_checkpoint": str(best.relative_to(out_dir.resolve())),
+            "epochs": trainer.current_epoch,
+            "world_size": trainer.world_size,
+            "table_rows_per_rank": {table: [r[table] for r in per_rank] for table in rows},
+            "data": data,
+            "config": config.to_dict(),
+        }
+    )
     return metrics
 
 
@@ -203,8 +226,10 @@ def resume_checkpoint(run_dir: str | Path) -> Path:
         os.rename(old, last)
     found = complete_checkpoints(run_dir)
     if not found:
-        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint to resume from in {folder} "
-                                f"(none complete; did the run finish an epoch?)")
+        raise FileNotFoundError(
+            f"--resume {run_dir}: no checkpoint to resume from in {folder} "
+            f"(none complete; did the run finish an epoch?)"
+        )
     return found[0][0]
 
 
@@ -214,12 +239,14 @@ def best_checkpoint(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     found = complete_checkpoints(run_dir)
     if not found:
-        raise FileNotFoundError(f"{run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS_DIR} "
-                                f"(did the run finish an epoch?)")
+        raise FileNotFoundError(
+            f"{run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS_DIR} (did the run finish an epoch?)"
+        )
     for path, meta in found:
         states = meta.get("callbacks", {})
-        best: Optional[str] = next((s.get("best_model_path") for k, s in states.items()
-                                    if k.startswith("ModelCheckpoint")), None)
+        best: Optional[str] = next(
+            (s.get("best_model_path") for k, s in states.items() if k.startswith("ModelCheckpoint")), None
+        )
         if best and ckpt.is_complete(path.parent / Path(best).name):
             return path.parent / Path(best).name
     return found[0][0]

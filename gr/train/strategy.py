@@ -12,6 +12,7 @@ the rest (``get_optimizer_state_dict``, which also creates the state of an optim
 has not stepped yet, so it serves as the template a checkpoint loads into), and a resume
 loads it after the optimizers exist (``restore_checkpoint_after_setup``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional

@@ -13,6 +13,7 @@ Ranking: history + candidate tokens; per-task BCE on the PostfixDNN's logits.
 Evaluation state is kept per rank and gathered over all ranks at the end of the epoch
 (every rank then holds the same metrics); the data module deals disjoint samples to ranks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,8 @@ from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
 from gr.train.losses import multitask_bce, sampled_softmax_loss
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
+
+CPU = torch.device("cpu")
 
 
 class RetrievalTask:
@@ -64,19 +67,23 @@ class RetrievalTask:
         lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=ids_device)
         lengths[0] = distinct.numel()  # one jagged row holding them all: they belong to no sequence
         features[SAMPLED_ITEMS] = JaggedTensor(values=distinct.to(ids_device), lengths=lengths)
-        labels = {**batch.labels, "positive_index": index[: positives.numel()],
-                  "negative_index": index[positives.numel():].reshape(shape)}
+        labels = {
+            **batch.labels,
+            "positive_index": index[: positives.numel()],
+            "negative_index": index[positives.numel() :].reshape(shape),
+        }
         return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
 
     def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
         queries = output.predictions["query"][inputs.labels["next_item"] >= 0]
         items = self.item_embedding(output.token_features[SAMPLED_ITEMS])
-        loss = sampled_softmax_loss(queries, items, inputs.labels["positive_index"], inputs.labels["negative_index"],
-                                    self.config.temperature)
+        loss = sampled_softmax_loss(
+            queries, items, inputs.labels["positive_index"], inputs.labels["negative_index"], self.config.temperature
+        )
         return {"loss": loss}
 
     # ---- evaluation -------------------------------------------------------------------
-    def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = torch.device("cpu")) -> None:
+    def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = CPU) -> None:
         """Embed the whole catalogue once: each rank looks up a slice, then all gather.
 
         ids_device: where the tables take their ids."""
@@ -134,7 +141,7 @@ class RankingTask:
         logits = {t: output.predictions[t] for t in self.tasks}
         return multitask_bce(logits, {t: inputs.labels[t] for t in self.tasks}, self.config.task_weights)
 
-    def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = torch.device("cpu")) -> None:
+    def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = CPU) -> None:
         self.collected = {}
 
     def evaluation_step(self, output: GROutput, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
@@ -145,8 +152,9 @@ class RankingTask:
     def finish_evaluation(self) -> Dict[str, float]:
         gathered = {key: gather_cat(values) for key, values in self.collected.items()}
         self.collected = {}
-        return ranking_metrics({t: gathered[f"logit/{t}"] for t in self.tasks},
-                               {t: gathered[f"label/{t}"] for t in self.tasks})
+        return ranking_metrics(
+            {t: gathered[f"logit/{t}"] for t in self.tasks}, {t: gathered[f"label/{t}"] for t in self.tasks}
+        )
 
 
 def gather_cat(parts: Sequence[Tensor]) -> Tensor:

@@ -1,5 +1,6 @@
 """A generative model built from an HSTU and an item table, and random users for it (shared by the
 decoding, relaxed-verification and item-index tests)."""
+
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,21 @@ class TableModel:
 
 def make_model(num_layers: int = 2, seed: int = 0, **overrides) -> TableModel:
     torch.manual_seed(seed)
-    cfg = HSTUConfig(**{**dict(hidden_dim=DIM, num_layers=num_layers, num_heads=2, attention_dim=8, linear_dim=8,
-                               max_seq_len=64, dropout=0.0, input_dropout=0.0), **overrides})
+    cfg = HSTUConfig(
+        **{
+            **dict(
+                hidden_dim=DIM,
+                num_layers=num_layers,
+                num_heads=2,
+                attention_dim=8,
+                linear_dim=8,
+                max_seq_len=64,
+                dropout=0.0,
+                input_dropout=0.0,
+            ),
+            **overrides,
+        }
+    )
     hstu = HSTU(cfg)
     with torch.no_grad():
         for p in hstu.parameters():

@@ -3,6 +3,7 @@
 Tiny GRModels (a ranking model with the shipped DNNs, user-defined DNNs, retrieval and generative
 models), random jagged batches for them, the serving requests of a batch, and their scores.
 """
+
 import json
 from pathlib import Path
 from typing import Dict, List
@@ -17,8 +18,16 @@ from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker
 
-HSTU_KW = dict(hidden_dim=16, num_layers=2, num_heads=2, attention_dim=8, linear_dim=8, max_seq_len=40,
-               dropout=0.0, input_dropout=0.0)
+HSTU_KW = dict(
+    hidden_dim=16,
+    num_layers=2,
+    num_heads=2,
+    attention_dim=8,
+    linear_dim=8,
+    max_seq_len=40,
+    dropout=0.0,
+    input_dropout=0.0,
+)
 DENSE_DIMS = {"user_score": 2}
 
 
@@ -40,8 +49,14 @@ def build_ranking_model(**hstu_overrides) -> GRModel:
         TableConfig("user", 20, 8, ("user_id",), kind="common", pooling="mean"),
     ]
     prefix = MLPTokenEncoder({"item_id": 16, "genre": 4, "age": 1}, 16, mlp_dims=(24,))
-    postfix = MMoERankingHead(16, ["click", "like"], num_experts=3, expert_dims=(12,), tower_dims=(8,),
-                              common_dims={"user_id": 8, "user_score": 2})
+    postfix = MMoERankingHead(
+        16,
+        ["click", "like"],
+        num_experts=3,
+        expert_dims=(12,),
+        tower_dims=(8,),
+        common_dims={"user_id": 8, "user_score": 2},
+    )
     return perturb(GRModel(HSTUConfig(**{**HSTU_KW, **hstu_overrides}), prefix, postfix, tables))
 
 
@@ -108,7 +123,8 @@ def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], see
         query_ts += [torch.cat([hist, request[:1]])[1:], request]  # the next event's time (the request's)
     token_names = [f for f in model.prefix_dnn.feature_names if f in seq_tables]
     seq_ids = KeyedJaggedTensor.from_lengths_sync(
-        token_names, torch.cat([torch.randint(0, seq_tables[f], (total,), generator=g) for f in token_names]),
+        token_names,
+        torch.cat([torch.randint(0, seq_tables[f], (total,), generator=g) for f in token_names]),
         torch.cat([lengths_t] * len(token_names)),
     )
     token_dense = {f: torch.randn(total, dim, generator=g) for f, dim in _dense(model.prefix_dnn, seq_tables).items()}
@@ -119,11 +135,20 @@ def random_batch(model: GRModel, lengths: List[int], num_targets: List[int], see
         ids = [torch.randint(0, common_tables[f], (sum(bags),), generator=g) for f in common_names]
         bag_lengths = torch.tensor(bags * len(common_names))
         common_ids = KeyedJaggedTensor.from_lengths_sync(common_names, torch.cat(ids), bag_lengths)
-    common_dense = {f: torch.randn(len(lengths), dim, generator=g)
-                    for f, dim in _dense(model.postfix_dnn, common_tables).items()}
-    return GRInput(seq_offsets=offsets, max_seq_len=max(lengths), timestamps=torch.cat(ts),
-                   num_targets=torch.tensor(num_targets), sequence_ids=seq_ids, token_dense=token_dense,
-                   common_ids=common_ids, common_dense=common_dense, query_times=torch.cat(query_ts))
+    common_dense = {
+        f: torch.randn(len(lengths), dim, generator=g) for f, dim in _dense(model.postfix_dnn, common_tables).items()
+    }
+    return GRInput(
+        seq_offsets=offsets,
+        max_seq_len=max(lengths),
+        timestamps=torch.cat(ts),
+        num_targets=torch.tensor(num_targets),
+        sequence_ids=seq_ids,
+        token_dense=token_dense,
+        common_ids=common_ids,
+        common_dense=common_dense,
+        query_times=torch.cat(query_ts),
+    )
 
 
 def _dense(module: nn.Module, tables: Dict[str, int]) -> Dict[str, int]:
@@ -144,21 +169,24 @@ def requests_from_batch(batch: GRInput) -> List[dict]:
         cols = {f: jt.values()[start:end].numpy() for f, jt in seq.items()}
         cols.update({f: v[start:end].numpy() for f, v in batch.token_dense.items()})
         cols["timestamps"] = batch.timestamps[start:end].numpy()
-        commons = {f: jt.values()[int(jt.offsets()[b]):int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
+        commons = {f: jt.values()[int(jt.offsets()[b]) : int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
         commons.update({f: v[b].numpy() for f, v in batch.common_dense.items()})
-        out.append({
-            "user_id": f"user{b}",
-            "history": {f: v[: split - start] for f, v in cols.items()},
-            "candidates": {f: v[split - start:] for f, v in cols.items()},
-            "common_features": commons,
-        })
+        out.append(
+            {
+                "user_id": f"user{b}",
+                "history": {f: v[: split - start] for f, v in cols.items()},
+                "candidates": {f: v[split - start :] for f, v in cols.items()},
+                "common_features": commons,
+            }
+        )
     return out
 
 
 def rank_all(ranker: Ranker, requests: List[dict], **kwargs) -> Dict[str, np.ndarray]:
     """Scores of every request, concatenated per task in request order."""
-    results = [ranker.rank(r["user_id"], r["history"], r["candidates"], r["common_features"], **kwargs)
-               for r in requests]
+    results = [
+        ranker.rank(r["user_id"], r["history"], r["candidates"], r["common_features"], **kwargs) for r in requests
+    ]
     return {task: np.concatenate([res.scores[task] for res in results]) for task in results[0].scores}
 
 
@@ -167,8 +195,15 @@ def write_id_mappings(directory: Path) -> Path:
     directory.mkdir()
     (directory / "items.tsv").write_text("dense_id\traw_id\n0\t1001\n")
     (directory / "genre.tsv").write_text("dense_id\traw_id\n0\tdrama\n")
-    (directory / "mappings.json").write_text(json.dumps({"format_version": 1, "maps": {
-        "items": {"file": "items.tsv"}, "genre": {"file": "genre.tsv"}}, "columns": {}}))
+    (directory / "mappings.json").write_text(
+        json.dumps(
+            {
+                "format_version": 1,
+                "maps": {"items": {"file": "items.tsv"}, "genre": {"file": "genre.tsv"}},
+                "columns": {},
+            }
+        )
+    )
     return directory
 
 
@@ -180,8 +215,12 @@ def build_generative_model(num_layers: int, seed: int) -> GRModel:
     torch.manual_seed(seed)
     tables = [TableConfig("item", NUM_ITEMS, 16, ("item_id",))]
     cfg = HSTUConfig(**{**HSTU_KW, "num_layers": num_layers})
-    return perturb(GRModel(cfg, MLPTokenEncoder({"item_id": 16}, 16, mlp_dims=(24,)),
-                           RetrievalHead(16, 16, mlp_dims=(20,)), tables), seed=seed)
+    return perturb(
+        GRModel(
+            cfg, MLPTokenEncoder({"item_id": 16}, 16, mlp_dims=(24,)), RetrievalHead(16, 16, mlp_dims=(20,)), tables
+        ),
+        seed=seed,
+    )
 
 
 def users(count: int, seed: int = 0):

@@ -1,5 +1,6 @@
 """Tiny training recipes on synthetic data, and readers of a run (shared by the training, FSDP,
 mixed-precision, fault, plan and device tests)."""
+
 import copy
 import csv
 from pathlib import Path
@@ -14,23 +15,49 @@ from gr.train.tasks import RetrievalTask
 
 # The smallest valid retrieval config (no trainer settings): for config-level tests.
 BASE = {
-    "data": {"source": "synthetic", "task": "retrieval", "max_seq_len": 20, "item_features": False,
-             "user_features": False},
+    "data": {
+        "source": "synthetic",
+        "task": "retrieval",
+        "max_seq_len": 20,
+        "item_features": False,
+        "user_features": False,
+    },
     "model": {
-        "hstu": {"hidden_dim": 16, "num_layers": 1, "num_heads": 2, "attention_dim": 8, "linear_dim": 8,
-                 "max_seq_len": 20},
+        "hstu": {
+            "hidden_dim": 16,
+            "num_layers": 1,
+            "num_heads": 2,
+            "attention_dim": 8,
+            "linear_dim": 8,
+            "max_seq_len": 20,
+        },
         "tables": [{"name": "item", "embedding_dim": 16, "features": ["item_id"]}],
     },
 }
 
 # A tiny retrieval run on synthetic data that trains in seconds.
 RETRIEVAL = {
-    "data": {"source": "synthetic", "task": "retrieval", "max_seq_len": 20, "batch_size": 32, "eval_batch_size": 64,
-             "item_features": False, "user_features": False,
-             "synthetic": {"num_users": 120, "num_items": 100, "min_len": 8, "max_len": 20}},
+    "data": {
+        "source": "synthetic",
+        "task": "retrieval",
+        "max_seq_len": 20,
+        "batch_size": 32,
+        "eval_batch_size": 64,
+        "item_features": False,
+        "user_features": False,
+        "synthetic": {"num_users": 120, "num_items": 100, "min_len": 8, "max_len": 20},
+    },
     "model": {
-        "hstu": {"hidden_dim": 16, "num_layers": 1, "num_heads": 1, "attention_dim": 8, "linear_dim": 8,
-                 "max_seq_len": 20, "dropout": 0.1, "input_dropout": 0.1},
+        "hstu": {
+            "hidden_dim": 16,
+            "num_layers": 1,
+            "num_heads": 1,
+            "attention_dim": 8,
+            "linear_dim": 8,
+            "max_seq_len": 20,
+            "dropout": 0.1,
+            "input_dropout": 0.1,
+        },
         "tables": [{"name": "item", "embedding_dim": 16, "features": ["item_id"], "init_std": 0.02}],
     },
     "sparse": {"optimizer": {"type": "rowwise_adagrad", "lr": 0.05}},
@@ -48,8 +75,13 @@ def with_overrides(values: Dict[str, Any], *overrides) -> Dict[str, Any]:
 
 
 # RETRIEVAL with two layers of two heads, a few more users and two epochs.
-RECIPE: Dict[str, Any] = with_overrides(RETRIEVAL, ("model.hstu.num_layers", 2), ("model.hstu.num_heads", 2),
-                               ("data.synthetic.num_users", 160), ("trainer.max_epochs", 2))
+RECIPE: Dict[str, Any] = with_overrides(
+    RETRIEVAL,
+    ("model.hstu.num_layers", 2),
+    ("model.hstu.num_heads", 2),
+    ("data.synthetic.num_users", 160),
+    ("trainer.max_epochs", 2),
+)
 
 
 def recipe(*overrides) -> Dict[str, Any]:

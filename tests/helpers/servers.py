@@ -1,5 +1,6 @@
 """Real ``python -m gr.serving serve`` processes for the HTTP tests: a free port, a JSON client
 over urllib, and the replica a user id hashes to."""
+
 import hashlib
 import json
 import os
@@ -38,8 +39,23 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gr.serving", "serve", str(export_dir), "--port", str(self.port), "--threads", "1",
-             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "gr.serving",
+                "serve",
+                str(export_dir),
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                *extra,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.time() + 90
         while time.time() < deadline:
             if self.process.poll() is not None:
@@ -52,11 +68,18 @@ class Server:
         self.stop()
         raise RuntimeError("server did not become ready in 90 s")
 
-    def call(self, method: str, path: str, body: Any = None, raw: Optional[bytes] = None,
-             headers: Sequence[Tuple[str, str]] = ()) -> Tuple[int, Any]:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: Optional[bytes] = None,
+        headers: Sequence[Tuple[str, str]] = (),
+    ) -> Tuple[int, Any]:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json", **dict(headers)})
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json", **dict(headers)}
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 status, text = response.status, response.read().decode()

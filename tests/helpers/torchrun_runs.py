@@ -4,6 +4,7 @@
 RUNS.json is a list of ``{"config": {...TrainConfig values...}, "out": dir, "resume": bool}``,
 run in order, each as ``gr.train.train`` (what ``train.py`` runs).
 """
+
 import json
 import os
 import sys

@@ -14,6 +14,7 @@ themselves, with the same backend names (``cpu``: fast path; ``pytorch``: refere
 
 Backends load on first use, so a missing triton or NPU package only matters when asked for.
 """
+
 from __future__ import annotations
 
 from importlib import import_module
@@ -145,8 +146,24 @@ def hstu_cached_attention(
     """
     check_inputs(q, k, v, new_offsets, cache_k, cache_v, cache_offsets, rab, cache_timestamps)
     name = resolve_backend(backend, q.device.type)
-    args = (q, k, v, new_offsets, cache_k, cache_v, cache_offsets, new_tokens, positions, block_visible,
-            contextual_len, max_attn_len, alpha, silu_scale, rab, cache_timestamps)
+    args = (
+        q,
+        k,
+        v,
+        new_offsets,
+        cache_k,
+        cache_v,
+        cache_offsets,
+        new_tokens,
+        positions,
+        block_visible,
+        contextual_len,
+        max_attn_len,
+        alpha,
+        silu_scale,
+        rab,
+        cache_timestamps,
+    )
     if name in _CACHED_BACKENDS:
         return _load(name, _CACHED_BACKENDS)(*args)
     from gr.hstu.kernels.cached_by_concat import concat_hstu_cached_attention

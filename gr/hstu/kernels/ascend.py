@@ -33,6 +33,7 @@ TORCH_CHECKs of ``hstu_jagged_backward_impl_npu``):
 * ``alpha``: in the schema of the stored version (``float? alpha=1.0``), absent from calls in
   other RecSDK versions' tests, so it is looked up in the op's schema: without it, alpha must be 1.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -87,8 +88,10 @@ def ascend_hstu_attention(
             return mxrec_hstu_attention(op, *args)
         reason = "torch.ops.mxrec.hstu_jagged cannot take " + "; ".join(misfits)
         if explicit:
-            raise ValueError(f"hstu_attention[ascend]: {reason}. Use backend=\"ascend_triton\" (the Triton "
-                             "kernels for NPUs) or \"auto\" (falls back to them)")
+            raise ValueError(
+                f'hstu_attention[ascend]: {reason}. Use backend="ascend_triton" (the Triton '
+                'kernels for NPUs) or "auto" (falls back to them)'
+            )
         log.warning("hstu_attention[auto]: %s; running ascend_triton instead", reason)
     from gr.hstu.kernels.ascend_triton import ascend_triton_hstu_attention  # needs triton(-ascend)
 
@@ -137,8 +140,10 @@ def mxrec_misfits(
         if not low <= dim <= high or dim % HEAD_DIM_MULTIPLE:
             misfits.append(f"{name}={dim} (must be a multiple of {HEAD_DIM_MULTIPLE} in [{low}, {high}])")
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)) and q.shape != v.shape:
-        misfits.append(f"attention_dim {q.shape[2]} != linear_dim {v.shape[2]} with gradients (its backward "
-                       "needs q, k, v of one size)")
+        misfits.append(
+            f"attention_dim {q.shape[2]} != linear_dim {v.shape[2]} with gradients (its backward "
+            "needs q, k, v of one size)"
+        )
     if q.shape[1] > MAX_HEADS:
         misfits.append(f"num_heads={q.shape[1]} (at most {MAX_HEADS})")
     if seq_offsets.numel() - 1 > MAX_BATCH:

@@ -3,6 +3,7 @@ new tokens are laid out as one jagged sequence (history + targets, or a longer h
 the new tokens' rows are kept. Exact by construction; it also computes the cached rows, so it
 costs O((C + n)^2) per request instead of O(n (C + n)). Draft trees (``block_visible``) and
 explicit positions have no training-kernel layout and run on the pytorch reference."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -38,8 +39,24 @@ def concat_hstu_cached_attention(
     """See ``gr.hstu.kernels.hstu_cached_attention``; ``backend`` names the training kernel used."""
     from gr.hstu.kernels import hstu_attention
 
-    args = (q, k, v, new_offsets, cache_k, cache_v, cache_offsets, new_tokens, positions, block_visible,
-            contextual_len, max_attn_len, alpha, silu_scale, rab, cache_timestamps)
+    args = (
+        q,
+        k,
+        v,
+        new_offsets,
+        cache_k,
+        cache_v,
+        cache_offsets,
+        new_tokens,
+        positions,
+        block_visible,
+        contextual_len,
+        max_attn_len,
+        alpha,
+        silu_scale,
+        rab,
+        cache_timestamps,
+    )
     if block_visible is not None or positions is not None:
         return pytorch_hstu_cached_attention(*args)
     new_lengths, cache_lengths = lengths_from_offsets(new_offsets), lengths_from_offsets(cache_offsets)
@@ -61,11 +78,18 @@ def concat_hstu_cached_attention(
             query_times = joined(cache_timestamps, rab.resolved_query_times)
         full_rab = RelativeBias(rab.position_weights, rab.time_weights, timestamps, rab.time_bucketing, query_times)
     out = hstu_attention(
-        joined(torch.zeros_like(cache_k).transpose(0, 1), q), joined(cache_k.transpose(0, 1), k),
-        joined(cache_v.transpose(0, 1), v), seq_offsets,
+        joined(torch.zeros_like(cache_k).transpose(0, 1), q),
+        joined(cache_k.transpose(0, 1), k),
+        joined(cache_v.transpose(0, 1), v),
+        seq_offsets,
         int((new_lengths + cache_lengths).max()) if new_lengths.numel() else 0,
-        num_targets=new_lengths if new_tokens == "targets" else None, contextual_len=contextual_len,
-        max_attn_len=max_attn_len, alpha=alpha, silu_scale=silu_scale, rab=full_rab, backend=backend,
+        num_targets=new_lengths if new_tokens == "targets" else None,
+        contextual_len=contextual_len,
+        max_attn_len=max_attn_len,
+        alpha=alpha,
+        silu_scale=silu_scale,
+        rab=full_rab,
+        backend=backend,
     )
     return out[new_rows]
 
@@ -73,6 +97,10 @@ def concat_hstu_cached_attention(
 def _rows(seq_offsets: Tensor, cache_lengths: Tensor, new_lengths: Tensor) -> tuple:
     """-> (rows of the cached tokens [C], rows of the new tokens [N]) in the joined layout."""
     starts = seq_offsets[:-1]
-    cache_rows = torch.repeat_interleave(starts, cache_lengths) + token_offsets_in_seq(offsets_from_lengths(cache_lengths))
-    new_rows = torch.repeat_interleave(starts + cache_lengths, new_lengths) + token_offsets_in_seq(offsets_from_lengths(new_lengths))
+    cache_rows = torch.repeat_interleave(starts, cache_lengths) + token_offsets_in_seq(
+        offsets_from_lengths(cache_lengths)
+    )
+    new_rows = torch.repeat_interleave(starts + cache_lengths, new_lengths) + token_offsets_in_seq(
+        offsets_from_lengths(new_lengths)
+    )
     return cache_rows, new_rows

@@ -6,6 +6,7 @@ mask and bias (``gr.hstu.kernels.common``): the result equals the rows of the on
 ``hstu_attention`` over history + new tokens. This module holds the shared pieces: the
 per-request slices and the mask and bias of one request's (new, key) pairs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,7 +57,9 @@ def requests(
     """Split a call into its requests. positions default to each kind's: targets sit at the
     cache length, history tokens follow the cache one by one."""
     if new_tokens not in NEW_TOKEN_KINDS:
-        raise ValueError(f"hstu_cached_attention: new_tokens must be one of {list(NEW_TOKEN_KINDS)}, got {new_tokens!r}")
+        raise ValueError(
+            f"hstu_cached_attention: new_tokens must be one of {list(NEW_TOKEN_KINDS)}, got {new_tokens!r}"
+        )
     if new_offsets.shape != cache_offsets.shape or new_offsets.dim() != 1:
         raise ValueError("hstu_cached_attention: new_offsets and cache_offsets must both be [B+1]")
     if block_visible is not None and new_tokens != "history":
@@ -80,7 +83,9 @@ def visibility(
     length = torch.tensor(torch.iinfo(torch.int64).max, device=pos.device)
     history_len = torch.tensor(request.history_len, device=pos.device)
     cols = torch.arange(cached, device=pos.device)
-    cache_visible = hstu_visibility(pos.view(-1, 1), cols.view(1, -1), length, history_len, contextual_len, max_attn_len)
+    cache_visible = hstu_visibility(
+        pos.view(-1, 1), cols.view(1, -1), length, history_len, contextual_len, max_attn_len
+    )
     eye = torch.eye(pos.numel(), dtype=torch.bool, device=pos.device)
     if new_tokens == "targets":
         return cache_visible, eye
@@ -120,19 +125,32 @@ def bias_between(
 
 
 def check_inputs(
-    q: Tensor, k: Tensor, v: Tensor, new_offsets: Tensor, cache_k: Tensor, cache_v: Tensor, cache_offsets: Tensor,
-    rab: Optional[RelativeBias], cache_timestamps: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    new_offsets: Tensor,
+    cache_k: Tensor,
+    cache_v: Tensor,
+    cache_offsets: Tensor,
+    rab: Optional[RelativeBias],
+    cache_timestamps: Optional[Tensor],
 ) -> None:
     """Shapes every backend relies on; errors name the argument."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"hstu_cached_attention: q, k must be [N, H, Da] and v [N, H, Dl]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"hstu_cached_attention: q, k must be [N, H, Da] and v [N, H, Dl]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     heads = q.shape[1]
     if cache_k.dim() != 3 or cache_k.shape[0] != heads or cache_k.shape[2] != q.shape[2]:
-        raise ValueError(f"hstu_cached_attention: cache_k must be [{heads}, C, {q.shape[2]}], got {tuple(cache_k.shape)}")
+        raise ValueError(
+            f"hstu_cached_attention: cache_k must be [{heads}, C, {q.shape[2]}], got {tuple(cache_k.shape)}"
+        )
     if cache_v.shape != (heads, cache_k.shape[1], v.shape[2]):
-        raise ValueError(f"hstu_cached_attention: cache_v must be [{heads}, {cache_k.shape[1]}, {v.shape[2]}], "
-                         f"got {tuple(cache_v.shape)}")
+        raise ValueError(
+            f"hstu_cached_attention: cache_v must be [{heads}, {cache_k.shape[1]}, {v.shape[2]}], "
+            f"got {tuple(cache_v.shape)}"
+        )
     if int(new_offsets[-1]) != q.shape[0] or int(cache_offsets[-1]) != cache_k.shape[1]:
         raise ValueError("hstu_cached_attention: new_offsets[-1] must be N and cache_offsets[-1] must be C")
     if rab is not None and rab.time_weights is not None:

@@ -3,6 +3,7 @@
 Backends may fuse these differently, but the math here is the contract that the
 conformance tests hold each of them to.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,9 +2,9 @@
 
 Sequences are grouped by their length rounded up to 1/8 of its power of two, at least 32 (so
 padding wastes at most ~12% per side beyond 256 tokens; shorter sequences trade some padding
-for fewer, larger chunk calls, whose fixed cost dominates there), each group is cut into query chunks that only meet the keys
-they can see (causal / window / contextual), and each chunk is one batched matmul pair over
-the group. Targets are computed against history keys only; their one visible target key
+for fewer, larger chunk calls, whose fixed cost dominates there), each group is cut into query
+chunks that only meet the keys they can see (causal / window / contextual), and each chunk is
+one batched matmul pair over the group. Targets are computed against history keys only; their one visible target key
 (themselves) is a per-token term. Forward and backward run chunk by chunk and recompute the
 scores in backward (no L x L tensor is kept), so memory stays bounded by ``TILE_ELEMENTS``.
 
@@ -28,6 +28,7 @@ with every batch (recompiles, or dynamic kernels) and a compile costs tens of se
 first call, which small serving calls must not pay. What it could still win is the fusion of
 the elementwise passes (bias, SiLU, mask) around the matmuls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -271,9 +272,9 @@ class _Tile:
         self.mask = None
         if chunk.mask_from < cols.shape[-1]:
             part = cols[..., chunk.mask_from :]
-            visible = hstu_visibility(
-                rows, part, group.lengths, hist, problem.contextual_len, problem.max_attn_len
-            ) & (part < hist)
+            visible = hstu_visibility(rows, part, group.lengths, hist, problem.contextual_len, problem.max_attn_len) & (
+                part < hist
+            )
             self.mask = visible.to(dtype).unsqueeze(1)
         self.pos_idx = self.time_idx = None
         bias = None

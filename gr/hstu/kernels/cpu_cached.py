@@ -1,6 +1,7 @@
 """Fast cached HSTU attention for CPU tensors: per request, the cached part and the new block
 as separate matmuls (no copy of the cache), one bias row for a request's candidates, the
 mask multiply skipped where everything is visible, and the candidates' self term elementwise."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -45,8 +46,13 @@ def cpu_hstu_cached_attention(
 
         logits = torch.matmul(qh, cache_k[:, cache].transpose(1, 2))  # [H, n, C]
         if rab is not None:
-            bias = bias_between(rab, pos, query_ts, torch.arange(cached, device=q.device),
-                                cache_timestamps[cache].long() if timed else None)
+            bias = bias_between(
+                rab,
+                pos,
+                query_ts,
+                torch.arange(cached, device=q.device),
+                cache_timestamps[cache].long() if timed else None,
+            )
             if bias is not None:
                 logits.add_(bias.to(logits.dtype))
         scores = F.silu(logits, inplace=True)
@@ -73,7 +79,9 @@ def cpu_hstu_cached_attention(
     return out
 
 
-def _self_bias(rab: RelativeBias, pos: Tensor, query_ts: Optional[Tensor], new_ts: Optional[Tensor]) -> Optional[Tensor]:
+def _self_bias(
+    rab: RelativeBias, pos: Tensor, query_ts: Optional[Tensor], new_ts: Optional[Tensor]
+) -> Optional[Tensor]:
     """[n] bias of each token with itself: position distance 0, time delta query time - own time."""
     bias = None
     if rab.position_weights is not None:

@@ -1,4 +1,5 @@
 """Reference HSTU attention in plain PyTorch: pads to [B, L, L]. Runs on any device."""
+
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,5 @@
 """Reference cached HSTU attention in plain PyTorch: one request at a time, dense masks. Any device."""
+
 from __future__ import annotations
 
 from typing import Optional

@@ -9,6 +9,7 @@ reference bucket exactly. Key timestamps and query times (``RelativeBias.resolve
 rebased to the minimum of both and passed as int32; when the queries use the tokens' own times
 one tensor is passed twice and the kernels compile without the query-time path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,7 @@ class KernelInputs:
 class KernelSet(Protocol):
     """A device's forward and backward launches over ``KernelInputs``."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor:
-        ...
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor: ...
 
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: KernelInputs
@@ -135,8 +135,9 @@ def _rebased_times(rab: RelativeBias, device: torch.device, backend: str) -> Tup
     keys, queries = rebased_times(rab, device)
     span = max(int(keys.max()), int(queries.max())) if keys.numel() else 0
     if span >= 2**31:
-        raise ValueError(f"hstu_attention[{backend}]: RelativeBias.timestamps (and query_times) span "
-                         f"{span} s, more than 2^31 - 1")
+        raise ValueError(
+            f"hstu_attention[{backend}]: RelativeBias.timestamps (and query_times) span {span} s, more than 2^31 - 1"
+        )
     keys32 = keys.to(torch.int32)
     return (keys32, keys32) if queries is keys else (keys32, queries.to(torch.int32))
 
