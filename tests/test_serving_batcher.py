@@ -71,6 +71,16 @@ def test_non_finite_scores_fail_only_the_request_that_produces_them(served, monk
     assert all(np.isfinite(v).all() for g in (got[0], got[2]) for v in g.scores.values())
 
 
+def test_a_lone_request_runs_at_once_and_arrivals_during_a_batch_form_the_next(served):
+    path, requests = served
+    batcher = RankBatcher(Ranker.load(path))  # no window: continuous batching
+    assert batcher.rank(requests[0]).scores and batcher.batch_sizes == [1]
+    got = concurrently(batcher, requests)
+    assert all(not isinstance(g, Exception) for g in got) and sum(batcher.batch_sizes) == 1 + len(requests)
+
+
 def test_window_and_batch_size_are_checked():
     with pytest.raises(ValueError, match="window_ms"):
-        RankBatcher(None, window_ms=0)
+        RankBatcher(None, window_ms=-1)
+    with pytest.raises(ValueError, match="max_batch"):
+        RankBatcher(None, max_batch=0)

@@ -71,10 +71,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="catalogue search of recommend/generate: exact, or hnsw (approximate; needs faiss-cpu)",
     )
     serve.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="run each rank request on its own (default: requests arriving while a batch runs form the next one)",
+    )
+    serve.add_argument(
         "--batch-window-ms",
         type=float,
-        default=2.0,
-        help="rank requests arriving within this many ms of each other run as one batch (0: off)",
+        default=0.0,
+        help="how long a batch waits after its first request for others to join (default 0)",
     )
     serve.add_argument(
         "--admin-token",
@@ -172,6 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
         {
             "export_dir": str(args.export_dir.resolve()),
             "admin_token": token,
+            "batching": not args.no_batching,
             "batch_window_ms": args.batch_window_ms,
             "micro_batch": args.micro_batch,
             "long_history": args.long_history,

@@ -1,18 +1,21 @@
 """Rank requests in flight together run as one batch (``Ranker.rank_prepared``).
 
-The HTTP server's handler threads hand their rank requests to a ``RankBatcher``: the first
-request of a window starts a timer of ``window_ms``; every request that arrives before it fires
-(or until ``max_batch`` are waiting) joins the batch, which then runs as shared HSTU passes and
-one postfix run. Each request is validated on its own, so a bad request fails alone and never
-changes what the others return; a batch whose scores are not finite is re-run one request at a
-time, so only the request that produces them fails.
+The HTTP server's handler threads hand their rank requests to a ``RankBatcher``, whose one worker
+thread runs them: every request that arrived while the previous batch ran (up to ``max_batch``)
+forms the next batch, so an idle server answers a lone request at once and a busy one packs
+users into shared HSTU passes and one postfix run (continuous batching). ``window_ms`` > 0 makes
+the worker wait that long after the first request of a batch for others to join. Each request is
+validated on its own, so a bad request fails alone and never changes what the others return; a
+batch whose scores are not finite is re-run one request at a time, so only the request that
+produces them fails.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from gr.serving.errors import RequestError, ScoringError
 from gr.serving.request import RankRequest
@@ -20,37 +23,35 @@ from gr.serving.runtime import PreparedRank, Ranker, RankResult
 
 
 class RankBatcher:
-    """Batches concurrent ``rank`` calls. window_ms: how long the first request of a batch waits
-    for company; max_batch: a batch runs as soon as this many requests wait."""
+    """Batches concurrent ``rank`` calls on one worker thread. window_ms: how long the worker waits
+    after a batch's first request for company (0: no wait); max_batch: requests per batch at most."""
 
-    def __init__(self, ranker: Ranker, window_ms: float, max_batch: int = 64) -> None:
-        if window_ms <= 0 or max_batch < 1:
-            raise ValueError(f"RankBatcher: window_ms must be > 0 and max_batch >= 1, got {window_ms}, {max_batch}")
+    def __init__(self, ranker: Ranker, window_ms: float = 0.0, max_batch: int = 64) -> None:
+        if window_ms < 0 or max_batch < 1:
+            raise ValueError(f"RankBatcher: window_ms must be >= 0 and max_batch >= 1, got {window_ms}, {max_batch}")
         self.ranker, self.window_s, self.max_batch = ranker, window_ms / 1e3, max_batch
         self.batch_sizes: List[int] = []  # of every batch run, for metrics and tests
         self._waiting: List[Tuple[RankRequest, Future]] = []
-        self._lock = threading.Lock()
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._serve_forever, name="gr-rank-batcher", daemon=True).start()
 
     def rank(self, request: RankRequest) -> RankResult:
-        """Rank ``request`` with whatever else arrives within the window; blocks until its result."""
+        """Rank ``request`` in the next batch; blocks until its result (or raises its error)."""
         future: Future = Future()
-        full: Optional[List[Tuple[RankRequest, Future]]] = None
-        with self._lock:
+        with self._arrived:
             self._waiting.append((request, future))
-            if len(self._waiting) >= self.max_batch:
-                full, self._waiting = self._waiting, []
-            elif len(self._waiting) == 1:
-                timer = threading.Timer(self.window_s, self._flush)
-                timer.daemon = True
-                timer.start()
-        if full is not None:
-            self._run(full)
+            self._arrived.notify()
         return future.result()
 
-    def _flush(self) -> None:
-        with self._lock:
-            batch, self._waiting = self._waiting, []
-        if batch:
+    def _serve_forever(self) -> None:
+        while True:
+            with self._arrived:
+                while not self._waiting:
+                    self._arrived.wait()
+            if self.window_s:
+                time.sleep(self.window_s)
+            with self._arrived:
+                batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
             self._run(batch)
 
     def _run(self, batch: List[Tuple[RankRequest, Future]]) -> None:

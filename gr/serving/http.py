@@ -86,12 +86,15 @@ def _error(status: int, name: str, detail: str, field: str = "") -> Response:
     return _json({"error": name, "field": field, "detail": detail}, status)
 
 
-def create_app(ranker: Ranker, *, admin_token: Optional[str] = None, batch_window_ms: float = 0.0) -> FastAPI:
+def create_app(
+    ranker: Ranker, *, admin_token: Optional[str] = None, batching: bool = True, batch_window_ms: float = 0.0
+) -> FastAPI:
     """The service over ``ranker``. admin_token: enables POST /admin/reload for that bearer token;
-    batch_window_ms > 0: concurrent rank requests run as one batch (``gr.serving.batcher``)."""
+    batching: concurrent rank requests run as batches (``gr.serving.batcher``), the worker waiting
+    ``batch_window_ms`` for company."""
     app = FastAPI(title="gr serving", description=__doc__, version="1")
     metrics = ServerMetrics(ranker)
-    rank_request = RankBatcher(ranker, batch_window_ms).rank if batch_window_ms > 0 else ranker.rank_request
+    rank_request = RankBatcher(ranker, batch_window_ms).rank if batching else ranker.rank_request
 
     async def call(endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
         metrics.requests.labels(endpoint).inc()
@@ -214,5 +217,5 @@ def app_from_environment() -> FastAPI:
     {"export_dir", "admin_token", and Ranker options} that ``python -m gr.serving serve`` set."""
     options = json.loads(os.environ[OPTIONS_ENV])
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
-    window = options.pop("batch_window_ms", 0.0)
-    return create_app(Ranker.load(export_dir, **options), admin_token=admin_token, batch_window_ms=window)
+    batching = {key: options.pop(key) for key in ("batching", "batch_window_ms") if key in options}
+    return create_app(Ranker.load(export_dir, **options), admin_token=admin_token, **batching)
