@@ -130,7 +130,8 @@ def main() -> None:
     parser.add_argument("--eviction-block", type=int, default=128)
     parser.add_argument("--batch-users", type=int, default=64)
     parser.add_argument("--batch-history", type=int, default=1024)
-    parser.add_argument("--batch-candidates", type=int, default=512)
+    parser.add_argument("--batch-candidates", type=int, nargs="+", default=[512, 16])
+    parser.add_argument("--sections", default="main,streaming,batching", help="which of main, streaming, batching")
     args, _ = smoke.parse_args(
         parser,
         {
@@ -146,7 +147,7 @@ def main() -> None:
             "eviction_block": 4,
             "batch_users": 3,
             "batch_history": 16,
-            "batch_candidates": 8,
+            "batch_candidates": [8],
         },
     )
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
@@ -156,38 +157,45 @@ def main() -> None:
     rng = np.random.default_rng(0)
     load_start = os.getloadavg()[0]  # other processes on the 2 cores skew every timing
 
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        export_dir = export_model(build_model(max(args.lengths)), Path(tmp) / "export")
-        print(f"export: {time.perf_counter() - start:.1f}s")
-        ranker = Ranker.load(
-            export_dir, micro_batch=args.micro_batch, cache_bytes=2**31, threads=1 if args.clock == "thread" else None
-        )
-        config = ranker.model.config
-        print(
-            f"clock: {args.clock}; model: hidden {config.hidden_dim}, {config.num_layers} layers, "
-            f"{config.num_heads} heads x {config.attention_dim}; cache {cache_bytes_per_token(config)} bytes "
-            "per history token"
-        )
-        warm_up(ranker, rng, max(args.lengths))
-        rows: Dict[str, Dict[str, float]] = {}
-        header = (
-            f"{'L':>5} {'N':>5} {'(a) ms':>10} {'(b) ms':>9} {'(c) ms':>8} {'(d) ms':>8} {'a/c':>7} "
-            f"{'bound':>7} {'b/c':>6} {'a run':>6}"
-        )
-        print(header)
-        for length in args.lengths:
-            history = request_tokens(rng, length, start_time=0)
-            for n in args.candidates:
-                candidates = {"item_id": rng.integers(0, NUM_ITEMS, n)}
-                row = measure(ranker, history, candidates, args, clock)
-                row["bound"] = flop_bound(config, length, n)
-                rows[f"L{length}_N{n}"] = row
-                print(
-                    f"{length:>5} {n:>5} {row['a_ms']:>10.0f} {row['b_ms']:>9.1f} {row['c_ms']:>8.1f} "
-                    f"{row['d_ms']:>8.1f} {row['a_over_c']:>7.1f} {row['bound']:>7.1f} {row['b_over_c']:>6.2f} "
-                    f"{int(row['a_sampled']):>4}/{n}"
-                )
+    sections = set(args.sections.split(","))
+    rows: Dict[str, Dict[str, float]] = {}
+    config = build_model(8).hstu.config if "main" not in sections else None
+    if "main" in sections:
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            export_dir = export_model(build_model(max(args.lengths)), Path(tmp) / "export")
+            print(f"export: {time.perf_counter() - start:.1f}s")
+            ranker = Ranker.load(
+                export_dir,
+                micro_batch=args.micro_batch,
+                cache_bytes=2**31,
+                threads=1 if args.clock == "thread" else None,
+            )
+            config = ranker.model.config
+            print(
+                f"clock: {args.clock}; model: hidden {config.hidden_dim}, {config.num_layers} layers, "
+                f"{config.num_heads} heads x {config.attention_dim}; cache {cache_bytes_per_token(config)} bytes "
+                "per history token"
+            )
+            warm_up(ranker, rng, max(args.lengths))
+            rows: Dict[str, Dict[str, float]] = {}
+            header = (
+                f"{'L':>5} {'N':>5} {'(a) ms':>10} {'(b) ms':>9} {'(c) ms':>8} {'(d) ms':>8} {'a/c':>7} "
+                f"{'bound':>7} {'b/c':>6} {'a run':>6}"
+            )
+            print(header)
+            for length in args.lengths:
+                history = request_tokens(rng, length, start_time=0)
+                for n in args.candidates:
+                    candidates = {"item_id": rng.integers(0, NUM_ITEMS, n)}
+                    row = measure(ranker, history, candidates, args, clock)
+                    row["bound"] = flop_bound(config, length, n)
+                    rows[f"L{length}_N{n}"] = row
+                    print(
+                        f"{length:>5} {n:>5} {row['a_ms']:>10.0f} {row['b_ms']:>9.1f} {row['c_ms']:>8.1f} "
+                        f"{row['d_ms']:>8.1f} {row['a_over_c']:>7.1f} {row['bound']:>7.1f} {row['b_over_c']:>6.2f} "
+                        f"{int(row['a_sampled']):>4}/{n}"
+                    )
     key = "L1024_N512"
     summary = {
         "bench": "serving",
@@ -198,8 +206,10 @@ def main() -> None:
         "a_is_sampled": "(a) runs a_sampled candidates and is scaled per candidate to N",
         "ratios": {k: {m: round(v, 3) for m, v in r.items()} for k, r in rows.items()},
     }
-    summary["streaming"] = streaming(args, clock)
-    summary["batching"] = batching(args, clock)
+    if "streaming" in sections:
+        summary["streaming"] = streaming(args, clock)
+    if "batching" in sections:
+        summary["batching"] = batching(args, clock)
     summary["load_average_1min"]["end"] = round(os.getloadavg()[0], 2)
     if key in rows:
         row = rows[key]
@@ -336,11 +346,14 @@ def count_encoded_tokens(ranker: Ranker) -> List[int]:
 
 
 def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, object]:
-    """Warm caches, then the same requests ranked by a loop of ``rank`` and by ``rank_batch``."""
+    """Warm caches, then the same requests ranked by a loop of ``rank`` and by ``rank_batch``, for
+    each candidate count; FLOP rates against the in-run matmul peak."""
     from gr.serving import RankRequest
 
     rng = np.random.default_rng(2)
-    users, length, n = args.batch_users, args.batch_history, args.batch_candidates
+    users, length = args.batch_users, args.batch_history
+    peak = matmul_peak(torch.float32, 1.0 if not args.smoke else 0.1)
+    out: Dict[str, object] = {"users": users, "history": length, "matmul_peak_gflops": peak}
     with tempfile.TemporaryDirectory() as tmp:
         ranker = Ranker.load(
             export_model(build_model(length), Path(tmp) / "e"),
@@ -348,33 +361,26 @@ def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, 
             cache_bytes=2**33,
             threads=1 if args.clock == "thread" else None,
         )
-        requests = [
-            RankRequest(
-                f"u{u}",
-                request_tokens(rng, length, 0),
-                {"item_id": rng.integers(0, NUM_ITEMS, n)},
-                request_time=10**8 + 60,
-            )
-            for u in range(users)
-        ]
-        ranker.rank_batch(requests)  # warm every user's cache
-        loop = best_time(clock, lambda: [ranker.rank_request(r) for r in requests], args.repeats)
-        batched = best_time(clock, lambda: ranker.rank_batch(requests), args.repeats)
+        histories = [request_tokens(rng, length, 0) for _ in range(users)]
         config = ranker.model.config
-        flops = users * config.num_layers * flops_per_layer(config, n, n * (length + 1))
-    peak = matmul_peak(torch.float32, 1.0 if not args.smoke else 0.1)
-    out = {
-        "users": users,
-        "history": length,
-        "candidates": n,
-        "loop_s": loop,
-        "batched_s": batched,
-        "speedup": loop / batched,
-        "batched_gflops": flops / batched / 1e9,
-        "matmul_peak_gflops": peak,
-        "batched_fraction_of_peak": flops / batched / 1e9 / peak,
-    }
-    print(f"batching: {out}", flush=True)
+        for n in args.batch_candidates:
+            requests = [
+                RankRequest(f"u{u}", histories[u], {"item_id": rng.integers(0, NUM_ITEMS, n)}, request_time=10**8 + 60)
+                for u in range(users)
+            ]
+            ranker.rank_batch(requests)  # warm every user's cache
+            loop = best_time(clock, lambda requests=requests: [ranker.rank_request(r) for r in requests], args.repeats)
+            batched = best_time(clock, lambda requests=requests: ranker.rank_batch(requests), args.repeats)
+            flops = users * config.num_layers * flops_per_layer(config, n, n * (length + 1))
+            out[f"N{n}"] = {
+                "candidates": n,
+                "loop_s": loop,
+                "batched_s": batched,
+                "speedup": loop / batched,
+                "loop_fraction_of_peak": flops / loop / 1e9 / peak,
+                "batched_fraction_of_peak": flops / batched / 1e9 / peak,
+            }
+            print(f"batching N={n}: {out[f'N{n}']}", flush=True)
     return out
 
 
