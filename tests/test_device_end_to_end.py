@@ -1,10 +1,9 @@
 """Train -> export -> serve on the test suite's device (``GR_TEST_DEVICE``, else detected): a
 tiny synthetic ranking run trained with ``trainer.accelerator`` set to that device (tables in host
 memory on an NPU, FBGEMM having no NPU kernels), exported with ``python -m gr.export``, checked,
-and served: the export alone reproduces the run's predictions on its test users.
-
-The serving runtime runs on CPU whatever the device (issue 19d, serving on a device, is not
-done yet), so on a CUDA or NPU host the device part is the training run and its kernels."""
+and served on that device too (``Ranker.load(..., device=...)``: ONNX Runtime with the device's
+execution provider, the HSTU engine and its caches on the device): the export alone reproduces
+the run's predictions on its test users."""
 
 import copy
 
@@ -76,7 +75,7 @@ def test_the_export_served_reproduces_the_device_run_on_its_test_users(device_ru
     with torch.no_grad():
         out = model(batch)
     users = 12
-    got = rank_all(Ranker.load(export_dir, micro_batch=4), requests_from_batch(batch)[:users])
+    got = rank_all(Ranker.load(export_dir, micro_batch=4, device=DEVICE), requests_from_batch(batch)[:users])
     rows = int(out.row_offsets[users])
     assert set(got) == set(out.predictions) == {"watch"}
     for task, value in out.predictions.items():

@@ -13,8 +13,10 @@ stays *pending* in the cache (only its input is kept) until the next event arriv
 
 Attention runs through ``gr.hstu.kernels.hstu_cached_attention`` (the layer's backend), so
 serving reaches the same CPU fast path, Triton and Ascend kernels as training. Several users'
-caches run in one pass (``score_batch``, ``commit_batch``). Imports only torch, gr.hstu and
-gr.jagged: the serving runtime uses it without the training code.
+caches run in one pass (``score_batch``, ``commit_batch``). The engine runs where the HSTU's
+parameters are (``CachedHSTU.device``): new tokens and timestamps are moved there, and every
+cache tensor lives there. Imports only torch, gr.hstu and gr.jagged: the serving runtime uses it
+without the training code.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class CachedHSTU:
     ``score`` after ``encode(history)`` equals ``HSTU.forward`` on history + candidates
     with ``num_targets`` (candidates at position L, timestamps as given; with "next_event"
     query times, the last history token's query time is ``request_time``); ``extend`` equals
-    encoding the longer history in one pass.
+    encoding the longer history in one pass. Inputs from any device are moved to ``device``.
     """
 
     def __init__(self, hstu: HSTU) -> None:
@@ -88,6 +90,11 @@ class CachedHSTU:
         # whether the last history token's output waits for the time of the event after it
         self.defers_last = hstu.config.query_time == "next_event" and hstu.config.time_buckets > 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the HSTU's parameters, every cache tensor and every output are."""
+        return next(self.hstu.parameters()).device
+
     def can_extend(self, cache: HistoryCache) -> bool:
         """False while the history is shorter than contextual_len: contextual tokens see each
         other in both directions, so such a history must be re-encoded, not extended."""
@@ -97,6 +104,7 @@ class CachedHSTU:
     def encode(self, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
         """x: [L, D] float PrefixDNN output of the history; timestamps: [L] int64 -> cache
         (the last token pending when the engine ``defers_last``)."""
+        x = x.to(self.device)
         length = self._check_tokens(x, timestamps, start=0)
         ts = self._timestamps(timestamps, length, x.device)
         committed = length - 1 if self.defers_last and length else length
@@ -125,6 +133,7 @@ class CachedHSTU:
                 f"HSTU cache: a history of {cache.length} tokens is shorter than HSTUConfig.contextual_len "
                 f"{self.config.contextual_len}; encode the whole history instead"
             )
+        x = x.to(self.device)
         n = self._check_tokens(x, timestamps, start=cache.length)
         if n == 0:
             return cache
@@ -212,6 +221,7 @@ class CachedHSTU:
         """
         if micro_batch < 1:
             raise ValueError(f"micro_batch: expected >= 1, got {micro_batch}")
+        x, timestamps = x.to(self.device), None if timestamps is None else timestamps.to(self.device)
         bounds = candidate_offsets.tolist()
         if len(bounds) != len(caches) + 1 or bounds[-1] != x.shape[0]:
             raise ValueError(f"HSTU cache: candidate_offsets must be [{len(caches) + 1}] ending at {x.shape[0]}")
@@ -265,6 +275,8 @@ class CachedHSTU:
         """
         if cache.pending is not None:
             raise ValueError("HSTU cache: the history has a pending token; settle(cache, request_time) first")
+        x, timestamps = x.to(self.device), None if timestamps is None else timestamps.to(self.device)
+        depths, block_visible = depths.to(self.device), block_visible.to(self.device)
         n = self._check_tokens(x, timestamps, start=cache.length, targets=True)
         if depths.shape != (n,) or block_visible.shape != (n, n):
             raise ValueError(
@@ -293,6 +305,7 @@ class CachedHSTU:
         engine defers the last token (then times[b][i + 1] is token i's query time)
         -> per user (a cache of the committed tokens and these, nothing pending; outputs [n_b, D])
         """
+        xs, times = [x.to(self.device) for x in xs], [t.to(self.device) for t in times]
         lengths = torch.tensor([x.shape[0] for x in xs])
         if int(lengths.sum()) == 0:
             return [(HistoryCache(c.keys, c.values, c.timestamps[: c.committed]), x) for c, x in zip(caches, xs)]
@@ -374,7 +387,7 @@ class CachedHSTU:
     def _timestamps(self, timestamps: Optional[Tensor], count: int, device: torch.device) -> Tensor:
         if timestamps is None:
             return torch.zeros(count, dtype=torch.long, device=device)
-        return timestamps.to(torch.long)
+        return timestamps.to(device=device, dtype=torch.long)
 
     def _check_tokens(self, x: Tensor, timestamps: Optional[Tensor], start: int, targets: bool = False) -> int:
         """Validate a block of new tokens at ``start``; returns its token count."""

@@ -3,6 +3,9 @@ the export over HTTP (``gr.serving.http``);
 ``python -m gr.serving rank EXPORT_DIR --request request.json`` prints the scores as JSON;
 ``python -m gr.serving generate EXPORT_DIR --request request.json --k 10`` prints each user's
 next k items (greedy; the request's ``candidates`` are not needed).
+Each takes ``--device cpu|cuda|npu`` (default cpu): where the ONNX slices (through that device's
+execution provider), the HSTU engine and its caches run; a device this host cannot serve on is
+one error line and exit status 2.
 
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
@@ -17,11 +20,13 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from gr.devices import DEVICES
 from gr.export.format import ExportFormatError
 from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES
+from gr.serving.model import check_device
 from gr.serving.request import GenerateRequest, RankRequest
 from gr.serving.runtime import (
     DEFAULT_CACHE_BYTES,
@@ -32,6 +37,7 @@ from gr.serving.runtime import (
 
 ADMIN_TOKEN_ENV = "GR_ADMIN_TOKEN"
 IDS_HELP = "ids of requests without an 'ids' key: raw (through sparse/id_maps) or model (table rows)"
+DEVICE_HELP = "where the ONNX slices, the HSTU engine and its caches run (default cpu)"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -50,11 +56,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     rank.add_argument("--no-cache", action="store_true", help="one target-aware pass per request, no history cache")
     rank.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
+    rank.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     gen = commands.add_parser("generate", help="generate each request's user's next k items (greedy)")
     gen.add_argument("export_dir", type=Path)
     gen.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
     gen.add_argument("--k", type=int, default=10, help="items to generate per user")
     gen.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
+    gen.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     serve = commands.add_parser("serve", help="serve the export over HTTP (FastAPI + uvicorn)")
     serve.add_argument("export_dir", type=Path)
     serve.add_argument("--host", default="127.0.0.1")
@@ -64,6 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     serve.add_argument("--long-history", choices=LONG_HISTORY, default="truncate")
     serve.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
+    serve.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     serve.add_argument(
         "--index",
         choices=INDEXES,
@@ -88,6 +97,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"or set ${ADMIN_TOKEN_ENV}",
     )
     args = parser.parse_args(argv)
+    try:
+        check_device(args.device)
+    except RuntimeError as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
@@ -105,7 +119,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         ranker = Ranker.load(
-            args.export_dir, cache_bytes=args.cache_bytes, micro_batch=args.micro_batch, long_history=args.long_history
+            args.export_dir,
+            cache_bytes=args.cache_bytes,
+            micro_batch=args.micro_batch,
+            long_history=args.long_history,
+            device=args.device,
         )
     except (ExportFormatError, OSError, ValueError) as exc:
         print(f"{args.command}: {args.export_dir}: not a valid export: {' '.join(str(exc).split())}", file=sys.stderr)
@@ -184,6 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
             "cache_bytes": args.cache_bytes,
             "threads": args.threads,
             "index": args.index,
+            "device": args.device,
         }
     )
     try:

@@ -6,6 +6,10 @@ catalogue: the PrefixDNN is token-wise); the query is the postfix_dnn output ``q
 scored against the L2-normalised rows of the item table, as the retrieval head defines
 (``RetrievalHead.item_embedding``): a score is the cosine that training divides by its
 temperature and evaluation ranks by.
+
+The item tokens live on the model's device (they feed the HSTU engine); the item index stays
+in host memory, next to its inputs: the query comes out of the postfix_dnn ONNX slice as numpy
+and the generation loop keeps its exclusion masks on the host.
 """
 
 from __future__ import annotations
@@ -80,8 +84,8 @@ class ServingGenerativeModel:
         return self.catalogue.model.engine
 
     def item_tokens(self, items: Tensor) -> Tensor:
-        """items: [n] int64 -> [n, D] float."""
-        return self.catalogue.tokens[items]
+        """items: [n] int64 (any device) -> [n, D] float on the model's device."""
+        return self.catalogue.tokens[items.to(self.catalogue.tokens.device)]
 
     def queries(self, hidden: Tensor) -> Tensor:
         """hidden: [n, D] float -> [n, d] float (L2-normalised by the head)."""

@@ -1,5 +1,7 @@
 """One loaded export: sparse store, id maps, ONNX Runtime sessions and the HSTU engine, wired by
-slice_graph.ini. Imports no training code."""
+slice_graph.ini, on one device (cpu, cuda or npu): the ONNX slices run with that device's
+execution provider, the HSTU engine and its caches live on it, and tensors cross to and from
+numpy at the ONNX boundaries only. Imports no training code."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gr.devices import DEVICES, require_device
 from gr.export.format import (
     BAG,
     HSTU_OUTPUT,
@@ -31,7 +34,7 @@ from gr.hstu.cache import CachedHSTU
 from gr.serving.catalogue import INDEXES, QUERY, Catalogue
 from gr.serving.errors import ScoringError
 from gr.serving.id_maps import IdMaps
-from gr.serving.onnx_slice import OnnxSlice
+from gr.serving.onnx_slice import OnnxSlice, execution_providers
 from gr.serving.request import RequestSchema
 from gr.serving.sparse_store import SparseStore
 
@@ -41,11 +44,16 @@ Tokens = Dict[str, np.ndarray]
 class ServingModel:
     """One loaded export: sparse store, ONNX Runtime sessions and the HSTU engine, wired by the graph."""
 
-    def __init__(self, export_dir: Union[str, Path], threads: Optional[int] = None, index: str = "exact") -> None:
-        """index: the catalogue's item index, "exact" or "hnsw" (approximate; needs faiss-cpu)."""
+    def __init__(
+        self, export_dir: Union[str, Path], threads: Optional[int] = None, index: str = "exact", device: str = "cpu"
+    ) -> None:
+        """index: the catalogue's item index, "exact" or "hnsw" (approximate; needs faiss-cpu).
+        device: "cpu", "cuda" or "npu" (checked by ``check_device`` before anything is loaded)."""
         if index not in INDEXES:
             raise ValueError(f"ServingModel.index: expected one of {list(INDEXES)}, got {index!r}")
+        check_device(device)
         self.index = index
+        self.device = device
         manifest = open_export(export_dir)
         self.root = manifest.root
         self.graph = manifest.graph
@@ -53,9 +61,9 @@ class ServingModel:
         self.schema = RequestSchema.from_graph(self.graph)
         self.sparse = SparseStore(manifest)
         self.id_maps = IdMaps(manifest.root, manifest.sparse)
-        self.prefix = OnnxSlice(manifest.path(PREFIX_ONNX), self.graph.slice(PREFIX), threads)
-        self.engine = CachedHSTU(load_hstu(manifest.root))
-        self.postfix = OnnxSlice(manifest.path(POSTFIX_ONNX), self.graph.slice(POSTFIX), threads)
+        self.prefix = OnnxSlice(manifest.path(PREFIX_ONNX), self.graph.slice(PREFIX), threads, device)
+        self.engine = CachedHSTU(load_hstu(manifest.root).to(device))
+        self.postfix = OnnxSlice(manifest.path(POSTFIX_ONNX), self.graph.slice(POSTFIX), threads, device)
         self._catalogue: Optional[Catalogue] = None
         self._catalogue_lock = threading.Lock()
 
@@ -72,16 +80,16 @@ class ServingModel:
             return self._catalogue
 
     def embed_tokens(self, tokens: Tokens) -> Tensor:
-        """Token columns -> [T, D] HSTU input: sparse lookups, then the prefix_dnn slice."""
+        """Token columns -> [T, D] HSTU input on the model's device: sparse lookups, then the prefix_dnn slice."""
         count = len(tokens[TIMESTAMPS])
         if count == 0:
-            return torch.zeros(0, self.config.hidden_dim)
+            return torch.zeros(0, self.config.hidden_dim, device=self.device)
         env = {f"{REQUEST}.{name}": value for name, value in tokens.items()}
         for t in self.graph.slice(SPARSE).inputs:
             if t.shape == (TOKENS,):
                 env[f"{SPARSE}.{t.name}"] = self.sparse.sequence(t.name, env[t.source])
         out = self.prefix.run({t.name: env[t.source] for t in self.prefix.spec.inputs})
-        return torch.from_numpy(out[PREFIX_OUTPUT])
+        return torch.from_numpy(out[PREFIX_OUTPUT]).to(self.device)
 
     def heads(self, hidden: Tensor, common: Tokens) -> Dict[str, np.ndarray]:
         """hidden: [N, D] HSTU outputs at the candidates -> {task: [N, ...]} via the postfix_dnn slice.
@@ -96,7 +104,7 @@ class ServingModel:
         inputs = {}
         for t in self.postfix.spec.inputs:
             if t.source == f"{HSTU_SLICE}.{HSTU_OUTPUT}":
-                inputs[t.name] = hidden.numpy()
+                inputs[t.name] = hidden.cpu().numpy()
             elif t.repeat == REPEAT_PER_TARGET:
                 inputs[t.name] = np.concatenate([np.repeat(env[t.source], n, axis=0) for env, n in zip(envs, rows)])
             else:
@@ -114,6 +122,22 @@ class ServingModel:
             if t.shape == (BAG,):
                 env[f"{SPARSE}.{t.name}"] = self.sparse.pooled(t.name, env[t.source])
         return env
+
+
+def check_device(device: str) -> None:
+    """Check that ``--device`` (cpu|cuda|npu) can serve here: torch sees it (torch_npu is loaded
+    for "npu" through ``gr.devices``, never otherwise) and ONNX Runtime has its execution
+    provider. Raises ValueError for an unknown name, one RuntimeError naming all that is missing."""
+    if device not in DEVICES:
+        raise ValueError(f"--device: expected one of {list(DEVICES)}, got {device!r}")
+    missing = []
+    for check in (lambda: require_device(device, "--device"), lambda: execution_providers(device)):
+        try:
+            check()
+        except RuntimeError as err:
+            missing.append(str(err))
+    if missing:
+        raise RuntimeError("; ".join(missing))
 
 
 def check_finite(outputs: Dict[str, np.ndarray], where: str) -> None:

@@ -150,6 +150,8 @@ class Ranker:
         result) or "refuse" (a RequestError)
     threads: intra-op threads of each ONNX Runtime session (None: its default)
     index: the catalogue's item index for recommend and generation: "exact" or "hnsw"
+    device: where ``load`` and ``reload`` put a model: "cpu", "cuda" or "npu" (None: the
+        given model's device; a different one is refused)
     Thread-safe: concurrent calls share the cache; ``reload`` swaps the model and invalidates
     the cache, and every result comes from one model (its ``model_version``).
     """
@@ -163,7 +165,10 @@ class Ranker:
         long_history: str = "truncate",
         threads: Optional[int] = None,
         index: str = "exact",
+        device: Optional[str] = None,
     ) -> None:
+        if device is not None and device != model.device:
+            raise ValueError(f"Ranker.device: {device!r}, but the model was loaded on {model.device!r}")
         if long_history not in LONG_HISTORY:
             raise ValueError(f"Ranker.long_history: expected one of {list(LONG_HISTORY)}, got {long_history!r}")
         if micro_batch < 1:
@@ -172,6 +177,7 @@ class Ranker:
         self.long_history = long_history
         self.threads = threads
         self.index = index
+        self.device = model.device
         self.cache = UserCache(cache_bytes)
         self._model = model
         self._lock = threading.Lock()
@@ -179,7 +185,10 @@ class Ranker:
     @classmethod
     def load(cls, export_dir: Union[str, Path], **options: Any) -> "Ranker":
         """Load and validate an export directory; ``options`` as in the constructor."""
-        return cls(ServingModel(export_dir, options.get("threads"), options.get("index", "exact")), **options)
+        model = ServingModel(
+            export_dir, options.get("threads"), options.get("index", "exact"), options.get("device", "cpu")
+        )
+        return cls(model, **options)
 
     @property
     def model(self) -> ServingModel:
@@ -187,7 +196,7 @@ class Ranker:
 
     def reload(self, export_dir: Union[str, Path]) -> None:
         """Load another export (e.g. a newer model) and invalidate every cached history."""
-        model = ServingModel(export_dir, self.threads, self.index)
+        model = ServingModel(export_dir, self.threads, self.index, self.device)
         with self._lock:
             self._model = model
             self.cache.invalidate()
@@ -450,14 +459,15 @@ def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: in
     length, count = len(hist[TIMESTAMPS]), len(cands[TIMESTAMPS])
     total = length + count
     query_times = np.concatenate([hist[TIMESTAMPS][1:], [request_time], cands[TIMESTAMPS]])[-total:]
+    device = model.engine.device
     with torch.inference_mode():
         h = model.engine.hstu(
             x,
-            torch.tensor([0, total]),
+            torch.tensor([0, total], device=device),
             total,
-            torch.from_numpy(tokens[TIMESTAMPS]),
-            torch.tensor([count]),
-            torch.from_numpy(query_times.astype(np.int64)),
+            torch.from_numpy(tokens[TIMESTAMPS]).to(device),
+            torch.tensor([count], device=device),
+            torch.from_numpy(query_times.astype(np.int64)).to(device),
         )
     return h[length:]
 
