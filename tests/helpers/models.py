@@ -182,6 +182,17 @@ def requests_from_batch(batch: GRInput) -> List[dict]:
     return out
 
 
+def as_served(predictions: Dict[str, object]) -> Dict[str, np.ndarray]:
+    """A ranking model's trained predictions {task: [N] logits} as serving names them: the
+    probability 1 / (1 + exp(-logit)) under the task, the logit under ``<task>_logit``."""
+    out = {}
+    for task, value in predictions.items():
+        logit = np.asarray(value, dtype=np.float64)
+        out[task] = 1.0 / (1.0 + np.exp(-logit))
+        out[f"{task}_logit"] = logit
+    return out
+
+
 def rank_all(ranker: Ranker, requests: List[dict], **kwargs) -> Dict[str, np.ndarray]:
     """Scores of every request, concatenated per task in request order."""
     results = [
