@@ -29,6 +29,7 @@ COMMANDS: Dict[str, Command] = {
     "serve": Command("gr.serving.__main__", "main", "run the HTTP service over an export", ("serve",)),
     "rank": Command("gr.serving.__main__", "main", "score a request file's candidates", ("rank",)),
     "generate": Command("gr.serving.__main__", "main", "generate each request's next items", ("generate",)),
+    "evaluate": Command("gr.evaluate", "main", "test-split metrics of a run or an export (serving path)"),
     "plan": Command("gr.plan", "main", "parameter counts and memory per rank for a recipe"),
     "data": Command("gr.data.download", "main", "gr data download NAME DIR: fetch a public dataset"),
 }

@@ -58,6 +58,7 @@ def test_served_greedy_equals_the_trained_models_step_by_step_argmax(exports):
         result = ranker.generate(user, history, 6, request_time=REQUEST_TIME)
         assert result.items == trained_greedy(model, history, 6)
         assert result.cache_status == "miss" and result.stats.passes == 5
+        assert not {"passes", "accepted"} & set(result.to_json()), "plain greedy drafts nothing to report"
     user, history = users(1)[0]
     again = ranker.generate(user, history, 6, request_time=REQUEST_TIME)
     assert again.cache_status == "hit" and again.items == trained_greedy(model, history, 6)
@@ -86,6 +87,7 @@ def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(ex
         for (user, history), want in zip(population, slates):
             got = ranker.generate(user, history, 8, request_time=REQUEST_TIME, draft=source, attribute="a")
             assert got.items == want
+            assert got.to_json()["accepted"] == got.stats.accepted and got.to_json()["passes"] == got.stats.passes
             accepted += got.stats.accepted
         if source is sources[-1]:
             assert accepted > 0, "the pool holds eight of these users' slates: some drafts must be accepted"

@@ -22,7 +22,15 @@ from gr.export.manifest import write_manifest
 from gr.hstu.cache import cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
 from gr.serving.__main__ import main as serving_main
-from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, rank_all, requests_from_batch
+from gr.serving.scores import ranking_scores
+from helpers.models import (
+    DENSE_DIMS,
+    as_served,
+    build_ranking_model,
+    random_batch,
+    rank_all,
+    requests_from_batch,
+)
 
 ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,11 +97,12 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def users(exported):
-    """Test users: a batch, the trained model's predictions on it, and one request per user."""
+    """Test users: a batch, the trained model's predictions on it as served (probabilities and
+    logits, ``as_served``), and one request per user."""
     model, _ = exported
     batch = random_batch(model, [30, 17, 40, 9], [5, 9, 2, 6], seed=7)
     with torch.no_grad():
-        predictions = {k: v.numpy() for k, v in model(batch).predictions.items()}
+        predictions = as_served(model(batch).predictions)
     return predictions, requests_from_batch(batch)
 
 
@@ -140,6 +149,14 @@ def test_new_actions_extend_the_cached_history_and_match_the_trained_model(expor
     assert rank(ranker, edited).cache_status == "miss", "a changed past action must not reuse the cache"
 
 
+def test_ranking_scores_are_stable_probabilities_next_to_their_logits():
+    logits = {"click": np.array([-1000.0, -2.0, 0.0, 3.0, 1000.0], dtype=np.float32)}
+    scores = ranking_scores(logits)
+    assert list(scores) == ["click", "click_logit"] and scores["click"].dtype == np.float32
+    np.testing.assert_array_equal(scores["click_logit"], logits["click"])
+    np.testing.assert_allclose(scores["click"], [0.0, 0.11920292, 0.5, 0.95257413, 1.0], rtol=1e-6, atol=0)
+
+
 def test_next_event_models_rank_as_trained_cached_extended_and_uncached(tmp_path):
     """query_time "next_event": the last history token's output depends on the request time, so
     the cache keeps it pending and each request settles it; scores still equal the trained model's."""
@@ -147,7 +164,7 @@ def test_next_event_models_rank_as_trained_cached_extended_and_uncached(tmp_path
     path = export_model(model, tmp_path / "export", dense_dims=DENSE_DIMS)
     batch = random_batch(model, [30, 17], [5, 9], seed=8)
     with torch.no_grad():
-        want = {k: v.numpy() for k, v in model(batch).predictions.items()}
+        want = as_served(model(batch).predictions)
     requests = requests_from_batch(batch)
     ranker = Ranker.load(path, micro_batch=2)
     assert rank(ranker, slice_history(requests[0], 20)).cache_status == "miss"
@@ -312,7 +329,7 @@ def test_batch_form_and_cli_print_scores_per_task(exported, users, tmp_path, cap
     file.write_text(json.dumps(as_json(requests[1])))
     assert serving_main(["rank", str(path), "--request", str(file), "--micro-batch", "2"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["user_id"] == requests[1]["user_id"] and set(printed["scores"]) == {"click", "like"}
+    assert printed["user_id"] == requests[1]["user_id"] and set(printed["scores"]) == set(want)
     np.testing.assert_allclose(printed["scores"]["like"], want["like"][5:14], rtol=0, atol=ATOL)
     bad = as_json(requests[1])
     bad["candidates"]["item_id"][0] = 999
@@ -347,7 +364,7 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
     model, export_dir = exported
     batch = random_batch(model, [14, 6, 21], [3, 2, 4], seed=11)
     with torch.no_grad():
-        want_scores = model(batch).predictions
+        want_scores = as_served(model(batch).predictions)
         x = torch.randn(int(batch.seq_offsets[-1]), 16)
         want_hidden = model.hstu(x, batch.seq_offsets, batch.max_seq_len, batch.timestamps, batch.num_targets)
     np.savez(
@@ -378,7 +395,7 @@ def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_p
     out = np.load(tmp_path / "out.npz")
     np.testing.assert_allclose(out["hidden"], want_hidden.numpy(), rtol=0, atol=1e-5)
     for task, value in want_scores.items():
-        np.testing.assert_allclose(out[task], value.numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(out[task], value, rtol=0, atol=1e-5)
 
 
 def test_the_import_guard_refuses_training_code():

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gr.train import read_run, train
-from helpers.runs import RETRIEVAL, config, evaluate_loaded
+from helpers.runs import RANKING, RETRIEVAL, config, evaluate_loaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,26 +78,8 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path):
 def test_ranking_run_with_host_placed_tables_reports_auc_and_logloss_per_task(tmp_path):
     """Also the host-placement path (tables in host memory, looked-up vectors moved to the
     dense model's device), which on this CPU-only machine is the same device."""
-    ranking = copy.deepcopy(RETRIEVAL)
-    ranking["data"].update(
-        task="ranking",
-        item_features=True,
-        user_features=True,
-        ranking={
-            "positives_per_sample": 2,
-            "samples_per_user": 2,
-            "num_negatives": 4,
-            "eval_num_negatives": 9,
-            "tasks": [{"name": "watch"}],
-        },
-    )
-    ranking["task"] = {"ranking": {"task_weights": {"watch": 1.0}}}
+    ranking = copy.deepcopy(RANKING)
     ranking["sparse"]["placement"] = "host"
-    ranking["model"]["tables"] += [
-        {"name": "category", "embedding_dim": 8, "features": ["item_category"]},
-        {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
-        {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common", "pooling": "mean"},
-    ]
     metrics = train(config(ranking, ("trainer.max_epochs", 2)), tmp_path)
     assert set(metrics) >= {"auc", "logloss", "auc/watch", "logloss/watch"}
     assert set(metrics["table_rows_per_rank"]) == {"item", "category", "age", "gender"}

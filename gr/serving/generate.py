@@ -41,7 +41,9 @@ __all__ = ["GenerateResult", "Plan", "ServingGenerativeModel", "check_k", "plan"
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """items: the generated slate (in the request's id space), in order; stats: passes, drafts, timings."""
+    """items: the generated slate (in the request's id space), in order; stats: passes, drafts, timings;
+    drafted: whether a draft source proposed items (speculative greedy). The JSON form reports
+    ``passes`` and ``accepted`` only then: without drafts they say nothing about the request."""
 
     items: List[Any]
     stats: GenerationStats
@@ -49,16 +51,17 @@ class GenerateResult:
     truncated: int
     cache_status: str
     model_version: int = 0
+    drafted: bool = False
 
     def to_json(self) -> Dict[str, Any]:
+        speculative = {"passes": self.stats.passes, "accepted": self.stats.accepted} if self.drafted else {}
         return {
             "items": self.items,
             "history_length": self.history_length,
             "cache_status": self.cache_status,
             "cache": self.cache_status,
             "model_version": self.model_version,
-            "passes": self.stats.passes,
-            "accepted": self.stats.accepted,
+            **speculative,
         }
 
 
@@ -152,5 +155,11 @@ def run(p: Plan, encoded: EncodedHistory) -> GenerateResult:
         out = speculative_greedy(lm, index, state, k, request_time, drafter, exclude_seen, p.verification, p.budget)
     items = p.history.decode_items(catalogue.item_feature, torch.tensor(out.items, dtype=torch.long).numpy())
     return GenerateResult(
-        items, out.stats, p.history.length, p.history.truncated, encoded.cache_status, p.history.model_version
+        items,
+        out.stats,
+        p.history.length,
+        p.history.truncated,
+        encoded.cache_status,
+        p.history.model_version,
+        drafted=p.draft is not None,
     )

@@ -41,11 +41,11 @@ from gr.serving.request import (
     RankRequest,
     RecommendRequest,
 )
+from gr.serving.scores import RETRIEVAL, ranking_scores
 from gr.serving.user_cache import UserCache
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_MICRO_BATCH = 256
-RETRIEVAL = "retrieval"  # the score name of a retrieval export's rank
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -66,9 +66,10 @@ def _warnings(truncated: int) -> Dict[str, Any]:
 
 @dataclass(frozen=True)
 class RankResult:
-    """scores: {task: [N] float32}, candidates in request order: a ranking head's outputs by
-    name, or for a retrieval export {"retrieval": the cosine of the query at the last history
-    token and each candidate's item vector}.
+    """scores: {name: [N] float32}, candidates in request order: for a ranking export each task's
+    probability under its name and its logit under ``<task>_logit`` (``gr.serving.scores``), for
+    a retrieval export {"retrieval": the cosine of the query at the last history token and each
+    candidate's item vector}.
 
     history_length: history tokens used; truncated: oldest tokens dropped to fit
     max_seq_len; cache_status: "miss" (history encoded), "extend" (only new actions encoded),
@@ -292,13 +293,16 @@ class Ranker:
             return RankResult(scores, h.length, h.truncated, encoded.cache_status, h.model_version)
         if not use_cache:
             hidden = _one_pass(model, h.tokens, cands, request_time)
-            return RankResult(model.heads(hidden, h.common), h.length, h.truncated, "off", h.model_version)
+            return RankResult(
+                ranking_scores(model.heads(hidden, h.common)), h.length, h.truncated, "off", h.model_version
+            )
         encoded = self.encode(h)
         x = model.embed_tokens(cands)
         hidden = model.engine.score(
             encoded.cache, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch, request_time
         )
-        return RankResult(model.heads(hidden, h.common), h.length, h.truncated, encoded.cache_status, h.model_version)
+        scores = ranking_scores(model.heads(hidden, h.common))
+        return RankResult(scores, h.length, h.truncated, encoded.cache_status, h.model_version)
 
     def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]) -> Tuple[Tokens, int]:
         """Validate a request's candidates -> (their token columns, the request time)."""
@@ -369,7 +373,7 @@ class Ranker:
             self.micro_batch,
             [p.request_time for p in prepared],
         )
-        scores = model.heads_batch(hidden, [p.history.common for p in prepared], counts)
+        scores = ranking_scores(model.heads_batch(hidden, [p.history.common for p in prepared], counts))
         bounds = np.cumsum([0, *counts])
         return [
             RankResult(

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN, TableConfig
+from gr.evaluate import batch_requests
 from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker
@@ -158,27 +159,18 @@ def _dense(module: nn.Module, tables: Dict[str, int]) -> Dict[str, int]:
 
 
 def requests_from_batch(batch: GRInput) -> List[dict]:
-    """One serving request per sequence of ``batch`` (history = non-target tokens)."""
-    seq = batch.sequence_ids.to_dict() if batch.sequence_ids is not None else {}
-    common = batch.common_ids.to_dict() if batch.common_ids is not None else {}
-    offsets, targets = batch.seq_offsets.tolist(), batch.num_targets.tolist()
-    out = []
-    for b in range(len(targets)):
-        start, end = offsets[b], offsets[b + 1]
-        split = end - targets[b]
-        cols = {f: jt.values()[start:end].numpy() for f, jt in seq.items()}
-        cols.update({f: v[start:end].numpy() for f, v in batch.token_dense.items()})
-        cols["timestamps"] = batch.timestamps[start:end].numpy()
-        commons = {f: jt.values()[int(jt.offsets()[b]) : int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
-        commons.update({f: v[b].numpy() for f, v in batch.common_dense.items()})
-        out.append(
-            {
-                "user_id": f"user{b}",
-                "history": {f: v[: split - start] for f, v in cols.items()},
-                "candidates": {f: v[split - start :] for f, v in cols.items()},
-                "common_features": commons,
-            }
-        )
+    """One serving request per sequence of ``batch`` (history = non-target tokens), users "user{b}"."""
+    return batch_requests(batch)
+
+
+def as_served(predictions: Dict[str, object]) -> Dict[str, np.ndarray]:
+    """A ranking model's trained predictions {task: [N] logits} as serving names them: the
+    probability 1 / (1 + exp(-logit)) under the task, the logit under ``<task>_logit``."""
+    out = {}
+    for task, value in predictions.items():
+        logit = np.asarray(value, dtype=np.float64)
+        out[task] = 1.0 / (1.0 + np.exp(-logit))
+        out[f"{task}_logit"] = logit
     return out
 
 

@@ -67,6 +67,28 @@ RETRIEVAL = {
 }
 
 
+# RETRIEVAL's data as a one-task ranking run with item and user side features.
+RANKING: Dict[str, Any] = copy.deepcopy(RETRIEVAL)
+RANKING["data"].update(
+    task="ranking",
+    item_features=True,
+    user_features=True,
+    ranking={
+        "positives_per_sample": 2,
+        "samples_per_user": 2,
+        "num_negatives": 4,
+        "eval_num_negatives": 9,
+        "tasks": [{"name": "watch"}],
+    },
+)
+RANKING["task"] = {"ranking": {"task_weights": {"watch": 1.0}}}
+RANKING["model"]["tables"] += [
+    {"name": "category", "embedding_dim": 8, "features": ["item_category"]},
+    {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
+    {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common", "pooling": "mean"},
+]
+
+
 def with_overrides(values: Dict[str, Any], *overrides) -> Dict[str, Any]:
     values = copy.deepcopy(values)
     for dotted, value in overrides:

@@ -1,0 +1,200 @@
+"""``gr evaluate RUN|EXPORT``: the test-split metrics of a training run or of an export.
+
+Both use training's evaluation code (``gr.train.tasks``: RetrievalTask's full-catalogue ranks
+with the popularity baseline, RankingTask's AUC / log loss) on the test batches of
+``SequenceDataModule``. A RUN is scored by ``load_trained_model`` on the run's data config;
+an EXPORT by the serving path (``gr.serving.Ranker``) on the data of ``--config`` (a recipe or
+the run's ``config.yaml``; ``--data.KEY VALUE`` overrides either), so a run's metrics and its
+export's can be compared: they agree to fp32 tolerance (``tests/test_evaluate.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from gr.atomic import write_json
+from gr.data.config import DataConfig
+from gr.data.datamodule import SequenceDataModule
+from gr.jagged import offsets_from_lengths
+from gr.model import GRInput, GROutput
+from gr.serving import Ranker, RankRequest
+from gr.serving.history import last_token_state
+from gr.serving.scores import LOGIT_SUFFIX
+from gr.train.config import TrainConfig, load_config
+from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
+from gr.train.tasks import RankingTask, RetrievalTask
+
+EVALUATION_FILE = "evaluation.json"
+EXPORT_MARKER = "MANIFEST"
+
+
+def batch_requests(batch: GRInput, prefix: str = "user") -> List[Dict[str, Any]]:
+    """One serving request per sequence of ``batch`` (model ids): history = its non-target tokens,
+    candidates = its ``num_targets`` trailing tokens (none when ``num_targets`` is None), the
+    sequence's common features; user ids ``f"{prefix}{b}"``."""
+    seq = batch.sequence_ids.to_dict() if batch.sequence_ids is not None else {}
+    common = batch.common_ids.to_dict() if batch.common_ids is not None else {}
+    offsets = batch.seq_offsets.tolist()
+    num_targets = [0] * (len(offsets) - 1) if batch.num_targets is None else batch.num_targets.tolist()
+    out = []
+    for b, targets in enumerate(num_targets):
+        start, end = offsets[b], offsets[b + 1]
+        split = end - targets - start
+        cols = {f: jt.values()[start:end].numpy() for f, jt in seq.items()}
+        cols.update({f: v[start:end].numpy() for f, v in batch.token_dense.items()})
+        cols["timestamps"] = batch.timestamps[start:end].numpy()
+        commons = {f: jt.values()[int(jt.offsets()[b]) : int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
+        commons.update({f: v[b].numpy() for f, v in batch.common_dense.items()})
+        out.append(
+            {
+                "user_id": f"{prefix}{b}",
+                "history": {f: v[:split] for f, v in cols.items()},
+                "candidates": {f: v[split:] for f, v in cols.items()},
+                "common_features": commons,
+            }
+        )
+    return out
+
+
+def evaluate_run(run_dir: str | Path, data_overrides: Sequence[Tuple[str, str]] = ()) -> Dict[str, Any]:
+    """The run's best checkpoint on its test split (data as in the run's config.yaml plus overrides)."""
+    model, _ = load_trained_model(run_dir)
+    config = load_config(Path(run_dir) / CONFIG_FILE, data_overrides)
+    data = _data(config.data, config.model.hstu.eviction_block)
+    task = _task(config, data, model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None)
+    task.start_evaluation(model.embeddings)
+    popularity = data.popularity() if config.task_type == "retrieval" else None
+    with torch.no_grad():
+        for batch in data.test_dataloader():
+            task.evaluation_step(model(batch), batch, popularity)
+    return _report(task.finish_evaluation(), "run", run_dir, data)
+
+
+def evaluate_export(
+    export_dir: str | Path, config_path: str | Path, data_overrides: Sequence[Tuple[str, str]] = ()
+) -> Dict[str, Any]:
+    """The export's test metrics through ``Ranker`` on the data of ``config_path`` (+ overrides)."""
+    config = load_config(config_path, data_overrides)
+    ranker = Ranker.load(export_dir)
+    data = _data(config.data, ranker.model.config.eviction_block)
+    task = _task(config, data, None)
+    if config.task_type == "retrieval":
+        catalogue, _ = ranker.catalogue()
+        task.catalogue, task.ranks = catalogue.vectors[: data.num_items], {}  # what start_evaluation embeds
+        popularity = data.popularity()
+    for i, batch in enumerate(data.test_dataloader()):
+        requests = batch_requests(batch, prefix=f"b{i}:")
+        if config.task_type == "retrieval":
+            queries = {"query": _served_queries(ranker, batch, requests)}
+            task.evaluation_step(_output(queries, torch.arange(len(requests) + 1)), batch, popularity)
+        else:
+            results = ranker.rank_batch([RankRequest(**r) for r in requests])
+            logits = {
+                t: torch.from_numpy(np.concatenate([r.scores[f"{t}{LOGIT_SUFFIX}"] for r in results]))
+                for t in task.tasks
+            }
+            task.evaluation_step(_output(logits, offsets_from_lengths(batch.num_targets)), batch)
+    return _report(task.finish_evaluation(), "export", export_dir, data)
+
+
+def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
+    """[B, d] the served retrieval query at each sequence's last token (its query time as in the batch)."""
+    catalogue, _ = ranker.catalogue()
+    last = batch.seq_offsets[1:] - 1
+    times = batch.timestamps if batch.query_times is None else batch.query_times
+    queries = []
+    for request, t in zip(requests, times[last].tolist()):
+        h = ranker.history(request["user_id"], request["history"], request["common_features"])
+        queries.append(last_token_state(ranker.encode(h, use_cache=False), catalogue, int(t)).query.view(-1))
+    return torch.stack(queries)
+
+
+def _output(predictions: Dict[str, torch.Tensor], row_offsets: torch.Tensor) -> GROutput:
+    """A GROutput of served predictions {name: [N, ...]} with their row offsets [B+1]: what the
+    tasks' ``evaluation_step`` reads (no hidden states or features)."""
+    first = next(iter(predictions.values()))
+    return GROutput(predictions, first.new_zeros(0), torch.zeros(0, dtype=torch.long), row_offsets, {}, {})
+
+
+def _data(config: DataConfig, eviction_block: int) -> SequenceDataModule:
+    data = SequenceDataModule(config, eviction_block=eviction_block)
+    data.setup()
+    return data
+
+
+def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any) -> Any:
+    if config.task_type == "retrieval":
+        return RetrievalTask(config.task.retrieval, data.num_items, item_embedding)
+    return RankingTask(config.task.ranking, data.tasks)
+
+
+def _report(test: Dict[str, float], kind: str, source: str | Path, data: SequenceDataModule) -> Dict[str, Any]:
+    """metrics.json's layout: {metric: value, "popularity": {...}, "source": ..., "data": summary}."""
+    out: Dict[str, Any] = {k: v for k, v in test.items() if not k.startswith("popularity/")}
+    baseline = {k.split("/", 1)[1]: v for k, v in test.items() if k.startswith("popularity/")}
+    if baseline:
+        out["popularity"] = baseline
+    out.update({"split": "test", "source": {kind: str(source)}, "data": data.summary})
+    return out
+
+
+def is_export(path: Path) -> bool:
+    return (path / EXPORT_MARKER).is_file()
+
+
+def default_output(path: Path) -> Path:
+    """RUN/evaluation.json (beside its metrics.json); EXPORT.evaluation.json beside an export
+    (an export directory holds only what its MANIFEST lists)."""
+    return path.with_name(f"{path.name}.{EVALUATION_FILE}") if is_export(path) else path / EVALUATION_FILE
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from gr.cli_errors import run_cli
+
+    return run_cli("gr evaluate", lambda: _main(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _main(argv: List[str]) -> int:
+    from gr.train.cli import parse_overrides
+
+    parser = argparse.ArgumentParser(
+        prog="gr evaluate",
+        description="Test-split metrics of a run (its best checkpoint) or of an export (through the serving "
+        "runtime), with training's evaluation code. An export needs the data: --config (a recipe or the run's "
+        f"config.yaml); --data.KEY VALUE overrides the data section either way (e.g. --data.path DIR). Writes "
+        f"RUN/{EVALUATION_FILE} or EXPORT.{EVALUATION_FILE} unless --output is given.",
+    )
+    parser.add_argument("source", type=Path, metavar="RUN|EXPORT")
+    parser.add_argument("--config", type=Path, help="recipe YAML whose data section the export is evaluated on")
+    parser.add_argument(
+        "--output", type=Path, help=f"JSON file to write (default: beside the source, {METRICS_FILE}-style)"
+    )
+    args, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(parser, rest)
+    bad = [key for key, _ in overrides if not key.startswith("data.")]
+    if bad:
+        parser.error(f"only data.* keys can be overridden (the model is fixed), got {['--' + k for k in bad]}")
+    if not args.source.is_dir():
+        raise NotADirectoryError(f"{args.source}: no such run or export directory")
+    if is_export(args.source):
+        if args.config is None:
+            parser.error(f"{args.source} is an export: --config RECIPE.yaml is needed to read its test data")
+        report = evaluate_export(args.source, args.config, overrides)
+    else:
+        if args.config is not None:
+            parser.error("--config is for exports; a run is evaluated on its own config.yaml (use --data.KEY VALUE)")
+        if not (args.source / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"{args.source}: neither a run ({CONFIG_FILE}) nor an export ({EXPORT_MARKER})")
+        report = evaluate_run(args.source, overrides)
+    output = args.output or default_output(args.source)
+    write_json(output, report)
+    print(json.dumps({k: v for k, v in report.items() if k != "data"}, indent=2))
+    print(f"wrote {output}")
+    return 0

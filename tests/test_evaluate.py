@@ -1,0 +1,65 @@
+"""``gr evaluate RUN|EXPORT``: a run's test metrics recomputed from its best checkpoint equal
+its metrics.json, and its export scored through the serving runtime reaches the same metrics
+(retrieval and ranking), written as JSON; bad invocations are one clear line."""
+
+import json
+
+import pytest
+
+from gr.cli import main as gr_main
+from gr.evaluate import default_output
+from gr.export.writer import export_run
+from gr.train import train
+from helpers.runs import RANKING, RETRIEVAL, config
+
+RETRIEVAL_KEYS = ("hr@5", "ndcg@5", "hr@10", "ndcg@10", "mrr")
+RANKING_KEYS = ("auc", "logloss", "auc/watch", "logloss/watch")
+
+
+@pytest.fixture(scope="module")
+def retrieval(tmp_path_factory):
+    out = tmp_path_factory.mktemp("evaluate") / "run"
+    metrics = train(config(RETRIEVAL, ("trainer.max_epochs", 1)), out)
+    return out, export_run(out, out.parent / "export"), metrics
+
+
+@pytest.fixture(scope="module")
+def ranking(tmp_path_factory):
+    out = tmp_path_factory.mktemp("evaluate") / "run"
+    metrics = train(config(RANKING, ("trainer.max_epochs", 1)), out)
+    return out, export_run(out, out.parent / "export"), metrics
+
+
+def evaluate(capsys, *argv):
+    capsys.readouterr()  # what the fixtures' training printed
+    assert gr_main(["evaluate", *map(str, argv)]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote " in printed.splitlines()[-1]
+    return json.loads(printed.rsplit("wrote ", 1)[0])
+
+
+@pytest.mark.parametrize("which, keys", [("retrieval", RETRIEVAL_KEYS), ("ranking", RANKING_KEYS)])
+def test_run_and_its_export_reach_the_runs_test_metrics(which, keys, request, capsys, tmp_path):
+    run, export, trained = request.getfixturevalue(which)
+    from_run = evaluate(capsys, run)
+    assert json.loads(default_output(run).read_text())["source"] == {"run": str(run)}
+    served = evaluate(capsys, export, "--config", run / "config.yaml", "--output", tmp_path / "served.json")
+    written = json.loads((tmp_path / "served.json").read_text())
+    assert {k: v for k, v in written.items() if k != "data"} == served and written["data"]["users"] > 0
+    for key in keys:
+        assert from_run[key] == pytest.approx(trained[key], abs=1e-6), key
+        assert served[key] == pytest.approx(trained[key], abs=1e-5), key
+    if which == "retrieval":
+        assert served["popularity"] == pytest.approx(trained["popularity"], abs=1e-9)
+
+
+def test_an_export_without_config_and_model_overrides_are_refused(retrieval, capsys):
+    run, export, _ = retrieval
+    with pytest.raises(SystemExit):
+        gr_main(["evaluate", str(export)])
+    assert "--config RECIPE.yaml is needed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gr_main(["evaluate", str(run), "--model.hstu.num_layers", "3"])
+    assert "only data.* keys" in capsys.readouterr().err
+    assert gr_main(["evaluate", str(run / "nowhere")]) == 2
+    assert "no such run or export directory" in capsys.readouterr().err
