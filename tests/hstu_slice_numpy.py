@@ -5,6 +5,7 @@ Imports numpy and the standard library only, never gr or torch (tests/test_hstu_
 checks both that and that the outputs equal ``gr.export.load_hstu``'s). Section numbers below
 are the doc's. Dense math runs in float64; time buckets in float32, as the doc specifies.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,8 +42,8 @@ def read_safetensors(path: Path) -> Dict[str, np.ndarray]:
     """{name: float32 array} of a safetensors file of F32 or BF16 tensors (section 1.3)."""
     raw = path.read_bytes()
     (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + size])
-    data = raw[8 + size:]
+    header = json.loads(raw[8 : 8 + size])
+    data = raw[8 + size :]
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -67,9 +68,16 @@ def tensor_shapes(config: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
         shapes["embed_positions.weight"] = (config["max_position_embeddings"] + 1, d)
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (d,), p + "input_layernorm.bias": (d,),
-                       p + "attn_layernorm.weight": (h * dl,), p + "attn_layernorm.bias": (h * dl,),
-                       p + "o_proj.weight": (d, h * dl), p + "o_proj.bias": (d,)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "input_layernorm.bias": (d,),
+                p + "attn_layernorm.weight": (h * dl,),
+                p + "attn_layernorm.bias": (h * dl,),
+                p + "o_proj.weight": (d, h * dl),
+                p + "o_proj.bias": (d,),
+            }
+        )
         for name, rows in (("u_proj", h * dl), ("v_proj", h * dl), ("q_proj", h * da), ("k_proj", h * da)):
             shapes.update({p + name + ".weight": (rows, d), p + name + ".bias": (rows,)})
         if position_buckets(config) > 0:
@@ -108,7 +116,7 @@ def next_event_query_times(
         start, end = int(seq_offsets[b]), int(seq_offsets[b + 1])
         hist = end - start - int(num_targets[b])
         if hist:
-            out[start:start + hist - 1] = timestamps[start + 1:start + hist]
+            out[start : start + hist - 1] = timestamps[start + 1 : start + hist]
             out[start + hist - 1] = request_times[b]
     return out
 
@@ -163,8 +171,12 @@ class HSTUSlice:
         out = np.empty(x.shape, dtype=np.float64)
         for b in range(len(num_targets)):
             rows = slice(int(seq_offsets[b]), int(seq_offsets[b + 1]))
-            out[rows] = self._sequence(np.asarray(x[rows], np.float64), np.asarray(timestamps[rows], np.int64),
-                                       np.asarray(tq[rows], np.int64), int(num_targets[b]))
+            out[rows] = self._sequence(
+                np.asarray(x[rows], np.float64),
+                np.asarray(timestamps[rows], np.int64),
+                np.asarray(tq[rows], np.int64),
+                int(num_targets[b]),
+            )
         return out
 
     def _sequence(self, x: np.ndarray, ts: np.ndarray, tq: np.ndarray, num_targets: int) -> np.ndarray:
@@ -180,14 +192,16 @@ class HSTUSlice:
             h = h + w["embed_positions.weight"][pos]
         rel = pos[:, None] - pos[None, :]  # [n, n] query t, key j
         visible = (index[:, None] == index[None, :]) | (
-            (rel > 0) & ((c["max_attn_len"] == 0) | (rel <= c["max_attn_len"])))
+            (rel > 0) & ((c["max_attn_len"] == 0) | (rel <= c["max_attn_len"]))
+        )
         visible |= (index[None, :] < c["contextual_len"]) & (index[None, :] < hist)  # section 4.1
         norm = np.full(n, 1.0 / m) if c["attn_norm"] == "max_seq_len" else 1.0 / (pos + 1.0)  # section 4.4
         pos_bucket = np.clip(rel, 0, position_buckets(c) - 1)
         t_bucket = None
         if c["time_buckets"] > 0:  # section 4.3
-            t_bucket = time_bucket(tq[:, None] - ts[None, :], c["time_bucketing"], c["time_buckets"],
-                                   c["time_bucket_log_divisor"])
+            t_bucket = time_bucket(
+                tq[:, None] - ts[None, :], c["time_bucketing"], c["time_buckets"], c["time_bucket_log_divisor"]
+            )
         for i in range(c["num_hidden_layers"]):
             rab = np.zeros((n, n))
             if position_buckets(c) > 0:
@@ -200,7 +214,7 @@ class HSTUSlice:
     def _layer(self, h: np.ndarray, i: int, rab: np.ndarray, visible: np.ndarray, norm: np.ndarray) -> np.ndarray:
         """Section 4: h [n, D], rab [n, n], visible [n, n] bool, norm [n] -> [n, D]."""
         c, p = self.config, f"layers.{i}."
-        w = {name[len(p):]: t for name, t in self.weights.items() if name.startswith(p)}
+        w = {name[len(p) :]: t for name, t in self.weights.items() if name.startswith(p)}
         heads, da, dl, eps = c["num_attention_heads"], c["attention_dim"], c["linear_dim"], c["layer_norm_eps"]
         n = h.shape[0]
         z = _layer_norm(h, w["input_layernorm.weight"], w["input_layernorm.bias"], eps)

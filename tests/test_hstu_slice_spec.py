@@ -1,6 +1,7 @@
 """docs/hstu_slice.md is enough to serve the HSTU slice: tests/hstu_slice_numpy.py, written from the
 doc alone in plain numpy, reproduces gr's loaded slice (``load_hstu``) and its cached serving path
 on exports that switch each documented feature on and off, float32 and bfloat16."""
+
 import ast
 import json
 import shutil
@@ -11,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hstu_slice_numpy import HSTUSlice, evicted_prefix, next_event_query_times, read_safetensors, time_bucket
+from test_export_roundtrip import DENSE_DIMS, HSTU_KW, build_ranking_model
 
 from gr.export import export_model, load_hstu
 from gr.hstu.cache import CachedHSTU
 from gr.hstu.kernels.common import time_bucket as gr_time_bucket
 from gr.jagged import evicted_prefix as gr_evicted_prefix
-from hstu_slice_numpy import HSTUSlice, evicted_prefix, next_event_query_times, read_safetensors, time_bucket
-from test_export_roundtrip import DENSE_DIMS, HSTU_KW, build_ranking_model
 
 TESTS = Path(__file__).parent
 MAX_SEQ_LEN = HSTU_KW["max_seq_len"]
@@ -27,15 +28,24 @@ SEQUENCES = [(MAX_SEQ_LEN, 3), (1, 1), (7, 0), (0, 2), (13, 4)]
 CASES = {
     "layers_heads_log_time": dict(num_layers=3, num_heads=3, attention_dim=4, linear_dim=6),
     "next_event_sqrt_contextual_window_seq_len": dict(
-        query_time="next_event", time_bucketing="sqrt", time_buckets=64, contextual_len=3, max_attn_len=5,
-        attn_norm="seq_len"),
-    "clamped_buckets_next_event_alpha": dict(position_buckets=6, time_buckets=8, attn_alpha=0.7,
-                                             query_time="next_event"),
-    "no_scaling_no_positions_no_bias": dict(num_layers=1, scale_input=False, position_embedding=False,
-                                            position_buckets=0, time_buckets=0),
+        query_time="next_event",
+        time_bucketing="sqrt",
+        time_buckets=64,
+        contextual_len=3,
+        max_attn_len=5,
+        attn_norm="seq_len",
+    ),
+    "clamped_buckets_next_event_alpha": dict(
+        position_buckets=6, time_buckets=8, attn_alpha=0.7, query_time="next_event"
+    ),
+    "no_scaling_no_positions_no_bias": dict(
+        num_layers=1, scale_input=False, position_embedding=False, position_buckets=0, time_buckets=0
+    ),
 }
 EXPORTS = [(case, "float32") for case in CASES] + [
-    ("next_event_sqrt_contextual_window_seq_len", "bfloat16"), ("layers_heads_log_time", "bfloat16")]
+    ("next_event_sqrt_contextual_window_seq_len", "bfloat16"),
+    ("layers_heads_log_time", "bfloat16"),
+]
 
 
 @pytest.fixture(scope="module", params=EXPORTS, ids=[f"{case}-{dtype}" for case, dtype in EXPORTS])
@@ -73,8 +83,14 @@ def test_numpy_slice_from_the_doc_matches_load_hstu_on_a_jagged_batch(exported):
     assert {np.dtype(np.float32)} == {w.dtype for w in read_safetensors(path / "hstu/model.safetensors").values()}
     got = reference.forward(x, ts, offsets, num_targets, query_times)
     with torch.no_grad():
-        want = load_hstu(path)(torch.from_numpy(x), torch.from_numpy(offsets), int(np.diff(offsets).max()),
-                               torch.from_numpy(ts), torch.from_numpy(num_targets), torch.from_numpy(query_times))
+        want = load_hstu(path)(
+            torch.from_numpy(x),
+            torch.from_numpy(offsets),
+            int(np.diff(offsets).max()),
+            torch.from_numpy(ts),
+            torch.from_numpy(num_targets),
+            torch.from_numpy(query_times),
+        )
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -88,11 +104,11 @@ def test_cached_serving_with_a_request_time_matches_the_docs_query_times(exporte
     hist = int(offsets[b + 1] - offsets[b] - num_targets[b])
     xs, tss = torch.from_numpy(x[rows]), torch.from_numpy(ts[rows])
     engine = CachedHSTU(load_hstu(path))
-    cache = engine.extend(engine.encode(xs[:hist - 3], tss[:hist - 3]), xs[hist - 3:hist], tss[hist - 3:hist])
+    cache = engine.extend(engine.encode(xs[: hist - 3], tss[: hist - 3]), xs[hist - 3 : hist], tss[hist - 3 : hist])
     got = engine.score(cache, xs[hist:], tss[hist:], micro_batch=3, request_time=int(request_times[b]))
     one = np.array([0, rows.stop - rows.start])
-    query_times = next_event_query_times(ts[rows], one, num_targets[b:b + 1], request_times[b:b + 1])
-    want = HSTUSlice.load(path).forward(x[rows], ts[rows], one, num_targets[b:b + 1], query_times)[hist:]
+    query_times = next_event_query_times(ts[rows], one, num_targets[b : b + 1], request_times[b : b + 1])
+    want = HSTUSlice.load(path).forward(x[rows], ts[rows], one, num_targets[b : b + 1], query_times)[hist:]
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -134,14 +150,21 @@ def test_reference_imports_neither_gr_nor_torch(exported):
             imported.add((node.module or "").split(".")[0])
     assert imported <= {"__future__", "hashlib", "json", "math", "struct", "pathlib", "typing", "numpy"}, imported
     x, ts, offsets, num_targets, request_times = jagged_batch()
-    np.savez(path.parent / "batch.npz", x=x, ts=ts, offsets=offsets, num_targets=num_targets,
-             query_times=next_event_query_times(ts, offsets, num_targets, request_times))
+    np.savez(
+        path.parent / "batch.npz",
+        x=x,
+        ts=ts,
+        offsets=offsets,
+        num_targets=num_targets,
+        query_times=next_event_query_times(ts, offsets, num_targets, request_times),
+    )
     script = (
         "import sys, numpy as np\n"
         f"sys.path.insert(0, {str(TESTS)!r})\n"
         "from hstu_slice_numpy import HSTUSlice\n"
         f"b = np.load({str(path.parent / 'batch.npz')!r})\n"
-        f"out = HSTUSlice.load({str(path)!r}).forward(b['x'], b['ts'], b['offsets'], b['num_targets'], b['query_times'])\n"
+        f"ref = HSTUSlice.load({str(path)!r})\n"
+        "out = ref.forward(b['x'], b['ts'], b['offsets'], b['num_targets'], b['query_times'])\n"
         "assert np.isfinite(out).all() and out.shape == b['x'].shape\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('gr', 'torch')))\n"
     )
