@@ -17,7 +17,7 @@ from gr.export import check_export
 from gr.export.__main__ import main as export_main
 from gr.serving import Ranker
 from gr.train import load_trained_model, train
-from helpers.models import rank_all, requests_from_batch
+from helpers.models import as_served, rank_all, requests_from_batch
 from helpers.runs import RETRIEVAL, config
 
 DEVICE = suite_device()
@@ -77,7 +77,8 @@ def test_the_export_served_reproduces_the_device_run_on_its_test_users(device_ru
     users = 12
     got = rank_all(Ranker.load(export_dir, micro_batch=4, device=DEVICE), requests_from_batch(batch)[:users])
     rows = int(out.row_offsets[users])
-    assert set(got) == set(out.predictions) == {"watch"}
-    for task, value in out.predictions.items():
+    want = as_served({task: value[:rows].numpy() for task, value in out.predictions.items()})
+    assert set(got) == set(want) == {"watch", "watch_logit"}
+    for task, value in want.items():
         assert got[task].shape == (rows,)
-        np.testing.assert_allclose(got[task], value[:rows].numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got[task], value, rtol=0, atol=1e-5)

@@ -16,7 +16,7 @@ from gr.export import check_export, open_export
 from gr.export.__main__ import main as export_main
 from gr.serving import Ranker
 from gr.train import load_trained_model
-from helpers.models import rank_all, requests_from_batch
+from helpers.models import as_served, rank_all, requests_from_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ML_100K = Path("/work/shared/data/ml-100k")
@@ -92,6 +92,8 @@ def test_export_of_the_run_reproduces_its_predictions_on_test_users(run_dir, exp
     requests = requests_from_batch(batch)[:users]
     got = rank_all(Ranker.load(exported, micro_batch=5), requests)
     rows = int(out.row_offsets[users])
-    for task, value in out.predictions.items():
+    want = as_served({task: value[:rows].numpy() for task, value in out.predictions.items()})
+    assert set(got) == set(want)
+    for task, value in want.items():
         assert got[task].shape == (rows,)
-        np.testing.assert_allclose(got[task], value[:rows].numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got[task], value, rtol=0, atol=1e-5)
