@@ -9,6 +9,7 @@ computed on CPU."""
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,4 +193,37 @@ def test_bad_shapes_and_modes_are_named_errors():
             torch.zeros(3, 4, DA),
             torch.zeros(3, 4, DL),
             torch.tensor([0, 4]),
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_request_cache_tensors_equal_one_jagged_cache(backend):
+    """Callers may pass each request's cache as its own tensor (no copy into one jagged tensor)."""
+    p = problem(pos_buckets=30, time_buckets=24)
+    cache_rows, new_rows = split(p)
+    bounds = np.cumsum([0, *p["cache_lengths"]])
+    keys, values, ts = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1), p["ts"][cache_rows]
+    per_request = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    rab = bias(p, new_rows)
+    common = dict(new_tokens="targets", rab=rab, backend=backend, alpha=0.3)
+    args = (p["q"][new_rows], p["k"][new_rows], p["v"][new_rows], offsets(p["new_lengths"]))
+    jagged = hstu_cached_attention(*args, keys, values, offsets(p["cache_lengths"]), cache_timestamps=ts, **common)
+    listed = hstu_cached_attention(
+        *args,
+        [keys[:, s] for s in per_request],
+        [values[:, s] for s in per_request],
+        offsets(p["cache_lengths"]),
+        cache_timestamps=[ts[s] for s in per_request],
+        **common,
+    )
+    torch.testing.assert_close(listed, jagged, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cache_k must be"):
+        hstu_cached_attention(
+            *args,
+            [keys[:, s] for s in per_request[:-1]],
+            values,
+            offsets(p["cache_lengths"]),
+            cache_timestamps=ts,
+            **common,
         )

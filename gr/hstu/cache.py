@@ -354,7 +354,7 @@ class CachedHSTU:
         h = self.hstu.embed(
             x, default_positions(new_offsets, cache_offsets, new_tokens) if positions is None else positions
         )
-        cache_ts = _joined([c.timestamps[:n] for c, n in zip(caches, committed)], dim=0)
+        cache_ts = [c.timestamps[:n] for c, n in zip(caches, committed)]
         keys, values = [], []
         for i, layer in enumerate(self.hstu.layers):
             u, q, k, v = layer.project(h)
@@ -363,8 +363,8 @@ class CachedHSTU:
                 k,
                 v,
                 new_offsets,
-                _joined([c.keys[i][:, :n] for c, n in zip(caches, committed)], dim=1),
-                _joined([c.values[i][:, :n] for c, n in zip(caches, committed)], dim=1),
+                [c.keys[i][:, :n] for c, n in zip(caches, committed)],
+                [c.values[i][:, :n] for c, n in zip(caches, committed)],
                 cache_offsets,
                 new_tokens=new_tokens,
                 positions=positions,
@@ -404,8 +404,3 @@ class CachedHSTU:
                 f"HSTU cache: a history of {history_end} tokens exceeds HSTUConfig.max_seq_len {c.max_seq_len}"
             )
         return int(x.shape[0])
-
-
-def _joined(tensors: Sequence[Tensor], dim: int) -> Tensor:
-    """One user's tensor as it is (no copy), several users' concatenated along ``dim``."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)

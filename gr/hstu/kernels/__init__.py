@@ -131,7 +131,8 @@ def hstu_cached_attention(
     q, k: [N, H, Da] float, v: [N, H, Dl] float: the new tokens' projections
     new_offsets: [B+1] int64 over the N new tokens
     cache_k: [H, C, Da] float, cache_v: [H, C, Dl] float: the requests' cached keys and values,
-        head-major (the layout ``gr.hstu.cache.HistoryCache`` keeps), jagged over C
+        head-major (the layout ``gr.hstu.cache.HistoryCache`` keeps), jagged over C; or B
+        per-request tensors [H, C_b, *] (no copy of several users' caches into one)
     cache_offsets: [B+1] int64 over the C cached tokens
     new_tokens: "targets" (candidates at position C_b: each sees the history and itself) or
         "history" (the history goes on: causal among themselves, positions C_b, C_b + 1, ...)
@@ -140,7 +141,8 @@ def hstu_cached_attention(
         (a draft tree's branches); only entries within one request are read
     contextual_len, max_attn_len, alpha, silu_scale: as in ``hstu_attention``
     rab: ``RelativeBias`` of the new tokens (``timestamps``/``query_times``: [N] int64) or None
-    cache_timestamps: [C] int64 seconds of the cached tokens; required with a time bias
+    cache_timestamps: [C] int64 seconds of the cached tokens (or B per-request [C_b]); required
+        with a time bias
     backend: one of ``available_backends()`` or "auto" (by q's device)
     returns: [N, H, Dl]
     """

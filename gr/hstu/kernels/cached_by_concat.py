@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from gr.hstu.kernels.cached_common import CacheTensor, joined
 from gr.hstu.kernels.common import RelativeBias
 from gr.hstu.kernels.pytorch_cached import pytorch_hstu_cached_attention
 from gr.jagged import lengths_from_offsets, offsets_from_lengths, token_offsets_in_seq
@@ -21,8 +22,8 @@ def concat_hstu_cached_attention(
     k: Tensor,
     v: Tensor,
     new_offsets: Tensor,
-    cache_k: Tensor,
-    cache_v: Tensor,
+    cache_k: CacheTensor,
+    cache_v: CacheTensor,
     cache_offsets: Tensor,
     new_tokens: str,
     positions: Optional[Tensor],
@@ -32,7 +33,7 @@ def concat_hstu_cached_attention(
     alpha: float,
     silu_scale: Optional[float],
     rab: Optional[RelativeBias],
-    cache_timestamps: Optional[Tensor],
+    cache_timestamps: Optional[CacheTensor],
     *,
     backend: str,
 ) -> Tensor:
@@ -59,12 +60,13 @@ def concat_hstu_cached_attention(
     )
     if block_visible is not None or positions is not None:
         return pytorch_hstu_cached_attention(*args)
+    cache_k, cache_v, cache_timestamps = joined(cache_k, 1), joined(cache_v, 1), joined(cache_timestamps, 0)
     new_lengths, cache_lengths = lengths_from_offsets(new_offsets), lengths_from_offsets(cache_offsets)
     seq_offsets = offsets_from_lengths(new_lengths + cache_lengths)
     cache_rows, new_rows = _rows(seq_offsets, cache_lengths, new_lengths)
     total = int(seq_offsets[-1])
 
-    def joined(cached: Tensor, new: Tensor) -> Tensor:  # cached [C, ...], new [N, ...] -> [C + N, ...]
+    def interleaved(cached: Tensor, new: Tensor) -> Tensor:  # cached [C, ...], new [N, ...] -> [C + N, ...]
         out = new.new_zeros(total, *new.shape[1:])
         out[cache_rows] = cached.to(new.dtype)
         out[new_rows] = new
@@ -74,13 +76,13 @@ def concat_hstu_cached_attention(
     if rab is not None:
         timestamps = query_times = None
         if rab.time_weights is not None:
-            timestamps = joined(cache_timestamps, rab.timestamps)
-            query_times = joined(cache_timestamps, rab.resolved_query_times)
+            timestamps = interleaved(cache_timestamps, rab.timestamps)
+            query_times = interleaved(cache_timestamps, rab.resolved_query_times)
         full_rab = RelativeBias(rab.position_weights, rab.time_weights, timestamps, rab.time_bucketing, query_times)
     out = hstu_attention(
-        joined(torch.zeros_like(cache_k).transpose(0, 1), q),
-        joined(cache_k.transpose(0, 1), k),
-        joined(cache_v.transpose(0, 1), v),
+        interleaved(torch.zeros_like(cache_k).transpose(0, 1), q),
+        interleaved(cache_k.transpose(0, 1), k),
+        interleaved(cache_v.transpose(0, 1), v),
         seq_offsets,
         int((new_lengths + cache_lengths).max()) if new_lengths.numel() else 0,
         num_targets=new_lengths if new_tokens == "targets" else None,

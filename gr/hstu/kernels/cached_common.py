@@ -10,7 +10,7 @@ per-request slices and the mask and bias of one request's (new, key) pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -19,17 +19,21 @@ from gr.hstu.kernels.common import RelativeBias, hstu_visibility, position_bucke
 from gr.jagged import lengths_from_offsets, token_offsets_in_seq
 
 NEW_TOKEN_KINDS = ("targets", "history")
+# A cached tensor of B requests: one jagged tensor, or a sequence of B per-request tensors.
+CacheTensor = Union[Tensor, Sequence[Tensor]]
 
 
 @dataclass(frozen=True)
 class CachedRequest:
     """One request's slice of a cached-attention call.
 
-    new: the request's rows in q/k/v ([start, end)); cache: its columns in cache_k/cache_v
+    index: which request of the call; new: its rows in q/k/v ([start, end)); cache: its
+    columns in jagged cache tensors (see ``part``)
     positions: [n] int64 each new token's position; history_len: the request's history
     length (cached + new history tokens; targets excluded); block_visible: [n, n] bool or None
     """
 
+    index: int
     new: slice
     cache: slice
     positions: Tensor
@@ -71,7 +75,7 @@ def requests(
         n, cached = ne - ns, ce - cs
         pos = all_positions[ns:ne].long()
         block = None if block_visible is None else block_visible[ns:ne, ns:ne]
-        yield CachedRequest(slice(ns, ne), slice(cs, ce), pos, cached + (n if new_tokens == "history" else 0), block)
+        yield CachedRequest(b, slice(ns, ne), slice(cs, ce), pos, cached + (n if new_tokens == "history" else 0), block)
 
 
 def visibility(
@@ -124,16 +128,31 @@ def bias_between(
     return bias
 
 
+def part(cache: Optional[CacheTensor], request: CachedRequest, dim: int) -> Optional[Tensor]:
+    """One request's cached tensor: its slice of a jagged tensor along ``dim``, or its own entry of a
+    per-request list (which lets callers pass several users' caches without copying them together)."""
+    if cache is None or isinstance(cache, Tensor):
+        return (
+            None if cache is None else cache.narrow(dim, request.cache.start, request.cache.stop - request.cache.start)
+        )
+    return cache[request.index]
+
+
+def joined(cache: Optional[CacheTensor], dim: int) -> Optional[Tensor]:
+    """A cached tensor as one jagged tensor (per-request lists concatenated along ``dim``)."""
+    return cache if cache is None or isinstance(cache, Tensor) else torch.cat(list(cache), dim=dim)
+
+
 def check_inputs(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     new_offsets: Tensor,
-    cache_k: Tensor,
-    cache_v: Tensor,
+    cache_k: CacheTensor,
+    cache_v: CacheTensor,
     cache_offsets: Tensor,
     rab: Optional[RelativeBias],
-    cache_timestamps: Optional[Tensor],
+    cache_timestamps: Optional[CacheTensor],
 ) -> None:
     """Shapes every backend relies on; errors name the argument."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
@@ -141,21 +160,22 @@ def check_inputs(
             f"hstu_cached_attention: q, k must be [N, H, Da] and v [N, H, Dl]; got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    heads = q.shape[1]
-    if cache_k.dim() != 3 or cache_k.shape[0] != heads or cache_k.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"hstu_cached_attention: cache_k must be [{heads}, C, {q.shape[2]}], got {tuple(cache_k.shape)}"
-        )
-    if cache_v.shape != (heads, cache_k.shape[1], v.shape[2]):
-        raise ValueError(
-            f"hstu_cached_attention: cache_v must be [{heads}, {cache_k.shape[1]}, {v.shape[2]}], "
-            f"got {tuple(cache_v.shape)}"
-        )
-    if int(new_offsets[-1]) != q.shape[0] or int(cache_offsets[-1]) != cache_k.shape[1]:
-        raise ValueError("hstu_cached_attention: new_offsets[-1] must be N and cache_offsets[-1] must be C")
-    if rab is not None and rab.time_weights is not None:
-        if cache_timestamps is None or cache_timestamps.shape != (cache_k.shape[1],):
-            raise ValueError("hstu_cached_attention: cache_timestamps [C] are required with a time bias")
+    if int(new_offsets[-1]) != q.shape[0]:
+        raise ValueError("hstu_cached_attention: new_offsets[-1] must be N, the number of new tokens")
+    lengths = lengths_from_offsets(cache_offsets).tolist()
+    spans = [sum(lengths)] if isinstance(cache_k, Tensor) else lengths
+    timed = rab is not None and rab.time_weights is not None
+    named = (("cache_k", cache_k, q.shape[2]), ("cache_v", cache_v, v.shape[2]))
+    for name, cache, dim in named + ((("cache_timestamps", cache_timestamps, None),) if timed else ()):
+        parts = [cache] if cache is None or isinstance(cache, Tensor) else list(cache)
+        for span, part in zip(spans, parts) if len(parts) == len(spans) else [(None, None)]:
+            shape = (span,) if dim is None else (q.shape[1], span, dim)
+            if part is None or tuple(part.shape) != shape:
+                raise ValueError(
+                    f"hstu_cached_attention: {name} must be {list(shape) if span is not None else 'one per request'}"
+                    f" (cache_offsets say {lengths} tokens per request), got "
+                    f"{None if part is None else tuple(part.shape)}"
+                )
 
 
 def _all_equal(values: Tensor) -> bool:

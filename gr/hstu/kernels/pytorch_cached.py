@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gr.hstu.kernels.cached_common import bias_between, requests, visibility
+from gr.hstu.kernels.cached_common import CacheTensor, bias_between, part, requests, visibility
 from gr.hstu.kernels.common import RelativeBias, silu_norm
 
 
@@ -17,8 +17,8 @@ def pytorch_hstu_cached_attention(
     k: Tensor,
     v: Tensor,
     new_offsets: Tensor,
-    cache_k: Tensor,
-    cache_v: Tensor,
+    cache_k: CacheTensor,
+    cache_v: CacheTensor,
     cache_offsets: Tensor,
     new_tokens: str,
     positions: Optional[Tensor],
@@ -28,23 +28,23 @@ def pytorch_hstu_cached_attention(
     alpha: float,
     silu_scale: Optional[float],
     rab: Optional[RelativeBias],
-    cache_timestamps: Optional[Tensor],
+    cache_timestamps: Optional[CacheTensor],
 ) -> Tensor:
     """See ``gr.hstu.kernels.hstu_cached_attention``; returns [N, H, Dl]."""
     out = v.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     for request in requests(new_offsets, cache_offsets, new_tokens, positions, block_visible):
-        new, cache, pos = request.new, request.cache, request.positions
-        keys = torch.cat([cache_k[:, cache], k[new].transpose(0, 1)], dim=1)  # [H, C + n, Da]
-        values = torch.cat([cache_v[:, cache], v[new].transpose(0, 1)], dim=1)
+        new, pos = request.new, request.positions
+        keys = torch.cat([part(cache_k, request, 1), k[new].transpose(0, 1)], dim=1)  # [H, C + n, Da]
+        values = torch.cat([part(cache_v, request, 1), v[new].transpose(0, 1)], dim=1)
         cache_visible, new_visible = visibility(request, new_tokens, contextual_len, max_attn_len)
         visible = torch.cat([cache_visible, new_visible], dim=1)  # [n, C + n]
         logits = torch.matmul(q[new].transpose(0, 1) * alpha, keys.transpose(1, 2))  # [H, n, C + n]
         if rab is not None:
-            cached = cache.stop - cache.start
+            cached = request.cache.stop - request.cache.start
             key_pos = torch.cat([torch.arange(cached, device=q.device), pos])
             key_ts = query_ts = None
             if rab.time_weights is not None:
-                key_ts = torch.cat([cache_timestamps[cache], rab.timestamps[new]]).long()
+                key_ts = torch.cat([part(cache_timestamps, request, 0), rab.timestamps[new]]).long()
                 query_ts = rab.resolved_query_times[new].long()
             bias = bias_between(rab, pos, query_ts, key_pos, key_ts)
             if bias is not None:
