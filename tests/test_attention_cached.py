@@ -7,29 +7,16 @@ attention conformance suite: on CPU the Triton backends run through Triton's int
 CUDA or NPU host the compiled kernels and the vendor op run on the device. The reference rows are
 computed on CPU."""
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
 
-from gr.devices import suite_device
 from gr.hstu.kernels import RelativeBias, hstu_attention, hstu_cached_attention
+from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 pytestmark = pytest.mark.attention
 
-DEVICE = suite_device()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-BACKENDS = ["pytorch"] + [
-    name
-    for name, ok in [
-        ("cpu", DEVICE == "cpu"),
-        ("triton", HAS_TRITON and DEVICE in ("cpu", "cuda")),
-        ("ascend_triton", HAS_TRITON and DEVICE in ("cpu", "npu")),
-        ("ascend", DEVICE == "npu"),
-    ]
-    if ok
-]
+BACKENDS = ["pytorch", *KERNEL_BACKENDS]
 CACHE_LENGTHS = [5, 0, 9, 1]
 NEW_LENGTHS = [3, 2, 4, 1]
 HEADS, DA, DL = 2, 8, 6

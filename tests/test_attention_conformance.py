@@ -7,32 +7,17 @@ interpreter; on a CUDA or NPU host the same tests run the compiled kernels on th
 Select with ``-m attention``.
 """
 
-import importlib.util
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gr.devices import suite_device
 from gr.hstu.kernels import RelativeBias, hstu_attention
 from gr.hstu.kernels.ascend import find_mxrec_hstu_jagged
+from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 pytestmark = pytest.mark.attention
-
-DEVICE = suite_device()  # GR_TEST_DEVICE, else detected (cpu: Triton's interpreter, set by tests/conftest.py)
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-KERNEL_BACKENDS = [
-    name
-    for name, ok in [
-        ("cpu", DEVICE == "cpu"),
-        ("triton", HAS_TRITON and DEVICE in ("cpu", "cuda")),
-        ("ascend_triton", HAS_TRITON and DEVICE in ("cpu", "npu")),
-        ("ascend", DEVICE == "npu"),
-    ]
-    if ok
-]
 
 
 def make_batch(

@@ -18,32 +18,14 @@ from gr.export.__main__ import main as export_main
 from gr.serving import Ranker
 from gr.train import load_trained_model, train
 from helpers.models import as_served, rank_all, requests_from_batch
-from helpers.runs import RETRIEVAL, config
+from helpers.runs import RANKING, config
 
 DEVICE = suite_device()
 
 
 def ranking_recipe(device: str) -> dict:
-    """test_train_run's tiny synthetic recipe as a one-task ranking run on ``device``."""
-    values = copy.deepcopy(RETRIEVAL)
-    values["data"].update(
-        task="ranking",
-        item_features=True,
-        user_features=True,
-        ranking={
-            "positives_per_sample": 2,
-            "samples_per_user": 2,
-            "num_negatives": 4,
-            "eval_num_negatives": 5,
-            "tasks": [{"name": "watch"}],
-        },
-    )
-    values["task"] = {"ranking": {"task_weights": {"watch": 1.0}}}
-    values["model"]["tables"] += [
-        {"name": "category", "embedding_dim": 8, "features": ["item_category"]},
-        {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
-        {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common", "pooling": "mean"},
-    ]
+    """The tiny one-task ranking recipe (``helpers.runs.RANKING``) on ``device``, one short epoch."""
+    values = copy.deepcopy(RANKING)
     values["trainer"].update(accelerator=device, max_epochs=1, limit_train_batches=3)
     if device == "npu":
         values["sparse"]["placement"] = "host"
