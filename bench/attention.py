@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smoke  # noqa: E402
-from peak import matmul_peak  # noqa: E402
+from _peak import matmul_peak  # noqa: E402
 
 from gr.hstu.kernels import RelativeBias, hstu_attention  # noqa: E402
 

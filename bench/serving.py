@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke  # noqa: E402
-from peak import matmul_peak  # noqa: E402
+from _peak import matmul_peak  # noqa: E402
 
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.export import export_model

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _peak import matmul_peak  # noqa: E402
 from bench_data import write_ml1m_shaped_ratings  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
-from peak import matmul_peak  # noqa: E402
 from train_dedup import build, train_step  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
