@@ -276,9 +276,13 @@ class Ranker:
         use_cache=False runs without the history cache (one target-aware pass for a ranking export).
         request_time: seconds (see ``gr.serving.request``); "next_event" models read it.
         """
-        h = self.history(user_id, history, common_features, id_options=id_options)
-        model = h.model
-        cands, request_time = self._candidates(h, candidates, request_time)
+        request = RankRequest(user_id, history, candidates, common_features, request_time, id_options)
+        return self.rank_request(request, use_cache)
+
+    def _rank_alone(self, p: PreparedRank, use_cache: bool) -> RankResult:
+        """One request of a retrieval export (the last-token query against each candidate), or
+        of a ranking export without the cache (one target-aware pass over history + candidates)."""
+        h, model = p.history, p.history.model
         if model.is_retrieval:
             catalogue = model.catalogue()
             if h.length == 0:
@@ -286,23 +290,13 @@ class Ranker:
                     "history: empty; a retrieval model scores items against the query at the last history item"
                 )
             encoded = self.encode(h, use_cache)
-            state = last_token_state(encoded, catalogue, request_time)
-            items = torch.from_numpy(cands[catalogue.item_feature])
+            state = last_token_state(encoded, catalogue, p.request_time)
+            items = torch.from_numpy(p.candidates[catalogue.item_feature])
             scores = {RETRIEVAL: catalogue.index.scores_of(state.query.view(1, -1), items)[0].numpy()}
             check_finite(scores, "retrieval")
             return RankResult(scores, h.length, h.truncated, encoded.cache_status, h.model_version)
-        if not use_cache:
-            hidden = _one_pass(model, h.tokens, cands, request_time)
-            return RankResult(
-                ranking_scores(model.heads(hidden, h.common)), h.length, h.truncated, "off", h.model_version
-            )
-        encoded = self.encode(h)
-        x = model.embed_tokens(cands)
-        hidden = model.engine.score(
-            encoded.cache, x, torch.from_numpy(cands[TIMESTAMPS]), self.micro_batch, request_time
-        )
-        scores = ranking_scores(model.heads(hidden, h.common))
-        return RankResult(scores, h.length, h.truncated, encoded.cache_status, h.model_version)
+        hidden = _one_pass(model, h.tokens, p.candidates, p.request_time)
+        return RankResult(ranking_scores(model.heads(hidden, h.common)), h.length, h.truncated, "off", h.model_version)
 
     def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]) -> Tuple[Tokens, int]:
         """Validate a request's candidates -> (their token columns, the request time)."""
@@ -325,15 +319,7 @@ class Ranker:
         return cands, request_time
 
     def rank_request(self, request: RankRequest, use_cache: bool = True) -> RankResult:
-        return self.rank(
-            request.user_id,
-            request.history,
-            request.candidates,
-            request.common_features,
-            request_time=request.request_time,
-            use_cache=use_cache,
-            id_options=request.id_options,
-        )
+        return self.rank_prepared([self.prepare_rank(request)], use_cache=use_cache)[0]
 
     def rank_batch(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]:
         """Rank several users' requests as one batch; a bad one raises RequestError naming its index.
@@ -360,8 +346,10 @@ class Ranker:
         if not prepared:
             return []
         model = prepared[0].history.model
-        if model.is_retrieval or not use_cache or any(p.history.model is not model for p in prepared):
-            return [self.rank_request(p.request, use_cache) for p in prepared]
+        if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
+            return [self.rank_prepared([p], use_cache=use_cache)[0] for p in prepared]
+        if model.is_retrieval or not use_cache:
+            return [self._rank_alone(p, use_cache) for p in prepared]
         encoded = [self.encode(p.history) for p in prepared]
         counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
         joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
