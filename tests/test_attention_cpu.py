@@ -160,3 +160,36 @@ def test_bf16_inputs_run_the_matmuls_in_bf16_and_stay_close_to_fp32():
     assert close(out16, out32, 0.02)
     assert all(g.dtype == torch.bfloat16 and close(g, want, 0.03) for g, want in zip(grads16, grads32))
     assert all(g.dtype == torch.float32 and close(g, want, 0.01) for g, want in zip(bias16, bias32))
+
+
+def test_a_workspace_shares_one_batch_layout_across_layers_with_equal_results():
+    """Two "layers" (their own bias weights) on one batch through one AttentionWorkspace: the CPU
+    backend builds the batch's layout once (the second call finds it), and outputs and every
+    gradient equal those computed without a workspace."""
+    from gr.hstu.kernels import AttentionWorkspace
+
+    g = torch.Generator().manual_seed(3)
+    offsets = offsets_of([70, 5, 140, 33])
+    total = int(offsets[-1])
+    timestamps = torch.randint(0, 10**6, (total,), generator=g).sort().values
+    q, k, v = (torch.randn(total, 2, 8, generator=g) for _ in range(3))
+    weights = [(torch.randn(141, generator=g) * 0.1, torch.randn(64, generator=g) * 0.1) for _ in range(2)]
+
+    def run(workspace):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        params = [(p.clone().requires_grad_(True), t.clone().requires_grad_(True)) for p, t in weights]
+        x = leaves[0]
+        for pos_w, time_w in params:
+            rab = RelativeBias(pos_w, time_w, timestamps)
+            x = hstu_attention(x, leaves[1], leaves[2], offsets, 140, rab=rab, backend="cpu", workspace=workspace)
+        x.square().sum().backward()
+        return [x.detach(), *(t.grad for t in leaves), *(w.grad for pair in params for w in pair)]
+
+    workspace = AttentionWorkspace(offsets)
+    shared = run(workspace)
+    entries = workspace._entries
+    assert list(entries) == ["cpu"] and len(entries["cpu"].layouts) > 0
+    for got, want in zip(shared, run(None)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="another batch's seq_offsets"):
+        hstu_attention(q, k, v, offsets.clone(), 140, backend="cpu", workspace=workspace)

@@ -171,3 +171,26 @@ def test_retrieval_inputs_carry_distinct_sampled_items(negatives):
     assert negative_ids.shape == ((4, 8) if negatives == "token" else (8,))
     assert int(negative_ids.min()) >= 0 and int(negative_ids.max()) < 50
     assert inputs.sequence_ids.to_dict()["item_id"].values().tolist() == [4, 5, 6, 9, 4]
+
+
+def test_retrieval_inputs_look_up_the_whole_catalogue_when_draws_outnumber_it():
+    """With 4 x 40 negative draws over 12 items (more than WHOLE_CATALOGUE_DRAWS per item) the
+    sampled rows are the catalogue itself, ids index it directly, and the loss over them equals the
+    loss over the distinct drawn items (the ids the distinct path would give, with the same draws)."""
+    config = RetrievalSection(num_negatives=40, negatives="token")
+    task = RetrievalTask(config, num_items=12, item_embedding=lambda rows: rows)
+    ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor([4, 5, 6, 9, 4]), torch.tensor([3, 2]))
+    batch = GRInput(torch.tensor([0, 3, 5]), 3, sequence_ids=ids, labels={"next_item": torch.tensor([5, 6, 7, 4, -1])})
+    inputs = task.training_inputs(batch, torch.Generator().manual_seed(0))
+    assert inputs.sequence_ids.to_dict()[SAMPLED_ITEMS].values().tolist() == list(range(12))
+    assert inputs.labels["positive_index"].tolist() == [5, 6, 7, 4]
+    negatives = inputs.labels["negative_index"]
+    assert negatives.shape == (4, 40)
+    expected = torch.randint(0, 12, (4, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(negatives, expected)  # the same draws, not remapped
+    table = F.normalize(torch.randn(12, 4, generator=torch.Generator().manual_seed(1)), dim=-1)
+    queries = F.normalize(torch.randn(4, 4, generator=torch.Generator().manual_seed(2)), dim=-1)
+    distinct, index = torch.unique(torch.cat([inputs.labels["positive_index"], negatives.flatten()]), return_inverse=True)
+    whole = sampled_softmax_loss(queries, table, inputs.labels["positive_index"], negatives, 0.05)
+    drawn = sampled_softmax_loss(queries, table[distinct], index[:4], index[4:].view(4, 40), 0.05)
+    torch.testing.assert_close(whole, drawn)

@@ -10,7 +10,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gr.hstu.config import HSTUConfig
-from gr.hstu.kernels import RelativeBias, hstu_attention, hstu_cached_attention
+from gr.hstu.dropout import Dropout
+from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention, hstu_cached_attention
 
 
 class HSTULayer(nn.Module):
@@ -29,7 +30,7 @@ class HSTULayer(nn.Module):
         self.uvqk = nn.Linear(config.hidden_dim, heads * (2 * dl + 2 * da))
         self.attn_norm = nn.LayerNorm(heads * dl, eps=config.layer_norm_eps)
         self.output = nn.Linear(heads * dl, config.hidden_dim)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         nn.init.normal_(self.uvqk.weight, std=0.02)
         nn.init.zeros_(self.uvqk.bias)
         pos_buckets = config.num_position_buckets
@@ -85,6 +86,7 @@ class HSTULayer(nn.Module):
         timestamps: Optional[Tensor] = None,
         num_targets: Optional[Tensor] = None,
         query_times: Optional[Tensor] = None,
+        workspace: Optional[AttentionWorkspace] = None,
     ) -> Tensor:
         """q, k: [T, H, Da], v: [T, H, Dl] -> [T, H, Dl]: this layer's masked, biased attention."""
         return hstu_attention(
@@ -100,6 +102,7 @@ class HSTULayer(nn.Module):
             silu_scale=self.silu_scale(),
             rab=self.relative_bias(timestamps, query_times),
             backend=self.config.kernel_backend,
+            workspace=workspace,
         )
 
     def attend_cached(
@@ -149,9 +152,11 @@ class HSTULayer(nn.Module):
         timestamps: Optional[Tensor] = None,
         num_targets: Optional[Tensor] = None,
         query_times: Optional[Tensor] = None,
+        workspace: Optional[AttentionWorkspace] = None,
     ) -> Tensor:
-        """x: [T, D] -> [T, D]; see ``HSTU.forward`` for the other arguments."""
-        args = (seq_offsets, max_seq_len, timestamps, num_targets, query_times)
+        """x: [T, D] -> [T, D]; see ``HSTU.forward`` for the other arguments (``workspace``: the
+        batch's ``AttentionWorkspace``, shared by the layers)."""
+        args = (seq_offsets, max_seq_len, timestamps, num_targets, query_times, workspace)
         recompute = self.config.recompute if torch.is_grad_enabled() and self.training else "none"
         if recompute == "layer":
             return checkpoint(self._project_attend_combine, x, *args, use_reentrant=False)
@@ -175,6 +180,7 @@ class HSTULayer(nn.Module):
         timestamps: Optional[Tensor],
         num_targets: Optional[Tensor],
         query_times: Optional[Tensor],
+        workspace: Optional[AttentionWorkspace],
     ) -> Tensor:
-        attn = self.attend(q, k, v, seq_offsets, max_seq_len, timestamps, num_targets, query_times)
+        attn = self.attend(q, k, v, seq_offsets, max_seq_len, timestamps, num_targets, query_times, workspace)
         return self.combine(x, attn, u)

@@ -8,6 +8,8 @@ from typing import Optional
 from torch import Tensor, nn
 
 from gr.hstu.config import HSTUConfig
+from gr.hstu.dropout import Dropout
+from gr.hstu.kernels import AttentionWorkspace
 from gr.hstu.layer import HSTULayer
 from gr.jagged import token_positions, validate_jagged
 
@@ -42,7 +44,7 @@ class HSTU(nn.Module):
         )
         if self.position_embedding is not None:
             nn.init.trunc_normal_(self.position_embedding.weight, std=math.sqrt(1.0 / config.hidden_dim))
-        self.input_dropout = nn.Dropout(config.input_dropout)
+        self.input_dropout = Dropout(config.input_dropout)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -83,6 +85,7 @@ class HSTU(nn.Module):
                 f"{self.config.max_seq_len}; truncate histories to the most recent max_seq_len items"
             )
         h = self.embed(x, positions)
+        workspace = AttentionWorkspace(seq_offsets)
         for layer in self.layers:
-            h = layer(h, seq_offsets, max_seq_len, timestamps, num_targets, query_times)
+            h = layer(h, seq_offsets, max_seq_len, timestamps, num_targets, query_times, workspace)
         return h

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-ROW_TILE_ELEMENTS = 1 << 18  # logits of one row tile in the dense path (1 MB in fp32: stays in cache)
+ROW_TILE_ELEMENTS = 1 << 21  # logits of one row tile in the dense path (4-8 MB: fewer, larger matmuls)
 
 
 def sampled_softmax_loss(
@@ -50,46 +50,41 @@ def sampled_softmax_loss(
 
 class _DenseSampledSoftmax(torch.autograd.Function):
     """Per-row negatives scored through row tiles ``queries[rows] @ items.T`` ([n, U], never
-    [N, U] at once): matmuls at full speed, no [N, K, d] gather. Forward keeps the softmax
-    [N, K + 1] (fp32); backward scatters its gradient into the same dense tiles and runs the
-    two matmuls ``G @ items`` and ``G^T @ queries``."""
+    [N, U] at once): the forward logits at full matmul speed, no [N, K, d] gather. Forward keeps
+    the softmax [N, K + 1] (fp32). Backward: the queries' gradient is a weighted bag of item rows
+    (``embedding_bag`` with per-sample weights: only the K + 1 useful rows per query), the items'
+    gradient ``G^T @ queries`` over the same dense tiles, G scattered into them in the compute dtype."""
 
     @staticmethod
     def forward(ctx, queries, items, positive_index, negative_index, temperature, compute):
         q, it = queries.to(compute), items.to(compute)
+        index = torch.cat([positive_index[:, None], negative_index], 1)  # [N, K + 1], the positive first
         rows = max(1, ROW_TILE_ELEMENTS // max(items.shape[0], 1))
-        total, k = negative_index.shape
-        probs = torch.empty(total, k + 1, dtype=torch.float32, device=q.device)
-        losses = torch.empty(total, dtype=torch.float32, device=q.device)
-        for s in range(0, total, rows):
-            pos, neg = positive_index[s : s + rows, None], negative_index[s : s + rows]
-            tile = (q[s : s + rows] @ it.T).float()  # [n, U]
-            logits = torch.cat([tile.gather(1, pos), tile.gather(1, neg).masked_fill_(neg == pos, float("-inf"))], 1)
-            logits.div_(temperature)
-            lse = torch.logsumexp(logits, 1, keepdim=True)
-            losses[s : s + rows] = (lse - logits[:, :1]).squeeze(1)
-            probs[s : s + rows] = logits.sub_(lse).exp_()
-        ctx.save_for_backward(q, it, positive_index, negative_index, probs)
+        logits = torch.empty(index.shape, dtype=torch.float32, device=q.device)
+        for s in range(0, index.shape[0], rows):
+            logits[s : s + rows] = (q[s : s + rows] @ it.T).gather(1, index[s : s + rows])
+        logits[:, 1:].masked_fill_(negative_index == positive_index[:, None], float("-inf")).div_(temperature)
+        logits[:, :1].div_(temperature)
+        lse = torch.logsumexp(logits, 1, keepdim=True)
+        loss = (lse - logits[:, :1]).mean()
+        probs = logits.sub_(lse).exp_()
+        ctx.save_for_backward(q, it, index, probs)
         ctx.temperature, ctx.dtypes = temperature, (queries.dtype, items.dtype)
-        return losses.mean()
+        return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, it, positive_index, negative_index, probs = ctx.saved_tensors
+        q, it, index, probs = ctx.saved_tensors
         total = probs.shape[0]
-        rows = max(1, ROW_TILE_ELEMENTS // max(it.shape[0], 1))
         probs[:, 0] -= 1.0  # d(-log p_positive) / d logit_j = p_j - [j is the positive]
-        probs.mul_(grad.float() / (total * ctx.temperature))
-        dq = torch.empty_like(q)
+        weights = probs.mul_(grad.float() / (total * ctx.temperature))
+        dq = F.embedding_bag(index, it, mode="sum", per_sample_weights=weights.to(it.dtype))
+        rows = max(1, ROW_TILE_ELEMENTS // max(it.shape[0], 1))
         ditems = torch.zeros(it.shape, dtype=torch.float32, device=it.device)
         for s in range(0, total, rows):
-            g = probs[s : s + rows]
-            tile = torch.zeros(g.shape[0], it.shape[0], dtype=torch.float32, device=q.device)
-            tile.scatter_add_(1, negative_index[s : s + rows], g[:, 1:])
-            tile.scatter_add_(1, positive_index[s : s + rows, None], g[:, :1])
-            tile = tile.to(q.dtype)
-            dq[s : s + rows] = tile @ it
+            tile = torch.zeros(min(rows, total - s), it.shape[0], dtype=q.dtype, device=q.device)
+            tile.scatter_add_(1, index[s : s + rows], weights[s : s + rows].to(q.dtype))
             ditems += (tile.T @ q[s : s + rows]).float()
         return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None
 

@@ -23,9 +23,9 @@ from typing import Callable, Dict, List, Optional
 from torch import Tensor
 
 from gr.hstu.kernels.cached_common import check_inputs
-from gr.hstu.kernels.common import RelativeBias
+from gr.hstu.kernels.common import AttentionWorkspace, RelativeBias
 
-__all__ = ["RelativeBias", "hstu_attention", "hstu_cached_attention", "available_backends", "resolve_backend"]
+__all__ = ["AttentionWorkspace", "RelativeBias", "hstu_attention", "hstu_cached_attention", "available_backends", "resolve_backend"]
 
 _BACKENDS: Dict[str, str] = {  # name -> "module:function"
     "pytorch": "gr.hstu.kernels.pytorch:pytorch_hstu_attention",
@@ -39,6 +39,7 @@ _CACHED_BACKENDS: Dict[str, str] = {
     "cpu": "gr.hstu.kernels.cpu_cached:cpu_hstu_cached_attention",
 }
 _AUTO = {"cuda": "triton", "npu": "ascend", "cpu": "cpu"}
+_WORKSPACE_BACKENDS = ("cpu",)  # backends that keep per-batch work in an AttentionWorkspace
 
 
 def available_backends() -> List[str]:
@@ -79,6 +80,7 @@ def hstu_attention(
     silu_scale: Optional[float] = None,
     rab: Optional[RelativeBias] = None,
     backend: str = "auto",
+    workspace: Optional[AttentionWorkspace] = None,
 ) -> Tensor:
     """Jagged HSTU attention: ``out_i = sum_j mask_ij * SiLU(alpha q_i.k_j + rab_ij) * norm_i * v_j``.
 
@@ -93,11 +95,15 @@ def hstu_attention(
     silu_scale: norm_i; None -> 1 / (pos_i + 1) (per-sequence length so far)
     rab: relative bias parts (``RelativeBias``) or None
     backend: one of ``available_backends()`` or "auto" (by q's device)
+    workspace: the batch's ``AttentionWorkspace`` when several layers attend over one batch:
+        backends that can reuse the batch's layout and bias buckets across calls keep them there
     returns: [T, H, Dv]
     """
     name = resolve_backend(backend, q.device.type)
     # "auto" on an NPU lets the vendor op's misfits fall back to the NPU Triton kernels
     options = {"explicit": False} if name == "ascend" and backend == "auto" else {}
+    if workspace is not None and name in _WORKSPACE_BACKENDS:
+        options["workspace"] = workspace
     return _load(name)(
         q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab, **options
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -53,6 +53,29 @@ class RelativeBias:
     def resolved_query_times(self) -> Optional[Tensor]:
         """[T] int64: the time each query is asked at (``query_times`` or ``timestamps``)."""
         return self.timestamps if self.query_times is None else self.query_times
+
+
+class AttentionWorkspace:
+    """Scratch shared by the attention calls of every layer on one batch.
+
+    A backend may keep here what depends only on the batch (its layout, masks and bias bucket
+    indices: ``seq_offsets``, ``num_targets``, ``timestamps``, ``query_times`` and the layer
+    config, which every layer shares), never on weights or activations, so the work is done
+    once per batch instead of once per layer and again in backward. Make one per batch
+    (``HSTU.forward`` does); it is bound to that batch's ``seq_offsets`` [B+1] tensor.
+    """
+
+    def __init__(self, seq_offsets: Tensor) -> None:
+        self.seq_offsets = seq_offsets
+        self._entries: Dict[str, object] = {}
+
+    def get(self, key: str, seq_offsets: Tensor, build: Callable[[], object]) -> object:
+        """The entry ``key``, built on first use; ``seq_offsets`` must be the bound batch's."""
+        if seq_offsets is not self.seq_offsets:
+            raise ValueError("AttentionWorkspace: used with another batch's seq_offsets; make one per batch")
+        if key not in self._entries:
+            self._entries[key] = build()
+        return self._entries[key]
 
 
 def rebased_times(rab: RelativeBias, device: torch.device) -> Tuple[Tensor, Tensor]:
