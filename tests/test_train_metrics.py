@@ -190,7 +190,9 @@ def test_retrieval_inputs_look_up_the_whole_catalogue_when_draws_outnumber_it():
     assert torch.equal(negatives, expected)  # the same draws, not remapped
     table = F.normalize(torch.randn(12, 4, generator=torch.Generator().manual_seed(1)), dim=-1)
     queries = F.normalize(torch.randn(4, 4, generator=torch.Generator().manual_seed(2)), dim=-1)
-    distinct, index = torch.unique(torch.cat([inputs.labels["positive_index"], negatives.flatten()]), return_inverse=True)
+    distinct, index = torch.unique(
+        torch.cat([inputs.labels["positive_index"], negatives.flatten()]), return_inverse=True
+    )
     whole = sampled_softmax_loss(queries, table, inputs.labels["positive_index"], negatives, 0.05)
     drawn = sampled_softmax_loss(queries, table[distinct], index[:4], index[4:].view(4, 40), 0.05)
     torch.testing.assert_close(whole, drawn)

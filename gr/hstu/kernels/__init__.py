@@ -25,7 +25,14 @@ from torch import Tensor
 from gr.hstu.kernels.cached_common import check_inputs
 from gr.hstu.kernels.common import AttentionWorkspace, RelativeBias
 
-__all__ = ["AttentionWorkspace", "RelativeBias", "hstu_attention", "hstu_cached_attention", "available_backends", "resolve_backend"]
+__all__ = [
+    "AttentionWorkspace",
+    "RelativeBias",
+    "hstu_attention",
+    "hstu_cached_attention",
+    "available_backends",
+    "resolve_backend",
+]
 
 _BACKENDS: Dict[str, str] = {  # name -> "module:function"
     "pytorch": "gr.hstu.kernels.pytorch:pytorch_hstu_attention",
