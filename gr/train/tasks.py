@@ -67,12 +67,13 @@ class RetrievalTask:
         k = self.config.num_negatives
         shape = (positives.numel(), k) if self.config.negatives == "token" else (k,)
         negatives = torch.randint(0, self.num_items, shape, generator=generator).to(positives.device)
-        sampled = torch.cat([positives, negatives.reshape(-1)])
-        if self.num_items * WHOLE_CATALOGUE_DRAWS <= sampled.numel():
+        if self.num_items * WHOLE_CATALOGUE_DRAWS <= positives.numel() + negatives.numel():
             # Nearly every item is drawn: look up the whole catalogue, the ids are their own rows.
-            distinct, index = torch.arange(self.num_items, device=sampled.device), sampled
+            distinct = torch.arange(self.num_items, device=positives.device)
+            positive_index, negative_index = positives, negatives
         else:
-            distinct, index = unique_ids(sampled, self.num_items)
+            distinct, index = unique_ids(torch.cat([positives, negatives.reshape(-1)]), self.num_items)
+            positive_index, negative_index = index[: positives.numel()], index[positives.numel() :].reshape(shape)
         features = batch.sequence_ids.to_dict()
         ids_device = batch.sequence_ids.values().device  # the tables' (host memory when placed there)
         lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=ids_device)
@@ -80,8 +81,8 @@ class RetrievalTask:
         features[SAMPLED_ITEMS] = JaggedTensor(values=distinct.to(ids_device), lengths=lengths)
         labels = {
             **batch.labels,
-            "positive_index": index[: positives.numel()],
-            "negative_index": index[positives.numel() :].reshape(shape),
+            "positive_index": positive_index,
+            "negative_index": negative_index,
         }
         return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
 
