@@ -5,6 +5,7 @@ over HTTP, by raw values, scores as the trained model does."""
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -72,9 +73,11 @@ def test_genre_dropout_hides_genres_of_training_tokens_only(tmp_path):
     assert torch.equal(model.split_input(batch).token_dense["item_genres"], genres)
 
 
-def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_scores(tmp_path):
+@pytest.mark.parametrize("query_time", ["next_event", "token"])
+def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_scores(tmp_path, query_time):
     run, export = tmp_path / "run", tmp_path / "export"
-    config = load_config(CONFIG, [("data.path", str(small_ml_100k(tmp_path / "ml-100k"))), *SMALL])
+    data_path = str(small_ml_100k(tmp_path / "ml-100k"))
+    config = load_config(CONFIG, [("data.path", data_path), ("model.hstu.query_time", query_time), *SMALL])
     assert config.model.class_path == "examples.custom_project.model.GenreModel"
     train(config, run)
     assert cli.main(["export", str(run), str(export)]) == 0
@@ -115,6 +118,11 @@ def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_
         status, answer = server.call("POST", "/v1/rank", request)
         assert status == 200, answer
         np.testing.assert_allclose(answer["scores"]["retrieval"], trained, atol=1e-5)
+        recommend = {k: v for k, v in request.items() if k != "candidates"}
+        status, answer = server.call("POST", "/v1/recommend", {**recommend, "k": 3})
+        assert status == 200 and len(answer["items"]) == 3, answer
+        status, answer = server.call("POST", "/v1/generate", {**recommend, "k": 3})
+        assert status == 400 and "item_genres" in answer["detail"], answer
         status, answer = server.call(
             "POST", "/v1/rank", {**request, "common_features": {**request["common_features"], "user_zip": "x"}}
         )
