@@ -14,6 +14,7 @@ import pytest
 
 from gr.data.config import ColumnConfig, DataConfig
 from gr.data.datamodule import SequenceDataModule
+from gr.data.features import FeatureSpec
 from gr.data.interactions import DataFormatError
 from gr.data.readers import read_table_csv, read_table_parquet
 from gr.evaluate import evaluate_export, evaluate_run
@@ -22,6 +23,7 @@ from gr.export.writer import export_run
 from gr.serving import Ranker
 from gr.serving.errors import RequestError
 from gr.serving.request import IdOptions
+from gr.train.build import build_tables
 from gr.train.config import TrainConfig
 from gr.train.run import train
 from helpers.runs import RANKING
@@ -293,3 +295,20 @@ def test_missing_or_unknown_features_are_refused_naming_them(ranking_run, change
     ranker = Ranker.load(ranking_run[1])
     with pytest.raises(RequestError, match=message):
         ranker.rank("u", **_raw_request(**changes), id_options=IdOptions("raw"))
+
+
+def test_a_categorical_feature_without_a_table_is_refused_naming_it():
+    values = copy.deepcopy(RANKING)
+    config = TrainConfig.from_dict(values)
+    spec = FeatureSpec(
+        sequence={"item_id": 30, "item_category": 5, "action": 4},
+        common={"user_age": 3, "user_gender": 3},
+        event_features=["action"],
+    )
+    with pytest.raises(
+        ValueError, match=r"model\.tables: no table reads the data's sequence feature\(s\) \['action'\]"
+    ):
+        build_tables(config, spec)
+    values["model"]["tables"].append({"name": "action", "embedding_dim": 4, "features": ["action"]})
+    tables = build_tables(TrainConfig.from_dict(values), spec)
+    assert next(t for t in tables if t.name == "action").num_embeddings == 4  # sized from the data
