@@ -5,6 +5,7 @@ the trained model's scores."""
 
 import copy
 import csv
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,9 @@ from gr.data.config import ColumnConfig, DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.data.interactions import DataFormatError
-from gr.data.readers import read_table_csv, read_table_parquet
+from gr.data.readers import read_source, read_table_csv, read_table_parquet
 from gr.evaluate import evaluate_export, evaluate_run
+from gr.export.manifest import write_manifest
 from gr.export.reader import check_export, open_export
 from gr.export.writer import export_run
 from gr.serving import Ranker
@@ -115,6 +117,15 @@ def test_csv_reads_row_item_and_user_features(tmp_path):
     assert data.item_side.dense["p"].tolist() == [[4.0], [9.5]]  # an item's last row wins
     assert data.user_side.dense["age"].tolist() == [[31.0], [50.0]]
     assert data.user_side.dense_columns == {"age": ["age"]}
+
+
+def test_dropped_duplicate_rows_take_their_row_features_with_them(tmp_path):
+    path = tmp_path / "events.csv"
+    path.write_text("user_id,item_id,timestamp,action\n7,42,100,click\n7,42,100,buy\n7,43,110,view\n")
+    config = DataConfig(source="csv", path=str(path), columns=ColumnConfig(token_features=("action",)))
+    data = read_source(config)
+    assert data.duplicates == 1 and data.items.tolist() == [42, 43]
+    assert data.row_side.categorical["action"].tolist() == ["click", "view"]
 
 
 @pytest.mark.parametrize(
@@ -312,3 +323,20 @@ def test_a_categorical_feature_without_a_table_is_refused_naming_it():
     values["model"]["tables"].append({"name": "action", "embedding_dim": 4, "features": ["action"]})
     tables = build_tables(TrainConfig.from_dict(values), spec)
     assert next(t for t in tables if t.name == "action").num_embeddings == 4  # sized from the data
+
+
+@pytest.mark.parametrize(
+    "old, new, key",
+    [
+        ("[request.action]\n", "[request.action]\ncandidates = maybe\n", "request.action.candidates"),
+        ("[request.country]\n", "[request.country]\ncandidates = optional\n", "request.country.candidates"),
+    ],
+)
+def test_a_bad_candidates_key_in_the_request_schema_is_named(ranking_run, tmp_path, old, new, key):
+    export = tmp_path / "export"
+    shutil.copytree(ranking_run[1], export)
+    graph = export / "default" / "slice_graph.ini"
+    text = graph.read_text().replace("shape = tokens\ncandidates = optional\n", "shape = tokens\n", 1)
+    graph.write_text(text.replace(old, new, 1))
+    write_manifest(export)
+    assert [p.key for p in check_export(export)] == [key]

@@ -22,8 +22,8 @@ from gr.config_checks import (
     optional,
     require,
 )
+from gr.data.features import ITEM_ID
 
-ITEM_ID_FEATURE = "item_id"  # the token id feature every batch has (gr.data.features.ITEM_ID)
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
 EVAL_EXCLUDES = ("history", "window")
@@ -43,7 +43,6 @@ DENSE_GROUPS: Check = (
     "a mapping {feature name: column or [columns]} (float columns)",
 )
 TABLE_SOURCES = ("csv", "parquet")
-ITEM_ID_FEATURE = "item_id"  # the token id feature every batch has (gr.data.features.ITEM_ID)
 DECLARED_FEATURES = ("user_features", "item_features", "token_features", "token_dense", "item_dense", "user_dense")
 
 
@@ -102,10 +101,10 @@ class ColumnConfig(Section):
         if len(set(used)) != len(used):
             raise ValueError(f"{where}: a column is used twice in {used}")
         names = self.feature_names()
-        clashes = sorted({n for n in names if names.count(n) > 1 or n == ITEM_ID_FEATURE})
+        clashes = sorted({n for n in names if names.count(n) > 1 or n == ITEM_ID})
         if clashes:
             raise ValueError(
-                f"{where}: feature name(s) {clashes} used twice or reserved ({ITEM_ID_FEATURE!r}); categorical "
+                f"{where}: feature name(s) {clashes} used twice or reserved ({ITEM_ID!r}); categorical "
                 f"features are named after their column, dense ones after their key (features: {names})"
             )
 

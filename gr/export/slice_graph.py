@@ -29,6 +29,7 @@ from gr.export.format import (
     SLICE_GRAPH,
     SLICE_ORDER,
     TARGETS,
+    TOKENS,
     Problem,
     format_shape,
     parse_shape,
@@ -221,12 +222,14 @@ def _read_tensors(
         if with_source and "source" not in values:
             problems.append(Problem(SLICE_GRAPH, f"{tsec}.source", "missing: which upstream output feeds this input"))
         candidates = values.get("candidates")
-        if candidates not in (None, CANDIDATES_OPTIONAL) or (candidates and with_source):
+        token_feature = not with_source and parse_shape(values.get("shape", ""))[:1] == (TOKENS,)
+        if candidates not in (None, CANDIDATES_OPTIONAL) or (candidates and not token_feature):
             problems.append(
                 Problem(
                     SLICE_GRAPH,
                     f"{tsec}.candidates",
-                    f"expected {CANDIDATES_OPTIONAL!r} on a request tensor, got {candidates!r}",
+                    f"expected {CANDIDATES_OPTIONAL!r} on a request token feature (shape [{TOKENS}, ...]), "
+                    f"got {candidates!r}",
                 )
             )
         tensors.append(
