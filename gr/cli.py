@@ -4,11 +4,16 @@
 subcommand forwards its arguments to the module that owns it (``gr.train.cli``,
 ``gr.export``, ``gr.serving``, ``gr.plan``, ``gr.data.download``), imported only when
 chosen, so ``gr --help`` and ``gr data download`` never import torch.
+
+The working directory is importable (as under ``python -m gr``), so a recipe's
+``model.class`` / ``prefix_dnn.class`` can name a module of the project it is run from
+(``examples.custom_project.model.GenreModel`` from the repository root).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
@@ -65,6 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     configure_backend_autoload()  # before torch is imported: torch_npu autoloads only on an NPU host
     quiet_console()  # before fbgemm_gpu is imported: its logging.basicConfig() then adds no handler
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the console script's path starts at its bin/
+        sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if argv is None else list(argv)
     function, rest, error = resolve(argv)
     if function is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional, Sequence
 
 import numpy as np
@@ -85,12 +85,14 @@ def identity_collate(batch: GRInput) -> GRInput:
 
 @dataclass
 class Corpus:
-    """What every split's batches are cut from."""
+    """What every split's batches are cut from. event_features: the features of each event
+    (row) of ``sequences``, looked up by flat event index."""
 
     sequences: UserSequences
     item_features: SideFeatures
     user_features: SideFeatures
     sampler: UnseenSampler
+    event_features: SideFeatures = field(default_factory=SideFeatures)
 
 
 def assemble(
@@ -102,18 +104,30 @@ def assemble(
     lengths: np.ndarray,
     num_targets: Optional[np.ndarray],
     labels: Dict[str, np.ndarray],
+    events: np.ndarray,
 ) -> GRInput:
-    """One jagged batch -> GRInput with every side feature the corpus has.
+    """One jagged batch -> GRInput with every feature the corpus has.
 
     users: [B] int64 dense user ids; items: [T] int64 dense item ids per token;
     timestamps: [T] int64; query_times: [T] int64, the time of the event each token
     predicts (``GRInput.query_times``); lengths: [B] tokens per sequence (targets included);
-    num_targets: [B] trailing candidate tokens, or None; labels: {name: array}.
+    num_targets: [B] trailing candidate tokens, or None; labels: {name: array};
+    events: [T] int64 flat event row of each token, -1 for a candidate (no event: its event
+    features are id 0, unknown, and zeros).
     """
     lengths_t = torch.from_numpy(lengths.astype(np.int64))
-    item_features = corpus.item_features
-    sequence_keys = [ITEM_ID, *item_features.categorical]
-    sequence_values = [items, *(column[items] for column in item_features.categorical.values())]
+    item_features, event_features = corpus.item_features, corpus.event_features
+    known = events >= 0
+    rows = np.where(known, events, 0)
+    sequence_keys = [ITEM_ID, *item_features.categorical, *event_features.categorical]
+    sequence_values = [
+        items,
+        *(column[items] for column in item_features.categorical.values()),
+        *(np.where(known, column[rows], 0) for column in event_features.categorical.values()),
+    ]
+    token_dense = {name: torch.from_numpy(matrix[items]) for name, matrix in item_features.dense.items()}
+    for name, matrix in event_features.dense.items():
+        token_dense[name] = torch.from_numpy(np.where(known[:, None], matrix[rows], np.float32(0)))
     user_features = corpus.user_features
     common_ids = None
     if user_features.categorical:
@@ -133,7 +147,7 @@ def assemble(
             values=torch.from_numpy(np.concatenate(sequence_values).astype(np.int64)),
             lengths=lengths_t.repeat(len(sequence_keys)),
         ),
-        token_dense={name: torch.from_numpy(matrix[items]) for name, matrix in item_features.dense.items()},
+        token_dense=token_dense,
         common_ids=common_ids,
         common_dense={name: torch.from_numpy(matrix[users]) for name, matrix in user_features.dense.items()},
         labels={
@@ -198,6 +212,7 @@ class RetrievalTrainBatches(SplitBatches):
             lengths,
             None,
             {"next_item": seqs.items[index + 1]},
+            index,
         )
 
 
@@ -247,6 +262,7 @@ class RetrievalEvalBatches(SplitBatches):
                 "exclude_offsets": exclude_offsets.astype(np.int64),
                 "exclude_items": keys % seqs.num_items,
             },
+            index,
         )
 
 
@@ -301,6 +317,8 @@ class RankingBatches(SplitBatches):
         history_rows = concat_ranges(starts, history)
         items = np.empty(int(offsets[-1]), dtype=np.int64)
         times = np.empty(int(offsets[-1]), dtype=np.int64)
+        events = np.full(int(offsets[-1]), -1, dtype=np.int64)  # candidates have no event (row) features
+        events[history_slots] = history_rows
         items[history_slots], items[candidate_slots] = seqs.items[history_rows], candidates.ravel()
         times[history_slots] = seqs.timestamps[history_rows]
         times[candidate_slots] = np.repeat(seqs.timestamps[cuts], num_candidates)
@@ -316,5 +334,5 @@ class RankingBatches(SplitBatches):
             labels[task.name] = np.concatenate([real, np.zeros_like(negatives, dtype=bool)], 1).ravel()
             labels[task.name] = labels[task.name].astype(np.float32)
         return assemble(
-            self.corpus, users, items, times, query_times, lengths, np.full(len(rows), num_candidates), labels
+            self.corpus, users, items, times, query_times, lengths, np.full(len(rows), num_candidates), labels, events
         )

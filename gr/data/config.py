@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from gr.config_checks import (
     BOOL,
@@ -16,11 +16,13 @@ from gr.config_checks import (
     checked,
     int_at_least,
     known_keys,
+    list_of,
     number_in,
     one_of,
     optional,
     require,
 )
+from gr.data.features import ITEM_ID
 
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
@@ -31,15 +33,36 @@ DELIMITER: Check = (
     "one character (not a quote or newline)",
 )
 TASK_LIST: Check = ((lambda v: isinstance(v, (list, tuple)) and len(v) > 0), "a non-empty list of {name, min_rating}")
+DENSE_GROUPS: Check = (
+    (
+        lambda v: (
+            isinstance(v, Mapping)
+            and all(NAME[0](k) and (NAME[0](c) or list_of(NAME, non_empty=True)[0](c)) for k, c in v.items())
+        )
+    ),
+    "a mapping {feature name: column or [columns]} (float columns)",
+)
+TABLE_SOURCES = ("csv", "parquet")
+DECLARED_FEATURES = ("user_features", "item_features", "token_features", "token_dense", "item_dense", "user_dense")
 
 
 @dataclass(frozen=True)
 class ColumnConfig(Section):
-    """Column names of a generic CSV/Parquet file of (user, item, timestamp[, rating, side features]).
+    """Column names of a generic CSV/Parquet file of (user, item, timestamp[, rating, features]).
 
     timestamp: integer or float seconds (a Parquet timestamp column also works).
-    user_features / item_features: categorical columns; a user's (item's) value is
-    taken from its last row in the file.
+    Declared features, each named after its column (categorical) or its key (dense):
+    user_features: categorical user columns -> per-request common ids (``GRInput.common_ids``);
+    item_features: categorical item columns -> per-token ids (``GRInput.sequence_ids``);
+    token_features: categorical columns of the interaction row itself (e.g. action type,
+        device) -> per-token ids; candidate tokens, which have no row, take id 0 (unknown);
+    token_dense: {feature: [float columns]} of the interaction row -> ``GRInput.token_dense``
+        [T, d]; candidate tokens take zeros;
+    item_dense: {feature: [float columns]} of the item -> ``GRInput.token_dense`` [T, d];
+    user_dense: {feature: [float columns]} of the user -> ``GRInput.common_dense`` [B, d].
+    A user's (item's) values are taken from its last row in the file. Each categorical
+    feature needs a table in ``model.tables`` (``num_embeddings: null``: sized from the data).
+    A dense feature may name one column (d = 1) instead of a list.
     """
 
     user: str = checked("user_id", NAME)
@@ -48,11 +71,18 @@ class ColumnConfig(Section):
     rating: Optional[str] = checked(None, optional(NAME))
     user_features: Tuple[str, ...] = checked((), NAMES)
     item_features: Tuple[str, ...] = checked((), NAMES)
+    token_features: Tuple[str, ...] = checked((), NAMES)
+    token_dense: Dict[str, Tuple[str, ...]] = checked({}, DENSE_GROUPS)
+    item_dense: Dict[str, Tuple[str, ...]] = checked({}, DENSE_GROUPS)
+    user_dense: Dict[str, Tuple[str, ...]] = checked({}, DENSE_GROUPS)
     delimiter: str = checked(",", DELIMITER)
     where: InitVar[str] = "data.columns"
 
     def __post_init__(self, where: str) -> None:
         self.validate(where)
+        for name in ("token_dense", "item_dense", "user_dense"):
+            groups = {k: (c,) if isinstance(c, str) else tuple(c) for k, c in getattr(self, name).items()}
+            object.__setattr__(self, name, groups)
         used = [
             self.user,
             self.item,
@@ -60,9 +90,38 @@ class ColumnConfig(Section):
             *([self.rating] if self.rating else []),
             *self.user_features,
             *self.item_features,
+            *self.token_features,
+            *(
+                c
+                for groups in (self.token_dense, self.item_dense, self.user_dense)
+                for cs in groups.values()
+                for c in cs
+            ),
         ]
         if len(set(used)) != len(used):
             raise ValueError(f"{where}: a column is used twice in {used}")
+        names = self.feature_names()
+        clashes = sorted({n for n in names if names.count(n) > 1 or n == ITEM_ID})
+        if clashes:
+            raise ValueError(
+                f"{where}: feature name(s) {clashes} used twice or reserved ({ITEM_ID!r}); categorical "
+                f"features are named after their column, dense ones after their key (features: {names})"
+            )
+
+    def feature_names(self) -> List[str]:
+        """Every declared feature's name, categorical and dense."""
+        return [
+            *self.user_features,
+            *self.item_features,
+            *self.token_features,
+            *self.token_dense,
+            *self.item_dense,
+            *self.user_dense,
+        ]
+
+    def declared(self) -> List[str]:
+        """The keys of this section that declare features (non-empty)."""
+        return [key for key in DECLARED_FEATURES if getattr(self, key)]
 
 
 @dataclass(frozen=True)
@@ -209,6 +268,12 @@ class DataConfig(Section):
             value = getattr(self, name)
             if not isinstance(value, section):
                 object.__setattr__(self, name, section.from_dict(value, f"{where}.{name}"))
+        declared = self.columns.declared()
+        if declared and self.source not in TABLE_SOURCES:
+            raise ValueError(
+                f"{where}.columns.{declared[0]}: only the {' and '.join(TABLE_SOURCES)} sources read declared "
+                f"columns; {self.source!r} has its own features (data.item_features / data.user_features)"
+            )
 
     @classmethod
     def from_dict(cls, values: Any, where: str = "data") -> "DataConfig":

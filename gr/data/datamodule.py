@@ -66,6 +66,7 @@ class SequenceDataModule(lightning.LightningDataModule):
             item_features=SideFeatures.align(data.item_side if config.item_features else None, self.item_map),
             user_features=SideFeatures.align(data.user_side if config.user_features else None, self.user_map),
             sampler=UnseenSampler(sequences),
+            event_features=SideFeatures.align(sequences.events, IdMap(np.arange(len(sequences.items)))),
         )
         log.info(
             "%s: %d users, %d items, %d interactions",
@@ -176,11 +177,13 @@ class SequenceDataModule(lightning.LightningDataModule):
 
     def feature_spec(self) -> FeatureSpec:
         corpus = self._corpus()
+        events = corpus.event_features
         return FeatureSpec(
-            sequence={ITEM_ID: self.num_items, **corpus.item_features.cardinalities()},
+            sequence={ITEM_ID: self.num_items, **corpus.item_features.cardinalities(), **events.cardinalities()},
             common=corpus.user_features.cardinalities(),
-            token_dense=corpus.item_features.dims(),
+            token_dense={**corpus.item_features.dims(), **events.dims()},
             common_dense=corpus.user_features.dims(),
+            event_features=[*events.cardinalities(), *events.dims()],
         )
 
     def popularity(self) -> torch.Tensor:
@@ -199,8 +202,13 @@ class SequenceDataModule(lightning.LightningDataModule):
             "items": self.item_map,
             **corpus.item_features.vocabularies,
             **corpus.user_features.vocabularies,
+            **corpus.event_features.vocabularies,
         }
-        columns = {**corpus.item_features.dense_columns, **corpus.user_features.dense_columns}
+        columns = {
+            **corpus.item_features.dense_columns,
+            **corpus.user_features.dense_columns,
+            **corpus.event_features.dense_columns,
+        }
         mappings.save_mappings(directory, maps, columns)
 
     @staticmethod

@@ -21,12 +21,16 @@ class FeatureSpec:
     common: {feature: cardinality}, one id per sequence (user attributes)
     token_dense: {name: dim}, [T, dim] float per token
     common_dense: {name: dim}, [B, dim] float per sequence
+    event_features: the sequence / token_dense features that come from the interaction row
+        itself, not from the item: candidate tokens (which have no row) take id 0 / zeros, and
+        a served request may leave them out of its candidates
     """
 
     sequence: Dict[str, int]
     common: Dict[str, int] = field(default_factory=dict)
     token_dense: Dict[str, int] = field(default_factory=dict)
     common_dense: Dict[str, int] = field(default_factory=dict)
+    event_features: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -38,6 +38,15 @@ class SideTable:
         if bad:
             raise ValueError(f"SideTable: features {bad} do not have one row per key ({rows})")
 
+    def take(self, index: np.ndarray) -> "SideTable":
+        """The rows ``index`` ([M'] int64) of this table, keyed 0 .. M'-1 (per-event features in a new order)."""
+        return SideTable(
+            np.arange(len(index), dtype=np.int64),
+            {name: values[index] for name, values in self.categorical.items()},
+            {name: values[index] for name, values in self.dense.items()},
+            dict(self.dense_columns),
+        )
+
 
 @dataclass
 class Interactions:
@@ -47,6 +56,8 @@ class Interactions:
     items: [N] raw item ids (int64 or str)
     timestamps: [N] int64 seconds
     ratings: [N] float32, or None when the source has none
+    user_side / item_side: side features keyed by raw user / item id
+    row_side: features of each row itself (keys 0 .. N-1, in file order), or None
     source: the file (or generator) it came from, for error messages
     duplicates: how many rows repeat an earlier row's (user, item, timestamp); ``read_source``
         drops them unless ``data.keep_duplicates`` (``duplicates_dropped`` says which)
@@ -58,6 +69,7 @@ class Interactions:
     ratings: Optional[np.ndarray] = None
     user_side: Optional[SideTable] = None
     item_side: Optional[SideTable] = None
+    row_side: Optional[SideTable] = None
     source: str = ""
     duplicates: int = 0
     duplicates_dropped: bool = False
@@ -69,6 +81,8 @@ class Interactions:
             raise ValueError(f"Interactions from {self.source}: columns have different lengths {[n, *lengths]}")
         if n == 0:
             raise DataFormatError(self.source, "no interactions (empty dataset)")
+        if self.row_side is not None and len(self.row_side.keys) != n:
+            raise ValueError(f"Interactions from {self.source}: row_side has {len(self.row_side.keys)} rows, not {n}")
 
     def duplicate_rows(self) -> np.ndarray:
         """[N] bool: rows whose (user, item, timestamp) an earlier row (in file order) already has."""
@@ -93,6 +107,7 @@ class Interactions:
             items=self.items[keep],
             timestamps=self.timestamps[keep],
             ratings=None if self.ratings is None else self.ratings[keep],
+            row_side=None if self.row_side is None else self.row_side.take(np.flatnonzero(keep)),
             duplicates=count,
             duplicates_dropped=True,
         )

@@ -331,9 +331,19 @@ def read_amazon(path: str) -> Interactions:
 # ---- generic tables ----------------------------------------------------------------------
 
 
+def _categorical_columns(columns: ColumnConfig) -> List[str]:
+    return [*columns.user_features, *columns.item_features, *columns.token_features]
+
+
+def _dense_columns(columns: ColumnConfig) -> List[str]:
+    groups = (columns.token_dense, columns.item_dense, columns.user_dense)
+    return [c for group in groups for names in group.values() for c in names]
+
+
 def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     """A CSV with a header; ``columns`` names the user, item, timestamp (seconds) and optional
-    rating and categorical side-feature columns. Ids that are all canonical integers become int64."""
+    rating and declared feature columns (categorical: any value; dense: finite numbers).
+    Ids that are all canonical integers become int64."""
     file = _require_file(
         Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
     )
@@ -342,7 +352,8 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
         (columns.item, "str"),
         (columns.timestamp, "float"),
         *([(columns.rating, "float")] if columns.rating else []),
-        *((c, "str") for c in (*columns.user_features, *columns.item_features)),
+        *((c, "str") for c in _categorical_columns(columns)),
+        *((c, "float") for c in _dense_columns(columns)),
     ]
     values = read_delimited(file, layout, columns.delimiter, header="select", quoted=True)
     return _table_interactions(file, values, columns)
@@ -353,14 +364,8 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     file = _require_file(Path(path), "Parquet file")
     try:
         schema = pq.read_schema(file)
-        wanted = [
-            columns.user,
-            columns.item,
-            columns.timestamp,
-            *([columns.rating] if columns.rating else []),
-            *columns.user_features,
-            *columns.item_features,
-        ]
+        numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *_dense_columns(columns)]
+        wanted = [columns.user, columns.item, *numeric, *_categorical_columns(columns)]
         missing = [c for c in wanted if c not in schema.names]
         if missing:
             raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
@@ -375,7 +380,7 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
         if column.null_count:
             row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DataFormatError(file, f"row {row + 1}: column {name!r} is null")
-        values[name] = _parquet_column(file, name, column, numeric=name in (columns.timestamp, columns.rating))
+        values[name] = _parquet_column(file, name, column, numeric=name in numeric)
     return _table_interactions(file, values, columns)
 
 
@@ -401,11 +406,25 @@ def _as_ids(values: np.ndarray) -> np.ndarray:
     return values
 
 
-def _last_value_table(keys: np.ndarray, features: Mapping[str, np.ndarray]) -> SideTable:
-    """One row per distinct key holding each feature's value at the key's last row."""
+def _row_table(
+    values: Mapping[str, np.ndarray], categorical: Sequence[str], dense: Mapping[str, Tuple[str, ...]]
+) -> SideTable:
+    """Every row's declared features: categorical columns as they are, each dense feature's
+    columns stacked into [N, d] float32 (its column names kept)."""
+    return SideTable(
+        np.arange(len(values[next(iter(values))]), dtype=np.int64),
+        categorical={c: values[c] for c in categorical},
+        dense={name: np.stack([values[c] for c in cs], axis=1).astype(np.float32) for name, cs in dense.items()},
+        dense_columns={name: list(cs) for name, cs in dense.items()},
+    )
+
+
+def _last_value_table(keys: np.ndarray, rows: SideTable) -> SideTable:
+    """One row per distinct key holding each feature of ``rows`` (one row per key occurrence)
+    at the key's last row."""
     unique, first_in_reversed = np.unique(keys[::-1], return_index=True)
-    last = len(keys) - 1 - first_in_reversed
-    return SideTable(unique, categorical={name: values[last] for name, values in features.items()})
+    table = rows.take(len(keys) - 1 - first_in_reversed)
+    return SideTable(unique, table.categorical, table.dense, table.dense_columns)
 
 
 def _table_interactions(file: Path, values: Dict[str, np.ndarray], columns: ColumnConfig) -> Interactions:
@@ -417,10 +436,12 @@ def _table_interactions(file: Path, values: Dict[str, np.ndarray], columns: Colu
         values[columns.rating].astype(np.float32) if columns.rating else None,
         source=str(file),
     )
-    if columns.user_features:
-        data.user_side = _last_value_table(users, {c: values[c] for c in columns.user_features})
-    if columns.item_features:
-        data.item_side = _last_value_table(items, {c: values[c] for c in columns.item_features})
+    if columns.user_features or columns.user_dense:
+        data.user_side = _last_value_table(users, _row_table(values, columns.user_features, columns.user_dense))
+    if columns.item_features or columns.item_dense:
+        data.item_side = _last_value_table(items, _row_table(values, columns.item_features, columns.item_dense))
+    if columns.token_features or columns.token_dense:
+        data.row_side = _row_table(values, columns.token_features, columns.token_dense)
     return data
 
 

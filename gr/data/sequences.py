@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from gr.data.interactions import DataFormatError, Interactions
+from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.mappings import IdMap
 from gr.jagged import evicted_prefix
 
@@ -31,6 +31,7 @@ class UserSequences:
     items: [N] int64 dense item ids in [0, num_items)
     timestamps: [N] int64 seconds, non-decreasing within a user
     ratings: [N] float32, or None
+    events: features of each event (``Interactions.row_side`` in this order, keys 0 .. N-1), or None
     """
 
     offsets: np.ndarray
@@ -38,6 +39,7 @@ class UserSequences:
     timestamps: np.ndarray
     ratings: Optional[np.ndarray]
     num_items: int
+    events: Optional[SideTable] = None
 
     @property
     def num_users(self) -> int:
@@ -112,6 +114,7 @@ def build_sequences(
         timestamps=timestamps[order],
         ratings=None if data.ratings is None else data.ratings[rows][order].astype(np.float32),
         num_items=len(items.raw),
+        events=None if data.row_side is None else data.row_side.take(rows[order]),
     )
     return sequences, users, items
 

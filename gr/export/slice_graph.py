@@ -4,13 +4,15 @@ INI layout::
 
     [graph]          order = sparse, prefix_dnn, hstu, postfix_dnn
     [request]        tensors = <request tensor names>
-    [request.<t>]    dtype, shape
+    [request.<t>]    dtype, shape[, candidates = optional]
     [slice.<s>]      engine, files, inputs, outputs
     [slice.<s>.input.<t>]   dtype, shape, source = request.<t> | <slice>.<output>[, repeat = per_target]
     [slice.<s>.output.<t>]  dtype, shape
 
 ``repeat = per_target`` feeds a ``[batch, ...]`` source to a ``[targets, ...]`` input, one
-copy per candidate row of the request.
+copy per candidate row of the request. ``candidates = optional`` marks a token feature of the
+interaction itself (e.g. action type): candidate tokens, which have no interaction yet, may leave
+it out and then take id 0 (the unknown id) or zeros, as in training.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from gr.export.format import (
     SLICE_GRAPH,
     SLICE_ORDER,
     TARGETS,
+    TOKENS,
     Problem,
     format_shape,
     parse_shape,
@@ -34,18 +37,21 @@ from gr.export.format import (
 )
 
 REQUEST = "request"
+CANDIDATES_OPTIONAL = "optional"
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A named tensor: dtype ("float32" | "int64"), shape (ints fixed, strings symbolic), and for
-    a slice input the ``source`` ("request.<name>" or "<slice>.<output>") and ``repeat``."""
+    """A named tensor: dtype ("float32" | "int64"), shape (ints fixed, strings symbolic), for
+    a slice input the ``source`` ("request.<name>" or "<slice>.<output>") and ``repeat``, and for
+    a request token feature ``candidates`` ("optional": candidates may leave it out)."""
 
     name: str
     dtype: str
     shape: Tuple[Any, ...]
     source: Optional[str] = None
     repeat: Optional[str] = None
+    candidates: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,8 @@ def _tensor_values(t: TensorSpec) -> Dict[str, str]:
         values["source"] = t.source
     if t.repeat is not None:
         values["repeat"] = t.repeat
+    if t.candidates is not None:
+        values["candidates"] = t.candidates
     return values
 
 
@@ -213,9 +221,25 @@ def _read_tensors(
             problems.append(Problem(SLICE_GRAPH, f"{tsec}.shape", "missing"))
         if with_source and "source" not in values:
             problems.append(Problem(SLICE_GRAPH, f"{tsec}.source", "missing: which upstream output feeds this input"))
+        candidates = values.get("candidates")
+        token_feature = not with_source and parse_shape(values.get("shape", ""))[:1] == (TOKENS,)
+        if candidates not in (None, CANDIDATES_OPTIONAL) or (candidates and not token_feature):
+            problems.append(
+                Problem(
+                    SLICE_GRAPH,
+                    f"{tsec}.candidates",
+                    f"expected {CANDIDATES_OPTIONAL!r} on a request token feature (shape [{TOKENS}, ...]), "
+                    f"got {candidates!r}",
+                )
+            )
         tensors.append(
             TensorSpec(
-                name, dtype or "", parse_shape(values.get("shape", "")), values.get("source"), values.get("repeat")
+                name,
+                dtype or "",
+                parse_shape(values.get("shape", "")),
+                values.get("source"),
+                values.get("repeat"),
+                candidates,
             )
         )
     return tensors

@@ -50,7 +50,7 @@ from gr.export.format import (
 from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
 from gr.export.manifest import write_manifest
 from gr.export.reader import ONNX_DTYPES, check_export
-from gr.export.slice_graph import REQUEST, SliceGraph, SliceSpec, TensorSpec
+from gr.export.slice_graph import CANDIDATES_OPTIONAL, REQUEST, SliceGraph, SliceSpec, TensorSpec
 from gr.export.sparse_manifest import FeatureEntry, SparseManifest, TableEntry
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
@@ -68,6 +68,7 @@ def export_model(
     *,
     id_mappings_dir: Union[str, Path, None] = None,
     dense_dims: Optional[Mapping[str, int]] = None,
+    event_features: Sequence[str] = (),
     overwrite: bool = False,
     hstu_dtype: str = "float32",
 ) -> Path:
@@ -80,6 +81,8 @@ def export_model(
         a feature ``<name>_id`` (item_id -> items) becomes its ``id_mapping`` in sparse.ini.
     dense_dims: {feature: dim} of dense token/common features the DNNs read (features
         without a table); defaults to the DNN's own ``feature_dims``/``common_dims`` when it has them.
+    event_features: token features of the interaction itself (``FeatureSpec.event_features``):
+        marked ``candidates = optional`` in the request schema (candidates take id 0 / zeros).
     overwrite: replace an existing export_dir (otherwise it is an error).
     hstu_dtype: "float32" or "bfloat16": how ``hstu/model.safetensors`` stores the weights
     (the runtime computes in float32 either way).
@@ -93,7 +96,7 @@ def export_model(
     model.eval()
     try:
         with atomic_directory(export_dir, overwrite=overwrite) as tmp:
-            _write(model, tmp, id_mappings_dir, dict(dense_dims or {}), hstu_dtype)
+            _write(model, tmp, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype)
             write_manifest(tmp)
             problems = check_export(tmp)
             if problems:
@@ -121,13 +124,19 @@ def export_run(
         export_dir,
         id_mappings_dir=mappings if mappings.is_dir() else None,
         dense_dims={**spec.token_dense, **spec.common_dense},
+        event_features=spec.event_features,
         overwrite=overwrite,
         hstu_dtype=hstu_dtype,
     )
 
 
 def _write(
-    model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None], dense_dims: Dict[str, int], hstu_dtype: str
+    model: GRModel,
+    root: Path,
+    id_mappings_dir: Union[str, Path, None],
+    dense_dims: Dict[str, int],
+    event_features: Tuple[str, ...],
+    hstu_dtype: str,
 ) -> None:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
@@ -176,7 +185,7 @@ def _write(
         )
     write_bytes(root / HSTU_WEIGHTS, safetensors_bytes(weights))
 
-    graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out)
+    graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out, event_features)
     write_ini(root / SLICE_GRAPH, graph.to_sections(), header="gr slice graph: slices in execution order")
 
 
@@ -398,6 +407,7 @@ def _slice_graph(
     common_dims: Dict[str, int],
     prefix_out: List[TensorSpec],
     postfix_out: List[TensorSpec],
+    event_features: Tuple[str, ...],
 ) -> SliceGraph:
     hidden = model.hstu.config.hidden_dim
     request: List[TensorSpec] = []
@@ -411,13 +421,14 @@ def _slice_graph(
     ):
         for name in names:
             dest_rows = TOKENS if dest is prefix_in else TARGETS
+            optional = CANDIDATES_OPTIONAL if dest is prefix_in and name in event_features else None
             if name in sparse.features:
-                request.append(TensorSpec(name, "int64", (rows,)))
+                request.append(TensorSpec(name, "int64", (rows,), candidates=optional))
                 sparse_in.append(TensorSpec(name, "int64", (rows,), f"{REQUEST}.{name}"))
                 sparse_out.append(TensorSpec(name, "float32", (out_rows, dims[name])))
                 source = f"{SPARSE}.{name}"
             else:
-                request.append(TensorSpec(name, "float32", (out_rows, dims[name])))
+                request.append(TensorSpec(name, "float32", (out_rows, dims[name]), candidates=optional))
                 source = f"{REQUEST}.{name}"
             dest.append(TensorSpec(name, "float32", (dest_rows, dims[name]), source, repeat))
     request += [

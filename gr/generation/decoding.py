@@ -133,17 +133,20 @@ def start(
     timestamps: Tensor,
     request_time: int,
     cached: Optional[HistoryCache] = None,
+    tokens: Optional[Tensor] = None,
 ) -> DecodeState:
     """Encode a history and compute the query at its last token.
 
     items: [L] int64 history items (L >= 1); timestamps: [L] int64
     request_time: seconds, when the generated items happen (the event after the history)
     cached: the cache of exactly this history, if known (only its last token is recomputed)
+    tokens: [L, D] float the history's HSTU inputs, when they are not ``model.item_tokens(items)``
+        (tokens with features besides the item, e.g. genres or the action type)
     """
     length = int(items.numel())
     if length == 0:
         raise ValueError("generate: the history is empty; generation needs at least one item to start from")
-    x = model.item_tokens(items)
+    x = model.item_tokens(items) if tokens is None else tokens
     engine = model.engine
     if cached is None or cached.length != length:
         cached = engine.encode(x, timestamps) if engine.defers_last else engine.encode(x[:-1], timestamps[:-1])

@@ -2,7 +2,8 @@
 ``recommend`` and generation, and the ``GenerativeModel`` view of an export.
 
 The item feature's token is the PrefixDNN output of its table row (computed once for the whole
-catalogue: the PrefixDNN is token-wise); the query is the postfix_dnn output ``query``; items are
+catalogue: the PrefixDNN is token-wise), when the item is the tokens' only feature (otherwise
+items cannot become tokens: no generation). The query is the postfix_dnn output ``query``; items are
 scored against the L2-normalised rows of the item table, as the retrieval head defines
 (``RetrievalHead.item_embedding``): a score is the cosine that training divides by its
 temperature and evaluation ranks by.
@@ -15,7 +16,7 @@ and the generation loop keeps its exclusion masks on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, Optional
 
 import numpy as np
 import torch
@@ -51,11 +52,6 @@ class Catalogue:
             raise RequestError(
                 f"model: the export has no token feature {item_feature!r} (token features: {list(schema.token_ids)})"
             )
-        others = [f for f in (*schema.token_ids, *schema.token_dense) if f != item_feature]
-        if others:
-            raise RequestError(
-                f"model: a catalogue token has only {item_feature!r}; the export also reads token features {others}"
-            )
         if QUERY not in model.postfix.output_names:
             raise RequestError(
                 f"model: the postfix_dnn has no {QUERY!r} output (a retrieval head is needed); "
@@ -64,9 +60,14 @@ class Catalogue:
         rows = model.sparse.rows(item_feature)
         self.model = model
         self.item_feature = item_feature
-        self.tokens = model.embed_tokens(
-            {item_feature: np.arange(rows, dtype=np.int64), TIMESTAMPS: np.zeros(rows, dtype=np.int64)}
-        )  # [M, D]
+        # Token features besides the item (genres, the action type...): a catalogue item has no
+        # value for them, so items cannot become tokens (generation); ranking and recommending work.
+        self.other_token_features = [f for f in (*schema.token_ids, *schema.token_dense) if f != item_feature]
+        self.tokens: Optional[Tensor] = None  # [M, D]
+        if not self.other_token_features:
+            self.tokens = model.embed_tokens(
+                {item_feature: np.arange(rows, dtype=np.int64), TIMESTAMPS: np.zeros(rows, dtype=np.int64)}
+            )
         table = model.sparse.tables[model.sparse.features[item_feature].table]
         self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]
         self.index: ItemIndex = INDEXES[index](self.vectors)
@@ -85,7 +86,14 @@ class ServingGenerativeModel:
 
     def item_tokens(self, items: Tensor) -> Tensor:
         """items: [n] int64 (any device) -> [n, D] float on the model's device."""
-        return self.catalogue.tokens[items.to(self.catalogue.tokens.device)]
+        tokens = self.catalogue.tokens
+        if tokens is None:
+            raise RequestError(
+                f"model: generation appends catalogue items as tokens, which have only "
+                f"{self.catalogue.item_feature!r}; the export also reads token features "
+                f"{self.catalogue.other_token_features} (rank and recommend work)"
+            )
+        return tokens[items.to(tokens.device)]
 
     def queries(self, hidden: Tensor) -> Tensor:
         """hidden: [n, D] float -> [n, d] float (L2-normalised by the head)."""

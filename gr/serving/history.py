@@ -87,4 +87,6 @@ def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time
         raise RequestError("history: empty; a retrieval query needs at least one item")
     lm = ServingGenerativeModel(catalogue, h.common)
     items = torch.from_numpy(h.tokens[catalogue.item_feature])
-    return start(lm, items, torch.from_numpy(h.tokens[TIMESTAMPS]), request_time, encoded.cache)
+    # Tokens with more features than the item: the history's own inputs, not the catalogue's.
+    tokens = h.model.embed_tokens(h.tokens) if catalogue.tokens is None else None
+    return start(lm, items, torch.from_numpy(h.tokens[TIMESTAMPS]), request_time, encoded.cache, tokens)

@@ -24,7 +24,7 @@ from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
 import numpy as np
 
 from gr.export.format import BAG, BATCH, TIMESTAMPS, TOKENS
-from gr.export.slice_graph import SliceGraph
+from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS, IdMaps
 from gr.serving.sparse_store import SparseStore
@@ -198,16 +198,21 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class RequestSchema:
-    """The request tensors an export reads (``[request]`` of slice_graph.ini), and their validation."""
+    """The request tensors an export reads (``[request]`` of slice_graph.ini), and their validation.
+
+    candidate_optional: token features of the interaction itself (``candidates = optional``):
+    candidates may leave them out and then take id 0 (unknown) or zeros, as in training."""
 
     token_ids: Tuple[str, ...]
     token_dense: Dict[str, int]
     common_ids: Tuple[str, ...]
     common_dense: Dict[str, int] = field(default_factory=dict)
+    candidate_optional: Tuple[str, ...] = ()
 
     @classmethod
     def from_graph(cls, graph: SliceGraph) -> "RequestSchema":
         token_ids, common_ids, token_dense, common_dense = [], [], {}, {}
+        optional = tuple(t.name for t in graph.request if t.candidates == CANDIDATES_OPTIONAL)
         for t in graph.request:
             if t.name == TIMESTAMPS or t.shape[0] not in (TOKENS, BAG, BATCH):
                 continue
@@ -219,7 +224,7 @@ class RequestSchema:
                 token_dense[t.name] = int(t.shape[1])
             elif len(t.shape) == 2:
                 common_dense[t.name] = int(t.shape[1])
-        return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense)
+        return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense, optional)
 
     def tokens(
         self,
@@ -229,12 +234,14 @@ class RequestSchema:
         default_timestamp: Optional[int] = None,
         raw: Optional[IdMaps] = None,
         unknown_ids: str = "error",
+        candidates: bool = False,
     ) -> Dict[str, np.ndarray]:
         """Columns -> {feature: [n] int64 | [n, d] float32, "timestamps": [n] int64}.
 
         ``default_timestamp`` fills missing timestamps (candidates); without it they are required.
         An empty mapping is zero tokens. raw: the id maps that turn raw ids into model ids (None:
-        the ids are model ids).
+        the ids are model ids). candidates: the ``candidate_optional`` features may be left out
+        (id 0 / zeros).
         """
         if columns is None or (isinstance(columns, Mapping) and not columns):
             columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
@@ -242,16 +249,25 @@ class RequestSchema:
             raise RequestError(
                 f"{where}: expected an object {{feature: [one value per token]}}, got {type(columns).__name__}"
             )
-        _check_features(columns, (*self.token_ids, *self.token_dense), where, optional=(TIMESTAMPS,))
+        optional = self.candidate_optional if candidates else ()
+        required = tuple(name for name in (*self.token_ids, *self.token_dense) if name not in optional)
+        _check_features(columns, required, where, optional=(TIMESTAMPS, *optional))
         out: Dict[str, np.ndarray] = {}
         for name in self.token_ids:
+            if name not in columns:
+                continue
             values = columns[name] if raw is None else raw.encode(name, columns[name], f"{where}.{name}", unknown_ids)
             out[name] = _ids(values, f"{where}.{name}")
             store.check_ids(name, out[name], where)
         for name, dim in self.token_dense.items():
-            out[name] = _dense(columns[name], dim, f"{where}.{name}")
+            if name in columns:
+                out[name] = _dense(columns[name], dim, f"{where}.{name}")
         lengths = {name: len(a) for name, a in out.items()}
         count = next(iter(lengths.values()), 0)
+        for name in self.token_ids:
+            out.setdefault(name, np.zeros(count, dtype=np.int64))
+        for name, dim in self.token_dense.items():
+            out.setdefault(name, np.zeros((count, dim), dtype=np.float32))
         if TIMESTAMPS in columns:
             out[TIMESTAMPS] = _ids(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
             lengths[TIMESTAMPS] = len(out[TIMESTAMPS])

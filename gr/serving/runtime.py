@@ -311,6 +311,7 @@ class Ranker:
             default_timestamp=default_time,
             raw=h.raw,
             unknown_ids=h.unknown_ids,
+            candidates=True,
         )
         if len(cands[TIMESTAMPS]) == 0:
             raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")

@@ -51,7 +51,8 @@ def build_tables(config: TrainConfig, spec: FeatureSpec, for_training: bool = Tr
         if missing:
             raise ValueError(
                 f"model.tables: no table reads the data's {kind} feature(s) {missing}; add a table of kind "
-                f"{kind!r} for them, or switch the side features off (data.item_features / data.user_features)"
+                f"{kind!r} for them (num_embeddings: null sizes it from the data), or switch the side features "
+                "off (data.item_features / data.user_features) or remove them from data.columns"
             )
         for feature, cardinality in features.items():
             table = by_feature[feature]

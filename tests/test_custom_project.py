@@ -1,0 +1,134 @@
+"""examples/custom_project end to end at a small size: its config trains its GRModel subclass with
+item genres and user demographics, the run exports and passes ``gr check``, and one rank request
+over HTTP, by raw values, scores as the trained model does."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gr import cli
+from gr.data.datamodule import SequenceDataModule
+from gr.data.mappings import load_mappings
+from gr.train.build import build_model
+from gr.train.config import load_config
+from gr.train.run import load_trained_model, train
+from helpers.servers import Server
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "custom_project" / "config.yaml"
+OCCUPATIONS = ("artist", "doctor", "student", "technician")
+
+
+def small_ml_100k(root: Path, users: int = 40, items: int = 60, seed: int = 0) -> Path:
+    """A MovieLens-100K-format directory (u.data, u.item with 19 genre flags, u.user)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir()
+    ratings = []
+    for u in range(1, users + 1):
+        for k, item in enumerate(rng.choice(np.arange(1, items + 1), size=int(rng.integers(8, 16)), replace=False)):
+            ratings.append(f"{u}\t{item}\t{int(rng.integers(1, 6))}\t{880000000 + 3600 * k + u}\n")
+    (root / "u.data").write_text("".join(ratings))
+    flags = [rng.random(19) < 0.15 for _ in range(items)]
+    (root / "u.item").write_text(
+        "".join(
+            f"{i}|Movie {i}|01-Jan-1995||http://x|{'|'.join(str(int(f)) for f in flags[i - 1])}\n"
+            for i in range(1, items + 1)
+        )
+    )
+    (root / "u.user").write_text(
+        "".join(
+            f"{u}|{int(rng.integers(12, 70))}|{'MF'[u % 2]}|{OCCUPATIONS[u % len(OCCUPATIONS)]}|00000\n"
+            for u in range(1, users + 1)
+        )
+    )
+    return root
+
+
+SMALL = [
+    ("trainer.max_epochs", "1"),
+    ("trainer.enable_progress_bar", "false"),
+    ("data.max_seq_len", "20"),
+    ("model.hstu.max_seq_len", "20"),
+    ("data.batch_size", "16"),
+    ("task.retrieval.num_negatives", "16"),
+]
+
+
+def test_genre_dropout_hides_genres_of_training_tokens_only(tmp_path):
+    config = load_config(CONFIG, [("data.path", str(small_ml_100k(tmp_path / "ml-100k"))), *SMALL])
+    data = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
+    data.setup()
+    model = build_model(config, data.feature_spec())
+    batch = next(iter(data.train_dataloader()))
+    genres = batch.token_dense["item_genres"]
+    model.train()
+    hidden = model.split_input(batch).token_dense["item_genres"]
+    kept = (hidden == genres).all(-1)
+    zeroed = (hidden == 0).all(-1)
+    assert (kept | zeroed).all() and (zeroed & (genres.sum(-1) > 0)).any() and kept.float().mean() > 0.5
+    model.eval()
+    assert torch.equal(model.split_input(batch).token_dense["item_genres"], genres)
+
+
+@pytest.mark.parametrize("query_time", ["next_event", "token"])
+def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_scores(tmp_path, query_time):
+    run, export = tmp_path / "run", tmp_path / "export"
+    data_path = str(small_ml_100k(tmp_path / "ml-100k"))
+    config = load_config(CONFIG, [("data.path", data_path), ("model.hstu.query_time", query_time), *SMALL])
+    assert config.model.class_path == "examples.custom_project.model.GenreModel"
+    train(config, run)
+    assert cli.main(["export", str(run), str(export)]) == 0
+    assert cli.main(["check", str(export)]) == 0
+
+    model, config = load_trained_model(run)
+    assert type(model).__name__ == "GenreModel" and not model.training
+    data = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
+    data.setup()
+    batch = data.splits["test"].build(np.arange(2), np.random.default_rng(0))
+    with torch.no_grad():
+        query = model(batch).predictions["query"][int(batch.seq_offsets[1]) - 1]  # user 0's last token
+        items = torch.tensor([int(batch.labels["target_item"][0]), 0, 5, 17])
+        rows = model.embeddings.table_weight("item")[items]
+        trained = (F.normalize(rows, dim=-1) @ query).numpy()
+
+    maps, _ = load_mappings(str(run / "mappings"))
+    length = int(batch.seq_offsets[1])
+    history_items = batch.sequence_ids.to_dict()["item_id"].values()[:length].numpy()
+    genres = data.corpus.item_features.dense["item_genres"]
+    common = batch.common_ids.to_dict()
+    request = {
+        "user_id": str(maps["users"].decode(batch.labels["user"][:1].numpy())[0]),
+        "history": {
+            "item_id": maps["items"].decode(history_items).tolist(),
+            "timestamps": batch.timestamps[:length].tolist(),
+            "item_genres": genres[history_items].tolist(),
+        },
+        "candidates": {"item_id": maps["items"].decode(items.numpy()).tolist(), "item_genres": genres[items].tolist()},
+        "common_features": {
+            name: maps[name].decode(common[name].values()[:1].numpy()).tolist()[0]
+            for name in ("user_age", "user_gender", "user_occupation")
+        },
+        "request_time": int(batch.query_times[length - 1]),
+    }
+    server = Server(export)
+    try:
+        status, answer = server.call("POST", "/v1/rank", request)
+        assert status == 200, answer
+        np.testing.assert_allclose(answer["scores"]["retrieval"], trained, atol=1e-5)
+        recommend = {k: v for k, v in request.items() if k != "candidates"}
+        status, answer = server.call("POST", "/v1/recommend", {**recommend, "k": 3})
+        assert status == 200 and len(answer["items"]) == 3, answer
+        status, answer = server.call("POST", "/v1/generate", {**recommend, "k": 3})
+        assert status == 400 and "item_genres" in answer["detail"], answer
+        status, answer = server.call(
+            "POST", "/v1/rank", {**request, "common_features": {**request["common_features"], "user_zip": "x"}}
+        )
+        assert status == 400 and "user_zip" in answer["detail"]
+        del request["history"]["item_genres"]
+        status, answer = server.call("POST", "/v1/rank", request)
+        assert status == 400 and "item_genres" in answer["detail"]
+    finally:
+        server.stop()
