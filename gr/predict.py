@@ -402,5 +402,6 @@ def _main(argv: List[str]) -> int:
         micro_batch=args.micro_batch,
         progress=not args.no_progress,
     )
-    print(f"wrote {args.output}: {summary['rows']} rows ({summary['mode']}) in {summary['seconds']:.1f}s")
+    rows = f"{summary['rows']} row{'' if summary['rows'] == 1 else 's'}"
+    print(f"wrote {args.output}: {rows} ({summary['mode']}) in {summary['seconds']:.1f}s")
     return 0
