@@ -75,13 +75,11 @@ PROGRESS_EVERY_S = 10.0
 @dataclass(frozen=True)
 class Layout:
     """The input's columns for one export: history / candidate token features and common features
-    (names without their prefix), whether a request_time column is given; ``rank`` when the
-    input holds candidates."""
+    (names without their prefix); ``rank`` when the input holds candidates."""
 
     tokens: Tuple[str, ...]
     candidates: Tuple[str, ...]
     common: Tuple[str, ...]
-    request_time: bool
 
     @property
     def rank(self) -> bool:
@@ -170,7 +168,7 @@ def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
             raise ValueError(f"{path}: column {REQUEST_TIME}: expected integers (seconds), got {kind}")
         if name.startswith((f"{HISTORY}.", f"{CANDIDATES}.")) and not _is_list(kind):
             raise ValueError(f"{path}: column {name}: expected a list per row (one value per token), got {kind}")
-    return Layout(features, candidates, common, REQUEST_TIME in names)
+    return Layout(features, candidates, common)
 
 
 def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.Schema:
@@ -235,8 +233,16 @@ class _Rows:
     def _cells(self, name: str, column: pa.Array) -> Callable[[int], Any]:
         if not _is_list(column.type):
             if column.null_count and name != REQUEST_TIME:
-                raise self.row_error(int(np.flatnonzero(column.is_null())[0]), ValueError("null"), name)
-            return column.to_pylist().__getitem__
+                raise self.row_error(int(np.flatnonzero(column.is_null())[0]), ValueError("null value"), name)
+            values = column.to_pylist()
+            bad = (
+                np.flatnonzero(~np.isfinite(np.asarray(values, dtype=float)))
+                if pa.types.is_floating(column.type)
+                else []
+            )
+            if len(bad):
+                raise self.row_error(int(bad[0]), ValueError(f"non-finite value {values[bad[0]]}"), name)
+            return values.__getitem__
         levels: List[np.ndarray] = []  # offsets of each list level, outermost first
         while True:
             if column.null_count:

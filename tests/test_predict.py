@@ -150,7 +150,16 @@ def _set(table: pa.Table, name: str, row: int, value: Any) -> pa.Table:
             "row 2, column history.item_id: unknown raw id(s) ['nope']",
         ),
         ("retrieval", lambda t: _set(t, "history.timestamps", 1, None), "row 1, column history.timestamps: null"),
-        ("ranking", lambda t: _set(t, "history.age", 3, [[0.5]] * 21 + [[float("nan")]]), "row 3, column history.age"),
+        (
+            "ranking",
+            lambda t: _set(t, "history.age", 3, [[0.5]] * 18 + [[float("nan")]]),
+            "row 3, column history.age: non-finite value nan",
+        ),
+        (
+            "ranking",
+            lambda t: _set(t, "common_features.user_score", 4, [0.1, float("inf")]),
+            "row 4, column common_features.user_score: non-finite value inf",
+        ),
         ("ranking", lambda t: _drop(t, "candidates.item_id"), "missing column(s) ['candidates.item_id']"),
     ],
 )
