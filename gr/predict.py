@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gr.atomic import atomic_file
+from gr.devices import DEVICES
 from gr.export.format import TIMESTAMPS
 from gr.finite import NonFiniteError
 from gr.serving import (
@@ -56,7 +57,7 @@ from gr.serving import (
 )
 from gr.serving.catalogue import ITEM_FEATURE
 from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS
-from gr.serving.model import ServingModel
+from gr.serving.model import ServingModel, check_device
 from gr.serving.request import IdOptions
 from gr.serving.runtime import DEFAULT_MICRO_BATCH
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
@@ -97,13 +98,19 @@ def predict(
     unknown_ids: str = "error",
     exclude_seen: bool = True,
     micro_batch: int = DEFAULT_MICRO_BATCH,
+    device: str = "cpu",
     progress: bool = True,
 ) -> Dict[str, Any]:
-    """Score every row of ``input_path`` with the export; returns {"rows", "mode", "seconds"}."""
+    """Score every row of ``input_path`` with the export on ``device`` (cpu|cuda|npu, as
+    ``gr serve --device``); returns {"rows", "mode", "seconds"}."""
     if batch_size < 1 or k < 1:
         raise ValueError(f"--batch-size and --k: expected >= 1, got {batch_size} and {k}")
     input_path, output_path = Path(input_path), Path(output_path)
-    ranker = Ranker.load(export_dir, micro_batch=micro_batch)
+    try:
+        check_device(device)
+    except RuntimeError as exc:  # the host cannot serve there: bad input, one line
+        raise ValueError(str(exc)) from None
+    ranker = Ranker.load(export_dir, micro_batch=micro_batch, device=device)
     source = _open(input_path)
     schema = _flatten(source.schema_arrow.empty_table()).schema
     layout = input_layout(schema, ranker.model, input_path)
@@ -394,6 +401,7 @@ def _main(argv: List[str]) -> int:
     parser.add_argument("--ids", choices=ID_SPACES, default="raw", help="raw ids (through sparse/id_maps) or model")
     parser.add_argument("--unknown-ids", choices=UNKNOWN_IDS, default="error", help="unknown raw ids: error or oov")
     parser.add_argument("--include-seen", action="store_true", help="top-k may return history items")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the export runs (default cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     summary = predict(
@@ -406,6 +414,7 @@ def _main(argv: List[str]) -> int:
         unknown_ids=args.unknown_ids,
         exclude_seen=not args.include_seen,
         micro_batch=args.micro_batch,
+        device=args.device,
         progress=not args.no_progress,
     )
     rows = f"{summary['rows']} row{'' if summary['rows'] == 1 else 's'}"
