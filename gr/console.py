@@ -73,7 +73,7 @@ class _RankZeroOnly(logging.Filter):
         return record.levelno >= logging.ERROR or not (record.name == GR or record.name.startswith(GR + "."))
 
 
-def process_rank() -> int:
+def _process_rank() -> int:
     """This process's rank as torchrun (``RANK``) or a Lightning launcher (``LOCAL_RANK``) set it; 0 alone."""
     for name in RANK_ENV:
         value = os.environ.get(name, "")
@@ -102,7 +102,7 @@ def quiet_console() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(_NotLightning())
-    if process_rank() != 0:
+    if _process_rank() != 0:
         handler.addFilter(_RankZeroOnly())
     handler._gr_console = True  # type: ignore[attr-defined]
     root.addHandler(handler)
