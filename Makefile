@@ -27,10 +27,14 @@ STAMP_NOW := $(shell date +%Y%m%d-%H%M%S)
 RUN := runs/quickstart-$(STAMP_NOW)
 EXPORT := exports/quickstart-$(STAMP_NOW)
 
+# Extra `gr train` options, e.g. DEMO_TRAIN_ARGS="--trainer.max_epochs 2" (tests/test_console.py runs this
+# recipe, as `make -n` prints it, at a reduced size).
+DEMO_TRAIN_ARGS ?=
+
 # Train on the built-in synthetic data, export the serving slices, validate them, then start the
 # HTTP server, send one rank, one recommend and one generate, print the answers and stop it.
 demo: $(STAMP)
-	$(AUTOLOAD) $(GR) train --config configs/quickstart.yaml --out $(RUN)
+	$(AUTOLOAD) $(GR) train --config configs/quickstart.yaml --out $(RUN) $(DEMO_TRAIN_ARGS)
 	$(AUTOLOAD) $(GR) export $(RUN) $(EXPORT)
 	$(AUTOLOAD) $(GR) check $(EXPORT)
 	$(AUTOLOAD) $(PY) examples/http_demo.py $(EXPORT)

@@ -1,9 +1,10 @@
 """The ``gr`` command: one entry point with git-style subcommands.
 
-``gr train | export | check | serve | rank | generate | plan | data download``. Each
-subcommand forwards its arguments to the module that owns it (``gr.train.cli``,
-``gr.export``, ``gr.serving``, ``gr.plan``, ``gr.data.download``), imported only when
-chosen, so ``gr --help`` and ``gr data download`` never import torch.
+``gr train | export | check | serve | rank | generate | evaluate | predict | plan | data download``.
+Each subcommand forwards its arguments to the module that owns it (``gr.train.cli``,
+``gr.export``, ``gr.serving``, ``gr.evaluate``, ``gr.predict``, ``gr.plan``,
+``gr.data.download``), imported only when chosen, so ``gr --help`` and ``gr data download``
+never import torch.
 
 The working directory is importable (as under ``python -m gr``), so a recipe's
 ``model.class`` / ``prefix_dnn.class`` can name a module of the project it is run from
@@ -35,6 +36,7 @@ COMMANDS: Dict[str, Command] = {
     "rank": Command("gr.serving.__main__", "main", "score a request file's candidates", ("rank",)),
     "generate": Command("gr.serving.__main__", "main", "generate each request's next items", ("generate",)),
     "evaluate": Command("gr.evaluate", "main", "test-split metrics of a run or an export (serving path)"),
+    "predict": Command("gr.predict", "main", "score a Parquet file of users (candidates or top-k) with an export"),
     "plan": Command("gr.plan", "main", "parameter counts and memory per rank for a recipe"),
     "data": Command("gr.data.download", "main", "gr data download NAME DIR: fetch a public dataset"),
 }

@@ -7,11 +7,14 @@ known third-party noise filtered by its exact message, never by silencing loggin
   ``basicConfig`` into a no-op (and replaces one already installed); it prints every record
   except Lightning's, which Lightning prints itself.
 * The messages in ``KNOWN_WARNINGS`` / ``KNOWN_LOG_LINES`` say nothing a user can act on.
+* Under torchrun every rank runs the same code on the same data: gr's own info and warnings
+  (e.g. duplicate rows dropped) are printed by rank 0 only; errors by every rank.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
@@ -22,12 +25,23 @@ FORMAT = "%(levelname)s %(name)s: %(message)s"
 KNOWN_WARNINGS: Tuple[Tuple[Type[Warning], str], ...] = (
     # TorchRec's planner about its default storage reservation (we do not plan in dry run).
     (FutureWarning, r"HeuristicalStorageReservation is known to cause issues"),
+    # DCP about the ShardedTensors in TorchRec's sharded state dicts (TorchRec's choice, not ours).
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    # torch 2.13 deprecates pytree's LeafSpec, which Lightning 2.6 and torch.export still build.
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # GRTrainingModule.transfer_batch_to_device is meant to be used (ids go where the tables are):
+    # Lightning only says it picks the module's hook over the data module's default one.
+    (UserWarning, r"You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a"),
+    # `gr train` refuses an --out that holds checkpoints, so this fires on --resume only, where it must exist.
+    (UserWarning, r"Checkpoint directory .* exists and is not empty\.$"),
 )
 # logger name -> regex searched in the formatted message
 KNOWN_LOG_LINES: Dict[str, str] = {
     "torchrec.distributed.planner.storage_reservations": r"^There is a known issue with TorchRec's dense tensor size",
     # ONNX export registers torchvision's ops when it can; we export no torchvision op.
     "torch.onnx._internal.exporter._registration": r"^torchvision is not installed",
+    # TorchRec asks torch.fx whether it is tracing; torch logs that the answer also covers torch.export.
+    "torch.fx._symbolic_trace": r"^is_fx_tracing will return true for both fx.symbolic_trace and torch.export",
     # A one-process run's process group (gloo, world size 1); multi-process runs keep these lines.
     "lightning.fabric.utilities.distributed": r"^Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/1$",
     "lightning.pytorch.utilities.rank_zero": (
@@ -36,6 +50,8 @@ KNOWN_LOG_LINES: Dict[str, str] = {
     ),
 }
 LIGHTNING = "lightning"
+GR = "gr"
+RANK_ENV = ("RANK", "LOCAL_RANK")
 
 
 class MessageFilter(logging.Filter):
@@ -47,6 +63,23 @@ class MessageFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.pattern.search(record.getMessage()) is None
+
+
+class _RankZeroOnly(logging.Filter):
+    """gr's own records below ERROR, dropped on the ranks other than 0 of a multi-process run:
+    every rank reads the same data and config, so rank 0 says what they would all say."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not (record.name == GR or record.name.startswith(GR + "."))
+
+
+def _process_rank() -> int:
+    """This process's rank as torchrun (``RANK``) or a Lightning launcher (``LOCAL_RANK``) set it; 0 alone."""
+    for name in RANK_ENV:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 class _NotLightning(logging.Filter):
@@ -69,6 +102,8 @@ def quiet_console() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(_NotLightning())
+    if _process_rank() != 0:
+        handler.addFilter(_RankZeroOnly())
     handler._gr_console = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     for name, pattern in KNOWN_LOG_LINES.items():

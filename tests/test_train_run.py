@@ -113,6 +113,7 @@ def test_two_rank_torchrun_shards_tables_and_matches_one_rank(retrieval_run, tmp
     ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count(f"wrote {out / 'metrics.json'}") == 1  # rank 0 prints the summary, once
     two_ranks = json.loads((out / "metrics.json").read_text())
     assert two_ranks["world_size"] == 2
     items = read_run(out)[1].sequence["item_id"]

@@ -18,6 +18,7 @@ directory is trusted input.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
@@ -35,6 +36,8 @@ SHARDED_KEYS = ("state_dict", "sparse_optimizer")
 DENSE_OPTIMIZER_KEY = "optimizer_states"
 META_FILE = checkpoint_meta.META_JSON
 LEGACY_META_FILE = "meta.pt"
+# What DCP says on every load without a process group, even one asked for with no_dist=True.
+SINGLE_PROCESS_LOAD = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load"
 
 
 def save_checkpoint(checkpoint: Dict[str, Any], path: str | Path, sharded_keys: Sequence[str] = SHARDED_KEYS) -> None:
@@ -65,7 +68,9 @@ def load_checkpoint(template: Dict[str, Any], path: str | Path) -> Dict[str, Any
     if not is_complete(path):
         raise FileNotFoundError(f"{path}: not a complete gr checkpoint directory (no {META_FILE})")
     try:
-        dcp.load(template, checkpoint_id=str(path))
+        with warnings.catch_warnings():  # a model loaded back in one process (export, evaluate) is meant to be
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_LOAD, category=UserWarning)
+            dcp.load(template, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except CheckpointException as error:  # a BaseException: would escape every `except Exception`
         causes = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(error.failures.items()))
         raise ValueError(f"{path}: the checkpoint does not fit this model and config ({causes})") from error

@@ -88,12 +88,15 @@ def _train(argv: Sequence[str], prog: str) -> int:
         print(config_yaml(load_config(config_path, overrides)), end="")
         return 0
     config, out, resume = resolve(argv, prog)
+    import torch.distributed as dist
+
     from gr.train.run import METRICS_FILE, train
 
     metrics = train(config, out, resume=resume)
-    summary = {k: v for k, v in metrics.items() if k != "config"}
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {out / METRICS_FILE}")
+    if not dist.is_initialized() or dist.get_rank() == 0:  # rank 0 wrote metrics.json; torchrun's others agree
+        summary = {k: v for k, v in metrics.items() if k != "config"}
+        print(json.dumps(summary, indent=2))
+        print(f"wrote {out / METRICS_FILE}")
     end_process_group()
     return 0
 

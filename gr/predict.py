@@ -1,0 +1,422 @@
+"""``gr predict EXPORT --input users.parquet --output scores.parquet``: batch scoring or top-K
+through the serving runtime (``gr.serving.Ranker``), one input row per user.
+
+Input: a Parquet file whose columns are a serving request (``gr.serving.request``) flattened,
+nested keys joined by ``.`` (a struct column ``history`` with a field ``item_id`` reads the same
+as a column ``history.item_id``)::
+
+    user_id                    int or string                        required
+    history.<feature>          list per token feature of the export  required (item_id, ...)
+    history.timestamps         list<int> seconds                     required
+    candidates.<feature>       list per token feature                optional: scores per candidate
+    candidates.timestamps      list<int>                             optional (default: request_time)
+    common_features.<feature>  id, list of ids, or list<float>       required when the export reads it
+    request_time               int (null: the request's default)     optional
+
+Ids are raw ids (the dataset's, through the export's id maps) unless ``--ids model``. With
+``candidates.*`` columns every row is ranked (``Ranker.rank_prepared``: users' candidates packed
+into shared HSTU passes, ``--batch-size`` rows at a time); without them each row gets the top
+``--k`` catalogue items of ``Ranker.recommend`` (retrieval exports).
+
+Output: a Parquet file written atomically, one row per input row in input order: ``user_id``,
+the input's ``candidates.*`` columns and ``scores.<name>`` (list<float32>, one per candidate:
+``retrieval``, or each task's probability and ``<task>_logit``), or ``items`` and ``scores``
+(the top k); then ``history_length`` and ``truncated`` (oldest history tokens dropped).
+
+Parquet only: the history and candidates are lists, which Parquet stores as typed list
+columns; CSV has no list type, and a list encoding inside CSV cells would be a second format
+to document and validate. Bad input stops before the output appears, with one error naming the
+file, the row (counted from 0) and the column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gr.atomic import atomic_file
+from gr.devices import DEVICES
+from gr.export.format import TIMESTAMPS
+from gr.finite import NonFiniteError
+from gr.serving import (
+    Ranker,
+    RankRequest,
+    RankResult,
+    RecommendRequest,
+    RecommendResult,
+    RequestError,
+    ScoringError,
+)
+from gr.serving.catalogue import ITEM_FEATURE
+from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS
+from gr.serving.model import ServingModel, check_device
+from gr.serving.request import IdOptions
+from gr.serving.runtime import DEFAULT_MICRO_BATCH
+from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
+
+USER = "user_id"
+REQUEST_TIME = "request_time"
+HISTORY = "history"
+CANDIDATES = "candidates"
+COMMON = "common_features"
+SCORES = "scores"
+ITEMS = "items"
+DEFAULT_BATCH_SIZE = 64
+PROGRESS_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The input's columns for one export: history / candidate token features and common features
+    (names without their prefix); ``rank`` when the input holds candidates."""
+
+    tokens: Tuple[str, ...]
+    candidates: Tuple[str, ...]
+    common: Tuple[str, ...]
+
+    @property
+    def rank(self) -> bool:
+        return bool(self.candidates)
+
+
+def predict(
+    export_dir: str | Path,
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    k: int = 10,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    ids: str = "raw",
+    unknown_ids: str = "error",
+    exclude_seen: bool = True,
+    micro_batch: int = DEFAULT_MICRO_BATCH,
+    device: str = "cpu",
+    progress: bool = True,
+) -> Dict[str, Any]:
+    """Score every row of ``input_path`` with the export on ``device`` (cpu|cuda|npu, as
+    ``gr serve --device``); returns {"rows", "mode", "seconds"}."""
+    if batch_size < 1 or k < 1:
+        raise ValueError(f"--batch-size and --k: expected >= 1, got {batch_size} and {k}")
+    input_path, output_path = Path(input_path), Path(output_path)
+    try:
+        check_device(device)
+    except RuntimeError as exc:  # the host cannot serve there: bad input, one line
+        raise ValueError(str(exc)) from None
+    ranker = Ranker.load(export_dir, micro_batch=micro_batch, device=device)
+    source = _open(input_path)
+    schema = _flatten(source.schema_arrow.empty_table()).schema
+    layout = input_layout(schema, ranker.model, input_path)
+    if not layout.rank and not ranker.model.is_retrieval:
+        raise ValueError(
+            f"{input_path}: no {CANDIDATES}.* columns, so each row asks for its top {k} items, which needs a "
+            f"retrieval export; {export_dir} is a ranking export: give {CANDIDATES}.{ITEM_FEATURE} (and its other "
+            "token features) to score"
+        )
+    options = IdOptions(ids, unknown_ids)
+    out_schema = output_schema(schema, ranker.model, layout)
+    total = source.metadata.num_rows
+    started = time.perf_counter()
+    shown = _Progress(total, batch_size, progress)
+    with atomic_file(output_path, binary=True) as handle, pq.ParquetWriter(handle, out_schema) as writer:
+        first = 0
+        for batch in source.iter_batches(batch_size):
+            table = _flatten(pa.Table.from_batches([batch]))
+            rows = _Rows(table, input_path, first)
+            requests = [_request(rows, i, layout, options) for i in range(table.num_rows)]
+            if layout.rank:
+                results = _rank(ranker, requests, rows)
+            else:
+                results = [_recommend(ranker, r, rows, i, k, exclude_seen) for i, r in enumerate(requests)]
+            writer.write_table(_output_table(table, results, out_schema))
+            first += table.num_rows
+            shown.update(first)
+    shown.close()
+    return {"rows": total, "mode": "rank" if layout.rank else f"top-{k}", "seconds": time.perf_counter() - started}
+
+
+def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
+    """Check the (flattened) input columns against what ``model`` reads; ValueError naming the
+    file and the columns missing, unknown or of the wrong type."""
+    features = (*model.schema.token_ids, *model.schema.token_dense)
+    common = (*model.schema.common_ids, *model.schema.common_dense)
+    names = set(schema.names)
+    candidates = tuple(f for f in (*features, TIMESTAMPS) if f"{CANDIDATES}.{f}" in names)
+    required = [USER, *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS)), *(f"{COMMON}.{f}" for f in common)]
+    if candidates:
+        required += [f"{CANDIDATES}.{f}" for f in features]
+    expected = [
+        USER,
+        *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS)),
+        *(f"{CANDIDATES}.{f}" for f in (*features, TIMESTAMPS)),
+        *(f"{COMMON}.{f}" for f in common),
+        REQUEST_TIME,
+    ]
+    missing = [name for name in required if name not in names]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {missing}; the export reads {expected}")
+    unknown = sorted(names - set(expected))
+    if unknown:
+        raise ValueError(f"{path}: unknown column(s) {unknown}; expected some of {expected}")
+    for name in names:
+        kind = schema.field(name).type
+        if name == USER and not (
+            pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        ):
+            raise ValueError(f"{path}: column {USER}: expected integers or strings, got {kind}")
+        if name == REQUEST_TIME and not pa.types.is_integer(kind):
+            raise ValueError(f"{path}: column {REQUEST_TIME}: expected integers (seconds), got {kind}")
+        if name.startswith((f"{HISTORY}.", f"{CANDIDATES}.")) and not _is_list(kind):
+            raise ValueError(f"{path}: column {name}: expected a list per row (one value per token), got {kind}")
+    return Layout(features, candidates, common)
+
+
+def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.Schema:
+    """The output columns: user_id, the input's candidates.* and scores.<name> (rank), or items
+    and scores (top k; items typed as the input's history item ids), history_length, truncated."""
+    scores = pa.list_(pa.float32())
+    fields = [schema.field(USER)]
+    if layout.rank:
+        fields += [schema.field(f"{CANDIDATES}.{f}") for f in layout.candidates]
+        names = [RETRIEVAL] if model.is_retrieval else _ranking_score_names(model.postfix.output_names)
+        fields += [pa.field(f"{SCORES}.{name}", scores) for name in names]
+    else:
+        fields += [pa.field(ITEMS, schema.field(f"{HISTORY}.{ITEM_FEATURE}").type), pa.field(SCORES, scores)]
+    fields += [pa.field("history_length", pa.int32()), pa.field("truncated", pa.int32())]
+    return pa.schema(fields)
+
+
+def _ranking_score_names(tasks: Sequence[str]) -> List[str]:
+    """gr.serving.scores' names: each task's probability, then its logit."""
+    return [name for task in tasks for name in (task, f"{task}{LOGIT_SUFFIX}")]
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def _open(path: Path) -> pq.ParquetFile:
+    if not path.is_file():
+        raise FileNotFoundError(f"--input {path}: no such file")
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"--input {path}: not a readable Parquet file ({exc})") from None
+
+
+def _flatten(table: pa.Table) -> pa.Table:
+    """Struct columns become dotted columns (``history {item_id}`` -> ``history.item_id``)."""
+    while any(pa.types.is_struct(f.type) for f in table.schema):
+        table = table.flatten()
+    return table
+
+
+class _Rows:
+    """Cell access to one batch of the input: ids and timestamps as numpy arrays, scalars as
+    Python values. A null, or a non-finite number, is a ValueError naming file, row and column."""
+
+    def __init__(self, table: pa.Table, path: Path, first: int) -> None:
+        self.path, self.first = path, first
+        self.columns: Dict[str, Callable[[int], Any]] = {}
+        for name in table.column_names:
+            column = table.column(name).combine_chunks()
+            self.columns[name] = self._cells(name, column)
+
+    def row_error(self, row: int, error: Exception, column: Optional[str] = None) -> ValueError:
+        """``FILE: row R, column C: message`` (the column read from a RequestError's field)."""
+        text = str(error)
+        if column is None and isinstance(error, RequestError) and error.field in self.columns:
+            column, text = error.field, text[len(error.field) + 2 :]
+        where = f"{self.path}: row {self.first + row}" + (f", column {column}" if column else "")
+        return ValueError(f"{where}: {text}")
+
+    def _cells(self, name: str, column: pa.Array) -> Callable[[int], Any]:
+        if not _is_list(column.type):
+            if column.null_count and name != REQUEST_TIME:
+                raise self.row_error(int(np.flatnonzero(column.is_null())[0]), ValueError("null value"), name)
+            values = column.to_pylist()
+            bad = (
+                np.flatnonzero(~np.isfinite(np.asarray(values, dtype=float)))
+                if pa.types.is_floating(column.type)
+                else []
+            )
+            if len(bad):
+                raise self.row_error(int(bad[0]), ValueError(f"non-finite value {values[bad[0]]}"), name)
+            return values.__getitem__
+        levels: List[np.ndarray] = []  # offsets of each list level, outermost first
+        while True:
+            if column.null_count:
+                first = int(np.flatnonzero(column.is_null())[0])
+                raise self.row_error(_row_of(levels, first), ValueError("null value"), name)
+            if not _is_list(column.type):
+                break
+            if pa.types.is_fixed_size_list(column.type):
+                column = column.cast(pa.list_(column.type.value_type))
+            levels.append(np.asarray(column.offsets))
+            column = column.values
+        leaf = column.to_numpy(zero_copy_only=False)
+        if leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
+            bad = int(np.flatnonzero(~np.isfinite(leaf))[0])
+            raise self.row_error(_row_of(levels, bad), ValueError(f"non-finite value {leaf[bad]}"), name)
+        if leaf.dtype == object:  # strings: a numpy str array, as raw-id maps take them
+            leaf = leaf.astype(str)
+        outer = levels[0]
+        if len(levels) == 1:
+            return lambda i: leaf[outer[i] : outer[i + 1]]
+        inner = levels[1]
+        return lambda i: [leaf[inner[j] : inner[j + 1]] for j in range(outer[i], outer[i + 1])]
+
+    def get(self, name: str, row: int, default: Any = None) -> Any:
+        cell = self.columns.get(name)
+        return default if cell is None else cell(row)
+
+
+def _row_of(levels: List[np.ndarray], index: int) -> int:
+    """The row of a value at ``index`` of the innermost level reached, through the offsets above it."""
+    for offsets in reversed(levels):
+        index = int(np.searchsorted(offsets, index, side="right")) - 1
+    return index
+
+
+def _request(rows: _Rows, i: int, layout: Layout, options: IdOptions) -> RankRequest:
+    """Row i of the batch as a rank request (candidates empty in top-k mode)."""
+    history = {f: rows.get(f"{HISTORY}.{f}", i) for f in (*layout.tokens, TIMESTAMPS)}
+    candidates = {f: rows.get(f"{CANDIDATES}.{f}", i) for f in layout.candidates}
+    common = {f: rows.get(f"{COMMON}.{f}", i) for f in layout.common}
+    request_time = rows.get(REQUEST_TIME, i)
+    return RankRequest(rows.get(USER, i), history, candidates, common or None, request_time, options)
+
+
+def _rank(ranker: Ranker, requests: List[RankRequest], rows: _Rows) -> List[RankResult]:
+    """The batch's requests through the batched ranking path; an error names its row."""
+    prepared = []
+    for i, request in enumerate(requests):
+        try:
+            prepared.append(ranker.prepare_rank(request))
+        except RequestError as exc:
+            raise rows.row_error(i, exc) from None
+    try:
+        return ranker.rank_prepared(prepared)
+    except (RequestError, ScoringError):  # find the row: one by one
+        for i, p in enumerate(prepared):
+            try:
+                ranker.rank_prepared([p])
+            except RequestError as exc:
+                raise rows.row_error(i, exc) from None
+            except ScoringError as exc:
+                raise NonFiniteError(str(rows.row_error(i, exc))) from None
+        raise
+
+
+def _recommend(
+    ranker: Ranker, request: RankRequest, rows: _Rows, i: int, k: int, exclude_seen: bool
+) -> RecommendResult:
+    try:
+        return ranker.recommend(
+            RecommendRequest(
+                request.user_id,
+                request.history,
+                k,
+                request.common_features,
+                request.request_time,
+                exclude_seen,
+                request.id_options,
+            )
+        )
+    except RequestError as exc:
+        raise rows.row_error(i, exc) from None
+    except ScoringError as exc:
+        raise NonFiniteError(str(rows.row_error(i, exc))) from None
+
+
+def _output_table(table: pa.Table, results: List[Any], schema: pa.Schema) -> pa.Table:
+    """One batch's output rows (``output_schema``'s columns) from its input and its results."""
+    columns: Dict[str, Any] = {}
+    for name in schema.names:
+        if name == USER or name.startswith(f"{CANDIDATES}."):
+            columns[name] = table.column(name)
+        elif name.startswith(f"{SCORES}."):
+            columns[name] = [r.scores[name[len(SCORES) + 1 :]] for r in results]
+        else:  # items, scores (top k), history_length, truncated
+            columns[name] = [getattr(r, name) for r in results]
+    return pa.table(columns, schema=schema)
+
+
+class _Progress:
+    """Rows scored so far on stderr: a redrawn line on a terminal, else a line every
+    ``PROGRESS_EVERY_S`` seconds; nothing for an input of one batch or with progress off."""
+
+    def __init__(self, total: int, batch_size: int, enabled: bool) -> None:
+        self.total = total
+        self.enabled = enabled and total > batch_size
+        self.terminal = sys.stderr.isatty()
+        self.started = self.last = time.perf_counter()
+        self.done = 0
+
+    def update(self, done: int) -> None:
+        self.done = done
+        now = time.perf_counter()
+        if self.enabled and (self.terminal or now - self.last >= PROGRESS_EVERY_S):
+            self.last = now
+            print(self._line(now), end="\r" if self.terminal else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(self._line(time.perf_counter()), file=sys.stderr, flush=True)
+
+    def _line(self, now: float) -> str:
+        rate = self.done / max(now - self.started, 1e-9)
+        return (
+            f"predict: {self.done}/{self.total} rows ({100 * self.done / max(self.total, 1):.0f}%, {rate:.0f} rows/s)"
+        )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from gr.cli_errors import run_cli
+
+    return run_cli("gr predict", lambda: _main(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gr predict",
+        description="Score a Parquet file of users with an export: with candidates.* columns each row's "
+        "candidates are ranked, without them each row gets its top --k items (retrieval exports). Columns: "
+        "user_id, history.<feature> lists (history.item_id, history.timestamps, ...), optional candidates.<feature> "
+        "lists, common_features.<feature>, request_time (see gr/predict.py). Rows count from 0 in error messages.",
+    )
+    parser.add_argument("export_dir", type=Path, metavar="EXPORT")
+    parser.add_argument("--input", type=Path, required=True, help="Parquet file, one row per user")
+    parser.add_argument("--output", type=Path, required=True, help="Parquet file to write (atomically)")
+    parser.add_argument("--k", type=int, default=10, help="items per user without candidates (default 10)")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="users scored together")
+    parser.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, help="candidates per HSTU pass")
+    parser.add_argument("--ids", choices=ID_SPACES, default="raw", help="raw ids (through sparse/id_maps) or model")
+    parser.add_argument("--unknown-ids", choices=UNKNOWN_IDS, default="error", help="unknown raw ids: error or oov")
+    parser.add_argument("--include-seen", action="store_true", help="top-k may return history items")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the export runs (default cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    args = parser.parse_args(argv)
+    summary = predict(
+        args.export_dir,
+        args.input,
+        args.output,
+        k=args.k,
+        batch_size=args.batch_size,
+        ids=args.ids,
+        unknown_ids=args.unknown_ids,
+        exclude_seen=not args.include_seen,
+        micro_batch=args.micro_batch,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    rows = f"{summary['rows']} row{'' if summary['rows'] == 1 else 's'}"
+    print(f"wrote {args.output}: {rows} ({summary['mode']}) in {summary['seconds']:.1f}s")
+    return 0

@@ -1,0 +1,180 @@
+"""``gr predict EXPORT --input users.parquet --output scores.parquet``: each row's scores equal
+``Ranker.rank``'s for that user alone, top-k rows equal ``Ranker.recommend``, struct columns read
+as dotted ones, and bad input is one error naming the file, row and column, with no output."""
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gr.cli import main as gr_main
+from gr.data.mappings import IdMap, save_mappings
+from gr.export import export_model
+from gr.predict import predict
+from gr.serving import IdOptions, Ranker, RecommendRequest
+from helpers.models import (
+    DENSE_DIMS,
+    build_ranking_model,
+    build_retrieval_model,
+    random_batch,
+    requests_from_batch,
+)
+
+ATOL = 1e-5
+RAW = IdOptions("raw")
+RAW_ITEMS = np.array([f"m{i:02d}" for i in range(50)])  # the retrieval export's raw item ids (strings)
+
+
+@pytest.fixture(scope="module")
+def ranking(tmp_path_factory):
+    """A two-task ranking export (sequence ids, a dense token feature, pooled and dense common
+    features) and five users' requests (model ids)."""
+    model = build_ranking_model()
+    path = export_model(model, tmp_path_factory.mktemp("predict") / "export", dense_dims=DENSE_DIMS)
+    return path, requests_from_batch(random_batch(model, [30, 17, 8, 22, 12], [5, 9, 1, 3, 4], seed=3))
+
+
+@pytest.fixture(scope="module")
+def retrieval(tmp_path_factory):
+    """A retrieval export whose item ids are raw strings (through its id map), and four users'
+    requests in raw ids."""
+    root = tmp_path_factory.mktemp("predict")
+    model = build_retrieval_model()
+    save_mappings(str(root / "maps"), {"items": IdMap.of(RAW_ITEMS)}, {})
+    path = export_model(model, root / "export", id_mappings_dir=root / "maps")
+    requests = requests_from_batch(random_batch(model, [12, 7, 20, 9], [3, 2, 4, 1], seed=5))
+    for r in requests:
+        for part in ("history", "candidates"):
+            r[part]["item_id"] = RAW_ITEMS[r[part]["item_id"]]
+    return path, requests
+
+
+def as_table(requests: List[Dict[str, Any]], parts=("history", "candidates", "common_features")) -> pa.Table:
+    """One row per request, nested keys joined by '.' (``gr.predict``'s input layout)."""
+    columns: Dict[str, list] = {"user_id": [r["user_id"] for r in requests]}
+    for part in parts:
+        for name in requests[0][part]:
+            columns[f"{part}.{name}"] = [np.asarray(r[part][name]).tolist() for r in requests]
+    return pa.table(columns)
+
+
+def write(table: pa.Table, path: Path) -> Path:
+    pq.write_table(table, path)
+    return path
+
+
+def test_scores_equal_ranking_each_user_alone_across_batches(ranking, tmp_path):
+    path, requests = ranking
+    users = write(as_table(requests), tmp_path / "users.parquet")
+    summary = predict(path, users, tmp_path / "scores.parquet", batch_size=2, micro_batch=4, ids="model")
+    assert summary["rows"] == 5 and summary["mode"] == "rank"
+    out = pq.read_table(tmp_path / "scores.parquet")
+    assert out.column_names == [
+        "user_id",
+        *(f"candidates.{f}" for f in ("item_id", "genre", "age", "timestamps")),
+        *(f"scores.{s}" for s in ("click", "click_logit", "like", "like_logit")),
+        "history_length",
+        "truncated",
+    ]
+    alone = Ranker.load(path)
+    for row, r in zip(out.to_pylist(), requests):
+        want = alone.rank(r["user_id"], r["history"], r["candidates"], r["common_features"])
+        assert row["user_id"] == r["user_id"] and row["history_length"] == len(r["history"]["timestamps"])
+        assert row["candidates.item_id"] == r["candidates"]["item_id"].tolist()
+        for name, value in want.scores.items():
+            np.testing.assert_allclose(row[f"scores.{name}"], value, rtol=0, atol=ATOL)
+
+
+def test_top_k_equals_recommend_and_candidates_equal_rank_in_raw_ids(retrieval, tmp_path):
+    path, requests = retrieval
+    alone = Ranker.load(path)
+    top = write(as_table(requests, ("history",)), tmp_path / "users.parquet")
+    assert predict(path, top, tmp_path / "top.parquet", k=7, batch_size=3)["mode"] == "top-7"
+    for row, r in zip(pq.read_table(tmp_path / "top.parquet").to_pylist(), requests):
+        want = alone.recommend(RecommendRequest(r["user_id"], r["history"], 7, id_options=RAW))
+        assert row["items"] == want.items and all(i.startswith("m") for i in row["items"])
+        np.testing.assert_allclose(row["scores"], want.scores, rtol=0, atol=ATOL)
+
+    ranked = write(as_table(requests, ("history", "candidates")), tmp_path / "ranked.parquet")
+    predict(path, ranked, tmp_path / "scores.parquet")
+    for row, r in zip(pq.read_table(tmp_path / "scores.parquet").to_pylist(), requests):
+        want = alone.rank(r["user_id"], r["history"], r["candidates"], id_options=RAW)
+        np.testing.assert_allclose(row["scores.retrieval"], want.scores["retrieval"], rtol=0, atol=ATOL)
+
+
+def test_struct_columns_read_as_dotted_columns(retrieval, tmp_path):
+    path, requests = retrieval
+    dotted = as_table(requests, ("history",))
+    history = pa.StructArray.from_arrays(
+        [dotted.column("history.item_id").combine_chunks(), dotted.column("history.timestamps").combine_chunks()],
+        ["item_id", "timestamps"],
+    )
+    nested = write(pa.table({"user_id": dotted.column("user_id"), "history": history}), tmp_path / "nested.parquet")
+    predict(path, write(dotted, tmp_path / "dotted.parquet"), tmp_path / "a.parquet", k=3)
+    predict(path, nested, tmp_path / "b.parquet", k=3)
+    assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+
+
+def test_the_cli_writes_the_output_and_reports_progress(ranking, tmp_path, capsys):
+    path, requests = ranking
+    users = write(as_table(requests), tmp_path / "users.parquet")
+    argv = ["predict", str(path), "--input", str(users), "--output", str(tmp_path / "out.parquet")]
+    assert gr_main([*argv, "--ids", "model", "--batch-size", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"wrote {tmp_path / 'out.parquet'}: 5 rows (rank)")
+    assert captured.err.splitlines()[-1].startswith("predict: 5/5 rows (100%")
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 5
+
+
+def _drop(table: pa.Table, name: str) -> pa.Table:
+    return table.drop_columns([name])
+
+
+def _set(table: pa.Table, name: str, row: int, value: Any) -> pa.Table:
+    values = table.column(name).to_pylist()
+    values[row] = value
+    return table.set_column(table.column_names.index(name), name, pa.array(values, table.schema.field(name).type))
+
+
+@pytest.mark.parametrize(
+    "which, edit, expected",
+    [
+        ("retrieval", lambda t: _drop(t, "history.timestamps"), "missing column(s) ['history.timestamps']"),
+        ("retrieval", lambda t: t.append_column("histroy.item_id", t.column("history.item_id")), "unknown column"),
+        (
+            "retrieval",
+            lambda t: _set(t, "history.item_id", 2, ["m01", "nope", "m03"]),
+            "row 2, column history.item_id: unknown raw id(s) ['nope']",
+        ),
+        ("retrieval", lambda t: _set(t, "history.timestamps", 1, None), "row 1, column history.timestamps: null"),
+        (
+            "ranking",
+            lambda t: _set(t, "history.age", 3, [[0.5]] * 18 + [[float("nan")]]),
+            "row 3, column history.age: non-finite value nan",
+        ),
+        (
+            "ranking",
+            lambda t: _set(t, "common_features.user_score", 4, [0.1, float("inf")]),
+            "row 4, column common_features.user_score: non-finite value inf",
+        ),
+        ("ranking", lambda t: _drop(t, "candidates.item_id"), "missing column(s) ['candidates.item_id']"),
+    ],
+)
+def test_bad_input_is_one_line_naming_file_row_and_column(which, edit, expected, request, tmp_path, capsys):
+    path, requests = request.getfixturevalue(which)
+    users = write(edit(as_table(requests)), tmp_path / "users.parquet")
+    output = tmp_path / "out.parquet"
+    assert gr_main(["predict", str(path), "--input", str(users), "--output", str(output)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"gr predict: error: {users}: ") and expected in line, line
+    assert not output.exists() and list(tmp_path.iterdir()) == [users]
+
+
+def test_a_ranking_export_without_candidates_asks_for_them(ranking, tmp_path):
+    path, requests = ranking
+    users = write(as_table(requests, ("history", "common_features")), tmp_path / "users.parquet")
+    with pytest.raises(ValueError, match=r"ranking export: give candidates\.item_id"):
+        predict(path, users, tmp_path / "out.parquet")
