@@ -16,6 +16,11 @@ per query, so it scales the chunk's output (and output gradient) rows, not the s
 bias is added by the q.k matmul itself (``baddbmm``); bias and mask of groups without targets
 are computed once for all their sequences.
 
+What depends only on the batch (groups, chunks, masks, normalisers, bias bucket indices) is
+built once per batch: backward reuses forward's, and with an ``AttentionWorkspace`` (which
+``HSTU.forward`` passes to every layer) the other layers reuse the first layer's, so only the
+bias weights are read per layer.
+
 Time deltas are taken in int32 (timestamps relative to the batch's earliest, int64 when they
 span 2^31 s or more) and bias weights are read with ``index_select``, several times cheaper
 here than int64 deltas and advanced indexing.
@@ -23,10 +28,11 @@ here than int64 deltas and advanced indexing.
 bf16 inputs are multiplied in bf16 (oneDNN accumulates in fp32); bias lookups and gradients and
 the k/v gradients summed over query chunks stay fp32.
 
-torch.compile is not used (and was not measured for this version): the chunks' shapes vary
-with every batch (recompiles, or dynamic kernels) and a compile costs tens of seconds on the
-first call, which small serving calls must not pay. What it could still win is the fusion of
-the elementwise passes (bias, SiLU, mask) around the matmuls.
+torch.compile is not used: the chunks' shapes vary with every batch (recompiles, or dynamic
+kernels) and a compile costs tens of seconds on the first call, which small serving calls must
+not pay. Compiling the layer's projections and output (``dynamic=True``) around this kernel was
+measured slower than eager on the ML-1M recipe (74 vs 62 ms per HSTU forward + backward,
+docs/training_performance.md).
 """
 
 from __future__ import annotations
