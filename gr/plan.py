@@ -42,7 +42,7 @@ from torch import nn
 
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
-from gr.hstu.kernels.cpu import QUERY_CHUNK, TILE_ELEMENTS
+from gr.hstu.kernels.cpu import LAYOUT_CACHE_ELEMENTS, QUERY_CHUNK, TILE_ELEMENTS, padded_lengths
 from gr.sparse.tables import TableConfig, storage_dim
 from gr.train.config import TrainConfig, load_config
 
@@ -129,7 +129,7 @@ def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compu
     d = config.hidden_dim
     stack = FP32 * d + (FP32 * d if config.input_dropout > 0 else 0) + STACK_INDEX_BYTES
     layer = hstu_layer_activation_bytes(config, recompute, compute_bytes)
-    kept = tokens * (stack + config.num_layers * layer)
+    kept = tokens * (stack + config.num_layers * layer) + layout_cache_bytes(config, tokens)
     full_layer = hstu_layer_activation_bytes(config, "none", compute_bytes)
     recomputed = full_layer - layer
     return kept, kept + tokens * (recomputed + full_layer) + attention_backward_bytes(config, tokens)
@@ -141,6 +141,18 @@ def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1
     p, a = _projection_width(config), config.num_heads * config.linear_dim
     tile = min(TILE_ELEMENTS, sequences * config.num_heads * min(QUERY_CHUNK, tokens) * tokens)
     return sequences * tokens * FP32 * (4 * p - 2 * a) + SCORE_TILES * FP32 * tile
+
+
+def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:
+    """The CPU kernel's cached layout of one sequence of ``tokens`` tokens, kept from forward to
+    backward: an int64 time-bias bucket per (query, key) of each query chunk's padded keys (at
+    most ``LAYOUT_CACHE_ELEMENTS`` a batch); position buckets and masks are shared by a group."""
+    if config.time_buckets == 0 or tokens == 0:
+        return 0
+    padded = int(padded_lengths(torch.tensor([tokens]))[0])
+    chunks = range(0, padded, QUERY_CHUNK)
+    elements = sum((min(m0 + QUERY_CHUNK, padded) - m0) * min(m0 + QUERY_CHUNK, padded) for m0 in chunks)
+    return INT64 * min(LAYOUT_CACHE_ELEMENTS, elements)
 
 
 def hstu_forward_flops_per_token(config: HSTUConfig, seq_len: int) -> int:

@@ -193,3 +193,32 @@ def test_a_workspace_shares_one_batch_layout_across_layers_with_equal_results():
         torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="another batch's seq_offsets"):
         hstu_attention(q, k, v, offsets.clone(), 140, backend="cpu", workspace=workspace)
+
+
+def test_the_layout_cache_stays_within_its_budget_and_results_do_not_change(monkeypatch):
+    """With a budget smaller than the batch's layouts some chunks are rebuilt on every use: the
+    kept elements stay within the budget and outputs and gradients equal the unbounded cache's."""
+    from gr.hstu.kernels import AttentionWorkspace, cpu
+
+    g = torch.Generator().manual_seed(4)
+    offsets = offsets_of([300, 40, 260])
+    total = int(offsets[-1])
+    timestamps = torch.randint(0, 10**6, (total,), generator=g).sort().values
+    tensors = [torch.randn(total, 1, 8, generator=g) for _ in range(3)]
+    weights = (torch.randn(301, generator=g) * 0.1, torch.randn(64, generator=g) * 0.1)
+
+    def run():
+        leaves = [x.clone().requires_grad_(True) for x in (*tensors, *weights)]
+        workspace = AttentionWorkspace(offsets)
+        rab = RelativeBias(leaves[3], leaves[4], timestamps)
+        out = hstu_attention(*leaves[:3], offsets, 300, rab=rab, backend="cpu", workspace=workspace)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        return workspace._entries["cpu"], [out.detach(), *grads]
+
+    unbounded, expected = run()
+    monkeypatch.setattr(cpu, "LAYOUT_CACHE_ELEMENTS", unbounded.cached_elements // 3)
+    bounded, got = run()
+    assert 0 < bounded.cached_elements <= unbounded.cached_elements // 3
+    assert len(bounded.layouts) < len(unbounded.layouts)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)

@@ -59,6 +59,9 @@ from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 QUERY_CHUNK = 128  # query rows per chunk
 TILE_ELEMENTS = 1 << 22  # score elements (all heads) per batched chunk, ~16 MB in fp32
 MIN_GRANULE = 32  # lengths are padded to a multiple of at least this
+# Index and mask elements of a batch's layouts kept for reuse (~128 MB): past it (very long
+# histories) a chunk's layout is rebuilt on every use, so memory stays bounded as before.
+LAYOUT_CACHE_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -110,16 +113,22 @@ class _Problem:
     query_times: Optional[Tensor]  # [T + 1] like timestamps: when each query is asked
     time_bucketing: str
     layouts: Dict[Tuple[int, int, int, int, torch.dtype], "_Layout"] = field(default_factory=dict)
+    cached_elements: int = 0
 
     def layout(
         self, group_index: int, chunk_index: int, pos_buckets: int, time_buckets: int, dtype: torch.dtype
     ) -> "_Layout":
-        """The layout of one chunk of one group (0 buckets: that bias part is off), built on first use."""
+        """The layout of one chunk of one group (0 buckets: that bias part is off), built on first
+        use and kept while the kept layouts hold at most ``LAYOUT_CACHE_ELEMENTS`` elements."""
         key = (group_index, chunk_index, pos_buckets, time_buckets, dtype)
-        if key not in self.layouts:
-            group = self.groups[group_index]
-            self.layouts[key] = _Layout(self, group, group.chunks[chunk_index], pos_buckets, time_buckets, dtype)
-        return self.layouts[key]
+        if key in self.layouts:
+            return self.layouts[key]
+        group = self.groups[group_index]
+        layout = _Layout(self, group, group.chunks[chunk_index], pos_buckets, time_buckets, dtype)
+        if self.cached_elements + layout.elements <= LAYOUT_CACHE_ELEMENTS:
+            self.layouts[key] = layout
+            self.cached_elements += layout.elements
+        return layout
 
 
 def cpu_hstu_attention(
@@ -219,7 +228,7 @@ def _groups(
     """Sequences of similar length, in batches of at most ``TILE_ELEMENTS`` scores per chunk."""
     lengths = lengths_from_offsets(seq_offsets)
     history = history_lengths(seq_offsets, num_targets)
-    padded = _padded_lengths(lengths)
+    padded = padded_lengths(lengths)
     groups: List[_Group] = []
     for padded_len in torch.unique(padded[lengths > 0]).tolist():
         members = torch.nonzero(padded == padded_len).flatten()
@@ -232,7 +241,7 @@ def _groups(
     return groups
 
 
-def _padded_lengths(lengths: Tensor) -> Tensor:
+def padded_lengths(lengths: Tensor) -> Tensor:
     """Round each length up to a multiple of max(MIN_GRANULE, 2^floor(log2 L) / 8)."""
     top = torch.floor(torch.log2(lengths.clamp(min=1).double())).long()
     granule = torch.clamp(torch.pow(2, top) // 8, min=MIN_GRANULE)
@@ -300,6 +309,8 @@ class _Layout:
             query_ts, key_ts = _group_times(problem, group)
             delta = query_ts[:, chunk.rows, None] - key_ts[:, None, chunk.cols]
             self.time_idx = time_bucket(delta, problem.time_bucketing, time_buckets)
+        parts = (self.norm, self.mask, self.pos_idx, self.time_idx)
+        self.elements = sum(t.numel() for t in parts if t is not None)
 
 
 class _Tile:
