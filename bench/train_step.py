@@ -35,6 +35,9 @@ from typing import Dict, List
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gr.devices import configure_onednn_cache  # noqa: E402
+
+configure_onednn_cache()  # as `gr train` does
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -68,9 +68,10 @@ def resolve(argv: Sequence[str]) -> tuple[Optional[Callable[[List[str]], int]], 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from gr.console import quiet_console
-    from gr.devices import configure_backend_autoload
+    from gr.devices import configure_backend_autoload, configure_onednn_cache
 
     configure_backend_autoload()  # before torch is imported: torch_npu autoloads only on an NPU host
+    configure_onednn_cache()
     quiet_console()  # before fbgemm_gpu is imported: its logging.basicConfig() then adds no handler
     if "" not in sys.path and os.getcwd() not in sys.path:  # the console script's path starts at its bin/
         sys.path.insert(0, os.getcwd())

@@ -166,3 +166,21 @@ def test_interpreted_triton_kernels_pass_after_the_training_stack_is_collected_f
     )
     assert run.returncode == 0, run.stdout[-3000:]
     assert "2 passed" in run.stdout
+
+
+def test_onednn_cache_is_raised_unless_the_environment_sets_it():
+    environ = {}
+    devices.configure_onednn_cache(environ)
+    assert int(environ[devices.ONEDNN_CACHE_VAR]) >= 4096  # an ML-1M epoch's ~1,350 bf16 matmul shapes fit
+    environ = {devices.ONEDNN_CACHE_VAR: "64"}
+    devices.configure_onednn_cache(environ)
+    assert environ[devices.ONEDNN_CACHE_VAR] == "64"
+
+
+def test_the_gr_command_raises_the_onednn_cache_before_running(monkeypatch, capsys):
+    from gr import cli
+
+    monkeypatch.setenv(devices.ONEDNN_CACHE_VAR, "0")  # undone after the test, so what main sets goes too
+    monkeypatch.delenv(devices.ONEDNN_CACHE_VAR)
+    cli.main(["--help"])
+    assert os.environ[devices.ONEDNN_CACHE_VAR] == devices.ONEDNN_CACHE_CAPACITY
