@@ -1,11 +1,17 @@
 """Adaptive draft-tree budget for speculative decoding: draft deeper while drafts are accepted,
 shallower when they are not, and pause drafting (plain greedy passes, no draft lookup) while
-nothing is accepted, so poor drafts cost little more than plain greedy decoding."""
+nothing is accepted, so poor drafts cost little more than plain greedy decoding.
+
+``AdaptiveBudget`` learns within one request. ``SharedBudget`` keeps what a draft source has
+shown across requests (items and seconds per drafted pass against a plain pass): a source that
+does not pay stops drafting from a request's first pass, probing now and then so it can resume.
+"""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -54,11 +60,14 @@ class AdaptiveBudget:
 
 
 class BudgetTracker:
-    """One request's budget: ``next`` sizes a pass's tree, ``observe`` learns from its result."""
+    """One request's budget: ``next`` sizes a pass's tree, ``observe`` learns from a drafted pass
+    and ``plain`` from a pass that drafted nothing (``seconds``: the pass's wall time, draft
+    lookup included; only a shared budget uses it)."""
 
-    def __init__(self, budget: AdaptiveBudget) -> None:
+    def __init__(self, budget: AdaptiveBudget, shared: Optional["SharedBudget"] = None) -> None:
         self.budget = budget
-        self.depth = budget.start_depth
+        self.shared = shared
+        self.depth = budget.start_depth if shared is None else shared.depth
         self.misses = 0
         self.paused = 0
         self.next_pause = budget.pause
@@ -66,13 +75,15 @@ class BudgetTracker:
 
     def next(self, room: int) -> Tuple[int, int]:
         """-> (depth, max nodes) of the next tree, at most ``room`` levels; (0, 0): do not draft."""
+        if self.shared is not None and not self.shared.admits():
+            return 0, 0
         if self.paused:
             self.paused -= 1
             return 0, 0
         depth = min(self.depth, room)
         return depth, depth * self.budget.nodes_per_level
 
-    def observe(self, tree_depth: int, accepted: int) -> None:
+    def observe(self, tree_depth: int, accepted: int, seconds: float = 0.0) -> None:
         """After a drafted pass: the depth of the tree verified (0 if empty) and the items accepted."""
         b = self.budget
         self.gain += b.smoothing * (accepted - self.gain)
@@ -82,8 +93,92 @@ class BudgetTracker:
             if self.misses >= b.patience:
                 self.paused, self.misses = self.next_pause, 0
                 self.next_pause = min(2 * self.next_pause, b.max_pause)
-            return
-        self.misses = 0
-        if self.gain >= b.break_even:
-            self.next_pause = b.pause
-        self.depth = min(b.max_depth, self.depth + b.grow) if accepted >= tree_depth else max(1, accepted + 1)
+        else:
+            self.misses = 0
+            if self.gain >= b.break_even:
+                self.next_pause = b.pause
+            self.depth = min(b.max_depth, self.depth + b.grow) if accepted >= tree_depth else max(1, accepted + 1)
+        if self.shared is not None:
+            self.shared.record_drafted(accepted, seconds, self.depth)
+
+    def plain(self, seconds: float) -> None:
+        """After a pass that drafted nothing."""
+        if self.shared is not None:
+            self.shared.record_plain(seconds)
+
+
+class SharedBudget:
+    """A draft source's budget across requests: one per draft source, owned by whoever owns the
+    source and passed with each of its requests (``budget=``). Thread-safe: its statistics change
+    under a lock, so concurrent requests (the HTTP server's threads) may share it.
+
+    It keeps running means (weight ``smoothing`` per pass) of the seconds of a plain pass, and of
+    the items (1 + accepted) and seconds of a drafted pass, draft lookup included. Drafting pays
+    while a drafted pass yields items at least as fast as plain passes; until both kinds are
+    measured it is assumed to. While it does not pay, every request decodes plain passes (no draft
+    lookup) except a probe: one drafted pass once the plain passes since the last drafted one have
+    taken ``1 / probe_share`` times a drafted pass's mean seconds, so probing costs at most about
+    ``probe_share`` of the time, whatever a drafted pass costs. Within a request drafting is sized
+    and paused by ``budget`` (an ``AdaptiveBudget``) as without sharing, starting at the depth the
+    last drafted pass left.
+    """
+
+    def __init__(
+        self, budget: AdaptiveBudget = AdaptiveBudget(), smoothing: float = 0.1, probe_share: float = 0.01
+    ) -> None:
+        if not 0 < smoothing <= 1 or not 0 < probe_share <= 1:
+            raise ValueError(
+                f"SharedBudget: expected 0 < smoothing <= 1 and 0 < probe_share <= 1, got {smoothing}, {probe_share}"
+            )
+        self.budget, self.smoothing, self.probe_share = budget, smoothing, probe_share
+        self.depth = budget.start_depth
+        self.plain_seconds: Optional[float] = None  # mean seconds of a plain pass
+        self.drafted_seconds: Optional[float] = None  # mean seconds of a drafted pass
+        self.drafted_items: Optional[float] = None  # mean items (1 + accepted) of a drafted pass
+        self.since_drafted = 0.0  # seconds of plain passes since the last drafted pass
+        self.drafted_passes = 0
+        self.plain_passes = 0
+        self._lock = threading.Lock()
+
+    def tracker(self) -> BudgetTracker:
+        """A tracker for one request that learns from, and into, the shared statistics."""
+        return BudgetTracker(self.budget, self)
+
+    def pays(self) -> bool:
+        """Whether drafting yields items at least as fast as plain passes (True until both are measured)."""
+        with self._lock:
+            return self._pays()
+
+    def _pays(self) -> bool:
+        if self.plain_seconds is None or self.drafted_seconds is None or self.drafted_items is None:
+            return True
+        return self.drafted_items * self.plain_seconds >= self.drafted_seconds
+
+    def admits(self) -> bool:
+        """Whether the next pass may draft: drafting pays, or a probe is due (then taken: concurrent
+        requests do not all probe at once)."""
+        with self._lock:
+            if self._pays():
+                return True
+            if self.since_drafted * self.probe_share < self.drafted_seconds:
+                return False
+            self.since_drafted = 0.0
+            return True
+
+    def record_drafted(self, accepted: int, seconds: float, depth: int) -> None:
+        """A drafted pass: items accepted, its seconds (draft lookup included), the depth it leaves."""
+        with self._lock:
+            self.drafted_items = self._mean(self.drafted_items, 1.0 + accepted)
+            self.drafted_seconds = self._mean(self.drafted_seconds, seconds)
+            self.depth, self.since_drafted = depth, 0.0
+            self.drafted_passes += 1
+
+    def record_plain(self, seconds: float) -> None:
+        """A pass that drafted nothing and its seconds."""
+        with self._lock:
+            self.plain_seconds = self._mean(self.plain_seconds, seconds)
+            self.since_drafted += seconds
+            self.plain_passes += 1
+
+    def _mean(self, mean: Optional[float], value: float) -> float:
+        return value if mean is None else mean + self.smoothing * (value - mean)
