@@ -21,7 +21,8 @@ re-runs only the last history token), and reports:
   attribute (ML-100K: age bucket and occupation). Trees sized by the adaptive budget shared across
   requests (``gr.generation.budget.SharedBudget``, one per mode, as a server keeps one per draft
   source: warmed on ``--warmup-users`` other users' requests, then kept through every K);
-  ``pool-all-fixed`` drafts full trees every pass;
+  ``pool-all-fixed`` drafts full trees every pass; ``*-per-request``: the adaptive budget learning
+  within each request only (as before it was shared);
 * the draft model (assisted generation; adaptive depth, ``--draft-width`` candidates per level),
   with the cost of one draft pass relative to one target pass (the draft model's own greedy);
 * ranking self-drafts (``RankingDraftSource``): the runners-up of the query that picked the last item,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -63,6 +65,7 @@ from gr.serving.generate import ServingGenerativeModel
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 2
+PER_REQUEST = ("pool-all", "draft-model")  # also measured with a budget that learns per request only
 SMOKE = {
     "datasets": ["smoke"],
     "users": 4,
@@ -377,14 +380,20 @@ def bench_dataset(
     sources["ranking"] = (RankingDraftSource(ranker.catalogue()[0].index), Strict(), None)
     sources["ranking-adaptive"] = (sources["ranking"][0], Strict(), AdaptiveBudget(max_depth=4, nodes_per_level=8))
     sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed, adaptive)
+    for label in PER_REQUEST:  # as before budgets were shared: each request learns alone
+        sources[f"{label}-per-request"] = sources[label]
     sources["ranking-relaxed"] = (sources["ranking"][0], relaxed, None)
     profile = profile_pass(ranker, users[:4], histories)
     print(f"# {name} pass profile (ms by block tokens n): {json.dumps(profile)}", flush=True)
     out: Dict[str, Dict] = {"pass_profile": profile}
-    shared = {label: SharedBudget(budget) for label, (_, _, budget) in sources.items() if budget is not None}
+    shared = {
+        label: SharedBudget(budget)
+        for label, (_, _, budget) in sources.items()
+        if budget is not None and not label.endswith("-per-request")
+    }
     speculative = {
-        label: (ranker, {"draft": source, "verification": verification, "budget": shared.get(label)})
-        for label, (source, verification, _) in sources.items()
+        label: (ranker, {"draft": source, "verification": verification, "budget": shared.get(label, budget)})
+        for label, (source, verification, budget) in sources.items()
     }
     if warmers:  # the shared budgets learn from other users' requests first, as a serving process has
         run_modes({label: speculative[label] for label in shared}, warmers, histories, max(ks))
@@ -399,7 +408,8 @@ def bench_dataset(
             f"{name} K={k:<3} {'greedy':<18} {base['items_per_s']:8.1f} items/s  speedup 1.00  "
             f"{base['pass_ms']:5.2f} ms/pass  HR@{k} {base_hr:.3f}  NDCG@{k} {base_ndcg:.3f}  "
             "(draft model greedy alone: "
-            f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)",
+            f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)  "
+            f"load average {load_average()}",
             flush=True,
         )
         out[f"K{k}"] = {
@@ -408,6 +418,7 @@ def bench_dataset(
             "greedy_hr": base_hr,
             "greedy_ndcg": base_ndcg,
             "draft_step_cost": round(cost, 3),
+            "load_average": load_average(),
         }
         for label, res in results.items():
             verification = sources[label][1]
@@ -434,7 +445,27 @@ def bench_dataset(
                 "ndcg": round(nd, 4),
                 "differs_from_greedy": mismatches,
             }
+    for label, b in shared.items():
+        print(f"# {name} {label}: {describe(b)}", flush=True)
+    out["shared_budgets"] = {label: describe(b) for label, b in shared.items()}
     return out
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def describe(budget: SharedBudget) -> str:
+    """What a shared budget learned: items and ms of a drafted pass against a plain pass."""
+    ms = {
+        key: 1e3 * v if v is not None else float("nan")
+        for key, v in (("drafted", budget.drafted_seconds), ("plain", budget.plain_seconds))
+    }
+    return (
+        f"{budget.drafted_items or 0.0:.2f} items per drafted pass in {ms['drafted']:.2f} ms, plain pass "
+        f"{ms['plain']:.2f} ms: {'pays' if budget.pays() else 'does not pay'} "
+        f"({budget.drafted_passes} drafted, {budget.plain_passes} plain passes)"
+    )
 
 
 def _drafted_share(budget: SharedBudget, before: Tuple[int, int]) -> float:
