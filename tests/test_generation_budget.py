@@ -69,14 +69,17 @@ def serve(shared: SharedBudget, requests: int, accepted_of_depth, passes: int = 
     accepts ``accepted_of_depth(depth)`` items) -> share of the passes that drafted."""
     drafted = 0
     for _ in range(requests):
-        tracker = shared.tracker()
-        for _ in range(passes):
+        tracker, done = shared.tracker(), 0
+        while done < passes:
             depth, _ = tracker.next(room=50)
             if depth:
                 drafted += 1
+                done += 1
                 tracker.observe(tree_depth=depth, accepted=accepted_of_depth(depth), seconds=DRAFTED_SECONDS)
             else:
-                tracker.plain(PLAIN_SECONDS)
+                run = min(tracker.plain_run(), passes - done)
+                done += run
+                tracker.plain(PLAIN_SECONDS * run, run)
     return drafted / (requests * passes)
 
 
@@ -119,7 +122,7 @@ def test_a_shared_budgets_updates_wait_for_its_lock():
     updates = [
         threading.Thread(target=shared.record_plain, args=(PLAIN_SECONDS,)),
         threading.Thread(target=shared.record_drafted, args=(1, DRAFTED_SECONDS, 2)),
-        threading.Thread(target=shared.admits),
+        threading.Thread(target=shared.skip),
     ]
     with shared._lock:  # another request's update in progress
         for t in updates:

@@ -9,6 +9,7 @@ does not pay stops drafting from a request's first pass, probing now and then so
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -60,9 +61,9 @@ class AdaptiveBudget:
 
 
 class BudgetTracker:
-    """One request's budget: ``next`` sizes a pass's tree, ``observe`` learns from a drafted pass
-    and ``plain`` from a pass that drafted nothing (``seconds``: the pass's wall time, draft
-    lookup included; only a shared budget uses it)."""
+    """One request's budget: ``next`` sizes a pass's tree; after (0, 0) ``plain_run`` says how many
+    passes in a row go without drafting; ``observe`` learns from a drafted pass and ``plain`` from
+    plain passes (``seconds``: wall time, draft lookup included; only a shared budget uses it)."""
 
     def __init__(self, budget: AdaptiveBudget, shared: Optional["SharedBudget"] = None) -> None:
         self.budget = budget
@@ -72,16 +73,27 @@ class BudgetTracker:
         self.paused = 0
         self.next_pause = budget.pause
         self.gain = 1.0  # running mean of accepted items per drafted pass (optimistic start)
+        self.refused = 0  # plain passes the shared budget asked for at the last ``next``
 
     def next(self, room: int) -> Tuple[int, int]:
         """-> (depth, max nodes) of the next tree, at most ``room`` levels; (0, 0): do not draft."""
-        if self.shared is not None and not self.shared.admits():
-            return 0, 0
+        if self.shared is not None:
+            self.refused = self.shared.skip()
+            if self.refused:
+                return 0, 0
         if self.paused:
             self.paused -= 1
             return 0, 0
         depth = min(self.depth, room)
         return depth, depth * self.budget.nodes_per_level
+
+    def plain_run(self) -> int:
+        """After ``next`` returned (0, 0): passes from this one on that go without drafting (the
+        caller runs them, and may stop early); the tracker counts them as done."""
+        if self.refused:
+            return self.refused
+        run, self.paused = 1 + self.paused, 0
+        return run
 
     def observe(self, tree_depth: int, accepted: int, seconds: float = 0.0) -> None:
         """After a drafted pass: the depth of the tree verified (0 if empty) and the items accepted."""
@@ -101,10 +113,10 @@ class BudgetTracker:
         if self.shared is not None:
             self.shared.record_drafted(accepted, seconds, self.depth)
 
-    def plain(self, seconds: float) -> None:
-        """After a pass that drafted nothing."""
+    def plain(self, seconds: float, passes: int = 1) -> None:
+        """After ``passes`` passes in a row that drafted nothing, taking ``seconds`` in all."""
         if self.shared is not None:
-            self.shared.record_plain(seconds)
+            self.shared.record_plain(seconds, passes)
 
 
 class SharedBudget:
@@ -112,12 +124,13 @@ class SharedBudget:
     source and passed with each of its requests (``budget=``). Thread-safe: its statistics change
     under a lock, so concurrent requests (the HTTP server's threads) may share it.
 
-    It keeps running means (weight ``smoothing`` per pass) of the seconds of a plain pass, and of
-    the items (1 + accepted) and seconds of a drafted pass, draft lookup included. Drafting pays
-    while a drafted pass yields items at least as fast as plain passes; until both kinds are
-    measured it is assumed to. While it does not pay, every request decodes plain passes (no draft
-    lookup) except a probe: one drafted pass once the plain passes since the last drafted one have
-    taken ``1 / probe_share`` times a drafted pass's mean seconds, so probing costs at most about
+    It keeps running means (weight ``smoothing`` per sample, a time sample clipped at twice the mean)
+    of the seconds of a plain pass, and of the items (1 + accepted) and seconds of a drafted pass,
+    draft lookup included. Drafting pays while a drafted pass yields items at least as fast as
+    plain passes; until both kinds are measured it is assumed to. While it does not pay, requests
+    decode runs of plain passes (greedy's loop: no draft lookup, one lock per run) up to a probe:
+    one drafted pass once the plain passes since the last drafted one have taken
+    ``1 / probe_share`` times a drafted pass's mean seconds, so probing costs at most about
     ``probe_share`` of the time, whatever a drafted pass costs. Within a request drafting is sized
     and paused by ``budget`` (an ``AdaptiveBudget``) as without sharing, starting at the depth the
     last drafted pass left.
@@ -154,31 +167,38 @@ class SharedBudget:
             return True
         return self.drafted_items * self.plain_seconds >= self.drafted_seconds
 
-    def admits(self) -> bool:
-        """Whether the next pass may draft: drafting pays, or a probe is due (then taken: concurrent
-        requests do not all probe at once)."""
+    def skip(self) -> int:
+        """0: the next pass may draft (drafting pays, or a probe is due: then taken, so concurrent
+        requests do not all probe at once); else how many plain passes until a probe is due."""
         with self._lock:
             if self._pays():
-                return True
-            if self.since_drafted * self.probe_share < self.drafted_seconds:
-                return False
-            self.since_drafted = 0.0
-            return True
+                return 0
+            assert self.plain_seconds is not None and self.drafted_seconds is not None  # _pays measured them
+            wait = self.drafted_seconds / self.probe_share - self.since_drafted
+            if wait <= 0:
+                self.since_drafted = 0.0
+                return 0
+            return max(1, math.ceil(wait / max(self.plain_seconds, 1e-9)))
 
     def record_drafted(self, accepted: int, seconds: float, depth: int) -> None:
         """A drafted pass: items accepted, its seconds (draft lookup included), the depth it leaves."""
         with self._lock:
             self.drafted_items = self._mean(self.drafted_items, 1.0 + accepted)
-            self.drafted_seconds = self._mean(self.drafted_seconds, seconds)
+            self.drafted_seconds = self._mean_seconds(self.drafted_seconds, seconds)
             self.depth, self.since_drafted = depth, 0.0
             self.drafted_passes += 1
 
-    def record_plain(self, seconds: float) -> None:
-        """A pass that drafted nothing and its seconds."""
+    def record_plain(self, seconds: float, passes: int = 1) -> None:
+        """``passes`` passes in a row that drafted nothing, and their seconds in all."""
         with self._lock:
-            self.plain_seconds = self._mean(self.plain_seconds, seconds)
+            self.plain_seconds = self._mean_seconds(self.plain_seconds, seconds / passes)
             self.since_drafted += seconds
-            self.plain_passes += 1
+            self.plain_passes += passes
 
     def _mean(self, mean: Optional[float], value: float) -> float:
         return value if mean is None else mean + self.smoothing * (value - mean)
+
+    def _mean_seconds(self, mean: Optional[float], seconds: float) -> float:
+        """A time sample counts at most twice the mean: a pass stalled by another process must not
+        stop, or start, drafting on its own."""
+        return self._mean(mean, seconds if mean is None else min(seconds, 2 * mean))

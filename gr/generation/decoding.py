@@ -301,20 +301,24 @@ def speculative_greedy(
     while len(out) < k:
         room = k - len(out)
         depth, max_nodes = tracker.next(room) if tracker is not None else (room, None)
-        tree = EMPTY_TREE
         began_pass = time.perf_counter()
-        if depth:
-            tree = drafter.propose(state.items + out[-1:], depth, exclusions.items, max_nodes, state.query)
-            stats.draft_seconds += time.perf_counter() - began_pass
+        if tracker is not None and not depth:  # greedy's own loop, no draft lookup
+            passes = min(tracker.plain_run(), room)
+            for _ in range(passes):
+                state = step(model, state, out[-1], request_time)
+                out.append(_best(index, state.query, exclusions))
+                if exclude_seen:
+                    exclusions.add(out[-1:])
+            stats.passes += passes
+            tracker.plain(time.perf_counter() - began_pass, passes)
+            continue
+        tree = drafter.propose(state.items + out[-1:], depth, exclusions.items, max_nodes, state.query)
+        stats.draft_seconds += time.perf_counter() - began_pass
         state, accepted, bonus = _verify(
             model, index, state, out[-1], tree, request_time, exclusions, exclude_seen, verification, room
         )
         if tracker is not None:
-            seconds = time.perf_counter() - began_pass
-            if depth:
-                tracker.observe(tree.depth, len(accepted), seconds)
-            else:
-                tracker.plain(seconds)
+            tracker.observe(tree.depth, len(accepted), time.perf_counter() - began_pass)
         stats.passes += 1
         stats.drafted += tree.num_nodes
         stats.accepted += len(accepted)
@@ -325,9 +329,6 @@ def speculative_greedy(
             exclusions.add(accepted + [bonus])
     stats.total_seconds = time.perf_counter() - began
     return Generation(out[:k], stats)
-
-
-EMPTY_TREE = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
 
 
 def _verify(
