@@ -92,13 +92,34 @@ def always(depth: int) -> int:
 
 
 def test_a_shared_budget_learns_across_requests_to_draft_rarely_from_a_source_that_never_pays():
-    shared = SharedBudget(AdaptiveBudget(), probe_share=0.02)
+    shared = SharedBudget(AdaptiveBudget(), probe_share=0.01)
     learning = serve(shared, 5, never)
     assert not shared.pays()
     assert shared.tracker().next(room=50) == (0, 0), "a new request starts from what earlier ones learned"
     later = serve(shared, 50, never)
-    # a probe once plain passes took 1 / probe_share = 50 drafted passes' time: 100 plain passes
-    assert later <= 0.015 < learning, (later, learning)
+    # a drafted pass loses 1 s (2 s for 1 item): a probe once plain passes took 1 / probe_share = 100 s
+    assert later <= 0.011 < learning, (later, learning)
+
+
+def test_a_source_near_break_even_is_probed_more_often_than_one_far_below():
+    def share(drafted_seconds: float) -> float:
+        shared = SharedBudget(AdaptiveBudget(), probe_share=0.01)
+        shared.record_drafted(accepted=0, seconds=drafted_seconds, depth=1)  # loses drafted_seconds - 1 s
+        shared.record_plain(PLAIN_SECONDS)
+        tracker, drafted, passes = shared.tracker(), 0, 0
+        while passes < 1000:
+            if tracker.next(room=50)[0]:
+                drafted += 1
+                passes += 1
+                tracker.observe(tree_depth=1, accepted=0, seconds=drafted_seconds)
+            else:
+                run = tracker.plain_run()
+                passes += run
+                tracker.plain(PLAIN_SECONDS * run, run)
+        return drafted / passes
+
+    near, far = share(1.1), share(2.0)  # a probe every 10 or 100 plain passes
+    assert near >= 5 * far > 0, (near, far)
 
 
 def test_a_shared_budget_resumes_drafting_when_its_source_starts_paying():

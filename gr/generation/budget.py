@@ -130,8 +130,10 @@ class SharedBudget:
     plain passes; until both kinds are measured it is assumed to. While it does not pay, requests
     decode runs of plain passes (greedy's loop: no draft lookup, one lock per run) up to a probe:
     one drafted pass once the plain passes since the last drafted one have taken
-    ``1 / probe_share`` times a drafted pass's mean seconds, so probing costs at most about
-    ``probe_share`` of the time, whatever a drafted pass costs. Within a request drafting is sized
+    ``1 / probe_share`` times what a drafted pass loses (its seconds less its items' seconds in
+    plain passes). Probing thus loses at most about ``probe_share`` of the time however costly a
+    drafted pass is, and a source near break-even is probed often (it loses little), so a passing
+    run of bad drafts does not keep a paying source stopped for long. Within a request drafting is sized
     and paused by ``budget`` (an ``AdaptiveBudget``) as without sharing, starting at the depth the
     last drafted pass left.
     """
@@ -174,7 +176,9 @@ class SharedBudget:
             if self._pays():
                 return 0
             assert self.plain_seconds is not None and self.drafted_seconds is not None  # _pays measured them
-            wait = self.drafted_seconds / self.probe_share - self.since_drafted
+            assert self.drafted_items is not None
+            loss = self.drafted_seconds - self.drafted_items * self.plain_seconds  # > 0: it does not pay
+            wait = loss / self.probe_share - self.since_drafted
             if wait <= 0:
                 self.since_drafted = 0.0
                 return 0
