@@ -139,7 +139,7 @@ class SharedBudget:
     """
 
     def __init__(
-        self, budget: AdaptiveBudget = AdaptiveBudget(), smoothing: float = 0.1, probe_share: float = 0.01
+        self, budget: AdaptiveBudget = AdaptiveBudget(), smoothing: float = 0.1, probe_share: float = 0.005
     ) -> None:
         if not 0 < smoothing <= 1 or not 0 < probe_share <= 1:
             raise ValueError(
