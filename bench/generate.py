@@ -520,7 +520,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         name: {
             k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict) and "speedup" in v}
             for k, modes in res.items()
-            if k != "pass_profile"
+            if k.startswith("K")
         }
         for name, res in results.items()
     }
