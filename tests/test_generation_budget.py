@@ -92,7 +92,7 @@ def always(depth: int) -> int:
 
 
 def test_a_shared_budget_learns_across_requests_to_draft_rarely_from_a_source_that_never_pays():
-    shared = SharedBudget(AdaptiveBudget(), probe_share=0.01)
+    shared = SharedBudget(AdaptiveBudget(), probe_share=0.01, min_drafted=4)
     learning = serve(shared, 5, never)
     assert not shared.pays()
     assert shared.tracker().next(room=50) == (0, 0), "a new request starts from what earlier ones learned"
@@ -103,7 +103,7 @@ def test_a_shared_budget_learns_across_requests_to_draft_rarely_from_a_source_th
 
 def test_a_source_near_break_even_is_probed_more_often_than_one_far_below():
     def share(drafted_seconds: float) -> float:
-        shared = SharedBudget(AdaptiveBudget(), probe_share=0.01)
+        shared = SharedBudget(AdaptiveBudget(), probe_share=0.01, min_drafted=4)
         shared.record_drafted(accepted=0, seconds=drafted_seconds, depth=1)  # loses drafted_seconds - 1 s
         shared.record_plain(PLAIN_SECONDS)
         tracker, drafted, passes = shared.tracker(), 0, 0
@@ -123,7 +123,7 @@ def test_a_source_near_break_even_is_probed_more_often_than_one_far_below():
 
 
 def test_a_shared_budget_resumes_drafting_when_its_source_starts_paying():
-    shared = SharedBudget(AdaptiveBudget(), probe_share=0.02)
+    shared = SharedBudget(AdaptiveBudget(), probe_share=0.02, min_drafted=4)
     serve(shared, 20, never)
     assert not shared.pays()
     serve(shared, 30, always)  # probes find full acceptance: 1 + depth items for two passes' time
@@ -156,6 +156,21 @@ def test_a_shared_budgets_updates_wait_for_its_lock():
     assert shared.plain_passes == shared.drafted_passes == 1
 
 
+def test_a_shared_budget_keeps_drafting_until_it_has_measured_min_drafted_passes():
+    shared = SharedBudget(AdaptiveBudget(patience=100), min_drafted=10)
+    tracker = shared.tracker()
+    tracker.plain(PLAIN_SECONDS)
+    for _ in range(9):
+        assert tracker.next(room=50)[0] > 0
+        tracker.observe(tree_depth=1, accepted=0, seconds=DRAFTED_SECONDS)
+    assert shared.pays(), "nine unlucky drafts do not stop a source"
+    tracker.next(room=50)
+    tracker.observe(tree_depth=1, accepted=0, seconds=DRAFTED_SECONDS)
+    assert not shared.pays() and tracker.next(room=50) == (0, 0)
+
+
 def test_bad_shared_budget_rates_are_refused():
     with pytest.raises(ValueError, match="probe_share"):
         SharedBudget(probe_share=0.0)
+    with pytest.raises(ValueError, match="min_drafted"):
+        SharedBudget(min_drafted=0)

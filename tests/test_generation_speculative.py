@@ -318,7 +318,7 @@ def test_speculative_greedy_with_a_shared_budget_equals_greedy_and_skips_the_dra
         assert got.items == want
     assert shared.drafted_passes > 0
     # a source measured as not paying: a drafted pass takes 1 s for 1 item, so no probe is due for 100 s
-    losing = SharedBudget(AdaptiveBudget(), probe_share=0.01)
+    losing = SharedBudget(AdaptiveBudget(), probe_share=0.01, min_drafted=1)
     losing.record_drafted(accepted=0, seconds=1.0, depth=2)
     losing.record_plain(seconds=1e-3)
     drafter = CountingDrafter(ModelDrafter(model, index, items, ts, REQUEST_TIME))

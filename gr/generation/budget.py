@@ -124,28 +124,34 @@ class SharedBudget:
     source and passed with each of its requests (``budget=``). Thread-safe: its statistics change
     under a lock, so concurrent requests (the HTTP server's threads) may share it.
 
-    It keeps running means (weight ``smoothing`` per sample, a time sample clipped at twice the mean)
-    of the seconds of a plain pass, and of the items (1 + accepted) and seconds of a drafted pass,
-    draft lookup included. Drafting pays while a drafted pass yields items at least as fast as
-    plain passes; until both kinds are measured it is assumed to. While it does not pay, requests
-    decode runs of plain passes (greedy's loop: no draft lookup, one lock per run) up to a probe:
-    one drafted pass once the plain passes since the last drafted one have taken
-    ``1 / probe_share`` times what a drafted pass loses (its seconds less its items' seconds in
-    plain passes). Probing thus loses at most about ``probe_share`` of the time however costly a
-    drafted pass is, and a source near break-even is probed often (it loses little), so a passing
-    run of bad drafts does not keep a paying source stopped for long. Within a request drafting is sized
-    and paused by ``budget`` (an ``AdaptiveBudget``) as without sharing, starting at the depth the
-    last drafted pass left.
+    It keeps running means (weight ``smoothing`` per sample, a time sample clipped at twice the
+    mean) of the seconds of a plain pass, and of the items (1 + accepted) and seconds of a drafted
+    pass, draft lookup included. Drafting pays while a drafted pass yields items at least as fast
+    as plain passes; it is assumed to until ``min_drafted`` drafted passes and a plain one are
+    measured (a few unlucky drafts must not stop a source: once stopped, it is probed rarely).
+    While it does not pay, requests decode runs of plain passes (greedy's loop: no draft lookup,
+    one lock per run) up to a probe: one drafted pass once the plain passes since the last drafted
+    one have taken ``1 / probe_share`` times what a drafted pass loses (its seconds less its
+    items' seconds in plain passes). Probing thus loses at most about ``probe_share`` of the time
+    however costly a drafted pass is, and a source near break-even is probed often (it loses
+    little), so a passing run of bad drafts does not keep a paying source stopped for long.
+    Within a request drafting is sized and paused by ``budget`` (an ``AdaptiveBudget``) as without
+    sharing, starting at the depth the last drafted pass left.
     """
 
     def __init__(
-        self, budget: AdaptiveBudget = AdaptiveBudget(), smoothing: float = 0.1, probe_share: float = 0.005
+        self,
+        budget: AdaptiveBudget = AdaptiveBudget(),
+        smoothing: float = 0.05,
+        probe_share: float = 0.005,
+        min_drafted: int = 32,
     ) -> None:
-        if not 0 < smoothing <= 1 or not 0 < probe_share <= 1:
+        if not 0 < smoothing <= 1 or not 0 < probe_share <= 1 or min_drafted < 1:
             raise ValueError(
-                f"SharedBudget: expected 0 < smoothing <= 1 and 0 < probe_share <= 1, got {smoothing}, {probe_share}"
+                "SharedBudget: expected 0 < smoothing <= 1, 0 < probe_share <= 1 and min_drafted >= 1, got "
+                f"{smoothing}, {probe_share}, {min_drafted}"
             )
-        self.budget, self.smoothing, self.probe_share = budget, smoothing, probe_share
+        self.budget, self.smoothing, self.probe_share, self.min_drafted = budget, smoothing, probe_share, min_drafted
         self.depth = budget.start_depth
         self.plain_seconds: Optional[float] = None  # mean seconds of a plain pass
         self.drafted_seconds: Optional[float] = None  # mean seconds of a drafted pass
@@ -160,13 +166,14 @@ class SharedBudget:
         return BudgetTracker(self.budget, self)
 
     def pays(self) -> bool:
-        """Whether drafting yields items at least as fast as plain passes (True until both are measured)."""
+        """Whether drafting yields items at least as fast as plain passes (True until measured)."""
         with self._lock:
             return self._pays()
 
     def _pays(self) -> bool:
-        if self.plain_seconds is None or self.drafted_seconds is None or self.drafted_items is None:
+        if self.drafted_passes < self.min_drafted or self.plain_seconds is None:
             return True
+        assert self.drafted_seconds is not None and self.drafted_items is not None  # measured with the passes
         return self.drafted_items * self.plain_seconds >= self.drafted_seconds
 
     def skip(self) -> int:
