@@ -81,7 +81,7 @@ class BudgetTracker:
             self.refused = self.shared.skip()
             if self.refused:
                 return 0, 0
-        if self.paused:
+        if self.paused and (self.shared is None or not self.shared.learning):
             self.paused -= 1
             return 0, 0
         depth = min(self.depth, room)
@@ -165,13 +165,19 @@ class SharedBudget:
         """A tracker for one request that learns from, and into, the shared statistics."""
         return BudgetTracker(self.budget, self)
 
+    @property
+    def learning(self) -> bool:
+        """Whether fewer than ``min_drafted`` drafted passes are measured: until then every pass
+        drafts (no pauses within a request), so the learning takes a few requests, not dozens."""
+        return self.drafted_passes < self.min_drafted
+
     def pays(self) -> bool:
         """Whether drafting yields items at least as fast as plain passes (True until measured)."""
         with self._lock:
             return self._pays()
 
     def _pays(self) -> bool:
-        if self.drafted_passes < self.min_drafted or self.plain_seconds is None:
+        if self.learning or self.plain_seconds is None:
             return True
         assert self.drafted_seconds is not None and self.drafted_items is not None  # measured with the passes
         return self.drafted_items * self.plain_seconds >= self.drafted_seconds
