@@ -20,7 +20,8 @@ re-runs only the last history token), and reports:
   groups to one pool of all users; users with fewer than ``--min-history`` items are routed by
   attribute (ML-100K: age bucket and occupation). Trees sized by the adaptive budget shared across
   requests (``gr.generation.budget.SharedBudget``, one per mode, as a server keeps one per draft
-  source: warmed on ``--warmup-users`` other users' requests, then kept through every K);
+  source: warmed on ``--warmup-users`` other users' requests (the evaluated users' own when no
+  other users are left), then kept through every K);
   ``pool-all-fixed`` drafts full trees every pass; ``*-per-request``: the adaptive budget learning
   within each request only (as before it was shared);
 * the draft model (assisted generation; adaptive depth, ``--draft-width`` candidates per level),
@@ -318,7 +319,9 @@ def bench_dataset(
     order = rng.permutation(len(items)).tolist()
     users = sorted(order[:num_users])
     generators = sorted(order[num_users : num_users + pool_users])
-    warmers = sorted(order[num_users + pool_users : num_users + pool_users + warmup_users])
+    # no users left (model (b) with all others in the pools): the evaluated users' own requests warm
+    # the budgets (their slates are in no pool, so no source looks better than it is)
+    warmers = sorted(order[num_users + pool_users : num_users + pool_users + warmup_users]) or users[:warmup_users]
     histories, held_out, train_seqs = {}, {}, []
     for u in range(len(items)):
         keep = len(items[u]) - HELD_OUT
@@ -331,7 +334,7 @@ def bench_dataset(
         held_out[u] = set(items[u][keep:].tolist())
     embeddings_t = user_embeddings(ranker, [histories[u]["history"] for u in range(len(items))])
     draft_ranker = Ranker.load(draft, cache_bytes=2**31, threads=1)
-    for u in users + warmers:  # warm user caches: every timed request re-runs only its last history token
+    for u in sorted(set(users + warmers)):  # warm user caches: every timed request re-runs only its last history token
         ranker.generate(u, histories[u]["history"], 1)
         draft_ranker.generate(u, histories[u]["history"], 1)
     lengths = [len(histories[u]["history"]["item_id"]) for u in range(len(items))]
@@ -395,7 +398,8 @@ def bench_dataset(
         label: (ranker, {"draft": source, "verification": verification, "budget": shared.get(label, budget)})
         for label, (source, verification, budget) in sources.items()
     }
-    if warmers:  # the shared budgets learn from other users' requests first, as a serving process has
+    if warmers:  # the shared budgets learn from earlier requests first, as a serving process has
+        print(f"# warming the shared budgets on {len(warmers)} users' requests of {max(ks)}", flush=True)
         run_modes({label: speculative[label] for label in shared}, warmers, histories, max(ks))
     for k in ks:
         modes = {"greedy": (ranker, {}), "draft-model-alone": (draft_ranker, {}), **speculative}
