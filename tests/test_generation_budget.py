@@ -149,7 +149,7 @@ def test_a_shared_budgets_updates_wait_for_its_lock():
         for t in updates:
             t.start()
         for t in updates:
-            t.join(timeout=0.2)
+            t.join(timeout=0.1)
         assert all(t.is_alive() for t in updates) and shared.plain_passes == shared.drafted_passes == 0
     for t in updates:
         t.join()
