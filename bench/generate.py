@@ -18,8 +18,12 @@ re-runs only the last history token), and reports:
   the model's own transitions as served traffic holds them), built per user group (k-means
   of the model's user embeddings = the query at a user's last history token) from many small
   groups to one pool of all users; users with fewer than ``--min-history`` items are routed by
-  attribute (ML-100K: age bucket and occupation). Trees sized by the adaptive budget
-  (``gr.generation.budget.AdaptiveBudget``); ``pool-all-fixed`` drafts full trees every pass;
+  attribute (ML-100K: age bucket and occupation). Trees sized by the adaptive budget shared across
+  requests (``gr.generation.budget.SharedBudget``, one per mode, as a server keeps one per draft
+  source: warmed on ``--warmup-users`` other users' requests (the evaluated users' own when no
+  other users are left), then kept through every K);
+  ``pool-all-fixed`` drafts full trees every pass; ``*-per-request``: the adaptive budget learning
+  within each request only (as before it was shared);
 * the draft model (assisted generation; adaptive depth, ``--draft-width`` candidates per level),
   with the cost of one draft pass relative to one target pass (the draft model's own greedy);
 * ranking self-drafts (``RankingDraftSource``): the runners-up of the query that picked the last item,
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -52,7 +57,7 @@ import smoke  # noqa: E402
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.readers import read_ml_100k
-from gr.generation.budget import AdaptiveBudget
+from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.decoding import Relaxed, Strict
 from gr.generation.drafts import DraftSource, ModelDraftSource, PoolDraftSource, RankingDraftSource
 from gr.generation.pools import GroupedPools, SequencePool
@@ -61,7 +66,15 @@ from gr.serving.generate import ServingGenerativeModel
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = 2
-SMOKE = {"datasets": ["smoke"], "users": 4, "pool_users": 4, "ks": [5], "groups": [1]}  # the tiny smoke model
+PER_REQUEST = ("pool-all", "draft-model")  # also measured with a budget that learns per request only
+SMOKE = {
+    "datasets": ["smoke"],
+    "users": 4,
+    "pool_users": 4,
+    "warmup_users": 2,
+    "ks": [5],
+    "groups": [1],
+}  # the tiny smoke model
 DATASETS = {
     # (config, target arguments, draft arguments)
     # (a) the ML-100K recipe, a short run (15 epochs, best val HR@10 kept)
@@ -287,6 +300,7 @@ def bench_dataset(
     ks: Sequence[int],
     num_users: int,
     pool_users: int,
+    warmup_users: int,
     groups: Sequence[int],
     relaxed: Relaxed,
     min_history: int,
@@ -305,6 +319,9 @@ def bench_dataset(
     order = rng.permutation(len(items)).tolist()
     users = sorted(order[:num_users])
     generators = sorted(order[num_users : num_users + pool_users])
+    # no users left (model (b) with all others in the pools): the evaluated users' own requests warm
+    # the budgets (their slates are in no pool, so no source looks better than it is)
+    warmers = sorted(order[num_users + pool_users : num_users + pool_users + warmup_users]) or users[:warmup_users]
     histories, held_out, train_seqs = {}, {}, []
     for u in range(len(items)):
         keep = len(items[u]) - HELD_OUT
@@ -317,7 +334,7 @@ def bench_dataset(
         held_out[u] = set(items[u][keep:].tolist())
     embeddings_t = user_embeddings(ranker, [histories[u]["history"] for u in range(len(items))])
     draft_ranker = Ranker.load(draft, cache_bytes=2**31, threads=1)
-    for u in users:  # warm user caches: every timed request re-runs only its last history token
+    for u in sorted(set(users + warmers)):  # warm user caches: every timed request re-runs only its last history token
         ranker.generate(u, histories[u]["history"], 1)
         draft_ranker.generate(u, histories[u]["history"], 1)
     lengths = [len(histories[u]["history"]["item_id"]) for u in range(len(items))]
@@ -366,18 +383,27 @@ def bench_dataset(
     sources["ranking"] = (RankingDraftSource(ranker.catalogue()[0].index), Strict(), None)
     sources["ranking-adaptive"] = (sources["ranking"][0], Strict(), AdaptiveBudget(max_depth=4, nodes_per_level=8))
     sources["pool-all-relaxed"] = (sources["pool-all"][0], relaxed, adaptive)
+    for label in PER_REQUEST:  # as before budgets were shared: each request learns alone
+        sources[f"{label}-per-request"] = sources[label]
     sources["ranking-relaxed"] = (sources["ranking"][0], relaxed, None)
     profile = profile_pass(ranker, users[:4], histories)
     print(f"# {name} pass profile (ms by block tokens n): {json.dumps(profile)}", flush=True)
     out: Dict[str, Dict] = {"pass_profile": profile}
+    shared = {
+        label: SharedBudget(budget)
+        for label, (_, _, budget) in sources.items()
+        if budget is not None and not label.endswith("-per-request")
+    }
+    speculative = {
+        label: (ranker, {"draft": source, "verification": verification, "budget": shared.get(label, budget)})
+        for label, (source, verification, budget) in sources.items()
+    }
+    if warmers:  # the shared budgets learn from earlier requests first, as a serving process has
+        print(f"# warming the shared budgets on {len(warmers)} users' requests of {max(ks)}", flush=True)
+        run_modes({label: speculative[label] for label in shared}, warmers, histories, max(ks))
     for k in ks:
-        modes = {"greedy": (ranker, {}), "draft-model-alone": (draft_ranker, {})}
-        modes.update(
-            {
-                label: (ranker, {"draft": source, "verification": verification, "budget": budget})
-                for label, (source, verification, budget) in sources.items()
-            }
-        )
+        modes = {"greedy": (ranker, {}), "draft-model-alone": (draft_ranker, {}), **speculative}
+        counts = {label: (b.drafted_passes, b.plain_passes) for label, b in shared.items()}
         results = run_modes(modes, users, histories, k)
         base, alone = results.pop("greedy"), results.pop("draft-model-alone")
         base_hr, base_ndcg = hit_rate(base["slates"], held_out), ndcg(base["slates"], held_out)
@@ -386,7 +412,8 @@ def bench_dataset(
             f"{name} K={k:<3} {'greedy':<18} {base['items_per_s']:8.1f} items/s  speedup 1.00  "
             f"{base['pass_ms']:5.2f} ms/pass  HR@{k} {base_hr:.3f}  NDCG@{k} {base_ndcg:.3f}  "
             "(draft model greedy alone: "
-            f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)",
+            f"{alone['items_per_s']:.1f} items/s, a draft step costs {cost:.2f} target steps)  "
+            f"load average {load_average()}",
             flush=True,
         )
         out[f"K{k}"] = {
@@ -395,17 +422,19 @@ def bench_dataset(
             "greedy_hr": base_hr,
             "greedy_ndcg": base_ndcg,
             "draft_step_cost": round(cost, 3),
+            "load_average": load_average(),
         }
         for label, res in results.items():
             verification = sources[label][1]
             mismatches = sum(res["slates"][u] != base["slates"][u] for u in users)
             hr, nd = hit_rate(res["slates"], held_out), ndcg(res["slates"], held_out)
             speedup = res["items_per_s"] / base["items_per_s"]
+            drafting = _drafted_share(shared[label], counts[label]) if label in shared else 1.0
             print(
                 f"{name} K={k:<3} {label:<18} {res['items_per_s']:8.1f} items/s  speedup {speedup:4.2f}  "
                 f"{res['pass_ms']:5.2f} ms/pass  accept {res['acceptance']:.3f}  "
                 f"accepted/pass {res['accepted_per_pass']:.2f}  draft share {res['draft_share']:.3f}  "
-                f"HR@{k} {hr:.3f}  NDCG@{k} {nd:.3f}  "
+                f"drafting {drafting:.2f}  HR@{k} {hr:.3f}  NDCG@{k} {nd:.3f}  "
                 f"{'changed' if isinstance(verification, Relaxed) else 'mismatches'} {mismatches}",
                 flush=True,
             )
@@ -415,11 +444,38 @@ def bench_dataset(
                 "acceptance": round(res["acceptance"], 3),
                 "accepted_per_pass": round(res["accepted_per_pass"], 3),
                 "draft_share": round(res["draft_share"], 3),
+                "drafting": round(drafting, 3),
                 "hr": round(hr, 4),
                 "ndcg": round(nd, 4),
                 "differs_from_greedy": mismatches,
             }
+    for label, b in shared.items():
+        print(f"# {name} {label}: {describe(b)}", flush=True)
+    out["shared_budgets"] = {label: describe(b) for label, b in shared.items()}
     return out
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def describe(budget: SharedBudget) -> str:
+    """What a shared budget learned: items and ms of a drafted pass against a plain pass."""
+    ms = {
+        key: 1e3 * v if v is not None else float("nan")
+        for key, v in (("drafted", budget.drafted_seconds), ("plain", budget.plain_seconds))
+    }
+    return (
+        f"{budget.drafted_items or 0.0:.2f} items per drafted pass in {ms['drafted']:.2f} ms, plain pass "
+        f"{ms['plain']:.2f} ms: {'pays' if budget.pays() else 'does not pay'} "
+        f"({budget.drafted_passes} drafted, {budget.plain_passes} plain passes)"
+    )
+
+
+def _drafted_share(budget: SharedBudget, before: Tuple[int, int]) -> float:
+    """Share of the passes since ``before`` (drafted, plain counts) that drafted."""
+    drafted, plain = budget.drafted_passes - before[0], budget.plain_passes - before[1]
+    return drafted / max(drafted + plain, 1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -429,6 +485,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 50], help="slate sizes K")
     parser.add_argument("--users", type=int, default=20, help="evaluated users per dataset")
     parser.add_argument("--pool-users", type=int, default=100, help="other users whose greedy slates join the pools")
+    parser.add_argument(
+        "--warmup-users", type=int, default=20, help="other users whose requests warm the shared budgets (0: cold)"
+    )
     parser.add_argument("--groups", type=int, nargs="+", default=[64, 8, 1], help="pool groups (1 = all users)")
     parser.add_argument("--min-history", type=int, default=30, help="shorter histories route by attribute")
     parser.add_argument("--pool-depth", type=int, default=8)
@@ -450,6 +509,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.ks,
             args.users,
             args.pool_users,
+            args.warmup_users,
             args.groups,
             relaxed,
             args.min_history,
@@ -464,7 +524,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         name: {
             k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict) and "speedup" in v}
             for k, modes in res.items()
-            if k != "pass_profile"
+            if k.startswith("K")
         }
         for name, res in results.items()
     }

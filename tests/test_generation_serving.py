@@ -7,7 +7,7 @@ from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel
 from gr.export import export_model
-from gr.generation.budget import AdaptiveBudget
+from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.drafts import ModelDraftSource, PoolDraftSource
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval
@@ -64,7 +64,8 @@ def test_served_greedy_equals_the_trained_models_step_by_step_argmax(exports):
     assert again.cache_status == "hit" and again.items == trained_greedy(model, history, 6)
 
 
-def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(exports):
+@pytest.mark.parametrize("shared", [False, True])
+def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(exports, shared):
     _, path, draft_path = exports
     ranker = Ranker.load(path, threads=1)
     population = users(10, seed=1)
@@ -83,9 +84,11 @@ def test_served_speculative_greedy_with_pools_and_a_draft_model_equals_greedy(ex
         everyone.add(seq)
     sources.append(PoolDraftSource(everyone, max_depth=6))
     for source in sources:
-        accepted = 0
+        accepted, budget = 0, SharedBudget() if shared else None  # one budget across the source's requests
         for (user, history), want in zip(population, slates):
-            got = ranker.generate(user, history, 8, request_time=REQUEST_TIME, draft=source, attribute="a")
+            got = ranker.generate(
+                user, history, 8, request_time=REQUEST_TIME, draft=source, attribute="a", budget=budget
+            )
             assert got.items == want
             assert got.to_json()["accepted"] == got.stats.accepted and got.to_json()["passes"] == got.stats.passes
             accepted += got.stats.accepted

@@ -1,12 +1,13 @@
 """Generation with the KV-cached HSTU: deterministic greedy, tree attention = separate branches,
-speculative greedy (pool and draft-model drafts) = plain greedy exactly, relaxed verification,
-beam search and sampling, speculative retrieval = exact search."""
+speculative greedy (pool and draft-model drafts, with or without a budget shared across requests)
+= plain greedy exactly, relaxed verification, beam search and sampling, speculative retrieval =
+exact search."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gr.generation.budget import AdaptiveBudget
+from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.decoding import (
     Relaxed,
     beam_search,
@@ -292,3 +293,35 @@ def test_speculative_greedy_with_ranking_drafts_equals_plain_greedy(model, index
         assert got.stats.passes + got.stats.accepted in (want.stats.passes, want.stats.passes + 1)
         accepted += got.stats.accepted
     assert accepted > 0, "16 runners-up of 60 items at the first level: some must be the next greedy item"
+
+
+class CountingDrafter:
+    """Counts its draft lookups; drafts the next greedy items of ``want`` (right) or nothing useful."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def propose(self, sequence, depth, banned, max_nodes=None, query=None):
+        self.calls += 1
+        return self.inner.propose(sequence, depth, banned, max_nodes, query)
+
+
+def test_speculative_greedy_with_a_shared_budget_equals_greedy_and_skips_the_drafter_while_it_does_not_pay(
+    model, index
+):
+    shared = SharedBudget(AdaptiveBudget(start_depth=1))
+    for seed in range(80, 84):  # requests of several users learn into one budget
+        items, ts = random_user(seed)
+        want = greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME).items
+        drafter = CountingDrafter(RankingDrafter(index))
+        got = speculative_greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME, drafter, budget=shared)
+        assert got.items == want
+    assert shared.drafted_passes > 0
+    # a source measured as not paying: a drafted pass takes 1 s for 1 item, so no probe is due for 100 s
+    losing = SharedBudget(AdaptiveBudget(), probe_share=0.01, min_drafted=1)
+    losing.record_drafted(accepted=0, seconds=1.0, depth=2)
+    losing.record_plain(seconds=1e-3)
+    drafter = CountingDrafter(ModelDrafter(model, index, items, ts, REQUEST_TIME))
+    got = speculative_greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME, drafter, budget=losing)
+    assert got.items == want and drafter.calls == 0 and got.stats.drafted == 0
+    assert drafter.inner.state is None, "a request that never drafts never runs the draft model"

@@ -2,7 +2,7 @@
 greedy with draft token trees (retrieval pools or a draft model; strict or relaxed verification)
 and speculative retrieval. Imports only torch and gr.hstu, so the serving runtime uses it."""
 
-from gr.generation.budget import AdaptiveBudget
+from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.decoding import (
     Generation,
     GenerationStats,
@@ -46,6 +46,7 @@ __all__ = [
     "RankingDraftSource",
     "Relaxed",
     "SequencePool",
+    "SharedBudget",
     "SpeculativeRetrieval",
     "Strict",
     "beam_search",

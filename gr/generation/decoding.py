@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
-from gr.generation.budget import AdaptiveBudget
+from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.draft_tree import DraftTree
 from gr.generation.index import Exclusions, ItemIndex, exclusion_mask, top_items
 from gr.hstu.cache import CachedHSTU, HistoryCache
@@ -285,12 +285,14 @@ def speculative_greedy(
     drafter: Drafter,
     exclude_seen: bool = True,
     verification: Strict | Relaxed = Strict(),
-    budget: Optional[AdaptiveBudget] = None,
+    budget: AdaptiveBudget | SharedBudget | None = None,
 ) -> Generation:
     """Greedy generation verifying drafts: each pass runs the pending item plus a draft tree, accepts
     the longest branch prefix the verification allows, then the model's own choice after it.
 
-    budget: sizes each tree from the acceptance so far (None: the drafter's own limits every pass).
+    budget: sizes each tree from the acceptance so far (None: the drafter's own limits every pass):
+    this request's (``AdaptiveBudget``) or also the source's earlier requests' (``SharedBudget``,
+    which may skip drafting altogether: then the drafter is never called).
     With ``Strict`` the items equal ``greedy``'s (same exclusions, same tie-breaking).
     """
     began, stats = time.perf_counter(), GenerationStats()
@@ -302,16 +304,24 @@ def speculative_greedy(
     while len(out) < k:
         room = k - len(out)
         depth, max_nodes = tracker.next(room) if tracker is not None else (room, None)
-        tree = EMPTY_TREE
-        if depth:
-            drafted = time.perf_counter()
-            tree = drafter.propose(state.items + out[-1:], depth, exclusions.items, max_nodes, state.query)
-            stats.draft_seconds += time.perf_counter() - drafted
+        began_pass = time.perf_counter()
+        if tracker is not None and not depth:  # greedy's own loop, no draft lookup
+            passes = min(tracker.plain_run(), room)
+            for _ in range(passes):
+                state = step(model, state, out[-1], request_time)
+                out.append(_best(index, state.query, exclusions))
+                if exclude_seen:
+                    exclusions.add(out[-1:])
+            stats.passes += passes
+            tracker.plain(time.perf_counter() - began_pass, passes)
+            continue
+        tree = drafter.propose(state.items + out[-1:], depth, exclusions.items, max_nodes, state.query)
+        stats.draft_seconds += time.perf_counter() - began_pass
         state, accepted, bonus = _verify(
             model, index, state, out[-1], tree, request_time, exclusions, exclude_seen, verification, room
         )
-        if tracker is not None and depth:
-            tracker.observe(tree.depth, len(accepted))
+        if tracker is not None:
+            tracker.observe(tree.depth, len(accepted), time.perf_counter() - began_pass)
         stats.passes += 1
         stats.drafted += tree.num_nodes
         stats.accepted += len(accepted)
@@ -322,9 +332,6 @@ def speculative_greedy(
             exclusions.add(accepted + [bonus])
     stats.total_seconds = time.perf_counter() - began
     return Generation(out[:k], stats)
-
-
-EMPTY_TREE = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
 
 
 def _verify(
@@ -343,9 +350,12 @@ def _verify(
 
     Block row 0 is the pending item (already excluded), row i + 1 the tree's node i. The HSTU pass and
     the queries cover the whole tree at once; the catalogue is searched only at the rows the walk down
-    the accepted branch visits (accepted + 1 rows, not the whole tree).
+    the accepted branch visits (accepted + 1 rows, not the whole tree). An empty tree is greedy's step.
     """
     m = tree.num_nodes
+    if m == 0:
+        state = step(model, state, pending, request_time)
+        return state, [], _best(index, state.query, exclusions)
     items = torch.cat([torch.tensor([pending]), tree.items])
     depths = torch.cat([torch.ones(1, dtype=torch.long), tree.depths() + 1])
     visible = torch.zeros(m + 1, m + 1, dtype=torch.bool)

@@ -59,7 +59,8 @@ def _allowed_prefix(path: Sequence[int], banned: Set[int]) -> List[int]:
 
 
 class ModelDrafter:
-    """A smaller GR model drafts greedily; it keeps its own KV cache of the request.
+    """A smaller GR model drafts greedily; it keeps its own KV cache of the request, encoding the
+    history on the first ``propose`` (a request that never drafts never runs the draft model).
 
     Each round drafts one greedy branch of up to ``max_depth`` items (one draft pass per item)
     and, at every level, its next ``width - 1`` best items as extra leaves: the target verifies
@@ -80,8 +81,9 @@ class ModelDrafter:
         if max_depth < 1 or width < 1:
             raise ValueError("ModelDrafter: max_depth and width must be >= 1")
         self.model, self.index, self.max_depth, self.width = model, index, max_depth, width
-        self.history_timestamps, self.request_time = timestamps.to(torch.long), int(request_time)
-        self.state = start(model, items, timestamps, self.request_time)
+        self.history_items, self.request_time = items, int(request_time)
+        self.history_timestamps = timestamps.to(torch.long)
+        self.state: Optional[DecodeState] = None
 
     def propose(
         self,
@@ -115,6 +117,8 @@ class ModelDrafter:
 
     def _sync(self, sequence: List[int]) -> DecodeState:
         """The draft state of exactly ``sequence``: keep the common prefix, run the rest."""
+        if self.state is None:
+            self.state = start(self.model, self.history_items, self.history_timestamps, self.request_time)
         state, common = self.state, 0
         if state.items == sequence:
             return state

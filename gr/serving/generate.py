@@ -12,7 +12,7 @@ from typing import Any, Dict, Hashable, List, Optional, Union
 import torch
 
 from gr.export.format import TIMESTAMPS
-from gr.generation.budget import AdaptiveBudget
+from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.decoding import (
     Drafter,
     GenerationStats,
@@ -75,7 +75,7 @@ class Plan:
     request_time: int
     draft: Optional[DraftSource]
     verification: Union[Strict, Relaxed]
-    budget: Optional[AdaptiveBudget]
+    budget: Union[AdaptiveBudget, SharedBudget, None]
     attribute: Optional[Hashable]
     speculative_retrieval: Optional[SpeculativeRetrieval]
 
@@ -92,7 +92,7 @@ def plan(
     *,
     draft: Optional[DraftSource] = None,
     verification: Union[Strict, Relaxed] = STRICT,
-    budget: Optional[AdaptiveBudget] = None,
+    budget: Union[AdaptiveBudget, SharedBudget, None] = None,
     attribute: Optional[Hashable] = None,
     speculative_retrieval: Optional[SpeculativeRetrieval] = None,
 ) -> Plan:
@@ -100,7 +100,9 @@ def plan(
 
     draft (a ``DraftSource``) turns greedy speculative: drafts verified in one HSTU pass each,
     ``verification`` ``Strict()`` (the greedy items exactly) or ``Relaxed``; budget (an
-    ``AdaptiveBudget``) sizes each draft tree from the acceptance so far; speculative_retrieval
+    ``AdaptiveBudget``) sizes each draft tree from the request's acceptance so far, a
+    ``SharedBudget`` (one per draft source, kept by the caller across requests, thread-safe) also
+    from the source's earlier requests and stops drafting while it does not pay; speculative_retrieval
     answers greedy's searches from a local cache checked in batches against the exact index;
     attribute routes a cold user to a pool. Strategies: "greedy" (lowest item id on ties),
     "beam" (``beam_width``, ``temperature``), "sample" (``temperature``, ``seed``).
