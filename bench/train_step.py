@@ -186,13 +186,15 @@ def print_profiles(steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="400 users, 2 steps: checks that the bench runs")
-    parser.add_argument("--steps", type=int, default=None, help="timed training steps per precision (8; smoke 2)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed training steps per precision (24, half an ML-1M epoch; smoke 2)"
+    )
     parser.add_argument("--users", type=int, default=None, help="synthetic users (6040, ML-1M's; smoke 400)")
     parser.add_argument("--recipes", default="small,large", help=f"comma-separated of {sorted(RECIPES)}")
     parser.add_argument("--no-epoch", action="store_true", help="skip the whole-epoch timings")
     parser.add_argument("--profile", action="store_true", help="profile the timed steps, print the top ops")
     args = parser.parse_args()
-    steps = args.steps or (2 if args.smoke else 8)
+    steps = args.steps or (2 if args.smoke else 24)
     users = args.users or (400 if args.smoke else 6040)
     recipes = args.recipes.split(",")
     unknown = [r for r in recipes if r not in RECIPES]
