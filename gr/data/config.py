@@ -88,15 +88,8 @@ class ColumnConfig(Section):
             self.item,
             self.timestamp,
             *([self.rating] if self.rating else []),
-            *self.user_features,
-            *self.item_features,
-            *self.token_features,
-            *(
-                c
-                for groups in (self.token_dense, self.item_dense, self.user_dense)
-                for cs in groups.values()
-                for c in cs
-            ),
+            *self.categorical_columns(),
+            *self.dense_columns(),
         ]
         if len(set(used)) != len(used):
             raise ValueError(f"{where}: a column is used twice in {used}")
@@ -107,6 +100,16 @@ class ColumnConfig(Section):
                 f"{where}: feature name(s) {clashes} used twice or reserved ({ITEM_ID!r}); categorical "
                 f"features are named after their column, dense ones after their key (features: {names})"
             )
+
+    def categorical_columns(self) -> List[str]:
+        """The declared categorical columns (user, item and row features)."""
+        return [*self.user_features, *self.item_features, *self.token_features]
+
+    def dense_columns(self) -> List[str]:
+        """Every column of the declared dense features (row, item and user)."""
+        return [
+            c for group in (self.token_dense, self.item_dense, self.user_dense) for cs in group.values() for c in cs
+        ]
 
     def feature_names(self) -> List[str]:
         """Every declared feature's name, categorical and dense."""

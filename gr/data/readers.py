@@ -331,15 +331,6 @@ def read_amazon(path: str) -> Interactions:
 # ---- generic tables ----------------------------------------------------------------------
 
 
-def _categorical_columns(columns: ColumnConfig) -> List[str]:
-    return [*columns.user_features, *columns.item_features, *columns.token_features]
-
-
-def _dense_columns(columns: ColumnConfig) -> List[str]:
-    groups = (columns.token_dense, columns.item_dense, columns.user_dense)
-    return [c for group in groups for names in group.values() for c in names]
-
-
 def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     """A CSV with a header; ``columns`` names the user, item, timestamp (seconds) and optional
     rating and declared feature columns (categorical: any value; dense: finite numbers).
@@ -352,8 +343,8 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
         (columns.item, "str"),
         (columns.timestamp, "float"),
         *([(columns.rating, "float")] if columns.rating else []),
-        *((c, "str") for c in _categorical_columns(columns)),
-        *((c, "float") for c in _dense_columns(columns)),
+        *((c, "str") for c in columns.categorical_columns()),
+        *((c, "float") for c in columns.dense_columns()),
     ]
     values = read_delimited(file, layout, columns.delimiter, header="select", quoted=True)
     return _table_interactions(file, values, columns)
@@ -364,8 +355,8 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     file = _require_file(Path(path), "Parquet file")
     try:
         schema = pq.read_schema(file)
-        numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *_dense_columns(columns)]
-        wanted = [columns.user, columns.item, *numeric, *_categorical_columns(columns)]
+        numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *columns.dense_columns()]
+        wanted = [columns.user, columns.item, *numeric, *columns.categorical_columns()]
         missing = [c for c in wanted if c not in schema.names]
         if missing:
             raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")

@@ -197,6 +197,19 @@ def _exclusions(index: ItemIndex, state: DecodeState, exclude_seen: bool) -> Exc
     return Exclusions(index.num_items, state.items if exclude_seen else ())
 
 
+def _plain_pass(
+    model: GenerativeModel,
+    index: ItemIndex,
+    state: DecodeState,
+    pending: int,
+    request_time: int,
+    exclusions: Exclusions,
+) -> Tuple[DecodeState, int]:
+    """One greedy pass: append ``pending`` to the history, then the best allowed item after it."""
+    state = step(model, state, pending, request_time)
+    return state, _best(index, state.query, exclusions)
+
+
 def _best(index: ItemIndex, query: Tensor, exclusions: Exclusions) -> int:
     """The greedy item for ``query: [d]``: the best allowed item, lowest id on ties."""
     return int(index.search(query.view(1, -1), exclusions.rows(1), 1)[1][0, 0])
@@ -308,8 +321,8 @@ def speculative_greedy(
         if tracker is not None and not depth:  # greedy's own loop, no draft lookup
             passes = min(tracker.plain_run(), room)
             for _ in range(passes):
-                state = step(model, state, out[-1], request_time)
-                out.append(_best(index, state.query, exclusions))
+                state, best = _plain_pass(model, index, state, out[-1], request_time, exclusions)
+                out.append(best)
                 if exclude_seen:
                     exclusions.add(out[-1:])
             stats.passes += passes
@@ -354,8 +367,8 @@ def _verify(
     """
     m = tree.num_nodes
     if m == 0:
-        state = step(model, state, pending, request_time)
-        return state, [], _best(index, state.query, exclusions)
+        state, best = _plain_pass(model, index, state, pending, request_time, exclusions)
+        return state, [], best
     items = torch.cat([torch.tensor([pending]), tree.items])
     depths = torch.cat([torch.ones(1, dtype=torch.long), tree.depths() + 1])
     visible = torch.zeros(m + 1, m + 1, dtype=torch.bool)
