@@ -8,6 +8,8 @@ Select with ``-m attention``.
 """
 
 import math
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ import torch.nn.functional as F
 from gr.hstu.kernels import RelativeBias, hstu_attention
 from gr.hstu.kernels.ascend import find_mxrec_hstu_jagged
 from helpers.backends import DEVICE, KERNEL_BACKENDS
+
+BACKENDS = KERNEL_BACKENDS + (["cpu-unfused"] if "cpu" in KERNEL_BACKENDS else [])
 
 pytestmark = pytest.mark.attention
 
@@ -54,7 +58,11 @@ def make_batch(
 
 
 def run(backend, tensors, meta, dtype=torch.float32, **options):
-    """Output and gradients (q, k, v, pos_w, time_w; None where off) under a fixed cotangent."""
+    """Output and gradients (q, k, v, pos_w, time_w; None where off) under a fixed cotangent.
+    "cpu-unfused" is the cpu backend with its fused tiles off (its fallback where they cannot build)."""
+    if backend == "cpu-unfused":
+        with mock.patch.dict(os.environ, {"GR_CPU_FUSED": "0"}):
+            return run("cpu", tensors, meta, dtype, **options)
     leaves = {name: x.to(dtype).detach().requires_grad_(True) if x is not None else None for name, x in tensors.items()}
     rab = None
     if leaves["pos_w"] is not None or leaves["time_w"] is not None:
@@ -159,7 +167,7 @@ def _vendor_refuses(backend, options):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_matches_reference_forward_and_gradients(backend, case):
     tensors, meta, options = _case(case)
     if _vendor_refuses(backend, options):
@@ -176,7 +184,7 @@ def test_backend_matches_reference_forward_and_gradients(backend, case):
             assert_matches(grads[name], ref, 2e-4, f"d{name}")
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_matches_reference_in_bf16(backend):
     """bf16 inputs against the fp32 reference on the same (rounded) values, loose tolerance."""
     tensors, meta, options = _case("targets,pos+sqrt-time")
@@ -205,7 +213,7 @@ def alternating_bucket_weights(num_buckets):
 
 
 @pytest.mark.parametrize("bucketing", ["log", "sqrt"])
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
     """Time deltas on and next to every bucket boundary: an off-by-one bucket would show, since
     neighbouring bucket weights differ by ~1."""
@@ -223,7 +231,7 @@ def test_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
 
 
 @pytest.mark.parametrize("bucketing", ["log", "sqrt"])
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_query_time_buckets_agree_with_reference_at_bucket_edges(backend, bucketing):
     """Each token is queried a bucket-edge delta after or before its own time (tq_i - t_i = +-edge),
     so every token's bias on itself lands on or next to a bucket boundary: in the score tiles for

@@ -54,6 +54,7 @@ from gr.hstu.kernels.common import (
     silu_norm,
     time_bucket,
 )
+from gr.hstu.kernels.cpu_fused import fused_ops
 from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 
 QUERY_CHUNK = 128  # query rows per chunk
@@ -92,12 +93,16 @@ class _Group:
     tokens: [G, Lp] int64 flat token index, T (a zero row) for padding
     lengths, history: [G, 1, 1] int64 when some sequence of the group has targets, else
     [1, 1, 1] = Lp, so that masks and position buckets are computed once for the group
+    starts, sizes: [G] int64 each sequence's first token and its length (the fused tiles read
+    the jagged rows in place)
     """
 
     tokens: Tensor
     lengths: Tensor
     history: Tensor
     chunks: List[_Chunk]
+    starts: Tensor
+    sizes: Tensor
 
 
 @dataclass
@@ -114,6 +119,12 @@ class _Problem:
     time_bucketing: str
     layouts: Dict[Tuple[int, int, int, int, torch.dtype], "_Layout"] = field(default_factory=dict)
     cached_elements: int = 0
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused tiles can run it: each chunk's keys are one range (not the contextual
+        keys plus a window's)."""
+        return all(chunk.ctx_hi == 0 for group in self.groups for chunk in group.chunks)
 
     def layout(
         self, group_index: int, chunk_index: int, pos_buckets: int, time_buckets: int, dtype: torch.dtype
@@ -152,8 +163,6 @@ def cpu_hstu_attention(
 
     workspace: the batch's ``AttentionWorkspace``: the groups, chunks, masks and bias bucket
     indices are then computed by the first layer and reused by the others and by backward."""
-    compute = torch.float32 if q.dtype == torch.float16 else q.dtype
-    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
 
@@ -163,9 +172,15 @@ def cpu_hstu_attention(
         )
 
     problem = build() if workspace is None else workspace.get("cpu", seq_offsets, build)
+    fused = fused_ops() if problem.fusable else None
+    compute = torch.float32 if q.dtype == torch.float16 or fused is not None else q.dtype
+    qc, kc, vc = (x.to(compute).contiguous() for x in (q, k, v))
     bias_dtype = torch.float32 if compute == torch.bfloat16 else compute
-    weights = [w.to(bias_dtype) if w is not None else None for w in (pos_w, time_w)]
-    out = _ChunkedAttention.apply(qc, kc, vc, weights[0], weights[1], problem)
+    weights = [w.to(bias_dtype).contiguous() if w is not None else None for w in (pos_w, time_w)]
+    if fused is not None:
+        out = _FusedAttention.apply(qc, kc, vc, weights[0], weights[1], problem, fused)
+    else:
+        out = _ChunkedAttention.apply(qc, kc, vc, weights[0], weights[1], problem)
     if num_targets is not None:
         out = _add_target_self_terms(out, qc, kc, vc, seq_offsets, num_targets, problem, weights[0], weights[1])
     return out.to(q.dtype)
@@ -275,17 +290,19 @@ def _group(
             # without a window, every query row >= m0 sees all history keys < min(m0, h_min)
             mask_from = min(m0, h_min, hi) if max_attn_len == 0 else 0
             chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, cols, mask_from))
+    starts = seq_offsets[members].contiguous()
     if bool((hist < lens).any()):
-        return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks)
+        return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks, starts, lens.contiguous())
     shared = torch.full((1, 1, 1), padded_len, device=index.device)
-    return _Group(tokens, shared, shared, chunks)
+    return _Group(tokens, shared, shared, chunks, starts, lens.contiguous())
 
 
 class _Layout:
     """What one chunk of one group needs besides the weights: the same for every layer on a batch.
 
     norm: [G or 1, 1, C, 1]; mask: [G or 1, 1, C, K - mask_from] or None (both in the compute
-    dtype); pos_idx: [G or 1, C, K], time_idx: [G, C, K] int64 bucket indices or None.
+    dtype); row_end: [G or 1, C] int64, 1 + the last key column each query sees (with a mask);
+    pos_idx: [G or 1, C, K], time_idx: [G, C, K] int64 bucket indices or None.
     """
 
     def __init__(
@@ -303,13 +320,17 @@ class _Layout:
                 part < hist
             )
             self.mask = visible.to(dtype).unsqueeze(1)
+            last_seen = torch.where(visible, torch.arange(1, part.shape[-1] + 1, device=part.device), 0).amax(-1)
+            self.row_end = (chunk.mask_from + last_seen).view(-1, last_seen.shape[-1])
+        else:
+            self.row_end = torch.full((1, chunk.m1 - chunk.m0), cols.shape[-1], device=cols.device)
         self.pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_buckets) if pos_buckets else None
         self.time_idx = None
         if time_buckets:
             query_ts, key_ts = _group_times(problem, group)
             delta = query_ts[:, chunk.rows, None] - key_ts[:, None, chunk.cols]
             self.time_idx = time_bucket(delta, problem.time_bucketing, time_buckets)
-        parts = (self.norm, self.mask, self.pos_idx, self.time_idx)
+        parts = (self.norm, self.mask, self.row_end, self.pos_idx, self.time_idx)
         self.elements = sum(t.numel() for t in parts if t is not None)
 
 
@@ -416,6 +437,56 @@ class _ChunkedAttention(torch.autograd.Function):
                 grad[group.tokens] = part.transpose(1, 2).to(grad.dtype)  # each token is in one group; padding -> row T
         dq, dk, dv = (g[:-1] for g in grads)
         return dq, dk, dv, dpos, dtime, None
+
+
+class _FusedAttention(torch.autograd.Function):
+    """``_ChunkedAttention`` in fp32 by the fused tiles (``gr.hstu.kernels.cpu_fused``): each chunk is one
+    call that reads the jagged q, k, v rows in place (no padded copies) and writes out, dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem, ops):
+        ctx.problem, ctx.ops = problem, ops
+        ctx.save_for_backward(q, k, v, pos_w, time_w)
+        out = v.new_zeros(v.shape)
+        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w):
+            group = problem.groups[gi]
+            ops.forward_chunk(q, k, v, out, *_fused_args(problem, group, chunk, layout, pos_w, time_w))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, pos_w, time_w = ctx.saved_tensors
+        problem: _Problem = ctx.problem
+        dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+        dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
+        dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
+        grad_out = grad_out.contiguous()
+        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w):
+            group = problem.groups[gi]
+            args = _fused_args(problem, group, chunk, layout, pos_w, time_w)
+            ctx.ops.backward_chunk(q, k, v, grad_out, dq, dk, dv, *args, dpos, dtime)
+        return dq, dk, dv, dpos, dtime, None, None
+
+
+def _fused_chunks(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Tensor]):
+    """(group index, chunk, its fp32 layout) for every chunk of the batch."""
+    sizes = (pos_w.numel() if pos_w is not None else 0, time_w.numel() if time_w is not None else 0)
+    for gi, group in enumerate(problem.groups):
+        for ci, chunk in enumerate(group.chunks):
+            yield gi, chunk, problem.layout(gi, ci, *sizes, torch.float32)
+
+
+def _fused_args(
+    problem: _Problem, group: _Group, chunk: _Chunk, layout: _Layout, pos_w: Optional[Tensor], time_w: Optional[Tensor]
+) -> tuple:
+    """The arguments ``forward_chunk`` and ``backward_chunk`` share, after the tensors they read and write."""
+    return (
+        group.starts, group.sizes, chunk.m1 - chunk.m0, chunk.m0, chunk.lo, chunk.hi, problem.alpha,
+        pos_w, layout.pos_idx if pos_w is not None else None,
+        time_w, layout.time_idx if time_w is not None else None,
+        layout.mask, chunk.mask_from, layout.row_end, layout.norm,
+    )  # fmt: skip
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,294 @@
+// Fused HSTU attention tiles for CPU (fp32): one chunk of one group of gr.hstu.kernels.cpu.
+//
+// Per (sequence, head) of a chunk the scores tile [C, K] is made by one GEMM, then bias, SiLU,
+// mask and (in backward) the SiLU gradient and the bias-gradient scatter run over it while it
+// sits in this core's cache, then the next GEMM reads it. The unfused path makes a pass over
+// the whole chunk's [G, H, C, K] scores in memory for each of those steps.
+//
+// GEMMs are MKL's sgemm_ (the BLAS inside PyTorch's x86 builds), run one thread each inside
+// at::parallel_for over (sequence, head). Loaded by gr/hstu/kernels/cpu_fused.py, which falls
+// back to the unfused kernel when this cannot be built or linked.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
+int MKL_Set_Num_Threads_Local(int nt);  // the C API; the lower-case symbol takes a pointer
+}
+
+namespace {
+
+using at::Tensor;
+
+// Row-major C[M, N] = alpha * op(A) op(B) + beta * C; op(A) is [M, K_], op(B) is [K_, N].
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  // Column-major BLAS sees each row-major matrix transposed: C^T = op(B)^T op(A)^T.
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
+  sgemm_(&tb, &ta, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
+}
+
+constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
+
+// A [T, H, D] fp32 jagged tensor: the rows of head h from token `first` on, with their stride.
+struct Jagged {
+  float* data;
+  int64_t heads, ld;
+  explicit Jagged(const Tensor& t) : data(t.data_ptr<float>()), heads(t.size(1)), ld(t.size(1) * t.size(2)) {
+    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "cpu_fused: expected a contiguous fp32 [T, H, D] tensor");
+  }
+  float* rows(int64_t first, int64_t h) const { return data + first * ld + h * (ld / heads); }
+};
+
+const int64_t* optional_index(const std::optional<Tensor>& idx, int64_t C, int64_t K) {
+  if (!idx.has_value()) return nullptr;
+  TORCH_CHECK(idx->is_contiguous() && idx->scalar_type() == at::kLong && idx->size(-1) == K && idx->size(-2) == C,
+              "cpu_fused: bias indices must be contiguous int64 [G or 1, C, K]");
+  return idx->data_ptr<int64_t>();
+}
+
+// One chunk of one group: query rows [m0, m0 + C) of each sequence against its keys [lo, lo + K), the
+// sequences' first tokens and lengths, and what the elementwise work reads (bias, mask, normaliser).
+struct Chunk {
+  int64_t G, C, K, m0, lo, mask_from;
+  const int64_t* starts;
+  const int64_t* lengths;
+  const float* pos_w = nullptr;
+  const int64_t* pos_idx = nullptr;  // [Gp, C, K]
+  bool pos_shared = false;
+  const float* time_w = nullptr;
+  const int64_t* time_idx = nullptr;  // [G, C, K]
+  const float* mask = nullptr;        // [Gm, 1, C, K - mask_from]
+  bool mask_shared = false;
+  const int64_t* row_end = nullptr;  // [Gm, C]: 1 + the last key column row i may see
+  const float* norm = nullptr;       // [Gn, 1, C, 1]
+  bool norm_shared = false;
+
+  Chunk(const Tensor& starts_, const Tensor& lengths_, int64_t C_, int64_t K_, int64_t m0_, int64_t lo_,
+        const std::optional<Tensor>& pos_w_, const std::optional<Tensor>& pos_idx_,
+        const std::optional<Tensor>& time_w_, const std::optional<Tensor>& time_idx_,
+        const std::optional<Tensor>& mask_, int64_t mask_from_, const Tensor& row_end_, const Tensor& norm_)
+      : G(starts_.numel()), C(C_), K(K_), m0(m0_), lo(lo_), mask_from(mask_from_) {
+    TORCH_CHECK(starts_.scalar_type() == at::kLong && lengths_.scalar_type() == at::kLong &&
+                    starts_.is_contiguous() && lengths_.is_contiguous() && lengths_.numel() == G,
+                "cpu_fused: starts and lengths must be contiguous int64 [G]");
+    starts = starts_.data_ptr<int64_t>();
+    lengths = lengths_.data_ptr<int64_t>();
+    if (pos_w_.has_value()) {
+      pos_w = pos_w_->data_ptr<float>();
+      pos_idx = optional_index(pos_idx_, C, K);
+      pos_shared = pos_idx_->size(0) == 1;
+    }
+    if (time_w_.has_value()) {
+      time_w = time_w_->data_ptr<float>();
+      time_idx = optional_index(time_idx_, C, K);
+    }
+    if (mask_.has_value()) {
+      TORCH_CHECK(mask_->is_contiguous() && mask_->scalar_type() == at::kFloat && mask_->size(-1) == K - mask_from,
+                  "cpu_fused: mask must be a contiguous fp32 [Gm, 1, C, K - mask_from] tensor");
+      mask = mask_->data_ptr<float>();
+      mask_shared = mask_->size(0) == 1;
+      TORCH_CHECK(row_end_.is_contiguous() && row_end_.scalar_type() == at::kLong &&
+                      row_end_.numel() == mask_->size(0) * C,
+                  "cpu_fused: row_end must be contiguous int64 [Gm, C]");
+      row_end = row_end_.data_ptr<int64_t>();
+    }
+    TORCH_CHECK(norm_.is_contiguous() && norm_.scalar_type() == at::kFloat, "cpu_fused: norm must be contiguous fp32");
+    norm = norm_.data_ptr<float>();
+    norm_shared = norm_.size(0) == 1;
+  }
+
+  // Query rows of sequence g in this chunk, and the key columns it has (both cut at its length).
+  int64_t rows_of(int64_t g) const { return std::max<int64_t>(0, std::min(C, lengths[g] - m0)); }
+  int64_t keys_of(int64_t g) const { return std::max<int64_t>(0, std::min(K, lengths[g] - lo)); }
+  // Key columns rows [r0, r1) of sequence g need: past the last one any of them may see, all are masked.
+  int64_t keys_seen(int64_t g, int64_t r0, int64_t r1, int64_t keys) const {
+    if (mask == nullptr) return keys;
+    const int64_t* end = row_end + (mask_shared ? 0 : g) * C;
+    int64_t seen = 0;
+    for (int64_t i = r0; i < r1; ++i) seen = std::max(seen, end[i]);
+    return std::min(seen, keys);
+  }
+  float norm_of(int64_t g, int64_t i) const { return norm[(norm_shared ? 0 : g) * C + i]; }
+
+  // s[0, n) = s + bias of row i of sequence g.
+  void add_bias(int64_t g, int64_t i, float* s, int64_t n) const {
+    if (pos_w != nullptr) {
+      const int64_t* p = pos_idx + ((pos_shared ? 0 : g) * C + i) * K;
+      for (int64_t j = 0; j < n; ++j) s[j] += pos_w[p[j]];
+    }
+    if (time_w != nullptr) {
+      const int64_t* t = time_idx + (g * C + i) * K;
+      for (int64_t j = 0; j < n; ++j) s[j] += time_w[t[j]];
+    }
+  }
+  // w[0, n) *= the mask of row i (columns >= mask_from).
+  void apply_mask(int64_t g, int64_t i, float* w, int64_t n) const {
+    if (mask == nullptr || n <= mask_from) return;
+    const float* m = mask + ((mask_shared ? 0 : g) * C + i) * (K - mask_from);
+    float* tail = w + mask_from;
+    for (int64_t j = 0; j < n - mask_from; ++j) tail[j] *= m[j];
+  }
+  // dpos / dtime (thread-local, may be null) += d[0, n) into the buckets of row i.
+  void add_bias_grads(int64_t g, int64_t i, const float* d, int64_t n, float* dpos, float* dtime) const {
+    if (dpos != nullptr) {
+      const int64_t* p = pos_idx + ((pos_shared ? 0 : g) * C + i) * K;
+      for (int64_t j = 0; j < n; ++j) dpos[p[j]] += d[j];
+    }
+    if (dtime != nullptr) {
+      const int64_t* t = time_idx + (g * C + i) * K;
+      for (int64_t j = 0; j < n; ++j) dtime[t[j]] += d[j];
+    }
+  }
+};
+
+// Rows [r0, r1) (of the chunk) of sequence g against n keys: scores[rows, n] = alpha q k^T + bias,
+// weights = SiLU(scores) under the mask; both with row stride ld.
+void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64_t n, float alpha, const float* q,
+                        int64_t ldq, const float* k, int64_t ldk, int64_t D, float* scores, float* weights,
+                        int64_t ld) {
+  gemm(false, true, r1 - r0, n, D, alpha, q, ldq, k, ldk, 0.0f, scores, ld);
+  for (int64_t i = r0; i < r1; ++i) {
+    float* s = scores + (i - r0) * ld;
+    float* w = weights + (i - r0) * ld;
+    c.add_bias(g, i, s, n);
+    for (int64_t j = 0; j < n; ++j) w[j] = s[j] / (1.0f + std::exp(-s[j]));
+    c.apply_mask(g, i, w, n);
+  }
+}
+
+// Restores MKL's thread count for this thread on exit; GEMMs inside parallel_for run on one thread.
+struct OneBlasThread {
+  int previous;
+  OneBlasThread() : previous(MKL_Set_Num_Threads_Local(1)) {}
+  ~OneBlasThread() { MKL_Set_Num_Threads_Local(previous); }
+};
+
+// out rows of the chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head.
+void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& starts,
+                   const Tensor& lengths, int64_t rows, int64_t m0, int64_t lo, int64_t hi, double alpha,
+                   const std::optional<Tensor>& pos_w, const std::optional<Tensor>& pos_idx,
+                   const std::optional<Tensor>& time_w, const std::optional<Tensor>& time_idx,
+                   const std::optional<Tensor>& mask, int64_t mask_from, const Tensor& row_end, const Tensor& norm) {
+  const Jagged Q(q), Kt(k), V(v), O(out);
+  const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
+  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, pos_idx, time_w, time_idx, mask, mask_from, row_end, norm);
+  at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
+    OneBlasThread one;
+    std::vector<float> scores(ROW_BLOCK * K), weights(ROW_BLOCK * K);
+    for (int64_t gh = begin; gh < end; ++gh) {
+      const int64_t g = gh / H, h = gh % H, first = c.starts[g];
+      const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
+      for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
+        const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
+        float* o = O.rows(first + m0 + r0, h);
+        const int64_t n = c.keys_seen(g, r0, r1, nkeys);
+        if (n == 0) continue;  // out stays zero
+        scores_and_weights(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + m0 + r0, h), Q.ld,
+                           Kt.rows(first + lo, h), Kt.ld, D, scores.data(), weights.data(), K);
+        gemm(false, false, r1 - r0, Dv, n, 1.0f, weights.data(), K, V.rows(first + lo, h), V.ld, 0.0f, o, O.ld);
+        for (int64_t i = r0; i < r1; ++i) {
+          const float f = c.norm_of(g, i);
+          float* row = o + (i - r0) * O.ld;
+          for (int64_t j = 0; j < Dv; ++j) row[j] *= f;
+        }
+      }
+    }
+  });
+}
+
+// Gradients of the chunk: dq rows = alpha dS k (written), dk += alpha dS^T q, dv += W^T (norm * dout),
+// dpos / dtime += dS summed into their buckets; dS = SiLU'(scores) * mask * (norm * dout) v^T.
+void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_out, const Tensor& dq,
+                    const Tensor& dk, const Tensor& dv, const Tensor& starts, const Tensor& lengths, int64_t rows,
+                    int64_t m0, int64_t lo, int64_t hi, double alpha, const std::optional<Tensor>& pos_w,
+                    const std::optional<Tensor>& pos_idx, const std::optional<Tensor>& time_w,
+                    const std::optional<Tensor>& time_idx, const std::optional<Tensor>& mask, int64_t mask_from,
+                    const Tensor& row_end, const Tensor& norm, const std::optional<Tensor>& dpos,
+                    const std::optional<Tensor>& dtime) {
+  const Jagged Q(q), Kt(k), V(v), dO(grad_out), dQ(dq), dK(dk), dV(dv);
+  const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
+  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, pos_idx, time_w, time_idx, mask, mask_from, row_end, norm);
+  const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
+  const float a = static_cast<float>(alpha);
+  std::mutex merge;
+  at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
+    OneBlasThread one;
+    std::vector<float> scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), g_rows(ROW_BLOCK * Dv);
+    std::vector<float> dpos_local(P, 0.0f), dtime_local(NB, 0.0f);
+    for (int64_t gh = begin; gh < end; ++gh) {
+      const int64_t g = gh / H, h = gh % H, first = c.starts[g];
+      const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
+      const float* kp = Kt.rows(first + lo, h);
+      const float* vp = V.rows(first + lo, h);
+      for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
+        const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows), m = r1 - r0;
+        const int64_t n = c.keys_seen(g, r0, r1, nkeys);
+        if (n == 0) continue;  // dq stays zero
+        const float* qp = Q.rows(first + m0 + r0, h);
+        scores_and_weights(c, g, r0, r1, n, a, qp, Q.ld, kp, Kt.ld, D, scores.data(), weights.data(), K);
+        const float* dop = dO.rows(first + m0 + r0, h);
+        for (int64_t i = r0; i < r1; ++i) {
+          const float f = c.norm_of(g, i);
+          for (int64_t j = 0; j < Dv; ++j) g_rows[(i - r0) * Dv + j] = dop[(i - r0) * dO.ld + j] * f;
+        }
+        gemm(true, false, n, Dv, m, 1.0f, weights.data(), K, g_rows.data(), Dv, 1.0f, dV.rows(first + lo, h), dV.ld);
+        float* ds = weights.data();  // reused: dweights, then dscores
+        gemm(false, true, m, n, Dv, 1.0f, g_rows.data(), Dv, vp, V.ld, 0.0f, ds, K);
+        for (int64_t i = r0; i < r1; ++i) {
+          float* d = ds + (i - r0) * K;
+          const float* s = scores.data() + (i - r0) * K;
+          c.apply_mask(g, i, d, n);
+          for (int64_t j = 0; j < n; ++j) {
+            const float sig = 1.0f / (1.0f + std::exp(-s[j]));
+            d[j] *= sig * (1.0f + s[j] * (1.0f - sig));
+          }
+          c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local.data() : nullptr, NB > 0 ? dtime_local.data() : nullptr);
+        }
+        gemm(false, false, m, D, n, a, ds, K, kp, Kt.ld, 0.0f, dQ.rows(first + m0 + r0, h), dQ.ld);
+        gemm(true, false, n, D, m, a, ds, K, qp, Q.ld, 1.0f, dK.rows(first + lo, h), dK.ld);
+      }
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    if (P > 0) {
+      float* acc = dpos->data_ptr<float>();
+      for (int64_t b = 0; b < P; ++b) acc[b] += dpos_local[b];
+    }
+    if (NB > 0) {
+      float* acc = dtime->data_ptr<float>();
+      for (int64_t b = 0; b < NB; ++b) acc[b] += dtime_local[b];
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gr_cpu_fused, m) {
+  m.def(
+      "forward_chunk(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, Tensor lengths, int rows, int m0, "
+      "int lo, int hi, float alpha, Tensor? pos_w, Tensor? pos_idx, Tensor? time_w, Tensor? time_idx, Tensor? mask, "
+      "int mask_from, Tensor row_end, Tensor norm) -> ()");
+  m.def(
+      "backward_chunk(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
+      "Tensor starts, Tensor lengths, int rows, int m0, int lo, int hi, float alpha, Tensor? pos_w, Tensor? pos_idx, "
+      "Tensor? time_w, Tensor? time_idx, Tensor? mask, int mask_from, Tensor row_end, Tensor norm, "
+      "Tensor(d!)? dpos, Tensor(e!)? dtime) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(gr_cpu_fused, CPU, m) {
+  m.impl("forward_chunk", &forward_chunk);
+  m.impl("backward_chunk", &backward_chunk);
+}
