@@ -133,7 +133,7 @@ def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile
 PROFILES: Dict[str, List] = {}
 PHASE_MODULES = ("embeddings", "prefix_dnn", "hstu", "postfix_dnn")  # GRModel children timed in forward
 BACKWARD_GROUPS = {
-    "attention": ("_ChunkedAttention",),
+    "attention": ("_ChunkedAttention", "_FusedAttention"),
     "sampled softmax": ("_DenseSampledSoftmax",),
     "embedding lookup + fused optimizer": ("SplitNoBagLookupFunction", "SplitLookupFunction"),
 }

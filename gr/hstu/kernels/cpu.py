@@ -21,11 +21,19 @@ built once per batch: backward reuses forward's, and with an ``AttentionWorkspac
 ``HSTU.forward`` passes to every layer) the other layers reuse the first layer's, so only the
 bias weights are read per layer.
 
+Where they build (x86-64 with a C++ compiler; ``gr.hstu.kernels.cpu_fused``), fused tiles run each
+chunk instead: one C++ call per chunk reads the jagged q, k, v rows in place (no padded copies),
+makes each (sequence, head)'s scores 32 query rows at a time with only the keys those rows see,
+and does bias, SiLU, mask, normaliser, the SiLU gradient and the bias-gradient scatter while the
+tile is in cache, between MKL GEMMs. They compute in fp32 (bf16 inputs are widened once). Chunks
+whose keys are the contextual prefix plus a window (``contextual_len`` and ``max_attn_len`` both
+set) run unfused.
+
 Time deltas are taken in int32 (timestamps relative to the batch's earliest, int64 when they
 span 2^31 s or more) and bias weights are read with ``index_select``, several times cheaper
 here than int64 deltas and advanced indexing.
 
-bf16 inputs are multiplied in bf16 (oneDNN accumulates in fp32); bias lookups and gradients and
+Unfused, bf16 inputs are multiplied in bf16 (oneDNN accumulates in fp32); bias lookups and gradients and
 the k/v gradients summed over query chunks stay fp32.
 
 torch.compile is not used: the chunks' shapes vary with every batch (recompiles, or dynamic
