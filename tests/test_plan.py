@@ -134,11 +134,13 @@ def test_activation_estimate_matches_the_profiled_forward(recompute, precision, 
     assert peak - estimate >= full[1] - full[0] and (peak - estimate > full[1] - full[0]) == (recompute != "none")
 
 
-def test_forward_flops_per_token_match_the_flop_counter():
-    """torch's FLOP counter sees the projections and the attention-times-V matmuls (the CPU
-    kernel's q.k is an in-place baddbmm_, which it does not count), so compare with the
-    estimate less its q.k half. The kernel multiplies whole 128-key blocks of a chunk (the
-    diagonal one masked after): at most one block per query beyond the causal average."""
+def test_forward_flops_per_token_match_the_flop_counter(monkeypatch):
+    """torch's FLOP counter sees the projections and the attention-times-V matmuls of the unfused
+    CPU kernel (not those inside the fused tiles, hence GR_CPU_FUSED=0; its q.k is an in-place
+    baddbmm_, which it does not count either), so compare with the estimate less its q.k half.
+    The kernel multiplies whole 128-key blocks of a chunk (the diagonal one masked after): at
+    most one block per query beyond the causal average."""
+    monkeypatch.setenv("GR_CPU_FUSED", "0")
     config = HSTUConfig(hidden_dim=64, num_layers=2, num_heads=2, attention_dim=32, linear_dim=32, max_seq_len=512)
     stack = HSTU(config).train()
     x, offsets = torch.randn(512, 64), torch.tensor([0, 512])

@@ -71,6 +71,7 @@ MIN_GRANULE = 32  # lengths are padded to a multiple of at least this
 # Index and mask elements of a batch's layouts kept for reuse (~128 MB): past it (very long
 # histories) a chunk's layout is rebuilt on every use, so memory stays bounded as before.
 LAYOUT_CACHE_ELEMENTS = 1 << 24
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # computed in fp32; float64 runs unfused
 
 
 @dataclass
@@ -180,16 +181,19 @@ def cpu_hstu_attention(
         )
 
     problem = build() if workspace is None else workspace.get("cpu", seq_offsets, build)
-    fused = fused_ops() if problem.fusable else None
-    compute = torch.float32 if q.dtype == torch.float16 or fused is not None else q.dtype
-    qc, kc, vc = (x.to(compute).contiguous() for x in (q, k, v))
-    bias_dtype = torch.float32 if compute == torch.bfloat16 else compute
-    weights = [w.to(bias_dtype).contiguous() if w is not None else None for w in (pos_w, time_w)]
+    fused = fused_ops() if problem.fusable and q.dtype in FUSED_DTYPES else None
     if fused is not None:
-        out = _FusedAttention.apply(qc, kc, vc, weights[0], weights[1], problem, fused)
+        weights = [w.float().contiguous() if w is not None else None for w in (pos_w, time_w)]
+        out = _FusedAttention.apply(q, k, v, weights[0], weights[1], problem, fused)
     else:
+        compute = torch.float32 if q.dtype == torch.float16 else q.dtype
+        qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+        bias_dtype = torch.float32 if compute == torch.bfloat16 else compute
+        weights = [w.to(bias_dtype) if w is not None else None for w in (pos_w, time_w)]
         out = _ChunkedAttention.apply(qc, kc, vc, weights[0], weights[1], problem)
     if num_targets is not None:
+        if fused is not None:
+            qc, kc, vc = q.float(), k.float(), v.float()  # as the fused tiles compute (no copy when fp32)
         out = _add_target_self_terms(out, qc, kc, vc, seq_offsets, num_targets, problem, weights[0], weights[1])
     return out.to(q.dtype)
 
@@ -453,12 +457,15 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem, ops):
+        """q, k: [T, H, Da], v: [T, H, Dv] fp32, bf16 or fp16 (strided, e.g. split from one projection:
+        kept as they are for backward) -> [T, H, Dv] fp32."""
         ctx.problem, ctx.ops = problem, ops
         ctx.save_for_backward(q, k, v, pos_w, time_w)
-        out = v.new_zeros(v.shape)
+        qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
+        out = vf.new_zeros(vf.shape)
         for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w):
             group = problem.groups[gi]
-            ops.forward_chunk(q, k, v, out, *_fused_args(problem, group, chunk, layout, pos_w, time_w))
+            ops.forward_chunk(qf, kf, vf, out, *_fused_args(problem, group, chunk, layout, pos_w, time_w))
         return out
 
     @staticmethod
@@ -466,15 +473,22 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, pos_w, time_w = ctx.saved_tensors
         problem: _Problem = ctx.problem
-        dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+        qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
+        dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32) for x in (q, k, v))
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
-        grad_out = grad_out.contiguous()
+        grad_out = _fp32_rows(grad_out)
         for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w):
             group = problem.groups[gi]
             args = _fused_args(problem, group, chunk, layout, pos_w, time_w)
-            ctx.ops.backward_chunk(q, k, v, grad_out, dq, dk, dv, *args, dpos, dtime)
-        return dq, dk, dv, dpos, dtime, None, None
+            ctx.ops.backward_chunk(qf, kf, vf, grad_out, dq, dk, dv, *args, dpos, dtime)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None
+
+
+def _fp32_rows(x: Tensor) -> Tensor:
+    """x [T, H, D] as fp32 with a contiguous last dimension: x itself when it already is one."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _fused_chunks(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Tensor]):

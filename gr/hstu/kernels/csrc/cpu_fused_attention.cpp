@@ -42,15 +42,17 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
 
 constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
 
-// A [T, H, D] fp32 jagged tensor: the rows of head h from token `first` on, with their stride.
+// A [T, H, D] fp32 jagged tensor with contiguous rows of D (e.g. q, k, v split from one projection):
+// the rows of head h from token `first` on, with their stride.
 struct Jagged {
   float* data;
-  int64_t heads, ld;
-  explicit Jagged(const Tensor& t) : data(t.data_ptr<float>()), heads(t.size(1)), ld(t.size(1) * t.size(2)) {
-    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                "cpu_fused: expected a contiguous fp32 [T, H, D] tensor");
+  int64_t heads, ld, head_stride;
+  explicit Jagged(const Tensor& t)
+      : data(t.data_ptr<float>()), heads(t.size(1)), ld(t.stride(0)), head_stride(t.stride(1)) {
+    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.stride(2) == 1,
+                "cpu_fused: expected an fp32 [T, H, D] tensor whose last dimension is contiguous");
   }
-  float* rows(int64_t first, int64_t h) const { return data + first * ld + h * (ld / heads); }
+  float* rows(int64_t first, int64_t h) const { return data + first * ld + h * head_stride; }
 };
 
 const int64_t* optional_index(const std::optional<Tensor>& idx, int64_t C, int64_t K) {
