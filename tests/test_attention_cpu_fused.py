@@ -1,15 +1,14 @@
-"""The fused CPU attention tiles: built and used on x86-64, equal to the unfused kernel, bf16 computed in
-fp32, switchable by GR_CPU_FUSED, and a failed build falls back (or fails loudly when required).
-Their results against the reference over every mask and bias case: tests/test_attention_conformance.py."""
+"""The fused CPU attention tiles: used on x86-64, equal to the unfused kernel, bf16 computed in fp32.
+Their results against the reference over every mask and bias case: tests/test_attention_conformance.py;
+building, loading and GR_CPU_FUSED: tests/test_native.py."""
 
-import logging
 import platform
 
 import pytest
 import torch
 
-from gr.hstu.kernels import AttentionWorkspace, RelativeBias, cpu_fused, hstu_attention
-from gr.hstu.kernels.cpu_fused import fused_ops, fused_setting
+from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention
+from gr.native import native_ops
 
 pytestmark = pytest.mark.attention
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -44,7 +43,7 @@ def test_fused_tiles_build_and_run_here(monkeypatch):
     """On x86-64 with a compiler (this suite's machines) the tiles build: the conformance suite's
     "cpu" backend is the fused one, not silently the fallback."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")
-    assert fused_ops() is not None
+    assert native_ops("gr_cpu_fused") is not None
     with torch.profiler.profile() as profile:
         attention_and_grads(torch.float32)
     names = {event.key for event in profile.key_averages()}
@@ -75,44 +74,3 @@ def test_fused_tiles_compute_bf16_inputs_in_fp32(monkeypatch):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
     for got, want in zip(grads16[3:], grads32[3:]):  # bias gradients: fp32, summed across threads
         torch.testing.assert_close(got, want)
-
-
-def test_the_setting_is_validated(monkeypatch):
-    monkeypatch.setenv("GR_CPU_FUSED", "yes")
-    with pytest.raises(ValueError, match="GR_CPU_FUSED: expected 'auto', '0' or '1', got 'yes'"):
-        fused_setting()
-    monkeypatch.setenv("GR_CPU_FUSED", "0")
-    assert fused_ops() is None
-
-
-def test_a_broken_source_fails_to_build_with_the_compiler_error(tmp_path):
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++\n")
-    with pytest.raises(RuntimeError, match="Error building extension"):
-        cpu_fused.build("gr_test_broken_source", broken, tmp_path / "extensions")
-
-
-def test_a_failed_build_falls_back_with_the_reason_logged_or_fails_when_required(monkeypatch, caplog):
-    def failing_build(name, source, directory):
-        raise RuntimeError("no C++ compiler found")
-
-    monkeypatch.setattr(cpu_fused, "build", failing_build)
-    with caplog.at_level(logging.WARNING, logger="gr.hstu.kernels.cpu_fused"):
-        assert cpu_fused._load_once.__wrapped__() == (None, "no C++ compiler found")  # uncached
-    assert "no C++ compiler found); using the unfused kernel" in caplog.text
-    monkeypatch.setattr(cpu_fused, "_load_once", lambda: (None, "no C++ compiler found"))
-    monkeypatch.setenv("GR_CPU_FUSED", "auto")
-    assert fused_ops() is None
-    monkeypatch.setenv("GR_CPU_FUSED", "1")
-    with pytest.raises(RuntimeError, match="GR_CPU_FUSED=1 but the fused CPU attention did not build: no C"):
-        fused_ops()
-
-
-@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
-def test_loading_the_tiles_keeps_subnormal_floats(monkeypatch):
-    """They are compiled with -ffast-math but not linked with it: crtfastmath would set flush-to-zero for
-    the whole process and silently zero every subnormal float from then on."""
-    monkeypatch.setenv("GR_CPU_FUSED", "1")
-    assert fused_ops() is not None
-    tiny = torch.tensor([1e-40], dtype=torch.float32)
-    assert float(tiny * 1.0) > 0.0

@@ -1,6 +1,7 @@
 """Losses, metrics and the retrieval task's sampling, each against a naive implementation written here."""
 
 import math
+import platform
 
 import pytest
 import torch
@@ -85,12 +86,14 @@ def naive_sampled_softmax(queries, items, positive_index, negative_index, temper
     return torch.stack(losses).mean()
 
 
+@pytest.mark.parametrize("fused", ["0", "auto"], ids=["pytorch", "fused-if-built"])
 @pytest.mark.parametrize(
     "shape, distinct",
     [((6, 5), 12), ((6, 5), 400), ((5,), 12)],
     ids=["per-token-few-items", "per-token-many-items", "shared"],
 )
-def test_sampled_softmax_matches_naive_and_masks_the_positive(shape, distinct):
+def test_sampled_softmax_matches_naive_and_masks_the_positive(shape, distinct, fused, monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", fused)
     torch.manual_seed(0)
     queries = F.normalize(torch.randn(6, 4), dim=-1).requires_grad_(True)
     items = F.normalize(torch.randn(distinct, 4), dim=-1)
@@ -106,9 +109,12 @@ def test_sampled_softmax_matches_naive_and_masks_the_positive(shape, distinct):
     torch.testing.assert_close(grad, expected_grad)
 
 
-def test_sampled_softmax_dense_tiles_match_naive_in_value_and_both_gradients(monkeypatch):
-    """The per-token path over few distinct items scores rows tile by tile: with 3-row tiles
-    (7 rows: a partial last tile) the loss and the gradients of queries and items are the naive ones."""
+@pytest.mark.parametrize("fused", ["0", "auto"], ids=["dense-tiles", "fused-if-built"])
+def test_sampled_softmax_per_token_paths_match_naive_in_value_and_both_gradients(monkeypatch, fused):
+    """The PyTorch per-token path over few distinct items scores rows tile by tile: with 3-row
+    tiles (7 rows: a partial last tile) the loss and the gradients of queries and items are the
+    naive ones; so are those of the fused CPU kernel (gr.native) where it builds."""
+    monkeypatch.setenv("GR_CPU_FUSED", fused)
     monkeypatch.setattr(losses, "ROW_TILE_ELEMENTS", 3 * 12)
     torch.manual_seed(1)
     queries = F.normalize(torch.randn(7, 4), dim=-1).requires_grad_(True)
@@ -123,10 +129,12 @@ def test_sampled_softmax_dense_tiles_match_naive_in_value_and_both_gradients(mon
         torch.testing.assert_close(got, want)
 
 
-def test_sampled_softmax_under_bf16_autocast_stays_close_to_fp32():
-    """Under autocast the dot products run in bf16 (8 mantissa bits: cosines off by <= ~2^-8,
-    logits by <= ~0.1 at temperature 0.05), the softmax in fp32. Measured: loss within 1e-4
-    relative, gradients within ~1% of their largest entry; asserted: 1e-3 and 3%."""
+def test_sampled_softmax_under_bf16_autocast_stays_close_to_fp32(monkeypatch):
+    """PyTorch path (GR_CPU_FUSED=0): under autocast the dot products run in bf16 (8 mantissa
+    bits: cosines off by <= ~2^-8, logits by <= ~0.1 at temperature 0.05), the softmax in fp32.
+    Measured: loss within 1e-4 relative, gradients within ~1% of their largest entry; asserted:
+    1e-3 and 3%."""
+    monkeypatch.setenv("GR_CPU_FUSED", "0")
     torch.manual_seed(2)
     queries = F.normalize(torch.randn(300, 16), dim=-1).requires_grad_(True)
     items = F.normalize(torch.randn(200, 16), dim=-1).requires_grad_(True)
@@ -196,3 +204,47 @@ def test_retrieval_inputs_look_up_the_whole_catalogue_when_draws_outnumber_it():
     whole = sampled_softmax_loss(queries, table, inputs.labels["positive_index"], negatives, 0.05)
     drawn = sampled_softmax_loss(queries, table[distinct], index[:4], index[4:].view(4, 40), 0.05)
     torch.testing.assert_close(whole, drawn)
+
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+@pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")
+def test_fused_sampled_softmax_runs_in_fp32_under_autocast_and_refuses_bad_ids(monkeypatch):
+    """The fused kernel computes in fp32 whatever autocast says (the result equals fp32's); an id
+    outside the table is an error, not a read out of bounds."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    torch.manual_seed(3)
+    queries = F.normalize(torch.randn(300, 16), dim=-1).requires_grad_(True)
+    items = F.normalize(torch.randn(200, 16), dim=-1).requires_grad_(True)
+    positive_index = torch.randint(0, 200, (300,))
+    negative_index = torch.randint(0, 200, (300, 32))
+    results = {}
+    for bf16 in (False, True):
+        with torch.profiler.profile() as profile:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
+            results[bf16] = (loss, *torch.autograd.grad(loss, (queries, items)))
+        assert "gr_cpu_loss::sampled_softmax_forward" in {e.key for e in profile.key_averages()}
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+    negative_index[5, 3] = 200
+    with pytest.raises(RuntimeError, match="an index is outside"):
+        sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
+
+
+@pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")
+def test_item_tables_past_the_fused_limit_take_the_pytorch_path(monkeypatch):
+    """Backward keeps one fp32 copy of the item table per thread, so a catalogue past
+    MAX_TABLE_ELEMENTS runs the PyTorch path (with the same result)."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    torch.manual_seed(4)
+    queries = F.normalize(torch.randn(20, 8), dim=-1)
+    items = F.normalize(torch.randn(50, 8), dim=-1)
+    positive_index, negative_index = torch.randint(0, 50, (20,)), torch.randint(0, 50, (20, 6))
+    fused = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
+    monkeypatch.setattr(losses, "MAX_TABLE_ELEMENTS", items.numel() - 1)
+    with torch.profiler.profile() as profile:
+        plain = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
+    assert "gr_cpu_loss::sampled_softmax_forward" not in {e.key for e in profile.key_averages()}
+    torch.testing.assert_close(fused, plain)

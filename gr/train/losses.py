@@ -9,7 +9,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from gr.native import native_ops
+
 ROW_TILE_ELEMENTS = 1 << 20  # logits of one row tile in the dense path (~280 rows of ML-1M: matmuls near peak)
+# Largest item table [U, d] the fused CPU kernel takes: backward keeps one fp32 copy per thread.
+MAX_TABLE_ELEMENTS = 1 << 22
 
 
 def sampled_softmax_loss(
@@ -30,6 +34,12 @@ def sampled_softmax_loss(
     accumulation, bf16 logits), the softmax in fp32.
     returns: scalar
     """
+    if negative_index.dim() == 2 and queries.device.type == "cpu" and items.numel() <= MAX_TABLE_ELEMENTS:
+        ops = native_ops("gr_cpu_loss")
+        if ops is not None:
+            with torch.autocast("cpu", enabled=False):
+                index = torch.cat([positive_index[:, None], negative_index], 1)
+                return _FusedSampledSoftmax.apply(queries, items, index, temperature, ops)
     if negative_index.dim() == 2 and items.shape[0] <= negative_index.shape[1] * items.shape[1]:
         # Fewer distinct items than gathered values: score rows against all items, tile by tile.
         device = queries.device.type
@@ -46,6 +56,28 @@ def sampled_softmax_loss(
     negative_logits = negative_logits.masked_fill(negative_index == positive_index.unsqueeze(1), float("-inf"))
     logits = torch.cat([positive_logits, negative_logits], dim=1) / temperature
     return -F.log_softmax(logits, dim=1)[:, 0].mean()
+
+
+class _FusedSampledSoftmax(torch.autograd.Function):
+    """Per-row negatives on CPU by gr's fused kernel (``gr.native``, ``gr_cpu_loss``): each row's K + 1
+    dot products read the item rows in place, in fp32 (bf16 inputs are widened once); the loss is
+    the mean of the rows' ``lse - logit_positive``. index: [N, K + 1] int64, the positive first."""
+
+    @staticmethod
+    def forward(ctx, queries, items, index, temperature, ops):
+        q, it = queries.float().contiguous(), items.float().contiguous()
+        probs, row_loss = ops.sampled_softmax_forward(q, it, index.contiguous(), temperature)
+        ctx.save_for_backward(q, it, index, probs)
+        ctx.temperature, ctx.ops, ctx.dtypes = temperature, ops, (queries.dtype, items.dtype)
+        return row_loss.mean()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, it, index, probs = ctx.saved_tensors
+        scale = float(grad) / (index.shape[0] * ctx.temperature)
+        dq, ditems = ctx.ops.sampled_softmax_backward(q, it, index, probs, scale)
+        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None
 
 
 class _DenseSampledSoftmax(torch.autograd.Function):

@@ -21,7 +21,7 @@ built once per batch: backward reuses forward's, and with an ``AttentionWorkspac
 ``HSTU.forward`` passes to every layer) the other layers reuse the first layer's, so only the
 bias weights are read per layer.
 
-Where they build (x86-64 with a C++ compiler; ``gr.hstu.kernels.cpu_fused``), fused tiles run each
+Where they build (x86-64 with a C++ compiler; ``gr.native``), fused tiles run each
 chunk instead: one C++ call per chunk reads the jagged q, k, v rows in place (no padded copies),
 makes each (sequence, head)'s scores 32 query rows at a time with only the keys those rows see,
 and does bias, SiLU, mask, normaliser, the SiLU gradient and the bias-gradient scatter while the
@@ -62,8 +62,8 @@ from gr.hstu.kernels.common import (
     silu_norm,
     time_bucket,
 )
-from gr.hstu.kernels.cpu_fused import fused_ops
 from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
+from gr.native import native_ops
 
 QUERY_CHUNK = 128  # query rows per chunk
 TILE_ELEMENTS = 1 << 22  # score elements (all heads) per batched chunk, ~16 MB in fp32
@@ -181,7 +181,7 @@ def cpu_hstu_attention(
         )
 
     problem = build() if workspace is None else workspace.get("cpu", seq_offsets, build)
-    fused = fused_ops() if problem.fusable and q.dtype in FUSED_DTYPES else None
+    fused = native_ops("gr_cpu_fused") if problem.fusable and q.dtype in FUSED_DTYPES else None
     if fused is not None:
         weights = [w.float().contiguous() if w is not None else None for w in (pos_w, time_w)]
         out = _FusedAttention.apply(q, k, v, weights[0], weights[1], problem, fused)
@@ -452,7 +452,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
 
 class _FusedAttention(torch.autograd.Function):
-    """``_ChunkedAttention`` in fp32 by the fused tiles (``gr.hstu.kernels.cpu_fused``): each chunk is one
+    """``_ChunkedAttention`` in fp32 by the fused tiles (``gr.native``): each chunk is one
     call that reads the jagged q, k, v rows in place (no padded copies) and writes out, dq, dk, dv."""
 
     @staticmethod

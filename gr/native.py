@@ -1,16 +1,20 @@
-"""The fused CPU attention tiles (``csrc/cpu_fused_attention.cpp``), compiled for this machine on first use.
+"""gr's fused CPU kernels, compiled for this machine on first use: one library, two op namespaces.
 
-``fused_ops()`` returns ``torch.ops.gr_cpu_fused`` (``forward_chunk``, ``backward_chunk``) or None when
-they are off or unavailable; ``gr.hstu.kernels.cpu`` then runs its unfused chunks, which compute the
-same thing. The build uses ``torch.utils.cpp_extension`` (the machine's C++ compiler, ~30 s once;
-later processes load the cached library in well under a second) with ``-march=native``, so the cache
-directory is keyed by this CPU's model and flags. It needs the BLAS that PyTorch's x86 builds carry
+* ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
+  ``gr.hstu.kernels.cpu`` (``forward_chunk``, ``backward_chunk``);
+* ``gr_cpu_loss`` (``gr/train/csrc/sampled_softmax.cpp``): the per-row sampled softmax, used by
+  ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``).
+
+``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
+unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
+``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~10 s once, later processes
+load the cached library in well under a second) with ``-march=native``, so the cache directory is
+keyed by this CPU's model and flags. The attention needs the BLAS that PyTorch's x86 builds carry
 (MKL's ``sgemm_``); where that, or a compiler, is missing the build fails once per process and the
 reason is logged.
 
-``GR_CPU_FUSED=0`` turns it off (the unfused kernel runs); ``GR_CPU_FUSED=1`` makes a failed build an
-error instead of a fallback. The build directory is ``$GR_EXTENSIONS_DIR`` or
-``~/.cache/gr/extensions``.
+``GR_CPU_FUSED=0`` turns them off; ``GR_CPU_FUSED=1`` makes a failed build an error instead of a
+fallback. The build directory is ``$GR_EXTENSIONS_DIR`` or ``~/.cache/gr/extensions``.
 """
 
 from __future__ import annotations
@@ -23,13 +27,17 @@ import shutil
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_fused_attention.cpp"
+PACKAGE = Path(__file__).resolve().parent
+SOURCES = [
+    PACKAGE / "hstu" / "kernels" / "csrc" / "cpu_fused_attention.cpp",
+    PACKAGE / "train" / "csrc" / "sampled_softmax.cpp",
+]
 # -fopenmp: at::parallel_for is inline and runs serially without it (the OpenMP runtime is torch's libgomp);
 # -ffast-math: vectorised expf from glibc's libmvec. Fast-math only compiles: linking it would bring
 # crtfastmath, which sets flush-to-zero for the whole process.
@@ -57,37 +65,37 @@ def fused_setting() -> str:
     return value
 
 
-def fused_ops() -> Optional[object]:
-    """``torch.ops.gr_cpu_fused`` when the fused tiles are on and built, else None."""
+def native_ops(namespace: str) -> Optional[object]:
+    """``torch.ops.<namespace>`` when the fused CPU kernels are on and built, else None."""
     setting = fused_setting()
     if setting == "0":
         return None
     if platform.machine() not in ("x86_64", "AMD64"):
         if setting == "1":
-            raise RuntimeError("GR_CPU_FUSED=1: the fused CPU attention needs an x86-64 CPU")
+            raise RuntimeError("GR_CPU_FUSED=1: gr's fused CPU kernels need an x86-64 CPU")
         return None
-    ops, error = _load_once()
-    if ops is None and setting == "1":
-        raise RuntimeError(f"GR_CPU_FUSED=1 but the fused CPU attention did not build: {error}")
-    return ops
+    built, error = _load_once()
+    if not built and setting == "1":
+        raise RuntimeError(f"GR_CPU_FUSED=1 but gr's fused CPU kernels did not build: {error}")
+    return getattr(torch.ops, namespace) if built else None
 
 
 @lru_cache(maxsize=None)
-def _load_once() -> Tuple[Optional[object], str]:
-    """(the ops, "") or (None, why not); built and loaded at most once per process."""
+def _load_once() -> Tuple[bool, str]:
+    """(True, "") or (False, why not); built and loaded at most once per process."""
     with _build_lock:
         directory = Path(os.environ.get("GR_EXTENSIONS_DIR", Path.home() / ".cache" / "gr" / "extensions"))
         try:
-            build(f"gr_cpu_fused_{_cpu_key()}", SOURCE, directory)
+            build(f"gr_cpu_native_{_cpu_key()}", SOURCES, directory)
         except Exception as error:  # a compiler or BLAS symbol missing: run the unfused kernel
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            log.warning("fused CPU attention unavailable (%s); using the unfused kernel", reason)
-            return None, reason
-        return torch.ops.gr_cpu_fused, ""
+            log.warning("fused CPU kernels unavailable (%s); running the PyTorch ones", reason)
+            return False, reason
+        return True, ""
 
 
-def build(name: str, source: Path, directory: Path) -> None:
-    """Compile ``source`` into ``directory/name`` (or reuse it there) and load it into this process."""
+def build(name: str, sources: List[Path], directory: Path) -> None:
+    """Compile ``sources`` into ``directory/name`` (or reuse it there) and load it into this process."""
     import ninja
     from torch.utils.cpp_extension import load
 
@@ -97,7 +105,7 @@ def build(name: str, source: Path, directory: Path) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     load(
         name=name,
-        sources=[str(source)],
+        sources=[str(source) for source in sources],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
         build_directory=str(build_dir),

@@ -1,0 +1,63 @@
+"""gr's fused CPU kernels (gr.native): built once per process, switchable by GR_CPU_FUSED, and a failed
+build falls back with the reason logged (or fails loudly when required)."""
+
+import logging
+import platform
+
+import pytest
+import torch
+
+from gr import native
+from gr.native import fused_setting, native_ops
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def test_the_setting_is_validated(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "yes")
+    with pytest.raises(ValueError, match="GR_CPU_FUSED: expected 'auto', '0' or '1', got 'yes'"):
+        fused_setting()
+    monkeypatch.setenv("GR_CPU_FUSED", "0")
+    assert native_ops("gr_cpu_fused") is None and native_ops("gr_cpu_loss") is None
+
+
+@pytest.mark.skipif(not X86, reason="the fused kernels are built for x86-64 only")
+def test_both_op_namespaces_come_from_one_build(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    attention, loss = native_ops("gr_cpu_fused"), native_ops("gr_cpu_loss")
+    assert hasattr(attention, "forward_chunk") and hasattr(loss, "sampled_softmax_forward")
+    assert native._load_once.cache_info().misses == 1
+
+
+def test_a_broken_source_fails_to_build_with_the_compiler_error(tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    with pytest.raises(RuntimeError, match="Error building extension"):
+        native.build("gr_test_broken_source", [broken], tmp_path / "extensions")
+
+
+def test_a_failed_build_falls_back_with_the_reason_logged_or_fails_when_required(monkeypatch, caplog):
+    def failing_build(name, sources, directory):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(native, "build", failing_build)
+    with caplog.at_level(logging.WARNING, logger="gr.native"):
+        assert native._load_once.__wrapped__() == (False, "no C++ compiler found")  # uncached
+    assert "no C++ compiler found); running the PyTorch ones" in caplog.text
+    monkeypatch.setattr(native, "_load_once", lambda: (False, "no C++ compiler found"))
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("GR_CPU_FUSED", "auto")
+    assert native_ops("gr_cpu_fused") is None
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    with pytest.raises(RuntimeError, match="GR_CPU_FUSED=1 but gr's fused CPU kernels did not build: no C"):
+        native_ops("gr_cpu_loss")
+
+
+@pytest.mark.skipif(not X86, reason="the fused kernels are built for x86-64 only")
+def test_loading_the_kernels_keeps_subnormal_floats(monkeypatch):
+    """They are compiled with -ffast-math but not linked with it: crtfastmath would set flush-to-zero for
+    the whole process and silently zero every subnormal float from then on."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    assert native_ops("gr_cpu_fused") is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float(tiny * 1.0) > 0.0
