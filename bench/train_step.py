@@ -134,7 +134,7 @@ PROFILES: Dict[str, List] = {}
 PHASE_MODULES = ("embeddings", "prefix_dnn", "hstu", "postfix_dnn")  # GRModel children timed in forward
 BACKWARD_GROUPS = {
     "attention": ("_ChunkedAttention", "_FusedAttention"),
-    "sampled softmax": ("_DenseSampledSoftmax",),
+    "sampled softmax": ("_DenseSampledSoftmax", "_FusedSampledSoftmax"),
     "embedding lookup + fused optimizer": ("SplitNoBagLookupFunction", "SplitLookupFunction"),
 }
 

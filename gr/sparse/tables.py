@@ -250,7 +250,7 @@ class SparseEmbeddings(nn.Module):
         out: Dict[str, Tensor] = {}
         for table, table_features in by_table.items():
             rows = looked_up[self.tables[table].features[0]].values()[:, : self.tables[table].embedding_dim]
-            rows = rows[inverse[table]]
+            rows = rows.index_select(0, inverse[table])  # backward: index_add_, ~10x an indexing's index_put_
             sizes = [jagged[f].values().numel() for f in table_features]
             out.update(zip(table_features, torch.split(rows, sizes)))
         return out

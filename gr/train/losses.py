@@ -38,8 +38,7 @@ def sampled_softmax_loss(
         ops = native_ops("gr_cpu_loss")
         if ops is not None:
             with torch.autocast("cpu", enabled=False):
-                index = torch.cat([positive_index[:, None], negative_index], 1)
-                return _FusedSampledSoftmax.apply(queries, items, index, temperature, ops)
+                return _FusedSampledSoftmax.apply(queries, items, positive_index, negative_index, temperature, ops)
     if negative_index.dim() == 2 and items.shape[0] <= negative_index.shape[1] * items.shape[1]:
         # Fewer distinct items than gathered values: score rows against all items, tile by tile.
         device = queries.device.type
@@ -61,23 +60,24 @@ def sampled_softmax_loss(
 class _FusedSampledSoftmax(torch.autograd.Function):
     """Per-row negatives on CPU by gr's fused kernel (``gr.native``, ``gr_cpu_loss``): each row's K + 1
     dot products read the item rows in place, in fp32 (bf16 inputs are widened once); the loss is
-    the mean of the rows' ``lse - logit_positive``. index: [N, K + 1] int64, the positive first."""
+    the mean of the rows' ``lse - logit_positive``."""
 
     @staticmethod
-    def forward(ctx, queries, items, index, temperature, ops):
+    def forward(ctx, queries, items, positive_index, negative_index, temperature, ops):
         q, it = queries.float().contiguous(), items.float().contiguous()
-        probs, row_loss = ops.sampled_softmax_forward(q, it, index.contiguous(), temperature)
-        ctx.save_for_backward(q, it, index, probs)
+        positive, negative = positive_index.contiguous(), negative_index.contiguous()
+        probs, row_loss = ops.sampled_softmax_forward(q, it, positive, negative, temperature)
+        ctx.save_for_backward(q, it, positive, negative, probs)
         ctx.temperature, ctx.ops, ctx.dtypes = temperature, ops, (queries.dtype, items.dtype)
         return row_loss.mean()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, it, index, probs = ctx.saved_tensors
-        scale = float(grad) / (index.shape[0] * ctx.temperature)
-        dq, ditems = ctx.ops.sampled_softmax_backward(q, it, index, probs, scale)
-        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None
+        q, it, positive, negative, probs = ctx.saved_tensors
+        scale = float(grad) / (positive.shape[0] * ctx.temperature)
+        dq, ditems = ctx.ops.sampled_softmax_backward(q, it, positive, negative, probs, scale)
+        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None
 
 
 class _DenseSampledSoftmax(torch.autograd.Function):

@@ -87,7 +87,8 @@ class RetrievalTask:
         return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
 
     def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
-        queries = output.predictions["query"][inputs.labels["next_item"] >= 0]
+        scored = torch.nonzero(inputs.labels["next_item"] >= 0).flatten()
+        queries = output.predictions["query"].index_select(0, scored)  # backward: index_add_, not index_put_
         items = self.item_embedding(output.token_features[SAMPLED_ITEMS])
         loss = sampled_softmax_loss(
             queries, items, inputs.labels["positive_index"], inputs.labels["negative_index"], self.config.temperature
