@@ -65,12 +65,16 @@ def fused_setting() -> str:
     return value
 
 
+def fused_expected() -> bool:
+    """Whether the fused kernels are on for this machine (x86-64, not GR_CPU_FUSED=0), without building
+    them: for estimates such as ``gr plan``'s (a build can still fail, and then the PyTorch code runs)."""
+    return fused_setting() != "0" and platform.machine() in ("x86_64", "AMD64")
+
+
 def native_ops(namespace: str) -> Optional[object]:
     """``torch.ops.<namespace>`` when the fused CPU kernels are on and built, else None."""
     setting = fused_setting()
-    if setting == "0":
-        return None
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not fused_expected():
         if setting == "1":
             raise RuntimeError("GR_CPU_FUSED=1: gr's fused CPU kernels need an x86-64 CPU")
         return None

@@ -43,12 +43,14 @@ from torch import nn
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
 from gr.hstu.kernels.cpu import LAYOUT_CACHE_ELEMENTS, QUERY_CHUNK, TILE_ELEMENTS, padded_lengths
+from gr.native import fused_expected
 from gr.sparse.tables import TableConfig, storage_dim
 from gr.train.config import TrainConfig, load_config
 
 PRECISION_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
 FP32 = 4
 INT64 = 8
+INT32 = 4
 LAYER_NORM_STATS = 2 * FP32  # mean and 1/std per token
 STACK_INDEX_BYTES = 4 * INT64  # token positions (embedding indices) and index bookkeeping
 SCORE_TILES = 4  # score-sized fp32 buffers alive at once in the attention backward (scores, SiLU, gradients)
@@ -145,14 +147,15 @@ def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1
 
 def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:
     """The CPU kernel's cached layout of one sequence of ``tokens`` tokens, kept from forward to
-    backward: an int64 time-bias bucket per (query, key) of each query chunk's padded keys (at
-    most ``LAYOUT_CACHE_ELEMENTS`` a batch); position buckets and masks are shared by a group."""
+    backward: a time-bias bucket per (query, key) of each query chunk's padded keys (at most
+    ``LAYOUT_CACHE_ELEMENTS`` a batch; int32 for the fused tiles, int64 unfused); position
+    buckets and masks are shared by a group."""
     if config.time_buckets == 0 or tokens == 0:
         return 0
     padded = int(padded_lengths(torch.tensor([tokens]))[0])
     chunks = range(0, padded, QUERY_CHUNK)
     elements = sum((min(m0 + QUERY_CHUNK, padded) - m0) * min(m0 + QUERY_CHUNK, padded) for m0 in chunks)
-    return INT64 * min(LAYOUT_CACHE_ELEMENTS, elements)
+    return (INT32 if fused_expected() else INT64) * min(LAYOUT_CACHE_ELEMENTS, elements)
 
 
 def hstu_forward_flops_per_token(config: HSTUConfig, seq_len: int) -> int:

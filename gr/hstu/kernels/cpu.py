@@ -61,6 +61,7 @@ from gr.hstu.kernels.common import (
     rebased_times,
     silu_norm,
     time_bucket,
+    time_bucket_thresholds,
 )
 from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 from gr.native import native_ops
@@ -126,7 +127,7 @@ class _Problem:
     timestamps: Optional[Tensor]  # [T + 1] int32 (int64 if they span >= 2^31 s), padding row last
     query_times: Optional[Tensor]  # [T + 1] like timestamps: when each query is asked
     time_bucketing: str
-    layouts: Dict[Tuple[int, int, int, int, torch.dtype], "_Layout"] = field(default_factory=dict)
+    layouts: Dict[Tuple[int, int, int, int, torch.dtype, bool], "_Layout"] = field(default_factory=dict)
     cached_elements: int = 0
 
     @property
@@ -136,15 +137,22 @@ class _Problem:
         return all(chunk.ctx_hi == 0 for group in self.groups for chunk in group.chunks)
 
     def layout(
-        self, group_index: int, chunk_index: int, pos_buckets: int, time_buckets: int, dtype: torch.dtype
+        self,
+        group_index: int,
+        chunk_index: int,
+        pos_buckets: int,
+        time_buckets: int,
+        dtype: torch.dtype,
+        fused: Optional[object] = None,
     ) -> "_Layout":
         """The layout of one chunk of one group (0 buckets: that bias part is off), built on first
-        use and kept while the kept layouts hold at most ``LAYOUT_CACHE_ELEMENTS`` elements."""
-        key = (group_index, chunk_index, pos_buckets, time_buckets, dtype)
+        use and kept while the kept layouts hold at most ``LAYOUT_CACHE_ELEMENTS`` elements.
+        fused: the fused tiles' ops, for a layout in their form (int32 indices)."""
+        key = (group_index, chunk_index, pos_buckets, time_buckets, dtype, fused is not None)
         if key in self.layouts:
             return self.layouts[key]
         group = self.groups[group_index]
-        layout = _Layout(self, group, group.chunks[chunk_index], pos_buckets, time_buckets, dtype)
+        layout = _Layout(self, group, group.chunks[chunk_index], pos_buckets, time_buckets, dtype, fused)
         if self.cached_elements + layout.elements <= LAYOUT_CACHE_ELEMENTS:
             self.layouts[key] = layout
             self.cached_elements += layout.elements
@@ -314,11 +322,20 @@ class _Layout:
 
     norm: [G or 1, 1, C, 1]; mask: [G or 1, 1, C, K - mask_from] or None (both in the compute
     dtype); row_end: [G or 1, C] int64, 1 + the last key column each query sees (with a mask);
-    pos_idx: [G or 1, C, K], time_idx: [G, C, K] int64 bucket indices or None.
+    pos_idx: [G or 1, C, K], time_idx: [G, C, K] bucket indices (int64 for ``scatter_add_``) or None;
+    for the fused tiles instead row_pos: [G or 1, C] int32 query positions (a key's position bucket
+    is the difference) and time_idx in int32, bucketed by their ops in one pass.
     """
 
     def __init__(
-        self, problem: _Problem, group: _Group, chunk: _Chunk, pos_buckets: int, time_buckets: int, dtype: torch.dtype
+        self,
+        problem: _Problem,
+        group: _Group,
+        chunk: _Chunk,
+        pos_buckets: int,
+        time_buckets: int,
+        dtype: torch.dtype,
+        fused: Optional[object] = None,
     ) -> None:
         rows = torch.arange(chunk.m0, chunk.m1, device=chunk.cols.device).view(1, -1, 1)
         cols = chunk.cols.view(1, 1, -1)
@@ -336,13 +353,22 @@ class _Layout:
             self.row_end = (chunk.mask_from + last_seen).view(-1, last_seen.shape[-1])
         else:
             self.row_end = torch.full((1, chunk.m1 - chunk.m0), cols.shape[-1], device=cols.device)
-        self.pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_buckets) if pos_buckets else None
-        self.time_idx = None
-        if time_buckets:
+        self.pos_idx = self.time_idx = self.row_pos = None
+        if pos_buckets and fused is not None:  # the tiles take each key's bucket from the query's position
+            self.row_pos = row_pos.view(-1, row_pos.shape[1]).to(torch.int32)
+        elif pos_buckets:
+            self.pos_idx = position_bucket(row_pos - torch.minimum(cols, hist), pos_buckets)
+        if time_buckets and fused is not None:  # a fusable chunk's keys are the range [lo, hi)
+            query_ts, key_ts = (t.long().contiguous() for t in _group_times(problem, group))
+            thresholds = time_bucket_thresholds(problem.time_bucketing, time_buckets, query_ts.device)
+            self.time_idx = fused.time_buckets(
+                query_ts, key_ts, chunk.m0, chunk.m1, chunk.lo, chunk.hi, thresholds, problem.time_bucketing == "sqrt"
+            )
+        elif time_buckets:
             query_ts, key_ts = _group_times(problem, group)
             delta = query_ts[:, chunk.rows, None] - key_ts[:, None, chunk.cols]
             self.time_idx = time_bucket(delta, problem.time_bucketing, time_buckets)
-        parts = (self.norm, self.mask, self.row_end, self.pos_idx, self.time_idx)
+        parts = (self.norm, self.mask, self.row_end, self.row_pos, self.pos_idx, self.time_idx)
         self.elements = sum(t.numel() for t in parts if t is not None)
 
 
@@ -463,7 +489,7 @@ class _FusedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, pos_w, time_w)
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         out = vf.new_zeros(vf.shape)
-        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w):
+        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w, ops):
             group = problem.groups[gi]
             ops.forward_chunk(qf, kf, vf, out, *_fused_args(problem, group, chunk, layout, pos_w, time_w))
         return out
@@ -478,7 +504,7 @@ class _FusedAttention(torch.autograd.Function):
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
         grad_out = _fp32_rows(grad_out)
-        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w):
+        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w, ctx.ops):
             group = problem.groups[gi]
             args = _fused_args(problem, group, chunk, layout, pos_w, time_w)
             ctx.ops.backward_chunk(qf, kf, vf, grad_out, dq, dk, dv, *args, dpos, dtime)
@@ -491,12 +517,12 @@ def _fp32_rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _fused_chunks(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Tensor]):
-    """(group index, chunk, its fp32 layout) for every chunk of the batch."""
+def _fused_chunks(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Tensor], ops):
+    """(group index, chunk, its layout in the fused tiles' form) for every chunk of the batch."""
     sizes = (pos_w.numel() if pos_w is not None else 0, time_w.numel() if time_w is not None else 0)
     for gi, group in enumerate(problem.groups):
         for ci, chunk in enumerate(group.chunks):
-            yield gi, chunk, problem.layout(gi, ci, *sizes, torch.float32)
+            yield gi, chunk, problem.layout(gi, ci, *sizes, torch.float32, ops)
 
 
 def _fused_args(
@@ -505,7 +531,7 @@ def _fused_args(
     """The arguments ``forward_chunk`` and ``backward_chunk`` share, after the tensors they read and write."""
     return (
         group.starts, group.sizes, chunk.m1 - chunk.m0, chunk.m0, chunk.lo, chunk.hi, problem.alpha,
-        pos_w, layout.pos_idx if pos_w is not None else None,
+        pos_w, layout.row_pos if pos_w is not None else None,
         time_w, layout.time_idx if time_w is not None else None,
         layout.mask, chunk.mask_from, layout.row_end, layout.norm,
     )  # fmt: skip

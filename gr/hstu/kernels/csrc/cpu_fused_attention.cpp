@@ -55,11 +55,29 @@ struct Jagged {
   float* rows(int64_t first, int64_t h) const { return data + first * ld + h * head_stride; }
 };
 
-const int64_t* optional_index(const std::optional<Tensor>& idx, int64_t C, int64_t K) {
+const int32_t* optional_index(const std::optional<Tensor>& idx, int64_t C, int64_t K) {
   if (!idx.has_value()) return nullptr;
-  TORCH_CHECK(idx->is_contiguous() && idx->scalar_type() == at::kLong && idx->size(-1) == K && idx->size(-2) == C,
-              "cpu_fused: bias indices must be contiguous int64 [G or 1, C, K]");
-  return idx->data_ptr<int64_t>();
+  TORCH_CHECK(idx->is_contiguous() && idx->scalar_type() == at::kInt && idx->size(-1) == K && idx->size(-2) == C,
+              "cpu_fused: bias indices must be contiguous int32 [G or 1, C, K]");
+  return idx->data_ptr<int32_t>();
+}
+
+// acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in long runs along
+// a row (timestamps are sorted), and adding element by element would chain every add of a run
+// through the same memory location.
+void add_by_runs(const int32_t* idx, const float* d, int64_t n, float* acc) {
+  if (n == 0) return;
+  int32_t bucket = idx[0];
+  float run = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    if (idx[j] != bucket) {
+      acc[bucket] += run;
+      bucket = idx[j];
+      run = 0.0f;
+    }
+    run += d[j];
+  }
+  acc[bucket] += run;
 }
 
 // One chunk of one group: query rows [m0, m0 + C) of each sequence against its keys [lo, lo + K), the
@@ -69,10 +87,11 @@ struct Chunk {
   const int64_t* starts;
   const int64_t* lengths;
   const float* pos_w = nullptr;
-  const int64_t* pos_idx = nullptr;  // [Gp, C, K]
+  int64_t P = 0;
+  const int32_t* row_pos = nullptr;  // [Gp, C]: each query's position (its row, or the history length)
   bool pos_shared = false;
   const float* time_w = nullptr;
-  const int64_t* time_idx = nullptr;  // [G, C, K]
+  const int32_t* time_idx = nullptr;  // [G, C, K]
   const float* mask = nullptr;        // [Gm, 1, C, K - mask_from]
   bool mask_shared = false;
   const int64_t* row_end = nullptr;  // [Gm, C]: 1 + the last key column row i may see
@@ -80,7 +99,7 @@ struct Chunk {
   bool norm_shared = false;
 
   Chunk(const Tensor& starts_, const Tensor& lengths_, int64_t C_, int64_t K_, int64_t m0_, int64_t lo_,
-        const std::optional<Tensor>& pos_w_, const std::optional<Tensor>& pos_idx_,
+        const std::optional<Tensor>& pos_w_, const std::optional<Tensor>& row_pos_,
         const std::optional<Tensor>& time_w_, const std::optional<Tensor>& time_idx_,
         const std::optional<Tensor>& mask_, int64_t mask_from_, const Tensor& row_end_, const Tensor& norm_)
       : G(starts_.numel()), C(C_), K(K_), m0(m0_), lo(lo_), mask_from(mask_from_) {
@@ -90,9 +109,13 @@ struct Chunk {
     starts = starts_.data_ptr<int64_t>();
     lengths = lengths_.data_ptr<int64_t>();
     if (pos_w_.has_value()) {
+      TORCH_CHECK(row_pos_.has_value() && row_pos_->is_contiguous() && row_pos_->scalar_type() == at::kInt &&
+                      row_pos_->size(-1) == C,
+                  "cpu_fused: row positions must be contiguous int32 [G or 1, C]");
       pos_w = pos_w_->data_ptr<float>();
-      pos_idx = optional_index(pos_idx_, C, K);
-      pos_shared = pos_idx_->size(0) == 1;
+      P = pos_w_->numel();
+      row_pos = row_pos_->data_ptr<int32_t>();
+      pos_shared = row_pos_->size(0) == 1;
     }
     if (time_w_.has_value()) {
       time_w = time_w_->data_ptr<float>();
@@ -126,14 +149,27 @@ struct Chunk {
   }
   float norm_of(int64_t g, int64_t i) const { return norm[(norm_shared ? 0 : g) * C + i]; }
 
+  // Key columns of row i of sequence g by position bucket: the bucket of column j is base - j
+  // (query position minus key position) on [lo, hi), P - 1 before lo; past hi the key is in the
+  // query's future (masked), so it gets no bias and gives no bias gradient.
+  struct Diagonal {
+    int64_t base, lo, hi;
+  };
+  Diagonal diagonal(int64_t g, int64_t i, int64_t n) const {
+    const int64_t base = row_pos[(pos_shared ? 0 : g) * C + i] - lo;
+    return {base, std::min(n, std::max<int64_t>(0, base - (P - 1))), std::min(n, std::max<int64_t>(0, base + 1))};
+  }
+
   // s[0, n) = s + bias of row i of sequence g.
   void add_bias(int64_t g, int64_t i, float* s, int64_t n) const {
     if (pos_w != nullptr) {
-      const int64_t* p = pos_idx + ((pos_shared ? 0 : g) * C + i) * K;
-      for (int64_t j = 0; j < n; ++j) s[j] += pos_w[p[j]];
+      const Diagonal d = diagonal(g, i, n);
+      for (int64_t j = 0; j < d.lo; ++j) s[j] += pos_w[P - 1];
+      const float* w = pos_w + d.base;
+      for (int64_t j = d.lo; j < d.hi; ++j) s[j] += *(w - j);
     }
     if (time_w != nullptr) {
-      const int64_t* t = time_idx + (g * C + i) * K;
+      const int32_t* t = time_idx + (g * C + i) * K;
       for (int64_t j = 0; j < n; ++j) s[j] += time_w[t[j]];
     }
   }
@@ -147,13 +183,14 @@ struct Chunk {
   // dpos / dtime (thread-local, may be null) += d[0, n) into the buckets of row i.
   void add_bias_grads(int64_t g, int64_t i, const float* d, int64_t n, float* dpos, float* dtime) const {
     if (dpos != nullptr) {
-      const int64_t* p = pos_idx + ((pos_shared ? 0 : g) * C + i) * K;
-      for (int64_t j = 0; j < n; ++j) dpos[p[j]] += d[j];
+      const Diagonal diag = diagonal(g, i, n);
+      float clamped = 0.0f;
+      for (int64_t j = 0; j < diag.lo; ++j) clamped += d[j];
+      dpos[P - 1] += clamped;
+      float* acc = dpos + diag.base;
+      for (int64_t j = diag.lo; j < diag.hi; ++j) *(acc - j) += d[j];
     }
-    if (dtime != nullptr) {
-      const int64_t* t = time_idx + (g * C + i) * K;
-      for (int64_t j = 0; j < n; ++j) dtime[t[j]] += d[j];
-    }
+    if (dtime != nullptr) add_by_runs(time_idx + (g * C + i) * K, d, n, dtime);
   }
 };
 
@@ -182,12 +219,12 @@ struct OneBlasThread {
 // out rows of the chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head.
 void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& starts,
                    const Tensor& lengths, int64_t rows, int64_t m0, int64_t lo, int64_t hi, double alpha,
-                   const std::optional<Tensor>& pos_w, const std::optional<Tensor>& pos_idx,
+                   const std::optional<Tensor>& pos_w, const std::optional<Tensor>& row_pos,
                    const std::optional<Tensor>& time_w, const std::optional<Tensor>& time_idx,
                    const std::optional<Tensor>& mask, int64_t mask_from, const Tensor& row_end, const Tensor& norm) {
   const Jagged Q(q), Kt(k), V(v), O(out);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
-  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, pos_idx, time_w, time_idx, mask, mask_from, row_end, norm);
+  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
   at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
     std::vector<float> scores(ROW_BLOCK * K), weights(ROW_BLOCK * K);
@@ -217,13 +254,13 @@ void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_out, const Tensor& dq,
                     const Tensor& dk, const Tensor& dv, const Tensor& starts, const Tensor& lengths, int64_t rows,
                     int64_t m0, int64_t lo, int64_t hi, double alpha, const std::optional<Tensor>& pos_w,
-                    const std::optional<Tensor>& pos_idx, const std::optional<Tensor>& time_w,
+                    const std::optional<Tensor>& row_pos, const std::optional<Tensor>& time_w,
                     const std::optional<Tensor>& time_idx, const std::optional<Tensor>& mask, int64_t mask_from,
                     const Tensor& row_end, const Tensor& norm, const std::optional<Tensor>& dpos,
                     const std::optional<Tensor>& dtime) {
   const Jagged Q(q), Kt(k), V(v), dO(grad_out), dQ(dq), dK(dk), dV(dv);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
-  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, pos_idx, time_w, time_idx, mask, mask_from, row_end, norm);
+  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
   const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
   const float a = static_cast<float>(alpha);
   std::mutex merge;
@@ -276,21 +313,66 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   });
 }
 
+// Time bucket of every (query row, key column) pair of a chunk, in one pass: rows [m0, m1) of each
+// sequence's query times against the keys [lo, hi) of its key times (both [G, Lp] int64) ->
+// int32 [G, m1 - m0, hi - lo]. The bucket of |dt| is floor(ln(max(|dt|, 1)) / 0.301) (or
+// floor(sqrt(..))) clamped to [0, NB - 1], corrected by one step against `thresholds` [NB + 1]
+// (gr.hstu.kernels.common.time_bucket_thresholds), so that it equals time_bucket() exactly.
+Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, int64_t m0, int64_t m1, int64_t lo, int64_t hi,
+                    const Tensor& thresholds, bool sqrt_bucketing) {
+  TORCH_CHECK(query_times.scalar_type() == at::kLong && key_times.scalar_type() == at::kLong &&
+                  query_times.is_contiguous() && key_times.is_contiguous() && query_times.dim() == 2 &&
+                  query_times.sizes() == key_times.sizes(),
+              "cpu_fused: query and key times must be contiguous int64 [G, Lp]");
+  TORCH_CHECK(thresholds.scalar_type() == at::kFloat && thresholds.is_contiguous() && thresholds.numel() >= 2,
+              "cpu_fused: thresholds must be contiguous fp32 [NB + 1]");
+  const int64_t G = query_times.size(0), Lp = query_times.size(1), C = m1 - m0, K = hi - lo;
+  const int32_t NB = static_cast<int32_t>(thresholds.numel() - 1);
+  Tensor out = at::empty({G, C, K}, query_times.options().dtype(at::kInt));
+  const int64_t* qt = query_times.data_ptr<int64_t>();
+  const int64_t* kt = key_times.data_ptr<int64_t>();
+  const float* thr = thresholds.data_ptr<float>();
+  int32_t* o = out.data_ptr<int32_t>();
+  const float inv_div = 1.0f / 0.301f;
+  at::parallel_for(0, G * C, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(K);
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const int64_t g = gi / C, i = gi % C;
+      const int64_t tq = qt[g * Lp + m0 + i];
+      const int64_t* keys = kt + g * Lp + lo;
+      int32_t* row = o + gi * K;
+      for (int64_t j = 0; j < K; ++j) x[j] = std::max(std::fabs(static_cast<float>(tq - keys[j])), 1.0f);
+      for (int64_t j = 0; j < K; ++j) {
+        const float estimate = sqrt_bucketing ? std::sqrt(x[j]) : std::log(x[j]) * inv_div;
+        int32_t b = std::min(std::max(static_cast<int32_t>(estimate), 0), NB - 1);
+        b += (x[j] >= thr[b + 1]) ? 1 : 0;
+        b -= (x[j] < thr[b]) ? 1 : 0;
+        row[j] = std::min(std::max(b, 0), NB - 1);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gr_cpu_fused, m) {
   m.def(
       "forward_chunk(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, Tensor lengths, int rows, int m0, "
-      "int lo, int hi, float alpha, Tensor? pos_w, Tensor? pos_idx, Tensor? time_w, Tensor? time_idx, Tensor? mask, "
+      "int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, Tensor? time_w, Tensor? time_idx, Tensor? mask, "
       "int mask_from, Tensor row_end, Tensor norm) -> ()");
   m.def(
       "backward_chunk(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
-      "Tensor starts, Tensor lengths, int rows, int m0, int lo, int hi, float alpha, Tensor? pos_w, Tensor? pos_idx, "
+      "Tensor starts, Tensor lengths, int rows, int m0, int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, "
       "Tensor? time_w, Tensor? time_idx, Tensor? mask, int mask_from, Tensor row_end, Tensor norm, "
       "Tensor(d!)? dpos, Tensor(e!)? dtime) -> ()");
+  m.def(
+      "time_buckets(Tensor query_times, Tensor key_times, int m0, int m1, int lo, int hi, Tensor thresholds, "
+      "bool sqrt_bucketing) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gr_cpu_fused, CPU, m) {
   m.impl("forward_chunk", &forward_chunk);
   m.impl("backward_chunk", &backward_chunk);
+  m.impl("time_buckets", &time_buckets);
 }
