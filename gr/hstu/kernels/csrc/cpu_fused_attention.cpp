@@ -150,8 +150,8 @@ struct Chunk {
   float norm_of(int64_t g, int64_t i) const { return norm[(norm_shared ? 0 : g) * C + i]; }
 
   // Key columns of row i of sequence g by position bucket: the bucket of column j is base - j
-  // (query position minus key position) on [lo, hi), P - 1 before lo; past hi the key is in the
-  // query's future (masked), so it gets no bias and gives no bias gradient.
+  // (query position minus key position) on [lo, hi), P - 1 before lo and 0 from hi on (keys in the
+  // query's future: masked, or contextual keys every query sees).
   struct Diagonal {
     int64_t base, lo, hi;
   };
@@ -167,6 +167,7 @@ struct Chunk {
       for (int64_t j = 0; j < d.lo; ++j) s[j] += pos_w[P - 1];
       const float* w = pos_w + d.base;
       for (int64_t j = d.lo; j < d.hi; ++j) s[j] += *(w - j);
+      for (int64_t j = d.hi; j < n; ++j) s[j] += pos_w[0];
     }
     if (time_w != nullptr) {
       const int32_t* t = time_idx + (g * C + i) * K;
@@ -184,9 +185,11 @@ struct Chunk {
   void add_bias_grads(int64_t g, int64_t i, const float* d, int64_t n, float* dpos, float* dtime) const {
     if (dpos != nullptr) {
       const Diagonal diag = diagonal(g, i, n);
-      float clamped = 0.0f;
-      for (int64_t j = 0; j < diag.lo; ++j) clamped += d[j];
-      dpos[P - 1] += clamped;
+      float far = 0.0f, ahead = 0.0f;
+      for (int64_t j = 0; j < diag.lo; ++j) far += d[j];
+      for (int64_t j = diag.hi; j < n; ++j) ahead += d[j];
+      dpos[P - 1] += far;
+      dpos[0] += ahead;
       float* acc = dpos + diag.base;
       for (int64_t j = diag.lo; j < diag.hi; ++j) *(acc - j) += d[j];
     }
