@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -89,8 +90,11 @@ def _load_once() -> Tuple[bool, str]:
     """(True, "") or (False, why not); built and loaded at most once per process."""
     with _build_lock:
         directory = Path(os.environ.get("GR_EXTENSIONS_DIR", Path.home() / ".cache" / "gr" / "extensions"))
+        name = f"gr_cpu_native_{_cpu_key()}"
+        if not (directory / name / f"{name}.so").exists():  # progress: the first step waits for it
+            print(f"compiling gr's fused CPU kernels for this CPU, once (~10 s): {directory / name}", file=sys.stderr)
         try:
-            build(f"gr_cpu_native_{_cpu_key()}", SOURCES, directory)
+            build(name, SOURCES, directory)
         except Exception as error:  # a compiler or BLAS symbol missing: run the unfused kernel
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             log.warning("fused CPU kernels unavailable (%s); running the PyTorch ones", reason)
