@@ -129,22 +129,29 @@ def test_sampled_softmax_per_token_paths_match_naive_in_value_and_both_gradients
         torch.testing.assert_close(got, want)
 
 
+def autocast_batch(seed):
+    """300 unit queries and 200 unit items of dim 16, with 32 negatives a row."""
+    torch.manual_seed(seed)
+    queries = F.normalize(torch.randn(300, 16), dim=-1).requires_grad_(True)
+    items = F.normalize(torch.randn(200, 16), dim=-1).requires_grad_(True)
+    return queries, items, torch.randint(0, 200, (300,)), torch.randint(0, 200, (300, 32))
+
+
+def loss_and_grads_under_autocast(seed, bf16):
+    """(loss, dqueries, ditems) of ``autocast_batch(seed)``, under CPU bf16 autocast or not."""
+    queries, items, positive_index, negative_index = autocast_batch(seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
+    return (loss, *torch.autograd.grad(loss, (queries, items)))
+
+
 def test_sampled_softmax_under_bf16_autocast_stays_close_to_fp32(monkeypatch):
     """PyTorch path (GR_CPU_FUSED=0): under autocast the dot products run in bf16 (8 mantissa
     bits: cosines off by <= ~2^-8, logits by <= ~0.1 at temperature 0.05), the softmax in fp32.
     Measured: loss within 1e-4 relative, gradients within ~1% of their largest entry; asserted:
     1e-3 and 3%."""
     monkeypatch.setenv("GR_CPU_FUSED", "0")
-    torch.manual_seed(2)
-    queries = F.normalize(torch.randn(300, 16), dim=-1).requires_grad_(True)
-    items = F.normalize(torch.randn(200, 16), dim=-1).requires_grad_(True)
-    positive_index = torch.randint(0, 200, (300,))
-    negative_index = torch.randint(0, 200, (300, 32))
-    results = {}
-    for bf16 in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
-        results[bf16] = (loss, *torch.autograd.grad(loss, (queries, items)))
+    results = {bf16: loss_and_grads_under_autocast(2, bf16) for bf16 in (False, True)}
     assert results[True][0].dtype == torch.float32
     assert results[True][0].item() != results[False][0].item()  # the dot products really ran in bf16
     assert results[True][0].item() == pytest.approx(results[False][0].item(), rel=1e-3)
@@ -214,20 +221,14 @@ def test_fused_sampled_softmax_runs_in_fp32_under_autocast_and_refuses_bad_ids(m
     """The fused kernel computes in fp32 whatever autocast says (the result equals fp32's); an id
     outside the table is an error, not a read out of bounds."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")
-    torch.manual_seed(3)
-    queries = F.normalize(torch.randn(300, 16), dim=-1).requires_grad_(True)
-    items = F.normalize(torch.randn(200, 16), dim=-1).requires_grad_(True)
-    positive_index = torch.randint(0, 200, (300,))
-    negative_index = torch.randint(0, 200, (300, 32))
     results = {}
     for bf16 in (False, True):
         with torch.profiler.profile() as profile:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
-            results[bf16] = (loss, *torch.autograd.grad(loss, (queries, items)))
+            results[bf16] = loss_and_grads_under_autocast(3, bf16)
         assert "gr_cpu_loss::sampled_softmax_forward" in {e.key for e in profile.key_averages()}
     for got, want in zip(results[True], results[False]):
         assert torch.equal(got, want)
+    queries, items, positive_index, negative_index = autocast_batch(3)
     negative_index[5, 3] = 200
     with pytest.raises(RuntimeError, match="an index is outside"):
         sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)

@@ -321,10 +321,10 @@ class _Layout:
     """What one chunk of one group needs besides the weights: the same for every layer on a batch.
 
     norm: [G or 1, 1, C, 1]; mask: [G or 1, 1, C, K - mask_from] or None (both in the compute
-    dtype); row_end: [G or 1, C] int64, 1 + the last key column each query sees (with a mask);
-    pos_idx: [G or 1, C, K], time_idx: [G, C, K] bucket indices (int64 for ``scatter_add_``) or None;
+    dtype); pos_idx: [G or 1, C, K], time_idx: [G, C, K] bucket indices (int64 for ``scatter_add_``) or None;
     for the fused tiles instead row_pos: [G or 1, C] int32 query positions (a key's position bucket
-    is the difference) and time_idx in int32, bucketed by their ops in one pass.
+    is the difference), time_idx in int32, bucketed by their ops in one pass, and with a mask
+    row_end: [G or 1, C] int64, 1 + the last key column each query sees.
     """
 
     def __init__(
@@ -342,17 +342,16 @@ class _Layout:
         hist = group.history
         row_pos = torch.minimum(rows, hist)
         self.norm = silu_norm(row_pos, problem.silu_scale).to(dtype).unsqueeze(1)
-        self.mask = None
+        self.mask = self.row_end = None
         if chunk.mask_from < cols.shape[-1]:
             part = cols[..., chunk.mask_from :]
             visible = hstu_visibility(rows, part, group.lengths, hist, problem.contextual_len, problem.max_attn_len) & (
                 part < hist
             )
             self.mask = visible.to(dtype).unsqueeze(1)
-            last_seen = torch.where(visible, torch.arange(1, part.shape[-1] + 1, device=part.device), 0).amax(-1)
-            self.row_end = (chunk.mask_from + last_seen).view(-1, last_seen.shape[-1])
-        else:
-            self.row_end = torch.full((1, chunk.m1 - chunk.m0), cols.shape[-1], device=cols.device)
+            if fused is not None:
+                last_seen = torch.where(visible, torch.arange(1, part.shape[-1] + 1, device=part.device), 0).amax(-1)
+                self.row_end = (chunk.mask_from + last_seen).view(-1, rows.shape[1])
         self.pos_idx = self.time_idx = self.row_pos = None
         if pos_buckets and fused is not None:  # the tiles take each key's bucket from the query's position
             self.row_pos = row_pos.view(-1, row_pos.shape[1]).to(torch.int32)

@@ -6,8 +6,8 @@
 // the whole chunk's [G, H, C, K] scores in memory for each of those steps.
 //
 // GEMMs are MKL's sgemm_ (the BLAS inside PyTorch's x86 builds), run one thread each inside
-// at::parallel_for over (sequence, head). Loaded by gr/hstu/kernels/cpu_fused.py, which falls
-// back to the unfused kernel when this cannot be built or linked.
+// at::parallel_for over (sequence, head). Built and loaded by gr/native.py; gr/hstu/kernels/cpu.py
+// runs the unfused kernel when this cannot be built or linked.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -55,13 +55,6 @@ struct Jagged {
   float* rows(int64_t first, int64_t h) const { return data + first * ld + h * head_stride; }
 };
 
-const int32_t* optional_index(const std::optional<Tensor>& idx, int64_t C, int64_t K) {
-  if (!idx.has_value()) return nullptr;
-  TORCH_CHECK(idx->is_contiguous() && idx->scalar_type() == at::kInt && idx->size(-1) == K && idx->size(-2) == C,
-              "cpu_fused: bias indices must be contiguous int32 [G or 1, C, K]");
-  return idx->data_ptr<int32_t>();
-}
-
 // acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in long runs along
 // a row (timestamps are sorted), and adding element by element would chain every add of a run
 // through the same memory location.
@@ -101,7 +94,8 @@ struct Chunk {
   Chunk(const Tensor& starts_, const Tensor& lengths_, int64_t C_, int64_t K_, int64_t m0_, int64_t lo_,
         const std::optional<Tensor>& pos_w_, const std::optional<Tensor>& row_pos_,
         const std::optional<Tensor>& time_w_, const std::optional<Tensor>& time_idx_,
-        const std::optional<Tensor>& mask_, int64_t mask_from_, const Tensor& row_end_, const Tensor& norm_)
+        const std::optional<Tensor>& mask_, int64_t mask_from_, const std::optional<Tensor>& row_end_,
+        const Tensor& norm_)
       : G(starts_.numel()), C(C_), K(K_), m0(m0_), lo(lo_), mask_from(mask_from_) {
     TORCH_CHECK(starts_.scalar_type() == at::kLong && lengths_.scalar_type() == at::kLong &&
                     starts_.is_contiguous() && lengths_.is_contiguous() && lengths_.numel() == G,
@@ -118,18 +112,21 @@ struct Chunk {
       pos_shared = row_pos_->size(0) == 1;
     }
     if (time_w_.has_value()) {
+      TORCH_CHECK(time_idx_.has_value() && time_idx_->is_contiguous() && time_idx_->scalar_type() == at::kInt &&
+                      time_idx_->size(-1) == K && time_idx_->size(-2) == C,
+                  "cpu_fused: time buckets must be contiguous int32 [G, C, K]");
       time_w = time_w_->data_ptr<float>();
-      time_idx = optional_index(time_idx_, C, K);
+      time_idx = time_idx_->data_ptr<int32_t>();
     }
     if (mask_.has_value()) {
       TORCH_CHECK(mask_->is_contiguous() && mask_->scalar_type() == at::kFloat && mask_->size(-1) == K - mask_from,
                   "cpu_fused: mask must be a contiguous fp32 [Gm, 1, C, K - mask_from] tensor");
       mask = mask_->data_ptr<float>();
       mask_shared = mask_->size(0) == 1;
-      TORCH_CHECK(row_end_.is_contiguous() && row_end_.scalar_type() == at::kLong &&
-                      row_end_.numel() == mask_->size(0) * C,
-                  "cpu_fused: row_end must be contiguous int64 [Gm, C]");
-      row_end = row_end_.data_ptr<int64_t>();
+      TORCH_CHECK(row_end_.has_value() && row_end_->is_contiguous() && row_end_->scalar_type() == at::kLong &&
+                      row_end_->numel() == mask_->size(0) * C,
+                  "cpu_fused: row_end must be contiguous int64 [Gm, C] with a mask");
+      row_end = row_end_->data_ptr<int64_t>();
     }
     TORCH_CHECK(norm_.is_contiguous() && norm_.scalar_type() == at::kFloat, "cpu_fused: norm must be contiguous fp32");
     norm = norm_.data_ptr<float>();
@@ -224,7 +221,8 @@ void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                    const Tensor& lengths, int64_t rows, int64_t m0, int64_t lo, int64_t hi, double alpha,
                    const std::optional<Tensor>& pos_w, const std::optional<Tensor>& row_pos,
                    const std::optional<Tensor>& time_w, const std::optional<Tensor>& time_idx,
-                   const std::optional<Tensor>& mask, int64_t mask_from, const Tensor& row_end, const Tensor& norm) {
+                   const std::optional<Tensor>& mask, int64_t mask_from, const std::optional<Tensor>& row_end,
+                   const Tensor& norm) {
   const Jagged Q(q), Kt(k), V(v), O(out);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
   const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
@@ -259,7 +257,7 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                     int64_t m0, int64_t lo, int64_t hi, double alpha, const std::optional<Tensor>& pos_w,
                     const std::optional<Tensor>& row_pos, const std::optional<Tensor>& time_w,
                     const std::optional<Tensor>& time_idx, const std::optional<Tensor>& mask, int64_t mask_from,
-                    const Tensor& row_end, const Tensor& norm, const std::optional<Tensor>& dpos,
+                    const std::optional<Tensor>& row_end, const Tensor& norm, const std::optional<Tensor>& dpos,
                     const std::optional<Tensor>& dtime) {
   const Jagged Q(q), Kt(k), V(v), dO(grad_out), dQ(dq), dK(dk), dV(dv);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
@@ -363,11 +361,11 @@ TORCH_LIBRARY(gr_cpu_fused, m) {
   m.def(
       "forward_chunk(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, Tensor lengths, int rows, int m0, "
       "int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, Tensor? time_w, Tensor? time_idx, Tensor? mask, "
-      "int mask_from, Tensor row_end, Tensor norm) -> ()");
+      "int mask_from, Tensor? row_end, Tensor norm) -> ()");
   m.def(
       "backward_chunk(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
       "Tensor starts, Tensor lengths, int rows, int m0, int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, "
-      "Tensor? time_w, Tensor? time_idx, Tensor? mask, int mask_from, Tensor row_end, Tensor norm, "
+      "Tensor? time_w, Tensor? time_idx, Tensor? mask, int mask_from, Tensor? row_end, Tensor norm, "
       "Tensor(d!)? dpos, Tensor(e!)? dtime) -> ()");
   m.def(
       "time_buckets(Tensor query_times, Tensor key_times, int m0, int m1, int lo, int hi, Tensor thresholds, "
