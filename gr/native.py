@@ -1,9 +1,14 @@
-"""gr's fused CPU kernels, compiled for this machine on first use: one library, two op namespaces.
+"""gr's fused CPU kernels, compiled for this machine on first use: one library, four op namespaces.
 
 * ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
   ``gr.hstu.kernels.cpu`` (``forward_chunk``, ``backward_chunk``);
+* ``gr_cpu_pointwise`` (``gr/hstu/csrc/pointwise.cpp``): the HSTU layer's LayerNorm-gate-dropout
+  and SiLU-split steps, one pass per row, used by ``gr.hstu.pointwise`` (``norm_forward``,
+  ``norm_backward``, ``silu_split_backward``);
 * ``gr_cpu_loss`` (``gr/train/csrc/sampled_softmax.cpp``): the per-row sampled softmax, used by
-  ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``).
+  ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
+* ``gr_cpu_random`` (``gr/csrc/random.cpp``): counter-based dropout masks and integer draws, used by
+  ``gr.rng`` (``keep_mask``, ``randint``).
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
@@ -37,7 +42,9 @@ log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
 SOURCES = [
     PACKAGE / "hstu" / "kernels" / "csrc" / "cpu_fused_attention.cpp",
+    PACKAGE / "hstu" / "csrc" / "pointwise.cpp",
     PACKAGE / "train" / "csrc" / "sampled_softmax.cpp",
+    PACKAGE / "csrc" / "random.cpp",
 ]
 # -fopenmp: at::parallel_for is inline and runs serially without it (the OpenMP runtime is torch's libgomp);
 # -ffast-math: vectorised expf from glibc's libmvec. Fast-math only compiles: linking it would bring

@@ -1,16 +1,18 @@
-"""Dropout whose CPU mask is drawn with ``torch.rand`` (vectorised) instead of ``bernoulli_``."""
+"""Dropout whose CPU mask is drawn by ``gr.rng.keep_mask`` instead of ``bernoulli_``."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from gr.rng import keep_mask
 
 
 class Dropout(nn.Module):
     """``nn.Dropout(p)`` with the same distribution: each element is kept with probability 1 - p
-    and scaled by 1 / (1 - p). On CPU the keep mask is ``rand >= p`` (fp32 uniforms), 2-3x faster
-    than the ``bernoulli_`` that ``F.dropout`` draws it with; other devices use ``F.dropout``."""
+    and scaled by 1 / (1 - p). On CPU the keep mask comes from ``gr.rng.keep_mask`` (counter-based
+    with the native kernels, else ``rand >= p``), 3-10x faster than the ``bernoulli_`` that
+    ``F.dropout`` draws it with; other devices use ``F.dropout``."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
@@ -24,7 +26,7 @@ class Dropout(nn.Module):
             return x
         if x.device.type != "cpu":
             return F.dropout(x, self.p, training=True)
-        keep = torch.rand(x.shape, device=x.device) >= self.p
+        keep = keep_mask(x.shape, self.p, x.device)
         return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:

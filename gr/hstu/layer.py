@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention, hstu_cached_attention
+from gr.hstu.pointwise import norm_mul_dropout, silu_split
 
 
 class HSTULayer(nn.Module):
@@ -41,8 +41,8 @@ class HSTULayer(nn.Module):
         """x: [T, D] -> u: [T, H*Dl], q: [T, H, Da], k: [T, H, Da], v: [T, H, Dl]."""
         c = self.config
         heads, dl, da = c.num_heads, c.linear_dim, c.attention_dim
-        uvqk = F.silu(self.uvqk(self.input_norm(x)))
-        u, v, q, k = torch.split(uvqk, [heads * dl, heads * dl, heads * da, heads * da], dim=-1)
+        uvqk = self.uvqk(norm_mul_dropout(x, self.input_norm))
+        u, v, q, k = silu_split(uvqk, [heads * dl, heads * dl, heads * da, heads * da])
         return u, q.reshape(-1, heads, da), k.reshape(-1, heads, da), v.reshape(-1, heads, dl)
 
     def relative_bias(
@@ -70,8 +70,8 @@ class HSTULayer(nn.Module):
 
     def combine(self, x: Tensor, attn: Tensor, u: Tensor) -> Tensor:
         """x: [T, D], attn: [T, H, Dl], u: [T, H*Dl] -> [T, D] (residual added)."""
-        mixed = self.attn_norm(attn.reshape(attn.shape[0], -1)) * u
-        return x + self.output(self.dropout(mixed))
+        mixed = norm_mul_dropout(attn.reshape(attn.shape[0], -1), self.attn_norm, u, self.dropout)
+        return x + self.output(mixed)
 
     def silu_scale(self) -> Optional[float]:
         return 1.0 / self.config.max_seq_len if self.config.attn_norm == "max_seq_len" else None

@@ -26,6 +26,7 @@ from torch import Tensor
 from torchrec import JaggedTensor, KeyedJaggedTensor
 
 from gr.model import GRInput, GROutput
+from gr.rng import randint
 from gr.sparse.dedup import unique_ids
 from gr.sparse.tables import SparseEmbeddings
 from gr.train.build import SAMPLED_ITEMS
@@ -66,7 +67,7 @@ class RetrievalTask:
         positives = next_item[next_item >= 0]
         k = self.config.num_negatives
         shape = (positives.numel(), k) if self.config.negatives == "token" else (k,)
-        negatives = torch.randint(0, self.num_items, shape, generator=generator).to(positives.device)
+        negatives = randint(self.num_items, shape, generator).to(positives.device)
         if self.num_items * WHOLE_CATALOGUE_DRAWS <= positives.numel() + negatives.numel():
             # Nearly every item is drawn: look up the whole catalogue, the ids are their own rows.
             distinct = torch.arange(self.num_items, device=positives.device)
