@@ -22,10 +22,13 @@ def test_the_setting_is_validated(monkeypatch):
 
 
 @pytest.mark.skipif(not X86, reason="the fused kernels are built for x86-64 only")
-def test_both_op_namespaces_come_from_one_build(monkeypatch):
+def test_all_op_namespaces_come_from_one_build(monkeypatch):
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     attention, loss = native_ops("gr_cpu_fused"), native_ops("gr_cpu_loss")
+    pointwise, random = native_ops("gr_cpu_pointwise"), native_ops("gr_cpu_random")
     assert hasattr(attention, "forward_chunk") and hasattr(loss, "sampled_softmax_forward")
+    assert hasattr(pointwise, "norm_forward") and hasattr(pointwise, "silu_split_backward")
+    assert hasattr(random, "keep_mask") and hasattr(random, "randint")
     assert native._load_once.cache_info().misses == 1
 
 

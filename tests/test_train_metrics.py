@@ -235,6 +235,25 @@ def test_fused_sampled_softmax_runs_in_fp32_under_autocast_and_refuses_bad_ids(m
 
 
 @pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")
+@pytest.mark.parametrize("dim", [16, 50, 64, 100, 128])
+def test_fused_sampled_softmax_matches_naive_for_every_row_width(monkeypatch, dim):
+    """The kernel keeps rows of up to 64 (or 128) floats in vector registers, the last one masked,
+    and scores 16 items at a time; other widths (100) run its scalar loops. 21 items a row: one
+    group of 16 and a remainder."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    torch.manual_seed(dim)
+    queries = F.normalize(torch.randn(70, dim), dim=-1).requires_grad_(True)
+    items = F.normalize(torch.randn(40, dim), dim=-1).requires_grad_(True)
+    positive_index, negative_index = torch.randint(0, 40, (70,)), torch.randint(0, 40, (70, 20))
+    negative_index[:, 7] = positive_index  # masked in every row
+    loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
+    expected = naive_sampled_softmax(queries, items, positive_index, negative_index, 0.05)
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(torch.autograd.grad(loss, (queries, items)), torch.autograd.grad(expected, (queries, items))):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")
 def test_item_tables_past_the_fused_limit_take_the_pytorch_path(monkeypatch):
     """Backward keeps one fp32 copy of the item table per thread, so a catalogue past
     MAX_TABLE_ELEMENTS runs the PyTorch path (with the same result)."""

@@ -59,8 +59,8 @@ def norm_mul_dropout(
 ) -> Tensor:
     """x: [T, D] float, u: [T, D] or None -> ``dropout(norm(x) * u)`` [T, D].
 
-    The result's dtype is PyTorch's for the unfused ops: fp32 under CPU autocast (LayerNorm is an
-    fp32 op there), else x's dtype promoted with u's."""
+    The result's dtype is PyTorch's for the unfused ops, CPU autocast included (which leaves
+    LayerNorm in its input's dtype): x's promoted with u's. The fused path computes in fp32."""
     p = dropout.p if dropout is not None and dropout.training else 0.0
     fusable = (
         x.device.type == "cpu"
@@ -75,10 +75,7 @@ def norm_mul_dropout(
     if ops is None:
         y = norm(x) if u is None else norm(x) * u
         return dropout(y) if dropout is not None else y
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.float32
-    else:
-        dtype = x.dtype if u is None else torch.promote_types(x.dtype, u.dtype)
+    dtype = x.dtype if u is None else torch.promote_types(x.dtype, u.dtype)
     keep = keep_mask(x.shape, p, x.device).view(torch.uint8) if p > 0.0 else None
     y = _NormMulDropout.apply(
         ops,

@@ -9,6 +9,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -33,18 +38,135 @@ void check_inputs(const Tensor& queries, const Tensor& items, const Tensor& posi
               "cpu_sampled_softmax: negative must be contiguous int64 [N, K]");
 }
 
-// Item of column j of row r: the positive first, then the row's negatives.
-struct Columns {
-  const int64_t* positive;
-  const int64_t* negative;
-  int64_t K;
-  int64_t operator()(int64_t r, int64_t j) const { return j == 0 ? positive[r] : negative[r * K + j - 1]; }
+
+#if defined(__AVX512F__)
+// With AVX-512 a row of d <= 16 * V floats lives in V registers (the last one masked), so a row's
+// query (forward) and its gradient (backward) stay in registers across its K + 1 items, and
+// forward runs four dot products at a time: one alone waits on its horizontal sum.
+template <int V>
+struct Lanes {
+  __mmask16 tail;
+  explicit Lanes(int64_t d) : tail(static_cast<__mmask16>((1u << (d - 16 * (V - 1))) - 1u)) {}
+  __mmask16 mask(int v) const { return v == V - 1 ? tail : static_cast<__mmask16>(0xFFFF); }
+  void load(const float* x, __m512* out) const {
+    for (int v = 0; v < V; ++v) out[v] = _mm512_maskz_loadu_ps(mask(v), x + 16 * v);
+  }
+  float dot(const __m512* q, const float* x) const {
+    __m512 acc = _mm512_mul_ps(q[0], _mm512_maskz_loadu_ps(mask(0), x));
+    for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(q[v], _mm512_maskz_loadu_ps(mask(v), x + 16 * v), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
 };
 
-float dot(const float* a, const float* b, int64_t d) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
-  return s;
+// [sum(v[0]), ..., sum(v[15])]: the horizontal sums of 16 vectors, by pairwise unpacks and lane
+// shuffles (45 instructions), instead of 16 separate reductions whose latency chains dominate.
+inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // y[i]'s 128-bit lane L holds lane L's sums of v[4i .. 4i + 3]; add the four lanes.
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+template <int V>
+void dot_rows(const float* q, const float* items, const int64_t* ids, int64_t n, int64_t d, float* out) {
+  const Lanes<V> lanes(d);
+  __m512 qv[V], acc[16];
+  lanes.load(q, qv);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    for (int k = 0; k < 16; ++k) {
+      const float* row = items + ids[j + k] * d;
+      acc[k] = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(lanes.mask(0), row));
+      for (int v = 1; v < V; ++v)
+        acc[k] = _mm512_fmadd_ps(qv[v], _mm512_maskz_loadu_ps(lanes.mask(v), row + 16 * v), acc[k]);
+    }
+    _mm512_storeu_ps(out + j, sum16(acc));
+  }
+  for (; j < n; ++j) out[j] = lanes.dot(qv, items + ids[j] * d);
+}
+
+// dq = sum_j w_j items[ids_j]; table[ids_j] += w_j q.
+template <int V>
+void scatter_row(const float* q, const float* items, const int64_t* ids, const float* w, int64_t n, int64_t d,
+                 float* dq, float* table) {
+  const Lanes<V> lanes(d);
+  __m512 qv[V], acc[V];
+  lanes.load(q, qv);
+  for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (w[j] == 0.0f) continue;  // masked negatives
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    const float* row = items + ids[j] * d;
+    float* t = table + ids[j] * d;
+    for (int v = 0; v < V; ++v) {
+      const __mmask16 m = lanes.mask(v);
+      acc[v] = _mm512_fmadd_ps(wj, _mm512_maskz_loadu_ps(m, row + 16 * v), acc[v]);
+      _mm512_mask_storeu_ps(t + 16 * v, m, _mm512_fmadd_ps(wj, qv[v], _mm512_maskz_loadu_ps(m, t + 16 * v)));
+    }
+  }
+  for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(dq + 16 * v, lanes.mask(v), acc[v]);
+}
+#endif
+
+// out[j] = q . items[ids[j]] for j < n.
+void dots(const float* q, const float* items, const int64_t* ids, int64_t n, int64_t d, float* out) {
+#if defined(__AVX512F__)
+  switch ((d + 15) / 16) {
+    case 1: return dot_rows<1>(q, items, ids, n, d, out);
+    case 2: return dot_rows<2>(q, items, ids, n, d, out);
+    case 3: return dot_rows<3>(q, items, ids, n, d, out);
+    case 4: return dot_rows<4>(q, items, ids, n, d, out);
+    case 8: return dot_rows<8>(q, items, ids, n, d, out);
+    default: break;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = items + ids[j] * d;
+    float s = 0.0f;
+    for (int64_t i = 0; i < d; ++i) s += q[i] * row[i];
+    out[j] = s;
+  }
+}
+
+// dq = sum_j w[j] items[ids[j]] (written); table[ids[j]] += w[j] q.
+void scatter(const float* q, const float* items, const int64_t* ids, const float* w, int64_t n, int64_t d, float* dq,
+             float* table) {
+#if defined(__AVX512F__)
+  switch ((d + 15) / 16) {
+    case 1: return scatter_row<1>(q, items, ids, w, n, d, dq, table);
+    case 2: return scatter_row<2>(q, items, ids, w, n, d, dq, table);
+    case 3: return scatter_row<3>(q, items, ids, w, n, d, dq, table);
+    case 4: return scatter_row<4>(q, items, ids, w, n, d, dq, table);
+    case 8: return scatter_row<8>(q, items, ids, w, n, d, dq, table);
+    default: break;
+  }
+#endif
+  for (int64_t i = 0; i < d; ++i) dq[i] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    if (w[j] == 0.0f) continue;
+    const float* row = items + ids[j] * d;
+    float* acc = table + ids[j] * d;
+    for (int64_t i = 0; i < d; ++i) {
+      dq[i] += w[j] * row[i];
+      acc[i] += w[j] * q[i];
+    }
+  }
+}
+
+// Row r's K + 1 item ids (its positive, then its negatives) into ids; false if one is outside [0, U).
+bool row_ids(const int64_t* positive, const int64_t* negative, int64_t r, int64_t K, int64_t U, int64_t* ids) {
+  ids[0] = positive[r];
+  for (int64_t j = 0; j < K; ++j) ids[j + 1] = negative[r * K + j];
+  bool ok = true;
+  for (int64_t j = 0; j <= K; ++j) ok &= ids[j] >= 0 && ids[j] < U;
+  return ok;
 }
 
 // -> (probs [N, K + 1] fp32, per-row loss [N] fp32); column 0 is each row's positive [N], columns 1..K
@@ -53,7 +175,6 @@ std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, c
                                    const Tensor& negative, double temperature) {
   check_inputs(queries, items, positive, negative);
   const int64_t N = queries.size(0), K1 = negative.size(1) + 1, d = queries.size(1), U = items.size(0);
-  const Columns item_of{positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), K1 - 1};
   Tensor probs = at::empty({N, K1}, queries.options());
   Tensor row_loss = at::empty({N}, queries.options());
   const float* q = queries.data_ptr<float>();
@@ -61,27 +182,30 @@ std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, c
   float* p = probs.data_ptr<float>();
   float* l = row_loss.data_ptr<float>();
   const float inv_t = static_cast<float>(1.0 / temperature);
-  bool out_of_range = false;
+  std::atomic<bool> out_of_range{false};
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> ids(K1);
     for (int64_t r = begin; r < end; ++r) {
+      if (!row_ids(positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), r, K1 - 1, U, ids.data())) {
+        out_of_range = true;
+        continue;
+      }
       float* logits = p + r * K1;
+      dots(q + r * d, it, ids.data(), K1, d, logits);
       float top = -std::numeric_limits<float>::infinity();
-      const int64_t own = item_of(r, 0);
       for (int64_t j = 0; j < K1; ++j) {
-        const int64_t id = item_of(r, j);
-        if (id < 0 || id >= U) {
-          out_of_range = true;
-          logits[j] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        logits[j] = (j > 0 && id == own) ? -std::numeric_limits<float>::infinity() : dot(q + r * d, it + id * d, d) * inv_t;
+        logits[j] = (j > 0 && ids[j] == ids[0]) ? -std::numeric_limits<float>::infinity() : logits[j] * inv_t;
         top = std::max(top, logits[j]);
       }
+      const float positive_logit = logits[0];
       float sum = 0.0f;
-      for (int64_t j = 0; j < K1; ++j) sum += std::exp(logits[j] - top);
-      const float lse = top + std::log(sum);
-      l[r] = lse - logits[0];
-      for (int64_t j = 0; j < K1; ++j) logits[j] = std::exp(logits[j] - lse);
+      for (int64_t j = 0; j < K1; ++j) {
+        logits[j] = std::exp(logits[j] - top);
+        sum += logits[j];
+      }
+      l[r] = top + std::log(sum) - positive_logit;
+      const float inv_sum = 1.0f / sum;
+      for (int64_t j = 0; j < K1; ++j) logits[j] *= inv_sum;
     }
   });
   TORCH_CHECK(!out_of_range, "cpu_sampled_softmax: an index is outside [0, U)");
@@ -93,7 +217,6 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
                                     const Tensor& negative, const Tensor& probs, double scale) {
   check_inputs(queries, items, positive, negative);
   const int64_t N = queries.size(0), K1 = negative.size(1) + 1, d = queries.size(1), U = items.size(0);
-  const Columns item_of{positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), K1 - 1};
   TORCH_CHECK(probs.is_contiguous() && probs.size(0) == N && probs.size(1) == K1,
               "cpu_sampled_softmax: probs must be [N, K + 1]");
   Tensor dq = at::empty_like(queries);
@@ -106,21 +229,13 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
   std::mutex merge;
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> table(U * d, 0.0f);  // this thread's share of ditems
+    std::vector<int64_t> ids(K1);
+    std::vector<float> w(K1);
     for (int64_t r = begin; r < end; ++r) {
-      const float* qr = q + r * d;
-      float* out = dqp + r * d;
-      for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
-      for (int64_t j = 0; j < K1; ++j) {
-        const float w = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;  // d(lse - logit_0) / d logit_j
-        if (w == 0.0f) continue;  // masked negatives
-        const int64_t id = item_of(r, j);
-        const float* row = it + id * d;
-        float* acc = table.data() + id * d;
-        for (int64_t i = 0; i < d; ++i) {
-          out[i] += w * row[i];
-          acc[i] += w * qr[i];
-        }
-      }
+      TORCH_CHECK(row_ids(positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), r, K1 - 1, U, ids.data()),
+                  "cpu_sampled_softmax: an index is outside [0, U)");
+      for (int64_t j = 0; j < K1; ++j) w[j] = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;  // d(lse - logit_0) / d logit_j
+      scatter(q + r * d, it, ids.data(), w.data(), K1, d, dqp + r * d, table.data());
     }
     std::lock_guard<std::mutex> lock(merge);
     float* total = ditems.data_ptr<float>();

@@ -1,0 +1,133 @@
+"""gr.hstu.pointwise: the HSTU layer's LayerNorm-gate-dropout and SiLU-split steps, fused on CPU
+(gr.native), equal in values and gradients to PyTorch's ops, with dropout masks from gr.rng."""
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gr import rng
+from gr.hstu import HSTU, HSTUConfig
+from gr.hstu.dropout import Dropout
+from gr.hstu.pointwise import norm_mul_dropout, silu_split
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+native_only = pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
+
+
+def norm_inputs(dtype=torch.float32):
+    """x [300, 50], u: the first 50 columns of a [300, 200] projection (row stride 200), a LayerNorm
+    with random affine weights."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 50, generator=g).to(dtype).requires_grad_(True)
+    projection = torch.randn(300, 200, generator=g).to(dtype).requires_grad_(True)
+    norm = nn.LayerNorm(50)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(50, generator=g))
+        norm.bias.copy_(torch.randn(50, generator=g))
+    return x, projection, norm
+
+
+def reference(x, u, norm, keep, p):
+    y = F.layer_norm(x, (x.shape[-1],), norm.weight, norm.bias, norm.eps)
+    y = y if u is None else y * u
+    return y if keep is None else y * keep / (1 - p)
+
+
+@native_only
+@pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm-gate"])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_norm_mul_dropout_equals_pytorch_in_value_and_gradients(monkeypatch, gated, p):
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    x, projection, norm = norm_inputs()
+    u = projection[:, :50] if gated else None
+    dropout = Dropout(p).train()
+    torch.manual_seed(7)
+    y = norm_mul_dropout(x, norm, u, dropout)
+    torch.manual_seed(7)
+    keep = rng.keep_mask(x.shape, p, x.device) if p > 0 else None
+    expected = reference(x, u, norm, keep, p)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [x, projection, norm.weight, norm.bias]
+    got = torch.autograd.grad((y * cotangent).sum(), leaves, allow_unused=True)
+    want = torch.autograd.grad((expected * cotangent).sum(), leaves, allow_unused=True)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@native_only
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_norm_under_bf16_autocast_gives_pytorchs_dtype_computed_in_fp32(monkeypatch, x_dtype):
+    """Autocast leaves LayerNorm in its input's dtype on CPU: bf16 rows give bf16 (rounded once from
+    fp32 here, so as close to the fp32 result as PyTorch's, to fp32 rounding), fp32 rows gated by bf16
+    U fp32."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    x, projection, norm = norm_inputs()
+    x, u = x.detach().to(x_dtype).requires_grad_(True), projection.detach()[:, :50].bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm_mul_dropout(x, norm, u)
+        expected = norm(x) * u
+    assert y.dtype == expected.dtype == x_dtype
+    exact = reference(x.float(), u.float(), norm, None, 0.0)
+    assert (y.float() - exact).abs().max() <= (expected.float() - exact).abs().max() + 1e-5
+    (dx,) = torch.autograd.grad(y.float().sum(), x)
+    assert dx.dtype == x_dtype
+
+
+def test_norm_falls_back_to_pytorch_for_float64_and_without_the_kernels(monkeypatch):
+    x, projection, norm = norm_inputs()
+    for setting, dtype in (("auto", torch.float64), ("0", torch.float32)):
+        monkeypatch.setenv("GR_CPU_FUSED", setting)
+        norm = norm.to(dtype)
+        xd, u = x.detach().to(dtype), projection.detach()[:, :50].to(dtype)
+        with torch.profiler.profile() as profile:
+            y = norm_mul_dropout(xd, norm, u)
+        assert not any(e.key.startswith("gr_cpu_pointwise") for e in profile.key_averages())
+        torch.testing.assert_close(y, reference(xd, u, norm, None, 0.0))
+
+
+@native_only
+def test_silu_split_equals_pytorch_and_passes_gradients_of_unused_parts_as_zero(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    x = torch.randn(300, 200, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    parts = silu_split(x, [50, 50, 60, 40])
+    expected = torch.split(F.silu(x), [50, 50, 60, 40], dim=-1)
+    assert [p.shape[1] for p in parts] == [50, 50, 60, 40]
+    for got, want in zip(parts, expected):
+        torch.testing.assert_close(got, want)
+    weights = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3 + i)) for i, p in enumerate(parts)]
+    used = slice(0, 3)  # the last part gets no gradient (None in backward)
+    (got,) = torch.autograd.grad(sum((p * w).sum() for p, w in zip(parts[used], weights[used])), x)
+    (want,) = torch.autograd.grad(sum((p * w).sum() for p, w in zip(expected[used], weights[used])), x)
+    torch.testing.assert_close(got, want)
+
+
+@native_only
+def test_an_hstu_training_step_runs_the_fused_pointwise_ops_and_matches_pytorch(monkeypatch):
+    """The stack's training forward and backward use the fused ops (with dropout off the two paths
+    compute the same function) and give PyTorch's output and gradients."""
+    config = HSTUConfig(hidden_dim=32, num_layers=2, num_heads=2, attention_dim=8, linear_dim=16, max_seq_len=64,
+                        dropout=0.0, input_dropout=0.0)  # fmt: skip
+    x = torch.randn(100, 32, generator=torch.Generator().manual_seed(4))
+    offsets, timestamps = torch.tensor([0, 40, 100]), torch.arange(100) * 60
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("GR_CPU_FUSED", setting)
+        torch.manual_seed(0)
+        stack = HSTU(config).train()
+        with torch.profiler.profile() as profile:
+            out = stack(x, offsets, 60, timestamps)
+            out.square().sum().backward()
+        names = {e.key for e in profile.key_averages()}
+        assert ("gr_cpu_pointwise::norm_backward" in names) == (setting == "1")
+        assert ("gr_cpu_pointwise::silu_split_backward" in names) == (setting == "1")
+        results[setting] = (out.detach(), [p.grad for p in stack.parameters()])
+    torch.testing.assert_close(results["1"][0], results["0"][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results["1"][1], results["0"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
