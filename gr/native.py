@@ -2,9 +2,10 @@
 
 * ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
   ``gr.hstu.kernels.cpu`` (``forward_chunk``, ``backward_chunk``);
-* ``gr_cpu_pointwise`` (``gr/hstu/csrc/pointwise.cpp``): the HSTU layer's LayerNorm-gate-dropout
-  and SiLU-split steps, one pass per row, used by ``gr.hstu.pointwise`` (``norm_forward``,
-  ``norm_backward``, ``silu_split_backward``);
+* ``gr_cpu_layer`` (``gr/hstu/csrc/layer_ops.cpp``): the HSTU layer's input projection
+  (LayerNorm, linear, SiLU) and its LayerNorm-gate-dropout, a block of rows at a time, used by
+  ``gr.hstu.layer_ops`` (``projection_forward``, ``projection_backward``, ``norm_forward``,
+  ``norm_backward``);
 * ``gr_cpu_loss`` (``gr/train/csrc/sampled_softmax.cpp``): the per-row sampled softmax, used by
   ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
 * ``gr_cpu_random`` (``gr/csrc/random.cpp``): counter-based dropout masks and integer draws, used by
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
 SOURCES = [
     PACKAGE / "hstu" / "kernels" / "csrc" / "cpu_fused_attention.cpp",
-    PACKAGE / "hstu" / "csrc" / "pointwise.cpp",
+    PACKAGE / "hstu" / "csrc" / "layer_ops.cpp",
     PACKAGE / "train" / "csrc" / "sampled_softmax.cpp",
     PACKAGE / "csrc" / "random.cpp",
 ]
@@ -123,6 +124,7 @@ def build(name: str, sources: List[Path], directory: Path) -> None:
         sources=[str(source) for source in sources],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
+        extra_include_paths=[str(PACKAGE / "csrc")],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,

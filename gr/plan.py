@@ -16,7 +16,8 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
                          (the kernel keeps q, k, v as views of it, bf16 included)
                          + attention eA + stats 8 + LN(attention) eA
                          + dropout mask eA and output eA (or the product eA without dropout)
-                         (with gr's native CPU kernels, ``gr.hstu.pointwise``: attention 4A + stats 8
+                         (with gr's native CPU kernels, ``gr.hstu.layer_ops``: no LN(x) in fp32,
+                         which backward recomputes, and after the attention 4A + stats 8
                          + U in fp32 (4A, bf16 only) + dropout mask A + the output's input eA)
   recompute "attention": x 4D + stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
   recompute "layer":     x 4D
@@ -121,10 +122,11 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
     e = compute_bytes
     if recompute == "layer":
         return FP32 * d
-    kept = FP32 * d + LAYER_NORM_STATS + e * d + 2 * e * p
+    fused = fused_expected()  # gr.hstu.layer_ops: the fp32 projection recomputes LN(x) in backward
+    kept = FP32 * d + LAYER_NORM_STATS + (0 if fused and e == FP32 else e * d) + 2 * e * p
     if recompute == "attention":
         return kept
-    if fused_expected():  # gr.hstu.pointwise's norm: fp32 rows in (attention, u), a byte mask, the output's input
+    if fused:  # gr.hstu.layer_ops's norm: fp32 rows in (attention, u), a byte mask, the output's input
         after_attention = FP32 * a + (FP32 * a if e != FP32 else 0) + (a if config.dropout > 0 else 0) + e * a
     else:
         after_attention = (4 if config.dropout > 0 else 3) * e * a

@@ -25,9 +25,9 @@ def test_the_setting_is_validated(monkeypatch):
 def test_all_op_namespaces_come_from_one_build(monkeypatch):
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     attention, loss = native_ops("gr_cpu_fused"), native_ops("gr_cpu_loss")
-    pointwise, random = native_ops("gr_cpu_pointwise"), native_ops("gr_cpu_random")
+    layer, random = native_ops("gr_cpu_layer"), native_ops("gr_cpu_random")
     assert hasattr(attention, "forward_chunk") and hasattr(loss, "sampled_softmax_forward")
-    assert hasattr(pointwise, "norm_forward") and hasattr(pointwise, "silu_split_backward")
+    assert hasattr(layer, "projection_forward") and hasattr(layer, "norm_forward")
     assert hasattr(random, "keep_mask") and hasattr(random, "randint")
     assert native._load_once.cache_info().misses == 1
 

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention, hstu_cached_attention
-from gr.hstu.pointwise import norm_mul_dropout, silu_split
+from gr.hstu.layer_ops import norm_mul_dropout, project
 
 
 class HSTULayer(nn.Module):
@@ -41,8 +41,7 @@ class HSTULayer(nn.Module):
         """x: [T, D] -> u: [T, H*Dl], q: [T, H, Da], k: [T, H, Da], v: [T, H, Dl]."""
         c = self.config
         heads, dl, da = c.num_heads, c.linear_dim, c.attention_dim
-        uvqk = self.uvqk(norm_mul_dropout(x, self.input_norm))
-        u, v, q, k = silu_split(uvqk, [heads * dl, heads * dl, heads * da, heads * da])
+        u, v, q, k = project(x, self.input_norm, self.uvqk, [heads * dl, heads * dl, heads * da, heads * da])
         return u, q.reshape(-1, heads, da), k.reshape(-1, heads, da), v.reshape(-1, heads, dl)
 
     def relative_bias(

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gr_blas.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,26 +21,12 @@
 #include <optional>
 #include <vector>
 
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
-int MKL_Set_Num_Threads_Local(int nt);  // the C API; the lower-case symbol takes a pointer
-}
-
 namespace {
 
 using at::Tensor;
 
-// Row-major C[M, N] = alpha * op(A) op(B) + beta * C; op(A) is [M, K_], op(B) is [K_, N].
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  // Column-major BLAS sees each row-major matrix transposed: C^T = op(B)^T op(A)^T.
-  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
-  sgemm_(&tb, &ta, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
-}
+using gr_blas::gemm;
+using gr_blas::OneBlasThread;
 
 constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
 
@@ -208,13 +196,6 @@ void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64
     c.apply_mask(g, i, w, n);
   }
 }
-
-// Restores MKL's thread count for this thread on exit; GEMMs inside parallel_for run on one thread.
-struct OneBlasThread {
-  int previous;
-  OneBlasThread() : previous(MKL_Set_Num_Threads_Local(1)) {}
-  ~OneBlasThread() { MKL_Set_Num_Threads_Local(previous); }
-};
 
 // out rows of the chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head.
 void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& starts,

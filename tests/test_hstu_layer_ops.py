@@ -1,4 +1,4 @@
-"""gr.hstu.pointwise: the HSTU layer's LayerNorm-gate-dropout and SiLU-split steps, fused on CPU
+"""gr.hstu.layer_ops: the HSTU layer's input projection and LayerNorm-gate-dropout, fused on CPU
 (gr.native), equal in values and gradients to PyTorch's ops, with dropout masks from gr.rng."""
 
 import platform
@@ -11,7 +11,7 @@ from torch import nn
 from gr import rng
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
-from gr.hstu.pointwise import norm_mul_dropout, silu_split
+from gr.hstu.layer_ops import norm_mul_dropout, project
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 native_only = pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
@@ -88,28 +88,42 @@ def test_norm_falls_back_to_pytorch_for_float64_and_without_the_kernels(monkeypa
         xd, u = x.detach().to(dtype), projection.detach()[:, :50].to(dtype)
         with torch.profiler.profile() as profile:
             y = norm_mul_dropout(xd, norm, u)
-        assert not any(e.key.startswith("gr_cpu_pointwise") for e in profile.key_averages())
+        assert not any(e.key.startswith("gr_cpu_layer") for e in profile.key_averages())
         torch.testing.assert_close(y, reference(xd, u, norm, None, 0.0))
 
 
 @native_only
-def test_silu_split_equals_pytorch_and_passes_gradients_of_unused_parts_as_zero(monkeypatch):
-    monkeypatch.setenv("GR_CPU_FUSED", "1")
-    x = torch.randn(300, 200, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    parts = silu_split(x, [50, 50, 60, 40])
-    expected = torch.split(F.silu(x), [50, 50, 60, 40], dim=-1)
-    assert [p.shape[1] for p in parts] == [50, 50, 60, 40]
-    for got, want in zip(parts, expected):
-        torch.testing.assert_close(got, want)
-    weights = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3 + i)) for i, p in enumerate(parts)]
-    used = slice(0, 3)  # the last part gets no gradient (None in backward)
-    (got,) = torch.autograd.grad(sum((p * w).sum() for p, w in zip(parts[used], weights[used])), x)
-    (want,) = torch.autograd.grad(sum((p * w).sum() for p, w in zip(expected[used], weights[used])), x)
-    torch.testing.assert_close(got, want)
+def test_projection_equals_pytorch_and_passes_gradients_of_unused_parts_as_zero(monkeypatch):
+    """300 rows: two blocks and a partial one. The last part gets no gradient (None in backward)."""
+    x, _, norm = norm_inputs()
+    linear = nn.Linear(50, 200)
+    sizes = [50, 50, 60, 40]
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("GR_CPU_FUSED", setting)
+        parts = project(x, norm, linear, sizes)
+        assert [p.shape[1] for p in parts] == sizes
+        weights = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3 + i)) for i, p in enumerate(parts)]
+        loss = sum((p * w).sum() for p, w in zip(parts[:3], weights[:3]))
+        leaves = [x, norm.weight, norm.bias, linear.weight, linear.bias]
+        results[setting] = (parts, torch.autograd.grad(loss, leaves))
+    for got, want in zip(results["1"][0], results["0"][0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(results["1"][1], results["0"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_projection_under_autocast_runs_pytorchs_bf16_linear(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "auto")
+    x, _, norm = norm_inputs()
+    linear = nn.Linear(50, 200)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = project(x, norm, linear, [100, 100])
+    assert all(p.dtype == torch.bfloat16 for p in parts)
 
 
 @native_only
-def test_an_hstu_training_step_runs_the_fused_pointwise_ops_and_matches_pytorch(monkeypatch):
+def test_an_hstu_training_step_runs_the_fused_layer_ops_and_matches_pytorch(monkeypatch):
     """The stack's training forward and backward use the fused ops (with dropout off the two paths
     compute the same function) and give PyTorch's output and gradients."""
     config = HSTUConfig(hidden_dim=32, num_layers=2, num_heads=2, attention_dim=8, linear_dim=16, max_seq_len=64,
@@ -125,8 +139,8 @@ def test_an_hstu_training_step_runs_the_fused_pointwise_ops_and_matches_pytorch(
             out = stack(x, offsets, 60, timestamps)
             out.square().sum().backward()
         names = {e.key for e in profile.key_averages()}
-        assert ("gr_cpu_pointwise::norm_backward" in names) == (setting == "1")
-        assert ("gr_cpu_pointwise::silu_split_backward" in names) == (setting == "1")
+        assert ("gr_cpu_layer::norm_backward" in names) == (setting == "1")
+        assert ("gr_cpu_layer::projection_backward" in names) == (setting == "1")
         results[setting] = (out.detach(), [p.grad for p in stack.parameters()])
     torch.testing.assert_close(results["1"][0], results["0"][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(results["1"][1], results["0"][1]):

@@ -1,0 +1,324 @@
+// The HSTU layer's steps around attention on CPU (fp32), fused per block of rows: gr.hstu.layer_ops.
+//
+// * projection_forward / projection_backward: U, V, Q, K = split(SiLU(LN(x) W^T + b)). Per block of
+//   kBlock rows the LayerNorm, the GEMM and the bias and SiLU run while the block is in the core's
+//   cache; the unfused ops write and re-read [T, D] and [T, 4 * H * d] tensors between each step
+//   (addmm first copies the bias into its output). Backward recomputes LN(x) from its statistics
+//   and takes the four parts' gradients separately, so their concatenation is never built.
+// * norm_forward / norm_backward: y = (LN(x) * weight + bias) [* u] [* keep * scale], HSTU's
+//   LN(A V) * U and dropout. PyTorch's CPU LayerNorm backward is slow for short rows (its weight
+//   gradient is a second pass over the whole tensor); here each row is read once each way.
+// Weight and bias gradients are summed per thread, then added up under a lock.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "gr_blas.h"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kGrain = 256;  // rows per task of the norm ops
+constexpr int64_t kBlock = 128;  // rows per block of the projection: its [kBlock, P] tiles stay in L2
+
+void check_vector(const Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.numel() == n && t.scalar_type() == at::kFloat && t.is_contiguous(), "gr_cpu_layer: ", name,
+              " must be contiguous fp32 [", n, "]");
+}
+
+void check_rows(const Tensor& t, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.scalar_type() == at::kFloat &&
+                  t.stride(1) == 1,
+              "gr_cpu_layer: ", name, " must be fp32 [", rows, ", ", cols, "] with unit column stride");
+}
+
+void check_contiguous_rows(const Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gr_cpu_layer: ", name,
+              " must be contiguous fp32 [T, D]");
+}
+
+// LayerNorm of n rows of width D, each row's statistics into mean and rstd; y = x^ * w + b [* u] [* keep * scale].
+// Specialised on the gate and the mask so that each compiles to straight vector code (D is short: a
+// branch or a possible alias in the loop costs as much as the work).
+template <bool kGate, bool kKeep>
+void norm_rows(int64_t n, int64_t D, const float* __restrict x, const float* __restrict w, const float* __restrict b,
+               const float* __restrict u, int64_t u_stride, const uint8_t* __restrict keep, float scale, float eps,
+               float* __restrict y, float* __restrict mean, float* __restrict rstd) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* __restrict row = x + r * D;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < D; ++i) sum += row[i];
+    const float m = sum / D;
+    float var = 0.0f;
+    for (int64_t i = 0; i < D; ++i) var += (row[i] - m) * (row[i] - m);
+    const float inv = 1.0f / std::sqrt(var / D + eps);
+    mean[r] = m;
+    rstd[r] = inv;
+    float* __restrict out = y + r * D;
+    const float* __restrict gate = u + r * u_stride;
+    const uint8_t* __restrict kept = keep + r * D;
+    for (int64_t i = 0; i < D; ++i) {
+      float v = (row[i] - m) * inv * w[i] + b[i];
+      if constexpr (kGate) v *= gate[i];
+      if constexpr (kKeep) v *= static_cast<float>(kept[i]) * scale;
+      out[i] = v;
+    }
+  }
+}
+
+// Per-thread sums of the weight and bias gradients of a LayerNorm, or of a linear layer.
+struct Grads {
+  std::vector<float> weight, bias;
+  Grads(int64_t w, int64_t b) : weight(w, 0.0f), bias(b, 0.0f) {}
+  void add_to(Tensor& dweight, Tensor& dbias) const {
+    float* dw = dweight.data_ptr<float>();
+    float* db = dbias.data_ptr<float>();
+    for (size_t i = 0; i < weight.size(); ++i) dw[i] += weight[i];
+    for (size_t i = 0; i < bias.size(); ++i) db[i] += bias[i];
+  }
+};
+
+// Backward of norm_rows over n rows: dx, du (with a gate), and the LayerNorm's dw, db added into grads.
+template <bool kGate, bool kKeep>
+void norm_rows_backward(int64_t n, int64_t D, const float* __restrict dy, const float* __restrict x,
+                        const float* __restrict w, const float* __restrict b, const float* __restrict u,
+                        int64_t u_stride, const uint8_t* __restrict keep, float scale, const float* __restrict mean,
+                        const float* __restrict rstd, float* __restrict dx, float* __restrict du, Grads& grads) {
+  float* __restrict dw = grads.weight.data();
+  float* __restrict db = grads.bias.data();
+  std::vector<float> dz_row(D), xhat_row(D);
+  float* __restrict dz = dz_row.data();
+  float* __restrict xhat = xhat_row.data();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* __restrict row = x + r * D;
+    const float* __restrict g = dy + r * D;
+    const float* __restrict gate = u + r * u_stride;
+    const uint8_t* __restrict kept = keep + r * D;
+    float* __restrict dgate = du + r * D;
+    const float m = mean[r], inv = rstd[r];
+    float mean_dxhat = 0.0f, mean_dxhat_xhat = 0.0f;
+    for (int64_t i = 0; i < D; ++i) {
+      const float h = (row[i] - m) * inv;
+      float d = g[i];
+      if constexpr (kKeep) d *= static_cast<float>(kept[i]) * scale;
+      if constexpr (kGate) {
+        dgate[i] = d * (h * w[i] + b[i]);
+        d *= gate[i];
+      }
+      xhat[i] = h;
+      dz[i] = d;
+      dw[i] += d * h;
+      db[i] += d;
+      mean_dxhat += d * w[i];
+      mean_dxhat_xhat += d * w[i] * h;
+    }
+    mean_dxhat /= D;
+    mean_dxhat_xhat /= D;
+    float* __restrict out = dx + r * D;
+    for (int64_t i = 0; i < D; ++i) out[i] = inv * (dz[i] * w[i] - mean_dxhat - xhat[i] * mean_dxhat_xhat);
+  }
+}
+
+void check_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::optional<Tensor>& u,
+                const std::optional<Tensor>& keep) {
+  check_contiguous_rows(x, "x");
+  check_vector(weight, x.size(1), "the norm's weight");
+  check_vector(bias, x.size(1), "the norm's bias");
+  if (u) check_rows(*u, x.size(0), x.size(1), "u");
+  if (keep)
+    TORCH_CHECK(keep->scalar_type() == at::kByte && keep->is_contiguous() && keep->numel() == x.numel(),
+                "gr_cpu_layer: keep must be a contiguous uint8 mask of x's size");
+}
+
+// -> (y [T, D] fp32, mean [T], rstd [T]).
+std::tuple<Tensor, Tensor, Tensor> norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                                const std::optional<Tensor>& u, const std::optional<Tensor>& keep,
+                                                double scale, double eps) {
+  check_norm(x, weight, bias, u, keep);
+  const int64_t T = x.size(0), D = x.size(1);
+  Tensor y = at::empty({T, D}, x.options());
+  Tensor mean = at::empty({T}, x.options());
+  Tensor rstd = at::empty({T}, x.options());
+  auto rows = !u ? (keep ? norm_rows<false, true> : norm_rows<false, false>)
+                 : (keep ? norm_rows<true, true> : norm_rows<true, false>);
+  const int64_t u_stride = u ? u->stride(0) : 0;
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    rows(end - begin, D, x.data_ptr<float>() + begin * D, weight.data_ptr<float>(), bias.data_ptr<float>(),
+         u ? u->data_ptr<float>() + begin * u_stride : nullptr, u_stride,
+         keep ? keep->data_ptr<uint8_t>() + begin * D : nullptr, static_cast<float>(scale), static_cast<float>(eps),
+         y.data_ptr<float>() + begin * D, mean.data_ptr<float>() + begin, rstd.data_ptr<float>() + begin);
+  });
+  return {y, mean, rstd};
+}
+
+// -> (dx [T, D], dweight [D], dbias [D], du [T, D] or an empty tensor without u), fp32.
+std::tuple<Tensor, Tensor, Tensor, Tensor> norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                                         const Tensor& bias, const std::optional<Tensor>& u,
+                                                         const std::optional<Tensor>& keep, const Tensor& mean,
+                                                         const Tensor& rstd, double scale) {
+  check_norm(x, weight, bias, u, keep);
+  check_contiguous_rows(dy, "dy");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(dy.sizes() == x.sizes(), "gr_cpu_layer: dy must have x's shape");
+  Tensor dx = at::empty({T, D}, x.options());
+  Tensor dweight = at::zeros({D}, x.options());
+  Tensor dbias = at::zeros({D}, x.options());
+  Tensor du = u ? at::empty({T, D}, x.options()) : at::empty({0}, x.options());
+  auto rows = !u ? (keep ? norm_rows_backward<false, true> : norm_rows_backward<false, false>)
+                 : (keep ? norm_rows_backward<true, true> : norm_rows_backward<true, false>);
+  const int64_t u_stride = u ? u->stride(0) : 0;
+  std::mutex merge;
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    Grads grads(D, D);
+    rows(end - begin, D, dy.data_ptr<float>() + begin * D, x.data_ptr<float>() + begin * D, weight.data_ptr<float>(),
+         bias.data_ptr<float>(), u ? u->data_ptr<float>() + begin * u_stride : nullptr, u_stride,
+         keep ? keep->data_ptr<uint8_t>() + begin * D : nullptr, static_cast<float>(scale),
+         mean.data_ptr<float>() + begin, rstd.data_ptr<float>() + begin, dx.data_ptr<float>() + begin * D,
+         u ? du.data_ptr<float>() + begin * D : nullptr, grads);
+    std::lock_guard<std::mutex> lock(merge);
+    grads.add_to(dweight, dbias);
+  });
+  return {dx, dweight, dbias, du};
+}
+
+void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& norm_bias, const Tensor& weight) {
+  check_contiguous_rows(x, "x");
+  const int64_t D = x.size(1);
+  check_vector(norm_weight, D, "the norm's weight");
+  check_vector(norm_bias, D, "the norm's bias");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == D && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "gr_cpu_layer: the projection's weight must be contiguous fp32 [P, ", D, "]");
+}
+
+// x [T, D] -> (y [T, P] = SiLU(pre), pre [T, P] = LN(x) W^T + b, mean [T], rstd [T]); W: weight [P, D].
+std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, const Tensor& norm_weight,
+                                                              const Tensor& norm_bias, double eps,
+                                                              const Tensor& weight, const Tensor& bias) {
+  check_projection(x, norm_weight, norm_bias, weight);
+  check_vector(bias, weight.size(0), "the projection's bias");
+  const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
+  Tensor y = at::empty({T, P}, x.options());
+  Tensor pre = at::empty({T, P}, x.options());
+  Tensor mean = at::empty({T}, x.options());
+  Tensor rstd = at::empty({T}, x.options());
+  const float* b = bias.data_ptr<float>();
+  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
+    gr_blas::OneBlasThread one;
+    std::vector<float> normed(kBlock * D), tile(kBlock * P);
+    for (int64_t block = first; block < last; ++block) {
+      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
+      norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
+                              norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
+                              normed.data(), mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
+      gr_blas::gemm(false, true, n, P, D, 1.0f, normed.data(), D, weight.data_ptr<float>(), D, 0.0f, tile.data(), P);
+      for (int64_t r = 0; r < n; ++r) {
+        const float* __restrict t = tile.data() + r * P;
+        float* __restrict p = pre.data_ptr<float>() + (r0 + r) * P;
+        float* __restrict out = y.data_ptr<float>() + (r0 + r) * P;
+        for (int64_t j = 0; j < P; ++j) {
+          const float z = t[j] + b[j];
+          p[j] = z;
+          out[j] = z / (1.0f + std::exp(-z));
+        }
+      }
+    }
+  });
+  return {y, pre, mean, rstd};
+}
+
+// grads: the gradients of y's column parts [T, n_i] (sum n_i = P, unit column stride), in order
+// -> (dx [T, D], dnorm_weight [D], dnorm_bias [D], dweight [P, D], dbias [P]).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::TensorList grads, const Tensor& x,
+                                                                       const Tensor& norm_weight,
+                                                                       const Tensor& norm_bias, const Tensor& weight,
+                                                                       const Tensor& pre, const Tensor& mean,
+                                                                       const Tensor& rstd) {
+  check_projection(x, norm_weight, norm_bias, weight);
+  const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
+  check_contiguous_rows(pre, "pre");
+  TORCH_CHECK(pre.size(0) == T && pre.size(1) == P, "gr_cpu_layer: pre must be [T, P]");
+  int64_t width = 0;
+  for (const Tensor& g : grads) {
+    check_rows(g, T, g.size(1), "each part's gradient");
+    width += g.size(1);
+  }
+  TORCH_CHECK(width == P, "gr_cpu_layer: the parts' gradients are ", width, " wide, the projection ", P);
+  Tensor dx = at::empty({T, D}, x.options());
+  Tensor dnorm_weight = at::zeros({D}, x.options());
+  Tensor dnorm_bias = at::zeros({D}, x.options());
+  Tensor dweight = at::zeros({P, D}, x.options());
+  Tensor dbias = at::zeros({P}, x.options());
+  const float* nw = norm_weight.data_ptr<float>();
+  const float* nb = norm_bias.data_ptr<float>();
+  std::mutex merge;
+  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
+    gr_blas::OneBlasThread one;
+    std::vector<float> dpre(kBlock * P), normed(kBlock * D), dnormed(kBlock * D);
+    Grads linear(P * D, P), norm(D, D);
+    for (int64_t block = first; block < last; ++block) {
+      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
+      int64_t offset = 0;
+      for (const Tensor& g : grads) {  // dpre = dy * SiLU'(pre), part by part
+        const int64_t w = g.size(1);
+        for (int64_t r = 0; r < n; ++r) {
+          const float* __restrict gr = g.data_ptr<float>() + (r0 + r) * g.stride(0);
+          const float* __restrict z = pre.data_ptr<float>() + (r0 + r) * P + offset;
+          float* __restrict d = dpre.data() + r * P + offset;
+          for (int64_t j = 0; j < w; ++j) {
+            const float sig = 1.0f / (1.0f + std::exp(-z[j]));
+            d[j] = gr[j] * sig * (1.0f + z[j] * (1.0f - sig));
+          }
+        }
+        offset += w;
+      }
+      float* __restrict db = linear.bias.data();
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < P; ++j) db[j] += dpre[r * P + j];
+      const float* xr = x.data_ptr<float>() + r0 * D;
+      const float* m = mean.data_ptr<float>() + r0;
+      const float* s = rstd.data_ptr<float>() + r0;
+      for (int64_t r = 0; r < n; ++r)  // LN(x) again, from its statistics
+        for (int64_t i = 0; i < D; ++i) normed[r * D + i] = (xr[r * D + i] - m[r]) * s[r] * nw[i] + nb[i];
+      gr_blas::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight.data(), D);
+      gr_blas::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
+      norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
+                                       dx.data_ptr<float>() + r0 * D, nullptr, norm);
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    linear.add_to(dweight, dbias);
+    norm.add_to(dnorm_weight, dnorm_bias);
+  });
+  return {dx, dnorm_weight, dnorm_bias, dweight, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gr_cpu_layer, m) {
+  m.def(
+      "projection_forward(Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, Tensor weight, Tensor bias) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "projection_backward(Tensor[] grads, Tensor x, Tensor norm_weight, Tensor norm_bias, Tensor weight, "
+      "Tensor pre, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "norm_forward(Tensor x, Tensor weight, Tensor bias, Tensor? u, Tensor? keep, float scale, float eps) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
+      "norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor bias, Tensor? u, Tensor? keep, Tensor mean, "
+      "Tensor rstd, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(gr_cpu_layer, CPU, m) {
+  m.impl("projection_forward", &projection_forward);
+  m.impl("projection_backward", &projection_backward);
+  m.impl("norm_forward", &norm_forward);
+  m.impl("norm_backward", &norm_backward);
+}

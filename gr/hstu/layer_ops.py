@@ -1,0 +1,126 @@
+"""The HSTU layer's steps around attention, fused per block of rows on CPU.
+
+* ``project``: ``U, V, Q, K = split(SiLU(linear(LayerNorm(x))))``, the layer's input projection;
+* ``norm_mul_dropout``: ``dropout(LayerNorm(x) * u)``, the attention output's normalisation and
+  gate (also LayerNorm alone, without ``u`` and ``dropout``).
+
+With gr's native kernels built (``gr.native``, ``gr/hstu/csrc/layer_ops.cpp``) the CPU computes them
+in fp32 a block of rows at a time while the block is in cache; otherwise, on other devices, in
+float64, and for the projection under autocast (whose bf16 GEMM is the faster one there), PyTorch's
+ops run. Both give the same values to fp32 rounding; dropout masks come from ``gr.rng.keep_mask``
+either way.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from gr.hstu.dropout import Dropout
+from gr.native import native_ops
+from gr.rng import keep_mask
+
+NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # computed in fp32
+
+
+def _affine(norm: nn.LayerNorm, width: int) -> bool:
+    return norm.weight is not None and norm.bias is not None and norm.normalized_shape == (width,)
+
+
+def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[int]) -> Tuple[Tensor, ...]:
+    """x: [T, D] -> ``split(SiLU(linear(norm(x))), sizes)``: [T, sizes[i]] views (sum sizes = the
+    linear's output width)."""
+    fusable = (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+        and _affine(norm, x.shape[-1])
+        and linear.bias is not None
+        and linear.weight.dtype == torch.float32
+    )
+    ops = native_ops("gr_cpu_layer") if fusable else None
+    if ops is None:
+        return torch.split(F.silu(linear(norm_mul_dropout(x, norm))), list(sizes), dim=-1)
+    return _Projection.apply(
+        ops, x.contiguous(), norm.weight, norm.bias, norm.eps, linear.weight.contiguous(), linear.bias, tuple(sizes)
+    )
+
+
+class _Projection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes):  # type: ignore[override]
+        y, pre, mean, rstd = ops.projection_forward(x, norm_weight, norm_bias, eps, weight, bias)
+        ctx.ops, ctx.sizes = ops, sizes
+        ctx.save_for_backward(x, norm_weight, norm_bias, weight, pre, mean, rstd)
+        return torch.split(y, list(sizes), dim=-1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        x, norm_weight, norm_bias, weight, pre, mean, rstd = ctx.saved_tensors
+        parts: List[Tensor] = []
+        for grad, width in zip(grads, ctx.sizes):
+            part = x.new_zeros(x.shape[0], width) if grad is None else grad.float().reshape(x.shape[0], width)
+            parts.append(part if part.stride(-1) == 1 else part.contiguous())
+        dx, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.projection_backward(
+            parts, x, norm_weight, norm_bias, weight, pre, mean, rstd
+        )
+        return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None
+
+
+def norm_mul_dropout(
+    x: Tensor, norm: nn.LayerNorm, u: Optional[Tensor] = None, dropout: Optional[Dropout] = None
+) -> Tensor:
+    """x: [T, D] float, u: [T, D] or None -> ``dropout(norm(x) * u)`` [T, D].
+
+    The result's dtype is PyTorch's for the unfused ops, CPU autocast included (which leaves
+    LayerNorm in its input's dtype): x's promoted with u's. The fused path computes in fp32."""
+    p = dropout.p if dropout is not None and dropout.training else 0.0
+    fusable = (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in NORM_DTYPES
+        and (u is None or (u.dtype in NORM_DTYPES and u.shape == x.shape))
+        and _affine(norm, x.shape[-1])
+    )
+    ops = native_ops("gr_cpu_layer") if fusable else None
+    if ops is None:
+        y = norm(x) if u is None else norm(x) * u
+        return dropout(y) if dropout is not None else y
+    dtype = x.dtype if u is None else torch.promote_types(x.dtype, u.dtype)
+    keep = keep_mask(x.shape, p, x.device).view(torch.uint8) if p > 0.0 else None
+    y = _NormMulDropout.apply(
+        ops,
+        x.float().contiguous(),
+        norm.weight.float(),
+        norm.bias.float(),
+        None if u is None else u.float(),
+        keep,
+        1.0 / (1.0 - p),
+        norm.eps,
+    )
+    return y.to(dtype)
+
+
+class _NormMulDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ops, x, weight, bias, u, keep, scale, eps):  # type: ignore[override]
+        if u is not None and u.stride(-1) != 1:
+            u = u.contiguous()
+        y, mean, rstd = ops.norm_forward(x, weight, bias, u, keep, scale, eps)
+        ctx.ops, ctx.scale = ops, scale
+        ctx.save_for_backward(x, weight, bias, u, keep, mean, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        x, weight, bias, u, keep, mean, rstd = ctx.saved_tensors
+        dy = dy.float().contiguous()
+        dx, dweight, dbias, du = ctx.ops.norm_backward(dy, x, weight, bias, u, keep, mean, rstd, ctx.scale)
+        return None, dx, dweight, dbias, du if u is not None else None, None, None, None
