@@ -16,9 +16,9 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
                          (the kernel keeps q, k, v as views of it, bf16 included)
                          + attention eA + stats 8 + LN(attention) eA
                          + dropout mask eA and output eA (or the product eA without dropout)
-                         (with gr's native CPU kernels, ``gr.hstu.layer_ops``: no LN(x) in fp32,
-                         which backward recomputes, and after the attention 4A + stats 8
-                         + U in fp32 (4A, bf16 only) + dropout mask A + the output's input eA)
+                         (with gr's native CPU kernels, ``gr.hstu.layer_ops``: after the attention
+                         4A + stats 8 + dropout mask A; in fp32 no LN(x) and no output input,
+                         which backward recomputes; in bf16 also U in fp32 4A and the output's input eA)
   recompute "attention": x 4D + stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
   recompute "layer":     x 4D
 
@@ -126,8 +126,8 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
     kept = FP32 * d + LAYER_NORM_STATS + (0 if fused and e == FP32 else e * d) + 2 * e * p
     if recompute == "attention":
         return kept
-    if fused:  # gr.hstu.layer_ops's norm: fp32 rows in (attention, u), a byte mask, the output's input
-        after_attention = FP32 * a + (FP32 * a if e != FP32 else 0) + (a if config.dropout > 0 else 0) + e * a
+    if fused:  # gr.hstu.layer_ops: fp32 attention rows and a byte mask; fp32 recomputes the output's input
+        after_attention = FP32 * a + (a if config.dropout > 0 else 0) + (0 if e == FP32 else FP32 * a + e * a)
     else:
         after_attention = (4 if config.dropout > 0 else 3) * e * a
     return kept + LAYER_NORM_STATS + after_attention

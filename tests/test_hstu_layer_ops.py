@@ -1,5 +1,5 @@
-"""gr.hstu.layer_ops: the HSTU layer's input projection and LayerNorm-gate-dropout, fused on CPU
-(gr.native), equal in values and gradients to PyTorch's ops, with dropout masks from gr.rng."""
+"""gr.hstu.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, fused on
+CPU (gr.native), equal in values and gradients to PyTorch's ops, with dropout masks from gr.rng."""
 
 import platform
 
@@ -11,7 +11,7 @@ from torch import nn
 from gr import rng
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
-from gr.hstu.layer_ops import norm_mul_dropout, project
+from gr.hstu.layer_ops import combine, norm_mul_dropout, project
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 native_only = pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
@@ -123,6 +123,38 @@ def test_projection_under_autocast_runs_pytorchs_bf16_linear(monkeypatch):
 
 
 @native_only
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_combine_equals_pytorch_in_value_and_gradients(monkeypatch, p):
+    """x + linear(dropout(LN(a) * u)) with u a strided view, over two blocks and a partial one."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    a, projection, norm = norm_inputs()
+    x = torch.randn(300, 32, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    u, linear, dropout = projection[:, :50], nn.Linear(50, 32), Dropout(p).train()
+    torch.manual_seed(9)
+    out = combine(x, a, u, norm, dropout, linear)
+    torch.manual_seed(9)
+    keep = rng.keep_mask(a.shape, p, a.device) if p > 0 else None
+    expected = x + linear(reference(a, u, norm, keep, p))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(10))
+    leaves = [x, a, projection, norm.weight, norm.bias, linear.weight, linear.bias]
+    got = torch.autograd.grad((out * cotangent).sum(), leaves)
+    want = torch.autograd.grad((expected * cotangent).sum(), leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_combine_under_autocast_runs_pytorchs_bf16_linear(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "auto")
+    a, projection, norm = norm_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.profiler.profile() as profile:
+            out = combine(torch.randn(300, 32), a, projection[:, :50], norm, Dropout(0.0), nn.Linear(50, 32))
+    assert out.dtype == torch.float32  # the fp32 residual plus the bf16 linear
+    assert not any("output_forward" in e.key for e in profile.key_averages())
+
+
+@native_only
 def test_an_hstu_training_step_runs_the_fused_layer_ops_and_matches_pytorch(monkeypatch):
     """The stack's training forward and backward use the fused ops (with dropout off the two paths
     compute the same function) and give PyTorch's output and gradients."""
@@ -139,8 +171,8 @@ def test_an_hstu_training_step_runs_the_fused_layer_ops_and_matches_pytorch(monk
             out = stack(x, offsets, 60, timestamps)
             out.square().sum().backward()
         names = {e.key for e in profile.key_averages()}
-        assert ("gr_cpu_layer::norm_backward" in names) == (setting == "1")
         assert ("gr_cpu_layer::projection_backward" in names) == (setting == "1")
+        assert ("gr_cpu_layer::output_backward" in names) == (setting == "1")
         results[setting] = (out.detach(), [p.grad for p in stack.parameters()])
     torch.testing.assert_close(results["1"][0], results["0"][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(results["1"][1], results["0"][1]):

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention, hstu_cached_attention
-from gr.hstu.layer_ops import norm_mul_dropout, project
+from gr.hstu.layer_ops import combine, project
 
 
 class HSTULayer(nn.Module):
@@ -69,8 +69,7 @@ class HSTULayer(nn.Module):
 
     def combine(self, x: Tensor, attn: Tensor, u: Tensor) -> Tensor:
         """x: [T, D], attn: [T, H, Dl], u: [T, H*Dl] -> [T, D] (residual added)."""
-        mixed = norm_mul_dropout(attn.reshape(attn.shape[0], -1), self.attn_norm, u, self.dropout)
-        return x + self.output(mixed)
+        return combine(x, attn.reshape(attn.shape[0], -1), u, self.attn_norm, self.dropout, self.output)
 
     def silu_scale(self) -> Optional[float]:
         return 1.0 / self.config.max_seq_len if self.config.attn_norm == "max_seq_len" else None

@@ -1,14 +1,15 @@
 """The HSTU layer's steps around attention, fused per block of rows on CPU.
 
 * ``project``: ``U, V, Q, K = split(SiLU(linear(LayerNorm(x))))``, the layer's input projection;
-* ``norm_mul_dropout``: ``dropout(LayerNorm(x) * u)``, the attention output's normalisation and
-  gate (also LayerNorm alone, without ``u`` and ``dropout``).
+* ``combine``: ``x + linear(dropout(LayerNorm(attention) * U))``, the layer's output;
+* ``norm_mul_dropout``: ``dropout(LayerNorm(x) * u)`` alone (or LayerNorm alone), for the two
+  above where they cannot run fused (under autocast: their bf16 GEMMs are the faster ones there).
 
 With gr's native kernels built (``gr.native``, ``gr/hstu/csrc/layer_ops.cpp``) the CPU computes them
-in fp32 a block of rows at a time while the block is in cache; otherwise, on other devices, in
-float64, and for the projection under autocast (whose bf16 GEMM is the faster one there), PyTorch's
-ops run. Both give the same values to fp32 rounding; dropout masks come from ``gr.rng.keep_mask``
-either way.
+in fp32 a block of rows at a time while the block is in cache (backward recomputes the LayerNorm
+outputs from their statistics instead of keeping them); otherwise, on other devices and in other
+dtypes, PyTorch's ops run. Both give the same values to fp32 rounding; dropout masks come from
+``gr.rng.keep_mask`` either way.
 """
 
 from __future__ import annotations
@@ -31,19 +32,23 @@ def _affine(norm: nn.LayerNorm, width: int) -> bool:
     return norm.weight is not None and norm.bias is not None and norm.normalized_shape == (width,)
 
 
-def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[int]) -> Tuple[Tensor, ...]:
-    """x: [T, D] -> ``split(SiLU(linear(norm(x))), sizes)``: [T, sizes[i]] views (sum sizes = the
-    linear's output width)."""
+def _fused_fp32(norm: nn.LayerNorm, linear: nn.Linear, *rows: Tensor) -> Optional[object]:
+    """The native ops when ``rows`` are fp32 [T, n] CPU tensors outside autocast and the layers
+    have their affine weights and bias, else None."""
     fusable = (
-        x.device.type == "cpu"
-        and x.dim() == 2
-        and x.dtype == torch.float32
+        all(r.device.type == "cpu" and r.dim() == 2 and r.dtype == torch.float32 for r in rows)
         and not torch.is_autocast_enabled("cpu")
-        and _affine(norm, x.shape[-1])
+        and _affine(norm, rows[0].shape[-1])
         and linear.bias is not None
         and linear.weight.dtype == torch.float32
     )
-    ops = native_ops("gr_cpu_layer") if fusable else None
+    return native_ops("gr_cpu_layer") if fusable else None
+
+
+def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[int]) -> Tuple[Tensor, ...]:
+    """x: [T, D] -> ``split(SiLU(linear(norm(x))), sizes)``: [T, sizes[i]] views (sum sizes = the
+    linear's output width)."""
+    ops = _fused_fp32(norm, linear, x)
     if ops is None:
         return torch.split(F.silu(linear(norm_mul_dropout(x, norm))), list(sizes), dim=-1)
     return _Projection.apply(
@@ -71,6 +76,39 @@ class _Projection(torch.autograd.Function):
             parts, x, norm_weight, norm_bias, weight, pre, mean, rstd
         )
         return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None
+
+
+def combine(x: Tensor, attention: Tensor, u: Tensor, norm: nn.LayerNorm, dropout: Dropout, linear: nn.Linear) -> Tensor:
+    """x: [T, D] (the residual), attention, u: [T, A] -> ``x + linear(dropout(norm(attention) * u))``."""
+    ops = _fused_fp32(norm, linear, attention, u, x) if u.shape == attention.shape else None
+    if ops is None:
+        return x + linear(norm_mul_dropout(attention, norm, u, dropout))
+    p = dropout.p if dropout.training else 0.0
+    keep = keep_mask(attention.shape, p, attention.device).view(torch.uint8) if p > 0.0 else None
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    return _Output.apply(
+        ops, attention.contiguous(), u, keep, 1.0 / (1.0 - p), norm.weight, norm.bias, norm.eps,
+        linear.weight.contiguous(), linear.bias, x.contiguous(),
+    )  # fmt: skip
+
+
+class _Output(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ops, a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x):  # type: ignore[override]
+        out, mean, rstd = ops.output_forward(a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x)
+        ctx.ops, ctx.scale = ops, scale
+        ctx.save_for_backward(a, u, keep, norm_weight, norm_bias, weight, mean, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        a, u, keep, norm_weight, norm_bias, weight, mean, rstd = ctx.saved_tensors
+        dout = dout.contiguous()
+        da, du, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.output_backward(
+            dout, a, u, keep, ctx.scale, norm_weight, norm_bias, weight, mean, rstd
+        )
+        return None, da, du, None, None, dnorm_weight, dnorm_bias, None, dweight, dbias, dout
 
 
 def norm_mul_dropout(

@@ -45,9 +45,30 @@ void check_contiguous_rows(const Tensor& x, const char* name) {
               " must be contiguous fp32 [T, D]");
 }
 
-// LayerNorm of n rows of width D, each row's statistics into mean and rstd; y = x^ * w + b [* u] [* keep * scale].
-// Specialised on the gate and the mask so that each compiles to straight vector code (D is short: a
-// branch or a possible alias in the loop costs as much as the work).
+// y = x^ * w + b [* u] [* keep * scale] for n rows of width D, x^ = (x - mean) * rstd from the rows'
+// statistics. Specialised on the gate and the mask so that each compiles to straight vector code
+// (D is short: a branch or a possible alias in the loop costs as much as the work).
+template <bool kGate, bool kKeep>
+void apply_norm_rows(int64_t n, int64_t D, const float* __restrict x, const float* __restrict w,
+                     const float* __restrict b, const float* __restrict u, int64_t u_stride,
+                     const uint8_t* __restrict keep, float scale, const float* __restrict mean,
+                     const float* __restrict rstd, float* __restrict y) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* __restrict row = x + r * D;
+    const float* __restrict gate = u + r * u_stride;
+    const uint8_t* __restrict kept = keep + r * D;
+    float* __restrict out = y + r * D;
+    const float m = mean[r], inv = rstd[r];
+    for (int64_t i = 0; i < D; ++i) {
+      float v = (row[i] - m) * inv * w[i] + b[i];
+      if constexpr (kGate) v *= gate[i];
+      if constexpr (kKeep) v *= static_cast<float>(kept[i]) * scale;
+      out[i] = v;
+    }
+  }
+}
+
+// apply_norm_rows after computing each row's statistics into mean and rstd (LayerNorm's biased variance).
 template <bool kGate, bool kKeep>
 void norm_rows(int64_t n, int64_t D, const float* __restrict x, const float* __restrict w, const float* __restrict b,
                const float* __restrict u, int64_t u_stride, const uint8_t* __restrict keep, float scale, float eps,
@@ -59,19 +80,10 @@ void norm_rows(int64_t n, int64_t D, const float* __restrict x, const float* __r
     const float m = sum / D;
     float var = 0.0f;
     for (int64_t i = 0; i < D; ++i) var += (row[i] - m) * (row[i] - m);
-    const float inv = 1.0f / std::sqrt(var / D + eps);
     mean[r] = m;
-    rstd[r] = inv;
-    float* __restrict out = y + r * D;
-    const float* __restrict gate = u + r * u_stride;
-    const uint8_t* __restrict kept = keep + r * D;
-    for (int64_t i = 0; i < D; ++i) {
-      float v = (row[i] - m) * inv * w[i] + b[i];
-      if constexpr (kGate) v *= gate[i];
-      if constexpr (kKeep) v *= static_cast<float>(kept[i]) * scale;
-      out[i] = v;
-    }
+    rstd[r] = 1.0f / std::sqrt(var / D + eps);
   }
+  apply_norm_rows<kGate, kKeep>(n, D, x, w, b, u, u_stride, keep, scale, mean, rstd, y);
 }
 
 // Per-thread sums of the weight and bias gradients of a LayerNorm, or of a linear layer.
@@ -285,8 +297,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
       const float* xr = x.data_ptr<float>() + r0 * D;
       const float* m = mean.data_ptr<float>() + r0;
       const float* s = rstd.data_ptr<float>() + r0;
-      for (int64_t r = 0; r < n; ++r)  // LN(x) again, from its statistics
-        for (int64_t i = 0; i < D; ++i) normed[r * D + i] = (xr[r * D + i] - m[r]) * s[r] * nw[i] + nb[i];
+      apply_norm_rows<false, false>(n, D, xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s, normed.data());  // LN(x) again
       gr_blas::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight.data(), D);
       gr_blas::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
       norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
@@ -299,9 +310,100 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
   return {dx, dnorm_weight, dnorm_bias, dweight, dbias};
 }
 
+// The layer's output: out = x + (LN(a) * u [* keep * scale]) W^T + b, W: weight [D, A], per block of rows.
+// a [T, A] contiguous, u [T, A] (unit column stride), x [T, D] contiguous -> (out [T, D], mean [T], rstd [T]).
+std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor& u, const std::optional<Tensor>& keep,
+                                                  double scale, const Tensor& norm_weight, const Tensor& norm_bias,
+                                                  double eps, const Tensor& weight, const Tensor& bias,
+                                                  const Tensor& x) {
+  check_norm(a, norm_weight, norm_bias, u, keep);
+  const int64_t T = a.size(0), A = a.size(1), D = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == A && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "gr_cpu_layer: the output weight must be contiguous fp32 [D, ", A, "]");
+  check_vector(bias, D, "the output bias");
+  check_contiguous_rows(x, "x");
+  TORCH_CHECK(x.size(0) == T && x.size(1) == D, "gr_cpu_layer: x must be [T, D]");
+  Tensor out = at::empty({T, D}, x.options());
+  Tensor mean = at::empty({T}, x.options());
+  Tensor rstd = at::empty({T}, x.options());
+  auto rows = keep ? norm_rows<true, true> : norm_rows<true, false>;
+  const float* b = bias.data_ptr<float>();
+  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
+    gr_blas::OneBlasThread one;
+    std::vector<float> mixed(kBlock * A), tile(kBlock * D);
+    for (int64_t block = first; block < last; ++block) {
+      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
+      rows(n, A, a.data_ptr<float>() + r0 * A, norm_weight.data_ptr<float>(), norm_bias.data_ptr<float>(),
+           u.data_ptr<float>() + r0 * u.stride(0), u.stride(0), keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr,
+           static_cast<float>(scale), static_cast<float>(eps), mixed.data(), mean.data_ptr<float>() + r0,
+           rstd.data_ptr<float>() + r0);
+      gr_blas::gemm(false, true, n, D, A, 1.0f, mixed.data(), A, weight.data_ptr<float>(), A, 0.0f, tile.data(), D);
+      for (int64_t r = 0; r < n; ++r) {
+        const float* __restrict t = tile.data() + r * D;
+        const float* __restrict residual = x.data_ptr<float>() + (r0 + r) * D;
+        float* __restrict o = out.data_ptr<float>() + (r0 + r) * D;
+        for (int64_t j = 0; j < D; ++j) o[j] = residual[j] + t[j] + b[j];
+      }
+    }
+  });
+  return {out, mean, rstd};
+}
+
+// -> (da [T, A], du [T, A], dnorm_weight [A], dnorm_bias [A], dweight [D, A], dbias [D]); d x is dout itself.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
+    const Tensor& dout, const Tensor& a, const Tensor& u, const std::optional<Tensor>& keep, double scale,
+    const Tensor& norm_weight, const Tensor& norm_bias, const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+  check_norm(a, norm_weight, norm_bias, u, keep);
+  check_contiguous_rows(dout, "dout");
+  const int64_t T = a.size(0), A = a.size(1), D = weight.size(0);
+  TORCH_CHECK(dout.size(0) == T && dout.size(1) == D, "gr_cpu_layer: dout must be [T, D]");
+  Tensor da = at::empty({T, A}, a.options());
+  Tensor du = at::empty({T, A}, a.options());
+  Tensor dnorm_weight = at::zeros({A}, a.options());
+  Tensor dnorm_bias = at::zeros({A}, a.options());
+  Tensor dweight = at::zeros({D, A}, a.options());
+  Tensor dbias = at::zeros({D}, a.options());
+  auto rows = keep ? apply_norm_rows<true, true> : apply_norm_rows<true, false>;
+  auto rows_backward = keep ? norm_rows_backward<true, true> : norm_rows_backward<true, false>;
+  const float* nw = norm_weight.data_ptr<float>();
+  const float* nb = norm_bias.data_ptr<float>();
+  std::mutex merge;
+  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
+    gr_blas::OneBlasThread one;
+    std::vector<float> mixed(kBlock * A), dmixed(kBlock * A);
+    Grads linear(D * A, D), norm(A, A);
+    for (int64_t block = first; block < last; ++block) {
+      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
+      const float* ar = a.data_ptr<float>() + r0 * A;
+      const float* ur = u.data_ptr<float>() + r0 * u.stride(0);
+      const uint8_t* kr = keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr;
+      const float* g = dout.data_ptr<float>() + r0 * D;
+      const float* m = mean.data_ptr<float>() + r0;
+      const float* s = rstd.data_ptr<float>() + r0;
+      rows(n, A, ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s, mixed.data());  // the GEMM's input again
+      gr_blas::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight.data(), A);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < D; ++j) linear.bias[j] += g[r * D + j];
+      gr_blas::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
+      rows_backward(n, A, dmixed.data(), ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s,
+                    da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm);
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    linear.add_to(dweight, dbias);
+    norm.add_to(dnorm_weight, dnorm_bias);
+  });
+  return {da, du, dnorm_weight, dnorm_bias, dweight, dbias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gr_cpu_layer, m) {
+  m.def(
+      "output_forward(Tensor a, Tensor u, Tensor? keep, float scale, Tensor norm_weight, Tensor norm_bias, float eps, "
+      "Tensor weight, Tensor bias, Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "output_backward(Tensor dout, Tensor a, Tensor u, Tensor? keep, float scale, Tensor norm_weight, "
+      "Tensor norm_bias, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "projection_forward(Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, Tensor weight, Tensor bias) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
@@ -319,6 +421,8 @@ TORCH_LIBRARY(gr_cpu_layer, m) {
 TORCH_LIBRARY_IMPL(gr_cpu_layer, CPU, m) {
   m.impl("projection_forward", &projection_forward);
   m.impl("projection_backward", &projection_backward);
+  m.impl("output_forward", &output_forward);
+  m.impl("output_backward", &output_backward);
   m.impl("norm_forward", &norm_forward);
   m.impl("norm_backward", &norm_backward);
 }
