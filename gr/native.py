@@ -13,7 +13,7 @@
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
-``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~10 s once, later processes
+``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
 load the cached library in well under a second) with ``-march=native``, so the cache directory is
 keyed by this CPU's model and flags. The attention needs the BLAS that PyTorch's x86 builds carry
 (MKL's ``sgemm_``); where that, or a compiler, is missing the build fails once per process and the
@@ -100,7 +100,7 @@ def _load_once() -> Tuple[bool, str]:
         directory = Path(os.environ.get("GR_EXTENSIONS_DIR", Path.home() / ".cache" / "gr" / "extensions"))
         name = f"gr_cpu_native_{_cpu_key()}"
         if not (directory / name / f"{name}.so").exists():  # progress: the first step waits for it
-            print(f"compiling gr's fused CPU kernels for this CPU, once (~10 s): {directory / name}", file=sys.stderr)
+            print(f"compiling gr's fused CPU kernels for this CPU, once (~15 s): {directory / name}", file=sys.stderr)
         try:
             build(name, SOURCES, directory)
         except Exception as error:  # a compiler or BLAS symbol missing: run the unfused kernel
