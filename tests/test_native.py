@@ -78,3 +78,41 @@ def test_a_first_build_says_so_and_a_cached_one_is_silent(monkeypatch, tmp_path,
     library.write_bytes(b"")
     native._load_once.__wrapped__()
     assert "compiling" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not X86, reason="the fused kernels are built for x86-64 only")
+def test_gradients_of_the_fused_kernels_repeat_bitwise_on_more_threads(monkeypatch):
+    """Per-thread partial sums (bias, weight and item-table gradients) are added up in thread order,
+    so a result does not depend on which thread finished first: on 4 threads (an order-dependent
+    merge shows up from 3) every gradient of an HSTU step and of the sampled softmax is the same
+    in 5 repeats."""
+    from gr.hstu import HSTU, HSTUConfig
+    from gr.train.losses import sampled_softmax_loss
+
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    config = HSTUConfig(hidden_dim=32, num_layers=2, num_heads=2, attention_dim=8, linear_dim=16, max_seq_len=256)
+    torch.manual_seed(0)
+    stack = HSTU(config).train()
+    lengths = torch.tensor([250, 3, 120, 77, 200, 31, 180, 139])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    x = torch.randn(int(offsets[-1]), 32)
+    timestamps = torch.arange(int(offsets[-1])) * 60
+    queries, items = torch.randn(1000, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)
+    positives, negatives = torch.randint(0, 300, (1000,)), torch.randint(0, 300, (1000, 40))
+
+    def gradients():
+        torch.manual_seed(1)  # the same dropout masks
+        stack.zero_grad()
+        stack(x, offsets, 256, timestamps).square().sum().backward()
+        loss = sampled_softmax_loss(queries, items, positives, negatives, 0.05)
+        return [p.grad.clone() for p in stack.parameters()] + list(torch.autograd.grad(loss, (queries, items)))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        first = gradients()
+        names = [n for n, _ in stack.named_parameters()] + ["queries", "items"]
+        for _ in range(4):
+            assert [n for n, a, b in zip(names, first, gradients()) if not torch.equal(a, b)] == []
+    finally:
+        torch.set_num_threads(threads)

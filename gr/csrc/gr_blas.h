@@ -4,6 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
 
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
@@ -23,6 +27,26 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, fl
   const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
   sgemm_(&tb, &ta, &M, &N, &K, &alpha, b, &LA, a, &LB, &beta, c, &LC);
 }
+
+// n floats aligned to 64 bytes, like PyTorch's CPU tensors, for GEMM operands: MKL picks its code
+// path by the operands' alignment, so scratch at a varying alignment (std::vector's) would round
+// differently from run to run.
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n, bool zeroed = false) {
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
+    data_.reset(static_cast<float*>(std::aligned_alloc(64, bytes > 0 ? bytes : 64)));
+    if (!data_) throw std::bad_alloc();
+    if (zeroed) std::memset(data_.get(), 0, bytes);
+  }
+  float* data() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float[], Free> data_;
+};
 
 // Restores MKL's thread count for this thread on exit; GEMMs inside parallel_for run on one thread.
 struct OneBlasThread {

@@ -8,16 +8,16 @@
 // * norm_forward / norm_backward: y = (LN(x) * weight + bias) [* u] [* keep * scale], HSTU's
 //   LN(A V) * U and dropout. PyTorch's CPU LayerNorm backward is slow for short rows (its weight
 //   gradient is a second pass over the whole tensor); here each row is read once each way.
-// Weight and bias gradients are summed per thread, then added up under a lock.
+// Weight and bias gradients are summed per thread, then added up in thread order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "gr_blas.h"
+#include "gr_parallel.h"
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -86,26 +86,30 @@ void norm_rows(int64_t n, int64_t D, const float* __restrict x, const float* __r
   apply_norm_rows<kGate, kKeep>(n, D, x, w, b, u, u_stride, keep, scale, mean, rstd, y);
 }
 
-// Per-thread sums of the weight and bias gradients of a LayerNorm, or of a linear layer.
-struct Grads {
-  std::vector<float> weight, bias;
-  Grads(int64_t w, int64_t b) : weight(w, 0.0f), bias(b, 0.0f) {}
-  void add_to(Tensor& dweight, Tensor& dbias) const {
-    float* dw = dweight.data_ptr<float>();
-    float* db = dbias.data_ptr<float>();
-    for (size_t i = 0; i < weight.size(); ++i) dw[i] += weight[i];
-    for (size_t i = 0; i < bias.size(); ++i) db[i] += bias[i];
+// A layer's weight and bias gradients: per-thread partials of [weight (w floats) | bias (b floats)],
+// added up in thread order (gr_parallel.h).
+struct LayerGrads {
+  int64_t w, b;
+  gr_parallel::ThreadSums sums;
+  LayerGrads(int64_t w_, int64_t b_) : w(w_), b(b_), sums(w_ + b_) {}
+  float* weight() { return sums.local(); }  // this thread's
+  float* bias() { return sums.local() + w; }
+  // -> (the weight gradient viewed as `shape`, the bias gradient [b]).
+  std::tuple<Tensor, Tensor> total(at::IntArrayRef shape, const at::TensorOptions& options) const {
+    Tensor flat = at::zeros({w + b}, options);
+    sums.add_to(flat.data_ptr<float>());
+    return {flat.narrow(0, 0, w).view(shape), flat.narrow(0, w, b)};
   }
 };
 
-// Backward of norm_rows over n rows: dx, du (with a gate), and the LayerNorm's dw, db added into grads.
+// Backward of norm_rows over n rows: dx, du (with a gate), and the LayerNorm's weight and bias
+// gradients added into dw and db.
 template <bool kGate, bool kKeep>
 void norm_rows_backward(int64_t n, int64_t D, const float* __restrict dy, const float* __restrict x,
                         const float* __restrict w, const float* __restrict b, const float* __restrict u,
                         int64_t u_stride, const uint8_t* __restrict keep, float scale, const float* __restrict mean,
-                        const float* __restrict rstd, float* __restrict dx, float* __restrict du, Grads& grads) {
-  float* __restrict dw = grads.weight.data();
-  float* __restrict db = grads.bias.data();
+                        const float* __restrict rstd, float* __restrict dx, float* __restrict du,
+                        float* __restrict dw, float* __restrict db) {
   std::vector<float> dz_row(D), xhat_row(D);
   float* __restrict dz = dz_row.data();
   float* __restrict xhat = xhat_row.data();
@@ -181,23 +185,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> norm_backward(const Tensor& dy, const
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(dy.sizes() == x.sizes(), "gr_cpu_layer: dy must have x's shape");
   Tensor dx = at::empty({T, D}, x.options());
-  Tensor dweight = at::zeros({D}, x.options());
-  Tensor dbias = at::zeros({D}, x.options());
   Tensor du = u ? at::empty({T, D}, x.options()) : at::empty({0}, x.options());
   auto rows = !u ? (keep ? norm_rows_backward<false, true> : norm_rows_backward<false, false>)
                  : (keep ? norm_rows_backward<true, true> : norm_rows_backward<true, false>);
   const int64_t u_stride = u ? u->stride(0) : 0;
-  std::mutex merge;
+  LayerGrads grads(D, D);
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
-    Grads grads(D, D);
     rows(end - begin, D, dy.data_ptr<float>() + begin * D, x.data_ptr<float>() + begin * D, weight.data_ptr<float>(),
          bias.data_ptr<float>(), u ? u->data_ptr<float>() + begin * u_stride : nullptr, u_stride,
          keep ? keep->data_ptr<uint8_t>() + begin * D : nullptr, static_cast<float>(scale),
          mean.data_ptr<float>() + begin, rstd.data_ptr<float>() + begin, dx.data_ptr<float>() + begin * D,
-         u ? du.data_ptr<float>() + begin * D : nullptr, grads);
-    std::lock_guard<std::mutex> lock(merge);
-    grads.add_to(dweight, dbias);
+         u ? du.data_ptr<float>() + begin * D : nullptr, grads.weight(), grads.bias());
   });
+  auto [dweight, dbias] = grads.total({D}, x.options());
   return {dx, dweight, dbias, du};
 }
 
@@ -224,7 +224,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, c
   const float* b = bias.data_ptr<float>();
   at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
     gr_blas::OneBlasThread one;
-    std::vector<float> normed(kBlock * D), tile(kBlock * P);
+    gr_blas::AlignedFloats normed(kBlock * D), tile(kBlock * P);
     for (int64_t block = first; block < last; ++block) {
       const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
       norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
@@ -264,17 +264,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
   }
   TORCH_CHECK(width == P, "gr_cpu_layer: the parts' gradients are ", width, " wide, the projection ", P);
   Tensor dx = at::empty({T, D}, x.options());
-  Tensor dnorm_weight = at::zeros({D}, x.options());
-  Tensor dnorm_bias = at::zeros({D}, x.options());
-  Tensor dweight = at::zeros({P, D}, x.options());
-  Tensor dbias = at::zeros({P}, x.options());
   const float* nw = norm_weight.data_ptr<float>();
   const float* nb = norm_bias.data_ptr<float>();
-  std::mutex merge;
+  LayerGrads linear(P * D, P), norm(D, D);
   at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
     gr_blas::OneBlasThread one;
-    std::vector<float> dpre(kBlock * P), normed(kBlock * D), dnormed(kBlock * D);
-    Grads linear(P * D, P), norm(D, D);
+    gr_blas::AlignedFloats dpre(kBlock * P), normed(kBlock * D), dnormed(kBlock * D);
     for (int64_t block = first; block < last; ++block) {
       const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
       int64_t offset = 0;
@@ -291,22 +286,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
         }
         offset += w;
       }
-      float* __restrict db = linear.bias.data();
+      float* __restrict db = linear.bias();
       for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < P; ++j) db[j] += dpre[r * P + j];
+        for (int64_t j = 0; j < P; ++j) db[j] += dpre.data()[r * P + j];
       const float* xr = x.data_ptr<float>() + r0 * D;
       const float* m = mean.data_ptr<float>() + r0;
       const float* s = rstd.data_ptr<float>() + r0;
       apply_norm_rows<false, false>(n, D, xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s, normed.data());  // LN(x) again
-      gr_blas::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight.data(), D);
+      gr_blas::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(), D);
       gr_blas::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
       norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
-                                       dx.data_ptr<float>() + r0 * D, nullptr, norm);
+                                       dx.data_ptr<float>() + r0 * D, nullptr, norm.weight(), norm.bias());
     }
-    std::lock_guard<std::mutex> lock(merge);
-    linear.add_to(dweight, dbias);
-    norm.add_to(dnorm_weight, dnorm_bias);
   });
+  auto [dweight, dbias] = linear.total({P, D}, x.options());
+  auto [dnorm_weight, dnorm_bias] = norm.total({D}, x.options());
   return {dx, dnorm_weight, dnorm_bias, dweight, dbias};
 }
 
@@ -330,7 +324,7 @@ std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor&
   const float* b = bias.data_ptr<float>();
   at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
     gr_blas::OneBlasThread one;
-    std::vector<float> mixed(kBlock * A), tile(kBlock * D);
+    gr_blas::AlignedFloats mixed(kBlock * A), tile(kBlock * D);
     for (int64_t block = first; block < last; ++block) {
       const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
       rows(n, A, a.data_ptr<float>() + r0 * A, norm_weight.data_ptr<float>(), norm_bias.data_ptr<float>(),
@@ -359,19 +353,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
   TORCH_CHECK(dout.size(0) == T && dout.size(1) == D, "gr_cpu_layer: dout must be [T, D]");
   Tensor da = at::empty({T, A}, a.options());
   Tensor du = at::empty({T, A}, a.options());
-  Tensor dnorm_weight = at::zeros({A}, a.options());
-  Tensor dnorm_bias = at::zeros({A}, a.options());
-  Tensor dweight = at::zeros({D, A}, a.options());
-  Tensor dbias = at::zeros({D}, a.options());
   auto rows = keep ? apply_norm_rows<true, true> : apply_norm_rows<true, false>;
   auto rows_backward = keep ? norm_rows_backward<true, true> : norm_rows_backward<true, false>;
   const float* nw = norm_weight.data_ptr<float>();
   const float* nb = norm_bias.data_ptr<float>();
-  std::mutex merge;
+  LayerGrads linear(D * A, D), norm(A, A);
   at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
     gr_blas::OneBlasThread one;
-    std::vector<float> mixed(kBlock * A), dmixed(kBlock * A);
-    Grads linear(D * A, D), norm(A, A);
+    gr_blas::AlignedFloats mixed(kBlock * A), dmixed(kBlock * A);
     for (int64_t block = first; block < last; ++block) {
       const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
       const float* ar = a.data_ptr<float>() + r0 * A;
@@ -381,17 +370,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
       const float* m = mean.data_ptr<float>() + r0;
       const float* s = rstd.data_ptr<float>() + r0;
       rows(n, A, ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s, mixed.data());  // the GEMM's input again
-      gr_blas::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight.data(), A);
+      gr_blas::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(), A);
+      float* __restrict db = linear.bias();
       for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < D; ++j) linear.bias[j] += g[r * D + j];
+        for (int64_t j = 0; j < D; ++j) db[j] += g[r * D + j];
       gr_blas::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
       rows_backward(n, A, dmixed.data(), ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s,
-                    da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm);
+                    da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm.weight(), norm.bias());
     }
-    std::lock_guard<std::mutex> lock(merge);
-    linear.add_to(dweight, dbias);
-    norm.add_to(dnorm_weight, dnorm_bias);
   });
+  auto [dweight, dbias] = linear.total({D, A}, a.options());
+  auto [dnorm_weight, dnorm_bias] = norm.total({A}, a.options());
   return {da, du, dnorm_weight, dnorm_bias, dweight, dbias};
 }
 

@@ -4,10 +4,13 @@
 // item table, which for catalogues of a few thousand items sits in the core's L2. That is the
 // useful 1 / 30th of the dense path's [N, U] logit tiles (ML-1M: 129 of 3,706 items a row), and
 // no [N, K + 1, d] gather is materialised. Backward scatters the items' gradient into one table
-// per thread (kept only while U * d is small: see MAX_TABLE_ELEMENTS in losses.py) and sums them.
+// per thread (kept only while U * d is small: see MAX_TABLE_ELEMENTS in losses.py) and sums them
+// in thread order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "gr_parallel.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -16,7 +19,6 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
-#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -226,21 +228,19 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
   const float* p = probs.data_ptr<float>();
   float* dqp = dq.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  std::mutex merge;
+  gr_parallel::ThreadSums tables(U * d);  // each thread's share of ditems
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> table(U * d, 0.0f);  // this thread's share of ditems
+    float* table = tables.local();
     std::vector<int64_t> ids(K1);
     std::vector<float> w(K1);
     for (int64_t r = begin; r < end; ++r) {
       TORCH_CHECK(row_ids(positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), r, K1 - 1, U, ids.data()),
                   "cpu_sampled_softmax: an index is outside [0, U)");
       for (int64_t j = 0; j < K1; ++j) w[j] = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;  // d(lse - logit_0) / d logit_j
-      scatter(q + r * d, it, ids.data(), w.data(), K1, d, dqp + r * d, table.data());
+      scatter(q + r * d, it, ids.data(), w.data(), K1, d, dqp + r * d, table);
     }
-    std::lock_guard<std::mutex> lock(merge);
-    float* total = ditems.data_ptr<float>();
-    for (int64_t i = 0; i < U * d; ++i) total[i] += table[i];
   });
+  tables.add_to(ditems.data_ptr<float>());
   return {dq, ditems};
 }
 

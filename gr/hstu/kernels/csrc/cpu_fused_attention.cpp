@@ -13,11 +13,11 @@
 #include <torch/library.h>
 
 #include "gr_blas.h"
+#include "gr_parallel.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -209,7 +209,7 @@ void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
   at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
-    std::vector<float> scores(ROW_BLOCK * K), weights(ROW_BLOCK * K);
+    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K);
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H, first = c.starts[g];
       const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
@@ -245,11 +245,12 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
   const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
   const float a = static_cast<float>(alpha);
-  std::mutex merge;
+  gr_parallel::ThreadSums bias_grads(P + NB);  // [dpos | dtime]
   at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
-    std::vector<float> scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), g_rows(ROW_BLOCK * Dv);
-    std::vector<float> dpos_local(P, 0.0f), dtime_local(NB, 0.0f);
+    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), g_rows(ROW_BLOCK * Dv);
+    float* dpos_local = bias_grads.local();
+    float* dtime_local = dpos_local + P;
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H, first = c.starts[g];
       const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
@@ -264,7 +265,7 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
         const float* dop = dO.rows(first + m0 + r0, h);
         for (int64_t i = r0; i < r1; ++i) {
           const float f = c.norm_of(g, i);
-          for (int64_t j = 0; j < Dv; ++j) g_rows[(i - r0) * Dv + j] = dop[(i - r0) * dO.ld + j] * f;
+          for (int64_t j = 0; j < Dv; ++j) g_rows.data()[(i - r0) * Dv + j] = dop[(i - r0) * dO.ld + j] * f;
         }
         gemm(true, false, n, Dv, m, 1.0f, weights.data(), K, g_rows.data(), Dv, 1.0f, dV.rows(first + lo, h), dV.ld);
         float* ds = weights.data();  // reused: dweights, then dscores
@@ -277,22 +278,23 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
             const float sig = 1.0f / (1.0f + std::exp(-s[j]));
             d[j] *= sig * (1.0f + s[j] * (1.0f - sig));
           }
-          c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local.data() : nullptr, NB > 0 ? dtime_local.data() : nullptr);
+          c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr);
         }
         gemm(false, false, m, D, n, a, ds, K, kp, Kt.ld, 0.0f, dQ.rows(first + m0 + r0, h), dQ.ld);
         gemm(true, false, n, D, m, a, ds, K, qp, Q.ld, 1.0f, dK.rows(first + lo, h), dK.ld);
       }
     }
-    std::lock_guard<std::mutex> lock(merge);
-    if (P > 0) {
-      float* acc = dpos->data_ptr<float>();
-      for (int64_t b = 0; b < P; ++b) acc[b] += dpos_local[b];
-    }
-    if (NB > 0) {
-      float* acc = dtime->data_ptr<float>();
-      for (int64_t b = 0; b < NB; ++b) acc[b] += dtime_local[b];
-    }
   });
+  std::vector<float> total(P + NB, 0.0f);
+  bias_grads.add_to(total.data());
+  if (P > 0) {
+    float* acc = dpos->data_ptr<float>();
+    for (int64_t b = 0; b < P; ++b) acc[b] += total[b];
+  }
+  if (NB > 0) {
+    float* acc = dtime->data_ptr<float>();
+    for (int64_t b = 0; b < NB; ++b) acc[b] += total[P + b];
+  }
 }
 
 // Time bucket of every (query row, key column) pair of a chunk, in one pass: rows [m0, m1) of each
