@@ -5,6 +5,8 @@
 //   cache; the unfused ops write and re-read [T, D] and [T, 4 * H * d] tensors between each step
 //   (addmm first copies the bias into its output). Backward recomputes LN(x) from its statistics
 //   and takes the four parts' gradients separately, so their concatenation is never built.
+// * output_forward / output_backward: out = x + (LN(a) * u [* keep * scale]) W^T + b, the layer's
+//   output with its residual, per block the same way; backward recomputes the GEMM's input.
 // * norm_forward / norm_backward: y = (LN(x) * weight + bias) [* u] [* keep * scale], HSTU's
 //   LN(A V) * U and dropout. PyTorch's CPU LayerNorm backward is slow for short rows (its weight
 //   gradient is a second pass over the whole tensor); here each row is read once each way.
