@@ -3,9 +3,9 @@
 * ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
   ``gr.hstu.kernels.cpu`` (``forward_chunk``, ``backward_chunk``);
 * ``gr_cpu_layer`` (``gr/hstu/csrc/layer_ops.cpp``): the HSTU layer's input projection
-  (LayerNorm, linear, SiLU) and its LayerNorm-gate-dropout, a block of rows at a time, used by
-  ``gr.hstu.layer_ops`` (``projection_forward``, ``projection_backward``, ``norm_forward``,
-  ``norm_backward``);
+  (LayerNorm, linear, SiLU), its output (LayerNorm, gate, dropout, linear, residual) and
+  LayerNorm-gate-dropout alone, a block of rows at a time, used by ``gr.hstu.layer_ops``
+  (``projection_*``, ``output_*``, ``norm_*``: ``forward`` and ``backward`` each);
 * ``gr_cpu_loss`` (``gr/train/csrc/sampled_softmax.cpp``): the per-row sampled softmax, used by
   ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
 * ``gr_cpu_random`` (``gr/csrc/random.cpp``): counter-based dropout masks and integer draws, used by
@@ -15,9 +15,9 @@
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
 ``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
 load the cached library in well under a second) with ``-march=native``, so the cache directory is
-keyed by this CPU's model and flags. The attention needs the BLAS that PyTorch's x86 builds carry
-(MKL's ``sgemm_``); where that, or a compiler, is missing the build fails once per process and the
-reason is logged.
+keyed by this CPU's model and flags. The attention and layer ops need the BLAS that PyTorch's x86
+builds carry (MKL's ``sgemm_``, ``gr/csrc/gr_blas.h``); where that, or a compiler, is missing the
+build fails once per process and the reason is logged.
 
 ``GR_CPU_FUSED=0`` turns them off; ``GR_CPU_FUSED=1`` makes a failed build an error instead of a
 fallback. The build directory is ``$GR_EXTENSIONS_DIR`` or ``~/.cache/gr/extensions``.
