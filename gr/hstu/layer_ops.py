@@ -32,6 +32,18 @@ def _affine(norm: nn.LayerNorm, width: int) -> bool:
     return norm.weight is not None and norm.bias is not None and norm.normalized_shape == (width,)
 
 
+def _mask_and_gate(
+    shape: torch.Size, device: torch.device, dropout: Optional[Dropout], u: Optional[Tensor]
+) -> Tuple[Optional[Tensor], float, Optional[Tensor]]:
+    """The native norm's dropout and gate arguments: (keep mask [shape] uint8 or None, the kept
+    elements' scale 1 / (1 - p), u with a unit column stride or None)."""
+    p = dropout.p if dropout is not None and dropout.training else 0.0
+    keep = keep_mask(shape, p, device).view(torch.uint8) if p > 0.0 else None
+    if u is not None and u.stride(-1) != 1:
+        u = u.contiguous()
+    return keep, 1.0 / (1.0 - p), u
+
+
 def _fused_fp32(norm: nn.LayerNorm, linear: nn.Linear, *rows: Tensor) -> Optional[object]:
     """The native ops when ``rows`` are fp32 [T, n] CPU tensors outside autocast and the layers
     have their affine weights and bias, else None."""
@@ -83,11 +95,9 @@ def combine(x: Tensor, attention: Tensor, u: Tensor, norm: nn.LayerNorm, dropout
     ops = _fused_fp32(norm, linear, attention, u, x) if u.shape == attention.shape else None
     if ops is None:
         return x + linear(norm_mul_dropout(attention, norm, u, dropout))
-    p = dropout.p if dropout.training else 0.0
-    keep = keep_mask(attention.shape, p, attention.device).view(torch.uint8) if p > 0.0 else None
-    u = u if u.stride(-1) == 1 else u.contiguous()
+    keep, scale, u = _mask_and_gate(attention.shape, attention.device, dropout, u)
     return _Output.apply(
-        ops, attention.contiguous(), u, keep, 1.0 / (1.0 - p), norm.weight, norm.bias, norm.eps,
+        ops, attention.contiguous(), u, keep, scale, norm.weight, norm.bias, norm.eps,
         linear.weight.contiguous(), linear.bias, x.contiguous(),
     )  # fmt: skip
 
@@ -118,7 +128,6 @@ def norm_mul_dropout(
 
     The result's dtype is PyTorch's for the unfused ops, CPU autocast included (which leaves
     LayerNorm in its input's dtype): x's promoted with u's. The fused path computes in fp32."""
-    p = dropout.p if dropout is not None and dropout.training else 0.0
     fusable = (
         x.device.type == "cpu"
         and x.dim() == 2
@@ -131,16 +140,9 @@ def norm_mul_dropout(
         y = norm(x) if u is None else norm(x) * u
         return dropout(y) if dropout is not None else y
     dtype = x.dtype if u is None else torch.promote_types(x.dtype, u.dtype)
-    keep = keep_mask(x.shape, p, x.device).view(torch.uint8) if p > 0.0 else None
+    keep, scale, u = _mask_and_gate(x.shape, x.device, dropout, None if u is None else u.float())
     y = _NormMulDropout.apply(
-        ops,
-        x.float().contiguous(),
-        norm.weight.float(),
-        norm.bias.float(),
-        None if u is None else u.float(),
-        keep,
-        1.0 / (1.0 - p),
-        norm.eps,
+        ops, x.float().contiguous(), norm.weight.float(), norm.bias.float(), u, keep, scale, norm.eps
     )
     return y.to(dtype)
 
@@ -148,8 +150,6 @@ def norm_mul_dropout(
 class _NormMulDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ops, x, weight, bias, u, keep, scale, eps):  # type: ignore[override]
-        if u is not None and u.stride(-1) != 1:
-            u = u.contiguous()
         y, mean, rstd = ops.norm_forward(x, weight, bias, u, keep, scale, eps)
         ctx.ops, ctx.scale = ops, scale
         ctx.save_for_backward(x, weight, bias, u, keep, mean, rstd)

@@ -203,6 +203,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> norm_backward(const Tensor& dy, const
   return {dx, dweight, dbias, du};
 }
 
+// body(state, r0, n) for the blocks [r0, r0 + n) of kBlock rows of [0, T), over the intra-op threads:
+// each thread runs its GEMMs on one BLAS thread and keeps one state from make_state() (its scratch).
+template <typename MakeState, typename Body>
+void for_each_block(int64_t T, const MakeState& make_state, const Body& body) {
+  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
+    gr_blas::OneBlasThread one;
+    auto state = make_state();
+    for (int64_t block = first; block < last; ++block) {
+      const int64_t r0 = block * kBlock;
+      body(state, r0, std::min(kBlock, T - r0));
+    }
+  });
+}
+
+// One aligned [kBlock, width] fp32 buffer per width, as a tuple.
+template <typename... Widths>
+auto block_scratch(Widths... widths) {
+  return std::make_tuple(gr_blas::AlignedFloats(kBlock * widths)...);
+}
+
 void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& norm_bias, const Tensor& weight) {
   check_contiguous_rows(x, "x");
   const int64_t D = x.size(1);
@@ -224,24 +244,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, c
   Tensor mean = at::empty({T}, x.options());
   Tensor rstd = at::empty({T}, x.options());
   const float* b = bias.data_ptr<float>();
-  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
-    gr_blas::OneBlasThread one;
-    gr_blas::AlignedFloats normed(kBlock * D), tile(kBlock * P);
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
-      norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
-                              norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
-                              normed.data(), mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
-      gr_blas::gemm(false, true, n, P, D, 1.0f, normed.data(), D, weight.data_ptr<float>(), D, 0.0f, tile.data(), P);
-      for (int64_t r = 0; r < n; ++r) {
-        const float* __restrict t = tile.data() + r * P;
-        float* __restrict p = pre.data_ptr<float>() + (r0 + r) * P;
-        float* __restrict out = y.data_ptr<float>() + (r0 + r) * P;
-        for (int64_t j = 0; j < P; ++j) {
-          const float z = t[j] + b[j];
-          p[j] = z;
-          out[j] = z / (1.0f + std::exp(-z));
-        }
+  for_each_block(T, [&] { return block_scratch(D, P); }, [&](auto& state, int64_t r0, int64_t n) {
+    auto& [normed, tile] = state;
+    norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
+                            norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
+                            normed.data(), mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
+    gr_blas::gemm(false, true, n, P, D, 1.0f, normed.data(), D, weight.data_ptr<float>(), D, 0.0f, tile.data(), P);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* __restrict t = tile.data() + r * P;
+      float* __restrict p = pre.data_ptr<float>() + (r0 + r) * P;
+      float* __restrict out = y.data_ptr<float>() + (r0 + r) * P;
+      for (int64_t j = 0; j < P; ++j) {
+        const float z = t[j] + b[j];
+        p[j] = z;
+        out[j] = z / (1.0f + std::exp(-z));
       }
     }
   });
@@ -269,37 +285,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
   const float* nw = norm_weight.data_ptr<float>();
   const float* nb = norm_bias.data_ptr<float>();
   LayerGrads linear(P * D, P), norm(D, D);
-  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
-    gr_blas::OneBlasThread one;
-    gr_blas::AlignedFloats dpre(kBlock * P), normed(kBlock * D), dnormed(kBlock * D);
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
-      int64_t offset = 0;
-      for (const Tensor& g : grads) {  // dpre = dy * SiLU'(pre), part by part
-        const int64_t w = g.size(1);
-        for (int64_t r = 0; r < n; ++r) {
-          const float* __restrict gr = g.data_ptr<float>() + (r0 + r) * g.stride(0);
-          const float* __restrict z = pre.data_ptr<float>() + (r0 + r) * P + offset;
-          float* __restrict d = dpre.data() + r * P + offset;
-          for (int64_t j = 0; j < w; ++j) {
-            const float sig = 1.0f / (1.0f + std::exp(-z[j]));
-            d[j] = gr[j] * sig * (1.0f + z[j] * (1.0f - sig));
-          }
+  for_each_block(T, [&] { return block_scratch(P, D, D); }, [&](auto& state, int64_t r0, int64_t n) {
+    auto& [dpre, normed, dnormed] = state;
+    int64_t offset = 0;
+    for (const Tensor& g : grads) {  // dpre = dy * SiLU'(pre), part by part
+      const int64_t w = g.size(1);
+      for (int64_t r = 0; r < n; ++r) {
+        const float* __restrict gr = g.data_ptr<float>() + (r0 + r) * g.stride(0);
+        const float* __restrict z = pre.data_ptr<float>() + (r0 + r) * P + offset;
+        float* __restrict d = dpre.data() + r * P + offset;
+        for (int64_t j = 0; j < w; ++j) {
+          const float sig = 1.0f / (1.0f + std::exp(-z[j]));
+          d[j] = gr[j] * sig * (1.0f + z[j] * (1.0f - sig));
         }
-        offset += w;
       }
-      float* __restrict db = linear.bias();
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < P; ++j) db[j] += dpre.data()[r * P + j];
-      const float* xr = x.data_ptr<float>() + r0 * D;
-      const float* m = mean.data_ptr<float>() + r0;
-      const float* s = rstd.data_ptr<float>() + r0;
-      apply_norm_rows<false, false>(n, D, xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s, normed.data());  // LN(x) again
-      gr_blas::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(), D);
-      gr_blas::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
-      norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
-                                       dx.data_ptr<float>() + r0 * D, nullptr, norm.weight(), norm.bias());
+      offset += w;
     }
+    float* __restrict db = linear.bias();
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < P; ++j) db[j] += dpre.data()[r * P + j];
+    const float* xr = x.data_ptr<float>() + r0 * D;
+    const float* m = mean.data_ptr<float>() + r0;
+    const float* s = rstd.data_ptr<float>() + r0;
+    apply_norm_rows<false, false>(n, D, xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s, normed.data());  // LN(x) again
+    gr_blas::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(), D);
+    gr_blas::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
+    norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
+                                     dx.data_ptr<float>() + r0 * D, nullptr, norm.weight(), norm.bias());
   });
   auto [dweight, dbias] = linear.total({P, D}, x.options());
   auto [dnorm_weight, dnorm_bias] = norm.total({D}, x.options());
@@ -324,22 +336,18 @@ std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor&
   Tensor rstd = at::empty({T}, x.options());
   auto rows = keep ? norm_rows<true, true> : norm_rows<true, false>;
   const float* b = bias.data_ptr<float>();
-  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
-    gr_blas::OneBlasThread one;
-    gr_blas::AlignedFloats mixed(kBlock * A), tile(kBlock * D);
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
-      rows(n, A, a.data_ptr<float>() + r0 * A, norm_weight.data_ptr<float>(), norm_bias.data_ptr<float>(),
-           u.data_ptr<float>() + r0 * u.stride(0), u.stride(0), keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr,
-           static_cast<float>(scale), static_cast<float>(eps), mixed.data(), mean.data_ptr<float>() + r0,
-           rstd.data_ptr<float>() + r0);
-      gr_blas::gemm(false, true, n, D, A, 1.0f, mixed.data(), A, weight.data_ptr<float>(), A, 0.0f, tile.data(), D);
-      for (int64_t r = 0; r < n; ++r) {
-        const float* __restrict t = tile.data() + r * D;
-        const float* __restrict residual = x.data_ptr<float>() + (r0 + r) * D;
-        float* __restrict o = out.data_ptr<float>() + (r0 + r) * D;
-        for (int64_t j = 0; j < D; ++j) o[j] = residual[j] + t[j] + b[j];
-      }
+  for_each_block(T, [&] { return block_scratch(A, D); }, [&](auto& state, int64_t r0, int64_t n) {
+    auto& [mixed, tile] = state;
+    rows(n, A, a.data_ptr<float>() + r0 * A, norm_weight.data_ptr<float>(), norm_bias.data_ptr<float>(),
+         u.data_ptr<float>() + r0 * u.stride(0), u.stride(0), keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr,
+         static_cast<float>(scale), static_cast<float>(eps), mixed.data(), mean.data_ptr<float>() + r0,
+         rstd.data_ptr<float>() + r0);
+    gr_blas::gemm(false, true, n, D, A, 1.0f, mixed.data(), A, weight.data_ptr<float>(), A, 0.0f, tile.data(), D);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* __restrict t = tile.data() + r * D;
+      const float* __restrict residual = x.data_ptr<float>() + (r0 + r) * D;
+      float* __restrict o = out.data_ptr<float>() + (r0 + r) * D;
+      for (int64_t j = 0; j < D; ++j) o[j] = residual[j] + t[j] + b[j];
     }
   });
   return {out, mean, rstd};
@@ -360,26 +368,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
   const float* nw = norm_weight.data_ptr<float>();
   const float* nb = norm_bias.data_ptr<float>();
   LayerGrads linear(D * A, D), norm(A, A);
-  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
-    gr_blas::OneBlasThread one;
-    gr_blas::AlignedFloats mixed(kBlock * A), dmixed(kBlock * A);
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t r0 = block * kBlock, n = std::min(kBlock, T - r0);
-      const float* ar = a.data_ptr<float>() + r0 * A;
-      const float* ur = u.data_ptr<float>() + r0 * u.stride(0);
-      const uint8_t* kr = keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr;
-      const float* g = dout.data_ptr<float>() + r0 * D;
-      const float* m = mean.data_ptr<float>() + r0;
-      const float* s = rstd.data_ptr<float>() + r0;
-      rows(n, A, ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s, mixed.data());  // the GEMM's input again
-      gr_blas::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(), A);
-      float* __restrict db = linear.bias();
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < D; ++j) db[j] += g[r * D + j];
-      gr_blas::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
-      rows_backward(n, A, dmixed.data(), ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s,
-                    da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm.weight(), norm.bias());
-    }
+  for_each_block(T, [&] { return block_scratch(A, A); }, [&](auto& state, int64_t r0, int64_t n) {
+    auto& [mixed, dmixed] = state;
+    const float* ar = a.data_ptr<float>() + r0 * A;
+    const float* ur = u.data_ptr<float>() + r0 * u.stride(0);
+    const uint8_t* kr = keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr;
+    const float* g = dout.data_ptr<float>() + r0 * D;
+    const float* m = mean.data_ptr<float>() + r0;
+    const float* s = rstd.data_ptr<float>() + r0;
+    // The GEMM's input again, from the saved statistics.
+    rows(n, A, ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s, mixed.data());
+    gr_blas::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(), A);
+    float* __restrict db = linear.bias();
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < D; ++j) db[j] += g[r * D + j];
+    gr_blas::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
+    rows_backward(n, A, dmixed.data(), ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s,
+                  da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm.weight(), norm.bias());
   });
   auto [dweight, dbias] = linear.total({D, A}, a.options());
   auto [dnorm_weight, dnorm_bias] = norm.total({A}, a.options());
