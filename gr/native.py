@@ -1,4 +1,4 @@
-"""gr's fused CPU kernels, compiled for this machine on first use: one library, four op namespaces.
+"""gr's fused CPU kernels, compiled for this machine on first use: one library, five op namespaces.
 
 * ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
   ``gr.hstu.kernels.cpu`` (``forward_chunk``, ``backward_chunk``);
@@ -9,15 +9,18 @@
 * ``gr_cpu_loss`` (``gr/train/csrc/sampled_softmax.cpp``): the per-row sampled softmax, used by
   ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
 * ``gr_cpu_random`` (``gr/csrc/random.cpp``): counter-based dropout masks and integer draws, used by
-  ``gr.rng`` (``keep_mask``, ``randint``).
+  ``gr.rng`` (``keep_mask``, ``randint``);
+* ``gr_cpu_gemm`` (``gr/csrc/gemm.cpp``): the small-tile GEMM the attention and layer kernels call
+  (``gr/csrc/gr_gemm.h``: AVX-512 where the CPU has it, MKL's ``sgemm_`` otherwise), as ops for
+  its tests (``gemm``, ``transpose``).
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
 ``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
 load the cached library in well under a second) with ``-march=native``, so the cache directory is
-keyed by this CPU's model and flags. The attention and layer ops need the BLAS that PyTorch's x86
-builds carry (MKL's ``sgemm_``, ``gr/csrc/gr_blas.h``); where that, or a compiler, is missing the
-build fails once per process and the reason is logged.
+keyed by this CPU's model and flags. The attention and layer ops multiply with ``gr/csrc/gr_gemm.h``,
+which links the BLAS that PyTorch's x86 builds carry (MKL, ``gr/csrc/gr_blas.h``); where that, or a
+compiler, is missing the build fails once per process and the reason is logged.
 
 ``GR_CPU_FUSED=0`` turns them off; ``GR_CPU_FUSED=1`` makes a failed build an error instead of a
 fallback. The build directory is ``$GR_EXTENSIONS_DIR`` or ``~/.cache/gr/extensions``.
@@ -46,6 +49,7 @@ SOURCES = [
     PACKAGE / "hstu" / "csrc" / "layer_ops.cpp",
     PACKAGE / "train" / "csrc" / "sampled_softmax.cpp",
     PACKAGE / "csrc" / "random.cpp",
+    PACKAGE / "csrc" / "gemm.cpp",
 ]
 # -fopenmp: at::parallel_for is inline and runs serially without it (the OpenMP runtime is torch's libgomp);
 # -ffast-math: vectorised expf from glibc's libmvec. Fast-math only compiles: linking it would bring

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "gr_blas.h"
+#include "gr_gemm.h"
 #include "gr_parallel.h"
 
 #include <algorithm>
@@ -244,12 +245,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, c
   Tensor mean = at::empty({T}, x.options());
   Tensor rstd = at::empty({T}, x.options());
   const float* b = bias.data_ptr<float>();
+  gr_blas::AlignedFloats wt(D * P);  // W^T [D, P]: the GEMM reads its B operand in rows
+  gr_gemm::transpose(P, D, weight.data_ptr<float>(), D, wt.data(), P);
   for_each_block(T, [&] { return block_scratch(D, P); }, [&](auto& state, int64_t r0, int64_t n) {
     auto& [normed, tile] = state;
     norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
                             norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
                             normed.data(), mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
-    gr_blas::gemm(false, true, n, P, D, 1.0f, normed.data(), D, weight.data_ptr<float>(), D, 0.0f, tile.data(), P);
+    gr_gemm::gemm(false, false, n, P, D, 1.0f, normed.data(), D, wt.data(), P, 0.0f, tile.data(), P);
     for (int64_t r = 0; r < n; ++r) {
       const float* __restrict t = tile.data() + r * P;
       float* __restrict p = pre.data_ptr<float>() + (r0 + r) * P;
@@ -308,8 +311,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
     const float* m = mean.data_ptr<float>() + r0;
     const float* s = rstd.data_ptr<float>() + r0;
     apply_norm_rows<false, false>(n, D, xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s, normed.data());  // LN(x) again
-    gr_blas::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(), D);
-    gr_blas::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
+    gr_gemm::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(), D);
+    gr_gemm::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
     norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
                                      dx.data_ptr<float>() + r0 * D, nullptr, norm.weight(), norm.bias());
   });
@@ -336,13 +339,15 @@ std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor&
   Tensor rstd = at::empty({T}, x.options());
   auto rows = keep ? norm_rows<true, true> : norm_rows<true, false>;
   const float* b = bias.data_ptr<float>();
+  gr_blas::AlignedFloats wt(A * D);  // W^T [A, D]
+  gr_gemm::transpose(D, A, weight.data_ptr<float>(), A, wt.data(), D);
   for_each_block(T, [&] { return block_scratch(A, D); }, [&](auto& state, int64_t r0, int64_t n) {
     auto& [mixed, tile] = state;
     rows(n, A, a.data_ptr<float>() + r0 * A, norm_weight.data_ptr<float>(), norm_bias.data_ptr<float>(),
          u.data_ptr<float>() + r0 * u.stride(0), u.stride(0), keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr,
          static_cast<float>(scale), static_cast<float>(eps), mixed.data(), mean.data_ptr<float>() + r0,
          rstd.data_ptr<float>() + r0);
-    gr_blas::gemm(false, true, n, D, A, 1.0f, mixed.data(), A, weight.data_ptr<float>(), A, 0.0f, tile.data(), D);
+    gr_gemm::gemm(false, false, n, D, A, 1.0f, mixed.data(), A, wt.data(), D, 0.0f, tile.data(), D);
     for (int64_t r = 0; r < n; ++r) {
       const float* __restrict t = tile.data() + r * D;
       const float* __restrict residual = x.data_ptr<float>() + (r0 + r) * D;
@@ -378,11 +383,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
     const float* s = rstd.data_ptr<float>() + r0;
     // The GEMM's input again, from the saved statistics.
     rows(n, A, ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s, mixed.data());
-    gr_blas::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(), A);
+    gr_gemm::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(), A);
     float* __restrict db = linear.bias();
     for (int64_t r = 0; r < n; ++r)
       for (int64_t j = 0; j < D; ++j) db[j] += g[r * D + j];
-    gr_blas::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
+    gr_gemm::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
     rows_backward(n, A, dmixed.data(), ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s,
                   da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm.weight(), norm.bias());
   });

@@ -25,7 +25,7 @@ Where they build (x86-64 with a C++ compiler; ``gr.native``), fused tiles run ea
 chunk instead: one C++ call per chunk reads the jagged q, k, v rows in place (no padded copies),
 makes each (sequence, head)'s scores 32 query rows at a time with only the keys those rows see,
 and does bias, SiLU, mask, normaliser, the SiLU gradient and the bias-gradient scatter while the
-tile is in cache, between MKL GEMMs. They compute in fp32 (bf16 inputs are widened once). Chunks
+tile is in cache, between GEMMs (gr/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once). Chunks
 whose keys are the contextual prefix plus a window (``contextual_len`` and ``max_attn_len`` both
 set) run unfused.
 

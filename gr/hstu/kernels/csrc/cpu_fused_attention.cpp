@@ -5,14 +5,16 @@
 // sits in this core's cache, then the next GEMM reads it. The unfused path makes a pass over
 // the whole chunk's [G, H, C, K] scores in memory for each of those steps.
 //
-// GEMMs are MKL's sgemm_ (the BLAS inside PyTorch's x86 builds), run one thread each inside
-// at::parallel_for over (sequence, head). Built and loaded by gr/native.py; gr/hstu/kernels/cpu.py
+// GEMMs are gr_gemm's (AVX-512, or MKL's sgemm_ without it), one thread each inside at::parallel_for
+// over (sequence, head); each (sequence, head)'s keys and values are transposed once for all its
+// row blocks, so that every GEMM reads its B operand in rows. Built and loaded by gr/native.py; gr/hstu/kernels/cpu.py
 // runs the unfused kernel when this cannot be built or linked.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "gr_blas.h"
+#include "gr_gemm.h"
 #include "gr_parallel.h"
 
 #include <algorithm>
@@ -21,11 +23,15 @@
 #include <optional>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using at::Tensor;
 
-using gr_blas::gemm;
+using gr_gemm::gemm;
 using gr_blas::OneBlasThread;
 
 constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
@@ -45,20 +51,27 @@ struct Jagged {
 
 // acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in long runs along
 // a row (timestamps are sorted), and adding element by element would chain every add of a run
-// through the same memory location.
+// through the same memory location. Runs are summed 16 lanes at a time where the build has AVX-512.
 void add_by_runs(const int32_t* idx, const float* d, int64_t n, float* acc) {
-  if (n == 0) return;
-  int32_t bucket = idx[0];
-  float run = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    if (idx[j] != bucket) {
-      acc[bucket] += run;
-      bucket = idx[j];
-      run = 0.0f;
-    }
-    run += d[j];
+  int64_t j = 0;
+  while (j < n) {
+    const int32_t bucket = idx[j];
+    float run = 0.0f;
+#if defined(__AVX512F__)
+    const __m512i same = _mm512_set1_epi32(bucket);
+    __m512 lanes = _mm512_setzero_ps();
+    for (; j + 16 <= n && _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(idx + j), same) == 0; j += 16)
+      lanes = _mm512_add_ps(lanes, _mm512_loadu_ps(d + j));
+    run = _mm512_reduce_add_ps(lanes);
+#endif
+    for (; j < n && idx[j] == bucket; ++j) run += d[j];
+    acc[bucket] += run;
   }
-  acc[bucket] += run;
+}
+
+// s[j] += w[idx[j]] for j < n (restrict: so that it vectorises, as a gather).
+void add_lookup(const int32_t* __restrict idx, const float* __restrict w, float* __restrict s, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) s[j] += w[idx[j]];
 }
 
 // One chunk of one group: query rows [m0, m0 + C) of each sequence against its keys [lo, lo + K), the
@@ -154,10 +167,7 @@ struct Chunk {
       for (int64_t j = d.lo; j < d.hi; ++j) s[j] += *(w - j);
       for (int64_t j = d.hi; j < n; ++j) s[j] += pos_w[0];
     }
-    if (time_w != nullptr) {
-      const int32_t* t = time_idx + (g * C + i) * K;
-      for (int64_t j = 0; j < n; ++j) s[j] += time_w[t[j]];
-    }
+    if (time_w != nullptr) add_lookup(time_idx + (g * C + i) * K, time_w, s, n);
   }
   // w[0, n) *= the mask of row i (columns >= mask_from).
   void apply_mask(int64_t g, int64_t i, float* w, int64_t n) const {
@@ -183,11 +193,10 @@ struct Chunk {
 };
 
 // Rows [r0, r1) (of the chunk) of sequence g against n keys: scores[rows, n] = alpha q k^T + bias,
-// weights = SiLU(scores) under the mask; both with row stride ld.
+// weights = SiLU(scores) under the mask; both with row stride ld. kt: the keys transposed, [D, ld].
 void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64_t n, float alpha, const float* q,
-                        int64_t ldq, const float* k, int64_t ldk, int64_t D, float* scores, float* weights,
-                        int64_t ld) {
-  gemm(false, true, r1 - r0, n, D, alpha, q, ldq, k, ldk, 0.0f, scores, ld);
+                        int64_t ldq, const float* kt, int64_t D, float* scores, float* weights, int64_t ld) {
+  gemm(false, false, r1 - r0, n, D, alpha, q, ldq, kt, ld, 0.0f, scores, ld);
   for (int64_t i = r0; i < r1; ++i) {
     float* s = scores + (i - r0) * ld;
     float* w = weights + (i - r0) * ld;
@@ -209,17 +218,18 @@ void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
   at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
-    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K);
+    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), kt(D * K);
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H, first = c.starts[g];
       const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
+      if (nrows > 0) gr_gemm::transpose(nkeys, D, Kt.rows(first + lo, h), Kt.ld, kt.data(), K);
       for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
         const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
         float* o = O.rows(first + m0 + r0, h);
         const int64_t n = c.keys_seen(g, r0, r1, nkeys);
         if (n == 0) continue;  // out stays zero
-        scores_and_weights(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + m0 + r0, h), Q.ld,
-                           Kt.rows(first + lo, h), Kt.ld, D, scores.data(), weights.data(), K);
+        scores_and_weights(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + m0 + r0, h), Q.ld, kt.data(),
+                           D, scores.data(), weights.data(), K);
         gemm(false, false, r1 - r0, Dv, n, 1.0f, weights.data(), K, V.rows(first + lo, h), V.ld, 0.0f, o, O.ld);
         for (int64_t i = r0; i < r1; ++i) {
           const float f = c.norm_of(g, i);
@@ -248,20 +258,24 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   gr_parallel::ThreadSums bias_grads(P + NB);  // [dpos | dtime]
   at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
-    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), g_rows(ROW_BLOCK * Dv);
+    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), g_rows(ROW_BLOCK * Dv), kt(D * K),
+        vt(Dv * K);
     float* dpos_local = bias_grads.local();
     float* dtime_local = dpos_local + P;
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H, first = c.starts[g];
       const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
       const float* kp = Kt.rows(first + lo, h);
-      const float* vp = V.rows(first + lo, h);
+      if (nrows > 0) {
+        gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt.data(), K);
+        gr_gemm::transpose(nkeys, Dv, V.rows(first + lo, h), V.ld, vt.data(), K);
+      }
       for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
         const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows), m = r1 - r0;
         const int64_t n = c.keys_seen(g, r0, r1, nkeys);
         if (n == 0) continue;  // dq stays zero
         const float* qp = Q.rows(first + m0 + r0, h);
-        scores_and_weights(c, g, r0, r1, n, a, qp, Q.ld, kp, Kt.ld, D, scores.data(), weights.data(), K);
+        scores_and_weights(c, g, r0, r1, n, a, qp, Q.ld, kt.data(), D, scores.data(), weights.data(), K);
         const float* dop = dO.rows(first + m0 + r0, h);
         for (int64_t i = r0; i < r1; ++i) {
           const float f = c.norm_of(g, i);
@@ -269,7 +283,7 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
         }
         gemm(true, false, n, Dv, m, 1.0f, weights.data(), K, g_rows.data(), Dv, 1.0f, dV.rows(first + lo, h), dV.ld);
         float* ds = weights.data();  // reused: dweights, then dscores
-        gemm(false, true, m, n, Dv, 1.0f, g_rows.data(), Dv, vp, V.ld, 0.0f, ds, K);
+        gemm(false, false, m, n, Dv, 1.0f, g_rows.data(), Dv, vt.data(), K, 0.0f, ds, K);
         for (int64_t i = r0; i < r1; ++i) {
           float* d = ds + (i - r0) * K;
           const float* s = scores.data() + (i - r0) * K;

@@ -1,0 +1,84 @@
+"""gr_gemm, the small-tile GEMM inside the fused CPU kernels (gr/csrc/gr_gemm.h), against torch.matmul:
+every layout, the tails of its register blocks, more depth than one pass, and BLAS's beta contract."""
+
+import platform
+
+import pytest
+import torch
+
+from gr.native import native_ops
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the fused kernels are built for x86-64 only"
+)
+
+
+@pytest.fixture(scope="module")
+def ops(request):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GR_CPU_FUSED", "1")
+    request.addfinalizer(mp.undo)
+    return native_ops("gr_cpu_gemm")
+
+
+def operands(m, n, k, trans_a, trans_b, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn((k, m) if trans_a else (m, k), generator=g)
+    b = torch.randn((n, k) if trans_b else (k, n), generator=g)
+    return a, b
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (7, 15, 3), (8, 16, 25), (9, 33, 50), (32, 200, 50), (13, 50, 300)])
+def test_gemm_equals_matmul_on_every_layout_and_tail(ops, trans_a, trans_b, m, n, k):
+    a, b = operands(m, n, k, trans_a, trans_b)
+    c = torch.randn(m, n)
+    expected = 0.5 * (a.T if trans_a else a) @ (b.T if trans_b else b) + 2.0 * c
+    ops.gemm(a, b, c, trans_a, trans_b, 0.5, 2.0)
+    torch.testing.assert_close(c, expected, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+def test_gemm_reads_strided_rows_and_writes_only_its_block(ops):
+    """Operands are row slices of wider tensors (as the kernels' q, k, v views of one projection are);
+    the columns of c outside the product keep their values."""
+    a = torch.randn(20, 70)[:, 10:60]  # [20, 50], row stride 70
+    b = torch.randn(33, 90)[:, 5:55]  # [33, 50], row stride 90
+    out = torch.full((20, 40), 7.0)
+    c = out[:, :33]
+    ops.gemm(a, b, c, False, True, 1.0, 0.0)
+    torch.testing.assert_close(c, a @ b.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[:, 33:], torch.full((20, 7), 7.0))
+
+
+def test_beta_zero_does_not_read_c_and_empty_depth_scales_c(ops):
+    a, b = operands(9, 17, 5, False, False)
+    c = torch.full((9, 17), float("nan"))
+    ops.gemm(a, b, c, False, False, 1.0, 0.0)
+    torch.testing.assert_close(c, a @ b, rtol=1e-5, atol=1e-5)
+    c = torch.full((4, 6), 3.0)
+    ops.gemm(torch.empty(4, 0), torch.empty(0, 6), c, False, False, 1.0, 0.5)
+    assert torch.equal(c, torch.full((4, 6), 1.5))
+
+
+def test_results_repeat_bitwise_whatever_the_alignment(ops):
+    """The summation order is fixed: the same values at another address give the same bits."""
+    a, b = operands(32, 200, 50, False, True)
+    c1 = torch.empty(32, 200)
+    ops.gemm(a, b, c1, False, True, 1.0, 0.0)
+    shifted = torch.empty(32 * 50 + 3)[3:].view(32, 50)  # 12 bytes off the allocation's alignment
+    shifted.copy_(a)
+    c2 = torch.empty(32, 200)
+    ops.gemm(shifted, b, c2, False, True, 1.0, 0.0)
+    assert torch.equal(c1, c2)
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (16, 16), (17, 50), (200, 25), (5, 33)])
+def test_transpose_equals_torch(ops, n, k):
+    x = torch.randn(n, k + 3)[:, :k]  # strided rows
+    assert torch.equal(ops.transpose(x), x.T.contiguous())
+
+
+def test_bad_shapes_are_refused_with_what_was_expected(ops):
+    with pytest.raises(RuntimeError, match=r"shapes do not chain: op\(a\) \[2, 3\], op\(b\) \[4, 5\]"):
+        ops.gemm(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, 5), False, False, 1.0, 0.0)
