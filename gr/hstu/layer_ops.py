@@ -71,21 +71,23 @@ def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[in
 class _Projection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes):  # type: ignore[override]
-        y, pre, mean, rstd = ops.projection_forward(x, norm_weight, norm_bias, eps, weight, bias)
+        # SiLU'(pre) [T, P] is kept only when backward will run (not in serving or under no_grad).
+        keep_grad = any(ctx.needs_input_grad)
+        y, silu_grad, mean, rstd = ops.projection_forward(x, norm_weight, norm_bias, eps, weight, bias, keep_grad)
         ctx.ops, ctx.sizes = ops, sizes
-        ctx.save_for_backward(x, norm_weight, norm_bias, weight, pre, mean, rstd)
+        ctx.save_for_backward(x, norm_weight, norm_bias, weight, silu_grad, mean, rstd)
         return torch.split(y, list(sizes), dim=-1)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        x, norm_weight, norm_bias, weight, pre, mean, rstd = ctx.saved_tensors
+        x, norm_weight, norm_bias, weight, silu_grad, mean, rstd = ctx.saved_tensors
         parts: List[Tensor] = []
         for grad, width in zip(grads, ctx.sizes):
             part = x.new_zeros(x.shape[0], width) if grad is None else grad.float().reshape(x.shape[0], width)
             parts.append(part if part.stride(-1) == 1 else part.contiguous())
         dx, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.projection_backward(
-            parts, x, norm_weight, norm_bias, weight, pre, mean, rstd
+            parts, x, norm_weight, norm_bias, weight, silu_grad, mean, rstd
         )
         return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None
 

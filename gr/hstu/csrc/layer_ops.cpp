@@ -233,15 +233,17 @@ void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& 
               "gr_cpu_layer: the projection's weight must be contiguous fp32 [P, ", D, "]");
 }
 
-// x [T, D] -> (y [T, P] = SiLU(pre), pre [T, P] = LN(x) W^T + b, mean [T], rstd [T]); W: weight [P, D].
+// x [T, D] -> (y [T, P] = SiLU(pre), SiLU'(pre) [T, P] (empty unless keep_grad), mean [T], rstd [T]), with
+// pre = LN(x) W^T + b; W: weight [P, D]. Backward multiplies by the kept SiLU', made from the same exp.
 std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, const Tensor& norm_weight,
                                                               const Tensor& norm_bias, double eps,
-                                                              const Tensor& weight, const Tensor& bias) {
+                                                              const Tensor& weight, const Tensor& bias,
+                                                              bool keep_grad) {
   check_projection(x, norm_weight, norm_bias, weight);
   check_vector(bias, weight.size(0), "the projection's bias");
   const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
   Tensor y = at::empty({T, P}, x.options());
-  Tensor pre = at::empty({T, P}, x.options());
+  Tensor silu_grad = at::empty({keep_grad ? T : 0, P}, x.options());
   Tensor mean = at::empty({T}, x.options());
   Tensor rstd = at::empty({T}, x.options());
   const float* b = bias.data_ptr<float>();
@@ -255,16 +257,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, c
     gr_gemm::gemm(false, false, n, P, D, 1.0f, normed.data(), D, wt.data(), P, 0.0f, tile.data(), P);
     for (int64_t r = 0; r < n; ++r) {
       const float* __restrict t = tile.data() + r * P;
-      float* __restrict p = pre.data_ptr<float>() + (r0 + r) * P;
       float* __restrict out = y.data_ptr<float>() + (r0 + r) * P;
-      for (int64_t j = 0; j < P; ++j) {
-        const float z = t[j] + b[j];
-        p[j] = z;
-        out[j] = z / (1.0f + std::exp(-z));
+      if (keep_grad) {
+        float* __restrict grad = silu_grad.data_ptr<float>() + (r0 + r) * P;
+        for (int64_t j = 0; j < P; ++j) {
+          const float z = t[j] + b[j], sig = 1.0f / (1.0f + std::exp(-z));
+          out[j] = z * sig;
+          grad[j] = sig * (1.0f + z * (1.0f - sig));
+        }
+      } else {
+        for (int64_t j = 0; j < P; ++j) {
+          const float z = t[j] + b[j];
+          out[j] = z / (1.0f + std::exp(-z));
+        }
       }
     }
   });
-  return {y, pre, mean, rstd};
+  return {y, silu_grad, mean, rstd};
 }
 
 // grads: the gradients of y's column parts [T, n_i] (sum n_i = P, unit column stride), in order
@@ -272,12 +281,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, c
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::TensorList grads, const Tensor& x,
                                                                        const Tensor& norm_weight,
                                                                        const Tensor& norm_bias, const Tensor& weight,
-                                                                       const Tensor& pre, const Tensor& mean,
+                                                                       const Tensor& silu_grad, const Tensor& mean,
                                                                        const Tensor& rstd) {
   check_projection(x, norm_weight, norm_bias, weight);
   const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
-  check_contiguous_rows(pre, "pre");
-  TORCH_CHECK(pre.size(0) == T && pre.size(1) == P, "gr_cpu_layer: pre must be [T, P]");
+  check_contiguous_rows(silu_grad, "silu_grad");
+  TORCH_CHECK(silu_grad.size(0) == T && silu_grad.size(1) == P, "gr_cpu_layer: silu_grad must be [T, P]");
   int64_t width = 0;
   for (const Tensor& g : grads) {
     check_rows(g, T, g.size(1), "each part's gradient");
@@ -295,12 +304,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
       const int64_t w = g.size(1);
       for (int64_t r = 0; r < n; ++r) {
         const float* __restrict gr = g.data_ptr<float>() + (r0 + r) * g.stride(0);
-        const float* __restrict z = pre.data_ptr<float>() + (r0 + r) * P + offset;
+        const float* __restrict sg = silu_grad.data_ptr<float>() + (r0 + r) * P + offset;
         float* __restrict d = dpre.data() + r * P + offset;
-        for (int64_t j = 0; j < w; ++j) {
-          const float sig = 1.0f / (1.0f + std::exp(-z[j]));
-          d[j] = gr[j] * sig * (1.0f + z[j] * (1.0f - sig));
-        }
+        for (int64_t j = 0; j < w; ++j) d[j] = gr[j] * sg[j];
       }
       offset += w;
     }
@@ -406,11 +412,11 @@ TORCH_LIBRARY(gr_cpu_layer, m) {
       "output_backward(Tensor dout, Tensor a, Tensor u, Tensor? keep, float scale, Tensor norm_weight, "
       "Tensor norm_bias, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "projection_forward(Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, Tensor weight, Tensor bias) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "projection_forward(Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, Tensor weight, Tensor bias, "
+      "bool keep_grad) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "projection_backward(Tensor[] grads, Tensor x, Tensor norm_weight, Tensor norm_bias, Tensor weight, "
-      "Tensor pre, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor silu_grad, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "norm_forward(Tensor x, Tensor weight, Tensor bias, Tensor? u, Tensor? keep, float scale, float eps) -> "
       "(Tensor, Tensor, Tensor)");

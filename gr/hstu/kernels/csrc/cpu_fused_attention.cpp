@@ -194,14 +194,20 @@ struct Chunk {
 
 // Rows [r0, r1) (of the chunk) of sequence g against n keys: scores[rows, n] = alpha q k^T + bias,
 // weights = SiLU(scores) under the mask; both with row stride ld. kt: the keys transposed, [D, ld].
+// kGradient (backward): scores then hold SiLU'(scores) = sig (1 + s (1 - sig)), from the same exp.
+template <bool kGradient>
 void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64_t n, float alpha, const float* q,
                         int64_t ldq, const float* kt, int64_t D, float* scores, float* weights, int64_t ld) {
   gemm(false, false, r1 - r0, n, D, alpha, q, ldq, kt, ld, 0.0f, scores, ld);
   for (int64_t i = r0; i < r1; ++i) {
-    float* s = scores + (i - r0) * ld;
-    float* w = weights + (i - r0) * ld;
+    float* __restrict s = scores + (i - r0) * ld;
+    float* __restrict w = weights + (i - r0) * ld;
     c.add_bias(g, i, s, n);
-    for (int64_t j = 0; j < n; ++j) w[j] = s[j] / (1.0f + std::exp(-s[j]));
+    for (int64_t j = 0; j < n; ++j) {
+      const float sig = 1.0f / (1.0f + std::exp(-s[j]));
+      w[j] = s[j] * sig;
+      if constexpr (kGradient) s[j] = sig * (1.0f + s[j] * (1.0f - sig));
+    }
     c.apply_mask(g, i, w, n);
   }
 }
@@ -228,8 +234,8 @@ void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
         float* o = O.rows(first + m0 + r0, h);
         const int64_t n = c.keys_seen(g, r0, r1, nkeys);
         if (n == 0) continue;  // out stays zero
-        scores_and_weights(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + m0 + r0, h), Q.ld, kt.data(),
-                           D, scores.data(), weights.data(), K);
+        scores_and_weights<false>(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + m0 + r0, h), Q.ld,
+                                  kt.data(), D, scores.data(), weights.data(), K);
         gemm(false, false, r1 - r0, Dv, n, 1.0f, weights.data(), K, V.rows(first + lo, h), V.ld, 0.0f, o, O.ld);
         for (int64_t i = r0; i < r1; ++i) {
           const float f = c.norm_of(g, i);
@@ -275,7 +281,7 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
         const int64_t n = c.keys_seen(g, r0, r1, nkeys);
         if (n == 0) continue;  // dq stays zero
         const float* qp = Q.rows(first + m0 + r0, h);
-        scores_and_weights(c, g, r0, r1, n, a, qp, Q.ld, kt.data(), D, scores.data(), weights.data(), K);
+        scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt.data(), D, scores.data(), weights.data(), K);
         const float* dop = dO.rows(first + m0 + r0, h);
         for (int64_t i = r0; i < r1; ++i) {
           const float f = c.norm_of(g, i);
@@ -285,13 +291,10 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
         float* ds = weights.data();  // reused: dweights, then dscores
         gemm(false, false, m, n, Dv, 1.0f, g_rows.data(), Dv, vt.data(), K, 0.0f, ds, K);
         for (int64_t i = r0; i < r1; ++i) {
-          float* d = ds + (i - r0) * K;
-          const float* s = scores.data() + (i - r0) * K;
+          float* __restrict d = ds + (i - r0) * K;
+          const float* __restrict silu_grad = scores.data() + (i - r0) * K;
           c.apply_mask(g, i, d, n);
-          for (int64_t j = 0; j < n; ++j) {
-            const float sig = 1.0f / (1.0f + std::exp(-s[j]));
-            d[j] *= sig * (1.0f + s[j] * (1.0f - sig));
-          }
+          for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
           c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr);
         }
         gemm(false, false, m, D, n, a, ds, K, kp, Kt.ld, 0.0f, dQ.rows(first + m0 + r0, h), dQ.ld);
