@@ -12,6 +12,7 @@ from gr import rng
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.layer_ops import combine, norm_mul_dropout, project
+from gr.native import native_ops
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 native_only = pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
@@ -111,6 +112,43 @@ def test_projection_equals_pytorch_and_passes_gradients_of_unused_parts_as_zero(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got, want in zip(results["1"][1], results["0"][1]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@native_only
+def test_projection_keeps_its_silu_gradient_only_when_backward_will_run(monkeypatch):
+    """The fused forward returns SiLU'(pre) [T, P] for backward, or an empty [0, P] when asked not to;
+    ``project`` asks for it only when backward will run (not under no_grad, as in serving), and the
+    values are the same either way."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    x, _, norm = norm_inputs()
+    linear = nn.Linear(50, 200)
+    ops = native_ops("gr_cpu_layer")
+    weights = (norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
+    args = (x.detach(), *(w.detach() if isinstance(w, torch.Tensor) else w for w in weights))
+    y, silu_grad, _, _ = ops.projection_forward(*args, True)
+    y_served, nothing, _, _ = ops.projection_forward(*args, False)
+    pre = linear(F.layer_norm(x, (50,), norm.weight, norm.bias, norm.eps)).detach().requires_grad_(True)
+    (want,) = torch.autograd.grad(F.silu(pre).sum(), pre)
+    torch.testing.assert_close(silu_grad, want, rtol=1e-4, atol=1e-5)
+    assert nothing.shape == (0, 200)
+    torch.testing.assert_close(y_served, y, rtol=0, atol=0)
+
+    asked = []
+
+    class Recording:
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            if name != "projection_forward":
+                return op
+            return lambda *a: asked.append(a[-1]) or op(*a)
+
+    monkeypatch.setattr("gr.hstu.layer_ops.native_ops", lambda namespace: Recording())
+    with torch.no_grad():
+        served = project(x, norm, linear, [100, 100])
+    trained = project(x, norm, linear, [100, 100])
+    assert asked == [False, True]
+    for got, want in zip(served, trained):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_projection_under_autocast_runs_pytorchs_bf16_linear(monkeypatch):

@@ -63,16 +63,18 @@ def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[in
     ops = _fused_fp32(norm, linear, x)
     if ops is None:
         return torch.split(F.silu(linear(norm_mul_dropout(x, norm))), list(sizes), dim=-1)
+    params = (norm.weight, norm.bias, linear.weight, linear.bias)
+    # SiLU'(pre) [T, P] is kept for backward only when there will be one (not in serving, under no_grad).
+    keep_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
     return _Projection.apply(
-        ops, x.contiguous(), norm.weight, norm.bias, norm.eps, linear.weight.contiguous(), linear.bias, tuple(sizes)
-    )
+        ops, x.contiguous(), norm.weight, norm.bias, norm.eps, linear.weight.contiguous(), linear.bias, tuple(sizes),
+        keep_grad,
+    )  # fmt: skip
 
 
 class _Projection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes):  # type: ignore[override]
-        # SiLU'(pre) [T, P] is kept only when backward will run (not in serving or under no_grad).
-        keep_grad = any(ctx.needs_input_grad)
+    def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes, keep_grad):  # type: ignore[override]
         y, silu_grad, mean, rstd = ops.projection_forward(x, norm_weight, norm_bias, eps, weight, bias, keep_grad)
         ctx.ops, ctx.sizes = ops, sizes
         ctx.save_for_backward(x, norm_weight, norm_bias, weight, silu_grad, mean, rstd)
@@ -89,7 +91,7 @@ class _Projection(torch.autograd.Function):
         dx, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.projection_backward(
             parts, x, norm_weight, norm_bias, weight, silu_grad, mean, rstd
         )
-        return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None
+        return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None, None
 
 
 def combine(x: Tensor, attention: Tensor, u: Tensor, norm: nn.LayerNorm, dropout: Dropout, linear: nn.Linear) -> Tensor:
