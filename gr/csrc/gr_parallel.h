@@ -27,9 +27,13 @@ class ThreadSums {
     return parts_[thread].data();
   }
   // out[0, size) += the partials, thread 0 first.
-  void add_to(float* out) const {
+  void add_to(float* out) const { add_rows_to(out, size_, size_); }
+  // The same for buffers of rows of `stride` floats of which the first `width` count (padded rows):
+  // out row r [0, width) += the partials' row r, out's rows packed (width apart).
+  void add_rows_to(float* out, int64_t width, int64_t stride) const {
     for (const gr_blas::AlignedFloats& part : parts_)
-      for (int64_t i = 0; i < size_; ++i) out[i] += part.data()[i];
+      for (int64_t r = 0; r * stride < size_; ++r)
+        for (int64_t i = 0; i < width; ++i) out[r * width + i] += part.data()[r * stride + i];
   }
 
  private:

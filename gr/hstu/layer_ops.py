@@ -63,9 +63,10 @@ def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[in
     ops = _fused_fp32(norm, linear, x)
     if ops is None:
         return torch.split(F.silu(linear(norm_mul_dropout(x, norm))), list(sizes), dim=-1)
-    params = (norm.weight, norm.bias, linear.weight, linear.bias)
     # SiLU'(pre) [T, P] is kept for backward only when there will be one (not in serving, under no_grad).
-    keep_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
+    keep_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, norm.weight, norm.bias, linear.weight, linear.bias)
+    )
     return _Projection.apply(
         ops, x.contiguous(), norm.weight, norm.bias, norm.eps, linear.weight.contiguous(), linear.bias, tuple(sizes),
         keep_grad,

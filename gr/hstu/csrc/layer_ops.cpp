@@ -258,18 +258,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, c
     for (int64_t r = 0; r < n; ++r) {
       const float* __restrict t = tile.data() + r * P;
       float* __restrict out = y.data_ptr<float>() + (r0 + r) * P;
-      if (keep_grad) {
-        float* __restrict grad = silu_grad.data_ptr<float>() + (r0 + r) * P;
-        for (int64_t j = 0; j < P; ++j) {
-          const float z = t[j] + b[j], sig = 1.0f / (1.0f + std::exp(-z));
-          out[j] = z * sig;
-          grad[j] = sig * (1.0f + z * (1.0f - sig));
-        }
-      } else {
-        for (int64_t j = 0; j < P; ++j) {
-          const float z = t[j] + b[j];
-          out[j] = z / (1.0f + std::exp(-z));
-        }
+      float* __restrict grad = keep_grad ? silu_grad.data_ptr<float>() + (r0 + r) * P : nullptr;
+      for (int64_t j = 0; j < P; ++j) {
+        const float z = t[j] + b[j], sig = 1.0f / (1.0f + std::exp(-z));
+        out[j] = z * sig;
+        if (keep_grad) grad[j] = sig * (1.0f + z * (1.0f - sig));  // loop-invariant: GCC unswitches it
       }
     }
   });

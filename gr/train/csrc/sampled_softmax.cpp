@@ -43,6 +43,14 @@ void check_inputs(const Tensor& queries, const Tensor& items, const Tensor& posi
               "cpu_sampled_softmax: negative must be contiguous int64 [N, K]");
 }
 
+// V for rows of d floats where the AVX-512 code has a specialisation, else 0.
+int vectors_for(int64_t d) {
+#if defined(__AVX512F__)
+  const int64_t v = (d + 15) / 16;
+  if (v <= 4 || v == 8) return static_cast<int>(v);
+#endif
+  return 0;
+}
 
 // The item rows the kernels gather, [U, ld] with ld >= d: with AVX-512 a copy whose rows are padded
 // with zeros to whole vectors (ld = 16 V) and 64-byte aligned, so that every row load and table
@@ -52,30 +60,21 @@ void check_inputs(const Tensor& queries, const Tensor& items, const Tensor& posi
 // table itself (ld = d).
 struct Rows {
   const float* data;
-  int64_t ld;
   int vectors;  // V: 16-float vectors a row (0: the scalar code)
+  int64_t ld;
   gr_blas::AlignedFloats padded;
 
-  Rows(const Tensor& items, int vectors_)
+  explicit Rows(const Tensor& items)
       : data(items.data_ptr<float>()),
-        ld(vectors_ ? 16 * vectors_ : items.size(1)),
-        vectors(vectors_),
-        padded(vectors_ ? items.size(0) * ld : 0, true) {
+        vectors(vectors_for(items.size(1))),
+        ld(vectors ? 16 * vectors : items.size(1)),
+        padded(vectors ? items.size(0) * ld : 0, true) {
     if (vectors == 0) return;
     const int64_t U = items.size(0), d = items.size(1);
     for (int64_t u = 0; u < U; ++u) std::memcpy(padded.data() + u * ld, data + u * d, d * sizeof(float));
     data = padded.data();
   }
 };
-
-// V for rows of d floats where the AVX-512 code has a specialisation, else 0.
-int vectors_for(int64_t d) {
-#if defined(__AVX512F__)
-  const int64_t v = (d + 15) / 16;
-  if (v <= 4 || v == 8) return static_cast<int>(v);
-#endif
-  return 0;
-}
 
 #if defined(__AVX512F__)
 // With AVX-512 a query row of d <= 16 * V floats lives in V registers (the last one masked), so a
@@ -220,7 +219,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, c
   Tensor probs = at::empty({N, K1}, queries.options());
   Tensor row_loss = at::empty({N}, queries.options());
   const float* q = queries.data_ptr<float>();
-  const Rows rows(items, vectors_for(d));
+  const Rows rows(items);
   float* p = probs.data_ptr<float>();
   float* l = row_loss.data_ptr<float>();
   const float inv_t = static_cast<float>(1.0 / temperature);
@@ -264,7 +263,7 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
   Tensor dq = at::empty_like(queries);
   Tensor ditems = at::zeros_like(items);
   const float* q = queries.data_ptr<float>();
-  const Rows rows(items, vectors_for(d));
+  const Rows rows(items);
   const float* p = probs.data_ptr<float>();
   float* dqp = dq.data_ptr<float>();
   const float s = static_cast<float>(scale);
@@ -280,14 +279,7 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
       scatter(q + r * d, rows, ids.data(), w.data(), K1, d, dqp + r * d, table);
     }
   });
-  if (rows.ld == d) {
-    tables.add_to(ditems.data_ptr<float>());
-  } else {
-    gr_blas::AlignedFloats total(U * rows.ld, true);
-    tables.add_to(total.data());
-    float* out = ditems.data_ptr<float>();
-    for (int64_t u = 0; u < U; ++u) std::memcpy(out + u * d, total.data() + u * rows.ld, d * sizeof(float));
-  }
+  tables.add_rows_to(ditems.data_ptr<float>(), d, rows.ld);
   return {dq, ditems};
 }
 
