@@ -36,7 +36,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.sparse.sharding import shard_model  # noqa: E402
-from gr.train.build import seeded_model  # noqa: E402
+from gr.train.build import dense_optimizer, seeded_model  # noqa: E402
 from gr.train.cli import parse_args  # noqa: E402
 from gr.train.config import load_config  # noqa: E402
 from gr.train.tasks import RetrievalTask  # noqa: E402
@@ -73,7 +73,7 @@ def build(config, spec):
     )
     dmp = shard_model(model, config.sparse.optimizer, torch.device("cpu"))
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-    return dmp, task, torch.optim.AdamW(dense, lr=config.optimizer.lr, betas=config.optimizer.betas)
+    return dmp, task, dense_optimizer(config.optimizer, dense)
 
 
 def train_step(dmp, task, optimizer, batch, generator, precision: str = "32-true") -> None:

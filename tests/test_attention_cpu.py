@@ -224,3 +224,39 @@ def test_the_layout_cache_stays_within_its_budget_and_results_do_not_change(monk
     assert len(bounded.layouts) < len(unbounded.layouts)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
+
+
+def test_batches_without_targets_share_the_position_layouts_of_equal_chunks():
+    """A second batch whose sequences pad to the same lengths finds every chunk's masks and
+    position indices made by the first (they depend on no batch data); a batch with targets,
+    one sequence per group included, makes its own, and all three match the reference."""
+    from gr.hstu.kernels import AttentionWorkspace, cpu
+
+    g = torch.Generator().manual_seed(6)
+
+    def run(lengths, targets=None):
+        offsets = offsets_of(lengths)
+        total = int(offsets[-1])
+        tensors = [torch.randn(total, 1, 8, generator=g) for _ in range(3)]
+        timestamps = torch.randint(0, 10**6, (total,), generator=g).sort().values
+        num_targets = torch.tensor(targets) if targets else None
+        workspace = AttentionWorkspace(offsets)
+        options = dict(pos_buckets=160, time_buckets=32)
+        for backend, space in (("cpu", workspace), ("pytorch", None)):
+            weights = (torch.linspace(-0.2, 0.2, options["pos_buckets"]), torch.linspace(0.1, -0.1, 32))
+            rab = RelativeBias(*weights, timestamps)
+            out = hstu_attention(
+                *tensors, offsets, 160, num_targets=num_targets, rab=rab, backend=backend, workspace=space
+            )
+            if backend == "cpu":
+                got = out
+        torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
+
+    cpu._shared_positions.cache_clear()
+    run([150, 40, 90])
+    first = cpu._shared_positions.cache_info()
+    run([140, 33, 70])  # the same padded lengths: 160, 64 and 96
+    second = cpu._shared_positions.cache_info()
+    assert first.misses > 0 and second.misses == first.misses and second.hits == first.hits + first.misses
+    run([150, 40], targets=[3, 2])
+    assert cpu._shared_positions.cache_info().misses == first.misses

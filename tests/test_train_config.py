@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from gr.data.features import FeatureSpec
 from gr.prefix_dnn import PrefixDNN
-from gr.train.build import SAMPLED_ITEMS, build_model, build_tables
+from gr.train.build import SAMPLED_ITEMS, build_model, build_tables, dense_optimizer
 from gr.train.cli import parse_args
-from gr.train.config import TrainConfig, apply_override, load_config, parse_value
+from gr.train.config import OptimizerSection, TrainConfig, apply_override, load_config, parse_value
 from helpers.runs import BASE, config
 
 SPEC = FeatureSpec(sequence={"item_id": 40})
@@ -151,3 +151,29 @@ def test_seeded_model_is_identical_across_builds():
     a, b = seeded_model(config_with(), SPEC), seeded_model(config_with(), SPEC)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam"])
+def test_dense_adam_runs_pytorchs_fused_kernel_on_cpu_and_steps_like_the_unfused_one(kind):
+    section = OptimizerSection(type=kind, lr=0.01, weight_decay=0.1)
+    unfused_cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    torch.manual_seed(0)
+    weights = [torch.randn(7, 5), torch.randn(5)]
+    grads = [torch.randn_like(w) for w in weights]
+    stepped = []
+    for fused in (True, False):
+        params = [nn.Parameter(w.clone()) for w in weights]
+        optimizer = (
+            dense_optimizer(section, params)
+            if fused
+            else unfused_cls(params, lr=0.01, betas=section.betas, eps=section.eps, weight_decay=0.1, fused=False)
+        )
+        assert type(optimizer) is unfused_cls and bool(optimizer.defaults["fused"]) is fused
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+        stepped.append([p.detach() for p in params])
+    assert not torch.equal(stepped[0][0], weights[0])
+    for a, b in zip(*stepped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -33,7 +33,7 @@ from gr.data.stochastic_length import subsample_histories
 from gr.finite import NonFiniteError, non_finite
 from gr.model import GRInput
 from gr.sparse.sharding import shard_model, table_device
-from gr.train.build import seeded_model
+from gr.train.build import dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
 from gr.train.fsdp import FSDP2DenseWrapper
 from gr.train.tasks import RankingTask, RetrievalTask
@@ -124,11 +124,7 @@ class GRTrainingModule(LightningModule):
     def configure_optimizers(self) -> Any:
         opt = self.config.optimizer
         dense = [p for _, p in in_backward_optimizer_filter(self.model.named_parameters()) if p.requires_grad]
-        if opt.type == "sgd":
-            optimizer = torch.optim.SGD(dense, lr=opt.lr, weight_decay=opt.weight_decay)
-        else:
-            cls = torch.optim.AdamW if opt.type == "adamw" else torch.optim.Adam
-            optimizer = cls(dense, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        optimizer = dense_optimizer(opt, dense)
         if opt.warmup_steps == 0:
             return optimizer
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / opt.warmup_steps))

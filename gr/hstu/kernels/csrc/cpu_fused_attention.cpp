@@ -314,17 +314,22 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   }
 }
 
-// Time bucket of every (query row, key column) pair of a chunk, in one pass: rows [m0, m1) of each
-// sequence's query times against the keys [lo, hi) of its key times (both [G, Lp] int64) ->
-// int32 [G, m1 - m0, hi - lo]. The bucket of |dt| is floor(ln(max(|dt|, 1)) / 0.301) (or
+// Time bucket of the (query row, key column) pairs of a chunk that a query may see, in one pass: rows
+// [m0, m1) of each sequence's query times against the keys [lo, hi) of its key times (both [G, Lp]
+// int64) -> int32 [G, m1 - m0, hi - lo]. The bucket of |dt| is floor(ln(max(|dt|, 1)) / 0.301) (or
 // floor(sqrt(..))) clamped to [0, NB - 1], corrected by one step against `thresholds` [NB + 1]
-// (gr.hstu.kernels.common.time_bucket_thresholds), so that it equals time_bucket() exactly.
-Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, int64_t m0, int64_t m1, int64_t lo, int64_t hi,
-                    const Tensor& thresholds, bool sqrt_bucketing) {
+// (gr.hstu.kernels.common.time_bucket_thresholds), so that it equals time_bucket() exactly. Pairs no
+// query sees get bucket 0 instead (a valid index: the tiles read them and the mask zeroes their
+// weight): keys after the query (index > its own and >= contextual_len) and rows or keys past the
+// sequence's length (`lengths` [G] int64). At ML-1M's shapes that skips about half the logarithms.
+Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Tensor& lengths, int64_t m0, int64_t m1,
+                    int64_t lo, int64_t hi, int64_t contextual_len, const Tensor& thresholds, bool sqrt_bucketing) {
   TORCH_CHECK(query_times.scalar_type() == at::kLong && key_times.scalar_type() == at::kLong &&
                   query_times.is_contiguous() && key_times.is_contiguous() && query_times.dim() == 2 &&
                   query_times.sizes() == key_times.sizes(),
               "cpu_fused: query and key times must be contiguous int64 [G, Lp]");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == query_times.size(0),
+              "cpu_fused: lengths must be contiguous int64 [G]");
   TORCH_CHECK(thresholds.scalar_type() == at::kFloat && thresholds.is_contiguous() && thresholds.numel() >= 2,
               "cpu_fused: thresholds must be contiguous fp32 [NB + 1]");
   const int64_t G = query_times.size(0), Lp = query_times.size(1), C = m1 - m0, K = hi - lo;
@@ -332,24 +337,28 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, int64_t 
   Tensor out = at::empty({G, C, K}, query_times.options().dtype(at::kInt));
   const int64_t* qt = query_times.data_ptr<int64_t>();
   const int64_t* kt = key_times.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
   const float* thr = thresholds.data_ptr<float>();
   int32_t* o = out.data_ptr<int32_t>();
   const float inv_div = 1.0f / 0.301f;
   at::parallel_for(0, G * C, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> x(K);
     for (int64_t gi = begin; gi < end; ++gi) {
-      const int64_t g = gi / C, i = gi % C;
-      const int64_t tq = qt[g * Lp + m0 + i];
+      const int64_t g = gi / C, i = gi % C, row = m0 + i;
+      const int64_t seen = row < len[g] ? std::min(len[g], std::max(row + 1, contextual_len)) - lo : 0;
+      const int64_t n = std::clamp<int64_t>(seen, 0, K);
+      const int64_t tq = qt[g * Lp + row];
       const int64_t* keys = kt + g * Lp + lo;
-      int32_t* row = o + gi * K;
-      for (int64_t j = 0; j < K; ++j) x[j] = std::max(std::fabs(static_cast<float>(tq - keys[j])), 1.0f);
-      for (int64_t j = 0; j < K; ++j) {
+      int32_t* buckets = o + gi * K;
+      for (int64_t j = 0; j < n; ++j) x[j] = std::max(std::fabs(static_cast<float>(tq - keys[j])), 1.0f);
+      for (int64_t j = 0; j < n; ++j) {
         const float estimate = sqrt_bucketing ? std::sqrt(x[j]) : std::log(x[j]) * inv_div;
         int32_t b = std::min(std::max(static_cast<int32_t>(estimate), 0), NB - 1);
         b += (x[j] >= thr[b + 1]) ? 1 : 0;
         b -= (x[j] < thr[b]) ? 1 : 0;
-        row[j] = std::min(std::max(b, 0), NB - 1);
+        buckets[j] = std::min(std::max(b, 0), NB - 1);
       }
+      std::fill(buckets + n, buckets + K, 0);
     }
   });
   return out;
@@ -368,8 +377,8 @@ TORCH_LIBRARY(gr_cpu_fused, m) {
       "Tensor? time_w, Tensor? time_idx, Tensor? mask, int mask_from, Tensor? row_end, Tensor norm, "
       "Tensor(d!)? dpos, Tensor(e!)? dtime) -> ()");
   m.def(
-      "time_buckets(Tensor query_times, Tensor key_times, int m0, int m1, int lo, int hi, Tensor thresholds, "
-      "bool sqrt_bucketing) -> Tensor");
+      "time_buckets(Tensor query_times, Tensor key_times, Tensor lengths, int m0, int m1, int lo, int hi, "
+      "int contextual_len, Tensor thresholds, bool sqrt_bucketing) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gr_cpu_fused, CPU, m) {
