@@ -77,18 +77,19 @@ def test_fused_tiles_compute_bf16_inputs_in_fp32(monkeypatch):
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
-@pytest.mark.parametrize("bucketing", ["log", "sqrt"])
-def test_time_buckets_are_exact_where_a_query_sees_the_key_and_zero_elsewhere(bucketing):
+@pytest.mark.parametrize("bucketing, buckets", [("log", 40), ("sqrt", 40), ("sqrt", 300)])
+def test_time_buckets_are_exact_where_a_query_sees_the_key_and_zero_elsewhere(bucketing, buckets):
     """Rows [m0, m1) against keys [lo, hi) of two sequences (lengths 70 and 45 of a padded 80):
     visible pairs (key index <= the query's, or a contextual key) hold ``time_bucket``'s exact
-    bucket; future keys and padding rows or keys hold 0, a valid index the mask zeroes."""
+    bucket; future keys and padding rows or keys hold 0, a valid index the mask zeroes. One byte
+    each up to 256 buckets, else int32."""
     from gr.hstu.kernels.common import time_bucket, time_bucket_thresholds
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([70, 45])
     times = torch.randint(0, 10**8, (2, 80), generator=g).sort(1).values
     query_times = times + torch.randint(0, 10**5, (2, 80), generator=g)
-    m0, m1, lo, hi, contextual, buckets = 32, 64, 8, 64, 12, 40
+    m0, m1, lo, hi, contextual = 32, 64, 8, 64, 12
     thresholds = time_bucket_thresholds(bucketing, buckets, torch.device("cpu"))
     got = native_ops("gr_cpu_fused").time_buckets(
         query_times, times, lengths, m0, m1, lo, hi, contextual, thresholds, bucketing == "sqrt"
@@ -97,6 +98,6 @@ def test_time_buckets_are_exact_where_a_query_sees_the_key_and_zero_elsewhere(bu
     cols = torch.arange(lo, hi).view(1, 1, -1)
     exact = time_bucket(query_times[:, m0:m1, None] - times[:, None, lo:hi], bucketing, buckets)
     seen = ((cols <= rows) | (cols < contextual)) & (rows < lengths.view(-1, 1, 1)) & (cols < lengths.view(-1, 1, 1))
-    assert got.dtype == torch.int32 and got.shape == (2, m1 - m0, hi - lo)
+    assert got.dtype == (torch.uint8 if buckets <= 256 else torch.int32) and got.shape == (2, m1 - m0, hi - lo)
     assert 0 < int(seen.sum()) < seen.numel() and bool((exact[seen] > 0).any())
     assert torch.equal(got.long(), torch.where(seen, exact, 0))

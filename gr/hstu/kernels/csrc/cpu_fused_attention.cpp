@@ -49,19 +49,29 @@ struct Jagged {
   float* rows(int64_t first, int64_t h) const { return data + first * ld + h * head_stride; }
 };
 
-// acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in long runs along
-// a row (timestamps are sorted), and adding element by element would chain every add of a run
+#if defined(__AVX512F__)
+// Whether idx[0, 16) all equal `bucket`.
+inline bool sixteen_equal(const int32_t* idx, int32_t bucket) {
+  return _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(idx), _mm512_set1_epi32(bucket)) == 0;
+}
+inline bool sixteen_equal(const uint8_t* idx, int32_t bucket) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(idx));
+  return _mm_movemask_epi8(_mm_cmpeq_epi8(bytes, _mm_set1_epi8(static_cast<char>(bucket)))) == 0xFFFF;
+}
+#endif
+
+// acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in runs along a
+// row (timestamps are sorted), and adding element by element would chain every add of a run
 // through the same memory location. Runs are summed 16 lanes at a time where the build has AVX-512.
-void add_by_runs(const int32_t* idx, const float* d, int64_t n, float* acc) {
+template <typename Index>
+void add_by_runs(const Index* idx, const float* d, int64_t n, float* acc) {
   int64_t j = 0;
   while (j < n) {
     const int32_t bucket = idx[j];
     float run = 0.0f;
 #if defined(__AVX512F__)
-    const __m512i same = _mm512_set1_epi32(bucket);
     __m512 lanes = _mm512_setzero_ps();
-    for (; j + 16 <= n && _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(idx + j), same) == 0; j += 16)
-      lanes = _mm512_add_ps(lanes, _mm512_loadu_ps(d + j));
+    for (; j + 16 <= n && sixteen_equal(idx + j, bucket); j += 16) lanes = _mm512_add_ps(lanes, _mm512_loadu_ps(d + j));
     run = _mm512_reduce_add_ps(lanes);
 #endif
     for (; j < n && idx[j] == bucket; ++j) run += d[j];
@@ -70,7 +80,8 @@ void add_by_runs(const int32_t* idx, const float* d, int64_t n, float* acc) {
 }
 
 // s[j] += w[idx[j]] for j < n (restrict: so that it vectorises, as a gather).
-void add_lookup(const int32_t* __restrict idx, const float* __restrict w, float* __restrict s, int64_t n) {
+template <typename Index>
+void add_lookup(const Index* __restrict idx, const float* __restrict w, float* __restrict s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) s[j] += w[idx[j]];
 }
 
@@ -85,7 +96,8 @@ struct Chunk {
   const int32_t* row_pos = nullptr;  // [Gp, C]: each query's position (its row, or the history length)
   bool pos_shared = false;
   const float* time_w = nullptr;
-  const int32_t* time_idx = nullptr;  // [G, C, K]
+  const void* time_idx = nullptr;  // [G, C, K] uint8 (bytes) or int32
+  bool time_idx_bytes = false;
   const float* mask = nullptr;        // [Gm, 1, C, K - mask_from]
   bool mask_shared = false;
   const int64_t* row_end = nullptr;  // [Gm, C]: 1 + the last key column row i may see
@@ -113,11 +125,13 @@ struct Chunk {
       pos_shared = row_pos_->size(0) == 1;
     }
     if (time_w_.has_value()) {
-      TORCH_CHECK(time_idx_.has_value() && time_idx_->is_contiguous() && time_idx_->scalar_type() == at::kInt &&
+      TORCH_CHECK(time_idx_.has_value() && time_idx_->is_contiguous() &&
+                      (time_idx_->scalar_type() == at::kInt || time_idx_->scalar_type() == at::kByte) &&
                       time_idx_->size(-1) == K && time_idx_->size(-2) == C,
-                  "cpu_fused: time buckets must be contiguous int32 [G, C, K]");
+                  "cpu_fused: time buckets must be contiguous uint8 or int32 [G, C, K]");
       time_w = time_w_->data_ptr<float>();
-      time_idx = time_idx_->data_ptr<int32_t>();
+      time_idx = time_idx_->data_ptr();
+      time_idx_bytes = time_idx_->scalar_type() == at::kByte;
     }
     if (mask_.has_value()) {
       TORCH_CHECK(mask_->is_contiguous() && mask_->scalar_type() == at::kFloat && mask_->size(-1) == K - mask_from,
@@ -167,7 +181,12 @@ struct Chunk {
       for (int64_t j = d.lo; j < d.hi; ++j) s[j] += *(w - j);
       for (int64_t j = d.hi; j < n; ++j) s[j] += pos_w[0];
     }
-    if (time_w != nullptr) add_lookup(time_idx + (g * C + i) * K, time_w, s, n);
+    if (time_w == nullptr) return;
+    const int64_t row = (g * C + i) * K;
+    if (time_idx_bytes)
+      add_lookup(static_cast<const uint8_t*>(time_idx) + row, time_w, s, n);
+    else
+      add_lookup(static_cast<const int32_t*>(time_idx) + row, time_w, s, n);
   }
   // w[0, n) *= the mask of row i (columns >= mask_from).
   void apply_mask(int64_t g, int64_t i, float* w, int64_t n) const {
@@ -188,7 +207,12 @@ struct Chunk {
       float* acc = dpos + diag.base;
       for (int64_t j = diag.lo; j < diag.hi; ++j) *(acc - j) += d[j];
     }
-    if (dtime != nullptr) add_by_runs(time_idx + (g * C + i) * K, d, n, dtime);
+    if (dtime == nullptr) return;
+    const int64_t row = (g * C + i) * K;
+    if (time_idx_bytes)
+      add_by_runs(static_cast<const uint8_t*>(time_idx) + row, d, n, dtime);
+    else
+      add_by_runs(static_cast<const int32_t*>(time_idx) + row, d, n, dtime);
   }
 };
 
@@ -316,7 +340,8 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 
 // Time bucket of the (query row, key column) pairs of a chunk that a query may see, in one pass: rows
 // [m0, m1) of each sequence's query times against the keys [lo, hi) of its key times (both [G, Lp]
-// int64) -> int32 [G, m1 - m0, hi - lo]. The bucket of |dt| is floor(ln(max(|dt|, 1)) / 0.301) (or
+// int64) -> [G, m1 - m0, hi - lo], uint8 when there are at most 256 buckets (a quarter of the bytes
+// every layer's tiles read twice), else int32. The bucket of |dt| is floor(ln(max(|dt|, 1)) / 0.301) (or
 // floor(sqrt(..))) clamped to [0, NB - 1], corrected by one step against `thresholds` [NB + 1]
 // (gr.hstu.kernels.common.time_bucket_thresholds), so that it equals time_bucket() exactly. Pairs no
 // query sees get bucket 0 instead (a valid index: the tiles read them and the mask zeroes their
@@ -334,14 +359,14 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
               "cpu_fused: thresholds must be contiguous fp32 [NB + 1]");
   const int64_t G = query_times.size(0), Lp = query_times.size(1), C = m1 - m0, K = hi - lo;
   const int32_t NB = static_cast<int32_t>(thresholds.numel() - 1);
-  Tensor out = at::empty({G, C, K}, query_times.options().dtype(at::kInt));
+  const bool bytes = NB <= 256;
+  Tensor out = at::empty({G, C, K}, query_times.options().dtype(bytes ? at::kByte : at::kInt));
   const int64_t* qt = query_times.data_ptr<int64_t>();
   const int64_t* kt = key_times.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const float* thr = thresholds.data_ptr<float>();
-  int32_t* o = out.data_ptr<int32_t>();
   const float inv_div = 1.0f / 0.301f;
-  at::parallel_for(0, G * C, 16, [&](int64_t begin, int64_t end) {
+  auto rows = [&](auto* o, int64_t begin, int64_t end) {
     std::vector<float> x(K);
     for (int64_t gi = begin; gi < end; ++gi) {
       const int64_t g = gi / C, i = gi % C, row = m0 + i;
@@ -349,7 +374,7 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
       const int64_t n = std::clamp<int64_t>(seen, 0, K);
       const int64_t tq = qt[g * Lp + row];
       const int64_t* keys = kt + g * Lp + lo;
-      int32_t* buckets = o + gi * K;
+      auto* buckets = o + gi * K;
       for (int64_t j = 0; j < n; ++j) x[j] = std::max(std::fabs(static_cast<float>(tq - keys[j])), 1.0f);
       for (int64_t j = 0; j < n; ++j) {
         const float estimate = sqrt_bucketing ? std::sqrt(x[j]) : std::log(x[j]) * inv_div;
@@ -360,6 +385,12 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
       }
       std::fill(buckets + n, buckets + K, 0);
     }
+  };
+  at::parallel_for(0, G * C, 16, [&](int64_t begin, int64_t end) {
+    if (bytes)
+      rows(out.data_ptr<uint8_t>(), begin, end);
+    else
+      rows(out.data_ptr<int32_t>(), begin, end);
   });
   return out;
 }
