@@ -334,7 +334,8 @@ class _Layout:
     dtype); pos_idx: [G or 1, C, K], time_idx: [G, C, K] bucket indices (int64 for ``scatter_add_``) or None;
     for the fused tiles instead row_pos: [G or 1, C] int32 query positions (a key's position bucket
     is the difference), time_idx in uint8 (int32 past 256 buckets), bucketed by their ops in one
-    pass (pairs no query sees: bucket 0), and with a mask row_end: [G or 1, C] int64, 1 + the last key column each query sees.
+    pass (pairs no query sees: bucket 0), and with a mask row_end: [G or 1, C] int64, 1 + the last
+    key column each query sees.
     """
 
     def __init__(
