@@ -155,14 +155,15 @@ def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1
 def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:
     """The CPU kernel's cached layout of one sequence of ``tokens`` tokens, kept from forward to
     backward: a time-bias bucket per (query, key) of each query chunk's padded keys (at most
-    ``LAYOUT_CACHE_ELEMENTS`` a batch; int32 for the fused tiles, int64 unfused); position
-    buckets and masks are shared by a group."""
+    ``LAYOUT_CACHE_ELEMENTS`` a batch; for the fused tiles one byte up to 256 buckets, else int32;
+    int64 unfused); position buckets and masks are shared by a group."""
     if config.time_buckets == 0 or tokens == 0:
         return 0
     padded = int(padded_lengths(torch.tensor([tokens]))[0])
     chunks = range(0, padded, QUERY_CHUNK)
     elements = sum((min(m0 + QUERY_CHUNK, padded) - m0) * min(m0 + QUERY_CHUNK, padded) for m0 in chunks)
-    return (INT32 if fused_expected() else INT64) * min(LAYOUT_CACHE_ELEMENTS, elements)
+    bucket_bytes = (1 if config.time_buckets <= 256 else INT32) if fused_expected() else INT64
+    return bucket_bytes * min(LAYOUT_CACHE_ELEMENTS, elements)
 
 
 def hstu_forward_flops_per_token(config: HSTUConfig, seq_len: int) -> int:

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gr.data.datamodule import SequenceDataModule
 from gr.hstu import HSTU, HSTUConfig
+from gr.hstu.kernels import cpu as cpu_kernel
 from gr.plan import hstu_activation_bytes, hstu_forward_flops_per_token, hstu_parameter_count, main, plan_from_config
 from gr.train.build import build_model
 from gr.train.config import TrainConfig
@@ -85,9 +86,11 @@ def test_sparse_and_dense_counts_equal_the_built_model_and_shard_over_ranks():
 def measured_activation_bytes(config: HSTUConfig, seq_len: int, precision: str) -> float:
     """Bytes per token a training forward of the stack leaves allocated (torch's CPU memory
     profiler), as the difference between batches of 4 and 2 sequences (constant terms such
-    as bf16 weight copies cancel)."""
+    as bf16 weight copies and the CPU kernel's layouts shared across batches cancel: both are
+    made afresh for each batch size)."""
     allocated = {}
     for batch in (2, 4):
+        cpu_kernel._shared_positions.cache_clear()
         torch.manual_seed(0)
         stack = HSTU(config).train()
         x = torch.randn(batch * seq_len, config.hidden_dim)
