@@ -172,6 +172,16 @@ struct Chunk {
     return {base, std::min(n, std::max<int64_t>(0, base - (P - 1))), std::min(n, std::max<int64_t>(0, base + 1))};
   }
 
+  // f(row i of sequence g's time buckets), as stored (uint8 or int32).
+  template <typename F>
+  void time_buckets_of(int64_t g, int64_t i, const F& f) const {
+    const int64_t row = (g * C + i) * K;
+    if (time_idx_bytes)
+      f(static_cast<const uint8_t*>(time_idx) + row);
+    else
+      f(static_cast<const int32_t*>(time_idx) + row);
+  }
+
   // s[0, n) = s + bias of row i of sequence g.
   void add_bias(int64_t g, int64_t i, float* s, int64_t n) const {
     if (pos_w != nullptr) {
@@ -181,12 +191,7 @@ struct Chunk {
       for (int64_t j = d.lo; j < d.hi; ++j) s[j] += *(w - j);
       for (int64_t j = d.hi; j < n; ++j) s[j] += pos_w[0];
     }
-    if (time_w == nullptr) return;
-    const int64_t row = (g * C + i) * K;
-    if (time_idx_bytes)
-      add_lookup(static_cast<const uint8_t*>(time_idx) + row, time_w, s, n);
-    else
-      add_lookup(static_cast<const int32_t*>(time_idx) + row, time_w, s, n);
+    if (time_w != nullptr) time_buckets_of(g, i, [&](const auto* idx) { add_lookup(idx, time_w, s, n); });
   }
   // w[0, n) *= the mask of row i (columns >= mask_from).
   void apply_mask(int64_t g, int64_t i, float* w, int64_t n) const {
@@ -207,12 +212,7 @@ struct Chunk {
       float* acc = dpos + diag.base;
       for (int64_t j = diag.lo; j < diag.hi; ++j) *(acc - j) += d[j];
     }
-    if (dtime == nullptr) return;
-    const int64_t row = (g * C + i) * K;
-    if (time_idx_bytes)
-      add_by_runs(static_cast<const uint8_t*>(time_idx) + row, d, n, dtime);
-    else
-      add_by_runs(static_cast<const int32_t*>(time_idx) + row, d, n, dtime);
+    if (dtime != nullptr) time_buckets_of(g, i, [&](const auto* idx) { add_by_runs(idx, d, n, dtime); });
   }
 };
 
