@@ -357,7 +357,7 @@ class _Layout:
             positions = _positions(chunk, group.lengths, group.history, *numbers)
         self.norm, self.mask, self.row_end, self.row_pos, self.pos_idx = positions
         self.time_idx = None
-        if time_buckets and fused is not None:  # a fusable chunk's keys are the range [lo, hi)
+        if time_buckets and fusing:  # a fusable chunk's keys are the range [lo, hi)
             query_ts, key_ts = (t.long().contiguous() for t in _group_times(problem, group))
             thresholds = time_bucket_thresholds(problem.time_bucketing, time_buckets, query_ts.device)
             self.time_idx = fused.time_buckets(
@@ -392,7 +392,7 @@ def _positions(
     cols = chunk.cols.view(1, 1, -1)
     row_pos = torch.minimum(rows, history)
     norm = silu_norm(row_pos, silu_scale).to(dtype).unsqueeze(1)
-    mask = row_end = pos_idx = positions = None
+    mask = row_end = pos_idx = query_positions = None
     if chunk.mask_from < cols.shape[-1]:
         part = cols[..., chunk.mask_from :]
         visible = hstu_visibility(rows, part, lengths, history, contextual_len, max_attn_len) & (part < history)
@@ -401,10 +401,10 @@ def _positions(
             last_seen = torch.where(visible, torch.arange(1, part.shape[-1] + 1, device=part.device), 0).amax(-1)
             row_end = (chunk.mask_from + last_seen).view(-1, rows.shape[1])
     if pos_buckets and fused:  # the tiles take each key's bucket from the query's position
-        positions = row_pos.view(-1, row_pos.shape[1]).to(torch.int32)
+        query_positions = row_pos.view(-1, row_pos.shape[1]).to(torch.int32)
     elif pos_buckets:
         pos_idx = position_bucket(row_pos - torch.minimum(cols, history), pos_buckets)
-    return norm, mask, row_end, positions, pos_idx
+    return norm, mask, row_end, query_positions, pos_idx
 
 
 @lru_cache(maxsize=256)

@@ -275,7 +275,8 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
     for (int64_t r = begin; r < end; ++r) {
       TORCH_CHECK(row_ids(positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), r, K1 - 1, U, ids.data()),
                   "cpu_sampled_softmax: an index is outside [0, U)");
-      for (int64_t j = 0; j < K1; ++j) w[j] = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;  // d(lse - logit_0) / d logit_j
+      // d(lse - logit_0) / d logit_j
+      for (int64_t j = 0; j < K1; ++j) w[j] = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;
       scatter(q + r * d, rows, ids.data(), w.data(), K1, d, dqp + r * d, table);
     }
   });
