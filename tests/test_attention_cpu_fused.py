@@ -101,3 +101,28 @@ def test_time_buckets_are_exact_where_a_query_sees_the_key_and_zero_elsewhere(bu
     assert got.dtype == (torch.uint8 if buckets <= 256 else torch.int32) and got.shape == (2, m1 - m0, hi - lo)
     assert 0 < int(seen.sum()) < seen.numel() and bool((exact[seen] > 0).any())
     assert torch.equal(got.long(), torch.where(seen, exact, 0))
+
+
+@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
+@pytest.mark.parametrize("bucketing", ["log", "sqrt"])
+def test_time_buckets_are_exact_on_both_sides_of_every_bucket_edge(bucketing):
+    """The kernel corrects its log/sqrt estimate only near a bucket edge: |dt| on both sides of
+    every edge (the integers around each threshold) and 20,000 log-uniform |dt| up to 10^16 all
+    get ``time_bucket``'s bucket, as do negative dt."""
+    from gr.hstu.kernels.common import time_bucket, time_bucket_thresholds
+
+    buckets = 128
+    thresholds = time_bucket_thresholds(bucketing, buckets, torch.device("cpu")).double()
+    edges = thresholds[1:-1][thresholds[1:-1].isfinite()].ceil().long()
+    around = torch.cat([edges - 2, edges - 1, edges, edges + 1])
+    spread = torch.exp(torch.rand(20_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 37).long()
+    deltas = torch.cat([around, spread, -spread[:1000]]).clamp(min=-(2**62), max=2**62)
+    key_times = deltas.view(1, -1)
+    query_times = torch.zeros_like(key_times)
+    n = deltas.numel()  # every key contextual: row 0 sees all of them
+    got = native_ops("gr_cpu_fused").time_buckets(
+        query_times, key_times, torch.tensor([n]), 0, 1, 0, n, n, thresholds.float(), bucketing == "sqrt"
+    )
+    want = time_bucket(deltas, bucketing, buckets)
+    assert int((want > 60).sum()) > 1000 and int((want < 10).sum()) > 100
+    assert torch.equal(got[0, 0].long(), want)

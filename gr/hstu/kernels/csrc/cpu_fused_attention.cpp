@@ -366,8 +366,16 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
   const int64_t* len = lengths.data_ptr<int64_t>();
   const float* thr = thresholds.data_ptr<float>();
   const float inv_div = 1.0f / 0.301f;
+  // Per row: |dt| and the estimate vectorise (the logarithm through libmvec); the correction needs two
+  // gathers a value, so it runs only on runs of 16 values where an estimate is within kNearEdge of a
+  // bucket edge. Elsewhere the estimate is exact: libmvec's and PyTorch's logf (and any sqrtf) are off by
+  // a few ulp, < 1e-4 of a bucket for |dt| < 2^63, so both floor to the same bucket; |dt| = 1 gives an
+  // exact 0 on both.
+  constexpr float kNearEdge = 1e-3f;
   auto rows = [&](auto* o, int64_t begin, int64_t end) {
-    std::vector<float> x(K);
+    std::vector<float> x(K), f(K);
+    std::vector<int32_t> estimate(K);
+    std::vector<uint8_t> near_edge(K);
     for (int64_t gi = begin; gi < end; ++gi) {
       const int64_t g = gi / C, i = gi % C, row = m0 + i;
       const int64_t seen = row < len[g] ? std::min(len[g], std::max(row + 1, contextual_len)) - lo : 0;
@@ -375,14 +383,35 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
       const int64_t tq = qt[g * Lp + row];
       const int64_t* keys = kt + g * Lp + lo;
       auto* buckets = o + gi * K;
-      for (int64_t j = 0; j < n; ++j) x[j] = std::max(std::fabs(static_cast<float>(tq - keys[j])), 1.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float estimate = sqrt_bucketing ? std::sqrt(x[j]) : std::log(x[j]) * inv_div;
-        int32_t b = std::min(std::max(static_cast<int32_t>(estimate), 0), NB - 1);
-        b += (x[j] >= thr[b + 1]) ? 1 : 0;
-        b -= (x[j] < thr[b]) ? 1 : 0;
-        buckets[j] = std::min(std::max(b, 0), NB - 1);
+      float* __restrict xs = x.data();
+      float* __restrict fs = f.data();
+      int32_t* __restrict es = estimate.data();
+      uint8_t* __restrict near = near_edge.data();
+      const float* __restrict edges = thr;
+      for (int64_t j = 0; j < n; ++j) xs[j] = std::max(std::fabs(static_cast<float>(tq - keys[j])), 1.0f);
+      if (sqrt_bucketing) {
+        for (int64_t j = 0; j < n; ++j) fs[j] = std::sqrt(xs[j]);
+      } else {
+        for (int64_t j = 0; j < n; ++j) fs[j] = logf(xs[j]) * inv_div;
       }
+      for (int64_t j = 0; j < n; ++j) {
+        const float frac = fs[j] - std::floor(fs[j]);
+        es[j] = std::min(std::max(static_cast<int32_t>(fs[j]), 0), NB - 1);
+        near[j] = xs[j] != 1.0f && (frac < kNearEdge || frac > 1.0f - kNearEdge);
+      }
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t j1 = std::min(j0 + 16, n);
+        uint8_t any_near = 0;
+        for (int64_t j = j0; j < j1; ++j) any_near |= near[j];
+        if (!any_near) continue;
+        for (int64_t j = j0; j < j1; ++j) {
+          int32_t b = es[j];
+          b += (xs[j] >= edges[b + 1]) ? 1 : 0;
+          b -= (xs[j] < edges[b]) ? 1 : 0;
+          es[j] = std::min(std::max(b, 0), NB - 1);
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) buckets[j] = es[j];
       std::fill(buckets + n, buckets + K, 0);
     }
   };
