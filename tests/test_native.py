@@ -87,7 +87,7 @@ def test_gradients_of_the_fused_kernels_repeat_bitwise_on_more_threads(monkeypat
     """Per-thread partial sums (bias, weight and item-table gradients) are added up in thread order,
     so a result does not depend on which thread finished first: on 4 threads (an order-dependent
     merge shows up from 3) every gradient of an HSTU step and of the sampled softmax is the same
-    in 5 repeats."""
+    in 5 repeats (the softmax with negatives per row and shared by blocks of 10 rows)."""
     from gr.hstu import HSTU, HSTUConfig
     from gr.train.losses import sampled_softmax_loss
 
@@ -107,6 +107,7 @@ def test_gradients_of_the_fused_kernels_repeat_bitwise_on_more_threads(monkeypat
         stack.zero_grad()
         stack(x, offsets, 256, timestamps).square().sum().backward()
         loss = sampled_softmax_loss(queries, items, positives, negatives, 0.05)
+        loss = loss + sampled_softmax_loss(queries, items, positives, negatives[:100], 0.05, rows_per_draw=10)
         return [p.grad.clone() for p in stack.parameters()] + list(torch.autograd.grad(loss, (queries, items)))
 
     threads = torch.get_num_threads()

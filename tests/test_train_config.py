@@ -45,6 +45,7 @@ def config_with(*overrides):
         ("sparse.placement", "gpu", "sparse.placement"),
         ("sparse.optimizer.type", "adadelta", "sparse.optimizer.type"),
         ("task.retrieval.negatives", "row", "task.retrieval.negatives"),
+        ("task.retrieval.negatives_block", 0, r"task.retrieval.negatives_block: expected an int >= 1"),
         ("task.retrieval.temperature", 0, "task.retrieval.temperature"),
         ("task.retrieval.item_feature", "movie", "task.retrieval.item_feature"),
         ("optimizer.betas", [0.9], "optimizer.betas"),

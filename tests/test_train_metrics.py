@@ -169,9 +169,10 @@ def test_multitask_bce_weights_tasks():
     torch.testing.assert_close(out["bce/b"], bce["b"])
 
 
-@pytest.mark.parametrize("negatives", ["token", "batch"])
+@pytest.mark.parametrize("negatives", ["token", "block", "batch"])
 def test_retrieval_inputs_carry_distinct_sampled_items(negatives):
-    config = RetrievalSection(num_negatives=8, negatives=negatives)
+    """Per token [4, 8] negatives; per block of 3 scored tokens [2, 8]; per batch [8]."""
+    config = RetrievalSection(num_negatives=8, negatives=negatives, negatives_block=3)
     task = RetrievalTask(config, num_items=50, item_embedding=lambda rows: rows)
     lengths = torch.tensor([3, 2])
     ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], torch.tensor([4, 5, 6, 9, 4]), lengths)
@@ -183,7 +184,7 @@ def test_retrieval_inputs_carry_distinct_sampled_items(negatives):
     assert distinct.unique().numel() == distinct.numel()
     assert distinct[inputs.labels["positive_index"]].tolist() == [5, 6, 7, 4]
     negative_ids = distinct[inputs.labels["negative_index"]]
-    assert negative_ids.shape == ((4, 8) if negatives == "token" else (8,))
+    assert negative_ids.shape == {"token": (4, 8), "block": (2, 8), "batch": (8,)}[negatives]
     assert int(negative_ids.min()) >= 0 and int(negative_ids.max()) < 50
     assert inputs.sequence_ids.to_dict()["item_id"].values().tolist() == [4, 5, 6, 9, 4]
 
@@ -251,6 +252,47 @@ def test_fused_sampled_softmax_matches_naive_for_every_row_width(monkeypatch, di
     torch.testing.assert_close(loss, expected)
     for got, want in zip(torch.autograd.grad(loss, (queries, items)), torch.autograd.grad(expected, (queries, items))):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("fused", ["0", "auto"], ids=["pytorch", "fused-if-built"])
+@pytest.mark.parametrize("dim", [16, 50, 100])
+def test_negatives_shared_by_blocks_of_rows_give_the_per_row_loss_of_those_negatives(monkeypatch, fused, dim):
+    """rows_per_draw=8 over 37 rows: row n scores negative_index[n // 8] (the last block has 5 rows),
+    with a negative equal to a row's own positive masked for that row only. Loss and the gradients
+    of queries and items equal the naive per-row loss over the repeated negatives; the fused kernel
+    scores a block by GEMMs (a scalar row width, 100, included)."""
+    monkeypatch.setenv("GR_CPU_FUSED", fused)
+    torch.manual_seed(dim)
+    queries = F.normalize(torch.randn(37, dim), dim=-1).requires_grad_(True)
+    items = F.normalize(torch.randn(30, dim), dim=-1).requires_grad_(True)
+    positive_index, negative_index = torch.randint(0, 30, (37,)), torch.randint(0, 30, (5, 21))
+    negative_index[1, 4] = positive_index[9]  # row 9's positive, a plain negative for rows 8, 10..15
+    negative_index[4, :20] = positive_index[36]  # the last row: one negative left
+    per_row = negative_index.repeat_interleave(8, 0)[:37]
+    with torch.profiler.profile() as profile:
+        loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05, rows_per_draw=8)
+    if fused == "auto" and X86:
+        assert "gr_cpu_loss::sampled_softmax_forward" in {e.key for e in profile.key_averages()}
+    expected = naive_sampled_softmax(queries, items, positive_index, per_row, 0.05)
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(torch.autograd.grad(loss, (queries, items)), torch.autograd.grad(expected, (queries, items))):
+        torch.testing.assert_close(got, want)
+
+
+def test_negatives_shared_by_blocks_must_have_one_row_per_block():
+    queries, items, positives = torch.randn(10, 4), torch.randn(8, 4), torch.zeros(10, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"negative_index has 2 rows, expected ceil\(10 / 4\)"):
+        sampled_softmax_loss(queries, items, positives, torch.zeros(2, 5, dtype=torch.long), 0.05, 4)
+
+
+@pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")
+def test_fused_block_negatives_refuse_an_id_outside_the_table(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    queries, items = torch.randn(10, 16), torch.randn(8, 16)
+    negative_index = torch.zeros(3, 5, dtype=torch.long)
+    negative_index[2, 4] = 8
+    with pytest.raises(RuntimeError, match="an index is outside"):
+        sampled_softmax_loss(queries, items, torch.zeros(10, dtype=torch.long), negative_index, 0.05, 4)
 
 
 @pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")

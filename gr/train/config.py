@@ -50,7 +50,7 @@ from gr.sparse.tables import TableConfig
 DEFAULT_POSTFIX = {"retrieval": "gr.postfix_dnn.RetrievalHead", "ranking": "gr.postfix_dnn.MMoERankingHead"}
 DEFAULT_PREFIX = "gr.prefix_dnn.MLPTokenEncoder"
 DEFAULT_MODEL = "gr.model.GRModel"
-NEGATIVE_SHARING = ("token", "batch")
+NEGATIVE_SHARING = ("token", "block", "batch")
 DENSE_OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "npu")
@@ -221,13 +221,16 @@ class SparseSection(Section):
 @dataclass(frozen=True)
 class RetrievalSection(Section):
     """Sampled softmax over ``num_negatives`` items drawn uniformly from the catalogue, per
-    token ("token": the HSTU paper's) or shared by all tokens of a batch ("batch"); logits
-    are cosine similarities / ``temperature``. Evaluation ranks the whole catalogue:
-    HR@k and NDCG@k for k in ``top_k``, and MRR."""
+    token ("token": the HSTU paper's), shared by each block of ``negatives_block`` consecutive
+    scored tokens ("block": every token still gets ``num_negatives`` uniform draws, and the
+    CPU kernel scores a block by one matrix product instead of a gather per dot product), or
+    shared by all tokens of a batch ("batch"); logits are cosine similarities / ``temperature``.
+    Evaluation ranks the whole catalogue: HR@k and NDCG@k for k in ``top_k``, and MRR."""
 
     num_negatives: int = checked(128, int_at_least(1))
     temperature: float = checked(0.05, number_in(0.0, open_low=True))
     negatives: str = checked("token", one_of(*NEGATIVE_SHARING))
+    negatives_block: int = checked(32, int_at_least(1))
     top_k: Tuple[int, ...] = checked((10, 50, 200), TOP_K)
     item_feature: str = checked("item_id", NAME)
     where: InitVar[str] = "task.retrieval"
@@ -237,6 +240,11 @@ class RetrievalSection(Section):
 
     def metric_names(self) -> Tuple[str, ...]:
         return (*(f"{m}@{k}" for m in ("hr", "ndcg") for k in self.top_k), "mrr")
+
+    @property
+    def rows_per_draw(self) -> int:
+        """Scored tokens sharing one draw of negatives when ``negatives`` is "token" or "block"."""
+        return self.negatives_block if self.negatives == "block" else 1
 
 
 @dataclass(frozen=True)

@@ -22,23 +22,34 @@ def sampled_softmax_loss(
     positive_index: Tensor,
     negative_index: Tensor,
     temperature: float,
+    rows_per_draw: int = 1,
 ) -> Tensor:
     """Mean over rows of -log softmax of the positive among itself and the row's negatives.
 
     queries: [N, d] float; items: [U, d] float, the distinct sampled items' vectors
     positive_index: [N] int64, each row's true next item (a row of ``items``)
-    negative_index: [N, K] int64 (negatives per row) or [K] int64 (shared by all rows)
+    negative_index: [ceil(N / rows_per_draw), K] int64 (row n's negatives are row
+        n // rows_per_draw: 1 = per row) or [K] int64 (shared by all rows)
     Logits are dot products / temperature (cosines when both sides are unit vectors). A
     negative that is the row's own positive is masked out, so it is never pushed down.
     Under CPU/CUDA autocast the dot products run in the autocast dtype (bf16: fp32
     accumulation, bf16 logits), the softmax in fp32.
     returns: scalar
     """
+    if negative_index.dim() == 2 and negative_index.shape[0] != -(-positive_index.shape[0] // rows_per_draw):
+        raise ValueError(
+            f"sampled_softmax_loss: negative_index has {negative_index.shape[0]} rows, expected ceil("
+            f"{positive_index.shape[0]} / {rows_per_draw}) for rows_per_draw={rows_per_draw}"
+        )
     if negative_index.dim() == 2 and queries.device.type == "cpu" and items.numel() <= MAX_TABLE_ELEMENTS:
         ops = native_ops("gr_cpu_loss")
         if ops is not None:
             with torch.autocast("cpu", enabled=False):
-                return _FusedSampledSoftmax.apply(queries, items, positive_index, negative_index, temperature, ops)
+                return _FusedSampledSoftmax.apply(
+                    queries, items, positive_index, negative_index, rows_per_draw, temperature, ops
+                )
+    if negative_index.dim() == 2 and rows_per_draw > 1:
+        negative_index = negative_index.repeat_interleave(rows_per_draw, 0)[: positive_index.shape[0]]
     if negative_index.dim() == 2 and items.shape[0] <= negative_index.shape[1] * items.shape[1]:
         # Fewer distinct items than gathered values: score rows against all items, tile by tile.
         device = queries.device.type
@@ -59,16 +70,18 @@ def sampled_softmax_loss(
 
 class _FusedSampledSoftmax(torch.autograd.Function):
     """Per-row negatives on CPU by gr's fused kernel (``gr.native``, ``gr_cpu_loss``): each row's K + 1
-    dot products read the item rows in place, in fp32 (bf16 inputs are widened once); the loss is
-    the mean of the rows' ``lse - logit_positive``."""
+    dot products read the item rows in place (a block of rows sharing negatives: one GEMM against
+    them), in fp32 (bf16 inputs are widened once); the loss is the mean of the rows'
+    ``lse - logit_positive``."""
 
     @staticmethod
-    def forward(ctx, queries, items, positive_index, negative_index, temperature, ops):
+    def forward(ctx, queries, items, positive_index, negative_index, rows_per_draw, temperature, ops):
         q, it = queries.float().contiguous(), items.float().contiguous()
         positive, negative = positive_index.contiguous(), negative_index.contiguous()
-        probs, row_loss = ops.sampled_softmax_forward(q, it, positive, negative, temperature)
+        probs, row_loss = ops.sampled_softmax_forward(q, it, positive, negative, rows_per_draw, temperature)
         ctx.save_for_backward(q, it, positive, negative, probs)
-        ctx.temperature, ctx.ops, ctx.dtypes = temperature, ops, (queries.dtype, items.dtype)
+        ctx.rows_per_draw, ctx.temperature, ctx.ops = rows_per_draw, temperature, ops
+        ctx.dtypes = (queries.dtype, items.dtype)
         return row_loss.mean()
 
     @staticmethod
@@ -76,8 +89,8 @@ class _FusedSampledSoftmax(torch.autograd.Function):
     def backward(ctx, grad):
         q, it, positive, negative, probs = ctx.saved_tensors
         scale = float(grad) / (positive.shape[0] * ctx.temperature)
-        dq, ditems = ctx.ops.sampled_softmax_backward(q, it, positive, negative, probs, scale)
-        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None
+        dq, ditems = ctx.ops.sampled_softmax_backward(q, it, positive, negative, ctx.rows_per_draw, probs, scale)
+        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None, None
 
 
 class _DenseSampledSoftmax(torch.autograd.Function):

@@ -1,9 +1,11 @@
 """The two training tasks: what a training step feeds the model, its loss, and its evaluation.
 
 Retrieval (autoregressive next-item prediction, sampled softmax). Negatives are drawn
-uniformly from the catalogue, per token by default (the HSTU paper's "local" sampling)
-or shared by every token of the batch (``negatives: batch``: one [K, d] matrix, far less
-lookup and memory, a noisier estimate per batch). The distinct positives and negatives
+uniformly from the catalogue, per token by default (the HSTU paper's "local" sampling),
+per block of consecutive tokens (``negatives: block``: each token still sees K uniform
+draws, a block's scores are one matrix product), or shared by every token of the batch
+(``negatives: batch``: one [K, d] matrix, far less lookup and memory, a noisier estimate
+per batch). The distinct positives and negatives
 of a batch are looked up once each through the item table itself, as the extra KJT key
 ``SAMPLED_ITEMS``, so they go through the same sharded lookup as the inputs and their
 gradients reach the table's fused optimizer; the loss then indexes into those rows.
@@ -60,13 +62,14 @@ class RetrievalTask:
         Their rows come back as ``token_features[SAMPLED_ITEMS]`` [U, d] (the whole catalogue when
         the draws outnumber it ``WHOLE_CATALOGUE_DRAWS`` times: an item never drawn then gets a zero
         gradient, a no-op for row-wise Adagrad, a momentum step for Adam); labels
-        ``positive_index`` [P] and ``negative_index`` [P, K] (per token) or [K] (shared)
-        point into them (P = tokens with a next item).
+        ``positive_index`` [P] and ``negative_index`` [ceil(P / R), K] (R = ``rows_per_draw``
+        consecutive tokens share a row: 1 per token) or [K] (shared by the batch) point into them
+        (P = tokens with a next item).
         """
         next_item = batch.labels["next_item"]
         positives = next_item[next_item >= 0]
-        k = self.config.num_negatives
-        shape = (positives.numel(), k) if self.config.negatives == "token" else (k,)
+        k, rows = self.config.num_negatives, self.config.rows_per_draw
+        shape = (k,) if self.config.negatives == "batch" else (-(-positives.numel() // rows), k)
         negatives = randint(self.num_items, shape, generator).to(positives.device)
         if self.num_items * WHOLE_CATALOGUE_DRAWS <= positives.numel() + negatives.numel():
             # Nearly every item is drawn: look up the whole catalogue, the ids are their own rows.
@@ -91,8 +94,14 @@ class RetrievalTask:
         scored = torch.nonzero(inputs.labels["next_item"] >= 0).flatten()
         queries = output.predictions["query"].index_select(0, scored)  # backward: index_add_, not index_put_
         items = self.item_embedding(output.token_features[SAMPLED_ITEMS])
+        labels = inputs.labels
         loss = sampled_softmax_loss(
-            queries, items, inputs.labels["positive_index"], inputs.labels["negative_index"], self.config.temperature
+            queries,
+            items,
+            labels["positive_index"],
+            labels["negative_index"],
+            self.config.temperature,
+            self.config.rows_per_draw,
         )
         return {"loss": loss}
 

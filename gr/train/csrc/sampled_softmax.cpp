@@ -7,11 +7,17 @@
 // no [N, K + 1, d] gather is materialised. Backward scatters the items' gradient into one table
 // per thread (kept only while U * d is small: see MAX_TABLE_ELEMENTS in losses.py) and sums them
 // in thread order.
+//
+// When R > 1 consecutive rows share one draw of negatives (rows_per_draw), a block's K negative
+// rows are gathered once into a panel and its scores are one GEMM ([R, d] x [d, K]); backward is two
+// GEMMs against the same panel, and the items' gradient is scattered once per block instead of once
+// per row. At ML-1M's shapes a per-row dot product is bound by its gathered row (~16 cycles each).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "gr_blas.h"
+#include "gr_gemm.h"
 #include "gr_parallel.h"
 
 #if defined(__AVX512F__)
@@ -29,7 +35,8 @@ namespace {
 
 using at::Tensor;
 
-void check_inputs(const Tensor& queries, const Tensor& items, const Tensor& positive, const Tensor& negative) {
+void check_inputs(const Tensor& queries, const Tensor& items, const Tensor& positive, const Tensor& negative,
+                  int64_t rows_per_draw) {
   TORCH_CHECK(queries.dim() == 2 && items.dim() == 2 && queries.size(1) == items.size(1),
               "cpu_sampled_softmax: expected queries [N, d] and items [U, d]");
   TORCH_CHECK(queries.scalar_type() == at::kFloat && items.scalar_type() == at::kFloat && queries.is_contiguous() &&
@@ -38,9 +45,10 @@ void check_inputs(const Tensor& queries, const Tensor& items, const Tensor& posi
   TORCH_CHECK(positive.dim() == 1 && positive.size(0) == queries.size(0) && positive.scalar_type() == at::kLong &&
                   positive.is_contiguous(),
               "cpu_sampled_softmax: positive must be contiguous int64 [N]");
-  TORCH_CHECK(negative.dim() == 2 && negative.size(0) == queries.size(0) && negative.scalar_type() == at::kLong &&
-                  negative.is_contiguous(),
-              "cpu_sampled_softmax: negative must be contiguous int64 [N, K]");
+  TORCH_CHECK(rows_per_draw >= 1, "cpu_sampled_softmax: rows_per_draw must be >= 1");
+  TORCH_CHECK(negative.dim() == 2 && negative.size(0) == (queries.size(0) + rows_per_draw - 1) / rows_per_draw &&
+                  negative.scalar_type() == at::kLong && negative.is_contiguous(),
+              "cpu_sampled_softmax: negative must be contiguous int64 [ceil(N / rows_per_draw), K]");
 }
 
 // V for rows of d floats where the AVX-512 code has a specialisation, else 0.
@@ -210,76 +218,166 @@ bool row_ids(const int64_t* positive, const int64_t* negative, int64_t r, int64_
   return ok;
 }
 
+// Rows [r0, r1) of a block sharing the negatives ids[0, K): false if an id or a positive is outside [0, U).
+bool block_ids_ok(const int64_t* positive, const int64_t* ids, int64_t r0, int64_t r1, int64_t K, int64_t U) {
+  bool ok = true;
+  for (int64_t j = 0; j < K; ++j) ok &= ids[j] >= 0 && ids[j] < U;
+  for (int64_t r = r0; r < r1; ++r) ok &= positive[r] >= 0 && positive[r] < U;
+  return ok;
+}
+
+// The rows ids[0, K) of `rows`, whole (padded lanes included), into panel [K, rows.ld].
+void gather_rows(const Rows& rows, const int64_t* ids, int64_t K, float* __restrict panel) {
+  const int64_t ld = rows.ld;
+  for (int64_t j = 0; j < K; ++j) {
+    const float* __restrict row = rows.data + ids[j] * ld;
+    for (int64_t i = 0; i < ld; ++i) panel[j * ld + i] = row[i];
+  }
+}
+
+// One row's K + 1 dot products (the positive's first) -> its probabilities, in place; returns its loss
+// lse - logit_0. A negative equal to the positive (negatives[j - 1] == positive) is masked out: its
+// logit becomes the lowest float (finite: the build assumes no infinities), whose exp is 0. One pass
+// each for the mask, the max and the exp, so that each vectorises.
+float softmax_row(float* __restrict logits, int64_t positive, const int64_t* __restrict negatives, int64_t K1,
+                  float inv_t) {
+  constexpr float kMasked = std::numeric_limits<float>::lowest();
+  logits[0] *= inv_t;
+  for (int64_t j = 1; j < K1; ++j) logits[j] = negatives[j - 1] == positive ? kMasked : logits[j] * inv_t;
+  float top = logits[0];
+  for (int64_t j = 1; j < K1; ++j) top = std::max(top, logits[j]);
+  const float positive_logit = logits[0];
+  float sum = 0.0f;
+  for (int64_t j = 0; j < K1; ++j) {
+    logits[j] = std::exp(logits[j] - top);
+    sum += logits[j];
+  }
+  const float inv_sum = 1.0f / sum;
+  for (int64_t j = 0; j < K1; ++j) logits[j] *= inv_sum;
+  return top + std::log(sum) - positive_logit;
+}
+
 // -> (probs [N, K + 1] fp32, per-row loss [N] fp32); column 0 is each row's positive [N], columns 1..K
-// its negatives [N, K], of which one equal to the positive is masked out. logits = dot / temperature.
+// its negatives (row r's are negative[r / rows_per_draw], [ceil(N / rows_per_draw), K]), of which one
+// equal to the positive is masked out. logits = dot / temperature.
 std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, const Tensor& positive,
-                                   const Tensor& negative, double temperature) {
-  check_inputs(queries, items, positive, negative);
-  const int64_t N = queries.size(0), K1 = negative.size(1) + 1, d = queries.size(1), U = items.size(0);
+                                   const Tensor& negative, int64_t rows_per_draw, double temperature) {
+  check_inputs(queries, items, positive, negative, rows_per_draw);
+  const int64_t N = queries.size(0), K = negative.size(1), K1 = K + 1, d = queries.size(1), U = items.size(0);
+  const int64_t R = rows_per_draw;
   Tensor probs = at::empty({N, K1}, queries.options());
   Tensor row_loss = at::empty({N}, queries.options());
   const float* q = queries.data_ptr<float>();
+  const int64_t* pos = positive.data_ptr<int64_t>();
+  const int64_t* neg = negative.data_ptr<int64_t>();
   const Rows rows(items);
   float* p = probs.data_ptr<float>();
   float* l = row_loss.data_ptr<float>();
   const float inv_t = static_cast<float>(1.0 / temperature);
   std::atomic<bool> out_of_range{false};
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> ids(K1);
-    for (int64_t r = begin; r < end; ++r) {
-      if (!row_ids(positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), r, K1 - 1, U, ids.data())) {
-        out_of_range = true;
-        continue;
+  if (R == 1) {
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> ids(K1);
+      for (int64_t r = begin; r < end; ++r) {
+        if (!row_ids(pos, neg, r, K, U, ids.data())) {
+          out_of_range = true;
+          continue;
+        }
+        dots(q + r * d, rows, ids.data(), K1, d, p + r * K1);
+        l[r] = softmax_row(p + r * K1, ids[0], ids.data() + 1, K1, inv_t);
       }
-      float* logits = p + r * K1;
-      dots(q + r * d, rows, ids.data(), K1, d, logits);
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < K1; ++j) {
-        logits[j] = (j > 0 && ids[j] == ids[0]) ? -std::numeric_limits<float>::infinity() : logits[j] * inv_t;
-        top = std::max(top, logits[j]);
+    });
+  } else {
+    at::parallel_for(0, negative.size(0), 1, [&](int64_t begin, int64_t end) {
+      gr_blas::OneBlasThread one;
+      gr_blas::AlignedFloats panel(K * rows.ld);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t r0 = b * R, r1 = std::min(N, r0 + R);
+        const int64_t* ids = neg + b * K;
+        if (!block_ids_ok(pos, ids, r0, r1, K, U)) {
+          out_of_range = true;
+          continue;
+        }
+        gather_rows(rows, ids, K, panel.data());
+        gr_gemm::gemm(false, true, r1 - r0, K, d, 1.0f, q + r0 * d, d, panel.data(), rows.ld, 0.0f, p + r0 * K1 + 1, K1);
+        for (int64_t r = r0; r < r1; ++r) {
+          dots(q + r * d, rows, pos + r, 1, d, p + r * K1);
+          l[r] = softmax_row(p + r * K1, pos[r], ids, K1, inv_t);
+        }
       }
-      const float positive_logit = logits[0];
-      float sum = 0.0f;
-      for (int64_t j = 0; j < K1; ++j) {
-        logits[j] = std::exp(logits[j] - top);
-        sum += logits[j];
-      }
-      l[r] = top + std::log(sum) - positive_logit;
-      const float inv_sum = 1.0f / sum;
-      for (int64_t j = 0; j < K1; ++j) logits[j] *= inv_sum;
-    }
-  });
+    });
+  }
   TORCH_CHECK(!out_of_range, "cpu_sampled_softmax: an index is outside [0, U)");
   return {probs, row_loss};
 }
 
 // Gradients of scale * sum(row_loss): -> (dqueries [N, d], ditems [U, d]), fp32.
 std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, const Tensor& positive,
-                                    const Tensor& negative, const Tensor& probs, double scale) {
-  check_inputs(queries, items, positive, negative);
-  const int64_t N = queries.size(0), K1 = negative.size(1) + 1, d = queries.size(1), U = items.size(0);
+                                    const Tensor& negative, int64_t rows_per_draw, const Tensor& probs, double scale) {
+  check_inputs(queries, items, positive, negative, rows_per_draw);
+  const int64_t N = queries.size(0), K = negative.size(1), K1 = K + 1, d = queries.size(1), U = items.size(0);
+  const int64_t R = rows_per_draw;
   TORCH_CHECK(probs.is_contiguous() && probs.size(0) == N && probs.size(1) == K1,
               "cpu_sampled_softmax: probs must be [N, K + 1]");
   Tensor dq = at::empty_like(queries);
   Tensor ditems = at::zeros_like(items);
   const float* q = queries.data_ptr<float>();
+  const int64_t* pos = positive.data_ptr<int64_t>();
+  const int64_t* neg = negative.data_ptr<int64_t>();
   const Rows rows(items);
   const float* p = probs.data_ptr<float>();
   float* dqp = dq.data_ptr<float>();
   const float s = static_cast<float>(scale);
   gr_parallel::ThreadSums tables(U * rows.ld);  // each thread's share of ditems, rows as `rows`
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    float* table = tables.local();
-    std::vector<int64_t> ids(K1);
-    std::vector<float> w(K1);
-    for (int64_t r = begin; r < end; ++r) {
-      TORCH_CHECK(row_ids(positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(), r, K1 - 1, U, ids.data()),
-                  "cpu_sampled_softmax: an index is outside [0, U)");
-      // d(lse - logit_0) / d logit_j
-      for (int64_t j = 0; j < K1; ++j) w[j] = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;
-      scatter(q + r * d, rows, ids.data(), w.data(), K1, d, dqp + r * d, table);
-    }
-  });
+  if (R == 1) {
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      float* table = tables.local();
+      std::vector<int64_t> ids(K1);
+      std::vector<float> w(K1);
+      for (int64_t r = begin; r < end; ++r) {
+        TORCH_CHECK(row_ids(pos, neg, r, K, U, ids.data()), "cpu_sampled_softmax: an index is outside [0, U)");
+        // d(lse - logit_0) / d logit_j
+        for (int64_t j = 0; j < K1; ++j) w[j] = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;
+        scatter(q + r * d, rows, ids.data(), w.data(), K1, d, dqp + r * d, table);
+      }
+    });
+  } else {
+    at::parallel_for(0, negative.size(0), 1, [&](int64_t begin, int64_t end) {
+      gr_blas::OneBlasThread one;
+      float* table = tables.local();
+      const int64_t ld = rows.ld;
+      gr_blas::AlignedFloats panel(K * ld), dpanel(K * ld, true), w(R * K1);  // dpanel's padded lanes stay 0
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t r0 = b * R, r1 = std::min(N, r0 + R), m = r1 - r0;
+        const int64_t* ids = neg + b * K;
+        TORCH_CHECK(block_ids_ok(pos, ids, r0, r1, K, U), "cpu_sampled_softmax: an index is outside [0, U)");
+        gather_rows(rows, ids, K, panel.data());
+        for (int64_t i = 0; i < m; ++i) {
+          const float* __restrict pr = p + (r0 + i) * K1;
+          float* __restrict wr = w.data() + i * K1;
+          for (int64_t j = 0; j < K1; ++j) wr[j] = pr[j] * s;
+          wr[0] -= s;  // d(lse - logit_0) / d logit_j = p_j - [j = 0]
+        }
+        const float* wn = w.data() + 1;  // the negatives' weights [m, K], rows K1 apart
+        gr_gemm::gemm(false, false, m, d, K, 1.0f, wn, K1, panel.data(), ld, 0.0f, dqp + r0 * d, d);
+        gr_gemm::gemm(true, false, K, d, m, 1.0f, wn, K1, q + r0 * d, d, 0.0f, dpanel.data(), ld);
+        for (int64_t r = r0; r < r1; ++r) {
+          const float w0 = w.data()[(r - r0) * K1];
+          const float* item = rows.data + pos[r] * ld;
+          float* t = table + pos[r] * ld;
+          for (int64_t i = 0; i < d; ++i) {
+            dqp[r * d + i] += w0 * item[i];
+            t[i] += w0 * q[r * d + i];
+          }
+        }
+        for (int64_t j = 0; j < K; ++j) {
+          float* __restrict t = table + ids[j] * ld;
+          const float* __restrict g = dpanel.data() + j * ld;
+          for (int64_t i = 0; i < ld; ++i) t[i] += g[i];
+        }
+      }
+    });
+  }
   tables.add_rows_to(ditems.data_ptr<float>(), d, rows.ld);
   return {dq, ditems};
 }
@@ -288,11 +386,11 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
 
 TORCH_LIBRARY(gr_cpu_loss, m) {
   m.def(
-      "sampled_softmax_forward(Tensor queries, Tensor items, Tensor positive, Tensor negative, float temperature) -> "
-      "(Tensor, Tensor)");
+      "sampled_softmax_forward(Tensor queries, Tensor items, Tensor positive, Tensor negative, int rows_per_draw, "
+      "float temperature) -> (Tensor, Tensor)");
   m.def(
-      "sampled_softmax_backward(Tensor queries, Tensor items, Tensor positive, Tensor negative, Tensor probs, "
-      "float scale) -> (Tensor, Tensor)");
+      "sampled_softmax_backward(Tensor queries, Tensor items, Tensor positive, Tensor negative, int rows_per_draw, "
+      "Tensor probs, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(gr_cpu_loss, CPU, m) {
