@@ -113,10 +113,10 @@ BENCHES = (
             "small/bf16-mixed/samples_per_s",
             "small/bf16_speedup",
             "small/32-true/epoch_s",
-            "small/32-true+block/samples_per_s",
-            "small/block_speedup",
+            "small/32-true+token/samples_per_s",
+            "small/speedup_over_token_negatives",
         ),
-        ("--recipes", "small", "--negatives", "token,block"),
+        ("--recipes", "small", "--token-negatives"),
     ),
     Bench("bench/device_check.py", (), covered_by="tests/test_device_check.py"),
 )

@@ -257,18 +257,18 @@ def test_fused_sampled_softmax_matches_naive_for_every_row_width(monkeypatch, di
 @pytest.mark.parametrize("fused", ["0", "auto"], ids=["pytorch", "fused-if-built"])
 @pytest.mark.parametrize("dim", [16, 50, 100])
 def test_negatives_shared_by_blocks_of_rows_give_the_per_row_loss_of_those_negatives(monkeypatch, fused, dim):
-    """rows_per_draw=8 over 37 rows: row n scores negative_index[n // 8] (the last block has 5 rows),
-    with a negative equal to a row's own positive masked for that row only. Loss and the gradients
-    of queries and items equal the naive per-row loss over the repeated negatives; the fused kernel
-    scores a block by GEMMs (a scalar row width, 100, included)."""
+    """rows_per_draw=8 over 37 rows: 5 blocks, row n scores negative_index[n % 5] (blocks of 8 and 7
+    rows), with a negative equal to a row's own positive masked for that row only. Loss and the
+    gradients of queries and items equal the naive per-row loss over those negatives; the fused
+    kernel scores a block by GEMMs (a scalar row width, 100, included)."""
     monkeypatch.setenv("GR_CPU_FUSED", fused)
     torch.manual_seed(dim)
     queries = F.normalize(torch.randn(37, dim), dim=-1).requires_grad_(True)
     items = F.normalize(torch.randn(30, dim), dim=-1).requires_grad_(True)
     positive_index, negative_index = torch.randint(0, 30, (37,)), torch.randint(0, 30, (5, 21))
-    negative_index[1, 4] = positive_index[9]  # row 9's positive, a plain negative for rows 8, 10..15
-    negative_index[4, :20] = positive_index[36]  # the last row: one negative left
-    per_row = negative_index.repeat_interleave(8, 0)[:37]
+    negative_index[2, 4] = positive_index[7]  # row 7's positive, a plain negative for rows 2, 12, 17, ...
+    negative_index[1, :20] = positive_index[36]  # the last row: one negative left
+    per_row = negative_index[torch.arange(37) % 5]
     with torch.profiler.profile() as profile:
         loss = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05, rows_per_draw=8)
     if fused == "auto" and X86:

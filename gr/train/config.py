@@ -221,8 +221,9 @@ class SparseSection(Section):
 @dataclass(frozen=True)
 class RetrievalSection(Section):
     """Sampled softmax over ``num_negatives`` items drawn uniformly from the catalogue, per
-    token ("token": the HSTU paper's), shared by each block of ``negatives_block`` consecutive
-    scored tokens ("block": every token still gets ``num_negatives`` uniform draws, and the
+    token ("token": the HSTU paper's), per block of about ``negatives_block`` scored tokens
+    ("block": the batch's tokens are dealt to the blocks in turn, so every token still gets
+    ``num_negatives`` uniform draws and neighbouring tokens of a sequence never share them; the
     CPU kernel scores a block by one matrix product instead of a gather per dot product), or
     shared by all tokens of a batch ("batch"); logits are cosine similarities / ``temperature``.
     Evaluation ranks the whole catalogue: HR@k and NDCG@k for k in ``top_k``, and MRR."""

@@ -28,8 +28,9 @@ def sampled_softmax_loss(
 
     queries: [N, d] float; items: [U, d] float, the distinct sampled items' vectors
     positive_index: [N] int64, each row's true next item (a row of ``items``)
-    negative_index: [ceil(N / rows_per_draw), K] int64 (row n's negatives are row
-        n // rows_per_draw: 1 = per row) or [K] int64 (shared by all rows)
+    negative_index: [B, K] int64 with B = ceil(N / rows_per_draw): row n's negatives are row
+        n mod B (rows_per_draw = 1: one per row; more: the rows are dealt to B blocks in turn,
+        so neighbouring rows never share) or [K] int64 (shared by all rows)
     Logits are dot products / temperature (cosines when both sides are unit vectors). A
     negative that is the row's own positive is masked out, so it is never pushed down.
     Under CPU/CUDA autocast the dot products run in the autocast dtype (bf16: fp32
@@ -49,7 +50,8 @@ def sampled_softmax_loss(
                     queries, items, positive_index, negative_index, rows_per_draw, temperature, ops
                 )
     if negative_index.dim() == 2 and rows_per_draw > 1:
-        negative_index = negative_index.repeat_interleave(rows_per_draw, 0)[: positive_index.shape[0]]
+        rows = torch.arange(positive_index.shape[0], device=negative_index.device)
+        negative_index = negative_index[rows % negative_index.shape[0]]
     if negative_index.dim() == 2 and items.shape[0] <= negative_index.shape[1] * items.shape[1]:
         # Fewer distinct items than gathered values: score rows against all items, tile by tile.
         device = queries.device.type
@@ -70,9 +72,8 @@ def sampled_softmax_loss(
 
 class _FusedSampledSoftmax(torch.autograd.Function):
     """Per-row negatives on CPU by gr's fused kernel (``gr.native``, ``gr_cpu_loss``): each row's K + 1
-    dot products read the item rows in place (a block of rows sharing negatives: one GEMM against
-    them), in fp32 (bf16 inputs are widened once); the loss is the mean of the rows'
-    ``lse - logit_positive``."""
+    dot products read the item rows in place (rows sharing negatives: one GEMM against them), in
+    fp32 (bf16 inputs are widened once); the loss is the mean of the rows' ``lse - logit_positive``."""
 
     @staticmethod
     def forward(ctx, queries, items, positive_index, negative_index, rows_per_draw, temperature, ops):

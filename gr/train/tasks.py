@@ -2,11 +2,12 @@
 
 Retrieval (autoregressive next-item prediction, sampled softmax). Negatives are drawn
 uniformly from the catalogue, per token by default (the HSTU paper's "local" sampling),
-per block of consecutive tokens (``negatives: block``: each token still sees K uniform
-draws, a block's scores are one matrix product), or shared by every token of the batch
-(``negatives: batch``: one [K, d] matrix, far less lookup and memory, a noisier estimate
-per batch). The distinct positives and negatives
-of a batch are looked up once each through the item table itself, as the extra KJT key
+per block of tokens (``negatives: block``: tokens are dealt to the blocks in turn, so each
+still sees K uniform draws and a sequence's neighbouring tokens never share them; a block's
+scores are one matrix product), or shared by every token of the batch (``negatives:
+batch``: one [K, d] matrix, far less lookup and memory, a noisier estimate per batch). The
+distinct positives and negatives of a batch are looked up once each through the item table
+itself, as the extra KJT key
 ``SAMPLED_ITEMS``, so they go through the same sharded lookup as the inputs and their
 gradients reach the table's fused optimizer; the loss then indexes into those rows.
 
@@ -62,9 +63,9 @@ class RetrievalTask:
         Their rows come back as ``token_features[SAMPLED_ITEMS]`` [U, d] (the whole catalogue when
         the draws outnumber it ``WHOLE_CATALOGUE_DRAWS`` times: an item never drawn then gets a zero
         gradient, a no-op for row-wise Adagrad, a momentum step for Adam); labels
-        ``positive_index`` [P] and ``negative_index`` [ceil(P / R), K] (R = ``rows_per_draw``
-        consecutive tokens share a row: 1 per token) or [K] (shared by the batch) point into them
-        (P = tokens with a next item).
+        ``positive_index`` [P] and ``negative_index`` [B, K] (B = ceil(P / ``rows_per_draw``);
+        token n's are row n mod B: one row per token when rows_per_draw = 1) or [K] (shared by
+        the batch) point into them (P = tokens with a next item).
         """
         next_item = batch.labels["next_item"]
         positives = next_item[next_item >= 0]

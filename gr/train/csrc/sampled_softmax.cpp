@@ -8,10 +8,11 @@
 // per thread (kept only while U * d is small: see MAX_TABLE_ELEMENTS in losses.py) and sums them
 // in thread order.
 //
-// When R > 1 consecutive rows share one draw of negatives (rows_per_draw), a block's K negative
-// rows are gathered once into a panel and its scores are one GEMM ([R, d] x [d, K]); backward is two
-// GEMMs against the same panel, and the items' gradient is scattered once per block instead of once
-// per row. At ML-1M's shapes a per-row dot product is bound by its gathered row (~16 cycles each).
+// When rows share draws of negatives (rows_per_draw = R > 1: the N rows are dealt to B = ceil(N / R)
+// blocks in turn, row n to block n mod B), a block's K negative rows are gathered once into a panel
+// and its scores are one GEMM ([~R, d] x [d, K], the block's rows B apart); backward is two GEMMs
+// against the same panel, and the items' gradient is scattered once per block instead of once per
+// row. At ML-1M's shapes a per-row dot product is bound by its gathered row (~16 cycles each).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -218,11 +219,13 @@ bool row_ids(const int64_t* positive, const int64_t* negative, int64_t r, int64_
   return ok;
 }
 
-// Rows [r0, r1) of a block sharing the negatives ids[0, K): false if an id or a positive is outside [0, U).
-bool block_ids_ok(const int64_t* positive, const int64_t* ids, int64_t r0, int64_t r1, int64_t K, int64_t U) {
+// Rows b, b + B, ..., < N of block b (of B) share the negatives ids[0, K): false if an id or a positive
+// is outside [0, U).
+bool block_ids_ok(const int64_t* positive, const int64_t* ids, int64_t b, int64_t B, int64_t N, int64_t K,
+                  int64_t U) {
   bool ok = true;
   for (int64_t j = 0; j < K; ++j) ok &= ids[j] >= 0 && ids[j] < U;
-  for (int64_t r = r0; r < r1; ++r) ok &= positive[r] >= 0 && positive[r] < U;
+  for (int64_t r = b; r < N; r += B) ok &= positive[r] >= 0 && positive[r] < U;
   return ok;
 }
 
@@ -258,8 +261,8 @@ float softmax_row(float* __restrict logits, int64_t positive, const int64_t* __r
 }
 
 // -> (probs [N, K + 1] fp32, per-row loss [N] fp32); column 0 is each row's positive [N], columns 1..K
-// its negatives (row r's are negative[r / rows_per_draw], [ceil(N / rows_per_draw), K]), of which one
-// equal to the positive is masked out. logits = dot / temperature.
+// its negatives (row r's are negative[r mod B], [B = ceil(N / rows_per_draw), K]), of which one equal
+// to the positive is masked out. logits = dot / temperature.
 std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, const Tensor& positive,
                                    const Tensor& negative, int64_t rows_per_draw, double temperature) {
   check_inputs(queries, items, positive, negative, rows_per_draw);
@@ -288,19 +291,21 @@ std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, c
       }
     });
   } else {
-    at::parallel_for(0, negative.size(0), 1, [&](int64_t begin, int64_t end) {
+    const int64_t B = negative.size(0);
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       gr_blas::OneBlasThread one;
       gr_blas::AlignedFloats panel(K * rows.ld);
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t r0 = b * R, r1 = std::min(N, r0 + R);
+        const int64_t m = (N - b + B - 1) / B;  // rows b, b + B, ...
         const int64_t* ids = neg + b * K;
-        if (!block_ids_ok(pos, ids, r0, r1, K, U)) {
+        if (!block_ids_ok(pos, ids, b, B, N, K, U)) {
           out_of_range = true;
           continue;
         }
         gather_rows(rows, ids, K, panel.data());
-        gr_gemm::gemm(false, true, r1 - r0, K, d, 1.0f, q + r0 * d, d, panel.data(), rows.ld, 0.0f, p + r0 * K1 + 1, K1);
-        for (int64_t r = r0; r < r1; ++r) {
+        gr_gemm::gemm(false, true, m, K, d, 1.0f, q + b * d, B * d, panel.data(), rows.ld, 0.0f, p + b * K1 + 1,
+                      B * K1);
+        for (int64_t r = b; r < N; r += B) {
           dots(q + r * d, rows, pos + r, 1, d, p + r * K1);
           l[r] = softmax_row(p + r * K1, pos[r], ids, K1, inv_t);
         }
@@ -342,32 +347,34 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
       }
     });
   } else {
-    at::parallel_for(0, negative.size(0), 1, [&](int64_t begin, int64_t end) {
+    const int64_t B = negative.size(0);
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       gr_blas::OneBlasThread one;
       float* table = tables.local();
       const int64_t ld = rows.ld;
       gr_blas::AlignedFloats panel(K * ld), dpanel(K * ld, true), w(R * K1);  // dpanel's padded lanes stay 0
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t r0 = b * R, r1 = std::min(N, r0 + R), m = r1 - r0;
+        const int64_t m = (N - b + B - 1) / B;  // rows b, b + B, ...
         const int64_t* ids = neg + b * K;
-        TORCH_CHECK(block_ids_ok(pos, ids, r0, r1, K, U), "cpu_sampled_softmax: an index is outside [0, U)");
+        TORCH_CHECK(block_ids_ok(pos, ids, b, B, N, K, U), "cpu_sampled_softmax: an index is outside [0, U)");
         gather_rows(rows, ids, K, panel.data());
         for (int64_t i = 0; i < m; ++i) {
-          const float* __restrict pr = p + (r0 + i) * K1;
+          const float* __restrict pr = p + (b + i * B) * K1;
           float* __restrict wr = w.data() + i * K1;
           for (int64_t j = 0; j < K1; ++j) wr[j] = pr[j] * s;
           wr[0] -= s;  // d(lse - logit_0) / d logit_j = p_j - [j = 0]
         }
         const float* wn = w.data() + 1;  // the negatives' weights [m, K], rows K1 apart
-        gr_gemm::gemm(false, false, m, d, K, 1.0f, wn, K1, panel.data(), ld, 0.0f, dqp + r0 * d, d);
-        gr_gemm::gemm(true, false, K, d, m, 1.0f, wn, K1, q + r0 * d, d, 0.0f, dpanel.data(), ld);
-        for (int64_t r = r0; r < r1; ++r) {
-          const float w0 = w.data()[(r - r0) * K1];
+        gr_gemm::gemm(false, false, m, d, K, 1.0f, wn, K1, panel.data(), ld, 0.0f, dqp + b * d, B * d);
+        gr_gemm::gemm(true, false, K, d, m, 1.0f, wn, K1, q + b * d, B * d, 0.0f, dpanel.data(), ld);
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t r = b + i * B;
+          const float w0 = w.data()[i * K1];
           const float* item = rows.data + pos[r] * ld;
           float* t = table + pos[r] * ld;
-          for (int64_t i = 0; i < d; ++i) {
-            dqp[r * d + i] += w0 * item[i];
-            t[i] += w0 * q[r * d + i];
+          for (int64_t c = 0; c < d; ++c) {
+            dqp[r * d + c] += w0 * item[c];
+            t[c] += w0 * q[r * d + c];
           }
         }
         for (int64_t j = 0; j < K; ++j) {
