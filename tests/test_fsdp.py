@@ -94,11 +94,14 @@ def test_fsdp2_loss_curve_matches_replicated_dense_on_one_rank_and_one_rank_on_t
     """data.batch_size is the global batch, so one rank takes the two ranks' steps on the same
     rows; the ranks draw other negatives and dropout masks and rank 0 logs its half's loss, so
     per-epoch losses match within noise: 5%, against a drop of ~45% per epoch here. On one
-    rank, FSDP2 and the replicated (DDP) dense model compute exactly the same losses."""
+    rank, FSDP2 and the replicated (DDP) dense model compute the same losses to fp32 rounding:
+    AdamW runs PyTorch's fused kernel on plain parameters and its default loop on FSDP2's
+    DTensors, the same update in another order."""
     train(TrainConfig.from_dict(recipe(FSDP2)), tmp_path / "fsdp2")
     train(TrainConfig.from_dict(recipe(("trainer.max_epochs", 1))), tmp_path / "none")
     replicated = step_losses(tmp_path / "none")
-    assert len(replicated) >= 2 and step_losses(tmp_path / "fsdp2")[: len(replicated)] == replicated
+    assert len(replicated) >= 2
+    assert step_losses(tmp_path / "fsdp2")[: len(replicated)] == pytest.approx(replicated, rel=1e-5)
     one_rank, two_ranks = epoch_losses(tmp_path / "fsdp2"), epoch_losses(two_rank_runs["fsdp"])
     assert len(two_ranks) == EPOCHS and two_ranks[-1] < 0.7 * two_ranks[0]
     assert two_ranks == pytest.approx(one_rank, rel=0.05), (two_ranks, one_rank)
