@@ -244,7 +244,8 @@ class RetrievalSection(Section):
 
     @property
     def rows_per_draw(self) -> int:
-        """Scored tokens sharing one draw of negatives when ``negatives`` is "token" or "block"."""
+        """Scored tokens sharing one draw of negatives: 1 for "token", ``negatives_block`` for "block"
+        (and 1 for "batch", whose single draw the loss takes as [K])."""
         return self.negatives_block if self.negatives == "block" else 1
 
 

@@ -16,6 +16,11 @@ ROW_TILE_ELEMENTS = 1 << 20  # logits of one row tile in the dense path (~280 ro
 MAX_TABLE_ELEMENTS = 1 << 22
 
 
+def negative_rows(rows: int, rows_per_draw: int) -> int:
+    """Rows of ``negative_index`` for ``rows`` scored rows that share draws ``rows_per_draw`` at a time."""
+    return -(-rows // rows_per_draw)
+
+
 def sampled_softmax_loss(
     queries: Tensor,
     items: Tensor,
@@ -37,7 +42,7 @@ def sampled_softmax_loss(
     accumulation, bf16 logits), the softmax in fp32.
     returns: scalar
     """
-    if negative_index.dim() == 2 and negative_index.shape[0] != -(-positive_index.shape[0] // rows_per_draw):
+    if negative_index.dim() == 2 and negative_index.shape[0] != negative_rows(positive_index.shape[0], rows_per_draw):
         raise ValueError(
             f"sampled_softmax_loss: negative_index has {negative_index.shape[0]} rows, expected ceil("
             f"{positive_index.shape[0]} / {rows_per_draw}) for rows_per_draw={rows_per_draw}"

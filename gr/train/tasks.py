@@ -7,9 +7,9 @@ still sees K uniform draws and a sequence's neighbouring tokens never share them
 scores are one matrix product), or shared by every token of the batch (``negatives:
 batch``: one [K, d] matrix, far less lookup and memory, a noisier estimate per batch). The
 distinct positives and negatives of a batch are looked up once each through the item table
-itself, as the extra KJT key
-``SAMPLED_ITEMS``, so they go through the same sharded lookup as the inputs and their
-gradients reach the table's fused optimizer; the loss then indexes into those rows.
+itself, as the extra KJT key ``SAMPLED_ITEMS``, so they go through the same sharded lookup as
+the inputs and their gradients reach the table's fused optimizer; the loss then indexes into
+those rows.
 
 Ranking: history + candidate tokens; per-task BCE on the PostfixDNN's logits.
 
@@ -34,7 +34,7 @@ from gr.sparse.dedup import unique_ids
 from gr.sparse.tables import SparseEmbeddings
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
-from gr.train.losses import multitask_bce, sampled_softmax_loss
+from gr.train.losses import multitask_bce, negative_rows, sampled_softmax_loss
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
 
 CPU = torch.device("cpu")
@@ -70,7 +70,7 @@ class RetrievalTask:
         next_item = batch.labels["next_item"]
         positives = next_item[next_item >= 0]
         k, rows = self.config.num_negatives, self.config.rows_per_draw
-        shape = (k,) if self.config.negatives == "batch" else (-(-positives.numel() // rows), k)
+        shape = (k,) if self.config.negatives == "batch" else (negative_rows(positives.numel(), rows), k)
         negatives = randint(self.num_items, shape, generator).to(positives.device)
         if self.num_items * WHOLE_CATALOGUE_DRAWS <= positives.numel() + negatives.numel():
             # Nearly every item is drawn: look up the whole catalogue, the ids are their own rows.

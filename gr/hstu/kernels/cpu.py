@@ -316,15 +316,24 @@ def _group(
         lo = max(min(m0, h_min) - max_attn_len, 0) if max_attn_len > 0 else 0
         ctx_hi = min(contextual_len, h_max, lo)
         if hi > lo or ctx_hi > 0:
-            cols = torch.cat([torch.arange(0, ctx_hi, device=index.device), torch.arange(lo, hi, device=index.device)])
             # without a window, every query row >= m0 sees all history keys < min(m0, h_min)
             mask_from = min(m0, h_min, hi) if max_attn_len == 0 else 0
-            chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, cols, mask_from))
+            chunks.append(_Chunk(m0, m1, ctx_hi, lo, hi, _key_columns(ctx_hi, lo, hi, index.device), mask_from))
     starts = seq_offsets[members].contiguous()
     if with_targets:
         return _Group(tokens, lens.view(-1, 1, 1), hist.view(-1, 1, 1), chunks, starts, lens.contiguous())
-    shared = torch.full((1, 1, 1), padded_len, device=index.device)
+    shared = _one_length(padded_len, index.device)
     return _Group(tokens, shared, shared, chunks, starts, lens.contiguous())
+
+
+def _key_columns(ctx_hi: int, lo: int, hi: int, device: torch.device) -> Tensor:
+    """A chunk's keys: [K] int64, [0, ctx_hi) then [lo, hi)."""
+    return torch.cat([torch.arange(0, ctx_hi, device=device), torch.arange(lo, hi, device=device)])
+
+
+def _one_length(padded_len: int, device: torch.device) -> Tensor:
+    """The lengths and history of a group without targets: one [1, 1, 1] = its padded length."""
+    return torch.full((1, 1, 1), padded_len, device=device)
 
 
 class _Layout:
@@ -414,9 +423,11 @@ def _shared_positions(
     """``_positions`` of a chunk of a group without targets (on CPU), which depend on the batch only
     through these numbers: batches of the ML-1M recipe meet ~10 such chunks, so they are made once
     instead of on every batch (~0.6 ms a step). Callers must not modify them."""
-    cols = torch.cat([torch.arange(0, ctx_hi), torch.arange(lo, hi)])
-    shared = torch.full((1, 1, 1), padded_len)
-    return _positions(_Chunk(m0, m1, ctx_hi, lo, hi, cols, mask_from), shared, shared, *numbers)
+    cpu = torch.device("cpu")
+    shared = _one_length(padded_len, cpu)
+    return _positions(
+        _Chunk(m0, m1, ctx_hi, lo, hi, _key_columns(ctx_hi, lo, hi, cpu), mask_from), shared, shared, *numbers
+    )
 
 
 class _Tile:

@@ -238,6 +238,12 @@ void gather_rows(const Rows& rows, const int64_t* ids, int64_t K, float* __restr
   }
 }
 
+// w[j] = d(scale * (lse - logit_0)) / d logit_j = scale * (p_j - [j = 0]) for one row's K + 1 probabilities.
+void logit_grads(const float* __restrict p, int64_t K1, float scale, float* __restrict w) {
+  w[0] = (p[0] - 1.0f) * scale;
+  for (int64_t j = 1; j < K1; ++j) w[j] = p[j] * scale;
+}
+
 // One row's K + 1 dot products (the positive's first) -> its probabilities, in place; returns its loss
 // lse - logit_0. A negative equal to the positive (negatives[j - 1] == positive) is masked out: its
 // logit becomes the lowest float (finite: the build assumes no infinities), whose exp is 0. One pass
@@ -341,8 +347,7 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
       std::vector<float> w(K1);
       for (int64_t r = begin; r < end; ++r) {
         TORCH_CHECK(row_ids(pos, neg, r, K, U, ids.data()), "cpu_sampled_softmax: an index is outside [0, U)");
-        // d(lse - logit_0) / d logit_j
-        for (int64_t j = 0; j < K1; ++j) w[j] = (p[r * K1 + j] - (j == 0 ? 1.0f : 0.0f)) * s;
+        logit_grads(p + r * K1, K1, s, w.data());
         scatter(q + r * d, rows, ids.data(), w.data(), K1, d, dqp + r * d, table);
       }
     });
@@ -358,12 +363,7 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
         const int64_t* ids = neg + b * K;
         TORCH_CHECK(block_ids_ok(pos, ids, b, B, N, K, U), "cpu_sampled_softmax: an index is outside [0, U)");
         gather_rows(rows, ids, K, panel.data());
-        for (int64_t i = 0; i < m; ++i) {
-          const float* __restrict pr = p + (b + i * B) * K1;
-          float* __restrict wr = w.data() + i * K1;
-          for (int64_t j = 0; j < K1; ++j) wr[j] = pr[j] * s;
-          wr[0] -= s;  // d(lse - logit_0) / d logit_j = p_j - [j = 0]
-        }
+        for (int64_t i = 0; i < m; ++i) logit_grads(p + (b + i * B) * K1, K1, s, w.data() + i * K1);
         const float* wn = w.data() + 1;  // the negatives' weights [m, K], rows K1 apart
         gr_gemm::gemm(false, false, m, d, K, 1.0f, wn, K1, panel.data(), ld, 0.0f, dqp + b * d, B * d);
         gr_gemm::gemm(true, false, K, d, m, 1.0f, wn, K1, q + b * d, B * d, 0.0f, dpanel.data(), ld);
