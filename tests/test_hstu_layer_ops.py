@@ -116,22 +116,27 @@ def test_projection_equals_pytorch_and_passes_gradients_of_unused_parts_as_zero(
 
 @native_only
 def test_projection_keeps_its_silu_gradient_only_when_backward_will_run(monkeypatch):
-    """The fused forward returns SiLU'(pre) [T, P] for backward, or an empty [0, P] when asked not to;
-    ``project`` asks for it only when backward will run (not under no_grad, as in serving), and the
-    values are the same either way."""
+    """The fused forward returns SiLU'(pre) for backward, in the same contiguous [T, n_i] parts as
+    SiLU(pre), or no parts when asked not to; ``project`` asks for it only when backward will run
+    (not under no_grad, as in serving), and the values are the same either way."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     x, _, norm = norm_inputs()
     linear = nn.Linear(50, 200)
     ops = native_ops("gr_cpu_layer")
     weights = (norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     args = (x.detach(), *(w.detach() if isinstance(w, torch.Tensor) else w for w in weights))
-    y, silu_grad, _, _ = ops.projection_forward(*args, True)
-    y_served, nothing, _, _ = ops.projection_forward(*args, False)
+    sizes = [60, 40, 100]
+    y, silu_grad, _, _ = ops.projection_forward(*args, sizes, True)
+    y_served, nothing, _, _ = ops.projection_forward(*args, sizes, False)
     pre = linear(F.layer_norm(x, (50,), norm.weight, norm.bias, norm.eps)).detach().requires_grad_(True)
     (want,) = torch.autograd.grad(F.silu(pre).sum(), pre)
-    torch.testing.assert_close(silu_grad, want, rtol=1e-4, atol=1e-5)
-    assert nothing.shape == (0, 200)
-    torch.testing.assert_close(y_served, y, rtol=0, atol=0)
+    assert [p.shape for p in y] == [p.shape for p in silu_grad] == [(x.shape[0], n) for n in sizes]
+    assert all(p.is_contiguous() for p in y + silu_grad)
+    torch.testing.assert_close(torch.cat(silu_grad, dim=1), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.cat(y, dim=1), F.silu(pre.detach()), rtol=1e-4, atol=1e-5)
+    assert nothing == []
+    for served, kept in zip(y_served, y):
+        torch.testing.assert_close(served, kept, rtol=0, atol=0)
 
     asked = []
 

@@ -69,6 +69,31 @@ def test_native_draws_do_not_depend_on_the_thread_count(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
+def _splitmix64(seed: int, i: int) -> int:
+    """Draw i of a call (gr/csrc/random.cpp's contract), in Python integers."""
+    full = (1 << 64) - 1
+    z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & full
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & full
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & full
+    return z ^ (z >> 31)
+
+
+@pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
+@pytest.mark.parametrize("n, p, seed", [(37, 0.3, 2**61 + 12345), (8, 0.5, 7), (70_001, 0.1, 99)])
+def test_native_keep_mask_is_the_splitmix64_draw_of_each_index(monkeypatch, n, p, seed):
+    """Element i is kept iff the top 32 bits of draw i reach p * 2^32, whatever the vector width and
+    the threads' split (70,001 draws go to two threads, the second starting at 35,001: off a multiple of 8)."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = native_ops("gr_cpu_random").keep_mask(n, p, seed).tolist()
+    finally:
+        torch.set_num_threads(threads)
+    threshold = int(p * 4294967296.0)
+    assert got == [int((_splitmix64(seed, i) >> 32) >= threshold) for i in range(n)]
+
+
 @pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
 def test_native_ops_refuse_bad_arguments(monkeypatch):
     monkeypatch.setenv("GR_CPU_FUSED", "1")

@@ -58,12 +58,12 @@ def _fused_fp32(norm: nn.LayerNorm, linear: nn.Linear, *rows: Tensor) -> Optiona
 
 
 def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[int]) -> Tuple[Tensor, ...]:
-    """x: [T, D] -> ``split(SiLU(linear(norm(x))), sizes)``: [T, sizes[i]] views (sum sizes = the
-    linear's output width)."""
+    """x: [T, D] -> ``split(SiLU(linear(norm(x))), sizes)``: [T, sizes[i]] (sum sizes = the
+    linear's output width); fused, each part is contiguous."""
     ops = _fused_fp32(norm, linear, x)
     if ops is None:
         return torch.split(F.silu(linear(norm_mul_dropout(x, norm))), list(sizes), dim=-1)
-    # SiLU'(pre) [T, P] is kept for backward only when there will be one (not in serving, under no_grad).
+    # SiLU'(pre) is kept for backward only when there will be one (not in serving, under no_grad).
     keep_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, norm.weight, norm.bias, linear.weight, linear.bias)
     )
@@ -76,21 +76,23 @@ def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[in
 class _Projection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes, keep_grad):  # type: ignore[override]
-        y, silu_grad, mean, rstd = ops.projection_forward(x, norm_weight, norm_bias, eps, weight, bias, keep_grad)
+        parts, silu_grads, mean, rstd = ops.projection_forward(
+            x, norm_weight, norm_bias, eps, weight, bias, list(sizes), keep_grad
+        )
         ctx.ops, ctx.sizes = ops, sizes
-        ctx.save_for_backward(x, norm_weight, norm_bias, weight, silu_grad, mean, rstd)
-        return torch.split(y, list(sizes), dim=-1)
+        ctx.save_for_backward(x, norm_weight, norm_bias, weight, mean, rstd, *silu_grads)
+        return tuple(parts)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        x, norm_weight, norm_bias, weight, silu_grad, mean, rstd = ctx.saved_tensors
+        x, norm_weight, norm_bias, weight, mean, rstd, *silu_grads = ctx.saved_tensors
         parts: List[Tensor] = []
         for grad, width in zip(grads, ctx.sizes):
             part = x.new_zeros(x.shape[0], width) if grad is None else grad.float().reshape(x.shape[0], width)
             parts.append(part if part.stride(-1) == 1 else part.contiguous())
         dx, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.projection_backward(
-            parts, x, norm_weight, norm_bias, weight, silu_grad, mean, rstd
+            parts, x, norm_weight, norm_bias, weight, silu_grads, mean, rstd
         )
         return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None, None
 

@@ -233,57 +233,89 @@ void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& 
               "gr_cpu_layer: the projection's weight must be contiguous fp32 [P, ", D, "]");
 }
 
-// x [T, D] -> (y [T, P] = SiLU(pre), SiLU'(pre) [T, P] (empty unless keep_grad), mean [T], rstd [T]), with
-// pre = LN(x) W^T + b; W: weight [P, D]. Backward multiplies by the kept SiLU', made from the same exp.
-std::tuple<Tensor, Tensor, Tensor, Tensor> projection_forward(const Tensor& x, const Tensor& norm_weight,
-                                                              const Tensor& norm_bias, double eps,
-                                                              const Tensor& weight, const Tensor& bias,
-                                                              bool keep_grad) {
+// Column offsets of the parts of widths `sizes` in the projection's P output columns.
+std::vector<int64_t> part_offsets(at::IntArrayRef sizes, int64_t P) {
+  std::vector<int64_t> offsets;
+  int64_t offset = 0;
+  for (const int64_t w : sizes) {
+    TORCH_CHECK(w >= 0, "gr_cpu_layer: a part's width must be >= 0, got ", w);
+    offsets.push_back(offset);
+    offset += w;
+  }
+  TORCH_CHECK(offset == P, "gr_cpu_layer: the parts are ", offset, " wide, the projection ", P);
+  return offsets;
+}
+
+// The parts [T, sizes[i]] of one [T * P] buffer, each contiguous: part i at T * offsets[i].
+std::vector<Tensor> part_views(const Tensor& buffer, int64_t T, at::IntArrayRef sizes,
+                               const std::vector<int64_t>& offsets) {
+  std::vector<Tensor> parts;
+  for (size_t i = 0; i < sizes.size(); ++i) parts.push_back(buffer.narrow(0, T * offsets[i], T * sizes[i]).view({T, sizes[i]}));
+  return parts;
+}
+
+// x [T, D] -> (parts [T, sizes[i]] of y = SiLU(pre), SiLU'(pre) in the same parts (none unless
+// keep_grad), mean [T], rstd [T]), with pre = LN(x) W^T + b; W: weight [P, D], P = sum sizes. Each
+// part is contiguous (its consumers, attention's q, k, v and the output's gate u, read whole rows
+// instead of a quarter of each [P] row). Backward multiplies by the kept SiLU', made from the same exp.
+std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_forward(
+    const Tensor& x, const Tensor& norm_weight, const Tensor& norm_bias, double eps, const Tensor& weight,
+    const Tensor& bias, at::IntArrayRef sizes, bool keep_grad) {
   check_projection(x, norm_weight, norm_bias, weight);
   check_vector(bias, weight.size(0), "the projection's bias");
   const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
-  Tensor y = at::empty({T, P}, x.options());
-  Tensor silu_grad = at::empty({keep_grad ? T : 0, P}, x.options());
+  const std::vector<int64_t> offsets = part_offsets(sizes, P);
+  Tensor y = at::empty({T * P}, x.options());
+  Tensor silu_grad = at::empty({keep_grad ? T * P : 0}, x.options());
   Tensor mean = at::empty({T}, x.options());
   Tensor rstd = at::empty({T}, x.options());
   const float* b = bias.data_ptr<float>();
   gr_blas::AlignedFloats wt(D * P);  // W^T [D, P]: the GEMM reads its B operand in rows
   gr_gemm::transpose(P, D, weight.data_ptr<float>(), D, wt.data(), P);
-  for_each_block(T, [&] { return block_scratch(D, P); }, [&](auto& state, int64_t r0, int64_t n) {
-    auto& [normed, tile] = state;
+  // Per block and part: the GEMM writes the part's rows, which are contiguous, then SiLU runs over
+  // them in one vector loop.
+  for_each_block(T, [&] { return block_scratch(D); }, [&](auto& state, int64_t r0, int64_t n) {
+    auto& [normed] = state;
     norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
                             norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
                             normed.data(), mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
-    gr_gemm::gemm(false, false, n, P, D, 1.0f, normed.data(), D, wt.data(), P, 0.0f, tile.data(), P);
-    for (int64_t r = 0; r < n; ++r) {
-      const float* __restrict t = tile.data() + r * P;
-      float* __restrict out = y.data_ptr<float>() + (r0 + r) * P;
-      float* __restrict grad = keep_grad ? silu_grad.data_ptr<float>() + (r0 + r) * P : nullptr;
-      for (int64_t j = 0; j < P; ++j) {
-        const float z = t[j] + b[j], sig = 1.0f / (1.0f + std::exp(-z));
-        out[j] = z * sig;
-        if (keep_grad) grad[j] = sig * (1.0f + z * (1.0f - sig));  // loop-invariant: GCC unswitches it
+    for (size_t part = 0; part < sizes.size(); ++part) {
+      const int64_t w = sizes[part], first = offsets[part];
+      float* __restrict out = y.data_ptr<float>() + T * first + r0 * w;
+      float* __restrict grad = keep_grad ? silu_grad.data_ptr<float>() + T * first + r0 * w : nullptr;
+      const float* __restrict bp = b + first;
+      gr_gemm::gemm(false, false, n, w, D, 1.0f, normed.data(), D, wt.data() + first, P, 0.0f, out, w);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < w; ++j) out[r * w + j] += bp[j];
+      for (int64_t i = 0; i < n * w; ++i) {
+        const float z = out[i], sig = 1.0f / (1.0f + std::exp(-z));
+        out[i] = z * sig;
+        if (keep_grad) grad[i] = sig * (1.0f + z * (1.0f - sig));  // loop-invariant: GCC unswitches it
       }
     }
   });
-  return {y, silu_grad, mean, rstd};
+  return {part_views(y, T, sizes, offsets), keep_grad ? part_views(silu_grad, T, sizes, offsets) : std::vector<Tensor>{},
+          mean, rstd};
 }
 
-// grads: the gradients of y's column parts [T, n_i] (sum n_i = P, unit column stride), in order
-// -> (dx [T, D], dnorm_weight [D], dnorm_bias [D], dweight [P, D], dbias [P]).
+// grads: the gradients of y's parts [T, n_i] (sum n_i = P, unit column stride), in order; silu_grads:
+// projection_forward's SiLU' parts -> (dx [T, D], dnorm_weight [D], dnorm_bias [D], dweight [P, D], dbias [P]).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::TensorList grads, const Tensor& x,
                                                                        const Tensor& norm_weight,
                                                                        const Tensor& norm_bias, const Tensor& weight,
-                                                                       const Tensor& silu_grad, const Tensor& mean,
+                                                                       at::TensorList silu_grads, const Tensor& mean,
                                                                        const Tensor& rstd) {
   check_projection(x, norm_weight, norm_bias, weight);
   const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
-  check_contiguous_rows(silu_grad, "silu_grad");
-  TORCH_CHECK(silu_grad.size(0) == T && silu_grad.size(1) == P, "gr_cpu_layer: silu_grad must be [T, P]");
+  TORCH_CHECK(grads.size() == silu_grads.size(), "gr_cpu_layer: ", grads.size(), " parts' gradients for ",
+              silu_grads.size(), " SiLU' parts");
   int64_t width = 0;
-  for (const Tensor& g : grads) {
-    check_rows(g, T, g.size(1), "each part's gradient");
-    width += g.size(1);
+  for (size_t part = 0; part < grads.size(); ++part) {
+    const int64_t w = silu_grads[part].size(-1);
+    check_contiguous_rows(silu_grads[part], "each SiLU' part");
+    check_rows(silu_grads[part], T, w, "each SiLU' part");
+    check_rows(grads[part], T, w, "each part's gradient");
+    width += w;
   }
   TORCH_CHECK(width == P, "gr_cpu_layer: the parts' gradients are ", width, " wide, the projection ", P);
   Tensor dx = at::empty({T, D}, x.options());
@@ -293,11 +325,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
   for_each_block(T, [&] { return block_scratch(P, D, D); }, [&](auto& state, int64_t r0, int64_t n) {
     auto& [dpre, normed, dnormed] = state;
     int64_t offset = 0;
-    for (const Tensor& g : grads) {  // dpre = dy * SiLU'(pre), part by part
+    for (size_t part = 0; part < grads.size(); ++part) {  // dpre = dy * SiLU'(pre), part by part
+      const Tensor& g = grads[part];
       const int64_t w = g.size(1);
       for (int64_t r = 0; r < n; ++r) {
         const float* __restrict gr = g.data_ptr<float>() + (r0 + r) * g.stride(0);
-        const float* __restrict sg = silu_grad.data_ptr<float>() + (r0 + r) * P + offset;
+        const float* __restrict sg = silu_grads[part].data_ptr<float>() + (r0 + r) * w;
         float* __restrict d = dpre.data() + r * P + offset;
         for (int64_t j = 0; j < w; ++j) d[j] = gr[j] * sg[j];
       }
@@ -406,10 +439,10 @@ TORCH_LIBRARY(gr_cpu_layer, m) {
       "Tensor norm_bias, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "projection_forward(Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, Tensor weight, Tensor bias, "
-      "bool keep_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+      "int[] sizes, bool keep_grad) -> (Tensor[], Tensor[], Tensor, Tensor)");
   m.def(
       "projection_backward(Tensor[] grads, Tensor x, Tensor norm_weight, Tensor norm_bias, Tensor weight, "
-      "Tensor silu_grad, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor[] silu_grads, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "norm_forward(Tensor x, Tensor weight, Tensor bias, Tensor? u, Tensor? keep, float scale, float eps) -> "
       "(Tensor, Tensor, Tensor)");

@@ -49,35 +49,47 @@ struct Jagged {
   float* rows(int64_t first, int64_t h) const { return data + first * ld + h * head_stride; }
 };
 
-#if defined(__AVX512F__)
-// Whether idx[0, 16) all equal `bucket`.
-inline bool sixteen_equal(const int32_t* idx, int32_t bucket) {
-  return _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(idx), _mm512_set1_epi32(bucket)) == 0;
-}
-inline bool sixteen_equal(const uint8_t* idx, int32_t bucket) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(idx));
-  return _mm_movemask_epi8(_mm_cmpeq_epi8(bytes, _mm_set1_epi8(static_cast<char>(bucket)))) == 0xFFFF;
-}
-#endif
-
 // acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in runs along a
 // row (timestamps are sorted), and adding element by element would chain every add of a run
-// through the same memory location. Runs are summed 16 lanes at a time where the build has AVX-512.
+// through the same memory location. Where the build has AVX-512 a run is summed 16 lanes at a time,
+// its last lanes by a masked load.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The lanes of idx[0, 16) among `valid` that equal `bucket`.
+inline __mmask16 equal_lanes(const int32_t* idx, __mmask16 valid, int32_t bucket) {
+  return _mm512_mask_cmpeq_epi32_mask(valid, _mm512_maskz_loadu_epi32(valid, idx), _mm512_set1_epi32(bucket));
+}
+inline __mmask16 equal_lanes(const uint8_t* idx, __mmask16 valid, int32_t bucket) {
+  return _mm_mask_cmpeq_epi8_mask(valid, _mm_maskz_loadu_epi8(valid, idx), _mm_set1_epi8(static_cast<char>(bucket)));
+}
+
+template <typename Index>
+void add_by_runs(const Index* idx, const float* d, int64_t n, float* acc) {
+  int64_t j = 0;
+  while (j < n) {
+    const int32_t bucket = idx[j];
+    __m512 lanes = _mm512_setzero_ps();
+    int64_t run = 16;
+    while (run == 16) {  // run: how many of the next 16 lanes (at most n - j) continue the run, >= 1 at first
+      const __mmask16 same = equal_lanes(idx + j, gr_gemm::first_lanes(n - j), bucket);
+      run = _tzcnt_u32(~static_cast<uint32_t>(same));
+      lanes = _mm512_add_ps(lanes, _mm512_maskz_loadu_ps(gr_gemm::first_lanes(run), d + j));
+      j += run;
+    }
+    acc[bucket] += _mm512_reduce_add_ps(lanes);
+  }
+}
+#else
 template <typename Index>
 void add_by_runs(const Index* idx, const float* d, int64_t n, float* acc) {
   int64_t j = 0;
   while (j < n) {
     const int32_t bucket = idx[j];
     float run = 0.0f;
-#if defined(__AVX512F__)
-    __m512 lanes = _mm512_setzero_ps();
-    for (; j + 16 <= n && sixteen_equal(idx + j, bucket); j += 16) lanes = _mm512_add_ps(lanes, _mm512_loadu_ps(d + j));
-    run = _mm512_reduce_add_ps(lanes);
-#endif
     for (; j < n && idx[j] == bucket; ++j) run += d[j];
     acc[bucket] += run;
   }
 }
+#endif
 
 // s[j] += w[idx[j]] for j < n (restrict: so that it vectorises, as a gather).
 template <typename Index>
