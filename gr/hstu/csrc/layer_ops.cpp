@@ -21,9 +21,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -233,6 +238,21 @@ void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& 
               "gr_cpu_layer: the projection's weight must be contiguous fp32 [P, ", D, "]");
 }
 
+// dst[0, n) = src[0, n), past the cache where the build has AVX-512 (streaming stores from dst's first
+// 64-byte boundary on). For results nothing reads before backward: a plain store to a line that is
+// not cached first reads it from memory, and the lines would push out what the next ops read.
+void store_for_backward(float* dst, const float* src, int64_t n) {
+#if defined(__AVX512F__)
+  int64_t i = 0;
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = src[i];
+  for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n * sizeof(float));
+#endif
+}
+
 // Column offsets of the parts of widths `sizes` in the projection's P output columns.
 std::vector<int64_t> part_offsets(at::IntArrayRef sizes, int64_t P) {
   std::vector<int64_t> offsets;
@@ -273,16 +293,16 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
   gr_blas::AlignedFloats wt(D * P);  // W^T [D, P]: the GEMM reads its B operand in rows
   gr_gemm::transpose(P, D, weight.data_ptr<float>(), D, wt.data(), P);
   // Per block and part: the GEMM writes the part's rows, which are contiguous, then SiLU runs over
-  // them in one vector loop.
-  for_each_block(T, [&] { return block_scratch(D); }, [&](auto& state, int64_t r0, int64_t n) {
-    auto& [normed] = state;
+  // them in one vector loop; SiLU' goes to scratch, then past the cache to its rows.
+  for_each_block(T, [&] { return block_scratch(D, P); }, [&](auto& state, int64_t r0, int64_t n) {
+    auto& [normed, grads] = state;
     norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
                             norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
                             normed.data(), mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
     for (size_t part = 0; part < sizes.size(); ++part) {
       const int64_t w = sizes[part], first = offsets[part];
       float* __restrict out = y.data_ptr<float>() + T * first + r0 * w;
-      float* __restrict grad = keep_grad ? silu_grad.data_ptr<float>() + T * first + r0 * w : nullptr;
+      float* __restrict grad = grads.data();
       const float* __restrict bp = b + first;
       gr_gemm::gemm(false, false, n, w, D, 1.0f, normed.data(), D, wt.data() + first, P, 0.0f, out, w);
       for (int64_t r = 0; r < n; ++r)
@@ -292,6 +312,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
         out[i] = z * sig;
         if (keep_grad) grad[i] = sig * (1.0f + z * (1.0f - sig));  // loop-invariant: GCC unswitches it
       }
+      if (keep_grad) store_for_backward(silu_grad.data_ptr<float>() + T * first + r0 * w, grad, n * w);
     }
   });
   return {part_views(y, T, sizes, offsets), keep_grad ? part_views(silu_grad, T, sizes, offsets) : std::vector<Tensor>{},
