@@ -3,8 +3,9 @@
 // * projection_forward / projection_backward: U, V, Q, K = split(SiLU(LN(x) W^T + b)). Per block of
 //   kBlock rows the LayerNorm, the GEMM and the bias and SiLU run while the block is in the core's
 //   cache; the unfused ops write and re-read [T, D] and [T, 4 * H * d] tensors between each step
-//   (addmm first copies the bias into its output). Backward recomputes LN(x) from its statistics
-//   and takes the four parts' gradients separately, so their concatenation is never built.
+//   (addmm first copies the bias into its output). Each part is written contiguous, for readers
+//   that take whole rows. Backward recomputes LN(x) from its statistics and takes the four parts'
+//   gradients separately, so their concatenation is never built.
 // * output_forward / output_backward: out = x + (LN(a) * u [* keep * scale]) W^T + b, the layer's
 //   output with its residual, per block the same way; backward recomputes the GEMM's input.
 // * norm_forward / norm_backward: y = (LN(x) * weight + bias) [* u] [* keep * scale], HSTU's
