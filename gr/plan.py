@@ -7,11 +7,10 @@ The config goes through the trainer's own loader and validation (``gr.train.load
 table rows left to the data are read from it, and the user's PrefixDNN / PostfixDNN are
 built on the meta device (no memory) to count their parameters.
 
-Activation model (the HSTU stack, CPU attention kernel, which keeps q, k, v and, with gr's native
-kernels, its tiles' weights up to a budget: ``attention_kept_bytes``, ~8 x heads x L / 2 bytes per
-token at length L, at most 4 x 320 x heads): bytes per token each layer keeps for backward, with
-``e`` the compute dtype's bytes (4 fp32, 2 under bf16 autocast), D = hidden_dim, P = heads * (2
-linear_dim + 2 attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention output):
+Activation model (the HSTU stack, CPU attention kernel, which keeps q, k, v and no L x L
+scores): bytes per token each layer keeps for backward, with ``e`` the compute dtype's
+bytes (4 fp32, 2 under bf16 autocast), D = hidden_dim, P = heads * (2 linear_dim + 2
+attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention output):
 
   recompute "none":      x 4D + LayerNorm stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
                          (the kernel keeps q, k, v as views of it, bf16 included)
@@ -46,14 +45,7 @@ from torch import nn
 
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
-from gr.hstu.kernels.cpu import (
-    KEPT_FLOATS_PER_TOKEN,
-    LAYOUT_CACHE_ELEMENTS,
-    QUERY_CHUNK,
-    TILE_ELEMENTS,
-    TILE_ROWS,
-    padded_lengths,
-)
+from gr.hstu.kernels.cpu import LAYOUT_CACHE_ELEMENTS, QUERY_CHUNK, TILE_ELEMENTS, padded_lengths
 from gr.native import fused_expected
 from gr.sparse.tables import TableConfig, storage_dim
 from gr.train.config import TrainConfig, load_config
@@ -146,25 +138,10 @@ def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compu
     d = config.hidden_dim
     stack = FP32 * d + (FP32 * d if config.input_dropout > 0 else 0) + STACK_INDEX_BYTES
     layer = hstu_layer_activation_bytes(config, recompute, compute_bytes)
-    weights = attention_kept_bytes(config, tokens)  # kept by each layer only when it is not recomputed
     kept = tokens * (stack + config.num_layers * layer) + layout_cache_bytes(config, tokens)
-    kept += config.num_layers * weights if recompute == "none" else 0
     full_layer = hstu_layer_activation_bytes(config, "none", compute_bytes)
     recomputed = full_layer - layer
-    peak = kept + tokens * (recomputed + full_layer) + attention_backward_bytes(config, tokens)
-    return kept, peak + (weights if recompute != "none" else 0)
-
-
-def attention_kept_bytes(config: HSTUConfig, tokens: int) -> int:
-    """What the fused CPU attention keeps from forward to backward in one layer for one sequence
-    of ``tokens`` tokens: fp32 SiLU(S) * mask and SiLU'(S) * mask for every ``TILE_ROWS`` query rows
-    against the keys up to their last (causal; an upper bound with a window), at most
-    ``KEPT_FLOATS_PER_TOKEN`` floats a token and head."""
-    if not fused_expected() or tokens == 0:
-        return 0
-    length = int(padded_lengths(torch.tensor([tokens]))[0])
-    scores = sum(min(TILE_ROWS, length - r0) * min(r0 + TILE_ROWS, length) for r0 in range(0, length, TILE_ROWS))
-    return FP32 * config.num_heads * min(2 * scores, KEPT_FLOATS_PER_TOKEN * tokens)
+    return kept, kept + tokens * (recomputed + full_layer) + attention_backward_bytes(config, tokens)
 
 
 def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1) -> int:

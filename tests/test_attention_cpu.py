@@ -48,8 +48,7 @@ def test_targets_and_window_shrink_the_scored_work():
 
 
 def test_memory_stays_bounded_at_4096_and_matches_reference():
-    """Backward keeps the inputs and, with the fused tiles, at most KEPT_FLOATS_PER_TOKEN of their
-    weights a token (the rest of the scores are recomputed chunk by chunk, each chunk at most
+    """Backward keeps only the inputs (scores are recomputed chunk by chunk, each chunk at most
     TILE_ELEMENTS scores), while the result equals the padded reference."""
     length, heads, dim = 4096, 1, 8
     g = torch.Generator().manual_seed(0)

@@ -6,8 +6,7 @@ for fewer, larger chunk calls, whose fixed cost dominates there), each group is 
 chunks that only meet the keys they can see (causal / window / contextual), and each chunk is
 one batched matmul pair over the group. Targets are computed against history keys only; their one visible target key
 (themselves) is a per-token term. Forward and backward run chunk by chunk and recompute the
-scores in backward (no L x L tensor is kept), so memory stays bounded by ``TILE_ELEMENTS`` (the
-fused tiles below keep a bounded part of them).
+scores in backward (no L x L tensor is kept), so memory stays bounded by ``TILE_ELEMENTS``.
 
 Per score the work is the two matmuls plus a few elementwise passes, kept few on purpose:
 padding needs no mask (its q, k, v and output-gradient rows are zeros, so it adds nothing
@@ -26,13 +25,9 @@ Where they build (x86-64 with a C++ compiler; ``gr.native``), fused tiles run ea
 chunk instead: one C++ call per chunk reads the jagged q, k, v rows in place (no padded copies),
 makes each (sequence, head)'s scores 32 query rows at a time with only the keys those rows see,
 and does bias, SiLU, mask, normaliser, the SiLU gradient and the bias-gradient scatter while the
-tile is in cache, between GEMMs (gr/csrc/gr_gemm.h). When training, forward keeps each tile's
-SiLU(S) * mask and SiLU'(S) * mask for backward (streamed past the cache), up to
-``KEPT_FLOATS_PER_TOKEN`` a token and head (memory stays O(L)), so backward skips q k^T, the bias
-and the exp for those chunks; past the budget (long sequences: the tiles grow with L^2) it
-recomputes them, as the unfused kernel does. They compute in fp32 (bf16 inputs are widened
-once). Chunks whose keys are the contextual prefix plus a window (``contextual_len`` and
-``max_attn_len`` both set) run unfused.
+tile is in cache, between GEMMs (gr/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once). Chunks
+whose keys are the contextual prefix plus a window (``contextual_len`` and ``max_attn_len`` both
+set) run unfused.
 
 Time deltas are taken in int32 (timestamps relative to the batch's earliest, int64 when they
 span 2^31 s or more) and bias weights are read with ``index_select``, several times cheaper
@@ -73,8 +68,6 @@ from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 from gr.native import native_ops
 
 QUERY_CHUNK = 128  # query rows per chunk
-TILE_ROWS = 32  # query rows per fused tile (ROW_BLOCK in cpu_fused_attention.cpp)
-KEPT_FLOATS_PER_TOKEN = 320  # fused tile weights kept for backward a token and head (all, up to L = 288)
 TILE_ELEMENTS = 1 << 22  # score elements (all heads) per batched chunk, ~16 MB in fp32
 MIN_GRANULE = 32  # lengths are padded to a multiple of at least this
 # Index and mask elements of a batch's layouts kept for reuse (~128 MB): past it (very long
@@ -551,34 +544,28 @@ class _FusedAttention(torch.autograd.Function):
         """q, k: [T, H, Da], v: [T, H, Dv] fp32, bf16 or fp16 (strided, e.g. split from one projection:
         kept as they are for backward) -> [T, H, Dv] fp32."""
         ctx.problem, ctx.ops = problem, ops
+        ctx.save_for_backward(q, k, v, pos_w, time_w)
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         out = vf.new_zeros(vf.shape)
-        # Each chunk's tile weights are kept for backward while they fit the budget (a chunk that
-        # does not is recomputed there), and only when there will be a backward.
-        budget = KEPT_FLOATS_PER_TOKEN * q.shape[0] * q.shape[1] if any(ctx.needs_input_grad[:5]) else 0
-        kept = []
         for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w, ops):
             group = problem.groups[gi]
-            args = _fused_args(problem, group, chunk, layout, pos_w, time_w)
-            kept.append(ops.forward_chunk(qf, kf, vf, out, *args, budget))
-            budget -= kept[-1].numel()
-        ctx.save_for_backward(q, k, v, pos_w, time_w, *kept)
+            ops.forward_chunk(qf, kf, vf, out, *_fused_args(problem, group, chunk, layout, pos_w, time_w))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, pos_w, time_w, *kept = ctx.saved_tensors
+        q, k, v, pos_w, time_w = ctx.saved_tensors
         problem: _Problem = ctx.problem
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32) for x in (q, k, v))
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
         grad_out = _fp32_rows(grad_out)
-        for (gi, chunk, layout), weights in zip(_fused_chunks(problem, pos_w, time_w, ctx.ops), kept):
+        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w, ctx.ops):
             group = problem.groups[gi]
             args = _fused_args(problem, group, chunk, layout, pos_w, time_w)
-            ctx.ops.backward_chunk(qf, kf, vf, grad_out, dq, dk, dv, *args, dpos, dtime, weights)
+            ctx.ops.backward_chunk(qf, kf, vf, grad_out, dq, dk, dv, *args, dpos, dtime)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None
 
 

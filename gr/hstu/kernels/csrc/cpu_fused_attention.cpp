@@ -16,7 +16,6 @@
 #include "gr_blas.h"
 #include "gr_gemm.h"
 #include "gr_parallel.h"
-#include "gr_stream.h"
 
 #include <algorithm>
 #include <cmath>
@@ -249,70 +248,31 @@ void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64
   }
 }
 
-// Where forward keeps a chunk's tile weights for backward, in floats from offsets[g * H + h] (offsets
-// [G * H] is the total): per row block of m rows that sees n > 0 keys, [m, n] SiLU(S) * mask, then
-// [m, n] SiLU'(S) * mask. Backward then skips q k^T, the bias and the exp.
-std::vector<int64_t> kept_offsets(const Chunk& c, int64_t H) {
-  std::vector<int64_t> offsets(c.G * H + 1, 0);
-  for (int64_t g = 0; g < c.G; ++g) {
-    const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
-    int64_t size = 0;
-    for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
-      const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
-      size += 2 * (r1 - r0) * c.keys_seen(g, r0, r1, nkeys);
-    }
-    for (int64_t h = 0; h < H; ++h) offsets[g * H + h + 1] = offsets[g * H + h] + size;
-  }
-  return offsets;
-}
-
-// kept[0, m * n) = m rows of n from `rows` (row stride ld), past the cache (gr_stream::fence() after).
-void keep_rows(float* kept, const float* rows, int64_t m, int64_t n, int64_t ld) {
-  for (int64_t i = 0; i < m; ++i) gr_stream::stream(kept + i * n, rows + i * ld, n);
-}
-
 // out rows of the chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head.
-// -> the tile weights kept for backward (kept_offsets), when they take at most keep_limit floats; else
-// an empty tensor, and backward recomputes them.
-Tensor forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& starts,
-                     const Tensor& lengths, int64_t rows, int64_t m0, int64_t lo, int64_t hi, double alpha,
-                     const std::optional<Tensor>& pos_w, const std::optional<Tensor>& row_pos,
-                     const std::optional<Tensor>& time_w, const std::optional<Tensor>& time_idx,
-                     const std::optional<Tensor>& mask, int64_t mask_from, const std::optional<Tensor>& row_end,
-                     const Tensor& norm, int64_t keep_limit) {
+void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& starts,
+                   const Tensor& lengths, int64_t rows, int64_t m0, int64_t lo, int64_t hi, double alpha,
+                   const std::optional<Tensor>& pos_w, const std::optional<Tensor>& row_pos,
+                   const std::optional<Tensor>& time_w, const std::optional<Tensor>& time_idx,
+                   const std::optional<Tensor>& mask, int64_t mask_from, const std::optional<Tensor>& row_end,
+                   const Tensor& norm) {
   const Jagged Q(q), Kt(k), V(v), O(out);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
   const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
-  const std::vector<int64_t> offsets = keep_limit > 0 ? kept_offsets(c, H) : std::vector<int64_t>{0};
-  const bool keep = keep_limit > 0 && offsets.back() > 0 && offsets.back() <= keep_limit;
-  Tensor kept = at::empty({keep ? offsets.back() : 0}, out.options());
   at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
     gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), kt(D * K);
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H, first = c.starts[g];
       const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
-      float* kp = keep ? kept.data_ptr<float>() + offsets[gh] : nullptr;
       if (nrows > 0) gr_gemm::transpose(nkeys, D, Kt.rows(first + lo, h), Kt.ld, kt.data(), K);
       for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
-        const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows), m = r1 - r0;
+        const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
         float* o = O.rows(first + m0 + r0, h);
         const int64_t n = c.keys_seen(g, r0, r1, nkeys);
         if (n == 0) continue;  // out stays zero
-        const float* qp = Q.rows(first + m0 + r0, h);
-        if (keep) {
-          scores_and_weights<true>(c, g, r0, r1, n, static_cast<float>(alpha), qp, Q.ld, kt.data(), D,
-                                   scores.data(), weights.data(), K);
-          for (int64_t i = r0; i < r1; ++i) c.apply_mask(g, i, scores.data() + (i - r0) * K, n);
-          keep_rows(kp, weights.data(), m, n, K);
-          keep_rows(kp + m * n, scores.data(), m, n, K);
-          gr_stream::fence();
-          kp += 2 * m * n;
-        } else {
-          scores_and_weights<false>(c, g, r0, r1, n, static_cast<float>(alpha), qp, Q.ld, kt.data(), D,
-                                    scores.data(), weights.data(), K);
-        }
-        gemm(false, false, m, Dv, n, 1.0f, weights.data(), K, V.rows(first + lo, h), V.ld, 0.0f, o, O.ld);
+        scores_and_weights<false>(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + m0 + r0, h), Q.ld,
+                                  kt.data(), D, scores.data(), weights.data(), K);
+        gemm(false, false, r1 - r0, Dv, n, 1.0f, weights.data(), K, V.rows(first + lo, h), V.ld, 0.0f, o, O.ld);
         for (int64_t i = r0; i < r1; ++i) {
           const float f = c.norm_of(g, i);
           float* row = o + (i - r0) * O.ld;
@@ -321,7 +281,6 @@ Tensor forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Te
       }
     }
   });
-  return kept;
 }
 
 // Gradients of the chunk: dq rows = alpha dS k (written), dk += alpha dS^T q, dv += W^T (norm * dout),
@@ -332,17 +291,12 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                     const std::optional<Tensor>& row_pos, const std::optional<Tensor>& time_w,
                     const std::optional<Tensor>& time_idx, const std::optional<Tensor>& mask, int64_t mask_from,
                     const std::optional<Tensor>& row_end, const Tensor& norm, const std::optional<Tensor>& dpos,
-                    const std::optional<Tensor>& dtime, const Tensor& kept) {
+                    const std::optional<Tensor>& dtime) {
   const Jagged Q(q), Kt(k), V(v), dO(grad_out), dQ(dq), dK(dk), dV(dv);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
   const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
   const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
   const float a = static_cast<float>(alpha);
-  const bool recompute = kept.numel() == 0;  // else forward_chunk's tile weights, at kept_offsets
-  const std::vector<int64_t> offsets = recompute ? std::vector<int64_t>{0} : kept_offsets(c, H);
-  TORCH_CHECK(recompute || (kept.is_contiguous() && kept.scalar_type() == at::kFloat && kept.numel() == offsets.back()),
-              "cpu_fused: the kept weights must be forward_chunk's for this chunk (", offsets.back(), " floats), got ",
-              kept.numel());
   gr_parallel::ThreadSums bias_grads(P + NB);  // [dpos | dtime]
   at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
     OneBlasThread one;
@@ -354,9 +308,8 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
       const int64_t g = gh / H, h = gh % H, first = c.starts[g];
       const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
       const float* kp = Kt.rows(first + lo, h);
-      const float* kw = recompute ? nullptr : kept.data_ptr<float>() + offsets[gh];
       if (nrows > 0) {
-        if (recompute) gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt.data(), K);
+        gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt.data(), K);
         gr_gemm::transpose(nkeys, Dv, V.rows(first + lo, h), V.ld, vt.data(), K);
       }
       for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
@@ -364,28 +317,19 @@ void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
         const int64_t n = c.keys_seen(g, r0, r1, nkeys);
         if (n == 0) continue;  // dq stays zero
         const float* qp = Q.rows(first + m0 + r0, h);
-        // The weights W and SiLU' (* mask when kept), with their row stride.
-        const float* w = kw;
-        const float* silu_grads = kw + m * n;
-        int64_t ldw = n;
-        if (recompute) {
-          scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt.data(), D, scores.data(), weights.data(), K);
-          w = weights.data(), silu_grads = scores.data(), ldw = K;
-        } else {
-          kw += 2 * m * n;
-        }
+        scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt.data(), D, scores.data(), weights.data(), K);
         const float* dop = dO.rows(first + m0 + r0, h);
         for (int64_t i = r0; i < r1; ++i) {
           const float f = c.norm_of(g, i);
           for (int64_t j = 0; j < Dv; ++j) g_rows.data()[(i - r0) * Dv + j] = dop[(i - r0) * dO.ld + j] * f;
         }
-        gemm(true, false, n, Dv, m, 1.0f, w, ldw, g_rows.data(), Dv, 1.0f, dV.rows(first + lo, h), dV.ld);
-        float* ds = weights.data();  // dweights, then dscores
+        gemm(true, false, n, Dv, m, 1.0f, weights.data(), K, g_rows.data(), Dv, 1.0f, dV.rows(first + lo, h), dV.ld);
+        float* ds = weights.data();  // reused: dweights, then dscores
         gemm(false, false, m, n, Dv, 1.0f, g_rows.data(), Dv, vt.data(), K, 0.0f, ds, K);
         for (int64_t i = r0; i < r1; ++i) {
           float* __restrict d = ds + (i - r0) * K;
-          const float* __restrict silu_grad = silu_grads + (i - r0) * ldw;
-          if (recompute) c.apply_mask(g, i, d, n);
+          const float* __restrict silu_grad = scores.data() + (i - r0) * K;
+          c.apply_mask(g, i, d, n);
           for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
           c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr);
         }
@@ -498,12 +442,12 @@ TORCH_LIBRARY(gr_cpu_fused, m) {
   m.def(
       "forward_chunk(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, Tensor lengths, int rows, int m0, "
       "int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, Tensor? time_w, Tensor? time_idx, Tensor? mask, "
-      "int mask_from, Tensor? row_end, Tensor norm, int keep_limit) -> Tensor");
+      "int mask_from, Tensor? row_end, Tensor norm) -> ()");
   m.def(
       "backward_chunk(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
       "Tensor starts, Tensor lengths, int rows, int m0, int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, "
       "Tensor? time_w, Tensor? time_idx, Tensor? mask, int mask_from, Tensor? row_end, Tensor norm, "
-      "Tensor(d!)? dpos, Tensor(e!)? dtime, Tensor kept) -> ()");
+      "Tensor(d!)? dpos, Tensor(e!)? dtime) -> ()");
   m.def(
       "time_buckets(Tensor query_times, Tensor key_times, Tensor lengths, int m0, int m1, int lo, int hi, "
       "int contextual_len, Tensor thresholds, bool sqrt_bucketing) -> Tensor");
