@@ -36,25 +36,24 @@ inline __m512i splitmix64_mix(__m512i z) {
   z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64(0x94D049BB133111EBull));
   return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
+#endif
 
-// out[i] = (splitmix64(seed, i) >> 32) >= threshold for i in [begin, end), 8 draws a vector.
+// out[i] = (splitmix64(seed, i) >> 32) >= threshold for i in [begin, end), 8 draws a vector where the
+// build has AVX-512, then one at a time.
 void keep_bytes(uint64_t seed, uint64_t threshold, int64_t begin, int64_t end, uint8_t* out) {
+  int64_t i = begin;
+#if defined(GR_RANDOM_AVX512)
   const __m512i step = _mm512_set1_epi64(8 * kGolden), limit = _mm512_set1_epi64(threshold);
   const __m128i ones = _mm_set1_epi8(1);
   __m512i z = _mm512_add_epi64(_mm512_set1_epi64(seed + (begin + 1) * kGolden),
                                _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_epi64(kGolden)));
-  int64_t i = begin;
   for (; i + 8 <= end; i += 8, z = _mm512_add_epi64(z, step)) {
     const __mmask8 keep = _mm512_cmpge_epu64_mask(_mm512_srli_epi64(splitmix64_mix(z), 32), limit);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_maskz_mov_epi8(keep, ones));
   }
+#endif
   for (; i < end; ++i) out[i] = (splitmix64(seed, i) >> 32) >= threshold;
 }
-#else
-void keep_bytes(uint64_t seed, uint64_t threshold, int64_t begin, int64_t end, uint8_t* out) {
-  for (int64_t i = begin; i < end; ++i) out[i] = (splitmix64(seed, i) >> 32) >= threshold;
-}
-#endif
 
 // -> [n] uint8: 1 with probability 1 - p (the top 32 bits of a draw >= p * 2^32), else 0.
 Tensor keep_mask(int64_t n, double p, int64_t seed) {

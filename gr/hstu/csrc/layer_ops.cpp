@@ -271,7 +271,8 @@ std::vector<int64_t> part_offsets(at::IntArrayRef sizes, int64_t P) {
 std::vector<Tensor> part_views(const Tensor& buffer, int64_t T, at::IntArrayRef sizes,
                                const std::vector<int64_t>& offsets) {
   std::vector<Tensor> parts;
-  for (size_t i = 0; i < sizes.size(); ++i) parts.push_back(buffer.narrow(0, T * offsets[i], T * sizes[i]).view({T, sizes[i]}));
+  for (size_t i = 0; i < sizes.size(); ++i)
+    parts.push_back(buffer.narrow(0, T * offsets[i], T * sizes[i]).view({T, sizes[i]}));
   return parts;
 }
 
@@ -316,8 +317,8 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
       if (keep_grad) store_for_backward(silu_grad.data_ptr<float>() + T * first + r0 * w, grad, n * w);
     }
   });
-  return {part_views(y, T, sizes, offsets), keep_grad ? part_views(silu_grad, T, sizes, offsets) : std::vector<Tensor>{},
-          mean, rstd};
+  std::vector<Tensor> silu_grads = keep_grad ? part_views(silu_grad, T, sizes, offsets) : std::vector<Tensor>{};
+  return {part_views(y, T, sizes, offsets), silu_grads, mean, rstd};
 }
 
 // grads: the gradients of y's parts [T, n_i] (sum n_i = P, unit column stride), in order; silu_grads:

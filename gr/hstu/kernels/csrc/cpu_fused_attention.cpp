@@ -49,10 +49,6 @@ struct Jagged {
   float* rows(int64_t first, int64_t h) const { return data + first * ld + h * head_stride; }
 };
 
-// acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in runs along a
-// row (timestamps are sorted), and adding element by element would chain every add of a run
-// through the same memory location. Where the build has AVX-512 a run is summed 16 lanes at a time,
-// its last lanes by a masked load.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // The lanes of idx[0, 16) among `valid` that equal `bucket`.
 inline __mmask16 equal_lanes(const int32_t* idx, __mmask16 valid, int32_t bucket) {
@@ -61,35 +57,40 @@ inline __mmask16 equal_lanes(const int32_t* idx, __mmask16 valid, int32_t bucket
 inline __mmask16 equal_lanes(const uint8_t* idx, __mmask16 valid, int32_t bucket) {
   return _mm_mask_cmpeq_epi8_mask(valid, _mm_maskz_loadu_epi8(valid, idx), _mm_set1_epi8(static_cast<char>(bucket)));
 }
-
-template <typename Index>
-void add_by_runs(const Index* idx, const float* d, int64_t n, float* acc) {
-  int64_t j = 0;
-  while (j < n) {
-    const int32_t bucket = idx[j];
-    __m512 lanes = _mm512_setzero_ps();
-    int64_t run = 16;
-    while (run == 16) {  // run: how many of the next 16 lanes (at most n - j) continue the run, >= 1 at first
-      const __mmask16 same = equal_lanes(idx + j, gr_gemm::first_lanes(n - j), bucket);
-      run = _tzcnt_u32(~static_cast<uint32_t>(same));
-      lanes = _mm512_add_ps(lanes, _mm512_maskz_loadu_ps(gr_gemm::first_lanes(run), d + j));
-      j += run;
-    }
-    acc[bucket] += _mm512_reduce_add_ps(lanes);
-  }
-}
-#else
-template <typename Index>
-void add_by_runs(const Index* idx, const float* d, int64_t n, float* acc) {
-  int64_t j = 0;
-  while (j < n) {
-    const int32_t bucket = idx[j];
-    float run = 0.0f;
-    for (; j < n && idx[j] == bucket; ++j) run += d[j];
-    acc[bucket] += run;
-  }
-}
 #endif
+
+// The sum of d over the run of idx[j] == bucket that starts at j (j < n); j moves past the run. Where
+// the build has AVX-512 the run is summed 16 lanes at a time, its last lanes by a masked load.
+template <typename Index>
+float sum_run(const Index* idx, const float* d, int64_t n, int32_t bucket, int64_t& j) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  __m512 lanes = _mm512_setzero_ps();
+  int64_t run = 16;
+  while (run == 16) {  // run: how many of the next 16 lanes (at most n - j) continue the run, >= 1 at first
+    const __mmask16 same = equal_lanes(idx + j, gr_gemm::first_lanes(n - j), bucket);
+    run = _tzcnt_u32(~static_cast<uint32_t>(same));
+    lanes = _mm512_add_ps(lanes, _mm512_maskz_loadu_ps(gr_gemm::first_lanes(run), d + j));
+    j += run;
+  }
+  return _mm512_reduce_add_ps(lanes);
+#else
+  float run = 0.0f;
+  for (; j < n && idx[j] == bucket; ++j) run += d[j];
+  return run;
+#endif
+}
+
+// acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in runs along a
+// row (timestamps are sorted), and adding element by element would chain every add of a run
+// through the same memory location.
+template <typename Index>
+void add_by_runs(const Index* idx, const float* d, int64_t n, float* acc) {
+  int64_t j = 0;
+  while (j < n) {
+    const int32_t bucket = idx[j];
+    acc[bucket] += sum_run(idx, d, n, bucket, j);
+  }
+}
 
 // s[j] += w[idx[j]] for j < n (restrict: so that it vectorises, as a gather).
 template <typename Index>
