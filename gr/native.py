@@ -1,7 +1,7 @@
 """gr's fused CPU kernels, compiled for this machine on first use: one library, five op namespaces.
 
 * ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
-  ``gr.hstu.kernels.cpu`` (``forward_chunk``, ``backward_chunk``);
+  ``gr.hstu.kernels.cpu`` (``forward_chunks``, ``backward_chunks``);
 * ``gr_cpu_layer`` (``gr/hstu/csrc/layer_ops.cpp``): the HSTU layer's input projection
   (LayerNorm, linear, SiLU), its output (LayerNorm, gate, dropout, linear, residual) and
   LayerNorm-gate-dropout alone, a block of rows at a time, used by ``gr.hstu.layer_ops``

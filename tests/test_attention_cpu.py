@@ -199,8 +199,11 @@ def test_a_workspace_shares_one_batch_layout_across_layers_with_equal_results():
 
 def test_the_layout_cache_stays_within_its_budget_and_results_do_not_change(monkeypatch):
     """With a budget smaller than the batch's layouts some chunks are rebuilt on every use: the
-    kept elements stay within the budget and outputs and gradients equal the unbounded cache's."""
+    kept elements stay within the budget and outputs and gradients equal the unbounded cache's.
+    The fused tiles (where they build) then run the chunks in several calls, none of them kept,
+    instead of one kept call."""
     from gr.hstu.kernels import AttentionWorkspace, cpu
+    from gr.native import native_ops
 
     g = torch.Generator().manual_seed(4)
     offsets = offsets_of([300, 40, 260])
@@ -224,6 +227,8 @@ def test_the_layout_cache_stays_within_its_budget_and_results_do_not_change(monk
     assert len(bounded.layouts) < len(unbounded.layouts)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
+    if native_ops("gr_cpu_fused") is not None:
+        assert [len(calls) for calls in unbounded.fused_calls.values()] == [1] and bounded.fused_calls == {}
 
 
 def test_batches_without_targets_share_the_position_layouts_of_equal_chunks():

@@ -27,7 +27,7 @@ def test_all_op_namespaces_come_from_one_build(monkeypatch):
     attention, loss = native_ops("gr_cpu_fused"), native_ops("gr_cpu_loss")
     layer, random = native_ops("gr_cpu_layer"), native_ops("gr_cpu_random")
     gemm = native_ops("gr_cpu_gemm")
-    assert hasattr(attention, "forward_chunk") and hasattr(loss, "sampled_softmax_forward")
+    assert hasattr(attention, "forward_chunks") and hasattr(loss, "sampled_softmax_forward")
     assert hasattr(layer, "projection_forward") and hasattr(layer, "norm_forward")
     assert hasattr(random, "keep_mask") and hasattr(random, "randint")
     assert hasattr(gemm, "gemm") and hasattr(gemm, "transpose")

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <tuple>
 
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
@@ -47,6 +48,12 @@ class AlignedFloats {
   };
   std::unique_ptr<float[], Free> data_;
 };
+
+// One AlignedFloats of each size, e.g. a thread's scratch tiles.
+template <typename... Sizes>
+auto aligned_floats(Sizes... sizes) {
+  return std::make_tuple(AlignedFloats(sizes)...);
+}
 
 // Restores MKL's thread count for this thread on exit; GEMMs inside parallel_for run on one thread.
 struct OneBlasThread {

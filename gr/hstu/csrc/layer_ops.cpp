@@ -227,7 +227,7 @@ void for_each_block(int64_t T, const MakeState& make_state, const Body& body) {
 // One aligned [kBlock, width] fp32 buffer per width, as a tuple.
 template <typename... Widths>
 auto block_scratch(Widths... widths) {
-  return std::make_tuple(gr_blas::AlignedFloats(kBlock * widths)...);
+  return gr_blas::aligned_floats((kBlock * widths)...);
 }
 
 void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& norm_bias, const Tensor& weight) {

@@ -21,13 +21,14 @@ built once per batch: backward reuses forward's, and with an ``AttentionWorkspac
 ``HSTU.forward`` passes to every layer) the other layers reuse the first layer's, so only the
 bias weights are read per layer.
 
-Where they build (x86-64 with a C++ compiler; ``gr.native``), fused tiles run each
-chunk instead: one C++ call per chunk reads the jagged q, k, v rows in place (no padded copies),
-makes each (sequence, head)'s scores 32 query rows at a time with only the keys those rows see,
-and does bias, SiLU, mask, normaliser, the SiLU gradient and the bias-gradient scatter while the
-tile is in cache, between GEMMs (gr/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once). Chunks
-whose keys are the contextual prefix plus a window (``contextual_len`` and ``max_attn_len`` both
-set) run unfused.
+Where they build (x86-64 with a C++ compiler; ``gr.native``), fused tiles run the chunks
+instead: one C++ call for all of a batch's chunks (its threads get equal work, not equal counts of
+sequences) reads the jagged q, k, v rows in place (no padded copies), makes each (sequence, head)'s
+scores 32 query rows at a time with only the keys those rows see, and does bias, SiLU, mask,
+normaliser, the SiLU gradient and the bias-gradient scatter while the tile is in cache, between
+GEMMs (gr/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once). Chunks whose keys
+are the contextual prefix plus a window (``contextual_len`` and ``max_attn_len`` both set) run
+unfused.
 
 Time deltas are taken in int32 (timestamps relative to the batch's earliest, int64 when they
 span 2^31 s or more) and bias weights are read with ``index_select``, several times cheaper
@@ -135,6 +136,7 @@ class _Problem:
     time_bucketing: str
     layouts: Dict[Tuple[int, int, int, int, torch.dtype, bool], "_Layout"] = field(default_factory=dict)
     cached_elements: int = 0
+    fused_calls: Dict[Tuple[int, int], List[tuple]] = field(default_factory=dict)  # see _fused_calls
 
     @property
     def fusable(self) -> bool:
@@ -547,9 +549,8 @@ class _FusedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, pos_w, time_w)
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         out = vf.new_zeros(vf.shape)
-        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w, ops):
-            group = problem.groups[gi]
-            ops.forward_chunk(qf, kf, vf, out, *_fused_args(problem, group, chunk, layout, pos_w, time_w))
+        for chunks in _fused_calls(problem, pos_w, time_w, ops):
+            ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, *chunks)
         return out
 
     @staticmethod
@@ -562,10 +563,9 @@ class _FusedAttention(torch.autograd.Function):
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
         grad_out = _fp32_rows(grad_out)
-        for gi, chunk, layout in _fused_chunks(problem, pos_w, time_w, ctx.ops):
-            group = problem.groups[gi]
-            args = _fused_args(problem, group, chunk, layout, pos_w, time_w)
-            ctx.ops.backward_chunk(qf, kf, vf, grad_out, dq, dk, dv, *args, dpos, dtime)
+        for chunks in _fused_calls(problem, pos_w, time_w, ctx.ops):
+            grads = (dq, dk, dv, pos_w, time_w, dpos, dtime)
+            ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, *chunks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None
 
 
@@ -575,23 +575,47 @@ def _fp32_rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _fused_chunks(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Tensor], ops):
-    """(group index, chunk, its layout in the fused tiles' form) for every chunk of the batch."""
+def _fused_calls(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Tensor], ops) -> List[tuple]:
+    """The chunk lists of each ``forward_chunks`` / ``backward_chunks`` call (their arguments after
+    alpha): one call for the batch's chunks while their layouts hold at most ``LAYOUT_CACHE_ELEMENTS``
+    elements (the call spreads all the batch's sequences over the threads by their work), else
+    several calls of at most that many (long histories: memory stays bounded as before). Kept in
+    the problem for the other layers and backward when every layout is."""
     sizes = (pos_w.numel() if pos_w is not None else 0, time_w.numel() if time_w is not None else 0)
+    if sizes in problem.fused_calls:
+        return problem.fused_calls[sizes]
+    calls, batch, elements, all_kept = [], [], 0, True
     for gi, group in enumerate(problem.groups):
         for ci, chunk in enumerate(group.chunks):
-            yield gi, chunk, problem.layout(gi, ci, *sizes, torch.float32, ops)
+            layout = problem.layout(gi, ci, *sizes, torch.float32, ops)
+            all_kept = all_kept and problem.layouts.get((gi, ci, *sizes, torch.float32, True)) is layout
+            if batch and elements + layout.elements > LAYOUT_CACHE_ELEMENTS:
+                calls.append(_chunk_lists(problem, batch, pos_w is not None, time_w is not None))
+                batch, elements = [], 0
+            batch.append((gi, chunk, layout))
+            elements += layout.elements
+    if batch:
+        calls.append(_chunk_lists(problem, batch, pos_w is not None, time_w is not None))
+    if all_kept:
+        problem.fused_calls[sizes] = calls
+    return calls
 
 
-def _fused_args(
-    problem: _Problem, group: _Group, chunk: _Chunk, layout: _Layout, pos_w: Optional[Tensor], time_w: Optional[Tensor]
-) -> tuple:
-    """The arguments ``forward_chunk`` and ``backward_chunk`` share, after the tensors they read and write."""
+def _chunk_lists(problem: _Problem, batch: List[Tuple[int, _Chunk, _Layout]], positions: bool, times: bool) -> tuple:
+    """(starts, lengths) per group and (group, rows, m0, lo, hi, row_pos, time_idx, mask, mask_from,
+    row_end, norm) per chunk of ``batch`` [(group index, chunk, layout)], in the fused ops' order."""
+    group_ids = list(dict.fromkeys(gi for gi, _, _ in batch))
+    slot = {gi: i for i, gi in enumerate(group_ids)}
+    chunks = [chunk for _, chunk, _ in batch]
+    layouts = [layout for _, _, layout in batch]
     return (
-        group.starts, group.sizes, chunk.m1 - chunk.m0, chunk.m0, chunk.lo, chunk.hi, problem.alpha,
-        pos_w, layout.row_pos if pos_w is not None else None,
-        time_w, layout.time_idx if time_w is not None else None,
-        layout.mask, chunk.mask_from, layout.row_end, layout.norm,
+        [problem.groups[gi].starts for gi in group_ids], [problem.groups[gi].sizes for gi in group_ids],
+        [slot[gi] for gi, _, _ in batch], [c.m1 - c.m0 for c in chunks], [c.m0 for c in chunks],
+        [c.lo for c in chunks], [c.hi for c in chunks],
+        [layout.row_pos if positions else None for layout in layouts],
+        [layout.time_idx if times else None for layout in layouts],
+        [layout.mask for layout in layouts], [c.mask_from for c in chunks],
+        [layout.row_end for layout in layouts], [layout.norm for layout in layouts],
     )  # fmt: skip
 
 

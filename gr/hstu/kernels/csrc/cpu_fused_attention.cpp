@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -33,6 +34,7 @@ using at::Tensor;
 
 using gr_gemm::gemm;
 using gr_blas::OneBlasThread;
+using at::IntArrayRef;
 
 constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
 
@@ -249,96 +251,199 @@ void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64
   }
 }
 
-// out rows of the chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head.
-void forward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& starts,
-                   const Tensor& lengths, int64_t rows, int64_t m0, int64_t lo, int64_t hi, double alpha,
-                   const std::optional<Tensor>& pos_w, const std::optional<Tensor>& row_pos,
-                   const std::optional<Tensor>& time_w, const std::optional<Tensor>& time_idx,
-                   const std::optional<Tensor>& mask, int64_t mask_from, const std::optional<Tensor>& row_end,
-                   const Tensor& norm) {
-  const Jagged Q(q), Kt(k), V(v), O(out);
-  const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
-  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
-  at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
-    OneBlasThread one;
-    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), kt(D * K);
-    for (int64_t gh = begin; gh < end; ++gh) {
-      const int64_t g = gh / H, h = gh % H, first = c.starts[g];
-      const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
-      if (nrows > 0) gr_gemm::transpose(nkeys, D, Kt.rows(first + lo, h), Kt.ld, kt.data(), K);
-      for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
-        const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
-        float* o = O.rows(first + m0 + r0, h);
-        const int64_t n = c.keys_seen(g, r0, r1, nkeys);
-        if (n == 0) continue;  // out stays zero
-        scores_and_weights<false>(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + m0 + r0, h), Q.ld,
-                                  kt.data(), D, scores.data(), weights.data(), K);
-        gemm(false, false, r1 - r0, Dv, n, 1.0f, weights.data(), K, V.rows(first + lo, h), V.ld, 0.0f, o, O.ld);
-        for (int64_t i = r0; i < r1; ++i) {
-          const float f = c.norm_of(g, i);
-          float* row = o + (i - r0) * O.ld;
-          for (int64_t j = 0; j < Dv; ++j) row[j] *= f;
+// The chunks of one call, as lists (chunk c: rows [m0[c], m0[c] + rows[c]) of the sequences of group
+// group[c] against its keys [lo[c], hi[c]); the chunks of a group adjacent): each chunk's Chunk.
+struct ChunkArgs {
+  at::TensorList starts, lengths;  // per group: [G] int64 each
+  at::IntArrayRef group, rows, m0, lo, hi, mask_from;
+  const c10::List<std::optional<Tensor>>& row_pos;
+  const c10::List<std::optional<Tensor>>& time_idx;
+  const c10::List<std::optional<Tensor>>& mask;
+  const c10::List<std::optional<Tensor>>& row_end;
+  at::TensorList norm;
+
+  std::vector<Chunk> make(const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w) const {
+    const size_t n = group.size();
+    TORCH_CHECK(rows.size() == n && m0.size() == n && lo.size() == n && hi.size() == n && mask_from.size() == n &&
+                    row_pos.size() == n && time_idx.size() == n && mask.size() == n && row_end.size() == n &&
+                    norm.size() == n && starts.size() == lengths.size(),
+                "cpu_fused: one value per chunk in each chunk list, one starts and lengths per group");
+    std::vector<Chunk> chunks;
+    for (size_t c = 0; c < n; ++c) {
+      TORCH_CHECK(group[c] >= 0 && group[c] < static_cast<int64_t>(starts.size()) &&
+                      (c == 0 || group[c] >= group[c - 1]),
+                  "cpu_fused: chunk ", c, "'s group must index starts and the chunks of a group be adjacent");
+      chunks.emplace_back(starts[group[c]], lengths[group[c]], rows[c], hi[c] - lo[c], m0[c], lo[c], pos_w,
+                          row_pos.get(c), time_w, time_idx.get(c), mask.get(c), mask_from[c], row_end.get(c),
+                          norm[c]);
+    }
+    return chunks;
+  }
+};
+
+// One sequence g of a group, with the group's chunks [first, last) of the call.
+struct Item {
+  int64_t first, last, g;
+};
+
+// Runs body(scratch, chunk, g, h) for every head h and chunk of every sequence g of the call, with
+// one scratch = make_scratch() per thread. The sequences are dealt to the threads by their work (score
+// elements of their row blocks plus their keys): sorted from most to least, in a snake 0, 1, ..., t - 1,
+// t - 1, ..., 0, 0, 1, ... The sequences of a batch differ in length up to 10x: one call per group
+// with an equal count of them per thread left one thread idle, and ranges of equal estimated work
+// missed the short sequences' fixed costs, where neighbours in the sorted order have about equal
+// lengths. A sequence's chunks and heads stay on one thread, so the k and v gradients it accumulates
+// have one writer, and so do the cache lines its heads share. For a given thread count the deal
+// depends on the lengths only, and so do the per-thread partial sums.
+template <typename MakeScratch, typename Body>
+void for_each_item(const std::vector<Chunk>& chunks, IntArrayRef group, int64_t H, const MakeScratch& make_scratch,
+                   const Body& body) {
+  std::vector<Item> items;
+  std::vector<int64_t> work;
+  for (int64_t first = 0, last = 0; first < static_cast<int64_t>(chunks.size()); first = last) {
+    while (last < static_cast<int64_t>(chunks.size()) && group[last] == group[first]) ++last;
+    for (int64_t g = 0; g < chunks[first].G; ++g) {
+      int64_t cost = 0;
+      for (int64_t ci = first; ci < last; ++ci) {
+        const Chunk& c = chunks[ci];
+        const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
+        if (nrows > 0) cost += nkeys;
+        for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
+          const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
+          cost += (r1 - r0) * c.keys_seen(g, r0, r1, nkeys);
         }
       }
+      items.push_back({first, last, g});
+      work.push_back(cost);
     }
+  }
+  std::vector<int64_t> order(items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::vector<std::vector<int64_t>> dealt(parts);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int64_t round = static_cast<int64_t>(i) / parts, seat = static_cast<int64_t>(i) % parts;
+    dealt[round % 2 == 0 ? seat : parts - 1 - seat].push_back(order[i]);
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    OneBlasThread one;
+    auto scratch = make_scratch();
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i : dealt[p])
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t c = items[i].first; c < items[i].last; ++c) body(scratch, chunks[c], items[i].g, h);
   });
 }
 
-// Gradients of the chunk: dq rows = alpha dS k (written), dk += alpha dS^T q, dv += W^T (norm * dout),
+// The widest chunk's keys: the per-thread tiles' row length.
+int64_t widest(const std::vector<Chunk>& chunks) {
+  int64_t K = 1;
+  for (const Chunk& c : chunks) K = std::max(K, c.K);
+  return K;
+}
+
+// out rows of every chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head.
+void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                    const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w, double alpha,
+                    at::TensorList starts, at::TensorList lengths, IntArrayRef group, IntArrayRef rows, IntArrayRef m0,
+                    IntArrayRef lo, IntArrayRef hi, const c10::List<std::optional<Tensor>>& row_pos,
+                    const c10::List<std::optional<Tensor>>& time_idx, const c10::List<std::optional<Tensor>>& mask,
+                    IntArrayRef mask_from, const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
+  const Jagged Q(q), Kt(k), V(v), O(out);
+  const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2);
+  const std::vector<Chunk> chunks =
+      ChunkArgs{starts, lengths, group, rows, m0, lo, hi, mask_from, row_pos, time_idx, mask, row_end, norm}.make(
+          pos_w, time_w);
+  const int64_t K = widest(chunks);
+  for_each_item(
+      chunks, group, H, [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
+      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h) {
+        float* scores = std::get<0>(scratch).data();
+        float* weights = std::get<1>(scratch).data();
+        float* kt = std::get<2>(scratch).data();
+        const int64_t first = c.starts[g];
+        const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
+        if (nrows > 0) gr_gemm::transpose(nkeys, D, Kt.rows(first + c.lo, h), Kt.ld, kt, K);
+        for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
+          const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
+          float* o = O.rows(first + c.m0 + r0, h);
+          const int64_t n = c.keys_seen(g, r0, r1, nkeys);
+          if (n == 0) continue;  // out stays zero
+          scores_and_weights<false>(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + c.m0 + r0, h), Q.ld,
+                                    kt, D, scores, weights, K);
+          gemm(false, false, r1 - r0, Dv, n, 1.0f, weights, K, V.rows(first + c.lo, h), V.ld, 0.0f, o, O.ld);
+          for (int64_t i = r0; i < r1; ++i) {
+            const float f = c.norm_of(g, i);
+            float* row = o + (i - r0) * O.ld;
+            for (int64_t j = 0; j < Dv; ++j) row[j] *= f;
+          }
+        }
+      });
+}
+
+// Gradients of every chunk: dq rows = alpha dS k (written), dk += alpha dS^T q, dv += W^T (norm * dout),
 // dpos / dtime += dS summed into their buckets; dS = SiLU'(scores) * mask * (norm * dout) v^T.
-void backward_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_out, const Tensor& dq,
-                    const Tensor& dk, const Tensor& dv, const Tensor& starts, const Tensor& lengths, int64_t rows,
-                    int64_t m0, int64_t lo, int64_t hi, double alpha, const std::optional<Tensor>& pos_w,
-                    const std::optional<Tensor>& row_pos, const std::optional<Tensor>& time_w,
-                    const std::optional<Tensor>& time_idx, const std::optional<Tensor>& mask, int64_t mask_from,
-                    const std::optional<Tensor>& row_end, const Tensor& norm, const std::optional<Tensor>& dpos,
-                    const std::optional<Tensor>& dtime) {
+void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_out, const Tensor& dq,
+                     const Tensor& dk, const Tensor& dv, const std::optional<Tensor>& pos_w,
+                     const std::optional<Tensor>& time_w, const std::optional<Tensor>& dpos,
+                     const std::optional<Tensor>& dtime, double alpha, at::TensorList starts, at::TensorList lengths,
+                     IntArrayRef group, IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
+                     const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
+                     const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
+                     const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
   const Jagged Q(q), Kt(k), V(v), dO(grad_out), dQ(dq), dK(dk), dV(dv);
-  const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2), K = hi - lo;
-  const Chunk c(starts, lengths, rows, K, m0, lo, pos_w, row_pos, time_w, time_idx, mask, mask_from, row_end, norm);
+  const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2);
+  const std::vector<Chunk> chunks =
+      ChunkArgs{starts, lengths, group, rows, m0, lo, hi, mask_from, row_pos, time_idx, mask, row_end, norm}.make(
+          pos_w, time_w);
+  const int64_t K = widest(chunks);
   const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
   const float a = static_cast<float>(alpha);
   gr_parallel::ThreadSums bias_grads(P + NB);  // [dpos | dtime]
-  at::parallel_for(0, c.G * H, 1, [&](int64_t begin, int64_t end) {
-    OneBlasThread one;
-    gr_blas::AlignedFloats scores(ROW_BLOCK * K), weights(ROW_BLOCK * K), g_rows(ROW_BLOCK * Dv), kt(D * K),
-        vt(Dv * K);
-    float* dpos_local = bias_grads.local();
-    float* dtime_local = dpos_local + P;
-    for (int64_t gh = begin; gh < end; ++gh) {
-      const int64_t g = gh / H, h = gh % H, first = c.starts[g];
-      const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
-      const float* kp = Kt.rows(first + lo, h);
-      if (nrows > 0) {
-        gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt.data(), K);
-        gr_gemm::transpose(nkeys, Dv, V.rows(first + lo, h), V.ld, vt.data(), K);
-      }
-      for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
-        const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows), m = r1 - r0;
-        const int64_t n = c.keys_seen(g, r0, r1, nkeys);
-        if (n == 0) continue;  // dq stays zero
-        const float* qp = Q.rows(first + m0 + r0, h);
-        scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt.data(), D, scores.data(), weights.data(), K);
-        const float* dop = dO.rows(first + m0 + r0, h);
-        for (int64_t i = r0; i < r1; ++i) {
-          const float f = c.norm_of(g, i);
-          for (int64_t j = 0; j < Dv; ++j) g_rows.data()[(i - r0) * Dv + j] = dop[(i - r0) * dO.ld + j] * f;
+  for_each_item(
+      chunks, group, H,
+      [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K); },
+      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h) {
+        float* scores = std::get<0>(scratch).data();
+        float* weights = std::get<1>(scratch).data();
+        float* g_rows = std::get<2>(scratch).data();
+        float* kt = std::get<3>(scratch).data();
+        float* vt = std::get<4>(scratch).data();
+        float* dpos_local = bias_grads.local();
+        float* dtime_local = dpos_local + P;
+        const int64_t first = c.starts[g];
+        const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
+        const float* kp = Kt.rows(first + c.lo, h);
+        if (nrows > 0) {
+          gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt, K);
+          gr_gemm::transpose(nkeys, Dv, V.rows(first + c.lo, h), V.ld, vt, K);
         }
-        gemm(true, false, n, Dv, m, 1.0f, weights.data(), K, g_rows.data(), Dv, 1.0f, dV.rows(first + lo, h), dV.ld);
-        float* ds = weights.data();  // reused: dweights, then dscores
-        gemm(false, false, m, n, Dv, 1.0f, g_rows.data(), Dv, vt.data(), K, 0.0f, ds, K);
-        for (int64_t i = r0; i < r1; ++i) {
-          float* __restrict d = ds + (i - r0) * K;
-          const float* __restrict silu_grad = scores.data() + (i - r0) * K;
-          c.apply_mask(g, i, d, n);
-          for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
-          c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr);
+        for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
+          const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows), m = r1 - r0;
+          const int64_t n = c.keys_seen(g, r0, r1, nkeys);
+          if (n == 0) continue;  // dq stays zero
+          const float* qp = Q.rows(first + c.m0 + r0, h);
+          scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, D, scores, weights, K);
+          const float* dop = dO.rows(first + c.m0 + r0, h);
+          for (int64_t i = r0; i < r1; ++i) {
+            const float f = c.norm_of(g, i);
+            for (int64_t j = 0; j < Dv; ++j) g_rows[(i - r0) * Dv + j] = dop[(i - r0) * dO.ld + j] * f;
+          }
+          gemm(true, false, n, Dv, m, 1.0f, weights, K, g_rows, Dv, 1.0f, dV.rows(first + c.lo, h), dV.ld);
+          float* ds = weights;  // reused: dweights, then dscores
+          gemm(false, false, m, n, Dv, 1.0f, g_rows, Dv, vt, K, 0.0f, ds, K);
+          for (int64_t i = r0; i < r1; ++i) {
+            float* __restrict d = ds + (i - r0) * K;
+            const float* __restrict silu_grad = scores + (i - r0) * K;
+            c.apply_mask(g, i, d, n);
+            for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
+            c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr);
+          }
+          gemm(false, false, m, D, n, a, ds, K, kp, Kt.ld, 0.0f, dQ.rows(first + c.m0 + r0, h), dQ.ld);
+          gemm(true, false, n, D, m, a, ds, K, qp, Q.ld, 1.0f, dK.rows(first + c.lo, h), dK.ld);
         }
-        gemm(false, false, m, D, n, a, ds, K, kp, Kt.ld, 0.0f, dQ.rows(first + m0 + r0, h), dQ.ld);
-        gemm(true, false, n, D, m, a, ds, K, qp, Q.ld, 1.0f, dK.rows(first + lo, h), dK.ld);
-      }
-    }
-  });
+      });
   std::vector<float> total(P + NB, 0.0f);
   bias_grads.add_to(total.data());
   if (P > 0) {
@@ -441,21 +546,21 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
 
 TORCH_LIBRARY(gr_cpu_fused, m) {
   m.def(
-      "forward_chunk(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor starts, Tensor lengths, int rows, int m0, "
-      "int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, Tensor? time_w, Tensor? time_idx, Tensor? mask, "
-      "int mask_from, Tensor? row_end, Tensor norm) -> ()");
+      "forward_chunks(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? pos_w, Tensor? time_w, float alpha, "
+      "Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, Tensor?[] row_pos, "
+      "Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, Tensor[] norm) -> ()");
   m.def(
-      "backward_chunk(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
-      "Tensor starts, Tensor lengths, int rows, int m0, int lo, int hi, float alpha, Tensor? pos_w, Tensor? row_pos, "
-      "Tensor? time_w, Tensor? time_idx, Tensor? mask, int mask_from, Tensor? row_end, Tensor norm, "
-      "Tensor(d!)? dpos, Tensor(e!)? dtime) -> ()");
+      "backward_chunks(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
+      "Tensor? pos_w, Tensor? time_w, Tensor(d!)? dpos, Tensor(e!)? dtime, float alpha, Tensor[] starts, "
+      "Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, Tensor?[] row_pos, "
+      "Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, Tensor[] norm) -> ()");
   m.def(
       "time_buckets(Tensor query_times, Tensor key_times, Tensor lengths, int m0, int m1, int lo, int hi, "
       "int contextual_len, Tensor thresholds, bool sqrt_bucketing) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gr_cpu_fused, CPU, m) {
-  m.impl("forward_chunk", &forward_chunk);
-  m.impl("backward_chunk", &backward_chunk);
+  m.impl("forward_chunks", &forward_chunks);
+  m.impl("backward_chunks", &backward_chunks);
   m.impl("time_buckets", &time_buckets);
 }
