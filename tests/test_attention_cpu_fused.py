@@ -88,6 +88,30 @@ def test_fused_tiles_give_every_thread_count_the_same_q_k_v_results(monkeypatch)
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
+def test_fused_tiles_write_every_row_of_outputs_that_start_uninitialised(monkeypatch):
+    """When one call's chunks hold every row, out, dq, dk and dv start uninitialised and the tiles
+    write each row: started as NaN instead, they equal a zero-initialised run, rows that see no key
+    (the 40 tokens of a sequence of targets only, grouped with a 50-token one that has history) and
+    key rows no query reads (targets) included."""
+    from gr.hstu.kernels import cpu
+
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    lengths, targets = (300, 1, 97, 260, 40, 50), [4, 0, 7, 2, 40, 3]
+    want_out, want_grads = attention_and_grads(torch.float32, lengths=lengths, targets=targets)
+    started = []
+
+    def nan_rows(shape, written):
+        started.append(written)
+        return torch.full(shape, float("nan")) if written else torch.zeros(shape)
+
+    monkeypatch.setattr(cpu, "_new_rows", nan_rows)
+    got_out, got_grads = attention_and_grads(torch.float32, lengths=lengths, targets=targets)
+    assert started == [True] * 4  # out, then dq, dk, dv
+    assert torch.equal(got_out, want_out)
+    assert all(torch.equal(got, want) for got, want in zip(got_grads, want_grads))
+
+
+@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_fused_tiles_compute_bf16_inputs_in_fp32(monkeypatch):
     """bf16 q, k, v are widened once: output and q, k, v gradients are the fp32 results rounded once."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")

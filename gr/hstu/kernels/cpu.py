@@ -548,9 +548,11 @@ class _FusedAttention(torch.autograd.Function):
         ctx.problem, ctx.ops = problem, ops
         ctx.save_for_backward(q, k, v, pos_w, time_w)
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
-        out = vf.new_zeros(vf.shape)
-        for chunks in _fused_calls(problem, pos_w, time_w, ops):
-            ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, *chunks)
+        calls = _fused_calls(problem, pos_w, time_w, ops)
+        written = _writes_every_row(problem, calls)
+        out = _new_rows(vf.shape, written)
+        for chunks in calls:
+            ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, *chunks)
         return out
 
     @staticmethod
@@ -559,13 +561,15 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, pos_w, time_w = ctx.saved_tensors
         problem: _Problem = ctx.problem
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
-        dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32) for x in (q, k, v))
+        calls = _fused_calls(problem, pos_w, time_w, ctx.ops)
+        written = _writes_every_row(problem, calls)
+        dq, dk, dv = (_new_rows(x.shape, written) for x in (q, k, v))
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
         grad_out = _fp32_rows(grad_out)
-        for chunks in _fused_calls(problem, pos_w, time_w, ctx.ops):
+        for chunks in calls:
             grads = (dq, dk, dv, pos_w, time_w, dpos, dtime)
-            ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, *chunks)
+            ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, written, *chunks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None
 
 
@@ -599,6 +603,21 @@ def _fused_calls(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Te
     if all_kept:
         problem.fused_calls[sizes] = calls
     return calls
+
+
+def _writes_every_row(problem: _Problem, calls: List[tuple]) -> bool:
+    """Whether the fused ops can write every row of out, dq, dk and dv themselves (zeros where no
+    key is seen), so that those start uninitialised: one call, and the chunks of every group hold
+    all its query rows (a chunk whose queries see no key is not made)."""
+    return len(calls) == 1 and all(
+        sum(c.m1 - c.m0 for c in group.chunks) == group.tokens.shape[1] for group in problem.groups
+    )
+
+
+def _new_rows(shape: torch.Size, written: bool) -> Tensor:
+    """fp32 for the fused ops' out, dq, dk or dv: uninitialised when the ops write every row
+    (``_writes_every_row``), else zeros."""
+    return torch.empty(shape, dtype=torch.float32) if written else torch.zeros(shape, dtype=torch.float32)
 
 
 def _chunk_lists(problem: _Problem, batch: List[Tuple[int, _Chunk, _Layout]], positions: bool, times: bool) -> tuple:

@@ -286,15 +286,16 @@ struct Item {
   int64_t first, last, g;
 };
 
-// Runs body(scratch, chunk, g, h) for every head h and chunk of every sequence g of the call, with
-// one scratch = make_scratch() per thread. The sequences are dealt to the threads by their work (score
-// elements of their row blocks plus their keys): sorted from most to least, in a snake 0, 1, ..., t - 1,
-// t - 1, ..., 0, 0, 1, ... The sequences of a batch differ in length up to 10x: one call per group
-// with an equal count of them per thread left one thread idle, and ranges of equal estimated work
-// missed the short sequences' fixed costs, where neighbours in the sorted order have about equal
-// lengths. A sequence's chunks and heads stay on one thread, so the k and v gradients it accumulates
-// have one writer, and so do the cache lines its heads share. For a given thread count the deal
-// depends on the lengths only, and so do the per-thread partial sums.
+// Runs body(scratch, chunk, g, h, first) for every head h and chunk of every sequence g of the call
+// (first: the sequence's first chunk in the call), with one scratch = make_scratch() per thread. The
+// sequences are dealt to the threads by their work (score elements of their row blocks plus their
+// keys): sorted from most to least, in a snake 0, 1, ..., t - 1, t - 1, ..., 0, 0, 1, ... The
+// sequences of a batch differ in length up to 10x: one call per group with an equal count of them per
+// thread left one thread idle, and ranges of equal estimated work missed the short sequences' fixed
+// costs, where neighbours in the sorted order have about equal lengths. A sequence's chunks and heads
+// stay on one thread, so the k and v gradients it accumulates have one writer, and so do the cache
+// lines its heads share. For a given thread count the deal depends on the lengths only, and so do the
+// per-thread partial sums.
 template <typename MakeScratch, typename Body>
 void for_each_item(const std::vector<Chunk>& chunks, IntArrayRef group, int64_t H, const MakeScratch& make_scratch,
                    const Body& body) {
@@ -332,8 +333,14 @@ void for_each_item(const std::vector<Chunk>& chunks, IntArrayRef group, int64_t 
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t i : dealt[p])
         for (int64_t h = 0; h < H; ++h)
-          for (int64_t c = items[i].first; c < items[i].last; ++c) body(scratch, chunks[c], items[i].g, h);
+          for (int64_t c = items[i].first; c < items[i].last; ++c)
+            body(scratch, chunks[c], items[i].g, h, c == items[i].first);
   });
+}
+
+// rows [0, n) of width w, ld apart, = 0.
+void zero_rows(float* rows, int64_t n, int64_t w, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) std::fill(rows + r * ld, rows + r * ld + w, 0.0f);
 }
 
 // The widest chunk's keys: the per-thread tiles' row length.
@@ -343,9 +350,12 @@ int64_t widest(const std::vector<Chunk>& chunks) {
   return K;
 }
 
-// out rows of every chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head.
+// out rows of every chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head;
+// rows that see no key are left as they are, or with zero_unseen set to zero (out may then be
+// uninitialised when the call's chunks hold every row of every sequence).
 void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                     const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w, double alpha,
+                    bool zero_unseen,
                     at::TensorList starts, at::TensorList lengths, IntArrayRef group, IntArrayRef rows, IntArrayRef m0,
                     IntArrayRef lo, IntArrayRef hi, const c10::List<std::optional<Tensor>>& row_pos,
                     const c10::List<std::optional<Tensor>>& time_idx, const c10::List<std::optional<Tensor>>& mask,
@@ -358,7 +368,7 @@ void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   const int64_t K = widest(chunks);
   for_each_item(
       chunks, group, H, [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
-      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h) {
+      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h, bool) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* kt = std::get<2>(scratch).data();
@@ -369,7 +379,10 @@ void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
           const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
           float* o = O.rows(first + c.m0 + r0, h);
           const int64_t n = c.keys_seen(g, r0, r1, nkeys);
-          if (n == 0) continue;  // out stays zero
+          if (n == 0) {
+            if (zero_unseen) zero_rows(o, r1 - r0, Dv, O.ld);
+            continue;
+          }
           scores_and_weights<false>(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + c.m0 + r0, h), Q.ld,
                                     kt, D, scores, weights, K);
           gemm(false, false, r1 - r0, Dv, n, 1.0f, weights, K, V.rows(first + c.lo, h), V.ld, 0.0f, o, O.ld);
@@ -383,11 +396,14 @@ void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 }
 
 // Gradients of every chunk: dq rows = alpha dS k (written), dk += alpha dS^T q, dv += W^T (norm * dout),
-// dpos / dtime += dS summed into their buckets; dS = SiLU'(scores) * mask * (norm * dout) v^T.
+// dpos / dtime += dS summed into their buckets; dS = SiLU'(scores) * mask * (norm * dout) v^T. With
+// zero_unseen, dq rows that see no key are zeroed and so are each sequence's dk and dv rows before its
+// first chunk adds to them (dq, dk, dv may then be uninitialised when the call's chunks hold every row).
 void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_out, const Tensor& dq,
                      const Tensor& dk, const Tensor& dv, const std::optional<Tensor>& pos_w,
                      const std::optional<Tensor>& time_w, const std::optional<Tensor>& dpos,
-                     const std::optional<Tensor>& dtime, double alpha, at::TensorList starts, at::TensorList lengths,
+                     const std::optional<Tensor>& dtime, double alpha, bool zero_unseen, at::TensorList starts,
+                     at::TensorList lengths,
                      IntArrayRef group, IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
                      const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
                      const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
@@ -404,7 +420,7 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   for_each_item(
       chunks, group, H,
       [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K); },
-      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h) {
+      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h, bool first_chunk) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* g_rows = std::get<2>(scratch).data();
@@ -415,6 +431,10 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
         const int64_t first = c.starts[g];
         const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
         const float* kp = Kt.rows(first + c.lo, h);
+        if (zero_unseen && first_chunk) {
+          zero_rows(dK.rows(first, h), c.lengths[g], D, dK.ld);
+          zero_rows(dV.rows(first, h), c.lengths[g], Dv, dV.ld);
+        }
         if (nrows > 0) {
           gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt, K);
           gr_gemm::transpose(nkeys, Dv, V.rows(first + c.lo, h), V.ld, vt, K);
@@ -422,7 +442,10 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
         for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
           const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows), m = r1 - r0;
           const int64_t n = c.keys_seen(g, r0, r1, nkeys);
-          if (n == 0) continue;  // dq stays zero
+          if (n == 0) {
+            if (zero_unseen) zero_rows(dQ.rows(first + c.m0 + r0, h), m, D, dQ.ld);
+            continue;
+          }
           const float* qp = Q.rows(first + c.m0 + r0, h);
           scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, D, scores, weights, K);
           const float* dop = dO.rows(first + c.m0 + r0, h);
@@ -547,12 +570,13 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
 TORCH_LIBRARY(gr_cpu_fused, m) {
   m.def(
       "forward_chunks(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? pos_w, Tensor? time_w, float alpha, "
-      "Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, Tensor?[] row_pos, "
-      "Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, Tensor[] norm) -> ()");
+      "bool zero_unseen, Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, "
+      "Tensor?[] row_pos, Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, "
+      "Tensor[] norm) -> ()");
   m.def(
       "backward_chunks(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
-      "Tensor? pos_w, Tensor? time_w, Tensor(d!)? dpos, Tensor(e!)? dtime, float alpha, Tensor[] starts, "
-      "Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, Tensor?[] row_pos, "
+      "Tensor? pos_w, Tensor? time_w, Tensor(d!)? dpos, Tensor(e!)? dtime, float alpha, bool zero_unseen, "
+      "Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, Tensor?[] row_pos, "
       "Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, Tensor[] norm) -> ()");
   m.def(
       "time_buckets(Tensor query_times, Tensor key_times, Tensor lengths, int m0, int m1, int lo, int hi, "
