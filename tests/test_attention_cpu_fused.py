@@ -64,17 +64,17 @@ def test_fused_equals_unfused_within_fp32_rounding(monkeypatch, targets):
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
-def test_fused_tiles_give_every_thread_count_the_same_q_k_v_results(monkeypatch):
-    """The sequences of a batch are dealt to the threads by their work; each sequence's heads and
-    query chunks stay on one thread (the k and v gradients it accumulates have one writer), so out
-    and the q, k, v gradients are bitwise the same on 1, 2 and 3 threads. The bias gradients are
-    summed per thread, then in thread order: equal up to fp32 rounding."""
+def test_fused_tiles_give_every_thread_count_the_same_results(monkeypatch):
+    """The sequences of a batch go to whichever thread is free, a slot of sequences at a time; each
+    sequence's heads and query chunks stay in one slot (the k and v gradients it accumulates have
+    one writer) and the bias gradients are summed per slot, then in slot order. So out and every
+    gradient are bitwise the same on 1, 2 and 3 threads, and from run to run."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     lengths = (300, 1, 97, 260, 33, 180, 5, 64, 140)  # one to three query chunks, nine groups
     threads = torch.get_num_threads()
     try:
         results = []
-        for count in (1, 2, 3):
+        for count in (1, 2, 3, 3):
             torch.set_num_threads(count)
             results.append(attention_and_grads(torch.float32, lengths=lengths))
     finally:
@@ -82,9 +82,7 @@ def test_fused_tiles_give_every_thread_count_the_same_q_k_v_results(monkeypatch)
     (want_out, want_grads), others = results[0], results[1:]
     for got_out, got_grads in others:
         assert torch.equal(got_out, want_out)
-        assert all(torch.equal(got, want) for got, want in zip(got_grads[:3], want_grads[:3]))
-        for got, want in zip(got_grads[3:], want_grads[3:]):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        assert all(torch.equal(got, want) for got, want in zip(got_grads, want_grads))
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")

@@ -11,7 +11,9 @@
 // * norm_forward / norm_backward: y = (LN(x) * weight + bias) [* u] [* keep * scale], HSTU's
 //   LN(A V) * U and dropout. PyTorch's CPU LayerNorm backward is slow for short rows (its weight
 //   gradient is a second pass over the whole tensor); here each row is read once each way.
-// Weight and bias gradients are summed per thread, then added up in thread order.
+// Blocks of rows go to whichever thread is free (gr_parallel::dynamic_for), a slot of consecutive
+// blocks at a time; weight and bias gradients are summed per slot, then added up in slot order, so
+// they repeat bitwise on any thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,8 +37,8 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kGrain = 256;  // rows per task of the norm ops
-constexpr int64_t kBlock = 128;  // rows per block of the projection: its [kBlock, P] tiles stay in L2
+constexpr int64_t kBlock = 128;   // rows per block: the projection's [kBlock, P] tiles stay in L2
+constexpr int64_t kMaxSlots = 32;  // slots of blocks, each with its own partial weight gradients
 
 void check_vector(const Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.numel() == n && t.scalar_type() == at::kFloat && t.is_contiguous(), "gr_cpu_layer: ", name,
@@ -97,12 +99,43 @@ void norm_rows(int64_t n, int64_t D, const float* __restrict x, const float* __r
 
 // A layer's weight and bias gradients: per-thread partials of [weight (w floats) | bias (b floats)],
 // added up in thread order (gr_parallel.h).
+// The blocks of kBlock rows of [0, T), in at most kMaxSlots slots of consecutive blocks.
+struct Slots {
+  int64_t blocks, per_slot, count;
+  explicit Slots(int64_t T)
+      : blocks((T + kBlock - 1) / kBlock),
+        per_slot(std::max<int64_t>(1, (blocks + kMaxSlots - 1) / kMaxSlots)),
+        count((blocks + per_slot - 1) / per_slot) {}
+};
+
+// body(state, slot, r0, n) for the blocks [r0, r0 + n) of kBlock rows of [0, T), a slot of blocks at
+// a time on whichever thread is free (gr_parallel::dynamic_for); each thread keeps one state from
+// make_state() (its scratch) and runs its GEMMs on one BLAS thread.
+template <typename MakeState, typename Body>
+void for_each_block(int64_t T, const MakeState& make_state, const Body& body) {
+  const Slots slots(T);
+  gr_parallel::dynamic_for(slots.count, make_state, [&](auto& state, int64_t slot) {
+    const int64_t last = std::min(slots.blocks, (slot + 1) * slots.per_slot);
+    for (int64_t block = slot * slots.per_slot; block < last; ++block) {
+      const int64_t r0 = block * kBlock;
+      body(state, slot, r0, std::min(kBlock, T - r0));
+    }
+  });
+}
+
+// One aligned [kBlock, width] fp32 buffer per width, as a tuple.
+template <typename... Widths>
+auto block_scratch(Widths... widths) {
+  return gr_blas::aligned_floats((kBlock * widths)...);
+}
+
+// A weight gradient of w floats and a bias gradient of b, summed per slot of for_each_block(T).
 struct LayerGrads {
   int64_t w, b;
-  gr_parallel::ThreadSums sums;
-  LayerGrads(int64_t w_, int64_t b_) : w(w_), b(b_), sums(w_ + b_) {}
-  float* weight() { return sums.local(); }  // this thread's
-  float* bias() { return sums.local() + w; }
+  gr_parallel::SlotSums sums;
+  LayerGrads(int64_t T, int64_t w_, int64_t b_) : w(w_), b(b_), sums(Slots(T).count, w_ + b_) {}
+  float* weight(int64_t slot) const { return sums.slot(slot); }
+  float* bias(int64_t slot) const { return sums.slot(slot) + w; }
   // -> (the weight gradient viewed as `shape`, the bias gradient [b]).
   std::tuple<Tensor, Tensor> total(at::IntArrayRef shape, const at::TensorOptions& options) const {
     Tensor flat = at::zeros({w + b}, options);
@@ -175,11 +208,11 @@ std::tuple<Tensor, Tensor, Tensor> norm_forward(const Tensor& x, const Tensor& w
   auto rows = !u ? (keep ? norm_rows<false, true> : norm_rows<false, false>)
                  : (keep ? norm_rows<true, true> : norm_rows<true, false>);
   const int64_t u_stride = u ? u->stride(0) : 0;
-  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
-    rows(end - begin, D, x.data_ptr<float>() + begin * D, weight.data_ptr<float>(), bias.data_ptr<float>(),
-         u ? u->data_ptr<float>() + begin * u_stride : nullptr, u_stride,
-         keep ? keep->data_ptr<uint8_t>() + begin * D : nullptr, static_cast<float>(scale), static_cast<float>(eps),
-         y.data_ptr<float>() + begin * D, mean.data_ptr<float>() + begin, rstd.data_ptr<float>() + begin);
+  for_each_block(T, [] { return 0; }, [&](int, int64_t, int64_t r0, int64_t n) {
+    rows(n, D, x.data_ptr<float>() + r0 * D, weight.data_ptr<float>(), bias.data_ptr<float>(),
+         u ? u->data_ptr<float>() + r0 * u_stride : nullptr, u_stride,
+         keep ? keep->data_ptr<uint8_t>() + r0 * D : nullptr, static_cast<float>(scale), static_cast<float>(eps),
+         y.data_ptr<float>() + r0 * D, mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
   });
   return {y, mean, rstd};
 }
@@ -198,36 +231,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> norm_backward(const Tensor& dy, const
   auto rows = !u ? (keep ? norm_rows_backward<false, true> : norm_rows_backward<false, false>)
                  : (keep ? norm_rows_backward<true, true> : norm_rows_backward<true, false>);
   const int64_t u_stride = u ? u->stride(0) : 0;
-  LayerGrads grads(D, D);
-  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
-    rows(end - begin, D, dy.data_ptr<float>() + begin * D, x.data_ptr<float>() + begin * D, weight.data_ptr<float>(),
-         bias.data_ptr<float>(), u ? u->data_ptr<float>() + begin * u_stride : nullptr, u_stride,
-         keep ? keep->data_ptr<uint8_t>() + begin * D : nullptr, static_cast<float>(scale),
-         mean.data_ptr<float>() + begin, rstd.data_ptr<float>() + begin, dx.data_ptr<float>() + begin * D,
-         u ? du.data_ptr<float>() + begin * D : nullptr, grads.weight(), grads.bias());
+  LayerGrads grads(T, D, D);
+  for_each_block(T, [] { return 0; }, [&](int, int64_t slot, int64_t r0, int64_t n) {
+    rows(n, D, dy.data_ptr<float>() + r0 * D, x.data_ptr<float>() + r0 * D, weight.data_ptr<float>(),
+         bias.data_ptr<float>(), u ? u->data_ptr<float>() + r0 * u_stride : nullptr, u_stride,
+         keep ? keep->data_ptr<uint8_t>() + r0 * D : nullptr, static_cast<float>(scale), mean.data_ptr<float>() + r0,
+         rstd.data_ptr<float>() + r0, dx.data_ptr<float>() + r0 * D, u ? du.data_ptr<float>() + r0 * D : nullptr,
+         grads.weight(slot), grads.bias(slot));
   });
   auto [dweight, dbias] = grads.total({D}, x.options());
   return {dx, dweight, dbias, du};
-}
-
-// body(state, r0, n) for the blocks [r0, r0 + n) of kBlock rows of [0, T), over the intra-op threads:
-// each thread runs its GEMMs on one BLAS thread and keeps one state from make_state() (its scratch).
-template <typename MakeState, typename Body>
-void for_each_block(int64_t T, const MakeState& make_state, const Body& body) {
-  at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
-    gr_blas::OneBlasThread one;
-    auto state = make_state();
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t r0 = block * kBlock;
-      body(state, r0, std::min(kBlock, T - r0));
-    }
-  });
-}
-
-// One aligned [kBlock, width] fp32 buffer per width, as a tuple.
-template <typename... Widths>
-auto block_scratch(Widths... widths) {
-  return gr_blas::aligned_floats((kBlock * widths)...);
 }
 
 void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& norm_bias, const Tensor& weight) {
@@ -296,7 +309,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
   gr_gemm::transpose(P, D, weight.data_ptr<float>(), D, wt.data(), P);
   // Per block and part: the GEMM writes the part's rows, which are contiguous, then SiLU runs over
   // them in one vector loop; SiLU' goes to scratch, then past the cache to its rows.
-  for_each_block(T, [&] { return block_scratch(D, P); }, [&](auto& state, int64_t r0, int64_t n) {
+  for_each_block(T, [&] { return block_scratch(D, P); }, [&](auto& state, int64_t, int64_t r0, int64_t n) {
     auto& [normed, grads] = state;
     norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
                             norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
@@ -344,8 +357,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
   Tensor dx = at::empty({T, D}, x.options());
   const float* nw = norm_weight.data_ptr<float>();
   const float* nb = norm_bias.data_ptr<float>();
-  LayerGrads linear(P * D, P), norm(D, D);
-  for_each_block(T, [&] { return block_scratch(P, D, D); }, [&](auto& state, int64_t r0, int64_t n) {
+  LayerGrads linear(T, P * D, P), norm(T, D, D);
+  const auto scratch = [&] { return block_scratch(P, D, D); };
+  for_each_block(T, scratch, [&](auto& state, int64_t slot, int64_t r0, int64_t n) {
     auto& [dpre, normed, dnormed] = state;
     int64_t offset = 0;
     for (size_t part = 0; part < grads.size(); ++part) {  // dpre = dy * SiLU'(pre), part by part
@@ -359,17 +373,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
       }
       offset += w;
     }
-    float* __restrict db = linear.bias();
+    float* __restrict db = linear.bias(slot);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t j = 0; j < P; ++j) db[j] += dpre.data()[r * P + j];
     const float* xr = x.data_ptr<float>() + r0 * D;
     const float* m = mean.data_ptr<float>() + r0;
     const float* s = rstd.data_ptr<float>() + r0;
     apply_norm_rows<false, false>(n, D, xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s, normed.data());  // LN(x) again
-    gr_gemm::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(), D);
+    gr_gemm::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(slot), D);
     gr_gemm::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
     norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
-                                     dx.data_ptr<float>() + r0 * D, nullptr, norm.weight(), norm.bias());
+                                     dx.data_ptr<float>() + r0 * D, nullptr, norm.weight(slot), norm.bias(slot));
   });
   auto [dweight, dbias] = linear.total({P, D}, x.options());
   auto [dnorm_weight, dnorm_bias] = norm.total({D}, x.options());
@@ -396,7 +410,7 @@ std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor&
   const float* b = bias.data_ptr<float>();
   gr_blas::AlignedFloats wt(A * D);  // W^T [A, D]
   gr_gemm::transpose(D, A, weight.data_ptr<float>(), A, wt.data(), D);
-  for_each_block(T, [&] { return block_scratch(A, D); }, [&](auto& state, int64_t r0, int64_t n) {
+  for_each_block(T, [&] { return block_scratch(A, D); }, [&](auto& state, int64_t, int64_t r0, int64_t n) {
     auto& [mixed, tile] = state;
     rows(n, A, a.data_ptr<float>() + r0 * A, norm_weight.data_ptr<float>(), norm_bias.data_ptr<float>(),
          u.data_ptr<float>() + r0 * u.stride(0), u.stride(0), keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr,
@@ -427,8 +441,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
   auto rows_backward = keep ? norm_rows_backward<true, true> : norm_rows_backward<true, false>;
   const float* nw = norm_weight.data_ptr<float>();
   const float* nb = norm_bias.data_ptr<float>();
-  LayerGrads linear(D * A, D), norm(A, A);
-  for_each_block(T, [&] { return block_scratch(A, A); }, [&](auto& state, int64_t r0, int64_t n) {
+  LayerGrads linear(T, D * A, D), norm(T, A, A);
+  const auto scratch = [&] { return block_scratch(A, A); };
+  for_each_block(T, scratch, [&](auto& state, int64_t slot, int64_t r0, int64_t n) {
     auto& [mixed, dmixed] = state;
     const float* ar = a.data_ptr<float>() + r0 * A;
     const float* ur = u.data_ptr<float>() + r0 * u.stride(0);
@@ -438,13 +453,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
     const float* s = rstd.data_ptr<float>() + r0;
     // The GEMM's input again, from the saved statistics.
     rows(n, A, ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s, mixed.data());
-    gr_gemm::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(), A);
-    float* __restrict db = linear.bias();
+    gr_gemm::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(slot), A);
+    float* __restrict db = linear.bias(slot);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t j = 0; j < D; ++j) db[j] += g[r * D + j];
     gr_gemm::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
     rows_backward(n, A, dmixed.data(), ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s,
-                  da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm.weight(), norm.bias());
+                  da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm.weight(slot), norm.bias(slot));
   });
   auto [dweight, dbias] = linear.total({D, A}, a.options());
   auto [dnorm_weight, dnorm_bias] = norm.total({A}, a.options());

@@ -33,10 +33,10 @@ namespace {
 using at::Tensor;
 
 using gr_gemm::gemm;
-using gr_blas::OneBlasThread;
 using at::IntArrayRef;
 
 constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
+constexpr int64_t kMaxSlots = 64;  // slots of sequences, each with its own bias-gradient sums
 
 // A [T, H, D] fp32 jagged tensor with contiguous rows of D (e.g. q, k, v split from one projection):
 // the rows of head h from token `first` on, with their stride.
@@ -286,19 +286,15 @@ struct Item {
   int64_t first, last, g;
 };
 
-// Runs body(scratch, chunk, g, h, first) for every head h and chunk of every sequence g of the call
-// (first: the sequence's first chunk in the call), with one scratch = make_scratch() per thread. The
-// sequences are dealt to the threads by their work (score elements of their row blocks plus their
-// keys): sorted from most to least, in a snake 0, 1, ..., t - 1, t - 1, ..., 0, 0, 1, ... The
-// sequences of a batch differ in length up to 10x: one call per group with an equal count of them per
-// thread left one thread idle, and ranges of equal estimated work missed the short sequences' fixed
-// costs, where neighbours in the sorted order have about equal lengths. A sequence's chunks and heads
-// stay on one thread, so the k and v gradients it accumulates have one writer, and so do the cache
-// lines its heads share. For a given thread count the deal depends on the lengths only, and so do the
-// per-thread partial sums.
-template <typename MakeScratch, typename Body>
-void for_each_item(const std::vector<Chunk>& chunks, IntArrayRef group, int64_t H, const MakeScratch& make_scratch,
-                   const Body& body) {
+// The call's sequences sorted by their work (score elements of their row blocks plus their keys),
+// most first, in at most kMaxSlots slots of consecutive ones: threads take a slot at a time
+// (dynamic_for), the biggest first, and each slot keeps its own bias-gradient sums.
+struct ItemSlots {
+  std::vector<Item> items;  // in order of decreasing work
+  int64_t per_slot, count;
+};
+
+ItemSlots item_slots(const std::vector<Chunk>& chunks, IntArrayRef group) {
   std::vector<Item> items;
   std::vector<int64_t> work;
   for (int64_t first = 0, last = 0; first < static_cast<int64_t>(chunks.size()); first = last) {
@@ -321,20 +317,30 @@ void for_each_item(const std::vector<Chunk>& chunks, IntArrayRef group, int64_t 
   std::vector<int64_t> order(items.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return work[x] > work[y]; });
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  std::vector<std::vector<int64_t>> dealt(parts);
-  for (size_t i = 0; i < order.size(); ++i) {
-    const int64_t round = static_cast<int64_t>(i) / parts, seat = static_cast<int64_t>(i) % parts;
-    dealt[round % 2 == 0 ? seat : parts - 1 - seat].push_back(order[i]);
-  }
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    OneBlasThread one;
-    auto scratch = make_scratch();
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i : dealt[p])
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t c = items[i].first; c < items[i].last; ++c)
-            body(scratch, chunks[c], items[i].g, h, c == items[i].first);
+  ItemSlots slots;
+  for (int64_t i : order) slots.items.push_back(items[i]);
+  const int64_t n = static_cast<int64_t>(items.size());
+  slots.per_slot = std::max<int64_t>(1, (n + kMaxSlots - 1) / kMaxSlots);
+  slots.count = (n + slots.per_slot - 1) / slots.per_slot;
+  return slots;
+}
+
+// Runs body(scratch, slot, chunk, g, h, first) for every head h and chunk of every sequence g of the
+// call (first: the sequence's first chunk in the call), with one scratch = make_scratch() per thread.
+// The slots go to whichever thread is free: the sequences of a batch differ in length up to 10x, and
+// one call per group with an equal count of them per thread left one thread idle. A sequence's
+// chunks and heads stay in one slot, so the k and v gradients it accumulates have one writer, and so
+// do the cache lines its heads share. The slots depend on the lengths only: so do the sums.
+template <typename MakeScratch, typename Body>
+void for_each_item(const ItemSlots& slots, const std::vector<Chunk>& chunks, int64_t H,
+                   const MakeScratch& make_scratch, const Body& body) {
+  const int64_t n = static_cast<int64_t>(slots.items.size());
+  gr_parallel::dynamic_for(slots.count, make_scratch, [&](auto& scratch, int64_t slot) {
+    for (int64_t i = slot * slots.per_slot; i < std::min(n, (slot + 1) * slots.per_slot); ++i) {
+      const Item& item = slots.items[i];
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t c = item.first; c < item.last; ++c) body(scratch, slot, chunks[c], item.g, h, c == item.first);
+    }
   });
 }
 
@@ -367,8 +373,9 @@ void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
           pos_w, time_w);
   const int64_t K = widest(chunks);
   for_each_item(
-      chunks, group, H, [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
-      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h, bool) {
+      item_slots(chunks, group), chunks, H,
+      [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
+      [&](auto& scratch, int64_t, const Chunk& c, int64_t g, int64_t h, bool) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* kt = std::get<2>(scratch).data();
@@ -416,17 +423,18 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   const int64_t K = widest(chunks);
   const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
   const float a = static_cast<float>(alpha);
-  gr_parallel::ThreadSums bias_grads(P + NB);  // [dpos | dtime]
+  const ItemSlots slots = item_slots(chunks, group);
+  gr_parallel::SlotSums bias_grads(slots.count, P + NB);  // [dpos | dtime]
   for_each_item(
-      chunks, group, H,
+      slots, chunks, H,
       [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K); },
-      [&](auto& scratch, const Chunk& c, int64_t g, int64_t h, bool first_chunk) {
+      [&](auto& scratch, int64_t slot, const Chunk& c, int64_t g, int64_t h, bool first_chunk) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* g_rows = std::get<2>(scratch).data();
         float* kt = std::get<3>(scratch).data();
         float* vt = std::get<4>(scratch).data();
-        float* dpos_local = bias_grads.local();
+        float* dpos_local = bias_grads.slot(slot);
         float* dtime_local = dpos_local + P;
         const int64_t first = c.starts[g];
         const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
