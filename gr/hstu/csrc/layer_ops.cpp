@@ -97,8 +97,6 @@ void norm_rows(int64_t n, int64_t D, const float* __restrict x, const float* __r
   apply_norm_rows<kGate, kKeep>(n, D, x, w, b, u, u_stride, keep, scale, mean, rstd, y);
 }
 
-// A layer's weight and bias gradients: per-thread partials of [weight (w floats) | bias (b floats)],
-// added up in thread order (gr_parallel.h).
 // The blocks of kBlock rows of [0, T), in at most kMaxSlots slots of consecutive blocks.
 struct Slots {
   int64_t blocks, per_slot, count;
@@ -129,7 +127,8 @@ auto block_scratch(Widths... widths) {
   return gr_blas::aligned_floats((kBlock * widths)...);
 }
 
-// A weight gradient of w floats and a bias gradient of b, summed per slot of for_each_block(T).
+// A layer's weight and bias gradients: partials of [weight (w floats) | bias (b floats)] per slot of
+// for_each_block(T), added up in slot order (gr_parallel.h).
 struct LayerGrads {
   int64_t w, b;
   gr_parallel::SlotSums sums;
