@@ -118,6 +118,25 @@ BENCHES = (
         ),
         ("--recipes", "small", "--token-negatives"),
     ),
+    Bench(
+        "bench/ab_steps.py",
+        (
+            "recipe",
+            "precision",
+            "users",
+            "rounds",
+            "steps",
+            "this_ms",
+            "other_ms",
+            "this_median_ms",
+            "other_median_ms",
+            "median_ratio",
+            "mean_ratio",
+            "this_faster_rounds",
+            "load_before",
+            "load_after",
+        ),
+    ),
     Bench("bench/device_check.py", (), covered_by="tests/test_device_check.py"),
 )
 
@@ -176,3 +195,15 @@ def test_benchmark_smoke_run_ends_with_its_promised_json(bench, tmp_path):
     assert isinstance(result, dict)
     missing = [k for k in bench.keys if k not in result]
     assert not missing, f"{bench.path}: last line lacks {missing}: {lines[-1][:500]}"
+
+
+def test_ab_steps_names_an_against_path_that_is_not_a_checkout(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "bench/ab_steps.py", "--against", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert run.returncode == 2
+    assert f"--against {tmp_path}: expected a gr checkout (with gr/ and bench/train_dedup.py)" in run.stderr
