@@ -28,12 +28,14 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke  # noqa: E402
+from bench_data import ML1M_RECIPES, ML1M_USERS, write_ml1m_shaped_ratings  # noqa: E402
 
-RECIPES = {"small": "configs/ml1m_hstu.yaml", "large": "configs/ml1m_hstu_large.yaml"}
 WARMUP_STEPS = 3  # kernels loaded, allocator and caches settled before the first timed round
 
 
-def serve(checkout: Path, recipe: Path, data: str, precision: str) -> None:
+def serve(checkout: Path, recipe: str, data: str, precision: str) -> None:
     """The step process of one checkout: after "ready", each stdin line N runs N steps and answers ms per step."""
     sys.path[:0] = [str(checkout), str(checkout / "bench")]
     from gr.devices import configure_onednn_cache
@@ -74,7 +76,8 @@ def start(checkout: Path, args: argparse.Namespace, data: Path, extensions: Opti
     env = dict(os.environ, PYTHONPATH=str(checkout))
     if extensions is not None:
         env["GR_EXTENSIONS_DIR"] = str(extensions)
-    command = [sys.executable, __file__, "--serve", str(checkout), "--recipe", args.recipe]
+    config = checkout / ML1M_RECIPES[args.recipe]
+    command = [sys.executable, __file__, "--serve", str(checkout), "--config", str(config)]
     command += ["--precision", args.precision, "--data", str(data)]
     process = subprocess.Popen(command, cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     answer = process.stdout.readline().strip()
@@ -100,21 +103,17 @@ def checkout_dir(path: str, parser: argparse.ArgumentParser) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default=None, help="the other checkout (default: this one, against itself)")
-    parser.add_argument("--recipe", default="small", choices=sorted(RECIPES))
+    parser.add_argument("--recipe", default="small", choices=sorted(ML1M_RECIPES))
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     parser.add_argument("--rounds", type=int, default=16, help="alternations (smoke 2)")
     parser.add_argument("--steps", type=int, default=10, help="training steps of each checkout per round (smoke 1)")
-    parser.add_argument("--users", type=int, default=6040, help="synthetic users (ML-1M's; smoke 400)")
-    parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # the step process of this checkout
+    parser.add_argument("--users", type=int, default=ML1M_USERS, help="synthetic users (ML-1M's; smoke 400)")
+    parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a checkout: be its step process
+    parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import smoke
-
     args, _ = smoke.parse_args(parser, {"rounds": 2, "steps": 1, "users": 400})
     if args.serve is not None:
-        checkout = Path(args.serve)
-        return serve(checkout, checkout / RECIPES[args.recipe], args.data, args.precision)
-    from bench_data import write_ml1m_shaped_ratings
+        return serve(Path(args.serve), args.config, args.data, args.precision)
 
     this = Path(__file__).resolve().parents[1]
     other = checkout_dir(args.against, parser) if args.against else this

@@ -52,6 +52,8 @@ def write_ratings(path: Path, lines: int) -> None:
 # chosen so that the mean is ML-1M's 166 (6,040 users then have ~1.0M ratings, as ML-1M does).
 ML1M_LENGTH_KNOTS = ((0.0, 20), (0.5, 96), (0.9, 400), (0.99, 580), (1.0, 2314))
 ML1M_USERS, ML1M_ITEMS = 6040, 3706
+# The ML-1M recipes, by name, that the training benchmarks run on this data unchanged.
+ML1M_RECIPES = {"small": "configs/ml1m_hstu.yaml", "large": "configs/ml1m_hstu_large.yaml"}
 
 
 def ml1m_lengths(num_users: int, rng: np.random.Generator) -> np.ndarray:

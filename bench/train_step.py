@@ -47,7 +47,7 @@ configure_onednn_cache()  # as `gr train` does
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _peak import matmul_peak  # noqa: E402
-from bench_data import write_ml1m_shaped_ratings  # noqa: E402
+from bench_data import ML1M_RECIPES, write_ml1m_shaped_ratings  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 from train_dedup import build, train_step  # noqa: E402
 
@@ -58,7 +58,6 @@ from gr.train.config import TrainConfig, load_config  # noqa: E402
 from gr.train.module import GRTrainingModule  # noqa: E402
 from gr.train.run import make_trainer  # noqa: E402
 
-RECIPES = {"small": "configs/ml1m_hstu.yaml", "large": "configs/ml1m_hstu_large.yaml"}
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
@@ -205,7 +204,7 @@ def main() -> None:
         "--steps", type=int, default=None, help="timed training steps per precision (24, half an ML-1M epoch; smoke 2)"
     )
     parser.add_argument("--users", type=int, default=None, help="synthetic users (6040, ML-1M's; smoke 400)")
-    parser.add_argument("--recipes", default="small,large", help=f"comma-separated of {sorted(RECIPES)}")
+    parser.add_argument("--recipes", default="small,large", help=f"comma-separated of {sorted(ML1M_RECIPES)}")
     parser.add_argument("--no-epoch", action="store_true", help="skip the whole-epoch timings")
     parser.add_argument("--profile", action="store_true", help="profile the timed steps, print the top ops")
     parser.add_argument(
@@ -215,9 +214,9 @@ def main() -> None:
     steps = args.steps or (2 if args.smoke else 24)
     users = args.users or (400 if args.smoke else 6040)
     recipes = args.recipes.split(",")
-    unknown = [r for r in recipes if r not in RECIPES]
+    unknown = [r for r in recipes if r not in ML1M_RECIPES]
     if unknown:
-        parser.error(f"--recipes: unknown {unknown}; expected names from {sorted(RECIPES)}")
+        parser.error(f"--recipes: unknown {unknown}; expected names from {sorted(ML1M_RECIPES)}")
     root = Path(__file__).resolve().parents[1]
     work = Path(tempfile.mkdtemp(prefix="train_step_"))
     native_ops("gr_cpu_fused")  # a first build (~15-30 s) here, not inside the first timed epoch
@@ -240,7 +239,7 @@ def main() -> None:
     for recipe in recipes:
         for precision in PRECISIONS if not args.no_epoch else ():
             config = load_config(
-                root / RECIPES[recipe],
+                root / ML1M_RECIPES[recipe],
                 [
                     ("data.path", str(work)),
                     ("trainer.max_epochs", "1"),
@@ -259,9 +258,10 @@ def main() -> None:
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
         overrides = [("data.path", str(work))]
-        configs = {"recipe": load_config(root / RECIPES[recipe], overrides)}
+        recipe_path = root / ML1M_RECIPES[recipe]
+        configs = {"recipe": load_config(recipe_path, overrides)}
         if args.token_negatives:
-            configs["token"] = load_config(root / RECIPES[recipe], [*overrides, ("task.retrieval.negatives", "token")])
+            configs["token"] = load_config(recipe_path, [*overrides, ("task.retrieval.negatives", "token")])
         rates = step_rates(configs, steps, peaks, args.profile)
         for precision, rate in rates.items():
             result.update({f"{recipe}/{precision}/{k}": v for k, v in rate.items()})

@@ -1,10 +1,10 @@
-// Work sharing and partial sums for gr's fused CPU kernels. Partials are added up in a fixed order
-// after the parallel region, so that a result does not depend on which thread finished first (a
-// lock-and-add merge gives different roundings from run to run on three or more threads):
-// * ThreadSums: one partial per thread, for at::parallel_for, which on OpenMP hands each thread one
-//   contiguous range (for a given thread count the partials and their order are fixed);
-// * dynamic_for and SlotSums: work taken by whichever thread is free, one partial per slot of work
-//   (fixed by the work alone: sums repeat bitwise on any thread count).
+// Work sharing and partial sums for gr's fused CPU kernels. Partials (SlotSums) are added up in a
+// fixed order after the parallel region, so that a result does not depend on which thread finished
+// first (a lock-and-add merge gives different roundings from run to run on three or more threads):
+// * one partial per slot of work of dynamic_for, which hands work to whichever thread is free (the
+//   slots are fixed by the work alone: sums repeat bitwise on any thread count);
+// * or one per thread under at::parallel_for, which on OpenMP hands each thread one contiguous range
+//   (for a given thread count the partials and their order are fixed).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -15,36 +15,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <vector>
 
 namespace gr_parallel {
-
-class ThreadSums {
- public:
-  // Call outside the parallel region: one zeroed buffer of `size` floats per intra-op thread.
-  explicit ThreadSums(int64_t size) : size_(size) {
-    for (int t = 0; t < at::get_num_threads(); ++t) parts_.emplace_back(size, true);
-  }
-  // This thread's buffer; call inside at::parallel_for.
-  float* local() {
-    const size_t thread = static_cast<size_t>(at::get_thread_num());
-    TORCH_CHECK(thread < parts_.size(), "gr_parallel: thread ", thread, " of ", parts_.size());
-    return parts_[thread].data();
-  }
-  // out[0, size) += the partials, thread 0 first.
-  void add_to(float* out) const { add_rows_to(out, size_, size_); }
-  // The same for buffers of rows of `stride` floats of which the first `width` count (padded rows):
-  // out row r [0, width) += the partials' row r, out's rows packed (width apart).
-  void add_rows_to(float* out, int64_t width, int64_t stride) const {
-    for (const gr_blas::AlignedFloats& part : parts_)
-      for (int64_t r = 0; r * stride < size_; ++r)
-        for (int64_t i = 0; i < width; ++i) out[r * width + i] += part.data()[r * stride + i];
-  }
-
- private:
-  int64_t size_;
-  std::vector<gr_blas::AlignedFloats> parts_;  // 64-byte aligned: GEMMs accumulate into them
-};
 
 // Runs body(state, i) for every i in [0, n) on the intra-op threads, a thread taking the next i each
 // time it finishes one, with one state = make_state() per thread and its GEMMs on one BLAS thread.
@@ -61,8 +33,8 @@ void dynamic_for(int64_t n, const MakeState& make_state, const Body& body) {
   });
 }
 
-// One zeroed partial sum of `size` floats per slot of work (dynamic_for's i), each 64-byte aligned
-// (GEMMs accumulate into them); added up in slot order.
+// One zeroed partial sum of `size` floats per slot (dynamic_for's i, or at::get_thread_num()), each
+// 64-byte aligned (GEMMs accumulate into them); added up in slot order.
 class SlotSums {
  public:
   SlotSums(int64_t slots, int64_t size)
@@ -70,11 +42,20 @@ class SlotSums {
         size_(size),
         stride_((size + 15) / 16 * 16),
         data_(std::max<int64_t>(slots * stride_, 1), true) {}
-  float* slot(int64_t s) const { return data_.data() + s * stride_; }
+  float* slot(int64_t s) const {
+    TORCH_CHECK(s >= 0 && s < slots_, "gr_parallel: slot ", s, " of ", slots_);
+    return data_.data() + s * stride_;
+  }
   // out[0, size) += the partials, slot 0 first.
-  void add_to(float* out) const {
-    for (int64_t s = 0; s < slots_; ++s)
-      for (int64_t i = 0; i < size_; ++i) out[i] += slot(s)[i];
+  void add_to(float* out) const { add_rows_to(out, size_, size_); }
+  // The same for partials of rows of `stride` floats of which the first `width` count (padded rows):
+  // out row r [0, width) += the partials' row r, out's rows packed (width apart).
+  void add_rows_to(float* out, int64_t width, int64_t stride) const {
+    for (int64_t s = 0; s < slots_; ++s) {
+      const float* part = slot(s);
+      for (int64_t r = 0; r * stride < size_; ++r)
+        for (int64_t i = 0; i < width; ++i) out[r * width + i] += part[r * stride + i];
+    }
   }
 
  private:

@@ -156,7 +156,7 @@ class _Problem:
         """The layout of one chunk of one group (0 buckets: that bias part is off), built on first
         use and kept while the kept layouts hold at most ``LAYOUT_CACHE_ELEMENTS`` elements.
         fused: the fused tiles' ops, for a layout in their form (int32 indices)."""
-        key = (group_index, chunk_index, pos_buckets, time_buckets, dtype, fused is not None)
+        key = _layout_key(group_index, chunk_index, pos_buckets, time_buckets, dtype, fused is not None)
         if key in self.layouts:
             return self.layouts[key]
         group = self.groups[group_index]
@@ -165,6 +165,13 @@ class _Problem:
             self.layouts[key] = layout
             self.cached_elements += layout.elements
         return layout
+
+
+def _layout_key(
+    group_index: int, chunk_index: int, pos_buckets: int, time_buckets: int, dtype: torch.dtype, fused: bool
+) -> Tuple[int, int, int, int, torch.dtype, bool]:
+    """A layout's key in ``_Problem.layouts``."""
+    return group_index, chunk_index, pos_buckets, time_buckets, dtype, fused
 
 
 def cpu_hstu_attention(
@@ -567,8 +574,8 @@ class _FusedAttention(torch.autograd.Function):
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
         grad_out = _fp32_rows(grad_out)
+        grads = (dq, dk, dv, pos_w, time_w, dpos, dtime)
         for chunks in calls:
-            grads = (dq, dk, dv, pos_w, time_w, dpos, dtime)
             ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, written, *chunks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None
 
@@ -592,7 +599,7 @@ def _fused_calls(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Te
     for gi, group in enumerate(problem.groups):
         for ci, chunk in enumerate(group.chunks):
             layout = problem.layout(gi, ci, *sizes, torch.float32, ops)
-            all_kept = all_kept and problem.layouts.get((gi, ci, *sizes, torch.float32, True)) is layout
+            all_kept = all_kept and problem.layouts.get(_layout_key(gi, ci, *sizes, torch.float32, True)) is layout
             if batch and elements + layout.elements > LAYOUT_CACHE_ELEMENTS:
                 calls.append(_chunk_lists(problem, batch, pos_w is not None, time_w is not None))
                 batch, elements = [], 0

@@ -339,10 +339,10 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
   const float* p = probs.data_ptr<float>();
   float* dqp = dq.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  gr_parallel::ThreadSums tables(U * rows.ld);  // each thread's share of ditems, rows as `rows`
+  gr_parallel::SlotSums tables(at::get_num_threads(), U * rows.ld);  // each thread's share of ditems, rows as `rows`
   if (R == 1) {
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      float* table = tables.local();
+      float* table = tables.slot(at::get_thread_num());
       std::vector<int64_t> ids(K1);
       std::vector<float> w(K1);
       for (int64_t r = begin; r < end; ++r) {
@@ -355,7 +355,7 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
     const int64_t B = negative.size(0);
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       gr_blas::OneBlasThread one;
-      float* table = tables.local();
+      float* table = tables.slot(at::get_thread_num());
       const int64_t ld = rows.ld;
       gr_blas::AlignedFloats panel(K * ld), dpanel(K * ld, true), w(R * K1);  // dpanel's padded lanes stay 0
       for (int64_t b = begin; b < end; ++b) {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <numeric>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -251,36 +252,6 @@ void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64
   }
 }
 
-// The chunks of one call, as lists (chunk c: rows [m0[c], m0[c] + rows[c]) of the sequences of group
-// group[c] against its keys [lo[c], hi[c]); the chunks of a group adjacent): each chunk's Chunk.
-struct ChunkArgs {
-  at::TensorList starts, lengths;  // per group: [G] int64 each
-  at::IntArrayRef group, rows, m0, lo, hi, mask_from;
-  const c10::List<std::optional<Tensor>>& row_pos;
-  const c10::List<std::optional<Tensor>>& time_idx;
-  const c10::List<std::optional<Tensor>>& mask;
-  const c10::List<std::optional<Tensor>>& row_end;
-  at::TensorList norm;
-
-  std::vector<Chunk> make(const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w) const {
-    const size_t n = group.size();
-    TORCH_CHECK(rows.size() == n && m0.size() == n && lo.size() == n && hi.size() == n && mask_from.size() == n &&
-                    row_pos.size() == n && time_idx.size() == n && mask.size() == n && row_end.size() == n &&
-                    norm.size() == n && starts.size() == lengths.size(),
-                "cpu_fused: one value per chunk in each chunk list, one starts and lengths per group");
-    std::vector<Chunk> chunks;
-    for (size_t c = 0; c < n; ++c) {
-      TORCH_CHECK(group[c] >= 0 && group[c] < static_cast<int64_t>(starts.size()) &&
-                      (c == 0 || group[c] >= group[c - 1]),
-                  "cpu_fused: chunk ", c, "'s group must index starts and the chunks of a group be adjacent");
-      chunks.emplace_back(starts[group[c]], lengths[group[c]], rows[c], hi[c] - lo[c], m0[c], lo[c], pos_w,
-                          row_pos.get(c), time_w, time_idx.get(c), mask.get(c), mask_from[c], row_end.get(c),
-                          norm[c]);
-    }
-    return chunks;
-  }
-};
-
 // One sequence g of a group, with the group's chunks [first, last) of the call.
 struct Item {
   int64_t first, last, g;
@@ -325,6 +296,46 @@ ItemSlots item_slots(const std::vector<Chunk>& chunks, IntArrayRef group) {
   return slots;
 }
 
+// A call's chunks, its widest chunk's keys (the per-thread tiles' row length) and its sequences in slots.
+struct Call {
+  std::vector<Chunk> chunks;
+  int64_t K;
+  ItemSlots slots;
+};
+
+// The chunks of one call, as lists (chunk c: rows [m0[c], m0[c] + rows[c]) of the sequences of group
+// group[c] against its keys [lo[c], hi[c]); the chunks of a group adjacent) -> the Call.
+struct ChunkArgs {
+  at::TensorList starts, lengths;  // per group: [G] int64 each
+  at::IntArrayRef group, rows, m0, lo, hi, mask_from;
+  const c10::List<std::optional<Tensor>>& row_pos;
+  const c10::List<std::optional<Tensor>>& time_idx;
+  const c10::List<std::optional<Tensor>>& mask;
+  const c10::List<std::optional<Tensor>>& row_end;
+  at::TensorList norm;
+
+  Call make(const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w) const {
+    const size_t n = group.size();
+    TORCH_CHECK(rows.size() == n && m0.size() == n && lo.size() == n && hi.size() == n && mask_from.size() == n &&
+                    row_pos.size() == n && time_idx.size() == n && mask.size() == n && row_end.size() == n &&
+                    norm.size() == n && starts.size() == lengths.size(),
+                "cpu_fused: one value per chunk in each chunk list, one starts and lengths per group");
+    std::vector<Chunk> chunks;
+    for (size_t c = 0; c < n; ++c) {
+      TORCH_CHECK(group[c] >= 0 && group[c] < static_cast<int64_t>(starts.size()) &&
+                      (c == 0 || group[c] >= group[c - 1]),
+                  "cpu_fused: chunk ", c, "'s group must index starts and the chunks of a group be adjacent");
+      chunks.emplace_back(starts[group[c]], lengths[group[c]], rows[c], hi[c] - lo[c], m0[c], lo[c], pos_w,
+                          row_pos.get(c), time_w, time_idx.get(c), mask.get(c), mask_from[c], row_end.get(c),
+                          norm[c]);
+    }
+    int64_t K = 1;
+    for (const Chunk& c : chunks) K = std::max(K, c.K);
+    ItemSlots slots = item_slots(chunks, group);
+    return {std::move(chunks), K, std::move(slots)};
+  }
+};
+
 // Runs body(scratch, slot, chunk, g, h, first) for every head h and chunk of every sequence g of the
 // call (first: the sequence's first chunk in the call), with one scratch = make_scratch() per thread.
 // The slots go to whichever thread is free: the sequences of a batch differ in length up to 10x, and
@@ -332,8 +343,9 @@ ItemSlots item_slots(const std::vector<Chunk>& chunks, IntArrayRef group) {
 // chunks and heads stay in one slot, so the k and v gradients it accumulates have one writer, and so
 // do the cache lines its heads share. The slots depend on the lengths only: so do the sums.
 template <typename MakeScratch, typename Body>
-void for_each_item(const ItemSlots& slots, const std::vector<Chunk>& chunks, int64_t H,
-                   const MakeScratch& make_scratch, const Body& body) {
+void for_each_item(const Call& call, int64_t H, const MakeScratch& make_scratch, const Body& body) {
+  const ItemSlots& slots = call.slots;
+  const std::vector<Chunk>& chunks = call.chunks;
   const int64_t n = static_cast<int64_t>(slots.items.size());
   gr_parallel::dynamic_for(slots.count, make_scratch, [&](auto& scratch, int64_t slot) {
     for (int64_t i = slot * slots.per_slot; i < std::min(n, (slot + 1) * slots.per_slot); ++i) {
@@ -349,32 +361,24 @@ void zero_rows(float* rows, int64_t n, int64_t w, int64_t ld) {
   for (int64_t r = 0; r < n; ++r) std::fill(rows + r * ld, rows + r * ld + w, 0.0f);
 }
 
-// The widest chunk's keys: the per-thread tiles' row length.
-int64_t widest(const std::vector<Chunk>& chunks) {
-  int64_t K = 1;
-  for (const Chunk& c : chunks) K = std::max(K, c.K);
-  return K;
-}
-
 // out rows of every chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head;
 // rows that see no key are left as they are, or with zero_unseen set to zero (out may then be
 // uninitialised when the call's chunks hold every row of every sequence).
 void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                     const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w, double alpha,
-                    bool zero_unseen,
-                    at::TensorList starts, at::TensorList lengths, IntArrayRef group, IntArrayRef rows, IntArrayRef m0,
-                    IntArrayRef lo, IntArrayRef hi, const c10::List<std::optional<Tensor>>& row_pos,
-                    const c10::List<std::optional<Tensor>>& time_idx, const c10::List<std::optional<Tensor>>& mask,
-                    IntArrayRef mask_from, const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
+                    bool zero_unseen, at::TensorList starts, at::TensorList lengths, IntArrayRef group,
+                    IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
+                    const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
+                    const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
+                    const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
   const Jagged Q(q), Kt(k), V(v), O(out);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2);
-  const std::vector<Chunk> chunks =
+  const Call call =
       ChunkArgs{starts, lengths, group, rows, m0, lo, hi, mask_from, row_pos, time_idx, mask, row_end, norm}.make(
           pos_w, time_w);
-  const int64_t K = widest(chunks);
+  const int64_t K = call.K;
   for_each_item(
-      item_slots(chunks, group), chunks, H,
-      [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
+      call, H, [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
       [&](auto& scratch, int64_t, const Chunk& c, int64_t g, int64_t h, bool) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
@@ -410,23 +414,22 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Tensor& dk, const Tensor& dv, const std::optional<Tensor>& pos_w,
                      const std::optional<Tensor>& time_w, const std::optional<Tensor>& dpos,
                      const std::optional<Tensor>& dtime, double alpha, bool zero_unseen, at::TensorList starts,
-                     at::TensorList lengths,
-                     IntArrayRef group, IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
+                     at::TensorList lengths, IntArrayRef group, IntArrayRef rows, IntArrayRef m0, IntArrayRef lo,
+                     IntArrayRef hi,
                      const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
                      const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
                      const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
   const Jagged Q(q), Kt(k), V(v), dO(grad_out), dQ(dq), dK(dk), dV(dv);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2);
-  const std::vector<Chunk> chunks =
+  const Call call =
       ChunkArgs{starts, lengths, group, rows, m0, lo, hi, mask_from, row_pos, time_idx, mask, row_end, norm}.make(
           pos_w, time_w);
-  const int64_t K = widest(chunks);
+  const int64_t K = call.K;
   const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
   const float a = static_cast<float>(alpha);
-  const ItemSlots slots = item_slots(chunks, group);
-  gr_parallel::SlotSums bias_grads(slots.count, P + NB);  // [dpos | dtime]
+  gr_parallel::SlotSums bias_grads(call.slots.count, P + NB);  // [dpos | dtime]
   for_each_item(
-      slots, chunks, H,
+      call, H,
       [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K); },
       [&](auto& scratch, int64_t slot, const Chunk& c, int64_t g, int64_t h, bool first_chunk) {
         float* scores = std::get<0>(scratch).data();
