@@ -23,7 +23,10 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
   recompute "layer":     x 4D
 
 plus, for the stack, the output 4D, the input-dropout mask 4D, and the int64 positions and
-index bookkeeping (32). Measured against torch's CPU memory profiler in tests/test_plan.py.
+index bookkeeping (32); and with the native CPU attention, each layer's fp32 weights and SiLU'
+per score element of its 32-query blocks (``saved_tile_bytes``, at most ``SAVED_TILE_FLOATS`` a
+batch), kept with recompute "none" (a recomputing layer makes them again in backward).
+Measured against torch's CPU memory profiler in tests/test_plan.py.
 In backward, the layer being differentiated holds gradient buffers about the size of its
 "none" set, a recomputing layer holds its "none" set again first, and the attention
 kernel's backward holds fp32 buffers of 16P - 8A bytes per token (q, k, v and their
@@ -45,7 +48,14 @@ from torch import nn
 
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
-from gr.hstu.kernels.cpu import LAYOUT_CACHE_ELEMENTS, QUERY_CHUNK, TILE_ELEMENTS, padded_lengths
+from gr.hstu.kernels.cpu import (
+    LAYOUT_CACHE_ELEMENTS,
+    QUERY_CHUNK,
+    ROW_BLOCK,
+    SAVED_TILE_FLOATS,
+    TILE_ELEMENTS,
+    padded_lengths,
+)
 from gr.native import fused_expected
 from gr.sparse.tables import TableConfig, storage_dim
 from gr.train.config import TrainConfig, load_config
@@ -138,10 +148,13 @@ def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compu
     d = config.hidden_dim
     stack = FP32 * d + (FP32 * d if config.input_dropout > 0 else 0) + STACK_INDEX_BYTES
     layer = hstu_layer_activation_bytes(config, recompute, compute_bytes)
+    tiles = saved_tile_bytes(config, tokens)
     kept = tokens * (stack + config.num_layers * layer) + layout_cache_bytes(config, tokens)
+    kept += config.num_layers * tiles if recompute == "none" else 0
     full_layer = hstu_layer_activation_bytes(config, "none", compute_bytes)
     recomputed = full_layer - layer
-    return kept, kept + tokens * (recomputed + full_layer) + attention_backward_bytes(config, tokens)
+    remade = tiles if recompute != "none" else 0  # the recomputing layer's tiles
+    return kept, kept + tokens * (recomputed + full_layer) + remade + attention_backward_bytes(config, tokens)
 
 
 def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1) -> int:
@@ -150,6 +163,25 @@ def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1
     p, a = _projection_width(config), config.num_heads * config.linear_dim
     tile = min(TILE_ELEMENTS, sequences * config.num_heads * min(QUERY_CHUNK, tokens) * tokens)
     return sequences * tokens * FP32 * (4 * p - 2 * a) + SCORE_TILES * FP32 * tile
+
+
+def saved_tile_bytes(config: HSTUConfig, tokens: int) -> int:
+    """The native CPU attention's tiles of one layer for one sequence of ``tokens`` tokens, kept
+    from forward to backward: fp32 weights and SiLU' per head for the keys each block of
+    ``ROW_BLOCK`` query rows sees (the chunks of ``gr.hstu.kernels.cpu``; at most
+    ``SAVED_TILE_FLOATS`` floats a batch, else none are kept)."""
+    if not fused_expected() or tokens == 0:
+        return 0
+    padded = int(padded_lengths(torch.tensor([tokens]))[0])
+    rows, window, elements = min(padded, QUERY_CHUNK), config.max_attn_len, 0
+    for m0 in range(0, padded, rows):
+        lo = max(m0 - window, 0) if window > 0 else 0
+        keys = max(0, min(m0 + rows, tokens) - lo)
+        for r0 in range(m0, min(m0 + rows, tokens), ROW_BLOCK):
+            r1 = min(r0 + ROW_BLOCK, m0 + rows, tokens)
+            elements += (r1 - r0) * min(r1 - lo, keys)
+    floats = 2 * config.num_heads * elements
+    return FP32 * floats if floats <= SAVED_TILE_FLOATS else 0
 
 
 def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:

@@ -109,6 +109,73 @@ def test_fused_tiles_write_every_row_of_outputs_that_start_uninitialised(monkeyp
     assert all(torch.equal(got, want) for got, want in zip(got_grads, want_grads))
 
 
+class _Tiles:
+    """``_FusedAttention``'s backward as a ctx whose kept tiles are ``tiles``, the rest ctx's own."""
+
+    def __init__(self, ctx, tiles):
+        self._ctx, self.saved_tensors = ctx, (*ctx.saved_tensors[:-1], tiles)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+def record_kept_tiles(monkeypatch, change=lambda tiles: tiles) -> list:
+    """The tiles each ``_FusedAttention`` backward finds kept (None: none), after ``change``."""
+    from gr.hstu.kernels import cpu
+
+    kept, backward = [], cpu._FusedAttention.backward
+
+    def recording_backward(ctx, grad_out):
+        kept.append(ctx.saved_tensors[-1])
+        return backward(_Tiles(ctx, change(kept[-1])), grad_out)
+
+    monkeypatch.setattr(cpu._FusedAttention, "backward", staticmethod(recording_backward))
+    return kept
+
+
+@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
+@pytest.mark.parametrize("targets", [None, [4, 0, 7, 2, 1]])
+def test_backward_from_the_tiles_forward_kept_equals_backward_that_makes_them_again(monkeypatch, targets):
+    """Forward keeps each row block's weights and SiLU' (up to ``SAVED_TILE_FLOATS``); backward reads
+    them instead of computing scores, bias and SiLU again: bitwise the same gradients as with none kept."""
+    from gr.hstu.kernels import cpu
+
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    kept = record_kept_tiles(monkeypatch)
+    want_out, want_grads = attention_and_grads(torch.float32, targets=targets)
+    monkeypatch.setattr(cpu, "SAVED_TILE_FLOATS", 0)
+    got_out, got_grads = attention_and_grads(torch.float32, targets=targets)
+    assert kept[0] is not None and kept[0].numel() > 0 and kept[1] is None
+    assert torch.equal(got_out, want_out)
+    assert all(torch.equal(got, want) for got, want in zip(got_grads, want_grads))
+
+
+@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
+def test_kept_tiles_are_two_floats_per_score_of_each_row_block_within_the_limit(monkeypatch):
+    """A 64-token sequence, 2 heads: its row blocks of 32 see 32 and 64 keys, so (32 * 32 + 32 * 64)
+    * 2 heads * 2 floats = 12,288 floats, which ``gr.plan`` counts too; a limit below that keeps none."""
+    from gr.hstu.config import HSTUConfig
+    from gr.hstu.kernels import cpu
+    from gr.plan import saved_tile_bytes
+
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    kept = record_kept_tiles(monkeypatch)
+    attention_and_grads(torch.float32, lengths=(64,))
+    monkeypatch.setattr(cpu, "SAVED_TILE_FLOATS", 12287)
+    attention_and_grads(torch.float32, lengths=(64,))
+    assert kept[0].numel() == 12288 and kept[1] is None
+    config = HSTUConfig(hidden_dim=32, num_layers=1, num_heads=2, attention_dim=16, linear_dim=16, max_seq_len=64)
+    assert saved_tile_bytes(config, 64) == 4 * 12288
+
+
+@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
+def test_backward_refuses_kept_tiles_of_another_size(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    record_kept_tiles(monkeypatch, change=lambda tiles: tiles[:-1])
+    with pytest.raises(RuntimeError, match="saved must be forward_chunks' contiguous fp32 tiles of the same chunks"):
+        attention_and_grads(torch.float32, lengths=(64,))
+
+
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_fused_tiles_compute_bf16_inputs_in_fp32(monkeypatch):
     """bf16 q, k, v are widened once: output and q, k, v gradients are the fp32 results rounded once."""

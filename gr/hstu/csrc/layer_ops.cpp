@@ -21,17 +21,13 @@
 #include "gr_blas.h"
 #include "gr_gemm.h"
 #include "gr_parallel.h"
+#include "gr_stream.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -251,21 +247,6 @@ void check_projection(const Tensor& x, const Tensor& norm_weight, const Tensor& 
               "gr_cpu_layer: the projection's weight must be contiguous fp32 [P, ", D, "]");
 }
 
-// dst[0, n) = src[0, n), past the cache where the build has AVX-512 (streaming stores from dst's first
-// 64-byte boundary on). For results nothing reads before backward: a plain store to a line that is
-// not cached first reads it from memory, and the lines would push out what the next ops read.
-void store_for_backward(float* dst, const float* src, int64_t n) {
-#if defined(__AVX512F__)
-  int64_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = src[i];
-  for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
-  for (; i < n; ++i) dst[i] = src[i];
-  _mm_sfence();
-#else
-  std::memcpy(dst, src, n * sizeof(float));
-#endif
-}
-
 // Column offsets of the parts of widths `sizes` in the projection's P output columns.
 std::vector<int64_t> part_offsets(at::IntArrayRef sizes, int64_t P) {
   std::vector<int64_t> offsets;
@@ -326,7 +307,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
         out[i] = z * sig;
         if (keep_grad) grad[i] = sig * (1.0f + z * (1.0f - sig));  // loop-invariant: GCC unswitches it
       }
-      if (keep_grad) store_for_backward(silu_grad.data_ptr<float>() + T * first + r0 * w, grad, n * w);
+      if (keep_grad) gr_stream::store_for_backward(silu_grad.data_ptr<float>() + T * first + r0 * w, grad, n * w);
     }
   });
   std::vector<Tensor> silu_grads = keep_grad ? part_views(silu_grad, T, sizes, offsets) : std::vector<Tensor>{};

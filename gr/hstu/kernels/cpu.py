@@ -69,11 +69,15 @@ from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 from gr.native import native_ops
 
 QUERY_CHUNK = 128  # query rows per chunk
+ROW_BLOCK = 32  # query rows per block of the fused tiles (ROW_BLOCK of cpu_fused_attention.cpp)
 TILE_ELEMENTS = 1 << 22  # score elements (all heads) per batched chunk, ~16 MB in fp32
 MIN_GRANULE = 32  # lengths are padded to a multiple of at least this
 # Index and mask elements of a batch's layouts kept for reuse (~128 MB): past it (very long
 # histories) a chunk's layout is rebuilt on every use, so memory stays bounded as before.
 LAYOUT_CACHE_ELEMENTS = 1 << 24
+# Floats of a layer's attention tiles (weights and SiLU' per score element) that the fused forward
+# keeps for backward (32 MiB), which then does not compute the scores again; past it they are made again.
+SAVED_TILE_FLOATS = 1 << 23
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # computed in fp32; float64 runs unfused
 
 
@@ -553,19 +557,23 @@ class _FusedAttention(torch.autograd.Function):
         """q, k: [T, H, Da], v: [T, H, Dv] fp32, bf16 or fp16 (strided, e.g. split from one projection:
         kept as they are for backward) -> [T, H, Dv] fp32."""
         ctx.problem, ctx.ops = problem, ops
-        ctx.save_for_backward(q, k, v, pos_w, time_w)
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         calls = _fused_calls(problem, pos_w, time_w, ops)
         written = _writes_every_row(problem, calls)
         out = _new_rows(vf.shape, written)
-        for chunks in calls:
-            ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, *chunks)
+        # One call's tiles are kept for backward when they fit SAVED_TILE_FLOATS (an empty tensor if not).
+        save_limit = SAVED_TILE_FLOATS if len(calls) == 1 and any(ctx.needs_input_grad) else 0
+        tiles = [
+            ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, save_limit, *chunks)
+            for chunks in calls
+        ]
+        ctx.save_for_backward(q, k, v, pos_w, time_w, tiles[0] if save_limit and tiles[0].numel() else None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, pos_w, time_w = ctx.saved_tensors
+        q, k, v, pos_w, time_w, tiles = ctx.saved_tensors
         problem: _Problem = ctx.problem
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         calls = _fused_calls(problem, pos_w, time_w, ctx.ops)
@@ -574,7 +582,7 @@ class _FusedAttention(torch.autograd.Function):
         dpos = torch.zeros_like(pos_w) if ctx.needs_input_grad[3] else None
         dtime = torch.zeros_like(time_w) if ctx.needs_input_grad[4] else None
         grad_out = _fp32_rows(grad_out)
-        grads = (dq, dk, dv, pos_w, time_w, dpos, dtime)
+        grads = (dq, dk, dv, pos_w, time_w, dpos, dtime, tiles)
         for chunks in calls:
             ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, written, *chunks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None

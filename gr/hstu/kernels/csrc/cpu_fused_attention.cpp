@@ -5,6 +5,9 @@
 // sits in this core's cache, then the next GEMM reads it. The unfused path makes a pass over
 // the whole chunk's [G, H, C, K] scores in memory for each of those steps.
 //
+// Forward can keep each row block's weights and SiLU' (packed, streamed past the cache) for backward,
+// which then reads them instead of running the scores GEMM, bias, exp and SiLU again.
+//
 // GEMMs are gr_gemm's (AVX-512, or MKL's sgemm_ without it), one thread each inside at::parallel_for
 // over (sequence, head); each (sequence, head)'s keys and values are transposed once for all its
 // row blocks, so that every GEMM reads its B operand in rows. Built and loaded by gr/native.py; gr/hstu/kernels/cpu.py
@@ -16,6 +19,7 @@
 #include "gr_blas.h"
 #include "gr_gemm.h"
 #include "gr_parallel.h"
+#include "gr_stream.h"
 
 #include <algorithm>
 #include <cmath>
@@ -175,6 +179,17 @@ struct Chunk {
     for (int64_t i = r0; i < r1; ++i) seen = std::max(seen, end[i]);
     return std::min(seen, keys);
   }
+  // Score elements of sequence g's row blocks in this chunk (per head): what backward reads back when
+  // forward keeps its tiles.
+  int64_t tiles_of(int64_t g) const {
+    const int64_t nrows = rows_of(g), nkeys = keys_of(g);
+    int64_t tiles = 0;
+    for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
+      const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
+      tiles += (r1 - r0) * keys_seen(g, r0, r1, nkeys);
+    }
+    return tiles;
+  }
   float norm_of(int64_t g, int64_t i) const { return norm[(norm_shared ? 0 : g) * C + i]; }
 
   // Key columns of row i of sequence g by position bucket: the bucket of column j is base - j
@@ -233,12 +248,13 @@ struct Chunk {
 };
 
 // Rows [r0, r1) (of the chunk) of sequence g against n keys: scores[rows, n] = alpha q k^T + bias,
-// weights = SiLU(scores) under the mask; both with row stride ld. kt: the keys transposed, [D, ld].
-// kGradient (backward): scores then hold SiLU'(scores) = sig (1 + s (1 - sig)), from the same exp.
+// weights = SiLU(scores) under the mask; both with row stride ld. kt: the keys transposed, [D, ldk].
+// kGradient: scores then hold SiLU'(scores) = sig (1 + s (1 - sig)), from the same exp.
 template <bool kGradient>
 void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64_t n, float alpha, const float* q,
-                        int64_t ldq, const float* kt, int64_t D, float* scores, float* weights, int64_t ld) {
-  gemm(false, false, r1 - r0, n, D, alpha, q, ldq, kt, ld, 0.0f, scores, ld);
+                        int64_t ldq, const float* kt, int64_t ldk, int64_t D, float* scores, float* weights,
+                        int64_t ld) {
+  gemm(false, false, r1 - r0, n, D, alpha, q, ldq, kt, ldk, 0.0f, scores, ld);
   for (int64_t i = r0; i < r1; ++i) {
     float* __restrict s = scores + (i - r0) * ld;
     float* __restrict w = weights + (i - r0) * ld;
@@ -262,34 +278,35 @@ struct Item {
 // (dynamic_for), the biggest first, and each slot keeps its own bias-gradient sums.
 struct ItemSlots {
   std::vector<Item> items;  // in order of decreasing work
+  std::vector<int64_t> tiles_before;  // [items + 1]: score elements per head of the items before each
   int64_t per_slot, count;
 };
 
 ItemSlots item_slots(const std::vector<Chunk>& chunks, IntArrayRef group) {
   std::vector<Item> items;
-  std::vector<int64_t> work;
+  std::vector<int64_t> work, tiles;
   for (int64_t first = 0, last = 0; first < static_cast<int64_t>(chunks.size()); first = last) {
     while (last < static_cast<int64_t>(chunks.size()) && group[last] == group[first]) ++last;
     for (int64_t g = 0; g < chunks[first].G; ++g) {
-      int64_t cost = 0;
+      int64_t keys = 0, scores = 0;
       for (int64_t ci = first; ci < last; ++ci) {
-        const Chunk& c = chunks[ci];
-        const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
-        if (nrows > 0) cost += nkeys;
-        for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
-          const int64_t r1 = std::min(r0 + ROW_BLOCK, nrows);
-          cost += (r1 - r0) * c.keys_seen(g, r0, r1, nkeys);
-        }
+        if (chunks[ci].rows_of(g) > 0) keys += chunks[ci].keys_of(g);
+        scores += chunks[ci].tiles_of(g);
       }
       items.push_back({first, last, g});
-      work.push_back(cost);
+      work.push_back(keys + scores);
+      tiles.push_back(scores);
     }
   }
   std::vector<int64_t> order(items.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return work[x] > work[y]; });
   ItemSlots slots;
-  for (int64_t i : order) slots.items.push_back(items[i]);
+  slots.tiles_before.push_back(0);
+  for (int64_t i : order) {
+    slots.items.push_back(items[i]);
+    slots.tiles_before.push_back(slots.tiles_before.back() + tiles[i]);
+  }
   const int64_t n = static_cast<int64_t>(items.size());
   slots.per_slot = std::max<int64_t>(1, (n + kMaxSlots - 1) / kMaxSlots);
   slots.count = (n + slots.per_slot - 1) / slots.per_slot;
@@ -336,8 +353,11 @@ struct ChunkArgs {
   }
 };
 
-// Runs body(scratch, slot, chunk, g, h, first) for every head h and chunk of every sequence g of the
-// call (first: the sequence's first chunk in the call), with one scratch = make_scratch() per thread.
+// Runs body(scratch, slot, chunk, g, h, first, tiles) for every head h and chunk of every sequence g of
+// the call (first: the sequence's first chunk in the call), with one scratch = make_scratch() per
+// thread. tiles: where the (chunk, g, h)'s row blocks start in a buffer that keeps two floats per
+// score element of the call (weights and SiLU', block after block: Chunk::tiles_of), the same in
+// forward and backward.
 // The slots go to whichever thread is free: the sequences of a batch differ in length up to 10x, and
 // one call per group with an equal count of them per thread left one thread idle. A sequence's
 // chunks and heads stay in one slot, so the k and v gradients it accumulates have one writer, and so
@@ -350,8 +370,12 @@ void for_each_item(const Call& call, int64_t H, const MakeScratch& make_scratch,
   gr_parallel::dynamic_for(slots.count, make_scratch, [&](auto& scratch, int64_t slot) {
     for (int64_t i = slot * slots.per_slot; i < std::min(n, (slot + 1) * slots.per_slot); ++i) {
       const Item& item = slots.items[i];
+      int64_t tiles = 2 * H * slots.tiles_before[i];
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t c = item.first; c < item.last; ++c) body(scratch, slot, chunks[c], item.g, h, c == item.first);
+        for (int64_t c = item.first; c < item.last; ++c) {
+          body(scratch, slot, chunks[c], item.g, h, c == item.first, tiles);
+          tiles += 2 * chunks[c].tiles_of(item.g);
+        }
     }
   });
 }
@@ -361,25 +385,34 @@ void zero_rows(float* rows, int64_t n, int64_t w, int64_t ld) {
   for (int64_t r = 0; r < n; ++r) std::fill(rows + r * ld, rows + r * ld + w, 0.0f);
 }
 
+// Floats that keep a call's tiles for backward: weights and SiLU' per score element of every head.
+int64_t saved_tile_floats(const Call& call, int64_t H) { return 2 * H * call.slots.tiles_before.back(); }
+
 // out rows of every chunk = norm * (SiLU(alpha q k^T + bias) * mask) v, for every sequence and head;
 // rows that see no key are left as they are, or with zero_unseen set to zero (out may then be
-// uninitialised when the call's chunks hold every row of every sequence).
-void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                    const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w, double alpha,
-                    bool zero_unseen, at::TensorList starts, at::TensorList lengths, IntArrayRef group,
-                    IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
-                    const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
-                    const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
-                    const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
+// uninitialised when the call's chunks hold every row of every sequence). -> the tiles' weights and
+// SiLU' for backward_chunks, [saved_tile_floats], when there are at most save_limit of those floats
+// (backward then reads them instead of computing them again), else an empty tensor.
+Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                      const std::optional<Tensor>& pos_w, const std::optional<Tensor>& time_w, double alpha,
+                      bool zero_unseen, int64_t save_limit, at::TensorList starts, at::TensorList lengths,
+                      IntArrayRef group, IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
+                      const c10::List<std::optional<Tensor>>& row_pos,
+                      const c10::List<std::optional<Tensor>>& time_idx,
+                      const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
+                      const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
   const Jagged Q(q), Kt(k), V(v), O(out);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2);
   const Call call =
       ChunkArgs{starts, lengths, group, rows, m0, lo, hi, mask_from, row_pos, time_idx, mask, row_end, norm}.make(
           pos_w, time_w);
   const int64_t K = call.K;
+  const int64_t floats = saved_tile_floats(call, H);
+  const bool save = floats > 0 && floats <= save_limit;
+  Tensor saved = at::empty({save ? floats : 0}, q.options());
   for_each_item(
       call, H, [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
-      [&](auto& scratch, int64_t, const Chunk& c, int64_t g, int64_t h, bool) {
+      [&](auto& scratch, int64_t, const Chunk& c, int64_t g, int64_t h, bool, int64_t tiles) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* kt = std::get<2>(scratch).data();
@@ -394,9 +427,19 @@ void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
             if (zero_unseen) zero_rows(o, r1 - r0, Dv, O.ld);
             continue;
           }
-          scores_and_weights<false>(c, g, r0, r1, n, static_cast<float>(alpha), Q.rows(first + c.m0 + r0, h), Q.ld,
-                                    kt, D, scores, weights, K);
-          gemm(false, false, r1 - r0, Dv, n, 1.0f, weights, K, V.rows(first + c.lo, h), V.ld, 0.0f, o, O.ld);
+          const float* qp = Q.rows(first + c.m0 + r0, h);
+          const int64_t m = r1 - r0, ld = save ? n : K;  // kept tiles are packed, m x n
+          const float a = static_cast<float>(alpha);
+          if (save)
+            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld);
+          else
+            scores_and_weights<false>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld);
+          gemm(false, false, m, Dv, n, 1.0f, weights, ld, V.rows(first + c.lo, h), V.ld, 0.0f, o, O.ld);
+          if (save) {
+            gr_stream::store_for_backward(saved.data_ptr<float>() + tiles, weights, m * n);
+            gr_stream::store_for_backward(saved.data_ptr<float>() + tiles + m * n, scores, m * n);
+            tiles += 2 * m * n;
+          }
           for (int64_t i = r0; i < r1; ++i) {
             const float f = c.norm_of(g, i);
             float* row = o + (i - r0) * O.ld;
@@ -404,16 +447,19 @@ void forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
           }
         }
       });
+  return saved;
 }
 
 // Gradients of every chunk: dq rows = alpha dS k (written), dk += alpha dS^T q, dv += W^T (norm * dout),
 // dpos / dtime += dS summed into their buckets; dS = SiLU'(scores) * mask * (norm * dout) v^T. With
 // zero_unseen, dq rows that see no key are zeroed and so are each sequence's dk and dv rows before its
 // first chunk adds to them (dq, dk, dv may then be uninitialised when the call's chunks hold every row).
+// saved: forward_chunks' kept tiles of the same call, read instead of computing the scores again.
 void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_out, const Tensor& dq,
                      const Tensor& dk, const Tensor& dv, const std::optional<Tensor>& pos_w,
                      const std::optional<Tensor>& time_w, const std::optional<Tensor>& dpos,
-                     const std::optional<Tensor>& dtime, double alpha, bool zero_unseen, at::TensorList starts,
+                     const std::optional<Tensor>& dtime, const std::optional<Tensor>& saved, double alpha,
+                     bool zero_unseen, at::TensorList starts,
                      at::TensorList lengths, IntArrayRef group, IntArrayRef rows, IntArrayRef m0, IntArrayRef lo,
                      IntArrayRef hi,
                      const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
@@ -427,11 +473,19 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   const int64_t K = call.K;
   const int64_t P = dpos.has_value() ? dpos->numel() : 0, NB = dtime.has_value() ? dtime->numel() : 0;
   const float a = static_cast<float>(alpha);
+  const float* kept = nullptr;
+  if (saved.has_value()) {
+    TORCH_CHECK(saved->scalar_type() == at::kFloat && saved->is_contiguous() &&
+                    saved->numel() == saved_tile_floats(call, H),
+                "cpu_fused: saved must be forward_chunks' contiguous fp32 tiles of the same chunks, ",
+                saved_tile_floats(call, H), " floats");
+    kept = saved->data_ptr<float>();
+  }
   gr_parallel::SlotSums bias_grads(call.slots.count, P + NB);  // [dpos | dtime]
   for_each_item(
       call, H,
       [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K); },
-      [&](auto& scratch, int64_t slot, const Chunk& c, int64_t g, int64_t h, bool first_chunk) {
+      [&](auto& scratch, int64_t slot, const Chunk& c, int64_t g, int64_t h, bool first_chunk, int64_t tiles) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* g_rows = std::get<2>(scratch).data();
@@ -447,7 +501,7 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
           zero_rows(dV.rows(first, h), c.lengths[g], Dv, dV.ld);
         }
         if (nrows > 0) {
-          gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt, K);
+          if (kept == nullptr) gr_gemm::transpose(nkeys, D, kp, Kt.ld, kt, K);
           gr_gemm::transpose(nkeys, Dv, V.rows(first + c.lo, h), V.ld, vt, K);
         }
         for (int64_t r0 = 0; r0 < nrows; r0 += ROW_BLOCK) {
@@ -458,24 +512,31 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
             continue;
           }
           const float* qp = Q.rows(first + c.m0 + r0, h);
-          scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, D, scores, weights, K);
+          // SiLU'(scores) and the weights, rows ld apart: kept by forward (packed, m x n), or made here.
+          const int64_t ld = kept != nullptr ? n : K;
+          const float* silu_grads = kept != nullptr ? kept + tiles + m * n : scores;
+          const float* w = kept != nullptr ? kept + tiles : weights;
+          if (kept != nullptr)
+            tiles += 2 * m * n;
+          else
+            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld);
           const float* dop = dO.rows(first + c.m0 + r0, h);
           for (int64_t i = r0; i < r1; ++i) {
             const float f = c.norm_of(g, i);
             for (int64_t j = 0; j < Dv; ++j) g_rows[(i - r0) * Dv + j] = dop[(i - r0) * dO.ld + j] * f;
           }
-          gemm(true, false, n, Dv, m, 1.0f, weights, K, g_rows, Dv, 1.0f, dV.rows(first + c.lo, h), dV.ld);
-          float* ds = weights;  // reused: dweights, then dscores
-          gemm(false, false, m, n, Dv, 1.0f, g_rows, Dv, vt, K, 0.0f, ds, K);
+          gemm(true, false, n, Dv, m, 1.0f, w, ld, g_rows, Dv, 1.0f, dV.rows(first + c.lo, h), dV.ld);
+          float* ds = weights;  // dweights, then dscores (over the weights once dV has them)
+          gemm(false, false, m, n, Dv, 1.0f, g_rows, Dv, vt, K, 0.0f, ds, ld);
           for (int64_t i = r0; i < r1; ++i) {
-            float* __restrict d = ds + (i - r0) * K;
-            const float* __restrict silu_grad = scores + (i - r0) * K;
+            float* __restrict d = ds + (i - r0) * ld;
+            const float* __restrict silu_grad = silu_grads + (i - r0) * ld;
             c.apply_mask(g, i, d, n);
             for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
             c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr);
           }
-          gemm(false, false, m, D, n, a, ds, K, kp, Kt.ld, 0.0f, dQ.rows(first + c.m0 + r0, h), dQ.ld);
-          gemm(true, false, n, D, m, a, ds, K, qp, Q.ld, 1.0f, dK.rows(first + c.lo, h), dK.ld);
+          gemm(false, false, m, D, n, a, ds, ld, kp, Kt.ld, 0.0f, dQ.rows(first + c.m0 + r0, h), dQ.ld);
+          gemm(true, false, n, D, m, a, ds, ld, qp, Q.ld, 1.0f, dK.rows(first + c.lo, h), dK.ld);
         }
       });
   std::vector<float> total(P + NB, 0.0f);
@@ -581,14 +642,15 @@ Tensor time_buckets(const Tensor& query_times, const Tensor& key_times, const Te
 TORCH_LIBRARY(gr_cpu_fused, m) {
   m.def(
       "forward_chunks(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? pos_w, Tensor? time_w, float alpha, "
-      "bool zero_unseen, Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, "
-      "Tensor?[] row_pos, Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, "
-      "Tensor[] norm) -> ()");
+      "bool zero_unseen, int save_limit, Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, "
+      "int[] lo, int[] hi, Tensor?[] row_pos, Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, "
+      "Tensor?[] row_end, Tensor[] norm) -> Tensor");
   m.def(
       "backward_chunks(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
-      "Tensor? pos_w, Tensor? time_w, Tensor(d!)? dpos, Tensor(e!)? dtime, float alpha, bool zero_unseen, "
-      "Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, int[] hi, Tensor?[] row_pos, "
-      "Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, Tensor[] norm) -> ()");
+      "Tensor? pos_w, Tensor? time_w, Tensor(d!)? dpos, Tensor(e!)? dtime, Tensor? saved, float alpha, "
+      "bool zero_unseen, Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, "
+      "int[] hi, Tensor?[] row_pos, Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, "
+      "Tensor[] norm) -> ()");
   m.def(
       "time_buckets(Tensor query_times, Tensor key_times, Tensor lengths, int m0, int m1, int lo, int hi, "
       "int contextual_len, Tensor thresholds, bool sqrt_bucketing) -> Tensor");
