@@ -39,6 +39,24 @@ def test_gemm_equals_matmul_on_every_layout_and_tail(ops, trans_a, trans_b, m, n
     torch.testing.assert_close(c, expected, rtol=1e-5, atol=1e-4 * k**0.5)
 
 
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("m, n, k", [(37, 50, 50), (8, 18, 300), (128, 20, 200), (16, 52, 7)])
+def test_last_columns_on_the_row_lanes_give_the_bits_of_a_wider_product(ops, trans_a, trans_b, m, n, k):
+    """Up to 4 columns past a multiple of 16 (N = 50: 48 + 2) are computed with the rows on the
+    register lanes; each element is the same sum in the same order as when those columns sit inside a
+    register of 16 columns of a wider product (here 64 columns, the first n the same)."""
+    a, b = operands(m, 64, k, trans_a, trans_b)
+    narrow_b = b[:n] if trans_b else b[:, :n]
+    c_old = torch.randn(m, 64)
+    c_narrow, c_wide = c_old[:, :n].clone(), c_old.clone()
+    ops.gemm(a, narrow_b, c_narrow, trans_a, trans_b, 0.5, 2.0)
+    ops.gemm(a, b, c_wide, trans_a, trans_b, 0.5, 2.0)
+    assert torch.equal(c_narrow, c_wide[:, :n])
+    expected = 0.5 * (a.T if trans_a else a) @ (narrow_b.T if trans_b else narrow_b) + 2.0 * c_old[:, :n]
+    torch.testing.assert_close(c_narrow, expected, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
 def test_gemm_reads_strided_rows_and_writes_only_its_block(ops):
     """Operands are row slices of wider tensors (as the kernels' q, k, v views of one projection are);
     the columns of c outside the product keep their values."""

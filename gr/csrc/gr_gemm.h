@@ -6,13 +6,16 @@
 // those shapes this kernel is 2-3x faster. It keeps a [kRows, kCols] block of C in 16 zmm
 // registers for the whole K loop, reads B as rows of kCols (a transposed B is first transposed into a
 // panel on the stack: callers that reuse one B^T transpose it once with `transpose`), and
-// broadcasts A one element at a time, in either layout. The summation order is fixed (k ascending
-// within passes of kDepth), so results repeat bitwise whatever the alignment or the thread.
+// broadcasts A one element at a time, in either layout. A last few columns past a multiple of 16
+// (N = 50: 48 + 2) go on the row lanes instead (narrow_columns), where a register of 16 column lanes
+// would do 16 lanes of work for 2. The summation order is fixed (k ascending within passes of
+// kDepth, on either path), so results repeat bitwise whatever the alignment or the thread.
 #pragma once
 
 #include "gr_blas.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX512F__)
@@ -26,6 +29,7 @@ namespace gr_gemm {
 constexpr int64_t kRows = 8;     // rows of C per register block
 constexpr int64_t kCols = 32;    // columns of C per register block: two zmm
 constexpr int64_t kDepth = 256;  // K per pass: a packed [kDepth, kCols] panel is 32 KB
+constexpr int64_t kNarrow = 4;   // at most this many columns past a multiple of 16 go on the row lanes
 
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
@@ -81,20 +85,21 @@ struct View {
 };
 
 // C[0:R, lanes] = (first ? beta * C : C) + alpha * sum_k A[0:R, k] B[k, lanes] for k < depth, with
-// `b` at B's row 0 of this column block (row stride ldb) and the lanes the two masks select.
-template <int R>
+// `b` at B's row 0 of this column block (row stride ldb) and the lanes the two masks select; kTwo:
+// two registers of 16 columns, else one (hi selects none).
+template <int R, bool kTwo>
 inline void block(int64_t depth, float alpha, View a, const float* b, int64_t ldb, float beta, bool first, float* c,
                   int64_t ldc, __mmask16 lo, __mmask16 hi) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < depth; ++k) {
     const __m512 b0 = _mm512_maskz_loadu_ps(lo, b + k * ldb);
-    const __m512 b1 = _mm512_maskz_loadu_ps(hi, b + k * ldb + 16);
+    const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + k * ldb + 16) : _mm512_setzero_ps();
     const float* ak = a.data + k * a.col_stride;
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
       acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      if constexpr (kTwo) acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
     }
   }
   const __m512 va = _mm512_set1_ps(alpha);
@@ -105,21 +110,68 @@ inline void block(int64_t depth, float alpha, View a, const float* b, int64_t ld
     if (scale != 0.0f) {  // beta == 0 does not read C, which may hold NaN
       const __m512 vs = _mm512_set1_ps(scale);
       c0 = _mm512_fmadd_ps(vs, _mm512_maskz_loadu_ps(lo, row), c0);
-      c1 = _mm512_fmadd_ps(vs, _mm512_maskz_loadu_ps(hi, row + 16), c1);
+      if constexpr (kTwo) c1 = _mm512_fmadd_ps(vs, _mm512_maskz_loadu_ps(hi, row + 16), c1);
     }
     _mm512_mask_storeu_ps(row, lo, c0);
-    _mm512_mask_storeu_ps(row + 16, hi, c1);
+    if constexpr (kTwo) _mm512_mask_storeu_ps(row + 16, hi, c1);
   }
 }
 
-// block<R> for the last rows < R of C, down to one.
-template <int R>
+// block<R, kTwo> for the last rows < R of C, down to one.
+template <int R, bool kTwo>
 inline void rows_block(int64_t rows, int64_t depth, float alpha, View a, const float* b, int64_t ldb, float beta,
                        bool first, float* c, int64_t ldc, __mmask16 lo, __mmask16 hi) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<R - 1>(rows, depth, alpha, a, b, ldb, beta, first, c, ldc, lo, hi);
+    if (rows < R) return rows_block<R - 1, kTwo>(rows, depth, alpha, a, b, ldb, beta, first, c, ldc, lo, hi);
   }
-  block<R>(depth, alpha, a, b, ldb, beta, first, c, ldc, lo, hi);
+  block<R, kTwo>(depth, alpha, a, b, ldb, beta, first, c, ldc, lo, hi);
+}
+
+// C[0:m, 0:R] for R <= kNarrow columns, 32 rows on the lanes of two registers at a time: A's columns
+// are loaded (A packed transposed per pass first when it is stored row-major), B's R columns
+// broadcast (B(k, j) at b[j * ldbj + k * ldbk]). The same products, summed in the same order and
+// stored per pass as block()'s, so each element is bitwise what block() would give it.
+template <int R>
+inline void narrow_columns(bool trans_a, int64_t m, int64_t k, float alpha, const float* a, int64_t lda,
+                           const float* b, int64_t ldbj, int64_t ldbk, float beta, float* c, int64_t ldc) {
+  alignas(64) float packed[kDepth * 32];
+  alignas(64) float lanes[32];
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t i0 = 0; i0 < m; i0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, m - i0);
+    const __mmask16 lo = first_lanes(rows), hi = first_lanes(rows - 16);
+    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+      const int64_t depth = std::min(kDepth, k - k0);
+      const float* at = a + k0 * lda + i0;  // A^T [depth, rows], rows ld apart
+      int64_t ld = lda;
+      if (!trans_a) {
+        transpose(rows, depth, a + i0 * lda + k0, lda, packed, 32);
+        at = packed;
+        ld = 32;
+      }
+      __m512 acc[R][2];
+      for (int j = 0; j < R; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+      const float* bk = b + k0 * ldbk;
+      for (int64_t kk = 0; kk < depth; ++kk, bk += ldbk) {
+        const __m512 x0 = _mm512_maskz_loadu_ps(lo, at + kk * ld);
+        const __m512 x1 = _mm512_maskz_loadu_ps(hi, at + kk * ld + 16);
+        for (int j = 0; j < R; ++j) {
+          const __m512 y = _mm512_set1_ps(bk[j * ldbj]);
+          acc[j][0] = _mm512_fmadd_ps(x0, y, acc[j][0]);
+          acc[j][1] = _mm512_fmadd_ps(x1, y, acc[j][1]);
+        }
+      }
+      const float scale = k0 == 0 ? beta : 1.0f;
+      for (int j = 0; j < R; ++j) {
+        _mm512_store_ps(lanes, _mm512_mul_ps(va, acc[j][0]));
+        _mm512_store_ps(lanes + 16, _mm512_mul_ps(va, acc[j][1]));
+        for (int64_t i = 0; i < rows; ++i) {
+          float* out = c + (i0 + i) * ldc + j;
+          *out = scale != 0.0f ? std::fma(scale, *out, lanes[i]) : lanes[i];
+        }
+      }
+    }
+  }
 }
 
 // Row-major C[M, N] = alpha * op(A) op(B) + beta * C; op(A) is [M, K], op(B) is [K, N]: the BLAS's
@@ -133,9 +185,12 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
     return;
   }
+  const int64_t tail = n % 16;
+  const int64_t narrow = n > 16 && m >= 8 && tail <= kNarrow ? tail : 0;  // columns on the row lanes
+  const int64_t wide = n - narrow;
   alignas(64) float panel[kDepth * kCols];
-  for (int64_t j0 = 0; j0 < n; j0 += kCols) {
-    const int64_t cols = std::min(kCols, n - j0);
+  for (int64_t j0 = 0; j0 < wide; j0 += kCols) {
+    const int64_t cols = std::min(kCols, wide - j0);
     const __mmask16 lo = first_lanes(cols), hi = first_lanes(cols - 16);
     for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
       const int64_t depth = std::min(kDepth, k - k0);
@@ -149,10 +204,23 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
       const View av = trans_a ? View{a + k0 * lda, 1, lda} : View{a + k0, lda, 1};
       for (int64_t i0 = 0; i0 < m; i0 += kRows) {
         const View ai{av.data + i0 * av.row_stride, av.row_stride, av.col_stride};
-        rows_block<kRows>(std::min(kRows, m - i0), depth, alpha, ai, bp, bld, beta, k0 == 0, c + i0 * ldc + j0, ldc,
-                          lo, hi);
+        const int64_t rows = std::min(kRows, m - i0);
+        float* ci = c + i0 * ldc + j0;
+        if (cols > 16)
+          rows_block<kRows, true>(rows, depth, alpha, ai, bp, bld, beta, k0 == 0, ci, ldc, lo, hi);
+        else
+          rows_block<kRows, false>(rows, depth, alpha, ai, bp, bld, beta, k0 == 0, ci, ldc, lo, hi);
       }
     }
+  }
+  if (narrow > 0) {
+    const float* bn = trans_b ? b + wide * ldb : b + wide;
+    const int64_t ldbj = trans_b ? ldb : 1, ldbk = trans_b ? 1 : ldb;
+    const auto columns = narrow == 1   ? narrow_columns<1>
+                         : narrow == 2 ? narrow_columns<2>
+                         : narrow == 3 ? narrow_columns<3>
+                                       : narrow_columns<4>;
+    columns(trans_a, m, k, alpha, a, lda, bn, ldbj, ldbk, beta, c + wide, ldc);
   }
 }
 
