@@ -289,17 +289,20 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
   gr_gemm::transpose(P, D, weight.data_ptr<float>(), D, wt.data(), P);
   // Per block and part: the GEMM writes the part's rows, which are contiguous, then SiLU runs over
   // them in one vector loop; SiLU' goes to scratch, then past the cache to its rows.
-  for_each_block(T, [&] { return block_scratch(D, P); }, [&](auto& state, int64_t, int64_t r0, int64_t n) {
-    auto& [normed, grads] = state;
+  // The parts' GEMMs share LN(x), transposed once per block: gr_gemm reads a transposed A's columns
+  // in place where a row-major one would be packed by each GEMM.
+  for_each_block(T, [&] { return block_scratch(D, D, P); }, [&](auto& state, int64_t, int64_t r0, int64_t n) {
+    auto& [normed, normed_t, grads] = state;
     norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),
                             norm_bias.data_ptr<float>(), nullptr, 0, nullptr, 1.0f, static_cast<float>(eps),
                             normed.data(), mean.data_ptr<float>() + r0, rstd.data_ptr<float>() + r0);
+    gr_gemm::transpose(n, D, normed.data(), D, normed_t.data(), n);
     for (size_t part = 0; part < sizes.size(); ++part) {
       const int64_t w = sizes[part], first = offsets[part];
       float* __restrict out = y.data_ptr<float>() + T * first + r0 * w;
       float* __restrict grad = grads.data();
       const float* __restrict bp = b + first;
-      gr_gemm::gemm(false, false, n, w, D, 1.0f, normed.data(), D, wt.data() + first, P, 0.0f, out, w);
+      gr_gemm::gemm(true, false, n, w, D, 1.0f, normed_t.data(), n, wt.data() + first, P, 0.0f, out, w);
       for (int64_t r = 0; r < n; ++r)
         for (int64_t j = 0; j < w; ++j) out[r * w + j] += bp[j];
       for (int64_t i = 0; i < n * w; ++i) {
