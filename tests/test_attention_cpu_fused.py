@@ -169,6 +169,35 @@ def test_kept_tiles_are_two_floats_per_score_of_each_row_block_within_the_limit(
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
+def test_tiles_are_kept_only_for_a_backward_to_come(monkeypatch):
+    """Evaluation and serving (no_grad, or nothing that requires grad) do not make or keep tiles."""
+    from gr.hstu.kernels import cpu
+
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    asked, forward = [], cpu._FusedAttention.forward
+
+    def recording_forward(ctx, *args):
+        asked.append(args[-1])  # keep_tiles
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(cpu._FusedAttention, "forward", staticmethod(recording_forward))
+    offsets = offsets_of([64, 30])
+    q, k, v = (torch.randn(94, 2, 16) for _ in range(3))
+    pos_w = torch.randn(301).requires_grad_(True)  # a parameter, as in a model under evaluation
+    rab = RelativeBias(pos_w, None, None)
+
+    def attend(*qkv):
+        return hstu_attention(*qkv, offsets, 64, rab=rab, backend="cpu", workspace=AttentionWorkspace(offsets))
+
+    with torch.no_grad():
+        attend(q, k, v)
+    attend(q, k, v).sum().backward()  # the bias weights still want a gradient
+    rab = RelativeBias(pos_w.detach(), None, None)
+    attend(q, k, v)
+    assert asked == [False, True, False]
+
+
+@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_backward_refuses_kept_tiles_of_another_size(monkeypatch):
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     record_kept_tiles(monkeypatch, change=lambda tiles: tiles[:-1])

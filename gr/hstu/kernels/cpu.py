@@ -211,7 +211,9 @@ def cpu_hstu_attention(
     fused = native_ops("gr_cpu_fused") if problem.fusable and q.dtype in FUSED_DTYPES else None
     if fused is not None:
         weights = [w.float().contiguous() if w is not None else None for w in (pos_w, time_w)]
-        out = _FusedAttention.apply(q, k, v, weights[0], weights[1], problem, fused)
+        # Tiles are kept only for a backward to come (not in evaluation or serving, under no_grad).
+        keep_tiles = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, *weights))
+        out = _FusedAttention.apply(q, k, v, weights[0], weights[1], problem, fused, keep_tiles)
     else:
         compute = torch.float32 if q.dtype == torch.float16 else q.dtype
         qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
@@ -553,16 +555,17 @@ class _FusedAttention(torch.autograd.Function):
     call that reads the jagged q, k, v rows in place (no padded copies) and writes out, dq, dk, dv."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem, ops):
+    def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem, ops, keep_tiles: bool):
         """q, k: [T, H, Da], v: [T, H, Dv] fp32, bf16 or fp16 (strided, e.g. split from one projection:
-        kept as they are for backward) -> [T, H, Dv] fp32."""
+        kept as they are for backward) -> [T, H, Dv] fp32. keep_tiles: keep the tiles for backward
+        (up to ``SAVED_TILE_FLOATS``) instead of computing them again there."""
         ctx.problem, ctx.ops = problem, ops
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         calls = _fused_calls(problem, pos_w, time_w, ops)
         written = _writes_every_row(problem, calls)
         out = _new_rows(vf.shape, written)
         # One call's tiles are kept for backward when they fit SAVED_TILE_FLOATS (an empty tensor if not).
-        save_limit = SAVED_TILE_FLOATS if len(calls) == 1 and any(ctx.needs_input_grad) else 0
+        save_limit = SAVED_TILE_FLOATS if keep_tiles and len(calls) == 1 else 0
         tiles = [
             ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, save_limit, *chunks)
             for chunks in calls
@@ -585,7 +588,7 @@ class _FusedAttention(torch.autograd.Function):
         grads = (dq, dk, dv, pos_w, time_w, dpos, dtime, tiles)
         for chunks in calls:
             ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, written, *chunks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None, None
 
 
 def _fp32_rows(x: Tensor) -> Tensor:
