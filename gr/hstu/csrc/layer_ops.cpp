@@ -287,10 +287,10 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
   const float* b = bias.data_ptr<float>();
   gr_blas::AlignedFloats wt(D * P);  // W^T [D, P]: the GEMM reads its B operand in rows
   gr_gemm::transpose(P, D, weight.data_ptr<float>(), D, wt.data(), P);
-  // Per block and part: the GEMM writes the part's rows, which are contiguous, then SiLU runs over
-  // them in one vector loop; SiLU' goes to scratch, then past the cache to its rows.
-  // The parts' GEMMs share LN(x), transposed once per block: gr_gemm reads a transposed A's columns
-  // in place where a row-major one would be packed by each GEMM.
+  // Per block: LN(x), transposed once for the parts' GEMMs (gr_gemm reads a transposed A's columns in
+  // place, where it would pack a row-major one in each GEMM). Per part: the GEMM writes the part's
+  // rows, which are contiguous, then SiLU runs over them in one vector loop; SiLU' goes to scratch,
+  // then past the cache to its rows.
   for_each_block(T, [&] { return block_scratch(D, D, P); }, [&](auto& state, int64_t, int64_t r0, int64_t n) {
     auto& [normed, normed_t, grads] = state;
     norm_rows<false, false>(n, D, x.data_ptr<float>() + r0 * D, norm_weight.data_ptr<float>(),

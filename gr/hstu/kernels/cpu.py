@@ -570,7 +570,7 @@ class _FusedAttention(torch.autograd.Function):
             ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, save_limit, *chunks)
             for chunks in calls
         ]
-        ctx.save_for_backward(q, k, v, pos_w, time_w, tiles[0] if save_limit and tiles[0].numel() else None)
+        ctx.save_for_backward(q, k, v, pos_w, time_w, tiles[0] if tiles[0].numel() else None)
         return out
 
     @staticmethod

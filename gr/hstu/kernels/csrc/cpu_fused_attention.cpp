@@ -407,6 +407,7 @@ Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const T
       ChunkArgs{starts, lengths, group, rows, m0, lo, hi, mask_from, row_pos, time_idx, mask, row_end, norm}.make(
           pos_w, time_w);
   const int64_t K = call.K;
+  const float a = static_cast<float>(alpha);
   const int64_t floats = saved_tile_floats(call, H);
   const bool save = floats > 0 && floats <= save_limit;
   Tensor saved = at::empty({save ? floats : 0}, q.options());
@@ -429,7 +430,6 @@ Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const T
           }
           const float* qp = Q.rows(first + c.m0 + r0, h);
           const int64_t m = r1 - r0, ld = save ? n : K;  // kept tiles are packed, m x n
-          const float a = static_cast<float>(alpha);
           if (save)
             scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld);
           else
@@ -459,9 +459,8 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Tensor& dk, const Tensor& dv, const std::optional<Tensor>& pos_w,
                      const std::optional<Tensor>& time_w, const std::optional<Tensor>& dpos,
                      const std::optional<Tensor>& dtime, const std::optional<Tensor>& saved, double alpha,
-                     bool zero_unseen, at::TensorList starts,
-                     at::TensorList lengths, IntArrayRef group, IntArrayRef rows, IntArrayRef m0, IntArrayRef lo,
-                     IntArrayRef hi,
+                     bool zero_unseen, at::TensorList starts, at::TensorList lengths, IntArrayRef group,
+                     IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
                      const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
                      const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
                      const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
