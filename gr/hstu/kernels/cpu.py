@@ -564,13 +564,14 @@ class _FusedAttention(torch.autograd.Function):
         calls = _fused_calls(problem, pos_w, time_w, ops)
         written = _writes_every_row(problem, calls)
         out = _new_rows(vf.shape, written)
-        # One call's tiles are kept for backward when they fit SAVED_TILE_FLOATS (an empty tensor if not).
+        # One call's tiles are kept for backward when they fit SAVED_TILE_FLOATS (an empty tensor if not;
+        # a batch whose queries see no key has no call at all).
         save_limit = SAVED_TILE_FLOATS if keep_tiles and len(calls) == 1 else 0
         tiles = [
             ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, save_limit, *chunks)
             for chunks in calls
         ]
-        ctx.save_for_backward(q, k, v, pos_w, time_w, tiles[0] if tiles[0].numel() else None)
+        ctx.save_for_backward(q, k, v, pos_w, time_w, tiles[0] if save_limit and tiles[0].numel() else None)
         return out
 
     @staticmethod
