@@ -165,7 +165,9 @@ class GRModel(nn.Module):
         )
         row_index, row_offsets = self.scored_rows(inputs, h.shape[0])
         row_seq = token_seq_ids(row_offsets, row_index.numel())
-        hidden = h.index_select(0, row_index)  # backward: index_add_, ~10x an indexing's index_put_ on CPU
+        # Every token scored: h itself (a copy and, in backward, an index_add_ over all rows saved).
+        # index_select otherwise: its backward, index_add_, is ~10x an indexing's index_put_ on CPU.
+        hidden = h if inputs.num_targets is None else h.index_select(0, row_index)
         row_common = {name: common[name].index_select(0, row_seq) for name in self.postfix_dnn.common_feature_names}
         predictions = self.postfix_dnn(hidden, row_common)
         return GROutput(predictions, hidden, row_index, row_offsets, token, common)

@@ -297,24 +297,21 @@ std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, c
       }
     });
   } else {
+    // Blocks to whichever thread is free: nothing is summed across blocks here (backward sums per thread).
     const int64_t B = negative.size(0);
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      gr_blas::OneBlasThread one;
-      gr_blas::AlignedFloats panel(K * rows.ld);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t m = (N - b + B - 1) / B;  // rows b, b + B, ...
-        const int64_t* ids = neg + b * K;
-        if (!block_ids_ok(pos, ids, b, B, N, K, U)) {
-          out_of_range = true;
-          continue;
-        }
-        gather_rows(rows, ids, K, panel.data());
-        gr_gemm::gemm(false, true, m, K, d, 1.0f, q + b * d, B * d, panel.data(), rows.ld, 0.0f, p + b * K1 + 1,
-                      B * K1);
-        for (int64_t r = b; r < N; r += B) {
-          dots(q + r * d, rows, pos + r, 1, d, p + r * K1);
-          l[r] = softmax_row(p + r * K1, pos[r], ids, K1, inv_t);
-        }
+    gr_parallel::dynamic_for(B, [&] { return gr_blas::AlignedFloats(K * rows.ld); }, [&](auto& panel, int64_t b) {
+      const int64_t m = (N - b + B - 1) / B;  // rows b, b + B, ...
+      const int64_t* ids = neg + b * K;
+      if (!block_ids_ok(pos, ids, b, B, N, K, U)) {
+        out_of_range = true;
+        return;
+      }
+      gather_rows(rows, ids, K, panel.data());
+      gr_gemm::gemm(false, true, m, K, d, 1.0f, q + b * d, B * d, panel.data(), rows.ld, 0.0f, p + b * K1 + 1,
+                    B * K1);
+      for (int64_t r = b; r < N; r += B) {
+        dots(q + r * d, rows, pos + r, 1, d, p + r * K1);
+        l[r] = softmax_row(p + r * K1, pos[r], ids, K1, inv_t);
       }
     });
   }
