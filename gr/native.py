@@ -1,4 +1,4 @@
-"""gr's fused CPU kernels, compiled for this machine on first use: one library, five op namespaces.
+"""gr's fused CPU kernels, compiled for this machine on first use: one library, six op namespaces.
 
 * ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
   ``gr.hstu.kernels.cpu`` (``forward_chunks``, ``backward_chunks``);
@@ -12,7 +12,9 @@
   ``gr.rng`` (``keep_mask``, ``randint``);
 * ``gr_cpu_gemm`` (``gr/csrc/gemm.cpp``): the small-tile GEMM the attention and layer kernels call
   (``gr/csrc/gr_gemm.h``: AVX-512 where the CPU has it, MKL's ``sgemm_`` otherwise), as ops for
-  its tests (``gemm``, ``transpose``).
+  its tests (``gemm``, ``transpose``);
+* ``gr_cpu_silu`` (``gr/csrc/silu.cpp``): the SiLU the projection and attention kernels compute
+  (``gr/csrc/gr_silu.h``), as an op for its tests (``silu``).
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
@@ -50,6 +52,7 @@ SOURCES = [
     PACKAGE / "train" / "csrc" / "sampled_softmax.cpp",
     PACKAGE / "csrc" / "random.cpp",
     PACKAGE / "csrc" / "gemm.cpp",
+    PACKAGE / "csrc" / "silu.cpp",
 ]
 # -fopenmp: at::parallel_for is inline and runs serially without it (the OpenMP runtime is torch's libgomp);
 # -ffast-math: vectorised expf from glibc's libmvec. Fast-math only compiles: linking it would bring

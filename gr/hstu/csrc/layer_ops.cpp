@@ -21,6 +21,7 @@
 #include "gr_blas.h"
 #include "gr_gemm.h"
 #include "gr_parallel.h"
+#include "gr_silu.h"
 #include "gr_stream.h"
 
 #include <algorithm>
@@ -305,11 +306,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
       gr_gemm::gemm(true, false, n, w, D, 1.0f, normed_t.data(), n, wt.data() + first, P, 0.0f, out, w);
       for (int64_t r = 0; r < n; ++r)
         for (int64_t j = 0; j < w; ++j) out[r * w + j] += bp[j];
-      for (int64_t i = 0; i < n * w; ++i) {
-        const float z = out[i], sig = 1.0f / (1.0f + std::exp(-z));
-        out[i] = z * sig;
-        if (keep_grad) grad[i] = sig * (1.0f + z * (1.0f - sig));  // loop-invariant: GCC unswitches it
-      }
+      gr_silu::silu(out, out, keep_grad ? grad : nullptr, n * w);
       if (keep_grad) gr_stream::store_for_backward(silu_grad.data_ptr<float>() + T * first + r0 * w, grad, n * w);
     }
   });

@@ -19,6 +19,7 @@
 #include "gr_blas.h"
 #include "gr_gemm.h"
 #include "gr_parallel.h"
+#include "gr_silu.h"
 #include "gr_stream.h"
 
 #include <algorithm>
@@ -259,11 +260,7 @@ void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64
     float* __restrict s = scores + (i - r0) * ld;
     float* __restrict w = weights + (i - r0) * ld;
     c.add_bias(g, i, s, n);
-    for (int64_t j = 0; j < n; ++j) {
-      const float sig = 1.0f / (1.0f + std::exp(-s[j]));
-      w[j] = s[j] * sig;
-      if constexpr (kGradient) s[j] = sig * (1.0f + s[j] * (1.0f - sig));
-    }
+    gr_silu::silu(s, w, kGradient ? s : nullptr, n);
     c.apply_mask(g, i, w, n);
   }
 }
