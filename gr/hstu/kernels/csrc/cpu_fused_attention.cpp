@@ -57,47 +57,22 @@ struct Jagged {
   float* rows(int64_t first, int64_t h) const { return data + first * ld + h * head_stride; }
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// The lanes of idx[0, 16) among `valid` that equal `bucket`.
-inline __mmask16 equal_lanes(const int32_t* idx, __mmask16 valid, int32_t bucket) {
-  return _mm512_mask_cmpeq_epi32_mask(valid, _mm512_maskz_loadu_epi32(valid, idx), _mm512_set1_epi32(bucket));
-}
-inline __mmask16 equal_lanes(const uint8_t* idx, __mmask16 valid, int32_t bucket) {
-  return _mm_mask_cmpeq_epi8_mask(valid, _mm_maskz_loadu_epi8(valid, idx), _mm_set1_epi8(static_cast<char>(bucket)));
-}
-#endif
+// Partial histograms the time-bias gradient is summed into, added up after the call: element j of a
+// row goes to part j mod kTimeParts.
+constexpr int64_t kTimeParts = 8;
 
-// The sum of d over the run of idx[j] == bucket that starts at j (j < n); j moves past the run. Where
-// the build has AVX-512 the run is summed 16 lanes at a time, its last lanes by a masked load.
+// acc[part(j) * NB + idx[j]] += d[j] for j < n. Neighbouring keys often share a bucket (timestamps are
+// sorted): in one histogram each of their adds would wait for the last one's store. With 8 parts a
+// bucket's adds chain only every 8th element. (Summing each run of equal buckets in vector lanes, as
+// before, paid a horizontal sum per run: at ML-1M's lengths a run is ~7 keys long, and that was
+// ~45 % of the backward's own time for 2 heads of 25.)
 template <typename Index>
-float sum_run(const Index* idx, const float* d, int64_t n, int32_t bucket, int64_t& j) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  __m512 lanes = _mm512_setzero_ps();
-  int64_t run = 16;
-  while (run == 16) {  // run: how many of the next 16 lanes (at most n - j) continue the run, >= 1 at first
-    const __mmask16 same = equal_lanes(idx + j, gr_gemm::first_lanes(n - j), bucket);
-    run = _tzcnt_u32(~static_cast<uint32_t>(same));
-    lanes = _mm512_add_ps(lanes, _mm512_maskz_loadu_ps(gr_gemm::first_lanes(run), d + j));
-    j += run;
-  }
-  return _mm512_reduce_add_ps(lanes);
-#else
-  float run = 0.0f;
-  for (; j < n && idx[j] == bucket; ++j) run += d[j];
-  return run;
-#endif
-}
-
-// acc[idx[j]] += d[j] for j < n, one add per run of equal indices: time buckets fall in runs along a
-// row (timestamps are sorted), and adding element by element would chain every add of a run
-// through the same memory location.
-template <typename Index>
-void add_by_runs(const Index* idx, const float* d, int64_t n, float* acc) {
+void add_to_parts(const Index* __restrict idx, const float* __restrict d, int64_t n, float* __restrict acc,
+                  int64_t NB) {
   int64_t j = 0;
-  while (j < n) {
-    const int32_t bucket = idx[j];
-    acc[bucket] += sum_run(idx, d, n, bucket, j);
-  }
+  for (; j + kTimeParts <= n; j += kTimeParts)
+    for (int64_t part = 0; part < kTimeParts; ++part) acc[part * NB + idx[j + part]] += d[j + part];
+  for (int64_t part = 0; j < n; ++j, ++part) acc[part * NB + idx[j]] += d[j];
 }
 
 // s[j] += w[idx[j]] for j < n (restrict: so that it vectorises, as a gather).
@@ -232,8 +207,9 @@ struct Chunk {
     float* tail = w + mask_from;
     for (int64_t j = 0; j < n - mask_from; ++j) tail[j] *= m[j];
   }
-  // dpos / dtime (thread-local, may be null) += d[0, n) into the buckets of row i.
-  void add_bias_grads(int64_t g, int64_t i, const float* d, int64_t n, float* dpos, float* dtime) const {
+  // dpos / dtime (thread-local, may be null) += d[0, n) into the buckets of row i; dtime holds
+  // kTimeParts partial histograms of NB buckets.
+  void add_bias_grads(int64_t g, int64_t i, const float* d, int64_t n, float* dpos, float* dtime, int64_t NB) const {
     if (dpos != nullptr) {
       const Diagonal diag = diagonal(g, i, n);
       float far = 0.0f, ahead = 0.0f;
@@ -244,7 +220,7 @@ struct Chunk {
       float* acc = dpos + diag.base;
       for (int64_t j = diag.lo; j < diag.hi; ++j) *(acc - j) += d[j];
     }
-    if (dtime != nullptr) time_buckets_of(g, i, [&](const auto* idx) { add_by_runs(idx, d, n, dtime); });
+    if (dtime != nullptr) time_buckets_of(g, i, [&](const auto* idx) { add_to_parts(idx, d, n, dtime, NB); });
   }
 };
 
@@ -477,7 +453,7 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                 saved_tile_floats(call, H), " floats");
     kept = saved->data_ptr<float>();
   }
-  gr_parallel::SlotSums bias_grads(call.slots.count, P + NB);  // [dpos | dtime]
+  gr_parallel::SlotSums bias_grads(call.slots.count, P + kTimeParts * NB);  // [dpos | dtime's parts]
   for_each_item(
       call, H,
       [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K); },
@@ -529,13 +505,13 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
             const float* __restrict silu_grad = silu_grads + (i - r0) * ld;
             c.apply_mask(g, i, d, n);
             for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
-            c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr);
+            c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr, NB);
           }
           gemm(false, false, m, D, n, a, ds, ld, kp, Kt.ld, 0.0f, dQ.rows(first + c.m0 + r0, h), dQ.ld);
           gemm(true, false, n, D, m, a, ds, ld, qp, Q.ld, 1.0f, dK.rows(first + c.lo, h), dK.ld);
         }
       });
-  std::vector<float> total(P + NB, 0.0f);
+  std::vector<float> total(P + kTimeParts * NB, 0.0f);
   bias_grads.add_to(total.data());
   if (P > 0) {
     float* acc = dpos->data_ptr<float>();
@@ -543,7 +519,8 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   }
   if (NB > 0) {
     float* acc = dtime->data_ptr<float>();
-    for (int64_t b = 0; b < NB; ++b) acc[b] += total[P + b];
+    for (int64_t part = 0; part < kTimeParts; ++part)
+      for (int64_t b = 0; b < NB; ++b) acc[b] += total[P + part * NB + b];
   }
 }
 
