@@ -64,6 +64,20 @@ def test_fused_equals_unfused_within_fp32_rounding(monkeypatch, targets):
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
+@pytest.mark.parametrize("lengths", [(300, 33), (420, 33)], ids=["heads-share-the-bias", "too-long-to-share"])
+def test_two_heads_equal_unfused_whether_or_not_they_share_the_bias(monkeypatch, lengths):
+    """Heads share a sequence's bias and dS sums up to kSharedBias (2^16) score elements a head: the
+    300-token sequence's ~47k share them, the 420-token one's ~92k take each head's own."""
+    monkeypatch.setenv("GR_CPU_FUSED", "0")
+    want_out, want_grads = attention_and_grads(torch.float32, lengths=lengths)
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    got_out, got_grads = attention_and_grads(torch.float32, lengths=lengths)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_fused_tiles_give_every_thread_count_the_same_results(monkeypatch):
     """The sequences of a batch go to whichever thread is free, a slot of sequences at a time; each
     sequence's heads and query chunks stay in one slot (the k and v gradients it accumulates have

@@ -43,6 +43,9 @@ using at::IntArrayRef;
 
 constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
 constexpr int64_t kMaxSlots = 64;  // slots of sequences, each with its own bias-gradient sums
+// With several heads, a sequence's bias (forward) and its dS summed over heads (for the bias
+// gradients, backward) are made once for all heads while they fit this many floats per thread.
+constexpr int64_t kSharedBias = 1 << 16;
 
 // A [T, H, D] fp32 jagged tensor with contiguous rows of D (e.g. q, k, v split from one projection):
 // the rows of head h from token `first` on, with their stride.
@@ -189,6 +192,15 @@ struct Chunk {
       f(static_cast<const int32_t*>(time_idx) + row);
   }
 
+  bool has_bias() const { return pos_w != nullptr || time_w != nullptr; }
+  // bias[rows, n] (rows n apart) = the bias of rows [r0, r1) of sequence g.
+  void bias_rows(int64_t g, int64_t r0, int64_t r1, int64_t n, float* bias) const {
+    for (int64_t i = r0; i < r1; ++i) {
+      float* row = bias + (i - r0) * n;
+      std::fill(row, row + n, 0.0f);
+      add_bias(g, i, row, n);
+    }
+  }
   // s[0, n) = s + bias of row i of sequence g.
   void add_bias(int64_t g, int64_t i, float* s, int64_t n) const {
     if (pos_w != nullptr) {
@@ -226,16 +238,22 @@ struct Chunk {
 
 // Rows [r0, r1) (of the chunk) of sequence g against n keys: scores[rows, n] = alpha q k^T + bias,
 // weights = SiLU(scores) under the mask; both with row stride ld. kt: the keys transposed, [D, ldk].
-// kGradient: scores then hold SiLU'(scores) = sig (1 + s (1 - sig)), from the same exp.
+// kGradient: scores then hold SiLU'(scores) = sig (1 + s (1 - sig)), from the same exp. bias: the
+// rows' bias made once for all heads ([rows, n], Chunk::bias_rows), or null: added here.
 template <bool kGradient>
 void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64_t n, float alpha, const float* q,
                         int64_t ldq, const float* kt, int64_t ldk, int64_t D, float* scores, float* weights,
-                        int64_t ld) {
+                        int64_t ld, const float* bias) {
   gemm(false, false, r1 - r0, n, D, alpha, q, ldq, kt, ldk, 0.0f, scores, ld);
   for (int64_t i = r0; i < r1; ++i) {
     float* __restrict s = scores + (i - r0) * ld;
     float* __restrict w = weights + (i - r0) * ld;
-    c.add_bias(g, i, s, n);
+    if (bias != nullptr) {
+      const float* __restrict b = bias + (i - r0) * n;
+      for (int64_t j = 0; j < n; ++j) s[j] += b[j];
+    } else {
+      c.add_bias(g, i, s, n);
+    }
     gr_silu::silu(s, w, kGradient ? s : nullptr, n);
     c.apply_mask(g, i, w, n);
   }
@@ -326,11 +344,20 @@ struct ChunkArgs {
   }
 };
 
-// Runs body(scratch, slot, chunk, g, h, first, tiles) for every head h and chunk of every sequence g of
-// the call (first: the sequence's first chunk in the call), with one scratch = make_scratch() per
-// thread. tiles: where the (chunk, g, h)'s row blocks start in a buffer that keeps two floats per
-// score element of the call (weights and SiLU', block after block: Chunk::tiles_of), the same in
-// forward and backward.
+// Where a (chunk, sequence, head)'s row blocks start. tiles: in a buffer that keeps two floats per score
+// element of the call (weights and SiLU', block after block: Chunk::tiles_of), the same in forward and
+// backward; within: the score elements of the sequence's earlier chunks (one head's), of
+// item_scores in all its chunks.
+struct Place {
+  int64_t tiles, within, item_scores;
+};
+
+// Whether the heads of a sequence with item_scores score elements a head share its bias and dS sums.
+bool shares_bias(int64_t H, int64_t item_scores) { return H > 1 && item_scores <= kSharedBias; }
+
+// Runs body(scratch, slot, chunk, g, h, first, place) for every head h and chunk of every sequence g of
+// the call (first: the sequence's first chunk in the call; place: Place), with one scratch =
+// make_scratch() per thread. A sequence's heads run one after the other, each over all its chunks.
 // The slots go to whichever thread is free: the sequences of a batch differ in length up to 10x, and
 // one call per group with an equal count of them per thread left one thread idle. A sequence's
 // chunks and heads stay in one slot, so the k and v gradients it accumulates have one writer, and so
@@ -343,11 +370,14 @@ void for_each_item(const Call& call, int64_t H, const MakeScratch& make_scratch,
   gr_parallel::dynamic_for(slots.count, make_scratch, [&](auto& scratch, int64_t slot) {
     for (int64_t i = slot * slots.per_slot; i < std::min(n, (slot + 1) * slots.per_slot); ++i) {
       const Item& item = slots.items[i];
+      const int64_t item_scores = slots.tiles_before[i + 1] - slots.tiles_before[i];
       int64_t tiles = 2 * H * slots.tiles_before[i];
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t c = item.first; c < item.last; ++c) {
-          body(scratch, slot, chunks[c], item.g, h, c == item.first, tiles);
-          tiles += 2 * chunks[c].tiles_of(item.g);
+        for (int64_t c = item.first, within = 0; c < item.last; ++c) {
+          body(scratch, slot, chunks[c], item.g, h, c == item.first, Place{tiles, within, item_scores});
+          const int64_t scores = chunks[c].tiles_of(item.g);
+          tiles += 2 * scores;
+          within += scores;
         }
     }
   });
@@ -385,11 +415,15 @@ Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const T
   const bool save = floats > 0 && floats <= save_limit;
   Tensor saved = at::empty({save ? floats : 0}, q.options());
   for_each_item(
-      call, H, [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K); },
-      [&](auto& scratch, int64_t, const Chunk& c, int64_t g, int64_t h, bool, int64_t tiles) {
+      call, H, [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, D * K, H > 1 ? kSharedBias : 0); },
+      [&](auto& scratch, int64_t, const Chunk& c, int64_t g, int64_t h, bool, Place place) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* kt = std::get<2>(scratch).data();
+        // the sequence's bias, made by its first head for all (kept packed, m x n per block)
+        float* shared = c.has_bias() && shares_bias(H, place.item_scores) ? std::get<3>(scratch).data() + place.within
+                                                                          : nullptr;
+        int64_t tiles = place.tiles;
         const int64_t first = c.starts[g];
         const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
         if (nrows > 0) gr_gemm::transpose(nkeys, D, Kt.rows(first + c.lo, h), Kt.ld, kt, K);
@@ -403,10 +437,15 @@ Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const T
           }
           const float* qp = Q.rows(first + c.m0 + r0, h);
           const int64_t m = r1 - r0, ld = save ? n : K;  // kept tiles are packed, m x n
+          float* bias = shared;
+          if (shared != nullptr) {
+            if (h == 0) c.bias_rows(g, r0, r1, n, bias);
+            shared += m * n;
+          }
           if (save)
-            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld);
+            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
           else
-            scores_and_weights<false>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld);
+            scores_and_weights<false>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
           gemm(false, false, m, Dv, n, 1.0f, weights, ld, V.rows(first + c.lo, h), V.ld, 0.0f, o, O.ld);
           if (save) {
             gr_stream::store_for_backward(saved.data_ptr<float>() + tiles, weights, m * n);
@@ -456,13 +495,23 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   gr_parallel::SlotSums bias_grads(call.slots.count, P + kTimeParts * NB);  // [dpos | dtime's parts]
   for_each_item(
       call, H,
-      [&] { return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K); },
-      [&](auto& scratch, int64_t slot, const Chunk& c, int64_t g, int64_t h, bool first_chunk, int64_t tiles) {
+      [&] {
+        const int64_t shared = H > 1 ? kSharedBias : 0;
+        return gr_blas::aligned_floats(ROW_BLOCK * K, ROW_BLOCK * K, ROW_BLOCK * Dv, D * K, Dv * K, shared, shared);
+      },
+      [&](auto& scratch, int64_t slot, const Chunk& c, int64_t g, int64_t h, bool first_chunk, Place place) {
         float* scores = std::get<0>(scratch).data();
         float* weights = std::get<1>(scratch).data();
         float* g_rows = std::get<2>(scratch).data();
         float* kt = std::get<3>(scratch).data();
         float* vt = std::get<4>(scratch).data();
+        // Shared by the sequence's heads (packed, m x n per block): its bias, made by the first head when
+        // backward computes the scores again, and dS summed over the heads, whose bias gradients the last
+        // head adds up.
+        const bool share = shares_bias(H, place.item_scores);
+        float* shared_bias = share && kept == nullptr && c.has_bias() ? std::get<5>(scratch).data() + place.within : nullptr;
+        float* shared_ds = share && (P > 0 || NB > 0) ? std::get<6>(scratch).data() + place.within : nullptr;
+        int64_t tiles = place.tiles;
         float* dpos_local = bias_grads.slot(slot);
         float* dtime_local = dpos_local + P;
         const int64_t first = c.starts[g];
@@ -488,10 +537,17 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
           const int64_t ld = kept != nullptr ? n : K;
           const float* silu_grads = kept != nullptr ? kept + tiles + m * n : scores;
           const float* w = kept != nullptr ? kept + tiles : weights;
+          float* bias = shared_bias;
+          float* ds_sum = shared_ds;
+          if (shared_bias != nullptr) {
+            if (h == 0) c.bias_rows(g, r0, r1, n, bias);
+            shared_bias += m * n;
+          }
+          if (shared_ds != nullptr) shared_ds += m * n;
           if (kept != nullptr)
             tiles += 2 * m * n;
           else
-            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld);
+            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
           const float* dop = dO.rows(first + c.m0 + r0, h);
           for (int64_t i = r0; i < r1; ++i) {
             const float f = c.norm_of(g, i);
@@ -505,7 +561,18 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
             const float* __restrict silu_grad = silu_grads + (i - r0) * ld;
             c.apply_mask(g, i, d, n);
             for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
-            c.add_bias_grads(g, i, d, n, P > 0 ? dpos_local : nullptr, NB > 0 ? dtime_local : nullptr, NB);
+            float* dpos_row = P > 0 ? dpos_local : nullptr;
+            float* dtime_row = NB > 0 ? dtime_local : nullptr;
+            if (ds_sum == nullptr) {
+              c.add_bias_grads(g, i, d, n, dpos_row, dtime_row, NB);
+              continue;
+            }
+            float* __restrict sum = ds_sum + (i - r0) * n;
+            if (h == 0)
+              std::copy(d, d + n, sum);
+            else
+              for (int64_t j = 0; j < n; ++j) sum[j] += d[j];
+            if (h == H - 1) c.add_bias_grads(g, i, sum, n, dpos_row, dtime_row, NB);
           }
           gemm(false, false, m, D, n, a, ds, ld, kp, Kt.ld, 0.0f, dQ.rows(first + c.m0 + r0, h), dQ.ld);
           gemm(true, false, n, D, m, a, ds, ld, qp, Q.ld, 1.0f, dK.rows(first + c.lo, h), dK.ld);
