@@ -18,7 +18,12 @@ autocast, as Lightning runs it):
   that the step's useful FLOPs reach: 3x the forward FLOPs of the projections, of attention
   over the keys each token sees (no padding) and of the sampled softmax's dot products;
 * unless --no-epoch, one whole Lightning epoch (``gr.train``'s trainer: train, validation,
-  checkpoint) and its validation part, in seconds.
+  checkpoint) and its validation part, in seconds; and the training steps inside that epoch
+  (Lightning's loop, one model in the process, as training runs), from the start of a batch to the
+  end of its optimizer step, the first ``LOOP_WARMUP`` untimed: ms a step and fraction of peak.
+  The step rates above alternate two models in one process, whose heaps and caches then meet
+  each other's leftovers (thousands more page faults a step for the large recipe): they compare
+  the precisions under the same load, the loop gives the speed a training run has.
 With ``--token-negatives`` the steps also alternate with the recipe changed to
 ``task.retrieval.negatives: token`` (a draw of negatives per token, the HSTU paper's sampling,
 where the recipes share draws between tokens: the same useful FLOPs), reported as
@@ -78,11 +83,28 @@ def training_flops(config: TrainConfig, model: torch.nn.Module, batch) -> float:
     return 3.0 * forward
 
 
+LOOP_WARMUP = 2  # training steps of the epoch not timed: the first allocate and build what the rest reuse
+
+
 class EpochClock(Callback):
-    """Seconds from the train epoch's start to the end of fit, and of the validation epoch."""
+    """Seconds from the train epoch's start to the end of fit, and of the validation epoch; the
+    training steps' seconds and useful FLOPs after the first ``LOOP_WARMUP``."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.steps: List[float] = []
+        self.flops: List[float] = []
 
     def on_train_epoch_start(self, trainer, module) -> None:
         self.start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
+        self.step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx: int) -> None:
+        if batch_idx >= LOOP_WARMUP:
+            self.steps.append(time.perf_counter() - self.step_start)
+            self.flops.append(training_flops(self.config, module.gr_model, batch))
 
     def on_validation_epoch_start(self, trainer, module) -> None:
         self.validation_start = time.perf_counter()
@@ -96,10 +118,16 @@ def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
     data.setup()
     module = GRTrainingModule(config, data.feature_spec(), data.tasks, data.popularity())
     trainer, _ = make_trainer(config, out_dir)
-    clock = EpochClock()
+    clock = EpochClock(config)
     trainer.callbacks.append(clock)
     trainer.fit(module, datamodule=data)
-    return {"epoch_s": time.perf_counter() - clock.start, "validation_s": clock.validation}
+    return {
+        "epoch_s": time.perf_counter() - clock.start,
+        "validation_s": clock.validation,
+        "loop_steps": len(clock.steps),
+        "loop_seconds": sum(clock.steps),
+        "loop_flops": sum(clock.flops),
+    }
 
 
 def step_rates(
@@ -248,11 +276,17 @@ def main() -> None:
                 ],
             )
             timing = epoch_seconds(config, work / f"run_{recipe}_{precision}")
+            loop = {"step_ms": 0.0, "peak_fraction": 0.0}
+            if timing["loop_steps"]:
+                loop["step_ms"] = 1000 * timing["loop_seconds"] / timing["loop_steps"]
+                loop["peak_fraction"] = timing["loop_flops"] / timing["loop_seconds"] / 1e9 / peaks[precision]
             result[f"{recipe}/{precision}/epoch_s"] = timing["epoch_s"]
             result[f"{recipe}/{precision}/validation_s"] = timing["validation_s"]
+            result.update({f"{recipe}/{precision}/loop_{k}": v for k, v in loop.items()})
             print(
                 f"{recipe:5s} {precision:10s} epoch {timing['epoch_s']:6.2f} s (validation "
-                f"{timing['validation_s']:.2f} s); {load()}",
+                f"{timing['validation_s']:.2f} s); its training steps {loop['step_ms']:.1f} ms "
+                f"= {100 * loop['peak_fraction']:4.1f}% of peak; {load()}",
                 flush=True,
             )
         if not dist.is_initialized():
