@@ -18,12 +18,13 @@ autocast, as Lightning runs it):
   that the step's useful FLOPs reach: 3x the forward FLOPs of the projections, of attention
   over the keys each token sees (no padding) and of the sampled softmax's dot products;
 * unless --no-epoch, one whole Lightning epoch (``gr.train``'s trainer: train, validation,
-  checkpoint) and its validation part, in seconds; and the training steps inside that epoch
-  (Lightning's loop, one model in the process, as training runs), from the start of a batch to the
-  end of its optimizer step, the first ``LOOP_WARMUP`` untimed: ms a step and fraction of peak.
-  The step rates above alternate two models in one process, whose heaps and caches then meet
-  each other's leftovers (thousands more page faults a step for the large recipe): they compare
-  the precisions under the same load, the loop gives the speed a training run has.
+  checkpoint) and its validation part, in seconds, each in a process of its own as a training run
+  has it; and the training steps inside that epoch (Lightning's loop), from the start of a batch to
+  the end of its optimizer step, the first ``LOOP_WARMUP`` untimed: ms a step and fraction of peak.
+  The step rates above alternate two models in one process that has run the other settings
+  before, whose heaps and caches then meet each other's leftovers (thousands more page faults a
+  step for the large recipe): they compare the precisions under the same load; the epoch's steps
+  give the speed a training run has.
 With ``--token-negatives`` the steps also alternate with the recipe changed to
 ``task.retrieval.negatives: token`` (a draw of negatives per token, the HSTU paper's sampling,
 where the recipes share draws between tokens: the same useful FLOPs), reported as
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,6 +130,30 @@ def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
         "loop_seconds": sum(clock.steps),
         "loop_flops": sum(clock.flops),
     }
+
+
+def epoch_in_own_process(recipe: str, precision: str, work: Path) -> Dict[str, float]:
+    """epoch_seconds of ``recipe`` at ``precision`` on ``work``'s data, run by a fresh process (this
+    script with --epoch-run): what the runs before it left in this process's heap stays out."""
+    command = [sys.executable, __file__, "--epoch-run", f"{recipe},{precision}", "--work", str(work)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {recipe} {precision} epoch run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def epoch_run(recipe: str, precision: str, work: Path) -> None:
+    """--epoch-run: one whole epoch of ``recipe`` at ``precision``; prints epoch_seconds as JSON."""
+    config = load_config(
+        Path(__file__).resolve().parents[1] / ML1M_RECIPES[recipe],
+        [
+            ("data.path", str(work)),
+            ("trainer.max_epochs", "1"),
+            ("trainer.precision", precision),
+            ("trainer.enable_progress_bar", "false"),
+        ],
+    )
+    print(json.dumps(epoch_seconds(config, work / f"run_{recipe}_{precision}")))
 
 
 def step_rates(
@@ -238,7 +264,11 @@ def main() -> None:
     parser.add_argument(
         "--token-negatives", action="store_true", help="also time the recipes with a draw of negatives per token"
     )
+    parser.add_argument("--epoch-run", default=None, help=argparse.SUPPRESS)  # "recipe,precision": be that run
+    parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.epoch_run is not None:
+        return epoch_run(*args.epoch_run.split(","), Path(args.work))
     steps = args.steps or (2 if args.smoke else 24)
     users = args.users or (400 if args.smoke else 6040)
     recipes = args.recipes.split(",")
@@ -266,16 +296,7 @@ def main() -> None:
     }
     for recipe in recipes:
         for precision in PRECISIONS if not args.no_epoch else ():
-            config = load_config(
-                root / ML1M_RECIPES[recipe],
-                [
-                    ("data.path", str(work)),
-                    ("trainer.max_epochs", "1"),
-                    ("trainer.precision", precision),
-                    ("trainer.enable_progress_bar", "false"),
-                ],
-            )
-            timing = epoch_seconds(config, work / f"run_{recipe}_{precision}")
+            timing = epoch_in_own_process(recipe, precision, work)
             loop = {"step_ms": 0.0, "peak_fraction": 0.0}
             if timing["loop_steps"]:
                 loop["step_ms"] = 1000 * timing["loop_seconds"] / timing["loop_steps"]
