@@ -14,9 +14,11 @@ autocast, as Lightning runs it):
 * samples/s of full training steps (sampling, sharded lookup, HSTU, sampled softmax, backward
   with the fused embedding optimizer, dense AdamW) on the same batches, the precisions
   alternating step by step so that both see the same machine load;
-* the fraction of the matmul peak of that precision (measured in this run on square matmuls)
-  that the step's useful FLOPs reach: 3x the forward FLOPs of the projections, of attention
-  over the keys each token sees (no padding) and of the sampled softmax's dot products;
+* the fraction of the matmul peak of that precision (measured on square matmuls at the start of
+  this run and again at its end; the higher of the two counts, so that a slow moment during one
+  measurement cannot inflate the fractions) that the step's useful FLOPs reach: 3x the forward
+  FLOPs of the projections, of attention over the keys each token sees (no padding) and of the
+  sampled softmax's dot products;
 * unless --no-epoch, one whole Lightning epoch (``gr.train``'s trainer: train, validation,
   checkpoint) and its validation part, in seconds, each in a process of its own as a training run
   has it; and the training steps inside that epoch (Lightning's loop), from the start of a batch to
@@ -251,6 +253,23 @@ def print_profiles(steps: int) -> None:
             print(f"{micros / 1000 / steps:9.2f}  {key}")
 
 
+def summarise_against_both_peaks(result: Dict, start: Dict[str, float], end: Dict[str, float]) -> None:
+    """Every fraction of peak in ``result`` again, of the higher of the start's and the end's peak per
+    precision (in place, with both peaks kept), and printed."""
+    peaks = {p: max(start[p], end[p]) for p in PRECISIONS}
+    result.update({"peak_gflops": peaks, "peak_gflops_start": start, "peak_gflops_end": end})
+    print(
+        f"matmul peak at the end fp32 {end['32-true']:.0f}, bf16 {end['bf16-mixed']:.0f} GFLOP/s; "
+        f"of the higher of the two (fp32 {peaks['32-true']:.0f}, bf16 {peaks['bf16-mixed']:.0f}):"
+    )
+    for key in [k for k in result if k.endswith("gflops") and "/" in k]:
+        recipe, setting, measure = key.split("/")
+        fraction = result[key] / peaks[setting.split("+")[0]]
+        result[key.replace("gflops", "peak_fraction")] = fraction
+        what = "its epoch's steps" if measure.startswith("loop") else "step rate"
+        print(f"  {recipe:5s} {setting:16s} {what:17s} {100 * fraction:4.1f}% of peak")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="400 users, 2 steps: checks that the bench runs")
@@ -280,10 +299,15 @@ def main() -> None:
     native_ops("gr_cpu_fused")  # a first build (~15-30 s) here, not inside the first timed epoch
     ratings = write_ml1m_shaped_ratings(work, users)
     peak_seconds = 0.2 if args.smoke else 1.0
-    peaks = {p: matmul_peak(dtype, peak_seconds) for p, dtype in zip(PRECISIONS, (torch.float32, torch.bfloat16))}
+
+    def measure_peaks() -> Dict[str, float]:
+        return {p: matmul_peak(dtype, peak_seconds) for p, dtype in zip(PRECISIONS, (torch.float32, torch.bfloat16))}
+
+    peaks = measure_peaks()
     print(
         f"{users} users, {ratings} ratings; matmul peak fp32 {peaks['32-true']:.0f} GFLOP/s, "
-        f"bf16 {peaks['bf16-mixed']:.0f} GFLOP/s; {load()}",
+        f"bf16 {peaks['bf16-mixed']:.0f} GFLOP/s (the % below are of these; the summary at the end "
+        f"takes the higher of these and the end's); {load()}",
         flush=True,
     )
     result = {
@@ -297,10 +321,11 @@ def main() -> None:
     for recipe in recipes:
         for precision in PRECISIONS if not args.no_epoch else ():
             timing = epoch_in_own_process(recipe, precision, work)
-            loop = {"step_ms": 0.0, "peak_fraction": 0.0}
+            loop = {"step_ms": 0.0, "gflops": 0.0, "peak_fraction": 0.0}
             if timing["loop_steps"]:
                 loop["step_ms"] = 1000 * timing["loop_seconds"] / timing["loop_steps"]
-                loop["peak_fraction"] = timing["loop_flops"] / timing["loop_seconds"] / 1e9 / peaks[precision]
+                loop["gflops"] = timing["loop_flops"] / timing["loop_seconds"] / 1e9
+                loop["peak_fraction"] = loop["gflops"] / peaks[precision]
             result[f"{recipe}/{precision}/epoch_s"] = timing["epoch_s"]
             result[f"{recipe}/{precision}/validation_s"] = timing["validation_s"]
             result.update({f"{recipe}/{precision}/loop_{k}": v for k, v in loop.items()})
@@ -338,6 +363,7 @@ def main() -> None:
         if args.profile:
             print_profiles(steps)
             PROFILES.clear()
+    summarise_against_both_peaks(result, peaks, measure_peaks())
     result["load_after"] = os.getloadavg()
     if dist.is_initialized():
         dist.destroy_process_group()
