@@ -134,14 +134,17 @@ def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
     }
 
 
-def epoch_in_own_process(recipe: str, precision: str, work: Path) -> Dict[str, float]:
-    """epoch_seconds of ``recipe`` at ``precision`` on ``work``'s data, run by a fresh process (this
-    script with --epoch-run): what the runs before it left in this process's heap stays out."""
-    command = [sys.executable, __file__, "--epoch-run", f"{recipe},{precision}", "--work", str(work)]
-    done = subprocess.run(command, capture_output=True, text=True)
+def in_own_process(*flags: str, echo: bool = False) -> Dict:
+    """This script run with ``flags`` by a fresh process, as a training run has it (what ran before
+    stays out of its heap) -> the JSON object its last line prints; with ``echo`` the lines before
+    it (profiles) are printed here."""
+    done = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the {recipe} {precision} epoch run failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"train_step.py {' '.join(flags)} failed:\n{done.stderr[-4000:]}")
+    *lines, last = done.stdout.strip().splitlines()
+    if echo:
+        print("\n".join(lines), flush=True)
+    return json.loads(last)
 
 
 def epoch_run(recipe: str, precision: str, work: Path) -> None:
@@ -156,6 +159,21 @@ def epoch_run(recipe: str, precision: str, work: Path) -> None:
         ],
     )
     print(json.dumps(epoch_seconds(config, work / f"run_{recipe}_{precision}")))
+
+
+def rates_run(recipe: str, work: Path, steps: int, peaks: Dict[str, float], token: bool, profile: bool) -> None:
+    """--rates-run: step_rates of ``recipe`` (and with per-token negatives if ``token``); prints them as JSON."""
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    overrides = [("data.path", str(work))]
+    recipe_path = Path(__file__).resolve().parents[1] / ML1M_RECIPES[recipe]
+    configs = {"recipe": load_config(recipe_path, overrides)}
+    if token:
+        configs["token"] = load_config(recipe_path, [*overrides, ("task.retrieval.negatives", "token")])
+    rates = step_rates(configs, steps, peaks, profile)
+    if profile:
+        print_profiles(steps)
+    dist.destroy_process_group()
+    print(json.dumps(rates))
 
 
 def step_rates(
@@ -284,17 +302,21 @@ def main() -> None:
         "--token-negatives", action="store_true", help="also time the recipes with a draw of negatives per token"
     )
     parser.add_argument("--epoch-run", default=None, help=argparse.SUPPRESS)  # "recipe,precision": be that run
+    parser.add_argument("--rates-run", default=None, help=argparse.SUPPRESS)  # a recipe: be its step rates
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--peaks", default=None, help=argparse.SUPPRESS)  # JSON: the parent's peaks
     args = parser.parse_args()
     if args.epoch_run is not None:
         return epoch_run(*args.epoch_run.split(","), Path(args.work))
+    if args.rates_run is not None:
+        peaks = json.loads(args.peaks)
+        return rates_run(args.rates_run, Path(args.work), args.steps, peaks, args.token_negatives, args.profile)
     steps = args.steps or (2 if args.smoke else 24)
     users = args.users or (400 if args.smoke else 6040)
     recipes = args.recipes.split(",")
     unknown = [r for r in recipes if r not in ML1M_RECIPES]
     if unknown:
         parser.error(f"--recipes: unknown {unknown}; expected names from {sorted(ML1M_RECIPES)}")
-    root = Path(__file__).resolve().parents[1]
     work = Path(tempfile.mkdtemp(prefix="train_step_"))
     native_ops("gr_cpu_fused")  # a first build (~15-30 s) here, not inside the first timed epoch
     ratings = write_ml1m_shaped_ratings(work, users)
@@ -320,7 +342,7 @@ def main() -> None:
     }
     for recipe in recipes:
         for precision in PRECISIONS if not args.no_epoch else ():
-            timing = epoch_in_own_process(recipe, precision, work)
+            timing = in_own_process("--epoch-run", f"{recipe},{precision}", "--work", str(work))
             loop = {"step_ms": 0.0, "gflops": 0.0, "peak_fraction": 0.0}
             if timing["loop_steps"]:
                 loop["step_ms"] = 1000 * timing["loop_seconds"] / timing["loop_steps"]
@@ -335,14 +357,9 @@ def main() -> None:
                 f"= {100 * loop['peak_fraction']:4.1f}% of peak; {load()}",
                 flush=True,
             )
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
-        overrides = [("data.path", str(work))]
-        recipe_path = root / ML1M_RECIPES[recipe]
-        configs = {"recipe": load_config(recipe_path, overrides)}
-        if args.token_negatives:
-            configs["token"] = load_config(recipe_path, [*overrides, ("task.retrieval.negatives", "token")])
-        rates = step_rates(configs, steps, peaks, args.profile)
+        flags = ["--rates-run", recipe, "--work", str(work), "--steps", str(steps), "--peaks", json.dumps(peaks)]
+        flags += ["--token-negatives"] * args.token_negatives + ["--profile"] * args.profile
+        rates = in_own_process(*flags, echo=args.profile)
         for precision, rate in rates.items():
             result.update({f"{recipe}/{precision}/{k}": v for k, v in rate.items()})
             print(
@@ -360,13 +377,8 @@ def main() -> None:
             )
             speedup = result[f"{recipe}/speedup_over_token_negatives"]
             print(f"{recipe:5s} the recipe runs {speedup:.2f}x the speed of per-token negatives (fp32)")
-        if args.profile:
-            print_profiles(steps)
-            PROFILES.clear()
     summarise_against_both_peaks(result, peaks, measure_peaks())
     result["load_after"] = os.getloadavg()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
 
 
