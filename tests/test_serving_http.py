@@ -4,6 +4,7 @@ reload under traffic never mixes two models in one answer, and hash-on-user-id r
 user's cache warm on its replica."""
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -200,6 +201,13 @@ def test_reload_under_concurrent_traffic_never_mixes_two_models_in_one_response(
             status, answer = server.call("POST", "/admin/reload", {"export_dir": str(exports[name])}, headers=auth)
             assert status == 200
             versions.append((answer["model_version"], name))
+            # let traffic reach this version before the next reload (on a loaded machine the four reloads
+            # could otherwise all pass between two answers, and one model would never be seen)
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and all(
+                body.get("model_version") != answer["model_version"] for _, body in list(answers)
+            ):
+                time.sleep(0.01)
         stop.set()
     model_of = dict(versions)
     assert len(answers) > 8
