@@ -58,7 +58,8 @@ inline void silu(const float* z, float* y, float* grad, int64_t n) {
   }
 #else
   for (int64_t j = 0; j < n; ++j) {
-    const float v = z[j], sig = 1.0f / (1.0f + std::exp(-v));
+    // below -87 e^-v would overflow, and -ffast-math's reciprocal turns 1 / inf into NaN
+    const float v = z[j], sig = v < -87.0f ? 0.0f : 1.0f / (1.0f + std::exp(-v));
     y[j] = v * sig;
     if (grad != nullptr) grad[j] = sig * (1.0f + v * (1.0f - sig));
   }
