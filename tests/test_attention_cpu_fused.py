@@ -2,16 +2,14 @@
 Their results against the reference over every mask and bias case: tests/test_attention_conformance.py;
 building, loading and GR_CPU_FUSED: tests/test_native.py."""
 
-import platform
-
 import pytest
 import torch
 
 from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention
 from gr.native import native_ops
+from helpers.native import X86
 
 pytestmark = pytest.mark.attention
-X86 = platform.machine() in ("x86_64", "AMD64")
 
 
 def offsets_of(lengths):
@@ -38,6 +36,17 @@ def attention_and_grads(dtype, lengths=(300, 1, 97, 260, 33), targets=None, head
     return out.detach(), grads
 
 
+def assert_fused_equals_unfused(monkeypatch, **batch) -> None:
+    """attention_and_grads(fp32, **batch) of the fused tiles equals the unfused kernel's to fp32 rounding."""
+    monkeypatch.setenv("GR_CPU_FUSED", "0")
+    want_out, want_grads = attention_and_grads(torch.float32, **batch)
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    got_out, got_grads = attention_and_grads(torch.float32, **batch)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_fused_tiles_build_and_run_here(monkeypatch):
     """On x86-64 with a compiler (this suite's machines) the tiles build: the conformance suite's
@@ -54,13 +63,7 @@ def test_fused_tiles_build_and_run_here(monkeypatch):
 @pytest.mark.parametrize("targets", [None, [4, 0, 7, 2, 1]])
 def test_fused_equals_unfused_within_fp32_rounding(monkeypatch, targets):
     """Sequences of 300 and 260 tokens span three query chunks and many row blocks."""
-    monkeypatch.setenv("GR_CPU_FUSED", "0")
-    want_out, want_grads = attention_and_grads(torch.float32, targets=targets)
-    monkeypatch.setenv("GR_CPU_FUSED", "1")
-    got_out, got_grads = attention_and_grads(torch.float32, targets=targets)
-    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
-    for got, want in zip(got_grads, want_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert_fused_equals_unfused(monkeypatch, targets=targets)
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
@@ -68,13 +71,7 @@ def test_fused_equals_unfused_within_fp32_rounding(monkeypatch, targets):
 def test_two_heads_equal_unfused_whether_or_not_they_share_the_bias(monkeypatch, lengths):
     """Heads share a sequence's bias and dS sums up to kSharedBias (2^16) score elements a head: the
     300-token sequence's ~47k share them, the 420-token one's ~92k take each head's own."""
-    monkeypatch.setenv("GR_CPU_FUSED", "0")
-    want_out, want_grads = attention_and_grads(torch.float32, lengths=lengths)
-    monkeypatch.setenv("GR_CPU_FUSED", "1")
-    got_out, got_grads = attention_and_grads(torch.float32, lengths=lengths)
-    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
-    for got, want in zip(got_grads, want_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert_fused_equals_unfused(monkeypatch, lengths=lengths)
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")

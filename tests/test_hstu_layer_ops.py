@@ -1,8 +1,6 @@
 """gr.hstu.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, fused on
 CPU (gr.native), equal in values and gradients to PyTorch's ops, with dropout masks from gr.rng."""
 
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +11,8 @@ from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.layer_ops import combine, norm_mul_dropout, project
 from gr.native import native_ops
+from helpers.native import X86
 
-X86 = platform.machine() in ("x86_64", "AMD64")
 native_only = pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
 
 

@@ -2,15 +2,13 @@
 build falls back with the reason logged (or fails loudly when required)."""
 
 import logging
-import platform
 
 import pytest
 import torch
 
 from gr import native
 from gr.native import fused_setting, native_ops
-
-X86 = platform.machine() in ("x86_64", "AMD64")
+from helpers.native import X86
 
 
 def test_the_setting_is_validated(monkeypatch):

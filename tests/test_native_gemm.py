@@ -1,24 +1,17 @@
 """gr_gemm, the small-tile GEMM inside the fused CPU kernels (gr/csrc/gr_gemm.h), against torch.matmul:
 every layout, the tails of its register blocks, more depth than one pass, and BLAS's beta contract."""
 
-import platform
-
 import pytest
 import torch
 
-from gr.native import native_ops
+from helpers.native import required_ops, x86_only
 
-pytestmark = pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64"), reason="the fused kernels are built for x86-64 only"
-)
+pytestmark = x86_only
 
 
 @pytest.fixture(scope="module")
 def ops(request):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("GR_CPU_FUSED", "1")
-    request.addfinalizer(mp.undo)
-    return native_ops("gr_cpu_gemm")
+    return required_ops(request, "gr_cpu_gemm")
 
 
 def operands(m, n, k, trans_a, trans_b, seed=0):

@@ -2,24 +2,17 @@
 gradient in float64: across the range where its exponential is computed, at the clamp, and on every
 row length's last partial vector."""
 
-import platform
-
 import pytest
 import torch
 
-from gr.native import native_ops
+from helpers.native import required_ops, x86_only
 
-pytestmark = pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64"), reason="the fused kernels are built for x86-64 only"
-)
+pytestmark = x86_only
 
 
 @pytest.fixture(scope="module")
 def ops(request):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("GR_CPU_FUSED", "1")
-    request.addfinalizer(mp.undo)
-    return native_ops("gr_cpu_silu")
+    return required_ops(request, "gr_cpu_silu")
 
 
 def exact(z: torch.Tensor):

@@ -1,15 +1,13 @@
 """gr.rng: dropout keep masks and uniform integers, counter-based on CPU with the native kernels
 (torch's generators otherwise), seeded from torch's generators so runs repeat."""
 
-import platform
-
 import pytest
 import torch
 
 from gr import rng
 from gr.native import native_ops
+from helpers.native import X86
 
-X86 = platform.machine() in ("x86_64", "AMD64")
 CPU = torch.device("cpu")
 
 

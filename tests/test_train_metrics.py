@@ -1,7 +1,6 @@
 """Losses, metrics and the retrieval task's sampling, each against a naive implementation written here."""
 
 import math
-import platform
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from gr.train.config import RetrievalSection
 from gr.train.losses import multitask_bce, sampled_softmax_loss
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
 from gr.train.tasks import RetrievalTask
+from helpers.native import X86
 
 
 def naive_rank(scores, target, excluded):
@@ -212,9 +212,6 @@ def test_retrieval_inputs_look_up_the_whole_catalogue_when_draws_outnumber_it():
     whole = sampled_softmax_loss(queries, table, inputs.labels["positive_index"], negatives, 0.05)
     drawn = sampled_softmax_loss(queries, table[distinct], index[:4], index[4:].view(4, 40), 0.05)
     torch.testing.assert_close(whole, drawn)
-
-
-X86 = platform.machine() in ("x86_64", "AMD64")
 
 
 @pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")
