@@ -45,7 +45,7 @@ import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -147,16 +147,20 @@ def in_own_process(*flags: str, echo: bool = False) -> Dict:
     return json.loads(last)
 
 
+def recipe_config(recipe: str, work: Path, *overrides: Tuple[str, str]) -> TrainConfig:
+    """The ML-1M ``recipe`` reading ``work``'s data, with ``overrides``."""
+    path = Path(__file__).resolve().parents[1] / ML1M_RECIPES[recipe]
+    return load_config(path, [("data.path", str(work)), *overrides])
+
+
 def epoch_run(recipe: str, precision: str, work: Path) -> None:
     """--epoch-run: one whole epoch of ``recipe`` at ``precision``; prints epoch_seconds as JSON."""
-    config = load_config(
-        Path(__file__).resolve().parents[1] / ML1M_RECIPES[recipe],
-        [
-            ("data.path", str(work)),
-            ("trainer.max_epochs", "1"),
-            ("trainer.precision", precision),
-            ("trainer.enable_progress_bar", "false"),
-        ],
+    config = recipe_config(
+        recipe,
+        work,
+        ("trainer.max_epochs", "1"),
+        ("trainer.precision", precision),
+        ("trainer.enable_progress_bar", "false"),
     )
     print(json.dumps(epoch_seconds(config, work / f"run_{recipe}_{precision}")))
 
@@ -164,11 +168,9 @@ def epoch_run(recipe: str, precision: str, work: Path) -> None:
 def rates_run(recipe: str, work: Path, steps: int, peaks: Dict[str, float], token: bool, profile: bool) -> None:
     """--rates-run: step_rates of ``recipe`` (and with per-token negatives if ``token``); prints them as JSON."""
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
-    overrides = [("data.path", str(work))]
-    recipe_path = Path(__file__).resolve().parents[1] / ML1M_RECIPES[recipe]
-    configs = {"recipe": load_config(recipe_path, overrides)}
+    configs = {"recipe": recipe_config(recipe, work)}
     if token:
-        configs["token"] = load_config(recipe_path, [*overrides, ("task.retrieval.negatives", "token")])
+        configs["token"] = recipe_config(recipe, work, ("task.retrieval.negatives", "token"))
     rates = step_rates(configs, steps, peaks, profile)
     if profile:
         print_profiles(steps)

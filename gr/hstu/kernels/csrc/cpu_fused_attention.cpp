@@ -355,6 +355,14 @@ struct Place {
 // Whether the heads of a sequence with item_scores score elements a head share its bias and dS sums.
 bool shares_bias(int64_t H, int64_t item_scores) { return H > 1 && item_scores <= kSharedBias; }
 
+// The next row block's m x n tile of a buffer packed block after block (null while the buffer is
+// null); the cursor moves past it.
+float* next_tile(float*& cursor, int64_t m, int64_t n) {
+  float* tile = cursor;
+  if (cursor != nullptr) cursor += m * n;
+  return tile;
+}
+
 // Runs body(scratch, slot, chunk, g, h, first, place) for every head h and chunk of every sequence g of
 // the call (first: the sequence's first chunk in the call; place: Place), with one scratch =
 // make_scratch() per thread. A sequence's heads run one after the other, each over all its chunks.
@@ -437,11 +445,8 @@ Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const T
           }
           const float* qp = Q.rows(first + c.m0 + r0, h);
           const int64_t m = r1 - r0, ld = save ? n : K;  // kept tiles are packed, m x n
-          float* bias = shared;
-          if (shared != nullptr) {
-            if (h == 0) c.bias_rows(g, r0, r1, n, bias);
-            shared += m * n;
-          }
+          float* bias = next_tile(shared, m, n);
+          if (bias != nullptr && h == 0) c.bias_rows(g, r0, r1, n, bias);
           if (save)
             scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
           else
@@ -512,8 +517,8 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
         float* shared_bias = share && kept == nullptr && c.has_bias() ? std::get<5>(scratch).data() + place.within : nullptr;
         float* shared_ds = share && (P > 0 || NB > 0) ? std::get<6>(scratch).data() + place.within : nullptr;
         int64_t tiles = place.tiles;
-        float* dpos_local = bias_grads.slot(slot);
-        float* dtime_local = dpos_local + P;
+        float* dpos_local = P > 0 ? bias_grads.slot(slot) : nullptr;
+        float* dtime_local = NB > 0 ? bias_grads.slot(slot) + P : nullptr;
         const int64_t first = c.starts[g];
         const int64_t nrows = c.rows_of(g), nkeys = c.keys_of(g);
         const float* kp = Kt.rows(first + c.lo, h);
@@ -537,13 +542,9 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
           const int64_t ld = kept != nullptr ? n : K;
           const float* silu_grads = kept != nullptr ? kept + tiles + m * n : scores;
           const float* w = kept != nullptr ? kept + tiles : weights;
-          float* bias = shared_bias;
-          float* ds_sum = shared_ds;
-          if (shared_bias != nullptr) {
-            if (h == 0) c.bias_rows(g, r0, r1, n, bias);
-            shared_bias += m * n;
-          }
-          if (shared_ds != nullptr) shared_ds += m * n;
+          float* bias = next_tile(shared_bias, m, n);
+          if (bias != nullptr && h == 0) c.bias_rows(g, r0, r1, n, bias);
+          float* ds_sum = next_tile(shared_ds, m, n);
           if (kept != nullptr)
             tiles += 2 * m * n;
           else
@@ -561,10 +562,8 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
             const float* __restrict silu_grad = silu_grads + (i - r0) * ld;
             c.apply_mask(g, i, d, n);
             for (int64_t j = 0; j < n; ++j) d[j] *= silu_grad[j];
-            float* dpos_row = P > 0 ? dpos_local : nullptr;
-            float* dtime_row = NB > 0 ? dtime_local : nullptr;
             if (ds_sum == nullptr) {
-              c.add_bias_grads(g, i, d, n, dpos_row, dtime_row, NB);
+              c.add_bias_grads(g, i, d, n, dpos_local, dtime_local, NB);
               continue;
             }
             float* __restrict sum = ds_sum + (i - r0) * n;
@@ -572,7 +571,7 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
               std::copy(d, d + n, sum);
             else
               for (int64_t j = 0; j < n; ++j) sum[j] += d[j];
-            if (h == H - 1) c.add_bias_grads(g, i, sum, n, dpos_row, dtime_row, NB);
+            if (h == H - 1) c.add_bias_grads(g, i, sum, n, dpos_local, dtime_local, NB);
           }
           gemm(false, false, m, D, n, a, ds, ld, kp, Kt.ld, 0.0f, dQ.rows(first + c.m0 + r0, h), dQ.ld);
           gemm(true, false, n, D, m, a, ds, ld, qp, Q.ld, 1.0f, dK.rows(first + c.lo, h), dK.ld);
