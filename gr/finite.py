@@ -6,7 +6,7 @@ Used by training (loss and gradients every step, weights at every checkpoint) an
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -26,6 +26,27 @@ def non_finite(named: Iterable[Tuple[str, Any]]) -> List[str]:
                 bad.append(name)
                 break
     return bad
+
+
+def gradients_finite(grads: Sequence[torch.Tensor]) -> bool:
+    """True when no tensor among ``grads`` holds NaN or an infinity: one fused pass per device and
+    dtype (the check behind AMP's gradient scaler, unscaling by 1: each tensor is rewritten in
+    place with the same values), instead of a check and a host sync per tensor. For gradients
+    only: weights may be read-only. Values that are not plain floating-point tensors (sharded
+    gradients) go through ``non_finite``."""
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for grad in grads:
+        if type(grad) is not torch.Tensor or grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if non_finite([("", grad)]):
+                return False
+            continue
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), tensors in groups.items():
+        found = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, torch.ones(1, device=device))
+        if bool(found):
+            return False
+    return True
 
 
 def _local_tensors(value: Any) -> List[torch.Tensor]:

@@ -1,5 +1,6 @@
-"""gr.hstu.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, fused on
-CPU (gr.native), equal in values and gradients to PyTorch's ops, with dropout masks from gr.rng."""
+"""gr.hstu.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, and the
+stack's input, fused on CPU (gr.native), equal in values and gradients to PyTorch's ops, with
+dropout masks from gr.rng."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from gr import rng
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
-from gr.hstu.layer_ops import combine, norm_mul_dropout, project
+from gr.hstu.layer_ops import combine, norm_mul_dropout, project, stack_input
 from gr.native import native_ops
 from helpers.native import X86
 
@@ -248,3 +249,36 @@ def test_the_fused_stack_gives_every_thread_count_the_same_output_and_gradients(
         torch.set_num_threads(threads)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other, results[0]))
+
+
+@native_only
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("scale", [1.0, 50**0.5])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_stack_input_is_bitwise_pytorchs_ops_in_value_and_gradients(monkeypatch, p, scale, autocast):
+    """dropout(x * scale + table[rows]): the same roundings forward, and backward the table's rows
+    summed in token order as index_add_ sums them; autocast leaves all of it in fp32."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 50, generator=g).requires_grad_(True)
+    table = torch.randn(201, 50, generator=g).requires_grad_(True)
+    rows = torch.randint(0, 201, (1000,), generator=g)
+    dropout = Dropout(p).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        torch.manual_seed(3)
+        y = stack_input(x, scale, table, rows, dropout)
+        torch.manual_seed(3)
+        expected = dropout(x * scale + table.index_select(0, rows))
+    assert y.dtype == torch.float32 and torch.equal(y, expected)
+    cotangent = torch.randn(y.shape, generator=g)
+    got = torch.autograd.grad(y, [x, table], cotangent)
+    want = torch.autograd.grad(expected, [x, table], cotangent)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@native_only
+def test_stack_input_refuses_rows_outside_the_table(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    x, table = torch.randn(4, 50), torch.randn(201, 50)
+    with pytest.raises(RuntimeError, match=r"rows must lie in \[0, 201\)"):
+        stack_input(x, 1.0, table, torch.tensor([0, 1, 201, 2]), Dropout(0.0))

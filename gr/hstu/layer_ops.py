@@ -4,6 +4,7 @@
 * ``combine``: ``x + linear(dropout(LayerNorm(attention) * U))``, the layer's output;
 * ``norm_mul_dropout``: ``dropout(LayerNorm(x) * u)`` alone (or LayerNorm alone), for the two
   above where they cannot run fused (under autocast: their bf16 GEMMs are the faster ones there).
+* ``stack_input``: ``dropout(x * scale + table[rows])``, the stack's first-layer input.
 
 With gr's native kernels built (``gr.native``, ``gr/hstu/csrc/layer_ops.cpp``) the CPU computes them
 in fp32 a block of rows at a time while the block is in cache (backward recomputes the LayerNorm
@@ -169,3 +170,30 @@ class _NormMulDropout(torch.autograd.Function):
         dy = dy.float().contiguous()
         dx, dweight, dbias, du = ctx.ops.norm_backward(dy, x, weight, bias, u, keep, mean, rstd, ctx.scale)
         return None, dx, dweight, dbias, du if u is not None else None, None, None, None
+
+
+def stack_input(x: Tensor, scale: float, table: Tensor, rows: Tensor, dropout: Dropout) -> Tensor:
+    """x: [T, D], table: [P, D], rows: [T] int64 in [0, P) -> ``dropout(x * scale + table[rows])``
+    [T, D]; fused for fp32 on CPU, autocast or not (it leaves these ops in fp32): bitwise PyTorch's
+    ops' result, one pass each way."""
+    fusable = x.device.type == "cpu" and x.dim() == 2 and x.dtype == table.dtype == torch.float32
+    ops = native_ops("gr_cpu_layer") if fusable else None
+    if ops is None:  # index_select: its backward (index_add_) is several times cheaper on CPU than embedding's
+        return dropout(x * scale + table.index_select(0, rows))
+    keep, keep_scale, _ = _mask_and_gate(x.shape, x.device, dropout, None)
+    return _StackInput.apply(ops, x.contiguous(), scale, table.contiguous(), rows.contiguous(), keep, keep_scale)
+
+
+class _StackInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ops, x, scale, table, rows, keep, keep_scale):  # type: ignore[override]
+        ctx.ops, ctx.scale, ctx.keep_scale, ctx.table_rows = ops, scale, keep_scale, table.shape[0]
+        ctx.save_for_backward(rows, keep)
+        return ops.input_forward(x, scale, table, rows, keep, keep_scale)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        rows, keep = ctx.saved_tensors
+        dx, dtable = ctx.ops.input_backward(dy.contiguous(), ctx.scale, rows, ctx.table_rows, keep, ctx.keep_scale)
+        return None, dx, None, dtable, None, None, None

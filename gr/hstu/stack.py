@@ -11,6 +11,7 @@ from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.kernels import AttentionWorkspace
 from gr.hstu.layer import HSTULayer
+from gr.hstu.layer_ops import stack_input
 from gr.jagged import token_positions, validate_jagged
 
 
@@ -49,13 +50,11 @@ class HSTU(nn.Module):
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         """x: [T, D] token embeddings, positions: [T] int64 -> [T, D] first-layer input."""
-        if self.config.scale_input:
-            x = x * math.sqrt(self.config.hidden_dim)
-        if self.position_embedding is not None:
-            # index_select: its backward (index_add_) is several times cheaper on CPU than embedding's
-            rows = positions.clamp(max=self.config.max_seq_len)
-            x = x + self.position_embedding.weight.index_select(0, rows)
-        return self.input_dropout(x)
+        scale = math.sqrt(self.config.hidden_dim) if self.config.scale_input else 1.0
+        if self.position_embedding is None:
+            return self.input_dropout(x * scale if self.config.scale_input else x)
+        rows = positions.clamp(max=self.config.max_seq_len)
+        return stack_input(x, scale, self.position_embedding.weight, rows, self.input_dropout)
 
     def forward(
         self,

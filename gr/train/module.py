@@ -30,7 +30,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from gr.data.features import FeatureSpec
 from gr.data.stochastic_length import subsample_histories
-from gr.finite import NonFiniteError, non_finite
+from gr.finite import NonFiniteError, gradients_finite, non_finite
 from gr.model import GRInput
 from gr.sparse.sharding import shard_model, table_device
 from gr.train.build import dense_optimizer, seeded_model
@@ -172,10 +172,11 @@ class GRTrainingModule(LightningModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Raise NonFiniteError, on every rank, when any rank's loss or dense gradients are not finite."""
-        bad_grads = non_finite((name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None)
+        named = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
+        bad_grads = [] if gradients_finite([grad for _, grad in named]) else non_finite(named)
         loss_finite = self.step_loss is None or bool(self.step_loss.isfinite())
         flags = torch.tensor([float(not loss_finite), float(bool(bad_grads))])
-        if torch.distributed.is_initialized():
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if not bool(flags.any()):
             return

@@ -11,6 +11,10 @@
 // * norm_forward / norm_backward: y = (LN(x) * weight + bias) [* u] [* keep * scale], HSTU's
 //   LN(A V) * U and dropout. PyTorch's CPU LayerNorm backward is slow for short rows (its weight
 //   gradient is a second pass over the whole tensor); here each row is read once each way.
+// * input_forward / input_backward: y = (x * scale + table[rows]) [* keep * keep_scale], the stack's
+//   input (scaled embeddings, learned positions, dropout) in one pass each way instead of ~5 [T, D]
+//   passes and an index_add_; the same roundings as those ops (no contraction into FMAs), and the
+//   table's gradient summed per element in token order, as index_add_ does: bitwise the same.
 // Blocks of rows go to whichever thread is free (gr_parallel::dynamic_for), a slot of consecutive
 // blocks at a time; weight and bias gradients are summed per slot, then added up in slot order, so
 // they repeat bitwise on any thread count.
@@ -448,6 +452,87 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
 
 }  // namespace
 
+// The stack's input. x [T, D] contiguous, table [P, D] contiguous, rows [T] int64 in [0, P), keep [T, D]
+// uint8 or none -> y [T, D]. No fast-math, no FMA contraction: each product and sum rounds as in PyTorch's ops.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+void check_input(const Tensor& x, const Tensor& rows, int64_t table_rows, const std::optional<Tensor>& keep) {
+  check_contiguous_rows(x, "x");
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == x.size(0) && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "gr_cpu_layer: rows must be contiguous int64 [T]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const bool inside = std::all_of(r, r + rows.size(0), [&](int64_t i) { return i >= 0 && i < table_rows; });
+  TORCH_CHECK(inside, "gr_cpu_layer: rows must lie in [0, ", table_rows, ")");
+  TORCH_CHECK(!keep || (keep->sizes() == x.sizes() && keep->scalar_type() == at::kByte && keep->is_contiguous()),
+              "gr_cpu_layer: keep must be contiguous uint8 [T, D]");
+}
+
+Tensor input_forward(const Tensor& x, double scale, const Tensor& table, const Tensor& rows,
+                     const std::optional<Tensor>& keep, double keep_scale) {
+  check_contiguous_rows(table, "table");
+  TORCH_CHECK(table.size(1) == x.size(1), "gr_cpu_layer: the table's rows must be as wide as x's");
+  check_input(x, rows, table.size(0), keep);
+  const int64_t D = x.size(1);
+  Tensor y = at::empty_like(x);
+  const float* xs = x.data_ptr<float>();
+  const float* ts = table.data_ptr<float>();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const uint8_t* kept = keep ? keep->data_ptr<uint8_t>() : nullptr;
+  float* ys = y.data_ptr<float>();
+  const float s = static_cast<float>(scale), ks = static_cast<float>(keep_scale);
+  at::parallel_for(0, x.size(0), kBlock, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict xi = xs + t * D;
+      const float* __restrict ti = ts + r[t] * D;
+      float* __restrict yi = ys + t * D;
+      if (kept) {
+        const uint8_t* __restrict ki = kept + t * D;
+        for (int64_t c = 0; c < D; ++c) yi[c] = (xi[c] * s + ti[c]) * (static_cast<float>(ki[c]) * ks);
+      } else {
+        for (int64_t c = 0; c < D; ++c) yi[c] = xi[c] * s + ti[c];
+      }
+    }
+  });
+  return y;
+}
+
+// input_forward's gradients: dy [T, D] -> (dx [T, D], dtable [table_rows, D]). dx by ranges of tokens; the
+// table by ranges of its rows, each thread going through the tokens in order for the rows it owns,
+// so that each element sums its tokens in order (index_add_'s order) and no cache line is written
+// by two threads.
+std::tuple<Tensor, Tensor> input_backward(const Tensor& dy, double scale, const Tensor& rows, int64_t table_rows,
+                                          const std::optional<Tensor>& keep, double keep_scale) {
+  check_input(dy, rows, table_rows, keep);
+  const int64_t T = dy.size(0), D = dy.size(1);
+  Tensor dx = at::empty_like(dy);
+  Tensor dtable = at::zeros({table_rows, D}, dy.options());
+  const float* g = dy.data_ptr<float>();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const uint8_t* kept = keep ? keep->data_ptr<uint8_t>() : nullptr;
+  float* dxs = dx.data_ptr<float>();
+  float* dts = dtable.data_ptr<float>();
+  const float s = static_cast<float>(scale), ks = static_cast<float>(keep_scale);
+  // v = dy [* keep * keep_scale] for token t into out, then out[c] = v * s or out[c] += v.
+  const auto apply = [&](int64_t t, float* __restrict out, auto&& store) {
+    const float* __restrict gi = g + t * D;
+    if (kept) {
+      const uint8_t* __restrict ki = kept + t * D;
+      for (int64_t c = 0; c < D; ++c) store(out[c], gi[c] * (static_cast<float>(ki[c]) * ks));
+    } else {
+      for (int64_t c = 0; c < D; ++c) store(out[c], gi[c]);
+    }
+  };
+  at::parallel_for(0, T, kBlock, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) apply(t, dxs + t * D, [s](float& o, float v) { o = v * s; });
+  });
+  at::parallel_for(0, table_rows, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = 0; t < T; ++t)
+      if (r[t] >= first && r[t] < last) apply(t, dts + r[t] * D, [](float& o, float v) { o += v; });
+  });
+  return {dx, dtable};
+}
+#pragma GCC pop_options
+
 TORCH_LIBRARY(gr_cpu_layer, m) {
   m.def(
       "output_forward(Tensor a, Tensor u, Tensor? keep, float scale, Tensor norm_weight, Tensor norm_bias, float eps, "
@@ -467,9 +552,15 @@ TORCH_LIBRARY(gr_cpu_layer, m) {
   m.def(
       "norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor bias, Tensor? u, Tensor? keep, Tensor mean, "
       "Tensor rstd, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("input_forward(Tensor x, float scale, Tensor table, Tensor rows, Tensor? keep, float keep_scale) -> Tensor");
+  m.def(
+      "input_backward(Tensor dy, float scale, Tensor rows, int table_rows, Tensor? keep, float keep_scale) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(gr_cpu_layer, CPU, m) {
+  m.impl("input_forward", &input_forward);
+  m.impl("input_backward", &input_backward);
   m.impl("projection_forward", &projection_forward);
   m.impl("projection_backward", &projection_backward);
   m.impl("output_forward", &output_forward);

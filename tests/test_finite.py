@@ -1,0 +1,37 @@
+"""gr.finite: the training step's fused gradient check agrees with the per-tensor one."""
+
+import pytest
+import torch
+
+from gr.finite import gradients_finite, non_finite
+
+
+def grads(dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator).to(dtype) for shape in ((201, 50), (50,), (200, 50), (1,))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_element_in_any_gradient_is_found(dtype, bad):
+    for index in range(4):
+        tensors = grads(dtype)
+        tensors[index].view(-1)[-1] = bad
+        assert not gradients_finite(tensors)
+        assert non_finite([(str(i), t) for i, t in enumerate(tensors)]) == [str(index)]
+
+
+def test_finite_gradients_pass_and_keep_their_values_bitwise():
+    tensors, before = grads(), grads()
+    tensors.append(torch.tensor([-0.0, 3.4e38, 1e-45]))
+    before.append(tensors[-1].clone())
+    assert gradients_finite(tensors)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(tensors, before))
+
+
+def test_gradients_of_several_dtypes_and_integer_tensors_are_each_checked():
+    mixed = [*grads(), *grads(torch.bfloat16), torch.arange(4)]
+    assert gradients_finite(mixed)
+    mixed[5].view(-1)[0] = float("nan")
+    assert not gradients_finite(mixed)
+    assert gradients_finite([])
