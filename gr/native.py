@@ -4,8 +4,9 @@
   ``gr.hstu.kernels.cpu`` (``forward_chunks``, ``backward_chunks``);
 * ``gr_cpu_layer`` (``gr/hstu/csrc/layer_ops.cpp``): the HSTU layer's input projection
   (LayerNorm, linear, SiLU), its output (LayerNorm, gate, dropout, linear, residual) and
-  LayerNorm-gate-dropout alone, a block of rows at a time, used by ``gr.hstu.layer_ops``
-  (``projection_*``, ``output_*``, ``norm_*``: ``forward`` and ``backward`` each);
+  LayerNorm-gate-dropout alone, a block of rows at a time, and the stack's input (scaled
+  embeddings, positions, dropout), used by ``gr.hstu.layer_ops``
+  (``projection_*``, ``output_*``, ``norm_*``, ``input_*``: ``forward`` and ``backward`` each);
 * ``gr_cpu_loss`` (``gr/train/csrc/sampled_softmax.cpp``): the per-row sampled softmax, used by
   ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
 * ``gr_cpu_random`` (``gr/csrc/random.cpp``): counter-based dropout masks and integer draws, used by

@@ -105,6 +105,14 @@ def test_shipped_prefix_dnn_is_token_wise():
     check_token_wise(encoder, {"item_id": torch.randn(30, 16), "genre": torch.randn(30, 4)})
 
 
+def test_identity_encoder_passes_its_one_feature_through_without_a_copy():
+    encoder = MLPTokenEncoder({"item_id": 8}, hidden_dim=8)
+    item = torch.randn(5, 8)
+    assert encoder({"item_id": item}).data_ptr() == item.data_ptr()
+    both = MLPTokenEncoder({"item_id": 8, "genre": 4}, hidden_dim=12)
+    assert torch.equal(both({"item_id": item, "genre": torch.ones(5, 4)}), torch.cat([item, torch.ones(5, 4)], 1))
+
+
 def test_token_wise_check_catches_a_position_mixing_encoder():
     class Mixer(PrefixDNN):
         feature_names = ("x",)

@@ -45,5 +45,5 @@ class MLPTokenEncoder(PrefixDNN):
         self.mlp = nn.Sequential() if identity else mlp(input_dim, [*mlp_dims, hidden_dim], dropout)
 
     def forward(self, features: Dict[str, Tensor]) -> Tensor:
-        x = torch.cat([features[name].reshape(features[name].shape[0], -1) for name in self.feature_names], dim=-1)
-        return self.mlp(x)
+        parts = [features[name].reshape(features[name].shape[0], -1) for name in self.feature_names]
+        return self.mlp(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))  # one feature: no copy

@@ -92,8 +92,10 @@ class RetrievalTask:
         return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
 
     def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
-        scored = torch.nonzero(inputs.labels["next_item"] >= 0).flatten()
-        queries = output.predictions["query"].index_select(0, scored)  # backward: index_add_, not index_put_
+        scored = inputs.labels["next_item"] >= 0
+        queries = output.predictions["query"]
+        if not bool(scored.all()):  # training histories score every token: no copy (and no index_add_) then
+            queries = queries.index_select(0, torch.nonzero(scored).flatten())  # backward: index_add_, not index_put_
         items = self.item_embedding(output.token_features[SAMPLED_ITEMS])
         labels = inputs.labels
         loss = sampled_softmax_loss(
