@@ -28,8 +28,8 @@ def matmul_peak(
 
     On CPU, the best of ``torch.matmul`` and oneDNN's linear kernel: PyTorch's x86 builds multiply
     fp32 with MKL, which runs its AVX2 code on AMD CPUs, while oneDNN uses AVX-512 where the CPU has
-    it (on this project's AMD EPYC: ~210 against ~460 GFLOP/s fp32), so torch.matmul alone would
-    understate what the machine can do."""
+    it, so torch.matmul alone can understate what the machine can do (on the project's 2-core AMD
+    EPYC, 2026-11-27: 193 against 215 GFLOP/s fp32)."""
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     runs: List[Callable[[], object]] = [lambda: torch.matmul(a, b)]
