@@ -22,7 +22,8 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
   recompute "attention": x 4D + stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
   recompute "layer":     x 4D
 
-plus, for the stack, the output 4D, the input-dropout mask 4D, and the int64 positions and
+plus, for the stack, the output 4D, the input-dropout mask 4D (a byte mask D with the native CPU
+kernels' fused stack input, ``gr.hstu.layer_ops.stack_input``), and the int64 positions and
 index bookkeeping (32); and with the native CPU attention, each layer's fp32 weights and SiLU'
 per score element of its 32-query blocks (``saved_tile_bytes``, at most ``SAVED_TILE_FLOATS`` a
 batch), kept with recompute "none" (a recomputing layer makes them again in backward).
@@ -146,7 +147,9 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
 def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compute_bytes: int) -> Tuple[int, int]:
     """(kept after forward, peak in backward) bytes of the HSTU stack for ``tokens`` tokens."""
     d = config.hidden_dim
-    stack = FP32 * d + (FP32 * d if config.input_dropout > 0 else 0) + STACK_INDEX_BYTES
+    byte_mask = fused_expected() and config.position_embedding  # gr.hstu.layer_ops.stack_input
+    mask = (d if byte_mask else FP32 * d) if config.input_dropout > 0 else 0
+    stack = FP32 * d + mask + STACK_INDEX_BYTES
     layer = hstu_layer_activation_bytes(config, recompute, compute_bytes)
     tiles = saved_tile_bytes(config, tokens)
     kept = tokens * (stack + config.num_layers * layer) + layout_cache_bytes(config, tokens)
