@@ -450,8 +450,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
   return {da, du, dnorm_weight, dnorm_bias, dweight, dbias};
 }
 
-}  // namespace
-
 // The stack's input. x [T, D] contiguous, table [P, D] contiguous, rows [T] int64 in [0, P), keep [T, D]
 // uint8 or none -> y [T, D]. No fast-math, no FMA contraction: each product and sum rounds as in PyTorch's ops.
 #pragma GCC push_options
@@ -532,6 +530,8 @@ std::tuple<Tensor, Tensor> input_backward(const Tensor& dy, double scale, const 
   return {dx, dtable};
 }
 #pragma GCC pop_options
+
+}  // namespace
 
 TORCH_LIBRARY(gr_cpu_layer, m) {
   m.def(
