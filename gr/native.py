@@ -21,7 +21,8 @@
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
 ``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
 load the cached library in well under a second) with ``-march=native``, so the cache directory is
-keyed by this CPU's model and flags. The attention and layer ops multiply with ``gr/csrc/gr_gemm.h``,
+keyed by this CPU's model and flags. The attention and layer ops multiply with ``gr/csrc/gr_gemm.h``
+(in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``),
 which links the BLAS that PyTorch's x86 builds carry (MKL, ``gr/csrc/gr_blas.h``); where that, or a
 compiler, is missing the build fails once per process and the reason is logged.
 
@@ -86,6 +87,14 @@ def fused_expected() -> bool:
     """Whether the fused kernels are on for this machine (x86-64, not GR_CPU_FUSED=0), without building
     them: for estimates such as ``gr plan``'s (a build can still fail, and then the PyTorch code runs)."""
     return fused_setting() != "0" and platform.machine() in ("x86_64", "AMD64")
+
+
+def cpu_bf16_math() -> bool:
+    """Whether gr's CPU kernels multiply in bf16 math now: under CPU autocast to bf16, where PyTorch's
+    own matmuls take bf16 operands too. Their GEMMs then round both operands to bf16 and sum in fp32
+    (``gr_gemm::gemm_bf16``, AVX-512 BF16; fp32 math on CPUs without it); what they store, and their
+    LayerNorm, SiLU and softmax, stay fp32."""
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
 def native_ops(namespace: str) -> Optional[object]:

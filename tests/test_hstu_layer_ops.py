@@ -144,7 +144,7 @@ def test_projection_keeps_its_silu_gradient_only_when_backward_will_run(monkeypa
             op = getattr(ops, name)
             if name != "projection_forward":
                 return op
-            return lambda *a: asked.append(a[-1]) or op(*a)
+            return lambda *a: asked.append(a[7]) or op(*a)  # keep_grad
 
     monkeypatch.setattr("gr.hstu.layer_ops.native_ops", lambda namespace: Recording())
     with torch.no_grad():
@@ -155,13 +155,40 @@ def test_projection_keeps_its_silu_gradient_only_when_backward_will_run(monkeypa
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_projection_under_autocast_runs_pytorchs_bf16_linear(monkeypatch):
-    monkeypatch.setenv("GR_CPU_FUSED", "auto")
+def test_projection_under_autocast_without_the_native_kernels_runs_pytorchs_bf16_linear(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "0")
     x, _, norm = norm_inputs()
     linear = nn.Linear(50, 200)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         parts = project(x, norm, linear, [100, 100])
     assert all(p.dtype == torch.bfloat16 for p in parts)
+
+
+def bf16_product(x, weight):
+    """x [T, n] @ weight [m, n]^T from bf16-rounded operands, summed exactly: bf16 math's product."""
+    return (x.detach().bfloat16().double() @ weight.detach().bfloat16().double().T).float()
+
+
+@native_only
+def test_projection_under_bf16_autocast_runs_fused_on_bf16_rounded_operands(monkeypatch):
+    """The fused projection's GEMM in bf16 math: LN(x) and W rounded to bf16, fp32 sums; the parts stay
+    fp32, and the gradients flow through the same kernels."""
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    x, _, norm = norm_inputs()
+    linear = nn.Linear(50, 200)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile() as profile:
+        parts = project(x, norm, linear, [100, 100])
+    assert "gr_cpu_layer::projection_forward" in {e.key for e in profile.key_averages()}
+    assert all(p.dtype == torch.float32 for p in parts)
+    normed = F.layer_norm(x, (50,), norm.weight, norm.bias, norm.eps)
+    want = F.silu(bf16_product(normed, linear.weight) + linear.bias)
+    torch.testing.assert_close(torch.cat(parts, 1), want.detach(), rtol=1e-4, atol=1e-5)
+    fp32 = torch.cat(project(x, norm, linear, [100, 100]), 1)
+    assert not torch.equal(torch.cat(parts, 1), fp32)
+    dx_bf16, dw_bf16 = torch.autograd.grad(torch.cat(parts, 1).sum(), [x, linear.weight])
+    dx, dw = torch.autograd.grad(fp32.sum(), [x, linear.weight])
+    torch.testing.assert_close(dx_bf16, dx, rtol=0.02, atol=0.02 * dx.abs().max().item())
+    torch.testing.assert_close(dw_bf16, dw, rtol=0.02, atol=0.02 * dw.abs().max().item())
 
 
 @native_only
@@ -186,14 +213,28 @@ def test_combine_equals_pytorch_in_value_and_gradients(monkeypatch, p):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-def test_combine_under_autocast_runs_pytorchs_bf16_linear(monkeypatch):
-    monkeypatch.setenv("GR_CPU_FUSED", "auto")
+def test_combine_under_autocast_without_the_native_kernels_runs_pytorchs_bf16_linear(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "0")
     a, projection, norm = norm_inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.profiler.profile() as profile:
             out = combine(torch.randn(300, 32), a, projection[:, :50], norm, Dropout(0.0), nn.Linear(50, 32))
     assert out.dtype == torch.float32  # the fp32 residual plus the bf16 linear
     assert not any("output_forward" in e.key for e in profile.key_averages())
+
+
+@native_only
+def test_combine_under_bf16_autocast_runs_fused_on_bf16_rounded_operands(monkeypatch):
+    monkeypatch.setenv("GR_CPU_FUSED", "1")
+    a, projection, norm = norm_inputs()
+    x, u, linear = torch.randn(300, 32), projection[:, :50], nn.Linear(50, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile() as profile:
+        out = combine(x, a, u, norm, Dropout(0.0), linear)
+    assert "gr_cpu_layer::output_forward" in {e.key for e in profile.key_averages()}
+    assert out.dtype == torch.float32
+    want = x + bf16_product(reference(a, u, norm, None, 0.0), linear.weight) + linear.bias
+    torch.testing.assert_close(out, want.detach(), rtol=1e-4, atol=1e-5)
+    assert not torch.equal(out, combine(x, a, u, norm, Dropout(0.0), linear))
 
 
 @native_only

@@ -1,5 +1,6 @@
 """gr_gemm, the small-tile GEMM inside the fused CPU kernels (gr/csrc/gr_gemm.h), against torch.matmul:
-every layout, the tails of its register blocks, more depth than one pass, and BLAS's beta contract."""
+every layout, the tails of its register blocks, more depth than one pass, and BLAS's beta contract;
+in fp32 and in bf16 math (operands rounded to bf16, sums in fp32)."""
 
 import pytest
 import torch
@@ -88,6 +89,48 @@ def test_results_repeat_bitwise_whatever_the_alignment(ops):
 def test_transpose_equals_torch(ops, n, k):
     x = torch.randn(n, k + 3)[:, :k]  # strided rows
     assert torch.equal(ops.transpose(x), x.T.contiguous())
+
+
+def bf16_rounded(x):
+    return x.bfloat16().double()
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 1, 1), (7, 15, 3), (8, 16, 25), (9, 33, 50), (32, 200, 26), (13, 50, 301), (130, 20, 40)]
+)
+def test_bf16_math_is_the_fp32_sum_of_bf16_rounded_products(ops, trans_a, trans_b, m, n, k):
+    """Odd depths (a last pair half empty), two passes of depth (k > 256), more rows than one packed
+    block (m > 128), column tails, strided rows and BLAS's alpha and beta. Where this build has no bf16
+    instructions, bf16 math is fp32 math (the same bits)."""
+    a, b = operands(m, n, k, trans_a, trans_b)
+    a = torch.cat([a, torch.randn(a.shape[0], 3)], 1)[:, : a.shape[1]]  # rows 3 floats apart past their end
+    c_old = torch.randn(m, n)
+    c = c_old.clone()
+    ops.gemm(a, b, c, trans_a, trans_b, 0.5, 2.0, True)
+    if not ops.bf16_instructions():
+        fp32 = c_old.clone()
+        ops.gemm(a, b, fp32, trans_a, trans_b, 0.5, 2.0)
+        assert torch.equal(c, fp32)
+        return
+    op_a, op_b = (a.T if trans_a else a), (b.T if trans_b else b)
+    expected = 0.5 * bf16_rounded(op_a) @ bf16_rounded(op_b) + 2.0 * c_old.double()
+    magnitude = 0.5 * op_a.abs().double() @ op_b.abs().double() + 2.0 * c_old.abs().double()
+    assert ((c.double() - expected).abs() <= 1e-6 * magnitude).all()  # exact products, fp32 sums
+    if k > 1:  # the rounding shows against fp32 operands: bf16 keeps 8 of fp32's 24 bits
+        exact = 0.5 * op_a.double() @ op_b.double() + 2.0 * c_old.double()
+        assert (c.double() - exact).abs().max() > 1e-4
+
+
+def test_bf16_math_repeats_bitwise_whatever_the_alignment(ops):
+    a, b = operands(32, 200, 50, False, True)
+    c1, c2 = torch.empty(32, 200), torch.empty(32, 200)
+    ops.gemm(a, b, c1, False, True, 1.0, 0.0, True)
+    shifted = torch.empty(32 * 50 + 3)[3:].view(32, 50)
+    shifted.copy_(a)
+    ops.gemm(shifted, b, c2, False, True, 1.0, 0.0, True)
+    assert torch.equal(c1, c2)
 
 
 def test_bad_shapes_are_refused_with_what_was_expected(ops):

@@ -14,8 +14,9 @@ void check_matrix(const Tensor& t, const char* name) {
               " must be a 2-d fp32 tensor with unit column stride");
 }
 
-// c = alpha * op(a) op(b) + beta * c, in place; op transposes when asked.
-void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, double alpha, double beta) {
+// c = alpha * op(a) op(b) + beta * c, in place; op transposes when asked; bf16: in bf16 math (gemm_bf16).
+void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, double alpha, double beta,
+          bool bf16) {
   check_matrix(a, "a");
   check_matrix(b, "b");
   check_matrix(c, "c");
@@ -24,9 +25,12 @@ void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool 
   TORCH_CHECK((trans_b ? b.size(1) : b.size(0)) == k && c.size(0) == m && c.size(1) == n,
               "gr_cpu_gemm: shapes do not chain: op(a) [", m, ", ", k, "], op(b) [", trans_b ? b.size(1) : b.size(0),
               ", ", n, "], c ", c.sizes());
-  gr_gemm::gemm(trans_a, trans_b, m, n, k, static_cast<float>(alpha), a.data_ptr<float>(), a.stride(0),
+  gr_gemm::gemm_for(bf16)(trans_a, trans_b, m, n, k, static_cast<float>(alpha), a.data_ptr<float>(), a.stride(0),
                 b.data_ptr<float>(), b.stride(0), static_cast<float>(beta), c.data_ptr<float>(), c.stride(0));
 }
+
+// Whether gemm_bf16 runs bf16 instructions in this build (else it computes in fp32).
+bool bf16_instructions() { return gr_gemm::kBf16Instructions; }
 
 // x [n, k] -> x^T [k, n], contiguous.
 Tensor transpose(const Tensor& x) {
@@ -39,8 +43,11 @@ Tensor transpose(const Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(gr_cpu_gemm, m) {
-  m.def("gemm(Tensor a, Tensor b, Tensor(a!) c, bool trans_a, bool trans_b, float alpha, float beta) -> ()");
+  m.def(
+      "gemm(Tensor a, Tensor b, Tensor(a!) c, bool trans_a, bool trans_b, float alpha, float beta, bool bf16=False) "
+      "-> ()");
   m.def("transpose(Tensor x) -> Tensor");
+  m.def("bf16_instructions() -> bool", &bf16_instructions);  // no tensor to dispatch on: every backend
 }
 
 TORCH_LIBRARY_IMPL(gr_cpu_gemm, CPU, m) {

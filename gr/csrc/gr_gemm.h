@@ -84,24 +84,11 @@ struct View {
   int64_t row_stride, col_stride;
 };
 
-// C[0:R, lanes] = (first ? beta * C : C) + alpha * sum_k A[0:R, k] B[k, lanes] for k < depth, with
-// `b` at B's row 0 of this column block (row stride ldb) and the lanes the two masks select; kTwo:
-// two registers of 16 columns, else one (hi selects none).
+// C[0:R, lanes] = (first ? beta * C : C) + alpha * acc[0:R], lanes as the masks select (kTwo: two
+// registers of 16 columns, else one; hi selects none).
 template <int R, bool kTwo>
-inline void block(int64_t depth, float alpha, View a, const float* b, int64_t ldb, float beta, bool first, float* c,
-                  int64_t ldc, __mmask16 lo, __mmask16 hi) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < depth; ++k) {
-    const __m512 b0 = _mm512_maskz_loadu_ps(lo, b + k * ldb);
-    const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + k * ldb + 16) : _mm512_setzero_ps();
-    const float* ak = a.data + k * a.col_stride;
-    for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
-      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-      if constexpr (kTwo) acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
-    }
-  }
+inline void store_block(const __m512 acc[R][2], float alpha, float beta, bool first, float* c, int64_t ldc,
+                        __mmask16 lo, __mmask16 hi) {
   const __m512 va = _mm512_set1_ps(alpha);
   const float scale = first ? beta : 1.0f;
   for (int r = 0; r < R; ++r) {
@@ -117,14 +104,63 @@ inline void block(int64_t depth, float alpha, View a, const float* b, int64_t ld
   }
 }
 
-// block<R, kTwo> for the last rows < R of C, down to one.
-template <int R, bool kTwo>
-inline void rows_block(int64_t rows, int64_t depth, float alpha, View a, const float* b, int64_t ldb, float beta,
-                       bool first, float* c, int64_t ldc, __mmask16 lo, __mmask16 hi) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_block<R - 1, kTwo>(rows, depth, alpha, a, b, ldb, beta, first, c, ldc, lo, hi);
+// fp32 operands of one register block: A read in place, `b` at B's row 0 of this column block (row
+// stride ldb), the lanes the masks select.
+struct Fp32Operands {
+  View a;
+  const float* b;
+  int64_t ldb;
+  __mmask16 lo, hi;
+
+  Fp32Operands rows_from(int64_t i0) const {
+    return {{a.data + i0 * a.row_stride, a.row_stride, a.col_stride}, b, ldb, lo, hi};
   }
-  block<R, kTwo>(depth, alpha, a, b, ldb, beta, first, c, ldc, lo, hi);
+  // acc[r] += sum_k A[r, k] B[k, lanes] for k < depth.
+  template <int R, bool kTwo>
+  void accumulate(int64_t depth, __m512 acc[R][2]) const {
+    for (int64_t k = 0; k < depth; ++k) {
+      const __m512 b0 = _mm512_maskz_loadu_ps(lo, b + k * ldb);
+      const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + k * ldb + 16) : _mm512_setzero_ps();
+      const float* ak = a.data + k * a.col_stride;
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
+        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+        if constexpr (kTwo) acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      }
+    }
+  }
+};
+
+// C[0:R, lanes] = (first ? beta * C : C) + alpha * sum_k A[0:R, k] B[k, lanes] over the operands' depth.
+template <int R, bool kTwo, typename Operands>
+inline void block(int64_t depth, float alpha, const Operands& x, float beta, bool first, float* c, int64_t ldc) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  x.template accumulate<R, kTwo>(depth, acc);
+  store_block<R, kTwo>(acc, alpha, beta, first, c, ldc, x.lo, x.hi);
+}
+
+// block<R, kTwo> for the last rows < R of C, down to one.
+template <int R, bool kTwo, typename Operands>
+inline void rows_block(int64_t rows, int64_t depth, float alpha, const Operands& x, float beta, bool first, float* c,
+                       int64_t ldc) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_block<R - 1, kTwo>(rows, depth, alpha, x, beta, first, c, ldc);
+  }
+  block<R, kTwo>(depth, alpha, x, beta, first, c, ldc);
+}
+
+// C[0:m] of one column block, kRows at a time: two registers of columns when cols > 16, else one.
+template <typename Operands>
+inline void column_block(int64_t m, int64_t cols, int64_t depth, float alpha, const Operands& x, float beta,
+                         bool first, float* c, int64_t ldc) {
+  for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+    const int64_t rows = std::min(kRows, m - i0);
+    if (cols > 16)
+      rows_block<kRows, true>(rows, depth, alpha, x.rows_from(i0), beta, first, c + i0 * ldc, ldc);
+    else
+      rows_block<kRows, false>(rows, depth, alpha, x.rows_from(i0), beta, first, c + i0 * ldc, ldc);
+  }
 }
 
 // C[0:m, 0:R] for R <= kNarrow columns, 32 rows on the lanes of two registers at a time: A's columns
@@ -202,15 +238,7 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
         bld = kCols;
       }
       const View av = trans_a ? View{a + k0 * lda, 1, lda} : View{a + k0, lda, 1};
-      for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-        const View ai{av.data + i0 * av.row_stride, av.row_stride, av.col_stride};
-        const int64_t rows = std::min(kRows, m - i0);
-        float* ci = c + i0 * ldc + j0;
-        if (cols > 16)
-          rows_block<kRows, true>(rows, depth, alpha, ai, bp, bld, beta, k0 == 0, ci, ldc, lo, hi);
-        else
-          rows_block<kRows, false>(rows, depth, alpha, ai, bp, bld, beta, k0 == 0, ci, ldc, lo, hi);
-      }
+      column_block(m, cols, depth, alpha, Fp32Operands{av, bp, bld, lo, hi}, beta, k0 == 0, c + j0, ldc);
     }
   }
   if (narrow > 0) {
@@ -234,5 +262,146 @@ inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float
 using gr_blas::gemm;
 
 #endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+constexpr bool kBf16Instructions = true;
+
+// bf16 math (gemm_bf16): the operands rounded to bf16 (to nearest even) and packed in the layout
+// vdpbf16ps reads, a 32-bit word per pair of consecutive k, (k even) in the low half; the products
+// summed in fp32. Per k pair one vdpbf16ps does the work of two fp32 FMAs.
+constexpr int64_t kPairs = kDepth / 2;   // k pairs per pass
+constexpr int64_t kPackedRows = 128;     // rows of A packed at a time
+
+// Word i = the pair (even[i], odd[i]) in bf16.
+inline __m512i pair_words(__m512 even, __m512 odd) {
+  const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even)));
+  const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd)));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// The 16 words of 32 consecutive floats from src (first `n` of them, the rest zero): word w = the
+// pair (src[2w], src[2w + 1]).
+inline __m512i words_of_run(const float* src, int64_t n) {
+  const __m512 first = _mm512_maskz_loadu_ps(first_lanes(n), src);
+  const __m512 second = _mm512_maskz_loadu_ps(first_lanes(n - 16), src + 16);
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
+}
+
+// dst[i * ldd + p] = the pair (src[i, 2p], src[i, 2p + 1]) for i < n, p < ceil(k / 2): rows of a row-major
+// [n, k] (row stride lds), pairs along the rows; an odd k's last pair ends in zero. ldd >= 16 * ceil(k / 32).
+inline void pack_rows(int64_t n, int64_t k, const float* src, int64_t lds, uint32_t* dst, int64_t ldd) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k0 = 0; k0 < k; k0 += 32)
+      _mm512_storeu_si512(dst + i * ldd + k0 / 2, words_of_run(src + i * lds + k0, k - k0));
+}
+
+// dst[p * ldd + j] = the pair (src[2p, j], src[2p + 1, j]) for p < ceil(k / 2), j < n rounded up to 16
+// (columns past n are zero): pairs of rows of a row-major [k, n] (row stride lds).
+inline void pack_row_pairs(int64_t n, int64_t k, const float* src, int64_t lds, uint32_t* dst, int64_t ldd) {
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    const float* even = src + 2 * p * lds;
+    const bool has_odd = 2 * p + 1 < k;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const __mmask16 lanes = first_lanes(n - j0);
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, even + j0);
+      const __m512 y = has_odd ? _mm512_maskz_loadu_ps(lanes, even + lds + j0) : _mm512_setzero_ps();
+      _mm512_storeu_si512(dst + p * ldd + j0, pair_words(x, y));
+    }
+  }
+}
+
+// dst[p * ldd + j] = the pair (src[j, 2p], src[j, 2p + 1]) for p < ceil(k / 2), j < n rounded up to 16:
+// pack_row_pairs of the transpose of a row-major [n, k], 16 x 16 words at a time in registers.
+inline void pack_transposed_pairs(int64_t n, int64_t k, const float* src, int64_t lds, uint32_t* dst, int64_t ldd) {
+  __m512 r[16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    for (int64_t k0 = 0; k0 < k; k0 += 32) {
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = j0 + i < n ? reinterpret_cast<__m512>(words_of_run(src + (j0 + i) * lds + k0, k - k0))
+                          : _mm512_setzero_ps();
+      transpose16(r);
+      const int64_t pairs = std::min<int64_t>(16, (k - k0 + 1) / 2);
+      for (int64_t c = 0; c < pairs; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(dst + (k0 / 2 + c) * ldd + j0), r[c]);
+    }
+  }
+}
+
+// bf16 operands of one register block: A's pair p of row r at a[r * row_stride + p * pair_stride],
+// B's column block packed [pairs, kCols] words.
+struct Bf16Operands {
+  const uint32_t* a;
+  int64_t row_stride, pair_stride;
+  const uint32_t* panel;
+  __mmask16 lo, hi;
+
+  Bf16Operands rows_from(int64_t i0) const { return {a + i0 * row_stride, row_stride, pair_stride, panel, lo, hi}; }
+  // acc[r] += sum_k A[r, k] B[k, lanes] for k < depth.
+  template <int R, bool kTwo>
+  void accumulate(int64_t depth, __m512 acc[R][2]) const {
+    for (int64_t p = 0; 2 * p < depth; ++p) {
+      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_load_si512(panel + p * kCols));
+      const __m512bh b1 = reinterpret_cast<__m512bh>(kTwo ? _mm512_load_si512(panel + p * kCols + 16)
+                                                          : _mm512_setzero_si512());
+      const uint32_t* ap = a + p * pair_stride;
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(ap[r * row_stride])));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+        if constexpr (kTwo) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      }
+    }
+  }
+};
+
+// gemm's contract in bf16 math: op(A) and op(B) rounded to bf16, the sums in fp32 (k ascending in
+// pairs within passes of kDepth, so results repeat bitwise). Denormal products and sums are flushed
+// to zero, as vdpbf16ps does.
+__attribute__((noinline, noclone)) inline void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                                                         float alpha, const float* a, int64_t lda, const float* b,
+                                                         int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0 || k <= 0) return gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  alignas(64) uint32_t panel[kPairs * kCols];
+  alignas(64) uint32_t packed[kPackedRows * kPairs];
+  for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, k - k0);
+    for (int64_t i1 = 0; i1 < m; i1 += kPackedRows) {
+      const int64_t rows = std::min(kPackedRows, m - i1);
+      Bf16Operands x{packed, kPairs, 1, panel, 0, 0};
+      if (trans_a) {  // A is stored [K, M]
+        pack_row_pairs(rows, depth, a + k0 * lda + i1, lda, packed, kPackedRows);
+        x.row_stride = 1;
+        x.pair_stride = kPackedRows;
+      } else {
+        pack_rows(rows, depth, a + i1 * lda + k0, lda, packed, kPairs);
+      }
+      for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+        const int64_t cols = std::min(kCols, n - j0);
+        if (trans_b)  // B is stored [N, K]
+          pack_transposed_pairs(cols, depth, b + j0 * ldb + k0, ldb, panel, kCols);
+        else
+          pack_row_pairs(cols, depth, b + k0 * ldb + j0, ldb, panel, kCols);
+        x.lo = first_lanes(cols);
+        x.hi = first_lanes(cols - 16);
+        column_block(rows, cols, depth, alpha, x, beta, k0 == 0, c + i1 * ldc + j0, ldc);
+      }
+    }
+  }
+}
+
+#else  // no bf16 instructions in this build: fp32 math, which bf16 math's tolerances admit
+
+constexpr bool kBf16Instructions = false;
+
+inline void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                      int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+#endif
+
+// gemm's signature; gemm_for(bf16): the kernels' GEMM in bf16 math when asked, else fp32.
+using Gemm = void (*)(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t, float,
+                      float*, int64_t);
+inline Gemm gemm_for(bool bf16) { return bf16 ? gemm_bf16 : gemm; }
 
 }  // namespace gr_gemm

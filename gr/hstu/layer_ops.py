@@ -3,13 +3,14 @@
 * ``project``: ``U, V, Q, K = split(SiLU(linear(LayerNorm(x))))``, the layer's input projection;
 * ``combine``: ``x + linear(dropout(LayerNorm(attention) * U))``, the layer's output;
 * ``norm_mul_dropout``: ``dropout(LayerNorm(x) * u)`` alone (or LayerNorm alone), for the two
-  above where they cannot run fused (under autocast: their bf16 GEMMs are the faster ones there).
+  above where they cannot run fused.
 * ``stack_input``: ``dropout(x * scale + table[rows])``, the stack's first-layer input.
 
 With gr's native kernels built (``gr.native``, ``gr/hstu/csrc/layer_ops.cpp``) the CPU computes them
 in fp32 a block of rows at a time while the block is in cache (backward recomputes the LayerNorm
-outputs from their statistics instead of keeping them); otherwise, on other devices and in other
-dtypes, PyTorch's ops run. Both give the same values to fp32 rounding; dropout masks come from
+outputs from their statistics instead of keeping them), their GEMMs in bf16 math under CPU autocast
+to bf16 (``gr.native.cpu_bf16_math``); otherwise, on other devices and in other dtypes, PyTorch's
+ops run. Both give the same values to fp32 rounding (outside autocast); dropout masks come from
 ``gr.rng.keep_mask`` either way.
 """
 
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from gr.hstu.dropout import Dropout
-from gr.native import native_ops
+from gr.native import cpu_bf16_math, native_ops
 from gr.rng import keep_mask
 
 NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # computed in fp32
@@ -46,11 +47,11 @@ def _mask_and_gate(
 
 
 def _fused_fp32(norm: nn.LayerNorm, linear: nn.Linear, *rows: Tensor) -> Optional[object]:
-    """The native ops when ``rows`` are fp32 [T, n] CPU tensors outside autocast and the layers
-    have their affine weights and bias, else None."""
+    """The native ops when ``rows`` are fp32 [T, n] CPU tensors outside autocast or under its bf16
+    (the GEMMs then in bf16 math) and the layers have their affine weights and bias, else None."""
     fusable = (
         all(r.device.type == "cpu" and r.dim() == 2 and r.dtype == torch.float32 for r in rows)
-        and not torch.is_autocast_enabled("cpu")
+        and (not torch.is_autocast_enabled("cpu") or cpu_bf16_math())
         and _affine(norm, rows[0].shape[-1])
         and linear.bias is not None
         and linear.weight.dtype == torch.float32
@@ -70,17 +71,17 @@ def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[in
     )
     return _Projection.apply(
         ops, x.contiguous(), norm.weight, norm.bias, norm.eps, linear.weight.contiguous(), linear.bias, tuple(sizes),
-        keep_grad,
+        keep_grad, cpu_bf16_math(),
     )  # fmt: skip
 
 
 class _Projection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes, keep_grad):  # type: ignore[override]
+    def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes, keep_grad, bf16):  # type: ignore[override]
         parts, silu_grads, mean, rstd = ops.projection_forward(
-            x, norm_weight, norm_bias, eps, weight, bias, list(sizes), keep_grad
+            x, norm_weight, norm_bias, eps, weight, bias, list(sizes), keep_grad, bf16
         )
-        ctx.ops, ctx.sizes = ops, sizes
+        ctx.ops, ctx.sizes, ctx.bf16 = ops, sizes, bf16
         ctx.save_for_backward(x, norm_weight, norm_bias, weight, mean, rstd, *silu_grads)
         return tuple(parts)
 
@@ -93,9 +94,9 @@ class _Projection(torch.autograd.Function):
             part = x.new_zeros(x.shape[0], width) if grad is None else grad.float().reshape(x.shape[0], width)
             parts.append(part if part.stride(-1) == 1 else part.contiguous())
         dx, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.projection_backward(
-            parts, x, norm_weight, norm_bias, weight, silu_grads, mean, rstd
+            parts, x, norm_weight, norm_bias, weight, silu_grads, mean, rstd, ctx.bf16
         )
-        return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None, None
+        return None, dx, dnorm_weight, dnorm_bias, None, dweight, dbias, None, None, None
 
 
 def combine(x: Tensor, attention: Tensor, u: Tensor, norm: nn.LayerNorm, dropout: Dropout, linear: nn.Linear) -> Tensor:
@@ -106,15 +107,15 @@ def combine(x: Tensor, attention: Tensor, u: Tensor, norm: nn.LayerNorm, dropout
     keep, scale, u = _mask_and_gate(attention.shape, attention.device, dropout, u)
     return _Output.apply(
         ops, attention.contiguous(), u, keep, scale, norm.weight, norm.bias, norm.eps,
-        linear.weight.contiguous(), linear.bias, x.contiguous(),
+        linear.weight.contiguous(), linear.bias, x.contiguous(), cpu_bf16_math(),
     )  # fmt: skip
 
 
 class _Output(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x):  # type: ignore[override]
-        out, mean, rstd = ops.output_forward(a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x)
-        ctx.ops, ctx.scale = ops, scale
+    def forward(ctx, ops, a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x, bf16):  # type: ignore[override]
+        out, mean, rstd = ops.output_forward(a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x, bf16)
+        ctx.ops, ctx.scale, ctx.bf16 = ops, scale, bf16
         ctx.save_for_backward(a, u, keep, norm_weight, norm_bias, weight, mean, rstd)
         return out
 
@@ -124,9 +125,9 @@ class _Output(torch.autograd.Function):
         a, u, keep, norm_weight, norm_bias, weight, mean, rstd = ctx.saved_tensors
         dout = dout.contiguous()
         da, du, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.output_backward(
-            dout, a, u, keep, ctx.scale, norm_weight, norm_bias, weight, mean, rstd
+            dout, a, u, keep, ctx.scale, norm_weight, norm_bias, weight, mean, rstd, ctx.bf16
         )
-        return None, da, du, None, None, dnorm_weight, dnorm_bias, None, dweight, dbias, dout
+        return None, da, du, None, None, dnorm_weight, dnorm_bias, None, dweight, dbias, dout, None
 
 
 def norm_mul_dropout(

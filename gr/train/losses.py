@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from gr.native import native_ops
+from gr.native import cpu_bf16_math, native_ops
 
 ROW_TILE_ELEMENTS = 1 << 20  # logits of one row tile in the dense path (~280 rows of ML-1M: matmuls near peak)
 # Largest item table [U, d] the fused CPU kernel takes: backward keeps one fp32 copy per thread.
@@ -50,9 +50,10 @@ def sampled_softmax_loss(
     if negative_index.dim() == 2 and queries.device.type == "cpu" and items.numel() <= MAX_TABLE_ELEMENTS:
         ops = native_ops("gr_cpu_loss")
         if ops is not None:
+            bf16 = cpu_bf16_math()
             with torch.autocast("cpu", enabled=False):
                 return _FusedSampledSoftmax.apply(
-                    queries, items, positive_index, negative_index, rows_per_draw, temperature, ops
+                    queries, items, positive_index, negative_index, rows_per_draw, temperature, ops, bf16
                 )
     if negative_index.dim() == 2 and rows_per_draw > 1:
         rows = torch.arange(positive_index.shape[0], device=negative_index.device)
@@ -78,15 +79,16 @@ def sampled_softmax_loss(
 class _FusedSampledSoftmax(torch.autograd.Function):
     """Per-row negatives on CPU by gr's fused kernel (``gr.native``, ``gr_cpu_loss``): each row's K + 1
     dot products read the item rows in place (rows sharing negatives: one GEMM against them), in
-    fp32 (bf16 inputs are widened once); the loss is the mean of the rows' ``lse - logit_positive``."""
+    fp32 (bf16 inputs are widened once; under bf16 autocast those GEMMs run in bf16 math,
+    ``gr.native.cpu_bf16_math``); the loss is the mean of the rows' ``lse - logit_positive``."""
 
     @staticmethod
-    def forward(ctx, queries, items, positive_index, negative_index, rows_per_draw, temperature, ops):
+    def forward(ctx, queries, items, positive_index, negative_index, rows_per_draw, temperature, ops, bf16):
         q, it = queries.float().contiguous(), items.float().contiguous()
         positive, negative = positive_index.contiguous(), negative_index.contiguous()
-        probs, row_loss = ops.sampled_softmax_forward(q, it, positive, negative, rows_per_draw, temperature)
+        probs, row_loss = ops.sampled_softmax_forward(q, it, positive, negative, rows_per_draw, temperature, bf16)
         ctx.save_for_backward(q, it, positive, negative, probs)
-        ctx.rows_per_draw, ctx.temperature, ctx.ops = rows_per_draw, temperature, ops
+        ctx.rows_per_draw, ctx.temperature, ctx.ops, ctx.bf16 = rows_per_draw, temperature, ops, bf16
         ctx.dtypes = (queries.dtype, items.dtype)
         return row_loss.mean()
 
@@ -95,8 +97,10 @@ class _FusedSampledSoftmax(torch.autograd.Function):
     def backward(ctx, grad):
         q, it, positive, negative, probs = ctx.saved_tensors
         scale = float(grad) / (positive.shape[0] * ctx.temperature)
-        dq, ditems = ctx.ops.sampled_softmax_backward(q, it, positive, negative, ctx.rows_per_draw, probs, scale)
-        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None, None
+        dq, ditems = ctx.ops.sampled_softmax_backward(
+            q, it, positive, negative, ctx.rows_per_draw, probs, scale, ctx.bf16
+        )
+        return dq.to(ctx.dtypes[0]), ditems.to(ctx.dtypes[1]), None, None, None, None, None, None
 
 
 class _DenseSampledSoftmax(torch.autograd.Function):

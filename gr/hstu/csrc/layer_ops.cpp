@@ -280,7 +280,8 @@ std::vector<Tensor> part_views(const Tensor& buffer, int64_t T, at::IntArrayRef 
 // instead of a quarter of each [P] row). Backward multiplies by the kept SiLU', made from the same exp.
 std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_forward(
     const Tensor& x, const Tensor& norm_weight, const Tensor& norm_bias, double eps, const Tensor& weight,
-    const Tensor& bias, at::IntArrayRef sizes, bool keep_grad) {
+    const Tensor& bias, at::IntArrayRef sizes, bool keep_grad, bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   check_projection(x, norm_weight, norm_bias, weight);
   check_vector(bias, weight.size(0), "the projection's bias");
   const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
@@ -307,7 +308,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor> projection_
       float* __restrict out = y.data_ptr<float>() + T * first + r0 * w;
       float* __restrict grad = grads.data();
       const float* __restrict bp = b + first;
-      gr_gemm::gemm(true, false, n, w, D, 1.0f, normed_t.data(), n, wt.data() + first, P, 0.0f, out, w);
+      gemm(true, false, n, w, D, 1.0f, normed_t.data(), n, wt.data() + first, P, 0.0f, out, w);
       for (int64_t r = 0; r < n; ++r)
         for (int64_t j = 0; j < w; ++j) out[r * w + j] += bp[j];
       gr_silu::silu(out, out, keep_grad ? grad : nullptr, n * w);
@@ -324,7 +325,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
                                                                        const Tensor& norm_weight,
                                                                        const Tensor& norm_bias, const Tensor& weight,
                                                                        at::TensorList silu_grads, const Tensor& mean,
-                                                                       const Tensor& rstd) {
+                                                                       const Tensor& rstd, bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   check_projection(x, norm_weight, norm_bias, weight);
   const int64_t T = x.size(0), D = x.size(1), P = weight.size(0);
   TORCH_CHECK(grads.size() == silu_grads.size(), "gr_cpu_layer: ", grads.size(), " parts' gradients for ",
@@ -364,8 +366,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
     const float* m = mean.data_ptr<float>() + r0;
     const float* s = rstd.data_ptr<float>() + r0;
     apply_norm_rows<false, false>(n, D, xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s, normed.data());  // LN(x) again
-    gr_gemm::gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(slot), D);
-    gr_gemm::gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
+    gemm(true, false, P, D, n, 1.0f, dpre.data(), P, normed.data(), D, 1.0f, linear.weight(slot), D);
+    gemm(false, false, n, D, P, 1.0f, dpre.data(), P, weight.data_ptr<float>(), D, 0.0f, dnormed.data(), D);
     norm_rows_backward<false, false>(n, D, dnormed.data(), xr, nw, nb, nullptr, 0, nullptr, 1.0f, m, s,
                                      dx.data_ptr<float>() + r0 * D, nullptr, norm.weight(slot), norm.bias(slot));
   });
@@ -379,7 +381,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> projection_backward(at::Tenso
 std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor& u, const std::optional<Tensor>& keep,
                                                   double scale, const Tensor& norm_weight, const Tensor& norm_bias,
                                                   double eps, const Tensor& weight, const Tensor& bias,
-                                                  const Tensor& x) {
+                                                  const Tensor& x, bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   check_norm(a, norm_weight, norm_bias, u, keep);
   const int64_t T = a.size(0), A = a.size(1), D = weight.size(0);
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == A && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
@@ -400,7 +403,7 @@ std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor&
          u.data_ptr<float>() + r0 * u.stride(0), u.stride(0), keep ? keep->data_ptr<uint8_t>() + r0 * A : nullptr,
          static_cast<float>(scale), static_cast<float>(eps), mixed.data(), mean.data_ptr<float>() + r0,
          rstd.data_ptr<float>() + r0);
-    gr_gemm::gemm(false, false, n, D, A, 1.0f, mixed.data(), A, wt.data(), D, 0.0f, tile.data(), D);
+    gemm(false, false, n, D, A, 1.0f, mixed.data(), A, wt.data(), D, 0.0f, tile.data(), D);
     for (int64_t r = 0; r < n; ++r) {
       const float* __restrict t = tile.data() + r * D;
       const float* __restrict residual = x.data_ptr<float>() + (r0 + r) * D;
@@ -414,7 +417,9 @@ std::tuple<Tensor, Tensor, Tensor> output_forward(const Tensor& a, const Tensor&
 // -> (da [T, A], du [T, A], dnorm_weight [A], dnorm_bias [A], dweight [D, A], dbias [D]); d x is dout itself.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
     const Tensor& dout, const Tensor& a, const Tensor& u, const std::optional<Tensor>& keep, double scale,
-    const Tensor& norm_weight, const Tensor& norm_bias, const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+    const Tensor& norm_weight, const Tensor& norm_bias, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+    bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   check_norm(a, norm_weight, norm_bias, u, keep);
   check_contiguous_rows(dout, "dout");
   const int64_t T = a.size(0), A = a.size(1), D = weight.size(0);
@@ -437,11 +442,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> output_backward(
     const float* s = rstd.data_ptr<float>() + r0;
     // The GEMM's input again, from the saved statistics.
     rows(n, A, ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s, mixed.data());
-    gr_gemm::gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(slot), A);
+    gemm(true, false, D, A, n, 1.0f, g, D, mixed.data(), A, 1.0f, linear.weight(slot), A);
     float* __restrict db = linear.bias(slot);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t j = 0; j < D; ++j) db[j] += g[r * D + j];
-    gr_gemm::gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
+    gemm(false, false, n, A, D, 1.0f, g, D, weight.data_ptr<float>(), A, 0.0f, dmixed.data(), A);
     rows_backward(n, A, dmixed.data(), ar, nw, nb, ur, u.stride(0), kr, static_cast<float>(scale), m, s,
                   da.data_ptr<float>() + r0 * A, du.data_ptr<float>() + r0 * A, norm.weight(slot), norm.bias(slot));
   });
@@ -536,16 +541,17 @@ std::tuple<Tensor, Tensor> input_backward(const Tensor& dy, double scale, const 
 TORCH_LIBRARY(gr_cpu_layer, m) {
   m.def(
       "output_forward(Tensor a, Tensor u, Tensor? keep, float scale, Tensor norm_weight, Tensor norm_bias, float eps, "
-      "Tensor weight, Tensor bias, Tensor x) -> (Tensor, Tensor, Tensor)");
+      "Tensor weight, Tensor bias, Tensor x, bool bf16=False) -> (Tensor, Tensor, Tensor)");
   m.def(
       "output_backward(Tensor dout, Tensor a, Tensor u, Tensor? keep, float scale, Tensor norm_weight, "
-      "Tensor norm_bias, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor norm_bias, Tensor weight, Tensor mean, Tensor rstd, bool bf16=False) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "projection_forward(Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, Tensor weight, Tensor bias, "
-      "int[] sizes, bool keep_grad) -> (Tensor[], Tensor[], Tensor, Tensor)");
+      "int[] sizes, bool keep_grad, bool bf16=False) -> (Tensor[], Tensor[], Tensor, Tensor)");
   m.def(
       "projection_backward(Tensor[] grads, Tensor x, Tensor norm_weight, Tensor norm_bias, Tensor weight, "
-      "Tensor[] silu_grads, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor[] silu_grads, Tensor mean, Tensor rstd, bool bf16=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "norm_forward(Tensor x, Tensor weight, Tensor bias, Tensor? u, Tensor? keep, float scale, float eps) -> "
       "(Tensor, Tensor, Tensor)");

@@ -66,7 +66,7 @@ from gr.hstu.kernels.common import (
     time_bucket_thresholds,
 )
 from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
-from gr.native import native_ops
+from gr.native import cpu_bf16_math, native_ops
 
 QUERY_CHUNK = 128  # query rows per chunk
 ROW_BLOCK = 32  # query rows per block of the fused tiles (ROW_BLOCK of cpu_fused_attention.cpp)
@@ -213,7 +213,7 @@ def cpu_hstu_attention(
         weights = [w.float().contiguous() if w is not None else None for w in (pos_w, time_w)]
         # Tiles are kept only for a backward to come (not in evaluation or serving, under no_grad).
         keep_tiles = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, *weights))
-        out = _FusedAttention.apply(q, k, v, weights[0], weights[1], problem, fused, keep_tiles)
+        out = _FusedAttention.apply(q, k, v, weights[0], weights[1], problem, fused, keep_tiles, cpu_bf16_math())
     else:
         compute = torch.float32 if q.dtype == torch.float16 else q.dtype
         qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
@@ -555,11 +555,12 @@ class _FusedAttention(torch.autograd.Function):
     call that reads the jagged q, k, v rows in place (no padded copies) and writes out, dq, dk, dv."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem, ops, keep_tiles: bool):
+    def forward(ctx, q, k, v, pos_w, time_w, problem: _Problem, ops, keep_tiles: bool, bf16: bool):
         """q, k: [T, H, Da], v: [T, H, Dv] fp32, bf16 or fp16 (strided, e.g. split from one projection:
         kept as they are for backward) -> [T, H, Dv] fp32. keep_tiles: keep the tiles for backward
-        (up to ``SAVED_TILE_FLOATS``) instead of computing them again there."""
-        ctx.problem, ctx.ops = problem, ops
+        (up to ``SAVED_TILE_FLOATS``) instead of computing them again there. bf16: the GEMMs in bf16
+        math (``gr.native.cpu_bf16_math``), forward and backward."""
+        ctx.problem, ctx.ops, ctx.bf16 = problem, ops, bf16
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         calls = _fused_calls(problem, pos_w, time_w, ops)
         written = _writes_every_row(problem, calls)
@@ -568,7 +569,7 @@ class _FusedAttention(torch.autograd.Function):
         # a batch whose queries see no key has no call at all).
         save_limit = SAVED_TILE_FLOATS if keep_tiles and len(calls) == 1 else 0
         tiles = [
-            ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, save_limit, *chunks)
+            ops.forward_chunks(qf, kf, vf, out, pos_w, time_w, problem.alpha, written, save_limit, *chunks, bf16=bf16)
             for chunks in calls
         ]
         ctx.save_for_backward(q, k, v, pos_w, time_w, tiles[0] if save_limit and tiles[0].numel() else None)
@@ -588,8 +589,8 @@ class _FusedAttention(torch.autograd.Function):
         grad_out = _fp32_rows(grad_out)
         grads = (dq, dk, dv, pos_w, time_w, dpos, dtime, tiles)
         for chunks in calls:
-            ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, written, *chunks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None, None
+            ctx.ops.backward_chunks(qf, kf, vf, grad_out, *grads, problem.alpha, written, *chunks, bf16=ctx.bf16)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpos, dtime, None, None, None, None
 
 
 def _fp32_rows(x: Tensor) -> Tensor:

@@ -270,7 +270,8 @@ float softmax_row(float* __restrict logits, int64_t positive, const int64_t* __r
 // its negatives (row r's are negative[r mod B], [B = ceil(N / rows_per_draw), K]), of which one equal
 // to the positive is masked out. logits = dot / temperature.
 std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, const Tensor& positive,
-                                   const Tensor& negative, int64_t rows_per_draw, double temperature) {
+                                   const Tensor& negative, int64_t rows_per_draw, double temperature, bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   check_inputs(queries, items, positive, negative, rows_per_draw);
   const int64_t N = queries.size(0), K = negative.size(1), K1 = K + 1, d = queries.size(1), U = items.size(0);
   const int64_t R = rows_per_draw;
@@ -307,8 +308,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, c
         return;
       }
       gather_rows(rows, ids, K, panel.data());
-      gr_gemm::gemm(false, true, m, K, d, 1.0f, q + b * d, B * d, panel.data(), rows.ld, 0.0f, p + b * K1 + 1,
-                    B * K1);
+      gemm(false, true, m, K, d, 1.0f, q + b * d, B * d, panel.data(), rows.ld, 0.0f, p + b * K1 + 1, B * K1);
       for (int64_t r = b; r < N; r += B) {
         dots(q + r * d, rows, pos + r, 1, d, p + r * K1);
         l[r] = softmax_row(p + r * K1, pos[r], ids, K1, inv_t);
@@ -321,7 +321,9 @@ std::tuple<Tensor, Tensor> forward(const Tensor& queries, const Tensor& items, c
 
 // Gradients of scale * sum(row_loss): -> (dqueries [N, d], ditems [U, d]), fp32.
 std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, const Tensor& positive,
-                                    const Tensor& negative, int64_t rows_per_draw, const Tensor& probs, double scale) {
+                                    const Tensor& negative, int64_t rows_per_draw, const Tensor& probs, double scale,
+                                    bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   check_inputs(queries, items, positive, negative, rows_per_draw);
   const int64_t N = queries.size(0), K = negative.size(1), K1 = K + 1, d = queries.size(1), U = items.size(0);
   const int64_t R = rows_per_draw;
@@ -362,8 +364,8 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
         gather_rows(rows, ids, K, panel.data());
         for (int64_t i = 0; i < m; ++i) logit_grads(p + (b + i * B) * K1, K1, s, w.data() + i * K1);
         const float* wn = w.data() + 1;  // the negatives' weights [m, K], rows K1 apart
-        gr_gemm::gemm(false, false, m, d, K, 1.0f, wn, K1, panel.data(), ld, 0.0f, dqp + b * d, B * d);
-        gr_gemm::gemm(true, false, K, d, m, 1.0f, wn, K1, q + b * d, B * d, 0.0f, dpanel.data(), ld);
+        gemm(false, false, m, d, K, 1.0f, wn, K1, panel.data(), ld, 0.0f, dqp + b * d, B * d);
+        gemm(true, false, K, d, m, 1.0f, wn, K1, q + b * d, B * d, 0.0f, dpanel.data(), ld);
         for (int64_t i = 0; i < m; ++i) {
           const int64_t r = b + i * B;
           const float w0 = w.data()[i * K1];
@@ -391,10 +393,10 @@ std::tuple<Tensor, Tensor> backward(const Tensor& queries, const Tensor& items, 
 TORCH_LIBRARY(gr_cpu_loss, m) {
   m.def(
       "sampled_softmax_forward(Tensor queries, Tensor items, Tensor positive, Tensor negative, int rows_per_draw, "
-      "float temperature) -> (Tensor, Tensor)");
+      "float temperature, bool bf16=False) -> (Tensor, Tensor)");
   m.def(
       "sampled_softmax_backward(Tensor queries, Tensor items, Tensor positive, Tensor negative, int rows_per_draw, "
-      "Tensor probs, float scale) -> (Tensor, Tensor)");
+      "Tensor probs, float scale, bool bf16=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(gr_cpu_loss, CPU, m) {

@@ -38,7 +38,6 @@ namespace {
 
 using at::Tensor;
 
-using gr_gemm::gemm;
 using at::IntArrayRef;
 
 constexpr int64_t ROW_BLOCK = 32;  // query rows per GEMM: each block meets only the keys its rows see
@@ -241,9 +240,9 @@ struct Chunk {
 // kGradient: scores then hold SiLU'(scores) = sig (1 + s (1 - sig)), from the same exp. bias: the
 // rows' bias made once for all heads ([rows, n], Chunk::bias_rows), or null: added here.
 template <bool kGradient>
-void scores_and_weights(const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64_t n, float alpha, const float* q,
-                        int64_t ldq, const float* kt, int64_t ldk, int64_t D, float* scores, float* weights,
-                        int64_t ld, const float* bias) {
+void scores_and_weights(gr_gemm::Gemm gemm, const Chunk& c, int64_t g, int64_t r0, int64_t r1, int64_t n, float alpha,
+                        const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t D, float* scores,
+                        float* weights, int64_t ld, const float* bias) {
   gemm(false, false, r1 - r0, n, D, alpha, q, ldq, kt, ldk, 0.0f, scores, ld);
   for (int64_t i = r0; i < r1; ++i) {
     float* __restrict s = scores + (i - r0) * ld;
@@ -411,7 +410,8 @@ Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const T
                       const c10::List<std::optional<Tensor>>& row_pos,
                       const c10::List<std::optional<Tensor>>& time_idx,
                       const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
-                      const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
+                      const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm, bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   const Jagged Q(q), Kt(k), V(v), O(out);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2);
   const Call call =
@@ -448,9 +448,9 @@ Tensor forward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const T
           float* bias = next_tile(shared, m, n);
           if (bias != nullptr && h == 0) c.bias_rows(g, r0, r1, n, bias);
           if (save)
-            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
+            scores_and_weights<true>(gemm, c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
           else
-            scores_and_weights<false>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
+            scores_and_weights<false>(gemm, c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
           gemm(false, false, m, Dv, n, 1.0f, weights, ld, V.rows(first + c.lo, h), V.ld, 0.0f, o, O.ld);
           if (save) {
             gr_stream::store_for_backward(saved.data_ptr<float>() + tiles, weights, m * n);
@@ -480,7 +480,8 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      IntArrayRef rows, IntArrayRef m0, IntArrayRef lo, IntArrayRef hi,
                      const c10::List<std::optional<Tensor>>& row_pos, const c10::List<std::optional<Tensor>>& time_idx,
                      const c10::List<std::optional<Tensor>>& mask, IntArrayRef mask_from,
-                     const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm) {
+                     const c10::List<std::optional<Tensor>>& row_end, at::TensorList norm, bool bf16) {
+  const gr_gemm::Gemm gemm = gr_gemm::gemm_for(bf16);
   const Jagged Q(q), Kt(k), V(v), dO(grad_out), dQ(dq), dK(dk), dV(dv);
   const int64_t H = Q.heads, D = q.size(2), Dv = v.size(2);
   const Call call =
@@ -548,7 +549,7 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
           if (kept != nullptr)
             tiles += 2 * m * n;
           else
-            scores_and_weights<true>(c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
+            scores_and_weights<true>(gemm, c, g, r0, r1, n, a, qp, Q.ld, kt, K, D, scores, weights, ld, bias);
           const float* dop = dO.rows(first + c.m0 + r0, h);
           for (int64_t i = r0; i < r1; ++i) {
             const float f = c.norm_of(g, i);
@@ -683,13 +684,13 @@ TORCH_LIBRARY(gr_cpu_fused, m) {
       "forward_chunks(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? pos_w, Tensor? time_w, float alpha, "
       "bool zero_unseen, int save_limit, Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, "
       "int[] lo, int[] hi, Tensor?[] row_pos, Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, "
-      "Tensor?[] row_end, Tensor[] norm) -> Tensor");
+      "Tensor?[] row_end, Tensor[] norm, bool bf16=False) -> Tensor");
   m.def(
       "backward_chunks(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
       "Tensor? pos_w, Tensor? time_w, Tensor(d!)? dpos, Tensor(e!)? dtime, Tensor? saved, float alpha, "
       "bool zero_unseen, Tensor[] starts, Tensor[] lengths, int[] group, int[] rows, int[] m0, int[] lo, "
       "int[] hi, Tensor?[] row_pos, Tensor?[] time_idx, Tensor?[] mask, int[] mask_from, Tensor?[] row_end, "
-      "Tensor[] norm) -> ()");
+      "Tensor[] norm, bool bf16=False) -> ()");
   m.def(
       "time_buckets(Tensor query_times, Tensor key_times, Tensor lengths, int m0, int m1, int lo, int hi, "
       "int contextual_len, Tensor thresholds, bool sqrt_bucketing) -> Tensor");
