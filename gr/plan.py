@@ -16,9 +16,10 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
                          (the kernel keeps q, k, v as views of it, bf16 included)
                          + attention eA + stats 8 + LN(attention) eA
                          + dropout mask eA and output eA (or the product eA without dropout)
-                         (with gr's native CPU kernels, ``gr.hstu.layer_ops``: after the attention
-                         4A + stats 8 + dropout mask A; in fp32 no LN(x) and no output input,
-                         which backward recomputes; in bf16 also U in fp32 4A and the output's input eA)
+                         (with gr's native CPU kernels, ``gr.hstu.layer_ops``, e = 4 in either
+                         precision (bf16 autocast runs them in bf16 math on fp32 activations): no
+                         LN(x) and no output input, which backward recomputes; after the attention
+                         4A + stats 8 + dropout mask A)
   recompute "attention": x 4D + stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
   recompute "layer":     x 4D
 
@@ -130,15 +131,15 @@ def hstu_parameter_count(config: HSTUConfig) -> int:
 def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_bytes: int) -> int:
     """Bytes per token one layer keeps for backward (see the module docstring)."""
     d, p, a = config.hidden_dim, _projection_width(config), config.num_heads * config.linear_dim
-    e = compute_bytes
     if recompute == "layer":
         return FP32 * d
-    fused = fused_expected()  # gr.hstu.layer_ops: the fp32 projection recomputes LN(x) in backward
-    kept = FP32 * d + LAYER_NORM_STATS + (0 if fused and e == FP32 else e * d) + 2 * e * p
+    fused = fused_expected()  # gr.hstu.layer_ops: fp32 in either precision; backward recomputes LN(x)
+    e = FP32 if fused else compute_bytes
+    kept = FP32 * d + LAYER_NORM_STATS + (0 if fused else e * d) + 2 * e * p
     if recompute == "attention":
         return kept
-    if fused:  # gr.hstu.layer_ops: fp32 attention rows and a byte mask; fp32 recomputes the output's input
-        after_attention = FP32 * a + (a if config.dropout > 0 else 0) + (0 if e == FP32 else FP32 * a + e * a)
+    if fused:  # fp32 attention rows and a byte mask; backward recomputes the output's input
+        after_attention = FP32 * a + (a if config.dropout > 0 else 0)
     else:
         after_attention = (4 if config.dropout > 0 else 3) * e * a
     return kept + LAYER_NORM_STATS + after_attention
