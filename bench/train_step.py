@@ -10,7 +10,7 @@ ML-1M itself need not be on the machine: ``bench_data.write_ml1m_shaped_ratings`
 configs/ml1m_hstu_large.yaml, 8 layers) read it unchanged.
 
 For each recipe and precision ("32-true", "bf16-mixed" = forward and loss under CPU bf16
-autocast, as Lightning runs it):
+autocast, as Lightning runs it, where gr's fused kernels multiply in bf16 math on fp32 activations):
 * samples/s of full training steps (sampling, sharded lookup, HSTU, sampled softmax, backward
   with the fused embedding optimizer, dense AdamW) on the same batches, the precisions
   alternating step by step so that both see the same machine load;
