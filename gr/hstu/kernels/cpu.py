@@ -26,7 +26,8 @@ instead: one C++ call for all of a batch's chunks (its threads get equal work, n
 sequences) reads the jagged q, k, v rows in place (no padded copies), makes each (sequence, head)'s
 scores 32 query rows at a time with only the keys those rows see, and does bias, SiLU, mask,
 normaliser, the SiLU gradient and the bias-gradient scatter while the tile is in cache, between
-GEMMs (gr/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once). Chunks whose keys
+GEMMs (gr/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once), their GEMMs in bf16
+math under CPU autocast to bf16 (``gr.native.cpu_bf16_math``: bf16-rounded operands, fp32 sums). Chunks whose keys
 are the contextual prefix plus a window (``contextual_len`` and ``max_attn_len`` both set) run
 unfused.
 
@@ -193,7 +194,8 @@ def cpu_hstu_attention(
     workspace: Optional[AttentionWorkspace] = None,
 ) -> Tensor:
     """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
-    and the bias weights. fp16 inputs are computed in fp32. bf16 inputs stay bf16 through the
+    and the bias weights. fp16 inputs are computed in fp32. Fused, bf16 inputs are widened to fp32
+    and the GEMMs run in bf16 math under bf16 autocast; unfused, bf16 inputs stay bf16 through the
     matmuls (which accumulate in fp32); the bias weights' lookups and gradients, the gradients
     of k and v summed over query chunks, and the normaliser's reciprocal stay fp32.
 
