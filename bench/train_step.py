@@ -1,6 +1,6 @@
 """Training speed of the ML-1M recipes at fp32 and bf16, on synthetic data of ML-1M's shape.
 
-    python bench/train_step.py [--smoke] [--steps 8] [--users 6040] [--recipes small,large] [--no-epoch]
+    python bench/train_step.py [--smoke] [--steps 8] [--users 6040] [--recipes small,large] [--no-epoch] [--epochs 1]
     python bench/train_step.py --smoke --profile     # where one step's time goes, per phase and op
     python bench/train_step.py --no-epoch --token-negatives   # the recipes against per-token negatives
 
@@ -22,7 +22,9 @@ autocast, as Lightning runs it, where gr's fused kernels multiply in bf16 math o
 * unless --no-epoch, one whole Lightning epoch (``gr.train``'s trainer: train, validation,
   checkpoint) and its validation part, in seconds, each in a process of its own as a training run
   has it; and the training steps inside that epoch (Lightning's loop), from the start of a batch to
-  the end of its optimizer step, the first ``LOOP_WARMUP`` untimed: ms a step and fraction of peak.
+  the end of its optimizer step, the first ``LOOP_WARMUP`` of each epoch untimed: ms a step and
+  fraction of peak. With ``--epochs N`` that process trains N epochs and the numbers are their
+  means (a run's steady state, less of one moment's machine noise).
   The step rates above alternate two models in one process that has run the other settings
   before, whose heaps and caches then meet each other's leftovers (thousands more page faults a
   step for the large recipe): they compare the precisions under the same load; the epoch's steps
@@ -91,16 +93,18 @@ LOOP_WARMUP = 2  # training steps of the epoch not timed: the first allocate and
 
 
 class EpochClock(Callback):
-    """Seconds from the train epoch's start to the end of fit, and of the validation epoch; the
-    training steps' seconds and useful FLOPs after the first ``LOOP_WARMUP``."""
+    """Seconds from the first train epoch's start to the end of fit, and of the validation epochs; the
+    training steps' seconds and useful FLOPs after the first ``LOOP_WARMUP`` of each epoch."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.steps: List[float] = []
         self.flops: List[float] = []
+        self.validation = 0.0
 
     def on_train_epoch_start(self, trainer, module) -> None:
-        self.start = time.perf_counter()
+        if trainer.current_epoch == 0:
+            self.start = time.perf_counter()
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
         self.step_start = time.perf_counter()
@@ -114,10 +118,12 @@ class EpochClock(Callback):
         self.validation_start = time.perf_counter()
 
     def on_validation_epoch_end(self, trainer, module) -> None:
-        self.validation = time.perf_counter() - self.validation_start
+        self.validation += time.perf_counter() - self.validation_start
 
 
 def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
+    """-> an epoch's seconds and its validation's (means over ``trainer.max_epochs``), and the timed
+    training steps' count, seconds and useful FLOPs."""
     data = SequenceDataModule(config.data)
     data.setup()
     module = GRTrainingModule(config, data.feature_spec(), data.tasks, data.popularity())
@@ -125,9 +131,10 @@ def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
     clock = EpochClock(config)
     trainer.callbacks.append(clock)
     trainer.fit(module, datamodule=data)
+    epochs = config.trainer.max_epochs
     return {
-        "epoch_s": time.perf_counter() - clock.start,
-        "validation_s": clock.validation,
+        "epoch_s": (time.perf_counter() - clock.start) / epochs,
+        "validation_s": clock.validation / epochs,
         "loop_steps": len(clock.steps),
         "loop_seconds": sum(clock.steps),
         "loop_flops": sum(clock.flops),
@@ -153,12 +160,12 @@ def recipe_config(recipe: str, work: Path, *overrides: Tuple[str, str]) -> Train
     return load_config(path, [("data.path", str(work)), *overrides])
 
 
-def epoch_run(recipe: str, precision: str, work: Path) -> None:
-    """--epoch-run: one whole epoch of ``recipe`` at ``precision``; prints epoch_seconds as JSON."""
+def epoch_run(recipe: str, precision: str, work: Path, epochs: int) -> None:
+    """--epoch-run: ``epochs`` whole epochs of ``recipe`` at ``precision``; prints epoch_seconds as JSON."""
     config = recipe_config(
         recipe,
         work,
-        ("trainer.max_epochs", "1"),
+        ("trainer.max_epochs", str(epochs)),
         ("trainer.precision", precision),
         ("trainer.enable_progress_bar", "false"),
     )
@@ -299,6 +306,9 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=None, help="synthetic users (6040, ML-1M's; smoke 400)")
     parser.add_argument("--recipes", default="small,large", help=f"comma-separated of {sorted(ML1M_RECIPES)}")
     parser.add_argument("--no-epoch", action="store_true", help="skip the whole-epoch timings")
+    parser.add_argument(
+        "--epochs", type=int, default=1, help="epochs each epoch-timing process trains; its numbers are their means"
+    )
     parser.add_argument("--profile", action="store_true", help="profile the timed steps, print the top ops")
     parser.add_argument(
         "--token-negatives", action="store_true", help="also time the recipes with a draw of negatives per token"
@@ -309,7 +319,7 @@ def main() -> None:
     parser.add_argument("--peaks", default=None, help=argparse.SUPPRESS)  # JSON: the parent's peaks
     args = parser.parse_args()
     if args.epoch_run is not None:
-        return epoch_run(*args.epoch_run.split(","), Path(args.work))
+        return epoch_run(*args.epoch_run.split(","), Path(args.work), args.epochs)
     if args.rates_run is not None:
         peaks = json.loads(args.peaks)
         return rates_run(args.rates_run, Path(args.work), args.steps, peaks, args.token_negatives, args.profile)
@@ -319,6 +329,9 @@ def main() -> None:
     unknown = [r for r in recipes if r not in ML1M_RECIPES]
     if unknown:
         parser.error(f"--recipes: unknown {unknown}; expected names from {sorted(ML1M_RECIPES)}")
+    if args.epochs < 1:
+        parser.error(f"--epochs: expected an int >= 1, got {args.epochs}")
+    mean = f" (mean of {args.epochs})" if args.epochs > 1 else ""
     work = Path(tempfile.mkdtemp(prefix="train_step_"))
     native_ops("gr_cpu_fused")  # a first build (~15-30 s) here, not inside the first timed epoch
     ratings = write_ml1m_shaped_ratings(work, users)
@@ -339,12 +352,15 @@ def main() -> None:
         "ratings": ratings,
         "steps": steps,
         "threads": torch.get_num_threads(),
+        "epochs": args.epochs,
         "peak_gflops": peaks,
         "load_before": os.getloadavg(),
     }
     for recipe in recipes:
         for precision in PRECISIONS if not args.no_epoch else ():
-            timing = in_own_process("--epoch-run", f"{recipe},{precision}", "--work", str(work))
+            timing = in_own_process(
+                "--epoch-run", f"{recipe},{precision}", "--work", str(work), "--epochs", str(args.epochs)
+            )
             loop = {"step_ms": 0.0, "gflops": 0.0, "peak_fraction": 0.0}
             if timing["loop_steps"]:
                 loop["step_ms"] = 1000 * timing["loop_seconds"] / timing["loop_steps"]
@@ -354,7 +370,7 @@ def main() -> None:
             result[f"{recipe}/{precision}/validation_s"] = timing["validation_s"]
             result.update({f"{recipe}/{precision}/loop_{k}": v for k, v in loop.items()})
             print(
-                f"{recipe:5s} {precision:10s} epoch {timing['epoch_s']:6.2f} s (validation "
+                f"{recipe:5s} {precision:10s} epoch {timing['epoch_s']:6.2f} s{mean} (validation "
                 f"{timing['validation_s']:.2f} s); its training steps {loop['step_ms']:.1f} ms "
                 f"= {100 * loop['peak_fraction']:4.1f}% of peak; {load()}",
                 flush=True,

@@ -109,6 +109,7 @@ BENCHES = (
             "steps",
             "threads",
             "peak_gflops",
+            "epochs",
             "small/32-true/samples_per_s",
             "small/bf16-mixed/samples_per_s",
             "small/bf16_speedup",
@@ -119,7 +120,7 @@ BENCHES = (
             "small/32-true+token/samples_per_s",
             "small/speedup_over_token_negatives",
         ),
-        ("--recipes", "small", "--token-negatives"),
+        ("--recipes", "small", "--token-negatives", "--epochs", "2"),
     ),
     Bench(
         "bench/ab_steps.py",
