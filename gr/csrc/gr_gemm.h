@@ -1,5 +1,6 @@
 // Single-threaded fp32 GEMM for the small tiles of gr's fused CPU kernels: AVX-512 where the build
-// has it (-march=native), the BLAS inside PyTorch (gr_blas.h, MKL's sgemm_) otherwise.
+// has it (-march=native), the BLAS inside PyTorch (gr_blas.h, MKL's sgemm_) otherwise; and gemm_bf16,
+// the same contract in bf16 math (AVX-512 BF16; at the end of this file), for CPU autocast to bf16.
 //
 // Why our own: MKL runs its AVX2 code on AMD CPUs, half of what AVX-512 machines such as Zen 4/5
 // can do, and its per-call overhead is large next to our tiles (M <= 128, N and K ~ 25-200); on

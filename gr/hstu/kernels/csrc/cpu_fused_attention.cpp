@@ -1,4 +1,5 @@
-// Fused HSTU attention tiles for CPU (fp32): one chunk of one group of gr.hstu.kernels.cpu.
+// Fused HSTU attention tiles for CPU (fp32; GEMMs in bf16 math when asked): one chunk of one group of
+// gr.hstu.kernels.cpu.
 //
 // Per (sequence, head) of a chunk the scores tile [C, K] is made by one GEMM, then bias, SiLU,
 // mask and (in backward) the SiLU gradient and the bias-gradient scatter run over it while it
