@@ -8,7 +8,7 @@ import torch
 
 from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention
 from gr.native import native_ops
-from helpers.native import X86
+from helpers.native import X86, skip_without_bf16_instructions
 
 pytestmark = pytest.mark.attention
 
@@ -239,6 +239,7 @@ def test_fused_tiles_under_bf16_autocast_multiply_in_bf16_math(monkeypatch):
     from gr.hstu.kernels import cpu
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
+    skip_without_bf16_instructions()
     out32, grads32 = attention_and_grads(torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out16, grads16 = attention_and_grads(torch.float32)

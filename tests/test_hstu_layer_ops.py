@@ -12,7 +12,7 @@ from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.layer_ops import combine, norm_mul_dropout, project, stack_input
 from gr.native import native_ops
-from helpers.native import X86
+from helpers.native import X86, skip_without_bf16_instructions
 
 native_only = pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
 
@@ -174,6 +174,7 @@ def test_projection_under_bf16_autocast_runs_fused_on_bf16_rounded_operands(monk
     """The fused projection's GEMM in bf16 math: LN(x) and W rounded to bf16, fp32 sums; the parts stay
     fp32, and the gradients flow through the same kernels."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")
+    skip_without_bf16_instructions()
     x, _, norm = norm_inputs()
     linear = nn.Linear(50, 200)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile() as profile:
@@ -226,6 +227,7 @@ def test_combine_under_autocast_without_the_native_kernels_runs_pytorchs_bf16_li
 @native_only
 def test_combine_under_bf16_autocast_runs_fused_on_bf16_rounded_operands(monkeypatch):
     monkeypatch.setenv("GR_CPU_FUSED", "1")
+    skip_without_bf16_instructions()
     a, projection, norm = norm_inputs()
     x, u, linear = torch.randn(300, 32), projection[:, :50], nn.Linear(50, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile() as profile:

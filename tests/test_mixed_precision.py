@@ -5,12 +5,20 @@ import pytest
 import torch
 
 from gr.hstu import HSTU, HSTUConfig
+from gr.native import native_ops
 from gr.train import load_trained_model, train
 from gr.train.config import TrainConfig
 from gr.train.losses import sampled_softmax_loss
+from helpers.native import bf16_instructions
 from helpers.runs import recipe, step_losses
 
 ONE_EPOCH = ("trainer.max_epochs", 1)
+
+
+def bf16_rounds() -> bool:
+    """Whether bf16 autocast rounds anything here: PyTorch's ops, or gr's fused kernels built with
+    AVX-512 BF16 (without it their bf16 math is fp32 math, and results equal fp32's)."""
+    return native_ops("gr_cpu_layer") is None or bf16_instructions()
 
 
 def test_bf16_mixed_loss_tracks_fp32_and_keeps_fp32_weights(tmp_path):
@@ -23,7 +31,8 @@ def test_bf16_mixed_loss_tracks_fp32_and_keeps_fp32_weights(tmp_path):
         runs[precision] = step_losses(tmp_path / precision)
     fp32, bf16 = runs["32-true"], runs["bf16-mixed"]
     assert len(fp32) >= 4 and fp32[-1] < 0.8 * fp32[0]
-    assert bf16 != fp32  # the step really ran in lower precision
+    if bf16_rounds():
+        assert bf16 != fp32  # the step really ran in lower precision
     assert bf16 == pytest.approx(fp32, rel=0.01)
     model, config = load_trained_model(tmp_path / "bf16-mixed")
     assert config.trainer.precision == "bf16-mixed"
@@ -99,7 +108,8 @@ def test_bf16_autocast_forward_and_gradients_stay_close_to_fp32():
     activations), measured here: the same loss to fp32 rounding, gradients within 0.8% of their
     largest entry. With PyTorch's ops (GR_CPU_FUSED=0, bf16 activations): loss within 0.02%,
     gradients within ~1%, except the attention LayerNorm's (``attn_norm``, up to ~6%). Asserted:
-    0.5%, 2% and 10%; and that some gradient differs from fp32's (bf16 ran)."""
+    0.5%, 2% and 10%; and that some gradient differs from fp32's where bf16 runs (PyTorch's ops, or
+    the fused kernels built with AVX-512 BF16; without it their bf16 math is fp32 math)."""
     results = {}
     for bf16 in (False, True):
         stack, table, items, offsets, timestamps = _stack_and_data()
@@ -107,7 +117,8 @@ def test_bf16_autocast_forward_and_gradients_stay_close_to_fp32():
             loss = _forward_loss(stack, table, items, offsets, timestamps, torch.Generator().manual_seed(0))
         loss.backward()
         results[bf16] = (loss.item(), {n: p.grad for n, p in [*stack.named_parameters(), ("table", table.weight)]})
-    assert any(not torch.equal(results[True][1][name], want) for name, want in results[False][1].items())
+    if bf16_rounds():
+        assert any(not torch.equal(results[True][1][name], want) for name, want in results[False][1].items())
     assert results[True][0] == pytest.approx(results[False][0], rel=0.005)
     for name, want in results[False][1].items():
         got = results[True][1][name]
@@ -135,5 +146,6 @@ def test_twenty_bf16_training_steps_track_the_fp32_losses():
             losses[bf16].append(loss.item())
     fp32, bf16 = losses[False], losses[True]
     assert fp32[-1] < 0.7 * fp32[0]
-    assert bf16 != fp32
+    if bf16_rounds():
+        assert bf16 != fp32
     assert bf16 == pytest.approx(fp32, rel=0.01)

@@ -14,7 +14,7 @@ from gr.train.config import RetrievalSection
 from gr.train.losses import multitask_bce, sampled_softmax_loss
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
 from gr.train.tasks import RetrievalTask
-from helpers.native import X86
+from helpers.native import X86, skip_without_bf16_instructions
 
 
 def naive_rank(scores, target, excluded):
@@ -283,6 +283,7 @@ def test_fused_block_negatives_under_bf16_autocast_score_by_bf16_math_gemms(monk
     (measured: 7e-5 relative) and stays within 1e-3 of fp32's, the gradients within 3% of their
     largest entry (measured: ~0.6%)."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")
+    skip_without_bf16_instructions()
     queries, items, positive_index, _ = autocast_batch(4)
     negative_index = torch.randint(0, items.shape[0], (10, 40), generator=torch.Generator().manual_seed(4))  # 300 / 32
     results = {}

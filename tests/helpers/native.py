@@ -17,3 +17,15 @@ def required_ops(request: pytest.FixtureRequest, namespace: str) -> object:
     mp.setenv("GR_CPU_FUSED", "1")
     request.addfinalizer(mp.undo)
     return native_ops(namespace)
+
+
+def bf16_instructions() -> bool:
+    """Whether gr's native kernels are built here with AVX-512 BF16: their bf16 math then rounds the
+    operands to bf16; a build without the instructions computes it in fp32 (tests/test_native_gemm.py)."""
+    ops = native_ops("gr_cpu_gemm") if X86 else None
+    return ops is not None and bool(ops.bf16_instructions())
+
+
+def skip_without_bf16_instructions() -> None:
+    if not bf16_instructions():
+        pytest.skip("this build of gr's kernels has no AVX-512 BF16: its bf16 math is fp32 math")
