@@ -1,4 +1,4 @@
-"""Issue 14, finding 8: bad input to a command line ends in one line naming the file, exit status 2."""
+"""Bad input to a command line ends in one line naming the file, exit status 2."""
 
 import json
 import os
