@@ -1,4 +1,4 @@
-"""Issue 14's findings, one test each (crashes at checkpoint phases: test_faults.py)."""
+"""Failure modes of training, checkpoints and ranking, one test each (crashes at checkpoint phases: test_faults.py)."""
 
 import hashlib
 import sys
