@@ -5,7 +5,7 @@ The crash comes from the ``GR_TEST_CRASH_AT`` hook (``gr.crash_points``: ``os._e
 cleanup) in a ``train.py`` subprocess; the resume runs in this process. The tiny recipe
 validates every epoch, so each epoch saves ``epoch=N`` (the best) and then ``last``: the
 4th arrival at a save point is epoch 1's save of ``last``, right after the best checkpoint
-moved from ``epoch=0`` to ``epoch=1`` (the crash of issue 14, finding 4), and the 1st
+moved from ``epoch=0`` to ``epoch=1``, and the 1st
 ``replace_directory`` with something to replace is epoch 1's ``last`` too.
 """
 
