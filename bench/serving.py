@@ -11,7 +11,7 @@ A request scores N candidates for a user with L history tokens. Modes:
 The model is the ML-1M shape scaled up (hidden 256, 4 layers, 2 heads of 128), exported with
 ``gr.export`` and served by ``gr.serving.Ranker`` (sparse -> ONNX Runtime -> HSTU -> ONNX Runtime).
 
-Two more sections (issue 16):
+Two more sections:
   streaming: one user streams ``--stream-actions`` actions, one request (``--stream-candidates``
       candidates) per action, at max_seq_len ``--stream-max-len``: HSTU tokens encoded per request
       and p50 latency with ``--eviction-block`` against eviction by one token (the old path);
