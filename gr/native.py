@@ -20,8 +20,12 @@
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
 ``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
-load the cached library in well under a second) with ``-march=native``, so the cache directory is
-keyed by this CPU's model and flags. The attention and layer ops multiply with ``gr/csrc/gr_gemm.h``
+load the cached library in well under a second) with ``-march=native``. The library's directory is
+named by a hash of everything the binary depends on (the sources and headers, the flags, the torch
+version, this CPU's model and flags), so two checkouts or versions never share or rebuild each
+other's library. One process builds and loads it at most once, whatever its threads do;
+concurrent processes wait for each other's build (``torch.utils.cpp_extension``'s lock file).
+The attention and layer ops multiply with ``gr/csrc/gr_gemm.h``
 (in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``),
 which links the BLAS that PyTorch's x86 builds carry (MKL, ``gr/csrc/gr_blas.h``); where that, or a
 compiler, is missing the build fails once per process and the reason is logged.
@@ -59,20 +63,30 @@ SOURCES = [
 # -fopenmp: at::parallel_for is inline and runs serially without it (the OpenMP runtime is torch's libgomp);
 # -ffast-math: vectorised expf from glibc's libmvec. Fast-math only compiles: linking it would bring
 # crtfastmath, which sets flush-to-zero for the whole process.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-LDFLAGS = ["-fopenmp", "-lmvec"]
-_build_lock = threading.Lock()
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+LDFLAGS = ("-fopenmp", "-lmvec")
+HEADERS = PACKAGE / "csrc"
+_load_lock = threading.Lock()
 
 
-def _cpu_key() -> str:
-    """A short hash of this CPU's model and instruction set flags (the library is built with -march=native)."""
+def _cpu_text() -> str:
+    """This CPU's architecture, model and instruction set flags (the library is built with -march=native)."""
     text = platform.machine()
     try:
         info = Path("/proc/cpuinfo").read_text()
         text += "".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:8192]
     except OSError:
         pass
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    return text
+
+
+def library_name() -> str:
+    """``gr_cpu_native_<hash>``: a hash of the sources and headers, the flags, the torch version and this CPU."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *sorted(HEADERS.glob("*.h"))):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, _cpu_text())).encode())
+    return f"gr_cpu_native_{digest.hexdigest()[:16]}"
 
 
 def fused_setting() -> str:
@@ -110,21 +124,29 @@ def native_ops(namespace: str) -> Optional[object]:
     return getattr(torch.ops, namespace) if built else None
 
 
-@lru_cache(maxsize=None)
 def _load_once() -> Tuple[bool, str]:
-    """(True, "") or (False, why not); built and loaded at most once per process."""
-    with _build_lock:
-        directory = Path(os.environ.get("GR_EXTENSIONS_DIR", Path.home() / ".cache" / "gr" / "extensions"))
-        name = f"gr_cpu_native_{_cpu_key()}"
-        if not (directory / name / f"{name}.so").exists():  # progress: the first step waits for it
-            print(f"compiling gr's fused CPU kernels for this CPU, once (~15 s): {directory / name}", file=sys.stderr)
-        try:
-            build(name, SOURCES, directory)
-        except Exception as error:  # a compiler or BLAS symbol missing: run the unfused kernel
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            log.warning("fused CPU kernels unavailable (%s); running the PyTorch ones", reason)
-            return False, reason
-        return True, ""
+    """(True, "") or (False, why not); built and loaded at most once per process.
+
+    The lock is held across the cached call: a second thread waits for the first one's result
+    instead of building again (loading the library twice would register its op namespaces twice,
+    which aborts the process)."""
+    with _load_lock:
+        return _load()
+
+
+@lru_cache(maxsize=None)
+def _load() -> Tuple[bool, str]:
+    directory = Path(os.environ.get("GR_EXTENSIONS_DIR", Path.home() / ".cache" / "gr" / "extensions"))
+    name = library_name()
+    if not (directory / name / f"{name}.so").exists():  # progress: the first step waits for it
+        print(f"compiling gr's fused CPU kernels for this CPU, once (~15 s): {directory / name}", file=sys.stderr)
+    try:
+        build(name, SOURCES, directory)
+    except Exception as error:  # a compiler or BLAS symbol missing: run the unfused kernel
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        log.warning("fused CPU kernels unavailable (%s); running the PyTorch ones", reason)
+        return False, reason
+    return True, ""
 
 
 def build(name: str, sources: List[Path], directory: Path) -> None:
@@ -139,9 +161,9 @@ def build(name: str, sources: List[Path], directory: Path) -> None:
     load(
         name=name,
         sources=[str(source) for source in sources],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        extra_include_paths=[str(PACKAGE / "csrc")],
+        extra_cflags=list(CFLAGS),  # copies: torch's load() appends to its flag lists in place
+        extra_ldflags=list(LDFLAGS),
+        extra_include_paths=[str(HEADERS)],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,

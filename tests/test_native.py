@@ -1,10 +1,14 @@
-"""gr's fused CPU kernels (gr.native): built once per process, switchable by GR_CPU_FUSED, and a failed
-build falls back with the reason logged (or fails loudly when required)."""
+"""gr's fused CPU kernels (gr.native): built once per process (whatever its threads do), in a directory
+named by what the binary depends on, switchable by GR_CPU_FUSED, and a failed build falls back with the
+reason logged (or fails loudly when required)."""
 
 import logging
+import threading
+import time
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from gr import native
 from gr.native import fused_setting, native_ops
@@ -29,7 +33,7 @@ def test_all_op_namespaces_come_from_one_build(monkeypatch):
     assert hasattr(layer, "projection_forward") and hasattr(layer, "norm_forward")
     assert hasattr(random, "keep_mask") and hasattr(random, "randint")
     assert hasattr(gemm, "gemm") and hasattr(gemm, "transpose")
-    assert native._load_once.cache_info().misses == 1
+    assert native._load.cache_info().misses == 1
 
 
 def test_a_broken_source_fails_to_build_with_the_compiler_error(tmp_path):
@@ -45,7 +49,7 @@ def test_a_failed_build_falls_back_with_the_reason_logged_or_fails_when_required
 
     monkeypatch.setattr(native, "build", failing_build)
     with caplog.at_level(logging.WARNING, logger="gr.native"):
-        assert native._load_once.__wrapped__() == (False, "no C++ compiler found")  # uncached
+        assert native._load.__wrapped__() == (False, "no C++ compiler found")  # uncached
     assert "no C++ compiler found); running the PyTorch ones" in caplog.text
     monkeypatch.setattr(native, "_load_once", lambda: (False, "no C++ compiler found"))
     monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
@@ -71,12 +75,12 @@ def test_a_first_build_says_so_and_a_cached_one_is_silent(monkeypatch, tmp_path,
     built = []
     monkeypatch.setattr(native, "build", lambda name, sources, directory: built.append(directory / name))
     monkeypatch.setenv("GR_EXTENSIONS_DIR", str(tmp_path))
-    assert native._load_once.__wrapped__() == (True, "")  # uncached
+    assert native._load.__wrapped__() == (True, "")  # uncached
     assert f"compiling gr's fused CPU kernels for this CPU, once (~15 s): {built[0]}" in capsys.readouterr().err
     library = built[0] / f"{built[0].name}.so"
     library.parent.mkdir(parents=True)
     library.write_bytes(b"")
-    native._load_once.__wrapped__()
+    native._load.__wrapped__()
     assert "compiling" not in capsys.readouterr().err
 
 
@@ -117,3 +121,47 @@ def test_gradients_of_the_fused_kernels_repeat_bitwise_on_more_threads(monkeypat
             assert [n for n, a, b in zip(names, first, gradients()) if not torch.equal(a, b)] == []
     finally:
         torch.set_num_threads(threads)
+
+
+def test_concurrent_first_uses_build_and_load_once(monkeypatch, tmp_path):
+    """Two request threads asking for the kernels at once used to build (and register the op
+    namespaces) twice, which aborts the process."""
+    calls = []
+
+    def slow_build(name, sources, directory):
+        calls.append(name)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(native, "build", slow_build)
+    monkeypatch.setenv("GR_EXTENSIONS_DIR", str(tmp_path))
+    native._load.cache_clear()
+    try:
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(native._load_once())) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        native._load.cache_clear()  # the next caller loads the real (already loaded) library again
+    assert len(calls) == 1 and results == [(True, "")] * 4
+
+
+def test_the_library_name_hashes_sources_flags_and_torch_and_a_build_changes_no_flag(monkeypatch, tmp_path):
+    name = native.library_name()
+    assert name.startswith("gr_cpu_native_") and native.library_name() == name
+    monkeypatch.setattr(native, "LDFLAGS", (*native.LDFLAGS, "-lm"))
+    assert native.library_name() != name
+    monkeypatch.setattr(native.torch, "__version__", "0.0.0")
+    monkeypatch.setattr(native, "LDFLAGS", native.LDFLAGS[:-1])
+    assert native.library_name() != name
+    before = (native.CFLAGS, native.LDFLAGS)
+
+    def appending_load(*, extra_cflags, extra_ldflags, **_):  # torch's load() extends its lists in place
+        extra_cflags.append("-fPIC")
+        extra_ldflags.append("-shared")
+
+    monkeypatch.setattr(cpp_extension, "load", appending_load)
+    native.build("gr_test_flags_unchanged", [], tmp_path / "extensions")
+    native.build("gr_test_flags_unchanged", [], tmp_path / "extensions")
+    assert (native.CFLAGS, native.LDFLAGS) == before

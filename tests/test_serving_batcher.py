@@ -1,6 +1,8 @@
 """The request batcher: rank requests in flight together run as one batch, each answered as if
-alone; a bad request fails alone and a non-finite one does not take the batch down."""
+alone; a bad request is refused before it joins a batch, a request that breaks its batch in any way
+fails alone, and a dead worker thread fails every waiting request at once and says so."""
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -8,9 +10,15 @@ import pytest
 
 from gr.export import export_model
 from gr.serving import Ranker, RankRequest, RequestError
-from gr.serving.batcher import RankBatcher
+from gr.serving.batcher import BatcherDied, RankBatcher
 from gr.serving.errors import ScoringError
-from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, requests_from_batch
+from helpers.models import (
+    DENSE_DIMS,
+    build_generative_model,
+    build_ranking_model,
+    random_batch,
+    requests_from_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def test_a_bad_request_fails_alone_and_the_rest_of_its_batch_is_answered(served)
     bad = RankRequest(**{**vars(requests[1]), "candidates": {k: v[:0] for k, v in requests[1].candidates.items()}})
     batcher = RankBatcher(Ranker.load(path), window_ms=200, max_batch=3)
     got = concurrently(batcher, [requests[0], bad, requests[2]])
-    assert batcher.batch_sizes == [3]
+    assert batcher.batch_sizes == [2], "the bad request is refused in its own thread and never joins"
     assert isinstance(got[1], RequestError) and "candidates" in str(got[1])
     assert all(not isinstance(g, Exception) for g in (got[0], got[2]))
 
@@ -84,3 +92,50 @@ def test_window_and_batch_size_are_checked():
         RankBatcher(None, window_ms=-1)
     with pytest.raises(ValueError, match="max_batch"):
         RankBatcher(None, max_batch=0)
+
+
+def test_an_empty_retrieval_history_is_refused_before_it_can_fail_its_batch_mates(tmp_path):
+    path = export_model(build_generative_model(1, 3), tmp_path / "retrieval")
+    good = [
+        RankRequest(f"u{i}", {"item_id": [1, 2, 3 + i], "timestamps": [1, 2, 3]}, {"item_id": [5, 6]}) for i in range(3)
+    ]
+    empty = RankRequest("e", {"item_id": [], "timestamps": []}, {"item_id": [5]})
+    batcher = RankBatcher(Ranker.load(path), window_ms=200)
+    got = concurrently(batcher, [good[0], empty, good[1], empty, good[2]])
+    assert all(isinstance(got[i], RequestError) and "history: empty" in str(got[i]) for i in (1, 3))
+    assert all(not isinstance(got[i], Exception) for i in (0, 2, 4)) and sum(batcher.batch_sizes) == 3
+
+
+def test_any_error_that_breaks_a_batch_fails_only_the_request_that_causes_it(served, monkeypatch):
+    path, requests = served
+    ranker = Ranker.load(path)
+    rank_prepared = ranker.rank_prepared
+
+    def breaks_on_nine_candidates(prepared, **options):
+        if any(len(p.candidates["timestamps"]) == 9 for p in prepared):
+            raise IndexError("a bug that only requests[1] triggers")
+        return rank_prepared(prepared, **options)
+
+    monkeypatch.setattr(ranker, "rank_prepared", breaks_on_nine_candidates)
+    batcher = RankBatcher(ranker, window_ms=200, max_batch=3)
+    got = concurrently(batcher, requests[:3])
+    assert isinstance(got[1], IndexError) and batcher.batch_sizes == [3]
+    assert all(not isinstance(g, Exception) for g in (got[0], got[2]))
+    assert not isinstance(batcher.rank(requests[0]), Exception) and batcher.death is None
+
+
+def test_a_dead_worker_fails_waiting_and_later_requests_at_once_and_reports_its_death(served, monkeypatch):
+    path, requests = served
+    entered, deaths = threading.Event(), []
+
+    def dies(self, batch):
+        entered.set()
+        raise KeyboardInterrupt  # a BaseException: nothing in _run may swallow it
+
+    monkeypatch.setattr(RankBatcher, "_run", dies)
+    batcher = RankBatcher(Ranker.load(path), window_ms=100, on_death=deaths.append)
+    got = concurrently(batcher, requests[:3])
+    assert entered.is_set() and all(isinstance(g, BatcherDied) for g in got)
+    with pytest.raises(BatcherDied, match="the rank batcher stopped"):
+        batcher.rank(requests[0])
+    assert len(deaths) == 1 and isinstance(deaths[0], KeyboardInterrupt)

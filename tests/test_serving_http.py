@@ -1,11 +1,14 @@
-"""The HTTP service against real server processes: HTTP = in-process scores, raw ids round-trip,
-each bad request class gets its 400 naming the field (and changes nothing), metrics move, a
-reload under traffic never mixes two models in one answer, and hash-on-user-id routing keeps a
-user's cache warm on its replica."""
+"""The HTTP service against real server processes (and, where no process boundary is needed, the
+app on an in-process uvicorn): HTTP = in-process scores, raw ids round-trip, each bad request class
+gets its 400 naming the field (and changes nothing), hostile values and sizes are refused without
+hurting anyone else, metrics move, readiness means warmed up, a reload under traffic never mixes two
+models in one answer, and hash-on-user-id routing keeps a user's cache warm on its replica."""
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,9 @@ import torch
 from gr.export import export_model
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
 from gr.serving.__main__ import main as serving_main
+from gr.serving.batcher import RankBatcher
+from gr.serving.http import EXIT_BATCHER_DIED, create_app
+from gr.serving.limits import RequestLimits
 from helpers.models import (
     DENSE_DIMS,
     NUM_ITEMS,
@@ -22,7 +28,7 @@ from helpers.models import (
     random_batch,
     requests_from_batch,
 )
-from helpers.servers import Server, metric, replica_of, write_item_map
+from helpers.servers import AppServer, Server, metric, replica_of, write_item_map
 
 RAW_ITEMS = [1000 + 7 * i for i in range(NUM_ITEMS)]  # raw id of model item i
 TOKEN = "s3cret"
@@ -118,7 +124,7 @@ BAD_REQUESTS = [  # (endpoint, body, field named)
         "history.timestamps",
     ),
     ("recommend", {"user_id": "u", "history": HISTORY, "k": 0}, "body.k"),
-    ("recommend", {"user_id": "u", "history": HISTORY, "k": 10**6}, "k"),
+    ("recommend", {"user_id": "u", "history": HISTORY, "k": 200}, "k"),
     ("recommend", {"user_id": "u", "history": HISTORY, "ids": "internal"}, "body.ids"),
     ("generate", {"user_id": "u", "history": HISTORY, "strategy": "topp"}, "strategy"),
     ("generate", {"user_id": "u", "history": HISTORY, "temperature": -1}, "body.temperature"),
@@ -265,3 +271,215 @@ def test_the_serving_cli_reports_a_bad_export_in_one_line_and_exits_2(command, t
     assert serving_main([command, str(tmp_path / "missing"), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(tmp_path / "missing") in err and "not a valid export" in err
+
+
+LIMITS = RequestLimits(
+    max_body_bytes=64 * 1024,
+    max_history_tokens=100,
+    max_candidates=30,
+    max_k=20,
+    max_beam_width=4,
+    max_user_id_bytes=32,
+)
+GOOD_RANK = {"user_id": "g", "history": HISTORY, "candidates": {"item_id": [RAW_ITEMS[3], RAW_ITEMS[8]]}}
+RAGGED = {"item_id": [[RAW_ITEMS[12]], [RAW_ITEMS[40], RAW_ITEMS[41]]], "timestamps": [1, 2]}
+HOSTILE = [  # (endpoint, body, field named): each once killed the rank batcher or was a plain-text 500
+    ("rank", {**GOOD_RANK, "history": RAGGED}, "history.item_id"),
+    ("rank", {**GOOD_RANK, "request_time": 2**63}, "body.request_time"),
+    (
+        "rank",
+        {**GOOD_RANK, "candidates": {"item_id": [RAW_ITEMS[3]], "timestamps": [2**64 - 1]}},
+        "candidates.timestamps",
+    ),
+    ("rank", {**GOOD_RANK, "history": {**HISTORY, "item_id": [2**70] * 5}}, "history.item_id"),
+    ("rank", {**GOOD_RANK, "history": {**HISTORY, "timestamps": [10, 30, 20, 40, 50]}}, "history.timestamps"),
+    ("rank", {**GOOD_RANK, "history": {"item_id": [], "timestamps": []}}, "history"),
+    ("rank", {**GOOD_RANK, "user_id": 2**64}, "user_id"),
+    ("recommend", {"user_id": "u", "history": RAGGED}, "history.item_id"),
+    ("generate", {"user_id": "u", "history": RAGGED}, "history.item_id"),
+    ("generate", {"user_id": "u", "history": HISTORY, "strategy": "sample", "temperature": 1e-300}, "body.temperature"),
+    ("generate", {"user_id": "u", "history": HISTORY, "strategy": "sample", "temperature": 1e300}, "body.temperature"),
+    ("generate", {"user_id": "u", "history": HISTORY, "strategy": "sample", "seed": 2**64}, "body.seed"),
+    ("generate", {"user_id": "u", "history": HISTORY, "request_time": 2**63}, "body.request_time"),
+]
+OVER_LIMITS = [  # (endpoint, body, field named, the flag the message names)
+    (
+        "rank",
+        {**GOOD_RANK, "history": {"item_id": [RAW_ITEMS[1]] * 101, "timestamps": [1] * 101}},
+        "history.item_id",
+        "--max-history-tokens",
+    ),
+    ("rank", {**GOOD_RANK, "candidates": {"item_id": [RAW_ITEMS[1]] * 31}}, "candidates.item_id", "--max-candidates"),
+    ("recommend", {"user_id": "u", "history": HISTORY, "k": 21}, "k", "--max-k"),
+    (
+        "generate",
+        {"user_id": "u", "history": HISTORY, "strategy": "beam", "beam_width": 10**9},
+        "beam_width",
+        "--max-beam-width",
+    ),
+    ("rank", {**GOOD_RANK, "user_id": "x" * 33}, "user_id", "--max-user-id-bytes"),
+]
+
+
+@pytest.fixture(scope="module")
+def app_servers(exports):
+    """The retrieval export on in-process servers with small limits: with and without the batcher."""
+    with AppServer(create_app(Ranker.load(exports["first"], limits=LIMITS))) as batched:
+        with AppServer(create_app(Ranker.load(exports["first"], limits=LIMITS), batching=False)) as alone:
+            batched.wait_ready()
+            alone.wait_ready()
+            yield {"batched": batched, "alone": alone}
+
+
+@pytest.mark.parametrize("mode", ["batched", "alone"])
+def test_hostile_values_get_a_400_naming_the_field_and_the_service_keeps_answering(app_servers, mode):
+    server = app_servers[mode]
+    status, before = server.call("POST", "/v1/rank", GOOD_RANK)
+    assert status == 200
+    for endpoint, body, field in HOSTILE:
+        status, answer = server.call("POST", f"/v1/{endpoint}", body)
+        assert status == 400 and answer["error"] == "bad_request" and answer["field"] == field, (body, answer)
+        status, after = server.call("POST", "/v1/rank", GOOD_RANK)
+        assert status == 200 and after["scores"] == before["scores"], (body, after)
+    assert server.call("GET", "/readyz")[0] == 200
+
+
+def test_history_timestamps_may_be_negative_or_equal_but_not_out_of_order(app_servers):
+    server = app_servers["batched"]
+    for timestamps in ([-500, -400, -400, -10, 0], [7, 7, 7, 7, 7]):
+        body = {**GOOD_RANK, "history": {**HISTORY, "timestamps": timestamps}}
+        assert server.call("POST", "/v1/rank", body)[0] == 200
+    status, answer = server.call(
+        "POST", "/v1/rank", {**GOOD_RANK, "history": {**HISTORY, "timestamps": [5, 4, 6, 7, 8]}}
+    )
+    assert status == 400 and "out of order: [1] = 4 is earlier than [0] = 5" in answer["detail"]
+
+
+def test_requests_past_a_limit_are_refused_naming_the_limit_and_its_flag(app_servers):
+    server = app_servers["batched"]
+    for endpoint, body, field, flag in OVER_LIMITS:
+        status, answer = server.call("POST", f"/v1/{endpoint}", body)
+        assert status == 400 and answer["error"] == "limit_exceeded", (body, answer)
+        assert answer["field"] == field and flag in answer["detail"], answer
+    big = json.dumps({**GOOD_RANK, "history": {"item_id": [RAW_ITEMS[1]] * 20_000}}).encode()
+    assert len(big) > LIMITS.max_body_bytes
+    status, answer = server.call("POST", "/v1/rank", raw=big)
+    assert status == 413 and answer["error"] == "body_too_large" and "--max-body-bytes" in answer["detail"]
+    chunked = iter([big[i : i + 4096] for i in range(0, len(big), 4096)])  # no Content-Length: read in chunks
+    status, answer = server.call("POST", "/v1/rank", raw=chunked)
+    assert status == 413 and answer["error"] == "body_too_large"
+    assert server.call("POST", "/v1/rank", GOOD_RANK)[0] == 200
+
+
+def test_an_unexpected_exception_is_a_json_500_counted_in_the_metrics(app_servers, monkeypatch):
+    server = app_servers["alone"]
+
+    def broken(request):
+        raise KeyError("a bug")
+
+    ranker = server.server.config.app.state.ranker
+    monkeypatch.setattr(ranker, "recommend", broken)
+    before = server.call("GET", "/metrics")[1]
+    status, answer = server.call("POST", "/v1/recommend", {"user_id": "u", "history": HISTORY})
+    assert status == 500 and answer["error"] == "internal" and "KeyError" in answer["detail"]
+    after = server.call("GET", "/metrics")[1]
+    moved = metric(after, "gr_errors_total", endpoint="recommend", status="500")
+    assert moved - metric(before, "gr_errors_total", endpoint="recommend", status="500") == 1
+
+
+def test_readyz_says_ready_only_after_the_warm_up_has_answered(exports, monkeypatch):
+    ranker = Ranker.load(exports["first"])
+    release, calls = threading.Event(), []
+    warm_up = ranker.warm_up
+
+    def slow_warm_up():
+        release.wait(30)
+        calls.append("warm-up")
+        warm_up()
+
+    monkeypatch.setattr(ranker, "warm_up", slow_warm_up)
+    with AppServer(create_app(ranker)) as server:
+        status, body = server.call("GET", "/readyz")
+        assert status == 503 and body["status"] == "starting"
+        assert server.call("GET", "/healthz") == (200, {"status": "ok"})
+        release.set()
+        assert server.wait_ready(60)["status"] == "ready" and calls == ["warm-up"]
+    assert len(ranker.cache) == 0 and ranker.model._catalogue is not None  # warmed, nothing cached
+
+
+def test_a_dead_batcher_fails_fast_turns_not_ready_and_ends_the_process(exports, monkeypatch):
+    def dies(self, batch):
+        raise SystemExit("the worker thread ends")  # not an Exception: _run lets it through
+
+    monkeypatch.setattr(RankBatcher, "_run", dies)
+    fatal = []
+    with AppServer(create_app(Ranker.load(exports["first"]), warm_up=False, on_fatal=fatal.append)) as server:
+        for _ in range(2):  # the request in flight, then a later one: both answered at once
+            status, answer = server.call("POST", "/v1/rank", GOOD_RANK)
+            assert status == 503 and answer["error"] == "unavailable", answer
+        status, body = server.call("GET", "/readyz")
+        assert status == 503 and body["status"] == "failed" and "batcher" in body["detail"]
+    assert fatal == [EXIT_BATCHER_DIED]
+
+
+def test_reload_is_refused_when_it_could_swap_only_one_of_several_workers(exports):
+    app = create_app(Ranker.load(exports["first"]), admin_token=TOKEN, workers=2, warm_up=False)
+    with AppServer(app) as server:
+        auth = [("Authorization", f"Bearer {TOKEN}")]
+        status, answer = server.call("POST", "/admin/reload", {"export_dir": str(exports["second"])}, headers=auth)
+        assert status == 409 and answer["error"] == "reload_unsupported" and "2 worker processes" in answer["detail"]
+        assert server.call("GET", "/readyz")[1]["model_version"] == 0
+
+
+def rss_peak_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_mixed_load_valid_requests_all_succeed_while_a_quarter_of_the_clients_are_hostile(exports):
+    """32 clients, 8 of them sending hostile bodies (malformed values, over-limit sizes, a 20 MB
+    body, huge beams): every valid answer is right, the server's peak RSS grows by a bounded amount,
+    and SIGTERM stops it within seconds while clients are still sending."""
+    server = Server(exports["first"], "--max-body-bytes", str(1 << 20))
+    local = Ranker.load(exports["first"])
+    want = local.rank("x", HISTORY, {"item_id": RAW_ITEMS[:20:2]}, id_options=IdOptions("raw")).scores["retrieval"]
+    huge = json.dumps({**GOOD_RANK, "history": {"item_id": [RAW_ITEMS[1]] * 2_000_000}}).encode()
+    hostile = [(endpoint, body, None) for endpoint, body, _ in HOSTILE] + [("rank", None, huge)]
+    hostile += [(endpoint, body, None) for endpoint, body, _, _ in OVER_LIMITS if endpoint == "generate"]
+    try:
+        rss_before = rss_peak_kb(server.process.pid)
+        failures, answered = [], [0]
+
+        def client(c: int) -> None:
+            for i in range(12):
+                if c % 4 == 0:
+                    endpoint, body, raw = hostile[(c + i) % len(hostile)]
+                    try:
+                        status, _ = server.call("POST", f"/v1/{endpoint}", body, raw=raw)
+                    except OSError:  # the server may close the connection of a body it refused unread
+                        status = 413
+                    if status not in (400, 413):
+                        failures.append(("hostile", endpoint, status))
+                    continue
+                body = {"user_id": f"c{c}-{i % 3}", "history": HISTORY, "candidates": {"item_id": RAW_ITEMS[:20:2]}}
+                status, answer = server.call("POST", "/v1/rank", body)
+                if status != 200 or not np.allclose(answer["scores"]["retrieval"], want, rtol=0, atol=1e-6):
+                    failures.append(("valid", status, answer))
+                answered[0] += 1
+
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(client, range(32)))
+        assert failures == [] and answered[0] == 24 * 12
+        grown_mb = (rss_peak_kb(server.process.pid) - rss_before) / 1024
+        assert grown_mb < 200, f"peak RSS grew by {grown_mb:.0f} MB"
+        with ThreadPoolExecutor(4) as pool:  # SIGTERM with requests in flight
+            for _ in range(4):
+                pool.submit(server.call, "POST", "/v1/rank", GOOD_RANK)
+            started = time.monotonic()
+            server.process.terminate()
+            server.process.wait(timeout=15)
+        assert time.monotonic() - started < 10
+    finally:
+        server.stop()

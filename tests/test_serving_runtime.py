@@ -22,7 +22,9 @@ from gr.export.manifest import write_manifest
 from gr.hstu.cache import cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
 from gr.serving.__main__ import main as serving_main
+from gr.serving.limits import RequestLimits
 from gr.serving.scores import ranking_scores
+from gr.serving.user_cache import kept_bytes
 from helpers.models import (
     DENSE_DIMS,
     as_served,
@@ -183,7 +185,7 @@ def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_u
     sizes = {}
     for r in requests:
         rank(ranker, r)
-        sizes[r["user_id"]] = ranker.cache.get(r["user_id"]).nbytes
+        sizes[r["user_id"]] = kept_bytes(r["user_id"], ranker.cache.get(r["user_id"]))
         history_bytes = ranker.cache.get(r["user_id"]).history.nbytes
         assert history_bytes == len(r["history"]["timestamps"]) * cache_bytes_per_token(config)
     u0, u1, u2, u3 = (r["user_id"] for r in requests)
@@ -199,6 +201,17 @@ def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_u
     assert rank(tiny, requests[3]).cache_status == "miss" and len(tiny.cache) == 0, (
         "an entry above the bound is not kept"
     )
+
+
+def test_the_cache_bound_counts_each_users_id_as_well_as_its_history(exported, users):
+    _, path = exported
+    _, requests = users
+    long_ids = [f"{i}-" + "x" * 300_000 for i in range(6)]  # 300 KB ids (a service refuses them: max_user_id_bytes)
+    ranker = Ranker.load(path, cache_bytes=1_000_000, limits=RequestLimits(max_user_id_bytes=400_000))
+    for user in long_ids:
+        rank(ranker, {**requests[0], "user_id": user})
+    assert len(ranker.cache) == 3 and ranker.cache.nbytes <= 1_000_000
+    assert ranker.cache.nbytes == sum(kept_bytes(u, ranker.cache.get(u)) for u in ranker.cache.users())
 
 
 def test_reload_invalidates_the_cache_and_stale_entries_are_refused(exported, users, tmp_path):
@@ -344,7 +357,8 @@ def test_user_cache_is_thread_safe_under_concurrent_puts():
         def __init__(self, nbytes):
             self.nbytes = nbytes
 
-    cache = UserCache(max_bytes=1000)
+    bound = 10 * kept_bytes(0, Entry(40))  # about ten of the 37 users fit
+    cache = UserCache(max_bytes=bound)
     version = cache.model_version
 
     def worker(offset):
@@ -357,7 +371,7 @@ def test_user_cache_is_thread_safe_under_concurrent_puts():
         t.start()
     for t in threads:
         t.join()
-    assert cache.nbytes == sum(cache.get(u).nbytes for u in cache.users()) <= 1000
+    assert cache.nbytes == sum(kept_bytes(u, cache.get(u)) for u in cache.users()) <= bound
 
 
 def test_hstu_and_ranker_work_in_a_process_without_training_code(exported, tmp_path):

@@ -26,6 +26,7 @@ from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES
+from gr.serving.limits import DEFAULT_LIMITS, DESCRIPTIONS, flag
 from gr.serving.model import check_device
 from gr.serving.request import GenerateRequest, RankRequest
 from gr.serving.runtime import (
@@ -36,6 +37,8 @@ from gr.serving.runtime import (
 )
 
 ADMIN_TOKEN_ENV = "GR_ADMIN_TOKEN"
+GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then the server stops
+
 IDS_HELP = "ids of requests without an 'ids' key: raw (through sparse/id_maps) or model (table rows)"
 DEVICE_HELP = "where the ONNX slices, the HSTU engine and its caches run (default cpu)"
 
@@ -90,6 +93,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=0.0,
         help="how long a batch waits after its first request for others to join (default 0)",
     )
+    for name, text in DESCRIPTIONS.items():
+        default = getattr(DEFAULT_LIMITS, name)
+        serve.add_argument(flag(name), type=int, default=default, help=f"{text} (default {default})")
     serve.add_argument(
         "--admin-token",
         default=None,
@@ -180,6 +186,11 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    limits = {name: getattr(args, name) for name in DESCRIPTIONS}
+    for name, value in limits.items():
+        if value < 1:
+            print(f"serve: {flag(name)}: expected an integer >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         check = check_export(args.export_dir)
     except OSError as exc:
@@ -203,6 +214,8 @@ def _serve(args: argparse.Namespace) -> int:
             "threads": args.threads,
             "index": args.index,
             "device": args.device,
+            "workers": args.workers,
+            "limits": limits,
         }
     )
     try:
@@ -213,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             workers=args.workers,
             log_level="warning",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     except (OSError, SystemExit) as exc:
         print(f"serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)

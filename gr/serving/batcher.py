@@ -1,83 +1,118 @@
 """Rank requests in flight together run as one batch (``Ranker.rank_prepared``).
 
-The HTTP server's handler threads hand their rank requests to a ``RankBatcher``, whose one worker
-thread runs them: every request that arrived while the previous batch ran (up to ``max_batch``)
+The HTTP server's handler threads hand their rank requests to a ``RankBatcher``. Each request is
+validated in its caller's thread (``Ranker.prepare_rank``) before it joins a batch, so a bad
+request fails alone, with its own error, and never reaches its batch-mates. The one worker thread
+runs the batches: every request that arrived while the previous batch ran (up to ``max_batch``)
 forms the next batch, so an idle server answers a lone request at once and a busy one packs
 users into shared HSTU passes and one postfix run (continuous batching). ``window_ms`` > 0 makes
-the worker wait that long after the first request of a batch for others to join. Each request is
-validated on its own, so a bad request fails alone and never changes what the others return; a
-batch whose scores are not finite is re-run one request at a time, so only the request that
-produces them fails.
+the worker wait that long after the first request of a batch for others to join.
+
+A batch that fails in any way (non-finite scores, or any other exception) is re-run one request
+at a time, so only the request that causes the failure reports it. Should the worker thread
+itself die, every waiting and later request fails at once with ``BatcherDied`` and ``on_death``
+is called (the HTTP server then turns not-ready and exits, for its supervisor to restart it).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
-from gr.serving.errors import RequestError, ScoringError
 from gr.serving.request import RankRequest
 from gr.serving.runtime import PreparedRank, Ranker, RankResult
+
+log = logging.getLogger(__name__)
+
+
+class BatcherDied(RuntimeError):
+    """The batcher's worker thread is gone: no rank request can be answered by this process."""
 
 
 class RankBatcher:
     """Batches concurrent ``rank`` calls on one worker thread. window_ms: how long the worker waits
-    after a batch's first request for company (0: no wait); max_batch: requests per batch at most."""
+    after a batch's first request for company (0: no wait); max_batch: requests per batch at most;
+    on_death: called with the exception that ended the worker thread (never called otherwise)."""
 
-    def __init__(self, ranker: Ranker, window_ms: float = 0.0, max_batch: int = 64) -> None:
+    def __init__(
+        self,
+        ranker: Ranker,
+        window_ms: float = 0.0,
+        max_batch: int = 64,
+        on_death: Optional[Callable[[BaseException], None]] = None,
+    ) -> None:
         if window_ms < 0 or max_batch < 1:
             raise ValueError(f"RankBatcher: window_ms must be >= 0 and max_batch >= 1, got {window_ms}, {max_batch}")
         self.ranker, self.window_s, self.max_batch = ranker, window_ms / 1e3, max_batch
+        self.on_death = on_death
         self.batch_sizes: List[int] = []  # of every batch run, for metrics and tests
-        self._waiting: List[Tuple[RankRequest, Future]] = []
+        self.death: Optional[BaseException] = None  # what ended the worker thread, if it ended
+        self._waiting: List[Tuple[PreparedRank, Future]] = []
         self._arrived = threading.Condition()
         threading.Thread(target=self._serve_forever, name="gr-rank-batcher", daemon=True).start()
 
     def rank(self, request: RankRequest) -> RankResult:
-        """Rank ``request`` in the next batch; blocks until its result (or raises its error)."""
+        """Validate ``request`` here (its RequestError is raised to this caller alone), rank it in
+        the next batch; blocks until its result (or raises its error)."""
+        prepared = self.ranker.prepare_rank(request)
         future: Future = Future()
         with self._arrived:
-            self._waiting.append((request, future))
+            if self.death is not None:
+                raise BatcherDied(f"the rank batcher stopped: {self.death!r}")
+            self._waiting.append((prepared, future))
             self._arrived.notify()
         return future.result()
 
     def _serve_forever(self) -> None:
-        while True:
-            with self._arrived:
-                while not self._waiting:
-                    self._arrived.wait()
-            if self.window_s:
-                time.sleep(self.window_s)
-            with self._arrived:
-                batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
-            self._run(batch)
-
-    def _run(self, batch: List[Tuple[RankRequest, Future]]) -> None:
-        self.batch_sizes.append(len(batch))
-        prepared: List[Tuple[PreparedRank, Future]] = []
-        for request, future in batch:
-            try:
-                prepared.append((self.ranker.prepare_rank(request), future))
-            except RequestError as exc:
-                future.set_exception(exc)
+        batch: List[Tuple[PreparedRank, Future]] = []
         try:
-            results = self.ranker.rank_prepared([p for p, _ in prepared])
-        except ScoringError:
-            for p, future in prepared:
+            while True:
+                batch = self._next_batch()
+                self._run(batch)
+        except BaseException as exc:  # noqa: B036 - whatever ends the thread must reach the waiting callers
+            self._die(exc, batch)
+
+    def _next_batch(self) -> List[Tuple[PreparedRank, Future]]:
+        with self._arrived:
+            while not self._waiting:
+                self._arrived.wait()
+        if self.window_s:
+            time.sleep(self.window_s)
+        with self._arrived:
+            batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
+        return batch
+
+    def _run(self, batch: List[Tuple[PreparedRank, Future]]) -> None:
+        self.batch_sizes.append(len(batch))
+        try:
+            results = self.ranker.rank_prepared([p for p, _ in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                batch[0][1].set_exception(exc)
+                return
+            for p, future in batch:  # one at a time: only the request that fails reports it
                 _settle(future, lambda p=p: self.ranker.rank_prepared([p])[0])
             return
-        except BaseException as exc:  # a bug: every waiting request reports it
-            for _, future in prepared:
-                future.set_exception(exc)
-            return
-        for (_, future), result in zip(prepared, results):
+        for (_, future), result in zip(batch, results):
             future.set_result(result)
 
+    def _die(self, exc: BaseException, running: List[Tuple[PreparedRank, Future]]) -> None:
+        log.critical("the rank batcher's worker thread stopped: %r", exc, exc_info=exc)
+        with self._arrived:
+            self.death = exc
+            waiting, self._waiting = self._waiting, []
+        for _, future in (*running, *waiting):
+            if not future.done():
+                future.set_exception(BatcherDied(f"the rank batcher stopped: {exc!r}"))
+        if self.on_death is not None:
+            self.on_death(exc)
 
-def _settle(future: Future, run) -> None:
+
+def _settle(future: Future, run: Callable[[], RankResult]) -> None:
     try:
         future.set_result(run())
-    except BaseException as exc:
+    except Exception as exc:
         future.set_exception(exc)

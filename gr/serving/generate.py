@@ -31,7 +31,7 @@ from gr.generation.speculative_retrieval import (
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
 from gr.serving.history import EncodedHistory, History, last_token_state
-from gr.serving.request import GenerateRequest
+from gr.serving.request import GenerateRequest, check_request_time, check_sampling
 
 STRICT = Strict()  # the default verification: greedy's exact output
 
@@ -126,10 +126,8 @@ def plan(
         raise RequestError(
             f"k: {request.k} items requested but only {available} catalogue items are not in the history"
         )
-    if request.request_time is not None and (
-        isinstance(request.request_time, bool) or not isinstance(request.request_time, int)
-    ):
-        raise RequestError(f"request_time: expected an integer (seconds), got {request.request_time!r}")
+    check_request_time(request.request_time)
+    check_sampling(request.temperature, request.seed)
     request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
     return Plan(h, catalogue, request, request_time, draft, verification, budget, attribute, speculative_retrieval)
 

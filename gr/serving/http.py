@@ -3,12 +3,19 @@ OpenAPI at /openapi.json and /docs.
 
 POST /v1/rank, /v1/recommend, /v1/generate take the request objects of ``gr.serving.request``
 (raw ids by default; ``"ids": "model"`` for table rows). GET /healthz (process alive),
-/readyz (model loaded), /metrics (Prometheus). POST /admin/reload {"export_dir": ...} swaps the
-model atomically; it answers 404 unless the server was given an admin token, and 401 without
-``Authorization: Bearer <token>``.
+/readyz (200 once the model is loaded and warmed up: the fused kernels built and one request of
+each kind answered; 503 before, or once the process can no longer answer), /metrics (Prometheus).
+POST /admin/reload {"export_dir": ...} loads and warms up the new model while the old one serves,
+then swaps it in; it answers 404 unless the server was given an admin token, 401 without
+``Authorization: Bearer <token>``, and 409 when the server runs several worker processes (a
+reload would swap only the one that answers).
 
-Errors are JSON ``{"error": name, "field": request field, "detail": message}``: 400 for a bad
-request (it touches no cache), 500 ``non_finite_score`` when the model outputs NaN or infinity.
+Errors are JSON ``{"error": name, "field": request field, "detail": message}``, each for its own
+request alone: 400 ``bad_request`` (it touches no cache), 400 ``limit_exceeded`` and 413
+``body_too_large`` (``gr.serving.limits``), 500 ``non_finite_score`` when the model outputs NaN or
+infinity, 500 ``internal`` for anything unexpected (logged with its traceback), 503
+``unavailable`` when the rank batcher has stopped (the process then exits, non-zero, for its
+supervisor to restart it). Every error counts in ``gr_errors_total``.
 Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see README).
 """
 
@@ -16,30 +23,88 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
+import threading
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from gr.serving.batcher import RankBatcher
+from gr.serving.batcher import BatcherDied, RankBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
+from gr.serving.limits import LimitError, flag, limits_from_options
 from gr.serving.metrics import ServerMetrics
 from gr.serving.request import (
     GENERATE_KEYS,
     RECOMMEND_KEYS,
     REQUEST_KEYS,
+    SEED_RANGE,
+    TEMPERATURE_RANGE,
     GenerateRequest,
     RankRequest,
     RecommendRequest,
 )
 from gr.serving.runtime import Ranker
+from gr.timestamps import INT64_MAX, INT64_MIN
 
 RAW = "raw"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+EXIT_BATCHER_DIED = 70  # EX_SOFTWARE: the process cannot answer rank requests any more
+EXIT_DELAY_S = 1.0  # lets the failed requests' answers leave before the process exits
+log = logging.getLogger(__name__)
+
+
+class BodyTooLarge(RequestError):
+    """A request body past ``RequestLimits.max_body_bytes`` (HTTP 413)."""
+
+
+class Readiness:
+    """Whether the service can answer fast: "starting" (warming up), "ready", or "failed" (why)."""
+
+    def __init__(self) -> None:
+        self.status, self.detail = "starting", ""
+        self._lock = threading.Lock()
+
+    def set(self, status: str, detail: str = "") -> None:
+        with self._lock:
+            if self.status != "failed":  # a failed process stays failed
+                self.status, self.detail = status, detail
+
+    def get(self) -> tuple:
+        with self._lock:
+            return self.status, self.detail
+
+
+def exit_soon(status: int) -> None:
+    """End the process with ``status`` after EXIT_DELAY_S, from a daemon thread (no cleanup can block
+    it; a process that ends sooner by itself ends with its own status)."""
+    timer = threading.Timer(EXIT_DELAY_S, os._exit, args=(status,))
+    timer.daemon = True
+    timer.start()
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request body as JSON, refused (BodyTooLarge) as soon as it passes ``max_bytes``:
+    never read whole past the limit. A body that is not JSON is a RequestError."""
+    declared = request.headers.get("content-length", "")
+    too_large = f"body: more than {max_bytes} bytes, the limit ({flag('max_body_bytes')})"
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(too_large)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(too_large)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, too many digits, too deep
+        raise RequestError(f"body: not JSON: {' '.join(str(exc).split())}"[:300]) from None
 
 
 def _body_schema(keys, required, example: Dict[str, Any]) -> Dict[str, Any]:
@@ -53,13 +118,13 @@ def _body_schema(keys, required, example: Dict[str, Any]) -> Dict[str, Any]:
         "history": columns,
         "candidates": columns,
         "common_features": {"type": "object"},
-        "request_time": {"type": "integer"},
+        "request_time": {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX},
         "k": {"type": "integer", "minimum": 1},
         "exclude_seen": {"type": "boolean"},
         "strategy": {"enum": ["greedy", "beam", "sample"]},
         "beam_width": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number", "exclusiveMinimum": 0},
-        "seed": {"type": "integer"},
+        "temperature": {"type": "number", "minimum": TEMPERATURE_RANGE[0], "maximum": TEMPERATURE_RANGE[1]},
+        "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
         "ids": {"enum": ["raw", "model"], "default": "raw"},
         "unknown_ids": {"enum": ["error", "oov"]},
         "export_dir": {"type": "string"},
@@ -87,23 +152,53 @@ def _error(status: int, name: str, detail: str, field: str = "") -> Response:
 
 
 def create_app(
-    ranker: Ranker, *, admin_token: Optional[str] = None, batching: bool = True, batch_window_ms: float = 0.0
+    ranker: Ranker,
+    *,
+    admin_token: Optional[str] = None,
+    batching: bool = True,
+    batch_window_ms: float = 0.0,
+    warm_up: bool = True,
+    workers: int = 1,
+    on_fatal: Callable[[int], None] = exit_soon,
+    exit_after_shutdown: bool = False,
 ) -> FastAPI:
-    """The service over ``ranker``. admin_token: enables POST /admin/reload for that bearer token;
-    batching: concurrent rank requests run as batches (``gr.serving.batcher``), the worker waiting
-    ``batch_window_ms`` for company."""
-    app = FastAPI(title="gr serving", description=__doc__, version="1")
+    """The service over ``ranker`` (whose ``limits`` bound each request). admin_token: enables
+    POST /admin/reload for that bearer token; batching: concurrent rank requests run as batches
+    (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company; warm_up: /readyz
+    turns ready after ``Ranker.warm_up`` (run at start-up, in the background) instead of at once;
+    workers: the server's worker processes (reload needs 1); on_fatal: called with the exit
+    status when the process can no longer answer (default: exit after EXIT_DELAY_S);
+    exit_after_shutdown: once the server has shut down (SIGTERM, after its graceful timeout), end
+    the process after EXIT_DELAY_S even if a request thread is still busy (a server process's
+    own app; never in a process that hosts other work)."""
+    readiness = Readiness()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if warm_up:
+            threading.Thread(target=_warm_up, args=(ranker, readiness), name="gr-warm-up", daemon=True).start()
+        else:
+            readiness.set("ready")
+        yield
+        if exit_after_shutdown:
+            exit_soon(0)
+
+    app = FastAPI(title="gr serving", description=__doc__, version="1", lifespan=lifespan)
+    app.state.ranker = ranker
     metrics = ServerMetrics(ranker)
-    rank_request = RankBatcher(ranker, batch_window_ms).rank if batching else ranker.rank_request
+    max_body = ranker.limits.max_body_bytes
+
+    def batcher_died(exc: BaseException) -> None:
+        readiness.set("failed", f"the rank batcher stopped: {exc!r}")
+        on_fatal(EXIT_BATCHER_DIED)
+
+    rank_request = RankBatcher(ranker, batch_window_ms, on_death=batcher_died).rank if batching else ranker.rank_request
 
     async def call(endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
         metrics.requests.labels(endpoint).inc()
         started = time.perf_counter()
         try:
-            try:
-                payload = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RequestError(f"body: not JSON: {exc}") from None
+            payload = await read_json(request, max_body)
             answer = await run_in_threadpool(serve, payload)
             if "cache_status" in answer:
                 metrics.cache.labels(answer["cache_status"]).inc()
@@ -111,16 +206,29 @@ def create_app(
                 response = _json(answer)
             except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through
                 raise ScoringError(str(exc)) from None
+        except BodyTooLarge as exc:
+            response = _error(413, "body_too_large", str(exc), "body")
+        except LimitError as exc:
+            response = _error(400, "limit_exceeded", str(exc), exc.field)
         except RequestError as exc:
             response = _error(400, "bad_request", str(exc), exc.field)
         except ScoringError as exc:
             response = _error(500, "non_finite_score", str(exc))
         except IdMapError as exc:
             response = _error(500, "id_maps_unreadable", str(exc))
+        except BatcherDied as exc:
+            response = _error(503, "unavailable", f"{exc}; this process is exiting")
+        except Exception as exc:
+            response = _internal(endpoint, exc)
         if response.status_code >= 400:
             metrics.errors.labels(endpoint, str(response.status_code)).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
         return response
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:  # the other endpoints' bugs
+        metrics.errors.labels(request.url.path, "500").inc()
+        return _internal(request.url.path, exc)
 
     def rank(payload: Any) -> Dict[str, Any]:
         request = RankRequest.from_dict(payload, "body", default_ids=RAW)
@@ -171,9 +279,11 @@ def create_app(
     def healthz() -> Dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", summary="A model is loaded")
-    def readyz() -> Dict[str, Any]:
-        return {"status": "ready", "model_version": ranker.cache.model_version, "export_dir": str(ranker.model.root)}
+    @app.get("/readyz", summary="The model is loaded and warmed up: the first answer will be fast")
+    def readyz() -> Response:
+        status, detail = readiness.get()
+        body = {"status": status, "model_version": ranker.cache.model_version, "export_dir": str(ranker.model.root)}
+        return _json({**body, **({"detail": detail} if detail else {})}, 200 if status == "ready" else 503)
 
     @app.get("/metrics", summary="Prometheus metrics")
     def prometheus() -> Response:
@@ -190,10 +300,18 @@ def create_app(
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
             return _error(401, "unauthorized", "expected the header Authorization: Bearer <admin token>")
+        if workers > 1:
+            return _error(
+                409,
+                "reload_unsupported",
+                f"this server runs {workers} worker processes and a reload would swap only the one that "
+                "answers; restart the server with the new export (replicas one at a time behind the load "
+                "balancer), or run --workers 1 per replica",
+            )
         try:
-            payload = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, "bad_request", f"body: not JSON: {exc}", "body")
+            payload = await read_json(request, max_body)
+        except RequestError as exc:
+            return _error(413 if isinstance(exc, BodyTooLarge) else 400, "bad_request", str(exc), "body")
         if (
             not isinstance(payload, dict)
             or set(payload) != {"export_dir"}
@@ -209,6 +327,23 @@ def create_app(
     return app
 
 
+def _warm_up(ranker: Ranker, readiness: Readiness) -> None:
+    started = time.perf_counter()
+    try:
+        ranker.warm_up()
+    except Exception as exc:
+        log.error("warm-up failed; the server stays not ready: %r", exc, exc_info=exc)
+        readiness.set("failed", f"warm-up failed: {type(exc).__name__}: {exc}"[:2000])
+        return
+    log.info("warmed up in %.1f s; ready", time.perf_counter() - started)
+    readiness.set("ready")
+
+
+def _internal(endpoint: str, exc: BaseException) -> Response:
+    log.error("%s: unexpected %s", endpoint, type(exc).__name__, exc_info=exc)
+    return _error(500, "internal", f"an unexpected {type(exc).__name__}; the server logged it")
+
+
 OPTIONS_ENV = "GR_SERVING_OPTIONS"
 
 
@@ -217,5 +352,7 @@ def app_from_environment() -> FastAPI:
     {"export_dir", "admin_token", and Ranker options} that ``python -m gr.serving serve`` set."""
     options = json.loads(os.environ[OPTIONS_ENV])
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
-    batching = {key: options.pop(key) for key in ("batching", "batch_window_ms") if key in options}
-    return create_app(Ranker.load(export_dir, **options), admin_token=admin_token, **batching)
+    app_options = {key: options.pop(key) for key in ("batching", "batch_window_ms", "workers") if key in options}
+    limits = limits_from_options(options.pop("limits", {}))
+    ranker = Ranker.load(export_dir, limits=limits, **options)
+    return create_app(ranker, admin_token=admin_token, exit_after_shutdown=True, **app_options)

@@ -14,6 +14,10 @@ Ids are raw ids ("ids": "raw", the HTTP and CLI default: the dataset's ids, thro
 export's ``sparse/id_maps``) or model ids ("ids": "model", the in-process default: rows of the
 tables); a pooled common feature takes one id or a list of ids. The request time is when the last history action's
 next event happens, for models whose ``HSTUConfig.query_time`` is "next_event".
+
+Every integer (ids, timestamps, request_time, seed) must fit int64: larger ones are refused, never
+wrapped. History timestamps follow ``gr.timestamps`` (oldest first, ties allowed, negatives allowed).
+Sizes are bounded by the service's ``gr.serving.limits.RequestLimits``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from gr.export.format import BAG, BATCH, TIMESTAMPS, TOKENS
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS, IdMaps
+from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.sparse_store import SparseStore
+from gr.timestamps import INT64_MAX, INT64_MIN, TimestampError, check_history_timestamps
+
+TEMPERATURE_RANGE = (0.01, 100.0)  # sampling and beam temperatures: softmax(scores / t) stays finite
+SEED_RANGE = (0, INT64_MAX)
 
 ID_OPTIONS = ("ids", "unknown_ids")
 REQUEST_KEYS = ("user_id", "history", "candidates", "common_features", "request_time", *ID_OPTIONS)
@@ -84,14 +93,34 @@ def _object(data: Any, where: str, keys: Tuple[str, ...], required: Tuple[str, .
     return data
 
 
-def _int(data: Mapping[str, Any], key: str, where: str, default: Any, low: Optional[int] = None) -> Any:
+def _int(data: Mapping[str, Any], key: str, where: str, default: Any, low: int = INT64_MIN) -> Any:
+    """data[key] (or default): an integer in [low, 2^63 - 1]; None stays None where the default is None."""
     value = data.get(key, default)
     if value is None and default is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        bound = "" if low is None else f" >= {low}"
-        raise RequestError(f"{where}.{key}: expected an integer{bound}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT64_MAX:
+        bound = "in int64" if low == INT64_MIN else f"in [{low}, 2^63 - 1]"
+        raise RequestError(f"{where + '.' if where else ''}{key}: expected an integer {bound}, got {value!r}")
     return value
+
+
+def check_sampling(temperature: Any, seed: Any, prefix: str = "") -> None:
+    """temperature: a number in TEMPERATURE_RANGE; seed: None or an integer in SEED_RANGE."""
+    low, high = TEMPERATURE_RANGE
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not low <= temperature <= high:
+        raise RequestError(f"{prefix}temperature: expected a number in [{low}, {high}], got {temperature!r}")
+    if seed is not None:
+        _int({"seed": seed}, "seed", prefix.rstrip("."), None, SEED_RANGE[0])
+
+
+def check_request_time(request_time: Any) -> None:
+    """request_time: None (derived from the request) or an integer in int64 (seconds)."""
+    if request_time is not None and (
+        isinstance(request_time, bool)
+        or not isinstance(request_time, (int, np.integer))
+        or not INT64_MIN <= int(request_time) <= INT64_MAX
+    ):
+        raise RequestError(f"request_time: expected an integer in int64 (seconds), got {request_time!r}")
 
 
 def _flag(data: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
@@ -120,7 +149,7 @@ class RankRequest:
             data["history"],
             data["candidates"],
             data.get("common_features"),
-            data.get("request_time"),
+            _int(data, "request_time", where, None),
             IdOptions.from_dict(data, where, default_ids),
         )
 
@@ -145,7 +174,7 @@ class RecommendRequest:
             data["history"],
             _int(data, "k", where, 10, 1),
             data.get("common_features"),
-            data.get("request_time"),
+            _int(data, "request_time", where, None),
             _flag(data, "exclude_seen", where, True),
             IdOptions.from_dict(data, where, default_ids),
         )
@@ -171,13 +200,7 @@ class GenerateRequest:
     def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "GenerateRequest":
         data = _object(data, where, GENERATE_KEYS, ("user_id", "history"))
         temperature = data.get("temperature", 1.0)
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not temperature > 0
-            or temperature == float("inf")
-        ):
-            raise RequestError(f"{where}.temperature: expected a finite number > 0, got {temperature!r}")
+        check_sampling(temperature, None, f"{where}.")
         strategy = data.get("strategy", "greedy")
         if not isinstance(strategy, str):
             raise RequestError(f"{where}.strategy: expected a string, got {strategy!r}")
@@ -186,12 +209,12 @@ class GenerateRequest:
             data["history"],
             _int(data, "k", where, 10, 1),
             data.get("common_features"),
-            data.get("request_time"),
+            _int(data, "request_time", where, None),
             strategy,
             _flag(data, "exclude_seen", where, True),
             _int(data, "beam_width", where, 4, 1),
             float(temperature),
-            _int(data, "seed", where, None),
+            _int(data, "seed", where, None, SEED_RANGE[0]),
             IdOptions.from_dict(data, where, default_ids),
         )
 
@@ -235,13 +258,15 @@ class RequestSchema:
         raw: Optional[IdMaps] = None,
         unknown_ids: str = "error",
         candidates: bool = False,
+        limits: RequestLimits = DEFAULT_LIMITS,
     ) -> Dict[str, np.ndarray]:
         """Columns -> {feature: [n] int64 | [n, d] float32, "timestamps": [n] int64}.
 
         ``default_timestamp`` fills missing timestamps (candidates); without it they are required.
         An empty mapping is zero tokens. raw: the id maps that turn raw ids into model ids (None:
         the ids are model ids). candidates: the ``candidate_optional`` features may be left out
-        (id 0 / zeros).
+        (id 0 / zeros), at most ``limits.max_candidates`` tokens (a history: at most
+        ``limits.max_history_tokens``, timestamps as ``gr.timestamps`` says).
         """
         if columns is None or (isinstance(columns, Mapping) and not columns):
             columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
@@ -252,12 +277,14 @@ class RequestSchema:
         optional = self.candidate_optional if candidates else ()
         required = tuple(name for name in (*self.token_ids, *self.token_dense) if name not in optional)
         _check_features(columns, required, where, optional=(TIMESTAMPS, *optional))
+        limit, what = ("max_candidates", "candidates") if candidates else ("max_history_tokens", "tokens")
+        for name, values in columns.items():
+            limits.check_count(_length(values, f"{where}.{name}"), limit, f"{where}.{name}", what)
         out: Dict[str, np.ndarray] = {}
         for name in self.token_ids:
             if name not in columns:
                 continue
-            values = columns[name] if raw is None else raw.encode(name, columns[name], f"{where}.{name}", unknown_ids)
-            out[name] = _ids(values, f"{where}.{name}")
+            out[name] = _model_ids(columns[name], f"{where}.{name}", name, raw, unknown_ids)
             store.check_ids(name, out[name], where)
         for name, dim in self.token_dense.items():
             if name in columns:
@@ -271,6 +298,11 @@ class RequestSchema:
         if TIMESTAMPS in columns:
             out[TIMESTAMPS] = _ids(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
             lengths[TIMESTAMPS] = len(out[TIMESTAMPS])
+            if not candidates:
+                try:
+                    check_history_timestamps(out[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
+                except TimestampError as exc:
+                    raise RequestError(str(exc)) from None
         elif default_timestamp is not None or count == 0:
             out[TIMESTAMPS] = np.full(count, default_timestamp or 0, dtype=np.int64)
         else:
@@ -279,8 +311,27 @@ class RequestSchema:
             raise RequestError(f"{where}: features have different lengths {lengths}")
         return out
 
+    def example(self, store: SparseStore, count: int) -> Dict[str, list]:
+        """``count`` valid tokens in the request's column form (model ids; row 1 of each table,
+        or row 0 of a one-row table; zeros for dense features; timestamps 0, 1, ...): warm-up input."""
+        columns: Dict[str, list] = {name: [min(1, store.rows(name) - 1)] * count for name in self.token_ids}
+        columns.update({name: [[0.0] * dim] * count for name, dim in self.token_dense.items()})
+        columns[TIMESTAMPS] = list(range(count))
+        return columns
+
+    def example_common(self, store: SparseStore) -> Dict[str, Any]:
+        """Valid common features, as ``example`` chooses them."""
+        values: Dict[str, Any] = {name: min(1, store.rows(name) - 1) for name in self.common_ids}
+        values.update({name: [0.0] * dim for name, dim in self.common_dense.items()})
+        return values
+
     def common(
-        self, values: Any, store: SparseStore, raw: Optional[IdMaps] = None, unknown_ids: str = "error"
+        self,
+        values: Any,
+        store: SparseStore,
+        raw: Optional[IdMaps] = None,
+        unknown_ids: str = "error",
+        limits: RequestLimits = DEFAULT_LIMITS,
     ) -> Dict[str, np.ndarray]:
         """{feature: id | [ids] | [d floats]} -> {feature: [n] int64 bag | [1, d] float32} (raw: as in ``tokens``)."""
         values = {} if values is None else values
@@ -290,9 +341,9 @@ class RequestSchema:
         out: Dict[str, np.ndarray] = {}
         for name in self.common_ids:
             value = [values[name]] if np.isscalar(values[name]) else values[name]
-            if raw is not None:
-                value = raw.encode(name, value, f"common_features.{name}", unknown_ids)
-            out[name] = _ids(value, f"common_features.{name}")
+            where = f"common_features.{name}"
+            limits.check_count(_length(value, where), "max_history_tokens", where, "ids")
+            out[name] = _model_ids(value, where, name, raw, unknown_ids)
             store.check_ids(name, out[name], "common_features")
         for name, dim in self.common_dense.items():
             out[name] = _dense([values[name]], dim, f"common_features.{name}")
@@ -310,19 +361,50 @@ def _check_features(
         raise RequestError(f"{where}: missing feature(s) {missing}")
 
 
-def _ids(values: Any, where: str) -> np.ndarray:
-    array = np.asarray(values)
+def _length(values: Any, where: str) -> int:
+    """The number of values of a column (checked against the limits before anything is converted)."""
+    if not isinstance(values, (list, tuple, np.ndarray)):
+        raise RequestError(f"{where}: expected a list (one value per token), got {type(values).__name__}")
+    return len(values)
+
+
+def _flat(values: Any, where: str) -> np.ndarray:
+    """A list of scalars (integers in int64 or strings) -> [n] array; nested or ragged lists are refused."""
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise RequestError(f"{where}: expected a flat list of ids: {' '.join(str(exc).split())}"[:300]) from None
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise RequestError(f"{where}: expected a list of integers, got {array.dtype} with shape {list(array.shape)}")
+    if array.ndim != 1:
+        raise RequestError(f"{where}: expected a flat list of ids, got a nested list of shape {list(array.shape)}")
+    if array.dtype.kind == "u" and int(array.max()) > INT64_MAX:
+        raise RequestError(f"{where}: {int(array.max())} does not fit int64 (at most {INT64_MAX})")
+    if array.dtype.kind not in "iuU":
+        got = f"{array.dtype} values such as {array[:3].tolist()}"
+        raise RequestError(f"{where}: expected integers in int64 (or strings, for raw string ids), got {got}"[:300])
+    return array
+
+
+def _ids(values: Any, where: str) -> np.ndarray:
+    """A list of integers in int64 -> [n] int64."""
+    array = _flat(values, where)
+    if array.dtype.kind not in "iu":
+        raise RequestError(f"{where}: expected a list of integers in int64, got {array.dtype} values")
     return array.astype(np.int64)
+
+
+def _model_ids(values: Any, where: str, feature: str, raw: Optional[IdMaps], unknown_ids: str) -> np.ndarray:
+    """A feature's ids as sent -> [n] int64 model ids (through the id maps for raw ids)."""
+    if raw is None:
+        return _ids(values, where)
+    return _ids(raw.encode(feature, _flat(values, where), where, unknown_ids), where)
 
 
 def _dense(values: Any, dim: int, where: str) -> np.ndarray:
     try:
         array = np.asarray(values, dtype=np.float32)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise RequestError(f"{where}: expected numbers: {exc}") from None
     if array.size == 0:
         return np.zeros((0, dim), dtype=np.float32)

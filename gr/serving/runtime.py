@@ -33,6 +33,7 @@ from gr.serving.history import (
     fit,
     last_token_state,
 )
+from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.model import ServingModel, check_finite
 from gr.serving.request import (
     MODEL_IDS,
@@ -40,12 +41,14 @@ from gr.serving.request import (
     IdOptions,
     RankRequest,
     RecommendRequest,
+    check_request_time,
 )
 from gr.serving.scores import RETRIEVAL, ranking_scores
 from gr.serving.user_cache import UserCache
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_MICRO_BATCH = 256
+WARM_UP_USER = ("gr", "warm-up")  # a key no request can send (user ids are strings or integers)
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -153,6 +156,7 @@ class Ranker:
     index: the catalogue's item index for recommend and generation: "exact" or "hnsw"
     device: where ``load`` and ``reload`` put a model: "cpu", "cuda" or "npu" (None: the
         given model's device; a different one is refused)
+    limits: bounds on one request's size and work (``gr.serving.limits``)
     Thread-safe: concurrent calls share the cache; ``reload`` swaps the model and invalidates
     the cache, and every result comes from one model (its ``model_version``).
     """
@@ -167,6 +171,7 @@ class Ranker:
         threads: Optional[int] = None,
         index: str = "exact",
         device: Optional[str] = None,
+        limits: RequestLimits = DEFAULT_LIMITS,
     ) -> None:
         if device is not None and device != model.device:
             raise ValueError(f"Ranker.device: {device!r}, but the model was loaded on {model.device!r}")
@@ -179,6 +184,7 @@ class Ranker:
         self.threads = threads
         self.index = index
         self.device = model.device
+        self.limits = limits
         self.cache = UserCache(cache_bytes)
         self._model = model
         self._lock = threading.Lock()
@@ -195,12 +201,36 @@ class Ranker:
     def model(self) -> ServingModel:
         return self._model
 
-    def reload(self, export_dir: Union[str, Path]) -> None:
-        """Load another export (e.g. a newer model) and invalidate every cached history."""
+    def reload(self, export_dir: Union[str, Path], model_version: Optional[int] = None) -> None:
+        """Load another export (e.g. a newer model), warm it up (``warm_up``) while the old one
+        serves, then swap it in and invalidate every cached history. model_version: the version
+        the new model takes (default: one more than the current one)."""
         model = ServingModel(export_dir, self.threads, self.index, self.device)
+        Ranker(model, micro_batch=self.micro_batch, long_history=self.long_history, limits=self.limits).warm_up()
         with self._lock:
             self._model = model
-            self.cache.invalidate()
+            self.cache.invalidate(model_version)
+
+    def warm_up(self) -> None:
+        """Answer one small request of each kind the current model serves (rank; recommend and
+        generate for a retrieval export), so that the first real one is fast: the fused CPU kernels
+        (built on first use), the ONNX Runtime sessions and the catalogue are loaded. Leaves the
+        user cache as it was."""
+        model = self.model
+        history, candidates, common = (
+            model.schema.example(model.sparse, 2),
+            model.schema.example(model.sparse, 2),
+            model.schema.example_common(model.sparse),
+        )
+        try:
+            self.rank(WARM_UP_USER, history, candidates, common)
+            if model.is_retrieval:
+                self.recommend(RecommendRequest(WARM_UP_USER, history, 1, common, exclude_seen=False))
+                if model.catalogue().tokens is not None:
+                    for strategy in ("greedy", "beam"):
+                        self.generate(WARM_UP_USER, history, 1, strategy, False, common_features=common, beam_width=2)
+        finally:
+            self.cache.discard(WARM_UP_USER)
 
     def catalogue(self) -> Tuple[Catalogue, int]:
         """The current model's item catalogue (built on first use) and its model version."""
@@ -223,11 +253,13 @@ class Ranker:
         reserve: tokens to keep free of max_seq_len (generated items)."""
         with self._lock:
             model, model_version = self._model, self.cache.model_version
+        self.limits.check_user_id(user_id)
         if reserve >= model.config.max_seq_len:
             raise RequestError(f"k: {reserve} items do not fit the model's max_seq_len {model.config.max_seq_len}")
         raw = model.id_maps if id_options.ids == "raw" else None
-        tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
-        common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=id_options.unknown_ids)
+        unknown, limits = id_options.unknown_ids, self.limits
+        tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
+        common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
         tokens, truncated = fit(
             tokens, model.config.max_seq_len, reserve, self.long_history, model.config.eviction_block
         )
@@ -285,10 +317,6 @@ class Ranker:
         h, model = p.history, p.history.model
         if model.is_retrieval:
             catalogue = model.catalogue()
-            if h.length == 0:
-                raise RequestError(
-                    "history: empty; a retrieval model scores items against the query at the last history item"
-                )
             encoded = self.encode(h, use_cache)
             state = last_token_state(encoded, catalogue, p.request_time)
             items = torch.from_numpy(p.candidates[catalogue.item_feature])
@@ -300,7 +328,7 @@ class Ranker:
 
     def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]) -> Tuple[Tokens, int]:
         """Validate a request's candidates -> (their token columns, the request time)."""
-        _check_time(request_time)
+        check_request_time(request_time)
         default_time = request_time
         if request_time is None:  # candidates without timestamps stand right after the last action
             default_time = int(h.tokens[TIMESTAMPS][-1]) if h.length else 0
@@ -312,6 +340,7 @@ class Ranker:
             raw=h.raw,
             unknown_ids=h.unknown_ids,
             candidates=True,
+            limits=self.limits,
         )
         if len(cands[TIMESTAMPS]) == 0:
             raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
@@ -338,8 +367,15 @@ class Ranker:
         return self.rank_prepared(prepared, use_cache=use_cache)
 
     def prepare_rank(self, request: RankRequest) -> PreparedRank:
-        """Validate one rank request against the current model (touches no cache)."""
+        """Validate one rank request against the current model (touches no cache): everything a
+        request can get wrong is found here, before it joins a batch."""
         h = self.history(request.user_id, request.history, request.common_features, id_options=request.id_options)
+        if h.model.is_retrieval:
+            h.model.catalogue()  # RequestError when the export has none
+            if h.length == 0:
+                raise RequestError(
+                    "history: empty; a retrieval model scores items against the query at the last history item"
+                )
         return PreparedRank(request, h, *self._candidates(h, request.candidates, request.request_time))
 
     def rank_prepared(self, prepared: Sequence[PreparedRank], *, use_cache: bool = True) -> List[RankResult]:
@@ -378,8 +414,9 @@ class Ranker:
     # ---- recommend --------------------------------------------------------------------------
     def recommend(self, request: RecommendRequest) -> RecommendResult:
         """The top ``request.k`` items of the whole catalogue for a user, through the catalogue's item index."""
+        self.limits.check_count(request.k, "max_k", "k", "items")
         h = self.history(request.user_id, request.history, request.common_features, id_options=request.id_options)
-        _check_time(request.request_time)
+        check_request_time(request.request_time)
         if not h.model.is_retrieval:
             raise RequestError(
                 f"model: recommend needs a retrieval export (a {QUERY!r} output); this one "
@@ -429,17 +466,15 @@ class Ranker:
             }
             request = GenerateRequest(request, history, k, strategy=strategy, exclude_seen=exclude_seen, **fields)
         generation.check_k(request.k)
+        self.limits.check_count(request.k, "max_k", "k", "items")
+        if request.strategy == "beam":
+            self.limits.check_count(request.beam_width, "max_beam_width", "beam_width", "beams")
         h = self.history(
             request.user_id, request.history, request.common_features, reserve=request.k, id_options=request.id_options
         )
         catalogue = h.model.catalogue()
         plan = generation.plan(h, catalogue, request, **options)
         return generation.run(plan, self.encode(h))
-
-
-def _check_time(request_time: Any) -> None:
-    if request_time is not None and (isinstance(request_time, bool) or not isinstance(request_time, (int, np.integer))):
-        raise RequestError(f"request_time: expected an integer (seconds), got {request_time!r}")
 
 
 def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: int) -> Tensor:

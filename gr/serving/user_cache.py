@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
-from typing import Hashable, List, Optional, Protocol
+from typing import Hashable, List, Optional, Protocol, Tuple
+
+# The Python objects around one entry's arrays (the LRU's node, the entry and its tensors'
+# headers), counted per user besides its key and the arrays' bytes.
+ENTRY_OVERHEAD_BYTES = 1024
 
 
 class Sized(Protocol):
@@ -12,8 +17,14 @@ class Sized(Protocol):
     def nbytes(self) -> int: ...
 
 
+def kept_bytes(user: Hashable, entry: Sized) -> int:
+    """What the cache counts for ``user``'s ``entry``: its arrays, its key and the objects around them."""
+    return int(entry.nbytes) + sys.getsizeof(user) + ENTRY_OVERHEAD_BYTES
+
+
 class UserCache:
-    """{user id: entry} holding at most ``max_bytes`` (sum of ``entry.nbytes``), least recently used out first.
+    """{user id: entry} holding at most ``max_bytes``, least recently used out first. An entry
+    counts everything kept for its user: ``entry.nbytes``, the key's size and ENTRY_OVERHEAD_BYTES.
 
     ``model_version`` counts model reloads: ``invalidate`` drops everything and bumps it, and
     ``put`` refuses an entry computed under an older model version, so a request that raced a
@@ -24,7 +35,7 @@ class UserCache:
         if max_bytes < 0:
             raise ValueError(f"UserCache.max_bytes: expected >= 0, got {max_bytes}")
         self.max_bytes = int(max_bytes)
-        self._entries: "OrderedDict[Hashable, Sized]" = OrderedDict()
+        self._entries: "OrderedDict[Hashable, Tuple[Sized, int]]" = OrderedDict()  # user -> (entry, its bytes)
         self._bytes = 0
         self._model_version = 0
         self._lock = threading.Lock()
@@ -50,32 +61,42 @@ class UserCache:
 
     def get(self, user: Hashable) -> Optional[Sized]:
         with self._lock:
-            entry = self._entries.get(user)
-            if entry is not None:
-                self._entries.move_to_end(user)
-            return entry
+            kept = self._entries.get(user)
+            if kept is None:
+                return None
+            self._entries.move_to_end(user)
+            return kept[0]
 
     def put(self, user: Hashable, entry: Sized, model_version: int) -> bool:
         """Store ``entry`` (replacing the user's old one) and evict LRU users to fit; -> stored?"""
-        size = int(entry.nbytes)
+        size = kept_bytes(user, entry)
         with self._lock:
             if model_version != self._model_version:
                 return False
-            old = self._entries.pop(user, None)
-            if old is not None:
-                self._bytes -= int(old.nbytes)
+            self._drop(user)
             if size > self.max_bytes:
                 return False
             while self._entries and self._bytes + size > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= int(evicted.nbytes)
-            self._entries[user] = entry
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= evicted
+            self._entries[user] = (entry, size)
             self._bytes += size
             return True
 
-    def invalidate(self) -> None:
-        """Drop every entry (the model changed)."""
+    def discard(self, user: Hashable) -> None:
+        """Forget ``user``'s entry, if any."""
+        with self._lock:
+            self._drop(user)
+
+    def _drop(self, user: Hashable) -> None:
+        old = self._entries.pop(user, None)
+        if old is not None:
+            self._bytes -= old[1]
+
+    def invalidate(self, model_version: Optional[int] = None) -> None:
+        """Drop every entry (the model changed); the model version becomes ``model_version``
+        (default: one more)."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
-            self._model_version += 1
+            self._model_version = self._model_version + 1 if model_version is None else model_version

@@ -1,5 +1,5 @@
-"""Real ``python -m gr.serving serve`` processes for the HTTP tests: a free port, a JSON client
-over urllib, and the replica a user id hashes to."""
+"""Real ``python -m gr.serving serve`` processes and in-process uvicorn servers for the HTTP
+tests: a free port, a JSON client over urllib, and the replica a user id hashes to."""
 
 import hashlib
 import json
@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,8 +32,72 @@ def replica_of(user_id: Any, replicas: int) -> int:
     return int.from_bytes(hashlib.sha256(str(user_id).encode()).digest()[:8], "big") % replicas
 
 
-class Server:
-    """One server process on a free port; ``call`` -> (status, JSON body or text)."""
+class Client:
+    """``call`` -> (status, JSON body or text) against ``self.url``."""
+
+    url = ""
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: Optional[bytes] = None,
+        headers: Sequence[Tuple[str, str]] = (),
+    ) -> Tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json", **dict(headers)}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                status, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            status, text = exc.code, exc.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+
+class AppServer(Client):
+    """An ASGI app served by uvicorn on a thread of this process (no model load in a subprocess):
+    a context manager."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "AppServer":
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def wait_ready(self, timeout: float = 120) -> Any:
+        """Poll /readyz until it is 200 (-> its body); raises after ``timeout`` seconds."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            status, body = self.call("GET", "/readyz")
+            if status == 200:
+                return body
+            time.sleep(0.05)
+        raise RuntimeError(f"not ready after {timeout} s: {body}")
+
+
+class Server(Client):
+    """One server process on a free port."""
 
     def __init__(self, export_dir: Path, *extra: str) -> None:
         self.port = free_port()
@@ -64,31 +129,10 @@ class Server:
                 if self.call("GET", "/readyz")[0] == 200:
                     return
             except OSError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError("server did not become ready in 90 s")
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        raw: Optional[bytes] = None,
-        headers: Sequence[Tuple[str, str]] = (),
-    ) -> Tuple[int, Any]:
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json", **dict(headers)}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                status, text = response.status, response.read().decode()
-        except urllib.error.HTTPError as exc:
-            status, text = exc.code, exc.read().decode()
-        try:
-            return status, json.loads(text)
-        except json.JSONDecodeError:
-            return status, text
 
     def stop(self) -> None:
         self.process.terminate()
