@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Dict, Mapping, MutableMapping, Optional
 
 DEVICES = ("cpu", "cuda", "npu")
+ACCELERATOR_DEVICES = {"gpu": "cuda", "cuda": "cuda", "npu": "npu"}  # trainer.accelerator -> device
 AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 CANN_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # set by CANN's set_env.sh
 # oneDNN JIT-compiles a matmul per shape and keeps 1024 by default; the CPU kernels' bf16 matmuls
@@ -108,6 +109,23 @@ def require_device(device: str, where: str) -> None:
             raise RuntimeError(
                 f"{where}: 'cuda' needs a CUDA build of torch and a visible GPU (torch {torch.__version__} sees none)"
             )
+
+
+def check_accelerator(accelerator: str, where: str = "trainer.accelerator") -> None:
+    """Refuse, before anything is built, a training accelerator ("gpu"/"cuda", "npu") this host
+    lacks: ValueError naming ``where`` and what is missing. "auto" and "cpu" always pass."""
+    device = ACCELERATOR_DEVICES.get(accelerator)
+    if device is None:
+        return
+    try:
+        require_device(device, where)
+    except RuntimeError as error:  # the host, not a bug: one line at the command line
+        raise ValueError(str(error)) from None
+
+
+def runs_on_cpu(accelerator: str) -> bool:
+    """Whether a run asking for ``accelerator`` trains on the CPU ("cpu", or "auto" with no GPU or NPU in sight)."""
+    return accelerator == "cpu" or (accelerator == "auto" and detected_device() == "cpu")
 
 
 def requested_test_device(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from gr.data.features import FeatureSpec
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
 from gr.hstu.kernels.cpu import (
@@ -79,6 +80,7 @@ SPARSE_OPTIMIZER_FLOATS = {
     "partial_rowwise_adam": lambda dim: dim + 1,
 }
 GIB = 1 << 30
+MEMINFO = "/proc/meminfo"
 
 
 @dataclass(frozen=True)
@@ -174,8 +176,8 @@ def saved_tile_bytes(config: HSTUConfig, tokens: int) -> int:
     from forward to backward: fp32 weights and SiLU' per head for the keys each block of
     ``ROW_BLOCK`` query rows sees (the chunks of ``gr.hstu.kernels.cpu``; at most
     ``SAVED_TILE_FLOATS`` floats a batch, else none are kept)."""
-    if not fused_expected() or tokens == 0:
-        return 0
+    if not fused_expected() or tokens == 0 or 2 * config.num_heads * tokens > SAVED_TILE_FLOATS:
+        return 0  # (the last: every row sees at least itself, so the tiles are too big to keep)
     padded = int(padded_lengths(torch.tensor([tokens]))[0])
     rows, window, elements = min(padded, QUERY_CHUNK), config.max_attn_len, 0
     for m0 in range(0, padded, rows):
@@ -196,9 +198,11 @@ def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:
     if config.time_buckets == 0 or tokens == 0:
         return 0
     padded = int(padded_lengths(torch.tensor([tokens]))[0])
+    bucket_bytes = (1 if config.time_buckets <= 256 else INT32) if fused_expected() else INT64
+    if padded >= LAYOUT_CACHE_ELEMENTS:  # every query sees at least one key: the cap is reached
+        return bucket_bytes * LAYOUT_CACHE_ELEMENTS
     chunks = range(0, padded, QUERY_CHUNK)
     elements = sum((min(m0 + QUERY_CHUNK, padded) - m0) * min(m0 + QUERY_CHUNK, padded) for m0 in chunks)
-    bucket_bytes = (1 if config.time_buckets <= 256 else INT32) if fused_expected() else INT64
     return bucket_bytes * min(LAYOUT_CACHE_ELEMENTS, elements)
 
 
@@ -248,7 +252,7 @@ def make_plan(
         "dnn": linear_flops(prefix_dnn) + linear_flops(postfix_dnn),
     }
     training = 3 * sum(forward.values()) + _recomputed_flops(hstu, tokens)
-    dense_state = FP32 * (2 + DENSE_OPTIMIZER_FLOATS[config.optimizer.type])  # weights, gradients, optimizer
+    dense_state = dense_state_bytes(config)
     sparse_per_rank = [0] * nproc
     for table in table_plans:
         for rank, params in enumerate(table.params_per_rank):
@@ -264,22 +268,102 @@ def make_plan(
     return Plan(nproc, tokens, tuple(table_plans), dense, dense_per_rank, kept, peak, forward, training, state, batch)
 
 
+def dense_state_bytes(config: TrainConfig) -> int:
+    """Bytes per dense parameter: fp32 weight, gradient and the optimizer's state."""
+    return FP32 * (2 + DENSE_OPTIMIZER_FLOATS[config.optimizer.type])
+
+
 def rank_batch(config: TrainConfig, nproc: int) -> int:
     """Samples a rank trains per step: its share of the global ``data.batch_size``."""
     return math.ceil(config.data.batch_size / nproc)
 
 
 def plan_from_config(config: TrainConfig, nproc: int) -> Plan:
-    """Read the data for table rows and feature dims, build the DNNs on the meta device, plan."""
+    """Read the data for table rows and feature dims, then ``plan_for_data``."""
     from gr.data.datamodule import SequenceDataModule
-    from gr.train.build import build_model
 
     data = SequenceDataModule(config.data)
     data.setup()
+    return plan_for_data(config, data.feature_spec(), data.tasks, nproc)
+
+
+def plan_for_data(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str], nproc: int) -> Plan:
+    """The plan of ``config`` on the data ``spec`` describes: the model built on the meta device
+    (no memory, however large), then ``make_plan``."""
+    from gr.train.build import build_model
+
     with torch.device("meta"):
-        model = build_model(config, data.feature_spec(), data.tasks)
+        model = build_model(config, spec, tasks)
     tables = list(model.embeddings.tables.values()) if model.embeddings is not None else []
     return make_plan(config, tables, model.prefix_dnn, model.postfix_dnn, nproc)
+
+
+def available_memory_bytes(meminfo: str = MEMINFO) -> Optional[int]:
+    """What this machine can give a new process without swapping: ``MemAvailable`` of
+    /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open(meminfo, encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_terms(plan: Plan, config: TrainConfig) -> List[Tuple[int, str]]:
+    """[(bytes, the config keys behind them), ...] of the largest rank's ``memory_bytes_per_rank``,
+    largest first: each table's rows and optimizer state, the HSTU's positional parameters
+    (max_seq_len) and the rest of its layers, the DNNs, and the batch's activations."""
+    rank = max(range(plan.nproc), key=lambda r: plan.memory_bytes_per_rank[r])
+    hstu = config.model.hstu
+    state = dense_state_bytes(config)
+    dense_share = plan.dense_params_per_rank[rank] / max(sum(plan.dense_params.values()), 1)
+    positional = (hstu.num_layers * hstu.num_position_buckets if hstu.position_buckets is None else 0) + (
+        (hstu.max_seq_len + 1) * hstu.hidden_dim if hstu.position_embedding else 0
+    )
+    terms = [
+        (
+            FP32 * (t.params_per_rank[rank] + t.params_per_rank[rank] // t.dim * t.optimizer_floats),
+            f"model.tables ({t.name}): num_embeddings {t.rows:,} x embedding_dim {t.dim:,}",
+        )
+        for t in plan.tables
+    ]
+    terms += [
+        (int(state * positional * dense_share), f"model.hstu.max_seq_len {hstu.max_seq_len:,} (positions)"),
+        (
+            int(state * (plan.dense_params["hstu"] - positional) * dense_share),
+            f"model.hstu.hidden_dim {hstu.hidden_dim:,} x num_layers {hstu.num_layers} (HSTU layers)",
+        ),
+        (
+            state * (plan.dense_params["prefix_dnn"] + plan.dense_params["postfix_dnn"]),
+            "model.prefix_dnn / model.postfix_dnn",
+        ),
+        (
+            plan.batch_activation_bytes,
+            f"data.batch_size {config.data.batch_size} x {plan.tokens_per_sample} tokens (activations, "
+            f"model.hstu.hidden_dim {hstu.hidden_dim:,})",
+        ),
+    ]
+    return sorted(terms, key=lambda term: -term[0])
+
+
+def check_memory_fits(plan: Plan, config: TrainConfig, local_ranks: int, available: Optional[int]) -> None:
+    """Refuse a run whose ``local_ranks`` ranks on this machine need more than ``available`` bytes
+    (None: unknown, nothing checked): ValueError naming the estimate, the memory available and
+    the config keys that drive it (the terms of ``memory_terms`` above a tenth of the total)."""
+    per_rank = max(plan.memory_bytes_per_rank)
+    need = per_rank * local_ranks
+    if available is None or need <= available:
+        return
+    terms = [(size, keys) for size, keys in memory_terms(plan, config) if size >= per_rank / 10][:3]
+    drivers = "; ".join(f"{keys}: {size / GIB:,.1f} GiB" for size, keys in terms)
+    raise ValueError(
+        f"the run does not fit in memory: gr plan estimates {need / GIB:,.1f} GiB ({local_ranks} rank(s) x "
+        f"{per_rank / GIB:,.1f} GiB: weights, gradients, optimizer state and batch activations), this machine has "
+        f"{available / GIB:,.1f} GiB available (MemAvailable); most of it: {drivers}. Make those smaller, or set "
+        "trainer.memory_check: false to start anyway"
+    )
 
 
 def format_plan(plan: Plan, config: TrainConfig, memory_gib: Optional[float]) -> str:
@@ -359,7 +443,7 @@ def _table_plans(config: TrainConfig, tables: Sequence[TableConfig], nproc: int)
             block = -(-rows // nproc)
             per_rank = [max(0, min(block, rows - r * block)) * dim for r in range(nproc)]
         elif table.sharding == "column_wise":
-            per_rank = [rows * len(c) for c in torch.arange(dim).tensor_split(nproc)]
+            per_rank = [rows * columns for columns in _split_sizes(dim, nproc)]
         else:
             per_rank = [0] * nproc
             per_rank[load.index(min(load))] = rows * dim
@@ -390,9 +474,21 @@ def _fsdp_shards(config: HSTUConfig, nproc: int) -> List[int]:
         if shape[0] == 0:
             continue
         width = math.prod(shape[1:])
-        for rank, chunk in enumerate(torch.arange(shape[0]).chunk(nproc)):
-            per_rank[rank] += chunk.numel() * width
+        for rank, rows in enumerate(_chunk_sizes(shape[0], nproc)):
+            per_rank[rank] += rows * width
     return per_rank
+
+
+def _chunk_sizes(n: int, parts: int) -> List[int]:
+    """Lengths of ``torch.arange(n).chunk(parts)``, padded with zeros to ``parts`` (no tensor made)."""
+    size = -(-n // parts)
+    return [max(0, min(size, n - i * size)) for i in range(parts)]
+
+
+def _split_sizes(n: int, parts: int) -> List[int]:
+    """Lengths of ``torch.arange(n).tensor_split(parts)`` (no tensor made)."""
+    base, extra = divmod(n, parts)
+    return [base + (i < extra) for i in range(parts)]
 
 
 def _recomputed_flops(config: HSTUConfig, seq_len: int) -> int:

@@ -1,14 +1,19 @@
-"""Bad input to a command line ends in one line naming the file, exit status 2."""
+"""Bad input to a command line ends in one line naming the file (or config key), exit status 2: also a
+host without the accelerator asked for, and a model that cannot fit in this machine's memory."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from gr import cli
 from gr.cli_errors import USAGE_EXIT_STATUS, run_cli
+from gr.devices import npu_present
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,3 +56,55 @@ def test_non_utf8_or_deeply_nested_request_file_is_one_line(tmp_path, capsys, co
     assert run_cli("prog", lambda: json.loads(request.read_text(encoding="utf8"))) == USAGE_EXIT_STATUS
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("prog: error: ")
+
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def train_error_line(capsys, out: Path, *overrides: str) -> str:
+    """``gr train`` of the quickstart recipe with ``overrides`` into ``out``, in this process."""
+    assert cli.main(["train", "--config", str(QUICKSTART), "--out", str(out), *overrides]) == USAGE_EXIT_STATUS
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("gr train: error: "), line
+    return line
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (("--trainer.accelerator", "gpu"), "trainer.accelerator: 'cuda' needs a CUDA build of torch and a visible GPU"),
+        (
+            ("--trainer.accelerator", "npu", "--sparse.placement", "host"),
+            "trainer.accelerator: 'npu' needs the torch_npu package",
+        ),
+    ],
+)
+def test_an_accelerator_this_host_lacks_is_one_line_before_anything_is_written(tmp_path, capsys, overrides, expected):
+    if overrides[1] == "gpu" and torch.cuda.is_available() or overrides[1] == "npu" and npu_present():
+        pytest.skip(f"this host has the {overrides[1]}")
+    assert expected in train_error_line(capsys, tmp_path / "run", *overrides)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (("--model.hstu.max_seq_len", "1000000000"), "model.hstu.max_seq_len 1,000,000,000 (positions)"),
+        (("--model.tables.0.num_embeddings", "100000000000"), "num_embeddings 100,000,000,000 x embedding_dim 32"),
+        (("--model.tables.0.embedding_dim", "100000000"), "embedding_dim 100,000,000"),
+        (("--model.hstu.hidden_dim", "1000000"), "hidden_dim 1,000,000"),
+    ],
+)
+def test_a_model_that_cannot_fit_in_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch, override, key):
+    import gr.train.run as run
+
+    def never_built(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(run, "GRTrainingModule", never_built)
+    started = time.perf_counter()
+    line = train_error_line(capsys, tmp_path / "runs" / "x", "--trainer.accelerator", "cpu", *override)
+    assert time.perf_counter() - started < 60
+    assert "the run does not fit in memory: gr plan estimates" in line and "GiB available (MemAvailable)" in line
+    assert key in line and "trainer.memory_check: false" in line
+    assert list(tmp_path.iterdir()) == []  # no runs/x, no runs/x/logs

@@ -55,6 +55,7 @@ from gr.export.sparse_manifest import FeatureEntry, SparseManifest, TableEntry
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
+from gr.run_lock import run_lock
 
 EXAMPLE_ROWS = 3  # rows of the example inputs traced for ONNX (>= 2: 0/1 sizes get specialised)
 VERIFY_ROWS = (1, 5)  # row counts at which ONNX Runtime is checked against PyTorch after export
@@ -111,23 +112,25 @@ def export_run(
 ) -> Path:
     """Export a training run's best checkpoint (all shards merged) with its id mappings.
 
-    Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``.
+    Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``. The run
+    is read under its lock, shared (``gr.run_lock``): a run being trained or resumed is refused.
     """
     from gr.train.run import MAPPINGS_DIR, load_trained_model, read_run
 
     run_dir = Path(run_dir)
-    _, spec, _ = read_run(run_dir)
-    model, _ = load_trained_model(run_dir)
-    mappings = run_dir / MAPPINGS_DIR
-    return export_model(
-        model,
-        export_dir,
-        id_mappings_dir=mappings if mappings.is_dir() else None,
-        dense_dims={**spec.token_dense, **spec.common_dense},
-        event_features=spec.event_features,
-        overwrite=overwrite,
-        hstu_dtype=hstu_dtype,
-    )
+    with run_lock(run_dir, "gr export", shared=True):
+        _, spec, _ = read_run(run_dir)
+        model, _ = load_trained_model(run_dir)
+        mappings = run_dir / MAPPINGS_DIR
+        return export_model(
+            model,
+            export_dir,
+            id_mappings_dir=mappings if mappings.is_dir() else None,
+            dense_dims={**spec.token_dense, **spec.common_dense},
+            event_features=spec.event_features,
+            overwrite=overwrite,
+            hstu_dtype=hstu_dtype,
+        )
 
 
 def _write(

@@ -306,7 +306,8 @@ class TrainerSection(Section):
     "16-mixed" (fp16 with loss scaling, GPU only). ``stochastic_length_alpha``: null (off)
     or alpha in (1, 2]: training histories longer than data.max_seq_len^(alpha/2) are
     subsampled to that length with probability 1 - max_seq_len^alpha / length^2
-    (``gr.data.stochastic_length``; never at evaluation)."""
+    (``gr.data.stochastic_length``; never at evaluation). ``memory_check``: refuse a CPU run
+    whose ``gr plan`` estimate exceeds the machine's available memory (``gr.plan.check_memory_fits``)."""
 
     max_epochs: int = checked(100, int_at_least(1))
     seed: int = checked(0, int_at_least(0))
@@ -324,6 +325,7 @@ class TrainerSection(Section):
     enable_progress_bar: bool = checked(True, BOOL)
     num_threads: Optional[int] = checked(None, optional(int_at_least(1)))
     stochastic_length_alpha: Optional[float] = checked(None, optional(number_in(1.0, 2.0, open_low=True)))
+    memory_check: bool = checked(True, BOOL)
     where: InitVar[str] = "trainer"
 
     def __post_init__(self, where: str) -> None:

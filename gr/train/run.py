@@ -5,6 +5,7 @@ See ``gr.train`` for the run directory layout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import replace
@@ -20,7 +21,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from gr.atomic import replace_directory, write_json
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
+from gr.devices import check_accelerator, runs_on_cpu
 from gr.model import GRModel
+from gr.plan import available_memory_bytes, check_memory_fits, plan_for_data
+from gr.run_lock import run_lock, writes_run
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables
@@ -47,8 +51,19 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     same run, e.g. with a larger ``trainer.max_epochs``). The run directory's files
     (config.yaml, features.json, mappings) are written once training starts, after that
     checkpoint has loaded, so a resume that fails leaves the run as it was; logs append.
+
+    Refused before anything is written (ValueError, one line): an accelerator this host lacks,
+    a run directory another process holds (``gr.run_lock``; rank 0 takes it), and on CPU a
+    model whose ``gr plan`` estimate exceeds the available memory (``trainer.memory_check``).
     """
     out_dir = Path(out_dir)
+    check_accelerator(config.trainer.accelerator)
+    command = "gr train --resume" if resume else "gr train"
+    with run_lock(out_dir, command) if writes_run() else contextlib.nullcontext():
+        return _train(config, out_dir, resume)
+
+
+def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
     start = resume_checkpoint(out_dir) if resume else None
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
@@ -57,6 +72,10 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     spec = datamodule.feature_spec()
     tables = build_tables(config, spec, for_training=False)  # refuses tables that do not fit the data
     config = _with_resolved_tables(config, tables)
+    if config.trainer.memory_check and runs_on_cpu(config.trainer.accelerator):
+        local = _devices(config.trainer.devices)
+        plan = plan_for_data(config, spec, datamodule.tasks, local * config.trainer.num_nodes)
+        check_memory_fits(plan, config, local, available_memory_bytes())
     module = GRTrainingModule(
         config, spec, datamodule.tasks, datamodule.popularity() if config.task_type == "retrieval" else None
     )
