@@ -7,13 +7,13 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torchrec import KeyedJaggedTensor
 
 from gr.hstu import HSTU, HSTUConfig
 from gr.jagged import offsets_from_lengths, target_token_index, token_seq_ids
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse import SparseEmbeddings, TableConfig
+from gr.sparse.keyed_jagged import KeyedJaggedTensor
 
 # Members a GRModel subclass may not define: together they are the fixed pipeline.
 FIXED_MEMBERS = ("forward", "hstu", "embed_features", "scored_rows", "__setattr__")

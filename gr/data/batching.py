@@ -16,7 +16,6 @@ from typing import Dict, Iterator, Optional, Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
-from torchrec import KeyedJaggedTensor
 
 from gr.data.config import TaskConfig
 from gr.data.features import ITEM_ID, SideFeatures
@@ -24,6 +23,7 @@ from gr.data.sampling import UnseenSampler
 from gr.data.sequences import UserSequences, concat_ranges, window_starts
 from gr.jagged import offsets_from_lengths
 from gr.model import GRInput
+from gr.sparse.keyed_jagged import KeyedJaggedTensor
 
 SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 

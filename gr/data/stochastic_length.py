@@ -16,10 +16,10 @@ import math
 
 import torch
 from torch import Tensor
-from torchrec import JaggedTensor, KeyedJaggedTensor
 
 from gr.jagged import history_lengths, lengths_from_offsets, offsets_from_lengths
 from gr.model import GRInput
+from gr.sparse.keyed_jagged import JaggedTensor, KeyedJaggedTensor
 
 
 def kept_length(max_len: int, alpha: float) -> int:

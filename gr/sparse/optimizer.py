@@ -1,9 +1,11 @@
-"""Embedding optimizers, fused into the backward pass of the TorchRec tables.
+"""Embedding optimizers, fused into the backward pass of the tables.
 
-Each table gets its optimizer through ``apply_optimizer_in_backward`` before
-``DistributedModelParallel`` shards it; the sharded FBGEMM kernel then updates the
-rows it looked up during backward, so embedding weights never reach the dense
-(Lightning) optimizer and their gradients are never materialised.
+With TorchRec, each table gets its optimizer through ``apply_optimizer_in_backward`` before
+``DistributedModelParallel`` shards it; the sharded FBGEMM kernel then updates the rows it
+looked up during backward. The torch backend applies the same update rules to the rows in the
+lookup's backward (``gr.sparse.row_optimizers``). Either way embedding weights never reach the
+dense (Lightning) optimizer and their gradients are never materialised. TorchRec and FBGEMM are
+imported only when their optimizers are asked for.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from dataclasses import InitVar, dataclass
 from typing import Any, Dict, Tuple, Type
 
 import torch
-from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
-from torchrec import optim as trec_optim
 
 from gr.config_checks import BETAS, Section, checked, number_in, one_of
 
@@ -26,13 +26,13 @@ FUSED_OPTIMIZERS_BY_DEVICE: Dict[str, Tuple[str, ...]] = {
 }
 OPTIMIZER_TYPES = FUSED_OPTIMIZERS_BY_DEVICE["cuda"]
 
-# TorchRec's optimizer classes that ``apply_optimizer_in_backward`` maps to FBGEMM optimizer types.
-_OPTIMIZER_CLASSES: Dict[str, Type[torch.optim.Optimizer]] = {
-    "sgd": trec_optim.SGD,
-    "adagrad": trec_optim.Adagrad,
-    "rowwise_adagrad": trec_optim.RowWiseAdagrad,
-    "adam": trec_optim.Adam,
-    "partial_rowwise_adam": trec_optim.PartialRowWiseAdam,
+# TorchRec's optimizer classes (in ``torchrec.optim``) that ``apply_optimizer_in_backward`` maps to FBGEMM types.
+_OPTIMIZER_CLASSES: Dict[str, str] = {
+    "sgd": "SGD",
+    "adagrad": "Adagrad",
+    "rowwise_adagrad": "RowWiseAdagrad",
+    "adam": "Adam",
+    "partial_rowwise_adam": "PartialRowWiseAdam",
 }
 
 
@@ -42,7 +42,8 @@ class EmbeddingOptimizerConfig(Section):
 
     type: "sgd" | "adagrad" | "rowwise_adagrad" (one accumulator per row) | "adam" |
     "partial_rowwise_adam" (second moment per row). Adam variants use decoupled
-    weight decay (AdamW); the Adagrad variants add it to the gradient (L2).
+    weight decay (AdamW); row-wise Adagrad adds it to the gradient (L2); FBGEMM's sgd and
+    adagrad take none.
     """
 
     type: str = checked("rowwise_adagrad", one_of(*OPTIMIZER_TYPES))
@@ -55,6 +56,11 @@ class EmbeddingOptimizerConfig(Section):
     def __post_init__(self, where: str) -> None:
         self.validate(where)
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.weight_decay and self.type in ("sgd", "adagrad"):
+            raise ValueError(
+                f"{where}.weight_decay: FBGEMM's {self.type} takes no weight decay; set it to 0 or use "
+                "rowwise_adagrad or an Adam variant"
+            )
 
     def check_device(self, device_type: str, where: str) -> None:
         """Raise unless FBGEMM fuses this optimizer on ``device_type`` ("cpu", "cuda")."""
@@ -66,7 +72,9 @@ class EmbeddingOptimizerConfig(Section):
             )
 
     def optimizer_class(self) -> Type[torch.optim.Optimizer]:
-        return _OPTIMIZER_CLASSES[self.type]
+        from torchrec import optim as trec_optim
+
+        return getattr(trec_optim, _OPTIMIZER_CLASSES[self.type])
 
     def fused_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments FBGEMM's kernel takes for this optimizer."""
@@ -77,6 +85,8 @@ class EmbeddingOptimizerConfig(Section):
         if "adam" in self.type:
             kwargs["beta1"], kwargs["beta2"] = self.betas
         if self.weight_decay > 0:
+            from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
             kwargs["weight_decay"] = float(self.weight_decay)
             kwargs["weight_decay_mode"] = WeightDecayMode.DECOUPLE if "adam" in self.type else WeightDecayMode.L2
         return kwargs

@@ -1,52 +1,39 @@
-"""Sharding the embedding tables over ranks with TorchRec's planner and DistributedModelParallel.
+"""Where the tables live and how they are spread over ranks.
 
-``shard_model`` does it all: it attaches each table's optimizer with
-``apply_optimizer_in_backward`` (before sharding, as TorchRec requires), plans with
-``EmbeddingShardingPlanner`` under per-table constraints (row-wise by default, fused
-kernels), and wraps the model in ``DistributedModelParallel``: sharded tables plus DDP
-over every dense parameter (none with one rank: there is nothing to all-reduce, and DDP's
-per-parameter hooks cost about 1.5 % of a small training step).
+Placement: ``"device"`` keeps the tables where the dense model runs; ``"host"`` keeps them
+(and their optimizer state) in host memory and runs the dense model on the accelerator,
+moving looked-up vectors over. That is the plan for accelerators whose embedding kernels are
+immature (NPUs).
 
-Placement: ``"device"`` keeps the tables where the dense model runs; ``"host"`` keeps
-them (and their optimizer state) in host memory and runs the dense model on the
-accelerator, moving looked-up vectors over; the tables then talk over a gloo process
-group while the dense model's DDP keeps the default one. That is the plan for
-accelerators whose embedding kernels are immature (NPUs).
+Sharding is the TorchRec backend's (``gr.sparse.torchrec_sharding``: ``shard_model`` and
+friends, importable from here and loaded on first use, so this module needs no TorchRec);
+the torch backend keeps every table whole on its one rank (``check_one_rank``).
 """
 
 from __future__ import annotations
 
-import os
-from typing import Dict, List, Mapping, Optional, Set
+from typing import Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from gr.sparse.optimizer import EmbeddingOptimizerConfig
-from gr.sparse.tables import SparseEmbeddings
+from gr.lazy import lazy_getattr
 
 PLACEMENTS = ("device", "host")
 # The attribute of the wrapped model holding its SparseEmbeddings (GRModel.embeddings).
 EMBEDDINGS_ATTR = "embeddings"
 
+_TORCHREC = ("shard_model", "plan_sharding", "apply_embedding_optimizers", "sharders", "DenseDataParallelWrapper")
+__getattr__ = lazy_getattr(__name__, {name: "gr.sparse.torchrec_sharding" for name in _TORCHREC})
 
-def table_device(dense_device: torch.device, placement: str) -> torch.device:
-    """Where the tables live: host memory, or the dense model's device."""
+
+def table_device(dense_device: torch.device, placement: str, backend: str = "torchrec") -> torch.device:
+    """Where the tables live: host memory, or the dense model's device (for TorchRec, one it has kernels for)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"sparse.placement: expected one of {list(PLACEMENTS)}, got {placement!r}")
     if placement == "host":
         return torch.device("cpu")
-    if dense_device.type not in ("cpu", "cuda"):
+    if backend == "torchrec" and dense_device.type not in ("cpu", "cuda"):
         raise ValueError(
             f"sparse.placement: TorchRec has no embedding kernels for {dense_device.type}; "
             "use placement: host (tables in host memory, dense model on the accelerator)"
@@ -54,152 +41,22 @@ def table_device(dense_device: torch.device, placement: str) -> torch.device:
     return dense_device
 
 
-def apply_embedding_optimizers(
-    embeddings: SparseEmbeddings, default: EmbeddingOptimizerConfig, device_type: str
-) -> Dict[str, EmbeddingOptimizerConfig]:
-    """Attach each table's optimizer (its own or ``default``) to its weight, to run in backward.
-
-    Returns {table name: optimizer config}. Raises when FBGEMM has no fused kernel
-    for an optimizer on ``device_type``.
-    """
-    weights = _table_weights(embeddings)
-    chosen = {}
-    for name, table in embeddings.tables.items():
-        optimizer = table.optimizer or default
-        optimizer.check_device(
-            device_type, f"model.tables[{name}].optimizer" if table.optimizer else "sparse.optimizer"
-        )
-        apply_optimizer_in_backward(optimizer.optimizer_class(), [weights[name]], optimizer.fused_kwargs())
-        chosen[name] = optimizer
-    return chosen
-
-
-def plan_sharding(
-    model: nn.Module, embeddings: SparseEmbeddings, device: torch.device, pg: dist.ProcessGroup
-) -> ShardingPlan:
-    """Rank 0 plans under each table's sharding type with fused kernels; every rank gets the plan."""
-    for name, table in embeddings.tables.items():
-        sharder = sharders()[0 if table.kind == "sequence" else 1]
-        allowed = sharder.sharding_types(device.type)
-        if table.sharding not in allowed:
-            raise ValueError(
-                f"model.tables[{name}].sharding: TorchRec shards {table.kind} tables on {device.type} as one of "
-                f"{sorted(allowed)}, got {table.sharding!r}"
-            )
-    world_size = dist.get_world_size(pg)
-    topology = TopologyFactory.create_topology(
-        TrainerConfig(world_size=world_size, local_world_size=_local_world_size(world_size)),
-        kernel_config=KernelConfig(compute_device=device.type),
-    )
-    constraints = {
-        name: ParameterConstraints(sharding_types=[table.sharding], compute_kernels=["fused"])
-        for name, table in embeddings.tables.items()
-    }
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, debug=False)
-    return planner.collective_plan(model, sharders(), pg)
-
-
-def shard_model(
-    model: nn.Module,
-    default_optimizer: EmbeddingOptimizerConfig,
-    dense_device: torch.device,
-    placement: str = "device",
-    pg: Optional[dist.ProcessGroup] = None,
-    dense_wrapper: Optional["DenseDataParallelWrapper"] = None,
-) -> DistributedModelParallel:
-    """Shard ``model.embeddings`` (a SparseEmbeddings) over the ranks of ``pg`` (default: WORLD).
-
-    dense_wrapper: how the dense modules are spread over ranks (default: DDP over all of
-    them, ``DenseDataParallelWrapper(dense_device, pg)``).
-
-    The model must be built identically on every rank (same seed): EmbeddingCollection
-    tables are copied into their shards, so the initial weights do not depend on the
-    number of ranks. Call on every rank.
-    """
-    pg = pg or dist.group.WORLD
-    embeddings = getattr(model, EMBEDDINGS_ATTR, None)
-    if not isinstance(embeddings, SparseEmbeddings):
-        raise ValueError(f"shard_model: expected the model's {EMBEDDINGS_ATTR!r} to be a SparseEmbeddings")
-    device = table_device(dense_device, placement)
-    initial_bags = embeddings.common.state_dict() if embeddings.common is not None else None
-    apply_embedding_optimizers(embeddings, default_optimizer, device.type)
-    if device != dense_device:
-        embeddings.output_device = dense_device
-    # Host-memory tables exchange CPU tensors: their collectives need gloo, whatever the dense model uses.
-    sparse_pg = dist.new_group(backend="gloo") if device.type == "cpu" and dist.get_backend(pg) != "gloo" else pg
-    plan = plan_sharding(model, embeddings, device, sparse_pg)
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(sparse_pg),
-        device=device,
-        plan=plan,
-        sharders=sharders(),
-        data_parallel_wrapper=dense_wrapper or DenseDataParallelWrapper(dense_device, pg),
-    )
-    if initial_bags is not None:  # TorchRec copies EmbeddingCollection weights into shards, not bag weights
-        dmp.module.embeddings.common.load_state_dict(initial_bags)
-    return dmp
-
-
-def sharders() -> List:
-    return [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
-
-
-class DenseDataParallelWrapper(DefaultDataParallelWrapper):
-    """DDP over the dense modules, placed on ``dense_device``, over process group ``pg`` (with one
-    rank, the modules unwrapped); sharded tables stay on their device."""
-
-    def __init__(self, dense_device: torch.device, pg: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.dense_device = dense_device
-        self.pg = pg
-
-    def _ddp_wrap(
-        self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device, ddp_ignore_param_names: Set[str]
-    ) -> None:
-        module = dmp._dmp_wrapped_module
-        for name, child in module.named_children():
-            if name != EMBEDDINGS_ATTR:
-                child.to(self.dense_device)
-        if not set(dict(dmp.named_parameters())) - ddp_ignore_param_names:
-            return
-        if dist.get_world_size(self.pg) == 1:  # nothing to all-reduce: DDP's per-step hooks are pure overhead
-            return
-        # No buffer is ever synced: the sharded tables' buffers differ per rank and dense buffers
-        # are equal by construction. Ignoring every buffer keeps that with ``forward_sync_buffers``
-        # (which, unlike the deprecated ``broadcast_buffers=False``, syncs non-ignored buffers at init).
-        ignored = set(ddp_ignore_param_names) | {name for name, _ in module.named_buffers()}
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
-        dmp._dmp_wrapped_module = DistributedDataParallel(
-            module,
-            device_ids=None if self.dense_device.type == "cpu" else [self.dense_device],
-            process_group=self.pg,
-            gradient_as_bucket_view=True,
-            forward_sync_buffers=False,
-            static_graph=self._static_graph,
-            find_unused_parameters=self._find_unused_parameters,
-            bucket_cap_mb=self._bucket_cap_mb,
+def check_one_rank(backend: str, world_size: int) -> None:
+    """ValueError unless ``backend`` can train on ``world_size`` ranks (only TorchRec shards tables)."""
+    if backend != "torchrec" and world_size > 1:
+        raise ValueError(
+            f"sparse.backend: {backend!r} keeps every table whole on one rank, but this run has {world_size} "
+            "ranks; use sparse.backend: torchrec (tables sharded over ranks) or run one process"
         )
 
 
-def local_table_rows(dmp: DistributedModelParallel) -> Mapping[str, int]:
-    """{table name: rows stored on this rank}, read from the sharded state dict."""
+def local_table_rows(model: nn.Module) -> Mapping[str, int]:
+    """{table name: rows stored on this rank}, from the state dict of a DistributedModelParallel
+    (its shards) or of a plain model (whole tables)."""
     rows = {}
-    for key, value in dmp.state_dict().items():
-        if key.startswith(f"{EMBEDDINGS_ATTR}.") and hasattr(value, "local_shards"):
+    for key, value in model.state_dict().items():
+        if key.startswith(f"{EMBEDDINGS_ATTR}.") and key.endswith(".weight"):
             table = key.split(".")[-2]
-            rows[table] = sum(int(shard.tensor.shape[0]) for shard in value.local_shards())
+            shards = value.local_shards() if hasattr(value, "local_shards") else None
+            rows[table] = int(value.shape[0]) if shards is None else sum(int(s.tensor.shape[0]) for s in shards)
     return rows
-
-
-def _table_weights(embeddings: SparseEmbeddings) -> Dict[str, nn.Parameter]:
-    weights = {}
-    for collection in embeddings.sequence.values():
-        weights.update({name: module.weight for name, module in collection.embeddings.items()})
-    if embeddings.common is not None:
-        weights.update({name: module.weight for name, module in embeddings.common.embedding_bags.items()})
-    return weights
-
-
-def _local_world_size(world_size: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -1,29 +1,36 @@
-"""Sparse id features: TorchRec embedding tables built from the config."""
+"""Sparse id features: embedding tables built from the config, on one of two backends.
+
+``sparse.backend`` picks the modules that hold the tables: "torchrec" (TorchRec's
+EmbeddingCollection / EmbeddingBagCollection, sharded over ranks by DistributedModelParallel,
+``gr.sparse.torchrec_tables``) or "torch" (plain ``nn.Embedding`` / ``nn.EmbeddingBag`` on one
+rank, ``gr.sparse.torch_tables``). Both lay their parameters out alike, so state dicts,
+checkpoints and exports are the same either way. TorchRec is imported only by its backend.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from importlib import import_module
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torchrec import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-    JaggedTensor,
-    KeyedJaggedTensor,
-)
-from torchrec.modules.embedding_configs import PoolingType
 
 from gr.config_checks import NAMES, int_at_least, known_keys, one_of, optional, require
 from gr.sparse.dedup import unique_ids
+from gr.sparse.keyed_jagged import JaggedTensor, KeyedJaggedTensor
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
 
+# sparse.backend -> the module that builds its collections (``sequence_collection``,
+# ``pooled_collection``) and names its KeyedJaggedTensor class.
+BACKEND_MODULES = {"torchrec": "gr.sparse.torchrec_tables", "torch": "gr.sparse.torch_tables"}
+SPARSE_BACKENDS = tuple(BACKEND_MODULES)
+_BACKEND: ContextVar[str] = ContextVar("sparse_backend", default="torchrec")
 TABLE_KINDS = ("sequence", "common")
-POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+POOLINGS = ("sum", "mean")
 # Ways the TorchRec planner may split a table across ranks (fused kernels only).
 SHARDING_TYPES = ("row_wise", "table_wise", "column_wise", "table_row_wise")
 # FBGEMM's embedding kernels store rows in multiples of 4 floats.
@@ -37,6 +44,23 @@ def storage_dim(embedding_dim: int) -> int:
     columns, so the 2 padding columns never get a gradient and never reach the model.
     """
     return -(-embedding_dim // DIM_ALIGNMENT) * DIM_ALIGNMENT
+
+
+@contextmanager
+def sparse_backend(name: str) -> Iterator[None]:
+    """SparseEmbeddings built inside take backend ``name`` (one of ``SPARSE_BACKENDS``) unless told
+    otherwise: how a GRModel, which builds its own tables, gets the configured backend."""
+    require("sparse.backend", name, one_of(*SPARSE_BACKENDS))
+    token = _BACKEND.set(name)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def backend_module(name: str) -> Any:
+    """The module implementing backend ``name`` (imported on first use)."""
+    return import_module(BACKEND_MODULES[name])
 
 
 @dataclass(frozen=True)
@@ -60,7 +84,7 @@ class TableConfig:
     features: Tuple[str, ...]
     kind: str = "sequence"
     pooling: str = "sum"
-    init_std: Optional[float] = None  # None -> TorchRec's default uniform init
+    init_std: Optional[float] = None  # None -> uniform in ±sqrt(1 / num_embeddings), TorchRec's default
     extra: Dict[str, object] = field(default_factory=dict)
     sharding: Optional[str] = None
     optimizer: Optional[EmbeddingOptimizerConfig] = None
@@ -123,7 +147,8 @@ class SparseEmbeddings(nn.Module):
     """Looks up sequence ids per token and common ids per request.
 
     ``sequence`` (EmbeddingCollection per embedding dim) and ``common``
-    (EmbeddingBagCollection) are the modules DistributedModelParallel shards. Each
+    (EmbeddingBagCollection, or their torch counterparts, ``backend``) hold the tables; with
+    TorchRec they are the modules DistributedModelParallel shards. Each
     collection always receives every feature it was built with, in its own order
     (features absent from a batch get no ids), because a sharded collection fixes its
     input layout at its first call. Tables are stored ``storage_dim`` wide; lookups are
@@ -135,6 +160,7 @@ class SparseEmbeddings(nn.Module):
         Long sequences repeat ids a lot (an ML-100K batch: ~12k item tokens, <1.7k distinct).
     output_device: where looked-up vectors go (None: where the tables are), e.g. the
         accelerator running the dense model while the tables live in host memory.
+    backend: one of ``SPARSE_BACKENDS``; None -> the one ``sparse_backend`` set ("torchrec" by default).
     """
 
     def __init__(
@@ -143,8 +169,12 @@ class SparseEmbeddings(nn.Module):
         device: Optional[str] = None,
         dedup: bool = False,
         output_device: Optional[torch.device] = None,
+        backend: Optional[str] = None,
     ) -> None:
         super().__init__()
+        self.backend = backend or _BACKEND.get()
+        require("sparse.backend", self.backend, one_of(*SPARSE_BACKENDS))
+        modules = backend_module(self.backend)
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"tables: duplicate table names in {names}")
@@ -160,24 +190,14 @@ class SparseEmbeddings(nn.Module):
         # TorchRec wants one embedding dim per EmbeddingCollection: one collection per dim.
         self.sequence = nn.ModuleDict(
             {
-                f"dim{dim}": EmbeddingCollection(
-                    tables=[EmbeddingConfig(**_table_arguments(t)) for t in seq if t.embedding_dim == dim],
-                    device=device,
-                )
+                f"dim{dim}": modules.sequence_collection([t for t in seq if t.embedding_dim == dim], device)
                 for dim in sorted({t.embedding_dim for t in seq})
             }
         )
         self.sequence_features = {
             name: [f for t in seq if f"dim{t.embedding_dim}" == name for f in t.features] for name in self.sequence
         }
-        self.common = (
-            EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(**_table_arguments(t), pooling=POOLINGS[t.pooling]) for t in common],
-                device=device,
-            )
-            if common
-            else None
-        )
+        self.common = modules.pooled_collection(common, device) if common else None
         self.common_features = [f for t in common for f in t.features]
 
     def feature_dim(self, feature: str) -> int:
@@ -217,7 +237,8 @@ class SparseEmbeddings(nn.Module):
             if unknown:
                 raise ValueError(f"common ids: features {unknown} have no table of kind 'common'")
             jagged = common_ids.to_dict()
-            pooled = self.common(_full_kjt(self.common_features, jagged, common_ids.stride())).to_dict()
+            pooled = self.common(self._full_kjt(self.common_features, jagged, common_ids.stride()))
+            pooled = pooled if isinstance(pooled, dict) else pooled.to_dict()  # TorchRec's: a KeyedTensor
             common_out = {k: pooled[k][:, : self.feature_dim(k)] for k in common_ids.keys()}
         if self.output_device is not None:
             seq_out = {k: v.to(self.output_device, non_blocking=True) for k, v in seq_out.items()}
@@ -226,7 +247,7 @@ class SparseEmbeddings(nn.Module):
 
     def _lookup(self, collection: nn.Module, features: List[str], jagged: Dict[str, JaggedTensor]) -> Dict[str, Tensor]:
         stride = next(jagged[f].lengths().numel() for f in features if f in jagged)
-        looked_up = collection(_full_kjt(features, jagged, stride))
+        looked_up = collection(self._full_kjt(features, jagged, stride))
         dim = self.feature_dim(features[0])
         return {f: looked_up[f].values()[:, :dim] for f in features if f in jagged}
 
@@ -246,7 +267,7 @@ class SparseEmbeddings(nn.Module):
             # One "sample" holding every distinct id, under the table's first feature.
             carrier = self.tables[table].features[0]
             distinct_ids[carrier] = JaggedTensor(values=unique, lengths=unique.new_tensor([unique.numel()]))
-        looked_up = collection(_full_kjt(features, distinct_ids, 1))
+        looked_up = collection(self._full_kjt(features, distinct_ids, 1))
         out: Dict[str, Tensor] = {}
         for table, table_features in by_table.items():
             rows = looked_up[self.tables[table].features[0]].values()[:, : self.tables[table].embedding_dim]
@@ -255,21 +276,15 @@ class SparseEmbeddings(nn.Module):
             out.update(zip(table_features, torch.split(rows, sizes)))
         return out
 
-
-def _full_kjt(features: List[str], jagged: Dict[str, JaggedTensor], stride: int) -> KeyedJaggedTensor:
-    """A KJT with every feature in ``features`` (that order); features not in ``jagged`` get no ids."""
-    template = next(iter(jagged.values()))
-    empty = JaggedTensor(values=template.values().new_zeros(0), lengths=template.lengths().new_zeros(stride))
-    return KeyedJaggedTensor.from_jt_dict({f: jagged.get(f, empty) for f in features})
-
-
-def _table_arguments(table: TableConfig) -> Dict[str, Any]:
-    """TorchRec table config arguments: rows stored ``storage_dim`` wide."""
-    std = table.init_std
-    return {
-        "name": table.name,
-        "num_embeddings": table.num_embeddings,
-        "embedding_dim": storage_dim(table.embedding_dim),
-        "feature_names": list(table.features),
-        "init_fn": None if std is None else (lambda weight: nn.init.normal_(weight, std=std)),
-    }
+    def _full_kjt(self, features: List[str], jagged: Dict[str, JaggedTensor], stride: int) -> Any:
+        """The backend's KJT with every feature in ``features`` (that order); features not in
+        ``jagged`` get no ids."""
+        template = next(iter(jagged.values()))
+        empty = template.lengths().new_zeros(stride)
+        present = [jagged[f] for f in features if f in jagged]
+        return backend_module(self.backend).KeyedJaggedTensor(
+            keys=list(features),
+            values=torch.cat([jt.values() for jt in present]),
+            lengths=torch.cat([jagged[f].lengths() if f in jagged else empty for f in features]),
+            stride=stride,
+        )

@@ -31,7 +31,7 @@ from torch import nn
 
 from gr.data.features import FeatureSpec
 from gr.model import GRModel
-from gr.sparse.tables import TableConfig
+from gr.sparse.tables import TableConfig, sparse_backend
 from gr.train.config import ModuleSpec, OptimizerSection, TrainConfig
 
 SAMPLED_ITEMS = "sampled_item_id"
@@ -81,7 +81,11 @@ def item_table(tables: Sequence[TableConfig], item_feature: str) -> TableConfig:
 def build_model(
     config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = (), for_training: bool = True
 ) -> GRModel:
-    """A fresh GRModel (tables unsharded, on CPU). Seed torch first for identical ranks."""
+    """A fresh GRModel (tables unsharded, on CPU). Seed torch first for identical ranks.
+
+    Its tables are of ``sparse.backend`` when built for training; otherwise (a trained model
+    loaded back, exported, evaluated) of the torch backend, whatever trained it: the same
+    parameters and lookups, with no TorchRec needed."""
     tables = build_tables(config, spec, for_training)
     dims = {f: t.embedding_dim for t in tables for f in t.features}
     context: Dict[str, Any] = {
@@ -99,7 +103,8 @@ def build_model(
             f"model.postfix_dnn.class: retrieval scores items with the head's item_embedding(rows); "
             f"{type(postfix).__name__} has none (RetrievalHead does)"
         )
-    model = config.model.model_class()(config.model.hstu, prefix, postfix, tables)
+    with sparse_backend(config.sparse.backend if for_training else "torch"):
+        model = config.model.model_class()(config.model.hstu, prefix, postfix, tables)
     model.embeddings.dedup = config.sparse.dedup
     return model
 

@@ -44,7 +44,7 @@ from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
 from gr.sparse.sharding import PLACEMENTS
-from gr.sparse.tables import TableConfig
+from gr.sparse.tables import SPARSE_BACKENDS, TableConfig
 
 # The shipped PrefixDNN, and the PostfixDNN per task, used when the config names no class.
 DEFAULT_POSTFIX = {"retrieval": "gr.postfix_dnn.RetrievalHead", "ranking": "gr.postfix_dnn.MMoERankingHead"}
@@ -200,11 +200,14 @@ class ModelSection:
 @dataclass(frozen=True)
 class SparseSection(Section):
     """placement: "device" (tables with the dense model) or "host" (tables in host memory);
-    dedup: look each distinct id of a batch up once; optimizer: tables' default optimizer."""
+    dedup: look each distinct id of a batch up once; optimizer: tables' default optimizer;
+    backend: "torchrec" (TorchRec tables, sharded over ranks) or "torch" (plain torch embeddings
+    and optimizers on one rank, no TorchRec or FBGEMM needed; same checkpoints and exports)."""
 
     placement: str = checked("device", one_of(*PLACEMENTS))
     dedup: bool = checked(True, BOOL)
     optimizer: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
+    backend: str = checked("torchrec", one_of(*SPARSE_BACKENDS))
     where: InitVar[str] = "sparse"
 
     def __post_init__(self, where: str) -> None:
@@ -413,6 +416,14 @@ class TrainConfig:
                 f"sparse.placement: trainer.accelerator 'npu' needs 'host' (FBGEMM has no NPU embedding "
                 f"kernels: tables in host memory, dense model on the NPU); got {self.sparse.placement!r}"
             )
+        if self.sparse.backend != "torchrec":
+            ranks = self.trainer.num_nodes * (self.trainer.devices if is_int(self.trainer.devices) else 1)
+            if ranks > 1 or self.distributed.dense_sharding != "none":
+                raise ValueError(
+                    f"sparse.backend: {self.sparse.backend!r} trains on one rank; got trainer.devices "
+                    f"{self.trainer.devices!r}, trainer.num_nodes {self.trainer.num_nodes}, distributed.dense_sharding "
+                    f"{self.distributed.dense_sharding!r}. Use sparse.backend: torchrec to spread a run over ranks"
+                )
         if self.distributed.dense_sharding == "fsdp2" and self.trainer.gradient_clip_val:
             raise ValueError(
                 "trainer.gradient_clip_val: clipping by the global norm is not supported with "

@@ -1,8 +1,11 @@
-"""GRTrainingModule: the Lightning module that trains a GRModel with sharded tables.
+"""GRTrainingModule: the Lightning module that trains a GRModel and its embedding tables.
 
-The model is built and sharded in ``configure_model`` (every rank builds it from the
-same seed, then ``shard_model`` wraps it in DistributedModelParallel); the embedding
-optimizers run inside backward, so ``configure_optimizers`` gets the dense parameters only.
+The model is built in ``configure_model``. With ``sparse.backend: torchrec`` every rank
+builds it from the same seed, then ``shard_model`` wraps it in DistributedModelParallel
+(tables sharded over ranks); with ``torch`` it trains as it is, on one rank, its tables plain
+torch embeddings (``gr.sparse.torch_tables``, no TorchRec imported). Either way the embedding
+optimizers run inside backward, so ``configure_optimizers`` gets the dense parameters only,
+and checkpoints hold the same keys.
 
 Exact resume: every random draw of a training step (dropout, sampled negatives,
 stochastic-length cuts) comes from generators seeded by (trainer.seed, epoch, batch, rank)
@@ -20,22 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from gr.data.features import FeatureSpec
 from gr.data.stochastic_length import subsample_histories
 from gr.finite import NonFiniteError, gradients_finite, non_finite
 from gr.model import GRInput
-from gr.sparse.sharding import shard_model, table_device
+from gr.sparse.sharding import check_one_rank, table_device
 from gr.train.build import dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
-from gr.train.fsdp import FSDP2DenseWrapper
 from gr.train.tasks import RankingTask, RetrievalTask
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class GRTrainingModule(LightningModule):
         self.tasks = tuple(tasks)
         self.popularity = popularity
         self.model: Optional[torch.nn.Module] = None
+        self.table_optimizers: Any = None  # TorchRec's fused optimizer, or gr.sparse.row_optimizers.TableOptimizers
         self.task: Any = None
         self.generator = torch.Generator()
         self.last_metrics: Dict[str, Dict[str, float]] = {}  # split -> the latest evaluation, full precision
@@ -68,6 +70,8 @@ class GRTrainingModule(LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        sparse, device = self.config.sparse, self.trainer.strategy.root_device
+        check_one_rank(sparse.backend, self.trainer.world_size)
         gr_model = seeded_model(self.config, self.spec, self.tasks)
         if self.config.task_type == "retrieval":
             item_feature = self.config.task.retrieval.item_feature
@@ -76,11 +80,21 @@ class GRTrainingModule(LightningModule):
             )
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)
-        sparse, device = self.config.sparse, self.trainer.strategy.root_device
+        if sparse.backend == "torch":
+            from gr.sparse.torch_tables import prepare_for_training
+
+            self.table_optimizers = prepare_for_training(gr_model, sparse.optimizer, device, sparse.placement)
+            self.model = gr_model
+            return
+        from gr.sparse.torchrec_sharding import shard_model
+
         dense_wrapper = None
         if self.dense_sharded:
+            from gr.train.fsdp import FSDP2DenseWrapper
+
             dense_wrapper = FSDP2DenseWrapper(device, torch.distributed.group.WORLD)
         self.model = shard_model(gr_model, sparse.optimizer, device, sparse.placement, dense_wrapper=dense_wrapper)
+        self.table_optimizers = self.model.fused_optimizer
 
     @property
     def dense_sharded(self) -> bool:
@@ -89,15 +103,16 @@ class GRTrainingModule(LightningModule):
 
     @property
     def gr_model(self) -> torch.nn.Module:
-        """The GRModel inside DistributedModelParallel (its tables sharded)."""
-        return self.model.module
+        """The GRModel: inside DistributedModelParallel (its tables sharded), or trained as it is."""
+        return self.model if self.config.sparse.backend == "torch" else self.model.module
 
     def sparse_optimizer_state(self) -> Dict[str, Any]:
-        """The fused embedding optimizers' state (sharded tensors), for checkpoints."""
-        return self.model.fused_optimizer.state_dict()
+        """The embedding optimizers' state (TorchRec: sharded tensors), for checkpoints."""
+        return self.table_optimizers.state_dict()
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
-        """``model.*``: DistributedModelParallel's state dict (table shards, dense parameters).
+        """``model.*``: DistributedModelParallel's state dict (table shards, dense parameters), or the
+        GRModel's (the same keys).
 
         Asked with a prefix, DMP doubles it unless DDP wraps the dense part (with FSDP2 and
         no replicated dense parameter, nothing does), so its state dict is taken unprefixed."""
@@ -119,12 +134,22 @@ class GRTrainingModule(LightningModule):
         checkpoint["sparse_optimizer"] = self.sparse_optimizer_state()
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        self.model.fused_optimizer.load_state_dict(checkpoint["sparse_optimizer"])
+        self.table_optimizers.load_state_dict(checkpoint["sparse_optimizer"])
+        if self.config.sparse.backend == "torch":  # Adam's bias correction goes on from the checkpoint's step
+            self.table_optimizers.resume_at(int(checkpoint.get("global_step", 0)))
+
+    def dense_parameters(self) -> List[torch.nn.Parameter]:
+        """The parameters the Lightning optimizer steps: all but the tables' (updated in backward)."""
+        if self.config.sparse.backend == "torch":
+            tables = {id(p) for p in self.gr_model.embeddings.parameters()}
+            return [p for p in self.model.parameters() if id(p) not in tables and p.requires_grad]
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        return [p for _, p in in_backward_optimizer_filter(self.model.named_parameters()) if p.requires_grad]
 
     def configure_optimizers(self) -> Any:
         opt = self.config.optimizer
-        dense = [p for _, p in in_backward_optimizer_filter(self.model.named_parameters()) if p.requires_grad]
-        optimizer = dense_optimizer(opt, dense)
+        optimizer = dense_optimizer(opt, self.dense_parameters())
         if opt.warmup_steps == 0:
             return optimizer
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / opt.warmup_steps))
@@ -132,13 +157,13 @@ class GRTrainingModule(LightningModule):
 
     def _ids_device(self) -> torch.device:
         """Where the tables take ids: host memory, or the dense model's device."""
-        return table_device(self.trainer.strategy.root_device, self.config.sparse.placement)
+        return table_device(self.trainer.strategy.root_device, self.config.sparse.placement, self.config.sparse.backend)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Dense tensors to the model's device; ids to the tables' device (host memory when placed there)."""
         if not isinstance(batch, GRInput):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
-        ids_device = table_device(device, self.config.sparse.placement)
+        ids_device = table_device(device, self.config.sparse.placement, self.config.sparse.backend)
 
         def move(value: Any, to: torch.device) -> Any:
             if isinstance(value, dict):

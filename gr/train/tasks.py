@@ -26,11 +26,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torchrec import JaggedTensor, KeyedJaggedTensor
 
 from gr.model import GRInput, GROutput
 from gr.rng import randint
 from gr.sparse.dedup import unique_ids
+from gr.sparse.keyed_jagged import JaggedTensor, KeyedJaggedTensor
 from gr.sparse.tables import SparseEmbeddings
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
