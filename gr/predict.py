@@ -7,13 +7,14 @@ as a column ``history.item_id``)::
 
     user_id                    int or string                        required
     history.<feature>          list per token feature of the export  required (item_id, ...)
-    history.timestamps         list<int> seconds                     required
+    history.timestamps         list<int> seconds, oldest first       required (``gr.timestamps``)
     candidates.<feature>       list per token feature                optional: scores per candidate
     candidates.timestamps      list<int>                             optional (default: request_time)
     common_features.<feature>  id, list of ids, or list<float>       required when the export reads it
     request_time               int (null: the request's default)     optional
 
-Ids are raw ids (the dataset's, through the export's id maps) unless ``--ids model``. With
+Integers (ids, timestamps, request_time) must fit int64: unsigned values past it are refused, never
+wrapped. Ids are raw ids (the dataset's, through the export's id maps) unless ``--ids model``. With
 ``candidates.*`` columns every row is ranked (``Ranker.rank_prepared``: users' candidates packed
 into shared HSTU passes, ``--batch-size`` rows at a time); without them each row gets the top
 ``--k`` catalogue items of ``Ranker.recommend`` (retrieval exports).
@@ -61,6 +62,7 @@ from gr.serving.model import ServingModel, check_device
 from gr.serving.request import IdOptions
 from gr.serving.runtime import DEFAULT_MICRO_BATCH
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
+from gr.timestamps import INT64_MAX
 
 USER = "user_id"
 REQUEST_TIME = "request_time"
@@ -249,6 +251,7 @@ class _Rows:
             )
             if len(bad):
                 raise self.row_error(int(bad[0]), ValueError(f"non-finite value {values[bad[0]]}"), name)
+            self._check_int64(name, column.to_numpy(zero_copy_only=False), [])
             return values.__getitem__
         levels: List[np.ndarray] = []  # offsets of each list level, outermost first
         while True:
@@ -262,6 +265,7 @@ class _Rows:
             levels.append(np.asarray(column.offsets))
             column = column.values
         leaf = column.to_numpy(zero_copy_only=False)
+        self._check_int64(name, leaf, levels)
         if leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
             bad = int(np.flatnonzero(~np.isfinite(leaf))[0])
             raise self.row_error(_row_of(levels, bad), ValueError(f"non-finite value {leaf[bad]}"), name)
@@ -272,6 +276,13 @@ class _Rows:
             return lambda i: leaf[outer[i] : outer[i + 1]]
         inner = levels[1]
         return lambda i: [leaf[inner[j] : inner[j + 1]] for j in range(outer[i], outer[i + 1])]
+
+    def _check_int64(self, name: str, values: np.ndarray, levels: List[np.ndarray]) -> None:
+        """Refuse unsigned values past int64 (ids and timestamps are int64; never wrapped)."""
+        if values.dtype == np.uint64 and len(values) and values.max() > np.uint64(INT64_MAX):
+            bad = int(np.flatnonzero(values > np.uint64(INT64_MAX))[0])
+            message = f"{values[bad]} does not fit int64 (at most {INT64_MAX})"
+            raise self.row_error(_row_of(levels, bad), ValueError(message), name)
 
     def get(self, name: str, row: int, default: Any = None) -> Any:
         cell = self.columns.get(name)

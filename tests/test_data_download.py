@@ -78,6 +78,23 @@ def test_download_verifies_unpacks_into_dir_and_checks_counts(served, tmp_path):
     assert (record["interactions"], record["items"]) == (len(RATINGS), ITEMS)
 
 
+def test_overwrite_says_it_deletes_dir_old_before_it_does(served, tmp_path, caplog):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    target, old = tmp_path / "ml-100k", tmp_path / "ml-100k.old"
+    for directory in (target, old):
+        directory.mkdir()
+        (directory / "mine.txt").write_text("kept?")
+    deleted_when_said = []
+    caplog.set_level("WARNING")
+    caplog.handler.addFilter(lambda record: deleted_when_said.append(not old.exists()) or True)
+    dl.download_dataset(
+        "ml-100k", target, overwrite=True, progress=False, sources=_source(archive, f"{base}/ml-100k.zip")
+    )
+    assert f"--overwrite: {old} exists and will be deleted" in caplog.text
+    assert deleted_when_said == [False] and not old.exists() and not (target / "mine.txt").exists()
+
+
 def test_wrong_md5_from_the_cli_is_a_checksum_mismatch_and_creates_nothing(served, tmp_path, capsys):
     root, base = served
     _ml_100k_zip(root / "ml-100k.zip")  # not the published archive: its md5 differs from GroupLens's

@@ -143,9 +143,14 @@ def test_parquet_null_and_missing_column_are_named(tmp_path):
     "text, line, message",
     [
         ("1\t2\t3\t4\n1\t2\t3\n", 2, "expected 4 fields"),
-        ("1\t2\t3\t4\n\n5\tabc\t3\t4\n", 3, "column 'item': expected an integer, got 'abc'"),
+        ("1\t2\t3\t4\n\n5\tabc\t3\t4\n", 3, "column 'item': expected an integer that fits int64, got 'abc'"),
         ("1\t2\t3\t4\n1\t2\tgood\t4\n", 2, "column 'rating': expected a number"),
-        ("1\t2\t3\t4\n1\t2\t3\t\n", 2, "column 'timestamp': expected an integer, got ''"),
+        ("1\t2\t3\t4\n1\t2\t3\t\n", 2, "column 'timestamp': expected an integer that fits int64, got ''"),
+        (
+            "1\t2\t3\t4\n1\t2\t3\t9223372036854775808\n",
+            2,
+            "column 'timestamp': expected an integer that fits int64, got '9223372036854775808'",
+        ),
         ("1\t2\t3\t4\n1\t2\tnan\t5\n", 2, "column 'rating': expected a number, got 'nan'"),
     ],
 )
@@ -164,7 +169,7 @@ def test_malformed_line_in_a_double_colon_file_names_the_line(tmp_path):
 def test_bad_side_file_line_is_named(tmp_path):
     ml_100k_dir(tmp_path)
     write(tmp_path / "u.user", "1|24|M|technician|85711\nx|60|F|other|94043\n")
-    with pytest.raises(DataFormatError, match=r"u\.user:2: column 'user': expected an integer, got 'x'"):
+    with pytest.raises(DataFormatError, match=r"u\.user:2: column 'user': expected an integer that fits int64, got"):
         read_ml_100k(str(tmp_path))
 
 
@@ -208,5 +213,75 @@ def test_rows_repeating_user_item_and_timestamp_are_dropped_and_counted_unless_k
 
 def test_generic_csv_bad_value_names_its_line(tmp_path):
     write(tmp_path / "events.csv", "user_id,item_id,timestamp\n1,2,100\n1,3,yesterday\n")
-    with pytest.raises(DataFormatError, match=r"events\.csv:3: column 'timestamp': expected a number, got 'yesterday'"):
+    with pytest.raises(DataFormatError, match=r"events\.csv:3: column 'timestamp': expected seconds: .*'yesterday'"):
         read_table_csv(str(tmp_path / "events.csv"), ColumnConfig())
+
+
+NANOSECOND_EPOCHS = [1700000000000000001, 1700000000000000002, 1700000000000000003, 1700000000000000100]
+
+
+def test_csv_timestamps_and_ids_are_exact_integers(tmp_path):
+    rows = "".join(f"u1,9007199254740993,{t}\n" for t in NANOSECOND_EPOCHS)  # 2^53 + 1: not a float64
+    data = read_source(
+        DataConfig(source="csv", path=str(write(tmp_path / "e.csv", "user_id,item_id,timestamp\n" + rows)))
+    )
+    assert data.timestamps.dtype == np.int64 and data.timestamps.tolist() == NANOSECOND_EPOCHS
+    assert data.duplicates == 0 and data.items.tolist() == [9007199254740993] * 4
+
+
+def test_parquet_timestamps_and_ids_are_exact_integers(tmp_path):
+    table = pa.table({"user_id": ["u1"] * 4, "item_id": pa.array([2**63 - 1] * 4), "timestamp": NANOSECOND_EPOCHS})
+    pq.write_table(table, tmp_path / "e.parquet")
+    data = read_source(DataConfig(source="parquet", path=str(tmp_path / "e.parquet")))
+    assert data.timestamps.tolist() == NANOSECOND_EPOCHS and data.duplicates == 0
+    assert data.items.tolist() == [2**63 - 1] * 4
+
+
+def test_decimal_csv_timestamps_are_floored_exactly(tmp_path):
+    write(tmp_path / "e.csv", "user_id,item_id,timestamp\n1,2,100.9\n1,3,-1.5\n1,4,1.7e9\n1,5,1700000000000000001.5\n")
+    data = read_table_csv(str(tmp_path / "e.csv"), ColumnConfig())
+    assert data.timestamps.tolist() == [100, -2, 1_700_000_000, 1700000000000000001]
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("1,2,1e23", "column 'timestamp': expected seconds: .* that fits int64, got '1e23'"),
+        ("1,2,1.5e30", "column 'timestamp': expected seconds: .* that fits int64, got '1.5e30'"),
+        ("1,2,-9223372036854775809", "column 'timestamp': expected seconds: .*, got '-9223372036854775809'"),
+        ("18446744073709551615,2,5", "column 'user_id': id 18446744073709551615 does not fit int64"),
+    ],
+)
+def test_csv_values_past_int64_are_errors_naming_file_line_and_column(tmp_path, row, message):
+    write(tmp_path / "e.csv", f"user_id,item_id,timestamp\n1,2,3\n{row}\n")
+    with pytest.raises(DataFormatError, match=rf"e\.csv:3: {message}"):
+        read_table_csv(str(tmp_path / "e.csv"), ColumnConfig())
+    write(tmp_path / "e.csv", f'user_id,item_id,timestamp\n1,"two\nlines",3\n{row}\n')  # a record over 2 lines
+    with pytest.raises(DataFormatError, match=rf"e\.csv:4: {message}"):
+        read_table_csv(str(tmp_path / "e.csv"), ColumnConfig())
+
+
+@pytest.mark.parametrize(
+    "column, values, message",
+    [
+        ("timestamp", pa.array([1, 2**64 - 1], pa.uint64()), "row 2: column 'timestamp': 18446744073709551615 does"),
+        ("timestamp", pa.array([1.0, 1e23]), r"row 2: column 'timestamp': 1e\+23 is not seconds within int64"),
+        ("user_id", pa.array([1, 2**64 - 1], pa.uint64()), "row 2: column 'user_id': id 18446744073709551615 does"),
+    ],
+)
+def test_parquet_values_past_int64_are_errors_naming_row_and_column(tmp_path, column, values, message):
+    table = {"user_id": pa.array([1, 1]), "item_id": ["a", "b"], "timestamp": pa.array([1, 2]), column: values}
+    pq.write_table(pa.table(table), tmp_path / "e.parquet")
+    with pytest.raises(DataFormatError, match=rf"e\.parquet: {message}"):
+        read_table_parquet(str(tmp_path / "e.parquet"), ColumnConfig())
+
+
+def test_na_like_ids_and_categories_are_plain_strings_and_an_empty_one_is_named(tmp_path):
+    text = "user_id,item_id,timestamp,brand\nNA,null,1,N/A\nnan,NaN,2,None\n#N/A,<NA>,3,NULL\n"
+    columns = ColumnConfig(item_features=("brand",))
+    data = read_table_csv(str(write(tmp_path / "e.csv", text)), columns)
+    assert data.users.tolist() == ["NA", "nan", "#N/A"] and data.items.tolist() == ["null", "NaN", "<NA>"]
+    assert data.item_side.categorical["brand"].tolist() == ["NULL", "None", "N/A"]  # keyed by sorted item id
+    write(tmp_path / "e.csv", text + '4,"",5,x\n')
+    with pytest.raises(DataFormatError, match=r"e\.csv:5: column 'item_id': expected a non-empty value, got ''"):
+        read_table_csv(str(tmp_path / "e.csv"), columns)

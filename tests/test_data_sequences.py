@@ -29,12 +29,14 @@ def test_sort_is_by_time_with_ties_in_file_order_and_ids_are_remapped():
     assert seqs.ratings.tolist() == [4, 5, 1, 3, 0, 2]
 
 
-def test_short_users_are_dropped_and_counted_in_the_log(caplog):
-    data = events([(1, 1, 1), (1, 2, 2), (1, 3, 3), (2, 1, 1), (2, 2, 2), (3, 4, 1), (3, 5, 2), (3, 6, 3)])
-    with caplog.at_level(logging.INFO, logger="gr.data.sequences"):
+def test_short_users_are_dropped_with_a_warning_saying_how_many_and_why(caplog):
+    data = events([(1, 1, 1), (1, 2, 2), (1, 3, 3), (2, 1, 1), (3, 4, 1), (3, 5, 2), (3, 6, 3)])
+    with caplog.at_level(logging.WARNING):  # what the command line shows
         seqs, users, items = build_sequences(data, min_seq_len=3)
     assert users.raw.tolist() == [1, 3]
-    assert "dropped 1 of 3 users with fewer than 3 interactions" in caplog.text
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "dropped 1 of 3 users with fewer than 3 interactions (data.min_seq_len; leave-one-out" in record.message
     assert items.raw.tolist() == [1, 2, 3, 4, 5, 6]
     with pytest.raises(DataFormatError, match=r"mem: no user has at least 4 interactions \(data.min_seq_len\)"):
         build_sequences(data, min_seq_len=4)
@@ -91,6 +93,22 @@ def test_id_maps_round_trip_through_files(tmp_path):
     assert (tmp_path / "items.tsv").read_text().splitlines() == ["dense_id\traw_id", "0\t10", "1\t30"]
     with pytest.raises(KeyError, match="not in the mapping"):
         loaded["items"].encode(np.array([20]))
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ("0\t10\n1\t99999999999999999999\n", r"items\.tsv:3: raw_id: expected an int64 \(raw_type int\), got '9999"),
+        ("0\t10\n1\tten\n", r"items\.tsv:3: raw_id: expected an int64 \(raw_type int\), got 'ten'"),
+        ("0\t10\n1\t20\n2\t10\n", r"items\.tsv:4: raw_id 10 repeats line 2"),
+        ("0\t10\n2\t20\n", r"items\.tsv:3: expected dense_id 1<TAB>raw_id"),
+    ],
+)
+def test_id_maps_that_would_map_wrongly_are_refused_naming_file_and_line(tmp_path, rows, message):
+    save_mappings(str(tmp_path), {"items": IdMap.of(np.array([10, 20]))}, {})
+    (tmp_path / "items.tsv").write_text("dense_id\traw_id\n" + rows)
+    with pytest.raises(ValueError, match=message):
+        load_mappings(str(tmp_path))
 
 
 def test_windows_drop_the_oldest_events_in_whole_eviction_blocks():

@@ -1,10 +1,12 @@
 """A damaged export is refused with an error naming the file and key. Any edit after export is
 caught by the MANIFEST; the other checks are shown on exports damaged *and re-signed* (a consistent
 but wrong export): truncated weights, a missing slice, edited shapes, unknown versions, dangling
-edges, paths that leave the export, non-finite weights. Also the ``check`` CLI."""
+edges, paths that leave the export, non-finite weights, id maps that repeat a raw id or pass their
+table. Also the ``check`` CLI."""
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -12,11 +14,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from gr.data.mappings import IdMap, save_mappings
 from gr.export import ExportFormatError, check_export, export_model, load_hstu
 from gr.export.__main__ import main as export_main
 from gr.export.manifest import write_manifest
 from gr.serving import Ranker
-from helpers.models import DENSE_DIMS, build_ranking_model
+from helpers.models import DENSE_DIMS, build_ranking_model, build_retrieval_model
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +228,40 @@ def test_check_cli_reports_problems_by_file_and_key(export, capsys):
     out = capsys.readouterr().out
     assert "ERROR sparse/item.safetensors [weight]: shape [50, 16], sparse.ini says [60, 16]" in out
     assert out.strip().endswith("1 problem(s)")
+
+
+RAW_ITEMS = [f"m{i:02d}" for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def mapped_pristine(tmp_path_factory):
+    """A retrieval export whose item ids are raw strings, through sparse/id_maps/items.tsv."""
+    root = tmp_path_factory.mktemp("mapped")
+    save_mappings(str(root / "maps"), {"items": IdMap.of(np.array(RAW_ITEMS))}, {})
+    return export_model(build_retrieval_model(), root / "export", id_mappings_dir=root / "maps")
+
+
+@pytest.mark.parametrize(
+    "old, new, where, message",
+    [
+        (
+            "5\tm05\n",
+            "5\tm04\n",
+            ("sparse/id_maps", "-"),
+            "sparse/id_maps/items.tsv:7: raw_id 'm04' repeats line 6 (each raw id maps to one dense id)",
+        ),
+        ("5\tm05\n", "5\tm55\n", ("sparse/id_maps", "-"), "items.tsv:8: raw_id 'm06' comes after 'm55'"),
+        ("49\tm49\n", "49\tm49\n50\tm50\n", ("sparse/sparse.ini", "feature.item_id.id_mapping"), "rows up to 50"),
+        ("5\tm05\n", "6\tm05\n", ("sparse/id_maps", "-"), "items.tsv:7: expected dense_id 5<TAB>raw_id"),
+    ],
+)
+def test_an_id_map_that_cannot_serve_is_refused_by_check_and_every_loader(
+    mapped_pristine, tmp_path, old, new, where, message
+):
+    export = tmp_path / "export"
+    shutil.copytree(mapped_pristine, export)
+    assert check_export(export) == []
+    edit(export / "sparse/id_maps/items.tsv", old, new)
+    assert message in found_messages(export, where)
+    with pytest.raises(ExportFormatError, match=re.escape(message)):
+        Ranker.load(export)

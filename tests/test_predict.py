@@ -133,10 +133,12 @@ def _drop(table: pa.Table, name: str) -> pa.Table:
     return table.drop_columns([name])
 
 
-def _set(table: pa.Table, name: str, row: int, value: Any) -> pa.Table:
+def _set(table: pa.Table, name: str, row: int, value: Any, kind: Any = None) -> pa.Table:
+    """``table`` with ``name``'s cell ``row`` set to ``value`` (the column typed ``kind`` if given)."""
     values = table.column(name).to_pylist()
     values[row] = value
-    return table.set_column(table.column_names.index(name), name, pa.array(values, table.schema.field(name).type))
+    kind = kind or table.schema.field(name).type
+    return table.set_column(table.column_names.index(name), name, pa.array(values, kind))
 
 
 @pytest.mark.parametrize(
@@ -150,6 +152,16 @@ def _set(table: pa.Table, name: str, row: int, value: Any) -> pa.Table:
             "row 2, column history.item_id: unknown raw id(s) ['nope']",
         ),
         ("retrieval", lambda t: _set(t, "history.timestamps", 1, None), "row 1, column history.timestamps: null"),
+        (
+            "retrieval",
+            lambda t: _set(t, "history.timestamps", 1, [1, 2, 3, 4, 2**64 - 1], pa.list_(pa.uint64())),
+            "row 1, column history.timestamps: 18446744073709551615 does not fit int64",
+        ),
+        (
+            "retrieval",
+            lambda t: _set(t, "history.timestamps", 2, [5] * 15 + [4]),
+            "row 2, column history.timestamps: out of order: [15] = 4 is earlier than [14] = 5",
+        ),
         (
             "ranking",
             lambda t: _set(t, "history.age", 3, [[0.5]] * 18 + [[float("nan")]]),

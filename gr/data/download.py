@@ -172,6 +172,9 @@ def download_dataset(
             "you trust) so the download can be verified"
         )
     url = url or source.url
+    old = target.with_name(target.name + ".old")  # where ``replace_directory`` parks the DIR it replaces
+    if overwrite and target.exists() and old.exists():
+        log.warning("--overwrite: %s exists and will be deleted (the old %s is moved there, then removed)", old, target)
     with atomic_directory(target, overwrite=overwrite) as tmp:
         fetched = tmp / source.file_name
         digests = _fetch(url, fetched, progress)

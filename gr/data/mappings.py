@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -14,6 +15,9 @@ from gr.atomic import atomic_file, write_json
 
 MAPPINGS_FORMAT_VERSION = 1
 MANIFEST = "mappings.json"
+RAW_TYPES = ("int", "str")
+INT_ID = re.compile(r"-?\d+")
+INT64_MIN, INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 @dataclass
@@ -85,33 +89,87 @@ def _write_tsv(f, header: Tuple[str, str], rows) -> None:
 
 
 def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]]]:
-    """Read what ``save_mappings`` wrote -> ({name: IdMap}, {dense feature: column names})."""
+    """Read what ``save_mappings`` wrote -> ({name: IdMap}, {dense feature: column names}).
+
+    Every loader of id maps (training's, an export's) goes through here, so each refuses the same
+    files: ValueError naming the file and line (or manifest key) of the first problem: an unknown
+    format, dense ids that do not run from the offset without gaps, an int raw id that is not an
+    int64, a raw id that repeats an earlier one, raw ids out of order."""
     root = Path(directory)
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{manifest_path}: missing file (written by save_mappings)")
     manifest = json.loads(manifest_path.read_text(encoding="utf8"))
-    version = manifest.get("format_version")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != MAPPINGS_FORMAT_VERSION:
         raise ValueError(f"{manifest_path}: format_version {version!r} is not {MAPPINGS_FORMAT_VERSION}")
     maps = {}
-    for name, entry in manifest["maps"].items():
-        rows = _read_tsv(root / entry["file"], ("dense_id", "raw_id"))
-        raw = [r[1] for r in rows]
-        dense = [int(r[0]) for r in rows]
-        offset = int(entry["offset"])
-        if dense != list(range(offset, offset + len(rows))):
-            raise ValueError(f"{root / entry['file']}: dense ids must run from {offset} without gaps")
-        maps[name] = IdMap(np.asarray(raw, dtype=np.int64 if entry["raw_type"] == "int" else str), offset)
+    for name, entry in _entries(manifest_path, manifest, "maps").items():
+        file, kind, offset = (_field(manifest_path, f"maps.{name}", entry, k) for k in ("file", "raw_type", "offset"))
+        if kind not in RAW_TYPES or not isinstance(offset, int) or offset < 0:
+            raise ValueError(
+                f"{manifest_path}: maps.{name}: expected raw_type one of {list(RAW_TYPES)} and an offset >= 0, "
+                f"got {kind!r} and {offset!r}"
+            )
+        maps[name] = _read_map(root / file, kind, offset)
     columns = {
-        name: [r[1] for r in _read_tsv(root / file, ("column", "name"))] for name, file in manifest["columns"].items()
+        name: [r[1] for _, r in _read_tsv(root / file, ("column", "name"))]
+        for name, file in _entries(manifest_path, manifest, "columns").items()
     }
     return maps, columns
 
 
-def _read_tsv(path: Path, header: Tuple[str, str]) -> List[List[str]]:
+def _entries(path: Path, manifest: dict, key: str) -> dict:
+    entries = manifest.get(key, {})
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: {key}: expected an object, got {type(entries).__name__}")
+    return entries
+
+
+def _field(path: Path, where: str, entry: object, key: str) -> object:
+    if not isinstance(entry, dict) or key not in entry:
+        raise ValueError(f"{path}: {where}.{key}: missing")
+    return entry[key]
+
+
+def _read_map(path: Path, kind: str, offset: int) -> IdMap:
+    """One ``<name>.tsv`` -> IdMap, refusing what ``load_mappings`` lists (the file and line named)."""
+    rows = _read_tsv(path, ("dense_id", "raw_id"))
+    raw: List[object] = []
+    for i, (line, fields) in enumerate(rows):
+        if len(fields) != 2 or fields[0] != str(offset + i):
+            raise ValueError(
+                f"{path}:{line}: expected dense_id {offset + i}<TAB>raw_id (dense ids run from {offset} "
+                f"without gaps), got {fields!r}"
+            )
+        if kind == "int" and not (INT_ID.fullmatch(fields[1]) and INT64_MIN <= int(fields[1]) <= INT64_MAX):
+            raise ValueError(f"{path}:{line}: raw_id: expected an int64 (raw_type int), got {fields[1]!r}")
+        raw.append(int(fields[1]) if kind == "int" else fields[1])
+    values = np.asarray(raw, dtype=np.int64 if kind == "int" else str)
+    if len(values) > 1:
+        _, first, counts = np.unique(values, return_index=True, return_counts=True)
+        if (counts > 1).any():
+            repeat = int(np.flatnonzero(values == values[first[counts > 1][0]])[1])
+            original = int(first[counts > 1][0])
+            raise ValueError(
+                f"{path}:{rows[repeat][0]}: raw_id {raw[repeat]!r} repeats line {rows[original][0]} "
+                "(each raw id maps to one dense id)"
+            )
+        unsorted = np.flatnonzero(values[1:] < values[:-1])
+        if unsorted.size:
+            i = int(unsorted[0]) + 1
+            raise ValueError(f"{path}:{rows[i][0]}: raw_id {raw[i]!r} comes after {raw[i - 1]!r}: expected sorted ids")
+    return IdMap(values, offset)
+
+
+def _read_tsv(path: Path, header: Tuple[str, str]) -> List[Tuple[int, List[str]]]:
+    """[(line number, fields), ...] of the rows below ``header``."""
     with open(path, newline="", encoding="utf8") as f:
-        rows = list(csv.reader(f, delimiter="\t"))
-    if not rows or tuple(rows[0]) != header:
+        reader = csv.reader(f, delimiter="\t")
+        rows, line = [], 1
+        for fields in reader:
+            rows.append((line, fields))
+            line = reader.line_num + 1
+    if not rows or tuple(rows[0][1]) != header:
         raise ValueError(f"{path}:1: expected the header {'<TAB>'.join(header)!r}")
     return rows[1:]

@@ -1,8 +1,13 @@
 """Readers for public interaction formats: one function per format, plus a registry.
 
 Files are parsed with pyarrow's vectorised CSV reader. When the fast parse fails (or
-leaves nulls / non-finite numbers), the file is scanned line by line to name the first
+leaves empty values / non-finite numbers), the file is scanned line by line to name the first
 bad line, so every data error reads ``file:line: what was expected``.
+
+Exact values: ids and timestamps never pass through float64. Integer columns are parsed as
+int64 (a value outside int64 is an error naming file, line and column); a text column keeps
+every value as written, ``NA``, ``null``, ``nan`` and ``N/A`` included (only an empty field is
+missing, and an error); timestamps are integer seconds, or decimal numbers floored exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import io
 import logging
 import math
 import re
+from decimal import ROUND_FLOOR, Decimal
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -27,9 +33,16 @@ from gr.data.synthetic import generate_synthetic
 
 log = logging.getLogger(__name__)
 
-ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string()}
-EXPECTED = {"int": "an integer", "float": "a number", "str": "a non-empty value"}
+ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "time": pa.string()}
+EXPECTED = {
+    "int": "an integer that fits int64",
+    "float": "a number",
+    "str": "a non-empty value",
+    "time": "seconds: an integer, or a decimal number, that fits int64",
+}
 INT_PATTERN = re.compile(r"-?\d+")
+DECIMAL_PATTERN = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+INT64_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
 CANONICAL_INT = r"^-?(0|[1-9][0-9]*)$"
 ML_AGE_BUCKETS = (1, 18, 25, 35, 45, 50, 56)  # MovieLens-1M age codes: under 18, 18-24, ..., 56+
 RATING_KINDS = ("int", "int", "float", "int")
@@ -51,7 +64,8 @@ def read_delimited(
 ) -> Dict[str, np.ndarray]:
     """Parse a delimited text file into {column: [N] array}.
 
-    columns: (name, kind) with kind "int" | "float" | "str" | "skip". With header "none"
+    columns: (name, kind) with kind "int" | "float" | "str" | "time" (seconds, ``exact_seconds``) |
+    "skip". With header "none"
     they are the file's fields in order; "expect": the first line must list exactly
     these names; "select": the first line names the columns and these are picked by name.
     delimiter: one character, or "::" (MovieLens-1M).
@@ -74,34 +88,62 @@ def read_delimited(
     convert = pacsv.ConvertOptions(
         column_types={n: ARROW_TYPES[k] for n, k in wanted.items()},
         include_columns=list(wanted),
-        strings_can_be_null=True,
+        null_values=[],  # text is kept as written ("NA" is a value); an empty number fails to parse
+        strings_can_be_null=False,
+        quoted_strings_can_be_null=False,
     )
+    values: Optional[Dict[str, np.ndarray]] = None
     try:
         table = pacsv.read_csv(source, read, parse, convert)
-        clean = all(table[n].null_count == 0 for n in wanted) and all(
-            _all_finite(table[n]) for n, k in wanted.items() if k == "float"
-        )
-        arrow_error = "null or non-finite values"
+        values = {n: _to_numpy(table[n], k) for n, k in wanted.items()}
+        arrow_error = "empty or non-finite values"
+        if any(v is None for v in values.values()):
+            values = None
     except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
-        clean, arrow_error = False, str(error).splitlines()[0]
-    if not clean:
+        arrow_error = str(error).splitlines()[0]
+    if values is None:
         bad = _first_bad_line(path, columns, delimiter, header, encoding, quoted)
         if bad is None:
             raise DataFormatError(path, f"could not be parsed ({arrow_error})")
         raise DataFormatError(path, bad[1], line=bad[0])
     if table.num_rows == 0:
         raise DataFormatError(path, "no data rows (empty dataset)")
-    return {n: _to_numpy(table[n], k) for n, k in wanted.items()}
+    return values
 
 
-def _all_finite(column: pa.ChunkedArray) -> bool:
-    return bool(np.isfinite(column.to_numpy()).all())
-
-
-def _to_numpy(column: pa.ChunkedArray, kind: str) -> np.ndarray:
+def _to_numpy(column: pa.ChunkedArray, kind: str) -> Optional[np.ndarray]:
+    """The column as [N] numpy, or None when a value is invalid (empty text, a non-finite number,
+    a time that ``exact_seconds`` refuses)."""
     if kind == "str":
-        return column.to_numpy(zero_copy_only=False).astype(str)
-    return column.to_numpy()
+        return None if pc.any(pc.equal(column, "")).as_py() else column.to_numpy(zero_copy_only=False).astype(str)
+    if kind == "time":
+        return _seconds_column(column)
+    array = column.to_numpy()
+    return array if kind == "int" or np.isfinite(array).all() else None
+
+
+def _seconds_column(column: pa.ChunkedArray) -> Optional[np.ndarray]:
+    """Text timestamps -> [N] int64 seconds (``exact_seconds`` of each), or None if one is invalid."""
+    try:
+        return pc.cast(column, pa.int64()).to_numpy()  # exact; fails on decimals and past int64
+    except pa.ArrowInvalid:
+        seconds = [exact_seconds(text) for text in column.to_pylist()]
+    return None if any(s is None for s in seconds) else np.asarray(seconds, dtype=np.int64)
+
+
+def exact_seconds(text: str) -> Optional[int]:
+    """A timestamp's text -> its integer seconds, exactly: an integer as it is, a decimal number
+    (``1.5``, ``1.7e9``) floored; None when it is neither or falls outside int64."""
+    if INT_PATTERN.fullmatch(text):
+        value = int(text)
+    elif DECIMAL_PATTERN.fullmatch(text):
+        number = Decimal(text)
+        if not INT64_RANGE[0] <= number < INT64_RANGE[1] + 1:  # before flooring: 1e999999 stays cheap
+            return None
+        value = int(number.to_integral_value(rounding=ROUND_FLOOR))
+    else:
+        return None
+    return value if INT64_RANGE[0] <= value <= INT64_RANGE[1] else None
 
 
 def _decoded_lines(path: Path, encoding: str, delimiter: str) -> Iterator[str]:
@@ -179,7 +221,9 @@ def _first_bad_line(
 
 def _valid(value: str, kind: str) -> bool:
     if kind == "int":
-        return INT_PATTERN.fullmatch(value) is not None
+        return INT_PATTERN.fullmatch(value) is not None and INT64_RANGE[0] <= int(value) <= INT64_RANGE[1]
+    if kind == "time":
+        return exact_seconds(value) is not None
     if kind == "float":
         try:
             return math.isfinite(float(value))
@@ -332,26 +376,40 @@ def read_amazon(path: str) -> Interactions:
 
 
 def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
-    """A CSV with a header; ``columns`` names the user, item, timestamp (seconds) and optional
-    rating and declared feature columns (categorical: any value; dense: finite numbers).
-    Ids that are all canonical integers become int64."""
+    """A CSV with a header; ``columns`` names the user, item, timestamp (seconds: integers, or
+    decimal numbers floored) and optional rating and declared feature columns (categorical: any
+    non-empty text, ``NA`` and ``null`` included; dense: finite numbers). Ids that are all
+    canonical integers become int64."""
     file = _require_file(
         Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
     )
     layout = [
         (columns.user, "str"),
         (columns.item, "str"),
-        (columns.timestamp, "float"),
+        (columns.timestamp, "time"),
         *([(columns.rating, "float")] if columns.rating else []),
         *((c, "str") for c in columns.categorical_columns()),
         *((c, "float") for c in columns.dense_columns()),
     ]
     values = read_delimited(file, layout, columns.delimiter, header="select", quoted=True)
-    return _table_interactions(file, values, columns)
+
+    def bad_id(name: str, row: int, message: str) -> DataFormatError:
+        line = _line_of_row(file, columns.delimiter, row)
+        return DataFormatError(file, f"column {name!r}: {message}", line=line)
+
+    return _table_interactions(file, values, columns, bad_id)
+
+
+def _line_of_row(path: Path, delimiter: str, row: int) -> int:
+    """The line where data row ``row`` (0-based, after the header) of a quoted CSV starts."""
+    records = _records(path, delimiter, "utf8", quoted=True)
+    next(records)
+    return next(line for i, (line, _) in enumerate(records) if i == row)
 
 
 def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
-    """A Parquet file with the columns ``columns`` names (timestamp: numeric seconds or a timestamp type)."""
+    """A Parquet file with the columns ``columns`` names (timestamp: integer seconds, float seconds
+    floored, or a timestamp type floored to seconds; ids: integer or string columns, read exactly)."""
     file = _require_file(Path(path), "Parquet file")
     try:
         schema = pq.read_schema(file)
@@ -371,14 +429,20 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
         if column.null_count:
             row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DataFormatError(file, f"row {row + 1}: column {name!r} is null")
-        values[name] = _parquet_column(file, name, column, numeric=name in numeric)
-    return _table_interactions(file, values, columns)
+        if name == columns.timestamp:
+            values[name] = _parquet_seconds(file, name, column)
+        else:
+            values[name] = _parquet_column(file, name, column, numeric=name in numeric)
+
+    def bad_id(name: str, row: int, message: str) -> DataFormatError:
+        return DataFormatError(file, f"row {row + 1}: column {name!r}: {message}")
+
+    return _table_interactions(file, values, columns, bad_id)
 
 
 def _parquet_column(file: Path, name: str, column: pa.ChunkedArray, numeric: bool) -> np.ndarray:
+    """A rating or dense column -> [N] finite float64; any other -> [N] str (integers exactly)."""
     kind = column.type
-    if pa.types.is_timestamp(kind) and numeric:
-        return pc.cast(pc.cast(column, pa.timestamp("s")), pa.int64()).to_numpy().astype(np.float64)
     if numeric:
         if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
             raise DataFormatError(file, f"column {name!r}: expected numbers, got type {kind}")
@@ -390,11 +454,40 @@ def _parquet_column(file: Path, name: str, column: pa.ChunkedArray, numeric: boo
     return pc.cast(column, pa.string()).to_numpy(zero_copy_only=False).astype(str)
 
 
-def _as_ids(values: np.ndarray) -> np.ndarray:
-    """String ids that are all canonical integers -> int64 (so they sort numerically); else unchanged."""
-    if bool(pc.all(pc.match_substring_regex(pa.array(values, pa.string()), CANONICAL_INT)).as_py()):
-        return values.astype(np.int64)
-    return values
+def _parquet_seconds(file: Path, name: str, column: pa.ChunkedArray) -> np.ndarray:
+    """A timestamp column -> [N] int64 seconds, exactly: integers as they are, floats and timestamp
+    types floored to whole seconds; a value outside int64 (or not finite) names its row."""
+    kind = column.type
+    if pa.types.is_timestamp(kind):
+        per_second = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}[kind.unit]
+        return np.floor_divide(pc.cast(column, pa.int64()).to_numpy(), per_second)
+    if pa.types.is_integer(kind):
+        array = column.to_numpy()
+        if array.dtype == np.uint64 and len(array) and array.max() > np.uint64(INT64_RANGE[1]):
+            row = int(np.flatnonzero(array > np.uint64(INT64_RANGE[1]))[0])
+            raise DataFormatError(file, f"row {row + 1}: column {name!r}: {array[row]} does not fit int64")
+        return array.astype(np.int64)
+    if pa.types.is_floating(kind):
+        array = np.floor(column.to_numpy().astype(np.float64))
+        outside = ~((array >= INT64_RANGE[0]) & (array < 2.0**63))  # NaN included
+        if outside.any():
+            row = int(np.flatnonzero(outside)[0])
+            raise DataFormatError(file, f"row {row + 1}: column {name!r}: {array[row]} is not seconds within int64")
+        return array.astype(np.int64)
+    raise DataFormatError(file, f"column {name!r}: expected integer seconds or a timestamp type, got type {kind}")
+
+
+def _as_ids(values: np.ndarray, bad_value: Callable[[int, str], DataFormatError]) -> np.ndarray:
+    """[N] str ids that are all canonical integers -> [N] int64 (so they sort numerically), parsed
+    exactly; one outside int64 raises ``bad_value(row, message)``. Other ids stay strings."""
+    text = pa.array(values, pa.string())
+    if not bool(pc.all(pc.match_substring_regex(text, CANONICAL_INT)).as_py()):
+        return values
+    try:
+        return pc.cast(text, pa.int64()).to_numpy()
+    except pa.ArrowInvalid:
+        row = next(i for i, v in enumerate(values.tolist()) if not INT64_RANGE[0] <= int(v) <= INT64_RANGE[1])
+        raise bad_value(row, f"id {values[row]} does not fit int64 (integer ids are read as int64)") from None
 
 
 def _row_table(
@@ -418,12 +511,20 @@ def _last_value_table(keys: np.ndarray, rows: SideTable) -> SideTable:
     return SideTable(unique, table.categorical, table.dense, table.dense_columns)
 
 
-def _table_interactions(file: Path, values: Dict[str, np.ndarray], columns: ColumnConfig) -> Interactions:
-    users, items = _as_ids(values[columns.user]), _as_ids(values[columns.item])
+def _table_interactions(
+    file: Path,
+    values: Dict[str, np.ndarray],
+    columns: ColumnConfig,
+    bad_id: Callable[[str, int, str], DataFormatError],
+) -> Interactions:
+    """values: {column: [N]} with [N] int64 timestamps and [N] str ids; bad_id(column, row, message):
+    the error for an id that does not fit int64."""
+    users = _as_ids(values[columns.user], lambda row, message: bad_id(columns.user, row, message))
+    items = _as_ids(values[columns.item], lambda row, message: bad_id(columns.item, row, message))
     data = Interactions(
         users,
         items,
-        np.floor(values[columns.timestamp]).astype(np.int64),
+        values[columns.timestamp],
         values[columns.rating].astype(np.float32) if columns.rating else None,
         source=str(file),
     )

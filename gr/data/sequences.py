@@ -69,9 +69,10 @@ def build_sequences(
 ) -> Tuple[UserSequences, IdMap, IdMap]:
     """Filter, remap and sort events -> (sequences, user map, item map).
 
-    Items with fewer than ``min_item_interactions`` events are dropped first, then users
-    with fewer than ``min_seq_len`` (logged). Dense ids follow sorted raw ids. Events are
-    sorted stably by (user, timestamp, original order).
+    Items with fewer than ``min_item_interactions`` events are dropped first (logged), then users
+    with fewer than ``min_seq_len`` (a warning saying how many). Dense ids follow sorted raw ids.
+    Events are sorted stably by (user, timestamp, original order): equal timestamps keep the
+    file's order, as a request's history keeps its own (``gr.timestamps``).
     """
     keep = np.ones(len(data.users), dtype=bool)
     if min_item_interactions > 1:
@@ -87,9 +88,10 @@ def build_sequences(
     user_raw, user_codes, user_counts = np.unique(data.users[keep], return_inverse=True, return_counts=True)
     long_enough = user_counts >= min_seq_len
     dropped = int((~long_enough).sum())
-    if dropped:
-        log.info(
-            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len)",
+    if dropped:  # a warning: a user's events vanish from every split, which no one asked for
+        log.warning(
+            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len; leave-one-out "
+            "needs a training, a validation and a test event per user)",
             data.source,
             dropped,
             len(user_raw),

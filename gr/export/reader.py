@@ -1,7 +1,7 @@
 """Read and validate an export directory; rebuild the HSTU slice from its files alone.
 
-Imports no training code (no torchrec, lightning, gr.model/train/data): the serving
-runtime loads exports through this module.
+Imports no training code (no torchrec, lightning, gr.model/train; of gr.data only the id map
+format, ``gr.data.mappings``): the serving runtime loads exports through this module.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from gr.export.format import (
     read_ini,
 )
 from gr.export.hstu_slice import SAFETENSORS_DTYPES, config_from_slice, from_slice, slice_tensor_shapes
+from gr.export.id_maps import read_id_maps
+from gr.export.item_store import check_item_store
 from gr.export.manifest import check_manifest, inside
 from gr.export.slice_graph import SliceGraph, SliceSpec
 from gr.export.sparse_manifest import SparseManifest
@@ -132,6 +134,10 @@ def _inspect(root: Path) -> Tuple[Optional[ExportManifest], List[Problem]]:
     if graph is not None:
         problems.extend(graph.check())
     sparse = _read_sparse(root, problems)
+    if sparse is not None:
+        problems.extend(read_id_maps(root, sparse)[1])
+    if sparse is not None and graph is not None:
+        check_item_store(root, graph, sparse, problems)
     read = _read_hstu_config(root, problems)
     hstu_config = None if read is None else read[0]
     if read is not None:

@@ -14,8 +14,8 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from gr.data.mappings import IdMap, load_mappings
-from gr.export.format import ID_MAPS_DIR, SPARSE_DIR
+from gr.data.mappings import IdMap
+from gr.export.id_maps import read_id_maps
 from gr.export.sparse_manifest import SparseManifest
 from gr.serving.errors import IdMapError, RequestError
 
@@ -27,26 +27,11 @@ class IdMaps:
     """{feature: IdMap} of one export; ``encode`` raw -> model ids, ``decode`` model -> raw ids."""
 
     def __init__(self, root: Path, sparse: SparseManifest) -> None:
-        mapped = {name: f.id_mapping for name, f in sparse.features.items() if f.id_mapping is not None}
-        self.maps: Dict[str, IdMap] = {}
-        self.problem: Optional[str] = None  # why the maps cannot be read (raw ids of mapped features then fail)
-        self.mapped = set(mapped)
-        if not mapped:
-            return
-        try:
-            by_name, _ = load_mappings(str(root / ID_MAPS_DIR))
-        except (OSError, KeyError, ValueError) as exc:
-            self.problem = f"{root / ID_MAPS_DIR}: unreadable id maps: {type(exc).__name__}: {exc}"
-            return
-        for feature, file in mapped.items():
-            name = Path(file).name[: -len(".tsv")]
-            if name not in by_name:
-                self.problem = (
-                    f"{root / SPARSE_DIR / 'sparse.ini'}: [feature.{feature}].id_mapping {file!r} is not "
-                    f"a map of {root / ID_MAPS_DIR / 'mappings.json'} (maps: {sorted(by_name)})"
-                )
-                return
-            self.maps[feature] = by_name[name]
+        self.mapped = {name for name, f in sparse.features.items() if f.id_mapping is not None}
+        maps, problems = read_id_maps(root, sparse)  # what gr check reports, read the same way
+        self.maps: Dict[str, IdMap] = maps
+        # why the maps cannot be used (raw ids of mapped features then fail); open_export refuses it first
+        self.problem: Optional[str] = (f"{root}: " + "; ".join(map(str, problems))) if problems else None
 
     def _map(self, feature: str) -> Optional[IdMap]:
         if feature in self.mapped and self.problem is not None:

@@ -72,9 +72,16 @@ def load_checkpoint(template: Dict[str, Any], path: str | Path) -> Dict[str, Any
             warnings.filterwarnings("ignore", message=SINGLE_PROCESS_LOAD, category=UserWarning)
             dcp.load(template, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except CheckpointException as error:  # a BaseException: would escape every `except Exception`
-        causes = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(error.failures.items()))
+        causes = "; ".join(f"rank {rank}: {_failure_text(cause)}" for rank, cause in sorted(error.failures.items()))
         raise ValueError(f"{path}: the checkpoint does not fit this model and config ({causes})") from error
     return {**read_meta(path), **template}
+
+
+def _failure_text(failure: Any) -> str:
+    """One rank's DCP failure, an (exception, stack summary) pair, as ``Type: message`` on one line."""
+    error = failure[0] if isinstance(failure, tuple) and failure else failure
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    return " ".join(text.split())
 
 
 def is_complete(path: str | Path) -> bool:
