@@ -4,7 +4,6 @@ Tiny GRModels (a ranking model with the shipped DNNs, user-defined DNNs, retriev
 models), random jagged batches for them, the serving requests of a batch, and their scores.
 """
 
-import json
 from pathlib import Path
 from typing import Dict, List
 
@@ -14,6 +13,7 @@ from torch import Tensor, nn
 from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN, TableConfig
+from gr.data.mappings import IdMap, save_mappings
 from gr.evaluate import batch_requests
 from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
@@ -184,18 +184,7 @@ def rank_all(ranker: Ranker, requests: List[dict], **kwargs) -> Dict[str, np.nda
 
 def write_id_mappings(directory: Path) -> Path:
     """A mappings directory as ``SequenceDataModule.save_mappings`` writes it (items and one feature)."""
-    directory.mkdir()
-    (directory / "items.tsv").write_text("dense_id\traw_id\n0\t1001\n")
-    (directory / "genre.tsv").write_text("dense_id\traw_id\n0\tdrama\n")
-    (directory / "mappings.json").write_text(
-        json.dumps(
-            {
-                "format_version": 1,
-                "maps": {"items": {"file": "items.tsv"}, "genre": {"file": "genre.tsv"}},
-                "columns": {},
-            }
-        )
-    )
+    save_mappings(str(directory), {"items": IdMap(np.array([1001])), "genre": IdMap(np.array(["drama"]))}, {})
     return directory
 
 
