@@ -60,7 +60,7 @@ from gr.hstu.kernels.cpu import (
     padded_lengths,
 )
 from gr.native import fused_expected
-from gr.sparse.tables import TableConfig, storage_dim
+from gr.sparse.tables import TableConfig, backend_module, storage_dim
 from gr.train.config import TrainConfig, load_config
 
 PRECISION_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
@@ -292,6 +292,7 @@ def plan_for_data(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str], 
     (no memory, however large), then ``make_plan``."""
     from gr.train.build import build_model
 
+    backend_module(config.sparse.backend)  # imported outside the meta device: its imports make tensors
     with torch.device("meta"):
         model = build_model(config, spec, tasks)
     tables = list(model.embeddings.tables.values()) if model.embeddings is not None else []
