@@ -1,6 +1,7 @@
 """examples/custom_project end to end at a small size: its config trains its GRModel subclass with
-item genres and user demographics, the run exports and passes ``gr check``, and one rank request
-over HTTP, by raw values, scores as the trained model does."""
+item genres and user demographics, the run exports (with its items' genres) and passes ``gr check``,
+and a rank request over HTTP, by raw values, scores as the trained model does, with the genres
+written out or given by item id alone; recommend and generate work."""
 
 from pathlib import Path
 
@@ -118,17 +119,22 @@ def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_
         status, answer = server.call("POST", "/v1/rank", request)
         assert status == 200, answer
         np.testing.assert_allclose(answer["scores"]["retrieval"], trained, atol=1e-5)
-        recommend = {k: v for k, v in request.items() if k != "candidates"}
+        by_id = {
+            **request,
+            "history": {k: v for k, v in request["history"].items() if k != "item_genres"},
+            "candidates": {"item_id": request["candidates"]["item_id"]},
+        }
+        status, answer = server.call("POST", "/v1/rank", by_id)  # the export's item store fills the genres
+        assert status == 200, answer
+        np.testing.assert_allclose(answer["scores"]["retrieval"], trained, atol=1e-5)
+        recommend = {k: v for k, v in by_id.items() if k != "candidates"}
         status, answer = server.call("POST", "/v1/recommend", {**recommend, "k": 3})
         assert status == 200 and len(answer["items"]) == 3, answer
-        status, answer = server.call("POST", "/v1/generate", {**recommend, "k": 3})
-        assert status == 400 and "item_genres" in answer["detail"], answer
+        status, generated = server.call("POST", "/v1/generate", {**recommend, "k": 3})
+        assert status == 200 and generated["items"][0] == answer["items"][0], generated
         status, answer = server.call(
             "POST", "/v1/rank", {**request, "common_features": {**request["common_features"], "user_zip": "x"}}
         )
         assert status == 400 and "user_zip" in answer["detail"]
-        del request["history"]["item_genres"]
-        status, answer = server.call("POST", "/v1/rank", request)
-        assert status == 400 and "item_genres" in answer["detail"]
     finally:
         server.stop()

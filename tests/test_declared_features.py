@@ -286,12 +286,21 @@ def test_raw_values_are_served_like_their_model_ids(ranking_run):
     np.testing.assert_allclose(by_raw.scores["watch"], by_model.scores["watch"], atol=1e-6)
 
 
+def test_the_export_stores_item_features_and_serving_fills_them_by_item_id(ranking_run):
+    ranker = Ranker.load(ranking_run[1])
+    assert sorted(ranker.model.sparse.items.features) == ["brand", "price"]
+    raw = _raw_request()  # its candidates' brand and price are those of items 5 and 12 in the data
+    by_id = {**raw, "candidates": {"item_id": raw["candidates"]["item_id"]}}
+    written, stored = (ranker.rank("u", **r, id_options=IdOptions("raw"), use_cache=False) for r in (raw, by_id))
+    np.testing.assert_allclose(stored.scores["watch"], written.scores["watch"], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
         ({"common_features": {"country": "fr"}}, r"common_features: missing feature\(s\) \['age'\]"),
         ({"common_features": {"country": "fr", "age": [1.0], "size": 2}}, r"unknown feature\(s\) \['size'\]"),
-        ({"candidates": {"item_id": [5], "brand": ["brand1"]}}, r"candidates: missing feature\(s\) \['price'\]"),
+        ({"candidates": {"brand": ["brand1"]}}, r"candidates: missing feature\(s\) \[.item_id.\]"),
         (
             {"history": {"item_id": [3], "timestamps": [1], "brand": ["brand3"], "price": [[1.0, 0.0]]}},
             "history: missing",

@@ -48,6 +48,7 @@ from gr.export.format import (
     write_ini,
 )
 from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
+from gr.export.item_store import run_item_features, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.reader import ONNX_DTYPES, check_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, REQUEST, SliceGraph, SliceSpec, TensorSpec
@@ -72,6 +73,7 @@ def export_model(
     event_features: Sequence[str] = (),
     overwrite: bool = False,
     hstu_dtype: str = "float32",
+    item_features: Optional[Mapping[str, np.ndarray]] = None,
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
@@ -87,6 +89,9 @@ def export_model(
     overwrite: replace an existing export_dir (otherwise it is an error).
     hstu_dtype: "float32" or "bfloat16": how ``hstu/model.safetensors`` stores the weights
     (the runtime computes in float32 either way).
+    item_features: {token feature: [items] int64 ids | [items, d] float32}, row i the item
+        features of model item i: written to the export's item store (``gr.export.item_store``),
+        from which serving fills them for items a request gives by id alone.
     """
     if hstu_dtype not in SLICE_DTYPES:
         raise ValueError(f"hstu_dtype: expected one of {list(SLICE_DTYPES)}, got {hstu_dtype!r}")
@@ -97,7 +102,9 @@ def export_model(
     model.eval()
     try:
         with atomic_directory(export_dir, overwrite=overwrite) as tmp:
-            _write(model, tmp, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype)
+            _write(
+                model, tmp, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype, item_features
+            )
             write_manifest(tmp)
             problems = check_export(tmp)
             if problems:
@@ -112,7 +119,8 @@ def export_run(
 ) -> Path:
     """Export a training run's best checkpoint (all shards merged) with its id mappings.
 
-    Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``. The run
+    Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``; the item
+    features the model reads from the run's training data (``gr.export.item_store``). The run
     is read under its lock, shared (``gr.run_lock``): a run being trained or resumed is refused.
     """
     from gr.train.run import MAPPINGS_DIR, load_trained_model, read_run
@@ -130,6 +138,7 @@ def export_run(
             event_features=spec.event_features,
             overwrite=overwrite,
             hstu_dtype=hstu_dtype,
+            item_features=run_item_features(run_dir, model.prefix_dnn.feature_names),
         )
 
 
@@ -140,10 +149,13 @@ def _write(
     dense_dims: Dict[str, int],
     event_features: Tuple[str, ...],
     hstu_dtype: str,
+    item_features: Optional[Mapping[str, np.ndarray]],
 ) -> None:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
     token_dims = _feature_dims(prefix, prefix.feature_names, sparse, "sequence", dense_dims, "feature_dims")
+    if item_features:
+        write_item_store(root, item_features, token_dims, sparse, event_features)
     common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, "common", dense_dims, "common_dims")
     _check_names(prefix, postfix)
 

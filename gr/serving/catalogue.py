@@ -1,9 +1,11 @@
 """An export's item catalogue: the token input of every item and the item index searched by
 ``recommend`` and generation, and the ``GenerativeModel`` view of an export.
 
-The item feature's token is the PrefixDNN output of its table row (computed once for the whole
-catalogue: the PrefixDNN is token-wise), when the item is the tokens' only feature (otherwise
-items cannot become tokens: no generation). The query is the postfix_dnn output ``query``; items are
+An item's token is the PrefixDNN output of its table row and its features (computed once for the
+whole catalogue: the PrefixDNN is token-wise): the export's stored item features
+(``gr.export.item_store``), and id 0 / zeros for the features of the interaction, as a candidate
+has them. An export that reads token features it neither stores nor may leave out has no item
+tokens: its items cannot become tokens (no generation). The query is the postfix_dnn output ``query``; items are
 scored against the L2-normalised rows of the item table, as the retrieval head defines
 (``RetrievalHead.item_embedding``): a score is the cosine that training divides by its
 temperature and evaluation ranks by.
@@ -60,14 +62,22 @@ class Catalogue:
         rows = model.sparse.rows(item_feature)
         self.model = model
         self.item_feature = item_feature
-        # Token features besides the item (genres, the action type...): a catalogue item has no
-        # value for them, so items cannot become tokens (generation); ranking and recommending work.
-        self.other_token_features = [f for f in (*schema.token_ids, *schema.token_dense) if f != item_feature]
+        features = [f for f in (*schema.token_ids, *schema.token_dense) if f != item_feature]
+        # whether a history token is more than its item: then the history's own features are its input
+        self.item_only = not features
+        # Token features an item has no value for (neither stored nor of the interaction): items
+        # cannot become tokens (generation); ranking and recommending work.
+        self.other_token_features = [f for f in features if f not in (*schema.stored, *schema.candidate_optional)]
         self.tokens: Optional[Tensor] = None  # [M, D]
         if not self.other_token_features:
-            self.tokens = model.embed_tokens(
-                {item_feature: np.arange(rows, dtype=np.int64), TIMESTAMPS: np.zeros(rows, dtype=np.int64)}
-            )
+            ids = np.arange(rows, dtype=np.int64)
+            columns = {item_feature: ids, TIMESTAMPS: np.zeros(rows, dtype=np.int64)}
+            for name in schema.candidate_optional:  # the unknown id / zeros, as a candidate's
+                dim = schema.token_dense.get(name)
+                columns[name] = np.zeros(rows, dtype=np.int64) if dim is None else np.zeros((rows, dim), np.float32)
+            for name in schema.stored:
+                columns[name] = model.sparse.items.lookup(name, ids)
+            self.tokens = model.embed_tokens(columns)
         table = model.sparse.tables[model.sparse.features[item_feature].table]
         self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]
         self.index: ItemIndex = INDEXES[index](self.vectors)
@@ -89,9 +99,9 @@ class ServingGenerativeModel:
         tokens = self.catalogue.tokens
         if tokens is None:
             raise RequestError(
-                f"model: generation appends catalogue items as tokens, which have only "
-                f"{self.catalogue.item_feature!r}; the export also reads token features "
-                f"{self.catalogue.other_token_features} (rank and recommend work)"
+                f"model: generation appends catalogue items as tokens, and the export reads token features "
+                f"{self.catalogue.other_token_features} that its items have no value for (the export's "
+                "item store holds none of them; rank and recommend work)"
             )
         return tokens[items.to(tokens.device)]
 

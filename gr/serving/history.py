@@ -88,5 +88,5 @@ def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time
     lm = ServingGenerativeModel(catalogue, h.common)
     items = torch.from_numpy(h.tokens[catalogue.item_feature])
     # Tokens with more features than the item: the history's own inputs, not the catalogue's.
-    tokens = h.model.embed_tokens(h.tokens) if catalogue.tokens is None else None
+    tokens = None if catalogue.item_only else h.model.embed_tokens(h.tokens)
     return start(lm, items, torch.from_numpy(h.tokens[TIMESTAMPS]), request_time, encoded.cache, tokens)

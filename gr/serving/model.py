@@ -58,8 +58,9 @@ class ServingModel:
         self.root = manifest.root
         self.graph = manifest.graph
         self.config = manifest.hstu_config
-        self.schema = RequestSchema.from_graph(self.graph)
         self.sparse = SparseStore(manifest)
+        stored = () if self.sparse.items is None else tuple(self.sparse.items.features)
+        self.schema = RequestSchema.from_graph(self.graph, stored)
         self.id_maps = IdMaps(manifest.root, manifest.sparse)
         self.prefix = OnnxSlice(manifest.path(PREFIX_ONNX), self.graph.slice(PREFIX), threads, device)
         self.engine = CachedHSTU(load_hstu(manifest.root).to(device))

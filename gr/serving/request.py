@@ -224,16 +224,19 @@ class RequestSchema:
     """The request tensors an export reads (``[request]`` of slice_graph.ini), and their validation.
 
     candidate_optional: token features of the interaction itself (``candidates = optional``):
-    candidates may leave them out and then take id 0 (unknown) or zeros, as in training."""
+    candidates may leave them out and then take id 0 (unknown) or zeros, as in training.
+    stored: token features of the item that the export's item store holds (``gr.export.item_store``):
+    history and candidates may leave them out and then take the item's stored value."""
 
     token_ids: Tuple[str, ...]
     token_dense: Dict[str, int]
     common_ids: Tuple[str, ...]
     common_dense: Dict[str, int] = field(default_factory=dict)
     candidate_optional: Tuple[str, ...] = ()
+    stored: Tuple[str, ...] = ()
 
     @classmethod
-    def from_graph(cls, graph: SliceGraph) -> "RequestSchema":
+    def from_graph(cls, graph: SliceGraph, stored: Tuple[str, ...] = ()) -> "RequestSchema":
         token_ids, common_ids, token_dense, common_dense = [], [], {}, {}
         optional = tuple(t.name for t in graph.request if t.candidates == CANDIDATES_OPTIONAL)
         for t in graph.request:
@@ -247,7 +250,7 @@ class RequestSchema:
                 token_dense[t.name] = int(t.shape[1])
             elif len(t.shape) == 2:
                 common_dense[t.name] = int(t.shape[1])
-        return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense, optional)
+        return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense, optional, stored)
 
     def tokens(
         self,
@@ -266,7 +269,8 @@ class RequestSchema:
         An empty mapping is zero tokens. raw: the id maps that turn raw ids into model ids (None:
         the ids are model ids). candidates: the ``candidate_optional`` features may be left out
         (id 0 / zeros), at most ``limits.max_candidates`` tokens (a history: at most
-        ``limits.max_history_tokens``, timestamps as ``gr.timestamps`` says).
+        ``limits.max_history_tokens``, timestamps as ``gr.timestamps`` says). A ``stored``
+        feature left out takes each token's item's value from ``store.items``.
         """
         if columns is None or (isinstance(columns, Mapping) and not columns):
             columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
@@ -274,7 +278,7 @@ class RequestSchema:
             raise RequestError(
                 f"{where}: expected an object {{feature: [one value per token]}}, got {type(columns).__name__}"
             )
-        optional = self.candidate_optional if candidates else ()
+        optional = (*(self.candidate_optional if candidates else ()), *self.stored)
         required = tuple(name for name in (*self.token_ids, *self.token_dense) if name not in optional)
         _check_features(columns, required, where, optional=(TIMESTAMPS, *optional))
         limit, what = ("max_candidates", "candidates") if candidates else ("max_history_tokens", "tokens")
@@ -289,6 +293,10 @@ class RequestSchema:
         for name, dim in self.token_dense.items():
             if name in columns:
                 out[name] = _dense(columns[name], dim, f"{where}.{name}")
+        items = None if store.items is None else out.get(store.items.item_feature)
+        for name in self.stored:
+            if name not in columns and items is not None:
+                out[name] = store.items.lookup(name, items)
         lengths = {name: len(a) for name, a in out.items()}
         count = next(iter(lengths.values()), 0)
         for name in self.token_ids:

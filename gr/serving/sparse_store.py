@@ -1,19 +1,22 @@
-"""Embedding lookups at serving time: tables from ``sparse/*.safetensors``, plain row gathers."""
+"""Embedding lookups at serving time: tables from ``sparse/*.safetensors``, plain row gathers, and
+the export's item feature store (``gr.export.item_store``), when it has one."""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 from safetensors.numpy import load_file
 
 from gr.export.format import SPARSE_DIR, TABLE_TENSOR
+from gr.export.item_store import ItemStore, load_item_store
 from gr.export.reader import ExportManifest
 from gr.serving.errors import RequestError
 
 
 class SparseStore:
-    """Every table of an export in memory; ``sequence`` gathers rows, ``pooled`` sums/means a bag."""
+    """Every table of an export in memory; ``sequence`` gathers rows, ``pooled`` sums/means a bag;
+    ``items``: the stored item features (None: the export stores none)."""
 
     def __init__(self, manifest: ExportManifest) -> None:
         self.features = manifest.sparse.features
@@ -21,6 +24,7 @@ class SparseStore:
             name: load_file(str(manifest.path(f"{SPARSE_DIR}/{table.file}")))[TABLE_TENSOR]
             for name, table in manifest.sparse.tables.items()
         }
+        self.items: Optional[ItemStore] = load_item_store(manifest.root, manifest.graph, manifest.sparse)
 
     def rows(self, feature: str) -> int:
         return int(self.tables[self.features[feature].table].shape[0])
