@@ -41,7 +41,8 @@ EXPECTED = {
     "time": "seconds: an integer, or a decimal number, that fits int64",
 }
 INT_PATTERN = re.compile(r"-?\d+")
-DECIMAL_PATTERN = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+DECIMAL_PATTERN = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+DECIMAL_SECONDS = pa.decimal128(38, 9)
 INT64_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
 CANONICAL_INT = r"^-?(0|[1-9][0-9]*)$"
 ML_AGE_BUCKETS = (1, 18, 25, 35, 45, 50, 56)  # MovieLens-1M age codes: under 18, 18-24, ..., 56+
@@ -123,11 +124,16 @@ def _to_numpy(column: pa.ChunkedArray, kind: str) -> Optional[np.ndarray]:
 
 
 def _seconds_column(column: pa.ChunkedArray) -> Optional[np.ndarray]:
-    """Text timestamps -> [N] int64 seconds (``exact_seconds`` of each), or None if one is invalid."""
-    try:
-        return pc.cast(column, pa.int64()).to_numpy()  # exact; fails on decimals and past int64
-    except pa.ArrowInvalid:
-        seconds = [exact_seconds(text) for text in column.to_pylist()]
+    """Text timestamps -> [N] int64 seconds (``exact_seconds`` of each), or None if one is invalid.
+
+    Vectorised and exact: as int64, else floored through decimal128 (up to 9 decimals); Python's
+    Decimal for the rest (more decimals, or a value to refuse)."""
+    for exact in (lambda c: c, lambda c: pc.floor(pc.cast(c, DECIMAL_SECONDS))):
+        try:
+            return pc.cast(exact(column), pa.int64()).to_numpy()
+        except pa.ArrowInvalid:  # a decimal (first), or past what the cast holds: try the next
+            pass
+    seconds = [exact_seconds(text) for text in column.to_pylist()]
     return None if any(s is None for s in seconds) else np.asarray(seconds, dtype=np.int64)
 
 
