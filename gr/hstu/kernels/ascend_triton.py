@@ -1,7 +1,7 @@
-"""The HSTU attention kernels written to triton-ascend's NPU constraints.
+"""The HSTU attention kernels laid out for triton-ascend's NPU constraints.
 
-Same block math as the CUDA kernels (``triton_blocks``), laid out the way triton-ascend's
-programming guide asks for Ascend NPUs:
+The same kernels and launcher as the CUDA variant (``triton_blocks``, ``triton_common``), with
+the layout triton-ascend's programming guide asks for on Ascend NPUs:
 
 * a fixed grid of one program per AI (cube) core, each looping over a work list instead of
   one program per tile (extra programs beyond the physical cores run in further rounds and
@@ -19,25 +19,17 @@ needs triton-ascend in place of triton.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from gr.hstu.kernels.common import RelativeBias
-from gr.hstu.kernels.triton_blocks import key_block, query_block
-from gr.hstu.kernels.triton_common import (
-    KernelInputs,
-    apply_kernels,
-    flags,
-    prepare_inputs,
-    scalar_args,
-    strides,
-    table_args,
-)
+from gr.hstu.kernels.triton_blocks import attention_kernel
+from gr.hstu.kernels.triton_common import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
+from gr.hstu.kernels.triton_tuning import TileConfig
 from gr.jagged import lengths_from_offsets
 
 NPU_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) on an NPU
@@ -65,7 +57,7 @@ def ascend_triton_hstu_attention(
     blocks: (BLOCK_M, BLOCK_N), multiples of 16; num_cores: programs of the persistent grid
     (None: the device's AI core count, or ``INTERPRETER_CORES`` under the interpreter).
     """
-    interpreted = isinstance(_forward_kernel, InterpretedFunction)
+    interpreted = isinstance(attention_kernel, InterpretedFunction)
     if q.device.type != "npu" and not interpreted:
         raise RuntimeError(
             f"hstu_attention[ascend_triton]: tensors are on {q.device.type}; the kernels need an NPU with "
@@ -90,7 +82,7 @@ def ascend_triton_hstu_attention(
         rab,
         "ascend_triton",
     )
-    return apply_kernels(q, k, v, inputs, rab, AscendKernels(blocks, num_cores, interpreted))
+    return apply_kernels(q, k, v, inputs, rab, TritonKernels(AscendLayout(blocks, num_cores), interpreted))
 
 
 def _ai_cores(device: torch.device) -> int:
@@ -115,415 +107,18 @@ def work_list(seq_offsets: Tensor, block: int, query_major: bool) -> Tuple[Tenso
     return seq[order].int(), start[order].int()
 
 
-class AscendKernels:
-    """Launches the persistent kernels: grid = (num_cores,)."""
+class AscendLayout:
+    """A persistent grid of ``num_cores`` programs over the work list; fixed tile sizes."""
 
-    def __init__(self, blocks: Tuple[int, int], num_cores: int, interpreted: bool) -> None:
-        self.blocks, self.num_cores, self.interpreted = blocks, num_cores, interpreted
+    ub_tables = True
 
-    def _meta(self, inputs: KernelInputs, q: Tensor, v: Tensor) -> dict:
-        block_m, block_n = self.blocks
-        return dict(
-            flags(inputs, q, v, self.interpreted),
-            H=q.shape[1],
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            POS_WINDOW=triton.next_power_of_2(block_m + block_n),
-            TIME_TABLE=triton.next_power_of_2(max(inputs.num_time, 1)),
-            THR_TABLE=triton.next_power_of_2(inputs.num_time + 1),
-        )
+    def __init__(self, blocks: Tuple[int, int], num_cores: int) -> None:
+        self.blocks, self.num_cores = blocks, num_cores
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor:
-        out = torch.empty(*q.shape[:2], v.shape[-1], dtype=v.dtype, device=v.device)
-        _forward_kernel[(self.num_cores,)](
-            Q=q,
-            K=k,
-            V=v,
-            DO=q,
-            Out=out,
-            **table_args(inputs),
-            **_tile_args(work_list(inputs.seq_offsets, self.blocks[0], query_major=True)),
-            **strides(q=q, k=k, v=v, do=q, o=out),
-            **scalar_args(inputs, q, v),
-            **self._meta(inputs, q, v),
-        )
-        return out
+    def config(self, launch: Launch, inputs: KernelInputs, run: Callable[[TileConfig], None]) -> TileConfig:
+        return TileConfig(*self.blocks)
 
-    def backward(self, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: KernelInputs):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dpos = torch.zeros(max(inputs.num_pos, 1), dtype=torch.float32, device=q.device)
-        dtime = torch.zeros(max(inputs.num_time, 1), dtype=torch.float32, device=q.device)
-        common = dict(
-            Q=q, K=k, V=v, DO=grad_out, **table_args(inputs), **scalar_args(inputs, q, v), **self._meta(inputs, q, v)
-        )
-        _backward_dq_kernel[(self.num_cores,)](
-            DQ=dq,
-            **_tile_args(work_list(inputs.seq_offsets, self.blocks[0], query_major=True)),
-            **strides(q=q, k=k, v=v, do=grad_out, dq=dq),
-            **common,
-        )
-        _backward_dkv_kernel[(self.num_cores,)](
-            DK=dk,
-            DV=dv,
-            DPos=dpos,
-            DTime=dtime,
-            **_tile_args(work_list(inputs.seq_offsets, self.blocks[1], query_major=False)),
-            **strides(q=q, k=k, v=v, do=grad_out, dk=dk, dv=dv),
-            **common,
-        )
-        return dq, dk, dv, dpos[: inputs.num_pos], dtime[: inputs.num_time]
-
-
-def _tile_args(tiles: Tuple[Tensor, Tensor]) -> dict:
-    """A ``work_list`` as the kernels' TileSeq, TileStart and num_tiles arguments."""
-    seq, start = tiles
-    return dict(TileSeq=seq, TileStart=start, num_tiles=seq.numel())
-
-
-@triton.jit
-def _tables(TimeW, Thresholds, num_time, HAS_TIME: tl.constexpr, TIME_TABLE: tl.constexpr, THR_TABLE: tl.constexpr):
-    """Time-bias weights and bucket thresholds, loaded once per program into on-chip memory."""
-    time_table = tl.zeros([TIME_TABLE], dtype=tl.float32)
-    thr_table = tl.zeros([THR_TABLE], dtype=tl.float32)
-    if HAS_TIME:
-        idx = tl.arange(0, TIME_TABLE)
-        time_table = tl.load(TimeW + idx, mask=idx < num_time, other=0.0)
-        idx = tl.arange(0, THR_TABLE)
-        thr_table = tl.load(Thresholds + idx, mask=idx <= num_time, other=float("inf"))
-    return time_table, thr_table
-
-
-@triton.jit
-def _forward_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    Out,
-    SeqOffsets,
-    History,
-    Ts,
-    QueryTimes,
-    PosW,
-    TimeW,
-    Thresholds,
-    TileSeq,
-    TileStart,
-    num_tiles,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
-    stride_ot,
-    stride_oh,
-    alpha,
-    silu_scale,
-    contextual_len,
-    max_attn_len,
-    num_pos,
-    num_time,
-    DIM_QK,
-    DIM_V,
-    H: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    TIME_LOG: tl.constexpr,
-    QUERY_TIMES: tl.constexpr,
-    SCALE_BY_POSITION: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    POS_WINDOW: tl.constexpr,
-    TIME_TABLE: tl.constexpr,
-    THR_TABLE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, TIME_TABLE, THR_TABLE)
-    for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
-        tile = work // H
-        query_block(
-            b=tl.load(TileSeq + tile),
-            h=work % H,
-            m0=tl.load(TileStart + tile),
-            Q=Q,
-            K=K,
-            V=V,
-            DO=DO,
-            Out=Out,
-            SeqOffsets=SeqOffsets,
-            History=History,
-            Ts=Ts,
-            QueryTimes=QueryTimes,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            stride_qt=stride_qt,
-            stride_qh=stride_qh,
-            stride_kt=stride_kt,
-            stride_kh=stride_kh,
-            stride_vt=stride_vt,
-            stride_vh=stride_vh,
-            stride_dot=stride_dot,
-            stride_doh=stride_doh,
-            stride_ot=stride_ot,
-            stride_oh=stride_oh,
-            alpha=alpha,
-            silu_scale=silu_scale,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            num_pos=num_pos,
-            num_time=num_time,
-            DIM_QK=DIM_QK,
-            DIM_V=DIM_V,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            QUERY_TIMES=QUERY_TIMES,
-            SCALE_BY_POSITION=SCALE_BY_POSITION,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-            UB_TABLES=True,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_DQK=BLOCK_DQK,
-            BLOCK_DV=BLOCK_DV,
-            POS_WINDOW=POS_WINDOW,
-            PRECISION=PRECISION,
-            GRAD=False,
-        )
-
-
-@triton.jit
-def _backward_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    SeqOffsets,
-    History,
-    Ts,
-    QueryTimes,
-    PosW,
-    TimeW,
-    Thresholds,
-    TileSeq,
-    TileStart,
-    num_tiles,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
-    stride_dqt,
-    stride_dqh,
-    alpha,
-    silu_scale,
-    contextual_len,
-    max_attn_len,
-    num_pos,
-    num_time,
-    DIM_QK,
-    DIM_V,
-    H: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    TIME_LOG: tl.constexpr,
-    QUERY_TIMES: tl.constexpr,
-    SCALE_BY_POSITION: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    POS_WINDOW: tl.constexpr,
-    TIME_TABLE: tl.constexpr,
-    THR_TABLE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, TIME_TABLE, THR_TABLE)
-    for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
-        tile = work // H
-        query_block(
-            b=tl.load(TileSeq + tile),
-            h=work % H,
-            m0=tl.load(TileStart + tile),
-            Q=Q,
-            K=K,
-            V=V,
-            DO=DO,
-            Out=DQ,
-            SeqOffsets=SeqOffsets,
-            History=History,
-            Ts=Ts,
-            QueryTimes=QueryTimes,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            stride_qt=stride_qt,
-            stride_qh=stride_qh,
-            stride_kt=stride_kt,
-            stride_kh=stride_kh,
-            stride_vt=stride_vt,
-            stride_vh=stride_vh,
-            stride_dot=stride_dot,
-            stride_doh=stride_doh,
-            stride_ot=stride_dqt,
-            stride_oh=stride_dqh,
-            alpha=alpha,
-            silu_scale=silu_scale,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            num_pos=num_pos,
-            num_time=num_time,
-            DIM_QK=DIM_QK,
-            DIM_V=DIM_V,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            QUERY_TIMES=QUERY_TIMES,
-            SCALE_BY_POSITION=SCALE_BY_POSITION,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-            UB_TABLES=True,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_DQK=BLOCK_DQK,
-            BLOCK_DV=BLOCK_DV,
-            POS_WINDOW=POS_WINDOW,
-            PRECISION=PRECISION,
-            GRAD=True,
-        )
-
-
-@triton.jit
-def _backward_dkv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV,
-    DPos,
-    DTime,
-    SeqOffsets,
-    History,
-    Ts,
-    QueryTimes,
-    PosW,
-    TimeW,
-    Thresholds,
-    TileSeq,
-    TileStart,
-    num_tiles,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
-    stride_dkt,
-    stride_dkh,
-    stride_dvt,
-    stride_dvh,
-    alpha,
-    silu_scale,
-    contextual_len,
-    max_attn_len,
-    num_pos,
-    num_time,
-    DIM_QK,
-    DIM_V,
-    H: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    TIME_LOG: tl.constexpr,
-    QUERY_TIMES: tl.constexpr,
-    SCALE_BY_POSITION: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    POS_WINDOW: tl.constexpr,
-    TIME_TABLE: tl.constexpr,
-    THR_TABLE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, TIME_TABLE, THR_TABLE)
-    for work in range(tl.program_id(0), num_tiles * H, tl.num_programs(0)):
-        tile = work // H
-        key_block(
-            b=tl.load(TileSeq + tile),
-            h=work % H,
-            n0=tl.load(TileStart + tile),
-            Q=Q,
-            K=K,
-            V=V,
-            DO=DO,
-            DK=DK,
-            DV=DV,
-            DPos=DPos,
-            DTime=DTime,
-            SeqOffsets=SeqOffsets,
-            History=History,
-            Ts=Ts,
-            QueryTimes=QueryTimes,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            stride_qt=stride_qt,
-            stride_qh=stride_qh,
-            stride_kt=stride_kt,
-            stride_kh=stride_kh,
-            stride_vt=stride_vt,
-            stride_vh=stride_vh,
-            stride_dot=stride_dot,
-            stride_doh=stride_doh,
-            stride_dkt=stride_dkt,
-            stride_dkh=stride_dkh,
-            stride_dvt=stride_dvt,
-            stride_dvh=stride_dvh,
-            alpha=alpha,
-            silu_scale=silu_scale,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            num_pos=num_pos,
-            num_time=num_time,
-            DIM_QK=DIM_QK,
-            DIM_V=DIM_V,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            QUERY_TIMES=QUERY_TIMES,
-            SCALE_BY_POSITION=SCALE_BY_POSITION,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-            UB_TABLES=True,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_DQK=BLOCK_DQK,
-            BLOCK_DV=BLOCK_DV,
-            POS_WINDOW=POS_WINDOW,
-            PRECISION=PRECISION,
-        )
+    def work(self, launch: Launch, inputs: KernelInputs, block: int) -> Tuple[Tuple[int, ...], dict]:
+        seq, start = work_list(inputs.seq_offsets, block, query_major=launch.row_block == "BLOCK_M")
+        work = dict(TileSeq=seq, TileStart=start, num_work=seq.numel() * launch.args["H"], WORK_LIST=True)
+        return (self.num_cores,), work

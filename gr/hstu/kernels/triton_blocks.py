@@ -1,25 +1,33 @@
-"""Device code shared by the GPU and NPU Triton kernels: one block of HSTU attention work.
+"""Device code of the Triton HSTU attention kernels, shared by the GPU and NPU variants.
 
-``query_block`` computes one query block [m0, m0 + BLOCK_M) of one sequence and head: the
-attention output (``GRAD`` False) or dq (``GRAD`` True); ``key_block`` computes dk, dv of one
-key block [n0, n0 + BLOCK_N) and adds the bias-weight gradients. Every call passes its
-arguments by keyword, so a missing or misnamed argument fails to compile instead of silently
-swapping strides or pointers. The kernels (``triton_attention`` for CUDA, ``ascend_triton``
-for NPUs) differ only in how programs map to blocks and in two switches:
+One kernel, ``attention_kernel``, three passes (``PASS``): "forward" and "dq" compute query
+blocks [m0, m0 + BLOCK_M) of a sequence and head (the attention output, or dq), "dkv" computes
+dk, dv of key blocks [n0, n0 + BLOCK_N) and adds the bias-weight gradients; every pass runs the
+same tile and self-term code. The GPU and NPU variants differ only in how programs map to
+blocks (``WORK_LIST``) and where the bias tables are read from (``UB_TABLES``):
 
-* ``UB_TABLES``: look bias weights and time-bucket thresholds up in tables preloaded into
-  on-chip memory (``tl.gather``; position weights as one contiguous window per tile) instead
-  of scattered global loads: what triton-ascend recommends for NPUs.
+* ``WORK_LIST`` False (CUDA): a grid of (B * H, blocks along the longest sequence); a program
+  past its sequence's end returns at once. True (NPU): a fixed grid of one program per core,
+  each looping over a work list of (sequence, first row) blocks (``TileSeq``, ``TileStart``).
+* ``UB_TABLES``: time-bias weights and bucket thresholds preloaded into on-chip memory and
+  read with ``tl.gather``, position weights as one contiguous window per tile (what
+  triton-ascend recommends for NPUs); else scattered global loads (cached in L1/L2 on GPUs).
 * The bias-weight gradient is added with fp32 ``tl.atomic_add`` (a dtype both CUDA and
   Ascend A2/A3 support); q, k, v gradients need no atomics.
 
-Block skipping: a query block visits history keys [0, ctx_hi) and [lo, hi) only; a key block
-the query rows that can see it; a target's only visible target key is itself, added as a
-per-row term from its own K/V row, so no target loads another target's K/V.
+Compile-time switches are only what changes the data flow: the pass, the bias parts
+(``HAS_POS``, ``HAS_TIME``, ``TIME_LOG``), tile sizes, precision and the two layout switches. The mask and
+norm options (contextual prefix, look-back window, per-position norm, query times) are
+runtime scalars, so one compiled kernel serves them all and each compile stays small.
+Helpers take their arguments by keyword where a swap would go unnoticed (pointers, strides).
 
-Time bias: query rows read their times from ``QueryTimes`` (``RelativeBias.resolved_query_times``), key
-columns from ``Ts``; a target's self term uses |tq_i - t_i|. ``QUERY_TIMES`` False means both
-pointers hold the same times: the self delta is then 0 and is not loaded.
+Block skipping: a query block visits history keys [0, ctx_hi) and [lo, hi) only, in one loop;
+a key block the query rows that can see it; a target's only visible target key is itself,
+added as a per-row term from its own K/V row, so no target loads another target's K/V.
+
+Time bias: query rows read their times from ``QueryTimes`` (``RelativeBias.resolved_query_times``),
+key columns from ``Ts``; a target's self term uses |tq_i - t_i| (0 when both pointers hold the
+same times).
 """
 
 from __future__ import annotations
@@ -30,6 +38,32 @@ import triton.language as tl
 from gr.hstu.kernels.common import TIME_BUCKET_LOG_DIV
 
 _LOG_DIV = tl.constexpr(TIME_BUCKET_LOG_DIV)
+# runtime scalars that must not become compile-time constants when they equal 1 (Triton
+# specializes such integers), so that one compiled kernel serves every value
+RUNTIME_SCALARS = (
+    "alpha",
+    "silu_scale",
+    "scale_by_position",
+    "contextual_len",
+    "max_attn_len",
+    "num_pos",
+    "num_time",
+    "num_work",
+    "H",
+)
+
+
+@triton.jit
+def _work_item(work, TileSeq, TileStart, H, BLOCK: tl.constexpr, WORK_LIST: tl.constexpr):
+    """-> sequence, head and first row of program work item ``work``."""
+    if WORK_LIST:
+        tile = work // H
+        b = tl.load(TileSeq + tile)
+        row0 = tl.load(TileStart + tile)
+    else:
+        b = work // H
+        row0 = tl.program_id(1) * BLOCK
+    return b, work % H, row0
 
 
 @triton.jit
@@ -41,72 +75,25 @@ def _sequence_of(SeqOffsets, History, b):
 
 
 @triton.jit
-def _key_ranges(
-    m0, hist, contextual_len, max_attn_len, BLOCK_M: tl.constexpr, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr
-):
-    """History keys query rows [m0, m0 + BLOCK_M) may see: [0, ctx_hi) and [lo, hi)."""
-    hi = tl.minimum(m0 + BLOCK_M, hist)
-    lo = hi * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(tl.minimum(m0, hist) - max_attn_len, 0)
-    ctx_hi = lo * 0
-    if HAS_CONTEXT:
-        ctx_hi = tl.minimum(tl.minimum(contextual_len, hist), lo)
-    return ctx_hi, lo, hi
-
-
-@triton.jit
-def _query_range(
-    n0,
-    length,
-    hist,
-    contextual_len,
-    max_attn_len,
-    BLOCK_N: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-):
-    """Query rows [lo, hi) that may see a history key of [n0, n0 + BLOCK_N) (empty if none)."""
-    key_hi = tl.minimum(n0 + BLOCK_N, hist)
-    lo = n0
-    hi = length
-    if HAS_WINDOW:
-        # history rows see keys at most max_attn_len back; targets (at position hist) too
-        targets_see = hist - (key_hi - 1) <= max_attn_len
-        hi = tl.where(targets_see, length, tl.minimum(hist, key_hi + max_attn_len))
-    if HAS_CONTEXT:
-        is_context = n0 < tl.minimum(contextual_len, hist)
-        lo = tl.where(is_context, 0, lo)
-        hi = tl.where(is_context, length, hi)
-    hi = tl.where(n0 < hist, hi, lo)
-    return lo, hi
-
-
-@triton.jit
-def _visible(
-    rows, cols, length, hist, contextual_len, max_attn_len, HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr
-):
-    """[M, N] mask of ``hstu_visibility`` restricted to history keys (cols < hist)."""
-    pos_r = tl.minimum(rows, hist)[:, None]
-    pos_c = tl.minimum(cols, hist)[None, :]
-    dist = pos_r - pos_c
-    seen = dist > 0
-    if HAS_WINDOW:
-        seen = seen & (dist <= max_attn_len)
-    if HAS_CONTEXT:
-        seen = seen | ((cols < contextual_len) & (cols < hist))[None, :]
-    seen = seen | (rows[:, None] == cols[None, :])
-    return seen & (rows < length)[:, None] & (cols < hist)[None, :]
-
-
-@triton.jit
-def _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION: tl.constexpr):
-    """Per-query factor after SiLU: 1 / (pos + 1) or silu_scale, fp32 [M]."""
-    if SCALE_BY_POSITION:
-        norm = 1.0 / (tl.minimum(rows, hist).to(tl.float32) + 1.0)
+def _tables(TimeW, Thresholds, num_time, HAS_TIME: tl.constexpr, UB_TABLES: tl.constexpr, TIME_TABLE: tl.constexpr):
+    """Time-bias weights [TIME_TABLE] and bucket thresholds [2 * TIME_TABLE], loaded once per
+    program into on-chip memory (UB_TABLES), else one-element placeholders."""
+    if UB_TABLES and HAS_TIME:
+        idx = tl.arange(0, TIME_TABLE)
+        time_table = tl.load(TimeW + idx, mask=idx < num_time, other=0.0)
+        idx = tl.arange(0, 2 * TIME_TABLE)
+        thr_table = tl.load(Thresholds + idx, mask=idx <= num_time, other=float("inf"))
     else:
-        norm = tl.zeros(rows.shape, dtype=tl.float32) + silu_scale
-    return norm
+        time_table = tl.zeros([1], dtype=tl.float32)
+        thr_table = tl.zeros([1], dtype=tl.float32)
+    return time_table, thr_table
+
+
+@triton.jit
+def _row_norm(rows, hist, silu_scale, scale_by_position):
+    """Per-query factor after SiLU: 1 / (pos + 1) when ``scale_by_position``, else silu_scale; fp32 [M]."""
+    by_position = 1.0 / (tl.minimum(rows, hist).to(tl.float32) + 1.0)
+    return tl.where(scale_by_position != 0, by_position, silu_scale)
 
 
 @triton.jit
@@ -141,6 +128,16 @@ def _lookup(table, idx):
 
 
 @triton.jit
+def _table(idx, Table, table, UB_TABLES: tl.constexpr):
+    """Table[idx]: from the on-chip copy ``table`` (UB_TABLES) or global memory."""
+    if UB_TABLES:
+        w = _lookup(table, idx)
+    else:
+        w = tl.load(Table + idx)
+    return w
+
+
+@triton.jit
 def _time_bucket(delta, Thresholds, thr_table, num_time, TIME_LOG: tl.constexpr, UB_TABLES: tl.constexpr):
     """|dt| (int32, any shape) -> bucket of ``common.time_bucket``: a log/sqrt estimate, then
     one correction step against the threshold table."""
@@ -150,115 +147,16 @@ def _time_bucket(delta, Thresholds, thr_table, num_time, TIME_LOG: tl.constexpr,
     else:
         estimate = tl.sqrt(x)
     bucket = tl.minimum(estimate.to(tl.int32), num_time - 1)
-    if UB_TABLES:
-        bucket = bucket - (x < _lookup(thr_table, bucket)).to(tl.int32)
-        bucket = bucket + (x >= _lookup(thr_table, bucket + 1)).to(tl.int32)
-    else:
-        bucket = bucket - (x < tl.load(Thresholds + bucket)).to(tl.int32)
-        bucket = bucket + (x >= tl.load(Thresholds + bucket + 1)).to(tl.int32)
+    bucket = bucket - (x < _table(bucket, Thresholds, thr_table, UB_TABLES)).to(tl.int32)
+    bucket = bucket + (x >= _table(bucket + 1, Thresholds, thr_table, UB_TABLES)).to(tl.int32)
     return tl.minimum(tl.maximum(bucket, 0), num_time - 1)
 
 
 @triton.jit
-def _weights(idx, Weights, table, UB_TABLES: tl.constexpr):
-    if UB_TABLES:
-        w = _lookup(table, idx)
-    else:
-        w = tl.load(Weights + idx)
-    return w
-
-
-@triton.jit
-def _tile_bias(
-    rows,
-    cols,
-    hist,
-    ts_rows,
-    ts_cols,
-    PosW,
-    TimeW,
-    Thresholds,
-    time_table,
-    thr_table,
-    num_pos,
-    num_time,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    TIME_LOG: tl.constexpr,
-    UB_TABLES: tl.constexpr,
-    POS_WINDOW: tl.constexpr,
-):
-    """-> bias [M, N] fp32 and its position / time bucket indices (zeros when a part is off).
-
-    With UB_TABLES the position weights come from one contiguous window per tile: a tile's
-    relative positions span fewer than M + N <= POS_WINDOW consecutive buckets."""
-    pos_idx = rows[:, None] * 0 + cols[None, :] * 0
-    time_idx = pos_idx
-    bias = tl.zeros(pos_idx.shape, dtype=tl.float32)
-    if HAS_POS:
-        delta = tl.minimum(rows, hist)[:, None] - tl.minimum(cols, hist)[None, :]
-        pos_idx = tl.minimum(tl.maximum(delta, 0), num_pos - 1)
-        if UB_TABLES:
-            base = tl.min(pos_idx)
-            window = base + tl.arange(0, POS_WINDOW)
-            bias += _lookup(tl.load(PosW + window, mask=window < num_pos, other=0.0), pos_idx - base)
-        else:
-            bias += tl.load(PosW + pos_idx)
-    if HAS_TIME:
-        time_idx = _time_bucket(
-            delta=ts_rows[:, None] - ts_cols[None, :],
-            Thresholds=Thresholds,
-            thr_table=thr_table,
-            num_time=num_time,
-            TIME_LOG=TIME_LOG,
-            UB_TABLES=UB_TABLES,
-        )
-        bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
-    return bias, pos_idx, time_idx
-
-
-@triton.jit
-def _self_time_delta(QueryTimes, Ts, start, idx, ok, QUERY_TIMES: tl.constexpr):
-    """tq - t of tokens ``idx`` paired with themselves, int32 [len(idx)]: zeros (nothing loaded)
-    unless queries have their own times."""
-    delta = idx * 0
-    if QUERY_TIMES:
-        delta = tl.load(QueryTimes + start + idx, mask=ok, other=0) - tl.load(Ts + start + idx, mask=ok, other=0)
-    return delta
-
-
-@triton.jit
-def _self_bias(
-    time_delta,
-    PosW,
-    TimeW,
-    Thresholds,
-    time_table,
-    thr_table,
-    num_time,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    TIME_LOG: tl.constexpr,
-    UB_TABLES: tl.constexpr,
-):
-    """Bias of tokens on themselves (relative position 0, time delta ``time_delta`` [M] int32,
-    from ``_self_time_delta``) -> bias [M] fp32 and its time bucket."""
-    bias = tl.zeros(time_delta.shape, dtype=tl.float32)
-    zero = time_delta * 0
-    time_idx = zero
-    if HAS_POS:
-        bias += tl.load(PosW + zero)
-    if HAS_TIME:
-        time_idx = _time_bucket(
-            delta=time_delta,
-            Thresholds=Thresholds,
-            thr_table=thr_table,
-            num_time=num_time,
-            TIME_LOG=TIME_LOG,
-            UB_TABLES=UB_TABLES,
-        )
-        bias += _weights(time_idx, TimeW, time_table, UB_TABLES)
-    return bias, time_idx
+def _time_bias(delta, TimeW, Thresholds, time_table, thr_table, num_time, TIME_LOG, UB_TABLES):
+    """-> time bias (fp32) and bucket of time deltas ``delta`` (int32, any shape)."""
+    bucket = _time_bucket(delta, Thresholds, thr_table, num_time, TIME_LOG, UB_TABLES)
+    return _table(bucket, TimeW, time_table, UB_TABLES), bucket
 
 
 @triton.jit
@@ -273,7 +171,17 @@ def _load_rows(X, start, idx, ok, h, stride_t, stride_h, DIM, BLOCK_D: tl.conste
 
 
 @triton.jit
-def _timestamps(Ts, start, idx, ok, HAS_TIME: tl.constexpr):
+def _store_rows(X, value, start, idx, ok, h, stride_t, stride_h, DIM, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    tl.store(
+        X + (start + idx)[:, None] * stride_t + h * stride_h + d[None, :],
+        value.to(X.dtype.element_ty),
+        mask=ok[:, None] & (d < DIM)[None, :],
+    )
+
+
+@triton.jit
+def _times(Ts, start, idx, ok, HAS_TIME: tl.constexpr):
     """Timestamps of tokens ``idx`` (the indices themselves, unused, without time bias)."""
     ts = idx
     if HAS_TIME:
@@ -306,165 +214,53 @@ def _tile(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     TIME_LOG: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
     UB_TABLES: tl.constexpr,
     POS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One [M, N] tile of query rows x history keys -> sigmoid and SiLU of the scores, weight
-    (mask * norm), the mask, and the position / time bucket indices."""
-    bias, pos_idx, time_idx = _tile_bias(
-        rows=rows,
-        cols=cols,
-        hist=hist,
-        ts_rows=ts_rows,
-        ts_cols=ts_cols,
-        PosW=PosW,
-        TimeW=TimeW,
-        Thresholds=Thresholds,
-        time_table=time_table,
-        thr_table=thr_table,
-        num_pos=num_pos,
-        num_time=num_time,
-        HAS_POS=HAS_POS,
-        HAS_TIME=HAS_TIME,
-        TIME_LOG=TIME_LOG,
-        UB_TABLES=UB_TABLES,
-        POS_WINDOW=POS_WINDOW,
-    )
-    sig, silu = _silu_parts(_dot(q, tl.trans(k), PRECISION) * alpha + bias)
-    mask = (
-        _visible(
-            rows=rows,
-            cols=cols,
-            length=length,
-            hist=hist,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-        )
-        & tile_ok
-    )
-    weight = tl.where(mask, norm[:, None], 0.0)
-    return sig, silu, weight, mask, pos_idx, time_idx
+    (mask * norm), and the position / time bucket indices (zeros when a part is off).
 
-
-@triton.jit
-def _store_rows(X, value, start, idx, ok, h, stride_t, stride_h, DIM, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    tl.store(
-        X + (start + idx)[:, None] * stride_t + h * stride_h + d[None, :],
-        value.to(X.dtype.element_ty),
-        mask=ok[:, None] & (d < DIM)[None, :],
-    )
-
-
-@triton.jit
-def _query_pass(
-    acc,
-    q,
-    do,
-    rows,
-    norm,
-    ts_rows,
-    n_lo,
-    n_hi,
-    start,
-    length,
-    hist,
-    h,
-    K,
-    V,
-    Ts,
-    PosW,
-    TimeW,
-    Thresholds,
-    time_table,
-    thr_table,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    alpha,
-    contextual_len,
-    max_attn_len,
-    num_pos,
-    num_time,
-    DIM_QK,
-    DIM_V,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    TIME_LOG: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    UB_TABLES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    POS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
-    GRAD: tl.constexpr,
-):
-    """Loop over history keys [n_lo, n_hi) of a query block. GRAD False: acc [M, Dv] += SiLU(s)
-    * mask * norm @ v. GRAD True: acc [M, Dqk] += dS @ k (alpha applied by the caller)."""
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_hi
-        k = _load_rows(K, start, cols, col_ok, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
-        v = _load_rows(V, start, cols, col_ok, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV)
-        ts_cols = _timestamps(Ts, start, cols, col_ok, HAS_TIME)
-        sig, silu, weight, _, _, _ = _tile(
-            q=q,
-            k=k,
-            rows=rows,
-            cols=cols,
-            tile_ok=col_ok[None, :],
-            norm=norm,
-            length=length,
-            hist=hist,
-            ts_rows=ts_rows,
-            ts_cols=ts_cols,
-            alpha=alpha,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            num_pos=num_pos,
-            num_time=num_time,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-            UB_TABLES=UB_TABLES,
-            POS_WINDOW=POS_WINDOW,
-            PRECISION=PRECISION,
-        )
-        if GRAD:
-            ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
-            acc += _dot(ds.to(k.dtype), k, PRECISION)
+    Mask: ``hstu_visibility`` restricted to history keys; without a window (max_attn_len 0)
+    every earlier position is seen, without a context (contextual_len 0) no key is seen by all.
+    With UB_TABLES the position weights come from one contiguous window per tile: a tile's
+    relative positions span fewer than M + N <= POS_WINDOW consecutive buckets."""
+    pos_r = tl.minimum(rows, hist)[:, None]
+    pos_c = tl.minimum(cols, hist)[None, :]
+    dist = pos_r - pos_c
+    window = tl.where(max_attn_len > 0, max_attn_len, hist)
+    context = (cols < tl.minimum(contextual_len, hist))[None, :]
+    mask = ((dist > 0) & (dist <= window)) | context | (rows[:, None] == cols[None, :])
+    mask = mask & (rows < length)[:, None] & (cols < hist)[None, :] & tile_ok
+    pos_idx = dist * 0
+    time_idx = pos_idx
+    s = _dot(q, tl.trans(k), PRECISION) * alpha
+    if HAS_POS:
+        pos_idx = tl.minimum(tl.maximum(dist, 0), num_pos - 1)
+        if UB_TABLES:
+            base = tl.min(pos_idx)
+            span = base + tl.arange(0, POS_WINDOW)
+            s += _lookup(tl.load(PosW + span, mask=span < num_pos, other=0.0), pos_idx - base)
         else:
-            acc += _dot((silu * weight).to(v.dtype), v, PRECISION)
-    return acc
+            s += tl.load(PosW + pos_idx)
+    if HAS_TIME:
+        time_bias, time_idx = _time_bias(
+            ts_rows[:, None] - ts_cols[None, :], TimeW, Thresholds, time_table, thr_table, num_time, TIME_LOG, UB_TABLES
+        )
+        s += time_bias
+    sig, silu = _silu_parts(s)
+    weight = tl.where(mask, norm[:, None], 0.0)
+    return sig, silu, weight, pos_idx, time_idx
 
 
 @triton.jit
-def query_block(
+def _self_term(
+    a,
     b,
-    h,
-    m0,
-    Q,
-    K,
-    V,
-    DO,
-    Out,
-    SeqOffsets,
-    History,
+    idx,
+    ok,
+    start,
+    alpha,
     Ts,
     QueryTimes,
     PosW,
@@ -472,205 +268,54 @@ def query_block(
     Thresholds,
     time_table,
     thr_table,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
-    stride_ot,
-    stride_oh,
-    alpha,
-    silu_scale,
-    contextual_len,
-    max_attn_len,
-    num_pos,
     num_time,
-    DIM_QK,
-    DIM_V,
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     TIME_LOG: tl.constexpr,
-    QUERY_TIMES: tl.constexpr,
-    SCALE_BY_POSITION: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
     UB_TABLES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    POS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
-    GRAD: tl.constexpr,
 ):
-    """Query block [m0, m0 + BLOCK_M) of sequence b, head h. GRAD False: Out = attention output
-    [T, H, Dv] (DO unused). GRAD True: Out = dq [T, H, Dqk] given DO = d output."""
-    start, length, hist = _sequence_of(SeqOffsets=SeqOffsets, History=History, b=b)
-    if m0 < length:
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < length
-        q = _load_rows(Q, start, rows, row_ok, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
-        do = q
-        if GRAD:
-            do = _load_rows(
-                DO, start, rows, row_ok, h, stride_t=stride_dot, stride_h=stride_doh, DIM=DIM_V, BLOCK_D=BLOCK_DV
-            )
-        ts_rows = _timestamps(QueryTimes, start, rows, row_ok, HAS_TIME)
-        norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
-        ctx_hi, lo, hi = _key_ranges(
-            m0=m0,
-            hist=hist,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            BLOCK_M=BLOCK_M,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-        )
-        if GRAD:
-            acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc = _query_pass(
-            acc=acc,
-            q=q,
-            do=do,
-            rows=rows,
-            norm=norm,
-            ts_rows=ts_rows,
-            n_lo=0,
-            n_hi=ctx_hi,
-            start=start,
-            length=length,
-            hist=hist,
-            h=h,
-            K=K,
-            V=V,
-            Ts=Ts,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            stride_kt=stride_kt,
-            stride_kh=stride_kh,
-            stride_vt=stride_vt,
-            stride_vh=stride_vh,
-            alpha=alpha,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            num_pos=num_pos,
-            num_time=num_time,
-            DIM_QK=DIM_QK,
-            DIM_V=DIM_V,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-            UB_TABLES=UB_TABLES,
-            BLOCK_N=BLOCK_N,
-            BLOCK_DQK=BLOCK_DQK,
-            BLOCK_DV=BLOCK_DV,
-            POS_WINDOW=POS_WINDOW,
-            PRECISION=PRECISION,
-            GRAD=GRAD,
-        )
-        acc = _query_pass(
-            acc=acc,
-            q=q,
-            do=do,
-            rows=rows,
-            norm=norm,
-            ts_rows=ts_rows,
-            n_lo=lo,
-            n_hi=hi,
-            start=start,
-            length=length,
-            hist=hist,
-            h=h,
-            K=K,
-            V=V,
-            Ts=Ts,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            stride_kt=stride_kt,
-            stride_kh=stride_kh,
-            stride_vt=stride_vt,
-            stride_vh=stride_vh,
-            alpha=alpha,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            num_pos=num_pos,
-            num_time=num_time,
-            DIM_QK=DIM_QK,
-            DIM_V=DIM_V,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-            UB_TABLES=UB_TABLES,
-            BLOCK_N=BLOCK_N,
-            BLOCK_DQK=BLOCK_DQK,
-            BLOCK_DV=BLOCK_DV,
-            POS_WINDOW=POS_WINDOW,
-            PRECISION=PRECISION,
-            GRAD=GRAD,
-        )
-        # a target's only visible target key is itself: its own K/V row, nobody else's
-        target = row_ok & (rows >= hist)
-        k_self = _load_rows(
-            K, start, rows, target, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
-        ).to(tl.float32)
-        v_self = _load_rows(
-            V, start, rows, target, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV
-        ).to(tl.float32)
-        dt_self = _self_time_delta(
-            QueryTimes=QueryTimes, Ts=Ts, start=start, idx=rows, ok=target, QUERY_TIMES=QUERY_TIMES
-        )
-        bias_self, _ = _self_bias(
-            time_delta=dt_self,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            num_time=num_time,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            UB_TABLES=UB_TABLES,
-        )
-        sig, silu = _silu_parts(tl.sum(q.to(tl.float32) * k_self, 1) * alpha + bias_self)
-        weight_self = tl.where(target, norm, 0.0)
-        if GRAD:
-            ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * _silu_grad(sig, silu)
-            acc = (acc + ds_self[:, None] * k_self) * alpha
-            _store_rows(
-                Out, acc, start, rows, row_ok, h, stride_t=stride_ot, stride_h=stride_oh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
-            )
-        else:
-            acc += (silu * weight_self)[:, None] * v_self
-            _store_rows(
-                Out, acc, start, rows, row_ok, h, stride_t=stride_ot, stride_h=stride_oh, DIM=DIM_V, BLOCK_D=BLOCK_DV
-            )
+    """Score of target tokens ``idx`` on themselves (a: their q rows, b: their k rows, fp32
+    [M, Dqk]; relative position 0, time delta tq_i - t_i) -> sigmoid, SiLU and time bucket [M]."""
+    s = tl.sum(a * b, 1) * alpha
+    time_idx = idx * 0
+    if HAS_POS:
+        s += tl.load(PosW + time_idx)
+    if HAS_TIME:
+        delta = tl.load(QueryTimes + start + idx, mask=ok, other=0) - tl.load(Ts + start + idx, mask=ok, other=0)
+        time_bias, time_idx = _time_bias(delta, TimeW, Thresholds, time_table, thr_table, num_time, TIME_LOG, UB_TABLES)
+        s += time_bias
+    sig, silu = _silu_parts(s)
+    return sig, silu, time_idx
 
 
 @triton.jit
-def key_block(
-    b,
-    h,
-    n0,
+def _key_ranges(m0, hist, contextual_len, max_attn_len, BLOCK_M: tl.constexpr):
+    """History keys query rows [m0, m0 + BLOCK_M) may see: [0, ctx_hi) and [lo, hi)."""
+    hi = tl.minimum(m0 + BLOCK_M, hist)
+    lo = tl.where(max_attn_len > 0, tl.maximum(tl.minimum(m0, hist) - max_attn_len, 0), 0)
+    return tl.minimum(tl.minimum(contextual_len, hist), lo), lo, hi
+
+
+@triton.jit
+def _query_range(n0, length, hist, contextual_len, max_attn_len, BLOCK_N: tl.constexpr):
+    """Query rows [lo, hi) that may see a history key of [n0, n0 + BLOCK_N) (empty if none)."""
+    key_hi = tl.minimum(n0 + BLOCK_N, hist)
+    # history rows see keys at most max_attn_len back; targets (at position hist) too
+    windowed = (max_attn_len > 0) & (hist - (key_hi - 1) > max_attn_len)
+    hi = tl.where(windowed, tl.minimum(hist, key_hi + max_attn_len), length)
+    is_context = n0 < tl.minimum(contextual_len, hist)
+    lo = tl.where(is_context, 0, n0)
+    hi = tl.where(is_context, length, hi)
+    return lo, tl.where(n0 < hist, hi, lo)
+
+
+@triton.jit(do_not_specialize=RUNTIME_SCALARS)
+def attention_kernel(
     Q,
     K,
     V,
     DO,
+    Out,
     DK,
     DV,
     DPos,
@@ -682,8 +327,9 @@ def key_block(
     PosW,
     TimeW,
     Thresholds,
-    time_table,
-    thr_table,
+    TileSeq,
+    TileStart,
+    num_work,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -692,146 +338,265 @@ def key_block(
     stride_vh,
     stride_dot,
     stride_doh,
+    stride_ot,
+    stride_oh,
     stride_dkt,
     stride_dkh,
     stride_dvt,
     stride_dvh,
     alpha,
     silu_scale,
+    scale_by_position,
     contextual_len,
     max_attn_len,
     num_pos,
     num_time,
     DIM_QK,
     DIM_V,
+    H,
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     TIME_LOG: tl.constexpr,
-    QUERY_TIMES: tl.constexpr,
-    SCALE_BY_POSITION: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
     UB_TABLES: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     POS_WINDOW: tl.constexpr,
+    TIME_TABLE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PASS: tl.constexpr,
 ):
-    """dk, dv of key block [n0, n0 + BLOCK_N) of sequence b, head h; adds dS into DPos / DTime."""
-    start, length, hist = _sequence_of(SeqOffsets=SeqOffsets, History=History, b=b)
-    if n0 < length:
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < length
-        k = _load_rows(K, start, cols, col_ok, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK)
-        v = _load_rows(V, start, cols, col_ok, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV)
-        ts_cols = _timestamps(Ts, start, cols, col_ok, HAS_TIME)
-        dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        m_lo, m_hi = _query_range(
-            n0=n0,
-            length=length,
-            hist=hist,
-            contextual_len=contextual_len,
-            max_attn_len=max_attn_len,
-            BLOCK_N=BLOCK_N,
-            HAS_CONTEXT=HAS_CONTEXT,
-            HAS_WINDOW=HAS_WINDOW,
-        )
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < m_hi
-            q = _load_rows(
-                Q, start, rows, row_ok, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
-            )
-            do = _load_rows(
-                DO, start, rows, row_ok, h, stride_t=stride_dot, stride_h=stride_doh, DIM=DIM_V, BLOCK_D=BLOCK_DV
-            )
-            norm = _row_norm(rows, hist, silu_scale, SCALE_BY_POSITION)
-            ts_rows = _timestamps(QueryTimes, start, rows, row_ok, HAS_TIME)
-            sig, silu, weight, mask, pos_idx, time_idx = _tile(
-                q=q,
-                k=k,
-                rows=rows,
-                cols=cols,
-                tile_ok=row_ok[:, None],
-                norm=norm,
-                length=length,
-                hist=hist,
-                ts_rows=ts_rows,
-                ts_cols=ts_cols,
+    """One pass over the blocks of a jagged batch; the passes share the tile and self-term code.
+
+    PASS "forward": query blocks, Out = attention output [T, H, Dv] (DO, DK, DV, DPos, DTime unused).
+    PASS "dq": query blocks, Out = dq [T, H, Dqk] given DO = d output [T, H, Dv].
+    PASS "dkv": key blocks, DK, DV [T, H, *] given DO; adds dS into DPos [P] / DTime [NB] fp32 (Out unused).
+    """
+    KEYS: tl.constexpr = PASS == "dkv"
+    time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, UB_TABLES, TIME_TABLE)
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        if KEYS:
+            b, h, first = _work_item(work, TileSeq, TileStart, H, BLOCK_N, WORK_LIST)
+        else:
+            b, h, first = _work_item(work, TileSeq, TileStart, H, BLOCK_M, WORK_LIST)
+        start, length, hist = _sequence_of(SeqOffsets, History, b)
+        if first < length:
+            # the block this program owns, and the range of the other side it visits
+            if KEYS:
+                cols = first + tl.arange(0, BLOCK_N)
+                own, own_ok = cols, cols < length
+                k = _load_rows(
+                    K, start, cols, own_ok, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+                )
+                v = _load_rows(
+                    V, start, cols, own_ok, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV
+                )
+                ts_cols = _times(Ts, start, cols, own_ok, HAS_TIME)
+                dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+                dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+                lo, hi = _query_range(first, length, hist, contextual_len, max_attn_len, BLOCK_N)
+                steps = tl.cdiv(hi - lo, BLOCK_M)
+            else:
+                rows = first + tl.arange(0, BLOCK_M)
+                own, own_ok = rows, rows < length
+                q = _load_rows(
+                    Q, start, rows, own_ok, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+                )
+                ts_rows = _times(QueryTimes, start, rows, own_ok, HAS_TIME)
+                norm = _row_norm(rows, hist, silu_scale, scale_by_position)
+                if PASS == "dq":
+                    do = _load_rows(
+                        DO,
+                        start,
+                        rows,
+                        own_ok,
+                        h,
+                        stride_t=stride_dot,
+                        stride_h=stride_doh,
+                        DIM=DIM_V,
+                        BLOCK_D=BLOCK_DV,
+                    )
+                    acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+                else:
+                    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+                ctx_hi, lo, hi = _key_ranges(first, hist, contextual_len, max_attn_len, BLOCK_M)
+                ctx_blocks = tl.cdiv(ctx_hi, BLOCK_N)
+                steps = ctx_blocks + tl.cdiv(hi - lo, BLOCK_N)  # one loop over both key ranges
+            for i in range(0, steps):
+                if KEYS:
+                    rows = lo + i * BLOCK_M + tl.arange(0, BLOCK_M)
+                    row_ok = rows < hi
+                    tile_ok = row_ok[:, None]
+                    q = _load_rows(
+                        Q, start, rows, row_ok, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+                    )
+                    do = _load_rows(
+                        DO,
+                        start,
+                        rows,
+                        row_ok,
+                        h,
+                        stride_t=stride_dot,
+                        stride_h=stride_doh,
+                        DIM=DIM_V,
+                        BLOCK_D=BLOCK_DV,
+                    )
+                    ts_rows = _times(QueryTimes, start, rows, row_ok, HAS_TIME)
+                    norm = _row_norm(rows, hist, silu_scale, scale_by_position)
+                else:
+                    in_ctx = i < ctx_blocks
+                    cols = tl.where(in_ctx, i * BLOCK_N, lo + (i - ctx_blocks) * BLOCK_N) + tl.arange(0, BLOCK_N)
+                    col_ok = cols < tl.where(in_ctx, ctx_hi, hi)
+                    tile_ok = col_ok[None, :]
+                    k = _load_rows(
+                        K, start, cols, col_ok, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+                    )
+                    v = _load_rows(
+                        V, start, cols, col_ok, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV
+                    )
+                    ts_cols = _times(Ts, start, cols, col_ok, HAS_TIME)
+                sig, silu, weight, pos_idx, time_idx = _tile(
+                    q=q,
+                    k=k,
+                    rows=rows,
+                    cols=cols,
+                    tile_ok=tile_ok,
+                    norm=norm,
+                    length=length,
+                    hist=hist,
+                    ts_rows=ts_rows,
+                    ts_cols=ts_cols,
+                    alpha=alpha,
+                    contextual_len=contextual_len,
+                    max_attn_len=max_attn_len,
+                    PosW=PosW,
+                    TimeW=TimeW,
+                    Thresholds=Thresholds,
+                    time_table=time_table,
+                    thr_table=thr_table,
+                    num_pos=num_pos,
+                    num_time=num_time,
+                    HAS_POS=HAS_POS,
+                    HAS_TIME=HAS_TIME,
+                    TIME_LOG=TIME_LOG,
+                    UB_TABLES=UB_TABLES,
+                    POS_WINDOW=POS_WINDOW,
+                    PRECISION=PRECISION,
+                )
+                if KEYS:
+                    dv += _dot(tl.trans((silu * weight).to(do.dtype)), do, PRECISION)
+                    ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
+                    dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+                    # no mask: ds is 0 where the mask hides a pair, and both indices are in range
+                    if HAS_POS:
+                        tl.atomic_add(DPos + pos_idx, ds)
+                    if HAS_TIME:
+                        tl.atomic_add(DTime + time_idx, ds)
+                elif PASS == "dq":
+                    ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
+                    acc += _dot(ds.to(k.dtype), k, PRECISION)
+                else:
+                    acc += _dot((silu * weight).to(v.dtype), v, PRECISION)
+            # a target's only visible target key is itself: its own row of the other side, nobody else's
+            target = own_ok & (own >= hist)
+            if KEYS:
+                q_self = _load_rows(
+                    Q, start, cols, target, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+                ).to(tl.float32)
+                k_self = k.to(tl.float32)
+                do_self = _load_rows(
+                    DO, start, cols, target, h, stride_t=stride_dot, stride_h=stride_doh, DIM=DIM_V, BLOCK_D=BLOCK_DV
+                ).to(tl.float32)
+                v_self = v.to(tl.float32)
+            else:
+                q_self = q.to(tl.float32)
+                k_self = _load_rows(
+                    K, start, rows, target, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+                ).to(tl.float32)
+                v_self = _load_rows(
+                    V, start, rows, target, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV
+                ).to(tl.float32)
+            sig, silu, time_self = _self_term(
+                a=q_self,
+                b=k_self,
+                idx=own,
+                ok=target,
+                start=start,
                 alpha=alpha,
-                contextual_len=contextual_len,
-                max_attn_len=max_attn_len,
+                Ts=Ts,
+                QueryTimes=QueryTimes,
                 PosW=PosW,
                 TimeW=TimeW,
                 Thresholds=Thresholds,
                 time_table=time_table,
                 thr_table=thr_table,
-                num_pos=num_pos,
                 num_time=num_time,
                 HAS_POS=HAS_POS,
                 HAS_TIME=HAS_TIME,
                 TIME_LOG=TIME_LOG,
-                HAS_CONTEXT=HAS_CONTEXT,
-                HAS_WINDOW=HAS_WINDOW,
                 UB_TABLES=UB_TABLES,
-                POS_WINDOW=POS_WINDOW,
-                PRECISION=PRECISION,
             )
-            dv += _dot(tl.trans((silu * weight).to(do.dtype)), do, PRECISION)
-            ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
-            if HAS_POS:
-                tl.atomic_add(DPos + pos_idx, ds, mask=mask)
-            if HAS_TIME:
-                tl.atomic_add(DTime + time_idx, ds, mask=mask)
-        # target keys: only the target itself sees them
-        target = col_ok & (cols >= hist)
-        q_self = _load_rows(
-            Q, start, cols, target, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
-        ).to(tl.float32)
-        do_self = _load_rows(
-            DO, start, cols, target, h, stride_t=stride_dot, stride_h=stride_doh, DIM=DIM_V, BLOCK_D=BLOCK_DV
-        ).to(tl.float32)
-        dt_self = _self_time_delta(
-            QueryTimes=QueryTimes, Ts=Ts, start=start, idx=cols, ok=target, QUERY_TIMES=QUERY_TIMES
-        )
-        bias_self, time_self = _self_bias(
-            time_delta=dt_self,
-            PosW=PosW,
-            TimeW=TimeW,
-            Thresholds=Thresholds,
-            time_table=time_table,
-            thr_table=thr_table,
-            num_time=num_time,
-            HAS_POS=HAS_POS,
-            HAS_TIME=HAS_TIME,
-            TIME_LOG=TIME_LOG,
-            UB_TABLES=UB_TABLES,
-        )
-        sig, silu = _silu_parts(tl.sum(q_self * k.to(tl.float32), 1) * alpha + bias_self)
-        weight_self = tl.where(target, _row_norm(cols, hist, silu_scale, SCALE_BY_POSITION), 0.0)
-        dv += (silu * weight_self)[:, None] * do_self
-        ds_self = tl.sum(do_self * v.to(tl.float32), 1) * weight_self * _silu_grad(sig, silu)
-        dk += ds_self[:, None] * q_self
-        if HAS_POS:
-            tl.atomic_add(DPos + cols * 0, ds_self, mask=target)
-        if HAS_TIME:
-            tl.atomic_add(DTime + time_self, ds_self, mask=target)
-        _store_rows(
-            DK,
-            dk * alpha,
-            start,
-            cols,
-            col_ok,
-            h,
-            stride_t=stride_dkt,
-            stride_h=stride_dkh,
-            DIM=DIM_QK,
-            BLOCK_D=BLOCK_DQK,
-        )
-        _store_rows(
-            DV, dv, start, cols, col_ok, h, stride_t=stride_dvt, stride_h=stride_dvh, DIM=DIM_V, BLOCK_D=BLOCK_DV
-        )
+            weight_self = tl.where(target, _row_norm(own, hist, silu_scale, scale_by_position), 0.0)
+            if KEYS:
+                dv += (silu * weight_self)[:, None] * do_self
+                ds_self = tl.sum(do_self * v_self, 1) * weight_self * _silu_grad(sig, silu)
+                dk += ds_self[:, None] * q_self
+                if HAS_POS:
+                    tl.atomic_add(DPos + cols * 0, ds_self, mask=target)
+                if HAS_TIME:
+                    tl.atomic_add(DTime + time_self, ds_self, mask=target)
+                _store_rows(
+                    DK,
+                    dk * alpha,
+                    start,
+                    cols,
+                    own_ok,
+                    h,
+                    stride_t=stride_dkt,
+                    stride_h=stride_dkh,
+                    DIM=DIM_QK,
+                    BLOCK_D=BLOCK_DQK,
+                )
+                _store_rows(
+                    DV,
+                    dv,
+                    start,
+                    cols,
+                    own_ok,
+                    h,
+                    stride_t=stride_dvt,
+                    stride_h=stride_dvh,
+                    DIM=DIM_V,
+                    BLOCK_D=BLOCK_DV,
+                )
+            elif PASS == "dq":
+                ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * _silu_grad(sig, silu)
+                acc = (acc + ds_self[:, None] * k_self) * alpha
+                _store_rows(
+                    Out,
+                    acc,
+                    start,
+                    rows,
+                    own_ok,
+                    h,
+                    stride_t=stride_ot,
+                    stride_h=stride_oh,
+                    DIM=DIM_QK,
+                    BLOCK_D=BLOCK_DQK,
+                )
+            else:
+                acc += (silu * weight_self)[:, None] * v_self
+                _store_rows(
+                    Out,
+                    acc,
+                    start,
+                    rows,
+                    own_ok,
+                    h,
+                    stride_t=stride_ot,
+                    stride_h=stride_oh,
+                    DIM=DIM_V,
+                    BLOCK_D=BLOCK_DV,
+                )

@@ -1,25 +1,32 @@
 """Host side of the Triton kernels (GPU and NPU variants): argument checks, the inputs laid
-out for the kernels, and the autograd wrapper. Device code: ``triton_blocks``.
+out for the kernels, one argument assembly, one launcher and the autograd wrapper. Device code:
+``triton_blocks``.
+
+The CUDA and NPU variants launch the same kernel through ``TritonKernels``; a ``Layout``
+is what differs between them: the tile sizes, and the grid (one program per block) or the work
+list (a fixed grid of cores looping over the batch's blocks) with on-chip bias tables.
 
 The relative bias is fused from bucket weights and timestamps (``RelativeBias``): a
 precomputed [B, L, L] bias would bring back the O(L^2) memory and padding the kernels avoid,
 and its gradient is only needed per bucket. The time bucket is estimated with the device's
 log/sqrt and corrected by one step against ``time_bucket_thresholds``, so it equals the
 reference bucket exactly. Key timestamps and query times (``RelativeBias.resolved_query_times``) are
-rebased to the minimum of both and passed as int32; when the queries use the tokens' own times
-one tensor is passed twice and the kernels compile without the query-time path.
+rebased to the minimum of both and passed as int32 (one tensor twice when the queries use the
+tokens' own times).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 import triton
 from torch import Tensor
 
 from gr.hstu.kernels.common import RelativeBias, rebased_times, time_bucket_thresholds
+from gr.hstu.kernels.triton_blocks import attention_kernel
+from gr.hstu.kernels.triton_tuning import TileConfig
 from gr.jagged import history_lengths
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,23 +63,6 @@ class KernelInputs:
     @property
     def batch(self) -> int:
         return self.seq_offsets.numel() - 1
-
-    @property
-    def has_query_times(self) -> bool:
-        """Whether queries measure time from their own query times rather than their timestamps."""
-        return self.query_times is not self.timestamps
-
-
-class KernelSet(Protocol):
-    """A device's forward and backward launches over ``KernelInputs``."""
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor: ...
-
-    def backward(
-        self, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: KernelInputs
-    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """-> dq, dk, dv, d position weights [P] fp32, d time weights [NB] fp32."""
-        ...
 
 
 def prepare_inputs(
@@ -146,7 +136,7 @@ class TritonAttention(torch.autograd.Function):
     """Differentiable in q, k, v and the bias weights; the kernels recompute scores in backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos_w, time_w, inputs: KernelInputs, kernels: KernelSet):
+    def forward(ctx, q, k, v, pos_w, time_w, inputs: KernelInputs, kernels: TritonKernels):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         ctx.save_for_backward(q, k, v)
         ctx.inputs, ctx.kernels = inputs, kernels
@@ -164,12 +154,28 @@ class TritonAttention(torch.autograd.Function):
 
 
 def apply_kernels(
-    q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs, rab: Optional[RelativeBias], kernels: KernelSet
+    q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs, rab: Optional[RelativeBias], kernels: TritonKernels
 ) -> Tensor:
     """Run ``kernels`` under autograd; q, k: [T, H, Dqk], v: [T, H, Dv] -> [T, H, Dv]."""
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
     return TritonAttention.apply(q, k, v, pos_w, time_w, inputs, kernels)
+
+
+@dataclass
+class Launch:
+    """One kernel launch before its layout: the kernel, its name (``forward``, ``backward_dq`` or
+    ``backward_dkv``) and its arguments by name (all but the layout's: work list, tile sizes).
+
+    row_block: the tile programs split their rows by ("BLOCK_M": query-major, "BLOCK_N": key-major)
+    reset: tensors the kernel accumulates into, zeroed before each launch
+    """
+
+    name: str
+    kernel: Callable
+    args: Dict[str, object]
+    row_block: str
+    reset: Tuple[Tensor, ...] = field(default=())
 
 
 def head_block(dim: int) -> int:
@@ -186,23 +192,18 @@ def strides(**tensors: Tensor) -> dict:
     return out
 
 
-def scalar_args(inputs: KernelInputs, q: Tensor, v: Tensor) -> dict:
-    """The block functions' scalar arguments, by name."""
+def common_args(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: KernelInputs, interpreted: bool) -> dict:
+    """The arguments every kernel takes, by name: inputs, tables, strides, scalars, switches.
+    grad_out: [T, H, Dv] d output (``q`` itself in forward, where it is not read)."""
+    if interpreted:
+        precision = "ieee" if q.dtype == torch.float32 else "upcast"
+    else:  # fp32: three tf32 products on tensor cores, ~fp32 accuracy (tf32: ignored for 16-bit operands)
+        precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
     return dict(
-        alpha=inputs.alpha,
-        silu_scale=inputs.silu_scale,
-        contextual_len=inputs.contextual_len,
-        max_attn_len=inputs.max_attn_len,
-        num_pos=inputs.num_pos,
-        num_time=inputs.num_time,
-        DIM_QK=q.shape[2],
-        DIM_V=v.shape[2],
-    )
-
-
-def table_args(inputs: KernelInputs) -> dict:
-    """The block functions' table pointers, by name."""
-    return dict(
+        Q=q,
+        K=k,
+        V=v,
+        DO=grad_out,
         SeqOffsets=inputs.seq_offsets,
         History=inputs.history,
         Ts=inputs.timestamps,
@@ -210,24 +211,121 @@ def table_args(inputs: KernelInputs) -> dict:
         PosW=inputs.pos_w,
         TimeW=inputs.time_w,
         Thresholds=inputs.thresholds,
-    )
-
-
-def flags(inputs: KernelInputs, q: Tensor, v: Tensor, interpreted: bool) -> dict:
-    """Compile-time switches of the block functions."""
-    if q.dtype == torch.float32:
-        precision = "ieee"
-    else:
-        precision = "upcast" if interpreted else "tf32"  # tf32: ignored for 16-bit operands
-    return dict(
+        **strides(q=q, k=k, v=v, do=grad_out),
+        alpha=inputs.alpha,
+        silu_scale=inputs.silu_scale,
+        scale_by_position=int(inputs.scale_by_position),
+        contextual_len=inputs.contextual_len,
+        max_attn_len=inputs.max_attn_len,
+        num_pos=inputs.num_pos,
+        num_time=inputs.num_time,
+        DIM_QK=q.shape[2],
+        DIM_V=v.shape[2],
+        H=q.shape[1],
         HAS_POS=inputs.num_pos > 0,
         HAS_TIME=inputs.num_time > 0,
         TIME_LOG=inputs.time_log,
-        QUERY_TIMES=inputs.has_query_times,
-        SCALE_BY_POSITION=inputs.scale_by_position,
-        HAS_CONTEXT=inputs.contextual_len > 0,
-        HAS_WINDOW=inputs.max_attn_len > 0,
         BLOCK_DQK=head_block(q.shape[2]),
         BLOCK_DV=head_block(v.shape[2]),
         PRECISION=precision,
     )
+
+
+def forward_launch(q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs, interpreted: bool) -> Launch:
+    """The forward launch; its output [T, H, Dv] is ``launch.args["Out"]``."""
+    out = torch.empty(*q.shape[:2], v.shape[-1], dtype=v.dtype, device=v.device)
+    unused = dict(DK=out, DV=out, DPos=inputs.pos_w, DTime=inputs.time_w, **strides(dk=out, dv=out))
+    args = dict(common_args(q, k, v, q, inputs, interpreted), Out=out, **strides(o=out), **unused, PASS="forward")
+    return Launch("forward", attention_kernel, args, "BLOCK_M")
+
+
+def backward_launches(
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: KernelInputs, interpreted: bool
+) -> Tuple[Launch, Launch]:
+    """The dq launch (``Out``: dq) and the dk/dv launch (``DK``, ``DV``, and ``DPos`` [max(P, 1)],
+    ``DTime`` [max(NB, 1)] fp32 bias-weight gradients)."""
+    common = common_args(q, k, v, grad_out, inputs, interpreted)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dpos = torch.zeros(max(inputs.num_pos, 1), dtype=torch.float32, device=q.device)
+    dtime = torch.zeros(max(inputs.num_time, 1), dtype=torch.float32, device=q.device)
+    grads = dict(DK=dk, DV=dv, DPos=dpos, DTime=dtime, **strides(dk=dk, dv=dv))
+    dq_args = dict(common, Out=dq, **strides(o=dq), **grads, PASS="dq")  # dk, dv: not written by this pass
+    dkv_args = dict(common, Out=dq, **strides(o=dq), **grads, PASS="dkv")  # dq: not written by this pass
+    return (
+        Launch("backward_dq", attention_kernel, dq_args, "BLOCK_M"),
+        Launch("backward_dkv", attention_kernel, dkv_args, "BLOCK_N", reset=(dpos, dtime)),
+    )
+
+
+class Layout(Protocol):
+    """What a device variant decides: tile sizes, and how programs map to blocks."""
+
+    ub_tables: bool  # bias tables preloaded on chip (``triton_blocks`` module docstring)
+
+    def config(self, launch: Launch, inputs: KernelInputs, run: Callable[[TileConfig], None]) -> TileConfig:
+        """The tile configuration of ``launch``; ``run(config)`` launches it (for autotuning)."""
+        ...
+
+    def work(self, launch: Launch, inputs: KernelInputs, block: int) -> Tuple[Tuple[int, ...], dict]:
+        """-> grid, and the kernel's TileSeq, TileStart, num_work and WORK_LIST arguments."""
+        ...
+
+
+def layout_args(launch: Launch, config: TileConfig, ub_tables: bool, inputs: KernelInputs) -> dict:
+    """The tile-size switches of ``launch`` under ``config`` (the on-chip table sizes only with
+    ``ub_tables``, so that the GPU variant compiles once for every table size)."""
+    return dict(
+        UB_TABLES=ub_tables,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        POS_WINDOW=triton.next_power_of_2(config.block_m + config.block_n) if ub_tables else 1,
+        TIME_TABLE=triton.next_power_of_2(max(inputs.num_time, 1)) if ub_tables else 1,
+    )
+
+
+def row_block(launch: Launch, config: TileConfig) -> int:
+    return config.block_m if launch.row_block == "BLOCK_M" else config.block_n
+
+
+class TritonKernels:
+    """The one launcher of both variants: forward and backward over ``KernelInputs``."""
+
+    def __init__(self, layout: Layout, interpreted: bool) -> None:
+        self.layout, self.interpreted = layout, interpreted
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs) -> Tensor:
+        launch = forward_launch(q, k, v, inputs, self.interpreted)
+        self.run(launch, inputs)
+        return launch.args["Out"]
+
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: KernelInputs
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """-> dq, dk, dv, d position weights [P] fp32, d time weights [NB] fp32."""
+        dq_launch, dkv_launch = backward_launches(q, k, v, grad_out, inputs, self.interpreted)
+        self.run(dq_launch, inputs)
+        self.run(dkv_launch, inputs)
+        args = dkv_launch.args
+        return (
+            dq_launch.args["Out"],
+            args["DK"],
+            args["DV"],
+            args["DPos"][: inputs.num_pos],
+            args["DTime"][: inputs.num_time],
+        )
+
+    def run(self, launch: Launch, inputs: KernelInputs) -> None:
+        config = self.layout.config(launch, inputs, lambda c: self._launch(launch, inputs, c))
+        self._launch(launch, inputs, config)
+
+    def _launch(self, launch: Launch, inputs: KernelInputs, config: TileConfig) -> None:
+        for buffer in launch.reset:
+            buffer.zero_()
+        grid, work = self.layout.work(launch, inputs, row_block(launch, config))
+        launch.kernel[grid](
+            **launch.args,
+            **work,
+            **layout_args(launch, config, self.layout.ub_tables, inputs),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )

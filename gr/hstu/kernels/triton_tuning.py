@@ -1,0 +1,203 @@
+"""Tile configurations of the CUDA Triton kernels: a built-in table per architecture, and
+autotuning once per key with the result kept on disk.
+
+With autotuning off (``GR_TRITON_AUTOTUNE=0``) every launch takes the table's configuration for
+its architecture: no benchmark runs and each kernel compiles once. With it on (the default on
+CUDA), the first launch of a key times the architecture's candidates and stores the fastest in
+the cache directory (``GR_TRITON_CACHE_DIR``, default ``~/.cache/gr/triton-tuning``), one JSON
+file per key, written to a temporary file and renamed: processes may share the directory, a
+reader sees a whole entry or none, and a corrupt entry is ignored with a warning (and replaced
+by the next tuning). A second process with the same key autotunes nothing.
+
+The key: GPU name, triton version, kernel, max length rounded up to a power of two (at least
+16), head dims and dtype. The table's configurations compile in a few seconds each and do not
+spill registers on sm_80 / sm_90 (``bench/triton_compile.py`` measures both).
+Dtype names are torch's without the prefix ("float32", "bfloat16", "float16").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from gr.atomic import write_json
+
+ENV_AUTOTUNE = "GR_TRITON_AUTOTUNE"
+ENV_CACHE_DIR = "GR_TRITON_CACHE_DIR"
+FORMAT = 1
+KERNELS = ("forward", "backward_dq", "backward_dkv")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block sizes (multiples of 16) and launch options of one kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+
+def parse_config(label: str) -> TileConfig:
+    """ "64x32/w4/s2" -> TileConfig(64, 32, 4, 2): the inverse of ``TileConfig.label``."""
+    match = re.fullmatch(r"(\d+)x(\d+)/w(\d+)/s(\d+)", label)
+    if match is None:
+        raise ValueError(f"expected a tile configuration MxN/wW/sS (e.g. 64x32/w4/s2), got {label!r}")
+    return TileConfig(*map(int, match.groups()))
+
+
+def _configs(*labels: str) -> List[TileConfig]:
+    return [parse_config(label) for label in labels]
+
+
+# Per architecture family (8: Ampere, 9: Hopper and later), operand precision ("fp32": three tf32
+# products a dot, "16bit": bf16 / fp16) and kernel: the candidates autotuning times, the first the
+# default. Each compiles in a few seconds and spills no register at head dims up to 128
+# (bench/triton_compile.py); larger tiles did either or both.
+CANDIDATES: Dict[int, Dict[str, Dict[str, List[TileConfig]]]] = {
+    8: {
+        "fp32": {
+            "forward": _configs("32x32/w4/s2", "16x32/w4/s2", "32x16/w4/s2"),
+            "backward_dq": _configs("32x32/w4/s2", "16x32/w4/s2", "32x16/w4/s2"),
+            "backward_dkv": _configs("16x32/w4/s2", "32x16/w4/s2"),
+        },
+        "16bit": {
+            "forward": _configs("64x64/w8/s2", "64x32/w4/s2", "32x32/w4/s2"),
+            "backward_dq": _configs("64x64/w8/s2", "32x64/w4/s2", "32x32/w4/s2"),
+            "backward_dkv": _configs("32x32/w8/s2", "32x32/w4/s2", "16x32/w4/s2"),
+        },
+    },
+    9: {
+        "fp32": {
+            "forward": _configs("32x32/w4/s2", "16x32/w4/s2", "32x32/w8/s2"),
+            "backward_dq": _configs("16x32/w4/s2", "32x16/w4/s2"),
+            "backward_dkv": _configs("16x32/w4/s2", "32x16/w4/s2"),
+        },
+        "16bit": {
+            "forward": _configs("64x64/w8/s2", "128x32/w8/s2", "32x32/w4/s2"),
+            "backward_dq": _configs("64x64/w8/s2", "32x64/w4/s2", "32x32/w4/s2"),
+            "backward_dkv": _configs("32x32/w8/s2", "32x32/w4/s2", "16x32/w4/s2"),
+        },
+    },
+}
+
+
+def arch_family(major: int) -> int:
+    """The table row of a compute capability's major version (older than sm_80: Ampere's)."""
+    return 9 if major >= 9 else 8
+
+
+def precision_class(dtype: str) -> str:
+    """ "fp32" for float32 operands, "16bit" for bfloat16 / float16 (names as in ``TuningKey.dtype``)."""
+    return "fp32" if dtype == "float32" else "16bit"
+
+
+def candidates(major: int, kernel: str, dtype: str) -> List[TileConfig]:
+    """The configurations autotuning times for ``kernel`` on operands of ``dtype``, the default first."""
+    return CANDIDATES[arch_family(major)][precision_class(dtype)][kernel]
+
+
+def default_config(major: int, kernel: str, dtype: str) -> TileConfig:
+    """The configuration ``kernel`` runs with when autotuning is off."""
+    return candidates(major, kernel, dtype)[0]
+
+
+def autotune_enabled() -> bool:
+    """``GR_TRITON_AUTOTUNE``: "0" (or "false", "off") turns autotuning off; on by default."""
+    return os.environ.get(ENV_AUTOTUNE, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "gr" / "triton-tuning")
+
+
+def length_bucket(max_seq_len: int) -> int:
+    """Max length rounded up to a power of two, at least 16."""
+    return max(16, 1 << max(int(max_seq_len) - 1, 0).bit_length())
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    gpu: str
+    triton: str
+    kernel: str
+    max_len: int  # a power of two (``length_bucket``)
+    dim_qk: int
+    dim_v: int
+    dtype: str
+
+    def filename(self) -> str:
+        text = (
+            f"{self.gpu}-triton{self.triton}-{self.kernel}-L{self.max_len}-qk{self.dim_qk}-v{self.dim_v}-{self.dtype}"
+        )
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", text) + ".json"
+
+
+class TuningCache:
+    """Autotuning results on disk, one JSON file per ``TuningKey`` in ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def path(self, key: TuningKey) -> Path:
+        return self.directory / key.filename()
+
+    def get(self, key: TuningKey) -> Optional[TileConfig]:
+        """The stored configuration of ``key``; None when absent, or (with a warning) unreadable."""
+        path = self.path(key)
+        try:
+            entry = json.loads(path.read_text(encoding="utf8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            warnings.warn(f"{path}: unreadable autotuning entry ignored ({err})", stacklevel=2)
+            return None
+        try:
+            if entry["format"] != FORMAT or entry["key"] != asdict(key):
+                raise ValueError("another format or key")
+            config = TileConfig(**entry["config"])
+            if any(not isinstance(v, int) or v <= 0 for v in asdict(config).values()):
+                raise ValueError(f"config {entry['config']}")
+        except (KeyError, TypeError, ValueError) as err:
+            warnings.warn(f"{path}: invalid autotuning entry ignored ({err})", stacklevel=2)
+            return None
+        return config
+
+    def put(self, key: TuningKey, config: TileConfig, timings_ms: Dict[str, float]) -> None:
+        """Store ``config`` for ``key`` (atomically: temporary file, then rename)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        entry = {"format": FORMAT, "key": asdict(key), "config": asdict(config), "timings_ms": timings_ms}
+        write_json(self.path(key), entry)
+
+
+def tune(
+    key: TuningKey,
+    candidates: List[TileConfig],
+    time_ms: Callable[[TileConfig], float],
+    cache: TuningCache,
+) -> TileConfig:
+    """The cached configuration of ``key``, or the fastest of ``candidates`` by ``time_ms``
+    (stored). A candidate whose ``time_ms`` raises (e.g. out of shared memory) is skipped."""
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    timings: Dict[TileConfig, float] = {}
+    failures = []
+    for config in candidates:
+        try:
+            timings[config] = float(time_ms(config))
+        except Exception as err:  # a config the device cannot run: the others decide
+            failures.append(f"{config.label()}: {err}")
+    if not timings:
+        raise RuntimeError(f"autotuning {key.kernel}: no candidate ran ({'; '.join(failures)})")
+    best = min(timings, key=timings.get)
+    cache.put(key, best, {config.label(): round(ms, 4) for config, ms in timings.items()})
+    return best
