@@ -12,6 +12,7 @@ if suite_device() == "cpu":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +28,17 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-rank gloo process group for the test (DistributedModelParallel needs one), unless one exists."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
 
 
 DISTRIBUTED_ENV = {

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -20,16 +19,6 @@ from gr.sparse.sharding import local_table_rows, shard_model, table_device
 HSTU = HSTUConfig(
     hidden_dim=16, attention_dim=8, linear_dim=8, num_heads=2, max_seq_len=16, dropout=0.0, input_dropout=0.0
 )
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def model(tables=None):

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gr.data.features import FeatureSpec
@@ -37,16 +36,6 @@ TABLES = [
     TableConfig("user", 5, 6, ("user_age", "user_city"), kind="common"),
     TableConfig("group", 9, 4, ("user_group",), kind="common", pooling="mean"),
 ]
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 class Tables(nn.Module):

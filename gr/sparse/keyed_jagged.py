@@ -16,8 +16,8 @@ from torch import Tensor
 from gr.jagged import offsets_from_lengths
 
 
-class JaggedTensor:
-    """One feature's ids for B samples: values [N], lengths [B] int64 (sum N)."""
+class _Jagged:
+    """values [N] and lengths [S] int64 (sum N): S runs of values."""
 
     def __init__(self, values: Tensor, lengths: Tensor) -> None:
         self._values = values
@@ -30,21 +30,24 @@ class JaggedTensor:
         return self._lengths
 
     def offsets(self) -> Tensor:
-        """[B+1] int64: sample b's values are values[offsets[b]:offsets[b+1]]."""
+        """[len(lengths)+1] int64: the cumulative lengths from 0."""
         return offsets_from_lengths(self._lengths)
 
     def __repr__(self) -> str:
-        return f"JaggedTensor(values={self._values}, lengths={self._lengths})"
+        return f"{type(self).__name__}(values={self._values}, lengths={self._lengths})"
 
 
-class KeyedJaggedTensor:
+class JaggedTensor(_Jagged):
+    """One feature's ids for B samples: values [N], lengths [B] int64 (sum N)."""
+
+
+class KeyedJaggedTensor(_Jagged):
     """Several features' ids for the same B samples, key-major: values [N], lengths [F*B] int64
     (feature f's samples at lengths[f*B:(f+1)*B]); ``stride()`` is B."""
 
     def __init__(self, keys: Sequence[str], values: Tensor, lengths: Tensor, stride: Optional[int] = None) -> None:
+        super().__init__(values, lengths)
         self._keys = list(keys)
-        self._values = values
-        self._lengths = lengths
         self._stride = stride if stride is not None else (lengths.numel() // len(self._keys) if self._keys else 0)
         if self._stride * len(self._keys) != lengths.numel():
             raise ValueError(
@@ -72,15 +75,6 @@ class KeyedJaggedTensor:
 
     def keys(self) -> List[str]:
         return self._keys
-
-    def values(self) -> Tensor:
-        return self._values
-
-    def lengths(self) -> Tensor:
-        return self._lengths
-
-    def offsets(self) -> Tensor:
-        return offsets_from_lengths(self._lengths)
 
     def stride(self) -> int:
         return self._stride

@@ -17,7 +17,7 @@ gradients, a lookup is ``F.embedding`` / ``F.embedding_bag``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +83,13 @@ class _Tables(nn.Module):
             return _lookup(weight, ids, offsets, self.modes[table])
         return _UpdateInBackward.apply(weight, ids, offsets, self.modes[table], optimizer)
 
-    def _present(self, table: str, jagged: Dict[str, Any]) -> List[str]:
-        return [f for f in self.table_features[table] if f in jagged]
+    def _by_table(self, features: KeyedJaggedTensor) -> Iterator[Tuple[str, Dict[str, JaggedTensor]]]:
+        """(table, {feature: its ids}) for each table that some feature of ``features`` reads."""
+        jagged = features.to_dict()
+        for table, names in self.table_features.items():
+            present = {f: jagged[f] for f in names if f in jagged}
+            if present:
+                yield table, present
 
 
 class TableCollection(_Tables):
@@ -104,16 +109,12 @@ class TableCollection(_Tables):
             _initialise(self.embeddings[table.name].weight, table)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        jagged = features.to_dict()
         out: Dict[str, JaggedTensor] = {}
-        for table in self.embeddings:
-            present = self._present(table, jagged)
-            if not present:
-                continue
-            ids = [jagged[f].values() for f in present]
+        for table, jagged in self._by_table(features):
+            ids = [jt.values() for jt in jagged.values()]
             rows = self.lookup(table, torch.cat(ids) if len(ids) > 1 else ids[0])
-            for f, values in zip(present, torch.split(rows, [i.numel() for i in ids])):
-                out[f] = JaggedTensor(values, jagged[f].lengths())
+            for (feature, jt), values in zip(jagged.items(), torch.split(rows, [i.numel() for i in ids])):
+                out[feature] = JaggedTensor(values, jt.lengths())
         return out
 
 
@@ -138,17 +139,11 @@ class PooledTableCollection(_Tables):
             _initialise(self.embedding_bags[table.name].weight, table)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, Tensor]:
-        jagged = features.to_dict()
-        stride = features.stride()
         out: Dict[str, Tensor] = {}
-        for table in self.embedding_bags:
-            present = self._present(table, jagged)
-            if not present:
-                continue
-            ids = torch.cat([jagged[f].values() for f in present])
-            offsets = offsets_from_lengths(torch.cat([jagged[f].lengths() for f in present]))
-            pooled = self.lookup(table, ids, offsets)
-            out.update(zip(present, torch.split(pooled, stride)))
+        for table, jagged in self._by_table(features):
+            ids = torch.cat([jt.values() for jt in jagged.values()])
+            offsets = offsets_from_lengths(torch.cat([jt.lengths() for jt in jagged.values()]))
+            out.update(zip(jagged, torch.split(self.lookup(table, ids, offsets), features.stride())))
         return out
 
 

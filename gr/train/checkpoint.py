@@ -1,9 +1,9 @@
 """Checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own table shards.
 
 A checkpoint is a directory: the DCP files of the sharded parts (``state_dict``: the
-model, ``sparse_optimizer``: the fused embedding optimizers' state, and, when the dense
-model is sharded too, ``optimizer_states``: the dense optimizers' state,
-``DENSE_OPTIMIZER_KEY``) plus ``meta.json`` / ``meta.safetensors`` (everything else
+model, ``sparse_optimizer``: the embedding optimizers' state, in TorchRec's layout whichever
+``sparse.backend`` trained, and, when the dense model is sharded too, ``optimizer_states``:
+the dense optimizers' state, ``DENSE_OPTIMIZER_KEY``) plus ``meta.json`` / ``meta.safetensors`` (everything else
 Lightning keeps: epoch, loops, callbacks, scheduler state, a replicated dense optimizer's
 state; no pickle, see ``gr.train.checkpoint_meta``), written by rank 0 after every shard.
 It is written under ``<name>.tmp`` and renamed when complete, so a directory holding

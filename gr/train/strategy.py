@@ -1,4 +1,6 @@
-"""A Lightning DDP strategy for a LightningModule whose model is a TorchRec DistributedModelParallel.
+"""A Lightning DDP strategy for a LightningModule whose model is a TorchRec DistributedModelParallel
+(``sparse.backend: torchrec``), or a plain GRModel on one rank (``sparse.backend: torch``, which
+needs nothing more: no wrapping, moving or broadcast either, and the same DCP checkpoints).
 
 Lightning's DDPStrategy would wrap the whole module in DDP (which fails on sharded
 tables), move it to one device, broadcast rank 0's parameters at evaluation (overwriting
