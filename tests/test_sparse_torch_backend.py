@@ -39,10 +39,10 @@ TABLES = [
 
 
 class Tables(nn.Module):
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, dedup: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embeddings = SparseEmbeddings(TABLES, dedup=backend == "torch", backend=backend)
+        self.embeddings = SparseEmbeddings(TABLES, dedup=dedup, backend=backend)
 
     def forward(self, sequence_ids, common_ids):
         return self.embeddings(sequence_ids, common_ids)
@@ -66,16 +66,18 @@ def local(value):
     return value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
-def test_torch_tables_train_like_torchrec_fused_kernels(process_group, kind):
+@pytest.mark.parametrize(
+    "kind, dedup", [("sgd", False), ("adagrad", True), ("rowwise_adagrad", False), ("rowwise_adagrad", True)]
+)
+def test_torch_tables_train_like_torchrec_fused_kernels(process_group, kind, dedup):
     """The optimizers FBGEMM fuses on CPU, five steps on the same lookups (repeated ids, padded
-    rows, sum and mean pooling, dedup on one side only): same weights, same optimizer state
-    under the same names and shapes."""
+    rows, sum and mean pooling; TorchRec without dedup): same weights, same optimizer state under
+    the same names and shapes."""
     from gr.sparse.sharding import shard_model
 
     optimizer = EmbeddingOptimizerConfig(kind, lr=0.3)
     torchrec = shard_model(Tables("torchrec"), optimizer, torch.device("cpu"))
-    plain = Tables("torch")
+    plain = Tables("torch", dedup)
     optimizers = prepare_for_training(plain, optimizer, torch.device("cpu"))
     for step in range(5):
         for model in (torchrec, plain):
@@ -202,6 +204,7 @@ from gr.data.datamodule import SequenceDataModule
 from gr.evaluate import batch_requests
 from gr.export.__main__ import main as export_main
 from gr.serving import Ranker
+from gr.sparse import SparseEmbeddings, TableConfig
 from gr.train import load_trained_model, train
 from gr.train.config import TrainConfig
 
@@ -219,8 +222,12 @@ requests = batch_requests(batch)[:8]
 served = [ranker.rank(r["user_id"], r["history"], r["candidates"], r["common_features"]) for r in requests]
 served = np.concatenate([s.scores["watch_logit"] for s in served])
 loaded = [m for m in sys.modules if m.partition(".")[0] in ("torchrec", "fbgemm_gpu")]
+try:
+    SparseEmbeddings([TableConfig("item", 4, 4, ("item_id",))])  # the default backend: TorchRec
+except ImportError as error:
+    refusal = str(error)
 difference = float(np.abs(served - logits[: served.size].numpy()).max())
-print(json.dumps({"auc": metrics["auc"], "largest_difference": difference, "imported": loaded}))
+print(json.dumps({"auc": metrics["auc"], "largest_difference": difference, "imported": loaded, "refusal": refusal}))
 """
 
 
@@ -236,3 +243,26 @@ def test_torch_backend_trains_exports_and_serves_where_torchrec_cannot_be_import
     assert result["imported"] == []
     assert 0.0 <= result["auc"] <= 1.0
     assert result["largest_difference"] < 1e-4
+    assert result["refusal"].startswith("sparse.backend: 'torchrec' needs TorchRec and fbgemm-gpu, which do not import")
+
+
+def test_weight_decay_that_fbgemm_would_drop_is_refused():
+    """FBGEMM's sgd and adagrad take no weight decay (TorchRec dropped it silently); neither backend applies it."""
+    with pytest.raises(ValueError, match=r"sparse.optimizer.weight_decay: FBGEMM's adagrad takes no weight decay"):
+        config(RANKING, ("sparse.optimizer.type", "adagrad"), ("sparse.optimizer.weight_decay", 0.1))
+
+
+def test_keyed_jagged_tensor_reads_like_torchrecs():
+    import torchrec
+
+    keys, values, lengths = ["a", "b"], torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 0, 1, 1, 2, 0])
+    ours, theirs = KeyedJaggedTensor(keys, values, lengths), torchrec.KeyedJaggedTensor(keys, values, lengths=lengths)
+    assert ours.stride() == theirs.stride() == 3 and ours.length_per_key() == theirs.length_per_key() == [3, 3]
+    mine, want = ours.to_dict(), theirs.to_dict()
+    for key in keys:
+        for part in ("values", "lengths", "offsets"):
+            assert torch.equal(getattr(mine[key], part)(), getattr(want[key], part)()), (key, part)
+    again = KeyedJaggedTensor.from_jt_dict(mine)
+    assert again.keys() == keys and torch.equal(again.values(), values) and torch.equal(again.lengths(), lengths)
+    with pytest.raises(ValueError, match="5 lengths do not split into 2 keys"):
+        KeyedJaggedTensor(keys, values, lengths[:5])

@@ -59,8 +59,17 @@ def sparse_backend(name: str) -> Iterator[None]:
 
 
 def backend_module(name: str) -> Any:
-    """The module implementing backend ``name`` (imported on first use)."""
-    return import_module(BACKEND_MODULES[name])
+    """The module implementing backend ``name`` (imported on first use). A TorchRec that does not
+    import is a one-line ImportError naming ``sparse.backend`` and the way out."""
+    try:
+        return import_module(BACKEND_MODULES[name])
+    except ImportError as error:
+        if name != "torchrec":
+            raise
+        raise ImportError(
+            f"sparse.backend: 'torchrec' needs TorchRec and fbgemm-gpu, which do not import here ({error}); "
+            "install them, or train with sparse.backend: torch (plain torch tables, one rank)"
+        ) from error
 
 
 @dataclass(frozen=True)
