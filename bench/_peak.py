@@ -34,5 +34,10 @@ def matmul_peak(
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     runs: List[Callable[[], object]] = [lambda: torch.matmul(a, b)]
     if device == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        runs.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+        onednn = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # noqa: E731
+        try:
+            onednn()
+            runs.append(onednn)
+        except RuntimeError:  # no oneDNN kernel for this dtype on this CPU (bf16 without AVX-512)
+            pass
     return max(_best_rate(run, 2 * size**3, seconds / len(runs), sync) for run in runs)
