@@ -1,4 +1,4 @@
-"""Training: config, model building, the Lightning loop over TorchRec-sharded tables, checkpoints.
+"""Training: config, model building, the Lightning loop over the sparse tables (TorchRec or torch), checkpoints.
 
 Entry points: ``train(config, out_dir, resume=False)`` (what ``train.py`` runs),
 ``load_config(path, overrides)``, ``load_trained_model(run_dir) -> (GRModel, TrainConfig)``.
