@@ -11,13 +11,19 @@ A request scores N candidates for a user with L history tokens. Modes:
 The model is the ML-1M shape scaled up (hidden 256, 4 layers, 2 heads of 128), exported with
 ``gr.export`` and served by ``gr.serving.Ranker`` (sparse -> ONNX Runtime -> HSTU -> ONNX Runtime).
 
-Two more sections:
+Three more sections:
   streaming: one user streams ``--stream-actions`` actions, one request (``--stream-candidates``
       candidates) per action, at max_seq_len ``--stream-max-len``: HSTU tokens encoded per request
       and p50 latency with ``--eviction-block`` against eviction by one token (the old path);
   batching: ``--batch-users`` users with histories of ``--batch-history`` and ``--batch-candidates``
       candidates each, caches warm: ``Ranker.rank_batch`` (users packed into shared passes) against a
-      loop of ``rank``, and the batched path's FLOP rate as a fraction of the in-run matmul peak.
+      loop of ``rank``, and the batched path's FLOP rate as a fraction of the in-run matmul peak;
+  retrieval: ``--retrieval-users`` users with histories of ``--retrieval-history`` ask a retrieval
+      export (the same HSTU, queries at the next event, the paper recipes' setting) for their top
+      ``--retrieval-k`` items: a loop of ``recommend`` against ``recommend_batch`` (shared HSTU passes,
+      one postfix run, one matrix product against the exact index), with warm user caches (the
+      last action settled at the request's time) and cold ones (every history encoded); the answers
+      are checked equal.
 
 FLOP bound of (a)/(c): per layer, a token costs its projections (2*D*H*(2*Dl+2*Da) + 2*H*Dl*D)
 and a visible (query, key) pair costs 2*H*(Da+Dl). (a) = N * [(L+1) tokens + L(L+1)/2 + (L+1) pairs];
@@ -26,7 +32,7 @@ and a visible (query, key) pair costs 2*H*(Da+Dl). (a) = N * [(L+1) tokens + L(L
 Run: ``.venv/bin/python bench/serving.py [--clock thread]`` (a few minutes on 2 cores). ``--clock
 thread`` runs on one thread and reports its CPU time: use it when other processes share the
 machine. ``--smoke``: tiny sizes. Last line: one JSON object with keys bench, clock,
-load_average_1min, model, cache_bytes_per_token, ratios, streaming, batching.
+load_average_1min, model, cache_bytes_per_token, ratios, streaming, batching, retrieval.
 """
 
 from __future__ import annotations
@@ -51,15 +57,16 @@ from _peak import matmul_peak  # noqa: E402
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.export import export_model
 from gr.hstu.cache import cache_bytes_per_token
-from gr.postfix_dnn import MMoERankingHead
+from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
-from gr.serving import Ranker
+from gr.serving import Ranker, RecommendRequest
 
 NUM_ITEMS = 3706  # ML-1M items
 USER = "bench-user"
 
 
-def build_model(max_len: int, eviction_block: int = 1) -> GRModel:
+def build_model(max_len: int, eviction_block: int = 1, retrieval: bool = False) -> GRModel:
+    """The ranking model; retrieval: a retrieval head instead, queries at the next event."""
     config = HSTUConfig(
         hidden_dim=256,
         num_layers=4,
@@ -70,10 +77,14 @@ def build_model(max_len: int, eviction_block: int = 1) -> GRModel:
         dropout=0.0,
         input_dropout=0.0,
         eviction_block=eviction_block,
+        query_time="next_event" if retrieval else "token",
     )
     tables = [TableConfig("item", NUM_ITEMS, 256, ("item_id",), init_std=0.05)]
     prefix = MLPTokenEncoder({"item_id": 256}, 256)
-    postfix = MMoERankingHead(256, ["watch", "like"], num_experts=4, expert_dims=(128,), tower_dims=(64,))
+    if retrieval:
+        postfix = RetrievalHead(256, 256)
+    else:
+        postfix = MMoERankingHead(256, ["watch", "like"], num_experts=4, expert_dims=(128,), tower_dims=(64,))
     return GRModel(config, prefix, postfix, tables).eval()
 
 
@@ -131,7 +142,14 @@ def main() -> None:
     parser.add_argument("--batch-users", type=int, default=64)
     parser.add_argument("--batch-history", type=int, default=1024)
     parser.add_argument("--batch-candidates", type=int, nargs="+", default=[512, 16])
-    parser.add_argument("--sections", default="main,streaming,batching", help="which of main, streaming, batching")
+    parser.add_argument("--retrieval-users", type=int, default=64)
+    parser.add_argument("--retrieval-history", type=int, default=200)
+    parser.add_argument("--retrieval-k", type=int, default=10)
+    parser.add_argument(
+        "--sections",
+        default="main,streaming,batching,retrieval",
+        help="which of main, streaming, batching, retrieval",
+    )
     args, _ = smoke.parse_args(
         parser,
         {
@@ -148,6 +166,9 @@ def main() -> None:
             "batch_users": 3,
             "batch_history": 16,
             "batch_candidates": [8],
+            "retrieval_users": 3,
+            "retrieval_history": 16,
+            "retrieval_k": 2,
         },
     )
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
@@ -210,6 +231,8 @@ def main() -> None:
         summary["streaming"] = streaming(args, clock)
     if "batching" in sections:
         summary["batching"] = batching(args, clock)
+    if "retrieval" in sections:
+        summary["retrieval"] = retrieval_batching(args, clock)
     summary["load_average_1min"]["end"] = round(os.getloadavg()[0], 2)
     if key in rows:
         row = rows[key]
@@ -321,17 +344,20 @@ def streaming(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str,
 def count_encoded_tokens(ranker: Ranker) -> List[int]:
     """Per request, the history tokens the HSTU engine runs (encode and extend; candidates excluded)."""
     engine, counts = ranker.model.engine, []
-    encode, extend = engine.encode, engine.extend
+    encode, extend = engine.encode_batch, engine.extend_batch
 
-    def counted_encode(x, timestamps):
-        counts.append(int(x.shape[0]))
-        return encode(x, timestamps)
+    def counted_encode(xs, timestamps):
+        if xs:
+            counts.append(sum(int(x.shape[0]) for x in xs))
+        return encode(xs, timestamps)
 
-    def counted_extend(cache, x, timestamps):
-        counts.append(int(x.shape[0]) + (0 if cache.pending is None else int(cache.pending.shape[0])))
-        return extend(cache, x, timestamps)
+    def counted_extend(caches, xs, timestamps):
+        if xs:
+            pending = sum(0 if c.pending is None else int(c.pending.shape[0]) for c in caches)
+            counts.append(sum(int(x.shape[0]) for x in xs) + pending)
+        return extend(caches, xs, timestamps)
 
-    engine.encode, engine.extend = counted_encode, counted_extend
+    engine.encode_batch, engine.extend_batch = counted_encode, counted_extend
     original_rank = ranker.rank
 
     def rank(*a, **k):
@@ -381,6 +407,33 @@ def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, 
                 "batched_fraction_of_peak": flops / batched / 1e9 / peak,
             }
             print(f"batching N={n}: {out[f'N{n}']}", flush=True)
+    return out
+
+
+def retrieval_batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, object]:
+    """The same recommend requests by a loop of ``recommend`` and by ``recommend_batch``, with warm
+    and with cold user caches; the loop's and the batch's answers must agree."""
+    rng = np.random.default_rng(3)
+    users, length, k = args.retrieval_users, args.retrieval_history, args.retrieval_k
+    out: Dict[str, object] = {"users": users, "history": length, "k": k, "index": "exact"}
+    with tempfile.TemporaryDirectory() as tmp:
+        ranker = Ranker.load(
+            export_model(build_model(length, retrieval=True), Path(tmp) / "e"),
+            cache_bytes=2**33,
+            threads=1 if args.clock == "thread" else None,
+        )
+        requests = [
+            RecommendRequest(f"u{u}", request_tokens(rng, length, 0), k, request_time=10**8 + 60) for u in range(users)
+        ]
+        batched = ranker.recommend_batch(requests)  # builds the catalogue and warms every cache
+        loop = [ranker.recommend(r) for r in requests]
+        assert [b.items for b in batched] == [r.items for r in loop], "the batch must answer as the loop"
+        for name, before in (("warm", lambda: None), ("cold", ranker.cache.invalidate)):
+            loop_s = best_time(clock, lambda: [ranker.recommend(r) for r in requests], args.repeats, before)
+            batch_s = best_time(clock, lambda: ranker.recommend_batch(requests), args.repeats, before)
+            out[name] = {"loop_s": loop_s, "batched_s": batch_s, "speedup": loop_s / batch_s}
+            print(f"retrieval {name}: {out[name]}", flush=True)
+    out["target_2x_met"] = {name: out[name]["speedup"] >= 2.0 for name in ("warm", "cold")}
     return out
 
 

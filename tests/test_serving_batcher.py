@@ -10,7 +10,7 @@ import pytest
 
 from gr.export import export_model
 from gr.serving import Ranker, RankRequest, RequestError
-from gr.serving.batcher import BatcherDied, RankBatcher
+from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import ScoringError
 from helpers.models import (
     DENSE_DIMS,
@@ -41,7 +41,7 @@ def concurrently(batcher, requests):
 def test_concurrent_requests_run_as_one_batch_and_score_as_if_alone(served):
     path, requests = served
     want = [Ranker.load(path).rank_request(r) for r in requests]
-    batcher = RankBatcher(Ranker.load(path, micro_batch=8), window_ms=200)
+    batcher = RequestBatcher(Ranker.load(path, micro_batch=8), window_ms=200)
     got = concurrently(batcher, requests)
     assert max(batcher.batch_sizes) > 1 and sum(batcher.batch_sizes) == len(requests)
     for g, w in zip(got, want):
@@ -52,7 +52,7 @@ def test_concurrent_requests_run_as_one_batch_and_score_as_if_alone(served):
 def test_a_bad_request_fails_alone_and_the_rest_of_its_batch_is_answered(served):
     path, requests = served
     bad = RankRequest(**{**vars(requests[1]), "candidates": {k: v[:0] for k, v in requests[1].candidates.items()}})
-    batcher = RankBatcher(Ranker.load(path), window_ms=200, max_batch=3)
+    batcher = RequestBatcher(Ranker.load(path), window_ms=200, max_batch=3)
     got = concurrently(batcher, [requests[0], bad, requests[2]])
     assert batcher.batch_sizes == [2], "the bad request is refused in its own thread and never joins"
     assert isinstance(got[1], RequestError) and "candidates" in str(got[1])
@@ -73,7 +73,7 @@ def test_non_finite_scores_fail_only_the_request_that_produces_them(served, monk
         return heads(hidden, commons, rows)
 
     monkeypatch.setattr(ranker.model, "heads_batch", poisoned)
-    batcher = RankBatcher(ranker, window_ms=200, max_batch=3)
+    batcher = RequestBatcher(ranker, window_ms=200, max_batch=3)
     got = concurrently(batcher, requests[:3])
     assert isinstance(got[1], ScoringError)
     assert all(np.isfinite(v).all() for g in (got[0], got[2]) for v in g.scores.values())
@@ -81,7 +81,7 @@ def test_non_finite_scores_fail_only_the_request_that_produces_them(served, monk
 
 def test_a_lone_request_runs_at_once_and_arrivals_during_a_batch_form_the_next(served):
     path, requests = served
-    batcher = RankBatcher(Ranker.load(path))  # no window: continuous batching
+    batcher = RequestBatcher(Ranker.load(path))  # no window: continuous batching
     assert batcher.rank(requests[0]).scores and batcher.batch_sizes == [1]
     got = concurrently(batcher, requests)
     assert all(not isinstance(g, Exception) for g in got) and sum(batcher.batch_sizes) == 1 + len(requests)
@@ -89,9 +89,9 @@ def test_a_lone_request_runs_at_once_and_arrivals_during_a_batch_form_the_next(s
 
 def test_window_and_batch_size_are_checked():
     with pytest.raises(ValueError, match="window_ms"):
-        RankBatcher(None, window_ms=-1)
+        RequestBatcher(None, window_ms=-1)
     with pytest.raises(ValueError, match="max_batch"):
-        RankBatcher(None, max_batch=0)
+        RequestBatcher(None, max_batch=0)
 
 
 def test_an_empty_retrieval_history_is_refused_before_it_can_fail_its_batch_mates(tmp_path):
@@ -100,7 +100,7 @@ def test_an_empty_retrieval_history_is_refused_before_it_can_fail_its_batch_mate
         RankRequest(f"u{i}", {"item_id": [1, 2, 3 + i], "timestamps": [1, 2, 3]}, {"item_id": [5, 6]}) for i in range(3)
     ]
     empty = RankRequest("e", {"item_id": [], "timestamps": []}, {"item_id": [5]})
-    batcher = RankBatcher(Ranker.load(path), window_ms=200)
+    batcher = RequestBatcher(Ranker.load(path), window_ms=200)
     got = concurrently(batcher, [good[0], empty, good[1], empty, good[2]])
     assert all(isinstance(got[i], RequestError) and "history: empty" in str(got[i]) for i in (1, 3))
     assert all(not isinstance(got[i], Exception) for i in (0, 2, 4)) and sum(batcher.batch_sizes) == 3
@@ -117,7 +117,7 @@ def test_any_error_that_breaks_a_batch_fails_only_the_request_that_causes_it(ser
         return rank_prepared(prepared, **options)
 
     monkeypatch.setattr(ranker, "rank_prepared", breaks_on_nine_candidates)
-    batcher = RankBatcher(ranker, window_ms=200, max_batch=3)
+    batcher = RequestBatcher(ranker, window_ms=200, max_batch=3)
     got = concurrently(batcher, requests[:3])
     assert isinstance(got[1], IndexError) and batcher.batch_sizes == [3]
     assert all(not isinstance(g, Exception) for g in (got[0], got[2]))
@@ -132,10 +132,10 @@ def test_a_dead_worker_fails_waiting_and_later_requests_at_once_and_reports_its_
         entered.set()
         raise KeyboardInterrupt  # a BaseException: nothing in _run may swallow it
 
-    monkeypatch.setattr(RankBatcher, "_run", dies)
-    batcher = RankBatcher(Ranker.load(path), window_ms=100, on_death=deaths.append)
+    monkeypatch.setattr(RequestBatcher, "_run", dies)
+    batcher = RequestBatcher(Ranker.load(path), window_ms=100, on_death=deaths.append)
     got = concurrently(batcher, requests[:3])
     assert entered.is_set() and all(isinstance(g, BatcherDied) for g in got)
-    with pytest.raises(BatcherDied, match="the rank batcher stopped"):
+    with pytest.raises(BatcherDied, match="the request batcher stopped"):
         batcher.rank(requests[0])
     assert len(deaths) == 1 and isinstance(deaths[0], KeyboardInterrupt)

@@ -151,3 +151,39 @@ def test_next_event_query_time_keeps_the_last_history_token_pending_until_the_re
                 cache, x[history : history + 1], cands_ts[:1], torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool)
             )
     assert not torch.allclose(scores[REQUEST_TIME], scores[REQUEST_TIME + 10**6], atol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_encoding_and_extending_users_in_one_pass_equals_one_user_at_a_time(case):
+    """Histories of 0..30 tokens (1 and 0: nothing, or only a pending token, to run) encoded together,
+    then extended together by 0..4 tokens: caches and outputs as user by user."""
+    engine = make_engine(**case)
+    lengths, added = [30, 1, 0, 12, 5], [4, 2, 0, 1, 3]
+    users = [tokens(n + k, 0, seed=s) for s, (n, k) in enumerate(zip(lengths, added))]
+    encoded = engine.encode_batch(
+        [x[:n] for (x, _), n in zip(users, lengths)], [t[:n] for (_, t), n in zip(users, lengths)]
+    )
+    grown = [
+        engine.extend_batch([cache], [x[n:]], [t[n:]]) if engine.can_extend(cache) else None
+        for (cache, _), (x, t), n in zip(encoded, users, lengths)
+    ]
+    extendable = [b for b, g in enumerate(grown) if g is not None]
+    together = engine.extend_batch(
+        [encoded[b][0] for b in extendable],
+        [users[b][0][lengths[b] :] for b in extendable],
+        [users[b][1][lengths[b] :] for b in extendable],
+    )
+    for b, (x, t) in enumerate(users):
+        alone = engine.encode(x[: lengths[b]], t[: lengths[b]])
+        cache, hidden = encoded[b]
+        if lengths[b]:
+            want = one_pass(engine, x[: lengths[b]], t[: lengths[b]], lengths[b], rows="history")
+            torch.testing.assert_close(hidden, want[: cache.committed], rtol=0, atol=1e-5)
+        for got, ref in zip((*cache.keys, *cache.values), (*alone.keys, *alone.values)):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    for (cache, hidden), b in zip(together, extendable):
+        ((one_cache, one_hidden),) = grown[b]
+        assert cache.length == one_cache.length == lengths[b] + added[b]
+        torch.testing.assert_close(hidden, one_hidden, rtol=0, atol=1e-5)
+        for got, ref in zip((*cache.keys, *cache.values), (*one_cache.keys, *one_cache.values)):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

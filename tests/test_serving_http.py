@@ -5,6 +5,9 @@ hurting anyone else, metrics move, readiness means warmed up, a reload under tra
 models in one answer, and hash-on-user-id routing keeps a user's cache warm on its replica."""
 
 import json
+import os
+import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +20,7 @@ import torch
 from gr.export import export_model
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
 from gr.serving.__main__ import main as serving_main
-from gr.serving.batcher import RankBatcher
+from gr.serving.batcher import RequestBatcher
 from gr.serving.http import EXIT_BATCHER_DIED, create_app
 from gr.serving.limits import RequestLimits
 from helpers.models import (
@@ -355,6 +358,21 @@ def test_history_timestamps_may_be_negative_or_equal_but_not_out_of_order(app_se
     assert status == 400 and "out of order: [1] = 4 is earlier than [0] = 5" in answer["detail"]
 
 
+def post_chunks_past(port: int, path: str, body: bytes, limit: int):
+    """POST ``body`` without a Content-Length, in 4 KiB chunks, stopping once more than ``limit``
+    bytes are sent (the body never ends: a server waiting for all of it would never answer)
+    -> (status, JSON answer). Nothing sent stays unread, so the server's close cannot reset the
+    connection before its answer is read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        for start in range(0, limit + 1, 4096):
+            chunk = body[start : start + 4096]
+            conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        response = b"".join(iter(lambda: conn.recv(65536), b""))
+    head, _, payload = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
 def test_requests_past_a_limit_are_refused_naming_the_limit_and_its_flag(app_servers):
     server = app_servers["batched"]
     for endpoint, body, field, flag in OVER_LIMITS:
@@ -365,8 +383,7 @@ def test_requests_past_a_limit_are_refused_naming_the_limit_and_its_flag(app_ser
     assert len(big) > LIMITS.max_body_bytes
     status, answer = server.call("POST", "/v1/rank", raw=big)
     assert status == 413 and answer["error"] == "body_too_large" and "--max-body-bytes" in answer["detail"]
-    chunked = iter([big[i : i + 4096] for i in range(0, len(big), 4096)])  # no Content-Length: read in chunks
-    status, answer = server.call("POST", "/v1/rank", raw=chunked)
+    status, answer = post_chunks_past(server.port, "/v1/rank", big, LIMITS.max_body_bytes)
     assert status == 413 and answer["error"] == "body_too_large"
     assert server.call("POST", "/v1/rank", GOOD_RANK)[0] == 200
 
@@ -411,7 +428,7 @@ def test_a_dead_batcher_fails_fast_turns_not_ready_and_ends_the_process(exports,
     def dies(self, batch):
         raise SystemExit("the worker thread ends")  # not an Exception: _run lets it through
 
-    monkeypatch.setattr(RankBatcher, "_run", dies)
+    monkeypatch.setattr(RequestBatcher, "_run", dies)
     fatal = []
     with AppServer(create_app(Ranker.load(exports["first"]), warm_up=False, on_fatal=fatal.append)) as server:
         for _ in range(2):  # the request in flight, then a later one: both answered at once
@@ -429,6 +446,60 @@ def test_reload_is_refused_when_it_could_swap_only_one_of_several_workers(export
         status, answer = server.call("POST", "/admin/reload", {"export_dir": str(exports["second"])}, headers=auth)
         assert status == 409 and answer["error"] == "reload_unsupported" and "2 worker processes" in answer["detail"]
         assert server.call("GET", "/readyz")[1]["model_version"] == 0
+
+
+def worker_pids(server: Server) -> list:
+    """The server's uvicorn worker processes (its children, multiprocessing's resource tracker aside)."""
+    pid = server.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def wait_for(condition, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_metrics_add_up_over_two_workers_and_a_dead_workers_gauges_are_dropped(exports):
+    server = Server(exports["first"], "--workers", "2")
+    try:
+
+        def scrape() -> str:
+            return server.call("GET", "/metrics")[1]
+
+        wait_for(lambda: metric(scrape(), "gr_workers") == 2)
+        for i in range(12):
+            assert server.call("POST", "/v1/recommend", {"user_id": f"m{i}", "history": HISTORY, "k": 2})[0] == 200
+        # whichever worker answers the scrape, it counts every worker's requests
+        assert [metric(scrape(), "gr_requests_total", endpoint="recommend") for _ in range(6)] == [12] * 6
+        assert metric(scrape(), "gr_cache_bytes") > 0 and metric(scrape(), "gr_model_version") == 0
+        killed = worker_pids(server)[0]
+        directory = Path(
+            next(
+                v.split(b"=", 1)[1].decode()
+                for v in Path(f"/proc/{killed}/environ").read_bytes().split(b"\0")
+                if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")
+            )
+        )
+        os.kill(killed, signal.SIGKILL)  # uvicorn starts another worker in its place
+
+        def replaced() -> bool:
+            pids = worker_pids(server)
+            return (
+                len(pids) == 2
+                and killed not in pids
+                and all((directory / f"gauge_livesum_{p}.db").exists() for p in pids)
+            )
+
+        wait_for(replaced)
+        text = scrape()
+        assert metric(text, "gr_workers") == 2 and not list(directory.glob(f"gauge_live*_{killed}.db"))
+        assert metric(text, "gr_requests_total", endpoint="recommend") == 12  # the dead worker's counts are kept
+    finally:
+        server.stop()
+    assert not directory.exists()  # the server's metrics directory goes with it
 
 
 def rss_peak_kb(pid: int) -> int:

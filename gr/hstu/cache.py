@@ -13,7 +13,8 @@ stays *pending* in the cache (only its input is kept) until the next event arriv
 
 Attention runs through ``gr.hstu.kernels.hstu_cached_attention`` (the layer's backend), so
 serving reaches the same CPU fast path, Triton and Ascend kernels as training. Several users'
-caches run in one pass (``score_batch``, ``commit_batch``). The engine runs where the HSTU's
+histories and caches run in one pass (``encode_batch``, ``extend_batch``, ``score_batch``,
+``commit_batch``). The engine runs where the HSTU's
 parameters are (``CachedHSTU.device``): new tokens and timestamps are moved there, and every
 cache tensor lives there. Imports only torch, gr.hstu and gr.jagged: the serving runtime uses it
 without the training code.
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from gr.hstu.config import HSTUConfig
+from gr.hstu.kernels import AttentionWorkspace
 from gr.hstu.kernels.cached_common import default_positions
 from gr.hstu.stack import HSTU
 from gr.jagged import offsets_from_lengths
@@ -104,44 +106,99 @@ class CachedHSTU:
     def encode(self, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
         """x: [L, D] float PrefixDNN output of the history; timestamps: [L] int64 -> cache
         (the last token pending when the engine ``defers_last``)."""
-        x = x.to(self.device)
-        length = self._check_tokens(x, timestamps, start=0)
-        ts = self._timestamps(timestamps, length, x.device)
-        committed = length - 1 if self.defers_last and length else length
-        keys, values = [], []
-        if committed:
-            positions = torch.arange(committed, device=x.device)
-            h = self.hstu.embed(x[:committed], positions)
-            offsets = torch.tensor([0, committed], device=x.device)
-            query_ts = ts[1:] if self.defers_last else None
+        return self.encode_batch([x], [timestamps])[0][0]
+
+    @torch.inference_mode()
+    def encode_batch(
+        self, xs: Sequence[Tensor], timestamps: Sequence[Optional[Tensor]]
+    ) -> List[Tuple[HistoryCache, Tensor]]:
+        """``encode`` of several users' histories, all in one jagged pass.
+
+        xs[b]: [L_b, D] float; timestamps[b]: [L_b] int64 or None
+        -> per user (its cache, the HSTU outputs of its committed tokens [C_b, D])"""
+        xs = [x.to(self.device) for x in xs]
+        lengths = [self._check_tokens(x, t, start=0) for x, t in zip(xs, timestamps)]
+        ts = [self._timestamps(t, n, self.device) for t, n in zip(timestamps, lengths)]
+        committed = [n - 1 if self.defers_last and n else n for n in lengths]
+        run = [b for b, c in enumerate(committed) if c]  # users with tokens to encode
+        offsets = offsets_from_lengths(torch.tensor([committed[b] for b in run], dtype=torch.long))
+        starts = dict(zip(run, offsets.tolist()))
+        keys: List[Tensor] = []
+        values: List[Tensor] = []
+        if run:
+            x = torch.cat([xs[b][: committed[b]] for b in run])
+            offsets = offsets.to(x.device)
+            positions = torch.cat([torch.arange(committed[b], device=x.device) for b in run])
+            flat_ts = torch.cat([ts[b][: committed[b]] for b in run])
+            query_ts = torch.cat([ts[b][1 : committed[b] + 1] for b in run]) if self.defers_last else None
+            workspace = AttentionWorkspace(offsets)
+            hidden = self.hstu.embed(x, positions)
+            longest = max(committed[b] for b in run)
             for layer in self.hstu.layers:
-                u, q, k, v = layer.project(h)
-                attn = layer.attend(q, k, v, offsets, committed, ts[:committed], query_times=query_ts)
-                h = layer.combine(h, attn, u)
-                keys.append(k.transpose(0, 1).contiguous())
-                values.append(v.transpose(0, 1).contiguous())
-        else:
-            keys, values = self._empty_kv(x)
-        return HistoryCache(tuple(keys), tuple(values), ts, x[committed:] if committed < length else None)
+                u, q, k, v = layer.project(hidden)
+                attn = layer.attend(q, k, v, offsets, longest, flat_ts, query_times=query_ts, workspace=workspace)
+                hidden = layer.combine(hidden, attn, u)
+                keys.append(k.transpose(0, 1))
+                values.append(v.transpose(0, 1))
+        out = []
+        for b, x in enumerate(xs):
+            if b in starts:
+                rows = slice(starts[b], starts[b] + committed[b])
+                cached_k = tuple(k[:, rows].contiguous() for k in keys)
+                cached_v = tuple(v[:, rows].contiguous() for v in values)
+                outputs = hidden[rows]
+            else:
+                cached_k, cached_v = (tuple(kv) for kv in self._empty_kv(x))
+                outputs = x.new_zeros(0, self.config.hidden_dim)
+            pending = x[committed[b] :] if committed[b] < lengths[b] else None
+            out.append((HistoryCache(cached_k, cached_v, ts[b], pending), outputs))
+        return out
 
     @torch.inference_mode()
     def extend(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
         """Append n history tokens, computing only them (and the pending one, whose next event
         they bring). x: [n, D] float; timestamps: [n] int64."""
-        if not self.can_extend(cache):
-            raise ValueError(
-                f"HSTU cache: a history of {cache.length} tokens is shorter than HSTUConfig.contextual_len "
-                f"{self.config.contextual_len}; encode the whole history instead"
-            )
-        x = x.to(self.device)
-        n = self._check_tokens(x, timestamps, start=cache.length)
-        if n == 0:
-            return cache
-        tokens = x if cache.pending is None else torch.cat([cache.pending, x])
-        ts = torch.cat([cache.timestamps, self._timestamps(timestamps, n, x.device)])
-        run = tokens.shape[0] - 1 if self.defers_last else tokens.shape[0]
-        ((committed, _),) = self.commit_batch([cache], [tokens[:run]], [ts[cache.committed :]])
-        return HistoryCache(committed.keys, committed.values, ts, tokens[run:] if run < tokens.shape[0] else None)
+        return self.extend_batch([cache], [x], [timestamps])[0][0]
+
+    @torch.inference_mode()
+    def extend_batch(
+        self, caches: Sequence[HistoryCache], xs: Sequence[Tensor], timestamps: Sequence[Optional[Tensor]]
+    ) -> List[Tuple[HistoryCache, Tensor]]:
+        """``extend`` of several users' caches, their new tokens in one pass.
+
+        xs[b]: [n_b, D] float; timestamps[b]: [n_b] int64 or None
+        -> per user (the extended cache, the HSTU outputs of the tokens it commits [c_b, D])"""
+        for cache in caches:
+            if not self.can_extend(cache):
+                raise ValueError(
+                    f"HSTU cache: a history of {cache.length} tokens is shorter than HSTUConfig.contextual_len "
+                    f"{self.config.contextual_len}; encode the whole history instead"
+                )
+        tokens, times, runs, new = [], [], [], []
+        for cache, x, t in zip(caches, xs, timestamps):
+            x = x.to(self.device)
+            new.append(self._check_tokens(x, t, start=cache.length))
+            tokens.append(x if cache.pending is None else torch.cat([cache.pending, x]))
+            times.append(torch.cat([cache.timestamps, self._timestamps(t, new[-1], x.device)]))
+            # the tokens to commit: all, or all but the last when it waits for its next event
+            runs.append(0 if new[-1] == 0 else tokens[-1].shape[0] - int(self.defers_last))
+        run = [b for b, r in enumerate(runs) if r]
+        committed = self.commit_batch(
+            [caches[b] for b in run],
+            [tokens[b][: runs[b]] for b in run],
+            [times[b][caches[b].committed :] for b in run],
+        )
+        done = dict(zip(run, committed))
+        out = []
+        for b, cache in enumerate(caches):
+            if b not in done:  # no new token, or one that waits for its next event: nothing to run
+                grown = cache if new[b] == 0 else HistoryCache(cache.keys, cache.values, times[b], tokens[b])
+                out.append((grown, tokens[b].new_zeros(0, self.config.hidden_dim)))
+                continue
+            grown, hidden = done[b]
+            pending = tokens[b][runs[b] :] if runs[b] < tokens[b].shape[0] else None
+            out.append((HistoryCache(grown.keys, grown.values, times[b], pending), hidden))
+        return out
 
     @torch.inference_mode()
     def settle(self, cache: HistoryCache, request_time: Optional[int]) -> Tuple[HistoryCache, Tensor]:

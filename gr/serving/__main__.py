@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -27,6 +29,7 @@ from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES
 from gr.serving.limits import DEFAULT_LIMITS, DESCRIPTIONS, flag
+from gr.serving.metrics import MULTIPROC_ENV
 from gr.serving.model import check_device
 from gr.serving.request import GenerateRequest, RankRequest
 from gr.serving.runtime import (
@@ -202,6 +205,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    if args.workers > 1:  # every worker writes its metrics here, and /metrics adds them up (gr.serving.metrics)
+        metrics_dir = tempfile.mkdtemp(prefix="gr-metrics-")
+        os.environ[MULTIPROC_ENV] = metrics_dir
     os.environ[OPTIONS_ENV] = json.dumps(
         {
             "export_dir": str(args.export_dir.resolve()),
@@ -231,6 +237,9 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, SystemExit) as exc:
         print(f"serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if args.workers > 1:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 

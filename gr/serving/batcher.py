@@ -1,12 +1,15 @@
-"""Rank requests in flight together run as one batch (``Ranker.rank_prepared``).
+"""Rank and recommend requests in flight together run as one batch (``Ranker.rank_prepared``,
+``Ranker.recommend_prepared``).
 
-The HTTP server's handler threads hand their rank requests to a ``RankBatcher``. Each request is
-validated in its caller's thread (``Ranker.prepare_rank``) before it joins a batch, so a bad
-request fails alone, with its own error, and never reaches its batch-mates. The one worker thread
-runs the batches: every request that arrived while the previous batch ran (up to ``max_batch``)
-forms the next batch, so an idle server answers a lone request at once and a busy one packs
-users into shared HSTU passes and one postfix run (continuous batching). ``window_ms`` > 0 makes
-the worker wait that long after the first request of a batch for others to join.
+The HTTP server's handler threads hand their rank and recommend requests to a ``RequestBatcher``.
+Each request is validated in its caller's thread (``Ranker.prepare_rank``,
+``Ranker.prepare_recommend``) before it joins a batch, so a bad request fails alone, with its own
+error, and never reaches its batch-mates. The one worker thread runs the batches: every request
+that arrived while the previous batch ran (up to ``max_batch``) forms the next batch, so an idle
+server answers a lone request at once and a busy one packs users into shared HSTU passes, one
+postfix run and (recommend) one catalogue search per kind of request (continuous batching).
+``window_ms`` > 0 makes the worker wait that long after the first request of a batch for others
+to join.
 
 A batch that fails in any way (non-finite scores, or any other exception) is re-run one request
 at a time, so only the request that causes the failure reports it. Should the worker thread
@@ -20,22 +23,25 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
-from gr.serving.request import RankRequest
-from gr.serving.runtime import PreparedRank, Ranker, RankResult
+from gr.serving.request import RankRequest, RecommendRequest
+from gr.serving.runtime import PreparedRank, PreparedRecommend, Ranker, RankResult, RecommendResult
+
+Prepared = Union[PreparedRank, PreparedRecommend]
 
 log = logging.getLogger(__name__)
 
 
 class BatcherDied(RuntimeError):
-    """The batcher's worker thread is gone: no rank request can be answered by this process."""
+    """The batcher's worker thread is gone: no batched request can be answered by this process."""
 
 
-class RankBatcher:
-    """Batches concurrent ``rank`` calls on one worker thread. window_ms: how long the worker waits
-    after a batch's first request for company (0: no wait); max_batch: requests per batch at most;
-    on_death: called with the exception that ended the worker thread (never called otherwise)."""
+class RequestBatcher:
+    """Batches concurrent ``rank`` and ``recommend`` calls on one worker thread. window_ms: how long
+    the worker waits after a batch's first request for company (0: no wait); max_batch: requests per
+    batch at most; on_death: called with the exception that ended the worker thread (never called
+    otherwise)."""
 
     def __init__(
         self,
@@ -45,29 +51,35 @@ class RankBatcher:
         on_death: Optional[Callable[[BaseException], None]] = None,
     ) -> None:
         if window_ms < 0 or max_batch < 1:
-            raise ValueError(f"RankBatcher: window_ms must be >= 0 and max_batch >= 1, got {window_ms}, {max_batch}")
+            raise ValueError(f"RequestBatcher: window_ms must be >= 0 and max_batch >= 1, got {window_ms}, {max_batch}")
         self.ranker, self.window_s, self.max_batch = ranker, window_ms / 1e3, max_batch
         self.on_death = on_death
         self.batch_sizes: List[int] = []  # of every batch run, for metrics and tests
         self.death: Optional[BaseException] = None  # what ended the worker thread, if it ended
-        self._waiting: List[Tuple[PreparedRank, Future]] = []
+        self._waiting: List[Tuple[Prepared, Future]] = []
         self._arrived = threading.Condition()
-        threading.Thread(target=self._serve_forever, name="gr-rank-batcher", daemon=True).start()
+        threading.Thread(target=self._serve_forever, name="gr-request-batcher", daemon=True).start()
 
     def rank(self, request: RankRequest) -> RankResult:
         """Validate ``request`` here (its RequestError is raised to this caller alone), rank it in
         the next batch; blocks until its result (or raises its error)."""
-        prepared = self.ranker.prepare_rank(request)
+        return self._submit(self.ranker.prepare_rank(request))
+
+    def recommend(self, request: RecommendRequest) -> RecommendResult:
+        """``rank``'s contract for a recommend request."""
+        return self._submit(self.ranker.prepare_recommend(request))
+
+    def _submit(self, prepared: Prepared) -> Any:
         future: Future = Future()
         with self._arrived:
             if self.death is not None:
-                raise BatcherDied(f"the rank batcher stopped: {self.death!r}")
+                raise BatcherDied(f"the request batcher stopped: {self.death!r}")
             self._waiting.append((prepared, future))
             self._arrived.notify()
         return future.result()
 
     def _serve_forever(self) -> None:
-        batch: List[Tuple[PreparedRank, Future]] = []
+        batch: List[Tuple[Prepared, Future]] = []
         try:
             while True:
                 batch = self._next_batch()
@@ -75,7 +87,7 @@ class RankBatcher:
         except BaseException as exc:  # noqa: B036 - whatever ends the thread must reach the waiting callers
             self._die(exc, batch)
 
-    def _next_batch(self) -> List[Tuple[PreparedRank, Future]]:
+    def _next_batch(self) -> List[Tuple[Prepared, Future]]:
         with self._arrived:
             while not self._waiting:
                 self._arrived.wait()
@@ -85,33 +97,44 @@ class RankBatcher:
             batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
         return batch
 
-    def _run(self, batch: List[Tuple[PreparedRank, Future]]) -> None:
+    def _run(self, batch: List[Tuple[Prepared, Future]]) -> None:
         self.batch_sizes.append(len(batch))
-        try:
-            results = self.ranker.rank_prepared([p for p, _ in batch])
-        except Exception as exc:
-            if len(batch) == 1:
-                batch[0][1].set_exception(exc)
-                return
-            for p, future in batch:  # one at a time: only the request that fails reports it
-                _settle(future, lambda p=p: self.ranker.rank_prepared([p])[0])
-            return
-        for (_, future), result in zip(batch, results):
-            future.set_result(result)
+        for kind, run in (
+            (PreparedRank, lambda prepared: self.ranker.rank_prepared(prepared)),
+            (PreparedRecommend, lambda prepared: self.ranker.recommend_prepared(prepared)),
+        ):
+            group = [(p, future) for p, future in batch if isinstance(p, kind)]
+            if group:
+                _run_group(group, run)
 
-    def _die(self, exc: BaseException, running: List[Tuple[PreparedRank, Future]]) -> None:
-        log.critical("the rank batcher's worker thread stopped: %r", exc, exc_info=exc)
+    def _die(self, exc: BaseException, running: List[Tuple[Prepared, Future]]) -> None:
+        log.critical("the request batcher's worker thread stopped: %r", exc, exc_info=exc)
         with self._arrived:
             self.death = exc
             waiting, self._waiting = self._waiting, []
         for _, future in (*running, *waiting):
             if not future.done():
-                future.set_exception(BatcherDied(f"the rank batcher stopped: {exc!r}"))
+                future.set_exception(BatcherDied(f"the request batcher stopped: {exc!r}"))
         if self.on_death is not None:
             self.on_death(exc)
 
 
-def _settle(future: Future, run: Callable[[], RankResult]) -> None:
+def _run_group(group: List[Tuple[Prepared, Future]], run: Callable[[Sequence[Prepared]], List[Any]]) -> None:
+    """Run requests of one kind as a batch; if it fails, one at a time (only the request that fails reports it)."""
+    try:
+        results = run([p for p, _ in group])
+    except Exception as exc:
+        if len(group) == 1:
+            group[0][1].set_exception(exc)
+            return
+        for p, future in group:
+            _settle(future, lambda p=p: run([p])[0])
+        return
+    for (_, future), result in zip(group, results):
+        future.set_result(result)
+
+
+def _settle(future: Future, run: Callable[[], Any]) -> None:
     try:
         future.set_result(run())
     except Exception as exc:

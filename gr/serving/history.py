@@ -52,11 +52,14 @@ class History:
 
 @dataclass(frozen=True)
 class EncodedHistory:
-    """A History with the user's encoded history: cache_status "hit" | "extend" | "miss" | "off"."""
+    """A History with the user's encoded history: cache_status "hit" | "extend" | "miss" | "off"
+    ("off": encoded for this request alone, the user cache left as it was); last_hidden: [D] the
+    HSTU output at the last token when the engine does not defer it (see ``CachedUser``)."""
 
     history: History
-    cache: Optional[HistoryCache]
+    cache: HistoryCache
     cache_status: str
+    last_hidden: Optional[torch.Tensor] = None
 
 
 def fit(

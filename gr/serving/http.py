@@ -4,7 +4,8 @@ OpenAPI at /openapi.json and /docs.
 POST /v1/rank, /v1/recommend, /v1/generate take the request objects of ``gr.serving.request``
 (raw ids by default; ``"ids": "model"`` for table rows). GET /healthz (process alive),
 /readyz (200 once the model is loaded and warmed up: the fused kernels built and one request of
-each kind answered; 503 before, or once the process can no longer answer), /metrics (Prometheus).
+each kind answered; 503 before, or once the process can no longer answer), /metrics (Prometheus,
+added up over the server's worker processes: ``gr.serving.metrics``).
 POST /admin/reload {"export_dir": ...} loads and warms up the new model while the old one serves,
 then swaps it in; it answers 404 unless the server was given an admin token, 401 without
 ``Authorization: Bearer <token>``, and 409 when the server runs several worker processes (a
@@ -14,7 +15,7 @@ Errors are JSON ``{"error": name, "field": request field, "detail": message}``, 
 request alone: 400 ``bad_request`` (it touches no cache), 400 ``limit_exceeded`` and 413
 ``body_too_large`` (``gr.serving.limits``), 500 ``non_finite_score`` when the model outputs NaN or
 infinity, 500 ``internal`` for anything unexpected (logged with its traceback), 503
-``unavailable`` when the rank batcher has stopped (the process then exits, non-zero, for its
+``unavailable`` when the request batcher has stopped (the process then exits, non-zero, for its
 supervisor to restart it). Every error counts in ``gr_errors_total``.
 Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see README).
 """
@@ -35,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from gr.serving.batcher import BatcherDied, RankBatcher
+from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
 from gr.serving.limits import LimitError, flag, limits_from_options
 from gr.serving.metrics import ServerMetrics
@@ -54,7 +55,7 @@ from gr.timestamps import INT64_MAX, INT64_MIN
 
 RAW = "raw"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-EXIT_BATCHER_DIED = 70  # EX_SOFTWARE: the process cannot answer rank requests any more
+EXIT_BATCHER_DIED = 70  # EX_SOFTWARE: the process cannot answer rank or recommend requests any more
 EXIT_DELAY_S = 1.0  # lets the failed requests' answers leave before the process exits
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,8 @@ def create_app(
     exit_after_shutdown: bool = False,
 ) -> FastAPI:
     """The service over ``ranker`` (whose ``limits`` bound each request). admin_token: enables
-    POST /admin/reload for that bearer token; batching: concurrent rank requests run as batches
-    (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company; warm_up: /readyz
+    POST /admin/reload for that bearer token; batching: concurrent rank and recommend requests run
+    as batches (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company; warm_up: /readyz
     turns ready after ``Ranker.warm_up`` (run at start-up, in the background) instead of at once;
     workers: the server's worker processes (reload needs 1); on_fatal: called with the exit
     status when the process can no longer answer (default: exit after EXIT_DELAY_S);
@@ -180,6 +181,7 @@ def create_app(
         else:
             readiness.set("ready")
         yield
+        metrics.close()
         if exit_after_shutdown:
             exit_soon(0)
 
@@ -189,10 +191,10 @@ def create_app(
     max_body = ranker.limits.max_body_bytes
 
     def batcher_died(exc: BaseException) -> None:
-        readiness.set("failed", f"the rank batcher stopped: {exc!r}")
+        readiness.set("failed", f"the request batcher stopped: {exc!r}")
         on_fatal(EXIT_BATCHER_DIED)
 
-    rank_request = RankBatcher(ranker, batch_window_ms, on_death=batcher_died).rank if batching else ranker.rank_request
+    batcher = RequestBatcher(ranker, batch_window_ms, on_death=batcher_died) if batching else None
 
     async def call(endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
         metrics.requests.labels(endpoint).inc()
@@ -223,6 +225,7 @@ def create_app(
         if response.status_code >= 400:
             metrics.errors.labels(endpoint, str(response.status_code)).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+        metrics.refresh()
         return response
 
     @app.exception_handler(Exception)
@@ -232,11 +235,13 @@ def create_app(
 
     def rank(payload: Any) -> Dict[str, Any]:
         request = RankRequest.from_dict(payload, "body", default_ids=RAW)
-        return {"user_id": request.user_id, **rank_request(request).to_json()}
+        result = ranker.rank_request(request) if batcher is None else batcher.rank(request)
+        return {"user_id": request.user_id, **result.to_json()}
 
     def recommend(payload: Any) -> Dict[str, Any]:
         request = RecommendRequest.from_dict(payload, "body", default_ids=RAW)
-        return {"user_id": request.user_id, **ranker.recommend(request).to_json()}
+        result = ranker.recommend(request) if batcher is None else batcher.recommend(request)
+        return {"user_id": request.user_id, **result.to_json()}
 
     def generate(payload: Any) -> Dict[str, Any]:
         request = GenerateRequest.from_dict(payload, "body", default_ids=RAW)
@@ -322,6 +327,7 @@ def create_app(
             await run_in_threadpool(ranker.reload, Path(payload["export_dir"]))
         except Exception as exc:  # a bad export: the old model keeps serving
             return _error(400, "bad_export", f"body.export_dir: {exc}"[:2000], "body.export_dir")
+        metrics.refresh()
         return _json({"status": "reloaded", "model_version": ranker.cache.model_version})
 
     return app

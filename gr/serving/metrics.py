@@ -1,6 +1,20 @@
-"""Prometheus metrics of one server process, in their own registry (no global state)."""
+"""Prometheus metrics of a server, added up over its worker processes.
+
+One process (``serve --workers 1``, or an app built in a test): the metrics live in their own
+registry. Several (``serve --workers N``): ``serve`` creates a directory for the server, names it
+in ``PROMETHEUS_MULTIPROC_DIR`` before the workers start, and prometheus-client writes each
+worker's values there (its multiprocess mode); /metrics, whichever worker answers, reads them
+all: counters and histograms summed over every worker that ran (a restarted worker's counts are
+kept), gauges summed (cache bytes, workers) or the largest (model version) over the live workers.
+A worker that died is marked dead (its gauges dropped) at the next scrape; one that shuts down
+marks itself.
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
 
 from prometheus_client import (
     CollectorRegistry,
@@ -8,18 +22,23 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 from gr.serving.runtime import Ranker
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client when it is first imported
 
 
 class ServerMetrics:
     """Requests and errors by endpoint, latency histograms, cache hit/extend/miss counts, cache
-    bytes and the model version of ``ranker``."""
+    bytes, the model version of ``ranker`` and the live worker processes. ``refresh`` sets this
+    process's gauges (after each request and reload; a scrape reads the other workers' last values)."""
 
     def __init__(self, ranker: Ranker) -> None:
+        self.ranker = ranker
+        self.directory: Optional[str] = os.environ.get(MULTIPROC_ENV)  # None: one process
         self.registry = CollectorRegistry()
         self.requests = Counter("gr_requests", "Requests by endpoint", ["endpoint"], registry=self.registry)
         self.errors = Counter(
@@ -38,11 +57,56 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
-        cache_bytes = Gauge("gr_cache_bytes", "Bytes held by the user history cache", registry=self.registry)
-        cache_bytes.set_function(lambda: ranker.cache.nbytes)
-        version = Gauge("gr_model_version", "Model reloads since start (0: the first model)", registry=self.registry)
-        version.set_function(lambda: ranker.cache.model_version)
+        self.cache_bytes = Gauge(
+            "gr_cache_bytes",
+            "Bytes held by the user history caches of the live workers",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.model_version = Gauge(
+            "gr_model_version",
+            "Model reloads since start (0: the first model); the largest over the live workers",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        workers = Gauge("gr_workers", "Live worker processes", registry=self.registry, multiprocess_mode="livesum")
+        workers.set(1)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Set this process's cache bytes and model version."""
+        self.cache_bytes.set(self.ranker.cache.nbytes)
+        self.model_version.set(self.ranker.cache.model_version)
 
     def exposition(self) -> bytes:
-        """The Prometheus text format of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text format of every metric, over every worker."""
+        self.refresh()
+        if self.directory is None:
+            return generate_latest(self.registry)
+        mark_dead_workers(self.directory)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.directory)
+        return generate_latest(registry)
+
+    def close(self) -> None:
+        """This worker is shutting down: its gauges stop counting."""
+        if self.directory is not None:
+            multiprocess.mark_process_dead(os.getpid(), self.directory)
+
+
+def mark_dead_workers(directory: str) -> None:
+    """Drop the live gauges of every process that wrote to ``directory`` and is gone."""
+    pids = {int(path.stem.rsplit("_", 1)[1]) for path in Path(directory).glob("gauge_live*_*.db")}
+    for pid in pids:
+        if not _alive(pid):
+            multiprocess.mark_process_dead(pid, directory)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True

@@ -4,7 +4,10 @@ Per request: the history is validated (``Ranker.history``), then its tokens go s
 prefix_dnn -> HSTU once (or only the new ones, when the user's cached history is a prefix of
 the request's: ``Ranker.encode``). Ranking exports then run the candidates against the cached
 K/V (in micro-batches) -> postfix_dnn; retrieval exports score items against the query at the
-last history token. Imports no training code.
+last history token. Several requests run as one batch (``rank_batch``, ``recommend_batch``): the
+users' new history tokens in shared HSTU passes, their queries or candidates in shared passes
+and ONNX runs, recommend's catalogue search in one matrix product (or one batched index search);
+each answer equals the request's own. Imports no training code.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import torch
 from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
-from gr.generation.index import Exclusions
 from gr.hstu.cache import HistoryCache
 from gr.jagged import offsets_from_lengths
 from gr.serving import generate as generation
@@ -31,7 +33,6 @@ from gr.serving.history import (
     History,
     Tokens,
     fit,
-    last_token_state,
 )
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.model import ServingModel, check_finite
@@ -123,16 +124,19 @@ class RecommendResult:
 
 @dataclass(frozen=True)
 class CachedUser:
-    """A user-cache entry: the history tokens the cache was built from, its K/V, and the
-    model version that computed them."""
+    """A user-cache entry: the history tokens the cache was built from, its K/V, the model
+    version that computed them, and last_hidden: [D] the HSTU output at the last history token
+    (None when the engine defers it to the request's time, or the history is empty)."""
 
     tokens: Tokens
     history: HistoryCache
     model_version: int
+    last_hidden: Optional[Tensor] = None
 
     @property
     def nbytes(self) -> int:
-        return self.history.nbytes + sum(a.nbytes for a in self.tokens.values())
+        last = 0 if self.last_hidden is None else self.last_hidden.numel() * self.last_hidden.element_size()
+        return self.history.nbytes + sum(a.nbytes for a in self.tokens.values()) + last
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,16 @@ class PreparedRank:
     history: History
     candidates: Tokens
     request_time: int
+
+
+@dataclass(frozen=True)
+class PreparedRecommend:
+    """A validated recommend request: its history, time and the items it excludes ([s] int64)."""
+
+    request: RecommendRequest
+    history: History
+    request_time: int
+    excluded: np.ndarray
 
 
 class Ranker:
@@ -268,28 +282,85 @@ class Ranker:
     def encode(self, h: History, use_cache: bool = True) -> EncodedHistory:
         """The user's encoded history: reused, extended with the new tokens, or encoded (and stored).
 
-        Only a cache entry of ``h``'s model version is used or stored (a reload may race the request)."""
-        if not use_cache:
-            return EncodedHistory(h, None, "off")
-        model, hist = h.model, h.tokens
-        entry = self.cache.get(h.user_id)
-        cached, status = None, "miss"
-        if isinstance(entry, CachedUser) and entry.model_version == h.model_version and _is_prefix(entry.tokens, hist):
-            known = entry.history.length
-            if known == h.length:
-                cached, status = entry, "hit"
-            elif model.engine.can_extend(entry.history):
-                new = {name: value[known:] for name, value in hist.items()}
-                extended = model.engine.extend(
-                    entry.history, model.embed_tokens(new), torch.from_numpy(new[TIMESTAMPS])
-                )
-                cached, status = CachedUser(hist, extended, h.model_version), "extend"
-        if cached is None:
-            encoded = model.engine.encode(model.embed_tokens(hist), torch.from_numpy(hist[TIMESTAMPS]))
-            cached = CachedUser(hist, encoded, h.model_version)
-        if status != "hit":
-            self.cache.put(h.user_id, cached, h.model_version)
-        return EncodedHistory(h, cached.history, status)
+        Only a cache entry of ``h``'s model version is used or stored (a reload may race the request).
+        use_cache=False encodes the history and leaves the cache alone (status "off")."""
+        return self.encode_batch([h], use_cache)[0]
+
+    def encode_batch(self, histories: Sequence[History], use_cache: bool = True) -> List[EncodedHistory]:
+        """``encode`` of several histories (one model's): the new tokens of every user in one
+        prefix_dnn run, the histories to encode in one HSTU pass and those to extend in another.
+        A user met twice waits for the next round, as if its requests came one after the other."""
+        out: List[Optional[EncodedHistory]] = [None] * len(histories)
+        waiting = list(range(len(histories)))
+        while waiting:
+            users: set = set()
+            now, later = [], []
+            for i in waiting:
+                (later if histories[i].user_id in users else now).append(i)
+                users.add(histories[i].user_id)
+            for i, encoded in zip(now, self._encode_round([histories[i] for i in now], use_cache)):
+                out[i] = encoded
+            waiting = later
+        return out
+
+    def _encode_round(self, histories: Sequence[History], use_cache: bool) -> List[EncodedHistory]:
+        """``encode_batch`` of histories of distinct users."""
+        if not histories:
+            return []
+        model = histories[0].model
+        engine = model.engine
+        found: List[Tuple[Optional[CachedUser], str]] = []  # (the cache entry to build on, status)
+        for h in histories:
+            entry = self.cache.get(h.user_id) if use_cache else None
+            if (
+                isinstance(entry, CachedUser)
+                and entry.model_version == h.model_version
+                and _is_prefix(entry.tokens, h.tokens)
+            ):
+                if entry.history.length == h.length:
+                    found.append((entry, "hit"))
+                    continue
+                if engine.can_extend(entry.history):
+                    found.append((entry, "extend"))
+                    continue
+            found.append((None, "miss" if use_cache else "off"))
+        runs = [i for i, (_, status) in enumerate(found) if status != "hit"]
+        new = {i: _tokens_after(histories[i].tokens, found[i][0]) for i in runs}
+        xs: Dict[int, Tensor] = {}
+        if runs:
+            x = model.embed_tokens({name: np.concatenate([new[i][name] for i in runs]) for name in new[runs[0]]})
+            xs = dict(zip(runs, torch.split(x, [len(new[i][TIMESTAMPS]) for i in runs])))
+        times = {i: torch.from_numpy(new[i][TIMESTAMPS]) for i in runs}
+        misses = [i for i in runs if found[i][0] is None]
+        extends = [i for i in runs if found[i][0] is not None]
+        ran = dict(zip(misses, engine.encode_batch([xs[i] for i in misses], [times[i] for i in misses])))
+        caches = [found[i][0].history for i in extends]
+        ran.update(zip(extends, engine.extend_batch(caches, [xs[i] for i in extends], [times[i] for i in extends])))
+        out = []
+        for i, (h, (entry, status)) in enumerate(zip(histories, found)):
+            if status == "hit":
+                cached = entry
+            else:
+                cache, hidden = ran[i]
+                last = None if engine.defers_last or h.length == 0 else hidden[-1] if len(hidden) else entry.last_hidden
+                cached = CachedUser(h.tokens, cache, h.model_version, last)
+                if use_cache:
+                    self.cache.put(h.user_id, cached, h.model_version)
+            out.append(EncodedHistory(h, cached.history, status, cached.last_hidden))
+        return out
+
+    def _queries(self, encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> Tensor:
+        """[B, d] the retrieval query at the last token of each encoded history (one model's, each
+        non-empty): the HSTU outputs there (settled at the request's time when the engine defers
+        the last token: one pass for all) through one postfix_dnn run."""
+        model = encoded[0].history.model
+        if model.engine.defers_last:
+            settled = model.engine.settle_batch([e.cache for e in encoded], list(request_times))
+            hidden = torch.cat([outputs[-1:] for _, outputs in settled])
+        else:
+            hidden = torch.stack([e.last_hidden for e in encoded])
+        commons = [e.history.common for e in encoded]
+        return torch.from_numpy(model.heads_batch(hidden, commons, [1] * len(encoded))[QUERY])
 
     # ---- rank -------------------------------------------------------------------------------
     def rank(
@@ -311,20 +382,29 @@ class Ranker:
         request = RankRequest(user_id, history, candidates, common_features, request_time, id_options)
         return self.rank_request(request, use_cache)
 
-    def _rank_alone(self, p: PreparedRank, use_cache: bool) -> RankResult:
-        """One request of a retrieval export (the last-token query against each candidate), or
-        of a ranking export without the cache (one target-aware pass over history + candidates)."""
+    def _rank_one_pass(self, p: PreparedRank) -> RankResult:
+        """One request of a ranking export without the cache: one target-aware pass over history + candidates."""
         h, model = p.history, p.history.model
-        if model.is_retrieval:
-            catalogue = model.catalogue()
-            encoded = self.encode(h, use_cache)
-            state = last_token_state(encoded, catalogue, p.request_time)
-            items = torch.from_numpy(p.candidates[catalogue.item_feature])
-            scores = {RETRIEVAL: catalogue.index.scores_of(state.query.view(1, -1), items)[0].numpy()}
-            check_finite(scores, "retrieval")
-            return RankResult(scores, h.length, h.truncated, encoded.cache_status, h.model_version)
         hidden = _one_pass(model, h.tokens, p.candidates, p.request_time)
         return RankResult(ranking_scores(model.heads(hidden, h.common)), h.length, h.truncated, "off", h.model_version)
+
+    def _rank_retrieval(self, prepared: Sequence[PreparedRank], use_cache: bool) -> List[RankResult]:
+        """Requests of a retrieval export: each candidate's cosine with its request's query, the
+        queries of the whole batch from shared passes (``_queries``)."""
+        catalogue = prepared[0].history.model.catalogue()
+        encoded = self.encode_batch([p.history for p in prepared], use_cache)
+        queries = self._queries(encoded, [p.request_time for p in prepared])  # [B, d]
+        counts = torch.tensor([len(p.candidates[TIMESTAMPS]) for p in prepared])
+        items = torch.from_numpy(np.concatenate([p.candidates[catalogue.item_feature] for p in prepared]))
+        rows = torch.repeat_interleave(torch.arange(len(prepared)), counts)
+        scores = (queries[rows] * catalogue.vectors[items]).sum(-1).numpy()  # [N]
+        bounds = np.cumsum([0, *counts.tolist()])
+        out = []
+        for b, (p, e) in enumerate(zip(prepared, encoded)):
+            h, result = p.history, {RETRIEVAL: scores[bounds[b] : bounds[b + 1]]}
+            check_finite(result, "retrieval")
+            out.append(RankResult(result, h.length, h.truncated, e.cache_status, h.model_version))
+        return out
 
     def _candidates(self, h: History, candidates: Mapping[str, Any], request_time: Optional[int]) -> Tuple[Tokens, int]:
         """Validate a request's candidates -> (their token columns, the request time)."""
@@ -356,8 +436,10 @@ class Ranker:
 
         A ranking export scores every user's candidates against that user's cached history in
         shared HSTU passes (``CachedHSTU.score_batch``: up to ``micro_batch`` candidates a pass,
-        users packed together) and shared prefix/postfix ONNX runs; scores equal ``rank`` user by
-        user. Retrieval exports, ``use_cache=False`` and a batch that raced a reload go one by one."""
+        users packed together) and shared prefix/postfix ONNX runs; a retrieval export computes
+        every user's query in shared passes (``encode_batch``, then one settle pass and one
+        postfix_dnn run) and scores the candidates against them. Scores equal ``rank`` user by
+        user. A ranking export without the cache, and a batch that raced a reload, go one by one."""
         prepared = []
         for i, request in enumerate(requests):
             try:
@@ -385,9 +467,11 @@ class Ranker:
         model = prepared[0].history.model
         if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
             return [self.rank_prepared([p], use_cache=use_cache)[0] for p in prepared]
-        if model.is_retrieval or not use_cache:
-            return [self._rank_alone(p, use_cache) for p in prepared]
-        encoded = [self.encode(p.history) for p in prepared]
+        if model.is_retrieval:
+            return self._rank_retrieval(prepared, use_cache)
+        if not use_cache:
+            return [self._rank_one_pass(p) for p in prepared]
+        encoded = self.encode_batch([p.history for p in prepared])
         counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
         joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
         hidden = model.engine.score_batch(
@@ -414,6 +498,21 @@ class Ranker:
     # ---- recommend --------------------------------------------------------------------------
     def recommend(self, request: RecommendRequest) -> RecommendResult:
         """The top ``request.k`` items of the whole catalogue for a user, through the catalogue's item index."""
+        return self.recommend_prepared([self.prepare_recommend(request)])[0]
+
+    def recommend_batch(self, requests: Sequence[RecommendRequest]) -> List[RecommendResult]:
+        """Recommend for several users as one batch (``recommend_prepared``); a bad request raises
+        RequestError naming its index."""
+        prepared = []
+        for i, request in enumerate(requests):
+            try:
+                prepared.append(self.prepare_recommend(request))
+            except RequestError as exc:
+                raise RequestError(f"requests[{i}]: {exc}") from exc
+        return self.recommend_prepared(prepared)
+
+    def prepare_recommend(self, request: RecommendRequest) -> PreparedRecommend:
+        """Validate one recommend request against the current model (touches no cache), before it joins a batch."""
         self.limits.check_count(request.k, "max_k", "k", "items")
         h = self.history(request.user_id, request.history, request.common_features, id_options=request.id_options)
         check_request_time(request.request_time)
@@ -425,23 +524,40 @@ class Ranker:
         catalogue = h.model.catalogue()
         if h.length == 0:
             raise RequestError("history: empty; recommend needs at least one item")
-        seen = Exclusions(catalogue.index.num_items, h.tokens[catalogue.item_feature] if request.exclude_seen else ())
-        available = catalogue.index.num_items - len(seen.items)
+        excluded = np.unique(h.tokens[catalogue.item_feature]) if request.exclude_seen else np.zeros(0, np.int64)
+        available = catalogue.index.num_items - len(excluded)
         if request.k > available:
             raise RequestError(f"k: {request.k} items requested but only {available} catalogue items are eligible")
         request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
-        encoded = self.encode(h)
-        state = last_token_state(encoded, catalogue, request_time)
-        scores, items = catalogue.index.search(state.query.view(1, -1), seen.rows(1), request.k)
-        check_finite({"scores": scores.numpy()}, "recommend")
-        return RecommendResult(
-            h.decode_items(catalogue.item_feature, items[0].numpy()),
-            scores[0].numpy(),
-            h.length,
-            h.truncated,
-            encoded.cache_status,
-            h.model_version,
-        )
+        return PreparedRecommend(request, h, request_time, excluded)
+
+    def recommend_prepared(self, prepared: Sequence[PreparedRecommend]) -> List[RecommendResult]:
+        """Recommend for requests validated by ``prepare_recommend``: every user's query from shared
+        passes (``_queries``), then one search of the catalogue's index for all the queries that
+        ask for the same k (the exact index: one matrix product). Equals ``recommend`` one by one."""
+        if not prepared:
+            return []
+        model = prepared[0].history.model
+        if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
+            return [self.recommend_prepared([p])[0] for p in prepared]
+        index = model.catalogue().index
+        encoded = self.encode_batch([p.history for p in prepared])
+        queries = self._queries(encoded, [p.request_time for p in prepared])  # [B, d]
+        found: Dict[int, Tuple[Tensor, Tensor]] = {}
+        for k in sorted({p.request.k for p in prepared}):
+            rows = [b for b, p in enumerate(prepared) if p.request.k == k]
+            exclude = torch.zeros(len(rows), index.num_items, dtype=torch.bool)
+            for r, b in enumerate(rows):
+                exclude[r, torch.from_numpy(prepared[b].excluded)] = True
+            scores, items = index.search(queries[rows], exclude, k)
+            found.update((b, (scores[r], items[r])) for r, b in enumerate(rows))
+        item_feature, out = model.catalogue().item_feature, []
+        for b, (p, e) in enumerate(zip(prepared, encoded)):
+            (scores, items), h = found[b], p.history
+            check_finite({"scores": scores.numpy()}, "recommend")
+            items = h.decode_items(item_feature, items.numpy())
+            out.append(RecommendResult(items, scores.numpy(), h.length, h.truncated, e.cache_status, h.model_version))
+        return out
 
     # ---- generate ---------------------------------------------------------------------------
     def generate(
@@ -498,6 +614,12 @@ def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: in
             torch.from_numpy(query_times.astype(np.int64)).to(device),
         )
     return h[length:]
+
+
+def _tokens_after(tokens: Tokens, entry: Optional[CachedUser]) -> Tokens:
+    """The history tokens that ``entry`` (a cached prefix, or None) does not hold."""
+    known = 0 if entry is None else entry.history.length
+    return {name: value[known:] for name, value in tokens.items()}
 
 
 def _is_prefix(cached: Tokens, tokens: Tokens) -> bool:
