@@ -34,6 +34,9 @@ KNOWN_WARNINGS: Tuple[Tuple[Type[Warning], str], ...] = (
     (UserWarning, r"You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a"),
     # `gr train` refuses an --out that holds checkpoints, so this fires on --resume only, where it must exist.
     (UserWarning, r"Checkpoint directory .* exists and is not empty\.$"),
+    # ONNX export names a dynamic axis once: the token features of a PrefixDNN reading several (and the
+    # common features of a PostfixDNN) share the tokens (targets) axis, and the exporter keeps its first name.
+    (UserWarning, r"# The axis name: \w+ will not be used, since it shares the same shape constraints"),
 )
 # logger name -> regex searched in the formatted message
 KNOWN_LOG_LINES: Dict[str, str] = {

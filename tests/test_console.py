@@ -1,6 +1,7 @@
 """Quiet, readable output at our entry points: ``make demo``'s own commands (as ``make -n demo``
 prints them, trained at a reduced size) print each log line once, no block of lines twice in a
-row, no warning and none of the known third-party noise, and one line per epoch."""
+row, no warning and none of the known third-party noise, and one line per epoch; ``gr export`` of
+examples/custom_project prints no warning either."""
 
 import logging
 import re
@@ -15,6 +16,7 @@ from typing import List
 import pytest
 
 from gr.console import KNOWN_LOG_LINES, quiet_console
+from helpers.movielens import CUSTOM_PROJECT, SMALL, small_ml_100k
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN_NOISE = (
@@ -71,6 +73,21 @@ def demo_output(tmp_path_factory):
     steps = ("gr train --config configs/quickstart.yaml", "gr export", "gr check", "examples/http_demo.py")
     assert [next(step for step in steps if step in c) for c in commands] == list(steps)
     return "".join(_shell(command) for command in commands)
+
+
+def test_gr_export_of_the_custom_project_prints_no_warning_and_no_known_noise(tmp_path):
+    """examples/custom_project reads two token features and three common ones (several inputs on
+    one ONNX axis), and its export reads the run's data for the item store."""
+    from gr.train.config import load_config
+    from gr.train.run import train
+
+    run = tmp_path / "run"
+    data = str(small_ml_100k(tmp_path / "ml-100k"))
+    train(load_config(CUSTOM_PROJECT, [("data.path", data), *SMALL]), run)
+    output = _shell(f"{sys.executable} -m gr export {run} {tmp_path / 'export'}")
+    assert [line for line in output.splitlines() if WARNING_LINE.match(line) or "Warning" in line] == []
+    assert [noise for noise in KNOWN_NOISE if noise in output] == []
+    assert (tmp_path / "export" / "sparse" / "item_features.safetensors").is_file()
 
 
 def repeated_blocks(lines: List[str], longest: int = 8) -> List[List[str]]:

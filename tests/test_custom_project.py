@@ -3,8 +3,6 @@ item genres and user demographics, the run exports (with its items' genres) and 
 and a rank request over HTTP, by raw values, scores as the trained model does, with the genres
 written out or given by item id alone; recommend and generate work."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,50 +14,12 @@ from gr.data.mappings import load_mappings
 from gr.train.build import build_model
 from gr.train.config import load_config
 from gr.train.run import load_trained_model, train
+from helpers.movielens import CUSTOM_PROJECT, SMALL, small_ml_100k
 from helpers.servers import Server
-
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "examples" / "custom_project" / "config.yaml"
-OCCUPATIONS = ("artist", "doctor", "student", "technician")
-
-
-def small_ml_100k(root: Path, users: int = 40, items: int = 60, seed: int = 0) -> Path:
-    """A MovieLens-100K-format directory (u.data, u.item with 19 genre flags, u.user)."""
-    rng = np.random.default_rng(seed)
-    root.mkdir()
-    ratings = []
-    for u in range(1, users + 1):
-        for k, item in enumerate(rng.choice(np.arange(1, items + 1), size=int(rng.integers(8, 16)), replace=False)):
-            ratings.append(f"{u}\t{item}\t{int(rng.integers(1, 6))}\t{880000000 + 3600 * k + u}\n")
-    (root / "u.data").write_text("".join(ratings))
-    flags = [rng.random(19) < 0.15 for _ in range(items)]
-    (root / "u.item").write_text(
-        "".join(
-            f"{i}|Movie {i}|01-Jan-1995||http://x|{'|'.join(str(int(f)) for f in flags[i - 1])}\n"
-            for i in range(1, items + 1)
-        )
-    )
-    (root / "u.user").write_text(
-        "".join(
-            f"{u}|{int(rng.integers(12, 70))}|{'MF'[u % 2]}|{OCCUPATIONS[u % len(OCCUPATIONS)]}|00000\n"
-            for u in range(1, users + 1)
-        )
-    )
-    return root
-
-
-SMALL = [
-    ("trainer.max_epochs", "1"),
-    ("trainer.enable_progress_bar", "false"),
-    ("data.max_seq_len", "20"),
-    ("model.hstu.max_seq_len", "20"),
-    ("data.batch_size", "16"),
-    ("task.retrieval.num_negatives", "16"),
-]
 
 
 def test_genre_dropout_hides_genres_of_training_tokens_only(tmp_path):
-    config = load_config(CONFIG, [("data.path", str(small_ml_100k(tmp_path / "ml-100k"))), *SMALL])
+    config = load_config(CUSTOM_PROJECT, [("data.path", str(small_ml_100k(tmp_path / "ml-100k"))), *SMALL])
     data = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
     data.setup()
     model = build_model(config, data.feature_spec())
@@ -78,7 +38,7 @@ def test_genre_dropout_hides_genres_of_training_tokens_only(tmp_path):
 def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_scores(tmp_path, query_time):
     run, export = tmp_path / "run", tmp_path / "export"
     data_path = str(small_ml_100k(tmp_path / "ml-100k"))
-    config = load_config(CONFIG, [("data.path", data_path), ("model.hstu.query_time", query_time), *SMALL])
+    config = load_config(CUSTOM_PROJECT, [("data.path", data_path), ("model.hstu.query_time", query_time), *SMALL])
     assert config.model.class_path == "examples.custom_project.model.GenreModel"
     train(config, run)
     assert cli.main(["export", str(run), str(export)]) == 0
