@@ -25,7 +25,6 @@ from gr.data.datamodule import SequenceDataModule
 from gr.jagged import offsets_from_lengths
 from gr.model import GRInput, GROutput
 from gr.serving import Ranker, RankRequest
-from gr.serving.history import last_token_state
 from gr.serving.scores import LOGIT_SUFFIX
 from gr.train.config import TrainConfig, load_config
 from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
@@ -105,15 +104,12 @@ def evaluate_export(
 
 
 def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
-    """[B, d] the served retrieval query at each sequence's last token (its query time as in the batch)."""
-    catalogue, _ = ranker.catalogue()
+    """[B, d] the served retrieval query at each sequence's last token (its query time as in the
+    batch), the whole batch in shared passes (``Ranker.queries``)."""
     last = batch.seq_offsets[1:] - 1
     times = batch.timestamps if batch.query_times is None else batch.query_times
-    queries = []
-    for request, t in zip(requests, times[last].tolist()):
-        h = ranker.history(request["user_id"], request["history"], request["common_features"])
-        queries.append(last_token_state(ranker.encode(h, use_cache=False), catalogue, int(t)).query.view(-1))
-    return torch.stack(queries)
+    histories = [ranker.history(r["user_id"], r["history"], r["common_features"]) for r in requests]
+    return ranker.queries(histories, [int(t) for t in times[last].tolist()], use_cache=False)
 
 
 def _output(predictions: Dict[str, torch.Tensor], row_offsets: torch.Tensor) -> GROutput:

@@ -17,7 +17,8 @@ Integers (ids, timestamps, request_time) must fit int64: unsigned values past it
 wrapped. Ids are raw ids (the dataset's, through the export's id maps) unless ``--ids model``. With
 ``candidates.*`` columns every row is ranked (``Ranker.rank_prepared``: users' candidates packed
 into shared HSTU passes, ``--batch-size`` rows at a time); without them each row gets the top
-``--k`` catalogue items of ``Ranker.recommend`` (retrieval exports).
+``--k`` catalogue items (``Ranker.recommend_prepared``: ``--batch-size`` users' queries from shared
+passes and one catalogue search; retrieval exports).
 
 Output: a Parquet file written atomically, one row per input row in input order: ``user_id``,
 the input's ``candidates.*`` columns and ``scores.<name>`` (list<float32>, one per candidate:
@@ -60,7 +61,7 @@ from gr.serving.catalogue import ITEM_FEATURE
 from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS
 from gr.serving.model import ServingModel, check_device
 from gr.serving.request import IdOptions
-from gr.serving.runtime import DEFAULT_MICRO_BATCH
+from gr.serving.runtime import DEFAULT_MICRO_BATCH, PreparedRecommend
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
 from gr.timestamps import INT64_MAX
 
@@ -136,7 +137,7 @@ def predict(
             if layout.rank:
                 results = _rank(ranker, requests, rows)
             else:
-                results = [_recommend(ranker, r, rows, i, k, exclude_seen) for i, r in enumerate(requests)]
+                results = _recommend(ranker, requests, rows, k, exclude_seen)
             writer.write_table(_output_table(table, results, out_schema))
             first += table.num_rows
             shown.update(first)
@@ -307,44 +308,47 @@ def _request(rows: _Rows, i: int, layout: Layout, options: IdOptions) -> RankReq
 
 def _rank(ranker: Ranker, requests: List[RankRequest], rows: _Rows) -> List[RankResult]:
     """The batch's requests through the batched ranking path; an error names its row."""
+    return _batched(ranker.prepare_rank, ranker.rank_prepared, requests, rows)
+
+
+def _recommend(
+    ranker: Ranker, requests: List[RankRequest], rows: _Rows, k: int, exclude_seen: bool
+) -> List[RecommendResult]:
+    """Each row's top k through the batched recommend path; an error names its row."""
+
+    def prepare(r: RankRequest) -> PreparedRecommend:
+        return ranker.prepare_recommend(
+            RecommendRequest(r.user_id, r.history, k, r.common_features, r.request_time, exclude_seen, r.id_options)
+        )
+
+    return _batched(prepare, ranker.recommend_prepared, requests, rows)
+
+
+def _batched(
+    prepare: Callable[[RankRequest], Any],
+    run: Callable[[List[Any]], List[Any]],
+    requests: List[RankRequest],
+    rows: _Rows,
+) -> List[Any]:
+    """Validate each request (``prepare``), then run them as one batch; a request that fails, in
+    validation or in the batch, is named by its row."""
     prepared = []
     for i, request in enumerate(requests):
         try:
-            prepared.append(ranker.prepare_rank(request))
+            prepared.append(prepare(request))
         except RequestError as exc:
             raise rows.row_error(i, exc) from None
     try:
-        return ranker.rank_prepared(prepared)
+        return run(prepared)
     except (RequestError, ScoringError):  # find the row: one by one
         for i, p in enumerate(prepared):
             try:
-                ranker.rank_prepared([p])
+                run([p])
             except RequestError as exc:
                 raise rows.row_error(i, exc) from None
             except ScoringError as exc:
                 raise NonFiniteError(str(rows.row_error(i, exc))) from None
         raise
-
-
-def _recommend(
-    ranker: Ranker, request: RankRequest, rows: _Rows, i: int, k: int, exclude_seen: bool
-) -> RecommendResult:
-    try:
-        return ranker.recommend(
-            RecommendRequest(
-                request.user_id,
-                request.history,
-                k,
-                request.common_features,
-                request.request_time,
-                exclude_seen,
-                request.id_options,
-            )
-        )
-    except RequestError as exc:
-        raise rows.row_error(i, exc) from None
-    except ScoringError as exc:
-        raise NonFiniteError(str(rows.row_error(i, exc))) from None
 
 
 def _output_table(table: pa.Table, results: List[Any], schema: pa.Schema) -> pa.Table:

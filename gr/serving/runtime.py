@@ -349,6 +349,12 @@ class Ranker:
             out.append(EncodedHistory(h, cached.history, status, cached.last_hidden))
         return out
 
+    def queries(self, histories: Sequence[History], request_times: Sequence[int], use_cache: bool = True) -> Tensor:
+        """[B, d] the retrieval query at the last token of each history (``history``; one model's,
+        each non-empty), all from shared passes (``encode_batch``, ``_queries``); request_times:
+        seconds, when each user's next event happens (read by "next_event" models)."""
+        return self._queries(self.encode_batch(histories, use_cache), request_times)
+
     def _queries(self, encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> Tensor:
         """[B, d] the retrieval query at the last token of each encoded history (one model's, each
         non-empty): the HSTU outputs there (settled at the request's time when the engine defers
