@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -446,13 +446,7 @@ class Ranker:
         every user's query in shared passes (``encode_batch``, then one settle pass and one
         postfix_dnn run) and scores the candidates against them. Scores equal ``rank`` user by
         user. A ranking export without the cache, and a batch that raced a reload, go one by one."""
-        prepared = []
-        for i, request in enumerate(requests):
-            try:
-                prepared.append(self.prepare_rank(request))
-            except RequestError as exc:
-                raise RequestError(f"requests[{i}]: {exc}") from exc
-        return self.rank_prepared(prepared, use_cache=use_cache)
+        return self.rank_prepared(_prepare_each(self.prepare_rank, requests), use_cache=use_cache)
 
     def prepare_rank(self, request: RankRequest) -> PreparedRank:
         """Validate one rank request against the current model (touches no cache): everything a
@@ -509,13 +503,7 @@ class Ranker:
     def recommend_batch(self, requests: Sequence[RecommendRequest]) -> List[RecommendResult]:
         """Recommend for several users as one batch (``recommend_prepared``); a bad request raises
         RequestError naming its index."""
-        prepared = []
-        for i, request in enumerate(requests):
-            try:
-                prepared.append(self.prepare_recommend(request))
-            except RequestError as exc:
-                raise RequestError(f"requests[{i}]: {exc}") from exc
-        return self.recommend_prepared(prepared)
+        return self.recommend_prepared(_prepare_each(self.prepare_recommend, requests))
 
     def prepare_recommend(self, request: RecommendRequest) -> PreparedRecommend:
         """Validate one recommend request against the current model (touches no cache), before it joins a batch."""
@@ -620,6 +608,17 @@ def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: in
             torch.from_numpy(query_times.astype(np.int64)).to(device),
         )
     return h[length:]
+
+
+def _prepare_each(prepare: Callable[[Any], Any], requests: Sequence[Any]) -> List[Any]:
+    """``prepare`` of every request; a RequestError names the request's index."""
+    prepared = []
+    for i, request in enumerate(requests):
+        try:
+            prepared.append(prepare(request))
+        except RequestError as exc:
+            raise RequestError(f"requests[{i}]: {exc}") from exc
+    return prepared
 
 
 def _tokens_after(tokens: Tokens, entry: Optional[CachedUser]) -> Tokens:
