@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
+from gr.export.item_store import ITEM_FEATURE
 from gr.generation.hnsw_index import HNSWIndex
 from gr.generation.index import ExactIndex, ItemIndex
 from gr.hstu.cache import CachedHSTU
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from gr.serving.model import ServingModel
 
 QUERY = "query"
-ITEM_FEATURE = "item_id"
 INDEXES = {"exact": ExactIndex, "hnsw": HNSWIndex}
 
 
