@@ -1,7 +1,8 @@
 """examples/custom_project end to end at a small size: its config trains its GRModel subclass with
 item genres and user demographics, the run exports (with its items' genres) and passes ``gr check``,
-and a rank request over HTTP, by raw values, scores as the trained model does, with the genres
-written out or given by item id alone; recommend and generate work."""
+and a rank request over HTTP (the app on an in-process server), by raw values, scores as the
+trained model does, with the genres written out or given by item id alone; recommend and generate
+work."""
 
 import numpy as np
 import pytest
@@ -11,11 +12,13 @@ import torch.nn.functional as F
 from gr import cli
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings
+from gr.serving import Ranker
+from gr.serving.http import create_app
 from gr.train.build import build_model
 from gr.train.config import load_config
 from gr.train.run import load_trained_model, train
 from helpers.movielens import CUSTOM_PROJECT, SMALL, small_ml_100k
-from helpers.servers import Server
+from helpers.servers import AppServer
 
 
 def test_genre_dropout_hides_genres_of_training_tokens_only(tmp_path):
@@ -74,8 +77,7 @@ def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_
         },
         "request_time": int(batch.query_times[length - 1]),
     }
-    server = Server(export)
-    try:
+    with AppServer(create_app(Ranker.load(export), warm_up=False)) as server:
         status, answer = server.call("POST", "/v1/rank", request)
         assert status == 200, answer
         np.testing.assert_allclose(answer["scores"]["retrieval"], trained, atol=1e-5)
@@ -96,5 +98,3 @@ def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_
             "POST", "/v1/rank", {**request, "common_features": {**request["common_features"], "user_zip": "x"}}
         )
         assert status == 400 and "user_zip" in answer["detail"]
-    finally:
-        server.stop()
