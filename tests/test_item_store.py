@@ -17,7 +17,7 @@ from gr.export.item_store import ITEM_STORE
 from gr.export.manifest import write_manifest
 from gr.postfix_dnn import RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
-from gr.serving import Ranker, RecommendRequest, RequestError
+from gr.serving import Ranker, RecommendRequest
 from helpers.models import HSTU_KW, NUM_ITEMS, perturb
 
 STORED = 40  # items 0..39 have features; 40..49 are not in the store
@@ -146,9 +146,3 @@ def test_a_damaged_store_is_refused_naming_the_tensor(store_export, tmp_path, ch
     assert [(p.file, p.key) for p in problems] == [(ITEM_STORE, key)] and re.search(message, problems[0].message)
     with pytest.raises(ExportFormatError, match=message):
         Ranker.load(export)
-
-
-def test_an_export_without_a_store_still_needs_the_features(tmp_path):
-    path = export_model(build_model(), tmp_path / "plain", dense_dims={"price": 3})
-    with pytest.raises(RequestError, match=r"missing feature\(s\) \['genre', 'price'\]"):
-        Ranker.load(path).rank("a", HISTORY, CANDIDATES)
