@@ -6,22 +6,25 @@
 
 The variants are what training and serving launch, assembled by the launcher's own argument
 code (``gr.hstu.kernels.triton_common``) on CPU tensors and specialized by Triton's own binder,
-so a variant here is one compile there: the forward, dq and dk/dv kernels, and the cached
-attention of serving (which runs the forward kernel over history + new tokens); fp32 and
-bf16; each bias part (position, time with log or sqrt buckets); the mask and norm switches
-(targets, contextual prefix, look-back window, next-event query times, per-position norm),
-which are runtime scalars and so share their variant; at the architecture's default tile
-configuration and at each autotuning candidate (``gr.hstu.kernels.triton_tuning``). Launches
-that compile to the same kernel are compiled once and listed together.
+so a variant here is one compile there: the forward, dq and dk/dv passes, and the cached
+attention of serving (which runs the forward pass over history + new tokens); fp32 and bf16;
+each bias part (position, time with log or sqrt buckets); the mask and norm switches (targets,
+contextual prefix, look-back window, next-event query times, per-position norm), which are
+runtime scalars and so share their variant; head dims 64, and 50 and 128 with both bias parts
+(a dim that is not a multiple of 16 loads element by element; above 64 the table's wide column
+applies); at the default tile configuration and at each autotuning candidate
+(``gr.hstu.kernels.triton_tuning``). Launches that compile to the same kernel are compiled once
+and listed together.
 
-Per variant: compile seconds (Triton front end to cubin, including ptxas), registers per
-thread, spill bytes (local memory: ``cuobjdump --dump-resource-usage``), stack and shared
-memory per block. ``--recipe`` adds the variants one recipe launches (its bias parts, head
-dims, precision and the default tiles) and their total. Each compile starts from an empty
-Triton cache. The load average is printed with the numbers (the machine is shared: compile
-seconds grow with it). The last line is one JSON object: bench, arch, triton, variants,
-launches, max_compile_s, total_compile_s, spills (variants with local memory), max_registers,
-max_shared_bytes, load_average, and with --recipe the recipe's variants, total_compile_s,
+Per variant: compile seconds (Triton front end to cubin, ptxas included), registers per
+thread, local and stack bytes (``cuobjdump --dump-resource-usage``; ptxas puts spilled registers
+in the stack frame, so either one non-zero is a spill) and shared memory per block.
+``--recipe`` adds the variants each recipe launches (its bias parts, head dims, precision and the
+default tiles; training and serving) and their total. Each compile starts from an empty Triton
+cache. The load average is printed with the numbers (the machine is shared: compile seconds
+grow with it). The last line is one JSON object: bench, arch, triton, variants, launches,
+max_compile_s, total_compile_s, spills (variants that spill), max_registers, max_shared_bytes,
+load_average, and with --recipe ``recipes``: per recipe its variants, total_compile_s,
 max_compile_s and spills.
 """
 
@@ -156,7 +159,7 @@ def compile_variant(launch: Launch, inputs, config: TileConfig, target: GPUTarge
     kwargs = dict(
         launch.args,
         **work,
-        **layout_args(launch, config, False, inputs),
+        **layout_args(config, False, inputs),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -189,12 +192,12 @@ def timed_compile(source: ASTSource, options, target: GPUTarget) -> Tuple[float,
 
 
 def configs_of(
-    kernel: str, dtype: str, major: int, smoke: bool, chosen: Optional[List[TileConfig]] = None
+    kernel: str, dtype: str, dims: Tuple[int, int], major: int, smoke: bool, chosen: Optional[List[TileConfig]] = None
 ) -> List[TileConfig]:
     """The default tiles of ``kernel`` and the autotuning candidates (``chosen`` instead when given)."""
     if chosen:
         return chosen
-    configs = tuning.candidates(major, kernel, dtype)
+    configs = tuning.candidates(major, kernel, dtype, *dims)
     return configs[:1] if smoke else configs
 
 
@@ -208,6 +211,8 @@ def cases(smoke: bool) -> List[Case]:
     out = [Case("training", dtype, bias, "plain") for dtype in dtypes for bias in BIAS_PARTS]
     out += [Case("training", dtype, "pos+time-log", switch) for dtype in dtypes for switch in SWITCHES[1:]]
     out += [Case("serving", dtype, bias, "targets") for dtype in dtypes for bias in BIAS_PARTS]
+    # head dims that are not a multiple of 16 (no vector loads) or above 64 (the wide tiles)
+    out += [Case("training", dtype, "pos+time-log", "plain", dim, dim) for dtype in dtypes for dim in (50, 128)]
     return out
 
 
@@ -241,12 +246,12 @@ def compile_all(
     variants: Dict[str, Variant] = {}
     groups: Dict[str, List[str]] = {}
     for case, case_groups in plan:
-        torch_dtype = str(DTYPES[case.dtype]).removeprefix("torch.")
+        torch_dtype, dims = str(DTYPES[case.dtype]).removeprefix("torch."), (case.dim_qk, case.dim_v)
         for launch, inputs in case_launches(case):
-            for config in configs_of(launch.name, torch_dtype, major, smoke, chosen):
+            for config in configs_of(launch.name, torch_dtype, dims, major, smoke, chosen):
                 key, source, options = compile_variant(launch, inputs, config, target, backend)
                 for group in case_groups:
-                    if group != "recipe" or config == tuning.default_config(major, launch.name, torch_dtype):
+                    if group == "all" or config == tuning.default_config(major, launch.name, torch_dtype, *dims):
                         groups.setdefault(group, [])
                         if key not in groups[group]:
                             groups[group].append(key)
@@ -287,8 +292,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, choices=["sm_80", "sm_90"])
     parser.add_argument("--smoke", action="store_true", help="two variants at the default tiles (seconds)")
-    parser.add_argument("--recipe", type=Path, help="also report the variants this recipe launches, and their total")
-    parser.add_argument("--only-recipe", action="store_true", help="compile the recipe's variants only")
+    parser.add_argument(
+        "--recipe",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="also report the variants each recipe launches, and their total",
+    )
+    parser.add_argument("--only-recipe", action="store_true", help="compile the recipes' variants only")
     parser.add_argument("--json", type=Path, help="write every variant's row to this file")
     parser.add_argument(
         "--configs", type=tuning.parse_config, nargs="+", help="compile at these tiles instead (MxN/wW/sS)"
@@ -297,19 +308,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="only these dtypes")
     parser.add_argument("--bias", nargs="+", choices=list(BIAS_PARTS), help="only these bias parts")
     args = parser.parse_args(argv)
-    if args.only_recipe and args.recipe is None:
+    if args.only_recipe and not args.recipe:
         parser.error("--only-recipe needs --recipe")
     arch = int(args.arch[3:])
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gr-triton-compile-")  # every compile from scratch
 
     plan: List[Tuple[Case, List[str]]] = []
-    if args.recipe is not None:
-        case, precision = recipe_case(args.recipe)
-        print(f"recipe {args.recipe}: {case.label()} (precision {precision}), dims {case.dim_qk}/{case.dim_v}")
-        plan.append((case, ["recipe"] if args.only_recipe else ["recipe", "all"]))
-        plan.append(
-            (Case("serving", case.dtype, case.bias, "targets", case.dim_qk, case.dim_v, case.heads), ["recipe"])
-        )
+    for path in args.recipe:
+        case, precision = recipe_case(path)
+        print(f"recipe {path}: {case.label()} (precision {precision}), dims {case.dim_qk}/{case.dim_v}")
+        group = f"recipe {path}"
+        plan.append((case, [group] if args.only_recipe else [group, "all"]))
+        plan.append((Case("serving", case.dtype, case.bias, "targets", case.dim_qk, case.dim_v, case.heads), [group]))
     if not args.only_recipe:
         plan += [(case, ["all"]) for case in cases(args.smoke)]
     plan = [
@@ -342,11 +352,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_shared_bytes=max(v.shared_bytes for v in rows),
         load_average=[round(x, 2) for x in os.getloadavg()],
     )
-    if args.recipe is not None:
-        recipe = summary([variants[k] for k in groups["recipe"]])
-        result["recipe"] = dict(path=str(args.recipe), **recipe)
+    if args.recipe:
+        result["recipes"] = {}
+    for path in args.recipe:
+        recipe = summary([variants[k] for k in groups[f"recipe {path}"]])
+        result["recipes"][str(path)] = recipe
         print(
-            f"recipe {args.recipe}: {recipe['variants']} variants at the default tiles, "
+            f"recipe {path}: {recipe['variants']} variants at the default tiles, "
             f"{recipe['total_compile_s']} s together, max {recipe['max_compile_s']} s, {recipe['spills']} spilling"
         )
     if args.json is not None:

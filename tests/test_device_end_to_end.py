@@ -1,11 +1,13 @@
 """Train -> export -> serve on the test suite's device (``GR_TEST_DEVICE``, else detected): a
 tiny synthetic ranking run trained with ``trainer.accelerator`` set to that device (tables in host
-memory on an NPU, FBGEMM having no NPU kernels), exported with ``python -m gr.export``, checked,
+memory on an NPU, FBGEMM having no NPU kernels; plain torch tables, ``sparse.backend: torch``, on a
+host without TorchRec), exported with ``python -m gr.export``, checked,
 and served on that device too (``Ranker.load(..., device=...)``: ONNX Runtime with the device's
 execution provider, the HSTU engine and its caches on the device): the export alone reproduces
 the run's predictions on its test users."""
 
 import copy
+import importlib.util
 
 import numpy as np
 import pytest
@@ -29,6 +31,8 @@ def ranking_recipe(device: str) -> dict:
     values["trainer"].update(accelerator=device, max_epochs=1, limit_train_batches=3)
     if device == "npu":
         values["sparse"]["placement"] = "host"
+    if importlib.util.find_spec("torchrec") is None:
+        values["sparse"]["backend"] = "torch"
     return values
 
 

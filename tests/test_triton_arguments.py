@@ -46,7 +46,7 @@ def test_every_launch_passes_exactly_the_kernel_parameters(layout):
     assert [launch.name for launch in launches] == ["forward", "backward_dq", "backward_dkv"]
     for launch in launches:
         _, work = layout.work(launch, inputs, row_block(launch, config))
-        names = [*launch.args, *work, *layout_args(launch, config, layout.ub_tables, inputs)]
+        names = [*launch.args, *work, *layout_args(config, layout.ub_tables, inputs)]
         assert len(names) == len(set(names)), launch.name
         assert sorted(names) == sorted(launch.kernel.arg_names), launch.name
 
@@ -56,7 +56,7 @@ def test_launch_without_an_argument_is_an_error():
     (launch, *_), inputs = _launches()
     config = TileConfig(16, 16)
     grid, work = CudaLayout(None).work(launch, inputs, 16)
-    args = dict(launch.args, **work, **layout_args(launch, config, False, inputs))
+    args = dict(launch.args, **work, **layout_args(config, False, inputs))
     del args["stride_kt"]
     with pytest.raises(TypeError, match="stride_kt"):
         attention_kernel[grid](**args)

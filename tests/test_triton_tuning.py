@@ -148,7 +148,7 @@ def _hammer(directory, index, rounds, results):
 def test_concurrent_writers_of_one_key_never_leave_a_torn_entry(tmp_path):
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    workers = [context.Process(target=_hammer, args=(tmp_path, i, 200, results)) for i in range(3)]
+    workers = [context.Process(target=_hammer, args=(tmp_path, i, 60, results)) for i in range(3)]
     for worker in workers:
         worker.start()
     seen = [results.get(timeout=60) for _ in workers]
@@ -171,14 +171,19 @@ def test_autotuning_is_on_unless_the_environment_turns_it_off(monkeypatch):
     assert tuning.autotune_enabled()
 
 
-def test_the_default_is_the_first_candidate_of_every_kernel_architecture_and_dtype():
+def test_the_default_is_the_first_candidate_of_every_kernel_architecture_dtype_and_width():
     for major, family in ((7, 8), (8, 8), (9, 9), (10, 9), (12, 9)):
         assert tuning.arch_family(major) == family
         for kernel in tuning.KERNELS:
-            for dtype, precision in (("float32", "fp32"), ("bfloat16", "16bit"), ("float16", "16bit")):
-                configs = tuning.candidates(major, kernel, dtype)
-                assert configs == tuning.CANDIDATES[family][precision][kernel] and len(set(configs)) == len(configs)
-                assert tuning.default_config(major, kernel, dtype) == configs[0]
+            for dtype, dims, column in (
+                ("float32", (50, 50), "fp32/d64"),
+                ("float32", (64, 128), "fp32/d128"),
+                ("bfloat16", (25, 64), "16bit/d64"),
+                ("float16", (128, 128), "16bit/d128"),
+            ):
+                configs = tuning.candidates(major, kernel, dtype, *dims)
+                assert configs == tuning.CANDIDATES[family][column][kernel] and len(set(configs)) == len(configs)
+                assert tuning.default_config(major, kernel, dtype, *dims) == configs[0]
                 assert all(c.block_m % 16 == 0 and c.block_n % 16 == 0 for c in configs)
 
 
@@ -216,7 +221,7 @@ def test_cuda_layout_takes_the_table_when_autotuning_is_off(fake_h100, monkeypat
     monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
     launch, inputs = _forward_launch()
     config = triton_attention.CudaLayout(None).config(launch, inputs, run=lambda c: None)
-    assert config == tuning.CANDIDATES[9]["fp32"]["forward"][0] and benchmarked == []
+    assert config == tuning.CANDIDATES[9]["fp32/d64"]["forward"][0] and benchmarked == []
 
 
 def test_cuda_layout_autotunes_once_and_a_new_process_reads_the_result(fake_h100, monkeypatch, tmp_path):
@@ -224,7 +229,7 @@ def test_cuda_layout_autotunes_once_and_a_new_process_reads_the_result(fake_h100
     monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
     launch, inputs = _forward_launch()
     layout = triton_attention.CudaLayout(None)
-    candidates = tuning.CANDIDATES[9]["fp32"]["forward"]
+    candidates = tuning.CANDIDATES[9]["fp32/d64"]["forward"]
     assert layout.config(launch, inputs, run=lambda c: None) == candidates[-1]
     assert len(benchmarked) == len(candidates)
     assert layout.config(launch, inputs, run=lambda c: None) == candidates[-1]  # in-process memo

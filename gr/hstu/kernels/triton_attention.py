@@ -81,7 +81,7 @@ class CudaLayout:
         major = torch.cuda.get_device_capability(q.device)[0]
         dtype = str(q.dtype).removeprefix("torch.")
         if not tuning.autotune_enabled():
-            return tuning.default_config(major, launch.name, dtype)
+            return tuning.default_config(major, launch.name, dtype, q.shape[2], v.shape[2])
         key = TuningKey(
             gpu=torch.cuda.get_device_name(q.device),
             triton=triton.__version__,
@@ -92,7 +92,7 @@ class CudaLayout:
             dtype=dtype,
         )
         if key not in _CHOSEN:
-            candidates = tuning.candidates(major, launch.name, dtype)
+            candidates = tuning.candidates(major, launch.name, dtype, q.shape[2], v.shape[2])
             time_ms = lambda config: triton.testing.do_bench(lambda: run(config), warmup=5, rep=20)  # noqa: E731
             _CHOSEN[key] = tuning.tune(key, candidates, time_ms, tuning.TuningCache(tuning.cache_dir()))
         return _CHOSEN[key]

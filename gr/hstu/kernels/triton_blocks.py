@@ -374,17 +374,16 @@ def attention_kernel(
     PASS "dq": query blocks, Out = dq [T, H, Dqk] given DO = d output [T, H, Dv].
     PASS "dkv": key blocks, DK, DV [T, H, *] given DO; adds dS into DPos [P] / DTime [NB] fp32 (Out unused).
     """
-    KEYS: tl.constexpr = PASS == "dkv"
     time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, UB_TABLES, TIME_TABLE)
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        if KEYS:
+        if PASS == "dkv":
             b, h, first = _work_item(work, TileSeq, TileStart, H, BLOCK_N, WORK_LIST)
         else:
             b, h, first = _work_item(work, TileSeq, TileStart, H, BLOCK_M, WORK_LIST)
         start, length, hist = _sequence_of(SeqOffsets, History, b)
         if first < length:
             # the block this program owns, and the range of the other side it visits
-            if KEYS:
+            if PASS == "dkv":
                 cols = first + tl.arange(0, BLOCK_N)
                 own, own_ok = cols, cols < length
                 k = _load_rows(
@@ -425,7 +424,7 @@ def attention_kernel(
                 ctx_blocks = tl.cdiv(ctx_hi, BLOCK_N)
                 steps = ctx_blocks + tl.cdiv(hi - lo, BLOCK_N)  # one loop over both key ranges
             for i in range(0, steps):
-                if KEYS:
+                if PASS == "dkv":
                     rows = lo + i * BLOCK_M + tl.arange(0, BLOCK_M)
                     row_ok = rows < hi
                     tile_ok = row_ok[:, None]
@@ -485,7 +484,7 @@ def attention_kernel(
                     POS_WINDOW=POS_WINDOW,
                     PRECISION=PRECISION,
                 )
-                if KEYS:
+                if PASS == "dkv":
                     dv += _dot(tl.trans((silu * weight).to(do.dtype)), do, PRECISION)
                     ds = _dot(do, tl.trans(v), PRECISION) * weight * _silu_grad(sig, silu)
                     dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
@@ -501,7 +500,7 @@ def attention_kernel(
                     acc += _dot((silu * weight).to(v.dtype), v, PRECISION)
             # a target's only visible target key is itself: its own row of the other side, nobody else's
             target = own_ok & (own >= hist)
-            if KEYS:
+            if PASS == "dkv":
                 q_self = _load_rows(
                     Q, start, cols, target, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
                 ).to(tl.float32)
@@ -539,7 +538,7 @@ def attention_kernel(
                 UB_TABLES=UB_TABLES,
             )
             weight_self = tl.where(target, _row_norm(own, hist, silu_scale, scale_by_position), 0.0)
-            if KEYS:
+            if PASS == "dkv":
                 dv += (silu * weight_self)[:, None] * do_self
                 ds_self = tl.sum(do_self * v_self, 1) * weight_self * _silu_grad(sig, silu)
                 dk += ds_self[:, None] * q_self

@@ -271,7 +271,7 @@ class Layout(Protocol):
         ...
 
 
-def layout_args(launch: Launch, config: TileConfig, ub_tables: bool, inputs: KernelInputs) -> dict:
+def layout_args(config: TileConfig, ub_tables: bool, inputs: KernelInputs) -> dict:
     """The tile-size switches of ``launch`` under ``config`` (the on-chip table sizes only with
     ``ub_tables``, so that the GPU variant compiles once for every table size)."""
     return dict(
@@ -325,7 +325,7 @@ class TritonKernels:
         launch.kernel[grid](
             **launch.args,
             **work,
-            **layout_args(launch, config, self.layout.ub_tables, inputs),
+            **layout_args(config, self.layout.ub_tables, inputs),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

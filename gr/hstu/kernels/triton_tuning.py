@@ -58,36 +58,38 @@ def _configs(*labels: str) -> List[TileConfig]:
     return [parse_config(label) for label in labels]
 
 
-# Per architecture family (8: Ampere, 9: Hopper and later), operand precision ("fp32": three tf32
-# products a dot, "16bit": bf16 / fp16) and kernel: the candidates autotuning times, the first the
-# default. Each compiles in a few seconds and spills no register at head dims up to 128
-# (bench/triton_compile.py); larger tiles did either or both.
-CANDIDATES: Dict[int, Dict[str, Dict[str, List[TileConfig]]]] = {
-    8: {
-        "fp32": {
-            "forward": _configs("32x32/w4/s2", "16x32/w4/s2", "32x16/w4/s2"),
-            "backward_dq": _configs("32x32/w4/s2", "16x32/w4/s2", "32x16/w4/s2"),
-            "backward_dkv": _configs("16x32/w4/s2", "32x16/w4/s2"),
-        },
-        "16bit": {
-            "forward": _configs("64x64/w8/s2", "64x32/w4/s2", "32x32/w4/s2"),
-            "backward_dq": _configs("64x64/w8/s2", "32x64/w4/s2", "32x32/w4/s2"),
-            "backward_dkv": _configs("32x32/w8/s2", "32x32/w4/s2", "16x32/w4/s2"),
-        },
+# Per operand class ("fp32": three tf32 products a dot; "16bit": bf16 / fp16; "/d64": head dims up
+# to 64, "/d128": larger) and kernel: the candidates autotuning times, the first the default.
+# Measured with bench/triton_compile.py on sm_80 and sm_90 at head dims 25, 50, 64 (d64) and 128
+# (d128), every bias combination: each compiles in 1-3 s, and none spills a register except fp32
+# dk/dv at head dims above 64 (16-64 bytes; no recipe runs it). Larger tiles, 4 warps on 64-row
+# tiles or deeper pipelines spilled, in the 16-bit kernels at head dims that are not a multiple of
+# 16 (loads element by element) first. fp32 tiles are small because each dot holds its operands
+# twice (the tf32 high and low parts).
+_TABLE: Dict[str, Dict[str, List[TileConfig]]] = {
+    "fp32/d64": {
+        "forward": _configs("16x32/w8/s2", "16x32/w4/s1", "16x16/w4/s1"),
+        "backward_dq": _configs("16x32/w4/s1"),
+        "backward_dkv": _configs("16x16/w4/s1"),
     },
-    9: {
-        "fp32": {
-            "forward": _configs("32x32/w4/s2", "16x32/w4/s2", "32x32/w8/s2"),
-            "backward_dq": _configs("16x32/w4/s2", "32x16/w4/s2"),
-            "backward_dkv": _configs("16x32/w4/s2", "32x16/w4/s2"),
-        },
-        "16bit": {
-            "forward": _configs("64x64/w8/s2", "128x32/w8/s2", "32x32/w4/s2"),
-            "backward_dq": _configs("64x64/w8/s2", "32x64/w4/s2", "32x32/w4/s2"),
-            "backward_dkv": _configs("32x32/w8/s2", "32x32/w4/s2", "16x32/w4/s2"),
-        },
+    "fp32/d128": {
+        "forward": _configs("16x16/w8/s1", "16x16/w4/s2"),
+        "backward_dq": _configs("16x32/w8/s1"),
+        "backward_dkv": _configs("16x16/w8/s1"),
+    },
+    "16bit/d64": {
+        "forward": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s2"),
+        "backward_dq": _configs("64x32/w8/s2"),
+        "backward_dkv": _configs("32x32/w8/s2", "16x32/w8/s2", "32x16/w4/s2"),
+    },
+    "16bit/d128": {
+        "forward": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s1"),
+        "backward_dq": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s1"),
+        "backward_dkv": _configs("32x32/w8/s2", "16x32/w4/s2"),
     },
 }
+# Per architecture family (8: Ampere, 9: Hopper and later): measured apart, the same table won on both
+CANDIDATES: Dict[int, Dict[str, Dict[str, List[TileConfig]]]] = {8: _TABLE, 9: _TABLE}
 
 
 def arch_family(major: int) -> int:
@@ -95,19 +97,21 @@ def arch_family(major: int) -> int:
     return 9 if major >= 9 else 8
 
 
-def precision_class(dtype: str) -> str:
-    """ "fp32" for float32 operands, "16bit" for bfloat16 / float16 (names as in ``TuningKey.dtype``)."""
-    return "fp32" if dtype == "float32" else "16bit"
+def operand_class(dtype: str, dim_qk: int, dim_v: int) -> str:
+    """ "fp32/d64", "16bit/d128", ...: the table's column for operands of ``dtype`` (a name as in
+    ``TuningKey.dtype``) and these head dims."""
+    width = "d64" if max(dim_qk, dim_v) <= 64 else "d128"
+    return f"{'fp32' if dtype == 'float32' else '16bit'}/{width}"
 
 
-def candidates(major: int, kernel: str, dtype: str) -> List[TileConfig]:
-    """The configurations autotuning times for ``kernel`` on operands of ``dtype``, the default first."""
-    return CANDIDATES[arch_family(major)][precision_class(dtype)][kernel]
+def candidates(major: int, kernel: str, dtype: str, dim_qk: int, dim_v: int) -> List[TileConfig]:
+    """The configurations autotuning times for ``kernel`` on these operands, the default first."""
+    return CANDIDATES[arch_family(major)][operand_class(dtype, dim_qk, dim_v)][kernel]
 
 
-def default_config(major: int, kernel: str, dtype: str) -> TileConfig:
+def default_config(major: int, kernel: str, dtype: str, dim_qk: int, dim_v: int) -> TileConfig:
     """The configuration ``kernel`` runs with when autotuning is off."""
-    return candidates(major, kernel, dtype)[0]
+    return candidates(major, kernel, dtype, dim_qk, dim_v)[0]
 
 
 def autotune_enabled() -> bool:
