@@ -4,6 +4,7 @@ gets its 400 naming the field (and changes nothing), hostile values and sizes ar
 hurting anyone else, metrics move, readiness means warmed up, a reload under traffic never mixes two
 models in one answer, and hash-on-user-id routing keeps a user's cache warm on its replica."""
 
+import contextlib
 import json
 import os
 import signal
@@ -58,15 +59,18 @@ def exports(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(exports):
-    """Two replicas of the retrieval export (the first one with the admin token) and a ranking server."""
-    started = []
-    try:
-        for args in ((exports["first"], "--admin-token", TOKEN), (exports["first"],), (exports["ranking"],)):
-            started.append(Server(*args))
-        yield started
-    finally:
+    """Two replicas of the retrieval export (the first one with the admin token) and a ranking server,
+    each on an in-process uvicorn (the tests below need no process boundary)."""
+    apps = [
+        create_app(Ranker.load(exports["first"]), admin_token=TOKEN),
+        create_app(Ranker.load(exports["first"])),
+        create_app(Ranker.load(exports["ranking"])),
+    ]
+    with contextlib.ExitStack() as stack:
+        started = [stack.enter_context(AppServer(app)) for app in apps]
         for server in started:
-            server.stop()
+            server.wait_ready()
+        yield started
 
 
 def test_http_scores_equal_the_in_process_rankers(exports, servers):
@@ -245,8 +249,7 @@ def test_non_finite_scores_are_a_500_naming_the_error_never_nan_in_json(tmp_path
     model = build_generative_model(1, 3)
     with torch.no_grad():
         model.embeddings.table_weight("item")[7] = 3e38
-    server = Server(export_model(model, tmp_path / "broken"))
-    try:
+    with AppServer(create_app(Ranker.load(export_model(model, tmp_path / "broken")), warm_up=False)) as server:
         for history, status_wanted in (([1, 2, 7], 500), ([1, 2, 3], 200)):
             status, body = server.call(
                 "POST",
@@ -263,8 +266,6 @@ def test_non_finite_scores_are_a_500_naming_the_error_never_nan_in_json(tmp_path
                 assert all(isinstance(value, str) for value in body.values())  # no score, so no NaN, in the body
             else:
                 assert all(np.isfinite(body["scores"]["retrieval"]))
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("command", ["serve", "rank", "generate"])
@@ -368,9 +369,17 @@ def post_chunks_past(port: int, path: str, body: bytes, limit: int):
         for start in range(0, limit + 1, 4096):
             chunk = body[start : start + 4096]
             conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        response = b"".join(iter(lambda: conn.recv(65536), b""))
+        response = b""
+        while not _complete(response):  # the answer alone: the server may keep the connection open
+            response += conn.recv(65536) or b"\r\n\r\n"
     head, _, payload = response.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(payload)
+
+
+def _complete(response: bytes) -> bool:
+    head, sep, payload = response.partition(b"\r\n\r\n")
+    lengths = [int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+    return bool(sep) and (not lengths or len(payload) >= lengths[0])
 
 
 def test_requests_past_a_limit_are_refused_naming_the_limit_and_its_flag(app_servers):
