@@ -570,23 +570,12 @@ def attention_kernel(
                     DIM=DIM_V,
                     BLOCK_D=BLOCK_DV,
                 )
-            elif PASS == "dq":
-                ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * _silu_grad(sig, silu)
-                acc = (acc + ds_self[:, None] * k_self) * alpha
-                _store_rows(
-                    Out,
-                    acc,
-                    start,
-                    rows,
-                    own_ok,
-                    h,
-                    stride_t=stride_ot,
-                    stride_h=stride_oh,
-                    DIM=DIM_QK,
-                    BLOCK_D=BLOCK_DQK,
-                )
             else:
-                acc += (silu * weight_self)[:, None] * v_self
+                if PASS == "dq":
+                    ds_self = tl.sum(do.to(tl.float32) * v_self, 1) * weight_self * _silu_grad(sig, silu)
+                    acc = (acc + ds_self[:, None] * k_self) * alpha
+                else:
+                    acc += (silu * weight_self)[:, None] * v_self
                 _store_rows(
                     Out,
                     acc,
@@ -596,6 +585,6 @@ def attention_kernel(
                     h,
                     stride_t=stride_ot,
                     stride_h=stride_oh,
-                    DIM=DIM_V,
-                    BLOCK_D=BLOCK_DV,
+                    DIM=DIM_QK if PASS == "dq" else DIM_V,
+                    BLOCK_D=BLOCK_DQK if PASS == "dq" else BLOCK_DV,
                 )
