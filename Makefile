@@ -40,8 +40,10 @@ demo: $(STAMP)
 	$(AUTOLOAD) $(PY) examples/http_demo.py $(EXPORT)
 
 # GR_TEST_DEVICE=cuda|npu make test: the device suites on that device (tests/conftest.py decides the autoload).
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test module per worker at a time.
+TEST_WORKERS ?= 2
 # Style first (ruff lint + format check, configured in pyproject.toml), then the suite.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest tests
+	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests

@@ -5,6 +5,7 @@ from gr.devices import configure_backend_autoload, requested_test_device, suite_
 # GR_TEST_DEVICE=npu keeps torch_npu's autoload on; unset or cpu/cuda, it stays off unless an NPU host is detected
 configure_backend_autoload(requested_test_device())
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault("GR_TRITON_AUTOTUNE", "0")  # Triton tiles from the built-in table: no autotuning in tests
 if suite_device() == "cpu":
     # Triton's interpreter for the Triton kernels on CPU tensors: read when triton is first imported, and the
     # training stack imports it (through torch) before any attention test module, so it is set here, once.
@@ -13,6 +14,37 @@ if suite_device() == "cpu":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+# End-to-end modules: training runs, subprocesses, servers, benchmarks. ``-m "not slow"`` leaves them out
+# for a fast inner loop (README); ``make test`` runs everything.
+SLOW_MODULES = {
+    "test_benches.py",
+    "test_cli_errors.py",
+    "test_console.py",
+    "test_custom_project.py",
+    "test_device_check.py",
+    "test_device_end_to_end.py",
+    "test_devices.py",
+    "test_declared_features.py",
+    "test_evaluate.py",
+    "test_export_roundtrip.py",
+    "test_export_run.py",
+    "test_faults.py",
+    "test_fsdp.py",
+    "test_generation_serving.py",
+    "test_hstu_slice_spec.py",
+    "test_item_store.py",
+    "test_model_class.py",
+    "test_serving_http.py",
+    "test_serving_retrieval_batching.py",
+    "test_train_run.py",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

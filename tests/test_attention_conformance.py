@@ -171,7 +171,7 @@ def _vendor_refuses(backend, options):
     return options.get("silu_scale") is None or options.get("contextual_len", 0) or options.get("max_attn_len", 0)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow if "long" in c else ()) for c in CASES])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_matches_reference_forward_and_gradients(backend, case):
     tensors, meta, options = _case(case)

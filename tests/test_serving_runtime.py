@@ -448,6 +448,7 @@ def test_generation_never_imports_the_serving_runtime_and_generate_not_the_ranke
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [1, 4])
 def test_long_histories_are_evicted_in_blocks_and_the_cache_survives_between_them(block, tmp_path):
     """max_seq_len 8: a history streamed one action at a time is re-encoded only when its window

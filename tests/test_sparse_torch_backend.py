@@ -231,6 +231,7 @@ print(json.dumps({"auc": metrics["auc"], "largest_difference": difference, "impo
 """
 
 
+@pytest.mark.slow
 def test_torch_backend_trains_exports_and_serves_where_torchrec_cannot_be_imported(tmp_path):
     recipe = with_overrides(RANKING, ("sparse.backend", "torch"), ("trainer.max_epochs", 1))
     TrainConfig.from_dict(json.loads(json.dumps(recipe)))
