@@ -106,7 +106,17 @@ BENCHES = (
     Bench("bench/dejavu.py", ("smoke",)),
     Bench(
         "bench/serving.py",
-        ("bench", "clock", "load_average_1min", "model", "cache_bytes_per_token", "ratios", "streaming", "batching"),
+        (
+            "bench",
+            "clock",
+            "load_average_1min",
+            "model",
+            "cache_bytes_per_token",
+            "ratios",
+            "streaming",
+            "batching",
+            "retrieval",
+        ),
     ),
     Bench("bench/serving_http.py", ("history", "candidates", "in_process", "http", "http_p50_overhead_at_1_client")),
     Bench(
