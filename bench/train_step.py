@@ -335,12 +335,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="train_step_"))
     native_ops("gr_cpu_fused")  # a first build (~15-30 s) here, not inside the first timed epoch
     ratings = write_ml1m_shaped_ratings(work, users)
-    peak_seconds = 0.2 if args.smoke else 1.0
+    # smoke: a small matmul, since a 1024^3 bf16 one takes ~5 s where bf16 is emulated
+    peak_seconds, peak_size = (0.2, 256) if args.smoke else (1.0, 1024)
 
     def measure_peaks() -> Dict[str, float]:
         """fp32 and bf16 peaks; bf16-mixed's is the higher of the two: on a CPU without bf16
         instructions, bf16 matmuls are emulated (~1 GFLOP/s) and gr's kernels compute in fp32."""
-        fp32, bf16 = (matmul_peak(dtype, peak_seconds) for dtype in (torch.float32, torch.bfloat16))
+        fp32, bf16 = (matmul_peak(dtype, peak_seconds, peak_size) for dtype in (torch.float32, torch.bfloat16))
         return {"32-true": fp32, "bf16-mixed": max(fp32, bf16)}
 
     peaks = measure_peaks()

@@ -50,6 +50,7 @@ from gr.export.format import (
 from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
 from gr.export.item_store import run_item_features, write_item_store
 from gr.export.manifest import write_manifest
+from gr.export.onnx_registry import registry_built_once
 from gr.export.reader import ONNX_DTYPES, check_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, REQUEST, SliceGraph, SliceSpec, TensorSpec
 from gr.export.sparse_manifest import FeatureEntry, SparseManifest, TableEntry
@@ -350,7 +351,7 @@ def _export_onnx(
     else:
         dynamic = (tuple({0: dim} for _ in example),)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), registry_built_once():
             torch.onnx.export(
                 adapter,
                 example,
