@@ -22,13 +22,13 @@ unavailable; the callers then run their PyTorch code, which computes the same th
 ``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
 load the cached library in well under a second) with ``-march=native``. The library's directory is
 named by a hash of everything the binary depends on (the sources and headers, the flags, the torch
-version, this CPU's model and flags), so two checkouts or versions never share or rebuild each
-other's library. One process builds and loads it at most once, whatever its threads do;
-concurrent processes wait for each other's build (``torch.utils.cpp_extension``'s lock file).
-The attention and layer ops multiply with ``gr/csrc/gr_gemm.h``
-(in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``),
-which links the BLAS that PyTorch's x86 builds carry (MKL, ``gr/csrc/gr_blas.h``); where that, or a
-compiler, is missing the build fails once per process and the reason is logged.
+version, this CPU's model and flags) and compiles copies of the sources kept there, so two versions
+never share or rebuild each other's library, and checkouts of one version share one build. One
+process builds and loads it at most once, whatever its threads do; concurrent processes wait for
+each other's build (``torch.utils.cpp_extension``'s lock file). The attention and layer ops multiply
+with ``gr/csrc/gr_gemm.h`` (in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``), which links
+the BLAS that PyTorch's x86 builds carry (MKL, ``gr/csrc/gr_blas.h``); where that, or a compiler, is
+missing the build fails once per process and the reason is logged.
 
 ``GR_CPU_FUSED=0`` turns them off; ``GR_CPU_FUSED=1`` makes a failed build an error instead of a
 fallback. The build directory is ``$GR_EXTENSIONS_DIR`` or ``~/.cache/gr/extensions``.
@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
+
+from gr.atomic import write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ def _cpu_text() -> str:
 def library_name() -> str:
     """``gr_cpu_native_<hash>``: a hash of the sources and headers, the flags, the torch version and this CPU."""
     digest = hashlib.sha256()
-    for path in (*SOURCES, *sorted(HEADERS.glob("*.h"))):
+    for path in (*SOURCES, *_headers()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, _cpu_text())).encode())
     return f"gr_cpu_native_{digest.hexdigest()[:16]}"
@@ -149,6 +151,27 @@ def _load() -> Tuple[bool, str]:
     return True, ""
 
 
+def _staged(sources: List[Path], target: Path) -> List[Path]:
+    """Copies of ``sources`` in ``target`` and of the headers in ``target/../include`` -> the copies.
+
+    The build then names the same paths whichever checkout asks for it, so checkouts of one version
+    share one library: ninja rebuilds when a source's path changes, even to identical content. A copy
+    is written (atomically) only where it is missing or differs, which keeps a built library current."""
+    staged = []
+    for source, folder in [(s, target) for s in sources] + [(h, target.parent / "include") for h in _headers()]:
+        copy, content = folder / source.name, source.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != content:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_bytes(copy, content)
+        if folder == target:
+            staged.append(copy)
+    return staged
+
+
+def _headers() -> List[Path]:
+    return sorted(HEADERS.glob("*.h"))
+
+
 def build(name: str, sources: List[Path], directory: Path) -> None:
     """Compile ``sources`` into ``directory/name`` (or reuse it there) and load it into this process."""
     import ninja
@@ -160,10 +183,10 @@ def build(name: str, sources: List[Path], directory: Path) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     load(
         name=name,
-        sources=[str(source) for source in sources],
+        sources=[str(source) for source in _staged(sources, build_dir / "src")],
         extra_cflags=list(CFLAGS),  # copies: torch's load() appends to its flag lists in place
         extra_ldflags=list(LDFLAGS),
-        extra_include_paths=[str(HEADERS)],
+        extra_include_paths=[str(build_dir / "include")],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,

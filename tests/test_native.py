@@ -43,6 +43,25 @@ def test_a_broken_source_fails_to_build_with_the_compiler_error(tmp_path):
         native.build("gr_test_broken_source", [broken], tmp_path / "extensions")
 
 
+def test_checkouts_of_one_version_share_one_build_and_a_changed_source_is_copied_again(tmp_path):
+    """ninja rebuilds when a source's path changes: the build compiles copies kept in its directory."""
+    checkouts = [tmp_path / "a", tmp_path / "b"]
+    for checkout in checkouts:
+        checkout.mkdir()
+        (checkout / "tiny.cpp").write_text("int gr_tiny() { return 1; }\n")
+    library = tmp_path / "extensions" / "gr_test_shared_build" / "gr_test_shared_build.so"
+    native.build("gr_test_shared_build", [checkouts[0] / "tiny.cpp"], tmp_path / "extensions")
+    built = library.stat().st_mtime_ns
+    native.build("gr_test_shared_build", [checkouts[1] / "tiny.cpp"], tmp_path / "extensions")
+    assert library.stat().st_mtime_ns == built
+    staged = library.parent / "src" / "tiny.cpp"
+    assert staged.read_text() == (checkouts[0] / "tiny.cpp").read_text()
+    assert {p.name for p in (library.parent / "include").iterdir()} == {h.name for h in native.HEADERS.glob("*.h")}
+    (checkouts[1] / "tiny.cpp").write_text("int gr_tiny() { return 2; }\n")
+    native.build("gr_test_shared_build", [checkouts[1] / "tiny.cpp"], tmp_path / "extensions")
+    assert "return 2" in staged.read_text()
+
+
 def test_a_failed_build_falls_back_with_the_reason_logged_or_fails_when_required(monkeypatch, caplog):
     def failing_build(name, sources, directory):
         raise RuntimeError("no C++ compiler found")
