@@ -22,8 +22,9 @@ unavailable; the callers then run their PyTorch code, which computes the same th
 ``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
 load the cached library in well under a second) with ``-march=native``. The library's directory is
 named by a hash of everything the binary depends on (the sources and headers, the flags, the torch
-version, this CPU's model and flags) and compiles copies of the sources kept there, so two versions
-never share or rebuild each other's library, and checkouts of one version share one build. One
+version and installation, this CPU's model and flags) and compiles copies of the sources kept there,
+so two versions or environments never share or rebuild each other's library, and checkouts of one
+version using one environment share one build. One
 process builds and loads it at most once, whatever its threads do; concurrent processes wait for
 each other's build (``torch.utils.cpp_extension``'s lock file). The attention and layer ops multiply
 with ``gr/csrc/gr_gemm.h`` (in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``), which links
@@ -83,11 +84,13 @@ def _cpu_text() -> str:
 
 
 def library_name() -> str:
-    """``gr_cpu_native_<hash>``: a hash of the sources and headers, the flags, the torch version and this CPU."""
+    """``gr_cpu_native_<hash>``: a hash of the sources and headers, the flags, the torch version and
+    installation (environments of one version still compile against their own copy) and this CPU."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *_headers()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, _cpu_text())).encode())
+    torch_install = str(Path(torch.__file__).resolve().parent)  # its headers and libraries: a venv's own
+    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, torch_install, _cpu_text())).encode())
     return f"gr_cpu_native_{digest.hexdigest()[:16]}"
 
 

@@ -166,13 +166,16 @@ def test_concurrent_first_uses_build_and_load_once(monkeypatch, tmp_path):
     assert len(calls) == 1 and results == [(True, "")] * 4
 
 
-def test_the_library_name_hashes_sources_flags_and_torch_and_a_build_changes_no_flag(monkeypatch, tmp_path):
+def test_the_library_name_hashes_sources_flags_torch_and_its_install_and_a_build_changes_no_flag(monkeypatch, tmp_path):
     name = native.library_name()
     assert name.startswith("gr_cpu_native_") and native.library_name() == name
     monkeypatch.setattr(native, "LDFLAGS", (*native.LDFLAGS, "-lm"))
     assert native.library_name() != name
     monkeypatch.setattr(native.torch, "__version__", "0.0.0")
     monkeypatch.setattr(native, "LDFLAGS", native.LDFLAGS[:-1])
+    assert native.library_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(native.torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
     assert native.library_name() != name
     before = (native.CFLAGS, native.LDFLAGS)
 
