@@ -333,7 +333,7 @@ def main() -> None:
         parser.error(f"--epochs: expected an int >= 1, got {args.epochs}")
     mean = f" (mean of {args.epochs})" if args.epochs > 1 else ""
     work = Path(tempfile.mkdtemp(prefix="train_step_"))
-    native_ops("gr_cpu_fused")  # a first build (~15-30 s) here, not inside the first timed epoch
+    native_ops("gr_cpu_fused")  # a first build (~1 min) here, not inside the first timed epoch
     ratings = write_ml1m_shaped_ratings(work, users)
     # smoke: a small matmul, since a 1024^3 bf16 one takes ~5 s where bf16 is emulated
     peak_seconds, peak_size = (0.2, 256) if args.smoke else (1.0, 1024)

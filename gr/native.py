@@ -19,8 +19,8 @@
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
-``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; ~15 s once, later processes
-load the cached library in well under a second) with ``-march=native``. The library's directory is
+``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; about a minute once on 2 cores,
+later processes load the cached library in well under a second) with ``-march=native``. The library's directory is
 named by a hash of everything the binary depends on (the sources and headers, the flags, the torch
 version and installation, this CPU's model and flags) and compiles copies of the sources kept there,
 so two versions or environments never share or rebuild each other's library, and checkouts of one
@@ -144,7 +144,7 @@ def _load() -> Tuple[bool, str]:
     directory = Path(os.environ.get("GR_EXTENSIONS_DIR", Path.home() / ".cache" / "gr" / "extensions"))
     name = library_name()
     if not (directory / name / f"{name}.so").exists():  # progress: the first step waits for it
-        print(f"compiling gr's fused CPU kernels for this CPU, once (~15 s): {directory / name}", file=sys.stderr)
+        print(f"compiling gr's fused CPU kernels for this CPU, once (~1 min): {directory / name}", file=sys.stderr)
     try:
         build(name, SOURCES, directory)
     except Exception as error:  # a compiler or BLAS symbol missing: run the unfused kernel
