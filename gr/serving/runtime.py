@@ -342,7 +342,12 @@ class Ranker:
                 cached = entry
             else:
                 cache, hidden = ran[i]
-                last = None if engine.defers_last or h.length == 0 else hidden[-1] if len(hidden) else entry.last_hidden
+                if engine.defers_last or h.length == 0:
+                    last = None
+                elif len(hidden):
+                    last = hidden[-1]
+                else:  # no token committed now: the cached entry's last output still holds
+                    last = entry.last_hidden
                 cached = CachedUser(h.tokens, cache, h.model_version, last)
                 if use_cache:
                     self.cache.put(h.user_id, cached, h.model_version)

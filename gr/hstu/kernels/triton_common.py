@@ -272,7 +272,7 @@ class Layout(Protocol):
 
 
 def layout_args(config: TileConfig, ub_tables: bool, inputs: KernelInputs) -> dict:
-    """The tile-size switches of ``launch`` under ``config`` (the on-chip table sizes only with
+    """The kernel's tile-size switches under ``config`` (the on-chip table sizes only with
     ``ub_tables``, so that the GPU variant compiles once for every table size)."""
     return dict(
         UB_TABLES=ub_tables,
