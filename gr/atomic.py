@@ -4,22 +4,29 @@ Everything gr writes for a person or a later process (configs, metrics, mappings
 checkpoints, exports) goes through these helpers: the content is written to a temporary
 sibling, flushed, and renamed over the target, so a crash leaves the old version or the
 new one, never a torn file.
+
+A directory is written in a sibling ``.NAME.tmp-<hex>`` that its writer holds under ``fcntl.flock``
+(the OS drops the lock when the process exits or dies, kill -9 included). One whose lock is free
+was left by a killed writer: stale, removed by the next ``atomic_directory`` of NAME.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterator, Union
+from typing import IO, Any, Iterator, List, Optional, Tuple, Union
 
 from gr.crash_points import crash_point
 
 PathLike = Union[str, Path]
+TEMPORARY = ".tmp-"  # .NAME.tmp-<hex>: where atomic_directory writes NAME
+LOCK_TRIES = 5  # each retry follows another process removing our new directory before we locked it
 
 
 @contextlib.contextmanager
@@ -61,20 +68,96 @@ def atomic_directory(target: PathLike, *, overwrite: bool = False) -> Iterator[P
 
     Without ``overwrite`` an existing ``target`` is a FileExistsError before anything is
     written. A replaced ``target`` is first renamed aside and removed only once the new
-    directory is in place (``replace_directory``).
+    directory is in place (``replace_directory``). Stale temporary siblings are removed first;
+    a directory that cannot be created is an OSError naming ``target``; on failure the parent
+    directories this call created are removed again.
     """
     target = Path(target)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target}: already exists; pass overwrite=True (--overwrite) to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
+    created = [d for d in target.parents if not d.exists()]  # deepest first
     try:
-        yield tmp
-        replace_directory(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            for path in _temporaries(target):
+                _remove_stale(path)
+            tmp, fd = _locked_temporary(target)
+        except OSError as error:
+            raise type(error)(f"{target}: cannot write there ({error})") from None
+        try:
+            yield tmp
+            replace_directory(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):  # not empty: someone else wrote there, keep it
+            for directory in created:
+                directory.rmdir()
+        raise
+
+
+def stale_directories(target: PathLike) -> List[Path]:
+    """The temporary siblings of ``target`` (``.NAME.tmp-*``) that no live process holds: left by
+    an ``atomic_directory`` whose process was killed."""
+    stale = []
+    for path in _temporaries(Path(target)):
+        fd = _lock_if_free(path)
+        if fd is not None:
+            os.close(fd)
+            stale.append(path)
+    return stale
+
+
+def _temporaries(target: Path) -> List[Path]:
+    """The ``.NAME.tmp-*`` siblings of ``target``, live or stale."""
+    target = target.absolute()
+    prefix = f".{target.name}{TEMPORARY}"
+    if not target.parent.is_dir():
+        return []
+    return sorted(p for p in target.parent.iterdir() if p.name.startswith(prefix))
+
+
+def _lock_if_free(path: Path) -> Optional[int]:
+    """A descriptor holding ``path``'s lock when ``path`` is a directory (not a link) no one holds."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone, a link, or not a directory: not ours
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # a live writer holds it
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove a stale temporary directory under its lock (skipped if a process took it meanwhile)."""
+    fd = _lock_if_free(path)
+    if fd is not None:
+        try:
+            shutil.rmtree(path, ignore_errors=True)  # what cannot be removed stays, as before
+        finally:
+            os.close(fd)
+
+
+def _locked_temporary(target: Path) -> Tuple[Path, int]:
+    """A new empty ``.NAME.tmp-<hex>`` beside ``target`` and a descriptor holding its lock."""
+    for _ in range(LOCK_TRIES):
+        tmp = target.parent / f".{target.name}{TEMPORARY}{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:  # another process took it for stale before we locked it
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while another process checks or removes it
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return tmp, fd
+        os.close(fd)
+    raise OSError("other processes keep removing its new temporary directory")
 
 
 def replace_directory(source: PathLike, target: PathLike) -> None:

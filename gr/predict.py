@@ -28,7 +28,8 @@ the input's ``candidates.*`` columns and ``scores.<name>`` (list<float32>, one p
 Parquet only: the history and candidates are lists, which Parquet stores as typed list
 columns; CSV has no list type, and a list encoding inside CSV cells would be a second format
 to document and validate. Bad input stops before the output appears, with one error naming the
-file, the row (counted from 0) and the column.
+file, the row (counted from 1, as training's Parquet errors count them) and the column. An
+``--output`` that is the input file (under any spelling or link) or a directory is refused first.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def predict(
     if batch_size < 1 or k < 1:
         raise ValueError(f"--batch-size and --k: expected >= 1, got {batch_size} and {k}")
     input_path, output_path = Path(input_path), Path(output_path)
+    _check_output(input_path, output_path)
     try:
         check_device(device)
     except RuntimeError as exc:  # the host cannot serve there: bad input, one line
@@ -205,6 +207,17 @@ def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
 
 
+def _check_output(input_path: Path, output_path: Path) -> None:
+    """Refuse an output that would overwrite the input or cannot be a file: ValueError / OSError
+    naming --output."""
+    if output_path.exists() and input_path.exists() and output_path.samefile(input_path):
+        raise ValueError(f"--output {output_path}: is the --input file {input_path}; write elsewhere")
+    if output_path.is_dir():
+        raise IsADirectoryError(f"--output {output_path}: is a directory; expected a Parquet file to write")
+    if not output_path.parent.is_dir():
+        raise FileNotFoundError(f"--output {output_path}: its directory {output_path.parent} does not exist")
+
+
 def _open(path: Path) -> pq.ParquetFile:
     if not path.is_file():
         raise FileNotFoundError(f"--input {path}: no such file")
@@ -233,11 +246,12 @@ class _Rows:
             self.columns[name] = self._cells(name, column)
 
     def row_error(self, row: int, error: Exception, column: Optional[str] = None) -> ValueError:
-        """``FILE: row R, column C: message`` (the column read from a RequestError's field)."""
+        """``FILE: row R, column C: message``, R counted from 1 (the column read from a RequestError's
+        field)."""
         text = str(error)
         if column is None and isinstance(error, RequestError) and error.field in self.columns:
             column, text = error.field, text[len(error.field) + 2 :]
-        where = f"{self.path}: row {self.first + row}" + (f", column {column}" if column else "")
+        where = f"{self.path}: row {self.first + row + 1}" + (f", column {column}" if column else "")
         return ValueError(f"{where}: {text}")
 
     def _cells(self, name: str, column: pa.Array) -> Callable[[int], Any]:
@@ -405,7 +419,7 @@ def _main(argv: List[str]) -> int:
         description="Score a Parquet file of users with an export: with candidates.* columns each row's "
         "candidates are ranked, without them each row gets its top --k items (retrieval exports). Columns: "
         "user_id, history.<feature> lists (history.item_id, history.timestamps, ...), optional candidates.<feature> "
-        "lists, common_features.<feature>, request_time (see gr/predict.py). Rows count from 0 in error messages.",
+        "lists, common_features.<feature>, request_time (see gr/predict.py). Rows count from 1 in error messages.",
     )
     parser.add_argument("export_dir", type=Path, metavar="EXPORT")
     parser.add_argument("--input", type=Path, required=True, help="Parquet file, one row per user")

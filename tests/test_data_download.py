@@ -105,6 +105,37 @@ def test_wrong_md5_from_the_cli_is_a_checksum_mismatch_and_creates_nothing(serve
     assert not target.exists() and list(tmp_path.iterdir()) == [root]
 
 
+def test_a_failed_download_removes_the_parent_directories_it_created_and_only_those(served, tmp_path):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "mine.txt").write_text("kept")
+    with pytest.raises(dl.ChecksumMismatch):
+        dl.download_dataset(
+            "ml-100k",
+            tmp_path / "a" / "b" / "c" / "ml-100k",
+            sha256="0" * 64,
+            progress=False,
+            sources=_source(archive, f"{base}/ml-100k.zip"),
+        )
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["mine.txt"]
+
+
+@pytest.mark.parametrize("where", ["under a file", "/proc"])
+def test_an_unwritable_target_is_one_line_naming_it_with_exit_status_2(tmp_path, capsys, where):
+    if where == "/proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this host")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    target = blocker / "sub" / "ml-100k" if where == "under a file" else Path("/proc/dl")
+    # a closed local port: nothing reaches the network even if the target were writable
+    code = dl.main(["ml-100k", str(target), "--url", "http://127.0.0.1:9/ml-100k.zip", "--no-progress"])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    reason = "NotADirectoryError" if where == "under a file" else "FileNotFoundError"
+    assert code == 2 and line.startswith(f"gr data download: error: {reason}: {target}: cannot write there (")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_wrong_sha256_option_is_a_checksum_mismatch(served, tmp_path):
     root, base = served
     archive = _ml_100k_zip(root / "ml-100k.zip")

@@ -4,10 +4,13 @@ but wrong export): truncated weights, a missing slice, edited shapes, unknown ve
 edges, paths that leave the export, non-finite weights, id maps that repeat a raw id or pass their
 table. Also the ``check`` CLI."""
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +98,18 @@ def test_added_missing_and_linked_files_are_manifest_errors(export, tmp_path):
     assert ("hstu/extra.bin", "file is not in MANIFEST") in found
     assert ("sparse/user.safetensors", "file is missing (MANIFEST lists it)") in found
     assert ("prefix_dnn/link.txt", "a symbolic link") in found
+
+
+@pytest.mark.parametrize("outside", ["copy", "/etc/passwd"])
+def test_a_linked_manifest_is_refused_by_name_without_reading_it(export, tmp_path, outside):
+    target = tmp_path / "MANIFEST.copy" if outside == "copy" else Path(outside)
+    if outside == "copy":
+        shutil.copy(export / "MANIFEST", target)
+    (export / "MANIFEST").unlink()
+    os.symlink(target, export / "MANIFEST")
+    assert problems(export) == [("MANIFEST", "-", "a symbolic link: an export holds plain files only")]
+    with pytest.raises(ExportFormatError, match=r"MANIFEST \[-\]: a symbolic link"):
+        Ranker.load(export)
 
 
 def test_missing_manifest_or_a_format_1_export_is_refused_with_what_to_do(export):
@@ -228,6 +243,46 @@ def test_check_cli_reports_problems_by_file_and_key(export, capsys):
     out = capsys.readouterr().out
     assert "ERROR sparse/item.safetensors [weight]: shape [50, 16], sparse.ini says [60, 16]" in out
     assert out.strip().endswith("1 problem(s)")
+
+
+def test_stale_temporaries_of_a_killed_export_are_named_by_check_and_removed_by_the_next_export(
+    pristine, tmp_path, capsys
+):
+    """An export writes into ``.NAME.tmp-*`` beside NAME under ``fcntl.flock``: one whose lock no live
+    process holds (its writer was killed) is stale; one a live process holds is left alone."""
+    target = tmp_path / "export"
+    shutil.copytree(pristine, target)
+    stale, live, other = tmp_path / ".export.tmp-0badc0de", tmp_path / ".export.tmp-11ve", tmp_path / ".other.tmp-1"
+    for directory in (stale, live, other):
+        (directory / "hstu").mkdir(parents=True)
+        (directory / "hstu/model.safetensors").write_bytes(b"partial")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print(flush=True); time.sleep(120)",
+            str(live),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        holder.stdout.readline()  # the live export holds its directory
+        assert export_main(["check", str(target)]) == 0
+        out = capsys.readouterr().out
+        assert f"WARNING {stale}: a temporary directory left by an interrupted export" in out
+        assert str(live) not in out and str(other) not in out and out.strip().endswith(": OK")
+        export_model(build_ranking_model(), target, dense_dims=DENSE_DIMS, overwrite=True)
+        assert not stale.exists() and live.exists() and other.exists()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".export.")] == [live.name]
+    finally:
+        holder.kill()
+        holder.wait()
+    fd = os.open(live, os.O_RDONLY)  # killed: its lock went with it
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    assert export_main(["check", str(target)]) == 0
+    assert f"WARNING {live}: " in capsys.readouterr().out
 
 
 RAW_ITEMS = [f"m{i:02d}" for i in range(50)]

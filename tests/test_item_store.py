@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.export import ExportFormatError, check_export, export_model
+from gr.export.__main__ import main as export_main
 from gr.export.format import ExportError
 from gr.export.item_store import ITEM_STORE
 from gr.export.manifest import write_manifest
@@ -137,6 +138,7 @@ def _set(name, value):
         (_set("price", np.zeros((STORED, 2), dtype=np.float32)), "price", r"expected float32 \[40, 3\]"),
         (_set("colour", np.zeros(STORED, dtype=np.int64)), "colour", "not a token feature"),
         (_set("item_id", np.arange(STORED)[::-1].copy()), "item_id", "strictly increasing"),
+        (_set("item_id", np.arange(STORED) + NUM_ITEMS - STORED + 1), "item_id", r"model ids in \[0, 50\)"),
         (lambda t, m: m.update(format_version="7"), "format_version", "unknown format version '7'"),
     ],
 )
@@ -146,3 +148,14 @@ def test_a_damaged_store_is_refused_naming_the_tensor(store_export, tmp_path, ch
     assert [(p.file, p.key) for p in problems] == [(ITEM_STORE, key)] and re.search(message, problems[0].message)
     with pytest.raises(ExportFormatError, match=message):
         Ranker.load(export)
+
+
+def test_an_item_id_past_the_table_is_a_named_error_for_check_and_reload(store_export, tmp_path, capsys):
+    export = damaged(store_export, tmp_path, _set("item_id", np.arange(STORED) + NUM_ITEMS - STORED + 1))
+    assert export_main(["check", str(export)]) == 1
+    out = capsys.readouterr().out
+    assert f"ERROR {ITEM_STORE} [item_id]: expected strictly increasing model ids in [0, 50)" in out
+    ranker = Ranker.load(store_export)
+    with pytest.raises(ExportFormatError, match=rf"{re.escape(ITEM_STORE)} \[item_id\]: expected strictly increasing"):
+        ranker.reload(export)
+    assert len(ranker.rank("a", HISTORY, CANDIDATES, use_cache=False).scores["retrieval"]) == 4  # the old model serves

@@ -2,6 +2,7 @@
 ``Ranker.rank``'s for that user alone, top-k rows equal ``Ranker.recommend``, struct columns read
 as dotted ones, and bad input is one error naming the file, row and column, with no output."""
 
+import os
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -11,7 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from gr.cli import main as gr_main
+from gr.data.config import ColumnConfig
+from gr.data.interactions import DataFormatError
 from gr.data.mappings import IdMap, save_mappings
+from gr.data.readers import read_table_parquet
 from gr.export import export_model
 from gr.predict import predict
 from gr.serving import IdOptions, Ranker, RecommendRequest
@@ -149,28 +153,28 @@ def _set(table: pa.Table, name: str, row: int, value: Any, kind: Any = None) -> 
         (
             "retrieval",
             lambda t: _set(t, "history.item_id", 2, ["m01", "nope", "m03"]),
-            "row 2, column history.item_id: unknown raw id(s) ['nope']",
+            "row 3, column history.item_id: unknown raw id(s) ['nope']",
         ),
-        ("retrieval", lambda t: _set(t, "history.timestamps", 1, None), "row 1, column history.timestamps: null"),
+        ("retrieval", lambda t: _set(t, "history.timestamps", 1, None), "row 2, column history.timestamps: null"),
         (
             "retrieval",
             lambda t: _set(t, "history.timestamps", 1, [1, 2, 3, 4, 2**64 - 1], pa.list_(pa.uint64())),
-            "row 1, column history.timestamps: 18446744073709551615 does not fit int64",
+            "row 2, column history.timestamps: 18446744073709551615 does not fit int64",
         ),
         (
             "retrieval",
             lambda t: _set(t, "history.timestamps", 2, [5] * 15 + [4]),
-            "row 2, column history.timestamps: out of order: [15] = 4 is earlier than [14] = 5",
+            "row 3, column history.timestamps: out of order: [15] = 4 is earlier than [14] = 5",
         ),
         (
             "ranking",
             lambda t: _set(t, "history.age", 3, [[0.5]] * 18 + [[float("nan")]]),
-            "row 3, column history.age: non-finite value nan",
+            "row 4, column history.age: non-finite value nan",
         ),
         (
             "ranking",
             lambda t: _set(t, "common_features.user_score", 4, [0.1, float("inf")]),
-            "row 4, column common_features.user_score: non-finite value inf",
+            "row 5, column common_features.user_score: non-finite value inf",
         ),
         ("ranking", lambda t: _drop(t, "candidates.item_id"), "missing column(s) ['candidates.item_id']"),
     ],
@@ -190,3 +194,41 @@ def test_a_ranking_export_without_candidates_asks_for_them(ranking, tmp_path):
     users = write(as_table(requests, ("history", "common_features")), tmp_path / "users.parquet")
     with pytest.raises(ValueError, match=r"ranking export: give candidates\.item_id"):
         predict(path, users, tmp_path / "out.parquet")
+
+
+def test_parquet_rows_count_from_1_in_predict_as_in_training(retrieval, tmp_path, capsys):
+    path, requests = retrieval
+    users = write(_set(as_table(requests, ("history",)), "history.timestamps", 1, None), tmp_path / "users.parquet")
+    assert gr_main(["predict", str(path), "--input", str(users), "--output", str(tmp_path / "out.parquet")]) == 2
+    assert f"{users}: row 2, column history.timestamps: null value" in capsys.readouterr().err
+    events = write(pa.table({"u": [1, None], "i": [3, 4], "t": [5, 6]}), tmp_path / "events.parquet")
+    with pytest.raises(DataFormatError, match=rf"{events}: row 2: column 'u' is null"):
+        read_table_parquet(str(events), ColumnConfig(user="u", item="i", timestamp="t"))
+
+
+@pytest.mark.parametrize("spelling", ["same", "other spelling", "symlink"])
+def test_an_output_that_is_the_input_is_refused_before_anything_runs(retrieval, tmp_path, capsys, spelling):
+    _, requests = retrieval
+    users = write(as_table(requests, ("history",)), tmp_path / "users.parquet")
+    before = users.read_bytes()
+    (tmp_path / "sub").mkdir()
+    os.symlink(users, tmp_path / "link.parquet")
+    output = {"same": users, "other spelling": tmp_path / "sub/../users.parquet", "symlink": tmp_path / "link.parquet"}
+    missing_export = tmp_path / "no-export"  # never opened: the refusal comes first
+    argv = ["predict", str(missing_export), "--input", str(users), "--output", str(output[spelling])]
+    assert gr_main(argv) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"gr predict: error: --output {output[spelling]}: is the --input file {users}; write elsewhere"
+    assert users.read_bytes() == before
+
+
+def test_an_output_directory_or_one_in_a_missing_directory_is_a_one_line_error(retrieval, tmp_path, capsys):
+    path, requests = retrieval
+    users = write(as_table(requests, ("history",)), tmp_path / "users.parquet")
+    for output, reason in (
+        (tmp_path, "is a directory; expected a Parquet file to write"),
+        (tmp_path / "nowhere/out.parquet", f"its directory {tmp_path / 'nowhere'} does not exist"),
+    ):
+        assert gr_main(["predict", str(path), "--input", str(users), "--output", str(output)]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line == f"gr predict: error: --output {output}: {reason}"

@@ -5,7 +5,9 @@ hurting anyone else, metrics move, readiness means warmed up, a reload under tra
 models in one answer, and hash-on-user-id routing keeps a user's cache warm on its replica."""
 
 import contextlib
+import gzip
 import json
+import logging
 import os
 import signal
 import socket
@@ -455,6 +457,112 @@ def test_reload_is_refused_when_it_could_swap_only_one_of_several_workers(export
         status, answer = server.call("POST", "/admin/reload", {"export_dir": str(exports["second"])}, headers=auth)
         assert status == 409 and answer["error"] == "reload_unsupported" and "2 worker processes" in answer["detail"]
         assert server.call("GET", "/readyz")[1]["model_version"] == 0
+
+
+def send_half_a_body(port: int, path: str = "/v1/rank") -> socket.socket:
+    """A connection that sent its headers (Content-Length 1000) and 10 bytes of the body, then nothing."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    conn.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode()
+        + b'{"user_id"'
+    )
+    return conn
+
+
+def test_a_client_gone_mid_body_is_counted_as_a_disconnect_never_a_500_and_logs_one_line(app_servers, caplog):
+    server = app_servers["batched"]
+    caplog.set_level(logging.INFO)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        before = server.call("GET", "/metrics")[1]
+        caplog.clear()
+        for _ in range(5):
+            send_half_a_body(server.port).close()
+
+        def gone(text: str) -> float:  # disconnects and 500s of rank: each half-sent body is one or the other
+            return metric(text, "gr_client_disconnects_total", endpoint="rank") + metric(
+                text, "gr_errors_total", endpoint="rank", status="500"
+            )
+
+        wait_for(lambda: gone(server.call("GET", "/metrics")[1]) == gone(before) + 5, 10)
+        after = server.call("GET", "/metrics")[1]
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+
+    def moved(name: str, **labels: str) -> float:
+        return metric(after, name, endpoint="rank", **labels) - metric(before, name, endpoint="rank", **labels)
+
+    assert moved("gr_client_disconnects_total") == 5
+    assert moved("gr_errors_total", status="500") == moved("gr_errors_total", status="400") == 0
+    records = [r for r in caplog.records if r.name.startswith(("gr.", "uvicorn"))]
+    assert len(records) == 5 and all("disconnected" in r.getMessage() for r in records), records
+    assert not any(r.exc_info or "\n" in r.getMessage() for r in records)  # one line each, no traceback
+    assert server.call("POST", "/v1/rank", GOOD_RANK)[0] == 200
+
+
+def test_a_body_that_stalls_is_a_408_naming_the_flag_and_its_connection_closes(exports):
+    with AppServer(create_app(Ranker.load(exports["first"]), body_timeout_s=0.3, warm_up=False)) as server:
+        started = time.monotonic()
+        with send_half_a_body(server.port) as conn:
+            response = b""
+            while chunk := conn.recv(65536):  # until the server closes the connection (socket timeout: 10 s)
+                response += chunk
+        assert time.monotonic() - started < 5
+        head, _, payload = response.partition(b"\r\n\r\n")
+        answer = json.loads(payload)
+        assert int(head.split()[1]) == 408 and answer["error"] == "body_timeout", response
+        assert answer["field"] == "body" and "--body-timeout" in answer["detail"]
+        text = server.call("GET", "/metrics")[1]
+        assert metric(text, "gr_errors_total", endpoint="rank", status="408") == 1
+        assert metric(text, "gr_errors_total", endpoint="rank", status="500") == 0
+    assert serving_main(["serve", str(exports["first"]), "--body-timeout", "0"]) == 2
+
+
+def test_a_request_still_running_when_the_graceful_shutdown_ends_gets_the_json_503(exports, monkeypatch):
+    ranker = Ranker.load(exports["first"])
+    entered, release = threading.Event(), threading.Event()
+    generate = ranker.generate
+
+    def slow_generate(request):
+        entered.set()
+        release.wait(20)
+        return generate(request)
+
+    monkeypatch.setattr(ranker, "generate", slow_generate)
+    server = AppServer(create_app(ranker, warm_up=False))
+    server.server.config.timeout_graceful_shutdown = 0.3
+    with server, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(server.call, "POST", "/v1/generate", {"user_id": "u", "history": HISTORY, "k": 2})
+        assert entered.wait(20)
+        server.server.should_exit = True  # what uvicorn's SIGTERM handler does
+        try:
+            status, body = answer.result(timeout=10)
+        finally:
+            release.set()
+    assert status == 503 and body["error"] == "unavailable" and "shutting down" in body["detail"], body
+
+
+def test_a_content_encoded_body_is_a_415_naming_the_header(app_servers):
+    server = app_servers["batched"]
+    status, answer = server.call(
+        "POST", "/v1/rank", raw=gzip.compress(json.dumps(GOOD_RANK).encode()), headers=[("Content-Encoding", "gzip")]
+    )
+    assert status == 415 and answer["error"] == "unsupported_encoding", answer
+    assert "Content-Encoding 'gzip'" in answer["detail"] and "only identity" in answer["detail"]
+    assert server.call("POST", "/v1/rank", GOOD_RANK, headers=[("Content-Encoding", "identity")])[0] == 200
+
+
+def test_a_beam_width_with_a_strategy_that_ignores_it_is_refused_unless_the_default(app_servers):
+    server = app_servers["batched"]
+    for strategy in ("greedy", "sample"):
+        body = {"user_id": "u", "history": HISTORY, "k": 2, "strategy": strategy, "beam_width": 3}
+        status, answer = server.call("POST", "/v1/generate", body)
+        assert status == 400 and answer["error"] == "bad_request" and answer["field"] == "beam_width", answer
+        assert repr(strategy) in answer["detail"]
+        assert server.call("POST", "/v1/generate", {**body, "beam_width": 4})[0] == 200  # the default: harmless
+    body = {"user_id": "u", "history": HISTORY, "k": 2, "strategy": "beam", "beam_width": 3}
+    assert server.call("POST", "/v1/generate", body)[0] == 200
 
 
 def worker_pids(server: Server) -> list:

@@ -2,7 +2,8 @@
 safely into DIR and check its interaction and item counts with our own readers.
 
 DIR appears whole or not at all: everything happens in a temporary sibling that is renamed
-to DIR only once the counts match. DIR then holds the dataset's files (``--data.path DIR``;
+to DIR only once the counts match (``gr.atomic.atomic_directory``: a failed download also removes
+the parent directories it created). DIR then holds the dataset's files (``--data.path DIR``;
 for amazon-books ``--data.path DIR/ratings_Books.csv``) and ``DOWNLOAD.json`` (url, sha256,
 md5, counts).
 
@@ -33,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gr.atomic import atomic_directory, write_json
+from gr.cli_errors import USAGE_EXIT_STATUS, one_line
 from gr.data.interactions import Interactions
 from gr.data.readers import read_amazon, read_ml_1m, read_ml_20m, read_ml_100k
 
@@ -323,9 +325,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
         )
-    except (DownloadError, FileExistsError, ValueError) as error:
-        print(f"gr data download: error: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
+    except (DownloadError, OSError, ValueError) as error:  # OSError: DIR exists or cannot be written
+        print(f"gr data download: error: {type(error).__name__}: {one_line(error)}", file=sys.stderr)
+        return USAGE_EXIT_STATUS
     print(
         f"{args.name}: {record['interactions']:,} interactions, {record['items']:,} items in {args.dir} "
         f"(sha256 {record['sha256']})"

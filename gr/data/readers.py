@@ -415,7 +415,8 @@ def _line_of_row(path: Path, delimiter: str, row: int) -> int:
 
 def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     """A Parquet file with the columns ``columns`` names (timestamp: integer seconds, float seconds
-    floored, or a timestamp type floored to seconds; ids: integer or string columns, read exactly)."""
+    floored, or a timestamp type floored to seconds; ids: integer or string columns, read exactly).
+    Errors name the row counted from 1, as CSV errors name lines and ``gr predict`` names rows."""
     file = _require_file(Path(path), "Parquet file")
     try:
         schema = pq.read_schema(file)

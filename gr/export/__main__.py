@@ -1,5 +1,6 @@
 """``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite] [--hstu-dtype bfloat16]`` writes an export;
-``python -m gr.export check EXPORT_DIR`` validates one (exit status 1 when it has problems)."""
+``python -m gr.export check EXPORT_DIR`` validates one (exit status 1 when it has problems) and warns
+of temporary directories that killed exports left beside it (``gr.atomic.stale_directories``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def _main(argv: List[str]) -> int:
         parser = argparse.ArgumentParser(prog="python -m gr.export check", description="Validate an export directory.")
         parser.add_argument("export_dir", type=Path)
         args = parser.parse_args(argv[1:])
+        from gr.atomic import stale_directories
         from gr.export.reader import check_export
 
         if not args.export_dir.is_dir():
@@ -30,6 +32,11 @@ def _main(argv: List[str]) -> int:
         problems = check_export(args.export_dir)
         for problem in problems:
             print(f"ERROR {problem}")
+        for stale in stale_directories(args.export_dir):
+            print(
+                f"WARNING {stale}: a temporary directory left by an interrupted export (no live process "
+                f"holds it); the next export to {args.export_dir} removes it"
+            )
         print(f"{args.export_dir}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
         return 1 if problems else 0
     parser = argparse.ArgumentParser(

@@ -133,7 +133,9 @@ def check_item_store(
         problem(item_feature, "expected an int64 [n] tensor of the stored items' model ids")
         return None
     if len(items) and (items.min() < 0 or items.max() >= item_rows or (np.diff(items) <= 0).any()):
-        problem(item_feature, f"expected strictly increasing model ids in [0, {item_rows}) (rows of its table)")
+        table = sparse.features[item_feature].table
+        problem(item_feature, f"expected strictly increasing model ids in [0, {item_rows}) (rows of table {table!r})")
+        return None
     features: Dict[str, np.ndarray] = {}
     for name, values in tensors.items():
         if name == item_feature:

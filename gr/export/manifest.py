@@ -2,8 +2,9 @@
 
 The file is in ``sha256sum`` format (``<hex digest>  <relative path>`` per line, sorted), so
 ``sha256sum -c MANIFEST`` inside the export verifies it too. ``check`` and every loader verify
-it before reading anything else: a missing, extra or edited file is a named problem, and so
-is any path (in the manifest or in an .ini) that leaves the export directory.
+it before reading anything else: a missing, extra, edited or linked file (MANIFEST itself
+included) is a named problem, and so is any path (in the manifest or in an .ini) that leaves
+the export directory.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gr.atomic import write_text
 from gr.export.format import Problem
 
 MANIFEST = "MANIFEST"
+LINKED = "a symbolic link: an export holds plain files only"
 _CHUNK = 1 << 20
 
 
@@ -29,6 +31,9 @@ def check_manifest(root: Path, problems: List[Problem]) -> bool:
     """Verify ``root/MANIFEST`` against the files; -> whether it holds (problems added if not)."""
     start = len(problems)
     path = root / MANIFEST
+    if path.is_symlink():  # never followed: it could point at any file on the host
+        problems.append(Problem(MANIFEST, "-", LINKED))
+        return False
     if not path.is_file():
         problems.append(
             Problem(
@@ -52,7 +57,7 @@ def check_manifest(root: Path, problems: List[Problem]) -> bool:
             listed[rel] = digest
     on_disk = _files(root)
     for rel in sorted(rel for rel, p in on_disk.items() if p.is_symlink()):
-        problems.append(Problem(rel, "-", "a symbolic link: an export holds plain files only"))
+        problems.append(Problem(rel, "-", LINKED))
     for rel, digest in sorted(listed.items()):
         if rel in on_disk and on_disk[rel].is_symlink():
             continue

@@ -28,7 +28,7 @@ from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES
-from gr.serving.limits import DEFAULT_LIMITS, DESCRIPTIONS, flag
+from gr.serving.limits import BODY_TIMEOUT_FLAG, DEFAULT_BODY_TIMEOUT_S, DEFAULT_LIMITS, DESCRIPTIONS, flag
 from gr.serving.metrics import MULTIPROC_ENV
 from gr.serving.model import check_device
 from gr.serving.request import GenerateRequest, RankRequest
@@ -40,7 +40,7 @@ from gr.serving.runtime import (
 )
 
 ADMIN_TOKEN_ENV = "GR_ADMIN_TOKEN"
-GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then the server stops
+GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then a 503 (gr.serving.http)
 
 IDS_HELP = "ids of requests without an 'ids' key: raw (through sparse/id_maps) or model (table rows)"
 DEVICE_HELP = "where the ONNX slices, the HSTU engine and its caches run (default cpu)"
@@ -99,6 +99,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name, text in DESCRIPTIONS.items():
         default = getattr(DEFAULT_LIMITS, name)
         serve.add_argument(flag(name), type=int, default=default, help=f"{text} (default {default})")
+    serve.add_argument(
+        BODY_TIMEOUT_FLAG,
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may take to arrive after its headers; a slower one is answered 408 and its "
+        f"connection closed (default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
     serve.add_argument(
         "--admin-token",
         default=None,
@@ -182,10 +189,11 @@ def _serve(args: argparse.Namespace) -> int:
         or args.micro_batch < 1
         or args.cache_bytes < 0
         or args.batch_window_ms < 0
+        or not 0 < args.body_timeout < float("inf")
     ):
         print(
             "serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
-            "--batch-window-ms >= 0",
+            f"--batch-window-ms >= 0, {BODY_TIMEOUT_FLAG} > 0 (finite)",
             file=sys.stderr,
         )
         return 2
@@ -214,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
             "admin_token": token,
             "batching": not args.no_batching,
             "batch_window_ms": args.batch_window_ms,
+            "body_timeout_s": args.body_timeout,
             "micro_batch": args.micro_batch,
             "long_history": args.long_history,
             "cache_bytes": args.cache_bytes,

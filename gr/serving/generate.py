@@ -105,11 +105,16 @@ def plan(
     from the source's earlier requests and stops drafting while it does not pay; speculative_retrieval
     answers greedy's searches from a local cache checked in batches against the exact index;
     attribute routes a cold user to a pool. Strategies: "greedy" (lowest item id on ties),
-    "beam" (``beam_width``, ``temperature``), "sample" (``temperature``, ``seed``).
+    "beam" (``beam_width``, ``temperature``), "sample" (``temperature``, ``seed``); a ``beam_width``
+    other than the default with another strategy is refused (it would be ignored).
     """
     strategy = request.strategy
     if strategy not in STRATEGIES:
         raise RequestError(f"strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
+    if strategy != "beam" and request.beam_width != GenerateRequest.beam_width:  # the field's default
+        raise RequestError(
+            f"beam_width: {request.beam_width} given, but strategy {strategy!r} does not use it (only 'beam' does)"
+        )
     if (draft is not None or speculative_retrieval is not None) and strategy != "greedy":
         raise RequestError(
             f"draft / speculative_retrieval: both verify greedy choices; strategy {strategy!r} takes neither"

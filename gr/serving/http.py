@@ -13,15 +13,20 @@ reload would swap only the one that answers).
 
 Errors are JSON ``{"error": name, "field": request field, "detail": message}``, each for its own
 request alone: 400 ``bad_request`` (it touches no cache), 400 ``limit_exceeded`` and 413
-``body_too_large`` (``gr.serving.limits``), 500 ``non_finite_score`` when the model outputs NaN or
+``body_too_large`` (``gr.serving.limits``), 408 ``body_timeout`` when the body has not arrived
+whole within ``--body-timeout`` (the connection is then closed), 415 ``unsupported_encoding`` for a
+``Content-Encoding`` other than identity, 500 ``non_finite_score`` when the model outputs NaN or
 infinity, 500 ``internal`` for anything unexpected (logged with its traceback), 503
 ``unavailable`` when the request batcher has stopped (the process then exits, non-zero, for its
-supervisor to restart it). Every error counts in ``gr_errors_total``.
+supervisor to restart it) or when the server shuts down (SIGTERM) before the request is done.
+Every error counts in ``gr_errors_total``. A client that closes its connection before its body
+has arrived is no error: it counts in ``gr_client_disconnects_total`` and logs one line.
 Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see README).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -32,13 +37,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Dict, Optional
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
-from gr.serving.limits import LimitError, flag, limits_from_options
+from gr.serving.limits import BODY_TIMEOUT_FLAG, DEFAULT_BODY_TIMEOUT_S, LimitError, flag, limits_from_options
 from gr.serving.metrics import ServerMetrics
 from gr.serving.request import (
     GENERATE_KEYS,
@@ -60,8 +67,29 @@ EXIT_DELAY_S = 1.0  # lets the failed requests' answers leave before the process
 log = logging.getLogger(__name__)
 
 
-class BodyTooLarge(RequestError):
+class BodyError(RequestError):
+    """A body ``read_json`` refuses before parsing it, answered ``status`` ``name``."""
+
+    status: int
+    name: str
+
+
+class BodyTooLarge(BodyError):
     """A request body past ``RequestLimits.max_body_bytes`` (HTTP 413)."""
+
+    status, name = 413, "body_too_large"
+
+
+class BodyTimeout(BodyError):
+    """A request body not received whole within the server's body timeout (HTTP 408)."""
+
+    status, name = 408, "body_timeout"
+
+
+class UnsupportedEncoding(BodyError):
+    """A request body sent with a ``Content-Encoding`` other than identity (HTTP 415)."""
+
+    status, name = 415, "unsupported_encoding"
 
 
 class Readiness:
@@ -89,19 +117,29 @@ def exit_soon(status: int) -> None:
     timer.start()
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
+async def read_json(request: Request, max_bytes: int, timeout_s: float) -> Any:
     """The request body as JSON, refused (BodyTooLarge) as soon as it passes ``max_bytes``:
-    never read whole past the limit. A body that is not JSON is a RequestError."""
+    never read whole past the limit; BodyTimeout when it has not arrived whole ``timeout_s``
+    seconds after its headers, UnsupportedEncoding when it is compressed (or otherwise encoded).
+    A body that is not JSON is a RequestError; a client gone before its body arrived raises
+    starlette's ClientDisconnect."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedEncoding(f"body: Content-Encoding {encoding!r}: only identity (no encoding) is accepted")
     declared = request.headers.get("content-length", "")
     too_large = f"body: more than {max_bytes} bytes, the limit ({flag('max_body_bytes')})"
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(too_large)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BodyTooLarge(too_large)
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyTooLarge(too_large)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(f"body: not received whole within {timeout_s:g} s ({BODY_TIMEOUT_FLAG})") from None
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, too many digits, too deep
@@ -152,12 +190,21 @@ def _error(status: int, name: str, detail: str, field: str = "") -> Response:
     return _json({"error": name, "field": field, "detail": detail}, status)
 
 
+def _body_error(exc: BodyError) -> Response:
+    """The answer to a refused body; after a timeout the connection closes (the rest is never read)."""
+    response = _error(exc.status, exc.name, str(exc), "body")
+    if isinstance(exc, BodyTimeout):
+        response.headers["connection"] = "close"
+    return response
+
+
 def create_app(
     ranker: Ranker,
     *,
     admin_token: Optional[str] = None,
     batching: bool = True,
     batch_window_ms: float = 0.0,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     warm_up: bool = True,
     workers: int = 1,
     on_fatal: Callable[[int], None] = exit_soon,
@@ -165,7 +212,8 @@ def create_app(
 ) -> FastAPI:
     """The service over ``ranker`` (whose ``limits`` bound each request). admin_token: enables
     POST /admin/reload for that bearer token; batching: concurrent rank and recommend requests run
-    as batches (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company; warm_up: /readyz
+    as batches (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company;
+    body_timeout_s: how long a request body may take to arrive (then 408); warm_up: /readyz
     turns ready after ``Ranker.warm_up`` (run at start-up, in the background) instead of at once;
     workers: the server's worker processes (reload needs 1); on_fatal: called with the exit
     status when the process can no longer answer (default: exit after EXIT_DELAY_S);
@@ -190,6 +238,13 @@ def create_app(
     metrics = ServerMetrics(ranker)
     max_body = ranker.limits.max_body_bytes
 
+    def client_gone(endpoint: str) -> Response:
+        """The client closed its connection before its body arrived: nobody reads an answer, and it is
+        no error of the server's; counted, and logged in one line."""
+        metrics.disconnects.labels(endpoint).inc()
+        log.info("%s: the client disconnected before its request body arrived", endpoint)
+        return Response(status_code=499)  # never sent (the connection is gone); nginx's "client closed request"
+
     def batcher_died(exc: BaseException) -> None:
         readiness.set("failed", f"the request batcher stopped: {exc!r}")
         on_fatal(EXIT_BATCHER_DIED)
@@ -200,7 +255,7 @@ def create_app(
         metrics.requests.labels(endpoint).inc()
         started = time.perf_counter()
         try:
-            payload = await read_json(request, max_body)
+            payload = await read_json(request, max_body, body_timeout_s)
             answer = await run_in_threadpool(serve, payload)
             if "cache_status" in answer:
                 metrics.cache.labels(answer["cache_status"]).inc()
@@ -208,8 +263,12 @@ def create_app(
                 response = _json(answer)
             except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through
                 raise ScoringError(str(exc)) from None
-        except BodyTooLarge as exc:
-            response = _error(413, "body_too_large", str(exc), "body")
+        except ClientDisconnect:
+            return client_gone(endpoint)
+        except asyncio.CancelledError:  # only uvicorn cancels a request: its graceful shutdown timed out
+            response = _error(503, "unavailable", "the server is shutting down; retry on another replica")
+        except BodyError as exc:
+            response = _body_error(exc)
         except LimitError as exc:
             response = _error(400, "limit_exceeded", str(exc), exc.field)
         except RequestError as exc:
@@ -314,9 +373,13 @@ def create_app(
                 "balancer), or run --workers 1 per replica",
             )
         try:
-            payload = await read_json(request, max_body)
+            payload = await read_json(request, max_body, body_timeout_s)
+        except ClientDisconnect:
+            return client_gone("/admin/reload")
+        except BodyError as exc:
+            return _body_error(exc)
         except RequestError as exc:
-            return _error(413 if isinstance(exc, BodyTooLarge) else 400, "bad_request", str(exc), "body")
+            return _error(400, "bad_request", str(exc), "body")
         if (
             not isinstance(payload, dict)
             or set(payload) != {"export_dir"}
@@ -358,7 +421,9 @@ def app_from_environment() -> FastAPI:
     {"export_dir", "admin_token", and Ranker options} that ``python -m gr.serving serve`` set."""
     options = json.loads(os.environ[OPTIONS_ENV])
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
-    app_options = {key: options.pop(key) for key in ("batching", "batch_window_ms", "workers") if key in options}
+    app_options = {
+        key: options.pop(key) for key in ("batching", "batch_window_ms", "body_timeout_s", "workers") if key in options
+    }
     limits = limits_from_options(options.pop("limits", {}))
     ranker = Ranker.load(export_dir, limits=limits, **options)
     return create_app(ranker, admin_token=admin_token, exit_after_shutdown=True, **app_options)

@@ -3,7 +3,8 @@
 Each limit has a documented default and a ``serve`` flag (``python -m gr.serving serve --help``).
 A request past one is refused before it does any work: ``LimitError`` (a ``RequestError``, HTTP
 400 ``limit_exceeded``) naming the field, the limit and its flag; a body past ``max_body_bytes``
-is refused with HTTP 413 before it is read whole.
+is refused with HTTP 413 before it is read whole, and one that has not arrived whole within the body
+timeout (``--body-timeout``) with HTTP 408.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class RequestLimits:
 
 
 DEFAULT_LIMITS = RequestLimits()
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body not received whole this long after its headers is a 408
+BODY_TIMEOUT_FLAG = "--body-timeout"
 
 
 def flag(limit: str) -> str:

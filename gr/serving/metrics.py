@@ -32,9 +32,10 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client when it 
 
 
 class ServerMetrics:
-    """Requests and errors by endpoint, latency histograms, cache hit/extend/miss counts, cache
-    bytes, the model version of ``ranker`` and the live worker processes. ``refresh`` sets this
-    process's gauges (after each request and reload; a scrape reads the other workers' last values)."""
+    """Requests, errors and client disconnects by endpoint, latency histograms, cache
+    hit/extend/miss counts, cache bytes, the model version of ``ranker`` and the live worker
+    processes. ``refresh`` sets this process's gauges (after each request and reload; a scrape
+    reads the other workers' last values)."""
 
     def __init__(self, ranker: Ranker) -> None:
         self.ranker = ranker
@@ -43,6 +44,12 @@ class ServerMetrics:
         self.requests = Counter("gr_requests", "Requests by endpoint", ["endpoint"], registry=self.registry)
         self.errors = Counter(
             "gr_errors", "Failed requests by endpoint and HTTP status", ["endpoint", "status"], registry=self.registry
+        )
+        self.disconnects = Counter(
+            "gr_client_disconnects",
+            "Requests whose client closed the connection before the body arrived, by endpoint (not errors)",
+            ["endpoint"],
+            registry=self.registry,
         )
         self.latency = Histogram(
             "gr_request_seconds",

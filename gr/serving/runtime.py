@@ -241,8 +241,8 @@ class Ranker:
             if model.is_retrieval:
                 self.recommend(RecommendRequest(WARM_UP_USER, history, 1, common, exclude_seen=False))
                 if model.catalogue().tokens is not None:
-                    for strategy in ("greedy", "beam"):
-                        self.generate(WARM_UP_USER, history, 1, strategy, False, common_features=common, beam_width=2)
+                    self.generate(WARM_UP_USER, history, 1, "greedy", False, common_features=common)
+                    self.generate(WARM_UP_USER, history, 1, "beam", False, common_features=common, beam_width=2)
         finally:
             self.cache.discard(WARM_UP_USER)
 
