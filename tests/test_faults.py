@@ -9,10 +9,14 @@ moved from ``epoch=0`` to ``epoch=1``, and the 1st
 ``replace_directory`` with something to replace is epoch 1's ``last`` too.
 """
 
+import csv
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any, Dict
 
 import pytest
 import yaml
@@ -20,6 +24,7 @@ import yaml
 from gr.crash_points import CRASH_EXIT_STATUS
 from gr.export import export_run
 from gr.train import train
+from gr.train.checkpoint import logged_steps, read_meta
 from gr.train.config import TrainConfig
 from helpers.runs import recipe
 
@@ -40,10 +45,10 @@ def uninterrupted(tmp_path_factory):
     return train(TrainConfig.from_dict(RECIPE), tmp_path_factory.mktemp("uninterrupted"))
 
 
-def crash_run(run_dir: Path, crash_at: str) -> None:
-    """train.py on RECIPE in a subprocess that the hook kills at ``crash_at``."""
+def crash_run(run_dir: Path, crash_at: str, values: Dict[str, Any] = RECIPE) -> None:
+    """train.py on ``values`` (a recipe) in a subprocess that the hook kills at ``crash_at``."""
     config = run_dir.parent / f"{run_dir.name}.yaml"
-    config.write_text(yaml.safe_dump(RECIPE))
+    config.write_text(yaml.safe_dump(values))
     # Not this process's process-group address: Lightning left it in os.environ, and its port is taken.
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update({"GR_TEST_CRASH_AT": crash_at, "PYTHONPATH": str(ROOT)})
@@ -73,3 +78,36 @@ def test_crash_at_checkpoint_phase_then_resume_ends_like_an_uninterrupted_run_an
         assert resumed[key] == uninterrupted[key], (phase, key)
     export_run(run_dir, tmp_path / "export")
     assert (tmp_path / "export" / "default" / "slice_graph.ini").is_file()
+
+
+# Learning too slow to move the validation metric: the best checkpoint stays at epoch 0.
+STALLED = recipe(
+    ("trainer.max_epochs", 6),
+    ("optimizer.lr", 1e-12),
+    ("sparse.optimizer.lr", 1e-12),
+    ("trainer.enable_progress_bar", True),
+)
+
+
+def logged_train_steps(run_dir: Path) -> list:
+    with open(run_dir / "logs" / "metrics.csv", newline="") as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+def test_a_killed_run_resumes_from_its_newest_epoch_not_its_best_and_logs_each_step_once(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    # Saves: epoch=0 and last at epoch 0 (arrivals 1-2), then last alone at epochs 1-3 (3-5): the
+    # 6th arrival is epoch 4's save of last, killed before it writes anything.
+    crash_run(run_dir, "checkpoint_before_save:6", STALLED)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch=0", "last"]
+    assert read_meta(run_dir / "checkpoints" / "last")["epoch"] == 3
+    batches_per_epoch = logged_steps(run_dir / "checkpoints" / "last") // 4
+    capsys.readouterr()
+    started = time.perf_counter()
+    resumed = train(TrainConfig.from_dict(STALLED), run_dir, resume=True)
+    took = time.perf_counter() - started
+    lines = re.findall(r"^epoch (\d+)/6: .*\(([\d.]+)s\)$", capsys.readouterr().out, flags=re.MULTILINE)
+    assert [int(epoch) for epoch, _ in lines] == [5, 6]  # epochs 1-4 are not trained again
+    assert all(float(seconds) <= took for _, seconds in lines)  # the downtime is no epoch's time
+    assert resumed["epochs"] == 6 and resumed["best_checkpoint"] == "checkpoints/epoch=0"
+    assert logged_train_steps(run_dir) == list(range(6 * batches_per_epoch))  # every step once, in order

@@ -118,12 +118,14 @@ def test_config_class_path_is_not_imported_when_another_key_is_invalid(tmp_path,
 
 
 # ---- 5. resume deletes training history ------------------------------------------------------
-def test_resume_appends_to_metrics_csv(tmp_path):
+def test_resume_appends_to_metrics_csv_and_replaces_the_test_row_of_the_run_it_extends(tmp_path):
     train(TrainConfig.from_dict(recipe(("trainer.max_epochs", 1))), tmp_path)
     first = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
+    trained, tested = first[:-1], first[-1]  # the test of the best checkpoint is logged last
     train(TrainConfig.from_dict(recipe(("trainer.max_epochs", 2))), tmp_path, resume=True)
     after = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
-    assert after[: len(first)] == first and len(after) > len(first)
+    assert after[: len(trained)] == trained and len(after) > len(first)
+    assert tested not in after and after[-1].startswith("2,")  # one test row: the extended run's
 
 
 # ---- 6. duplicate data inflates metrics silently -----------------------------------------------

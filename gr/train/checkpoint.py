@@ -104,6 +104,14 @@ def read_meta(path: str | Path) -> Dict[str, Any]:
         ) from error
 
 
+def logged_steps(path: str | Path) -> int:
+    """The step the logs of a run resumed from checkpoint ``path`` continue at: Lightning's count of
+    batches that stepped the optimizer (the logs' ``step``), else the checkpoint's global step."""
+    meta = read_meta(path)
+    epoch_loop = meta.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+    return int(epoch_loop.get("_batches_that_stepped", meta.get("global_step", 0)))
+
+
 def _refuse_non_finite(state: Dict[str, Any], path: Path) -> None:
     """NonFiniteError on every rank when any rank's shard of ``state`` holds NaN or an infinity."""
     bad = non_finite(state.items())

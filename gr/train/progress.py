@@ -26,6 +26,11 @@ class EpochLines(ProgressBar):
     def enable(self) -> None:
         self._enabled = True
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A run resumed from a checkpoint saved inside an epoch finishes that epoch without
+        # on_train_epoch_start: its time counts from here, never from an earlier process.
+        self._started = time.perf_counter()
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._started = time.perf_counter()
 

@@ -29,7 +29,7 @@ from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables
 from gr.train.config import TrainConfig, load_config, plain, save_config
-from gr.train.csv_log import AppendingCSVLogger
+from gr.train.csv_log import AppendingCSVLogger, drop_rows_from_step
 from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
 from gr.train.progress import progress_callbacks
@@ -82,6 +82,8 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
 
     def write_run_files() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
+        if start:
+            drop_rows_from_step(out_dir / LOGS_DIR / "metrics.csv", ckpt.logged_steps(start))
         save_config(config, out_dir / CONFIG_FILE)
         write_json(out_dir / FEATURES_FILE, plain({"spec": vars(spec), "tasks": list(datamodule.tasks)}))
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
@@ -110,13 +112,35 @@ class _OnTrainStart(Callback):
             self.action()
 
 
+class NewestAndBestCheckpoints(ModelCheckpoint):
+    """The best epoch by the monitored metric (``epoch=N``) and the newest epoch (``last``), both DCP
+    directories. Lightning 2.6 writes ``last`` only in a step that also saved a best checkpoint, so
+    after an epoch that did not improve, ``last`` would stay at the best epoch and ``--resume``
+    would train the later epochs again: ``last`` is written at the end of every training epoch."""
+
+    CHECKPOINT_NAME_LAST = LAST_CHECKPOINT
+    FILE_EXTENSION = ""  # checkpoints are directories
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if not self._should_skip_saving_checkpoint(trainer):  # skipped when this step saved already
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: Dict[str, Any]) -> None:
+        """Flush the logs with every checkpoint, so a run killed later has logged every step its
+        newest checkpoint holds (the CSV logger otherwise writes every 100 steps)."""
+        for logger in trainer.loggers:
+            logger.save()
+        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+
 def make_trainer(
     config: TrainConfig, out_dir: Path, extra_callbacks: Sequence[Callback] = ()
 ) -> Tuple[Trainer, ModelCheckpoint]:
     """The Lightning Trainer of a run (TorchRec strategy, DCP checkpoints of the best and last
     epoch, optional early stopping, TensorBoard and appending CSV logs), and its checkpoint callback."""
     t = config.trainer
-    checkpoints = ModelCheckpoint(
+    checkpoints = NewestAndBestCheckpoints(
         dirpath=out_dir / CHECKPOINTS_DIR,
         filename="epoch={epoch}",
         monitor=config.monitor,
@@ -125,8 +149,6 @@ def make_trainer(
         save_last=True,
         auto_insert_metric_name=False,
     )
-    checkpoints.CHECKPOINT_NAME_LAST = LAST_CHECKPOINT
-    checkpoints.FILE_EXTENSION = ""  # checkpoints are DCP directories
     callbacks = [checkpoints, *progress_callbacks(t.enable_progress_bar), *extra_callbacks]
     if t.early_stopping_patience:
         callbacks.append(EarlyStopping(config.monitor, patience=t.early_stopping_patience, mode=t.monitor_mode))
