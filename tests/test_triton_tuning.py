@@ -5,6 +5,7 @@ choice between them (the device faked: nothing here runs on a GPU)."""
 import json
 import multiprocessing
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +239,41 @@ def test_cuda_layout_autotunes_once_and_a_new_process_reads_the_result(fake_h100
     assert len(benchmarked) == len(candidates)
     (entry,) = tmp_path.iterdir()
     assert "forward-L16-qk32-v32-float32" in entry.name and "H100" in entry.name
+
+
+def _unwritable(kind, tmp_path):
+    """A cache directory that cannot store an entry of KEY, of the given kind."""
+    if kind == "read-only file system":
+        return Path("/proc/gr-triton-tuning")  # cannot be created, even by root
+    if kind == "directory is a file":
+        (tmp_path / "cache").write_text("")
+    else:
+        (tmp_path / "cache" / KEY.filename()).mkdir(parents=True)
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("kind", ["directory is a file", "entry is a directory", "read-only file system"])
+def test_an_unwritable_cache_warns_once_and_tuning_goes_on(kind, tmp_path):
+    cache = TuningCache(_unwritable(kind, tmp_path))
+    other = TuningKey(**{**KEY.__dict__, "kernel": "dq"})
+    time_ms, timed = timings({CANDIDATES[0]: 3.0, CANDIDATES[1]: 1.0, CANDIDATES[2]: 2.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own: each distinct warning once per place
+        for key in (KEY, other, KEY):
+            assert tuning.tune(key, CANDIDATES, time_ms, cache) == CANDIDATES[1]
+    stored = [str(w.message) for w in caught if "cannot store autotuning results" in str(w.message)]
+    assert len(stored) == 1 and str(cache.directory) in stored[0] and tuning.ENV_CACHE_DIR in stored[0]
+    assert len(timed) == 3 * len(CANDIDATES)  # nothing stored: each call tuned again, none raised
+
+
+def test_the_cuda_layout_keeps_tiles_tuned_under_an_unwritable_cache_for_the_process(fake_h100, monkeypatch, tmp_path):
+    triton_attention, benchmarked = fake_h100
+    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
+    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(_unwritable("directory is a file", tmp_path)))
+    launch, inputs = _forward_launch()
+    layout = triton_attention.CudaLayout(None)
+    candidates = tuning.CANDIDATES[9]["fp32/d64"]["forward"]
+    with pytest.warns(UserWarning, match="cannot store autotuning results"):
+        assert layout.config(launch, inputs, run=lambda c: None) == candidates[-1]
+    assert layout.config(launch, inputs, run=lambda c: None) == candidates[-1]
+    assert len(benchmarked) == len(candidates)  # the second launch reused the tiles in memory

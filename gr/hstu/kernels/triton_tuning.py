@@ -159,7 +159,7 @@ class TuningCache:
         path = self.path(key)
         try:
             entry = json.loads(path.read_text(encoding="utf8"))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a directory that cannot hold entries: put says so
             return None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             warnings.warn(f"{path}: unreadable autotuning entry ignored ({err})", stacklevel=2)
@@ -176,10 +176,20 @@ class TuningCache:
         return config
 
     def put(self, key: TuningKey, config: TileConfig, timings_ms: Dict[str, float]) -> None:
-        """Store ``config`` for ``key`` (atomically: temporary file, then rename)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Store ``config`` for ``key`` (atomically: temporary file, then rename). A cache that
+        cannot be written (read-only, the directory a file, the entry a directory) stores nothing
+        and warns: the warning names the directory and the reason, not the entry, so Python
+        shows it once per process; the caller keeps the tiles it tuned in memory."""
         entry = {"format": FORMAT, "key": asdict(key), "config": asdict(config), "timings_ms": timings_ms}
-        write_json(self.path(key), entry)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_json(self.path(key), entry)
+        except OSError as err:
+            warnings.warn(
+                f"{self.directory}: cannot store autotuning results ({err.strerror or err}; set "
+                f"{ENV_CACHE_DIR} to a writable directory): tuned tiles are kept for this process only",
+                stacklevel=2,
+            )
 
 
 def tune(
