@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	# The distribution was called "gr" before it became gr-hstu: drop that stale install.
+	# A distribution named "gr" in .venv/ (ours is gr-hstu) could provide another `gr` package: remove it.
 	$(PIP) uninstall -q -y gr 2>/dev/null || true
 	$(PIP) install -q -e ".[test]"
 	# torchrec's metadata requires the CUDA fbgemm-gpu; --no-deps keeps fbgemm-gpu-cpu.
@@ -45,6 +45,11 @@ demo: $(STAMP)
 # GR_TEST_DEVICE=cuda|npu make test: the device suites on that device (tests/conftest.py decides the autoload).
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a test module per worker at a time.
 TEST_WORKERS ?= 2
+# The tests that read MovieLens-100K take it from GR_ML100K_DIR (a path relative to the repository root),
+# else from data/ml-100k (`gr data download ml-100k data/ml-100k`), and are skipped when it is absent.
+# Left unset, make test sets it to the first that exists of data/ml-100k and ../shared/data/ml-100k (a
+# shared/ data directory beside the checkout, where CI's .ci/run points it).
+test: export GR_ML100K_DIR ?= $(firstword $(wildcard data/ml-100k ../shared/data/ml-100k))
 # Style first (ruff lint + format check, configured in pyproject.toml), then the suite.
 test: $(STAMP)
 	$(PY) -m ruff check .

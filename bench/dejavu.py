@@ -197,7 +197,9 @@ def measure(name: str, export: Path, run: Path, data_path: str, num_users: int, 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench_generate")
-    parser.add_argument("--data-path", default=str(ROOT.parent / "shared" / "data" / "ml-100k"))
+    parser.add_argument(
+        "--data-path", default=str(smoke.ML_100K), help="MovieLens-100K (default: $GR_ML100K_DIR or data/ml-100k)"
+    )
     parser.add_argument("--datasets", nargs="+", default=["ml100k", "long"], choices=list(DATASETS))
     parser.add_argument("--users", type=int, default=200)
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))

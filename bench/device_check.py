@@ -22,13 +22,12 @@ Steps, each a subprocess with ``GR_TEST_DEVICE=<device>`` whose output is kept i
   serving         tests/test_device_end_to_end.py: a run trained on the device, exported and served
                   on the device (ONNX Runtime's provider, the HSTU engine and its KV cache there),
                   reproducing the run's predictions with the cache.
-Steps run one after another within ``--budget`` seconds (default 480: the whole check fits in 8
-minutes of a device session), each for ``--timeout`` seconds at most; a step not started in time is
-reported as not run. Compiled kernels (Triton's cache) and autotuning results
-(``GR_TRITON_CACHE_DIR``) are kept in DIR/cache/ and shared by the steps. DIR/report.json and
-DIR/report.md hold each step's status, time and summary (a bench's last JSON line, the suite's
-counts), the device's name and the package versions. The last line printed is one JSON object;
-the exit status is 1 when the device is unusable or a step did not pass.
+Steps run one after another within ``--budget`` seconds (default 480), each for ``--timeout``
+seconds at most; a step not started in time is reported as not run. Compiled kernels (Triton's
+cache) and autotuning results (``GR_TRITON_CACHE_DIR``) are kept in DIR/cache/ and shared by the
+steps. DIR/report.json and DIR/report.md hold each step's status, time and summary (a bench's
+last JSON line, the suite's counts), the device's name and the package versions. The last line
+printed is one JSON object; the exit status is 1 when the device is unusable or a step did not pass.
 
 ``--train-step CONFIG`` runs one training-step measurement in this process (what the train_*
 steps run) and prints its JSON line.

@@ -481,7 +481,9 @@ def _drafted_share(budget: SharedBudget, before: Tuple[int, int]) -> float:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench_generate")
-    parser.add_argument("--data-path", default=str(ROOT.parent / "shared" / "data" / "ml-100k"))
+    parser.add_argument(
+        "--data-path", default=str(smoke.ML_100K), help="MovieLens-100K (default: $GR_ML100K_DIR or data/ml-100k)"
+    )
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 50], help="slate sizes K")
     parser.add_argument("--users", type=int, default=20, help="evaluated users per dataset")
     parser.add_argument("--pool-users", type=int, default=100, help="other users whose greedy slates join the pools")

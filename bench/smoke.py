@@ -4,12 +4,20 @@ A benchmark builds its argparse parser and calls ``parse_args(parser, smoke)``: 
 ``--smoke``, every argument not given on the command line takes its value from ``smoke``
 instead of the parser's default. Numbers measured at that size mean nothing; the run only
 shows that the benchmark still works end to end and prints its JSON last line.
+
+``ML_100K``: where the benchmarks that read MovieLens-100K find it by default.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+# $GR_ML100K_DIR (a relative path is taken from the repository root), as the tests read it, else
+# data/ml-100k, where `gr data download ml-100k data/ml-100k` writes it.
+ML_100K = Path(__file__).resolve().parents[1] / (os.environ.get("GR_ML100K_DIR") or "data/ml-100k")
 
 
 def parse_args(

@@ -1,6 +1,7 @@
 """Training throughput on the ML-100K retrieval recipe with and without id dedup ("unique before lookup").
 
     python bench/train_dedup.py [--config configs/ml100k_hstu.yaml] [--steps 6] [--data.path ...]
+    (ML-100K from $GR_ML100K_DIR or data/ml-100k unless --config or --data.path is given)
     torchrun --nproc_per_node 2 bench/train_dedup.py ...   # tables row-wise over 2 ranks
     python bench/train_dedup.py --smoke   # 2 steps of a tiny synthetic model: checks it runs
 
@@ -103,7 +104,8 @@ def main() -> None:
     own, rest = smoke.parse_args(parser, {"steps": 2}, known=True)
     if own.smoke:
         rest = [*SMOKE_OVERRIDES, *rest]
-    args, overrides = parse_args(["--config", "configs/ml100k_hstu.yaml", *rest] if "--config" not in rest else rest)
+    recipe = ["--config", "configs/ml100k_hstu.yaml", "--data.path", str(smoke.ML_100K)]  # given overrides win
+    args, overrides = parse_args([*recipe, *rest] if "--config" not in rest else rest)
     config = load_config(args.config, overrides)
     store = tempfile.TemporaryDirectory()
     if "WORLD_SIZE" in os.environ:  # under torchrun

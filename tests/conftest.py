@@ -11,9 +11,13 @@ if suite_device() == "cpu":
     # training stack imports it (through torch) before any attention test module, so it is set here, once.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from helpers.movielens import ml_100k_missing, ml_100k_path  # noqa: E402
 
 # End-to-end modules: training runs, subprocesses, servers, benchmarks. ``-m "not slow"`` leaves them out
 # for a fast inner loop (README); ``make test`` runs everything.
@@ -50,6 +54,16 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def ml_100k() -> Path:
+    """The real MovieLens-100K directory (``helpers.movielens.ml_100k_path``: ``$GR_ML100K_DIR``,
+    else data/ml-100k); a test that takes it is skipped, with the download command, when it is absent."""
+    reason = ml_100k_missing()
+    if reason:
+        pytest.skip(reason)
+    return ml_100k_path()
 
 
 @pytest.fixture(scope="module")

@@ -273,7 +273,7 @@ def naive_attention(
     bucketing,
     query_ts=None,
 ):
-    """Sequence by sequence, pair by pair, from the spec (DESIGN / gr.hstu.kernels.common)."""
+    """Sequence by sequence, pair by pair, from the spec (docs/design.md §6 / gr.hstu.kernels.common)."""
     query_ts = ts if query_ts is None else query_ts
     outs, start = [], 0
     for b, n in enumerate(lengths):

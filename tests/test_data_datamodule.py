@@ -202,8 +202,8 @@ def test_mappings_are_saved_beside_the_run_and_decode_batches(retrieval, tmp_pat
     assert Path(tmp_path / "run" / "users.tsv").read_text().splitlines()[1] == "0\t1"
 
 
-def test_real_ml_100k_feature_spec():
-    dm = SequenceDataModule({"source": "ml-100k", "path": "/work/shared/data/ml-100k"})
+def test_real_ml_100k_feature_spec(ml_100k):
+    dm = SequenceDataModule({"source": "ml-100k", "path": str(ml_100k)})
     dm.setup()
     spec = dm.feature_spec()
     assert (dm.num_users, dm.num_items) == (943, 1682)

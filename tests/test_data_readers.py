@@ -19,8 +19,6 @@ from gr.data.readers import (
     read_table_parquet,
 )
 
-ML_100K = Path("/work/shared/data/ml-100k")
-
 
 def write(path: Path, text: str, encoding: str = "utf8") -> Path:
     path.write_bytes(text.encode(encoding))
@@ -54,8 +52,8 @@ def test_ml_100k_reads_ratings_genres_and_bucketed_user_attributes(tmp_path):
     assert data.user_side.categorical["user_occupation"].tolist() == ["technician", "other"]
 
 
-def test_ml_100k_real_files_have_the_published_counts():
-    data = read_ml_100k(str(ML_100K))
+def test_ml_100k_real_files_have_the_published_counts(ml_100k):
+    data = read_ml_100k(str(ml_100k))
     assert len(data.users) == 100_000
     assert len(np.unique(data.users)) == 943
     assert len(np.unique(data.items)) == 1682

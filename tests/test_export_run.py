@@ -19,7 +19,6 @@ from gr.train import load_trained_model
 from helpers.models import as_served, rank_all, requests_from_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-ML_100K = Path("/work/shared/data/ml-100k")
 TABLES = (
     "[{name: item, embedding_dim: 18, features: [item_id], init_std: 0.05},"
     " {name: age, embedding_dim: 4, features: [user_age], kind: common},"
@@ -27,7 +26,6 @@ TABLES = (
     " {name: occupation, embedding_dim: 4, features: [user_occupation], kind: common, pooling: mean}]"
 )
 OVERRIDES = [
-    f"--data.path={ML_100K}",
     "--data.task=ranking",
     "--data.item_features=true",
     "--data.user_features=true",
@@ -47,10 +45,11 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, ml_100k):
     out = tmp_path_factory.mktemp("run") / "ml100k-ranking"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    command = [sys.executable, "train.py", "--config", "configs/ml100k_hstu.yaml", "--out", str(out), *OVERRIDES]
+    recipe = ["--config", "configs/ml100k_hstu.yaml", f"--data.path={ml_100k}"]
+    command = [sys.executable, "train.py", *recipe, "--out", str(out), *OVERRIDES]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return out

@@ -1,4 +1,4 @@
-"""Sliced export of a trained model (DESIGN §5): write, validate and read export directories.
+"""Sliced export of a trained model (docs/design.md §5): write, validate and read export directories.
 
 ``export_model``/``export_run`` (the writer) import the training code; everything else
 (``check_export``, ``open_export``, ``load_hstu``) does not, so serving can import it.

@@ -1,4 +1,4 @@
-"""Generation over a KV-cached HSTU (DESIGN §8): greedy, beam and sampled decoding, speculative
+"""Generation over a KV-cached HSTU (docs/design.md §8): greedy, beam and sampled decoding, speculative
 greedy with draft token trees (retrieval pools or a draft model; strict or relaxed verification)
 and speculative retrieval. Imports only torch and gr.hstu, so the serving runtime uses it."""
 

@@ -1,4 +1,4 @@
-"""Serving runtime (DESIGN §7): load an export and rank candidates with prefix caching.
+"""Serving runtime (docs/design.md §7): load an export and rank candidates with prefix caching.
 
 Imports no training code: only torch, onnxruntime, safetensors, gr.hstu and gr.export's reader.
 """
