@@ -11,13 +11,17 @@
   (``gr.data.sequences.build_sequences``), so training and serving see ties alike.
 * Negative timestamps are allowed: they are seconds before 1970, valid integers that the model's
   relative time buckets handle like any other.
-* Every timestamp is an int64. Values outside [-2^63, 2^63) are refused, never wrapped.
+* Every timestamp is an int64. Values outside [-2^63, 2^63) are refused, never wrapped, and so
+  are the times of one user's request (history, candidates, request time) or one user's
+  training sequence that lie 2^63 s or more apart: the model takes their differences.
 
 Dataset files are event logs, not histories: their rows may come in any order and are sorted
 as above; only values that do not fit int64 are refused there (by the readers).
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -51,3 +55,37 @@ def check_history_timestamps(ts: np.ndarray, where: str) -> None:
             f"{where}: out of order: [{i}] = {int(ts[i])} is earlier than [{i - 1}] = {int(ts[i - 1])}; "
             "give the history oldest first (equal timestamps are allowed)"
         )
+
+
+def check_time_span(times: Mapping[str, Any]) -> None:
+    """Refuse the times of one user's sequence that lie 2^63 s or more apart: the model takes
+    differences of them in int64, which such a gap would wrap around.
+
+    times: {field name: an int, None (absent), or [n] integers} of one request, e.g.
+    ``{"history.timestamps": ..., "candidates.timestamps": ..., "request_time": ...}``; each
+    already within int64. The message starts with the (first given) field holding the latest time."""
+    bounds = []
+    for name, value in times.items():
+        values = np.asarray([] if value is None else value, dtype=np.int64).reshape(-1)
+        if values.size:
+            bounds += [(int(values.min()), name), (int(values.max()), name)]
+    if not bounds:
+        return
+    earliest, latest = min(t for t, _ in bounds), max(t for t, _ in bounds)
+    first, last = (next(name for t, name in bounds if t == bound) for bound in (earliest, latest))
+    if latest - earliest > INT64_MAX:
+        raise TimestampError(
+            f"{last}: {latest} lies {latest - earliest} s after {earliest} ({first}); the times of one "
+            f"request must lie less than 2^63 s apart"
+        )
+
+
+def first_overflowing_span(offsets: np.ndarray, timestamps: np.ndarray) -> int:
+    """The first sequence whose times span 2^63 s or more, or -1.
+
+    offsets: [U+1] int64 sequence bounds; timestamps: [T] int64, each sequence's sorted oldest first."""
+    lengths = np.diff(offsets)
+    nonempty = np.flatnonzero(lengths > 0)
+    first, last = timestamps[offsets[nonempty]], timestamps[offsets[nonempty + 1] - 1]
+    wrapped = np.flatnonzero(last - first < 0)  # last >= first: a negative difference wrapped
+    return int(nonempty[wrapped[0]]) if wrapped.size else -1

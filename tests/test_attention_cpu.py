@@ -265,3 +265,36 @@ def test_batches_without_targets_share_the_position_layouts_of_equal_chunks():
     assert first.misses > 0 and second.misses == first.misses and second.hits == first.hits + first.misses
     run([150, 40], targets=[3, 2])
     assert cpu._shared_positions.cache_info().misses == first.misses
+
+
+@pytest.mark.parametrize("backend", ["cpu", "pytorch"])
+def test_sequences_batched_together_may_lie_further_apart_than_int64_holds(backend):
+    """Two users whose histories lie 2^63 s apart or more (each one's own span small) score as
+    each alone: the batch's rebased times may wrap, but deltas are only taken within a
+    sequence, where the wrap cancels. (A span of 2^63 s within one user's request is refused
+    before it reaches a kernel: ``gr.timestamps.check_time_span``.)"""
+    g = torch.Generator().manual_seed(5)
+    lengths = [6, 5]
+    offsets = offsets_of(lengths)
+    q, k, v = (torch.randn(11, 2, 8, generator=g) for _ in range(3))
+    early = -(2**62) - 10**9 + torch.arange(6) * 1000
+    late = 2**62 + 10**9 + torch.arange(5) * 7
+    timestamps = torch.cat([early, late])
+    query_times = timestamps + torch.tensor([0, 0, 5, 0, 0, 9000, 0, 0, 0, 3, 30])
+    rab = RelativeBias(torch.randn(7, generator=g), torch.randn(40, generator=g), timestamps, "log", query_times)
+    both = hstu_attention(q, k, v, offsets, 6, alpha=0.5, rab=rab, backend=backend)
+    for start, end in ((0, 6), (6, 11)):
+        alone_rab = RelativeBias(
+            rab.position_weights, rab.time_weights, timestamps[start:end], "log", query_times[start:end]
+        )
+        alone = hstu_attention(
+            q[start:end],
+            k[start:end],
+            v[start:end],
+            offsets_of([end - start]),
+            6,
+            alpha=0.5,
+            rab=alone_rab,
+            backend=backend,
+        )
+        torch.testing.assert_close(both[start:end], alone, rtol=1e-5, atol=1e-6)

@@ -289,6 +289,8 @@ LIMITS = RequestLimits(
 )
 GOOD_RANK = {"user_id": "g", "history": HISTORY, "candidates": {"item_id": [RAW_ITEMS[3], RAW_ITEMS[8]]}}
 RAGGED = {"item_id": [[RAW_ITEMS[12]], [RAW_ITEMS[40], RAW_ITEMS[41]]], "timestamps": [1, 2]}
+NEGATIVE_HISTORY = {**HISTORY, "timestamps": [-5, -4, -3, -2, -1]}
+FAR_CANDIDATES = {"item_id": [RAW_ITEMS[3]], "timestamps": [2**63 - 1]}
 HOSTILE = [  # (endpoint, body, field named): each once killed the rank batcher or was a plain-text 500
     ("rank", {**GOOD_RANK, "history": RAGGED}, "history.item_id"),
     ("rank", {**GOOD_RANK, "request_time": 2**63}, "body.request_time"),
@@ -307,6 +309,15 @@ HOSTILE = [  # (endpoint, body, field named): each once killed the rank batcher 
     ("generate", {"user_id": "u", "history": HISTORY, "strategy": "sample", "temperature": 1e300}, "body.temperature"),
     ("generate", {"user_id": "u", "history": HISTORY, "strategy": "sample", "seed": 2**64}, "body.seed"),
     ("generate", {"user_id": "u", "history": HISTORY, "request_time": 2**63}, "body.request_time"),
+    # times of one request 2^63 s apart or more, whose differences would wrap around int64
+    ("rank", {**GOOD_RANK, "history": {**HISTORY, "timestamps": [-(2**63), -3, -2, -1, 0]}}, "history.timestamps"),
+    (
+        "rank",
+        {**GOOD_RANK, "history": NEGATIVE_HISTORY, "candidates": FAR_CANDIDATES},
+        "candidates.timestamps",
+    ),
+    ("recommend", {"user_id": "u", "history": NEGATIVE_HISTORY, "request_time": 2**63 - 1}, "request_time"),
+    ("generate", {"user_id": "u", "history": NEGATIVE_HISTORY, "request_time": 2**63 - 1}, "request_time"),
 ]
 OVER_LIMITS = [  # (endpoint, body, field named, the flag the message names)
     (

@@ -16,6 +16,7 @@ import numpy as np
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.mappings import IdMap
 from gr.jagged import evicted_prefix
+from gr.timestamps import first_overflowing_span
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +111,19 @@ def build_sequences(
     timestamps = data.timestamps[rows].astype(np.int64)
     order = np.lexsort((np.arange(len(rows)), timestamps, user_dense))
     offsets = np.concatenate([[0], np.cumsum(np.bincount(user_dense, minlength=len(users.raw)))]).astype(np.int64)
+    timestamps = timestamps[order]
+    wide = first_overflowing_span(offsets, timestamps)
+    if wide >= 0:
+        user, span = users.raw[wide : wide + 1].tolist()[0], timestamps[offsets[wide] : offsets[wide + 1]]
+        raise DataFormatError(
+            data.source,
+            f"user {user!r}: timestamps from {span[0]} to {span[-1]} lie 2^63 s or more apart "
+            "(the model takes their differences in int64)",
+        )
     sequences = UserSequences(
         offsets=offsets,
         items=item_dense[order],
-        timestamps=timestamps[order],
+        timestamps=timestamps,
         ratings=None if data.ratings is None else data.ratings[rows][order].astype(np.float32),
         num_items=len(items.raw),
         events=None if data.row_side is None else data.row_side.take(rows[order]),

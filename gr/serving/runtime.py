@@ -46,6 +46,7 @@ from gr.serving.request import (
 )
 from gr.serving.scores import RETRIEVAL, ranking_scores
 from gr.serving.user_cache import UserCache
+from gr.timestamps import TimestampError, check_time_span
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_MICRO_BATCH = 256
@@ -437,6 +438,7 @@ class Ranker:
             raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
         if request_time is None:  # the request is when its candidates are shown
             request_time = int(cands[TIMESTAMPS].max())
+        _check_span(h, {"candidates.timestamps": cands[TIMESTAMPS], "request_time": request_time})
         return cands, request_time
 
     def rank_request(self, request: RankRequest, use_cache: bool = True) -> RankResult:
@@ -528,6 +530,7 @@ class Ranker:
         if request.k > available:
             raise RequestError(f"k: {request.k} items requested but only {available} catalogue items are eligible")
         request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
+        _check_span(h, {"request_time": request_time})
         return PreparedRecommend(request, h, request_time, excluded)
 
     def recommend_prepared(self, prepared: Sequence[PreparedRecommend]) -> List[RecommendResult]:
@@ -587,9 +590,18 @@ class Ranker:
         h = self.history(
             request.user_id, request.history, request.common_features, reserve=request.k, id_options=request.id_options
         )
+        _check_span(h, {"request_time": request.request_time})
         catalogue = h.model.catalogue()
         plan = generation.plan(h, catalogue, request, **options)
         return generation.run(plan, self.encode(h))
+
+
+def _check_span(h: History, times: Dict[str, Any]) -> None:
+    """RequestError when the history's times and ``times`` ({field: int or [n] ints}) lie 2^63 s apart."""
+    try:
+        check_time_span({"history.timestamps": h.tokens[TIMESTAMPS], **times})
+    except TimestampError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: int) -> Tensor:
