@@ -29,12 +29,26 @@ TEMPORARY = ".tmp-"  # .NAME.tmp-<hex>: where atomic_directory writes NAME
 LOCK_TRIES = 5  # each retry follows another process removing our new directory before we locked it
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status`` on Linux; elsewhere
+    set and restored at once, which another thread creating a file at that instant could see)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_file(path: PathLike, *, binary: bool = False) -> Iterator[IO]:
-    """Yield a handle on a temporary sibling of ``path``; on a clean exit it replaces ``path``."""
+    """Yield a handle on a temporary sibling of ``path``; on a clean exit it replaces ``path``.
+    The file gets the permissions the umask gives a new file (0644 under 022), as ``open`` would."""
     path = Path(path)
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(handle, 0o666 & ~process_umask())  # mkstemp's 0600 would keep the file from other accounts
         with os.fdopen(handle, "wb" if binary else "w", **({} if binary else {"encoding": "utf8", "newline": ""})) as f:
             yield f
             f.flush()

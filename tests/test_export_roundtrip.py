@@ -3,6 +3,7 @@ chain from the export alone = the trained model's predictions; user-defined DNNs
 """
 
 import json
+import os
 
 import numpy as np
 import onnxruntime as ort
@@ -11,6 +12,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN
+from gr.atomic import process_umask, write_json
 from gr.export import ExportError, check_export, export_model, load_hstu, open_export
 from gr.export.format import FORMAT_VERSION, HSTU_CONFIG, SPARSE_INI
 from gr.export.hstu_slice import from_slice, slice_tensor_shapes, to_slice
@@ -247,3 +249,23 @@ def test_position_mixing_prefix_and_unknown_dense_dims_are_refused(shipped, tmp_
         )
     with pytest.raises(ExportError, match="user_score.*dense_dims"):
         export_model(model, tmp_path / "b")
+
+
+def test_every_exported_file_gets_the_permissions_the_umask_gives(shipped):
+    """Readable by a serving account of another uid under the usual umask (0644 under 022), not
+    the 0600 of a private temporary file."""
+    _, export = shipped
+    expected = 0o666 & ~process_umask()
+    modes = {str(p.relative_to(export)): p.stat().st_mode & 0o777 for p in export.rglob("*") if p.is_file()}
+    assert modes and all(mode == expected for mode in modes.values()), modes
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)], ids=["022", "077", "002"])
+def test_atomic_writes_follow_the_umask(tmp_path, umask, mode):
+    before = os.umask(umask)
+    try:
+        assert process_umask() == umask
+        write_json(tmp_path / "metrics.json", {"hr@10": 0.2})
+    finally:
+        os.umask(before)
+    assert (tmp_path / "metrics.json").stat().st_mode & 0o777 == mode
