@@ -133,3 +133,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_resuming_a_finished_run_is_one_line_and_rewrites_nothing(retrieval_run, capsys):
+    from gr.train.cli import main
+
+    out, _ = retrieval_run
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert main(["--resume", str(out)]) == 0
+    last = out / "checkpoints" / "last"
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"gr train: run already at epoch 3 of 3 ({last}); raise --trainer.max_epochs to train more"
+    ]
+    assert main(["--resume", str(out), "--trainer.max_epochs", "2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "trainer.max_epochs: 2, but the run to resume is already at epoch 3" in line
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before

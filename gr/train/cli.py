@@ -90,9 +90,13 @@ def _train(argv: Sequence[str], prog: str) -> int:
     config, out, resume = resolve(argv, prog)
     import torch.distributed as dist
 
-    from gr.train.run import METRICS_FILE, train
+    from gr.train.run import METRICS_FILE, RunComplete, train
 
-    metrics = train(config, out, resume=resume)
+    try:
+        metrics = train(config, out, resume=resume)
+    except RunComplete as done:
+        print(f"{prog}: {done}")
+        return 0
     if not dist.is_initialized() or dist.get_rank() == 0:  # rank 0 wrote metrics.json; torchrun's others agree
         summary = {k: v for k, v in metrics.items() if k != "config"}
         print(json.dumps(summary, indent=2))

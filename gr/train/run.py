@@ -63,8 +63,15 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
         return _train(config, out_dir, resume)
 
 
+class RunComplete(Exception):
+    """``--resume`` of a run whose newest checkpoint already holds ``trainer.max_epochs`` epochs:
+    there is nothing to train, and nothing is rewritten."""
+
+
 def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
     start = resume_checkpoint(out_dir) if resume else None
+    if start:
+        _check_epochs_left(start, config.trainer.max_epochs)
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
     datamodule = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
@@ -99,6 +106,21 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
     if trainer.is_global_zero:
         write_json(out_dir / METRICS_FILE, plain(metrics))
     return metrics
+
+
+def _check_epochs_left(start: Path, max_epochs: int) -> None:
+    """RunComplete when the checkpoint ``--resume`` starts from holds ``max_epochs`` epochs, a
+    ValueError when it holds more (Lightning would fail deep inside its loop)."""
+    done = int(ckpt.read_meta(start).get("epoch", -1)) + 1  # saved in its last epoch, counted from 0
+    if done == max_epochs:
+        raise RunComplete(
+            f"run already at epoch {done} of {max_epochs} ({start}); raise --trainer.max_epochs to train more"
+        )
+    if done > max_epochs:
+        raise ValueError(
+            f"trainer.max_epochs: {max_epochs}, but the run to resume is already at epoch {done} ({start}); "
+            f"expected at least {done}"
+        )
 
 
 class _OnTrainStart(Callback):
