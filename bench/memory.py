@@ -1,9 +1,12 @@
-"""Peak memory of one HSTU training step (forward, backward, AdamW step) against gr.plan's estimate.
+"""Peak memory against gr.plan's estimates: one HSTU training step over sequence lengths, and whole
+training runs over embedding table sizes.
 
-    python bench/memory.py [--lengths 1024 2048 4096] [--recompute none layer] [--precisions 32-true bf16-mixed]
-    python bench/memory.py --smoke   # one short fp32 case: checks it runs
+    python bench/memory.py [--parts stack tables] [--lengths 1024 2048 4096] [--recompute none layer]
+                           [--precisions 32-true bf16-mixed] [--rows 100000 1000000 10000000 40000000]
+                           [--backends torchrec torch] [--reserve-gib 2]
+    python bench/memory.py --smoke   # one short fp32 step; tables of 1,000 and 20,000 rows: checks it runs
 
-One sequence of each length goes through an HSTU stack (hidden 128, 2 layers, 2 heads of
+Stack: one sequence of each length goes through an HSTU stack (hidden 128, 2 layers, 2 heads of
 64) with fp32 weights, in fp32 or under bf16 autocast, with each recompute mode. Every case
 runs in a fresh subprocess: after a warm-up step on a short sequence (libraries and
 their buffers loaded), the measured peak is the process's resident-set high-water mark
@@ -11,8 +14,22 @@ their buffers loaded), the measured peak is the process's resident-set high-wate
 already allocated), so it holds activations, gradients, the optimizer's state, the
 kernels' temporary buffers and what the allocator keeps. The estimate is gr.plan's: the
 stack's activation peak in backward (``hstu_activation_bytes``) + gradients + AdamW state.
-Prints a table; the last line is one JSON object: bench, model, cases (one per case: length,
-precision, recompute, measured_mib, estimate_mib, estimate_over_measured).
+
+Tables: configs/quickstart.yaml with its item table at each row count (dim 32, row-wise Adagrad),
+under each sparse backend, trained by ``gr.train.train`` in a fresh process: one epoch of
+``TABLE_STEPS`` optimizer steps, validation, the best and last checkpoints saved, the best loaded
+back for the test. The measured peak is that process's own ``VmHWM`` (its peak resident set over
+the whole run: libraries, data, tables, sharding, steps, checkpoints); the estimate is gr.plan's
+``memory_bytes_per_rank`` for the run, planned in that process just before it trains, as ``gr
+train``'s pre-check plans it (which also runs). A point whose estimate needs more than
+MemAvailable less ``--reserve-gib`` is skipped (the machine is shared).
+
+Prints the CPU (model, SIMD flags), the load average and a table per part; the last line is one
+JSON object: bench, model, cases (per stack case: length, precision, recompute, measured_mib,
+estimate_mib, estimate_over_measured), table_model, tables (per point: rows, backend,
+process_mib, estimate_mib, measured_mib, estimate_over_measured, seconds; or rows, backend,
+skipped), ratios ({backend: {min, max}} of estimate_over_measured over the table points), cpu,
+cpu_flags, load_average (start and end, 1/5/15 min).
 """
 
 from __future__ import annotations
@@ -23,21 +40,34 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Dict, List, Tuple
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smoke  # noqa: E402
 import torch  # noqa: E402
 
 from gr.hstu import HSTU, HSTUConfig  # noqa: E402
+from gr.plan import GIB, available_memory_bytes, resident_bytes  # noqa: E402
 
 MIB = 1 << 20
 WARM_UP_LENGTH = 128
 HIDDEN = 128
-SMOKE = {"lengths": [256], "precisions": ["32-true"], "recompute": ["none"]}
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+TABLE_STEPS = 2  # optimizer steps per table point (Lightning's limit_train_batches)
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512", "amx", "avx_vnni")  # prefixes of the flags shown
+SMOKE = {
+    "lengths": [256],
+    "precisions": ["32-true"],
+    "recompute": ["none"],
+    "rows": [1_000, 20_000],
+}
 
 
 def stack_config(length: int, recompute: str) -> HSTUConfig:
@@ -50,11 +80,6 @@ def stack_config(length: int, recompute: str) -> HSTUConfig:
         max_seq_len=length,
         recompute=recompute,
     )
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure(length: int, recompute: str, precision: str) -> int:
@@ -88,16 +113,57 @@ def estimate(length: int, recompute: str, precision: str) -> int:
     return peak + FP32 * params * (1 + DENSE_OPTIMIZER_FLOATS["adamw"])  # gradients + AdamW moments
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--recompute", nargs="+", default=["none", "layer"])
-    parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
-    parser.add_argument("--case", nargs=3, metavar=("LENGTH", "RECOMPUTE", "PRECISION"), help=argparse.SUPPRESS)
-    args, _ = smoke.parse_args(parser, SMOKE)
-    if args.case:
-        print(measure(int(args.case[0]), args.case[1], args.case[2]))
-        return
+def table_run(rows: int, backend: str, work: Path, reserve: int) -> Dict:
+    """Plan, then train, quickstart with a table of ``rows`` rows under ``backend`` in run directory
+    ``work`` (in a fresh process) -> estimate and the process's resident set when planned, peak
+    resident set (bytes) and seconds; or why it was skipped (the estimate needs more than
+    MemAvailable less ``reserve`` bytes)."""
+    from gr.plan import plan_from_config
+    from gr.train.config import load_config
+    from gr.train.run import train
+
+    overrides = [
+        ("model.tables.0.num_embeddings", str(rows)),
+        ("sparse.backend", backend),
+        ("trainer.max_epochs", "1"),
+        ("trainer.limit_train_batches", str(TABLE_STEPS)),
+        ("trainer.enable_progress_bar", "false"),
+    ]
+    config = load_config(QUICKSTART, overrides)
+    plan = plan_from_config(config, nproc=1)
+    predicted = max(plan.memory_bytes_per_rank)
+    available = available_memory_bytes()
+    if available is not None and predicted - (resident_bytes() or 0) > available - reserve:
+        return {"skipped": f"estimate {predicted / GIB:.1f} GiB, {available / GIB:.1f} GiB available"}
+    start = time.perf_counter()
+    train(config, work)
+    return {
+        "estimate": predicted,
+        "process": plan.process_bytes,
+        "measured": peak_resident_bytes(),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set so far (``VmHWM`` of /proc/self/status)."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
+
+
+def cpu() -> Tuple[str, List[str]]:
+    """(model name, its SIMD flags among ``SIMD_FLAGS``) from /proc/cpuinfo."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines if ":" in line)}
+    flags = [f for f in fields.get("flags", "").split() if f.startswith(SIMD_FLAGS)]
+    return f"{fields.get('model name', 'unknown')} ({os.cpu_count()} cores)", flags
+
+
+def load_average() -> List[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def stack_cases(args: argparse.Namespace) -> List[Dict]:
     rows = []
     print(f"{'length':>6} {'precision':>10} {'recompute':>9} {'measured MiB':>12} {'estimate MiB':>12} {'est/meas':>8}")
     for length in args.lengths:
@@ -127,7 +193,91 @@ def main() -> None:
                     f"{r['estimate_over_measured']:>8}",
                     flush=True,
                 )
-    print(json.dumps({"bench": "memory", "model": "hstu d128 x2 layers, 2 heads of 64", "cases": rows}))
+    return rows
+
+
+def table_points(args: argparse.Namespace) -> List[Dict]:
+    points = []
+    print(
+        f"{'rows':>12} {'backend':>8} {'process MiB':>11} {'estimate MiB':>12} {'measured MiB':>12} "
+        f"{'est/meas':>8} {'seconds':>8}"
+    )
+    for rows in args.rows:
+        for backend in args.backends:
+            with tempfile.TemporaryDirectory(prefix="gr-memory-") as work:
+                flags = ["--table-run", str(rows), backend, str(Path(work) / "run"), str(args.reserve_gib)]
+                run = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"memory.py {' '.join(flags)} failed:\n{run.stderr[-4000:]}")
+            result = json.loads(run.stdout.strip().splitlines()[-1])
+            if "skipped" in result:
+                points.append({"rows": rows, "backend": backend, "skipped": result["skipped"]})
+                print(f"{rows:>12,} {backend:>8} skipped: {result['skipped']}", flush=True)
+                continue
+            points.append(
+                {
+                    "rows": rows,
+                    "backend": backend,
+                    "process_mib": round(result["process"] / MIB, 1),
+                    "estimate_mib": round(result["estimate"] / MIB, 1),
+                    "measured_mib": round(result["measured"] / MIB, 1),
+                    "estimate_over_measured": round(result["estimate"] / result["measured"], 3),
+                    "seconds": round(result["seconds"], 1),
+                }
+            )
+            p = points[-1]
+            print(
+                f"{rows:>12,} {backend:>8} {p['process_mib']:>11} {p['estimate_mib']:>12} {p['measured_mib']:>12} "
+                f"{p['estimate_over_measured']:>8} {p['seconds']:>8}",
+                flush=True,
+            )
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=["stack", "tables"], default=["stack", "tables"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--recompute", nargs="+", default=["none", "layer"])
+    parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000, 40_000_000])
+    parser.add_argument("--backends", nargs="+", choices=["torchrec", "torch"], default=["torchrec", "torch"])
+    parser.add_argument("--reserve-gib", type=float, default=2.0, help="memory to leave others (default 2)")
+    parser.add_argument("--case", nargs=3, metavar=("LENGTH", "RECOMPUTE", "PRECISION"), help=argparse.SUPPRESS)
+    parser.add_argument("--table-run", nargs=4, metavar=("ROWS", "BACKEND", "DIR", "RESERVE"), help=argparse.SUPPRESS)
+    args, _ = smoke.parse_args(parser, SMOKE)
+    if args.case:
+        print(measure(int(args.case[0]), args.case[1], args.case[2]))
+        return
+    if args.table_run:
+        rows, backend, work, reserve = args.table_run
+        print(json.dumps(table_run(int(rows), backend, Path(work), int(float(reserve) * GIB))))
+        return
+    model, flags = cpu()
+    start_load = load_average()
+    print(f"{model}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}; SIMD flags: {' '.join(flags)}")
+    print(f"load average {' '.join(map(str, start_load))} (1/5/15 min, includes other jobs)", flush=True)
+    cases = stack_cases(args) if "stack" in args.parts else []
+    points = table_points(args) if "tables" in args.parts else []
+    ratios = {}
+    for backend in args.backends:
+        measured = [p["estimate_over_measured"] for p in points if p["backend"] == backend and "skipped" not in p]
+        if measured:
+            ratios[backend] = {"min": min(measured), "max": max(measured)}
+    end_load = load_average()
+    print(f"estimate / measured peak per backend: {ratios}; load average at the end {' '.join(map(str, end_load))}")
+    summary = {
+        "bench": "memory",
+        "model": "hstu d128 x2 layers, 2 heads of 64",
+        "cases": cases,
+        "table_model": f"configs/quickstart.yaml, item table dim 32, rowwise_adagrad, 1 epoch of {TABLE_STEPS} steps",
+        "tables": points,
+        "ratios": ratios,
+        "cpu": model,
+        "cpu_flags": flags,
+        "load_average": {"start": start_load, "end": end_load},
+    }
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,18 @@ In backward, the layer being differentiated holds gradient buffers about the siz
 kernel's backward holds fp32 buffers of 16P - 8A bytes per token (q, k, v and their
 gradients, padded and gathered per group) and ~4 score tiles of heads x 128 queries x L
 keys: ``peak`` adds those (bench/memory.py compares it with measured peaks).
+
+Memory per rank (``Plan.memory_bytes_per_rank``, what ``gr train``'s pre-check uses on CPU), an upper
+bound of a training process's peak resident set: the process before its model (its resident set
+when planned, with what training imports loaded: libraries and data) + ``RUNTIME_OVERHEAD_BYTES``
++ the dense parameters, gradients and optimizer state + the tables (``sparse_memory``: the rank's
+shards and optimizer state, and what the sparse backend keeps beside them) + the largest
+transient: building and sharding the tables, saving or loading a checkpoint, or one batch's
+activations, which never overlap. Per table row of stored width D with the optimizer's f floats a
+row (one rank, fp32): torch 4 (D + f) resident + 7 D while a checkpoint's weights are checked finite
+(8 D while one is loaded, with Adagrad's or Adam's per-weight state) = 11 D + 4 f bytes; torchrec
+adds the whole table as built (4 D, and 4 with row-wise Adagrad): 15 D + 4 f (+ 4).
+bench/memory.py compares it with training processes' peaks over table sizes.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -60,6 +73,7 @@ from gr.hstu.kernels.cpu import (
     padded_lengths,
 )
 from gr.native import fused_expected
+from gr.sparse.row_optimizers import STATE as OPTIMIZER_STATE
 from gr.sparse.tables import TableConfig, backend_module, storage_dim
 from gr.train.config import TrainConfig, load_config
 
@@ -70,23 +84,29 @@ INT32 = 4
 LAYER_NORM_STATS = 2 * FP32  # mean and 1/std per token
 STACK_INDEX_BYTES = 4 * INT64  # token positions (embedding indices) and index bookkeeping
 SCORE_TILES = 4  # score-sized fp32 buffers alive at once in the attention backward (scores, SiLU, gradients)
-# Optimizer state in floats: per parameter for dense optimizers, per table row (of `dim`) for sparse.
+# Optimizer state in floats per parameter for dense optimizers (sparse ones: ``optimizer_state_elements``).
 DENSE_OPTIMIZER_FLOATS = {"adamw": 2, "adam": 2, "sgd": 0}
-SPARSE_OPTIMIZER_FLOATS = {
-    "sgd": lambda dim: 0,
-    "adagrad": lambda dim: dim,
-    "rowwise_adagrad": lambda dim: 1,
-    "adam": lambda dim: 2 * dim,
-    "partial_rowwise_adam": lambda dim: dim + 1,
-}
+# Bytes per element of a table tensor while a checkpoint is saved: ``gr.finite`` checks each weight with
+# torch.isfinite, whose C++ expression (x == x) * (|x| != inf) keeps x == x (1), |x| (4), |x| != inf (1)
+# and their product (1) alive to its end.
+FINITE_CHECK_BYTES = 7
+# ... and loaded: DCP reads each tensor whole, then copies it in, the one read before still referenced.
+LOAD_BYTES = 4
+# What a Lightning fit adds to the process beyond the tensors modelled here: trainer, loggers, process
+# group, the kernels' first-call buffers and what the allocator keeps of freed batches (bench/memory.py
+# measured 23-43 MiB over 1e5-4e7 table rows and both backends, 2026-11-27).
+RUNTIME_OVERHEAD_BYTES = 96 << 20
 GIB = 1 << 30
 MEMINFO = "/proc/meminfo"
+STATM = "/proc/self/statm"
 
 
 @dataclass(frozen=True)
 class TablePlan:
-    """One embedding table: ``params`` = rows x stored dim; ``rows_per_rank`` as sharded over the ranks
-    (a table-wise table sits whole on one rank)."""
+    """One embedding table: ``params`` = rows x stored dim; ``params_per_rank`` and ``rows_per_rank`` as
+    sharded over the ranks (a table-wise table sits whole on one rank, a column-wise one keeps every
+    row on each); ``optimizer`` its embedding optimizer, ``optimizer_floats`` that one's state per
+    row; ``collection`` the module holding it ("sequence dim<d>" per embedding dim, or "common")."""
 
     name: str
     rows: int
@@ -95,6 +115,21 @@ class TablePlan:
     params: int
     params_per_rank: Tuple[int, ...]
     optimizer_floats: int
+    rows_per_rank: Tuple[int, ...]
+    optimizer: str
+    collection: str
+
+
+@dataclass(frozen=True)
+class SparseMemory:
+    """The tables' bytes on one rank (``sparse_memory``): ``shards`` their weights and optimizer state;
+    ``backend`` what the sparse backend keeps beside them; the transients ``build`` (building and
+    sharding the tables) and ``checkpoint`` (saving or loading one)."""
+
+    shards: int
+    backend: int
+    build: int
+    checkpoint: int
 
 
 @dataclass(frozen=True)
@@ -112,14 +147,29 @@ class Plan:
     training_flops_per_token: int
     state_bytes_per_rank: Tuple[int, ...]  # parameters, gradients, optimizer state
     batch_activation_bytes: int  # per rank: peak for its share of the global batch (recompute, precision)
+    sparse_backend: str
+    sparse_memory_per_rank: Tuple[SparseMemory, ...]
+    process_bytes: int  # the process before its model (libraries, data): its resident set when planned, or 0
 
     @property
     def sparse_params(self) -> int:
         return sum(t.params for t in self.tables)
 
     @property
+    def transient_bytes_per_rank(self) -> Tuple[int, ...]:
+        """The largest of what never overlaps: building the tables, a checkpoint, a batch's activations."""
+        return tuple(max(m.build, m.checkpoint, self.batch_activation_bytes) for m in self.sparse_memory_per_rank)
+
+    @property
     def memory_bytes_per_rank(self) -> Tuple[int, ...]:
-        return tuple(s + self.batch_activation_bytes for s in self.state_bytes_per_rank)
+        """Peak resident bytes of each rank's process (see the module docstring)."""
+        base = self.process_bytes + RUNTIME_OVERHEAD_BYTES
+        return tuple(
+            base + state + sparse.backend + transient
+            for state, sparse, transient in zip(
+                self.state_bytes_per_rank, self.sparse_memory_per_rank, self.transient_bytes_per_rank
+            )
+        )
 
 
 def hstu_parameter_count(config: HSTUConfig) -> int:
@@ -222,10 +272,56 @@ def linear_flops(module: nn.Module) -> int:
     return sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
+def optimizer_state_elements(optimizer: str, rows: int, width: int) -> Tuple[int, ...]:
+    """Elements of each state tensor embedding optimizer ``optimizer`` keeps for a [rows, width] shard:
+    one value per row or per weight, as FBGEMM's fused kernels and the torch backend's ``RowOptimizer``
+    keep them (``gr.sparse.row_optimizers.STATE``)."""
+    return tuple(rows if per_row else rows * width for _, per_row in OPTIMIZER_STATE[optimizer])
+
+
+def sparse_memory(tables: Sequence[TablePlan], backend: str, rank: int) -> SparseMemory:
+    """The bytes ``tables`` take on ``rank`` under sparse backend ``backend`` (fp32 throughout).
+
+    Both backends: each shard's weights and optimizer state (``optimizer_state_elements``). Saving a
+    checkpoint checks every weight finite (``FINITE_CHECK_BYTES`` per element of the largest shard);
+    loading one (``gr train``'s test of its best checkpoint, ``--resume``) reads each tensor whole
+    before copying it in (``LOAD_BYTES`` per element of the two largest tensors: weights, optimizer state).
+    torchrec: every rank builds every table whole before sharding (``gr.train.build.seeded_model``), and
+    ``apply_optimizer_in_backward`` keeps those weights alive all run (its hook on each weight's gradient
+    accumulator holds the weight), with its RowWiseAdagrad's row sums ([rows, 1], made through a
+    whole-table ``torch.full_like``: a build transient); sharding copies each collection's rows into the
+    shards through one ``torch.cat`` of the rank's rows of its tables (the other build transient).
+    torch: the tables are the shards, initialised in place; nothing more.
+    """
+    shards = kept = build = 0
+    tensors: List[int] = []  # elements of each tensor of the rank's shards a checkpoint holds
+    collections: Dict[str, int] = {}
+    for table in tables:
+        rows, elements = table.rows_per_rank[rank], table.params_per_rank[rank]
+        state = optimizer_state_elements(table.optimizer, rows, elements // rows if rows else 0)
+        shards += FP32 * (elements + sum(state))
+        tensors += [elements, *state]
+        if backend == "torchrec":
+            row_sums = table.rows if table.optimizer == "rowwise_adagrad" else 0
+            kept += FP32 * (table.params + row_sums)
+            build = max(build, FP32 * table.params if row_sums else 0)
+            collections[table.collection] = collections.get(table.collection, 0) + FP32 * elements
+    largest = sorted(tensors, reverse=True)
+    weights = max((t.params_per_rank[rank] for t in tables), default=0)
+    checkpoint = max(FINITE_CHECK_BYTES * weights, LOAD_BYTES * sum(largest[:2]))
+    return SparseMemory(shards, kept, max([build, *collections.values()]), checkpoint)
+
+
 def make_plan(
-    config: TrainConfig, tables: Sequence[TableConfig], prefix_dnn: nn.Module, postfix_dnn: nn.Module, nproc: int
+    config: TrainConfig,
+    tables: Sequence[TableConfig],
+    prefix_dnn: nn.Module,
+    postfix_dnn: nn.Module,
+    nproc: int,
+    process_bytes: int = 0,
 ) -> Plan:
-    """The plan of ``config`` on ``nproc`` ranks; tables with their rows resolved, DNNs built (any device)."""
+    """The plan of ``config`` on ``nproc`` ranks; tables with their rows resolved, DNNs built (any
+    device); ``process_bytes``: the training process before its model (``resident_bytes``), if known."""
     if nproc < 1:
         raise ValueError(f"--nproc: expected an int >= 1, got {nproc}")
     hstu = config.model.hstu
@@ -253,19 +349,30 @@ def make_plan(
     }
     training = 3 * sum(forward.values()) + _recomputed_flops(hstu, tokens)
     dense_state = dense_state_bytes(config)
-    sparse_per_rank = [0] * nproc
-    for table in table_plans:
-        for rank, params in enumerate(table.params_per_rank):
-            rows = params // table.dim
-            sparse_per_rank[rank] += FP32 * (params + rows * table.optimizer_floats)
-    state = tuple(dense_state * d + s for d, s in zip(dense_per_rank, sparse_per_rank))
+    sparse = tuple(sparse_memory(table_plans, config.sparse.backend, rank) for rank in range(nproc))
+    state = tuple(dense_state * d + s.shards for d, s in zip(dense_per_rank, sparse))
     compute_bytes = PRECISION_BYTES[config.trainer.precision]
     sequences = rank_batch(config, nproc)
     per_sample = hstu_activation_bytes(hstu, tokens, hstu.recompute, compute_bytes)[1]
     batch = sequences * (per_sample - attention_backward_bytes(hstu, tokens)) + attention_backward_bytes(
         hstu, tokens, sequences
     )
-    return Plan(nproc, tokens, tuple(table_plans), dense, dense_per_rank, kept, peak, forward, training, state, batch)
+    return Plan(
+        nproc=nproc,
+        tokens_per_sample=tokens,
+        tables=tuple(table_plans),
+        dense_params=dense,
+        dense_params_per_rank=dense_per_rank,
+        activation_bytes=kept,
+        activation_peak_bytes=peak,
+        forward_flops_per_token=forward,
+        training_flops_per_token=training,
+        state_bytes_per_rank=state,
+        batch_activation_bytes=batch,
+        sparse_backend=config.sparse.backend,
+        sparse_memory_per_rank=sparse,
+        process_bytes=process_bytes,
+    )
 
 
 def dense_state_bytes(config: TrainConfig) -> int:
@@ -289,14 +396,16 @@ def plan_from_config(config: TrainConfig, nproc: int) -> Plan:
 
 def plan_for_data(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str], nproc: int) -> Plan:
     """The plan of ``config`` on the data ``spec`` describes: the model built on the meta device
-    (no memory, however large), then ``make_plan``."""
+    (no memory, however large), then ``make_plan`` with this process's resident set as the process
+    before its model, once it holds what training imports (``gr.train.run``: Lightning, its loggers)."""
+    import gr.train.run  # noqa: F401  (already imported in a training process)
     from gr.train.build import build_model
 
     backend_module(config.sparse.backend)  # imported outside the meta device: its imports make tensors
     with torch.device("meta"):
         model = build_model(config, spec, tasks)
     tables = list(model.embeddings.tables.values()) if model.embeddings is not None else []
-    return make_plan(config, tables, model.prefix_dnn, model.postfix_dnn, nproc)
+    return make_plan(config, tables, model.prefix_dnn, model.postfix_dnn, nproc, resident_bytes() or 0)
 
 
 def available_memory_bytes(meminfo: str = MEMINFO) -> Optional[int]:
@@ -312,10 +421,21 @@ def available_memory_bytes(meminfo: str = MEMINFO) -> Optional[int]:
     return None
 
 
+def resident_bytes(statm: str = STATM) -> Optional[int]:
+    """This process's resident set now (Linux: /proc/self/statm), or None where it cannot be read."""
+    try:
+        with open(statm, encoding="ascii") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def memory_terms(plan: Plan, config: TrainConfig) -> List[Tuple[int, str]]:
-    """[(bytes, the config keys behind them), ...] of the largest rank's ``memory_bytes_per_rank``,
-    largest first: each table's rows and optimizer state, the HSTU's positional parameters
-    (max_seq_len) and the rest of its layers, the DNNs, and the batch's activations."""
+    """[(bytes, the config keys behind them), ...] of the largest rank's ``memory_bytes_per_rank``
+    less the process itself, largest first: each table's shards, optimizer state and backend copies
+    (the largest table also the transient, when building the tables or a checkpoint is the largest
+    one), the HSTU's positional parameters (max_seq_len) and the rest of its layers, the DNNs, and
+    the batch's activations (when they are the largest transient)."""
     rank = max(range(plan.nproc), key=lambda r: plan.memory_bytes_per_rank[r])
     hstu = config.model.hstu
     state = dense_state_bytes(config)
@@ -323,13 +443,18 @@ def memory_terms(plan: Plan, config: TrainConfig) -> List[Tuple[int, str]]:
     positional = (hstu.num_layers * hstu.num_position_buckets if hstu.position_buckets is None else 0) + (
         (hstu.max_seq_len + 1) * hstu.hidden_dim if hstu.position_embedding else 0
     )
-    terms = [
-        (
-            FP32 * (t.params_per_rank[rank] + t.params_per_rank[rank] // t.dim * t.optimizer_floats),
-            f"model.tables ({t.name}): num_embeddings {t.rows:,} x embedding_dim {t.dim:,}",
+    transient = plan.transient_bytes_per_rank[rank]
+    activations = plan.batch_activation_bytes if transient == plan.batch_activation_bytes else 0
+    largest = max(plan.tables, key=lambda t: t.params_per_rank[rank], default=None)
+    terms = []
+    for t in plan.tables:
+        table = sparse_memory([t], plan.sparse_backend, rank)
+        terms.append(
+            (
+                table.shards + table.backend + (transient - activations if t is largest else 0),
+                f"model.tables ({t.name}): num_embeddings {t.rows:,} x embedding_dim {t.dim:,}",
+            )
         )
-        for t in plan.tables
-    ]
     terms += [
         (int(state * positional * dense_share), f"model.hstu.max_seq_len {hstu.max_seq_len:,} (positions)"),
         (
@@ -341,7 +466,7 @@ def memory_terms(plan: Plan, config: TrainConfig) -> List[Tuple[int, str]]:
             "model.prefix_dnn / model.postfix_dnn",
         ),
         (
-            plan.batch_activation_bytes,
+            activations,
             f"data.batch_size {config.data.batch_size} x {plan.tokens_per_sample} tokens (activations, "
             f"model.hstu.hidden_dim {hstu.hidden_dim:,})",
         ),
@@ -349,21 +474,27 @@ def memory_terms(plan: Plan, config: TrainConfig) -> List[Tuple[int, str]]:
     return sorted(terms, key=lambda term: -term[0])
 
 
-def check_memory_fits(plan: Plan, config: TrainConfig, local_ranks: int, available: Optional[int]) -> None:
+def check_memory_fits(
+    plan: Plan, config: TrainConfig, local_ranks: int, available: Optional[int], resident: Optional[int] = None
+) -> None:
     """Refuse a run whose ``local_ranks`` ranks on this machine need more than ``available`` bytes
-    (None: unknown, nothing checked): ValueError naming the estimate, the memory available and
-    the config keys that drive it (the terms of ``memory_terms`` above a tenth of the total)."""
+    (None: unknown, nothing checked) beyond ``resident``, what this process holds already (which
+    MemAvailable leaves out; None: its resident set now; the other local ranks' processes are counted
+    whole): ValueError naming the estimate, the memory available and the config keys that drive it
+    (the terms of ``memory_terms`` above a tenth of the total)."""
     per_rank = max(plan.memory_bytes_per_rank)
-    need = per_rank * local_ranks
+    held = (resident_bytes() if resident is None else resident) or 0
+    need = per_rank * local_ranks - held
     if available is None or need <= available:
         return
     terms = [(size, keys) for size, keys in memory_terms(plan, config) if size >= per_rank / 10][:3]
     drivers = "; ".join(f"{keys}: {size / GIB:,.1f} GiB" for size, keys in terms)
     raise ValueError(
-        f"the run does not fit in memory: gr plan estimates {need / GIB:,.1f} GiB ({local_ranks} rank(s) x "
-        f"{per_rank / GIB:,.1f} GiB: weights, gradients, optimizer state and batch activations), this machine has "
-        f"{available / GIB:,.1f} GiB available (MemAvailable); most of it: {drivers}. Make those smaller, or set "
-        "trainer.memory_check: false to start anyway"
+        f"the run does not fit in memory: gr plan estimates {per_rank * local_ranks / GIB:,.1f} GiB ({local_ranks} "
+        f"rank(s) x {per_rank / GIB:,.1f} GiB: the process, weights, gradients, optimizer state, the "
+        f"{plan.sparse_backend} backend's table copies and the largest transient), {held / GIB:,.1f} GiB of it "
+        f"held by this process already; this machine has {available / GIB:,.1f} GiB available (MemAvailable); "
+        f"most of it: {drivers}. Make those smaller, or set trainer.memory_check: false to start anyway"
     )
 
 
@@ -394,9 +525,18 @@ def format_plan(plan: Plan, config: TrainConfig, memory_gib: Optional[float]) ->
         f"(3x forward + recompute {config.model.hstu.recompute!r})"
     )
     need = max(plan.memory_bytes_per_rank)
+    rank = plan.memory_bytes_per_rank.index(need)
+    sparse = plan.sparse_memory_per_rank[rank]
     lines.append(
-        f"memory per rank (weights, gradients, optimizer state + batch activations at "
-        f"{config.trainer.precision}, recompute {config.model.hstu.recompute!r}): {need / GIB:.3f} GiB"
+        f"memory per rank (peak resident set, recompute {config.model.hstu.recompute!r}, "
+        f"{config.trainer.precision}): {need / GIB:.3f} GiB"
+    )
+    lines.append(
+        f"  process {_gib(plan.process_bytes)} (measured: libraries, data) + runtime {_gib(RUNTIME_OVERHEAD_BYTES)}"
+        f" + weights, gradients, optimizer state {_gib(plan.state_bytes_per_rank[rank])} + "
+        f"{plan.sparse_backend}'s table copies {_gib(sparse.backend)} + largest transient "
+        f"{_gib(plan.transient_bytes_per_rank[rank])} (building tables {_gib(sparse.build)}, checkpoint "
+        f"{_gib(sparse.checkpoint)}, batch activations {_gib(plan.batch_activation_bytes)})"
     )
     if memory_gib is not None:
         verdict = "fits" if need <= memory_gib * GIB else "does NOT fit"
@@ -442,23 +582,30 @@ def _table_plans(config: TrainConfig, tables: Sequence[TableConfig], nproc: int)
         rows, dim = table.num_embeddings, storage_dim(table.embedding_dim)
         if table.sharding in ("row_wise", "table_row_wise"):
             block = -(-rows // nproc)
-            per_rank = [max(0, min(block, rows - r * block)) * dim for r in range(nproc)]
+            rows_per_rank = [max(0, min(block, rows - r * block)) for r in range(nproc)]
+            per_rank = [r * dim for r in rows_per_rank]
         elif table.sharding == "column_wise":
-            per_rank = [rows * columns for columns in _split_sizes(dim, nproc)]
+            columns = _split_sizes(dim, nproc)
+            rows_per_rank = [rows if c else 0 for c in columns]
+            per_rank = [rows * c for c in columns]
         else:
-            per_rank = [0] * nproc
-            per_rank[load.index(min(load))] = rows * dim
+            rows_per_rank, per_rank = [0] * nproc, [0] * nproc
+            rank = load.index(min(load))
+            rows_per_rank[rank], per_rank[rank] = rows, rows * dim
         load = [a + b for a, b in zip(load, per_rank)]
         optimizer = (table.optimizer or config.sparse.optimizer).type
         plans.append(
             TablePlan(
-                table.name,
-                rows,
-                dim,
-                table.sharding,
-                rows * dim,
-                tuple(per_rank),
-                SPARSE_OPTIMIZER_FLOATS[optimizer](dim),
+                name=table.name,
+                rows=rows,
+                dim=dim,
+                sharding=table.sharding,
+                params=rows * dim,
+                params_per_rank=tuple(per_rank),
+                optimizer_floats=sum(optimizer_state_elements(optimizer, 1, dim)),
+                rows_per_rank=tuple(rows_per_rank),
+                optimizer=optimizer,
+                collection=f"sequence dim{table.embedding_dim}" if table.kind == "sequence" else "common",
             )
         )
     return sorted(plans, key=lambda t: t.name)
@@ -504,6 +651,10 @@ def _recomputed_flops(config: HSTUConfig, seq_len: int) -> int:
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.3f} GiB"
 
 
 if __name__ == "__main__":

@@ -59,7 +59,10 @@ BENCHES = (
         ),
         ("--threads", "1"),
     ),
-    Bench("bench/memory.py", ("bench", "model", "cases")),
+    Bench(
+        "bench/memory.py",
+        ("bench", "model", "cases", "table_model", "tables", "ratios", "cpu", "cpu_flags", "load_average"),
+    ),
     Bench(
         "bench/train_dedup.py",
         (
