@@ -41,6 +41,7 @@ SLOW_MODULES = {
     "test_model_class.py",
     "test_serving_http.py",
     "test_serving_retrieval_batching.py",
+    "test_train_progress.py",
     "test_train_run.py",
 }
 

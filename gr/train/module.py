@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -196,9 +196,13 @@ class GRTrainingModule(LightningModule):
         return losses["loss"]
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        """Raise NonFiniteError, on every rank, when any rank's loss or dense gradients are not finite."""
+        """Raise NonFiniteError, on every rank, when any rank's loss or dense gradients are not finite;
+        on logged steps, log ``train/grad_norm`` (the dense gradients' L2 norm before clipping: the
+        tables' gradients are applied inside backward and never held)."""
         named = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
         bad_grads = [] if gradients_finite([grad for _, grad in named]) else non_finite(named)
+        if self.trainer._logger_connector.should_update_logs and not bad_grads:
+            self.log("train/grad_norm", _gradient_norm([grad for _, grad in named]), on_step=True, on_epoch=False)
         loss_finite = self.step_loss is None or bool(self.step_loss.isfinite())
         flags = torch.tensor([float(not loss_finite), float(bool(bad_grads))])
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -244,3 +248,14 @@ class GRTrainingModule(LightningModule):
         self.last_metrics[split] = metrics
         # Gathered over all ranks already, so identical on every rank: the sync is a no-op mean.
         self.log_dict({f"{split}/{k}": v for k, v in metrics.items()}, sync_dist=True)
+
+
+def _gradient_norm(grads: List[Tensor]) -> Tensor:
+    """The L2 norm of all of ``grads`` together: one fused pass per device and dtype (plain tensors;
+    others, such as sharded gradients, are left out). A 0-dim float32 tensor."""
+    groups: Dict[Tuple[torch.device, torch.dtype], List[Tensor]] = {}
+    for grad in grads:
+        if type(grad) is Tensor:
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    norms = [norm.float().cpu() for tensors in groups.values() for norm in torch._foreach_norm(tensors)]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
