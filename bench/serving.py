@@ -16,11 +16,11 @@ Three more sections:
       candidates) per action, at max_seq_len ``--stream-max-len``: HSTU tokens encoded per request
       and p50 latency with ``--eviction-block`` against eviction by one token (the old path);
   batching: ``--batch-users`` users with histories of ``--batch-history`` and ``--batch-candidates``
-      candidates each, caches warm: ``Ranker.rank_batch`` (users packed into shared passes) against a
+      candidates each, caches warm: ``Ranker.rank`` of the list (users packed into shared passes) against a
       loop of ``rank``, and the batched path's FLOP rate as a fraction of the in-run matmul peak;
   retrieval: ``--retrieval-users`` users with histories of ``--retrieval-history`` ask a retrieval
       export (the same HSTU, queries at the next event, the paper recipes' setting) for their top
-      ``--retrieval-k`` items: a loop of ``recommend`` against ``recommend_batch`` (shared HSTU passes,
+      ``--retrieval-k`` items: a loop of ``recommend`` against ``recommend`` of the list (shared HSTU passes,
       one postfix run, one matrix product against the exact index), with warm user caches (the
       last action settled at the request's time) and cold ones (every history encoded); the answers
       are checked equal.
@@ -372,7 +372,7 @@ def count_encoded_tokens(ranker: Ranker) -> List[int]:
 
 
 def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, object]:
-    """Warm caches, then the same requests ranked by a loop of ``rank`` and by ``rank_batch``, for
+    """Warm caches, then the same requests ranked by a loop of ``rank`` and by ``rank`` of the list, for
     each candidate count; FLOP rates against the in-run matmul peak."""
     from gr.serving import RankRequest
 
@@ -394,9 +394,9 @@ def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, 
                 RankRequest(f"u{u}", histories[u], {"item_id": rng.integers(0, NUM_ITEMS, n)}, request_time=10**8 + 60)
                 for u in range(users)
             ]
-            ranker.rank_batch(requests)  # warm every user's cache
-            loop = best_time(clock, lambda requests=requests: [ranker.rank_request(r) for r in requests], args.repeats)
-            batched = best_time(clock, lambda requests=requests: ranker.rank_batch(requests), args.repeats)
+            ranker.rank(requests)  # warm every user's cache
+            loop = best_time(clock, lambda requests=requests: [ranker.rank(r) for r in requests], args.repeats)
+            batched = best_time(clock, lambda requests=requests: ranker.rank(requests), args.repeats)
             flops = users * config.num_layers * flops_per_layer(config, n, n * (length + 1))
             out[f"N{n}"] = {
                 "candidates": n,
@@ -411,7 +411,7 @@ def batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, 
 
 
 def retrieval_batching(args: argparse.Namespace, clock: Callable[[], float]) -> Dict[str, object]:
-    """The same recommend requests by a loop of ``recommend`` and by ``recommend_batch``, with warm
+    """The same recommend requests by a loop of ``recommend`` and by ``recommend`` of the list, with warm
     and with cold user caches; the loop's and the batch's answers must agree."""
     rng = np.random.default_rng(3)
     users, length, k = args.retrieval_users, args.retrieval_history, args.retrieval_k
@@ -425,12 +425,12 @@ def retrieval_batching(args: argparse.Namespace, clock: Callable[[], float]) -> 
         requests = [
             RecommendRequest(f"u{u}", request_tokens(rng, length, 0), k, request_time=10**8 + 60) for u in range(users)
         ]
-        batched = ranker.recommend_batch(requests)  # builds the catalogue and warms every cache
+        batched = ranker.recommend(requests)  # builds the catalogue and warms every cache
         loop = [ranker.recommend(r) for r in requests]
         assert [b.items for b in batched] == [r.items for r in loop], "the batch must answer as the loop"
         for name, before in (("warm", lambda: None), ("cold", ranker.cache.invalidate)):
             loop_s = best_time(clock, lambda: [ranker.recommend(r) for r in requests], args.repeats, before)
-            batch_s = best_time(clock, lambda: ranker.recommend_batch(requests), args.repeats, before)
+            batch_s = best_time(clock, lambda: ranker.recommend(requests), args.repeats, before)
             out[name] = {"loop_s": loop_s, "batched_s": batch_s, "speedup": loop_s / batch_s}
             print(f"retrieval {name}: {out[name]}", flush=True)
     out["target_2x_met"] = {name: out[name]["speedup"] >= 2.0 for name in ("warm", "cold")}

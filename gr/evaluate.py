@@ -25,6 +25,7 @@ from gr.data.datamodule import SequenceDataModule
 from gr.jagged import offsets_from_lengths
 from gr.model import GRInput, GROutput
 from gr.serving import Ranker, RankRequest
+from gr.serving import encode as encoding
 from gr.serving.scores import LOGIT_SUFFIX
 from gr.train.config import TrainConfig, load_config
 from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
@@ -94,7 +95,7 @@ def evaluate_export(
             queries = {"query": _served_queries(ranker, batch, requests)}
             task.evaluation_step(_output(queries, torch.arange(len(requests) + 1)), batch, popularity)
         else:
-            results = ranker.rank_batch([RankRequest(**r) for r in requests])
+            results = ranker.rank([RankRequest(**r) for r in requests])
             logits = {
                 t: torch.from_numpy(np.concatenate([r.scores[f"{t}{LOGIT_SUFFIX}"] for r in results]))
                 for t in task.tasks
@@ -105,11 +106,12 @@ def evaluate_export(
 
 def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
     """[B, d] the served retrieval query at each sequence's last token (its query time as in the
-    batch), the whole batch in shared passes (``Ranker.queries``)."""
+    batch), the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
     last = batch.seq_offsets[1:] - 1
     times = batch.timestamps if batch.query_times is None else batch.query_times
     histories = [ranker.history(r["user_id"], r["history"], r["common_features"]) for r in requests]
-    return ranker.queries(histories, [int(t) for t in times[last].tolist()], use_cache=False)
+    encoded = encoding.encode(ranker.cache, histories, use_cache=False)
+    return encoding.queries(encoded, [int(t) for t in times[last].tolist()])
 
 
 def _output(predictions: Dict[str, torch.Tensor], row_offsets: torch.Tensor) -> GROutput:

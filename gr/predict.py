@@ -15,9 +15,9 @@ as a column ``history.item_id``)::
 
 Integers (ids, timestamps, request_time) must fit int64: unsigned values past it are refused, never
 wrapped. Ids are raw ids (the dataset's, through the export's id maps) unless ``--ids model``. With
-``candidates.*`` columns every row is ranked (``Ranker.rank_prepared``: users' candidates packed
+``candidates.*`` columns every row is ranked (``Ranker.prepare`` and ``Ranker.run``: users' candidates packed
 into shared HSTU passes, ``--batch-size`` rows at a time); without them each row gets the top
-``--k`` catalogue items (``Ranker.recommend_prepared``: ``--batch-size`` users' queries from shared
+``--k`` catalogue items (``Ranker.prepare`` and ``Ranker.run``: ``--batch-size`` users' queries from shared
 passes and one catalogue search; retrieval exports).
 
 Output: a Parquet file written atomically, one row per input row in input order: ``user_id``,
@@ -322,7 +322,7 @@ def _request(rows: _Rows, i: int, layout: Layout, options: IdOptions) -> RankReq
 
 def _rank(ranker: Ranker, requests: List[RankRequest], rows: _Rows) -> List[RankResult]:
     """The batch's requests through the batched ranking path; an error names its row."""
-    return _batched(ranker.prepare_rank, ranker.rank_prepared, requests, rows)
+    return _batched(ranker.prepare, ranker.run, requests, rows)
 
 
 def _recommend(
@@ -331,11 +331,11 @@ def _recommend(
     """Each row's top k through the batched recommend path; an error names its row."""
 
     def prepare(r: RankRequest) -> PreparedRecommend:
-        return ranker.prepare_recommend(
+        return ranker.prepare(
             RecommendRequest(r.user_id, r.history, k, r.common_features, r.request_time, exclude_seen, r.id_options)
         )
 
-    return _batched(prepare, ranker.recommend_prepared, requests, rows)
+    return _batched(prepare, ranker.run, requests, rows)
 
 
 def _batched(

@@ -40,7 +40,7 @@ def concurrently(batcher, requests):
 
 def test_concurrent_requests_run_as_one_batch_and_score_as_if_alone(served):
     path, requests = served
-    want = [Ranker.load(path).rank_request(r) for r in requests]
+    want = [Ranker.load(path).rank(r) for r in requests]
     batcher = RequestBatcher(Ranker.load(path, micro_batch=8), window_ms=200)
     got = concurrently(batcher, requests)
     assert max(batcher.batch_sizes) > 1 and sum(batcher.batch_sizes) == len(requests)
@@ -109,14 +109,14 @@ def test_an_empty_retrieval_history_is_refused_before_it_can_fail_its_batch_mate
 def test_any_error_that_breaks_a_batch_fails_only_the_request_that_causes_it(served, monkeypatch):
     path, requests = served
     ranker = Ranker.load(path)
-    rank_prepared = ranker.rank_prepared
+    run = ranker.run
 
     def breaks_on_nine_candidates(prepared, **options):
         if any(len(p.candidates["timestamps"]) == 9 for p in prepared):
             raise IndexError("a bug that only requests[1] triggers")
-        return rank_prepared(prepared, **options)
+        return run(prepared, **options)
 
-    monkeypatch.setattr(ranker, "rank_prepared", breaks_on_nine_candidates)
+    monkeypatch.setattr(ranker, "run", breaks_on_nine_candidates)
     batcher = RequestBatcher(ranker, window_ms=200, max_batch=3)
     got = concurrently(batcher, requests[:3])
     assert isinstance(got[1], IndexError) and batcher.batch_sizes == [3]

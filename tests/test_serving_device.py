@@ -67,7 +67,7 @@ def test_a_cpu_ranker_keeps_the_hstu_and_every_cache_tensor_on_cpu(export_dir):
     assert result.cache_status == "miss" and ranker.device == ranker.model.device == "cpu"
     assert ranker.model.engine.device == torch.device("cpu")
     assert {p.device for p in ranker.model.engine.hstu.parameters()} == {torch.device("cpu")}
-    cache = ranker.cache.get(request["user_id"]).history
+    cache = ranker.cache.get(request["user_id"]).cache
     assert cache.pending is not None, "a next_event cache holds its last token pending"
     tensors = [*cache.keys, *cache.values, cache.timestamps, cache.pending]
     assert {t.device for t in tensors} == {torch.device("cpu")}

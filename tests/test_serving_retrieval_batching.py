@@ -1,4 +1,4 @@
-"""Batched retrieval: ``rank_batch`` and ``recommend_batch`` of a retrieval export (users' histories
+"""Batched retrieval: ``rank`` and ``recommend`` of a list of requests to a retrieval export (users' histories
 encoded and extended in shared passes, one settle pass, one postfix run, one catalogue search per k)
 answer every request as ``rank`` and ``recommend`` answer it alone, cache statuses included, with
 the exact and the HNSW index, for queries at the token and at the next event; the request batcher
@@ -71,7 +71,7 @@ def test_a_batch_of_retrieval_requests_answers_each_as_it_is_answered_alone(expo
     warm(alone)
     warm(batched)
     want = [alone.recommend(r) for r in recommend]
-    got = batched.recommend_batch(recommend)
+    got = batched.recommend(recommend)
     assert (
         [g.cache_status for g in got]
         == [w.cache_status for w in want]
@@ -88,13 +88,13 @@ def test_a_batch_of_retrieval_requests_answers_each_as_it_is_answered_alone(expo
     for g, w in zip(got, want):
         assert g.items == w.items and len(g.items) in (3, 5)
         np.testing.assert_allclose(g.scores, w.scores, rtol=0, atol=1e-6)
-    want = [alone.rank_request(r) for r in rank]
-    got = batched.rank_batch(rank)
+    want = [alone.rank(r) for r in rank]
+    got = batched.rank(rank)
     statuses = ["hit", "hit", "miss", "hit", "hit", "hit", "extend"]  # u2's shorter history is no longer cached
     assert [g.cache_status for g in got] == [w.cache_status for w in want] == statuses
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.scores["retrieval"], w.scores["retrieval"], rtol=0, atol=1e-6)
-    uncached = batched.rank_batch(rank, use_cache=False)
+    uncached = batched.rank(rank, use_cache=False)
     assert {u.cache_status for u in uncached} == {"off"}
     for u, w in zip(uncached, want):
         np.testing.assert_allclose(u.scores["retrieval"], w.scores["retrieval"], rtol=0, atol=1e-5)

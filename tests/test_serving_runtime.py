@@ -139,10 +139,10 @@ def test_new_actions_extend_the_cached_history_and_match_the_trained_model(expor
     request = requests[0]  # 25 history tokens, 5 candidates
     assert rank(ranker, slice_history(request, 18)).cache_status == "miss"
     cached = ranker.cache.get(request["user_id"])
-    assert cached.history.length == 18
+    assert cached.cache.length == 18
     assert rank(ranker, slice_history(request, 19)).cache_status == "extend"
     result = rank(ranker, request)
-    assert result.cache_status == "extend" and ranker.cache.get(request["user_id"]).history.length == 25
+    assert result.cache_status == "extend" and ranker.cache.get(request["user_id"]).cache.length == 25
     for task in want:
         np.testing.assert_allclose(result.scores[task], want[task][:5], rtol=0, atol=ATOL)
     assert rank(ranker, request).cache_status == "hit"
@@ -170,7 +170,7 @@ def test_next_event_models_rank_as_trained_cached_extended_and_uncached(tmp_path
     requests = requests_from_batch(batch)
     ranker = Ranker.load(path, micro_batch=2)
     assert rank(ranker, slice_history(requests[0], 20)).cache_status == "miss"
-    assert ranker.cache.get(requests[0]["user_id"]).history.pending is not None
+    assert ranker.cache.get(requests[0]["user_id"]).cache.pending is not None
     results = [rank_all(ranker, requests), rank_all(ranker, requests), rank_all(ranker, requests, use_cache=False)]
     for task in want:
         for got in results:  # extended + miss, hits, one pass
@@ -186,7 +186,7 @@ def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_u
     for r in requests:
         rank(ranker, r)
         sizes[r["user_id"]] = kept_bytes(r["user_id"], ranker.cache.get(r["user_id"]))
-        history_bytes = ranker.cache.get(r["user_id"]).history.nbytes
+        history_bytes = ranker.cache.get(r["user_id"]).cache.nbytes
         assert history_bytes == len(r["history"]["timestamps"]) * cache_bytes_per_token(config)
     u0, u1, u2, u3 = (r["user_id"] for r in requests)
     bound = sizes[u0] + sizes[u1] + sizes[u2] - 1  # the three first users do not fit together
@@ -324,11 +324,11 @@ def test_batch_form_and_cli_print_scores_per_task(exported, users, tmp_path, cap
     _, path = exported
     want, requests = users
     ranker = Ranker.load(path)
-    results = ranker.rank_batch([RankRequest(**r) for r in requests])
+    results = ranker.rank([RankRequest(**r) for r in requests])
     np.testing.assert_allclose(np.concatenate([r.scores["click"] for r in results]), want["click"], rtol=0, atol=ATOL)
     with pytest.raises(RequestError, match=r"requests\[1\]: candidates.*empty"):
         no_candidates = {k: v[:0] for k, v in requests[1]["candidates"].items()}
-        ranker.rank_batch([RankRequest(**requests[0]), RankRequest(**{**requests[1], "candidates": no_candidates})])
+        ranker.rank([RankRequest(**requests[0]), RankRequest(**{**requests[1], "candidates": no_candidates})])
 
     def as_json(r):
         return {
@@ -477,7 +477,7 @@ def test_long_histories_are_evicted_in_blocks_and_the_cache_survives_between_the
 
 @pytest.mark.parametrize("query_time", ["token", "next_event"])
 def test_a_batch_of_users_scores_exactly_as_one_user_at_a_time(query_time, tmp_path):
-    """rank_batch packs several users' candidates into shared HSTU passes (micro_batch 4 splits one
+    """rank of a list packs several users' candidates into shared HSTU passes (micro_batch 4 splits one
     user's 9 candidates and packs others together) and one postfix run: the scores equal ``rank``."""
     model = build_ranking_model(max_seq_len=40, query_time=query_time)
     path = export_model(model, tmp_path / "export", dense_dims=DENSE_DIMS)
@@ -486,10 +486,10 @@ def test_a_batch_of_users_scores_exactly_as_one_user_at_a_time(query_time, tmp_p
     want = [rank(one_by_one, r) for r in requests]
     batched = Ranker.load(path, micro_batch=4)
     rank(batched, slice_history(requests[0], 20))  # one user's cache holds a prefix: extended in the batch
-    got = batched.rank_batch([RankRequest(**r) for r in requests])
+    got = batched.rank([RankRequest(**r) for r in requests])
     assert [g.cache_status for g in got] == ["extend", "miss", "miss", "miss"]
     for g, w in zip(got, want):
         assert g.scores.keys() == w.scores.keys()
         for task in w.scores:
             np.testing.assert_allclose(g.scores[task], w.scores[task], rtol=0, atol=ATOL)
-    assert [g.cache_status for g in batched.rank_batch([RankRequest(**r) for r in requests])] == ["hit"] * 4
+    assert [g.cache_status for g in batched.rank([RankRequest(**r) for r in requests])] == ["hit"] * 4

@@ -21,6 +21,7 @@ from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.draft_tree import DraftTree
 from gr.generation.index import Exclusions, ItemIndex, exclusion_mask, top_items
 from gr.hstu.cache import CachedHSTU, HistoryCache
+from gr.hstu.user_state import append, truncate
 
 
 class GenerativeModel(Protocol):
@@ -102,24 +103,6 @@ class Relaxed:
     def __post_init__(self) -> None:
         if self.top_k < 1 or not 0.0 <= self.min_prob <= 1.0 or self.temperature <= 0:
             raise ValueError("Relaxed: expected top_k >= 1, 0 <= min_prob <= 1, temperature > 0")
-
-
-def truncate(cache: HistoryCache, length: int) -> HistoryCache:
-    """The cache of the first ``length`` tokens."""
-    return HistoryCache(
-        tuple(k[:, :length] for k in cache.keys), tuple(v[:, :length] for v in cache.values), cache.timestamps[:length]
-    )
-
-
-def append(
-    cache: HistoryCache, keys: List[Tensor], values: List[Tensor], timestamps: Tensor, rows: Tensor
-) -> HistoryCache:
-    """Commit ``rows`` of a ``run_block`` result. keys/values: per layer [H, n, *]; timestamps: [n]; rows: [r] int64."""
-    return HistoryCache(
-        tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)),
-        tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.values, values)),
-        torch.cat([cache.timestamps, timestamps[rows].to(torch.long)]),
-    )
 
 
 def chain_mask(n: int) -> Tensor:

@@ -9,10 +9,11 @@ from typing import Hashable, List, Optional, Protocol, Sequence, Set, Tuple, Uni
 import torch
 from torch import Tensor
 
-from gr.generation.decoding import DecodeState, Drafter, GenerativeModel, advance, start, truncate
+from gr.generation.decoding import DecodeState, Drafter, GenerativeModel, advance, start
 from gr.generation.draft_tree import DraftTree, tree_from_counted_paths
 from gr.generation.index import Exclusions, ItemIndex
 from gr.generation.pools import GroupedPools, SequencePool
+from gr.hstu.user_state import truncate
 
 
 class PoolDrafter:

@@ -160,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
     try:
         request = RankRequest.from_dict(item, where, default_ids=args.ids)
-        result = ranker.rank_request(request, use_cache=not args.no_cache)
+        result = ranker.rank(request, use_cache=not args.no_cache)
     except RequestError as exc:
         return _error(where, exc)
     return {"user_id": request.user_id, **result.to_json()}

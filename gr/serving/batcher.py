@@ -1,13 +1,12 @@
-"""Rank and recommend requests in flight together run as one batch (``Ranker.rank_prepared``,
-``Ranker.recommend_prepared``).
+"""Rank and recommend requests in flight together run as one batch (``Ranker.run``).
 
 The HTTP server's handler threads hand their rank and recommend requests to a ``RequestBatcher``.
-Each request is validated in its caller's thread (``Ranker.prepare_rank``,
-``Ranker.prepare_recommend``) before it joins a batch, so a bad request fails alone, with its own
-error, and never reaches its batch-mates. The one worker thread runs the batches: every request
-that arrived while the previous batch ran (up to ``max_batch``) forms the next batch, so an idle
-server answers a lone request at once and a busy one packs users into shared HSTU passes, one
-postfix run and (recommend) one catalogue search per kind of request (continuous batching).
+Each request is validated in its caller's thread (``Ranker.prepare``) before it joins a batch, so
+a bad request fails alone, with its own error, and never reaches its batch-mates. The one worker
+thread runs the batches: every request that arrived while the previous batch ran (up to
+``max_batch``) forms the next batch, so an idle server answers a lone request at once and a busy
+one packs users into shared HSTU passes, one postfix run and (recommend) one catalogue search per
+kind of request (continuous batching).
 ``window_ms`` > 0 makes the worker wait that long after the first request of a batch for others
 to join.
 
@@ -28,7 +27,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 from gr.serving.request import RankRequest, RecommendRequest
 from gr.serving.runtime import PreparedRank, PreparedRecommend, Ranker, RankResult, RecommendResult
 
-Prepared = Union[PreparedRank, PreparedRecommend]
+Prepared = Union[PreparedRank, PreparedRecommend]  # the kinds of request the batcher runs
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +62,11 @@ class RequestBatcher:
     def rank(self, request: RankRequest) -> RankResult:
         """Validate ``request`` here (its RequestError is raised to this caller alone), rank it in
         the next batch; blocks until its result (or raises its error)."""
-        return self._submit(self.ranker.prepare_rank(request))
+        return self._submit(self.ranker.prepare(request))
 
     def recommend(self, request: RecommendRequest) -> RecommendResult:
         """``rank``'s contract for a recommend request."""
-        return self._submit(self.ranker.prepare_recommend(request))
+        return self._submit(self.ranker.prepare(request))
 
     def _submit(self, prepared: Prepared) -> Any:
         future: Future = Future()
@@ -99,13 +98,10 @@ class RequestBatcher:
 
     def _run(self, batch: List[Tuple[Prepared, Future]]) -> None:
         self.batch_sizes.append(len(batch))
-        for kind, run in (
-            (PreparedRank, lambda prepared: self.ranker.rank_prepared(prepared)),
-            (PreparedRecommend, lambda prepared: self.ranker.recommend_prepared(prepared)),
-        ):
+        for kind in (PreparedRank, PreparedRecommend):
             group = [(p, future) for p, future in batch if isinstance(p, kind)]
             if group:
-                _run_group(group, run)
+                _run_group(group, lambda prepared: self.ranker.run(prepared))
 
     def _die(self, exc: BaseException, running: List[Tuple[Prepared, Future]]) -> None:
         log.critical("the request batcher's worker thread stopped: %r", exc, exc_info=exc)

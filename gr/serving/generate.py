@@ -1,13 +1,15 @@
 """Generation requests in the serving runtime: a validated history and a ``GenerateRequest`` ->
 the user's next k items (greedy, beam, sampled; speculative greedy with drafts or speculative
-retrieval). Works on what ``gr.serving.history`` prepares; never on the Ranker itself.
+retrieval). ``prepare`` checks a request whose history ``gr.serving.history`` validated; ``run``
+encodes the histories through the user cache (``gr.serving.encode``) and decodes. Never uses the
+Ranker itself.
 Imports no training code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Optional, Union
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Union
 
 import torch
 
@@ -28,15 +30,17 @@ from gr.generation.speculative_retrieval import (
     SpeculativeRetrieval,
     greedy_speculative_retrieval,
 )
+from gr.serving import encode
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
 from gr.serving.history import EncodedHistory, History, last_token_state
 from gr.serving.request import GenerateRequest, check_request_time, check_sampling
+from gr.serving.user_cache import UserCache
 
 STRICT = Strict()  # the default verification: greedy's exact output
 
 STRATEGIES = ("greedy", "beam", "sample")
-__all__ = ["GenerateResult", "Plan", "ServingGenerativeModel", "check_k", "plan", "run"]
+__all__ = ["GenerateResult", "PreparedGenerate", "ServingGenerativeModel", "check_k", "prepare", "run"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class GenerateResult:
 
 
 @dataclass(frozen=True)
-class Plan:
+class PreparedGenerate:
     """A checked generation request: what ``run`` decodes once the history is encoded."""
 
     history: History
@@ -85,7 +89,7 @@ def check_k(k: Any) -> None:
         raise RequestError(f"k: expected an integer >= 1, got {k!r}")
 
 
-def plan(
+def prepare(
     h: History,
     catalogue: Catalogue,
     request: GenerateRequest,
@@ -95,7 +99,7 @@ def plan(
     budget: Union[AdaptiveBudget, SharedBudget, None] = None,
     attribute: Optional[Hashable] = None,
     speculative_retrieval: Optional[SpeculativeRetrieval] = None,
-) -> Plan:
+) -> PreparedGenerate:
     """Check everything about a generation request before any cache is touched.
 
     draft (a ``DraftSource``) turns greedy speculative: drafts verified in one HSTU pass each,
@@ -134,11 +138,25 @@ def plan(
     check_request_time(request.request_time)
     check_sampling(request.temperature, request.seed)
     request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
-    return Plan(h, catalogue, request, request_time, draft, verification, budget, attribute, speculative_retrieval)
+    return PreparedGenerate(
+        h, catalogue, request, request_time, draft, verification, budget, attribute, speculative_retrieval
+    )
 
 
-def run(p: Plan, encoded: EncodedHistory) -> GenerateResult:
-    """Decode the plan's k items from the encoded history (the plan's own)."""
+def run(cache: UserCache, prepared: Sequence[PreparedGenerate]) -> List[GenerateResult]:
+    """Generate for prepared requests: their histories encoded together through the user cache
+    (``gr.serving.encode``), then each request decoded on its own."""
+    if not prepared:
+        return []
+    model = prepared[0].history.model
+    if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
+        return [run(cache, [p])[0] for p in prepared]
+    encoded = encode.encode(cache, [p.history for p in prepared])
+    return [decode(p, e) for p, e in zip(prepared, encoded)]
+
+
+def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
+    """Decode the request's k items from its encoded history."""
     request, catalogue, request_time = p.request, p.catalogue, p.request_time
     k, exclude_seen, index = request.k, request.exclude_seen, catalogue.index
     state = last_token_state(encoded, catalogue, request_time)

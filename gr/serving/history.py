@@ -1,11 +1,12 @@
 """The one history-preparation path of rank, recommend and generate: a validated history (of one
-model version, nothing cached yet), then the encoded one (the user's cache reused, extended or
-built), then the decoding state at its last token (the retrieval query)."""
+model version, nothing cached yet: ``validate``), then the encoded one (the user's state reused,
+extended or built: ``gr.serving.encode``), then the decoding state at its last token (the
+retrieval query)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Hashable, Optional, Tuple
+from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -13,13 +14,15 @@ import torch
 from gr.export.format import TIMESTAMPS
 from gr.generation.decoding import DecodeState, start
 from gr.hstu.cache import HistoryCache
-from gr.jagged import evicted_prefix
+from gr.hstu.user_state import Tokens, UserState, evict
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import IdMaps
+from gr.serving.limits import RequestLimits
 from gr.serving.model import ServingModel
+from gr.serving.request import MODEL_IDS, IdOptions
+from gr.timestamps import TimestampError, check_time_span
 
-Tokens = Dict[str, np.ndarray]
 LONG_HISTORY = ("truncate", "refuse")
 
 
@@ -52,14 +55,47 @@ class History:
 
 @dataclass(frozen=True)
 class EncodedHistory:
-    """A History with the user's encoded history: cache_status "hit" | "extend" | "miss" | "off"
-    ("off": encoded for this request alone, the user cache left as it was); last_hidden: [D] the
-    HSTU output at the last token when the engine does not defer it (see ``CachedUser``)."""
+    """A History with the user's state (``gr.hstu.user_state.UserState``): cache_status "hit" |
+    "extend" | "miss" | "off" ("off": encoded for this request alone, the user cache left as it was)."""
 
     history: History
-    cache: HistoryCache
+    state: UserState
     cache_status: str
-    last_hidden: Optional[torch.Tensor] = None
+
+    @property
+    def cache(self) -> HistoryCache:
+        """The encoded history's K/V."""
+        return self.state.cache
+
+    @property
+    def last_hidden(self) -> Optional[torch.Tensor]:
+        """[D] the HSTU output at the last token when the engine does not defer it, else None."""
+        return self.state.last_hidden
+
+
+def validate(
+    model: ServingModel,
+    model_version: int,
+    user_id: Hashable,
+    history: Mapping[str, Any],
+    common_features: Optional[Mapping[str, Any]],
+    limits: RequestLimits,
+    long_history: str,
+    reserve: int = 0,
+    id_options: IdOptions = MODEL_IDS,
+) -> History:
+    """Validate a history (and common features) against ``model``; touches no cache.
+
+    reserve: tokens to keep free of max_seq_len (generated items)."""
+    limits.check_user_id(user_id)
+    if reserve >= model.config.max_seq_len:
+        raise RequestError(f"k: {reserve} items do not fit the model's max_seq_len {model.config.max_seq_len}")
+    raw = model.id_maps if id_options.ids == "raw" else None
+    unknown = id_options.unknown_ids
+    tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
+    common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
+    tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, long_history, model.config.eviction_block)
+    return History(model, model_version, user_id, tokens, common, truncated, raw, id_options.unknown_ids)
 
 
 def fit(
@@ -68,19 +104,23 @@ def fit(
     """Drop the oldest tokens to fit ``max_seq_len - reserve`` (or refuse) -> (tokens, tokens dropped).
 
     reserve: tokens kept free for generated items. eviction_block: tokens are dropped in whole
-    blocks (``gr.jagged.evicted_prefix``, ``HSTUConfig.eviction_block``), as training windows
-    are, so a growing history keeps its window start (and its cache) for a block of actions."""
+    blocks (``gr.hstu.user_state.evict``)."""
     length, limit = len(tokens[TIMESTAMPS]), max_seq_len - reserve
-    if length <= limit:
-        return tokens, 0
-    if long_history == "refuse":
+    if length > limit and long_history == "refuse":
         generated = f" + {reserve} generated" if reserve else ""
         raise RequestError(
             f"history: {length} tokens{generated} exceed the model's max_seq_len {max_seq_len} "
             "(long_history='refuse'; use 'truncate' to keep the most recent ones)"
         )
-    dropped = min(evicted_prefix(length, limit, eviction_block), length)
-    return {name: value[dropped:].copy() for name, value in tokens.items()}, dropped
+    return evict(tokens, limit, eviction_block)
+
+
+def check_span(h: History, times: Dict[str, Any]) -> None:
+    """RequestError when the history's times and ``times`` ({field: int or [n] ints}) lie 2^63 s apart."""
+    try:
+        check_time_span({"history.timestamps": h.tokens[TIMESTAMPS], **times})
+    except TimestampError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time: int) -> DecodeState:
@@ -93,3 +133,10 @@ def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time
     # Tokens with more features than the item: the history's own inputs, not the catalogue's.
     tokens = None if catalogue.item_only else h.model.embed_tokens(h.tokens)
     return start(lm, items, torch.from_numpy(h.tokens[TIMESTAMPS]), request_time, encoded.cache, tokens)
+
+
+def truncation_warnings(truncated: int) -> Dict[str, Any]:
+    """A result's JSON warnings about the oldest history tokens dropped to fit max_seq_len."""
+    if not truncated:
+        return {}
+    return {"warnings": [f"history truncated: dropped the {truncated} oldest token(s) to fit max_seq_len"]}

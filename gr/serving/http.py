@@ -294,7 +294,7 @@ def create_app(
 
     def rank(payload: Any) -> Dict[str, Any]:
         request = RankRequest.from_dict(payload, "body", default_ids=RAW)
-        result = ranker.rank_request(request) if batcher is None else batcher.rank(request)
+        result = ranker.rank(request) if batcher is None else batcher.rank(request)
         return {"user_id": request.user_id, **result.to_json()}
 
     def recommend(payload: Any) -> Dict[str, Any]:

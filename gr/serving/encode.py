@@ -1,0 +1,72 @@
+"""Encoding validated histories through the user cache, several users at once, and their queries.
+
+``encode``: each user's cached state (``gr.hstu.user_state``) reused, extended with the new
+tokens, or encoded and stored, in rounds of distinct users (a user met twice waits for the next
+round, as if its requests came one after the other). ``queries``: the retrieval query at the last
+token of each encoded history, all from shared passes.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from gr.hstu.user_state import encode_states
+from gr.serving.catalogue import QUERY
+from gr.serving.history import EncodedHistory, History
+from gr.serving.user_cache import UserCache
+
+__all__ = ["encode", "queries"]
+
+
+def encode(cache: UserCache, histories: Sequence[History], use_cache: bool = True) -> List[EncodedHistory]:
+    """The users' encoded histories (one model's): the new tokens of every user in one prefix_dnn
+    run, the histories to encode in one HSTU pass and those to extend in another.
+
+    Only a cache entry of a history's model version is used or stored (a reload may race the
+    request). use_cache=False encodes the histories and leaves the cache alone (status "off")."""
+    out: List[Optional[EncodedHistory]] = [None] * len(histories)
+    waiting = list(range(len(histories)))
+    while waiting:
+        users: set = set()
+        now, later = [], []
+        for i in waiting:
+            (later if histories[i].user_id in users else now).append(i)
+            users.add(histories[i].user_id)
+        for i, encoded in zip(now, _encode_round(cache, [histories[i] for i in now], use_cache)):
+            out[i] = encoded
+        waiting = later
+    return out
+
+
+def _encode_round(cache: UserCache, histories: Sequence[History], use_cache: bool) -> List[EncodedHistory]:
+    """``encode`` of histories of distinct users."""
+    if not histories:
+        return []
+    model = histories[0].model
+    found = [cache.get(h.user_id) if use_cache else None for h in histories]
+    tokens, versions = [h.tokens for h in histories], [h.model_version for h in histories]
+    states = encode_states(model.engine, model.embed_tokens, tokens, versions, found, use_cache)
+    out = []
+    for h, (state, status) in zip(histories, states):
+        if use_cache and status != "hit":
+            cache.put(h.user_id, state, h.model_version)
+        out.append(EncodedHistory(h, state, status))
+    return out
+
+
+def queries(encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> Tensor:
+    """[B, d] the retrieval query at the last token of each encoded history (one model's, each
+    non-empty): the HSTU outputs there (settled at the request's time when the engine defers the
+    last token: one pass for all) through one postfix_dnn run. request_times: seconds, when each
+    user's next event happens (read by "next_event" models)."""
+    model = encoded[0].history.model
+    if model.engine.defers_last:
+        settled = model.engine.settle_batch([e.cache for e in encoded], list(request_times))
+        hidden = torch.cat([outputs[-1:] for _, outputs in settled])
+    else:
+        hidden = torch.stack([e.last_hidden for e in encoded])
+    commons = [e.history.common for e in encoded]
+    return torch.from_numpy(model.heads_batch(hidden, commons, [1] * len(encoded))[QUERY])

@@ -1,0 +1,192 @@
+"""Rank requests: validated candidates scored against each user's encoded history, several users as
+one batch. A ranking export scores every user's candidates against that user's cached history in
+shared HSTU passes (``CachedHSTU.score_batch``) and shared prefix/postfix ONNX runs; a retrieval
+export computes every user's query in shared passes (``gr.serving.encode``) and scores the
+candidates against them. Without the cache, a ranking export runs one target-aware pass a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gr.export.format import TIMESTAMPS
+from gr.jagged import offsets_from_lengths
+from gr.serving import encode
+from gr.serving.errors import RequestError
+from gr.serving.history import History, Tokens, check_span, truncation_warnings
+from gr.serving.limits import RequestLimits
+from gr.serving.model import ServingModel, check_finite
+from gr.serving.request import RankRequest, check_request_time
+from gr.serving.scores import RETRIEVAL, ranking_scores
+from gr.serving.user_cache import UserCache
+
+__all__ = ["PreparedRank", "RankResult", "prepare", "run"]
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """scores: {name: [N] float32}, candidates in request order: for a ranking export each task's
+    probability under its name and its logit under ``<task>_logit`` (``gr.serving.scores``), for
+    a retrieval export {"retrieval": the cosine of the query at the last history token and each
+    candidate's item vector}.
+
+    history_length: history tokens used; truncated: oldest tokens dropped to fit
+    max_seq_len; cache_status: "miss" (history encoded), "extend" (only new actions encoded),
+    "hit" (nothing encoded) or "off" (no history cache used); model_version: the reload
+    count of the model that computed every score.
+    """
+
+    scores: Dict[str, np.ndarray]
+    history_length: int
+    truncated: int
+    cache_status: str
+    model_version: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "scores": {name: value.tolist() for name, value in self.scores.items()},
+            "history_length": self.history_length,
+            "cache_status": self.cache_status,
+            "cache": self.cache_status,
+            "model_version": self.model_version,
+            **truncation_warnings(self.truncated),
+        }
+
+
+@dataclass(frozen=True)
+class PreparedRank:
+    """A validated rank request: its history (``gr.serving.history.validate``), candidate columns and time."""
+
+    request: RankRequest
+    history: History
+    candidates: Tokens
+    request_time: int
+
+
+def prepare(h: History, request: RankRequest, limits: RequestLimits) -> PreparedRank:
+    """Validate the rest of a rank request whose history is ``h`` (touches no cache): everything a
+    request can get wrong is found here, before it joins a batch."""
+    if h.model.is_retrieval:
+        h.model.catalogue()  # RequestError when the export has none
+        if h.length == 0:
+            raise RequestError(
+                "history: empty; a retrieval model scores items against the query at the last history item"
+            )
+    return PreparedRank(request, h, *_candidates(h, request.candidates, request.request_time, limits))
+
+
+def _candidates(
+    h: History, candidates: Mapping[str, Any], request_time: Optional[int], limits: RequestLimits
+) -> Tuple[Tokens, int]:
+    """Validate a request's candidates -> (their token columns, the request time)."""
+    check_request_time(request_time)
+    default_time = request_time
+    if request_time is None:  # candidates without timestamps stand right after the last action
+        default_time = int(h.tokens[TIMESTAMPS][-1]) if h.length else 0
+    cands = h.model.schema.tokens(
+        candidates,
+        "candidates",
+        h.model.sparse,
+        default_timestamp=default_time,
+        raw=h.raw,
+        unknown_ids=h.unknown_ids,
+        candidates=True,
+        limits=limits,
+    )
+    if len(cands[TIMESTAMPS]) == 0:
+        raise RequestError("candidates: the list is empty; a ranking request needs at least one candidate")
+    if request_time is None:  # the request is when its candidates are shown
+        request_time = int(cands[TIMESTAMPS].max())
+    check_span(h, {"candidates.timestamps": cands[TIMESTAMPS], "request_time": request_time})
+    return cands, request_time
+
+
+def run(cache: UserCache, prepared: Sequence[PreparedRank], micro_batch: int, use_cache: bool) -> List[RankResult]:
+    """Score prepared requests as one batch (equal to each request alone). A ranking export without
+    the cache, and a batch that raced a reload, go one by one."""
+    if not prepared:
+        return []
+    model = prepared[0].history.model
+    if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
+        return [run(cache, [p], micro_batch, use_cache)[0] for p in prepared]
+    if model.is_retrieval:
+        return _retrieval(cache, prepared, use_cache)
+    if not use_cache:
+        return [_uncached(p) for p in prepared]
+    encoded = encode.encode(cache, [p.history for p in prepared])
+    counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
+    joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
+    hidden = model.engine.score_batch(
+        [e.cache for e in encoded],
+        model.embed_tokens(joined),
+        offsets_from_lengths(torch.tensor(counts)),
+        torch.from_numpy(joined[TIMESTAMPS]),
+        micro_batch,
+        [p.request_time for p in prepared],
+    )
+    scores = ranking_scores(model.heads_batch(hidden, [p.history.common for p in prepared], counts))
+    bounds = np.cumsum([0, *counts])
+    return [
+        RankResult(
+            {task: value[bounds[b] : bounds[b + 1]] for task, value in scores.items()},
+            p.history.length,
+            p.history.truncated,
+            e.cache_status,
+            p.history.model_version,
+        )
+        for b, (p, e) in enumerate(zip(prepared, encoded))
+    ]
+
+
+def _uncached(p: PreparedRank) -> RankResult:
+    """One request of a ranking export without the cache: one target-aware pass over history + candidates."""
+    h, model = p.history, p.history.model
+    hidden = _one_pass(model, h.tokens, p.candidates, p.request_time)
+    return RankResult(ranking_scores(model.heads(hidden, h.common)), h.length, h.truncated, "off", h.model_version)
+
+
+def _retrieval(cache: UserCache, prepared: Sequence[PreparedRank], use_cache: bool) -> List[RankResult]:
+    """Requests of a retrieval export: each candidate's cosine with its request's query, the
+    queries of the whole batch from shared passes (``gr.serving.encode.queries``)."""
+    catalogue = prepared[0].history.model.catalogue()
+    encoded = encode.encode(cache, [p.history for p in prepared], use_cache)
+    queries = encode.queries(encoded, [p.request_time for p in prepared])  # [B, d]
+    counts = torch.tensor([len(p.candidates[TIMESTAMPS]) for p in prepared])
+    items = torch.from_numpy(np.concatenate([p.candidates[catalogue.item_feature] for p in prepared]))
+    rows = torch.repeat_interleave(torch.arange(len(prepared)), counts)
+    scores = (queries[rows] * catalogue.vectors[items]).sum(-1).numpy()  # [N]
+    bounds = np.cumsum([0, *counts.tolist()])
+    out = []
+    for b, (p, e) in enumerate(zip(prepared, encoded)):
+        h, result = p.history, {RETRIEVAL: scores[bounds[b] : bounds[b + 1]]}
+        check_finite(result, "retrieval")
+        out.append(RankResult(result, h.length, h.truncated, e.cache_status, h.model_version))
+    return out
+
+
+def _one_pass(model: ServingModel, hist: Tokens, cands: Tokens, request_time: int) -> Tensor:
+    """HSTU outputs at the candidates from one target-aware pass over history + candidates: [N, D].
+
+    Query times (read by "next_event" models): each history token's is the next one's
+    timestamp, the last one's the request time; a candidate's is its own timestamp."""
+    tokens = {name: np.concatenate([hist[name], cands[name]]) for name in hist}
+    x = model.embed_tokens(tokens)
+    length, count = len(hist[TIMESTAMPS]), len(cands[TIMESTAMPS])
+    total = length + count
+    query_times = np.concatenate([hist[TIMESTAMPS][1:], [request_time], cands[TIMESTAMPS]])[-total:]
+    device = model.engine.device
+    with torch.inference_mode():
+        h = model.engine.hstu(
+            x,
+            torch.tensor([0, total], device=device),
+            total,
+            torch.from_numpy(tokens[TIMESTAMPS]).to(device),
+            torch.tensor([count], device=device),
+            torch.from_numpy(query_times.astype(np.int64)).to(device),
+        )
+    return h[length:]
