@@ -7,15 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gr.data.config import SyntheticConfig
 from gr.data.datamodule import SequenceDataModule
-from gr.data.synthetic import generate_synthetic
 from gr.finite import NonFiniteError
 from gr.train import train
 from gr.train.checkpoint import read_meta, save_checkpoint
 from gr.train.config import TrainConfig
 from gr.train.metrics import retrieval_metrics, target_ranks
-from helpers.runs import recipe
+from helpers.runs import ratings_csv, recipe
 
 
 def tree_digest(root: Path) -> dict:
@@ -129,14 +127,6 @@ def test_resume_appends_to_metrics_csv_and_replaces_the_test_row_of_the_run_it_e
 
 
 # ---- 6. duplicate data inflates metrics silently -----------------------------------------------
-def ratings_csv(path: Path, copies: int) -> Path:
-    """The tiny recipe's synthetic events as a CSV (user_id,item_id,timestamp,rating), every row ``copies`` times."""
-    data = generate_synthetic(SyntheticConfig(**recipe()["data"]["synthetic"]), seed=0)
-    rows = [f"{u},{i},{t},{r}" for u, i, t, r in zip(data.users, data.items, data.timestamps, data.ratings)]
-    path.write_text("user_id,item_id,timestamp,rating\n" + "\n".join(rows * copies) + "\n")
-    return path
-
-
 def csv_recipe(path: Path, *overrides) -> TrainConfig:
     return TrainConfig.from_dict(
         recipe(

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gr.train import read_run, train
-from helpers.runs import RANKING, RETRIEVAL, config, evaluate_loaded
+from helpers.runs import RANKING, RETRIEVAL, config, evaluate_loaded, ratings_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,3 +149,50 @@ def test_resuming_a_finished_run_is_one_line_and_rewrites_nothing(retrieval_run,
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "trainer.max_epochs: 2, but the run to resume is already at epoch 3" in line
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+PROJECT_MODULE = '''
+from gr.model import GRModel
+
+
+class ProjectModel(GRModel):
+    """A GRModel subclass of the user's project (behaviour of the built-in one)."""
+'''
+
+
+def test_a_run_reads_its_data_and_imports_its_classes_from_any_working_directory(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "myproj").mkdir(parents=True)
+    (project / "myproj" / "__init__.py").write_text("")
+    (project / "myproj" / "models.py").write_text(PROJECT_MODULE)
+    ratings_csv(project / "events.csv", 1)
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))  # what `gr` does for the working directory
+    values = copy.deepcopy(RETRIEVAL)
+    values["data"].update(source="csv", path="events.csv", columns={"rating": "rating"})
+    values["model"]["class"] = "myproj.models.ProjectModel"
+    values["trainer"]["max_epochs"] = 1
+    train(config(values), project / "runs" / "r")
+    saved = yaml.safe_load((project / "runs" / "r" / "config.yaml").read_text())
+    assert saved["data"]["path"] == str(project / "events.csv")
+    assert saved["model"]["code_path"] == [str(project)]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    loaded = subprocess.run(  # a fresh interpreter, another working directory: only the run tells where
+        [sys.executable, "-c", LOAD_RUN, str(project / "runs" / "r")],
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == ["ProjectModel", str(project / "events.csv")]
+
+
+LOAD_RUN = """
+import sys
+from gr.train import load_trained_model
+model, config = load_trained_model(sys.argv[1])
+print(type(model).__name__, config.data.path)
+"""

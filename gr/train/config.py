@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 import re
-from dataclasses import InitVar, dataclass, field
+import sys
+from dataclasses import InitVar, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -116,6 +118,30 @@ class ModuleSpec:
         return cls(class_path, dict(values.get("kwargs") or {}), where=where, base=base)
 
 
+def add_code_path(directories: Sequence[str]) -> None:
+    """Append ``directories`` to ``sys.path`` (those not there yet), so class paths under them import."""
+    for directory in directories:
+        if directory not in sys.path:
+            sys.path.append(directory)
+
+
+def import_root(class_path: str) -> Optional[str]:
+    """The directory ``class_path``'s top-level package was imported from, absolute, when a run must
+    record it: the working directory, or a directory not on ``sys.path``. None for gr's own
+    classes and for installed packages (importable anywhere)."""
+    module_name = class_path.rpartition(".")[0]
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None)
+    if module_name.split(".")[0] == "gr" or file is None:
+        return None
+    root = Path(file).resolve().parents[module_name.count(".")]
+    if Path(file).name == "__init__.py":
+        root = root.parent
+    on_path = {str(Path(p or os.getcwd()).resolve()) for p in sys.path}
+    cwd = str(Path.cwd().resolve())
+    return str(root) if str(root) == cwd or str(root) not in on_path else None
+
+
 def import_class(path: str, where: str) -> type:
     module_name, _, name = path.rpartition(".")
     if not module_name:
@@ -142,12 +168,17 @@ class ModelSection:
     prefix_dnn: ModuleSpec
     postfix_dnn: ModuleSpec
     class_path: str = DEFAULT_MODEL
+    code_path: Tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, values: Any, where: str, task: str) -> "ModelSection":
         values = dict(values) if isinstance(values, Mapping) else values
         class_path = values.pop("class", None) if isinstance(values, dict) else None
         values = known_keys(cls, values, where, ignore=("class_path",))
+        code_path = values.get("code_path") or ()
+        if not isinstance(code_path, (list, tuple)) or not all(isinstance(d, str) and d for d in code_path):
+            raise ValueError(f"{where}.code_path: expected a list of directories, got {code_path!r}")
+        add_code_path(code_path)  # before any class path is imported
         tables = values.get("tables") or []
         if not isinstance(tables, (list, tuple)) or not tables:
             raise ValueError(f"{where}.tables: expected a non-empty list of tables, got {tables!r}")
@@ -164,6 +195,7 @@ class ModelSection:
                 values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN, DEFAULT_POSTFIX[task]
             ),
             class_path=DEFAULT_MODEL if class_path is None else class_path,
+            code_path=tuple(code_path),
         )
         section.model_class(f"{where}.class")
         return section
@@ -194,7 +226,19 @@ class ModelSection:
             "tables": [dict(t) for t in self.tables],
             "prefix_dnn": self.prefix_dnn.to_dict(),
             "postfix_dnn": self.postfix_dnn.to_dict(),
+            "code_path": list(self.code_path),
         }
+
+    def with_code_roots(self) -> "ModelSection":
+        """This section with ``code_path`` absolute and extended by the directory each of its
+        classes was imported from, where that is the working directory or off ``sys.path``: a
+        run's config then imports them from any working directory."""
+        roots = [str(Path(d).resolve()) for d in self.code_path]
+        for class_path in (self.class_path, self.prefix_dnn.class_path, self.postfix_dnn.class_path):
+            root = import_root(class_path)
+            if root is not None and root not in roots:
+                roots.append(root)
+        return replace(self, code_path=tuple(roots))
 
 
 @dataclass(frozen=True)
@@ -445,6 +489,14 @@ class TrainConfig:
             unknown = sorted(set(self.task.ranking.task_weights) - tasks)
             if unknown:
                 raise ValueError(f"task.ranking.task_weights: {unknown} are not data.ranking.tasks {sorted(tasks)}")
+
+    def self_contained(self) -> "TrainConfig":
+        """The config as a run records it, readable from any working directory: ``data.path``
+        absolute, ``model.code_path`` naming where its classes came from (``with_code_roots``)."""
+        data = self.data
+        if data.path is not None and not Path(data.path).is_absolute():
+            data = replace(data, path=str(Path(data.path).resolve()))
+        return replace(self, data=data, model=self.model.with_code_roots())
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain YAML-ready values; ``from_dict(to_dict())`` gives an equal config."""

@@ -57,6 +57,8 @@ def _keys(cls: type, prefix: str) -> Iterator[ConfigKey]:
             continue  # not a config key: TableConfig.from_dict ignores it
         if cls is ModelSection and f.name == "class_path":
             yield ConfigKey(f"{prefix}class", "str", f.default, "an import path to a GRModel subclass")
+        elif cls is ModelSection and f.name == "code_path":
+            yield ConfigKey(path, "list[str]", "[]", "directories put on sys.path before the classes import")
         elif cls is ModelSection and f.name == "tables":
             yield from _keys(TableConfig, f"{path}[].")
         elif hint is ModuleSpec:

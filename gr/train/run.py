@@ -69,6 +69,7 @@ class RunComplete(Exception):
 
 
 def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
+    config = config.self_contained()  # the run's config.yaml reads the same from any working directory
     start = resume_checkpoint(out_dir) if resume else None
     if start:
         _check_epochs_left(start, config.trainer.max_epochs)

@@ -8,7 +8,9 @@ from typing import Any, Dict, List
 
 import torch
 
+from gr.data.config import SyntheticConfig
 from gr.data.datamodule import SequenceDataModule
+from gr.data.synthetic import generate_synthetic
 from gr.train import load_trained_model
 from gr.train.config import TrainConfig, apply_override
 from gr.train.tasks import RetrievalTask
@@ -111,6 +113,14 @@ def recipe(*overrides) -> Dict[str, Any]:
     values = with_overrides(RECIPE, *overrides)
     TrainConfig.from_dict(copy.deepcopy(values))
     return values
+
+
+def ratings_csv(path: Path, copies: int = 1) -> Path:
+    """The tiny recipe's synthetic events as a CSV (user_id,item_id,timestamp,rating), every row ``copies`` times."""
+    data = generate_synthetic(SyntheticConfig(**recipe()["data"]["synthetic"]), seed=0)
+    rows = [f"{u},{i},{t},{r}" for u, i, t, r in zip(data.users, data.items, data.timestamps, data.ratings)]
+    path.write_text("user_id,item_id,timestamp,rating\n" + "\n".join(rows * copies) + "\n")
+    return path
 
 
 def step_losses(run_dir: Path) -> List[float]:
