@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# A distribution named "gr" in .venv/ (ours is gr-hstu) could provide another `gr` package: remove it.
 	$(PIP) uninstall -q -y gr 2>/dev/null || true
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[cpu,test]"
 	# torchrec's metadata requires the CUDA fbgemm-gpu; --no-deps keeps fbgemm-gpu-cpu.
 	$(PIP) install -q --no-deps torchrec==1.8.0
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
