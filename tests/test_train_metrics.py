@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torchrec import KeyedJaggedTensor
 
-from gr import GRInput, rng
+from gr import GRInput, GROutput, rng
 from gr.train import losses
 from gr.train.build import SAMPLED_ITEMS
-from gr.train.config import RetrievalSection
+from gr.train.config import RankingSection, RetrievalSection
 from gr.train.losses import multitask_bce, sampled_softmax_loss
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
-from gr.train.tasks import RetrievalTask
+from gr.train.tasks import RankingTask, RetrievalTask
 from helpers.native import X86, skip_without_bf16_instructions
 
 
@@ -329,3 +329,48 @@ def test_item_tables_past_the_fused_limit_take_the_pytorch_path(monkeypatch):
         plain = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
     assert "gr_cpu_loss::sampled_softmax_forward" not in {e.key for e in profile.key_averages()}
     torch.testing.assert_close(fused, plain)
+
+
+def _ranking_batch(items, labels):
+    """Two users, two candidates each (the trailing tokens), and the scored rows' outputs."""
+    seq_offsets = torch.tensor([0, 3, 6])
+    ids = torch.tensor([7, *items[:2], 8, *items[2:]])
+    sequence_ids = KeyedJaggedTensor.from_lengths_sync(["item_id"], ids, torch.ones(6, dtype=torch.long))
+    batch = GRInput(
+        seq_offsets=seq_offsets,
+        max_seq_len=3,
+        num_targets=torch.tensor([2, 2]),
+        sequence_ids=sequence_ids,
+        labels={name: torch.tensor(value, dtype=torch.float32) for name, value in labels.items()},
+    )
+    logits = {name: torch.tensor([2.0, -1.0, 0.5, -0.5]) for name in labels}
+    return GROutput(logits, torch.zeros(4, 1), torch.tensor([1, 2, 4, 5]), torch.tensor([0, 2, 4]), {}, {}), batch
+
+
+def test_ranking_reports_positive_rates_and_the_popularity_baseline_and_warns_of_degenerate_labels(caplog):
+    task = RankingTask(RankingSection(), ("watch", "like", "all"))
+    popularity = torch.tensor([0, 9, 1, 5, 0, 0, 0, 0, 0])  # item 1 the most popular, then 3, then 2
+    labels = {"watch": [1, 0, 1, 0], "like": [1, 0, 1, 0], "all": [1, 1, 1, 1]}
+    task.start_evaluation(None)
+    task.evaluation_step(*_ranking_batch([1, 2, 3, 4], labels), popularity)
+    metrics = task.finish_evaluation()
+    assert metrics["positive_rate/watch"] == 0.5 and metrics["positive_rate/all"] == 1.0
+    # popularity scores 9, 1, 5, 0 for labels 1, 0, 1, 0: every positive above every negative
+    assert metrics["popularity/auc/watch"] == 1.0 and math.isnan(metrics["popularity/auc/all"])
+    assert "popularity/logloss/watch" not in metrics  # counts are no logits
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("'all': every label is 1" in w for w in warnings)
+    assert any("'watch' and 'like' have identical labels" in w for w in warnings)
+    task.start_evaluation(None)
+    task.evaluation_step(*_ranking_batch([1, 2, 3, 4], labels), popularity)
+    task.finish_evaluation()
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == len(warnings)  # once each
+
+
+def test_ranking_training_labels_give_the_epochs_positive_rate():
+    task = RankingTask(RankingSection(), ("watch",))
+    output, batch = _ranking_batch([1, 2, 3, 4], {"watch": [1, 0, 0, 0]})
+    for _ in range(3):
+        task.loss(output, batch)
+    assert task.finish_training_epoch() == {"positive_rate/watch": 0.25}
+    assert task.finish_training_epoch() == {}  # a new epoch counts anew

@@ -3,6 +3,7 @@ load_trained_model, exact resume, the most-popular baseline and the ranking task
 same recipe under torchrun on two ranks."""
 
 import copy
+import csv
 import json
 import os
 import socket
@@ -75,13 +76,18 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path):
         train(config(RETRIEVAL), tmp_path, resume=True)
 
 
-def test_ranking_run_with_host_placed_tables_reports_auc_and_logloss_per_task(tmp_path):
+def test_ranking_run_with_host_placed_tables_reports_auc_logloss_positive_rates_and_a_baseline_per_task(tmp_path):
     """Also the host-placement path (tables in host memory, looked-up vectors moved to the
     dense model's device), which on this CPU-only machine is the same device."""
     ranking = copy.deepcopy(RANKING)
     ranking["sparse"]["placement"] = "host"
     metrics = train(config(ranking, ("trainer.max_epochs", 2)), tmp_path)
-    assert set(metrics) >= {"auc", "logloss", "auc/watch", "logloss/watch"}
+    assert set(metrics) >= {"auc", "logloss", "auc/watch", "logloss/watch", "positive_rate/watch"}
+    assert 0 < metrics["positive_rate/watch"] < 1 and 0 <= metrics["popularity"]["auc/watch"] <= 1
+    with open(tmp_path / "logs" / "metrics.csv", newline="") as handle:
+        logged = [row for row in csv.DictReader(handle)]
+    for name in ("train/positive_rate/watch", "val/positive_rate/watch"):
+        assert any(row.get(name) for row in logged), name
     assert set(metrics["table_rows_per_rank"]) == {"item", "category", "age", "gender"}
     assert metrics["auc"] > 0.5
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 class GRTrainingModule(LightningModule):
     """config: the run's TrainConfig; spec: what the data provides; tasks: ranking label
-    names; popularity: [num_items] training counts, for the most-popular baseline at test."""
+    names; popularity: [num_items] training counts, for the most-popular baseline at test
+    (retrieval: ranks of the held-out item; ranking: AUC of the candidates by popularity)."""
 
     def __init__(
         self,
@@ -224,6 +225,11 @@ class GRTrainingModule(LightningModule):
         )
         log.error(message)
         raise NonFiniteError(message)
+
+    def on_train_epoch_end(self) -> None:
+        rates = self.task.finish_training_epoch()  # every rank: it may all-reduce
+        if rates:
+            self.log_dict({f"train/{k}": v for k, v in rates.items()})
 
     # ---- evaluation --------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

@@ -84,9 +84,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         local = _devices(config.trainer.devices)
         plan = plan_for_data(config, spec, datamodule.tasks, local * config.trainer.num_nodes)
         check_memory_fits(plan, config, local, available_memory_bytes())
-    module = GRTrainingModule(
-        config, spec, datamodule.tasks, datamodule.popularity() if config.task_type == "retrieval" else None
-    )
+    module = GRTrainingModule(config, spec, datamodule.tasks, datamodule.popularity())
 
     def write_run_files() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)

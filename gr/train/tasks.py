@@ -20,6 +20,7 @@ Evaluation state is kept per rank and gathered over all ranks at the end of the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gr.data.features import ITEM_ID
+from gr.jagged import target_token_index
 from gr.model import GRInput, GROutput
 from gr.rng import randint
 from gr.sparse.dedup import unique_ids
@@ -38,6 +41,7 @@ from gr.train.losses import multitask_bce, negative_rows, sampled_softmax_loss
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
 
 CPU = torch.device("cpu")
+log = logging.getLogger(__name__)
 # Draws per catalogue item from which a step looks up every item instead of the distinct drawn
 # ones: an item is then missed with probability < e^-8, and finding the distinct ids of ~1.8 M
 # draws (ML-1M's recipe) cost more than the rest of the sampling.
@@ -108,6 +112,10 @@ class RetrievalTask:
         )
         return {"loss": loss}
 
+    def finish_training_epoch(self) -> Dict[str, float]:
+        """What the epoch's training batches tell beside the loss: nothing for retrieval."""
+        return {}
+
     # ---- evaluation -------------------------------------------------------------------
     def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = CPU) -> None:
         """Embed the whole catalogue once: each rank looks up a slice, then all gather.
@@ -151,7 +159,13 @@ class RetrievalTask:
 
 
 class RankingTask:
-    """tasks: label names; each is a logit [N] of the PostfixDNN and a 0/1 label [N] per candidate."""
+    """tasks: label names; each is a logit [N] of the PostfixDNN and a 0/1 label [N] per candidate.
+
+    Evaluation reports, beside each task's AUC and log loss, its labels' positive rate
+    (``positive_rate/<task>``), and with ``popularity`` the AUC of ranking the candidates by their
+    item's training count (``popularity/auc/<task>``: the baseline a model must beat). A task
+    whose labels are all one class, or equal to another task's, is warned about once: its AUC
+    says nothing, or the same as the other's."""
 
     name = "ranking"
 
@@ -159,28 +173,76 @@ class RankingTask:
         self.config = config
         self.tasks = tuple(tasks)
         self.collected: Dict[str, List[Tensor]] = {}
+        self.train_labels: Dict[str, Tensor] = {}  # task -> [positives, labels] this epoch
+        self.warned: set = set()
 
     def training_inputs(self, batch: GRInput, generator: torch.Generator) -> GRInput:
         return batch
 
     def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
         logits = {t: output.predictions[t] for t in self.tasks}
+        for t in self.tasks:
+            label = inputs.labels[t].detach()
+            counted = torch.stack([label.sum().float(), torch.tensor(float(label.numel()), device=label.device)])
+            self.train_labels[t] = self.train_labels.get(t, 0) + counted
         return multitask_bce(logits, {t: inputs.labels[t] for t in self.tasks}, self.config.task_weights)
+
+    def finish_training_epoch(self) -> Dict[str, float]:
+        """-> {"positive_rate/<task>": ...} of the epoch's training labels over every rank."""
+        rates = {}
+        for task, counted in self.train_labels.items():
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(counted)
+            rates[f"positive_rate/{task}"] = float(counted[0] / counted[1].clamp(min=1))
+        self.train_labels = {}
+        return rates
 
     def start_evaluation(self, embeddings: SparseEmbeddings, ids_device: torch.device = CPU) -> None:
         self.collected = {}
 
     def evaluation_step(self, output: GROutput, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
+        """popularity: [num_items] training counts, or None: the candidates' baseline scores."""
         for task in self.tasks:
             self.collected.setdefault(f"logit/{task}", []).append(output.predictions[task].detach().float().cpu())
             self.collected.setdefault(f"label/{task}", []).append(inputs.labels[task].float().cpu())
+        if popularity is not None and inputs.num_targets is not None and inputs.sequence_ids is not None:
+            rows = target_token_index(inputs.seq_offsets, inputs.num_targets)
+            items = inputs.sequence_ids[ITEM_ID].values()[rows.to(inputs.sequence_ids.values().device)]
+            self.collected.setdefault("popularity", []).append(popularity[items.cpu()].float())
 
     def finish_evaluation(self) -> Dict[str, float]:
         gathered = {key: gather_cat(values) for key, values in self.collected.items()}
         self.collected = {}
-        return ranking_metrics(
-            {t: gathered[f"logit/{t}"] for t in self.tasks}, {t: gathered[f"label/{t}"] for t in self.tasks}
+        labels = {t: gathered[f"label/{t}"] for t in self.tasks}
+        out = ranking_metrics({t: gathered[f"logit/{t}"] for t in self.tasks}, labels)
+        out.update(
+            {
+                f"positive_rate/{t}": float(label.mean()) if label.numel() else float("nan")
+                for t, label in labels.items()
+            }
         )
+        if "popularity" in gathered:
+            baseline = ranking_metrics({t: gathered["popularity"] for t in self.tasks}, labels)
+            out.update({f"popularity/{name}": value for name, value in baseline.items() if name.startswith("auc")})
+        self._warn_degenerate(labels)
+        return out
+
+    def _warn_degenerate(self, labels: Dict[str, Tensor]) -> None:
+        """Warn (once per task or pair) of a task with one label class, or labels equal to another task's."""
+        for i, task in enumerate(self.tasks):
+            label = labels[task]
+            if label.numel() and label.min() == label.max() and task not in self.warned:
+                self.warned.add(task)
+                log.warning("ranking task %r: every label is %g; its AUC is undefined", task, float(label[0]))
+            for other in self.tasks[:i]:
+                if (other, task) not in self.warned and torch.equal(labels[other], label):
+                    self.warned.add((other, task))
+                    log.warning(
+                        "ranking tasks %r and %r have identical labels: they learn and report the same thing "
+                        "(check data.ranking.tasks)",
+                        other,
+                        task,
+                    )
 
 
 def gather_cat(parts: Sequence[Tensor]) -> Tensor:
