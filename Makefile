@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
 	# gr's fused CPU kernels, compiled now rather than at the first training step or test (a failed build
 	# is logged and the PyTorch kernels run; cached by content in ~/.cache/gr/extensions).
-	$(PY) -c "from gr.native import native_ops; native_ops('gr_cpu_fused')"
+	$(PY) -c "from gr.ops.native import native_ops; native_ops('gr_cpu_fused')"
 	touch $(STAMP)
 
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0 unless this is an Ascend host (torch_npu then loads with torch), decided by

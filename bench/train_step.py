@@ -63,7 +63,7 @@ from lightning.pytorch import Callback  # noqa: E402
 from train_dedup import build, train_step  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
-from gr.native import native_ops  # noqa: E402
+from gr.ops.native import native_ops  # noqa: E402
 from gr.plan import hstu_forward_flops_per_token, linear_flops  # noqa: E402
 from gr.train.config import TrainConfig, load_config  # noqa: E402
 from gr.train.module import GRTrainingModule  # noqa: E402

@@ -16,7 +16,7 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
                          (the kernel keeps q, k, v as views of it, bf16 included)
                          + attention eA + stats 8 + LN(attention) eA
                          + dropout mask eA and output eA (or the product eA without dropout)
-                         (with gr's native CPU kernels, ``gr.hstu.layer_ops``, e = 4 in either
+                         (with gr's native CPU kernels, ``gr.ops.layer_ops``, e = 4 in either
                          precision (bf16 autocast runs them in bf16 math on fp32 activations): no
                          LN(x) and no output input, which backward recomputes; after the attention
                          4A + stats 8 + dropout mask A)
@@ -24,10 +24,11 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
   recompute "layer":     x 4D
 
 plus, for the stack, the output 4D, the input-dropout mask 4D (a byte mask D with the native CPU
-kernels' fused stack input, ``gr.hstu.layer_ops.stack_input``), and the int64 positions and
+kernels' fused stack input, ``gr.ops.layer_ops.stack_input``), and the int64 positions and
 index bookkeeping (32); and with the native CPU attention, each layer's fp32 weights and SiLU'
-per score element of its 32-query blocks (``saved_tile_bytes``, at most ``SAVED_TILE_FLOATS`` a
-batch), kept with recompute "none" (a recomputing layer makes them again in backward).
+per score element of its 32-query blocks (``saved_tile_bytes``, at most
+``gr.ops.attention.cpu.SAVED_TILE_FLOATS`` a batch), kept with recompute "none" (a recomputing layer
+makes them again in backward). The attention's terms are ``gr.ops.attention.cost``'s.
 Measured against torch's CPU memory profiler in tests/test_plan.py.
 In backward, the layer being differentiated holds gradient buffers about the size of its
 "none" set, a recomputing layer holds its "none" set again first, and the attention
@@ -64,15 +65,8 @@ from torch import nn
 from gr.data.features import FeatureSpec
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
-from gr.hstu.kernels.cpu import (
-    LAYOUT_CACHE_ELEMENTS,
-    QUERY_CHUNK,
-    ROW_BLOCK,
-    SAVED_TILE_FLOATS,
-    TILE_ELEMENTS,
-    padded_lengths,
-)
-from gr.native import fused_expected
+from gr.ops.attention import cost as attention_cost
+from gr.ops.native import fused_expected
 from gr.sparse.row_optimizers import STATE as OPTIMIZER_STATE
 from gr.sparse.tables import TableConfig, backend_module, storage_dim
 from gr.train.config import TrainConfig, load_config
@@ -80,10 +74,8 @@ from gr.train.config import TrainConfig, load_config
 PRECISION_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
 FP32 = 4
 INT64 = 8
-INT32 = 4
 LAYER_NORM_STATS = 2 * FP32  # mean and 1/std per token
 STACK_INDEX_BYTES = 4 * INT64  # token positions (embedding indices) and index bookkeeping
-SCORE_TILES = 4  # score-sized fp32 buffers alive at once in the attention backward (scores, SiLU, gradients)
 # Optimizer state in floats per parameter for dense optimizers (sparse ones: ``optimizer_state_elements``).
 DENSE_OPTIMIZER_FLOATS = {"adamw": 2, "adam": 2, "sgd": 0}
 # Bytes per element of a table tensor while a checkpoint is saved: ``gr.finite`` checks each weight with
@@ -185,7 +177,7 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
     d, p, a = config.hidden_dim, _projection_width(config), config.num_heads * config.linear_dim
     if recompute == "layer":
         return FP32 * d
-    fused = fused_expected()  # gr.hstu.layer_ops: fp32 in either precision; backward recomputes LN(x)
+    fused = fused_expected()  # gr.ops.layer_ops: fp32 in either precision; backward recomputes LN(x)
     e = FP32 if fused else compute_bytes
     kept = FP32 * d + LAYER_NORM_STATS + (0 if fused else e * d) + 2 * e * p
     if recompute == "attention":
@@ -200,7 +192,7 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
 def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compute_bytes: int) -> Tuple[int, int]:
     """(kept after forward, peak in backward) bytes of the HSTU stack for ``tokens`` tokens."""
     d = config.hidden_dim
-    byte_mask = fused_expected() and config.position_embedding  # gr.hstu.layer_ops.stack_input
+    byte_mask = fused_expected() and config.position_embedding  # gr.ops.layer_ops.stack_input
     mask = (d if byte_mask else FP32 * d) if config.input_dropout > 0 else 0
     stack = FP32 * d + mask + STACK_INDEX_BYTES
     layer = hstu_layer_activation_bytes(config, recompute, compute_bytes)
@@ -215,45 +207,20 @@ def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compu
 
 def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1) -> int:
     """Buffers the CPU attention kernel's backward holds for ``sequences`` sequences of ``tokens``
-    tokens (a tile batches sequences of one length up to ``TILE_ELEMENTS`` scores)."""
-    p, a = _projection_width(config), config.num_heads * config.linear_dim
-    tile = min(TILE_ELEMENTS, sequences * config.num_heads * min(QUERY_CHUNK, tokens) * tokens)
-    return sequences * tokens * FP32 * (4 * p - 2 * a) + SCORE_TILES * FP32 * tile
+    tokens (``gr.ops.attention.cost.backward_bytes``)."""
+    return attention_cost.backward_bytes(config.num_heads, config.attention_dim, config.linear_dim, tokens, sequences)
 
 
 def saved_tile_bytes(config: HSTUConfig, tokens: int) -> int:
     """The native CPU attention's tiles of one layer for one sequence of ``tokens`` tokens, kept
-    from forward to backward: fp32 weights and SiLU' per head for the keys each block of
-    ``ROW_BLOCK`` query rows sees (the chunks of ``gr.hstu.kernels.cpu``; at most
-    ``SAVED_TILE_FLOATS`` floats a batch, else none are kept)."""
-    if not fused_expected() or tokens == 0 or 2 * config.num_heads * tokens > SAVED_TILE_FLOATS:
-        return 0  # (the last: every row sees at least itself, so the tiles are too big to keep)
-    padded = int(padded_lengths(torch.tensor([tokens]))[0])
-    rows, window, elements = min(padded, QUERY_CHUNK), config.max_attn_len, 0
-    for m0 in range(0, padded, rows):
-        lo = max(m0 - window, 0) if window > 0 else 0
-        keys = max(0, min(m0 + rows, tokens) - lo)
-        for r0 in range(m0, min(m0 + rows, tokens), ROW_BLOCK):
-            r1 = min(r0 + ROW_BLOCK, m0 + rows, tokens)
-            elements += (r1 - r0) * min(r1 - lo, keys)
-    floats = 2 * config.num_heads * elements
-    return FP32 * floats if floats <= SAVED_TILE_FLOATS else 0
+    from forward to backward (``gr.ops.attention.cost.saved_tile_bytes``)."""
+    return attention_cost.saved_tile_bytes(config.num_heads, tokens, config.max_attn_len)
 
 
 def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:
     """The CPU kernel's cached layout of one sequence of ``tokens`` tokens, kept from forward to
-    backward: a time-bias bucket per (query, key) of each query chunk's padded keys (at most
-    ``LAYOUT_CACHE_ELEMENTS`` a batch; for the fused tiles one byte up to 256 buckets, else int32;
-    int64 unfused); position buckets and masks are shared by a group."""
-    if config.time_buckets == 0 or tokens == 0:
-        return 0
-    padded = int(padded_lengths(torch.tensor([tokens]))[0])
-    bucket_bytes = (1 if config.time_buckets <= 256 else INT32) if fused_expected() else INT64
-    if padded >= LAYOUT_CACHE_ELEMENTS:  # every query sees at least one key: the cap is reached
-        return bucket_bytes * LAYOUT_CACHE_ELEMENTS
-    chunks = range(0, padded, QUERY_CHUNK)
-    elements = sum((min(m0 + QUERY_CHUNK, padded) - m0) * min(m0 + QUERY_CHUNK, padded) for m0 in chunks)
-    return bucket_bytes * min(LAYOUT_CACHE_ELEMENTS, elements)
+    backward (``gr.ops.attention.cost.layout_cache_bytes``)."""
+    return attention_cost.layout_cache_bytes(config.time_buckets, tokens)
 
 
 def hstu_forward_flops_per_token(config: HSTUConfig, seq_len: int) -> int:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gr.hstu.kernels import RelativeBias, hstu_attention, hstu_cached_attention
+from gr.ops.attention import RelativeBias, hstu_attention
+from gr.ops.cached_attention import hstu_cached_attention
 from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 pytestmark = pytest.mark.attention

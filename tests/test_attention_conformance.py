@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gr.hstu.kernels import RelativeBias, hstu_attention
-from gr.hstu.kernels.ascend import find_mxrec_hstu_jagged
-from gr.hstu.kernels.triton_tuning import ENV_AUTOTUNE
+from gr.ops.attention import RelativeBias, hstu_attention
+from gr.ops.attention.ascend import find_mxrec_hstu_jagged
+from gr.ops.attention.triton.tuning import ENV_AUTOTUNE
 from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 BACKENDS = KERNEL_BACKENDS + (["cpu-unfused"] if "cpu" in KERNEL_BACKENDS else [])
@@ -273,7 +273,7 @@ def naive_attention(
     bucketing,
     query_ts=None,
 ):
-    """Sequence by sequence, pair by pair, from the spec (docs/design.md §6 / gr.hstu.kernels.common)."""
+    """Sequence by sequence, pair by pair, from the spec (docs/design.md §6 / gr.ops.attention.common)."""
     query_ts = ts if query_ts is None else query_ts
     outs, start = [], 0
     for b, n in enumerate(lengths):

@@ -4,8 +4,10 @@
 import pytest
 import torch
 
-from gr.hstu.kernels import RelativeBias, hstu_attention, resolve_backend
-from gr.hstu.kernels.cpu import QUERY_CHUNK, cpu_hstu_attention, score_elements
+from gr.ops.attention import RelativeBias, hstu_attention, resolve_backend
+from gr.ops.attention.common import AttentionCall
+from gr.ops.attention.cost import score_elements
+from gr.ops.attention.cpu import QUERY_CHUNK, cpu_hstu_attention
 
 pytestmark = pytest.mark.attention
 
@@ -64,7 +66,7 @@ def test_memory_stays_bounded_at_4096_and_matches_reference():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         rab = RelativeBias(leaves[3])
-        out = cpu_hstu_attention(*leaves[:3], offsets, length, None, 0, 0, 0.3, None, rab)
+        out = cpu_hstu_attention(AttentionCall(*leaves[:3], offsets, length, alpha=0.3, rab=rab))
     assert sum(saved) < 64 * length * heads * dim * 4  # O(L), not O(L^2) = 64 MB per [L, L] fp32
     grads = torch.autograd.grad(out.square().sum(), leaves)
     ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v, pos_w)]
@@ -148,7 +150,7 @@ def test_bf16_inputs_run_the_matmuls_in_bf16_and_stay_close_to_fp32(monkeypatch)
         leaves = [x.to(dtype, copy=True).requires_grad_(True) for x in (q, k, v)]
         bias = [w.clone().requires_grad_(True) for w in weights]
         rab = RelativeBias(bias[0], bias[1], timestamps)
-        out = cpu_hstu_attention(*leaves, offsets, 300, None, 0, 0, 1.0, 1 / 300, rab)
+        out = cpu_hstu_attention(AttentionCall(*leaves, offsets, 300, silu_scale=1 / 300, rab=rab))
         assert out.dtype == dtype
         out.float().mul(torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
         results[dtype] = (out, [x.grad for x in leaves], [w.grad for w in bias])
@@ -168,7 +170,7 @@ def test_a_workspace_shares_one_batch_layout_across_layers_with_equal_results():
     """Two "layers" (their own bias weights) on one batch through one AttentionWorkspace: the CPU
     backend builds the batch's layout once (the second call finds it), and outputs and every
     gradient equal those computed without a workspace."""
-    from gr.hstu.kernels import AttentionWorkspace
+    from gr.ops.attention import AttentionWorkspace
 
     g = torch.Generator().manual_seed(3)
     offsets = offsets_of([70, 5, 140, 33])
@@ -202,8 +204,8 @@ def test_the_layout_cache_stays_within_its_budget_and_results_do_not_change(monk
     kept elements stay within the budget and outputs and gradients equal the unbounded cache's.
     The fused tiles (where they build) then run the chunks in several calls, none of them kept,
     instead of one kept call."""
-    from gr.hstu.kernels import AttentionWorkspace, cpu
-    from gr.native import native_ops
+    from gr.ops.attention import AttentionWorkspace, cpu
+    from gr.ops.native import native_ops
 
     g = torch.Generator().manual_seed(4)
     offsets = offsets_of([300, 40, 260])
@@ -235,7 +237,7 @@ def test_batches_without_targets_share_the_position_layouts_of_equal_chunks():
     """A second batch whose sequences pad to the same lengths finds every chunk's masks and
     position indices made by the first (they depend on no batch data); a batch with targets,
     one sequence per group included, makes its own, and all three match the reference."""
-    from gr.hstu.kernels import AttentionWorkspace, cpu
+    from gr.ops.attention import AttentionWorkspace, cpu
 
     g = torch.Generator().manual_seed(6)
 

@@ -84,7 +84,8 @@ def test_npu_presence_needs_torch_npu_and_device_nodes_or_cann(monkeypatch):
 def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
     import torch
 
-    from gr.hstu.kernels.ascend import mxrec_misfits
+    from gr.ops.attention import AttentionCall
+    from gr.ops.attention.ascend import mxrec_misfits
     from gr.train.config import load_config
 
     config = load_config("configs/ml1m_hstu_npu.yaml")
@@ -110,9 +111,10 @@ def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
     ):
         raise AssertionError("only its signature is read")
 
-    misfits = mxrec_misfits(
-        op, q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, None, 0, 0, hstu.attn_alpha, 1.0 / hstu.max_seq_len, None
+    call = AttentionCall(
+        q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, alpha=hstu.attn_alpha, silu_scale=1.0 / hstu.max_seq_len
     )
+    misfits = mxrec_misfits(op, call)
     assert misfits == []
 
 

@@ -1,17 +1,17 @@
-"""gr.hstu.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, and the
-stack's input, fused on CPU (gr.native), equal in values and gradients to PyTorch's ops, with
-dropout masks from gr.rng."""
+"""gr.ops.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, and the
+stack's input, fused on CPU (gr.ops.native), equal in values and gradients to PyTorch's ops, with
+dropout masks from gr.ops.random."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gr import rng
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
-from gr.hstu.layer_ops import combine, norm_mul_dropout, project, stack_input
-from gr.native import native_ops
+from gr.ops import random as rng
+from gr.ops.layer_ops import combine, norm_mul_dropout, project, stack_input
+from gr.ops.native import native_ops
 from helpers.native import X86, skip_without_bf16_instructions
 
 native_only = pytest.mark.skipif(not X86, reason="the native kernels are built for x86-64 only")
@@ -146,7 +146,7 @@ def test_projection_keeps_its_silu_gradient_only_when_backward_will_run(monkeypa
                 return op
             return lambda *a: asked.append(a[7]) or op(*a)  # keep_grad
 
-    monkeypatch.setattr("gr.hstu.layer_ops.native_ops", lambda namespace: Recording())
+    monkeypatch.setattr("gr.ops.layer_ops.native_ops", lambda namespace: Recording())
     with torch.no_grad():
         served = project(x, norm, linear, [100, 100])
     trained = project(x, norm, linear, [100, 100])

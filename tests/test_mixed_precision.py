@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from gr.hstu import HSTU, HSTUConfig
-from gr.native import native_ops
+from gr.ops.native import native_ops
+from gr.ops.sampled_softmax import sampled_softmax_loss
 from gr.train import load_trained_model, train
 from gr.train.config import TrainConfig
-from gr.train.losses import sampled_softmax_loss
 from helpers.native import bf16_instructions
 from helpers.runs import recipe, step_losses
 

@@ -1,4 +1,4 @@
-"""gr's fused CPU kernels (gr.native): built once per process (whatever its threads do), in a directory
+"""gr's fused CPU kernels (gr.ops.native): built once per process (whatever its threads do), in a directory
 named by what the binary depends on, switchable by GR_CPU_FUSED, and a failed build falls back with the
 reason logged (or fails loudly when required)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from gr import native
-from gr.native import fused_setting, native_ops
+from gr.ops import native
+from gr.ops.native import fused_setting, native_ops
 from helpers.native import X86
 
 
@@ -67,7 +67,7 @@ def test_a_failed_build_falls_back_with_the_reason_logged_or_fails_when_required
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(native, "build", failing_build)
-    with caplog.at_level(logging.WARNING, logger="gr.native"):
+    with caplog.at_level(logging.WARNING, logger="gr.ops.native"):
         assert native._load.__wrapped__() == (False, "no C++ compiler found")  # uncached
     assert "no C++ compiler found); running the PyTorch ones" in caplog.text
     monkeypatch.setattr(native, "_load_once", lambda: (False, "no C++ compiler found"))
@@ -110,7 +110,7 @@ def test_gradients_of_the_fused_kernels_repeat_bitwise_on_more_threads(monkeypat
     merge shows up from 3) every gradient of an HSTU step and of the sampled softmax is the same
     in 5 repeats (the softmax with negatives per row and shared by blocks of 10 rows)."""
     from gr.hstu import HSTU, HSTUConfig
-    from gr.train.losses import sampled_softmax_loss
+    from gr.ops.sampled_softmax import sampled_softmax_loss
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     config = HSTUConfig(hidden_dim=32, num_layers=2, num_heads=2, attention_dim=8, linear_dim=16, max_seq_len=256)

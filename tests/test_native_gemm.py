@@ -1,4 +1,4 @@
-"""gr_gemm, the small-tile GEMM inside the fused CPU kernels (gr/csrc/gr_gemm.h), against torch.matmul:
+"""gr_gemm, the small-tile GEMM inside the fused CPU kernels (gr/ops/csrc/gr_gemm.h), against torch.matmul:
 every layout, the tails of its register blocks, more depth than one pass, and BLAS's beta contract;
 in fp32 and in bf16 math (operands rounded to bf16, sums in fp32)."""
 

@@ -1,4 +1,4 @@
-"""gr_silu, the SiLU inside the fused CPU kernels (gr/csrc/gr_silu.h), against the exact SiLU and its
+"""gr_silu, the SiLU inside the fused CPU kernels (gr/ops/csrc/gr_silu.h), against the exact SiLU and its
 gradient in float64: across the range where its exponential is computed, at the clamp, and on every
 row length's last partial vector."""
 

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gr.data.datamodule import SequenceDataModule
 from gr.hstu import HSTU, HSTUConfig
-from gr.hstu.kernels import cpu as cpu_kernel
+from gr.ops.attention import cpu as cpu_kernel
 from gr.plan import (
     GIB,
     Plan,

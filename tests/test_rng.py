@@ -1,11 +1,11 @@
-"""gr.rng: dropout keep masks and uniform integers, counter-based on CPU with the native kernels
+"""gr.ops.random: dropout keep masks and uniform integers, counter-based on CPU with the native kernels
 (torch's generators otherwise), seeded from torch's generators so runs repeat."""
 
 import pytest
 import torch
 
-from gr import rng
-from gr.native import native_ops
+from gr.ops import random as rng
+from gr.ops.native import native_ops
 from helpers.native import X86
 
 CPU = torch.device("cpu")
@@ -68,7 +68,7 @@ def test_native_draws_do_not_depend_on_the_thread_count(monkeypatch):
 
 
 def _splitmix64(seed: int, i: int) -> int:
-    """Draw i of a call (gr/csrc/random.cpp's contract), in Python integers."""
+    """Draw i of a call (gr/ops/random/random.cpp's contract), in Python integers."""
     full = (1 << 64) - 1
     z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & full
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & full

@@ -7,11 +7,14 @@ import torch
 import torch.nn.functional as F
 from torchrec import KeyedJaggedTensor
 
-from gr import GRInput, GROutput, rng
-from gr.train import losses
+from gr import GRInput, GROutput
+from gr.ops import random as rng
+from gr.ops.sampled_softmax import cpu as sampled_softmax_cpu
+from gr.ops.sampled_softmax import pytorch as sampled_softmax_pytorch
+from gr.ops.sampled_softmax import sampled_softmax_loss
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
-from gr.train.losses import multitask_bce, sampled_softmax_loss
+from gr.train.losses import multitask_bce
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
 from gr.train.tasks import RankingTask, RetrievalTask
 from helpers.native import X86, skip_without_bf16_instructions
@@ -113,9 +116,9 @@ def test_sampled_softmax_matches_naive_and_masks_the_positive(shape, distinct, f
 def test_sampled_softmax_per_token_paths_match_naive_in_value_and_both_gradients(monkeypatch, fused):
     """The PyTorch per-token path over few distinct items scores rows tile by tile: with 3-row
     tiles (7 rows: a partial last tile) the loss and the gradients of queries and items are the
-    naive ones; so are those of the fused CPU kernel (gr.native) where it builds."""
+    naive ones; so are those of the fused CPU kernel (gr.ops.native) where it builds."""
     monkeypatch.setenv("GR_CPU_FUSED", fused)
-    monkeypatch.setattr(losses, "ROW_TILE_ELEMENTS", 3 * 12)
+    monkeypatch.setattr(sampled_softmax_pytorch, "ROW_TILE_ELEMENTS", 3 * 12)
     torch.manual_seed(1)
     queries = F.normalize(torch.randn(7, 4), dim=-1).requires_grad_(True)
     items = F.normalize(torch.randn(12, 4), dim=-1).requires_grad_(True)
@@ -279,7 +282,7 @@ def test_negatives_shared_by_blocks_of_rows_give_the_per_row_loss_of_those_negat
 @pytest.mark.skipif(not X86, reason="gr's fused CPU kernels are built for x86-64 only")
 def test_fused_block_negatives_under_bf16_autocast_score_by_bf16_math_gemms(monkeypatch):
     """Negatives shared by blocks of rows are scored by GEMMs, which under bf16 autocast round their
-    operands to bf16 and sum in fp32 (gr.native.cpu_bf16_math), backward included: the loss moves
+    operands to bf16 and sum in fp32 (gr.ops.native.cpu_bf16_math), backward included: the loss moves
     (measured: 7e-5 relative) and stays within 1e-3 of fp32's, the gradients within 3% of their
     largest entry (measured: ~0.6%)."""
     monkeypatch.setenv("GR_CPU_FUSED", "1")
@@ -324,7 +327,7 @@ def test_item_tables_past_the_fused_limit_take_the_pytorch_path(monkeypatch):
     items = F.normalize(torch.randn(50, 8), dim=-1)
     positive_index, negative_index = torch.randint(0, 50, (20,)), torch.randint(0, 50, (20, 6))
     fused = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
-    monkeypatch.setattr(losses, "MAX_TABLE_ELEMENTS", items.numel() - 1)
+    monkeypatch.setattr(sampled_softmax_cpu, "MAX_TABLE_ELEMENTS", items.numel() - 1)
     with torch.profiler.profile() as profile:
         plain = sampled_softmax_loss(queries, items, positive_index, negative_index, 0.05)
     assert "gr_cpu_loss::sampled_softmax_forward" not in {e.key for e in profile.key_averages()}

@@ -7,10 +7,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from gr.hstu.kernels.ascend_triton import AscendLayout  # noqa: E402
-from gr.hstu.kernels.triton_attention import CudaLayout  # noqa: E402
-from gr.hstu.kernels.triton_blocks import attention_kernel  # noqa: E402
-from gr.hstu.kernels.triton_common import (  # noqa: E402
+from gr.ops.attention import AttentionCall  # noqa: E402
+from gr.ops.attention.ascend_triton import AscendLayout  # noqa: E402
+from gr.ops.attention.triton.blocks import attention_kernel  # noqa: E402
+from gr.ops.attention.triton.cuda import CudaLayout  # noqa: E402
+from gr.ops.attention.triton.host import (  # noqa: E402
     backward_launches,
     forward_launch,
     layout_args,
@@ -18,7 +19,7 @@ from gr.hstu.kernels.triton_common import (  # noqa: E402
     row_block,
     strides,
 )
-from gr.hstu.kernels.triton_tuning import TileConfig  # noqa: E402
+from gr.ops.attention.triton.tuning import TileConfig  # noqa: E402
 
 pytestmark = pytest.mark.attention
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.attention
 def _launches():
     q, k = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     v = torch.randn(5, 2, 32)
-    inputs = prepare_inputs(q, k, v, torch.tensor([0, 2, 5]), 3, None, 0, 0, 1.0, None, None, "triton")
+    inputs = prepare_inputs(AttentionCall(q, k, v, torch.tensor([0, 2, 5]), 3), "triton")
     return [
         forward_launch(q, k, v, inputs, True),
         *backward_launches(q, k, v, torch.randn_like(v), inputs, True),

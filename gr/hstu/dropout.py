@@ -1,16 +1,16 @@
-"""Dropout whose CPU mask is drawn by ``gr.rng.keep_mask`` instead of ``bernoulli_``."""
+"""Dropout whose CPU mask is drawn by ``gr.ops.random.keep_mask`` instead of ``bernoulli_``."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gr.rng import keep_mask
+from gr.ops.random import keep_mask
 
 
 class Dropout(nn.Module):
     """``nn.Dropout(p)`` with the same distribution: each element is kept with probability 1 - p
-    and scaled by 1 / (1 - p). On CPU the keep mask comes from ``gr.rng.keep_mask``: counter-based
+    and scaled by 1 / (1 - p). On CPU the keep mask comes from ``gr.ops.random.keep_mask``: counter-based
     with the native kernels (~12x faster than the ``bernoulli_`` that ``F.dropout`` draws it with),
     else ``rand >= p`` (2-3x); other devices use ``F.dropout``."""
 

@@ -10,8 +10,9 @@ from torch.utils.checkpoint import checkpoint
 
 from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
-from gr.hstu.kernels import AttentionWorkspace, RelativeBias, hstu_attention, hstu_cached_attention
-from gr.hstu.layer_ops import combine, project
+from gr.ops.attention import AttentionWorkspace, RelativeBias, hstu_attention
+from gr.ops.cached_attention import hstu_cached_attention
+from gr.ops.layer_ops import combine, project
 
 
 class HSTULayer(nn.Module):
@@ -121,7 +122,7 @@ class HSTULayer(nn.Module):
         cache_timestamps: Optional[Tensor] = None,
     ) -> Tensor:
         """New tokens against cached K/V and themselves under this layer's mask and bias
-        (``gr.hstu.kernels.hstu_cached_attention``): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
+        (``gr.ops.cached_attention.hstu_cached_attention``): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
         return hstu_cached_attention(
             q,
             k,

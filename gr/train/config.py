@@ -349,7 +349,7 @@ class TrainerSection(Section):
     checkpoint (null: val/ndcg@<first top_k> for retrieval, val/auc for ranking).
     ``precision``: "32-true", or "bf16-mixed" (the step runs under bf16 autocast, HSTU and
     DNNs included, while parameters and optimizer state stay fp32; runs on CPU, where gr's fused
-    kernels multiply bf16-rounded operands on fp32 activations: ``gr.native.cpu_bf16_math``), or
+    kernels multiply bf16-rounded operands on fp32 activations: ``gr.ops.native.cpu_bf16_math``), or
     "16-mixed" (fp16 with loss scaling, GPU only). ``stochastic_length_alpha``: null (off)
     or alpha in (1, 2]: training histories longer than data.max_seq_len^(alpha/2) are
     subsampled to that length with probability 1 - max_seq_len^alpha / length^2

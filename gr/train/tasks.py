@@ -31,13 +31,14 @@ from torch import Tensor
 from gr.data.features import ITEM_ID
 from gr.jagged import target_token_index
 from gr.model import GRInput, GROutput
-from gr.rng import randint
+from gr.ops.random import randint
+from gr.ops.sampled_softmax import negative_rows, sampled_softmax_loss
 from gr.sparse.dedup import unique_ids
 from gr.sparse.keyed_jagged import JaggedTensor, KeyedJaggedTensor
 from gr.sparse.tables import SparseEmbeddings
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
-from gr.train.losses import multitask_bce, negative_rows, sampled_softmax_loss
+from gr.train.losses import multitask_bce
 from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
 
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ import platform
 
 import pytest
 
-from gr.native import native_ops
+from gr.ops.native import native_ops
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 x86_only = pytest.mark.skipif(not X86, reason="the fused kernels are built for x86-64 only")

@@ -1,5 +1,5 @@
 // Sampled softmax with per-row negatives for CPU (fp32; the block GEMMs in bf16 math when asked), fused:
-// gr.train.losses.sampled_softmax_loss.
+// gr.ops.sampled_softmax.sampled_softmax_loss.
 //
 // Each row scores only its own K + 1 items: one dot product per (row, item) read straight from the
 // item table (with AVX-512 a copy with rows padded to whole vectors: Rows), which for catalogues of

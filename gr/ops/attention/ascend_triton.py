@@ -1,6 +1,6 @@
 """The HSTU attention kernels laid out for triton-ascend's NPU constraints.
 
-The same kernels and launcher as the CUDA variant (``triton_blocks``, ``triton_common``), with
+The same kernels and launcher as the CUDA variant (``triton.blocks``, ``triton.host``), with
 the layout triton-ascend's programming guide asks for on Ascend NPUs:
 
 * a fixed grid of one program per AI (cube) core, each looping over a work list instead of
@@ -26,11 +26,11 @@ import triton
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from gr.hstu.kernels.common import RelativeBias
-from gr.hstu.kernels.triton_blocks import attention_kernel
-from gr.hstu.kernels.triton_common import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
-from gr.hstu.kernels.triton_tuning import TileConfig
 from gr.jagged import lengths_from_offsets
+from gr.ops.attention.common import AttentionCall
+from gr.ops.attention.triton.blocks import attention_kernel
+from gr.ops.attention.triton.host import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
+from gr.ops.attention.triton.tuning import TileConfig
 
 NPU_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) on an NPU
 INTERPRETER_BLOCKS = (64, 64)
@@ -38,51 +38,26 @@ INTERPRETER_CORES = 3  # programs of the persistent grid when interpreted on CPU
 
 
 def ascend_triton_hstu_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-    blocks: Optional[Tuple[int, int]] = None,
-    num_cores: Optional[int] = None,
+    call: AttentionCall, *, blocks: Optional[Tuple[int, int]] = None, num_cores: Optional[int] = None
 ) -> Tensor:
-    """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv].
+    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv].
 
     blocks: (BLOCK_M, BLOCK_N), multiples of 16; num_cores: programs of the persistent grid
     (None: the device's AI core count, or ``INTERPRETER_CORES`` under the interpreter).
     """
     interpreted = isinstance(attention_kernel, InterpretedFunction)
-    if q.device.type != "npu" and not interpreted:
+    if call.q.device.type != "npu" and not interpreted:
         raise RuntimeError(
-            f"hstu_attention[ascend_triton]: tensors are on {q.device.type}; the kernels need an NPU with "
-            "triton-ascend, or TRITON_INTERPRET=1 set before gr.hstu.kernels.ascend_triton is imported (CPU, tests)"
+            f"hstu_attention[ascend_triton]: tensors are on {call.q.device.type}; the kernels need an NPU with "
+            "triton-ascend, or TRITON_INTERPRET=1 set before gr.ops.attention.ascend_triton is imported (CPU, tests)"
         )
     blocks = blocks or (INTERPRETER_BLOCKS if interpreted else NPU_BLOCKS)
     if any(b % 16 or b <= 0 for b in blocks):
         raise ValueError(f"hstu_attention[ascend_triton]: blocks must be positive multiples of 16, got {blocks}")
     if num_cores is None:
-        num_cores = INTERPRETER_CORES if interpreted else _ai_cores(q.device)
-    inputs = prepare_inputs(
-        q,
-        k,
-        v,
-        seq_offsets,
-        max_seq_len,
-        num_targets,
-        contextual_len,
-        max_attn_len,
-        alpha,
-        silu_scale,
-        rab,
-        "ascend_triton",
-    )
-    return apply_kernels(q, k, v, inputs, rab, TritonKernels(AscendLayout(blocks, num_cores), interpreted))
+        num_cores = INTERPRETER_CORES if interpreted else _ai_cores(call.q.device)
+    inputs = prepare_inputs(call, "ascend_triton")
+    return apply_kernels(call, inputs, TritonKernels(AscendLayout(blocks, num_cores), interpreted))
 
 
 def _ai_cores(device: torch.device) -> int:

@@ -1,6 +1,6 @@
 """Host side of the Triton kernels (GPU and NPU variants): argument checks, the inputs laid
 out for the kernels, one argument assembly, one launcher and the autograd wrapper. Device code:
-``triton_blocks``.
+``blocks``.
 
 The CUDA and NPU variants launch the same kernel through ``TritonKernels``; a ``Layout``
 is what differs between them: the tile sizes, and the grid (one program per block) or the work
@@ -18,16 +18,16 @@ tokens' own times).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Protocol, Tuple
+from typing import Callable, Dict, Protocol, Tuple
 
 import torch
 import triton
 from torch import Tensor
 
-from gr.hstu.kernels.common import RelativeBias, rebased_times, time_bucket_thresholds
-from gr.hstu.kernels.triton_blocks import attention_kernel
-from gr.hstu.kernels.triton_tuning import TileConfig
 from gr.jagged import history_lengths
+from gr.ops.attention.common import AttentionCall, RelativeBias, rebased_times, time_bucket_thresholds
+from gr.ops.attention.triton.blocks import attention_kernel
+from gr.ops.attention.triton.tuning import TileConfig
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -65,30 +65,13 @@ class KernelInputs:
         return self.seq_offsets.numel() - 1
 
 
-def prepare_inputs(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-    backend: str,
-) -> KernelInputs:
-    """Check what the kernels support and build their ``KernelInputs``."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def prepare_inputs(call: AttentionCall, backend: str) -> KernelInputs:
+    """Check the dtypes the kernels support and build their ``KernelInputs`` (shapes: ``call.validate``)."""
+    rab, seq_offsets = call.rab, call.seq_offsets
+    for name, x in (("q", call.q), ("k", call.k), ("v", call.v)):
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"hstu_attention[{backend}]: {name} is {x.dtype}; supported: fp32, bf16, fp16")
-    if q.shape != k.shape or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"hstu_attention[{backend}]: expected q, k [T, H, Dqk] and v [T, H, Dv], got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    device = q.device
+    device = call.q.device
     dummy = torch.zeros(1, dtype=torch.float32, device=device)
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
@@ -101,7 +84,7 @@ def prepare_inputs(
         time_log = rab.time_bucketing == "log"
     return KernelInputs(
         seq_offsets=seq_offsets.to(device=device, dtype=torch.int32),
-        history=history_lengths(seq_offsets, num_targets).to(device=device, dtype=torch.int32),
+        history=history_lengths(seq_offsets, call.num_targets).to(device=device, dtype=torch.int32),
         timestamps=timestamps,
         query_times=query_times,
         pos_w=pos_w.detach().float().contiguous() if pos_w is not None else dummy,
@@ -110,12 +93,12 @@ def prepare_inputs(
         num_pos=pos_w.numel() if pos_w is not None else 0,
         num_time=time_w.numel() if time_w is not None else 0,
         time_log=time_log,
-        max_seq_len=max(int(max_seq_len), 1),
-        alpha=float(alpha),
-        silu_scale=float(silu_scale) if silu_scale is not None else 0.0,
-        scale_by_position=silu_scale is None,
-        contextual_len=int(contextual_len),
-        max_attn_len=int(max_attn_len),
+        max_seq_len=max(int(call.max_seq_len), 1),
+        alpha=float(call.alpha),
+        silu_scale=float(call.silu_scale) if call.silu_scale is not None else 0.0,
+        scale_by_position=call.silu_scale is None,
+        contextual_len=int(call.contextual_len),
+        max_attn_len=int(call.max_attn_len),
     )
 
 
@@ -153,13 +136,11 @@ class TritonAttention(torch.autograd.Function):
         return dq, dk, dv, dpos, dtime, None, None
 
 
-def apply_kernels(
-    q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs, rab: Optional[RelativeBias], kernels: TritonKernels
-) -> Tensor:
-    """Run ``kernels`` under autograd; q, k: [T, H, Dqk], v: [T, H, Dv] -> [T, H, Dv]."""
-    pos_w = rab.position_weights if rab is not None else None
-    time_w = rab.time_weights if rab is not None else None
-    return TritonAttention.apply(q, k, v, pos_w, time_w, inputs, kernels)
+def apply_kernels(call: AttentionCall, inputs: KernelInputs, kernels: TritonKernels) -> Tensor:
+    """Run ``kernels`` on ``call`` under autograd -> [T, H, Dv]."""
+    pos_w = call.rab.position_weights if call.rab is not None else None
+    time_w = call.rab.time_weights if call.rab is not None else None
+    return TritonAttention.apply(call.q, call.k, call.v, pos_w, time_w, inputs, kernels)
 
 
 @dataclass
@@ -260,7 +241,7 @@ def backward_launches(
 class Layout(Protocol):
     """What a device variant decides: tile sizes, and how programs map to blocks."""
 
-    ub_tables: bool  # bias tables preloaded on chip (``triton_blocks`` module docstring)
+    ub_tables: bool  # bias tables preloaded on chip (``blocks`` module docstring)
 
     def config(self, launch: Launch, inputs: KernelInputs, run: Callable[[TileConfig], None]) -> TileConfig:
         """The tile configuration of ``launch``; ``run(config)`` launches it (for autotuning)."""

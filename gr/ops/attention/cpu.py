@@ -21,13 +21,13 @@ built once per batch: backward reuses forward's, and with an ``AttentionWorkspac
 ``HSTU.forward`` passes to every layer) the other layers reuse the first layer's, so only the
 bias weights are read per layer.
 
-Where they build (x86-64 with a C++ compiler; ``gr.native``), fused tiles run the chunks
+Where they build (x86-64 with a C++ compiler; ``gr.ops.native``), fused tiles run the chunks
 instead: one C++ call for all of a batch's chunks (its threads get equal work, not equal counts of
 sequences) reads the jagged q, k, v rows in place (no padded copies), makes each (sequence, head)'s
 scores 32 query rows at a time with only the keys those rows see, and does bias, SiLU, mask,
 normaliser, the SiLU gradient and the bias-gradient scatter while the tile is in cache, between
-GEMMs (gr/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once), their GEMMs in bf16
-math under CPU autocast to bf16 (``gr.native.cpu_bf16_math``: bf16-rounded operands, fp32 sums). Chunks whose keys
+GEMMs (gr/ops/csrc/gr_gemm.h). They compute in fp32 (bf16 inputs are widened once), their GEMMs in bf16
+math under CPU autocast to bf16 (``gr.ops.native.cpu_bf16_math``: bf16-rounded operands, fp32 sums). Chunks whose keys
 are the contextual prefix plus a window (``contextual_len`` and ``max_attn_len`` both set) run
 unfused.
 
@@ -56,7 +56,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from gr.hstu.kernels.common import (
+from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
+from gr.ops.attention.common import (
+    AttentionCall,
     AttentionWorkspace,
     RelativeBias,
     hstu_visibility,
@@ -66,8 +68,7 @@ from gr.hstu.kernels.common import (
     time_bucket,
     time_bucket_thresholds,
 )
-from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
-from gr.native import cpu_bf16_math, native_ops
+from gr.ops.native import cpu_bf16_math, native_ops
 
 QUERY_CHUNK = 128  # query rows per chunk
 ROW_BLOCK = 32  # query rows per block of the fused tiles (ROW_BLOCK of cpu_fused_attention.cpp)
@@ -179,21 +180,8 @@ def _layout_key(
     return group_index, chunk_index, pos_buckets, time_buckets, dtype, fused
 
 
-def cpu_hstu_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-    workspace: Optional[AttentionWorkspace] = None,
-) -> Tensor:
-    """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
+def cpu_hstu_attention(call: AttentionCall, *, workspace: Optional[AttentionWorkspace] = None) -> Tensor:
+    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
     and the bias weights. fp16 inputs are computed in fp32. Fused, bf16 inputs are widened to fp32
     and the GEMMs run in bf16 math under bf16 autocast; unfused, bf16 inputs stay bf16 through the
     matmuls (which accumulate in fp32); the bias weights' lookups and gradients, the gradients
@@ -201,13 +189,12 @@ def cpu_hstu_attention(
 
     workspace: the batch's ``AttentionWorkspace``: the groups, chunks, masks and bias bucket
     indices are then computed by the first layer and reused by the others and by backward."""
+    q, k, v, seq_offsets, num_targets, rab = call.q, call.k, call.v, call.seq_offsets, call.num_targets, call.rab
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
 
     def build() -> _Problem:
-        return _build_problem(
-            q.shape[0], q.shape[1], seq_offsets, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab
-        )
+        return _build_problem(q.shape[0], q.shape[1], call)
 
     problem = build() if workspace is None else workspace.get("cpu", seq_offsets, build)
     fused = native_ops("gr_cpu_fused") if problem.fusable and q.dtype in FUSED_DTYPES else None
@@ -229,23 +216,15 @@ def cpu_hstu_attention(
     return out.to(q.dtype)
 
 
-def _build_problem(
-    total: int,
-    heads: int,
-    seq_offsets: Tensor,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-) -> _Problem:
-    groups = _groups(total, heads, seq_offsets, num_targets, contextual_len, max_attn_len)
+def _build_problem(total: int, heads: int, call: AttentionCall) -> _Problem:
+    contextual_len, max_attn_len, rab = call.contextual_len, call.max_attn_len, call.rab
+    groups = sequence_groups(total, heads, call.seq_offsets, call.num_targets, contextual_len, max_attn_len)
     timestamps = query_times = None
     bucketing = "log"
     if rab is not None and rab.time_weights is not None:
         timestamps, query_times = _relative_timestamps(rab)
         bucketing = rab.time_bucketing
+    alpha, silu_scale = call.alpha, call.silu_scale
     return _Problem(groups, alpha, silu_scale, contextual_len, max_attn_len, timestamps, query_times, bucketing)
 
 
@@ -264,18 +243,7 @@ def _relative_timestamps(rab: RelativeBias) -> Tuple[Tensor, Tensor]:
     return key_times, key_times if queries is keys else padded(queries)
 
 
-def score_elements(
-    seq_offsets: Tensor, num_targets: Optional[Tensor], heads: int, contextual_len: int = 0, max_attn_len: int = 0
-) -> int:
-    """How many q.k scores this backend computes for a batch (all heads, padding included).
-
-    seq_offsets: [B+1] int64; num_targets: [B] int64 or None
-    """
-    groups = _groups(int(seq_offsets[-1]), heads, seq_offsets, num_targets, contextual_len, max_attn_len)
-    return sum(g.tokens.shape[0] * heads * (c.m1 - c.m0) * c.cols.numel() for g in groups for c in g.chunks)
-
-
-def _groups(
+def sequence_groups(
     total: int,
     heads: int,
     seq_offsets: Tensor,
@@ -553,7 +521,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
 
 class _FusedAttention(torch.autograd.Function):
-    """``_ChunkedAttention`` in fp32 by the fused tiles (``gr.native``): each chunk is one
+    """``_ChunkedAttention`` in fp32 by the fused tiles (``gr.ops.native``): each chunk is one
     call that reads the jagged q, k, v rows in place (no padded copies) and writes out, dq, dk, dv."""
 
     @staticmethod
@@ -561,7 +529,7 @@ class _FusedAttention(torch.autograd.Function):
         """q, k: [T, H, Da], v: [T, H, Dv] fp32, bf16 or fp16 (strided, e.g. split from one projection:
         kept as they are for backward) -> [T, H, Dv] fp32. keep_tiles: keep the tiles for backward
         (up to ``SAVED_TILE_FLOATS``) instead of computing them again there. bf16: the GEMMs in bf16
-        math (``gr.native.cpu_bf16_math``), forward and backward."""
+        math (``gr.ops.native.cpu_bf16_math``), forward and backward."""
         ctx.problem, ctx.ops, ctx.bf16 = problem, ops, bf16
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
         calls = _fused_calls(problem, pos_w, time_w, ops)

@@ -1,10 +1,10 @@
 """Fused jagged HSTU attention in Triton for CUDA (forward, backward, bias-weight gradients).
 
 One program per (query or key block, sequence, head) over the jagged tensors (no padding;
-blocks past a sequence's end return at once). The kernels (``triton_blocks``) skip what the
+blocks past a sequence's end return at once). The kernels (``blocks``) skip what the
 mask hides, so a sequence with L history and N target tokens costs O(L^2 + N*L). Backward: dq
 in a query-major pass (no atomics), dk/dv in a key-major pass that also adds dS into the
-position/time bucket gradients with fp32 atomics. Tile sizes come from ``triton_tuning``: the
+position/time bucket gradients with fp32 atomics. Tile sizes come from ``tuning``: the
 architecture's table, or autotuned once per key and kept on disk.
 
 On CPU tensors it runs under ``TRITON_INTERPRET=1`` (set before this module is imported).
@@ -20,54 +20,39 @@ import triton.testing
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from gr.hstu.kernels import triton_tuning as tuning
-from gr.hstu.kernels.common import RelativeBias
-from gr.hstu.kernels.triton_blocks import attention_kernel
-from gr.hstu.kernels.triton_common import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
-from gr.hstu.kernels.triton_tuning import TileConfig, TuningKey
+from gr.ops.attention.common import AttentionCall
+from gr.ops.attention.triton import tuning
+from gr.ops.attention.triton.blocks import attention_kernel
+from gr.ops.attention.triton.host import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
+from gr.ops.attention.triton.tuning import TileConfig, TuningKey
 
 INTERPRETER_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) when interpreted on CPU
 _CHOSEN: Dict[TuningKey, TileConfig] = {}  # this process's configurations, by key
 
 
-def triton_hstu_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-    blocks: Optional[Tuple[int, int]] = None,
-) -> Tensor:
-    """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv].
+def triton_hstu_attention(call: AttentionCall, *, blocks: Optional[Tuple[int, int]] = None) -> Tensor:
+    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv].
 
-    blocks: (BLOCK_M, BLOCK_N), multiples of 16; None: ``triton_tuning``'s choice on CUDA,
+    blocks: (BLOCK_M, BLOCK_N), multiples of 16; None: ``tuning``'s choice on CUDA,
     ``INTERPRETER_BLOCKS`` under the interpreter.
     """
     interpreted = isinstance(attention_kernel, InterpretedFunction)
-    if q.device.type != "cuda" and not interpreted:
+    if call.q.device.type != "cuda" and not interpreted:
         raise RuntimeError(
-            f"hstu_attention[triton]: tensors are on {q.device.type}; the Triton kernels need CUDA, or "
-            "TRITON_INTERPRET=1 set before gr.hstu.kernels.triton_attention is imported (CPU, tests only)"
+            f"hstu_attention[triton]: tensors are on {call.q.device.type}; the Triton kernels need CUDA, or "
+            "TRITON_INTERPRET=1 set before gr.ops.attention.triton.cuda is imported (CPU, tests only)"
         )
     if blocks is not None and any(b % 16 or b <= 0 for b in blocks):
         raise ValueError(f"hstu_attention[triton]: blocks must be positive multiples of 16, got {blocks}")
-    inputs = prepare_inputs(
-        q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab, "triton"
-    )
+    inputs = prepare_inputs(call, "triton")
     if blocks is None and interpreted:
         blocks = INTERPRETER_BLOCKS
-    return apply_kernels(q, k, v, inputs, rab, TritonKernels(CudaLayout(blocks), interpreted))
+    return apply_kernels(call, inputs, TritonKernels(CudaLayout(blocks), interpreted))
 
 
 class CudaLayout:
     """One program per (sequence and head, block along the longest sequence); tile sizes fixed,
-    from the architecture's table, or autotuned (``triton_tuning``)."""
+    from the architecture's table, or autotuned (``tuning``)."""
 
     ub_tables = False
 

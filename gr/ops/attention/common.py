@@ -1,4 +1,4 @@
-"""Definitions every attention backend implements: the HSTU mask and the bucketed bias.
+"""Definitions every attention backend implements: the call they take, the HSTU mask and the bucketed bias.
 
 Backends may fuse these differently, but the math here is the contract that the
 conformance tests hold each of them to.
@@ -53,6 +53,80 @@ class RelativeBias:
     def resolved_query_times(self) -> Optional[Tensor]:
         """[T] int64: the time each query is asked at (``query_times`` or ``timestamps``)."""
         return self.timestamps if self.query_times is None else self.query_times
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """One jagged HSTU attention call: what every backend of ``hstu_attention`` takes, by keyword
+    (``backend(call, **options)``), checked once by the dispatcher (``validate``).
+
+    q: [T, H, Dqk] float
+    k: [T, H, Dqk] float
+    v: [T, H, Dv] float
+    seq_offsets: [B+1] int64
+    max_seq_len: int, >= the longest sequence in the batch (targets included)
+    num_targets: [B] int64 or None: trailing candidate tokens per sequence
+    contextual_len: leading tokens visible to every token
+    max_attn_len: look-back window in positions, 0 = unbounded
+    alpha: scale of q.k
+    silu_scale: norm_i; None -> 1 / (pos_i + 1) (per-sequence length so far)
+    rab: relative bias parts (``RelativeBias``) or None
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    seq_offsets: Tensor
+    max_seq_len: int
+    num_targets: Optional[Tensor] = None
+    contextual_len: int = 0
+    max_attn_len: int = 0
+    alpha: float = 1.0
+    silu_scale: Optional[float] = None
+    rab: Optional[RelativeBias] = None
+
+    def validate(self, op: str = "hstu_attention") -> None:
+        """Shapes, dtypes and devices every backend relies on (no tensor value is read, so no device
+        sync); errors name the argument."""
+        q = self.q
+        check_qkv(op, q, self.k, self.v, "[T, H, Dqk]", "[T, H, Dv]")
+        offsets = self.seq_offsets
+        if offsets.dim() != 1 or offsets.numel() < 1:
+            raise ValueError(f"{op}: seq_offsets must be [B+1], got {tuple(offsets.shape)}")
+        check_tensors(op, q, (("seq_offsets", offsets),), floating=False)
+        if self.num_targets is not None:
+            if tuple(self.num_targets.shape) != (offsets.numel() - 1,):
+                raise ValueError(
+                    f"{op}: num_targets must be [B] = [{offsets.numel() - 1}] (seq_offsets is [B+1]), "
+                    f"got {tuple(self.num_targets.shape)}"
+                )
+            check_tensors(op, q, (("num_targets", self.num_targets),), floating=False)
+        if int(self.max_seq_len) < 0 or int(self.contextual_len) < 0 or int(self.max_attn_len) < 0:
+            raise ValueError(
+                f"{op}: max_seq_len, contextual_len and max_attn_len must be >= 0, got "
+                f"{self.max_seq_len}, {self.contextual_len}, {self.max_attn_len}"
+            )
+
+
+def check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, qk_shape: str, v_shape: str) -> None:
+    """q and k of one shape ``qk_shape`` and v of ``v_shape`` (3-d, sharing the first two dims), floats
+    on one device."""
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"{op}: q, k must be {qk_shape} and v {v_shape}; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    check_tensors(op, q, (("q", q), ("k", k), ("v", v)), floating=True)
+
+
+def check_tensors(op: str, q: Tensor, named: Tuple[Tuple[str, Tensor], ...], floating: bool) -> None:
+    """Each named tensor on q's device, of a floating (``floating``) or integer dtype."""
+    for name, x in named:
+        if x.device != q.device:
+            raise ValueError(f"{op}: {name} is on {x.device}, q on {q.device}; every tensor must be on one device")
+        if floating and not x.dtype.is_floating_point:
+            raise TypeError(f"{op}: {name} must be a float tensor, got {x.dtype}")
+        if not floating and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
+            raise TypeError(f"{op}: {name} must be an integer tensor, got {x.dtype}")
 
 
 class AttentionWorkspace:

@@ -1,21 +1,21 @@
 """gr's fused CPU kernels, compiled for this machine on first use: one library, six op namespaces.
 
-* ``gr_cpu_fused`` (``gr/hstu/kernels/csrc/cpu_fused_attention.cpp``): HSTU attention tiles, used by
-  ``gr.hstu.kernels.cpu`` (``forward_chunks``, ``backward_chunks``);
-* ``gr_cpu_layer`` (``gr/hstu/csrc/layer_ops.cpp``): the HSTU layer's input projection
+* ``gr_cpu_fused`` (``gr/ops/attention/cpu_fused_attention.cpp``): HSTU attention tiles, used by
+  ``gr.ops.attention.cpu`` (``forward_chunks``, ``backward_chunks``);
+* ``gr_cpu_layer`` (``gr/ops/layer_ops/layer_ops.cpp``): the HSTU layer's input projection
   (LayerNorm, linear, SiLU), its output (LayerNorm, gate, dropout, linear, residual) and
   LayerNorm-gate-dropout alone, a block of rows at a time, and the stack's input (scaled
-  embeddings, positions, dropout), used by ``gr.hstu.layer_ops``
+  embeddings, positions, dropout), used by ``gr.ops.layer_ops``
   (``projection_*``, ``output_*``, ``norm_*``, ``input_*``: ``forward`` and ``backward`` each);
-* ``gr_cpu_loss`` (``gr/train/csrc/sampled_softmax.cpp``): the per-row sampled softmax, used by
-  ``gr.train.losses`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
-* ``gr_cpu_random`` (``gr/csrc/random.cpp``): counter-based dropout masks and integer draws, used by
-  ``gr.rng`` (``keep_mask``, ``randint``);
-* ``gr_cpu_gemm`` (``gr/csrc/gemm.cpp``): the small-tile GEMM the attention and layer kernels call
-  (``gr/csrc/gr_gemm.h``: AVX-512 where the CPU has it, MKL's ``sgemm_`` otherwise), as ops for
+* ``gr_cpu_loss`` (``gr/ops/sampled_softmax/sampled_softmax.cpp``): the per-row sampled softmax, used by
+  ``gr.ops.sampled_softmax.cpu`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
+* ``gr_cpu_random`` (``gr/ops/random/random.cpp``): counter-based dropout masks and integer draws, used by
+  ``gr.ops.random`` (``keep_mask``, ``randint``);
+* ``gr_cpu_gemm`` (``gr/ops/csrc/gemm.cpp``): the small-tile GEMM the attention and layer kernels call
+  (``gr/ops/csrc/gr_gemm.h``: AVX-512 where the CPU has it, MKL's ``sgemm_`` otherwise), as ops for
   its tests (``gemm``, ``transpose``);
-* ``gr_cpu_silu`` (``gr/csrc/silu.cpp``): the SiLU the projection and attention kernels compute
-  (``gr/csrc/gr_silu.h``), as an op for its tests (``silu``).
+* ``gr_cpu_silu`` (``gr/ops/csrc/silu.cpp``): the SiLU the projection and attention kernels compute
+  (``gr/ops/csrc/gr_silu.h``), as an op for its tests (``silu``).
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
@@ -27,8 +27,8 @@ so two versions or environments never share or rebuild each other's library, and
 version using one environment share one build. One
 process builds and loads it at most once, whatever its threads do; concurrent processes wait for
 each other's build (``torch.utils.cpp_extension``'s lock file). The attention and layer ops multiply
-with ``gr/csrc/gr_gemm.h`` (in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``), which links
-the BLAS that PyTorch's x86 builds carry (MKL, ``gr/csrc/gr_blas.h``); where that, or a compiler, is
+with ``gr/ops/csrc/gr_gemm.h`` (in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``), which links
+the BLAS that PyTorch's x86 builds carry (MKL, ``gr/ops/csrc/gr_blas.h``); where that, or a compiler, is
 missing the build fails once per process and the reason is logged.
 
 ``GR_CPU_FUSED=0`` turns them off; ``GR_CPU_FUSED=1`` makes a failed build an error instead of a
@@ -54,21 +54,21 @@ from gr.atomic import write_bytes
 
 log = logging.getLogger(__name__)
 
-PACKAGE = Path(__file__).resolve().parent
+OPS = Path(__file__).resolve().parent  # gr/ops: each op's C++ beside its CPU code, shared headers in csrc/
 SOURCES = [
-    PACKAGE / "hstu" / "kernels" / "csrc" / "cpu_fused_attention.cpp",
-    PACKAGE / "hstu" / "csrc" / "layer_ops.cpp",
-    PACKAGE / "train" / "csrc" / "sampled_softmax.cpp",
-    PACKAGE / "csrc" / "random.cpp",
-    PACKAGE / "csrc" / "gemm.cpp",
-    PACKAGE / "csrc" / "silu.cpp",
+    OPS / "attention" / "cpu_fused_attention.cpp",
+    OPS / "layer_ops" / "layer_ops.cpp",
+    OPS / "sampled_softmax" / "sampled_softmax.cpp",
+    OPS / "random" / "random.cpp",
+    OPS / "csrc" / "gemm.cpp",
+    OPS / "csrc" / "silu.cpp",
 ]
 # -fopenmp: at::parallel_for is inline and runs serially without it (the OpenMP runtime is torch's libgomp);
 # -ffast-math: vectorised expf from glibc's libmvec. Fast-math only compiles: linking it would bring
 # crtfastmath, which sets flush-to-zero for the whole process.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-fopenmp", "-lmvec")
-HEADERS = PACKAGE / "csrc"
+HEADERS = OPS / "csrc"
 _load_lock = threading.Lock()
 
 

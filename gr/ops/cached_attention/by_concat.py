@@ -6,62 +6,23 @@ explicit positions have no training-kernel layout and run on the pytorch referen
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from gr.hstu.kernels.cached_common import CacheTensor, joined
-from gr.hstu.kernels.common import RelativeBias
-from gr.hstu.kernels.pytorch_cached import pytorch_hstu_cached_attention
 from gr.jagged import lengths_from_offsets, offsets_from_lengths, token_offsets_in_seq
+from gr.ops.attention import RelativeBias, hstu_attention
+from gr.ops.cached_attention.common import CachedAttentionCall, joined
+from gr.ops.cached_attention.pytorch import pytorch_hstu_cached_attention
 
 
-def concat_hstu_cached_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    new_offsets: Tensor,
-    cache_k: CacheTensor,
-    cache_v: CacheTensor,
-    cache_offsets: Tensor,
-    new_tokens: str,
-    positions: Optional[Tensor],
-    block_visible: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-    cache_timestamps: Optional[CacheTensor],
-    *,
-    backend: str,
-) -> Tensor:
-    """See ``gr.hstu.kernels.hstu_cached_attention``; ``backend`` names the training kernel used."""
-    from gr.hstu.kernels import hstu_attention
-
-    args = (
-        q,
-        k,
-        v,
-        new_offsets,
-        cache_k,
-        cache_v,
-        cache_offsets,
-        new_tokens,
-        positions,
-        block_visible,
-        contextual_len,
-        max_attn_len,
-        alpha,
-        silu_scale,
-        rab,
-        cache_timestamps,
-    )
-    if block_visible is not None or positions is not None:
-        return pytorch_hstu_cached_attention(*args)
-    cache_k, cache_v, cache_timestamps = joined(cache_k, 1), joined(cache_v, 1), joined(cache_timestamps, 0)
-    new_lengths, cache_lengths = lengths_from_offsets(new_offsets), lengths_from_offsets(cache_offsets)
+def concat_hstu_cached_attention(call: CachedAttentionCall, *, backend: str) -> Tensor:
+    """See ``gr.ops.cached_attention.hstu_cached_attention``; ``backend`` names the training kernel used."""
+    q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
+    if call.block_visible is not None or call.positions is not None:
+        return pytorch_hstu_cached_attention(call)
+    cache_k, cache_v = joined(call.cache_k, 1), joined(call.cache_v, 1)
+    cache_timestamps = joined(call.cache_timestamps, 0)
+    new_lengths, cache_lengths = lengths_from_offsets(call.new_offsets), lengths_from_offsets(call.cache_offsets)
     seq_offsets = offsets_from_lengths(new_lengths + cache_lengths)
     cache_rows, new_rows = _rows(seq_offsets, cache_lengths, new_lengths)
     total = int(seq_offsets[-1])
@@ -86,10 +47,10 @@ def concat_hstu_cached_attention(
         seq_offsets,
         int((new_lengths + cache_lengths).max()) if new_lengths.numel() else 0,
         num_targets=new_lengths if new_tokens == "targets" else None,
-        contextual_len=contextual_len,
-        max_attn_len=max_attn_len,
-        alpha=alpha,
-        silu_scale=silu_scale,
+        contextual_len=call.contextual_len,
+        max_attn_len=call.max_attn_len,
+        alpha=call.alpha,
+        silu_scale=call.silu_scale,
         rab=full_rab,
         backend=backend,
     )

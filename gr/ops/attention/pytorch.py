@@ -8,27 +8,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gr.hstu.kernels.common import RelativeBias, hstu_visibility, position_bucket, silu_norm, time_bucket
 from gr.jagged import history_lengths, lengths_from_offsets, token_offsets_in_seq, token_seq_ids
+from gr.ops.attention.common import (
+    AttentionCall,
+    RelativeBias,
+    hstu_visibility,
+    position_bucket,
+    silu_norm,
+    time_bucket,
+)
 
 
-def pytorch_hstu_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-) -> Tensor:
-    """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]."""
+def pytorch_hstu_attention(call: AttentionCall) -> Tensor:
+    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv]."""
+    q, k, v, seq_offsets, num_targets, rab = call.q, call.k, call.v, call.seq_offsets, call.num_targets, call.rab
     total, heads, _ = q.shape
     batch = seq_offsets.numel() - 1
-    seq_len = max(int(max_seq_len), 1)
+    seq_len = max(int(call.max_seq_len), 1)
     seq_ids = token_seq_ids(seq_offsets, total)
     idx = token_offsets_in_seq(seq_offsets, total)
 
@@ -42,12 +38,12 @@ def pytorch_hstu_attention(
     hist = history_lengths(seq_offsets, num_targets).view(batch, 1, 1)
     ar = torch.arange(seq_len, device=q.device)
     row, col = ar.view(1, -1, 1), ar.view(1, 1, -1)
-    visible = hstu_visibility(row, col, lengths, hist, contextual_len, max_attn_len)  # [B, L, L]
+    visible = hstu_visibility(row, col, lengths, hist, call.contextual_len, call.max_attn_len)  # [B, L, L]
 
-    logits = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, L, L]
+    logits = torch.matmul(qp, kp.transpose(-1, -2)) * call.alpha  # [B, H, L, L]
     if rab is not None:
         logits = logits + dense_relative_bias(rab, seq_offsets, num_targets, seq_len).unsqueeze(1).to(logits.dtype)
-    norm = silu_norm(torch.minimum(row, hist), silu_scale).to(logits.dtype)  # [B or 1, L, 1]
+    norm = silu_norm(torch.minimum(row, hist), call.silu_scale).to(logits.dtype)  # [B or 1, L, 1]
     scores = F.silu(logits) * norm.unsqueeze(1) * visible.unsqueeze(1).to(logits.dtype)
     out = torch.matmul(scores, vp)  # [B, H, L, Dv]
     return out.transpose(1, 2)[seq_ids, idx]

@@ -1,10 +1,11 @@
-"""The cached-attention problem every backend of ``hstu_cached_attention`` solves.
+"""The cached-attention problem every backend of ``hstu_cached_attention`` solves: the call they take.
 
 New tokens (history extensions, candidates, draft-tree nodes) of B requests attend to their
 request's cached history K/V and to new tokens of the same request, under the training
-mask and bias (``gr.hstu.kernels.common``): the result equals the rows of the one-pass
-``hstu_attention`` over history + new tokens. This module holds the shared pieces: the
-per-request slices and the mask and bias of one request's (new, key) pairs.
+mask and bias (``gr.ops.attention.common``): the result equals the rows of the one-pass
+``hstu_attention`` over history + new tokens. This module holds the shared pieces: the call
+(``CachedAttentionCall``), the per-request slices and the mask and bias of one request's (new,
+key) pairs.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from typing import Iterator, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from gr.hstu.kernels.common import RelativeBias, hstu_visibility, position_bucket, time_bucket
 from gr.jagged import lengths_from_offsets, token_offsets_in_seq
+from gr.ops.attention.common import (
+    RelativeBias,
+    check_qkv,
+    check_tensors,
+    hstu_visibility,
+    position_bucket,
+    time_bucket,
+)
 
 NEW_TOKEN_KINDS = ("targets", "history")
 # A cached tensor of B requests: one jagged tensor, or a sequence of B per-request tensors.
@@ -41,6 +49,71 @@ class CachedRequest:
     block_visible: Optional[Tensor]
 
 
+@dataclass(frozen=True, eq=False)
+class CachedAttentionCall:
+    """One cached-attention call: what every backend of ``hstu_cached_attention`` takes, by keyword
+    (``backend(call, **options)``), checked once by the dispatcher (``validate``).
+
+    q, k: [N, H, Da] float, v: [N, H, Dl] float: the new tokens' projections
+    new_offsets: [B+1] int64 over the N new tokens
+    cache_k: [H, C, Da] float, cache_v: [H, C, Dl] float, head-major and jagged over C; or B
+        per-request tensors [H, C_b, *]
+    cache_offsets: [B+1] int64 over the C cached tokens
+    new_tokens: "targets" or "history"
+    positions: [N] int64 or None: explicit positions of new history tokens (draft trees)
+    block_visible: [N, N] bool or None: which new history token sees which (a draft tree's branches)
+    contextual_len, max_attn_len, alpha, silu_scale: as in ``AttentionCall``
+    rab: ``RelativeBias`` of the new tokens ([N] timestamps / query_times) or None
+    cache_timestamps: [C] int64 (or B per-request [C_b]); required with a time bias
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    new_offsets: Tensor
+    cache_k: CacheTensor
+    cache_v: CacheTensor
+    cache_offsets: Tensor
+    new_tokens: str = "targets"
+    positions: Optional[Tensor] = None
+    block_visible: Optional[Tensor] = None
+    contextual_len: int = 0
+    max_attn_len: int = 0
+    alpha: float = 1.0
+    silu_scale: Optional[float] = None
+    rab: Optional[RelativeBias] = None
+    cache_timestamps: Optional[CacheTensor] = None
+
+    def validate(self) -> None:
+        """Shapes, dtypes and devices every backend relies on; errors name the argument."""
+        op = "hstu_cached_attention"
+        q, k, v, new_offsets, cache_offsets = self.q, self.k, self.v, self.new_offsets, self.cache_offsets
+        check_qkv(op, q, k, v, "[N, H, Da]", "[N, H, Dl]")
+        if self.new_tokens not in NEW_TOKEN_KINDS:
+            raise ValueError(f"{op}: new_tokens must be one of {list(NEW_TOKEN_KINDS)}, got {self.new_tokens!r}")
+        if new_offsets.shape != cache_offsets.shape or new_offsets.dim() != 1:
+            raise ValueError(f"{op}: new_offsets and cache_offsets must both be [B+1]")
+        check_tensors(op, q, (("new_offsets", new_offsets), ("cache_offsets", cache_offsets)), floating=False)
+        if self.block_visible is not None and self.new_tokens != "history":
+            raise ValueError(f"{op}: block_visible is for new history tokens (draft trees) only")
+        if int(new_offsets[-1]) != q.shape[0]:
+            raise ValueError(f"{op}: new_offsets[-1] must be N, the number of new tokens")
+        lengths = lengths_from_offsets(cache_offsets).tolist()
+        spans = [sum(lengths)] if isinstance(self.cache_k, Tensor) else lengths
+        timed = self.rab is not None and self.rab.time_weights is not None
+        named = (("cache_k", self.cache_k, q.shape[2]), ("cache_v", self.cache_v, v.shape[2]))
+        for name, cache, dim in named + ((("cache_timestamps", self.cache_timestamps, None),) if timed else ()):
+            parts = [cache] if cache is None or isinstance(cache, Tensor) else list(cache)
+            for span, part in zip(spans, parts) if len(parts) == len(spans) else [(None, None)]:
+                shape = (span,) if dim is None else (q.shape[1], span, dim)
+                if part is None or tuple(part.shape) != shape:
+                    raise ValueError(
+                        f"{op}: {name} must be {list(shape) if span is not None else 'one per request'}"
+                        f" (cache_offsets say {lengths} tokens per request), got "
+                        f"{None if part is None else tuple(part.shape)}"
+                    )
+
+
 def default_positions(new_offsets: Tensor, cache_offsets: Tensor, new_tokens: str) -> Tensor:
     """[N] int64 positions of new tokens: targets sit at their request's cache length, history
     tokens follow the cache one by one."""
@@ -51,30 +124,18 @@ def default_positions(new_offsets: Tensor, cache_offsets: Tensor, new_tokens: st
     return cached + token_offsets_in_seq(new_offsets, int(new_offsets[-1]))
 
 
-def requests(
-    new_offsets: Tensor,
-    cache_offsets: Tensor,
-    new_tokens: str,
-    positions: Optional[Tensor],
-    block_visible: Optional[Tensor],
-) -> Iterator[CachedRequest]:
-    """Split a call into its requests. positions default to each kind's: targets sit at the
-    cache length, history tokens follow the cache one by one."""
-    if new_tokens not in NEW_TOKEN_KINDS:
-        raise ValueError(
-            f"hstu_cached_attention: new_tokens must be one of {list(NEW_TOKEN_KINDS)}, got {new_tokens!r}"
-        )
-    if new_offsets.shape != cache_offsets.shape or new_offsets.dim() != 1:
-        raise ValueError("hstu_cached_attention: new_offsets and cache_offsets must both be [B+1]")
-    if block_visible is not None and new_tokens != "history":
-        raise ValueError("hstu_cached_attention: block_visible is for new history tokens (draft trees) only")
+def requests(call: CachedAttentionCall) -> Iterator[CachedRequest]:
+    """Split a (validated) call into its requests. positions default to each kind's: targets sit at
+    the cache length, history tokens follow the cache one by one."""
+    new_offsets, cache_offsets, new_tokens = call.new_offsets, call.cache_offsets, call.new_tokens
     new_bounds, cache_bounds = new_offsets.tolist(), cache_offsets.tolist()
+    positions = call.positions
     all_positions = default_positions(new_offsets, cache_offsets, new_tokens) if positions is None else positions
     for b in range(len(new_bounds) - 1):
         ns, ne, cs, ce = new_bounds[b], new_bounds[b + 1], cache_bounds[b], cache_bounds[b + 1]
         n, cached = ne - ns, ce - cs
         pos = all_positions[ns:ne].long()
-        block = None if block_visible is None else block_visible[ns:ne, ns:ne]
+        block = None if call.block_visible is None else call.block_visible[ns:ne, ns:ne]
         yield CachedRequest(b, slice(ns, ne), slice(cs, ce), pos, cached + (n if new_tokens == "history" else 0), block)
 
 
@@ -141,41 +202,6 @@ def part(cache: Optional[CacheTensor], request: CachedRequest, dim: int) -> Opti
 def joined(cache: Optional[CacheTensor], dim: int) -> Optional[Tensor]:
     """A cached tensor as one jagged tensor (per-request lists concatenated along ``dim``)."""
     return cache if cache is None or isinstance(cache, Tensor) else torch.cat(list(cache), dim=dim)
-
-
-def check_inputs(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    new_offsets: Tensor,
-    cache_k: CacheTensor,
-    cache_v: CacheTensor,
-    cache_offsets: Tensor,
-    rab: Optional[RelativeBias],
-    cache_timestamps: Optional[CacheTensor],
-) -> None:
-    """Shapes every backend relies on; errors name the argument."""
-    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"hstu_cached_attention: q, k must be [N, H, Da] and v [N, H, Dl]; got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if int(new_offsets[-1]) != q.shape[0]:
-        raise ValueError("hstu_cached_attention: new_offsets[-1] must be N, the number of new tokens")
-    lengths = lengths_from_offsets(cache_offsets).tolist()
-    spans = [sum(lengths)] if isinstance(cache_k, Tensor) else lengths
-    timed = rab is not None and rab.time_weights is not None
-    named = (("cache_k", cache_k, q.shape[2]), ("cache_v", cache_v, v.shape[2]))
-    for name, cache, dim in named + ((("cache_timestamps", cache_timestamps, None),) if timed else ()):
-        parts = [cache] if cache is None or isinstance(cache, Tensor) else list(cache)
-        for span, part in zip(spans, parts) if len(parts) == len(spans) else [(None, None)]:
-            shape = (span,) if dim is None else (q.shape[1], span, dim)
-            if part is None or tuple(part.shape) != shape:
-                raise ValueError(
-                    f"hstu_cached_attention: {name} must be {list(shape) if span is not None else 'one per request'}"
-                    f" (cache_offsets say {lengths} tokens per request), got "
-                    f"{None if part is None else tuple(part.shape)}"
-                )
 
 
 def _all_equal(values: Tensor) -> bool:

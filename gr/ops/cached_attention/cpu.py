@@ -10,55 +10,39 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gr.hstu.kernels.cached_common import CacheTensor, bias_between, part, requests, visibility
-from gr.hstu.kernels.common import RelativeBias, silu_norm, time_bucket
+from gr.ops.attention.common import RelativeBias, silu_norm, time_bucket
+from gr.ops.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
 
 
-def cpu_hstu_cached_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    new_offsets: Tensor,
-    cache_k: CacheTensor,
-    cache_v: CacheTensor,
-    cache_offsets: Tensor,
-    new_tokens: str,
-    positions: Optional[Tensor],
-    block_visible: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-    cache_timestamps: Optional[CacheTensor],
-) -> Tensor:
-    """See ``gr.hstu.kernels.hstu_cached_attention``; returns [N, H, Dl]."""
+def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
+    """See ``gr.ops.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
+    q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
     timed = rab is not None and rab.time_weights is not None
-    for request in requests(new_offsets, cache_offsets, new_tokens, positions, block_visible):
+    for request in requests(call):
         new, pos = request.new, request.positions
         cached = request.cache.stop - request.cache.start
-        qh = q[new].transpose(0, 1) * alpha  # [H, n, Da]
+        qh = q[new].transpose(0, 1) * call.alpha  # [H, n, Da]
         kh, vh = k[new].transpose(0, 1), v[new].transpose(0, 1)
         query_ts = rab.resolved_query_times[new].long() if timed else None
         new_ts = rab.timestamps[new].long() if timed else None
-        cache_visible, new_visible = visibility(request, new_tokens, contextual_len, max_attn_len)
+        cache_visible, new_visible = visibility(request, new_tokens, call.contextual_len, call.max_attn_len)
 
-        logits = torch.matmul(qh, part(cache_k, request, 1).transpose(1, 2))  # [H, n, C]
+        logits = torch.matmul(qh, part(call.cache_k, request, 1).transpose(1, 2))  # [H, n, C]
         if rab is not None:
             bias = bias_between(
                 rab,
                 pos,
                 query_ts,
                 torch.arange(cached, device=q.device),
-                part(cache_timestamps, request, 0).long() if timed else None,
+                part(call.cache_timestamps, request, 0).long() if timed else None,
             )
             if bias is not None:
                 logits.add_(bias.to(logits.dtype))
         scores = F.silu(logits, inplace=True)
         if not bool(cache_visible.all()):
             scores.mul_(cache_visible.to(scores.dtype))
-        attn = torch.matmul(scores, part(cache_v, request, 1))  # [H, n, Dl]
+        attn = torch.matmul(scores, part(call.cache_v, request, 1))  # [H, n, Dl]
 
         if new_tokens == "targets":  # each candidate sees itself only: an elementwise term
             self_logits = (qh * kh).sum(-1)  # [H, n]
@@ -74,7 +58,7 @@ def cpu_hstu_cached_attention(
                 if bias is not None:
                     block = block + bias.to(block.dtype)
             attn.add_(torch.matmul(F.silu(block) * new_visible.to(block.dtype), vh))
-        attn.mul_(silu_norm(pos, silu_scale).to(attn.dtype).view(1, -1, 1))
+        attn.mul_(silu_norm(pos, call.silu_scale).to(attn.dtype).view(1, -1, 1))
         out[new] = attn.transpose(0, 1)
     return out
 

@@ -43,8 +43,8 @@ from typing import Callable, List, Optional
 import torch
 from torch import Tensor
 
-from gr.hstu.kernels.common import RelativeBias
-from gr.hstu.kernels.pytorch import dense_relative_bias
+from gr.ops.attention.common import AttentionCall
+from gr.ops.attention.pytorch import dense_relative_bias
 
 MASK_TRIL = 0  # RecSDK MaskType.TRIL
 HEAD_DIM_RANGE = (16, 512)
@@ -64,28 +64,14 @@ def find_mxrec_hstu_jagged() -> Optional[Callable[..., Tensor]]:
         return None
 
 
-def ascend_hstu_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-    explicit: bool = True,
-) -> Tensor:
-    """See ``gr.hstu.kernels.hstu_attention``; returns [T, H, Dv]. ``explicit`` False (backend
+def ascend_hstu_attention(call: AttentionCall, *, explicit: bool = True) -> Tensor:
+    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv]. ``explicit`` False (backend
     "auto"): a call the RecSDK op cannot take falls back to ``ascend_triton`` with a logged reason."""
     op = find_mxrec_hstu_jagged()
-    args = (q, k, v, seq_offsets, max_seq_len, num_targets, contextual_len, max_attn_len, alpha, silu_scale, rab)
     if op is not None:
-        misfits = mxrec_misfits(op, *args)
+        misfits = mxrec_misfits(op, call)
         if not misfits:
-            return mxrec_hstu_attention(op, *args)
+            return mxrec_hstu_attention(op, call)
         reason = "torch.ops.mxrec.hstu_jagged cannot take " + "; ".join(misfits)
         if explicit:
             raise ValueError(
@@ -93,9 +79,9 @@ def ascend_hstu_attention(
                 'kernels for NPUs) or "auto" (falls back to them)'
             )
         log.warning("hstu_attention[auto]: %s; running ascend_triton instead", reason)
-    from gr.hstu.kernels.ascend_triton import ascend_triton_hstu_attention  # needs triton(-ascend)
+    from gr.ops.attention.ascend_triton import ascend_triton_hstu_attention  # needs triton(-ascend)
 
-    return ascend_triton_hstu_attention(*args)
+    return ascend_triton_hstu_attention(call)
 
 
 def op_takes_alpha(op: Callable[..., Tensor]) -> bool:
@@ -107,21 +93,10 @@ def op_takes_alpha(op: Callable[..., Tensor]) -> bool:
     return "alpha" in inspect.signature(op).parameters
 
 
-def mxrec_misfits(
-    op: Callable[..., Tensor],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-) -> List[str]:
+def mxrec_misfits(op: Callable[..., Tensor], call: AttentionCall) -> List[str]:
     """Why RecSDK's ``op`` cannot take this call (empty: it can); see the module docstring."""
+    q, v, seq_offsets, max_seq_len, alpha = call.q, call.v, call.seq_offsets, call.max_seq_len, call.alpha
+    silu_scale, contextual_len, max_attn_len, rab = call.silu_scale, call.contextual_len, call.max_attn_len, call.rab
     misfits = []
     if silu_scale is None:
         misfits.append("silu_scale=None (per-position norm, HSTUConfig.attn_norm='seq_len')")
@@ -139,7 +114,7 @@ def mxrec_misfits(
     for name, dim in (("attention_dim (q, k head dim)", q.shape[2]), ("linear_dim (v head dim)", v.shape[2])):
         if not low <= dim <= high or dim % HEAD_DIM_MULTIPLE:
             misfits.append(f"{name}={dim} (must be a multiple of {HEAD_DIM_MULTIPLE} in [{low}, {high}])")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)) and q.shape != v.shape:
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, call.k, v)) and q.shape != v.shape:
         misfits.append(
             f"attention_dim {q.shape[2]} != linear_dim {v.shape[2]} with gradients (its backward "
             "needs q, k, v of one size)"
@@ -153,24 +128,13 @@ def mxrec_misfits(
     return misfits
 
 
-def mxrec_hstu_attention(
-    op: Callable[..., Tensor],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seq_offsets: Tensor,
-    max_seq_len: int,
-    num_targets: Optional[Tensor],
-    contextual_len: int,
-    max_attn_len: int,
-    alpha: float,
-    silu_scale: Optional[float],
-    rab: Optional[RelativeBias],
-) -> Tensor:
+def mxrec_hstu_attention(op: Callable[..., Tensor], call: AttentionCall) -> Tensor:
     """Our arguments mapped onto RecSDK's ``hstu_jagged`` ``op`` (a call ``mxrec_misfits``
     accepts); returns [T, H, Dv]."""
+    q, k, v, seq_offsets, num_targets = call.q, call.k, call.v, call.seq_offsets, call.num_targets
+    rab, alpha = call.rab, call.alpha
     bias = None
-    max_seq_len = int(max_seq_len)
+    max_seq_len = int(call.max_seq_len)
     if rab is not None:
         dense = dense_relative_bias(rab, seq_offsets, num_targets, max_seq_len) / alpha
         bias = dense.to(q.dtype).unsqueeze(1).expand(-1, q.shape[1], -1, -1).contiguous()  # [B, H, L, L]
@@ -184,7 +148,7 @@ def mxrec_hstu_attention(
         attn_bias=bias,
         mask_type=MASK_TRIL,
         max_seq_len=max_seq_len,
-        silu_scale=float(silu_scale),
+        silu_scale=float(call.silu_scale),
         seq_offset=seq_offsets.long(),
         num_context=torch.zeros_like(targets) if targets is not None else None,
         num_target=targets,

@@ -1,7 +1,7 @@
 """Random draws for CPU training steps: dropout keep masks and uniform integers.
 
-On CPU, with gr's native kernels built (``gr.native``), they come from a counter-based generator
-(SplitMix64 over the draw's index, ``gr/csrc/random.cpp``): vectorised and split across threads,
+On CPU, with gr's native kernels built (``gr.ops.native``), they come from a counter-based generator
+(SplitMix64 over the draw's index, ``gr/ops/random/random.cpp``): vectorised and split across threads,
 several times faster than ``torch.rand`` / ``torch.randint`` (mt19937, one number at a time: a
 [14k, 50] mask 0.09 against 2.4 ms on two Zen 4 cores, 1.8 M negatives 0.2-0.7 against 3.4 ms). Its seed is one
 draw of the torch generator, so ``torch.manual_seed`` and Lightning's ``seed_everything`` still make
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from gr.native import native_ops
+from gr.ops.native import native_ops
 
 SEED_HIGH = 2**62
 

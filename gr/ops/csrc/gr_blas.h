@@ -1,5 +1,5 @@
 // Row-major single-precision GEMM on the BLAS inside PyTorch's x86 builds (MKL's sgemm_), for gr's
-// fused CPU kernels that multiply small tiles inside at::parallel_for. Built by gr/native.py; where
+// fused CPU kernels that multiply small tiles inside at::parallel_for. Built by gr/ops/native.py; where
 // the symbols are missing the library fails to load and the PyTorch code runs instead.
 #pragma once
 

@@ -1,0 +1,82 @@
+"""HSTU attention of new tokens over their request's cached K/V and themselves: the serving analogue
+of ``gr.ops.attention.hstu_attention``, with the same backend names.
+
+* ``pytorch``: the reference, one request at a time with dense masks (``pytorch``);
+* ``cpu``: the fast path for CPU tensors (``cpu``);
+* ``triton``, ``ascend``, ``ascend_triton``: that backend's training kernel over each request's
+  cache followed by its new tokens (``by_concat``).
+
+Every backend's entry takes one ``CachedAttentionCall`` (``common``) by keyword, checked once here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from torch import Tensor
+
+from gr.ops.attention import RelativeBias, backend_entry, resolve_backend
+from gr.ops.cached_attention.by_concat import concat_hstu_cached_attention
+from gr.ops.cached_attention.common import CachedAttentionCall, CacheTensor, default_positions
+
+__all__ = ["CachedAttentionCall", "default_positions", "hstu_cached_attention"]
+
+_BACKENDS: Dict[str, str] = {  # name -> "module:function"; the others run by_concat
+    "pytorch": "gr.ops.cached_attention.pytorch:pytorch_hstu_cached_attention",
+    "cpu": "gr.ops.cached_attention.cpu:cpu_hstu_cached_attention",
+}
+
+
+def hstu_cached_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    new_offsets: Tensor,
+    cache_k: CacheTensor,
+    cache_v: CacheTensor,
+    cache_offsets: Tensor,
+    *,
+    new_tokens: str = "targets",
+    positions: Optional[Tensor] = None,
+    block_visible: Optional[Tensor] = None,
+    contextual_len: int = 0,
+    max_attn_len: int = 0,
+    alpha: float = 1.0,
+    silu_scale: Optional[float] = None,
+    rab: Optional[RelativeBias] = None,
+    cache_timestamps: Optional[CacheTensor] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """HSTU attention of new tokens over their request's cached K/V and the new tokens themselves.
+
+    The rows equal those of ``hstu_attention`` over each request's history followed by its new
+    tokens (cached key j of a request sits at position j). B requests run in one call.
+
+    q, k: [N, H, Da] float, v: [N, H, Dl] float: the new tokens' projections
+    new_offsets: [B+1] int64 over the N new tokens
+    cache_k: [H, C, Da] float, cache_v: [H, C, Dl] float: the requests' cached keys and values,
+        head-major (the layout ``gr.hstu.cache.HistoryCache`` keeps), jagged over C; or B
+        per-request tensors [H, C_b, *] (no copy of several users' caches into one)
+    cache_offsets: [B+1] int64 over the C cached tokens
+    new_tokens: "targets" (candidates at position C_b: each sees the history and itself) or
+        "history" (the history goes on: causal among themselves, positions C_b, C_b + 1, ...)
+    positions: [N] int64 or None: explicit positions of new history tokens (draft trees)
+    block_visible: [N, N] bool or None: further restricts which new history token sees which
+        (a draft tree's branches); only entries within one request are read
+    contextual_len, max_attn_len, alpha, silu_scale: as in ``hstu_attention``
+    rab: ``RelativeBias`` of the new tokens (``timestamps``/``query_times``: [N] int64) or None
+    cache_timestamps: [C] int64 seconds of the cached tokens (or B per-request [C_b]); required
+        with a time bias
+    backend: one of ``gr.ops.attention.available_backends()`` or "auto" (by q's device)
+    returns: [N, H, Dl]
+    """
+    call = CachedAttentionCall(
+        q, k, v, new_offsets, cache_k, cache_v, cache_offsets, new_tokens, positions, block_visible,
+        contextual_len, max_attn_len, alpha, silu_scale, rab, cache_timestamps,
+    )  # fmt: skip
+    call.validate()
+    name = resolve_backend(backend, q.device.type)
+    if name in _BACKENDS:
+        return backend_entry(name, _BACKENDS)(call)
+    backend_entry(name)  # an unknown name or a missing package is the same clear error as for the training op
+    return concat_hstu_cached_attention(call, backend=name)

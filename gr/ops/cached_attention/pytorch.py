@@ -1,0 +1,37 @@
+"""Reference cached HSTU attention in plain PyTorch: one request at a time, dense masks. Any device."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gr.ops.attention.common import silu_norm
+from gr.ops.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
+
+
+def pytorch_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
+    """See ``gr.ops.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
+    q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
+    out = v.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    for request in requests(call):
+        new, pos = request.new, request.positions
+        keys = torch.cat([part(call.cache_k, request, 1), k[new].transpose(0, 1)], dim=1)  # [H, C + n, Da]
+        values = torch.cat([part(call.cache_v, request, 1), v[new].transpose(0, 1)], dim=1)
+        cache_visible, new_visible = visibility(request, new_tokens, call.contextual_len, call.max_attn_len)
+        visible = torch.cat([cache_visible, new_visible], dim=1)  # [n, C + n]
+        logits = torch.matmul(q[new].transpose(0, 1) * call.alpha, keys.transpose(1, 2))  # [H, n, C + n]
+        if rab is not None:
+            cached = request.cache.stop - request.cache.start
+            key_pos = torch.cat([torch.arange(cached, device=q.device), pos])
+            key_ts = query_ts = None
+            if rab.time_weights is not None:
+                key_ts = torch.cat([part(call.cache_timestamps, request, 0), rab.timestamps[new]]).long()
+                query_ts = rab.resolved_query_times[new].long()
+            bias = bias_between(rab, pos, query_ts, key_pos, key_ts)
+            if bias is not None:
+                logits = logits + bias.to(logits.dtype)
+        norm = silu_norm(pos, call.silu_scale).to(logits.dtype).view(1, -1, 1)
+        scores = F.silu(logits) * visible.to(logits.dtype) * norm
+        out[new] = torch.matmul(scores, values).transpose(0, 1)
+    return out
