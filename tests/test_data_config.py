@@ -24,7 +24,10 @@ from gr.data.config import DataConfig
         ({"ranking": {"tasks": [{"name": "like", "min_rating": "high"}]}}, r"data\.ranking\.tasks\[0\]\.min_rating"),
         ({"ranking": {"tasks": [{"min_rating": 4}]}}, r"data\.ranking\.tasks\[0\]\.name: required"),
         ({"ranking": {"tasks": [{"name": "a"}, {"name": "a"}]}}, r"data\.ranking\.tasks: duplicate"),
-        ({"columns": {"user": "id", "item": "id"}}, r"data\.columns: a column is used twice"),
+        (
+            {"columns": {"user": "id", "item": "id"}},
+            r"data\.columns: column 'id' is used twice \(data\.columns\.user and data\.columns\.item\)",
+        ),
         ({"columns": {"delimiter": "::"}}, r"data\.columns\.delimiter"),
         ({"columns": {"user_features": "country"}}, r"data\.columns\.user_features"),
     ],

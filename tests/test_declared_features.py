@@ -83,9 +83,18 @@ def _flat_columns():
         (_columns(user_dense=["age"]), "csv", r"data\.columns\.user_dense: expected a mapping"),
         (_columns(token_features="action"), "csv", r"data\.columns\.token_features: expected a list"),
         (_columns(token_dense={"action": "watch_ratio"}), "csv", r"feature name\(s\) \['action'\] used twice"),
-        (_columns(token_features=["item_id"]), "csv", r"data\.columns: a column is used twice"),
+        (
+            _columns(token_features=["item_id"]),
+            "csv",
+            r"data\.columns: column 'item_id' is used twice \(data\.columns\.item and data\.columns\.token_features\)",
+        ),
         (_columns(item_dense={"item_id": "price"}), "csv", r"feature name\(s\) \['item_id'\] used twice or reserved"),
-        (_columns(user_dense={"age": "price"}), "csv", r"data\.columns: a column is used twice"),
+        (
+            _columns(user_dense={"age": "price"}),
+            "csv",
+            r"data\.columns: column 'price' is used twice \(data\.columns\.item_dense\.price and "
+            r"data\.columns\.user_dense\.age\)",
+        ),
         ({"token_features": ["action"]}, "ml-100k", r"data\.columns\.token_features: only the csv and parquet"),
     ],
 )

@@ -13,7 +13,7 @@ from gr.prefix_dnn import PrefixDNN
 from gr.train.build import SAMPLED_ITEMS, build_model, build_tables, dense_optimizer
 from gr.train.cli import parse_args
 from gr.train.config import OptimizerSection, TrainConfig, apply_override, load_config, parse_value
-from helpers.runs import BASE, config
+from helpers.runs import BASE, config, recipe
 
 SPEC = FeatureSpec(sequence={"item_id": 40})
 
@@ -71,7 +71,7 @@ def test_config_file_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="broken.yaml: invalid YAML"):
         load_config(path)
     path.write_text(yaml.safe_dump(BASE))
-    with pytest.raises(ValueError, match=r"broken.yaml: trainer.max_epochs"):
+    with pytest.raises(ValueError, match=r"--trainer\.max_epochs -2 \(command line, over .*broken\.yaml\): trainer"):
         load_config(path, [("trainer.max_epochs", "-2")])
 
 
@@ -178,3 +178,22 @@ def test_dense_adam_runs_pytorchs_fused_kernel_on_cpu_and_steps_like_the_unfused
     assert not torch.equal(stepped[0][0], weights[0])
     for a, b in zip(*stepped):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_an_error_in_an_overridden_value_names_the_command_line_not_the_file(tmp_path):
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe()))
+    with pytest.raises(ValueError) as caught:
+        load_config(recipe_file, [("trainer.max_epochs", "-1")])
+    assert str(caught.value).startswith(
+        f"--trainer.max_epochs -1 (command line, over {recipe_file}): trainer.max_epochs:"
+    )
+    with pytest.raises(
+        ValueError, match=r"--data\.columns\.item user_id \(command line, over .*\): data\.columns: column"
+    ):
+        load_config(recipe_file, [("data.source", "csv"), ("data.path", "x.csv"), ("data.columns.item", "user_id")])
+    bad = recipe()
+    bad["trainer"]["max_epochs"] = -1
+    recipe_file.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ValueError, match=rf"^{recipe_file}: trainer\.max_epochs:"):
+        load_config(recipe_file, [("trainer.num_threads", "1")])

@@ -83,16 +83,14 @@ class ColumnConfig(Section):
         for name in ("token_dense", "item_dense", "user_dense"):
             groups = {k: (c,) if isinstance(c, str) else tuple(c) for k, c in getattr(self, name).items()}
             object.__setattr__(self, name, groups)
-        used = [
-            self.user,
-            self.item,
-            self.timestamp,
-            *([self.rating] if self.rating else []),
-            *self.categorical_columns(),
-            *self.dense_columns(),
-        ]
-        if len(set(used)) != len(used):
-            raise ValueError(f"{where}: a column is used twice in {used}")
+        roles: Dict[str, List[str]] = {}  # column -> the keys that name it
+        for key, column in self.column_roles():
+            roles.setdefault(column, []).append(f"{where}.{key}")
+        for column, keys in roles.items():
+            if len(keys) > 1:
+                raise ValueError(
+                    f"{where}: column {column!r} is used twice ({' and '.join(keys)}); each column has one role"
+                )
         names = self.feature_names()
         clashes = sorted({n for n in names if names.count(n) > 1 or n == ITEM_ID})
         if clashes:
@@ -100,6 +98,16 @@ class ColumnConfig(Section):
                 f"{where}: feature name(s) {clashes} used twice or reserved ({ITEM_ID!r}); categorical "
                 f"features are named after their column, dense ones after their key (features: {names})"
             )
+
+    def column_roles(self) -> List[Tuple[str, str]]:
+        """[(key, column)] of every column this config reads, e.g. ``("token_dense.watch", "watch_ratio")``."""
+        roles = [("user", self.user), ("item", self.item), ("timestamp", self.timestamp)]
+        roles += [("rating", self.rating)] if self.rating else []
+        for key in ("user_features", "item_features", "token_features"):
+            roles += [(key, column) for column in getattr(self, key)]
+        for key in ("token_dense", "item_dense", "user_dense"):
+            roles += [(f"{key}.{name}", column) for name, group in getattr(self, key).items() for column in group]
+        return roles
 
     def categorical_columns(self) -> List[str]:
         """The declared categorical columns (user, item and row features)."""

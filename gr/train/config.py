@@ -593,7 +593,19 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
     try:
         return TrainConfig.from_dict(values)
     except ValueError as error:
-        raise ValueError(f"{path}: {error}") from error
+        raise ValueError(f"{_source(path, str(error), overrides)}: {error}") from error
+
+
+def _source(path: Path, message: str, overrides: Sequence[Tuple[str, str]]) -> str:
+    """Where the value a config error names came from: the command line's overrides of that key
+    (or of a key inside it, or around it) over ``path``, else ``path``."""
+    key = message.partition(":")[0]
+    given = [
+        f"--{dotted} {text}"
+        for dotted, text in overrides
+        if dotted == key or dotted.startswith(f"{key}.") or key.startswith(f"{dotted}.")
+    ]
+    return f"{' '.join(given)} (command line, over {path})" if given else str(path)
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
