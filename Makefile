@@ -50,8 +50,10 @@ TEST_WORKERS ?= 2
 # Left unset, make test sets it to the first that exists of data/ml-100k and ../shared/data/ml-100k (a
 # shared/ data directory beside the checkout, where CI's .ci/run points it).
 test: export GR_ML100K_DIR ?= $(firstword $(wildcard data/ml-100k ../shared/data/ml-100k))
-# Style first (ruff lint + format check, configured in pyproject.toml), then the suite.
+# Style first (ruff lint + format check, configured in pyproject.toml), then the layers of docs/design.md §3
+# (import-linter's contracts in pyproject.toml), then the suite.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	PYTHONPATH=. .venv/bin/lint-imports
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests

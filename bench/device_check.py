@@ -320,7 +320,7 @@ def train_step(recipe: str, device: str, steps: int) -> Dict[str, Any]:
     from lightning.pytorch import Callback
 
     from gr.data.datamodule import SequenceDataModule
-    from gr.plan import hstu_forward_flops_per_token
+    from gr.train.memory import hstu_forward_flops_per_token
     from gr.train.module import GRTrainingModule
     from gr.train.run import make_trainer
 

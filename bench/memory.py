@@ -1,4 +1,4 @@
-"""Peak memory against gr.plan's estimates: one HSTU training step over sequence lengths, and whole
+"""Peak memory against gr.train.memory's estimates: one HSTU training step over sequence lengths, and whole
 training runs over embedding table sizes.
 
     python bench/memory.py [--parts stack tables] [--lengths 1024 2048 4096] [--recompute none layer]
@@ -12,14 +12,14 @@ runs in a fresh subprocess: after a warm-up step on a short sequence (libraries 
 their buffers loaded), the measured peak is the process's resident-set high-water mark
 (``ru_maxrss``) during the step minus its resident set just before it (model and input
 already allocated), so it holds activations, gradients, the optimizer's state, the
-kernels' temporary buffers and what the allocator keeps. The estimate is gr.plan's: the
+kernels' temporary buffers and what the allocator keeps. The estimate is gr.train.memory's: the
 stack's activation peak in backward (``hstu_activation_bytes``) + gradients + AdamW state.
 
 Tables: configs/quickstart.yaml with its item table at each row count (dim 32, row-wise Adagrad),
 under each sparse backend, trained by ``gr.train.train`` in a fresh process: one epoch of
 ``TABLE_STEPS`` optimizer steps, validation, the best and last checkpoints saved, the best loaded
 back for the test. The measured peak is that process's own ``VmHWM`` (its peak resident set over
-the whole run: libraries, data, tables, sharding, steps, checkpoints); the estimate is gr.plan's
+the whole run: libraries, data, tables, sharding, steps, checkpoints); the estimate is gr.train.memory's
 ``memory_bytes_per_rank`` for the run, planned in that process just before it trains, as ``gr
 train``'s pre-check plans it (which also runs). A point whose estimate needs more than
 MemAvailable less ``--reserve-gib`` is skipped (the machine is shared).
@@ -54,7 +54,7 @@ import smoke  # noqa: E402
 import torch  # noqa: E402
 
 from gr.hstu import HSTU, HSTUConfig  # noqa: E402
-from gr.plan import GIB, available_memory_bytes, resident_bytes  # noqa: E402
+from gr.train.memory import GIB, available_memory_bytes, resident_bytes  # noqa: E402
 
 MIB = 1 << 20
 WARM_UP_LENGTH = 128
@@ -105,7 +105,7 @@ def step(stack: HSTU, length: int, precision: str, x: torch.Tensor | None = None
 
 
 def estimate(length: int, recompute: str, precision: str) -> int:
-    from gr.plan import DENSE_OPTIMIZER_FLOATS, FP32, PRECISION_BYTES, hstu_activation_bytes
+    from gr.train.memory import DENSE_OPTIMIZER_FLOATS, FP32, PRECISION_BYTES, hstu_activation_bytes
 
     config = stack_config(length, recompute)
     _, peak = hstu_activation_bytes(config, length, recompute, PRECISION_BYTES[precision])
@@ -118,8 +118,8 @@ def table_run(rows: int, backend: str, work: Path, reserve: int) -> Dict:
     ``work`` (in a fresh process) -> estimate and the process's resident set when planned, peak
     resident set (bytes) and seconds; or why it was skipped (the estimate needs more than
     MemAvailable less ``reserve`` bytes)."""
-    from gr.plan import plan_from_config
     from gr.train.config import load_config
+    from gr.train.memory import plan_from_config
     from gr.train.run import train
 
     overrides = [

@@ -64,8 +64,8 @@ from train_dedup import build, train_step  # noqa: E402
 
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.ops.native import native_ops  # noqa: E402
-from gr.plan import hstu_forward_flops_per_token, linear_flops  # noqa: E402
 from gr.train.config import TrainConfig, load_config  # noqa: E402
+from gr.train.memory import hstu_forward_flops_per_token, linear_flops  # noqa: E402
 from gr.train.module import GRTrainingModule  # noqa: E402
 from gr.train.run import make_trainer  # noqa: E402
 

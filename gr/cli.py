@@ -18,6 +18,9 @@ import os
 import sys
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
+from gr.console import quiet_console
+from gr.devices import configure_backend_autoload, configure_onednn_cache
+
 
 class Command(NamedTuple):
     """module:function to call with the remaining arguments, after ``prefix``."""
@@ -67,9 +70,6 @@ def resolve(argv: Sequence[str]) -> tuple[Optional[Callable[[List[str]], int]], 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from gr.console import quiet_console
-    from gr.devices import configure_backend_autoload, configure_onednn_cache
-
     configure_backend_autoload()  # before torch is imported: torch_npu autoloads only on an NPU host
     configure_onednn_cache()
     quiet_console()  # before fbgemm_gpu is imported: its logging.basicConfig() then adds no handler

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gr.atomic import write_json
+from gr.cli_errors import run_cli
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.jagged import offsets_from_lengths
@@ -27,6 +28,7 @@ from gr.model import GRInput, GROutput
 from gr.serving import Ranker, RankRequest
 from gr.serving import encode as encoding
 from gr.serving.scores import LOGIT_SUFFIX
+from gr.train.cli import parse_overrides
 from gr.train.config import TrainConfig, load_config
 from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
 from gr.train.tasks import RankingTask, RetrievalTask
@@ -154,14 +156,10 @@ def default_output(path: Path) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from gr.cli_errors import run_cli
-
     return run_cli("gr evaluate", lambda: _main(sys.argv[1:] if argv is None else list(argv)))
 
 
 def _main(argv: List[str]) -> int:
-    from gr.train.cli import parse_overrides
-
     parser = argparse.ArgumentParser(
         prog="gr evaluate",
         description="Test-split metrics of a run (its best checkpoint) or of an export (through the serving "

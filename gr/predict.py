@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gr.atomic import atomic_file
+from gr.cli_errors import run_cli
 from gr.devices import DEVICES
 from gr.export.format import TIMESTAMPS
 from gr.finite import NonFiniteError
@@ -408,8 +409,6 @@ class _Progress:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from gr.cli_errors import run_cli
-
     return run_cli("gr predict", lambda: _main(sys.argv[1:] if argv is None else list(argv)))
 
 

@@ -25,6 +25,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+# The name of a history's timestamps everywhere a history travels by name: a request's token column,
+# a cached user state's tokens, the export format's HSTU input (gr.export.format.TIMESTAMPS).
+TIMESTAMPS = "timestamps"  # [tokens] int64 seconds
 INT64_MIN = int(np.iinfo(np.int64).min)
 INT64_MAX = int(np.iinfo(np.int64).max)
 

@@ -165,10 +165,10 @@ def test_backward_from_the_tiles_forward_kept_equals_backward_that_makes_them_ag
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_kept_tiles_are_two_floats_per_score_of_each_row_block_within_the_limit(monkeypatch):
     """A 64-token sequence, 2 heads: its row blocks of 32 see 32 and 64 keys, so (32 * 32 + 32 * 64)
-    * 2 heads * 2 floats = 12,288 floats, which ``gr.plan`` counts too; a limit below that keeps none."""
+    * 2 heads * 2 floats = 12,288 floats, which ``gr.train.memory`` counts too; a limit below that keeps none."""
     from gr.hstu.config import HSTUConfig
     from gr.ops.attention import cpu
-    from gr.plan import saved_tile_bytes
+    from gr.train.memory import saved_tile_bytes
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     kept = record_kept_tiles(monkeypatch)

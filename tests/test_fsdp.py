@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gr.plan import plan_from_config
 from gr.train import train
 from gr.train.checkpoint import read_meta
 from gr.train.config import TrainConfig
+from gr.train.memory import plan_from_config
 from helpers.runs import RECIPE, epoch_losses, evaluate_loaded, recipe, step_losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_fsdp2_shards_hstu_parameters_and_their_optimizer_state_over_both_ranks(
 
 
 def test_plan_counts_per_rank_equal_the_sharded_run(two_rank_runs):
-    """gr.plan's per-rank table rows and HSTU parameters equal what each rank stored."""
+    """gr.train.memory's per-rank table rows and HSTU parameters equal what each rank stored."""
     config = TrainConfig.from_dict(recipe(FSDP2))
     plan = plan_from_config(config, nproc=2)
     item = next(t for t in plan.tables if t.name == "item")

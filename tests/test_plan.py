@@ -1,4 +1,4 @@
-"""gr.plan: parameter counts equal the built model's, the activation estimate matches torch's
+"""gr.train.memory and gr plan: parameter counts equal the built model's, the activation estimate matches torch's
 CPU memory profiler, FLOPs match torch's FLOP counter, the memory estimate is built of each sparse
 backend's terms (bench/memory.py compares it with training processes' peaks), and the command line
 reads the trainer's config."""
@@ -15,20 +15,20 @@ from torch.utils.flop_counter import FlopCounterMode
 from gr.data.datamodule import SequenceDataModule
 from gr.hstu import HSTU, HSTUConfig
 from gr.ops.attention import cpu as cpu_kernel
-from gr.plan import (
+from gr.plan import main
+from gr.sparse.tables import TableConfig
+from gr.train.build import build_model
+from gr.train.config import TrainConfig
+from gr.train.memory import (
     GIB,
     Plan,
     check_memory_fits,
     hstu_activation_bytes,
     hstu_forward_flops_per_token,
     hstu_parameter_count,
-    main,
     make_plan,
     plan_from_config,
 )
-from gr.sparse.tables import TableConfig
-from gr.train.build import build_model
-from gr.train.config import TrainConfig
 from helpers.runs import recipe
 
 RANKING = (

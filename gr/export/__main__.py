@@ -10,12 +10,15 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from gr.atomic import stale_directories
+from gr.cli_errors import run_cli
+from gr.export.format import ExportError
+from gr.export.reader import check_export
+
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Bad input (a missing run or export directory, an unreadable file) ends in one line on
     stderr and exit status 2 (``gr.cli_errors``)."""
-    from gr.cli_errors import run_cli
-
     return run_cli("python -m gr.export", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
@@ -24,9 +27,6 @@ def _main(argv: List[str]) -> int:
         parser = argparse.ArgumentParser(prog="python -m gr.export check", description="Validate an export directory.")
         parser.add_argument("export_dir", type=Path)
         args = parser.parse_args(argv[1:])
-        from gr.atomic import stale_directories
-        from gr.export.reader import check_export
-
         if not args.export_dir.is_dir():
             raise NotADirectoryError(f"{args.export_dir}: no such export directory")
         problems = check_export(args.export_dir)
@@ -54,8 +54,7 @@ def _main(argv: List[str]) -> int:
         help="how hstu/model.safetensors stores the weights (serving computes in float32)",
     )
     args = parser.parse_args(argv)
-    from gr.export.format import ExportError
-    from gr.export.writer import export_run
+    from gr.export.writer import export_run  # onnx and the training code, loaded only to export
 
     start = time.perf_counter()
     if not args.run_dir.is_dir():

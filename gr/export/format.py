@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
 
+from gr.timestamps import TIMESTAMPS as TIMESTAMPS  # [tokens] int64 seconds: the HSTU slice's input
+
 # 2: hstu/config.json (Hugging Face-style keys) and per-projection weight names, float32 or
 # bfloat16, and a MANIFEST of sha256 sums. Format 1 exports (hstu/config.ini, no MANIFEST) are
 # refused with an error that says to re-export: their files cannot be verified.
@@ -48,7 +50,6 @@ SLICE_ORDER = (SPARSE, PREFIX, HSTU_SLICE, POSTFIX)
 # Fixed tensor names.
 PREFIX_OUTPUT = "embedding"  # [tokens, hidden_dim]
 HSTU_INPUT = "x"  # [tokens, hidden_dim]
-TIMESTAMPS = "timestamps"  # [tokens] int64 seconds
 SEQ_OFFSETS = "seq_offsets"  # [batch+1] int64
 NUM_TARGETS = "num_targets"  # [batch] int64
 HSTU_OUTPUT = "hidden"  # [targets, hidden_dim]: HSTU outputs at the candidate rows

@@ -173,36 +173,3 @@ def load_item_store(root: Path, graph: SliceGraph, sparse: SparseManifest) -> Op
     if problems:
         raise ExportFormatError(problems)
     return store
-
-
-def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, np.ndarray]:
-    """The item features among ``feature_names`` (what the prefix_dnn reads) of a training run, read
-    from its data (``data`` of its config.yaml) as training saw them: {feature: [items] int64 |
-    [items, d] float32} by model item id. Empty when the model reads none (the data is not read)."""
-    from gr.data.datamodule import SequenceDataModule
-    from gr.data.mappings import load_mappings
-    from gr.train.run import MAPPINGS_DIR, read_run
-
-    config, spec, _ = read_run(run_dir)
-    declared = set(spec.sequence) | set(spec.token_dense)
-    wanted = [f for f in feature_names if f in declared and f != ITEM_FEATURE and f not in spec.event_features]
-    if not wanted:
-        return {}
-    data = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
-    try:
-        data.setup()
-    except (OSError, ValueError) as exc:
-        raise ExportError(
-            f"{run_dir}: the model reads item features {wanted}, which the export stores from the run's "
-            f"training data (data.source {config.data.source!r}, data.path {config.data.path!r}), and that "
-            f"data cannot be read: {exc}"
-        ) from exc
-    maps, _ = load_mappings(str(Path(run_dir) / MAPPINGS_DIR))
-    trained = maps.get("items")
-    if trained is None or not np.array_equal(trained.raw, data.item_map.raw):
-        raise ExportError(
-            f"{run_dir}: the items of data.path {config.data.path!r} differ from those the run was trained on "
-            f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
-        )
-    side = {**data.corpus.item_features.categorical, **data.corpus.item_features.dense}
-    return {f: side[f] for f in wanted if f in side}

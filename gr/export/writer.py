@@ -15,6 +15,8 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
 from gr.atomic import atomic_directory, write_bytes, write_json
+from gr.data.datamodule import SequenceDataModule
+from gr.data.mappings import load_mappings
 from gr.export.format import (
     BAG,
     BATCH,
@@ -48,7 +50,7 @@ from gr.export.format import (
     write_ini,
 )
 from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
-from gr.export.item_store import run_item_features, write_item_store
+from gr.export.item_store import ITEM_FEATURE, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.onnx_registry import registry_built_once
 from gr.export.reader import ONNX_DTYPES, check_export
@@ -58,6 +60,7 @@ from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
 from gr.run_lock import run_lock
+from gr.train.run import MAPPINGS_DIR, load_trained_model, read_run
 
 EXAMPLE_ROWS = 3  # rows of the example inputs traced for ONNX (>= 2: 0/1 sizes get specialised)
 VERIFY_ROWS = (1, 5)  # row counts at which ONNX Runtime is checked against PyTorch after export
@@ -124,8 +127,6 @@ def export_run(
     features the model reads from the run's training data (``gr.export.item_store``). The run
     is read under its lock, shared (``gr.run_lock``): a run being trained or resumed is refused.
     """
-    from gr.train.run import MAPPINGS_DIR, load_trained_model, read_run
-
     run_dir = Path(run_dir)
     with run_lock(run_dir, "gr export", shared=True):
         _, spec, _ = read_run(run_dir)
@@ -481,3 +482,32 @@ def _first_lines(exc: BaseException, limit: int = 12) -> str:
         text = text.split(summary, 1)[1]
     lines = [line for line in text.splitlines() if line.strip()]
     return "\n".join(lines[:limit]) + ("\n..." if len(lines) > limit else "")
+
+
+def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, np.ndarray]:
+    """The item features among ``feature_names`` (what the prefix_dnn reads) of a training run, read
+    from its data (``data`` of its config.yaml) as training saw them: {feature: [items] int64 |
+    [items, d] float32} by model item id. Empty when the model reads none (the data is not read)."""
+    config, spec, _ = read_run(run_dir)
+    declared = set(spec.sequence) | set(spec.token_dense)
+    wanted = [f for f in feature_names if f in declared and f != ITEM_FEATURE and f not in spec.event_features]
+    if not wanted:
+        return {}
+    data = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
+    try:
+        data.setup()
+    except (OSError, ValueError) as exc:
+        raise ExportError(
+            f"{run_dir}: the model reads item features {wanted}, which the export stores from the run's "
+            f"training data (data.source {config.data.source!r}, data.path {config.data.path!r}), and that "
+            f"data cannot be read: {exc}"
+        ) from exc
+    maps, _ = load_mappings(str(Path(run_dir) / MAPPINGS_DIR))
+    trained = maps.get("items")
+    if trained is None or not np.array_equal(trained.raw, data.item_map.raw):
+        raise ExportError(
+            f"{run_dir}: the items of data.path {config.data.path!r} differ from those the run was trained on "
+            f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
+        )
+    side = {**data.corpus.item_features.categorical, **data.corpus.item_features.dense}
+    return {f: side[f] for f in wanted if f in side}

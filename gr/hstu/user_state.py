@@ -8,7 +8,7 @@ does not hold yet (``tokens_after``), encode or extend several users' states in 
 append K/V rows (``truncate``, ``append``: generation's decoding states), drop a long history's
 oldest tokens in sliding-window blocks (``evict``) and count the bytes it keeps (``nbytes``).
 
-Imports only numpy, torch, gr.hstu, gr.jagged and the export format's column names: the serving
+Imports only numpy, torch, gr.hstu, gr.jagged and gr.timestamps (the timestamps column's name): the serving
 runtime and generation both build on it, neither through the other.
 """
 
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gr.export.format import TIMESTAMPS
 from gr.hstu.cache import CachedHSTU, HistoryCache
 from gr.jagged import evicted_prefix
+from gr.timestamps import TIMESTAMPS
 
 Tokens = Dict[str, np.ndarray]
 

@@ -18,7 +18,7 @@ and the generation loop keeps its exclusion masks on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Dict, Optional, Protocol
 
 import numpy as np
 import torch
@@ -31,12 +31,26 @@ from gr.generation.hnsw_index import HNSWIndex
 from gr.generation.index import ExactIndex, ItemIndex
 from gr.hstu.cache import CachedHSTU
 from gr.serving.errors import RequestError
-
-if TYPE_CHECKING:
-    from gr.serving.model import ServingModel
+from gr.serving.onnx_slice import OnnxSlice
+from gr.serving.request import RequestSchema
+from gr.serving.sparse_store import SparseStore
 
 QUERY = "query"
 INDEXES = {"exact": ExactIndex, "hnsw": HNSWIndex}
+
+
+class CatalogueModel(Protocol):
+    """What a catalogue reads of a loaded export (``gr.serving.model.ServingModel``, which builds its
+    catalogue from itself): its schema, sparse store, HSTU engine, postfix slice and two passes."""
+
+    schema: RequestSchema
+    sparse: SparseStore
+    engine: CachedHSTU
+    postfix: OnnxSlice
+
+    def embed_tokens(self, tokens: Dict[str, np.ndarray]) -> Tensor: ...
+
+    def heads(self, hidden: Tensor, common: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]: ...
 
 
 class Catalogue:
@@ -46,7 +60,7 @@ class Catalogue:
     index: the ``ItemIndex`` over the item vectors: "exact" (default) or "hnsw" (approximate, FAISS)
     """
 
-    def __init__(self, model: "ServingModel", item_feature: str = ITEM_FEATURE, index: str = "exact") -> None:
+    def __init__(self, model: CatalogueModel, item_feature: str = ITEM_FEATURE, index: str = "exact") -> None:
         if index not in INDEXES:
             raise ValueError(f"Catalogue.index: expected one of {list(INDEXES)}, got {index!r}")
         schema = model.schema

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from gr.cli_errors import run_cli
 from gr.train.config import TrainConfig, config_yaml, load_config
 from gr.train.config_reference import format_reference
 
@@ -73,8 +74,6 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "gr train") -> int:
     """``gr train``: bad input (config, data files, a run to resume, a diverged run) ends in one
     line on stderr and exit status 2 (``gr.cli_errors``)."""
     import sys
-
-    from gr.cli_errors import run_cli
 
     return run_cli(prog, lambda: _train(sys.argv[1:] if argv is None else argv, prog))
 

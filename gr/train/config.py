@@ -42,6 +42,7 @@ from gr.config_checks import (
 )
 from gr.data.config import DataConfig
 from gr.hstu import HSTUConfig
+from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
@@ -202,8 +203,6 @@ class ModelSection:
 
     def model_class(self, where: str = "model.class") -> type:
         """The GRModel subclass ``class`` names; ValueError naming ``where`` otherwise."""
-        from gr.model import GRModel
-
         if not isinstance(self.class_path, str):
             raise ValueError(f"{where}: expected an import path like 'package.module.Class', got {self.class_path!r}")
         model_class = import_class(self.class_path, where)

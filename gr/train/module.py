@@ -35,6 +35,7 @@ from gr.data.stochastic_length import subsample_histories
 from gr.finite import NonFiniteError, gradients_finite, non_finite
 from gr.model import GRInput
 from gr.sparse.sharding import check_one_rank, table_device
+from gr.sparse.torch_tables import prepare_for_training
 from gr.train.build import dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
 from gr.train.tasks import RankingTask, RetrievalTask
@@ -82,16 +83,14 @@ class GRTrainingModule(LightningModule):
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)
         if sparse.backend == "torch":
-            from gr.sparse.torch_tables import prepare_for_training
-
             self.table_optimizers = prepare_for_training(gr_model, sparse.optimizer, device, sparse.placement)
             self.model = gr_model
             return
-        from gr.sparse.torchrec_sharding import shard_model
+        from gr.sparse.torchrec_sharding import shard_model  # torchrec: only its backend imports it
 
         dense_wrapper = None
         if self.dense_sharded:
-            from gr.train.fsdp import FSDP2DenseWrapper
+            from gr.train.fsdp import FSDP2DenseWrapper  # torchrec, as above
 
             dense_wrapper = FSDP2DenseWrapper(device, torch.distributed.group.WORLD)
         self.model = shard_model(gr_model, sparse.optimizer, device, sparse.placement, dense_wrapper=dense_wrapper)

@@ -23,13 +23,13 @@ from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.devices import check_accelerator, runs_on_cpu
 from gr.model import GRModel
-from gr.plan import available_memory_bytes, check_memory_fits, plan_for_data
 from gr.run_lock import run_lock, writes_run
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables
 from gr.train.config import TrainConfig, load_config, plain, save_config
 from gr.train.csv_log import AppendingCSVLogger, drop_rows_from_step
+from gr.train.memory import available_memory_bytes, check_memory_fits, plan_for_data
 from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
 from gr.train.progress import progress_callbacks
