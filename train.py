@@ -3,7 +3,7 @@
 
 import sys
 
-from gr.cli import main
+from gr.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -35,10 +35,10 @@ import torch.distributed as dist  # noqa: E402
 from torch.autograd.profiler import record_function  # noqa: E402
 from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
+from gr.commands.train import parse_args  # noqa: E402
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.sparse.sharding import shard_model  # noqa: E402
 from gr.train.build import dense_optimizer, seeded_model  # noqa: E402
-from gr.train.cli import parse_args  # noqa: E402
 from gr.train.config import load_config  # noqa: E402
 from gr.train.tasks import RetrievalTask  # noqa: E402
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from gr.cli import main
+from gr.commands.cli import main
 
 sys.exit(main())

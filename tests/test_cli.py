@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from gr import cli
+from gr.commands import cli
 from gr.train.config import load_config
 from gr.train.config_reference import config_keys
 

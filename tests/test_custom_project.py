@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gr import cli
+from gr.commands import cli
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings
 from gr.serving import Ranker

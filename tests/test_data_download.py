@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gr.commands import data as data_command
 from gr.data import download as dl
 
 RATINGS = [(u, i, 1 + (u + i) % 5, 880_000_000 + 10 * u + i) for u in range(1, 6) for i in range(1, 8) if (u + i) % 3]
@@ -99,7 +100,7 @@ def test_wrong_md5_from_the_cli_is_a_checksum_mismatch_and_creates_nothing(serve
     root, base = served
     _ml_100k_zip(root / "ml-100k.zip")  # not the published archive: its md5 differs from GroupLens's
     target = tmp_path / "ml-100k"
-    code = dl.main(["ml-100k", str(target), "--url", f"{base}/ml-100k.zip", "--no-progress"])
+    code = data_command.main(["ml-100k", str(target), "--url", f"{base}/ml-100k.zip", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "ChecksumMismatch" in err and dl.DATASETS["ml-100k"].md5 in err
     assert not target.exists() and list(tmp_path.iterdir()) == [root]
@@ -129,7 +130,7 @@ def test_an_unwritable_target_is_one_line_naming_it_with_exit_status_2(tmp_path,
     blocker.write_text("x")
     target = blocker / "sub" / "ml-100k" if where == "under a file" else Path("/proc/dl")
     # a closed local port: nothing reaches the network even if the target were writable
-    code = dl.main(["ml-100k", str(target), "--url", "http://127.0.0.1:9/ml-100k.zip", "--no-progress"])
+    code = data_command.main(["ml-100k", str(target), "--url", "http://127.0.0.1:9/ml-100k.zip", "--no-progress"])
     [line] = capsys.readouterr().err.strip().splitlines()
     reason = "NotADirectoryError" if where == "under a file" else "FileNotFoundError"
     assert code == 2 and line.startswith(f"gr data download: error: {reason}: {target}: cannot write there (")
@@ -216,7 +217,7 @@ def test_amazon_books_needs_sha256_and_is_saved_as_its_csv(served, tmp_path):
 
 def test_every_dataset_documents_its_licence_in_help(capsys):
     with pytest.raises(SystemExit):
-        dl.main(["--help"])
+        data_command.main(["--help"])
     out = capsys.readouterr().out
     for name, source in dl.DATASETS.items():
         assert name in out and source.url in out

@@ -13,12 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from gr.commands.evaluate import evaluate_export, evaluate_run
 from gr.data.config import ColumnConfig, DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.data.interactions import DataFormatError
 from gr.data.readers import read_source, read_table_csv, read_table_parquet
-from gr.evaluate import evaluate_export, evaluate_run
 from gr.export.manifest import write_manifest
 from gr.export.reader import check_export, open_export
 from gr.export.writer import export_run

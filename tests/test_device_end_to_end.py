@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from gr.commands.export import main as export_main
 from gr.data.datamodule import SequenceDataModule
 from gr.devices import suite_device
 from gr.export import check_export
-from gr.export.__main__ import main as export_main
 from gr.serving import Ranker
 from gr.train import load_trained_model, train
 from helpers.models import as_served, rank_all, requests_from_batch

@@ -180,7 +180,7 @@ def test_onednn_cache_is_raised_unless_the_environment_sets_it():
 
 
 def test_the_gr_command_raises_the_onednn_cache_before_running(monkeypatch, capsys):
-    from gr import cli
+    from gr.commands import cli
 
     monkeypatch.setenv(devices.ONEDNN_CACHE_VAR, "0")  # undone after the test, so what main sets goes too
     monkeypatch.delenv(devices.ONEDNN_CACHE_VAR)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gr.cli import main as gr_main
-from gr.evaluate import default_output
+from gr.commands.cli import main as gr_main
+from gr.commands.evaluate import default_output
 from gr.export.writer import export_run
 from gr.train import train
 from helpers.runs import RANKING, RETRIEVAL, config

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from gr.commands.export import main as export_main
 from gr.data.mappings import IdMap, save_mappings
 from gr.export import ExportFormatError, check_export, export_model, load_hstu
-from gr.export.__main__ import main as export_main
 from gr.export.manifest import write_manifest
 from gr.serving import Ranker
 from helpers.models import DENSE_DIMS, build_ranking_model, build_retrieval_model

@@ -131,7 +131,7 @@ def test_beam_and_sampling_options_and_bad_requests(exports):
 def test_generate_cli_prints_the_same_slate_as_the_api(exports, tmp_path, capsys):
     import json
 
-    from gr.serving.__main__ import main as serving_main
+    from gr.commands.serve import main as serving_main
 
     _, target_dir, _ = exports
     user, history = users(1, seed=5)[0]

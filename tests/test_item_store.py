@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from gr import GRModel, HSTUConfig, TableConfig
+from gr.commands.export import main as export_main
 from gr.export import ExportFormatError, check_export, export_model
-from gr.export.__main__ import main as export_main
 from gr.export.format import ExportError
 from gr.export.item_store import ITEM_STORE
 from gr.export.manifest import write_manifest

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gr.cli import main as gr_main
+from gr.commands.cli import main as gr_main
+from gr.commands.predict import predict
 from gr.data.config import ColumnConfig
 from gr.data.interactions import DataFormatError
 from gr.data.mappings import IdMap, save_mappings
 from gr.data.readers import read_table_parquet
 from gr.export import export_model
-from gr.predict import predict
 from gr.serving import IdOptions, Ranker, RecommendRequest
 from helpers.models import (
     DENSE_DIMS,
@@ -57,7 +57,7 @@ def retrieval(tmp_path_factory):
 
 
 def as_table(requests: List[Dict[str, Any]], parts=("history", "candidates", "common_features")) -> pa.Table:
-    """One row per request, nested keys joined by '.' (``gr.predict``'s input layout)."""
+    """One row per request, nested keys joined by '.' (``gr.commands.predict``'s input layout)."""
     columns: Dict[str, list] = {"user_id": [r["user_id"] for r in requests]}
     for part in parts:
         for name in requests[0][part]:

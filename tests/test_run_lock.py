@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gr import cli
+from gr.commands import cli
 from gr.export.writer import export_run
 from gr.run_lock import LOCK_FILE, RunLockedError, run_lock, writes_run
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from gr import cli
+from gr.commands import cli
+from gr.commands.serve import main as serving_main
 from gr.devices import npu_present
 from gr.export import export_model
 from gr.serving import Ranker
-from gr.serving.__main__ import main as serving_main
 from gr.serving.http import OPTIONS_ENV, app_from_environment
 from gr.serving.model import ServingModel
 from gr.serving.onnx_slice import execution_providers

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from gr.commands.serve import main as serving_main
 from gr.export import export_model
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
-from gr.serving.__main__ import main as serving_main
 from gr.serving.batcher import RequestBatcher
 from gr.serving.http import EXIT_BATCHER_DIED, create_app
 from gr.serving.limits import RequestLimits

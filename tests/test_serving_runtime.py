@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from gr.commands.serve import main as serving_main
 from gr.export import export_model
 from gr.export.manifest import write_manifest
 from gr.hstu.cache import cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
-from gr.serving.__main__ import main as serving_main
 from gr.serving.limits import RequestLimits
 from gr.serving.scores import ranking_scores
 from gr.serving.user_cache import kept_bytes

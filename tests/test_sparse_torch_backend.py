@@ -201,8 +201,8 @@ class Refuse(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Refuse())
 import numpy as np, torch
 from gr.data.datamodule import SequenceDataModule
-from gr.evaluate import batch_requests
-from gr.export.__main__ import main as export_main
+from gr.commands.evaluate import batch_requests
+from gr.commands.export import main as export_main
 from gr.serving import Ranker
 from gr.sparse import SparseEmbeddings, TableConfig
 from gr.train import load_trained_model, train

@@ -8,10 +8,10 @@ import torch
 import yaml
 from torch import Tensor, nn
 
+from gr.commands.train import parse_args
 from gr.data.features import FeatureSpec
 from gr.prefix_dnn import PrefixDNN
 from gr.train.build import SAMPLED_ITEMS, build_model, build_tables, dense_optimizer
-from gr.train.cli import parse_args
 from gr.train.config import OptimizerSection, TrainConfig, apply_override, load_config, parse_value
 from helpers.runs import BASE, config, recipe
 

@@ -142,7 +142,7 @@ def _free_port() -> int:
 
 
 def test_resuming_a_finished_run_is_one_line_and_rewrites_nothing(retrieval_run, capsys):
-    from gr.train.cli import main
+    from gr.commands.train import main
 
     out, _ = retrieval_run
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}

@@ -1,5 +1,5 @@
 """gr's fused kernels: one package per op, each its dispatch (``__init__``: the public function)
-over backend modules named by backend, with the op's call object and, where ``gr.plan`` needs one,
+over backend modules named by backend, with the op's call object and, where ``gr.train.memory`` needs one,
 its cost model (``cost``).
 
 * ``attention``: ``hstu_attention`` (backends ``pytorch``, ``cpu``, ``triton``, ``ascend``,

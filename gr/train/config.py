@@ -353,7 +353,7 @@ class TrainerSection(Section):
     or alpha in (1, 2]: training histories longer than data.max_seq_len^(alpha/2) are
     subsampled to that length with probability 1 - max_seq_len^alpha / length^2
     (``gr.data.stochastic_length``; never at evaluation). ``memory_check``: refuse a CPU run
-    whose ``gr plan`` estimate exceeds the machine's available memory (``gr.plan.check_memory_fits``)."""
+    whose ``gr plan`` estimate exceeds the machine's available memory (``gr.train.memory.check_memory_fits``)."""
 
     max_epochs: int = checked(100, int_at_least(1))
     seed: int = checked(0, int_at_least(0))

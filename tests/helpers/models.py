@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN, TableConfig
+from gr.commands.evaluate import batch_requests
 from gr.data.mappings import IdMap, save_mappings
-from gr.evaluate import batch_requests
 from gr.postfix_dnn import MMoERankingHead, RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker

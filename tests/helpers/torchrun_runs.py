@@ -11,8 +11,8 @@ import sys
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+from gr.commands.train import end_process_group  # noqa: E402
 from gr.train import train  # noqa: E402
-from gr.train.cli import end_process_group  # noqa: E402
 from gr.train.config import TrainConfig  # noqa: E402
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Every backend is a module of this package (``triton``: a package of its entry ``
 ``host``, device code ``blocks`` and tile ``tuning``) whose entry takes one ``AttentionCall`` and its own options by
 keyword: ``entry(call, **options)``; the call is checked once, here. Backends load on first use,
 so a missing triton or NPU package only matters when asked for. ``cost`` holds the memory and
-work estimates of the ``cpu`` backend that ``gr.plan`` sums.
+work estimates of the ``cpu`` backend that ``gr.train.memory`` sums.
 """
 
 from __future__ import annotations

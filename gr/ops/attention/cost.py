@@ -1,4 +1,4 @@
-"""Memory and work estimates of the ``cpu`` attention backend: what ``gr.plan`` sums per layer.
+"""Memory and work estimates of the ``cpu`` attention backend: what ``gr.train.memory`` sums per layer.
 
 Each mirrors what ``gr.ops.attention.cpu`` keeps or computes for one batch (its chunking by
 ``QUERY_CHUNK`` query rows, tiles of at most ``TILE_ELEMENTS`` scores, fused blocks of ``ROW_BLOCK``

@@ -21,6 +21,7 @@ import torch
 
 from gr.atomic import write_json
 from gr.cli_errors import run_cli
+from gr.commands.train import parse_overrides
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.jagged import offsets_from_lengths
@@ -28,7 +29,6 @@ from gr.model import GRInput, GROutput
 from gr.serving import Ranker, RankRequest
 from gr.serving import encode as encoding
 from gr.serving.scores import LOGIT_SUFFIX
-from gr.train.cli import parse_overrides
 from gr.train.config import TrainConfig, load_config
 from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
 from gr.train.tasks import RankingTask, RetrievalTask

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from gr.train.cli import parse_overrides
+from gr.commands.train import parse_overrides
 from gr.train.config import TrainConfig, load_config
 from gr.train.memory import GIB, RUNTIME_OVERHEAD_BYTES, Plan, plan_from_config, rank_batch
 

@@ -1,9 +1,9 @@
 """The ``gr`` command: one entry point with git-style subcommands.
 
 ``gr train | export | check | serve | rank | generate | evaluate | predict | plan | data download``.
-Each subcommand forwards its arguments to the module that owns it (``gr.train.cli``,
-``gr.export``, ``gr.serving``, ``gr.evaluate``, ``gr.predict``, ``gr.plan``,
-``gr.data.download``), imported only when chosen, so ``gr --help`` and ``gr data download``
+Each subcommand forwards its arguments to its module in ``gr.commands`` (``train``, ``export``,
+``serve``, ``evaluate``, ``predict``, ``plan``, ``data``), imported only when chosen (by name, through
+importlib: the only lazy loading of ``gr`` modules here), so ``gr --help`` and ``gr data download``
 never import torch.
 
 The working directory is importable (as under ``python -m gr``), so a recipe's
@@ -32,16 +32,18 @@ class Command(NamedTuple):
 
 
 COMMANDS: Dict[str, Command] = {
-    "train": Command("gr.train.cli", "main", "train a model from a recipe YAML (gr train --help lists every key)"),
-    "export": Command("gr.export.__main__", "main", "export a run's best checkpoint as serving slices"),
-    "check": Command("gr.export.__main__", "main", "validate an export directory", ("check",)),
-    "serve": Command("gr.serving.__main__", "main", "run the HTTP service over an export", ("serve",)),
-    "rank": Command("gr.serving.__main__", "main", "score a request file's candidates", ("rank",)),
-    "generate": Command("gr.serving.__main__", "main", "generate each request's next items", ("generate",)),
-    "evaluate": Command("gr.evaluate", "main", "test-split metrics of a run or an export (serving path)"),
-    "predict": Command("gr.predict", "main", "score a Parquet file of users (candidates or top-k) with an export"),
-    "plan": Command("gr.plan", "main", "parameter counts and memory per rank for a recipe"),
-    "data": Command("gr.data.download", "main", "gr data download NAME DIR: fetch a public dataset"),
+    "train": Command("gr.commands.train", "main", "train a model from a recipe YAML (gr train --help lists every key)"),
+    "export": Command("gr.commands.export", "main", "export a run's best checkpoint as serving slices"),
+    "check": Command("gr.commands.export", "main", "validate an export directory", ("check",)),
+    "serve": Command("gr.commands.serve", "main", "run the HTTP service over an export", ("serve",)),
+    "rank": Command("gr.commands.serve", "main", "score a request file's candidates", ("rank",)),
+    "generate": Command("gr.commands.serve", "main", "generate each request's next items", ("generate",)),
+    "evaluate": Command("gr.commands.evaluate", "main", "test-split metrics of a run or an export (serving path)"),
+    "predict": Command(
+        "gr.commands.predict", "main", "score a Parquet file of users (candidates or top-k) with an export"
+    ),
+    "plan": Command("gr.commands.plan", "main", "parameter counts and memory per rank for a recipe"),
+    "data": Command("gr.commands.data", "main", "gr data download NAME DIR: fetch a public dataset"),
 }
 DATA_SUBCOMMANDS = ("download",)
 

@@ -418,7 +418,8 @@ def _main(argv: List[str]) -> int:
         description="Score a Parquet file of users with an export: with candidates.* columns each row's "
         "candidates are ranked, without them each row gets its top --k items (retrieval exports). Columns: "
         "user_id, history.<feature> lists (history.item_id, history.timestamps, ...), optional candidates.<feature> "
-        "lists, common_features.<feature>, request_time (see gr/predict.py). Rows count from 1 in error messages.",
+        "lists, common_features.<feature>, request_time (see gr/commands/predict.py). Rows count from 1 in error "
+        "messages.",
     )
     parser.add_argument("export_dir", type=Path, metavar="EXPORT")
     parser.add_argument("--input", type=Path, required=True, help="Parquet file, one row per user")
