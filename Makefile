@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0 unless this is an Ascend host (torch_npu then loads with torch), decided by
-# gr.devices as train.py and tests/conftest.py decide it; a value already in the environment is kept.
-AUTOLOAD = $(shell $(PY) -c "from gr.devices import autoload_env; print(*(f'{k}={v}' for k, v in autoload_env().items()))")
+# gr.utils.devices as train.py and tests/conftest.py decide it; a value already in the environment is kept.
+AUTOLOAD = $(shell $(PY) -c "from gr.utils.devices import autoload_env; print(*(f'{k}={v}' for k, v in autoload_env().items()))")
 
 STAMP_NOW := $(shell date +%Y%m%d-%H%M%S)
 RUN := runs/quickstart-$(STAMP_NOW)

@@ -38,7 +38,7 @@ WARMUP_STEPS = 3  # kernels loaded, allocator and caches settled before the firs
 def serve(checkout: Path, recipe: str, data: str, precision: str) -> None:
     """The step process of one checkout: after "ready", each stdin line N runs N steps and answers ms per step."""
     sys.path[:0] = [str(checkout), str(checkout / "bench")]
-    from gr.devices import configure_onednn_cache
+    from gr.utils.devices import configure_onednn_cache
 
     configure_onednn_cache()  # as `gr train` does
     import torch

@@ -53,8 +53,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gr.atomic import write_json, write_text  # noqa: E402
-from gr.devices import DEVICES, autoload_env, cann_home, configure_backend_autoload, require_device  # noqa: E402
+from gr.utils.atomic import write_json, write_text  # noqa: E402
+from gr.utils.devices import DEVICES, autoload_env, cann_home, configure_backend_autoload, require_device  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ["tests/test_attention_conformance.py", "tests/test_attention_cached.py"]

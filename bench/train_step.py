@@ -51,7 +51,7 @@ from typing import Dict, List, Tuple
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gr.devices import configure_onednn_cache  # noqa: E402
+from gr.utils.devices import configure_onednn_cache  # noqa: E402
 
 configure_onednn_cache()  # as `gr train` does
 

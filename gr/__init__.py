@@ -3,7 +3,7 @@
 Public names load lazily, so ``import gr.hstu`` (serving) does not pull in TorchRec.
 """
 
-from gr.lazy import lazy_getattr
+from gr.utils.lazy import lazy_getattr
 
 _EXPORTS = {
     "GRModel": "gr.model",

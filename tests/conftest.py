@@ -1,6 +1,6 @@
 import os
 
-from gr.devices import configure_backend_autoload, requested_test_device, suite_device
+from gr.utils.devices import configure_backend_autoload, requested_test_device, suite_device
 
 # GR_TEST_DEVICE=npu keeps torch_npu's autoload on; unset or cpu/cuda, it stays off unless an NPU host is detected
 configure_backend_autoload(requested_test_device())

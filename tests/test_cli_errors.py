@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gr.cli_errors import USAGE_EXIT_STATUS, run_cli
 from gr.commands import cli
-from gr.devices import npu_present
+from gr.utils.cli_errors import USAGE_EXIT_STATUS, run_cli
+from gr.utils.devices import npu_present
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from typing import List
 
 import pytest
 
-from gr.console import KNOWN_LOG_LINES, quiet_console
+from gr.utils.console import KNOWN_LOG_LINES, quiet_console
 from helpers.movielens import CUSTOM_PROJECT, SMALL, small_ml_100k
 
 ROOT = Path(__file__).resolve().parents[1]

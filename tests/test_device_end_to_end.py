@@ -15,10 +15,10 @@ import torch
 
 from gr.commands.export import main as export_main
 from gr.data.datamodule import SequenceDataModule
-from gr.devices import suite_device
 from gr.export import check_export
 from gr.serving import Ranker
 from gr.train import load_trained_model, train
+from gr.utils.devices import suite_device
 from helpers.models import as_served, rank_all, requests_from_batch
 from helpers.runs import RANKING, config
 

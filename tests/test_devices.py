@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.accelerators import AcceleratorRegistry
 
-from gr import devices
+from gr.utils import devices
 from helpers.runs import BASE, config
 
 

@@ -12,13 +12,13 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GRModel, HSTUConfig, PostfixDNN, PrefixDNN
-from gr.atomic import process_umask, write_json
 from gr.export import ExportError, check_export, export_model, load_hstu, open_export
 from gr.export.format import FORMAT_VERSION, HSTU_CONFIG, SPARSE_INI
 from gr.export.hstu_slice import from_slice, slice_tensor_shapes, to_slice
 from gr.hstu import HSTU
 from gr.postfix_dnn import RetrievalHead
 from gr.serving import Ranker
+from gr.utils.atomic import process_umask, write_json
 from helpers.models import (
     DENSE_DIMS,
     HSTU_KW,

@@ -1,7 +1,7 @@
 """kill -9 at each checkpoint phase, then ``--resume``: the run ends exactly like an
 uninterrupted one and exports.
 
-The crash comes from the ``GR_TEST_CRASH_AT`` hook (``gr.crash_points``: ``os._exit``, no
+The crash comes from the ``GR_TEST_CRASH_AT`` hook (``gr.utils.crash_points``: ``os._exit``, no
 cleanup) in a ``train.py`` subprocess; the resume runs in this process. The tiny recipe
 validates every epoch, so each epoch saves ``epoch=N`` (the best) and then ``last``: the
 4th arrival at a save point is epoch 1's save of ``last``, right after the best checkpoint
@@ -21,11 +21,11 @@ from typing import Any, Dict
 import pytest
 import yaml
 
-from gr.crash_points import CRASH_EXIT_STATUS
 from gr.export import export_run
 from gr.train import train
 from gr.train.checkpoint import logged_steps, read_meta
 from gr.train.config import TrainConfig
+from gr.utils.crash_points import CRASH_EXIT_STATUS
 from helpers.runs import recipe
 
 ROOT = Path(__file__).resolve().parents[1]

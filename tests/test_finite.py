@@ -1,9 +1,9 @@
-"""gr.finite: the training step's fused gradient check agrees with the per-tensor one."""
+"""gr.utils.finite: the training step's fused gradient check agrees with the per-tensor one."""
 
 import pytest
 import torch
 
-from gr.finite import gradients_finite, non_finite
+from gr.utils.finite import gradients_finite, non_finite
 
 
 def grads(dtype: torch.dtype = torch.float32):

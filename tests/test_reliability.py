@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from gr.data.datamodule import SequenceDataModule
-from gr.finite import NonFiniteError
 from gr.train import train
 from gr.train.checkpoint import read_meta, save_checkpoint
 from gr.train.config import TrainConfig
 from gr.train.metrics import retrieval_metrics, target_ranks
+from gr.utils.finite import NonFiniteError
 from helpers.runs import ratings_csv, recipe
 
 

@@ -1,4 +1,4 @@
-"""One writer per run directory (``gr.run_lock``): a second ``gr train`` / ``--resume`` into a run
+"""One writer per run directory (``gr.utils.run_lock``): a second ``gr train`` / ``--resume`` into a run
 being written, or an export of it, stops in one line and leaves the directory as it was; the OS
 drops the lock of a process that dies."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from gr.commands import cli
 from gr.export.writer import export_run
-from gr.run_lock import LOCK_FILE, RunLockedError, run_lock, writes_run
+from gr.utils.run_lock import LOCK_FILE, RunLockedError, run_lock, writes_run
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -92,7 +92,7 @@ def test_the_lock_of_a_killed_process_is_released(tmp_path):
         [
             sys.executable,
             "-c",
-            f"from gr.run_lock import run_lock\nwith run_lock({str(run)!r}, 'gr train'):\n"
+            f"from gr.utils.run_lock import run_lock\nwith run_lock({str(run)!r}, 'gr train'):\n"
             "    print('held', flush=True)\n    import time; time.sleep(60)",
         ],
         cwd=ROOT,

@@ -11,12 +11,12 @@ import torch
 
 from gr.commands import cli
 from gr.commands.serve import main as serving_main
-from gr.devices import npu_present
 from gr.export import export_model
 from gr.serving import Ranker
 from gr.serving.http import OPTIONS_ENV, app_from_environment
 from gr.serving.model import ServingModel
 from gr.serving.onnx_slice import execution_providers
+from gr.utils.devices import npu_present
 from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, requests_from_batch
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is not refused")

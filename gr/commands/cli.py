@@ -18,8 +18,8 @@ import os
 import sys
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
-from gr.console import quiet_console
-from gr.devices import configure_backend_autoload, configure_onednn_cache
+from gr.utils.console import quiet_console
+from gr.utils.devices import configure_backend_autoload, configure_onednn_cache
 
 
 class Command(NamedTuple):

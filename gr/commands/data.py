@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gr.cli_errors import USAGE_EXIT_STATUS, one_line
 from gr.data.download import DATASETS, DownloadError, download_dataset
+from gr.utils.cli_errors import USAGE_EXIT_STATUS, one_line
 
 
 def describe() -> str:

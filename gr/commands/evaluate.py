@@ -19,8 +19,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from gr.atomic import write_json
-from gr.cli_errors import run_cli
 from gr.commands.train import parse_overrides
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
@@ -32,6 +30,8 @@ from gr.serving.scores import LOGIT_SUFFIX
 from gr.train.config import TrainConfig, load_config
 from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
 from gr.train.tasks import RankingTask, RetrievalTask
+from gr.utils.atomic import write_json
+from gr.utils.cli_errors import run_cli
 
 EVALUATION_FILE = "evaluation.json"
 EXPORT_MARKER = "MANIFEST"

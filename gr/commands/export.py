@@ -1,6 +1,6 @@
 """``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite] [--hstu-dtype bfloat16]`` writes an export;
 ``python -m gr.export check EXPORT_DIR`` validates one (exit status 1 when it has problems) and warns
-of temporary directories that killed exports left beside it (``gr.atomic.stale_directories``)."""
+of temporary directories that killed exports left beside it (``gr.utils.atomic.stale_directories``)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from gr.atomic import stale_directories
-from gr.cli_errors import run_cli
 from gr.export.format import ExportError
 from gr.export.reader import check_export
+from gr.utils.atomic import stale_directories
+from gr.utils.cli_errors import run_cli
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Bad input (a missing run or export directory, an unreadable file) ends in one line on
-    stderr and exit status 2 (``gr.cli_errors``)."""
+    stderr and exit status 2 (``gr.utils.cli_errors``)."""
     return run_cli("python -m gr.export", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 

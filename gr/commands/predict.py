@@ -45,11 +45,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gr.atomic import atomic_file
-from gr.cli_errors import run_cli
-from gr.devices import DEVICES
 from gr.export.format import TIMESTAMPS
-from gr.finite import NonFiniteError
 from gr.serving import (
     Ranker,
     RankRequest,
@@ -66,6 +62,10 @@ from gr.serving.request import IdOptions
 from gr.serving.runtime import DEFAULT_MICRO_BATCH, PreparedRecommend
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
 from gr.timestamps import INT64_MAX
+from gr.utils.atomic import atomic_file
+from gr.utils.cli_errors import run_cli
+from gr.utils.devices import DEVICES
+from gr.utils.finite import NonFiniteError
 
 USER = "user_id"
 REQUEST_TIME = "request_time"

@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gr.devices import DEVICES
 from gr.export.format import ExportFormatError
 from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
@@ -38,6 +37,7 @@ from gr.serving.runtime import (
     LONG_HISTORY,
     Ranker,
 )
+from gr.utils.devices import DEVICES
 
 ADMIN_TOKEN_ENV = "GR_ADMIN_TOKEN"
 GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then a 503 (gr.serving.http)

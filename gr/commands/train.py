@@ -7,9 +7,9 @@ import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from gr.cli_errors import run_cli
 from gr.train.config import TrainConfig, config_yaml, load_config
 from gr.train.config_reference import format_reference
+from gr.utils.cli_errors import run_cli
 
 
 def parse_args(argv: Sequence[str], prog: str = "gr train") -> Tuple[argparse.Namespace, List[Tuple[str, str]]]:
@@ -72,7 +72,7 @@ def resolve(argv: Sequence[str], prog: str = "gr train") -> Tuple[TrainConfig, P
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "gr train") -> int:
     """``gr train``: bad input (config, data files, a run to resume, a diverged run) ends in one
-    line on stderr and exit status 2 (``gr.cli_errors``)."""
+    line on stderr and exit status 2 (``gr.utils.cli_errors``)."""
     import sys
 
     return run_cli(prog, lambda: _train(sys.argv[1:] if argv is None else argv, prog))

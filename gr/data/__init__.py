@@ -3,7 +3,7 @@
 Public names load lazily, so reading files does not import torch or Lightning.
 """
 
-from gr.lazy import lazy_getattr
+from gr.utils.lazy import lazy_getattr
 
 _EXPORTS = {
     "DataConfig": "gr.data.config",

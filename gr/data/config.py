@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from gr.config_checks import (
+from gr.data.features import ITEM_ID
+from gr.utils.config_checks import (
     BOOL,
     NAME,
     NAMES,
@@ -22,7 +23,6 @@ from gr.config_checks import (
     optional,
     require,
 )
-from gr.data.features import ITEM_ID
 
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")

@@ -2,7 +2,7 @@
 safely into DIR and check its interaction and item counts with our own readers.
 
 DIR appears whole or not at all: everything happens in a temporary sibling that is renamed
-to DIR only once the counts match (``gr.atomic.atomic_directory``: a failed download also removes
+to DIR only once the counts match (``gr.utils.atomic.atomic_directory``: a failed download also removes
 the parent directories it created). DIR then holds the dataset's files (``--data.path DIR``;
 for amazon-books ``--data.path DIR/ratings_Books.csv``) and ``DOWNLOAD.json`` (url, sha256,
 md5, counts).
@@ -32,9 +32,9 @@ from typing import Callable, Dict, Mapping, Optional
 import numpy as np
 from tqdm import tqdm
 
-from gr.atomic import atomic_directory, write_json
 from gr.data.interactions import Interactions
 from gr.data.readers import read_amazon, read_ml_1m, read_ml_20m, read_ml_100k
+from gr.utils.atomic import atomic_directory, write_json
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from gr.atomic import atomic_file, write_json
+from gr.utils.atomic import atomic_file, write_json
 
 MAPPINGS_FORMAT_VERSION = 1
 MANIFEST = "mappings.json"

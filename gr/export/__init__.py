@@ -5,7 +5,7 @@
 Names load lazily for that reason.
 """
 
-from gr.lazy import lazy_getattr
+from gr.utils.lazy import lazy_getattr
 
 _EXPORTS = {
     "export_model": "gr.export.writer",

@@ -26,10 +26,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 from safetensors.numpy import save as safetensors_bytes
 
-from gr.atomic import write_bytes
 from gr.export.format import TIMESTAMPS, TOKENS, ExportError, ExportFormatError, Problem
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
 from gr.export.sparse_manifest import SparseManifest
+from gr.utils.atomic import write_bytes
 
 ITEM_STORE = "sparse/item_features.safetensors"
 ITEM_FEATURE = "item_id"

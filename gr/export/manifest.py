@@ -13,8 +13,8 @@ import hashlib
 from pathlib import Path, PurePosixPath
 from typing import Dict, List, Optional
 
-from gr.atomic import write_text
 from gr.export.format import Problem
+from gr.utils.atomic import write_text
 
 MANIFEST = "MANIFEST"
 LINKED = "a symbolic link: an export holds plain files only"

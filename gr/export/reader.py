@@ -49,8 +49,8 @@ from gr.export.item_store import check_item_store
 from gr.export.manifest import check_manifest, inside
 from gr.export.slice_graph import SliceGraph, SliceSpec
 from gr.export.sparse_manifest import SparseManifest
-from gr.finite import non_finite
 from gr.hstu import HSTU, HSTUConfig
+from gr.utils.finite import non_finite
 
 SLICE_FILES = {
     SPARSE: (SPARSE_INI,),

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
-from gr.atomic import atomic_directory, write_bytes, write_json
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings
 from gr.export.format import (
@@ -59,8 +58,9 @@ from gr.export.sparse_manifest import FeatureEntry, SparseManifest, TableEntry
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
-from gr.run_lock import run_lock
 from gr.train.run import MAPPINGS_DIR, load_trained_model, read_run
+from gr.utils.atomic import atomic_directory, write_bytes, write_json
+from gr.utils.run_lock import run_lock
 
 EXAMPLE_ROWS = 3  # rows of the example inputs traced for ONNX (>= 2: 0/1 sizes get specialised)
 VERIFY_ROWS = (1, 5)  # row counts at which ONNX Runtime is checked against PyTorch after export
@@ -125,7 +125,7 @@ def export_run(
 
     Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``; the item
     features the model reads from the run's training data (``gr.export.item_store``). The run
-    is read under its lock, shared (``gr.run_lock``): a run being trained or resumed is refused.
+    is read under its lock, shared (``gr.utils.run_lock``): a run being trained or resumed is refused.
     """
     run_dir = Path(run_dir)
     with run_lock(run_dir, "gr export", shared=True):

@@ -7,7 +7,17 @@ import math
 from dataclasses import InitVar, dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from gr.config_checks import BOOL, PROBABILITY, Section, checked, int_at_least, known_keys, number_in, one_of, optional
+from gr.utils.config_checks import (
+    BOOL,
+    PROBABILITY,
+    Section,
+    checked,
+    int_at_least,
+    known_keys,
+    number_in,
+    one_of,
+    optional,
+)
 
 ATTN_NORMS = ("max_seq_len", "seq_len")
 TIME_BUCKETINGS = ("log", "sqrt")

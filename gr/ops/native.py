@@ -50,7 +50,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from gr.atomic import write_bytes
+from gr.utils.atomic import write_bytes
 
 log = logging.getLogger(__name__)
 

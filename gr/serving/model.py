@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gr.devices import DEVICES, require_device
 from gr.export.format import (
     BAG,
     HSTU_OUTPUT,
@@ -37,6 +36,7 @@ from gr.serving.id_maps import IdMaps
 from gr.serving.onnx_slice import OnnxSlice, execution_providers
 from gr.serving.request import RequestSchema
 from gr.serving.sparse_store import SparseStore
+from gr.utils.devices import DEVICES, require_device
 
 Tokens = Dict[str, np.ndarray]
 
@@ -127,7 +127,7 @@ class ServingModel:
 
 def check_device(device: str) -> None:
     """Check that ``--device`` (cpu|cuda|npu) can serve here: torch sees it (torch_npu is loaded
-    for "npu" through ``gr.devices``, never otherwise) and ONNX Runtime has its execution
+    for "npu" through ``gr.utils.devices``, never otherwise) and ONNX Runtime has its execution
     provider. Raises ValueError for an unknown name, one RuntimeError naming all that is missing."""
     if device not in DEVICES:
         raise ValueError(f"--device: expected one of {list(DEVICES)}, got {device!r}")

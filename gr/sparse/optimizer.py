@@ -16,7 +16,7 @@ from typing import Any, Dict, Tuple, Type
 
 import torch
 
-from gr.config_checks import BETAS, Section, checked, number_in, one_of
+from gr.utils.config_checks import BETAS, Section, checked, number_in, one_of
 
 # FBGEMM's table-batched embedding kernels: which optimizers they fuse, per device type.
 # fbgemm-gpu-cpu (1.8) builds only the first three; the CUDA build has all of them.

@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from gr.lazy import lazy_getattr
+from gr.utils.lazy import lazy_getattr
 
 PLACEMENTS = ("device", "host")
 # The attribute of the wrapped model holding its SparseEmbeddings (GRModel.embeddings).

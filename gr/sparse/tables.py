@@ -19,10 +19,10 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from gr.config_checks import NAMES, int_at_least, known_keys, one_of, optional, require
 from gr.sparse.dedup import unique_ids
 from gr.sparse.keyed_jagged import JaggedTensor, KeyedJaggedTensor
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
+from gr.utils.config_checks import NAMES, int_at_least, known_keys, one_of, optional, require
 
 # sparse.backend -> the module that builds its collections (``sequence_collection``,
 # ``pooled_collection``) and names its KeyedJaggedTensor class.

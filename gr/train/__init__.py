@@ -19,12 +19,12 @@ A run directory holds:
     checkpoints/       DCP checkpoint directories: "epoch=N" (the best by trainer.monitor)
                        and "last" (for --resume); each has every rank's shards + meta.pt
     logs/              TensorBoard events and metrics.csv (Lightning's CSV logger)
-    .lock              only while a process trains, resumes or exports the run (``gr.run_lock``)
+    .lock              only while a process trains, resumes or exports the run (``gr.utils.run_lock``)
 
 Public names load lazily, so reading a config does not import Lightning.
 """
 
-from gr.lazy import lazy_getattr
+from gr.utils.lazy import lazy_getattr
 
 _EXPORTS = {
     "TrainConfig": "gr.train.config",

@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gr.atomic import replace_directory
-from gr.crash_points import crash_point
-from gr.finite import NonFiniteError, non_finite
 from gr.train import checkpoint_meta
+from gr.utils.atomic import replace_directory
+from gr.utils.crash_points import crash_point
+from gr.utils.finite import NonFiniteError, non_finite
 
 SHARDED_KEYS = ("state_dict", "sparse_optimizer")
 DENSE_OPTIMIZER_KEY = "optimizer_states"

@@ -18,7 +18,7 @@ from typing import Any, Dict
 import torch
 from safetensors.torch import load_file, save
 
-from gr.atomic import write_bytes, write_json
+from gr.utils.atomic import write_bytes, write_json
 
 META_JSON = "meta.json"
 META_TENSORS = "meta.safetensors"

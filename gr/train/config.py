@@ -23,8 +23,16 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from gr.atomic import write_text
-from gr.config_checks import (
+from gr.data.config import DataConfig
+from gr.hstu import HSTUConfig
+from gr.model import GRModel
+from gr.postfix_dnn import PostfixDNN
+from gr.prefix_dnn import PrefixDNN
+from gr.sparse.optimizer import EmbeddingOptimizerConfig
+from gr.sparse.sharding import PLACEMENTS
+from gr.sparse.tables import SPARSE_BACKENDS, TableConfig
+from gr.utils.atomic import write_text
+from gr.utils.config_checks import (
     BETAS,
     BOOL,
     NAME,
@@ -40,14 +48,6 @@ from gr.config_checks import (
     one_of,
     optional,
 )
-from gr.data.config import DataConfig
-from gr.hstu import HSTUConfig
-from gr.model import GRModel
-from gr.postfix_dnn import PostfixDNN
-from gr.prefix_dnn import PrefixDNN
-from gr.sparse.optimizer import EmbeddingOptimizerConfig
-from gr.sparse.sharding import PLACEMENTS
-from gr.sparse.tables import SPARSE_BACKENDS, TableConfig
 
 # The shipped PrefixDNN, and the PostfixDNN per task, used when the config names no class.
 DEFAULT_POSTFIX = {"retrieval": "gr.postfix_dnn.RetrievalHead", "ranking": "gr.postfix_dnn.MMoERankingHead"}

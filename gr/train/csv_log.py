@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
-from gr.atomic import atomic_file
+from gr.utils.atomic import atomic_file
 
 
 class AppendingExperimentWriter(ExperimentWriter):

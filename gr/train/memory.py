@@ -87,7 +87,7 @@ LAYER_NORM_STATS = 2 * FP32  # mean and 1/std per token
 STACK_INDEX_BYTES = 4 * INT64  # token positions (embedding indices) and index bookkeeping
 # Optimizer state in floats per parameter for dense optimizers (sparse ones: ``optimizer_state_elements``).
 DENSE_OPTIMIZER_FLOATS = {"adamw": 2, "adam": 2, "sgd": 0}
-# Bytes per element of a table tensor while a checkpoint is saved: ``gr.finite`` checks each weight with
+# Bytes per element of a table tensor while a checkpoint is saved: ``gr.utils.finite`` checks each weight with
 # torch.isfinite, whose C++ expression (x == x) * (|x| != inf) keeps x == x (1), |x| (4), |x| != inf (1)
 # and their product (1) alive to its end.
 FINITE_CHECK_BYTES = 7

@@ -32,13 +32,13 @@ from torch import Tensor
 
 from gr.data.features import FeatureSpec
 from gr.data.stochastic_length import subsample_histories
-from gr.finite import NonFiniteError, gradients_finite, non_finite
 from gr.model import GRInput
 from gr.sparse.sharding import check_one_rank, table_device
 from gr.sparse.torch_tables import prepare_for_training
 from gr.train.build import dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
 from gr.train.tasks import RankingTask, RetrievalTask
+from gr.utils.finite import NonFiniteError, gradients_finite, non_finite
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 No maintained Lightning accelerator for Ascend is on the package index (checked 2026-11:
 Lightning ships CPU, CUDA, MPS and XLA ones), so this registers its own. torch_npu is
-imported by ``gr.devices.load_torch_npu`` when ``trainer.accelerator: npu`` is asked for,
+imported by ``gr.utils.devices.load_torch_npu`` when ``trainer.accelerator: npu`` is asked for,
 never on import of this module. Dense modules run on the NPU; embedding tables stay in host
 memory (``sparse.placement: host``: FBGEMM has no NPU kernels), DDP talks over HCCL.
 """
@@ -17,7 +17,7 @@ from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-from gr.devices import load_torch_npu
+from gr.utils.devices import load_torch_npu
 
 NPU_PROCESS_GROUP_BACKEND = "hccl"
 

@@ -18,12 +18,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from gr.atomic import replace_directory, write_json
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
-from gr.devices import check_accelerator, runs_on_cpu
 from gr.model import GRModel
-from gr.run_lock import run_lock, writes_run
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables
@@ -34,6 +31,9 @@ from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
 from gr.train.progress import progress_callbacks
 from gr.train.strategy import TorchRecStrategy
+from gr.utils.atomic import replace_directory, write_json
+from gr.utils.devices import check_accelerator, runs_on_cpu
+from gr.utils.run_lock import run_lock, writes_run
 
 CONFIG_FILE = "config.yaml"
 FEATURES_FILE = "features.json"
@@ -53,7 +53,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     checkpoint has loaded, so a resume that fails leaves the run as it was; logs append.
 
     Refused before anything is written (ValueError, one line): an accelerator this host lacks,
-    a run directory another process holds (``gr.run_lock``; rank 0 takes it), and on CPU a
+    a run directory another process holds (``gr.utils.run_lock``; rank 0 takes it), and on CPU a
     model whose ``gr plan`` estimate exceeds the available memory (``trainer.memory_check``).
     """
     out_dir = Path(out_dir)

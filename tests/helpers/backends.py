@@ -2,7 +2,7 @@
 
 import importlib.util
 
-from gr.devices import suite_device
+from gr.utils.devices import suite_device
 
 DEVICE = suite_device()  # GR_TEST_DEVICE, else detected (cpu: Triton's interpreter, set by tests/conftest.py)
 HAS_TRITON = importlib.util.find_spec("triton") is not None

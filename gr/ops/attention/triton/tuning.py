@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from gr.atomic import write_json
+from gr.utils.atomic import write_json
 
 ENV_AUTOTUNE = "GR_TRITON_AUTOTUNE"
 ENV_CACHE_DIR = "GR_TRITON_CACHE_DIR"

@@ -7,7 +7,7 @@ no cleanup, no ``finally`` blocks, no flushed buffers, like ``kill -9``. Unset, 
 Points: ``checkpoint_before_save``, ``checkpoint_mid_save`` (the DCP shards written, the
 metadata not), ``checkpoint_after_save`` (in ``gr.train.checkpoint``) and
 ``replace_directory_mid_rename`` (the old directory moved aside, the new one not yet in
-place, in ``gr.atomic.replace_directory``).
+place, in ``gr.utils.atomic.replace_directory``).
 """
 
 from __future__ import annotations

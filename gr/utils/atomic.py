@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator, List, Optional, Tuple, Union
 
-from gr.crash_points import crash_point
+from gr.utils.crash_points import crash_point
 
 PathLike = Union[str, Path]
 TEMPORARY = ".tmp-"  # .NAME.tmp-<hex>: where atomic_directory writes NAME

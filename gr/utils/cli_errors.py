@@ -16,7 +16,7 @@ USAGE_EXIT_STATUS = 2
 
 # OSError: missing / unreadable files and directories; ValueError: validation (config keys,
 # file formats, UnicodeDecodeError, JSONDecodeError); RecursionError: a too deeply nested
-# file; ArithmeticError: gr.finite.NonFiniteError (a diverged run).
+# file; ArithmeticError: gr.utils.finite.NonFiniteError (a diverged run).
 KNOWN_ERRORS = (OSError, ValueError, RecursionError, ArithmeticError)
 
 
