@@ -51,9 +51,11 @@ TEST_WORKERS ?= 2
 # shared/ data directory beside the checkout, where CI's .ci/run points it).
 test: export GR_ML100K_DIR ?= $(firstword $(wildcard data/ml-100k ../shared/data/ml-100k))
 # Style first (ruff lint + format check, configured in pyproject.toml), then the layers of docs/design.md §3
-# (import-linter's contracts in pyproject.toml), then the suite.
+# (import-linter's contracts in pyproject.toml), then mypy over gr/ ([tool.mypy]; its cache, .mypy_cache/,
+# makes a rerun take seconds), then the suite.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	PYTHONPATH=. .venv/bin/lint-imports
+	$(PY) -m mypy
 	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests

@@ -163,6 +163,7 @@ def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -
         result = ranker.rank(request, use_cache=not args.no_cache)
     except RequestError as exc:
         return _error(where, exc)
+    assert not isinstance(result, list)  # one request, one result
     return {"user_id": request.user_id, **result.to_json()}
 
 
@@ -174,6 +175,7 @@ def _generate_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespac
         result = ranker.generate(request)
     except RequestError as exc:
         return _error(where, exc)
+    assert not isinstance(result, list)  # one request, one result
     return {"user_id": request.user_id, **result.to_json()}
 
 
@@ -202,8 +204,9 @@ def _serve(args: argparse.Namespace) -> int:
         if value < 1:
             print(f"serve: {flag(name)}: expected an integer >= 1, got {value}", file=sys.stderr)
             return 2
+    check: List[object]
     try:
-        check = check_export(args.export_dir)
+        check = list(check_export(args.export_dir))
     except OSError as exc:
         check = [str(exc)]
     if check:

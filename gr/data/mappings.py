@@ -68,17 +68,19 @@ def save_mappings(directory: str, maps: Mapping[str, IdMap], columns: Mapping[st
     feature (its column names) and the manifest ``mappings.json``; each file via temp + rename."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    manifest: Dict[str, object] = {"format_version": MAPPINGS_FORMAT_VERSION, "maps": {}, "columns": {}}
+    map_entries: Dict[str, Dict[str, object]] = {}
+    column_files: Dict[str, str] = {}
+    manifest = {"format_version": MAPPINGS_FORMAT_VERSION, "maps": map_entries, "columns": column_files}
     for name, id_map in maps.items():
         rows = zip(range(id_map.offset, id_map.cardinality), id_map.raw.tolist())
         with atomic_file(root / f"{name}.tsv") as f:
             _write_tsv(f, ("dense_id", "raw_id"), rows)
         kind = "int" if id_map.raw.dtype.kind in "iu" else "str"
-        manifest["maps"][name] = {"file": f"{name}.tsv", "raw_type": kind, "offset": id_map.offset}
+        map_entries[name] = {"file": f"{name}.tsv", "raw_type": kind, "offset": id_map.offset}
     for name, names in columns.items():
         with atomic_file(root / f"{name}.columns.tsv") as f:
             _write_tsv(f, ("column", "name"), enumerate(names))
-        manifest["columns"][name] = f"{name}.columns.tsv"
+        column_files[name] = f"{name}.columns.tsv"
     write_json(root / MANIFEST, manifest)
 
 

@@ -89,7 +89,7 @@ class ExportError(RuntimeError):
 # ---- INI -----------------------------------------------------------------------------
 def new_parser() -> configparser.ConfigParser:
     parser = configparser.ConfigParser(interpolation=None)
-    parser.optionxform = str  # keys are case-sensitive names
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # case-sensitive keys (the documented way)
     return parser
 
 

@@ -89,7 +89,7 @@ def config_from_slice(values: Any, rel: str, problems: List[Problem]) -> Optiona
         got = values.get(key)
         if not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-12):
             problems.append(Problem(rel, key, f"expected {want!r} (derived from the other keys), got {got!r}"))
-    return (config, dtype) if len(problems) == start else None
+    return (config, str(dtype)) if len(problems) == start else None
 
 
 def slice_tensor_shapes(config: HSTUConfig) -> Dict[str, Tuple[int, ...]]:

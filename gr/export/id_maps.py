@@ -29,7 +29,7 @@ def read_id_maps(root: Path, sparse: SparseManifest) -> Tuple[Dict[str, IdMap], 
     problems: List[Problem] = []
     for feature, entry in mapped.items():
         key = f"feature.{feature}.id_mapping"
-        id_map = by_name.get(Path(entry.id_mapping).name.removesuffix(".tsv"))
+        id_map = by_name.get(Path(str(entry.id_mapping)).name.removesuffix(".tsv"))
         table = sparse.tables[entry.table]
         if id_map is None:
             problems.append(

@@ -123,7 +123,7 @@ def check_item_store(
         problem("format_version", f"unknown format version {version!r}; this reader knows {STORE_FORMAT_VERSION}")
         return None
     request = {t.name: t for t in graph.request}
-    item_spec = request.get(item_feature)
+    item_spec = request.get(item_feature) if isinstance(item_feature, str) else None
     if item_feature not in sparse.features or item_spec is None or tuple(item_spec.shape) != (TOKENS,):
         problem("item_feature", f"{item_feature!r} is not a token id feature of the export with a table")
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import onnx
 import torch
@@ -325,6 +325,7 @@ def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[
                 problems.append(Problem(SLICE_GRAPH, key, f"no [feature.{t.name}] in {SPARSE_INI}"))
                 continue
             sequence = feature.kind == "sequence"
+            expected: Tuple[str, Tuple[Any, ...]]
             if kind == "input":
                 expected = ("int64", (TOKENS,) if sequence else (BAG,))
             else:

@@ -27,7 +27,8 @@ from gr.hstu.user_state import append, truncate
 class GenerativeModel(Protocol):
     """What generation needs from a model: the cached HSTU engine, item tokens and retrieval queries."""
 
-    engine: CachedHSTU
+    @property
+    def engine(self) -> CachedHSTU: ...
 
     def item_tokens(self, items: Tensor) -> Tensor:
         """items: [n] int64 -> [n, D] float HSTU input (the PrefixDNN output of each item as a token)."""

@@ -54,7 +54,8 @@ def greedy_speculative_retrieval(
     base = set(state.items) if exclude_seen else set()
     _, seed_ids = index.search(state.query.view(1, -1), exclusion_mask(index.num_items, 1, base), options.cache_size)
     local = torch.unique(seed_ids[0])  # sorted: the first of equal local scores is the lowest id
-    states, out, pending = [state], [], []
+    states, pending = [state], []
+    out: List[int] = []
     while True:
         i = len(out)
         out.append(_local_best(index, states[i].query, local, _banned(base, out[:i], exclude_seen)))

@@ -46,7 +46,7 @@ import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -116,8 +116,8 @@ def cpu_bf16_math() -> bool:
     return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
-def native_ops(namespace: str) -> Optional[object]:
-    """``torch.ops.<namespace>`` when the fused CPU kernels are on and built, else None."""
+def native_ops(namespace: str) -> Optional[Any]:
+    """``torch.ops.<namespace>`` (ops as attributes: Any) when the fused CPU kernels are on and built, else None."""
     setting = fused_setting()
     if not fused_expected():
         if setting == "1":

@@ -51,7 +51,7 @@ def unit_rows(x: Tensor, eps: float = 1e-12) -> Tensor:
 
 class _UnitRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, eps: float) -> Tensor:
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(eps)
         y = x / norm
         ctx.save_for_backward(y, norm)
@@ -59,7 +59,7 @@ class _UnitRows(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: Tensor):  # type: ignore[override]
+    def backward(ctx, dy: Tensor):
         y, norm = ctx.saved_tensors
         along = torch.linalg.vecdot(y, dy).unsqueeze(-1)
         along.masked_fill_(norm <= ctx.eps, 0.0)  # a clamped norm is a constant

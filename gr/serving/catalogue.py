@@ -90,6 +90,7 @@ class Catalogue:
                 dim = schema.token_dense.get(name)
                 columns[name] = np.zeros(rows, dtype=np.int64) if dim is None else np.zeros((rows, dim), np.float32)
             for name in schema.stored:
+                assert model.sparse.items is not None  # stored features are the item store's
                 columns[name] = model.sparse.items.lookup(name, ids)
             self.tokens = model.embed_tokens(columns)
         table = model.sparse.tables[model.sparse.features[item_feature].table]

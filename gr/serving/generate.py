@@ -176,9 +176,9 @@ def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
             items, torch.from_numpy(p.history.tokens[TIMESTAMPS]), request_time, state.query, p.attribute
         )
         out = speculative_greedy(lm, index, state, k, request_time, drafter, exclude_seen, p.verification, p.budget)
-    items = p.history.decode_items(catalogue.item_feature, torch.tensor(out.items, dtype=torch.long).numpy())
+    decoded = p.history.decode_items(catalogue.item_feature, torch.tensor(out.items, dtype=torch.long).numpy())
     return GenerateResult(
-        items,
+        decoded,
         out.stats,
         p.history.length,
         p.history.truncated,

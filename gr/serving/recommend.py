@@ -101,6 +101,6 @@ def run(cache: UserCache, prepared: Sequence[PreparedRecommend]) -> List[Recomme
     for b, (p, e) in enumerate(zip(prepared, encoded)):
         (scores, items), h = found[b], p.history
         check_finite({"scores": scores.numpy()}, "recommend")
-        items = h.decode_items(item_feature, items.numpy())
-        out.append(RecommendResult(items, scores.numpy(), h.length, h.truncated, e.cache_status, h.model_version))
+        decoded = h.decode_items(item_feature, items.numpy())
+        out.append(RecommendResult(decoded, scores.numpy(), h.length, h.truncated, e.cache_status, h.model_version))
     return out

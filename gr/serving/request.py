@@ -293,10 +293,11 @@ class RequestSchema:
         for name, dim in self.token_dense.items():
             if name in columns:
                 out[name] = _dense(columns[name], dim, f"{where}.{name}")
-        items = None if store.items is None else out.get(store.items.item_feature)
+        item_store = store.items
+        items = None if item_store is None else out.get(item_store.item_feature)
         for name in self.stored:
-            if name not in columns and items is not None:
-                out[name] = store.items.lookup(name, items)
+            if name not in columns and item_store is not None and items is not None:
+                out[name] = item_store.lookup(name, items)
         lengths = {name: len(a) for name, a in out.items()}
         count = next(iter(lengths.values()), 0)
         for name in self.token_ids:

@@ -38,7 +38,7 @@ class AppendingCSVLogger(CSVLogger):
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
-        return self._experiment
+        return self._experiment  # type: ignore[return-value]  # Lightning types it as its private base writer
 
 
 def drop_rows_from_step(metrics_csv: Path, step: int) -> int:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Dict, Mapping, cast
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -16,5 +16,5 @@ def multitask_bce(
     terms = {
         f"bce/{task}": F.binary_cross_entropy_with_logits(logit, labels[task].float()) for task, logit in logits.items()
     }
-    total = sum(weights.get(task, 1.0) * terms[f"bce/{task}"] for task in logits)
+    total = cast(Tensor, sum(weights.get(task, 1.0) * terms[f"bce/{task}"] for task in logits))  # logits: not empty
     return {"loss": total, **terms}

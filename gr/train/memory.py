@@ -112,7 +112,7 @@ class TablePlan:
     name: str
     rows: int
     dim: int
-    sharding: str
+    sharding: Optional[str]
     params: int
     params_per_rank: Tuple[int, ...]
     optimizer_floats: int
@@ -518,7 +518,7 @@ def _table_plans(config: TrainConfig, tables: Sequence[TableConfig], nproc: int)
 def _fsdp_shards(config: HSTUConfig, nproc: int) -> List[int]:
     """Parameters of the HSTU stack per rank under FSDP2: every parameter chunked along dim 0."""
     d, p, a = config.hidden_dim, _projection_width(config), config.num_heads * config.linear_dim
-    shapes = [(config.max_seq_len + 1, d)] if config.position_embedding else []
+    shapes: List[Tuple[int, ...]] = [(config.max_seq_len + 1, d)] if config.position_embedding else []
     layer = [(config.num_position_buckets,), (config.time_buckets,), (d,), (d,), (p, d), (p,), (a,), (a,), (d, a), (d,)]
     shapes += layer * config.num_layers
     per_rank = [0] * nproc

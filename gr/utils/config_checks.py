@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import field
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Tuple, cast
 
 Check = Tuple[Callable[[Any], bool], str]
 
@@ -96,7 +96,7 @@ class Section:
     every field declared with ``checked``. Lists become tuples (the section stays hashable)."""
 
     def validate(self, where: str) -> None:
-        for f in dataclasses.fields(self):
+        for f in dataclasses.fields(cast(Any, self)):  # a mixin of dataclasses
             value = getattr(self, f.name)
             check = f.metadata.get("check")
             if check is not None:
@@ -106,4 +106,4 @@ class Section:
 
     @classmethod
     def from_dict(cls, values: Any, where: str) -> Any:
-        return cls(**known_keys(cls, values, where), where=where)
+        return cast(Any, cls)(**known_keys(cls, values, where), where=where)  # where: the dataclass's InitVar

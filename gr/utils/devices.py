@@ -88,7 +88,7 @@ def load_torch_npu(where: str) -> ModuleType:
         ) from err
     import torch
 
-    if not torch.npu.is_available():
+    if not torch.npu.is_available():  # type: ignore[attr-defined]  # torch_npu adds torch.npu
         raise RuntimeError(
             f"{where}: 'npu': torch_npu loaded but sees no NPU (check npu-smi and ASCEND_RT_VISIBLE_DEVICES)"
         )
@@ -144,7 +144,7 @@ def detected_device() -> str:
 
     if torch.cuda.is_available():
         return "cuda"
-    if "torch_npu" in sys.modules and torch.npu.is_available():
+    if "torch_npu" in sys.modules and torch.npu.is_available():  # type: ignore[attr-defined]
         return "npu"
     return "cpu"
 

@@ -21,7 +21,7 @@ import errno
 import fcntl
 import os
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Mapping, Optional
 
 LOCK_FILE = ".lock"
 ACQUIRE_TRIES = 5  # each retry follows a holder that removed the file between our open and our lock
@@ -99,8 +99,8 @@ def _release(run_dir: Path, fd: int, created: List[Path]) -> None:
     os.close(fd)
 
 
-def writes_run(environ: Optional[dict] = None) -> bool:
+def writes_run(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether this process is the one rank of a run that takes the run's lock: global rank 0
     (torchrun's RANK, Lightning's NODE_RANK / LOCAL_RANK; unset: a single process)."""
-    environ = os.environ if environ is None else environ
-    return all(environ.get(name, "0") == "0" for name in ("RANK", "NODE_RANK", "LOCAL_RANK"))
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    return all(env.get(name, "0") == "0" for name in ("RANK", "NODE_RANK", "LOCAL_RANK"))

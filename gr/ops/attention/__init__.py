@@ -18,7 +18,7 @@ work estimates of the ``cpu`` backend that ``gr.train.memory`` sums.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from torch import Tensor
 
@@ -104,7 +104,7 @@ def hstu_attention(
     call.validate()
     name = resolve_backend(backend, q.device.type)
     # "auto" on an NPU lets the vendor op's misfits fall back to the NPU Triton kernels
-    options = {"explicit": False} if name == "ascend" and backend == "auto" else {}
+    options: Dict[str, Any] = {"explicit": False} if name == "ascend" and backend == "auto" else {}
     if workspace is not None and name in _WORKSPACE_BACKENDS:
         options["workspace"] = workspace
     return backend_entry(name)(call, **options)

@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 
 class Projection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes, keep_grad, bf16):  # type: ignore[override]
+    def forward(ctx, ops, x, norm_weight, norm_bias, eps, weight, bias, sizes, keep_grad, bf16):
         parts, silu_grads, mean, rstd = ops.projection_forward(
             x, norm_weight, norm_bias, eps, weight, bias, list(sizes), keep_grad, bf16
         )
@@ -22,7 +22,7 @@ class Projection(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         x, norm_weight, norm_bias, weight, mean, rstd, *silu_grads = ctx.saved_tensors
         parts: List[Tensor] = []
         for grad, width in zip(grads, ctx.sizes):
@@ -36,7 +36,7 @@ class Projection(torch.autograd.Function):
 
 class Output(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x, bf16):  # type: ignore[override]
+    def forward(ctx, ops, a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x, bf16):
         out, mean, rstd = ops.output_forward(a, u, keep, scale, norm_weight, norm_bias, eps, weight, bias, x, bf16)
         ctx.ops, ctx.scale, ctx.bf16 = ops, scale, bf16
         ctx.save_for_backward(a, u, keep, norm_weight, norm_bias, weight, mean, rstd)
@@ -44,7 +44,7 @@ class Output(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx, dout: Tensor) -> Tuple[Optional[Tensor], ...]:
         a, u, keep, norm_weight, norm_bias, weight, mean, rstd = ctx.saved_tensors
         dout = dout.contiguous()
         da, du, dnorm_weight, dnorm_bias, dweight, dbias = ctx.ops.output_backward(
@@ -55,7 +55,7 @@ class Output(torch.autograd.Function):
 
 class NormMulDropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, x, weight, bias, u, keep, scale, eps):  # type: ignore[override]
+    def forward(ctx, ops, x, weight, bias, u, keep, scale, eps):
         y, mean, rstd = ops.norm_forward(x, weight, bias, u, keep, scale, eps)
         ctx.ops, ctx.scale = ops, scale
         ctx.save_for_backward(x, weight, bias, u, keep, mean, rstd)
@@ -63,7 +63,7 @@ class NormMulDropout(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx, dy: Tensor) -> Tuple[Optional[Tensor], ...]:
         x, weight, bias, u, keep, mean, rstd = ctx.saved_tensors
         dy = dy.float().contiguous()
         dx, dweight, dbias, du = ctx.ops.norm_backward(dy, x, weight, bias, u, keep, mean, rstd, ctx.scale)
@@ -72,14 +72,14 @@ class NormMulDropout(torch.autograd.Function):
 
 class StackInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, x, scale, table, rows, keep, keep_scale):  # type: ignore[override]
+    def forward(ctx, ops, x, scale, table, rows, keep, keep_scale):
         ctx.ops, ctx.scale, ctx.keep_scale, ctx.table_rows = ops, scale, keep_scale, table.shape[0]
         ctx.save_for_backward(rows, keep)
         return ops.input_forward(x, scale, table, rows, keep, keep_scale)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx, dy: Tensor) -> Tuple[Optional[Tensor], ...]:
         rows, keep = ctx.saved_tensors
         dx, dtable = ctx.ops.input_backward(dy.contiguous(), ctx.scale, rows, ctx.table_rows, keep, ctx.keep_scale)
         return None, dx, None, dtable, None, None, None
