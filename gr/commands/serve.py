@@ -163,7 +163,6 @@ def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -
         result = ranker.rank(request, use_cache=not args.no_cache)
     except RequestError as exc:
         return _error(where, exc)
-    assert not isinstance(result, list)  # one request, one result
     return {"user_id": request.user_id, **result.to_json()}
 
 
@@ -175,7 +174,6 @@ def _generate_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespac
         result = ranker.generate(request)
     except RequestError as exc:
         return _error(where, exc)
-    assert not isinstance(result, list)  # one request, one result
     return {"user_id": request.user_id, **result.to_json()}
 
 

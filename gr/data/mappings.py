@@ -113,6 +113,8 @@ def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]
                 f"{manifest_path}: maps.{name}: expected raw_type one of {list(RAW_TYPES)} and an offset >= 0, "
                 f"got {kind!r} and {offset!r}"
             )
+        if not isinstance(file, str):
+            raise ValueError(f"{manifest_path}: maps.{name}: expected a file name, got {file!r}")
         maps[name] = _read_map(root / file, kind, offset)
     columns = {
         name: [r[1] for _, r in _read_tsv(root / file, ("column", "name"))]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Callable, Hashable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Hashable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, overload
 
 from gr.serving import generate as generation
 from gr.serving import rank as ranking
@@ -157,6 +157,23 @@ class Ranker:
         return model.catalogue(), model_version
 
     # ---- the verbs: one entry point each ---------------------------------------------------
+    # (overloads: one request -> its result, a sequence -> a list; the implementations follow them)
+    @overload
+    def rank(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]: ...
+
+    @overload
+    def rank(
+        self,
+        requests: Union[RankRequest, Hashable],
+        history: Optional[Mapping[str, Any]] = None,
+        candidates: Optional[Mapping[str, Any]] = None,
+        common_features: Optional[Mapping[str, Any]] = None,
+        *,
+        request_time: Optional[int] = None,
+        use_cache: bool = True,
+        id_options: IdOptions = MODEL_IDS,
+    ) -> RankResult: ...
+
     def rank(
         self,
         requests: Union[RankRequest, Sequence[RankRequest], Hashable],
@@ -182,6 +199,12 @@ class Ranker:
             requests = RankRequest(requests, history, candidates, common_features, request_time, id_options)
         return self._answer(RankRequest, requests, use_cache=use_cache)
 
+    @overload
+    def recommend(self, requests: RecommendRequest) -> RecommendResult: ...
+
+    @overload
+    def recommend(self, requests: Sequence[RecommendRequest]) -> List[RecommendResult]: ...
+
     def recommend(
         self, requests: Union[RecommendRequest, Sequence[RecommendRequest]]
     ) -> Union[RecommendResult, List[RecommendResult]]:
@@ -189,6 +212,20 @@ class Ranker:
         item index): ``recommend(RecommendRequest)`` -> RecommendResult, or a sequence -> a list,
         every user's query from shared passes and one index search per k."""
         return self._answer(RecommendRequest, requests)
+
+    @overload
+    def generate(self, requests: Sequence[GenerateRequest], **options: Any) -> List[GenerateResult]: ...
+
+    @overload
+    def generate(
+        self,
+        requests: Union[GenerateRequest, Hashable],
+        history: Optional[Mapping[str, Any]] = None,
+        k: Optional[int] = None,
+        strategy: str = "greedy",
+        exclude_seen: bool = True,
+        **options: Any,
+    ) -> GenerateResult: ...
 
     def generate(
         self,

@@ -84,9 +84,11 @@ class RetrievalTask:
         else:
             distinct, index = unique_ids(torch.cat([positives, negatives.reshape(-1)]), self.num_items)
             positive_index, negative_index = index[: positives.numel()], index[positives.numel() :].reshape(shape)
-        features = batch.sequence_ids.to_dict()
-        ids_device = batch.sequence_ids.values().device  # the tables' (host memory when placed there)
-        lengths = torch.zeros(batch.sequence_ids.stride(), dtype=torch.int64, device=ids_device)
+        sequence_ids = batch.sequence_ids
+        assert sequence_ids is not None  # a retrieval batch holds its item feature's ids
+        features = sequence_ids.to_dict()
+        ids_device = sequence_ids.values().device  # the tables' (host memory when placed there)
+        lengths = torch.zeros(sequence_ids.stride(), dtype=torch.int64, device=ids_device)
         lengths[0] = distinct.numel()  # one jagged row holding them all: they belong to no sequence
         features[SAMPLED_ITEMS] = JaggedTensor(values=distinct.to(ids_device), lengths=lengths)
         labels = {
