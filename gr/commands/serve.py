@@ -181,7 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
     """Check the export and options (one clear line and exit 2 on a problem), then run uvicorn."""
     import uvicorn
 
-    from gr.serving.http import OPTIONS_ENV
+    from gr.serving.http import OPTIONS_ENV  # the HTTP stack (fastapi), loaded by serve only, as uvicorn
 
     if (
         args.workers < 1

@@ -89,7 +89,7 @@ def _train(argv: Sequence[str], prog: str) -> int:
     config, out, resume = resolve(argv, prog)
     import torch.distributed as dist
 
-    from gr.train.run import METRICS_FILE, RunComplete, train
+    from gr.train.run import METRICS_FILE, RunComplete, train  # Lightning: not for --help / --print-config
 
     try:
         metrics = train(config, out, resume=resume)
