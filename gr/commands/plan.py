@@ -1,13 +1,6 @@
 """``gr plan --config X.yaml --nproc N [--memory-gib G] [--section.key value ...]``: the estimate of
-``gr.train.memory`` printed.
-
-Before training: parameter counts (sparse per table and per rank, dense per module and per
-rank), activation memory per sample at the recipe's sequence length for every recompute
-mode and precision, FLOPs per token, and whether one rank's share fits in ``--memory-gib``.
-The config goes through the trainer's own loader and validation (``gr.train.load_config``);
-table rows left to the data are read from it, and the user's PrefixDNN / PostfixDNN are
-built on the meta device (no memory) to count their parameters.
-"""
+``gr.train.memory`` (what it counts: that module's docstring) printed, and whether one rank's
+share fits in ``--memory-gib``."""
 
 from __future__ import annotations
 
