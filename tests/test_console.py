@@ -130,10 +130,13 @@ def test_repeated_blocks_finds_a_doubled_line_or_block():
     assert repeated_blocks(["a", "b", "c", "a"]) == []
 
 
-def test_progress_is_one_line_per_epoch_when_not_on_a_terminal(demo_output):
-    epochs = [line for line in demo_output.splitlines() if line.startswith("epoch ")]
+def test_progress_is_a_line_per_epoch_and_per_logged_step_when_not_on_a_terminal(demo_output):
+    lines = [line for line in demo_output.splitlines() if line.startswith("epoch ")]
+    epochs = [line for line in lines if " step " not in line]
     assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"]
     assert all("train/loss=" in line and "val/" in line for line in epochs)
+    steps = [line.split(":")[0] for line in lines if " step " in line]  # quickstart: 10 steps, logged every 5
+    assert steps == ["epoch 1/2 step 5/10", "epoch 2/2 step 5/10"]
     assert "\r" not in demo_output and "it/s" not in demo_output
 
 

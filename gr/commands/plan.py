@@ -1,6 +1,9 @@
 """``gr plan --config X.yaml --nproc N [--memory-gib G] [--section.key value ...]``: the estimate of
-``gr.train.memory`` (what it counts: that module's docstring) printed, and whether one rank's
-share fits in ``--memory-gib``."""
+``gr.train.memory`` printed.
+
+The memory and work of a training run before it starts: parameters, activations, FLOPs per token and
+peak memory per rank (what is counted: ``gr.train.memory``), and whether one rank's share fits in
+``--memory-gib``."""
 
 from __future__ import annotations
 
