@@ -4,7 +4,7 @@ training runs over embedding table sizes.
     python bench/memory.py [--parts stack tables] [--lengths 1024 2048 4096] [--recompute none layer]
                            [--precisions 32-true bf16-mixed] [--rows 100000 1000000 10000000 40000000]
                            [--backends torchrec torch] [--reserve-gib 2]
-    python bench/memory.py --smoke   # one short fp32 step; tables of 1,000 and 20,000 rows: checks it runs
+    python bench/memory.py --smoke   # one short fp32 step; a 1,000-row table on the torch backend: checks it runs
 
 Stack: one sequence of each length goes through an HSTU stack (hidden 128, 2 layers, 2 heads of
 64) with fp32 weights, in fp32 or under bf16 autocast, with each recompute mode. Every case
@@ -66,7 +66,8 @@ SMOKE = {
     "lengths": [256],
     "precisions": ["32-true"],
     "recompute": ["none"],
-    "rows": [1_000, 20_000],
+    "rows": [1_000],
+    "backends": ["torch"],
 }
 
 

@@ -82,7 +82,7 @@ def test_crash_at_checkpoint_phase_then_resume_ends_like_an_uninterrupted_run_an
 
 # Learning too slow to move the validation metric: the best checkpoint stays at epoch 0.
 STALLED = recipe(
-    ("trainer.max_epochs", 6),
+    ("trainer.max_epochs", 4),
     ("optimizer.lr", 1e-12),
     ("sparse.optimizer.lr", 1e-12),
     ("trainer.enable_progress_bar", True),
@@ -96,18 +96,18 @@ def logged_train_steps(run_dir: Path) -> list:
 
 def test_a_killed_run_resumes_from_its_newest_epoch_not_its_best_and_logs_each_step_once(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    # Saves: epoch=0 and last at epoch 0 (arrivals 1-2), then last alone at epochs 1-3 (3-5): the
-    # 6th arrival is epoch 4's save of last, killed before it writes anything.
-    crash_run(run_dir, "checkpoint_before_save:6", STALLED)
+    # Saves: epoch=0 and last at epoch 0 (arrivals 1-2), then last alone at epochs 1-2 (3-4): the
+    # 5th arrival is epoch 3's save of last, killed before it writes anything.
+    crash_run(run_dir, "checkpoint_before_save:5", STALLED)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch=0", "last"]
-    assert read_meta(run_dir / "checkpoints" / "last")["epoch"] == 3
-    batches_per_epoch = logged_steps(run_dir / "checkpoints" / "last") // 4
+    assert read_meta(run_dir / "checkpoints" / "last")["epoch"] == 2
+    batches_per_epoch = logged_steps(run_dir / "checkpoints" / "last") // 3
     capsys.readouterr()
     started = time.perf_counter()
     resumed = train(TrainConfig.from_dict(STALLED), run_dir, resume=True)
     took = time.perf_counter() - started
-    lines = re.findall(r"^epoch (\d+)/6: .*\(([\d.]+)s\)$", capsys.readouterr().out, flags=re.MULTILINE)
-    assert [int(epoch) for epoch, _ in lines] == [5, 6]  # epochs 1-4 are not trained again
+    lines = re.findall(r"^epoch (\d+)/4: .*\(([\d.]+)s\)$", capsys.readouterr().out, flags=re.MULTILINE)
+    assert [int(epoch) for epoch, _ in lines] == [4]  # epochs 1-3 are not trained again
     assert all(float(seconds) <= took for _, seconds in lines)  # the downtime is no epoch's time
-    assert resumed["epochs"] == 6 and resumed["best_checkpoint"] == "checkpoints/epoch=0"
-    assert logged_train_steps(run_dir) == list(range(6 * batches_per_epoch))  # every step once, in order
+    assert resumed["epochs"] == 4 and resumed["best_checkpoint"] == "checkpoints/epoch=0"
+    assert logged_train_steps(run_dir) == list(range(4 * batches_per_epoch))  # every step once, in order
