@@ -177,6 +177,11 @@ def test_the_library_name_hashes_sources_flags_torch_and_its_install_and_a_build
     monkeypatch.undo()
     monkeypatch.setattr(native.torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
     assert native.library_name() != name
+    monkeypatch.undo()
+    spelled = [f"{path}/." for path in cpp_extension.include_paths()]
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *args, **kwargs: spelled)
+    assert native.library_name() != name  # the same torch reached by another path: a build of its own
+    monkeypatch.undo()
     before = (native.CFLAGS, native.LDFLAGS)
 
     def appending_load(*, extra_cflags, extra_ldflags, **_):  # torch's load() extends its lists in place

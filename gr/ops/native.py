@@ -43,6 +43,7 @@ import os
 import platform
 import shutil
 import sys
+import sysconfig
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -85,12 +86,17 @@ def _cpu_text() -> str:
 
 def library_name() -> str:
     """``gr_cpu_native_<hash>``: a hash of the sources and headers, the flags, the torch version and
-    installation (environments of one version still compile against their own copy) and this CPU."""
+    installation, the include paths the build writes into its ``build.ninja`` (as spelled: one
+    environment reached through a symlink and through its target gets a build per spelling,
+    where one shared build was recompiled, silently, at every switch) and this CPU."""
+    from torch.utils.cpp_extension import include_paths
+
     digest = hashlib.sha256()
     for path in (*SOURCES, *_headers()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     torch_install = str(Path(torch.__file__).resolve().parent)  # its headers and libraries: a venv's own
-    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, torch_install, _cpu_text())).encode())
+    embedded = (*include_paths(), sysconfig.get_path("include"))
+    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, torch_install, embedded, _cpu_text())).encode())
     return f"gr_cpu_native_{digest.hexdigest()[:16]}"
 
 
