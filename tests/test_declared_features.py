@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from gr.commands.evaluate import evaluate_export, evaluate_run
 from gr.data.config import ColumnConfig, DataConfig
@@ -358,3 +359,20 @@ def test_a_bad_candidates_key_in_the_request_schema_is_named(ranking_run, tmp_pa
     graph.write_text(text.replace(old, new, 1))
     write_manifest(export)
     assert [p.key for p in check_export(export)] == [key]
+
+
+def test_an_export_is_evaluated_on_data_declaring_features_it_does_not_read(ranking_run, tmp_path):
+    """The data of an older run's config (or a recipe's) may carry features the export does not read:
+    they are left out of its requests, and the metrics are the run's."""
+    run, export = ranking_run
+    rows = list(csv.DictReader(open(run.parent / "events.csv")))
+    with open(tmp_path / "events.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, [*rows[0], "mood"])
+        writer.writeheader()
+        writer.writerows({**r, "mood": ["calm", "busy"][i % 2]} for i, r in enumerate(rows))
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"]["path"] = str(tmp_path / "events.csv")
+    config["data"]["columns"]["token_features"].append("mood")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    served = evaluate_export(export, tmp_path / "config.yaml")
+    assert served["auc"] == pytest.approx(evaluate_run(run)["auc"], abs=1e-6)

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,12 +37,19 @@ EVALUATION_FILE = "evaluation.json"
 EXPORT_MARKER = "MANIFEST"
 
 
-def batch_requests(batch: GRInput, prefix: str = "user") -> List[Dict[str, Any]]:
+def batch_requests(
+    batch: GRInput, prefix: str = "user", features: Optional[Collection[str]] = None
+) -> List[Dict[str, Any]]:
     """One serving request per sequence of ``batch`` (model ids): history = its non-target tokens,
     candidates = its ``num_targets`` trailing tokens (none when ``num_targets`` is None), the
-    sequence's common features; user ids ``f"{prefix}{b}"``."""
-    seq = batch.sequence_ids.to_dict() if batch.sequence_ids is not None else {}
-    common = batch.common_ids.to_dict() if batch.common_ids is not None else {}
+    sequence's common features (only those in ``features``, when given: what an export reads);
+    user ids ``f"{prefix}{b}"``."""
+
+    def kept(columns: Dict[str, Any]) -> Dict[str, Any]:
+        return columns if features is None else {k: v for k, v in columns.items() if k in features}
+
+    seq = kept(batch.sequence_ids.to_dict() if batch.sequence_ids is not None else {})
+    common = kept(batch.common_ids.to_dict() if batch.common_ids is not None else {})
     offsets = batch.seq_offsets.tolist()
     num_targets = [0] * (len(offsets) - 1) if batch.num_targets is None else batch.num_targets.tolist()
     out = []
@@ -50,10 +57,10 @@ def batch_requests(batch: GRInput, prefix: str = "user") -> List[Dict[str, Any]]
         start, end = offsets[b], offsets[b + 1]
         split = end - targets - start
         cols = {f: jt.values()[start:end].numpy() for f, jt in seq.items()}
-        cols.update({f: v[start:end].numpy() for f, v in batch.token_dense.items()})
+        cols.update({f: v[start:end].numpy() for f, v in kept(batch.token_dense).items()})
         cols["timestamps"] = batch.timestamps[start:end].numpy()
         commons = {f: jt.values()[int(jt.offsets()[b]) : int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
-        commons.update({f: v[b].numpy() for f, v in batch.common_dense.items()})
+        commons.update({f: v[b].numpy() for f, v in kept(batch.common_dense).items()})
         out.append(
             {
                 "user_id": f"{prefix}{b}",
@@ -82,9 +89,12 @@ def evaluate_run(run_dir: str | Path, data_overrides: Sequence[Tuple[str, str]] 
 def evaluate_export(
     export_dir: str | Path, config_path: str | Path, data_overrides: Sequence[Tuple[str, str]] = ()
 ) -> Dict[str, Any]:
-    """The export's test metrics through ``Ranker`` on the data of ``config_path`` (+ overrides)."""
+    """The export's test metrics through ``Ranker`` on the data of ``config_path`` (+ overrides).
+    Features of the data that the export does not read are left out of its requests."""
     config = load_config(config_path, data_overrides)
     ranker = Ranker.load(export_dir)
+    schema = ranker.model.schema
+    reads = {*schema.token_ids, *schema.token_dense, *schema.common_ids, *schema.common_dense}
     data = _data(config.data, ranker.model.config.eviction_block)
     task = _task(config, data, None)
     if config.task_type == "retrieval":
@@ -92,7 +102,7 @@ def evaluate_export(
         task.catalogue, task.ranks = catalogue.vectors[: data.num_items], {}  # what start_evaluation embeds
         popularity = data.popularity()
     for i, batch in enumerate(data.test_dataloader()):
-        requests = batch_requests(batch, prefix=f"b{i}:")
+        requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
         if config.task_type == "retrieval":
             queries = {"query": _served_queries(ranker, batch, requests)}
             task.evaluation_step(_output(queries, torch.arange(len(requests) + 1)), batch, popularity)

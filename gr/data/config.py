@@ -60,6 +60,9 @@ class ColumnConfig(Section):
         [T, d]; candidate tokens take zeros;
     item_dense: {feature: [float columns]} of the item -> ``GRInput.token_dense`` [T, d];
     user_dense: {feature: [float columns]} of the user -> ``GRInput.common_dense`` [B, d].
+    rating: the column ranking tasks read their labels from (``data.ranking.tasks``); it may
+        also be one token feature (categorical or dense): history tokens then carry it, while
+        candidates, which have no row, take the unknown id (zeros), so no label leaks.
     A user's (item's) values are taken from its last row in the file. Each categorical
     feature needs a table in ``model.tables`` (``num_embeddings: null``: sized from the data).
     A dense feature may name one column (d = 1) instead of a list.
@@ -87,9 +90,11 @@ class ColumnConfig(Section):
         for key, column in self.column_roles():
             roles.setdefault(column, []).append(f"{where}.{key}")
         for column, keys in roles.items():
-            if len(keys) > 1:
+            if len(keys) > 1 and not self._label_and_token_feature(keys, where):
                 raise ValueError(
-                    f"{where}: column {column!r} is used twice ({' and '.join(keys)}); each column has one role"
+                    f"{where}: column {column!r} is used twice ({' and '.join(keys)}); each column has one role, "
+                    f"except that the rating may also be one token feature ({where}.token_features or "
+                    f"{where}.token_dense)"
                 )
         names = self.feature_names()
         clashes = sorted({n for n in names if names.count(n) > 1 or n == ITEM_ID})
@@ -98,6 +103,13 @@ class ColumnConfig(Section):
                 f"{where}: feature name(s) {clashes} used twice or reserved ({ITEM_ID!r}); categorical "
                 f"features are named after their column, dense ones after their key (features: {names})"
             )
+
+    @staticmethod
+    def _label_and_token_feature(keys: List[str], where: str) -> bool:
+        """Whether ``keys`` (the keys naming one column) are the rating and one token feature: the
+        ranking label read from a column that the model also reads per token."""
+        token_keys = (f"{where}.token_features", f"{where}.token_dense.")
+        return len(keys) == 2 and keys[0] == f"{where}.rating" and keys[1].startswith(token_keys)
 
     def column_roles(self) -> List[Tuple[str, str]]:
         """[(key, column)] of every column this config reads, e.g. ``("token_dense.watch", "watch_ratio")``."""
@@ -280,11 +292,22 @@ class DataConfig(Section):
             if not isinstance(value, section):
                 object.__setattr__(self, name, section.from_dict(value, f"{where}.{name}"))
         declared = self.columns.declared()
+        for side in ("item", "user"):
+            switched_off = [k for k in (f"{side}_features", f"{side}_dense") if getattr(self.columns, k)]
+            if switched_off and not getattr(self, f"{side}_features"):
+                raise ValueError(
+                    f"{where}.{side}_features: false switches off the declared {where}.columns.{switched_off[0]}; "
+                    f"set it to true or remove the declaration"
+                )
         if declared and self.source not in TABLE_SOURCES:
             raise ValueError(
                 f"{where}.columns.{declared[0]}: only the {' and '.join(TABLE_SOURCES)} sources read declared "
                 f"columns; {self.source!r} has its own features (data.item_features / data.user_features)"
             )
+
+    def label_names(self) -> Tuple[str, ...]:
+        """The ranking tasks' label names; empty for retrieval."""
+        return tuple(t.name for t in self.ranking.tasks) if self.task == "ranking" else ()
 
     @classmethod
     def from_dict(cls, values: Any, where: str = "data") -> "DataConfig":

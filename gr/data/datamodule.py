@@ -173,7 +173,7 @@ class SequenceDataModule(lightning.LightningDataModule):
     @property
     def tasks(self) -> Tuple[str, ...]:
         """Ranking label names (one per task); empty for retrieval."""
-        return tuple(t.name for t in self.config.ranking.tasks) if self.config.task == "ranking" else ()
+        return self.config.label_names()
 
     def feature_spec(self) -> FeatureSpec:
         corpus = self._corpus()

@@ -389,21 +389,35 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     file = _require_file(
         Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
     )
-    layout = [
-        (columns.user, "str"),
-        (columns.item, "str"),
-        (columns.timestamp, "time"),
-        *([(columns.rating, "float")] if columns.rating else []),
-        *((c, "str") for c in columns.categorical_columns()),
-        *((c, "float") for c in columns.dense_columns()),
-    ]
-    values = read_delimited(file, layout, columns.delimiter, header="select", quoted=True)
+    categorical = columns.categorical_columns()
+    layout = {
+        columns.user: "str",
+        columns.item: "str",
+        columns.timestamp: "time",
+        **({columns.rating: "float"} if columns.rating else {}),
+        **{c: "float" for c in columns.dense_columns()},
+        **{c: "str" for c in categorical},  # a rating that is also a categorical feature: read as text
+    }
+    values = read_delimited(file, list(layout.items()), columns.delimiter, header="select", quoted=True)
 
     def bad_id(name: str, row: int, message: str) -> DataFormatError:
         line = _line_of_row(file, columns.delimiter, row)
         return DataFormatError(file, f"column {name!r}: {message}", line=line)
 
-    return _table_interactions(file, values, columns, bad_id)
+    ratings = None
+    if columns.rating in categorical:
+        ratings = _numbers_of_text(values[columns.rating], lambda row, text: bad_id(columns.rating, row, text))
+    return _table_interactions(file, values, columns, bad_id, ratings)
+
+
+def _numbers_of_text(text: np.ndarray, bad_value: Callable[[int, str], DataFormatError]) -> np.ndarray:
+    """[N] str -> [N] finite float64; the first value that is not a finite number raises
+    ``bad_value(row, message)``."""
+    finite = np.array([_valid(v, "float") for v in text.tolist()])
+    if not finite.all():
+        row = int(np.flatnonzero(~finite)[0])
+        raise bad_value(row, f"expected {EXPECTED['float']}, got {str(text[row])!r}")
+    return text.astype(np.float64)
 
 
 def _line_of_row(path: Path, delimiter: str, row: int) -> int:
@@ -421,7 +435,7 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     try:
         schema = pq.read_schema(file)
         numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *columns.dense_columns()]
-        wanted = [columns.user, columns.item, *numeric, *columns.categorical_columns()]
+        wanted = list(dict.fromkeys([columns.user, columns.item, *numeric, *columns.categorical_columns()]))
         missing = [c for c in wanted if c not in schema.names]
         if missing:
             raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
@@ -431,6 +445,7 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     if table.num_rows == 0:
         raise DataFormatError(file, "no data rows (empty dataset)")
     values: Dict[str, np.ndarray] = {}
+    categorical = columns.categorical_columns()
     for name in wanted:
         column = table[name]
         if column.null_count:
@@ -439,12 +454,15 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
         if name == columns.timestamp:
             values[name] = _parquet_seconds(file, name, column)
         else:
-            values[name] = _parquet_column(file, name, column, numeric=name in numeric)
+            values[name] = _parquet_column(file, name, column, numeric=name in numeric and name not in categorical)
+    ratings = None
+    if columns.rating in categorical:  # also a categorical feature: its text above, its numbers here
+        ratings = _parquet_column(file, columns.rating, table[columns.rating], numeric=True)
 
     def bad_id(name: str, row: int, message: str) -> DataFormatError:
         return DataFormatError(file, f"row {row + 1}: column {name!r}: {message}")
 
-    return _table_interactions(file, values, columns, bad_id)
+    return _table_interactions(file, values, columns, bad_id, ratings)
 
 
 def _parquet_column(file: Path, name: str, column: pa.ChunkedArray, numeric: bool) -> np.ndarray:
@@ -523,16 +541,20 @@ def _table_interactions(
     values: Dict[str, np.ndarray],
     columns: ColumnConfig,
     bad_id: Callable[[str, int, str], DataFormatError],
+    ratings: Optional[np.ndarray] = None,
 ) -> Interactions:
     """values: {column: [N]} with [N] int64 timestamps and [N] str ids; bad_id(column, row, message):
-    the error for an id that does not fit int64."""
+    the error for an id that does not fit int64; ratings: [N] float, when ``values`` holds the
+    rating column as a categorical feature's text."""
     users = _as_ids(values[columns.user], lambda row, message: bad_id(columns.user, row, message))
     items = _as_ids(values[columns.item], lambda row, message: bad_id(columns.item, row, message))
+    if ratings is None and columns.rating:
+        ratings = values[columns.rating]
     data = Interactions(
         users,
         items,
         values[columns.timestamp],
-        values[columns.rating].astype(np.float32) if columns.rating else None,
+        None if ratings is None else ratings.astype(np.float32),
         source=str(file),
     )
     if columns.user_features or columns.user_dense:

@@ -2,33 +2,50 @@
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from gr.postfix_dnn.base import PostfixDNN
 from gr.prefix_dnn.mlp_encoder import mlp
 
 
 class RetrievalHead(PostfixDNN):
-    """hidden [N, D] -> {"query": [N, embedding_dim]}, unit L2 norm.
+    """hidden [N, D] (+ the request's common features [N, d_c]) -> {"query": [N, embedding_dim]}, unit L2 norm.
 
     Scores against items are ``query . item_embedding(item table row)``; with no
     ``mlp_dims`` and ``embedding_dim == D`` the head is a plain normalisation
     (the HSTU paper's retrieval setting).
+    common_dims: ordered {common feature name: dim} (user features): their concatenation,
+    projected to embedding_dim, is added to the query before normalising. The projection
+    starts at zero, so training starts from the query without them.
     """
 
     output_names = ("query",)
 
-    def __init__(self, hidden_dim: int, embedding_dim: int, mlp_dims: Sequence[int] = ()):
+    def __init__(
+        self,
+        hidden_dim: int,
+        embedding_dim: int,
+        mlp_dims: Sequence[int] = (),
+        common_dims: Optional[Mapping[str, int]] = None,
+    ):
         super().__init__()
         identity = not mlp_dims and embedding_dim == hidden_dim
         self.mlp = mlp(hidden_dim, [] if identity else [*mlp_dims, embedding_dim])
+        self.common_feature_names = tuple(common_dims or {})
+        self.common = nn.Linear(sum((common_dims or {}).values()), embedding_dim) if common_dims else None
+        if self.common is not None:
+            nn.init.zeros_(self.common.weight)
+            nn.init.zeros_(self.common.bias)
 
     def forward(self, hidden: Tensor, common: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        return {"query": unit_rows(self.mlp(hidden))}
+        query = self.mlp(hidden)
+        if self.common is not None:
+            query = query + self.common(torch.cat([common[name] for name in self.common_feature_names], dim=-1))
+        return {"query": unit_rows(query)}
 
     @staticmethod
     def item_embedding(item_rows: Tensor) -> Tensor:

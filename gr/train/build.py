@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from gr.data.features import FeatureSpec
+from gr.data.declared import declared_spec
+from gr.data.features import ITEM_ID, FeatureSpec
 from gr.model import GRModel
+from gr.postfix_dnn import PostfixDNN
+from gr.prefix_dnn import PrefixDNN
 from gr.sparse.tables import TableConfig, sparse_backend
 from gr.train.config import ModuleSpec, OptimizerSection, TrainConfig
 
@@ -78,15 +81,11 @@ def item_table(tables: Sequence[TableConfig], item_feature: str) -> TableConfig:
     return next(t for t in tables if item_feature in t.features)
 
 
-def build_model(
-    config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = (), for_training: bool = True
-) -> GRModel:
-    """A fresh GRModel (tables unsharded, on CPU). Seed torch first for identical ranks.
-
-    Its tables are of ``sparse.backend`` when built for training; otherwise (a trained model
-    loaded back, exported, evaluated) of the torch backend, whatever trained it: the same
-    parameters and lookups, with no TorchRec needed."""
-    tables = build_tables(config, spec, for_training)
+def build_modules(
+    config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str], tables: Sequence[TableConfig]
+) -> Tuple[PrefixDNN, PostfixDNN]:
+    """The configured PrefixDNN and PostfixDNN for data ``spec``, checked to read exactly its
+    features (``check_features_read``)."""
     dims = {f: t.embedding_dim for t in tables for f in t.features}
     context: Dict[str, Any] = {
         "hidden_dim": config.model.hstu.hidden_dim,
@@ -103,6 +102,58 @@ def build_model(
             f"model.postfix_dnn.class: retrieval scores items with the head's item_embedding(rows); "
             f"{type(postfix).__name__} has none (RetrievalHead does)"
         )
+    assert isinstance(prefix, PrefixDNN) and isinstance(postfix, PostfixDNN)  # ModuleSpec checked the classes
+    check_features_read(prefix, postfix, spec)
+    return prefix, postfix
+
+
+def check_features_read(prefix: PrefixDNN, postfix: PostfixDNN, spec: FeatureSpec) -> None:
+    """Every feature of ``spec`` is read by a module (the PrefixDNN's ``feature_names``, the
+    PostfixDNN's ``common_feature_names``; the item id may go unread), and no module reads a
+    feature ``spec`` lacks: ValueError in one line naming the features otherwise."""
+    token, common = [*spec.sequence, *spec.token_dense], [*spec.common, *spec.common_dense]
+    readers = (
+        ("model.prefix_dnn", prefix, tuple(prefix.feature_names), "token", token),
+        ("model.postfix_dnn", postfix, tuple(postfix.common_feature_names), "common", common),
+    )
+    for where, module, names, kind, declared in readers:
+        undeclared = [n for n in names if n not in declared]
+        if undeclared:
+            raise ValueError(
+                f"{where}: {type(module).__name__} reads {kind} feature(s) {undeclared}, which the data does "
+                f"not declare (its {kind} features: {declared}; see data.columns, data.item_features and "
+                "data.user_features)"
+            )
+    read = {name for _, _, names, _, _ in readers for name in names}
+    unread = [name for name in [*token, *common] if name not in read and name != ITEM_ID]
+    if unread:
+        reads = ", ".join(f"{where} {type(m).__name__} reads {list(names)}" for where, m, names, _, _ in readers)
+        raise ValueError(
+            f"data: declared feature(s) {unread} are read by no module ({reads}); give them to a module (its "
+            "feature_dims / common_dims) or stop declaring them (data.columns, data.item_features / data.user_features)"
+        )
+
+
+def check_declared_features(config: TrainConfig) -> None:
+    """Before any data is read: the tables and modules of ``config`` fit the features its data
+    declares (``gr.data.declared``): a table for each categorical feature, every feature read,
+    none read that is not declared. The modules are built on the meta device (no memory)."""
+    spec = declared_spec(config.data)
+    tables = build_tables(config, spec, for_training=False)
+    with torch.device("meta"):
+        build_modules(config, spec, config.data.label_names(), tables)
+
+
+def build_model(
+    config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = (), for_training: bool = True
+) -> GRModel:
+    """A fresh GRModel (tables unsharded, on CPU). Seed torch first for identical ranks.
+
+    Its tables are of ``sparse.backend`` when built for training; otherwise (a trained model
+    loaded back, exported, evaluated) of the torch backend, whatever trained it: the same
+    parameters and lookups, with no TorchRec needed."""
+    tables = build_tables(config, spec, for_training)
+    prefix, postfix = build_modules(config, spec, tasks, tables)
     with sparse_backend(config.sparse.backend if for_training else "torch"):
         model = config.model.model_class()(config.model.hstu, prefix, postfix, tables)
     model.embeddings.dedup = config.sparse.dedup
@@ -128,6 +179,11 @@ def instantiate(spec: ModuleSpec, context: Mapping[str, Any], where: str) -> nn.
         return cls(**kwargs)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {cls.__name__}(**{sorted(kwargs)}) failed: {error}") from error
+    except KeyError as error:  # a module looking up a feature by name in feature_dims / common_dims
+        raise ValueError(
+            f"{where}: {cls.__name__} looks up {error}, which the data does not declare (token features: "
+            f"{sorted(context['feature_dims'])}, common features: {sorted(context['common_dims'])})"
+        ) from error
 
 
 def seeded_model(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str] = ()) -> GRModel:

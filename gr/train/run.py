@@ -23,7 +23,7 @@ from gr.data.features import FeatureSpec
 from gr.model import GRModel
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
-from gr.train.build import build_model, build_tables
+from gr.train.build import build_model, build_tables, check_declared_features
 from gr.train.config import TrainConfig, load_config, plain, save_config
 from gr.train.csv_log import AppendingCSVLogger, drop_rows_from_step
 from gr.train.memory import available_memory_bytes, check_memory_fits, plan_for_data
@@ -75,6 +75,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         _check_epochs_left(start, config.trainer.max_epochs)
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
+    check_declared_features(config)
     datamodule = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
     datamodule.setup()
     spec = datamodule.feature_spec()
