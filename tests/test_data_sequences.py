@@ -95,6 +95,19 @@ def test_id_maps_round_trip_through_files(tmp_path):
         loaded["items"].encode(np.array([20]))
 
 
+def test_an_extended_id_map_keeps_every_known_id_and_appends_new_ones_through_files(tmp_path):
+    old = IdMap.of(np.array([30, 10, 20]), offset=1)
+    grown = old.extended(np.array([25, 10, 5, 25]))
+    assert grown.raw.tolist() == [10, 20, 30, 5, 25]  # renumbers nothing
+    assert grown.encode(np.array([10, 20, 30, 5, 25, 7]), unknown=0).tolist() == [1, 2, 3, 4, 5, 0]
+    assert grown.decode(np.array([4, 1])).tolist() == [5, 10]
+    save_mappings(str(tmp_path), {"items": grown}, {})
+    loaded = load_mappings(str(tmp_path))[0]["items"]
+    assert loaded.raw.tolist() == grown.raw.tolist() and loaded.encode(np.array([5])).tolist() == [4]
+    with pytest.raises(ValueError, match="raw ids of kind 'U', the map's are 'i'"):
+        old.extended(np.array(["x"]))
+
+
 @pytest.mark.parametrize(
     "rows, message",
     [

@@ -25,12 +25,19 @@ def parse_args(argv: Sequence[str], prog: str = "gr train") -> Tuple[argparse.Na
     parser.add_argument("--out", help="run directory (default: runs/<config name>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     parser.add_argument(
+        "--init-from",
+        metavar="RUN",
+        help="start from a trained run's model on this config's data (trainer.init_from): its id maps grow",
+    )
+    parser.add_argument(
         "--print-config",
         action="store_true",
         help="print the resolved config (YAML, every key) and exit without training",
     )
     args, rest = parser.parse_known_args(list(argv))
     overrides = parse_overrides(parser, rest)
+    if args.init_from is not None:
+        overrides.append(("trainer.init_from", args.init_from))
     if args.config is None and args.resume is None:
         parser.error("--config is required (or --resume DIR)")
     if args.resume and args.out and Path(args.out).resolve() != Path(args.resume).resolve():

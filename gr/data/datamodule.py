@@ -42,8 +42,14 @@ class SequenceDataModule(lightning.LightningDataModule):
     itself (run Lightning with ``use_distributed_sampler=False``).
     """
 
-    def __init__(self, config: Union[DataConfig, Mapping[str, Any]], eviction_block: int = 1) -> None:
+    def __init__(
+        self,
+        config: Union[DataConfig, Mapping[str, Any]],
+        eviction_block: int = 1,
+        base_maps: Optional[Mapping[str, IdMap]] = None,
+    ) -> None:
         super().__init__()
+        self.base_maps = dict(base_maps or {})  # a warm start's maps: extended, never renumbered
         self.config = config if isinstance(config, DataConfig) else DataConfig.from_dict(config)
         self.eviction_block = eviction_block  # histories over max_seq_len drop whole blocks (HSTUConfig)
         self.corpus: Optional[Corpus] = None
@@ -58,15 +64,16 @@ class SequenceDataModule(lightning.LightningDataModule):
             return
         config = self.config
         data = read_source(config)
+        base = self.base_maps
         sequences, self.user_map, self.item_map = build_sequences(
-            data, config.min_seq_len, config.min_item_interactions
+            data, config.min_seq_len, config.min_item_interactions, base.get("items")
         )
         self.corpus = Corpus(
             sequences=sequences,
-            item_features=SideFeatures.align(data.item_side if config.item_features else None, self.item_map),
-            user_features=SideFeatures.align(data.user_side if config.user_features else None, self.user_map),
+            item_features=SideFeatures.align(data.item_side if config.item_features else None, self.item_map, base),
+            user_features=SideFeatures.align(data.user_side if config.user_features else None, self.user_map, base),
             sampler=UnseenSampler(sequences),
-            event_features=SideFeatures.align(sequences.events, IdMap(np.arange(len(sequences.items)))),
+            event_features=SideFeatures.align(sequences.events, IdMap(np.arange(len(sequences.items))), base),
         )
         log.info(
             "%s: %d users, %d items, %d interactions",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -49,15 +49,18 @@ class SideFeatures:
     dense_columns: Dict[str, List[str]] = field(default_factory=dict)
 
     @classmethod
-    def align(cls, table: Optional[SideTable], ids: IdMap) -> "SideFeatures":
-        """Reorder ``table`` (rows keyed by raw id) to dense ids; ids the table lacks get 0/zeros."""
+    def align(
+        cls, table: Optional[SideTable], ids: IdMap, base: Optional[Mapping[str, IdMap]] = None
+    ) -> "SideFeatures":
+        """Reorder ``table`` (rows keyed by raw id) to dense ids; ids the table lacks get 0/zeros.
+        base: vocabularies to extend (a warm start's), by feature name."""
         if table is None:
             return cls()
         dense_ids = ids.encode(table.keys, unknown=-1)
         known = dense_ids >= 0
         out = cls(dense_columns=dict(table.dense_columns))
         for name, values in table.categorical.items():
-            vocabulary = IdMap.of(values, offset=1)
+            vocabulary = base[name].extended(values) if base and name in base else IdMap.of(values, offset=1)
             column = np.zeros(ids.cardinality, dtype=np.int64)
             column[dense_ids[known]] = vocabulary.encode(values[known])
             out.categorical[name], out.vocabularies[name] = column, vocabulary

@@ -22,20 +22,38 @@ INT64_MIN, INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 @dataclass
 class IdMap:
-    """raw: [K] sorted unique raw ids (int64 or str). ``raw[k]`` has dense id ``k + offset``;
-    offset 1 keeps dense id 0 for "unknown" (used by categorical side features)."""
+    """raw: [K] unique raw ids (int64 or str), in dense id order: ``raw[k]`` has dense id
+    ``k + offset``; offset 1 keeps dense id 0 for "unknown" (used by categorical side features).
+    A map built from data has its raw ids sorted; one ``extended`` by later data keeps its rows
+    and appends the new ids (sorted among themselves)."""
 
     raw: np.ndarray
     offset: int = 0
 
     def __post_init__(self) -> None:
+        self._order: Optional[np.ndarray] = None  # argsort of raw when it is not sorted
+        self._sorted = self.raw
         if len(self.raw) > 1 and not bool((self.raw[1:] > self.raw[:-1]).all()):
-            raise ValueError("IdMap.raw: expected sorted unique raw ids")
+            self._order = np.argsort(self.raw, kind="stable")
+            self._sorted = self.raw[self._order]
+            if not bool((self._sorted[1:] > self._sorted[:-1]).all()):
+                raise ValueError("IdMap.raw: expected unique raw ids")
 
     @classmethod
     def of(cls, values: np.ndarray, offset: int = 0) -> "IdMap":
         """The map of the distinct values of values: [N]."""
         return cls(np.unique(values), offset)
+
+    def extended(self, values: np.ndarray) -> "IdMap":
+        """This map with the distinct ``values`` it lacks appended (sorted), so every known raw id
+        keeps its dense id."""
+        values = np.unique(np.asarray(values))
+        if len(values) and len(self.raw) and values.dtype.kind != self.raw.dtype.kind:
+            raise ValueError(
+                f"IdMap.extended: raw ids of kind {values.dtype.kind!r}, the map's are {self.raw.dtype.kind!r}"
+            )
+        new = values[self.encode(values, unknown=-1) < 0]
+        return IdMap(np.concatenate([self.raw, new.astype(self.raw.dtype)]) if len(self.raw) else new, self.offset)
 
     @property
     def cardinality(self) -> int:
@@ -52,8 +70,10 @@ class IdMap:
         else:
             if self.raw.dtype.kind != values.dtype.kind:
                 values = values.astype(self.raw.dtype)
-            index = np.minimum(np.searchsorted(self.raw, values), len(self.raw) - 1)
-            found = self.raw[index] == values
+            index = np.minimum(np.searchsorted(self._sorted, values), len(self.raw) - 1)
+            found = self._sorted[index] == values
+            if self._order is not None:
+                index = self._order[index]
         if unknown is None and not bool(found.all()):
             raise KeyError(f"ids not in the mapping: {values[~found][:5].tolist()}")
         return np.where(found, index + self.offset, -1 if unknown is None else unknown).astype(np.int64)
@@ -96,7 +116,7 @@ def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]
     Every loader of id maps (training's, an export's) goes through here, so each refuses the same
     files: ValueError naming the file and line (or manifest key) of the first problem: an unknown
     format, dense ids that do not run from the offset without gaps, an int raw id that is not an
-    int64, a raw id that repeats an earlier one, raw ids out of order."""
+    int64, a raw id that repeats an earlier one. Raw ids need not be sorted (``IdMap.extended``)."""
     root = Path(directory)
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
@@ -159,10 +179,6 @@ def _read_map(path: Path, kind: str, offset: int) -> IdMap:
                 f"{path}:{rows[repeat][0]}: raw_id {raw[repeat]!r} repeats line {rows[original][0]} "
                 "(each raw id maps to one dense id)"
             )
-        unsorted = np.flatnonzero(values[1:] < values[:-1])
-        if unsorted.size:
-            i = int(unsorted[0]) + 1
-            raise ValueError(f"{path}:{rows[i][0]}: raw_id {raw[i]!r} comes after {raw[i - 1]!r}: expected sorted ids")
     return IdMap(values, offset)
 
 

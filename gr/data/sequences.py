@@ -66,7 +66,7 @@ class UserSequences:
 
 
 def build_sequences(
-    data: Interactions, min_seq_len: int = 3, min_item_interactions: int = 1
+    data: Interactions, min_seq_len: int = 3, min_item_interactions: int = 1, base_items: Optional[IdMap] = None
 ) -> Tuple[UserSequences, IdMap, IdMap]:
     """Filter, remap and sort events -> (sequences, user map, item map).
 
@@ -74,6 +74,7 @@ def build_sequences(
     with fewer than ``min_seq_len`` (a warning saying how many). Dense ids follow sorted raw ids.
     Events are sorted stably by (user, timestamp, original order): equal timestamps keep the
     file's order, as a request's history keeps its own (``gr.timestamps``).
+    base_items: an item map to extend (a warm start's): its items keep their dense ids.
     """
     keep = np.ones(len(data.users), dtype=bool)
     if min_item_interactions > 1:
@@ -106,7 +107,7 @@ def build_sequences(
     rows = np.flatnonzero(keep)[long_enough[user_codes]]
     users = IdMap(user_raw[long_enough])
     user_dense = (np.cumsum(long_enough) - 1)[user_codes[long_enough[user_codes]]]
-    items = IdMap.of(data.items[rows])
+    items = IdMap.of(data.items[rows]) if base_items is None else base_items.extended(data.items[rows])
     item_dense = items.encode(data.items[rows])
     timestamps = data.timestamps[rows].astype(np.int64)
     order = np.lexsort((np.arange(len(rows)), timestamps, user_dense))
@@ -125,7 +126,7 @@ def build_sequences(
         items=item_dense[order],
         timestamps=timestamps,
         ratings=None if data.ratings is None else data.ratings[rows][order].astype(np.float32),
-        num_items=len(items.raw),
+        num_items=items.cardinality,
         events=None if data.row_side is None else data.row_side.take(rows[order]),
     )
     return sequences, users, items

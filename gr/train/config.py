@@ -353,7 +353,8 @@ class TrainerSection(Section):
     or alpha in (1, 2]: training histories longer than data.max_seq_len^(alpha/2) are
     subsampled to that length with probability 1 - max_seq_len^alpha / length^2
     (``gr.data.stochastic_length``; never at evaluation). ``memory_check``: refuse a CPU run
-    whose ``gr plan`` estimate exceeds the machine's available memory (``gr.train.memory.check_memory_fits``)."""
+    whose ``gr plan`` estimate exceeds the machine's available memory (``gr.train.memory.check_memory_fits``).
+    ``init_from``: a trained run to start from (``gr train --init-from RUN``; ``gr.train.warm_start``)."""
 
     max_epochs: int = checked(100, int_at_least(1))
     seed: int = checked(0, int_at_least(0))
@@ -372,6 +373,7 @@ class TrainerSection(Section):
     num_threads: Optional[int] = checked(None, optional(int_at_least(1)))
     stochastic_length_alpha: Optional[float] = checked(None, optional(number_in(1.0, 2.0, open_low=True)))
     memory_check: bool = checked(True, BOOL)
+    init_from: Optional[str] = checked(None, optional(NAME))
     where: InitVar[str] = "trainer"
 
     def __post_init__(self, where: str) -> None:
@@ -492,10 +494,12 @@ class TrainConfig:
     def self_contained(self) -> "TrainConfig":
         """The config as a run records it, readable from any working directory: ``data.path``
         absolute, ``model.code_path`` naming where its classes came from (``with_code_roots``)."""
-        data = self.data
+        data, trainer = self.data, self.trainer
         if data.path is not None and not Path(data.path).is_absolute():
             data = replace(data, path=str(Path(data.path).resolve()))
-        return replace(self, data=data, model=self.model.with_code_roots())
+        if trainer.init_from is not None:
+            trainer = replace(trainer, init_from=str(Path(trainer.init_from).resolve()))
+        return replace(self, data=data, trainer=trainer, model=self.model.with_code_roots())
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain YAML-ready values; ``from_dict(to_dict())`` gives an equal config."""

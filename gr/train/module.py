@@ -38,6 +38,7 @@ from gr.sparse.torch_tables import prepare_for_training
 from gr.train.build import dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
 from gr.train.tasks import RankingTask, RetrievalTask
+from gr.train.warm_start import WarmStart
 from gr.utils.finite import NonFiniteError, gradients_finite, non_finite
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 class GRTrainingModule(LightningModule):
     """config: the run's TrainConfig; spec: what the data provides; tasks: ranking label
     names; popularity: [num_items] training counts, for the most-popular baseline at test
-    (retrieval: ranks of the held-out item; ranking: AUC of the candidates by popularity)."""
+    (retrieval: ranks of the held-out item; ranking: AUC of the candidates by popularity);
+    warm_start: a trained run's weights and table optimizer state to begin from."""
 
     def __init__(
         self,
@@ -54,9 +56,11 @@ class GRTrainingModule(LightningModule):
         spec: FeatureSpec,
         tasks: Sequence[str] = (),
         popularity: Optional[Tensor] = None,
+        warm_start: Optional[WarmStart] = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.warm_start = warm_start
         self.spec = spec
         self.tasks = tuple(tasks)
         self.popularity = popularity
@@ -75,6 +79,8 @@ class GRTrainingModule(LightningModule):
         sparse, device = self.config.sparse, self.trainer.strategy.root_device
         check_one_rank(sparse.backend, self.trainer.world_size)
         gr_model = seeded_model(self.config, self.spec, self.tasks)
+        if self.warm_start is not None:
+            self.warm_start.copy_weights(gr_model)
         if self.config.task_type == "retrieval":
             item_feature = self.config.task.retrieval.item_feature
             self.task = RetrievalTask(
@@ -85,16 +91,18 @@ class GRTrainingModule(LightningModule):
         if sparse.backend == "torch":
             self.table_optimizers = prepare_for_training(gr_model, sparse.optimizer, device, sparse.placement)
             self.model = gr_model
-            return
-        from gr.sparse.torchrec_sharding import shard_model  # torchrec: only its backend imports it
+        else:
+            from gr.sparse.torchrec_sharding import shard_model  # torchrec: only its backend imports it
 
-        dense_wrapper = None
-        if self.dense_sharded:
-            from gr.train.fsdp import FSDP2DenseWrapper  # torchrec, as above
+            dense_wrapper = None
+            if self.dense_sharded:
+                from gr.train.fsdp import FSDP2DenseWrapper  # torchrec, as above
 
-            dense_wrapper = FSDP2DenseWrapper(device, torch.distributed.group.WORLD)
-        self.model = shard_model(gr_model, sparse.optimizer, device, sparse.placement, dense_wrapper=dense_wrapper)
-        self.table_optimizers = self.model.fused_optimizer
+                dense_wrapper = FSDP2DenseWrapper(device, torch.distributed.group.WORLD)
+            self.model = shard_model(gr_model, sparse.optimizer, device, sparse.placement, dense_wrapper=dense_wrapper)
+            self.table_optimizers = self.model.fused_optimizer
+        if self.warm_start is not None:
+            self.warm_start.copy_table_optimizer_state(self.table_optimizers)
 
     @property
     def dense_sharded(self) -> bool:

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
+from gr.data.mappings import load_mappings
 from gr.model import GRModel
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
@@ -31,6 +32,7 @@ from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
 from gr.train.progress import progress_callbacks
 from gr.train.strategy import TorchRecStrategy
+from gr.train.warm_start import WarmStart, check_not_export
 from gr.utils.atomic import replace_directory, write_json
 from gr.utils.devices import check_accelerator, runs_on_cpu
 from gr.utils.run_lock import run_lock, writes_run
@@ -76,7 +78,11 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
     check_declared_features(config)
-    datamodule = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
+    warm_start = _warm_start(config) if config.trainer.init_from and not start else None
+    base_maps = warm_start.maps if warm_start else None
+    if start and config.trainer.init_from:  # a warm-started run resumes on the maps it grew
+        base_maps = {k: v for k, v in load_mappings(str(out_dir / MAPPINGS_DIR))[0].items() if k != "users"}
+    datamodule = SequenceDataModule(config.data, config.model.hstu.eviction_block, base_maps)
     datamodule.setup()
     spec = datamodule.feature_spec()
     tables = build_tables(config, spec, for_training=False)  # refuses tables that do not fit the data
@@ -85,7 +91,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         local = _devices(config.trainer.devices)
         plan = plan_for_data(config, spec, datamodule.tasks, local * config.trainer.num_nodes)
         check_memory_fits(plan, config, local, available_memory_bytes())
-    module = GRTrainingModule(config, spec, datamodule.tasks, datamodule.popularity())
+    module = GRTrainingModule(config, spec, datamodule.tasks, datamodule.popularity(), warm_start)
 
     def write_run_files() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +112,13 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
     if trainer.is_global_zero:
         write_json(out_dir / METRICS_FILE, plain(metrics))
     return metrics
+
+
+def _warm_start(config: TrainConfig) -> WarmStart:
+    """The run ``trainer.init_from`` names, read after checking it builds the same model (no data read)."""
+    source = Path(config.trainer.init_from or "")
+    check_not_export(source)
+    return WarmStart.load(source, config, read_run(source), best_checkpoint(source), source / MAPPINGS_DIR)
 
 
 def _check_epochs_left(start: Path, max_epochs: int) -> None:

@@ -1,0 +1,154 @@
+"""Warm start: a new run that begins from a trained run's model, on new data.
+
+``gr train --config C --init-from RUN`` (``trainer.init_from``):
+* before any data is read, the model sections must agree: HSTU, tables (all but their rows),
+  modules and model class, task type; the first key that differs is one line;
+* the new data's id maps extend the run's (``IdMap.extended``): every raw id the run knew keeps
+  its dense id, so its table row; new ids are appended;
+* tables: the run's rows are copied into the first rows of each (larger) new table, bit for
+  bit; new rows keep their fresh initialisation (``init_std``, as the config says);
+* dense parameters (PrefixDNN, HSTU, PostfixDNN) are the run's;
+* the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
+  rows and starts at zero for new rows; the dense optimizer (Adam's moments) starts fresh, as
+  its step count does: a new run's learning-rate schedule and bias correction begin again.
+An export is not a source: it holds the user's modules as ONNX graphs, not trainable weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, Mapping, Tuple
+
+import torch
+from torch import Tensor
+
+from gr.data.features import FeatureSpec
+from gr.data.mappings import IdMap, load_mappings
+from gr.model import GRModel
+from gr.sparse.tables import TableConfig
+from gr.sparse.torch_tables import attach_optimizers
+from gr.train import checkpoint as ckpt
+from gr.train.build import build_model
+from gr.train.config import TrainConfig
+
+
+@dataclass
+class WarmStart:
+    """What a new run takes from a trained one: its model (unsharded, torch tables), its id maps
+    ({"items"|feature: IdMap}) and its tables' optimizer state (TorchRec's layout)."""
+
+    source: Path
+    model: GRModel
+    maps: Dict[str, IdMap]
+    table_optimizer_state: Dict[str, Any]
+
+    @classmethod
+    def load(
+        cls,
+        source: Path,
+        config: TrainConfig,
+        run: Tuple[TrainConfig, FeatureSpec, Tuple[str, ...]],
+        checkpoint: Path,
+        mappings: Path,
+    ) -> "WarmStart":
+        """Run ``source`` (its config, spec and tasks: ``run``; its best ``checkpoint``; its
+        ``mappings`` directory), after checking that ``config`` builds the same model (ValueError
+        naming the first differing key otherwise). Reads no data."""
+        old_config, spec, tasks = run
+        check_same_model(config, old_config, source)
+        model = build_model(old_config, spec, tasks, for_training=False)
+        optimizers = attach_optimizers(model, old_config.sparse.optimizer)
+        template = {
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "sparse_optimizer": optimizers.state_dict(),
+        }
+        state = ckpt.load_checkpoint(template, checkpoint)
+        model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
+        maps, _ = load_mappings(str(mappings))
+        maps.pop("users", None)  # users have no rows: the new data's own map
+        return cls(source, model, maps, state["sparse_optimizer"])
+
+    @torch.no_grad()
+    def copy_weights(self, model: GRModel) -> None:
+        """Into ``model`` (freshly built, unsharded, tables at least as large): the run's dense
+        parameters, and its table rows into each table's first rows."""
+        old = self.model.state_dict()
+        for name, value in model.state_dict().items():
+            source = old[name]
+            if source.shape == value.shape:
+                value.copy_(source)
+            else:  # a table grown by new ids
+                value[: source.shape[0]].copy_(source)
+
+    @torch.no_grad()
+    def copy_table_optimizer_state(self, table_optimizers: Any) -> None:
+        """The run's per-row optimizer state into the first rows of ``table_optimizers``' state
+        (gr's TableOptimizers or TorchRec's fused optimizer, sharded tensors included)."""
+        state = table_optimizers.state_dict()
+        for target, source in _paired_tensors(state["state"], self.table_optimizer_state["state"]):
+            for rows, local in _local_rows(target):
+                end = min(rows.stop, source.shape[0])
+                if end > rows.start:
+                    local[: end - rows.start].copy_(source[rows.start : end])
+        table_optimizers.load_state_dict(state)
+
+
+def check_not_export(source: Path) -> None:
+    """ValueError unless ``source`` is not an export (warm start reads a run directory)."""
+    if (source / "MANIFEST").is_file():
+        raise ValueError(
+            f"trainer.init_from: {source} is an export; warm start reads a run directory (an export holds "
+            "the PrefixDNN/PostfixDNN as ONNX graphs, not trainable weights)"
+        )
+
+
+def check_same_model(config: TrainConfig, old: TrainConfig, source: Path) -> None:
+    """ValueError naming the first model key where ``config`` and run ``source``'s config differ
+    (tables compared without their rows, which grow with the data)."""
+    if config.task_type != old.task_type:
+        raise ValueError(f"data.task: {config.task_type!r} here, {old.task_type!r} in {source} (--init-from)")
+    new, before = config.model.to_dict(), old.model.to_dict()
+    for values in (new, before):
+        values.pop("code_path")
+        values["tables"] = [
+            {k: v for k, v in TableConfig.from_dict(t, "model.tables").to_dict().items() if k != "num_embeddings"}
+            for t in values["tables"]
+        ]
+    for key, here, there in _differences(new, before, "model"):
+        raise ValueError(
+            f"{key}: {here!r} here, {there!r} in {source}; --init-from needs the model of the run it starts from"
+        )
+
+
+def _differences(a: Any, b: Any, where: str) -> Iterator[Tuple[str, Any, Any]]:
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for key in sorted(set(a) | set(b)):
+            yield from _differences(a.get(key), b.get(key), f"{where}.{key}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            yield from _differences(x, y, f"{where}[{i}]")
+    elif a != b:
+        yield where, a, b
+
+
+def _paired_tensors(new: Mapping[str, Any], old: Mapping[str, Any]) -> Iterator[Tuple[Any, Tensor]]:
+    """(new state tensor, the run's) of each per-row state entry both optimizers hold."""
+    for weight, entries in new.items():
+        for key, target in entries.items():
+            source = old.get(weight, {}).get(key)
+            if isinstance(source, Tensor) and source.dim() > 0:
+                yield target, source
+
+
+def _local_rows(target: Any) -> Iterator[Tuple[range, Tensor]]:
+    """(global rows, local tensor) of each piece of ``target`` this rank holds: a plain tensor is
+    one piece; a TorchRec ShardedTensor its local shards."""
+    if isinstance(target, Tensor) and not hasattr(target, "local_shards"):
+        yield range(0, target.shape[0]), target
+        return
+    for shard in target.local_shards():
+        start, size = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+        if len(shard.metadata.shard_offsets) > 1 and shard.metadata.shard_offsets[1] != 0:
+            raise ValueError("--init-from: column-wise sharded table optimizer state is not supported")
+        yield range(start, start + size), shard.tensor

@@ -1,0 +1,121 @@
+"""Warm start (``gr train --init-from RUN``): a run on new data begins from a trained run's model.
+Known ids keep their rows (maps extended, never renumbered), new ids get new rows that train,
+the tables' optimizer state is carried for the known rows, and a model that differs is refused
+naming the key before any data is read."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gr.data.datamodule import SequenceDataModule
+from gr.data.mappings import load_mappings
+from gr.sparse.torch_tables import attach_optimizers
+from gr.train import load_trained_model
+from gr.train.build import seeded_model
+from gr.train.config import TrainConfig
+from gr.train.run import _warm_start, train
+from helpers.runs import RETRIEVAL, ratings_csv
+
+ITEM_WEIGHT = "embeddings.sequence.dim16.embeddings.item.weight"
+
+
+def _config(path: Path, backend: str = "torch", **trainer) -> TrainConfig:
+    values = copy.deepcopy(RETRIEVAL)
+    values["data"].pop("synthetic")
+    values["data"].update(source="csv", path=str(path), columns={"rating": "rating"})
+    values["sparse"]["backend"] = backend
+    values["trainer"].update(max_epochs=1, **trainer)
+    return TrainConfig.from_dict(values)
+
+
+@pytest.fixture(scope="module")
+def day_runs(tmp_path_factory):
+    """Day 0: the events before the 70th time percentile, without the items above 80 (new on day 1);
+    a 1-epoch run on it. Day 1: every event."""
+    root = tmp_path_factory.mktemp("warm")
+    everything = ratings_csv(root / "all.csv")
+    lines = everything.read_text().splitlines()
+    rows = [line.split(",") for line in lines[1:]]
+    cut = np.percentile([int(r[2]) for r in rows], 70)
+    day0 = [line for line, r in zip(lines[1:], rows) if int(r[2]) < cut and int(r[1]) <= 80]
+    (root / "day0.csv").write_text("\n".join([lines[0], *day0]) + "\n")
+    train(_config(root / "day0.csv"), root / "day0")
+    return root
+
+
+def test_known_ids_keep_their_rows_and_new_ids_get_new_ones(day_runs):
+    config = _config(day_runs / "all.csv", init_from=str(day_runs / "day0"))
+    warm = _warm_start(config)
+    old_items = load_mappings(str(day_runs / "day0" / "mappings"))[0]["items"]
+    data = SequenceDataModule(config.data, base_maps=warm.maps)
+    data.setup()
+    assert data.item_map.raw[: len(old_items.raw)].tolist() == old_items.raw.tolist()  # extended, not renumbered
+    new_items = data.item_map.raw[len(old_items.raw) :]
+    assert (new_items > 80).sum() >= 10  # the items day 0 never saw
+    model = seeded_model(config, data.feature_spec())
+    fresh = model.state_dict()[ITEM_WEIGHT].clone()
+    warm.copy_weights(model)
+    rows, trained = model.state_dict()[ITEM_WEIGHT], load_trained_model(day_runs / "day0")[0].state_dict()
+    assert torch.equal(rows[: len(old_items.raw)], trained[ITEM_WEIGHT])  # bit-identical
+    assert torch.equal(rows[len(old_items.raw) :], fresh[len(old_items.raw) :])  # new rows: fresh init
+    dense = [k for k in trained if not k.startswith("embeddings.")]
+    assert dense and all(torch.equal(model.state_dict()[k], trained[k]) for k in dense)
+
+
+def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_ones(day_runs):
+    config = _config(day_runs / "all.csv", init_from=str(day_runs / "day0"))
+    warm = _warm_start(config)
+    data = SequenceDataModule(config.data, base_maps=warm.maps)
+    data.setup()
+    model = seeded_model(config, data.feature_spec())
+    optimizers = attach_optimizers(model, config.sparse.optimizer)
+    warm.copy_table_optimizer_state(optimizers)
+    (state,) = [v for k, v in optimizers.state_dict()["state"][ITEM_WEIGHT].items() if k.endswith("momentum1")]
+    (old,) = [v for k, v in warm.table_optimizer_state["state"][ITEM_WEIGHT].items() if k.endswith("momentum1")]
+    assert old.abs().sum() > 0  # the day-0 run trained its rows
+    assert torch.equal(state[: len(old)], old) and not state[len(old) :].any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchrec"])
+def test_a_warm_run_trains_new_rows_on_either_backend(day_runs, tmp_path, backend):
+    config = _config(day_runs / "all.csv", backend, init_from=str(day_runs / "day0"))
+    metrics = train(config, tmp_path / "warm")
+    assert 0 <= metrics["hr@10"] <= 1
+    old = len(load_mappings(str(day_runs / "day0" / "mappings"))[0]["items"].raw)
+    maps = load_mappings(str(tmp_path / "warm" / "mappings"))[0]
+    data = SequenceDataModule(config.data, base_maps={"items": maps["items"]})
+    data.setup()
+    fresh = seeded_model(config, data.feature_spec()).state_dict()[ITEM_WEIGHT]
+    rows = load_trained_model(tmp_path / "warm")[0].state_dict()[ITEM_WEIGHT]
+    assert not torch.equal(rows[old:], fresh[old:])  # the new items' rows trained
+    assert TrainConfig.from_dict(metrics["config"]).trainer.init_from == str((day_runs / "day0").resolve())
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("hstu", {"hidden_dim": 32}, r"model\.hstu\.hidden_dim: 32 here, 16 in .*day0; --init-from needs"),
+        ("tables", [{"name": "item", "embedding_dim": 8}], r"model\.tables\[0\]\.embedding_dim: 8 here, 16 in"),
+    ],
+)
+def test_a_different_model_is_refused_naming_the_key_before_any_data_is_read(day_runs, key, value, message):
+    config = _config(day_runs / "absent.csv", init_from=str(day_runs / "day0"))
+    values = config.to_dict()
+    if key == "tables":
+        values["model"]["tables"][0].update(value[0])
+    else:
+        values["model"][key].update(value)
+    if key == "hstu":
+        values["model"]["hstu"].update(attention_dim=8, linear_dim=8)
+    with pytest.raises(ValueError, match=message):
+        train(TrainConfig.from_dict(values), day_runs / "refused")
+
+
+def test_an_export_is_refused_as_a_warm_start_source(tmp_path):
+    (tmp_path / "MANIFEST").write_text("")
+    config = _config(tmp_path / "absent.csv", init_from=str(tmp_path))
+    with pytest.raises(ValueError, match=r"trainer\.init_from: .* is an export; warm start reads a run directory"):
+        train(config, tmp_path / "run")
