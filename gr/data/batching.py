@@ -191,7 +191,9 @@ class RetrievalTrainBatches(SplitBatches):
     def __init__(self, corpus: Corpus, max_seq_len: int, seed: int, eviction_block: int = 1) -> None:
         super().__init__(corpus, "train", max_seq_len, seed, eviction_block)
         seqs = corpus.sequences
-        self.users = np.flatnonzero(seqs.train_ends() - seqs.starts >= 2)
+        ends = seqs.train_ends()
+        # >= 2 training events, the last at or after the first row a sample may predict
+        self.users = np.flatnonzero((ends - seqs.starts >= 2) & (ends - 1 >= seqs.label_starts()))
 
     def __len__(self) -> int:
         return len(self.users)
@@ -203,6 +205,9 @@ class RetrievalTrainBatches(SplitBatches):
         starts = self.windows(seqs.starts[users], last)
         lengths = last - starts
         index = concat_ranges(starts, lengths)
+        next_item = seqs.items[index + 1]
+        if seqs.split is not None:  # events before a user's label start are history alone
+            next_item = np.where(index + 1 >= np.repeat(seqs.label_starts()[users], lengths), next_item, -1)
         return assemble(
             self.corpus,
             users,
@@ -211,7 +216,7 @@ class RetrievalTrainBatches(SplitBatches):
             seqs.timestamps[index + 1],
             lengths,
             None,
-            {"next_item": seqs.items[index + 1]},
+            {"next_item": next_item},
             index,
         )
 
@@ -229,13 +234,14 @@ class RetrievalEvalBatches(SplitBatches):
     ) -> None:
         super().__init__(corpus, split, max_seq_len, seed, eviction_block)
         self.exclude = exclude
+        self.users = corpus.sequences.evaluated_users(split)
 
     def __len__(self) -> int:
-        return self.corpus.sequences.num_users
+        return len(self.users)
 
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         seqs = self.corpus.sequences
-        users = rows
+        users = self.users[rows]
         targets = seqs.targets(self.split)[users]
         starts = self.windows(seqs.starts[users], targets)
         lengths = targets - starts

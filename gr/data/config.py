@@ -16,6 +16,7 @@ from gr.utils.config_checks import (
     Section,
     checked,
     int_at_least,
+    is_int,
     known_keys,
     list_of,
     number_in,
@@ -24,6 +25,8 @@ from gr.utils.config_checks import (
     require,
 )
 
+SPLITS = ("leave_one_out", "time")
+SECONDS: Check = (is_int, "an integer number of seconds")
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
 EVAL_EXCLUDES = ("history", "window")
@@ -259,6 +262,11 @@ class DataConfig(Section):
     item_features / user_features: emit side features when the source has them.
     keep_duplicates: keep rows that repeat an earlier row's user, item and timestamp (by
     default they are dropped, and the run's metrics.json counts them under "data").
+    split: "leave_one_out" (each user's last event is its test target, the one before its
+    validation target) or "time": events before ``split_time`` (seconds) train; each user's
+    first event in [split_time, split_end) is its validation target and the second its test
+    target (``gr.data.sequences``); ``train_start``: training samples predict only events at or
+    after it (earlier ones are history), e.g. the new day of a warm start.
     """
 
     source: str = checked("synthetic", one_of(*SOURCES))
@@ -275,6 +283,10 @@ class DataConfig(Section):
     item_features: bool = checked(True, BOOL)
     user_features: bool = checked(True, BOOL)
     keep_duplicates: bool = checked(False, BOOL)
+    split: str = checked("leave_one_out", one_of(*SPLITS))
+    split_time: Optional[int] = checked(None, optional(SECONDS))
+    split_end: Optional[int] = checked(None, optional(SECONDS))
+    train_start: Optional[int] = checked(None, optional(SECONDS))
     columns: ColumnConfig = field(default_factory=ColumnConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)
@@ -291,6 +303,7 @@ class DataConfig(Section):
             value = getattr(self, name)
             if not isinstance(value, section):
                 object.__setattr__(self, name, section.from_dict(value, f"{where}.{name}"))
+        self._check_split(where)
         declared = self.columns.declared()
         for side in ("item", "user"):
             switched_off = [k for k in (f"{side}_features", f"{side}_dense") if getattr(self.columns, k)]
@@ -304,6 +317,29 @@ class DataConfig(Section):
                 f"{where}.columns.{declared[0]}: only the {' and '.join(TABLE_SOURCES)} sources read declared "
                 f"columns; {self.source!r} has its own features (data.item_features / data.user_features)"
             )
+
+    def _check_split(self, where: str) -> None:
+        times = self.split_summary()
+        del times["kind"]
+        if self.split == "leave_one_out" and times:
+            raise ValueError(
+                f"{where}.{next(iter(times))}: only data.split 'time' reads it (the split is leave_one_out)"
+            )
+        if self.split_time is None:
+            if self.split == "time":
+                raise ValueError(f"{where}.split_time: required by data.split 'time' (the cut, in seconds)")
+            return
+        if self.split_end is not None and self.split_end <= self.split_time:
+            raise ValueError(f"{where}.split_end: expected after split_time {self.split_time}, got {self.split_end}")
+        if self.train_start is not None and self.train_start >= self.split_time:
+            raise ValueError(
+                f"{where}.train_start: expected before split_time {self.split_time}, got {self.train_start}"
+            )
+
+    def split_summary(self) -> Dict[str, Any]:
+        """The split as metrics name it: {"kind": ...} plus the times it reads."""
+        times = ("split_time", "split_end", "train_start")
+        return {"kind": self.split, **{k: getattr(self, k) for k in times if getattr(self, k) is not None}}
 
     def label_names(self) -> Tuple[str, ...]:
         """The ranking tasks' label names; empty for retrieval."""

@@ -26,7 +26,7 @@ from gr.data.features import ITEM_ID, FeatureSpec, SideFeatures
 from gr.data.mappings import IdMap
 from gr.data.readers import read_source
 from gr.data.sampling import UnseenSampler
-from gr.data.sequences import build_sequences, concat_ranges
+from gr.data.sequences import build_sequences, concat_ranges, time_split
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class SequenceDataModule(lightning.LightningDataModule):
         sequences, self.user_map, self.item_map = build_sequences(
             data, config.min_seq_len, config.min_item_interactions, base.get("items")
         )
+        if config.split == "time":
+            sequences.split = time_split(sequences, config.split_time, config.split_end, config.train_start)
         self.corpus = Corpus(
             sequences=sequences,
             item_features=SideFeatures.align(data.item_side if config.item_features else None, self.item_map, base),
@@ -91,7 +93,17 @@ class SequenceDataModule(lightning.LightningDataModule):
             "users": sequences.num_users,
             "items": sequences.num_items,
             "interactions": len(sequences.items),
+            "split": config.split_summary(),
         }
+        if config.split == "time":
+            self.summary["evaluated_users"] = {s: len(sequences.evaluated_users(s)) for s in ("val", "test")}
+            empty = [s for s, n in self.summary["evaluated_users"].items() if n == 0]
+            if empty:
+                needed = 1 if empty[0] == "val" else 2
+                raise ValueError(
+                    f"data.split_time: no user has a {empty[0]} target (an event before {config.split_time} and "
+                    f"{needed} at or after it, before data.split_end when set)"
+                )
         self.splits = self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits()
 
     def _retrieval_splits(self) -> Dict[str, SplitBatches]:
@@ -123,9 +135,10 @@ class SequenceDataModule(lightning.LightningDataModule):
         corpus.sampler.check_room(ranking.eval_num_negatives, "data.ranking.eval_num_negatives")
         positives = ranking.positives_per_sample
         # Training cuts tile each user's training part from its end, `positives` events apart,
-        # keeping >= 1 history event before each cut.
+        # keeping >= 1 history event before each cut and each cut at or after the user's label start.
         ends = sequences.train_ends()
-        per_user = np.minimum(ranking.samples_per_user, (ends - sequences.starts - 1) // positives)
+        room = ends - np.maximum(sequences.starts + 1, sequences.label_starts())
+        per_user = np.clip(np.minimum(ranking.samples_per_user, room // positives), 0, None)
         row_users = np.repeat(np.arange(sequences.num_users), per_user)
         cuts = ends[row_users] - positives * (concat_ranges(np.zeros_like(per_user), per_user) + 1)
         if len(row_users) == 0:
@@ -144,8 +157,8 @@ class SequenceDataModule(lightning.LightningDataModule):
                 eviction_block=self.eviction_block,
             )
         }
-        users = np.arange(sequences.num_users)
         for code, split in enumerate(("val", "test"), start=1):
+            users = sequences.evaluated_users(split)
             rng = np.random.default_rng([config.seed, code])
             table = corpus.sampler.sample(users, ranking.eval_num_negatives, rng).astype(np.int32)
             splits[split] = RankingBatches(
@@ -154,7 +167,7 @@ class SequenceDataModule(lightning.LightningDataModule):
                 config.max_seq_len,
                 config.seed,
                 users,
-                sequences.targets(split),
+                sequences.targets(split)[users],
                 1,
                 ranking.eval_num_negatives,
                 ranking.tasks,

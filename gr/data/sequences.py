@@ -1,15 +1,21 @@
-"""Per-user time-ordered sequences with dense ids, and the leave-one-out split over them.
+"""Per-user time-ordered sequences with dense ids, and the splits over them.
 
 Leave-one-out, for a user with n >= 3 events at flat rows ``s .. s+n-1``: the last event
 (``s+n-1``) is the test target, the second-to-last (``s+n-2``) the validation target,
 rows ``s .. s+n-3`` the training part. A target's history is every earlier event.
+
+Time split (``time_split``) at a cut time C (and an optional end E): a user's events before C
+are its training part; its first event in [C, E) is its validation target and its second the
+test target (whose history then includes the validation event). A user with no event before C,
+or fewer than one (two) in [C, E), has no validation (test) target. With a train start S,
+training samples predict only events at or after S; earlier events are history alone.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -22,6 +28,21 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 HELD_OUT = {"val": 2, "test": 1}  # the target of a split is the n-th event from the end
+NO_TARGET = -1
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """Where each user's parts lie, as flat rows ([U] int64 each).
+
+    label_starts: the first row a training sample may predict
+    train_ends: one past the training part
+    targets: {"val" | "test": [U]} the held-out event's row, ``NO_TARGET`` when the user has none
+    """
+
+    label_starts: np.ndarray
+    train_ends: np.ndarray
+    targets: Dict[str, np.ndarray]
 
 
 @dataclass
@@ -41,6 +62,7 @@ class UserSequences:
     ratings: Optional[np.ndarray]
     num_items: int
     events: Optional[SideTable] = None
+    split: Optional[SplitRows] = None  # None: leave-one-out
 
     @property
     def num_users(self) -> int:
@@ -56,13 +78,42 @@ class UserSequences:
 
     def train_ends(self) -> np.ndarray:
         """[U] flat row one past each user's training part."""
-        return self.offsets[1:] - HELD_OUT["val"]
+        return self.offsets[1:] - HELD_OUT["val"] if self.split is None else self.split.train_ends
+
+    def label_starts(self) -> np.ndarray:
+        """[U] the first flat row a training sample of each user may predict."""
+        return self.starts if self.split is None else self.split.label_starts
 
     def targets(self, split: str) -> np.ndarray:
-        """[U] flat row of each user's held-out event for split "val" or "test"."""
+        """[U] flat row of each user's held-out event for split "val" or "test" (``NO_TARGET``: none)."""
         if split not in HELD_OUT:
             raise ValueError(f"split: expected one of {list(HELD_OUT)}, got {split!r}")
-        return self.offsets[1:] - HELD_OUT[split]
+        return self.offsets[1:] - HELD_OUT[split] if self.split is None else self.split.targets[split]
+
+    def evaluated_users(self, split: str) -> np.ndarray:
+        """[U'] dense ids of the users with a ``split`` target (every user under leave-one-out)."""
+        return np.flatnonzero(self.targets(split) != NO_TARGET)
+
+
+def time_split(
+    sequences: UserSequences, cut: int, end: Optional[int] = None, train_start: Optional[int] = None
+) -> SplitRows:
+    """The time split of ``sequences`` at ``cut`` seconds (the module docstring says how)."""
+    starts, times = sequences.starts, sequences.timestamps
+
+    def per_user(mask: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(mask.astype(np.int64), starts) if len(starts) else np.zeros(0, dtype=np.int64)
+
+    before = per_user(times < cut)
+    after = per_user((times >= cut) & (times < (end if end is not None else np.iinfo(np.int64).max)))
+    train_ends = starts + before
+    has_history = before >= 1
+    targets = {
+        "val": np.where(has_history & (after >= 1), train_ends, NO_TARGET),
+        "test": np.where(has_history & (after >= 2), train_ends + 1, NO_TARGET),
+    }
+    label_starts = starts if train_start is None else starts + per_user(times < train_start)
+    return SplitRows(label_starts, train_ends, targets)
 
 
 def build_sequences(
