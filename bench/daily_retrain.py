@@ -1,0 +1,141 @@
+"""A daily retrain on MovieLens-100K's real timestamps: warm start from yesterday's run against a cold run.
+
+    python bench/daily_retrain.py [--seeds 0 1 2] [--data.path DIR]   (ML-100K: $GR_ML100K_DIR or data/ml-100k)
+    python bench/daily_retrain.py --smoke                              # 1 seed, 2 epochs: checks it runs
+
+Day 0 = the events before the 80th percentile of all timestamps (p80), day 1 = those in [p80, p90),
+the test = the last 10%. Every run reads the whole file with ``data.split: time``, so the three are
+scored on the same targets (each user's second event at or after p90, with every earlier event as
+history; the first is the validation target):
+  (a) cold: the recipe (configs/ml100k_hstu.yaml) from scratch on day 0 + day 1 (split_time p90);
+  (b) warm: ``--init-from`` the day-0 run (c), trained on day 1 only (train_start p80, split_time p90);
+  (c) day 0: the recipe on day 0 (split_time p80), tested with split_time p90 (``gr evaluate`` RUN).
+Reading the whole file, run (c)'s id maps know day 1's new items; their rows stay at their
+initialisation, as a warm start's new rows would (tests/test_warm_start.py covers maps that grow).
+
+Prints each run, then one JSON line: seeds, cuts, test_users, per run the mean test hr@10/ndcg@10
+and wall seconds of training (a, b), se_hr10 (sqrt(p (1 - p) / n) of (a)'s mean over the test users),
+warm_minus_cold_in_se, warm_minus_day0_in_se, warm_time_over_cold, targets (b within one SE of (a)
+or better; (b) in at most a third of (a)'s time; (b) above (c) by more than one SE), cpu, load_average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import smoke  # noqa: E402
+from memory import cpu, load_average  # noqa: E402
+
+from gr.commands.evaluate import evaluate_run  # noqa: E402
+from gr.commands.train import parse_overrides  # noqa: E402
+from gr.data.readers import read_source  # noqa: E402
+from gr.train.config import load_config  # noqa: E402
+from gr.train.run import train  # noqa: E402
+
+RECIPE = "configs/ml100k_hstu.yaml"
+METRICS = ("hr@10", "ndcg@10")
+
+
+def cuts(config_path: str, overrides: Sequence[Tuple[str, str]]) -> Dict[str, int]:
+    """{"p80", "p90"}: the 80th and 90th percentiles of the source's timestamps (seconds)."""
+    timestamps = read_source(load_config(config_path, overrides).data).timestamps
+    return {f"p{q}": int(np.percentile(timestamps, q)) for q in (80, 90)}
+
+
+def run(
+    out: Path, overrides: Sequence[Tuple[str, str]], extra: Sequence[Tuple[str, Any]], init_from: Path | None = None
+) -> Tuple[Dict[str, Any], float]:
+    """Train the recipe with ``overrides`` + ``extra`` into ``out`` -> (metrics.json, wall seconds)."""
+    more = [(k, str(v)) for k, v in extra] + ([("trainer.init_from", str(init_from))] if init_from else [])
+    config = load_config(RECIPE, [*overrides, *more])
+    start = time.perf_counter()
+    metrics = train(config, out)
+    return metrics, time.perf_counter() - start
+
+
+def main(argv: List[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args, rest = smoke.parse_args(parser, {"seeds": [0]}, argv, known=True)
+    overrides = [("data.path", str(smoke.ML_100K)), ("trainer.enable_progress_bar", "false")]
+    if args.smoke:
+        overrides += [("trainer.max_epochs", "2"), ("trainer.early_stopping_patience", "0")]
+    overrides += parse_overrides(parser, rest)
+    at = cuts(RECIPE, overrides)
+    time_split = [("data.split", "time")]
+    results: Dict[str, List[Dict[str, Any]]] = {"cold": [], "warm": [], "day0": []}
+    start_load = load_average()
+    with tempfile.TemporaryDirectory() as work:
+        root = Path(work)
+        for seed in args.seeds:
+            seeded = [*overrides, ("trainer.seed", str(seed)), ("data.seed", str(seed))]
+            day0, _ = run(root / f"day0-{seed}", seeded, [*time_split, ("data.split_time", at["p80"])])
+            tested = evaluate_run(root / f"day0-{seed}", [("data.split_time", str(at["p90"]))])
+            results["day0"].append(
+                {**{m: tested[m] for m in METRICS}, "test_users": tested["data"]["evaluated_users"]["test"]}
+            )
+            cold, cold_s = run(root / f"cold-{seed}", seeded, [*time_split, ("data.split_time", at["p90"])])
+            warm, warm_s = run(
+                root / f"warm-{seed}",
+                seeded,
+                [*time_split, ("data.split_time", at["p90"]), ("data.train_start", at["p80"])],
+                init_from=root / f"day0-{seed}",
+            )
+            for name, metrics, seconds in (("cold", cold, cold_s), ("warm", warm, warm_s)):
+                results[name].append(
+                    {**{m: metrics[m] for m in METRICS}, "seconds": seconds, "epochs": metrics["epochs"]}
+                )
+            print(
+                f"seed {seed}: hr@10 cold {cold['hr@10']:.4f} ({cold_s:.1f} s, {cold['epochs']} epochs), warm "
+                f"{warm['hr@10']:.4f} ({warm_s:.1f} s, {warm['epochs']} epochs), day 0 {tested['hr@10']:.4f}",
+                flush=True,
+            )
+            test_users = cold["data"]["evaluated_users"]["test"]
+    means = {name: {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} for name, rows in results.items()}
+    p = means["cold"]["hr@10"]
+    se = math.sqrt(p * (1 - p) / test_users)
+    warm_vs_cold = (means["warm"]["hr@10"] - p) / se
+    warm_vs_day0 = (means["warm"]["hr@10"] - means["day0"]["hr@10"]) / se
+    time_ratio = means["warm"]["seconds"] / means["cold"]["seconds"]
+    model, flags = cpu()
+    summary = {
+        "bench": "daily_retrain",
+        "seeds": args.seeds,
+        "cuts": at,
+        "test_users": test_users,
+        "runs": means,
+        "se_hr10": se,
+        "warm_minus_cold_in_se": warm_vs_cold,
+        "warm_minus_day0_in_se": warm_vs_day0,
+        "warm_time_over_cold": time_ratio,
+        "targets": {
+            "warm_within_one_se_of_cold_or_better": warm_vs_cold >= -1.0,
+            "warm_at_most_a_third_of_cold_time": time_ratio <= 1 / 3,
+            "warm_above_day0_by_more_than_one_se": warm_vs_day0 > 1.0,
+        },
+        "cpu": model,
+        "cpu_flags": flags,
+        "load_average": {"start": start_load, "end": load_average()},
+    }
+    print(
+        f"mean hr@10: cold {p:.4f}, warm {means['warm']['hr@10']:.4f}, day 0 {means['day0']['hr@10']:.4f} "
+        f"(SE {se:.4f}); warm/cold time {time_ratio:.2f}"
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
