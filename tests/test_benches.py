@@ -162,6 +162,7 @@ BENCHES = (
         ),
     ),
     Bench("bench/device_check.py", (), covered_by="tests/test_device_check.py"),
+    Bench("bench/daily_retrain.py", (), covered_by="tests/test_daily_retrain_bench.py"),
     Bench(
         "bench/triton_compile.py",
         (

@@ -1,0 +1,29 @@
+"""bench/daily_retrain.py at its ``--smoke`` size (its own module, so the suite's workers share the
+benchmarks' time): three runs on ML-100K's time split, one JSON line comparing them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_daily_retrain_bench_compares_warm_cold_and_day0_runs_on_the_same_test_users(ml_100k):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GR_ML100K_DIR": str(ml_100k), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "bench/daily_retrain.py", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["cuts"]["p80"] < result["cuts"]["p90"]
+    runs = result["runs"]
+    assert set(runs) == {"cold", "warm", "day0"} and runs["day0"]["test_users"] == result["test_users"] > 0
+    assert all(0 <= runs[r]["hr@10"] <= 1 for r in runs)
+    assert result["warm_time_over_cold"] == runs["warm"]["seconds"] / runs["cold"]["seconds"]
+    assert set(result["targets"]) == {
+        "warm_within_one_se_of_cold_or_better",
+        "warm_at_most_a_third_of_cold_time",
+        "warm_above_day0_by_more_than_one_se",
+    }
