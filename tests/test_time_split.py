@@ -97,7 +97,10 @@ def test_leave_one_out_is_unchanged_by_the_split_machinery():
         ({"split_time": 5}, r"data\.split_time: only data\.split 'time' reads it"),
         ({"split": "time", "split_time": 5, "split_end": 5}, r"data\.split_end: expected after split_time 5"),
         ({"split": "time", "split_time": 5, "train_start": 9}, r"data\.train_start: expected before split_time 5"),
-        ({"split": "time", "split_time": 1.5}, r"data\.split_time: expected null or an integer number of seconds, got 1\.5"),
+        (
+            {"split": "time", "split_time": 1.5},
+            r"data\.split_time: expected null or an integer number of seconds, got 1\.5",
+        ),
         ({"split": "days"}, r"data\.split: expected one of"),
     ],
 )
