@@ -9,7 +9,7 @@ history. Padding to ``[B, L, D]`` happens only inside a backend that needs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -55,12 +55,9 @@ class JaggedRows:
             )
 
     @classmethod
-    def of_lists(cls, rows: Sequence[Sequence[object]], dtype: object = None) -> "JaggedRows":
-        """[[v, ...], ...] -> JaggedRows (values as ``np.asarray`` makes them, or ``dtype``)."""
-        lengths = np.asarray([len(r) for r in rows], dtype=np.int64)
-        flat = [v for r in rows for v in r]
-        values = np.asarray(flat, dtype=dtype) if flat or dtype is not None else np.zeros(0, dtype=np.int64)
-        return cls(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), values)
+    def from_lengths(cls, lengths: np.ndarray, values: np.ndarray) -> "JaggedRows":
+        """Rows of ``lengths`` ([M] int) values each, taken from ``values`` in order."""
+        return cls(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64), values)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -76,8 +73,7 @@ class JaggedRows:
         lengths, starts = np.zeros(len(index), dtype=np.int64), np.zeros(len(index), dtype=np.int64)
         lengths[present] = self.lengths()[index[present]]
         starts[present] = self.offsets[index[present]]
-        values = self.values[concat_ranges(starts, lengths)]
-        return JaggedRows(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), values)
+        return JaggedRows.from_lengths(lengths, self.values[concat_ranges(starts, lengths)])
 
     def with_values(self, values: np.ndarray) -> "JaggedRows":
         """The same rows holding ``values`` ([V], e.g. the raw values' ids) instead."""

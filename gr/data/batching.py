@@ -139,7 +139,7 @@ def assemble(
     common_ids = None
     if user_features.lists:
         bags = {
-            name: JaggedRows(np.arange(len(users) + 1), column[users])
+            name: JaggedRows.from_lengths(np.ones(len(users), dtype=np.int64), column[users])
             for name, column in user_features.categorical.items()
         }
         bags.update({name: rows.take(users) for name, rows in user_features.lists.items()})

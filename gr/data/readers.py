@@ -264,7 +264,7 @@ def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str]
             f"{separator!r}; an empty cell is an empty list)",
         )
     lengths = np.where(filled, pc.list_value_length(lists).to_numpy(), 0)
-    return JaggedRows(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), values)
+    return JaggedRows.from_lengths(lengths, values)
 
 
 def _genres(
@@ -330,7 +330,7 @@ def read_ml_100k(
         if genres == "list":
             rows, codes = np.nonzero(flagged)
             lengths = np.bincount(rows, minlength=len(flagged))
-            labels = JaggedRows(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), np.asarray(names)[codes])
+            labels = JaggedRows.from_lengths(lengths, np.asarray(names)[codes])
             data.item_side = SideTable(items["item"], lists={ML_GENRES: labels})
         else:
             multi_hot = {ML_GENRES: flagged.astype(np.float32)}
@@ -547,13 +547,12 @@ def _parquet_list(file: Path, name: str, column: pa.ChunkedArray, declared: bool
         )
     flat = pc.list_flatten(column)  # the column has no null lists (refused before)
     lengths = pc.list_value_length(column).to_numpy()
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     text = pc.cast(flat, pa.string())
     bad = np.flatnonzero(pc.fill_null(pc.equal(text, ""), True).to_numpy(zero_copy_only=False))
     if len(bad):
-        row = int(np.searchsorted(offsets, bad[0], side="right")) - 1
+        row = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
         raise DataFormatError(file, f"row {row + 1}: column {name!r}: a null or empty value inside the list")
-    return JaggedRows(offsets, text.to_numpy(zero_copy_only=False).astype(str))
+    return JaggedRows.from_lengths(lengths, text.to_numpy(zero_copy_only=False).astype(str))
 
 
 def _parquet_column(file: Path, name: str, column: pa.ChunkedArray, numeric: bool) -> np.ndarray:
