@@ -111,7 +111,7 @@ def check_features_read(prefix: PrefixDNN, postfix: PostfixDNN, spec: FeatureSpe
     """Every feature of ``spec`` is read by a module (the PrefixDNN's ``feature_names``, the
     PostfixDNN's ``common_feature_names``; the item id may go unread), and no module reads a
     feature ``spec`` lacks: ValueError in one line naming the features otherwise."""
-    token, common = [*spec.sequence, *spec.token_dense], [*spec.common, *spec.common_dense]
+    token, common = [*spec.sequence, *spec.token_lists, *spec.token_dense], [*spec.common, *spec.common_dense]
     readers = (
         ("model.prefix_dnn", prefix, tuple(prefix.feature_names), "token", token),
         ("model.postfix_dnn", postfix, tuple(postfix.common_feature_names), "common", common),
