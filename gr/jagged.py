@@ -9,7 +9,7 @@ history. Padding to ``[B, L, D]`` happens only inside a backend that needs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ class JaggedRows:
             )
 
     @classmethod
-    def from_lengths(cls, lengths: np.ndarray, values: np.ndarray) -> "JaggedRows":
+    def from_lengths(cls, lengths: "np.ndarray | Sequence[int]", values: np.ndarray) -> "JaggedRows":
         """Rows of ``lengths`` ([M] int) values each, taken from ``values`` in order."""
         return cls(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64), values)
 

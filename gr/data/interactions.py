@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sized
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class SideTable:
 
     def __post_init__(self) -> None:
         rows = len(self.keys)
-        columns = {**self.categorical, **self.dense, **self.lists}
+        columns: Dict[str, Sized] = {**self.categorical, **self.dense, **self.lists}
         bad = [n for n, v in columns.items() if len(v) != rows]
         if bad:
             raise ValueError(f"SideTable: features {bad} do not have one row per key ({rows})")
