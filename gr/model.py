@@ -32,7 +32,12 @@ class GRInput:
         sampled negatives through the same table) are looked up too and returned
         in ``GROutput.token_features``.
     token_dense: {name: [T, d]} dense per-token features
-    common_ids: KJT with stride B, pooled per sequence
+    common_ids: KJT with stride B, pooled per sequence (a bag of ids per sequence: one id,
+        or a list-valued user feature's ids)
+    token_lists: KJT with stride T, or None: list-valued token features (a movie's genres),
+        each key one bag of ids per token (lengths [T], an empty bag allowed), pooled by
+        its table (kind ``token_bag``, ``pooling`` sum or mean; an empty bag pools to zeros)
+        into one [T, d] vector per token, returned with the sequence features
     common_dense: {name: [B, d]} dense per-request features
     labels: {name: tensor} for ``compute_loss``
     query_times: [T] int64 seconds or None: the time of the event each token predicts
@@ -50,6 +55,7 @@ class GRInput:
     common_dense: Dict[str, Tensor] = field(default_factory=dict)
     labels: Dict[str, Tensor] = field(default_factory=dict)
     query_times: Optional[Tensor] = None
+    token_lists: Optional[KeyedJaggedTensor] = None
 
 
 @dataclass
@@ -131,10 +137,10 @@ class GRModel(nn.Module):
     def embed_features(self, inputs: GRInput) -> tuple:
         """Sparse lookups plus dense features -> ({name: [T_f, d]}, {name: [B, d]})."""
         token, common = {}, {}
-        if inputs.sequence_ids is not None or inputs.common_ids is not None:
+        if inputs.sequence_ids is not None or inputs.common_ids is not None or inputs.token_lists is not None:
             if self.embeddings is None:
                 raise ValueError("GRInput has sparse ids but the model was built without tables")
-            token, common = self.embeddings(inputs.sequence_ids, inputs.common_ids)
+            token, common = self.embeddings(inputs.sequence_ids, inputs.common_ids, inputs.token_lists)
         for name, value in inputs.token_dense.items():
             token[name] = value
         for name, value in inputs.common_dense.items():

@@ -1,5 +1,6 @@
 """examples/custom_project end to end at a small size: its config trains its GRModel subclass with
-item genres and user demographics, the run exports (with its items' genres) and passes ``gr check``,
+item genres (a list-valued feature, pooled by mean) and user demographics, the run exports (with its
+items' genres) and passes ``gr check``,
 and a rank request over HTTP (the app on an in-process server), by raw values, scores as the
 trained model does, with the genres written out or given by item id alone; recommend and generate
 work."""
@@ -27,14 +28,17 @@ def test_genre_dropout_hides_genres_of_training_tokens_only(tmp_path):
     data.setup()
     model = build_model(config, data.feature_spec())
     batch = next(iter(data.train_dataloader()))
-    genres = batch.token_dense["item_genres"]
+    genres = batch.token_lists.to_dict()["item_genres"]
     model.train()
-    hidden = model.split_input(batch).token_dense["item_genres"]
-    kept = (hidden == genres).all(-1)
-    zeroed = (hidden == 0).all(-1)
-    assert (kept | zeroed).all() and (zeroed & (genres.sum(-1) > 0)).any() and kept.float().mean() > 0.5
+    hidden = model.split_input(batch).token_lists.to_dict()["item_genres"]
+    lengths, offsets = genres.lengths(), genres.offsets()
+    kept = hidden.lengths() == lengths
+    emptied = hidden.lengths() == 0
+    assert (kept | emptied).all() and (emptied & (lengths > 0)).any() and kept.float().mean() > 0.5
+    kept_ids = [genres.values()[offsets[t] : offsets[t + 1]] for t in torch.nonzero(kept).flatten().tolist()]
+    assert torch.equal(hidden.values(), torch.cat(kept_ids))
     model.eval()
-    assert torch.equal(model.split_input(batch).token_dense["item_genres"], genres)
+    assert torch.equal(model.split_input(batch).token_lists.values(), batch.token_lists.values())
 
 
 @pytest.mark.parametrize("query_time", ["next_event", "token"])
@@ -61,16 +65,22 @@ def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_
     maps, _ = load_mappings(str(run / "mappings"))
     length = int(batch.seq_offsets[1])
     history_items = batch.sequence_ids.to_dict()["item_id"].values()[:length].numpy()
-    genres = data.corpus.item_features.dense["item_genres"]
+    genre_ids = data.corpus.item_features.lists["item_genres"]
+
+    def genres(items):  # each item's genre names
+        rows = genre_ids.take(np.asarray(items))
+        names = maps["item_genres"].decode(rows.values).tolist()
+        return [names[a:b] for a, b in zip(rows.offsets[:-1], rows.offsets[1:])]
+
     common = batch.common_ids.to_dict()
     request = {
         "user_id": str(maps["users"].decode(batch.labels["user"][:1].numpy())[0]),
         "history": {
             "item_id": maps["items"].decode(history_items).tolist(),
             "timestamps": batch.timestamps[:length].tolist(),
-            "item_genres": genres[history_items].tolist(),
+            "item_genres": genres(history_items),
         },
-        "candidates": {"item_id": maps["items"].decode(items.numpy()).tolist(), "item_genres": genres[items].tolist()},
+        "candidates": {"item_id": maps["items"].decode(items.numpy()).tolist(), "item_genres": genres(items)},
         "common_features": {
             name: maps[name].decode(common[name].values()[:1].numpy()).tolist()[0]
             for name in ("user_age", "user_gender", "user_occupation")

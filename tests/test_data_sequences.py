@@ -8,7 +8,8 @@ import pytest
 from gr.data.interactions import DataFormatError, Interactions
 from gr.data.mappings import IdMap, load_mappings, save_mappings
 from gr.data.sampling import UnseenSampler
-from gr.data.sequences import build_sequences, concat_ranges, window_starts
+from gr.data.sequences import build_sequences, window_starts
+from gr.jagged import concat_ranges
 
 
 def events(rows, ratings=True):

@@ -35,6 +35,7 @@ TABLES = [
     TableConfig("genre", 7, 8, ("genre",)),
     TableConfig("user", 5, 6, ("user_age", "user_city"), kind="common"),
     TableConfig("group", 9, 4, ("user_group",), kind="common", pooling="mean"),
+    TableConfig("tag", 8, 4, ("tags",), kind="token_bag", pooling="mean"),  # a list-valued token feature
 ]
 
 
@@ -44,21 +45,25 @@ class Tables(nn.Module):
         torch.manual_seed(0)
         self.embeddings = SparseEmbeddings(TABLES, dedup=dedup, backend=backend)
 
-    def forward(self, sequence_ids, common_ids):
-        return self.embeddings(sequence_ids, common_ids)
+    def forward(self, sequence_ids, common_ids, token_lists=None):
+        return self.embeddings(sequence_ids, common_ids, token_lists)
 
 
 def ids(step: int):
-    """Sequence ids (3 samples, repeats within and across features) and common ids (some samples empty)."""
+    """Sequence ids (3 samples, repeats within and across features), common ids (some samples
+    empty) and a bag of tags per token (some empty)."""
     g = torch.Generator().manual_seed(step)
     lengths = torch.tensor([5, 3, 4])
     sequence = torch.cat([torch.randint(0, 30, (12,), generator=g), torch.randint(0, 7, (12,), generator=g)])
     sequence = torch.cat([sequence, torch.randint(0, 30, (12,), generator=g)])
     common_lengths = torch.tensor([1, 2, 0, 1, 1, 1, 2, 3, 1])
     common = torch.randint(0, 5, (int(common_lengths.sum()),), generator=g)
+    bag_lengths = torch.randint(0, 4, (int(lengths.sum()),), generator=g)
+    bags = torch.randint(0, 8, (int(bag_lengths.sum()),), generator=g)
     return (
         KeyedJaggedTensor(["item_id", "genre", "other_item"], sequence, lengths.repeat(3)),
         KeyedJaggedTensor(["user_age", "user_city", "user_group"], common, common_lengths),
+        KeyedJaggedTensor(["tags"], bags, bag_lengths),
     )
 
 
@@ -71,8 +76,8 @@ def local(value):
 )
 def test_torch_tables_train_like_torchrec_fused_kernels(process_group, kind, dedup):
     """The optimizers FBGEMM fuses on CPU, five steps on the same lookups (repeated ids, padded
-    rows, sum and mean pooling; TorchRec without dedup): same weights, same optimizer state under
-    the same names and shapes."""
+    rows, sum and mean pooling per request and per token; TorchRec without dedup): same weights,
+    same optimizer state under the same names and shapes."""
     from gr.sparse.sharding import shard_model
 
     optimizer = EmbeddingOptimizerConfig(kind, lr=0.3)

@@ -1,14 +1,17 @@
 """A custom gr project on MovieLens-100K: its own GRModel subclass, PrefixDNN and PostfixDNN.
 
 * ``GenreEncoder`` (PrefixDNN): each token is its item embedding plus the mean of its genres'
-  vectors (a learned projection of the 19-dim multi-hot ``item_genres``).
+  vectors (the list-valued ``item_genres``, pooled by the config's ``token_bag`` table).
 * ``DemographicQueryHead`` (PostfixDNN): the retrieval query is the HSTU output shifted by a
-  projection of the user's age, gender and occupation embeddings (per-request common features),
-  L2-normalised; items are scored by their normalised item-table rows, as in ``RetrievalHead``.
+  projection of the user's feature embeddings (the per-request common features the config
+  selects: age, gender and occupation), L2-normalised; items are scored by their normalised
+  item-table rows, as in ``RetrievalHead``.
 * ``GenreModel`` (GRModel): while training, ``split_input`` hides the genres of a random share
   of tokens (genre dropout), so the model also learns items whose genres it is not told; in
   evaluation, export and serving every token keeps its genres.
 
+The modules read their feature names from the config (``kwargs``, and the ``feature_dims`` /
+``common_dims`` the builder fills in), so another dataset's features plug in by config alone.
 Named in ``config.yaml`` by import path (``examples.custom_project.model.GenreModel``), which
 resolves from the repository root (``train.py`` and ``gr`` both put it on the import path).
 """
@@ -23,40 +26,38 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gr import GRInput, GRModel, PostfixDNN, PrefixDNN
-
-GENRES = "item_genres"
-DEMOGRAPHICS = ("user_age", "user_gender", "user_occupation")
+from gr.sparse.keyed_jagged import JaggedTensor, KeyedJaggedTensor
 
 
 class GenreEncoder(PrefixDNN):
-    """features: item_id [T, d_item] embedded, item_genres [T, G] multi-hot -> [T, hidden_dim]."""
+    """features: the item [T, d_item] and its genres' pooled vector [T, d_genre] -> [T, hidden_dim].
 
-    feature_names = ("item_id", GENRES)
+    item_feature / genre_feature: the token features read (a list-valued genre feature pooled
+    by mean gives the mean of the genres' vectors; an item without genres gives zeros)."""
 
-    def __init__(self, hidden_dim: int, feature_dims: Mapping[str, int], genre_dim: int = 16) -> None:
+    def __init__(self, hidden_dim: int, feature_dims: Mapping[str, int], item_feature: str, genre_feature: str) -> None:
         super().__init__()
-        item_dim = feature_dims["item_id"]
-        self.genres = nn.Linear(feature_dims[GENRES], genre_dim, bias=False)  # one vector per genre
+        self.feature_names = (item_feature, genre_feature)
+        self.item_feature, self.genre_feature = item_feature, genre_feature
+        item_dim = feature_dims[item_feature]
         self.item = nn.Identity() if item_dim == hidden_dim else nn.Linear(item_dim, hidden_dim)
-        self.out = nn.Linear(genre_dim, hidden_dim)
+        self.out = nn.Linear(feature_dims[genre_feature], hidden_dim)
         nn.init.zeros_(self.out.weight)  # starts as the plain item embedding
         nn.init.zeros_(self.out.bias)
 
     def forward(self, features: Dict[str, Tensor]) -> Tensor:
-        multi_hot = features[GENRES]
-        genre_mean = self.genres(multi_hot) / multi_hot.sum(-1, keepdim=True).clamp_min(1.0)
-        return self.item(features["item_id"]) + self.out(genre_mean)
+        return self.item(features[self.item_feature]) + self.out(features[self.genre_feature])
 
 
 class DemographicQueryHead(PostfixDNN):
-    """hidden [N, D] + the user's demographics [N, d_f] each -> {"query": [N, embedding_dim]}, unit norm."""
+    """hidden [N, D] + each common feature of ``common_dims`` [N, d_f] -> {"query": [N, embedding_dim]}, unit norm."""
 
-    common_feature_names = DEMOGRAPHICS
     output_names = ("query",)
 
     def __init__(self, hidden_dim: int, embedding_dim: int, common_dims: Mapping[str, int]) -> None:
         super().__init__()
-        user_dim = sum(common_dims[name] for name in DEMOGRAPHICS)
+        self.common_feature_names = tuple(common_dims)
+        user_dim = sum(common_dims.values())
         self.hidden = nn.Identity() if hidden_dim == embedding_dim else nn.Linear(hidden_dim, embedding_dim)
         self.user = nn.Sequential(
             nn.Linear(user_dim, embedding_dim), nn.Tanh(), nn.Linear(embedding_dim, embedding_dim)
@@ -65,7 +66,7 @@ class DemographicQueryHead(PostfixDNN):
         nn.init.zeros_(self.user[-1].bias)
 
     def forward(self, hidden: Tensor, common: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        user = torch.cat([common[name] for name in DEMOGRAPHICS], dim=-1)
+        user = torch.cat([common[name] for name in self.common_feature_names], dim=-1)
         return {"query": F.normalize(self.hidden(hidden) + self.user(user), dim=-1)}
 
     @staticmethod
@@ -75,14 +76,20 @@ class DemographicQueryHead(PostfixDNN):
 
 
 class GenreModel(GRModel):
-    """GRModel whose training batches hide the genres of ``genre_dropout`` of their tokens."""
+    """GRModel whose training batches hide the genres (the prefix_dnn's ``genre_feature`` bags of
+    ``GRInput.token_lists``) of ``genre_dropout`` of their tokens: their bags become empty."""
 
     genre_dropout = 0.2
 
     def split_input(self, batch: GRInput) -> GRInput:
         inputs = super().split_input(batch)
-        genres = inputs.token_dense.get(GENRES)
-        if not self.training or genres is None or self.genre_dropout == 0:
+        bags = inputs.token_lists
+        genre = getattr(self.prefix_dnn, "genre_feature", None)
+        if not self.training or bags is None or genre not in bags.keys() or self.genre_dropout == 0:
             return inputs
-        keep = torch.rand(genres.shape[0], 1, device=genres.device) >= self.genre_dropout  # [T, 1]
-        return dataclasses.replace(inputs, token_dense={**inputs.token_dense, GENRES: genres * keep})
+        lists = bags.to_dict()
+        lengths = lists[genre].lengths()
+        keep = torch.rand(lengths.shape[0], device=lengths.device) >= self.genre_dropout  # [T]
+        kept = torch.repeat_interleave(keep, lengths)
+        lists[genre] = JaggedTensor(lists[genre].values()[kept], lengths * keep)
+        return dataclasses.replace(inputs, token_lists=KeyedJaggedTensor.from_jt_dict(lists))

@@ -43,12 +43,13 @@ def batch_requests(
     """One serving request per sequence of ``batch`` (model ids): history = its non-target tokens,
     candidates = its ``num_targets`` trailing tokens (none when ``num_targets`` is None), the
     sequence's common features (only those in ``features``, when given: what an export reads);
-    user ids ``f"{prefix}{b}"``."""
+    user ids ``f"{prefix}{b}"``. A list feature gives each token its bag."""
 
     def kept(columns: Dict[str, Any]) -> Dict[str, Any]:
         return columns if features is None else {k: v for k, v in columns.items() if k in features}
 
     seq = kept(batch.sequence_ids.to_dict() if batch.sequence_ids is not None else {})
+    bags = kept(batch.token_lists.to_dict() if batch.token_lists is not None else {})
     common = kept(batch.common_ids.to_dict() if batch.common_ids is not None else {})
     offsets = batch.seq_offsets.tolist()
     num_targets = [0] * (len(offsets) - 1) if batch.num_targets is None else batch.num_targets.tolist()
@@ -58,6 +59,9 @@ def batch_requests(
         split = end - targets - start
         cols = {f: jt.values()[start:end].numpy() for f, jt in seq.items()}
         cols.update({f: v[start:end].numpy() for f, v in kept(batch.token_dense).items()})
+        for f, jt in bags.items():
+            bag_offsets, ids = jt.offsets().tolist(), jt.values().numpy()
+            cols[f] = [ids[bag_offsets[t] : bag_offsets[t + 1]] for t in range(start, end)]
         cols["timestamps"] = batch.timestamps[start:end].numpy()
         commons = {f: jt.values()[int(jt.offsets()[b]) : int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
         commons.update({f: v[b].numpy() for f, v in kept(batch.common_dense).items()})
@@ -94,7 +98,7 @@ def evaluate_export(
     config = load_config(config_path, data_overrides)
     ranker = Ranker.load(export_dir)
     schema = ranker.model.schema
-    reads = {*schema.token_ids, *schema.token_dense, *schema.common_ids, *schema.common_dense}
+    reads = {*schema.token_features, *schema.common_ids, *schema.common_dense}
     data = _data(config.data, ranker.model.config.eviction_block)
     task = _task(config, data, None)
     if config.task_type == "retrieval":

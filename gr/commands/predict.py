@@ -6,12 +6,18 @@ nested keys joined by ``.`` (a struct column ``history`` with a field ``item_id`
 as a column ``history.item_id``)::
 
     user_id                    int or string                        required
-    history.<feature>          list per token feature of the export  required (item_id, ...)
+    history.<feature>          list per token feature of the export  required (item_id, ...); optional
+                                                                     for the item features the export
+                                                                     stores (taken by item id)
     history.timestamps         list<int> seconds, oldest first       required (``gr.timestamps``)
     candidates.<feature>       list per token feature                optional: scores per candidate
     candidates.timestamps      list<int>                             optional (default: request_time)
     common_features.<feature>  id, list of ids, or list<float>       required when the export reads it
     request_time               int (null: the request's default)     optional
+
+A token feature's column holds a value per token: list<id> for an id feature, list<list<float>>
+for a dense one, list<list<id>> for a list-valued one (a bag of ids per token). The candidates
+leave out what a served request may: the stored item features and the features of the interaction.
 
 Integers (ids, timestamps, request_time) must fit int64: unsigned values past it are refused, never
 wrapped. Ids are raw ids (the dataset's, through the export's id maps) unless ``--ids model``. With
@@ -80,8 +86,8 @@ PROGRESS_EVERY_S = 10.0
 
 @dataclass(frozen=True)
 class Layout:
-    """The input's columns for one export: history / candidate token features and common features
-    (names without their prefix); ``rank`` when the input holds candidates."""
+    """The input's columns for one export: the history / candidate token features it holds and the
+    common features (names without their prefix); ``rank`` when the input holds candidates."""
 
     tokens: Tuple[str, ...]
     candidates: Tuple[str, ...]
@@ -149,28 +155,35 @@ def predict(
 
 
 def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
-    """Check the (flattened) input columns against what ``model`` reads; ValueError naming the
-    file and the columns missing, unknown or of the wrong type."""
-    features = (*model.schema.token_ids, *model.schema.token_dense)
-    common = (*model.schema.common_ids, *model.schema.common_dense)
+    """Check the (flattened) input columns against what ``model`` reads, as a served request is
+    checked (``RequestSchema.tokens``): ValueError naming the file and the columns missing (the
+    required and the optional ones apart), unknown or of the wrong type."""
+    request = model.schema
+    features, stored = request.token_features, request.stored
+    common = (*request.common_ids, *request.common_dense)
     names = set(schema.names)
     candidates = tuple(f for f in (*features, TIMESTAMPS) if f"{CANDIDATES}.{f}" in names)
-    required = [USER, *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS)), *(f"{COMMON}.{f}" for f in common)]
-    if candidates:
-        required += [f"{CANDIDATES}.{f}" for f in features]
-    expected = [
+    required = [
         USER,
-        *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS)),
-        *(f"{CANDIDATES}.{f}" for f in (*features, TIMESTAMPS)),
+        *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS) if f not in stored),
         *(f"{COMMON}.{f}" for f in common),
+    ]
+    if candidates:
+        left_out = (*stored, *request.candidate_optional)
+        required += [f"{CANDIDATES}.{f}" for f in features if f not in left_out]
+    optional = [
+        *(f"{HISTORY}.{f}" for f in stored),
+        *(f"{CANDIDATES}.{f}" for f in (*features, TIMESTAMPS) if f"{CANDIDATES}.{f}" not in required),
         REQUEST_TIME,
     ]
     missing = [name for name in required if name not in names]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {missing}; the export reads {expected}")
-    unknown = sorted(names - set(expected))
+        raise ValueError(
+            f"{path}: missing column(s) {missing}; the export requires {required} and reads the optional {optional}"
+        )
+    unknown = sorted(names - set(required) - set(optional))
     if unknown:
-        raise ValueError(f"{path}: unknown column(s) {unknown}; expected some of {expected}")
+        raise ValueError(f"{path}: unknown column(s) {unknown}; expected some of {required} and optionally {optional}")
     for name in names:
         kind = schema.field(name).type
         if name == USER and not (
@@ -181,7 +194,7 @@ def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
             raise ValueError(f"{path}: column {REQUEST_TIME}: expected integers (seconds), got {kind}")
         if name.startswith((f"{HISTORY}.", f"{CANDIDATES}.")) and not _is_list(kind):
             raise ValueError(f"{path}: column {name}: expected a list per row (one value per token), got {kind}")
-    return Layout(features, candidates, common)
+    return Layout(tuple(f for f in features if f"{HISTORY}.{f}" in names), candidates, common)
 
 
 def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.Schema:

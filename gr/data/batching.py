@@ -20,8 +20,8 @@ from torch.utils.data import Dataset, Sampler
 from gr.data.config import TaskConfig
 from gr.data.features import ITEM_ID, SideFeatures
 from gr.data.sampling import UnseenSampler
-from gr.data.sequences import UserSequences, concat_ranges, window_starts
-from gr.jagged import offsets_from_lengths
+from gr.data.sequences import UserSequences, window_starts
+from gr.jagged import JaggedRows, concat_ranges, offsets_from_lengths
 from gr.model import GRInput
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
 
@@ -113,7 +113,9 @@ def assemble(
     predicts (``GRInput.query_times``); lengths: [B] tokens per sequence (targets included);
     num_targets: [B] trailing candidate tokens, or None; labels: {name: array};
     events: [T] int64 flat event row of each token, -1 for a candidate (no event: its event
-    features are id 0, unknown, and zeros).
+    features are id 0, unknown, and zeros; its event list features empty bags).
+    List-valued item and event features become ``token_lists`` (one bag per token), list-valued
+    user features bags of ``common_ids``; without list features neither costs anything.
     """
     lengths_t = torch.from_numpy(lengths.astype(np.int64))
     item_features, event_features = corpus.item_features, corpus.event_features
@@ -128,9 +130,21 @@ def assemble(
     token_dense = {name: torch.from_numpy(matrix[items]) for name, matrix in item_features.dense.items()}
     for name, matrix in event_features.dense.items():
         token_dense[name] = torch.from_numpy(np.where(known[:, None], matrix[rows], np.float32(0)))
+    token_lists = None
+    if item_features.lists or event_features.lists:
+        bags = {name: rows.take(items) for name, rows in item_features.lists.items()}
+        bags.update({name: rows.take(np.where(known, events, -1)) for name, rows in event_features.lists.items()})
+        token_lists = _keyed_bags(bags)
     user_features = corpus.user_features
     common_ids = None
-    if user_features.categorical:
+    if user_features.lists:
+        bags = {
+            name: JaggedRows.from_lengths(np.ones(len(users), dtype=np.int64), column[users])
+            for name, column in user_features.categorical.items()
+        }
+        bags.update({name: rows.take(users) for name, rows in user_features.lists.items()})
+        common_ids = _keyed_bags(bags)
+    elif user_features.categorical:
         common_ids = KeyedJaggedTensor(
             keys=list(user_features.categorical),
             values=torch.from_numpy(np.concatenate([column[users] for column in user_features.categorical.values()])),
@@ -149,11 +163,21 @@ def assemble(
         ),
         token_dense=token_dense,
         common_ids=common_ids,
+        token_lists=token_lists,
         common_dense={name: torch.from_numpy(matrix[users]) for name, matrix in user_features.dense.items()},
         labels={
             "user": torch.from_numpy(users.astype(np.int64)),
             **{name: torch.from_numpy(value) for name, value in labels.items()},
         },
+    )
+
+
+def _keyed_bags(bags: Dict[str, JaggedRows]) -> KeyedJaggedTensor:
+    """{feature: S bags of int64 ids} -> one KJT of stride S, keys in the mapping's order."""
+    return KeyedJaggedTensor(
+        keys=list(bags),
+        values=torch.from_numpy(np.concatenate([rows.values for rows in bags.values()]).astype(np.int64)),
+        lengths=torch.from_numpy(np.concatenate([rows.lengths() for rows in bags.values()])),
     )
 
 

@@ -45,7 +45,13 @@ DENSE_GROUPS: Check = (
     ),
     "a mapping {feature name: column or [columns]} (float columns)",
 )
+SEPARATOR: Check = (
+    (lambda v: isinstance(v, str) and len(v) >= 1 and not any(c in v for c in '\n\r"')),
+    "a non-empty string (not a quote or newline)",
+)
 TABLE_SOURCES = ("csv", "parquet")
+MOVIELENS_SOURCES = ("ml-100k", "ml-1m", "ml-20m")
+GENRE_LAYOUTS = ("multi_hot", "list")
 DECLARED_FEATURES = ("user_features", "item_features", "token_features", "token_dense", "item_dense", "user_dense")
 
 
@@ -66,6 +72,11 @@ class ColumnConfig(Section):
     rating: the column ranking tasks read their labels from (``data.ranking.tasks``); it may
         also be one token feature (categorical or dense): history tokens then carry it, while
         candidates, which have no row, take the unknown id (zeros), so no label leaks.
+    list_features: the declared categorical columns (of any of the three kinds) that hold a list
+        of values per cell (a movie's genres): a CSV cell splits on ``list_separator`` (an empty
+        cell is an empty list), a Parquet column is list<string> or list<int>. A list feature
+        of the row or item gives each token one bag of ids (``GRInput.token_lists``, pooled by
+        a table of kind ``token_bag``); one of the user, a bag per request (``common_ids``).
     A user's (item's) values are taken from its last row in the file. Each categorical
     feature needs a table in ``model.tables`` (``num_embeddings: null``: sized from the data).
     A dense feature may name one column (d = 1) instead of a list.
@@ -81,6 +92,8 @@ class ColumnConfig(Section):
     token_dense: Dict[str, Tuple[str, ...]] = checked({}, DENSE_GROUPS)
     item_dense: Dict[str, Tuple[str, ...]] = checked({}, DENSE_GROUPS)
     user_dense: Dict[str, Tuple[str, ...]] = checked({}, DENSE_GROUPS)
+    list_features: Tuple[str, ...] = checked((), NAMES)
+    list_separator: str = checked("|", SEPARATOR)
     delimiter: str = checked(",", DELIMITER)
     where: InitVar[str] = "data.columns"
 
@@ -99,6 +112,16 @@ class ColumnConfig(Section):
                     f"except that the rating may also be one token feature ({where}.token_features or "
                     f"{where}.token_dense)"
                 )
+        undeclared = [c for c in self.list_features if c not in self.categorical_columns()]
+        if undeclared or len(set(self.list_features)) != len(self.list_features):
+            raise ValueError(
+                f"{where}.list_features: {list(self.list_features)} must name distinct declared categorical columns "
+                f"(user_features, item_features, token_features: {self.categorical_columns()})"
+            )
+        if self.list_separator == self.delimiter:
+            raise ValueError(
+                f"{where}.list_separator: {self.list_separator!r} is the delimiter; a list's values need another"
+            )
         names = self.feature_names()
         clashes = sorted({n for n in names if names.count(n) > 1 or n == ITEM_ID})
         if clashes:
@@ -260,6 +283,9 @@ class DataConfig(Section):
     eval_exclude: items not ranked at evaluation: the user's whole "history" before the
     target, or only the items in the model's input "window" (the HSTU paper's protocol).
     item_features / user_features: emit side features when the source has them.
+    genres: how the MovieLens readers give an item's genres (``item_genres``): "multi_hot"
+        ([T, G] floats per token) or "list" (a list-valued item feature: the genre names, one
+        bag of ids per token, read by a ``token_bag`` table).
     keep_duplicates: keep rows that repeat an earlier row's user, item and timestamp (by
     default they are dropped, and the run's metrics.json counts them under "data").
     split: "leave_one_out" (each user's last event is its test target, the one before its
@@ -287,6 +313,7 @@ class DataConfig(Section):
     split_time: Optional[int] = checked(None, optional(SECONDS))
     split_end: Optional[int] = checked(None, optional(SECONDS))
     train_start: Optional[int] = checked(None, optional(SECONDS))
+    genres: str = checked("multi_hot", one_of(*GENRE_LAYOUTS))
     columns: ColumnConfig = field(default_factory=ColumnConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)
@@ -316,6 +343,11 @@ class DataConfig(Section):
             raise ValueError(
                 f"{where}.columns.{declared[0]}: only the {' and '.join(TABLE_SOURCES)} sources read declared "
                 f"columns; {self.source!r} has its own features (data.item_features / data.user_features)"
+            )
+        if self.genres != "multi_hot" and self.source not in MOVIELENS_SOURCES:
+            raise ValueError(
+                f"{where}.genres: only the MovieLens sources ({', '.join(MOVIELENS_SOURCES)}) have genres; "
+                f"{self.source!r} declares list features in data.columns.list_features"
             )
 
     def _check_split(self, where: str) -> None:

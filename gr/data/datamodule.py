@@ -26,7 +26,8 @@ from gr.data.features import ITEM_ID, FeatureSpec, SideFeatures
 from gr.data.mappings import IdMap
 from gr.data.readers import read_source
 from gr.data.sampling import UnseenSampler
-from gr.data.sequences import build_sequences, concat_ranges, time_split
+from gr.data.sequences import build_sequences, time_split
+from gr.jagged import concat_ranges
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +199,14 @@ class SequenceDataModule(lightning.LightningDataModule):
     def feature_spec(self) -> FeatureSpec:
         corpus = self._corpus()
         events = corpus.event_features
+        users = corpus.user_features
         return FeatureSpec(
             sequence={ITEM_ID: self.num_items, **corpus.item_features.cardinalities(), **events.cardinalities()},
-            common=corpus.user_features.cardinalities(),
+            common={**users.cardinalities(), **users.list_cardinalities()},
             token_dense={**corpus.item_features.dims(), **events.dims()},
-            common_dense=corpus.user_features.dims(),
-            event_features=[*events.cardinalities(), *events.dims()],
+            common_dense=users.dims(),
+            event_features=[*events.cardinalities(), *events.list_cardinalities(), *events.dims()],
+            token_lists={**corpus.item_features.list_cardinalities(), **events.list_cardinalities()},
         )
 
     def popularity(self) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 ``declared_spec(config)`` is the FeatureSpec the data will provide, by name: the declared
 columns of CSV/Parquet (``data.columns``) or a built-in source's side features (switched by
-``data.item_features`` / ``data.user_features``). Cardinalities are placeholders (1) and the
-dims of features a built-in source derives from its files (MovieLens genres) nominal: what it
+``data.item_features`` / ``data.user_features``; MovieLens genres as ``data.genres`` says).
+Cardinalities are placeholders (1) and the dims of features a built-in source derives from its
+files (MovieLens genres) nominal: what it
 is for is checking, before the data loads, that the model's tables and modules read exactly the
 declared features (``gr.train.build.check_declared_features``).
 """
@@ -53,14 +54,19 @@ def declared_spec(config: DataConfig) -> FeatureSpec:
         item_dense = {name: len(group) for name, group in columns.item_dense.items()}
         user_dense = {name: len(group) for name, group in columns.user_dense.items()}
         event_dense = {name: len(group) for name, group in columns.token_dense.items()}
+    lists: Tuple[str, ...] = columns.list_features
+    if config.genres == "list" and GENRES in item_dense:  # MovieLens genre names: a list-valued item feature
+        item_dense = {name: dim for name, dim in item_dense.items() if name != GENRES}
+        item, lists = (*item, GENRES), (GENRES,)
     if not config.item_features:
         item, item_dense = (), {}
     if not config.user_features:
         user, user_dense = (), {}
     return FeatureSpec(
-        sequence={name: UNKNOWN_CARDINALITY for name in (ITEM_ID, *item, *event)},
+        sequence={name: UNKNOWN_CARDINALITY for name in (ITEM_ID, *item, *event) if name not in lists},
         common={name: UNKNOWN_CARDINALITY for name in user},
         token_dense={**item_dense, **event_dense},
         common_dense=user_dense,
         event_features=[*event, *event_dense],
+        token_lists={name: UNKNOWN_CARDINALITY for name in (*item, *event) if name in lists},
     )

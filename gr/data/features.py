@@ -9,6 +9,7 @@ import numpy as np
 
 from gr.data.interactions import SideTable
 from gr.data.mappings import IdMap
+from gr.jagged import JaggedRows
 
 ITEM_ID = "item_id"
 
@@ -18,10 +19,13 @@ class FeatureSpec:
     """What the batches carry, with cardinalities (ids are dense, 0-based, < cardinality).
 
     sequence: {feature: cardinality}, one id per token (always has "item_id")
-    common: {feature: cardinality}, one id per sequence (user attributes)
+    common: {feature: cardinality}, a bag of ids per sequence (user attributes; one id each,
+        or a list-valued feature's ids)
+    token_lists: {feature: cardinality}, a bag of ids per token (a list-valued item or row
+        feature, e.g. genres), pooled by its ``token_bag`` table
     token_dense: {name: dim}, [T, dim] float per token
     common_dense: {name: dim}, [B, dim] float per sequence
-    event_features: the sequence / token_dense features that come from the interaction row
+    event_features: the sequence / token_lists / token_dense features that come from the interaction row
         itself, not from the item: candidate tokens (which have no row) take id 0 / zeros, and
         a served request may leave them out of its candidates
     """
@@ -31,6 +35,7 @@ class FeatureSpec:
     token_dense: Dict[str, int] = field(default_factory=dict)
     common_dense: Dict[str, int] = field(default_factory=dict)
     event_features: List[str] = field(default_factory=list)
+    token_lists: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,12 +46,14 @@ class SideFeatures:
     dense: {feature: [num_ids, d] float32} (zeros when unknown)
     vocabularies: {feature: IdMap (offset 1)} raw value <-> dense id
     dense_columns: {feature: column names}
+    lists: {feature: num_ids rows of dense ids} of a list-valued feature (an empty row when unknown)
     """
 
     categorical: Dict[str, np.ndarray] = field(default_factory=dict)
     dense: Dict[str, np.ndarray] = field(default_factory=dict)
     vocabularies: Dict[str, IdMap] = field(default_factory=dict)
     dense_columns: Dict[str, List[str]] = field(default_factory=dict)
+    lists: Dict[str, JaggedRows] = field(default_factory=dict)
 
     @classmethod
     def align(
@@ -69,10 +76,21 @@ class SideFeatures:
             matrix[dense_ids[known]] = values[known]
             out.dense[name] = matrix
             out.dense_columns.setdefault(name, [f"{name}_{i}" for i in range(values.shape[1])])
+        table_row = np.full(ids.cardinality, -1, dtype=np.int64)
+        table_row[dense_ids[known]] = np.flatnonzero(known)
+        for name, rows in table.lists.items():
+            vocabulary = IdMap.of(rows.values, offset=1)
+            out.lists[name] = rows.with_values(vocabulary.encode(rows.values)).take(table_row)
+            out.vocabularies[name] = vocabulary
         return out
 
     def cardinalities(self) -> Dict[str, int]:
-        return {name: vocabulary.cardinality for name, vocabulary in self.vocabularies.items()}
+        """{feature: cardinality} of the single-valued categorical features."""
+        return {name: self.vocabularies[name].cardinality for name in self.categorical}
+
+    def list_cardinalities(self) -> Dict[str, int]:
+        """{feature: cardinality} of the list-valued features."""
+        return {name: self.vocabularies[name].cardinality for name in self.lists}
 
     def dims(self) -> Dict[str, int]:
         return {name: matrix.shape[1] for name, matrix in self.dense.items()}

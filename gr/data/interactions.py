@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sized
 
 import numpy as np
+
+from gr.jagged import JaggedRows
 
 
 class DataFormatError(ValueError):
@@ -25,16 +27,19 @@ class SideTable:
     categorical: {feature: [M] raw values (int64 or str)}
     dense: {feature: [M, d] float32}, e.g. multi-hot genres
     dense_columns: {feature: the d column names}, e.g. the genre names
+    lists: {feature: M rows of raw values (int64 or str)}, a list-valued categorical feature
     """
 
     keys: np.ndarray
     categorical: Dict[str, np.ndarray] = field(default_factory=dict)
     dense: Dict[str, np.ndarray] = field(default_factory=dict)
     dense_columns: Dict[str, List[str]] = field(default_factory=dict)
+    lists: Dict[str, JaggedRows] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         rows = len(self.keys)
-        bad = [n for n, v in {**self.categorical, **self.dense}.items() if len(v) != rows]
+        columns: Dict[str, Sized] = {**self.categorical, **self.dense, **self.lists}
+        bad = [n for n, v in columns.items() if len(v) != rows]
         if bad:
             raise ValueError(f"SideTable: features {bad} do not have one row per key ({rows})")
 
@@ -45,6 +50,7 @@ class SideTable:
             {name: values[index] for name, values in self.categorical.items()},
             {name: values[index] for name, values in self.dense.items()},
             dict(self.dense_columns),
+            {name: rows.take(index) for name, rows in self.lists.items()},
         )
 
 

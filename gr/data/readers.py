@@ -30,21 +30,24 @@ import pyarrow.parquet as pq
 from gr.data.config import ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.synthetic import generate_synthetic
+from gr.jagged import JaggedRows
 
 log = logging.getLogger(__name__)
 
-ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "time": pa.string()}
+ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "time": pa.string(), "list": pa.string()}
 EXPECTED = {
     "int": "an integer that fits int64",
     "float": "a number",
     "str": "a non-empty value",
     "time": "seconds: an integer, or a decimal number, that fits int64",
+    "list": "values separated by the list separator (an empty cell: an empty list)",
 }
 INT_PATTERN = re.compile(r"-?\d+")
 DECIMAL_PATTERN = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 DECIMAL_SECONDS = pa.decimal128(38, 9)
 INT64_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
 CANONICAL_INT = r"^-?(0|[1-9][0-9]*)$"
+ML_GENRES = "item_genres"
 ML_AGE_BUCKETS = (1, 18, 25, 35, 45, 50, 56)  # MovieLens-1M age codes: under 18, 18-24, ..., 56+
 RATING_KINDS = ("int", "int", "float", "int")
 
@@ -66,7 +69,7 @@ def read_delimited(
     """Parse a delimited text file into {column: [N] array}.
 
     columns: (name, kind) with kind "int" | "float" | "str" | "time" (seconds, ``exact_seconds``) |
-    "skip". With header "none"
+    "list" (text, empty allowed: ``split_lists`` splits it) | "skip". With header "none"
     they are the file's fields in order; "expect": the first line must list exactly
     these names; "select": the first line names the columns and these are picked by name.
     delimiter: one character, or "::" (MovieLens-1M).
@@ -119,6 +122,8 @@ def _to_numpy(column: pa.ChunkedArray, kind: str) -> Optional[np.ndarray]:
         return None if pc.any(pc.equal(column, "")).as_py() else column.to_numpy(zero_copy_only=False).astype(str)
     if kind == "time":
         return _seconds_column(column)
+    if kind == "list":
+        return column.to_numpy(zero_copy_only=False).astype(str)
     array = column.to_numpy()
     return array if kind == "int" or np.isfinite(array).all() else None
 
@@ -235,21 +240,52 @@ def _valid(value: str, kind: str) -> bool:
             return math.isfinite(float(value))
         except ValueError:
             return False
-    return value != ""
+    return kind == "list" or value != ""
 
 
 # ---- MovieLens -------------------------------------------------------------------------
 
 
-def _multi_hot(labels: np.ndarray) -> Tuple[np.ndarray, List[str]]:
-    """labels: [M] "A|B|C" strings -> ([M, V] float32 multi-hot, the V sorted names)."""
-    lists = pc.split_pattern(pa.array(labels, pa.string()), "|")
-    flat = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(str)
-    rows = pc.list_parent_indices(lists).to_numpy()
-    vocabulary, codes = np.unique(flat, return_inverse=True)
+def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str], DataFormatError]) -> JaggedRows:
+    """cells: [M] str, each a list of values joined by ``separator`` ("" is the empty list) ->
+    M rows of str values. An empty value inside a list (``"a||b"``, ``"a|"``) raises
+    ``bad_cell(row, message)``."""
+    lists = pc.split_pattern(pa.array(cells, pa.string()), separator)
+    parents = pc.list_parent_indices(lists).to_numpy()
+    filled = cells != ""
+    keep = filled[parents]
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(str)[keep]
+    empty = np.flatnonzero(values == "")
+    if len(empty):
+        row = int(parents[keep][empty[0]])
+        raise bad_cell(
+            row,
+            f"an empty value in the list {str(cells[row])!r} (values are separated by "
+            f"{separator!r}; an empty cell is an empty list)",
+        )
+    lengths = np.where(filled, pc.list_value_length(lists).to_numpy(), 0)
+    return JaggedRows.from_lengths(lengths, values)
+
+
+def _genres(
+    labels: JaggedRows, layout: str
+) -> Tuple[Dict[str, np.ndarray], Dict[str, List[str]], Dict[str, JaggedRows]]:
+    """An item table's genres (M rows of names) as ``SideTable`` arguments (dense, dense_columns,
+    lists): ``item_genres`` [M, V] float32 multi-hot over the V sorted names, or the names as a
+    list-valued feature (``data.genres``)."""
+    if layout == "list":
+        return {}, {}, {ML_GENRES: labels}
+    vocabulary, codes = np.unique(labels.values, return_inverse=True)
     matrix = np.zeros((len(labels), len(vocabulary)), dtype=np.float32)
-    matrix[rows, codes] = 1.0
-    return matrix, vocabulary.tolist()
+    matrix[np.repeat(np.arange(len(labels)), labels.lengths()), codes] = 1.0
+    return {ML_GENRES: matrix}, {ML_GENRES: vocabulary.tolist()}, {}
+
+
+def _genre_lists(path: Path, labels: np.ndarray) -> JaggedRows:
+    """[M] "A|B|C" genre strings of a MovieLens movies file -> M rows of genre names."""
+    return split_lists(
+        labels, "|", lambda row, message: DataFormatError(path, f"genres of movie row {row + 1}: {message}")
+    )
 
 
 def _ratings(path: Path, columns: Dict[str, np.ndarray]) -> Interactions:
@@ -264,11 +300,14 @@ def _optional(path: Path, wanted: bool, name: str) -> bool:
     return wanted and path.is_file()
 
 
-def read_ml_100k(directory: str, item_features: bool = True, user_features: bool = True) -> Interactions:
+def read_ml_100k(
+    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
+) -> Interactions:
     """MovieLens-100K: ``u.data`` (tab: user item rating timestamp), optional ``u.item``
     (``id|title|release|video release|url|19 genre flags``, latin-1) and ``u.user``
-    (``id|age|gender|occupation|zip``). Side features: item_genres [19] multi-hot;
-    user_age (bucketed like ML-1M), user_gender, user_occupation."""
+    (``id|age|gender|occupation|zip``). Side features: item_genres ([19] multi-hot, or the
+    genre names as a list-valued feature: ``genres="list"``); user_age (bucketed like ML-1M),
+    user_gender, user_occupation."""
     root = Path(directory)
     ratings_file = _require_file(root / "u.data", "MovieLens-100K ratings: user<TAB>item<TAB>rating<TAB>timestamp")
     data = _ratings(
@@ -276,8 +315,8 @@ def read_ml_100k(directory: str, item_features: bool = True, user_features: bool
         read_delimited(ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "\t"),
     )
     if _optional(root / "u.item", item_features, "item"):
-        genres = _ml_100k_genres(root / "u.genre")
-        flags = [f"genre_{i}" for i in range(len(genres))]
+        names = _ml_100k_genres(root / "u.genre")
+        flags = [f"genre_{i}" for i in range(len(names))]
         layout = [
             ("item", "int"),
             ("title", "skip"),
@@ -287,8 +326,15 @@ def read_ml_100k(directory: str, item_features: bool = True, user_features: bool
             *((f, "int") for f in flags),
         ]
         items = read_delimited(root / "u.item", layout, "|", encoding="latin-1")
-        matrix = np.stack([items[f] for f in flags], axis=1).astype(np.float32)
-        data.item_side = SideTable(items["item"], dense={"item_genres": matrix}, dense_columns={"item_genres": genres})
+        flagged = np.stack([items[f] for f in flags], axis=1)  # [M, 19], every genre of u.genre in its order
+        if genres == "list":
+            rows, codes = np.nonzero(flagged)
+            lengths = np.bincount(rows, minlength=len(flagged))
+            labels = JaggedRows.from_lengths(lengths, np.asarray(names)[codes])
+            data.item_side = SideTable(items["item"], lists={ML_GENRES: labels})
+        else:
+            multi_hot = {ML_GENRES: flagged.astype(np.float32)}
+            data.item_side = SideTable(items["item"], dense=multi_hot, dense_columns={ML_GENRES: names})
     if _optional(root / "u.user", user_features, "user"):
         layout = [("user", "int"), ("age", "int"), ("gender", "str"), ("occupation", "str"), ("zip", "skip")]
         users = read_delimited(root / "u.user", layout, "|")
@@ -308,7 +354,9 @@ def _ml_100k_genres(path: Path) -> List[str]:
     return [str(n) for n in columns["name"][np.argsort(columns["index"], kind="stable")]]
 
 
-def read_ml_1m(directory: str, item_features: bool = True, user_features: bool = True) -> Interactions:
+def read_ml_1m(
+    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
+) -> Interactions:
     """MovieLens-1M: ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``), optional
     ``movies.dat`` (``MovieID::Title::Genres``, genres pipe-separated, latin-1) and
     ``users.dat`` (``UserID::Gender::Age::Occupation::Zip-code``)."""
@@ -322,8 +370,8 @@ def read_ml_1m(directory: str, item_features: bool = True, user_features: bool =
         movies = read_delimited(
             root / "movies.dat", [("item", "int"), ("title", "skip"), ("genres", "str")], "::", encoding="latin-1"
         )
-        matrix, names = _multi_hot(movies["genres"])
-        data.item_side = SideTable(movies["item"], dense={"item_genres": matrix}, dense_columns={"item_genres": names})
+        dense, dense_columns, lists = _genres(_genre_lists(root / "movies.dat", movies["genres"]), genres)
+        data.item_side = SideTable(movies["item"], dense=dense, dense_columns=dense_columns, lists=lists)
     if _optional(root / "users.dat", user_features, "user"):
         layout = [("user", "int"), ("gender", "str"), ("age", "int"), ("occupation", "int"), ("zip", "skip")]
         users = read_delimited(root / "users.dat", layout, "::")
@@ -338,7 +386,9 @@ def read_ml_1m(directory: str, item_features: bool = True, user_features: bool =
     return data
 
 
-def read_ml_20m(directory: str, item_features: bool = True, user_features: bool = True) -> Interactions:
+def read_ml_20m(
+    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
+) -> Interactions:
     """MovieLens-20M: ``ratings.csv`` with header ``userId,movieId,rating,timestamp`` (ratings
     like 3.5), optional ``movies.csv`` (``movieId,title,genres``, quoted titles). No user file."""
     root = Path(directory)
@@ -361,10 +411,8 @@ def read_ml_20m(directory: str, item_features: bool = True, user_features: bool 
             header="expect",
             quoted=True,
         )
-        matrix, names = _multi_hot(movies["genres"])
-        data.item_side = SideTable(
-            movies["movieId"], dense={"item_genres": matrix}, dense_columns={"item_genres": names}
-        )
+        dense, dense_columns, lists = _genres(_genre_lists(root / "movies.csv", movies["genres"]), genres)
+        data.item_side = SideTable(movies["movieId"], dense=dense, dense_columns=dense_columns, lists=lists)
     return data
 
 
@@ -384,8 +432,9 @@ def read_amazon(path: str) -> Interactions:
 def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     """A CSV with a header; ``columns`` names the user, item, timestamp (seconds: integers, or
     decimal numbers floored) and optional rating and declared feature columns (categorical: any
-    non-empty text, ``NA`` and ``null`` included; dense: finite numbers). Ids that are all
-    canonical integers become int64."""
+    non-empty text, ``NA`` and ``null`` included; list features: values joined by
+    ``columns.list_separator``, an empty cell the empty list; dense: finite numbers). Ids that
+    are all canonical integers become int64."""
     file = _require_file(
         Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
     )
@@ -396,7 +445,8 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
         columns.timestamp: "time",
         **({columns.rating: "float"} if columns.rating else {}),
         **{c: "float" for c in columns.dense_columns()},
-        **{c: "str" for c in categorical},  # a rating that is also a categorical feature: read as text
+        # categorical columns as text (a rating that is also a categorical feature too; lists split below)
+        **{c: "list" if c in columns.list_features else "str" for c in categorical},
     }
     values = read_delimited(file, list(layout.items()), columns.delimiter, header="select", quoted=True)
 
@@ -407,7 +457,11 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     ratings = None
     if columns.rating in categorical:
         ratings = _numbers_of_text(values[columns.rating], lambda row, text: bad_id(columns.rating, row, text))
-    return _table_interactions(file, values, columns, bad_id, ratings)
+    lists = {
+        c: split_lists(values[c], columns.list_separator, lambda row, message, c=c: bad_id(c, row, message))
+        for c in columns.list_features
+    }
+    return _table_interactions(file, values, lists, columns, bad_id, ratings)
 
 
 def _numbers_of_text(text: np.ndarray, bad_value: Callable[[int, str], DataFormatError]) -> np.ndarray:
@@ -429,8 +483,9 @@ def _line_of_row(path: Path, delimiter: str, row: int) -> int:
 
 def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     """A Parquet file with the columns ``columns`` names (timestamp: integer seconds, float seconds
-    floored, or a timestamp type floored to seconds; ids: integer or string columns, read exactly).
-    Errors name the row counted from 1, as CSV errors name lines and ``gr predict`` names rows."""
+    floored, or a timestamp type floored to seconds; ids: integer or string columns, read exactly;
+    list features: list<string> or list<int> columns, and only they are lists). Errors name the
+    row counted from 1, as CSV errors name lines and ``gr predict`` names rows."""
     file = _require_file(Path(path), "Parquet file")
     try:
         schema = pq.read_schema(file)
@@ -446,12 +501,15 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
         raise DataFormatError(file, "no data rows (empty dataset)")
     values: Dict[str, np.ndarray] = {}
     categorical = columns.categorical_columns()
+    lists: Dict[str, JaggedRows] = {}
     for name in wanted:
         column = table[name]
         if column.null_count:
             row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DataFormatError(file, f"row {row + 1}: column {name!r} is null")
-        if name == columns.timestamp:
+        if name in columns.list_features or _is_list(column.type):
+            lists[name] = _parquet_list(file, name, column, declared=name in columns.list_features)
+        elif name == columns.timestamp:
             values[name] = _parquet_seconds(file, name, column)
         else:
             values[name] = _parquet_column(file, name, column, numeric=name in numeric and name not in categorical)
@@ -462,7 +520,39 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     def bad_id(name: str, row: int, message: str) -> DataFormatError:
         return DataFormatError(file, f"row {row + 1}: column {name!r}: {message}")
 
-    return _table_interactions(file, values, columns, bad_id, ratings)
+    return _table_interactions(file, values, lists, columns, bad_id, ratings)
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
+def _parquet_list(file: Path, name: str, column: pa.ChunkedArray, declared: bool) -> JaggedRows:
+    """A list<string> / list<int> column declared in ``list_features`` -> N rows of str values
+    (integers exactly); a list column not declared, a declared column that is not a list, a null
+    or empty value inside a list raise DataFormatError naming the file, row and column."""
+    kind = column.type
+    if not declared:
+        raise DataFormatError(
+            file, f"column {name!r} holds lists (type {kind}); declare it in data.columns.list_features"
+        )
+    value_type = kind.value_type if _is_list(kind) else None
+    if value_type is None or not (
+        pa.types.is_integer(value_type) or pa.types.is_string(value_type) or pa.types.is_large_string(value_type)
+    ):
+        raise DataFormatError(
+            file,
+            f"column {name!r}: a list feature (data.columns.list_features) needs list<string> or list<int>, "
+            f"got type {kind}",
+        )
+    flat = pc.list_flatten(column)  # the column has no null lists (refused before)
+    lengths = pc.list_value_length(column).to_numpy()
+    text = pc.cast(flat, pa.string())
+    bad = np.flatnonzero(pc.fill_null(pc.equal(text, ""), True).to_numpy(zero_copy_only=False))
+    if len(bad):
+        row = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
+        raise DataFormatError(file, f"row {row + 1}: column {name!r}: a null or empty value inside the list")
+    return JaggedRows.from_lengths(lengths, text.to_numpy(zero_copy_only=False).astype(str))
 
 
 def _parquet_column(file: Path, name: str, column: pa.ChunkedArray, numeric: bool) -> np.ndarray:
@@ -516,15 +606,19 @@ def _as_ids(values: np.ndarray, bad_value: Callable[[int, str], DataFormatError]
 
 
 def _row_table(
-    values: Mapping[str, np.ndarray], categorical: Sequence[str], dense: Mapping[str, Tuple[str, ...]]
+    values: Mapping[str, np.ndarray],
+    lists: Mapping[str, JaggedRows],
+    categorical: Sequence[str],
+    dense: Mapping[str, Tuple[str, ...]],
 ) -> SideTable:
-    """Every row's declared features: categorical columns as they are, each dense feature's
-    columns stacked into [N, d] float32 (its column names kept)."""
+    """Every row's declared features: categorical columns as they are (a list feature's rows from
+    ``lists``), each dense feature's columns stacked into [N, d] float32 (its column names kept)."""
     return SideTable(
         np.arange(len(values[next(iter(values))]), dtype=np.int64),
-        categorical={c: values[c] for c in categorical},
+        categorical={c: values[c] for c in categorical if c not in lists},
         dense={name: np.stack([values[c] for c in cs], axis=1).astype(np.float32) for name, cs in dense.items()},
         dense_columns={name: list(cs) for name, cs in dense.items()},
+        lists={c: lists[c] for c in categorical if c in lists},
     )
 
 
@@ -533,19 +627,20 @@ def _last_value_table(keys: np.ndarray, rows: SideTable) -> SideTable:
     at the key's last row."""
     unique, first_in_reversed = np.unique(keys[::-1], return_index=True)
     table = rows.take(len(keys) - 1 - first_in_reversed)
-    return SideTable(unique, table.categorical, table.dense, table.dense_columns)
+    return SideTable(unique, table.categorical, table.dense, table.dense_columns, table.lists)
 
 
 def _table_interactions(
     file: Path,
     values: Dict[str, np.ndarray],
+    lists: Dict[str, JaggedRows],
     columns: ColumnConfig,
     bad_id: Callable[[str, int, str], DataFormatError],
     ratings: Optional[np.ndarray] = None,
 ) -> Interactions:
-    """values: {column: [N]} with [N] int64 timestamps and [N] str ids; bad_id(column, row, message):
-    the error for an id that does not fit int64; ratings: [N] float, when ``values`` holds the
-    rating column as a categorical feature's text."""
+    """values: {column: [N]} with [N] int64 timestamps and [N] str ids; lists: {list feature: N rows
+    of str values}; bad_id(column, row, message): the error for an id that does not fit int64;
+    ratings: [N] float, when ``values`` holds the rating column as a categorical feature's text."""
     users = _as_ids(values[columns.user], lambda row, message: bad_id(columns.user, row, message))
     items = _as_ids(values[columns.item], lambda row, message: bad_id(columns.item, row, message))
     if ratings is None and columns.rating:
@@ -558,11 +653,11 @@ def _table_interactions(
         source=str(file),
     )
     if columns.user_features or columns.user_dense:
-        data.user_side = _last_value_table(users, _row_table(values, columns.user_features, columns.user_dense))
+        data.user_side = _last_value_table(users, _row_table(values, lists, columns.user_features, columns.user_dense))
     if columns.item_features or columns.item_dense:
-        data.item_side = _last_value_table(items, _row_table(values, columns.item_features, columns.item_dense))
+        data.item_side = _last_value_table(items, _row_table(values, lists, columns.item_features, columns.item_dense))
     if columns.token_features or columns.token_dense:
-        data.row_side = _row_table(values, columns.token_features, columns.token_dense)
+        data.row_side = _row_table(values, lists, columns.token_features, columns.token_dense)
     return data
 
 
@@ -570,9 +665,9 @@ def _table_interactions(
 
 READERS: Dict[str, Callable[[DataConfig], Interactions]] = {
     "synthetic": lambda c: generate_synthetic(c.synthetic, c.seed),
-    "ml-100k": lambda c: read_ml_100k(c.path, c.item_features, c.user_features),
-    "ml-1m": lambda c: read_ml_1m(c.path, c.item_features, c.user_features),
-    "ml-20m": lambda c: read_ml_20m(c.path, c.item_features, c.user_features),
+    "ml-100k": lambda c: read_ml_100k(c.path, c.item_features, c.user_features, c.genres),
+    "ml-1m": lambda c: read_ml_1m(c.path, c.item_features, c.user_features, c.genres),
+    "ml-20m": lambda c: read_ml_20m(c.path, c.item_features, c.user_features, c.genres),
     "amazon": lambda c: read_amazon(c.path),
     "csv": lambda c: read_table_csv(c.path, c.columns),
     "parquet": lambda c: read_table_parquet(c.path, c.columns),

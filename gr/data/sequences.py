@@ -183,14 +183,6 @@ def build_sequences(
     return sequences, users, items
 
 
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[sum(lengths)] int64: ``starts[0] .. starts[0]+lengths[0]-1``, then the next range..."""
-    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    out_starts = np.cumsum(lengths) - lengths
-    return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
-
-
 def window_starts(begins: np.ndarray, ends: np.ndarray, max_len: int, block: int = 1) -> np.ndarray:
     """[R] start of the window of each range ``begins[r]:ends[r]``: its most recent ``max_len``
     rows, the oldest dropped in whole blocks of ``block`` (``gr.jagged.evicted_prefix``)."""

@@ -16,7 +16,8 @@ Layout of an export directory::
 Every INI has a ``[format]`` section with ``version``; readers refuse other versions.
 Symbolic dims: ``tokens`` (history + candidate tokens of a request), ``targets``
 (candidate rows), ``batch`` (requests), ``batch+1`` (sequence offsets), ``bag``
-(ids of one pooled common feature).
+(ids of one pooled common feature). ``[tokens, bag]`` is jagged: a bag of ids per token (a
+list-valued token feature, pooled per token by its ``token_bag`` table).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ POSTFIX_HIDDEN = "hidden"
 TABLE_TENSOR = "weight"  # the tensor inside each sparse/<table>.safetensors
 
 TOKENS, TARGETS, BATCH, BATCH_OFFSETS, BAG = "tokens", "targets", "batch", "batch+1", "bag"
+TOKEN_BAGS = (TOKENS, BAG)  # the shape of a list-valued token feature's ids: a bag per token (jagged)
 REPEAT_PER_TARGET = "per_target"  # a [batch, ...] source repeated once per target row
 DTYPES = ("float32", "int64")
 

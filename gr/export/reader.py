@@ -38,6 +38,7 @@ from gr.export.format import (
     TABLE_TENSOR,
     TARGETS,
     TIMESTAMPS,
+    TOKEN_BAGS,
     TOKENS,
     ExportFormatError,
     Problem,
@@ -61,6 +62,8 @@ SLICE_FILES = {
 HSTU_INPUTS = (HSTU_INPUT, TIMESTAMPS, SEQ_OFFSETS, NUM_TARGETS)
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
 TABLE_DTYPE = "F32"
+# sparse.ini feature kind -> (its ids' shape in the sparse slice, the rows of its looked-up vectors)
+SPARSE_SHAPES = {"sequence": ((TOKENS,), TOKENS), "common": ((BAG,), BATCH), "token_bag": (TOKEN_BAGS, TOKENS)}
 
 
 @dataclass(frozen=True)
@@ -324,12 +327,12 @@ def _check_sparse_slice(spec: SliceSpec, sparse: SparseManifest, problems: List[
             if feature is None:
                 problems.append(Problem(SLICE_GRAPH, key, f"no [feature.{t.name}] in {SPARSE_INI}"))
                 continue
-            sequence = feature.kind == "sequence"
+            ids, rows = SPARSE_SHAPES.get(feature.kind, SPARSE_SHAPES["common"])
             expected: Tuple[str, Tuple[Any, ...]]
             if kind == "input":
-                expected = ("int64", (TOKENS,) if sequence else (BAG,))
+                expected = ("int64", ids)
             else:
-                expected = ("float32", (TOKENS if sequence else BATCH, sparse.feature_dim(t.name)))
+                expected = ("float32", (rows, sparse.feature_dim(t.name)))
             if (t.dtype, tuple(t.shape)) != expected:
                 problems.append(
                     Problem(

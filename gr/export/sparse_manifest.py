@@ -3,11 +3,12 @@
 INI layout::
 
     [table.<name>]    file = <name>.safetensors, rows, dim
-    [feature.<name>]  table, kind = sequence | common, pooling = none | sum | mean,
+    [feature.<name>]  table, kind = sequence | common | token_bag, pooling = none | sum | mean,
                       id_mapping = id_maps/<file> (optional: raw id -> row mapping)
 
 A ``sequence`` feature gives one row per token; a ``common`` feature pools the rows
-of a request's ids (its bag) with ``pooling``.
+of a request's ids (its bag) with ``pooling``; a ``token_bag`` feature (list-valued) pools the
+rows of each token's bag with ``pooling`` (an empty bag: zeros).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Dict, List, Optional
 
 from gr.export.format import SPARSE_INI, Problem
 
-FEATURE_KINDS = ("sequence", "common")
-POOLINGS = {"sequence": ("none",), "common": ("sum", "mean")}
+FEATURE_KINDS = ("sequence", "common", "token_bag")
+POOLINGS = {"sequence": ("none",), "common": ("sum", "mean"), "token_bag": ("sum", "mean")}
+TOKEN_KINDS = ("sequence", "token_bag")  # the kinds of token features (one vector per token)
 
 
 @dataclass(frozen=True)

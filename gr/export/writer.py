@@ -43,6 +43,7 @@ from gr.export.format import (
     TABLE_TENSOR,
     TARGETS,
     TIMESTAMPS,
+    TOKEN_BAGS,
     TOKENS,
     ExportError,
     ExportFormatError,
@@ -54,7 +55,7 @@ from gr.export.manifest import write_manifest
 from gr.export.onnx_registry import registry_built_once
 from gr.export.reader import ONNX_DTYPES, check_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, REQUEST, SliceGraph, SliceSpec, TensorSpec
-from gr.export.sparse_manifest import FeatureEntry, SparseManifest, TableEntry
+from gr.export.sparse_manifest import TOKEN_KINDS, FeatureEntry, SparseManifest, TableEntry
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
@@ -93,8 +94,9 @@ def export_model(
     overwrite: replace an existing export_dir (otherwise it is an error).
     hstu_dtype: "float32" or "bfloat16": how ``hstu/model.safetensors`` stores the weights
     (the runtime computes in float32 either way).
-    item_features: {token feature: [items] int64 ids | [items, d] float32}, row i the item
-        features of model item i: written to the export's item store (``gr.export.item_store``),
+    item_features: {token feature: [items] int64 ids | [items, d] float32 | JaggedRows of items
+        rows of int64 ids (a list feature)}, row i the item features of model item i: written
+        to the export's item store (``gr.export.item_store``),
         from which serving fills them for items a request gives by id alone.
     """
     if hstu_dtype not in SLICE_DTYPES:
@@ -155,10 +157,10 @@ def _write(
 ) -> None:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
-    token_dims = _feature_dims(prefix, prefix.feature_names, sparse, "sequence", dense_dims, "feature_dims")
+    token_dims = _feature_dims(prefix, prefix.feature_names, sparse, TOKEN_KINDS, dense_dims, "feature_dims")
     if item_features:
         write_item_store(root, item_features, token_dims, sparse, event_features)
-    common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, "common", dense_dims, "common_dims")
+    common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, ("common",), dense_dims, "common_dims")
     _check_names(prefix, postfix)
 
     prefix_inputs = {name: torch.randn(EXAMPLE_ROWS, dim) for name, dim in token_dims.items()}
@@ -246,7 +248,12 @@ def _mapping_files(directory: Path) -> Dict[str, str]:
 
 
 def _feature_dims(
-    module: nn.Module, names: Sequence[str], sparse: SparseManifest, kind: str, dense_dims: Dict[str, int], attr: str
+    module: nn.Module,
+    names: Sequence[str],
+    sparse: SparseManifest,
+    kinds: Tuple[str, ...],
+    dense_dims: Dict[str, int],
+    attr: str,
 ) -> Dict[str, int]:
     """{feature: dim} for the features a DNN reads: table dims for ids, given dims for dense ones."""
     own = dict(getattr(module, attr, None) or {})
@@ -254,10 +261,10 @@ def _feature_dims(
     for name in names:
         feature = sparse.features.get(name)
         if feature is not None:
-            if feature.kind != kind:
+            if feature.kind not in kinds:
                 raise ExportError(
                     f"{type(module).__name__} reads {name!r}, a {feature.kind} feature; "
-                    f"it can only read {kind} features"
+                    f"it can only read {' or '.join(kinds)} features"
                 )
             dims[name] = sparse.feature_dim(name)
         elif name in dense_dims or name in own:
@@ -440,8 +447,9 @@ def _slice_graph(
             dest_rows = TOKENS if dest is prefix_in else TARGETS
             optional = CANDIDATES_OPTIONAL if dest is prefix_in and name in event_features else None
             if name in sparse.features:
-                request.append(TensorSpec(name, "int64", (rows,), candidates=optional))
-                sparse_in.append(TensorSpec(name, "int64", (rows,), f"{REQUEST}.{name}"))
+                ids = TOKEN_BAGS if sparse.features[name].kind == "token_bag" else (rows,)
+                request.append(TensorSpec(name, "int64", ids, candidates=optional))
+                sparse_in.append(TensorSpec(name, "int64", ids, f"{REQUEST}.{name}"))
                 sparse_out.append(TensorSpec(name, "float32", (out_rows, dims[name])))
                 source = f"{SPARSE}.{name}"
             else:
@@ -487,9 +495,10 @@ def _first_lines(exc: BaseException, limit: int = 12) -> str:
 def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, np.ndarray]:
     """The item features among ``feature_names`` (what the prefix_dnn reads) of a training run, read
     from its data (``data`` of its config.yaml) as training saw them: {feature: [items] int64 |
-    [items, d] float32} by model item id. Empty when the model reads none (the data is not read)."""
+    [items, d] float32 | items rows of int64 ids} by model item id. Empty when the model reads none
+    (the data is not read)."""
     config, spec, _ = read_run(run_dir)
-    declared = set(spec.sequence) | set(spec.token_dense)
+    declared = set(spec.sequence) | set(spec.token_lists) | set(spec.token_dense)
     wanted = [f for f in feature_names if f in declared and f != ITEM_FEATURE and f not in spec.event_features]
     if not wanted:
         return {}
@@ -509,5 +518,6 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
             f"{run_dir}: the items of data.path {config.data.path!r} differ from those the run was trained on "
             f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
         )
-    side = {**data.corpus.item_features.categorical, **data.corpus.item_features.dense}
+    item_side = data.corpus.item_features
+    side = {**item_side.categorical, **item_side.dense, **item_side.lists}
     return {f: side[f] for f in wanted if f in side}

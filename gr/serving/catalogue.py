@@ -76,7 +76,7 @@ class Catalogue:
         rows = model.sparse.rows(item_feature)
         self.model = model
         self.item_feature = item_feature
-        features = [f for f in (*schema.token_ids, *schema.token_dense) if f != item_feature]
+        features = [f for f in schema.token_features if f != item_feature]
         # whether a history token is more than its item: then the history's own features are its input
         self.item_only = not features
         # Token features an item has no value for (neither stored nor of the interaction): items
@@ -87,11 +87,9 @@ class Catalogue:
             ids = np.arange(rows, dtype=np.int64)
             columns = {item_feature: ids, TIMESTAMPS: np.zeros(rows, dtype=np.int64)}
             for name in schema.candidate_optional:  # the unknown id / zeros, as a candidate's
-                dim = schema.token_dense.get(name)
-                columns[name] = np.zeros(rows, dtype=np.int64) if dim is None else np.zeros((rows, dim), np.float32)
+                columns[name] = schema.unknown(name, rows)
             for name in schema.stored:
-                assert model.sparse.items is not None  # stored features are the item store's
-                columns[name] = model.sparse.items.lookup(name, ids)
+                columns[name] = model.sparse.stored(name, ids)
             self.tokens = model.embed_tokens(columns)
         table = model.sparse.tables[model.sparse.features[item_feature].table]
         self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]

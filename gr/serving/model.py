@@ -25,6 +25,7 @@ from gr.export.format import (
     REPEAT_PER_TARGET,
     SPARSE,
     TIMESTAMPS,
+    TOKEN_BAGS,
     TOKENS,
 )
 from gr.export.reader import load_hstu, open_export
@@ -81,7 +82,8 @@ class ServingModel:
             return self._catalogue
 
     def embed_tokens(self, tokens: Tokens) -> Tensor:
-        """Token columns -> [T, D] HSTU input on the model's device: sparse lookups, then the prefix_dnn slice."""
+        """Token columns -> [T, D] HSTU input on the model's device: sparse lookups (a list feature's
+        bags come pooled, as ``RequestSchema.tokens`` validated them), then the prefix_dnn slice."""
         count = len(tokens[TIMESTAMPS])
         if count == 0:
             return torch.zeros(0, self.config.hidden_dim, device=self.device)
@@ -89,6 +91,8 @@ class ServingModel:
         for t in self.graph.slice(SPARSE).inputs:
             if t.shape == (TOKENS,):
                 env[f"{SPARSE}.{t.name}"] = self.sparse.sequence(t.name, env[t.source])
+            elif t.shape == TOKEN_BAGS:
+                env[f"{SPARSE}.{t.name}"] = env[t.source]
         out = self.prefix.run({t.name: env[t.source] for t in self.prefix.spec.inputs})
         return torch.from_numpy(out[PREFIX_OUTPUT]).to(self.device)
 

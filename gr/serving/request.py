@@ -12,7 +12,9 @@ A request carries token features column by column::
 
 Ids are raw ids ("ids": "raw", the HTTP and CLI default: the dataset's ids, through the
 export's ``sparse/id_maps``) or model ids ("ids": "model", the in-process default: rows of the
-tables); a pooled common feature takes one id or a list of ids. The request time is when the last history action's
+tables); a pooled common feature takes one id or a list of ids; a list-valued token feature
+(``[tokens, bag]`` in the schema) a list of ids per token (``"genres": [["Action", "Comedy"],
+[]]``), pooled through its table when the request is validated. The request time is when the last history action's
 next event happens, for models whose ``HSTUConfig.query_time`` is "next_event".
 
 Every integer (ids, timestamps, request_time, seed) must fit int64: larger ones are refused, never
@@ -27,8 +29,9 @@ from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
 
 import numpy as np
 
-from gr.export.format import BAG, BATCH, TIMESTAMPS, TOKENS
+from gr.export.format import BAG, BATCH, SPARSE, TIMESTAMPS, TOKEN_BAGS, TOKENS
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
+from gr.jagged import JaggedRows
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS, IdMaps
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
@@ -226,7 +229,9 @@ class RequestSchema:
     candidate_optional: token features of the interaction itself (``candidates = optional``):
     candidates may leave them out and then take id 0 (unknown) or zeros, as in training.
     stored: token features of the item that the export's item store holds (``gr.export.item_store``):
-    history and candidates may leave them out and then take the item's stored value."""
+    history and candidates may leave them out and then take the item's stored value.
+    token_lists: {list-valued token feature: dim}: a bag of ids per token, held in validated
+    tokens as its pooled rows [n, dim] (an empty bag: zeros)."""
 
     token_ids: Tuple[str, ...]
     token_dense: Dict[str, int]
@@ -234,15 +239,23 @@ class RequestSchema:
     common_dense: Dict[str, int] = field(default_factory=dict)
     candidate_optional: Tuple[str, ...] = ()
     stored: Tuple[str, ...] = ()
+    token_lists: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def token_features(self) -> Tuple[str, ...]:
+        """Every token feature a request carries (ids, lists of ids, dense)."""
+        return (*self.token_ids, *self.token_lists, *self.token_dense)
 
     @classmethod
     def from_graph(cls, graph: SliceGraph, stored: Tuple[str, ...] = ()) -> "RequestSchema":
-        token_ids, common_ids, token_dense, common_dense = [], [], {}, {}
+        token_ids, common_ids, token_dense, common_dense, token_lists = [], [], {}, {}, {}
         optional = tuple(t.name for t in graph.request if t.candidates == CANDIDATES_OPTIONAL)
         for t in graph.request:
             if t.name == TIMESTAMPS or t.shape[0] not in (TOKENS, BAG, BATCH):
                 continue
-            if t.shape == (TOKENS,):
+            if t.shape == TOKEN_BAGS:
+                token_lists[t.name] = int(graph.slice(SPARSE).output(t.name).shape[1])
+            elif t.shape == (TOKENS,):
                 token_ids.append(t.name)
             elif t.shape == (BAG,):
                 common_ids.append(t.name)
@@ -250,7 +263,7 @@ class RequestSchema:
                 token_dense[t.name] = int(t.shape[1])
             elif len(t.shape) == 2:
                 common_dense[t.name] = int(t.shape[1])
-        return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense, optional, stored)
+        return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense, optional, stored, token_lists)
 
     def tokens(
         self,
@@ -263,7 +276,8 @@ class RequestSchema:
         candidates: bool = False,
         limits: RequestLimits = DEFAULT_LIMITS,
     ) -> Dict[str, np.ndarray]:
-        """Columns -> {feature: [n] int64 | [n, d] float32, "timestamps": [n] int64}.
+        """Columns -> {feature: [n] int64 | [n, d] float32, "timestamps": [n] int64}; a list feature
+        gives its pooled rows [n, d] float32 (``store.bags``).
 
         ``default_timestamp`` fills missing timestamps (candidates); without it they are required.
         An empty mapping is zero tokens. raw: the id maps that turn raw ids into model ids (None:
@@ -273,13 +287,13 @@ class RequestSchema:
         feature left out takes each token's item's value from ``store.items``.
         """
         if columns is None or (isinstance(columns, Mapping) and not columns):
-            columns = {name: [] for name in (*self.token_ids, *self.token_dense)}
+            columns = {name: [] for name in self.token_features}
         if not isinstance(columns, Mapping):
             raise RequestError(
                 f"{where}: expected an object {{feature: [one value per token]}}, got {type(columns).__name__}"
             )
         optional = (*(self.candidate_optional if candidates else ()), *self.stored)
-        required = tuple(name for name in (*self.token_ids, *self.token_dense) if name not in optional)
+        required = tuple(name for name in self.token_features if name not in optional)
         _check_features(columns, required, where, optional=(TIMESTAMPS, *optional))
         limit, what = ("max_candidates", "candidates") if candidates else ("max_history_tokens", "tokens")
         for name, values in columns.items():
@@ -290,20 +304,22 @@ class RequestSchema:
                 continue
             out[name] = _model_ids(columns[name], f"{where}.{name}", name, raw, unknown_ids)
             store.check_ids(name, out[name], where)
+        for name in self.token_lists:
+            if name in columns:
+                bags = _model_id_lists(columns[name], f"{where}.{name}", name, raw, unknown_ids)
+                store.check_ids(name, bags.values, where)
+                out[name] = store.bags(name, bags)
         for name, dim in self.token_dense.items():
             if name in columns:
                 out[name] = _dense(columns[name], dim, f"{where}.{name}")
-        item_store = store.items
-        items = None if item_store is None else out.get(item_store.item_feature)
+        items = None if store.items is None else out.get(store.items.item_feature)
         for name in self.stored:
-            if name not in columns and item_store is not None and items is not None:
-                out[name] = item_store.lookup(name, items)
+            if name not in columns and items is not None:
+                out[name] = store.stored(name, items)
         lengths = {name: len(a) for name, a in out.items()}
         count = next(iter(lengths.values()), 0)
-        for name in self.token_ids:
-            out.setdefault(name, np.zeros(count, dtype=np.int64))
-        for name, dim in self.token_dense.items():
-            out.setdefault(name, np.zeros((count, dim), dtype=np.float32))
+        for name in self.token_features:
+            out.setdefault(name, self.unknown(name, count))
         if TIMESTAMPS in columns:
             out[TIMESTAMPS] = _ids(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
             lengths[TIMESTAMPS] = len(out[TIMESTAMPS])
@@ -320,10 +336,18 @@ class RequestSchema:
             raise RequestError(f"{where}: features have different lengths {lengths}")
         return out
 
+    def unknown(self, name: str, count: int) -> np.ndarray:
+        """What ``count`` tokens without token feature ``name`` hold: id 0 (unknown), or zeros for a
+        dense feature and a list feature's pooled rows (an empty bag)."""
+        dim = self.token_dense.get(name, self.token_lists.get(name))
+        return np.zeros(count, dtype=np.int64) if dim is None else np.zeros((count, dim), dtype=np.float32)
+
     def example(self, store: SparseStore, count: int) -> Dict[str, list]:
         """``count`` valid tokens in the request's column form (model ids; row 1 of each table,
-        or row 0 of a one-row table; zeros for dense features; timestamps 0, 1, ...): warm-up input."""
+        or row 0 of a one-row table, a bag of it for a list feature; zeros for dense features;
+        timestamps 0, 1, ...): warm-up input."""
         columns: Dict[str, list] = {name: [min(1, store.rows(name) - 1)] * count for name in self.token_ids}
+        columns.update({name: [[min(1, store.rows(name) - 1)]] * count for name in self.token_lists})
         columns.update({name: [[0.0] * dim] * count for name, dim in self.token_dense.items()})
         columns[TIMESTAMPS] = list(range(count))
         return columns
@@ -408,6 +432,16 @@ def _model_ids(values: Any, where: str, feature: str, raw: Optional[IdMaps], unk
     if raw is None:
         return _ids(values, where)
     return _ids(raw.encode(feature, _flat(values, where), where, unknown_ids), where)
+
+
+def _model_id_lists(values: Any, where: str, feature: str, raw: Optional[IdMaps], unknown_ids: str) -> JaggedRows:
+    """A list feature's column as sent, a list of ids per token -> its rows of model ids."""
+    lists = list(values)
+    for i, bag in enumerate(lists):
+        if not isinstance(bag, (list, tuple, np.ndarray)):
+            raise RequestError(f"{where}: expected a list of ids per token, got {type(bag).__name__} at token {i}")
+    flat = [v for bag in lists for v in (bag.tolist() if isinstance(bag, np.ndarray) else bag)]
+    return JaggedRows.from_lengths([len(bag) for bag in lists], _model_ids(flat, where, feature, raw, unknown_ids))
 
 
 def _dense(values: Any, dim: int, where: str) -> np.ndarray:

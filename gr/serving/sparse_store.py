@@ -11,12 +11,13 @@ from safetensors.numpy import load_file
 from gr.export.format import SPARSE_DIR, TABLE_TENSOR
 from gr.export.item_store import ItemStore, load_item_store
 from gr.export.reader import ExportManifest
+from gr.jagged import JaggedRows
 from gr.serving.errors import RequestError
 
 
 class SparseStore:
-    """Every table of an export in memory; ``sequence`` gathers rows, ``pooled`` sums/means a bag;
-    ``items``: the stored item features (None: the export stores none)."""
+    """Every table of an export in memory; ``sequence`` gathers rows, ``pooled`` sums/means a bag,
+    ``bags`` each of several; ``items``: the stored item features (None: the export stores none)."""
 
     def __init__(self, manifest: ExportManifest) -> None:
         self.features = manifest.sparse.features
@@ -45,8 +46,22 @@ class SparseStore:
 
     def pooled(self, feature: str, ids: np.ndarray) -> np.ndarray:
         """ids: [n] int64, one request's bag -> [1, d] float32 (sum or mean, as in training)."""
-        rows = self.tables[self.features[feature].table][ids]
-        pooled = rows.sum(0, keepdims=True)
-        if self.features[feature].pooling == "mean" and len(ids):
-            pooled = pooled / len(ids)
-        return pooled.astype(np.float32)
+        return self.bags(feature, JaggedRows.from_lengths(np.asarray([len(ids)]), ids))
+
+    def bags(self, feature: str, bags: JaggedRows) -> np.ndarray:
+        """S bags of int64 ids -> [S, d] float32, each bag's rows summed or averaged (its feature's
+        pooling, as in training); an empty bag gives zeros."""
+        table = self.tables[self.features[feature].table]
+        lengths = bags.lengths()
+        pooled = np.zeros((len(bags), table.shape[1]), dtype=np.float32)
+        np.add.at(pooled, np.repeat(np.arange(len(bags)), lengths), table[bags.values])
+        if self.features[feature].pooling == "mean":
+            pooled /= np.maximum(lengths, 1)[:, None]
+        return pooled
+
+    def stored(self, feature: str, items: np.ndarray) -> np.ndarray:
+        """items: [n] int64 model ids -> their stored ``feature`` (the item store's): [n] int64 ids,
+        [n, d] float32, or a list feature's bags pooled ([n, d] float32)."""
+        assert self.items is not None, "stored features are the item store's"
+        column = self.items.lookup(feature, items)
+        return self.bags(feature, column) if isinstance(column, JaggedRows) else column

@@ -29,7 +29,8 @@ from gr.utils.config_checks import NAMES, int_at_least, known_keys, one_of, opti
 BACKEND_MODULES = {"torchrec": "gr.sparse.torchrec_tables", "torch": "gr.sparse.torch_tables"}
 SPARSE_BACKENDS = tuple(BACKEND_MODULES)
 _BACKEND: ContextVar[str] = ContextVar("sparse_backend", default="torchrec")
-TABLE_KINDS = ("sequence", "common")
+TABLE_KINDS = ("sequence", "common", "token_bag")
+POOLED_ATTRIBUTES = {"common": "common", "token_bag": "token_bags"}  # kind -> its SparseEmbeddings collection
 POOLINGS = ("sum", "mean")
 # Ways the TorchRec planner may split a table across ranks (fused kernels only).
 SHARDING_TYPES = ("row_wise", "table_wise", "column_wise", "table_row_wise")
@@ -78,10 +79,13 @@ class TableConfig:
 
     kind: "sequence" -> one id per token, looked up with ``EmbeddingCollection``
           (jagged, one vector per token); "common" -> per-request ids pooled with
-          ``EmbeddingBagCollection`` (one vector per sequence).
+          ``EmbeddingBagCollection`` (one vector per sequence); "token_bag" -> a bag of ids
+          per token (a list-valued token feature, ``GRInput.token_lists``) pooled with an
+          ``EmbeddingBagCollection`` of its own (one vector per token).
+    pooling: "sum" or "mean" of a bag's rows (common and token_bag tables).
     features: the feature names (KJT keys) that read this table.
     sharding: how ``DistributedModelParallel`` splits the table over ranks; None ->
-        "row_wise" for sequence tables, "table_wise" for common ones (TorchRec has no
+        "row_wise" for sequence tables, "table_wise" for pooled ones (TorchRec has no
         row-wise pooled kernels on CPU).
     optimizer: the table's embedding optimizer (fused in backward); None -> the
         trainer's default.
@@ -153,11 +157,12 @@ class TableConfig:
 
 
 class SparseEmbeddings(nn.Module):
-    """Looks up sequence ids per token and common ids per request.
+    """Looks up sequence ids per token, common ids per request and token bags per token.
 
-    ``sequence`` (EmbeddingCollection per embedding dim) and ``common``
-    (EmbeddingBagCollection, or their torch counterparts, ``backend``) hold the tables; with
-    TorchRec they are the modules DistributedModelParallel shards. Each
+    ``sequence`` (EmbeddingCollection per embedding dim), ``common`` and ``token_bags``
+    (EmbeddingBagCollections: a request's bag, a token's bag; None without such tables), or
+    their torch counterparts (``backend``), hold the tables; with TorchRec they are the modules
+    DistributedModelParallel shards. Each
     collection always receives every feature it was built with, in its own order
     (features absent from a batch get no ids), because a sharded collection fixes its
     input layout at its first call. Tables are stored ``storage_dim`` wide; lookups are
@@ -208,6 +213,14 @@ class SparseEmbeddings(nn.Module):
         }
         self.common = modules.pooled_collection(common, device) if common else None
         self.common_features = [f for t in common for f in t.features]
+        bags = [t for t in tables if t.kind == "token_bag"]
+        self.token_bags = modules.pooled_collection(bags, device) if bags else None
+        self.token_bag_features = [f for t in bags for f in t.features]
+
+    def pooled_collections(self) -> Dict[str, nn.Module]:
+        """{attribute: EmbeddingBagCollection} of the pooled tables' collections this model has."""
+        found = {name: getattr(self, name) for name in POOLED_ATTRIBUTES.values()}
+        return {name: collection for name, collection in found.items() if collection is not None}
 
     def feature_dim(self, feature: str) -> int:
         return self.feature_to_table[feature].embedding_dim
@@ -218,14 +231,20 @@ class SparseEmbeddings(nn.Module):
         if table.kind == "sequence":
             weight = self.sequence[f"dim{table.embedding_dim}"].embeddings[name].weight
         else:
-            weight = self.common.embedding_bags[name].weight
+            bags = self.pooled_collections()[POOLED_ATTRIBUTES[table.kind]]
+            weight = bags.embedding_bags[name].weight
         return weight[:, : table.embedding_dim]
 
     def forward(
-        self, sequence_ids: Optional[KeyedJaggedTensor], common_ids: Optional[KeyedJaggedTensor]
+        self,
+        sequence_ids: Optional[KeyedJaggedTensor],
+        common_ids: Optional[KeyedJaggedTensor],
+        token_lists: Optional[KeyedJaggedTensor] = None,
     ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
         """sequence_ids: KJT, stride B -> {feature: [N_f, d]}, one row per id of the feature
-        (one per token for token features); common_ids: KJT, stride B -> {feature: [B, d]} (pooled)."""
+        (one per token for token features); common_ids: KJT, stride B -> {feature: [B, d]} (pooled);
+        token_lists: KJT, stride T -> {feature: [T, d]} (each token's bag pooled), with the sequence
+        features in the first mapping."""
         seq_out: Dict[str, Tensor] = {}
         common_out: Dict[str, Tensor] = {}
         if sequence_ids is not None:
@@ -242,17 +261,26 @@ class SparseEmbeddings(nn.Module):
                     lookup = self._lookup_unique if self.dedup else self._lookup
                     seq_out.update(lookup(collection, self.sequence_features[name], jagged))
         if common_ids is not None:
-            unknown = [k for k in common_ids.keys() if k not in self.common_features]
-            if unknown:
-                raise ValueError(f"common ids: features {unknown} have no table of kind 'common'")
-            jagged = common_ids.to_dict()
-            pooled = self.common(self._full_kjt(self.common_features, jagged, common_ids.stride()))
-            pooled = pooled if isinstance(pooled, dict) else pooled.to_dict()  # TorchRec's: a KeyedTensor
-            common_out = {k: pooled[k][:, : self.feature_dim(k)] for k in common_ids.keys()}
+            common_out = self._pool(self.common, self.common_features, common_ids, "common ids", "common")
+        if token_lists is not None:
+            seq_out.update(
+                self._pool(self.token_bags, self.token_bag_features, token_lists, "token lists", "token_bag")
+            )
         if self.output_device is not None:
             seq_out = {k: v.to(self.output_device, non_blocking=True) for k, v in seq_out.items()}
             common_out = {k: v.to(self.output_device, non_blocking=True) for k, v in common_out.items()}
         return seq_out, common_out
+
+    def _pool(
+        self, collection: Optional[nn.Module], features: List[str], ids: KeyedJaggedTensor, what: str, kind: str
+    ) -> Dict[str, Tensor]:
+        """ids: KJT of stride S (one bag per sample) -> {feature: [S, d]}, each bag pooled by its table."""
+        unknown = [k for k in ids.keys() if k not in features]
+        if unknown or collection is None:
+            raise ValueError(f"{what}: features {unknown or ids.keys()} have no table of kind {kind!r}")
+        pooled = collection(self._full_kjt(features, ids.to_dict(), ids.stride()))
+        pooled = pooled if isinstance(pooled, dict) else pooled.to_dict()  # TorchRec's: a KeyedTensor
+        return {k: pooled[k][:, : self.feature_dim(k)] for k in ids.keys()}
 
     def _lookup(self, collection: nn.Module, features: List[str], jagged: Dict[str, JaggedTensor]) -> Dict[str, Tensor]:
         stride = next(jagged[f].lengths().numel() for f in features if f in jagged)

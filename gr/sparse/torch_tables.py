@@ -178,7 +178,7 @@ def attach_optimizers(model: nn.Module, default: EmbeddingOptimizerConfig) -> Ta
     if not isinstance(embeddings, SparseEmbeddings) or embeddings.backend != "torch":
         raise ValueError("attach_optimizers: expected model.embeddings to be SparseEmbeddings of the torch backend")
     names = {id(p): name for name, p in model.named_parameters()}
-    collections: List[_Tables] = [*embeddings.sequence.values(), *([embeddings.common] if embeddings.common else [])]
+    collections: List[_Tables] = [*embeddings.sequence.values(), *embeddings.pooled_collections().values()]
     found = {}
     for collection in collections:
         for table, module in getattr(collection, collection.attribute).items():

@@ -102,7 +102,7 @@ def shard_model(
     if not isinstance(embeddings, SparseEmbeddings) or embeddings.backend != "torchrec":
         raise ValueError(f"shard_model: expected the model's {EMBEDDINGS_ATTR!r} to be SparseEmbeddings of TorchRec")
     device = table_device(dense_device, placement)
-    initial_bags = embeddings.common.state_dict() if embeddings.common is not None else None
+    initial_bags = {name: bags.state_dict() for name, bags in embeddings.pooled_collections().items()}
     apply_embedding_optimizers(embeddings, default_optimizer, device.type)
     if device != dense_device:
         embeddings.output_device = dense_device
@@ -117,8 +117,9 @@ def shard_model(
         sharders=sharders(),
         data_parallel_wrapper=dense_wrapper or DenseDataParallelWrapper(dense_device, pg),
     )
-    if initial_bags is not None:  # TorchRec copies EmbeddingCollection weights into shards, not bag weights
-        dmp.module.embeddings.common.load_state_dict(initial_bags)
+    sharded = dmp.module.embeddings.pooled_collections()
+    for name, state in initial_bags.items():  # TorchRec copies EmbeddingCollection weights into shards, not bag weights
+        sharded[name].load_state_dict(state)
     return dmp
 
 
@@ -167,8 +168,8 @@ def _table_weights(embeddings: SparseEmbeddings) -> Dict[str, nn.Parameter]:
     weights = {}
     for collection in embeddings.sequence.values():
         weights.update({name: module.weight for name, module in collection.embeddings.items()})
-    if embeddings.common is not None:
-        weights.update({name: module.weight for name, module in embeddings.common.embedding_bags.items()})
+    for bags in embeddings.pooled_collections().values():
+        weights.update({name: module.weight for name, module in bags.embedding_bags.items()})
     return weights
 
 

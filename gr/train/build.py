@@ -11,8 +11,8 @@ PrefixDNN / PostfixDNN classes come from ``model.prefix_dnn`` / ``model.postfix_
 (``class`` import path + ``kwargs``). Constructor arguments the config leaves out are
 filled when the constructor has them:
   hidden_dim     model.hstu.hidden_dim
-  feature_dims   {token feature: dim}: every sequence id feature (its table's dim) and
-                 token dense feature of the data
+  feature_dims   {token feature: dim}: every sequence id feature and token list feature
+                 (its table's dim) and token dense feature of the data
   common_dims    {common feature: dim}: every per-request id feature and dense feature
   embedding_dim  the item table's dim (retrieval)
   tasks          the data's ranking task names
@@ -46,10 +46,10 @@ def build_tables(config: TrainConfig, spec: FeatureSpec, for_training: bool = Tr
 
     for_training: give the retrieval item table the ``SAMPLED_ITEMS`` feature too.
     """
-    cardinalities = {**spec.sequence, **spec.common}
+    cardinalities = {**spec.sequence, **spec.common, **spec.token_lists}
     tables = [TableConfig.from_dict(t, f"model.tables[{i}]", cardinalities) for i, t in enumerate(config.model.tables)]
     by_feature = {f: t for t in tables for f in t.features}
-    for kind, features in (("sequence", spec.sequence), ("common", spec.common)):
+    for kind, features in (("sequence", spec.sequence), ("common", spec.common), ("token_bag", spec.token_lists)):
         missing = [f for f in features if f not in by_feature]
         if missing:
             raise ValueError(
@@ -89,7 +89,7 @@ def build_modules(
     dims = {f: t.embedding_dim for t in tables for f in t.features}
     context: Dict[str, Any] = {
         "hidden_dim": config.model.hstu.hidden_dim,
-        "feature_dims": {**{f: dims[f] for f in spec.sequence}, **spec.token_dense},
+        "feature_dims": {**{f: dims[f] for f in (*spec.sequence, *spec.token_lists)}, **spec.token_dense},
         "common_dims": {**{f: dims[f] for f in spec.common}, **spec.common_dense},
         "tasks": list(tasks),
     }
@@ -111,7 +111,7 @@ def check_features_read(prefix: PrefixDNN, postfix: PostfixDNN, spec: FeatureSpe
     """Every feature of ``spec`` is read by a module (the PrefixDNN's ``feature_names``, the
     PostfixDNN's ``common_feature_names``; the item id may go unread), and no module reads a
     feature ``spec`` lacks: ValueError in one line naming the features otherwise."""
-    token, common = [*spec.sequence, *spec.token_dense], [*spec.common, *spec.common_dense]
+    token, common = [*spec.sequence, *spec.token_lists, *spec.token_dense], [*spec.common, *spec.common_dense]
     readers = (
         ("model.prefix_dnn", prefix, tuple(prefix.feature_names), "token", token),
         ("model.postfix_dnn", postfix, tuple(postfix.common_feature_names), "common", common),

@@ -107,7 +107,7 @@ class TablePlan:
     """One embedding table: ``params`` = rows x stored dim; ``params_per_rank`` and ``rows_per_rank`` as
     sharded over the ranks (a table-wise table sits whole on one rank, a column-wise one keeps every
     row on each); ``optimizer`` its embedding optimizer, ``optimizer_floats`` that one's state per
-    row; ``collection`` the module holding it ("sequence dim<d>" per embedding dim, or "common")."""
+    row; ``collection`` the module holding it ("sequence dim<d>" per embedding dim, "common" or "token_bag")."""
 
     name: str
     rows: int
@@ -509,7 +509,7 @@ def _table_plans(config: TrainConfig, tables: Sequence[TableConfig], nproc: int)
                 optimizer_floats=sum(optimizer_state_elements(optimizer, 1, dim)),
                 rows_per_rank=tuple(rows_per_rank),
                 optimizer=optimizer,
-                collection=f"sequence dim{table.embedding_dim}" if table.kind == "sequence" else "common",
+                collection=f"sequence dim{table.embedding_dim}" if table.kind == "sequence" else table.kind,
             )
         )
     return sorted(plans, key=lambda t: t.name)

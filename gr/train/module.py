@@ -181,6 +181,7 @@ class GRTrainingModule(LightningModule):
         moved = {f.name: move(getattr(batch, f.name), device) for f in dataclasses.fields(batch)}
         moved["sequence_ids"] = move(batch.sequence_ids, ids_device)
         moved["common_ids"] = move(batch.common_ids, ids_device)
+        moved["token_lists"] = move(batch.token_lists, ids_device)
         return GRInput(**moved)
 
     # ---- training ----------------------------------------------------------------------
