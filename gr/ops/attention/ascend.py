@@ -140,6 +140,7 @@ def mxrec_hstu_attention(op: Callable[..., Tensor], call: AttentionCall) -> Tens
         bias = dense.to(q.dtype).unsqueeze(1).expand(-1, q.shape[1], -1, -1).contiguous()  # [B, H, L, L]
     targets = num_targets.long() if num_targets is not None else None
     options = dict(alpha=float(alpha)) if op_takes_alpha(op) else {}
+    assert call.silu_scale is not None  # mxrec_misfits turns None away
     out = op(
         q,
         k,

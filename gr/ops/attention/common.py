@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
 
 TIME_BUCKET_LOG_DIV = 0.301  # log bucketing: floor(ln(max(|dt|, 1)) / 0.301), as in the HSTU paper code
+
+_Entry = TypeVar("_Entry")  # what an AttentionWorkspace entry holds
 
 
 @dataclass
@@ -141,9 +143,9 @@ class AttentionWorkspace:
 
     def __init__(self, seq_offsets: Tensor) -> None:
         self.seq_offsets = seq_offsets
-        self._entries: Dict[str, object] = {}
+        self._entries: Dict[str, Any] = {}
 
-    def get(self, key: str, seq_offsets: Tensor, build: Callable[[], object]) -> object:
+    def get(self, key: str, seq_offsets: Tensor, build: Callable[[], _Entry]) -> _Entry:
         """The entry ``key``, built on first use; ``seq_offsets`` must be the bound batch's."""
         if seq_offsets is not self.seq_offsets:
             raise ValueError("AttentionWorkspace: used with another batch's seq_offsets; make one per batch")
@@ -156,6 +158,7 @@ def rebased_times(rab: RelativeBias, device: torch.device) -> Tuple[Tensor, Tens
     """-> (key timestamps, query times), each [T] int64 on ``device``, seconds since the earliest of
     both (kernels then take time deltas in int32); one tensor twice when ``rab.query_times``
     is None. Requires ``rab.timestamps``."""
+    assert rab.timestamps is not None  # RelativeBias: set with time_weights
     keys = rab.timestamps.to(device=device, dtype=torch.int64)
     if rab.query_times is None:
         times = keys - keys.min() if keys.numel() else keys

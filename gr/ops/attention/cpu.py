@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -157,7 +157,7 @@ class _Problem:
         pos_buckets: int,
         time_buckets: int,
         dtype: torch.dtype,
-        fused: Optional[object] = None,
+        fused: Optional[Any] = None,
     ) -> "_Layout":
         """The layout of one chunk of one group (0 buckets: that bias part is off), built on first
         use and kept while the kept layouts hold at most ``LAYOUT_CACHE_ELEMENTS`` elements.
@@ -232,6 +232,7 @@ def _relative_timestamps(rab: RelativeBias) -> Tuple[Tensor, Tensor]:
     """-> (key timestamps, query times), each [T + 1] seconds since the earliest of both, zero row
     last; int32 when they fit, which halves the memory traffic of the per-pair time deltas
     (differences stay exact). One tensor twice when the queries use the tokens' own times."""
+    assert rab.timestamps is not None  # RelativeBias: set with time_weights
     keys, queries = rebased_times(rab, rab.timestamps.device)
     span = max(int(keys.max()), int(queries.max())) if keys.numel() else 0
     dtype = torch.int32 if span < 2**31 else torch.int64
@@ -340,7 +341,7 @@ class _Layout:
         pos_buckets: int,
         time_buckets: int,
         dtype: torch.dtype,
-        fused: Optional[object] = None,
+        fused: Optional[Any] = None,
     ) -> None:
         fusing = fused is not None
         numbers = (problem.contextual_len, problem.max_attn_len, problem.silu_scale, pos_buckets, dtype, fusing)
@@ -351,7 +352,7 @@ class _Layout:
             positions = _positions(chunk, group.lengths, group.history, *numbers)
         self.norm, self.mask, self.row_end, self.row_pos, self.pos_idx = positions
         self.time_idx = None
-        if time_buckets and fusing:  # a fusable chunk's keys are the range [lo, hi)
+        if time_buckets and fused is not None:  # a fusable chunk's keys are the range [lo, hi)
             query_ts, key_ts = (t.long().contiguous() for t in _group_times(problem, group))
             thresholds = time_bucket_thresholds(problem.time_bucketing, time_buckets, query_ts.device)
             self.time_idx = fused.time_buckets(
@@ -403,16 +404,27 @@ def _positions(
 
 @lru_cache(maxsize=256)
 def _shared_positions(
-    padded_len: int, m0: int, m1: int, ctx_hi: int, lo: int, hi: int, mask_from: int, *numbers: object
+    padded_len: int,
+    m0: int,
+    m1: int,
+    ctx_hi: int,
+    lo: int,
+    hi: int,
+    mask_from: int,
+    contextual_len: int,
+    max_attn_len: int,
+    silu_scale: Optional[float],
+    pos_buckets: int,
+    dtype: torch.dtype,
+    fused: bool,
 ) -> _Positions:
     """``_positions`` of a chunk of a group without targets (on CPU), which depend on the batch only
     through these numbers: batches of the ML-1M recipe meet ~10 such chunks, so they are made once
     instead of on every batch (~0.6 ms a step). Callers must not modify them."""
     cpu = torch.device("cpu")
     shared = _one_length(padded_len, cpu)
-    return _positions(
-        _Chunk(m0, m1, ctx_hi, lo, hi, _key_columns(ctx_hi, lo, hi, cpu), mask_from), shared, shared, *numbers
-    )
+    chunk = _Chunk(m0, m1, ctx_hi, lo, hi, _key_columns(ctx_hi, lo, hi, cpu), mask_from)
+    return _positions(chunk, shared, shared, contextual_len, max_attn_len, silu_scale, pos_buckets, dtype, fused)
 
 
 class _Tile:
@@ -431,8 +443,12 @@ class _Tile:
         sizes = (pos_w.numel() if pos_w is not None else 0, time_w.numel() if time_w is not None else 0)
         layout = problem.layout(group_index, chunk_index, *sizes, dtype)
         self.norm, self.mask, self.pos_idx, self.time_idx = layout.norm, layout.mask, layout.pos_idx, layout.time_idx
-        bias = _lookup(pos_w, self.pos_idx) if pos_w is not None else None
+        bias = None
+        if pos_w is not None:
+            assert self.pos_idx is not None  # the layout has the indices of each bias part that is on
+            bias = _lookup(pos_w, self.pos_idx)
         if time_w is not None:
+            assert self.time_idx is not None
             time_bias = _lookup(time_w, self.time_idx)
             bias = time_bias if bias is None else time_bias.add_(bias)
         self.bias = bias.to(dtype).unsqueeze(1) if bias is not None else None
@@ -489,7 +505,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         q, k, v, pos_w, time_w = ctx.saved_tensors
         problem: _Problem = ctx.problem
         alpha = problem.alpha
@@ -511,9 +527,9 @@ class _ChunkedAttention(torch.autograd.Function):
                 dscores = torch.ops.aten.silu_backward(dweights, scores)
                 dqg[:, :, chunk.rows] = torch.matmul(dscores, kk).mul_(alpha)
                 tile.add_keys(dkg, torch.matmul(dscores.transpose(-1, -2), qq).to(dkg.dtype))
-                if dpos is not None or dtime is not None:
-                    bias_dtype = (dpos if dpos is not None else dtime).dtype  # fp32 for bf16 inputs
-                    _add_bias_grads(tile, dscores.sum(1, dtype=bias_dtype), dpos, dtime)
+                bias_grad = dpos if dpos is not None else dtime
+                if bias_grad is not None:  # its dtype: fp32 for bf16 inputs
+                    _add_bias_grads(tile, dscores.sum(1, dtype=bias_grad.dtype), dpos, dtime)
             for grad, part in zip(grads, (dqg, dkg, dvg)):
                 grad[group.tokens] = part.transpose(1, 2).to(grad.dtype)  # each token is in one group; padding -> row T
         dq, dk, dv = (g[:-1] for g in grads)
@@ -547,7 +563,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         q, k, v, pos_w, time_w, tiles = ctx.saved_tensors
         problem: _Problem = ctx.problem
         qf, kf, vf = (_fp32_rows(x) for x in (q, k, v))
@@ -578,6 +594,7 @@ def _fused_calls(problem: _Problem, pos_w: Optional[Tensor], time_w: Optional[Te
     sizes = (pos_w.numel() if pos_w is not None else 0, time_w.numel() if time_w is not None else 0)
     if sizes in problem.fused_calls:
         return problem.fused_calls[sizes]
+    batch: List[Tuple[int, _Chunk, _Layout]]
     calls, batch, elements, all_kept = [], [], 0, True
     for gi, group in enumerate(problem.groups):
         for ci, chunk in enumerate(group.chunks):
@@ -635,6 +652,7 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
 
 def _group_times(problem: _Problem, group: _Group) -> Tuple[Tensor, Tensor]:
     """The group's (query times, key timestamps), each [G, Lp] (one tensor twice when equal)."""
+    assert problem.timestamps is not None and problem.query_times is not None  # set with a time bias
     keys = problem.timestamps[group.tokens]
     if problem.query_times is problem.timestamps:
         return keys, keys
@@ -660,9 +678,11 @@ def _gather_group(x: Tensor, group: _Group) -> Tensor:
 def _add_bias_grads(tile: _Tile, dbias: Tensor, dpos: Optional[Tensor], dtime: Optional[Tensor]) -> None:
     """dbias: [G, C, K], the scores' gradient summed over heads -> into dpos [P], dtime [NB]."""
     if dpos is not None:
+        assert tile.pos_idx is not None  # the layout has the indices of each bias part that is on
         shared = dbias.sum(0, keepdim=True) if tile.pos_idx.shape[0] == 1 else dbias
         dpos.scatter_add_(0, tile.pos_idx.flatten(), shared.flatten())  # ~2x index_add_ on CPU
     if dtime is not None:
+        assert tile.time_idx is not None
         dtime.scatter_add_(0, tile.time_idx.flatten(), dbias.flatten())
 
 
@@ -685,6 +705,7 @@ def _add_target_self_terms(
     if pos_w is not None:
         logits = logits + pos_w[0]  # same position: bucket 0
     if time_w is not None:
+        assert problem.timestamps is not None and problem.query_times is not None  # set with a time bias
         delta = problem.query_times[idx] - problem.timestamps[idx]
         logits = logits + time_w[time_bucket(delta, problem.time_bucketing, time_w.numel())].unsqueeze(-1)
     owner_hist = history_lengths(seq_offsets, num_targets).repeat_interleave(num_targets.long())

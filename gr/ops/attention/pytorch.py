@@ -65,6 +65,7 @@ def dense_relative_bias(
         rel = torch.minimum(row, hist) - torch.minimum(col, hist)
         bias = bias + rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
     if rab.time_weights is not None:
+        assert rab.timestamps is not None and rab.resolved_query_times is not None  # set with time_weights
         ts = torch.zeros(2, batch, max_seq_len, dtype=torch.int64, device=seq_offsets.device)
         ts[0, seq_ids, idx] = rab.resolved_query_times.long()
         ts[1, seq_ids, idx] = rab.timestamps.long()

@@ -37,6 +37,8 @@ def concat_hstu_cached_attention(call: CachedAttentionCall, *, backend: str) -> 
     if rab is not None:
         timestamps = query_times = None
         if rab.time_weights is not None:
+            assert rab.timestamps is not None and rab.resolved_query_times is not None  # set with time_weights
+            assert cache_timestamps is not None  # required with a time bias (validate)
             timestamps = interleaved(cache_timestamps, rab.timestamps)
             query_times = interleaved(cache_timestamps, rab.resolved_query_times)
         full_rab = RelativeBias(rab.position_weights, rab.time_weights, timestamps, rab.time_bucketing, query_times)

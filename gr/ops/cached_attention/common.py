@@ -11,7 +11,7 @@ key) pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Iterator, Optional, Sequence, Tuple, Union, overload
 
 import torch
 from torch import Tensor
@@ -183,12 +183,17 @@ def bias_between(
         rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
         bias = rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
     if rab.time_weights is not None:
+        assert query_times is not None and key_timestamps is not None  # given with a time bias
         delta = query_times.view(-1, 1) - key_timestamps.view(1, -1)
         part = rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
         bias = part if bias is None else bias + part
     return bias
 
 
+@overload
+def part(cache: CacheTensor, request: CachedRequest, dim: int) -> Tensor: ...
+@overload
+def part(cache: None, request: CachedRequest, dim: int) -> None: ...
 def part(cache: Optional[CacheTensor], request: CachedRequest, dim: int) -> Optional[Tensor]:
     """One request's cached tensor: its slice of a jagged tensor along ``dim``, or its own entry of a
     per-request list (which lets callers pass several users' caches without copying them together)."""
@@ -199,6 +204,10 @@ def part(cache: Optional[CacheTensor], request: CachedRequest, dim: int) -> Opti
     return cache[request.index]
 
 
+@overload
+def joined(cache: CacheTensor, dim: int) -> Tensor: ...
+@overload
+def joined(cache: None, dim: int) -> None: ...
 def joined(cache: Optional[CacheTensor], dim: int) -> Optional[Tensor]:
     """A cached tensor as one jagged tensor (per-request lists concatenated along ``dim``)."""
     return cache if cache is None or isinstance(cache, Tensor) else torch.cat(list(cache), dim=dim)

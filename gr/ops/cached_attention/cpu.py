@@ -18,14 +18,17 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     """See ``gr.ops.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
     q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    timed = rab is not None and rab.time_weights is not None
     for request in requests(call):
         new, pos = request.new, request.positions
         cached = request.cache.stop - request.cache.start
         qh = q[new].transpose(0, 1) * call.alpha  # [H, n, Da]
         kh, vh = k[new].transpose(0, 1), v[new].transpose(0, 1)
-        query_ts = rab.resolved_query_times[new].long() if timed else None
-        new_ts = rab.timestamps[new].long() if timed else None
+        query_ts = new_ts = cache_ts = None
+        if rab is not None and rab.time_weights is not None:
+            assert rab.timestamps is not None and rab.resolved_query_times is not None  # set with time_weights
+            assert call.cache_timestamps is not None  # required with a time bias (validate)
+            query_ts, new_ts = rab.resolved_query_times[new].long(), rab.timestamps[new].long()
+            cache_ts = part(call.cache_timestamps, request, 0).long()
         cache_visible, new_visible = visibility(request, new_tokens, call.contextual_len, call.max_attn_len)
 
         logits = torch.matmul(qh, part(call.cache_k, request, 1).transpose(1, 2))  # [H, n, C]
@@ -35,7 +38,7 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
                 pos,
                 query_ts,
                 torch.arange(cached, device=q.device),
-                part(call.cache_timestamps, request, 0).long() if timed else None,
+                cache_ts,
             )
             if bias is not None:
                 logits.add_(bias.to(logits.dtype))
@@ -71,6 +74,7 @@ def _self_bias(
     if rab.position_weights is not None:
         bias = rab.position_weights[0].expand(pos.numel())
     if rab.time_weights is not None:
+        assert query_ts is not None and new_ts is not None  # given with a time bias
         delta = query_ts - new_ts
         part = rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
         bias = part if bias is None else bias + part

@@ -26,6 +26,8 @@ def pytorch_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
             key_pos = torch.cat([torch.arange(cached, device=q.device), pos])
             key_ts = query_ts = None
             if rab.time_weights is not None:
+                assert rab.timestamps is not None and rab.resolved_query_times is not None  # set with time_weights
+                assert call.cache_timestamps is not None  # required with a time bias (validate)
                 key_ts = torch.cat([part(call.cache_timestamps, request, 0), rab.timestamps[new]]).long()
                 query_ts = rab.resolved_query_times[new].long()
             bias = bias_between(rab, pos, query_ts, key_pos, key_ts)

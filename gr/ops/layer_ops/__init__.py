@@ -20,7 +20,7 @@ ops run. Both give the same values to fp32 rounding (outside autocast); dropout 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,8 @@ def _mask_and_gate(
 ) -> Tuple[Optional[Tensor], float, Optional[Tensor]]:
     """The native norm's dropout and gate arguments: (keep mask [shape] uint8 or None, the kept
     elements' scale 1 / (1 - p), u with a unit column stride or None)."""
-    p = dropout.p if dropout is not None and dropout.training else 0.0
+    # cast: torch's stubs type a module's attributes (Module.__getattr__) as Tensor | Module
+    p = cast(float, dropout.p) if dropout is not None and dropout.training else 0.0
     keep = keep_mask(shape, p, device).view(torch.uint8) if p > 0.0 else None
     if u is not None and u.stride(-1) != 1:
         u = u.contiguous()
@@ -85,9 +86,9 @@ def combine(
     ops = _fused_fp32(norm, linear, attention, u, x) if u.shape == attention.shape else None
     if ops is None:
         return x + linear(norm_mul_dropout(attention, norm, u, dropout))
-    keep, scale, u = _mask_and_gate(attention.shape, attention.device, dropout, u)
+    keep, scale, gate = _mask_and_gate(attention.shape, attention.device, dropout, u)
     return cpu.Output.apply(
-        ops, attention.contiguous(), u, keep, scale, norm.weight, norm.bias, norm.eps,
+        ops, attention.contiguous(), gate, keep, scale, norm.weight, norm.bias, norm.eps,
         linear.weight.contiguous(), linear.bias, x.contiguous(), cpu_bf16_math(),
     )  # fmt: skip
 

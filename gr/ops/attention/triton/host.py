@@ -18,7 +18,7 @@ tokens' own times).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Protocol, Tuple
+from typing import Any, Callable, Dict, Protocol, Tuple
 
 import torch
 import triton
@@ -78,7 +78,7 @@ def prepare_inputs(call: AttentionCall, backend: str) -> KernelInputs:
     timestamps = query_times = torch.zeros(1, dtype=torch.int32, device=device)
     thresholds = dummy
     time_log = True
-    if time_w is not None:
+    if rab is not None and time_w is not None:
         timestamps, query_times = _rebased_times(rab, device, backend)
         thresholds = time_bucket_thresholds(rab.time_bucketing, time_w.numel(), device)
         time_log = rab.time_bucketing == "log"
@@ -153,8 +153,8 @@ class Launch:
     """
 
     name: str
-    kernel: Callable
-    args: Dict[str, object]
+    kernel: triton.runtime.KernelInterface
+    args: Dict[str, Any]
     row_block: str
     reset: Tuple[Tensor, ...] = field(default=())
 

@@ -212,6 +212,6 @@ def tune(
             failures.append(f"{config.label()}: {err}")
     if not timings:
         raise RuntimeError(f"autotuning {key.kernel}: no candidate ran ({'; '.join(failures)})")
-    best = min(timings, key=timings.get)
+    best = min(timings, key=timings.__getitem__)
     cache.put(key, best, {config.label(): round(ms, 4) for config, ms in timings.items()})
     return best
