@@ -9,13 +9,17 @@ history. Padding to ``[B, L, D]`` happens only inside a backend that needs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, overload
 
 import numpy as np
 import torch
 from torch import Tensor
 
 
+@overload
+def evicted_prefix(lengths: int, max_len: int, block: int = 1) -> int: ...
+@overload
+def evicted_prefix(lengths: np.ndarray, max_len: int, block: int = 1) -> np.ndarray: ...
 def evicted_prefix(lengths: "np.ndarray | int", max_len: int, block: int = 1) -> "np.ndarray | int":
     """How many oldest tokens a history of ``lengths`` tokens drops to fit ``max_len``: whole
     blocks of ``block`` tokens (``HSTUConfig.eviction_block``), so a growing history's window

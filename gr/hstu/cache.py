@@ -23,12 +23,13 @@ without the training code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
 
 from gr.hstu.config import HSTUConfig
+from gr.hstu.layer import HSTULayer
 from gr.hstu.stack import HSTU
 from gr.jagged import offsets_from_lengths
 from gr.ops.attention import AttentionWorkspace
@@ -134,7 +135,8 @@ class CachedHSTU:
             workspace = AttentionWorkspace(offsets)
             hidden = self.hstu.embed(x, positions)
             longest = max(committed[b] for b in run)
-            for layer in self.hstu.layers:
+            # cast: torch's stubs type nn.ModuleList's items as nn.Module
+            for layer in cast(Sequence[HSTULayer], self.hstu.layers):
                 u, q, k, v = layer.project(hidden)
                 attn = layer.attend(q, k, v, offsets, longest, flat_ts, query_times=query_ts, workspace=workspace)
                 hidden = layer.combine(hidden, attn, u)
@@ -214,30 +216,35 @@ class CachedHSTU:
         self, caches: Sequence[HistoryCache], request_times: Sequence[Optional[int]]
     ) -> List[Tuple[HistoryCache, Tensor]]:
         """``settle`` for several users' caches, their pending tokens in one pass."""
-        out: List[Optional[Tuple[HistoryCache, Tensor]]] = [None] * len(caches)
+        out: Dict[int, Tuple[HistoryCache, Tensor]] = {}
         pending = [i for i, c in enumerate(caches) if c.pending is not None]
+        settle_times: List[int] = []  # the request time of each pending cache
         for i, cache in enumerate(caches):
+            request_time = request_times[i]
             if cache.pending is None:
                 out[i] = cache, cache.timestamps.new_zeros(0, self.config.hidden_dim, dtype=torch.float32)
-            elif request_times[i] is None:
+            elif request_time is None:
                 raise ValueError(
                     "HSTU cache: request_time is required: the last history token's output depends on "
                     "the time of the request (HSTUConfig.query_time is 'next_event')"
                 )
+            else:
+                settle_times.append(request_time)
         if pending:
             times = [
                 torch.cat(
                     [
                         caches[i].timestamps[caches[i].committed :],
-                        caches[i].timestamps.new_tensor([int(request_times[i])]),
+                        caches[i].timestamps.new_tensor([int(settle_time)]),
                     ]
                 )
-                for i in pending
+                for i, settle_time in zip(pending, settle_times)
             ]
-            committed = self.commit_batch([caches[i] for i in pending], [caches[i].pending for i in pending], times)
+            tokens = [c.pending for c in caches if c.pending is not None]
+            committed = self.commit_batch([caches[i] for i in pending], tokens, times)
             for i, (cache, hidden) in zip(pending, committed):
                 out[i] = HistoryCache(cache.keys, cache.values, caches[i].timestamps), hidden
-        return out
+        return [out[i] for i in range(len(caches))]
 
     @torch.inference_mode()
     def score(
@@ -291,6 +298,7 @@ class CachedHSTU:
             for b in range(len(caches))
             for start in range(bounds[b], bounds[b + 1], micro_batch)
         ]
+        group: List[Tuple[int, int, int]]
         outputs, group, size = [], [], 0
         for piece in pieces + [None]:
             if group and (piece is None or size + piece[2] - piece[1] > micro_batch):
@@ -413,7 +421,7 @@ class CachedHSTU:
         )
         cache_ts = [c.timestamps[:n] for c, n in zip(caches, committed)]
         keys, values = [], []
-        for i, layer in enumerate(self.hstu.layers):
+        for i, layer in enumerate(cast(Sequence[HSTULayer], self.hstu.layers)):
             u, q, k, v = layer.project(h)
             attn = layer.attend_cached(
                 q,

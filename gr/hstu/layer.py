@@ -12,6 +12,7 @@ from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.ops.attention import AttentionWorkspace, RelativeBias, hstu_attention
 from gr.ops.cached_attention import hstu_cached_attention
+from gr.ops.cached_attention.common import CacheTensor
 from gr.ops.layer_ops import combine, project
 
 
@@ -110,8 +111,8 @@ class HSTULayer(nn.Module):
         k: Tensor,
         v: Tensor,
         new_offsets: Tensor,
-        cache_k: Tensor,
-        cache_v: Tensor,
+        cache_k: CacheTensor,
+        cache_v: CacheTensor,
         cache_offsets: Tensor,
         *,
         new_tokens: str,
@@ -119,7 +120,7 @@ class HSTULayer(nn.Module):
         block_visible: Optional[Tensor] = None,
         timestamps: Optional[Tensor] = None,
         query_times: Optional[Tensor] = None,
-        cache_timestamps: Optional[Tensor] = None,
+        cache_timestamps: Optional[CacheTensor] = None,
     ) -> Tensor:
         """New tokens against cached K/V and themselves under this layer's mask and bias
         (``gr.ops.cached_attention.hstu_cached_attention``): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
@@ -164,8 +165,19 @@ class HSTULayer(nn.Module):
             return checkpoint(self._attend_combine, x, u, q, k, v, *args, use_reentrant=False)
         return self._attend_combine(x, u, q, k, v, *args)
 
-    def _project_attend_combine(self, x: Tensor, *args: object) -> Tensor:
-        return self._attend_combine(x, *self.project(x), *args)
+    def _project_attend_combine(
+        self,
+        x: Tensor,
+        seq_offsets: Tensor,
+        max_seq_len: int,
+        timestamps: Optional[Tensor],
+        num_targets: Optional[Tensor],
+        query_times: Optional[Tensor],
+        workspace: Optional[AttentionWorkspace],
+    ) -> Tensor:
+        return self._attend_combine(
+            x, *self.project(x), seq_offsets, max_seq_len, timestamps, num_targets, query_times, workspace
+        )
 
     def _attend_combine(
         self,

@@ -118,13 +118,14 @@ def encode_states(
         xs = dict(zip(runs, torch.split(x, [len(new[i][TIMESTAMPS]) for i in runs])))
     times = {i: torch.from_numpy(new[i][TIMESTAMPS]) for i in runs}
     misses = [i for i in runs if matched[i][0] is None]
-    extends = [i for i in runs if matched[i][0] is not None]
+    extends = {i: state for i in runs if (state := matched[i][0]) is not None}  # i -> the state it extends
     ran = dict(zip(misses, engine.encode_batch([xs[i] for i in misses], [times[i] for i in misses])))
-    bases = [matched[i][0].cache for i in extends]
+    bases = [state.cache for state in extends.values()]
     ran.update(zip(extends, engine.extend_batch(bases, [xs[i] for i in extends], [times[i] for i in extends])))
     out = []
     for i, (tokens, version, (base, status)) in enumerate(zip(histories, model_versions, matched)):
         if status == "hit":
+            assert base is not None  # _match: a hit comes with its state
             out.append((base, status))
             continue
         cache, hidden = ran[i]
@@ -133,6 +134,7 @@ def encode_states(
         elif len(hidden):
             last = hidden[-1]
         else:  # no token committed now: the cached state's last output still holds
+            assert base is not None  # a fresh encoding commits every token
             last = base.last_hidden
         out.append((UserState(tokens, cache, version, last), status))
     return out
