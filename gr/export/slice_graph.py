@@ -53,6 +53,13 @@ class TensorSpec:
     repeat: Optional[str] = None
     candidates: Optional[str] = None
 
+    @property
+    def input_source(self) -> str:
+        """The ``source`` of a slice input, which always has one (``from_ini`` refuses an input without)."""
+        if self.source is None:
+            raise ValueError(f"tensor {self.name!r} has no source: not a slice input")
+        return self.source
+
 
 @dataclass(frozen=True)
 class SliceSpec:

@@ -124,14 +124,14 @@ def _run_group(group: List[Tuple[Prepared, Future]], run: Callable[[Sequence[Pre
             group[0][1].set_exception(exc)
             return
         for p, future in group:
-            _settle(future, lambda p=p: run([p])[0])
+            _settle(future, run, p)
         return
     for (_, future), result in zip(group, results):
         future.set_result(result)
 
 
-def _settle(future: Future, run: Callable[[], Any]) -> None:
+def _settle(future: Future, run: Callable[[Sequence[Prepared]], List[Any]], prepared: Prepared) -> None:
     try:
-        future.set_result(run())
+        future.set_result(run([prepared])[0])
     except Exception as exc:
         future.set_exception(exc)

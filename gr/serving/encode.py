@@ -8,12 +8,12 @@ token of each encoded history, all from shared passes.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 from torch import Tensor
 
-from gr.hstu.user_state import encode_states
+from gr.hstu.user_state import UserState, encode_states
 from gr.serving.catalogue import QUERY
 from gr.serving.history import EncodedHistory, History
 from gr.serving.user_cache import UserCache
@@ -21,27 +21,28 @@ from gr.serving.user_cache import UserCache
 __all__ = ["encode", "queries"]
 
 
-def encode(cache: UserCache, histories: Sequence[History], use_cache: bool = True) -> List[EncodedHistory]:
+def encode(cache: UserCache[UserState], histories: Sequence[History], use_cache: bool = True) -> List[EncodedHistory]:
     """The users' encoded histories (one model's): the new tokens of every user in one prefix_dnn
     run, the histories to encode in one HSTU pass and those to extend in another.
 
     Only a cache entry of a history's model version is used or stored (a reload may race the
     request). use_cache=False encodes the histories and leaves the cache alone (status "off")."""
-    out: List[Optional[EncodedHistory]] = [None] * len(histories)
+    out: Dict[int, EncodedHistory] = {}
     waiting = list(range(len(histories)))
     while waiting:
         users: set = set()
-        now, later = [], []
+        now: List[int] = []
+        later: List[int] = []
         for i in waiting:
             (later if histories[i].user_id in users else now).append(i)
             users.add(histories[i].user_id)
         for i, encoded in zip(now, _encode_round(cache, [histories[i] for i in now], use_cache)):
             out[i] = encoded
         waiting = later
-    return out
+    return [out[i] for i in range(len(histories))]
 
 
-def _encode_round(cache: UserCache, histories: Sequence[History], use_cache: bool) -> List[EncodedHistory]:
+def _encode_round(cache: UserCache[UserState], histories: Sequence[History], use_cache: bool) -> List[EncodedHistory]:
     """``encode`` of histories of distinct users."""
     if not histories:
         return []
@@ -67,6 +68,10 @@ def queries(encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> 
         settled = model.engine.settle_batch([e.cache for e in encoded], list(request_times))
         hidden = torch.cat([outputs[-1:] for _, outputs in settled])
     else:
-        hidden = torch.stack([e.last_hidden for e in encoded])
+        last: List[Tensor] = []
+        for e in encoded:
+            assert e.last_hidden is not None  # kept for a non-empty history when the engine does not defer it
+            last.append(e.last_hidden)
+        hidden = torch.stack(last)
     commons = [e.history.common for e in encoded]
     return torch.from_numpy(model.heads_batch(hidden, commons, [1] * len(encoded))[QUERY])

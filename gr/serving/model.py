@@ -90,10 +90,10 @@ class ServingModel:
         env = {f"{REQUEST}.{name}": value for name, value in tokens.items()}
         for t in self.graph.slice(SPARSE).inputs:
             if t.shape == (TOKENS,):
-                env[f"{SPARSE}.{t.name}"] = self.sparse.sequence(t.name, env[t.source])
+                env[f"{SPARSE}.{t.name}"] = self.sparse.sequence(t.name, env[t.input_source])
             elif t.shape == TOKEN_BAGS:
-                env[f"{SPARSE}.{t.name}"] = env[t.source]
-        out = self.prefix.run({t.name: env[t.source] for t in self.prefix.spec.inputs})
+                env[f"{SPARSE}.{t.name}"] = env[t.input_source]
+        out = self.prefix.run({t.name: env[t.input_source] for t in self.prefix.spec.inputs})
         return torch.from_numpy(out[PREFIX_OUTPUT]).to(self.device)
 
     def heads(self, hidden: Tensor, common: Tokens) -> Dict[str, np.ndarray]:
@@ -111,7 +111,9 @@ class ServingModel:
             if t.source == f"{HSTU_SLICE}.{HSTU_OUTPUT}":
                 inputs[t.name] = hidden.cpu().numpy()
             elif t.repeat == REPEAT_PER_TARGET:
-                inputs[t.name] = np.concatenate([np.repeat(env[t.source], n, axis=0) for env, n in zip(envs, rows)])
+                inputs[t.name] = np.concatenate(
+                    [np.repeat(env[t.input_source], n, axis=0) for env, n in zip(envs, rows)]
+                )
             else:
                 raise ValueError(
                     f"{POSTFIX}: input {t.name} reads {t.source}, neither the HSTU output nor repeated per target"
@@ -125,7 +127,7 @@ class ServingModel:
         env: Dict[str, np.ndarray] = {f"{REQUEST}.{name}": value for name, value in common.items()}
         for t in self.graph.slice(SPARSE).inputs:
             if t.shape == (BAG,):
-                env[f"{SPARSE}.{t.name}"] = self.sparse.pooled(t.name, env[t.source])
+                env[f"{SPARSE}.{t.name}"] = self.sparse.pooled(t.name, env[t.input_source])
         return env
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Callable, Hashable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, overload
+from typing import Any, Callable, Hashable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, cast, overload
 
+from gr.hstu.user_state import UserState
 from gr.serving import generate as generation
 from gr.serving import rank as ranking
 from gr.serving import recommend as recommendation
@@ -40,7 +41,6 @@ WARM_UP_USER = ("gr", "warm-up")  # a key no request can send (user ids are stri
 
 Request = Union[RankRequest, RecommendRequest, GenerateRequest]
 Prepared = Union[PreparedRank, PreparedRecommend, PreparedGenerate]
-Result = Union[RankResult, RecommendResult, GenerateResult]
 R = TypeVar("R")
 
 __all__ = [
@@ -99,7 +99,7 @@ class Ranker:
         self.index = index
         self.device = model.device
         self.limits = limits
-        self.cache = UserCache(cache_bytes)
+        self.cache: UserCache[UserState] = UserCache(cache_bytes)
         self._model = model
         self._lock = threading.Lock()
 
@@ -158,8 +158,11 @@ class Ranker:
 
     # ---- the verbs: one entry point each ---------------------------------------------------
     # (overloads: one request -> its result, a sequence -> a list; the implementations follow them)
+    # A sequence of requests (a tuple) is also a Hashable user id: this overload, first, is the one that applies.
     @overload
-    def rank(self, requests: Sequence[RankRequest], *, use_cache: bool = True) -> List[RankResult]: ...
+    def rank(  # type: ignore[overload-overlap]
+        self, requests: Sequence[RankRequest], *, use_cache: bool = True
+    ) -> List[RankResult]: ...
 
     @overload
     def rank(
@@ -177,8 +180,8 @@ class Ranker:
     def rank(
         self,
         requests: Union[RankRequest, Sequence[RankRequest], Hashable],
-        history: Optional[Mapping[str, Any]] = None,
-        candidates: Optional[Mapping[str, Any]] = None,
+        history: Any = None,  # the keyword form's columns (None: no tokens), checked by prepare
+        candidates: Any = None,
         common_features: Optional[Mapping[str, Any]] = None,
         *,
         request_time: Optional[int] = None,
@@ -231,7 +234,7 @@ class Ranker:
         self,
         requests: Union[GenerateRequest, Sequence[GenerateRequest], Hashable],
         history: Optional[Mapping[str, Any]] = None,
-        k: Optional[int] = None,
+        k: Any = None,  # the keyword form's k, checked by prepare (None: refused there)
         strategy: str = "greedy",
         exclude_seen: bool = True,
         **options: Any,
@@ -253,7 +256,9 @@ class Ranker:
             requests = GenerateRequest(requests, history, k, strategy=strategy, exclude_seen=exclude_seen, **fields)
         return self._answer(GenerateRequest, requests, options=options)
 
-    def _answer(self, kind: type, requests: Any, use_cache: bool = True, options: Optional[dict] = None) -> Any:
+    def _answer(
+        self, kind: type[Request], requests: Any, use_cache: bool = True, options: Optional[dict] = None
+    ) -> Any:
         """One request (-> its result) or a sequence of them (-> their results), through ``prepare``
         and ``run`` as one batch; a bad request of a sequence raises RequestError naming its index."""
         options = options or {}
@@ -266,6 +271,15 @@ class Ranker:
         return self.run(_prepare_each(lambda r: self.prepare(r, **options), requests), use_cache=use_cache)
 
     # ---- the two steps behind every verb ---------------------------------------------------
+    @overload
+    def prepare(self, request: RankRequest) -> PreparedRank: ...
+
+    @overload
+    def prepare(self, request: RecommendRequest) -> PreparedRecommend: ...
+
+    @overload
+    def prepare(self, request: Request, **options: Any) -> Prepared: ...
+
     def prepare(self, request: Request, **options: Any) -> Prepared:
         """Validate one request against the current model (touches no cache): everything a request
         can get wrong is found here, before it joins a batch. -> PreparedRank, PreparedRecommend or
@@ -295,7 +309,9 @@ class Ranker:
             return generation.prepare(h, h.model.catalogue(), request, **options)
         raise TypeError(f"Ranker.prepare: expected a RankRequest, RecommendRequest or GenerateRequest, got {request!r}")
 
-    def run(self, prepared: Sequence[Prepared], *, use_cache: bool = True) -> List[Result]:
+    def run(
+        self, prepared: Sequence[Prepared], *, use_cache: bool = True
+    ) -> Union[List[RankResult], List[RecommendResult], List[GenerateResult]]:
         """Answer requests validated by ``prepare``, all of one kind, as one batch (each answer
         equals the request's own; a batch that raced a reload goes one by one). use_cache=False
         (rank only) leaves the user cache alone."""
@@ -304,13 +320,14 @@ class Ranker:
         kind = type(prepared[0])
         if any(type(p) is not kind for p in prepared):
             raise TypeError("Ranker.run: a batch holds prepared requests of one kind")
+        # cast: each branch's requests are all of its kind (checked above), which types cannot follow
         if kind is PreparedRank:
-            return ranking.run(self.cache, prepared, self.micro_batch, use_cache)
+            return ranking.run(self.cache, cast(Sequence[PreparedRank], prepared), self.micro_batch, use_cache)
         if not use_cache:
             raise ValueError("Ranker.run: use_cache=False applies to rank only")
         if kind is PreparedRecommend:
-            return recommendation.run(self.cache, prepared)
-        return generation.run(self.cache, prepared)
+            return recommendation.run(self.cache, cast(Sequence[PreparedRecommend], prepared))
+        return generation.run(self.cache, cast(Sequence[PreparedGenerate], prepared))
 
     def history(
         self,

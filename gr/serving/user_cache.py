@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from typing import Hashable, List, Optional, Protocol, Tuple
+from typing import Generic, Hashable, List, Optional, Protocol, Tuple, TypeVar
 
 # The Python objects around one entry's arrays (the LRU's node, the entry and its tensors'
 # headers), counted per user besides its key and the arrays' bytes.
@@ -17,12 +17,15 @@ class Sized(Protocol):
     def nbytes(self) -> int: ...
 
 
+Entry = TypeVar("Entry", bound=Sized)
+
+
 def kept_bytes(user: Hashable, entry: Sized) -> int:
     """What the cache counts for ``user``'s ``entry``: its arrays, its key and the objects around them."""
     return int(entry.nbytes) + sys.getsizeof(user) + ENTRY_OVERHEAD_BYTES
 
 
-class UserCache:
+class UserCache(Generic[Entry]):
     """{user id: entry} holding at most ``max_bytes``, least recently used out first. An entry
     counts everything kept for its user: ``entry.nbytes``, the key's size and ENTRY_OVERHEAD_BYTES.
 
@@ -35,7 +38,7 @@ class UserCache:
         if max_bytes < 0:
             raise ValueError(f"UserCache.max_bytes: expected >= 0, got {max_bytes}")
         self.max_bytes = int(max_bytes)
-        self._entries: "OrderedDict[Hashable, Tuple[Sized, int]]" = OrderedDict()  # user -> (entry, its bytes)
+        self._entries: "OrderedDict[Hashable, Tuple[Entry, int]]" = OrderedDict()  # user -> (entry, its bytes)
         self._bytes = 0
         self._model_version = 0
         self._lock = threading.Lock()
@@ -59,7 +62,7 @@ class UserCache:
         with self._lock:
             return list(self._entries)
 
-    def get(self, user: Hashable) -> Optional[Sized]:
+    def get(self, user: Hashable) -> Optional[Entry]:
         with self._lock:
             kept = self._entries.get(user)
             if kept is None:
@@ -67,7 +70,7 @@ class UserCache:
             self._entries.move_to_end(user)
             return kept[0]
 
-    def put(self, user: Hashable, entry: Sized, model_version: int) -> bool:
+    def put(self, user: Hashable, entry: Entry, model_version: int) -> bool:
         """Store ``entry`` (replacing the user's old one) and evict LRU users to fit; -> stored?"""
         size = kept_bytes(user, entry)
         with self._lock:
