@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 _SWAP_LOCK = threading.Lock()
 
 
-def _registry_class() -> Optional[type]:
+def _registry_class() -> Optional[Any]:  # a torch-internal class, whose constructor is swapped
     try:
         from torch.onnx._internal.exporter import _registration
     except ImportError:

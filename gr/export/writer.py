@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
@@ -221,6 +221,7 @@ def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, 
     features: Dict[str, FeatureEntry] = {}
     embeddings = model.embeddings
     for table in embeddings.tables.values() if embeddings is not None else ():
+        assert embeddings is not None  # the loop runs over its tables
         weight = embeddings.table_weight(table.name)  # [rows, embedding_dim], storage padding cut off
         file = f"{table.name}.safetensors"
         rows = weight.detach().to(torch.float32).contiguous()
@@ -268,7 +269,7 @@ def _feature_dims(
                 )
             dims[name] = sparse.feature_dim(name)
         elif name in dense_dims or name in own:
-            dims[name] = int(dense_dims.get(name, own.get(name)))
+            dims[name] = int(dense_dims[name] if name in dense_dims else own[name])
         else:
             raise ExportError(
                 f"{type(module).__name__} reads {name!r}, which has no embedding table: "
@@ -352,6 +353,7 @@ def _export_onnx(
     label = f"{slice_name} ({type(module).__qualname__})"
     path.parent.mkdir(parents=True, exist_ok=True)
     dim = torch.export.Dim(dim_name)
+    dynamic: Tuple[Any, ...]  # per input: {0: dim}, or a tuple of those for a tuple input
     if isinstance(adapter, _PostfixAdapter) and len(example) > 1:
         dynamic = ({0: dim}, tuple({0: dim} for _ in example[1:]))
     elif isinstance(adapter, _PostfixAdapter):
@@ -375,7 +377,7 @@ def _export_onnx(
         raise ExportError(f"{label}: ONNX export failed: {type(exc).__name__}: {_first_lines(exc)}") from exc
     model = onnx.load(str(path))
     for value in model.graph.input:
-        shape = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+        shape: Sequence[Any] = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
         if not shape or shape[0] != dim_name:
             raise ExportError(
                 f"{label}: ONNX export failed: input {value.name!r} got shape {shape}, not "
@@ -513,6 +515,7 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
         ) from exc
     maps, _ = load_mappings(str(Path(run_dir) / MAPPINGS_DIR))
     trained = maps.get("items")
+    assert data.item_map is not None and data.corpus is not None  # set by setup()
     if trained is None or not np.array_equal(trained.raw, data.item_map.raw):
         raise ExportError(
             f"{run_dir}: the items of data.path {config.data.path!r} differ from those the run was trained on "

@@ -49,7 +49,9 @@ def atomic_file(path: PathLike, *, binary: bool = False) -> Iterator[IO]:
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(handle, 0o666 & ~process_umask())  # mkstemp's 0600 would keep the file from other accounts
-        with os.fdopen(handle, "wb" if binary else "w", **({} if binary else {"encoding": "utf8", "newline": ""})) as f:
+        with os.fdopen(
+            handle, "wb" if binary else "w", encoding=None if binary else "utf8", newline=None if binary else ""
+        ) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
