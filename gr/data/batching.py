@@ -356,11 +356,11 @@ class RankingBatches(SplitBatches):
         query_times[history_slots] = seqs.timestamps[history_rows + 1]
         labels = {}
         for task in self.tasks:
-            real = (
-                np.ones_like(positive_rows, dtype=bool)
-                if task.min_rating is None
-                else seqs.ratings[positive_rows] >= task.min_rating
-            )
+            if task.min_rating is None:
+                real = np.ones_like(positive_rows, dtype=bool)
+            else:
+                assert seqs.ratings is not None  # a min_rating task needs ratings (the datamodule checks)
+                real = seqs.ratings[positive_rows] >= task.min_rating
             labels[task.name] = np.concatenate([real, np.zeros_like(negatives, dtype=bool)], 1).ravel()
             labels[task.name] = labels[task.name].astype(np.float32)
         return assemble(

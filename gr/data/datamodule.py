@@ -70,6 +70,7 @@ class SequenceDataModule(lightning.LightningDataModule):
             data, config.min_seq_len, config.min_item_interactions, base.get("items")
         )
         if config.split == "time":
+            assert config.split_time is not None  # DataConfig requires it with the time split
             sequences.split = time_split(sequences, config.split_time, config.split_end, config.train_start)
         self.corpus = Corpus(
             sequences=sequences,
@@ -108,7 +109,7 @@ class SequenceDataModule(lightning.LightningDataModule):
         self.splits = self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits()
 
     def _retrieval_splits(self) -> Dict[str, SplitBatches]:
-        config, corpus = self.config, self.corpus
+        config, corpus = self.config, self._corpus()
         train = RetrievalTrainBatches(corpus, config.max_seq_len, config.seed, self.eviction_block)
         if len(train) == 0:
             raise ValueError(
@@ -125,7 +126,7 @@ class SequenceDataModule(lightning.LightningDataModule):
         }
 
     def _ranking_splits(self) -> Dict[str, SplitBatches]:
-        config, corpus, ranking = self.config, self.corpus, self.config.ranking
+        config, corpus, ranking = self.config, self._corpus(), self.config.ranking
         sequences = corpus.sequences
         if sequences.ratings is None and any(t.min_rating is not None for t in ranking.tasks):
             raise ValueError(
@@ -220,6 +221,7 @@ class SequenceDataModule(lightning.LightningDataModule):
     def save_mappings(self, directory: str) -> None:
         """Write raw<->dense maps of users, items and categorical side features into ``directory``."""
         corpus = self._corpus()
+        assert self.user_map is not None and self.item_map is not None  # set with the corpus
         maps = {
             "users": self.user_map,
             "items": self.item_map,
@@ -262,7 +264,8 @@ class SequenceDataModule(lightning.LightningDataModule):
             dataset,
             batch_size=None,
             sampler=plan,
-            collate_fn=identity_collate,
+            # torch's stub has collate_fn take a list; with batch_size=None it takes each (built) batch
+            collate_fn=identity_collate,  # type: ignore[arg-type]
             num_workers=config.num_workers,
             persistent_workers=config.num_workers > 0,
         )

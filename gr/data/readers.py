@@ -99,9 +99,9 @@ def read_delimited(
     values: Optional[Dict[str, np.ndarray]] = None
     try:
         table = pacsv.read_csv(source, read, parse, convert)
-        values = {n: _to_numpy(table[n], k) for n, k in wanted.items()}
+        values = {n: v for n, k in wanted.items() if (v := _to_numpy(table[n], k)) is not None}
         arrow_error = "empty or non-finite values"
-        if any(v is None for v in values.values()):
+        if len(values) < len(wanted):
             values = None
     except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
         arrow_error = str(error).splitlines()[0]
@@ -454,9 +454,9 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
         line = _line_of_row(file, columns.delimiter, row)
         return DataFormatError(file, f"column {name!r}: {message}", line=line)
 
-    ratings = None
-    if columns.rating in categorical:
-        ratings = _numbers_of_text(values[columns.rating], lambda row, text: bad_id(columns.rating, row, text))
+    ratings, rating = None, columns.rating
+    if rating is not None and rating in categorical:
+        ratings = _numbers_of_text(values[rating], lambda row, text: bad_id(rating, row, text))
     lists = {
         c: split_lists(values[c], columns.list_separator, lambda row, message, c=c: bad_id(c, row, message))
         for c in columns.list_features
@@ -663,14 +663,22 @@ def _table_interactions(
 
 # ---- registry ------------------------------------------------------------------------------
 
+
+def _path(config: DataConfig) -> str:
+    """``data.path`` of a source that reads files (``DataConfig`` requires it for those)."""
+    if config.path is None:
+        raise ValueError(f"data.path: required for data.source {config.source!r}")
+    return config.path
+
+
 READERS: Dict[str, Callable[[DataConfig], Interactions]] = {
     "synthetic": lambda c: generate_synthetic(c.synthetic, c.seed),
-    "ml-100k": lambda c: read_ml_100k(c.path, c.item_features, c.user_features, c.genres),
-    "ml-1m": lambda c: read_ml_1m(c.path, c.item_features, c.user_features, c.genres),
-    "ml-20m": lambda c: read_ml_20m(c.path, c.item_features, c.user_features, c.genres),
-    "amazon": lambda c: read_amazon(c.path),
-    "csv": lambda c: read_table_csv(c.path, c.columns),
-    "parquet": lambda c: read_table_parquet(c.path, c.columns),
+    "ml-100k": lambda c: read_ml_100k(_path(c), c.item_features, c.user_features, c.genres),
+    "ml-1m": lambda c: read_ml_1m(_path(c), c.item_features, c.user_features, c.genres),
+    "ml-20m": lambda c: read_ml_20m(_path(c), c.item_features, c.user_features, c.genres),
+    "amazon": lambda c: read_amazon(_path(c)),
+    "csv": lambda c: read_table_csv(_path(c), c.columns),
+    "parquet": lambda c: read_table_parquet(_path(c), c.columns),
 }
 
 
