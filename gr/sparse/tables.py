@@ -229,9 +229,10 @@ class SparseEmbeddings(nn.Module):
         """The rows of (unsharded) table ``name``: [num_embeddings, embedding_dim] float."""
         table = self.tables[name]
         if table.kind == "sequence":
-            weight = self.sequence[f"dim{table.embedding_dim}"].embeddings[name].weight
+            collection: Any = self.sequence[f"dim{table.embedding_dim}"]  # the backend's EmbeddingCollection
+            weight = collection.embeddings[name].weight
         else:
-            bags = self.pooled_collections()[POOLED_ATTRIBUTES[table.kind]]
+            bags: Any = self.pooled_collections()[POOLED_ATTRIBUTES[table.kind]]  # an EmbeddingBagCollection
             weight = bags.embedding_bags[name].weight
         return weight[:, : table.embedding_dim]
 

@@ -17,7 +17,7 @@ gradients, a lookup is ``F.embedding`` / ``F.embedding_bag``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +105,9 @@ class TableCollection(_Tables):
         self.embeddings = nn.ModuleDict()
         for table in tables:  # EmbeddingCollection's order: each table built, then initialised
             rows, width = table.num_embeddings, storage_dim(table.embedding_dim)
-            self.embeddings[table.name] = nn.Embedding(rows, width, device=device)
-            _initialise(self.embeddings[table.name].weight, table)
+            embedding = nn.Embedding(rows, width, device=device)
+            self.embeddings[table.name] = embedding
+            _initialise(embedding.weight, table)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         out: Dict[str, JaggedTensor] = {}
@@ -135,8 +136,8 @@ class PooledTableCollection(_Tables):
                 include_last_offset=True,
                 device=device,
             )
-        for table in tables:
-            _initialise(self.embedding_bags[table.name].weight, table)
+        for table in tables:  # cast: torch's stubs type a ModuleDict's items as nn.Module
+            _initialise(cast(nn.EmbeddingBag, self.embedding_bags[table.name]).weight, table)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, Tensor]:
         out: Dict[str, Tensor] = {}
@@ -165,7 +166,7 @@ def prepare_for_training(
     for name, child in model.named_children():
         child.to(tables if name == EMBEDDINGS_ATTR else dense_device)
     if tables != dense_device:
-        model.embeddings.output_device = dense_device
+        getattr(model, EMBEDDINGS_ATTR).output_device = dense_device
     return attach_optimizers(model, default)
 
 
@@ -178,7 +179,8 @@ def attach_optimizers(model: nn.Module, default: EmbeddingOptimizerConfig) -> Ta
     if not isinstance(embeddings, SparseEmbeddings) or embeddings.backend != "torch":
         raise ValueError("attach_optimizers: expected model.embeddings to be SparseEmbeddings of the torch backend")
     names = {id(p): name for name, p in model.named_parameters()}
-    collections: List[_Tables] = [*embeddings.sequence.values(), *embeddings.pooled_collections().values()]
+    # cast: torch's stubs type a ModuleDict's items as nn.Module
+    collections = cast(List[_Tables], [*embeddings.sequence.values(), *embeddings.pooled_collections().values()])
     found = {}
     for collection in collections:
         for table, module in getattr(collection, collection.attribute).items():

@@ -15,7 +15,7 @@ model's DDP keeps the default one.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,7 @@ def shard_model(
     number of ranks. Call on every rank.
     """
     pg = pg or dist.group.WORLD
+    assert pg is not None  # the default group is set once torch.distributed is initialised
     embeddings = getattr(model, EMBEDDINGS_ATTR, None)
     if not isinstance(embeddings, SparseEmbeddings) or embeddings.backend != "torchrec":
         raise ValueError(f"shard_model: expected the model's {EMBEDDINGS_ATTR!r} to be SparseEmbeddings of TorchRec")
@@ -166,8 +167,10 @@ class DenseDataParallelWrapper(DefaultDataParallelWrapper):
 
 def _table_weights(embeddings: SparseEmbeddings) -> Dict[str, nn.Parameter]:
     weights = {}
+    collection: Any  # a TorchRec EmbeddingCollection (torch's stubs type ModuleDict items as nn.Module)
     for collection in embeddings.sequence.values():
         weights.update({name: module.weight for name, module in collection.embeddings.items()})
+    bags: Any  # an EmbeddingBagCollection, likewise
     for bags in embeddings.pooled_collections().values():
         weights.update({name: module.weight for name, module in bags.embedding_bags.items()})
     return weights
