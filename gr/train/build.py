@@ -162,7 +162,7 @@ def build_model(
 
 def instantiate(spec: ModuleSpec, context: Mapping[str, Any], where: str) -> nn.Module:
     """spec.cls(**kwargs), with context arguments filled in (see the module docstring)."""
-    cls = spec.cls
+    cls: type[Any] = spec.cls
     parameters = inspect.signature(cls.__init__).parameters
     kwargs = dict(spec.kwargs)
     for name in CONTEXT_ARGUMENTS:

@@ -56,7 +56,7 @@ def _keys(cls: type, prefix: str) -> Iterator[ConfigKey]:
         if cls is TableConfig and f.name == "extra":
             continue  # not a config key: TableConfig.from_dict ignores it
         if cls is ModelSection and f.name == "class_path":
-            yield ConfigKey(f"{prefix}class", "str", f.default, "an import path to a GRModel subclass")
+            yield ConfigKey(f"{prefix}class", "str", str(f.default), "an import path to a GRModel subclass")
         elif cls is ModelSection and f.name == "code_path":
             yield ConfigKey(path, "list[str]", "[]", "directories put on sys.path before the classes import")
         elif cls is ModelSection and f.name == "tables":
@@ -64,7 +64,7 @@ def _keys(cls: type, prefix: str) -> Iterator[ConfigKey]:
         elif hint is ModuleSpec:
             yield ConfigKey(f"{path}.class", "str", "(the built-in class)", "an import path like package.module.Class")
             yield ConfigKey(f"{path}.kwargs", "mapping", "{}", "constructor arguments of the class")
-        elif dataclasses.is_dataclass(hint):
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
             yield from _keys(hint, f"{path}.")
         else:
             check = f.metadata.get("check")
@@ -83,7 +83,7 @@ def type_name(hint: Any) -> str:
         return f"list[{', '.join(type_name(a) for a in items)}]" if items else "list"
     if origin in (dict, Mapping) or origin is typing.get_origin(Mapping[str, int]):
         return "mapping"
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return f"mapping ({hint.__name__})"
     if hint is Any:
         return "any"

@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Set
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
+from gr.hstu.stack import HSTU
 from gr.sparse.sharding import DenseDataParallelWrapper
 
 # The attribute of the wrapped model holding its HSTU stack (GRModel.hstu).
@@ -43,7 +43,7 @@ class FSDP2DenseWrapper(DenseDataParallelWrapper):
         super()._ddp_wrap(dmp, env, device, ddp_ignore_param_names | sharded)
 
 
-def shard_hstu(hstu: nn.Module, mesh: DeviceMesh) -> None:
+def shard_hstu(hstu: HSTU, mesh: DeviceMesh) -> None:
     """fully_shard each layer of ``hstu``, then the stack (its remaining parameters), over ``mesh``."""
     for layer in hstu.layers:
         fully_shard(layer, mesh=mesh)

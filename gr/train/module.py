@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast, overload
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from gr.train.warm_start import WarmStart
 from gr.utils.finite import NonFiniteError, gradients_finite, non_finite
 
 log = logging.getLogger(__name__)
+_Destination = TypeVar("_Destination", bound=Dict[str, Any])  # a state_dict destination
 
 
 class GRTrainingModule(LightningModule):
@@ -64,7 +65,7 @@ class GRTrainingModule(LightningModule):
         self.spec = spec
         self.tasks = tuple(tasks)
         self.popularity = popularity
-        self.model: Optional[torch.nn.Module] = None
+        self.model: Any = None  # the GRModel, or TorchRec's DistributedModelParallel around it
         self.table_optimizers: Any = None  # TorchRec's fused optimizer, or gr.sparse.row_optimizers.TableOptimizers
         self.task: Any = None
         self.generator = torch.Generator()
@@ -83,9 +84,9 @@ class GRTrainingModule(LightningModule):
             self.warm_start.copy_weights(gr_model)
         if self.config.task_type == "retrieval":
             item_feature = self.config.task.retrieval.item_feature
-            self.task = RetrievalTask(
-                self.config.task.retrieval, self.spec.sequence[item_feature], gr_model.postfix_dnn.item_embedding
-            )
+            # cast: torch's stubs type a module's attributes (Module.__getattr__) as Tensor | Module
+            item_embedding = cast(Callable[[Tensor], Tensor], gr_model.postfix_dnn.item_embedding)
+            self.task = RetrievalTask(self.config.task.retrieval, self.spec.sequence[item_feature], item_embedding)
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)
         if sparse.backend == "torch":
@@ -118,6 +119,12 @@ class GRTrainingModule(LightningModule):
         """The embedding optimizers' state (TorchRec: sharded tensors), for checkpoints."""
         return self.table_optimizers.state_dict()
 
+    @overload
+    def state_dict(self, *, destination: _Destination, prefix: str = ..., keep_vars: bool = ...) -> _Destination: ...
+
+    @overload
+    def state_dict(self, *, prefix: str = ..., keep_vars: bool = ...) -> Dict[str, Any]: ...
+
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
         """``model.*``: DistributedModelParallel's state dict (table shards, dense parameters), or the
         GRModel's (the same keys).
@@ -149,7 +156,7 @@ class GRTrainingModule(LightningModule):
     def dense_parameters(self) -> List[torch.nn.Parameter]:
         """The parameters the Lightning optimizer steps: all but the tables' (updated in backward)."""
         if self.config.sparse.backend == "torch":
-            tables = {id(p) for p in self.gr_model.embeddings.parameters()}
+            tables = {id(p) for p in self.model.embeddings.parameters()}
             return [p for p in self.model.parameters() if id(p) not in tables and p.requires_grad]
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -222,6 +229,7 @@ class GRTrainingModule(LightningModule):
             f"step {self.global_step} (epoch {self.current_epoch}, batch {self.step_batch}, rank {self.global_rank})"
         )
         if not loss_finite:
+            assert self.step_loss is not None  # no loss counts as finite
             what = f"the training loss is {float(self.step_loss)}"
         elif bad_grads:
             what = f"non-finite gradients in {', '.join(bad_grads[:5])}"

@@ -10,7 +10,7 @@ memory (``sparse.placement: host``: FBGEMM has no NPU kernels), DDP talks over H
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
@@ -28,13 +28,13 @@ class NPUAccelerator(Accelerator):
     def setup_device(self, device: torch.device) -> None:
         if device.type != "npu":
             raise ValueError(f"NPUAccelerator: expected an npu device, got {device}")
-        torch.npu.set_device(device)
+        torch.npu.set_device(device)  # type: ignore[attr-defined]  # torch_npu adds torch.npu at run time
 
     def teardown(self) -> None:
-        torch.npu.empty_cache()
+        torch.npu.empty_cache()  # type: ignore[attr-defined]
 
-    def get_device_stats(self, device: Union[str, torch.device]) -> Dict[str, Any]:
-        return torch.npu.memory_stats(device)
+    def get_device_stats(self, device: Union[torch.device, str, int]) -> Dict[str, Any]:
+        return torch.npu.memory_stats(device)  # type: ignore[attr-defined]
 
     @staticmethod
     def parse_devices(devices: Union[int, str, List[int]]) -> List[int]:
@@ -51,7 +51,7 @@ class NPUAccelerator(Accelerator):
 
     @staticmethod
     def auto_device_count() -> int:
-        return torch.npu.device_count() if NPUAccelerator.is_available() else 0
+        return torch.npu.device_count() if NPUAccelerator.is_available() else 0  # type: ignore[attr-defined]
 
     @staticmethod
     def is_available() -> bool:
@@ -72,7 +72,12 @@ def npu_trainer_args(precision: str) -> Dict[str, Any]:
     missing when it or CANN is absent), the accelerator, and a precision plugin whose autocast
     targets the npu device (Lightning's own would pick cuda for a custom accelerator)."""
     load_torch_npu("trainer.accelerator")
-    plugin: Precision = MixedPrecision(precision, "npu") if precision.endswith("-mixed") else None
+    # Lightning types MixedPrecision's precision by its literal names; trainer.precision is one of PRECISIONS
+    plugin: Optional[Precision] = (
+        MixedPrecision(precision, "npu")  # type: ignore[arg-type]
+        if precision.endswith("-mixed")
+        else None
+    )
     return dict(
         accelerator=NPUAccelerator(), plugins=[plugin] if plugin else None, precision=None if plugin else precision
     )

@@ -187,7 +187,9 @@ def make_trainer(
     callbacks = [checkpoints, *progress_callbacks(t.enable_progress_bar, t.log_every_n_steps), *extra_callbacks]
     if t.early_stopping_patience:
         callbacks.append(EarlyStopping(config.monitor, patience=t.early_stopping_patience, mode=t.monitor_mode))
-    device_args = dict(accelerator="cuda" if t.accelerator == "gpu" else t.accelerator, precision=t.precision)
+    device_args: Dict[str, Any] = dict(
+        accelerator="cuda" if t.accelerator == "gpu" else t.accelerator, precision=t.precision
+    )
     strategy = TorchRecStrategy()
     if t.accelerator == "npu":
         device_args = npu_trainer_args(t.precision)
@@ -230,7 +232,7 @@ def _metrics_json(
     if baseline:
         metrics["popularity"] = baseline
     rows = local_table_rows(module.model)
-    per_rank = [rows]
+    per_rank: List[Any] = [rows]  # every rank's, once gathered
     if dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, rows)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.optim import Optimizer
 
 from gr.train import checkpoint as ckpt
+from gr.train.module import GRTrainingModule
 
 
 class TorchRecStrategy(DDPStrategy):
@@ -47,6 +48,13 @@ class TorchRecStrategy(DDPStrategy):
         """DistributedModelParallel placed tables and dense modules when it was built."""
 
     @property
+    def gr_module(self) -> GRTrainingModule:
+        """The module trained, a GRTrainingModule (the only kind this strategy runs)."""
+        module = self.lightning_module
+        assert isinstance(module, GRTrainingModule)
+        return module
+
+    @property
     def dense_sharded(self) -> bool:
         return bool(getattr(self.lightning_module, "dense_sharded", False))
 
@@ -58,22 +66,25 @@ class TorchRecStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         if not self.dense_sharded:
             return super().optimizer_state(optimizer)
-        return get_optimizer_state_dict(self.lightning_module.gr_model, getattr(optimizer, "_optimizer", optimizer))
+        return get_optimizer_state_dict(self.gr_module.gr_model, getattr(optimizer, "_optimizer", optimizer))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self.dense_sharded:
             super().load_optimizer_state_dict(checkpoint)
             return
         for optimizer, state in zip(self.optimizers, checkpoint[ckpt.DENSE_OPTIMIZER_KEY]):
-            set_optimizer_state_dict(self.lightning_module.gr_model, optimizer, optim_state_dict=state)
+            set_optimizer_state_dict(self.gr_module.gr_model, optimizer, optim_state_dict=state)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         dense = (ckpt.DENSE_OPTIMIZER_KEY,) if self.dense_sharded else ()
         ckpt.save_checkpoint(checkpoint, filepath, (*ckpt.SHARDED_KEYS, *dense))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        module = self.lightning_module
-        template = {"state_dict": module.state_dict(), "sparse_optimizer": module.sparse_optimizer_state()}
+        module = self.gr_module
+        template: Dict[str, Any] = {
+            "state_dict": module.state_dict(),
+            "sparse_optimizer": module.sparse_optimizer_state(),
+        }
         if self.dense_sharded and self.optimizers:
             template[ckpt.DENSE_OPTIMIZER_KEY] = [get_optimizer_state_dict(module.gr_model, o) for o in self.optimizers]
         return ckpt.load_checkpoint(template, checkpoint_path)
