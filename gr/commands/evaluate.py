@@ -53,6 +53,7 @@ def batch_requests(
     common = kept(batch.common_ids.to_dict() if batch.common_ids is not None else {})
     offsets = batch.seq_offsets.tolist()
     num_targets = [0] * (len(offsets) - 1) if batch.num_targets is None else batch.num_targets.tolist()
+    assert batch.timestamps is not None  # the data module's batches carry them
     out = []
     for b, targets in enumerate(num_targets):
         start, end = offsets[b], offsets[b + 1]
@@ -124,6 +125,7 @@ def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any
     """[B, d] the served retrieval query at each sequence's last token (its query time as in the
     batch), the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
     last = batch.seq_offsets[1:] - 1
+    assert batch.timestamps is not None  # the data module's batches carry them
     times = batch.timestamps if batch.query_times is None else batch.query_times
     histories = [ranker.history(r["user_id"], r["history"], r["common_features"]) for r in requests]
     encoded = encoding.encode(ranker.cache, histories, use_cache=False)

@@ -45,7 +45,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -143,6 +143,7 @@ def predict(
             table = _flatten(pa.Table.from_batches([batch]))
             rows = _Rows(table, input_path, first)
             requests = [_request(rows, i, layout, options) for i in range(table.num_rows)]
+            results: List[Any]  # RankResult or RecommendResult
             if layout.rank:
                 results = _rank(ranker, requests, rows)
             else:
@@ -273,7 +274,7 @@ class _Rows:
             if column.null_count and name != REQUEST_TIME:
                 raise self.row_error(int(np.flatnonzero(column.is_null())[0]), ValueError("null value"), name)
             values = column.to_pylist()
-            bad = (
+            bad: Union[np.ndarray, List[int]] = (
                 np.flatnonzero(~np.isfinite(np.asarray(values, dtype=float)))
                 if pa.types.is_floating(column.type)
                 else []
@@ -296,8 +297,8 @@ class _Rows:
         leaf = column.to_numpy(zero_copy_only=False)
         self._check_int64(name, leaf, levels)
         if leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
-            bad = int(np.flatnonzero(~np.isfinite(leaf))[0])
-            raise self.row_error(_row_of(levels, bad), ValueError(f"non-finite value {leaf[bad]}"), name)
+            first = int(np.flatnonzero(~np.isfinite(leaf))[0])
+            raise self.row_error(_row_of(levels, first), ValueError(f"non-finite value {leaf[first]}"), name)
         if leaf.dtype == object:  # strings: a numpy str array, as raw-id maps take them
             leaf = leaf.astype(str)
         outer = levels[0]
