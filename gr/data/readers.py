@@ -13,6 +13,7 @@ missing, and an error); timestamps are integer seconds, or decimal numbers floor
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import logging
 import math
@@ -458,8 +459,7 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     if rating is not None and rating in categorical:
         ratings = _numbers_of_text(values[rating], lambda row, text: bad_id(rating, row, text))
     lists = {
-        c: split_lists(values[c], columns.list_separator, lambda row, message, c=c: bad_id(c, row, message))
-        for c in columns.list_features
+        c: split_lists(values[c], columns.list_separator, functools.partial(bad_id, c)) for c in columns.list_features
     }
     return _table_interactions(file, values, lists, columns, bad_id, ratings)
 

@@ -50,7 +50,7 @@ from gr.export.format import (
     write_ini,
 )
 from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
-from gr.export.item_store import ITEM_FEATURE, write_item_store
+from gr.export.item_store import ITEM_FEATURE, Column, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.onnx_registry import registry_built_once
 from gr.export.reader import ONNX_DTYPES, check_export
@@ -78,7 +78,7 @@ def export_model(
     event_features: Sequence[str] = (),
     overwrite: bool = False,
     hstu_dtype: str = "float32",
-    item_features: Optional[Mapping[str, np.ndarray]] = None,
+    item_features: Optional[Mapping[str, Column]] = None,
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
@@ -153,7 +153,7 @@ def _write(
     dense_dims: Dict[str, int],
     event_features: Tuple[str, ...],
     hstu_dtype: str,
-    item_features: Optional[Mapping[str, np.ndarray]],
+    item_features: Optional[Mapping[str, Column]],
 ) -> None:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
@@ -494,7 +494,7 @@ def _first_lines(exc: BaseException, limit: int = 12) -> str:
     return "\n".join(lines[:limit]) + ("\n..." if len(lines) > limit else "")
 
 
-def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, np.ndarray]:
+def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, Column]:
     """The item features among ``feature_names`` (what the prefix_dnn reads) of a training run, read
     from its data (``data`` of its config.yaml) as training saw them: {feature: [items] int64 |
     [items, d] float32 | items rows of int64 ids} by model item id. Empty when the model reads none
@@ -522,5 +522,5 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
             f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
         )
     item_side = data.corpus.item_features
-    side = {**item_side.categorical, **item_side.dense, **item_side.lists}
+    side: Dict[str, Column] = {**item_side.categorical, **item_side.dense, **item_side.lists}
     return {f: side[f] for f in wanted if f in side}
