@@ -241,6 +241,11 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:  # before anything is set up: a port in use or a bad host is one line
+        sock = listen(args.host, args.port)
+    except ValueError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if args.workers > 1:  # every worker writes its metrics here, and /metrics adds them up (gr.serving.metrics)
         metrics_dir = tempfile.mkdtemp(prefix="gr-metrics-")
@@ -270,11 +275,6 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,  # gr.serving.logs.AccessLog writes the access lines
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    try:
-        sock = listen(args.host, args.port)
-    except ValueError as exc:
-        print(f"serve: {exc}", file=sys.stderr)
-        return 2
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
     workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
