@@ -21,12 +21,13 @@ POPULARITY = "sparse/popularity.safetensors"
 
 
 def write_popularity(root: Path, counts: np.ndarray, sparse: SparseManifest) -> None:
-    """Write ``counts`` [item table rows] to ``root/sparse/popularity.safetensors``; ExportError when
-    the export has no item table or the counts do not cover its rows."""
+    """Write ``counts`` [items] to ``root/sparse/popularity.safetensors``, one per row of the item table
+    (rows past the counts, items the training data never had, count 0); ExportError when the export
+    has no item table or more counts than it has rows."""
     rows = _item_rows(sparse)
-    if rows is None or len(counts) != rows:
+    if rows is None or len(counts) > rows:
         raise ExportError(f"popularity: {len(counts)} item counts, but the item table has {rows} rows")
-    save_popularity(root / POPULARITY, counts)
+    save_popularity(root / POPULARITY, np.pad(np.asarray(counts), (0, rows - len(counts))))
 
 
 def check_popularity(root: Path, sparse: SparseManifest, problems: List[Problem]) -> None:
