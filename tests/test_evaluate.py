@@ -1,6 +1,7 @@
 """``gr evaluate RUN|EXPORT``: a run's test metrics recomputed from its best checkpoint equal
 its metrics.json, and its export scored through the serving runtime reaches the same metrics
-(retrieval and ranking), written as JSON; bad invocations are one clear line."""
+(retrieval and ranking), written as JSON; bad invocations are one clear line. The run's item
+popularity reaches its export, which answers an empty history with the most popular items."""
 
 import json
 
@@ -8,8 +9,13 @@ import pytest
 
 from gr.commands.cli import main as gr_main
 from gr.commands.evaluate import default_output
+from gr.data.datamodule import SequenceDataModule
+from gr.data.popularity import POPULARITY_FILE, load_popularity
+from gr.export.manifest import MANIFEST
+from gr.export.popularity import POPULARITY
 from gr.export.writer import export_run
-from gr.train import train
+from gr.serving import Ranker, RecommendRequest
+from gr.train import load_config, train
 from helpers.runs import RANKING, RETRIEVAL, config
 
 RETRIEVAL_KEYS = ("hr@5", "ndcg@5", "hr@10", "ndcg@10", "mrr")
@@ -63,3 +69,18 @@ def test_an_export_without_config_and_model_overrides_are_refused(retrieval, cap
     assert "only data.* keys" in capsys.readouterr().err
     assert gr_main(["evaluate", str(run / "nowhere")]) == 2
     assert "no such run or export directory" in capsys.readouterr().err
+
+
+def test_the_runs_item_popularity_reaches_its_export_and_answers_an_empty_history(retrieval):
+    run, export, _ = retrieval
+    data = SequenceDataModule(load_config(run / "config.yaml").data)
+    data.setup()
+    counts = load_popularity(run / POPULARITY_FILE)
+    assert counts.tolist() == data.popularity().tolist() and counts.sum() > 0
+    assert load_popularity(export / POPULARITY).tolist() == counts.tolist()
+    assert f"  {POPULARITY}\n" in (export / MANIFEST).read_text()
+    answer = Ranker.load(export).recommend(RecommendRequest("new-user", {}, 3))
+    assert (
+        answer.fallback == "popularity"
+        and answer.items == sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:3]
+    )

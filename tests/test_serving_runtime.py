@@ -51,7 +51,7 @@ BLOCKED = (
     "gr.export.writer",
 )
 # ...except the id-map format (numpy only, behind gr.data's lazy package init): serving reads raw ids with it.
-ALLOWED = ("gr.data", "gr.data.mappings")
+ALLOWED = ("gr.data", "gr.data.mappings", "gr.data.popularity")  # file formats an export shares with a run
 
 SCRIPT = r"""
 import importlib.abc, json, sys

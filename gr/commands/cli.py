@@ -1,6 +1,6 @@
 """The ``gr`` command: one entry point with git-style subcommands.
 
-``gr train | export | check | serve | rank | generate | evaluate | predict | plan | data download``.
+``gr train | export | check | serve | rank | recommend | generate | evaluate | predict | plan | data download``.
 Each subcommand forwards its arguments to its module in ``gr.commands`` (``train``, ``export``,
 ``serve``, ``evaluate``, ``predict``, ``plan``, ``data``), imported only when chosen (by name, through
 importlib: the only lazy loading of ``gr`` modules here), so ``gr --help`` and ``gr data download``
@@ -37,6 +37,9 @@ COMMANDS: Dict[str, Command] = {
     "check": Command("gr.commands.export", "main", "validate an export directory", ("check",)),
     "serve": Command("gr.commands.serve", "main", "run the HTTP service over an export", ("serve",)),
     "rank": Command("gr.commands.serve", "main", "score a request file's candidates", ("rank",)),
+    "recommend": Command(
+        "gr.commands.serve", "main", "each request's top k catalogue items (retrieval exports)", ("recommend",)
+    ),
     "generate": Command("gr.commands.serve", "main", "generate each request's next items", ("generate",)),
     "evaluate": Command("gr.commands.evaluate", "main", "test-split metrics of a run or an export (serving path)"),
     "predict": Command(

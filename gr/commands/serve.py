@@ -1,11 +1,19 @@
 """``python -m gr.serving serve EXPORT_DIR [--host 127.0.0.1] [--port 8000] [--workers N]`` serves
 the export over HTTP (``gr.serving.http``);
 ``python -m gr.serving rank EXPORT_DIR --request request.json`` prints the scores as JSON;
+``python -m gr.serving recommend EXPORT_DIR --request request.json --k 10`` prints each user's top k
+catalogue items and their scores (retrieval exports);
 ``python -m gr.serving generate EXPORT_DIR --request request.json --k 10`` prints each user's
-next k items (greedy; the request's ``candidates`` are not needed).
+next k items and their log-probabilities (greedy; recommend and generate need no ``candidates``:
+a rank request's file serves too, and a request's own ``k`` wins over ``--k``).
 Each takes ``--device cpu|cuda|npu`` (default cpu): where the ONNX slices (through that device's
 execution provider), the HSTU engine and its caches run; a device this host cannot serve on is
 one error line and exit status 2.
+
+``serve`` binds its address before anything loads (a port in use or a host that does not resolve is
+one line and exit status 2), then logs on stderr (``--log-format text|json``, ``gr.serving.logs``):
+one start-up line (export, model version: the MANIFEST's digest, device, workers, address), one
+access line per request, and one line when it stops.
 
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
@@ -14,23 +22,29 @@ A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
 import os
 import shutil
+import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from gr.export.format import ExportFormatError
+from gr.export.manifest import manifest_digest
 from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES
 from gr.serving.limits import BODY_TIMEOUT_FLAG, DEFAULT_BODY_TIMEOUT_S, DEFAULT_LIMITS, DESCRIPTIONS, flag
+from gr.serving.logs import LOG_FORMATS, log_config
 from gr.serving.metrics import MULTIPROC_ENV
 from gr.serving.model import check_device
-from gr.serving.request import GenerateRequest, RankRequest
+from gr.serving.request import GenerateRequest, RankRequest, RecommendRequest
 from gr.serving.runtime import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_MICRO_BATCH,
@@ -44,6 +58,7 @@ GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then a 503
 
 IDS_HELP = "ids of requests without an 'ids' key: raw (through sparse/id_maps) or model (table rows)"
 DEVICE_HELP = "where the ONNX slices, the HSTU engine and its caches run (default cpu)"
+log = logging.getLogger("gr.serve")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -63,12 +78,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank.add_argument("--no-cache", action="store_true", help="one target-aware pass per request, no history cache")
     rank.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
     rank.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
-    gen = commands.add_parser("generate", help="generate each request's user's next k items (greedy)")
-    gen.add_argument("export_dir", type=Path)
-    gen.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
-    gen.add_argument("--k", type=int, default=10, help="items to generate per user")
-    gen.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
-    gen.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
+    for verb, text in (
+        ("recommend", "each request's user's top k catalogue items and their scores (retrieval exports)"),
+        ("generate", "generate each request's user's next k items and their log-probabilities (greedy)"),
+    ):
+        top_k = commands.add_parser(verb, help=text)
+        top_k.add_argument("export_dir", type=Path)
+        top_k.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
+        top_k.add_argument("--k", type=int, default=10, help="items per user (a request's own k wins)")
+        top_k.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
+        top_k.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     serve = commands.add_parser("serve", help="serve the export over HTTP (FastAPI + uvicorn)")
     serve.add_argument("export_dir", type=Path)
     serve.add_argument("--host", default="127.0.0.1")
@@ -107,6 +126,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"connection closed (default {DEFAULT_BODY_TIMEOUT_S:g})",
     )
     serve.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="stderr log lines: text, or json (one JSON object a line); one access line per request",
+    )
+    serve.add_argument(
         "--admin-token",
         default=None,
         help="enables POST /admin/reload for 'Authorization: Bearer <token>' (default: off); "
@@ -120,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.command == "serve":
         return _serve(args)
-    if args.command == "generate":
+    if args.command in ("recommend", "generate"):
         args.micro_batch, args.long_history, args.cache_bytes, args.no_cache = (
             DEFAULT_MICRO_BATCH,
             "truncate",
@@ -145,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{args.command}: {args.export_dir}: not a valid export: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     single = not isinstance(payload, list)
-    serve_one = _rank_one if args.command == "rank" else _generate_one
+    serve_one = _rank_one if args.command == "rank" else _top_k_one
     outputs = [
         serve_one(ranker, item, "request" if single else f"request[{i}]", args)
         for i, item in enumerate([payload] if single else payload)
@@ -166,20 +191,23 @@ def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -
     return {"user_id": request.user_id, **result.to_json()}
 
 
-def _generate_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
+def _top_k_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """One recommend or generate request (``args.command``) -> its JSON answer or error."""
+    kind: Any = RecommendRequest if args.command == "recommend" else GenerateRequest
     try:
         if isinstance(item, dict):  # a rank request's file serves too: its candidates are not needed
             item = {"k": args.k, **{key: value for key, value in item.items() if key != "candidates"}}
-        request = GenerateRequest.from_dict(item, where, default_ids=args.ids)
-        result = ranker.generate(request)
+        request = kind.from_dict(item, where, default_ids=args.ids)
+        result = ranker.recommend(request) if args.command == "recommend" else ranker.generate(request)
     except RequestError as exc:
         return _error(where, exc)
     return {"user_id": request.user_id, **result.to_json()}
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Check the export and options (one clear line and exit 2 on a problem), then run uvicorn."""
+    """Check the export, options and address (one clear line and exit 2 on a problem), then run uvicorn."""
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     from gr.serving.http import OPTIONS_ENV  # the HTTP stack (fastapi), loaded by serve only, as uvicorn
 
@@ -213,6 +241,11 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:  # before anything is set up: a port in use or a bad host is one line
+        sock = listen(args.host, args.port)
+    except ValueError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if args.workers > 1:  # every worker writes its metrics here, and /metrics adds them up (gr.serving.metrics)
         metrics_dir = tempfile.mkdtemp(prefix="gr-metrics-")
@@ -234,23 +267,68 @@ def _serve(args: argparse.Namespace) -> int:
             "limits": limits,
         }
     )
+    config = uvicorn.Config(
+        "gr.serving.http:app_from_environment",
+        factory=True,
+        workers=args.workers,
+        log_config=log_config(args.log_format),  # the gr loggers on stderr; uvicorn's at WARNING
+        access_log=False,  # gr.serving.logs.AccessLog writes the access lines
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+    workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
+    version = manifest_digest(args.export_dir)
+    log.info("serving %s (model %s, %s, %s) on %s", args.export_dir, version, args.device, workers, url)
+    started = True
     try:
-        uvicorn.run(
-            "gr.serving.http:app_from_environment",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            log_level="warning",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-    except (OSError, SystemExit) as exc:
-        print(f"serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
+        if args.workers > 1:
+            Multiprocess(config, sockets=[sock]).run()
+        else:
+            started = _run_one(uvicorn.Server(config), sock)
+    except SystemExit:  # uvicorn's exit when the app does not load: it logged why
+        started = False
     finally:
+        sock.close()
         if args.workers > 1:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+    if not started:
+        print(f"serve: {args.export_dir}: the server did not start (the log above says why)", file=sys.stderr)
+        return 1
+    log.info("stopped serving %s on %s", args.export_dir, url)
     return 0
+
+
+def _run_one(server: Any, sock: socket.socket) -> bool:
+    """Run one uvicorn ``server`` on ``sock`` until it has shut down -> whether it started. uvicorn
+    handles SIGINT and SIGTERM (a graceful shutdown), then raises them again at the handlers it
+    found: these let this function return, so that the shutdown is logged."""
+    handlers = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return bool(server.started)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for uvicorn (which listens on it), inheritable by worker
+    processes; ValueError in one line for a host that does not resolve or an address in use."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host}: cannot resolve it ({getattr(exc, 'strerror', None) or exc})") from None
+    sock = socket.socket(family, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        why = "the address is in use: another process listens there" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise ValueError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _error(where: str, exc: RequestError) -> Dict[str, Any]:

@@ -27,6 +27,11 @@ def write_manifest(root: Path) -> None:
     write_text(root / MANIFEST, "".join(line + "\n" for line in lines))
 
 
+def manifest_digest(root: Path) -> str:
+    """The first 12 hex digits of the MANIFEST's sha256: the export's identity (its model version in logs)."""
+    return _sha256(root / MANIFEST)[:12]
+
+
 def check_manifest(root: Path, problems: List[Problem]) -> bool:
     """Verify ``root/MANIFEST`` against the files; -> whether it holds (problems added if not)."""
     start = len(problems)

@@ -48,6 +48,7 @@ from gr.export.hstu_slice import SAFETENSORS_DTYPES, config_from_slice, from_sli
 from gr.export.id_maps import read_id_maps
 from gr.export.item_store import check_item_store
 from gr.export.manifest import check_manifest, inside
+from gr.export.popularity import check_popularity
 from gr.export.slice_graph import SliceGraph, SliceSpec
 from gr.export.sparse_manifest import SparseManifest
 from gr.hstu import HSTU, HSTUConfig
@@ -139,6 +140,7 @@ def _inspect(root: Path) -> Tuple[Optional[ExportManifest], List[Problem]]:
     sparse = _read_sparse(root, problems)
     if sparse is not None:
         problems.extend(read_id_maps(root, sparse)[1])
+        check_popularity(root, sparse, problems)
     if sparse is not None and graph is not None:
         check_item_store(root, graph, sparse, problems)
     read = _read_hstu_config(root, problems)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings
+from gr.data.popularity import POPULARITY_FILE, load_popularity
 from gr.export.format import (
     BAG,
     BATCH,
@@ -53,6 +54,7 @@ from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes
 from gr.export.item_store import ITEM_FEATURE, Column, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.onnx_registry import registry_built_once
+from gr.export.popularity import write_popularity
 from gr.export.reader import ONNX_DTYPES, check_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, REQUEST, SliceGraph, SliceSpec, TensorSpec
 from gr.export.sparse_manifest import TOKEN_KINDS, FeatureEntry, SparseManifest, TableEntry
@@ -79,6 +81,7 @@ def export_model(
     overwrite: bool = False,
     hstu_dtype: str = "float32",
     item_features: Optional[Mapping[str, Column]] = None,
+    popularity: Optional[np.ndarray] = None,
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
@@ -98,6 +101,8 @@ def export_model(
         rows of int64 ids (a list feature)}, row i the item features of model item i: written
         to the export's item store (``gr.export.item_store``),
         from which serving fills them for items a request gives by id alone.
+    popularity: [item table rows] training counts of each item (``gr.data.popularity``), written to
+        ``sparse/popularity.safetensors``: serving's answer to an empty history (``gr.export.popularity``).
     """
     if hstu_dtype not in SLICE_DTYPES:
         raise ValueError(f"hstu_dtype: expected one of {list(SLICE_DTYPES)}, got {hstu_dtype!r}")
@@ -108,9 +113,11 @@ def export_model(
     model.eval()
     try:
         with atomic_directory(export_dir, overwrite=overwrite) as tmp:
-            _write(
+            sparse = _write(
                 model, tmp, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype, item_features
             )
+            if popularity is not None:
+                write_popularity(tmp, popularity, sparse)
             write_manifest(tmp)
             problems = check_export(tmp)
             if problems:
@@ -143,6 +150,7 @@ def export_run(
             overwrite=overwrite,
             hstu_dtype=hstu_dtype,
             item_features=run_item_features(run_dir, model.prefix_dnn.feature_names),
+            popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
         )
 
 
@@ -154,7 +162,7 @@ def _write(
     event_features: Tuple[str, ...],
     hstu_dtype: str,
     item_features: Optional[Mapping[str, Column]],
-) -> None:
+) -> SparseManifest:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
     token_dims = _feature_dims(prefix, prefix.feature_names, sparse, TOKEN_KINDS, dense_dims, "feature_dims")
@@ -206,6 +214,7 @@ def _write(
 
     graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out, event_features)
     write_ini(root / SLICE_GRAPH, graph.to_sections(), header="gr slice graph: slices in execution order")
+    return sparse
 
 
 def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, None]) -> SparseManifest:

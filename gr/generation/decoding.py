@@ -149,6 +149,37 @@ def advance(model: GenerativeModel, state: DecodeState, items: Tensor, x: Tensor
     return DecodeState(cache, state.items + items.tolist(), model.queries(hidden[-1:])[0])
 
 
+def slate_log_probs(
+    model: GenerativeModel,
+    index: ItemIndex,
+    state: DecodeState,
+    items: Sequence[int],
+    request_time: int,
+    exclude_seen: bool = True,
+    temperature: float = 1.0,
+) -> List[float]:
+    """Each generated item's log-probability at its step: log softmax(scores / temperature) over the
+    items allowed there (with exclude_seen, the history's and the earlier steps' items are not), the
+    distribution sampling draws from and beam search sums. items: the slate generated from ``state``;
+    the queries after items[:-1] come from one HSTU pass over that chain (the state is not changed)."""
+    queries = state.query.view(1, -1)
+    if len(items) > 1:
+        chain, n = torch.tensor(list(items[:-1])), len(items) - 1
+        timestamps = torch.full((n,), request_time, dtype=torch.long)
+        hidden, _, _ = model.engine.run_block(
+            state.cache, model.item_tokens(chain), timestamps, torch.arange(1, n + 1), chain_mask(n)
+        )
+        queries = torch.cat([queries, model.queries(hidden).to(queries.device)])
+    scores = index.scores(queries)  # [k, M]
+    banned, out = _banned(state, exclude_seen), []
+    for row, item in enumerate(items):
+        masked = scores[row : row + 1].masked_fill(exclusion_mask(index.num_items, 1, banned), float("-inf"))
+        out.append(float(torch.log_softmax(masked / temperature, 1)[0, item]))
+        if exclude_seen:
+            banned.add(item)
+    return out
+
+
 def _banned(state: DecodeState, exclude_seen: bool) -> Set[int]:
     return set(state.items) if exclude_seen else set()
 

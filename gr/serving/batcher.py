@@ -40,7 +40,8 @@ class RequestBatcher:
     """Batches concurrent ``rank`` and ``recommend`` calls on one worker thread. window_ms: how long
     the worker waits after a batch's first request for company (0: no wait); max_batch: requests per
     batch at most; on_death: called with the exception that ended the worker thread (never called
-    otherwise)."""
+    otherwise); on_batch: called with each batch's size and the requests waiting when it formed
+    (its own included), from the worker thread, before the batch runs."""
 
     def __init__(
         self,
@@ -48,11 +49,12 @@ class RequestBatcher:
         window_ms: float = 0.0,
         max_batch: int = 64,
         on_death: Optional[Callable[[BaseException], None]] = None,
+        on_batch: Optional[Callable[[int, int], None]] = None,
     ) -> None:
         if window_ms < 0 or max_batch < 1:
             raise ValueError(f"RequestBatcher: window_ms must be >= 0 and max_batch >= 1, got {window_ms}, {max_batch}")
         self.ranker, self.window_s, self.max_batch = ranker, window_ms / 1e3, max_batch
-        self.on_death = on_death
+        self.on_death, self.on_batch = on_death, on_batch
         self.batch_sizes: List[int] = []  # of every batch run, for metrics and tests
         self.death: Optional[BaseException] = None  # what ended the worker thread, if it ended
         self._waiting: List[Tuple[Prepared, Future]] = []
@@ -93,7 +95,10 @@ class RequestBatcher:
         if self.window_s:
             time.sleep(self.window_s)
         with self._arrived:
+            waiting = len(self._waiting)
             batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
+        if self.on_batch is not None:
+            self.on_batch(len(batch), waiting)
         return batch
 
     def _run(self, batch: List[Tuple[Prepared, Future]]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from gr.export.format import TIMESTAMPS
@@ -23,6 +24,7 @@ from gr.generation.decoding import (
     beam_search,
     greedy,
     sample,
+    slate_log_probs,
     speculative_greedy,
 )
 from gr.generation.drafts import DraftSource
@@ -33,6 +35,7 @@ from gr.generation.speculative_retrieval import (
 from gr.serving import encode
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
+from gr.serving.fallback import POPULARITY, log_probabilities, most_popular
 from gr.serving.history import EncodedHistory, History, last_token_state
 from gr.serving.request import GenerateRequest, check_request_time, check_sampling
 from gr.serving.user_cache import UserCache
@@ -45,26 +48,33 @@ __all__ = ["GenerateResult", "PreparedGenerate", "ServingGenerativeModel", "chec
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """items: the generated slate (in the request's id space), in order; stats: passes, drafts, timings;
-    drafted: whether a draft source proposed items (speculative greedy). The JSON form reports
-    ``passes`` and ``accepted`` only then: without drafts they say nothing about the request."""
+    """items: the generated slate (in the request's id space), in order; scores: [k] each item's
+    log-probability at its step (``slate_log_probs``: log softmax of the catalogue scores / the
+    request's temperature over the items allowed there); stats: passes, drafts, timings; drafted:
+    whether a draft source proposed items (speculative greedy). The JSON form reports ``passes`` and
+    ``accepted`` only then: without drafts they say nothing about the request. fallback: "popularity"
+    for an empty history answered by ``gr.serving.fallback`` (scores: popularity log-probabilities)."""
 
     items: List[Any]
+    scores: List[float]
     stats: GenerationStats
     history_length: int
     truncated: int
     cache_status: str
     model_version: int = 0
     drafted: bool = False
+    fallback: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         speculative = {"passes": self.stats.passes, "accepted": self.stats.accepted} if self.drafted else {}
         return {
             "items": self.items,
+            "scores": self.scores,
             "history_length": self.history_length,
             "cache_status": self.cache_status,
             "cache": self.cache_status,
             "model_version": self.model_version,
+            **({"fallback": self.fallback} if self.fallback else {}),
             **speculative,
         }
 
@@ -127,8 +137,11 @@ def prepare(
         raise RequestError("draft and speculative_retrieval: choose one")
     if budget is not None and draft is None:
         raise RequestError("budget: sizes draft trees; it needs a draft source (draft=...)")
-    if h.length == 0:
-        raise RequestError("history: empty; generation starts from at least one item")
+    if h.length == 0 and h.model.popularity is None:
+        raise RequestError(
+            "history: empty; generation starts from at least one item "
+            "(this export stores no item popularity to fall back on)"
+        )
     seen = set(h.tokens[catalogue.item_feature].tolist()) if request.exclude_seen else set()
     available = catalogue.index.num_items - len(seen)
     if request.k > available:
@@ -137,7 +150,9 @@ def prepare(
         )
     check_request_time(request.request_time)
     check_sampling(request.temperature, request.seed)
-    request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
+    request_time = request.request_time
+    if request_time is None:  # an empty history's is never read: the fallback runs no model
+        request_time = int(h.tokens[TIMESTAMPS][-1]) if h.length else 0
     return PreparedGenerate(
         h, catalogue, request, request_time, draft, verification, budget, attribute, speculative_retrieval
     )
@@ -145,7 +160,11 @@ def prepare(
 
 def run(cache: UserCache, prepared: Sequence[PreparedGenerate]) -> List[GenerateResult]:
     """Generate for prepared requests: their histories encoded together through the user cache
-    (``gr.serving.encode``), then each request decoded on its own."""
+    (``gr.serving.encode``), then each request decoded on its own; requests with an empty history get
+    the popularity fallback (``gr.serving.fallback``)."""
+    if any(p.history.length == 0 for p in prepared):
+        modelled = iter(run(cache, [p for p in prepared if p.history.length]))
+        return [_popular(p) if p.history.length == 0 else next(modelled) for p in prepared]
     if not prepared:
         return []
     model = prepared[0].history.model
@@ -177,8 +196,10 @@ def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
         )
         out = speculative_greedy(lm, index, state, k, request_time, drafter, exclude_seen, p.verification, p.budget)
     decoded = p.history.decode_items(catalogue.item_feature, torch.tensor(out.items, dtype=torch.long).numpy())
+    scores = slate_log_probs(lm, index, state, out.items, request_time, exclude_seen, request.temperature)
     return GenerateResult(
         decoded,
+        scores,
         out.stats,
         p.history.length,
         p.history.truncated,
@@ -186,3 +207,13 @@ def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
         p.history.model_version,
         drafted=p.draft is not None,
     )
+
+
+def _popular(p: PreparedGenerate) -> GenerateResult:
+    """The popularity fallback of a request with an empty history: the k most popular items, none twice."""
+    h = p.history
+    assert h.model.popularity is not None  # prepare refuses an empty history without it
+    items, _ = most_popular(h.model.popularity, np.zeros(0, np.int64), p.request.k)
+    scores = log_probabilities(h.model.popularity, items).tolist()
+    decoded = h.decode_items(p.catalogue.item_feature, items)
+    return GenerateResult(decoded, scores, GenerationStats(), 0, h.truncated, "off", h.model_version, False, POPULARITY)

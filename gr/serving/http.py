@@ -19,8 +19,12 @@ whole within ``--body-timeout`` (the connection is then closed), 415 ``unsupport
 infinity, 500 ``internal`` for anything unexpected (logged with its traceback), 503
 ``unavailable`` when the request batcher has stopped (the process then exits, non-zero, for its
 supervisor to restart it) or when the server shuts down (SIGTERM) before the request is done.
-Every error counts in ``gr_errors_total``. A client that closes its connection before its body
-has arrived is no error: it counts in ``gr_client_disconnects_total`` and logs one line.
+Every error counts in ``gr_errors_total`` by endpoint, status and kind (its ``error`` name), and
+every request logs one access line with its request id (``gr.serving.logs``). A recommend or
+generate request with an empty history gets the export's most popular items, marked
+``"fallback": "popularity"`` (``gr.serving.fallback``), counted in ``gr_fallback_total``. A client
+that closes its connection before its body has arrived is no error: it counts in
+``gr_client_disconnects_total`` and logs one line.
 Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see README).
 """
 
@@ -46,6 +50,7 @@ from starlette.requests import ClientDisconnect
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
 from gr.serving.limits import BODY_TIMEOUT_FLAG, DEFAULT_BODY_TIMEOUT_S, LimitError, flag, limits_from_options
+from gr.serving.logs import AccessLog, error_kind
 from gr.serving.metrics import ServerMetrics
 from gr.serving.request import (
     GENERATE_KEYS,
@@ -234,6 +239,7 @@ def create_app(
             exit_soon(0)
 
     app = FastAPI(title="gr serving", description=__doc__, version="1", lifespan=lifespan)
+    app.add_middleware(AccessLog)
     app.state.ranker = ranker
     metrics = ServerMetrics(ranker)
     max_body = ranker.limits.max_body_bytes
@@ -249,7 +255,11 @@ def create_app(
         readiness.set("failed", f"the request batcher stopped: {exc!r}")
         on_fatal(EXIT_BATCHER_DIED)
 
-    batcher = RequestBatcher(ranker, batch_window_ms, on_death=batcher_died) if batching else None
+    batcher = (
+        RequestBatcher(ranker, batch_window_ms, on_death=batcher_died, on_batch=metrics.observe_batch)
+        if batching
+        else None
+    )
 
     async def call(endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
         metrics.requests.labels(endpoint).inc()
@@ -259,6 +269,8 @@ def create_app(
             answer = await run_in_threadpool(serve, payload)
             if "cache_status" in answer:
                 metrics.cache.labels(answer["cache_status"]).inc()
+            if "fallback" in answer:
+                metrics.fallbacks.labels(answer["fallback"]).inc()
             try:
                 response = _json(answer)
             except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through
@@ -282,14 +294,15 @@ def create_app(
         except Exception as exc:
             response = _internal(endpoint, exc)
         if response.status_code >= 400:
-            metrics.errors.labels(endpoint, str(response.status_code)).inc()
+            kind = error_kind(response.status_code, bytes(response.body)) or ""
+            metrics.errors.labels(endpoint, str(response.status_code), kind).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
         metrics.refresh()
         return response
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:  # the other endpoints' bugs
-        metrics.errors.labels(request.url.path, "500").inc()
+        metrics.errors.labels(request.url.path, "500", "internal").inc()
         return _internal(request.url.path, exc)
 
     def rank(payload: Any) -> Dict[str, Any]:

@@ -28,14 +28,17 @@ from prometheus_client import (
 from gr.serving.runtime import Ranker
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests per batch, requests waiting
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client when it is first imported
 
 
 class ServerMetrics:
-    """Requests, errors and client disconnects by endpoint, latency histograms, cache
-    hit/extend/miss counts, cache bytes, the model version of ``ranker`` and the live worker
-    processes. ``refresh`` sets this process's gauges (after each request and reload; a scrape
-    reads the other workers' last values)."""
+    """Requests and client disconnects by endpoint, errors by endpoint, HTTP status and kind (the
+    ``error`` name of the answer: bad_request, limit_exceeded, internal, ...), latency histograms,
+    the request batcher's batch sizes and queue depths (``observe_batch``), cache hit/extend/miss
+    counts, cache entries and bytes, fallback answers by kind, the model version of ``ranker`` and
+    the live worker processes. ``refresh`` sets this process's gauges (after each request and
+    reload; a scrape reads the other workers' last values)."""
 
     def __init__(self, ranker: Ranker) -> None:
         self.ranker = ranker
@@ -43,7 +46,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("gr_requests", "Requests by endpoint", ["endpoint"], registry=self.registry)
         self.errors = Counter(
-            "gr_errors", "Failed requests by endpoint and HTTP status", ["endpoint", "status"], registry=self.registry
+            "gr_errors",
+            "Failed requests by endpoint, HTTP status and error kind",
+            ["endpoint", "status", "kind"],
+            registry=self.registry,
         )
         self.disconnects = Counter(
             "gr_client_disconnects",
@@ -64,6 +70,30 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
+        self.batch_size = Histogram(
+            "gr_batch_size",
+            "Requests per batch the request batcher ran",
+            buckets=COUNT_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_depth = Histogram(
+            "gr_queue_depth",
+            "Requests waiting in the request batcher when it formed a batch",
+            buckets=COUNT_BUCKETS,
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "gr_fallback",
+            "Answers not from the model, by kind (popularity: an empty history)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.cache_entries = Gauge(
+            "gr_cache_entries",
+            "Users held by the user history caches of the live workers",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self.cache_bytes = Gauge(
             "gr_cache_bytes",
             "Bytes held by the user history caches of the live workers",
@@ -80,8 +110,14 @@ class ServerMetrics:
         workers.set(1)
         self.refresh()
 
+    def observe_batch(self, size: int, waiting: int) -> None:
+        """A batch of ``size`` requests formed while ``waiting`` requests waited (``RequestBatcher.on_batch``)."""
+        self.batch_size.observe(size)
+        self.queue_depth.observe(waiting)
+
     def refresh(self) -> None:
-        """Set this process's cache bytes and model version."""
+        """Set this process's cache entries, cache bytes and model version."""
+        self.cache_entries.set(len(self.ranker.cache))
         self.cache_bytes.set(self.ranker.cache.nbytes)
         self.model_version.set(self.ranker.cache.model_version)
 

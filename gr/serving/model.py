@@ -28,6 +28,7 @@ from gr.export.format import (
     TOKEN_BAGS,
     TOKENS,
 )
+from gr.export.popularity import read_popularity
 from gr.export.reader import load_hstu, open_export
 from gr.export.slice_graph import REQUEST
 from gr.hstu.cache import CachedHSTU
@@ -66,6 +67,7 @@ class ServingModel:
         self.prefix = OnnxSlice(manifest.path(PREFIX_ONNX), self.graph.slice(PREFIX), threads, device)
         self.engine = CachedHSTU(load_hstu(manifest.root).to(device))
         self.postfix = OnnxSlice(manifest.path(POSTFIX_ONNX), self.graph.slice(POSTFIX), threads, device)
+        self.popularity: Optional[np.ndarray] = read_popularity(manifest.root)  # [items] int64 counts, or None
         self._catalogue: Optional[Catalogue] = None
         self._catalogue_lock = threading.Lock()
 

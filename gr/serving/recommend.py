@@ -7,7 +7,7 @@ product). Each answer equals the request's own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from gr.export.format import TIMESTAMPS
 from gr.serving import encode
 from gr.serving.catalogue import QUERY
 from gr.serving.errors import RequestError
+from gr.serving.fallback import POPULARITY, most_popular
 from gr.serving.history import History, check_span, truncation_warnings
 from gr.serving.model import check_finite
 from gr.serving.request import RecommendRequest, check_request_time
@@ -28,7 +29,9 @@ __all__ = ["PreparedRecommend", "RecommendResult", "prepare", "run"]
 @dataclass(frozen=True)
 class RecommendResult:
     """items: the top k catalogue items (in the request's id space), best first; scores: [k]
-    their cosines with the query (see ``RankResult``); other fields as in ``RankResult``."""
+    their cosines with the query (see ``RankResult``); fallback: "popularity" when the history was
+    empty and the items are the most popular ones, their scores training counts
+    (``gr.serving.fallback``); other fields as in ``RankResult``."""
 
     items: List[Any]
     scores: np.ndarray
@@ -36,6 +39,7 @@ class RecommendResult:
     truncated: int
     cache_status: str
     model_version: int
+    fallback: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -45,6 +49,7 @@ class RecommendResult:
             "cache_status": self.cache_status,
             "cache": self.cache_status,
             "model_version": self.model_version,
+            **({"fallback": self.fallback} if self.fallback else {}),
             **truncation_warnings(self.truncated),
         }
 
@@ -68,19 +73,27 @@ def prepare(h: History, request: RecommendRequest) -> PreparedRecommend:
             f"outputs {h.model.postfix.output_names}: use rank"
         )
     catalogue = h.model.catalogue()
-    if h.length == 0:
-        raise RequestError("history: empty; recommend needs at least one item")
+    if h.length == 0 and h.model.popularity is None:
+        raise RequestError(
+            "history: empty; recommend needs at least one item (this export stores no item popularity to fall back on)"
+        )
     excluded = np.unique(h.tokens[catalogue.item_feature]) if request.exclude_seen else np.zeros(0, np.int64)
     available = catalogue.index.num_items - len(excluded)
     if request.k > available:
         raise RequestError(f"k: {request.k} items requested but only {available} catalogue items are eligible")
+    if h.length == 0:  # answered from popularity: no time is read
+        return PreparedRecommend(request, h, 0, excluded)
     request_time = int(h.tokens[TIMESTAMPS][-1]) if request.request_time is None else request.request_time
     check_span(h, {"request_time": request_time})
     return PreparedRecommend(request, h, request_time, excluded)
 
 
 def run(cache: UserCache, prepared: Sequence[PreparedRecommend]) -> List[RecommendResult]:
-    """Recommend for prepared requests as one batch; a batch that raced a reload goes one by one."""
+    """Recommend for prepared requests as one batch; a batch that raced a reload goes one by one;
+    requests with an empty history get the popularity fallback (``gr.serving.fallback``)."""
+    if any(p.history.length == 0 for p in prepared):
+        modelled = iter(run(cache, [p for p in prepared if p.history.length]))
+        return [_popular(p) if p.history.length == 0 else next(modelled) for p in prepared]
     if not prepared:
         return []
     model = prepared[0].history.model
@@ -104,3 +117,12 @@ def run(cache: UserCache, prepared: Sequence[PreparedRecommend]) -> List[Recomme
         decoded = h.decode_items(item_feature, items.numpy())
         out.append(RecommendResult(decoded, scores.numpy(), h.length, h.truncated, e.cache_status, h.model_version))
     return out
+
+
+def _popular(p: PreparedRecommend) -> RecommendResult:
+    """The popularity fallback of a request with an empty history: the k most popular eligible items."""
+    h = p.history
+    assert h.model.popularity is not None  # prepare refuses an empty history without it
+    items, counts = most_popular(h.model.popularity, p.excluded, p.request.k)
+    decoded = h.decode_items(h.model.catalogue().item_feature, items)
+    return RecommendResult(decoded, counts.astype(np.float32), 0, h.truncated, "off", h.model_version, POPULARITY)

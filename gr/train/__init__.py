@@ -16,6 +16,7 @@ A run directory holds:
                        "table_rows_per_rank", "data" (rows read, duplicates dropped or
                        kept, users, items, interactions) and "config"
     mappings/          raw <-> dense id mappings (``SequenceDataModule.save_mappings``)
+    popularity.safetensors  each item's count in the training data (``gr.data.popularity``)
     checkpoints/       DCP checkpoint directories: "epoch=N" (the best by trainer.monitor)
                        and "last" (for --resume); each has every rank's shards + meta.pt
     logs/              TensorBoard events and metrics.csv (Lightning's CSV logger)

@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.data.mappings import load_mappings
+from gr.data.popularity import POPULARITY_FILE, save_popularity
 from gr.model import GRModel
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
@@ -100,6 +101,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         save_config(config, out_dir / CONFIG_FILE)
         write_json(out_dir / FEATURES_FILE, plain({"spec": vars(spec), "tasks": list(datamodule.tasks)}))
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
+        save_popularity(out_dir / POPULARITY_FILE, datamodule.popularity().numpy())
 
     trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files)])
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(start) if start else None)

@@ -1,0 +1,33 @@
+"""Cold start: the answer to a recommend or generate request with an empty history, from the export's
+item popularity (``gr.export.popularity``; an export without it refuses such a request).
+
+The answer is the k most popular items (training counts, most first, the lowest id on ties) that the
+request does not exclude, marked ``"fallback": "popularity"``. Its scores keep each verb's meaning as
+far as popularity has one: recommend's are the items' training counts; generate's are log-probabilities
+under the popularity distribution, add-one smoothed (log((count + 1) / (total + items))) so that every
+item's is finite. A generated slate never repeats an item. No model pass runs and no cache is touched
+(the answer's ``cache_status`` is ``"off"``).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+POPULARITY = "popularity"  # the fallback's name in answers and in the gr_fallback_total metric
+
+
+def most_popular(counts: np.ndarray, excluded: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    """counts: [M] int64 training counts; excluded: [s] int64 items never answered -> (items [k'] int64,
+    their counts [k'] int64), most popular first, lowest id on ties; k' = min(k, eligible items)."""
+    order = np.lexsort((np.arange(len(counts)), -counts))  # count descending, then id ascending
+    allowed = np.ones(len(counts), dtype=bool)
+    allowed[excluded] = False
+    items = order[allowed[order]][:k]
+    return items, counts[items]
+
+
+def log_probabilities(counts: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """[k] float64: log((count + 1) / (total + M)) of ``items`` under the smoothed popularity distribution."""
+    return np.log((counts[items] + 1.0) / (float(counts.sum()) + len(counts)))
