@@ -52,7 +52,8 @@ def jsonable(value):
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
     maps = write_item_map(root / "maps", RAW_ITEMS)
-    first = export_model(build_generative_model(2, 3), root / "first", id_mappings_dir=maps)
+    popularity = np.arange(NUM_ITEMS, dtype=np.int64)[::-1].copy()  # item 0 the most popular
+    first = export_model(build_generative_model(2, 3), root / "first", id_mappings_dir=maps, popularity=popularity)
     second = export_model(build_generative_model(2, 5), root / "second", id_mappings_dir=maps)
     ranking_model = build_ranking_model(max_seq_len=40)
     ranking = export_model(ranking_model, root / "ranking", dense_dims=DENSE_DIMS)
@@ -640,8 +641,9 @@ def rss_peak_kb(pid: int) -> int:
 
 def test_mixed_load_valid_requests_all_succeed_while_a_quarter_of_the_clients_are_hostile(exports):
     """32 clients, 8 of them sending hostile bodies (malformed values, over-limit sizes, a 20 MB
-    body, huge beams): every valid answer is right, the server's peak RSS grows by a bounded amount,
-    and SIGTERM stops it within seconds while clients are still sending."""
+    body, huge beams), the others ranking, recommending to a user with no history (the popularity
+    fallback) and generating with scores: every valid answer is right, the server's peak RSS grows
+    by a bounded amount, and SIGTERM stops it within seconds while clients are still sending."""
     server = Server(exports["first"], "--max-body-bytes", str(1 << 20))
     local = Ranker.load(exports["first"])
     want = local.rank("x", HISTORY, {"item_id": RAW_ITEMS[:20:2]}, id_options=IdOptions("raw")).scores["retrieval"]
@@ -663,10 +665,20 @@ def test_mixed_load_valid_requests_all_succeed_while_a_quarter_of_the_clients_ar
                     if status not in (400, 413):
                         failures.append(("hostile", endpoint, status))
                     continue
-                body = {"user_id": f"c{c}-{i % 3}", "history": HISTORY, "candidates": {"item_id": RAW_ITEMS[:20:2]}}
-                status, answer = server.call("POST", "/v1/rank", body)
-                if status != 200 or not np.allclose(answer["scores"]["retrieval"], want, rtol=0, atol=1e-6):
-                    failures.append(("valid", status, answer))
+                user = f"c{c}-{i % 3}"
+                if i % 4 == 1:  # a new user: the most popular items, marked as the fallback
+                    status, answer = server.call("POST", "/v1/recommend", {"user_id": user, "history": {}, "k": 3})
+                    if status != 200 or answer.get("fallback") != "popularity" or answer["items"] != RAW_ITEMS[:3]:
+                        failures.append(("fallback", status, answer))
+                elif i % 4 == 2:
+                    status, answer = server.call("POST", "/v1/generate", {"user_id": user, "history": HISTORY, "k": 3})
+                    if status != 200 or len(answer["scores"]) != 3 or max(answer["scores"]) > 0:  # log-probabilities
+                        failures.append(("generate", status, answer))
+                else:
+                    body = {"user_id": user, "history": HISTORY, "candidates": {"item_id": RAW_ITEMS[:20:2]}}
+                    status, answer = server.call("POST", "/v1/rank", body)
+                    if status != 200 or not np.allclose(answer["scores"]["retrieval"], want, rtol=0, atol=1e-6):
+                        failures.append(("valid", status, answer))
                 answered[0] += 1
 
         with ThreadPoolExecutor(32) as pool:
