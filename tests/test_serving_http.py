@@ -138,7 +138,6 @@ BAD_REQUESTS = [  # (endpoint, body, field named)
     ("recommend", {"user_id": "u", "history": HISTORY, "ids": "internal"}, "body.ids"),
     ("generate", {"user_id": "u", "history": HISTORY, "strategy": "topp"}, "strategy"),
     ("generate", {"user_id": "u", "history": HISTORY, "temperature": -1}, "body.temperature"),
-    ("generate", {"user_id": "u", "history": {"item_id": [], "timestamps": []}}, "history"),
 ]
 
 
