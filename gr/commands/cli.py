@@ -47,8 +47,13 @@ COMMANDS: Dict[str, Command] = {
     ),
     "plan": Command("gr.commands.plan", "main", "parameter counts and memory per rank for a recipe"),
     "data": Command("gr.commands.data", "main", "gr data download NAME DIR: fetch a public dataset"),
+    "items": Command("gr.commands.items", "main", "gr items add EXPORT ITEMS --out NEW: new items, no retraining"),
 }
-DATA_SUBCOMMANDS = ("download",)
+# Commands that take a subcommand: {command: (its subcommands, an example)}.
+SUBCOMMANDS = {
+    "data": (("download",), "gr data download ml-1m DIR"),
+    "items": (("add",), "gr items add exports/e new_items.csv --out exports/e2"),
+}
 
 
 def usage() -> str:
@@ -65,9 +70,10 @@ def resolve(argv: Sequence[str]) -> tuple[Optional[Callable[[List[str]], int]], 
     name, rest = argv[0], list(argv[1:])
     if name not in COMMANDS:
         return None, [], f"gr: unknown command {name!r}; expected one of {sorted(COMMANDS)}"
-    if name == "data":
-        if not rest or rest[0] not in DATA_SUBCOMMANDS:
-            return None, [], f"gr data: expected a subcommand {list(DATA_SUBCOMMANDS)}, e.g. gr data download ml-1m DIR"
+    if name in SUBCOMMANDS:
+        subcommands, example = SUBCOMMANDS[name]
+        if not rest or rest[0] not in subcommands:
+            return None, [], f"gr {name}: expected a subcommand {list(subcommands)}, e.g. {example}"
         rest = rest[1:]
     command = COMMANDS[name]
     function = getattr(importlib.import_module(command.module), command.function)

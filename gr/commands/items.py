@@ -1,0 +1,35 @@
+"""``gr items add EXPORT ITEMS --out NEW_EXPORT``: a new export whose catalogue holds the items of
+the file ITEMS too, with their item features (``gr.export.new_items``); the model is not retrained."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from gr.export.new_items import add_items
+from gr.utils.cli_errors import run_cli
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_cli("gr items add", lambda: _main(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gr items add",
+        description="Write a new export (the old one is left as it is) whose catalogue also holds the items of "
+        "ITEMS (CSV with a header, or Parquet): a column item_id and each item feature the export stores. Their "
+        "item-table rows are the mean of the trained rows; their features tell them apart. Serve it with "
+        'gr serve NEW_EXPORT, or POST /admin/reload {"export_dir": NEW_EXPORT} to a running service.',
+    )
+    parser.add_argument("export", type=Path, metavar="EXPORT")
+    parser.add_argument("items", type=Path, metavar="ITEMS")
+    parser.add_argument("--out", type=Path, required=True, help="the new export's directory (must not exist)")
+    parser.add_argument("--list-separator", default="|", help="joins a list feature's values in a CSV cell")
+    args = parser.parse_args(argv)
+    summary = add_items(args.export, args.items, args.out, args.list_separator)
+    print(json.dumps({**summary, "export": str(args.out)}))
+    return 0

@@ -1,0 +1,250 @@
+"""New items without retraining: ``gr items add EXPORT ITEMS --out NEW_EXPORT``.
+
+Writes a new export (never edits one in place: the old keeps serving until ``/admin/reload``
+points at the new) where the items of the file ITEMS (CSV with a header, or Parquet) join the
+catalogue with their item features:
+
+* their raw ids extend the item id map (every known item keeps its row);
+* their rows of the item table are the mean of the trained rows: the model has never seen them,
+  so the id embedding says "an average item" and their item features, which the PrefixDNN reads,
+  are what tells them apart. Ranked as candidates they score by those features; in a catalogue
+  search (recommend, generation), which scores item rows, they tie with one another;
+* their item features go to the item store (categorical values through the export's
+  vocabularies: a value the model never saw takes the unknown id 0), as items the data had;
+* their popularity (when the export stores it) is 0.
+
+An export whose model reads no item feature is refused: every new item would score alike.
+ITEMS holds one row per new item: the item column (``item_id``) and each stored item feature
+by name: a categorical value, a list of them (a Parquet list, or in CSV one cell joined by
+``list_separator``), or a dense feature's columns as the export's id maps name them.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+from safetensors.numpy import load_file
+from safetensors.numpy import save as safetensors_bytes
+
+from gr.data.mappings import IdMap, load_mappings, save_mappings
+from gr.export.format import (
+    ID_MAPS_DIR,
+    SPARSE_DIR,
+    SPARSE_INI,
+    TABLE_TENSOR,
+    TIMESTAMPS,
+    TOKENS,
+    ExportFormatError,
+    write_ini,
+)
+from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, load_item_store, write_item_store
+from gr.export.manifest import write_manifest
+from gr.export.popularity import POPULARITY, read_popularity, write_popularity
+from gr.export.reader import ExportManifest, check_export, open_export
+from gr.export.slice_graph import CANDIDATES_OPTIONAL
+from gr.jagged import JaggedRows
+from gr.utils.atomic import atomic_directory
+
+ITEMS_MAP = "items"
+
+
+class ItemsFileError(ValueError):
+    """A bad items file: the message names the file, the row or line, and the column."""
+
+
+def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator: str = "|") -> Dict[str, int]:
+    """Write ``out_dir``: the export ``export_dir`` with the items of ``items_file`` added (module
+    docstring) -> {"items_added", "unknown_values"} (feature values the vocabularies lacked)."""
+    export = open_export(export_dir)
+    store = load_item_store(export.root, export.graph, export.sparse)
+    if store is None or not store.features:
+        raise ValueError(
+            f"{export_dir}: its model reads no item feature, so every new item would score alike; retrain with "
+            "the new items instead"
+        )
+    maps, columns = load_mappings(str(export.root / ID_MAPS_DIR))
+    if ITEMS_MAP not in maps:
+        raise ValueError(f"{export_dir}: no raw item id map ({ID_MAPS_DIR}/{ITEMS_MAP}.tsv) to add raw ids to")
+    table = export.sparse.tables[export.sparse.features[ITEM_FEATURE].table]
+    frame = _read_items(items_file, store.features, columns, list_separator)
+    item_column = frame.pop(ITEM_FEATURE)
+    if isinstance(item_column, JaggedRows):
+        raise ItemsFileError(f"{items_file}: column {ITEM_FEATURE!r}: expected one id per row, got lists")
+    raw_ids = _new_ids(items_file, item_column, maps[ITEMS_MAP])
+    added, unknown = len(raw_ids), 0
+    features: Dict[str, Column] = {}
+    for name, stored in store.features.items():
+        values = frame[name]
+        if name in maps:  # categorical (one value, or a list): raw values -> ids, 0 when unknown
+            flat = values.values if isinstance(values, JaggedRows) else values
+            ids = maps[name].encode(flat.astype(maps[name].raw.dtype) if len(flat) else flat, unknown=0)
+            unknown += int((ids == 0).sum())
+            values = values.with_values(ids) if isinstance(values, JaggedRows) else ids
+        features[name] = _appended(stored, values)
+    with atomic_directory(out_dir) as tmp:
+        _copy_export(export, tmp)
+        maps[ITEMS_MAP] = maps[ITEMS_MAP].extended(raw_ids)
+        save_mappings(str(tmp / ID_MAPS_DIR), maps, columns)
+        weights = load_file(str(export.root / SPARSE_DIR / table.file))[TABLE_TENSOR]
+        grown = np.concatenate([weights, np.repeat(weights.mean(0, keepdims=True), added, axis=0)])
+        (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
+        sparse = replace(
+            export.sparse, tables={**export.sparse.tables, table.name: replace(table, rows=table.rows + added)}
+        )
+        write_ini(tmp / SPARSE_INI, sparse.to_sections(), header="gr sparse tables: one safetensors file per table")
+        graph_features, event_features = _token_features(export)
+        (tmp / ITEM_STORE).unlink()
+        write_item_store(tmp, features, graph_features, sparse, event_features)
+        popularity = read_popularity(export.root)
+        if popularity is not None:
+            (tmp / POPULARITY).unlink()
+            write_popularity(tmp, np.concatenate([popularity, np.zeros(added, dtype=np.int64)]), sparse)
+        write_manifest(tmp)
+        problems = check_export(tmp)
+        if problems:
+            raise ExportFormatError(problems)
+    return {"items_added": added, "unknown_values": unknown}
+
+
+def _copy_export(export: ExportManifest, target: Path) -> None:
+    """A copy of every file of ``export`` in the (empty) directory ``target``."""
+    for path in sorted(export.root.rglob("*")):
+        destination = target / path.relative_to(export.root)
+        if path.is_dir():
+            destination.mkdir(exist_ok=True)
+            continue
+        destination.write_bytes(path.read_bytes())
+
+
+def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:
+    """({token feature: dim} of the request schema, the features of the interaction)."""
+    dims: Dict[str, int] = {}
+    events: List[str] = []
+    for spec in export.graph.request:
+        if spec.name == TIMESTAMPS or spec.shape[0] != TOKENS:
+            continue
+        is_table = spec.name in export.sparse.features
+        dims[spec.name] = export.sparse.feature_dim(spec.name) if is_table else int(spec.shape[1])
+        if spec.candidates == CANDIDATES_OPTIONAL:
+            events.append(spec.name)
+    return dims, tuple(events)
+
+
+def _appended(stored: Column, new: Column) -> Column:
+    if isinstance(stored, JaggedRows) and isinstance(new, JaggedRows):
+        return JaggedRows.from_lengths(
+            np.concatenate([stored.lengths(), new.lengths()]), np.concatenate([stored.values, new.values])
+        )
+    return np.concatenate([np.asarray(stored), np.asarray(new).astype(np.asarray(stored).dtype)])
+
+
+def _new_ids(path: Path, raw: np.ndarray, items: IdMap) -> np.ndarray:
+    """The items file's raw ids, in the map's raw type, checked new and distinct."""
+    if items.raw.dtype.kind in "iu":
+        if not all(text.lstrip("-").isdigit() for text in raw.tolist()):
+            row = next(i for i, text in enumerate(raw.tolist()) if not text.lstrip("-").isdigit())
+            raise ItemsFileError(
+                f"{path}: row {row + 1}: column {ITEM_FEATURE!r}: expected an integer id, got {raw.tolist()[row]!r}"
+            )
+        raw = raw.astype(np.int64)
+    known = np.flatnonzero(items.encode(raw, unknown=-1) >= 0)
+    if len(known):
+        raise ItemsFileError(
+            f"{path}: row {known[0] + 1}: column {ITEM_FEATURE!r}: item {raw.tolist()[known[0]]!r} is already in "
+            "the export"
+        )
+    values, counts = np.unique(raw, return_counts=True)
+    if (counts > 1).any():
+        repeated = values[counts > 1][0]
+        rows = np.flatnonzero(raw == repeated)
+        raise ItemsFileError(
+            f"{path}: row {rows[1] + 1}: column {ITEM_FEATURE!r}: item {repeated.item()!r} repeats row {rows[0] + 1}"
+        )
+    return raw
+
+
+def _read_items(
+    path: Path, stored: Dict[str, Column], dense_columns: Dict[str, List[str]], list_separator: str
+) -> Dict[str, Column]:
+    """{"item_id": [n] str, feature: [n] str | JaggedRows of str | [n, d] float32} from the items file;
+    ``stored``: the item store's features (a JaggedRows one is list-valued)."""
+    table = _table(path)
+    wanted = {ITEM_FEATURE: [ITEM_FEATURE], **{f: dense_columns.get(f, [f]) for f in stored}}
+    every = [c for cs in wanted.values() for c in cs]
+    missing = [c for c in every if c not in table.column_names]
+    if missing:
+        raise ItemsFileError(f"{path}: lacks column(s) {missing}; an items file of this export has {every}")
+    out: Dict[str, Column] = {}
+    for name, names in wanted.items():
+        for column_name in names:
+            column = table[column_name]
+            if column.null_count:
+                row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+                raise ItemsFileError(f"{path}: row {row + 1}: column {column_name!r} is null")
+        if name in dense_columns:
+            out[name] = np.stack([_numbers(path, c, table[c]) for c in names], axis=1).astype(np.float32)
+        elif pa.types.is_list(table[name].type) or pa.types.is_large_list(table[name].type):
+            column = table[name]
+            lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+            values = pc.cast(pc.list_flatten(column), pa.string()).to_numpy(zero_copy_only=False).astype(str)
+            out[name] = JaggedRows.from_lengths(lengths, values)
+        else:
+            text = pc.cast(table[name], pa.string()).to_numpy(zero_copy_only=False).astype(str)
+            if isinstance(stored.get(name), JaggedRows):
+                parts = [cell.split(list_separator) if cell else [] for cell in text.tolist()]
+                values = np.asarray([v for p in parts for v in p], dtype=str)
+                out[name] = JaggedRows.from_lengths([len(p) for p in parts], values)
+            else:
+                out[name] = text
+    return out
+
+
+def _table(path: Path) -> pa.Table:
+    """The items file: Parquet, or CSV with a header (every column read as text)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such items file")
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_table(path)
+        with open(path, encoding="utf8", newline="") as f:
+            names = next(csv.reader(f), [])
+        convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False)
+        return pacsv.read_csv(path, convert_options=convert)
+    except (pa.ArrowInvalid, UnicodeDecodeError) as error:
+        raise ItemsFileError(
+            f"{path}: not a readable CSV or Parquet items file ({str(error).splitlines()[0]})"
+        ) from None
+
+
+def _numbers(path: Path, name: str, column: pa.ChunkedArray) -> np.ndarray:
+    """A dense feature's column -> [n] finite float64; the first bad value names its row."""
+    try:
+        values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        text = pc.cast(column, pa.string()).to_numpy(zero_copy_only=False).astype(str)
+        row = next(i for i, v in enumerate(text.tolist()) if not _is_number(v))
+        raise ItemsFileError(
+            f"{path}: row {row + 1}: column {name!r}: expected a number, got {text.tolist()[row]!r}"
+        ) from None
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        raise ItemsFileError(
+            f"{path}: row {bad[0] + 1}: column {name!r}: expected a finite number, got {values[bad[0]]}"
+        )
+    return values
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,166 @@
+"""``gr items add``: new items join an export without retraining. The new export extends the item
+id map (known items keep their rows and their scores), stores the new items' features (a
+categorical, a dense and a list-valued one), serves them by id alone (also after /admin/reload),
+and leaves the old export as it was; a bad items file is refused naming file, row and column."""
+
+import copy
+import csv
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gr.commands.items import main as items_main
+from gr.data.mappings import load_mappings
+from gr.export import export_model
+from gr.export.new_items import ItemsFileError, add_items
+from gr.export.reader import check_export
+from gr.export.writer import export_run
+from gr.serving import IdOptions, Ranker
+from gr.serving.http import create_app
+from gr.train.config import TrainConfig
+from gr.train.run import train
+from helpers.models import build_generative_model
+from helpers.runs import RANKING
+from helpers.servers import AppServer, write_item_map
+
+GENRES = ["drama", "comedy", "action"]
+COLUMNS = {
+    "item_features": ["brand", "genres"],
+    "item_dense": {"price": "price"},
+    "list_features": ["genres"],
+}
+TOKEN = "t0ken"
+
+
+def _item(item: int) -> dict:
+    return {"brand": f"b{item % 3}", "genres": "|".join(GENRES[: 1 + item % 3]), "price": float(item % 5)}
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """A tiny ranking run on 30 items with a brand, genres and a price, exported."""
+    root = tmp_path_factory.mktemp("items")
+    rng = np.random.default_rng(0)
+    with open(root / "events.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["user_id", "item_id", "timestamp", "brand", "genres", "price"])
+        for u in range(24):
+            for k in range(int(rng.integers(8, 14))):
+                item = int(rng.integers(0, 30))
+                writer.writerow([f"u{u}", item, 1000 + 60 * k, *_item(item).values()])
+    values = copy.deepcopy(RANKING)
+    values["data"].pop("synthetic")
+    values["data"].update(source="csv", path=str(root / "events.csv"), columns=COLUMNS, user_features=False)
+    values["model"]["tables"] = [
+        values["model"]["tables"][0],
+        {"name": "brand", "embedding_dim": 4, "features": ["brand"]},
+        {"name": "genre", "embedding_dim": 4, "features": ["genres"], "kind": "token_bag", "pooling": "mean"},
+    ]
+    values["trainer"]["max_epochs"] = 1
+    train(TrainConfig.from_dict(values), root / "run")
+    return export_run(root / "run", root / "export")
+
+
+def _items_csv(path: Path, items, **changes) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["item_id", "brand", "genres", "price"])
+        for item in items:
+            writer.writerow([item, *{**_item(item), **changes}.values()])
+    return path
+
+
+def _digest(directory: Path) -> str:
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+HISTORY = {"item_id": [3, 7, 11], "timestamps": [1000, 1060, 1120]}
+
+
+def test_new_items_are_served_by_id_with_their_features_and_known_items_score_as_before(export, tmp_path):
+    before = _digest(export)
+    summary = add_items(export, _items_csv(tmp_path / "new.csv", [100, 101, 102]), tmp_path / "grown")
+    assert summary == {"items_added": 3, "unknown_values": 0}
+    assert _digest(export) == before and check_export(tmp_path / "grown") == []
+    old_map = load_mappings(str(export / "sparse/id_maps"))[0]["items"]
+    new_map = load_mappings(str(tmp_path / "grown/sparse/id_maps"))[0]["items"]
+    assert new_map.raw.tolist() == [*old_map.raw.tolist(), 100, 101, 102]  # extended, not renumbered
+    old, grown = Ranker.load(export), Ranker.load(tmp_path / "grown")
+    raw = IdOptions("raw")
+    known = {"item_id": [5, 12]}
+    np.testing.assert_array_equal(
+        grown.rank("u", HISTORY, known, id_options=raw, use_cache=False).scores["watch"],
+        old.rank("u", HISTORY, known, id_options=raw, use_cache=False).scores["watch"],
+    )
+    by_id = grown.rank("u", HISTORY, {"item_id": [100, 101, 102]}, id_options=raw, use_cache=False)
+    written = {"item_id": [100, 101, 102], **{k: [] for k in ("brand", "genres", "price")}}
+    for item in (100, 101, 102):
+        values = _item(item)
+        written["brand"].append(values["brand"])
+        written["genres"].append(values["genres"].split("|"))
+        written["price"].append([values["price"]])
+    with_features = grown.rank("u", HISTORY, written, id_options=raw, use_cache=False)
+    np.testing.assert_allclose(by_id.scores["watch"], with_features.scores["watch"], rtol=0, atol=1e-6)
+    assert len(set(np.round(by_id.scores["watch"], 6))) == 3  # their features tell them apart
+
+
+def test_a_reload_serves_the_new_items(export, tmp_path):
+    add_items(export, _items_csv(tmp_path / "new.csv", [200]), tmp_path / "grown")
+    with AppServer(create_app(Ranker.load(export), admin_token=TOKEN)) as server:
+        server.wait_ready()
+        body = {"user_id": "u", "history": HISTORY, "candidates": {"item_id": [200]}, "ids": "raw"}
+        assert server.call("POST", "/v1/rank", body)[0] == 400  # unknown before the reload
+        auth = [("Authorization", f"Bearer {TOKEN}")]
+        status, answer = server.call("POST", "/admin/reload", {"export_dir": str(tmp_path / "grown")}, headers=auth)
+        assert status == 200, answer
+        status, answer = server.call("POST", "/v1/rank", body)
+        assert status == 200 and len(answer["scores"]["watch"]) == 1
+
+
+def test_the_command_reads_parquet_lists_and_counts_values_the_vocabularies_lack(export, tmp_path):
+    table = {"item_id": [300, 301], "brand": ["b1", "new-brand"], "genres": [["drama"], ["noir", "comedy"]]}
+    pq.write_table(pa.table({**table, "price": [1.0, 2.0]}), tmp_path / "new.parquet")
+    assert items_main([str(export), str(tmp_path / "new.parquet"), "--out", str(tmp_path / "grown")]) == 0
+    assert check_export(tmp_path / "grown") == []
+    assert add_items(export, tmp_path / "new.parquet", tmp_path / "again")["unknown_values"] == 2
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([[400, "b1", "drama", "cheap"]], r"new\.csv: row 1: column 'price': expected a number, got 'cheap'"),
+        ([[401, "b1", "drama", "inf"]], r"new\.csv: row 1: column 'price': expected a finite number"),
+        (
+            [[402, "b1", "drama", 1.0], [402, "b2", "", 2.0]],
+            r"new\.csv: row 2: column 'item_id': item 402 repeats row 1",
+        ),
+        ([[5, "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': item 5 is already in the export"),
+        ([["x9", "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': expected an integer id, got 'x9'"),
+    ],
+)
+def test_a_bad_items_file_is_refused_naming_file_row_and_column(export, tmp_path, rows, message):
+    with open(tmp_path / "new.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["item_id", "brand", "genres", "price"], *rows])
+    with pytest.raises(ItemsFileError, match=message):
+        add_items(export, tmp_path / "new.csv", tmp_path / "grown")
+    assert not (tmp_path / "grown").exists()
+
+
+def test_a_missing_feature_column_is_named(export, tmp_path):
+    (tmp_path / "new.csv").write_text("item_id,brand\n500,b1\n")
+    with pytest.raises(ItemsFileError, match=r"new\.csv: lacks column\(s\) \['genres', 'price'\]"):
+        add_items(export, tmp_path / "new.csv", tmp_path / "grown")
+
+
+def test_an_export_whose_model_reads_no_item_feature_is_refused(tmp_path):
+    plain = export_model(
+        build_generative_model(1, 0), tmp_path / "plain", id_mappings_dir=write_item_map(tmp_path / "maps", range(50))
+    )
+    (tmp_path / "new.csv").write_text("item_id\n900\n")
+    with pytest.raises(ValueError, match=r"its model reads no item feature, so every new item would score alike"):
+        add_items(plain, tmp_path / "new.csv", tmp_path / "grown")
