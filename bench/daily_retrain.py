@@ -1,7 +1,7 @@
 """A daily retrain on MovieLens-100K's real timestamps: warm start from yesterday's run against a cold run.
 
     python bench/daily_retrain.py [--seeds 0 1 2] [--data.path DIR]   (ML-100K: $GR_ML100K_DIR or data/ml-100k)
-    python bench/daily_retrain.py --smoke                              # 1 seed, 2 epochs: checks it runs
+    python bench/daily_retrain.py --smoke                              # 1 seed, 2 steps a run: checks it runs
 
 Day 0 = the events before the 80th percentile of all timestamps (p80), day 1 = those in [p80, p90),
 the test = the last 10%. Every run reads the whole file with ``data.split: time``, so the three are
@@ -72,7 +72,12 @@ def main(argv: List[str] | None = None) -> None:
     args, rest = smoke.parse_args(parser, {"seeds": [0]}, argv, known=True)
     overrides = [("data.path", str(smoke.ML_100K)), ("trainer.enable_progress_bar", "false")]
     if args.smoke:
-        overrides += [("trainer.max_epochs", "2"), ("trainer.early_stopping_patience", "0")]
+        overrides += [
+            ("trainer.max_epochs", "1"),
+            ("trainer.limit_train_batches", "2"),
+            ("data.max_seq_len", "50"),
+            ("model.hstu.max_seq_len", "50"),
+        ]
     overrides += parse_overrides(parser, rest)
     at = cuts(RECIPE, overrides)
     time_split = [("data.split", "time")]
