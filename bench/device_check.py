@@ -22,11 +22,12 @@ Steps, each a subprocess with ``GR_TEST_DEVICE=<device>`` whose output is kept i
   serving         tests/test_device_end_to_end.py: a run trained on the device, exported and served
                   on the device (ONNX Runtime's provider, the HSTU engine and its KV cache there),
                   reproducing the run's predictions with the cache.
-Steps run one after another within ``--budget`` seconds (default 480), each for ``--timeout``
-seconds at most; a step not started in time is reported as not run. Compiled kernels (Triton's
-cache) and autotuning results (``GR_TRITON_CACHE_DIR``) are kept in DIR/cache/ and shared by the
-steps. DIR/report.json and DIR/report.md hold each step's status, time and summary (a bench's
-last JSON line, the suite's counts), the device's name and the package versions. The last line
+``--only STEP[,STEP]`` runs those steps alone. Steps run one after another within ``--budget``
+seconds (default 480), each for ``--timeout`` seconds at most; a step not started in time is
+reported as not run. Compiled kernels (Triton's cache) and autotuning results
+(``GR_TRITON_CACHE_DIR``) are kept in DIR/cache/ and shared by the steps. DIR/report.json and
+DIR/report.md hold each step's status, time and summary (a bench's last JSON line, the suite's
+counts), the device's name and the package versions. The last line
 printed is one JSON object; the exit status is 1 when the device is unusable or a step did not pass.
 
 ``--train-step CONFIG`` runs one training-step measurement in this process (what the train_*
@@ -384,6 +385,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--budget", type=float, default=480.0, help="seconds for the whole check: a step gets what is left at most"
     )
+    parser.add_argument(
+        "--only", metavar="STEP[,STEP]", help="run these steps alone (e.g. serving, to rerun one that failed)"
+    )
     parser.add_argument("--train-step", metavar="RECIPE", help="only time this recipe's training step (JSON line)")
     parser.add_argument("--steps", type=int, default=10, help="--train-step: steps timed after the first")
     args = parser.parse_args(argv)
@@ -397,6 +401,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
 
     steps = plan(args.device, args.smoke, out)
+    if args.only:
+        names = args.only.split(",")
+        unknown = [n for n in names if n not in {s.name for s in steps}]
+        if unknown:
+            parser.error(f"--only: no step(s) {unknown}; this check's steps are {[s.name for s in steps]}")
+        steps = [s for s in steps if s.name in names]
     try:
         require_device(args.device, "--device")
         error, name = None, device_name(args.device)

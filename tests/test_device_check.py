@@ -75,12 +75,16 @@ def test_steps_past_the_time_budget_are_not_run_and_the_check_fails(tmp_path, ca
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ok"] is False
 
 
+ONLY = "conformance,attention,train"
+
+
 @pytest.mark.skipif(os.environ.get("GR_TEST_DEVICE", "cpu") != "cpu", reason="the smoke check here is the CPU one")
 def test_smoke_check_on_cpu_writes_the_report_and_one_json_line(tmp_path):
     out = tmp_path / "check"
     env = {k: v for k, v in os.environ.items() if k != "GR_TEST_DEVICE"}
     run = subprocess.run(
-        [sys.executable, "bench/device_check.py", "--device", "cpu", "--smoke", "--out", str(out)],
+        # serving is tests/test_device_end_to_end.py, which this suite runs itself
+        [sys.executable, "bench/device_check.py", "--device", "cpu", "--smoke", "--out", str(out), "--only", ONLY],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -112,11 +116,21 @@ def test_smoke_check_on_cpu_writes_the_report_and_one_json_line(tmp_path):
     assert train["status"] == "passed", train["note"]
     assert train["summary"]["sparse_backend"] == "torch" and train["summary"]["steps"] == 2
     assert train["summary"]["tokens_per_s"] > 0 and train["summary"]["first_step_s"] > 0
-    serving = steps["serving"]
-    assert serving["status"] == "passed", serving["note"]
-    assert serving["summary"]["tests"] == 2 and serving["summary"]["failures"] == 0
+    assert list(steps) == ONLY.split(",")  # --only: the serving step is left out
     assert run.returncode == 0 and report["ok"]
     markdown = (out / "report.md").read_text()
     assert markdown.startswith(f"# Device check: cpu ({report['device_name']})")
     for name, step in steps.items():
         assert f"| {name} | {step['status']} |" in markdown
+
+
+def test_only_names_an_unknown_step_and_lists_the_check_s_steps(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "bench/device_check.py", "--device", "cpu", "--smoke", "--out", str(tmp_path), "--only", "x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2
+    steps = "['conformance', 'attention', 'train', 'serving']"
+    assert f"--only: no step(s) ['x']; this check's steps are {steps}" in run.stderr
