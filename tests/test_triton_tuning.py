@@ -147,7 +147,9 @@ def _hammer(directory, index, rounds, results):
 
 
 def test_concurrent_writers_of_one_key_never_leave_a_torn_entry(tmp_path):
-    context = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork of a suite worker that runs other threads (torch's, a server's) can
+    # inherit a lock one of them held and hang
+    context = multiprocessing.get_context("spawn")
     results = context.Queue()
     workers = [context.Process(target=_hammer, args=(tmp_path, i, 60, results)) for i in range(3)]
     for worker in workers:
