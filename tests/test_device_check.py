@@ -75,7 +75,7 @@ def test_steps_past_the_time_budget_are_not_run_and_the_check_fails(tmp_path, ca
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ok"] is False
 
 
-ONLY = "conformance,attention,train"
+ONLY = "conformance,train"  # attention is bench/attention.py --smoke, which tests/test_benches.py runs
 
 
 @pytest.mark.skipif(os.environ.get("GR_TEST_DEVICE", "cpu") != "cpu", reason="the smoke check here is the CPU one")
@@ -109,14 +109,11 @@ def test_smoke_check_on_cpu_writes_the_report_and_one_json_line(tmp_path):
     conformance = steps["conformance"]
     assert conformance["status"] == "passed", conformance["note"]
     assert conformance["summary"]["tests"] > 0 and conformance["summary"]["failures"] == 0
-    attention = steps["attention"]
-    assert attention["status"] == "passed", attention["note"]
-    assert attention["summary"]["device"] == "cpu" and attention["summary"]["max_relative_error"] < 1e-4
     train = steps["train"]
     assert train["status"] == "passed", train["note"]
     assert train["summary"]["sparse_backend"] == "torch" and train["summary"]["steps"] == 2
     assert train["summary"]["tokens_per_s"] > 0 and train["summary"]["first_step_s"] > 0
-    assert list(steps) == ONLY.split(",")  # --only: the serving step is left out
+    assert list(steps) == ONLY.split(",")  # --only: the other steps are left out
     assert run.returncode == 0 and report["ok"]
     markdown = (out / "report.md").read_text()
     assert markdown.startswith(f"# Device check: cpu ({report['device_name']})")
