@@ -21,6 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOT_BENCHMARKS = {"smoke.py", "_peak.py"}  # modules the benchmarks import
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
+# Run by tests/test_training_benches.py: a second module, so the suite's two workers share the smoke runs.
+TRAINING_BENCHES = {"train_step", "ab_steps", "memory", "train_dedup", "bench_data"}
 
 
 @dataclass(frozen=True)
@@ -206,15 +208,23 @@ def test_every_benchmark_has_a_smoke_entry():
     assert on_disk == {b.path for b in BENCHES}
 
 
-@pytest.mark.parametrize(
-    "bench",
-    [
+def smoke_params(training: bool) -> list:
+    """One pytest param per benchmark of the group (``TRAINING_BENCHES`` or the others) that no
+    other test module covers."""
+    return [
         pytest.param(b, id=Path(b.path).stem, marks=[pytest.mark.xfail(reason=b.xfail, strict=True)] if b.xfail else [])
         for b in BENCHES
-        if not b.covered_by
-    ],
-)
-def test_benchmark_smoke_run_ends_with_its_promised_json(bench, tmp_path):
+        if not b.covered_by and (Path(b.path).stem in TRAINING_BENCHES) == training
+    ]
+
+
+@pytest.mark.parametrize("bench", smoke_params(training=False))
+def test_benchmark_smoke_run_ends_with_its_promised_json(bench):
+    check_smoke_run(bench)
+
+
+def check_smoke_run(bench: Bench) -> None:
+    """Run ``bench`` at its ``--smoke`` size; its last stdout line is a JSON object with its keys."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
