@@ -23,6 +23,12 @@ from helpers.movielens import ml_100k_missing, ml_100k_path  # noqa: E402
 # for a fast inner loop (README); ``make test`` runs everything.
 SLOW_MODULES = {
     "test_benches.py",
+    "test_benches_training.py",
+    "test_daily_retrain_bench.py",
+    "test_list_features.py",
+    "test_new_items.py",
+    "test_serving_operations.py",
+    "test_warm_start.py",
     "test_cli_errors.py",
     "test_console.py",
     "test_custom_project.py",
