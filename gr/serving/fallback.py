@@ -11,11 +11,33 @@ item's is finite. A generated slate never repeats an item. No model pass runs an
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Callable, List, Protocol, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 POPULARITY = "popularity"  # the fallback's name in answers and in the gr_fallback_total metric
+
+
+class _Prepared(Protocol):
+    @property
+    def history(self) -> Any: ...
+
+
+PreparedT = TypeVar("PreparedT", bound=_Prepared)
+ResultT = TypeVar("ResultT")
+
+
+def cold_apart(
+    prepared: Sequence[PreparedT],
+    modelled: Callable[[List[PreparedT]], List[ResultT]],
+    popular: Callable[[PreparedT], ResultT],
+) -> List[ResultT]:
+    """Answers to ``prepared`` in order: ``popular(p)`` for each request with an empty history, the
+    others' from one ``modelled`` call over them all."""
+    if all(p.history.length for p in prepared):
+        return modelled(list(prepared))
+    answers = iter(modelled([p for p in prepared if p.history.length]))
+    return [next(answers) if p.history.length else popular(p) for p in prepared]
 
 
 def most_popular(counts: np.ndarray, excluded: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -35,7 +35,7 @@ from gr.generation.speculative_retrieval import (
 from gr.serving import encode
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
-from gr.serving.fallback import POPULARITY, log_probabilities, most_popular
+from gr.serving.fallback import POPULARITY, cold_apart, log_probabilities, most_popular
 from gr.serving.history import EncodedHistory, History, last_token_state
 from gr.serving.request import GenerateRequest, check_request_time, check_sampling
 from gr.serving.user_cache import UserCache
@@ -162,14 +162,15 @@ def run(cache: UserCache, prepared: Sequence[PreparedGenerate]) -> List[Generate
     """Generate for prepared requests: their histories encoded together through the user cache
     (``gr.serving.encode``), then each request decoded on its own; requests with an empty history get
     the popularity fallback (``gr.serving.fallback``)."""
-    if any(p.history.length == 0 for p in prepared):
-        modelled = iter(run(cache, [p for p in prepared if p.history.length]))
-        return [_popular(p) if p.history.length == 0 else next(modelled) for p in prepared]
+    return cold_apart(prepared, lambda modelled: _run_modelled(cache, modelled), _popular)
+
+
+def _run_modelled(cache: UserCache, prepared: List[PreparedGenerate]) -> List[GenerateResult]:
     if not prepared:
         return []
     model = prepared[0].history.model
     if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
-        return [run(cache, [p])[0] for p in prepared]
+        return [_run_modelled(cache, [p])[0] for p in prepared]
     encoded = encode.encode(cache, [p.history for p in prepared])
     return [decode(p, e) for p, e in zip(prepared, encoded)]
 

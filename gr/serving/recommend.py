@@ -17,7 +17,7 @@ from gr.export.format import TIMESTAMPS
 from gr.serving import encode
 from gr.serving.catalogue import QUERY
 from gr.serving.errors import RequestError
-from gr.serving.fallback import POPULARITY, most_popular
+from gr.serving.fallback import POPULARITY, cold_apart, most_popular
 from gr.serving.history import History, check_span, truncation_warnings
 from gr.serving.model import check_finite
 from gr.serving.request import RecommendRequest, check_request_time
@@ -91,14 +91,15 @@ def prepare(h: History, request: RecommendRequest) -> PreparedRecommend:
 def run(cache: UserCache, prepared: Sequence[PreparedRecommend]) -> List[RecommendResult]:
     """Recommend for prepared requests as one batch; a batch that raced a reload goes one by one;
     requests with an empty history get the popularity fallback (``gr.serving.fallback``)."""
-    if any(p.history.length == 0 for p in prepared):
-        modelled = iter(run(cache, [p for p in prepared if p.history.length]))
-        return [_popular(p) if p.history.length == 0 else next(modelled) for p in prepared]
+    return cold_apart(prepared, lambda modelled: _run_modelled(cache, modelled), _popular)
+
+
+def _run_modelled(cache: UserCache, prepared: List[PreparedRecommend]) -> List[RecommendResult]:
     if not prepared:
         return []
     model = prepared[0].history.model
     if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
-        return [run(cache, [p])[0] for p in prepared]
+        return [_run_modelled(cache, [p])[0] for p in prepared]
     index = model.catalogue().index
     encoded = encode.encode(cache, [p.history for p in prepared])
     queries = encode.queries(encoded, [p.request_time for p in prepared])  # [B, d]
