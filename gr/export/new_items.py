@@ -22,6 +22,7 @@ by name: a categorical value, a list of them (a Parquet list, or in CSV one cell
 from __future__ import annotations
 
 import csv
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -38,12 +39,10 @@ from gr.data.mappings import IdMap, load_mappings, save_mappings
 from gr.export.format import (
     ID_MAPS_DIR,
     SPARSE_DIR,
-    SPARSE_INI,
     TABLE_TENSOR,
     TIMESTAMPS,
     TOKENS,
     ExportFormatError,
-    write_ini,
 )
 from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, load_item_store, write_item_store
 from gr.export.manifest import write_manifest
@@ -90,7 +89,7 @@ def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator:
             values = values.with_values(ids) if isinstance(values, JaggedRows) else ids
         features[name] = _appended(stored, values)
     with atomic_directory(out_dir) as tmp:
-        _copy_export(export, tmp)
+        shutil.copytree(export.root, tmp, dirs_exist_ok=True)
         maps[ITEMS_MAP] = maps[ITEMS_MAP].extended(raw_ids)
         save_mappings(str(tmp / ID_MAPS_DIR), maps, columns)
         weights = load_file(str(export.root / SPARSE_DIR / table.file))[TABLE_TENSOR]
@@ -99,7 +98,7 @@ def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator:
         sparse = replace(
             export.sparse, tables={**export.sparse.tables, table.name: replace(table, rows=table.rows + added)}
         )
-        write_ini(tmp / SPARSE_INI, sparse.to_sections(), header="gr sparse tables: one safetensors file per table")
+        sparse.write(tmp)
         graph_features, event_features = _token_features(export)
         (tmp / ITEM_STORE).unlink()
         write_item_store(tmp, features, graph_features, sparse, event_features)
@@ -112,16 +111,6 @@ def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator:
         if problems:
             raise ExportFormatError(problems)
     return {"items_added": added, "unknown_values": unknown}
-
-
-def _copy_export(export: ExportManifest, target: Path) -> None:
-    """A copy of every file of ``export`` in the (empty) directory ``target``."""
-    for path in sorted(export.root.rglob("*")):
-        destination = target / path.relative_to(export.root)
-        if path.is_dir():
-            destination.mkdir(exist_ok=True)
-            continue
-        destination.write_bytes(path.read_bytes())
 
 
 def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:

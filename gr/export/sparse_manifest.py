@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import configparser
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional
 
-from gr.export.format import SPARSE_INI, Problem
+from gr.export.format import SPARSE_INI, Problem, write_ini
 
 FEATURE_KINDS = ("sequence", "common", "token_bag")
 POOLINGS = {"sequence": ("none",), "common": ("sum", "mean"), "token_bag": ("sum", "mean")}
@@ -48,6 +49,10 @@ class SparseManifest:
 
     def feature_dim(self, feature: str) -> int:
         return self.tables[self.features[feature].table].dim
+
+    def write(self, root: Path) -> None:
+        """Write ``root/sparse/sparse.ini``."""
+        write_ini(root / SPARSE_INI, self.to_sections(), header="gr sparse tables: one safetensors file per table")
 
     def to_sections(self) -> Dict[str, Dict[str, str]]:
         sections: Dict[str, Dict[str, str]] = {}

@@ -242,7 +242,7 @@ def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, 
             mapping = next((mapping_files[n] for n in names if n in mapping_files), None)
             features[feature] = FeatureEntry(feature, table.name, table.kind, pooling, mapping)
     manifest = SparseManifest(tables, features)
-    write_ini(root / SPARSE_INI, manifest.to_sections(), header="gr sparse tables: one safetensors file per table")
+    manifest.write(root)
     return manifest
 
 
