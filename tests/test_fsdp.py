@@ -1,7 +1,8 @@
 """The HSTU stack sharded with FSDP2 next to TorchRec's sharded tables, on 2 CPU ranks (gloo).
 
 One torchrun launch trains two runs of the same tiny recipe: FSDP2 for 2 epochs, and FSDP2
-for 1 epoch resumed to 2. One-rank runs in this process (FSDP2, and the replicated dense
+for 1 epoch resumed to 2; then a warm start from the first on data with more items (both ranks'
+table shards and optimizer state filled from the run). One-rank runs in this process (FSDP2, and the replicated dense
 model) are the references for the loss curve."""
 
 import json
@@ -19,22 +20,33 @@ from gr.train import train
 from gr.train.checkpoint import read_meta
 from gr.train.config import TrainConfig
 from gr.train.memory import plan_from_config
+from gr.train.run import _warm_start
 from helpers.runs import RECIPE, epoch_losses, evaluate_loaded, recipe, step_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = RECIPE["trainer"]["max_epochs"]
 FSDP2 = ("distributed.dense_sharding", "fsdp2")
+# One step with learning rates too small to move a weight by 1e-9: what the warm run holds is what it loaded.
+WARM = (
+    FSDP2,
+    ("data.synthetic.num_items", RECIPE["data"]["synthetic"]["num_items"] + 40),
+    ("trainer.max_epochs", 1),
+    ("trainer.limit_train_batches", 1),
+    ("optimizer.lr", 1e-12),
+    ("sparse.optimizer.lr", 1e-12),
+)
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """{"fsdp", "resumed"}: run directories of the 2-rank runs."""
+    """{"fsdp", "resumed", "warm"}: run directories of the 2-rank runs."""
     root = tmp_path_factory.mktemp("fsdp")
-    outs = {name: root / name for name in ("fsdp", "resumed")}
+    outs = {name: root / name for name in ("fsdp", "resumed", "warm")}
     runs = [
         {"config": recipe(FSDP2), "out": str(outs["fsdp"])},
         {"config": recipe(FSDP2, ("trainer.max_epochs", EPOCHS - 1)), "out": str(outs["resumed"])},
         {"config": recipe(FSDP2), "out": str(outs["resumed"]), "resume": True},
+        {"config": recipe(*WARM, ("trainer.init_from", str(outs["fsdp"]))), "out": str(outs["warm"])},
     ]
     (root / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
@@ -130,3 +142,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_two_rank_warm_start_fills_both_ranks_table_shards_and_their_optimizer_state(two_rank_runs):
+    """The warm run's item table grew (new ids appended to the run's map); its first rows and
+    their RowWiseAdagrad sums are the run's, loaded into both ranks' shards."""
+    old, warm = (
+        _warm_start(TrainConfig.from_dict(recipe(*WARM, ("trainer.init_from", str(two_rank_runs[name])))))
+        for name in ("fsdp", "warm")
+    )
+    old_items, items = old.maps["items"].raw, warm.maps["items"].raw
+    assert len(items) > len(old_items) and items[: len(old_items)].tolist() == old_items.tolist()
+    (table,) = [k for k in old.model.state_dict() if k.endswith("embeddings.item.weight")]
+    before, after = old.model.state_dict()[table], warm.model.state_dict()[table]
+    assert after.shape[0] == len(items)
+    torch.testing.assert_close(after[: len(old_items)], before, rtol=0, atol=1e-9)
+    (sums,) = [k for k in old.table_optimizer_state["state"][table] if k.endswith("momentum1")]
+    sums_before, sums_after = (run.table_optimizer_state["state"][table][sums] for run in (old, warm))
+    assert sums_before.abs().sum() > 0
+    # carried, then one step added squared gradients: never below the run's, above it where the step touched
+    assert (sums_after[: len(old_items)] >= sums_before).all()
+    assert (sums_after[: len(old_items)] > sums_before).any()
