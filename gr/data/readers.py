@@ -520,16 +520,7 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
         Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
     )
     categorical = columns.categorical_columns()
-    layout = {
-        columns.user: "str",
-        columns.item: "str",
-        columns.timestamp: "time",
-        **({columns.rating: "float"} if columns.rating else {}),
-        **{c: "float" for c in columns.dense_columns()},
-        # categorical columns as text (a rating that is also a categorical feature too; lists split below)
-        **{c: "list" if c in columns.list_features else "str" for c in categorical},
-    }
-    values = read_delimited(file, list(layout.items()), columns.delimiter, header="select", quoted=True)
+    values = read_delimited(file, table_csv_layout(columns), columns.delimiter, header="select", quoted=True)
 
     def bad_id(name: str, row: int, message: str) -> DataFormatError:
         return table_csv_error(file, columns.delimiter, name, row, message)
@@ -541,6 +532,20 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
         c: split_lists(values[c], columns.list_separator, functools.partial(bad_id, c)) for c in columns.list_features
     }
     return _table_interactions(file, values, lists, columns, bad_id, ratings)
+
+
+def table_csv_layout(columns: ColumnConfig) -> List[Tuple[str, str]]:
+    """The (column, kind) pairs ``read_table_csv`` reads (``read_delimited``'s kinds), each column once."""
+    layout = {
+        columns.user: "str",
+        columns.item: "str",
+        columns.timestamp: "time",
+        **({columns.rating: "float"} if columns.rating else {}),
+        **{c: "float" for c in columns.dense_columns()},
+        # categorical columns as text (a rating that is also a categorical feature too; lists split below)
+        **{c: "list" if c in columns.list_features else "str" for c in columns.categorical_columns()},
+    }
+    return list(layout.items())
 
 
 def not_a_number(text: str) -> str:
@@ -581,18 +586,55 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     list features: list<string> or list<int> columns, and only they are lists). Errors name the
     row counted from 1, as CSV errors name lines and ``gr predict`` names rows."""
     file = _require_file(Path(path), "Parquet file")
+    wanted, numeric = table_parquet_columns(columns)
+    read_table_parquet_schema(file, columns)
     try:
-        schema = pq.read_schema(file)
-        numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *columns.dense_columns()]
-        wanted = list(dict.fromkeys([columns.user, columns.item, *numeric, *columns.categorical_columns()]))
-        missing = [c for c in wanted if c not in schema.names]
-        if missing:
-            raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
         table = pq.read_table(file, columns=wanted)
     except (pa.ArrowInvalid, OSError) as error:
         raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
     if table.num_rows == 0:
         raise DataFormatError(file, "no data rows (empty dataset)")
+    values, lists, ratings = _parquet_values(file, table, columns)
+
+    def bad_id(name: str, row: int, message: str) -> DataFormatError:
+        return table_parquet_error(file, name, row, message)
+
+    return _table_interactions(file, values, lists, columns, bad_id, ratings)
+
+
+def table_parquet_columns(columns: ColumnConfig) -> Tuple[List[str], List[str]]:
+    """(every column ``read_table_parquet`` reads, each once; the numeric ones among them)."""
+    numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *columns.dense_columns()]
+    wanted = list(dict.fromkeys([columns.user, columns.item, *numeric, *columns.categorical_columns()]))
+    return wanted, numeric
+
+
+def read_table_parquet_schema(file: Path, columns: ColumnConfig) -> pa.Schema:
+    """The schema of a table Parquet file (its footer only); an unreadable file, or one lacking a
+    column ``columns`` names, raises DataFormatError."""
+    wanted, _ = table_parquet_columns(columns)
+    try:
+        schema = pq.read_schema(file)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
+    missing = [c for c in wanted if c not in schema.names]
+    if missing:
+        raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
+    return schema
+
+
+def check_table_parquet_types(file: Path, schema: pa.Schema, columns: ColumnConfig) -> None:
+    """Refuse, as ``read_table_parquet`` does, a column whose type cannot hold what ``columns``
+    declares it to be (checked on no rows: the values are another engine's to check)."""
+    wanted, _ = table_parquet_columns(columns)
+    _parquet_values(file, schema.empty_table().select(wanted), columns)
+
+
+def _parquet_values(
+    file: Path, table: pa.Table, columns: ColumnConfig
+) -> Tuple[Dict[str, np.ndarray], Dict[str, JaggedRows], Optional[np.ndarray]]:
+    """(values, lists, ratings) of ``_table_interactions`` from the columns ``table_parquet_columns`` names."""
+    wanted, numeric = table_parquet_columns(columns)
     values: Dict[str, np.ndarray] = {}
     categorical = columns.categorical_columns()
     lists: Dict[str, JaggedRows] = {}
@@ -610,11 +652,7 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     ratings = None
     if columns.rating in categorical:  # also a categorical feature: its text above, its numbers here
         ratings = _parquet_column(file, columns.rating, table[columns.rating], numeric=True)
-
-    def bad_id(name: str, row: int, message: str) -> DataFormatError:
-        return table_parquet_error(file, name, row, message)
-
-    return _table_interactions(file, values, lists, columns, bad_id, ratings)
+    return values, lists, ratings
 
 
 def _is_list(kind: pa.DataType) -> bool:
