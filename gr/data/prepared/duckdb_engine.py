@@ -232,12 +232,14 @@ class _Preparation:
                 shortest,
             )
         con.execute(
-            f"CREATE TABLE users AS SELECT u, row_number() OVER (ORDER BY u) - 1 AS uid FROM user_counts WHERE n >= {shortest}"
+            "CREATE TABLE users AS SELECT u, row_number() OVER (ORDER BY u) - 1 AS uid "
+            f"FROM user_counts WHERE n >= {shortest}"
         )
         if self.count("SELECT count(*) FROM users") == 0:
             raise DataFormatError(
                 source.source,
-                f"no user has at least {shortest} interactions (data.min_seq_len): the dataset is empty after filtering",
+                f"no user has at least {shortest} interactions (data.min_seq_len): "
+                "the dataset is empty after filtering",
             )
         con.execute(
             "CREATE TABLE items AS SELECT i, row_number() OVER (ORDER BY i) - 1 AS iid "
