@@ -465,3 +465,88 @@ def test_shards_hold_row_groups_of_at_most_1024_users_in_user_order(tmp_path):
         (2100, 400, 1200, 1),
     ]
     assert_prepared_equals_raw(tmp_path / "prepared", config)
+
+
+def write_source(root: Path, source: str) -> Path:
+    """A few users' ratings in the built-in ``source``'s format (with its side files); -> data.path."""
+    rng = np.random.default_rng(4)
+    events = [
+        (u, int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.integers(0, 5)))
+        for u in range(1, 7)
+        for _ in range(5)
+    ]
+    root.mkdir()
+    if source == "ml-1m":
+        (root / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in events))
+        genres = ["Drama", "Comedy|Drama", "Animation|Children's"]
+        movies = "".join(f"{i}::Movie {i} (1999)::{genres[i % 3]}\n" for i in range(1, 9))
+        (root / "movies.dat").write_bytes(movies.replace("Movie 3", "Café").encode("latin-1"))
+        (root / "users.dat").write_text(
+            "".join(f"{u}::{'FM'[u % 2]}::{18 + u}::{u % 4}::0000{u}\n" for u in range(1, 7))
+        )
+        return root
+    if source == "ml-20m":
+        (root / "ratings.csv").write_text(
+            "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r - 0.5},{t}\n" for u, i, r, t in events)
+        )
+        movies = "".join(
+            f'{i},"Movie, {i} (1999)",{"Drama|Comedy" if i % 2 else "(no genres listed)"}\n' for i in range(1, 9)
+        )
+        (root / "movies.csv").write_text("movieId,title,genres\n" + movies)
+        return root
+    path = root / "ratings_Books.csv"
+    path.write_text("".join(f"A{u:03d},{i:010d},{r}.0,{t}\n" for u, i, r, t in events))
+    return path
+
+
+@pytest.mark.parametrize("source,genres", [("ml-1m", "multi_hot"), ("ml-20m", "list"), ("amazon", "multi_hot")])
+def test_built_in_sources_prepare_to_what_their_readers_give(tmp_path, source, genres):
+    path = write_source(tmp_path / "raw", source)
+    settings = {"genres": genres} if source != "amazon" else {}
+    config = DataConfig.from_dict({"source": source, "path": str(path), **settings})
+    prepare_with_duckdb(config, tmp_path / "prepared", threads=1)
+    assert_prepared_equals_raw(tmp_path / "prepared", config)
+
+
+def test_parquet_timestamp_types_and_unsigned_ids_prepare_to_what_the_reader_gives(tmp_path):
+    seconds = np.array([-3, -3, 0, 5, 5, 9, 1, 2, 2, 7], dtype=np.int64)
+    table = pa.table(
+        {
+            "user_id": pa.array([1, 1, 1, 1, 2, 2, 2, 2, 2, 1], pa.uint64()),
+            "item_id": pa.array(["b", "a", "c", "a", "b", "c", "a", "d", "d", "e"]),
+            "timestamp": pa.array(seconds * 1_000_000_000 + 999_999_999, pa.timestamp("ns")),
+            "ms": pa.array(seconds * 1000 - 1, pa.timestamp("ms")),
+            "float": pa.array(seconds + 0.5),
+        }
+    )
+    pq.write_table(table, tmp_path / "e.parquet")
+    for column in ("timestamp", "ms", "float"):
+        config = DataConfig.from_dict(
+            {"source": "parquet", "path": str(tmp_path / "e.parquet"), "columns": {"timestamp": column}}
+        )
+        prepare_with_duckdb(config, tmp_path / column)
+        assert_prepared_equals_raw(tmp_path / column, config)
+
+
+@pytest.mark.parametrize(
+    "column,values",
+    [
+        ("item_id", pa.array([1, None, 3, 4])),
+        ("rating", pa.array([1.0, 2.0, float("nan"), 4.0])),
+        ("user_id", pa.array([1, 2, 2**63, 4], pa.uint64())),
+        ("timestamp", pa.array([1.0, 2.0, 3.0, 1e19])),
+    ],
+)
+def test_bad_parquet_values_are_refused_with_the_readers_row(tmp_path, column, values):
+    columns = {"user_id": pa.array([1, 2, 2, 4]), "item_id": pa.array([1, 2, 3, 4])}
+    columns.update({"timestamp": pa.array([1, 2, 3, 4]), "rating": pa.array([1.0, 2.0, 3.0, 4.0])})
+    columns[column] = values
+    pq.write_table(pa.table(columns), tmp_path / "e.parquet")
+    config = DataConfig.from_dict(
+        {"source": "parquet", "path": str(tmp_path / "e.parquet"), "columns": {"rating": "rating"}}
+    )
+    with pytest.raises(DataFormatError) as expected:
+        read_source(config)
+    with pytest.raises(DataFormatError) as got:
+        prepare_with_duckdb(config, tmp_path / "prepared")
+    assert str(got.value) == str(expected.value) and "row " in str(got.value)
