@@ -61,6 +61,7 @@ from gr.data.prepared.manifest import (
     USER,
     USERS_TABLE,
     PreparedManifest,
+    ShardEntry,
     config_data,
     config_hash,
     describe_shard,
@@ -313,7 +314,7 @@ class _Preparation:
                 vocabularies[feature.name] = IdMap(_raw_ids(self.con, query), offset=1)
         return vocabularies
 
-    def _shards(self, source: SourceTable, num_users: int, users_per_shard: int) -> list:
+    def _shards(self, source: SourceTable, num_users: int, users_per_shard: int) -> List[ShardEntry]:
         """Write every shard (``users_per_shard`` consecutive users each) -> their manifest entries."""
         self.con.execute("SET preserve_insertion_order = true")  # streamed in ORDER BY uid
         schema = _shard_schema(source)
