@@ -9,27 +9,26 @@ the export directory.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path, PurePosixPath
 from typing import Dict, List, Optional
 
 from gr.export.format import Problem
 from gr.utils.atomic import write_text
+from gr.utils.checksums import file_sha256
 
 MANIFEST = "MANIFEST"
 LINKED = "a symbolic link: an export holds plain files only"
-_CHUNK = 1 << 20
 
 
 def write_manifest(root: Path) -> None:
     """Hash every file under ``root`` (the manifest itself excepted) into ``root/MANIFEST``."""
-    lines = [f"{_sha256(path)}  {rel}" for rel, path in sorted(_files(root).items())]
+    lines = [f"{file_sha256(path)}  {rel}" for rel, path in sorted(_files(root).items())]
     write_text(root / MANIFEST, "".join(line + "\n" for line in lines))
 
 
 def manifest_digest(root: Path) -> str:
     """The first 12 hex digits of the MANIFEST's sha256: the export's identity (its model version in logs)."""
-    return _sha256(root / MANIFEST)[:12]
+    return file_sha256(root / MANIFEST)[:12]
 
 
 def check_manifest(root: Path, problems: List[Problem]) -> bool:
@@ -68,7 +67,7 @@ def check_manifest(root: Path, problems: List[Problem]) -> bool:
             continue
         if rel not in on_disk:
             problems.append(Problem(rel, "-", f"file is missing ({MANIFEST} lists it)"))
-        elif _sha256(on_disk[rel]) != digest:
+        elif file_sha256(on_disk[rel]) != digest:
             problems.append(Problem(rel, "-", f"sha256 differs from {MANIFEST}: the file was changed after export"))
     for rel in sorted(set(on_disk) - set(listed)):
         problems.append(Problem(rel, "-", f"file is not in {MANIFEST}: added after export"))
@@ -96,11 +95,3 @@ def _files(root: Path) -> Dict[str, Path]:
         for p in root.rglob("*")
         if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() != MANIFEST
     }
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -1,0 +1,358 @@
+"""The prepared dataset format (version 1): where each file lies, ``manifest.json``, and its checks.
+
+A prepared dataset DIR (``gr data prepare`` writes it with an engine; training streams it)::
+
+    DIR/manifest.json                written last: format, version, engine, the data config and its
+                                     hash, summary counts, the shards, the sha256 of every other file
+    DIR/maps/                        ``gr.data.mappings.save_mappings``: users, items, vocabularies
+    DIR/items.parquet                the item side table: "key" (raw item id) + one column per feature
+    DIR/users.parquet                the user side table, the same way (each absent when there is none)
+    DIR/shards/part-00000.parquet    one row per user: user, items, timestamps[, ratings][, event:<F>],
+                                     sorted by dense user id; shard k holds a contiguous range of users;
+                                     row groups of at most ``ROW_GROUP_USERS`` users
+
+The writer calls ``describe_shard`` per shard, ``file_checksums`` for the rest and ``write_manifest``
+last; the reader calls ``read_manifest``, then ``verify_file`` (or ``verify_digest`` with a digest it
+computed while reading) and ``check_shard_order`` for each shard it opens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from gr.data.config import DataConfig
+from gr.data.interactions import DataFormatError
+from gr.data.mappings import IdMap
+from gr.utils.atomic import write_json
+from gr.utils.checksums import file_sha256
+
+FORMAT = "gr-prepared"
+VERSION = 1
+MANIFEST = "manifest.json"
+MAPS = "maps"
+SHARDS = "shards"
+ITEMS_TABLE = "items.parquet"
+USERS_TABLE = "users.parquet"
+SIDE_KEY = "key"  # the raw id column of items.parquet / users.parquet
+ROW_GROUP_USERS = 1024
+DEFAULT_USERS_PER_SHARD = 16 * ROW_GROUP_USERS
+USER, ITEMS, TIMESTAMPS, RATINGS = "user", "items", "timestamps", "ratings"
+EVENT_PREFIX = "event:"
+EVENT_KINDS = ("categorical", "list", "dense")
+ENGINES = ("duckdb", "spark")
+# The data-config keys that change what is prepared (not path, splits, batching, seeds, ...).
+PREPARED_KEYS = (
+    "source",
+    "columns",
+    "min_seq_len",
+    "min_item_interactions",
+    "keep_duplicates",
+    "genres",
+    "item_features",
+    "user_features",
+)
+SUMMARY_KEYS = ("source", "rows_read", "duplicates_dropped", "duplicates_kept", "users", "items", "interactions")
+PathLike = Union[str, Path]
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard: ``path`` (relative to DIR) holds dense users ``first_user .. first_user+users-1``."""
+
+    path: str
+    first_user: int
+    users: int
+    interactions: int
+    row_groups: int
+    sha256: str
+
+
+@dataclass
+class PreparedManifest:
+    """A prepared dataset's ``manifest.json`` (the module docstring lists its files).
+
+    directory: DIR; data: ``DataConfig.to_dict()`` of the preparing config; summary: the
+    ``SUMMARY_KEYS`` counts (as ``SequenceDataModule.summary``); event_features: {name: one of
+    ``EVENT_KINDS``} of the shards' ``event:<name>`` columns; files: {relative path: sha256} of
+    every file but the manifest and the shards.
+    """
+
+    directory: Path
+    engine: str
+    engine_version: str
+    config_hash: str
+    data: Dict[str, Any]
+    summary: Dict[str, Any]
+    has_ratings: bool
+    event_features: Dict[str, str] = field(default_factory=dict)
+    shards: List[ShardEntry] = field(default_factory=list)
+    files: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_users(self) -> int:
+        return sum(shard.users for shard in self.shards)
+
+    def path(self, relpath: str) -> Path:
+        """The file ``relpath`` (a path the manifest lists) inside DIR."""
+        return self.directory / relpath
+
+    def data_config(self) -> DataConfig:
+        """The preparing config's ``data`` section."""
+        return DataConfig.from_dict(self.data)
+
+    def checksum(self, relpath: str) -> str:
+        """The sha256 the manifest lists for ``relpath`` (a shard or another file)."""
+        listed = {**self.files, **{shard.path: shard.sha256 for shard in self.shards}}
+        if relpath not in listed:
+            raise ValueError(f"{self.directory / MANIFEST}: lists no file {relpath!r}")
+        return listed[relpath]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON object of ``manifest.json``."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "config_hash": self.config_hash,
+            "data": self.data,
+            "summary": self.summary,
+            "has_ratings": self.has_ratings,
+            "event_features": self.event_features,
+            "shards": [vars(shard) for shard in self.shards],
+            "files": self.files,
+        }
+
+
+def config_data(config: DataConfig) -> Dict[str, Any]:
+    """``config.to_dict()`` as JSON reads it back (tuples as lists): the manifest's ``data``."""
+    return json.loads(json.dumps(config.to_dict()))
+
+
+def prepared_keys(config: DataConfig) -> Dict[str, Any]:
+    """{key: JSON value} of the ``PREPARED_KEYS`` of ``config``."""
+    values = config_data(config)
+    return {key: values[key] for key in PREPARED_KEYS}
+
+
+def config_hash(config: DataConfig) -> str:
+    """sha256 hex of the canonical JSON (sorted keys) of ``prepared_keys(config)``."""
+    text = json.dumps(prepared_keys(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf8")).hexdigest()
+
+
+def shard_path(index: int) -> str:
+    """The relative path of shard ``index``: ``shards/part-00000.parquet``."""
+    return f"{SHARDS}/part-{index:05d}.parquet"
+
+
+def event_column(name: str) -> str:
+    """A shard's column of the row feature ``name``: ``event:<name>``."""
+    return f"{EVENT_PREFIX}{name}"
+
+
+def describe_shard(directory: PathLike, relpath: str, first_user: int) -> ShardEntry:
+    """The manifest entry of the written shard ``directory/relpath``: users and row groups from its
+    Parquet footer, interactions summed one row group at a time, sha256 of the file."""
+    path = Path(directory) / relpath
+    parquet = pq.ParquetFile(path)
+    interactions = sum(
+        int(pc.sum(pc.list_value_length(parquet.read_row_group(g, columns=[ITEMS])[ITEMS])).as_py() or 0)
+        for g in range(parquet.num_row_groups)
+    )
+    metadata = parquet.metadata
+    return ShardEntry(relpath, first_user, metadata.num_rows, interactions, metadata.num_row_groups, file_sha256(path))
+
+
+def file_checksums(directory: PathLike) -> Dict[str, str]:
+    """{relative path: sha256} of every file under ``directory`` but the manifest and the shards."""
+    root = Path(directory)
+    return {
+        path.relative_to(root).as_posix(): file_sha256(path)
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.relative_to(root).parts[0] not in (MANIFEST, SHARDS)
+    }
+
+
+def write_manifest(directory: PathLike, manifest: PreparedManifest) -> None:
+    """Write ``directory/manifest.json`` (temp + rename): the last file of a preparation."""
+    write_json(Path(directory) / MANIFEST, manifest.to_dict())
+
+
+def read_manifest(directory: PathLike, config: Optional[DataConfig] = None) -> PreparedManifest:
+    """Read and check ``directory/manifest.json``: format and version, field types, every path
+    inside DIR, shards covering dense users 0 .. users-1 in order, every listed file present, and,
+    given ``config``, that it was prepared for the same ``PREPARED_KEYS`` (the first differing key
+    named). Errors: one line naming the manifest (or the missing file) and the key."""
+    root = Path(directory)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: missing file (not a prepared dataset, or its preparation did not finish: "
+            "gr data prepare writes the manifest last)"
+        )
+    try:
+        raw = json.loads(path.read_text(encoding="utf8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataFormatError(path, f"not a JSON manifest ({error})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else raw
+        raise DataFormatError(path, f"format: expected {FORMAT!r}, got {found!r}")
+    if raw.get("version") != VERSION:
+        raise DataFormatError(
+            path, f"version: expected {VERSION}, got {raw.get('version')!r} (prepared by another version of gr)"
+        )
+    manifest = PreparedManifest(
+        directory=root,
+        engine=_field(path, raw, "engine", str),
+        engine_version=_field(path, raw, "engine_version", str),
+        config_hash=_field(path, raw, "config_hash", str),
+        data=_field(path, raw, "data", dict),
+        summary=_field(path, raw, "summary", dict),
+        has_ratings=_field(path, raw, "has_ratings", bool),
+        event_features=_field(path, raw, "event_features", dict),
+        shards=[_shard(path, raw, i) for i in range(len(_field(path, raw, "shards", list)))],
+        files=_field(path, raw, "files", dict),
+    )
+    _check_contents(path, manifest)
+    if config is not None and manifest.config_hash != config_hash(config):
+        raise DataFormatError(path, f"prepared for another data config ({_difference(manifest.data, config)})")
+    return manifest
+
+
+def verify_digest(manifest: PreparedManifest, relpath: str, digest: str) -> None:
+    """Raise DataFormatError naming ``relpath`` unless ``digest`` (sha256 hex of the bytes read) is
+    the one the manifest lists: a reader that hashes a shard while streaming it calls this at its end."""
+    if digest != manifest.checksum(relpath):
+        raise DataFormatError(manifest.path(relpath), "checksum mismatch (corrupt or changed since preparation)")
+
+
+def verify_file(manifest: PreparedManifest, relpath: str) -> None:
+    """Check the sha256 of the file ``relpath`` against the manifest (missing: FileNotFoundError)."""
+    path = manifest.path(relpath)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing file ({manifest.directory / MANIFEST} lists it)")
+    verify_digest(manifest, relpath, file_sha256(path))
+
+
+def check_shard_order(
+    shard: PathLike,
+    user_ids: np.ndarray,
+    offsets: np.ndarray,
+    timestamps: np.ndarray,
+    users: IdMap,
+    first_user: int,
+) -> None:
+    """Check rows read from ``shard`` (a whole shard or one row group of it).
+
+    user_ids: [B] int64 dense user ids, expected ``first_user .. first_user+B-1``
+    offsets: [B+1] int64 row r's events are ``offsets[r]:offsets[r+1]``
+    timestamps: [T] int64, expected non-decreasing within each row
+    users: the dataset's user map (errors name the raw id)
+    Raises DataFormatError naming the shard, the user (raw id) and the position in its sequence.
+    """
+    expected = first_user + np.arange(len(user_ids), dtype=np.int64)
+    wrong = np.flatnonzero(np.asarray(user_ids) != expected)
+    if len(wrong):
+        row = int(wrong[0])
+        raise DataFormatError(
+            shard,
+            f"row {row} holds dense user {int(user_ids[row])}, expected {int(expected[row])} (a shard holds "
+            "consecutive users sorted by dense id; prepare the dataset again)",
+        )
+    later = np.zeros(len(timestamps), dtype=bool)  # later[t]: event t is not its user's first
+    later[1:] = True
+    later[offsets[:-1][offsets[:-1] < len(timestamps)]] = False
+    backwards = np.flatnonzero(later[1:] & (timestamps[1:] < timestamps[:-1])) + 1
+    if len(backwards):
+        event = int(backwards[0])
+        row = int(np.searchsorted(offsets, event, side="right")) - 1
+        dense = int(user_ids[row])
+        position = event - int(offsets[row])
+        raise DataFormatError(
+            shard,
+            f"user {users.decode(np.asarray([dense]))[0].item()!r} (dense id {dense}): timestamp "
+            f"{int(timestamps[event])} at position {position} is before {int(timestamps[event - 1])} at "
+            f"position {position - 1} (a user's timestamps never decrease; prepare the dataset again)",
+        )
+
+
+def _field(path: Path, raw: Mapping[str, Any], key: str, kind: type, where: str = "") -> Any:
+    value = raw.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise DataFormatError(path, f"{where}{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _shard(path: Path, raw: Mapping[str, Any], index: int) -> ShardEntry:
+    entry = raw["shards"][index]
+    where = f"shards[{index}]."
+    if not isinstance(entry, dict):
+        raise DataFormatError(path, f"shards[{index}]: expected an object, got {entry!r}")
+    counts = {k: _field(path, entry, k, int, where) for k in ("first_user", "users", "interactions", "row_groups")}
+    relpath, digest = (_field(path, entry, k, str, where) for k in ("path", "sha256"))
+    return ShardEntry(relpath, sha256=digest, **counts)
+
+
+def _check_contents(path: Path, manifest: PreparedManifest) -> None:
+    """Summary keys, event kinds, shard ranges, paths inside DIR, listed files present."""
+    missing = [k for k in SUMMARY_KEYS if k not in manifest.summary]
+    if missing:
+        raise DataFormatError(path, f"summary: lacks {missing}")
+    bad_kinds = {n: k for n, k in manifest.event_features.items() if k not in EVENT_KINDS}
+    if bad_kinds:
+        raise DataFormatError(path, f"event_features: expected kinds among {list(EVENT_KINDS)}, got {bad_kinds}")
+    first = 0
+    for i, shard in enumerate(manifest.shards):
+        if shard.first_user != first or shard.users < 1:
+            raise DataFormatError(
+                path,
+                f"shards[{i}].first_user: expected {first} (shards cover consecutive users), got "
+                f"{shard.first_user} with {shard.users} users",
+            )
+        first += shard.users
+    for key in ("users", "interactions"):
+        total = sum(getattr(shard, key) for shard in manifest.shards)
+        if manifest.summary[key] != total:
+            raise DataFormatError(path, f"summary.{key}: {manifest.summary[key]!r}, but the shards hold {total}")
+    listed = [(f"shards[{i}].path", s.path) for i, s in enumerate(manifest.shards)]
+    listed += [(f"files.{rel}", rel) for rel in manifest.files]
+    for key, rel in listed:
+        pure = PurePosixPath(rel)
+        if not rel or pure.is_absolute() or ".." in pure.parts or rel == MANIFEST:
+            raise DataFormatError(path, f"{key}: path {rel!r} is not a file inside the prepared directory")
+        target = manifest.path(rel)
+        if not target.resolve().is_relative_to(manifest.directory.resolve()):
+            raise DataFormatError(path, f"{key}: path {rel!r} resolves outside the prepared directory")
+        if not target.is_file():
+            raise FileNotFoundError(f"{target}: missing file ({path} lists it)")
+
+
+def _difference(prepared: Mapping[str, Any], config: DataConfig) -> str:
+    """'data.<key> differs: prepared with X, this config has Y' for the first differing prepared key."""
+    wanted = prepared_keys(config)
+    for key in PREPARED_KEYS:
+        found = _first_difference(f"data.{key}", prepared.get(key), wanted[key])
+        if found:
+            return found
+    return f"config_hash {config_hash(config)} differs from the manifest's, whose data section was edited"
+
+
+def _first_difference(key: str, prepared: Any, wanted: Any) -> Optional[str]:
+    if isinstance(prepared, dict) and isinstance(wanted, dict):
+        for sub in [*wanted, *(k for k in prepared if k not in wanted)]:
+            found = _first_difference(f"{key}.{sub}", prepared.get(sub), wanted.get(sub))
+            if found:
+                return found
+        return None
+    if prepared != wanted:
+        return f"{key} differs: prepared with {json.dumps(prepared)}, this config has {json.dumps(wanted)}"
+    return None
