@@ -1,0 +1,284 @@
+"""Data bigger than memory: prepared sequence shards (``gr data prepare``, DuckDB) against reading the raw source.
+
+    python bench/data_scale.py [--sizes 1000000 10000000] [--memory-limit 4GB] [--steps 40]
+    python bench/data_scale.py --sizes 1000000 10000000 100000000     # the 100 M point (minutes, ~5 GB of disk)
+    python bench/data_scale.py --smoke                                 # 20,000 interactions: checks it runs
+
+The source: synthetic interactions (user_id, item_id, timestamp) with MovieLens-1M's per-user lengths
+(``bench_data.ml1m_lengths``: mean 166) over ML-1M's 3,706 items (Zipf popularity), written as a
+directory of Parquet files of 1 M rows each, rows shuffled within a file (a log, not sorted by user).
+The catalogue stays at 3,706 items at every size, so a training process's memory shows what the
+*data* costs, not a larger item table. Every measured step runs in a fresh process whose peak
+resident set (``VmHWM``) is its own:
+* prepare: ``gr data prepare --engine duckdb --memory-limit M`` -> wall seconds, peak RSS;
+* train: the ML-1M recipe (configs/ml1m_hstu.yaml) on the prepared data for ``--steps`` training
+  steps (one epoch cut short, no validation) -> peak RSS, steps/s of Lightning's loop after a
+  warm-up (``train_step.EpochClock``); at the smallest size also from the raw source in memory;
+* two ranks (torchrun, gloo) iterate one epoch of their training batches on the smallest size's
+  prepared data: the users each rank saw (disjoint? all training users once?), steps per rank and
+  each rank's peak RSS.
+Prints a table, the CPU and load average; the last line is one JSON object: sizes (per size:
+interactions, users, prepare_s, prepare_peak_gib, train_peak_gib, train_steps_per_s), raw_1st
+(train_peak_gib, train_steps_per_s), ratios (train peak largest/smallest, prepared/raw steps/s at
+the smallest), ranks (steps, users, disjoint, every_user_once, peak_gib per rank), targets, cpu,
+load_average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+import smoke  # noqa: E402
+from bench_data import ML1M_ITEMS, ml1m_lengths  # noqa: E402
+from memory import cpu, load_average, peak_resident_bytes  # noqa: E402
+
+RECIPE = ROOT / "configs" / "ml1m_hstu.yaml"
+ROWS_PER_FILE = 1_000_000
+GIB = 1024**3
+SOURCE = [("data.source", "parquet"), ("data.eval_exclude", "window")]
+
+
+def write_source(directory: Path, interactions: int, seed: int = 0) -> Dict[str, int]:
+    """Write ``directory/part-NNNNN.parquet`` (user_id, item_id, timestamp int64) with about
+    ``interactions`` rows -> {"interactions", "users"}. Memory: one file's rows at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    lengths = ml1m_lengths(max(interactions // 166, 8), rng)
+    popularity = 1.0 / np.arange(1, ML1M_ITEMS + 1)
+    cdf = np.cumsum(rng.permutation(popularity / popularity.sum()))
+    directory.mkdir(parents=True)
+    ends = np.cumsum(lengths)
+    first_user, written, part = 0, 0, 0
+    while first_user < len(lengths):
+        last_user = int(np.searchsorted(ends, written + ROWS_PER_FILE, side="right")) + 1
+        block = lengths[first_user:last_user]
+        users = np.repeat(np.arange(first_user, first_user + len(block)) + 1, block)
+        items = np.searchsorted(cdf, rng.random(len(users)) * cdf[-1]) + 1
+        gaps = rng.integers(1, 3600, size=len(users))
+        elapsed, first_rows = np.cumsum(gaps), np.cumsum(block) - block
+        times = 978_000_000 + elapsed - np.repeat(elapsed[first_rows] - gaps[first_rows], block)  # per user
+        order = rng.permutation(len(users))
+        table = pa.table({"user_id": users[order], "item_id": items[order], "timestamp": times[order]})
+        pq.write_table(table, directory / f"part-{part:05d}.parquet")
+        written, first_user, part = written + len(users), first_user + len(block), part + 1
+    return {"interactions": written, "users": len(lengths)}
+
+
+def in_own_process(*flags: str) -> Dict[str, Any]:
+    """This script run with ``flags`` in a fresh process -> the JSON object its last line prints."""
+    done = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"data_scale.py {' '.join(flags)} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def prepare_phase(source: Path, out: Path, memory_limit: str) -> None:
+    """--phase prepare: prints {"seconds", "peak_bytes"} of preparing ``source`` into ``out``."""
+    from gr.commands.data import prepare
+
+    start = time.perf_counter()
+    overrides = [arg for key, value in [*SOURCE, ("data.path", str(source))] for arg in (f"--{key}", value)]
+    status = prepare(["--config", str(RECIPE), "--out", str(out), "--memory-limit", memory_limit, *overrides])
+    if status:
+        raise SystemExit(status)
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_bytes": peak_resident_bytes()}))
+
+
+def train_phase(data: Path, prepared: bool, steps: int, work: Path) -> None:
+    """--phase train: ``steps`` training steps of the recipe on ``data`` (a prepared dataset, or the
+    raw source) -> prints {"steps_per_s", "peak_bytes"}."""
+    from train_step import epoch_seconds
+
+    from gr.train.config import load_config
+
+    where = [("data.prepared", str(data))] if prepared else []
+    config = load_config(
+        RECIPE,
+        [
+            *SOURCE,
+            ("data.path", str(data)),
+            *where,
+            ("trainer.max_epochs", "1"),
+            ("trainer.limit_train_batches", str(steps)),
+            ("trainer.limit_val_batches", "0"),
+            ("trainer.enable_progress_bar", "false"),
+        ],
+    )
+    clock = epoch_seconds(config, work)
+    print(json.dumps({"steps_per_s": clock["loop_steps"] / clock["loop_seconds"], "peak_bytes": peak_resident_bytes()}))
+
+
+def ranks_phase(prepared: Path, out: Path) -> None:
+    """--phase ranks, under torchrun: this rank's training batches of one epoch -> ``out/rank-R.json``
+    with the dense user ids it saw, its step count and peak RSS."""
+    import torch.distributed as dist
+
+    from gr.data.datamodule import SequenceDataModule
+    from gr.train.config import load_config
+
+    dist.init_process_group("gloo")
+    config = load_config(RECIPE, [*SOURCE, ("data.path", str(prepared)), ("data.prepared", str(prepared))])
+    data = SequenceDataModule(config.data)
+    data.setup()
+    users: List[int] = []
+    steps = 0
+    for batch in data.train_dataloader():
+        users += batch.labels["user"].tolist()
+        steps += 1
+    record = {"users": users, "steps": steps, "peak_bytes": peak_resident_bytes()}
+    (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def two_ranks(prepared: Path, work: Path) -> Dict[str, Any]:
+    """Both ranks' epochs (``ranks_phase``) -> steps, users per rank, disjoint, every_user_once, peak_gib."""
+    from gr.data.datamodule import SequenceDataModule
+    from gr.train.config import load_config
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*command, __file__, "--phase", "ranks", "--data", str(prepared), "--work", str(work)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun data_scale.py --phase ranks failed:\n{done.stderr[-4000:]}")
+    records = [json.loads((work / f"rank-{r}.json").read_text()) for r in range(2)]
+    seen = [np.asarray(r["users"], dtype=np.int64) for r in records]
+    config = load_config(RECIPE, [*SOURCE, ("data.path", str(prepared)), ("data.prepared", str(prepared))])
+    single = SequenceDataModule(config.data)
+    single.setup()
+    expected = np.sort(np.concatenate([b.labels["user"].numpy() for b in single.train_dataloader()]))
+    together = np.sort(np.concatenate(seen))
+    return {
+        "steps": [r["steps"] for r in records],
+        "users": [len(s) for s in seen],
+        "disjoint": len(np.intersect1d(seen[0], seen[1])) == 0,
+        "every_user_once": bool(np.array_equal(together, expected)),
+        "peak_gib": [r["peak_bytes"] / GIB for r in records],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--memory-limit", default="4GB")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--phase", choices=["prepare", "train", "ranks"], help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    args, _ = smoke.parse_args(parser, {"sizes": [20_000], "steps": 3}, argv)
+    if args.phase == "prepare":
+        return prepare_phase(args.data, args.work, args.memory_limit)
+    if args.phase == "train":
+        return train_phase(args.data, not args.raw, args.steps, args.work)
+    if args.phase == "ranks":
+        return ranks_phase(args.data, args.work)
+    start_load = load_average()
+    sizes: List[Dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for size in sorted(args.sizes):
+            source, prepared = work / f"source-{size}", work / f"prepared-{size}"
+            counts = write_source(source, size)
+            prep = in_own_process(
+                "--phase",
+                "prepare",
+                "--data",
+                str(source),
+                "--work",
+                str(prepared),
+                "--memory-limit",
+                args.memory_limit,
+            )
+            trained = in_own_process(
+                "--phase",
+                "train",
+                "--data",
+                str(prepared),
+                "--work",
+                str(work / f"run-{size}"),
+                "--steps",
+                str(args.steps),
+            )
+            point = {
+                **counts,
+                "prepare_s": prep["seconds"],
+                "prepare_peak_gib": prep["peak_bytes"] / GIB,
+                "train_peak_gib": trained["peak_bytes"] / GIB,
+                "train_steps_per_s": trained["steps_per_s"],
+            }
+            if not sizes:
+                raw = in_own_process(
+                    "--phase",
+                    "train",
+                    "--data",
+                    str(source),
+                    "--work",
+                    str(work / "run-raw"),
+                    "--steps",
+                    str(args.steps),
+                    "--raw",
+                )
+                raw_first = {"train_peak_gib": raw["peak_bytes"] / GIB, "train_steps_per_s": raw["steps_per_s"]}
+                ranks = two_ranks(prepared, work / "ranks")
+            sizes.append(point)
+            print(
+                f"{counts['interactions']:>12,} interactions: prepare {point['prepare_s']:.1f} s, peak "
+                f"{point['prepare_peak_gib']:.2f} GiB; train peak {point['train_peak_gib']:.2f} GiB, "
+                f"{point['train_steps_per_s']:.2f} steps/s",
+                flush=True,
+            )
+    first, last = sizes[0], sizes[-1]
+    ratios = {
+        "train_peak_largest_over_smallest": last["train_peak_gib"] / first["train_peak_gib"],
+        "prepared_over_raw_steps_per_s": first["train_steps_per_s"] / raw_first["train_steps_per_s"],
+    }
+    model, flags = cpu()
+    summary = {
+        "bench": "data_scale",
+        "memory_limit": args.memory_limit,
+        "steps": args.steps,
+        "sizes": sizes,
+        "raw_smallest": raw_first,
+        "ratios": ratios,
+        "ranks": ranks,
+        "targets": {
+            "largest_prepared_within_6_gib": last["prepare_peak_gib"] <= 6,
+            "train_peak_within_25_percent": ratios["train_peak_largest_over_smallest"] <= 1.25,
+            "steps_per_s_within_10_percent_of_raw": ratios["prepared_over_raw_steps_per_s"] >= 0.9,
+            "ranks_disjoint_and_every_user_once": ranks["disjoint"] and ranks["every_user_once"],
+        },
+        "cpu": model,
+        "cpu_flags": flags,
+        "load_average": {"start": start_load, "end": load_average()},
+    }
+    print(
+        f"raw at {first['interactions']:,}: train peak {raw_first['train_peak_gib']:.2f} GiB, "
+        f"{raw_first['train_steps_per_s']:.2f} steps/s; two ranks: steps {ranks['steps']}, users {ranks['users']}, "
+        f"disjoint {ranks['disjoint']}, every user once {ranks['every_user_once']}"
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
