@@ -524,12 +524,12 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
         ) from exc
     maps, _ = load_mappings(str(Path(run_dir) / MAPPINGS_DIR))
     trained = maps.get("items")
-    assert data.item_map is not None and data.corpus is not None  # set by setup()
+    assert data.item_map is not None  # set by setup()
     if trained is None or not np.array_equal(trained.raw, data.item_map.raw):
         raise ExportError(
             f"{run_dir}: the items of data.path {config.data.path!r} differ from those the run was trained on "
             f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
         )
-    item_side = data.corpus.item_features
+    item_side = data.item_features
     side: Dict[str, Column] = {**item_side.categorical, **item_side.dense, **item_side.lists}
     return {f: side[f] for f in wanted if f in side}
