@@ -96,28 +96,43 @@ class SampleBuffer:
     def _top_up(self, count: int) -> None:
         """Drop the users with no pending sample, read row groups until ``count`` samples and
         ``capacity`` users are held (or none is left), reshuffle (training), rebuild the corpus."""
+        rows, owners, cuts, negatives = [], [self.owners], [self.cuts], [self.negatives]
         if self.rows is not None:
             keep = np.unique(self.owners)
-            self.rows = self.rows.take(keep)
-            self.owners = np.searchsorted(keep, self.owners)
-        while (len(self.owners) < count or self.held_users < self.capacity) and self._next < len(self.positions):
-            group, rows = next(self._scan)
-            self._append(self.positions[self._next], group, rows)
+            rows.append(self.rows.take(keep))
+            owners[0] = np.searchsorted(keep, self.owners)
+        held, pending = sum(len(r.users) for r in rows), len(self.owners)
+        while (pending < count or held < self.capacity) and self._next < len(self.positions):
+            group, read = next(self._scan)
+            kept, users, relative, drawn = self._samples(self.positions[self._next], group, read)
+            rows.append(kept)
+            owners.append(held + users)
+            cuts.append(relative)
+            negatives.append(drawn)
+            held, pending = held + len(kept.users), pending + len(users)
             self._next += 1
-            self.peak_users = max(self.peak_users, self.held_users)
-        if len(self.owners) < count or self.rows is None:
+            self.peak_users = max(self.peak_users, held)
+        if pending < count or not rows:
             raise DataFormatError(
                 self.data.directory,
                 f"{self.split}: the shards hold fewer samples than counted when opened (changed since?)",
             )
+        self.rows = UserRows.concat(rows) if len(rows) > 1 else rows[0]
+        self.owners, self.cuts = np.concatenate(owners), np.concatenate(cuts)
+        present = [n for n in negatives if n is not None]
+        self.negatives = np.concatenate(present) if present else None
         if self.rng is not None:
             order = self.rng.permutation(len(self.owners))
             self.owners, self.cuts = self.owners[order], self.cuts[order]
             self.negatives = None if self.negatives is None else self.negatives[order]
         self.corpus = self.data.corpus(self.rows)
 
-    def _append(self, position: int, group: RowGroup, rows: UserRows) -> None:
-        """Add the users of one row group that have ``split`` samples, and those samples."""
+    def _samples(
+        self, position: int, group: RowGroup, rows: UserRows
+    ) -> Tuple[UserRows, np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """One row group's users that have ``split`` samples, and those samples: (the users' rows,
+        owners [S] int64 positions in them, cuts [S] int64 relative to the user's first event,
+        negatives [S, K] int32 or None)."""
         data, split = self.data, self.split
         corpus = data.corpus(rows)
         users, cuts = data.samples(corpus.sequences, split)
@@ -131,12 +146,8 @@ class SampleBuffer:
         if split != "train" and data.config.task == "ranking":
             rng = np.random.default_rng([data.config.seed, SPLIT_CODES[split], group.shard, group.index])
             negatives = corpus.sampler.sample(users, data.config.ranking.eval_num_negatives, rng).astype(np.int32)
-            self.negatives = negatives if self.negatives is None else np.concatenate([self.negatives, negatives])
         keep = np.unique(users)
-        held = self.held_users
-        self.rows = rows.take(keep) if self.rows is None else UserRows.concat([self.rows, rows.take(keep)])
-        self.owners = np.concatenate([self.owners, held + np.searchsorted(keep, users)])
-        self.cuts = np.concatenate([self.cuts, cuts - corpus.sequences.starts[users]])
+        return rows.take(keep), np.searchsorted(keep, users), cuts - corpus.sequences.starts[users], negatives
 
 
 class PreparedSplit(IterableDataset):
