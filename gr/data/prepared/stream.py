@@ -68,6 +68,8 @@ class SampleBuffer:
         self.owners = np.zeros(0, dtype=np.int64)
         self.cuts = np.zeros(0, dtype=np.int64)
         self.negatives: Optional[np.ndarray] = None
+        self.remaining = np.zeros(0, dtype=np.int64)  # [held users] pending samples of each
+        self.pending_users = 0  # held users with a pending sample
         self.corpus: Optional[Corpus] = None
         self.peak_users = 0
 
@@ -83,6 +85,9 @@ class SampleBuffer:
         assert self.corpus is not None  # built by the top-up
         owners, cuts = self.owners[:count], self.cuts[:count] + self.corpus.sequences.starts[self.owners[:count]]
         negatives = None if self.negatives is None else self.negatives[:count]
+        users, taken = np.unique(owners, return_counts=True)
+        self.remaining[users] -= taken
+        self.pending_users -= int(np.count_nonzero(self.remaining[users] == 0))
         self.owners, self.cuts = self.owners[count:], self.cuts[count:]
         self.negatives = None if self.negatives is None else self.negatives[count:]
         return self.corpus, owners, cuts, negatives
@@ -91,14 +96,14 @@ class SampleBuffer:
         if len(self.owners) < count or self.corpus is None:
             return True
         more = self._next < len(self.positions)
-        return more and self.capacity > 0 and len(np.unique(self.owners)) < self.capacity // 2
+        return more and self.capacity > 0 and self.pending_users < self.capacity // 2
 
     def _top_up(self, count: int) -> None:
         """Drop the users with no pending sample, read row groups until ``count`` samples and
         ``capacity`` users are held (or none is left), reshuffle (training), rebuild the corpus."""
         rows, owners, cuts, negatives = [], [self.owners], [self.cuts], [self.negatives]
         if self.rows is not None:
-            keep = np.unique(self.owners)
+            keep = np.flatnonzero(self.remaining)
             rows.append(self.rows.take(keep))
             owners[0] = np.searchsorted(keep, self.owners)
         held, pending = sum(len(r.users) for r in rows), len(self.owners)
@@ -121,6 +126,8 @@ class SampleBuffer:
         self.owners, self.cuts = np.concatenate(owners), np.concatenate(cuts)
         present = [n for n in negatives if n is not None]
         self.negatives = np.concatenate(present) if present else None
+        self.remaining = np.bincount(self.owners, minlength=len(self.rows.users))
+        self.pending_users = int(np.count_nonzero(self.remaining))
         if self.rng is not None:
             order = self.rng.permutation(len(self.owners))
             self.owners, self.cuts = self.owners[order], self.cuts[order]
