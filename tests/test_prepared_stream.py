@@ -25,8 +25,11 @@ from gr.data.prepared import manifest as prepared_format
 from gr.data.prepared.duckdb_engine import prepare_with_duckdb
 from gr.data.prepared.stream import PreparedSplit, SampleBuffer, apportion
 from gr.data.sequences import SPLITS
+from gr.export.writer import run_item_features
 from gr.train import train
-from gr.train.config import TrainConfig
+from gr.train.config import TrainConfig, plain, save_config
+from gr.train.run import CONFIG_FILE, FEATURES_FILE, MAPPINGS_DIR
+from gr.utils.atomic import write_json
 from helpers.runs import RETRIEVAL, ratings_csv, with_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,7 +277,8 @@ def test_the_shuffle_buffer_holds_a_bounded_number_of_users(events, grouped, cap
         corpus, owners, _, _ = buffer.take(min(batch, total - len(taken)))
         taken += corpus.user_ids[owners].tolist()
         assert buffer.held_users <= max(capacity, batch) + 7  # + one row group
-    assert buffer.peak_users <= max(capacity, batch) + 7 and sorted(taken) == sorted(set(taken))
+    assert min(max(capacity, batch), total) <= buffer.peak_users <= max(capacity, batch) + 7
+    assert sorted(taken) == sorted(set(taken))
     assert len(taken) == total
 
 
@@ -442,3 +446,34 @@ def test_two_ranks_train_on_their_own_shards_and_the_run_evaluates_and_warm_star
         assert evaluated[key] == pytest.approx(metrics[key], abs=1e-6), key
     warm = with_overrides(values, ("trainer.init_from", str(out)), ("trainer.max_epochs", 1))
     assert train(TrainConfig.from_dict(warm), tmp_path / "warm")["world_size"] == 1
+
+
+def test_an_export_takes_the_item_features_of_a_run_trained_on_prepared_data(events, prepared, tmp_path):
+    values = with_overrides(RETRIEVAL)
+    values["data"] = {**data_config(events), "prepared": str(prepared)}
+    config = TrainConfig.from_dict(values)
+    raw, streamed = modules(events, prepared)
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(config, run / CONFIG_FILE)
+    write_json(run / FEATURES_FILE, plain({"spec": vars(streamed.feature_spec()), "tasks": []}))
+    streamed.save_mappings(str(run / MAPPINGS_DIR))
+    features = run_item_features(run, ["category", "genres", "price", "device"])
+    assert sorted(features) == ["category", "genres", "price"]  # device is the event's, not the item's
+    side = raw.item_features
+    assert np.array_equal(features["category"], side.categorical["category"])
+    assert np.array_equal(features["price"], side.dense["price"])
+    assert np.array_equal(features["genres"].offsets, side.lists["genres"].offsets)
+    assert np.array_equal(features["genres"].values, side.lists["genres"].values)
+
+
+def test_real_ml_100k_streams_raw_readings_batches(ml_100k, tmp_path):
+    config = {"source": "ml-100k", "path": str(ml_100k), "genres": "list", "max_seq_len": 20, "batch_size": 256}
+    prepared = prepare(config, tmp_path / "prepared", users_per_shard=400)
+    raw, streamed = SequenceDataModule(config), SequenceDataModule({**config, "prepared": str(prepared)})
+    raw.setup()
+    streamed.setup()
+    assert streamed.feature_spec() == raw.feature_spec() and torch.equal(streamed.popularity(), raw.popularity())
+    for name in ("train", "test"):
+        loaders = [getattr(module, f"{name}_dataloader")() for module in (raw, streamed)]
+        assert by_user(loaders[1], 0) == by_user(loaders[0], 0), name
