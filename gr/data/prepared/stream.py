@@ -21,7 +21,7 @@ per row group from (seed, split, shard, row group), so they depend on neither ra
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -237,7 +237,7 @@ class PreparedSplit(IterableDataset):
 
 def shuffled(positions: Sequence[int], groups: Sequence[RowGroup], rng: np.random.Generator) -> List[int]:
     """``positions`` (of ``groups``) reordered: shards in a random order, each one's row groups too."""
-    shards: dict = {}
+    shards: Dict[int, List[int]] = {}
     for position in positions:
         shards.setdefault(groups[position].shard, []).append(position)
     keys = list(shards)
