@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from gr.data.download import DATASETS, DownloadError, download_dataset
 from gr.utils.cli_errors import USAGE_EXIT_STATUS, one_line, run_cli
 
-# --engine NAME -> (module, function): prepare(config, out, memory_limit=, threads=, users_per_shard=, overwrite=)
+# --engine NAME -> (module, function): prepare(config, out, **options) -> PreparedManifest (``_engine_options``)
 ENGINES = {
     "duckdb": ("gr.data.prepared.duckdb_engine", "prepare_with_duckdb"),
     "spark": ("gr.data.prepared.spark_engine", "prepare_with_spark"),
@@ -90,8 +90,10 @@ def prepare_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="recipe YAML (its data: section is read)")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="the prepared dataset to write")
     parser.add_argument("--engine", choices=sorted(ENGINES), default="duckdb", help="default: duckdb")
-    parser.add_argument("--memory-limit", default="4GB", help="the engine's memory limit (default: 4GB)")
-    parser.add_argument("--threads", type=int, help="the engine's threads (default: one per core)")
+    parser.add_argument(
+        "--memory-limit", help="the engine's memory (duckdb: its memory_limit, default 4GB; spark: its heap, e.g. 8g)"
+    )
+    parser.add_argument("--threads", type=int, help="the engine's threads (spark: local[N]; default: one per core)")
     parser.add_argument(
         "--users-per-shard", type=int, help="users per shard file (default: 16 row groups of 1024 users)"
     )
@@ -111,6 +113,22 @@ def prepare(argv: Optional[Sequence[str]] = None) -> int:
     if outside:
         parser.error(f"--{outside[0]}: gr data prepare reads the data section only (override data.* keys)")
     return run_cli("gr data prepare", lambda: _prepare(args, overrides))
+
+
+def _engine_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine function's keyword arguments from the command line (each engine names them its own way)."""
+    options: Dict[str, Any] = {}
+    if args.engine == "spark":
+        if args.overwrite:
+            raise ValueError("--overwrite: the spark engine writes a new DIR only; remove the old one first")
+        options.update({"master": f"local[{args.threads}]"} if args.threads else {})
+        options.update({"memory": args.memory_limit} if args.memory_limit else {})
+    else:
+        options.update(threads=args.threads, overwrite=args.overwrite)
+        options.update({"memory_limit": args.memory_limit} if args.memory_limit else {})
+    if args.users_per_shard is not None:
+        options["users_per_shard"] = args.users_per_shard
+    return options
 
 
 def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> int:
@@ -135,10 +153,7 @@ def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> 
         given = " ".join(f"--{k} {v}" for k, v in overrides)
         raise ValueError(f"{given + ' (command line, over ' + str(path) + ')' if given else path}: {error}") from None
     logging.getLogger("gr.data").setLevel(logging.INFO)  # each stage's counts and seconds
-    options = {"memory_limit": args.memory_limit, "threads": args.threads, "overwrite": args.overwrite}
-    if args.users_per_shard is not None:
-        options["users_per_shard"] = args.users_per_shard
-    manifest = getattr(importlib.import_module(module), function)(config, args.out, **options)
+    manifest = getattr(importlib.import_module(module), function)(config, args.out, **_engine_options(args))
     summary = manifest.summary
     print(
         f"{args.out}: {summary['users']:,} users, {summary['items']:,} items, {summary['interactions']:,} "

@@ -61,6 +61,7 @@ from gr.data.prepared.manifest import (
     USER,
     USERS_TABLE,
     PreparedManifest,
+    ShardEntry,
     config_data,
     config_hash,
     describe_shard,
@@ -177,17 +178,16 @@ class _Preparation:
         con, config = self.con, self.config
         columns = ", ".join(["fr", "u", "i", "ts", *(["r"] if source.has_ratings else [])])
         columns += "".join(f", {f.column}" for f in source.event_features)
-        if config.keep_duplicates:
-            con.execute(f"CREATE VIEW events AS SELECT {columns} FROM typed")
-            duplicates = self.count(
-                "SELECT COALESCE(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM typed GROUP BY u, i, ts)"
-            )
-        else:
+        duplicates = self.count(
+            "SELECT COALESCE(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM typed GROUP BY u, i, ts)"
+        )
+        if duplicates and not config.keep_duplicates:
             con.execute(
                 f"CREATE TABLE events AS SELECT {columns} FROM typed "
                 "QUALIFY row_number() OVER (PARTITION BY u, i, ts ORDER BY fr) = 1"
             )
-            duplicates = self.count("SELECT count(*) FROM typed") - self.count("SELECT count(*) FROM events")
+        else:
+            con.execute(f"CREATE VIEW events AS SELECT {columns} FROM typed")
         if duplicates and not config.keep_duplicates:
             log.warning(
                 "%s: dropped %d duplicate interactions (same user, item and timestamp as an earlier row); "
@@ -232,12 +232,14 @@ class _Preparation:
                 shortest,
             )
         con.execute(
-            f"CREATE TABLE users AS SELECT u, row_number() OVER (ORDER BY u) - 1 AS uid FROM user_counts WHERE n >= {shortest}"
+            "CREATE TABLE users AS SELECT u, row_number() OVER (ORDER BY u) - 1 AS uid "
+            f"FROM user_counts WHERE n >= {shortest}"
         )
         if self.count("SELECT count(*) FROM users") == 0:
             raise DataFormatError(
                 source.source,
-                f"no user has at least {shortest} interactions (data.min_seq_len): the dataset is empty after filtering",
+                f"no user has at least {shortest} interactions (data.min_seq_len): "
+                "the dataset is empty after filtering",
             )
         con.execute(
             "CREATE TABLE items AS SELECT i, row_number() OVER (ORDER BY i) - 1 AS iid "
@@ -312,22 +314,24 @@ class _Preparation:
                 vocabularies[feature.name] = IdMap(_raw_ids(self.con, query), offset=1)
         return vocabularies
 
-    def _shards(self, source: SourceTable, num_users: int, users_per_shard: int) -> list:
+    def _shards(self, source: SourceTable, num_users: int, users_per_shard: int) -> List[ShardEntry]:
         """Write every shard (``users_per_shard`` consecutive users each) -> their manifest entries."""
         self.con.execute("SET preserve_insertion_order = true")  # streamed in ORDER BY uid
         schema = _shard_schema(source)
-        order = "ORDER BY ts, fr"
-        columns = [f"list(iid {order}) AS {ITEMS}", f"list(ts {order}) AS {TIMESTAMPS}"]
-        columns += [f"list(r {order}) AS {RATINGS}"] if source.has_ratings else []
-        columns += [f'list({f.column} {order}) AS "{event_column(f.name)}"' for f in source.event_features]
+        # One ordered aggregate of every event's values (one sort per user), split into the columns.
+        values = {ITEMS: "iid", TIMESTAMPS: "ts", **({RATINGS: "r"} if source.has_ratings else {})}
+        values.update({event_column(f.name): f.column for f in source.event_features})
+        fields = {name: f"v{k}" for k, name in enumerate(values)}
+        events = ", ".join(f"{fields[name]}: {column}" for name, column in values.items())
+        columns = [f'list_transform(e, lambda x: x.{fields[name]}) AS "{name}"' for name in values]
         (self.tmp / SHARDS).mkdir()
         shards = []
         for index in range(math.ceil(num_users / users_per_shard)):
             first = index * users_per_shard
             last = min(num_users, first + users_per_shard)
             query = (
-                f'SELECT uid AS "{USER}", {", ".join(columns)} FROM seq '
-                f"WHERE uid >= {first} AND uid < {last} GROUP BY uid ORDER BY uid"
+                f'SELECT uid AS "{USER}", {", ".join(columns)} FROM (SELECT uid, list({{{events}}} ORDER BY ts, fr) '
+                f"AS e FROM seq WHERE uid >= {first} AND uid < {last} GROUP BY uid) ORDER BY uid"
             )
             relpath = shard_path(index)
             with pq.ParquetWriter(self.tmp / relpath, schema) as writer:

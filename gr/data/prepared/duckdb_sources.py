@@ -398,7 +398,7 @@ def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: Col
         )
         if name in columns.list_features:
             refuse(
-                f"len(list_filter({c}, x -> x IS NULL OR CAST(x AS VARCHAR) = '')) > 0",
+                f"len(list_filter({c}, lambda x: x IS NULL OR CAST(x AS VARCHAR) = '')) > 0",
                 lambda file, row, _, n=name: table_parquet_error(file, n, row, "a null or empty value inside the list"),
             )
         elif name == columns.timestamp and pa.types.is_unsigned_integer(kind):
