@@ -296,18 +296,46 @@ class PreparedData:
         timestamps = self._aligned(path, table, TIMESTAMPS, lengths) if timed else np.zeros(len(items), np.int64)
         check_shard_order(path, users, offsets, timestamps, self.user_map, group.first_user)
         ratings = self._aligned(path, table, RATINGS, lengths).astype(np.float32) if RATINGS in columns else None
-        events = SideFeatures()
-        if full and self.manifest.event_features:
-            flat = {}
-            for name in self.manifest.event_features:
-                column = table[event_column(name)].combine_chunks()
-                self._check_lengths(path, event_column(name), column, lengths)
-                flat[name] = pc.list_flatten(column)
-            table_rows = self._side_table(path, np.arange(len(items), dtype=np.int64), flat)
-            events = SideFeatures.align(table_rows, IdMap(np.arange(len(items))), self.vocabularies)
+        events = self._events(path, table, lengths) if full else SideFeatures()
         if self.item_codes is not None:
             items = self.item_codes[items]
         return UserRows(users.astype(np.int64), offsets, items, timestamps, ratings, events)
+
+    def _events(self, path: Path, table: pa.Table, lengths: np.ndarray) -> SideFeatures:
+        """The ``event:<F>`` columns of a row group (one value per event of each user: ``lengths``
+        [U]) as the event features of its [N] events, coded by the dataset's vocabularies."""
+        schema = self.event_features
+        events = SideFeatures(vocabularies=schema.vocabularies, dense_columns=schema.dense_columns)
+        for name, kind in self.manifest.event_features.items():
+            column = event_column(name)
+            values = self._aligned_list(path, table, column, lengths)
+            if kind == "categorical":
+                events.categorical[name] = self._codes(path, column, values, name)
+            elif kind == "list":
+                bags = pc.list_value_length(values).to_numpy().astype(np.int64)
+                codes = self._codes(path, column, pc.list_flatten(values), name)
+                events.lists[name] = JaggedRows.from_lengths(bags, codes)
+            else:
+                width = schema.dense[name].shape[1]
+                matrix = _values(path, column, pc.list_flatten(values)).astype(np.float32)
+                if len(matrix) != width * len(values):
+                    raise DataFormatError(path, f"column {column!r}: expected {width} values per event")
+                events.dense[name] = matrix.reshape(len(values), width)
+        return events
+
+    def _codes(self, path: Path, column: str, values: pa.Array, name: str) -> np.ndarray:
+        """[V] raw values of feature ``name`` -> [V] int64 ids of its vocabulary (each distinct value
+        looked up once); a value the vocabulary lacks is a DataFormatError naming the column."""
+        if values.null_count:
+            raise DataFormatError(path, f"column {column!r}: {values.null_count} null values")
+        encoded = pc.dictionary_encode(values)
+        distinct = _values(path, column, encoded.dictionary)
+        ids = self.vocabularies[name].encode(distinct, unknown=-1)
+        if (ids < 0).any():
+            raise DataFormatError(
+                path, f"column {column!r}: value {distinct[ids < 0][0]!r} is not in {MAPS}/{name}.tsv (prepare again)"
+            )
+        return ids[encoded.indices.to_numpy()]
 
     def _list(self, path: Path, table: pa.Table, name: str) -> Tuple[np.ndarray, np.ndarray]:
         """A list column -> ([U] int64 lengths, [N] values)."""
@@ -318,9 +346,16 @@ class PreparedData:
 
     def _aligned(self, path: Path, table: pa.Table, name: str, lengths: np.ndarray) -> np.ndarray:
         """A list column holding one value per event (as many per user as ``items``) -> [N] values."""
+        return _values(path, name, self._aligned_list(path, table, name, lengths))
+
+    def _aligned_list(self, path: Path, table: pa.Table, name: str, lengths: np.ndarray) -> pa.Array:
+        """A list column holding one value per event -> its [N] values, as Arrow."""
         column = table[name].combine_chunks()
         self._check_lengths(path, name, column, lengths)
-        return _values(path, name, pc.list_flatten(column))
+        flat = pc.list_flatten(column)
+        if flat.null_count:
+            raise DataFormatError(path, f"column {name!r}: {flat.null_count} null values")
+        return flat
 
     @staticmethod
     def _check_lengths(path: Path, name: str, column: pa.Array, lengths: np.ndarray) -> None:
