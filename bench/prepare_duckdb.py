@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -113,8 +114,6 @@ def main(argv=None) -> None:
         prepared = child(PREPARE, [json.dumps(data), out, args.memory_limit, str(args.threads)])
         in_memory = child(IN_MEMORY, [json.dumps(data)])
     assert (prepared["users"], prepared["interactions"]) == (in_memory["users"], in_memory["interactions"])
-    import duckdb
-
     result = {
         "rows": args.rows,
         "format": args.format,
