@@ -11,7 +11,8 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Sequence
+from functools import cached_property
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -86,13 +87,45 @@ def identity_collate(batch: GRInput) -> GRInput:
 @dataclass
 class Corpus:
     """What every split's batches are cut from. event_features: the features of each event
-    (row) of ``sequences``, looked up by flat event index."""
+    (row) of ``sequences``, looked up by flat event index. user_ids: [U] int64 the dataset's dense
+    id of each user of ``sequences`` (None: the same ids), for a corpus of some users only (a chunk
+    of a prepared dataset): batches then carry these ids and look user features up by them."""
 
     sequences: UserSequences
     item_features: SideFeatures
     user_features: SideFeatures
-    sampler: UnseenSampler
     event_features: SideFeatures = field(default_factory=SideFeatures)
+    user_ids: Optional[np.ndarray] = None
+
+    @cached_property
+    def sampler(self) -> UnseenSampler:
+        """Negative candidates for these users (built on first use: retrieval never draws them)."""
+        return UnseenSampler(self.sequences)
+
+    def dataset_users(self, users: np.ndarray) -> np.ndarray:
+        """users: [B] int64 users of ``sequences`` -> [B] int64 their dense ids in the dataset."""
+        return users if self.user_ids is None else self.user_ids[users]
+
+
+def trainable_users(sequences: UserSequences) -> np.ndarray:
+    """[U'] the users with a retrieval training sample: >= 2 training events, the last at or after
+    the first row a sample may predict."""
+    ends = sequences.train_ends()
+    return np.flatnonzero((ends - sequences.starts >= 2) & (ends - 1 >= sequences.label_starts()))
+
+
+def ranking_cuts(sequences: UserSequences, positives: int, samples_per_user: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The ranking training samples: (row_users [R] int64, cuts [R] int64 flat rows).
+
+    Cuts tile each user's training part from its end, ``positives`` events apart, keeping >= 1
+    history event before each cut and each cut at or after the user's label start; at most
+    ``samples_per_user`` per user."""
+    ends = sequences.train_ends()
+    room = ends - np.maximum(sequences.starts + 1, sequences.label_starts())
+    per_user = np.clip(np.minimum(samples_per_user, room // positives), 0, None)
+    row_users = np.repeat(np.arange(sequences.num_users), per_user)
+    cuts = ends[row_users] - positives * (concat_ranges(np.zeros_like(per_user), per_user) + 1)
+    return row_users, cuts
 
 
 def assemble(
@@ -108,7 +141,8 @@ def assemble(
 ) -> GRInput:
     """One jagged batch -> GRInput with every feature the corpus has.
 
-    users: [B] int64 dense user ids; items: [T] int64 dense item ids per token;
+    users: [B] int64 users of ``corpus.sequences`` (batches carry their dataset ids,
+    ``Corpus.dataset_users``); items: [T] int64 dense item ids per token;
     timestamps: [T] int64; query_times: [T] int64, the time of the event each token
     predicts (``GRInput.query_times``); lengths: [B] tokens per sequence (targets included);
     num_targets: [B] trailing candidate tokens, or None; labels: {name: array};
@@ -118,6 +152,7 @@ def assemble(
     user features bags of ``common_ids``; without list features neither costs anything.
     """
     lengths_t = torch.from_numpy(lengths.astype(np.int64))
+    users = corpus.dataset_users(users)
     item_features, event_features = corpus.item_features, corpus.event_features
     known = events >= 0
     rows = np.where(known, events, 0)
@@ -214,10 +249,7 @@ class RetrievalTrainBatches(SplitBatches):
 
     def __init__(self, corpus: Corpus, max_seq_len: int, seed: int, eviction_block: int = 1) -> None:
         super().__init__(corpus, "train", max_seq_len, seed, eviction_block)
-        seqs = corpus.sequences
-        ends = seqs.train_ends()
-        # >= 2 training events, the last at or after the first row a sample may predict
-        self.users = np.flatnonzero((ends - seqs.starts >= 2) & (ends - 1 >= seqs.label_starts()))
+        self.users = trainable_users(corpus.sequences)
 
     def __len__(self) -> int:
         return len(self.users)

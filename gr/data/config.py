@@ -293,10 +293,17 @@ class DataConfig(Section):
     first event in [split_time, split_end) is its validation target and the second its test
     target (``gr.data.sequences``); ``train_start``: training samples predict only events at or
     after it (earlier ones are history), e.g. the new day of a warm start.
+    prepared: a directory ``gr data prepare`` wrote from this source (``gr.data.prepared``): training
+    streams its shards instead of reading ``path`` (which may then be left out); a ``path`` naming
+    such a directory streams it too. The keys that shape what is prepared (source, columns,
+    filters, features) must match the preparing config's; splits, batches and seeds are free.
+    shuffle_buffer: users a rank holds to shuffle prepared training samples (memory grows with it).
     """
 
     source: str = checked("synthetic", one_of(*SOURCES))
     path: Optional[str] = checked(None, optional(NAME))
+    prepared: Optional[str] = checked(None, optional(NAME))
+    shuffle_buffer: int = checked(4096, int_at_least(1))
     task: str = checked("retrieval", one_of(*TASKS))
     max_seq_len: int = checked(50, int_at_least(1))
     batch_size: int = checked(128, int_at_least(1))
@@ -324,7 +331,12 @@ class DataConfig(Section):
         if self.source == "synthetic":
             if self.path is not None:
                 raise ValueError(f"{where}.path: the synthetic source reads no file; remove path (got {self.path!r})")
-        else:
+            if self.prepared is not None:
+                raise ValueError(
+                    f"{where}.prepared: the synthetic source is generated in memory, never prepared; remove prepared "
+                    f"(got {self.prepared!r})"
+                )
+        elif self.prepared is None:
             require(f"{where}.path", self.path, NAME)
         for name, section in (("columns", ColumnConfig), ("synthetic", SyntheticConfig), ("ranking", RankingConfig)):
             value = getattr(self, name)

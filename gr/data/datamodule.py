@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import lightning
 import numpy as np
@@ -20,13 +21,18 @@ from gr.data.batching import (
     RetrievalTrainBatches,
     SplitBatches,
     identity_collate,
+    ranking_cuts,
+    trainable_users,
 )
 from gr.data.config import DataConfig
 from gr.data.features import ITEM_ID, FeatureSpec, SideFeatures
 from gr.data.mappings import IdMap
+from gr.data.prepared.manifest import SUMMARY_KEYS
+from gr.data.prepared.reader import PreparedData, prepared_directory
+from gr.data.prepared.stream import EpochLoader, PreparedSplit
 from gr.data.readers import read_source
-from gr.data.sampling import UnseenSampler
-from gr.data.sequences import build_sequences, time_split
+from gr.data.sampling import check_room
+from gr.data.sequences import build_sequences, configured_split
 from gr.jagged import concat_ranges
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,10 @@ class SequenceDataModule(lightning.LightningDataModule):
     kept: rows, duplicates dropped or kept, users, items, interactions). With several ranks (the
     trainer's, else an initialised torch.distributed group's), the module shards batches
     itself (run Lightning with ``use_distributed_sampler=False``).
+
+    With ``data.prepared`` (or a ``data.path`` naming a prepared directory) nothing raw is read:
+    maps and side features come from the directory (``prepared``), each rank streams its own shards
+    (``gr.data.prepared.stream``) and ``corpus`` stays None; the batches are those of raw reading.
     """
 
     def __init__(
@@ -54,69 +64,123 @@ class SequenceDataModule(lightning.LightningDataModule):
         self.config = config if isinstance(config, DataConfig) else DataConfig.from_dict(config)
         self.eviction_block = eviction_block  # histories over max_seq_len drop whole blocks (HSTUConfig)
         self.corpus: Optional[Corpus] = None
+        self.prepared: Optional[PreparedData] = None
         self.user_map: Optional[IdMap] = None
         self.item_map: Optional[IdMap] = None
+        self.item_features = SideFeatures()
+        self.user_features = SideFeatures()
+        self.event_features = SideFeatures()
         self.splits: Dict[str, SplitBatches] = {}
         self.summary: Dict[str, Any] = {}
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self, stage: Optional[str] = None) -> None:
-        if self.corpus is not None:
+        if self.corpus is not None or self.prepared is not None:
             return
+        directory = prepared_directory(self.config)
+        if directory is None:
+            self._setup_raw()
+        else:
+            self._setup_prepared(directory)
+
+    def _setup_raw(self) -> None:
         config = self.config
         data = read_source(config)
         base = self.base_maps
         sequences, self.user_map, self.item_map = build_sequences(
             data, config.min_seq_len, config.min_item_interactions, base.get("items")
         )
-        if config.split == "time":
-            assert config.split_time is not None  # DataConfig requires it with the time split
-            sequences.split = time_split(sequences, config.split_time, config.split_end, config.train_start)
+        sequences.split = configured_split(sequences, config)
         self.corpus = Corpus(
             sequences=sequences,
             item_features=SideFeatures.align(data.item_side if config.item_features else None, self.item_map, base),
             user_features=SideFeatures.align(data.user_side if config.user_features else None, self.user_map, base),
-            sampler=UnseenSampler(sequences),
             event_features=SideFeatures.align(sequences.events, IdMap(np.arange(len(sequences.items))), base),
         )
-        log.info(
-            "%s: %d users, %d items, %d interactions",
-            data.source,
-            sequences.num_users,
-            sequences.num_items,
-            len(sequences.items),
-        )
+        self.item_features = self.corpus.item_features
+        self.user_features = self.corpus.user_features
+        self.event_features = self.corpus.event_features
         dropped = data.duplicates if data.duplicates_dropped else 0
-        self.summary = {
-            "source": data.source,
-            "rows_read": len(data.users) + dropped,
-            "duplicates_dropped": dropped,
-            "duplicates_kept": data.duplicates - dropped,
-            "users": sequences.num_users,
-            "items": sequences.num_items,
-            "interactions": len(sequences.items),
-            "split": config.split_summary(),
-        }
+        self._set_summary(
+            {
+                "source": data.source,
+                "rows_read": len(data.users) + dropped,
+                "duplicates_dropped": dropped,
+                "duplicates_kept": data.duplicates - dropped,
+                "users": sequences.num_users,
+                "items": sequences.num_items,
+                "interactions": len(sequences.items),
+            }
+        )
+        ranking = config.ranking
+        row_users, cuts = ranking_cuts(sequences, ranking.positives_per_sample, ranking.samples_per_user)
+        self._check(
+            len(row_users) if config.task == "ranking" else len(trainable_users(sequences)),
+            {split: len(sequences.evaluated_users(split)) for split in ("val", "test")},
+            sequences.ratings is not None,
+            lambda: int(self._corpus().sampler.distinct_seen.max()),
+        )
+        self.splits = self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits(row_users, cuts)
+
+    def _setup_prepared(self, directory: Path) -> None:
+        config = self.config
+        data = PreparedData(directory, config, self.base_maps)
+        self.prepared = data
+        self.user_map, self.item_map = data.user_map, data.item_map
+        self.item_features, self.user_features = data.item_features, data.user_features
+        self.event_features = data.event_features
+        summary = {key: data.manifest.summary[key] for key in SUMMARY_KEYS}
+        self._set_summary({**summary, "items": self.num_items, "prepared": str(directory)})
+        self._check(
+            int(data.counts["train"].sum()),
+            {split: int(data.counts[split].sum()) for split in ("val", "test")},
+            data.manifest.has_ratings,
+            lambda: data.max_seen,
+        )
+
+    def _set_summary(self, read: Dict[str, Any]) -> None:
+        self.summary = {**read, "split": self.config.split_summary()}
+        counts = (read["users"], read["items"], read["interactions"])
+        log.info("%s: %d users, %d items, %d interactions", read["source"], *counts)
+
+    def _check(self, train: int, evaluated: Dict[str, int], has_ratings: bool, most_seen: Callable[[], int]) -> None:
+        """ValueError (one line naming the key) when the split leaves nothing to train or evaluate,
+        or ranking asks for what the data lacks. train: training samples; evaluated: {"val"|"test":
+        users with a target}; most_seen(): the most distinct items of one user (ranking's room)."""
+        config = self.config
         if config.split == "time":
-            self.summary["evaluated_users"] = {s: len(sequences.evaluated_users(s)) for s in ("val", "test")}
-            empty = [s for s, n in self.summary["evaluated_users"].items() if n == 0]
+            self.summary["evaluated_users"] = evaluated
+            empty = [s for s, n in evaluated.items() if n == 0]
             if empty:
                 needed = 1 if empty[0] == "val" else 2
                 raise ValueError(
                     f"data.split_time: no user has a {empty[0]} target (an event before {config.split_time} and "
                     f"{needed} at or after it, before data.split_end when set)"
                 )
-        self.splits = self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits()
+        if config.task == "retrieval":
+            if train == 0:
+                raise ValueError(
+                    f"{config.source}: no user has 2 training events (needs >= 4 interactions); nothing to train on"
+                )
+            return
+        ranking = config.ranking
+        if not has_ratings and any(t.min_rating is not None for t in ranking.tasks):
+            raise ValueError(
+                f"data.ranking.tasks: {config.source} has no ratings; drop min_rating tasks "
+                f"(got {[t.name for t in ranking.tasks]})"
+            )
+        seen = most_seen()
+        check_room(self.num_items, seen, ranking.num_negatives, "data.ranking.num_negatives")
+        check_room(self.num_items, seen, ranking.eval_num_negatives, "data.ranking.eval_num_negatives")
+        if train == 0:
+            raise ValueError(
+                f"data.ranking.positives_per_sample: no user has {ranking.positives_per_sample + 1} training events"
+            )
 
     def _retrieval_splits(self) -> Dict[str, SplitBatches]:
         config, corpus = self.config, self._corpus()
-        train = RetrievalTrainBatches(corpus, config.max_seq_len, config.seed, self.eviction_block)
-        if len(train) == 0:
-            raise ValueError(
-                f"{config.source}: no user has 2 training events (needs >= 4 interactions); nothing to train on"
-            )
         return {
-            "train": train,
+            "train": RetrievalTrainBatches(corpus, config.max_seq_len, config.seed, self.eviction_block),
             **{
                 split: RetrievalEvalBatches(
                     corpus, split, config.max_seq_len, config.seed, config.eval_exclude, self.eviction_block
@@ -125,26 +189,10 @@ class SequenceDataModule(lightning.LightningDataModule):
             },
         }
 
-    def _ranking_splits(self) -> Dict[str, SplitBatches]:
+    def _ranking_splits(self, row_users: np.ndarray, cuts: np.ndarray) -> Dict[str, SplitBatches]:
+        """row_users / cuts: [R] the training samples (``ranking_cuts``)."""
         config, corpus, ranking = self.config, self._corpus(), self.config.ranking
         sequences = corpus.sequences
-        if sequences.ratings is None and any(t.min_rating is not None for t in ranking.tasks):
-            raise ValueError(
-                f"data.ranking.tasks: {config.source} has no ratings; drop min_rating tasks "
-                f"(got {[t.name for t in ranking.tasks]})"
-            )
-        corpus.sampler.check_room(ranking.num_negatives, "data.ranking.num_negatives")
-        corpus.sampler.check_room(ranking.eval_num_negatives, "data.ranking.eval_num_negatives")
-        positives = ranking.positives_per_sample
-        # Training cuts tile each user's training part from its end, `positives` events apart,
-        # keeping >= 1 history event before each cut and each cut at or after the user's label start.
-        ends = sequences.train_ends()
-        room = ends - np.maximum(sequences.starts + 1, sequences.label_starts())
-        per_user = np.clip(np.minimum(ranking.samples_per_user, room // positives), 0, None)
-        row_users = np.repeat(np.arange(sequences.num_users), per_user)
-        cuts = ends[row_users] - positives * (concat_ranges(np.zeros_like(per_user), per_user) + 1)
-        if len(row_users) == 0:
-            raise ValueError(f"data.ranking.positives_per_sample: no user has {positives + 1} training events")
         splits: Dict[str, SplitBatches] = {
             "train": RankingBatches(
                 corpus,
@@ -153,7 +201,7 @@ class SequenceDataModule(lightning.LightningDataModule):
                 config.seed,
                 row_users,
                 cuts,
-                positives,
+                ranking.positives_per_sample,
                 ranking.num_negatives,
                 ranking.tasks,
                 eviction_block=self.eviction_block,
@@ -181,16 +229,21 @@ class SequenceDataModule(lightning.LightningDataModule):
     # ---- what a model is built from ---------------------------------------------------------
     def _corpus(self) -> Corpus:
         if self.corpus is None:
-            raise RuntimeError("SequenceDataModule: call setup() first")
+            raise RuntimeError("SequenceDataModule: call setup() first (a prepared dataset has no corpus)")
         return self.corpus
+
+    def _maps(self) -> Tuple[IdMap, IdMap]:
+        if self.user_map is None or self.item_map is None:
+            raise RuntimeError("SequenceDataModule: call setup() first")
+        return self.user_map, self.item_map
 
     @property
     def num_items(self) -> int:
-        return self._corpus().sequences.num_items
+        return self._maps()[1].cardinality
 
     @property
     def num_users(self) -> int:
-        return self._corpus().sequences.num_users
+        return self._maps()[0].cardinality
 
     @property
     def tasks(self) -> Tuple[str, ...]:
@@ -198,20 +251,20 @@ class SequenceDataModule(lightning.LightningDataModule):
         return self.config.label_names()
 
     def feature_spec(self) -> FeatureSpec:
-        corpus = self._corpus()
-        events = corpus.event_features
-        users = corpus.user_features
+        items, users, events = self.item_features, self.user_features, self.event_features
         return FeatureSpec(
-            sequence={ITEM_ID: self.num_items, **corpus.item_features.cardinalities(), **events.cardinalities()},
+            sequence={ITEM_ID: self.num_items, **items.cardinalities(), **events.cardinalities()},
             common={**users.cardinalities(), **users.list_cardinalities()},
-            token_dense={**corpus.item_features.dims(), **events.dims()},
+            token_dense={**items.dims(), **events.dims()},
             common_dense=users.dims(),
             event_features=[*events.cardinalities(), *events.list_cardinalities(), *events.dims()],
-            token_lists={**corpus.item_features.list_cardinalities(), **events.list_cardinalities()},
+            token_lists={**items.list_cardinalities(), **events.list_cardinalities()},
         )
 
     def popularity(self) -> torch.Tensor:
-        """[num_items] int64: how often each item occurs in the training parts (leave-one-out)."""
+        """[num_items] int64: how often each item occurs in the training parts (of the configured split)."""
+        if self.prepared is not None:
+            return torch.from_numpy(self.prepared.popularity.copy())
         sequences = self._corpus().sequences
         ends = sequences.train_ends()
         train_items = sequences.items[concat_ranges(sequences.starts, ends - sequences.starts)]
@@ -220,21 +273,10 @@ class SequenceDataModule(lightning.LightningDataModule):
     # ---- mappings ---------------------------------------------------------------------------
     def save_mappings(self, directory: str) -> None:
         """Write raw<->dense maps of users, items and categorical side features into ``directory``."""
-        corpus = self._corpus()
-        assert self.user_map is not None and self.item_map is not None  # set with the corpus
-        maps = {
-            "users": self.user_map,
-            "items": self.item_map,
-            **corpus.item_features.vocabularies,
-            **corpus.user_features.vocabularies,
-            **corpus.event_features.vocabularies,
-        }
-        columns = {
-            **corpus.item_features.dense_columns,
-            **corpus.user_features.dense_columns,
-            **corpus.event_features.dense_columns,
-        }
-        mappings.save_mappings(directory, maps, columns)
+        user_map, item_map = self._maps()
+        sides = (self.item_features, self.user_features, self.event_features)
+        maps = {"users": user_map, "items": item_map, **{k: v for f in sides for k, v in f.vocabularies.items()}}
+        mappings.save_mappings(directory, maps, {k: v for f in sides for k, v in f.dense_columns.items()})
 
     @staticmethod
     def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]]]:
@@ -242,18 +284,25 @@ class SequenceDataModule(lightning.LightningDataModule):
         return mappings.load_mappings(directory)
 
     # ---- loaders ------------------------------------------------------------------------------
-    def _loader(self, split: str) -> DataLoader:
-        self._corpus()
-        dataset = self.splits[split]
-        config = self.config
+    def _rank(self) -> Tuple[int, int]:
+        """(rank, world size): the trainer's, else an initialised process group's, else (0, 1)."""
         if self.trainer is not None:
-            rank, world = self.trainer.global_rank, self.trainer.world_size
-        elif dist.is_initialized():  # under torchrun without Lightning (e.g. a benchmark)
-            rank, world = dist.get_rank(), dist.get_world_size()
-        else:
-            rank, world = 0, 1
+            return self.trainer.global_rank, self.trainer.world_size
+        if dist.is_initialized():  # under torchrun without Lightning (e.g. a benchmark)
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _loader(self, split: str) -> DataLoader:
+        config = self.config
+        rank, world = self._rank()
+        if self.prepared is not None:
+            trainer = self.trainer
+            dataset = PreparedSplit(self.prepared, split, rank, world, self.eviction_block)
+            epoch_of = None if trainer is None else (lambda: trainer.current_epoch)
+            return EpochLoader(dataset, config.num_workers, epoch_of)
+        self._corpus()
         plan = BatchPlan(
-            len(dataset),
+            len(self.splits[split]),
             config.batch_size if split == "train" else config.eval_batch_size,
             shuffle=split == "train",
             seed=config.seed,
@@ -261,7 +310,7 @@ class SequenceDataModule(lightning.LightningDataModule):
             world_size=world,
         )
         return DataLoader(
-            dataset,
+            self.splits[split],
             batch_size=None,
             sampler=plan,
             # torch's stub has collate_fn take a list; with batch_size=None it takes each (built) batch

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -60,7 +60,8 @@ class SideFeatures:
         cls, table: Optional[SideTable], ids: IdMap, base: Optional[Mapping[str, IdMap]] = None
     ) -> "SideFeatures":
         """Reorder ``table`` (rows keyed by raw id) to dense ids; ids the table lacks get 0/zeros.
-        base: vocabularies to extend (a warm start's), by feature name."""
+        base: vocabularies to extend (a warm start's, or a prepared dataset's), by feature name:
+        categorical and list features alike."""
         if table is None:
             return cls()
         dense_ids = ids.encode(table.keys, unknown=-1)
@@ -79,10 +80,38 @@ class SideFeatures:
         table_row = np.full(ids.cardinality, -1, dtype=np.int64)
         table_row[dense_ids[known]] = np.flatnonzero(known)
         for name, rows in table.lists.items():
-            vocabulary = IdMap.of(rows.values, offset=1)
+            vocabulary = base[name].extended(rows.values) if base and name in base else IdMap.of(rows.values, offset=1)
             out.lists[name] = rows.with_values(vocabulary.encode(rows.values)).take(table_row)
             out.vocabularies[name] = vocabulary
         return out
+
+    def take(self, index: np.ndarray) -> "SideFeatures":
+        """The rows ``index`` ([M'] int64) of every feature, in that order (vocabularies shared)."""
+        return SideFeatures(
+            {name: column[index] for name, column in self.categorical.items()},
+            {name: matrix[index] for name, matrix in self.dense.items()},
+            self.vocabularies,
+            self.dense_columns,
+            {name: rows.take(index) for name, rows in self.lists.items()},
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence["SideFeatures"]) -> "SideFeatures":
+        """The rows of ``parts`` (the same features and vocabularies each) one after another."""
+        first = parts[0]
+        return cls(
+            {name: np.concatenate([p.categorical[name] for p in parts]) for name in first.categorical},
+            {name: np.concatenate([p.dense[name] for p in parts]) for name in first.dense},
+            first.vocabularies,
+            first.dense_columns,
+            {
+                name: JaggedRows.from_lengths(
+                    np.concatenate([p.lists[name].lengths() for p in parts]),
+                    np.concatenate([p.lists[name].values for p in parts]),
+                )
+                for name in first.lists
+            },
+        )
 
     def cardinalities(self) -> Dict[str, int]:
         """{feature: cardinality} of the single-valued categorical features."""

@@ -53,6 +53,8 @@ class IdMap:
                 f"IdMap.extended: raw ids of kind {values.dtype.kind!r}, the map's are {self.raw.dtype.kind!r}"
             )
         new = values[self.encode(values, unknown=-1) < 0]
+        if not len(new):
+            return self
         return IdMap(np.concatenate([self.raw, new.astype(self.raw.dtype)]) if len(self.raw) else new, self.offset)
 
     @property

@@ -24,12 +24,7 @@ class UnseenSampler:
 
     def check_room(self, count: int, key: str) -> None:
         """Raise ValueError (naming the config ``key``) when some user has fewer than ``count`` unseen items."""
-        room = self.num_items - int(self.distinct_seen.max())
-        if count > room:
-            raise ValueError(
-                f"{key}: {count} negatives per sample, but a user has only {room} unseen items "
-                f"in a catalogue of {self.num_items}"
-            )
+        check_room(self.num_items, int(self.distinct_seen.max()), count, key)
 
     def _is_seen(self, users: np.ndarray, items: np.ndarray) -> np.ndarray:
         keys = users * self.num_items + items
@@ -50,6 +45,17 @@ class UnseenSampler:
             items[bad] = rng.integers(0, self.num_items, size=int(bad.sum()))
         raise RuntimeError(
             f"could not draw {count} distinct unseen items in {MAX_ROUNDS} rounds; lower the number of negatives"
+        )
+
+
+def check_room(num_items: int, most_seen: int, count: int, key: str) -> None:
+    """Raise ValueError (naming the config ``key``) when ``count`` negatives do not fit beside a user
+    who saw ``most_seen`` distinct items of the ``num_items``."""
+    room = num_items - most_seen
+    if count > room:
+        raise ValueError(
+            f"{key}: {count} negatives per sample, but a user has only {room} unseen items "
+            f"in a catalogue of {num_items}"
         )
 
 

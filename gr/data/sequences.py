@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from gr.data.config import DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.mappings import IdMap
 from gr.jagged import evicted_prefix
@@ -114,6 +115,14 @@ def time_split(
     }
     label_starts = starts if train_start is None else starts + per_user(times < train_start)
     return SplitRows(label_starts, train_ends, targets)
+
+
+def configured_split(sequences: UserSequences, config: DataConfig) -> Optional[SplitRows]:
+    """The split ``config.split`` makes of ``sequences``: None (leave-one-out) or ``time_split``'s."""
+    if config.split != "time":
+        return None
+    assert config.split_time is not None  # DataConfig requires it with the time split
+    return time_split(sequences, config.split_time, config.split_end, config.train_start)
 
 
 def build_sequences(

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
+from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings
 from gr.data.popularity import POPULARITY_FILE, load_popularity
@@ -519,17 +520,22 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
     except (OSError, ValueError) as exc:
         raise ExportError(
             f"{run_dir}: the model reads item features {wanted}, which the export stores from the run's "
-            f"training data (data.source {config.data.source!r}, data.path {config.data.path!r}), and that "
+            f"training data (data.source {config.data.source!r}, {_data_location(config.data)}), and that "
             f"data cannot be read: {exc}"
         ) from exc
     maps, _ = load_mappings(str(Path(run_dir) / MAPPINGS_DIR))
     trained = maps.get("items")
-    assert data.item_map is not None and data.corpus is not None  # set by setup()
+    assert data.item_map is not None  # set by setup()
     if trained is None or not np.array_equal(trained.raw, data.item_map.raw):
         raise ExportError(
-            f"{run_dir}: the items of data.path {config.data.path!r} differ from those the run was trained on "
+            f"{run_dir}: the items of {_data_location(config.data)} differ from those the run was trained on "
             f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
         )
-    item_side = data.corpus.item_features
+    item_side = data.item_features
     side: Dict[str, Column] = {**item_side.categorical, **item_side.dense, **item_side.lists}
     return {f: side[f] for f in wanted if f in side}
+
+
+def _data_location(data: DataConfig) -> str:
+    """Where a run's data is read from, as its config names it: data.prepared, else data.path."""
+    return f"data.prepared {data.prepared!r}" if data.prepared is not None else f"data.path {data.path!r}"

@@ -492,11 +492,13 @@ class TrainConfig:
                 raise ValueError(f"task.ranking.task_weights: {unknown} are not data.ranking.tasks {sorted(tasks)}")
 
     def self_contained(self) -> "TrainConfig":
-        """The config as a run records it, readable from any working directory: ``data.path``
-        absolute, ``model.code_path`` naming where its classes came from (``with_code_roots``)."""
+        """The config as a run records it, readable from any working directory: ``data.path`` and
+        ``data.prepared`` absolute, ``model.code_path`` naming where its classes came from (``with_code_roots``)."""
         data, trainer = self.data, self.trainer
         if data.path is not None and not Path(data.path).is_absolute():
             data = replace(data, path=str(Path(data.path).resolve()))
+        if data.prepared is not None and not Path(data.prepared).is_absolute():
+            data = replace(data, prepared=str(Path(data.prepared).resolve()))
         if trainer.init_from is not None:
             trainer = replace(trainer, init_from=str(Path(trainer.init_from).resolve()))
         return replace(self, data=data, trainer=trainer, model=self.model.with_code_roots())

@@ -32,6 +32,8 @@ KNOWN_WARNINGS: Tuple[Tuple[Type[Warning], str], ...] = (
     # GRTrainingModule.transfer_batch_to_device is meant to be used (ids go where the tables are):
     # Lightning only says it picks the module's hook over the data module's default one.
     (UserWarning, r"You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a"),
+    # A prepared dataset's batches (gr.data.prepared.stream) count exactly what every DataLoader worker yields.
+    (UserWarning, r"Your `IterableDataset` has `__len__` defined\. In combination with multi-process data loading"),
     # `gr train` refuses an --out that holds checkpoints, so this fires on --resume only, where it must exist.
     (UserWarning, r"Checkpoint directory .* exists and is not empty\.$"),
     # ONNX export names a dynamic axis once: the token features of a PrefixDNN reading several (and the
