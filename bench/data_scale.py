@@ -2,7 +2,7 @@
 
     python bench/data_scale.py [--sizes 1000000 10000000] [--memory-limit 4GB] [--steps 40]
     python bench/data_scale.py --sizes 1000000 10000000 100000000     # the 100 M point (minutes, ~5 GB of disk)
-    python bench/data_scale.py --smoke                                 # 20,000 interactions: checks it runs
+    python bench/data_scale.py --smoke                                 # 350,000 interactions: checks it runs
 
 The source: synthetic interactions (user_id, item_id, timestamp) with MovieLens-1M's per-user lengths
 (``bench_data.ml1m_lengths``: mean 166) over ML-1M's 3,706 items (Zipf popularity), written as a
@@ -42,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 import smoke  # noqa: E402
 from bench_data import ML1M_ITEMS, ml1m_lengths  # noqa: E402
 from memory import cpu, load_average, peak_resident_bytes  # noqa: E402
@@ -55,9 +57,6 @@ SOURCE = [("data.source", "parquet"), ("data.eval_exclude", "window")]
 def write_source(directory: Path, interactions: int, seed: int = 0) -> Dict[str, int]:
     """Write ``directory/part-NNNNN.parquet`` (user_id, item_id, timestamp int64) with about
     ``interactions`` rows -> {"interactions", "users"}. Memory: one file's rows at a time."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rng = np.random.default_rng(seed)
     lengths = ml1m_lengths(max(interactions // 166, 8), rng)
     popularity = 1.0 / np.arange(1, ML1M_ITEMS + 1)
@@ -116,7 +115,7 @@ def train_phase(data: Path, prepared: bool, steps: int, work: Path) -> None:
             *where,
             ("trainer.max_epochs", "1"),
             ("trainer.limit_train_batches", str(steps)),
-            ("trainer.limit_val_batches", "0"),
+            ("trainer.check_val_every_n_epoch", "2"),  # no validation
             ("trainer.enable_progress_bar", "false"),
         ],
     )
@@ -151,8 +150,9 @@ def two_ranks(prepared: Path, work: Path) -> Dict[str, Any]:
     from gr.data.datamodule import SequenceDataModule
     from gr.train.config import load_config
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    work.mkdir()
     done = subprocess.run(
         [*command, __file__, "--phase", "ranks", "--data", str(prepared), "--work", str(work)],
         capture_output=True,
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
-    args, _ = smoke.parse_args(parser, {"sizes": [20_000], "steps": 3}, argv)
+    args, _ = smoke.parse_args(parser, {"sizes": [350_000], "steps": 5}, argv)
     if args.phase == "prepare":
         return prepare_phase(args.data, args.work, args.memory_limit)
     if args.phase == "train":
@@ -227,12 +227,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "train_peak_gib": trained["peak_bytes"] / GIB,
                 "train_steps_per_s": trained["steps_per_s"],
             }
-            if not sizes:
+            if not sizes:  # the raw readers take one file: the smallest source's files as one
+                raw_file = work / "raw.parquet"
+                pq.write_table(pq.read_table(source), raw_file)
                 raw = in_own_process(
                     "--phase",
                     "train",
                     "--data",
-                    str(source),
+                    str(raw_file),
                     "--work",
                     str(work / "run-raw"),
                     "--steps",
