@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_BENCHMARKS = {"smoke.py", "_peak.py"}  # modules the benchmarks import
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
 # Run by tests/test_benches_training.py: a second module, so the suite's two workers share the smoke runs.
-TRAINING_BENCHES = {"train_step", "ab_steps", "memory", "train_dedup", "bench_data", "prepared_stream"}
+TRAINING_BENCHES = {"train_step", "ab_steps", "memory", "train_dedup", "bench_data", "data_scale"}
 
 
 @dataclass(frozen=True)
@@ -97,42 +97,18 @@ BENCHES = (
         ),
     ),
     Bench(
-        "bench/prepare_duckdb.py",
+        "bench/data_scale.py",
         (
-            "rows",
-            "format",
-            "users",
-            "interactions",
+            "bench",
             "memory_limit",
-            "threads",
-            "prepare_seconds",
-            "prepare_rss_after_imports_mb",
-            "prepare_peak_rss_mb",
-            "in_memory_seconds",
-            "in_memory_rss_after_imports_mb",
-            "in_memory_peak_rss_mb",
-            "duckdb_version",
-            "cpus",
-            "load_average",
-        ),
-    ),
-    Bench(
-        "bench/prepared_stream.py",
-        (
-            "rows",
-            "users",
-            "interactions",
-            "shards",
-            "batches",
-            "raw_setup_seconds",
-            "raw_epoch_seconds",
-            "raw_rss_after_imports_mb",
-            "raw_peak_rss_mb",
-            "prepared_setup_seconds",
-            "prepared_epoch_seconds",
-            "prepared_rss_after_imports_mb",
-            "prepared_peak_rss_mb",
-            "cpus",
+            "steps",
+            "sizes",
+            "raw_smallest",
+            "ratios",
+            "ranks",
+            "targets",
+            "cpu",
+            "cpu_flags",
             "load_average",
         ),
     ),
