@@ -18,10 +18,12 @@ resident set (``VmHWM``) is its own:
   prepared data: the users each rank saw (disjoint? all training users once?), steps per rank and
   each rank's peak RSS.
 Prints a table, the CPU and load average; the last line is one JSON object: sizes (per size:
-interactions, users, prepare_s, prepare_peak_gib, train_peak_gib, train_steps_per_s), raw_1st
-(train_peak_gib, train_steps_per_s), ratios (train peak largest/smallest, prepared/raw steps/s at
-the smallest), ranks (steps, users, disjoint, every_user_once, peak_gib per rank), targets, cpu,
-load_average.
+interactions, users, prepare_s, prepare_peak_gib, prepare_above_imports_gib, train_peak_gib,
+train_above_imports_gib, train_steps_per_s), raw_smallest (train_peak_gib, train_above_imports_gib,
+train_steps_per_s), ratios (train peak largest/smallest, prepared/raw steps/s at the smallest),
+ranks (steps, users, disjoint, every_user_once, peak_gib and above_imports_gib per rank), targets,
+cpu, load_average. "above imports": the peak less the process's peak once its modules are imported
+(torch, Lightning, gr: ~0.45 GiB), i.e. what the data, the model and the steps add.
 """
 
 from __future__ import annotations
@@ -90,13 +92,19 @@ def in_own_process(*flags: str) -> Dict[str, Any]:
 def prepare_phase(source: Path, out: Path, memory_limit: str) -> None:
     """--phase prepare: prints {"seconds", "peak_bytes"} of preparing ``source`` into ``out``."""
     from gr.commands.data import prepare
+    from gr.data.prepared import duckdb_engine  # noqa: F401 (imported before the baseline, as prepare would)
 
+    imports = peak_resident_bytes()
     start = time.perf_counter()
     overrides = [arg for key, value in [*SOURCE, ("data.path", str(source))] for arg in (f"--{key}", value)]
     status = prepare(["--config", str(RECIPE), "--out", str(out), "--memory-limit", memory_limit, *overrides])
     if status:
         raise SystemExit(status)
-    print(json.dumps({"seconds": time.perf_counter() - start, "peak_bytes": peak_resident_bytes()}))
+    print(
+        json.dumps(
+            {"seconds": time.perf_counter() - start, "peak_bytes": peak_resident_bytes(), "imports_bytes": imports}
+        )
+    )
 
 
 def train_phase(data: Path, prepared: bool, steps: int, work: Path) -> None:
@@ -106,6 +114,7 @@ def train_phase(data: Path, prepared: bool, steps: int, work: Path) -> None:
 
     from gr.train.config import load_config
 
+    imports = peak_resident_bytes()
     where = [("data.prepared", str(data))] if prepared else []
     config = load_config(
         RECIPE,
@@ -120,7 +129,8 @@ def train_phase(data: Path, prepared: bool, steps: int, work: Path) -> None:
         ],
     )
     clock = epoch_seconds(config, work)
-    print(json.dumps({"steps_per_s": clock["loop_steps"] / clock["loop_seconds"], "peak_bytes": peak_resident_bytes()}))
+    steps_per_s = clock["loop_steps"] / clock["loop_seconds"]
+    print(json.dumps({"steps_per_s": steps_per_s, "peak_bytes": peak_resident_bytes(), "imports_bytes": imports}))
 
 
 def ranks_phase(prepared: Path, out: Path) -> None:
@@ -131,6 +141,7 @@ def ranks_phase(prepared: Path, out: Path) -> None:
     from gr.data.datamodule import SequenceDataModule
     from gr.train.config import load_config
 
+    imports = peak_resident_bytes()
     dist.init_process_group("gloo")
     config = load_config(RECIPE, [*SOURCE, ("data.path", str(prepared)), ("data.prepared", str(prepared))])
     data = SequenceDataModule(config.data)
@@ -140,7 +151,7 @@ def ranks_phase(prepared: Path, out: Path) -> None:
     for batch in data.train_dataloader():
         users += batch.labels["user"].tolist()
         steps += 1
-    record = {"users": users, "steps": steps, "peak_bytes": peak_resident_bytes()}
+    record = {"users": users, "steps": steps, "peak_bytes": peak_resident_bytes(), "imports_bytes": imports}
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
@@ -174,6 +185,7 @@ def two_ranks(prepared: Path, work: Path) -> Dict[str, Any]:
         "disjoint": len(np.intersect1d(seen[0], seen[1])) == 0,
         "every_user_once": bool(np.array_equal(together, expected)),
         "peak_gib": [r["peak_bytes"] / GIB for r in records],
+        "above_imports_gib": [(r["peak_bytes"] - r["imports_bytes"]) / GIB for r in records],
     }
 
 
@@ -224,7 +236,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 **counts,
                 "prepare_s": prep["seconds"],
                 "prepare_peak_gib": prep["peak_bytes"] / GIB,
+                "prepare_above_imports_gib": (prep["peak_bytes"] - prep["imports_bytes"]) / GIB,
                 "train_peak_gib": trained["peak_bytes"] / GIB,
+                "train_above_imports_gib": (trained["peak_bytes"] - trained["imports_bytes"]) / GIB,
                 "train_steps_per_s": trained["steps_per_s"],
             }
             if not sizes:  # the raw readers take one file: the smallest source's files as one
@@ -241,12 +255,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     str(args.steps),
                     "--raw",
                 )
-                raw_first = {"train_peak_gib": raw["peak_bytes"] / GIB, "train_steps_per_s": raw["steps_per_s"]}
+                raw_first = {
+                    "train_peak_gib": raw["peak_bytes"] / GIB,
+                    "train_above_imports_gib": (raw["peak_bytes"] - raw["imports_bytes"]) / GIB,
+                    "train_steps_per_s": raw["steps_per_s"],
+                }
                 ranks = two_ranks(prepared, work / "ranks")
             sizes.append(point)
             print(
                 f"{counts['interactions']:>12,} interactions: prepare {point['prepare_s']:.1f} s, peak "
-                f"{point['prepare_peak_gib']:.2f} GiB; train peak {point['train_peak_gib']:.2f} GiB, "
+                f"{point['prepare_peak_gib']:.2f} GiB; train peak {point['train_peak_gib']:.2f} GiB "
+                f"({point['train_above_imports_gib']:.2f} above imports), "
                 f"{point['train_steps_per_s']:.2f} steps/s",
                 flush=True,
             )
@@ -275,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "load_average": {"start": start_load, "end": load_average()},
     }
     print(
-        f"raw at {first['interactions']:,}: train peak {raw_first['train_peak_gib']:.2f} GiB, "
+        f"raw at {first['interactions']:,}: train peak {raw_first['train_peak_gib']:.2f} GiB "
+        f"({raw_first['train_above_imports_gib']:.2f} above imports), "
         f"{raw_first['train_steps_per_s']:.2f} steps/s; two ranks: steps {ranks['steps']}, users {ranks['users']}, "
         f"disjoint {ranks['disjoint']}, every user once {ranks['every_user_once']}"
     )
