@@ -1,6 +1,7 @@
 """The ``gr`` command: one entry point with git-style subcommands.
 
-``gr train | export | check | serve | rank | recommend | generate | evaluate | predict | plan | data download``.
+``gr train | export | check | serve | rank | recommend | generate | evaluate | predict | plan | data download |
+data prepare``.
 Each subcommand forwards its arguments to its module in ``gr.commands`` (``train``, ``export``,
 ``serve``, ``evaluate``, ``predict``, ``plan``, ``data``), imported only when chosen (by name, through
 importlib: the only lazy loading of ``gr`` modules here), so ``gr --help`` and ``gr data download``
@@ -46,13 +47,17 @@ COMMANDS: Dict[str, Command] = {
         "gr.commands.predict", "main", "score a Parquet file of users (candidates or top-k) with an export"
     ),
     "plan": Command("gr.commands.plan", "main", "parameter counts and memory per rank for a recipe"),
-    "data": Command("gr.commands.data", "main", "gr data download NAME DIR: fetch a public dataset"),
+    "data": Command(
+        "gr.commands.data",
+        "main",
+        "gr data download NAME DIR: fetch a public dataset; gr data prepare --config C --out DIR: prepare it",
+    ),
     "items": Command("gr.commands.items", "main", "gr items add EXPORT ITEMS --out NEW: new items, no retraining"),
 }
-# Commands that take a subcommand: {command: (its subcommands, an example)}.
+# Commands that take a subcommand: {command: ({subcommand: its function in the command's module}, an example)}.
 SUBCOMMANDS = {
-    "data": (("download",), "gr data download ml-1m DIR"),
-    "items": (("add",), "gr items add exports/e new_items.csv --out exports/e2"),
+    "data": ({"download": "main", "prepare": "prepare"}, "gr data download ml-1m DIR"),
+    "items": ({"add": "main"}, "gr items add exports/e new_items.csv --out exports/e2"),
 }
 
 
@@ -70,13 +75,15 @@ def resolve(argv: Sequence[str]) -> tuple[Optional[Callable[[List[str]], int]], 
     name, rest = argv[0], list(argv[1:])
     if name not in COMMANDS:
         return None, [], f"gr: unknown command {name!r}; expected one of {sorted(COMMANDS)}"
+    command = COMMANDS[name]
+    function_name = command.function
     if name in SUBCOMMANDS:
         subcommands, example = SUBCOMMANDS[name]
         if not rest or rest[0] not in subcommands:
             return None, [], f"gr {name}: expected a subcommand {list(subcommands)}, e.g. {example}"
+        function_name = subcommands[rest[0]]
         rest = rest[1:]
-    command = COMMANDS[name]
-    function = getattr(importlib.import_module(command.module), command.function)
+    function = getattr(importlib.import_module(command.module), function_name)
     return function, [*command.prefix, *rest], ""
 
 

@@ -1,17 +1,29 @@
 """``gr data download NAME DIR``: fetch a public dataset (``gr.data.download``) and print what it holds.
+``gr data prepare --config C --out DIR``: write the prepared sequence dataset of a config's data section
+(``gr.data.prepared``) with an engine (DuckDB, or Spark).
 
-Imports no torch (``gr.data.download`` reads with numpy), like ``gr --help``.
+Imports no torch (``gr.data.download`` reads with numpy), like ``gr --help``; ``gr data prepare``
+imports the data stack (and its engine) once its arguments are parsed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from gr.data.download import DATASETS, DownloadError, download_dataset
-from gr.utils.cli_errors import USAGE_EXIT_STATUS, one_line
+from gr.utils.cli_errors import USAGE_EXIT_STATUS, one_line, run_cli
+
+# --engine NAME -> (module, function): prepare(config, out, **options) -> PreparedManifest (``_engine_options``)
+ENGINES = {
+    "duckdb": ("gr.data.prepared.duckdb_engine", "prepare_with_duckdb"),
+    "spark": ("gr.data.prepared.spark_engine", "prepare_with_spark"),
+}
 
 
 def describe() -> str:
@@ -63,5 +75,88 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(
         f"{args.name}: {record['interactions']:,} interactions, {record['items']:,} items in {args.dir} "
         f"(sha256 {record['sha256']})"
+    )
+    return 0
+
+
+def prepare_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gr data prepare",
+        description="Read the source a config's data section declares (csv, parquet: a file or a directory of "
+        "partition files; ml-100k, ml-1m, ml-20m, amazon) and write a prepared dataset DIR: id maps, side "
+        "tables and per-user sequence shards, for training with data.prepared: DIR. Any data key can be "
+        "overridden by its dotted path, e.g. --data.path data/ml-1m --data.min_seq_len 5",
+    )
+    parser.add_argument("--config", required=True, help="recipe YAML (its data: section is read)")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="the prepared dataset to write")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="duckdb", help="default: duckdb")
+    parser.add_argument(
+        "--memory-limit", help="the engine's memory (duckdb: its memory_limit, default 4GB; spark: its heap, e.g. 8g)"
+    )
+    parser.add_argument("--threads", type=int, help="the engine's threads (spark: local[N]; default: one per core)")
+    parser.add_argument(
+        "--users-per-shard", type=int, help="users per shard file (default: 16 row groups of 1024 users)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    return parser
+
+
+def prepare(argv: Optional[Sequence[str]] = None) -> int:
+    """``gr data prepare``: bad input ends in one line on stderr and exit status 2."""
+    parser = prepare_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    # The config and data stack import torch: only here, so gr data download and --help go without.
+    from gr.commands.train import parse_overrides
+
+    overrides = parse_overrides(parser, rest)
+    outside = [key for key, _ in overrides if not key.startswith("data.")]
+    if outside:
+        parser.error(f"--{outside[0]}: gr data prepare reads the data section only (override data.* keys)")
+    return run_cli("gr data prepare", lambda: _prepare(args, overrides))
+
+
+def _engine_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine function's keyword arguments from the command line (each engine names them its own way)."""
+    options: Dict[str, Any] = {}
+    if args.engine == "spark":
+        if args.overwrite:
+            raise ValueError("--overwrite: the spark engine writes a new DIR only; remove the old one first")
+        options.update({"master": f"local[{args.threads}]"} if args.threads else {})
+        options.update({"memory": args.memory_limit} if args.memory_limit else {})
+    else:
+        options.update(threads=args.threads, overwrite=args.overwrite)
+        options.update({"memory_limit": args.memory_limit} if args.memory_limit else {})
+    if args.users_per_shard is not None:
+        options["users_per_shard"] = args.users_per_shard
+    return options
+
+
+def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> int:
+    module, function = ENGINES[args.engine]
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"--engine {args.engine}: this installation has no {module} module")
+    from gr.data.config import DataConfig  # see prepare(): imported once the arguments parse
+    from gr.train.config import apply_override, parse_value, read_yaml
+
+    path = Path(args.config)
+    try:
+        values = read_yaml(path.read_text(encoding="utf8"))
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read the config ({error})") from None
+    sections: Dict[str, Any] = values if isinstance(values, dict) else {}
+    data = sections.get("data") if isinstance(sections.get("data"), dict) else {}
+    for dotted, text in overrides:
+        apply_override({"data": data}, dotted, parse_value(text))
+    try:
+        config = DataConfig.from_dict(data)
+    except ValueError as error:
+        given = " ".join(f"--{k} {v}" for k, v in overrides)
+        raise ValueError(f"{given + ' (command line, over ' + str(path) + ')' if given else path}: {error}") from None
+    logging.getLogger("gr.data").setLevel(logging.INFO)  # each stage's counts and seconds
+    manifest = getattr(importlib.import_module(module), function)(config, args.out, **_engine_options(args))
+    summary = manifest.summary
+    print(
+        f"{args.out}: {summary['users']:,} users, {summary['items']:,} items, {summary['interactions']:,} "
+        f"interactions in {len(manifest.shards)} shards ({args.engine} {manifest.engine_version})"
     )
     return 0

@@ -18,6 +18,7 @@ import io
 import logging
 import math
 import re
+from dataclasses import dataclass
 from decimal import ROUND_FLOOR, Decimal
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -77,15 +78,11 @@ def read_delimited(
     """
     wanted = {name: kind for name, kind in columns if kind != "skip"}
     names = [name for name, _ in columns]
-    first = _first_line(path, encoding)
-    if first is None:
-        raise DataFormatError(path, "empty file (empty dataset)")
+    check_first_line(path, names, delimiter, header, encoding, quoted)
     source: object = str(path)
     text_delimiter = delimiter
     if delimiter == "::":
         source, text_delimiter = io.BytesIO(path.read_bytes().replace(b"::", b"\x1f")), "\x1f"
-    if header != "none":
-        _check_header(path, first, names, delimiter, header, quoted)
     read = pacsv.ReadOptions(
         column_names=None if header != "none" else names, encoding=encoding, autogenerate_column_names=False
     )
@@ -107,13 +104,28 @@ def read_delimited(
     except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
         arrow_error = str(error).splitlines()[0]
     if values is None:
-        bad = _first_bad_line(path, columns, delimiter, header, encoding, quoted)
-        if bad is None:
-            raise DataFormatError(path, f"could not be parsed ({arrow_error})")
-        raise DataFormatError(path, bad[1], line=bad[0])
+        raise bad_line_error(path, columns, delimiter, header, encoding, quoted, arrow_error)
     if table.num_rows == 0:
         raise DataFormatError(path, "no data rows (empty dataset)")
     return values
+
+
+def bad_line_error(
+    path: Path,
+    columns: Sequence[Tuple[str, str]],
+    delimiter: str,
+    header: str = "none",
+    encoding: str = "utf8",
+    quoted: bool = False,
+    reason: str = "",
+) -> DataFormatError:
+    """The error of a file ``read_delimited`` (with these arguments) cannot take: ``file:line:`` and
+    what is wrong on its first malformed line (found by a streaming scan), or ``could not be parsed
+    (reason)`` when every line is well formed (``reason``: the parser's own error)."""
+    bad = _first_bad_line(path, columns, delimiter, header, encoding, quoted)
+    if bad is None:
+        return DataFormatError(path, f"could not be parsed ({reason})")
+    return DataFormatError(path, bad[1], line=bad[0])
 
 
 def _to_numpy(column: pa.ChunkedArray, kind: str) -> Optional[np.ndarray]:
@@ -198,6 +210,18 @@ def _first_line(path: Path, encoding: str) -> Optional[str]:
     return None
 
 
+def check_first_line(
+    path: Path, names: Sequence[str], delimiter: str, header: str, encoding: str = "utf8", quoted: bool = False
+) -> None:
+    """Refuse a blank file, and (header "expect" / "select", as ``read_delimited``) a first line
+    that is not / does not hold the header of ``names``: reads the first line only."""
+    first = _first_line(path, encoding)
+    if first is None:
+        raise DataFormatError(path, "empty file (empty dataset)")
+    if header != "none":
+        _check_header(path, first, names, delimiter, header, quoted)
+
+
 def _check_header(path: Path, first: str, names: Sequence[str], delimiter: str, header: str, quoted: bool) -> None:
     found = next(csv.reader([first], delimiter=delimiter, quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE))
     if header == "expect" and found != list(names):
@@ -247,6 +271,13 @@ def _valid(value: str, kind: str) -> bool:
 # ---- MovieLens -------------------------------------------------------------------------
 
 
+def empty_list_value(cell: str, separator: str) -> str:
+    """The message of a list cell holding an empty value."""
+    return (
+        f"an empty value in the list {cell!r} (values are separated by {separator!r}; an empty cell is an empty list)"
+    )
+
+
 def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str], DataFormatError]) -> JaggedRows:
     """cells: [M] str, each a list of values joined by ``separator`` ("" is the empty list) ->
     M rows of str values. An empty value inside a list (``"a||b"``, ``"a|"``) raises
@@ -259,11 +290,7 @@ def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str]
     empty = np.flatnonzero(values == "")
     if len(empty):
         row = int(parents[keep][empty[0]])
-        raise bad_cell(
-            row,
-            f"an empty value in the list {str(cells[row])!r} (values are separated by "
-            f"{separator!r}; an empty cell is an empty list)",
-        )
+        raise bad_cell(row, empty_list_value(str(cells[row]), separator))
     lengths = np.where(filled, pc.list_value_length(lists).to_numpy(), 0)
     return JaggedRows.from_lengths(lengths, values)
 
@@ -289,10 +316,56 @@ def _genre_lists(path: Path, labels: np.ndarray) -> JaggedRows:
     )
 
 
-def _ratings(path: Path, columns: Dict[str, np.ndarray]) -> Interactions:
-    return Interactions(
-        columns["user"], columns["item"], columns["timestamp"], columns["rating"].astype(np.float32), source=str(path)
-    )
+@dataclass(frozen=True)
+class RatingsFile:
+    """A built-in source's ratings file: its name inside the source's directory ("" when
+    ``data.path`` is the file itself), what it holds (for the missing-file message), and how
+    ``read_delimited`` reads it: ``columns`` are (user, item, rating, timestamp) in that order."""
+
+    name: str
+    what: str
+    columns: Tuple[Tuple[str, str], ...]
+    delimiter: str
+    header: str = "none"
+
+    def find(self, path: str) -> Path:
+        """The file under ``path`` (``data.path``); a missing one raises FileNotFoundError naming it."""
+        return _require_file(Path(path) / self.name if self.name else Path(path), self.what)
+
+    def read(self, file: Path) -> Interactions:
+        columns = read_delimited(file, self.columns, self.delimiter, header=self.header)
+        user, item, rating, timestamp = (columns[name] for name, _ in self.columns)
+        return Interactions(user, item, timestamp, rating.astype(np.float32), source=str(file))
+
+
+RATINGS_FILES = {
+    "ml-100k": RatingsFile(
+        "u.data",
+        "MovieLens-100K ratings: user<TAB>item<TAB>rating<TAB>timestamp",
+        tuple(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)),
+        "\t",
+    ),
+    "ml-1m": RatingsFile(
+        "ratings.dat",
+        "MovieLens-1M ratings: UserID::MovieID::Rating::Timestamp",
+        tuple(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)),
+        "::",
+    ),
+    "ml-20m": RatingsFile(
+        "ratings.csv",
+        "MovieLens-20M ratings: userId,movieId,rating,timestamp",
+        tuple(zip(("userId", "movieId", "rating", "timestamp"), RATING_KINDS)),
+        ",",
+        header="expect",
+    ),
+    "amazon": RatingsFile(
+        "",
+        "Amazon ratings: user,item,rating,timestamp without header",
+        tuple(zip(("user", "item", "rating", "timestamp"), ("str", "str", "float", "int"))),
+        ",",
+    ),
+}
+SideTables = Tuple[Optional[SideTable], Optional[SideTable]]
 
 
 def _optional(path: Path, wanted: bool, name: str) -> bool:
@@ -301,20 +374,10 @@ def _optional(path: Path, wanted: bool, name: str) -> bool:
     return wanted and path.is_file()
 
 
-def read_ml_100k(
-    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
-) -> Interactions:
-    """MovieLens-100K: ``u.data`` (tab: user item rating timestamp), optional ``u.item``
-    (``id|title|release|video release|url|19 genre flags``, latin-1) and ``u.user``
-    (``id|age|gender|occupation|zip``). Side features: item_genres ([19] multi-hot, or the
-    genre names as a list-valued feature: ``genres="list"``); user_age (bucketed like ML-1M),
-    user_gender, user_occupation."""
-    root = Path(directory)
-    ratings_file = _require_file(root / "u.data", "MovieLens-100K ratings: user<TAB>item<TAB>rating<TAB>timestamp")
-    data = _ratings(
-        ratings_file,
-        read_delimited(ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "\t"),
-    )
+def ml_100k_side_tables(root: Path, item_features: bool, user_features: bool, genres: str) -> SideTables:
+    """(item side, user side) of MovieLens-100K in ``root`` (``read_ml_100k`` says which); None
+    for a table not wanted or whose file is absent."""
+    item_side = user_side = None
     if _optional(root / "u.item", item_features, "item"):
         names = _ml_100k_genres(root / "u.genre")
         flags = [f"genre_{i}" for i in range(len(names))]
@@ -332,19 +395,30 @@ def read_ml_100k(
             rows, codes = np.nonzero(flagged)
             lengths = np.bincount(rows, minlength=len(flagged))
             labels = JaggedRows.from_lengths(lengths, np.asarray(names)[codes])
-            data.item_side = SideTable(items["item"], lists={ML_GENRES: labels})
+            item_side = SideTable(items["item"], lists={ML_GENRES: labels})
         else:
             multi_hot = {ML_GENRES: flagged.astype(np.float32)}
-            data.item_side = SideTable(items["item"], dense=multi_hot, dense_columns={ML_GENRES: names})
+            item_side = SideTable(items["item"], dense=multi_hot, dense_columns={ML_GENRES: names})
     if _optional(root / "u.user", user_features, "user"):
         layout = [("user", "int"), ("age", "int"), ("gender", "str"), ("occupation", "str"), ("zip", "skip")]
         users = read_delimited(root / "u.user", layout, "|")
         buckets = np.asarray(ML_AGE_BUCKETS)[np.digitize(users["age"], ML_AGE_BUCKETS[1:])]
-        data.user_side = SideTable(
+        user_side = SideTable(
             users["user"],
             categorical={"user_age": buckets, "user_gender": users["gender"], "user_occupation": users["occupation"]},
         )
-    return data
+    return item_side, user_side
+
+
+def read_ml_100k(
+    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
+) -> Interactions:
+    """MovieLens-100K: ``u.data`` (tab: user item rating timestamp), optional ``u.item``
+    (``id|title|release|video release|url|19 genre flags``, latin-1) and ``u.user``
+    (``id|age|gender|occupation|zip``). Side features: item_genres ([19] multi-hot, or the
+    genre names as a list-valued feature: ``genres="list"``); user_age (bucketed like ML-1M),
+    user_gender, user_occupation."""
+    return _read_movielens("ml-100k", directory, item_features, user_features, genres)
 
 
 def _ml_100k_genres(path: Path) -> List[str]:
@@ -355,28 +429,19 @@ def _ml_100k_genres(path: Path) -> List[str]:
     return [str(n) for n in columns["name"][np.argsort(columns["index"], kind="stable")]]
 
 
-def read_ml_1m(
-    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
-) -> Interactions:
-    """MovieLens-1M: ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``), optional
-    ``movies.dat`` (``MovieID::Title::Genres``, genres pipe-separated, latin-1) and
-    ``users.dat`` (``UserID::Gender::Age::Occupation::Zip-code``)."""
-    root = Path(directory)
-    ratings_file = _require_file(root / "ratings.dat", "MovieLens-1M ratings: UserID::MovieID::Rating::Timestamp")
-    data = _ratings(
-        ratings_file,
-        read_delimited(ratings_file, list(zip(("user", "item", "rating", "timestamp"), RATING_KINDS)), "::"),
-    )
+def ml_1m_side_tables(root: Path, item_features: bool, user_features: bool, genres: str) -> SideTables:
+    """(item side, user side) of MovieLens-1M in ``root`` (``read_ml_1m`` says which)."""
+    item_side = user_side = None
     if _optional(root / "movies.dat", item_features, "item"):
         movies = read_delimited(
             root / "movies.dat", [("item", "int"), ("title", "skip"), ("genres", "str")], "::", encoding="latin-1"
         )
         dense, dense_columns, lists = _genres(_genre_lists(root / "movies.dat", movies["genres"]), genres)
-        data.item_side = SideTable(movies["item"], dense=dense, dense_columns=dense_columns, lists=lists)
+        item_side = SideTable(movies["item"], dense=dense, dense_columns=dense_columns, lists=lists)
     if _optional(root / "users.dat", user_features, "user"):
         layout = [("user", "int"), ("gender", "str"), ("age", "int"), ("occupation", "int"), ("zip", "skip")]
         users = read_delimited(root / "users.dat", layout, "::")
-        data.user_side = SideTable(
+        user_side = SideTable(
             users["user"],
             categorical={
                 "user_age": users["age"],
@@ -384,7 +449,31 @@ def read_ml_1m(
                 "user_occupation": users["occupation"],
             },
         )
-    return data
+    return item_side, user_side
+
+
+def read_ml_1m(
+    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
+) -> Interactions:
+    """MovieLens-1M: ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``), optional
+    ``movies.dat`` (``MovieID::Title::Genres``, genres pipe-separated, latin-1) and
+    ``users.dat`` (``UserID::Gender::Age::Occupation::Zip-code``)."""
+    return _read_movielens("ml-1m", directory, item_features, user_features, genres)
+
+
+def ml_20m_side_tables(root: Path, item_features: bool, user_features: bool, genres: str) -> SideTables:
+    """(item side, None) of MovieLens-20M in ``root`` (``read_ml_20m`` says which): it has no user file."""
+    if not _optional(root / "movies.csv", item_features, "item"):
+        return None, None
+    movies = read_delimited(
+        root / "movies.csv",
+        [("movieId", "int"), ("title", "skip"), ("genres", "str")],
+        ",",
+        header="expect",
+        quoted=True,
+    )
+    dense, dense_columns, lists = _genres(_genre_lists(root / "movies.csv", movies["genres"]), genres)
+    return SideTable(movies["movieId"], dense=dense, dense_columns=dense_columns, lists=lists), None
 
 
 def read_ml_20m(
@@ -392,39 +481,30 @@ def read_ml_20m(
 ) -> Interactions:
     """MovieLens-20M: ``ratings.csv`` with header ``userId,movieId,rating,timestamp`` (ratings
     like 3.5), optional ``movies.csv`` (``movieId,title,genres``, quoted titles). No user file."""
-    root = Path(directory)
-    ratings_file = _require_file(root / "ratings.csv", "MovieLens-20M ratings: userId,movieId,rating,timestamp")
-    columns = read_delimited(
-        ratings_file, list(zip(("userId", "movieId", "rating", "timestamp"), RATING_KINDS)), ",", header="expect"
-    )
-    data = Interactions(
-        columns["userId"],
-        columns["movieId"],
-        columns["timestamp"],
-        columns["rating"].astype(np.float32),
-        source=str(ratings_file),
-    )
-    if _optional(root / "movies.csv", item_features, "item"):
-        movies = read_delimited(
-            root / "movies.csv",
-            [("movieId", "int"), ("title", "skip"), ("genres", "str")],
-            ",",
-            header="expect",
-            quoted=True,
-        )
-        dense, dense_columns, lists = _genres(_genre_lists(root / "movies.csv", movies["genres"]), genres)
-        data.item_side = SideTable(movies["movieId"], dense=dense, dense_columns=dense_columns, lists=lists)
+    return _read_movielens("ml-20m", directory, item_features, user_features, genres)
+
+
+MOVIELENS_SIDE_TABLES: Dict[str, Callable[[Path, bool, bool, str], SideTables]] = {
+    "ml-100k": ml_100k_side_tables,
+    "ml-1m": ml_1m_side_tables,
+    "ml-20m": ml_20m_side_tables,
+}
+
+
+def _read_movielens(source: str, directory: str, item_features: bool, user_features: bool, genres: str) -> Interactions:
+    """The ratings of MovieLens ``source`` in ``directory``, then its side tables."""
+    ratings = RATINGS_FILES[source]
+    data = ratings.read(ratings.find(directory))
+    side_tables = MOVIELENS_SIDE_TABLES[source]
+    data.item_side, data.user_side = side_tables(Path(directory), item_features, user_features, genres)
     return data
 
 
 def read_amazon(path: str) -> Interactions:
     """Amazon reviews ``ratings_<Category>.csv``: no header, ``user,item,rating,timestamp``
     with string ids (e.g. ``A1B2C3``, ``0123456789``; leading zeros kept)."""
-    file = _require_file(Path(path), "Amazon ratings: user,item,rating,timestamp without header")
-    columns = read_delimited(
-        file, list(zip(("user", "item", "rating", "timestamp"), ("str", "str", "float", "int"))), ","
-    )
-    return _ratings(file, columns)
+    ratings = RATINGS_FILES["amazon"]
+    return ratings.read(ratings.find(path))
 
 
 # ---- generic tables ----------------------------------------------------------------------
@@ -440,20 +520,10 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
         Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
     )
     categorical = columns.categorical_columns()
-    layout = {
-        columns.user: "str",
-        columns.item: "str",
-        columns.timestamp: "time",
-        **({columns.rating: "float"} if columns.rating else {}),
-        **{c: "float" for c in columns.dense_columns()},
-        # categorical columns as text (a rating that is also a categorical feature too; lists split below)
-        **{c: "list" if c in columns.list_features else "str" for c in categorical},
-    }
-    values = read_delimited(file, list(layout.items()), columns.delimiter, header="select", quoted=True)
+    values = read_delimited(file, table_csv_layout(columns), columns.delimiter, header="select", quoted=True)
 
     def bad_id(name: str, row: int, message: str) -> DataFormatError:
-        line = _line_of_row(file, columns.delimiter, row)
-        return DataFormatError(file, f"column {name!r}: {message}", line=line)
+        return table_csv_error(file, columns.delimiter, name, row, message)
 
     ratings, rating = None, columns.rating
     if rating is not None and rating in categorical:
@@ -464,14 +534,43 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     return _table_interactions(file, values, lists, columns, bad_id, ratings)
 
 
+def table_csv_layout(columns: ColumnConfig) -> List[Tuple[str, str]]:
+    """The (column, kind) pairs ``read_table_csv`` reads (``read_delimited``'s kinds), each column once."""
+    layout = {
+        columns.user: "str",
+        columns.item: "str",
+        columns.timestamp: "time",
+        **({columns.rating: "float"} if columns.rating else {}),
+        **{c: "float" for c in columns.dense_columns()},
+        # categorical columns as text (a rating that is also a categorical feature too; lists split below)
+        **{c: "list" if c in columns.list_features else "str" for c in columns.categorical_columns()},
+    }
+    return list(layout.items())
+
+
+def not_a_number(text: str) -> str:
+    """The message of a text cell that should hold a finite number."""
+    return f"expected {EXPECTED['float']}, got {text!r}"
+
+
 def _numbers_of_text(text: np.ndarray, bad_value: Callable[[int, str], DataFormatError]) -> np.ndarray:
     """[N] str -> [N] finite float64; the first value that is not a finite number raises
     ``bad_value(row, message)``."""
     finite = np.array([_valid(v, "float") for v in text.tolist()])
     if not finite.all():
         row = int(np.flatnonzero(~finite)[0])
-        raise bad_value(row, f"expected {EXPECTED['float']}, got {str(text[row])!r}")
+        raise bad_value(row, not_a_number(str(text[row])))
     return text.astype(np.float64)
+
+
+def table_csv_error(file: Path, delimiter: str, column: str, row: int, message: str) -> DataFormatError:
+    """``file:line: column 'name': message`` for data row ``row`` (0-based) of a table CSV."""
+    return DataFormatError(file, f"column {column!r}: {message}", line=_line_of_row(file, delimiter, row))
+
+
+def table_parquet_error(file: Path, column: str, row: int, message: str) -> DataFormatError:
+    """``file: row N: column 'name': message`` for row ``row`` (0-based) of a table Parquet file."""
+    return DataFormatError(file, f"row {row + 1}: column {column!r}: {message}")
 
 
 def _line_of_row(path: Path, delimiter: str, row: int) -> int:
@@ -487,18 +586,55 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     list features: list<string> or list<int> columns, and only they are lists). Errors name the
     row counted from 1, as CSV errors name lines and ``gr predict`` names rows."""
     file = _require_file(Path(path), "Parquet file")
+    wanted, numeric = table_parquet_columns(columns)
+    read_table_parquet_schema(file, columns)
     try:
-        schema = pq.read_schema(file)
-        numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *columns.dense_columns()]
-        wanted = list(dict.fromkeys([columns.user, columns.item, *numeric, *columns.categorical_columns()]))
-        missing = [c for c in wanted if c not in schema.names]
-        if missing:
-            raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
         table = pq.read_table(file, columns=wanted)
     except (pa.ArrowInvalid, OSError) as error:
         raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
     if table.num_rows == 0:
         raise DataFormatError(file, "no data rows (empty dataset)")
+    values, lists, ratings = _parquet_values(file, table, columns)
+
+    def bad_id(name: str, row: int, message: str) -> DataFormatError:
+        return table_parquet_error(file, name, row, message)
+
+    return _table_interactions(file, values, lists, columns, bad_id, ratings)
+
+
+def table_parquet_columns(columns: ColumnConfig) -> Tuple[List[str], List[str]]:
+    """(every column ``read_table_parquet`` reads, each once; the numeric ones among them)."""
+    numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *columns.dense_columns()]
+    wanted = list(dict.fromkeys([columns.user, columns.item, *numeric, *columns.categorical_columns()]))
+    return wanted, numeric
+
+
+def read_table_parquet_schema(file: Path, columns: ColumnConfig) -> pa.Schema:
+    """The schema of a table Parquet file (its footer only); an unreadable file, or one lacking a
+    column ``columns`` names, raises DataFormatError."""
+    wanted, _ = table_parquet_columns(columns)
+    try:
+        schema = pq.read_schema(file)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
+    missing = [c for c in wanted if c not in schema.names]
+    if missing:
+        raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
+    return schema
+
+
+def check_table_parquet_types(file: Path, schema: pa.Schema, columns: ColumnConfig) -> None:
+    """Refuse, as ``read_table_parquet`` does, a column whose type cannot hold what ``columns``
+    declares it to be (checked on no rows: the values are another engine's to check)."""
+    wanted, _ = table_parquet_columns(columns)
+    _parquet_values(file, schema.empty_table().select(wanted), columns)
+
+
+def _parquet_values(
+    file: Path, table: pa.Table, columns: ColumnConfig
+) -> Tuple[Dict[str, np.ndarray], Dict[str, JaggedRows], Optional[np.ndarray]]:
+    """(values, lists, ratings) of ``_table_interactions`` from the columns ``table_parquet_columns`` names."""
+    wanted, numeric = table_parquet_columns(columns)
     values: Dict[str, np.ndarray] = {}
     categorical = columns.categorical_columns()
     lists: Dict[str, JaggedRows] = {}
@@ -516,11 +652,7 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     ratings = None
     if columns.rating in categorical:  # also a categorical feature: its text above, its numbers here
         ratings = _parquet_column(file, columns.rating, table[columns.rating], numeric=True)
-
-    def bad_id(name: str, row: int, message: str) -> DataFormatError:
-        return DataFormatError(file, f"row {row + 1}: column {name!r}: {message}")
-
-    return _table_interactions(file, values, lists, columns, bad_id, ratings)
+    return values, lists, ratings
 
 
 def _is_list(kind: pa.DataType) -> bool:
@@ -592,6 +724,11 @@ def _parquet_seconds(file: Path, name: str, column: pa.ChunkedArray) -> np.ndarr
     raise DataFormatError(file, f"column {name!r}: expected integer seconds or a timestamp type, got type {kind}")
 
 
+def id_overflow(text: str) -> str:
+    """The message of an integer id outside int64."""
+    return f"id {text} does not fit int64 (integer ids are read as int64)"
+
+
 def _as_ids(values: np.ndarray, bad_value: Callable[[int, str], DataFormatError]) -> np.ndarray:
     """[N] str ids that are all canonical integers -> [N] int64 (so they sort numerically), parsed
     exactly; one outside int64 raises ``bad_value(row, message)``. Other ids stay strings."""
@@ -602,7 +739,7 @@ def _as_ids(values: np.ndarray, bad_value: Callable[[int, str], DataFormatError]
         return pc.cast(text, pa.int64()).to_numpy()
     except pa.ArrowInvalid:
         row = next(i for i, v in enumerate(values.tolist()) if not INT64_RANGE[0] <= int(v) <= INT64_RANGE[1])
-        raise bad_value(row, f"id {values[row]} does not fit int64 (integer ids are read as int64)") from None
+        raise bad_value(row, id_overflow(str(values[row]))) from None
 
 
 def _row_table(

@@ -43,6 +43,7 @@ ITEMS_TABLE = "items.parquet"
 USERS_TABLE = "users.parquet"
 SIDE_KEY = "key"  # the raw id column of items.parquet / users.parquet
 ROW_GROUP_USERS = 1024
+DEFAULT_USERS_PER_SHARD = 16 * ROW_GROUP_USERS
 USER, ITEMS, TIMESTAMPS, RATINGS = "user", "items", "timestamps", "ratings"
 EVENT_PREFIX = "event:"
 EVENT_KINDS = ("categorical", "list", "dense")
