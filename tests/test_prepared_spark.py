@@ -104,6 +104,7 @@ def test_table_csv_with_features_ties_and_duplicates_prepares_what_duckdb_and_th
 def test_csv_partition_files_with_quotes_crlf_and_their_own_header_order_prepare_as_one_file(spark, tmp_path):
     names = [*HEADER.split(","), "note"]
     rows = [line.split(",") + [f'"said ""hi"", {k}"'] for k, line in enumerate(table_rows(seed=5, rows=300))]
+    rows[200][-1] = '"a note\r\nover two lines"'  # the second partition's records then span lines
     orders = [names, names[::-1]]  # the second partition lists its columns in reverse
     parts = tmp_path / "parts"
     parts.mkdir()
@@ -112,7 +113,7 @@ def test_csv_partition_files_with_quotes_crlf_and_their_own_header_order_prepare
         lines = [",".join(order), "", *(",".join(row[names.index(c)] for c in order) for row in chunk)]
         (parts / f"part-{index}.csv").write_bytes(("\r\n".join(lines) + "\r\n").encode())
     (parts / "_SUCCESS").write_text("")
-    whole = write_csv(tmp_path / "whole.csv", [",".join(row[: len(names) - 1]) for row in rows])
+    whole = write_csv(tmp_path / "whole.csv", [",".join(row[:-1]) for row in rows])
     config = table_config(parts)
     prepared = prepare_both(config, tmp_path, users_per_shard=5)
     assert_prepared_equals_raw(prepared, config, table_config(whole))

@@ -37,7 +37,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -74,7 +74,6 @@ from gr.data.prepared.spark_read import (
     INT64_SPAN,
     ITEM,
     ORD,
-    PARTITION_BITS,
     RATING,
     TIME,
     Source,
@@ -85,9 +84,13 @@ from gr.data.prepared.spark_read import (
 from gr.data.prepared.spark_read import USER as RAW_USER
 from gr.utils.atomic import atomic_directory
 
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
 log = logging.getLogger(__name__)
 
 ENGINE = "spark"
+PARTITION_BITS = 33  # monotonically_increasing_id() = partition index << 33 | row within the partition
 DEFAULT_MASTER = "local[2]"
 SCRATCH = ".spark"  # inside the output's temporary directory: Spark's part files and spill files
 READ_CONF = {
@@ -130,7 +133,7 @@ def prepare_with_spark(
 
 
 @contextlib.contextmanager
-def spark_session(master: str, memory: Optional[str], local_dir: Path) -> Iterator:
+def spark_session(master: str, memory: Optional[str], local_dir: Path) -> Iterator[SparkSession]:
     """The active SparkSession, else a new one (stopped on exit): on ``master`` unless spark-submit
     started this process, with ``memory`` for the driver and executors, spilling under ``local_dir``."""
     from pyspark.sql import SparkSession
@@ -152,7 +155,7 @@ def spark_session(master: str, memory: Optional[str], local_dir: Path) -> Iterat
 
 
 @contextlib.contextmanager
-def _conf(spark, values: Mapping[str, str]) -> Iterator[None]:
+def _conf(spark: SparkSession, values: Mapping[str, str]) -> Iterator[None]:
     """``values`` set in the session's SQL conf for the block; the earlier values restored after."""
     before = {key: spark.conf.get(key, None) for key in values}
     for key, value in values.items():
@@ -160,15 +163,15 @@ def _conf(spark, values: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for key, value in before.items():
-            if value is None:
+        for key, earlier in before.items():
+            if earlier is None:
                 spark.conf.unset(key)
             else:
-                spark.conf.set(key, value)
+                spark.conf.set(key, earlier)
 
 
 def _prepare(
-    spark, config: DataConfig, source: Source, tmp: Path, scratch: Path, users_per_shard: int
+    spark: SparkSession, config: DataConfig, source: Source, tmp: Path, scratch: Path, users_per_shard: int
 ) -> PreparedManifest:
     """The preparation's stages (the module docstring) -> its manifest (without ``files``)."""
     import pyspark
@@ -176,13 +179,13 @@ def _prepare(
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    cached: List = []  # every DataFrame persisted on the way, unpersisted at the end
+    cached: List[DataFrame] = []  # every DataFrame persisted on the way, unpersisted at the end
     try:
         rows = read_rows(spark, source, cached)
         first = Window.partitionBy(RAW_USER, ITEM, TIME).orderBy(ORD)
         marked = rows.withColumn("repeat", F.row_number().over(first) > 1)
         cached.append(marked.persist(StorageLevel.MEMORY_AND_DISK))
-        read, duplicates = marked.agg(F.count(F.lit(1)), F.count_if(F.col("repeat"))).first()
+        read, duplicates = _first(marked.agg(F.count(F.lit(1)), F.count_if(F.col("repeat"))))
         _log_duplicates(source.source, duplicates, config.keep_duplicates)
         events = marked if config.keep_duplicates else marked.filter(~F.col("repeat"))
         events = _frequent_items(events, source.source, config.min_item_interactions, cached)
@@ -209,7 +212,9 @@ def _prepare(
         for frame in cached:
             frame.unpersist()
     interactions = sum(shard.interactions for shard in shards)
-    log.info("%s: %d users, %d items, %d interactions", source.source, len(user_map.raw), len(item_map.raw), interactions)
+    log.info(
+        "%s: %d users, %d items, %d interactions", source.source, len(user_map.raw), len(item_map.raw), interactions
+    )
     dropped = 0 if config.keep_duplicates else duplicates
     return PreparedManifest(
         directory=tmp,
@@ -232,6 +237,13 @@ def _prepare(
     )
 
 
+def _first(frame: DataFrame) -> Any:
+    """The first row of ``frame`` (an aggregate's one row)."""
+    row = frame.first()
+    assert row is not None  # an aggregate without grouping has one row
+    return row
+
+
 def _log_duplicates(source: str, duplicates: int, keep: bool) -> None:
     """``readers.read_source``'s log line about rows repeating an earlier (user, item, timestamp)."""
     if duplicates and not keep:
@@ -245,7 +257,7 @@ def _log_duplicates(source: str, duplicates: int, keep: bool) -> None:
         log.info("%s: kept %d duplicate interactions (data.keep_duplicates)", source, duplicates)
 
 
-def _frequent_items(events, source: str, minimum: int, cached: List):
+def _frequent_items(events: DataFrame, source: str, minimum: int, cached: List[DataFrame]) -> DataFrame:
     """``events`` of the items with at least ``minimum`` of them (``build_sequences``' log line)."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
@@ -254,7 +266,7 @@ def _frequent_items(events, source: str, minimum: int, cached: List):
         return events
     counts = events.groupBy(ITEM).agg(F.count(F.lit(1)).alias("n"))
     cached.append(counts.persist(StorageLevel.MEMORY_AND_DISK))
-    items, rare = counts.agg(F.count(F.lit(1)), F.count_if(F.col("n") < minimum)).first()
+    items, rare = _first(counts.agg(F.count(F.lit(1)), F.count_if(F.col("n") < minimum)))
     log.info(
         "%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
         source,
@@ -265,7 +277,7 @@ def _frequent_items(events, source: str, minimum: int, cached: List):
     return events.join(counts.filter(F.col("n") >= minimum).select(ITEM), ITEM, "left_semi")
 
 
-def _kept_users(events, source: str, min_seq_len: int, cached: List):
+def _kept_users(events: DataFrame, source: str, min_seq_len: int, cached: List[DataFrame]) -> DataFrame:
     """The raw ids (USER) of the users with at least ``min_seq_len`` events; ``build_sequences``'
     log line and errors (no user left, a user's timestamps 2^63 s or more apart)."""
     from pyspark import StorageLevel
@@ -278,9 +290,9 @@ def _kept_users(events, source: str, min_seq_len: int, cached: List):
     kept = F.col("n") >= min_seq_len
     span = F.col("last").cast("decimal(20,0)") - F.col("first").cast("decimal(20,0)")
     wide = kept & (span >= F.lit(str(INT64_SPAN)).cast("decimal(20,0)"))
-    users, short, first_wide = per_user.agg(
-        F.count(F.lit(1)), F.count_if(~kept), F.min(F.when(wide, F.struct(RAW_USER, "first", "last")))
-    ).first()
+    users, short, first_wide = _first(
+        per_user.agg(F.count(F.lit(1)), F.count_if(~kept), F.min(F.when(wide, F.struct(RAW_USER, "first", "last"))))
+    )
     if short:
         log.warning(
             "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len; leave-one-out "
@@ -305,7 +317,7 @@ def _kept_users(events, source: str, min_seq_len: int, cached: List):
     return per_user.filter(kept).select(RAW_USER)
 
 
-def _numbered(keys, key: str, name: str, cached: List) -> Tuple[object, IdMap]:
+def _numbered(keys: DataFrame, key: str, name: str, cached: List[DataFrame]) -> Tuple[DataFrame, IdMap]:
     """(DataFrame [key, name]: each distinct ``key`` of ``keys`` and its position in sorted order,
     the IdMap of the sorted keys). A range-partitioned sort numbers the keys: a partition's first
     position is the count of the keys before it (read off the keys collected for the map)."""
@@ -326,7 +338,7 @@ def _numbered(keys, key: str, name: str, cached: List) -> Tuple[object, IdMap]:
     return ordered.select(key, (F.element_at(firsts, partition) + within).alias(name)), IdMap(raw)
 
 
-def _side_table(source: Source, rows, side: str) -> Optional[SideTable]:
+def _side_table(source: Source, rows: DataFrame, side: str) -> Optional[SideTable]:
     """The ``side`` ("item" | "user") side table: a MovieLens side file's, or each key's declared
     features at its last row in the files (all rows read, as ``readers._last_value_table``)."""
     from pyspark.sql import functions as F
@@ -341,25 +353,25 @@ def _side_table(source: Source, rows, side: str) -> Optional[SideTable]:
     return side_table_from_arrow(table.toArrow(), kinds, source.dense_columns)
 
 
-def _vocabularies(events, kinds: Mapping[str, str]) -> Dict[str, IdMap]:
+def _vocabularies(events: DataFrame, kinds: Mapping[str, str]) -> Dict[str, IdMap]:
     """{feature: IdMap (offset 1)} of the kept events' categorical, then list features
     (``SideFeatures.align``'s vocabularies and order)."""
     from pyspark.sql import functions as F
 
-    def column(name: str):
+    def column(name: str) -> Column:
         return F.col(f"`{feature_column(name)}`")
 
     found: Dict[str, list] = {}
     single = [n for n, kind in kinds.items() if kind == CATEGORICAL]
     if single:
-        found.update(zip(single, events.agg(*[F.collect_set(column(n)) for n in single]).first()))
+        found.update(zip(single, _first(events.agg(*[F.collect_set(column(n)) for n in single]))))
     for name in (n for n, kind in kinds.items() if kind == LIST):
-        found[name] = events.select(F.explode(column(name)).alias("v")).agg(F.collect_set("v")).first()[0]
+        found[name] = _first(events.select(F.explode(column(name)).alias("v")).agg(F.collect_set("v")))[0]
     return {name: IdMap.of(np.asarray(values, dtype=str), offset=1) for name, values in found.items()}
 
 
 def _write_shards(
-    events, users: int, source: Source, tmp: Path, scratch: Path, users_per_shard: int
+    events: DataFrame, users: int, source: Source, tmp: Path, scratch: Path, users_per_shard: int
 ) -> List[ShardEntry]:
     """Write ``tmp/shards/part-NNNNN.parquet`` (shard k: dense users from k * users_per_shard) ->
     their manifest entries. Spark writes each shard as the one part file of its partition
@@ -396,7 +408,7 @@ def _write_shards(
     return entries
 
 
-def _field(name: str):
+def _field(name: str) -> Callable[[Column], Column]:
     """The one-argument lambda (Spark reads its arity) taking a struct's field ``name``."""
     return lambda x: x[name]
 
