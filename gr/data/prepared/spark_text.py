@@ -33,6 +33,8 @@ POSITION = (1 << FILE_BITS) - 1
 INT_TEXT = r"^[ \t]*-?[0-9]+[ \t]*$"  # what the readers' integer parse takes (spaces and tabs around)
 FLOAT_TEXT = r"^[ \t]*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?[ \t]*$"
 SECONDS_TEXT = r"^([-+]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([-+]?[0-9]+))?$"  # readers.exact_seconds' forms
+INTEGER_SECONDS = r"^-?[0-9]+$"
+DECIMAL_SECONDS = r"^-?[0-9]+\.[0-9]{0,18}$"  # exact in decimal(38,18)
 MAX_EXPONENT = 10**18  # a larger exponent leaves int64 (or floors to 0 or -1 alike)
 RATINGS_ROLES = ("user", "item", "rating", "timestamp")  # a ratings file's columns (readers.RATINGS_FILES)
 
@@ -209,12 +211,14 @@ def _record_pattern(delimiter: str) -> str:
 
 def fields(text: Column, delimiter: str, quoted: bool) -> Tuple[Column, Column]:
     """(fields: array<string>, well_formed: boolean) of a record's ``text``, split as Python's csv
-    splits it (``_field_pattern`` when ``quoted``; else at each delimiter)."""
+    splits it (``_field_pattern`` when ``quoted`` and the record holds a quote; else at each
+    delimiter)."""
     from pyspark.sql import functions as F
 
     d = java_literal(delimiter)
+    plain = F.split(text, F.lit(d), -1)
     if not quoted:
-        return F.split(text, F.lit(d), -1), F.lit(True)
+        return plain, F.lit(True)
     raw = F.regexp_extract_all(F.concat(F.lit(delimiter), text), F.lit(f"{d}({_field_pattern(delimiter)})"), 1)
     unquoted = F.transform(
         raw,
@@ -222,7 +226,9 @@ def fields(text: Column, delimiter: str, quoted: bool) -> Tuple[Column, Column]:
             x.startswith('"'), F.regexp_replace(F.substring(x, F.lit(2), F.length(x) - 2), '""', '"')
         ).otherwise(x),
     )
-    return unquoted, text.rlike(f"^{_record_pattern(delimiter)}\\z")
+    has_quotes = text.contains('"')
+    well_formed = ~has_quotes | text.rlike(f"^{_record_pattern(delimiter)}\\z")
+    return F.when(has_quotes, unquoted).otherwise(plain), well_formed
 
 
 def finite(number: Column) -> Column:
@@ -256,8 +262,22 @@ def checked(value: Column, kind: str, separator: str = "|") -> Tuple[Column, Col
 
 
 def exact_seconds(text: Column) -> Column:
-    """The column: ``gr.data.readers.exact_seconds`` of a string column (null where it gives None).
-    The number's digits are floored as text: no value passes through a float."""
+    """The column: ``gr.data.readers.exact_seconds`` of a string column (null where it gives None),
+    exactly: an integer as it is, a decimal of up to 18 places floored as a decimal, any other form
+    (exponents, more places) floored digit by digit as text: no value passes through a float."""
+    from pyspark.sql import functions as F
+
+    integral = text.try_cast("long")
+    places = F.floor(text.try_cast("decimal(38,18)")).try_cast("long")
+    return (
+        F.when(text.rlike(INTEGER_SECONDS), integral)
+        .when(text.rlike(DECIMAL_SECONDS), places)
+        .otherwise(_floored_digits(text))
+    )
+
+
+def _floored_digits(text: Column) -> Column:
+    """``exact_seconds`` of any form ``readers.exact_seconds`` takes, its digits floored as text."""
     from pyspark.sql import functions as F
 
     def part(index: int):
