@@ -176,6 +176,13 @@ def test_built_in_sources_prepare_what_duckdb_and_their_readers_do(spark, tmp_pa
     assert_prepared_equals_raw(prepare_both(config, tmp_path), config)
 
 
+def test_movielens_100k_prepares_what_duckdb_and_its_reader_do(spark, tmp_path, ml_100k):
+    config = DataConfig.from_dict({"source": "ml-100k", "path": str(ml_100k), "genres": "list"})
+    prepared = prepare_both(config, tmp_path, users_per_shard=400)
+    assert [shard.users for shard in read_manifest(prepared).shards] == [400, 400, 143]
+    assert_prepared_equals_raw(prepared, config)
+
+
 def write_parquet(path: Path, **replaced: pa.Array) -> Path:
     columns = {"user_id": pa.array([1, 2, 2, 4]), "item_id": pa.array([1, 2, 3, 4])}
     columns.update({"timestamp": pa.array([1, 2, 3, 4]), "rating": pa.array([1.0, 2.0, 3.0, 4.0]), **replaced})
