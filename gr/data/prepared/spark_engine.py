@@ -5,14 +5,14 @@ JVM code only):
 
 1. read: the source's rows with their place in the files (``spark_read.read_rows``: the readers'
    rules and errors)
-2. side tables: each key's features at its last row in the files (``max_by`` over that place), or a
-   MovieLens side file read by the readers; brought to the driver (catalogue- and user-sized) and
-   written with their vocabularies (``side_tables.write_side_table``)
-3. duplicates: rows repeating an earlier row's (user, item, timestamp) dropped, the first in file
+2. duplicates: rows repeating an earlier row's (user, item, timestamp) dropped, the first in file
    order kept (``row_number`` over the repeats), unless ``data.keep_duplicates``
-4. filter: items with fewer than ``data.min_item_interactions`` events, then users with fewer than
+3. filter: items with fewer than ``data.min_item_interactions`` events, then users with fewer than
    ``data.min_seq_len``; dense ids are positions in sorted raw ids, numbered in the engine (a
    range-partitioned sort, each partition's row ids shifted by the partitions before it)
+4. side tables: each key's features at its last row in the files (``max_by`` over that place), or a
+   MovieLens side file read by the readers; brought to the driver (catalogue- and user-sized) and
+   written with their vocabularies (``side_tables.write_side_table``); the events' vocabularies
 5. shards: per user ``sort_array(collect_list(struct(timestamp, place, ...)))`` (equal timestamps
    keep file order, as ``build_sequences``), repartitioned by shard and sorted by user, so each
    shard is one part file (moved into ``shards/``), in row groups of ``ROW_GROUP_USERS`` users
