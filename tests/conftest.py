@@ -44,6 +44,7 @@ SLOW_MODULES = {
     "test_generation_serving.py",
     "test_hstu_slice_spec.py",
     "test_item_store.py",
+    "test_prepared_spark.py",
     "test_model_class.py",
     "test_serving_http.py",
     "test_serving_retrieval_batching.py",

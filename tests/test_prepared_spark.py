@@ -1,0 +1,284 @@
+"""gr data prepare's Spark engine writes what the DuckDB engine writes (the same shards, maps, side
+tables and summary) and what the readers give, and refuses bad input with the readers' words.
+
+One SparkSession (local[2]) serves the module; its small file splits (4 KB) make Spark read every
+test file in several partitions, so line numbers and file order are checked across splits.
+"""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_prepared_duckdb import (
+    COLUMNS,
+    HEADER,
+    assert_prepared_equals_raw,
+    ml_100k_dir,
+    table_config,
+    table_rows,
+    write_csv,
+    write_source,
+)
+
+from gr.commands import cli
+from gr.data.config import DataConfig
+from gr.data.interactions import DataFormatError
+from gr.data.prepared.duckdb_engine import prepare_with_duckdb
+from gr.data.prepared.manifest import read_manifest
+from gr.data.prepared.spark_engine import main, prepare_with_spark
+from gr.data.readers import read_source
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """The module's SparkSession: the engine uses the active session."""
+    if shutil.which("java") is None:
+        pytest.skip("no java on PATH (Spark needs a Java 17 runtime)")
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("gr tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.files.maxPartitionBytes", "4096")
+        .config("spark.sql.files.openCostInBytes", "1024")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("OFF")
+    yield session
+    session.stop()
+
+
+def assert_same_prepared(got: Path, expected: Path) -> None:
+    """Two prepared datasets hold the same data: manifests equal but for the engine and the shards'
+    checksums (Spark's Parquet writer is not pyarrow's), shards equal column by column and row group
+    by row group, maps and side tables byte for byte."""
+    spark_manifest, duckdb_manifest = read_manifest(got), read_manifest(expected)
+    assert (spark_manifest.engine, duckdb_manifest.engine) == ("spark", "duckdb")
+    for key in ("config_hash", "data", "summary", "has_ratings", "files"):
+        assert getattr(spark_manifest, key) == getattr(duckdb_manifest, key), key
+    assert list(spark_manifest.event_features.items()) == list(duckdb_manifest.event_features.items())
+    assert len(spark_manifest.shards) == len(duckdb_manifest.shards)
+    for ours, theirs in zip(spark_manifest.shards, duckdb_manifest.shards):
+        assert (ours.path, ours.first_user, ours.users, ours.interactions, ours.row_groups) == (
+            theirs.path,
+            theirs.first_user,
+            theirs.users,
+            theirs.interactions,
+            theirs.row_groups,
+        )
+        ours_file, theirs_file = pq.ParquetFile(got / ours.path), pq.ParquetFile(expected / theirs.path)
+        assert ours_file.schema_arrow.names == theirs_file.schema_arrow.names
+        for group in range(ours.row_groups):
+            ours_rows, theirs_rows = ours_file.read_row_group(group), theirs_file.read_row_group(group)
+            for name in ours_rows.column_names:
+                assert ours_rows[name].to_pylist() == theirs_rows[name].to_pylist(), (ours.path, group, name)
+
+
+def prepare_both(config: DataConfig, root: Path, **options) -> Path:
+    """Prepare ``config`` with Spark and DuckDB under ``root``, check they agree -> Spark's directory."""
+    prepare_with_spark(config, root / "spark", **options)
+    prepare_with_duckdb(config, root / "duckdb", threads=1, **options)
+    assert_same_prepared(root / "spark", root / "duckdb")
+    return root / "spark"
+
+
+@pytest.mark.parametrize("keep_duplicates", [False, True])
+def test_table_csv_with_features_ties_and_duplicates_prepares_what_duckdb_and_the_readers_do(
+    spark, tmp_path, keep_duplicates
+):
+    config = table_config(
+        write_csv(tmp_path / "events.csv", table_rows()), keep_duplicates=keep_duplicates, min_item_interactions=3
+    )
+    prepared = prepare_both(config, tmp_path, users_per_shard=4)
+    summary = read_manifest(prepared).summary
+    assert summary["duplicates_kept" if keep_duplicates else "duplicates_dropped"] >= 3
+    assert_prepared_equals_raw(prepared, config)
+
+
+def test_csv_partition_files_with_quotes_crlf_and_their_own_header_order_prepare_as_one_file(spark, tmp_path):
+    names = [*HEADER.split(","), "note"]
+    rows = [line.split(",") + [f'"said ""hi"", {k}"'] for k, line in enumerate(table_rows(seed=5, rows=300))]
+    rows[200][-1] = '"a note\r\nover two lines"'  # the second partition's records then span lines
+    orders = [names, names[::-1]]  # the second partition lists its columns in reverse
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for index, chunk in enumerate((rows[:170], rows[170:])):
+        order = orders[index]
+        lines = [",".join(order), "", *(",".join(row[names.index(c)] for c in order) for row in chunk)]
+        (parts / f"part-{index}.csv").write_bytes(("\r\n".join(lines) + "\r\n").encode())
+    (parts / "_SUCCESS").write_text("")
+    whole = write_csv(tmp_path / "whole.csv", [",".join(row[:-1]) for row in rows])
+    config = table_config(parts)
+    prepared = prepare_both(config, tmp_path, users_per_shard=5)
+    assert_prepared_equals_raw(prepared, config, table_config(whole))
+
+
+def test_parquet_partitions_prepare_what_duckdb_and_the_single_file_they_split_do(spark, tmp_path):
+    lines = table_rows(seed=1)
+    whole = pa.csv.read_csv(write_csv(tmp_path / "all.csv", lines))
+
+    def lists(column: str) -> pa.Array:
+        cells = whole[column].cast(pa.string()).fill_null("").to_pylist()
+        return pa.array([cell.split("|") if cell else [] for cell in cells])
+
+    seconds = whole["timestamp"].to_numpy() - 15.0  # some before 1970: floored to the earlier second
+    table = pa.table(
+        {
+            "user_id": whole["user_id"],
+            "item_id": whole["item_id"].cast(pa.uint32()),
+            "timestamp": pa.array(np.round(seconds * 1e9).astype(np.int64), pa.timestamp("ns")),
+            "rating": whole["rating"],
+            "genre": whole["genre"],
+            "brand_w": whole["brand_w"],
+            "tags": lists("tags"),
+            "age": whole["age"],
+            "device": whole["device"],
+            "actions": lists("actions"),
+            "watch": whole["watch"],
+        }
+    )
+    pq.write_table(table, tmp_path / "single.parquet")
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for index, (start, stop) in enumerate(((0, 120), (120, 121), (121, len(table)))):
+        pq.write_table(table.slice(start, stop - start), parts / f"part-{index}.parquet", row_group_size=50)
+    config = table_config(parts, source="parquet")
+    prepared = prepare_both(config, tmp_path, users_per_shard=6)
+    assert_prepared_equals_raw(prepared, config, table_config(tmp_path / "single.parquet", "parquet"))
+
+
+def test_shards_hold_row_groups_of_at_most_1024_users_in_user_order(spark, tmp_path):
+    users = np.repeat(np.arange(2500), 3)
+    lines = [f"{u},{(u * 7 + k) % 50},{k}" for k, u in enumerate(users)]
+    (tmp_path / "e.csv").write_text("user_id,item_id,timestamp\n" + "\n".join(lines) + "\n")
+    config = DataConfig.from_dict({"source": "csv", "path": str(tmp_path / "e.csv")})
+    manifest = prepare_with_spark(config, tmp_path / "spark", users_per_shard=2100)
+    groups = []
+    for shard in manifest.shards:
+        metadata = pq.ParquetFile(tmp_path / "spark" / shard.path).metadata
+        groups.append([metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])
+    assert groups == [[1024, 1024, 52], [400]]
+    prepare_with_duckdb(config, tmp_path / "duckdb", users_per_shard=2100)
+    assert_same_prepared(tmp_path / "spark", tmp_path / "duckdb")
+
+
+@pytest.mark.parametrize("source,genres", [("ml-1m", "multi_hot"), ("ml-20m", "list"), ("amazon", "multi_hot")])
+def test_built_in_sources_prepare_what_duckdb_and_their_readers_do(spark, tmp_path, source, genres):
+    path = write_source(tmp_path / "raw", source)
+    settings = {"genres": genres} if source != "amazon" else {}
+    config = DataConfig.from_dict({"source": source, "path": str(path), **settings})
+    assert_prepared_equals_raw(prepare_both(config, tmp_path), config)
+
+
+def test_movielens_100k_prepares_what_duckdb_and_its_reader_do(spark, tmp_path, ml_100k):
+    config = DataConfig.from_dict({"source": "ml-100k", "path": str(ml_100k), "genres": "list"})
+    prepared = prepare_both(config, tmp_path, users_per_shard=400)
+    assert [shard.users for shard in read_manifest(prepared).shards] == [400, 400, 143]
+    assert_prepared_equals_raw(prepared, config)
+
+
+def write_parquet(path: Path, **replaced: pa.Array) -> Path:
+    columns = {"user_id": pa.array([1, 2, 2, 4]), "item_id": pa.array([1, 2, 3, 4])}
+    columns.update({"timestamp": pa.array([1, 2, 3, 4]), "rating": pa.array([1.0, 2.0, 3.0, 4.0]), **replaced})
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+BAD_CSV = {
+    "a timestamp": "user_id,item_id,timestamp\n1,2,3\n\n1,3,1e\n",
+    "an empty id": "user_id,item_id,timestamp\n1,2,3\n1,,4\n",
+    "a field too many": "user_id,item_id,timestamp\n1,2,3\n1,2,3,4\n",
+    "an id outside int64": 'user_id,item_id,timestamp\n1,2,3\n"7\n8",99999999999999999999,4\n',
+    "not utf-8": "user_id,item_id,timestamp\n1,2,3\n1,\udcff,3\n",
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        *[("csv", text) for text in BAD_CSV.values()],
+        ("ml-100k", "1\t10\t5\t100\n1\t11\tx\t101\n"),
+        ("ml-100k", "1\t10\t5\t100\n2\t11\t4\n"),
+        ("parquet", {"item_id": pa.array([1, None, 3, 4])}),
+        ("parquet", {"rating": pa.array([1.0, 2.0, float("nan"), 4.0])}),
+        ("parquet", {"user_id": pa.array([1, 2, 2**63, 4], pa.uint64())}),
+        ("parquet", {"timestamp": pa.array([1.0, 2.0, 3.0, 1e19])}),
+    ],
+    ids=[*BAD_CSV, "ml-100k rating", "ml-100k fields", "parquet null", "parquet nan", "parquet id", "parquet time"],
+)
+def test_bad_values_are_refused_with_the_readers_file_line_and_words(spark, tmp_path, case):
+    source, content = case
+    if source == "ml-100k":
+        config = DataConfig.from_dict({"source": source, "path": str(ml_100k_dir(tmp_path / "ml", content))})
+    elif source == "parquet":
+        path = write_parquet(tmp_path / "e.parquet", **content)
+        config = DataConfig.from_dict({"source": source, "path": str(path), "columns": {"rating": "rating"}})
+    else:
+        (tmp_path / "e.csv").write_bytes(content.encode("utf8", "surrogateescape"))
+        config = DataConfig.from_dict({"source": source, "path": str(tmp_path / "e.csv")})
+    with pytest.raises(DataFormatError) as expected:
+        read_source(config)
+    with pytest.raises(DataFormatError) as got:
+        prepare_with_spark(config, tmp_path / "prepared")
+    assert str(got.value) == str(expected.value)
+    assert expected.value.line is not None or "row " in str(expected.value)
+    assert not (tmp_path / "prepared").exists() and not list(tmp_path.glob(".prepared*"))
+
+
+def test_malformed_quoting_is_refused_as_duckdb_and_the_readers_line_scan_refuse_it(spark, tmp_path):
+    (tmp_path / "e.csv").write_text('user_id,item_id,timestamp\n1,2,3\n1,2,4\n1,3,5\n"1"x,2,3\n')
+    config = DataConfig.from_dict({"source": "csv", "path": str(tmp_path / "e.csv")})
+    with pytest.raises(DataFormatError) as expected:
+        prepare_with_duckdb(config, tmp_path / "duckdb")
+    with pytest.raises(DataFormatError, match=":5: malformed quoting") as got:
+        prepare_with_spark(config, tmp_path / "spark")
+    assert str(got.value) == str(expected.value)
+
+
+def test_empty_list_value_and_bad_rating_text_name_their_line(spark, tmp_path):
+    lines = table_rows(rows=30)
+    lines.insert(12, "u1,3,4,2,g1,0.5,t1||t2,a0,d1,,0.1")
+    config = table_config(write_csv(tmp_path / "e.csv", lines))
+    with pytest.raises(DataFormatError) as expected:
+        read_source(config)
+    with pytest.raises(DataFormatError, match="column 'tags': an empty value in the list 't1||t2'") as got:
+        prepare_with_spark(config, tmp_path / "prepared")
+    assert str(got.value) == str(expected.value) and got.value.line == 14
+    lines[12] = "u1,3,4,x2,g1,0.5,t1,a0,d1,,0.1"
+    columns = {**COLUMNS, "token_features": ["rating", "device", "actions"], "token_dense": {"watch": ["watch"]}}
+    config = table_config(write_csv(tmp_path / "e.csv", lines), columns=columns)
+    with pytest.raises(DataFormatError) as expected:
+        read_source(config)
+    with pytest.raises(DataFormatError, match="column 'rating': expected a number") as got:
+        prepare_with_spark(config, tmp_path / "prepared")
+    assert str(got.value) == str(expected.value)
+
+
+def test_gr_data_prepare_runs_the_spark_engine_and_the_module_entry_point_reads_a_recipe(spark, tmp_path, capsys):
+    events = write_csv(tmp_path / "events.csv", table_rows(seed=3, rows=120))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"data:\n  source: csv\n  path: {events}\n  columns: {COLUMNS}\n")
+    argv = ["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "cli"), "--engine", "spark"]
+    assert cli.main([*argv, "--threads", "2", "--data.min_seq_len", "4"]) == 0
+    assert "(spark 4." in capsys.readouterr().out
+    assert_prepared_equals_raw(tmp_path / "cli", table_config(events, min_seq_len=4))
+    assert main(["--config", str(recipe), "--out", str(tmp_path / "module")]) == 0
+    assert_prepared_equals_raw(tmp_path / "module", table_config(events))
+    recipe.write_text("model: {}\n")
+    assert main(["--config", str(recipe), "--out", str(tmp_path / "other")]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {recipe}: expected a data: section (a mapping)\n")
+
+
+def test_synthetic_and_missing_sources_are_refused_before_spark_starts(tmp_path):
+    with pytest.raises(ValueError, match="^data.source: 'synthetic' is generated in memory"):
+        prepare_with_spark(DataConfig(), tmp_path / "prepared")
+    config = DataConfig.from_dict({"source": "ml-1m", "path": str(tmp_path / "absent")})
+    with pytest.raises(FileNotFoundError, match="ratings.dat: missing file"):
+        prepare_with_spark(config, tmp_path / "prepared")
+    assert not (tmp_path / "prepared").exists()
