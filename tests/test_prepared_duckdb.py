@@ -443,6 +443,16 @@ def test_spark_engine_absent_from_this_installation_is_one_line(tmp_path, capsys
         assert code == 2 and err.count("\n") == 1
 
 
+def test_a_cluster_master_is_spark_only_and_excludes_threads(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("data:\n  source: ml-100k\n  path: x\n")
+    argv = ["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "o"), "--master", "yarn"]
+    assert cli.main(argv) == 2
+    assert "--master: only the spark engine runs on a cluster (got --engine duckdb)" in capsys.readouterr().err
+    assert cli.main([*argv, "--engine", "spark", "--threads", "2"]) == 2
+    assert "--master and --threads: give one" in capsys.readouterr().err
+
+
 def test_gr_help_imports_no_torch():
     code = "import sys; from gr.commands import cli; cli.main(['--help']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

@@ -95,6 +95,11 @@ def prepare_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, help="the engine's threads (spark: local[N]; default: one per core)")
     parser.add_argument(
+        "--master",
+        help="spark only: the cluster's master URL (yarn, spark://host:7077, k8s://...; default local[2]); "
+        "the source and DIR must be on a filesystem every executor mounts at the same path",
+    )
+    parser.add_argument(
         "--users-per-shard", type=int, help="users per shard file (default: 16 row groups of 1024 users)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
@@ -119,13 +124,17 @@ def _engine_options(args: argparse.Namespace) -> Dict[str, Any]:
     """The engine function's keyword arguments from the command line (each engine names them its own way)."""
     options: Dict[str, Any] = {}
     if args.engine == "spark":
-        if args.overwrite:
-            raise ValueError("--overwrite: the spark engine writes a new DIR only; remove the old one first")
-        options.update({"master": f"local[{args.threads}]"} if args.threads else {})
+        if args.master and args.threads:
+            raise ValueError("--master and --threads: give one (--threads N is --master local[N])")
+        master = args.master or (f"local[{args.threads}]" if args.threads else None)
+        options.update({"master": master} if master else {})
         options.update({"memory": args.memory_limit} if args.memory_limit else {})
     else:
-        options.update(threads=args.threads, overwrite=args.overwrite)
+        if args.master:
+            raise ValueError(f"--master: only the spark engine runs on a cluster (got --engine {args.engine})")
+        options.update(threads=args.threads)
         options.update({"memory_limit": args.memory_limit} if args.memory_limit else {})
+    options["overwrite"] = args.overwrite
     if args.users_per_shard is not None:
         options["users_per_shard"] = args.users_per_shard
     return options

@@ -34,8 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gr.data.config import DataConfig
-from gr.data.features import SideFeatures
-from gr.data.interactions import DataFormatError, SideTable
+from gr.data.interactions import DataFormatError
 from gr.data.mappings import IdMap, save_mappings
 from gr.data.prepared.duckdb_sources import (
     CATEGORICAL,
@@ -56,7 +55,6 @@ from gr.data.prepared.manifest import (
     RATINGS,
     ROW_GROUP_USERS,
     SHARDS,
-    SIDE_KEY,
     TIMESTAMPS,
     USER,
     USERS_TABLE,
@@ -70,6 +68,7 @@ from gr.data.prepared.manifest import (
     shard_path,
     write_manifest,
 )
+from gr.data.prepared.side_tables import raw_values, write_side_table
 from gr.utils.atomic import atomic_directory
 
 log = logging.getLogger(__name__)
@@ -287,16 +286,11 @@ class _Preparation:
         for name, table, ids in tables:
             if table is None:
                 continue
-            aligned = SideFeatures.align(table, ids)
-            maps.update(aligned.vocabularies)
-            columns.update(aligned.dense_columns)
-            pq.write_table(_side_arrow(table), self.tmp / name)
+            vocabularies, dense_columns = write_side_table(table, ids, self.tmp / name)
+            maps.update(vocabularies)
+            columns.update(dense_columns)
             self.stage(
-                "side tables",
-                "%s: %d rows, %d features",
-                name,
-                len(table.keys),
-                len(aligned.vocabularies) + len(aligned.dense),
+                "side tables", "%s: %d rows, %d features", name, len(table.keys), len(vocabularies) + len(table.dense)
             )
         for feature in source.event_features:
             if feature.kind == DENSE:
@@ -343,10 +337,7 @@ class _Preparation:
 
 def _raw_ids(con: duckdb.DuckDBPyConnection, query: str) -> np.ndarray:
     """The single column of ``query`` -> numpy raw ids (int64, or str)."""
-    column = con.sql(query).to_arrow_table().column(0).combine_chunks()
-    if pa.types.is_integer(column.type):
-        return column.to_numpy().astype(np.int64)
-    return column.to_numpy(zero_copy_only=False).astype(str)
+    return raw_values(con.sql(query).to_arrow_table().column(0).combine_chunks())
 
 
 def _shard_schema(source: SourceTable) -> pa.Schema:
@@ -359,17 +350,3 @@ def _shard_schema(source: SourceTable) -> pa.Schema:
         *(pa.field(event_column(f.name), pa.list_(ARROW_VALUES[f.kind])) for f in source.event_features),
     ]
     return pa.schema(fields)
-
-
-def _side_arrow(table: SideTable) -> pa.Table:
-    """A side table as items.parquet / users.parquet hold it: "key", then each categorical feature's raw
-    values, each list feature's list<raw values>, each dense feature's list<float32> (d values)."""
-    columns: Dict[str, pa.Array] = {SIDE_KEY: pa.array(table.keys)}
-    columns.update({name: pa.array(values) for name, values in table.categorical.items()})
-    for name, rows in table.lists.items():
-        columns[name] = pa.ListArray.from_arrays(pa.array(rows.offsets, pa.int32()), pa.array(rows.values))
-    for name, matrix in table.dense.items():
-        width = matrix.shape[1]
-        offsets = pa.array(np.arange(len(matrix) + 1, dtype=np.int64) * width, pa.int32())
-        columns[name] = pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), pa.float32()))
-    return pa.table(columns)

@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from gr.data.config import MOVIELENS_SOURCES, ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, SideTable
+from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST, side_table_from_arrow
 from gr.data.readers import (
     CANONICAL_INT,
     MOVIELENS_SIDE_TABLES,
@@ -46,9 +47,7 @@ from gr.data.readers import (
     table_parquet_columns,
     table_parquet_error,
 )
-from gr.jagged import JaggedRows
 
-CATEGORICAL, LIST, DENSE = "categorical", "list", "dense"
 SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "time": "BIGINT", "list": "VARCHAR[]"}
 INT64_LIMIT = 2**63
 # Text -> value by the readers' rules (``read_delimited``'s kinds); NULL where the readers refuse the text.
@@ -455,24 +454,5 @@ def side_table(con: duckdb.DuckDBPyConnection, key: str, features: Sequence[Feat
         return None
     values = ", ".join(f"arg_max({f.column}, fr) AS {quote(f.name)}" for f in features)
     table = con.sql(f"SELECT {key} AS key, {values} FROM typed GROUP BY {key} ORDER BY {key}").to_arrow_table()
-    categorical, dense, dense_columns, lists = {}, {}, {}, {}
-    for feature in features:
-        column = table[feature.name].combine_chunks()
-        if feature.kind == CATEGORICAL:
-            categorical[feature.name] = _numpy(column)
-        elif feature.kind == LIST:
-            lists[feature.name] = JaggedRows(
-                column.offsets.to_numpy().astype(np.int64) - int(column.offsets[0].as_py()), _numpy(column.flatten())
-            )
-        else:
-            width = len(feature.dense_columns)
-            dense[feature.name] = column.flatten().to_numpy().astype(np.float32).reshape(len(column), width)
-            dense_columns[feature.name] = list(feature.dense_columns)
-    return SideTable(_numpy(table["key"].combine_chunks()), categorical, dense, dense_columns, lists)
-
-
-def _numpy(array: pa.Array) -> np.ndarray:
-    """An Arrow column of ids or raw values -> numpy: int64 as it is, text as str."""
-    if pa.types.is_integer(array.type):
-        return array.to_numpy().astype(np.int64)
-    return array.to_numpy(zero_copy_only=False).astype(str)
+    kinds = {feature.name: feature.kind for feature in features}
+    return side_table_from_arrow(table, kinds, {f.name: f.dense_columns for f in features if f.kind == DENSE})
