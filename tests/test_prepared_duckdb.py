@@ -2,6 +2,7 @@
 (``build_sequences(read_source(config))`` and ``SideFeatures.align``), bad input is refused with the
 readers' messages, and a reader's checks catch a corrupt, missing, foreign or disordered shard."""
 
+import logging
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -444,6 +445,7 @@ def test_spark_engine_absent_from_this_installation_is_one_line(tmp_path, capsys
 
 
 def test_a_cluster_master_is_spark_only_and_excludes_threads(tmp_path, capsys):
+    level = logging.getLogger("gr.data").level
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("data:\n  source: ml-100k\n  path: x\n")
     argv = ["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "o"), "--master", "yarn"]
@@ -451,6 +453,7 @@ def test_a_cluster_master_is_spark_only_and_excludes_threads(tmp_path, capsys):
     assert "--master: only the spark engine runs on a cluster (got --engine duckdb)" in capsys.readouterr().err
     assert cli.main([*argv, "--engine", "spark", "--threads", "2"]) == 2
     assert "--master and --threads: give one" in capsys.readouterr().err
+    assert logging.getLogger("gr.data").level == level  # the command's INFO stage lines end with it
 
 
 def test_gr_help_imports_no_torch():

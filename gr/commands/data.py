@@ -161,8 +161,14 @@ def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> 
     except ValueError as error:
         given = " ".join(f"--{k} {v}" for k, v in overrides)
         raise ValueError(f"{given + ' (command line, over ' + str(path) + ')' if given else path}: {error}") from None
-    logging.getLogger("gr.data").setLevel(logging.INFO)  # each stage's counts and seconds
-    manifest = getattr(importlib.import_module(module), function)(config, args.out, **_engine_options(args))
+    engine = getattr(importlib.import_module(module), function)
+    stages = logging.getLogger("gr.data")
+    level = stages.level
+    stages.setLevel(logging.INFO)  # each stage's counts and seconds, while this command runs
+    try:
+        manifest = engine(config, args.out, **_engine_options(args))
+    finally:
+        stages.setLevel(level)
     summary = manifest.summary
     print(
         f"{args.out}: {summary['users']:,} users, {summary['items']:,} items, {summary['interactions']:,} "
