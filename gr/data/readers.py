@@ -825,13 +825,19 @@ def read_source(config: DataConfig) -> Interactions:
     Rows repeating an earlier row's (user, item, timestamp) are dropped and counted (a warning
     names how many) unless ``config.keep_duplicates``; ``Interactions.duplicates`` holds the count."""
     data = READERS[config.source](config).without_duplicates(drop=not config.keep_duplicates)
-    if data.duplicates and data.duplicates_dropped:
+    log_duplicates(data.source, data.duplicates, data.duplicates_dropped)
+    return data
+
+
+def log_duplicates(source: object, duplicates: int, dropped: bool) -> None:
+    """The log line about ``duplicates`` rows repeating an earlier row's (user, item, timestamp):
+    a warning when they were ``dropped``, else (data.keep_duplicates) an info line; none without any."""
+    if duplicates and dropped:
         log.warning(
             "%s: dropped %d duplicate interactions (same user, item and timestamp as an earlier row); "
             "set data.keep_duplicates: true to keep them",
-            data.source,
-            data.duplicates,
+            source,
+            duplicates,
         )
-    elif data.duplicates:
-        log.info("%s: kept %d duplicate interactions (data.keep_duplicates)", data.source, data.duplicates)
-    return data
+    elif duplicates:
+        log.info("%s: kept %d duplicate interactions (data.keep_duplicates)", source, duplicates)

@@ -125,6 +125,48 @@ def configured_split(sequences: UserSequences, config: DataConfig) -> Optional[S
     return time_split(sequences, config.split_time, config.split_end, config.train_start)
 
 
+def log_rare_items(source: object, rare: int, items: int, minimum: int) -> None:
+    """The info line about the ``rare`` of ``items`` items dropped by data.min_item_interactions."""
+    log.info(
+        "%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
+        source,
+        rare,
+        items,
+        minimum,
+    )
+
+
+def log_short_users(source: object, short: int, users: int, min_seq_len: int) -> None:
+    """The warning about the ``short`` of ``users`` users dropped by data.min_seq_len (none when 0):
+    a warning, since a user's events vanish from every split, which no one asked for."""
+    if short:
+        log.warning(
+            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len; leave-one-out "
+            "needs a training, a validation and a test event per user)",
+            source,
+            short,
+            users,
+            min_seq_len,
+        )
+
+
+def no_user_left(source: object, min_seq_len: int) -> DataFormatError:
+    """The error when no user has ``min_seq_len`` interactions."""
+    return DataFormatError(
+        source,
+        f"no user has at least {min_seq_len} interactions (data.min_seq_len): the dataset is empty after filtering",
+    )
+
+
+def too_wide_span(source: object, user: object, first: int, last: int) -> DataFormatError:
+    """The error for a user whose timestamps ``first`` .. ``last`` lie 2^63 s or more apart."""
+    return DataFormatError(
+        source,
+        f"user {user!r}: timestamps from {first} to {last} lie 2^63 s or more apart "
+        "(the model takes their differences in int64)",
+    )
+
+
 def build_sequences(
     data: Interactions, min_seq_len: int = 3, min_item_interactions: int = 1, base_items: Optional[IdMap] = None
 ) -> Tuple[UserSequences, IdMap, IdMap]:
@@ -140,30 +182,14 @@ def build_sequences(
     if min_item_interactions > 1:
         _, item_codes, item_counts = np.unique(data.items, return_inverse=True, return_counts=True)
         keep = item_counts[item_codes] >= min_item_interactions
-        log.info(
-            "%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
-            data.source,
-            int((item_counts < min_item_interactions).sum()),
-            len(item_counts),
-            min_item_interactions,
+        log_rare_items(
+            data.source, int((item_counts < min_item_interactions).sum()), len(item_counts), min_item_interactions
         )
     user_raw, user_codes, user_counts = np.unique(data.users[keep], return_inverse=True, return_counts=True)
     long_enough = user_counts >= min_seq_len
-    dropped = int((~long_enough).sum())
-    if dropped:  # a warning: a user's events vanish from every split, which no one asked for
-        log.warning(
-            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len; leave-one-out "
-            "needs a training, a validation and a test event per user)",
-            data.source,
-            dropped,
-            len(user_raw),
-            min_seq_len,
-        )
+    log_short_users(data.source, int((~long_enough).sum()), len(user_raw), min_seq_len)
     if not long_enough.any():
-        raise DataFormatError(
-            data.source,
-            f"no user has at least {min_seq_len} interactions (data.min_seq_len): the dataset is empty after filtering",
-        )
+        raise no_user_left(data.source, min_seq_len)
     rows = np.flatnonzero(keep)[long_enough[user_codes]]
     users = IdMap(user_raw[long_enough])
     user_dense = (np.cumsum(long_enough) - 1)[user_codes[long_enough[user_codes]]]
@@ -176,11 +202,7 @@ def build_sequences(
     wide = first_overflowing_span(offsets, timestamps)
     if wide >= 0:
         user, span = users.raw[wide : wide + 1].tolist()[0], timestamps[offsets[wide] : offsets[wide + 1]]
-        raise DataFormatError(
-            data.source,
-            f"user {user!r}: timestamps from {span[0]} to {span[-1]} lie 2^63 s or more apart "
-            "(the model takes their differences in int64)",
-        )
+        raise too_wide_span(data.source, user, span[0], span[-1])
     sequences = UserSequences(
         offsets=offsets,
         items=item_dense[order],

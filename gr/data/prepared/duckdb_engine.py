@@ -34,7 +34,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gr.data.config import DataConfig
-from gr.data.interactions import DataFormatError
 from gr.data.mappings import IdMap, save_mappings
 from gr.data.prepared.duckdb_sources import (
     CATEGORICAL,
@@ -60,15 +59,19 @@ from gr.data.prepared.manifest import (
     USERS_TABLE,
     PreparedManifest,
     ShardEntry,
+    check_preparable,
     config_data,
     config_hash,
     describe_shard,
     event_column,
     file_checksums,
+    prepared_summary,
     shard_path,
     write_manifest,
 )
 from gr.data.prepared.side_tables import raw_values, write_side_table
+from gr.data.readers import log_duplicates
+from gr.data.sequences import log_rare_items, log_short_users, no_user_left, too_wide_span
 from gr.utils.atomic import atomic_directory
 
 log = logging.getLogger(__name__)
@@ -93,11 +96,7 @@ def prepare_with_duckdb(
     users per shard file (the last may hold fewer); overwrite: replace an existing ``out``.
     Bad input raises DataFormatError / ValueError naming the file, line, column or config key.
     """
-    if config.source == "synthetic":
-        raise ValueError(
-            "data.source: 'synthetic' is generated in memory at training time; gr data prepare reads files "
-            "(csv, parquet, ml-100k, ml-1m, ml-20m, amazon)"
-        )
+    check_preparable(config)
     if users_per_shard < 1:
         raise ValueError(f"users_per_shard: expected a positive number of users, got {users_per_shard}")
     out = Path(out)
@@ -142,7 +141,6 @@ class _Preparation:
         self.stage("read", "%d rows from %s", rows, source.source)
         con.execute("SET preserve_insertion_order = false")  # from here on every order is an ORDER BY
         duplicates = self._events(source)
-        dropped = duplicates if not config.keep_duplicates else 0
         users, items = self._dense_ids(source)
         interactions = self._sequences(source)
         maps, columns = self._side_tables(source, users, items)
@@ -157,15 +155,9 @@ class _Preparation:
             engine_version=duckdb.__version__,
             config_hash=config_hash(config),
             data=config_data(config),
-            summary={
-                "source": source.source,
-                "rows_read": rows,
-                "duplicates_dropped": dropped,
-                "duplicates_kept": duplicates - dropped,
-                "users": len(users.raw),
-                "items": len(items.raw),
-                "interactions": interactions,
-            },
+            summary=prepared_summary(
+                source.source, rows, duplicates, config.keep_duplicates, len(users.raw), len(items.raw), interactions
+            ),
             has_ratings=source.has_ratings,
             event_features={f.name: f.kind for f in source.event_features},
             shards=shards,
@@ -187,15 +179,7 @@ class _Preparation:
             )
         else:
             con.execute(f"CREATE VIEW events AS SELECT {columns} FROM typed")
-        if duplicates and not config.keep_duplicates:
-            log.warning(
-                "%s: dropped %d duplicate interactions (same user, item and timestamp as an earlier row); "
-                "set data.keep_duplicates: true to keep them",
-                source.source,
-                duplicates,
-            )
-        elif duplicates:
-            log.info("%s: kept %d duplicate interactions (data.keep_duplicates)", source.source, duplicates)
+        log_duplicates(source.source, duplicates, not config.keep_duplicates)
         self.stage("duplicates", "%d %s", duplicates, "kept" if config.keep_duplicates else "dropped")
         return duplicates
 
@@ -209,37 +193,20 @@ class _Preparation:
                 f"CREATE VIEW kept AS SELECT * FROM events SEMI JOIN item_counts c ON events.i = c.i AND c.n >= {least}"
             )
             dropped_items = self.count(f"SELECT count(*) FROM item_counts WHERE n < {least}")
-            log.info(
-                "%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
-                source.source,
-                dropped_items,
-                self.count("SELECT count(*) FROM item_counts"),
-                least,
-            )
+            log_rare_items(source.source, dropped_items, self.count("SELECT count(*) FROM item_counts"), least)
         else:
             con.execute("CREATE VIEW kept AS SELECT * FROM events")
         shortest = config.min_seq_len
         con.execute("CREATE TABLE user_counts AS SELECT u, count(*) AS n FROM kept GROUP BY u")
         dropped = self.count(f"SELECT count(*) FROM user_counts WHERE n < {shortest}")
         if dropped:
-            log.warning(
-                "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len; leave-one-out "
-                "needs a training, a validation and a test event per user)",
-                source.source,
-                dropped,
-                self.count("SELECT count(*) FROM user_counts"),
-                shortest,
-            )
+            log_short_users(source.source, dropped, self.count("SELECT count(*) FROM user_counts"), shortest)
         con.execute(
             "CREATE TABLE users AS SELECT u, row_number() OVER (ORDER BY u) - 1 AS uid "
             f"FROM user_counts WHERE n >= {shortest}"
         )
         if self.count("SELECT count(*) FROM users") == 0:
-            raise DataFormatError(
-                source.source,
-                f"no user has at least {shortest} interactions (data.min_seq_len): "
-                "the dataset is empty after filtering",
-            )
+            raise no_user_left(source.source, shortest)
         con.execute(
             "CREATE TABLE items AS SELECT i, row_number() OVER (ORDER BY i) - 1 AS iid "
             "FROM (SELECT DISTINCT i FROM kept SEMI JOIN users ON kept.u = users.u)"
@@ -263,12 +230,7 @@ class _Preparation:
             "ORDER BY s.uid LIMIT 1"
         ).fetchall()
         if wide:
-            user, first, last = wide[0]
-            raise DataFormatError(
-                source.source,
-                f"user {user!r}: timestamps from {first} to {last} lie 2^63 s or more apart "
-                "(the model takes their differences in int64)",
-            )
+            raise too_wide_span(source.source, *wide[0])
         interactions = self.count("SELECT count(*) FROM seq")
         self.stage("sequences", "%d interactions", interactions)
         return interactions

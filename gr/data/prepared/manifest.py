@@ -132,6 +132,34 @@ class PreparedManifest:
         }
 
 
+def check_preparable(config: DataConfig) -> None:
+    """ValueError for a source that is not files (synthetic: generated in memory at training time),
+    or without data.path (a config that trains from a prepared dataset may leave it out)."""
+    if config.source == "synthetic":
+        raise ValueError(
+            "data.source: 'synthetic' is generated in memory at training time; gr data prepare reads files "
+            "(csv, parquet, ml-100k, ml-1m, ml-20m, amazon)"
+        )
+    if config.path is None:
+        raise ValueError(f"data.path: required to prepare data.source {config.source!r} (the files to read)")
+
+
+def prepared_summary(
+    source: str, rows_read: int, duplicates: int, keep_duplicates: bool, users: int, items: int, interactions: int
+) -> Dict[str, Any]:
+    """The manifest's ``summary`` (``SUMMARY_KEYS``: ``SequenceDataModule.summary``'s counts)."""
+    dropped = 0 if keep_duplicates else duplicates
+    return {
+        "source": source,
+        "rows_read": rows_read,
+        "duplicates_dropped": dropped,
+        "duplicates_kept": duplicates - dropped,
+        "users": users,
+        "items": items,
+        "interactions": interactions,
+    }
+
+
 def config_data(config: DataConfig) -> Dict[str, Any]:
     """``config.to_dict()`` as JSON reads it back (tuples as lists): the manifest's ``data``."""
     return json.loads(json.dumps(config.to_dict()))

@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from gr.data.config import DataConfig
-from gr.data.interactions import DataFormatError, SideTable
+from gr.data.interactions import SideTable
 from gr.data.mappings import IdMap, save_mappings
 from gr.data.prepared.manifest import (
     DEFAULT_USERS_PER_SHARD,
@@ -66,6 +66,7 @@ from gr.data.prepared.manifest import (
     describe_shard,
     event_column,
     file_checksums,
+    prepared_summary,
     shard_path,
     write_manifest,
 )
@@ -82,6 +83,8 @@ from gr.data.prepared.spark_read import (
     source_of,
 )
 from gr.data.prepared.spark_read import USER as RAW_USER
+from gr.data.readers import log_duplicates
+from gr.data.sequences import log_rare_items, log_short_users, no_user_left, too_wide_span
 from gr.utils.atomic import atomic_directory
 
 if TYPE_CHECKING:
@@ -186,7 +189,7 @@ def _prepare(
         marked = rows.withColumn("repeat", F.row_number().over(first) > 1)
         cached.append(marked.persist(StorageLevel.MEMORY_AND_DISK))
         read, duplicates = _first(marked.agg(F.count(F.lit(1)), F.count_if(F.col("repeat"))))
-        _log_duplicates(source.source, duplicates, config.keep_duplicates)
+        log_duplicates(source.source, duplicates, not config.keep_duplicates)
         events = marked if config.keep_duplicates else marked.filter(~F.col("repeat"))
         events = _frequent_items(events, source.source, config.min_item_interactions, cached)
         users = _kept_users(events, source.source, config.min_seq_len, cached)
@@ -215,22 +218,15 @@ def _prepare(
     log.info(
         "%s: %d users, %d items, %d interactions", source.source, len(user_map.raw), len(item_map.raw), interactions
     )
-    dropped = 0 if config.keep_duplicates else duplicates
     return PreparedManifest(
         directory=tmp,
         engine=ENGINE,
         engine_version=pyspark.__version__,
         config_hash=config_hash(config),
         data=config_data(config),
-        summary={
-            "source": source.source,
-            "rows_read": read,
-            "duplicates_dropped": dropped,
-            "duplicates_kept": duplicates - dropped,
-            "users": len(user_map.raw),
-            "items": len(item_map.raw),
-            "interactions": interactions,
-        },
+        summary=prepared_summary(
+            source.source, read, duplicates, config.keep_duplicates, len(user_map.raw), len(item_map.raw), interactions
+        ),
         has_ratings=source.has_ratings,
         event_features=dict(event_kinds),
         shards=shards,
@@ -244,19 +240,6 @@ def _first(frame: DataFrame) -> Any:
     return row
 
 
-def _log_duplicates(source: str, duplicates: int, keep: bool) -> None:
-    """``readers.read_source``'s log line about rows repeating an earlier (user, item, timestamp)."""
-    if duplicates and not keep:
-        log.warning(
-            "%s: dropped %d duplicate interactions (same user, item and timestamp as an earlier row); "
-            "set data.keep_duplicates: true to keep them",
-            source,
-            duplicates,
-        )
-    elif duplicates:
-        log.info("%s: kept %d duplicate interactions (data.keep_duplicates)", source, duplicates)
-
-
 def _frequent_items(events: DataFrame, source: str, minimum: int, cached: List[DataFrame]) -> DataFrame:
     """``events`` of the items with at least ``minimum`` of them (``build_sequences``' log line)."""
     from pyspark import StorageLevel
@@ -267,13 +250,7 @@ def _frequent_items(events: DataFrame, source: str, minimum: int, cached: List[D
     counts = events.groupBy(ITEM).agg(F.count(F.lit(1)).alias("n"))
     cached.append(counts.persist(StorageLevel.MEMORY_AND_DISK))
     items, rare = _first(counts.agg(F.count(F.lit(1)), F.count_if(F.col("n") < minimum)))
-    log.info(
-        "%s: dropped %d of %d items with fewer than %d interactions (data.min_item_interactions)",
-        source,
-        rare,
-        items,
-        minimum,
-    )
+    log_rare_items(source, rare, items, minimum)
     return events.join(counts.filter(F.col("n") >= minimum).select(ITEM), ITEM, "left_semi")
 
 
@@ -293,27 +270,11 @@ def _kept_users(events: DataFrame, source: str, min_seq_len: int, cached: List[D
     users, short, first_wide = _first(
         per_user.agg(F.count(F.lit(1)), F.count_if(~kept), F.min(F.when(wide, F.struct(RAW_USER, "first", "last"))))
     )
-    if short:
-        log.warning(
-            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len; leave-one-out "
-            "needs a training, a validation and a test event per user)",
-            source,
-            short,
-            users,
-            min_seq_len,
-        )
+    log_short_users(source, short, users, min_seq_len)
     if short == users:
-        raise DataFormatError(
-            source,
-            f"no user has at least {min_seq_len} interactions (data.min_seq_len): the dataset is empty after filtering",
-        )
+        raise no_user_left(source, min_seq_len)
     if first_wide is not None:
-        user, first, last = first_wide
-        raise DataFormatError(
-            source,
-            f"user {user!r}: timestamps from {first} to {last} lie 2^63 s or more apart "
-            "(the model takes their differences in int64)",
-        )
+        raise too_wide_span(source, *first_wide)
     return per_user.filter(kept).select(RAW_USER)
 
 

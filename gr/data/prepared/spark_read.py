@@ -23,6 +23,7 @@ import pyarrow as pa
 from gr.data.config import MOVIELENS_SOURCES, ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, SideTable
 from gr.data.prepared.duckdb_sources import source_files
+from gr.data.prepared.manifest import check_preparable
 from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST
 from gr.data.prepared.spark_text import (
     FILE,
@@ -116,11 +117,8 @@ def declared_features(columns: ColumnConfig) -> Dict[str, Dict[str, str]]:
 def source_of(config: DataConfig) -> Source:
     """``config``'s source checked on the driver (``Source``): a missing file, a bad first line or
     Parquet schema raise as the readers raise them, before any Spark work."""
-    if config.path is None or config.source == "synthetic":
-        raise ValueError(
-            "data.source: 'synthetic' is generated in memory at training time; gr data prepare reads files "
-            "(csv, parquet, ml-100k, ml-1m, ml-20m, amazon)"
-        )
+    check_preparable(config)
+    assert config.path is not None  # check_preparable
     path, columns = Path(config.path), config.columns
     if config.source in ("csv", "parquet"):
         groups = {**columns.token_dense, **columns.item_dense, **columns.user_dense}
