@@ -4,17 +4,19 @@
     python bench/daily_retrain.py --smoke                              # 1 seed, 2 steps a run: checks it runs
 
 Day 0 = the events before the 80th percentile of all timestamps (p80), day 1 = those in [p80, p90),
-the test = the last 10%. Every run reads the whole file with ``data.split: time``, so the three are
-scored on the same targets (each user's second event at or after p90, with every earlier event as
-history; the first is the validation target):
+the test = the last 10%. Every run reads the whole file with ``data.split: time`` and
+``data.test_events: all``, so the three are scored on the same targets: every event at or after
+p90 of a user with history before p90, except the user's first (its validation target), each with
+every earlier event as history; a user's targets are averaged first, so each user counts once:
   (a) cold: the recipe (configs/ml100k_hstu.yaml) from scratch on day 0 + day 1 (split_time p90);
   (b) warm: ``--init-from`` the day-0 run (c), trained on day 1 only (train_start p80, split_time p90);
   (c) day 0: the recipe on day 0 (split_time p80), tested with split_time p90 (``gr evaluate`` RUN).
 Reading the whole file, run (c)'s id maps know day 1's new items; their rows stay at their
 initialisation, as a warm start's new rows would (tests/test_warm_start.py covers maps that grow).
 
-Prints each run, then one JSON line: seeds, cuts, test_users, per run the mean test hr@10/ndcg@10
-and wall seconds of training (a, b), se_hr10 (sqrt(p (1 - p) / n) of (a)'s mean over the test users),
+Prints each run, then one JSON line: seeds, cuts, test_users, test_targets, per run the mean test
+hr@10/ndcg@10 and wall seconds of training (a, b), se_hr10 (sqrt(p (1 - p) / n) of (a)'s mean over
+the n test users: a bound on the standard error of a mean of n per-user hit rates in [0, 1]),
 warm_minus_cold_in_se, warm_minus_day0_in_se, warm_time_over_cold, targets (b within one SE of (a)
 or better; (b) in at most a third of (a)'s time; (b) above (c) by more than one SE), cpu, load_average.
 """
@@ -80,7 +82,7 @@ def main(argv: List[str] | None = None) -> None:
         ]
     overrides += parse_overrides(parser, rest)
     at = cuts(RECIPE, overrides)
-    time_split = [("data.split", "time")]
+    time_split = [("data.split", "time"), ("data.test_events", "all")]
     results: Dict[str, List[Dict[str, Any]]] = {"cold": [], "warm": [], "day0": []}
     start_load = load_average()
     with tempfile.TemporaryDirectory() as work:
@@ -88,10 +90,9 @@ def main(argv: List[str] | None = None) -> None:
         for seed in args.seeds:
             seeded = [*overrides, ("trainer.seed", str(seed)), ("data.seed", str(seed))]
             day0, _ = run(root / f"day0-{seed}", seeded, [*time_split, ("data.split_time", at["p80"])])
-            tested = evaluate_run(root / f"day0-{seed}", [("data.split_time", str(at["p90"]))])
-            results["day0"].append(
-                {**{m: tested[m] for m in METRICS}, "test_users": tested["data"]["evaluated_users"]["test"]}
-            )
+            tested = evaluate_run(root / f"day0-{seed}", [("data.split_time", str(at["p90"])), *time_split[1:]])
+            counts = {f"test_{k}": tested["data"][f"evaluated_{k}"]["test"] for k in ("users", "targets")}
+            results["day0"].append({**{m: tested[m] for m in METRICS}, **counts})
             cold, cold_s = run(root / f"cold-{seed}", seeded, [*time_split, ("data.split_time", at["p90"])])
             warm, warm_s = run(
                 root / f"warm-{seed}",
@@ -109,6 +110,7 @@ def main(argv: List[str] | None = None) -> None:
                 flush=True,
             )
             test_users = cold["data"]["evaluated_users"]["test"]
+            test_targets = cold["data"]["evaluated_targets"]["test"]
     means = {name: {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} for name, rows in results.items()}
     p = means["cold"]["hr@10"]
     se = math.sqrt(p * (1 - p) / test_users)
@@ -121,6 +123,7 @@ def main(argv: List[str] | None = None) -> None:
         "seeds": args.seeds,
         "cuts": at,
         "test_users": test_users,
+        "test_targets": test_targets,
         "runs": means,
         "se_hr10": se,
         "warm_minus_cold_in_se": warm_vs_cold,

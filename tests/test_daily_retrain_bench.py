@@ -20,6 +20,7 @@ def test_the_daily_retrain_bench_compares_warm_cold_and_day0_runs_on_the_same_te
     assert result["cuts"]["p80"] < result["cuts"]["p90"]
     runs = result["runs"]
     assert set(runs) == {"cold", "warm", "day0"} and runs["day0"]["test_users"] == result["test_users"] > 0
+    assert runs["day0"]["test_targets"] == result["test_targets"] > result["test_users"]  # every test event
     assert all(0 <= runs[r]["hr@10"] <= 1 for r in runs)
     assert result["warm_time_over_cold"] == runs["warm"]["seconds"] / runs["cold"]["seconds"]
     assert set(result["targets"]) == {

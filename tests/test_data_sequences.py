@@ -52,8 +52,8 @@ def test_rare_items_are_dropped_before_users():
 
 def test_leave_one_out_targets_and_training_part():
     seqs, _, _ = build_sequences(events([(1, i, i) for i in range(5)] + [(2, i, i) for i in range(3)]))
-    assert seqs.targets("test").tolist() == [4, 7]
-    assert seqs.targets("val").tolist() == [3, 6]
+    assert [t.tolist() for t in seqs.targets("test")] == [[0, 1], [4, 7]]
+    assert [t.tolist() for t in seqs.targets("val")] == [[0, 1], [3, 6]]
     assert seqs.train_ends().tolist() == [3, 6]
     with pytest.raises(ValueError, match="split"):
         seqs.targets("train")

@@ -33,7 +33,7 @@ def test_sequences_are_well_formed_with_side_features():
 
 def hit_rate_at_10(scores, seqs):
     """scores: [U, I] -> share of users whose test item ranks in the top 10, history excluded."""
-    targets = seqs.targets("test")
+    _, targets = seqs.targets("test")
     hits = 0
     for user, target in enumerate(targets):
         row = scores[user].astype(float).copy()
@@ -50,7 +50,7 @@ def test_previous_item_predicts_the_next_far_better_than_popularity():
     follows = train[:-1][np.diff(train) == 1]  # consecutive training events of one user
     transitions = np.zeros((seqs.num_items, seqs.num_items))
     np.add.at(transitions, (seqs.items[follows], seqs.items[follows + 1]), 1.0)
-    previous = seqs.items[seqs.targets("test") - 1]
+    previous = seqs.items[seqs.targets("test")[1] - 1]
     popular = hit_rate_at_10(np.tile(popularity, (seqs.num_users, 1)), seqs)
     sequential = hit_rate_at_10(transitions[previous] + 1e-3 * popularity, seqs)
     assert sequential > 2 * popular, (sequential, popular)

@@ -1,6 +1,7 @@
 """The time split: events before the cut train, each user's first event at or after it is its
-validation target and the second its test target; with a train start, training predicts only
-events at or after it. Leave-one-out stays the default."""
+validation target and the second its test target (or every later one, each user counted once in
+the metrics); with a train start, training predicts only events at or after it. Leave-one-out
+stays the default."""
 
 import copy
 
@@ -9,7 +10,7 @@ import pytest
 
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
-from gr.data.sequences import NO_TARGET
+from gr.train.metrics import retrieval_metrics
 from helpers.runs import RANKING, RETRIEVAL
 
 
@@ -40,9 +41,8 @@ def test_no_training_label_lies_at_or_after_the_cut_and_targets_are_the_next_two
     query_times = batch.query_times.numpy()  # each token's next event's time: its label's
     assert labelled_rows.any() and (query_times[labelled_rows.numpy()] < cut).all()
     for split, position in (("val", 0), ("test", 1)):
-        users = seqs.evaluated_users(split)
-        targets = seqs.targets(split)[users]
-        assert len(users) > 0 and (seqs.timestamps[targets] >= cut).all()
+        users, targets = seqs.targets(split)
+        assert len(users) > 0 and (np.diff(users) > 0).all() and (seqs.timestamps[targets] >= cut).all()
         first_after = np.array(
             [seqs.starts[u] + (seqs.timestamps[seqs.starts[u] : seqs.offsets[u + 1]] < cut).sum() for u in users]
         )
@@ -51,16 +51,62 @@ def test_no_training_label_lies_at_or_after_the_cut_and_targets_are_the_next_two
         batch = data.splits[split].build(np.arange(len(users)), np.random.default_rng(0))
         assert batch.labels["target_item"].tolist() == seqs.items[targets].tolist()
     never = np.setdiff1d(np.arange(seqs.num_users), seqs.evaluated_users("val"))
-    assert (seqs.targets("val")[never] == NO_TARGET).all()
-    assert data.summary["split"] == {"kind": "time", "split_time": cut}
+    assert (
+        len(never) > 0
+        and ((seqs.timestamps[seqs.starts[never]] >= cut) | (seqs.timestamps[seqs.offsets[never + 1] - 1] < cut)).all()
+    )
+    assert data.summary["split"] == {"kind": "time", "split_time": cut, "test_events": "next"}
+
+
+def test_every_test_event_is_each_later_event_in_the_window_with_its_whole_history(times):
+    cut, end = times[50], times[90]
+    data = _data(split="time", split_time=cut, split_end=end, test_events="all")
+    seqs = data.corpus.sequences
+    next_only = _data(split="time", split_time=cut, split_end=end).corpus.sequences
+    users, targets = seqs.targets("test")
+    expected = [
+        (u, row)
+        for u in range(seqs.num_users)
+        for row in range(seqs.starts[u], seqs.offsets[u + 1])
+        if cut <= seqs.timestamps[row] < end
+        and row - 1 >= seqs.starts[u]
+        and seqs.timestamps[row - 1] >= cut
+        and seqs.timestamps[seqs.starts[u]] < cut
+    ]
+    assert list(zip(users.tolist(), targets.tolist())) == expected
+    assert len(targets) > 2 * len(np.unique(users))  # several targets per user
+    assert [t.tolist() for t in seqs.targets("val")] == [t.tolist() for t in next_only.targets("val")]
+    first = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    assert [targets[first].tolist(), users[first].tolist()] == [
+        next_only.targets("test")[1].tolist(),
+        next_only.targets("test")[0].tolist(),
+    ]
+    batch = data.splits["test"].build(np.arange(len(users)), np.random.default_rng(0))
+    lengths = np.diff(batch.seq_offsets.numpy())
+    window = data.config.max_seq_len
+    assert (lengths == np.minimum(targets - seqs.starts[users], window)).all()  # earlier test events are history
+    assert batch.labels["target_item"].tolist() == seqs.items[targets].tolist()
+    assert data.summary["evaluated_users"]["test"] == len(np.unique(users))
+    assert data.summary["evaluated_targets"]["test"] == len(users)
+    assert data.summary["split"]["test_events"] == "all"
+
+
+def test_a_user_with_several_targets_counts_once_in_the_metrics():
+    import torch
+
+    ranks = torch.tensor([0, 50, 50, 50, 50])  # user 7 hits once; user 9 misses four times
+    users = torch.tensor([7, 9, 9, 9, 9])
+    assert retrieval_metrics(ranks, (10,), users)["hr@10"] == 0.5
+    assert retrieval_metrics(ranks, (10,))["hr@10"] == 0.2
+    assert retrieval_metrics(ranks, (10,), torch.tensor([1, 2, 3, 4, 5]))["hr@10"] == 0.2
 
 
 def test_an_end_drops_later_events_from_the_targets(times):
     data = _data(split="time", split_time=times[50], split_end=times[70])
     seqs = data.corpus.sequences
     for split in ("val", "test"):
-        targets = seqs.targets(split)[seqs.evaluated_users(split)]
-        assert (seqs.timestamps[targets] < times[70]).all()
+        _, targets = seqs.targets(split)
+        assert len(targets) > 0 and (seqs.timestamps[targets] < times[70]).all()
 
 
 def test_a_train_start_leaves_earlier_events_as_history_only(times):
@@ -86,7 +132,7 @@ def test_ranking_cuts_lie_in_the_training_window(times):
 def test_leave_one_out_is_unchanged_by_the_split_machinery():
     data = _data()
     seqs = data.corpus.sequences
-    assert seqs.targets("test").tolist() == (seqs.offsets[1:] - 1).tolist()
+    assert seqs.targets("test")[1].tolist() == (seqs.offsets[1:] - 1).tolist()
     assert len(data.splits["test"]) == seqs.num_users and data.summary["split"] == {"kind": "leave_one_out"}
 
 
@@ -102,6 +148,8 @@ def test_leave_one_out_is_unchanged_by_the_split_machinery():
             r"data\.split_time: expected null or an integer number of seconds, got 1\.5",
         ),
         ({"split": "days"}, r"data\.split: expected one of"),
+        ({"test_events": "all"}, r"data\.test_events: only data\.split 'time' reads it"),
+        ({"split": "time", "split_time": 5, "test_events": "every"}, r"data\.test_events: expected one of"),
     ],
 )
 def test_bad_split_keys_are_refused_naming_them(values, message):

@@ -278,7 +278,7 @@ class RetrievalTrainBatches(SplitBatches):
 
 
 class RetrievalEvalBatches(SplitBatches):
-    """One sample per user: the history before the held-out event (most recent ``max_seq_len``).
+    """One sample per held-out event: the history before it (most recent ``max_seq_len``).
 
     labels: ``target_item`` [B]; ``exclude_offsets`` [B+1] and ``exclude_items`` [E]: the
     distinct items not to rank (the whole history before the target, or only the input
@@ -290,15 +290,14 @@ class RetrievalEvalBatches(SplitBatches):
     ) -> None:
         super().__init__(corpus, split, max_seq_len, seed, eviction_block)
         self.exclude = exclude
-        self.users = corpus.sequences.evaluated_users(split)
+        self.users, self.targets = corpus.sequences.targets(split)
 
     def __len__(self) -> int:
         return len(self.users)
 
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         seqs = self.corpus.sequences
-        users = self.users[rows]
-        targets = seqs.targets(self.split)[users]
+        users, targets = self.users[rows], self.targets[rows]
         starts = self.windows(seqs.starts[users], targets)
         lengths = targets - starts
         index = concat_ranges(starts, lengths)

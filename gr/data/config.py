@@ -26,6 +26,7 @@ from gr.utils.config_checks import (
 )
 
 SPLITS = ("leave_one_out", "time")
+TEST_EVENTS = ("next", "all")
 SECONDS: Check = (is_int, "an integer number of seconds")
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
@@ -292,7 +293,11 @@ class DataConfig(Section):
     validation target) or "time": events before ``split_time`` (seconds) train; each user's
     first event in [split_time, split_end) is its validation target and the second its test
     target (``gr.data.sequences``); ``train_start``: training samples predict only events at or
-    after it (earlier ones are history), e.g. the new day of a warm start.
+    after it (earlier ones are history), e.g. the new day of a warm start. ``test_events``: "next"
+    (the test target is each user's event after its validation event) or "all" (every later
+    event in [split_time, split_end) is a test target, with every earlier event as history: a
+    whole day judged; retrieval metrics average each user's targets first, so each user counts
+    once as under leave-one-out; ranking's AUC is over every candidate).
     prepared: a directory ``gr data prepare`` wrote from this source (``gr.data.prepared``): training
     streams its shards instead of reading ``path`` (which may then be left out); a ``path`` naming
     such a directory streams it too. The keys that shape what is prepared (source, columns,
@@ -320,6 +325,7 @@ class DataConfig(Section):
     split_time: Optional[int] = checked(None, optional(SECONDS))
     split_end: Optional[int] = checked(None, optional(SECONDS))
     train_start: Optional[int] = checked(None, optional(SECONDS))
+    test_events: str = checked("next", one_of(*TEST_EVENTS))
     genres: str = checked("multi_hot", one_of(*GENRE_LAYOUTS))
     columns: ColumnConfig = field(default_factory=ColumnConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
@@ -363,11 +369,13 @@ class DataConfig(Section):
             )
 
     def _check_split(self, where: str) -> None:
-        times = self.split_summary()
-        del times["kind"]
-        if self.split == "leave_one_out" and times:
+        time_keys = self.split_summary()
+        del time_keys["kind"]
+        if self.split == "leave_one_out" and self.test_events != "next":
+            time_keys["test_events"] = self.test_events
+        if self.split == "leave_one_out" and time_keys:
             raise ValueError(
-                f"{where}.{next(iter(times))}: only data.split 'time' reads it (the split is leave_one_out)"
+                f"{where}.{next(iter(time_keys))}: only data.split 'time' reads it (the split is leave_one_out)"
             )
         if self.split_time is None:
             if self.split == "time":
@@ -381,9 +389,10 @@ class DataConfig(Section):
             )
 
     def split_summary(self) -> Dict[str, Any]:
-        """The split as metrics name it: {"kind": ...} plus the times it reads."""
+        """The split as metrics name it: {"kind": ...} plus the times it reads (and its test events)."""
         times = ("split_time", "split_end", "train_start")
-        return {"kind": self.split, **{k: getattr(self, k) for k in times if getattr(self, k) is not None}}
+        summary = {"kind": self.split, **{k: getattr(self, k) for k in times if getattr(self, k) is not None}}
+        return {**summary, "test_events": self.test_events} if self.split == "time" else summary
 
     def label_names(self) -> Tuple[str, ...]:
         """The ranking tasks' label names; empty for retrieval."""

@@ -32,7 +32,7 @@ from gr.data.prepared.reader import PreparedData, prepared_directory
 from gr.data.prepared.stream import EpochLoader, PreparedSplit
 from gr.data.readers import read_source
 from gr.data.sampling import check_room
-from gr.data.sequences import build_sequences, configured_split
+from gr.data.sequences import EVALUATED, build_sequences, configured_split
 from gr.jagged import concat_ranges
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ class SequenceDataModule(lightning.LightningDataModule):
         row_users, cuts = ranking_cuts(sequences, ranking.positives_per_sample, ranking.samples_per_user)
         self._check(
             len(row_users) if config.task == "ranking" else len(trainable_users(sequences)),
-            {split: len(sequences.evaluated_users(split)) for split in ("val", "test")},
+            {split: len(sequences.evaluated_users(split)) for split in EVALUATED},
+            {split: len(sequences.targets(split)[0]) for split in EVALUATED},
             sequences.ratings is not None,
             lambda: int(self._corpus().sampler.distinct_seen.max()),
         )
@@ -133,7 +134,8 @@ class SequenceDataModule(lightning.LightningDataModule):
         self._set_summary({**summary, "items": self.num_items, "prepared": str(directory)})
         self._check(
             int(data.counts["train"].sum()),
-            {split: int(data.counts[split].sum()) for split in ("val", "test")},
+            data.evaluated_users,
+            {split: int(data.counts[split].sum()) for split in EVALUATED},
             data.manifest.has_ratings,
             lambda: data.max_seen,
         )
@@ -143,13 +145,22 @@ class SequenceDataModule(lightning.LightningDataModule):
         counts = (read["users"], read["items"], read["interactions"])
         log.info("%s: %d users, %d items, %d interactions", read["source"], *counts)
 
-    def _check(self, train: int, evaluated: Dict[str, int], has_ratings: bool, most_seen: Callable[[], int]) -> None:
+    def _check(
+        self,
+        train: int,
+        evaluated: Dict[str, int],
+        targets: Dict[str, int],
+        has_ratings: bool,
+        most_seen: Callable[[], int],
+    ) -> None:
         """ValueError (one line naming the key) when the split leaves nothing to train or evaluate,
-        or ranking asks for what the data lacks. train: training samples; evaluated: {"val"|"test":
-        users with a target}; most_seen(): the most distinct items of one user (ranking's room)."""
+        or ranking asks for what the data lacks. train: training samples; evaluated / targets:
+        {"val"|"test": users with a target / targets}; most_seen(): the most distinct items of one
+        user (ranking's room)."""
         config = self.config
         if config.split == "time":
             self.summary["evaluated_users"] = evaluated
+            self.summary["evaluated_targets"] = targets
             empty = [s for s, n in evaluated.items() if n == 0]
             if empty:
                 needed = 1 if empty[0] == "val" else 2
@@ -208,7 +219,7 @@ class SequenceDataModule(lightning.LightningDataModule):
             )
         }
         for code, split in enumerate(("val", "test"), start=1):
-            users = sequences.evaluated_users(split)
+            users, targets = sequences.targets(split)
             rng = np.random.default_rng([config.seed, code])
             table = corpus.sampler.sample(users, ranking.eval_num_negatives, rng).astype(np.int32)
             splits[split] = RankingBatches(
@@ -217,7 +228,7 @@ class SequenceDataModule(lightning.LightningDataModule):
                 config.max_seq_len,
                 config.seed,
                 users,
-                sequences.targets(split)[users],
+                targets,
                 1,
                 ranking.eval_num_negatives,
                 ranking.tasks,

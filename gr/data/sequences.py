@@ -6,9 +6,11 @@ rows ``s .. s+n-3`` the training part. A target's history is every earlier event
 
 Time split (``time_split``) at a cut time C (and an optional end E): a user's events before C
 are its training part; its first event in [C, E) is its validation target and its second the
-test target (whose history then includes the validation event). A user with no event before C,
-or fewer than one (two) in [C, E), has no validation (test) target. With a train start S,
-training samples predict only events at or after S; earlier events are history alone.
+test target (whose history then includes the validation event), or with every test event each
+later event in [C, E) is a test target too, with every earlier event as its history. A user
+with no event before C, or fewer than one (two) in [C, E), has no validation (test) target.
+With a train start S, training samples predict only events at or after S; earlier events are
+history alone.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ import numpy as np
 from gr.data.config import DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.mappings import IdMap
-from gr.jagged import evicted_prefix
+from gr.jagged import concat_ranges, evicted_prefix
 from gr.timestamps import first_overflowing_span
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 HELD_OUT = {"val": 2, "test": 1}  # the target of a split is the n-th event from the end
-NO_TARGET = -1
+EVALUATED = tuple(HELD_OUT)
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,13 @@ class SplitRows:
 
     label_starts: the first row a training sample may predict
     train_ends: one past the training part
-    targets: {"val" | "test": [U]} the held-out event's row, ``NO_TARGET`` when the user has none
+    targets: {"val" | "test": (users [S], rows [S])} each held-out event's user and flat row,
+        in user then row order
     """
 
     label_starts: np.ndarray
     train_ends: np.ndarray
-    targets: Dict[str, np.ndarray]
+    targets: Dict[str, Tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -85,19 +88,26 @@ class UserSequences:
         """[U] the first flat row a training sample of each user may predict."""
         return self.starts if self.split is None else self.split.label_starts
 
-    def targets(self, split: str) -> np.ndarray:
-        """[U] flat row of each user's held-out event for split "val" or "test" (``NO_TARGET``: none)."""
+    def targets(self, split: str) -> Tuple[np.ndarray, np.ndarray]:
+        """The held-out events of split "val" or "test": (users [S] int64, rows [S] int64 flat rows),
+        in user then row order; one per user under leave-one-out, where every user has one."""
         if split not in HELD_OUT:
             raise ValueError(f"split: expected one of {list(HELD_OUT)}, got {split!r}")
-        return self.offsets[1:] - HELD_OUT[split] if self.split is None else self.split.targets[split]
+        if self.split is None:
+            return np.arange(self.num_users, dtype=np.int64), self.offsets[1:] - HELD_OUT[split]
+        return self.split.targets[split]
 
     def evaluated_users(self, split: str) -> np.ndarray:
         """[U'] dense ids of the users with a ``split`` target (every user under leave-one-out)."""
-        return np.flatnonzero(self.targets(split) != NO_TARGET)
+        return np.unique(self.targets(split)[0])
 
 
 def time_split(
-    sequences: UserSequences, cut: int, end: Optional[int] = None, train_start: Optional[int] = None
+    sequences: UserSequences,
+    cut: int,
+    end: Optional[int] = None,
+    train_start: Optional[int] = None,
+    every_test_event: bool = False,
 ) -> SplitRows:
     """The time split of ``sequences`` at ``cut`` seconds (the module docstring says how)."""
     starts, times = sequences.starts, sequences.timestamps
@@ -108,10 +118,12 @@ def time_split(
     before = per_user(times < cut)
     after = per_user((times >= cut) & (times < (end if end is not None else np.iinfo(np.int64).max)))
     train_ends = starts + before
-    has_history = before >= 1
+    validated = np.flatnonzero((before >= 1) & (after >= 1))
+    tested = np.flatnonzero((before >= 1) & (after >= 2))
+    per_test = after[tested] - 1 if every_test_event else np.ones(len(tested), dtype=np.int64)
     targets = {
-        "val": np.where(has_history & (after >= 1), train_ends, NO_TARGET),
-        "test": np.where(has_history & (after >= 2), train_ends + 1, NO_TARGET),
+        "val": (validated, train_ends[validated]),
+        "test": (np.repeat(tested, per_test), concat_ranges(train_ends[tested] + 1, per_test)),
     }
     label_starts = starts if train_start is None else starts + per_user(times < train_start)
     return SplitRows(label_starts, train_ends, targets)
@@ -122,7 +134,8 @@ def configured_split(sequences: UserSequences, config: DataConfig) -> Optional[S
     if config.split != "time":
         return None
     assert config.split_time is not None  # DataConfig requires it with the time split
-    return time_split(sequences, config.split_time, config.split_end, config.train_start)
+    every_test_event = config.test_events == "all"
+    return time_split(sequences, config.split_time, config.split_end, config.train_start, every_test_event)
 
 
 def log_rare_items(source: object, rare: int, items: int, minimum: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -63,16 +63,30 @@ def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor
     return torch.where(target_scores.squeeze(1).isfinite(), ranks, scores.shape[1])
 
 
-def retrieval_metrics(ranks: Tensor, top_k: Sequence[int]) -> Dict[str, float]:
-    """ranks: [U] int64 0-based target ranks, one per user -> HR@k, NDCG@k (one relevant item), MRR."""
+def retrieval_metrics(ranks: Tensor, top_k: Sequence[int], users: Optional[Tensor] = None) -> Dict[str, float]:
+    """ranks: [S] int64 0-based target ranks; users: [S] int64 each target's user (None: one target
+    per user) -> HR@k, NDCG@k (one relevant item), MRR. Each user counts once: a user's targets
+    are averaged first when some user has several."""
     ranks = ranks.double()
+    mean = _per_user_mean(users) if users is not None and users.unique().numel() < users.numel() else Tensor.mean
     out: Dict[str, float] = {}
     for k in top_k:
         hit = ranks < k
-        out[f"hr@{k}"] = hit.double().mean().item()
-        out[f"ndcg@{k}"] = torch.where(hit, 1.0 / torch.log2(ranks + 2.0), torch.zeros_like(ranks)).mean().item()
-    out["mrr"] = (1.0 / (ranks + 1.0)).mean().item()
+        out[f"hr@{k}"] = mean(hit.double()).item()
+        out[f"ndcg@{k}"] = mean(torch.where(hit, 1.0 / torch.log2(ranks + 2.0), torch.zeros_like(ranks))).item()
+    out["mrr"] = mean(1.0 / (ranks + 1.0)).item()
     return out
+
+
+def _per_user_mean(users: Tensor) -> Callable[[Tensor], Tensor]:
+    """users: [S] int64 -> a function of [S] double values: the mean over users of each user's mean."""
+    unique, owner = torch.unique(users, return_inverse=True)
+    counts = torch.bincount(owner, minlength=unique.numel()).double()
+
+    def mean(values: Tensor) -> Tensor:
+        return (values.new_zeros(unique.numel()).index_add_(0, owner, values) / counts).mean()
+
+    return mean
 
 
 def ranking_metrics(logits: Dict[str, Tensor], labels: Dict[str, Tensor]) -> Dict[str, float]:

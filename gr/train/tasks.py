@@ -60,6 +60,7 @@ class RetrievalTask:
         self.item_embedding = item_embedding
         self.catalogue: Optional[Tensor] = None
         self.ranks: Dict[str, List[Tensor]] = {}
+        self.users: List[Tensor] = []  # each evaluated target's dataset user id, as ``ranks``
 
     # ---- training ---------------------------------------------------------------------
     def training_inputs(self, batch: GRInput, generator: torch.Generator) -> GRInput:
@@ -136,7 +137,7 @@ class RetrievalTask:
                 dist.all_gather(gathered, rows.contiguous())
                 rows = torch.cat(gathered)
             self.catalogue = self.item_embedding(rows[: self.num_items])
-        self.ranks = {}
+        self.ranks, self.users = {}, []
 
     def evaluation_step(self, output: GROutput, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
         """Rank each sequence's held-out item; with ``popularity`` [I], the most-popular baseline too."""
@@ -145,19 +146,21 @@ class RetrievalTask:
         labels = inputs.labels
         queries = output.predictions["query"][output.row_offsets[1:] - 1]  # each sequence's last token
         args = (labels["target_item"], labels["exclude_offsets"], labels["exclude_items"])
+        self.users.append(labels["user"].cpu())
         self.ranks.setdefault("model", []).append(target_ranks(queries, self.catalogue, *args).cpu())
         if popularity is not None:
             scores = popularity.to(queries.dtype).to(queries.device).expand(queries.shape[0], -1)
             self.ranks.setdefault("popularity", []).append(score_ranks(scores, *args).cpu())
 
     def finish_evaluation(self) -> Dict[str, float]:
-        """-> {"hr@10": ..., "mrr": ..., "popularity/hr@10": ...} over every rank's users."""
+        """-> {"hr@10": ..., "mrr": ..., "popularity/hr@10": ...} over every rank's users (each once)."""
         out: Dict[str, float] = {}
+        users = gather_cat(self.users)
         for scorer, ranks in self.ranks.items():
-            metrics = retrieval_metrics(gather_cat(ranks), self.config.top_k)
+            metrics = retrieval_metrics(gather_cat(ranks), self.config.top_k, users)
             prefix = "" if scorer == "model" else f"{scorer}/"
             out.update({f"{prefix}{name}": value for name, value in metrics.items()})
-        self.catalogue, self.ranks = None, {}
+        self.catalogue, self.ranks, self.users = None, {}, []
         return out
 
 

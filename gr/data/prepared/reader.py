@@ -47,7 +47,7 @@ from gr.data.prepared.manifest import (
     verify_file,
 )
 from gr.data.sampling import UnseenSampler
-from gr.data.sequences import SPLITS, UserSequences, configured_split
+from gr.data.sequences import EVALUATED, SPLITS, UserSequences, configured_split
 from gr.jagged import JaggedRows, concat_ranges
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,8 @@ class PreparedData:
     user_map / item_map: the dataset's ids (item_map extended from ``base_maps["items"]`` on a warm
     start); vocabularies: {feature: IdMap}; item_features / user_features: aligned side features;
     event_features: the event features with no rows (names, vocabularies, dims); row_groups: every
-    row group in shard order; counts: {split: [row groups] int64 samples}; popularity: [num_items]
+    row group in shard order; counts: {split: [row groups] int64 samples}; evaluated_users: {"val" |
+    "test": users with a target}; popularity: [num_items]
     int64 training items; max_seen: the most distinct items of one user (ranking's negatives room).
     """
 
@@ -160,6 +161,7 @@ class PreparedData:
         self.counts: Dict[str, np.ndarray] = {}
         self.popularity = np.zeros(self.item_map.cardinality, dtype=np.int64)
         self.max_seen = 0
+        self.evaluated_users = {split: 0 for split in EVALUATED}
         self._count()
 
     @property
@@ -394,16 +396,18 @@ class PreparedData:
         if split == "train":
             users = trainable_users(sequences)
             return users, sequences.starts[users]
-        users = sequences.evaluated_users(split)
-        return users, sequences.targets(split)[users] if config.task == "ranking" else sequences.starts[users]
+        users, targets = sequences.targets(split)
+        return users, targets if config.task == "ranking" else sequences.starts[users]
 
     def _count(self) -> None:
-        """The counting pass (module docstring): ``counts``, ``popularity``, ``max_seen``."""
+        """The counting pass (module docstring): ``counts``, ``evaluated_users``, ``popularity``, ``max_seen``."""
         counts = {split: np.zeros(len(self.row_groups), dtype=np.int64) for split in SPLITS}
         for position, (_, rows) in enumerate(self.scan(self.row_groups, full=False)):
             sequences = self.corpus(rows).sequences
             for split in SPLITS:
                 counts[split][position] = len(self.samples(sequences, split)[0])
+            for split in EVALUATED:  # a user's rows are in one row group: its users are counted once
+                self.evaluated_users[split] += len(sequences.evaluated_users(split))
             ends = sequences.train_ends()
             train_items = sequences.items[concat_ranges(sequences.starts, ends - sequences.starts)]
             self.popularity += np.bincount(train_items, minlength=self.num_items)
