@@ -19,6 +19,7 @@ from helpers.models import (
     random_batch,
     requests_from_batch,
 )
+from helpers.servers import recording_batcher
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,9 @@ def concurrently(batcher, requests):
 def test_concurrent_requests_run_as_one_batch_and_score_as_if_alone(served):
     path, requests = served
     want = [Ranker.load(path).rank(r) for r in requests]
-    batcher = RequestBatcher(Ranker.load(path, micro_batch=8), window_ms=200)
+    batcher, sizes = recording_batcher(Ranker.load(path, micro_batch=8), window_ms=200)
     got = concurrently(batcher, requests)
-    assert max(batcher.batch_sizes) > 1 and sum(batcher.batch_sizes) == len(requests)
+    assert max(sizes) > 1 and sum(sizes) == len(requests)
     for g, w in zip(got, want):
         for task in w.scores:
             np.testing.assert_allclose(g.scores[task], w.scores[task], rtol=0, atol=1e-5)
@@ -52,9 +53,9 @@ def test_concurrent_requests_run_as_one_batch_and_score_as_if_alone(served):
 def test_a_bad_request_fails_alone_and_the_rest_of_its_batch_is_answered(served):
     path, requests = served
     bad = RankRequest(**{**vars(requests[1]), "candidates": {k: v[:0] for k, v in requests[1].candidates.items()}})
-    batcher = RequestBatcher(Ranker.load(path), window_ms=200, max_batch=3)
+    batcher, sizes = recording_batcher(Ranker.load(path), window_ms=200, max_batch=3)
     got = concurrently(batcher, [requests[0], bad, requests[2]])
-    assert batcher.batch_sizes == [2], "the bad request is refused in its own thread and never joins"
+    assert sizes == [2], "the bad request is refused in its own thread and never joins"
     assert isinstance(got[1], RequestError) and "candidates" in str(got[1])
     assert all(not isinstance(g, Exception) for g in (got[0], got[2]))
 
@@ -73,7 +74,7 @@ def test_non_finite_scores_fail_only_the_request_that_produces_them(served, monk
         return heads(hidden, commons, rows)
 
     monkeypatch.setattr(ranker.model, "heads_batch", poisoned)
-    batcher = RequestBatcher(ranker, window_ms=200, max_batch=3)
+    batcher, sizes = recording_batcher(ranker, window_ms=200, max_batch=3)
     got = concurrently(batcher, requests[:3])
     assert isinstance(got[1], ScoringError)
     assert all(np.isfinite(v).all() for g in (got[0], got[2]) for v in g.scores.values())
@@ -81,10 +82,10 @@ def test_non_finite_scores_fail_only_the_request_that_produces_them(served, monk
 
 def test_a_lone_request_runs_at_once_and_arrivals_during_a_batch_form_the_next(served):
     path, requests = served
-    batcher = RequestBatcher(Ranker.load(path))  # no window: continuous batching
-    assert batcher.rank(requests[0]).scores and batcher.batch_sizes == [1]
+    batcher, sizes = recording_batcher(Ranker.load(path))  # no window: continuous batching
+    assert batcher.rank(requests[0]).scores and sizes == [1]
     got = concurrently(batcher, requests)
-    assert all(not isinstance(g, Exception) for g in got) and sum(batcher.batch_sizes) == 1 + len(requests)
+    assert all(not isinstance(g, Exception) for g in got) and sum(sizes) == 1 + len(requests)
 
 
 def test_window_and_batch_size_are_checked():
@@ -100,10 +101,10 @@ def test_an_empty_retrieval_history_is_refused_before_it_can_fail_its_batch_mate
         RankRequest(f"u{i}", {"item_id": [1, 2, 3 + i], "timestamps": [1, 2, 3]}, {"item_id": [5, 6]}) for i in range(3)
     ]
     empty = RankRequest("e", {"item_id": [], "timestamps": []}, {"item_id": [5]})
-    batcher = RequestBatcher(Ranker.load(path), window_ms=200)
+    batcher, sizes = recording_batcher(Ranker.load(path), window_ms=200)
     got = concurrently(batcher, [good[0], empty, good[1], empty, good[2]])
     assert all(isinstance(got[i], RequestError) and "history: empty" in str(got[i]) for i in (1, 3))
-    assert all(not isinstance(got[i], Exception) for i in (0, 2, 4)) and sum(batcher.batch_sizes) == 3
+    assert all(not isinstance(got[i], Exception) for i in (0, 2, 4)) and sum(sizes) == 3
 
 
 def test_any_error_that_breaks_a_batch_fails_only_the_request_that_causes_it(served, monkeypatch):
@@ -117,9 +118,9 @@ def test_any_error_that_breaks_a_batch_fails_only_the_request_that_causes_it(ser
         return run(prepared, **options)
 
     monkeypatch.setattr(ranker, "run", breaks_on_nine_candidates)
-    batcher = RequestBatcher(ranker, window_ms=200, max_batch=3)
+    batcher, sizes = recording_batcher(ranker, window_ms=200, max_batch=3)
     got = concurrently(batcher, requests[:3])
-    assert isinstance(got[1], IndexError) and batcher.batch_sizes == [3]
+    assert isinstance(got[1], IndexError) and sizes == [3]
     assert all(not isinstance(g, Exception) for g in (got[0], got[2]))
     assert not isinstance(batcher.rank(requests[0]), Exception) and batcher.death is None
 

@@ -15,8 +15,8 @@ from gr.export import export_model
 from gr.postfix_dnn import RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker, RankRequest, RecommendRequest
-from gr.serving.batcher import RequestBatcher
 from helpers.models import HSTU_KW, NUM_ITEMS, perturb
+from helpers.servers import recording_batcher
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -103,8 +103,8 @@ def test_a_batch_of_retrieval_requests_answers_each_as_it_is_answered_alone(expo
 def test_concurrent_recommend_requests_run_as_one_batch_through_the_batcher(exports):
     recommend, _ = requests()
     want = [Ranker.load(exports["token"]).recommend(r) for r in recommend]
-    batcher = RequestBatcher(Ranker.load(exports["token"]), window_ms=200)
+    batcher, sizes = recording_batcher(Ranker.load(exports["token"]), window_ms=200)
     with ThreadPoolExecutor(len(recommend)) as pool:
         got = list(pool.map(batcher.recommend, recommend))
-    assert max(batcher.batch_sizes) > 1 and sum(batcher.batch_sizes) == len(recommend)
+    assert max(sizes) > 1 and sum(sizes) == len(recommend)
     assert [g.items for g in got] == [w.items for w in want]

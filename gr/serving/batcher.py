@@ -55,7 +55,6 @@ class RequestBatcher:
             raise ValueError(f"RequestBatcher: window_ms must be >= 0 and max_batch >= 1, got {window_ms}, {max_batch}")
         self.ranker, self.window_s, self.max_batch = ranker, window_ms / 1e3, max_batch
         self.on_death, self.on_batch = on_death, on_batch
-        self.batch_sizes: List[int] = []  # of every batch run, for metrics and tests
         self.death: Optional[BaseException] = None  # what ended the worker thread, if it ended
         self._waiting: List[Tuple[Prepared, Future]] = []
         self._arrived = threading.Condition()
@@ -102,7 +101,6 @@ class RequestBatcher:
         return batch
 
     def _run(self, batch: List[Tuple[Prepared, Future]]) -> None:
-        self.batch_sizes.append(len(batch))
         for kind in (PreparedRank, PreparedRecommend):
             group = [(p, future) for p, future in batch if isinstance(p, kind)]
             if group:

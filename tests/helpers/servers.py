@@ -12,13 +12,20 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from gr.data.mappings import IdMap, save_mappings
+from gr.serving.batcher import RequestBatcher
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def recording_batcher(ranker: Any, **options: Any) -> Tuple[RequestBatcher, List[int]]:
+    """A RequestBatcher over ``ranker`` and the list its batches' sizes are appended to, as they form."""
+    sizes: List[int] = []
+    return RequestBatcher(ranker, on_batch=lambda size, _waiting: sizes.append(size), **options), sizes
 
 
 def free_port() -> int:
