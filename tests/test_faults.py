@@ -20,6 +20,7 @@ from typing import Any, Dict
 
 import pytest
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from gr.export import export_run
 from gr.train import train
@@ -94,6 +95,13 @@ def logged_train_steps(run_dir: Path) -> list:
         return [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")]
 
 
+def tensorboard_train_steps(run_dir: Path) -> list:
+    """The steps of train/loss as TensorBoard shows them (what a restart purged left out)."""
+    events = EventAccumulator(str(run_dir / "logs"))
+    events.Reload()
+    return [event.step for event in events.Scalars("train/loss")]
+
+
 def test_a_killed_run_resumes_from_its_newest_epoch_not_its_best_and_logs_each_step_once(tmp_path, capsys):
     run_dir = tmp_path / "run"
     # Saves: epoch=0 and last at epoch 0 (arrivals 1-2), then last alone at epochs 1-2 (3-4): the
@@ -111,3 +119,5 @@ def test_a_killed_run_resumes_from_its_newest_epoch_not_its_best_and_logs_each_s
     assert all(float(seconds) <= took for _, seconds in lines)  # the downtime is no epoch's time
     assert resumed["epochs"] == 4 and resumed["best_checkpoint"] == "checkpoints/epoch=0"
     assert logged_train_steps(run_dir) == list(range(4 * batches_per_epoch))  # every step once, in order
+    assert len(list((run_dir / "logs").glob("events.out.tfevents.*"))) >= 2  # the killed run's file stays
+    assert tensorboard_train_steps(run_dir) == logged_train_steps(run_dir)

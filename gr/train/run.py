@@ -94,16 +94,18 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         check_memory_fits(plan, config, local, available_memory_bytes())
     module = GRTrainingModule(config, spec, datamodule.tasks, datamodule.popularity(), warm_start)
 
+    resumed_step = ckpt.logged_steps(start) if start else None
+
     def write_run_files() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if start:
-            drop_rows_from_step(out_dir / LOGS_DIR / "metrics.csv", ckpt.logged_steps(start))
+        if resumed_step is not None:
+            drop_rows_from_step(out_dir / LOGS_DIR / "metrics.csv", resumed_step)
         save_config(config, out_dir / CONFIG_FILE)
         write_json(out_dir / FEATURES_FILE, plain({"spec": vars(spec), "tasks": list(datamodule.tasks)}))
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
         save_popularity(out_dir / POPULARITY_FILE, datamodule.popularity().numpy())
 
-    trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files)])
+    trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files)], resumed_step)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(start) if start else None)
     # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
     best = "best" if checkpoints.best_model_path else str(out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT)
@@ -172,10 +174,12 @@ class NewestAndBestCheckpoints(ModelCheckpoint):
 
 
 def make_trainer(
-    config: TrainConfig, out_dir: Path, extra_callbacks: Sequence[Callback] = ()
+    config: TrainConfig, out_dir: Path, extra_callbacks: Sequence[Callback] = (), resumed_step: Optional[int] = None
 ) -> Tuple[Trainer, ModelCheckpoint]:
     """The Lightning Trainer of a run (TorchRec strategy, DCP checkpoints of the best and last
-    epoch, optional early stopping, TensorBoard and appending CSV logs), and its checkpoint callback."""
+    epoch, optional early stopping, TensorBoard and appending CSV logs), and its checkpoint callback.
+    resumed_step: the logs' step a resumed run continues at; TensorBoard hides what the interrupted
+    run logged from there on (SummaryWriter's ``purge_step``), as the CSV log drops those rows."""
     t = config.trainer
     checkpoints = NewestAndBestCheckpoints(
         dirpath=out_dir / CHECKPOINTS_DIR,
@@ -209,7 +213,7 @@ def make_trainer(
         enable_progress_bar=t.enable_progress_bar,
         callbacks=callbacks,
         logger=[
-            TensorBoardLogger(out_dir, name=LOGS_DIR, version=""),
+            TensorBoardLogger(out_dir, name=LOGS_DIR, version="", purge_step=resumed_step),
             AppendingCSVLogger(out_dir, name=LOGS_DIR, version=""),
         ],
         use_distributed_sampler=False,  # the data module deals batches to ranks itself

@@ -42,7 +42,9 @@ class Recorder(Callback):
 if __name__ == "__main__":
     recorder = Recorder()
     make_trainer = run.make_trainer
-    run.make_trainer = lambda config, out_dir, extra=(): make_trainer(config, out_dir, [*extra, recorder])
+    run.make_trainer = lambda config, out_dir, extra=(), resumed=None: make_trainer(
+        config, out_dir, [*extra, recorder], resumed
+    )
     out = Path(sys.argv[2])
     run.train(load_config(sys.argv[1]), out)
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(recorder.seen))
