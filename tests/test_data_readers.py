@@ -247,6 +247,8 @@ def test_decimal_csv_timestamps_are_floored_exactly(tmp_path):
         ("1,2,1e23", "column 'timestamp': expected seconds: .* that fits int64, got '1e23'"),
         ("1,2,1.5e30", "column 'timestamp': expected seconds: .* that fits int64, got '1.5e30'"),
         ("1,2,-9223372036854775809", "column 'timestamp': expected seconds: .*, got '-9223372036854775809'"),
+        ("1,2,1e9999999999999999999", "column 'timestamp': expected seconds: .*, got '1e9999999999999999999'"),
+        ("1,2,5e-9999999999999999999", "column 'timestamp': expected seconds: .*, got '5e-9999999999999999999'"),
         ("18446744073709551615,2,5", "column 'user_id': id 18446744073709551615 does not fit int64"),
     ],
 )

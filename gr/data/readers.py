@@ -19,7 +19,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
-from decimal import ROUND_FLOOR, Decimal
+from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -157,14 +157,18 @@ def _seconds_column(column: pa.ChunkedArray) -> Optional[np.ndarray]:
 
 def exact_seconds(text: str) -> Optional[int]:
     """A timestamp's text -> its integer seconds, exactly: an integer as it is, a decimal number
-    (``1.5``, ``1.7e9``) floored; None when it is neither or falls outside int64."""
+    (``1.5``, ``1.7e9``) floored; None when it is neither, falls outside int64, or has an exponent
+    past what ``decimal`` holds (beyond +-999999999999999999)."""
     if INT_PATTERN.fullmatch(text):
         value = int(text)
     elif DECIMAL_PATTERN.fullmatch(text):
-        number = Decimal(text)
-        if not INT64_RANGE[0] <= number < INT64_RANGE[1] + 1:  # before flooring: 1e999999 stays cheap
+        try:
+            number = Decimal(text)
+            if not INT64_RANGE[0] <= number < INT64_RANGE[1] + 1:  # before flooring: 1e999999 stays cheap
+                return None
+            value = int(number.to_integral_value(rounding=ROUND_FLOOR))
+        except InvalidOperation:
             return None
-        value = int(number.to_integral_value(rounding=ROUND_FLOOR))
     else:
         return None
     return value if INT64_RANGE[0] <= value <= INT64_RANGE[1] else None
