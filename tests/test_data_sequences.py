@@ -116,6 +116,11 @@ def test_an_extended_id_map_keeps_every_known_id_and_appends_new_ones_through_fi
         ("0\t10\n1\tten\n", r"items\.tsv:3: raw_id: expected an int64 \(raw_type int\), got 'ten'"),
         ("0\t10\n1\t20\n2\t10\n", r"items\.tsv:4: raw_id 10 repeats line 2"),
         ("0\t10\n2\t20\n", r"items\.tsv:3: expected dense_id 1<TAB>raw_id"),
+        ("0\t10\n01\t20\n", r"items\.tsv:3: expected dense_id 1<TAB>raw_id"),
+        ("0\t10\n+1\t20\n", r"items\.tsv:3: expected dense_id 1<TAB>raw_id"),
+        ("0\t10\n\n1\t20\n", r"items\.tsv:3: expected dense_id 1<TAB>raw_id"),
+        ("0\t10\n1\t+20\n", r"items\.tsv:3: raw_id: expected an int64 \(raw_type int\), got '\+20'"),
+        ("0\t10\n1\t20\t30\n", r"items\.tsv:3: expected dense_id 1<TAB>raw_id"),
     ],
 )
 def test_id_maps_that_would_map_wrongly_are_refused_naming_file_and_line(tmp_path, rows, message):
@@ -123,6 +128,24 @@ def test_id_maps_that_would_map_wrongly_are_refused_naming_file_and_line(tmp_pat
     (tmp_path / "items.tsv").write_text("dense_id\traw_id\n" + rows)
     with pytest.raises(ValueError, match=message):
         load_mappings(str(tmp_path))
+
+
+def test_id_maps_read_in_bulk_equal_those_read_line_by_line(tmp_path):
+    from gr.data.mappings import _read_map_by_line
+
+    rng = np.random.default_rng(0)
+    maps = {
+        "items": IdMap.of(rng.integers(-(2**63), 2**63 - 1, 500)).extended(np.array([7, -3])),
+        "users": IdMap.of(np.array([f"u{k}" for k in range(300)] + ["", "é", "a b"])),
+        "quoted": IdMap.of(np.array(['say "hi"', "two\nlines", "tab\there", "cr\rhere"])),
+        "age": IdMap.of(np.array([30, 20]), offset=1),
+    }
+    save_mappings(str(tmp_path), maps, {})
+    loaded, _ = load_mappings(str(tmp_path))
+    for name, kind in (("items", "int"), ("users", "str"), ("quoted", "str"), ("age", "int")):
+        by_line = _read_map_by_line(tmp_path / f"{name}.tsv", kind, maps[name].offset)
+        assert loaded[name].raw.tolist() == by_line.raw.tolist() == maps[name].raw.tolist()
+        assert loaded[name].raw.dtype.kind == by_line.raw.dtype.kind and loaded[name].offset == maps[name].offset
 
 
 def test_windows_drop_the_oldest_events_in_whole_eviction_blocks():

@@ -95,19 +95,23 @@ def save_mappings(directory: str, maps: Mapping[str, IdMap], columns: Mapping[st
     manifest = {"format_version": MAPPINGS_FORMAT_VERSION, "maps": map_entries, "columns": column_files}
     for name, id_map in maps.items():
         rows = zip(range(id_map.offset, id_map.cardinality), id_map.raw.tolist())
+        returns = id_map.raw.dtype.kind == "U" and bool((np.char.find(id_map.raw, "\r") >= 0).any())
         with atomic_file(root / f"{name}.tsv") as f:
-            _write_tsv(f, ("dense_id", "raw_id"), rows)
+            _write_tsv(f, ("dense_id", "raw_id"), rows, returns)
         kind = "int" if id_map.raw.dtype.kind in "iu" else "str"
         map_entries[name] = {"file": f"{name}.tsv", "raw_type": kind, "offset": id_map.offset}
     for name, names in columns.items():
         with atomic_file(root / f"{name}.columns.tsv") as f:
-            _write_tsv(f, ("column", "name"), enumerate(names))
+            _write_tsv(f, ("column", "name"), enumerate(names), any("\r" in n for n in names))
         column_files[name] = f"{name}.columns.tsv"
     write_json(root / MANIFEST, manifest)
 
 
-def _write_tsv(f, header: Tuple[str, str], rows) -> None:
-    writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+def _write_tsv(f, header: Tuple[str, str], rows, carriage_returns: bool) -> None:
+    """carriage_returns: whether a field holds "\\r"; every field is then quoted (the writer quotes
+    only the line terminator's characters, and a reader ends a line at a bare "\\r")."""
+    quoting = csv.QUOTE_ALL if carriage_returns else csv.QUOTE_MINIMAL
+    writer = csv.writer(f, delimiter="\t", lineterminator="\n", quoting=quoting)
     writer.writerow(header)
     writer.writerows(rows)
 
@@ -159,7 +163,63 @@ def _field(path: Path, where: str, entry: object, key: str) -> object:
 
 
 def _read_map(path: Path, kind: str, offset: int) -> IdMap:
-    """One ``<name>.tsv`` -> IdMap, refusing what ``load_mappings`` lists (the file and line named)."""
+    """One ``<name>.tsv`` -> IdMap, refusing what ``load_mappings`` lists (the file and line named).
+    A file with nothing to refuse and no quoted field is read in bulk; any other goes line by line."""
+    values = _bulk_map_values(path, kind, offset)
+    if values is not None:
+        try:
+            return IdMap(values, offset)
+        except ValueError:  # a repeated raw id: the line-by-line reader names both lines
+            pass
+    return _read_map_by_line(path, kind, offset)
+
+
+def _bulk_map_values(path: Path, kind: str, offset: int) -> Optional[np.ndarray]:
+    """The raw ids of a ``<name>.tsv`` read at once (pyarrow), or None when the file quotes a field
+    or anything is amiss (the line-by-line reader then names it): the same ids as that reader's.
+    Repeated raw ids are left to ``IdMap`` to find."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from pyarrow import csv as pa_csv
+
+    data = path.read_bytes()
+    if b'"' in data or b"\r" in data:
+        return None
+    try:
+        table = pa_csv.read_csv(
+            pa.BufferReader(data),
+            read_options=pa_csv.ReadOptions(column_names=["dense_id", "raw_id"]),
+            parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False, ignore_empty_lines=False),
+            convert_options=pa_csv.ConvertOptions(
+                column_types={"dense_id": pa.string(), "raw_id": pa.string()}, strings_can_be_null=False
+            ),
+        )
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        return None
+    dense, raw = table.column("dense_id"), table.column("raw_id")
+    if len(dense) == 0 or (dense[0].as_py(), raw[0].as_py()) != ("dense_id", "raw_id"):
+        return None
+    dense, raw = dense.slice(1), raw.slice(1)
+    expected = np.arange(offset, offset + len(dense), dtype=np.int64)
+    digits = np.searchsorted(10 ** np.arange(1, 19, dtype=np.int64), expected, side="right") + 1
+    try:
+        if not (
+            np.array_equal(pc.cast(dense, pa.int64()).to_numpy(), expected)
+            and np.array_equal(pc.utf8_length(dense).to_numpy(), digits)  # canonical: no sign, no leading 0
+        ):
+            return None
+        if kind == "int":
+            if not pc.all(pc.match_substring_regex(raw, f"^(?:{INT_ID.pattern})$")).as_py():
+                return None
+            values = pc.cast(raw, pa.int64()).to_numpy()
+        else:
+            values = np.asarray(raw.to_numpy(zero_copy_only=False), dtype=str)
+    except pa.ArrowInvalid:  # an int raw id past int64
+        return None
+    return values
+
+
+def _read_map_by_line(path: Path, kind: str, offset: int) -> IdMap:
     rows = _read_tsv(path, ("dense_id", "raw_id"))
     raw: List[object] = []
     for i, (line, fields) in enumerate(rows):
