@@ -110,8 +110,10 @@ def save_mappings(directory: str, maps: Mapping[str, IdMap], columns: Mapping[st
 def _write_tsv(f, header: Tuple[str, str], rows, carriage_returns: bool) -> None:
     """carriage_returns: whether a field holds "\\r"; every field is then quoted (the writer quotes
     only the line terminator's characters, and a reader ends a line at a bare "\\r")."""
-    quoting = csv.QUOTE_ALL if carriage_returns else csv.QUOTE_MINIMAL
-    writer = csv.writer(f, delimiter="\t", lineterminator="\n", quoting=quoting)
+    if carriage_returns:
+        writer = csv.writer(f, delimiter="\t", lineterminator="\n", quoting=csv.QUOTE_ALL)
+    else:
+        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
     writer.writerow(header)
     writer.writerows(rows)
 
