@@ -8,10 +8,9 @@ Time split (``time_split``) at a cut time C (and an optional end E): a user's ev
 are its training part; its first event in [C, E) is its validation target and its second the
 test target (whose history then includes the validation event); with ``every_test_event``
 (``data.test_events: all``) each later event in [C, E) is a test target too, with every earlier
-event as its history. A user
-with no event before C, or fewer than one (two) in [C, E), has no validation (test) target.
-With a train start S, training samples predict only events at or after S; earlier events are
-history alone.
+event as its history. A user with no event before C, or fewer than one (two) in [C, E), has
+no validation (test) target. With a train start S, training samples predict only events at or
+after S; earlier events are history alone.
 """
 
 from __future__ import annotations
