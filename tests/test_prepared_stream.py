@@ -53,7 +53,11 @@ RANKING = {
     "tasks": [{"name": "watch"}, {"name": "like", "min_rating": 4}],
 }
 SPLIT_TIME = 1_003_500
-SPLIT_CONFIGS = {"leave_one_out": {}, "time": {"split": "time", "split_time": SPLIT_TIME}}
+SPLIT_CONFIGS = {
+    "leave_one_out": {},
+    "time": {"split": "time", "split_time": SPLIT_TIME},
+    "time_every_test_event": {"split": "time", "split_time": SPLIT_TIME, "test_events": "all"},
+}
 USERS = 90
 
 

@@ -388,7 +388,8 @@ class PreparedData:
 
     def samples(self, sequences: UserSequences, split: str) -> Tuple[np.ndarray, np.ndarray]:
         """The ``split`` samples of ``sequences``, as the raw module makes them: (users [R] int64,
-        cuts [R] int64 flat rows: a ranking sample's first candidate event, else the user's start)."""
+        cuts [R] int64 flat rows: an evaluation sample's target, a ranking training sample's first
+        candidate event, a retrieval training sample's user's start)."""
         config = self.config
         if split == "train" and config.task == "ranking":
             ranking = config.ranking
@@ -396,8 +397,7 @@ class PreparedData:
         if split == "train":
             users = trainable_users(sequences)
             return users, sequences.starts[users]
-        users, targets = sequences.targets(split)
-        return users, targets if config.task == "ranking" else sequences.starts[users]
+        return sequences.targets(split)
 
     def _count(self) -> None:
         """The counting pass (module docstring): ``counts``, ``evaluated_users``, ``popularity``, ``max_seen``."""

@@ -232,7 +232,7 @@ class PreparedSplit(IterableDataset):
         eval_batches = RetrievalEvalBatches(
             corpus, split, config.max_seq_len, config.seed, config.eval_exclude, self.eviction_block
         )
-        return eval_batches, np.searchsorted(eval_batches.users, owners)
+        return eval_batches, np.searchsorted(eval_batches.targets, cuts)  # targets ascend: users' rows in order
 
 
 def shuffled(positions: Sequence[int], groups: Sequence[RowGroup], rng: np.random.Generator) -> List[int]:
