@@ -51,8 +51,8 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import smoke  # noqa: E402
+from _host import cpu, load_average, peak_resident_bytes  # noqa: E402
 from bench_data import ML1M_ITEMS, ml1m_lengths  # noqa: E402
-from memory import cpu, load_average, peak_resident_bytes  # noqa: E402
 
 RECIPE = ROOT / "configs" / "ml1m_hstu.yaml"
 ROWS_PER_FILE = 1_000_000

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smoke  # noqa: E402
 import torch  # noqa: E402
+from _host import cpu, load_average, peak_resident_bytes  # noqa: E402
 
 from gr.hstu import HSTU, HSTUConfig  # noqa: E402
 from gr.train.memory import GIB, available_memory_bytes, resident_bytes  # noqa: E402
@@ -61,7 +62,6 @@ WARM_UP_LENGTH = 128
 HIDDEN = 128
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 TABLE_STEPS = 2  # optimizer steps per table point (Lightning's limit_train_batches)
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512", "amx", "avx_vnni")  # prefixes of the flags shown
 SMOKE = {
     "lengths": [256],
     "precisions": ["32-true"],
@@ -144,24 +144,6 @@ def table_run(rows: int, backend: str, work: Path, reserve: int) -> Dict:
         "measured": peak_resident_bytes(),
         "seconds": time.perf_counter() - start,
     }
-
-
-def peak_resident_bytes() -> int:
-    """This process's peak resident set so far (``VmHWM`` of /proc/self/status)."""
-    with open("/proc/self/status", encoding="ascii") as handle:
-        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
-
-
-def cpu() -> Tuple[str, List[str]]:
-    """(model name, its SIMD flags among ``SIMD_FLAGS``) from /proc/cpuinfo."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines if ":" in line)}
-    flags = [f for f in fields.get("flags", "").split() if f.startswith(SIMD_FLAGS)]
-    return f"{fields.get('model name', 'unknown')} ({os.cpu_count()} cores)", flags
-
-
-def load_average() -> List[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def stack_cases(args: argparse.Namespace) -> List[Dict]:

@@ -19,7 +19,7 @@ from typing import Tuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_BENCHMARKS = {"smoke.py", "_peak.py"}  # modules the benchmarks import
+NOT_BENCHMARKS = {"smoke.py", "_peak.py", "_host.py"}  # modules the benchmarks import
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
 # Run by tests/test_benches_training.py: a second module, so the suite's two workers share the smoke runs.
 TRAINING_BENCHES = {"train_step", "ab_steps", "memory", "train_dedup", "bench_data", "data_scale"}

@@ -54,11 +54,11 @@ def _main(argv: List[str]) -> int:
         help="how hstu/model.safetensors stores the weights (serving computes in float32)",
     )
     args = parser.parse_args(argv)
-    from gr.export.writer import export_run  # onnx and the training code, loaded only to export
-
-    start = time.perf_counter()
     if not args.run_dir.is_dir():
         raise NotADirectoryError(f"{args.run_dir}: no such run directory")
+    from gr.export.writer import export_run  # onnx and the training code, loaded only to export (seconds)
+
+    start = time.perf_counter()
     try:
         export_run(args.run_dir, args.export_dir, overwrite=args.overwrite, hstu_dtype=args.hstu_dtype)
     except ExportError as exc:  # the run does not export (a RuntimeError, not bad input)
