@@ -578,10 +578,18 @@ def test_a_beam_width_with_a_strategy_that_ignores_it_is_refused_unless_the_defa
 
 
 def worker_pids(server: Server) -> list:
-    """The server's uvicorn worker processes (its children, multiprocessing's resource tracker aside)."""
+    """The server's uvicorn worker processes (its children, multiprocessing's resource tracker aside;
+    a child that exits while it is looked at is left out)."""
     pid = server.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    workers = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if b"resource_tracker" not in command:
+            workers.append(int(child))
+    return workers
 
 
 def wait_for(condition, timeout: float = 90.0) -> None:
