@@ -27,6 +27,7 @@ from gr.utils.config_checks import (
 
 SPLITS = ("leave_one_out", "time")
 TEST_EVENTS = ("next", "all")
+SPLIT_TIMES = ("split_time", "split_end", "train_start")  # the keys only the time split reads
 SECONDS: Check = (is_int, "an integer number of seconds")
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
@@ -369,14 +370,10 @@ class DataConfig(Section):
             )
 
     def _check_split(self, where: str) -> None:
-        time_keys = self.split_summary()
-        del time_keys["kind"]
-        if self.split == "leave_one_out" and self.test_events != "next":
-            time_keys["test_events"] = self.test_events
+        time_keys = [k for k in SPLIT_TIMES if getattr(self, k) is not None]
+        time_keys += ["test_events"] if self.test_events != "next" else []
         if self.split == "leave_one_out" and time_keys:
-            raise ValueError(
-                f"{where}.{next(iter(time_keys))}: only data.split 'time' reads it (the split is leave_one_out)"
-            )
+            raise ValueError(f"{where}.{time_keys[0]}: only data.split 'time' reads it (the split is leave_one_out)")
         if self.split_time is None:
             if self.split == "time":
                 raise ValueError(f"{where}.split_time: required by data.split 'time' (the cut, in seconds)")
@@ -390,8 +387,7 @@ class DataConfig(Section):
 
     def split_summary(self) -> Dict[str, Any]:
         """The split as metrics name it: {"kind": ...} plus the times it reads (and its test events)."""
-        times = ("split_time", "split_end", "train_start")
-        summary = {"kind": self.split, **{k: getattr(self, k) for k in times if getattr(self, k) is not None}}
+        summary = {"kind": self.split, **{k: getattr(self, k) for k in SPLIT_TIMES if getattr(self, k) is not None}}
         return {**summary, "test_events": self.test_events} if self.split == "time" else summary
 
     def label_names(self) -> Tuple[str, ...]:
