@@ -3,8 +3,10 @@ its metrics.json, and its export scored through the serving runtime reaches the 
 (retrieval and ranking), written as JSON; bad invocations are one clear line. The run's item
 popularity reaches its export, which answers an empty history with the most popular items."""
 
+import csv
 import json
 
+import numpy as np
 import pytest
 
 from gr.commands.cli import main as gr_main
@@ -57,6 +59,33 @@ def test_run_and_its_export_reach_the_runs_test_metrics(which, keys, request, ca
         assert served[key] == pytest.approx(trained[key], abs=1e-5), key
     if which == "retrieval":
         assert served["popularity"] == pytest.approx(trained["popularity"], abs=1e-9)
+
+
+def test_per_user_metrics_name_each_test_user_once_and_average_to_the_reported_metrics(retrieval, capsys, tmp_path):
+    run, export, _ = retrieval
+    data = SequenceDataModule(load_config(run / "config.yaml").data)
+    data.setup()
+    users, _ = data.corpus.sequences.targets("test")
+    evaluated = data.user_map.decode(np.unique(users))
+    reports = {}
+    for name, source in (("run", [run]), ("export", [export, "--config", run / "config.yaml"])):
+        path = tmp_path / f"{name}.csv"
+        reports[name] = evaluate(capsys, *source, "--output", tmp_path / f"{name}.json", "--per-user", path)
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert [row["user"] for row in rows] == [str(u) for u in evaluated]
+        assert sum(int(row["targets"]) for row in rows) == len(users)
+        for key in RETRIEVAL_KEYS:
+            assert np.mean([float(row[key]) for row in rows]) == pytest.approx(reports[name][key], abs=1e-12), key
+    assert reports["export"]["hr@10"] == pytest.approx(reports["run"]["hr@10"], abs=1e-5)
+
+
+def test_per_user_metrics_of_a_ranking_model_are_refused_in_one_line(ranking, capsys, tmp_path):
+    run, _, _ = ranking
+    assert gr_main(["evaluate", str(run), "--per-user", str(tmp_path / "users.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--per-user" in err and "per-user metrics are for retrieval" in err
+    assert not (tmp_path / "users.csv").exists()
 
 
 def test_an_export_without_config_and_model_overrides_are_refused(retrieval, capsys):

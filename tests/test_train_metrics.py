@@ -15,7 +15,14 @@ from gr.ops.sampled_softmax import sampled_softmax_loss
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
 from gr.train.losses import multitask_bce
-from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
+from gr.train.metrics import (
+    per_user_metrics,
+    ranking_metrics,
+    retrieval_metrics,
+    score_ranks,
+    target_metrics,
+    target_ranks,
+)
 from gr.train.tasks import RankingTask, RetrievalTask
 from helpers.native import X86, skip_without_bf16_instructions
 
@@ -60,6 +67,18 @@ def test_retrieval_metrics_follow_their_definitions():
     assert m["hr@200"] == pytest.approx(1.0)
     assert m["ndcg@10"] == pytest.approx((1 + 1 / math.log2(5) + 1 / math.log2(11)) / 5)
     assert m["mrr"] == pytest.approx(sum(1 / (r + 1) for r in ranks.tolist()) / 5)
+
+
+def test_per_user_metrics_average_each_users_targets_and_their_mean_is_the_reported_metric():
+    ranks = torch.tensor([0, 50, 2, 50, 50, 9])
+    users = torch.tensor([9, 7, 9, 7, 7, 3])
+    ids, targets, means = per_user_metrics(target_metrics(ranks, (10,)), users)
+    assert ids.tolist() == [3, 7, 9] and targets.tolist() == [1, 3, 2]
+    assert means["hr@10"].tolist() == [1.0, 0.0, 1.0]
+    assert means["mrr"].tolist() == pytest.approx([1 / 10, (3 / 51) / 3, (1 + 1 / 3) / 2])
+    reported = retrieval_metrics(ranks, (10,), users)
+    assert reported == pytest.approx({name: value.mean().item() for name, value in means.items()})
+    assert reported["hr@10"] == pytest.approx(2 / 3)
 
 
 def test_auc_and_logloss_per_task():

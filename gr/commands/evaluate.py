@@ -11,6 +11,7 @@ export's can be compared: they agree to fp32 tolerance (``tests/test_evaluate.py
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from gr.commands.train import parse_overrides
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
+from gr.data.mappings import IdMap
 from gr.jagged import offsets_from_lengths
 from gr.model import GRInput, GROutput
 from gr.serving import Ranker, RankRequest
@@ -30,7 +32,7 @@ from gr.serving.scores import LOGIT_SUFFIX
 from gr.train.config import TrainConfig, load_config
 from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
 from gr.train.tasks import RankingTask, RetrievalTask
-from gr.utils.atomic import write_json
+from gr.utils.atomic import atomic_file, write_json
 from gr.utils.cli_errors import run_cli
 
 EVALUATION_FILE = "evaluation.json"
@@ -77,10 +79,14 @@ def batch_requests(
     return out
 
 
-def evaluate_run(run_dir: str | Path, data_overrides: Sequence[Tuple[str, str]] = ()) -> Dict[str, Any]:
-    """The run's best checkpoint on its test split (data as in the run's config.yaml plus overrides)."""
-    model, _ = load_trained_model(run_dir)
+def evaluate_run(
+    run_dir: str | Path, data_overrides: Sequence[Tuple[str, str]] = (), per_user: Optional[Path] = None
+) -> Dict[str, Any]:
+    """The run's best checkpoint on its test split (data as in the run's config.yaml plus overrides);
+    with ``per_user``, each user's metrics are written there too (``write_user_metrics``)."""
     config = load_config(Path(run_dir) / CONFIG_FILE, data_overrides)
+    _check_per_user(config, per_user)
+    model, _ = load_trained_model(run_dir)
     data = _data(config.data, config.model.hstu.eviction_block)
     task = _task(config, data, model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None)
     task.start_evaluation(model.embeddings)
@@ -88,15 +94,19 @@ def evaluate_run(run_dir: str | Path, data_overrides: Sequence[Tuple[str, str]] 
     with torch.no_grad():
         for batch in data.test_dataloader():
             task.evaluation_step(model(batch), batch, popularity)
-    return _report(task.finish_evaluation(), "run", run_dir, data)
+    return _report(task, "run", run_dir, data, per_user)
 
 
 def evaluate_export(
-    export_dir: str | Path, config_path: str | Path, data_overrides: Sequence[Tuple[str, str]] = ()
+    export_dir: str | Path,
+    config_path: str | Path,
+    data_overrides: Sequence[Tuple[str, str]] = (),
+    per_user: Optional[Path] = None,
 ) -> Dict[str, Any]:
     """The export's test metrics through ``Ranker`` on the data of ``config_path`` (+ overrides).
     Features of the data that the export does not read are left out of its requests."""
     config = load_config(config_path, data_overrides)
+    _check_per_user(config, per_user)
     ranker = Ranker.load(export_dir)
     schema = ranker.model.schema
     reads = {*schema.token_features, *schema.common_ids, *schema.common_dense}
@@ -118,7 +128,26 @@ def evaluate_export(
                 for t in task.tasks
             }
             task.evaluation_step(_output(logits, offsets_from_lengths(batch.num_targets)), batch)
-    return _report(task.finish_evaluation(), "export", export_dir, data)
+    return _report(task, "export", export_dir, data, per_user)
+
+
+def _check_per_user(config: TrainConfig, per_user: Optional[Path]) -> None:
+    if per_user is not None and config.task_type != "retrieval":
+        raise ValueError(
+            f"--per-user {per_user}: per-user metrics are for retrieval (each user's targets ranked in the "
+            f"catalogue); this model's task is {config.task_type} (its AUC is over every candidate)"
+        )
+
+
+def write_user_metrics(path: Path, task: RetrievalTask, user_map: IdMap) -> None:
+    """A CSV at ``path``: ``user,targets,hr@10,...,mrr``, one row per evaluated user (raw user id,
+    its number of test targets, the mean of each metric over them), users in dense id order."""
+    users, targets, metrics = task.user_metrics()
+    raw = user_map.decode(users.numpy()).tolist()
+    with atomic_file(path) as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["user", "targets", *metrics])
+        writer.writerows(zip(raw, targets.tolist(), *(value.tolist() for value in metrics.values())))
 
 
 def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
@@ -151,8 +180,15 @@ def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any) ->
     return RankingTask(config.task.ranking, data.tasks)
 
 
-def _report(test: Dict[str, float], kind: str, source: str | Path, data: SequenceDataModule) -> Dict[str, Any]:
-    """metrics.json's layout: {metric: value, "popularity": {...}, "source": ..., "data": summary}."""
+def _report(
+    task: Any, kind: str, source: str | Path, data: SequenceDataModule, per_user: Optional[Path]
+) -> Dict[str, Any]:
+    """The task's test metrics in metrics.json's layout: {metric: value, "popularity": {...},
+    "source": ..., "data": summary}; with ``per_user``, its users' metrics written there first."""
+    if per_user is not None:
+        assert data.user_map is not None  # set by setup()
+        write_user_metrics(per_user, task, data.user_map)
+    test = task.finish_evaluation()
     out: Dict[str, Any] = {k: v for k, v in test.items() if not k.startswith("popularity/")}
     baseline = {k.split("/", 1)[1]: v for k, v in test.items() if k.startswith("popularity/")}
     if baseline:
@@ -188,6 +224,12 @@ def _main(argv: List[str]) -> int:
     parser.add_argument(
         "--output", type=Path, help=f"JSON file to write (default: beside the source, {METRICS_FILE}-style)"
     )
+    parser.add_argument(
+        "--per-user",
+        type=Path,
+        metavar="FILE.csv",
+        help="retrieval: also write each test user's metrics (user,targets,hr@10,...,mrr), for paired comparisons",
+    )
     args, rest = parser.parse_known_args(argv)
     overrides = parse_overrides(parser, rest)
     bad = [key for key, _ in overrides if not key.startswith("data.")]
@@ -198,15 +240,15 @@ def _main(argv: List[str]) -> int:
     if is_export(args.source):
         if args.config is None:
             parser.error(f"{args.source} is an export: --config RECIPE.yaml is needed to read its test data")
-        report = evaluate_export(args.source, args.config, overrides)
+        report = evaluate_export(args.source, args.config, overrides, args.per_user)
     else:
         if args.config is not None:
             parser.error("--config is for exports; a run is evaluated on its own config.yaml (use --data.KEY VALUE)")
         if not (args.source / CONFIG_FILE).is_file():
             raise FileNotFoundError(f"{args.source}: neither a run ({CONFIG_FILE}) nor an export ({EXPORT_MARKER})")
-        report = evaluate_run(args.source, overrides)
+        report = evaluate_run(args.source, overrides, args.per_user)
     output = args.output or default_output(args.source)
     write_json(output, report)
     print(json.dumps({k: v for k, v in report.items() if k != "data"}, indent=2))
-    print(f"wrote {output}")
+    print(f"wrote {output}" + (f" and {args.per_user}" if args.per_user else ""))
     return 0

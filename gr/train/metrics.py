@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,26 +67,35 @@ def retrieval_metrics(ranks: Tensor, top_k: Sequence[int], users: Optional[Tenso
     """ranks: [S] int64 0-based target ranks; users: [S] int64 each target's user (None: one target
     per user) -> HR@k, NDCG@k (one relevant item), MRR. Each user counts once: a user's targets
     are averaged first when some user has several."""
+    values = target_metrics(ranks, top_k)
+    if users is None or users.unique().numel() == users.numel():
+        return {name: value.mean().item() for name, value in values.items()}
+    return {name: value.mean().item() for name, value in per_user_metrics(values, users)[2].items()}
+
+
+def target_metrics(ranks: Tensor, top_k: Sequence[int]) -> Dict[str, Tensor]:
+    """ranks: [S] int64 0-based target ranks -> {"hr@k", "ndcg@k" for each k, "mrr": [S] double},
+    each target's hit, discounted gain and reciprocal rank."""
     ranks = ranks.double()
-    mean = _per_user_mean(users) if users is not None and users.unique().numel() < users.numel() else Tensor.mean
-    out: Dict[str, float] = {}
+    out: Dict[str, Tensor] = {}
     for k in top_k:
         hit = ranks < k
-        out[f"hr@{k}"] = mean(hit.double()).item()
-        out[f"ndcg@{k}"] = mean(torch.where(hit, 1.0 / torch.log2(ranks + 2.0), torch.zeros_like(ranks))).item()
-    out["mrr"] = mean(1.0 / (ranks + 1.0)).item()
+        out[f"hr@{k}"] = hit.double()
+        out[f"ndcg@{k}"] = torch.where(hit, 1.0 / torch.log2(ranks + 2.0), torch.zeros_like(ranks))
+    out["mrr"] = 1.0 / (ranks + 1.0)
     return out
 
 
-def _per_user_mean(users: Tensor) -> Callable[[Tensor], Tensor]:
-    """users: [S] int64 -> a function of [S] double values: the mean over users of each user's mean."""
+def per_user_metrics(values: Dict[str, Tensor], users: Tensor) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+    """values: {metric: [S] double} per target (``target_metrics``); users: [S] int64 each target's
+    user -> (user ids [U] ascending, targets per user [U] int64, {metric: [U] double, each user's
+    mean over its targets})."""
     unique, owner = torch.unique(users, return_inverse=True)
-    counts = torch.bincount(owner, minlength=unique.numel()).double()
-
-    def mean(values: Tensor) -> Tensor:
-        return (values.new_zeros(unique.numel()).index_add_(0, owner, values) / counts).mean()
-
-    return mean
+    counts = torch.bincount(owner, minlength=unique.numel())
+    means = {
+        name: value.new_zeros(unique.numel()).index_add_(0, owner, value) / counts for name, value in values.items()
+    }
+    return unique, counts, means
 
 
 def ranking_metrics(logits: Dict[str, Tensor], labels: Dict[str, Tensor]) -> Dict[str, float]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,14 @@ from gr.sparse.tables import SparseEmbeddings
 from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
 from gr.train.losses import multitask_bce
-from gr.train.metrics import ranking_metrics, retrieval_metrics, score_ranks, target_ranks
+from gr.train.metrics import (
+    per_user_metrics,
+    ranking_metrics,
+    retrieval_metrics,
+    score_ranks,
+    target_metrics,
+    target_ranks,
+)
 
 CPU = torch.device("cpu")
 log = logging.getLogger(__name__)
@@ -151,6 +158,13 @@ class RetrievalTask:
         if popularity is not None:
             scores = popularity.to(queries.dtype).to(queries.device).expand(queries.shape[0], -1)
             self.ranks.setdefault("popularity", []).append(score_ranks(scores, *args).cpu())
+
+    def user_metrics(self) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+        """The model's metrics per user over every rank's targets so far (call before
+        ``finish_evaluation``) -> (dataset user ids [U] ascending, targets [U] int64,
+        {"hr@10": [U] double, ...}): what a paired comparison of two runs on the same users reads."""
+        ranks = gather_cat(self.ranks.get("model", []))
+        return per_user_metrics(target_metrics(ranks, self.config.top_k), gather_cat(self.users))
 
     def finish_evaluation(self) -> Dict[str, float]:
         """-> {"hr@10": ..., "mrr": ..., "popularity/hr@10": ...} over every rank's users (each once)."""
