@@ -23,12 +23,17 @@ Prints each run, then one JSON line: seeds, warm_epochs, cuts, test_users, test_
 the mean test hr@10/ndcg@10 and wall seconds of training (a, b), se_hr10 (sqrt(p (1 - p) / n) of
 (a)'s mean over the n test users: a bound on the standard error of a mean of n per-user hit rates),
 warm_minus_cold_in_se, warm_minus_day0_in_se, warm_time_over_cold, targets (b within one SE of (a)
-or better; (b) in at most a third of (a)'s time; (b) above (c) by more than one SE), cpu, load_average.
+or better; (b) in at most a third of (a)'s time; (b) above (c) by more than one SE), paired, cpu,
+load_average. ``paired`` compares runs user by user (``gr evaluate --per-user``): each user's
+HR@10 averaged over the seeds, then per pair of runs the mean difference over the test users, its
+standard error (the differences' sample standard deviation / sqrt(n)) and their ratio, and how
+many users each run scores higher; ``se_hr10_per_user``: the sample standard error of (a)'s mean.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -54,6 +59,36 @@ from gr.train.run import train  # noqa: E402
 
 RECIPE = "configs/ml100k_hstu.yaml"
 METRICS = ("hr@10", "ndcg@10")
+RUNS = ("cold", "warm", "day0")
+PAIRS = (("warm", "day0"), ("warm", "cold"), ("cold", "day0"))
+
+
+def user_hits(path: Path) -> Dict[str, float]:
+    """{raw user id: HR@10} of a ``gr evaluate --per-user`` CSV."""
+    with path.open(newline="") as f:
+        return {row["user"]: float(row["hr@10"]) for row in csv.DictReader(f)}
+
+
+def paired(hits: Dict[str, List[Dict[str, float]]]) -> Tuple[Dict[str, Any], float]:
+    """hits: {run: [per seed {user: HR@10}]} -> ({"a_minus_b": mean difference, its standard error,
+    their ratio, users a scores higher / lower}, the sample standard error of the cold run's mean),
+    each user's HR@10 averaged over the seeds first."""
+    users = sorted(hits["cold"][0])
+    if any(sorted(seed) != users for runs in hits.values() for seed in runs):
+        raise RuntimeError("daily_retrain: the runs were not scored on the same test users")
+    mean = {run: np.mean([[seed[u] for u in users] for seed in seeds], axis=0) for run, seeds in hits.items()}
+    out: Dict[str, Any] = {}
+    for a, b in PAIRS:
+        diff = mean[a] - mean[b]
+        se = float(np.std(diff, ddof=1) / math.sqrt(len(users)))
+        out[f"{a}_minus_{b}"] = {
+            "mean": float(diff.mean()),
+            "se": se,
+            "in_se": float(diff.mean() / se) if se > 0 else 0.0,
+            "users_higher": int((diff > 0).sum()),
+            "users_lower": int((diff < 0).sum()),
+        }
+    return out, float(np.std(mean["cold"], ddof=1) / math.sqrt(len(users)))
 
 
 def cuts(config_path: str, overrides: Sequence[Tuple[str, str]]) -> Dict[str, int]:
@@ -89,14 +124,19 @@ def main(argv: List[str] | None = None) -> None:
     overrides += parse_overrides(parser, rest)
     at = cuts(RECIPE, overrides)
     time_split = [("data.split", "time"), ("data.test_events", "all")]
-    results: Dict[str, List[Dict[str, Any]]] = {"cold": [], "warm": [], "day0": []}
+    results: Dict[str, List[Dict[str, Any]]] = {name: [] for name in RUNS}
+    hits: Dict[str, List[Dict[str, float]]] = {name: [] for name in RUNS}
     start_load = load_average()
     with tempfile.TemporaryDirectory() as work:
         root = Path(work)
         for seed in args.seeds:
             seeded = [*overrides, ("trainer.seed", str(seed)), ("data.seed", str(seed))]
             day0, _ = run(root / f"day0-{seed}", seeded, [*time_split, ("data.split_time", at["p80"])])
-            tested = evaluate_run(root / f"day0-{seed}", [("data.split_time", str(at["p90"])), *time_split[1:]])
+            tested = evaluate_run(
+                root / f"day0-{seed}",
+                [("data.split_time", str(at["p90"])), *time_split[1:]],
+                per_user=root / f"day0-{seed}.csv",
+            )
             counts = {f"test_{k}": tested["data"][f"evaluated_{k}"]["test"] for k in ("users", "targets")}
             results["day0"].append({**{m: tested[m] for m in METRICS}, **counts})
             cold, cold_s = run(root / f"cold-{seed}", seeded, [*time_split, ("data.split_time", at["p90"])])
@@ -113,6 +153,12 @@ def main(argv: List[str] | None = None) -> None:
                 ],
                 init_from=root / f"day0-{seed}",
             )
+            for name, metrics in (("cold", cold), ("warm", warm), ("day0", tested)):
+                if name != "day0":  # the run's own test again, now per user
+                    evaluate_run(root / f"{name}-{seed}", per_user=root / f"{name}-{seed}.csv")
+                hits[name].append(user_hits(root / f"{name}-{seed}.csv"))
+                if not math.isclose(np.mean(list(hits[name][-1].values())), metrics["hr@10"], abs_tol=1e-9):
+                    raise RuntimeError(f"daily_retrain: {name}'s per-user HR@10 does not average to its test HR@10")
             for name, metrics, seconds in (("cold", cold, cold_s), ("warm", warm, warm_s)):
                 results[name].append(
                     {**{m: metrics[m] for m in METRICS}, "seconds": seconds, "epochs": metrics["epochs"]}
@@ -130,6 +176,7 @@ def main(argv: List[str] | None = None) -> None:
     warm_vs_cold = (means["warm"]["hr@10"] - p) / se
     warm_vs_day0 = (means["warm"]["hr@10"] - means["day0"]["hr@10"]) / se
     time_ratio = means["warm"]["seconds"] / means["cold"]["seconds"]
+    pairs, se_per_user = paired(hits)
     model, flags = cpu()
     summary = {
         "bench": "daily_retrain",
@@ -143,6 +190,8 @@ def main(argv: List[str] | None = None) -> None:
         "warm_minus_cold_in_se": warm_vs_cold,
         "warm_minus_day0_in_se": warm_vs_day0,
         "warm_time_over_cold": time_ratio,
+        "se_hr10_per_user": se_per_user,
+        "paired": pairs,
         "targets": {
             "warm_within_one_se_of_cold_or_better": warm_vs_cold >= -1.0,
             "warm_at_most_a_third_of_cold_time": time_ratio <= 1 / 3,
@@ -156,6 +205,11 @@ def main(argv: List[str] | None = None) -> None:
         f"mean hr@10: cold {p:.4f}, warm {means['warm']['hr@10']:.4f}, day 0 {means['day0']['hr@10']:.4f} "
         f"(SE {se:.4f}); warm/cold time {time_ratio:.2f}"
     )
+    for pair, d in pairs.items():
+        print(
+            f"paired {pair.replace('_', ' ')}: {d['mean']:+.4f} (SE {d['se']:.4f}, {d['in_se']:+.2f} SE; "
+            f"higher for {d['users_higher']} users, lower for {d['users_lower']})"
+        )
     print(json.dumps(summary))
 
 

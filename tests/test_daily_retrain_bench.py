@@ -2,10 +2,13 @@
 benchmarks' time): three runs on ML-100K's time split, one JSON line comparing them."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +26,14 @@ def test_the_daily_retrain_bench_compares_warm_cold_and_day0_runs_on_the_same_te
     assert runs["day0"]["test_targets"] == result["test_targets"] > result["test_users"]  # every test event
     assert all(0 <= runs[r]["hr@10"] <= 1 for r in runs)
     assert result["warm_time_over_cold"] == runs["warm"]["seconds"] / runs["cold"]["seconds"]
+    pairs = result["paired"]
+    assert set(pairs) == {"warm_minus_day0", "warm_minus_cold", "cold_minus_day0"}
+    for pair in pairs.values():
+        assert pair["users_higher"] + pair["users_lower"] <= result["test_users"] and pair["se"] >= 0
+    one_seed = result["runs"]  # one seed: each paired mean is the difference of the runs' means
+    assert pairs["warm_minus_day0"]["mean"] == pytest.approx(one_seed["warm"]["hr@10"] - one_seed["day0"]["hr@10"])
+    n = result["test_users"]  # a [0, 1] variable's sample variance is at most p(1-p) n/(n-1)
+    assert 0 <= result["se_hr10_per_user"] <= result["se_hr10"] * math.sqrt(n / (n - 1)) + 1e-12
     assert set(result["targets"]) == {
         "warm_within_one_se_of_cold_or_better",
         "warm_at_most_a_third_of_cold_time",
