@@ -8,6 +8,8 @@ import hashlib
 import http.server
 import json
 import stat
+import subprocess
+import sys
 import threading
 import zipfile
 from functools import partial
@@ -18,6 +20,7 @@ import pytest
 from gr.commands import data as data_command
 from gr.data import download as dl
 
+ROOT = Path(__file__).resolve().parents[1]
 RATINGS = [(u, i, 1 + (u + i) % 5, 880_000_000 + 10 * u + i) for u in range(1, 6) for i in range(1, 8) if (u + i) % 3]
 ITEMS = len({i for _, i, _, _ in RATINGS})
 
@@ -77,6 +80,26 @@ def test_download_verifies_unpacks_into_dir_and_checks_counts(served, tmp_path):
     assert record["sha256"] == hashlib.sha256(archive.read_bytes()).hexdigest()
     assert json.loads((target / "DOWNLOAD.json").read_text()) == record
     assert (record["interactions"], record["items"]) == (len(RATINGS), ITEMS)
+
+
+def test_gr_data_download_reads_and_checks_a_dataset_without_importing_torch(served, tmp_path):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    published = _source(archive, f"{base}/ml-100k.zip")["ml-100k"]
+    target = tmp_path / "ml-100k"
+    code = f"""
+import dataclasses, sys
+from gr.data import download
+download.DATASETS["ml-100k"] = dataclasses.replace(
+    download.DATASETS["ml-100k"], md5={published.md5!r}, interactions={published.interactions}, items={ITEMS}
+)
+from gr.commands import cli
+status = cli.main(["data", "download", "ml-100k", {str(target)!r}, "--url", {published.url!r}, "--no-progress"])
+print(status, "torch" in sys.modules)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.stdout.splitlines()[-1] == "0 False", run.stderr[-2000:]
+    assert (target / "u.data").is_file() and json.loads((target / "DOWNLOAD.json").read_text())["items"] == ITEMS
 
 
 def test_overwrite_says_it_deletes_dir_old_before_it_does(served, tmp_path, caplog):

@@ -9,7 +9,7 @@ from gr.data.interactions import DataFormatError, Interactions
 from gr.data.mappings import IdMap, load_mappings, save_mappings
 from gr.data.sampling import UnseenSampler
 from gr.data.sequences import build_sequences, window_starts
-from gr.jagged import concat_ranges
+from gr.jagged_rows import concat_ranges
 
 
 def events(rows, ratings=True):
@@ -150,7 +150,7 @@ def test_id_maps_read_in_bulk_equal_those_read_line_by_line(tmp_path):
 
 def test_windows_drop_the_oldest_events_in_whole_eviction_blocks():
     from gr.data.sequences import window_starts
-    from gr.jagged import evicted_prefix
+    from gr.jagged_rows import evicted_prefix
 
     begins, ends = np.array([0, 10, 100, 7]), np.array([5, 30, 109, 16])
     assert window_starts(begins, ends, 8).tolist() == [0, 22, 101, 8]  # block 1: the most recent 8

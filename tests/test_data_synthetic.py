@@ -5,7 +5,7 @@ import numpy as np
 from gr.data.config import SyntheticConfig
 from gr.data.sequences import build_sequences
 from gr.data.synthetic import generate_synthetic
-from gr.jagged import concat_ranges
+from gr.jagged_rows import concat_ranges
 
 SMALL = SyntheticConfig(num_users=300, num_items=200, min_len=10, max_len=40)
 

@@ -33,7 +33,7 @@ from gr.data.prepared.manifest import (
 )
 from gr.data.readers import read_source
 from gr.data.sequences import build_sequences
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = "user_id,item_id,timestamp,rating,genre,brand_w,tags,age,device,actions,watch"

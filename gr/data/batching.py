@@ -22,7 +22,8 @@ from gr.data.config import TaskConfig
 from gr.data.features import ITEM_ID, SideFeatures
 from gr.data.sampling import UnseenSampler
 from gr.data.sequences import UserSequences, window_starts
-from gr.jagged import JaggedRows, concat_ranges, offsets_from_lengths
+from gr.jagged import offsets_from_lengths
+from gr.jagged_rows import JaggedRows, concat_ranges
 from gr.model import GRInput
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
 

@@ -33,7 +33,7 @@ from gr.data.prepared.stream import EpochLoader, PreparedSplit
 from gr.data.readers import read_source
 from gr.data.sampling import check_room
 from gr.data.sequences import EVALUATED, build_sequences, configured_split
-from gr.jagged import concat_ranges
+from gr.jagged_rows import concat_ranges
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from gr.data.interactions import SideTable
 from gr.data.mappings import IdMap
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 
 ITEM_ID = "item_id"
 

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Sized
 
 import numpy as np
 
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 
 
 class DataFormatError(ValueError):

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from gr.data.config import ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.synthetic import generate_synthetic
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 
 log = logging.getLogger(__name__)
 

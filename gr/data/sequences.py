@@ -24,7 +24,7 @@ import numpy as np
 from gr.data.config import DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.mappings import IdMap
-from gr.jagged import concat_ranges, evicted_prefix
+from gr.jagged_rows import concat_ranges, evicted_prefix
 from gr.timestamps import first_overflowing_span
 
 log = logging.getLogger(__name__)
@@ -229,5 +229,5 @@ def build_sequences(
 
 def window_starts(begins: np.ndarray, ends: np.ndarray, max_len: int, block: int = 1) -> np.ndarray:
     """[R] start of the window of each range ``begins[r]:ends[r]``: its most recent ``max_len``
-    rows, the oldest dropped in whole blocks of ``block`` (``gr.jagged.evicted_prefix``)."""
+    rows, the oldest dropped in whole blocks of ``block`` (``gr.jagged_rows.evicted_prefix``)."""
     return begins + evicted_prefix(ends - begins, max_len, block)

@@ -31,7 +31,7 @@ from safetensors.numpy import save as safetensors_bytes
 from gr.export.format import TIMESTAMPS, TOKEN_BAGS, TOKENS, ExportError, ExportFormatError, Problem
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
 from gr.export.sparse_manifest import SparseManifest
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 from gr.utils.atomic import write_bytes
 
 ITEM_STORE = "sparse/item_features.safetensors"

@@ -49,7 +49,7 @@ from gr.export.manifest import write_manifest
 from gr.export.popularity import POPULARITY, read_popularity, write_popularity
 from gr.export.reader import ExportManifest, check_export, open_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 from gr.utils.atomic import atomic_directory
 
 ITEMS_MAP = "items"

@@ -43,7 +43,7 @@ class HSTUConfig(Section):
     attention_dim: int = checked(64, int_at_least(1))  # q/k size per head
     linear_dim: int = checked(64, int_at_least(1))  # v/u size per head
     max_seq_len: int = checked(200, int_at_least(1))  # longest history (targets excluded)
-    # a longer history drops its oldest tokens in blocks of this many (``gr.jagged.evicted_prefix``),
+    # a longer history drops its oldest tokens in blocks of this many (``gr.jagged_rows.evicted_prefix``),
     # in training windows and served histories alike: a served user's cache then survives all but
     # one request per block. 1: slide by one token.
     eviction_block: int = checked(1, int_at_least(1))

@@ -8,7 +8,7 @@ does not hold yet (``tokens_after``), encode or extend several users' states in 
 append K/V rows (``truncate``, ``append``: generation's decoding states), drop a long history's
 oldest tokens in sliding-window blocks (``evict``) and count the bytes it keeps (``nbytes``).
 
-Imports only numpy, torch, gr.hstu, gr.jagged and gr.timestamps (the timestamps column's name): the serving
+Imports only numpy, torch, gr.hstu, gr.jagged_rows and gr.timestamps (the timestamps column's name): the serving
 runtime and generation both build on it, neither through the other.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from gr.hstu.cache import CachedHSTU, HistoryCache
-from gr.jagged import evicted_prefix
+from gr.jagged_rows import evicted_prefix
 from gr.timestamps import TIMESTAMPS
 
 Tokens = Dict[str, np.ndarray]
@@ -143,7 +143,7 @@ def encode_states(
 def evict(tokens: Tokens, limit: int, block: int = 1) -> Tuple[Tokens, int]:
     """Drop a history's oldest tokens to fit ``limit`` -> (tokens, tokens dropped).
 
-    Tokens are dropped in whole blocks of ``block`` (``gr.jagged.evicted_prefix``,
+    Tokens are dropped in whole blocks of ``block`` (``gr.jagged_rows.evicted_prefix``,
     ``HSTUConfig.eviction_block``), as training windows are, so a growing history keeps its window
     start (and its cache) for a block of actions."""
     length = len(tokens[TIMESTAMPS])

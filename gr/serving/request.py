@@ -31,7 +31,7 @@ import numpy as np
 
 from gr.export.format import BAG, BATCH, SPARSE, TIMESTAMPS, TOKEN_BAGS, TOKENS
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS, IdMaps
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits

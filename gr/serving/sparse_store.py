@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from gr.export.format import SPARSE_DIR, TABLE_TENSOR
 from gr.export.item_store import ItemStore, load_item_store
 from gr.export.reader import ExportManifest
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 from gr.serving.errors import RequestError
 
 

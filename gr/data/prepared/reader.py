@@ -48,7 +48,7 @@ from gr.data.prepared.manifest import (
 )
 from gr.data.sampling import UnseenSampler
 from gr.data.sequences import EVALUATED, SPLITS, UserSequences, configured_split
-from gr.jagged import JaggedRows, concat_ranges
+from gr.jagged_rows import JaggedRows, concat_ranges
 
 log = logging.getLogger(__name__)
 

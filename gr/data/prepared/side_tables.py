@@ -18,7 +18,7 @@ from gr.data.features import SideFeatures
 from gr.data.interactions import SideTable
 from gr.data.mappings import IdMap
 from gr.data.prepared.manifest import SIDE_KEY
-from gr.jagged import JaggedRows
+from gr.jagged_rows import JaggedRows
 
 CATEGORICAL, LIST, DENSE = "categorical", "list", "dense"
 
