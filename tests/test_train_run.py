@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from gr.train import read_run, train
+from gr.train.run import best_checkpoint
 from helpers.runs import RANKING, RETRIEVAL, config, evaluate_loaded, ratings_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,7 @@ def test_run_directory_holds_config_metrics_mappings_checkpoints_and_logs(retrie
     assert list(spec.sequence) == ["item_id"] and tasks == ()
     assert (out / "mappings").is_dir() and any((out / "mappings").iterdir())
     assert (out / on_disk["best_checkpoint"] / "meta.json").is_file()
+    assert best_checkpoint(out) == out / on_disk["best_checkpoint"]  # what evaluate, export and --init-from load
     assert (out / "checkpoints" / "last" / ".metadata").is_file()
     assert "val/ndcg@5" in (out / "logs" / "metrics.csv").read_text().splitlines()[0]
     assert list((out / "logs").glob("events.out.tfevents.*"))

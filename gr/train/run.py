@@ -327,10 +327,9 @@ def best_checkpoint(run_dir: str | Path) -> Path:
             f"{run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS_DIR} (did the run finish an epoch?)"
         )
     for path, meta in found:
-        states = meta.get("callbacks", {})
-        best: Optional[str] = next(
-            (s.get("best_model_path") for k, s in states.items() if k.startswith("ModelCheckpoint")), None
-        )
+        # The checkpoint callback's state (its key names its class: NewestAndBestCheckpoints{...}).
+        states = meta.get("callbacks", {}).values()
+        best: Optional[str] = next((s["best_model_path"] for s in states if "best_model_path" in s), None)
         if best and ckpt.is_complete(path.parent / Path(best).name):
             return path.parent / Path(best).name
     return found[0][0]
