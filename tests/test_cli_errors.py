@@ -30,17 +30,19 @@ def one_error_line(done, prog):
     return lines[0]
 
 
-def test_train_with_a_missing_data_path_names_the_file(tmp_path):
-    done = run(
-        "train.py",
-        "--config",
-        "configs/ml100k_hstu.yaml",
-        "--data.path",
-        str(tmp_path / "nowhere"),
-        "--out",
-        str(tmp_path / "run"),
-    )
-    assert str(tmp_path / "nowhere") in one_error_line(done, "gr train")
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["--config", "configs/ml100k_hstu.yaml", "--data.path", "{tmp}/nowhere"], "{tmp}/nowhere/u.data"),
+        (["--config", "configs/ml100k_hstu.yaml", "--data.prepared", "{tmp}/nowhere"], "data.prepared: {tmp}/nowhere"),
+    ],
+)
+def test_train_with_missing_data_names_it_before_importing_the_training_stack(tmp_path, overrides, named):
+    argv = ["train", *(arg.format(tmp=tmp_path) for arg in overrides), "--out", str(tmp_path / "run")]
+    code = f"import sys; from gr.commands import cli; status = cli.main({argv!r}); print('lightning' in sys.modules); sys.exit(status)"
+    done = run("-c", code)
+    assert named.format(tmp=tmp_path) in one_error_line(done, "gr train")
+    assert done.stdout.strip() == "False" and not (tmp_path / "run").exists()
 
 
 def test_export_of_a_missing_run_and_check_of_a_missing_export_name_the_directory(tmp_path):

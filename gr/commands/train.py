@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from gr.data.prepared.manifest import prepared_directory
+from gr.data.readers import find_source
 from gr.train.config import TrainConfig, config_yaml, load_config
 from gr.train.config_reference import format_reference
 from gr.utils.cli_errors import run_cli
@@ -65,16 +67,20 @@ def parse_overrides(parser: argparse.ArgumentParser, rest: Sequence[str]) -> Lis
 
 
 def resolve(argv: Sequence[str], prog: str = "gr train") -> Tuple[TrainConfig, Path, bool]:
-    """-> (validated config, run directory, resume?)."""
+    """-> (validated config, run directory, resume?); the data it names is found (FileNotFoundError
+    naming what is missing), all before the training stack is imported."""
     args, overrides = parse_args(argv, prog)
     if args.resume:
         config_path = Path(args.config) if args.config else Path(args.resume) / "config.yaml"
-        return load_config(config_path, overrides), Path(args.resume), True
-    config = load_config(args.config, overrides)
-    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
-    if (out / "metrics.json").exists() or (out / "checkpoints").exists():
-        raise ValueError(f"{out} already holds a run; pass another --out, or --resume {out} to continue it")
-    return config, out, False
+        config, out, resume = load_config(config_path, overrides), Path(args.resume), True
+    else:
+        config, resume = load_config(args.config, overrides), False
+        out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+        if (out / "metrics.json").exists() or (out / "checkpoints").exists():
+            raise ValueError(f"{out} already holds a run; pass another --out, or --resume {out} to continue it")
+    if prepared_directory(config.data) is None:
+        find_source(config.data)
+    return config, out, resume
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "gr train") -> int:

@@ -27,8 +27,8 @@ from gr.data.batching import (
 from gr.data.config import DataConfig
 from gr.data.features import ITEM_ID, FeatureSpec, SideFeatures
 from gr.data.mappings import IdMap
-from gr.data.prepared.manifest import SUMMARY_KEYS
-from gr.data.prepared.reader import PreparedData, prepared_directory
+from gr.data.prepared.manifest import SUMMARY_KEYS, prepared_directory
+from gr.data.prepared.reader import PreparedData
 from gr.data.prepared.stream import EpochLoader, PreparedSplit
 from gr.data.readers import read_source
 from gr.data.sampling import check_room

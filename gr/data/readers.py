@@ -823,6 +823,21 @@ READERS: Dict[str, Callable[[DataConfig], Interactions]] = {
 }
 
 
+def find_source(config: DataConfig) -> Optional[Path]:
+    """The file or directory the raw source reads (a built-in source: its ratings file), or
+    FileNotFoundError naming it when missing: a check as cheap as a stat, before a run imports
+    its training stack. None for the synthetic source."""
+    if config.source == "synthetic":
+        return None
+    assert config.path is not None  # DataConfig requires it of a raw file source
+    if config.source in RATINGS_FILES:
+        return RATINGS_FILES[config.source].find(config.path)
+    path = Path(config.path)
+    if not path.exists():
+        raise FileNotFoundError(f"data.path: {path}: no such file or directory (the {config.source} source)")
+    return path
+
+
 def read_source(config: DataConfig) -> Interactions:
     """The interactions ``config.source`` names (read from ``config.path``, or generated).
 

@@ -53,22 +53,6 @@ from gr.jagged_rows import JaggedRows, concat_ranges
 log = logging.getLogger(__name__)
 
 
-def prepared_directory(config: DataConfig) -> Optional[Path]:
-    """The prepared dataset ``config`` streams: ``data.prepared`` (which must hold a manifest.json),
-    else ``data.path`` when it names a directory holding one; None: read the raw source."""
-    if config.prepared is not None:
-        directory = Path(config.prepared)
-        if not (directory / MANIFEST).is_file():
-            what = "no such directory" if not directory.is_dir() else f"no {MANIFEST} in it"
-            raise FileNotFoundError(
-                f"data.prepared: {directory}: {what} (expected a directory written by gr data prepare)"
-            )
-        return directory
-    if config.path is not None and (Path(config.path) / MANIFEST).is_file():
-        return Path(config.path)
-    return None
-
-
 @dataclass(frozen=True)
 class RowGroup:
     """One row group of one shard, the unit ranks and workers are dealt: users
