@@ -11,11 +11,10 @@ p90 of a user with history before p90, except the user's first (its validation t
 every earlier event as history; a user's targets are averaged first, so each user counts once:
   (a) cold: the recipe (configs/ml100k_hstu.yaml) from scratch on day 0 + day 1 (split_time p90);
   (b) warm: ``--init-from`` the day-0 run (c), trained on day 1 only (train_start p80, split_time p90)
-      for ``--warm-epochs`` epochs without validation, its last checkpoint tested: the validation
-      target (each user's first event after p90: 90 users) moves one user at a time, and picking
-      the best validation epoch of a run that starts near its optimum picks among that noise (it
-      picked the first epoch, keeping day 0's model);
-  (c) day 0: the recipe on day 0 (split_time p80), tested with split_time p90 (``gr evaluate`` RUN).
+      for ``--warm-epochs`` epochs without validation, its last checkpoint tested (the validation
+      target, each user's first event after p90, is 90 users: too few to pick an epoch by);
+  (c) day 0: the recipe on day 0 (split_time p80), its best checkpoint tested with split_time p90
+      (``gr evaluate`` RUN).
 Reading the whole file, run (c)'s id maps know day 1's new items; their rows stay at their
 initialisation, as a warm start's new rows would (tests/test_warm_start.py covers maps that grow).
 
