@@ -13,6 +13,8 @@ import signal
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -553,6 +555,38 @@ def test_a_request_still_running_when_the_graceful_shutdown_ends_gets_the_json_5
         finally:
             release.set()
     assert status == 503 and body["error"] == "unavailable" and "shutting down" in body["detail"], body
+
+
+def test_past_max_pending_a_request_is_a_503_overloaded_at_once_with_retry_after(exports, monkeypatch):
+    ranker = Ranker.load(exports["first"])
+    entered, release = threading.Event(), threading.Event()
+    generate = ranker.generate
+
+    def slow_generate(request):
+        entered.set()
+        release.wait(20)
+        return generate(request)
+
+    monkeypatch.setattr(ranker, "generate", slow_generate)
+    recommend = {"user_id": "v", "history": HISTORY, "k": 2}
+    with AppServer(create_app(ranker, warm_up=False, max_pending=1)) as server, ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(server.call, "POST", "/v1/generate", {"user_id": "u", "history": HISTORY, "k": 2})
+        assert entered.wait(20)
+        request = urllib.request.Request(
+            server.url + "/v1/recommend", json.dumps(recommend).encode(), {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        release.set()
+        assert busy.result(timeout=20)[0] == 200
+        admitted, _ = server.call("POST", "/v1/recommend", recommend)  # the slot is free again
+        _, text = server.call("GET", "/metrics")
+    assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "1"
+    body = json.loads(refused.value.read())
+    assert body["error"] == "overloaded" and "--max-pending" in body["detail"]
+    assert admitted == 200
+    assert metric(text, "gr_errors_total", endpoint="recommend", status="503", kind="overloaded") == 1
+    assert serving_main(["serve", str(exports["first"]), "--max-pending", "0"]) == 2
 
 
 def test_a_content_encoded_body_is_a_415_naming_the_header(app_servers):

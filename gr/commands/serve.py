@@ -40,7 +40,15 @@ from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import ID_SPACES
-from gr.serving.limits import BODY_TIMEOUT_FLAG, DEFAULT_BODY_TIMEOUT_S, DEFAULT_LIMITS, DESCRIPTIONS, flag
+from gr.serving.limits import (
+    BODY_TIMEOUT_FLAG,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_LIMITS,
+    DEFAULT_MAX_PENDING,
+    DESCRIPTIONS,
+    MAX_PENDING_FLAG,
+    flag,
+)
 from gr.serving.logs import LOG_FORMATS, log_config
 from gr.serving.metrics import MULTIPROC_ENV
 from gr.serving.model import check_device
@@ -124,6 +132,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request body may take to arrive after its headers; a slower one is answered 408 and its "
         f"connection closed (default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    serve.add_argument(
+        MAX_PENDING_FLAG,
+        type=int,
+        default=DEFAULT_MAX_PENDING,
+        help="rank, recommend and generate requests a worker process serves at once, queued or running; one more "
+        f"is answered 503 overloaded with Retry-After: 1 (default {DEFAULT_MAX_PENDING})",
     )
     serve.add_argument(
         "--log-format",
@@ -218,10 +233,11 @@ def _serve(args: argparse.Namespace) -> int:
         or args.cache_bytes < 0
         or args.batch_window_ms < 0
         or not 0 < args.body_timeout < float("inf")
+        or args.max_pending < 1
     ):
         print(
             "serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
-            f"--batch-window-ms >= 0, {BODY_TIMEOUT_FLAG} > 0 (finite)",
+            f"--batch-window-ms >= 0, {BODY_TIMEOUT_FLAG} > 0 (finite), {MAX_PENDING_FLAG} >= 1",
             file=sys.stderr,
         )
         return 2
@@ -257,6 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
             "batching": not args.no_batching,
             "batch_window_ms": args.batch_window_ms,
             "body_timeout_s": args.body_timeout,
+            "max_pending": args.max_pending,
             "micro_batch": args.micro_batch,
             "long_history": args.long_history,
             "cache_bytes": args.cache_bytes,

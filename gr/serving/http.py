@@ -18,7 +18,9 @@ whole within ``--body-timeout`` (the connection is then closed), 415 ``unsupport
 ``Content-Encoding`` other than identity, 500 ``non_finite_score`` when the model outputs NaN or
 infinity, 500 ``internal`` for anything unexpected (logged with its traceback), 503
 ``unavailable`` when the request batcher has stopped (the process then exits, non-zero, for its
-supervisor to restart it) or when the server shuts down (SIGTERM) before the request is done.
+supervisor to restart it) or when the server shuts down (SIGTERM) before the request is done, 503
+``overloaded`` (with ``Retry-After: 1``) when ``max_pending`` requests of this process are already
+being served: a flood is answered at once instead of queueing without bound.
 Every error counts in ``gr_errors_total`` by endpoint, status and kind (its ``error`` name), and
 every request logs one access line with its request id (``gr.serving.logs``). A recommend or
 generate request with an empty history gets the export's most popular items, marked
@@ -49,7 +51,14 @@ from starlette.requests import ClientDisconnect
 
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
-from gr.serving.limits import BODY_TIMEOUT_FLAG, DEFAULT_BODY_TIMEOUT_S, LimitError, flag, limits_from_options
+from gr.serving.limits import (
+    BODY_TIMEOUT_FLAG,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_PENDING,
+    LimitError,
+    flag,
+    limits_from_options,
+)
 from gr.serving.logs import AccessLog, error_kind
 from gr.serving.metrics import ServerMetrics
 from gr.serving.request import (
@@ -95,6 +104,10 @@ class UnsupportedEncoding(BodyError):
     """A request body sent with a ``Content-Encoding`` other than identity (HTTP 415)."""
 
     status, name = 415, "unsupported_encoding"
+
+
+class Overloaded(Exception):
+    """This process already serves its ``max_pending`` requests (HTTP 503 ``overloaded``)."""
 
 
 class Readiness:
@@ -210,6 +223,7 @@ def create_app(
     batching: bool = True,
     batch_window_ms: float = 0.0,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    max_pending: int = DEFAULT_MAX_PENDING,
     warm_up: bool = True,
     workers: int = 1,
     on_fatal: Callable[[int], None] = exit_soon,
@@ -218,7 +232,9 @@ def create_app(
     """The service over ``ranker`` (whose ``limits`` bound each request). admin_token: enables
     POST /admin/reload for that bearer token; batching: concurrent rank and recommend requests run
     as batches (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company;
-    body_timeout_s: how long a request body may take to arrive (then 408); warm_up: /readyz
+    body_timeout_s: how long a request body may take to arrive (then 408); max_pending: the rank,
+    recommend and generate requests this process serves at once (queued or running; one more is a
+    503 ``overloaded``); warm_up: /readyz
     turns ready after ``Ranker.warm_up`` (run at start-up, in the background) instead of at once;
     workers: the server's worker processes (reload needs 1); on_fatal: called with the exit
     status when the process can no longer answer (default: exit after EXIT_DELAY_S);
@@ -261,12 +277,21 @@ def create_app(
         else None
     )
 
+    pending = 0  # requests past their body and not yet answered: only the event loop's thread counts them
+
     async def call(endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
+        nonlocal pending
         metrics.requests.labels(endpoint).inc()
         started = time.perf_counter()
         try:
             payload = await read_json(request, max_body, body_timeout_s)
-            answer = await run_in_threadpool(serve, payload)
+            if pending >= max_pending:
+                raise Overloaded(f"{max_pending} requests are being served (--max-pending); retry shortly")
+            pending += 1
+            try:
+                answer = await run_in_threadpool(serve, payload)
+            finally:
+                pending -= 1
             if "cache_status" in answer:
                 metrics.cache.labels(answer["cache_status"]).inc()
             if "fallback" in answer:
@@ -291,6 +316,9 @@ def create_app(
             response = _error(500, "id_maps_unreadable", str(exc))
         except BatcherDied as exc:
             response = _error(503, "unavailable", f"{exc}; this process is exiting")
+        except Overloaded as exc:
+            response = _error(503, "overloaded", str(exc))
+            response.headers["retry-after"] = "1"
         except Exception as exc:
             response = _internal(endpoint, exc)
         if response.status_code >= 400:
@@ -435,7 +463,9 @@ def app_from_environment() -> FastAPI:
     options = json.loads(os.environ[OPTIONS_ENV])
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
     app_options = {
-        key: options.pop(key) for key in ("batching", "batch_window_ms", "body_timeout_s", "workers") if key in options
+        key: options.pop(key)
+        for key in ("batching", "batch_window_ms", "body_timeout_s", "max_pending", "workers")
+        if key in options
     }
     limits = limits_from_options(options.pop("limits", {}))
     ranker = Ranker.load(export_dir, limits=limits, **options)

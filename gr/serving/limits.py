@@ -64,6 +64,11 @@ class RequestLimits:
 DEFAULT_LIMITS = RequestLimits()
 DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body not received whole this long after its headers is a 408
 BODY_TIMEOUT_FLAG = "--body-timeout"
+# Requests one server process serves at once (past their body, queued or running): one more is a 503
+# "overloaded" at once. 256 at ~10 ms a request is ~2.5 s of queue, beyond which a client is better
+# served by a retry on another replica than by waiting.
+DEFAULT_MAX_PENDING = 256
+MAX_PENDING_FLAG = "--max-pending"
 
 
 def flag(limit: str) -> str:
