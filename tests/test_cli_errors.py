@@ -39,7 +39,10 @@ def one_error_line(done, prog):
 )
 def test_train_with_missing_data_names_it_before_importing_the_training_stack(tmp_path, overrides, named):
     argv = ["train", *(arg.format(tmp=tmp_path) for arg in overrides), "--out", str(tmp_path / "run")]
-    code = f"import sys; from gr.commands import cli; status = cli.main({argv!r}); print('lightning' in sys.modules); sys.exit(status)"
+    code = (
+        f"import sys; from gr.commands import cli; status = cli.main({argv!r}); "
+        "print('lightning' in sys.modules); sys.exit(status)"
+    )
     done = run("-c", code)
     assert named.format(tmp=tmp_path) in one_error_line(done, "gr train")
     assert done.stdout.strip() == "False" and not (tmp_path / "run").exists()

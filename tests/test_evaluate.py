@@ -21,7 +21,7 @@ from gr.train import load_config, train
 from helpers.runs import RANKING, RETRIEVAL, config
 
 RETRIEVAL_KEYS = ("hr@5", "ndcg@5", "hr@10", "ndcg@10", "mrr")
-RANKING_KEYS = ("auc", "logloss", "auc/watch", "logloss/watch")
+RANKING_KEYS = ("auc", "gauc", "logloss", "auc/watch", "gauc/watch", "logloss/watch")
 
 
 @pytest.fixture(scope="module")

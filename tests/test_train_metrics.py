@@ -16,6 +16,7 @@ from gr.train.build import SAMPLED_ITEMS
 from gr.train.config import RankingSection, RetrievalSection
 from gr.train.losses import multitask_bce
 from gr.train.metrics import (
+    grouped_auc,
     per_user_metrics,
     ranking_metrics,
     retrieval_metrics,
@@ -79,6 +80,25 @@ def test_per_user_metrics_average_each_users_targets_and_their_mean_is_the_repor
     reported = retrieval_metrics(ranks, (10,), users)
     assert reported == pytest.approx({name: value.mean().item() for name, value in means.items()})
     assert reported["hr@10"] == pytest.approx(2 / 3)
+
+
+def test_gauc_weights_each_users_auc_by_its_candidates_and_skips_one_class_users():
+    torch.manual_seed(0)
+    users = torch.tensor([5] * 6 + [2] * 4 + [9] * 3 + [7] * 5)
+    logits = torch.randn(len(users)).round(decimals=0)  # ties within a user count half
+    labels = torch.tensor([1, 0, 0, 1, 0, 1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 0, 0, 0]).float()
+    expected, weight = 0.0, 0
+    for user in users.unique():
+        mine = users == user
+        if 0 < labels[mine].sum() < mine.sum():  # user 9 has only positives
+            pos, neg = logits[mine][labels[mine] == 1], logits[mine][labels[mine] == 0]
+            pairs = (pos[:, None] > neg[None, :]).float() + 0.5 * (pos[:, None] == neg[None, :]).float()
+            expected, weight = expected + pairs.double().mean().item() * int(mine.sum()), weight + int(mine.sum())
+    assert grouped_auc(logits, labels, users) == pytest.approx(expected / weight, abs=1e-12)
+    m = ranking_metrics({"watch": logits}, {"watch": labels}, users)
+    assert m["gauc/watch"] == m["gauc"] == pytest.approx(expected / weight, abs=1e-12)
+    assert math.isnan(grouped_auc(logits[10:13], labels[10:13], users[10:13]))  # one user, one class
+    assert "gauc" not in ranking_metrics({"watch": logits}, {"watch": labels})
 
 
 def test_auc_and_logloss_per_task():

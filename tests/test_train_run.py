@@ -84,8 +84,9 @@ def test_ranking_run_with_host_placed_tables_reports_auc_logloss_positive_rates_
     ranking = copy.deepcopy(RANKING)
     ranking["sparse"]["placement"] = "host"
     metrics = train(config(ranking, ("trainer.max_epochs", 2)), tmp_path)
-    assert set(metrics) >= {"auc", "logloss", "auc/watch", "logloss/watch", "positive_rate/watch"}
+    assert set(metrics) >= {"auc", "gauc", "logloss", "auc/watch", "gauc/watch", "logloss/watch", "positive_rate/watch"}
     assert 0 < metrics["positive_rate/watch"] < 1 and 0 <= metrics["popularity"]["auc/watch"] <= 1
+    assert 0 <= metrics["gauc/watch"] <= 1 and 0 <= metrics["popularity"]["gauc/watch"] <= 1
     with open(tmp_path / "logs" / "metrics.csv", newline="") as handle:
         logged = [row for row in csv.DictReader(handle)]
     for name in ("train/positive_rate/watch", "val/positive_rate/watch"):

@@ -98,8 +98,11 @@ def per_user_metrics(values: Dict[str, Tensor], users: Tensor) -> Tuple[Tensor, 
     return unique, counts, means
 
 
-def ranking_metrics(logits: Dict[str, Tensor], labels: Dict[str, Tensor]) -> Dict[str, float]:
-    """Per task: AUC and log loss of logits [N] against 0/1 labels [N]; "auc"/"logloss": task means.
+def ranking_metrics(
+    logits: Dict[str, Tensor], labels: Dict[str, Tensor], users: Optional[Tensor] = None
+) -> Dict[str, float]:
+    """Per task: AUC and log loss of logits [N] against 0/1 labels [N]; with ``users`` [N] (each
+    candidate's user), GAUC too (``grouped_auc``); "auc"/"logloss"/"gauc": task means.
 
     A task whose labels are all equal, or whose logits are not all finite, has no AUC (NaN).
     """
@@ -109,7 +112,38 @@ def ranking_metrics(logits: Dict[str, Tensor], labels: Dict[str, Tensor]) -> Dic
         defined = 0 < int(label.sum()) < label.numel() and bool(logit.isfinite().all())
         out[f"auc/{task}"] = binary_auroc(logit, label.long()).item() if defined else float("nan")
         out[f"logloss/{task}"] = F.binary_cross_entropy_with_logits(logit, label).item()
-    for metric in ("auc", "logloss"):
-        values = torch.tensor([out[f"{metric}/{task}"] for task in logits])
+        if users is not None:
+            finite = bool(logit.isfinite().all())
+            out[f"gauc/{task}"] = grouped_auc(logit, label, users) if finite else float("nan")
+    for metric in ("auc", "logloss", *(("gauc",) if users is not None else ())):
+        values = torch.tensor([out[f"{metric}/{task}"] for task in logits], dtype=torch.float64)
         out[metric] = values.mean().item()
     return out
+
+
+def grouped_auc(logits: Tensor, labels: Tensor, groups: Tensor) -> float:
+    """GAUC: each group's AUC (ties count half) weighted by its number of candidates, over the
+    groups that hold both classes; NaN when none does. logits / labels (0/1) / groups: [N].
+    Each user counts by its own candidates instead of being compared with every other user's."""
+    if logits.numel() == 0:
+        return float("nan")
+    order = torch.argsort(logits.double(), stable=True)
+    order = order[torch.argsort(groups[order], stable=True)]
+    group, score, label = groups[order], logits[order].double(), labels[order].double()
+    _, group_index, counts = torch.unique_consecutive(group, return_inverse=True, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(len(group), dtype=torch.float64) - starts[group_index].double() + 1  # 1-based in group
+    run = torch.cat([torch.zeros(1, dtype=torch.long), ((group[1:] != group[:-1]) | (score[1:] != score[:-1])).long()])
+    run = torch.cumsum(run, 0)  # equal scores of one group share a run: they get its mean rank
+    run_sizes = torch.bincount(run).double()
+    mean_rank = torch.zeros(len(run_sizes), dtype=torch.float64).index_add_(0, run, position) / run_sizes
+    groups_n = len(counts)
+    positives = torch.zeros(groups_n, dtype=torch.float64).index_add_(0, group_index, label)
+    negatives = counts.double() - positives
+    rank_sum = torch.zeros(groups_n, dtype=torch.float64).index_add_(0, group_index, mean_rank[run] * label)
+    both = (positives > 0) & (negatives > 0)
+    if not bool(both.any()):
+        return float("nan")
+    auc = (rank_sum[both] - positives[both] * (positives[both] + 1) / 2) / (positives[both] * negatives[both])
+    weights = counts[both].double()
+    return float((auc * weights).sum() / weights.sum())

@@ -181,9 +181,10 @@ class RetrievalTask:
 class RankingTask:
     """tasks: label names; each is a logit [N] of the PostfixDNN and a 0/1 label [N] per candidate.
 
-    Evaluation reports, beside each task's AUC and log loss, its labels' positive rate
-    (``positive_rate/<task>``), and with ``popularity`` the AUC of ranking the candidates by their
-    item's training count (``popularity/auc/<task>``: the baseline a model must beat). A task
+    Evaluation reports, beside each task's AUC, GAUC (``gauc/<task>``: each user's AUC weighted by
+    its candidates) and log loss, its labels' positive rate (``positive_rate/<task>``), and with
+    ``popularity`` the AUC and GAUC of ranking the candidates by their item's training count
+    (``popularity/auc/<task>``: the baseline a model must beat). A task
     whose labels are all one class, or equal to another task's, is warned about once: its AUC
     says nothing, or the same as the other's."""
 
@@ -225,6 +226,9 @@ class RankingTask:
         for task in self.tasks:
             self.collected.setdefault(f"logit/{task}", []).append(output.predictions[task].detach().float().cpu())
             self.collected.setdefault(f"label/{task}", []).append(inputs.labels[task].float().cpu())
+        if inputs.num_targets is not None and "user" in inputs.labels:  # each candidate's user: GAUC
+            users = inputs.labels["user"].cpu().repeat_interleave(inputs.num_targets.cpu())
+            self.collected.setdefault("user", []).append(users)
         if popularity is not None and inputs.num_targets is not None and inputs.sequence_ids is not None:
             rows = target_token_index(inputs.seq_offsets, inputs.num_targets)
             items = inputs.sequence_ids[ITEM_ID].values()[rows.to(inputs.sequence_ids.values().device)]
@@ -234,7 +238,8 @@ class RankingTask:
         gathered = {key: gather_cat(values) for key, values in self.collected.items()}
         self.collected = {}
         labels = {t: gathered[f"label/{t}"] for t in self.tasks}
-        out = ranking_metrics({t: gathered[f"logit/{t}"] for t in self.tasks}, labels)
+        users = gathered.get("user")
+        out = ranking_metrics({t: gathered[f"logit/{t}"] for t in self.tasks}, labels, users)
         out.update(
             {
                 f"positive_rate/{t}": float(label.mean()) if label.numel() else float("nan")
@@ -242,8 +247,10 @@ class RankingTask:
             }
         )
         if "popularity" in gathered:
-            baseline = ranking_metrics({t: gathered["popularity"] for t in self.tasks}, labels)
-            out.update({f"popularity/{name}": value for name, value in baseline.items() if name.startswith("auc")})
+            baseline = ranking_metrics({t: gathered["popularity"] for t in self.tasks}, labels, users)
+            out.update(
+                {f"popularity/{name}": value for name, value in baseline.items() if name.startswith(("auc", "gauc"))}
+            )
         self._warn_degenerate(labels)
         return out
 
