@@ -17,6 +17,7 @@ from gr.commands.items import main as items_main
 from gr.data.mappings import load_mappings
 from gr.export import export_model
 from gr.export.new_items import ItemsFileError, add_items
+from gr.export.popularity import read_popularity
 from gr.export.reader import check_export
 from gr.export.writer import export_run
 from gr.serving import IdOptions, Ranker
@@ -85,7 +86,7 @@ HISTORY = {"item_id": [3, 7, 11], "timestamps": [1000, 1060, 1120]}
 def test_new_items_are_served_by_id_with_their_features_and_known_items_score_as_before(export, tmp_path):
     before = _digest(export)
     summary = add_items(export, _items_csv(tmp_path / "new.csv", [100, 101, 102]), tmp_path / "grown")
-    assert summary == {"items_added": 3, "unknown_values": 0}
+    assert summary == {"items_added": 3, "items_replaced": 0, "unknown_values": 0}
     assert _digest(export) == before and check_export(tmp_path / "grown") == []
     old_map = load_mappings(str(export / "sparse/id_maps"))[0]["items"]
     new_map = load_mappings(str(tmp_path / "grown/sparse/id_maps"))[0]["items"]
@@ -107,6 +108,30 @@ def test_new_items_are_served_by_id_with_their_features_and_known_items_score_as
     with_features = grown.rank("u", HISTORY, written, id_options=raw, use_cache=False)
     np.testing.assert_allclose(by_id.scores["watch"], with_features.scores["watch"], rtol=0, atol=1e-6)
     assert len(set(np.round(by_id.scores["watch"], 6))) == 3  # their features tell them apart
+
+
+def test_replace_known_gives_a_known_item_new_features_and_keeps_its_row_and_popularity(export, tmp_path):
+    changed = _items_csv(tmp_path / "changed.csv", [5, 150], brand="b2", genres="action|comedy", price=4.0)
+    with pytest.raises(ItemsFileError, match="item 5 is already in the export"):
+        add_items(export, changed, tmp_path / "refused")
+    assert items_main([str(export), str(changed), "--out", str(tmp_path / "new"), "--replace-known"]) == 0
+    old, new = Ranker.load(export), Ranker.load(tmp_path / "new")
+    old_map = load_mappings(str(export / "sparse/id_maps"))[0]["items"]
+    assert load_mappings(str(tmp_path / "new/sparse/id_maps"))[0]["items"].raw.tolist() == [*old_map.raw.tolist(), 150]
+    raw = IdOptions("raw")
+    features = {"brand": ["b2"], "genres": [["action", "comedy"]], "price": [[4.0]]}
+    by_id = new.rank("u", HISTORY, {"item_id": [5]}, id_options=raw, use_cache=False).scores["watch"]
+    sent = old.rank("u", HISTORY, {"item_id": [5], **features}, id_options=raw, use_cache=False).scores["watch"]
+    before = old.rank("u", HISTORY, {"item_id": [5]}, id_options=raw, use_cache=False).scores["watch"]
+    np.testing.assert_allclose(by_id, sent, rtol=0, atol=1e-6)  # the old row with the new features
+    assert abs(float(by_id[0]) - float(before[0])) > 1e-6
+    others = {"item_id": [3, 12, 29]}  # every other known item keeps its features and scores
+    np.testing.assert_array_equal(
+        new.rank("u", HISTORY, others, id_options=raw, use_cache=False).scores["watch"],
+        old.rank("u", HISTORY, others, id_options=raw, use_cache=False).scores["watch"],
+    )
+    counts = read_popularity(export)
+    assert read_popularity(tmp_path / "new").tolist() == [*counts.tolist(), 0] and counts.sum() > 0
 
 
 def test_a_reload_serves_the_new_items(export, tmp_path):
@@ -139,7 +164,10 @@ def test_the_command_reads_parquet_lists_and_counts_values_the_vocabularies_lack
             [[402, "b1", "drama", 1.0], [402, "b2", "", 2.0]],
             r"new\.csv: row 2: column 'item_id': item 402 repeats row 1",
         ),
-        ([[5, "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': item 5 is already in the export"),
+        (
+            [[5, "b1", "drama", 1.0]],
+            r"new\.csv: row 1: column 'item_id': item 5 is already in the export \(--replace-known replaces",
+        ),
         ([["x9", "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': expected an integer id, got 'x9'"),
     ],
 )

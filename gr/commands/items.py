@@ -29,7 +29,13 @@ def _main(argv: List[str]) -> int:
     parser.add_argument("items", type=Path, metavar="ITEMS")
     parser.add_argument("--out", type=Path, required=True, help="the new export's directory (must not exist)")
     parser.add_argument("--list-separator", default="|", help="joins a list feature's values in a CSV cell")
+    parser.add_argument(
+        "--replace-known",
+        action="store_true",
+        help="an item the export already has gets the file's features (its trained row and popularity stay); "
+        "without it such an item is refused",
+    )
     args = parser.parse_args(argv)
-    summary = add_items(args.export, args.items, args.out, args.list_separator)
+    summary = add_items(args.export, args.items, args.out, args.list_separator, args.replace_known)
     print(json.dumps({**summary, "export": str(args.out)}))
     return 0

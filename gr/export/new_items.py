@@ -13,6 +13,10 @@ catalogue with their item features:
   vocabularies: a value the model never saw takes the unknown id 0), as items the data had;
 * their popularity (when the export stores it) is 0.
 
+An item the export already has is refused, unless ``replace_known`` (``--replace-known``): then
+its stored features become the file's (a changed brand, price, genres), while its trained row and
+its popularity stay; served by id, it is scored with its new features.
+
 An export whose model reads no item feature is refused: every new item would score alike.
 ITEMS holds one row per new item: the item column (``item_id``) and each stored item feature
 by name: a categorical value, a list of them (a Parquet list, or in CSV one cell joined by
@@ -35,7 +39,7 @@ import pyarrow.parquet as pq
 from safetensors.numpy import load_file
 from safetensors.numpy import save as safetensors_bytes
 
-from gr.data.mappings import IdMap, load_mappings, save_mappings
+from gr.data.mappings import load_mappings, save_mappings
 from gr.export.format import (
     ID_MAPS_DIR,
     SPARSE_DIR,
@@ -59,9 +63,12 @@ class ItemsFileError(ValueError):
     """A bad items file: the message names the file, the row or line, and the column."""
 
 
-def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator: str = "|") -> Dict[str, int]:
-    """Write ``out_dir``: the export ``export_dir`` with the items of ``items_file`` added (module
-    docstring) -> {"items_added", "unknown_values"} (feature values the vocabularies lacked)."""
+def add_items(
+    export_dir: Path, items_file: Path, out_dir: Path, list_separator: str = "|", replace_known: bool = False
+) -> Dict[str, int]:
+    """Write ``out_dir``: the export ``export_dir`` with the items of ``items_file`` added, or with
+    ``replace_known`` their features replaced where the export has them (module docstring) ->
+    {"items_added", "items_replaced", "unknown_values"} (feature values the vocabularies lacked)."""
     export = open_export(export_dir)
     store = load_item_store(export.root, export.graph, export.sparse)
     if store is None or not store.features:
@@ -77,8 +84,20 @@ def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator:
     item_column = frame.pop(ITEM_FEATURE)
     if isinstance(item_column, JaggedRows):
         raise ItemsFileError(f"{items_file}: column {ITEM_FEATURE!r}: expected one id per row, got lists")
-    raw_ids = _new_ids(items_file, item_column, maps[ITEMS_MAP])
+    file_ids = _file_ids(items_file, item_column, maps[ITEMS_MAP].raw.dtype)
+    rows = maps[ITEMS_MAP].encode(file_ids, unknown=-1)  # each file row's item row, -1: a new item
+    if not replace_known and (rows >= 0).any():
+        row = int(np.flatnonzero(rows >= 0)[0])
+        raise ItemsFileError(
+            f"{items_file}: row {row + 1}: column {ITEM_FEATURE!r}: item {file_ids.tolist()[row]!r} is already in "
+            "the export (--replace-known replaces its features)"
+        )
+    raw_ids = file_ids[rows < 0]
     added, unknown = len(raw_ids), 0
+    # The new store's rows, taken from [stored rows, file rows]: known items' from the file, then the new ones.
+    take = np.arange(table.rows, dtype=np.int64)
+    take[rows[rows >= 0]] = table.rows + np.flatnonzero(rows >= 0)
+    take = np.concatenate([take, table.rows + np.flatnonzero(rows < 0)])
     features: Dict[str, Column] = {}
     for name, stored in store.features.items():
         values = frame[name]
@@ -87,7 +106,8 @@ def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator:
             ids = maps[name].encode(flat.astype(maps[name].raw.dtype) if len(flat) else flat, unknown=0)
             unknown += int((ids == 0).sum())
             values = values.with_values(ids) if isinstance(values, JaggedRows) else ids
-        features[name] = _appended(stored, values)
+        combined = _appended(stored, values)
+        features[name] = combined.take(take) if isinstance(combined, JaggedRows) else combined[take]
     with atomic_directory(out_dir) as tmp:
         shutil.copytree(export.root, tmp, dirs_exist_ok=True)
         maps[ITEMS_MAP] = maps[ITEMS_MAP].extended(raw_ids)
@@ -110,7 +130,7 @@ def add_items(export_dir: Path, items_file: Path, out_dir: Path, list_separator:
         problems = check_export(tmp)
         if problems:
             raise ExportFormatError(problems)
-    return {"items_added": added, "unknown_values": unknown}
+    return {"items_added": added, "items_replaced": int((rows >= 0).sum()), "unknown_values": unknown}
 
 
 def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:
@@ -135,21 +155,15 @@ def _appended(stored: Column, new: Column) -> Column:
     return np.concatenate([np.asarray(stored), np.asarray(new).astype(np.asarray(stored).dtype)])
 
 
-def _new_ids(path: Path, raw: np.ndarray, items: IdMap) -> np.ndarray:
-    """The items file's raw ids, in the map's raw type, checked new and distinct."""
-    if items.raw.dtype.kind in "iu":
+def _file_ids(path: Path, raw: np.ndarray, kind: np.dtype) -> np.ndarray:
+    """The items file's raw ids, in the item map's raw type ``kind``, checked distinct."""
+    if kind.kind in "iu":
         if not all(text.lstrip("-").isdigit() for text in raw.tolist()):
             row = next(i for i, text in enumerate(raw.tolist()) if not text.lstrip("-").isdigit())
             raise ItemsFileError(
                 f"{path}: row {row + 1}: column {ITEM_FEATURE!r}: expected an integer id, got {raw.tolist()[row]!r}"
             )
         raw = raw.astype(np.int64)
-    known = np.flatnonzero(items.encode(raw, unknown=-1) >= 0)
-    if len(known):
-        raise ItemsFileError(
-            f"{path}: row {known[0] + 1}: column {ITEM_FEATURE!r}: item {raw.tolist()[known[0]]!r} is already in "
-            "the export"
-        )
     values, counts = np.unique(raw, return_counts=True)
     if (counts > 1).any():
         repeated = values[counts > 1][0]
