@@ -1,8 +1,10 @@
-"""gr.utils.finite: the training step's fused gradient check agrees with the per-tensor one."""
+"""gr.utils.finite: the training step's fused gradient check agrees with the per-tensor one;
+weights are checked in chunks."""
 
 import pytest
 import torch
 
+from gr.utils import finite
 from gr.utils.finite import gradients_finite, non_finite
 
 
@@ -35,3 +37,17 @@ def test_gradients_of_several_dtypes_and_integer_tensors_are_each_checked():
     mixed[5].view(-1)[0] = float("nan")
     assert not gradients_finite(mixed)
     assert gradients_finite([])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "scalar"])
+def test_a_weight_is_checked_in_chunks_and_a_bad_element_in_any_chunk_is_found(monkeypatch, layout):
+    monkeypatch.setattr(finite, "CHECK_CHUNK_ELEMENTS", 7)  # chunks that split rows, and many of them
+    for index in (0, 60, 102, 199):
+        weight = torch.randn(20, 10)
+        weight.view(-1)[index] = float("nan")
+        if layout == "transposed":
+            weight = weight.T  # not contiguous: checked by leading rows
+        elif layout == "scalar":
+            weight = weight.view(-1)[index]
+        assert not finite.all_finite(weight) and non_finite([("w", weight)]) == ["w"]
+    assert finite.all_finite(torch.randn(20, 10).T) and finite.all_finite(torch.tensor(1.0))

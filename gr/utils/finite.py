@@ -15,17 +15,32 @@ class NonFiniteError(ArithmeticError):
     """A loss, gradient or weight holds NaN or an infinity; the message names which and where."""
 
 
+# Elements checked at once: ``isfinite`` needs ~7 bytes of temporaries an element (|x|, two masks,
+# their and), so a whole embedding table at once would briefly need ~2x its own size again.
+CHECK_CHUNK_ELEMENTS = 1 << 22
+
+
 def non_finite(named: Iterable[Tuple[str, Any]]) -> List[str]:
     """Names of the floating-point tensors among ``named`` ((name, value) pairs) holding NaN or
     an infinity. A sharded value (ShardedTensor, DTensor) is checked on this rank's shards;
-    values that are not tensors are skipped."""
+    values that are not tensors are skipped. Checked ``CHECK_CHUNK_ELEMENTS`` at a time."""
     bad = []
     for name, value in named:
         for local in _local_tensors(value):
-            if local.is_floating_point() and not bool(local.isfinite().all()):
+            if local.is_floating_point() and not all_finite(local):
                 bad.append(name)
                 break
     return bad
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (floating point) holds no NaN or infinity, in chunks of
+    ``CHECK_CHUNK_ELEMENTS`` (a non-contiguous tensor by its leading rows)."""
+    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor
+    if flat.dim() == 0:
+        return bool(flat.isfinite())
+    step = max(1, CHECK_CHUNK_ELEMENTS // max(1, flat[0].numel()))
+    return all(bool(flat[start : start + step].isfinite().all()) for start in range(0, flat.shape[0], step))
 
 
 def gradients_finite(grads: Sequence[torch.Tensor]) -> bool:
