@@ -211,13 +211,19 @@ class GRTrainingModule(LightningModule):
         self.step_loss, self.step_batch = losses["loss"].detach(), batch_idx
         return losses["loss"]
 
+    def _logs_this_step(self) -> bool:
+        """Whether the step about to be taken is one the loggers write (Lightning's rule: every
+        ``log_every_n_steps``-th optimizer step, and the last): the gradient norm is computed only then."""
+        every = self.config.trainer.log_every_n_steps
+        return (self.trainer.global_step + 1) % every == 0 or self.trainer.should_stop
+
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Raise NonFiniteError, on every rank, when any rank's loss or dense gradients are not finite;
         on logged steps, log ``train/grad_norm`` (the dense gradients' L2 norm before clipping: the
         tables' gradients are applied inside backward and never held)."""
         named = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
         bad_grads = [] if gradients_finite([grad for _, grad in named]) else non_finite(named)
-        if self.trainer._logger_connector.should_update_logs and not bad_grads:
+        if self._logs_this_step() and not bad_grads:
             self.log("train/grad_norm", _gradient_norm([grad for _, grad in named]), on_step=True, on_epoch=False)
         loss_finite = self.step_loss is None or bool(self.step_loss.isfinite())
         flags = torch.tensor([float(not loss_finite), float(bool(bad_grads))])
