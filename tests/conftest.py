@@ -18,6 +18,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from helpers.movielens import ml_100k_missing, ml_100k_path  # noqa: E402
+from helpers.warm import WarmPython, fresh_sys_path  # noqa: E402
 
 # End-to-end modules: training runs, subprocesses, servers, benchmarks. ``-m "not slow"`` leaves them out
 # for a fast inner loop (README); ``make test`` runs everything.
@@ -72,6 +73,12 @@ def ml_100k() -> Path:
     if reason:
         pytest.skip(reason)
     return ml_100k_path()
+
+
+@pytest.fixture(scope="session")
+def warm_python() -> WarmPython:
+    """Scripts run in children of a warm interpreter (``helpers.warm``), one fork server per worker."""
+    return WarmPython(fresh_sys_path())
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Benchmarks cannot rot: every bench/*.py runs at its ``--smoke`` size in a subprocess and its last
-stdout line is one JSON object holding the keys its docstring promises.
+"""Benchmarks cannot rot: every bench/*.py runs at its ``--smoke`` size in a process of its own (a
+child of a warm interpreter, ``helpers.warm``, unless it needs a fresh one) and its last stdout line
+is one JSON object holding the keys its docstring promises.
 
 One ``Bench`` row per benchmark (path, extra arguments, promised keys); adding a benchmark
 is adding a row, and ``test_every_benchmark_has_a_smoke_entry`` fails until it is added.
@@ -18,6 +19,8 @@ from typing import Tuple
 
 import pytest
 
+from helpers.warm import WarmPython
+
 ROOT = Path(__file__).resolve().parents[1]
 NOT_BENCHMARKS = {"smoke.py", "_peak.py", "_host.py"}  # modules the benchmarks import
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
@@ -32,6 +35,7 @@ class Bench:
     args: Tuple[str, ...] = ()
     xfail: str = ""  # why it cannot run at --smoke size today (the test then must fail: strict)
     covered_by: str = ""  # a test module that already runs it at --smoke size and checks its output
+    fresh: str = ""  # why it needs a fresh interpreter (a subprocess) rather than a child of the warm one
 
 
 BENCHES = (
@@ -197,6 +201,7 @@ BENCHES = (
             "load_average",
         ),
         ("--arch", "sm_90"),
+        fresh="it drops TRITON_INTERPRET before gr's kernels are imported; the warm interpreter's are interpreted",
     ),
 )
 
@@ -235,11 +240,11 @@ def smoke_params(training: bool) -> list:
 
 
 @pytest.mark.parametrize("bench", smoke_params(training=False))
-def test_benchmark_smoke_run_ends_with_its_promised_json(bench):
-    check_smoke_run(bench)
+def test_benchmark_smoke_run_ends_with_its_promised_json(bench, warm_python):
+    check_smoke_run(bench, warm_python)
 
 
-def check_smoke_run(bench: Bench) -> None:
+def check_smoke_run(bench: Bench, warm_python: WarmPython) -> None:
     """Run ``bench`` at its ``--smoke`` size; its last stdout line is a JSON object with its keys."""
     env = {
         **os.environ,
@@ -248,14 +253,13 @@ def check_smoke_run(bench: Bench) -> None:
         "OMP_NUM_THREADS": "1",
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
     }
-    run = subprocess.run(
-        [sys.executable, bench.path, "--smoke", *bench.args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    argv = [bench.path, "--smoke", *bench.args]
+    if bench.fresh:
+        run = subprocess.run(
+            [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    else:
+        run = warm_python.run(argv, cwd=ROOT, env=env, timeout=TIMEOUT_S)
     assert run.returncode == 0, f"{bench.path} --smoke failed:\n{run.stderr[-3000:]}"
     lines = run.stdout.strip().splitlines()
     assert lines, f"{bench.path} --smoke printed nothing"

@@ -79,18 +79,12 @@ ONLY = "conformance,train"  # attention is bench/attention.py --smoke, which tes
 
 
 @pytest.mark.skipif(os.environ.get("GR_TEST_DEVICE", "cpu") != "cpu", reason="the smoke check here is the CPU one")
-def test_smoke_check_on_cpu_writes_the_report_and_one_json_line(tmp_path):
+def test_smoke_check_on_cpu_writes_the_report_and_one_json_line(tmp_path, warm_python):
     out = tmp_path / "check"
     env = {k: v for k, v in os.environ.items() if k != "GR_TEST_DEVICE"}
-    run = subprocess.run(
-        # serving is tests/test_device_end_to_end.py, which this suite runs itself
-        [sys.executable, "bench/device_check.py", "--device", "cpu", "--smoke", "--out", str(out), "--only", ONLY],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # serving is tests/test_device_end_to_end.py, which this suite runs itself
+    argv = ["bench/device_check.py", "--device", "cpu", "--smoke", "--out", str(out), "--only", ONLY]
+    run = warm_python.run(argv, cwd=ROOT, env=env, timeout=600)  # a process of its own (helpers.warm)
     last = json.loads(run.stdout.strip().splitlines()[-1])
     report = json.loads((out / "report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}

@@ -3,8 +3,6 @@ side features (an item table of dim 18, stored 20 wide by FBGEMM); the export al
 the run's predictions on its test users."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +43,12 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, ml_100k):
+def run_dir(tmp_path_factory, ml_100k, warm_python):
+    """``train.py`` of the recipe in a process of its own (``helpers.warm``)."""
     out = tmp_path_factory.mktemp("run") / "ml100k-ranking"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     recipe = ["--config", "configs/ml100k_hstu.yaml", f"--data.path={ml_100k}"]
-    command = [sys.executable, "train.py", *recipe, "--out", str(out), *OVERRIDES]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    run = warm_python.run(["train.py", *recipe, "--out", str(out), *OVERRIDES], cwd=ROOT, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return out
 

@@ -3,12 +3,17 @@ tables and summary) and what the readers give, and refuses bad input with the re
 
 One SparkSession (local[2]) serves the module. The CSV partition test reads its files in 4 KB
 splits, so line numbers and file order are checked across many Spark partitions; the rest keep
-Spark's default splits (each Spark job costs seconds here). The DuckDB module covers each source and
-bad input against the readers; this one checks that Spark writes what DuckDB writes.
+Spark's default splits (each Spark job costs seconds here). The table CSV is prepared once, by
+``gr data prepare --engine spark``, for the test of that command and the test of the table. The
+DuckDB module covers each source and bad input against the readers; this one checks that Spark
+writes what DuckDB writes.
 """
 
+import contextlib
+import io
 import shutil
 from pathlib import Path
+from typing import Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -88,9 +93,25 @@ def prepare_both(config: DataConfig, root: Path, **options) -> Path:
     return root / "spark"
 
 
-def test_table_csv_with_features_ties_and_duplicates_prepares_what_duckdb_and_the_readers_do(spark, tmp_path):
-    config = table_config(write_csv(tmp_path / "events.csv", table_rows()), min_item_interactions=3)
-    prepared = prepare_both(config, tmp_path, users_per_shard=10)
+@pytest.fixture(scope="module")
+def table_prepared(spark, tmp_path_factory) -> Tuple[Path, DataConfig, str]:
+    """The table CSV (every kind of feature, ties, duplicates) prepared by ``gr data prepare --engine
+    spark`` from a recipe and overrides -> (its directory, the config it prepared, what it printed)."""
+    root = tmp_path_factory.mktemp("table")
+    events = write_csv(root / "events.csv", table_rows())
+    recipe = root / "recipe.yaml"
+    recipe.write_text(f"data:\n  source: csv\n  path: {events}\n  columns: {COLUMNS}\n")
+    argv = ["data", "prepare", "--config", str(recipe), "--out", str(root / "spark"), "--engine", "spark"]
+    overrides = ["--data.min_item_interactions", "3", "--data.min_seq_len", "4", "--users-per-shard", "10"]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert cli.main([*argv, "--master", "local[2]", *overrides]) == 0
+    return root / "spark", table_config(events, min_item_interactions=3, min_seq_len=4), printed.getvalue()
+
+
+def test_table_csv_with_features_ties_and_duplicates_prepares_what_duckdb_and_the_readers_do(table_prepared):
+    prepared, config, _ = table_prepared
+    prepare_with_duckdb(config, prepared.parent / "duckdb", threads=1, users_per_shard=10)
+    assert_same_prepared(prepared, prepared.parent / "duckdb")
     assert read_manifest(prepared).summary["duplicates_dropped"] >= 3
     assert_prepared_equals_raw(prepared, config)
 
@@ -217,15 +238,13 @@ def test_malformed_quoting_is_refused_as_duckdb_and_the_readers_line_scan_refuse
 
 
 def test_gr_data_prepare_runs_the_spark_engine_on_a_master_and_the_module_entry_point_reads_a_recipe(
-    spark, tmp_path, capsys
+    table_prepared, tmp_path, capsys
 ):
-    events = write_csv(tmp_path / "events.csv", table_rows(seed=3, rows=120))
+    prepared, config, printed = table_prepared
+    assert "(spark 4." in printed
+    assert read_manifest(prepared).data["min_seq_len"] == 4 and len(read_manifest(prepared).shards) > 1
+    assert_prepared_equals_raw(prepared, config)
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"data:\n  source: csv\n  path: {events}\n  columns: {COLUMNS}\n")
-    argv = ["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "cli"), "--engine", "spark"]
-    assert cli.main([*argv, "--master", "local[2]", "--data.min_seq_len", "4"]) == 0
-    assert "(spark 4." in capsys.readouterr().out
-    assert_prepared_equals_raw(tmp_path / "cli", table_config(events, min_seq_len=4))
     recipe.write_text("model: {}\n")  # the spark-submit entry point reads the recipe as gr data prepare does
     assert main(["--config", str(recipe), "--out", str(tmp_path / "other")]) == 2
     assert capsys.readouterr().err.endswith(f"error: {recipe}: expected a data: section (a mapping)\n")

@@ -1,0 +1,84 @@
+"""Python scripts and ``-m`` modules run in a child forked from a warm interpreter, one that has
+torch, Lightning, TorchRec and gr's training, export and serving code imported already (a
+``multiprocessing`` fork server, started on first use). The child is a process of its own: its
+own exit status (``os._exit`` and signals end only it), environment, working directory, stdout
+and stderr, ``sys.argv`` and ``sys.path`` as ``python SCRIPT`` / ``python -m MODULE`` set them. It
+skips the ~5 s a fresh interpreter spends importing that stack.
+
+For tests whose promise is what a script does. A test about a fresh interpreter (which modules it
+imports, what it prints while importing, a real terminal) keeps ``subprocess``. Environment
+variables read when the preloaded packages are imported keep the fork server's values (those of
+the pytest worker when it started it); ``OMP_NUM_THREADS`` is applied to torch in the child.
+"""
+
+import json
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Mapping, Sequence
+
+PRELOAD = ["torch", "lightning", "torchrec", "gr.train.run", "gr.export", "gr.serving"]
+
+
+class WarmPython:
+    """``run(argv, cwd, env, timeout)`` is ``subprocess.run([sys.executable, *argv], ...,
+    capture_output=True, text=True)`` in a child of the fork server."""
+
+    def __init__(self, base_path: Sequence[str]) -> None:
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(PRELOAD)
+        self.base_path = list(base_path)  # a fresh interpreter's sys.path, without PYTHONPATH and script dir
+
+    def run(
+        self, argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float
+    ) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            child = self.context.Process(
+                target=_child, args=(list(argv), str(cwd), dict(env), self.base_path, str(out), str(err))
+            )
+            child.start()
+            child.join(timeout)
+            if child.is_alive():
+                child.kill()
+                child.join()
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(
+                [sys.executable, *argv], child.exitcode, out.read_text(), err.read_text()
+            )
+
+
+def fresh_sys_path() -> List[str]:
+    """``sys.path`` of a fresh interpreter started with ``-c`` and no PYTHONPATH, less its leading ''."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import json, sys; print(json.dumps(sys.path[1:]))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def _child(argv: List[str], cwd: str, env: Mapping[str, str], base_path: List[str], out: str, err: str) -> None:
+    """In the forked child: the process state ``python *argv`` starts with, then run it."""
+    for fd, path in ((1, out), (2, err)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(handle, fd)
+        os.close(handle)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[:] = [cwd, *extra, *base_path]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[:] = [str((Path(cwd) / argv[0]).resolve().parent), *extra, *base_path]
+        runpy.run_path(argv[0], run_name="__main__")
