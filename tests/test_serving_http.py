@@ -533,7 +533,8 @@ def test_a_body_that_stalls_is_a_408_naming_the_flag_and_its_connection_closes(e
     assert serving_main(["serve", str(exports["first"]), "--body-timeout", "0"]) == 2
 
 
-def test_a_request_still_running_when_the_graceful_shutdown_ends_gets_the_json_503(exports, monkeypatch):
+def blocking_generate(exports, monkeypatch):
+    """A ranker of the first export whose generate sets ``entered``, then waits for ``release``."""
     ranker = Ranker.load(exports["first"])
     entered, release = threading.Event(), threading.Event()
     generate = ranker.generate
@@ -544,6 +545,11 @@ def test_a_request_still_running_when_the_graceful_shutdown_ends_gets_the_json_5
         return generate(request)
 
     monkeypatch.setattr(ranker, "generate", slow_generate)
+    return ranker, entered, release
+
+
+def test_a_request_still_running_when_the_graceful_shutdown_ends_gets_the_json_503(exports, monkeypatch):
+    ranker, entered, release = blocking_generate(exports, monkeypatch)
     server = AppServer(create_app(ranker, warm_up=False))
     server.server.config.timeout_graceful_shutdown = 0.3
     with server, ThreadPoolExecutor(1) as pool:
@@ -558,16 +564,7 @@ def test_a_request_still_running_when_the_graceful_shutdown_ends_gets_the_json_5
 
 
 def test_past_max_pending_a_request_is_a_503_overloaded_at_once_with_retry_after(exports, monkeypatch):
-    ranker = Ranker.load(exports["first"])
-    entered, release = threading.Event(), threading.Event()
-    generate = ranker.generate
-
-    def slow_generate(request):
-        entered.set()
-        release.wait(20)
-        return generate(request)
-
-    monkeypatch.setattr(ranker, "generate", slow_generate)
+    ranker, entered, release = blocking_generate(exports, monkeypatch)
     recommend = {"user_id": "v", "history": HISTORY, "k": 2}
     with AppServer(create_app(ranker, warm_up=False, max_pending=1)) as server, ThreadPoolExecutor(1) as pool:
         busy = pool.submit(server.call, "POST", "/v1/generate", {"user_id": "u", "history": HISTORY, "k": 2})
