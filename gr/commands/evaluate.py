@@ -135,7 +135,7 @@ def _check_per_user(config: TrainConfig, per_user: Optional[Path]) -> None:
     if per_user is not None and config.task_type != "retrieval":
         raise ValueError(
             f"--per-user {per_user}: per-user metrics are for retrieval (each user's targets ranked in the "
-            f"catalogue); this model's task is {config.task_type} (its AUC is over every candidate)"
+            f"catalogue); this model's task is {config.task_type} (its per-user view is the metrics' GAUC)"
         )
 
 
