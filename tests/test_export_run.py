@@ -2,6 +2,7 @@
 side features (an item table of dim 18, stored 20 wide by FBGEMM); the export alone reproduces
 the run's predictions on its test users."""
 
+import json
 import os
 from pathlib import Path
 
@@ -72,6 +73,11 @@ def test_export_cli_writes_a_valid_export_of_the_run_and_refuses_to_overwrite(ru
     }
     assert manifest.sparse.features["item_id"].id_mapping == "id_maps/items.tsv"
     assert manifest.sparse.features["user_age"].id_mapping == "id_maps/user_age.tsv"
+    source = json.loads((exported / "source.json").read_text())
+    trained = json.loads((run_dir / "metrics.json").read_text())
+    assert source["run"] == str(run_dir.resolve()) and source["checkpoint"] == trained["best_checkpoint"]
+    assert source["epoch"] >= 0 and source["global_step"] > 0
+    assert "  source.json\n" in (exported / "MANIFEST").read_text()  # hashed like every other file
     capsys.readouterr()
     assert export_main([str(run_dir), str(exported)]) == 2  # bad input: one line, exit status 2
     assert "--overwrite" in capsys.readouterr().err

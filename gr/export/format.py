@@ -43,6 +43,7 @@ PREFIX_ONNX = "prefix_dnn/model.onnx"
 POSTFIX_ONNX = "postfix_dnn/model.onnx"
 HSTU_CONFIG = "hstu/config.json"
 HSTU_WEIGHTS = "hstu/model.safetensors"
+SOURCE = "source.json"  # the run and checkpoint an export of a run came from (gr export RUN)
 
 # The four slices of a version-1 graph, in execution order, with their engines.
 SPARSE, PREFIX, HSTU_SLICE, POSTFIX = "sparse", "prefix_dnn", "hstu", "postfix_dnn"

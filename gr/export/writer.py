@@ -39,6 +39,7 @@ from gr.export.format import (
     SEQ_OFFSETS,
     SLICE_ENGINES,
     SLICE_GRAPH,
+    SOURCE,
     SPARSE,
     SPARSE_DIR,
     SPARSE_INI,
@@ -62,7 +63,8 @@ from gr.export.sparse_manifest import TOKEN_KINDS, FeatureEntry, SparseManifest,
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
-from gr.train.run import MAPPINGS_DIR, load_trained_model, read_run
+from gr.train.checkpoint import read_meta
+from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run
 from gr.utils.atomic import atomic_directory, write_bytes, write_json
 from gr.utils.run_lock import run_lock
 
@@ -83,6 +85,7 @@ def export_model(
     hstu_dtype: str = "float32",
     item_features: Optional[Mapping[str, Column]] = None,
     popularity: Optional[np.ndarray] = None,
+    source: Optional[Mapping[str, Any]] = None,
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
@@ -104,6 +107,8 @@ def export_model(
         from which serving fills them for items a request gives by id alone.
     popularity: [item table rows] training counts of each item (``gr.data.popularity``), written to
         ``sparse/popularity.safetensors``: serving's answer to an empty history (``gr.export.popularity``).
+    source: where the model came from (``export_run``: the run, its checkpoint, epoch and step),
+        written to ``source.json`` and hashed in the MANIFEST with every other file.
     """
     if hstu_dtype not in SLICE_DTYPES:
         raise ValueError(f"hstu_dtype: expected one of {list(SLICE_DTYPES)}, got {hstu_dtype!r}")
@@ -119,6 +124,8 @@ def export_model(
             )
             if popularity is not None:
                 write_popularity(tmp, popularity, sparse)
+            if source is not None:
+                write_json(tmp / SOURCE, dict(source))
             write_manifest(tmp)
             problems = check_export(tmp)
             if problems:
@@ -131,7 +138,8 @@ def export_model(
 def export_run(
     run_dir: Union[str, Path], export_dir: Union[str, Path], *, overwrite: bool = False, hstu_dtype: str = "float32"
 ) -> Path:
-    """Export a training run's best checkpoint (all shards merged) with its id mappings.
+    """Export a training run's best checkpoint (all shards merged) with its id mappings, naming
+    the run and that checkpoint in the export's ``source.json``.
 
     Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``; the item
     features the model reads from the run's training data (``gr.export.item_store``). The run
@@ -141,6 +149,14 @@ def export_run(
     with run_lock(run_dir, "gr export", shared=True):
         _, spec, _ = read_run(run_dir)
         model, _ = load_trained_model(run_dir)
+        checkpoint = best_checkpoint(run_dir)  # the one load_trained_model read: the run is locked
+        meta = read_meta(checkpoint)
+        source = {
+            "run": str(run_dir.resolve()),
+            "checkpoint": checkpoint.relative_to(run_dir).as_posix(),
+            "epoch": meta.get("epoch"),
+            "global_step": meta.get("global_step"),
+        }
         mappings = run_dir / MAPPINGS_DIR
         return export_model(
             model,
@@ -152,6 +168,7 @@ def export_run(
             hstu_dtype=hstu_dtype,
             item_features=run_item_features(run_dir, model.prefix_dnn.feature_names),
             popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
+            source=source,
         )
 
 
