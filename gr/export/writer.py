@@ -148,8 +148,8 @@ def export_run(
     run_dir = Path(run_dir)
     with run_lock(run_dir, "gr export", shared=True):
         _, spec, _ = read_run(run_dir)
-        model, _ = load_trained_model(run_dir)
-        checkpoint = best_checkpoint(run_dir)  # the one load_trained_model read: the run is locked
+        checkpoint = best_checkpoint(run_dir)
+        model, _ = load_trained_model(run_dir, checkpoint)
         meta = read_meta(checkpoint)
         source = {
             "run": str(run_dir.resolve()),

@@ -109,11 +109,11 @@ def ranking_metrics(
     out: Dict[str, float] = {}
     for task, logit in logits.items():
         label = labels[task].float()
-        defined = 0 < int(label.sum()) < label.numel() and bool(logit.isfinite().all())
+        finite = bool(logit.isfinite().all())
+        defined = 0 < int(label.sum()) < label.numel() and finite
         out[f"auc/{task}"] = binary_auroc(logit, label.long()).item() if defined else float("nan")
         out[f"logloss/{task}"] = F.binary_cross_entropy_with_logits(logit, label).item()
         if users is not None:
-            finite = bool(logit.isfinite().all())
             out[f"gauc/{task}"] = grouped_auc(logit, label, users) if finite else float("nan")
     for metric in ("auc", "logloss", *(("gauc",) if users is not None else ())):
         values = torch.tensor([out[f"{metric}/{task}"] for task in logits], dtype=torch.float64)

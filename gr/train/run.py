@@ -335,11 +335,12 @@ def best_checkpoint(run_dir: str | Path) -> Path:
     return found[0][0]
 
 
-def load_trained_model(run_dir: str | Path) -> Tuple[GRModel, TrainConfig]:
-    """The run's best checkpoint as a plain unsharded GRModel (all shards merged, eval mode), and its config."""
+def load_trained_model(run_dir: str | Path, checkpoint: Optional[Path] = None) -> Tuple[GRModel, TrainConfig]:
+    """The run's ``checkpoint`` (default: its best) as a plain unsharded GRModel (all shards merged,
+    eval mode), and its config."""
     config, spec, tasks = read_run(run_dir)
     model = build_model(config, spec, tasks, for_training=False)
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    ckpt.load_checkpoint({"state_dict": state}, best_checkpoint(run_dir))
+    ckpt.load_checkpoint({"state_dict": state}, checkpoint or best_checkpoint(run_dir))
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model.eval(), config
