@@ -1,6 +1,6 @@
 """A daily retrain on MovieLens-100K's real timestamps: warm start from yesterday's run against a cold run.
 
-    python bench/daily_retrain.py [--seeds 0 1 2] [--warm-epochs 10] [--data.path DIR]
+    python bench/daily_retrain.py [--seeds 0 1 2] [--warm-epochs 10] [--replay-from 80] [--data.path DIR]
                                       (ML-100K: $GR_ML100K_DIR or data/ml-100k)
     python bench/daily_retrain.py --smoke                              # 1 seed, 2 steps a run: checks it runs
 
@@ -13,12 +13,14 @@ every earlier event as history; a user's targets are averaged first, so each use
   (b) warm: ``--init-from`` the day-0 run (c), trained on day 1 only (train_start p80, split_time p90)
       for ``--warm-epochs`` epochs without validation, its last checkpoint tested (the validation
       target, each user's first event after p90, is 90 users: too few to pick an epoch by);
+      ``--replay-from P`` (P < 80) also replays day 0's events from its P-th time percentile on
+      (train_start pP; 0: all of day 0), a variant outside the targets' definition of (b);
   (c) day 0: the recipe on day 0 (split_time p80), its best checkpoint tested with split_time p90
       (``gr evaluate`` RUN).
 Reading the whole file, run (c)'s id maps know day 1's new items; their rows stay at their
 initialisation, as a warm start's new rows would (tests/test_warm_start.py covers maps that grow).
 
-Prints each run, then one JSON line: seeds, warm_epochs, cuts, test_users, test_targets, per run
+Prints each run, then one JSON line: seeds, warm_epochs, replay_from, cuts, test_users, test_targets, per run
 the mean test hr@10/ndcg@10 and wall seconds of training (a, b), se_hr10 (sqrt(p (1 - p) / n) of
 (a)'s mean over the n test users: a bound on the standard error of a mean of n per-user hit rates),
 warm_minus_cold_in_se, warm_minus_day0_in_se, warm_time_over_cold, targets (b within one SE of (a)
@@ -90,10 +92,10 @@ def paired(hits: Dict[str, List[Dict[str, float]]]) -> Tuple[Dict[str, Any], flo
     return out, float(np.std(mean["cold"], ddof=1) / math.sqrt(len(users)))
 
 
-def cuts(config_path: str, overrides: Sequence[Tuple[str, str]]) -> Dict[str, int]:
-    """{"p80", "p90"}: the 80th and 90th percentiles of the source's timestamps (seconds)."""
+def cuts(config_path: str, overrides: Sequence[Tuple[str, str]], replay_from: int) -> Dict[str, int]:
+    """{"p80", "p90", "p<replay_from>"}: those percentiles of the source's timestamps (seconds)."""
     timestamps = read_source(load_config(config_path, overrides).data).timestamps
-    return {f"p{q}": int(np.percentile(timestamps, q)) for q in (80, 90)}
+    return {f"p{q}": int(np.percentile(timestamps, q)) for q in sorted({replay_from, 80, 90})}
 
 
 def run(
@@ -111,6 +113,14 @@ def main(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--warm-epochs", type=int, default=10, help="the warm run's epochs on day 1")
+    parser.add_argument(
+        "--replay-from",
+        type=int,
+        default=80,
+        choices=range(81),
+        metavar="0..80",
+        help="the warm run trains on events from this time percentile on (default 80: day 1 only)",
+    )
     args, rest = smoke.parse_args(parser, {"seeds": [0], "warm_epochs": 1}, argv, known=True)
     overrides = [("data.path", str(smoke.ML_100K)), ("trainer.enable_progress_bar", "false")]
     if args.smoke:
@@ -121,7 +131,7 @@ def main(argv: List[str] | None = None) -> None:
             ("model.hstu.max_seq_len", "50"),
         ]
     overrides += parse_overrides(parser, rest)
-    at = cuts(RECIPE, overrides)
+    at = cuts(RECIPE, overrides, args.replay_from)
     time_split = [("data.split", "time"), ("data.test_events", "all")]
     results: Dict[str, List[Dict[str, Any]]] = {name: [] for name in RUNS}
     hits: Dict[str, List[Dict[str, float]]] = {name: [] for name in RUNS}
@@ -145,7 +155,7 @@ def main(argv: List[str] | None = None) -> None:
                 [
                     *time_split,
                     ("data.split_time", at["p90"]),
-                    ("data.train_start", at["p80"]),
+                    ("data.train_start", at[f"p{args.replay_from}"]),
                     ("trainer.max_epochs", args.warm_epochs),
                     ("trainer.check_val_every_n_epoch", args.warm_epochs + 1),  # never: the last is tested
                     ("trainer.early_stopping_patience", 0),
@@ -181,6 +191,7 @@ def main(argv: List[str] | None = None) -> None:
         "bench": "daily_retrain",
         "seeds": args.seeds,
         "warm_epochs": args.warm_epochs,
+        "replay_from": args.replay_from,
         "cuts": at,
         "test_users": test_users,
         "test_targets": test_targets,

@@ -4,8 +4,6 @@ benchmarks' time): three runs on ML-100K's time split, one JSON line comparing t
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,14 +11,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_daily_retrain_bench_compares_warm_cold_and_day0_runs_on_the_same_test_users(ml_100k):
+def test_the_daily_retrain_bench_compares_warm_cold_and_day0_runs_on_the_same_test_users(ml_100k, warm_python):
+    """With replay: the warm run also trains on day 0's events from its 70th time percentile on."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GR_ML100K_DIR": str(ml_100k), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "bench/daily_retrain.py", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    run = warm_python.run(["bench/daily_retrain.py", "--smoke", "--replay-from", "70"], cwd=ROOT, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["cuts"]["p80"] < result["cuts"]["p90"]
+    assert result["replay_from"] == 70 and result["cuts"]["p70"] < result["cuts"]["p80"] < result["cuts"]["p90"]
     runs = result["runs"]
     assert set(runs) == {"cold", "warm", "day0"} and runs["day0"]["test_users"] == result["test_users"] > 0
     assert runs["day0"]["test_targets"] == result["test_targets"] > result["test_users"]  # every test event
