@@ -3,6 +3,7 @@ named by what the binary depends on, switchable by GR_CPU_FUSED, and a failed bu
 reason logged (or fails loudly when required)."""
 
 import logging
+import os
 import threading
 import time
 
@@ -60,6 +61,22 @@ def test_checkouts_of_one_version_share_one_build_and_a_changed_source_is_copied
     (checkouts[1] / "tiny.cpp").write_text("int gr_tiny() { return 2; }\n")
     native.build("gr_test_shared_build", [checkouts[1] / "tiny.cpp"], tmp_path / "extensions")
     assert "return 2" in staged.read_text()
+
+
+def test_the_build_runs_the_environments_ninja_whatever_is_first_on_path(tmp_path, monkeypatch):
+    """Another ninja first on PATH (a system one) would read the build log as changed commands and
+    recompile everything: the build runs the ``ninja`` package's, and PATH is left as it was."""
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    called = tmp_path / "other ninja ran"
+    (other / "ninja").write_text(f"#!/bin/sh\ntouch '{called}'\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    path = os.pathsep.join([str(other), os.environ.get("PATH", "")])
+    monkeypatch.setenv("PATH", path)
+    (tmp_path / "tiny.cpp").write_text("int gr_tiny() { return 1; }\n")
+    native.build("gr_test_own_ninja", [tmp_path / "tiny.cpp"], tmp_path / "extensions")
+    assert (tmp_path / "extensions" / "gr_test_own_ninja" / "gr_test_own_ninja.so").is_file()
+    assert not called.exists() and os.environ["PATH"] == path
 
 
 def test_a_failed_build_falls_back_with_the_reason_logged_or_fails_when_required(monkeypatch, caplog):

@@ -19,7 +19,8 @@
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
-``torch.utils.cpp_extension`` (the machine's C++ compiler and ninja; about a minute once on 2 cores,
+``torch.utils.cpp_extension`` (the machine's C++ compiler and the environment's ninja, the ``ninja``
+package's even where another is first on PATH; about a minute once on 2 cores,
 later processes load the cached library in well under a second) with ``-march=native``. The library's directory is
 named by a hash of everything the binary depends on (the sources and headers, the flags, the torch
 version and installation, this CPU's model and flags) and compiles copies of the sources kept there,
@@ -41,13 +42,13 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import sys
 import sysconfig
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -186,17 +187,33 @@ def build(name: str, sources: List[Path], directory: Path) -> None:
     import ninja
     from torch.utils.cpp_extension import load
 
-    if shutil.which("ninja") is None:  # torch runs `ninja` from PATH; the pip package's is not there
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     build_dir = directory / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(
-        name=name,
-        sources=[str(source) for source in _staged(sources, build_dir / "src")],
-        extra_cflags=list(CFLAGS),  # copies: torch's load() appends to its flag lists in place
-        extra_ldflags=list(LDFLAGS),
-        extra_include_paths=[str(build_dir / "include")],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    with first_on_path(ninja.BIN_DIR):
+        load(
+            name=name,
+            sources=[str(source) for source in _staged(sources, build_dir / "src")],
+            extra_cflags=list(CFLAGS),  # copies: torch's load() appends to its flag lists in place
+            extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[str(build_dir / "include")],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+@contextmanager
+def first_on_path(folder: str) -> Iterator[None]:
+    """PATH with ``folder`` first inside the block. torch's ``load()`` runs ``ninja`` from PATH, and
+    ninja versions record commands in the build log differently (a 1.11 log reads as "command line
+    changed" to 1.13): with a system ninja first on PATH in some shells and the environment's in
+    others (an activated venv), each switch recompiled the whole library, silently."""
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([folder, before]) if before else folder
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = before
