@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from gr.utils.console import KNOWN_LOG_LINES, quiet_console
 from helpers.movielens import CUSTOM_PROJECT, SMALL, small_ml_100k
@@ -157,6 +158,11 @@ def test_filters_drop_only_the_known_messages(caplog):
                 "Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning, stacklevel=1
             )
             warnings.warn("Checkpoint directory /r/checkpoints exists and is not empty.", UserWarning, stacklevel=1)
+            warnings.warn(
+                "The number of training batches (2) is smaller than the logging interval Trainer(log_every_n_steps=4).",
+                PossibleUserWarning,
+                stacklevel=1,
+            )
             warnings.warn("Checkpoint directory /r/checkpoints exists", UserWarning, stacklevel=1)
         assert [str(w.message) for w in caught] == [
             "some other deprecation",

@@ -34,6 +34,9 @@ KNOWN_WARNINGS: Tuple[Tuple[Type[Warning], str], ...] = (
     (UserWarning, r"You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a"),
     # A prepared dataset's batches (gr.data.prepared.stream) count exactly what every DataLoader worker yields.
     (UserWarning, r"Your `IterableDataset` has `__len__` defined\. In combination with multi-process data loading"),
+    # Lightning counts trainer.log_every_n_steps over the run's steps, not each epoch's: an epoch of fewer
+    # batches (a warm start's new day) is still logged every N steps.
+    (UserWarning, r"The number of training batches \(\d+\) is smaller than the logging interval"),
     # `gr train` refuses an --out that holds checkpoints, so this fires on --resume only, where it must exist.
     (UserWarning, r"Checkpoint directory .* exists and is not empty\.$"),
     # ONNX export names a dynamic axis once: the token features of a PrefixDNN reading several (and the
