@@ -61,6 +61,19 @@ def test_each_subcommand_forwards_to_its_module_main(name, prefix):
     assert function.__module__ == cli.COMMANDS[name].module and rest == [*prefix, "x", "--y"]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [[name] for name in cli.COMMANDS if name not in cli.SUBCOMMANDS]
+    + [[name, sub] for name, (subs, _) in cli.SUBCOMMANDS.items() for sub in subs],
+)
+def test_each_commands_help_and_usage_errors_name_it_as_typed(capsys, argv):
+    for extra, code, stream in ((["--help"], 0, "out"), (["--no-such-option"], 2, "err")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([*argv, *extra])
+        assert exit_.value.code == code
+        assert getattr(capsys.readouterr(), stream).startswith(f"usage: gr {' '.join(argv)} "), extra
+
+
 def test_gr_data_download_help_documents_the_licences(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["data", "download", "--help"])

@@ -53,7 +53,7 @@ def test_export_of_a_missing_run_and_check_of_a_missing_export_name_the_director
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for args in (["-m", "gr.export", missing, str(tmp_path / "export")], ["-m", "gr.export", "check", missing]):
         done = warm_python.run(args, cwd=ROOT, env=env, timeout=120)  # a process of its own (helpers.warm)
-        assert missing in one_error_line(done, "python -m gr.export")
+        assert missing in one_error_line(done, "gr export")
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe not utf-8", b"[" * 100_000 + b"]" * 100_000])

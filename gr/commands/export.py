@@ -1,6 +1,7 @@
-"""``python -m gr.export RUN_DIR EXPORT_DIR [--overwrite] [--hstu-dtype bfloat16]`` writes an export;
-``python -m gr.export check EXPORT_DIR`` validates one (exit status 1 when it has problems) and warns
-of temporary directories that killed exports left beside it (``gr.utils.atomic.stale_directories``)."""
+"""``gr export RUN_DIR EXPORT_DIR [--overwrite] [--hstu-dtype bfloat16]`` writes an export;
+``gr check EXPORT_DIR`` validates one (exit status 1 when it has problems) and warns
+of temporary directories that killed exports left beside it (``gr.utils.atomic.stale_directories``).
+``python -m gr.export [check] ...`` runs the same."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from gr.utils.cli_errors import run_cli
 def main(argv: Optional[List[str]] = None) -> int:
     """Bad input (a missing run or export directory, an unreadable file) ends in one line on
     stderr and exit status 2 (``gr.utils.cli_errors``)."""
-    return run_cli("python -m gr.export", lambda: _main(sys.argv[1:] if argv is None else argv))
+    return run_cli("gr export", lambda: _main(sys.argv[1:] if argv is None else argv))
 
 
 def _main(argv: List[str]) -> int:
     if argv and argv[0] == "check":
-        parser = argparse.ArgumentParser(prog="python -m gr.export check", description="Validate an export directory.")
+        parser = argparse.ArgumentParser(prog="gr check", description="Validate an export directory.")
         parser.add_argument("export_dir", type=Path)
         args = parser.parse_args(argv[1:])
         if not args.export_dir.is_dir():
@@ -40,9 +41,8 @@ def _main(argv: List[str]) -> int:
         print(f"{args.export_dir}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
         return 1 if problems else 0
     parser = argparse.ArgumentParser(
-        prog="python -m gr.export",
-        description="Export a training run's best checkpoint as serving slices "
-        "(or: python -m gr.export check EXPORT_DIR).",
+        prog="gr export",
+        description="Export a training run's best checkpoint as serving slices (gr check EXPORT_DIR validates one).",
     )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("export_dir", type=Path)
@@ -62,7 +62,7 @@ def _main(argv: List[str]) -> int:
     try:
         export_run(args.run_dir, args.export_dir, overwrite=args.overwrite, hstu_dtype=args.hstu_dtype)
     except ExportError as exc:  # the run does not export (a RuntimeError, not bad input)
-        print(f"python -m gr.export: error: {exc}", file=sys.stderr)
+        print(f"gr export: error: {exc}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in args.export_dir.rglob("*") if p.is_file())
     elapsed = time.perf_counter() - start

@@ -1,9 +1,9 @@
-"""``python -m gr.serving serve EXPORT_DIR [--host 127.0.0.1] [--port 8000] [--workers N]`` serves
+"""``gr serve EXPORT_DIR [--host 127.0.0.1] [--port 8000] [--workers N]`` serves
 the export over HTTP (``gr.serving.http``);
-``python -m gr.serving rank EXPORT_DIR --request request.json`` prints the scores as JSON;
-``python -m gr.serving recommend EXPORT_DIR --request request.json --k 10`` prints each user's top k
+``gr rank EXPORT_DIR --request request.json`` prints the scores as JSON;
+``gr recommend EXPORT_DIR --request request.json --k 10`` prints each user's top k
 catalogue items and their scores (retrieval exports);
-``python -m gr.serving generate EXPORT_DIR --request request.json --k 10`` prints each user's
+``gr generate EXPORT_DIR --request request.json --k 10`` prints each user's
 next k items and their log-probabilities (greedy; recommend and generate need no ``candidates``:
 a rank request's file serves too, and a request's own ``k`` wins over ``--k``).
 Each takes ``--device cpu|cuda|npu`` (default cpu): where the ONNX slices (through that device's
@@ -70,7 +70,7 @@ log = logging.getLogger("gr.serve")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gr.serving", description="Serve an exported gr model.")
+    parser = argparse.ArgumentParser(prog="gr", description="Serve an exported gr model (also: python -m gr.serving).")
     commands = parser.add_subparsers(dest="command", required=True)
     rank = commands.add_parser("rank", help="score the candidates of one or more requests")
     rank.add_argument("export_dir", type=Path)
