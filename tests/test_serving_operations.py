@@ -1,5 +1,5 @@
 """Operating the service: a real ``gr serve`` logs a start-up line, one access line per request (with
-its request id and error kind; text or JSON) and a shutdown line; /metrics counts errors by kind,
+its request id and error kind; text or JSON), each reload (or refused reload) and a shutdown line; /metrics counts errors by kind,
 batches, queue depths, cache entries and bytes and fallbacks; a port in use or a bad address is one
 line and exit 2. Cold start: an empty history gets the export's most popular items, marked
 ``"fallback": "popularity"``, from recommend and generate (in-process, HTTP and the one-shot
@@ -57,9 +57,9 @@ def lines_of(server: Server) -> list:
     return server.process.stdout.read().splitlines()
 
 
-def test_the_server_logs_a_start_up_line_one_access_line_per_request_and_a_shutdown_line(exports):
-    export = exports["popular"]
-    server = Server(export)
+def test_the_server_logs_a_start_up_line_access_lines_reloads_and_a_shutdown_line(exports):
+    export, other = exports["popular"], exports["old"]
+    server = Server(export, "--admin-token", "t")
     ok = server.call(
         "POST", "/v1/recommend", {"user_id": "u", "history": HISTORY, "k": 3}, headers=[("X-Request-Id", "req-ok")]
     )
@@ -67,6 +67,9 @@ def test_the_server_logs_a_start_up_line_one_access_line_per_request_and_a_shutd
         "POST", "/v1/recommend", {"user_id": "u", "history": HISTORY, "k": 0}, headers=[("X-Request-Id", "req-bad")]
     )
     assert ok[0] == 200 and bad[0] == 400
+    auth = [("Authorization", "Bearer t")]
+    assert server.call("POST", "/admin/reload", {"export_dir": str(other)}, headers=auth)[0] == 200
+    assert server.call("POST", "/admin/reload", {"export_dir": str(other / "nowhere")}, headers=auth)[0] == 400
     lines = lines_of(server)
     start = (
         f"gr.serve: serving {export} (model {manifest_digest(export)}, cpu, 1 worker) on http://127.0.0.1:{server.port}"
@@ -76,6 +79,12 @@ def test_the_server_logs_a_start_up_line_one_access_line_per_request_and_a_shutd
     assert len(access) == 2, access  # one line per request
     assert re.search(r"POST /v1/recommend 200 [0-9.]+ ms error=- request_id=req-ok$", access[0]), access
     assert re.search(r"POST /v1/recommend 400 [0-9.]+ ms error=bad_request request_id=req-bad$", access[1]), access
+    assert (
+        sum(line.endswith(f"reloaded: serving {other} (model {manifest_digest(other)}, version 1)") for line in lines)
+        == 1
+    )
+    refused = f"WARNING gr.serving.http: reload of {other / 'nowhere'} refused, the previous model keeps serving: "
+    assert sum(refused in line and line.endswith("export directory does not exist") for line in lines) == 1, lines
     assert lines[-1].endswith(f"gr.serve: stopped serving {export} on http://127.0.0.1:{server.port}"), lines[-3:]
 
 

@@ -49,6 +49,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from gr.export.manifest import manifest_digest
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
 from gr.serving.limits import (
@@ -427,12 +428,17 @@ def create_app(
             or not isinstance(payload["export_dir"], str)
         ):
             return _error(400, "bad_request", 'body: expected {"export_dir": "<path>"}', "body.export_dir")
+        export_dir = Path(payload["export_dir"])
         try:
-            await run_in_threadpool(ranker.reload, Path(payload["export_dir"]))
+            await run_in_threadpool(ranker.reload, export_dir)
         except Exception as exc:  # a bad export: the old model keeps serving
+            why = " ".join(str(exc).split())  # one log line
+            log.warning("reload of %s refused, the previous model keeps serving: %s", export_dir, why)
             return _error(400, "bad_export", f"body.export_dir: {exc}"[:2000], "body.export_dir")
         metrics.refresh()
-        return _json({"status": "reloaded", "model_version": ranker.cache.model_version})
+        version = ranker.cache.model_version
+        log.info("reloaded: serving %s (model %s, version %d)", export_dir, manifest_digest(export_dir), version)
+        return _json({"status": "reloaded", "model_version": version})
 
     return app
 
