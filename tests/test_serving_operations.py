@@ -1,10 +1,10 @@
 """Operating the service: a real ``gr serve`` logs a start-up line, one access line per request (with
-its request id and error kind; text or JSON), each reload (or refused reload) and a shutdown line; /metrics counts errors by kind,
-batches, queue depths, cache entries and bytes and fallbacks; a port in use or a bad address is one
-line and exit 2. Cold start: an empty history gets the export's most popular items, marked
-``"fallback": "popularity"``, from recommend and generate (in-process, HTTP and the one-shot
-commands); an export without popularity keeps the error, and an edited popularity file is refused
-by name. ``gr recommend`` prints the top k; generate's scores are log-probabilities."""
+its request id and error kind; text or JSON), each reload (or refused reload) and a shutdown line;
+/metrics counts errors by kind, batches, queue depths, cache entries and bytes and fallbacks; a port
+in use or a bad address is one line and exit 2. Cold start: an empty history gets the export's most
+popular items, marked ``"fallback": "popularity"``, from recommend and generate (in-process, HTTP
+and the one-shot commands); an export without popularity keeps the error, and an edited popularity
+file is refused by name. ``gr recommend`` prints the top k; generate's scores are log-probabilities."""
 
 import json
 import re
@@ -85,7 +85,9 @@ def test_the_server_logs_a_start_up_line_access_lines_reloads_and_a_shutdown_lin
     )
     refused = f"WARNING gr.serving.http: reload of {other / 'nowhere'} refused, the previous model keeps serving: "
     assert sum(refused in line and line.endswith("export directory does not exist") for line in lines) == 1, lines
-    assert lines[-1].endswith(f"gr.serve: stopped serving {export} on http://127.0.0.1:{server.port}"), lines[-3:]
+    address = f"http://127.0.0.1:{server.port}"
+    stopped = f"gr.serve: stopped serving on {address} (started with {export}; reloads log what followed)"
+    assert lines[-1].endswith(stopped), lines[-3:]
 
 
 def test_log_format_json_writes_one_json_object_per_line(exports):

@@ -312,7 +312,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not started:
         print(f"serve: {args.export_dir}: the server did not start (the log above says why)", file=sys.stderr)
         return 1
-    log.info("stopped serving %s on %s", args.export_dir, url)
+    log.info("stopped serving on %s (started with %s; reloads log what followed)", url, args.export_dir)
     return 0
 
 
