@@ -33,7 +33,9 @@ re-runs only the last history token), and reports:
 Strict modes are checked to return exactly the greedy items (``mismatches`` must be 0).
 
 Run: ``.venv/bin/python bench/generate.py --runs-dir runs/bench_generate`` (trains 4 small models
-on first use). Last line: one JSON object with the speedups.
+on first use, then reuses their exports there: delete them after changing the training code).
+``--smoke`` trains and exports its tiny model in a temporary directory every time. Last line: one
+JSON object with the speedups.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -74,6 +77,7 @@ SMOKE = {
     "warmup_users": 2,
     "ks": [5],
     "groups": [1],
+    "runs_dir": None,  # a temporary directory: nothing reused from an earlier run
 }  # the tiny smoke model
 DATASETS = {
     # (config, target arguments, draft arguments)
@@ -137,6 +141,7 @@ def ensure_export(runs: Path, name: str, config: str, extra: Sequence[str], data
     run, export = runs / name, runs / f"{name}_export"
     args = ["--data.path", data_path] if "ml100k" in config else []
     if (export / "default").exists():
+        print(f"reusing {export} (delete it to train and export again)", file=sys.stderr, flush=True)
         return export
     if not (run / "metrics.json").exists():
         subprocess.run(
@@ -497,10 +502,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args, _ = smoke.parse_args(parser, SMOKE, argv)
     torch.set_num_threads(1)
     relaxed = Relaxed(args.relaxed_top_k, args.relaxed_min_prob, args.temperature)
+    scratch = tempfile.TemporaryDirectory()
+    runs_dir = args.runs_dir if args.runs_dir is not None else Path(scratch.name)
     results = {
         name: bench_dataset(
             name,
-            args.runs_dir,
+            runs_dir,
             args.data_path,
             args.ks,
             args.users,
@@ -516,6 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         )
         for name in args.datasets
     }
+    scratch.cleanup()
     summary = {
         name: {
             k: {label: v["speedup"] for label, v in modes.items() if isinstance(v, dict) and "speedup" in v}
