@@ -69,9 +69,13 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 
 def train_error_line(capsys, out: Path, *overrides: str) -> str:
-    """``gr train`` of the quickstart recipe with ``overrides`` into ``out``, in this process."""
+    """``gr train`` of the quickstart recipe with ``overrides`` into ``out``, in this process: one
+    error line, after gr's info lines about what was read when the error comes later."""
     assert cli.main(["train", "--config", str(QUICKSTART), "--out", str(out), *overrides]) == USAGE_EXIT_STATUS
-    [line] = capsys.readouterr().err.strip().splitlines()
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("INFO gr.")]
+    assert len(lines) == 1, err
+    line = lines[0]
     assert line.startswith("gr train: error: "), line
     return line
 

@@ -1,9 +1,12 @@
 """Warm start (``gr train --init-from RUN``): a run on new data begins from a trained run's model.
 Known ids keep their rows (maps extended, never renumbered), new ids get new rows that train,
-the tables' optimizer state is carried for the known rows, and a model that differs is refused
-naming the key before any data is read."""
+the tables' optimizer state is carried for the known rows, the run logs and records the checkpoint
+it began from and the ids it added, and a model that differs is refused naming the key before any
+data is read."""
 
 import copy
+import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -80,11 +83,21 @@ def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_o
 
 
 @pytest.mark.parametrize("backend", ["torch", "torchrec"])
-def test_a_warm_run_trains_new_rows_on_either_backend(day_runs, tmp_path, backend):
+def test_a_warm_run_trains_new_rows_on_either_backend_and_records_its_origin(day_runs, tmp_path, backend, caplog):
     config = _config(day_runs / "all.csv", backend, init_from=str(day_runs / "day0"))
-    metrics = train(config, tmp_path / "warm")
+    with caplog.at_level(logging.INFO, logger="gr.train.run"):
+        metrics = train(config, tmp_path / "warm")
     assert 0 <= metrics["hr@10"] <= 1
     old = len(load_mappings(str(day_runs / "day0" / "mappings"))[0]["items"].raw)
+    origin = metrics["init_from"]
+    assert origin["checkpoint"] == json.loads((day_runs / "day0" / "metrics.json").read_text())["best_checkpoint"]
+    assert origin["run"] == str((day_runs / "day0").resolve()) and origin["epoch"] == 0 and origin["global_step"] > 0
+    assert origin["new_ids"] == {"items": len(load_mappings(str(tmp_path / "warm" / "mappings"))[0]["items"].raw) - old}
+    assert origin["new_ids"]["items"] >= 10
+    line = f"warm start from {origin['run']}/{origin['checkpoint']} (epoch 0, step {origin['global_step']}); "
+    assert [r.getMessage() for r in caplog.records if r.name == "gr.train.run"] == [
+        line + f"new ids: items {origin['new_ids']['items']}"
+    ]
     maps = load_mappings(str(tmp_path / "warm" / "mappings"))[0]
     data = SequenceDataModule(config.data, base_maps={"items": maps["items"]})
     data.setup()

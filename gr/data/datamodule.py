@@ -282,12 +282,16 @@ class SequenceDataModule(lightning.LightningDataModule):
         return torch.from_numpy(np.bincount(train_items, minlength=self.num_items).astype(np.int64))
 
     # ---- mappings ---------------------------------------------------------------------------
-    def save_mappings(self, directory: str) -> None:
-        """Write raw<->dense maps of users, items and categorical side features into ``directory``."""
+    def id_maps(self) -> Dict[str, IdMap]:
+        """{"users" | "items" | categorical side feature: its raw<->dense map}."""
         user_map, item_map = self._maps()
         sides = (self.item_features, self.user_features, self.event_features)
-        maps = {"users": user_map, "items": item_map, **{k: v for f in sides for k, v in f.vocabularies.items()}}
-        mappings.save_mappings(directory, maps, {k: v for f in sides for k, v in f.dense_columns.items()})
+        return {"users": user_map, "items": item_map, **{k: v for f in sides for k, v in f.vocabularies.items()}}
+
+    def save_mappings(self, directory: str) -> None:
+        """Write ``id_maps()`` into ``directory``."""
+        sides = (self.item_features, self.user_features, self.event_features)
+        mappings.save_mappings(directory, self.id_maps(), {k: v for f in sides for k, v in f.dense_columns.items()})
 
     @staticmethod
     def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]]]:

@@ -63,7 +63,7 @@ from gr.export.sparse_manifest import TOKEN_KINDS, FeatureEntry, SparseManifest,
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
-from gr.train.checkpoint import read_meta
+from gr.train.checkpoint import checkpoint_source
 from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run
 from gr.utils.atomic import atomic_directory, write_bytes, write_json
 from gr.utils.run_lock import run_lock
@@ -150,13 +150,6 @@ def export_run(
         _, spec, _ = read_run(run_dir)
         checkpoint = best_checkpoint(run_dir)
         model, _ = load_trained_model(run_dir, checkpoint)
-        meta = read_meta(checkpoint)
-        source = {
-            "run": str(run_dir.resolve()),
-            "checkpoint": checkpoint.relative_to(run_dir).as_posix(),
-            "epoch": meta.get("epoch"),
-            "global_step": meta.get("global_step"),
-        }
         mappings = run_dir / MAPPINGS_DIR
         return export_model(
             model,
@@ -168,7 +161,7 @@ def export_run(
             hstu_dtype=hstu_dtype,
             item_features=run_item_features(run_dir, model.prefix_dnn.feature_names),
             popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
-            source=source,
+            source=checkpoint_source(run_dir, checkpoint),
         )
 
 

@@ -14,7 +14,9 @@ A run directory holds:
                        "auc", "logloss", "auc/<task>", "logloss/<task>" for ranking), plus
                        "best_val", "best_checkpoint", "epochs", "world_size",
                        "table_rows_per_rank", "data" (rows read, duplicates dropped or
-                       kept, users, items, interactions) and "config"
+                       kept, users, items, interactions), "config", and a warm start's "init_from"
+    init_from.json     a warm start only (``--init-from``): the run and checkpoint it began from, that
+                       checkpoint's epoch and step, and the ids the new data added per map ("new_ids")
     mappings/          raw <-> dense id mappings (``SequenceDataModule.save_mappings``)
     popularity.safetensors  each item's count in the training data (``gr.data.popularity``)
     checkpoints/       DCP checkpoint directories: "epoch=N" (the best by trainer.monitor)

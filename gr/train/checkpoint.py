@@ -104,6 +104,18 @@ def read_meta(path: str | Path) -> Dict[str, Any]:
         ) from error
 
 
+def checkpoint_source(run_dir: Path, checkpoint: Path) -> Dict[str, Any]:
+    """Where a model came from: {"run": the run directory (absolute), "checkpoint": ``checkpoint``
+    relative to it, "epoch", "global_step"} (an export's source.json, a warm start's init_from)."""
+    meta = read_meta(checkpoint)
+    return {
+        "run": str(run_dir.resolve()),
+        "checkpoint": checkpoint.relative_to(run_dir).as_posix(),
+        "epoch": meta.get("epoch"),
+        "global_step": meta.get("global_step"),
+    }
+
+
 def logged_steps(path: str | Path) -> int:
     """The step the logs of a run resumed from checkpoint ``path`` continue at: Lightning's count of
     batches that stepped the optimizer (the logs' ``step``), else the checkpoint's global step."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
-from gr.data.mappings import load_mappings
+from gr.data.mappings import IdMap, load_mappings
 from gr.data.popularity import POPULARITY_FILE, save_popularity
 from gr.model import GRModel
 from gr.sparse.sharding import local_table_rows
@@ -38,9 +39,12 @@ from gr.utils.atomic import replace_directory, write_json
 from gr.utils.devices import check_accelerator, runs_on_cpu
 from gr.utils.run_lock import run_lock, writes_run
 
+log = logging.getLogger(__name__)
+
 CONFIG_FILE = "config.yaml"
 FEATURES_FILE = "features.json"
 METRICS_FILE = "metrics.json"
+INIT_FROM_FILE = "init_from.json"  # a warm-started run: the checkpoint it began from and the ids it added
 MAPPINGS_DIR = "mappings"
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"
@@ -85,6 +89,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         base_maps = {k: v for k, v in load_mappings(str(out_dir / MAPPINGS_DIR))[0].items() if k != "users"}
     datamodule = SequenceDataModule(config.data, config.model.hstu.eviction_block, base_maps)
     datamodule.setup()
+    init_from = _init_from(warm_start, datamodule.id_maps()) if warm_start else None
     spec = datamodule.feature_spec()
     tables = build_tables(config, spec, for_training=False)  # refuses tables that do not fit the data
     config = _with_resolved_tables(config, tables)
@@ -104,6 +109,8 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         write_json(out_dir / FEATURES_FILE, plain({"spec": vars(spec), "tasks": list(datamodule.tasks)}))
         datamodule.save_mappings(str(out_dir / MAPPINGS_DIR))
         save_popularity(out_dir / POPULARITY_FILE, datamodule.popularity().numpy())
+        if init_from:
+            write_json(out_dir / INIT_FROM_FILE, init_from)
 
     trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files)], resumed_step)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(start) if start else None)
@@ -123,6 +130,21 @@ def _warm_start(config: TrainConfig) -> WarmStart:
     source = Path(config.trainer.init_from or "")
     check_not_export(source)
     return WarmStart.load(source, config, read_run(source), best_checkpoint(source), source / MAPPINGS_DIR)
+
+
+def _init_from(warm_start: WarmStart, maps: Dict[str, IdMap]) -> Dict[str, Any]:
+    """{the checkpoint's ``checkpoint_source``, "new_ids": {map: ids added}}, logged on one line."""
+    origin = ckpt.checkpoint_source(warm_start.source, warm_start.checkpoint)
+    new_ids = warm_start.new_ids(maps)
+    log.info(
+        "warm start from %s/%s (epoch %s, step %s); new ids: %s",
+        origin["run"],
+        origin["checkpoint"],
+        origin["epoch"],
+        origin["global_step"],
+        ", ".join(f"{name} {count}" for name, count in new_ids.items()) or "none",
+    )
+    return {**origin, "new_ids": new_ids}
 
 
 def _check_epochs_left(start: Path, max_epochs: int) -> None:
@@ -255,6 +277,8 @@ def _metrics_json(
             "config": config.to_dict(),
         }
     )
+    if (out_dir / INIT_FROM_FILE).is_file():  # written when the warm start began, kept through resumes
+        metrics["init_from"] = json.loads((out_dir / INIT_FROM_FILE).read_text())
     return metrics
 
 

@@ -35,10 +35,12 @@ from gr.train.config import TrainConfig
 
 @dataclass
 class WarmStart:
-    """What a new run takes from a trained one: its model (unsharded, torch tables), its id maps
-    ({"items"|feature: IdMap}) and its tables' optimizer state (TorchRec's layout)."""
+    """What a new run takes from a trained one (run directory ``source``, its ``checkpoint``): its
+    model (unsharded, torch tables), its id maps ({"items"|feature: IdMap}) and its tables'
+    optimizer state (TorchRec's layout)."""
 
     source: Path
+    checkpoint: Path
     model: GRModel
     maps: Dict[str, IdMap]
     table_optimizer_state: Dict[str, Any]
@@ -67,9 +69,13 @@ class WarmStart:
         model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
         maps, _ = load_mappings(str(mappings))
         maps.pop("users", None)  # users have no rows: the new data's own map
-        return cls(source, model, maps, state["sparse_optimizer"])
+        return cls(source, checkpoint, model, maps, state["sparse_optimizer"])
 
     @torch.no_grad()
+    def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
+        """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""
+        return {name: maps[name].cardinality - old.cardinality for name, old in self.maps.items() if name in maps}
+
     def copy_weights(self, model: GRModel) -> None:
         """Into ``model`` (freshly built, unsharded, tables at least as large): the run's dense
         parameters, and its table rows into each table's first rows."""

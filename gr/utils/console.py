@@ -7,8 +7,10 @@ known third-party noise filtered by its exact message, never by silencing loggin
   ``basicConfig`` into a no-op (and replaces one already installed); it prints every record
   except Lightning's, which Lightning prints itself.
 * The messages in ``KNOWN_WARNINGS`` / ``KNOWN_LOG_LINES`` say nothing a user can act on.
-* Under torchrun every rank runs the same code on the same data: gr's own info and warnings
-  (e.g. duplicate rows dropped) are printed by rank 0 only; errors by every rank.
+* gr's own info lines (what was read, a warm start's origin) are printed: the ``gr`` logger is
+  set to INFO unless a level was set for it. Under torchrun every rank runs the same code on the
+  same data: gr's own info and warnings (e.g. duplicate rows dropped) are printed by rank 0 only;
+  errors by every rank.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Dict, Tuple, Type
+from typing import Any, Dict, Tuple, Type
 
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 # (category, regex matched at the start of the message)
@@ -97,17 +99,33 @@ class _NotLightning(logging.Filter):
         return record.name != LIGHTNING and not record.name.startswith(LIGHTNING + ".")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is at each record, not as it was when installed (a caller
+    that redirects stderr, as pytest's capture does, still gets the lines)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # StreamHandler.__init__ sets it
+
+
 def quiet_console() -> None:
     """Install the root handler and the message filters above (idempotent)."""
     for category, pattern in KNOWN_WARNINGS:  # re-adding a filter moves it to the front, never duplicates it
         warnings.filterwarnings("ignore", message=pattern, category=category)
+    ours = logging.getLogger(GR)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, logging.StreamHandler) and getattr(handler, "_gr_console", False):
             return
         if handler.formatter is not None and handler.formatter._fmt == logging.BASIC_FORMAT:
             root.removeHandler(handler)  # a basicConfig() handler (fbgemm_gpu's)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(_NotLightning())
     if _process_rank() != 0:
