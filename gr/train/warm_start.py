@@ -71,11 +71,11 @@ class WarmStart:
         maps.pop("users", None)  # users have no rows: the new data's own map
         return cls(source, checkpoint, model, maps, state["sparse_optimizer"])
 
-    @torch.no_grad()
     def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
         """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""
         return {name: maps[name].cardinality - old.cardinality for name, old in self.maps.items() if name in maps}
 
+    @torch.no_grad()
     def copy_weights(self, model: GRModel) -> None:
         """Into ``model`` (freshly built, unsharded, tables at least as large): the run's dense
         parameters, and its table rows into each table's first rows."""
