@@ -285,13 +285,17 @@ class SequenceDataModule(lightning.LightningDataModule):
     def id_maps(self) -> Dict[str, IdMap]:
         """{"users" | "items" | categorical side feature: its raw<->dense map}."""
         user_map, item_map = self._maps()
-        sides = (self.item_features, self.user_features, self.event_features)
-        return {"users": user_map, "items": item_map, **{k: v for f in sides for k, v in f.vocabularies.items()}}
+        features = {k: v for f in self._sides() for k, v in f.vocabularies.items()}
+        return {"users": user_map, "items": item_map, **features}
 
     def save_mappings(self, directory: str) -> None:
         """Write ``id_maps()`` into ``directory``."""
-        sides = (self.item_features, self.user_features, self.event_features)
-        mappings.save_mappings(directory, self.id_maps(), {k: v for f in sides for k, v in f.dense_columns.items()})
+        dense = {k: v for f in self._sides() for k, v in f.dense_columns.items()}
+        mappings.save_mappings(directory, self.id_maps(), dense)
+
+    def _sides(self) -> Tuple[SideFeatures, SideFeatures, SideFeatures]:
+        """The item, user and event side features."""
+        return self.item_features, self.user_features, self.event_features
 
     @staticmethod
     def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]]]:
