@@ -1,5 +1,12 @@
 """``Ranker.generate`` on an export: greedy = the trained model's step-by-step argmax, speculative
-(pool and draft-model drafts) = greedy, beam/sample options, the user cache, bad requests."""
+(pool and draft-model drafts) = greedy, beam/sample options, the user cache, bad requests; the
+warm-up leaves the first real request nothing to import."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,8 +136,6 @@ def test_beam_and_sampling_options_and_bad_requests(exports):
 
 
 def test_generate_cli_prints_the_same_slate_as_the_api(exports, tmp_path, capsys):
-    import json
-
     from gr.commands.serve import main as serving_main
 
     _, target_dir, _ = exports
@@ -142,3 +147,32 @@ def test_generate_cli_prints_the_same_slate_as_the_api(exports, tmp_path, capsys
     printed = json.loads(capsys.readouterr().out)
     expected = Ranker.load(target_dir).generate(user, history, 4, request_time=REQUEST_TIME).items
     assert printed["items"] == expected and len(expected) == 4
+
+
+FIRST_REQUESTS = r"""
+import json, sys
+import numpy as np
+from gr.serving import Ranker
+from gr.serving.request import RecommendRequest
+
+ranker = Ranker.load(sys.argv[1])
+ranker.warm_up()
+before = set(sys.modules)
+history = {"item_id": np.array([3, 5, 8]), "timestamps": np.array([10, 20, 30])}
+ranker.recommend(RecommendRequest("u", history, 4))
+ranker.rank("v", history, {"item_id": np.array([1, 2])})
+ranker.generate("w", history, 3)
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_after_the_warm_up_the_first_requests_of_each_kind_import_nothing(exports):
+    """What a first request imports (numpy.ma for recommend's exclusion of seen items: ~20 ms) is
+    the warm-up's to import; a fresh interpreter, since the test process has imported much more."""
+    _, path, _ = exports
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_REQUESTS, str(path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []
