@@ -1,6 +1,7 @@
 """``gr evaluate RUN|EXPORT``: a run's test metrics recomputed from its best checkpoint equal
 its metrics.json, and its export scored through the serving runtime reaches the same metrics
-(retrieval and ranking), written as JSON; bad invocations are one clear line. The run's item
+(retrieval and ranking), written as JSON; on later data a run keeps its ids and leaves out the
+items it has no row for; bad invocations are one clear line. The run's item
 popularity reaches its export, which answers an empty history with the most popular items."""
 
 import csv
@@ -11,8 +12,10 @@ import pytest
 
 from gr.commands.cli import main as gr_main
 from gr.commands.evaluate import default_output
+from gr.data.config import SyntheticConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.popularity import POPULARITY_FILE, load_popularity
+from gr.data.synthetic import generate_synthetic
 from gr.export.manifest import MANIFEST
 from gr.export.popularity import POPULARITY
 from gr.export.writer import export_run
@@ -59,6 +62,31 @@ def test_run_and_its_export_reach_the_runs_test_metrics(which, keys, request, ca
         assert served[key] == pytest.approx(trained[key], abs=1e-5), key
     if which == "retrieval":
         assert served["popularity"] == pytest.approx(trained["popularity"], abs=1e-9)
+
+
+def test_a_run_evaluated_on_data_with_a_new_item_keeps_its_ids_and_leaves_the_new_items_events_out(
+    retrieval, capsys, tmp_path
+):
+    """The run's own events as a CSV, plus history events of an item it never saw whose raw id sorts
+    before every other: read with maps of their own, every item would move up one row."""
+    run, export, trained = retrieval
+    data = generate_synthetic(SyntheticConfig(**RETRIEVAL["data"]["synthetic"]), seed=0)
+    new_item = int(data.items.min()) - 1
+    firsts = {}
+    for user, timestamp in zip(data.users.tolist(), data.timestamps.tolist()):
+        firsts[user] = min(timestamp, firsts.get(user, timestamp))
+    added = [(user, new_item, first - 1) for user, first in list(firsts.items())[::4]]  # history, never a target
+    rows = [*zip(data.users.tolist(), data.items.tolist(), data.timestamps.tolist()), *added]
+    later = tmp_path / "later.csv"
+    later.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    on_csv = ("--data.source", "csv", "--data.path", later)
+    evaluate(capsys, run, *on_csv, "--output", tmp_path / "run.json")
+    evaluate(capsys, export, "--config", run / "config.yaml", *on_csv, "--output", tmp_path / "export.json")
+    for written in ("run.json", "export.json"):
+        evaluated = json.loads((tmp_path / written).read_text())
+        assert evaluated["data"]["unknown_items"] == {"items": 1, "events": len(added)}, written
+        for key in RETRIEVAL_KEYS:
+            assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
 
 
 def test_per_user_metrics_name_each_test_user_once_and_average_to_the_reported_metrics(retrieval, capsys, tmp_path):

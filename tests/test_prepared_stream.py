@@ -3,6 +3,7 @@ batches are raw reading's, each rank reads its own shards and takes as many step
 the training order is seeded per epoch, the shuffle buffer is bounded, and bad shards are named."""
 
 import collections
+import csv
 import json
 import os
 import shutil
@@ -404,6 +405,31 @@ def test_a_warm_start_extends_the_prepared_maps(events, prepared):
     assert streamed.feature_spec() == raw.feature_spec()
     assert torch.equal(streamed.popularity(), raw.popularity())
     assert by_user(streamed.train_dataloader(), 0) == by_user(raw.train_dataloader(), 0)
+
+
+def test_evaluation_keeps_a_models_maps_leaves_out_new_items_and_refuses_a_prepared_dataset_with_new_ids(
+    events, prepared
+):
+    """new_ids="unknown" (a trained model read on later data): its ids keep their rows, the events of
+    an item it has no row for are left out and counted, a side-feature value it never saw is id 0."""
+    before = SequenceDataModule(data_config(events))
+    before.setup()
+    items = before.item_map.raw
+    base = {"items": IdMap(items[1:][::-1]), "category": IdMap(np.array(["c9", "c3"]), offset=1)}  # items[0]: new
+    evaluated = SequenceDataModule(data_config(events), base_maps=base, new_ids="unknown")
+    evaluated.setup()
+    assert np.array_equal(evaluated.item_map.raw, items[1:][::-1])  # as the model has it: not extended
+    new_events = sum(1 for row in csv.DictReader(events.open()) if row["item_id"] == str(items[0]))
+    assert new_events > 0 and evaluated.summary["unknown_items"] == {"items": 1, "events": new_events}
+    assert evaluated.summary["interactions"] == before.summary["interactions"] - new_events
+    category = before.item_features.categorical["category"][before.item_map.encode(evaluated.item_map.raw)]
+    known = np.isin(before.item_features.vocabularies["category"].decode(category), ["c9", "c3"])
+    assert known.any() and not known.all()
+    assert np.array_equal(evaluated.item_features.categorical["category"] > 0, known)
+    assert np.array_equal(evaluated.item_features.vocabularies["category"].raw, ["c9", "c3"])
+    with pytest.raises(ValueError, match=r"^data.prepared: .* has ids the model has no row for \(new ids per map: "):
+        streamed = {**data_config(events), "prepared": str(prepared)}
+        SequenceDataModule(streamed, base_maps=base, new_ids="unknown").setup()
 
 
 @pytest.mark.slow

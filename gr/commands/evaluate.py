@@ -6,6 +6,11 @@ with the popularity baseline, RankingTask's AUC / log loss) on the test batches 
 an EXPORT by the serving path (``gr.serving.Ranker``) on the data of ``--config`` (a recipe or
 the run's ``config.yaml``; ``--data.KEY VALUE`` overrides either), so a run's metrics and its
 export's can be compared: they agree to fp32 tolerance (``tests/test_evaluate.py``).
+
+The data are read with the model's id maps (the run's, or the export's ``sparse/id_maps``), so
+data other than the training data (tomorrow's events) keep each id on the row the model trained
+for it: events of items the model has no row for are left out (counted in the metrics' data
+summary as ``unknown_items``), and side-feature values it never saw read as their unknown id 0.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import torch
 from gr.commands.train import parse_overrides
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
-from gr.data.mappings import IdMap
+from gr.data.mappings import IdMap, model_maps
+from gr.export.format import ID_MAPS_DIR
 from gr.jagged import offsets_from_lengths
 from gr.model import GRInput, GROutput
 from gr.serving import Ranker, RankRequest
 from gr.serving import encode as encoding
 from gr.serving.scores import LOGIT_SUFFIX
 from gr.train.config import TrainConfig, load_config
-from gr.train.run import CONFIG_FILE, METRICS_FILE, load_trained_model
+from gr.train.run import CONFIG_FILE, MAPPINGS_DIR, METRICS_FILE, load_trained_model
 from gr.train.tasks import RankingTask, RetrievalTask
 from gr.utils.atomic import atomic_file, write_json
 from gr.utils.cli_errors import run_cli
@@ -87,7 +93,7 @@ def evaluate_run(
     config = load_config(Path(run_dir) / CONFIG_FILE, data_overrides)
     _check_per_user(config, per_user)
     model, _ = load_trained_model(run_dir)
-    data = _data(config.data, config.model.hstu.eviction_block)
+    data = _data(config.data, config.model.hstu.eviction_block, model_maps(str(Path(run_dir) / MAPPINGS_DIR)))
     task = _task(config, data, model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None)
     task.start_evaluation(model.embeddings)
     popularity = data.popularity() if config.task_type == "retrieval" else None
@@ -110,7 +116,8 @@ def evaluate_export(
     ranker = Ranker.load(export_dir)
     schema = ranker.model.schema
     reads = {*schema.token_features, *schema.common_ids, *schema.common_dense}
-    data = _data(config.data, ranker.model.config.eviction_block)
+    maps = Path(export_dir) / ID_MAPS_DIR
+    data = _data(config.data, ranker.model.config.eviction_block, model_maps(str(maps)) if maps.is_dir() else {})
     task = _task(config, data, None)
     if config.task_type == "retrieval":
         catalogue, _ = ranker.catalogue()
@@ -168,8 +175,10 @@ def _output(predictions: Dict[str, torch.Tensor], row_offsets: torch.Tensor) -> 
     return GROutput(predictions, first.new_zeros(0), torch.zeros(0, dtype=torch.long), row_offsets, {}, {})
 
 
-def _data(config: DataConfig, eviction_block: int) -> SequenceDataModule:
-    data = SequenceDataModule(config, eviction_block=eviction_block)
+def _data(config: DataConfig, eviction_block: int, maps: Dict[str, IdMap]) -> SequenceDataModule:
+    """The data read with the model's id ``maps``, so that every id keeps the row the model trained;
+    events of items the model has no row for are left out (``SequenceDataModule``'s new_ids)."""
+    data = SequenceDataModule(config, eviction_block, maps, new_ids="unknown")
     data.setup()
     return data
 

@@ -36,6 +36,7 @@ from gr.data.sequences import EVALUATED, build_sequences, configured_split
 from gr.jagged_rows import concat_ranges
 
 log = logging.getLogger(__name__)
+NEW_IDS = ("extend", "unknown")  # what becomes of ids a model's maps lack (SequenceDataModule)
 
 
 class SequenceDataModule(lightning.LightningDataModule):
@@ -58,9 +59,18 @@ class SequenceDataModule(lightning.LightningDataModule):
         config: Union[DataConfig, Mapping[str, Any]],
         eviction_block: int = 1,
         base_maps: Optional[Mapping[str, IdMap]] = None,
+        new_ids: str = "extend",
     ) -> None:
+        """base_maps: a trained model's maps ({"items"|feature: IdMap}): the ids they know keep their
+        dense ids. new_ids: what becomes of the ids they lack: "extend" (a warm start: appended,
+        new rows) or "unknown" (evaluating the model, which has no row for them: events of a new
+        item are left out, logged and counted in ``summary["unknown_items"]``; a new value of a
+        side feature is its unknown id 0; a prepared dataset with new ids is refused)."""
         super().__init__()
-        self.base_maps = dict(base_maps or {})  # a warm start's maps: extended, never renumbered
+        if new_ids not in NEW_IDS:
+            raise ValueError(f"SequenceDataModule.new_ids: expected one of {list(NEW_IDS)}, got {new_ids!r}")
+        self.base_maps = dict(base_maps or {})  # never renumbered
+        self.new_ids = new_ids
         self.config = config if isinstance(config, DataConfig) else DataConfig.from_dict(config)
         self.eviction_block = eviction_block  # histories over max_seq_len drop whole blocks (HSTUConfig)
         self.corpus: Optional[Corpus] = None
@@ -86,16 +96,21 @@ class SequenceDataModule(lightning.LightningDataModule):
     def _setup_raw(self) -> None:
         config = self.config
         data = read_source(config)
-        base = self.base_maps
+        base, extend = self.base_maps, self.new_ids == "extend"
+        unknown = None if extend or "items" not in base else base["items"].encode(data.items, unknown=-1) < 0
         sequences, self.user_map, self.item_map = build_sequences(
-            data, config.min_seq_len, config.min_item_interactions, base.get("items")
+            data, config.min_seq_len, config.min_item_interactions, base.get("items"), unknown
         )
         sequences.split = configured_split(sequences, config)
         self.corpus = Corpus(
             sequences=sequences,
-            item_features=SideFeatures.align(data.item_side if config.item_features else None, self.item_map, base),
-            user_features=SideFeatures.align(data.user_side if config.user_features else None, self.user_map, base),
-            event_features=SideFeatures.align(sequences.events, IdMap(np.arange(len(sequences.items))), base),
+            item_features=SideFeatures.align(
+                data.item_side if config.item_features else None, self.item_map, base, extend
+            ),
+            user_features=SideFeatures.align(
+                data.user_side if config.user_features else None, self.user_map, base, extend
+            ),
+            event_features=SideFeatures.align(sequences.events, IdMap(np.arange(len(sequences.items))), base, extend),
         )
         self.item_features = self.corpus.item_features
         self.user_features = self.corpus.user_features
@@ -110,6 +125,7 @@ class SequenceDataModule(lightning.LightningDataModule):
                 "users": sequences.num_users,
                 "items": sequences.num_items,
                 "interactions": len(sequences.items),
+                **({} if unknown is None else {"unknown_items": _unknown_items(data.source, data.items, unknown)}),
             }
         )
         ranking = config.ranking
@@ -130,6 +146,16 @@ class SequenceDataModule(lightning.LightningDataModule):
         self.user_map, self.item_map = data.user_map, data.item_map
         self.item_features, self.user_features = data.item_features, data.user_features
         self.event_features = data.event_features
+        if self.new_ids == "unknown":
+            base = self.base_maps
+            grown = {k: m.cardinality - base[k].cardinality for k, m in self.id_maps().items() if k in base}
+            new = {k: n for k, n in grown.items() if n}
+            if new:
+                raise ValueError(
+                    f"data.prepared: {directory} has ids the model has no row for (new ids per map: {new}); "
+                    "evaluate the model on the raw data.path, which leaves the events of new items out, "
+                    "or warm start it on these data"
+                )
         summary = {key: data.manifest.summary[key] for key in SUMMARY_KEYS}
         self._set_summary({**summary, "items": self.num_items, "prepared": str(directory)})
         self._check(
@@ -346,3 +372,18 @@ class SequenceDataModule(lightning.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test")
+
+
+def _unknown_items(source: object, items: np.ndarray, unknown: np.ndarray) -> Dict[str, int]:
+    """{"items", "events"}: the items a model has no row for and their events (``unknown``: [N] bool
+    over the events ``items``: [N]), which its evaluation leaves out; a warning when there are any."""
+    counts = {"items": len(np.unique(items[unknown])), "events": int(unknown.sum())}
+    if counts["events"]:
+        log.warning(
+            "%s: left out %d events of items the model has no row for (%d items, new since it was "
+            "trained; a warm start on these data learns them)",
+            source,
+            counts["events"],
+            counts["items"],
+        )
+    return counts

@@ -57,20 +57,27 @@ class SideFeatures:
 
     @classmethod
     def align(
-        cls, table: Optional[SideTable], ids: IdMap, base: Optional[Mapping[str, IdMap]] = None
+        cls, table: Optional[SideTable], ids: IdMap, base: Optional[Mapping[str, IdMap]] = None, extend: bool = True
     ) -> "SideFeatures":
         """Reorder ``table`` (rows keyed by raw id) to dense ids; ids the table lacks get 0/zeros.
-        base: vocabularies to extend (a warm start's, or a prepared dataset's), by feature name:
-        categorical and list features alike."""
+        base: vocabularies by feature name (categorical and list features alike), a warm start's
+        or a prepared dataset's: extended by the values they lack, or with ``extend=False`` (a
+        trained model's, evaluated) kept as they are, a value they lack becoming the unknown id 0."""
         if table is None:
             return cls()
         dense_ids = ids.encode(table.keys, unknown=-1)
         known = dense_ids >= 0
         out = cls(dense_columns=dict(table.dense_columns))
+
+        def vocabulary_of(name: str, values: np.ndarray) -> IdMap:
+            if base and name in base:
+                return base[name].extended(values) if extend else base[name]
+            return IdMap.of(values, offset=1)
+
         for name, values in table.categorical.items():
-            vocabulary = base[name].extended(values) if base and name in base else IdMap.of(values, offset=1)
+            vocabulary = vocabulary_of(name, values)
             column = np.zeros(ids.cardinality, dtype=np.int64)
-            column[dense_ids[known]] = vocabulary.encode(values[known])
+            column[dense_ids[known]] = vocabulary.encode(values[known], unknown=0)
             out.categorical[name], out.vocabularies[name] = column, vocabulary
         for name, values in table.dense.items():
             matrix = np.zeros((ids.cardinality, values.shape[1]), dtype=np.float32)
@@ -80,8 +87,8 @@ class SideFeatures:
         table_row = np.full(ids.cardinality, -1, dtype=np.int64)
         table_row[dense_ids[known]] = np.flatnonzero(known)
         for name, rows in table.lists.items():
-            vocabulary = base[name].extended(rows.values) if base and name in base else IdMap.of(rows.values, offset=1)
-            out.lists[name] = rows.with_values(vocabulary.encode(rows.values)).take(table_row)
+            vocabulary = vocabulary_of(name, rows.values)
+            out.lists[name] = rows.with_values(vocabulary.encode(rows.values, unknown=0)).take(table_row)
             out.vocabularies[name] = vocabulary
         return out
 

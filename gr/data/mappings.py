@@ -151,6 +151,14 @@ def load_mappings(directory: str) -> Tuple[Dict[str, IdMap], Dict[str, List[str]
     return maps, columns
 
 
+def model_maps(directory: str) -> Dict[str, IdMap]:
+    """The maps of ``load_mappings`` that name a model's rows ({"items"|feature: IdMap}): all but
+    "users", whose ids have no rows (each dataset's own map)."""
+    maps, _ = load_mappings(directory)
+    maps.pop("users", None)
+    return maps
+
+
 def _entries(path: Path, manifest: dict, key: str) -> dict:
     entries = manifest.get(key, {})
     if not isinstance(entries, dict):

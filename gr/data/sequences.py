@@ -181,7 +181,11 @@ def too_wide_span(source: object, user: object, first: int, last: int) -> DataFo
 
 
 def build_sequences(
-    data: Interactions, min_seq_len: int = 3, min_item_interactions: int = 1, base_items: Optional[IdMap] = None
+    data: Interactions,
+    min_seq_len: int = 3,
+    min_item_interactions: int = 1,
+    base_items: Optional[IdMap] = None,
+    drop: Optional[np.ndarray] = None,
 ) -> Tuple[UserSequences, IdMap, IdMap]:
     """Filter, remap and sort events -> (sequences, user map, item map).
 
@@ -190,11 +194,12 @@ def build_sequences(
     Events are sorted stably by (user, timestamp, original order): equal timestamps keep the
     file's order, as a request's history keeps its own (``gr.timestamps``).
     base_items: an item map to extend (a warm start's): its items keep their dense ids.
+    drop: [N] bool, events to leave out before any filter (e.g. those of items a model has no row for).
     """
-    keep = np.ones(len(data.users), dtype=bool)
+    keep = np.ones(len(data.users), dtype=bool) if drop is None else ~drop
     if min_item_interactions > 1:
-        _, item_codes, item_counts = np.unique(data.items, return_inverse=True, return_counts=True)
-        keep = item_counts[item_codes] >= min_item_interactions
+        _, item_codes, item_counts = np.unique(data.items[keep], return_inverse=True, return_counts=True)
+        keep[keep] = item_counts[item_codes] >= min_item_interactions
         log_rare_items(
             data.source, int((item_counts < min_item_interactions).sum()), len(item_counts), min_item_interactions
         )

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
-from gr.data.mappings import IdMap, load_mappings
+from gr.data.mappings import IdMap, model_maps
 from gr.data.popularity import POPULARITY_FILE, save_popularity
 from gr.model import GRModel
 from gr.sparse.sharding import local_table_rows
@@ -86,7 +86,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
     warm_start = _warm_start(config) if config.trainer.init_from and not start else None
     base_maps = warm_start.maps if warm_start else None
     if start and config.trainer.init_from:  # a warm-started run resumes on the maps it grew
-        base_maps = {k: v for k, v in load_mappings(str(out_dir / MAPPINGS_DIR))[0].items() if k != "users"}
+        base_maps = model_maps(str(out_dir / MAPPINGS_DIR))
     datamodule = SequenceDataModule(config.data, config.model.hstu.eviction_block, base_maps)
     datamodule.setup()
     init_from = _init_from(warm_start, datamodule.id_maps()) if warm_start else None

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from gr.data.features import FeatureSpec
-from gr.data.mappings import IdMap, load_mappings
+from gr.data.mappings import IdMap, model_maps
 from gr.model import GRModel
 from gr.sparse.tables import TableConfig
 from gr.sparse.torch_tables import attach_optimizers
@@ -67,9 +67,7 @@ class WarmStart:
         }
         state = ckpt.load_checkpoint(template, checkpoint)
         model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
-        maps, _ = load_mappings(str(mappings))
-        maps.pop("users", None)  # users have no rows: the new data's own map
-        return cls(source, checkpoint, model, maps, state["sparse_optimizer"])
+        return cls(source, checkpoint, model, model_maps(str(mappings)), state["sparse_optimizer"])
 
     def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
         """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""
