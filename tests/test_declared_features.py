@@ -214,21 +214,26 @@ def test_row_features_follow_their_events_and_candidates_take_the_unknown_id(tmp
     assert watch[:length].tolist() == pytest.approx([float(r["watch_ratio"]) for r in history][:length])
 
 
-@pytest.fixture(scope="module")
-def ranking_run(tmp_path_factory):
-    """A tiny ranking model on the CSV, with a table for every categorical feature, exported."""
-    root = tmp_path_factory.mktemp("declared")
+def _ranking_config(events: Path, **trainer) -> TrainConfig:
+    """A tiny ranking model (1 epoch) on the CSV ``events``, with a table for every categorical feature."""
     values = copy.deepcopy(RANKING)
     values["data"].pop("synthetic")
-    values["data"].update(source="csv", path=str(_events(root / "events.csv")), columns=COLUMNS)
+    values["data"].update(source="csv", path=str(events), columns=COLUMNS)
     values["model"]["tables"] = [
         values["model"]["tables"][0],
         {"name": "brand", "embedding_dim": 4, "features": ["brand"]},
         {"name": "event", "embedding_dim": 4, "features": ["action", "device"]},
         {"name": "country", "embedding_dim": 4, "features": ["country"], "kind": "common"},
     ]
-    values["trainer"]["max_epochs"] = 1
-    train(TrainConfig.from_dict(values), root / "run")
+    values["trainer"].update(max_epochs=1, **trainer)
+    return TrainConfig.from_dict(values)
+
+
+@pytest.fixture(scope="module")
+def ranking_run(tmp_path_factory):
+    """The tiny ranking model trained on the CSV, exported."""
+    root = tmp_path_factory.mktemp("declared")
+    train(_ranking_config(_events(root / "events.csv")), root / "run")
     export_run(root / "run", root / "export")
     return root / "run", root / "export"
 
@@ -303,6 +308,24 @@ def test_the_export_stores_item_features_and_serving_fills_them_by_item_id(ranki
     by_id = {**raw, "candidates": {"item_id": raw["candidates"]["item_id"]}}
     written, stored = (ranker.rank("u", **r, id_options=IdOptions("raw"), use_cache=False) for r in (raw, by_id))
     np.testing.assert_allclose(stored.scores["watch"], written.scores["watch"], rtol=0, atol=1e-6)
+
+
+def test_a_warm_started_run_with_new_items_and_brands_exports_each_items_own_brand(tmp_path):
+    """Day 0 lacks brand0 and its items (every fourth id); the warm run's maps append them after the
+    old ids, so the export reads the run's data with those maps, not with maps sorted afresh."""
+    everything = _events(tmp_path / "all.csv")
+    lines = everything.read_text().splitlines()
+    brand = lines[0].split(",").index("brand")
+    (tmp_path / "day0.csv").write_text("\n".join([lines[0], *(x for x in lines[1:] if ",brand0," not in x)]) + "\n")
+    train(_ranking_config(tmp_path / "day0.csv"), tmp_path / "day0")
+    train(_ranking_config(everything, init_from=str(tmp_path / "day0")), tmp_path / "day1")
+    ranker = Ranker.load(export_run(tmp_path / "day1", tmp_path / "export"))
+    maps = ranker.model.id_maps.maps
+    rows = np.arange(maps["item_id"].cardinality)
+    stored = maps["brand"].decode(np.asarray(ranker.model.sparse.stored("brand", rows)).reshape(-1))
+    want = {int(row[1]): row[brand] for row in (x.split(",") for x in lines[1:])}
+    assert dict(zip(maps["item_id"].decode(rows).tolist(), stored.tolist())) == want
+    assert maps["brand"].raw[-1] == "brand0" and maps["item_id"].raw[-1] % 4 == 0  # appended, not sorted in
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
-from gr.data.mappings import load_mappings
+from gr.data.mappings import model_maps
 from gr.data.popularity import POPULARITY_FILE, load_popularity
 from gr.export.format import (
     BAG,
@@ -524,7 +524,9 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
     wanted = [f for f in feature_names if f in declared and f != ITEM_FEATURE and f not in spec.event_features]
     if not wanted:
         return {}
-    data = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
+    # read with the run's maps: a warm-started run's are extended (new ids after the old), not sorted
+    trained_maps = model_maps(str(Path(run_dir) / MAPPINGS_DIR))
+    data = SequenceDataModule(config.data, config.model.hstu.eviction_block, trained_maps)
     try:
         data.setup()
     except (OSError, ValueError) as exc:
@@ -533,8 +535,7 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
             f"training data (data.source {config.data.source!r}, {_data_location(config.data)}), and that "
             f"data cannot be read: {exc}"
         ) from exc
-    maps, _ = load_mappings(str(Path(run_dir) / MAPPINGS_DIR))
-    trained = maps.get("items")
+    trained = trained_maps.get("items")
     assert data.item_map is not None  # set by setup()
     if trained is None or not np.array_equal(trained.raw, data.item_map.raw):
         raise ExportError(
