@@ -58,6 +58,7 @@ SPLIT_CONFIGS = {
     "leave_one_out": {},
     "time": {"split": "time", "split_time": SPLIT_TIME},
     "time_every_test_event": {"split": "time", "split_time": SPLIT_TIME, "test_events": "all"},
+    "none_from_a_train_start": {"split": "none", "train_start": SPLIT_TIME},
 }
 USERS = 90
 
@@ -205,13 +206,16 @@ def users_of(batches) -> list:
 def test_every_split_streams_the_batches_raw_reading_makes(events, prepared, task, split):
     raw, streamed = modules(events, prepared, task=task, shuffle_buffer=10, **SPLIT_CONFIGS[split])
     assert streamed.corpus is None and streamed.prepared is not None
-    for name in SPLITS:
+    for name in SPLITS if raw.config.validates else ("train",):
         real = positives(raw.config, name)
         loader = getattr(streamed, f"{name}_dataloader")()
         expected = by_user(getattr(raw, f"{name}_dataloader")(), real)
         assert by_user(loader, real) == expected, name
         assert len(loader) == len(getattr(raw, f"{name}_dataloader")())
         assert sum(map(len, expected.values())) > 0
+    for module in () if raw.config.validates else (raw, streamed):
+        with pytest.raises(ValueError, match=r"^data\.split: 'none' holds no test events out"):
+            module.test_dataloader()
 
 
 @pytest.mark.parametrize("split", list(SPLIT_CONFIGS))

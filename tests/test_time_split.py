@@ -1,17 +1,23 @@
 """The time split: events before the cut train, each user's first event at or after it is its
 validation target and the second its test target (or every later one, each user counted once in
 the metrics); with a train start, training predicts only events at or after it. Leave-one-out
-stays the default."""
+stays the default. ``data.split: none`` trains on every event (a train start still applies) and
+holds nothing out: the run validates and tests nothing, and is evaluated on later data."""
 
 import copy
+import json
 
 import numpy as np
 import pytest
 
+from gr.commands.cli import main as gr_main
+from gr.commands.evaluate import evaluate_run
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
+from gr.train import train
+from gr.train.config import TrainConfig
 from gr.train.metrics import retrieval_metrics
-from helpers.runs import RANKING, RETRIEVAL
+from helpers.runs import RANKING, RETRIEVAL, config, step_losses
 
 
 def _data(task: str = "retrieval", **split) -> SequenceDataModule:
@@ -150,6 +156,8 @@ def test_leave_one_out_is_unchanged_by_the_split_machinery():
         ({"split": "days"}, r"data\.split: expected one of"),
         ({"test_events": "all"}, r"data\.test_events: only data\.split 'time' reads it"),
         ({"split": "time", "split_time": 5, "test_events": "every"}, r"data\.test_events: expected one of"),
+        ({"split": "none", "split_time": 5}, r"data\.split_time: only data\.split 'time' reads it \(the split is none"),
+        ({"split": "none", "test_events": "all"}, r"data\.test_events: only data\.split 'time' reads it"),
     ],
 )
 def test_bad_split_keys_are_refused_naming_them(values, message):
@@ -160,3 +168,39 @@ def test_bad_split_keys_are_refused_naming_them(values, message):
 def test_a_cut_with_no_target_after_it_is_one_line(times):
     with pytest.raises(ValueError, match=r"data\.split_time: no user has a val target"):
         _data(split="time", split_time=times[90] * 2)
+
+
+def test_split_none_trains_on_every_event_after_a_train_start_and_holds_nothing_out(times):
+    data = _data(split="none")
+    seqs = data.corpus.sequences
+    assert all(len(seqs.targets(split)[0]) == 0 for split in ("val", "test"))
+    assert (seqs.train_ends() == seqs.offsets[1:]).all()  # each user's last event trains too
+    assert int(data.popularity().sum()) == len(seqs.items)  # every event counts, the last two included
+    assert int(_data().popularity().sum()) == len(seqs.items) - 2 * seqs.num_users
+    recent = _data(split="none", train_start=times[90])
+    batch = recent.splits["train"].build(np.arange(len(recent.splits["train"])), np.random.default_rng(0))
+    labelled = (batch.labels["next_item"] >= 0).numpy()
+    assert labelled.any() and (batch.query_times.numpy()[labelled] >= times[90]).all()
+    assert recent.summary["split"] == {"kind": "none", "train_start": times[90]}
+
+
+def test_a_split_none_run_checkpoints_its_last_epoch_and_is_evaluated_on_later_events(times, tmp_path, capsys):
+    run = tmp_path / "run"
+    metrics = train(config(RETRIEVAL, ("data.split", "none"), ("trainer.max_epochs", 2)), run)
+    assert metrics["best_checkpoint"] == "checkpoints/last" and metrics["epochs"] == 2
+    assert not any(k.startswith(("hr@", "ndcg@", "val/")) for k in metrics) and "popularity" not in metrics
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last"]
+    assert len(step_losses(run)) > 0 and "val/" not in (run / "logs" / "metrics.csv").read_text()
+    assert gr_main(["evaluate", str(run)]) == 2
+    assert "data.split: 'none' holds no test events out" in capsys.readouterr().err
+    later = evaluate_run(run, [("data.split", "time"), ("data.split_time", str(times[90]))])
+    assert later["data"]["split"]["kind"] == "time" and 0 < later["hr@10"] <= 1
+    assert json.loads((run / "metrics.json").read_text())["data"]["split"] == {"kind": "none"}
+
+
+def test_early_stopping_without_validation_is_refused_naming_the_key():
+    values = copy.deepcopy(RETRIEVAL)
+    values["data"]["split"] = "none"
+    values["trainer"]["early_stopping_patience"] = 3
+    with pytest.raises(ValueError, match=r"trainer\.early_stopping_patience: data\.split 'none' validates nothing"):
+        TrainConfig.from_dict(values)

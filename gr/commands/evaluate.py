@@ -91,6 +91,7 @@ def evaluate_run(
     """The run's best checkpoint on its test split (data as in the run's config.yaml plus overrides);
     with ``per_user``, each user's metrics are written there too (``write_user_metrics``)."""
     config = load_config(Path(run_dir) / CONFIG_FILE, data_overrides)
+    _check_test_split(config)
     _check_per_user(config, per_user)
     model, _ = load_trained_model(run_dir)
     data = _data(config.data, config.model.hstu.eviction_block, model_maps(str(Path(run_dir) / MAPPINGS_DIR)))
@@ -112,6 +113,7 @@ def evaluate_export(
     """The export's test metrics through ``Ranker`` on the data of ``config_path`` (+ overrides).
     Features of the data that the export does not read are left out of its requests."""
     config = load_config(config_path, data_overrides)
+    _check_test_split(config)
     _check_per_user(config, per_user)
     ranker = Ranker.load(export_dir)
     schema = ranker.model.schema
@@ -136,6 +138,14 @@ def evaluate_export(
             }
             task.evaluation_step(_output(logits, offsets_from_lengths(batch.num_targets)), batch)
     return _report(task, "export", export_dir, data, per_user)
+
+
+def _check_test_split(config: TrainConfig) -> None:
+    if not config.data.validates:
+        raise ValueError(
+            "data.split: 'none' holds no test events out (every event trained); evaluate on later events "
+            "with --data.split time --data.split_time SECONDS (and --data.path of the later data)"
+        )
 
 
 def _check_per_user(config: TrainConfig, per_user: Optional[Path]) -> None:

@@ -25,7 +25,7 @@ from gr.utils.config_checks import (
     require,
 )
 
-SPLITS = ("leave_one_out", "time")
+SPLITS = ("leave_one_out", "time", "none")
 TEST_EVENTS = ("next", "all")
 SPLIT_TIMES = ("split_time", "split_end", "train_start")  # the keys only the time split reads
 SECONDS: Check = (is_int, "an integer number of seconds")
@@ -294,7 +294,9 @@ class DataConfig(Section):
     validation target) or "time": events before ``split_time`` (seconds) train; each user's
     first event in [split_time, split_end) is its validation target and the second its test
     target (``gr.data.sequences``); ``train_start``: training samples predict only events at or
-    after it (earlier ones are history), e.g. the new day of a warm start. ``test_events``: "next"
+    after it (earlier ones are history), e.g. the new day of a warm start; or "none": every event
+    trains (a retrain on all the data up to now), nothing is validated or tested (``train_start``
+    as in the time split; the run's last checkpoint is its best). ``test_events``: "next"
     (the test target is each user's event after its validation event) or "all" (every later
     event in [split_time, split_end) is a test target, with every earlier event as history: a
     whole day judged; retrieval metrics average each user's targets first, so each user counts
@@ -374,6 +376,13 @@ class DataConfig(Section):
         time_keys += ["test_events"] if self.test_events != "next" else []
         if self.split == "leave_one_out" and time_keys:
             raise ValueError(f"{where}.{time_keys[0]}: only data.split 'time' reads it (the split is leave_one_out)")
+        if self.split == "none":
+            cut_keys = [k for k in time_keys if k != "train_start"]
+            if cut_keys:
+                raise ValueError(
+                    f"{where}.{cut_keys[0]}: only data.split 'time' reads it (the split is none: every event trains)"
+                )
+            return
         if self.split_time is None:
             if self.split == "time":
                 raise ValueError(f"{where}.split_time: required by data.split 'time' (the cut, in seconds)")
@@ -384,6 +393,11 @@ class DataConfig(Section):
             raise ValueError(
                 f"{where}.train_start: expected before split_time {self.split_time}, got {self.train_start}"
             )
+
+    @property
+    def validates(self) -> bool:
+        """Whether the split holds validation and test targets out (all but ``split: none``)."""
+        return self.split != "none"
 
     def split_summary(self) -> Dict[str, Any]:
         """The split as metrics name it: {"kind": ...} plus the times it reads (and its test events)."""

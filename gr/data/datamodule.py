@@ -339,6 +339,8 @@ class SequenceDataModule(lightning.LightningDataModule):
 
     def _loader(self, split: str) -> DataLoader:
         config = self.config
+        if split != "train" and not config.validates:
+            raise ValueError(f"data.split: 'none' holds no {split} events out (every event trains)")
         rank, world = self._rank()
         if self.prepared is not None:
             trainer = self.trainer

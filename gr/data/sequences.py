@@ -10,7 +10,8 @@ test target (whose history then includes the validation event); with ``every_tes
 (``data.test_events: all``) each later event in [C, E) is a test target too, with every earlier
 event as its history. A user with no event before C, or fewer than one (two) in [C, E), has
 no validation (test) target. With a train start S, training samples predict only events at or
-after S; earlier events are history alone.
+after S; earlier events are history alone. No cut (``data.split: none``): every event is in the
+training part, and no user has a validation or test target.
 """
 
 from __future__ import annotations
@@ -104,19 +105,22 @@ class UserSequences:
 
 def time_split(
     sequences: UserSequences,
-    cut: int,
+    cut: Optional[int],
     end: Optional[int] = None,
     train_start: Optional[int] = None,
     every_test_event: bool = False,
 ) -> SplitRows:
-    """The time split of ``sequences`` at ``cut`` seconds (the module docstring says how)."""
+    """The time split of ``sequences`` at ``cut`` seconds, or None: no cut (the module docstring says how)."""
     starts, times = sequences.starts, sequences.timestamps
 
     def per_user(mask: np.ndarray) -> np.ndarray:
         return np.add.reduceat(mask.astype(np.int64), starts) if len(starts) else np.zeros(0, dtype=np.int64)
 
-    before = per_user(times < cut)
-    after = per_user((times >= cut) & (times < (end if end is not None else np.iinfo(np.int64).max)))
+    if cut is None:
+        before, after = sequences.lengths, np.zeros(sequences.num_users, dtype=np.int64)
+    else:
+        before = per_user(times < cut)
+        after = per_user((times >= cut) & (times < (end if end is not None else np.iinfo(np.int64).max)))
     train_ends = starts + before
     validated = np.flatnonzero((before >= 1) & (after >= 1))
     tested = np.flatnonzero((before >= 1) & (after >= 2))
@@ -130,9 +134,12 @@ def time_split(
 
 
 def configured_split(sequences: UserSequences, config: DataConfig) -> Optional[SplitRows]:
-    """The split ``config.split`` makes of ``sequences``: None (leave-one-out) or ``time_split``'s."""
-    if config.split != "time":
+    """The split ``config.split`` makes of ``sequences``: None (leave-one-out) or ``time_split``'s
+    (``data.split: none`` is the time split without a cut)."""
+    if config.split == "leave_one_out":
         return None
+    if config.split == "none":
+        return time_split(sequences, None, train_start=config.train_start)
     assert config.split_time is not None  # DataConfig requires it with the time split
     every_test_event = config.test_events == "all"
     return time_split(sequences, config.split_time, config.split_end, config.train_start, every_test_event)

@@ -474,6 +474,11 @@ class TrainConfig:
                 "trainer.gradient_clip_val: clipping by the global norm is not supported with "
                 "distributed.dense_sharding 'fsdp2' (sharded and replicated gradients); set it to 0"
             )
+        if not self.data.validates and self.trainer.early_stopping_patience:
+            raise ValueError(
+                "trainer.early_stopping_patience: data.split 'none' validates nothing to stop on (the run "
+                f"trains trainer.max_epochs epochs); set it to 0 (got {self.trainer.early_stopping_patience})"
+            )
         monitored = self.monitor.partition("/")[2]
         if not self.monitor.startswith("val/") or monitored not in self.metric_names():
             raise ValueError(

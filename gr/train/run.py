@@ -114,12 +114,13 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
 
     trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files)], resumed_step)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(start) if start else None)
-    # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
-    best = "best" if checkpoints.best_model_path else str(out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT)
-    trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
-    metrics = _metrics_json(
-        config, module.last_metrics["test"], checkpoints, trainer, out_dir, module, datamodule.summary
-    )
+    test: Dict[str, float] = {}
+    if config.data.validates:
+        # No best checkpoint when validation never ran (check_val_every_n_epoch > max_epochs): test the last.
+        best = "best" if checkpoints.best_model_path else str(out_dir / CHECKPOINTS_DIR / LAST_CHECKPOINT)
+        trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=trainer.is_global_zero)
+        test = module.last_metrics["test"]
+    metrics = _metrics_json(config, test, checkpoints, trainer, out_dir, module, datamodule.summary)
     if trainer.is_global_zero:
         write_json(out_dir / METRICS_FILE, plain(metrics))
     return metrics
@@ -202,13 +203,13 @@ def make_trainer(
     epoch, optional early stopping, TensorBoard and appending CSV logs), and its checkpoint callback.
     resumed_step: the logs' step a resumed run continues at; TensorBoard hides what the interrupted
     run logged from there on (SummaryWriter's ``purge_step``), as the CSV log drops those rows."""
-    t = config.trainer
+    t, validates = config.trainer, config.data.validates
     checkpoints = NewestAndBestCheckpoints(
         dirpath=out_dir / CHECKPOINTS_DIR,
         filename="epoch={epoch}",
-        monitor=config.monitor,
+        monitor=config.monitor if validates else None,
         mode=t.monitor_mode,
-        save_top_k=1,
+        save_top_k=1 if validates else 0,  # nothing validated: the last checkpoint is the run's
         save_last=True,
         auto_insert_metric_name=False,
     )
@@ -231,6 +232,7 @@ def make_trainer(
         gradient_clip_val=t.gradient_clip_val or None,
         log_every_n_steps=t.log_every_n_steps,
         check_val_every_n_epoch=t.check_val_every_n_epoch,
+        limit_val_batches=None if validates else 0,
         limit_train_batches=t.limit_train_batches,
         enable_progress_bar=t.enable_progress_bar,
         callbacks=callbacks,

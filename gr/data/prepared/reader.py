@@ -262,10 +262,10 @@ class PreparedData:
     # ---- row groups ------------------------------------------------------------------------------
     def read(self, parquet: pq.ParquetFile, group: RowGroup, full: bool = True) -> UserRows:
         """Row group ``group`` of its shard (``parquet``, from ``open_shard``), decoded and checked.
-        full=False reads only what counting needs: items, and timestamps under the time split (else
-        the timestamps are zeros)."""
+        full=False reads only what counting needs: items, and timestamps under the time split or
+        with a train start (else the timestamps are zeros)."""
         path = self.shard_path(group)
-        timed = full or self.config.split == "time"
+        timed = full or self.config.split == "time" or self.config.train_start is not None
         columns = [USER, ITEMS, *([TIMESTAMPS] if timed else [])]
         if full:
             columns += [RATINGS] * self.manifest.has_ratings
