@@ -184,6 +184,22 @@ def test_split_none_trains_on_every_event_after_a_train_start_and_holds_nothing_
     assert recent.summary["split"] == {"kind": "none", "train_start": times[90]}
 
 
+def test_split_none_and_time_keep_users_of_two_events_when_min_seq_len_is_two(tmp_path):
+    """A user's two events are a history and a target: a training sample (none) or a validation one (time)."""
+    rows = ["user_id,item_id,timestamp", "a,1,10", "a,2,20", "b,5,5", "b,3,10", "b,1,20", "b,2,30", "c,4,10"]
+    (tmp_path / "events.csv").write_text("\n".join(rows) + "\n")
+    base = {"source": "csv", "path": str(tmp_path / "events.csv"), "min_seq_len": 2, "max_seq_len": 5}
+    none = SequenceDataModule({**base, "split": "none"})
+    none.setup()
+    assert none.user_map.raw.tolist() == ["a", "b"] and len(none.splits["train"]) == 2
+    timed = SequenceDataModule({**base, "split": "time", "split_time": 20})
+    timed.setup()
+    assert timed.corpus.sequences.evaluated_users("val").tolist() == [0, 1]
+    message = r"^csv: no user has 2 training events at all, the later at or after data.train_start; nothing to"
+    with pytest.raises(ValueError, match=message):
+        SequenceDataModule({**base, "split": "none", "train_start": 31}).setup()
+
+
 def test_a_split_none_run_checkpoints_its_last_epoch_and_is_evaluated_on_later_events(times, tmp_path, capsys):
     run = tmp_path / "run"
     metrics = train(config(RETRIEVAL, ("data.split", "none"), ("trainer.max_epochs", 2)), run)

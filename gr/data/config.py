@@ -280,7 +280,8 @@ class DataConfig(Section):
     max_seq_len: longest history fed to the model (the most recent items are kept).
     batch_size / eval_batch_size: samples per step over all ranks (each rank takes its share),
     so torchrun runs the schedule of one process.
-    min_seq_len: users with fewer interactions are dropped (leave-one-out needs >= 3).
+    min_seq_len: users with fewer interactions are dropped (at least 2: a history and a target;
+    leave-one-out needs 3: a training, a validation and a test event).
     min_item_interactions: items with fewer interactions are dropped first.
     eval_exclude: items not ranked at evaluation: the user's whole "history" before the
     target, or only the items in the model's input "window" (the HSTU paper's protocol).
@@ -318,7 +319,7 @@ class DataConfig(Section):
     eval_batch_size: int = checked(256, int_at_least(1))
     num_workers: int = checked(0, int_at_least(0))
     seed: int = checked(0, int_at_least(0))
-    min_seq_len: int = checked(3, int_at_least(3))
+    min_seq_len: int = checked(3, int_at_least(2))
     min_item_interactions: int = checked(1, int_at_least(1))
     eval_exclude: str = checked("history", one_of(*EVAL_EXCLUDES))
     item_features: bool = checked(True, BOOL)
@@ -376,6 +377,11 @@ class DataConfig(Section):
         time_keys += ["test_events"] if self.test_events != "next" else []
         if self.split == "leave_one_out" and time_keys:
             raise ValueError(f"{where}.{time_keys[0]}: only data.split 'time' reads it (the split is leave_one_out)")
+        if self.split == "leave_one_out" and self.min_seq_len < 3:
+            raise ValueError(
+                f"{where}.min_seq_len: leave-one-out needs 3 events per user (a training, a validation and a test "
+                f"event); got {self.min_seq_len} (data.split time or none keeps users with 2)"
+            )
         if self.split == "none":
             cut_keys = [k for k in time_keys if k != "train_start"]
             if cut_keys:

@@ -196,9 +196,13 @@ class SequenceDataModule(lightning.LightningDataModule):
                 )
         if config.task == "retrieval":
             if train == 0:
-                raise ValueError(
-                    f"{config.source}: no user has 2 training events (needs >= 4 interactions); nothing to train on"
-                )
+                where = {
+                    "leave_one_out": "before its last two (>= 4 interactions)",
+                    "time": "before data.split_time",
+                    "none": "at all",
+                }[config.split]
+                start = "" if config.train_start is None else ", the later at or after data.train_start"
+                raise ValueError(f"{config.source}: no user has 2 training events {where}{start}; nothing to train on")
             return
         ranking = config.ranking
         if not has_ratings and any(t.min_rating is not None for t in ranking.tasks):

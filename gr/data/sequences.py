@@ -161,8 +161,7 @@ def log_short_users(source: object, short: int, users: int, min_seq_len: int) ->
     a warning, since a user's events vanish from every split, which no one asked for."""
     if short:
         log.warning(
-            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len; leave-one-out "
-            "needs a training, a validation and a test event per user)",
+            "%s: dropped %d of %d users with fewer than %d interactions (data.min_seq_len)",
             source,
             short,
             users,
