@@ -105,6 +105,18 @@ def test_dotted_overrides_from_the_command_line_reach_the_config(tmp_path):
     assert parse_value("1e-3") == 1e-3 and parse_value("null") is None
 
 
+def test_a_path_on_the_command_line_that_a_prepared_dataset_would_shadow_is_refused(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    values = copy.deepcopy(BASE)
+    values["data"].update(source="csv", prepared=str(tmp_path / "prepared"))
+    path.write_text(yaml.safe_dump(values))
+    message = r"^--data\.path later\.csv \(command line, over .*recipe\.yaml\): the config streams data\.prepared "
+    with pytest.raises(ValueError, match=message + r".*add --data\.prepared null to read the path$"):
+        load_config(path, [("data.path", "later.csv")])
+    config = load_config(path, [("data.path", "later.csv"), ("data.prepared", "null")])
+    assert config.data.path == "later.csv" and config.data.prepared is None
+
+
 def test_override_of_a_missing_list_item_is_refused():
     with pytest.raises(ValueError, match="model.tables.3"):
         apply_override(copy.deepcopy(BASE), "model.tables.3.embedding_dim", 8)

@@ -600,10 +600,24 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
         raise ValueError(f"{path}: expected a mapping of sections (data:, model:, ...), got {type(values).__name__}")
     for dotted, text in overrides:
         apply_override(values, dotted, parse_value(text))
+    _check_path_is_read(values, path, overrides)
     try:
         return TrainConfig.from_dict(values)
     except ValueError as error:
         raise ValueError(f"{_source(path, str(error), overrides)}: {error}") from error
+
+
+def _check_path_is_read(values: Dict[str, Any], path: Path, overrides: Sequence[Tuple[str, str]]) -> None:
+    """ValueError when the command line gives data.path but the config's data.prepared, which is
+    streamed instead of the path, stays: the path would be silently unread."""
+    given = dict(overrides)
+    data = values.get("data")
+    prepared = data.get("prepared") if isinstance(data, dict) else None
+    if "data.path" in given and "data.prepared" not in given and prepared is not None:
+        raise ValueError(
+            f"--data.path {given['data.path']} (command line, over {path}): the config streams data.prepared "
+            f"{prepared!r} instead of reading data.path; add --data.prepared null to read the path"
+        )
 
 
 def _source(path: Path, message: str, overrides: Sequence[Tuple[str, str]]) -> str:
