@@ -9,15 +9,15 @@ import json
 
 import numpy as np
 import pytest
+import yaml
 
 from gr.commands.cli import main as gr_main
 from gr.commands.evaluate import evaluate_run
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
-from gr.train import train
 from gr.train.config import TrainConfig
 from gr.train.metrics import retrieval_metrics
-from helpers.runs import RANKING, RETRIEVAL, config, step_losses
+from helpers.runs import RANKING, RETRIEVAL, step_losses, with_overrides
 
 
 def _data(task: str = "retrieval", **split) -> SequenceDataModule:
@@ -201,8 +201,14 @@ def test_split_none_and_time_keep_users_of_two_events_when_min_seq_len_is_two(tm
 
 
 def test_a_split_none_run_checkpoints_its_last_epoch_and_is_evaluated_on_later_events(times, tmp_path, capsys):
-    run = tmp_path / "run"
-    metrics = train(config(RETRIEVAL, ("data.split", "none"), ("trainer.max_epochs", 2)), run)
+    run, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(with_overrides(RETRIEVAL, ("data.split", "none"), ("trainer.max_epochs", 2))))
+    assert gr_main(["train", "--config", str(recipe), "--out", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"nothing was held out (data.split none); judge the run on later events with: gr evaluate {run} "
+        "--data.path LATER --data.split time --data.split_time SECONDS"
+    )
+    metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["best_checkpoint"] == "checkpoints/last" and metrics["epochs"] == 2
     assert not any(k.startswith(("hr@", "ndcg@", "val/")) for k in metrics) and "popularity" not in metrics
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last"]
@@ -211,7 +217,7 @@ def test_a_split_none_run_checkpoints_its_last_epoch_and_is_evaluated_on_later_e
     assert "data.split: 'none' holds no test events out" in capsys.readouterr().err
     later = evaluate_run(run, [("data.split", "time"), ("data.split_time", str(times[90]))])
     assert later["data"]["split"]["kind"] == "time" and 0 < later["hr@10"] <= 1
-    assert json.loads((run / "metrics.json").read_text())["data"]["split"] == {"kind": "none"}
+    assert metrics["data"]["split"] == {"kind": "none"}
 
 
 def test_early_stopping_without_validation_is_refused_naming_the_key():

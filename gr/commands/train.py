@@ -113,6 +113,11 @@ def _train(argv: Sequence[str], prog: str) -> int:
         summary = {k: v for k, v in metrics.items() if k != "config"}
         print(json.dumps(summary, indent=2))
         print(f"wrote {out / METRICS_FILE}")
+        if not config.data.validates:
+            print(
+                f"nothing was held out (data.split none); judge the run on later events with: gr evaluate {out} "
+                "--data.path LATER --data.split time --data.split_time SECONDS"
+            )
     end_process_group()
     return 0
 
