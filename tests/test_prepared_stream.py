@@ -431,8 +431,8 @@ def test_evaluation_keeps_a_models_maps_leaves_out_new_items_and_refuses_a_prepa
     assert known.any() and not known.all()
     assert np.array_equal(evaluated.item_features.categorical["category"] > 0, known)
     assert np.array_equal(evaluated.item_features.vocabularies["category"].raw, ["c9", "c3"])
+    streamed = {**data_config(events), "prepared": str(prepared)}
     with pytest.raises(ValueError, match=r"^data.prepared: .* has ids the model has no row for \(new ids per map: "):
-        streamed = {**data_config(events), "prepared": str(prepared)}
         SequenceDataModule(streamed, base_maps=base, new_ids="unknown").setup()
 
 
