@@ -200,7 +200,7 @@ def test_split_none_and_time_keep_users_of_two_events_when_min_seq_len_is_two(tm
         SequenceDataModule({**base, "split": "none", "train_start": 31}).setup()
 
 
-def test_a_split_none_run_checkpoints_its_last_epoch_and_is_evaluated_on_later_events(times, tmp_path, capsys):
+def test_a_split_none_run_checkpoints_its_last_epoch_resumes_and_is_evaluated_on_later_events(times, tmp_path, capsys):
     run, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(with_overrides(RETRIEVAL, ("data.split", "none"), ("trainer.max_epochs", 2))))
     assert gr_main(["train", "--config", str(recipe), "--out", str(run)]) == 0
@@ -218,6 +218,11 @@ def test_a_split_none_run_checkpoints_its_last_epoch_and_is_evaluated_on_later_e
     later = evaluate_run(run, [("data.split", "time"), ("data.split_time", str(times[90]))])
     assert later["data"]["split"]["kind"] == "time" and 0 < later["hr@10"] <= 1
     assert metrics["data"]["split"] == {"kind": "none"}
+    steps = len(step_losses(run))
+    assert gr_main(["train", "--resume", str(run), "--trainer.max_epochs", "3"]) == 0
+    resumed = json.loads((run / "metrics.json").read_text())
+    assert resumed["epochs"] == 3 and resumed["best_checkpoint"] == "checkpoints/last"
+    assert len(step_losses(run)) == steps * 3 // 2  # the third epoch's steps appended once
 
 
 def test_early_stopping_without_validation_is_refused_naming_the_key():
