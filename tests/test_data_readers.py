@@ -211,7 +211,14 @@ def test_rows_repeating_user_item_and_timestamp_are_dropped_and_counted_unless_k
 
 def test_generic_csv_bad_value_names_its_line(tmp_path):
     write(tmp_path / "events.csv", "user_id,item_id,timestamp\n1,2,100\n1,3,yesterday\n")
-    with pytest.raises(DataFormatError, match=r"events\.csv:3: column 'timestamp': expected seconds: .*'yesterday'"):
+    with pytest.raises(DataFormatError, match=r"events\.csv:3: column 'timestamp': expected seconds: .*'yesterday'$"):
+        read_table_csv(str(tmp_path / "events.csv"), ColumnConfig())
+
+
+def test_a_date_as_text_where_seconds_are_expected_says_what_to_give_instead(tmp_path):
+    write(tmp_path / "events.csv", "user_id,item_id,timestamp\n1,2,100\n1,3,2024-01-05T10:00:00Z\n")
+    message = r"events\.csv:3: .*got '2024-01-05T10:00:00Z' \(a date as text: give Unix seconds, or a Parquet timestamp"
+    with pytest.raises(DataFormatError, match=message):
         read_table_csv(str(tmp_path / "events.csv"), ColumnConfig())
 
 

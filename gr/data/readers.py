@@ -45,6 +45,7 @@ EXPECTED = {
     "list": "values separated by the list separator (an empty cell: an empty list)",
 }
 INT_PATTERN = re.compile(r"-?\d+")
+DATE_TEXT = re.compile(r"\d{4}-\d{1,2}-\d{1,2}")  # the start of an ISO 8601 date (2024-01-05T10:00:00Z, ...)
 DECIMAL_PATTERN = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 DECIMAL_SECONDS = pa.decimal128(38, 9)
 INT64_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
@@ -255,8 +256,15 @@ def _first_bad_line(
         for name, kind in columns:
             value = fields[positions[name]]
             if kind != "skip" and not _valid(value, kind):
-                return line, f"column {name!r}: expected {EXPECTED[kind]}, got {value!r}"
+                return line, f"column {name!r}: expected {EXPECTED[kind]}, got {value!r}{_date_hint(value, kind)}"
     return None
+
+
+def _date_hint(value: str, kind: str) -> str:
+    """What to do with a date given as text where seconds are expected ("" for anything else)."""
+    if kind != "time" or DATE_TEXT.match(value.strip()) is None:
+        return ""
+    return " (a date as text: give Unix seconds, or a Parquet timestamp column, which is read as it is)"
 
 
 def _valid(value: str, kind: str) -> bool:
