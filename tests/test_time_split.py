@@ -151,7 +151,7 @@ def test_leave_one_out_is_unchanged_by_the_split_machinery():
         ({"split": "time", "split_time": 5, "train_start": 9}, r"data\.train_start: expected before split_time 5"),
         (
             {"split": "time", "split_time": 1.5},
-            r"data\.split_time: expected null or an integer number of seconds, got 1\.5",
+            r"data\.split_time: expected null or an integer number of seconds, or an ISO 8601 date .*, got 1\.5",
         ),
         ({"split": "days"}, r"data\.split: expected one of"),
         ({"test_events": "all"}, r"data\.test_events: only data\.split 'time' reads it"),
@@ -163,6 +163,21 @@ def test_leave_one_out_is_unchanged_by_the_split_machinery():
 def test_bad_split_keys_are_refused_naming_them(values, message):
     with pytest.raises(ValueError, match=message):
         DataConfig.from_dict(values)
+
+
+def test_split_times_may_be_iso_8601_dates_or_times_and_become_seconds():
+    """UTC unless an offset is given; YAML's unquoted dates and times alike; the config keeps seconds."""
+    config = DataConfig.from_dict(
+        {"split": "time", "split_time": "2023-11-14T23:13:20+01:00", "split_end": "2023-11-15", "train_start": 5}
+    )
+    assert (config.split_time, config.split_end, config.train_start) == (1_700_000_000, 1_700_006_400, 5)
+    from_yaml = yaml.safe_load("split: none\ntrain_start: 2023-11-14T22:13:20.9Z\n")
+    assert DataConfig.from_dict(from_yaml).train_start == 1_700_000_000
+    assert DataConfig.from_dict({"split": "none", "train_start": "2023-11-14 22:13:20"}).to_dict()["train_start"] == (
+        1_700_000_000
+    )
+    with pytest.raises(ValueError, match=r"data\.split_time: expected null or an integer number of seconds, or an ISO"):
+        DataConfig.from_dict({"split": "time", "split_time": "yesterday"})
 
 
 def test_a_cut_with_no_target_after_it_is_one_line(times):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -28,7 +30,26 @@ from gr.utils.config_checks import (
 SPLITS = ("leave_one_out", "time", "none")
 TEST_EVENTS = ("next", "all")
 SPLIT_TIMES = ("split_time", "split_end", "train_start")  # the keys only the time split reads
-SECONDS: Check = (is_int, "an integer number of seconds")
+SECONDS: Check = (is_int, "an integer number of seconds, or an ISO 8601 date or time (UTC unless it has an offset)")
+
+
+def iso_seconds(value: Any) -> Any:
+    """An ISO 8601 date or time (text, or the date / datetime YAML reads from an unquoted one) ->
+    its Unix seconds, floored; UTC unless it carries an offset. Anything else unchanged, for the
+    field's check to judge."""
+    if isinstance(value, str):
+        try:
+            value = datetime.datetime.fromisoformat(value)
+        except ValueError:
+            return value
+    if isinstance(value, datetime.datetime):
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
+        return math.floor(aware.timestamp())
+    if isinstance(value, datetime.date):
+        return iso_seconds(datetime.datetime(value.year, value.month, value.day))
+    return value
+
+
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
 EVAL_EXCLUDES = ("history", "window")
@@ -337,6 +358,8 @@ class DataConfig(Section):
     where: InitVar[str] = "data"
 
     def __post_init__(self, where: str) -> None:
+        for key in SPLIT_TIMES:  # an ISO 8601 date or time becomes its seconds, as the run's config.yaml keeps it
+            object.__setattr__(self, key, iso_seconds(getattr(self, key)))
         self.validate(where)
         if self.source == "synthetic":
             if self.path is not None:
