@@ -82,6 +82,7 @@ def test_scores_equal_ranking_each_user_alone_across_batches(ranking, tmp_path):
         *(f"scores.{s}" for s in ("click", "click_logit", "like", "like_logit")),
         "history_length",
         "truncated",
+        "left_out",
     ]
     alone = Ranker.load(path)
     for row, r in zip(out.to_pylist(), requests):
@@ -101,6 +102,15 @@ def test_top_k_equals_recommend_and_candidates_equal_rank_in_raw_ids(retrieval, 
         want = alone.recommend(RecommendRequest(r["user_id"], r["history"], 7, id_options=RAW))
         assert row["items"] == want.items and all(i.startswith("m") for i in row["items"])
         np.testing.assert_allclose(row["scores"], want.scores, rtol=0, atol=ATOL)
+
+    first = requests[0]["history"]  # an item the export has no row for, second in the history: left out under oov
+    mixed = {"item_id": [first["item_id"][0], "m-new", *first["item_id"][1:]]}
+    mixed["timestamps"] = [first["timestamps"][0], first["timestamps"][0], *first["timestamps"][1:]]
+    users = pa.table({"user_id": [requests[0]["user_id"]], **{f"history.{k}": [list(v)] for k, v in mixed.items()}})
+    predict(path, write(users, tmp_path / "mixed.parquet"), tmp_path / "left.parquet", k=7, unknown_ids="oov")
+    [row] = pq.read_table(tmp_path / "left.parquet").to_pylist()
+    want = alone.recommend(RecommendRequest(requests[0]["user_id"], first, 7, id_options=RAW))
+    assert row["left_out"] == 1 and row["items"] == want.items and row["history_length"] == len(first["timestamps"])
 
     ranked = write(as_table(requests, ("history", "candidates")), tmp_path / "ranked.parquet")
     predict(path, ranked, tmp_path / "scores.parquet")

@@ -122,6 +122,29 @@ def test_metrics_count_errors_by_kind_batches_queue_depths_cache_entries_and_fal
     assert metric(text, "gr_cache_entries") == 1 and metric(text, "gr_cache_bytes") > 0  # the fallback caches nothing
 
 
+def test_under_oov_history_tokens_of_items_the_export_lacks_are_left_out_said_and_counted(exports):
+    """Yesterday's export and today's histories: a token of an item with no row is left out of the
+    history (its answer is the history's without it, and says so); a candidate without a row stays a
+    400, as does the history without ``unknown_ids: oov``."""
+    new = max(RAW_ITEMS) + 1
+    mixed = {"item_id": [RAW_ITEMS[4], new, RAW_ITEMS[9], RAW_ITEMS[17]], "timestamps": [10, 15, 20, 30]}
+    with AppServer(create_app(Ranker.load(exports["popular"]))) as server:
+        server.wait_ready()
+        status, left = server.call(
+            "POST", "/v1/recommend", {"user_id": "a", "history": mixed, "k": 3, "unknown_ids": "oov"}
+        )
+        clean = server.call("POST", "/v1/recommend", {"user_id": "b", "history": HISTORY, "k": 3})[1]
+        assert status == 200 and left["items"] == clean["items"] and left["history_length"] == 3
+        assert left["history_left_out"] == 1
+        assert left["warnings"] == ["history: left out 1 token(s) of items the model has no row for (unknown_ids oov)"]
+        rank = {"user_id": "c", "history": mixed, "candidates": {"item_id": [RAW_ITEMS[1]]}, "unknown_ids": "oov"}
+        assert server.call("POST", "/v1/rank", rank)[1]["history_left_out"] == 1
+        assert server.call("POST", "/v1/rank", {**rank, "candidates": {"item_id": [new]}})[0] == 400
+        assert server.call("POST", "/v1/recommend", {"user_id": "d", "history": mixed, "k": 3})[0] == 400
+        text = server.call("GET", "/metrics")[1]
+    assert metric(text, "gr_history_tokens_left_out_total") == 2
+
+
 def test_a_port_in_use_and_a_bad_address_are_one_line_and_exit_2(exports, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

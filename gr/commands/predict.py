@@ -29,7 +29,8 @@ passes and one catalogue search; retrieval exports).
 Output: a Parquet file written atomically, one row per input row in input order: ``user_id``,
 the input's ``candidates.*`` columns and ``scores.<name>`` (list<float32>, one per candidate:
 ``retrieval``, or each task's probability and ``<task>_logit``), or ``items`` and ``scores``
-(the top k); then ``history_length`` and ``truncated`` (oldest history tokens dropped).
+(the top k); then ``history_length``, ``truncated`` (oldest history tokens dropped) and
+``left_out`` (history tokens of items the export has no row for, with ``--unknown-ids oov``).
 
 Parquet only: the history and candidates are lists, which Parquet stores as typed list
 columns; CSV has no list type, and a list encoding inside CSV cells would be a second format
@@ -200,7 +201,7 @@ def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
 
 def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.Schema:
     """The output columns: user_id, the input's candidates.* and scores.<name> (rank), or items
-    and scores (top k; items typed as the input's history item ids), history_length, truncated."""
+    and scores (top k; items typed as the input's history item ids), history_length, truncated, left_out."""
     scores = pa.list_(pa.float32())
     fields = [schema.field(USER)]
     if layout.rank:
@@ -209,7 +210,7 @@ def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.
         fields += [pa.field(f"{SCORES}.{name}", scores) for name in names]
     else:
         fields += [pa.field(ITEMS, schema.field(f"{HISTORY}.{ITEM_FEATURE}").type), pa.field(SCORES, scores)]
-    fields += [pa.field("history_length", pa.int32()), pa.field("truncated", pa.int32())]
+    fields += [pa.field(name, pa.int32()) for name in ("history_length", "truncated", "left_out")]
     return pa.schema(fields)
 
 
@@ -388,7 +389,7 @@ def _output_table(table: pa.Table, results: List[Any], schema: pa.Schema) -> pa.
             columns[name] = table.column(name)
         elif name.startswith(f"{SCORES}."):
             columns[name] = [r.scores[name[len(SCORES) + 1 :]] for r in results]
-        else:  # items, scores (top k), history_length, truncated
+        else:  # items, scores (top k), history_length, truncated, left_out
             columns[name] = [getattr(r, name) for r in results]
     return pa.table(columns, schema=schema)
 

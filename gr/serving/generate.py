@@ -36,7 +36,7 @@ from gr.serving import encode
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
 from gr.serving.fallback import POPULARITY, cold_apart, log_probabilities, most_popular
-from gr.serving.history import EncodedHistory, History, last_token_state
+from gr.serving.history import EncodedHistory, History, history_warnings, last_token_state
 from gr.serving.request import GenerateRequest, check_request_time, check_sampling
 from gr.serving.user_cache import UserCache
 
@@ -64,6 +64,7 @@ class GenerateResult:
     model_version: int = 0
     drafted: bool = False
     fallback: Optional[str] = None
+    left_out: int = 0
 
     def to_json(self) -> Dict[str, Any]:
         speculative = {"passes": self.stats.passes, "accepted": self.stats.accepted} if self.drafted else {}
@@ -76,6 +77,7 @@ class GenerateResult:
             "model_version": self.model_version,
             **({"fallback": self.fallback} if self.fallback else {}),
             **speculative,
+            **history_warnings(self.truncated, self.left_out),
         }
 
 
@@ -207,6 +209,7 @@ def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
         encoded.cache_status,
         p.history.model_version,
         drafted=p.draft is not None,
+        left_out=p.history.left_out,
     )
 
 
@@ -217,4 +220,5 @@ def _popular(p: PreparedGenerate) -> GenerateResult:
     items, _ = most_popular(h.model.popularity, np.zeros(0, np.int64), p.request.k)
     scores = log_probabilities(h.model.popularity, items).tolist()
     decoded = h.decode_items(p.catalogue.item_feature, items)
-    return GenerateResult(decoded, scores, GenerationStats(), 0, h.truncated, "off", h.model_version, False, POPULARITY)
+    stats = GenerationStats()
+    return GenerateResult(decoded, scores, stats, 0, h.truncated, "off", h.model_version, False, POPULARITY, h.left_out)

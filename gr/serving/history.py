@@ -6,7 +6,7 @@ retrieval query)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
+from typing import Any, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ class History:
     tokens: {feature: [L] int64 | [L, d] float32, "timestamps": [L] int64}, model ids, at most
         max_seq_len - reserve tokens; truncated: oldest tokens dropped to fit
     common: validated common features; raw: the id maps of raw-id requests (None: model ids)
+    left_out: tokens of items the model has no row for, left out under ``unknown_ids="oov"``
     """
 
     model: ServingModel
@@ -43,6 +44,7 @@ class History:
     truncated: int
     raw: Optional[IdMaps]
     unknown_ids: str
+    left_out: int = 0
 
     @property
     def length(self) -> int:
@@ -92,10 +94,48 @@ def validate(
         raise RequestError(f"k: {reserve} items do not fit the model's max_seq_len {model.config.max_seq_len}")
     raw = model.id_maps if id_options.ids == "raw" else None
     unknown = id_options.unknown_ids
+    left_out = 0
+    if raw is not None and unknown == "oov":
+        history, left_out = without_unknown_items(history, raw, model.schema.token_ids)
     tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
     common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
     tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, long_history, model.config.eviction_block)
-    return History(model, model_version, user_id, tokens, common, truncated, raw, id_options.unknown_ids)
+    return History(model, model_version, user_id, tokens, common, truncated, raw, unknown, left_out)
+
+
+def without_unknown_items(history: Any, raw: IdMaps, token_ids: Sequence[str]) -> Tuple[Any, int]:
+    """A raw-id history less the tokens whose id of a feature without an unknown row (the item)
+    its map does not know -> (the history, how many tokens were left out). A history that is not
+    well-formed comes back as it is, for ``RequestSchema.tokens`` to refuse it by name."""
+    if not isinstance(history, Mapping):
+        return history, 0
+    keep: Optional[np.ndarray] = None
+    for feature in token_ids:
+        id_map = raw.maps.get(feature)
+        values = history.get(feature)
+        if id_map is None or id_map.offset > 0 or not isinstance(values, (list, tuple, np.ndarray)):
+            continue
+        array = np.asarray(values)
+        if (
+            array.ndim != 1
+            or array.size == 0
+            or array.dtype.kind not in ("iu" if id_map.raw.dtype.kind in "iu" else "iuU")
+        ):
+            continue
+        known = id_map.encode(array, unknown=-1) >= 0
+        keep = known if keep is None else keep & known
+    if keep is None or keep.all():
+        return history, 0
+    n = len(keep)
+    kept = {
+        name: [v for v, k in zip(values, keep) if k] if _sized(values) and len(values) == n else values
+        for name, values in history.items()
+    }
+    return kept, int(n - keep.sum())
+
+
+def _sized(values: Any) -> bool:
+    return isinstance(values, (list, tuple, np.ndarray))
 
 
 def fit(
@@ -135,8 +175,13 @@ def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time
     return start(lm, items, torch.from_numpy(h.tokens[TIMESTAMPS]), request_time, encoded.cache, tokens)
 
 
-def truncation_warnings(truncated: int) -> Dict[str, Any]:
-    """A result's JSON warnings about the oldest history tokens dropped to fit max_seq_len."""
-    if not truncated:
-        return {}
-    return {"warnings": [f"history truncated: dropped the {truncated} oldest token(s) to fit max_seq_len"]}
+def history_warnings(truncated: int, left_out: int = 0) -> Dict[str, Any]:
+    """A result's JSON warnings: the history tokens of items the model has no row for, left out
+    (``unknown_ids="oov"``; also counted in ``history_left_out``), and the oldest ones dropped to
+    fit max_seq_len."""
+    warnings = []
+    if left_out:
+        warnings.append(f"history: left out {left_out} token(s) of items the model has no row for (unknown_ids oov)")
+    if truncated:
+        warnings.append(f"history truncated: dropped the {truncated} oldest token(s) to fit max_seq_len")
+    return {**({"history_left_out": left_out} if left_out else {}), **({"warnings": warnings} if warnings else {})}

@@ -297,6 +297,7 @@ def create_app(
                 metrics.cache.labels(answer["cache_status"]).inc()
             if "fallback" in answer:
                 metrics.fallbacks.labels(answer["fallback"]).inc()
+            metrics.left_out.inc(answer.get("history_left_out", 0))
             try:
                 response = _json(answer)
             except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through

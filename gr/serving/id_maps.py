@@ -4,7 +4,9 @@ A feature whose ``sparse.ini`` entry names an ``id_mapping`` takes the dataset's
 (int or str, as its map declares); a feature without one has no raw id space, so its ids are
 the model ids. An unknown raw id is a ``RequestError`` naming it (``unknown_ids="error"``, the
 default); with ``unknown_ids="oov"`` it becomes row 0 where the map reserves that row for
-unknown ids (maps with offset 1, the categorical side features) and stays an error elsewhere.
+unknown ids (maps with offset 1, the categorical side features) and stays an error elsewhere,
+except in a history: there a token whose item has no row is left out
+(``gr.serving.history.without_unknown_items``).
 """
 
 from __future__ import annotations

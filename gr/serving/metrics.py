@@ -88,6 +88,11 @@ class ServerMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.left_out = Counter(
+            "gr_history_tokens_left_out",
+            "History tokens of items the model has no row for, left out under unknown_ids oov",
+            registry=self.registry,
+        )
         self.cache_entries = Gauge(
             "gr_cache_entries",
             "Users held by the user history caches of the live workers",

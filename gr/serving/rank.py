@@ -18,7 +18,7 @@ from gr.export.format import TIMESTAMPS
 from gr.jagged import offsets_from_lengths
 from gr.serving import encode
 from gr.serving.errors import RequestError
-from gr.serving.history import History, Tokens, check_span, truncation_warnings
+from gr.serving.history import History, Tokens, check_span, history_warnings
 from gr.serving.limits import RequestLimits
 from gr.serving.model import ServingModel, check_finite
 from gr.serving.request import RankRequest, check_request_time
@@ -35,8 +35,9 @@ class RankResult:
     a retrieval export {"retrieval": the cosine of the query at the last history token and each
     candidate's item vector}.
 
-    history_length: history tokens used; truncated: oldest tokens dropped to fit
-    max_seq_len; cache_status: "miss" (history encoded), "extend" (only new actions encoded),
+    history_length: history tokens used; truncated: oldest tokens dropped to fit max_seq_len;
+    left_out: tokens of items the model has no row for, left out (``unknown_ids="oov"``);
+    cache_status: "miss" (history encoded), "extend" (only new actions encoded),
     "hit" (nothing encoded) or "off" (no history cache used); model_version: the reload
     count of the model that computed every score.
     """
@@ -46,6 +47,7 @@ class RankResult:
     truncated: int
     cache_status: str
     model_version: int = 0
+    left_out: int = 0
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -54,7 +56,7 @@ class RankResult:
             "cache_status": self.cache_status,
             "cache": self.cache_status,
             "model_version": self.model_version,
-            **truncation_warnings(self.truncated),
+            **history_warnings(self.truncated, self.left_out),
         }
 
 
@@ -138,6 +140,7 @@ def run(cache: UserCache, prepared: Sequence[PreparedRank], micro_batch: int, us
             p.history.truncated,
             e.cache_status,
             p.history.model_version,
+            p.history.left_out,
         )
         for b, (p, e) in enumerate(zip(prepared, encoded))
     ]
@@ -147,7 +150,8 @@ def _uncached(p: PreparedRank) -> RankResult:
     """One request of a ranking export without the cache: one target-aware pass over history + candidates."""
     h, model = p.history, p.history.model
     hidden = _one_pass(model, h.tokens, p.candidates, p.request_time)
-    return RankResult(ranking_scores(model.heads(hidden, h.common)), h.length, h.truncated, "off", h.model_version)
+    scores = ranking_scores(model.heads(hidden, h.common))
+    return RankResult(scores, h.length, h.truncated, "off", h.model_version, h.left_out)
 
 
 def _retrieval(cache: UserCache, prepared: Sequence[PreparedRank], use_cache: bool) -> List[RankResult]:
@@ -165,7 +169,7 @@ def _retrieval(cache: UserCache, prepared: Sequence[PreparedRank], use_cache: bo
     for b, (p, e) in enumerate(zip(prepared, encoded)):
         h, result = p.history, {RETRIEVAL: scores[bounds[b] : bounds[b + 1]]}
         check_finite(result, "retrieval")
-        out.append(RankResult(result, h.length, h.truncated, e.cache_status, h.model_version))
+        out.append(RankResult(result, h.length, h.truncated, e.cache_status, h.model_version, h.left_out))
     return out
 
 

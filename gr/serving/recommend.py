@@ -18,7 +18,7 @@ from gr.serving import encode
 from gr.serving.catalogue import QUERY
 from gr.serving.errors import RequestError
 from gr.serving.fallback import POPULARITY, cold_apart, most_popular
-from gr.serving.history import History, check_span, truncation_warnings
+from gr.serving.history import History, check_span, history_warnings
 from gr.serving.model import check_finite
 from gr.serving.request import RecommendRequest, check_request_time
 from gr.serving.user_cache import UserCache
@@ -40,6 +40,7 @@ class RecommendResult:
     cache_status: str
     model_version: int
     fallback: Optional[str] = None
+    left_out: int = 0
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -50,7 +51,7 @@ class RecommendResult:
             "cache": self.cache_status,
             "model_version": self.model_version,
             **({"fallback": self.fallback} if self.fallback else {}),
-            **truncation_warnings(self.truncated),
+            **history_warnings(self.truncated, self.left_out),
         }
 
 
@@ -116,7 +117,11 @@ def _run_modelled(cache: UserCache, prepared: List[PreparedRecommend]) -> List[R
         (scores, items), h = found[b], p.history
         check_finite({"scores": scores.numpy()}, "recommend")
         decoded = h.decode_items(item_feature, items.numpy())
-        out.append(RecommendResult(decoded, scores.numpy(), h.length, h.truncated, e.cache_status, h.model_version))
+        out.append(
+            RecommendResult(
+                decoded, scores.numpy(), h.length, h.truncated, e.cache_status, h.model_version, left_out=h.left_out
+            )
+        )
     return out
 
 
@@ -126,4 +131,5 @@ def _popular(p: PreparedRecommend) -> RecommendResult:
     assert h.model.popularity is not None  # prepare refuses an empty history without it
     items, counts = most_popular(h.model.popularity, p.excluded, p.request.k)
     decoded = h.decode_items(h.model.catalogue().item_feature, items)
-    return RecommendResult(decoded, counts.astype(np.float32), 0, h.truncated, "off", h.model_version, POPULARITY)
+    counts = counts.astype(np.float32)
+    return RecommendResult(decoded, counts, 0, h.truncated, "off", h.model_version, POPULARITY, h.left_out)
