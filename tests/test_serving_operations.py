@@ -23,7 +23,7 @@ from gr.export.manifest import manifest_digest, write_manifest
 from gr.export.popularity import POPULARITY
 from gr.serving import GenerateRequest, Ranker, RecommendRequest
 from gr.serving.errors import RequestError
-from gr.serving.http import create_app
+from gr.serving.http import OPTIONS_ENV, app_from_environment, create_app
 from helpers.models import NUM_ITEMS, build_generative_model
 from helpers.servers import AppServer, Server, free_port, metric, write_item_map
 
@@ -143,6 +143,21 @@ def test_under_oov_history_tokens_of_items_the_export_lacks_are_left_out_said_an
         assert server.call("POST", "/v1/recommend", {"user_id": "d", "history": mixed, "k": 3})[0] == 400
         text = server.call("GET", "/metrics")[1]
     assert metric(text, "gr_history_tokens_left_out_total") == 2
+
+
+def test_gr_serve_unknown_ids_oov_is_the_default_of_requests_that_do_not_say(exports, monkeypatch):
+    """``gr serve --unknown-ids oov`` reaches every worker's app through its options."""
+    mixed = {"item_id": [RAW_ITEMS[4], max(RAW_ITEMS) + 1], "timestamps": [10, 20]}
+    options = {"export_dir": str(exports["popular"]), "admin_token": None, "unknown_ids": "oov"}
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps(options))
+    with AppServer(app_from_environment()) as server:
+        server.wait_ready()
+        status, answer = server.call("POST", "/v1/recommend", {"user_id": "a", "history": mixed, "k": 3})
+        assert status == 200 and answer["history_left_out"] == 1
+        said = {"user_id": "b", "history": mixed, "k": 3, "unknown_ids": "error"}
+        assert server.call("POST", "/v1/recommend", said)[0] == 400  # a request's own choice wins
+    with pytest.raises(ValueError, match=r"create_app: unknown_ids: expected one of \['error', 'oov'\], got 'skip'"):
+        create_app(Ranker.load(exports["popular"]), unknown_ids="skip")
 
 
 def test_a_port_in_use_and_a_bad_address_are_one_line_and_exit_2(exports, capsys):

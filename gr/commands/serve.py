@@ -39,7 +39,7 @@ from gr.export.manifest import manifest_digest
 from gr.export.reader import check_export
 from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
-from gr.serving.id_maps import ID_SPACES
+from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS
 from gr.serving.limits import (
     BODY_TIMEOUT_FLAG,
     DEFAULT_BODY_TIMEOUT_S,
@@ -52,7 +52,7 @@ from gr.serving.limits import (
 from gr.serving.logs import LOG_FORMATS, log_config
 from gr.serving.metrics import MULTIPROC_ENV
 from gr.serving.model import check_device
-from gr.serving.request import GenerateRequest, RankRequest, RecommendRequest
+from gr.serving.request import GenerateRequest, IdOptions, RankRequest, RecommendRequest
 from gr.serving.runtime import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_MICRO_BATCH,
@@ -65,6 +65,10 @@ ADMIN_TOKEN_ENV = "GR_ADMIN_TOKEN"
 GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then a 503 (gr.serving.http)
 
 IDS_HELP = "ids of requests without an 'ids' key: raw (through sparse/id_maps) or model (table rows)"
+UNKNOWN_IDS_HELP = (
+    "unknown raw ids of requests without an 'unknown_ids' key: error (a 400), or oov (row 0 where a map has "
+    "one; a history token of an item the export has no row for is left out)"
+)
 DEVICE_HELP = "where the ONNX slices, the HSTU engine and its caches run (default cpu)"
 log = logging.getLogger("gr.serve")
 
@@ -85,6 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     rank.add_argument("--no-cache", action="store_true", help="one target-aware pass per request, no history cache")
     rank.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
+    rank.add_argument("--unknown-ids", choices=UNKNOWN_IDS, default="error", help=UNKNOWN_IDS_HELP)
     rank.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     for verb, text in (
         ("recommend", "each request's user's top k catalogue items and their scores (retrieval exports)"),
@@ -95,6 +100,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         top_k.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
         top_k.add_argument("--k", type=int, default=10, help="items per user (a request's own k wins)")
         top_k.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
+        top_k.add_argument("--unknown-ids", choices=UNKNOWN_IDS, default="error", help=UNKNOWN_IDS_HELP)
         top_k.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     serve = commands.add_parser("serve", help="serve the export over HTTP (FastAPI + uvicorn)")
     serve.add_argument("export_dir", type=Path)
@@ -106,6 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     serve.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
     serve.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
+    serve.add_argument("--unknown-ids", choices=UNKNOWN_IDS, default="error", help=UNKNOWN_IDS_HELP)
     serve.add_argument(
         "--index",
         choices=INDEXES,
@@ -199,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
     try:
-        request = RankRequest.from_dict(item, where, default_ids=args.ids)
+        request = RankRequest.from_dict(item, where, IdOptions(args.ids, args.unknown_ids))
         result = ranker.rank(request, use_cache=not args.no_cache)
     except RequestError as exc:
         return _error(where, exc)
@@ -212,7 +219,7 @@ def _top_k_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) 
     try:
         if isinstance(item, dict):  # a rank request's file serves too: its candidates are not needed
             item = {"k": args.k, **{key: value for key, value in item.items() if key != "candidates"}}
-        request = kind.from_dict(item, where, default_ids=args.ids)
+        request = kind.from_dict(item, where, IdOptions(args.ids, args.unknown_ids))
         result = ranker.recommend(request) if args.command == "recommend" else ranker.generate(request)
     except RequestError as exc:
         return _error(where, exc)
@@ -274,6 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
             "batch_window_ms": args.batch_window_ms,
             "body_timeout_s": args.body_timeout,
             "max_pending": args.max_pending,
+            "unknown_ids": args.unknown_ids,
             "micro_batch": args.micro_batch,
             "long_history": args.long_history,
             "cache_bytes": args.cache_bytes,

@@ -52,6 +52,7 @@ from starlette.requests import ClientDisconnect
 from gr.export.manifest import manifest_digest
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
+from gr.serving.id_maps import UNKNOWN_IDS
 from gr.serving.limits import (
     BODY_TIMEOUT_FLAG,
     DEFAULT_BODY_TIMEOUT_S,
@@ -69,6 +70,7 @@ from gr.serving.request import (
     SEED_RANGE,
     TEMPERATURE_RANGE,
     GenerateRequest,
+    IdOptions,
     RankRequest,
     RecommendRequest,
 )
@@ -225,6 +227,7 @@ def create_app(
     batch_window_ms: float = 0.0,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     max_pending: int = DEFAULT_MAX_PENDING,
+    unknown_ids: str = "error",
     warm_up: bool = True,
     workers: int = 1,
     on_fatal: Callable[[int], None] = exit_soon,
@@ -235,13 +238,16 @@ def create_app(
     as batches (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company;
     body_timeout_s: how long a request body may take to arrive (then 408); max_pending: the rank,
     recommend and generate requests this process serves at once (queued or running; one more is a
-    503 ``overloaded``); warm_up: /readyz
+    503 ``overloaded``); unknown_ids: what a request that does not say takes ("error" or "oov",
+    ``gr.serving.id_maps``); warm_up: /readyz
     turns ready after ``Ranker.warm_up`` (run at start-up, in the background) instead of at once;
     workers: the server's worker processes (reload needs 1); on_fatal: called with the exit
     status when the process can no longer answer (default: exit after EXIT_DELAY_S);
     exit_after_shutdown: once the server has shut down (SIGTERM, after its graceful timeout), end
     the process after EXIT_DELAY_S even if a request thread is still busy (a server process's
     own app; never in a process that hosts other work)."""
+    if unknown_ids not in UNKNOWN_IDS:
+        raise ValueError(f"create_app: unknown_ids: expected one of {list(UNKNOWN_IDS)}, got {unknown_ids!r}")
     readiness = Readiness()
 
     @asynccontextmanager
@@ -335,18 +341,20 @@ def create_app(
         metrics.errors.labels(request.url.path, "500", "internal").inc()
         return _internal(request.url.path, exc)
 
+    defaults = IdOptions(RAW, unknown_ids)  # what a request that names neither takes
+
     def rank(payload: Any) -> Dict[str, Any]:
-        request = RankRequest.from_dict(payload, "body", default_ids=RAW)
+        request = RankRequest.from_dict(payload, "body", defaults)
         result = ranker.rank(request) if batcher is None else batcher.rank(request)
         return {"user_id": request.user_id, **result.to_json()}
 
     def recommend(payload: Any) -> Dict[str, Any]:
-        request = RecommendRequest.from_dict(payload, "body", default_ids=RAW)
+        request = RecommendRequest.from_dict(payload, "body", defaults)
         result = ranker.recommend(request) if batcher is None else batcher.recommend(request)
         return {"user_id": request.user_id, **result.to_json()}
 
     def generate(payload: Any) -> Dict[str, Any]:
-        request = GenerateRequest.from_dict(payload, "body", default_ids=RAW)
+        request = GenerateRequest.from_dict(payload, "body", defaults)
         return {"user_id": request.user_id, **ranker.generate(request).to_json()}
 
     rank_example = {**EXAMPLE, "candidates": {"item_id": [5, 9]}}
@@ -471,7 +479,7 @@ def app_from_environment() -> FastAPI:
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
     app_options = {
         key: options.pop(key)
-        for key in ("batching", "batch_window_ms", "body_timeout_s", "max_pending", "workers")
+        for key in ("batching", "batch_window_ms", "body_timeout_s", "max_pending", "unknown_ids", "workers")
         if key in options
     }
     limits = limits_from_options(options.pop("limits", {}))

@@ -68,8 +68,9 @@ class IdOptions:
     unknown_ids: str = "error"
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str, default_ids: str) -> "IdOptions":
-        ids, unknown = data.get("ids", default_ids), data.get("unknown_ids", "error")
+    def from_dict(cls, data: Mapping[str, Any], where: str, defaults: "IdOptions") -> "IdOptions":
+        """The request's "ids" and "unknown_ids", each ``defaults``' where the request does not say."""
+        ids, unknown = data.get("ids", defaults.ids), data.get("unknown_ids", defaults.unknown_ids)
         if ids not in ID_SPACES:
             raise RequestError(f"{where}.ids: expected one of {list(ID_SPACES)}, got {ids!r}")
         if unknown not in UNKNOWN_IDS:
@@ -145,7 +146,7 @@ class RankRequest:
     id_options: IdOptions = MODEL_IDS
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "RankRequest":
+    def from_dict(cls, data: Any, where: str = "request", defaults: IdOptions = MODEL_IDS) -> "RankRequest":
         data = _object(data, where, REQUEST_KEYS, ("user_id", "history", "candidates"))
         return cls(
             data["user_id"],
@@ -153,7 +154,7 @@ class RankRequest:
             data["candidates"],
             data.get("common_features"),
             _int(data, "request_time", where, None),
-            IdOptions.from_dict(data, where, default_ids),
+            IdOptions.from_dict(data, where, defaults),
         )
 
 
@@ -170,7 +171,7 @@ class RecommendRequest:
     id_options: IdOptions = MODEL_IDS
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "RecommendRequest":
+    def from_dict(cls, data: Any, where: str = "request", defaults: IdOptions = MODEL_IDS) -> "RecommendRequest":
         data = _object(data, where, RECOMMEND_KEYS, ("user_id", "history"))
         return cls(
             data["user_id"],
@@ -179,7 +180,7 @@ class RecommendRequest:
             data.get("common_features"),
             _int(data, "request_time", where, None),
             _flag(data, "exclude_seen", where, True),
-            IdOptions.from_dict(data, where, default_ids),
+            IdOptions.from_dict(data, where, defaults),
         )
 
 
@@ -200,7 +201,7 @@ class GenerateRequest:
     id_options: IdOptions = MODEL_IDS
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "request", default_ids: str = "model") -> "GenerateRequest":
+    def from_dict(cls, data: Any, where: str = "request", defaults: IdOptions = MODEL_IDS) -> "GenerateRequest":
         data = _object(data, where, GENERATE_KEYS, ("user_id", "history"))
         temperature = data.get("temperature", 1.0)
         check_sampling(temperature, None, f"{where}.")
@@ -218,7 +219,7 @@ class GenerateRequest:
             _int(data, "beam_width", where, 4, 1),
             float(temperature),
             _int(data, "seed", where, None, SEED_RANGE[0]),
-            IdOptions.from_dict(data, where, default_ids),
+            IdOptions.from_dict(data, where, defaults),
         )
 
 
