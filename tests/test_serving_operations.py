@@ -141,6 +141,9 @@ def test_under_oov_history_tokens_of_items_the_export_lacks_are_left_out_said_an
         assert server.call("POST", "/v1/rank", rank)[1]["history_left_out"] == 1
         assert server.call("POST", "/v1/rank", {**rank, "candidates": {"item_id": [new]}})[0] == 400
         assert server.call("POST", "/v1/recommend", {"user_id": "d", "history": mixed, "k": 3})[0] == 400
+        short = {**mixed, "timestamps": mixed["timestamps"][:3]}  # misaligned: refused, no token left out
+        status, refused = server.call("POST", "/v1/recommend", {"user_id": "e", "history": short, "unknown_ids": "oov"})
+        assert status == 400 and refused["detail"].startswith("history.item_id: unknown raw id(s)")
         text = server.call("GET", "/metrics")[1]
     assert metric(text, "gr_history_tokens_left_out_total") == 2
 

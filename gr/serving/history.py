@@ -24,6 +24,7 @@ from gr.serving.request import MODEL_IDS, IdOptions
 from gr.timestamps import TimestampError, check_time_span
 
 LONG_HISTORY = ("truncate", "refuse")
+COLUMN_TYPES = (list, tuple, np.ndarray)  # a request column: one value per token
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def without_unknown_items(history: Any, raw: IdMaps, token_ids: Sequence[str]) -
     for feature in token_ids:
         id_map = raw.maps.get(feature)
         values = history.get(feature)
-        if id_map is None or id_map.offset > 0 or not isinstance(values, (list, tuple, np.ndarray)):
+        if id_map is None or id_map.offset > 0 or not isinstance(values, COLUMN_TYPES):
             continue
         array = np.asarray(values)
         if (
@@ -123,19 +124,15 @@ def without_unknown_items(history: Any, raw: IdMaps, token_ids: Sequence[str]) -
         ):
             continue
         known = id_map.encode(array, unknown=-1) >= 0
+        if keep is not None and len(keep) != len(known):  # features of different lengths: refused later
+            return history, 0
         keep = known if keep is None else keep & known
     if keep is None or keep.all():
         return history, 0
-    n = len(keep)
-    kept = {
-        name: [v for v, k in zip(values, keep) if k] if _sized(values) and len(values) == n else values
-        for name, values in history.items()
-    }
-    return kept, int(n - keep.sum())
-
-
-def _sized(values: Any) -> bool:
-    return isinstance(values, (list, tuple, np.ndarray))
+    if any(not isinstance(values, COLUMN_TYPES) or len(values) != len(keep) for values in history.values()):
+        return history, 0  # columns of other lengths: no token is left out of a misaligned history
+    kept = {name: [v for v, k in zip(values, keep) if k] for name, values in history.items()}
+    return kept, int(len(keep) - keep.sum())
 
 
 def fit(
