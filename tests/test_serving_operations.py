@@ -21,9 +21,9 @@ from gr.data.popularity import save_popularity
 from gr.export import check_export, export_model
 from gr.export.manifest import manifest_digest, write_manifest
 from gr.export.popularity import POPULARITY
-from gr.serving import GenerateRequest, Ranker, RecommendRequest
+from gr.serving import GenerateRequest, Ranker, RecommendRequest, http
 from gr.serving.errors import RequestError
-from gr.serving.http import OPTIONS_ENV, app_from_environment, create_app
+from gr.serving.http import OPTIONS_ENV, create_app
 from helpers.models import NUM_ITEMS, build_generative_model
 from helpers.servers import AppServer, Server, free_port, metric, write_item_map
 
@@ -149,11 +149,16 @@ def test_under_oov_history_tokens_of_items_the_export_lacks_are_left_out_said_an
 
 
 def test_gr_serve_unknown_ids_oov_is_the_default_of_requests_that_do_not_say(exports, monkeypatch):
-    """``gr serve --unknown-ids oov`` reaches every worker's app through its options."""
-    mixed = {"item_id": [RAW_ITEMS[4], max(RAW_ITEMS) + 1], "timestamps": [10, 20]}
+    """``gr serve --unknown-ids oov`` reaches every worker's app through its options (the worker's
+    own app is not started here: it ends its process after shutdown), and the app applies it."""
     options = {"export_dir": str(exports["popular"]), "admin_token": None, "unknown_ids": "oov"}
     monkeypatch.setenv(OPTIONS_ENV, json.dumps(options))
-    with AppServer(app_from_environment()) as server:
+    given = {}
+    monkeypatch.setattr(http, "create_app", lambda ranker, **kwargs: given.update(kwargs))
+    http.app_from_environment()
+    assert given["unknown_ids"] == "oov" and given["exit_after_shutdown"] is True
+    mixed = {"item_id": [RAW_ITEMS[4], max(RAW_ITEMS) + 1], "timestamps": [10, 20]}
+    with AppServer(create_app(Ranker.load(exports["popular"]), unknown_ids="oov")) as server:
         server.wait_ready()
         status, answer = server.call("POST", "/v1/recommend", {"user_id": "a", "history": mixed, "k": 3})
         assert status == 200 and answer["history_left_out"] == 1
