@@ -112,21 +112,12 @@ def without_unknown_items(history: Any, raw: IdMaps, token_ids: Sequence[str]) -
         return history, 0
     keep: Optional[np.ndarray] = None
     for feature in token_ids:
-        id_map = raw.maps.get(feature)
-        values = history.get(feature)
-        if id_map is None or id_map.offset > 0 or not isinstance(values, COLUMN_TYPES):
+        rowless = raw.rowless(feature, history.get(feature))
+        if rowless is None:
             continue
-        array = np.asarray(values)
-        if (
-            array.ndim != 1
-            or array.size == 0
-            or array.dtype.kind not in ("iu" if id_map.raw.dtype.kind in "iu" else "iuU")
-        ):
-            continue
-        known = id_map.encode(array, unknown=-1) >= 0
-        if keep is not None and len(keep) != len(known):  # features of different lengths: refused later
+        if keep is not None and len(keep) != len(rowless):  # features of different lengths: refused later
             return history, 0
-        keep = known if keep is None else keep & known
+        keep = ~rowless if keep is None else keep & ~rowless
     if keep is None or keep.all():
         return history, 0
     if any(not isinstance(values, COLUMN_TYPES) or len(values) != len(keep) for values in history.values()):

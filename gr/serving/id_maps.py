@@ -48,7 +48,7 @@ class IdMaps:
         raw = np.asarray(values)
         if raw.size == 0:
             return np.zeros(0, dtype=np.int64)
-        if raw.ndim != 1 or raw.dtype.kind not in ("iu" if id_map.raw.dtype.kind in "iu" else "iuU"):
+        if not _raw_ids_of(id_map, raw):
             kind = "integers" if id_map.raw.dtype.kind in "iu" else "strings"
             raise RequestError(
                 f"{where}: expected a list of raw ids ({kind}, as in the id map), got {raw.tolist()!r}"[:300]
@@ -63,9 +63,24 @@ class IdMaps:
             )
         return encoded
 
+    def rowless(self, feature: str, values: Any) -> Optional[np.ndarray]:
+        """[n] bool: the raw ids among ``values`` that ``feature``'s map lacks and has no unknown row
+        for (the item's map); None when ``feature`` has no such map or ``values`` are not a list of
+        its raw ids (``encode`` then says why)."""
+        id_map = self._map(feature)
+        if id_map is None or id_map.offset > 0 or not isinstance(values, (list, tuple, np.ndarray)):
+            return None
+        raw = np.asarray(values)
+        return id_map.encode(raw, unknown=-1) < 0 if raw.size and _raw_ids_of(id_map, raw) else None
+
     def decode(self, feature: str, ids: np.ndarray) -> list:
         """ids: [n] int64 model ids -> n raw ids (JSON-ready); unmapped feature: the ids themselves."""
         id_map = self._map(feature)
         if id_map is None:
             return np.asarray(ids).tolist()
         return id_map.decode(np.asarray(ids)).tolist()
+
+
+def _raw_ids_of(id_map: IdMap, raw: np.ndarray) -> bool:
+    """Whether ``raw`` is a flat array of ids of the kind ``id_map`` holds (ints for an int map)."""
+    return raw.ndim == 1 and raw.dtype.kind in ("iu" if id_map.raw.dtype.kind in "iu" else "iuU")
