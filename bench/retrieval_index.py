@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke  # noqa: E402
 
 from gr.generation.decoding import Generation, greedy, start
-from gr.generation.index import ExactIndex, ItemIndex
-from gr.generation.ivf_index import IVFIndex
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.cache import CachedHSTU
+from gr.index.exact import ExactIndex, ItemIndex
+from gr.index.ivf import IVFIndex
 
 REQUEST_TIME = 10**9
 SMOKE = {"items": 20_000, "clusters": 200, "lists": 64, "probes": 8, "users": 4, "k": 8}

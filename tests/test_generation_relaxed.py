@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from gr.generation.decoding import Relaxed, greedy, speculative_greedy
 from gr.generation.drafts import RankingDrafter
-from gr.generation.index import ExactIndex
+from gr.index.exact import ExactIndex
 from helpers.generation import NUM_ITEMS, REQUEST_TIME, begin, make_model, random_user
 
 pytestmark = pytest.mark.usefixtures("single_thread")

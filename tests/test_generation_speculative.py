@@ -19,9 +19,9 @@ from gr.generation.decoding import (
 )
 from gr.generation.draft_tree import DraftTree, tree_from_paths
 from gr.generation.drafts import ModelDrafter, PoolDrafter, RankingDrafter
-from gr.generation.index import ExactIndex, top_items
 from gr.generation.pools import SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
+from gr.index.exact import ExactIndex, top_items
 from helpers.generation import NUM_ITEMS, REQUEST_TIME, begin, make_model, random_user
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -199,3 +199,30 @@ def test_wrong_module_types_and_missing_features_are_clear_errors():
         model(GRInput(torch.tensor([0, 2]), 2, torch.arange(2), sequence_ids=ids))
     with pytest.raises(TypeError, match="split_input"):
         model({"not": "a GRInput"})
+
+
+def test_public_names_are_visible_to_type_checkers_and_match_the_lazy_ones():
+    """Every lazily exported name is also imported under TYPE_CHECKING from the module that defines it, so
+    editors and mypy see the class rather than ``Any``."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import gr
+
+    tree = ast.parse(Path(gr.__file__).read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    typed = {
+        alias.name: node.module for node in guarded.body if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    assert typed == gr._EXPORTS
+    for name, module in typed.items():
+        assert getattr(gr, name) is getattr(importlib.import_module(module), name)
+
+
+def test_version_is_the_installed_distribution_version():
+    from importlib.metadata import version
+
+    import gr
+
+    assert gr.__version__ == version("gr-hstu")

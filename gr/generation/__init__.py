@@ -1,6 +1,7 @@
 """Generation over a KV-cached HSTU (docs/design.md §8): greedy, beam and sampled decoding, speculative
 greedy with draft token trees (retrieval pools or a draft model; strict or relaxed verification)
-and speculative retrieval. Imports only torch and gr.hstu, so the serving runtime uses it."""
+and speculative retrieval. Imports only torch, gr.hstu and the item indexes (gr.index), so the serving
+runtime uses it."""
 
 from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.decoding import (
@@ -23,21 +24,15 @@ from gr.generation.drafts import (
     RankingDrafter,
     RankingDraftSource,
 )
-from gr.generation.index import ExactIndex, Exclusions, ItemIndex
-from gr.generation.ivf_index import IVFIndex
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
 
 __all__ = [
     "AdaptiveBudget",
     "DraftTree",
-    "ExactIndex",
-    "Exclusions",
     "Generation",
     "GenerationStats",
     "GroupedPools",
-    "ItemIndex",
-    "IVFIndex",
     "ModelDrafter",
     "ModelDraftSource",
     "PoolDrafter",

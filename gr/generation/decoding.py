@@ -19,9 +19,9 @@ from torch import Tensor
 
 from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.draft_tree import DraftTree
-from gr.generation.index import Exclusions, ItemIndex, exclusion_mask, top_items
 from gr.hstu.cache import CachedHSTU, HistoryCache
 from gr.hstu.user_state import append, truncate
+from gr.index.exact import Exclusions, ItemIndex, exclusion_mask, top_items
 
 
 class GenerativeModel(Protocol):

@@ -11,9 +11,9 @@ from torch import Tensor
 
 from gr.generation.decoding import DecodeState, Drafter, GenerativeModel, advance, start
 from gr.generation.draft_tree import DraftTree, tree_from_counted_paths
-from gr.generation.index import Exclusions, ItemIndex
 from gr.generation.pools import GroupedPools, SequencePool
 from gr.hstu.user_state import truncate
+from gr.index.exact import Exclusions, ItemIndex
 
 
 class PoolDrafter:

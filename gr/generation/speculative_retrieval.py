@@ -16,7 +16,7 @@ from typing import List, Set
 import torch
 
 from gr.generation.decoding import DecodeState, Generation, GenerationStats, GenerativeModel, step
-from gr.generation.index import ItemIndex, exclusion_mask, top_items
+from gr.index.exact import ItemIndex, exclusion_mask, top_items
 
 
 @dataclass(frozen=True)

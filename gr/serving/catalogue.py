@@ -27,9 +27,9 @@ from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
 from gr.export.item_store import ITEM_FEATURE
-from gr.generation.hnsw_index import HNSWIndex
-from gr.generation.index import ExactIndex, ItemIndex
 from gr.hstu.cache import CachedHSTU
+from gr.index.exact import ExactIndex, ItemIndex
+from gr.index.hnsw import HNSWIndex
 from gr.serving.errors import RequestError
 from gr.serving.onnx_slice import OnnxSlice
 from gr.serving.request import RequestSchema

@@ -28,12 +28,15 @@ class ItemIndex(Protocol):
         """queries: [Q, d] float; exclude: [Q, M] bool -> (scores [Q, k], item ids [Q, k] int64), best first."""
 
 
-class ExactIndex:
-    """Exact, batched inner-product search over ``items: [M, d] float`` (rows already normalised)."""
+class ItemMatrix:
+    """The catalogue's ``items: [M, d] float`` (rows already normalised) and exact inner products with it:
+    what every index shares, whatever its ``search``."""
 
     def __init__(self, items: Tensor) -> None:
         if items.dim() != 2 or items.shape[0] == 0:
-            raise ValueError(f"ExactIndex.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}"
+            )
         self.items = items.float().contiguous()
 
     @property
@@ -41,10 +44,15 @@ class ExactIndex:
         return int(self.items.shape[0])
 
     def scores(self, queries: Tensor) -> Tensor:
+        """queries: [Q, d] -> exact [Q, M] inner products (what relaxed verification and sampling read)."""
         return queries.float() @ self.items.T
 
     def scores_of(self, queries: Tensor, items: Tensor) -> Tensor:
         return queries.float() @ self.items[items].T
+
+
+class ExactIndex(ItemMatrix):
+    """Exact, batched inner-product search over ``items: [M, d] float`` (rows already normalised)."""
 
     def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         return top_items(self.scores(queries), exclude, k)

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gr.generation.index import ExactIndex, exclusion_mask
+from gr.index.exact import ExactIndex, exclusion_mask
 
 pytest.importorskip("faiss")
-from gr.generation.hnsw_index import HNSWIndex  # noqa: E402
+from gr.index.hnsw import HNSWIndex  # noqa: E402
 
 
 def test_hnsw_search_recalls_the_exact_top_items_and_never_returns_an_excluded_one():

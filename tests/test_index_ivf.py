@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from gr.generation.decoding import greedy
-from gr.generation.index import ExactIndex, top_items
-from gr.generation.ivf_index import IVFIndex
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
+from gr.index.exact import ExactIndex, top_items
+from gr.index.ivf import IVFIndex
 from helpers.generation import REQUEST_TIME, TableModel, begin, make_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")

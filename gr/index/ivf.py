@@ -12,10 +12,10 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from gr.generation.index import top_items
+from gr.index.exact import ItemMatrix, top_items
 
 
-class IVFIndex:
+class IVFIndex(ItemMatrix):
     """Approximate ``ItemIndex`` over ``items: [M, d] float`` (rows already normalised).
 
     num_lists: clusters; probes: lists searched per query; train_size: items sampled for k-means
@@ -30,14 +30,12 @@ class IVFIndex:
         iters: int = 10,
         seed: int = 0,
     ) -> None:
-        if items.dim() != 2 or items.shape[0] == 0:
-            raise ValueError(f"IVFIndex.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}")
+        super().__init__(items)
         if not 1 <= probes <= num_lists <= items.shape[0]:
             raise ValueError(
                 f"IVFIndex: expected 1 <= probes <= num_lists <= items, got probes {probes}, "
                 f"num_lists {num_lists}, {items.shape[0]} items"
             )
-        self.items = items.float().contiguous()
         self.probes = probes
         self.centroids = spherical_kmeans(self.items, num_lists, train_size, iters, seed)  # [C, d]
         lists = assign(self.items, self.centroids)  # [M]
@@ -45,17 +43,6 @@ class IVFIndex:
         sizes = torch.bincount(lists, minlength=num_lists)
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
         self.grouped = self.items[self.order]  # [M, d] rows in list order
-
-    @property
-    def num_items(self) -> int:
-        return int(self.items.shape[0])
-
-    def scores(self, queries: Tensor) -> Tensor:
-        """Exact [Q, M] inner products (what relaxed verification and sampling read)."""
-        return queries.float() @ self.items.T
-
-    def scores_of(self, queries: Tensor, items: Tensor) -> Tensor:
-        return queries.float() @ self.items[items].T
 
     def candidates(self, query: Tensor) -> Tensor:
         """query: [d] -> [C] int64 ids of the items in its ``probes`` best lists (ascending)."""

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gr.generation.index import top_items
+from gr.index.exact import ItemMatrix, top_items
 
 
-class HNSWIndex:
+class HNSWIndex(ItemMatrix):
     """Approximate inner-product search over ``items: [M, d] float`` (rows already normalised).
 
     neighbours: HNSW graph degree (M in FAISS); ef_search: candidate list size at query time
@@ -32,23 +32,11 @@ class HNSWIndex:
             import faiss
         except ImportError:
             raise ImportError("HNSWIndex needs the faiss-cpu package: pip install faiss-cpu") from None
-        if items.dim() != 2 or items.shape[0] == 0:
-            raise ValueError(f"HNSWIndex.items: expected a non-empty [M, d] matrix, got {tuple(items.shape)}")
-        self.items = items.float().contiguous()
+        super().__init__(items)
         self._index = faiss.IndexHNSWFlat(int(items.shape[1]), neighbours, faiss.METRIC_INNER_PRODUCT)
         self._index.hnsw.efSearch = ef_search
         self.ef_search = ef_search
         self._index.add(self.items.numpy())
-
-    @property
-    def num_items(self) -> int:
-        return int(self.items.shape[0])
-
-    def scores(self, queries: Tensor) -> Tensor:
-        return queries.float() @ self.items.T
-
-    def scores_of(self, queries: Tensor, items: Tensor) -> Tensor:
-        return queries.float() @ self.items[items].T
 
     def search(self, queries: Tensor, exclude: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         """queries: [Q, d]; exclude: [Q, M] bool -> (scores [Q, k], ids [Q, k]), best first (lower id on ties)."""
