@@ -119,3 +119,57 @@ def test_a_model_that_cannot_fit_in_memory_is_refused_before_it_is_built(tmp_pat
     assert "the run does not fit in memory: gr plan estimates" in line and "GiB available (MemAvailable)" in line
     assert key in line and "trainer.memory_check: false" in line
     assert list(tmp_path.iterdir()) == []  # no runs/x, no runs/x/logs
+
+
+def written_inputs(root: Path) -> Path:
+    """Under ``root``: data/events.csv, recipe.yaml (a csv source reading it), link -> data, and run/
+    (the config.yaml and features.json gr export reads first); -> root."""
+    (root / "data").mkdir()
+    rows = [f"{u},{i},{1000 + 60 * i}" for u in range(6) for i in range(5)]
+    (root / "data" / "events.csv").write_text("\n".join(["user_id,item_id,timestamp", *rows]) + "\n")
+    (root / "recipe.yaml").write_text(f"data:\n  source: csv\n  path: {root / 'data' / 'events.csv'}\n")
+    (root / "link").symlink_to(root / "data")
+    (root / "run").mkdir()
+    (root / "run" / "config.yaml").write_text(QUICKSTART.read_text())
+    (root / "run" / "features.json").write_text(json.dumps({"spec": {"sequence": {"item_id": 301}}, "tasks": []}))
+    return root
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["data", "prepare", "--config", "{tmp}/recipe.yaml", "--out", "{tmp}/link", "--overwrite"],
+            "--out {tmp}/link: holds data.path {tmp}/data/events.csv, which this command reads",
+        ),
+        (
+            ["data", "prepare", "--config", "{tmp}/recipe.yaml", "--out", "{tmp}/data/../recipe.yaml", "--overwrite"],
+            "--out {tmp}/data/../recipe.yaml: is --config {tmp}/recipe.yaml, which this command reads",
+        ),
+        (
+            ["train", "--config", "{root}/configs/ml100k_hstu.yaml", "--data.path", "{tmp}/link"]
+            + ["--out", "{tmp}/data/r"],
+            "--out {tmp}/data/r: is inside data.path {tmp}/link ({tmp}/data), which this command reads",
+        ),
+        (["export", "{tmp}/run", "{tmp}/run/export"], "EXPORT_DIR {tmp}/run/export: is inside RUN_DIR {tmp}/run"),
+        (["export", "{tmp}/run", "{tmp}", "--overwrite"], "EXPORT_DIR {tmp}: holds RUN_DIR {tmp}/run"),
+    ],
+)
+def test_an_output_that_is_holds_or_lies_inside_an_input_is_one_line_naming_both(tmp_path, capsys, argv, expected):
+    before = sorted(written_inputs(tmp_path).rglob("*"))
+    assert cli.main([arg.format(tmp=tmp_path, root=ROOT) for arg in argv]) == USAGE_EXIT_STATUS
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"gr {argv[0]}") and expected.format(tmp=tmp_path) in line, line
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_an_out_that_links_to_nothing_is_one_line_naming_the_link(tmp_path, capsys):
+    written_inputs(tmp_path)
+    (tmp_path / "out").symlink_to(tmp_path / "missing" / "prepared")
+    argv = ["data", "prepare", "--config", str(tmp_path / "recipe.yaml"), "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == USAGE_EXIT_STATUS
+    assert capsys.readouterr().err == (
+        f"gr data prepare: error: --out {tmp_path / 'out'}: a symbolic link to {tmp_path / 'missing' / 'prepared'}, "
+        "which does not exist; name a directory to write, or point the link at an existing one\n"
+    )
+    assert not (tmp_path / "missing").exists()

@@ -160,6 +160,31 @@ def test_an_unwritable_target_is_one_line_naming_it_with_exit_status_2(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+@pytest.mark.parametrize(
+    "target, what", [(".", "is the working directory"), ("..", "is a parent of the working directory")]
+)
+def test_a_target_that_is_the_working_directory_is_one_line_saying_what_is_expected(
+    tmp_path, capsys, monkeypatch, target, what
+):
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    code = data_command.main(["ml-100k", target, "--url", "http://127.0.0.1:9/ml-100k.zip", "--no-progress"])
+    assert code == 2 and capsys.readouterr().err == (
+        f"gr data download: error: ValueError: DIR {target}: {what} ({tmp_path / 'here'}); name a new directory "
+        "to write, e.g. one inside it\n"
+    )
+    assert list(tmp_path.iterdir()) == [tmp_path / "here"] and list((tmp_path / "here").iterdir()) == []
+
+
+def test_a_target_spelled_with_dot_dot_is_written_where_it_leads(served, tmp_path, monkeypatch, capsys):
+    root, base = served
+    archive = _ml_100k_zip(root / "ml-100k.zip")
+    monkeypatch.setitem(dl.DATASETS, "ml-100k", _source(archive, f"{base}/ml-100k.zip")["ml-100k"])
+    monkeypatch.chdir(tmp_path)
+    assert data_command.main(["ml-100k", "data/ml-100k/..", "--no-progress"]) == 0
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["DOWNLOAD.json", "README", "u.data"]
+
+
 def test_wrong_sha256_option_is_a_checksum_mismatch(served, tmp_path):
     root, base = served
     archive = _ml_100k_zip(root / "ml-100k.zip")

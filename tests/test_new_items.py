@@ -1,7 +1,8 @@
 """``gr items add``: new items join an export without retraining. The new export extends the item
 id map (known items keep their rows and their scores), stores the new items' features (a
 categorical, a dense and a list-valued one), serves them by id alone (also after /admin/reload),
-and leaves the old export as it was; a bad items file is refused naming file, row and column."""
+and leaves the old export as it was (an --out inside it is refused); a bad items file is refused naming
+file, row and column."""
 
 import copy
 import csv
@@ -153,6 +154,32 @@ def test_the_command_reads_parquet_lists_and_counts_values_the_vocabularies_lack
     assert items_main([str(export), str(tmp_path / "new.parquet"), "--out", str(tmp_path / "grown")]) == 0
     assert check_export(tmp_path / "grown") == []
     assert add_items(export, tmp_path / "new.parquet", tmp_path / "again")["unknown_values"] == 2
+
+
+@pytest.mark.parametrize("spelling", ["EXPORT/sub", "LINK/sub", "EXPORT/../EXPORT/sub"])
+def test_an_out_inside_the_export_is_refused_and_the_export_stays_whole(export, tmp_path, capsys, spelling):
+    (tmp_path / "link").symlink_to(export)
+    out = {
+        "EXPORT/sub": export / "sub",
+        "LINK/sub": tmp_path / "link" / "sub",
+        "EXPORT/../EXPORT/sub": export / ".." / export.name / "sub",
+    }[spelling]
+    before = _digest(export)
+    assert items_main([str(export), str(_items_csv(tmp_path / "new.csv", [600])), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gr items add: error: --out {out}: is inside EXPORT {export}") and err.count("\n") == 1
+    assert _digest(export) == before and check_export(export) == []
+    assert not (export / "sub").exists() and not list(export.glob(".sub*"))
+
+
+def test_overwrite_replaces_an_existing_out_and_is_what_the_refusal_suggests(export, tmp_path, capsys):
+    items, out = _items_csv(tmp_path / "new.csv", [700]), tmp_path / "grown"
+    out.mkdir()
+    (out / "old.txt").write_text("replaced")
+    assert items_main([str(export), str(items), "--out", str(out)]) == 2
+    assert "already exists; pass overwrite=True (--overwrite) to replace it" in capsys.readouterr().err
+    assert items_main([str(export), str(items), "--out", str(out), "--overwrite"]) == 0
+    assert check_export(out) == [] and not (out / "old.txt").exists()
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 readers' messages, and a reader's checks catch a corrupt, missing, foreign or disordered shard."""
 
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from gr.data.config import DataConfig
 from gr.data.features import SideFeatures
 from gr.data.interactions import DataFormatError, SideTable
 from gr.data.mappings import IdMap, load_mappings
-from gr.data.prepared.duckdb_engine import prepare_with_duckdb
+from gr.data.prepared.duckdb_engine import _Preparation, prepare_with_duckdb
 from gr.data.prepared.manifest import (
     ITEMS_TABLE,
     MANIFEST,
@@ -431,6 +432,32 @@ def test_gr_data_prepare_command_applies_data_overrides(tmp_path, capsys):
         "gr data prepare: error: data.source: 'synthetic' is generated in memory at training time; gr data prepare "
         "reads files (csv, parquet, ml-100k, ml-1m, ml-20m, amazon)\n"
     )
+
+
+def test_a_second_prepare_into_an_out_being_written_is_refused_and_the_first_completes(tmp_path, capsys, monkeypatch):
+    events = write_csv(tmp_path / "events.csv", table_rows(seed=3, rows=150))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"data:\n  source: csv\n  path: {events}\n  columns: {COLUMNS}\n")
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--config", str(recipe), "--out", str(out), "--threads", "1"]
+    first_run, second = _Preparation.run, []
+
+    def run_and_start_a_second(self, users_per_shard):
+        if not second:  # the first preparation, halfway: the second starts
+            second.append(None)
+            second[0] = cli.main(argv)
+        return first_run(self, users_per_shard)
+
+    monkeypatch.setattr(_Preparation, "run", run_and_start_a_second)
+    assert cli.main(argv) == 0
+    assert second == [2]
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert line.startswith(
+        f"gr data prepare: error: {out}: in use by another process (pid {os.getpid()}: gr data prepare); "
+        "gr data prepare stops here without touching it"
+    )
+    assert_prepared_equals_raw(out, table_config(events))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.csv", "out", "recipe.yaml"]
 
 
 def test_spark_engine_absent_from_this_installation_is_one_line(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """One writer per run directory (``gr.utils.run_lock``): a second ``gr train`` / ``--resume`` into a run
-being written, or an export of it, stops in one line and leaves the directory as it was; the OS
-drops the lock of a process that dies."""
+being written, an export of it or a warm start from it, stops in one line and leaves the directory as it
+was; the OS drops the lock of a process that dies."""
 
 import os
 import signal
@@ -67,11 +67,22 @@ def test_exporting_a_run_being_written_is_refused_and_writes_no_export(run_dir, 
     assert not (tmp_path / "export").exists()
 
 
+def test_a_warm_start_from_a_run_being_written_is_one_line_and_starts_nothing(run_dir, tmp_path, capsys):
+    out = tmp_path / "warm"
+    before = listing(run_dir)
+    with run_lock(run_dir, "gr train"):
+        argv = ["train", "--config", str(QUICKSTART), "--out", str(out), "--init-from", str(run_dir)]
+        assert cli.main(argv) == 2
+    line = one_error_line(capsys, "gr train")
+    assert f"{run_dir}: in use by another process (pid {os.getpid()}: gr train); gr train --init-from stops" in line
+    assert listing(run_dir) == before and not out.exists()
+
+
 def test_exports_share_a_run_and_keep_writers_out(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     with run_lock(run, "gr export", shared=True), run_lock(run, "gr export", shared=True):
-        with pytest.raises(RunLockedError, match=r"in use by another process \(gr export, reading it\)"):
+        with pytest.raises(RunLockedError, match=r"another process \(gr export or gr train --init-from, reading it\)"):
             with run_lock(run, "gr train"):
                 pass
     assert list(run.iterdir()) == []

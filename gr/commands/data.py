@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from gr.data.download import DATASETS, DownloadError, download_dataset
 from gr.utils.cli_errors import USAGE_EXIT_STATUS, one_line, run_cli
+from gr.utils.outputs import checked_output
 
 # --engine NAME -> (module, function): prepare(config, out, **options) -> PreparedManifest (``_engine_options``)
 ENGINES = {
@@ -63,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         record = download_dataset(
             args.name,
-            args.dir,
+            checked_output(args.dir, (), "DIR"),
             sha256=args.sha256,
             url=args.url,
             overwrite=args.overwrite,
@@ -161,6 +162,7 @@ def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> 
     except ValueError as error:
         given = " ".join(f"--{k} {v}" for k, v in overrides)
         raise ValueError(f"{given + ' (command line, over ' + str(path) + ')' if given else path}: {error}") from None
+    checked_output(args.out, [("--config", path), *config.inputs()], "--out")
     engine = getattr(importlib.import_module(module), function)
     stages = logging.getLogger("gr.data")
     level = stages.level

@@ -27,7 +27,8 @@ def _main(argv: List[str]) -> int:
     )
     parser.add_argument("export", type=Path, metavar="EXPORT")
     parser.add_argument("items", type=Path, metavar="ITEMS")
-    parser.add_argument("--out", type=Path, required=True, help="the new export's directory (must not exist)")
+    parser.add_argument("--out", type=Path, required=True, help="the new export's directory, outside EXPORT")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--list-separator", default="|", help="joins a list feature's values in a CSV cell")
     parser.add_argument(
         "--replace-known",
@@ -36,6 +37,8 @@ def _main(argv: List[str]) -> int:
         "without it such an item is refused",
     )
     args = parser.parse_args(argv)
-    summary = add_items(args.export, args.items, args.out, args.list_separator, args.replace_known)
+    summary = add_items(
+        args.export, args.items, args.out, args.list_separator, args.replace_known, overwrite=args.overwrite
+    )
     print(json.dumps({**summary, "export": str(args.out)}))
     return 0

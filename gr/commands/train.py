@@ -12,6 +12,7 @@ from gr.data.readers import find_source
 from gr.train.config import TrainConfig, config_yaml, load_config
 from gr.train.config_reference import format_reference
 from gr.utils.cli_errors import run_cli
+from gr.utils.outputs import checked_output
 
 
 def parse_args(argv: Sequence[str], prog: str = "gr train") -> Tuple[argparse.Namespace, List[Tuple[str, str]]]:
@@ -68,7 +69,8 @@ def parse_overrides(parser: argparse.ArgumentParser, rest: Sequence[str]) -> Lis
 
 def resolve(argv: Sequence[str], prog: str = "gr train") -> Tuple[TrainConfig, Path, bool]:
     """-> (validated config, run directory, resume?); the data it names is found (FileNotFoundError
-    naming what is missing), all before the training stack is imported."""
+    naming what is missing) and the run directory lies apart from it and from ``--init-from``
+    (``gr.utils.outputs``), all before the training stack is imported."""
     args, overrides = parse_args(argv, prog)
     if args.resume:
         config_path = Path(args.config) if args.config else Path(args.resume) / "config.yaml"
@@ -78,6 +80,8 @@ def resolve(argv: Sequence[str], prog: str = "gr train") -> Tuple[TrainConfig, P
         out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
         if (out / "metrics.json").exists() or (out / "checkpoints").exists():
             raise ValueError(f"{out} already holds a run; pass another --out, or --resume {out} to continue it")
+    inputs = [*config.data.inputs(), ("--init-from", config.trainer.init_from)]
+    checked_output(out, inputs, "--resume" if resume else "--out")
     if prepared_directory(config.data) is None:
         find_source(config.data)
     return config, out, resume

@@ -433,6 +433,10 @@ class DataConfig(Section):
         summary = {"kind": self.split, **{k: getattr(self, k) for k in SPLIT_TIMES if getattr(self, k) is not None}}
         return {**summary, "test_events": self.test_events} if self.split == "time" else summary
 
+    def inputs(self) -> List[Tuple[str, str]]:
+        """[(config key, path), ...] of the files and directories this data section reads."""
+        return [(f"data.{key}", path) for key, path in (("path", self.path), ("prepared", self.prepared)) if path]
+
     def label_names(self) -> Tuple[str, ...]:
         """The ranking tasks' label names; empty for retrieval."""
         return tuple(t.name for t in self.ranking.tasks) if self.task == "ranking" else ()

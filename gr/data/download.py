@@ -175,7 +175,7 @@ def download_dataset(
     old = target.with_name(target.name + ".old")  # where ``replace_directory`` parks the DIR it replaces
     if overwrite and target.exists() and old.exists():
         log.warning("--overwrite: %s exists and will be deleted (the old %s is moved there, then removed)", old, target)
-    with atomic_directory(target, overwrite=overwrite) as tmp:
+    with atomic_directory(target, command="gr data download", overwrite=overwrite) as tmp:
         fetched = tmp / source.file_name
         digests = _fetch(url, fetched, progress)
         _verify(name, url, digests, source, sha256)

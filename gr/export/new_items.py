@@ -1,8 +1,8 @@
 """New items without retraining: ``gr items add EXPORT ITEMS --out NEW_EXPORT``.
 
-Writes a new export (never edits one in place: the old keeps serving until ``/admin/reload``
-points at the new) where the items of the file ITEMS (CSV with a header, or Parquet) join the
-catalogue with their item features:
+Writes a new export (never edits one in place, nor writes inside it: the old keeps serving until
+``/admin/reload`` points at the new) where the items of the file ITEMS (CSV with a header, or
+Parquet) join the catalogue with their item features:
 
 * their raw ids extend the item id map (every known item keeps its row);
 * their rows of the item table are the mean of the trained rows: the model has never seen them,
@@ -55,6 +55,7 @@ from gr.export.reader import ExportManifest, check_export, open_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL
 from gr.jagged_rows import JaggedRows
 from gr.utils.atomic import atomic_directory
+from gr.utils.outputs import checked_output
 
 ITEMS_MAP = "items"
 
@@ -64,11 +65,20 @@ class ItemsFileError(ValueError):
 
 
 def add_items(
-    export_dir: Path, items_file: Path, out_dir: Path, list_separator: str = "|", replace_known: bool = False
+    export_dir: Path,
+    items_file: Path,
+    out_dir: Path,
+    list_separator: str = "|",
+    replace_known: bool = False,
+    overwrite: bool = False,
 ) -> Dict[str, int]:
     """Write ``out_dir``: the export ``export_dir`` with the items of ``items_file`` added, or with
     ``replace_known`` their features replaced where the export has them (module docstring) ->
-    {"items_added", "items_replaced", "unknown_values"} (feature values the vocabularies lacked)."""
+    {"items_added", "items_replaced", "unknown_values"} (feature values the vocabularies lacked).
+
+    ``out_dir`` must lie apart from the export and the items file (``gr.utils.outputs``); an existing
+    ``out_dir`` is replaced only with ``overwrite``."""
+    checked_output(out_dir, [("EXPORT", export_dir), ("ITEMS", items_file)], "--out")
     export = open_export(export_dir)
     store = load_item_store(export.root, export.graph, export.sparse)
     if store is None or not store.features:
@@ -108,7 +118,7 @@ def add_items(
             values = values.with_values(ids) if isinstance(values, JaggedRows) else ids
         combined = _appended(stored, values)
         features[name] = combined.take(take) if isinstance(combined, JaggedRows) else combined[take]
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, command="gr items add", overwrite=overwrite) as tmp:
         shutil.copytree(export.root, tmp, dirs_exist_ok=True)
         maps[ITEMS_MAP] = maps[ITEMS_MAP].extended(raw_ids)
         save_mappings(str(tmp / ID_MAPS_DIR), maps, columns)

@@ -66,6 +66,7 @@ from gr.prefix_dnn import PrefixDNN, check_token_wise
 from gr.train.checkpoint import checkpoint_source
 from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run
 from gr.utils.atomic import atomic_directory, write_bytes, write_json
+from gr.utils.outputs import checked_output
 from gr.utils.run_lock import run_lock
 
 EXAMPLE_ROWS = 3  # rows of the example inputs traced for ONNX (>= 2: 0/1 sizes get specialised)
@@ -118,7 +119,7 @@ def export_model(
     was_training = model.training
     model.eval()
     try:
-        with atomic_directory(export_dir, overwrite=overwrite) as tmp:
+        with atomic_directory(export_dir, command="gr export", overwrite=overwrite) as tmp:
             sparse = _write(
                 model, tmp, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype, item_features
             )
@@ -143,11 +144,13 @@ def export_run(
 
     Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``; the item
     features the model reads from the run's training data (``gr.export.item_store``). The run
-    is read under its lock, shared (``gr.utils.run_lock``): a run being trained or resumed is refused.
+    is read under its lock, shared (``gr.utils.run_lock``): a run being trained or resumed is refused,
+    as is an ``export_dir`` that is, holds or lies inside the run or its data (``gr.utils.outputs``).
     """
     run_dir = Path(run_dir)
     with run_lock(run_dir, "gr export", shared=True):
-        _, spec, _ = read_run(run_dir)
+        config, spec, _ = read_run(run_dir)
+        checked_output(export_dir, [("RUN_DIR", run_dir), *config.data.inputs()], "EXPORT_DIR")
         checkpoint = best_checkpoint(run_dir)
         model, _ = load_trained_model(run_dir, checkpoint)
         mappings = run_dir / MAPPINGS_DIR

@@ -127,15 +127,19 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
 
 
 def _warm_start(config: TrainConfig) -> WarmStart:
-    """The run ``trainer.init_from`` names, read after checking it builds the same model (no data read)."""
+    """The run ``trainer.init_from`` names, read after checking it builds the same model (no data read),
+    under the run's lock, shared (``gr.utils.run_lock``): a run being trained or resumed is refused."""
     source = Path(config.trainer.init_from or "")
     check_not_export(source)
-    return WarmStart.load(source, config, read_run(source), best_checkpoint(source), source / MAPPINGS_DIR)
+    if not source.is_dir():
+        raise FileNotFoundError(f"trainer.init_from: {source}: no such run directory")
+    with run_lock(source, "gr train --init-from", shared=True):
+        return WarmStart.load(source, config, read_run(source), best_checkpoint(source), source / MAPPINGS_DIR)
 
 
 def _init_from(warm_start: WarmStart, maps: Dict[str, IdMap]) -> Dict[str, Any]:
     """{the checkpoint's ``checkpoint_source``, "new_ids": {map: ids added}}, logged on one line."""
-    origin = ckpt.checkpoint_source(warm_start.source, warm_start.checkpoint)
+    origin = warm_start.origin
     new_ids = warm_start.new_ids(maps)
     log.info(
         "warm start from %s/%s (epoch %s, step %s); new ids: %s",

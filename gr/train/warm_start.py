@@ -35,12 +35,11 @@ from gr.train.config import TrainConfig
 
 @dataclass
 class WarmStart:
-    """What a new run takes from a trained one (run directory ``source``, its ``checkpoint``): its
-    model (unsharded, torch tables), its id maps ({"items"|feature: IdMap}) and its tables'
-    optimizer state (TorchRec's layout)."""
+    """What a new run takes from a trained one: where it comes from (the run and checkpoint, with its
+    epoch and step: ``checkpoint.checkpoint_source``), its model (unsharded, torch tables), its id
+    maps ({"items"|feature: IdMap}) and its tables' optimizer state (TorchRec's layout)."""
 
-    source: Path
-    checkpoint: Path
+    origin: Dict[str, Any]
     model: GRModel
     maps: Dict[str, IdMap]
     table_optimizer_state: Dict[str, Any]
@@ -67,7 +66,8 @@ class WarmStart:
         }
         state = ckpt.load_checkpoint(template, checkpoint)
         model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
-        return cls(source, checkpoint, model, model_maps(str(mappings)), state["sparse_optimizer"])
+        origin = ckpt.checkpoint_source(source, checkpoint)
+        return cls(origin, model, model_maps(str(mappings)), state["sparse_optimizer"])
 
     def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
         """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""

@@ -5,7 +5,8 @@ checkpoints, exports) goes through these helpers: the content is written to a te
 sibling, flushed, and renamed over the target, so a crash leaves the old version or the
 new one, never a torn file.
 
-A directory is written in a sibling ``.NAME.tmp-<hex>`` that its writer holds under ``fcntl.flock``
+A directory is written by one process at a time (``gr.utils.run_lock.output_lock``), in a sibling
+``.NAME.tmp-<hex>`` that its writer holds under ``fcntl.flock``
 (the OS drops the lock when the process exits or dies, kill -9 included). One whose lock is free
 was left by a killed writer: stale, removed by the next ``atomic_directory`` of NAME.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator, List, Optional, Tuple, Union
 
 from gr.utils.crash_points import crash_point
+from gr.utils.run_lock import RunLockedError, output_lock
 
 PathLike = Union[str, Path]
 TEMPORARY = ".tmp-"  # .NAME.tmp-<hex>: where atomic_directory writes NAME
@@ -79,34 +81,45 @@ def write_json(path: PathLike, value: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(target: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(target: PathLike, *, command: str, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``target``; on a clean exit it replaces ``target``.
 
-    Without ``overwrite`` an existing ``target`` is a FileExistsError before anything is
-    written. A replaced ``target`` is first renamed aside and removed only once the new
-    directory is in place (``replace_directory``). Stale temporary siblings are removed first;
-    a directory that cannot be created is an OSError naming ``target``; on failure the parent
-    directories this call created are removed again.
+    ``target`` is taken at its real path (links and ``..`` resolved: a link to a directory keeps
+    pointing at the new one). The whole write holds ``target``'s ``output_lock``
+    (``gr.utils.run_lock``; ``command``, e.g. "gr export", names this writer to others), so a
+    second writer gets ``RunLockedError`` before it writes anything. Without ``overwrite`` an
+    existing ``target`` is a FileExistsError before anything is written. A replaced ``target`` is
+    first renamed aside and removed only once the new directory is in place
+    (``replace_directory``). Stale temporary siblings are removed first; a directory that cannot
+    be created is an OSError naming ``target``; on failure the parent directories this call
+    created are removed again.
     """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target}: already exists; pass overwrite=True (--overwrite) to replace it")
+    target = Path(os.path.realpath(target))
     created = [d for d in target.parents if not d.exists()]  # deepest first
     try:
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            for path in _temporaries(target):
-                _remove_stale(path)
-            tmp, fd = _locked_temporary(target)
-        except OSError as error:
-            raise type(error)(f"{target}: cannot write there ({error})") from None
-        try:
-            yield tmp
-            replace_directory(tmp, target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            os.close(fd)
+        with contextlib.ExitStack() as held:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                held.enter_context(output_lock(target, command))
+            except RunLockedError:
+                raise
+            except OSError as error:
+                raise type(error)(f"{target}: cannot write there ({error})") from None
+            if target.exists() and not overwrite:
+                raise FileExistsError(f"{target}: already exists; pass overwrite=True (--overwrite) to replace it")
+            try:
+                for path in _temporaries(target):
+                    _remove_stale(path)
+                tmp, fd = _locked_temporary(target)
+            except OSError as error:
+                raise type(error)(f"{target}: cannot write there ({error})") from None
+            try:
+                yield tmp
+                replace_directory(tmp, target)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):  # not empty: someone else wrote there, keep it
             for directory in created:

@@ -1,12 +1,17 @@
-"""One writer per run directory: an advisory lock on ``RUN/.lock`` while a run is written or exported.
+"""One writer per run directory: an advisory lock on ``RUN/.lock`` while a run is written or read;
+one writer per output directory: ``.NAME.lock`` beside it while it is written.
 
 The lock is ``fcntl.flock`` (a BSD lock, POSIX hosts only). The OS ties it to the open file and
 drops it when the process exits or dies (kill -9 included), so a crashed run never leaves a run
 locked: a ``.lock`` file left behind by a dead process is taken over by the next one.
 
 * ``gr train`` and ``gr train --resume`` hold it exclusively for the whole run (rank 0).
-* ``gr export`` holds it shared while it reads the run: exports may read a run together, never
-  while it is being written, and a run is not written while it is exported.
+* ``gr export`` and ``gr train --init-from`` hold it shared while they read the run: readers may
+  read a run together, never while it is being written, and a run is not written while it is read.
+
+A directory written whole (``gr.utils.atomic.atomic_directory``: an export, a prepared dataset, a
+download) takes one writer at a time by the same rule: ``output_lock`` holds ``.NAME.lock`` beside
+the directory NAME exclusively while it is written.
 
 Taking the lock never waits: the second comer gets ``RunLockedError`` (one line naming the
 directory and the holder) before it has written anything. The writer puts its pid and
@@ -25,10 +30,13 @@ from typing import Iterator, List, Mapping, Optional
 
 LOCK_FILE = ".lock"
 ACQUIRE_TRIES = 5  # each retry follows a holder that removed the file between our open and our lock
+RUN_RULE = "a run directory takes one writer at a time"
+OUTPUT_RULE = "a directory is written by one process at a time"
+READERS = "gr export or gr train --init-from, reading it"  # readers write no record: they may be several
 
 
 class RunLockedError(OSError):
-    """The run directory is locked by another process; the message names both."""
+    """The run or output directory is locked by another process; the message names both."""
 
 
 @contextlib.contextmanager
@@ -42,16 +50,30 @@ def run_lock(run_dir: str | Path, command: str, *, shared: bool = False) -> Iter
     created = [] if shared else [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
     if created:
         run_dir.mkdir(parents=True)
-    fd = _acquire(run_dir, command, shared)
+    fd = _acquire(run_dir / LOCK_FILE, run_dir, command, shared)
     try:
         yield
     finally:
         if fd is not None:
-            _release(run_dir, fd, created)
+            _release(run_dir / LOCK_FILE, fd, created)
 
 
-def _acquire(run_dir: Path, command: str, shared: bool) -> Optional[int]:
-    path = run_dir / LOCK_FILE
+@contextlib.contextmanager
+def output_lock(target: str | Path, command: str) -> Iterator[None]:
+    """Hold the writer's lock of the directory ``target`` (``.NAME.lock`` beside it, in a parent that
+    exists) for the ``with`` body: a second writer of ``target`` gets ``RunLockedError`` at once."""
+    target = Path(target)
+    path = target.parent / f".{target.name}{LOCK_FILE}"
+    fd = _acquire(path, target, command, False, OUTPUT_RULE)
+    assert fd is not None  # only a reader goes unlocked
+    try:
+        yield
+    finally:
+        _release(path, fd, [])
+
+
+def _acquire(path: Path, what: Path, command: str, shared: bool, rule: str = RUN_RULE) -> Optional[int]:
+    """A descriptor holding the lock file ``path`` of ``what`` (None: a reader that cannot create it)."""
     for _ in range(ACQUIRE_TRIES):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -62,11 +84,11 @@ def _acquire(run_dir: Path, command: str, shared: bool) -> Optional[int]:
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf8", "replace").strip() or "gr export, reading it"
+            holder = os.pread(fd, 4096, 0).decode("utf8", "replace").strip() or READERS
             os.close(fd)
             raise RunLockedError(
-                f"{run_dir}: in use by another process ({holder}); {command} stops here without touching it "
-                "(a run directory takes one writer at a time: wait for the other process to finish)"
+                f"{what}: in use by another process ({holder}); {command} stops here without touching it "
+                f"({rule}: wait for the other process to finish)"
             ) from None
         if _same_file(fd, path):
             os.ftruncate(fd, 0)
@@ -74,7 +96,7 @@ def _acquire(run_dir: Path, command: str, shared: bool) -> Optional[int]:
                 os.pwrite(fd, f"pid {os.getpid()}: {command}\n".encode(), 0)
             return fd
         os.close(fd)  # the holder we waited on removed the file: lock the current one
-    raise RunLockedError(f"{run_dir}: {path} keeps being replaced by other processes; {command} stops here")
+    raise RunLockedError(f"{what}: {path} keeps being replaced by other processes; {command} stops here")
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -84,15 +106,15 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _release(run_dir: Path, fd: int, created: List[Path]) -> None:
-    """Remove the lock file when no one else holds it (taken exclusively first), then unlock."""
+def _release(path: Path, fd: int, created: List[Path]) -> None:
+    """Remove the lock file ``path`` when no one else holds it (taken exclusively first), then unlock."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # other readers still hold it
         os.close(fd)
         return
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(run_dir / LOCK_FILE)
+        os.unlink(path)
     with contextlib.suppress(OSError):  # not empty: the run wrote something, keep it
         for directory in created:
             directory.rmdir()

@@ -100,7 +100,7 @@ def prepare_with_duckdb(
     if users_per_shard < 1:
         raise ValueError(f"users_per_shard: expected a positive number of users, got {users_per_shard}")
     out = Path(out)
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, command="gr data prepare", overwrite=overwrite) as tmp:
         work = tmp / WORK
         work.mkdir()
         con = duckdb.connect(str(work / "prepare.duckdb"))

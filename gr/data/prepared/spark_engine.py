@@ -124,7 +124,7 @@ def prepare_with_spark(
     if users_per_shard < 1:
         raise ValueError(f"users_per_shard: expected a positive number of users, got {users_per_shard}")
     source = source_of(config)  # the driver's checks, before Spark starts
-    with atomic_directory(Path(out), overwrite=overwrite) as tmp:
+    with atomic_directory(Path(out), command="gr data prepare", overwrite=overwrite) as tmp:
         scratch = tmp / SCRATCH
         with spark_session(master, memory, scratch / "local") as spark, _conf(spark, READ_CONF):
             manifest = _prepare(spark, config, source, tmp, scratch, users_per_shard)
