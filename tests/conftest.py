@@ -21,7 +21,7 @@ from helpers.movielens import ml_100k_missing, ml_100k_path  # noqa: E402
 from helpers.warm import WarmPython, fresh_sys_path  # noqa: E402
 
 # End-to-end modules: training runs, subprocesses, servers, benchmarks. ``-m "not slow"`` leaves them out
-# for a fast inner loop (README); ``make test`` runs everything.
+# for a fast inner loop (docs/development.md); ``make test`` runs everything.
 SLOW_MODULES = {
     "test_benches.py",
     "test_benches_training.py",

@@ -27,7 +27,7 @@ generate request with an empty history gets the export's most popular items, mar
 ``"fallback": "popularity"`` (``gr.serving.fallback``), counted in ``gr_fallback_total``. A client
 that closes its connection before its body has arrived is no error: it counts in
 ``gr_client_disconnects_total`` and logs one line.
-Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see README).
+Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see docs/serving.md, Replicas).
 """
 
 from __future__ import annotations

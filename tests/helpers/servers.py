@@ -35,7 +35,8 @@ def free_port() -> int:
 
 
 def replica_of(user_id: Any, replicas: int) -> int:
-    """The routing rule of the README: sha256 of the user id's text, as an integer, mod the replica count."""
+    """The routing rule of docs/serving.md (Replicas): sha256 of the user id's text, as an integer, mod the
+    replica count."""
     return int.from_bytes(hashlib.sha256(str(user_id).encode()).digest()[:8], "big") % replicas
 
 
