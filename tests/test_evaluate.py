@@ -6,9 +6,11 @@ popularity reaches its export, which answers an empty history with the most popu
 
 import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
+import yaml
 
 from gr.commands.cli import main as gr_main
 from gr.commands.evaluate import default_output
@@ -87,6 +89,28 @@ def test_a_run_evaluated_on_data_with_a_new_item_keeps_its_ids_and_leaves_the_ne
         assert evaluated["data"]["unknown_items"] == {"items": 1, "events": len(added)}, written
         for key in RETRIEVAL_KEYS:
             assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
+
+
+def test_a_new_cut_on_the_command_line_clears_the_runs_stored_end_unless_an_end_is_given(retrieval, capsys, tmp_path):
+    """The run as if trained on a time split that ended: judged on a later cut past that end."""
+    run, export, _ = retrieval
+    timed = tmp_path / "timed"
+    shutil.copytree(run, timed)
+    values = yaml.safe_load((timed / "config.yaml").read_text())
+    data = SequenceDataModule(values["data"])
+    data.setup()
+    cut, end, later = (int(np.percentile(data.corpus.sequences.timestamps, q)) for q in (50, 70, 90))
+    values["data"].update(split="time", split_time=cut, split_end=end)
+    (timed / "config.yaml").write_text(yaml.safe_dump(values))
+    for source in ([timed], [export, "--config", timed / "config.yaml"]):
+        report = evaluate(capsys, *source, "--data.split_time", later, "--output", tmp_path / "report.json")
+        assert report["split"] == "test" and 0 <= report["hr@10"] <= 1
+        written = json.loads((tmp_path / "report.json").read_text())
+        assert written["data"]["split"] == {"kind": "time", "split_time": later, "test_events": "next"}
+        assert written["data"]["evaluated_users"]["test"] > 0
+    evaluate(capsys, timed, "--data.split_time", end, "--data.split_end", later, "--output", tmp_path / "report.json")
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["data"]["split"] == {"kind": "time", "split_time": end, "split_end": later, "test_events": "next"}
 
 
 def test_per_user_metrics_name_each_test_user_once_and_average_to_the_reported_metrics(retrieval, capsys, tmp_path):

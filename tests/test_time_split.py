@@ -180,6 +180,21 @@ def test_split_times_may_be_iso_8601_dates_or_times_and_become_seconds():
         DataConfig.from_dict({"split": "time", "split_time": "yesterday"})
 
 
+def test_split_times_out_of_order_are_named_as_dates_when_dates_were_given():
+    """The seconds too, which the run's config.yaml keeps; a config of seconds alone is answered in seconds."""
+    with pytest.raises(
+        ValueError, match=r"split_end: expected after split_time 2001-01-01 \(978307200\), got 2000-12-01 \("
+    ):
+        DataConfig.from_dict({"split": "time", "split_time": "2001-01-01", "split_end": 975_628_800})
+    message = (
+        r"train_start: expected before split_time 2001-01-01T06:00:00Z \(978328800\), got 2001-01-02 \(978393600\)$"
+    )
+    with pytest.raises(ValueError, match=message):
+        DataConfig.from_dict({"split": "time", "split_time": 978_328_800, "train_start": "2001-01-02"})
+    with pytest.raises(ValueError, match=r"split_end: expected after split_time 978307200, got 975628800$"):
+        DataConfig.from_dict({"split": "time", "split_time": 978_307_200, "split_end": 975_628_800})
+
+
 def test_a_cut_with_no_target_after_it_is_one_line(times):
     with pytest.raises(ValueError, match=r"data\.split_time: no user has a val target"):
         _data(split="time", split_time=times[90] * 2)

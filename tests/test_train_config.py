@@ -209,3 +209,21 @@ def test_an_error_in_an_overridden_value_names_the_command_line_not_the_file(tmp
     recipe_file.write_text(yaml.safe_dump(bad))
     with pytest.raises(ValueError, match=rf"^{recipe_file}: trainer\.max_epochs:"):
         load_config(recipe_file, [("trainer.num_threads", "1")])
+
+
+@pytest.mark.parametrize("key", ["split_time", "split_end", "train_start"])
+def test_a_date_that_is_no_date_names_its_key_and_what_is_expected(tmp_path, key):
+    """YAML reads 2023-13-45 as a date and fails on its month; the key's own check says what it takes."""
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe()))
+    expected = r"expected null or an integer number of seconds, or an ISO 8601 date or time .*, got '2023-13-45'$"
+    overrides = {"data.split": "time", "data.split_time": "2023-11-15", f"data.{key}": "2023-13-45"}
+    with pytest.raises(
+        ValueError, match=rf"^--data\.{key} 2023-13-45 \(command line, over .*\): data\.{key}: {expected}"
+    ):
+        load_config(recipe_file, list(overrides.items()))
+    in_file = recipe()
+    in_file["data"].update(split="time", **({} if key == "split_time" else {"split_time": 1_700_000_000}))
+    recipe_file.write_text(yaml.safe_dump(in_file).replace("data:\n", f"data:\n  {key}: 2023-13-45\n", 1))
+    with pytest.raises(ValueError, match=rf"^{recipe_file}: data\.{key}: {expected}"):
+        load_config(recipe_file)

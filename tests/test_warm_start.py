@@ -7,6 +7,8 @@ data is read."""
 import copy
 import json
 import logging
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from gr.data.datamodule import SequenceDataModule
-from gr.data.mappings import load_mappings
+from gr.data.mappings import MANIFEST, load_mappings
 from gr.sparse.torch_tables import attach_optimizers
 from gr.train import load_trained_model
 from gr.train.build import seeded_model
@@ -132,3 +134,69 @@ def test_an_export_is_refused_as_a_warm_start_source(tmp_path):
     config = _config(tmp_path / "absent.csv", init_from=str(tmp_path))
     with pytest.raises(ValueError, match=r"trainer\.init_from: .* is an export; warm start reads a run directory"):
         train(config, tmp_path / "run")
+
+
+def _cut_at_a_line(mappings: Path) -> None:
+    lines = (mappings / "items.tsv").read_text().splitlines(keepends=True)
+    (mappings / "items.tsv").write_text("".join(lines[: len(lines) // 2]))
+
+
+def _users_over_items(mappings: Path) -> None:
+    shutil.copyfile(mappings / "users.tsv", mappings / "items.tsv")
+
+
+def _items_from_one(mappings: Path) -> None:
+    """Well formed, but numbered as a side feature's values are (0: unknown)."""
+    manifest = json.loads((mappings / MANIFEST).read_text())
+    manifest["maps"]["items"]["offset"] = 1
+    (mappings / MANIFEST).write_text(json.dumps(manifest))
+    header, *rows = (mappings / "items.tsv").read_text().splitlines()
+    renumbered = [f"{int(dense) + 1}\t{raw}" for dense, raw in (row.split("\t") for row in rows)]
+    (mappings / "items.tsv").write_text("\n".join([header, *renumbered]) + "\n")
+
+
+def _repeated_id(mappings: Path) -> None:
+    header, first, *rows = (mappings / "items.tsv").read_text().splitlines()
+    last = f"{rows[-1].split(chr(9))[0]}\t{first.split(chr(9))[1]}"
+    (mappings / "items.tsv").write_text("\n".join([header, first, *rows[:-1], last]) + "\n")
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        pytest.param(_cut_at_a_line, ": {written} item ids, but .* was trained with {trained} ", id="cut"),
+        pytest.param(
+            _users_over_items,
+            r": {written} item ids, but .* was trained with {trained} \(table 'item': {trained} rows\); the map is not",
+            id="users",
+        ),
+        pytest.param(_items_from_one, ": dense ids from 1, but item ids take dense ids from 0$", id="offset"),
+        pytest.param(_repeated_id, ":{lines}: raw_id .* repeats line 2 ", id="repeated"),
+    ],
+)
+def test_id_maps_that_do_not_fit_the_runs_checkpoint_are_refused_naming_the_file(day_runs, tmp_path, corrupt, message):
+    """A map cut short, another map's file in its place, renumbered or repeating an id: the rows the new
+    run would copy are not the rows the checkpoint trained for those ids."""
+    shutil.copytree(day_runs / "day0", tmp_path / "day0")
+    mappings = tmp_path / "day0" / "mappings"
+    trained = len(load_mappings(str(mappings))[0]["items"].raw)
+    corrupt(mappings)
+    lines = len((mappings / "items.tsv").read_text().splitlines())
+    expected = message.format(written=lines - 1, trained=trained, lines=lines)
+    config = _config(tmp_path / "absent.csv", init_from=str(tmp_path / "day0"))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(mappings / 'items.tsv'))}{expected}") as refused:
+        train(config, tmp_path / "warm")
+    assert "\n" not in str(refused.value)
+
+
+def test_new_data_whose_ids_are_of_another_kind_than_the_runs_are_refused_naming_the_column_and_map(day_runs, tmp_path):
+    header, *rows = (day_runs / "all.csv").read_text().splitlines()
+    named = [f"{user},i{item},{rest}" for user, item, rest in (row.split(",", 2) for row in rows)]
+    (tmp_path / "named.csv").write_text("\n".join([header, *named]) + "\n")
+    config = _config(tmp_path / "named.csv", init_from=str(day_runs / "day0"))
+    message = (
+        rf"^{re.escape(str(tmp_path / 'named.csv'))}: column 'item_id': the new data's ids are strings, those of "
+        rf"{re.escape(str((day_runs / 'day0' / 'mappings' / 'items.tsv').resolve()))} \(the model's\) are integers; "
+    )
+    with pytest.raises(ValueError, match=message):
+        train(config, tmp_path / "warm")

@@ -4,7 +4,8 @@ Both use training's evaluation code (``gr.train.tasks``: RetrievalTask's full-ca
 with the popularity baseline, RankingTask's AUC / log loss) on the test batches of
 ``SequenceDataModule``. A RUN is scored by ``load_trained_model`` on the run's data config;
 an EXPORT by the serving path (``gr.serving.Ranker``) on the data of ``--config`` (a recipe or
-the run's ``config.yaml``; ``--data.KEY VALUE`` overrides either), so a run's metrics and its
+the run's ``config.yaml``; ``--data.KEY VALUE`` overrides either, a new ``data.split_time``
+dropping the config's ``data.split_end`` unless one is given too), so a run's metrics and its
 export's can be compared: they agree to fp32 tolerance (``tests/test_evaluate.py``).
 
 The data are read with the model's id maps (the run's, or the export's ``sparse/id_maps``), so
@@ -90,7 +91,7 @@ def evaluate_run(
 ) -> Dict[str, Any]:
     """The run's best checkpoint on its test split (data as in the run's config.yaml plus overrides);
     with ``per_user``, each user's metrics are written there too (``write_user_metrics``)."""
-    config = load_config(Path(run_dir) / CONFIG_FILE, data_overrides)
+    config = load_config(Path(run_dir) / CONFIG_FILE, with_new_cut(data_overrides))
     _check_test_split(config)
     _check_per_user(config, per_user)
     model, _ = load_trained_model(run_dir)
@@ -112,7 +113,7 @@ def evaluate_export(
 ) -> Dict[str, Any]:
     """The export's test metrics through ``Ranker`` on the data of ``config_path`` (+ overrides).
     Features of the data that the export does not read are left out of its requests."""
-    config = load_config(config_path, data_overrides)
+    config = load_config(config_path, with_new_cut(data_overrides))
     _check_test_split(config)
     _check_per_user(config, per_user)
     ranker = Ranker.load(export_dir)
@@ -138,6 +139,15 @@ def evaluate_export(
             }
             task.evaluation_step(_output(logits, offsets_from_lengths(batch.num_targets)), batch)
     return _report(task, "export", export_dir, data, per_user)
+
+
+def with_new_cut(data_overrides: Sequence[Tuple[str, str]]) -> List[Tuple[str, str]]:
+    """The overrides, plus ``data.split_end null`` when they give a new cut (``data.split_time``)
+    and no end: the config's end belongs to its own cut (the training data's), not to later data."""
+    keys = {key for key, _ in data_overrides}
+    if "data.split_time" in keys and "data.split_end" not in keys:
+        return [*data_overrides, ("data.split_end", "null")]
+    return list(data_overrides)
 
 
 def _check_test_split(config: TrainConfig) -> None:

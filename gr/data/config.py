@@ -6,7 +6,7 @@ import dataclasses
 import datetime
 import math
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from gr.data.features import ITEM_ID
 from gr.utils.config_checks import (
@@ -48,6 +48,17 @@ def iso_seconds(value: Any) -> Any:
     if isinstance(value, datetime.date):
         return iso_seconds(datetime.datetime(value.year, value.month, value.day))
     return value
+
+
+def iso_text(seconds: int) -> str:
+    """Unix ``seconds`` as an ISO 8601 UTC date (at midnight) or date and time, with the seconds:
+    ``2001-01-01 (978307200)``; the seconds alone when they lie past the dates Python writes."""
+    try:
+        moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return str(seconds)
+    text = moment.date().isoformat() if moment.time() == datetime.time() else moment.isoformat().replace("+00:00", "Z")
+    return f"{text} ({seconds})"
 
 
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
@@ -358,6 +369,7 @@ class DataConfig(Section):
     where: InitVar[str] = "data"
 
     def __post_init__(self, where: str) -> None:
+        dated = any(getattr(self, key) is not None and not is_int(getattr(self, key)) for key in SPLIT_TIMES)
         for key in SPLIT_TIMES:  # an ISO 8601 date or time becomes its seconds, as the run's config.yaml keeps it
             object.__setattr__(self, key, iso_seconds(getattr(self, key)))
         self.validate(where)
@@ -375,7 +387,7 @@ class DataConfig(Section):
             value = getattr(self, name)
             if not isinstance(value, section):
                 object.__setattr__(self, name, section.from_dict(value, f"{where}.{name}"))
-        self._check_split(where)
+        self._check_split(where, iso_text if dated else str)
         declared = self.columns.declared()
         for side in ("item", "user"):
             switched_off = [k for k in (f"{side}_features", f"{side}_dense") if getattr(self.columns, k)]
@@ -395,7 +407,8 @@ class DataConfig(Section):
                 f"{self.source!r} declares list features in data.columns.list_features"
             )
 
-    def _check_split(self, where: str) -> None:
+    def _check_split(self, where: str, shown: Callable[[int], str]) -> None:
+        """shown: how a time is written in messages (as dates when the config gave dates)."""
         time_keys = [k for k in SPLIT_TIMES if getattr(self, k) is not None]
         time_keys += ["test_events"] if self.test_events != "next" else []
         if self.split == "leave_one_out" and time_keys:
@@ -416,12 +429,11 @@ class DataConfig(Section):
             if self.split == "time":
                 raise ValueError(f"{where}.split_time: required by data.split 'time' (the cut, in seconds)")
             return
+        cut = shown(self.split_time)
         if self.split_end is not None and self.split_end <= self.split_time:
-            raise ValueError(f"{where}.split_end: expected after split_time {self.split_time}, got {self.split_end}")
+            raise ValueError(f"{where}.split_end: expected after split_time {cut}, got {shown(self.split_end)}")
         if self.train_start is not None and self.train_start >= self.split_time:
-            raise ValueError(
-                f"{where}.train_start: expected before split_time {self.split_time}, got {self.train_start}"
-            )
+            raise ValueError(f"{where}.train_start: expected before split_time {cut}, got {shown(self.train_start)}")
 
     @property
     def validates(self) -> bool:

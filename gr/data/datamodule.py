@@ -99,7 +99,7 @@ class SequenceDataModule(lightning.LightningDataModule):
         base, extend = self.base_maps, self.new_ids == "extend"
         unknown = None if extend or "items" not in base else base["items"].encode(data.items, unknown=-1) < 0
         sequences, self.user_map, self.item_map = build_sequences(
-            data, config.min_seq_len, config.min_item_interactions, base.get("items"), unknown
+            data, config.min_seq_len, config.min_item_interactions, base.get("items"), unknown, config.columns.item
         )
         sequences.split = configured_split(sequences, config)
         self.corpus = Corpus(

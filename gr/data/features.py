@@ -71,7 +71,7 @@ class SideFeatures:
 
         def vocabulary_of(name: str, values: np.ndarray) -> IdMap:
             if base and name in base:
-                return base[name].extended(values) if extend else base[name]
+                return base[name].extended(values, f"column {name!r}") if extend else base[name]
             return IdMap.of(values, offset=1)
 
         for name, values in table.categorical.items():

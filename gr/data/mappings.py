@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -25,10 +25,12 @@ class IdMap:
     """raw: [K] unique raw ids (int64 or str), in dense id order: ``raw[k]`` has dense id
     ``k + offset``; offset 1 keeps dense id 0 for "unknown" (used by categorical side features).
     A map built from data has its raw ids sorted; one ``extended`` by later data keeps its rows
-    and appends the new ids (sorted among themselves)."""
+    and appends the new ids (sorted among themselves). source: the file it was read from ("" for
+    a map built in memory), for messages."""
 
     raw: np.ndarray
     offset: int = 0
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         self._order: Optional[np.ndarray] = None  # argsort of raw when it is not sorted
@@ -44,13 +46,15 @@ class IdMap:
         """The map of the distinct values of values: [N]."""
         return cls(np.unique(values), offset)
 
-    def extended(self, values: np.ndarray) -> "IdMap":
+    def extended(self, values: np.ndarray, column: str = "the new ids") -> "IdMap":
         """This map with the distinct ``values`` it lacks appended (sorted), so every known raw id
-        keeps its dense id."""
+        keeps its dense id. column: where ``values`` come from (e.g. "FILE: column 'item_id'"),
+        named when they are not of the map's kind (integers, strings): ValueError in one line."""
         values = np.unique(np.asarray(values))
-        if len(values) and len(self.raw) and values.dtype.kind != self.raw.dtype.kind:
+        if len(values) and len(self.raw) and id_kind(values) != id_kind(self.raw):
             raise ValueError(
-                f"IdMap.extended: raw ids of kind {values.dtype.kind!r}, the map's are {self.raw.dtype.kind!r}"
+                f"{column}: the new data's ids are {id_kind(values)}, those of {self.source or 'the map'} (the "
+                f"model's) are {id_kind(self.raw)}; new ids extend a map only when they are of its kind"
             )
         new = values[self.encode(values, unknown=-1) < 0]
         if not len(new):
@@ -83,6 +87,11 @@ class IdMap:
     def decode(self, dense: np.ndarray) -> np.ndarray:
         """dense: [N] int64 dense ids (>= offset) -> [N] raw ids."""
         return self.raw[np.asarray(dense) - self.offset]
+
+
+def id_kind(raw: np.ndarray) -> str:
+    """The kind of raw ids ``raw`` ([N]) in words: "integers", "strings" (else its dtype)."""
+    return {"i": "integers", "u": "integers", "U": "strings"}.get(raw.dtype.kind, str(raw.dtype))
 
 
 def save_mappings(directory: str, maps: Mapping[str, IdMap], columns: Mapping[str, List[str]]) -> None:
@@ -178,7 +187,7 @@ def _read_map(path: Path, kind: str, offset: int) -> IdMap:
     values = _bulk_map_values(path, kind, offset)
     if values is not None:
         try:
-            return IdMap(values, offset)
+            return IdMap(values, offset, str(path))
         except ValueError:  # a repeated raw id: the line-by-line reader names both lines
             pass
     return _read_map_by_line(path, kind, offset)
@@ -251,7 +260,7 @@ def _read_map_by_line(path: Path, kind: str, offset: int) -> IdMap:
                 f"{path}:{rows[repeat][0]}: raw_id {raw[repeat]!r} repeats line {rows[original][0]} "
                 "(each raw id maps to one dense id)"
             )
-    return IdMap(values, offset)
+    return IdMap(values, offset, str(path))
 
 
 def _read_tsv(path: Path, header: Tuple[str, str]) -> List[Tuple[int, List[str]]]:

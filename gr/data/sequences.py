@@ -192,6 +192,7 @@ def build_sequences(
     min_item_interactions: int = 1,
     base_items: Optional[IdMap] = None,
     drop: Optional[np.ndarray] = None,
+    item_column: str = "item_id",
 ) -> Tuple[UserSequences, IdMap, IdMap]:
     """Filter, remap and sort events -> (sequences, user map, item map).
 
@@ -201,6 +202,7 @@ def build_sequences(
     file's order, as a request's history keeps its own (``gr.timestamps``).
     base_items: an item map to extend (a warm start's): its items keep their dense ids.
     drop: [N] bool, events to leave out before any filter (e.g. those of items a model has no row for).
+    item_column: the item ids' column, named when they are not of ``base_items``' kind.
     """
     keep = np.ones(len(data.users), dtype=bool) if drop is None else ~drop
     if min_item_interactions > 1:
@@ -217,7 +219,11 @@ def build_sequences(
     rows = np.flatnonzero(keep)[long_enough[user_codes]]
     users = IdMap(user_raw[long_enough])
     user_dense = (np.cumsum(long_enough) - 1)[user_codes[long_enough[user_codes]]]
-    items = IdMap.of(data.items[rows]) if base_items is None else base_items.extended(data.items[rows])
+    items = (
+        IdMap.of(data.items[rows])
+        if base_items is None
+        else base_items.extended(data.items[rows], f"{data.source}: column {item_column!r}")
+    )
     item_dense = items.encode(data.items[rows])
     timestamps = data.timestamps[rows].astype(np.int64)
     order = np.lexsort((np.arange(len(rows)), timestamps, user_dense))

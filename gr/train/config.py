@@ -547,6 +547,18 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _timestamp(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    """A YAML date or time, or its text when it is no real one (``2023-13-45``): the key's check
+    then refuses it by name, saying what it expects."""
+    try:
+        return loader.construct_yaml_timestamp(node)
+    except ValueError:
+        return loader.construct_scalar(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp)
+
+
 def read_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 

@@ -2,7 +2,8 @@
 
 ``gr train --config C --init-from RUN`` (``trainer.init_from``):
 * before any data is read, the model sections must agree: HSTU, tables (all but their rows),
-  modules and model class, task type; the first key that differs is one line;
+  modules and model class, task type; the first key that differs is one line; and each of the
+  run's id maps must be the one its checkpoint was trained with (``check_maps``);
 * the new data's id maps extend the run's (``IdMap.extended``): every raw id the run knew keeps
   its dense id, so its table row; new ids are appended;
 * tables: the run's rows are copied into the first rows of each (larger) new table, bit for
@@ -18,18 +19,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Tuple
+from typing import Any, Dict, Iterator, Mapping, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from gr.data.features import FeatureSpec
+from gr.data.features import ITEM_ID, FeatureSpec
 from gr.data.mappings import IdMap, model_maps
 from gr.model import GRModel
 from gr.sparse.tables import TableConfig
 from gr.sparse.torch_tables import attach_optimizers
 from gr.train import checkpoint as ckpt
-from gr.train.build import build_model
+from gr.train.build import build_model, build_tables
 from gr.train.config import TrainConfig
 
 
@@ -55,10 +56,13 @@ class WarmStart:
     ) -> "WarmStart":
         """Run ``source`` (its config, spec and tasks: ``run``; its best ``checkpoint``; its
         ``mappings`` directory), after checking that ``config`` builds the same model (ValueError
-        naming the first differing key otherwise). Reads no data."""
+        naming the first differing key otherwise) and that the maps fit the checkpoint
+        (``check_maps``). Reads no data."""
         old_config, spec, tasks = run
         check_same_model(config, old_config, source)
-        model = build_model(old_config, spec, tasks, for_training=False)
+        model = build_model(old_config, spec, tasks, for_training=False)  # refuses a spec its tables do not hold
+        maps = model_maps(str(mappings))
+        check_maps(maps, spec, build_tables(old_config, spec, for_training=False), checkpoint)
         optimizers = attach_optimizers(model, old_config.sparse.optimizer)
         template = {
             "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
@@ -66,8 +70,7 @@ class WarmStart:
         }
         state = ckpt.load_checkpoint(template, checkpoint)
         model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
-        origin = ckpt.checkpoint_source(source, checkpoint)
-        return cls(origin, model, model_maps(str(mappings)), state["sparse_optimizer"])
+        return cls(ckpt.checkpoint_source(source, checkpoint), model, maps, state["sparse_optimizer"])
 
     def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
         """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""
@@ -123,6 +126,34 @@ def check_same_model(config: TrainConfig, old: TrainConfig, source: Path) -> Non
         raise ValueError(
             f"{key}: {here!r} here, {there!r} in {source}; --init-from needs the model of the run it starts from"
         )
+
+
+def check_maps(maps: Mapping[str, IdMap], spec: FeatureSpec, tables: Sequence[TableConfig], checkpoint: Path) -> None:
+    """ValueError in one line naming the map's file unless each of ``maps`` (a run's, by name:
+    "items" or a side feature) is the map ``checkpoint`` was trained with: the map of a feature of
+    the run's ``spec`` (whose ``tables`` hold at least its cardinality), of that feature's kind of
+    ids (items from dense id 0, a side feature's values from 1, 0 being "unknown"), and as many
+    ids as the run trained (the spec's cardinality). A map that repeats a raw id is refused as it
+    is read (``load_mappings``)."""
+    cardinalities = {**spec.sequence, **spec.common, **spec.token_lists}
+    table_of = {feature: table for table in tables for feature in table.features}
+    for name, id_map in maps.items():
+        feature = ITEM_ID if name == "items" else name
+        where = id_map.source or name
+        if feature not in cardinalities:
+            raise ValueError(
+                f"{where}: map {name!r} is of no feature of the model in {checkpoint} (its features: "
+                f"{sorted(cardinalities)})"
+            )
+        ids, offset = ("item ids", 0) if feature == ITEM_ID else (f"{feature!r} values", 1)
+        if id_map.offset != offset:
+            raise ValueError(f"{where}: dense ids from {id_map.offset}, but {ids} take dense ids from {offset}")
+        trained, table = cardinalities[feature], table_of[feature]
+        if id_map.cardinality != trained:
+            raise ValueError(
+                f"{where}: {len(id_map.raw)} {ids}, but {checkpoint} was trained with {trained - offset} (table "
+                f"{table.name!r}: {table.num_embeddings} rows); the map is not the one the checkpoint was trained with"
+            )
 
 
 def _differences(a: Any, b: Any, where: str) -> Iterator[Tuple[str, Any, Any]]:

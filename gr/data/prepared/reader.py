@@ -129,12 +129,14 @@ class PreparedData:
         self.user_map = maps.pop("users")
         stored_items = maps.pop("items")
         base_items = base_maps.get("items")
-        self.item_map = stored_items if base_items is None else base_items.extended(stored_items.raw)
+        self.item_map = (
+            stored_items if base_items is None else base_items.extended(stored_items.raw, stored_items.source)
+        )
         # stored dense item id -> this run's (None: the same), when a warm start's map comes first
         self.item_codes = None if base_items is None else self.item_map.encode(stored_items.raw)
         self.num_stored_items = stored_items.cardinality
         self.vocabularies = {
-            name: base_maps[name].extended(vocabulary.raw) if name in base_maps else vocabulary
+            name: base_maps[name].extended(vocabulary.raw, vocabulary.source) if name in base_maps else vocabulary
             for name, vocabulary in maps.items()
         }
         self.item_features = self._side_features(ITEMS_TABLE, self.item_map, config.item_features)
