@@ -27,6 +27,6 @@ _EXPORTS = {
     "TableConfig": "gr.sparse.tables",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["GRInput", "GRModel", "GROutput", "HSTUConfig", "PostfixDNN", "PrefixDNN", "TableConfig"]
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -216,6 +216,7 @@ def test_public_names_are_visible_to_type_checkers_and_match_the_lazy_ones():
         alias.name: node.module for node in guarded.body if isinstance(node, ast.ImportFrom) for alias in node.names
     }
     assert typed == gr._EXPORTS
+    assert sorted(gr.__all__) == sorted(typed)
     for name, module in typed.items():
         assert getattr(gr, name) is getattr(importlib.import_module(module), name)
 
