@@ -1,11 +1,11 @@
 """gr's fused CPU kernels, compiled for this machine on first use: one library, six op namespaces.
 
-* ``gr_cpu_fused`` (``gr/ops/attention/cpu_fused_attention.cpp``): HSTU attention tiles, used by
-  ``gr.ops.attention.cpu`` (``forward_chunks``, ``backward_chunks``);
-* ``gr_cpu_layer`` (``gr/ops/layer_ops/layer_ops.cpp``): the HSTU layer's input projection
+* ``gr_cpu_fused`` (``gr/hstu/kernels/attention/cpu_fused_attention.cpp``): HSTU attention tiles, used by
+  ``gr.hstu.kernels.attention.cpu`` (``forward_chunks``, ``backward_chunks``);
+* ``gr_cpu_layer`` (``gr/hstu/kernels/layer_ops/layer_ops.cpp``): the HSTU layer's input projection
   (LayerNorm, linear, SiLU), its output (LayerNorm, gate, dropout, linear, residual) and
   LayerNorm-gate-dropout alone, a block of rows at a time, and the stack's input (scaled
-  embeddings, positions, dropout), used by ``gr.ops.layer_ops``
+  embeddings, positions, dropout), used by ``gr.hstu.kernels.layer_ops``
   (``projection_*``, ``output_*``, ``norm_*``, ``input_*``: ``forward`` and ``backward`` each);
 * ``gr_cpu_loss`` (``gr/ops/sampled_softmax/sampled_softmax.cpp``): the per-row sampled softmax, used by
   ``gr.ops.sampled_softmax.cpu`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
@@ -58,8 +58,8 @@ log = logging.getLogger(__name__)
 
 OPS = Path(__file__).resolve().parent  # gr/ops: each op's C++ beside its CPU code, shared headers in csrc/
 SOURCES = [
-    OPS / "attention" / "cpu_fused_attention.cpp",
-    OPS / "layer_ops" / "layer_ops.cpp",
+    OPS.parent / "hstu" / "kernels" / "attention" / "cpu_fused_attention.cpp",
+    OPS.parent / "hstu" / "kernels" / "layer_ops" / "layer_ops.cpp",
     OPS / "sampled_softmax" / "sampled_softmax.cpp",
     OPS / "random" / "random.cpp",
     OPS / "csrc" / "gemm.cpp",
