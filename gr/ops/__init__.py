@@ -6,6 +6,7 @@ build of all of gr's fused CPU kernels.
 * ``random``: ``keep_mask`` and ``randint``, counter-based on CPU.
 
 Each op's C++ sits beside its CPU code; ``csrc/`` holds the shared headers (GEMM, SiLU, BLAS,
-threads) and the GEMM and SiLU test ops; ``native`` builds them into one library on first use.
+threads) and the GEMM and SiLU test ops; ``native`` builds them, with the C++ of the packages above
+that add theirs (``gr.hstu.kernels``), into one library on first use.
 Nothing here imports ``gr.hstu``, ``gr.train`` or ``gr.serving``: they import ``gr.ops``.
 """

@@ -9,6 +9,15 @@ its cost model (``cost``).
 * ``layer_ops``: the HSTU layer's steps around attention (``project``, ``combine``,
   ``norm_mul_dropout``, ``stack_input``; fused CPU ops in ``cpu``).
 
-Each op's C++ sits beside its CPU code and includes the shared headers of ``gr/ops/csrc``; ``gr.ops.native``
-builds it. Nothing here imports the rest of ``gr.hstu``: the layer and stack import these.
+Each op's C++ sits beside its CPU code and includes the shared headers of ``gr/ops/csrc``; importing
+this package adds it (``SOURCES``) to the library ``gr.ops.native`` builds. Nothing here imports the
+rest of ``gr.hstu``: the layer and stack import these.
 """
+
+from pathlib import Path
+
+from gr.ops.native import add_sources
+
+KERNELS = Path(__file__).resolve().parent
+SOURCES = (KERNELS / "attention" / "cpu_fused_attention.cpp", KERNELS / "layer_ops" / "layer_ops.cpp")
+add_sources(SOURCES)
