@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps torchrec==1.8.0
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, lightning, onnxruntime; print('gr env ready: torch', torch.__version__)"
 	# gr's fused CPU kernels, compiled now rather than at the first training step or test (a failed build
-	# is logged and the PyTorch kernels run; cached by content in ~/.cache/gr/extensions).
-	$(PY) -c "from gr.ops.native import native_ops; native_ops('gr_cpu_fused')"
+	# is logged and the PyTorch kernels run; cached by content in ~/.cache/gr/extensions). Importing
+	# gr.hstu.kernels adds HSTU's kernels to the library gr.ops.native builds.
+	$(PY) -c "import gr.hstu.kernels; from gr.ops.native import native_ops; native_ops('gr_cpu_fused')"
 	touch $(STAMP)
 
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0 unless this is an Ascend host (torch_npu then loads with torch), decided by

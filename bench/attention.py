@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke  # noqa: E402
 from _peak import matmul_peak  # noqa: E402
 
-from gr.ops.attention import RelativeBias, hstu_attention  # noqa: E402
+from gr.hstu.kernels.attention import RelativeBias, hstu_attention  # noqa: E402
 
 SMOKE = {"batch": 4, "mean_len": 32.0, "max_len": 128, "dim": 16, "repeats": 1, "peak_size": 256}
 SHAPES = {

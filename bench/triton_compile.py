@@ -5,7 +5,7 @@
     python bench/triton_compile.py --arch sm_90 --recipe configs/ml1m_hstu.yaml --only-recipe
 
 The variants are what training and serving launch, assembled by the launcher's own argument
-code (``gr.ops.attention.triton.host``) on CPU tensors and specialized by Triton's own binder,
+code (``gr.hstu.kernels.attention.triton.host``) on CPU tensors and specialized by Triton's own binder,
 so a variant here is one compile there: the forward, dq and dk/dv passes, and the cached
 attention of serving (which runs the forward pass over history + new tokens); fp32 and bf16;
 each bias part (position, time with log or sqrt buckets); the mask and norm switches (targets,
@@ -13,7 +13,7 @@ contextual prefix, look-back window, next-event query times, per-position norm),
 runtime scalars and so share their variant; head dims 64, and 50 and 128 with both bias parts
 (a dim that is not a multiple of 16 loads element by element; above 64 the table's wide column
 applies); at the default tile configuration and at each autotuning candidate
-(``gr.ops.attention.triton.tuning``). Launches that compile to the same kernel are compiled once
+(``gr.hstu.kernels.attention.triton.tuning``). Launches that compile to the same kernel are compiled once
 and listed together.
 
 Per variant: compile seconds (Triton front end to cubin, ptxas included), registers per
@@ -54,10 +54,10 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from gr.ops.attention.common import AttentionCall, RelativeBias  # noqa: E402
-from gr.ops.attention.triton import tuning  # noqa: E402
-from gr.ops.attention.triton.cuda import CudaLayout  # noqa: E402
-from gr.ops.attention.triton.host import (  # noqa: E402
+from gr.hstu.kernels.attention.common import AttentionCall, RelativeBias  # noqa: E402
+from gr.hstu.kernels.attention.triton import tuning  # noqa: E402
+from gr.hstu.kernels.attention.triton.cuda import CudaLayout  # noqa: E402
+from gr.hstu.kernels.attention.triton.host import (  # noqa: E402
     Launch,
     backward_launches,
     forward_launch,
@@ -65,7 +65,7 @@ from gr.ops.attention.triton.host import (  # noqa: E402
     prepare_inputs,
     row_block,
 )
-from gr.ops.attention.triton.tuning import TileConfig  # noqa: E402
+from gr.hstu.kernels.attention.triton.tuning import TileConfig  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BIAS_PARTS = {  # name -> (position bias, time bucketing or None)

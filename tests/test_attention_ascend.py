@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gr.ops.attention import RelativeBias, ascend, hstu_attention
+from gr.hstu.kernels.attention import RelativeBias, ascend, hstu_attention
 
 pytestmark = pytest.mark.attention
 
@@ -167,7 +167,7 @@ def test_without_mxrec_ascend_runs_the_triton_ascend_kernels(monkeypatch):
 
 
 def test_npu_work_list_covers_every_block_once_costliest_first():
-    from gr.ops.attention.ascend_triton import work_list
+    from gr.hstu.kernels.attention.ascend_triton import work_list
 
     lengths = [70, 0, 1, 200, 64]
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])
@@ -183,7 +183,7 @@ def test_npu_work_list_covers_every_block_once_costliest_first():
 def test_kernel_packages_load_only_when_their_backend_is_used():
     code = (
         "import sys, torch\n"
-        "from gr.ops.attention import hstu_attention\n"
+        "from gr.hstu.kernels.attention import hstu_attention\n"
         "x = torch.randn(5, 1, 4)\n"
         "hstu_attention(x, x, x, torch.tensor([0, 5]), 5, backend='cpu')\n"
         "hstu_attention(x, x, x, torch.tensor([0, 5]), 5, backend='pytorch')\n"
@@ -259,7 +259,7 @@ def test_auto_falls_back_to_triton_ascend_on_a_misfit_with_the_reason_logged(
     monkeypatch, caplog, fake_class, dim_qk, dim_v, alpha, named
 ):
     """backend="auto" on an NPU (resolved to "ascend"; the device faked by resolve_backend)."""
-    import gr.ops.attention as kernels
+    import gr.hstu.kernels.attention as kernels
 
     fake = fake_class()
     monkeypatch.setattr(ascend, "find_mxrec_hstu_jagged", lambda: fake)

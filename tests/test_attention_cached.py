@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gr.ops.attention import RelativeBias, hstu_attention
-from gr.ops.cached_attention import hstu_cached_attention
+from gr.hstu.kernels.attention import RelativeBias, hstu_attention
+from gr.hstu.kernels.cached_attention import hstu_cached_attention
 from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 pytestmark = pytest.mark.attention

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gr.ops.attention import RelativeBias, hstu_attention
-from gr.ops.attention.ascend import find_mxrec_hstu_jagged
-from gr.ops.attention.triton.tuning import ENV_AUTOTUNE
+from gr.hstu.kernels.attention import RelativeBias, hstu_attention
+from gr.hstu.kernels.attention.ascend import find_mxrec_hstu_jagged
+from gr.hstu.kernels.attention.triton.tuning import ENV_AUTOTUNE
 from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 BACKENDS = KERNEL_BACKENDS + (["cpu-unfused"] if "cpu" in KERNEL_BACKENDS else [])
@@ -273,7 +273,7 @@ def naive_attention(
     bucketing,
     query_ts=None,
 ):
-    """Sequence by sequence, pair by pair, from the spec (docs/design.md §6 / gr.ops.attention.common)."""
+    """Sequence by sequence, pair by pair, from the spec (docs/design.md §6 / gr.hstu.kernels.attention.common)."""
     query_ts = ts if query_ts is None else query_ts
     outs, start = [], 0
     for b, n in enumerate(lengths):

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from gr.ops.attention import RelativeBias, hstu_attention, resolve_backend
-from gr.ops.attention.common import AttentionCall
-from gr.ops.attention.cost import score_elements
-from gr.ops.attention.cpu import QUERY_CHUNK, cpu_hstu_attention
+from gr.hstu.kernels.attention import RelativeBias, hstu_attention, resolve_backend
+from gr.hstu.kernels.attention.common import AttentionCall
+from gr.hstu.kernels.attention.cost import score_elements
+from gr.hstu.kernels.attention.cpu import QUERY_CHUNK, cpu_hstu_attention
 
 pytestmark = pytest.mark.attention
 
@@ -170,7 +170,7 @@ def test_a_workspace_shares_one_batch_layout_across_layers_with_equal_results():
     """Two "layers" (their own bias weights) on one batch through one AttentionWorkspace: the CPU
     backend builds the batch's layout once (the second call finds it), and outputs and every
     gradient equal those computed without a workspace."""
-    from gr.ops.attention import AttentionWorkspace
+    from gr.hstu.kernels.attention import AttentionWorkspace
 
     g = torch.Generator().manual_seed(3)
     offsets = offsets_of([70, 5, 140, 33])
@@ -204,7 +204,7 @@ def test_the_layout_cache_stays_within_its_budget_and_results_do_not_change(monk
     kept elements stay within the budget and outputs and gradients equal the unbounded cache's.
     The fused tiles (where they build) then run the chunks in several calls, none of them kept,
     instead of one kept call."""
-    from gr.ops.attention import AttentionWorkspace, cpu
+    from gr.hstu.kernels.attention import AttentionWorkspace, cpu
     from gr.ops.native import native_ops
 
     g = torch.Generator().manual_seed(4)
@@ -237,7 +237,7 @@ def test_batches_without_targets_share_the_position_layouts_of_equal_chunks():
     """A second batch whose sequences pad to the same lengths finds every chunk's masks and
     position indices made by the first (they depend on no batch data); a batch with targets,
     one sequence per group included, makes its own, and all three match the reference."""
-    from gr.ops.attention import AttentionWorkspace, cpu
+    from gr.hstu.kernels.attention import AttentionWorkspace, cpu
 
     g = torch.Generator().manual_seed(6)
 

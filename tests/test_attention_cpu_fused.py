@@ -6,7 +6,7 @@ building, loading and GR_CPU_FUSED: tests/test_native.py."""
 import pytest
 import torch
 
-from gr.ops.attention import AttentionWorkspace, RelativeBias, hstu_attention
+from gr.hstu.kernels.attention import AttentionWorkspace, RelativeBias, hstu_attention
 from gr.ops.native import native_ops
 from helpers.native import X86, skip_without_bf16_instructions
 
@@ -103,7 +103,7 @@ def test_fused_tiles_write_every_row_of_outputs_that_start_uninitialised(monkeyp
     write each row: started as NaN instead, they equal a zero-initialised run, rows that see no key
     (the 40 tokens of a sequence of targets only, grouped with a 50-token one that has history) and
     key rows no query reads (targets) included."""
-    from gr.ops.attention import cpu
+    from gr.hstu.kernels.attention import cpu
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     lengths, targets = (300, 1, 97, 260, 40, 50), [4, 0, 7, 2, 40, 3]
@@ -133,7 +133,7 @@ class _Tiles:
 
 def record_kept_tiles(monkeypatch, change=lambda tiles: tiles) -> list:
     """The tiles each ``_FusedAttention`` backward finds kept (None: none), after ``change``."""
-    from gr.ops.attention import cpu
+    from gr.hstu.kernels.attention import cpu
 
     kept, backward = [], cpu._FusedAttention.backward
 
@@ -150,7 +150,7 @@ def record_kept_tiles(monkeypatch, change=lambda tiles: tiles) -> list:
 def test_backward_from_the_tiles_forward_kept_equals_backward_that_makes_them_again(monkeypatch, targets):
     """Forward keeps each row block's weights and SiLU' (up to ``SAVED_TILE_FLOATS``); backward reads
     them instead of computing scores, bias and SiLU again: bitwise the same gradients as with none kept."""
-    from gr.ops.attention import cpu
+    from gr.hstu.kernels.attention import cpu
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     kept = record_kept_tiles(monkeypatch)
@@ -167,7 +167,7 @@ def test_kept_tiles_are_two_floats_per_score_of_each_row_block_within_the_limit(
     """A 64-token sequence, 2 heads: its row blocks of 32 see 32 and 64 keys, so (32 * 32 + 32 * 64)
     * 2 heads * 2 floats = 12,288 floats, which ``gr.train.memory`` counts too; a limit below that keeps none."""
     from gr.hstu.config import HSTUConfig
-    from gr.ops.attention import cpu
+    from gr.hstu.kernels.attention import cpu
     from gr.train.memory import saved_tile_bytes
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
@@ -183,7 +183,7 @@ def test_kept_tiles_are_two_floats_per_score_of_each_row_block_within_the_limit(
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_tiles_are_kept_only_for_a_backward_to_come(monkeypatch):
     """Evaluation and serving (no_grad, or nothing that requires grad) do not make or keep tiles."""
-    from gr.ops.attention import cpu
+    from gr.hstu.kernels.attention import cpu
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     asked, forward = [], cpu._FusedAttention.forward
@@ -236,7 +236,7 @@ def test_fused_tiles_under_bf16_autocast_multiply_in_bf16_math(monkeypatch):
     bf16 (gr.ops.native.cpu_bf16_math), forward and backward: output and gradients differ from the fp32
     run's, by less than 2% of their largest entry (measured: ~0.3%); backward from the tiles forward
     kept equals backward that makes them again, bitwise."""
-    from gr.ops.attention import cpu
+    from gr.hstu.kernels.attention import cpu
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     skip_without_bf16_instructions()
@@ -261,7 +261,7 @@ def test_time_buckets_are_exact_where_a_query_sees_the_key_and_zero_elsewhere(bu
     visible pairs (key index <= the query's, or a contextual key) hold ``time_bucket``'s exact
     bucket; future keys and padding rows or keys hold 0, a valid index the mask zeroes. One byte
     each up to 256 buckets, else int32."""
-    from gr.ops.attention.common import time_bucket, time_bucket_thresholds
+    from gr.hstu.kernels.attention.common import time_bucket, time_bucket_thresholds
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([70, 45])
@@ -287,7 +287,7 @@ def test_time_buckets_are_exact_on_both_sides_of_every_bucket_edge(bucketing):
     """The kernel corrects its log/sqrt estimate only near a bucket edge: |dt| on both sides of
     every edge (the integers around each threshold) and 20,000 log-uniform |dt| up to 10^16 all
     get ``time_bucket``'s bucket, as do negative dt."""
-    from gr.ops.attention.common import time_bucket, time_bucket_thresholds
+    from gr.hstu.kernels.attention.common import time_bucket, time_bucket_thresholds
 
     buckets = 128
     thresholds = time_bucket_thresholds(bucketing, buckets, torch.device("cpu")).double()

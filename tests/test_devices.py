@@ -84,8 +84,8 @@ def test_npu_presence_needs_torch_npu_and_device_nodes_or_cann(monkeypatch):
 def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
     import torch
 
-    from gr.ops.attention import AttentionCall
-    from gr.ops.attention.ascend import mxrec_misfits
+    from gr.hstu.kernels.attention import AttentionCall
+    from gr.hstu.kernels.attention.ascend import mxrec_misfits
     from gr.train.config import load_config
 
     config = load_config("configs/ml1m_hstu_npu.yaml")

@@ -1,4 +1,4 @@
-"""gr.ops.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, and the
+"""gr.hstu.kernels.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, and the
 stack's input, fused on CPU (gr.ops.native), equal in values and gradients to PyTorch's ops, with
 dropout masks from gr.ops.random."""
 
@@ -9,8 +9,8 @@ from torch import nn
 
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
+from gr.hstu.kernels.layer_ops import combine, norm_mul_dropout, project, stack_input
 from gr.ops import random as rng
-from gr.ops.layer_ops import combine, norm_mul_dropout, project, stack_input
 from gr.ops.native import native_ops
 from helpers.native import X86, skip_without_bf16_instructions
 
@@ -146,7 +146,7 @@ def test_projection_keeps_its_silu_gradient_only_when_backward_will_run(monkeypa
                 return op
             return lambda *a: asked.append(a[7]) or op(*a)  # keep_grad
 
-    monkeypatch.setattr("gr.ops.layer_ops.native_ops", lambda namespace: Recording())
+    monkeypatch.setattr("gr.hstu.kernels.layer_ops.native_ops", lambda namespace: Recording())
     with torch.no_grad():
         served = project(x, norm, linear, [100, 100])
     trained = project(x, norm, linear, [100, 100])

@@ -17,8 +17,8 @@ from test_export_roundtrip import DENSE_DIMS, HSTU_KW, build_ranking_model
 
 from gr.export import export_model, load_hstu
 from gr.hstu.cache import CachedHSTU
+from gr.hstu.kernels.attention.common import time_bucket as gr_time_bucket
 from gr.jagged_rows import evicted_prefix as gr_evicted_prefix
-from gr.ops.attention.common import time_bucket as gr_time_bucket
 
 TESTS = Path(__file__).parent
 MAX_SEQ_LEN = HSTU_KW["max_seq_len"]

@@ -171,7 +171,7 @@ def test_hstu_cannot_be_subclassed():
 @pytest.mark.parametrize("mode", ["attention", "layer"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32-fused-on-cpu"])
 def test_recompute_gives_the_same_outputs_and_gradients(mode, dtype):
-    """float32 runs gr.ops.layer_ops' fused ops where they build: their dropout masks are replayed
+    """float32 runs gr.hstu.kernels.layer_ops' fused ops where they build: their dropout masks are replayed
     too (checkpoint restores the generator they draw their seeds from); the weight gradients' per-thread
     sums may add up in another order, hence fp32 tolerances."""
     base = dict(

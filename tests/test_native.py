@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
+import gr.hstu.kernels  # noqa: F401 (adds HSTU's kernels to the build, as importing gr.hstu does)
 from gr.ops import native
 from gr.ops.native import fused_setting, native_ops
 from helpers.native import X86
@@ -85,7 +86,7 @@ def test_a_failed_build_falls_back_with_the_reason_logged_or_fails_when_required
 
     monkeypatch.setattr(native, "build", failing_build)
     with caplog.at_level(logging.WARNING, logger="gr.ops.native"):
-        assert native._load.__wrapped__() == (False, "no C++ compiler found")  # uncached
+        assert native._load.__wrapped__(tuple(native.SOURCES)) == (False, "no C++ compiler found")  # uncached
     assert "no C++ compiler found); running the PyTorch ones" in caplog.text
     monkeypatch.setattr(native, "_load_once", lambda: (False, "no C++ compiler found"))
     monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
@@ -111,12 +112,12 @@ def test_a_first_build_says_so_and_a_cached_one_is_silent(monkeypatch, tmp_path,
     built = []
     monkeypatch.setattr(native, "build", lambda name, sources, directory: built.append(directory / name))
     monkeypatch.setenv("GR_EXTENSIONS_DIR", str(tmp_path))
-    assert native._load.__wrapped__() == (True, "")  # uncached
+    assert native._load.__wrapped__(tuple(native.SOURCES)) == (True, "")  # uncached
     assert f"compiling gr's fused CPU kernels for this CPU, once (~1 min): {built[0]}" in capsys.readouterr().err
     library = built[0] / f"{built[0].name}.so"
     library.parent.mkdir(parents=True)
     library.write_bytes(b"")
-    native._load.__wrapped__()
+    native._load.__wrapped__(tuple(native.SOURCES))
     assert "compiling" not in capsys.readouterr().err
 
 
@@ -183,21 +184,44 @@ def test_concurrent_first_uses_build_and_load_once(monkeypatch, tmp_path):
     assert len(calls) == 1 and results == [(True, "")] * 4
 
 
+def test_sources_added_after_the_library_loaded_build_a_library_of_their_own(monkeypatch, tmp_path):
+    """A package above gr.ops adds its kernels' sources as it is imported: one imported after the first op
+    was asked for gets a library of its own (building the loaded one again would register its namespaces
+    twice), and a source added twice is built once."""
+    built = []
+    monkeypatch.setattr(native, "build", lambda name, sources, directory: built.append(sources))
+    monkeypatch.setenv("GR_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "SOURCES", list(native.SOURCES))
+    monkeypatch.setattr(native, "_libraries", [])
+    late = tmp_path / "late.cpp"
+    late.write_text("int gr_late() { return 1; }\n")
+    first = list(native.SOURCES)
+    native._load.cache_clear()
+    try:
+        assert native._load_once() == (True, "")
+        native.add_sources([late])
+        native.add_sources([late])
+        assert native._load_once() == native._load_once() == (True, "")
+    finally:
+        native._load.cache_clear()  # the next caller loads the real (already loaded) library again
+    assert built == [first, [late]]
+
+
 def test_the_library_name_hashes_sources_flags_torch_and_its_install_and_a_build_changes_no_flag(monkeypatch, tmp_path):
-    name = native.library_name()
-    assert name.startswith("gr_cpu_native_") and native.library_name() == name
+    name = native.library_name(native.SOURCES)
+    assert name.startswith("gr_cpu_native_") and native.library_name(native.SOURCES) == name
     monkeypatch.setattr(native, "LDFLAGS", (*native.LDFLAGS, "-lm"))
-    assert native.library_name() != name
+    assert native.library_name(native.SOURCES) != name
     monkeypatch.setattr(native.torch, "__version__", "0.0.0")
     monkeypatch.setattr(native, "LDFLAGS", native.LDFLAGS[:-1])
-    assert native.library_name() != name
+    assert native.library_name(native.SOURCES) != name
     monkeypatch.undo()
     monkeypatch.setattr(native.torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
-    assert native.library_name() != name
+    assert native.library_name(native.SOURCES) != name
     monkeypatch.undo()
     spelled = [f"{path}/." for path in cpp_extension.include_paths()]
     monkeypatch.setattr(cpp_extension, "include_paths", lambda *args, **kwargs: spelled)
-    assert native.library_name() != name  # the same torch reached by another path: a build of its own
+    assert native.library_name(native.SOURCES) != name  # the same torch reached by another path: a build of its own
     monkeypatch.undo()
     before = (native.CFLAGS, native.LDFLAGS)
 

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gr.commands.plan import main
 from gr.data.datamodule import SequenceDataModule
 from gr.hstu import HSTU, HSTUConfig
-from gr.ops.attention import cpu as cpu_kernel
+from gr.hstu.kernels.attention import cpu as cpu_kernel
 from gr.sparse.tables import TableConfig
 from gr.train.build import build_model
 from gr.train.config import TrainConfig

@@ -7,11 +7,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from gr.ops.attention import AttentionCall  # noqa: E402
-from gr.ops.attention.ascend_triton import AscendLayout  # noqa: E402
-from gr.ops.attention.triton.blocks import attention_kernel  # noqa: E402
-from gr.ops.attention.triton.cuda import CudaLayout  # noqa: E402
-from gr.ops.attention.triton.host import (  # noqa: E402
+from gr.hstu.kernels.attention import AttentionCall  # noqa: E402
+from gr.hstu.kernels.attention.ascend_triton import AscendLayout  # noqa: E402
+from gr.hstu.kernels.attention.triton.blocks import attention_kernel  # noqa: E402
+from gr.hstu.kernels.attention.triton.cuda import CudaLayout  # noqa: E402
+from gr.hstu.kernels.attention.triton.host import (  # noqa: E402
     backward_launches,
     forward_launch,
     layout_args,
@@ -19,7 +19,7 @@ from gr.ops.attention.triton.host import (  # noqa: E402
     row_block,
     strides,
 )
-from gr.ops.attention.triton.tuning import TileConfig  # noqa: E402
+from gr.hstu.kernels.attention.triton.tuning import TileConfig  # noqa: E402
 
 pytestmark = pytest.mark.attention
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gr.ops.attention.triton import tuning
-from gr.ops.attention.triton.tuning import TileConfig, TuningCache, TuningKey
+from gr.hstu.kernels.attention.triton import tuning
+from gr.hstu.kernels.attention.triton.tuning import TileConfig, TuningCache, TuningKey
 
 pytestmark = pytest.mark.attention
 
@@ -195,7 +195,7 @@ def fake_h100(monkeypatch, tmp_path):
     """The CUDA layout's view of an H100 (its name and capability), a cache in tmp_path, and a
     benchmark that counts its calls (the launch itself is not run)."""
     pytest.importorskip("triton")
-    from gr.ops.attention.triton import cuda as triton_attention
+    from gr.hstu.kernels.attention.triton import cuda as triton_attention
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
@@ -212,8 +212,8 @@ def fake_h100(monkeypatch, tmp_path):
 
 
 def _forward_launch():
-    from gr.ops.attention.common import AttentionCall
-    from gr.ops.attention.triton.host import forward_launch, prepare_inputs
+    from gr.hstu.kernels.attention.common import AttentionCall
+    from gr.hstu.kernels.attention.triton.host import forward_launch, prepare_inputs
 
     q = torch.zeros(10, 1, 32)
     inputs = prepare_inputs(AttentionCall(q, q, q, torch.tensor([0, 4, 10]), 6, silu_scale=0.1), "triton")

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gr.export.format import FORMAT_VERSION, Problem
 from gr.hstu.config import HSTUConfig
-from gr.ops.attention.common import TIME_BUCKET_LOG_DIV
+from gr.hstu.kernels.attention.common import TIME_BUCKET_LOG_DIV
 
 MODEL_TYPE = "hstu"
 SLICE_DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}

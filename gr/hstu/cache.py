@@ -11,7 +11,7 @@ of the event after it, which for the last history token is the request's time. T
 stays *pending* in the cache (only its input is kept) until the next event arrives
 (``extend``) or a request settles it (``score``, ``settle``): one token recomputed per request.
 
-Attention runs through ``gr.ops.cached_attention.hstu_cached_attention`` (the layer's backend), so
+Attention runs through ``gr.hstu.kernels.cached_attention.hstu_cached_attention`` (the layer's backend), so
 serving reaches the same CPU fast path, Triton and Ascend kernels as training. Several users'
 histories and caches run in one pass (``encode_batch``, ``extend_batch``, ``score_batch``,
 ``commit_batch``). The engine runs where the HSTU's
@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from gr.hstu.config import HSTUConfig
+from gr.hstu.kernels.attention import AttentionWorkspace
+from gr.hstu.kernels.cached_attention import default_positions
 from gr.hstu.layer import HSTULayer
 from gr.hstu.stack import HSTU
 from gr.jagged import offsets_from_lengths
-from gr.ops.attention import AttentionWorkspace
-from gr.ops.cached_attention import default_positions
 
 TIMESTAMP_BYTES = 8  # one int64 timestamp per cached token
 
@@ -407,7 +407,7 @@ class CachedHSTU:
         block_visible: Optional[Tensor] = None,
     ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
         """New tokens of B users (x: [N, D], new_offsets: [B+1]) through every layer against the
-        committed part of each user's cache (``gr.ops.cached_attention.hstu_cached_attention``).
+        committed part of each user's cache (``gr.hstu.kernels.cached_attention.hstu_cached_attention``).
 
         new_tokens: "targets" or "history"; timestamps: [N] int64 or None
         query_times: [N] int64, each token's query time; None -> its own timestamp

@@ -10,10 +10,10 @@ from torch.utils.checkpoint import checkpoint
 
 from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
-from gr.ops.attention import AttentionWorkspace, RelativeBias, hstu_attention
-from gr.ops.cached_attention import hstu_cached_attention
-from gr.ops.cached_attention.common import CacheTensor
-from gr.ops.layer_ops import combine, project
+from gr.hstu.kernels.attention import AttentionWorkspace, RelativeBias, hstu_attention
+from gr.hstu.kernels.cached_attention import hstu_cached_attention
+from gr.hstu.kernels.cached_attention.common import CacheTensor
+from gr.hstu.kernels.layer_ops import combine, project
 
 
 class HSTULayer(nn.Module):
@@ -123,7 +123,7 @@ class HSTULayer(nn.Module):
         cache_timestamps: Optional[CacheTensor] = None,
     ) -> Tensor:
         """New tokens against cached K/V and themselves under this layer's mask and bias
-        (``gr.ops.cached_attention.hstu_cached_attention``): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
+        (``gr.hstu.kernels.cached_attention.hstu_cached_attention``): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
         return hstu_cached_attention(
             q,
             k,

@@ -9,10 +9,10 @@ from torch import Tensor, nn
 
 from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
+from gr.hstu.kernels.attention import AttentionWorkspace
+from gr.hstu.kernels.layer_ops import stack_input
 from gr.hstu.layer import HSTULayer
 from gr.jagged import token_positions, validate_jagged
-from gr.ops.attention import AttentionWorkspace
-from gr.ops.layer_ops import stack_input
 
 
 class HSTU(nn.Module):

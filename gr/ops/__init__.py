@@ -1,17 +1,12 @@
-"""gr's fused kernels: one package per op, each its dispatch (``__init__``: the public function)
-over backend modules named by backend, with the op's call object and, where ``gr.train.memory`` needs one,
-its cost model (``cost``).
+"""gr's kernels that are not HSTU's (HSTU's are in ``gr.hstu.kernels``): one package per op, each its
+dispatch (``__init__``: the public function) over backend modules named by backend, and the native
+build of all of gr's fused CPU kernels.
 
-* ``attention``: ``hstu_attention`` (backends ``pytorch``, ``cpu``, ``triton``, ``ascend``,
-  ``ascend_triton``);
-* ``cached_attention``: ``hstu_cached_attention``, the serving analogue (``pytorch``, ``cpu``, and
-  the others through their training kernel: ``by_concat``);
-* ``layer_ops``: the HSTU layer's steps around attention (``project``, ``combine``,
-  ``norm_mul_dropout``, ``stack_input``; fused CPU ops in ``cpu``);
 * ``sampled_softmax``: ``sampled_softmax_loss`` (``cpu``, ``pytorch``);
 * ``random``: ``keep_mask`` and ``randint``, counter-based on CPU.
 
 Each op's C++ sits beside its CPU code; ``csrc/`` holds the shared headers (GEMM, SiLU, BLAS,
-threads) and the GEMM and SiLU test ops; ``native`` builds them into one library on first use.
+threads) and the GEMM and SiLU test ops; ``native`` builds them, with the C++ of the packages above
+that add theirs (``gr.hstu.kernels``), into one library on first use.
 Nothing here imports ``gr.hstu``, ``gr.train`` or ``gr.serving``: they import ``gr.ops``.
 """

@@ -1,12 +1,7 @@
 """gr's fused CPU kernels, compiled for this machine on first use: one library, six op namespaces.
 
-* ``gr_cpu_fused`` (``gr/ops/attention/cpu_fused_attention.cpp``): HSTU attention tiles, used by
-  ``gr.ops.attention.cpu`` (``forward_chunks``, ``backward_chunks``);
-* ``gr_cpu_layer`` (``gr/ops/layer_ops/layer_ops.cpp``): the HSTU layer's input projection
-  (LayerNorm, linear, SiLU), its output (LayerNorm, gate, dropout, linear, residual) and
-  LayerNorm-gate-dropout alone, a block of rows at a time, and the stack's input (scaled
-  embeddings, positions, dropout), used by ``gr.ops.layer_ops``
-  (``projection_*``, ``output_*``, ``norm_*``, ``input_*``: ``forward`` and ``backward`` each);
+Four are gr.ops' own (``SOURCES``):
+
 * ``gr_cpu_loss`` (``gr/ops/sampled_softmax/sampled_softmax.cpp``): the per-row sampled softmax, used by
   ``gr.ops.sampled_softmax.cpu`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
 * ``gr_cpu_random`` (``gr/ops/random/random.cpp``): counter-based dropout masks and integer draws, used by
@@ -16,6 +11,11 @@
   its tests (``gemm``, ``transpose``);
 * ``gr_cpu_silu`` (``gr/ops/csrc/silu.cpp``): the SiLU the projection and attention kernels compute
   (``gr/ops/csrc/gr_silu.h``), as an op for its tests (``silu``).
+
+The packages above add their own sources as they are imported (``add_sources``): ``gr.hstu.kernels``
+the HSTU attention tiles (``gr_cpu_fused``) and the HSTU layer's steps (``gr_cpu_layer``). A process
+that imports them before it first asks for an op (``import gr.hstu`` does) builds and loads one
+library of all six; a source added after that is built into a library of its own at the next call.
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
@@ -48,7 +48,7 @@ import threading
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,9 +57,8 @@ from gr.utils.atomic import write_bytes
 log = logging.getLogger(__name__)
 
 OPS = Path(__file__).resolve().parent  # gr/ops: each op's C++ beside its CPU code, shared headers in csrc/
+# gr.ops' own sources, then those add_sources appends.
 SOURCES = [
-    OPS / "attention" / "cpu_fused_attention.cpp",
-    OPS / "layer_ops" / "layer_ops.cpp",
     OPS / "sampled_softmax" / "sampled_softmax.cpp",
     OPS / "random" / "random.cpp",
     OPS / "csrc" / "gemm.cpp",
@@ -72,6 +71,7 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-fopenmp", "-lmvec")
 HEADERS = OPS / "csrc"
 _load_lock = threading.Lock()
+_libraries: List[Tuple[Path, ...]] = []  # the sources of each library this process loaded (or failed to build)
 
 
 def _cpu_text() -> str:
@@ -85,15 +85,24 @@ def _cpu_text() -> str:
     return text
 
 
-def library_name() -> str:
-    """``gr_cpu_native_<hash>``: a hash of the sources and headers, the flags, the torch version and
+def add_sources(sources: Sequence[Path]) -> None:
+    """Build ``sources`` (C++ files that define op namespaces of their own and may include the headers of
+    ``gr/ops/csrc`` by name) into gr's native library too. A package above gr.ops calls it with its
+    kernels' sources as it is imported, before any of its ops is asked for; a source already added is
+    ignored."""
+    with _load_lock:
+        SOURCES.extend(source for source in sources if source not in SOURCES)
+
+
+def library_name(sources: Sequence[Path]) -> str:
+    """``gr_cpu_native_<hash>``: a hash of ``sources`` and the headers, the flags, the torch version and
     installation, the include paths the build writes into its ``build.ninja`` (as spelled: one
     environment reached through a symlink and through its target gets a build per spelling,
     where one shared build was recompiled, silently, at every switch) and this CPU."""
     from torch.utils.cpp_extension import include_paths
 
     digest = hashlib.sha256()
-    for path in (*SOURCES, *_headers()):
+    for path in (*sources, *_headers()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     torch_install = str(Path(torch.__file__).resolve().parent)  # its headers and libraries: a venv's own
     embedded = (*include_paths(), sysconfig.get_path("include"))
@@ -137,23 +146,28 @@ def native_ops(namespace: str) -> Optional[Any]:
 
 
 def _load_once() -> Tuple[bool, str]:
-    """(True, "") or (False, why not); built and loaded at most once per process.
+    """(True, "") or (False, why not: the first failed build's reason) for the sources added so far; each
+    library built and loaded at most once per process.
 
-    The lock is held across the cached call: a second thread waits for the first one's result
-    instead of building again (loading the library twice would register its op namespaces twice,
+    The lock is held across the cached calls: a second thread waits for the first one's result
+    instead of building again (loading a library twice would register its op namespaces twice,
     which aborts the process)."""
     with _load_lock:
-        return _load()
+        pending = tuple(source for source in SOURCES if not any(source in loaded for loaded in _libraries))
+        if pending:
+            _libraries.append(pending)
+        failed = [why for built, why in map(_load, _libraries) if not built]
+    return (False, failed[0]) if failed else (True, "")
 
 
 @lru_cache(maxsize=None)
-def _load() -> Tuple[bool, str]:
+def _load(sources: Tuple[Path, ...]) -> Tuple[bool, str]:
     directory = Path(os.environ.get("GR_EXTENSIONS_DIR", Path.home() / ".cache" / "gr" / "extensions"))
-    name = library_name()
+    name = library_name(sources)
     if not (directory / name / f"{name}.so").exists():  # progress: the first step waits for it
         print(f"compiling gr's fused CPU kernels for this CPU, once (~1 min): {directory / name}", file=sys.stderr)
     try:
-        build(name, SOURCES, directory)
+        build(name, list(sources), directory)
     except Exception as error:  # a compiler or BLAS symbol missing: run the unfused kernel
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         log.warning("fused CPU kernels unavailable (%s); running the PyTorch ones", reason)

@@ -16,7 +16,7 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
                          (the kernel keeps q, k, v as views of it, bf16 included)
                          + attention eA + stats 8 + LN(attention) eA
                          + dropout mask eA and output eA (or the product eA without dropout)
-                         (with gr's native CPU kernels, ``gr.ops.layer_ops``, e = 4 in either
+                         (with gr's native CPU kernels, ``gr.hstu.kernels.layer_ops``, e = 4 in either
                          precision (bf16 autocast runs them in bf16 math on fp32 activations): no
                          LN(x) and no output input, which backward recomputes; after the attention
                          4A + stats 8 + dropout mask A)
@@ -24,11 +24,11 @@ attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention outpu
   recompute "layer":     x 4D
 
 plus, for the stack, the output 4D, the input-dropout mask 4D (a byte mask D with the native CPU
-kernels' fused stack input, ``gr.ops.layer_ops.stack_input``), and the int64 positions and
+kernels' fused stack input, ``gr.hstu.kernels.layer_ops.stack_input``), and the int64 positions and
 index bookkeeping (32); and with the native CPU attention, each layer's fp32 weights and SiLU'
 per score element of its 32-query blocks (``saved_tile_bytes``, at most
-``gr.ops.attention.cpu.SAVED_TILE_FLOATS`` a batch), kept with recompute "none" (a recomputing layer
-makes them again in backward). The attention's terms are ``gr.ops.attention.cost``'s.
+``gr.hstu.kernels.attention.cpu.SAVED_TILE_FLOATS`` a batch), kept with recompute "none" (a recomputing layer
+makes them again in backward). The attention's terms are ``gr.hstu.kernels.attention.cost``'s.
 Measured against torch's CPU memory profiler in tests/test_plan.py.
 In backward, the layer being differentiated holds gradient buffers about the size of its
 "none" set, a recomputing layer holds its "none" set again first, and the attention
@@ -73,7 +73,7 @@ from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
-from gr.ops.attention import cost as attention_cost
+from gr.hstu.kernels.attention import cost as attention_cost
 from gr.ops.native import fused_expected
 from gr.sparse.row_optimizers import STATE as OPTIMIZER_STATE
 from gr.sparse.tables import TableConfig, backend_module, storage_dim
@@ -186,7 +186,7 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
     d, p, a = config.hidden_dim, _projection_width(config), config.num_heads * config.linear_dim
     if recompute == "layer":
         return FP32 * d
-    fused = fused_expected()  # gr.ops.layer_ops: fp32 in either precision; backward recomputes LN(x)
+    fused = fused_expected()  # gr.hstu.kernels.layer_ops: fp32 in either precision; backward recomputes LN(x)
     e = FP32 if fused else compute_bytes
     kept = FP32 * d + LAYER_NORM_STATS + (0 if fused else e * d) + 2 * e * p
     if recompute == "attention":
@@ -201,7 +201,7 @@ def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_byte
 def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compute_bytes: int) -> Tuple[int, int]:
     """(kept after forward, peak in backward) bytes of the HSTU stack for ``tokens`` tokens."""
     d = config.hidden_dim
-    byte_mask = fused_expected() and config.position_embedding  # gr.ops.layer_ops.stack_input
+    byte_mask = fused_expected() and config.position_embedding  # gr.hstu.kernels.layer_ops.stack_input
     mask = (d if byte_mask else FP32 * d) if config.input_dropout > 0 else 0
     stack = FP32 * d + mask + STACK_INDEX_BYTES
     layer = hstu_layer_activation_bytes(config, recompute, compute_bytes)
@@ -216,19 +216,19 @@ def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compu
 
 def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1) -> int:
     """Buffers the CPU attention kernel's backward holds for ``sequences`` sequences of ``tokens``
-    tokens (``gr.ops.attention.cost.backward_bytes``)."""
+    tokens (``gr.hstu.kernels.attention.cost.backward_bytes``)."""
     return attention_cost.backward_bytes(config.num_heads, config.attention_dim, config.linear_dim, tokens, sequences)
 
 
 def saved_tile_bytes(config: HSTUConfig, tokens: int) -> int:
     """The native CPU attention's tiles of one layer for one sequence of ``tokens`` tokens, kept
-    from forward to backward (``gr.ops.attention.cost.saved_tile_bytes``)."""
+    from forward to backward (``gr.hstu.kernels.attention.cost.saved_tile_bytes``)."""
     return attention_cost.saved_tile_bytes(config.num_heads, tokens, config.max_attn_len)
 
 
 def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:
     """The CPU kernel's cached layout of one sequence of ``tokens`` tokens, kept from forward to
-    backward (``gr.ops.attention.cost.layout_cache_bytes``)."""
+    backward (``gr.hstu.kernels.attention.cost.layout_cache_bytes``)."""
     return attention_cost.layout_cache_bytes(config.time_buckets, tokens)
 
 

@@ -1,5 +1,5 @@
 """HSTU attention of new tokens over their request's cached K/V and themselves: the serving analogue
-of ``gr.ops.attention.hstu_attention``, with the same backend names.
+of ``gr.hstu.kernels.attention.hstu_attention``, with the same backend names.
 
 * ``pytorch``: the reference, one request at a time with dense masks (``pytorch``);
 * ``cpu``: the fast path for CPU tensors (``cpu``);
@@ -15,15 +15,15 @@ from typing import Dict, Optional
 
 from torch import Tensor
 
-from gr.ops.attention import RelativeBias, backend_entry, resolve_backend
-from gr.ops.cached_attention.by_concat import concat_hstu_cached_attention
-from gr.ops.cached_attention.common import CachedAttentionCall, CacheTensor, default_positions
+from gr.hstu.kernels.attention import RelativeBias, backend_entry, resolve_backend
+from gr.hstu.kernels.cached_attention.by_concat import concat_hstu_cached_attention
+from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, CacheTensor, default_positions
 
 __all__ = ["CachedAttentionCall", "default_positions", "hstu_cached_attention"]
 
 _BACKENDS: Dict[str, str] = {  # name -> "module:function"; the others run by_concat
-    "pytorch": "gr.ops.cached_attention.pytorch:pytorch_hstu_cached_attention",
-    "cpu": "gr.ops.cached_attention.cpu:cpu_hstu_cached_attention",
+    "pytorch": "gr.hstu.kernels.cached_attention.pytorch:pytorch_hstu_cached_attention",
+    "cpu": "gr.hstu.kernels.cached_attention.cpu:cpu_hstu_cached_attention",
 }
 
 
@@ -67,7 +67,7 @@ def hstu_cached_attention(
     rab: ``RelativeBias`` of the new tokens (``timestamps``/``query_times``: [N] int64) or None
     cache_timestamps: [C] int64 seconds of the cached tokens (or B per-request [C_b]); required
         with a time bias
-    backend: one of ``gr.ops.attention.available_backends()`` or "auto" (by q's device)
+    backend: one of ``gr.hstu.kernels.attention.available_backends()`` or "auto" (by q's device)
     returns: [N, H, Dl]
     """
     call = CachedAttentionCall(

@@ -1,5 +1,5 @@
 // The HSTU layer's steps around attention on CPU (fp32; GEMMs in bf16 math when asked), fused per block
-// of rows: gr.ops.layer_ops.
+// of rows: gr.hstu.kernels.layer_ops.
 //
 // * projection_forward / projection_backward: U, V, Q, K = split(SiLU(LN(x) W^T + b)). Per block of
 //   kBlock rows the LayerNorm, the GEMM and the bias and SiLU run while the block is in the core's

@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gr.hstu.kernels.attention import RelativeBias, hstu_attention
+from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, joined
+from gr.hstu.kernels.cached_attention.pytorch import pytorch_hstu_cached_attention
 from gr.jagged import lengths_from_offsets, offsets_from_lengths, token_offsets_in_seq
-from gr.ops.attention import RelativeBias, hstu_attention
-from gr.ops.cached_attention.common import CachedAttentionCall, joined
-from gr.ops.cached_attention.pytorch import pytorch_hstu_cached_attention
 
 
 def concat_hstu_cached_attention(call: CachedAttentionCall, *, backend: str) -> Tensor:
-    """See ``gr.ops.cached_attention.hstu_cached_attention``; ``backend`` names the training kernel used."""
+    """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; ``backend`` names the training kernel used."""
     q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
     if call.block_visible is not None or call.positions is not None:
         return pytorch_hstu_cached_attention(call)

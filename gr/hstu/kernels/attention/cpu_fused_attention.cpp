@@ -1,5 +1,5 @@
 // Fused HSTU attention tiles for CPU (fp32; GEMMs in bf16 math when asked): one chunk of one group of
-// gr.ops.attention.cpu.
+// gr.hstu.kernels.attention.cpu.
 //
 // Per (sequence, head) of a chunk the scores tile [C, K] is made by one GEMM, then bias, SiLU,
 // mask and (in backward) the SiLU gradient and the bias-gradient scatter run over it while it
@@ -11,8 +11,8 @@
 //
 // GEMMs are gr_gemm's (AVX-512, or MKL's sgemm_ without it), one thread each inside at::parallel_for
 // over (sequence, head); each (sequence, head)'s keys and values are transposed once for all its
-// row blocks, so that every GEMM reads its B operand in rows. Built and loaded by gr/ops/native.py; gr/ops/attention/cpu.py
-// runs the unfused kernel when this cannot be built or linked.
+// row blocks, so that every GEMM reads its B operand in rows. Built and loaded by gr/ops/native.py;
+// gr/hstu/kernels/attention/cpu.py runs the unfused kernel when this cannot be built or linked.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -597,7 +597,7 @@ void backward_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 // int64) -> [G, m1 - m0, hi - lo], uint8 when there are at most 256 buckets (a quarter of the bytes
 // every layer's tiles read twice), else int32. The bucket of |dt| is floor(ln(max(|dt|, 1)) / 0.301) (or
 // floor(sqrt(..))) clamped to [0, NB - 1], corrected by one step against `thresholds` [NB + 1]
-// (gr.ops.attention.common.time_bucket_thresholds), so that it equals time_bucket() exactly. Pairs no
+// (gr.hstu.kernels.attention.common.time_bucket_thresholds), so that it equals time_bucket() exactly. Pairs no
 // query sees get bucket 0 instead (a valid index: the tiles read them and the mask zeroes their
 // weight): keys after the query (index > its own and >= contextual_len) and rows or keys past the
 // sequence's length (`lengths` [G] int64). At ML-1M's shapes that skips about half the logarithms.

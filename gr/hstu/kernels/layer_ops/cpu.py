@@ -1,5 +1,5 @@
 """The fused CPU layer ops (``layer_ops.cpp``, namespace ``gr_cpu_layer`` of ``gr.ops.native``) under
-autograd; ``gr.ops.layer_ops`` decides when they run and prepares their arguments."""
+autograd; ``gr.hstu.kernels.layer_ops`` decides when they run and prepares their arguments."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from torch import Tensor
 
-from gr.ops.attention.common import AttentionCall, AttentionWorkspace, RelativeBias
+from gr.hstu.kernels.attention.common import AttentionCall, AttentionWorkspace, RelativeBias
 
 __all__ = [
     "AttentionCall",
@@ -35,11 +35,11 @@ __all__ = [
 ]
 
 _BACKENDS: Dict[str, str] = {  # name -> "module:function"
-    "pytorch": "gr.ops.attention.pytorch:pytorch_hstu_attention",
-    "cpu": "gr.ops.attention.cpu:cpu_hstu_attention",
-    "triton": "gr.ops.attention.triton.cuda:triton_hstu_attention",
-    "ascend": "gr.ops.attention.ascend:ascend_hstu_attention",
-    "ascend_triton": "gr.ops.attention.ascend_triton:ascend_triton_hstu_attention",
+    "pytorch": "gr.hstu.kernels.attention.pytorch:pytorch_hstu_attention",
+    "cpu": "gr.hstu.kernels.attention.cpu:cpu_hstu_attention",
+    "triton": "gr.hstu.kernels.attention.triton.cuda:triton_hstu_attention",
+    "ascend": "gr.hstu.kernels.attention.ascend:ascend_hstu_attention",
+    "ascend_triton": "gr.hstu.kernels.attention.ascend_triton:ascend_triton_hstu_attention",
 }
 _AUTO = {"cuda": "triton", "npu": "ascend", "cpu": "cpu"}
 _WORKSPACE_BACKENDS = ("cpu",)  # backends that keep per-batch work in an AttentionWorkspace

@@ -56,8 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
-from gr.ops.attention.common import (
+from gr.hstu.kernels.attention.common import (
     AttentionCall,
     AttentionWorkspace,
     RelativeBias,
@@ -68,6 +67,7 @@ from gr.ops.attention.common import (
     time_bucket,
     time_bucket_thresholds,
 )
+from gr.jagged import history_lengths, lengths_from_offsets, target_token_index
 from gr.ops.native import cpu_bf16_math, native_ops
 
 QUERY_CHUNK = 128  # query rows per chunk
@@ -181,7 +181,7 @@ def _layout_key(
 
 
 def cpu_hstu_attention(call: AttentionCall, *, workspace: Optional[AttentionWorkspace] = None) -> Tensor:
-    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
+    """See ``gr.hstu.kernels.attention.hstu_attention``; returns [T, H, Dv]. Differentiable in q, k, v
     and the bias weights. fp16 inputs are computed in fp32. Fused, bf16 inputs are widened to fp32
     and the GEMMs run in bf16 math under bf16 autocast; unfused, bf16 inputs stay bf16 through the
     matmuls (which accumulate in fp32); the bias weights' lookups and gradients, the gradients

@@ -24,10 +24,10 @@ import torch
 import triton
 from torch import Tensor
 
+from gr.hstu.kernels.attention.common import AttentionCall, RelativeBias, rebased_times, time_bucket_thresholds
+from gr.hstu.kernels.attention.triton.blocks import attention_kernel
+from gr.hstu.kernels.attention.triton.tuning import TileConfig
 from gr.jagged import history_lengths
-from gr.ops.attention.common import AttentionCall, RelativeBias, rebased_times, time_bucket_thresholds
-from gr.ops.attention.triton.blocks import attention_kernel
-from gr.ops.attention.triton.tuning import TileConfig
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -26,11 +26,11 @@ import triton
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from gr.hstu.kernels.attention.common import AttentionCall
+from gr.hstu.kernels.attention.triton.blocks import attention_kernel
+from gr.hstu.kernels.attention.triton.host import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
+from gr.hstu.kernels.attention.triton.tuning import TileConfig
 from gr.jagged import lengths_from_offsets
-from gr.ops.attention.common import AttentionCall
-from gr.ops.attention.triton.blocks import attention_kernel
-from gr.ops.attention.triton.host import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
-from gr.ops.attention.triton.tuning import TileConfig
 
 NPU_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) on an NPU
 INTERPRETER_BLOCKS = (64, 64)
@@ -40,7 +40,7 @@ INTERPRETER_CORES = 3  # programs of the persistent grid when interpreted on CPU
 def ascend_triton_hstu_attention(
     call: AttentionCall, *, blocks: Optional[Tuple[int, int]] = None, num_cores: Optional[int] = None
 ) -> Tensor:
-    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv].
+    """See ``gr.hstu.kernels.attention.hstu_attention``; returns [T, H, Dv].
 
     blocks: (BLOCK_M, BLOCK_N), multiples of 16; num_cores: programs of the persistent grid
     (None: the device's AI core count, or ``INTERPRETER_CORES`` under the interpreter).
@@ -49,7 +49,8 @@ def ascend_triton_hstu_attention(
     if call.q.device.type != "npu" and not interpreted:
         raise RuntimeError(
             f"hstu_attention[ascend_triton]: tensors are on {call.q.device.type}; the kernels need an NPU with "
-            "triton-ascend, or TRITON_INTERPRET=1 set before gr.ops.attention.ascend_triton is imported (CPU, tests)"
+            "triton-ascend, or TRITON_INTERPRET=1 set before gr.hstu.kernels.attention.ascend_triton is imported "
+            "(CPU, tests)"
         )
     blocks = blocks or (INTERPRETER_BLOCKS if interpreted else NPU_BLOCKS)
     if any(b % 16 or b <= 0 for b in blocks):

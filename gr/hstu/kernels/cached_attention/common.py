@@ -2,7 +2,7 @@
 
 New tokens (history extensions, candidates, draft-tree nodes) of B requests attend to their
 request's cached history K/V and to new tokens of the same request, under the training
-mask and bias (``gr.ops.attention.common``): the result equals the rows of the one-pass
+mask and bias (``gr.hstu.kernels.attention.common``): the result equals the rows of the one-pass
 ``hstu_attention`` over history + new tokens. This module holds the shared pieces: the call
 (``CachedAttentionCall``), the per-request slices and the mask and bias of one request's (new,
 key) pairs.
@@ -16,8 +16,7 @@ from typing import Iterator, Optional, Sequence, Tuple, Union, overload
 import torch
 from torch import Tensor
 
-from gr.jagged import lengths_from_offsets, token_offsets_in_seq
-from gr.ops.attention.common import (
+from gr.hstu.kernels.attention.common import (
     RelativeBias,
     check_qkv,
     check_tensors,
@@ -25,6 +24,7 @@ from gr.ops.attention.common import (
     position_bucket,
     time_bucket,
 )
+from gr.jagged import lengths_from_offsets, token_offsets_in_seq
 
 NEW_TOKEN_KINDS = ("targets", "history")
 # A cached tensor of B requests: one jagged tensor, or a sequence of B per-request tensors.

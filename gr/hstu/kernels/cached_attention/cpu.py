@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gr.ops.attention.common import RelativeBias, silu_norm, time_bucket
-from gr.ops.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
+from gr.hstu.kernels.attention.common import RelativeBias, silu_norm, time_bucket
+from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
 
 
 def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
-    """See ``gr.ops.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
+    """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
     q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
     for request in requests(call):

@@ -43,8 +43,8 @@ from typing import Callable, List, Optional
 import torch
 from torch import Tensor
 
-from gr.ops.attention.common import AttentionCall
-from gr.ops.attention.pytorch import dense_relative_bias
+from gr.hstu.kernels.attention.common import AttentionCall
+from gr.hstu.kernels.attention.pytorch import dense_relative_bias
 
 MASK_TRIL = 0  # RecSDK MaskType.TRIL
 HEAD_DIM_RANGE = (16, 512)
@@ -65,7 +65,7 @@ def find_mxrec_hstu_jagged() -> Optional[Callable[..., Tensor]]:
 
 
 def ascend_hstu_attention(call: AttentionCall, *, explicit: bool = True) -> Tensor:
-    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv]. ``explicit`` False (backend
+    """See ``gr.hstu.kernels.attention.hstu_attention``; returns [T, H, Dv]. ``explicit`` False (backend
     "auto"): a call the RecSDK op cannot take falls back to ``ascend_triton`` with a logged reason."""
     op = find_mxrec_hstu_jagged()
     if op is not None:
@@ -79,7 +79,7 @@ def ascend_hstu_attention(call: AttentionCall, *, explicit: bool = True) -> Tens
                 'kernels for NPUs) or "auto" (falls back to them)'
             )
         log.warning("hstu_attention[auto]: %s; running ascend_triton instead", reason)
-    from gr.ops.attention.ascend_triton import ascend_triton_hstu_attention  # needs triton(-ascend)
+    from gr.hstu.kernels.attention.ascend_triton import ascend_triton_hstu_attention  # needs triton(-ascend)
 
     return ascend_triton_hstu_attention(call)
 

@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gr.ops.attention.common import silu_norm
-from gr.ops.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
+from gr.hstu.kernels.attention.common import silu_norm
+from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
 
 
 def pytorch_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
-    """See ``gr.ops.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
+    """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
     q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
     out = v.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     for request in requests(call):

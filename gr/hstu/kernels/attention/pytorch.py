@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gr.jagged import history_lengths, lengths_from_offsets, token_offsets_in_seq, token_seq_ids
-from gr.ops.attention.common import (
+from gr.hstu.kernels.attention.common import (
     AttentionCall,
     RelativeBias,
     hstu_visibility,
@@ -17,10 +16,11 @@ from gr.ops.attention.common import (
     silu_norm,
     time_bucket,
 )
+from gr.jagged import history_lengths, lengths_from_offsets, token_offsets_in_seq, token_seq_ids
 
 
 def pytorch_hstu_attention(call: AttentionCall) -> Tensor:
-    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv]."""
+    """See ``gr.hstu.kernels.attention.hstu_attention``; returns [T, H, Dv]."""
     q, k, v, seq_offsets, num_targets, rab = call.q, call.k, call.v, call.seq_offsets, call.num_targets, call.rab
     total, heads, _ = q.shape
     batch = seq_offsets.numel() - 1

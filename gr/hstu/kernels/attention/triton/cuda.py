@@ -20,18 +20,18 @@ import triton.testing
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from gr.ops.attention.common import AttentionCall
-from gr.ops.attention.triton import tuning
-from gr.ops.attention.triton.blocks import attention_kernel
-from gr.ops.attention.triton.host import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
-from gr.ops.attention.triton.tuning import TileConfig, TuningKey
+from gr.hstu.kernels.attention.common import AttentionCall
+from gr.hstu.kernels.attention.triton import tuning
+from gr.hstu.kernels.attention.triton.blocks import attention_kernel
+from gr.hstu.kernels.attention.triton.host import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
+from gr.hstu.kernels.attention.triton.tuning import TileConfig, TuningKey
 
 INTERPRETER_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) when interpreted on CPU
 _CHOSEN: Dict[TuningKey, TileConfig] = {}  # this process's configurations, by key
 
 
 def triton_hstu_attention(call: AttentionCall, *, blocks: Optional[Tuple[int, int]] = None) -> Tensor:
-    """See ``gr.ops.attention.hstu_attention``; returns [T, H, Dv].
+    """See ``gr.hstu.kernels.attention.hstu_attention``; returns [T, H, Dv].
 
     blocks: (BLOCK_M, BLOCK_N), multiples of 16; None: ``tuning``'s choice on CUDA,
     ``INTERPRETER_BLOCKS`` under the interpreter.
@@ -40,7 +40,7 @@ def triton_hstu_attention(call: AttentionCall, *, blocks: Optional[Tuple[int, in
     if call.q.device.type != "cuda" and not interpreted:
         raise RuntimeError(
             f"hstu_attention[triton]: tensors are on {call.q.device.type}; the Triton kernels need CUDA, or "
-            "TRITON_INTERPRET=1 set before gr.ops.attention.triton.cuda is imported (CPU, tests only)"
+            "TRITON_INTERPRET=1 set before gr.hstu.kernels.attention.triton.cuda is imported (CPU, tests only)"
         )
     if blocks is not None and any(b % 16 or b <= 0 for b in blocks):
         raise ValueError(f"hstu_attention[triton]: blocks must be positive multiples of 16, got {blocks}")

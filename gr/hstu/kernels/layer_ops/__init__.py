@@ -10,7 +10,7 @@
 that drops with ``gr.ops.random.keep_mask``). The fused CPU ops' autograd functions are in ``cpu``,
 their C++ beside it (``layer_ops.cpp``); the PyTorch code each function falls back to is inline.
 
-With gr's native kernels built (``gr.ops.native``, ``gr/ops/layer_ops/layer_ops.cpp``) the CPU computes them
+With gr's native kernels built (``gr.ops.native``, ``gr/hstu/kernels/layer_ops/layer_ops.cpp``) the CPU computes them
 in fp32 a block of rows at a time while the block is in cache (backward recomputes the LayerNorm
 outputs from their statistics instead of keeping them), their GEMMs in bf16 math under CPU autocast
 to bf16 (``gr.ops.native.cpu_bf16_math``); otherwise, on other devices and in other dtypes, PyTorch's
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gr.ops.layer_ops import cpu
+from gr.hstu.kernels.layer_ops import cpu
 from gr.ops.native import cpu_bf16_math, native_ops
 from gr.ops.random import keep_mask
 

@@ -1,6 +1,6 @@
 """Memory and work estimates of the ``cpu`` attention backend: what ``gr.train.memory`` sums per layer.
 
-Each mirrors what ``gr.ops.attention.cpu`` keeps or computes for one batch (its chunking by
+Each mirrors what ``gr.hstu.kernels.attention.cpu`` keeps or computes for one batch (its chunking by
 ``QUERY_CHUNK`` query rows, tiles of at most ``TILE_ELEMENTS`` scores, fused blocks of ``ROW_BLOCK``
 rows, at most ``SAVED_TILE_FLOATS`` saved tile floats and ``LAYOUT_CACHE_ELEMENTS`` cached layout
 elements); ``tests/test_plan.py`` holds them to torch's memory profiler.
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from gr.ops.attention.cpu import (
+from gr.hstu.kernels.attention.cpu import (
     LAYOUT_CACHE_ELEMENTS,
     QUERY_CHUNK,
     ROW_BLOCK,

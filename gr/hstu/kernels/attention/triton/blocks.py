@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gr.ops.attention.common import TIME_BUCKET_LOG_DIV
+from gr.hstu.kernels.attention.common import TIME_BUCKET_LOG_DIV
 
 _LOG_DIV = tl.constexpr(TIME_BUCKET_LOG_DIV)
 # runtime scalars that must not become compile-time constants when they equal 1 (Triton
