@@ -13,7 +13,8 @@ one error line and exit status 2.
 ``serve`` binds its address before anything loads (a port in use or a host that does not resolve is
 one line and exit status 2), then logs on stderr (``--log-format text|json``, ``gr.serving.logs``):
 one start-up line (export, model version: the MANIFEST's digest, device, workers, address), one
-access line per request, and one line when it stops.
+access line per request, a warning for each worker that ends and the one started in its place
+(``--workers N``), and one line when it stops.
 
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
@@ -229,9 +230,9 @@ def _top_k_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) 
 def _serve(args: argparse.Namespace) -> int:
     """Check the export, options and address (one clear line and exit 2 on a problem), then run uvicorn."""
     import uvicorn
-    from uvicorn.supervisors import Multiprocess
 
     from gr.serving.http import OPTIONS_ENV  # the HTTP stack (fastapi), loaded by serve only, as uvicorn
+    from gr.serving.workers import LoggedMultiprocess
 
     if (
         args.workers < 1
@@ -308,7 +309,7 @@ def _serve(args: argparse.Namespace) -> int:
     started = True
     try:
         if args.workers > 1:
-            Multiprocess(config, sockets=[sock]).run()
+            LoggedMultiprocess(config, sockets=[sock]).run()
         else:
             started = _run_one(uvicorn.Server(config), sock)
     except SystemExit:  # uvicorn's exit when the app does not load: it logged why
