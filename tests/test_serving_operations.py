@@ -5,7 +5,8 @@ depths, cache entries and bytes and fallbacks; a port in use or a bad address is
 Cold start: an empty history gets the export's most popular items, marked ``"fallback":
 "popularity"``, from recommend and generate (in-process, HTTP and the one-shot commands); an export
 without popularity keeps the error, and an edited popularity file is refused by name. ``gr
-recommend`` prints the top k; generate's scores are log-probabilities."""
+recommend`` prints the top k (``--k`` wins over a request's own k); generate's scores are
+log-probabilities."""
 
 import asyncio
 import json
@@ -273,6 +274,18 @@ def test_gr_recommend_and_generate_print_items_and_scores_with_the_fallback_for_
         assert warm["items"] == [RAW_ITEMS[i] for i in want.items] and "fallback" not in warm
         np.testing.assert_allclose(warm["scores"], want.scores, rtol=0, atol=1e-6)
         assert cold["items"] == [RAW_ITEMS[i] for i in most_popular(3)] and cold["fallback"] == "popularity"
+
+
+def test_gr_recommend_and_generate_k_flag_wins_over_a_requests_own_k_which_applies_without_it(
+    exports, tmp_path, capsys
+):
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"user_id": "u", "history": HISTORY, "k": 5}))
+    for verb in ("recommend", "generate"):
+        for flag, count in ((["--k", "3"], 3), ([], 5)):
+            capsys.readouterr()
+            assert serving_main([verb, str(exports["popular"]), "--request", str(request), *flag]) == 0
+            assert len(json.loads(capsys.readouterr().out)["items"]) == count, (verb, flag)
 
 
 def test_generate_scores_are_log_probabilities_of_the_catalogue_scores_recommend_returns(exports):
