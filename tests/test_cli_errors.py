@@ -48,12 +48,17 @@ def test_train_with_missing_data_names_it_before_importing_the_training_stack(tm
     assert done.stdout.strip() == "False" and not (tmp_path / "run").exists()
 
 
-def test_export_of_a_missing_run_and_check_of_a_missing_export_name_the_directory(tmp_path, warm_python):
+def test_export_of_a_missing_run_and_check_of_a_missing_export_name_their_command_and_the_directory(
+    tmp_path, warm_python
+):
     missing = str(tmp_path / "nowhere")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for args in (["-m", "gr.export", missing, str(tmp_path / "export")], ["-m", "gr.export", "check", missing]):
+    for args, prog in (
+        (["-m", "gr.export", missing, str(tmp_path / "export")], "gr export"),
+        (["-m", "gr.export", "check", missing], "gr check"),
+    ):
         done = warm_python.run(args, cwd=ROOT, env=env, timeout=120)  # a process of its own (helpers.warm)
-        assert missing in one_error_line(done, "gr export")
+        assert missing in one_error_line(done, prog)
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe not utf-8", b"[" * 100_000 + b"]" * 100_000])

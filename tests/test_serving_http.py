@@ -630,7 +630,7 @@ def wait_for(condition, timeout: float = 90.0) -> None:
         time.sleep(0.1)
 
 
-def test_metrics_add_up_over_two_workers_and_a_dead_workers_gauges_are_dropped(exports):
+def test_metrics_add_up_over_two_workers_a_dead_workers_gauges_are_dropped_and_its_replacement_logged(exports):
     server = Server(exports["first"], "--workers", "2")
     try:
 
@@ -643,7 +643,8 @@ def test_metrics_add_up_over_two_workers_and_a_dead_workers_gauges_are_dropped(e
         # whichever worker answers the scrape, it counts every worker's requests
         assert [metric(scrape(), "gr_requests_total", endpoint="recommend") for _ in range(6)] == [12] * 6
         assert metric(scrape(), "gr_cache_bytes") > 0 and metric(scrape(), "gr_model_version") == 0
-        killed = worker_pids(server)[0]
+        workers = worker_pids(server)
+        killed = workers[0]
         directory = Path(
             next(
                 v.split(b"=", 1)[1].decode()
@@ -665,9 +666,12 @@ def test_metrics_add_up_over_two_workers_and_a_dead_workers_gauges_are_dropped(e
         text = scrape()
         assert metric(text, "gr_workers") == 2 and not list(directory.glob(f"gauge_live*_{killed}.db"))
         assert metric(text, "gr_requests_total", endpoint="recommend") == 12  # the dead worker's counts are kept
+        started = next(pid for pid in worker_pids(server) if pid not in workers)
     finally:
         server.stop()
     assert not directory.exists()  # the server's metrics directory goes with it
+    replaced_line = f"WARNING gr.serve: worker {killed} was killed by SIGKILL; started worker {started} in its place"
+    assert sum(line.endswith(replaced_line) for line in server.process.stdout.read().splitlines()) == 1
 
 
 def rss_peak_kb(pid: int) -> int:

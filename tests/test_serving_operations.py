@@ -1,12 +1,16 @@
 """Operating the service: a real ``gr serve`` logs a start-up line, one access line per request (with
-its request id and error kind; text or JSON), each reload (or refused reload) and a shutdown line;
-/metrics counts errors by kind, batches, queue depths, cache entries and bytes and fallbacks; a port
-in use or a bad address is one line and exit 2. Cold start: an empty history gets the export's most
-popular items, marked ``"fallback": "popularity"``, from recommend and generate (in-process, HTTP
-and the one-shot commands); an export without popularity keeps the error, and an edited popularity
-file is refused by name. ``gr recommend`` prints the top k; generate's scores are log-probabilities."""
+its request id and error kind; text or JSON; the path's control characters escaped, a long one cut),
+each reload (or refused reload) and a shutdown line; /metrics counts errors by kind, batches, queue
+depths, cache entries and bytes and fallbacks; a port in use or a bad address is one line and exit 2.
+Cold start: an empty history gets the export's most popular items, marked ``"fallback":
+"popularity"``, from recommend and generate (in-process, HTTP and the one-shot commands); an export
+without popularity keeps the error, and an edited popularity file is refused by name. ``gr
+recommend`` prints the top k (``--k`` wins over a request's own k); generate's scores are
+log-probabilities."""
 
+import asyncio
 import json
+import logging
 import re
 import shutil
 import socket
@@ -24,6 +28,7 @@ from gr.export.popularity import POPULARITY
 from gr.serving import GenerateRequest, Ranker, RecommendRequest, http
 from gr.serving.errors import RequestError
 from gr.serving.http import OPTIONS_ENV, create_app
+from gr.serving.logs import ACCESS_LOGGER, MAX_LOGGED_PATH, TEXT_FORMAT, AccessLog, JsonFormatter
 from helpers.models import NUM_ITEMS, build_generative_model
 from helpers.servers import AppServer, Server, free_port, metric, write_item_map
 
@@ -100,6 +105,39 @@ def test_log_format_json_writes_one_json_object_per_line(exports):
     served = [r for r in records if r["logger"] == "gr.access" and r["status"] == 200]
     assert served and all(r["error"] is None for r in served)
     assert records[0]["message"].startswith("serving ") and records[-1]["message"].startswith("stopped serving ")
+
+
+async def _not_found(scope, receive, send):
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b'{"error": "not_found"}'})
+
+
+def test_an_access_line_escapes_control_characters_and_cuts_a_long_path_in_both_formats(caplog):
+    """A client's percent-encoded CR, LF and ESC (uvicorn decodes them into the path) are logged
+    escaped: no forged line, no terminal colour; a 100 KB path is cut, saying the length it had."""
+    forged = "/v1/nope\r\nINFO gr.access: forged\x1b[31m"
+    long = "/v1/" + "a" * 100_000
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def sent(message):
+        pass
+
+    for path in (forged, long, "/v1/a\\r"):
+        asyncio.run(AccessLog(_not_found)({"type": "http", "method": "POST", "path": path}, receive, sent))
+    records = [r for r in caplog.records if r.name == ACCESS_LOGGER]
+    text = [logging.Formatter(TEXT_FORMAT).format(r) for r in records]
+    objects = [JsonFormatter().format(r) for r in records]
+    escaped = "/v1/nope\\r\\nINFO gr.access: forged\\x1b[31m"
+    assert re.fullmatch(
+        rf".* gr\.access: POST {re.escape(escaped)} 404 [0-9.]+ ms error=not_found request_id=\w+", text[0]
+    )
+    cut = "/v1/" + "a" * (MAX_LOGGED_PATH - 4) + "...[cut: 100004 characters]"
+    assert f"POST {cut} 404 " in text[1] and len(text[1]) < MAX_LOGGED_PATH + 200
+    assert [json.loads(line)["path"] for line in objects] == [escaped, cut, "/v1/a\\\\r"]  # a client's backslash too
+    assert not [line for line in text + objects if any(char in line for char in "\r\n\x1b")]
 
 
 def test_metrics_count_errors_by_kind_batches_queue_depths_cache_entries_and_fallbacks(exports):
@@ -236,6 +274,18 @@ def test_gr_recommend_and_generate_print_items_and_scores_with_the_fallback_for_
         assert warm["items"] == [RAW_ITEMS[i] for i in want.items] and "fallback" not in warm
         np.testing.assert_allclose(warm["scores"], want.scores, rtol=0, atol=1e-6)
         assert cold["items"] == [RAW_ITEMS[i] for i in most_popular(3)] and cold["fallback"] == "popularity"
+
+
+def test_gr_recommend_and_generate_k_flag_wins_over_a_requests_own_k_which_applies_without_it(
+    exports, tmp_path, capsys
+):
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"user_id": "u", "history": HISTORY, "k": 5}))
+    for verb in ("recommend", "generate"):
+        for flag, count in ((["--k", "3"], 3), ([], 5)):
+            capsys.readouterr()
+            assert serving_main([verb, str(exports["popular"]), "--request", str(request), *flag]) == 0
+            assert len(json.loads(capsys.readouterr().out)["items"]) == count, (verb, flag)
 
 
 def test_generate_scores_are_log_probabilities_of_the_catalogue_scores_recommend_returns(exports):

@@ -1,6 +1,6 @@
 """Progress you can watch: step lines with throughput and ETA in a log, Lightning's bar on a
-terminal (one without a size included), and throughput, learning rate and gradient norm in the
-run's logged metrics."""
+terminal (one without a size included) drawn as the run trains, with its validation metrics and the
+log lines' epoch count, and throughput, learning rate and gradient norm in the run's logged metrics."""
 
 import contextlib
 import csv
@@ -58,17 +58,20 @@ def test_throughput_learning_rate_and_gradient_norm_are_logged_every_logged_step
         assert math.isclose(float(row["train/lr"]), LOGGED["optimizer"]["lr"], rel_tol=1e-6)
 
 
-def test_a_terminal_without_a_size_still_shows_the_bar_with_samples_per_second(tmp_path):
-    """A pty as `script` or a CI runner opens it: 0 columns, where tqdm alone draws nothing."""
+def test_a_terminal_without_a_size_shows_the_bar_as_it_trains_epochs_from_1_with_validation_metrics(tmp_path):
+    """A pty as `script` or a CI runner opens it: 0 columns, where tqdm alone draws nothing. The bar
+    arrives step by step while the run trains, counts epochs from 1 as the log lines do, and shows
+    the monitored validation metric after the loss once validation has run."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(LOGGED))
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT)
     leader, follower = pty.openpty()  # a new pty reports 0 columns and 0 rows
-    command = [sys.executable, "-m", "gr", "train", "--config", str(config), "--out", str(tmp_path / "run")]
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "gr", "train", "--config", str(config), "--out", str(run)]
     process = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower, env=env, cwd=ROOT)
     os.close(follower)
-    screen, deadline = b"", time.monotonic() + 300
+    screen, while_training, deadline = b"", None, time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             chunk = os.read(leader, 65536)
@@ -77,8 +80,12 @@ def test_a_terminal_without_a_size_still_shows_the_bar_with_samples_per_second(t
         if not chunk:
             break
         screen += chunk
+        if while_training is None and b"samples/s=" in screen:  # the first step's numbers
+            while_training = process.poll() is None and not (run / "metrics.json").exists()
     os.close(leader)
     assert process.wait(timeout=60) == 0, screen.decode(errors="replace")[-3000:]
     text = screen.decode(errors="replace")
-    assert re.search(r"Epoch 0: 100%\|.*\| (\d+)/\1 \[.*loss=[\d.]+, samples/s=[\d.]+, tokens/s=", text), text[-3000:]
-    assert "epoch 1/1 step" not in text  # lines are for logs, not terminals
+    assert while_training, text[-3000:]  # drawn as it happens, not when the run ends
+    done = r"Epoch 1/1: 100%\|.*\| (\d+)/\1 \[.*loss=[\d.]+, val/ndcg@5=[\d.]+, samples/s=[\d.]+, tokens/s="
+    assert re.search(done, text), text[-3000:]
+    assert "Epoch 0" not in text and "epoch 1/1 step" not in text  # lines are for logs, not terminals

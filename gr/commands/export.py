@@ -19,8 +19,10 @@ from gr.utils.cli_errors import run_cli
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Bad input (a missing run or export directory, an unreadable file) ends in one line on
-    stderr and exit status 2 (``gr.utils.cli_errors``)."""
-    return run_cli("gr export", lambda: _main(sys.argv[1:] if argv is None else argv))
+    stderr, prefixed by the command (``gr export:`` or ``gr check:``), and exit status 2
+    (``gr.utils.cli_errors``)."""
+    args = sys.argv[1:] if argv is None else argv
+    return run_cli("gr check" if args[:1] == ["check"] else "gr export", lambda: _main(args))
 
 
 def _main(argv: List[str]) -> int:

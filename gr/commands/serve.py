@@ -5,7 +5,8 @@ the export over HTTP (``gr.serving.http``);
 catalogue items and their scores (retrieval exports);
 ``gr generate EXPORT_DIR --request request.json --k 10`` prints each user's
 next k items and their log-probabilities (greedy; recommend and generate need no ``candidates``:
-a rank request's file serves too, and a request's own ``k`` wins over ``--k``).
+a rank request's file serves too; ``--k``, when given, wins over each request's own ``k``, which
+otherwise applies, else 10).
 Each takes ``--device cpu|cuda|npu`` (default cpu): where the ONNX slices (through that device's
 execution provider), the HSTU engine and its caches run; a device this host cannot serve on is
 one error line and exit status 2.
@@ -13,7 +14,8 @@ one error line and exit status 2.
 ``serve`` binds its address before anything loads (a port in use or a host that does not resolve is
 one line and exit status 2), then logs on stderr (``--log-format text|json``, ``gr.serving.logs``):
 one start-up line (export, model version: the MANIFEST's digest, device, workers, address), one
-access line per request, and one line when it stops.
+access line per request, a warning for each worker that ends and the one started in its place
+(``--workers N``), and one line when it stops.
 
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
@@ -98,7 +100,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         top_k = commands.add_parser(verb, help=text)
         top_k.add_argument("export_dir", type=Path)
         top_k.add_argument("--request", type=Path, required=True, help="JSON file: a request object or a list of them")
-        top_k.add_argument("--k", type=int, default=10, help="items per user (a request's own k wins)")
+        top_k.add_argument(
+            "--k",
+            type=int,
+            default=None,
+            help="items per user; given, it wins over a request's own k (default: its k, or 10)",
+        )
         top_k.add_argument("--ids", choices=ID_SPACES, default="raw", help=IDS_HELP)
         top_k.add_argument("--unknown-ids", choices=UNKNOWN_IDS, default="error", help=UNKNOWN_IDS_HELP)
         top_k.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
@@ -218,7 +225,9 @@ def _top_k_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) 
     kind: Any = RecommendRequest if args.command == "recommend" else GenerateRequest
     try:
         if isinstance(item, dict):  # a rank request's file serves too: its candidates are not needed
-            item = {"k": args.k, **{key: value for key, value in item.items() if key != "candidates"}}
+            item = {key: value for key, value in item.items() if key != "candidates"}
+            if args.k is not None:
+                item["k"] = args.k
         request = kind.from_dict(item, where, IdOptions(args.ids, args.unknown_ids))
         result = ranker.recommend(request) if args.command == "recommend" else ranker.generate(request)
     except RequestError as exc:
@@ -229,9 +238,9 @@ def _top_k_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) 
 def _serve(args: argparse.Namespace) -> int:
     """Check the export, options and address (one clear line and exit 2 on a problem), then run uvicorn."""
     import uvicorn
-    from uvicorn.supervisors import Multiprocess
 
     from gr.serving.http import OPTIONS_ENV  # the HTTP stack (fastapi), loaded by serve only, as uvicorn
+    from gr.serving.workers import LoggedMultiprocess
 
     if (
         args.workers < 1
@@ -308,7 +317,7 @@ def _serve(args: argparse.Namespace) -> int:
     started = True
     try:
         if args.workers > 1:
-            Multiprocess(config, sockets=[sock]).run()
+            LoggedMultiprocess(config, sockets=[sock]).run()
         else:
             started = _run_one(uvicorn.Server(config), sock)
     except SystemExit:  # uvicorn's exit when the app does not load: it logged why

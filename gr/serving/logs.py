@@ -4,9 +4,12 @@
 when it sends a usable one, else a new one), echoed in the response's ``X-Request-Id`` header, and
 one line on the ``gr.access`` logger when its answer is sent: method, path, status, milliseconds,
 the error kind (the ``error`` of a JSON error body, else the HTTP status phrase; none for a
-success: ``-`` in text, null in JSON) and the request id. ``log_config(fmt)`` is the ``logging.config.dictConfig`` that
-``gr serve`` hands uvicorn: the ``gr`` loggers at INFO on stderr (uvicorn's own at WARNING; its
-access log is off, this one replaces it), as text lines or (``json``) one JSON object a line.
+success: ``-`` in text, null in JSON) and the request id. The path is the client's, percent-decoded:
+it is logged as ``logged_path`` writes it (its first ``MAX_LOGGED_PATH`` characters, control
+characters escaped), in both formats, so that a request can neither write a line of its own nor
+fill the log. ``log_config(fmt)`` is the ``logging.config.dictConfig`` that ``gr serve`` hands
+uvicorn: the ``gr`` loggers at INFO on stderr (uvicorn's own at WARNING; its access log is off,
+this one replaces it), as text lines or (``json``) one JSON object a line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ACCESS_FIELDS = ("method", "path", "status", "ms", "error", "request_id")
 MAX_ERROR_BODY = 1 << 16  # error bodies are small JSON objects; a larger one is not parsed
 _USABLE_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+MAX_LOGGED_PATH = 1024  # characters of a request path an access line keeps
+_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -65,7 +70,7 @@ class AccessLog:
         finally:
             record = {
                 "method": scope["method"],
-                "path": scope["path"],
+                "path": logged_path(scope["path"]),
                 "status": status,
                 "ms": round((time.perf_counter() - started) * 1e3, 2),
                 "error": error_kind(status, bytes(body)),
@@ -76,6 +81,22 @@ class AccessLog:
                 {**record, "error": record["error"] or "-"},
                 extra={"access": record},
             )
+
+
+def logged_path(path: str) -> str:
+    """``path`` as an access line shows it: its first ``MAX_LOGGED_PATH`` characters, the backslash
+    and every character that is not printable (CR, LF, ESC, other controls, line separators)
+    escaped as Python writes them (``\\r``, ``\\n``, ``\\x1b``, ``\\u2028``); a longer path ends in
+    ``...[cut: N characters]``, N its length."""
+    shown = path[:MAX_LOGGED_PATH]
+    if not shown.isprintable() or "\\" in shown:
+        shown = "".join(_ESCAPES.get(char) or (char if char.isprintable() else _escaped(char)) for char in shown)
+    return shown if len(path) <= MAX_LOGGED_PATH else f"{shown}...[cut: {len(path)} characters]"
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def error_kind(status: int, body: bytes) -> Optional[str]:

@@ -19,7 +19,8 @@ A run directory holds:
                        checkpoint's epoch and step, and the ids the new data added per map ("new_ids")
     mappings/          raw <-> dense id mappings (``SequenceDataModule.save_mappings``)
     popularity.safetensors  each item's count in the training data (``gr.data.popularity``)
-    checkpoints/       DCP checkpoint directories: "epoch=N" (the best by trainer.monitor)
+    checkpoints/       DCP checkpoint directories: "epoch=N" (the best by trainer.monitor; N counted
+                       from 0, where the progress bar and lines count from 1)
                        and "last" (for --resume); each has every rank's shards + meta.pt
     logs/              TensorBoard events and metrics.csv (Lightning's CSV logger)
     .lock              only while a process trains, resumes or exports the run (``gr.utils.run_lock``)

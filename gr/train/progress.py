@@ -1,11 +1,16 @@
 """Training progress you can watch: Lightning's bar on a terminal, lines in a log that is not one,
 and the step's throughput and learning rate in the logged metrics (TensorBoard and CSV).
 
+Both count epochs from 1 (``epoch 3/8`` is the third of eight); checkpoint directory names keep
+Lightning's count from 0 (``checkpoints/epoch=2`` holds the third), so that existing runs resume,
+warm-start and export as before.
+
 * ``Throughput`` logs ``train/samples_per_s`` and ``train/tokens_per_s`` (the epoch's so far, data
   loading included) and ``train/lr`` (the dense optimizer's) every logged step; the bar shows them.
-* On a terminal, ``TerminalBar``: Lightning's TQDM bar (step/total, elapsed, ETA, loss,
-  samples/s), drawn at 100 columns where the terminal reports no width (a pty without a size, as
-  ``script`` or a CI runner opens), where tqdm would draw nothing.
+* On a terminal, ``TerminalBar``: Lightning's TQDM bar (``Epoch E/N``, step/total, elapsed, ETA,
+  loss, the latest validation metrics, samples/s), drawn at ``FALLBACK_COLUMNS`` where the terminal
+  reports no width (a pty without a size, as ``script`` or a CI runner opens), where tqdm would
+  draw nothing.
 * Elsewhere, ``ProgressLines``: a line every ``trainer.log_every_n_steps`` steps with loss,
   throughput and ETA, and one per epoch with its validation metrics; a file records each once
   instead of one ever-growing redrawn line.
@@ -21,7 +26,7 @@ from typing import Any, Dict, List, Optional
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 
-FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24
+FALLBACK_COLUMNS, FALLBACK_ROWS = 120, 24
 SAMPLES, TOKENS, LR = "train/samples_per_s", "train/tokens_per_s", "train/lr"
 SHORT_NAMES = {"train/loss": "loss", SAMPLES: "samples/s", TOKENS: "tokens/s"}
 
@@ -50,17 +55,34 @@ class Throughput(Callback):
 
 
 class TerminalBar(TQDMProgressBar):
-    """Lightning's TQDM bar, at ``FALLBACK_COLUMNS`` where the terminal reports zero columns."""
+    """Lightning's TQDM bar, ``Epoch E/N`` counted from 1, at ``FALLBACK_COLUMNS`` where the terminal
+    reports zero columns. monitor: the validation metric shown first (``trainer.monitor``), then
+    the throughput and the other validation metrics: a narrow terminal cuts the end of the line."""
+
+    def __init__(self, monitor: Optional[str] = None) -> None:
+        super().__init__()
+        self.monitor = monitor
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> Dict[str, Any]:
-        """The bar's short names: loss, samples/s, tokens/s."""
-        return {SHORT_NAMES.get(name, name): value for name, value in super().get_metrics(trainer, pl_module).items()}
+        """loss, the monitored metric, samples/s, tokens/s, then the other validation metrics (the
+        latest validation's, from its end on)."""
+        shown = {SHORT_NAMES.get(name, name): value for name, value in super().get_metrics(trainer, pl_module).items()}
+        validation = _validation(trainer.callback_metrics)
+        first = {"loss": shown.pop("loss")} if "loss" in shown else {}
+        if self.monitor in validation:
+            first[self.monitor] = validation.pop(self.monitor)
+        return {**first, **shown, **validation}
 
     def init_train_tqdm(self) -> Any:
         bar = super().init_train_tqdm()
         if _terminal_columns() == 0:
             bar.dynamic_ncols, bar.ncols, bar.nrows = False, FALLBACK_COLUMNS, FALLBACK_ROWS
         return bar
+
+    def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
+        """Lightning's reset of the bar, its description set first: it is never drawn counted from 0."""
+        self.train_progress_bar.set_description(f"Epoch {_epoch(trainer)}", refresh=False)
+        self.train_progress_bar.reset(total=_finite(self.total_train_batches))
 
 
 class ProgressLines(ProgressBar):
@@ -100,8 +122,7 @@ class ProgressLines(ProgressBar):
         parts = [f"train/loss={metrics['train/loss']:.4f}"] if "train/loss" in metrics else []
         parts += [f"{SHORT_NAMES[name]}={metrics[name]:.0f}" for name in (SAMPLES, TOKENS) if name in metrics]
         steps = f"{done}/{total}" if total else str(done)
-        epoch = f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}"
-        _print(f"{epoch} step {steps}: {' '.join(parts)} ({elapsed:.1f}s{eta})")
+        _print(f"epoch {_epoch(trainer)} step {steps}: {' '.join(parts)} ({elapsed:.1f}s{eta})")
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not (self._enabled and trainer.is_global_zero):
@@ -111,10 +132,17 @@ class ProgressLines(ProgressBar):
             for name, value in sorted(_scalars(trainer.callback_metrics).items())
             if name.startswith(("train/loss", "val/"))
         )
-        _print(
-            f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: {shown} "
-            f"({time.perf_counter() - self._started:.1f}s)"
-        )
+        _print(f"epoch {_epoch(trainer)}: {shown} ({time.perf_counter() - self._started:.1f}s)")
+
+
+def _epoch(trainer: Trainer) -> str:
+    """``E/N``: the epoch running, counted from 1, of ``trainer.max_epochs``."""
+    return f"{trainer.current_epoch + 1}/{trainer.max_epochs}"
+
+
+def _validation(metrics: Dict[str, Any]) -> Dict[str, float]:
+    """The ``val/`` scalars of ``metrics``, by name."""
+    return {name: value for name, value in sorted(_scalars(metrics).items()) if name.startswith("val/")}
 
 
 def _print(line: str) -> None:
@@ -136,11 +164,12 @@ def _scalars(metrics: Dict[str, Any]) -> Dict[str, float]:
     return {name: float(value) for name, value in metrics.items() if getattr(value, "numel", lambda: 1)() == 1}
 
 
-def progress_callbacks(enabled: bool, every: int) -> List[Callback]:
+def progress_callbacks(enabled: bool, every: int, monitor: Optional[str] = None) -> List[Callback]:
     """The progress display of a run (``TerminalBar`` on a terminal, ``ProgressLines`` otherwise;
     none when ``trainer.enable_progress_bar`` is off) and the throughput it shows, which is logged
-    either way. every: ``trainer.log_every_n_steps``."""
+    either way. every: ``trainer.log_every_n_steps``; monitor: the validation metric the bar shows
+    first (``trainer.monitor``; None when nothing is validated)."""
     display: List[Callback] = []
     if enabled:
-        display = [TerminalBar() if sys.stdout.isatty() else ProgressLines(every)]
+        display = [TerminalBar(monitor) if sys.stdout.isatty() else ProgressLines(every)]
     return [Throughput(), *display]

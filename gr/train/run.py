@@ -217,7 +217,8 @@ def make_trainer(
         save_last=True,
         auto_insert_metric_name=False,
     )
-    callbacks = [checkpoints, *progress_callbacks(t.enable_progress_bar, t.log_every_n_steps), *extra_callbacks]
+    progress = progress_callbacks(t.enable_progress_bar, t.log_every_n_steps, config.monitor if validates else None)
+    callbacks = [checkpoints, *progress, *extra_callbacks]
     if t.early_stopping_patience:
         callbacks.append(EarlyStopping(config.monitor, patience=t.early_stopping_patience, mode=t.monitor_mode))
     device_args: Dict[str, Any] = dict(
