@@ -9,9 +9,11 @@ as a column ``history.item_id``)::
     history.<feature>          list per token feature of the export  required (item_id, ...); optional
                                                                      for the item features the export
                                                                      stores (taken by item id)
-    history.timestamps         list<int> seconds, oldest first       required (``gr.timestamps``)
+    history.timestamps         list<int> seconds, oldest first       required (``gr.timestamps``; a
+                                                                     list<timestamp> is read as seconds,
+                                                                     floored, as training reads one)
     candidates.<feature>       list per token feature                optional: scores per candidate
-    candidates.timestamps      list<int>                             optional (default: request_time)
+    candidates.timestamps      list<int> (or list<timestamp>)        optional (default: request_time)
     common_features.<feature>  id, list of ids, or list<float>       required when the export reads it
     request_time               int (null: the request's default)     optional
 
@@ -68,7 +70,7 @@ from gr.serving.model import ServingModel, check_device
 from gr.serving.request import IdOptions
 from gr.serving.runtime import DEFAULT_MICRO_BATCH, PreparedRecommend
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
-from gr.timestamps import INT64_MAX
+from gr.timestamps import INT64_MAX, floor_seconds
 from gr.utils.atomic import atomic_file
 from gr.utils.cli_errors import run_cli
 from gr.utils.devices import DEVICES
@@ -295,7 +297,10 @@ class _Rows:
                 column = column.cast(pa.list_(column.type.value_type))
             levels.append(np.asarray(column.offsets))
             column = column.values
-        leaf = column.to_numpy(zero_copy_only=False)
+        if pa.types.is_timestamp(column.type):  # seconds, floored, as training reads a TIMESTAMP column
+            leaf = floor_seconds(column.cast(pa.int64()).to_numpy(), column.type.unit)
+        else:
+            leaf = column.to_numpy(zero_copy_only=False)
         self._check_int64(name, leaf, levels)
         if leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
             first = int(np.flatnonzero(~np.isfinite(leaf))[0])

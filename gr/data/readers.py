@@ -33,6 +33,7 @@ from gr.data.config import ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.synthetic import generate_synthetic
 from gr.jagged_rows import JaggedRows
+from gr.timestamps import floor_seconds
 
 log = logging.getLogger(__name__)
 
@@ -718,8 +719,7 @@ def _parquet_seconds(file: Path, name: str, column: pa.ChunkedArray) -> np.ndarr
     types floored to whole seconds; a value outside int64 (or not finite) names its row."""
     kind = column.type
     if pa.types.is_timestamp(kind):
-        per_second = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}[kind.unit]
-        return np.floor_divide(pc.cast(column, pa.int64()).to_numpy(), per_second)
+        return floor_seconds(pc.cast(column, pa.int64()).to_numpy(), kind.unit)
     if pa.types.is_integer(kind):
         array = column.to_numpy()
         if array.dtype == np.uint64 and len(array) and array.max() > np.uint64(INT64_RANGE[1]):
