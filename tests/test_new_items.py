@@ -169,6 +169,14 @@ def test_the_command_reads_parquet_lists_and_counts_values_the_vocabularies_lack
             r"new\.csv: row 1: column 'item_id': item 5 is already in the export \(--replace-known replaces",
         ),
         ([["x9", "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': expected an integer id, got 'x9'"),
+        (
+            [[403, "b1", "drama", 1.0], [2**64, "b1", "drama", 1.0]],
+            r"new\.csv: row 2: column 'item_id': id 18446744073709551616 does not fit int64",
+        ),
+        (
+            [[404, "b1", "drama||comedy", 1.0]],
+            r"new\.csv: row 1: column 'genres': an empty value in the list 'drama\|\|comedy' \(values are separated",
+        ),
     ],
 )
 def test_a_bad_items_file_is_refused_naming_file_row_and_column(export, tmp_path, rows, message):
@@ -183,6 +191,19 @@ def test_a_missing_feature_column_is_named(export, tmp_path):
     (tmp_path / "new.csv").write_text("item_id,brand\n500,b1\n")
     with pytest.raises(ItemsFileError, match=r"new\.csv: lacks column\(s\) \['genres', 'price'\]"):
         add_items(export, tmp_path / "new.csv", tmp_path / "grown")
+
+
+def test_a_column_the_export_has_no_feature_for_is_refused(export, tmp_path):
+    (tmp_path / "new.csv").write_text("item_id,brand,genres,price,colour\n500,b1,drama,1.0,red\n")
+    with pytest.raises(ItemsFileError, match=r"new\.csv: unknown column\(s\) \['colour'\]; an items file of this"):
+        add_items(export, tmp_path / "new.csv", tmp_path / "grown")
+
+
+def test_a_parquet_list_holding_an_empty_value_is_refused_as_training_refuses_it(export, tmp_path):
+    table = {"item_id": [600, 601], "brand": ["b1", "b2"], "genres": [["drama"], ["comedy", ""]], "price": [1.0, 2.0]}
+    pq.write_table(pa.table(table), tmp_path / "new.parquet")
+    with pytest.raises(ItemsFileError, match=r"new\.parquet: row 2: column 'genres': a null or empty value inside"):
+        add_items(export, tmp_path / "new.parquet", tmp_path / "grown")
 
 
 def test_an_export_whose_model_reads_no_item_feature_is_refused(tmp_path):

@@ -268,9 +268,14 @@ def _date_hint(value: str, kind: str) -> str:
     return " (a date as text: give Unix seconds, or a Parquet timestamp column, which is read as it is)"
 
 
+def fits_int64(text: str) -> bool:
+    """Whether ``text`` is an integer (``INT_PATTERN``) within int64."""
+    return INT_PATTERN.fullmatch(text) is not None and INT64_RANGE[0] <= int(text) <= INT64_RANGE[1]
+
+
 def _valid(value: str, kind: str) -> bool:
     if kind == "int":
-        return INT_PATTERN.fullmatch(value) is not None and INT64_RANGE[0] <= int(value) <= INT64_RANGE[1]
+        return fits_int64(value)
     if kind == "time":
         return exact_seconds(value) is not None
     if kind == "float":
@@ -291,7 +296,7 @@ def empty_list_value(cell: str, separator: str) -> str:
     )
 
 
-def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str], DataFormatError]) -> JaggedRows:
+def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str], ValueError]) -> JaggedRows:
     """cells: [M] str, each a list of values joined by ``separator`` ("" is the empty list) ->
     M rows of str values. An empty value inside a list (``"a||b"``, ``"a|"``) raises
     ``bad_cell(row, message)``."""
@@ -657,7 +662,7 @@ def _parquet_values(
             row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DataFormatError(file, f"row {row + 1}: column {name!r} is null")
         if name in columns.list_features or _is_list(column.type):
-            lists[name] = _parquet_list(file, name, column, declared=name in columns.list_features)
+            lists[name] = parquet_list(file, name, column, declared=name in columns.list_features)
         elif name == columns.timestamp:
             values[name] = _parquet_seconds(file, name, column)
         else:
@@ -672,7 +677,7 @@ def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(kind) or pa.types.is_large_list(kind)
 
 
-def _parquet_list(file: Path, name: str, column: pa.ChunkedArray, declared: bool) -> JaggedRows:
+def parquet_list(file: Path, name: str, column: pa.ChunkedArray, declared: bool) -> JaggedRows:
     """A list<string> / list<int> column declared in ``list_features`` -> N rows of str values
     (integers exactly); a list column not declared, a declared column that is not a list, a null
     or empty value inside a list raise DataFormatError naming the file, row and column."""
