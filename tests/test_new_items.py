@@ -24,6 +24,7 @@ from gr.serving import IdOptions, Ranker
 from gr.serving.http import create_app
 from gr.train.config import TrainConfig
 from gr.train.run import train
+from helpers.corrupt_parquet import write_corrupt_parquet
 from helpers.models import build_generative_model
 from helpers.runs import RANKING
 from helpers.servers import AppServer, write_item_map
@@ -204,6 +205,17 @@ def test_a_parquet_list_holding_an_empty_value_is_refused_as_training_refuses_it
     pq.write_table(pa.table(table), tmp_path / "new.parquet")
     with pytest.raises(ItemsFileError, match=r"new\.parquet: row 2: column 'genres': a null or empty value inside"):
         add_items(export, tmp_path / "new.parquet", tmp_path / "grown")
+
+
+def test_a_corrupt_parquet_page_is_one_line_naming_the_items_file(export, tmp_path, capsys):
+    items = np.arange(700, 2700)
+    table = pa.table({"item_id": items, "brand": [f"b{i % 3}" for i in items], "genres": [["drama"]] * len(items)})
+    path = write_corrupt_parquet(
+        table.append_column("price", pa.array(items % 5, pa.float64())), tmp_path / "n.parquet"
+    )
+    assert items_main([str(export), str(path), "--out", str(tmp_path / "grown")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"gr items add: error: {path}: not a readable CSV or Parquet items file ("), line
 
 
 def test_an_export_whose_model_reads_no_item_feature_is_refused(tmp_path):

@@ -19,6 +19,7 @@ from gr.data.mappings import IdMap, save_mappings
 from gr.data.readers import read_table_parquet
 from gr.export import export_model
 from gr.serving import IdOptions, Ranker, RecommendRequest
+from helpers.corrupt_parquet import write_corrupt_parquet
 from helpers.models import (
     DENSE_DIMS,
     build_ranking_model,
@@ -213,6 +214,16 @@ def test_a_timestamp_list_is_read_as_seconds_floored_as_training_reads_one(retri
     predict(path, write(seconds, tmp_path / "seconds.parquet"), tmp_path / "a.parquet", k=3)
     predict(path, write(stamped, tmp_path / "stamped.parquet"), tmp_path / "b.parquet", k=3)
     assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+
+
+def test_a_corrupt_parquet_page_is_one_line_naming_the_input(retrieval, tmp_path, capsys):
+    path, requests = retrieval
+    users = write_corrupt_parquet(as_table(requests * 50, ("history",)), tmp_path / "users.parquet")
+    output = tmp_path / "out.parquet"
+    assert gr_main(["predict", str(path), "--input", str(users), "--output", str(output)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"gr predict: error: --input {users}: not a readable Parquet file ("), line
+    assert not output.exists()
 
 
 def test_a_ranking_export_without_candidates_asks_for_them(ranking, tmp_path):

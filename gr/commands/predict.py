@@ -48,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -142,7 +142,7 @@ def predict(
     shown = _Progress(total, batch_size, progress)
     with atomic_file(output_path, binary=True) as handle, pq.ParquetWriter(handle, out_schema) as writer:
         first = 0
-        for batch in source.iter_batches(batch_size):
+        for batch in _batches(source, input_path, batch_size):
             table = _flatten(pa.Table.from_batches([batch]))
             rows = _Rows(table, input_path, first)
             requests = [_request(rows, i, layout, options) for i in range(table.num_rows)]
@@ -243,6 +243,20 @@ def _open(path: Path) -> pq.ParquetFile:
         return pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"--input {path}: not a readable Parquet file ({exc})") from None
+
+
+def _batches(source: pq.ParquetFile, path: Path, batch_size: int) -> Iterator[pa.RecordBatch]:
+    """``source``'s rows, ``batch_size`` at a time; a page that cannot be read (corrupt) is a
+    ValueError naming ``--input``, as an unreadable footer is."""
+    batches = source.iter_batches(batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"--input {path}: not a readable Parquet file ({exc})") from None
+        yield batch
 
 
 def _flatten(table: pa.Table) -> pa.Table:

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -609,7 +609,7 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     try:
         table = pq.read_table(file, columns=wanted)
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
+        raise unreadable_parquet(file, str(error)) from None
     if table.num_rows == 0:
         raise DataFormatError(file, "no data rows (empty dataset)")
     values, lists, ratings = _parquet_values(file, table, columns)
@@ -618,6 +618,13 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
         return table_parquet_error(file, name, row, message)
 
     return _table_interactions(file, values, lists, columns, bad_id, ratings)
+
+
+def unreadable_parquet(file: Union[Path, str], reason: str) -> DataFormatError:
+    """``file: not a readable Parquet file (reason)``: a Parquet file that Arrow or an engine (DuckDB,
+    Spark) cannot read, e.g. a corrupt page; ``reason``: the reader's own words (their first line)."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    return DataFormatError(file, f"not a readable Parquet file ({lines[0] if lines else 'unknown reason'})")
 
 
 def table_parquet_columns(columns: ColumnConfig) -> Tuple[List[str], List[str]]:
@@ -634,7 +641,7 @@ def read_table_parquet_schema(file: Path, columns: ColumnConfig) -> pa.Schema:
     try:
         schema = pq.read_schema(file)
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
+        raise unreadable_parquet(file, str(error)) from None
     missing = [c for c in wanted if c not in schema.names]
     if missing:
         raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")

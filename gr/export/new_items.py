@@ -232,7 +232,7 @@ def _table(path: Path) -> pa.Table:
             names = next(csv.reader(f), [])
         convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False)
         return pacsv.read_csv(path, convert_options=convert)
-    except (pa.ArrowInvalid, UnicodeDecodeError) as error:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as error:  # OSError: a corrupt Parquet page, too
         raise ItemsFileError(
             f"{path}: not a readable CSV or Parquet items file ({str(error).splitlines()[0]})"
         ) from None
