@@ -11,6 +11,8 @@
   (``gr.data.sequences.build_sequences``), so training and serving see ties alike.
 * Negative timestamps are allowed: they are seconds before 1970, valid integers that the model's
   relative time buckets handle like any other.
+* A timestamp type (a Parquet / Arrow TIMESTAMP of s, ms, us or ns) is read as its whole seconds,
+  floored (``floor_seconds``), by the dataset readers and ``gr predict`` alike.
 * Every timestamp is an int64. Values outside [-2^63, 2^63) are refused, never wrapped, and so
   are the times of one user's request (history, candidates, request time) or one user's
   training sequence that lie 2^63 s or more apart: the model takes their differences.
@@ -30,6 +32,7 @@ import numpy as np
 TIMESTAMPS = "timestamps"  # [tokens] int64 seconds
 INT64_MIN = int(np.iinfo(np.int64).min)
 INT64_MAX = int(np.iinfo(np.int64).max)
+PER_SECOND = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}  # a Parquet / Arrow timestamp's units in a second
 
 
 class TimestampError(ValueError):
@@ -58,6 +61,14 @@ def check_history_timestamps(ts: np.ndarray, where: str) -> None:
             f"{where}: out of order: [{i}] = {int(ts[i])} is earlier than [{i - 1}] = {int(ts[i - 1])}; "
             "give the history oldest first (equal timestamps are allowed)"
         )
+
+
+def floor_seconds(counts: np.ndarray, unit: str) -> np.ndarray:
+    """A timestamp column's values as whole seconds, floored, as training and ``gr predict`` read them.
+
+    counts: [n] integers, each a count of ``unit`` ("s" | "ms" | "us" | "ns") since 1970 (an Arrow
+    timestamp cast to int64) -> [n] int64 seconds (-0.5 s is -1: floored, not truncated)."""
+    return np.floor_divide(np.asarray(counts, dtype=np.int64), PER_SECOND[unit])
 
 
 def check_time_span(times: Mapping[str, Any]) -> None:

@@ -25,6 +25,7 @@ from gr.serving import IdOptions, Ranker
 from gr.serving.http import create_app
 from gr.train.config import TrainConfig
 from gr.train.run import train
+from helpers.corrupt_parquet import write_corrupt_parquet
 from helpers.models import build_generative_model
 from helpers.runs import RANKING
 from helpers.servers import AppServer, write_item_map
@@ -196,6 +197,14 @@ def test_overwrite_replaces_an_existing_out_and_is_what_the_refusal_suggests(exp
             r"new\.csv: row 1: column 'item_id': item 5 is already in the export \(--replace-known replaces",
         ),
         ([["x9", "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': expected an integer id, got 'x9'"),
+        (
+            [[403, "b1", "drama", 1.0], [2**64, "b1", "drama", 1.0]],
+            r"new\.csv: row 2: column 'item_id': id 18446744073709551616 does not fit int64",
+        ),
+        (
+            [[404, "b1", "drama||comedy", 1.0]],
+            r"new\.csv: row 1: column 'genres': an empty value in the list 'drama\|\|comedy' \(values are separated",
+        ),
     ],
 )
 def test_a_bad_items_file_is_refused_naming_file_row_and_column(export, tmp_path, rows, message):
@@ -210,6 +219,30 @@ def test_a_missing_feature_column_is_named(export, tmp_path):
     (tmp_path / "new.csv").write_text("item_id,brand\n500,b1\n")
     with pytest.raises(ItemsFileError, match=r"new\.csv: lacks column\(s\) \['genres', 'price'\]"):
         add_items(export, tmp_path / "new.csv", tmp_path / "grown")
+
+
+def test_a_column_the_export_has_no_feature_for_is_refused(export, tmp_path):
+    (tmp_path / "new.csv").write_text("item_id,brand,genres,price,colour\n500,b1,drama,1.0,red\n")
+    with pytest.raises(ItemsFileError, match=r"new\.csv: unknown column\(s\) \['colour'\]; an items file of this"):
+        add_items(export, tmp_path / "new.csv", tmp_path / "grown")
+
+
+def test_a_parquet_list_holding_an_empty_value_is_refused_as_training_refuses_it(export, tmp_path):
+    table = {"item_id": [600, 601], "brand": ["b1", "b2"], "genres": [["drama"], ["comedy", ""]], "price": [1.0, 2.0]}
+    pq.write_table(pa.table(table), tmp_path / "new.parquet")
+    with pytest.raises(ItemsFileError, match=r"new\.parquet: row 2: column 'genres': a null or empty value inside"):
+        add_items(export, tmp_path / "new.parquet", tmp_path / "grown")
+
+
+def test_a_corrupt_parquet_page_is_one_line_naming_the_items_file(export, tmp_path, capsys):
+    items = np.arange(700, 2700)
+    table = pa.table({"item_id": items, "brand": [f"b{i % 3}" for i in items], "genres": [["drama"]] * len(items)})
+    path = write_corrupt_parquet(
+        table.append_column("price", pa.array(items % 5, pa.float64())), tmp_path / "n.parquet"
+    )
+    assert items_main([str(export), str(path), "--out", str(tmp_path / "grown")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"gr items add: error: {path}: not a readable CSV or Parquet items file ("), line
 
 
 def test_an_export_whose_model_reads_no_item_feature_is_refused(tmp_path):

@@ -19,6 +19,7 @@ from gr.data.mappings import IdMap, save_mappings
 from gr.data.readers import read_table_parquet
 from gr.export import export_model
 from gr.serving import IdOptions, Ranker, RecommendRequest
+from helpers.corrupt_parquet import write_corrupt_parquet
 from helpers.models import (
     DENSE_DIMS,
     build_ranking_model,
@@ -187,6 +188,11 @@ def _set(table: pa.Table, name: str, row: int, value: Any, kind: Any = None) -> 
             "row 5, column common_features.user_score: non-finite value inf",
         ),
         ("ranking", lambda t: _drop(t, "candidates.item_id"), "missing column(s) ['candidates.item_id']"),
+        (
+            "retrieval",
+            lambda t: _set(t, "history.timestamps", 0, [0.5] * 12, pa.list_(pa.float64())),
+            "row 1, column history.timestamps: expected integers in int64, got float64 values such as [0.5, 0.5, 0.5]",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_file_row_and_column(which, edit, expected, request, tmp_path, capsys):
@@ -197,6 +203,27 @@ def test_bad_input_is_one_line_naming_file_row_and_column(which, edit, expected,
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"gr predict: error: {users}: ") and expected in line, line
     assert not output.exists() and list(tmp_path.iterdir()) == [users]
+
+
+def test_a_timestamp_list_is_read_as_seconds_floored_as_training_reads_one(retrieval, tmp_path):
+    path, requests = retrieval
+    seconds = as_table(requests, ("history",))
+    times = seconds.column("history.timestamps").combine_chunks()
+    millis = pa.ListArray.from_arrays(times.offsets, pa.array(times.values.to_numpy() * 1000 + 999, pa.timestamp("ms")))
+    stamped = seconds.set_column(seconds.column_names.index("history.timestamps"), "history.timestamps", millis)
+    predict(path, write(seconds, tmp_path / "seconds.parquet"), tmp_path / "a.parquet", k=3)
+    predict(path, write(stamped, tmp_path / "stamped.parquet"), tmp_path / "b.parquet", k=3)
+    assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+
+
+def test_a_corrupt_parquet_page_is_one_line_naming_the_input(retrieval, tmp_path, capsys):
+    path, requests = retrieval
+    users = write_corrupt_parquet(as_table(requests * 50, ("history",)), tmp_path / "users.parquet")
+    output = tmp_path / "out.parquet"
+    assert gr_main(["predict", str(path), "--input", str(users), "--output", str(output)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"gr predict: error: --input {users}: not a readable Parquet file ("), line
+    assert not output.exists()
 
 
 def test_a_ranking_export_without_candidates_asks_for_them(ranking, tmp_path):

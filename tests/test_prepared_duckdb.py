@@ -4,6 +4,7 @@ readers' messages, and a reader's checks catch a corrupt, missing, foreign or di
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from gr.data.prepared.manifest import (
 from gr.data.readers import read_source
 from gr.data.sequences import build_sequences
 from gr.jagged_rows import JaggedRows
+from helpers.corrupt_parquet import write_corrupt_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = "user_id,item_id,timestamp,rating,genre,brand_w,tags,age,device,actions,watch"
@@ -458,6 +460,26 @@ def test_a_second_prepare_into_an_out_being_written_is_refused_and_the_first_com
     )
     assert_prepared_equals_raw(out, table_config(events))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["events.csv", "out", "recipe.yaml"]
+
+
+def corrupt_events(path: Path) -> Path:
+    """A Parquet source (user_id, item_id, timestamp) whose footer reads but one of its data pages does not."""
+    rng = np.random.default_rng(0)
+    ids = {name: rng.integers(0, high, 2000) for name, high in (("user_id", 50), ("item_id", 300))}
+    return write_corrupt_parquet(pa.table({**ids, "timestamp": np.arange(2000)}), path)
+
+
+def test_a_corrupt_parquet_page_is_one_line_naming_the_file_as_raw_reading_says_it(tmp_path, capsys):
+    path = corrupt_events(tmp_path / "events.parquet")
+    unreadable = f"{path}: not a readable Parquet file ("
+    with pytest.raises(DataFormatError, match=f"^{re.escape(unreadable)}"):
+        read_source(DataConfig.from_dict({"source": "parquet", "path": str(path)}))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"data:\n  source: parquet\n  path: {path}\n")
+    assert cli.main(["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"gr data prepare: error: {unreadable}") and line.endswith(")"), line
+    assert not (tmp_path / "out").exists()
 
 
 def test_spark_engine_absent_from_this_installation_is_one_line(tmp_path, capsys):

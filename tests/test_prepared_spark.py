@@ -23,6 +23,7 @@ from test_prepared_duckdb import (
     COLUMNS,
     HEADER,
     assert_prepared_equals_raw,
+    corrupt_events,
     ml_100k_dir,
     table_config,
     table_rows,
@@ -36,6 +37,7 @@ from gr.data.interactions import DataFormatError
 from gr.data.prepared.duckdb_engine import prepare_with_duckdb
 from gr.data.prepared.manifest import read_manifest
 from gr.data.prepared.spark_engine import main, prepare_with_spark
+from gr.data.prepared.spark_read import read_failure, source_of
 from gr.data.readers import read_source
 
 
@@ -225,6 +227,39 @@ def test_bad_values_are_refused_with_the_readers_file_line_and_words(spark, tmp_
     assert str(got.value) == str(expected.value)
     assert expected.value.line is not None or "row " in str(expected.value)
     assert not (tmp_path / "prepared").exists() and not list(tmp_path.glob(".prepared*"))
+
+
+# The lines of a real Spark 4 error for a corrupt Parquet page but its ~100 "at ..." frames.
+SPARK_FAILED_READ = """An error occurred while calling o172.collectToPython.
+: org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file {uri}.  \
+SQLSTATE: KD001
+\tat org.apache.spark.sql.errors.QueryExecutionErrors$.cannotReadFilesError(QueryExecutionErrors.scala:920)
+Caused by: java.lang.RuntimeException: java.io.IOException: could not read page Page [bytes.size=16007] in col [item_id]
+\tat org.apache.parquet.hadoop.ParquetFileReader.readNextRowGroup(ParquetFileReader.java:1050)
+Caused by: java.io.IOException: could not read page Page [bytes.size=16007] in col [item_id]
+Caused by: java.io.IOException: FAILED_TO_UNCOMPRESS(5)
+\t... 30 more
+"""
+
+
+def test_spark_failing_to_read_a_file_becomes_one_line_naming_it_with_the_jvm_causes(tmp_path):
+    path = corrupt_events(tmp_path / "events.parquet")
+    source = source_of(DataConfig.from_dict({"source": "parquet", "path": str(path)}))
+    error = read_failure(SPARK_FAILED_READ.format(uri=path.as_uri()), source)
+    assert isinstance(error, DataFormatError) and str(error) == (
+        f"{path}: not a readable Parquet file (could not read page Page [bytes.size=16007] in col [item_id]: "
+        "FAILED_TO_UNCOMPRESS(5))"
+    )
+    assert read_failure("An error occurred while calling o1.count.\n: java.lang.OutOfMemoryError", source) is None
+
+
+def test_a_corrupt_parquet_page_is_refused_in_one_line_naming_the_file(spark, tmp_path):
+    path = corrupt_events(tmp_path / "events.parquet")
+    with pytest.raises(DataFormatError) as got:
+        prepare_with_spark(DataConfig.from_dict({"source": "parquet", "path": str(path)}), tmp_path / "prepared")
+    [line] = str(got.value).splitlines()
+    assert line.startswith(f"{path}: not a readable Parquet file (") and "more" not in line, line
+    assert not (tmp_path / "prepared").exists()
 
 
 def test_malformed_quoting_is_refused_as_duckdb_and_the_readers_line_scan_refuse_it(spark, tmp_path):

@@ -25,7 +25,7 @@ from gr.data.popularity import save_popularity
 from gr.export import check_export, export_model
 from gr.export.manifest import manifest_digest, write_manifest
 from gr.export.popularity import POPULARITY
-from gr.serving import GenerateRequest, Ranker, RecommendRequest, http
+from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest, http
 from gr.serving.errors import RequestError
 from gr.serving.http import OPTIONS_ENV, create_app
 from gr.serving.logs import ACCESS_LOGGER, MAX_LOGGED_PATH, TEXT_FORMAT, AccessLog, JsonFormatter
@@ -184,6 +184,16 @@ def test_under_oov_history_tokens_of_items_the_export_lacks_are_left_out_said_an
         assert status == 400 and refused["detail"].startswith("history.item_id: unknown raw id(s)")
         text = server.call("GET", "/metrics")[1]
     assert metric(text, "gr_history_tokens_left_out_total") == 2
+
+
+def test_a_history_that_oov_leaves_empty_says_how_many_tokens_were_left_out_as_unknown(exports):
+    unknown = {"item_id": [max(RAW_ITEMS) + 1, max(RAW_ITEMS) + 2], "timestamps": [10, 20]}
+    oov = IdOptions("raw", "oov")
+    left_out = r"^history: empty: its 2 token\(s\) were left out as unknown \(items the model has no row for; "
+    with pytest.raises(RequestError, match=left_out + ".*; a retrieval model scores items against the query"):
+        Ranker.load(exports["popular"]).rank("u", unknown, {"item_id": [RAW_ITEMS[1]]}, id_options=oov)
+    with pytest.raises(RequestError, match=left_out + ".*; recommend needs at least one item"):
+        Ranker.load(exports["old"]).recommend(RecommendRequest("u", unknown, 3, id_options=oov))
 
 
 def test_gr_serve_unknown_ids_oov_is_the_default_of_requests_that_do_not_say(exports, monkeypatch):

@@ -9,9 +9,11 @@ as a column ``history.item_id``)::
     history.<feature>          list per token feature of the export  required (item_id, ...); optional
                                                                      for the item features the export
                                                                      stores (taken by item id)
-    history.timestamps         list<int> seconds, oldest first       required (``gr.timestamps``)
+    history.timestamps         list<int> seconds, oldest first       required (``gr.timestamps``; a
+                                                                     list<timestamp> is read as seconds,
+                                                                     floored, as training reads one)
     candidates.<feature>       list per token feature                optional: scores per candidate
-    candidates.timestamps      list<int>                             optional (default: request_time)
+    candidates.timestamps      list<int> (or list<timestamp>)        optional (default: request_time)
     common_features.<feature>  id, list of ids, or list<float>       required when the export reads it
     request_time               int (null: the request's default)     optional
 
@@ -46,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -68,7 +70,7 @@ from gr.serving.model import ServingModel, check_device
 from gr.serving.request import IdOptions
 from gr.serving.runtime import DEFAULT_MICRO_BATCH, PreparedRecommend
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
-from gr.timestamps import INT64_MAX
+from gr.timestamps import INT64_MAX, floor_seconds
 from gr.utils.atomic import atomic_file
 from gr.utils.cli_errors import run_cli
 from gr.utils.devices import DEVICES
@@ -140,7 +142,7 @@ def predict(
     shown = _Progress(total, batch_size, progress)
     with atomic_file(output_path, binary=True) as handle, pq.ParquetWriter(handle, out_schema) as writer:
         first = 0
-        for batch in source.iter_batches(batch_size):
+        for batch in _batches(source, input_path, batch_size):
             table = _flatten(pa.Table.from_batches([batch]))
             rows = _Rows(table, input_path, first)
             requests = [_request(rows, i, layout, options) for i in range(table.num_rows)]
@@ -243,6 +245,20 @@ def _open(path: Path) -> pq.ParquetFile:
         raise ValueError(f"--input {path}: not a readable Parquet file ({exc})") from None
 
 
+def _batches(source: pq.ParquetFile, path: Path, batch_size: int) -> Iterator[pa.RecordBatch]:
+    """``source``'s rows, ``batch_size`` at a time; a page that cannot be read (corrupt) is a
+    ValueError naming ``--input``, as an unreadable footer is."""
+    batches = source.iter_batches(batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"--input {path}: not a readable Parquet file ({exc})") from None
+        yield batch
+
+
 def _flatten(table: pa.Table) -> pa.Table:
     """Struct columns become dotted columns (``history {item_id}`` -> ``history.item_id``)."""
     while any(pa.types.is_struct(f.type) for f in table.schema):
@@ -295,7 +311,10 @@ class _Rows:
                 column = column.cast(pa.list_(column.type.value_type))
             levels.append(np.asarray(column.offsets))
             column = column.values
-        leaf = column.to_numpy(zero_copy_only=False)
+        if pa.types.is_timestamp(column.type):  # seconds, floored, as training reads a TIMESTAMP column
+            leaf = floor_seconds(column.cast(pa.int64()).to_numpy(), column.type.unit)
+        else:
+            leaf = column.to_numpy(zero_copy_only=False)
         self._check_int64(name, leaf, levels)
         if leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
             first = int(np.flatnonzero(~np.isfinite(leaf))[0])

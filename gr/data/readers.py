@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,7 @@ from gr.data.config import ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.synthetic import generate_synthetic
 from gr.jagged_rows import JaggedRows
+from gr.timestamps import floor_seconds
 
 log = logging.getLogger(__name__)
 
@@ -267,9 +268,14 @@ def _date_hint(value: str, kind: str) -> str:
     return " (a date as text: give Unix seconds, or a Parquet timestamp column, which is read as it is)"
 
 
+def fits_int64(text: str) -> bool:
+    """Whether ``text`` is an integer (``INT_PATTERN``) within int64."""
+    return INT_PATTERN.fullmatch(text) is not None and INT64_RANGE[0] <= int(text) <= INT64_RANGE[1]
+
+
 def _valid(value: str, kind: str) -> bool:
     if kind == "int":
-        return INT_PATTERN.fullmatch(value) is not None and INT64_RANGE[0] <= int(value) <= INT64_RANGE[1]
+        return fits_int64(value)
     if kind == "time":
         return exact_seconds(value) is not None
     if kind == "float":
@@ -290,7 +296,7 @@ def empty_list_value(cell: str, separator: str) -> str:
     )
 
 
-def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str], DataFormatError]) -> JaggedRows:
+def split_lists(cells: np.ndarray, separator: str, bad_cell: Callable[[int, str], ValueError]) -> JaggedRows:
     """cells: [M] str, each a list of values joined by ``separator`` ("" is the empty list) ->
     M rows of str values. An empty value inside a list (``"a||b"``, ``"a|"``) raises
     ``bad_cell(row, message)``."""
@@ -603,7 +609,7 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
     try:
         table = pq.read_table(file, columns=wanted)
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
+        raise unreadable_parquet(file, str(error)) from None
     if table.num_rows == 0:
         raise DataFormatError(file, "no data rows (empty dataset)")
     values, lists, ratings = _parquet_values(file, table, columns)
@@ -612,6 +618,13 @@ def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
         return table_parquet_error(file, name, row, message)
 
     return _table_interactions(file, values, lists, columns, bad_id, ratings)
+
+
+def unreadable_parquet(file: Union[Path, str], reason: str) -> DataFormatError:
+    """``file: not a readable Parquet file (reason)``: a Parquet file that Arrow or an engine (DuckDB,
+    Spark) cannot read, e.g. a corrupt page; ``reason``: the reader's own words (their first line)."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    return DataFormatError(file, f"not a readable Parquet file ({lines[0] if lines else 'unknown reason'})")
 
 
 def table_parquet_columns(columns: ColumnConfig) -> Tuple[List[str], List[str]]:
@@ -628,7 +641,7 @@ def read_table_parquet_schema(file: Path, columns: ColumnConfig) -> pa.Schema:
     try:
         schema = pq.read_schema(file)
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataFormatError(file, f"not a readable Parquet file ({error})") from None
+        raise unreadable_parquet(file, str(error)) from None
     missing = [c for c in wanted if c not in schema.names]
     if missing:
         raise DataFormatError(file, f"lacks column(s) {missing}; it has {schema.names}")
@@ -656,7 +669,7 @@ def _parquet_values(
             row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DataFormatError(file, f"row {row + 1}: column {name!r} is null")
         if name in columns.list_features or _is_list(column.type):
-            lists[name] = _parquet_list(file, name, column, declared=name in columns.list_features)
+            lists[name] = parquet_list(file, name, column, declared=name in columns.list_features)
         elif name == columns.timestamp:
             values[name] = _parquet_seconds(file, name, column)
         else:
@@ -671,7 +684,7 @@ def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(kind) or pa.types.is_large_list(kind)
 
 
-def _parquet_list(file: Path, name: str, column: pa.ChunkedArray, declared: bool) -> JaggedRows:
+def parquet_list(file: Path, name: str, column: pa.ChunkedArray, declared: bool) -> JaggedRows:
     """A list<string> / list<int> column declared in ``list_features`` -> N rows of str values
     (integers exactly); a list column not declared, a declared column that is not a list, a null
     or empty value inside a list raise DataFormatError naming the file, row and column."""
@@ -718,8 +731,7 @@ def _parquet_seconds(file: Path, name: str, column: pa.ChunkedArray) -> np.ndarr
     types floored to whole seconds; a value outside int64 (or not finite) names its row."""
     kind = column.type
     if pa.types.is_timestamp(kind):
-        per_second = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}[kind.unit]
-        return np.floor_divide(pc.cast(column, pa.int64()).to_numpy(), per_second)
+        return floor_seconds(pc.cast(column, pa.int64()).to_numpy(), kind.unit)
     if pa.types.is_integer(kind):
         array = column.to_numpy()
         if array.dtype == np.uint64 and len(array) and array.max() > np.uint64(INT64_RANGE[1]):

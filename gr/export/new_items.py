@@ -20,12 +20,14 @@ its popularity stay; served by id, it is scored with its new features.
 An export whose model reads no item feature is refused: every new item would score alike.
 ITEMS holds one row per new item: the item column (``item_id``) and each stored item feature
 by name: a categorical value, a list of them (a Parquet list, or in CSV one cell joined by
-``list_separator``), or a dense feature's columns as the export's id maps name them.
+``list_separator``), or a dense feature's columns as the export's id maps name them; no other
+column. Lists are read by the training readers' rules (an empty value inside one is refused).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +41,9 @@ import pyarrow.parquet as pq
 from safetensors.numpy import load_file
 from safetensors.numpy import save as safetensors_bytes
 
+from gr.data.interactions import DataFormatError
 from gr.data.mappings import load_mappings, save_mappings
+from gr.data.readers import INT_PATTERN, fits_int64, id_overflow, parquet_list, split_lists
 from gr.export.format import (
     ID_MAPS_DIR,
     SPARSE_DIR,
@@ -168,11 +172,12 @@ def _appended(stored: Column, new: Column) -> Column:
 def _file_ids(path: Path, raw: np.ndarray, kind: np.dtype) -> np.ndarray:
     """The items file's raw ids, in the item map's raw type ``kind``, checked distinct."""
     if kind.kind in "iu":
-        if not all(text.lstrip("-").isdigit() for text in raw.tolist()):
-            row = next(i for i, text in enumerate(raw.tolist()) if not text.lstrip("-").isdigit())
-            raise ItemsFileError(
-                f"{path}: row {row + 1}: column {ITEM_FEATURE!r}: expected an integer id, got {raw.tolist()[row]!r}"
-            )
+        texts = raw.tolist()
+        row = next((i for i, text in enumerate(texts) if not fits_int64(text)), None)
+        if row is not None:
+            text = texts[row]
+            message = id_overflow(text) if INT_PATTERN.fullmatch(text) else f"expected an integer id, got {text!r}"
+            raise ItemsFileError(f"{path}: row {row + 1}: column {ITEM_FEATURE!r}: {message}")
         raw = raw.astype(np.int64)
     values, counts = np.unique(raw, return_counts=True)
     if (counts > 1).any():
@@ -195,6 +200,9 @@ def _read_items(
     missing = [c for c in every if c not in table.column_names]
     if missing:
         raise ItemsFileError(f"{path}: lacks column(s) {missing}; an items file of this export has {every}")
+    unknown = [c for c in table.column_names if c not in every]
+    if unknown:  # a column the export has no feature for would be dropped without a word
+        raise ItemsFileError(f"{path}: unknown column(s) {unknown}; an items file of this export has {every}")
     out: Dict[str, Column] = {}
     for name, names in wanted.items():
         for column_name in names:
@@ -205,19 +213,22 @@ def _read_items(
         if name in dense_columns:
             out[name] = np.stack([_numbers(path, c, table[c]) for c in names], axis=1).astype(np.float32)
         elif pa.types.is_list(table[name].type) or pa.types.is_large_list(table[name].type):
-            column = table[name]
-            lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
-            values = pc.cast(pc.list_flatten(column), pa.string()).to_numpy(zero_copy_only=False).astype(str)
-            out[name] = JaggedRows.from_lengths(lengths, values)
+            try:  # list<string> or list<int>, no null or empty value inside: as training reads one
+                out[name] = parquet_list(path, name, table[name], declared=True)
+            except DataFormatError as error:
+                raise ItemsFileError(str(error)) from None
         else:
             text = pc.cast(table[name], pa.string()).to_numpy(zero_copy_only=False).astype(str)
-            if isinstance(stored.get(name), JaggedRows):
-                parts = [cell.split(list_separator) if cell else [] for cell in text.tolist()]
-                values = np.asarray([v for p in parts for v in p], dtype=str)
-                out[name] = JaggedRows.from_lengths([len(p) for p in parts], values)
+            if isinstance(stored.get(name), JaggedRows):  # values joined by the separator, as training splits them
+                out[name] = split_lists(text, list_separator, functools.partial(_row_error, path, name))
             else:
                 out[name] = text
     return out
+
+
+def _row_error(path: Path, column: str, row: int, message: str) -> ItemsFileError:
+    """``path: row N: column 'name': message`` for row ``row`` (0-based) of the items file."""
+    return ItemsFileError(f"{path}: row {row + 1}: column {column!r}: {message}")
 
 
 def _table(path: Path) -> pa.Table:
@@ -231,7 +242,7 @@ def _table(path: Path) -> pa.Table:
             names = next(csv.reader(f), [])
         convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False)
         return pacsv.read_csv(path, convert_options=convert)
-    except (pa.ArrowInvalid, UnicodeDecodeError) as error:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as error:  # OSError: a corrupt Parquet page, too
         raise ItemsFileError(
             f"{path}: not a readable CSV or Parquet items file ({str(error).splitlines()[0]})"
         ) from None

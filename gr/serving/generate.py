@@ -36,7 +36,7 @@ from gr.serving import encode
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
 from gr.serving.fallback import POPULARITY, cold_apart, log_probabilities, most_popular
-from gr.serving.history import EncodedHistory, History, history_warnings, last_token_state
+from gr.serving.history import EncodedHistory, History, empty_history, history_warnings, last_token_state
 from gr.serving.request import GenerateRequest, check_request_time, check_sampling
 from gr.serving.user_cache import UserCache
 
@@ -140,9 +140,8 @@ def prepare(
     if budget is not None and draft is None:
         raise RequestError("budget: sizes draft trees; it needs a draft source (draft=...)")
     if h.length == 0 and h.model.popularity is None:
-        raise RequestError(
-            "history: empty; generation starts from at least one item "
-            "(this export stores no item popularity to fall back on)"
+        raise empty_history(
+            h, "generation starts from at least one item (this export stores no item popularity to fall back on)"
         )
     seen = set(h.tokens[catalogue.item_feature].tolist()) if request.exclude_seen else set()
     available = catalogue.index.num_items - len(seen)

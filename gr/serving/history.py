@@ -151,11 +151,18 @@ def check_span(h: History, times: Dict[str, Any]) -> None:
         raise RequestError(str(exc)) from None
 
 
+def empty_history(h: History, needs: str) -> RequestError:
+    """The error of a request whose history ``h`` holds no token; ``needs``: what the request needs.
+    Says how many tokens ``unknown_ids="oov"`` left out when they were all the history held."""
+    left = f": its {h.left_out} token(s) were left out as unknown (items the model has no row for; unknown_ids oov)"
+    return RequestError(f"history: empty{left if h.left_out else ''}; {needs}")
+
+
 def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time: int) -> DecodeState:
     """The decoding state after the history: its cache and the retrieval query [d] at the last token."""
     h = encoded.history
     if h.length == 0:
-        raise RequestError("history: empty; a retrieval query needs at least one item")
+        raise empty_history(h, "a retrieval query needs at least one item")
     lm = ServingGenerativeModel(catalogue, h.common)
     items = torch.from_numpy(h.tokens[catalogue.item_feature])
     # Tokens with more features than the item: the history's own inputs, not the catalogue's.

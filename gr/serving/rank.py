@@ -18,7 +18,7 @@ from gr.export.format import TIMESTAMPS
 from gr.jagged import offsets_from_lengths
 from gr.serving import encode
 from gr.serving.errors import RequestError
-from gr.serving.history import History, Tokens, check_span, history_warnings
+from gr.serving.history import History, Tokens, check_span, empty_history, history_warnings
 from gr.serving.limits import RequestLimits
 from gr.serving.model import ServingModel, check_finite
 from gr.serving.request import RankRequest, check_request_time
@@ -76,9 +76,7 @@ def prepare(h: History, request: RankRequest, limits: RequestLimits) -> Prepared
     if h.model.is_retrieval:
         h.model.catalogue()  # RequestError when the export has none
         if h.length == 0:
-            raise RequestError(
-                "history: empty; a retrieval model scores items against the query at the last history item"
-            )
+            raise empty_history(h, "a retrieval model scores items against the query at the last history item")
     return PreparedRank(request, h, *_candidates(h, request.candidates, request.request_time, limits))
 
 

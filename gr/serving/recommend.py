@@ -18,7 +18,7 @@ from gr.serving import encode
 from gr.serving.catalogue import QUERY
 from gr.serving.errors import RequestError
 from gr.serving.fallback import POPULARITY, cold_apart, most_popular
-from gr.serving.history import History, check_span, history_warnings
+from gr.serving.history import History, check_span, empty_history, history_warnings
 from gr.serving.model import check_finite
 from gr.serving.request import RecommendRequest, check_request_time
 from gr.serving.user_cache import UserCache
@@ -75,8 +75,8 @@ def prepare(h: History, request: RecommendRequest) -> PreparedRecommend:
         )
     catalogue = h.model.catalogue()
     if h.length == 0 and h.model.popularity is None:
-        raise RequestError(
-            "history: empty; recommend needs at least one item (this export stores no item popularity to fall back on)"
+        raise empty_history(
+            h, "recommend needs at least one item (this export stores no item popularity to fall back on)"
         )
     excluded = np.unique(h.tokens[catalogue.item_feature]) if request.exclude_seen else np.zeros(0, np.int64)
     available = catalogue.index.num_items - len(excluded)

@@ -402,30 +402,30 @@ def _length(values: Any, where: str) -> int:
     return len(values)
 
 
-def _flat(values: Any, where: str) -> np.ndarray:
-    """A list of scalars (integers in int64 or strings) -> [n] array; nested or ragged lists are refused."""
+def _flat(values: Any, where: str, strings: bool = True) -> np.ndarray:
+    """A list of scalars (integers in int64, or raw string ids when ``strings``) -> [n] array;
+    nested or ragged lists are refused."""
+    noun = "ids" if strings else "integers"
     try:
         array = np.asarray(values)
     except (ValueError, TypeError, OverflowError) as exc:
-        raise RequestError(f"{where}: expected a flat list of ids: {' '.join(str(exc).split())}"[:300]) from None
+        raise RequestError(f"{where}: expected a flat list of {noun}: {' '.join(str(exc).split())}"[:300]) from None
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
     if array.ndim != 1:
-        raise RequestError(f"{where}: expected a flat list of ids, got a nested list of shape {list(array.shape)}")
+        raise RequestError(f"{where}: expected a flat list of {noun}, got a nested list of shape {list(array.shape)}")
     if array.dtype.kind == "u" and int(array.max()) > INT64_MAX:
         raise RequestError(f"{where}: {int(array.max())} does not fit int64 (at most {INT64_MAX})")
-    if array.dtype.kind not in "iuU":
+    if array.dtype.kind not in ("iuU" if strings else "iu"):
+        expected = "integers in int64" + (" (or strings, for raw string ids)" if strings else "")
         got = f"{array.dtype} values such as {array[:3].tolist()}"
-        raise RequestError(f"{where}: expected integers in int64 (or strings, for raw string ids), got {got}"[:300])
+        raise RequestError(f"{where}: expected {expected}, got {got}"[:300])
     return array
 
 
 def _ids(values: Any, where: str) -> np.ndarray:
-    """A list of integers in int64 -> [n] int64."""
-    array = _flat(values, where)
-    if array.dtype.kind not in "iu":
-        raise RequestError(f"{where}: expected a list of integers in int64, got {array.dtype} values")
-    return array.astype(np.int64)
+    """A list of integers in int64 (model ids, timestamps) -> [n] int64."""
+    return _flat(values, where, strings=False).astype(np.int64)
 
 
 def _model_ids(values: Any, where: str, feature: str, raw: Optional[IdMaps], unknown_ids: str) -> np.ndarray:

@@ -46,6 +46,7 @@ from gr.data.readers import (
     table_csv_layout,
     table_parquet_columns,
     table_parquet_error,
+    unreadable_parquet,
 )
 
 SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "time": "BIGINT", "list": "VARCHAR[]"}
@@ -378,7 +379,10 @@ def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: Col
     select = ", ".join(f"{quote(c)} AS {alias(c)}" for c in wanted)
     for index, file in enumerate(files.files):
         statement = "CREATE TABLE rows AS" if index == 0 else "INSERT INTO rows"
-        con.execute(f"{statement} SELECT {select} FROM read_parquet({literal(str(file))})")
+        try:
+            con.execute(f"{statement} SELECT {select} FROM read_parquet({literal(str(file))})")
+        except duckdb.Error as error:  # a page its footer promises but DuckDB cannot decode (corrupt)
+            raise unreadable_parquet(file, str(error).replace(f'Failed to read file "{file}": ', "")) from None
         files.starts.append(files._count())
     if files._count() == 0:
         raise DataFormatError(path, "no data rows (empty dataset)")

@@ -79,6 +79,7 @@ from gr.data.prepared.spark_read import (
     TIME,
     Source,
     feature_column,
+    read_failures,
     read_rows,
     source_of,
 )
@@ -127,7 +128,8 @@ def prepare_with_spark(
     with atomic_directory(Path(out), command="gr data prepare", overwrite=overwrite) as tmp:
         scratch = tmp / SCRATCH
         with spark_session(master, memory, scratch / "local") as spark, _conf(spark, READ_CONF):
-            manifest = _prepare(spark, config, source, tmp, scratch, users_per_shard)
+            with read_failures(source):  # Spark reads the source lazily, in the jobs that follow
+                manifest = _prepare(spark, config, source, tmp, scratch, users_per_shard)
         shutil.rmtree(scratch, ignore_errors=True)
         manifest.files = file_checksums(tmp)
         write_manifest(tmp, manifest)

@@ -8,14 +8,17 @@ included) with its place in the files, ORD (``gr.data.prepared.spark_text``: lin
 Values are converted and checked in the engine by the readers' rules; the first refused value is
 named as the readers name it: a malformed line by their streaming line scan (``bad_line_error``), the
 later checks (a rating's text, empty list values, integer ids outside int64, Parquet nulls and
-non-finite numbers) by file and line or row with their messages.
+non-finite numbers) by file and line or row with their messages. A file Spark cannot read (a corrupt
+Parquet page) is named in one line, as the readers name it (``read_failures``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -55,6 +58,7 @@ from gr.data.readers import (
     table_csv_layout,
     table_parquet_columns,
     table_parquet_error,
+    unreadable_parquet,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +67,10 @@ if TYPE_CHECKING:
 USER, ITEM, TIME, RATING = "_user", "_item", "_time", "_rating"
 FEATURE = "f:"  # the rows' column of a declared feature: "f:<name>"
 INT64_SPAN = 2**63
+# Spark's error for a file it cannot read (error class FAILED_READ_FILE), and the JVM causes under it
+FAILED_READ = re.compile(r"Encountered error while reading file (\S+)\.\s")
+CAUSED_BY = re.compile(r"^Caused by: (.*)$", re.MULTILINE)
+JAVA_CLASS = re.compile(r"^(?:[A-Za-z_$][\w$]*\.)+[A-Z][\w$]*: ")  # "java.io.IOException: " before a message
 
 
 def feature_column(name: str) -> str:
@@ -156,6 +164,48 @@ def read_rows(spark: SparkSession, source: Source, cached: List[DataFrame]) -> D
     if source.text is None:
         return _parquet_rows(spark, source, cached)
     return _text_rows(spark, source, cached)
+
+
+@contextlib.contextmanager
+def read_failures(source: Source) -> Iterator[None]:
+    """Spark's error for a file of ``source`` it cannot read (a corrupt Parquet page, a file gone since
+    ``source_of``), a JVM trace of a hundred lines, raised as one DataFormatError naming the file
+    (``read_failure``); any other error passes unchanged."""
+    from py4j.protocol import Py4JJavaError
+    from pyspark.errors import PySparkException
+
+    try:
+        yield
+    except (Py4JJavaError, PySparkException) as error:
+        failure = read_failure(str(error), source)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def read_failure(text: str, source: Source) -> Optional[DataFormatError]:
+    """The error of a Spark error's ``text`` naming a file it failed to read (None: it names none):
+    ``file: not a readable Parquet file (causes)`` as the readers word it (text files: ``could not be
+    read``), the causes being the JVM's "Caused by" messages, outermost first, without class names."""
+    found = FAILED_READ.search(text)
+    if found is None:
+        return None
+    uri = found.group(1)
+    try:
+        file: Union[Path, str] = source.files[file_indices([uri], source.files)[uri]]
+    except RuntimeError:  # not one of the source's files (a path Spark spells otherwise): named as Spark names it
+        file = uri
+    causes: List[str] = []
+    for cause in CAUSED_BY.findall(text):
+        cause = cause.strip()
+        while JAVA_CLASS.match(cause):
+            cause = JAVA_CLASS.sub("", cause, count=1)
+        if cause and cause not in causes:  # a wrapper repeats its cause's message
+            causes.append(cause)
+    reason = ": ".join(causes) or text[found.start() :].splitlines()[0].strip()
+    if source.text is None:
+        return unreadable_parquet(file, reason)
+    return DataFormatError(file, f"could not be read ({reason})")
 
 
 # ---- text files ----------------------------------------------------------------------------------
