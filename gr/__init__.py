@@ -11,11 +11,13 @@ from gr.utils.lazy import lazy_getattr
 __version__ = "0.2.0"  # pyproject.toml reads it (tool.setuptools.dynamic)
 
 if TYPE_CHECKING:
-    from gr.hstu.config import HSTUConfig
-    from gr.model import GRInput, GRModel, GROutput
-    from gr.postfix_dnn.base import PostfixDNN
-    from gr.prefix_dnn.base import PrefixDNN
-    from gr.sparse.tables import TableConfig
+    from gr.hstu.config import HSTUConfig as HSTUConfig
+    from gr.model import GRInput as GRInput
+    from gr.model import GRModel as GRModel
+    from gr.model import GROutput as GROutput
+    from gr.postfix_dnn.base import PostfixDNN as PostfixDNN
+    from gr.prefix_dnn.base import PrefixDNN as PrefixDNN
+    from gr.sparse.config import TableConfig as TableConfig
 
 _EXPORTS = {
     "GRModel": "gr.model",
@@ -24,7 +26,7 @@ _EXPORTS = {
     "HSTUConfig": "gr.hstu.config",
     "PrefixDNN": "gr.prefix_dnn.base",
     "PostfixDNN": "gr.postfix_dnn.base",
-    "TableConfig": "gr.sparse.tables",
+    "TableConfig": "gr.sparse.config",
 }
 
 __all__ = sorted(_EXPORTS)
