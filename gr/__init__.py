@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from gr.model import GRInput, GRModel, GROutput
     from gr.postfix_dnn.base import PostfixDNN
     from gr.prefix_dnn.base import PrefixDNN
-    from gr.sparse.tables import TableConfig
+    from gr.sparse.config import TableConfig
 
 _EXPORTS = {
     "GRModel": "gr.model",
@@ -24,7 +24,7 @@ _EXPORTS = {
     "HSTUConfig": "gr.hstu.config",
     "PrefixDNN": "gr.prefix_dnn.base",
     "PostfixDNN": "gr.postfix_dnn.base",
-    "TableConfig": "gr.sparse.tables",
+    "TableConfig": "gr.sparse.config",
 }
 
 __all__ = ["GRInput", "GRModel", "GROutput", "HSTUConfig", "PostfixDNN", "PrefixDNN", "TableConfig"]

@@ -61,11 +61,36 @@ def test_each_subcommand_forwards_to_its_module_main(name, prefix):
     assert function.__module__ == cli.COMMANDS[name].module and rest == [*prefix, "x", "--y"]
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [[name] for name in cli.COMMANDS if name not in cli.SUBCOMMANDS]
-    + [[name, sub] for name, (subs, _) in cli.SUBCOMMANDS.items() for sub in subs],
-)
+# Every command line as typed: each command, each subcommand of those that take one.
+COMMAND_LINES = [[name] for name in cli.COMMANDS if name not in cli.SUBCOMMANDS] + [
+    [name, sub] for name, (subs, _) in cli.SUBCOMMANDS.items() for sub in subs
+]
+# What a command imports only once its arguments parse (docs/design.md §3): seconds of start-up each.
+HEAVY_STACKS = ("torch", "lightning", "torchrec", "fbgemm_gpu", "onnx", "onnxruntime", "fastapi", "uvicorn", "duckdb")
+PARSE_EVERY_COMMAND_LINE = """
+import contextlib, io, sys
+from gr.commands import cli
+for argv in {lines!r}:
+    for extra in (["--help"], ["--no-such-option"], []):  # [] : a missing argument, for those that take one
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                status = cli.main([*argv, *extra])
+            except SystemExit as exit_:
+                status = exit_.code
+        assert status == (0 if extra == ["--help"] else 2), (argv, extra, status)
+print(sorted(name for name in {heavy!r} if name in sys.modules))
+"""
+
+
+def test_every_commands_help_and_usage_errors_come_before_torch_is_imported():
+    """In one fresh interpreter, as ``gr`` starts: parsing alone must not pay torch's start-up."""
+    code = PARSE_EVERY_COMMAND_LINE.format(lines=COMMAND_LINES, heavy=HEAVY_STACKS)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv", COMMAND_LINES)
 def test_each_commands_help_and_usage_errors_name_it_as_typed(capsys, argv):
     for extra, code, stream in ((["--help"], 0, "out"), (["--no-such-option"], 2, "err")):
         with pytest.raises(SystemExit) as exit_:

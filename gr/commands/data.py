@@ -2,8 +2,8 @@
 ``gr data prepare --config C --out DIR``: write the prepared sequence dataset of a config's data section
 (``gr.data.prepared``) with an engine (DuckDB, or Spark).
 
-Imports no torch (``gr.data.download`` reads with numpy), like ``gr --help``; ``gr data prepare``
-imports the data stack (and its engine) once its arguments are parsed.
+Imports no torch (``gr.data.download`` reads with numpy, a config's data section is read without
+torch), like ``gr --help``; ``gr data prepare`` imports its engine once its arguments are parsed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from gr.commands.train import parse_overrides
+from gr.data.config import DataConfig
 from gr.data.download import DATASETS, DownloadError, download_dataset
+from gr.train.config import apply_override, parse_value, read_yaml
 from gr.utils.cli_errors import USAGE_EXIT_STATUS, one_line, run_cli
 from gr.utils.outputs import checked_output
 
@@ -111,9 +114,6 @@ def prepare(argv: Optional[Sequence[str]] = None) -> int:
     """``gr data prepare``: bad input ends in one line on stderr and exit status 2."""
     parser = prepare_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
-    # The config and data stack import torch: only here, so gr data download and --help go without.
-    from gr.commands.train import parse_overrides
-
     overrides = parse_overrides(parser, rest)
     outside = [key for key, _ in overrides if not key.startswith("data.")]
     if outside:
@@ -145,9 +145,6 @@ def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> 
     module, function = ENGINES[args.engine]
     if importlib.util.find_spec(module) is None:
         raise ValueError(f"--engine {args.engine}: this installation has no {module} module")
-    from gr.data.config import DataConfig  # see prepare(): imported once the arguments parse
-    from gr.train.config import apply_override, parse_value, read_yaml
-
     path = Path(args.config)
     try:
         values = read_yaml(path.read_text(encoding="utf8"))

@@ -21,26 +21,27 @@ import csv
 import json
 import sys
 from pathlib import Path
-from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
 from gr.commands.train import parse_overrides
 from gr.data.config import DataConfig
-from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import IdMap, model_maps
 from gr.export.format import ID_MAPS_DIR
-from gr.jagged import offsets_from_lengths
-from gr.model import GRInput, GROutput
-from gr.serving import Ranker, RankRequest
-from gr.serving import encode as encoding
 from gr.serving.scores import LOGIT_SUFFIX
 from gr.train.config import TrainConfig, load_config
-from gr.train.run import CONFIG_FILE, MAPPINGS_DIR, METRICS_FILE, load_trained_model
-from gr.train.tasks import RankingTask, RetrievalTask
+from gr.train.run_files import CONFIG_FILE, MAPPINGS_DIR, METRICS_FILE
 from gr.utils.atomic import atomic_file, write_json
 from gr.utils.cli_errors import run_cli
+
+if TYPE_CHECKING:
+    import torch
+
+    from gr.data.datamodule import SequenceDataModule
+    from gr.model import GRInput, GROutput
+    from gr.serving import Ranker
+    from gr.train.tasks import RetrievalTask
 
 EVALUATION_FILE = "evaluation.json"
 EXPORT_MARKER = "MANIFEST"
@@ -91,6 +92,11 @@ def evaluate_run(
 ) -> Dict[str, Any]:
     """The run's best checkpoint on its test split (data as in the run's config.yaml plus overrides);
     with ``per_user``, each user's metrics are written there too (``write_user_metrics``)."""
+    # The training stack (torch, Lightning): imported to evaluate, never to parse gr evaluate's arguments.
+    import torch
+
+    from gr.train.run import load_trained_model
+
     config = load_config(Path(run_dir) / CONFIG_FILE, with_new_cut(data_overrides))
     _check_test_split(config)
     _check_per_user(config, per_user)
@@ -113,6 +119,12 @@ def evaluate_export(
 ) -> Dict[str, Any]:
     """The export's test metrics through ``Ranker`` on the data of ``config_path`` (+ overrides).
     Features of the data that the export does not read are left out of its requests."""
+    # The serving runtime (torch, ONNX Runtime): imported to evaluate, never to parse gr evaluate's arguments.
+    import torch
+
+    from gr.jagged import offsets_from_lengths
+    from gr.serving import Ranker, RankRequest
+
     config = load_config(config_path, with_new_cut(data_overrides))
     _check_test_split(config)
     _check_per_user(config, per_user)
@@ -180,6 +192,8 @@ def write_user_metrics(path: Path, task: RetrievalTask, user_map: IdMap) -> None
 def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
     """[B, d] the served retrieval query at each sequence's last token (its query time as in the
     batch), the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
+    from gr.serving import encode as encoding  # loaded by evaluate_export
+
     last = batch.seq_offsets[1:] - 1
     assert batch.timestamps is not None  # the data module's batches carry them
     times = batch.timestamps if batch.query_times is None else batch.query_times
@@ -191,6 +205,10 @@ def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any
 def _output(predictions: Dict[str, torch.Tensor], row_offsets: torch.Tensor) -> GROutput:
     """A GROutput of served predictions {name: [N, ...]} with their row offsets [B+1]: what the
     tasks' ``evaluation_step`` reads (no hidden states or features)."""
+    import torch  # loaded by evaluate_export
+
+    from gr.model import GROutput
+
     first = next(iter(predictions.values()))
     return GROutput(predictions, first.new_zeros(0), torch.zeros(0, dtype=torch.long), row_offsets, {}, {})
 
@@ -198,12 +216,16 @@ def _output(predictions: Dict[str, torch.Tensor], row_offsets: torch.Tensor) -> 
 def _data(config: DataConfig, eviction_block: int, maps: Dict[str, IdMap]) -> SequenceDataModule:
     """The data read with the model's id ``maps``, so that every id keeps the row the model trained;
     events of items the model has no row for are left out (``SequenceDataModule``'s new_ids)."""
+    from gr.data.datamodule import SequenceDataModule  # loaded by evaluate_run / evaluate_export
+
     data = SequenceDataModule(config, eviction_block, maps, new_ids="unknown")
     data.setup()
     return data
 
 
 def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any) -> Any:
+    from gr.train.tasks import RankingTask, RetrievalTask  # loaded by evaluate_run / evaluate_export
+
     if config.task_type == "retrieval":
         return RetrievalTask(config.task.retrieval, data.num_items, item_embedding)
     return RankingTask(config.task.ranking, data.tasks)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import List, Optional
 
 from gr.export.format import ExportError
-from gr.export.reader import check_export
 from gr.utils.atomic import stale_directories
 from gr.utils.cli_errors import run_cli
 
@@ -32,6 +31,8 @@ def _main(argv: List[str]) -> int:
         args = parser.parse_args(argv[1:])
         if not args.export_dir.is_dir():
             raise NotADirectoryError(f"{args.export_dir}: no such export directory")
+        from gr.export.reader import check_export  # the export reader (torch, onnx): once the arguments parse
+
         problems = check_export(args.export_dir)
         for problem in problems:
             print(f"ERROR {problem}")

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from gr.export.new_items import add_items
 from gr.utils.cli_errors import run_cli
 
 
@@ -37,6 +36,8 @@ def _main(argv: List[str]) -> int:
         "without it such an item is refused",
     )
     args = parser.parse_args(argv)
+    from gr.export.new_items import add_items  # the export stack (torch, onnx, pyarrow): once the arguments parse
+
     summary = add_items(
         args.export, args.items, args.out, args.list_separator, args.replace_known, overwrite=args.overwrite
     )

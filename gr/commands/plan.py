@@ -11,14 +11,18 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from gr.commands.train import parse_overrides
 from gr.train.config import TrainConfig, load_config
-from gr.train.memory import GIB, RUNTIME_OVERHEAD_BYTES, Plan, plan_from_config, rank_batch
+
+if TYPE_CHECKING:
+    from gr.train.memory import Plan
 
 
 def format_plan(plan: Plan, config: TrainConfig, memory_gib: Optional[float]) -> str:
+    from gr.train.memory import GIB, RUNTIME_OVERHEAD_BYTES, rank_batch  # loaded by the plan already
+
     lines = [
         f"ranks: {plan.nproc}   tokens per sample: {plan.tokens_per_sample}   "
         f"batch per rank: {rank_batch(config, plan.nproc)} (global {config.data.batch_size})",
@@ -71,8 +75,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--memory-gib", type=float, help="memory per rank to check the plan against")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    overrides = parse_overrides(parser, rest)
+    from gr.train.memory import plan_from_config  # the training stack (torch, Lightning): once the arguments parse
+
     try:
-        config = load_config(args.config, parse_overrides(parser, rest))
+        config = load_config(args.config, overrides)
         plan = plan_from_config(config, args.nproc)
     except (ValueError, FileNotFoundError) as error:
         print(f"gr.plan: error: {error}", file=sys.stderr)
@@ -89,7 +96,7 @@ def _mib(n: int) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.3f} GiB"
+    return f"{n / (1 << 30):.3f} GiB"
 
 
 if __name__ == "__main__":

@@ -48,33 +48,26 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gr.export.format import TIMESTAMPS
-from gr.serving import (
-    Ranker,
-    RankRequest,
-    RankResult,
-    RecommendRequest,
-    RecommendResult,
-    RequestError,
-    ScoringError,
-)
-from gr.serving.catalogue import ITEM_FEATURE
-from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS
-from gr.serving.model import ServingModel, check_device
-from gr.serving.request import IdOptions
-from gr.serving.runtime import DEFAULT_MICRO_BATCH, PreparedRecommend
+from gr.export.item_store import ITEM_FEATURE
+from gr.serving.errors import RequestError, ScoringError
+from gr.serving.options import DEFAULT_MICRO_BATCH, ID_SPACES, UNKNOWN_IDS
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
 from gr.timestamps import INT64_MAX, floor_seconds
 from gr.utils.atomic import atomic_file
 from gr.utils.cli_errors import run_cli
 from gr.utils.devices import DEVICES
-from gr.utils.finite import NonFiniteError
+
+if TYPE_CHECKING:
+    from gr.serving import Ranker, RankRequest, RankResult, RecommendResult, ServingModel
+    from gr.serving.recommend import PreparedRecommend
+    from gr.serving.request import IdOptions
 
 USER = "user_id"
 REQUEST_TIME = "request_time"
@@ -117,6 +110,11 @@ def predict(
 ) -> Dict[str, Any]:
     """Score every row of ``input_path`` with the export on ``device`` (cpu|cuda|npu, as
     ``gr serve --device``); returns {"rows", "mode", "seconds"}."""
+    # The serving runtime (torch, ONNX Runtime): imported to score, never to parse gr predict's arguments.
+    from gr.serving.model import check_device
+    from gr.serving.request import IdOptions
+    from gr.serving.runtime import Ranker
+
     if batch_size < 1 or k < 1:
         raise ValueError(f"--batch-size and --k: expected >= 1, got {batch_size} and {k}")
     input_path, output_path = Path(input_path), Path(output_path)
@@ -348,6 +346,8 @@ def _row_of(levels: List[np.ndarray], index: int) -> int:
 
 def _request(rows: _Rows, i: int, layout: Layout, options: IdOptions) -> RankRequest:
     """Row i of the batch as a rank request (candidates empty in top-k mode)."""
+    from gr.serving.request import RankRequest  # loaded by predict()
+
     history = {f: rows.get(f"{HISTORY}.{f}", i) for f in (*layout.tokens, TIMESTAMPS)}
     candidates = {f: rows.get(f"{CANDIDATES}.{f}", i) for f in layout.candidates}
     common = {f: rows.get(f"{COMMON}.{f}", i) for f in layout.common}
@@ -364,6 +364,7 @@ def _recommend(
     ranker: Ranker, requests: List[RankRequest], rows: _Rows, k: int, exclude_seen: bool
 ) -> List[RecommendResult]:
     """Each row's top k through the batched recommend path; an error names its row."""
+    from gr.serving.request import RecommendRequest  # loaded by predict()
 
     def prepare(r: RankRequest) -> PreparedRecommend:
         return ranker.prepare(
@@ -381,6 +382,8 @@ def _batched(
 ) -> List[Any]:
     """Validate each request (``prepare``), then run them as one batch; a request that fails, in
     validation or in the batch, is named by its row."""
+    from gr.utils.finite import NonFiniteError  # torch's checks, loaded by predict() with the runtime
+
     prepared = []
     for i, request in enumerate(requests):
         try:

@@ -34,14 +34,11 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from gr.export.format import ExportFormatError
 from gr.export.manifest import manifest_digest
-from gr.export.reader import check_export
-from gr.serving.catalogue import INDEXES
 from gr.serving.errors import RequestError
-from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS
 from gr.serving.limits import (
     BODY_TIMEOUT_FLAG,
     DEFAULT_BODY_TIMEOUT_S,
@@ -52,16 +49,11 @@ from gr.serving.limits import (
     flag,
 )
 from gr.serving.logs import LOG_FORMATS, log_config
-from gr.serving.metrics import MULTIPROC_ENV
-from gr.serving.model import check_device
-from gr.serving.request import GenerateRequest, IdOptions, RankRequest, RecommendRequest
-from gr.serving.runtime import (
-    DEFAULT_CACHE_BYTES,
-    DEFAULT_MICRO_BATCH,
-    LONG_HISTORY,
-    Ranker,
-)
+from gr.serving.options import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, ID_SPACES, INDEXES, LONG_HISTORY, UNKNOWN_IDS
 from gr.utils.devices import DEVICES
+
+if TYPE_CHECKING:
+    from gr.serving.runtime import Ranker
 
 ADMIN_TOKEN_ENV = "GR_ADMIN_TOKEN"
 GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then a 503 (gr.serving.http)
@@ -167,6 +159,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"or set ${ADMIN_TOKEN_ENV}",
     )
     args = parser.parse_args(argv)
+    # The serving runtime (torch, ONNX Runtime) loads once the arguments parse: --help and usage errors go without.
+    from gr.serving.model import check_device
+    from gr.serving.runtime import Ranker
+
     try:
         check_device(args.device)
     except RuntimeError as exc:
@@ -212,6 +208,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
+    from gr.serving.request import IdOptions, RankRequest  # loaded by main
+
     try:
         request = RankRequest.from_dict(item, where, IdOptions(args.ids, args.unknown_ids))
         result = ranker.rank(request, use_cache=not args.no_cache)
@@ -222,6 +220,8 @@ def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -
 
 def _top_k_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
     """One recommend or generate request (``args.command``) -> its JSON answer or error."""
+    from gr.serving.request import GenerateRequest, IdOptions, RecommendRequest  # loaded by main
+
     kind: Any = RecommendRequest if args.command == "recommend" else GenerateRequest
     try:
         if isinstance(item, dict):  # a rank request's file serves too: its candidates are not needed
@@ -239,7 +239,9 @@ def _serve(args: argparse.Namespace) -> int:
     """Check the export, options and address (one clear line and exit 2 on a problem), then run uvicorn."""
     import uvicorn
 
+    from gr.export.reader import check_export  # the export reader (torch, onnx), as the runtime in main
     from gr.serving.http import OPTIONS_ENV  # the HTTP stack (fastapi), loaded by serve only, as uvicorn
+    from gr.serving.metrics import MULTIPROC_ENV
     from gr.serving.workers import LoggedMultiprocess
 
     if (

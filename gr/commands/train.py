@@ -7,8 +7,6 @@ import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from gr.data.prepared.manifest import prepared_directory
-from gr.data.readers import find_source
 from gr.train.config import TrainConfig, config_yaml, load_config
 from gr.train.config_reference import format_reference
 from gr.utils.cli_errors import run_cli
@@ -71,6 +69,9 @@ def resolve(argv: Sequence[str], prog: str = "gr train") -> Tuple[TrainConfig, P
     """-> (validated config, run directory, resume?); the data it names is found (FileNotFoundError
     naming what is missing) and the run directory lies apart from it and from ``--init-from``
     (``gr.utils.outputs``), all before the training stack is imported."""
+    from gr.data.prepared.manifest import prepared_directory  # the data readers (pyarrow): once arguments parse
+    from gr.data.readers import find_source
+
     args, overrides = parse_args(argv, prog)
     if args.resume:
         config_path = Path(args.config) if args.config else Path(args.resume) / "config.yaml"

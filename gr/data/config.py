@@ -8,7 +8,6 @@ import math
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from gr.data.features import ITEM_ID
 from gr.utils.config_checks import (
     BOOL,
     NAME,
@@ -27,6 +26,7 @@ from gr.utils.config_checks import (
     require,
 )
 
+ITEM_ID = "item_id"  # the token feature every sequence has: its item (a reserved feature name)
 SPLITS = ("leave_one_out", "time", "none")
 TEST_EVENTS = ("next", "all")
 SPLIT_TIMES = ("split_time", "split_end", "train_start")  # the keys only the time split reads

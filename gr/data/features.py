@@ -7,11 +7,10 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from gr.data.config import ITEM_ID as ITEM_ID  # defined with the config, which reads it without numpy
 from gr.data.interactions import SideTable
 from gr.data.mappings import IdMap
 from gr.jagged_rows import JaggedRows
-
-ITEM_ID = "item_id"
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,12 @@ from gr.index.exact import ExactIndex, ItemIndex
 from gr.index.hnsw import HNSWIndex
 from gr.serving.errors import RequestError
 from gr.serving.onnx_slice import OnnxSlice
+from gr.serving.options import INDEXES
 from gr.serving.request import RequestSchema
 from gr.serving.sparse_store import SparseStore
 
 QUERY = "query"
-INDEXES = {"exact": ExactIndex, "hnsw": HNSWIndex}
+INDEX_CLASSES = dict(zip(INDEXES, (ExactIndex, HNSWIndex), strict=True))  # --index NAME -> its class
 
 
 class CatalogueModel(Protocol):
@@ -93,7 +94,7 @@ class Catalogue:
             self.tokens = model.embed_tokens(columns)
         table = model.sparse.tables[model.sparse.features[item_feature].table]
         self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]
-        self.index: ItemIndex = INDEXES[index](self.vectors)
+        self.index: ItemIndex = INDEX_CLASSES[index](self.vectors)
 
 
 @dataclass

@@ -23,7 +23,6 @@ from gr.serving.model import ServingModel
 from gr.serving.request import MODEL_IDS, IdOptions
 from gr.timestamps import TimestampError, check_time_span
 
-LONG_HISTORY = ("truncate", "refuse")
 COLUMN_TYPES = (list, tuple, np.ndarray)  # a request column: one value per token
 
 

@@ -52,7 +52,6 @@ from starlette.requests import ClientDisconnect
 from gr.export.manifest import manifest_digest
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
-from gr.serving.id_maps import UNKNOWN_IDS
 from gr.serving.limits import (
     BODY_TIMEOUT_FLAG,
     DEFAULT_BODY_TIMEOUT_S,
@@ -63,6 +62,7 @@ from gr.serving.limits import (
 )
 from gr.serving.logs import AccessLog, error_kind
 from gr.serving.metrics import ServerMetrics
+from gr.serving.options import UNKNOWN_IDS
 from gr.serving.request import (
     GENERATE_KEYS,
     RECOMMEND_KEYS,

@@ -21,9 +21,6 @@ from gr.export.id_maps import read_id_maps
 from gr.export.sparse_manifest import SparseManifest
 from gr.serving.errors import IdMapError, RequestError
 
-ID_SPACES = ("raw", "model")
-UNKNOWN_IDS = ("error", "oov")
-
 
 class IdMaps:
     """{feature: IdMap} of one export; ``encode`` raw -> model ids, ``decode`` model -> raw ids."""

@@ -32,10 +32,11 @@ from gr.export.popularity import read_popularity
 from gr.export.reader import load_hstu, open_export
 from gr.export.slice_graph import REQUEST
 from gr.hstu.cache import CachedHSTU
-from gr.serving.catalogue import INDEXES, QUERY, Catalogue
+from gr.serving.catalogue import QUERY, Catalogue
 from gr.serving.errors import ScoringError
 from gr.serving.id_maps import IdMaps
 from gr.serving.onnx_slice import OnnxSlice, execution_providers
+from gr.serving.options import INDEXES
 from gr.serving.request import RequestSchema
 from gr.serving.sparse_store import SparseStore
 from gr.utils.devices import DEVICES, require_device

@@ -33,8 +33,9 @@ from gr.export.format import BAG, BATCH, SPARSE, TIMESTAMPS, TOKEN_BAGS, TOKENS
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
 from gr.jagged_rows import JaggedRows
 from gr.serving.errors import RequestError
-from gr.serving.id_maps import ID_SPACES, UNKNOWN_IDS, IdMaps
+from gr.serving.id_maps import IdMaps
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
+from gr.serving.options import ID_SPACES, UNKNOWN_IDS
 from gr.serving.sparse_store import SparseStore
 from gr.timestamps import INT64_MAX, INT64_MIN, TimestampError, check_history_timestamps
 

@@ -27,16 +27,15 @@ from gr.serving import recommend as recommendation
 from gr.serving.catalogue import Catalogue
 from gr.serving.errors import RequestError
 from gr.serving.generate import GenerateResult, PreparedGenerate
-from gr.serving.history import LONG_HISTORY, History, check_span, validate
+from gr.serving.history import History, check_span, validate
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.model import ServingModel
+from gr.serving.options import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, LONG_HISTORY
 from gr.serving.rank import PreparedRank, RankResult
 from gr.serving.recommend import PreparedRecommend, RecommendResult
 from gr.serving.request import MODEL_IDS, GenerateRequest, IdOptions, RankRequest, RecommendRequest
 from gr.serving.user_cache import UserCache
 
-DEFAULT_CACHE_BYTES = 256 * 2**20
-DEFAULT_MICRO_BATCH = 256
 WARM_UP_USER = ("gr", "warm-up")  # a key no request can send (user ids are strings or integers)
 
 Request = Union[RankRequest, RecommendRequest, GenerateRequest]

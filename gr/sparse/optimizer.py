@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import InitVar, dataclass
-from typing import Any, Dict, Tuple, Type
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, Tuple, Type
 
 from gr.utils.config_checks import BETAS, Section, checked, number_in, one_of
+
+if TYPE_CHECKING:
+    import torch
 
 # FBGEMM's table-batched embedding kernels: which optimizers they fuse, per device type.
 # fbgemm-gpu-cpu (1.8) builds only the first three; the CUDA build has all of them.

@@ -17,9 +17,9 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from gr.sparse.config import PLACEMENTS
 from gr.utils.lazy import lazy_getattr
 
-PLACEMENTS = ("device", "host")
 # The attribute of the wrapped model holding its SparseEmbeddings (GRModel.embeddings).
 EMBEDDINGS_ATTR = "embeddings"
 

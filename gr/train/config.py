@@ -24,13 +24,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import yaml
 
 from gr.data.config import DataConfig
-from gr.hstu import HSTUConfig
-from gr.model import GRModel
-from gr.postfix_dnn import PostfixDNN
-from gr.prefix_dnn import PrefixDNN
+from gr.hstu.config import HSTUConfig
+from gr.sparse.config import PLACEMENTS, SPARSE_BACKENDS, TableConfig
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
-from gr.sparse.sharding import PLACEMENTS
-from gr.sparse.tables import SPARSE_BACKENDS, TableConfig
 from gr.utils.atomic import write_text
 from gr.utils.config_checks import (
     BETAS,
@@ -77,9 +73,8 @@ class ModuleSpec:
     class_path: str
     kwargs: Dict[str, Any] = field(default_factory=dict)
     where: InitVar[str] = "model.module"
-    base: InitVar[type] = object
 
-    def __post_init__(self, where: str, base: type) -> None:
+    def __post_init__(self, where: str) -> None:
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"{where}.kwargs: expected a mapping of constructor arguments, got {self.kwargs!r}")
 
@@ -106,7 +101,7 @@ class ModuleSpec:
         return {"class": self.class_path, "kwargs": dict(self.kwargs)}
 
     @classmethod
-    def parse(cls, values: Any, where: str, base: type, default_class: str) -> "ModuleSpec":
+    def parse(cls, values: Any, where: str, default_class: str) -> "ModuleSpec":
         if values is not None and not isinstance(values, Mapping):
             raise ValueError(f"{where}: expected {{class: import.path, kwargs: {{...}}}}, got {values!r}")
         values = dict(values or {})
@@ -116,7 +111,7 @@ class ModuleSpec:
         class_path = values.get("class") or default_class
         if not isinstance(class_path, str):
             raise ValueError(f"{where}.class: expected an import path like 'package.module.Class', got {class_path!r}")
-        return cls(class_path, dict(values.get("kwargs") or {}), where=where, base=base)
+        return cls(class_path, dict(values.get("kwargs") or {}), where=where)
 
 
 def add_code_path(directories: Sequence[str]) -> None:
@@ -191,10 +186,8 @@ class ModelSection:
         section = cls(
             hstu=HSTUConfig.from_dict(values.get("hstu"), f"{where}.hstu"),
             tables=tuple(dict(t) for t in tables),
-            prefix_dnn=ModuleSpec.parse(values.get("prefix_dnn"), f"{where}.prefix_dnn", PrefixDNN, DEFAULT_PREFIX),
-            postfix_dnn=ModuleSpec.parse(
-                values.get("postfix_dnn"), f"{where}.postfix_dnn", PostfixDNN, DEFAULT_POSTFIX[task]
-            ),
+            prefix_dnn=ModuleSpec.parse(values.get("prefix_dnn"), f"{where}.prefix_dnn", DEFAULT_PREFIX),
+            postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", DEFAULT_POSTFIX[task]),
             class_path=DEFAULT_MODEL if class_path is None else class_path,
             code_path=tuple(code_path),
         )
@@ -203,6 +196,8 @@ class ModelSection:
 
     def model_class(self, where: str = "model.class") -> type:
         """The GRModel subclass ``class`` names; ValueError naming ``where`` otherwise."""
+        from gr.model import GRModel  # the model stack (torch): imported to check a class, never to read a config
+
         if not isinstance(self.class_path, str):
             raise ValueError(f"{where}: expected an import path like 'package.module.Class', got {self.class_path!r}")
         model_class = import_class(self.class_path, where)
@@ -212,6 +207,9 @@ class ModelSection:
 
     def check_classes(self, where: str) -> None:
         """Import and check prefix_dnn.class and postfix_dnn.class (``ModuleSpec.check_class``)."""
+        from gr.postfix_dnn import PostfixDNN  # the model stack (torch), as in model_class
+        from gr.prefix_dnn import PrefixDNN
+
         self.prefix_dnn.check_class(f"{where}.prefix_dnn", PrefixDNN)
         self.postfix_dnn.check_class(f"{where}.postfix_dnn", PostfixDNN)
 

@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Mapping, Tuple
 
-from gr.sparse.tables import TableConfig
+from gr.sparse.config import TableConfig
 from gr.train.config import ModelSection, ModuleSpec, TrainConfig
 
 NO_DEFAULT = "(required)"

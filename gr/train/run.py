@@ -33,6 +33,16 @@ from gr.train.memory import available_memory_bytes, check_memory_fits, plan_for_
 from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
 from gr.train.progress import progress_callbacks
+from gr.train.run_files import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    FEATURES_FILE,
+    INIT_FROM_FILE,
+    LAST_CHECKPOINT,
+    LOGS_DIR,
+    MAPPINGS_DIR,
+    METRICS_FILE,
+)
 from gr.train.strategy import TorchRecStrategy
 from gr.train.warm_start import WarmStart, check_not_export
 from gr.utils.atomic import replace_directory, write_json
@@ -40,15 +50,6 @@ from gr.utils.devices import check_accelerator, runs_on_cpu
 from gr.utils.run_lock import run_lock, writes_run
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.yaml"
-FEATURES_FILE = "features.json"
-METRICS_FILE = "metrics.json"
-INIT_FROM_FILE = "init_from.json"  # a warm-started run: the checkpoint it began from and the ids it added
-MAPPINGS_DIR = "mappings"
-CHECKPOINTS_DIR = "checkpoints"
-LOGS_DIR = "logs"
-LAST_CHECKPOINT = "last"
 
 
 def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dict[str, Any]:
