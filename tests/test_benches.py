@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_BENCHMARKS = {"smoke.py", "_peak.py", "_host.py"}  # modules the benchmarks import
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
 # Run by tests/test_benches_training.py: a second module, so the suite's two workers share the smoke runs.
-TRAINING_BENCHES = {"train_step", "ab_steps", "memory", "train_dedup", "bench_data", "data_scale"}
+TRAINING_BENCHES = {"train_step", "ab_steps", "memory", "train_dedup", "bench_data", "data_scale", "prepared_vs_raw"}
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,28 @@ BENCHES = (
             "targets",
             "cpu",
             "cpu_flags",
+            "load_average",
+        ),
+    ),
+    Bench(
+        "bench/prepared_vs_raw.py",
+        (
+            "bench",
+            "users",
+            "interactions",
+            "split_time",
+            "shuffle_buffer",
+            "test_users",
+            "raw",
+            "prepared",
+            "prepare_s",
+            "se_hr10",
+            "prepared_minus_raw",
+            "prepared_minus_raw_in_se",
+            "train_time_ratio",
+            "same_val_curve",
+            "targets",
+            "cpu",
             "load_average",
         ),
     ),

@@ -218,6 +218,32 @@ def test_every_split_streams_the_batches_raw_reading_makes(events, prepared, tas
             module.test_dataloader()
 
 
+def in_order(batches, sampled: bool) -> list:
+    """Every batch's samples, batch by batch, in order; ranking's with their sampled negatives when ``sampled``."""
+    return [
+        samples(batch, int(batch.num_targets[0]) if sampled and batch.num_targets is not None else 1)
+        for batch in batches
+    ]
+
+
+@pytest.mark.parametrize("task", ["retrieval", "ranking"])
+@pytest.mark.parametrize("layout", ["prepared", "grouped"])
+def test_one_rank_with_every_user_in_the_buffer_takes_raw_readings_batches_in_order(events, layout, task, request):
+    """Time split, three shards or thirteen row groups, a buffer of every user: each training epoch
+    is raw reading's batch for batch (sampled negatives included), and so is evaluation (ranking's
+    evaluation negatives are drawn per row group)."""
+    prepared = request.getfixturevalue(layout)
+    raw, streamed = modules(events, prepared, task=task, shuffle_buffer=USERS, **SPLIT_CONFIGS["time"])
+    for name in SPLITS:
+        loaders = [getattr(module, f"{name}_dataloader")() for module in (raw, streamed)]
+        for epoch in (0, 1) if name == "train" else (0,):
+            loaders[0].sampler.set_epoch(epoch)
+            loaders[1].set_epoch(epoch)
+            expected = in_order(loaders[0], sampled=name == "train")
+            assert in_order(loaders[1], sampled=name == "train") == expected, (name, epoch)
+            assert len(expected) > 1
+
+
 @pytest.mark.parametrize("split", list(SPLIT_CONFIGS))
 def test_maps_features_summary_and_popularity_are_raw_readings(events, prepared, split, tmp_path):
     raw, streamed = modules(events, prepared, task="ranking", **SPLIT_CONFIGS[split])

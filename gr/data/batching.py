@@ -72,12 +72,20 @@ class BatchPlan(Sampler):
 
     def __iter__(self) -> Iterator[BatchKey]:
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
+            order = epoch_generator(self.seed, self.epoch).permutation(self.num_rows)
         else:
             order = np.arange(self.num_rows)
         mine = order[self.rank :: self.world_size]
         for i, rows in enumerate(np.array_split(mine, len(self))):
             yield BatchKey(self.epoch, i * self.world_size + self.rank, rows)
+
+
+def epoch_generator(seed: int, epoch: int, rank: int = 0, worker: int = 0) -> np.random.Generator:
+    """The generator that orders an epoch's training samples: seeded by (seed, epoch) for raw reading's
+    one order of every rank's samples (``BatchPlan``) and for a prepared dataset's rank 0 worker 0,
+    which thus permute the same samples alike; by (seed, epoch, rank, worker) for a prepared
+    dataset's other streams."""
+    return np.random.default_rng([seed, epoch] if rank == worker == 0 else [seed, epoch, rank, worker])
 
 
 def identity_collate(batch: GRInput) -> GRInput:

@@ -338,7 +338,8 @@ class DataConfig(Section):
     streams its shards instead of reading ``path`` (which may then be left out); a ``path`` naming
     such a directory streams it too. The keys that shape what is prepared (source, columns,
     filters, features) must match the preparing config's; splits, batches and seeds are free.
-    shuffle_buffer: users a rank holds to shuffle prepared training samples (memory grows with it).
+    shuffle_buffer: users a rank holds to shuffle prepared training samples (memory grows with it); one
+        holding every user, on one rank with at most one worker, orders them as raw reading does.
     """
 
     source: str = checked("synthetic", one_of(*SOURCES))

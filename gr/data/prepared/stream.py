@@ -8,11 +8,13 @@ many near-equal batches, shared among its workers in proportion to their samples
 split is in exactly one batch of one rank.
 
 Order: evaluation reads row groups in order and batches their samples in that order. Training, per
-epoch, from (data.seed, epoch, rank, worker): shards in a permuted order, each shard's row groups
-permuted, and samples drawn at random from a buffer (``SampleBuffer``) of about ``data.shuffle_buffer``
-users: whenever fewer than half of them still have samples to give, whole row groups top it up and
-its samples are shuffled again. It holds at most max(shuffle_buffer, a batch's users) + one row
-group's users.
+epoch, from (data.seed, epoch, rank, worker) (``epoch_generator``): shards in a permuted order, each
+shard's row groups permuted, and samples drawn at random from a buffer (``SampleBuffer``) of about
+``data.shuffle_buffer`` users: whenever fewer than half of them still have samples to give, whole row
+groups top it up and its samples are shuffled again. It holds at most max(shuffle_buffer, a batch's
+users) + one row group's users. A buffer of at least the users of the worker's row groups reads them
+in order and permutes all their samples at once, which on rank 0's only worker is raw reading's
+order: the same samples, in the same order, permuted by the same generator as ``BatchPlan``.
 
 Batches are built by the raw module's classes (``gr.data.batching``) on a Corpus of the buffered
 users, seeded by (seed, split, epoch, batch number) as there; ranking evaluation negatives are drawn
@@ -36,6 +38,7 @@ from gr.data.batching import (
     RetrievalEvalBatches,
     RetrievalTrainBatches,
     SplitBatches,
+    epoch_generator,
     identity_collate,
 )
 from gr.data.interactions import DataFormatError
@@ -197,9 +200,11 @@ class PreparedSplit(IterableDataset):
         samples = int(data.counts[self.split][positions].sum())
         sizes = [samples // steps + (i < samples % steps) for i in range(steps)] if steps else []
         train = self.split == "train"
-        rng = np.random.default_rng([config.seed, epoch, self.rank, worker]) if train else None
-        order = shuffled(positions, data.row_groups, rng) if rng is not None else positions
-        buffer = SampleBuffer(data, self.split, order, config.shuffle_buffer if train else 0, rng)
+        rng = epoch_generator(config.seed, epoch, self.rank, worker) if train else None
+        capacity = config.shuffle_buffer if train else 0
+        whole = capacity >= sum(data.row_groups[p].users for p in positions)  # one top-up reads them all
+        order = shuffled(positions, data.row_groups, rng) if rng is not None and not whole else positions
+        buffer = SampleBuffer(data, self.split, order, capacity, rng)
         for i, size in enumerate(sizes):
             corpus, owners, cuts, negatives = buffer.take(size)
             dataset, rows = self._dataset(corpus, owners, cuts, negatives)
