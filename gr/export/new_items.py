@@ -43,7 +43,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from gr.data.interactions import DataFormatError
 from gr.data.mappings import load_mappings, save_mappings
-from gr.data.readers import INT_PATTERN, fits_int64, id_overflow, parquet_list, split_lists
+from gr.data.parsing import INT_PATTERN, fits_int64, id_overflow, parquet_list, split_lists
 from gr.export.format import (
     ID_MAPS_DIR,
     SPARSE_DIR,

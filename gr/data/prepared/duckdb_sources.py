@@ -4,7 +4,7 @@
 
     fr BIGINT       the row's position over the source's files (file order; ties and duplicates keep it)
     u, i            raw user / item ids: BIGINT, or VARCHAR for string ids (the readers' choice)
-    ts BIGINT       seconds (``gr.data.readers.exact_seconds`` of a text timestamp)
+    ts BIGINT       seconds (``gr.data.parsing.exact_seconds`` of a text timestamp)
     r FLOAT         the rating, when the source has ratings
     <feature>       one column per declared feature (``SourceTable``): categorical VARCHAR (the raw
                     text), list VARCHAR[], dense FLOAT[] (its columns in order)
@@ -30,23 +30,25 @@ import pyarrow as pa
 
 from gr.data.config import MOVIELENS_SOURCES, ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, SideTable
-from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST, side_table_from_arrow
-from gr.data.readers import (
+from gr.data.parsing import (
     CANONICAL_INT,
-    MOVIELENS_SIDE_TABLES,
-    RATINGS_FILES,
     bad_line_error,
     check_first_line,
-    check_table_parquet_types,
     empty_list_value,
     id_overflow,
     not_a_number,
-    read_table_parquet_schema,
     table_csv_error,
-    table_csv_layout,
-    table_parquet_columns,
     table_parquet_error,
     unreadable_parquet,
+)
+from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST, side_table_from_arrow
+from gr.data.readers import (
+    MOVIELENS_SIDE_TABLES,
+    RATINGS_FILES,
+    check_table_parquet_types,
+    read_table_parquet_schema,
+    table_csv_layout,
+    table_parquet_columns,
 )
 
 SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "time": "BIGINT", "list": "VARCHAR[]"}

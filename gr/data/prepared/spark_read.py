@@ -25,6 +25,16 @@ import pyarrow as pa
 
 from gr.data.config import MOVIELENS_SOURCES, ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, SideTable
+from gr.data.parsing import (
+    CANONICAL_INT,
+    bad_line_error,
+    empty_list_value,
+    id_overflow,
+    not_a_number,
+    table_csv_error,
+    table_parquet_error,
+    unreadable_parquet,
+)
 from gr.data.prepared.duckdb_sources import source_files
 from gr.data.prepared.manifest import check_preparable
 from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST
@@ -45,20 +55,12 @@ from gr.data.prepared.spark_text import (
     records,
 )
 from gr.data.readers import (
-    CANONICAL_INT,
     MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
-    bad_line_error,
     check_table_parquet_types,
-    empty_list_value,
-    id_overflow,
-    not_a_number,
     read_table_parquet_schema,
-    table_csv_error,
     table_csv_layout,
     table_parquet_columns,
-    table_parquet_error,
-    unreadable_parquet,
 )
 
 if TYPE_CHECKING:
@@ -345,7 +347,7 @@ def _aggregates(frame: DataFrame, columns: Mapping[str, Column]) -> Dict[str, An
 
 
 def _table_csv_error(frame: DataFrame, source: Source, order: int, column: str, message: str) -> DataFormatError:
-    """``readers.table_csv_error`` of the row at ORD ``order`` (its data row counted in its file)."""
+    """``parsing.table_csv_error`` of the row at ORD ``order`` (its data row counted in its file)."""
     from pyspark.sql import functions as F
 
     file = order >> FILE_BITS
@@ -354,7 +356,7 @@ def _table_csv_error(frame: DataFrame, source: Source, order: int, column: str, 
 
 
 def _id_checks(user: Column, item: Column) -> Dict[str, Column]:
-    """Aggregates for ``readers._as_ids`` of the text columns ``user`` and ``item``: whether every
+    """Aggregates for ``parsing.as_ids`` of the text columns ``user`` and ``item``: whether every
     id is a canonical integer, and the first ORD of one outside int64."""
     from pyspark.sql import functions as F
 
@@ -371,7 +373,7 @@ def _typed_ids(
 ) -> DataFrame:
     """``frame``'s interaction columns, a table's USER and ITEM as int64 when ``checks``
     (``_id_checks``; None: not a table) say that all the column's ids are canonical integers
-    (``readers._as_ids``). bad_id(ORD, USER | ITEM, message): the error of an id outside int64."""
+    (``parsing.as_ids``). bad_id(ORD, USER | ITEM, message): the error of an id outside int64."""
     from pyspark.sql import functions as F
 
     typed = {}
@@ -418,7 +420,7 @@ def _parquet_types(files: Sequence[Path], columns: ColumnConfig) -> Dict[str, pa
 
 
 def _seconds(column: Column, kind: pa.DataType) -> Column:
-    """A Parquet timestamp column's seconds (``readers._parquet_seconds``): integers as they are,
+    """A Parquet timestamp column's seconds (``parsing.parquet_seconds``): integers as they are,
     floats and timestamp types floored; null where they leave int64."""
     from pyspark.sql import functions as F
 

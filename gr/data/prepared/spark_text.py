@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 
 from gr.data.config import ColumnConfig
 from gr.data.interactions import DataFormatError
-from gr.data.readers import check_first_line
+from gr.data.parsing import check_first_line
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -32,7 +32,7 @@ FILE_BITS = 40  # ORD = file index << FILE_BITS | line number (text, from 1) or 
 POSITION = (1 << FILE_BITS) - 1
 INT_TEXT = r"^[ \t]*-?[0-9]+[ \t]*$"  # what the readers' integer parse takes (spaces and tabs around)
 FLOAT_TEXT = r"^[ \t]*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?[ \t]*$"
-SECONDS_TEXT = r"^([-+]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([-+]?[0-9]+))?$"  # readers.exact_seconds' forms
+SECONDS_TEXT = r"^([-+]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([-+]?[0-9]+))?$"  # parsing.exact_seconds' forms
 INTEGER_SECONDS = r"^-?[0-9]+$"
 DECIMAL_SECONDS = r"^-?[0-9]+\.[0-9]{0,18}$"  # exact in decimal(38,18)
 MAX_EXPONENT = 10**18  # a larger exponent leaves int64 (or floors to 0 or -1 alike)
@@ -41,7 +41,7 @@ RATINGS_ROLES = ("user", "item", "rating", "timestamp")  # a ratings file's colu
 
 @dataclass(frozen=True)
 class TextLayout:
-    """Delimited text files read as ``readers.read_delimited`` reads each: ``columns`` are (name, kind)
+    """Delimited text files read as ``parsing.read_delimited`` reads each: ``columns`` are (name, kind)
     pairs, the first four the user, item, rating and timestamp for a ratings file; a table CSV names
     its roles in ``table`` (and its ids become int64 when all are canonical integers)."""
 
@@ -262,7 +262,7 @@ def checked(value: Column, kind: str, separator: str = "|") -> Tuple[Column, Col
 
 
 def exact_seconds(text: Column) -> Column:
-    """The column: ``gr.data.readers.exact_seconds`` of a string column (null where it gives None),
+    """The column: ``gr.data.parsing.exact_seconds`` of a string column (null where it gives None),
     exactly: an integer as it is, a decimal of up to 18 places floored as a decimal, any other form
     (exponents, more places) floored digit by digit as text: no value passes through a float."""
     from pyspark.sql import functions as F
@@ -277,7 +277,7 @@ def exact_seconds(text: Column) -> Column:
 
 
 def _floored_digits(text: Column) -> Column:
-    """``exact_seconds`` of any form ``readers.exact_seconds`` takes, its digits floored as text."""
+    """``exact_seconds`` of any form ``parsing.exact_seconds`` takes, its digits floored as text."""
     from pyspark.sql import functions as F
 
     def part(index: int):
