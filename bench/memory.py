@@ -55,7 +55,8 @@ import torch  # noqa: E402
 from _host import cpu, load_average, peak_resident_bytes  # noqa: E402
 
 from gr.hstu import HSTU, HSTUConfig  # noqa: E402
-from gr.train.memory import GIB, available_memory_bytes, resident_bytes  # noqa: E402
+from gr.train.memory import GIB  # noqa: E402
+from gr.utils.host import available_memory_bytes, resident_bytes  # noqa: E402
 
 MIB = 1 << 20
 WARM_UP_LENGTH = 128

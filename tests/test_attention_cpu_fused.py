@@ -165,10 +165,9 @@ def test_backward_from_the_tiles_forward_kept_equals_backward_that_makes_them_ag
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")
 def test_kept_tiles_are_two_floats_per_score_of_each_row_block_within_the_limit(monkeypatch):
     """A 64-token sequence, 2 heads: its row blocks of 32 see 32 and 64 keys, so (32 * 32 + 32 * 64)
-    * 2 heads * 2 floats = 12,288 floats, which ``gr.train.memory`` counts too; a limit below that keeps none."""
-    from gr.hstu.config import HSTUConfig
-    from gr.hstu.kernels.attention import cpu
-    from gr.train.memory import saved_tile_bytes
+    * 2 heads * 2 floats = 12,288 floats, which the estimate (``gr.hstu.kernels.attention.cost``) counts too;
+    a limit below that keeps none."""
+    from gr.hstu.kernels.attention import cost, cpu
 
     monkeypatch.setenv("GR_CPU_FUSED", "1")
     kept = record_kept_tiles(monkeypatch)
@@ -176,8 +175,7 @@ def test_kept_tiles_are_two_floats_per_score_of_each_row_block_within_the_limit(
     monkeypatch.setattr(cpu, "SAVED_TILE_FLOATS", 12287)
     attention_and_grads(torch.float32, lengths=(64,))
     assert kept[0].numel() == 12288 and kept[1] is None
-    config = HSTUConfig(hidden_dim=32, num_layers=1, num_heads=2, attention_dim=16, linear_dim=16, max_seq_len=64)
-    assert saved_tile_bytes(config, 64) == 4 * 12288
+    assert cost.saved_tile_bytes(heads=2, tokens=64, max_attn_len=0) == 4 * 12288
 
 
 @pytest.mark.skipif(not X86, reason="the fused tiles are built for x86-64 only")

@@ -1,6 +1,12 @@
+import dataclasses
+import inspect
+
 import pytest
+import torch
 
 from gr import HSTUConfig
+from gr.hstu.kernels.attention import AttentionCall, AttentionOptions, hstu_attention
+from gr.hstu.kernels.cached_attention import CachedAttentionCall, hstu_cached_attention
 
 
 @pytest.mark.parametrize(
@@ -38,3 +44,28 @@ def test_round_trip_and_derived_values():
     assert cfg.alpha == pytest.approx(0.25)
     assert cfg.num_position_buckets == 51
     assert HSTUConfig(position_buckets=0).num_position_buckets == 0
+
+
+def test_attention_options_carry_each_attention_field_of_the_config():
+    cfg = HSTUConfig(attention_dim=16, max_seq_len=50, contextual_len=3, max_attn_len=7)
+    assert cfg.attention_options() == AttentionOptions(contextual_len=3, max_attn_len=7, alpha=0.25, silu_scale=1 / 50)
+    per_length = HSTUConfig(attn_alpha=0.5, attn_norm="seq_len")
+    assert per_length.attention_options() == AttentionOptions(alpha=0.5, silu_scale=None)
+
+
+def test_attention_options_are_keywords_of_both_attention_ops_and_fields_of_their_calls():
+    """Same names and defaults everywhere, so ``**options.keywords()`` passes a layer's options whole
+    and ``AttentionOptions.of`` reads them back from either call."""
+    defaults = AttentionOptions().keywords()
+    assert list(defaults) == ["contextual_len", "max_attn_len", "alpha", "silu_scale"]
+    for op in (hstu_attention, hstu_cached_attention):
+        parameters = inspect.signature(op).parameters
+        assert {name: parameters[name].default for name in defaults} == defaults, op.__name__
+        assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in defaults), op.__name__
+    for call in (AttentionCall, CachedAttentionCall):
+        assert {f.name: f.default for f in dataclasses.fields(call) if f.name in defaults} == defaults, call.__name__
+    options = AttentionOptions(contextual_len=2, max_attn_len=5, alpha=0.3, silu_scale=None)
+    q, offsets = torch.zeros(3, 1, 4), torch.tensor([0, 3])
+    assert AttentionOptions.of(AttentionCall(q, q, q, offsets, 3, **options.keywords())) == options
+    cached = CachedAttentionCall(q, q, q, offsets, q.transpose(0, 1), q.transpose(0, 1), offsets, **options.keywords())
+    assert AttentionOptions.of(cached) == options

@@ -111,9 +111,7 @@ def test_npu_recipe_fits_the_recsdk_op_and_asks_for_the_npu():
     ):
         raise AssertionError("only its signature is read")
 
-    call = AttentionCall(
-        q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, alpha=hstu.attn_alpha, silu_scale=1.0 / hstu.max_seq_len
-    )
+    call = AttentionCall(q, q, v, torch.tensor([0, 3]), hstu.max_seq_len, **hstu.attention_options().keywords())
     misfits = mxrec_misfits(op, call)
     assert misfits == []
 

@@ -1,15 +1,16 @@
 """gr.hstu.kernels.layer_ops: the HSTU layer's input projection, output and LayerNorm-gate-dropout, and the
 stack's input, fused on CPU (gr.ops.native), equal in values and gradients to PyTorch's ops, with
-dropout masks from gr.ops.random."""
+dropout masks from gr.ops.random; what each keeps for backward is what its ``cost`` says."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.dropout import Dropout
-from gr.hstu.kernels.layer_ops import combine, norm_mul_dropout, project, stack_input
+from gr.hstu.kernels.layer_ops import combine, cost, norm_mul_dropout, project, stack_input
 from gr.ops import random as rng
 from gr.ops.native import native_ops
 from helpers.native import X86, skip_without_bf16_instructions
@@ -325,3 +326,39 @@ def test_stack_input_refuses_rows_outside_the_table(monkeypatch):
     x, table = torch.randn(4, 50), torch.randn(201, 50)
     with pytest.raises(RuntimeError, match=r"rows must lie in \[0, 201\)"):
         stack_input(x, 1.0, table, torch.tensor([0, 1, 201, 2]), Dropout(0.0))
+
+
+def allocated_per_row(op, rows: int, width: int) -> float:
+    """Bytes per row that ``op(T)`` leaves allocated (torch's CPU memory profiler): the difference
+    between T = 2 * rows and T = rows (made afresh for each), over ``rows``; ``width``: op's input width."""
+    allocated = {}
+    for length in (rows, 2 * rows):
+        torch.manual_seed(0)
+        x = torch.randn(length, width, requires_grad=True)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = op(x)
+        allocated[length] = sum(e.self_cpu_memory_usage for e in prof.events())
+        del out
+    return (allocated[2 * rows] - allocated[rows]) / rows
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("fused", ["0", pytest.param("1", marks=native_only)], ids=["pytorch", "native"])
+def test_each_op_keeps_for_backward_what_its_cost_says(monkeypatch, fused, p):
+    """fp32, per row: ``project`` leaves its kept tensors (its outputs among them); ``combine`` and
+    ``stack_input`` their kept tensors and their output 4D, less (``combine``) the attention rows 4A
+    it is given and keeps."""
+    monkeypatch.setenv("GR_CPU_FUSED", fused)
+    d, a, width = 48, 32, 128
+    norm, linear = nn.LayerNorm(d), nn.Linear(d, width)
+    kept = allocated_per_row(lambda x: project(x, norm, linear, [32, 32, 32, 32]), 256, d)
+    assert kept == cost.project_bytes(d, width, 4)
+    attention_norm, output, dropout = nn.LayerNorm(a), nn.Linear(a, d), Dropout(p).train()
+    attention, u = torch.randn(512, a, requires_grad=True), torch.randn(512, a, requires_grad=True)
+    kept = allocated_per_row(
+        lambda x: combine(x, attention[: len(x)], u[: len(x)], attention_norm, dropout, output), 256, d
+    )
+    assert kept == cost.combine_bytes(a, p, 4) - 4 * a + 4 * d
+    table, rows = torch.randn(513, d, requires_grad=True), torch.arange(512)
+    kept = allocated_per_row(lambda x: stack_input(x, 2.0, table, rows[: len(x)], dropout), 256, d)
+    assert kept == (cost.stack_input_mask_bytes(d) if p > 0 else 0) + 4 * d

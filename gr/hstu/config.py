@@ -7,6 +7,7 @@ import math
 from dataclasses import InitVar, dataclass
 from typing import Any, Dict, Mapping, Optional
 
+from gr.hstu.kernels.attention.common import AttentionOptions
 from gr.utils.config_checks import (
     BOOL,
     PROBABILITY,
@@ -83,6 +84,13 @@ class HSTUConfig(Section):
     @property
     def alpha(self) -> float:
         return self.attn_alpha if self.attn_alpha is not None else 1.0 / math.sqrt(self.attention_dim)
+
+    def attention_options(self) -> AttentionOptions:
+        """The options of every attention call of a layer: the mask's ``contextual_len`` and
+        ``max_attn_len``, ``alpha``, and the norm ``attn_norm`` picks (``silu_scale`` 1 / max_seq_len,
+        or None: each sequence's own length so far)."""
+        silu_scale = 1.0 / self.max_seq_len if self.attn_norm == "max_seq_len" else None
+        return AttentionOptions(self.contextual_len, self.max_attn_len, self.alpha, silu_scale)
 
     @property
     def num_position_buckets(self) -> int:

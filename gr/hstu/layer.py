@@ -27,6 +27,7 @@ class HSTULayer(nn.Module):
     def __init__(self, config: HSTUConfig) -> None:
         super().__init__()
         self.config = config
+        self.attention_options = config.attention_options()
         heads, dl, da = config.num_heads, config.linear_dim, config.attention_dim
         self.input_norm = nn.LayerNorm(config.hidden_dim, eps=config.layer_norm_eps)
         self.uvqk = nn.Linear(config.hidden_dim, heads * (2 * dl + 2 * da))
@@ -73,9 +74,6 @@ class HSTULayer(nn.Module):
         """x: [T, D], attn: [T, H, Dl], u: [T, H*Dl] -> [T, D] (residual added)."""
         return combine(x, attn.reshape(attn.shape[0], -1), u, self.attn_norm, self.dropout, self.output)
 
-    def silu_scale(self) -> Optional[float]:
-        return 1.0 / self.config.max_seq_len if self.config.attn_norm == "max_seq_len" else None
-
     def attend(
         self,
         q: Tensor,
@@ -96,13 +94,10 @@ class HSTULayer(nn.Module):
             seq_offsets,
             max_seq_len,
             num_targets=num_targets,
-            contextual_len=self.config.contextual_len,
-            max_attn_len=self.config.max_attn_len,
-            alpha=self.config.alpha,
-            silu_scale=self.silu_scale(),
             rab=self.relative_bias(timestamps, query_times),
             backend=self.config.kernel_backend,
             workspace=workspace,
+            **self.attention_options.keywords(),
         )
 
     def attend_cached(
@@ -135,13 +130,10 @@ class HSTULayer(nn.Module):
             new_tokens=new_tokens,
             positions=positions,
             block_visible=block_visible,
-            contextual_len=self.config.contextual_len,
-            max_attn_len=self.config.max_attn_len,
-            alpha=self.config.alpha,
-            silu_scale=self.silu_scale(),
             rab=self.relative_bias(timestamps, query_times),
             cache_timestamps=cache_timestamps,
             backend=self.config.kernel_backend,
+            **self.attention_options.keywords(),
         )
 
     def forward(

@@ -7,28 +7,20 @@ The config goes through the trainer's own loader and validation (``gr.train.load
 table rows left to the data are read from it, and the user's PrefixDNN / PostfixDNN are
 built on the meta device (no memory) to count their parameters.
 
-Activation model (the HSTU stack, CPU attention kernel, which keeps q, k, v and no L x L
-scores): bytes per token each layer keeps for backward, with ``e`` the compute dtype's
-bytes (4 fp32, 2 under bf16 autocast), D = hidden_dim, P = heads * (2 linear_dim + 2
-attention_dim) (the U/V/Q/K projection), A = heads * linear_dim (attention output):
+Activation model (the HSTU stack on CPU): bytes per token each layer keeps for backward, with
+D = hidden_dim, P = heads * (2 linear_dim + 2 attention_dim) (the U/V/Q/K projection) and
+A = heads * linear_dim (attention output):
 
-  recompute "none":      x 4D + LayerNorm stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
-                         (the kernel keeps q, k, v as views of it, bf16 included)
-                         + attention eA + stats 8 + LN(attention) eA
-                         + dropout mask eA and output eA (or the product eA without dropout)
-                         (with gr's native CPU kernels, ``gr.hstu.kernels.layer_ops``, e = 4 in either
-                         precision (bf16 autocast runs them in bf16 math on fp32 activations): no
-                         LN(x) and no output input, which backward recomputes; after the attention
-                         4A + stats 8 + dropout mask A)
-  recompute "attention": x 4D + stats 8 + LN(x) eD + pre-SiLU eP + SiLU eP
+  recompute "none":      x 4D + what ``project`` and ``combine`` keep
+  recompute "attention": x 4D + what ``project`` keeps
   recompute "layer":     x 4D
 
-plus, for the stack, the output 4D, the input-dropout mask 4D (a byte mask D with the native CPU
-kernels' fused stack input, ``gr.hstu.kernels.layer_ops.stack_input``), and the int64 positions and
-index bookkeeping (32); and with the native CPU attention, each layer's fp32 weights and SiLU'
-per score element of its 32-query blocks (``saved_tile_bytes``, at most
-``gr.hstu.kernels.attention.cpu.SAVED_TILE_FLOATS`` a batch), kept with recompute "none" (a recomputing layer
-makes them again in backward). The attention's terms are ``gr.hstu.kernels.attention.cost``'s.
+(``gr.hstu.kernels.layer_ops.cost``: each op's bytes in either precision, with and without gr's
+native CPU kernels), plus, for the stack, the output 4D, the input-dropout mask (``stack_input``'s
+with position embeddings, else the stack's dropout's 4D), and the int64 positions and index
+bookkeeping (32); and with the native CPU attention, each layer's saved score tiles, kept with
+recompute "none" (a recomputing layer makes them again in backward), and the kernel's cached
+layout. The attention's terms are ``gr.hstu.kernels.attention.cost``'s.
 Measured against torch's CPU memory profiler in tests/test_plan.py.
 In backward, the layer being differentiated holds gradient buffers about the size of its
 "none" set, a recomputing layer holds its "none" set again first, and the attention
@@ -52,7 +44,6 @@ bench/memory.py compares it with training processes' peaks over table sizes.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -74,16 +65,16 @@ from gr.data.features import FeatureSpec
 from gr.hstu import HSTUConfig
 from gr.hstu.config import RECOMPUTE_MODES
 from gr.hstu.kernels.attention import cost as attention_cost
-from gr.ops.native import fused_expected
+from gr.hstu.kernels.layer_ops import cost as layer_ops_cost
 from gr.sparse.row_optimizers import STATE as OPTIMIZER_STATE
 from gr.sparse.tables import TableConfig, backend_module, storage_dim
 from gr.train.build import build_model
 from gr.train.config import TrainConfig
+from gr.utils.host import resident_bytes
 
 PRECISION_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
 FP32 = 4
 INT64 = 8
-LAYER_NORM_STATS = 2 * FP32  # mean and 1/std per token
 STACK_INDEX_BYTES = 4 * INT64  # token positions (embedding indices) and index bookkeeping
 # Optimizer state in floats per parameter for dense optimizers (sparse ones: ``optimizer_state_elements``).
 DENSE_OPTIMIZER_FLOATS = {"adamw": 2, "adam": 2, "sgd": 0}
@@ -98,8 +89,6 @@ LOAD_BYTES = 4
 # measured 23-43 MiB over 1e5-4e7 table rows and both backends, 2026-11-27).
 RUNTIME_OVERHEAD_BYTES = 96 << 20
 GIB = 1 << 30
-MEMINFO = "/proc/meminfo"
-STATM = "/proc/self/statm"
 
 
 @dataclass(frozen=True)
@@ -183,30 +172,23 @@ def hstu_parameter_count(config: HSTUConfig) -> int:
 
 def hstu_layer_activation_bytes(config: HSTUConfig, recompute: str, compute_bytes: int) -> int:
     """Bytes per token one layer keeps for backward (see the module docstring)."""
-    d, p, a = config.hidden_dim, _projection_width(config), config.num_heads * config.linear_dim
+    kept = FP32 * config.hidden_dim
     if recompute == "layer":
-        return FP32 * d
-    fused = fused_expected()  # gr.hstu.kernels.layer_ops: fp32 in either precision; backward recomputes LN(x)
-    e = FP32 if fused else compute_bytes
-    kept = FP32 * d + LAYER_NORM_STATS + (0 if fused else e * d) + 2 * e * p
+        return kept
+    kept += layer_ops_cost.project_bytes(config.hidden_dim, _projection_width(config), compute_bytes)
     if recompute == "attention":
         return kept
-    if fused:  # fp32 attention rows and a byte mask; backward recomputes the output's input
-        after_attention = FP32 * a + (a if config.dropout > 0 else 0)
-    else:
-        after_attention = (4 if config.dropout > 0 else 3) * e * a
-    return kept + LAYER_NORM_STATS + after_attention
+    return kept + layer_ops_cost.combine_bytes(config.num_heads * config.linear_dim, config.dropout, compute_bytes)
 
 
 def hstu_activation_bytes(config: HSTUConfig, tokens: int, recompute: str, compute_bytes: int) -> Tuple[int, int]:
     """(kept after forward, peak in backward) bytes of the HSTU stack for ``tokens`` tokens."""
     d = config.hidden_dim
-    byte_mask = fused_expected() and config.position_embedding  # gr.hstu.kernels.layer_ops.stack_input
-    mask = (d if byte_mask else FP32 * d) if config.input_dropout > 0 else 0
-    stack = FP32 * d + mask + STACK_INDEX_BYTES
+    mask_bytes = layer_ops_cost.stack_input_mask_bytes(d) if config.position_embedding else FP32 * d
+    stack = FP32 * d + (mask_bytes if config.input_dropout > 0 else 0) + STACK_INDEX_BYTES
     layer = hstu_layer_activation_bytes(config, recompute, compute_bytes)
-    tiles = saved_tile_bytes(config, tokens)
-    kept = tokens * (stack + config.num_layers * layer) + layout_cache_bytes(config, tokens)
+    tiles = attention_cost.saved_tile_bytes(config.num_heads, tokens, config.max_attn_len)
+    kept = tokens * (stack + config.num_layers * layer) + attention_cost.layout_cache_bytes(config.time_buckets, tokens)
     kept += config.num_layers * tiles if recompute == "none" else 0
     full_layer = hstu_layer_activation_bytes(config, "none", compute_bytes)
     recomputed = full_layer - layer
@@ -218,18 +200,6 @@ def attention_backward_bytes(config: HSTUConfig, tokens: int, sequences: int = 1
     """Buffers the CPU attention kernel's backward holds for ``sequences`` sequences of ``tokens``
     tokens (``gr.hstu.kernels.attention.cost.backward_bytes``)."""
     return attention_cost.backward_bytes(config.num_heads, config.attention_dim, config.linear_dim, tokens, sequences)
-
-
-def saved_tile_bytes(config: HSTUConfig, tokens: int) -> int:
-    """The native CPU attention's tiles of one layer for one sequence of ``tokens`` tokens, kept
-    from forward to backward (``gr.hstu.kernels.attention.cost.saved_tile_bytes``)."""
-    return attention_cost.saved_tile_bytes(config.num_heads, tokens, config.max_attn_len)
-
-
-def layout_cache_bytes(config: HSTUConfig, tokens: int) -> int:
-    """The CPU kernel's cached layout of one sequence of ``tokens`` tokens, kept from forward to
-    backward (``gr.hstu.kernels.attention.cost.layout_cache_bytes``)."""
-    return attention_cost.layout_cache_bytes(config.time_buckets, tokens)
 
 
 def hstu_forward_flops_per_token(config: HSTUConfig, seq_len: int) -> int:
@@ -378,28 +348,6 @@ def plan_for_data(config: TrainConfig, spec: FeatureSpec, tasks: Sequence[str], 
         model = build_model(config, spec, tasks)
     tables = list(model.embeddings.tables.values()) if model.embeddings is not None else []
     return make_plan(config, tables, model.prefix_dnn, model.postfix_dnn, nproc, resident_bytes() or 0)
-
-
-def available_memory_bytes(meminfo: str = MEMINFO) -> Optional[int]:
-    """What this machine can give a new process without swapping: ``MemAvailable`` of
-    /proc/meminfo (Linux), or None where it cannot be read."""
-    try:
-        with open(meminfo, encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def resident_bytes(statm: str = STATM) -> Optional[int]:
-    """This process's resident set now (Linux: /proc/self/statm), or None where it cannot be read."""
-    try:
-        with open(statm, encoding="ascii") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def memory_terms(plan: Plan, config: TrainConfig) -> List[Tuple[int, str]]:

@@ -29,7 +29,7 @@ from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables, check_declared_features
 from gr.train.config import TrainConfig, load_config, plain, save_config
 from gr.train.csv_log import AppendingCSVLogger, drop_rows_from_step
-from gr.train.memory import available_memory_bytes, check_memory_fits, plan_for_data
+from gr.train.memory import check_memory_fits, plan_for_data
 from gr.train.module import GRTrainingModule
 from gr.train.npu import NPU_PROCESS_GROUP_BACKEND, npu_trainer_args
 from gr.train.progress import progress_callbacks
@@ -47,6 +47,7 @@ from gr.train.strategy import TorchRecStrategy
 from gr.train.warm_start import WarmStart, check_not_export
 from gr.utils.atomic import replace_directory, write_json
 from gr.utils.devices import check_accelerator, runs_on_cpu
+from gr.utils.host import available_memory_bytes
 from gr.utils.run_lock import run_lock, writes_run
 
 log = logging.getLogger(__name__)

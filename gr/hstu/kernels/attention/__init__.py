@@ -22,10 +22,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 from torch import Tensor
 
-from gr.hstu.kernels.attention.common import AttentionCall, AttentionWorkspace, RelativeBias
+from gr.hstu.kernels.attention.common import AttentionCall, AttentionOptions, AttentionWorkspace, RelativeBias
 
 __all__ = [
     "AttentionCall",
+    "AttentionOptions",
     "AttentionWorkspace",
     "RelativeBias",
     "hstu_attention",
@@ -91,8 +92,8 @@ def hstu_attention(
     """Jagged HSTU attention: ``out_i = sum_j mask_ij * SiLU(alpha q_i.k_j + rab_ij) * norm_i * v_j``.
 
     q, k: [T, H, Dqk] float, v: [T, H, Dv] float; seq_offsets: [B+1] int64; max_seq_len, num_targets
-        ([B] or None), contextual_len, max_attn_len, alpha, silu_scale, rab: as ``AttentionCall``
-        documents them
+        ([B] or None), rab: as ``AttentionCall`` documents them; contextual_len, max_attn_len, alpha,
+        silu_scale: as ``AttentionOptions`` does (a layer's: ``**options.keywords()``)
     backend: one of ``available_backends()`` or "auto" (by q's device)
     workspace: the batch's ``AttentionWorkspace`` when several layers attend over one batch:
         backends that can reuse the batch's layout and bias buckets across calls keep them there

@@ -6,7 +6,7 @@ conformance tests hold each of them to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
@@ -57,6 +57,33 @@ class RelativeBias:
         return self.timestamps if self.query_times is None else self.query_times
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What a layer's config fixes for each of its attention calls (``gr.hstu.HSTUConfig.attention_options``):
+    the fields of ``AttentionCall`` and ``CachedAttentionCall``, and the keywords of ``hstu_attention``
+    and ``hstu_cached_attention``, of these names.
+
+    contextual_len: leading tokens visible to every token
+    max_attn_len: look-back window in positions, 0 = unbounded
+    alpha: scale of q.k
+    silu_scale: norm_i; None -> 1 / (pos_i + 1) (per-sequence length so far)
+    """
+
+    contextual_len: int = 0
+    max_attn_len: int = 0
+    alpha: float = 1.0
+    silu_scale: Optional[float] = None
+
+    @classmethod
+    def of(cls, call: object) -> "AttentionOptions":
+        """The options ``call`` (an ``AttentionCall`` or a ``CachedAttentionCall``) was made with."""
+        return cls(**{f.name: getattr(call, f.name) for f in fields(cls)})
+
+    def keywords(self) -> Dict[str, Any]:
+        """{name: value} of each option, to pass to ``hstu_attention`` or ``hstu_cached_attention``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
     """One jagged HSTU attention call: what every backend of ``hstu_attention`` takes, by keyword
@@ -68,10 +95,7 @@ class AttentionCall:
     seq_offsets: [B+1] int64
     max_seq_len: int, >= the longest sequence in the batch (targets included)
     num_targets: [B] int64 or None: trailing candidate tokens per sequence
-    contextual_len: leading tokens visible to every token
-    max_attn_len: look-back window in positions, 0 = unbounded
-    alpha: scale of q.k
-    silu_scale: norm_i; None -> 1 / (pos_i + 1) (per-sequence length so far)
+    contextual_len, max_attn_len, alpha, silu_scale: as ``AttentionOptions`` documents them
     rab: relative bias parts (``RelativeBias``) or None
     """
 

@@ -63,7 +63,7 @@ def hstu_cached_attention(
     positions: [N] int64 or None: explicit positions of new history tokens (draft trees)
     block_visible: [N, N] bool or None: further restricts which new history token sees which
         (a draft tree's branches); only entries within one request are read
-    contextual_len, max_attn_len, alpha, silu_scale: as in ``hstu_attention``
+    contextual_len, max_attn_len, alpha, silu_scale: as in ``hstu_attention`` (``AttentionOptions``)
     rab: ``RelativeBias`` of the new tokens (``timestamps``/``query_times``: [N] int64) or None
     cache_timestamps: [C] int64 seconds of the cached tokens (or B per-request [C_b]); required
         with a time bias

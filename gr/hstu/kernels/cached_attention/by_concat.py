@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gr.hstu.kernels.attention import RelativeBias, hstu_attention
+from gr.hstu.kernels.attention import AttentionOptions, RelativeBias, hstu_attention
 from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, joined
 from gr.hstu.kernels.cached_attention.pytorch import pytorch_hstu_cached_attention
 from gr.jagged import lengths_from_offsets, offsets_from_lengths, token_offsets_in_seq
@@ -49,12 +49,9 @@ def concat_hstu_cached_attention(call: CachedAttentionCall, *, backend: str) -> 
         seq_offsets,
         int((new_lengths + cache_lengths).max()) if new_lengths.numel() else 0,
         num_targets=new_lengths if new_tokens == "targets" else None,
-        contextual_len=call.contextual_len,
-        max_attn_len=call.max_attn_len,
-        alpha=call.alpha,
-        silu_scale=call.silu_scale,
         rab=full_rab,
         backend=backend,
+        **AttentionOptions.of(call).keywords(),
     )
     return out[new_rows]
 

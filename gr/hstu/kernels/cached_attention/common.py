@@ -62,7 +62,7 @@ class CachedAttentionCall:
     new_tokens: "targets" or "history"
     positions: [N] int64 or None: explicit positions of new history tokens (draft trees)
     block_visible: [N, N] bool or None: which new history token sees which (a draft tree's branches)
-    contextual_len, max_attn_len, alpha, silu_scale: as in ``AttentionCall``
+    contextual_len, max_attn_len, alpha, silu_scale: as ``AttentionOptions`` documents them
     rab: ``RelativeBias`` of the new tokens ([N] timestamps / query_times) or None
     cache_timestamps: [C] int64 (or B per-request [C_b]); required with a time bias
     """

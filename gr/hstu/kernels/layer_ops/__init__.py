@@ -9,6 +9,7 @@
 ``dropout`` arguments are ``gr.hstu.dropout.Dropout`` modules (any module with ``p`` and ``training``
 that drops with ``gr.ops.random.keep_mask``). The fused CPU ops' autograd functions are in ``cpu``,
 their C++ beside it (``layer_ops.cpp``); the PyTorch code each function falls back to is inline.
+``cost`` holds what each keeps for backward, which ``gr.train.memory`` sums.
 
 With gr's native kernels built (``gr.ops.native``, ``gr/hstu/kernels/layer_ops/layer_ops.cpp``) the CPU computes them
 in fp32 a block of rows at a time while the block is in cache (backward recomputes the LayerNorm
