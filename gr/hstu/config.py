@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import InitVar, dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
-from gr.hstu.kernels.attention.common import AttentionOptions
 from gr.utils.config_checks import (
     BOOL,
     PROBABILITY,
@@ -19,6 +18,9 @@ from gr.utils.config_checks import (
     one_of,
     optional,
 )
+
+if TYPE_CHECKING:
+    from gr.hstu.kernels.attention.common import AttentionOptions
 
 ATTN_NORMS = ("max_seq_len", "seq_len")
 TIME_BUCKETINGS = ("log", "sqrt")
@@ -89,6 +91,9 @@ class HSTUConfig(Section):
         """The options of every attention call of a layer: the mask's ``contextual_len`` and
         ``max_attn_len``, ``alpha``, and the norm ``attn_norm`` picks (``silu_scale`` 1 / max_seq_len,
         or None: each sequence's own length so far)."""
+        # The kernels (torch) are imported where a layer is built, never to read a config (gr train --help).
+        from gr.hstu.kernels.attention.common import AttentionOptions
+
         silu_scale = 1.0 / self.max_seq_len if self.attn_norm == "max_seq_len" else None
         return AttentionOptions(self.contextual_len, self.max_attn_len, self.alpha, silu_scale)
 
