@@ -193,6 +193,18 @@ def test_metrics_count_requests_errors_cache_statuses_and_latency(servers):
     assert metric(after, "gr_cache_bytes") > 0 and metric(after, "gr_model_version") == 0
 
 
+def test_a_query_string_neither_relabels_a_requests_metrics_nor_picks_its_handler(servers):
+    server = servers[1]
+    before = server.call("GET", "/metrics")[1]
+    status, answer = server.call("POST", "/v1/rank?_path=evil&_serve=x", {"user_id": "u"})
+    assert status == 400 and answer["error"] == "bad_request" and answer["field"] == "body.history", answer
+    after = server.call("GET", "/metrics")[1]
+    counted = [metric(text, "gr_requests_total", endpoint="rank") for text in (before, after)]
+    assert counted[1] - counted[0] == 1 and "evil" not in after
+    paths = server.call("GET", "/openapi.json")[1]["paths"]
+    assert [paths[f"/v1/{verb}"]["post"].get("parameters") for verb in ("rank", "recommend", "generate")] == [None] * 3
+
+
 def test_reload_under_concurrent_traffic_never_mixes_two_models_in_one_response(servers, exports):
     server = servers[0]
     candidates = {"item_id": RAW_ITEMS[:20:2]}

@@ -41,7 +41,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Dict, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -336,6 +336,15 @@ def create_app(
         metrics.refresh()
         return response
 
+    def route(path: str, serve: Callable[[Any], Dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
+        """The endpoint of /v1/``path``: its only parameter is the request (FastAPI would read any other
+        from the query string)."""
+
+        async def endpoint(request: Request) -> Response:
+            return await call(path, request, serve)
+
+        return endpoint
+
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:  # the other endpoints' bugs
         metrics.errors.labels(request.url.path, "500", "internal").inc()
@@ -384,11 +393,9 @@ def create_app(
             "The user's next k items, generated autoregressively",
         ),
     ):
-
-        async def endpoint(request: Request, _path: str = path, _serve=serve) -> Response:
-            return await call(_path, request, _serve)
-
-        app.post(f"/v1/{path}", summary=summary, openapi_extra=_body_schema(keys, required, example))(endpoint)
+        app.post(f"/v1/{path}", summary=summary, openapi_extra=_body_schema(keys, required, example))(
+            route(path, serve)
+        )
 
     @app.get("/healthz", summary="The process is alive")
     def healthz() -> Dict[str, str]:
