@@ -4,6 +4,7 @@ gets its 400 naming the field (and changes nothing), hostile values and sizes ar
 hurting anyone else, metrics move, readiness means warmed up, a reload under traffic never mixes two
 models in one answer, and hash-on-user-id routing keeps a user's cache warm on its replica."""
 
+import asyncio
 import contextlib
 import gzip
 import json
@@ -17,16 +18,18 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from starlette.requests import Request
 
 from gr.commands.serve import main as serving_main
 from gr.export import export_model
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
 from gr.serving.batcher import RequestBatcher
-from gr.serving.http import EXIT_BATCHER_DIED, create_app
+from gr.serving.http import EXIT_BATCHER_DIED, ServingApp, create_app
 from gr.serving.limits import RequestLimits
 from helpers.models import (
     DENSE_DIMS,
@@ -191,6 +194,18 @@ def test_metrics_count_requests_errors_cache_statuses_and_latency(servers):
     assert [moved("gr_cache_total", status=s) for s in ("miss", "hit", "extend")] == [1, 1, 1]
     assert moved("gr_request_seconds_count", endpoint="recommend") == 4
     assert metric(after, "gr_cache_bytes") > 0 and metric(after, "gr_model_version") == 0
+
+
+def test_a_query_string_neither_relabels_a_requests_metrics_nor_picks_its_handler(servers):
+    server = servers[1]
+    before = server.call("GET", "/metrics")[1]
+    status, answer = server.call("POST", "/v1/rank?_path=evil&_serve=x", {"user_id": "u"})
+    assert status == 400 and answer["error"] == "bad_request" and answer["field"] == "body.history", answer
+    after = server.call("GET", "/metrics")[1]
+    counted = [metric(text, "gr_requests_total", endpoint="rank") for text in (before, after)]
+    assert counted[1] - counted[0] == 1 and "evil" not in after
+    paths = server.call("GET", "/openapi.json")[1]["paths"]
+    assert [paths[f"/v1/{verb}"]["post"].get("parameters") for verb in ("rank", "recommend", "generate")] == [None] * 3
 
 
 def test_reload_under_concurrent_traffic_never_mixes_two_models_in_one_response(servers, exports):
@@ -584,6 +599,37 @@ def test_past_max_pending_a_request_is_a_503_overloaded_at_once_with_retry_after
     assert admitted == 200
     assert metric(text, "gr_errors_total", endpoint="recommend", status="503", kind="overloaded") == 1
     assert serving_main(["serve", str(exports["first"]), "--max-pending", "0"]) == 2
+
+
+def posted(body: Any) -> Request:
+    """A request whose JSON body has arrived, with no server behind it."""
+    data = json.dumps(body).encode()
+    messages = [{"type": "http.request", "body": data, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0)
+
+    headers = [(b"content-length", str(len(data)).encode())]
+    return Request({"type": "http", "method": "POST", "path": "/v1/rank", "headers": headers}, receive)
+
+
+def test_past_max_pending_a_request_never_runs_and_a_failed_one_frees_its_slot(exports):
+    serving = ServingApp(Ranker.load(exports["first"]), batching=False, warm_up=False, max_pending=1)
+    ran = []
+
+    def broken(payload):
+        ran.append(payload)
+        raise KeyError("a bug")
+
+    serving.pending = 1  # one request is being served
+    refused = asyncio.run(serving.answer("rank", posted({"user_id": "u"}), broken))
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1" and ran == []
+    serving.pending = 0
+    failed = asyncio.run(serving.answer("rank", posted({"user_id": "u"}), broken))
+    assert failed.status_code == 500 and ran == [{"user_id": "u"}] and serving.pending == 0
+    text = serving.metrics.exposition().decode()
+    assert metric(text, "gr_errors_total", endpoint="rank", status="503", kind="overloaded") == 1
+    assert metric(text, "gr_errors_total", endpoint="rank", status="500", kind="internal") == 1
 
 
 def test_a_content_encoded_body_is_a_415_naming_the_header(app_servers):

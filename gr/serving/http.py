@@ -41,7 +41,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Dict, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -219,6 +219,311 @@ def _body_error(exc: BodyError) -> Response:
     return response
 
 
+def _error_response(endpoint: str, exc: Exception) -> Response:
+    """The JSON error answer to ``exc``, raised while serving ``endpoint``: its status and name as the
+    module docstring lists them; anything unexpected is a 500 ``internal``, logged with its traceback."""
+    if isinstance(exc, BodyError):
+        return _body_error(exc)
+    if isinstance(exc, LimitError):
+        return _error(400, "limit_exceeded", str(exc), exc.field)
+    if isinstance(exc, RequestError):
+        return _error(400, "bad_request", str(exc), exc.field)
+    if isinstance(exc, ScoringError):
+        return _error(500, "non_finite_score", str(exc))
+    if isinstance(exc, IdMapError):
+        return _error(500, "id_maps_unreadable", str(exc))
+    if isinstance(exc, BatcherDied):
+        return _error(503, "unavailable", f"{exc}; this process is exiting")
+    if isinstance(exc, Overloaded):
+        response = _error(503, "overloaded", str(exc))
+        response.headers["retry-after"] = "1"
+        return response
+    return _internal(endpoint, exc)
+
+
+def _internal(endpoint: str, exc: BaseException) -> Response:
+    """The 500 ``internal`` answer to an unexpected ``exc``, logged with its traceback."""
+    log.error("%s: unexpected %s", endpoint, type(exc).__name__, exc_info=exc)
+    return _error(500, "internal", f"an unexpected {type(exc).__name__}; the server logged it")
+
+
+# The verbs under /v1/: (path, request keys, required keys, OpenAPI example, summary).
+VERBS = (
+    (
+        "rank",
+        REQUEST_KEYS,
+        ("user_id", "history", "candidates"),
+        {**EXAMPLE, "candidates": {"item_id": [5, 9]}},
+        "Scores of the given candidates (ranking heads by name; retrieval: 'retrieval' cosines)",
+    ),
+    (
+        "recommend",
+        RECOMMEND_KEYS,
+        ("user_id", "history"),
+        {**EXAMPLE, "k": 10},
+        "The top k items of the whole catalogue, seen items excluded by default (retrieval exports)",
+    ),
+    (
+        "generate",
+        GENERATE_KEYS,
+        ("user_id", "history"),
+        {**EXAMPLE, "k": 10},
+        "The user's next k items, generated autoregressively",
+    ),
+)
+
+
+class ServingApp:
+    """The service of one process over ``ranker`` (whose ``limits`` bound each request): the state its
+    routes share (readiness, metrics, the request batcher, the requests being served) and one method
+    per route; ``build()`` -> the FastAPI app.
+
+    admin_token: enables POST /admin/reload for that bearer token; batching: concurrent rank and
+    recommend requests run as batches (``gr.serving.batcher``), the worker waiting
+    ``batch_window_ms`` for company; body_timeout_s: how long a request body may take to arrive
+    (then 408); max_pending: the rank, recommend and generate requests this process serves at once
+    (queued or running; one more is a 503 ``overloaded``); unknown_ids: what a request that does not
+    say takes ("error" or "oov", ``gr.serving.id_maps``); warm_up: /readyz turns ready after
+    ``Ranker.warm_up`` (run at start-up, in the background) instead of at once; workers: the
+    server's worker processes (reload needs 1); on_fatal: called with the exit status when the
+    process can no longer answer (default: exit after EXIT_DELAY_S); exit_after_shutdown: once the
+    server has shut down (SIGTERM, after its graceful timeout), end the process after EXIT_DELAY_S
+    even if a request thread is still busy (a server process's own app; never in a process that
+    hosts other work)."""
+
+    def __init__(
+        self,
+        ranker: Ranker,
+        *,
+        admin_token: Optional[str] = None,
+        batching: bool = True,
+        batch_window_ms: float = 0.0,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        unknown_ids: str = "error",
+        warm_up: bool = True,
+        workers: int = 1,
+        on_fatal: Callable[[int], None] = exit_soon,
+        exit_after_shutdown: bool = False,
+    ) -> None:
+        self.ranker, self.admin_token, self.workers = ranker, admin_token, workers
+        self.body_timeout_s, self.max_pending, self.max_body = body_timeout_s, max_pending, ranker.limits.max_body_bytes
+        self.warm_up, self.on_fatal, self.exit_after_shutdown = warm_up, on_fatal, exit_after_shutdown
+        self.defaults = IdOptions(RAW, unknown_ids)  # what a request that names neither takes
+        self.readiness = Readiness()
+        self.metrics = ServerMetrics(ranker)
+        self.batcher = (
+            RequestBatcher(ranker, batch_window_ms, on_death=self._batcher_died, on_batch=self.metrics.observe_batch)
+            if batching
+            else None
+        )
+        self.pending = 0  # requests past their body and not yet answered: only the event loop's thread counts them
+
+    def build(self) -> FastAPI:
+        """The FastAPI app whose routes are this object's methods, behind the access log."""
+        app = FastAPI(title="gr serving", description=__doc__, version="1", lifespan=self.lifespan)
+        app.add_middleware(AccessLog)
+        app.state.ranker = self.ranker
+        app.exception_handler(Exception)(self.internal)
+        handlers = {"rank": self.rank, "recommend": self.recommend, "generate": self.generate}
+        for path, keys, required, example, summary in VERBS:
+            schema = _body_schema(keys, required, example)
+            app.post(f"/v1/{path}", summary=summary, openapi_extra=schema)(self._route(path, handlers[path]))
+        app.get("/healthz", summary="The process is alive")(self.healthz)
+        app.get("/readyz", summary="The model is loaded and warmed up: the first answer will be fast")(self.readyz)
+        app.get("/metrics", summary="Prometheus metrics")(self.prometheus)
+        app.post(
+            "/admin/reload",
+            summary="Swap in another export (needs the admin token)",
+            openapi_extra=_body_schema(("export_dir",), ("export_dir",), {"export_dir": "exports/new"}),
+        )(self.reload)
+        return app
+
+    @asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        """Start-up: the warm-up in the background (or ready at once); shut-down: close the metrics and,
+        with exit_after_shutdown, end the process soon."""
+        if self.warm_up:
+            threading.Thread(target=self._warm_up, name="gr-warm-up", daemon=True).start()
+        else:
+            self.readiness.set("ready")
+        yield
+        self.metrics.close()
+        if self.exit_after_shutdown:
+            exit_soon(0)
+
+    def _warm_up(self) -> None:
+        """``Ranker.warm_up``, then ready; a failed warm-up leaves the process failed (not ready), logged."""
+        started = time.perf_counter()
+        try:
+            self.ranker.warm_up()
+        except Exception as exc:
+            log.error("warm-up failed; the server stays not ready: %r", exc, exc_info=exc)
+            self.readiness.set("failed", f"warm-up failed: {type(exc).__name__}: {exc}"[:2000])
+            return
+        log.info("warmed up in %.1f s; ready", time.perf_counter() - started)
+        self.readiness.set("ready")
+
+    def _batcher_died(self, exc: BaseException) -> None:
+        """The request batcher stopped: the process turns failed and ends (``on_fatal``)."""
+        self.readiness.set("failed", f"the request batcher stopped: {exc!r}")
+        self.on_fatal(EXIT_BATCHER_DIED)
+
+    def _route(self, path: str, serve: Callable[[Any], Dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
+        """The endpoint of /v1/``path``: its only parameter is the request (FastAPI would read any other
+        from the query string)."""
+
+        async def endpoint(request: Request) -> Response:
+            return await self.answer(path, request, serve)
+
+        return endpoint
+
+    async def answer(self, endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
+        """``serve`` (run in a worker thread) of the request's JSON body -> its JSON answer, or the JSON
+        error of whatever went wrong; counted in the metrics (a client gone before its body is no error)."""
+        self.metrics.requests.labels(endpoint).inc()
+        started = time.perf_counter()
+        try:
+            response = self._json_answer(await self._served(request, serve))
+        except ClientDisconnect:
+            return self._client_gone(endpoint)
+        except asyncio.CancelledError:  # only uvicorn cancels a request: its graceful shutdown timed out
+            response = _error(503, "unavailable", "the server is shutting down; retry on another replica")
+        except Exception as exc:
+            response = _error_response(endpoint, exc)
+        if response.status_code >= 400:
+            kind = error_kind(response.status_code, bytes(response.body)) or ""
+            self.metrics.errors.labels(endpoint, str(response.status_code), kind).inc()
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+        self.metrics.refresh()
+        return response
+
+    async def _served(self, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Dict[str, Any]:
+        """The answer of ``serve`` to the request's body; Overloaded, before it runs, when ``max_pending``
+        requests are already being served."""
+        payload = await read_json(request, self.max_body, self.body_timeout_s)
+        if self.pending >= self.max_pending:
+            raise Overloaded(f"{self.max_pending} requests are being served (--max-pending); retry shortly")
+        self.pending += 1
+        try:
+            return await run_in_threadpool(serve, payload)
+        finally:
+            self.pending -= 1
+
+    def _json_answer(self, answer: Dict[str, Any]) -> Response:
+        """``answer`` as JSON, its cache status, fallback and left-out history tokens counted; a ScoringError
+        when it holds NaN or infinity."""
+        if "cache_status" in answer:
+            self.metrics.cache.labels(answer["cache_status"]).inc()
+        if "fallback" in answer:
+            self.metrics.fallbacks.labels(answer["fallback"]).inc()
+        self.metrics.left_out.inc(answer.get("history_left_out", 0))
+        try:
+            return _json(answer)
+        except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through
+            raise ScoringError(str(exc)) from None
+
+    def _client_gone(self, endpoint: str) -> Response:
+        """The client closed its connection before its body arrived: nobody reads an answer, and it is
+        no error of the server's; counted, and logged in one line."""
+        self.metrics.disconnects.labels(endpoint).inc()
+        log.info("%s: the client disconnected before its request body arrived", endpoint)
+        return Response(status_code=499)  # never sent (the connection is gone); nginx's "client closed request"
+
+    async def internal(self, request: Request, exc: Exception) -> Response:
+        """The other endpoints' bugs: a 500 ``internal``, counted and logged."""
+        self.metrics.errors.labels(request.url.path, "500", "internal").inc()
+        return _internal(request.url.path, exc)
+
+    def rank(self, payload: Any) -> Dict[str, Any]:
+        """POST /v1/rank's body -> its answer (through the batcher when batching)."""
+        request = RankRequest.from_dict(payload, "body", self.defaults)
+        result = self.ranker.rank(request) if self.batcher is None else self.batcher.rank(request)
+        return {"user_id": request.user_id, **result.to_json()}
+
+    def recommend(self, payload: Any) -> Dict[str, Any]:
+        """POST /v1/recommend's body -> its answer (through the batcher when batching)."""
+        request = RecommendRequest.from_dict(payload, "body", self.defaults)
+        result = self.ranker.recommend(request) if self.batcher is None else self.batcher.recommend(request)
+        return {"user_id": request.user_id, **result.to_json()}
+
+    def generate(self, payload: Any) -> Dict[str, Any]:
+        """POST /v1/generate's body -> its answer."""
+        request = GenerateRequest.from_dict(payload, "body", self.defaults)
+        return {"user_id": request.user_id, **self.ranker.generate(request).to_json()}
+
+    # The routes' contracts are comments: FastAPI would publish an endpoint's docstring in /openapi.json.
+
+    def healthz(self) -> Dict[str, str]:
+        # GET /healthz: the process is alive.
+        return {"status": "ok"}
+
+    def readyz(self) -> Response:
+        # GET /readyz: the readiness, the model version and export; 200 when ready, else 503.
+        status, detail = self.readiness.get()
+        ranker = self.ranker
+        body = {"status": status, "model_version": ranker.cache.model_version, "export_dir": str(ranker.model.root)}
+        return _json({**body, **({"detail": detail} if detail else {})}, 200 if status == "ready" else 503)
+
+    def prometheus(self) -> Response:
+        # GET /metrics: the Prometheus exposition, added up over the worker processes.
+        return Response(self.metrics.exposition(), media_type=PROMETHEUS_TEXT)
+
+    async def reload(self, request: Request) -> Response:
+        # POST /admin/reload: load and warm up the body's export_dir, then swap it in; 404 without an
+        # admin token, 401 without the right bearer, 409 with several workers, 400 for a bad body or
+        # export (the old model keeps serving).
+        refused = self._reload_refused(request)
+        if refused is not None:
+            return refused
+        try:
+            payload = await read_json(request, self.max_body, self.body_timeout_s)
+        except ClientDisconnect:
+            return self._client_gone("/admin/reload")
+        except BodyError as exc:
+            return _body_error(exc)
+        except RequestError as exc:
+            return _error(400, "bad_request", str(exc), "body")
+        if (
+            not isinstance(payload, dict)
+            or set(payload) != {"export_dir"}
+            or not isinstance(payload["export_dir"], str)
+        ):
+            return _error(400, "bad_request", 'body: expected {"export_dir": "<path>"}', "body.export_dir")
+        return await self._swap_in(Path(payload["export_dir"]))
+
+    def _reload_refused(self, request: Request) -> Optional[Response]:
+        """Why this server refuses the reload before reading its body (None: it does not)."""
+        if self.admin_token is None:
+            return _error(404, "not_found", "admin endpoints are off: start the server with --admin-token")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
+            return _error(401, "unauthorized", "expected the header Authorization: Bearer <admin token>")
+        if self.workers > 1:
+            return _error(
+                409,
+                "reload_unsupported",
+                f"this server runs {self.workers} worker processes and a reload would swap only the one that "
+                "answers; restart the server with the new export (replicas one at a time behind the load "
+                "balancer), or run --workers 1 per replica",
+            )
+        return None
+
+    async def _swap_in(self, export_dir: Path) -> Response:
+        """``Ranker.reload`` of ``export_dir`` -> 200 with the new model version, or 400 ``bad_export``
+        (logged) while the old model keeps serving."""
+        try:
+            await run_in_threadpool(self.ranker.reload, export_dir)
+        except Exception as exc:  # a bad export: the old model keeps serving
+            why = " ".join(str(exc).split())  # one log line
+            log.warning("reload of %s refused, the previous model keeps serving: %s", export_dir, why)
+            return _error(400, "bad_export", f"body.export_dir: {exc}"[:2000], "body.export_dir")
+        self.metrics.refresh()
+        version = self.ranker.cache.model_version
+        log.info("reloaded: serving %s (model %s, version %d)", export_dir, manifest_digest(export_dir), version)
+        return _json({"status": "reloaded", "model_version": version})
+
+
 def create_app(
     ranker: Ranker,
     *,
@@ -233,240 +538,23 @@ def create_app(
     on_fatal: Callable[[int], None] = exit_soon,
     exit_after_shutdown: bool = False,
 ) -> FastAPI:
-    """The service over ``ranker`` (whose ``limits`` bound each request). admin_token: enables
-    POST /admin/reload for that bearer token; batching: concurrent rank and recommend requests run
-    as batches (``gr.serving.batcher``), the worker waiting ``batch_window_ms`` for company;
-    body_timeout_s: how long a request body may take to arrive (then 408); max_pending: the rank,
-    recommend and generate requests this process serves at once (queued or running; one more is a
-    503 ``overloaded``); unknown_ids: what a request that does not say takes ("error" or "oov",
-    ``gr.serving.id_maps``); warm_up: /readyz
-    turns ready after ``Ranker.warm_up`` (run at start-up, in the background) instead of at once;
-    workers: the server's worker processes (reload needs 1); on_fatal: called with the exit
-    status when the process can no longer answer (default: exit after EXIT_DELAY_S);
-    exit_after_shutdown: once the server has shut down (SIGTERM, after its graceful timeout), end
-    the process after EXIT_DELAY_S even if a request thread is still busy (a server process's
-    own app; never in a process that hosts other work)."""
+    """The FastAPI app of ``ServingApp`` over ``ranker`` (its options are documented there); ValueError
+    for an unknown_ids other than "error" or "oov"."""
     if unknown_ids not in UNKNOWN_IDS:
         raise ValueError(f"create_app: unknown_ids: expected one of {list(UNKNOWN_IDS)}, got {unknown_ids!r}")
-    readiness = Readiness()
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if warm_up:
-            threading.Thread(target=_warm_up, args=(ranker, readiness), name="gr-warm-up", daemon=True).start()
-        else:
-            readiness.set("ready")
-        yield
-        metrics.close()
-        if exit_after_shutdown:
-            exit_soon(0)
-
-    app = FastAPI(title="gr serving", description=__doc__, version="1", lifespan=lifespan)
-    app.add_middleware(AccessLog)
-    app.state.ranker = ranker
-    metrics = ServerMetrics(ranker)
-    max_body = ranker.limits.max_body_bytes
-
-    def client_gone(endpoint: str) -> Response:
-        """The client closed its connection before its body arrived: nobody reads an answer, and it is
-        no error of the server's; counted, and logged in one line."""
-        metrics.disconnects.labels(endpoint).inc()
-        log.info("%s: the client disconnected before its request body arrived", endpoint)
-        return Response(status_code=499)  # never sent (the connection is gone); nginx's "client closed request"
-
-    def batcher_died(exc: BaseException) -> None:
-        readiness.set("failed", f"the request batcher stopped: {exc!r}")
-        on_fatal(EXIT_BATCHER_DIED)
-
-    batcher = (
-        RequestBatcher(ranker, batch_window_ms, on_death=batcher_died, on_batch=metrics.observe_batch)
-        if batching
-        else None
-    )
-
-    pending = 0  # requests past their body and not yet answered: only the event loop's thread counts them
-
-    async def call(endpoint: str, request: Request, serve: Callable[[Any], Dict[str, Any]]) -> Response:
-        nonlocal pending
-        metrics.requests.labels(endpoint).inc()
-        started = time.perf_counter()
-        try:
-            payload = await read_json(request, max_body, body_timeout_s)
-            if pending >= max_pending:
-                raise Overloaded(f"{max_pending} requests are being served (--max-pending); retry shortly")
-            pending += 1
-            try:
-                answer = await run_in_threadpool(serve, payload)
-            finally:
-                pending -= 1
-            if "cache_status" in answer:
-                metrics.cache.labels(answer["cache_status"]).inc()
-            if "fallback" in answer:
-                metrics.fallbacks.labels(answer["fallback"]).inc()
-            metrics.left_out.inc(answer.get("history_left_out", 0))
-            try:
-                response = _json(answer)
-            except ValueError as exc:  # json.dumps(allow_nan=False): a non-finite value got through
-                raise ScoringError(str(exc)) from None
-        except ClientDisconnect:
-            return client_gone(endpoint)
-        except asyncio.CancelledError:  # only uvicorn cancels a request: its graceful shutdown timed out
-            response = _error(503, "unavailable", "the server is shutting down; retry on another replica")
-        except BodyError as exc:
-            response = _body_error(exc)
-        except LimitError as exc:
-            response = _error(400, "limit_exceeded", str(exc), exc.field)
-        except RequestError as exc:
-            response = _error(400, "bad_request", str(exc), exc.field)
-        except ScoringError as exc:
-            response = _error(500, "non_finite_score", str(exc))
-        except IdMapError as exc:
-            response = _error(500, "id_maps_unreadable", str(exc))
-        except BatcherDied as exc:
-            response = _error(503, "unavailable", f"{exc}; this process is exiting")
-        except Overloaded as exc:
-            response = _error(503, "overloaded", str(exc))
-            response.headers["retry-after"] = "1"
-        except Exception as exc:
-            response = _internal(endpoint, exc)
-        if response.status_code >= 400:
-            kind = error_kind(response.status_code, bytes(response.body)) or ""
-            metrics.errors.labels(endpoint, str(response.status_code), kind).inc()
-        metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
-        metrics.refresh()
-        return response
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> Response:  # the other endpoints' bugs
-        metrics.errors.labels(request.url.path, "500", "internal").inc()
-        return _internal(request.url.path, exc)
-
-    defaults = IdOptions(RAW, unknown_ids)  # what a request that names neither takes
-
-    def rank(payload: Any) -> Dict[str, Any]:
-        request = RankRequest.from_dict(payload, "body", defaults)
-        result = ranker.rank(request) if batcher is None else batcher.rank(request)
-        return {"user_id": request.user_id, **result.to_json()}
-
-    def recommend(payload: Any) -> Dict[str, Any]:
-        request = RecommendRequest.from_dict(payload, "body", defaults)
-        result = ranker.recommend(request) if batcher is None else batcher.recommend(request)
-        return {"user_id": request.user_id, **result.to_json()}
-
-    def generate(payload: Any) -> Dict[str, Any]:
-        request = GenerateRequest.from_dict(payload, "body", defaults)
-        return {"user_id": request.user_id, **ranker.generate(request).to_json()}
-
-    rank_example = {**EXAMPLE, "candidates": {"item_id": [5, 9]}}
-    for path, serve, keys, required, example, summary in (
-        (
-            "rank",
-            rank,
-            REQUEST_KEYS,
-            ("user_id", "history", "candidates"),
-            rank_example,
-            "Scores of the given candidates (ranking heads by name; retrieval: 'retrieval' cosines)",
-        ),
-        (
-            "recommend",
-            recommend,
-            RECOMMEND_KEYS,
-            ("user_id", "history"),
-            {**EXAMPLE, "k": 10},
-            "The top k items of the whole catalogue, seen items excluded by default (retrieval exports)",
-        ),
-        (
-            "generate",
-            generate,
-            GENERATE_KEYS,
-            ("user_id", "history"),
-            {**EXAMPLE, "k": 10},
-            "The user's next k items, generated autoregressively",
-        ),
-    ):
-
-        async def endpoint(request: Request, _path: str = path, _serve=serve) -> Response:
-            return await call(_path, request, _serve)
-
-        app.post(f"/v1/{path}", summary=summary, openapi_extra=_body_schema(keys, required, example))(endpoint)
-
-    @app.get("/healthz", summary="The process is alive")
-    def healthz() -> Dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz", summary="The model is loaded and warmed up: the first answer will be fast")
-    def readyz() -> Response:
-        status, detail = readiness.get()
-        body = {"status": status, "model_version": ranker.cache.model_version, "export_dir": str(ranker.model.root)}
-        return _json({**body, **({"detail": detail} if detail else {})}, 200 if status == "ready" else 503)
-
-    @app.get("/metrics", summary="Prometheus metrics")
-    def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type=PROMETHEUS_TEXT)
-
-    @app.post(
-        "/admin/reload",
-        summary="Swap in another export (needs the admin token)",
-        openapi_extra=_body_schema(("export_dir",), ("export_dir",), {"export_dir": "exports/new"}),
-    )
-    async def reload(request: Request) -> Response:
-        if admin_token is None:
-            return _error(404, "not_found", "admin endpoints are off: start the server with --admin-token")
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
-            return _error(401, "unauthorized", "expected the header Authorization: Bearer <admin token>")
-        if workers > 1:
-            return _error(
-                409,
-                "reload_unsupported",
-                f"this server runs {workers} worker processes and a reload would swap only the one that "
-                "answers; restart the server with the new export (replicas one at a time behind the load "
-                "balancer), or run --workers 1 per replica",
-            )
-        try:
-            payload = await read_json(request, max_body, body_timeout_s)
-        except ClientDisconnect:
-            return client_gone("/admin/reload")
-        except BodyError as exc:
-            return _body_error(exc)
-        except RequestError as exc:
-            return _error(400, "bad_request", str(exc), "body")
-        if (
-            not isinstance(payload, dict)
-            or set(payload) != {"export_dir"}
-            or not isinstance(payload["export_dir"], str)
-        ):
-            return _error(400, "bad_request", 'body: expected {"export_dir": "<path>"}', "body.export_dir")
-        export_dir = Path(payload["export_dir"])
-        try:
-            await run_in_threadpool(ranker.reload, export_dir)
-        except Exception as exc:  # a bad export: the old model keeps serving
-            why = " ".join(str(exc).split())  # one log line
-            log.warning("reload of %s refused, the previous model keeps serving: %s", export_dir, why)
-            return _error(400, "bad_export", f"body.export_dir: {exc}"[:2000], "body.export_dir")
-        metrics.refresh()
-        version = ranker.cache.model_version
-        log.info("reloaded: serving %s (model %s, version %d)", export_dir, manifest_digest(export_dir), version)
-        return _json({"status": "reloaded", "model_version": version})
-
-    return app
-
-
-def _warm_up(ranker: Ranker, readiness: Readiness) -> None:
-    started = time.perf_counter()
-    try:
-        ranker.warm_up()
-    except Exception as exc:
-        log.error("warm-up failed; the server stays not ready: %r", exc, exc_info=exc)
-        readiness.set("failed", f"warm-up failed: {type(exc).__name__}: {exc}"[:2000])
-        return
-    log.info("warmed up in %.1f s; ready", time.perf_counter() - started)
-    readiness.set("ready")
-
-
-def _internal(endpoint: str, exc: BaseException) -> Response:
-    log.error("%s: unexpected %s", endpoint, type(exc).__name__, exc_info=exc)
-    return _error(500, "internal", f"an unexpected {type(exc).__name__}; the server logged it")
+    return ServingApp(
+        ranker,
+        admin_token=admin_token,
+        batching=batching,
+        batch_window_ms=batch_window_ms,
+        body_timeout_s=body_timeout_s,
+        max_pending=max_pending,
+        unknown_ids=unknown_ids,
+        warm_up=warm_up,
+        workers=workers,
+        on_fatal=on_fatal,
+        exit_after_shutdown=exit_after_shutdown,
+    ).build()
 
 
 OPTIONS_ENV = "GR_SERVING_OPTIONS"
