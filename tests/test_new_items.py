@@ -2,18 +2,22 @@
 id map (known items keep their rows and their scores), stores the new items' features (a
 categorical, a dense and a list-valued one), serves them by id alone (also after /admin/reload),
 and leaves the old export as it was (an --out inside it is refused); a bad items file is refused naming
-file, row and column."""
+file, row and column. On a retrieval export new items never crowd trained ones out of a catalogue
+search, and the command reports where they land as ``recommend`` ranks them."""
 
 import copy
 import csv
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from gr import GRModel, HSTUConfig, TableConfig
 from gr.commands.items import main as items_main
 from gr.data.mappings import load_mappings
 from gr.export import export_model
@@ -21,12 +25,14 @@ from gr.export.new_items import ItemsFileError, add_items
 from gr.export.popularity import read_popularity
 from gr.export.reader import check_export
 from gr.export.writer import export_run
-from gr.serving import IdOptions, Ranker
+from gr.postfix_dnn import RetrievalHead
+from gr.prefix_dnn import MLPTokenEncoder
+from gr.serving import IdOptions, Ranker, RecommendRequest
 from gr.serving.http import create_app
 from gr.train.config import TrainConfig
 from gr.train.run import train
 from helpers.corrupt_parquet import write_corrupt_parquet
-from helpers.models import build_generative_model
+from helpers.models import HSTU_KW, NUM_ITEMS, build_generative_model, perturb
 from helpers.runs import RANKING
 from helpers.servers import AppServer, write_item_map
 
@@ -252,3 +258,57 @@ def test_an_export_whose_model_reads_no_item_feature_is_refused(tmp_path):
     (tmp_path / "new.csv").write_text("item_id\n900\n")
     with pytest.raises(ValueError, match=r"its model reads no item feature, so every new item would score alike"):
         add_items(plain, tmp_path / "new.csv", tmp_path / "grown")
+
+
+@pytest.fixture(scope="module")
+def retrieval_export(tmp_path_factory):
+    """An untrained retrieval export over item ids and a genre, shaped as training leaves one: item
+    rows share one direction (plus noise) and queries point along it, so the mean row scores highest."""
+    root = tmp_path_factory.mktemp("retrieval")
+    tables = [TableConfig("item", NUM_ITEMS, 16, ("item_id",)), TableConfig("genre", 6, 4, ("genre",))]
+    prefix = MLPTokenEncoder({"item_id": 16, "genre": 4}, 16, mlp_dims=(24,))
+    model = perturb(GRModel(HSTUConfig(**HSTU_KW), prefix, RetrievalHead(16, 16, mlp_dims=(20,)), tables), seed=5)
+    generator = torch.Generator().manual_seed(0)
+    direction = torch.nn.functional.normalize(torch.randn(16, generator=generator), dim=0)
+    state = model.state_dict()
+    with torch.no_grad():
+        state["embeddings.sequence.dim16.embeddings.item.weight"].copy_(
+            direction + 0.3 * torch.randn(NUM_ITEMS, 16, generator=generator)
+        )
+        state["postfix_dnn.mlp.2.weight"].mul_(0.01)
+        state["postfix_dnn.mlp.2.bias"].copy_(10 * direction)
+    genres = np.random.default_rng(0).integers(1, 6, NUM_ITEMS)
+    maps = write_item_map(root / "maps", range(NUM_ITEMS))
+    return export_model(model, root / "export", id_mappings_dir=maps, item_features={"genre": genres})
+
+
+def _one_item_histories(items):
+    return [RecommendRequest(f"item{i}", {"item_id": [i], "timestamps": [0]}, k=10) for i in items]
+
+
+def test_new_items_on_a_retrieval_export_rank_below_trained_items_the_query_matches(retrieval_export, tmp_path):
+    (tmp_path / "new.csv").write_text("item_id,genre\n" + "".join(f"{1000 + i},{1 + i % 5}\n" for i in range(20)))
+    summary = add_items(retrieval_export, tmp_path / "new.csv", tmp_path / "grown")
+    assert summary["items_added"] == 20 and summary["trained_items"] == NUM_ITEMS
+    results = Ranker.load(tmp_path / "grown").recommend(_one_item_histories(range(NUM_ITEMS)))
+    top = np.array([result.items for result in results])  # [users, 10] model ids, new ones from NUM_ITEMS
+    assert top.shape == (NUM_ITEMS, 10) and (top >= NUM_ITEMS).mean() < 0.1
+    assert all(np.isfinite(result.scores).all() for result in results)
+
+
+def test_the_command_reports_where_new_items_land_as_recommend_ranks_them(retrieval_export, tmp_path, capsys):
+    (tmp_path / "new.csv").write_text("item_id,genre\n1000,1\n1001,2\n")
+    assert items_main([str(retrieval_export), str(tmp_path / "new.csv"), "--out", str(tmp_path / "grown")]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)["placement"]
+    assert "trained_items" not in json.loads(out) and err == ""
+    results = Ranker.load(tmp_path / "grown").recommend(_one_item_histories(range(NUM_ITEMS)))
+    ranks = [1 + min(np.flatnonzero(np.asarray(r.items) >= NUM_ITEMS), default=np.inf) for r in results]
+    reached = [int(rank) for rank in ranks if np.isfinite(rank)]
+    new = sum(int((np.asarray(r.items) >= NUM_ITEMS).sum()) for r in results)
+    assert report == {
+        "histories": NUM_ITEMS,
+        "histories_with_new": len(reached),
+        "best_new_rank": min(reached, default=None),
+        "new_share": round(new / (10 * NUM_ITEMS), 4),
+    }

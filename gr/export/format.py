@@ -57,6 +57,7 @@ SEQ_OFFSETS = "seq_offsets"  # [batch+1] int64
 NUM_TARGETS = "num_targets"  # [batch] int64
 HSTU_OUTPUT = "hidden"  # [targets, hidden_dim]: HSTU outputs at the candidate rows
 POSTFIX_HIDDEN = "hidden"
+POSTFIX_QUERY = "query"  # a retrieval head's output: the catalogue search scores item rows against it
 TABLE_TENSOR = "weight"  # the tensor inside each sparse/<table>.safetensors
 
 TOKENS, TARGETS, BATCH, BATCH_OFFSETS, BAG = "tokens", "targets", "batch", "batch+1", "bag"

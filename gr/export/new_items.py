@@ -5,10 +5,14 @@ Writes a new export (never edits one in place, nor writes inside it: the old kee
 Parquet) join the catalogue with their item features:
 
 * their raw ids extend the item id map (every known item keeps its row);
-* their rows of the item table are the mean of the trained rows: the model has never seen them,
-  so the id embedding says "an average item" and their item features, which the PrefixDNN reads,
-  are what tells them apart. Ranked as candidates they score by those features; in a catalogue
-  search (recommend, generation), which scores item rows, they tie with one another;
+* their rows of the item table (the model has never seen them; their item features, which the
+  PrefixDNN reads, are what tells them apart as candidates) are, on an export with a retrieval
+  head, zero: a catalogue search (recommend, generation) scores an item by the cosine of its
+  normalised row with the query, and a zero row normalises to zero (never NaN), so a new item
+  scores 0 for every query and ranks below every trained item the query has a positive cosine
+  with. The mean of the trained rows, "an average item", points where typical queries point and
+  would put the new items first for nearly every user. On a ranking export (no catalogue search)
+  their rows are that mean, what the PrefixDNN reads beside their features;
 * their item features go to the item store (categorical values through the export's
   vocabularies: a value the model never saw takes the unknown id 0), as items the data had;
 * their popularity (when the export stores it) is 0.
@@ -46,6 +50,8 @@ from gr.data.mappings import load_mappings, save_mappings
 from gr.data.parsing import INT_PATTERN, fits_int64, id_overflow, parquet_list, split_lists
 from gr.export.format import (
     ID_MAPS_DIR,
+    POSTFIX,
+    POSTFIX_QUERY,
     SPARSE_DIR,
     TABLE_TENSOR,
     TIMESTAMPS,
@@ -78,7 +84,8 @@ def add_items(
 ) -> Dict[str, int]:
     """Write ``out_dir``: the export ``export_dir`` with the items of ``items_file`` added, or with
     ``replace_known`` their features replaced where the export has them (module docstring) ->
-    {"items_added", "items_replaced", "unknown_values"} (feature values the vocabularies lacked).
+    {"items_added", "items_replaced", "unknown_values"} (feature values the vocabularies lacked),
+    and on a retrieval export with items added "trained_items" (the item rows before the new ones).
 
     ``out_dir`` must lie apart from the export and the items file (``gr.utils.outputs``); an existing
     ``out_dir`` is replaced only with ``overwrite``."""
@@ -127,7 +134,9 @@ def add_items(
         maps[ITEMS_MAP] = maps[ITEMS_MAP].extended(raw_ids)
         save_mappings(str(tmp / ID_MAPS_DIR), maps, columns)
         weights = load_file(str(export.root / SPARSE_DIR / table.file))[TABLE_TENSOR]
-        grown = np.concatenate([weights, np.repeat(weights.mean(0, keepdims=True), added, axis=0)])
+        searched = POSTFIX_QUERY in [t.name for t in export.graph.slice(POSTFIX).outputs]
+        new_row = np.zeros_like(weights[:1]) if searched else weights.mean(0, keepdims=True)
+        grown = np.concatenate([weights, np.repeat(new_row, added, axis=0)])
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
         sparse = replace(
             export.sparse, tables={**export.sparse.tables, table.name: replace(table, rows=table.rows + added)}
@@ -144,7 +153,10 @@ def add_items(
         problems = check_export(tmp)
         if problems:
             raise ExportFormatError(problems)
-    return {"items_added": added, "items_replaced": int((rows >= 0).sum()), "unknown_values": unknown}
+    summary = {"items_added": added, "items_replaced": int((rows >= 0).sum()), "unknown_values": unknown}
+    if searched and added:
+        summary["trained_items"] = table.rows
+    return summary
 
 
 def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gr.export.format import TIMESTAMPS
+from gr.export.format import POSTFIX_QUERY, TIMESTAMPS
 from gr.export.item_store import ITEM_FEATURE
 from gr.hstu.cache import CachedHSTU
 from gr.index.exact import ExactIndex, ItemIndex
@@ -36,7 +36,7 @@ from gr.serving.options import INDEXES
 from gr.serving.request import RequestSchema
 from gr.serving.sparse_store import SparseStore
 
-QUERY = "query"
+QUERY = POSTFIX_QUERY
 INDEX_CLASSES = dict(zip(INDEXES, (ExactIndex, HNSWIndex), strict=True))  # --index NAME -> its class
 
 
