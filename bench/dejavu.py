@@ -16,7 +16,9 @@ For each trained model (the generation bench's exports: ``ml100k`` = model (a), 
 * per head: the share of W2's output norm each head contributes, and HR@10 with the head dropped.
 
 Run after ``bench/generate.py`` has trained its models (it reuses them), or with ``--smoke``
-(a tiny synthetic model trained on the spot). Last line: one JSON object.
+(a tiny synthetic model trained on the spot, in a temporary directory unless ``--runs-dir`` names
+one: there a smoke model ``bench/generate.py --smoke --runs-dir`` left is reused). Last line: one
+JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -40,7 +43,8 @@ from gr.serving import Ranker  # noqa: E402
 from gr.serving.generate import ServingGenerativeModel  # noqa: E402
 
 THRESHOLDS = (0.01, 0.03, 0.1, 0.3, 1.0)
-SMOKE = {"datasets": ["smoke"], "users": 20}  # the generation bench's tiny smoke model
+# the generation bench's tiny smoke model (runs_dir None: a temporary directory, nothing reused)
+SMOKE = {"datasets": ["smoke"], "users": 20, "runs_dir": None}
 Gate = Callable[[int, Tensor], Optional[Tensor]]  # (layer, u: [T, H*Dl]) -> keep mask [T, H*Dl] or None
 
 
@@ -205,13 +209,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
     args, _ = smoke.parse_args(parser, SMOKE, argv)
     torch.set_num_threads(1)
+    scratch = tempfile.TemporaryDirectory()
+    runs_dir = args.runs_dir if args.runs_dir is not None else Path(scratch.name)
     results = {}
     for name in args.datasets:
         config, target_args, _ = DATASETS[name]
-        export = ensure_export(args.runs_dir, f"{name}_target", config, target_args, args.data_path)
-        results[name] = measure(
-            name, export, args.runs_dir / f"{name}_target", args.data_path, args.users, args.thresholds
-        )
+        export = ensure_export(runs_dir, f"{name}_target", config, target_args, args.data_path)
+        results[name] = measure(name, export, runs_dir / f"{name}_target", args.data_path, args.users, args.thresholds)
         r = results[name]
         print(
             f"# {name}: {r['users']} users, history {r['mean_history']}, HR@10 {r['hr@10']}, NDCG@10 "
@@ -231,6 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 f"{row['hr@10_without']:.4f}",
                 flush=True,
             )
+    scratch.cleanup()
     print(json.dumps(results))
 
 

@@ -6,11 +6,20 @@ from gr.utils.devices import configure_backend_autoload, requested_test_device, 
 configure_backend_autoload(requested_test_device())
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("GR_TRITON_AUTOTUNE", "0")  # Triton tiles from the built-in table: no autotuning in tests
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest-xdist's workers share the cores: each worker, and every process it starts, gets its share of
+    # intra-op threads (read when torch is first imported; suite_device, below, imports it). With more threads
+    # than free cores each small op waits, spinning, at OpenMP barriers for a descheduled thread: on the
+    # 2-core development machine with the cores busy (load ~4) a module took up to 2.3 times the CPU time of
+    # one thread, and longer.
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
 if suite_device() == "cpu":
     # Triton's interpreter for the Triton kernels on CPU tensors: read when triton is first imported, and the
     # training stack imports it (through torch) before any attention test module, so it is set here, once.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -55,9 +64,18 @@ SLOW_MODULES = {
 
 
 def pytest_collection_modifyitems(items):
+    """Marks the end-to-end modules slow, and orders the modules: the slow ones first, then by their
+    number of tests, most first (a module's tests keep their order). ``make test`` hands each worker
+    the next module in this order (``--dist loadfile --no-loadscope-reorder``): the long modules start
+    early, and the short ones left at the end even out when the two workers finish."""
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    counts = Counter(item.path for item in items)
+    firsts = {}
+    for index, item in enumerate(items):
+        firsts.setdefault(item.path, index)
+    items.sort(key=lambda item: (item.path.name not in SLOW_MODULES, -counts[item.path], firsts[item.path]))
 
 
 @pytest.fixture(autouse=True)

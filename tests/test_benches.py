@@ -3,7 +3,9 @@ child of a warm interpreter, ``helpers.warm``, unless it needs a fresh one) and 
 is one JSON object holding the keys its docstring promises.
 
 One ``Bench`` row per benchmark (path, extra arguments, promised keys); adding a benchmark
-is adding a row, and ``test_every_benchmark_has_a_smoke_entry`` fails until it is added.
+is adding a row, and ``test_every_benchmark_has_a_smoke_entry`` fails until it is added. An
+argument ``{runs}`` is a directory the module's smoke runs share: the generation bench trains and
+exports its smoke model there, and the DejaVu bench, which measures that model, reuses it.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ BENCHES = (
             "load_average",
         ),
     ),
-    Bench("bench/generate.py", ("speedup_over_greedy", "details")),
+    Bench("bench/generate.py", ("speedup_over_greedy", "details"), ("--runs-dir", "{runs}")),
     Bench(
         "bench/retrieval_index.py",
         (
@@ -150,7 +152,7 @@ BENCHES = (
             "search_ms",
         ),
     ),
-    Bench("bench/dejavu.py", ("smoke",)),
+    Bench("bench/dejavu.py", ("smoke",), ("--runs-dir", "{runs}")),
     Bench(
         "bench/serving.py",
         (
@@ -261,13 +263,20 @@ def smoke_params(training: bool) -> list:
     ]
 
 
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory) -> Path:
+    """The ``{runs}`` directory of this module's smoke runs."""
+    return tmp_path_factory.mktemp("bench_runs")
+
+
 @pytest.mark.parametrize("bench", smoke_params(training=False))
-def test_benchmark_smoke_run_ends_with_its_promised_json(bench, warm_python):
-    check_smoke_run(bench, warm_python)
+def test_benchmark_smoke_run_ends_with_its_promised_json(bench, warm_python, smoke_runs):
+    check_smoke_run(bench, warm_python, smoke_runs)
 
 
-def check_smoke_run(bench: Bench, warm_python: WarmPython) -> None:
-    """Run ``bench`` at its ``--smoke`` size; its last stdout line is a JSON object with its keys."""
+def check_smoke_run(bench: Bench, warm_python: WarmPython, runs: Path) -> None:
+    """Run ``bench`` at its ``--smoke`` size (``{runs}`` in its arguments: ``runs``); its last
+    stdout line is a JSON object with its keys."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -275,7 +284,7 @@ def check_smoke_run(bench: Bench, warm_python: WarmPython) -> None:
         "OMP_NUM_THREADS": "1",
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
     }
-    argv = [bench.path, "--smoke", *bench.args]
+    argv = [bench.path, "--smoke", *(arg.format(runs=runs) for arg in bench.args)]
     if bench.fresh:
         run = subprocess.run(
             [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S

@@ -7,5 +7,5 @@ from test_benches import check_smoke_run, smoke_params
 
 
 @pytest.mark.parametrize("bench", smoke_params(training=True))
-def test_training_benchmark_smoke_run_ends_with_its_promised_json(bench, warm_python):
-    check_smoke_run(bench, warm_python)
+def test_training_benchmark_smoke_run_ends_with_its_promised_json(bench, warm_python, tmp_path):
+    check_smoke_run(bench, warm_python, tmp_path)
