@@ -71,9 +71,8 @@ VARIANT_KEYS = ("replay", "max_epochs", "lr", "warmup_steps", "table_optimizer_s
 # One lever moved at a time from the recipe (warm_start's defaults).
 VARIANTS = (
     "replay=0",
-    "replay=1",
-    "max_epochs=5",
-    "max_epochs=20",
+    "replay=0.5",
+    "max_epochs=10",
     "lr=0.0003",
     "warmup_steps=50",
     "table_optimizer_state=reset",

@@ -412,8 +412,8 @@ class WarmStartSection(Section):
     ``table_optimizer_state``: "carry" the run's per-row table optimizer state for its rows, or
     "reset" it to zero (``gr.train.warm_start``)."""
 
-    replay: Optional[float] = checked(0.25, optional(number_in(0.0, 1.0)))
-    max_epochs: Optional[int] = checked(10, optional(int_at_least(1)))
+    replay: Optional[float] = checked(1.0, optional(number_in(0.0, 1.0)))
+    max_epochs: Optional[int] = checked(5, optional(int_at_least(1)))
     early_stopping_patience: Optional[int] = checked(0, optional(int_at_least(0)))
     lr: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
     warmup_steps: Optional[int] = checked(None, optional(int_at_least(0)))
