@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from gr.hstu import HSTU, HSTUConfig
 from gr.jagged import offsets_from_lengths, target_token_index, token_seq_ids
 from gr.postfix_dnn import PostfixDNN
+from gr.postfix_dnn.item_tower import ItemTower
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse import SparseEmbeddings, TableConfig
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
@@ -84,6 +85,10 @@ class GRModel(nn.Module):
     Subclasses customise ``split_input`` (raw batch -> ``GRInput``) and
     ``compute_loss``; the forward itself and the HSTU module are fixed, and a
     subclass that defines them is refused when the class is created.
+
+    ``item_tower`` (None unless ``model.item_tower`` configures one, set by the builder): the
+    retrieval item tower (``gr.postfix_dnn.item_tower``), which replaces the looked-up rows of
+    the items (history tokens, sampled items) by their item vectors before the PrefixDNN.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -112,6 +117,7 @@ class GRModel(nn.Module):
         self.prefix_dnn = prefix_dnn
         self.hstu = HSTU(hstu)
         self.postfix_dnn = postfix_dnn
+        self.item_tower: Optional[ItemTower] = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Re-assigning the same module is allowed: DistributedModelParallel re-sets every child it visits.
@@ -159,6 +165,8 @@ class GRModel(nn.Module):
         if not isinstance(inputs, GRInput):
             raise TypeError(f"{type(self).__name__}.split_input must return a GRInput, got {type(inputs).__name__}")
         token, common = self.embed_features(inputs)
+        if self.item_tower is not None:
+            token = self.item_tower.embed_tokens(token, inputs.sequence_ids)
         missing = [n for n in self.prefix_dnn.feature_names if n not in token]
         if missing:
             raise KeyError(

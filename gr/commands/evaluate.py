@@ -102,7 +102,15 @@ def evaluate_run(
     _check_per_user(config, per_user)
     model, _ = load_trained_model(run_dir)
     data = _data(config.data, config.model.hstu.eviction_block, model_maps(str(Path(run_dir) / MAPPINGS_DIR)))
-    task = _task(config, data, model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None)
+    tower = model.item_tower
+    if tower is not None:  # the items' features come from the data, as in training
+        tower.set_items(data.item_features.columns())
+    task = _task(
+        config,
+        data,
+        model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None,
+        None if tower is None else tower.item_vectors,
+    )
     task.start_evaluation(model.embeddings)
     popularity = data.popularity() if config.task_type == "retrieval" else None
     with torch.no_grad():
@@ -223,11 +231,11 @@ def _data(config: DataConfig, eviction_block: int, maps: Dict[str, IdMap]) -> Se
     return data
 
 
-def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any) -> Any:
+def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any, item_vectors: Any = None) -> Any:
     from gr.train.tasks import RankingTask, RetrievalTask  # loaded by evaluate_run / evaluate_export
 
     if config.task_type == "retrieval":
-        return RetrievalTask(config.task.retrieval, data.num_items, item_embedding)
+        return RetrievalTask(config.task.retrieval, data.num_items, item_embedding, item_vectors)
     return RankingTask(config.task.ranking, data.tasks)
 
 

@@ -99,7 +99,9 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         local = _devices(config.trainer.devices)
         plan = plan_for_data(config, spec, datamodule.tasks, local * config.trainer.num_nodes)
         check_memory_fits(plan, config, local, available_memory_bytes())
-    module = GRTrainingModule(config, spec, datamodule.tasks, datamodule.popularity(), warm_start)
+    module = GRTrainingModule(
+        config, spec, datamodule.tasks, datamodule.popularity(), warm_start, datamodule.item_features.columns()
+    )
 
     resumed_step = ckpt.logged_steps(start) if start else None
 

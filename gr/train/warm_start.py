@@ -8,7 +8,8 @@
   its dense id, so its table row; new ids are appended;
 * tables: the run's rows are copied into the first rows of each (larger) new table, bit for
   bit; new rows keep their fresh initialisation (``init_std``, as the config says);
-* dense parameters (PrefixDNN, HSTU, PostfixDNN) are the run's;
+* dense parameters (PrefixDNN, HSTU, PostfixDNN, the item tower) are the run's; the item tower's
+  bags (``model.item_tower``) grow with their features' tables, their new rows starting at zero;
 * the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
   rows and starts at zero for new rows; the dense optimizer (Adam's moments) starts fresh, as
   its step count does: a new run's learning-rate schedule and bias correction begin again.
@@ -32,6 +33,8 @@ from gr.sparse.torch_tables import attach_optimizers
 from gr.train import checkpoint as ckpt
 from gr.train.build import build_model, build_tables
 from gr.train.config import TrainConfig
+
+TOWER_PREFIX = "item_tower."  # the item tower's parameters in a GRModel's state dict
 
 
 @dataclass
@@ -79,14 +82,17 @@ class WarmStart:
     @torch.no_grad()
     def copy_weights(self, model: GRModel) -> None:
         """Into ``model`` (freshly built, unsharded, tables at least as large): the run's dense
-        parameters, and its table rows into each table's first rows."""
+        parameters, and its table rows into each table's first rows (an item tower's bag: the
+        rest zero)."""
         old = self.model.state_dict()
         for name, value in model.state_dict().items():
             source = old[name]
             if source.shape == value.shape:
                 value.copy_(source)
-            else:  # a table grown by new ids
+            else:  # a table, or an item tower's bag, grown by new ids
                 value[: source.shape[0]].copy_(source)
+                if name.startswith(TOWER_PREFIX):  # a new feature value starts with no say in the item vector
+                    value[source.shape[0] :].zero_()
 
     @torch.no_grad()
     def copy_table_optimizer_state(self, table_optimizers: Any) -> None:
