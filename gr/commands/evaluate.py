@@ -149,7 +149,7 @@ def evaluate_export(
     for i, batch in enumerate(data.test_dataloader()):
         requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
         if config.task_type == "retrieval":
-            queries = {"query": _served_queries(ranker, batch, requests)}
+            queries = {"query": served_queries(ranker, batch, requests)}
             task.evaluation_step(_output(queries, torch.arange(len(requests) + 1)), batch, popularity)
         else:
             results = ranker.rank([RankRequest(**r) for r in requests])
@@ -197,7 +197,7 @@ def write_user_metrics(path: Path, task: RetrievalTask, user_map: IdMap) -> None
         writer.writerows(zip(raw, targets.tolist(), *(value.tolist() for value in metrics.values())))
 
 
-def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
+def served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
     """[B, d] the served retrieval query at each sequence's last token (its query time as in the
     batch), the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
     from gr.serving import encode as encoding  # loaded by evaluate_export
