@@ -1,18 +1,18 @@
 """Cold-start items on MovieLens-100K: items no model trained on, added to its export and scored by their features.
 
-    python bench/cold_start.py [--epochs 15] [--seed 0] [--held-out 0.1] [--data.path DIR]
+    python bench/cold_start.py [--epochs 15] [--seed 0] [--held-out 0.1] [--id-dropout 0.5] [--data.path DIR]
                                       (ML-100K: $GR_ML100K_DIR or data/ml-100k)
     python bench/cold_start.py --smoke                                 # 1 epoch of 2 steps a run: checks it runs
 
-The custom project's model and features (examples/custom_project/config.yaml: genres as a list,
-user age, gender and occupation; sparse.backend torch) trained twice on the same data: with an item
-tower over the genres (``model.item_tower: {features: [item_genres]}``) and without it (items are
-their rows). ``--held-out`` of the items (every event of theirs removed from training) and of the
-users (every event removed; kept for (b)) are drawn by ``--seed``. Both runs are exported and the
-held-out items added (``gr items add``: with the tower their rows are the encoder of their genres;
-without it zero rows). Then the test: each other user's last event (leave one out, on all of its
-events, held-out items included), ranked by the served query over the grown catalogue, the user's
-earlier items excluded:
+The custom project's model and features (examples/custom_project/config.yaml: genres as a list, user
+age, gender and occupation; sparse.backend torch) trained twice on the same data: with an item tower
+over the genres (``model.item_tower: {features: [item_genres], id_dropout: --id-dropout}``) and
+without it (items are their rows). ``--held-out`` of the items (every event of theirs removed from
+training) and of the users (every event removed; kept for (b)) are drawn by ``--seed``. Both runs
+are exported and the held-out items added (``gr items add``: with the tower their rows are the
+encoder of their genres; without it zero rows). Then the test: each other user's last event (leave
+one out, on all of its events, held-out items included), ranked by the served query over the grown
+catalogue, the user's earlier items excluded:
   (a) events whose target is a held-out item, ranked among the held-out items: the tower model,
       popularity among them (their counts in the test data's training parts: the events before each
       user's last two), and the model without the tower with zero rows (what ``gr items add`` gives
@@ -24,7 +24,7 @@ earlier items excluded:
 and the share of the top-10 slots (whole catalogue, warm users) the held-out items take against
 their share of the test targets.
 
-Prints each run, then one JSON line: seed, epochs, held_out (items, users, fractions), events per
+Prints each run, then one JSON line: seed, epochs, id_dropout, held_out (items, users, fractions), events per
 group, metrics {group: {scorer: {hr@10, ndcg@10, se_hr@10, se_ndcg@10}}} (SE: the sample standard
 error of the mean over the group's events), paired differences (mean, SE, in SE) for the targets'
 comparisons, top10_share_held_out, target_share_held_out, their ratio, targets ((a) tower above
@@ -112,11 +112,12 @@ def items_file(source: Path, items: np.ndarray, path: Path) -> Path:
     return path
 
 
-def recipe(data_path: Path, overrides: List[Tuple[str, str]], tower: bool) -> TrainConfig:
-    """The custom project's config on ``data_path`` with ``overrides``, with or without the item tower."""
+def recipe(data_path: Path, overrides: List[Tuple[str, str]], id_dropout: Optional[float]) -> TrainConfig:
+    """The custom project's config on ``data_path`` with ``overrides``, with the item tower (its
+    ``id_dropout``) or without it (None)."""
     values = yaml.safe_load(Path(RECIPE).read_text())
-    if tower:
-        values["model"]["item_tower"] = {"features": [ML_GENRES], "id_dropout": 0.5}
+    if id_dropout is not None:
+        values["model"]["item_tower"] = {"features": [ML_GENRES], "id_dropout": id_dropout}
     for key, value in [("data.path", str(data_path)), ("sparse.backend", "torch"), *overrides]:
         apply_override(values, key, yaml.safe_load(value))
     return TrainConfig.from_dict(values)
@@ -212,6 +213,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--epochs", type=int, default=15, help="each run's epochs (its best validation epoch is kept)")
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out items and users; seeds training")
     parser.add_argument("--held-out", type=float, default=0.1, help="fraction of the items, and of the users, held out")
+    parser.add_argument("--id-dropout", type=float, default=0.5, help="the tower's model.item_tower.id_dropout")
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
     overrides = [
         ("trainer.max_epochs", str(args.epochs)),
@@ -239,8 +241,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         test_data = write_data(source, root / "test-data", events[~np.isin(events[:, 0], cold_users)])
         new_items = items_file(source, cold_items, root / "held_out_items.csv")
         scored, seconds, added = {}, {}, {}
-        for name, tower in (("tower", True), ("no_tower", False)):
-            config = recipe(train_data, overrides, tower)
+        for name, id_dropout in (("tower", args.id_dropout), ("no_tower", None)):
+            config = recipe(train_data, overrides, id_dropout)
             start = time.perf_counter()
             metrics = train(config, root / name)
             seconds[name] = time.perf_counter() - start
@@ -287,6 +289,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "bench": "cold_start",
         "seed": args.seed,
         "epochs": args.epochs,
+        "id_dropout": args.id_dropout,
         "held_out": {"fraction": args.held_out, "items": len(cold_items), "users": len(cold_users)},
         "events": {"a_held_out_targets": int(cold.sum()), "c_other_targets": int((~cold).sum())},
         "a_among_held_out": {name: summary_of(v) for name, v in metrics_a.items()},
