@@ -15,9 +15,9 @@ one out, on all of its events, held-out items included), ranked by the served qu
 catalogue, the user's earlier items excluded:
   (a) events whose target is a held-out item, ranked among the held-out items: the tower model,
       popularity among them (their counts in the test data's training parts: the events before each
-      user's last two), and the model without the tower with zero rows (what ``gr items add`` gives
-      it: every held-out item ties) and with the mean trained row; also the tower model and the
-      zero-row model over the whole catalogue;
+      user's last two), and the model without the tower (zero rows, what ``gr items add`` gives it,
+      or the mean trained row alike: every held-out item ties); over the whole catalogue also the
+      tower model and the model without it with zero rows and with the mean trained row;
   (b) held-out users' first events from user features alone against popularity: not measured here
       (``new_users``: the serving side of new users is built apart);
   (c) every other event, over the whole catalogue: the tower model against the model without it;
