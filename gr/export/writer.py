@@ -91,7 +91,10 @@ def export_model(
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
-    model: an unsharded GRModel (``gr.train.load_trained_model`` returns one)
+    model: an unsharded GRModel (``gr.train.load_trained_model`` returns one). With an item tower
+        (``model.item_tower``), its items' features given (``ItemTower.set_items``): the item
+        table is written as the tower's item vectors, and the encoder beside it
+        (``gr.export.item_encoder``)
 
     id_mappings_dir: a directory from ``SequenceDataModule.save_mappings``, copied to
         ``sparse/id_maps/``; the map named after a feature, its table, or ``<name>s`` for
