@@ -372,7 +372,9 @@ def best_checkpoint(run_dir: str | Path) -> Path:
 
 def load_trained_model(run_dir: str | Path, checkpoint: Optional[Path] = None) -> Tuple[GRModel, TrainConfig]:
     """The run's ``checkpoint`` (default: its best) as a plain unsharded GRModel (all shards merged,
-    eval mode), and its config."""
+    eval mode), and its config. An item tower (``model.item_tower``) comes back without its items'
+    features, which are data, not weights: give them with ``model.item_tower.set_items`` (e.g. the
+    run's data module's ``item_features.columns()``)."""
     config, spec, tasks = read_run(run_dir)
     model = build_model(config, spec, tasks, for_training=False)
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
