@@ -8,13 +8,13 @@ Parquet) join the catalogue with their item features:
 * their rows of the item table: on an export of a model with an item tower (``model.item_tower``:
   ``sparse/item_encoder.safetensors``, ``gr.export.item_encoder``), the tower's encoder of their
   item features, what the model gives an item with those features and no trained id row, so a
-  catalogue search scores each by its features. Otherwise (the model has never seen them; their
-  item features, which the PrefixDNN reads, are what tells them apart as candidates) they are, on
-  an export with a retrieval head, zero: a catalogue search (recommend, generation) scores an item by the cosine of its
-  normalised row with the query, and a zero row normalises to zero (never NaN), so a new item
-  scores 0 for every query and ranks below every trained item the query has a positive cosine
-  with. The mean of the trained rows, "an average item", points where typical queries point and
-  would put the new items first for nearly every user. On a ranking export (no catalogue search)
+  catalogue search scores each by its features. Otherwise (the model has never seen them; their item
+  features, which the PrefixDNN reads, are what tells them apart as candidates) they are, on an
+  export with a retrieval head, zero: a catalogue search (recommend, generation) scores an item by
+  the cosine of its normalised row with the query, and a zero row normalises to zero (never NaN), so
+  a new item scores 0 for every query and ranks below every trained item the query has a positive
+  cosine with. The mean of the trained rows, "an average item", points where typical queries point
+  and would put the new items first for nearly every user. On a ranking export (no catalogue search)
   their rows are that mean, what the PrefixDNN reads beside their features;
 * their item features go to the item store (categorical values through the export's
   vocabularies: a value the model never saw takes the unknown id 0), as items the data had;
@@ -66,7 +66,7 @@ from gr.export.format import (
     Problem,
 )
 from gr.export.item_encoder import check_item_encoder
-from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, load_item_store, write_item_store
+from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, ItemStore, load_item_store, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.popularity import POPULARITY, read_popularity, write_popularity
 from gr.export.reader import ExportManifest, check_export, open_export
@@ -152,7 +152,8 @@ def add_items(
             replaced = rows[rows >= 0]
             old = encoder.encode_columns({name: store.lookup(name, replaced) for name in store.features})
             new_items = np.concatenate([replaced, np.arange(table.rows, table.rows + added)])
-            new = encoder.encode_columns({name: _rows_of(column, new_items) for name, column in features.items()})
+            grown_store = ItemStore(ITEM_FEATURE, features)
+            new = encoder.encode_columns({name: grown_store.lookup(name, new_items) for name in features})
             grown[replaced] -= old.numpy()
             grown[new_items] += new.numpy()
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
@@ -189,10 +190,6 @@ def _item_encoder(root: Path, sparse: SparseManifest) -> Optional[ItemEncoder]:
     encoder = ItemEncoder.from_metadata(metadata)
     encoder.load_state_dict({name: torch.from_numpy(value) for name, value in weights.items()})
     return encoder.eval()
-
-
-def _rows_of(column: Column, rows: np.ndarray) -> Column:
-    return column.take(rows) if isinstance(column, JaggedRows) else column[rows]
 
 
 def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:
