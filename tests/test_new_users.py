@@ -6,6 +6,9 @@ popularity fallback answers as before. A common id feature with an unknown id ma
 other is a 400 naming it. ``gr predict`` answers empty histories the same way; ``gr check`` refuses
 a broken state file."""
 
+import csv
+import json
+import math
 import shutil
 
 import numpy as np
@@ -14,20 +17,32 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
-from gr import GRModel, HSTUConfig, TableConfig
+from gr import GRInput, GRModel, GROutput, HSTUConfig, TableConfig
+from gr.commands import cli
 from gr.commands.predict import predict
+from gr.commands.serve import main as serving_main
+from gr.data.datamodule import SequenceDataModule
+from gr.data.features import FeatureSpec
 from gr.data.mappings import IdMap, save_mappings
 from gr.export import check_export, export_model
 from gr.export.manifest import write_manifest
 from gr.export.new_user import EMPTY_HISTORY_FILE, EMPTY_HISTORY_TENSOR
+from gr.ops.sampled_softmax import sampled_softmax_loss
 from gr.postfix_dnn import RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
 from gr.serving.errors import RequestError
 from gr.serving.http import create_app
+from gr.sparse.keyed_jagged import KeyedJaggedTensor
+from gr.train.build import build_model, seeded_model
+from gr.train.config import RetrievalSection, TrainConfig
+from gr.train.run import load_trained_model, train
+from gr.train.tasks import RetrievalTask
 from helpers.models import HSTU_KW, perturb
+from helpers.runs import RANKING, RETRIEVAL, config, with_overrides
 from helpers.servers import AppServer, metric
 
 NUM_ITEMS = 40
@@ -38,6 +53,19 @@ RAW = IdOptions("raw")
 EMPTY = {"item_id": [], "timestamps": []}
 YOUNG = {"user_age": 18, "user_score": [1.0, -0.5]}
 OLD = {"user_age": 56, "user_score": [-1.0, 2.0]}
+# The tiny synthetic retrieval recipe with its user features (age, gender) read by the retrieval head.
+NEW_USERS = with_overrides(
+    RETRIEVAL,
+    ("data.user_features", True),
+    (
+        "model.tables",
+        [
+            *RETRIEVAL["model"]["tables"],
+            {"name": "age", "embedding_dim": 4, "features": ["user_age"], "kind": "common"},
+            {"name": "gender", "embedding_dim": 4, "features": ["user_gender"], "kind": "common"},
+        ],
+    ),
+)
 
 
 def most_popular(k):
@@ -159,6 +187,25 @@ def test_http_answers_a_new_user_from_features_and_counts_the_fallback(exports):
     assert metric(text, "gr_fallback_total", kind="popularity") == 1
 
 
+def test_the_one_shot_commands_answer_a_new_user_from_features(exports, tmp_path, capsys):
+    request = tmp_path / "requests.json"
+    new, cold = {"user_id": "a", "history": EMPTY, "common_features": OLD}, {"user_id": "b", "history": EMPTY}
+    request.write_text(json.dumps([new, cold]))
+    want = recommend(Ranker.load(exports["new"]), OLD, k=3)
+    for verb in ("recommend", "generate"):
+        capsys.readouterr()
+        assert serving_main([verb, str(exports["new"]), "--request", str(request), "--k", "3"]) == 0
+        featured, plain = json.loads(capsys.readouterr().out)
+        assert featured["fallback"] == "user_features" and featured["items"][0] == want.items[0]
+        assert plain["fallback"] == "popularity" and plain["items"] == most_popular(3)
+    ranked = tmp_path / "rank.json"
+    ranked.write_text(json.dumps({**new, "candidates": {"item_id": want.items}}))
+    assert serving_main(["rank", str(exports["new"]), "--request", str(ranked)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fallback"] == "user_features"
+    np.testing.assert_allclose(answer["scores"]["retrieval"], want.scores, rtol=0, atol=1e-5)
+
+
 def test_gr_predict_answers_empty_histories_from_features_or_popularity(exports, tmp_path):
     ranker = Ranker.load(exports["new"])
     table = pa.table(
@@ -190,3 +237,117 @@ def test_gr_check_names_a_new_user_state_of_the_wrong_shape(exports, tmp_path):
     write_manifest(broken)
     [problem] = check_export(broken)
     assert problem.file == EMPTY_HISTORY_FILE and "expected float32 [16]" in problem.message
+
+
+# ---- training -----------------------------------------------------------------------------------
+def test_first_items_are_targets_with_negatives_of_their_own_and_the_tokens_draws_unchanged():
+    config = RetrievalSection(num_negatives=4, negatives="block", negatives_block=2, new_user_weight=3.0)
+    batch = GRInput(
+        seq_offsets=torch.tensor([0, 3, 5]),
+        max_seq_len=3,
+        sequence_ids=KeyedJaggedTensor.from_lengths_sync(
+            ["item_id"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([3, 2])
+        ),
+        labels={"next_item": torch.tensor([2, 3, 9, 5, -1]), "first_item": torch.tensor([-1, 4])},
+    )
+    plain = RetrievalTask(config, 50, lambda rows: rows).training_inputs(batch, torch.Generator().manual_seed(3))
+    task = RetrievalTask(config, 50, lambda rows: rows, new_user=True)
+    both = task.training_inputs(batch, torch.Generator().manual_seed(3))
+    distinct = {name: kjt.values() for name, kjt in both.sequence_ids.to_dict().items()}["sampled_item_id"]
+    plain_distinct = plain.sequence_ids.to_dict()["sampled_item_id"].values()
+    for key in ("positive_index", "negative_index"):  # the tokens' targets and draws as without first items
+        assert torch.equal(distinct[both.labels[key]], plain_distinct[plain.labels[key]])
+    assert distinct[both.labels["first_positive_index"]].tolist() == [4]  # the second sequence's first item
+    assert both.labels["first_negative_index"].shape == (1, 4)
+
+    items = torch.randn(distinct.numel(), 8)
+    queries, new_user = torch.randn(5, 8), torch.randn(2, 8)
+    output = GROutput({"query": queries}, queries, torch.arange(5), batch.seq_offsets, {"sampled_item_id": items}, {})
+    tokens = task.loss(output, both)["loss"]
+    output.new_user = {"query": new_user}
+    losses = task.loss(output, both)
+    first = sampled_softmax_loss(
+        new_user[1:], items, both.labels["first_positive_index"], both.labels["first_negative_index"], 0.05, 2
+    )
+    torch.testing.assert_close(losses["new_user_loss"], first)
+    torch.testing.assert_close(losses["loss"], (4 * tokens + 3.0 * first) / 7)  # 4 scored tokens, 1 target x 3
+
+
+def test_a_sequence_holds_a_first_item_target_only_when_it_starts_at_the_users_first_event(tmp_path):
+    values = with_overrides(RETRIEVAL, ("data.max_seq_len", 10), ("model.hstu.max_seq_len", 10))
+    data = SequenceDataModule(TrainConfig.from_dict(values).data)
+    data.setup()
+    batches = data.splits["train"]
+    batch = batches.build(np.arange(len(batches)), np.random.default_rng(0))
+    seqs, users = batches.corpus.sequences, batches.users
+    whole = seqs.train_ends()[users] - 1 - seqs.starts[users] <= 10  # the window holds the whole history
+    first = batch.labels["first_item"].numpy()
+    assert whole.any() and (~whole).any()
+    assert (first[~whole] == -1).all()
+    assert (first[whole] == seqs.items[seqs.starts[users[whole]]]).all()
+
+
+def test_the_new_user_query_is_on_by_default_when_the_retrieval_head_reads_common_features():
+    spec = FeatureSpec(sequence={"item_id": 100}, common={"user_age": 8, "user_gender": 3})
+    with_features = config(NEW_USERS)
+    assert build_model(with_features, spec).empty_history.shape == (16,)
+    assert build_model(config(NEW_USERS, ("task.retrieval.new_user_query", False)), spec).empty_history is None
+    assert build_model(config(RETRIEVAL), FeatureSpec(sequence={"item_id": 100})).empty_history is None
+    assert (
+        build_model(
+            config(RETRIEVAL, ("task.retrieval.new_user_query", True)), FeatureSpec(sequence={"item_id": 100})
+        ).empty_history
+        is not None
+    )
+    ranking = FeatureSpec(sequence={"item_id": 100, "item_category": 13}, common=spec.common)
+    assert build_model(config(RANKING), ranking, ["watch"]).empty_history is None
+    without = seeded_model(config(NEW_USERS, ("task.retrieval.new_user_query", False)), spec).state_dict()
+    for name, value in seeded_model(with_features, spec).state_dict().items():  # drawn last: the rest unchanged
+        assert name == "empty_history" or torch.equal(value, without[name]), name
+
+
+@pytest.fixture(scope="module")
+def old_run(tmp_path_factory):
+    """A run whose checkpoints hold no empty_history and whose config.yaml leaves new_user_query at its
+    default: a run trained before the new-user query existed."""
+    run = tmp_path_factory.mktemp("old") / "run"
+    train(config(NEW_USERS, ("task.retrieval.new_user_query", False), ("trainer.max_epochs", 1)), run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["task"]["retrieval"].pop("new_user_query")
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    return run
+
+
+def test_the_torchrec_backend_trains_the_new_user_query_which_the_export_serves(tmp_path):
+    run = tmp_path / "run"
+    metrics = train(config(NEW_USERS, ("sparse.backend", "torchrec"), ("trainer.max_epochs", 1)), run)
+    assert metrics["config"]["sparse"]["backend"] == "torchrec"
+    with open(run / "logs" / "metrics.csv") as handle:
+        logged = [float(row["train/new_user_loss"]) for row in csv.DictReader(handle) if row.get("train/new_user_loss")]
+    assert logged and all(math.isfinite(v) and v > 0 for v in logged)
+    model, _ = load_trained_model(run)
+    fresh = seeded_model(config(NEW_USERS), FeatureSpec(**json.loads((run / "features.json").read_text())["spec"]))
+    assert not torch.equal(model.empty_history, fresh.empty_history)  # trained
+    assert cli.main(["export", str(run), str(tmp_path / "export")]) == 0
+    ranker = Ranker.load(tmp_path / "export")
+    answer = ranker.recommend(RecommendRequest("u", EMPTY, 3, {"user_age": 1, "user_gender": 2}))
+    assert answer.fallback == "user_features"
+
+
+def test_a_checkpoint_without_the_new_user_state_loads_exports_resumes_and_warm_starts(old_run, tmp_path):
+    model, loaded = load_trained_model(old_run)
+    assert loaded.task.retrieval.new_user_query is None and model.empty_history is None
+    assert cli.main(["export", str(old_run), str(tmp_path / "export")]) == 0
+    assert not (tmp_path / "export" / EMPTY_HISTORY_FILE).exists()
+    answer = Ranker.load(tmp_path / "export").recommend(
+        RecommendRequest("u", EMPTY, 3, {"user_age": 1, "user_gender": 2})
+    )
+    assert answer.fallback == "popularity"
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(old_run, resumed)
+    metrics = train(config(NEW_USERS, ("trainer.max_epochs", 2)), resumed, resume=True)
+    assert metrics["epochs"] == 2 and metrics["config"]["task"]["retrieval"]["new_user_query"] is False
+
+    warm = train(config(NEW_USERS, ("trainer.max_epochs", 1), ("trainer.init_from", str(old_run))), tmp_path / "warm")
+    assert warm["epochs"] == 1 and load_trained_model(tmp_path / "warm")[0].empty_history is not None
