@@ -7,6 +7,7 @@ other is a 400 naming it. ``gr predict`` answers empty histories the same way; `
 a broken state file."""
 
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -272,6 +273,15 @@ def test_first_items_are_targets_with_negatives_of_their_own_and_the_tokens_draw
     torch.testing.assert_close(losses["new_user_loss"], first)
     torch.testing.assert_close(losses["loss"], (4 * tokens + 3.0 * first) / 7)  # 4 scored tokens, 1 target x 3
 
+    windows = dataclasses.replace(batch, labels={**batch.labels, "first_item": torch.tensor([-1, -1])})
+    cut = task.training_inputs(windows, torch.Generator().manual_seed(3))  # no sequence starts a history
+    rows = torch.randn(cut.sequence_ids.to_dict()["sampled_item_id"].values().numel(), 8)
+    state = torch.randn(2, 8, requires_grad=True)
+    output = GROutput({"query": queries}, queries, torch.arange(5), batch.seq_offsets, {"sampled_item_id": rows}, {})
+    output.new_user = {"query": state}
+    task.loss(output, cut)["loss"].backward()
+    assert state.grad is not None and not state.grad.any()  # in the graph (data parallelism), a zero gradient
+
 
 def test_a_sequence_holds_a_first_item_target_only_when_it_starts_at_the_users_first_event(tmp_path):
     values = with_overrides(RETRIEVAL, ("data.max_seq_len", 10), ("model.hstu.max_seq_len", 10))
@@ -318,10 +328,11 @@ def old_run(tmp_path_factory):
     return run
 
 
-def test_the_torchrec_backend_trains_the_new_user_query_which_the_export_serves(tmp_path):
+@pytest.mark.parametrize("backend", ["torchrec", "torch"])
+def test_both_sparse_backends_train_the_new_user_query_which_the_export_serves(tmp_path, backend):
     run = tmp_path / "run"
-    metrics = train(config(NEW_USERS, ("sparse.backend", "torchrec"), ("trainer.max_epochs", 1)), run)
-    assert metrics["config"]["sparse"]["backend"] == "torchrec"
+    metrics = train(config(NEW_USERS, ("sparse.backend", backend), ("trainer.max_epochs", 1)), run)
+    assert metrics["config"]["sparse"]["backend"] == backend
     with open(run / "logs" / "metrics.csv") as handle:
         logged = [float(row["train/new_user_loss"]) for row in csv.DictReader(handle) if row.get("train/new_user_loss")]
     assert logged and all(math.isfinite(v) and v > 0 for v in logged)

@@ -143,8 +143,10 @@ class RetrievalTask:
             self.config.rows_per_draw,
         )
         first = labels.get("first_positive_index")
-        if first is None or first.numel() == 0 or not output.new_user:
+        if not output.new_user:
             return {"loss": loss}
+        if first is None or first.numel() == 0:  # no first item here: the state still gets its (zero) gradient,
+            return {"loss": loss + 0.0 * output.new_user["query"].sum()}  # as data parallelism expects every step
         first_rows = torch.nonzero(labels["first_item"] >= 0).flatten().to(output.new_user["query"].device)
         new_user_loss = sampled_softmax_loss(
             output.new_user["query"].index_select(0, first_rows),
