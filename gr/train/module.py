@@ -86,7 +86,12 @@ class GRTrainingModule(LightningModule):
             item_feature = self.config.task.retrieval.item_feature
             # cast: torch's stubs type a module's attributes (Module.__getattr__) as Tensor | Module
             item_embedding = cast(Callable[[Tensor], Tensor], gr_model.postfix_dnn.item_embedding)
-            self.task = RetrievalTask(self.config.task.retrieval, self.spec.sequence[item_feature], item_embedding)
+            self.task = RetrievalTask(
+                self.config.task.retrieval,
+                self.spec.sequence[item_feature],
+                item_embedding,
+                new_user=gr_model.empty_history is not None,
+            )
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)
         if sparse.backend == "torch":
