@@ -213,7 +213,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--epochs", type=int, default=15, help="each run's epochs (its best validation epoch is kept)")
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out items and users; seeds training")
     parser.add_argument("--held-out", type=float, default=0.1, help="fraction of the items, and of the users, held out")
-    parser.add_argument("--id-dropout", type=float, default=0.5, help="the tower's model.item_tower.id_dropout")
+    parser.add_argument("--id-dropout", type=float, default=0.2, help="the tower's model.item_tower.id_dropout")
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
     overrides = [
         ("trainer.max_epochs", str(args.epochs)),

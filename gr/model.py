@@ -69,6 +69,8 @@ class GROutput:
     row_offsets: [B+1] int64, scored rows per sequence
     token_features: {feature: [T_f, d]} every looked-up sequence feature and token_dense
     common_features: {feature: [B, d]}
+    new_user: PostfixDNN outputs {name: [B, ...]} of each sequence's user with no history
+        (``GRModel.new_user_predictions``): in training, when the model has ``empty_history``; else empty
     """
 
     predictions: Dict[str, Tensor]
@@ -77,6 +79,7 @@ class GROutput:
     row_offsets: Tensor
     token_features: Dict[str, Tensor]
     common_features: Dict[str, Tensor]
+    new_user: Dict[str, Tensor] = field(default_factory=dict)
 
 
 class GRModel(nn.Module):
@@ -118,6 +121,9 @@ class GRModel(nn.Module):
         self.hstu = HSTU(hstu)
         self.postfix_dnn = postfix_dnn
         self.item_tower: Optional[ItemTower] = None
+        # [D] the HSTU state of a user with no history, or None: set by the builder when the task learns it.
+        self.empty_history: Optional[nn.Parameter]
+        self.register_parameter("empty_history", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Re-assigning the same module is allowed: DistributedModelParallel re-sets every child it visits.
@@ -184,4 +190,15 @@ class GRModel(nn.Module):
         hidden = h if inputs.num_targets is None else h.index_select(0, row_index)
         row_common = {name: common[name].index_select(0, row_seq) for name in self.postfix_dnn.common_feature_names}
         predictions = self.postfix_dnn(hidden, row_common)
-        return GROutput(predictions, hidden, row_index, row_offsets, token, common)
+        new_user = {}
+        if self.training and self.empty_history is not None:
+            new_user = self.new_user_predictions(common, inputs.seq_offsets.numel() - 1)
+        return GROutput(predictions, hidden, row_index, row_offsets, token, common, new_user)
+
+    def new_user_predictions(self, common: Dict[str, Tensor], rows: int) -> Dict[str, Tensor]:
+        """PostfixDNN outputs {name: [rows, ...]} for ``rows`` users with no history: ``empty_history`` [D]
+        as every user's HSTU output, with their common features ``common`` {name: [rows, d]}."""
+        if self.empty_history is None:
+            raise ValueError(f"{type(self).__name__}: built without empty_history (task.retrieval.new_user_query)")
+        hidden = self.empty_history.unsqueeze(0).expand(rows, -1)
+        return self.postfix_dnn(hidden, {name: common[name] for name in self.postfix_dnn.common_feature_names})

@@ -36,6 +36,7 @@ TRAINING_BENCHES = {
     "bench_data",
     "data_scale",
     "prepared_vs_raw",
+    "new_users",
 }
 
 
@@ -232,6 +233,23 @@ BENCHES = (
             "target_share_held_out",
             "share_ratio",
             "targets",
+            "cpu",
+            "cpu_flags",
+            "load_average",
+        ),
+    ),
+    Bench(
+        "bench/new_users.py",
+        (
+            "held_out_users",
+            "users",
+            "unknown_items",
+            "epochs",
+            "scorers",
+            "paired",
+            "new_user_over_popularity",
+            "targets",
+            "cpu",
             "cpu_flags",
             "load_average",
         ),

@@ -256,6 +256,71 @@ def _report(
     return out
 
 
+def first_event_ranks(source: str | Path, data: DataConfig) -> Dict[str, np.ndarray]:
+    """Each user of ``data``'s first event, ranked over the whole catalogue from the user's common
+    features alone, by the new-user query (``task.retrieval.new_user_query``) and by popularity.
+
+    source: an export, or a run (exported to a temporary directory first). The data are read with
+    the model's id maps, as ``gr evaluate`` reads them: a user's first event is its first event of
+    an item the model has a row for, and side-feature values the model never saw read as their
+    unknown id 0; no item is excluded from the ranking. -> {"user": [U] int64 the users' dense ids
+    in the data, "item": [U] int64 their first items (model ids), "new_user" and "popularity":
+    [U] int64 0-based ranks (``gr.train.metrics.target_ranks``: ties by item id);
+    ``gr.train.metrics.target_metrics`` turns ranks into HR@k / NDCG@k}. ValueError when the model
+    has no new-user state (``hstu/empty_history.safetensors``) or no item popularity."""
+    import tempfile
+
+    from gr.export.writer import export_run
+
+    source = Path(source)
+    if is_export(source):
+        return _first_event_ranks(source, data)
+    with tempfile.TemporaryDirectory(prefix="gr-first-events-") as tmp:
+        return _first_event_ranks(export_run(source, Path(tmp) / "export"), data)
+
+
+def _first_event_ranks(export_dir: Path, data_config: DataConfig) -> Dict[str, np.ndarray]:
+    import torch
+
+    from gr.serving.model import ServingModel
+    from gr.train.metrics import score_ranks, target_ranks
+
+    model = ServingModel(export_dir)
+    if model.empty_history is None or model.popularity is None:
+        raise ValueError(
+            f"{export_dir}: scoring first events needs the new-user state and item popularity "
+            "(an export of a run trained with task.retrieval.new_user_query)"
+        )
+    maps = export_dir / ID_MAPS_DIR
+    data = _data(data_config, model.config.eviction_block, model_maps(str(maps)) if maps.is_dir() else {})
+    corpus = data.corpus
+    assert corpus is not None  # set by setup()
+    sequences = corpus.sequences
+    users = np.flatnonzero(sequences.offsets[1:] > sequences.starts)
+    items = sequences.items[sequences.starts[users]]
+    dataset_users = corpus.dataset_users(users)
+    side, schema = corpus.user_features, model.schema
+    commons = []
+    for u in dataset_users:
+        common = {name: side.categorical[name][u : u + 1] for name in schema.common_ids if name in side.categorical}
+        common.update(
+            {name: side.lists[name].take(np.array([u])).values for name in schema.common_ids if name in side.lists}
+        )
+        common.update({name: side.dense[name][u : u + 1] for name in schema.common_dense})
+        commons.append(common)
+    targets = torch.from_numpy(items)
+    none = (torch.zeros(len(users) + 1, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    catalogue = model.catalogue()
+    queries = model.new_user_queries(commons).to(catalogue.vectors.dtype)
+    popularity = torch.from_numpy(model.popularity).double().expand(len(users), -1)
+    return {
+        "user": dataset_users.astype(np.int64),
+        "item": items.astype(np.int64),
+        "new_user": target_ranks(queries, catalogue.vectors.cpu(), targets, *none).numpy(),
+        "popularity": score_ranks(popularity, targets, *none).numpy(),
+    }
+
+
 def is_export(path: Path) -> bool:
     return (path / EXPORT_MARKER).is_file()
 

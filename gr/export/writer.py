@@ -56,6 +56,7 @@ from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes
 from gr.export.item_encoder import write_item_encoder
 from gr.export.item_store import ITEM_FEATURE, Column, write_item_store
 from gr.export.manifest import write_manifest
+from gr.export.new_user import write_empty_history
 from gr.export.onnx_registry import registry_built_once
 from gr.export.popularity import write_popularity
 from gr.export.reader import ONNX_DTYPES, check_export
@@ -112,6 +113,8 @@ def export_model(
         from which serving fills them for items a request gives by id alone.
     popularity: [item table rows] training counts of each item (``gr.data.popularity``), written to
         ``sparse/popularity.safetensors``: serving's answer to an empty history (``gr.export.popularity``).
+    The model's ``empty_history``, when it has one, is written to ``hstu/empty_history.safetensors``:
+    serving's answer to an empty history with the user's common features (``gr.export.new_user``).
     source: where the model came from (``export_run``: the run, its checkpoint, epoch and step),
         written to ``source.json`` and hashed in the MANIFEST with every other file.
     """
@@ -236,6 +239,8 @@ def _write(
             f"{sorted(expected)} (gr.export.hstu_slice.slice_tensor_shapes)"
         )
     write_bytes(root / HSTU_WEIGHTS, safetensors_bytes(weights))
+    if model.empty_history is not None:
+        write_empty_history(root, model.empty_history)
 
     graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out, event_features)
     write_ini(root / SLICE_GRAPH, graph.to_sections(), header="gr slice graph: slices in execution order")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from gr.sparse.tables import TableConfig, sparse_backend
 from gr.train.config import ModuleSpec, OptimizerSection, TrainConfig
 
 SAMPLED_ITEMS = "sampled_item_id"
+EMPTY_HISTORY = "empty_history"  # GRModel's parameter (and state dict key): the HSTU state of a user with no history
 CONTEXT_ARGUMENTS = ("hidden_dim", "feature_dims", "common_dims", "embedding_dim", "tasks")
 
 
@@ -198,6 +199,27 @@ def build_model(
     tower = build_item_tower(config, spec, tables)
     if tower is not None:
         model.item_tower = tower
+    if learns_new_user_query(config, postfix):  # drawn last: every other parameter starts as without it
+        dim = config.model.hstu.hidden_dim
+        model.empty_history = nn.Parameter(torch.randn(dim) * dim**-0.5)
+    return model
+
+
+def learns_new_user_query(config: TrainConfig, postfix: PostfixDNN) -> bool:
+    """Whether the model learns ``GRModel.empty_history``: ``task.retrieval.new_user_query`` of a
+    retrieval task, and where that is null, whether ``postfix`` reads common features."""
+    if config.task_type != "retrieval":
+        return False
+    chosen = config.task.retrieval.new_user_query
+    return bool(postfix.common_feature_names) if chosen is None else chosen
+
+
+def without_empty_history(model: GRModel, keys: Collection[str]) -> GRModel:
+    """``model`` without ``empty_history`` when a checkpoint's model state dict ``keys`` (unprefixed) lack it (a model
+    trained before it existed, or with it off): such a checkpoint loads as the model it was, with
+    no new-user query."""
+    if model.empty_history is not None and EMPTY_HISTORY not in keys:
+        model.empty_history = None
     return model
 
 

@@ -161,7 +161,7 @@ class ItemTowerSection(Section):
     learn to score; ``mlp_dims``: the encoder's hidden layers (none: one projection)."""
 
     features: Tuple[str, ...] = checked((), list_of(NAME, non_empty=True))
-    id_dropout: float = checked(0.5, PROBABILITY)
+    id_dropout: float = checked(0.2, PROBABILITY)
     mlp_dims: Tuple[int, ...] = checked((), list_of(int_at_least(1)))
     where: InitVar[str] = "model.item_tower"
 
@@ -301,7 +301,13 @@ class RetrievalSection(Section):
     ``num_negatives`` uniform draws and neighbouring tokens of a sequence never share them; the
     CPU kernel scores a block by one matrix product instead of a gather per dot product), or
     shared by all tokens of a batch ("batch"); logits are cosine similarities / ``temperature``.
-    Evaluation ranks the whole catalogue: HR@k and NDCG@k for k in ``top_k``, and MRR."""
+    Evaluation ranks the whole catalogue: HR@k and NDCG@k for k in ``top_k``, and MRR.
+
+    new_user_query: learn the HSTU state of a user with no history (``GRModel.empty_history``), trained on
+    each sequence's first event (when the sequence starts at the user's first event) through the
+    PostfixDNN with the user's common features, with the same loss and kind of negatives as the other
+    tokens; each such target weighs ``new_user_weight`` tokens. null: on when the PostfixDNN reads
+    common features (the query then differs by user), off otherwise."""
 
     num_negatives: int = checked(128, int_at_least(1))
     temperature: float = checked(0.05, number_in(0.0, open_low=True))
@@ -309,6 +315,8 @@ class RetrievalSection(Section):
     negatives_block: int = checked(32, int_at_least(1))
     top_k: Tuple[int, ...] = checked((10, 50, 200), TOP_K)
     item_feature: str = checked("item_id", NAME)
+    new_user_query: Optional[bool] = checked(None, optional(BOOL))
+    new_user_weight: float = checked(1.0, number_in(0.0))
     where: InitVar[str] = "task.retrieval"
 
     def __post_init__(self, where: str) -> None:

@@ -100,6 +100,7 @@ class GRTrainingModule(LightningModule):
                 self.spec.sequence[item_feature],
                 item_embedding,
                 None if tower is None else tower.item_vectors,
+                new_user=gr_model.empty_history is not None,
             )
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)

@@ -8,8 +8,10 @@
   its dense id, so its table row; new ids are appended;
 * tables: the run's rows are copied into the first rows of each (larger) new table, bit for
   bit; new rows keep their fresh initialisation (``init_std``, as the config says);
-* dense parameters (PrefixDNN, HSTU, PostfixDNN, the item tower) are the run's; the item tower's
-  bags (``model.item_tower``) grow with their features' tables, their new rows starting at zero;
+* dense parameters (PrefixDNN, HSTU, PostfixDNN, the item tower, the new-user state
+  ``empty_history``) are the run's; the item tower's bags (``model.item_tower``) grow with their
+  features' tables, their new rows starting at zero; a run without ``empty_history``
+  (``task.retrieval.new_user_query``) gives none: it starts fresh;
 * the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
   rows and starts at zero for new rows; the dense optimizer (Adam's moments) starts fresh, as
   its step count does: a new run's learning-rate schedule and bias correction begin again.
@@ -31,7 +33,7 @@ from gr.model import GRModel
 from gr.sparse.tables import TableConfig
 from gr.sparse.torch_tables import attach_optimizers
 from gr.train import checkpoint as ckpt
-from gr.train.build import build_model, build_tables
+from gr.train.build import EMPTY_HISTORY, build_model, build_tables, without_empty_history
 from gr.train.config import TrainConfig
 
 TOWER_PREFIX = "item_tower."  # the item tower's parameters in a GRModel's state dict
@@ -64,6 +66,7 @@ class WarmStart:
         old_config, spec, tasks = run
         check_same_model(config, old_config, source)
         model = build_model(old_config, spec, tasks, for_training=False)  # refuses a spec its tables do not hold
+        without_empty_history(model, {k.removeprefix("model.") for k in ckpt.model_keys(checkpoint)})
         maps = model_maps(str(mappings))
         check_maps(maps, spec, build_tables(old_config, spec, for_training=False), checkpoint)
         optimizers = attach_optimizers(model, old_config.sparse.optimizer)
@@ -83,9 +86,11 @@ class WarmStart:
     def copy_weights(self, model: GRModel) -> None:
         """Into ``model`` (freshly built, unsharded, tables at least as large): the run's dense
         parameters, and its table rows into each table's first rows (an item tower's bag: the
-        rest zero)."""
+        rest zero). An ``empty_history`` the run lacks keeps its fresh initialisation."""
         old = self.model.state_dict()
         for name, value in model.state_dict().items():
+            if name == EMPTY_HISTORY and name not in old:
+                continue
             source = old[name]
             if source.shape == value.shape:
                 value.copy_(source)
