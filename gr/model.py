@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from gr.hstu import HSTU, HSTUConfig
 from gr.jagged import offsets_from_lengths, target_token_index, token_seq_ids
 from gr.postfix_dnn import PostfixDNN
+from gr.postfix_dnn.item_tower import ItemTower
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse import SparseEmbeddings, TableConfig
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
@@ -87,6 +88,10 @@ class GRModel(nn.Module):
     Subclasses customise ``split_input`` (raw batch -> ``GRInput``) and
     ``compute_loss``; the forward itself and the HSTU module are fixed, and a
     subclass that defines them is refused when the class is created.
+
+    ``item_tower`` (None unless ``model.item_tower`` configures one, set by the builder): the
+    retrieval item tower (``gr.postfix_dnn.item_tower``), which replaces the looked-up rows of
+    the items (history tokens, sampled items) by their item vectors before the PrefixDNN.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -115,6 +120,7 @@ class GRModel(nn.Module):
         self.prefix_dnn = prefix_dnn
         self.hstu = HSTU(hstu)
         self.postfix_dnn = postfix_dnn
+        self.item_tower: Optional[ItemTower] = None
         # [D] the HSTU state of a user with no history, or None: set by the builder when the task learns it.
         self.empty_history: Optional[nn.Parameter]
         self.register_parameter("empty_history", None)
@@ -165,6 +171,8 @@ class GRModel(nn.Module):
         if not isinstance(inputs, GRInput):
             raise TypeError(f"{type(self).__name__}.split_input must return a GRInput, got {type(inputs).__name__}")
         token, common = self.embed_features(inputs)
+        if self.item_tower is not None:
+            token = self.item_tower.embed_tokens(token, inputs.sequence_ids)
         missing = [n for n in self.prefix_dnn.feature_names if n not in token]
         if missing:
             raise KeyError(

@@ -28,6 +28,7 @@ NOT_BENCHMARKS = {"smoke.py", "_peak.py", "_host.py"}  # modules the benchmarks 
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
 # Run by tests/test_benches_training.py: a second module, so the suite's two workers share the smoke runs.
 TRAINING_BENCHES = {
+    "cold_start",
     "train_step",
     "ab_steps",
     "memory",
@@ -218,6 +219,25 @@ BENCHES = (
     ),
     Bench("bench/device_check.py", (), covered_by="tests/test_device_check.py"),
     Bench("bench/daily_retrain.py", (), covered_by="tests/test_daily_retrain_bench.py"),
+    Bench(
+        "bench/cold_start.py",
+        (
+            "held_out",
+            "events",
+            "a_among_held_out",
+            "a_whole_catalogue",
+            "b_new_users",
+            "c_other_events",
+            "paired_hr@10",
+            "top10_share_held_out",
+            "target_share_held_out",
+            "share_ratio",
+            "targets",
+            "cpu",
+            "cpu_flags",
+            "load_average",
+        ),
+    ),
     Bench(
         "bench/new_users.py",
         (

@@ -102,7 +102,15 @@ def evaluate_run(
     _check_per_user(config, per_user)
     model, _ = load_trained_model(run_dir)
     data = _data(config.data, config.model.hstu.eviction_block, model_maps(str(Path(run_dir) / MAPPINGS_DIR)))
-    task = _task(config, data, model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None)
+    tower = model.item_tower
+    if tower is not None:  # the items' features come from the data, as in training
+        tower.set_items(data.item_features.columns())
+    task = _task(
+        config,
+        data,
+        model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None,
+        None if tower is None else tower.item_vectors,
+    )
     task.start_evaluation(model.embeddings)
     popularity = data.popularity() if config.task_type == "retrieval" else None
     with torch.no_grad():
@@ -141,7 +149,7 @@ def evaluate_export(
     for i, batch in enumerate(data.test_dataloader()):
         requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
         if config.task_type == "retrieval":
-            queries = {"query": _served_queries(ranker, batch, requests)}
+            queries = {"query": served_queries(ranker, batch, requests)}
             task.evaluation_step(_output(queries, torch.arange(len(requests) + 1)), batch, popularity)
         else:
             results = ranker.rank([RankRequest(**r) for r in requests])
@@ -189,7 +197,7 @@ def write_user_metrics(path: Path, task: RetrievalTask, user_map: IdMap) -> None
         writer.writerows(zip(raw, targets.tolist(), *(value.tolist() for value in metrics.values())))
 
 
-def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
+def served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
     """[B, d] the served retrieval query at each sequence's last token (its query time as in the
     batch), the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
     from gr.serving import encode as encoding  # loaded by evaluate_export
@@ -223,11 +231,11 @@ def _data(config: DataConfig, eviction_block: int, maps: Dict[str, IdMap]) -> Se
     return data
 
 
-def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any) -> Any:
+def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any, item_vectors: Any = None) -> Any:
     from gr.train.tasks import RankingTask, RetrievalTask  # loaded by evaluate_run / evaluate_export
 
     if config.task_type == "retrieval":
-        return RetrievalTask(config.task.retrieval, data.num_items, item_embedding)
+        return RetrievalTask(config.task.retrieval, data.num_items, item_embedding, item_vectors)
     return RankingTask(config.task.ranking, data.tasks)
 
 

@@ -46,6 +46,7 @@ from gr.export.format import (
 )
 from gr.export.hstu_slice import SAFETENSORS_DTYPES, config_from_slice, from_slice, slice_tensor_shapes
 from gr.export.id_maps import read_id_maps
+from gr.export.item_encoder import check_item_encoder
 from gr.export.item_store import check_item_store
 from gr.export.manifest import check_manifest, inside
 from gr.export.new_user import check_empty_history
@@ -144,6 +145,8 @@ def _inspect(root: Path) -> Tuple[Optional[ExportManifest], List[Problem]]:
         check_popularity(root, sparse, problems)
     if sparse is not None and graph is not None:
         check_item_store(root, graph, sparse, problems)
+    if sparse is not None:
+        check_item_encoder(root, sparse, problems)
     read = _read_hstu_config(root, problems)
     hstu_config = None if read is None else read[0]
     if read is not None:

@@ -53,6 +53,7 @@ from gr.export.format import (
     write_ini,
 )
 from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
+from gr.export.item_encoder import write_item_encoder
 from gr.export.item_store import ITEM_FEATURE, Column, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.new_user import write_empty_history
@@ -91,7 +92,10 @@ def export_model(
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
-    model: an unsharded GRModel (``gr.train.load_trained_model`` returns one)
+    model: an unsharded GRModel (``gr.train.load_trained_model`` returns one). With an item tower
+        (``model.item_tower``), its items' features given (``ItemTower.set_items``): the item
+        table is written as the tower's item vectors, and the encoder beside it
+        (``gr.export.item_encoder``)
 
     id_mappings_dir: a directory from ``SequenceDataModule.save_mappings``, copied to
         ``sparse/id_maps/``; the map named after a feature, its table, or ``<name>s`` for
@@ -157,6 +161,9 @@ def export_run(
         checkpoint = best_checkpoint(run_dir)
         model, _ = load_trained_model(run_dir, checkpoint)
         mappings = run_dir / MAPPINGS_DIR
+        item_features = run_item_features(run_dir, model.prefix_dnn.feature_names)
+        if model.item_tower is not None:
+            model.item_tower.set_items(item_features)
         return export_model(
             model,
             export_dir,
@@ -165,7 +172,7 @@ def export_run(
             event_features=spec.event_features,
             overwrite=overwrite,
             hstu_dtype=hstu_dtype,
-            item_features=run_item_features(run_dir, model.prefix_dnn.feature_names),
+            item_features=item_features,
             popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
             source=checkpoint_source(run_dir, checkpoint),
         )
@@ -185,6 +192,10 @@ def _write(
     token_dims = _feature_dims(prefix, prefix.feature_names, sparse, TOKEN_KINDS, dense_dims, "feature_dims")
     if item_features:
         write_item_store(root, item_features, token_dims, sparse, event_features)
+    if model.item_tower is not None:
+        encoder = model.item_tower.encoder
+        weights = {name: value.detach().float().cpu().numpy() for name, value in encoder.state_dict().items()}
+        write_item_encoder(root, weights, encoder.metadata())
     common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, ("common",), dense_dims, "common_dims")
     _check_names(prefix, postfix)
 
@@ -247,10 +258,13 @@ def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, 
         mapping_files = _mapping_files(root / ID_MAPS_DIR)
     tables: Dict[str, TableEntry] = {}
     features: Dict[str, FeatureEntry] = {}
-    embeddings = model.embeddings
+    embeddings, tower = model.embeddings, model.item_tower
     for table in embeddings.tables.values() if embeddings is not None else ():
         assert embeddings is not None  # the loop runs over its tables
         weight = embeddings.table_weight(table.name)  # [rows, embedding_dim], storage padding cut off
+        if tower is not None and tower.item_feature in table.features:  # the items as the model embeds them
+            with torch.no_grad():
+                weight = tower.item_vectors(torch.arange(weight.shape[0], device=weight.device), weight)
         file = f"{table.name}.safetensors"
         rows = weight.detach().to(torch.float32).contiguous()
         (root / SPARSE_DIR / file).write_bytes(safetensors_bytes({TABLE_TENSOR: rows}))
@@ -550,8 +564,7 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
             f"{run_dir}: the items of {_data_location(config.data)} differ from those the run was trained on "
             f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
         )
-    item_side = data.item_features
-    side: Dict[str, Column] = {**item_side.categorical, **item_side.dense, **item_side.lists}
+    side = data.item_features.columns()
     return {f: side[f] for f in wanted if f in side}
 
 

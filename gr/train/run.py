@@ -100,7 +100,9 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         local = _devices(config.trainer.devices)
         plan = plan_for_data(config, spec, datamodule.tasks, local * config.trainer.num_nodes)
         check_memory_fits(plan, config, local, available_memory_bytes())
-    module = GRTrainingModule(config, spec, datamodule.tasks, datamodule.popularity(), warm_start)
+    module = GRTrainingModule(
+        config, spec, datamodule.tasks, datamodule.popularity(), warm_start, datamodule.item_features.columns()
+    )
 
     resumed_step = ckpt.logged_steps(start) if start else None
 
@@ -380,8 +382,10 @@ def best_checkpoint(run_dir: str | Path) -> Path:
 
 def load_trained_model(run_dir: str | Path, checkpoint: Optional[Path] = None) -> Tuple[GRModel, TrainConfig]:
     """The run's ``checkpoint`` (default: its best) as a plain unsharded GRModel (all shards merged,
-    eval mode), and its config. A checkpoint without ``empty_history`` loads without it
-    (``without_empty_history``)."""
+    eval mode), and its config. An item tower (``model.item_tower``) comes back without its items'
+    features, which are data, not weights: give them with ``model.item_tower.set_items`` (e.g. the
+    run's data module's ``item_features.columns()``). A checkpoint without ``empty_history`` loads
+    without it (``without_empty_history``)."""
     config, spec, tasks = read_run(run_dir)
     checkpoint = checkpoint or best_checkpoint(run_dir)
     keys = {k.removeprefix("model.") for k in ckpt.model_keys(checkpoint)}

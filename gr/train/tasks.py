@@ -57,8 +57,11 @@ WHOLE_CATALOGUE_DRAWS = 8
 
 
 class RetrievalTask:
-    """num_items: catalogue size; item_embedding: item table rows [M, d] -> scored item vectors;
-    new_user: also train the new-user query (``GROutput.new_user``) on each sequence's first item."""
+    """num_items: catalogue size; item_embedding: item vectors [M, d] -> scored item vectors;
+    item_vectors: (item ids [M], their table rows [M, d]) -> item vectors [M, d] in evaluation mode
+    (the model's ``ItemTower.item_vectors``), None: the rows themselves. In training the model's
+    forward has applied the tower to the sampled items' rows already; new_user: also train the
+    new-user query (``GROutput.new_user``) on each sequence's first item."""
 
     name = "retrieval"
 
@@ -67,11 +70,13 @@ class RetrievalTask:
         config: RetrievalSection,
         num_items: int,
         item_embedding: Callable[[Tensor], Tensor],
+        item_vectors: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
         new_user: bool = False,
     ) -> None:
         self.config = config
         self.num_items = num_items
         self.item_embedding = item_embedding
+        self.item_vectors = item_vectors
         self.new_user = new_user
         self.catalogue: Optional[Tensor] = None
         self.ranks: Dict[str, List[Tensor]] = {}
@@ -176,6 +181,8 @@ class RetrievalTask:
         kjt = KeyedJaggedTensor.from_lengths_sync([self.config.item_feature], ids, lengths)
         with torch.no_grad():
             rows = embeddings(kjt, None)[0][self.config.item_feature]
+            if self.item_vectors is not None:
+                rows = self.item_vectors(ids, rows)
             if world > 1:
                 gathered = [torch.empty_like(rows) for _ in range(world)]
                 dist.all_gather(gathered, rows.contiguous())
