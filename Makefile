@@ -46,6 +46,7 @@ demo: $(STAMP)
 # GR_TEST_DEVICE=cuda|npu make test: the device suites on that device (tests/conftest.py decides the autoload).
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a test module per worker at a time, in the order
 # tests/conftest.py gives the modules (the end-to-end ones first), not xdist's (--no-loadscope-reorder).
+# It ends with its 15 slowest tests (--durations=15).
 TEST_WORKERS ?= 2
 # The tests that read MovieLens-100K take it from GR_ML100K_DIR (a path relative to the repository root),
 # else from data/ml-100k (`gr data download ml-100k data/ml-100k`), and are skipped when it is absent.
@@ -60,4 +61,4 @@ test: $(STAMP)
 	$(PY) -m ruff format --check .
 	PYTHONPATH=. .venv/bin/lint-imports
 	$(PY) -m mypy
-	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests

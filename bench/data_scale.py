@@ -2,7 +2,7 @@
 
     python bench/data_scale.py [--sizes 1000000 10000000] [--memory-limit 4GB] [--steps 40]
     python bench/data_scale.py --sizes 1000000 10000000 100000000     # the 100 M point (minutes, ~5 GB of disk)
-    python bench/data_scale.py --smoke                                 # 350,000 interactions: checks it runs
+    python bench/data_scale.py --smoke      # 350,000 interactions, each step forked from this process: checks it runs
 
 The source: synthetic interactions (user_id, item_id, timestamp) with MovieLens-1M's per-user lengths
 (``bench_data.ml1m_lengths``: mean 166) over ML-1M's 3,706 items (Zipf popularity), written as a
@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import smoke  # noqa: E402
-from _host import cpu, load_average, peak_resident_bytes  # noqa: E402
+from _host import cpu, load_average, peak_resident_bytes, run_python  # noqa: E402
 from bench_data import ML1M_ITEMS, ml1m_lengths  # noqa: E402
 
 RECIPE = ROOT / "configs" / "ml1m_hstu.yaml"
@@ -85,9 +85,10 @@ def write_source(directory: Path, interactions: int, seed: int = 0) -> Dict[str,
     return {"interactions": written, "users": len(lengths)}
 
 
-def in_own_process(*flags: str) -> Dict[str, Any]:
-    """This script run with ``flags`` in a fresh process -> the JSON object its last line prints."""
-    done = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True)
+def in_own_process(*flags: str, forked: bool = False) -> Dict[str, Any]:
+    """This script run with ``flags`` in a process of its own (``_host.run_python``: a fresh one, or
+    with ``forked`` a child of this one) -> the JSON object its last line prints."""
+    done = run_python([__file__, *flags], forked)
     if done.returncode != 0:
         raise RuntimeError(f"data_scale.py {' '.join(flags)} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -161,24 +162,40 @@ def ranks_phase(data: Path, prepared: bool, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def torchrun_ranks(ranks: int, data: Path, prepared: bool, work: Path) -> List[Dict[str, Any]]:
-    """``ranks_phase`` on ``ranks`` processes (torchrun, gloo) -> each rank's record."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+def torchrun_ranks(ranks: int, data: Path, prepared: bool, work: Path, forked: bool = False) -> List[Dict[str, Any]]:
+    """``ranks_phase`` on ``ranks`` processes (torchrun, gloo) -> each rank's record. ``forked`` (a smoke
+    run): torchrun's launcher in this process, its ranks forked from it (no interpreter starts)."""
     flags = ["--phase", "ranks", "--data", str(data), "--work", str(work), *([] if prepared else ["--raw"])]
     work.mkdir(parents=True)
-    done = subprocess.run(
-        [*command, __file__, *flags], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun data_scale.py {' '.join(flags)} failed:\n{done.stderr[-4000:]}")
+    if forked:
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        launch = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=ranks,
+            run_id="data_scale",
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            max_restarts=0,
+            start_method="fork",
+        )
+        elastic_launch(launch, ranks_phase)(data, prepared, work)
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        done = subprocess.run(
+            [*command, __file__, *flags], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"torchrun data_scale.py {' '.join(flags)} failed:\n{done.stderr[-4000:]}")
     return [json.loads((work / f"rank-{r}.json").read_text()) for r in range(ranks)]
 
 
-def two_ranks(prepared: Path, raw_file: Path, work: Path) -> Dict[str, Any]:
+def two_ranks(prepared: Path, raw_file: Path, work: Path, forked: bool = False) -> Dict[str, Any]:
     """Both ranks' epochs on the prepared data, against one process reading the raw file -> steps,
     users per rank, disjoint, every_user_once (the raw epoch's users), peak and above-imports GiB."""
-    records = torchrun_ranks(2, prepared, True, work / "prepared")
-    (whole,) = torchrun_ranks(1, raw_file, False, work / "raw")
+    records = torchrun_ranks(2, prepared, True, work / "prepared", forked)
+    (whole,) = torchrun_ranks(1, raw_file, False, work / "raw", forked)
     seen = [np.asarray(r["users"], dtype=np.int64) for r in records]
     together = np.sort(np.concatenate(seen))
 
@@ -196,10 +213,10 @@ def two_ranks(prepared: Path, raw_file: Path, work: Path) -> Dict[str, Any]:
     }
 
 
-def train_point(data: Path, work: Path, steps: int, raw: bool) -> Dict[str, float]:
-    """``train_phase`` in a fresh process -> train_peak_gib, train_above_imports_gib, train_steps_per_s."""
+def train_point(data: Path, work: Path, steps: int, raw: bool, forked: bool = False) -> Dict[str, float]:
+    """``train_phase`` in a process of its own -> train_peak_gib, train_above_imports_gib, train_steps_per_s."""
     flags = ["--phase", "train", "--data", str(data), "--work", str(work), "--steps", str(steps)]
-    done = in_own_process(*flags, *(["--raw"] if raw else []))
+    done = in_own_process(*flags, *(["--raw"] if raw else []), forked=forked)
     return {
         "train_peak_gib": done["peak_bytes"] / GIB,
         "train_above_imports_gib": (done["peak_bytes"] - done["imports_bytes"]) / GIB,
@@ -232,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             source, prepared = work / f"source-{size}", work / f"prepared-{size}"
             counts = write_source(source, size)
             flags = ["--data", str(source), "--work", str(prepared), "--memory-limit", args.memory_limit]
-            prep = in_own_process("--phase", "prepare", *flags)
+            prep = in_own_process("--phase", "prepare", *flags, forked=args.smoke)
             point = {
                 **counts,
                 "prepare_s": prep["seconds"],
@@ -240,20 +257,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "prepare_above_imports_gib": (prep["peak_bytes"] - prep["imports_bytes"]) / GIB,
             }
             if sizes:
-                point.update(train_point(prepared, work / f"run-{size}", args.steps, raw=False))
+                point.update(train_point(prepared, work / f"run-{size}", args.steps, False, args.smoke))
             else:  # the smallest size: prepared and raw alternate (their best speed each), then the ranks
                 raw_file = work / "raw.parquet"  # the raw readers take one file: the source's files as one
                 pq.write_table(pq.read_table(source), raw_file)
                 rounds = [
                     (
-                        train_point(prepared, work / f"run-{r}", args.steps, raw=False),
-                        train_point(raw_file, work / f"raw-{r}", args.steps, raw=True),
+                        train_point(prepared, work / f"run-{r}", args.steps, False, args.smoke),
+                        train_point(raw_file, work / f"raw-{r}", args.steps, True, args.smoke),
                     )
                     for r in range(args.rounds)
                 ]
                 point.update(max((p for p, _ in rounds), key=lambda t: t["train_steps_per_s"]))
                 raw_first = max((r for _, r in rounds), key=lambda t: t["train_steps_per_s"])
-                ranks = two_ranks(prepared, raw_file, work / "ranks")
+                ranks = two_ranks(prepared, raw_file, work / "ranks", args.smoke)
             sizes.append(point)
             print(
                 f"{counts['interactions']:>12,} interactions: prepare {point['prepare_s']:.1f} s, peak "

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke  # noqa: E402
+from _host import run_python  # noqa: E402
 
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
@@ -136,20 +136,24 @@ DATASETS = {
 }
 
 
-def ensure_export(runs: Path, name: str, config: str, extra: Sequence[str], data_path: str) -> Path:
-    """Train (train.py) and export (gr.export) a model unless already there -> the export dir."""
+def ensure_export(
+    runs: Path, name: str, config: str, extra: Sequence[str], data_path: str, forked: bool = False
+) -> Path:
+    """Train (train.py) and export (gr.export) a model unless already there -> the export dir. Each
+    command runs in a fresh interpreter, or with ``forked`` (the smoke model) in a child of this one."""
     run, export = runs / name, runs / f"{name}_export"
     args = ["--data.path", data_path] if "ml100k" in config else []
     if (export / "default").exists():
         print(f"reusing {export} (delete it to train and export again)", file=sys.stderr, flush=True)
         return export
+    commands = [["-m", "gr.export", str(run), str(export)]]
     if not (run / "metrics.json").exists():
-        subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / config), "--out", str(run), *args, *extra],
-            check=True,
-            cwd=ROOT,
-        )
-    subprocess.run([sys.executable, "-m", "gr.export", str(run), str(export)], check=True, cwd=ROOT)
+        train = [str(ROOT / "train.py"), "--config", str(ROOT / config), "--out", str(run), *args, *extra]
+        commands.insert(0, train)
+    for command in commands:
+        done = run_python(command, forked, cwd=ROOT, capture=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"python {' '.join(command)} failed with exit status {done.returncode}")
     return export
 
 
@@ -303,13 +307,14 @@ def bench_dataset(
     draft_width: int,
     pool_depth: int,
     pool_nodes: int,
+    forked: bool = False,
 ) -> Dict:
     config, target_args, draft_args = DATASETS[name]
-    target = ensure_export(runs, f"{name}_target", config, target_args, data_path)
+    target = ensure_export(runs, f"{name}_target", config, target_args, data_path, forked)
     draft = (
         target
         if draft_args is None
-        else ensure_export(runs, f"{name}_draft", config, [*target_args, *draft_args], data_path)
+        else ensure_export(runs, f"{name}_draft", config, [*target_args, *draft_args], data_path, forked)
     )
     items, times, attributes = user_data(runs / f"{name}_target", data_path)
     ranker = Ranker.load(target, cache_bytes=2**31, threads=1)
@@ -520,6 +525,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.draft_width,
             args.pool_depth,
             args.pool_nodes,
+            args.smoke,
         )
         for name in args.datasets
     }

@@ -4,7 +4,8 @@ training runs over embedding table sizes.
     python bench/memory.py [--parts stack tables] [--lengths 1024 2048 4096] [--recompute none layer]
                            [--precisions 32-true bf16-mixed] [--rows 100000 1000000 10000000 40000000]
                            [--backends torchrec torch] [--reserve-gib 2]
-    python bench/memory.py --smoke   # one short fp32 step; a 1,000-row table on the torch backend: checks it runs
+    python bench/memory.py --smoke   # one short fp32 step; a 1,000-row table on the torch backend, each in a
+                                     # child forked from this process (no fresh interpreter): checks it runs
 
 Stack: one sequence of each length goes through an HSTU stack (hidden 128, 2 layers, 2 heads of
 64) with fp32 weights, in fp32 or under bf16 autocast, with each recompute mode. Every case
@@ -38,7 +39,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smoke  # noqa: E402
 import torch  # noqa: E402
-from _host import cpu, load_average, peak_resident_bytes  # noqa: E402
+from _host import cpu, load_average, peak_resident_bytes, run_python  # noqa: E402
 
 from gr.hstu import HSTU, HSTUConfig  # noqa: E402
 from gr.train.memory import GIB  # noqa: E402
@@ -153,12 +153,10 @@ def stack_cases(args: argparse.Namespace) -> List[Dict]:
     for length in args.lengths:
         for precision in args.precisions:
             for recompute in args.recompute:
-                run = subprocess.run(
-                    [sys.executable, __file__, "--case", str(length), recompute, precision],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
+                run = run_python([__file__, "--case", str(length), recompute, precision], args.smoke)
+                if run.returncode != 0:
+                    case = f"--case {length} {recompute} {precision}"
+                    raise RuntimeError(f"memory.py {case} failed:\n{run.stderr[-4000:]}")
                 measured = int(run.stdout.split()[-1])
                 predicted = estimate(length, recompute, precision)
                 rows.append(
@@ -190,7 +188,7 @@ def table_points(args: argparse.Namespace) -> List[Dict]:
         for backend in args.backends:
             with tempfile.TemporaryDirectory(prefix="gr-memory-") as work:
                 flags = ["--table-run", str(rows), backend, str(Path(work) / "run"), str(args.reserve_gib)]
-                run = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True)
+                run = run_python([__file__, *flags], args.smoke)
             if run.returncode != 0:
                 raise RuntimeError(f"memory.py {' '.join(flags)} failed:\n{run.stderr[-4000:]}")
             result = json.loads(run.stdout.strip().splitlines()[-1])

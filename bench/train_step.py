@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ configure_onednn_cache()  # as `gr train` does
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _host import run_python  # noqa: E402
 from _peak import matmul_peak  # noqa: E402
 from bench_data import ML1M_RECIPES, write_ml1m_shaped_ratings  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
@@ -141,11 +141,12 @@ def epoch_seconds(config: TrainConfig, out_dir: Path) -> Dict[str, float]:
     }
 
 
-def in_own_process(*flags: str, echo: bool = False) -> Dict:
+def in_own_process(*flags: str, echo: bool = False, forked: bool = False) -> Dict:
     """This script run with ``flags`` by a fresh process, as a training run has it (what ran before
-    stays out of its heap) -> the JSON object its last line prints; with ``echo`` the lines before
+    stays out of its heap), or with ``forked`` (a smoke run) by a child of this one
+    (``_host.run_python``) -> the JSON object its last line prints; with ``echo`` the lines before
     it (profiles) are printed here."""
-    done = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True)
+    done = run_python([__file__, *flags], forked)
     if done.returncode != 0:
         raise RuntimeError(f"train_step.py {' '.join(flags)} failed:\n{done.stderr[-4000:]}")
     *lines, last = done.stdout.strip().splitlines()
@@ -367,7 +368,13 @@ def main() -> None:
         epoch_precisions = () if args.no_epoch else PRECISIONS[:1] if args.smoke else PRECISIONS
         for precision in epoch_precisions:
             timing = in_own_process(
-                "--epoch-run", f"{recipe},{precision}", "--work", str(work), "--epochs", str(args.epochs)
+                "--epoch-run",
+                f"{recipe},{precision}",
+                "--work",
+                str(work),
+                "--epochs",
+                str(args.epochs),
+                forked=args.smoke,
             )
             loop = {"step_ms": 0.0, "gflops": 0.0, "peak_fraction": 0.0}
             if timing["loop_steps"]:
@@ -385,7 +392,7 @@ def main() -> None:
             )
         flags = ["--rates-run", recipe, "--work", str(work), "--steps", str(steps), "--peaks", json.dumps(peaks)]
         flags += ["--token-negatives"] * args.token_negatives + ["--profile"] * args.profile
-        rates = in_own_process(*flags, echo=args.profile)
+        rates = in_own_process(*flags, echo=args.profile, forked=args.smoke)
         for precision, rate in rates.items():
             result.update({f"{recipe}/{precision}/{k}": v for k, v in rate.items()})
             print(

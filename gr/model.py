@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from gr.hstu import HSTU, HSTUConfig
 from gr.jagged import offsets_from_lengths, target_token_index, token_seq_ids
 from gr.postfix_dnn import PostfixDNN
+from gr.postfix_dnn.item_tower import ItemTower
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse import SparseEmbeddings, TableConfig
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
@@ -68,6 +69,8 @@ class GROutput:
     row_offsets: [B+1] int64, scored rows per sequence
     token_features: {feature: [T_f, d]} every looked-up sequence feature and token_dense
     common_features: {feature: [B, d]}
+    new_user: PostfixDNN outputs {name: [B, ...]} of each sequence's user with no history
+        (``GRModel.new_user_predictions``): in training, when the model has ``empty_history``; else empty
     """
 
     predictions: Dict[str, Tensor]
@@ -76,6 +79,7 @@ class GROutput:
     row_offsets: Tensor
     token_features: Dict[str, Tensor]
     common_features: Dict[str, Tensor]
+    new_user: Dict[str, Tensor] = field(default_factory=dict)
 
 
 class GRModel(nn.Module):
@@ -84,6 +88,10 @@ class GRModel(nn.Module):
     Subclasses customise ``split_input`` (raw batch -> ``GRInput``) and
     ``compute_loss``; the forward itself and the HSTU module are fixed, and a
     subclass that defines them is refused when the class is created.
+
+    ``item_tower`` (None unless ``model.item_tower`` configures one, set by the builder): the
+    retrieval item tower (``gr.postfix_dnn.item_tower``), which replaces the looked-up rows of
+    the items (history tokens, sampled items) by their item vectors before the PrefixDNN.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -112,6 +120,10 @@ class GRModel(nn.Module):
         self.prefix_dnn = prefix_dnn
         self.hstu = HSTU(hstu)
         self.postfix_dnn = postfix_dnn
+        self.item_tower: Optional[ItemTower] = None
+        # [D] the HSTU state of a user with no history, or None: set by the builder when the task learns it.
+        self.empty_history: Optional[nn.Parameter]
+        self.register_parameter("empty_history", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Re-assigning the same module is allowed: DistributedModelParallel re-sets every child it visits.
@@ -159,6 +171,8 @@ class GRModel(nn.Module):
         if not isinstance(inputs, GRInput):
             raise TypeError(f"{type(self).__name__}.split_input must return a GRInput, got {type(inputs).__name__}")
         token, common = self.embed_features(inputs)
+        if self.item_tower is not None:
+            token = self.item_tower.embed_tokens(token, inputs.sequence_ids)
         missing = [n for n in self.prefix_dnn.feature_names if n not in token]
         if missing:
             raise KeyError(
@@ -176,4 +190,15 @@ class GRModel(nn.Module):
         hidden = h if inputs.num_targets is None else h.index_select(0, row_index)
         row_common = {name: common[name].index_select(0, row_seq) for name in self.postfix_dnn.common_feature_names}
         predictions = self.postfix_dnn(hidden, row_common)
-        return GROutput(predictions, hidden, row_index, row_offsets, token, common)
+        new_user = {}
+        if self.training and self.empty_history is not None:
+            new_user = self.new_user_predictions(common, inputs.seq_offsets.numel() - 1)
+        return GROutput(predictions, hidden, row_index, row_offsets, token, common, new_user)
+
+    def new_user_predictions(self, common: Dict[str, Tensor], rows: int) -> Dict[str, Tensor]:
+        """PostfixDNN outputs {name: [rows, ...]} for ``rows`` users with no history: ``empty_history`` [D]
+        as every user's HSTU output, with their common features ``common`` {name: [rows, d]}."""
+        if self.empty_history is None:
+            raise ValueError(f"{type(self).__name__}: built without empty_history (task.retrieval.new_user_query)")
+        hidden = self.empty_history.unsqueeze(0).expand(rows, -1)
+        return self.postfix_dnn(hidden, {name: common[name] for name in self.postfix_dnn.common_feature_names})

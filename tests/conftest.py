@@ -37,6 +37,7 @@ SLOW_MODULES = {
     "test_daily_retrain_bench.py",
     "test_list_features.py",
     "test_new_items.py",
+    "test_new_users.py",
     "test_serving_operations.py",
     "test_warm_start.py",
     "test_cli_errors.py",

@@ -27,7 +27,17 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_BENCHMARKS = {"smoke.py", "_peak.py", "_host.py"}  # modules the benchmarks import
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
 # Run by tests/test_benches_training.py: a second module, so the suite's two workers share the smoke runs.
-TRAINING_BENCHES = {"train_step", "ab_steps", "memory", "train_dedup", "bench_data", "data_scale", "prepared_vs_raw"}
+TRAINING_BENCHES = {
+    "cold_start",
+    "train_step",
+    "ab_steps",
+    "memory",
+    "train_dedup",
+    "bench_data",
+    "data_scale",
+    "prepared_vs_raw",
+    "new_users",
+}
 
 
 @dataclass(frozen=True)
@@ -209,6 +219,41 @@ BENCHES = (
     ),
     Bench("bench/device_check.py", (), covered_by="tests/test_device_check.py"),
     Bench("bench/daily_retrain.py", (), covered_by="tests/test_daily_retrain_bench.py"),
+    Bench(
+        "bench/cold_start.py",
+        (
+            "held_out",
+            "events",
+            "a_among_held_out",
+            "a_whole_catalogue",
+            "b_new_users",
+            "c_other_events",
+            "paired_hr@10",
+            "top10_share_held_out",
+            "target_share_held_out",
+            "share_ratio",
+            "targets",
+            "cpu",
+            "cpu_flags",
+            "load_average",
+        ),
+    ),
+    Bench(
+        "bench/new_users.py",
+        (
+            "held_out_users",
+            "users",
+            "unknown_items",
+            "epochs",
+            "scorers",
+            "paired",
+            "new_user_over_popularity",
+            "targets",
+            "cpu",
+            "cpu_flags",
+            "load_average",
+        ),
+    ),
     Bench(
         "bench/triton_compile.py",
         (

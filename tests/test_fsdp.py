@@ -8,8 +8,6 @@ model) are the references for the loss curve."""
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +36,7 @@ WARM = (
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
+def two_rank_runs(tmp_path_factory, warm_python):
     """{"fsdp", "resumed", "warm"}: run directories of the 2-rank runs."""
     root = tmp_path_factory.mktemp("fsdp")
     outs = {name: root / name for name in ("fsdp", "resumed", "warm")}
@@ -50,18 +48,8 @@ def two_rank_runs(tmp_path_factory):
     ]
     (root / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(ROOT / "tests" / "helpers" / "torchrun_runs.py"),
-        str(root / "runs.json"),
-    ]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
+    command = [str(ROOT / "tests" / "helpers" / "torchrun_runs.py"), str(root / "runs.json")]
+    run = warm_python.torchrun(2, command, ROOT, env, timeout=400)
     assert run.returncode == 0, run.stderr[-4000:]
     return outs
 
@@ -134,14 +122,6 @@ def test_fsdp2_checkpoint_loads_into_a_plain_model_that_scores_like_the_run(two_
     assert not isinstance(model.hstu.layers[0].uvqk.weight, torch.distributed.tensor.DTensor)
     for key in ("hr@10", "ndcg@10", "mrr"):
         assert merged[key] == pytest.approx(run_metrics[key], abs=1e-6), key
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_two_rank_warm_start_fills_both_ranks_table_shards_and_their_optimizer_state(two_rank_runs):

@@ -84,6 +84,7 @@ def test_scores_equal_ranking_each_user_alone_across_batches(ranking, tmp_path):
         "history_length",
         "truncated",
         "left_out",
+        "fallback",
     ]
     alone = Ranker.load(path)
     for row, r in zip(out.to_pylist(), requests):

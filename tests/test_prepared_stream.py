@@ -7,8 +7,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -471,7 +469,7 @@ def test_evaluation_keeps_a_models_maps_leaves_out_new_items_and_refuses_a_prepa
 
 
 @pytest.mark.slow
-def test_two_ranks_train_on_their_own_shards_and_the_run_evaluates_and_warm_starts(tmp_path):
+def test_two_ranks_train_on_their_own_shards_and_the_run_evaluates_and_warm_starts(tmp_path, warm_python):
     """torchrun, 2 gloo ranks, ``gr train`` on 3 shards: rank 0 reads two, rank 1 one; every epoch
     each training user is in one batch of one rank, both ranks take the same steps (rank 1's
     batches smaller); the run's test metrics are the ones ``gr evaluate`` computes on one rank, and
@@ -486,15 +484,7 @@ def test_two_ranks_train_on_their_own_shards_and_the_run_evaluates_and_warm_star
     out = tmp_path / "run"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HELPERS.parent), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run = subprocess.run(
-        [*command, str(HELPERS / "prepared_ranks.py"), str(recipe), str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    run = warm_python.torchrun(2, [str(HELPERS / "prepared_ranks.py"), str(recipe), str(out)], ROOT, env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["shards"] == [0, 2] and ranks[1]["shards"] == [1]

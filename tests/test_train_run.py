@@ -6,7 +6,6 @@ import copy
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +96,7 @@ def test_ranking_run_with_host_placed_tables_reports_auc_logloss_positive_rates_
     assert saved["data"]["task"] == "ranking" and saved["sparse"]["placement"] == "host"
 
 
-def test_two_rank_torchrun_shards_tables_and_matches_one_rank(retrieval_run, tmp_path):
+def test_two_rank_torchrun_shards_tables_and_matches_one_rank(retrieval_run, tmp_path, warm_python):
     """torchrun, 2 CPU processes (gloo): the item table is split row-wise, each rank writes its
     own checkpoint shard, the merged model reproduces the run's metrics, and the metrics are
     close to the one-process run's (the same steps: each rank takes half of each global batch)."""
@@ -106,21 +105,7 @@ def test_two_rank_torchrun_shards_tables_and_matches_one_rank(retrieval_run, tmp
     recipe.write_text(yaml.safe_dump(RETRIEVAL))
     out = tmp_path / "run"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        "train.py",
-        "--config",
-        str(recipe),
-        "--out",
-        str(out),
-    ]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    run = warm_python.torchrun(2, ["train.py", "--config", str(recipe), "--out", str(out)], ROOT, env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count(f"wrote {out / 'metrics.json'}") == 1  # rank 0 prints the summary, once
     two_ranks = json.loads((out / "metrics.json").read_text())
@@ -136,12 +121,6 @@ def test_two_rank_torchrun_shards_tables_and_matches_one_rank(retrieval_run, tmp
     for key in ("hr@10", "ndcg@10"):
         assert abs(two_ranks[key] - one_rank[key]) < 0.1, key
         assert two_ranks[key] > one_rank["popularity"][key]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_resuming_a_finished_run_is_one_line_and_rewrites_nothing(retrieval_run, capsys):

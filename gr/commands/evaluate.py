@@ -102,7 +102,15 @@ def evaluate_run(
     _check_per_user(config, per_user)
     model, _ = load_trained_model(run_dir)
     data = _data(config.data, config.model.hstu.eviction_block, model_maps(str(Path(run_dir) / MAPPINGS_DIR)))
-    task = _task(config, data, model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None)
+    tower = model.item_tower
+    if tower is not None:  # the items' features come from the data, as in training
+        tower.set_items(data.item_features.columns())
+    task = _task(
+        config,
+        data,
+        model.postfix_dnn.item_embedding if config.task_type == "retrieval" else None,
+        None if tower is None else tower.item_vectors,
+    )
     task.start_evaluation(model.embeddings)
     popularity = data.popularity() if config.task_type == "retrieval" else None
     with torch.no_grad():
@@ -141,7 +149,7 @@ def evaluate_export(
     for i, batch in enumerate(data.test_dataloader()):
         requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
         if config.task_type == "retrieval":
-            queries = {"query": _served_queries(ranker, batch, requests)}
+            queries = {"query": served_queries(ranker, batch, requests)}
             task.evaluation_step(_output(queries, torch.arange(len(requests) + 1)), batch, popularity)
         else:
             results = ranker.rank([RankRequest(**r) for r in requests])
@@ -189,7 +197,7 @@ def write_user_metrics(path: Path, task: RetrievalTask, user_map: IdMap) -> None
         writer.writerows(zip(raw, targets.tolist(), *(value.tolist() for value in metrics.values())))
 
 
-def _served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
+def served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
     """[B, d] the served retrieval query at each sequence's last token (its query time as in the
     batch), the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
     from gr.serving import encode as encoding  # loaded by evaluate_export
@@ -223,11 +231,11 @@ def _data(config: DataConfig, eviction_block: int, maps: Dict[str, IdMap]) -> Se
     return data
 
 
-def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any) -> Any:
+def _task(config: TrainConfig, data: SequenceDataModule, item_embedding: Any, item_vectors: Any = None) -> Any:
     from gr.train.tasks import RankingTask, RetrievalTask  # loaded by evaluate_run / evaluate_export
 
     if config.task_type == "retrieval":
-        return RetrievalTask(config.task.retrieval, data.num_items, item_embedding)
+        return RetrievalTask(config.task.retrieval, data.num_items, item_embedding, item_vectors)
     return RankingTask(config.task.ranking, data.tasks)
 
 
@@ -246,6 +254,71 @@ def _report(
         out["popularity"] = baseline
     out.update({"split": "test", "source": {kind: str(source)}, "data": data.summary})
     return out
+
+
+def first_event_ranks(source: str | Path, data: DataConfig) -> Dict[str, np.ndarray]:
+    """Each user of ``data``'s first event, ranked over the whole catalogue from the user's common
+    features alone, by the new-user query (``task.retrieval.new_user_query``) and by popularity.
+
+    source: an export, or a run (exported to a temporary directory first). The data are read with
+    the model's id maps, as ``gr evaluate`` reads them: a user's first event is its first event of
+    an item the model has a row for, and side-feature values the model never saw read as their
+    unknown id 0; no item is excluded from the ranking. -> {"user": [U] int64 the users' dense ids
+    in the data, "item": [U] int64 their first items (model ids), "new_user" and "popularity":
+    [U] int64 0-based ranks (``gr.train.metrics.target_ranks``: ties by item id);
+    ``gr.train.metrics.target_metrics`` turns ranks into HR@k / NDCG@k}. ValueError when the model
+    has no new-user state (``hstu/empty_history.safetensors``) or no item popularity."""
+    import tempfile
+
+    from gr.export.writer import export_run
+
+    source = Path(source)
+    if is_export(source):
+        return _first_event_ranks(source, data)
+    with tempfile.TemporaryDirectory(prefix="gr-first-events-") as tmp:
+        return _first_event_ranks(export_run(source, Path(tmp) / "export"), data)
+
+
+def _first_event_ranks(export_dir: Path, data_config: DataConfig) -> Dict[str, np.ndarray]:
+    import torch
+
+    from gr.serving.model import ServingModel
+    from gr.train.metrics import score_ranks, target_ranks
+
+    model = ServingModel(export_dir)
+    if model.empty_history is None or model.popularity is None:
+        raise ValueError(
+            f"{export_dir}: scoring first events needs the new-user state and item popularity "
+            "(an export of a run trained with task.retrieval.new_user_query)"
+        )
+    maps = export_dir / ID_MAPS_DIR
+    data = _data(data_config, model.config.eviction_block, model_maps(str(maps)) if maps.is_dir() else {})
+    corpus = data.corpus
+    assert corpus is not None  # set by setup()
+    sequences = corpus.sequences
+    users = np.flatnonzero(sequences.offsets[1:] > sequences.starts)
+    items = sequences.items[sequences.starts[users]]
+    dataset_users = corpus.dataset_users(users)
+    side, schema = corpus.user_features, model.schema
+    commons = []
+    for u in dataset_users:
+        common = {name: side.categorical[name][u : u + 1] for name in schema.common_ids if name in side.categorical}
+        common.update(
+            {name: side.lists[name].take(np.array([u])).values for name in schema.common_ids if name in side.lists}
+        )
+        common.update({name: side.dense[name][u : u + 1] for name in schema.common_dense})
+        commons.append(common)
+    targets = torch.from_numpy(items)
+    none = (torch.zeros(len(users) + 1, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    catalogue = model.catalogue()
+    queries = model.new_user_queries(commons).to(catalogue.vectors.dtype)
+    popularity = torch.from_numpy(model.popularity).double().expand(len(users), -1)
+    return {
+        "user": dataset_users.astype(np.int64),
+        "item": items.astype(np.int64),
+        "new_user": target_ranks(queries, catalogue.vectors.cpu(), targets, *none).numpy(),
+        "popularity": score_ranks(popularity, targets, *none).numpy(),
+    }
 
 
 def is_export(path: Path) -> bool:

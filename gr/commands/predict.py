@@ -14,7 +14,9 @@ as a column ``history.item_id``)::
                                                                      floored, as training reads one)
     candidates.<feature>       list per token feature                optional: scores per candidate
     candidates.timestamps      list<int> (or list<timestamp>)        optional (default: request_time)
-    common_features.<feature>  id, list of ids, or list<float>       required when the export reads it
+    common_features.<feature>  id, list of ids, or list<float>       required when the export reads it,
+                                                                     but for an id feature whose map has
+                                                                     an unknown id (then that id)
     request_time               int (null: the request's default)     optional
 
 A token feature's column holds a value per token: list<id> for an id feature, list<list<float>>
@@ -31,8 +33,11 @@ passes and one catalogue search; retrieval exports).
 Output: a Parquet file written atomically, one row per input row in input order: ``user_id``,
 the input's ``candidates.*`` columns and ``scores.<name>`` (list<float32>, one per candidate:
 ``retrieval``, or each task's probability and ``<task>_logit``), or ``items`` and ``scores``
-(the top k); then ``history_length``, ``truncated`` (oldest history tokens dropped) and
-``left_out`` (history tokens of items the export has no row for, with ``--unknown-ids oov``).
+(the top k); then ``history_length``, ``truncated`` (oldest history tokens dropped), ``left_out``
+(history tokens of items the export has no row for, with ``--unknown-ids oov``) and ``fallback``
+(null, or how a row with an empty history was answered: ``user_features``, ``popularity``; see
+``gr.serving.fallback``). A row with an empty history answers as a served request does: from the
+user's features with an export that stores the new-user state, else from item popularity.
 
 Parquet only: the history and candidates are lists, which Parquet stores as typed list
 columns; CSV has no list type, and a list encoding inside CSV cells would be a second format
@@ -168,13 +173,14 @@ def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
     required = [
         USER,
         *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS) if f not in stored),
-        *(f"{COMMON}.{f}" for f in common),
+        *(f"{COMMON}.{f}" for f in common if f not in request.omittable),
     ]
     if candidates:
         left_out = (*stored, *request.candidate_optional)
         required += [f"{CANDIDATES}.{f}" for f in features if f not in left_out]
     optional = [
         *(f"{HISTORY}.{f}" for f in stored),
+        *(f"{COMMON}.{f}" for f in request.omittable),
         *(f"{CANDIDATES}.{f}" for f in (*features, TIMESTAMPS) if f"{CANDIDATES}.{f}" not in required),
         REQUEST_TIME,
     ]
@@ -196,12 +202,14 @@ def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
             raise ValueError(f"{path}: column {REQUEST_TIME}: expected integers (seconds), got {kind}")
         if name.startswith((f"{HISTORY}.", f"{CANDIDATES}.")) and not _is_list(kind):
             raise ValueError(f"{path}: column {name}: expected a list per row (one value per token), got {kind}")
-    return Layout(tuple(f for f in features if f"{HISTORY}.{f}" in names), candidates, common)
+    given = tuple(f for f in common if f"{COMMON}.{f}" in names)
+    return Layout(tuple(f for f in features if f"{HISTORY}.{f}" in names), candidates, given)
 
 
 def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.Schema:
     """The output columns: user_id, the input's candidates.* and scores.<name> (rank), or items
-    and scores (top k; items typed as the input's history item ids), history_length, truncated, left_out."""
+    and scores (top k; items typed as the input's history item ids), history_length, truncated, left_out,
+    fallback."""
     scores = pa.list_(pa.float32())
     fields = [schema.field(USER)]
     if layout.rank:
@@ -211,7 +219,7 @@ def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.
     else:
         fields += [pa.field(ITEMS, schema.field(f"{HISTORY}.{ITEM_FEATURE}").type), pa.field(SCORES, scores)]
     fields += [pa.field(name, pa.int32()) for name in ("history_length", "truncated", "left_out")]
-    return pa.schema(fields)
+    return pa.schema([*fields, pa.field("fallback", pa.string())])
 
 
 def _ranking_score_names(tasks: Sequence[str]) -> List[str]:
@@ -411,7 +419,7 @@ def _output_table(table: pa.Table, results: List[Any], schema: pa.Schema) -> pa.
             columns[name] = table.column(name)
         elif name.startswith(f"{SCORES}."):
             columns[name] = [r.scores[name[len(SCORES) + 1 :]] for r in results]
-        else:  # items, scores (top k), history_length, truncated, left_out
+        else:  # items, scores (top k), history_length, truncated, left_out, fallback
             columns[name] = [getattr(r, name) for r in results]
     return pa.table(columns, schema=schema)
 

@@ -253,7 +253,10 @@ class RetrievalTrainBatches(SplitBatches):
     """Autoregressive next-item samples: one per user with >= 2 training events.
 
     Input: the most recent ``max_seq_len + 1`` training events minus the last;
-    ``labels["next_item"]``: [T] the event after each token.
+    ``labels["next_item"]``: [T] the event after each token; ``labels["first_item"]``: [B] the
+    sequence's first item when it is the user's first event (the window holds the whole history)
+    and may be predicted (at or after the user's label start), else -1: what a user with no
+    history does first (``task.retrieval.new_user_query``).
     """
 
     def __init__(self, corpus: Corpus, max_seq_len: int, seed: int, eviction_block: int = 1) -> None:
@@ -271,8 +274,11 @@ class RetrievalTrainBatches(SplitBatches):
         lengths = last - starts
         index = concat_ranges(starts, lengths)
         next_item = seqs.items[index + 1]
+        label_starts = seqs.label_starts()[users]
         if seqs.split is not None:  # events before a user's label start are history alone
-            next_item = np.where(index + 1 >= np.repeat(seqs.label_starts()[users], lengths), next_item, -1)
+            next_item = np.where(index + 1 >= np.repeat(label_starts, lengths), next_item, -1)
+        first = (starts == seqs.starts[users]) & (starts >= label_starts)
+        first_item = np.where(first, seqs.items[starts], -1)
         return assemble(
             self.corpus,
             users,
@@ -281,7 +287,7 @@ class RetrievalTrainBatches(SplitBatches):
             seqs.timestamps[index + 1],
             lengths,
             None,
-            {"next_item": next_item},
+            {"next_item": next_item, "first_item": first_item},
             index,
         )
 

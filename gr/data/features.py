@@ -91,6 +91,10 @@ class SideFeatures:
             out.vocabularies[name] = vocabulary
         return out
 
+    def columns(self) -> Dict[str, np.ndarray | JaggedRows]:
+        """{feature: its values by dense id}, categorical, dense and list-valued features alike."""
+        return {**self.categorical, **self.dense, **self.lists}
+
     def take(self, index: np.ndarray) -> "SideFeatures":
         """The rows ``index`` ([M'] int64) of every feature, in that order (vocabularies shared)."""
         return SideFeatures(

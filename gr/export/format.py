@@ -8,9 +8,11 @@ Layout of an export directory::
     sparse/id_maps/           raw -> model id mappings, copied from the training run (optional)
     sparse/item_features.safetensors  each item's declared item features (optional; gr.export.item_store)
     sparse/popularity.safetensors  each item's training count (optional; gr.export.popularity)
+    sparse/item_encoder.safetensors  the item tower's feature encoder (optional; gr.export.item_encoder)
     prefix_dnn/model.onnx     token features -> "embedding" [tokens, hidden_dim]
     hstu/config.json          Hugging Face-style keys + every HSTUConfig field (gr.export.hstu_slice)
     hstu/model.safetensors    per-layer, per-projection weights, float32 or bfloat16 (docs/hstu_slice.md)
+    hstu/empty_history.safetensors  the HSTU output of a user with no history (optional; gr.export.new_user)
     postfix_dnn/model.onnx    "hidden" [targets, hidden_dim] + common features -> task outputs
     MANIFEST                  sha256 of every other file (gr.export.manifest)
 

@@ -5,13 +5,16 @@ Writes a new export (never edits one in place, nor writes inside it: the old kee
 Parquet) join the catalogue with their item features:
 
 * their raw ids extend the item id map (every known item keeps its row);
-* their rows of the item table (the model has never seen them; their item features, which the
-  PrefixDNN reads, are what tells them apart as candidates) are, on an export with a retrieval
-  head, zero: a catalogue search (recommend, generation) scores an item by the cosine of its
-  normalised row with the query, and a zero row normalises to zero (never NaN), so a new item
-  scores 0 for every query and ranks below every trained item the query has a positive cosine
-  with. The mean of the trained rows, "an average item", points where typical queries point and
-  would put the new items first for nearly every user. On a ranking export (no catalogue search)
+* their rows of the item table: on an export of a model with an item tower (``model.item_tower``:
+  ``sparse/item_encoder.safetensors``, ``gr.export.item_encoder``), the tower's encoder of their
+  item features, what the model gives an item with those features and no trained id row, so a
+  catalogue search scores each by its features. Otherwise (the model has never seen them; their item
+  features, which the PrefixDNN reads, are what tells them apart as candidates) they are, on an
+  export with a retrieval head, zero: a catalogue search (recommend, generation) scores an item by
+  the cosine of its normalised row with the query, and a zero row normalises to zero (never NaN), so
+  a new item scores 0 for every query and ranks below every trained item the query has a positive
+  cosine with. The mean of the trained rows, "an average item", points where typical queries point
+  and would put the new items first for nearly every user. On a ranking export (no catalogue search)
   their rows are that mean, what the PrefixDNN reads beside their features;
 * their item features go to the item store (categorical values through the export's
   vocabularies: a value the model never saw takes the unknown id 0), as items the data had;
@@ -19,7 +22,9 @@ Parquet) join the catalogue with their item features:
 
 An item the export already has is refused, unless ``replace_known`` (``--replace-known``): then
 its stored features become the file's (a changed brand, price, genres), while its trained row and
-its popularity stay; served by id, it is scored with its new features.
+its popularity stay; served by id, it is scored with its new features. With an item tower its row
+becomes its trained id part (the row less the encoder of its old features) plus the encoder of
+its new features.
 
 An export whose model reads no item feature is refused: every new item would score alike.
 ITEMS holds one row per new item: the item column (``item_id``) and each stored item feature
@@ -35,13 +40,14 @@ import functools
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+import torch
 from safetensors.numpy import load_file
 from safetensors.numpy import save as safetensors_bytes
 
@@ -57,13 +63,17 @@ from gr.export.format import (
     TIMESTAMPS,
     TOKENS,
     ExportFormatError,
+    Problem,
 )
-from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, load_item_store, write_item_store
+from gr.export.item_encoder import check_item_encoder
+from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, ItemStore, load_item_store, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.popularity import POPULARITY, read_popularity, write_popularity
 from gr.export.reader import ExportManifest, check_export, open_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL
+from gr.export.sparse_manifest import SparseManifest
 from gr.jagged_rows import JaggedRows
+from gr.postfix_dnn.item_tower import ItemEncoder
 from gr.utils.atomic import atomic_directory
 from gr.utils.outputs import checked_output
 
@@ -137,6 +147,15 @@ def add_items(
         searched = POSTFIX_QUERY in [t.name for t in export.graph.slice(POSTFIX).outputs]
         new_row = np.zeros_like(weights[:1]) if searched else weights.mean(0, keepdims=True)
         grown = np.concatenate([weights, np.repeat(new_row, added, axis=0)])
+        encoder = _item_encoder(export.root, export.sparse)
+        if encoder is not None:  # rows = trained id part + the encoder of the (new) features
+            replaced = rows[rows >= 0]
+            old = encoder.encode_columns({name: store.lookup(name, replaced) for name in store.features})
+            new_items = np.concatenate([replaced, np.arange(table.rows, table.rows + added)])
+            grown_store = ItemStore(ITEM_FEATURE, features)
+            new = encoder.encode_columns({name: grown_store.lookup(name, new_items) for name in features})
+            grown[replaced] -= old.numpy()
+            grown[new_items] += new.numpy()
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
         sparse = replace(
             export.sparse, tables={**export.sparse.tables, table.name: replace(table, rows=table.rows + added)}
@@ -157,6 +176,20 @@ def add_items(
     if searched and added:
         summary["trained_items"] = table.rows
     return summary
+
+
+def _item_encoder(root: Path, sparse: SparseManifest) -> Optional[ItemEncoder]:
+    """The export's item tower encoder (``gr.export.item_encoder``), None when it has none."""
+    problems: List[Problem] = []
+    read = check_item_encoder(root, sparse, problems)
+    if problems:
+        raise ExportFormatError(problems)
+    if read is None:
+        return None
+    metadata, weights = read
+    encoder = ItemEncoder.from_metadata(metadata)
+    encoder.load_state_dict({name: torch.from_numpy(value) for name, value in weights.items()})
+    return encoder.eval()
 
 
 def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:

@@ -46,8 +46,10 @@ from gr.export.format import (
 )
 from gr.export.hstu_slice import SAFETENSORS_DTYPES, config_from_slice, from_slice, slice_tensor_shapes
 from gr.export.id_maps import read_id_maps
+from gr.export.item_encoder import check_item_encoder
 from gr.export.item_store import check_item_store
 from gr.export.manifest import check_manifest, inside
+from gr.export.new_user import check_empty_history
 from gr.export.popularity import check_popularity
 from gr.export.slice_graph import SliceGraph, SliceSpec
 from gr.export.sparse_manifest import SparseManifest
@@ -143,10 +145,13 @@ def _inspect(root: Path) -> Tuple[Optional[ExportManifest], List[Problem]]:
         check_popularity(root, sparse, problems)
     if sparse is not None and graph is not None:
         check_item_store(root, graph, sparse, problems)
+    if sparse is not None:
+        check_item_encoder(root, sparse, problems)
     read = _read_hstu_config(root, problems)
     hstu_config = None if read is None else read[0]
     if read is not None:
         _check_hstu_weights(root, *read, problems)
+        check_empty_history(root, read[0].hidden_dim, problems)
     if graph is not None:
         slices = {s.name: s for s in graph.slices}
         for name, files in SLICE_FILES.items():

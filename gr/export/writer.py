@@ -53,8 +53,10 @@ from gr.export.format import (
     write_ini,
 )
 from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes, to_slice
+from gr.export.item_encoder import write_item_encoder
 from gr.export.item_store import ITEM_FEATURE, Column, write_item_store
 from gr.export.manifest import write_manifest
+from gr.export.new_user import write_empty_history
 from gr.export.onnx_registry import registry_built_once
 from gr.export.popularity import write_popularity
 from gr.export.reader import ONNX_DTYPES, check_export
@@ -90,7 +92,10 @@ def export_model(
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
-    model: an unsharded GRModel (``gr.train.load_trained_model`` returns one)
+    model: an unsharded GRModel (``gr.train.load_trained_model`` returns one). With an item tower
+        (``model.item_tower``), its items' features given (``ItemTower.set_items``): the item
+        table is written as the tower's item vectors, and the encoder beside it
+        (``gr.export.item_encoder``)
 
     id_mappings_dir: a directory from ``SequenceDataModule.save_mappings``, copied to
         ``sparse/id_maps/``; the map named after a feature, its table, or ``<name>s`` for
@@ -108,6 +113,8 @@ def export_model(
         from which serving fills them for items a request gives by id alone.
     popularity: [item table rows] training counts of each item (``gr.data.popularity``), written to
         ``sparse/popularity.safetensors``: serving's answer to an empty history (``gr.export.popularity``).
+    The model's ``empty_history``, when it has one, is written to ``hstu/empty_history.safetensors``:
+    serving's answer to an empty history with the user's common features (``gr.export.new_user``).
     source: where the model came from (``export_run``: the run, its checkpoint, epoch and step),
         written to ``source.json`` and hashed in the MANIFEST with every other file.
     """
@@ -154,6 +161,9 @@ def export_run(
         checkpoint = best_checkpoint(run_dir)
         model, _ = load_trained_model(run_dir, checkpoint)
         mappings = run_dir / MAPPINGS_DIR
+        item_features = run_item_features(run_dir, model.prefix_dnn.feature_names)
+        if model.item_tower is not None:
+            model.item_tower.set_items(item_features)
         return export_model(
             model,
             export_dir,
@@ -162,7 +172,7 @@ def export_run(
             event_features=spec.event_features,
             overwrite=overwrite,
             hstu_dtype=hstu_dtype,
-            item_features=run_item_features(run_dir, model.prefix_dnn.feature_names),
+            item_features=item_features,
             popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
             source=checkpoint_source(run_dir, checkpoint),
         )
@@ -182,6 +192,10 @@ def _write(
     token_dims = _feature_dims(prefix, prefix.feature_names, sparse, TOKEN_KINDS, dense_dims, "feature_dims")
     if item_features:
         write_item_store(root, item_features, token_dims, sparse, event_features)
+    if model.item_tower is not None:
+        encoder = model.item_tower.encoder
+        weights = {name: value.detach().float().cpu().numpy() for name, value in encoder.state_dict().items()}
+        write_item_encoder(root, weights, encoder.metadata())
     common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, ("common",), dense_dims, "common_dims")
     _check_names(prefix, postfix)
 
@@ -225,6 +239,8 @@ def _write(
             f"{sorted(expected)} (gr.export.hstu_slice.slice_tensor_shapes)"
         )
     write_bytes(root / HSTU_WEIGHTS, safetensors_bytes(weights))
+    if model.empty_history is not None:
+        write_empty_history(root, model.empty_history)
 
     graph = _slice_graph(model, sparse, token_dims, common_dims, prefix_out, postfix_out, event_features)
     write_ini(root / SLICE_GRAPH, graph.to_sections(), header="gr slice graph: slices in execution order")
@@ -242,10 +258,13 @@ def _write_sparse(model: GRModel, root: Path, id_mappings_dir: Union[str, Path, 
         mapping_files = _mapping_files(root / ID_MAPS_DIR)
     tables: Dict[str, TableEntry] = {}
     features: Dict[str, FeatureEntry] = {}
-    embeddings = model.embeddings
+    embeddings, tower = model.embeddings, model.item_tower
     for table in embeddings.tables.values() if embeddings is not None else ():
         assert embeddings is not None  # the loop runs over its tables
         weight = embeddings.table_weight(table.name)  # [rows, embedding_dim], storage padding cut off
+        if tower is not None and tower.item_feature in table.features:  # the items as the model embeds them
+            with torch.no_grad():
+                weight = tower.item_vectors(torch.arange(weight.shape[0], device=weight.device), weight)
         file = f"{table.name}.safetensors"
         rows = weight.detach().to(torch.float32).contiguous()
         (root / SPARSE_DIR / file).write_bytes(safetensors_bytes({TABLE_TENSOR: rows}))
@@ -545,8 +564,7 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
             f"{run_dir}: the items of {_data_location(config.data)} differ from those the run was trained on "
             f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
         )
-    item_side = data.item_features
-    side: Dict[str, Column] = {**item_side.categorical, **item_side.dense, **item_side.lists}
+    side = data.item_features.columns()
     return {f: side[f] for f in wanted if f in side}
 
 

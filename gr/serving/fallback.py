@@ -1,5 +1,8 @@
-"""Cold start: the answer to a recommend or generate request with an empty history, from the export's
-item popularity (``gr.export.popularity``; an export without it refuses such a request).
+"""Cold start: the answer to a recommend or generate request with an empty history. With the user's
+common features and an export that stores the new-user state (``gr.export.new_user``), the model's
+new-user query answers, marked ``"fallback": "user_features"`` (``History.from_user_features``;
+recommend's scores are cosines, generate decodes from that query on); otherwise the export's item
+popularity (``gr.export.popularity``; an export without it refuses such a request), as follows.
 
 The answer is the k most popular items (training counts, most first, the lowest id on ties) that the
 request does not exclude, marked ``"fallback": "popularity"``. Its scores keep each verb's meaning as
@@ -16,6 +19,7 @@ from typing import Any, Callable, List, Protocol, Sequence, Tuple, TypeVar
 import numpy as np
 
 POPULARITY = "popularity"  # the fallback's name in answers and in the gr_fallback_total metric
+USER_FEATURES = "user_features"  # the new-user query's, likewise
 
 
 class _Prepared(Protocol):
@@ -32,8 +36,9 @@ def cold_apart(
     modelled: Callable[[List[PreparedT]], List[ResultT]],
     popular: Callable[[PreparedT], ResultT],
 ) -> List[ResultT]:
-    """Answers to ``prepared`` in order: ``popular(p)`` for each request with an empty history, the
-    others' from one ``modelled`` call over them all."""
+    """Answers to ``prepared`` in order: ``popular(p)`` for each request with an empty history (the
+    cold-start answer, from popularity or the user's features), the others' from one ``modelled``
+    call over them all."""
     if all(p.history.length for p in prepared):
         return modelled(list(prepared))
     answers = iter(modelled([p for p in prepared if p.history.length]))

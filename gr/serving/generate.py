@@ -17,6 +17,7 @@ import torch
 from gr.export.format import TIMESTAMPS
 from gr.generation.budget import AdaptiveBudget, SharedBudget
 from gr.generation.decoding import (
+    DecodeState,
     Drafter,
     GenerationStats,
     Relaxed,
@@ -35,8 +36,8 @@ from gr.generation.speculative_retrieval import (
 from gr.serving import encode
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
-from gr.serving.fallback import POPULARITY, cold_apart, log_probabilities, most_popular
-from gr.serving.history import EncodedHistory, History, empty_history, history_warnings, last_token_state
+from gr.serving.fallback import POPULARITY, USER_FEATURES, cold_apart, log_probabilities, most_popular
+from gr.serving.history import History, empty_history, history_warnings, last_token_state, new_user_state
 from gr.serving.request import GenerateRequest, check_request_time, check_sampling
 from gr.serving.user_cache import UserCache
 
@@ -52,8 +53,9 @@ class GenerateResult:
     log-probability at its step (``slate_log_probs``: log softmax of the catalogue scores / the
     request's temperature over the items allowed there); stats: passes, drafts, timings; drafted:
     whether a draft source proposed items (speculative greedy). The JSON form reports ``passes`` and
-    ``accepted`` only then: without drafts they say nothing about the request. fallback: "popularity"
-    for an empty history answered by ``gr.serving.fallback`` (scores: popularity log-probabilities)."""
+    ``accepted`` only then: without drafts they say nothing about the request. fallback: for an empty
+    history (``gr.serving.fallback``), "user_features" when decoded from the new-user query (scores as
+    above), "popularity" for the most popular items (scores: popularity log-probabilities)."""
 
     items: List[Any]
     scores: List[float]
@@ -139,7 +141,7 @@ def prepare(
         raise RequestError("draft and speculative_retrieval: choose one")
     if budget is not None and draft is None:
         raise RequestError("budget: sizes draft trees; it needs a draft source (draft=...)")
-    if h.length == 0 and h.model.popularity is None:
+    if h.length == 0 and h.model.popularity is None and not h.from_user_features:
         raise empty_history(
             h, "generation starts from at least one item (this export stores no item popularity to fall back on)"
         )
@@ -162,8 +164,8 @@ def prepare(
 def run(cache: UserCache, prepared: Sequence[PreparedGenerate]) -> List[GenerateResult]:
     """Generate for prepared requests: their histories encoded together through the user cache
     (``gr.serving.encode``), then each request decoded on its own; requests with an empty history get
-    the popularity fallback (``gr.serving.fallback``)."""
-    return cold_apart(prepared, lambda modelled: _run_modelled(cache, modelled), _popular)
+    the cold-start answer (``gr.serving.fallback``)."""
+    return cold_apart(prepared, lambda modelled: _run_modelled(cache, modelled), _cold)
 
 
 def _run_modelled(cache: UserCache, prepared: List[PreparedGenerate]) -> List[GenerateResult]:
@@ -173,14 +175,18 @@ def _run_modelled(cache: UserCache, prepared: List[PreparedGenerate]) -> List[Ge
     if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
         return [_run_modelled(cache, [p])[0] for p in prepared]
     encoded = encode.encode(cache, [p.history for p in prepared])
-    return [decode(p, e) for p, e in zip(prepared, encoded)]
+    return [
+        decode(p, last_token_state(e, p.catalogue, p.request_time), e.cache_status) for p, e in zip(prepared, encoded)
+    ]
 
 
-def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
-    """Decode the request's k items from its encoded history."""
+def decode(
+    p: PreparedGenerate, state: DecodeState, cache_status: str, fallback: Optional[str] = None
+) -> GenerateResult:
+    """Decode the request's k items from ``state`` (its encoded history's last token, or a new user's:
+    ``new_user_state``, which no draft source drafts for)."""
     request, catalogue, request_time = p.request, p.catalogue, p.request_time
     k, exclude_seen, index = request.k, request.exclude_seen, catalogue.index
-    state = last_token_state(encoded, catalogue, request_time)
     lm = ServingGenerativeModel(catalogue, p.history.common)
     if request.strategy == "beam":
         out = beam_search(lm, index, state, k, request_time, exclude_seen, request.beam_width, request.temperature)
@@ -189,7 +195,7 @@ def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
         out = sample(lm, index, state, k, request_time, exclude_seen, request.temperature, generator)
     elif p.speculative_retrieval is not None:
         out = greedy_speculative_retrieval(lm, index, state, k, request_time, p.speculative_retrieval, exclude_seen)
-    elif p.draft is None:
+    elif p.draft is None or p.history.length == 0:
         out = greedy(lm, index, state, k, request_time, exclude_seen)
     else:
         items = torch.from_numpy(p.history.tokens[catalogue.item_feature])
@@ -205,16 +211,21 @@ def decode(p: PreparedGenerate, encoded: EncodedHistory) -> GenerateResult:
         out.stats,
         p.history.length,
         p.history.truncated,
-        encoded.cache_status,
+        cache_status,
         p.history.model_version,
-        drafted=p.draft is not None,
+        drafted=p.draft is not None and p.history.length > 0,
+        fallback=fallback,
         left_out=p.history.left_out,
     )
 
 
-def _popular(p: PreparedGenerate) -> GenerateResult:
-    """The popularity fallback of a request with an empty history: the k most popular items, none twice."""
+def _cold(p: PreparedGenerate) -> GenerateResult:
+    """The answer to a request with an empty history: decoded from the new-user query when the request
+    gives the user's features and the export stores the new-user state, else the k most popular items,
+    none twice."""
     h = p.history
+    if h.from_user_features:
+        return decode(p, new_user_state(h, p.catalogue), "off", USER_FEATURES)
     assert h.model.popularity is not None  # prepare refuses an empty history without it
     items, _ = most_popular(h.model.popularity, np.zeros(0, np.int64), p.request.k)
     scores = log_probabilities(h.model.popularity, items).tolist()

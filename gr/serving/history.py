@@ -34,6 +34,7 @@ class History:
         max_seq_len - reserve tokens; truncated: oldest tokens dropped to fit
     common: validated common features; raw: the id maps of raw-id requests (None: model ids)
     left_out: tokens of items the model has no row for, left out under ``unknown_ids="oov"``
+    common_given: whether the request gave common features (an empty history without them holds none)
     """
 
     model: ServingModel
@@ -45,10 +46,19 @@ class History:
     raw: Optional[IdMaps]
     unknown_ids: str
     left_out: int = 0
+    common_given: bool = False
 
     @property
     def length(self) -> int:
         return len(self.tokens[TIMESTAMPS])
+
+    @property
+    def from_user_features(self) -> bool:
+        """Whether a request with this history is answered by the new-user query (``"fallback":
+        "user_features"``): an empty history with the user's common features, from a retrieval export
+        that stores ``empty_history`` (``gr.export.new_user``)."""
+        model = self.model
+        return self.length == 0 and self.common_given and model.empty_history is not None and model.is_retrieval
 
     def decode_items(self, feature: str, ids: np.ndarray) -> list:
         """[n] model ids -> n ids in the request's id space (JSON-ready)."""
@@ -98,9 +108,12 @@ def validate(
     if raw is not None and unknown == "oov":
         history, left_out = without_unknown_items(history, raw, model.schema.token_ids)
     tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
-    common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
+    given = common_features is not None and not (isinstance(common_features, Mapping) and not common_features)
+    common: Tokens = {}
+    if given or len(tokens[TIMESTAMPS]):  # a new user without features gets the popularity fallback
+        common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
     tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, long_history, model.config.eviction_block)
-    return History(model, model_version, user_id, tokens, common, truncated, raw, unknown, left_out)
+    return History(model, model_version, user_id, tokens, common, truncated, raw, unknown, left_out, given)
 
 
 def without_unknown_items(history: Any, raw: IdMaps, token_ids: Sequence[str]) -> Tuple[Any, int]:
@@ -167,6 +180,16 @@ def last_token_state(encoded: EncodedHistory, catalogue: Catalogue, request_time
     # Tokens with more features than the item: the history's own inputs, not the catalogue's.
     tokens = None if catalogue.item_only else h.model.embed_tokens(h.tokens)
     return start(lm, items, torch.from_numpy(h.tokens[TIMESTAMPS]), request_time, encoded.cache, tokens)
+
+
+def new_user_state(h: History, catalogue: Catalogue) -> DecodeState:
+    """The decoding state of a user with no history (``History.from_user_features``): nothing
+    encoded, the new-user query from the user's common features."""
+    engine, dim = h.model.engine, h.model.config.hidden_dim
+    empty = engine.encode(
+        torch.zeros(0, dim, device=engine.device), torch.zeros(0, dtype=torch.long, device=engine.device)
+    )
+    return DecodeState(empty, [], h.model.new_user_queries([h.common])[0].to(catalogue.vectors.device))
 
 
 def history_warnings(truncated: int, left_out: int = 0) -> Dict[str, Any]:

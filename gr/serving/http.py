@@ -23,8 +23,10 @@ supervisor to restart it) or when the server shuts down (SIGTERM) before the req
 being served: a flood is answered at once instead of queueing without bound.
 Every error counts in ``gr_errors_total`` by endpoint, status and kind (its ``error`` name), and
 every request logs one access line with its request id (``gr.serving.logs``). A recommend or
-generate request with an empty history gets the export's most popular items, marked
-``"fallback": "popularity"`` (``gr.serving.fallback``), counted in ``gr_fallback_total``. A client
+generate request with an empty history gets the new-user query's answer from the user's common
+features (``"fallback": "user_features"``) where the export stores the new-user state, else the
+export's most popular items (``"fallback": "popularity"``; ``gr.serving.fallback``), each counted in
+``gr_fallback_total`` by kind. A client
 that closes its connection before its body has arrived is no error: it counts in
 ``gr_client_disconnects_total`` and logs one line.
 Several replicas scale out behind any L7 load balancer that hashes on ``user_id`` (see docs/serving.md, Replicas).

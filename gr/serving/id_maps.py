@@ -60,6 +60,11 @@ class IdMaps:
             )
         return encoded
 
+    def has_unknown_row(self, feature: str) -> bool:
+        """Whether ``feature``'s map reserves model id 0 for unknown values (a categorical side feature)."""
+        id_map = self.maps.get(feature)
+        return id_map is not None and id_map.offset >= 1
+
     def rowless(self, feature: str, values: Any) -> Optional[np.ndarray]:
         """[n] bool: the raw ids among ``values`` that ``feature``'s map lacks and has no unknown row
         for (the item's map); None when ``feature`` has no such map or ``values`` are not a list of

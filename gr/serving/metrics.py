@@ -84,7 +84,7 @@ class ServerMetrics:
         )
         self.fallbacks = Counter(
             "gr_fallback",
-            "Answers not from the model, by kind (popularity: an empty history)",
+            "Answers to an empty history by kind (user_features: the new-user query; popularity: most popular items)",
             ["kind"],
             registry=self.registry,
         )

@@ -28,6 +28,7 @@ from gr.export.format import (
     TOKEN_BAGS,
     TOKENS,
 )
+from gr.export.new_user import read_empty_history
 from gr.export.popularity import read_popularity
 from gr.export.reader import load_hstu, open_export
 from gr.export.slice_graph import REQUEST
@@ -63,12 +64,13 @@ class ServingModel:
         self.config = manifest.hstu_config
         self.sparse = SparseStore(manifest)
         stored = () if self.sparse.items is None else tuple(self.sparse.items.features)
-        self.schema = RequestSchema.from_graph(self.graph, stored)
         self.id_maps = IdMaps(manifest.root, manifest.sparse)
+        self.schema = RequestSchema.from_graph(self.graph, stored, self.id_maps.has_unknown_row)
         self.prefix = OnnxSlice(manifest.path(PREFIX_ONNX), self.graph.slice(PREFIX), threads, device)
         self.engine = CachedHSTU(load_hstu(manifest.root).to(device))
         self.postfix = OnnxSlice(manifest.path(POSTFIX_ONNX), self.graph.slice(POSTFIX), threads, device)
         self.popularity: Optional[np.ndarray] = read_popularity(manifest.root)  # [items] int64 counts, or None
+        self.empty_history: Optional[np.ndarray] = read_empty_history(manifest.root)  # [D] float32, or None
         self._catalogue: Optional[Catalogue] = None
         self._catalogue_lock = threading.Lock()
 
@@ -124,6 +126,14 @@ class ServingModel:
         out = self.postfix.run(inputs)
         check_finite(out, "postfix_dnn")
         return out
+
+    def new_user_queries(self, commons: Sequence[Tokens]) -> Tensor:
+        """[B, d] the retrieval queries of B users with no history: the postfix_dnn slice on the
+        export's ``empty_history`` with each user's validated common features (needs both)."""
+        if self.empty_history is None:
+            raise ValueError(f"{self.root}: the export stores no empty_history (gr.export.new_user)")
+        hidden = torch.from_numpy(self.empty_history).unsqueeze(0).expand(len(commons), -1)
+        return torch.from_numpy(self.heads_batch(hidden, commons, [1] * len(commons))[QUERY])
 
     def _common_inputs(self, common: Tokens) -> Dict[str, np.ndarray]:
         """One request's common features by graph source name (ids pooled through the sparse store)."""

@@ -7,6 +7,7 @@ candidates against them. Without the cache, a ranking export runs one target-awa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -18,6 +19,7 @@ from gr.export.format import TIMESTAMPS
 from gr.jagged import offsets_from_lengths
 from gr.serving import encode
 from gr.serving.errors import RequestError
+from gr.serving.fallback import USER_FEATURES
 from gr.serving.history import History, Tokens, check_span, empty_history, history_warnings
 from gr.serving.limits import RequestLimits
 from gr.serving.model import ServingModel, check_finite
@@ -39,7 +41,8 @@ class RankResult:
     left_out: tokens of items the model has no row for, left out (``unknown_ids="oov"``);
     cache_status: "miss" (history encoded), "extend" (only new actions encoded),
     "hit" (nothing encoded) or "off" (no history cache used); model_version: the reload
-    count of the model that computed every score.
+    count of the model that computed every score; fallback: "user_features" when a retrieval
+    export scored a new user's candidates against the new-user query (``gr.serving.fallback``).
     """
 
     scores: Dict[str, np.ndarray]
@@ -48,6 +51,7 @@ class RankResult:
     cache_status: str
     model_version: int = 0
     left_out: int = 0
+    fallback: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -56,6 +60,7 @@ class RankResult:
             "cache_status": self.cache_status,
             "cache": self.cache_status,
             "model_version": self.model_version,
+            **({"fallback": self.fallback} if self.fallback else {}),
             **history_warnings(self.truncated, self.left_out),
         }
 
@@ -75,8 +80,14 @@ def prepare(h: History, request: RankRequest, limits: RequestLimits) -> Prepared
     request can get wrong is found here, before it joins a batch."""
     if h.model.is_retrieval:
         h.model.catalogue()  # RequestError when the export has none
-        if h.length == 0:
-            raise empty_history(h, "a retrieval model scores items against the query at the last history item")
+        if h.length == 0 and not h.from_user_features:
+            raise empty_history(
+                h,
+                "a retrieval model scores items against the query at the last history item, or for a new user "
+                "against the new-user query from the user's common_features (exports that store it)",
+            )
+    elif h.length == 0 and not h.common_given:  # the target-aware pass reads the common features: all required
+        h = dataclasses.replace(h, common=h.model.schema.common(None, h.model.sparse))
     return PreparedRank(request, h, *_candidates(h, request.candidates, request.request_time, limits))
 
 
@@ -155,19 +166,27 @@ def _uncached(p: PreparedRank) -> RankResult:
 def _retrieval(cache: UserCache, prepared: Sequence[PreparedRank], use_cache: bool) -> List[RankResult]:
     """Requests of a retrieval export: each candidate's cosine with its request's query, the
     queries of the whole batch from shared passes (``gr.serving.encode.queries``)."""
-    catalogue = prepared[0].history.model.catalogue()
-    encoded = encode.encode(cache, [p.history for p in prepared], use_cache)
-    queries = encode.queries(encoded, [p.request_time for p in prepared])  # [B, d]
+    model = prepared[0].history.model
+    catalogue = model.catalogue()
+    warm = [b for b, p in enumerate(prepared) if p.history.length]
+    cold = [b for b, p in enumerate(prepared) if not p.history.length]  # new users: the new-user query
+    encoded = dict(zip(warm, encode.encode(cache, [prepared[b].history for b in warm], use_cache)))
+    queries = torch.zeros(len(prepared), catalogue.vectors.shape[1], dtype=catalogue.vectors.dtype)  # [B, d]
+    if warm:
+        queries[warm] = encode.queries([encoded[b] for b in warm], [prepared[b].request_time for b in warm])
+    if cold:
+        queries[cold] = model.new_user_queries([prepared[b].history.common for b in cold]).to(queries.dtype)
     counts = torch.tensor([len(p.candidates[TIMESTAMPS]) for p in prepared])
     items = torch.from_numpy(np.concatenate([p.candidates[catalogue.item_feature] for p in prepared]))
     rows = torch.repeat_interleave(torch.arange(len(prepared)), counts)
     scores = (queries[rows] * catalogue.vectors[items]).sum(-1).numpy()  # [N]
     bounds = np.cumsum([0, *counts.tolist()])
     out = []
-    for b, (p, e) in enumerate(zip(prepared, encoded)):
+    for b, p in enumerate(prepared):
         h, result = p.history, {RETRIEVAL: scores[bounds[b] : bounds[b + 1]]}
         check_finite(result, "retrieval")
-        out.append(RankResult(result, h.length, h.truncated, e.cache_status, h.model_version, h.left_out))
+        status, fallback = (encoded[b].cache_status, None) if b in encoded else ("off", USER_FEATURES)
+        out.append(RankResult(result, h.length, h.truncated, status, h.model_version, h.left_out, fallback))
     return out
 
 

@@ -14,10 +14,11 @@ import torch
 from torch import Tensor
 
 from gr.export.format import TIMESTAMPS
+from gr.index.exact import ItemIndex
 from gr.serving import encode
 from gr.serving.catalogue import QUERY
 from gr.serving.errors import RequestError
-from gr.serving.fallback import POPULARITY, cold_apart, most_popular
+from gr.serving.fallback import POPULARITY, USER_FEATURES, cold_apart, most_popular
 from gr.serving.history import History, check_span, empty_history, history_warnings
 from gr.serving.model import check_finite
 from gr.serving.request import RecommendRequest, check_request_time
@@ -30,8 +31,9 @@ __all__ = ["PreparedRecommend", "RecommendResult", "prepare", "run"]
 class RecommendResult:
     """items: the top k catalogue items (in the request's id space), best first; scores: [k]
     their cosines with the query (see ``RankResult``); fallback: "popularity" when the history was
-    empty and the items are the most popular ones, their scores training counts
-    (``gr.serving.fallback``); other fields as in ``RankResult``."""
+    empty and the items are the most popular ones, their scores training counts, "user_features"
+    when they are the new-user query's, their scores cosines (``gr.serving.fallback``); other fields
+    as in ``RankResult``."""
 
     items: List[Any]
     scores: np.ndarray
@@ -74,7 +76,7 @@ def prepare(h: History, request: RecommendRequest) -> PreparedRecommend:
             f"outputs {h.model.postfix.output_names}: use rank"
         )
     catalogue = h.model.catalogue()
-    if h.length == 0 and h.model.popularity is None:
+    if h.length == 0 and h.model.popularity is None and not h.from_user_features:
         raise empty_history(
             h, "recommend needs at least one item (this export stores no item popularity to fall back on)"
         )
@@ -91,8 +93,8 @@ def prepare(h: History, request: RecommendRequest) -> PreparedRecommend:
 
 def run(cache: UserCache, prepared: Sequence[PreparedRecommend]) -> List[RecommendResult]:
     """Recommend for prepared requests as one batch; a batch that raced a reload goes one by one;
-    requests with an empty history get the popularity fallback (``gr.serving.fallback``)."""
-    return cold_apart(prepared, lambda modelled: _run_modelled(cache, modelled), _popular)
+    requests with an empty history get the cold-start answer (``gr.serving.fallback``)."""
+    return cold_apart(prepared, lambda modelled: _run_modelled(cache, modelled), _cold)
 
 
 def _run_modelled(cache: UserCache, prepared: List[PreparedRecommend]) -> List[RecommendResult]:
@@ -101,17 +103,9 @@ def _run_modelled(cache: UserCache, prepared: List[PreparedRecommend]) -> List[R
     model = prepared[0].history.model
     if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
         return [_run_modelled(cache, [p])[0] for p in prepared]
-    index = model.catalogue().index
     encoded = encode.encode(cache, [p.history for p in prepared])
     queries = encode.queries(encoded, [p.request_time for p in prepared])  # [B, d]
-    found: Dict[int, Tuple[Tensor, Tensor]] = {}
-    for k in sorted({p.request.k for p in prepared}):
-        rows = [b for b, p in enumerate(prepared) if p.request.k == k]
-        exclude = torch.zeros(len(rows), index.num_items, dtype=torch.bool)
-        for r, b in enumerate(rows):
-            exclude[r, torch.from_numpy(prepared[b].excluded)] = True
-        scores, items = index.search(queries[rows], exclude, k)
-        found.update((b, (scores[r], items[r])) for r, b in enumerate(rows))
+    found = _search(model.catalogue().index, prepared, queries)
     item_feature, out = model.catalogue().item_feature, []
     for b, (p, e) in enumerate(zip(prepared, encoded)):
         (scores, items), h = found[b], p.history
@@ -125,9 +119,34 @@ def _run_modelled(cache: UserCache, prepared: List[PreparedRecommend]) -> List[R
     return out
 
 
-def _popular(p: PreparedRecommend) -> RecommendResult:
-    """The popularity fallback of a request with an empty history: the k most popular eligible items."""
+def _search(
+    index: ItemIndex, prepared: Sequence[PreparedRecommend], queries: Tensor
+) -> Dict[int, Tuple[Tensor, Tensor]]:
+    """{b: (scores [k], items [k])} the top k items of each request b for its query ``queries[b]``,
+    one search for all the requests that ask for the same k."""
+    found: Dict[int, Tuple[Tensor, Tensor]] = {}
+    for k in sorted({p.request.k for p in prepared}):
+        rows = [b for b, p in enumerate(prepared) if p.request.k == k]
+        exclude = torch.zeros(len(rows), index.num_items, dtype=torch.bool)
+        for r, b in enumerate(rows):
+            exclude[r, torch.from_numpy(prepared[b].excluded)] = True
+        scores, items = index.search(queries[rows], exclude, k)
+        found.update((b, (scores[r], items[r])) for r, b in enumerate(rows))
+    return found
+
+
+def _cold(p: PreparedRecommend) -> RecommendResult:
+    """The answer to a request with an empty history: the new-user query's top k when the request
+    gives the user's features and the export stores the new-user state, else the k most popular
+    eligible items."""
     h = p.history
+    if h.from_user_features:
+        found, top = _search(h.model.catalogue().index, [p], h.model.new_user_queries([h.common]))[0]
+        check_finite({"scores": found.numpy()}, "recommend")
+        decoded = h.decode_items(h.model.catalogue().item_feature, top.numpy())
+        return RecommendResult(
+            decoded, found.numpy(), 0, h.truncated, "off", h.model_version, USER_FEATURES, h.left_out
+        )
     assert h.model.popularity is not None  # prepare refuses an empty history without it
     items, counts = most_popular(h.model.popularity, p.excluded, p.request.k)
     decoded = h.decode_items(h.model.catalogue().item_feature, items)

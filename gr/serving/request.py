@@ -25,7 +25,7 @@ Sizes are bounded by the service's ``gr.serving.limits.RequestLimits``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -233,7 +233,10 @@ class RequestSchema:
     stored: token features of the item that the export's item store holds (``gr.export.item_store``):
     history and candidates may leave them out and then take the item's stored value.
     token_lists: {list-valued token feature: dim}: a bag of ids per token, held in validated
-    tokens as its pooled rows [n, dim] (an empty bag: zeros)."""
+    tokens as its pooled rows [n, dim] (an empty bag: zeros).
+    omittable: common id features whose id map reserves model id 0 for unknown values: a request
+    may leave them out, and they then hold that id (as training's users without the value); every
+    other common feature is required."""
 
     token_ids: Tuple[str, ...]
     token_dense: Dict[str, int]
@@ -242,6 +245,7 @@ class RequestSchema:
     candidate_optional: Tuple[str, ...] = ()
     stored: Tuple[str, ...] = ()
     token_lists: Dict[str, int] = field(default_factory=dict)
+    omittable: Tuple[str, ...] = ()
 
     @property
     def token_features(self) -> Tuple[str, ...]:
@@ -249,7 +253,11 @@ class RequestSchema:
         return (*self.token_ids, *self.token_lists, *self.token_dense)
 
     @classmethod
-    def from_graph(cls, graph: SliceGraph, stored: Tuple[str, ...] = ()) -> "RequestSchema":
+    def from_graph(
+        cls, graph: SliceGraph, stored: Tuple[str, ...] = (), unknown_row: Callable[[str], bool] = lambda name: False
+    ) -> "RequestSchema":
+        """The schema of ``graph``'s request; unknown_row: whether a common id feature's map reserves
+        id 0 for unknown values (it is then ``omittable``)."""
         token_ids, common_ids, token_dense, common_dense, token_lists = [], [], {}, {}, {}
         optional = tuple(t.name for t in graph.request if t.candidates == CANDIDATES_OPTIONAL)
         for t in graph.request:
@@ -265,7 +273,10 @@ class RequestSchema:
                 token_dense[t.name] = int(t.shape[1])
             elif len(t.shape) == 2:
                 common_dense[t.name] = int(t.shape[1])
-        return cls(tuple(token_ids), token_dense, tuple(common_ids), common_dense, optional, stored, token_lists)
+        omittable = tuple(name for name in common_ids if unknown_row(name))
+        return cls(
+            tuple(token_ids), token_dense, tuple(common_ids), common_dense, optional, stored, token_lists, omittable
+        )
 
     def tokens(
         self,
@@ -368,13 +379,18 @@ class RequestSchema:
         unknown_ids: str = "error",
         limits: RequestLimits = DEFAULT_LIMITS,
     ) -> Dict[str, np.ndarray]:
-        """{feature: id | [ids] | [d floats]} -> {feature: [n] int64 bag | [1, d] float32} (raw: as in ``tokens``)."""
+        """{feature: id | [ids] | [d floats]} -> {feature: [n] int64 bag | [1, d] float32} (raw: as in
+        ``tokens``); an ``omittable`` feature left out is [0], the unknown id."""
         values = {} if values is None else values
         if not isinstance(values, Mapping):
             raise RequestError(f"common_features: expected an object, got {type(values).__name__}")
-        _check_features(values, (*self.common_ids, *self.common_dense), "common_features")
+        required = tuple(name for name in (*self.common_ids, *self.common_dense) if name not in self.omittable)
+        _check_features(values, required, "common_features", optional=self.omittable)
         out: Dict[str, np.ndarray] = {}
         for name in self.common_ids:
+            if name not in values:
+                out[name] = np.zeros(1, dtype=np.int64)
+                continue
             value = [values[name]] if np.isscalar(values[name]) else values[name]
             where = f"common_features.{name}"
             limits.check_count(_length(value, where), "max_history_tokens", where, "ids")

@@ -18,13 +18,16 @@ filled when the constructor has them:
   tasks          the data's ranking task names
 A list of feature names given for ``feature_dims`` / ``common_dims`` selects those
 features (with their dims).
+
+``model.item_tower`` (retrieval) adds ``GRModel.item_tower`` (``gr.postfix_dnn.item_tower``):
+each named item feature's bag has its table's rows and dim; a dense one is read as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,11 +36,13 @@ from gr.data.declared import declared_spec
 from gr.data.features import ITEM_ID, FeatureSpec
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
+from gr.postfix_dnn.item_tower import ItemEncoder, ItemTower, TowerFeature
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse.tables import TableConfig, sparse_backend
 from gr.train.config import ModuleSpec, OptimizerSection, TrainConfig
 
 SAMPLED_ITEMS = "sampled_item_id"
+EMPTY_HISTORY = "empty_history"  # GRModel's parameter (and state dict key): the HSTU state of a user with no history
 CONTEXT_ARGUMENTS = ("hidden_dim", "feature_dims", "common_dims", "embedding_dim", "tasks")
 
 
@@ -142,6 +147,40 @@ def check_declared_features(config: TrainConfig) -> None:
     tables = build_tables(config, spec, for_training=False)
     with torch.device("meta"):
         build_modules(config, spec, config.data.label_names(), tables)
+        build_item_tower(config, spec, tables)
+
+
+def build_item_tower(config: TrainConfig, spec: FeatureSpec, tables: Sequence[TableConfig]) -> Optional[ItemTower]:
+    """The ``model.item_tower`` of ``config`` for data ``spec`` (None when not configured), its
+    features checked to be declared item features: ValueError in one line naming the key otherwise."""
+    section = config.model.item_tower
+    if section is None:
+        return None
+    where = "model.item_tower.features"
+    table_of = {f: t for t in tables for f in t.features}
+    item = config.task.retrieval.item_feature
+    features = []
+    for name in section.features:
+        events = set(spec.event_features)
+        if name == item or name in events:
+            what = "the item itself" if name == item else "a feature of the interaction, not of the item"
+            raise ValueError(f"{where}: {name!r} is {what}; the tower reads item features")
+        if name in spec.sequence or name in spec.token_lists:
+            table = table_of[name]
+            kind = "categorical" if name in spec.sequence else "list"
+            features.append(TowerFeature(name, kind, table.num_embeddings, table.embedding_dim))
+        elif name in spec.token_dense:
+            features.append(TowerFeature(name, "dense", 0, spec.token_dense[name]))
+        else:
+            declared = [f for f in (*spec.sequence, *spec.token_lists, *spec.token_dense) if f != item]
+            item_features = [f for f in declared if f not in events]
+            raise ValueError(
+                f"{where}: {name!r} is not a declared item feature (item features: {item_features}; see "
+                "data.item_features and data.columns)"
+            )
+    items = item_table(tables, item)
+    encoder = ItemEncoder(features, items.embedding_dim, section.mlp_dims)
+    return ItemTower(item, (item, SAMPLED_ITEMS), items.num_embeddings, encoder, section.id_dropout)
 
 
 def build_model(
@@ -157,6 +196,30 @@ def build_model(
     with sparse_backend(config.sparse.backend if for_training else "torch"):
         model = config.model.model_class()(config.model.hstu, prefix, postfix, tables)
     model.embeddings.dedup = config.sparse.dedup
+    tower = build_item_tower(config, spec, tables)
+    if tower is not None:
+        model.item_tower = tower
+    if learns_new_user_query(config, postfix):  # drawn last: every other parameter starts as without it
+        dim = config.model.hstu.hidden_dim
+        model.empty_history = nn.Parameter(torch.randn(dim) * dim**-0.5)
+    return model
+
+
+def learns_new_user_query(config: TrainConfig, postfix: PostfixDNN) -> bool:
+    """Whether the model learns ``GRModel.empty_history``: ``task.retrieval.new_user_query`` of a
+    retrieval task, and where that is null, whether ``postfix`` reads common features."""
+    if config.task_type != "retrieval":
+        return False
+    chosen = config.task.retrieval.new_user_query
+    return bool(postfix.common_feature_names) if chosen is None else chosen
+
+
+def without_empty_history(model: GRModel, keys: Collection[str]) -> GRModel:
+    """``model`` without ``empty_history`` when a checkpoint's model state dict ``keys`` (unprefixed) lack it (a model
+    trained before it existed, or with it off): such a checkpoint loads as the model it was, with
+    no new-user query."""
+    if model.empty_history is not None and EMPTY_HISTORY not in keys:
+        model.empty_history = None
     return model
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,14 @@ def load_checkpoint(template: Dict[str, Any], path: str | Path) -> Dict[str, Any
         causes = "; ".join(f"rank {rank}: {_failure_text(cause)}" for rank, cause in sorted(error.failures.items()))
         raise ValueError(f"{path}: the checkpoint does not fit this model and config ({causes})") from error
     return {**read_meta(path), **template}
+
+
+def model_keys(path: str | Path) -> Set[str]:
+    """The model's state dict keys (``model.*``) checkpoint directory ``path`` holds, from DCP's
+    metadata (no tensor is read)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = "state_dict."
+    return {key[len(prefix) :] for key in metadata.state_dict_metadata if key.startswith(prefix)}
 
 
 def _failure_text(failure: Any) -> str:

@@ -33,6 +33,7 @@ from gr.utils.config_checks import (
     BETAS,
     BOOL,
     NAME,
+    PROBABILITY,
     Check,
     Section,
     checked,
@@ -162,12 +163,36 @@ def import_class(path: str, where: str) -> type:
 
 
 @dataclass(frozen=True)
+class ItemTowerSection(Section):
+    """Retrieval's item-side embedding from the item's features as well as its id row
+    (``gr.postfix_dnn.item_tower``): ``features``, declared item features (categorical, list-valued
+    or dense) that an encoder of its own turns into a vector added to the item's row; in training
+    each looked-up item's row is zeroed with probability ``id_dropout``, so the features alone
+    learn to score; ``mlp_dims``: the encoder's hidden layers (none: one projection)."""
+
+    features: Tuple[str, ...] = checked((), list_of(NAME, non_empty=True))
+    id_dropout: float = checked(0.2, PROBABILITY)
+    mlp_dims: Tuple[int, ...] = checked((), list_of(int_at_least(1)))
+    where: InitVar[str] = "model.item_tower"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+        repeated = sorted({f for f in self.features if self.features.count(f) > 1})
+        if repeated:
+            raise ValueError(f"{where}.features: {repeated} named more than once")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"features": list(self.features), "id_dropout": self.id_dropout, "mlp_dims": list(self.mlp_dims)}
+
+
+@dataclass(frozen=True)
 class ModelSection:
     """hstu: HSTUConfig; tables: embedding table mappings (``TableConfig`` fields;
     ``num_embeddings`` may be null: the data's cardinality); prefix_dnn / postfix_dnn;
     ``class`` (``class_path`` here): the GRModel subclass to build, by import path, checked
     after the rest of the section. It is built as ``cls(hstu, prefix_dnn, postfix_dnn,
-    tables)`` and its ``split_input`` receives each batch (a GRInput with every feature)."""
+    tables)`` and its ``split_input`` receives each batch (a GRInput with every feature).
+    item_tower: retrieval's item tower (``ItemTowerSection``), or None: items are their rows."""
 
     hstu: HSTUConfig
     tables: Tuple[Mapping[str, Any], ...]
@@ -175,6 +200,7 @@ class ModelSection:
     postfix_dnn: ModuleSpec
     class_path: str = DEFAULT_MODEL
     code_path: Tuple[str, ...] = ()
+    item_tower: Optional[ItemTowerSection] = None
 
     @classmethod
     def from_dict(cls, values: Any, where: str, task: str) -> "ModelSection":
@@ -193,6 +219,9 @@ class ModelSection:
         names = [t["name"] for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.tables: duplicate table names {names}")
+        tower = values.get("item_tower")
+        if tower is not None and task != "retrieval":
+            raise ValueError(f"{where}.item_tower: an item tower embeds retrieval's items; data.task is {task!r}")
         section = cls(
             hstu=HSTUConfig.from_dict(values.get("hstu"), f"{where}.hstu"),
             tables=tuple(dict(t) for t in tables),
@@ -200,6 +229,7 @@ class ModelSection:
             postfix_dnn=ModuleSpec.parse(values.get("postfix_dnn"), f"{where}.postfix_dnn", DEFAULT_POSTFIX[task]),
             class_path=DEFAULT_MODEL if class_path is None else class_path,
             code_path=tuple(code_path),
+            item_tower=None if tower is None else ItemTowerSection.from_dict(tower, f"{where}.item_tower"),
         )
         section.model_class(f"{where}.class")
         return section
@@ -234,6 +264,7 @@ class ModelSection:
             "prefix_dnn": self.prefix_dnn.to_dict(),
             "postfix_dnn": self.postfix_dnn.to_dict(),
             "code_path": list(self.code_path),
+            **({} if self.item_tower is None else {"item_tower": self.item_tower.to_dict()}),
         }
 
     def with_code_roots(self) -> "ModelSection":
@@ -280,7 +311,13 @@ class RetrievalSection(Section):
     ``num_negatives`` uniform draws and neighbouring tokens of a sequence never share them; the
     CPU kernel scores a block by one matrix product instead of a gather per dot product), or
     shared by all tokens of a batch ("batch"); logits are cosine similarities / ``temperature``.
-    Evaluation ranks the whole catalogue: HR@k and NDCG@k for k in ``top_k``, and MRR."""
+    Evaluation ranks the whole catalogue: HR@k and NDCG@k for k in ``top_k``, and MRR.
+
+    new_user_query: learn the HSTU state of a user with no history (``GRModel.empty_history``), trained on
+    each sequence's first event (when the sequence starts at the user's first event) through the
+    PostfixDNN with the user's common features, with the same loss and kind of negatives as the other
+    tokens; each such target weighs ``new_user_weight`` tokens. null: on when the PostfixDNN reads
+    common features (the query then differs by user), off otherwise."""
 
     num_negatives: int = checked(128, int_at_least(1))
     temperature: float = checked(0.05, number_in(0.0, open_low=True))
@@ -288,6 +325,8 @@ class RetrievalSection(Section):
     negatives_block: int = checked(32, int_at_least(1))
     top_k: Tuple[int, ...] = checked((10, 50, 200), TOP_K)
     item_feature: str = checked("item_id", NAME)
+    new_user_query: Optional[bool] = checked(None, optional(BOOL))
+    new_user_weight: float = checked(1.0, number_in(0.0))
     where: InitVar[str] = "task.retrieval"
 
     def __post_init__(self, where: str) -> None:

@@ -66,9 +66,18 @@ def _keys(cls: type, prefix: str) -> Iterator[ConfigKey]:
             yield ConfigKey(f"{path}.kwargs", "mapping", "{}", "constructor arguments of the class")
         elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
             yield from _keys(hint, f"{path}.")
+        elif _optional_section(hint) is not None:  # a section that is off (null) unless given
+            yield ConfigKey(path, "mapping | null", "null", "the section below, or null (off)")
+            yield from _keys(_optional_section(hint), f"{path}.")
         else:
             check = f.metadata.get("check")
             yield ConfigKey(path, type_name(hint), DEFAULTS.get(path) or _default(f), check[1] if check else "")
+
+
+def _optional_section(hint: Any) -> Any:
+    """The dataclass of an ``Optional[<dataclass>]`` hint, else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is typing.Union else []
+    return args[0] if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]) else None
 
 
 def type_name(hint: Any) -> str:

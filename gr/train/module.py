@@ -33,6 +33,7 @@ from torch import Tensor
 from gr.data.features import FeatureSpec
 from gr.data.stochastic_length import subsample_histories
 from gr.model import GRInput
+from gr.postfix_dnn.item_tower import Column
 from gr.sparse.sharding import check_one_rank, table_device
 from gr.sparse.torch_tables import prepare_for_training
 from gr.train.build import dense_optimizer, seeded_model
@@ -49,7 +50,8 @@ class GRTrainingModule(LightningModule):
     """config: the run's TrainConfig; spec: what the data provides; tasks: ranking label
     names; popularity: [num_items] training counts, for the most-popular baseline at test
     (retrieval: ranks of the held-out item; ranking: AUC of the candidates by popularity);
-    warm_start: a trained run's weights and table optimizer state to begin from."""
+    warm_start: a trained run's weights and table optimizer state to begin from; item_features:
+    {item feature: values by model item id} (the data module's), which ``model.item_tower`` reads."""
 
     def __init__(
         self,
@@ -58,10 +60,12 @@ class GRTrainingModule(LightningModule):
         tasks: Sequence[str] = (),
         popularity: Optional[Tensor] = None,
         warm_start: Optional[WarmStart] = None,
+        item_features: Optional[Mapping[str, Column]] = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.warm_start = warm_start
+        self.item_features = item_features
         self.spec = spec
         self.tasks = tuple(tasks)
         self.popularity = popularity
@@ -80,13 +84,24 @@ class GRTrainingModule(LightningModule):
         sparse, device = self.config.sparse, self.trainer.strategy.root_device
         check_one_rank(sparse.backend, self.trainer.world_size)
         gr_model = seeded_model(self.config, self.spec, self.tasks)
+        if gr_model.item_tower is not None:
+            if self.item_features is None:
+                raise ValueError("model.item_tower: the training module was given no item features (item_features)")
+            gr_model.item_tower.set_items(self.item_features)
         if self.warm_start is not None:
             self.warm_start.copy_weights(gr_model)
         if self.config.task_type == "retrieval":
             item_feature = self.config.task.retrieval.item_feature
             # cast: torch's stubs type a module's attributes (Module.__getattr__) as Tensor | Module
             item_embedding = cast(Callable[[Tensor], Tensor], gr_model.postfix_dnn.item_embedding)
-            self.task = RetrievalTask(self.config.task.retrieval, self.spec.sequence[item_feature], item_embedding)
+            tower = gr_model.item_tower
+            self.task = RetrievalTask(
+                self.config.task.retrieval,
+                self.spec.sequence[item_feature],
+                item_embedding,
+                None if tower is None else tower.item_vectors,
+                new_user=gr_model.empty_history is not None,
+            )
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)
         if sparse.backend == "torch":

@@ -26,7 +26,7 @@ from gr.data.popularity import POPULARITY_FILE, save_popularity
 from gr.model import GRModel
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
-from gr.train.build import build_model, build_tables, check_declared_features
+from gr.train.build import EMPTY_HISTORY, build_model, build_tables, check_declared_features, without_empty_history
 from gr.train.config import TrainConfig, load_config, plain, save_config
 from gr.train.csv_log import AppendingCSVLogger, drop_rows_from_step
 from gr.train.memory import check_memory_fits, plan_for_data
@@ -82,6 +82,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
     start = resume_checkpoint(out_dir) if resume else None
     if start:
         _check_epochs_left(start, config.trainer.max_epochs)
+        config = _as_checkpointed(config, start)
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
     check_declared_features(config)
@@ -99,7 +100,9 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         local = _devices(config.trainer.devices)
         plan = plan_for_data(config, spec, datamodule.tasks, local * config.trainer.num_nodes)
         check_memory_fits(plan, config, local, available_memory_bytes())
-    module = GRTrainingModule(config, spec, datamodule.tasks, datamodule.popularity(), warm_start)
+    module = GRTrainingModule(
+        config, spec, datamodule.tasks, datamodule.popularity(), warm_start, datamodule.item_features.columns()
+    )
 
     resumed_step = ckpt.logged_steps(start) if start else None
 
@@ -291,6 +294,15 @@ def _metrics_json(
     return metrics
 
 
+def _as_checkpointed(config: TrainConfig, start: Path) -> TrainConfig:
+    """``config`` for resuming from checkpoint ``start``: a run whose checkpoint has no
+    ``empty_history`` (trained before it existed) goes on without the new-user query."""
+    if EMPTY_HISTORY in {k.removeprefix("model.") for k in ckpt.model_keys(start)}:
+        return config
+    retrieval = replace(config.task.retrieval, new_user_query=False)
+    return replace(config, task=replace(config.task, retrieval=retrieval))
+
+
 def _devices(devices: Any) -> int:
     if devices != "auto":
         return devices
@@ -370,10 +382,15 @@ def best_checkpoint(run_dir: str | Path) -> Path:
 
 def load_trained_model(run_dir: str | Path, checkpoint: Optional[Path] = None) -> Tuple[GRModel, TrainConfig]:
     """The run's ``checkpoint`` (default: its best) as a plain unsharded GRModel (all shards merged,
-    eval mode), and its config."""
+    eval mode), and its config. An item tower (``model.item_tower``) comes back without its items'
+    features, which are data, not weights: give them with ``model.item_tower.set_items`` (e.g. the
+    run's data module's ``item_features.columns()``). A checkpoint without ``empty_history`` loads
+    without it (``without_empty_history``)."""
     config, spec, tasks = read_run(run_dir)
-    model = build_model(config, spec, tasks, for_training=False)
+    checkpoint = checkpoint or best_checkpoint(run_dir)
+    keys = {k.removeprefix("model.") for k in ckpt.model_keys(checkpoint)}
+    model = without_empty_history(build_model(config, spec, tasks, for_training=False), keys)
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    ckpt.load_checkpoint({"state_dict": state}, checkpoint or best_checkpoint(run_dir))
+    ckpt.load_checkpoint({"state_dict": state}, checkpoint)
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model.eval(), config

@@ -57,14 +57,27 @@ WHOLE_CATALOGUE_DRAWS = 8
 
 
 class RetrievalTask:
-    """num_items: catalogue size; item_embedding: item table rows [M, d] -> scored item vectors."""
+    """num_items: catalogue size; item_embedding: item vectors [M, d] -> scored item vectors;
+    item_vectors: (item ids [M], their table rows [M, d]) -> item vectors [M, d] in evaluation mode
+    (the model's ``ItemTower.item_vectors``), None: the rows themselves. In training the model's
+    forward has applied the tower to the sampled items' rows already; new_user: also train the
+    new-user query (``GROutput.new_user``) on each sequence's first item."""
 
     name = "retrieval"
 
-    def __init__(self, config: RetrievalSection, num_items: int, item_embedding: Callable[[Tensor], Tensor]) -> None:
+    def __init__(
+        self,
+        config: RetrievalSection,
+        num_items: int,
+        item_embedding: Callable[[Tensor], Tensor],
+        item_vectors: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+        new_user: bool = False,
+    ) -> None:
         self.config = config
         self.num_items = num_items
         self.item_embedding = item_embedding
+        self.item_vectors = item_vectors
+        self.new_user = new_user
         self.catalogue: Optional[Tensor] = None
         self.ranks: Dict[str, List[Tensor]] = {}
         self.users: List[Tensor] = []  # each evaluated target's dataset user id, as ``ranks``
@@ -78,20 +91,36 @@ class RetrievalTask:
         gradient, a no-op for row-wise Adagrad, a momentum step for Adam); labels
         ``positive_index`` [P] and ``negative_index`` [B, K] (B = ceil(P / ``rows_per_draw``);
         token n's are row n mod B: one row per token when rows_per_draw = 1) or [K] (shared by
-        the batch) point into them (P = tokens with a next item).
+        the batch) point into them (P = tokens with a next item). With ``new_user``, the
+        sequences' first items (``labels["first_item"]`` >= 0) are targets too, with negatives of
+        their own drawn after the tokens' (``batch``: the tokens'): ``first_positive_index`` [F]
+        and ``first_negative_index``.
         """
         next_item = batch.labels["next_item"]
-        positives = next_item[next_item >= 0]
+        targets = {"": next_item[next_item >= 0]}
+        first_item = batch.labels.get("first_item")
+        if self.new_user and first_item is not None:
+            targets["first_"] = first_item[first_item >= 0].to(next_item.device)
         k, rows = self.config.num_negatives, self.config.rows_per_draw
-        shape = (k,) if self.config.negatives == "batch" else (negative_rows(positives.numel(), rows), k)
-        negatives = randint(self.num_items, shape, generator).to(positives.device)
-        if self.num_items * WHOLE_CATALOGUE_DRAWS <= positives.numel() + negatives.numel():
+        drawn: Dict[str, Tensor] = {}
+        for group, positives in targets.items():
+            if self.config.negatives == "batch" and drawn:
+                drawn[group] = drawn[""]  # one draw for every target of the batch
+                continue
+            shape = (k,) if self.config.negatives == "batch" else (negative_rows(positives.numel(), rows), k)
+            drawn[group] = randint(self.num_items, shape, generator).to(positives.device)
+        pieces = [t for group in targets for t in (targets[group], drawn[group].reshape(-1))]
+        ids = torch.cat(pieces)
+        if self.num_items * WHOLE_CATALOGUE_DRAWS <= ids.numel():
             # Nearly every item is drawn: look up the whole catalogue, the ids are their own rows.
-            distinct = torch.arange(self.num_items, device=positives.device)
-            positive_index, negative_index = positives, negatives
+            distinct, index = torch.arange(self.num_items, device=ids.device), ids
         else:
-            distinct, index = unique_ids(torch.cat([positives, negatives.reshape(-1)]), self.num_items)
-            positive_index, negative_index = index[: positives.numel()], index[positives.numel() :].reshape(shape)
+            distinct, index = unique_ids(ids, self.num_items)
+        indexes = iter(index.split([t.numel() for t in pieces]))
+        labels = dict(batch.labels)
+        for group in targets:
+            labels[f"{group}positive_index"] = next(indexes)
+            labels[f"{group}negative_index"] = next(indexes).reshape(drawn[group].shape)
         sequence_ids = batch.sequence_ids
         assert sequence_ids is not None  # a retrieval batch holds its item feature's ids
         features = sequence_ids.to_dict()
@@ -99,14 +128,11 @@ class RetrievalTask:
         lengths = torch.zeros(sequence_ids.stride(), dtype=torch.int64, device=ids_device)
         lengths[0] = distinct.numel()  # one jagged row holding them all: they belong to no sequence
         features[SAMPLED_ITEMS] = JaggedTensor(values=distinct.to(ids_device), lengths=lengths)
-        labels = {
-            **batch.labels,
-            "positive_index": positive_index,
-            "negative_index": negative_index,
-        }
         return dataclasses.replace(batch, sequence_ids=KeyedJaggedTensor.from_jt_dict(features), labels=labels)
 
     def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
+        """{"loss": the sampled softmax over every target, each first-item target weighing
+        ``new_user_weight`` tokens; with first-item targets, also "new_user_loss": theirs alone}."""
         scored = inputs.labels["next_item"] >= 0
         queries = output.predictions["query"]
         if not bool(scored.all()):  # training histories score every token: no copy (and no index_add_) then
@@ -121,7 +147,23 @@ class RetrievalTask:
             self.config.temperature,
             self.config.rows_per_draw,
         )
-        return {"loss": loss}
+        first = labels.get("first_positive_index")
+        if not output.new_user:
+            return {"loss": loss}
+        if first is None or first.numel() == 0:  # no first item here: the state still gets its (zero) gradient,
+            return {"loss": loss + 0.0 * output.new_user["query"].sum()}  # as data parallelism expects every step
+        first_rows = torch.nonzero(labels["first_item"] >= 0).flatten().to(output.new_user["query"].device)
+        new_user_loss = sampled_softmax_loss(
+            output.new_user["query"].index_select(0, first_rows),
+            items,
+            first,
+            labels["first_negative_index"],
+            self.config.temperature,
+            self.config.rows_per_draw,
+        )
+        tokens, weight = queries.shape[0], self.config.new_user_weight * first.numel()
+        total = (tokens * loss + weight * new_user_loss) / max(tokens + weight, 1e-12)
+        return {"loss": total, "new_user_loss": new_user_loss.detach()}
 
     def finish_training_epoch(self) -> Dict[str, float]:
         """What the epoch's training batches tell beside the loss: nothing for retrieval."""
@@ -139,6 +181,8 @@ class RetrievalTask:
         kjt = KeyedJaggedTensor.from_lengths_sync([self.config.item_feature], ids, lengths)
         with torch.no_grad():
             rows = embeddings(kjt, None)[0][self.config.item_feature]
+            if self.item_vectors is not None:
+                rows = self.item_vectors(ids, rows)
             if world > 1:
                 gathered = [torch.empty_like(rows) for _ in range(world)]
                 dist.all_gather(gathered, rows.contiguous())

@@ -8,7 +8,10 @@
   its dense id, so its table row; new ids are appended;
 * tables: the run's rows are copied into the first rows of each (larger) new table, bit for
   bit; new rows keep their fresh initialisation (``init_std``, as the config says);
-* dense parameters (PrefixDNN, HSTU, PostfixDNN) are the run's;
+* dense parameters (PrefixDNN, HSTU, PostfixDNN, the item tower, the new-user state
+  ``empty_history``) are the run's; the item tower's bags (``model.item_tower``) grow with their
+  features' tables, their new rows starting at zero; a run without ``empty_history``
+  (``task.retrieval.new_user_query``) gives none: it starts fresh;
 * the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
   rows and starts at zero for new rows (``warm_start.table_optimizer_state: carry``; ``reset``:
   zero for every row); the dense optimizer (Adam's moments) starts fresh, as
@@ -31,8 +34,10 @@ from gr.model import GRModel
 from gr.sparse.tables import TableConfig
 from gr.sparse.torch_tables import attach_optimizers
 from gr.train import checkpoint as ckpt
-from gr.train.build import build_model, build_tables
+from gr.train.build import EMPTY_HISTORY, build_model, build_tables, without_empty_history
 from gr.train.config import TrainConfig
+
+TOWER_PREFIX = "item_tower."  # the item tower's parameters in a GRModel's state dict
 
 
 @dataclass
@@ -64,6 +69,7 @@ class WarmStart:
         old_config, spec, tasks = run
         check_same_model(config, old_config, source)
         model = build_model(old_config, spec, tasks, for_training=False)  # refuses a spec its tables do not hold
+        without_empty_history(model, {k.removeprefix("model.") for k in ckpt.model_keys(checkpoint)})
         maps = model_maps(str(mappings))
         check_maps(maps, spec, build_tables(old_config, spec, for_training=False), checkpoint)
         optimizers = attach_optimizers(model, old_config.sparse.optimizer)
@@ -83,14 +89,19 @@ class WarmStart:
     @torch.no_grad()
     def copy_weights(self, model: GRModel) -> None:
         """Into ``model`` (freshly built, unsharded, tables at least as large): the run's dense
-        parameters, and its table rows into each table's first rows."""
+        parameters, and its table rows into each table's first rows (an item tower's bag: the
+        rest zero). An ``empty_history`` the run lacks keeps its fresh initialisation."""
         old = self.model.state_dict()
         for name, value in model.state_dict().items():
+            if name == EMPTY_HISTORY and name not in old:
+                continue
             source = old[name]
             if source.shape == value.shape:
                 value.copy_(source)
-            else:  # a table grown by new ids
+            else:  # a table, or an item tower's bag, grown by new ids
                 value[: source.shape[0]].copy_(source)
+                if name.startswith(TOWER_PREFIX):  # a new feature value starts with no say in the item vector
+                    value[source.shape[0] :].zero_()
 
     @torch.no_grad()
     def copy_table_optimizer_state(self, table_optimizers: Any) -> None:

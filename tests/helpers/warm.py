@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import List, Mapping, Sequence
 
 PRELOAD = ["torch", "lightning", "torchrec", "gr.train.run", "gr.export", "gr.serving"]
+FORKED_TORCHRUN = Path(__file__).with_name("forked_torchrun.py")
 
 
 class WarmPython:
@@ -50,6 +51,13 @@ class WarmPython:
             return subprocess.CompletedProcess(
                 [sys.executable, *argv], child.exitcode, out.read_text(), err.read_text()
             )
+
+    def torchrun(
+        self, nproc: int, argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float
+    ) -> subprocess.CompletedProcess:
+        """``torchrun --nproc_per_node NPROC *argv`` with its ranks forked from a warm child
+        (``forked_torchrun.py``), as ``run`` returns it."""
+        return self.run([str(FORKED_TORCHRUN), str(nproc), *argv], cwd, env, timeout)
 
 
 def fresh_sys_path() -> List[str]:

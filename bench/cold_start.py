@@ -1,0 +1,320 @@
+"""Cold-start items on MovieLens-100K: items no model trained on, added to its export and scored by their features.
+
+    python bench/cold_start.py [--epochs 15] [--seed 0] [--held-out 0.1] [--id-dropout 0.5] [--data.path DIR]
+                                      (ML-100K: $GR_ML100K_DIR or data/ml-100k)
+    python bench/cold_start.py --smoke                                 # 1 epoch of 2 steps a run: checks it runs
+
+The custom project's model and features (examples/custom_project/config.yaml: genres as a list, user
+age, gender and occupation; sparse.backend torch) trained twice on the same data: with an item tower
+over the genres (``model.item_tower: {features: [item_genres], id_dropout: --id-dropout}``) and
+without it (items are their rows). ``--held-out`` of the items (every event of theirs removed from
+training) and of the users (every event removed; kept for (b)) are drawn by ``--seed``. Both runs
+are exported and the held-out items added (``gr items add``: with the tower their rows are the
+encoder of their genres; without it zero rows). Then the test: each other user's last event (leave
+one out, on all of its events, held-out items included), ranked by the served query over the grown
+catalogue, the user's earlier items excluded:
+  (a) events whose target is a held-out item, ranked among the held-out items: the tower model,
+      popularity among them (their counts in the test data's training parts: the events before each
+      user's last two), and the model without the tower (zero rows, what ``gr items add`` gives it,
+      or the mean trained row alike: every held-out item ties); over the whole catalogue also the
+      tower model and the model without it with zero rows and with the mean trained row;
+  (b) held-out users' first events from user features alone against popularity: not measured here
+      (``new_users``: the serving side of new users is built apart);
+  (c) every other event, over the whole catalogue: the tower model against the model without it;
+and the share of the top-10 slots (whole catalogue, warm users) the held-out items take against
+their share of the test targets.
+
+Prints each run, then one JSON line: seed, epochs, id_dropout, held_out (items, users, fractions), events per
+group, metrics {group: {scorer: {hr@10, ndcg@10, se_hr@10, se_ndcg@10}}} (SE: the sample standard
+error of the mean over the group's events), paired differences (mean, SE, in SE) for the targets'
+comparisons, top10_share_held_out, target_share_held_out, their ratio, targets ((a) tower above
+popularity among the held-out items by more than one paired SE in HR@10; (c) tower within one
+paired SE of no tower or better; share ratio within [0.5, 2]), train seconds, cpu, cpu_flags,
+load_average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import smoke  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from memory import cpu, load_average  # noqa: E402
+
+from gr.commands.evaluate import batch_requests, served_queries  # noqa: E402
+from gr.commands.train import parse_overrides  # noqa: E402
+from gr.data.datamodule import SequenceDataModule  # noqa: E402
+from gr.data.mappings import model_maps  # noqa: E402
+from gr.data.readers import ML_GENRES, ml_100k_side_tables  # noqa: E402
+from gr.export.format import ID_MAPS_DIR  # noqa: E402
+from gr.export.item_store import ITEM_FEATURE  # noqa: E402
+from gr.export.new_items import add_items  # noqa: E402
+from gr.export.writer import export_run  # noqa: E402
+from gr.serving import Ranker  # noqa: E402
+from gr.train.config import TrainConfig, apply_override  # noqa: E402
+from gr.train.metrics import score_ranks, target_metrics  # noqa: E402
+from gr.train.run import train  # noqa: E402
+
+RECIPE = "examples/custom_project/config.yaml"
+SIDE_FILES = ("u.item", "u.user", "u.genre", "u.occupation")
+METRICS = ("hr@10", "ndcg@10")
+K = 10
+
+
+def held_out(events: np.ndarray, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(items, users) held out: ``fraction`` of each of the distinct ids of ``events`` [N, 4]
+    (user, item, rating, timestamp), drawn without replacement by ``seed``, sorted."""
+    rng = np.random.default_rng(seed)
+    picked = []
+    for column in (1, 0):
+        ids = np.unique(events[:, column])
+        picked.append(np.sort(rng.choice(ids, size=round(fraction * len(ids)), replace=False)))
+    return picked[0], picked[1]
+
+
+def write_data(source: Path, out: Path, events: np.ndarray) -> Path:
+    """``out``: ML-100K's side files (links to ``source``'s) with ``events`` as its u.data."""
+    out.mkdir(parents=True)
+    np.savetxt(out / "u.data", events, fmt="%d", delimiter="\t")
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            (out / name).symlink_to((source / name).resolve())
+    return out
+
+
+def items_file(source: Path, items: np.ndarray, path: Path) -> Path:
+    """The ``gr items add`` file of ``items``: item_id and their genres joined by "|"."""
+    side, _ = ml_100k_side_tables(source, True, False, "list")
+    assert side is not None  # u.item is there
+    row = {int(item): i for i, item in enumerate(side.keys)}
+    genres = side.lists[ML_GENRES]
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["item_id", ML_GENRES])
+        for item in items.tolist():
+            writer.writerow([item, "|".join(genres.take(np.array([row[item]])).values.tolist())])
+    return path
+
+
+def recipe(data_path: Path, overrides: List[Tuple[str, str]], id_dropout: Optional[float]) -> TrainConfig:
+    """The custom project's config on ``data_path`` with ``overrides``, with the item tower (its
+    ``id_dropout``) or without it (None)."""
+    values = yaml.safe_load(Path(RECIPE).read_text())
+    if id_dropout is not None:
+        values["model"]["item_tower"] = {"features": [ML_GENRES], "id_dropout": id_dropout}
+    for key, value in [("data.path", str(data_path)), ("sparse.backend", "torch"), *overrides]:
+        apply_override(values, key, yaml.safe_load(value))
+    return TrainConfig.from_dict(values)
+
+
+def scored_events(export: Path, config: TrainConfig, data_path: Path) -> Dict[str, Any]:
+    """The served queries of every test event of ``data_path`` against ``export``'s grown catalogue ->
+    {"scores": [E, M] (the user's earlier items -inf, its target still ranked), "targets": [E],
+    "queries": [E, d], "mean_row": [d] the mean of the trained rows, normalised, "popularity": [M]}."""
+    ranker = Ranker.load(export)
+    schema = ranker.model.schema
+    reads = {*schema.token_features, *schema.common_ids, *schema.common_dense}
+    data_config = replace(config.data, path=str(data_path))
+    data = SequenceDataModule(
+        data_config, ranker.model.config.eviction_block, model_maps(str(export / ID_MAPS_DIR)), new_ids="unknown"
+    )
+    data.setup()
+    catalogue = ranker.catalogue()[0]
+    vectors = catalogue.vectors[: data.num_items]
+    scores, targets, queries = [], [], []
+    for i, batch in enumerate(data.test_dataloader()):
+        requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
+        with torch.no_grad():
+            query = served_queries(ranker, batch, requests)
+        block = query @ vectors.T
+        labels, rows = batch.labels, torch.arange(len(requests))
+        target_scores = block[rows, labels["target_item"]].clone()
+        owner = torch.repeat_interleave(rows, labels["exclude_offsets"].diff())
+        block[owner, labels["exclude_items"]] = float("-inf")
+        block[rows, labels["target_item"]] = target_scores
+        scores.append(block)
+        targets.append(labels["target_item"])
+        queries.append(query)
+    trained = export_trained_rows(ranker)
+    mean_row = torch.nn.functional.normalize(torch.from_numpy(trained).mean(0), dim=0)
+    return {
+        "scores": torch.cat(scores),
+        "targets": torch.cat(targets),
+        "queries": torch.cat(queries),
+        "mean_row": mean_row,
+        "popularity": data.popularity(),
+    }
+
+
+def export_trained_rows(ranker: Ranker) -> np.ndarray:
+    """The export's item table rows [M, d] (the catalogue's rows before normalising)."""
+    sparse = ranker.model.sparse
+    return sparse.tables[sparse.features[ITEM_FEATURE].table]
+
+
+def mean_row_scores(scored: Dict[str, Any], trained: int) -> torch.Tensor:
+    """``scored``'s scores with every added item (rows from ``trained`` on) scored as the mean trained row."""
+    scores = scored["scores"].clone()
+    added = scores[:, trained:]
+    mean = (scored["queries"] @ scored["mean_row"]).unsqueeze(1).expand_as(added)
+    scores[:, trained:] = torch.where(torch.isinf(added), added, mean)
+    return scores
+
+
+def ranked(scores: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """{"hr@10": [E], "ndcg@10": [E]} of each target's rank under ``scores`` [E, M] (-inf: not ranked)."""
+    none = torch.zeros(0, dtype=torch.int64)
+    values = target_metrics(score_ranks(scores, targets, torch.zeros(len(targets) + 1, dtype=torch.int64), none), [K])
+    return {m: values[m].double() for m in METRICS}
+
+
+def summary_of(values: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """{metric: mean, se_<metric>: sample standard error of the mean} over the events."""
+    out: Dict[str, float] = {}
+    for m, v in values.items():
+        out[m] = float(v.mean()) if len(v) else float("nan")
+        out[f"se_{m}"] = float(v.std() / math.sqrt(len(v))) if len(v) > 1 else float("nan")
+    return out
+
+
+def paired(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
+    """The mean of a - b over the same events, its standard error and their ratio."""
+    diff = a - b
+    se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+    mean = float(diff.mean()) if len(diff) else float("nan")
+    return {"mean": mean, "se": se, "in_se": mean / se if se and se > 0 else 0.0}
+
+
+def new_users(source: Path, users: np.ndarray) -> Optional[Dict[str, Any]]:
+    """(b): the held-out ``users``' first events scored from their user features alone, against
+    popularity. Not measured here: serving a user with no history from user features is built
+    apart; this is where that measurement goes. -> None."""
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=15, help="each run's epochs (its best validation epoch is kept)")
+    parser.add_argument("--seed", type=int, default=0, help="draws the held-out items and users; seeds training")
+    parser.add_argument("--held-out", type=float, default=0.1, help="fraction of the items, and of the users, held out")
+    parser.add_argument("--id-dropout", type=float, default=0.2, help="the tower's model.item_tower.id_dropout")
+    args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
+    overrides = [
+        ("trainer.max_epochs", str(args.epochs)),
+        ("trainer.early_stopping_patience", "0"),
+        ("trainer.enable_progress_bar", "false"),
+        ("trainer.seed", str(args.seed)),
+        ("data.seed", str(args.seed)),
+    ]
+    if args.smoke:
+        overrides += [
+            ("trainer.limit_train_batches", "2"),
+            ("data.max_seq_len", "50"),
+            ("model.hstu.max_seq_len", "50"),
+        ]
+    overrides += parse_overrides(parser, rest)
+    source = Path(next((v for k, v in overrides if k == "data.path"), str(smoke.ML_100K)))
+    overrides = [(k, v) for k, v in overrides if k != "data.path"]
+    events = np.loadtxt(source / "u.data", dtype=np.int64, ndmin=2)
+    cold_items, cold_users = held_out(events, args.held_out, args.seed)
+    start_load = load_average()
+    with tempfile.TemporaryDirectory() as work:
+        root = Path(work)
+        trained_on = ~np.isin(events[:, 1], cold_items) & ~np.isin(events[:, 0], cold_users)
+        train_data = write_data(source, root / "train-data", events[trained_on])
+        test_data = write_data(source, root / "test-data", events[~np.isin(events[:, 0], cold_users)])
+        new_items = items_file(source, cold_items, root / "held_out_items.csv")
+        scored, seconds, added = {}, {}, {}
+        for name, id_dropout in (("tower", args.id_dropout), ("no_tower", None)):
+            config = recipe(train_data, overrides, id_dropout)
+            start = time.perf_counter()
+            metrics = train(config, root / name)
+            seconds[name] = time.perf_counter() - start
+            export_run(root / name, root / f"{name}-export")
+            added[name] = add_items(root / f"{name}-export", new_items, root / f"{name}-grown")
+            scored[name] = scored_events(root / f"{name}-grown", config, test_data)
+            print(f"{name}: validation-picked test hr@10 {metrics['hr@10']:.4f} ({seconds[name]:.1f} s)", flush=True)
+    trained = added["tower"]["trained_items"]
+    if added["no_tower"]["trained_items"] != trained or not torch.equal(
+        scored["tower"]["targets"], scored["no_tower"]["targets"]
+    ):
+        raise RuntimeError("cold_start: the two runs were not scored on the same items and events")
+    targets = scored["tower"]["targets"]
+    cold = targets >= trained
+    tower, plain = scored["tower"]["scores"], scored["no_tower"]["scores"]
+    restricted = torch.full_like(tower[:1], float("-inf"))
+    restricted[:, trained:] = 0.0  # only the held-out items are candidates
+
+    def among_cold(scores: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return ranked((scores + restricted)[cold], targets[cold])
+
+    popularity = scored["tower"]["popularity"].double().expand(len(targets), -1).clone()
+    popularity[torch.isinf(tower)] = float("-inf")  # the same exclusions
+    metrics_a = {  # without the tower every held-out item ties (zero rows or the mean row alike)
+        "tower": among_cold(tower),
+        "popularity": among_cold(popularity),
+        "no_tower": among_cold(plain),
+    }
+    mean_row = mean_row_scores(scored["no_tower"], trained)
+    whole_a = {
+        "tower": ranked(tower[cold], targets[cold]),
+        "no_tower_zero_rows": ranked(plain[cold], targets[cold]),
+        "no_tower_mean_row": ranked(mean_row[cold], targets[cold]),
+    }
+    metrics_c = {"tower": ranked(tower[~cold], targets[~cold]), "no_tower": ranked(plain[~cold], targets[~cold])}
+    top = tower.topk(K, dim=1).indices
+    top_share = float((top >= trained).double().mean())
+    target_share = float(cold.double().mean())
+    a_vs_pop = paired(metrics_a["tower"]["hr@10"], metrics_a["popularity"]["hr@10"])
+    c_vs_plain = paired(metrics_c["tower"]["hr@10"], metrics_c["no_tower"]["hr@10"])
+    ratio = top_share / target_share if target_share else float("nan")
+    model, flags = cpu()
+    summary = {
+        "bench": "cold_start",
+        "seed": args.seed,
+        "epochs": args.epochs,
+        "id_dropout": args.id_dropout,
+        "held_out": {"fraction": args.held_out, "items": len(cold_items), "users": len(cold_users)},
+        "events": {"a_held_out_targets": int(cold.sum()), "c_other_targets": int((~cold).sum())},
+        "a_among_held_out": {name: summary_of(v) for name, v in metrics_a.items()},
+        "a_whole_catalogue": {name: summary_of(v) for name, v in whole_a.items()},
+        "b_new_users": new_users(source, cold_users),
+        "c_other_events": {name: summary_of(v) for name, v in metrics_c.items()},
+        "paired_hr@10": {"a_tower_minus_popularity": a_vs_pop, "c_tower_minus_no_tower": c_vs_plain},
+        "top10_share_held_out": top_share,
+        "target_share_held_out": target_share,
+        "share_ratio": ratio,
+        "targets": {
+            "a_tower_above_popularity_by_more_than_one_se": a_vs_pop["in_se"] > 1.0,
+            "c_tower_within_one_se_of_no_tower_or_better": c_vs_plain["in_se"] >= -1.0,
+            "top10_share_within_2x_of_target_share": 0.5 <= ratio <= 2.0,
+        },
+        "train_seconds": seconds,
+        "cpu": model,
+        "cpu_flags": flags,
+        "load_average": {"start": start_load, "end": load_average()},
+    }
+    for group, metrics in (("(a) among held-out", metrics_a), ("(c) other events", metrics_c)):
+        print(group + ": " + ", ".join(f"{n} hr@10 {float(v['hr@10'].mean()):.4f}" for n, v in metrics.items()))
+    print(f"top-10 share of held-out items {top_share:.4f} vs their share of targets {target_share:.4f}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

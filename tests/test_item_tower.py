@@ -1,0 +1,234 @@
+"""The retrieval item tower (``model.item_tower``): an item's vector is its id row plus an encoder of
+its item features, so an item with no trained row is scored by its features. Training-side
+evaluation, ``gr evaluate`` and serving rank the same catalogue vectors; ``gr items add`` on a tower
+export gives new items the encoder of their features (different features, different scores); a bad
+section is one line naming the key; a model without the tower is built as before; warm start
+grows the tower's bags, their new rows at zero."""
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from gr.commands.evaluate import evaluate_run
+from gr.data.datamodule import SequenceDataModule
+from gr.data.mappings import load_mappings, model_maps
+from gr.export.item_encoder import ITEM_ENCODER
+from gr.export.manifest import write_manifest
+from gr.export.new_items import add_items
+from gr.export.reader import check_export
+from gr.export.writer import export_run
+from gr.jagged_rows import JaggedRows
+from gr.postfix_dnn.item_tower import ItemEncoder, ItemTower, TowerFeature
+from gr.serving import Ranker
+from gr.train import load_trained_model
+from gr.train.build import build_model, check_declared_features, seeded_model
+from gr.train.config import TrainConfig
+from gr.train.run import _warm_start, train
+from gr.train.tasks import RetrievalTask
+from helpers.runs import RETRIEVAL
+
+CATEGORY = "item_category"
+
+
+def _values(**tower) -> dict:
+    """RETRIEVAL on synthetic data with its item category, and ``model.item_tower`` = ``tower`` (if any)."""
+    values = copy.deepcopy(RETRIEVAL)
+    values["data"]["item_features"] = True
+    values["sparse"]["backend"] = "torch"
+    values["trainer"]["max_epochs"] = 1
+    values["model"]["tables"].append({"name": "category", "embedding_dim": 8, "features": [CATEGORY]})
+    if tower:
+        values["model"]["item_tower"] = tower
+    return values
+
+
+@pytest.fixture(scope="module")
+def tower_run(tmp_path_factory):
+    """A 1-epoch retrieval run with an item tower over the item category, and its export."""
+    root = tmp_path_factory.mktemp("tower")
+    train(TrainConfig.from_dict(_values(features=[CATEGORY])), root / "run")
+    return root / "run", export_run(root / "run", root / "export")
+
+
+def _trained(run: Path):
+    """The run's model with its items' features given, and its data module."""
+    model, config = load_trained_model(run)
+    data = SequenceDataModule(config.data, base_maps=model_maps(str(run / "mappings")))
+    data.setup()
+    model.item_tower.set_items(data.item_features.columns())
+    return model, config, data
+
+
+def _category_id(run: Path, raw: str) -> int:
+    return int(load_mappings(str(run / "mappings"))[0][CATEGORY].encode(np.array([int(raw)]), unknown=0)[0])
+
+
+# ---- the module ------------------------------------------------------------------------------
+def _tower(id_dropout: float = 0.5) -> ItemTower:
+    features = [TowerFeature("brand", "categorical", 4, 3), TowerFeature("genres", "list", 5, 2)]
+    features.append(TowerFeature("price", "dense", 0, 1))
+    tower = ItemTower("item_id", ("item_id",), 4, ItemEncoder(features, 6, mlp_dims=(7,)), id_dropout)
+    genres = JaggedRows.from_lengths([2, 0, 1], np.array([1, 2, 4]))  # item 3: past the data, an empty bag
+    tower.set_items({"brand": np.array([1, 2, 3]), "genres": genres, "price": np.array([[1.0], [2.0], [3.0]])})
+    return tower
+
+
+def test_the_tower_starts_as_the_id_rows_and_reads_each_items_own_features():
+    tower = _tower()
+    rows = torch.randn(4, 6)
+    assert torch.equal(tower.item_vectors(torch.arange(4), rows), rows)  # zero-initialised projection
+    torch.nn.init.normal_(tower.encoder.mlp[-1].weight)
+    items = torch.tensor([3, 0, 2, 0])
+    features = tower.item_features(items)
+    ids, offsets = features["genres"]
+    assert features["brand"].tolist() == [0, 1, 3, 1] and features["price"].flatten().tolist() == [0, 1, 3, 1]
+    assert ids.tolist() == [1, 2, 4, 1, 2] and offsets.tolist() == [0, 0, 2, 3, 5]
+    one_by_one = torch.cat([tower.item_vectors(items[i : i + 1], rows[i : i + 1]) for i in range(4)])
+    torch.testing.assert_close(tower.item_vectors(items, rows), one_by_one)
+
+
+def test_id_dropout_zeroes_whole_id_rows_in_training_only():
+    tower = _tower(id_dropout=0.5)
+    torch.nn.init.normal_(tower.encoder.mlp[-1].weight)
+    items, rows = torch.zeros(400, dtype=torch.int64), torch.ones(400, 6)
+    encoded = tower.item_vectors(items, torch.zeros(400, 6))
+    dropped = (tower.train()(items, rows) - encoded).sum(1)
+    assert set(dropped.round().tolist()) == {0.0, 6.0} and 0.35 < float((dropped < 3).float().mean()) < 0.65
+    assert torch.equal(tower.eval()(items, rows), encoded + rows)
+
+
+def test_a_tower_without_its_items_features_says_so():
+    features = [TowerFeature("brand", "categorical", 4, 3)]
+    tower = ItemTower("item_id", ("item_id",), 4, ItemEncoder(features, 6), 0.5)
+    with pytest.raises(RuntimeError, match="no item features given"):
+        tower(torch.tensor([0]), torch.zeros(1, 6))
+    with pytest.raises(ValueError, match=r"model.item_tower.features: the data has no item values for \['brand'\]"):
+        tower.set_items({})
+
+
+# ---- config --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda v: v["model"].update(item_tower={"features": []}), r"model.item_tower.features: expected a non-empty"),
+        (lambda v: v["model"].update(item_tower={"features": [CATEGORY], "id_dropout": 1}), r"item_tower.id_dropout"),
+        (lambda v: v["model"].update(item_tower={"features": [CATEGORY], "mlp": [4]}), r"model.item_tower: unknown"),
+        (lambda v: v["model"].update(item_tower={"features": ["brand"]}), r"'brand' is not a declared item feature"),
+        (lambda v: v["model"].update(item_tower={"features": ["item_id"]}), r"'item_id' is the item itself"),
+        (
+            lambda v: (
+                v["model"].update(item_tower={"features": [CATEGORY]}),
+                v["data"].update(item_features=False),
+                v["model"]["tables"].pop(),
+            ),
+            r"model.item_tower.features: 'item_category' is not a declared item feature \(item features: \[\]",
+        ),
+    ],
+)
+def test_a_bad_item_tower_is_one_line_naming_the_key(change, message):
+    values = _values()
+    change(values)
+    with pytest.raises(ValueError, match=message) as error:
+        check_declared_features(TrainConfig.from_dict(values))
+    assert "\n" not in str(error.value)
+
+
+def test_an_item_tower_on_a_ranking_task_is_refused():
+    values = _values(features=[CATEGORY])
+    values["data"]["task"] = "ranking"
+    with pytest.raises(ValueError, match=r"^model.item_tower: an item tower embeds retrieval's items; data.task is"):
+        TrainConfig.from_dict(values)
+
+
+def test_a_model_without_the_tower_is_built_as_before():
+    """No section: no tower, the config reads as before, and the other weights are those a tower
+    model starts with (the tower is built last, drawing nothing before the rest)."""
+    plain_config, tower_config = TrainConfig.from_dict(_values()), TrainConfig.from_dict(_values(features=[CATEGORY]))
+    assert "item_tower" not in plain_config.to_dict()["model"]
+    spec = SequenceDataModule(plain_config.data)
+    spec.setup()
+    plain = seeded_model(plain_config, spec.feature_spec()).state_dict()
+    tower = seeded_model(tower_config, spec.feature_spec())
+    assert tower.item_tower is not None and seeded_model(plain_config, spec.feature_spec()).item_tower is None
+    state = {k: v for k, v in tower.state_dict().items() if not k.startswith("item_tower.")}
+    assert state.keys() == plain.keys() and all(torch.equal(state[k], plain[k]) for k in plain)
+
+
+# ---- train, evaluate, export, serve ------------------------------------------------------------------
+def test_evaluation_and_serving_rank_the_same_catalogue_vectors(tower_run):
+    run, export = tower_run
+    model, config, data = _trained(run)
+    task = RetrievalTask(
+        config.task.retrieval, data.num_items, model.postfix_dnn.item_embedding, model.item_tower.item_vectors
+    )
+    task.start_evaluation(model.embeddings)
+    served = Ranker.load(export).model.catalogue().vectors
+    assert torch.equal(task.catalogue, served)
+    encoded = model.item_tower.item_vectors(torch.arange(data.num_items), torch.zeros(data.num_items, 16))
+    assert encoded.abs().sum() > 0  # the encoder trained: the catalogue is more than the id rows
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert evaluate_run(run)["hr@10"] == pytest.approx(metrics["hr@10"], abs=1e-6)
+
+
+def test_added_items_are_scored_by_their_features(tower_run, tmp_path):
+    """Two new items with different categories get different rows and scores, each row the trained
+    encoder of its features with no id part; a known item given a new category keeps its id part."""
+    run, export = tower_run
+    (tmp_path / "new.csv").write_text(f"item_id,{CATEGORY}\n9001,3\n9002,5\n1,7\n")
+    summary = add_items(export, tmp_path / "new.csv", tmp_path / "grown", replace_known=True)
+    assert summary["items_added"] == 2 and summary["items_replaced"] == 1 and check_export(tmp_path / "grown") == []
+    model, _, data = _trained(run)
+    rows = load_file(str(tmp_path / "grown" / "sparse" / "item.safetensors"))["weight"]
+    n = data.num_items
+    categories = torch.tensor([_category_id(run, "3"), _category_id(run, "5")])
+    with torch.no_grad():
+        want = model.item_tower.encoder({CATEGORY: categories})
+        id_row = model.embeddings.table_weight("item")[0]
+        replaced = id_row + model.item_tower.encoder({CATEGORY: torch.tensor([_category_id(run, "7")])})[0]
+    assert torch.equal(torch.from_numpy(rows[n:]), want) and not torch.equal(want[0], want[1])
+    np.testing.assert_allclose(rows[0], replaced.numpy(), rtol=0, atol=1e-6)
+    catalogue = Ranker.load(tmp_path / "grown").model.catalogue()
+    query = torch.nn.functional.normalize(torch.randn(16), dim=0)
+    scores = catalogue.vectors[n:] @ query
+    assert scores[0] != scores[1]
+    assert torch.equal(catalogue.vectors[n:], model.postfix_dnn.item_embedding(want))
+
+
+def test_check_names_an_item_encoder_that_does_not_fit_its_features(tower_run, tmp_path):
+    _, export = tower_run
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    weights = load_file(str(broken / ITEM_ENCODER))
+    with safe_open(str(broken / ITEM_ENCODER), framework="numpy") as f:
+        metadata = f.metadata()
+    weights[f"bags.{CATEGORY}.weight"] = weights[f"bags.{CATEGORY}.weight"][:-1]
+    save_file(weights, str(broken / ITEM_ENCODER), metadata=metadata)
+    write_manifest(broken)
+    problems = [str(p) for p in check_export(broken)]
+    assert len(problems) == 1 and f"bags.{CATEGORY}.weight" in problems[0] and ITEM_ENCODER in problems[0]
+
+
+# ---- warm start -------------------------------------------------------------------------------------
+def test_warm_start_grows_the_towers_bags_with_new_rows_at_zero(tower_run, tmp_path):
+    run, _ = tower_run
+    values = _values(features=[CATEGORY])
+    values["data"]["synthetic"]["num_categories"] = 16  # values the run never saw: the category vocabulary grows
+    values["trainer"].update(init_from=str(run), limit_train_batches=2)
+    config = TrainConfig.from_dict(values)
+    warm = _warm_start(config)
+    data = SequenceDataModule(config.data, base_maps=warm.maps)
+    data.setup()
+    model = build_model(config, data.feature_spec())
+    warm.copy_weights(model)
+    old, new = warm.model.item_tower.encoder.bags[CATEGORY].weight, model.item_tower.encoder.bags[CATEGORY].weight
+    assert new.shape[0] > old.shape[0]
+    assert torch.equal(new[: old.shape[0]], old) and not new[old.shape[0] :].any()
+    metrics = train(config, tmp_path / "warm")
+    assert np.isfinite(metrics["hr@10"])
