@@ -57,6 +57,14 @@ SPLIT_CONFIGS = {
     "time": {"split": "time", "split_time": SPLIT_TIME},
     "time_every_test_event": {"split": "time", "split_time": SPLIT_TIME, "test_events": "all"},
     "none_from_a_train_start": {"split": "none", "train_start": SPLIT_TIME},
+    # half the users replay their events from 1_001_000 on: drawn by dataset id, alike in every chunk
+    "time_replaying_half_the_users": {
+        "split": "time",
+        "split_time": SPLIT_TIME,
+        "train_start": 1_002_500,
+        "replay": 0.5,
+        "replay_start": 1_001_000,
+    },
 }
 USERS = 90
 

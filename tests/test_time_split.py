@@ -15,6 +15,8 @@ from gr.commands.cli import main as gr_main
 from gr.commands.evaluate import evaluate_run
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
+from gr.data.sequences import replayed_users
+from gr.jagged_rows import concat_ranges
 from gr.train.config import TrainConfig
 from gr.train.metrics import retrieval_metrics
 from helpers.runs import RANKING, RETRIEVAL, step_losses, with_overrides
@@ -126,6 +128,55 @@ def test_a_train_start_leaves_earlier_events_as_history_only(times):
     assert len(data.splits["train"]) < len(cold.splits["train"])  # only users with new events train
 
 
+def _label_rows(data: SequenceDataModule) -> np.ndarray:
+    """The flat rows the training samples predict."""
+    seqs = data.corpus.sequences
+    users = data.splits["train"].users
+    starts = np.maximum(seqs.label_starts()[users], seqs.starts[users] + 1)
+    return concat_ranges(starts, seqs.train_ends()[users] - starts)
+
+
+def test_a_replayed_share_of_users_predicts_its_earlier_events_again_and_never_a_held_out_one(times):
+    split = dict(split="time", split_time=times[90], train_start=times[70], test_events="all")
+    new_day, data = _data(**split, seed=3), _data(**split, replay=0.5, seed=3)  # synthetic data: drawn by the seed too
+    seqs = data.corpus.sequences
+    replayed = replayed_users(np.arange(seqs.num_users), 0.5, 3)
+    assert 0 < replayed.sum() < seqs.num_users
+    assert (seqs.label_starts()[replayed] == seqs.starts[replayed]).all()  # from each replayed user's first event
+    assert (seqs.label_starts()[~replayed] == new_day.corpus.sequences.label_starts()[~replayed]).all()
+    rows = _label_rows(data)
+    assert (seqs.timestamps[rows] < times[70]).any() and (seqs.timestamps[rows] < times[90]).all()
+    held_out = np.concatenate([seqs.targets(split)[1] for split in ("val", "test")])
+    assert len(held_out) and not np.isin(rows, held_out).any()
+    batch = data.splits["train"].build(np.arange(len(data.splits["train"])), np.random.default_rng(0))
+    labelled = (batch.labels["next_item"] >= 0).numpy()
+    assert labelled.sum() == len(rows) and (batch.query_times.numpy()[labelled] < times[90]).all()
+    assert (
+        len(new_day.splits["train"])
+        < len(data.splits["train"])
+        < len(_data(split="time", split_time=times[90], seed=3).splits["train"])
+    )
+    assert data.summary["split"]["replay"] == 0.5
+
+
+def test_the_replayed_users_are_a_fixed_sample_per_seed_whichever_users_are_read_with_them():
+    ids = np.arange(20_000)
+    draws = {seed: replayed_users(ids, 0.25, seed) for seed in (0, 1)}
+    assert np.array_equal(replayed_users(ids, 0.25, 0), draws[0])
+    assert abs(draws[0].mean() - 0.25) < 0.02 and abs((draws[0] & draws[1]).mean() - 0.25**2) < 0.01  # independent
+    assert np.array_equal(replayed_users(ids[500:700], 0.25, 1), draws[1][500:700])  # a prepared dataset's chunk
+    assert replayed_users(ids, 1.0, 0).all() and not replayed_users(ids, 0.0, 0).any()
+
+
+def test_a_replay_start_bounds_the_replayed_events_under_split_none(times):
+    data = _data(split="none", train_start=times[90], replay=1.0, replay_start=times[50])
+    seqs = data.corpus.sequences
+    rows = _label_rows(data)
+    assert (seqs.timestamps[rows] >= times[50]).all() and (seqs.timestamps[rows] < times[90]).any()
+    everything = _data(split="none", train_start=times[90], replay=1.0)
+    assert len(rows) < len(_label_rows(everything))
+
+
 def test_ranking_cuts_lie_in_the_training_window(times):
     data = _data("ranking", split="time", split_time=times[90], train_start=times[50])
     seqs, train = data.corpus.sequences, data.splits["train"]
@@ -158,6 +209,16 @@ def test_leave_one_out_is_unchanged_by_the_split_machinery():
         ({"split": "time", "split_time": 5, "test_events": "every"}, r"data\.test_events: expected one of"),
         ({"split": "none", "split_time": 5}, r"data\.split_time: only data\.split 'time' reads it \(the split is none"),
         ({"split": "none", "test_events": "all"}, r"data\.test_events: only data\.split 'time' reads it"),
+        (
+            {"split": "time", "split_time": 9, "replay": 0.5},
+            r"data\.replay: replays the events before data\.train_start",
+        ),
+        ({"split": "none", "train_start": 5, "replay": 1.5}, r"data\.replay: expected a number in \[0\.0, 1\.0\]"),
+        ({"split": "none", "train_start": 5, "replay_start": 3}, r"data\.replay_start: is read only with data\.replay"),
+        (
+            {"split": "time", "split_time": 9, "train_start": 5, "replay": 0.5, "replay_start": 5},
+            r"data\.replay_start: expected before train_start 5",
+        ),
     ],
 )
 def test_bad_split_keys_are_refused_naming_them(values, message):

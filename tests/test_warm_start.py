@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import MANIFEST, load_mappings
 from gr.sparse.torch_tables import attach_optimizers
 from gr.train import load_trained_model
 from gr.train.build import seeded_model
-from gr.train.config import TrainConfig
+from gr.train.config import TrainConfig, WarmStartSection, config_yaml, load_config
 from gr.train.run import _warm_start, train
 from helpers.runs import RETRIEVAL, ratings_csv
 
@@ -82,6 +83,72 @@ def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_o
     (old,) = [v for k, v in warm.table_optimizer_state["state"][ITEM_WEIGHT].items() if k.endswith("momentum1")]
     assert old.abs().sum() > 0  # the day-0 run trained its rows
     assert torch.equal(state[: len(old)], old) and not state[len(old) :].any()
+
+
+def test_a_reset_table_optimizer_state_starts_every_row_at_zero(day_runs):
+    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
+    values["warm_start"]["table_optimizer_state"] = "reset"
+    config = TrainConfig.from_dict(values)
+    warm = _warm_start(config)
+    data = SequenceDataModule(config.data, base_maps=warm.maps)
+    data.setup()
+    optimizers = attach_optimizers(seeded_model(config, data.feature_spec()), config.sparse.optimizer)
+    warm.copy_table_optimizer_state(optimizers)
+    (state,) = [v for k, v in optimizers.state_dict()["state"][ITEM_WEIGHT].items() if k.endswith("momentum1")]
+    (old,) = [v for k, v in warm.table_optimizer_state["state"][ITEM_WEIGHT].items() if k.endswith("momentum1")]
+    assert old.abs().sum() > 0 and not state.any()
+
+
+def _recipe_file(tmp_path: Path, **trainer) -> Path:
+    """A config file as a cold recipe writes it: many epochs, early stopping, a split none day cut."""
+    values = copy.deepcopy(RETRIEVAL)
+    values["data"].update(split="none", train_start=1_700_000_000)
+    values["trainer"].update(max_epochs=100, early_stopping_patience=0, **trainer)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_init_from_applies_the_warm_start_recipe_over_the_config_file(tmp_path):
+    recipe, path = WarmStartSection(), _recipe_file(tmp_path)
+    warm = load_config(path, [("trainer.init_from", "runs/day0")])
+    assert recipe.replay and recipe.max_epochs != 100
+    assert warm.trainer.max_epochs == recipe.max_epochs and warm.data.replay == recipe.replay
+    assert warm.trainer.early_stopping_patience == recipe.early_stopping_patience
+    cold = load_config(path)
+    assert cold.trainer.max_epochs == 100 and cold.data.replay == 0  # a cold run reads no warm_start key
+    no_day = load_config(path, [("trainer.init_from", "runs/day0"), ("data.train_start", "null")])
+    assert no_day.data.replay == 0  # without a train start every event trains: nothing to replay
+
+
+def test_keys_given_on_the_command_line_win_over_the_recipe_and_resume_alike(tmp_path):
+    given = [("trainer.init_from", "runs/day0"), ("trainer.max_epochs", "3"), ("warm_start.replay", "0.5")]
+    warm = load_config(_recipe_file(tmp_path), given)
+    assert warm.trainer.max_epochs == 3 and warm.data.replay == 0.5
+    assert warm.warm_start.max_epochs == 3  # recorded: the run's config.yaml says what it ran
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config_yaml(warm))
+    assert load_config(saved) == warm  # --resume reads the run's config.yaml
+    assert load_config(saved, [("trainer.max_epochs", "5")]).trainer.max_epochs == 5
+    null = load_config(_recipe_file(tmp_path), [("trainer.init_from", "runs/day0"), ("warm_start.max_epochs", "null")])
+    assert null.trainer.max_epochs == 100  # null: the config file's value
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("warm_start.replay", "2", r"warm_start\.replay: expected null or a number in \[0\.0, 1\.0\], got 2"),
+        ("warm_start.max_epochs", "0", r"warm_start\.max_epochs: expected null or an int >= 1, got 0"),
+        ("warm_start.table_optimizer_state", "keep", r"warm_start\.table_optimizer_state: expected one of"),
+        ("warm_start.epochs", "3", r"warm_start: unknown key\(s\) \['epochs'\]"),
+    ],
+)
+@pytest.mark.parametrize("init_from", [[], [("trainer.init_from", "runs/day0")]])
+def test_bad_warm_start_keys_are_refused_naming_them_with_or_without_init_from(
+    tmp_path, key, value, message, init_from
+):
+    with pytest.raises(ValueError, match=rf"^--{re.escape(key)} {value} \(command line, over .*\): {message}"):
+        load_config(_recipe_file(tmp_path), [*init_from, (key, value)])
 
 
 @pytest.mark.parametrize("backend", ["torch", "torchrec"])

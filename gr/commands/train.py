@@ -28,7 +28,8 @@ def parse_args(argv: Sequence[str], prog: str = "gr train") -> Tuple[argparse.Na
     parser.add_argument(
         "--init-from",
         metavar="RUN",
-        help="start from a trained run's model on this config's data (trainer.init_from): its id maps grow",
+        help="start from a trained run's model on this config's data (trainer.init_from): its id maps grow; "
+        "the run follows the config's warm_start recipe",
     )
     parser.add_argument(
         "--print-config",

@@ -29,7 +29,8 @@ from gr.utils.config_checks import (
 ITEM_ID = "item_id"  # the token feature every sequence has: its item (a reserved feature name)
 SPLITS = ("leave_one_out", "time", "none")
 TEST_EVENTS = ("next", "all")
-SPLIT_TIMES = ("split_time", "split_end", "train_start")  # the keys only the time split reads
+SPLIT_TIMES = ("split_time", "split_end", "train_start", "replay_start")  # times: seconds or ISO 8601
+TRAIN_TIMES = ("train_start", "replay_start")  # the times data.split none reads too
 SECONDS: Check = (is_int, "an integer number of seconds, or an ISO 8601 date or time (UTC unless it has an offset)")
 
 
@@ -329,7 +330,10 @@ class DataConfig(Section):
     target (``gr.data.sequences``); ``train_start``: training samples predict only events at or
     after it (earlier ones are history), e.g. the new day of a warm start; or "none": every event
     trains (a retrain on all the data up to now), nothing is validated or tested (``train_start``
-    as in the time split; the run's last checkpoint is its best). ``test_events``: "next"
+    as in the time split; the run's last checkpoint is its best). ``replay``: the share of users
+    (in [0, 1], a fixed sample per ``seed``: ``gr.data.sequences.replayed_users``) whose training
+    events before ``train_start`` (from ``replay_start`` on, when given) are predicted again, next to
+    the new day; it never reaches a validation or test event. ``test_events``: "next"
     (the test target is each user's event after its validation event) or "all" (every later
     event in [split_time, split_end) is a test target, with every earlier event as history: a
     whole day judged; retrieval metrics average each user's targets first, so each user counts
@@ -362,6 +366,8 @@ class DataConfig(Section):
     split_time: Optional[int] = checked(None, optional(SECONDS))
     split_end: Optional[int] = checked(None, optional(SECONDS))
     train_start: Optional[int] = checked(None, optional(SECONDS))
+    replay: float = checked(0.0, number_in(0.0, 1.0))
+    replay_start: Optional[int] = checked(None, optional(SECONDS))
     test_events: str = checked("next", one_of(*TEST_EVENTS))
     genres: str = checked("multi_hot", one_of(*GENRE_LAYOUTS))
     columns: ColumnConfig = field(default_factory=ColumnConfig)
@@ -419,8 +425,9 @@ class DataConfig(Section):
                 f"{where}.min_seq_len: leave-one-out needs 3 events per user (a training, a validation and a test "
                 f"event); got {self.min_seq_len} (data.split time or none keeps users with 2)"
             )
+        self._check_replay(where, shown)
         if self.split == "none":
-            cut_keys = [k for k in time_keys if k != "train_start"]
+            cut_keys = [k for k in time_keys if k not in TRAIN_TIMES]
             if cut_keys:
                 raise ValueError(
                     f"{where}.{cut_keys[0]}: only data.split 'time' reads it (the split is none: every event trains)"
@@ -436,6 +443,23 @@ class DataConfig(Section):
         if self.train_start is not None and self.train_start >= self.split_time:
             raise ValueError(f"{where}.train_start: expected before split_time {cut}, got {shown(self.train_start)}")
 
+    def _check_replay(self, where: str, shown: Callable[[int], str]) -> None:
+        if self.replay and self.train_start is None:
+            raise ValueError(
+                f"{where}.replay: replays the events before data.train_start, which is not set; set it "
+                f"(the new day's first second) or data.replay 0 (got {self.replay})"
+            )
+        if self.replay_start is None:
+            return
+        if not self.replay:
+            raise ValueError(f"{where}.replay_start: is read only with data.replay above 0 (got {self.replay})")
+        assert self.train_start is not None  # data.replay above needs it
+        if self.replay_start >= self.train_start:
+            raise ValueError(
+                f"{where}.replay_start: expected before train_start {shown(self.train_start)}, "
+                f"got {shown(self.replay_start)}"
+            )
+
     @property
     def validates(self) -> bool:
         """Whether the split holds validation and test targets out (all but ``split: none``)."""
@@ -444,6 +468,7 @@ class DataConfig(Section):
     def split_summary(self) -> Dict[str, Any]:
         """The split as metrics name it: {"kind": ...} plus the times it reads (and its test events)."""
         summary = {"kind": self.split, **{k: getattr(self, k) for k in SPLIT_TIMES if getattr(self, k) is not None}}
+        summary.update({"replay": self.replay} if self.replay else {})
         return {**summary, "test_events": self.test_events} if self.split == "time" else summary
 
     def inputs(self) -> List[Tuple[str, str]]:

@@ -10,7 +10,9 @@ test target (whose history then includes the validation event); with ``every_tes
 (``data.test_events: all``) each later event in [C, E) is a test target too, with every earlier
 event as its history. A user with no event before C, or fewer than one (two) in [C, E), has
 no validation (test) target. With a train start S, training samples predict only events at or
-after S; earlier events are history alone. No cut (``data.split: none``): every event is in the
+after S; earlier events are history alone, except for a replayed user's (``replayed_users``: a
+fixed share of the users per seed), whose samples predict its events from a replay start R (or its
+first) on. No cut (``data.split: none``): every event is in the
 training part, and no user has a validation or test target.
 """
 
@@ -103,14 +105,49 @@ class UserSequences:
         return np.unique(self.targets(split)[0])
 
 
+@dataclass(frozen=True)
+class Replay:
+    """Which users replay their events before the train start: a ``share`` of them (in [0, 1]) drawn
+    per ``seed``, from ``start`` seconds on (None: from their first event)."""
+
+    share: float
+    seed: int
+    start: Optional[int] = None
+
+
+REPLAY_STREAM = 0x5E9A7  # keeps the replay's draws apart from any other use of data.seed
+
+
+def replayed_users(user_ids: np.ndarray, share: float, seed: int) -> np.ndarray:
+    """[U] bool: whether each user (``user_ids``: [U] int64 dense ids in the dataset) is replayed.
+    Each user's draw is splitmix64 of its id under a key mixed from the seed, so the sample depends on
+    the seed and the ids alone: a user is drawn alike whichever users are read with it (a prepared
+    dataset's chunks)."""
+    key = _splitmix64(np.array([seed ^ REPLAY_STREAM], dtype=np.uint64))
+    draws = _splitmix64(key + user_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    return (draws >> np.uint64(11)).astype(np.float64) * 2.0**-53 < share
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """[N] uint64 -> [N] uint64: splitmix64's step (add the golden ratio, then mix), wrapping."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
 def time_split(
     sequences: UserSequences,
     cut: Optional[int],
     end: Optional[int] = None,
     train_start: Optional[int] = None,
     every_test_event: bool = False,
+    replay: Optional[Replay] = None,
+    user_ids: Optional[np.ndarray] = None,
 ) -> SplitRows:
-    """The time split of ``sequences`` at ``cut`` seconds, or None: no cut (the module docstring says how)."""
+    """The time split of ``sequences`` at ``cut`` seconds, or None: no cut (the module docstring says
+    how). user_ids: [U] the dataset's dense id of each user (None: 0 .. U-1), which ``replay`` draws by."""
     starts, times = sequences.starts, sequences.timestamps
 
     def per_user(mask: np.ndarray) -> np.ndarray:
@@ -130,19 +167,29 @@ def time_split(
         "test": (np.repeat(tested, per_test), concat_ranges(train_ends[tested] + 1, per_test)),
     }
     label_starts = starts if train_start is None else starts + per_user(times < train_start)
+    if replay is not None and replay.share > 0 and train_start is not None:
+        ids = np.arange(sequences.num_users, dtype=np.int64) if user_ids is None else user_ids
+        replayed = replayed_users(ids, replay.share, replay.seed)
+        replay_starts = starts if replay.start is None else starts + per_user(times < replay.start)
+        label_starts = np.where(replayed, replay_starts, label_starts)  # ends stay: held-out events never train
     return SplitRows(label_starts, train_ends, targets)
 
 
-def configured_split(sequences: UserSequences, config: DataConfig) -> Optional[SplitRows]:
+def configured_split(
+    sequences: UserSequences, config: DataConfig, user_ids: Optional[np.ndarray] = None
+) -> Optional[SplitRows]:
     """The split ``config.split`` makes of ``sequences``: None (leave-one-out) or ``time_split``'s
-    (``data.split: none`` is the time split without a cut)."""
+    (``data.split: none`` is the time split without a cut); user_ids as ``time_split`` reads them."""
     if config.split == "leave_one_out":
         return None
+    replay = Replay(config.replay, config.seed, config.replay_start)
     if config.split == "none":
-        return time_split(sequences, None, train_start=config.train_start)
+        return time_split(sequences, None, train_start=config.train_start, replay=replay, user_ids=user_ids)
     assert config.split_time is not None  # DataConfig requires it with the time split
     every_test_event = config.test_events == "all"
-    return time_split(sequences, config.split_time, config.split_end, config.train_start, every_test_event)
+    return time_split(
+        sequences, config.split_time, config.split_end, config.train_start, every_test_event, replay, user_ids
+    )
 
 
 def log_rare_items(source: object, rare: int, items: int, minimum: int) -> None:

@@ -5,7 +5,8 @@ Sections: ``data`` (``gr.data.DataConfig``), ``model`` (``hstu``: HSTUConfig fie
 kwargs: {...}}``), ``sparse`` (table placement, id dedup, default embedding optimizer),
 ``task`` (``retrieval`` / ``ranking`` loss and metric settings; which one runs is
 ``data.task``), ``optimizer`` (the dense parameters'), ``trainer`` and ``distributed``
-(how dense parameters are spread over ranks). Any invalid or
+(how dense parameters are spread over ranks) and ``warm_start`` (the recipe a run started
+with ``trainer.init_from`` follows: ``apply_warm_start``). Any invalid or
 unknown key raises ValueError naming ``section.key`` and what was expected.
 """
 
@@ -19,7 +20,7 @@ import re
 import sys
 from dataclasses import InitVar, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
@@ -58,6 +59,15 @@ GPU_ACCELERATORS = ("gpu", "cuda")
 # "none": every rank holds the dense model whole (DDP); "fsdp2": the HSTU stack is sharded
 # over ranks with FSDP2 (``fully_shard``), the DNNs stay replicated (DDP).
 DENSE_SHARDINGS = ("none", "fsdp2")
+TABLE_OPTIMIZER_STATES = ("carry", "reset")
+# The key each warm_start key sets under trainer.init_from (``apply_warm_start``).
+WARM_START_KEYS = {
+    "replay": "data.replay",
+    "max_epochs": "trainer.max_epochs",
+    "early_stopping_patience": "trainer.early_stopping_patience",
+    "lr": "optimizer.lr",
+    "warmup_steps": "optimizer.warmup_steps",
+}
 
 TOP_K: Check = list_of(int_at_least(1), non_empty=True)
 
@@ -431,6 +441,29 @@ class DistributedSection(Section):
 
 
 @dataclass(frozen=True)
+class WarmStartSection(Section):
+    """The recipe of a warm start (``trainer.init_from``), measured on ML-100K by
+    ``bench/daily_retrain.py``; a run without ``init_from`` reads none of it. Each key but
+    ``table_optimizer_state`` sets the key ``WARM_START_KEYS`` names (null: that key as the config
+    says): ``replay`` data.replay (only with data.train_start), ``max_epochs`` trainer.max_epochs,
+    ``early_stopping_patience`` trainer.early_stopping_patience, ``lr`` optimizer.lr (the dense
+    learning rate), ``warmup_steps`` optimizer.warmup_steps (a re-warm of the dense learning rate).
+    ``table_optimizer_state``: "carry" the run's per-row table optimizer state for its rows, or
+    "reset" it to zero (``gr.train.warm_start``)."""
+
+    replay: Optional[float] = checked(1.0, optional(number_in(0.0, 1.0)))
+    max_epochs: Optional[int] = checked(5, optional(int_at_least(1)))
+    early_stopping_patience: Optional[int] = checked(0, optional(int_at_least(0)))
+    lr: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
+    warmup_steps: Optional[int] = checked(None, optional(int_at_least(0)))
+    table_optimizer_state: str = checked("carry", one_of(*TABLE_OPTIMIZER_STATES))
+    where: InitVar[str] = "warm_start"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     data: DataConfig
     model: ModelSection
@@ -439,6 +472,7 @@ class TrainConfig:
     optimizer: OptimizerSection
     trainer: TrainerSection
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
 
     @property
     def task_type(self) -> str:
@@ -471,6 +505,7 @@ class TrainConfig:
             optimizer=OptimizerSection.from_dict(values.get("optimizer"), "optimizer"),
             trainer=TrainerSection.from_dict(values.get("trainer"), "trainer"),
             distributed=DistributedSection.from_dict(values.get("distributed"), "distributed"),
+            warm_start=WarmStartSection.from_dict(values.get("warm_start"), "warm_start"),
         )
         config.check_consistency()
         config.model.check_classes("model")  # last: importing a class path runs its module's code
@@ -556,6 +591,7 @@ class TrainConfig:
                 "optimizer": _fields(self.optimizer),
                 "trainer": _fields(self.trainer),
                 "distributed": _fields(self.distributed),
+                "warm_start": _fields(self.warm_start),
             }
         )
 
@@ -651,9 +687,35 @@ def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> 
         apply_override(values, dotted, parse_value(text))
     _check_path_is_read(values, path, overrides)
     try:
+        apply_warm_start(values, {dotted for dotted, _ in overrides})
         return TrainConfig.from_dict(values)
     except ValueError as error:
         raise ValueError(f"{_source(path, str(error), overrides)}: {error}") from error
+
+
+def apply_warm_start(values: Dict[str, Any], given: Collection[str]) -> None:
+    """Under ``trainer.init_from``, set in ``values`` (a config's mapping, command-line overrides
+    applied) each key a non-null ``warm_start`` key stands for (``WARM_START_KEYS``; data.replay only
+    with data.train_start), over the config file's value; a key the command line gave (``given``:
+    dotted keys) keeps it, and ``warm_start`` then records that value, so the run's config.yaml
+    resolves alike on ``--resume``. Without ``init_from`` nothing changes."""
+    trainer = values.get("trainer")
+    if not isinstance(trainer, dict) or not trainer.get("init_from"):
+        return
+    recipe = WarmStartSection.from_dict(values.get("warm_start"), "warm_start")
+    resolved = _fields(recipe)
+    for key, target in WARM_START_KEYS.items():
+        section_name, name = target.split(".")
+        section = values.get(section_name)
+        if section is None and section_name != "data":  # data is required: validation names it
+            section = values[section_name] = {}
+        if not isinstance(section, dict):
+            continue  # validation names the section
+        if target in given:
+            resolved[key] = section[name]
+        elif resolved[key] is not None and (key != "replay" or section.get("train_start") is not None):
+            section[name] = resolved[key]
+    values["warm_start"] = resolved
 
 
 def _check_path_is_read(values: Dict[str, Any], path: Path, overrides: Sequence[Tuple[str, str]]) -> None:

@@ -13,7 +13,8 @@
   features' tables, their new rows starting at zero; a run without ``empty_history``
   (``task.retrieval.new_user_query``) gives none: it starts fresh;
 * the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
-  rows and starts at zero for new rows; the dense optimizer (Adam's moments) starts fresh, as
+  rows and starts at zero for new rows (``warm_start.table_optimizer_state: carry``; ``reset``:
+  zero for every row); the dense optimizer (Adam's moments) starts fresh, as
   its step count does: a new run's learning-rate schedule and bias correction begin again.
 An export is not a source: it holds the user's modules as ONNX graphs, not trainable weights.
 """
@@ -43,12 +44,14 @@ TOWER_PREFIX = "item_tower."  # the item tower's parameters in a GRModel's state
 class WarmStart:
     """What a new run takes from a trained one: where it comes from (the run and checkpoint, with its
     epoch and step: ``checkpoint.checkpoint_source``), its model (unsharded, torch tables), its id
-    maps ({"items"|feature: IdMap}) and its tables' optimizer state (TorchRec's layout)."""
+    maps ({"items"|feature: IdMap}) and its tables' optimizer state (TorchRec's layout), and whether
+    that state is carried ("carry") or every row's starts at zero ("reset": ``warm_start.table_optimizer_state``)."""
 
     origin: Dict[str, Any]
     model: GRModel
     maps: Dict[str, IdMap]
     table_optimizer_state: Dict[str, Any]
+    table_state_policy: str = "carry"
 
     @classmethod
     def load(
@@ -76,7 +79,8 @@ class WarmStart:
         }
         state = ckpt.load_checkpoint(template, checkpoint)
         model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
-        return cls(ckpt.checkpoint_source(source, checkpoint), model, maps, state["sparse_optimizer"])
+        policy = config.warm_start.table_optimizer_state
+        return cls(ckpt.checkpoint_source(source, checkpoint), model, maps, state["sparse_optimizer"], policy)
 
     def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
         """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""
@@ -102,7 +106,10 @@ class WarmStart:
     @torch.no_grad()
     def copy_table_optimizer_state(self, table_optimizers: Any) -> None:
         """The run's per-row optimizer state into the first rows of ``table_optimizers``' state
-        (gr's TableOptimizers or TorchRec's fused optimizer, sharded tensors included)."""
+        (gr's TableOptimizers or TorchRec's fused optimizer, sharded tensors included); nothing
+        under the "reset" policy, which leaves the fresh optimizers' zeros."""
+        if self.table_state_policy == "reset":
+            return
         state = table_optimizers.state_dict()
         for target, source in _paired_tensors(state["state"], self.table_optimizer_state["state"]):
             for rows, local in _local_rows(target):

@@ -369,7 +369,7 @@ class PreparedData:
     def corpus(self, rows: UserRows) -> Corpus:
         """``rows`` as a Corpus of their own (the configured split applied; batches carry the dataset's user ids)."""
         sequences = UserSequences(rows.offsets, rows.items, rows.timestamps, rows.ratings, self.num_items)
-        sequences.split = configured_split(sequences, self.config)
+        sequences.split = configured_split(sequences, self.config, user_ids=rows.users)
         return Corpus(sequences, self.item_features, self.user_features, rows.events, user_ids=rows.users)
 
     def samples(self, sequences: UserSequences, split: str) -> Tuple[np.ndarray, np.ndarray]:
