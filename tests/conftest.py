@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 from gr.utils.devices import configure_backend_autoload, requested_test_device, suite_device
@@ -28,6 +29,11 @@ import torch.distributed as dist  # noqa: E402
 
 from helpers.movielens import ml_100k_missing, ml_100k_path  # noqa: E402
 from helpers.warm import WarmPython, fresh_sys_path  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    from helpers.triton_interpreter import skip_repatching_in_launches  # noqa: E402
+
+    skip_repatching_in_launches()
 
 # End-to-end modules: training runs, subprocesses, servers, benchmarks. ``-m "not slow"`` leaves them out
 # for a fast inner loop (docs/development.md); ``make test`` runs everything.
