@@ -58,8 +58,10 @@ def read_delimited(
     header: str = "none",
     encoding: str = "utf8",
     quoted: bool = False,
+    empty: bool = False,
 ) -> Dict[str, np.ndarray]:
-    """Parse a delimited text file into {column: [N] array}.
+    """Parse a delimited text file into {column: [N] array}; a file without data rows is refused
+    unless ``empty`` (a partition of several files, whose rows are counted together).
 
     columns: (name, kind) with kind "int" | "float" | "str" | "time" (seconds, ``exact_seconds``) |
     "list" (text, empty allowed: ``split_lists`` splits it) | "skip". With header "none"
@@ -96,7 +98,7 @@ def read_delimited(
         arrow_error = str(error).splitlines()[0]
     if values is None:
         raise bad_line_error(path, columns, delimiter, header, encoding, quoted, arrow_error)
-    if table.num_rows == 0:
+    if table.num_rows == 0 and not empty:
         raise DataFormatError(path, "no data rows (empty dataset)")
     return values
 

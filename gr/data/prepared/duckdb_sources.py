@@ -45,10 +45,10 @@ from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST, side_table_fr
 from gr.data.readers import (
     MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
-    check_table_parquet_types,
-    read_table_parquet_schema,
+    source_files,
     table_csv_layout,
     table_parquet_columns,
+    table_parquet_types,
 )
 
 SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "time": "BIGINT", "list": "VARCHAR[]"}
@@ -140,7 +140,7 @@ def load_source(con: duckdb.DuckDBPyConnection, config: DataConfig) -> SourceTab
     ratings = RATINGS_FILES[config.source]
     file = ratings.find(config.path)
     names = [name for name, _ in ratings.columns]
-    files = _Files(con, [file])
+    files = _Files(con, file, [file])
     files.insert_delimited(list(ratings.columns), ratings.delimiter, ratings.header, quoted=False)
     files.check_parsed(list(ratings.columns), ratings.delimiter, ratings.header, quoted=False)
     user, item, rating, timestamp = (f"c{names.index(name)}" for name in names)
@@ -158,25 +158,12 @@ def load_source(con: duckdb.DuckDBPyConnection, config: DataConfig) -> SourceTab
     return table
 
 
-def source_files(path: Path, suffix: str) -> List[Path]:
-    """``path`` itself, or the ``*<suffix>`` partition files of the directory ``path`` in name order
-    (hidden files and ``_``-prefixed markers such as ``_SUCCESS`` left out)."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: missing file or directory (data.path)")
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(suffix) and p.name[0] not in "._")
-    if not files:
-        raise DataFormatError(path, f"no *{suffix} partition files in the directory (data.path)")
-    return files
-
-
 class _Files:
     """The files of one source loaded into table ``rows`` in order (columns c0, c1, ... of a layout),
     and which file and row a ``rows`` rowid comes from."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, files: List[Path]) -> None:
-        self.con, self.files, self.starts = con, files, [0]
+    def __init__(self, con: duckdb.DuckDBPyConnection, source: Path, files: List[Path]) -> None:
+        self.con, self.source, self.files, self.starts = con, source, files, [0]
 
     def locate(self, rowid: int) -> Tuple[Path, int]:
         """(file, 0-based row in it) of ``rows``' row ``rowid``."""
@@ -203,7 +190,7 @@ class _Files:
             options = (
                 f"header={str(header != 'none').lower()}, delim={literal(delimiter)}, quote={quote_char}, "
                 f"escape={quote_char}, columns={{{', '.join(f'{literal(f)}: VARCHAR' for f in fields)}}}, "
-                "auto_detect=false, strict_mode=true, null_padding=false"
+                "auto_detect=false, strict_mode=true, null_padding=false, hive_partitioning=false"
             )
             try:
                 self.con.execute(
@@ -214,7 +201,7 @@ class _Files:
                 raise bad_line_error(file, layout, delimiter, header, "utf8", quoted, reason) from None
             self.starts.append(self._count())
         if self._count() == 0:
-            where = self.files[0] if len(self.files) == 1 else self.files[0].parent
+            where = self.files[0] if len(self.files) == 1 else self.source
             raise DataFormatError(where, "no data rows (empty dataset)")
 
     def check_parsed(self, layout: List[Tuple[str, str]], delimiter: str, header: str, quoted: bool) -> None:
@@ -263,7 +250,7 @@ def _features(columns: ColumnConfig, alias: Callable[[str], str]) -> Dict[str, L
 
 def _load_table_csv(con: duckdb.DuckDBPyConnection, path: Path, columns: ColumnConfig) -> SourceTable:
     """A CSV (or a directory of CSV partitions), as ``read_table_csv`` reads one."""
-    files = _Files(con, source_files(path, ".csv"))
+    files = _Files(con, path, source_files(path, ".csv"))
     layout = table_csv_layout(columns)
     names = [name for name, _ in layout]
 
@@ -350,22 +337,10 @@ def _create_typed(
 
 def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: ColumnConfig) -> SourceTable:
     """A Parquet file (or a directory of Parquet partitions), as ``read_table_parquet`` reads one."""
-    files = _Files(con, source_files(path, ".parquet"))
+    files = _Files(con, path, source_files(path, ".parquet"))
     wanted, numeric = table_parquet_columns(columns)
     categorical = columns.categorical_columns()
-    schemas = []
-    for file in files.files:
-        schema = read_table_parquet_schema(file, columns)
-        check_table_parquet_types(file, schema, columns)
-        schemas.append(schema)
-        first = schemas[0]
-        differing = [c for c in wanted if schema.field(c).type != first.field(c).type]
-        if differing:
-            c = differing[0]
-            raise DataFormatError(
-                file, f"column {c!r} has type {schema.field(c).type}, but {files.files[0]} has {first.field(c).type}"
-            )
-    kinds = {c: schemas[0].field(c).type for c in wanted}
+    kinds = table_parquet_types(files.files, columns)
     for name in (c for c in categorical if c not in columns.list_features):
         kind = kinds[name]
         if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
@@ -382,7 +357,7 @@ def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: Col
     for index, file in enumerate(files.files):
         statement = "CREATE TABLE rows AS" if index == 0 else "INSERT INTO rows"
         try:
-            con.execute(f"{statement} SELECT {select} FROM read_parquet({literal(str(file))})")
+            con.execute(f"{statement} SELECT {select} FROM read_parquet({literal(str(file))}, hive_partitioning=false)")
         except duckdb.Error as error:  # a page its footer promises but DuckDB cannot decode (corrupt)
             raise unreadable_parquet(file, str(error).replace(f'Failed to read file "{file}": ', "")) from None
         files.starts.append(files._count())
