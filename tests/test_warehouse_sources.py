@@ -2,6 +2,7 @@
 (Hive-style ``month=2024-01/`` folders too) or a glob, of CSV or Parquet, read raw and prepared
 alike, in path order (the order of equal timestamps); bad partitions are one line naming the file."""
 
+import datetime
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
+from test_prepared_duckdb import assert_prepared_equals_raw
 from test_prepared_stream import COLUMNS, SPLIT_CONFIGS, USERS, data_config, in_order, prepare, write_events
 
 from gr.data.config import DataConfig
@@ -16,6 +18,8 @@ from gr.data.datamodule import SequenceDataModule
 from gr.data.interactions import DataFormatError
 from gr.data.readers import find_source, read_source
 from gr.data.sequences import SPLITS, build_sequences
+from gr.timestamps import PER_SECOND
+from helpers.instants import SECONDS, TEXTS, timestamps
 
 LISTS = COLUMNS["list_features"]
 # The partitions' relative paths in path order, and the rows of the events file each holds: written
@@ -95,14 +99,36 @@ def test_a_warehouse_log_trains_raw_and_prepared_to_the_same_batches(warehouse, 
     assert batches(streamed) == batches(raw_module(warehouse, "parquet"))
 
 
-def test_csv_partitions_and_globs_read_as_the_directory_does(events, warehouse, tmp_path):
+def iso_text(seconds: int, form: int) -> str:
+    """``seconds`` as one of four ISO 8601 forms: UTC with Z, an offset, naive (UTC), milliseconds."""
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    if form == 1:
+        return moment.astimezone(datetime.timezone(datetime.timedelta(hours=-5, minutes=-30))).isoformat()
+    text = moment.replace(tzinfo=None).isoformat(sep=" " if form == 2 else "T")
+    return text + ("Z" if form == 0 else ".999" if form == 3 else "")
+
+
+def write_iso_partitions(events: Path, root: Path) -> Path:
+    """The events CSV as CSV partitions (``PARTITIONS``, with a partition of no rows) whose timestamps
+    are ISO 8601 texts of their seconds, in varied forms."""
     lines = events.read_text().splitlines(keepends=True)
+    position = lines[0].split(",").index("ts")
     for relative, rows in PARTITIONS.items():
-        path = tmp_path / "csv" / relative.replace(".parquet", ".csv")
+        path = root / relative.replace(".parquet", ".csv")
         path.parent.mkdir(parents=True, exist_ok=True)
         start, stop = rows.start + 1, None if rows.stop is None else rows.stop + 1
-        path.write_text(lines[0] + "".join(lines[start:stop]))
-    (tmp_path / "csv" / "month=1970-02" / "empty.csv").write_text(lines[0])  # a partition of no rows
+        texts = []
+        for k, line in enumerate(lines[start:stop]):
+            fields = line.split(",")
+            fields[position] = iso_text(int(fields[position]), k % 4)
+            texts.append(",".join(fields))
+        path.write_text(lines[0] + "".join(texts))
+    (root / "month=1970-02" / "empty.csv").write_text(lines[0])
+    return root
+
+
+def test_csv_partitions_of_iso_times_and_globs_read_as_the_directory_does(events, warehouse, tmp_path):
+    write_iso_partitions(events, tmp_path / "csv")
     expected = read_source(DataConfig.from_dict(data_config(events)))
     for path, source in [
         (tmp_path / "csv", "csv"),
@@ -115,6 +141,39 @@ def test_csv_partitions_and_globs_read_as_the_directory_does(events, warehouse, 
         for name in ("users", "items", "timestamps", "ratings"):
             assert np.array_equal(getattr(got, name), getattr(expected, name)), (path, name)
         assert np.array_equal(got.row_side.lists["tags"].values, expected.row_side.lists["tags"].values)
+
+
+def test_csv_partitions_of_iso_times_train_raw_and_prepared_to_the_events_batches(events, tmp_path):
+    partitions = write_iso_partitions(events, tmp_path / "csv")
+    config = data_config(partitions, shuffle_buffer=USERS, **SPLIT_CONFIGS["time"])
+    streamed = SequenceDataModule({**config, "prepared": str(prepare(config, tmp_path / "prepared", 30))})
+    streamed.setup()
+    expected = batches(raw_module(events, "csv"))
+    assert batches(raw_module(partitions, "csv")) == expected
+    assert batches(streamed) == expected
+
+
+def test_one_instant_is_the_same_seconds_in_the_readers_and_the_duckdb_engine(tmp_path):
+    """ISO 8601 texts in a CSV; TIMESTAMP columns of every unit, with and without a zone, in Parquet."""
+    users = [1 + k % 2 for k in range(len(TEXTS))]
+    (tmp_path / "e.csv").write_text(
+        "user_id,item_id,timestamp\n" + "".join(f"{u},{k},{t}\n" for k, (u, t) in enumerate(zip(users, TEXTS)))
+    )
+    columns = {"user_id": users, "item_id": list(range(len(TEXTS)))}
+    for unit in PER_SECOND:
+        for zone in (None, "UTC", "America/St_Johns"):
+            columns[f"{unit}_{zone}"] = timestamps(SECONDS, unit, zone)
+    pq.write_table(pa.table(columns), tmp_path / "e.parquet")
+    configs = [DataConfig.from_dict({"source": "csv", "path": str(tmp_path / "e.csv")})]
+    configs += [
+        DataConfig.from_dict({"source": "parquet", "path": str(tmp_path / "e.parquet"), "columns": {"timestamp": c}})
+        for c in columns
+        if c not in ("user_id", "item_id")
+    ]
+    for k, config in enumerate(configs):
+        assert read_source(config).timestamps.tolist() == SECONDS, config.columns.timestamp
+        prepare(config.to_dict(), tmp_path / f"prepared{k}", users_per_shard=1)
+        assert_prepared_equals_raw(tmp_path / f"prepared{k}", config)
 
 
 def test_equal_timestamps_are_read_in_path_order_then_row_order(tmp_path):

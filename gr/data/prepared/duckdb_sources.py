@@ -50,9 +50,11 @@ from gr.data.readers import (
     table_parquet_columns,
     table_parquet_types,
 )
+from gr.timestamps import ISO_TEXT_SQL
 
 SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "time": "BIGINT", "list": "VARCHAR[]"}
 INT64_LIMIT = 2**63
+ISO_PATTERN = "'" + ISO_TEXT_SQL + "'"  # a SQL literal: the pattern holds no quote
 # Text -> value by the readers' rules (``read_delimited``'s kinds); NULL where the readers refuse the text.
 MACROS = (
     r"""CREATE TEMP MACRO gr_int(x) AS
@@ -78,11 +80,39 @@ MACROS = (
     """CREATE TEMP MACRO gr_floor_parts(p) AS
         gr_floor_digits(p.sign = '-', ltrim(p.whole || p.fraction, '0'),
                         TRY_CAST(COALESCE(NULLIF(p.exponent, ''), '0') AS BIGINT) - length(p.fraction))""",
+    # An ISO 8601 text's seconds (``gr.timestamps.iso_text_seconds``): days from the civil date (the
+    # proleptic Gregorian calendar, years from 1), NULL for an impossible date, time or offset.
+    """CREATE TEMP MACRO gr_days(shifted, month, day) AS
+        (shifted // 400) * 146097 + (shifted % 400) * 365 + (shifted % 400) // 4 - (shifted % 400) // 100
+        + (153 * ((month + 9) % 12) + 2) // 5 + day - 1 - 719468""",
+    """CREATE TEMP MACRO gr_iso_seconds(year, month, day, hour, minute, second, sign, zone_hours, zone_minutes) AS
+        CASE WHEN year >= 1 AND month BETWEEN 1 AND 12 AND day >= 1
+                  AND day <= CASE WHEN month = 2
+                                  THEN 28 + CASE WHEN year % 4 = 0 AND (year % 100 <> 0 OR year % 400 = 0)
+                                                 THEN 1 ELSE 0 END
+                                  ELSE 30 + (month + month // 8) % 2 END
+                  AND hour <= 23 AND minute <= 59 AND second <= 59 AND zone_hours <= 23 AND zone_minutes <= 59
+             THEN gr_days(year - CASE WHEN month <= 2 THEN 1 ELSE 0 END, month, day) * 86400
+                  + hour * 3600 + minute * 60 + second
+                  - CASE WHEN sign = '-' THEN -1 ELSE 1 END * (zone_hours * 3600 + zone_minutes * 60) END""",
+    """CREATE TEMP MACRO gr_iso_parts(p) AS
+        gr_iso_seconds(CAST(p.year AS BIGINT), CAST(p.month AS BIGINT), CAST(p.day AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.hour, ''), '0') AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.minute, ''), '0') AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.second, ''), '0') AS BIGINT), p.sign,
+                       CAST(COALESCE(NULLIF(p.zone_hours, ''), '0') AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.zone_minutes, ''), '0') AS BIGINT))""",
     r"""CREATE TEMP MACRO gr_seconds(x) AS
         CASE WHEN regexp_full_match(x, '-?[0-9]+') THEN TRY_CAST(x AS BIGINT)
              WHEN regexp_full_match(x, '[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?')
              THEN gr_floor_parts(regexp_extract(x, '^([-+]?)([0-9]*)\.?([0-9]*)(?:[eE]([-+]?[0-9]+))?$',
-                                                ['sign', 'whole', 'fraction', 'exponent'])) END""",
+                                                ['sign', 'whole', 'fraction', 'exponent']))
+             WHEN regexp_full_match(x, """
+    + ISO_PATTERN
+    + """) THEN gr_iso_parts(regexp_extract(x, """
+    + ISO_PATTERN
+    + """, ['year', 'month', 'day', 'hour', 'minute', 'second', 'zone', 'sign', 'zone_hours', 'zone_minutes']))
+        END""",
 )
 PARSE = {"int": "gr_int", "float": "gr_float", "str": "gr_text", "time": "gr_seconds"}
 
