@@ -99,7 +99,9 @@ def iso_text_seconds(text: str) -> Optional[int]:
     if part["zone_hours"] > 23 or part["zone_minutes"] > 59:
         return None
     try:
-        moment = datetime.datetime(*(part[k] for k in ("year", "month", "day", "hour", "minute", "second")))
+        moment = datetime.datetime(
+            part["year"], part["month"], part["day"], part["hour"], part["minute"], part["second"]
+        )
     except ValueError:
         return None
     offset = (part["zone_hours"] * 60 + part["zone_minutes"]) * 60 * (-1 if found["sign"] == "-" else 1)

@@ -39,6 +39,7 @@ from gr.data.prepared.manifest import read_manifest
 from gr.data.prepared.spark_engine import main, prepare_with_spark
 from gr.data.prepared.spark_read import read_failure, source_of
 from gr.data.readers import read_source
+from helpers.instants import SECONDS, TEXTS, iso_text
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +182,21 @@ def test_parquet_partitions_prepare_what_duckdb_and_the_single_file_they_split_d
     config = table_config(parts, source="parquet")
     prepared = prepare_both(config, tmp_path, users_per_shard=10)
     assert_prepared_equals_raw(prepared, config, table_config(tmp_path / "single.parquet", "parquet"))
+
+
+def test_hive_csv_partitions_of_iso_times_prepare_what_duckdb_and_the_readers_do(spark, tmp_path):
+    """helpers.instants' texts, then every row's seconds (some before 1970) in four ISO 8601 forms."""
+    for index, lines in enumerate((table_rows(seed=2)[:150], table_rows(seed=3)[150:])):
+        rows = [line.split(",") for line in lines]
+        for k, fields in enumerate(rows):
+            seconds = (int(float(fields[2])) - 15) * 40_000 + k
+            fields[2] = TEXTS[k] if k < len(TEXTS) else iso_text(seconds, k % 4)
+        folder = tmp_path / "log" / f"month={index + 1:02d}"
+        folder.mkdir(parents=True)
+        write_csv(folder / "part-0.csv", [",".join(f) for f in rows])
+    config = table_config(tmp_path / "log")
+    assert read_source(config).timestamps[: len(SECONDS)].tolist() == SECONDS
+    assert_prepared_equals_raw(prepare_both(config, tmp_path, users_per_shard=10), config)
 
 
 def test_a_movielens_source_with_side_files_prepares_what_duckdb_and_its_reader_do(spark, tmp_path):

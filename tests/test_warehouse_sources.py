@@ -2,7 +2,6 @@
 (Hive-style ``month=2024-01/`` folders too) or a glob, of CSV or Parquet, read raw and prepared
 alike, in path order (the order of equal timestamps); bad partitions are one line naming the file."""
 
-import datetime
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from gr.data.interactions import DataFormatError
 from gr.data.readers import find_source, read_source
 from gr.data.sequences import SPLITS, build_sequences
 from gr.timestamps import PER_SECOND
-from helpers.instants import SECONDS, TEXTS, timestamps
+from helpers.instants import SECONDS, TEXTS, iso_text, timestamps
 
 LISTS = COLUMNS["list_features"]
 # The partitions' relative paths in path order, and the rows of the events file each holds: written
@@ -97,15 +96,6 @@ def test_a_warehouse_log_trains_raw_and_prepared_to_the_same_batches(warehouse, 
     streamed = SequenceDataModule({**config, "prepared": str(prepared)})
     streamed.setup()
     assert batches(streamed) == batches(raw_module(warehouse, "parquet"))
-
-
-def iso_text(seconds: int, form: int) -> str:
-    """``seconds`` as one of four ISO 8601 forms: UTC with Z, an offset, naive (UTC), milliseconds."""
-    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
-    if form == 1:
-        return moment.astimezone(datetime.timezone(datetime.timedelta(hours=-5, minutes=-30))).isoformat()
-    text = moment.replace(tzinfo=None).isoformat(sep=" " if form == 2 else "T")
-    return text + ("Z" if form == 0 else ".999" if form == 3 else "")
 
 
 def write_iso_partitions(events: Path, root: Path) -> Path:

@@ -1,6 +1,7 @@
 """Instants as a warehouse, a request or a ``gr predict`` input writes them, with the Unix seconds
 every reader must give each (floored, UTC unless an offset says otherwise)."""
 
+import datetime
 from typing import List, Optional, Tuple
 
 import pyarrow as pa
@@ -24,3 +25,12 @@ def timestamps(seconds: List[int], unit: str, zone: Optional[str]) -> pa.Array:
     """A TIMESTAMP(unit, zone) array holding the last instant of each second (floored: those seconds)."""
     per_second = PER_SECOND[unit]
     return pa.array([s * per_second + per_second - 1 for s in seconds], pa.timestamp(unit, zone))
+
+
+def iso_text(seconds: int, form: int) -> str:
+    """``seconds`` as one of four ISO 8601 forms: UTC with Z, an offset, naive (UTC), milliseconds."""
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    if form == 1:
+        return moment.astimezone(datetime.timezone(datetime.timedelta(hours=-5, minutes=-30))).isoformat()
+    text = moment.replace(tzinfo=None).isoformat(sep=" " if form == 2 else "T")
+    return text + ("Z" if form == 0 else ".999" if form == 3 else "")
