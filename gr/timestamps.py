@@ -11,8 +11,10 @@
   (``gr.data.sequences.build_sequences``), so training and serving see ties alike.
 * Negative timestamps are allowed: they are seconds before 1970, valid integers that the model's
   relative time buckets handle like any other.
-* A timestamp type (a Parquet / Arrow TIMESTAMP of s, ms, us or ns) is read as its whole seconds,
-  floored (``floor_seconds``), by the dataset readers and ``gr predict`` alike.
+* A timestamp type (a Parquet / Arrow TIMESTAMP of s, ms, us or ns, with or without a time zone)
+  is read as its whole seconds, floored (``floor_seconds``), by the dataset readers and ``gr
+  predict`` alike; so is an ISO 8601 text (``iso_text_seconds``: a CSV cell, a request's or a
+  ``gr predict`` input's timestamps, a config's split times), UTC unless it has an offset.
 * Every timestamp is an int64. Values outside [-2^63, 2^63) are refused, never wrapped, and so
   are the times of one user's request (history, candidates, request time) or one user's
   training sequence that lie 2^63 s or more apart: the model takes their differences.
@@ -23,7 +25,9 @@ as above; only values that do not fit int64 are refused there (by the readers).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import datetime
+import re
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -33,6 +37,18 @@ TIMESTAMPS = "timestamps"  # [tokens] int64 seconds
 INT64_MIN = int(np.iinfo(np.int64).min)
 INT64_MAX = int(np.iinfo(np.int64).max)
 PER_SECOND = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}  # a Parquet / Arrow timestamp's units in a second
+# The ISO 8601 texts read as times: a date, or a date and a time (``T`` or a space between; seconds and
+# their fraction optional), then ``Z`` or an offset ``+hh:mm`` / ``-hh:mm`` (none: UTC). The engines of
+# gr.data.prepared match the same pattern (``ISO_TEXT_SQL``).
+ISO_TEXT = re.compile(
+    r"(?P<year>[0-9]{4})-(?P<month>[0-9]{2})-(?P<day>[0-9]{2})"
+    r"(?:[T ](?P<hour>[0-9]{2}):(?P<minute>[0-9]{2})(?::(?P<second>[0-9]{2})(?:\.[0-9]+)?)?"
+    r"(?P<zone>Z|(?P<sign>[-+])(?P<zone_hours>[0-9]{2}):(?P<zone_minutes>[0-9]{2}))?)?"
+)
+# The pattern with numbered groups (year 1, month 2, day 3, hour 4, minute 5, second 6, zone 7, sign 8,
+# zone hours 9, zone minutes 10), as DuckDB's and Spark's regular expressions read it.
+ISO_TEXT_SQL = re.sub(r"\?P<\w+>", "", ISO_TEXT.pattern)
+EPOCH = datetime.datetime(1970, 1, 1)
 
 
 class TimestampError(ValueError):
@@ -69,6 +85,27 @@ def floor_seconds(counts: np.ndarray, unit: str) -> np.ndarray:
     counts: [n] integers, each a count of ``unit`` ("s" | "ms" | "us" | "ns") since 1970 (an Arrow
     timestamp cast to int64) -> [n] int64 seconds (-0.5 s is -1: floored, not truncated)."""
     return np.floor_divide(np.asarray(counts, dtype=np.int64), PER_SECOND[unit])
+
+
+def iso_text_seconds(text: str) -> Optional[int]:
+    """An ISO 8601 date or time (``ISO_TEXT``: ``2024-01-05``, ``2024-01-05T10:00:00Z``,
+    ``2024-01-05 10:00:00.5+02:00``) -> its Unix seconds, floored (a fraction of a second dropped),
+    UTC unless it has an offset; None for any other text or an impossible date, time or offset
+    (month 13, February 30, hour 24, an offset of 24 hours or more, year 0)."""
+    found = ISO_TEXT.fullmatch(text)
+    if found is None:
+        return None
+    part = {name: int(value) for name, value in found.groupdict(default="0").items() if name not in ("zone", "sign")}
+    if part["zone_hours"] > 23 or part["zone_minutes"] > 59:
+        return None
+    try:
+        moment = datetime.datetime(
+            part["year"], part["month"], part["day"], part["hour"], part["minute"], part["second"]
+        )
+    except ValueError:
+        return None
+    offset = (part["zone_hours"] * 60 + part["zone_minutes"]) * 60 * (-1 if found["sign"] == "-" else 1)
+    return (moment - EPOCH) // datetime.timedelta(seconds=1) - offset
 
 
 def check_time_span(times: Mapping[str, Any]) -> None:

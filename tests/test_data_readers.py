@@ -1,5 +1,6 @@
 """Readers of the public formats: exact layouts, side features, and errors naming file and line."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -211,13 +212,33 @@ def test_rows_repeating_user_item_and_timestamp_are_dropped_and_counted_unless_k
 
 def test_generic_csv_bad_value_names_its_line(tmp_path):
     write(tmp_path / "events.csv", "user_id,item_id,timestamp\n1,2,100\n1,3,yesterday\n")
-    with pytest.raises(DataFormatError, match=r"events\.csv:3: column 'timestamp': expected seconds: .*'yesterday'$"):
+    with pytest.raises(DataFormatError, match=r"events\.csv:3: column 'timestamp': expected seconds .*'yesterday'$"):
         read_table_csv(str(tmp_path / "events.csv"), ColumnConfig())
 
 
-def test_a_date_as_text_where_seconds_are_expected_says_what_to_give_instead(tmp_path):
-    write(tmp_path / "events.csv", "user_id,item_id,timestamp\n1,2,100\n1,3,2024-01-05T10:00:00Z\n")
-    message = r"events\.csv:3: .*got '2024-01-05T10:00:00Z' \(a date as text: give Unix seconds, or a Parquet timestamp"
+ISO_TIMES = {  # text -> its seconds: UTC unless it has an offset, fractions floored
+    "2024-01-05T10:00:00Z": 1704448800,
+    "2024-01-05 12:00:00+02:00": 1704448800,
+    "2024-01-05T10:00:00.999": 1704448800,
+    "2024-01-05T05:30-04:30": 1704448800,
+    "2024-01-05": 1704412800,
+    "1969-12-31T23:59:59.5Z": -1,
+}
+
+
+def test_iso_8601_csv_timestamps_are_read_as_seconds_floored_utc_unless_offset(tmp_path):
+    rows = "".join(f"u1,{i},{text}\n" for i, text in enumerate(ISO_TIMES))
+    data = read_table_csv(str(write(tmp_path / "e.csv", "user_id,item_id,timestamp\n" + rows)), ColumnConfig())
+    assert data.timestamps.dtype == np.int64 and data.timestamps.tolist() == list(ISO_TIMES.values())
+
+
+@pytest.mark.parametrize(
+    "text", ["2024-02-30", "2024-01-05T24:00:00", "2024-01-05T10:00:00+24:00", "2024-1-5", "05/01/2024"]
+)
+def test_a_bad_timestamp_text_names_the_file_line_and_column(tmp_path, text):
+    write(tmp_path / "events.csv", f"user_id,item_id,timestamp\n1,2,100\n1,3,{text}\n")
+    expected = f"expected seconds .* or an ISO 8601 date or time, got '{re.escape(text)}'$"
+    message = rf"^{tmp_path / 'events.csv'}:3: column 'timestamp': {expected}"
     with pytest.raises(DataFormatError, match=message):
         read_table_csv(str(tmp_path / "events.csv"), ColumnConfig())
 
@@ -251,11 +272,11 @@ def test_decimal_csv_timestamps_are_floored_exactly(tmp_path):
 @pytest.mark.parametrize(
     "row, message",
     [
-        ("1,2,1e23", "column 'timestamp': expected seconds: .* that fits int64, got '1e23'"),
-        ("1,2,1.5e30", "column 'timestamp': expected seconds: .* that fits int64, got '1.5e30'"),
-        ("1,2,-9223372036854775809", "column 'timestamp': expected seconds: .*, got '-9223372036854775809'"),
-        ("1,2,1e9999999999999999999", "column 'timestamp': expected seconds: .*, got '1e9999999999999999999'"),
-        ("1,2,5e-9999999999999999999", "column 'timestamp': expected seconds: .*, got '5e-9999999999999999999'"),
+        ("1,2,1e23", "column 'timestamp': expected seconds .*, got '1e23'"),
+        ("1,2,1.5e30", "column 'timestamp': expected seconds .*, got '1.5e30'"),
+        ("1,2,-9223372036854775809", "column 'timestamp': expected seconds .*, got '-9223372036854775809'"),
+        ("1,2,1e9999999999999999999", "column 'timestamp': expected seconds .*, got '1e9999999999999999999'"),
+        ("1,2,5e-9999999999999999999", "column 'timestamp': expected seconds .*, got '5e-9999999999999999999'"),
         ("18446744073709551615,2,5", "column 'user_id': id 18446744073709551615 does not fit int64"),
     ],
 )

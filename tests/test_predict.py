@@ -20,6 +20,7 @@ from gr.data.readers import read_table_parquet
 from gr.export import export_model
 from gr.serving import IdOptions, Ranker, RecommendRequest
 from helpers.corrupt_parquet import write_corrupt_parquet
+from helpers.instants import SECONDS, TEXTS, timestamps
 from helpers.models import (
     DENSE_DIMS,
     build_ranking_model,
@@ -215,6 +216,37 @@ def test_a_timestamp_list_is_read_as_seconds_floored_as_training_reads_one(retri
     predict(path, write(seconds, tmp_path / "seconds.parquet"), tmp_path / "a.parquet", k=3)
     predict(path, write(stamped, tmp_path / "stamped.parquet"), tmp_path / "b.parquet", k=3)
     assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+
+
+def test_iso_texts_and_zoned_timestamps_are_read_as_the_seconds_training_reads(retrieval, tmp_path):
+    """Each history at the instants of helpers.instants: their seconds, ISO 8601 texts, TIMESTAMP(us) in a zone."""
+    path, requests = retrieval
+    table = as_table(requests, ("history",))
+    lengths = [len(times) for times in table.column("history.timestamps").to_pylist()]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    picks = [k % len(TEXTS) for k in range(sum(lengths))]
+    picks = [p for length, start in zip(lengths, offsets.to_pylist()) for p in sorted(picks[start : start + length])]
+    columns = {
+        "seconds": pa.array([SECONDS[p] for p in picks]),
+        "texts": pa.array([TEXTS[p] for p in picks]),
+        "zoned": timestamps([SECONDS[p] for p in picks], "us", "Asia/Kolkata"),
+    }
+    outputs = []
+    for name, values in columns.items():
+        times = pa.ListArray.from_arrays(offsets, values)
+        column = table.column_names.index("history.timestamps")
+        predict(
+            path,
+            write(table.set_column(column, "history.timestamps", times), tmp_path / f"{name}.parquet"),
+            tmp_path / f"{name}.out.parquet",
+            k=3,
+        )
+        outputs.append(pq.read_table(tmp_path / f"{name}.out.parquet"))
+    assert outputs[1].equals(outputs[0]) and outputs[2].equals(outputs[0])
+    bad = pa.ListArray.from_arrays(offsets, pa.array(["2024-02-30"] * sum(lengths)))
+    users = write(table.set_column(column, "history.timestamps", bad), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=rf"^{users}: row 1, column history.timestamps: \[0\] = '2024-02-30' is not"):
+        predict(path, users, tmp_path / "bad.out.parquet", k=3)
 
 
 def test_a_corrupt_parquet_page_is_one_line_naming_the_input(retrieval, tmp_path, capsys):

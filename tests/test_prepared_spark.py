@@ -39,6 +39,7 @@ from gr.data.prepared.manifest import read_manifest
 from gr.data.prepared.spark_engine import main, prepare_with_spark
 from gr.data.prepared.spark_read import read_failure, source_of
 from gr.data.readers import read_source
+from helpers.instants import SECONDS, TEXTS, iso_text
 
 
 @pytest.fixture(scope="module")
@@ -131,19 +132,27 @@ def small_splits(spark):
     spark.conf.unset("spark.sql.files.openCostInBytes")
 
 
-def test_csv_partition_files_with_quotes_crlf_and_their_own_header_order_prepare_as_one_file(small_splits, tmp_path):
+def test_hive_csv_partitions_with_iso_times_quotes_crlf_and_their_own_header_order_prepare_as_one_file(
+    small_splits, tmp_path
+):
+    """The partitions write each time as ISO 8601 text (helpers.instants' texts, then four forms), the
+    one file as its seconds."""
     names = [*HEADER.split(","), "note"]
     rows = [line.split(",") + [f'"said ""hi"", {k}"'] for k, line in enumerate(table_rows(seed=5, rows=300))]
     rows[200][-1] = '"a note\r\nover two lines"'  # the second partition's records then span lines
+    for k, seconds in enumerate(SECONDS):
+        rows[k][2] = str(seconds)
+    whole = write_csv(tmp_path / "whole.csv", [",".join(row[:-1]) for row in rows])
+    for k, row in enumerate(rows):
+        row[2] = TEXTS[k] if k < len(TEXTS) else iso_text(int(float(row[2])), k % 4)
     orders = [names, names[::-1]]  # the second partition lists its columns in reverse
     parts = tmp_path / "parts"
-    parts.mkdir()
     for index, chunk in enumerate((rows[:170], rows[170:])):
         order = orders[index]
         lines = [",".join(order), "", *(",".join(row[names.index(c)] for c in order) for row in chunk)]
-        (parts / f"part-{index}.csv").write_bytes(("\r\n".join(lines) + "\r\n").encode())
+        (parts / f"month={index + 1:02d}").mkdir(parents=True)
+        (parts / f"month={index + 1:02d}" / "part-0.csv").write_bytes(("\r\n".join(lines) + "\r\n").encode())
     (parts / "_SUCCESS").write_text("")
-    whole = write_csv(tmp_path / "whole.csv", [",".join(row[:-1]) for row in rows])
     config = table_config(parts)
     prepared = prepare_both(config, tmp_path, users_per_shard=10)
     assert_prepared_equals_raw(prepared, config, table_config(whole))

@@ -10,10 +10,11 @@ as a column ``history.item_id``)::
                                                                      for the item features the export
                                                                      stores (taken by item id)
     history.timestamps         list<int> seconds, oldest first       required (``gr.timestamps``; a
-                                                                     list<timestamp> is read as seconds,
+                                                                     list<timestamp> or a list<string> of
+                                                                     ISO 8601 texts is read as seconds,
                                                                      floored, as training reads one)
     candidates.<feature>       list per token feature                optional: scores per candidate
-    candidates.timestamps      list<int> (or list<timestamp>)        optional (default: request_time)
+    candidates.timestamps      as history.timestamps                 optional (default: request_time)
     common_features.<feature>  id, list of ids, or list<float>       required when the export reads it,
                                                                      but for an id feature whose map has
                                                                      an unknown id (then that id)

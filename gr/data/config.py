@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from gr.timestamps import iso_text_seconds
 from gr.utils.config_checks import (
     BOOL,
     NAME,
@@ -31,21 +31,20 @@ SPLITS = ("leave_one_out", "time", "none")
 TEST_EVENTS = ("next", "all")
 SPLIT_TIMES = ("split_time", "split_end", "train_start", "replay_start")  # times: seconds or ISO 8601
 TRAIN_TIMES = ("train_start", "replay_start")  # the times data.split none reads too
+UTC_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 SECONDS: Check = (is_int, "an integer number of seconds, or an ISO 8601 date or time (UTC unless it has an offset)")
 
 
 def iso_seconds(value: Any) -> Any:
-    """An ISO 8601 date or time (text, or the date / datetime YAML reads from an unquoted one) ->
-    its Unix seconds, floored; UTC unless it carries an offset. Anything else unchanged, for the
-    field's check to judge."""
+    """An ISO 8601 date or time (text, as ``gr.timestamps.iso_text_seconds`` reads it, or the date /
+    datetime YAML reads from an unquoted one) -> its Unix seconds, floored; UTC unless it carries an
+    offset. Anything else unchanged, for the field's check to judge."""
     if isinstance(value, str):
-        try:
-            value = datetime.datetime.fromisoformat(value)
-        except ValueError:
-            return value
+        seconds = iso_text_seconds(value)
+        return value if seconds is None else seconds
     if isinstance(value, datetime.datetime):
         aware = value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
-        return math.floor(aware.timestamp())
+        return (aware - UTC_EPOCH) // datetime.timedelta(seconds=1)
     if isinstance(value, datetime.date):
         return iso_seconds(datetime.datetime(value.year, value.month, value.day))
     return value

@@ -10,7 +10,8 @@ the first bad line, so every data error reads ``file:line: what was expected``.
 Exact values: ids and timestamps never pass through float64. Integer columns are parsed as
 int64 (a value outside int64 is an error naming file, line and column); a text column keeps
 every value as written, ``NA``, ``null``, ``nan`` and ``N/A`` included (only an empty field is
-missing, and an error); timestamps are integer seconds, or decimal numbers floored exactly.
+missing, and an error); timestamps are integer seconds, decimal numbers floored exactly, or ISO 8601
+dates and times (UTC unless they carry an offset) floored to the second.
 """
 
 from __future__ import annotations
@@ -30,18 +31,17 @@ import pyarrow.csv as pacsv
 
 from gr.data.interactions import DataFormatError
 from gr.jagged_rows import JaggedRows
-from gr.timestamps import floor_seconds
+from gr.timestamps import floor_seconds, iso_text_seconds
 
 ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "time": pa.string(), "list": pa.string()}
 EXPECTED = {
     "int": "an integer that fits int64",
     "float": "a number",
     "str": "a non-empty value",
-    "time": "seconds: an integer, or a decimal number, that fits int64",
+    "time": "seconds (an integer, or a decimal number, that fits int64) or an ISO 8601 date or time",
     "list": "values separated by the list separator (an empty cell: an empty list)",
 }
 INT_PATTERN = re.compile(r"-?\d+")
-DATE_TEXT = re.compile(r"\d{4}-\d{1,2}-\d{1,2}")  # the start of an ISO 8601 date (2024-01-05T10:00:00Z, ...)
 DECIMAL_PATTERN = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 DECIMAL_SECONDS = pa.decimal128(38, 9)
 INT64_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
@@ -58,8 +58,10 @@ def read_delimited(
     header: str = "none",
     encoding: str = "utf8",
     quoted: bool = False,
+    empty: bool = False,
 ) -> Dict[str, np.ndarray]:
-    """Parse a delimited text file into {column: [N] array}.
+    """Parse a delimited text file into {column: [N] array}; a file without data rows is refused
+    unless ``empty`` (a partition of several files, whose rows are counted together).
 
     columns: (name, kind) with kind "int" | "float" | "str" | "time" (seconds, ``exact_seconds``) |
     "list" (text, empty allowed: ``split_lists`` splits it) | "skip". With header "none"
@@ -96,7 +98,7 @@ def read_delimited(
         arrow_error = str(error).splitlines()[0]
     if values is None:
         raise bad_line_error(path, columns, delimiter, header, encoding, quoted, arrow_error)
-    if table.num_rows == 0:
+    if table.num_rows == 0 and not empty:
         raise DataFormatError(path, "no data rows (empty dataset)")
     return values
 
@@ -148,8 +150,9 @@ def _seconds_column(column: pa.ChunkedArray) -> Optional[np.ndarray]:
 
 def exact_seconds(text: str) -> Optional[int]:
     """A timestamp's text -> its integer seconds, exactly: an integer as it is, a decimal number
-    (``1.5``, ``1.7e9``) floored; None when it is neither, falls outside int64, or has an exponent
-    past what ``decimal`` holds (beyond +-999999999999999999)."""
+    (``1.5``, ``1.7e9``) floored, an ISO 8601 date or time (``gr.timestamps.iso_text_seconds``:
+    ``2024-01-05T10:00:00Z``, UTC unless it has an offset) floored; None when it is none of them,
+    falls outside int64, or has an exponent past what ``decimal`` holds (beyond +-999999999999999999)."""
     if INT_PATTERN.fullmatch(text):
         value = int(text)
     elif DECIMAL_PATTERN.fullmatch(text):
@@ -161,7 +164,7 @@ def exact_seconds(text: str) -> Optional[int]:
         except InvalidOperation:
             return None
     else:
-        return None
+        return iso_text_seconds(text)
     return value if INT64_RANGE[0] <= value <= INT64_RANGE[1] else None
 
 
@@ -246,15 +249,8 @@ def _first_bad_line(
         for name, kind in columns:
             value = fields[positions[name]]
             if kind != "skip" and not _valid(value, kind):
-                return line, f"column {name!r}: expected {EXPECTED[kind]}, got {value!r}{_date_hint(value, kind)}"
+                return line, f"column {name!r}: expected {EXPECTED[kind]}, got {value!r}"
     return None
-
-
-def _date_hint(value: str, kind: str) -> str:
-    """What to do with a date given as text where seconds are expected ("" for anything else)."""
-    if kind != "time" or DATE_TEXT.match(value.strip()) is None:
-        return ""
-    return " (a date as text: give Unix seconds, or a Parquet timestamp column, which is read as it is)"
 
 
 def fits_int64(text: str) -> bool:

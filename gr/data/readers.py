@@ -8,7 +8,10 @@ and builds ``Interactions`` with their side tables; values are parsed and refuse
 from __future__ import annotations
 
 import functools
+import glob
 import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -265,18 +268,118 @@ def read_amazon(path: str) -> Interactions:
 
 # ---- generic tables ----------------------------------------------------------------------
 
+TABLE_SUFFIXES = (".csv", ".parquet")  # the table sources' files: one format per source
+GLOB_CHARACTERS = re.compile(r"[*?\[]")
+
+
+def _listed(name: str) -> bool:
+    """Whether a file or folder of a source directory is data: hidden names and ``_``-prefixed
+    markers (``_SUCCESS``, ``_temporary/``) are not."""
+    return name[0] not in "._"
+
+
+def _files_under(directory: Path) -> List[Path]:
+    """Every listed file under ``directory``, in its subdirectories too (Hive-style ``key=value``
+    folders), unordered."""
+    found = []
+    for root, folders, names in os.walk(directory):
+        folders[:] = [folder for folder in folders if _listed(folder)]
+        found += [Path(root) / name for name in names if _listed(name)]
+    return found
+
+
+def source_files(path: Path, suffix: str) -> List[Path]:
+    """The files a table source reads from ``data.path``, in the order their rows are read (which
+    orders the rows of equal timestamps): ``path`` itself when it is a file; else the ``*<suffix>``
+    files under the directory ``path``, subdirectories included (Hive-style ``month=2024-01/``
+    folders: their keys are not columns), or matched by the glob ``path`` (``**`` spans folders, a
+    matched directory counts as its files), in path order (compared folder by folder, then by
+    name), leaving out hidden and ``_``-prefixed names (``_SUCCESS``, ``_temporary/``).
+
+    Nothing at ``path`` (or nothing it matches) raises FileNotFoundError; no ``*<suffix>`` file, or
+    a file of the other table format among them, DataFormatError naming it."""
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = _files_under(path)
+    elif GLOB_CHARACTERS.search(str(path)):
+        matched = [Path(m) for m in glob.glob(str(path), recursive=True)]
+        if not matched:
+            raise FileNotFoundError(f"data.path: {path}: no file or directory matches the pattern")
+        found = [f for m in matched for f in (_files_under(m) if m.is_dir() else [m] if _listed(m.name) else [])]
+    else:
+        raise FileNotFoundError(f"data.path: {path}: no such file or directory")
+    for file in found:
+        other = next((s for s in TABLE_SUFFIXES if s != suffix and file.name.endswith(s)), None)
+        if other is not None:
+            raise DataFormatError(
+                file, f"a {other} file among the {suffix} files of data.path {path} (one format per source)"
+            )
+    files = sorted({f for f in found if f.name.endswith(suffix)}, key=lambda f: f.parts)
+    if not files:
+        raise DataFormatError(path, f"no *{suffix} files (data.path: a file, a directory of partition files or a glob)")
+    return files
+
+
+@dataclass
+class _Part:
+    """What ``_table_interactions`` takes of one file of a table source: values: {column: [n]} (str
+    ids, int64 timestamps, float numbers or text), lists: {list feature: n rows}, ratings: [n] float
+    when the rating column is also a categorical feature's text; bad(column, row, message): the
+    error naming the file and row (0-based) of a refused value."""
+
+    file: Path
+    values: Dict[str, np.ndarray]
+    lists: Dict[str, JaggedRows]
+    ratings: Optional[np.ndarray]
+    bad: Callable[[str, int, str], DataFormatError]
+
+    def __len__(self) -> int:
+        return len(next(iter(self.values.values())))
+
+
+def _concatenated(path: Path, parts: Sequence[_Part], columns: ColumnConfig) -> Interactions:
+    """The interactions of a table source's files ``parts`` in their order (one file: as it is)."""
+    if len(parts) == 1:
+        part = parts[0]
+        return _table_interactions(part.file, part.values, part.lists, columns, part.bad, part.ratings)
+    starts = np.cumsum([0, *(len(part) for part in parts)])
+    if starts[-1] == 0:
+        raise DataFormatError(path, "no data rows (empty dataset)")
+    first = parts[0]
+    values = {name: np.concatenate([part.values[name] for part in parts]) for name in first.values}
+    lists = {
+        name: JaggedRows.from_lengths(
+            np.concatenate([part.lists[name].lengths() for part in parts]),
+            np.concatenate([part.lists[name].values for part in parts]),
+        )
+        for name in first.lists
+    }
+    ratings = None if first.ratings is None else np.concatenate([part.ratings for part in parts])
+
+    def bad(name: str, row: int, message: str) -> DataFormatError:
+        index = int(np.searchsorted(starts, row, side="right")) - 1
+        return parts[index].bad(name, row - int(starts[index]), message)
+
+    return _table_interactions(path, values, lists, columns, bad, ratings)
+
 
 def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
-    """A CSV with a header; ``columns`` names the user, item, timestamp (seconds: integers, or
+    """A CSV with a header, or its partitions (``source_files``: a directory or a glob, each file
+    with its own header); ``columns`` names the user, item, timestamp (seconds: integers, or
     decimal numbers floored) and optional rating and declared feature columns (categorical: any
     non-empty text, ``NA`` and ``null`` included; list features: values joined by
     ``columns.list_separator``, an empty cell the empty list; dense: finite numbers). Ids that
     are all canonical integers become int64."""
-    file = _require_file(
-        Path(path), f"CSV with a header naming {columns.user!r}, {columns.item!r}, {columns.timestamp!r}"
-    )
+    files = source_files(Path(path), ".csv")
+    return _concatenated(Path(path), [_csv_part(file, columns, len(files) > 1) for file in files], columns)
+
+
+def _csv_part(file: Path, columns: ColumnConfig, partition: bool) -> _Part:
+    """One CSV file of a table source (a ``partition`` of several may hold no data rows)."""
     categorical = columns.categorical_columns()
-    values = read_delimited(file, table_csv_layout(columns), columns.delimiter, header="select", quoted=True)
+    layout = table_csv_layout(columns)
+    values = read_delimited(file, layout, columns.delimiter, header="select", quoted=True, empty=partition)
 
     def bad_id(name: str, row: int, message: str) -> DataFormatError:
         return table_csv_error(file, columns.delimiter, name, row, message)
@@ -287,7 +390,7 @@ def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
     lists = {
         c: split_lists(values[c], columns.list_separator, functools.partial(bad_id, c)) for c in columns.list_features
     }
-    return _table_interactions(file, values, lists, columns, bad_id, ratings)
+    return _Part(file, values, lists, ratings, bad_id)
 
 
 def table_csv_layout(columns: ColumnConfig) -> List[Tuple[str, str]]:
@@ -305,25 +408,31 @@ def table_csv_layout(columns: ColumnConfig) -> List[Tuple[str, str]]:
 
 
 def read_table_parquet(path: str, columns: ColumnConfig) -> Interactions:
-    """A Parquet file with the columns ``columns`` names (timestamp: integer seconds, float seconds
-    floored, or a timestamp type floored to seconds; ids: integer or string columns, read exactly;
-    list features: list<string> or list<int> columns, and only they are lists). Errors name the
-    row counted from 1, as CSV errors name lines and ``gr predict`` names rows."""
-    file = _require_file(Path(path), "Parquet file")
-    wanted, numeric = table_parquet_columns(columns)
-    read_table_parquet_schema(file, columns)
+    """A Parquet file, or its partitions (``source_files``: a directory or a glob; each column of
+    one type in every file), with the columns ``columns`` names (timestamp: integer seconds, float
+    seconds floored, or a timestamp type floored to seconds; ids: integer or string columns, read
+    exactly; list features: list<string> or list<int> columns, and only they are lists). Errors
+    name the file and row counted from 1, as CSV errors name lines and ``gr predict`` names rows."""
+    files = source_files(Path(path), ".parquet")
+    table_parquet_types(files, columns)
+    return _concatenated(Path(path), [_parquet_part(file, columns, len(files) > 1) for file in files], columns)
+
+
+def _parquet_part(file: Path, columns: ColumnConfig, partition: bool) -> _Part:
+    """One Parquet file of a table source (a ``partition`` of several may hold no rows)."""
+    wanted, _ = table_parquet_columns(columns)
     try:
         table = pq.read_table(file, columns=wanted)
     except (pa.ArrowInvalid, OSError) as error:
         raise unreadable_parquet(file, str(error)) from None
-    if table.num_rows == 0:
+    if table.num_rows == 0 and not partition:
         raise DataFormatError(file, "no data rows (empty dataset)")
     values, lists, ratings = _parquet_values(file, table, columns)
 
     def bad_id(name: str, row: int, message: str) -> DataFormatError:
         return table_parquet_error(file, name, row, message)
 
-    return _table_interactions(file, values, lists, columns, bad_id, ratings)
+    return _Part(file, values, lists, ratings, bad_id)
 
 
 def table_parquet_columns(columns: ColumnConfig) -> Tuple[List[str], List[str]]:
@@ -352,6 +461,26 @@ def check_table_parquet_types(file: Path, schema: pa.Schema, columns: ColumnConf
     declares it to be (checked on no rows: the values are another engine's to check)."""
     wanted, _ = table_parquet_columns(columns)
     _parquet_values(file, schema.empty_table().select(wanted), columns)
+
+
+def table_parquet_types(files: Sequence[Path], columns: ColumnConfig) -> Dict[str, pa.DataType]:
+    """{column: Arrow type} of the columns ``read_table_parquet`` reads, from the footers of
+    ``files``: each file must hold them (``read_table_parquet_schema``), of types they may have
+    (``check_table_parquet_types``) and the same in every file (else DataFormatError naming it)."""
+    wanted, _ = table_parquet_columns(columns)
+    first: Optional[pa.Schema] = None
+    for file in files:
+        schema = read_table_parquet_schema(file, columns)
+        check_table_parquet_types(file, schema, columns)
+        first = schema if first is None else first
+        differing = [c for c in wanted if schema.field(c).type != first.field(c).type]
+        if differing:
+            c = differing[0]
+            raise DataFormatError(
+                file, f"column {c!r} has type {schema.field(c).type}, but {files[0]} has {first.field(c).type}"
+            )
+    assert first is not None  # source_files gives a file at least
+    return {c: first.field(c).type for c in wanted}
 
 
 def _parquet_values(
@@ -466,7 +595,9 @@ def find_source(config: DataConfig) -> Optional[Path]:
     if config.source in RATINGS_FILES:
         return RATINGS_FILES[config.source].find(config.path)
     path = Path(config.path)
-    if not path.exists():
+    if config.source in ("csv", "parquet"):
+        source_files(path, f".{config.source}")
+    elif not path.exists():
         raise FileNotFoundError(f"data.path: {path}: no such file or directory (the {config.source} source)")
     return path
 

@@ -37,7 +37,7 @@ from gr.serving.id_maps import IdMaps
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.options import ID_SPACES, UNKNOWN_IDS
 from gr.serving.sparse_store import SparseStore
-from gr.timestamps import INT64_MAX, INT64_MIN, TimestampError, check_history_timestamps
+from gr.timestamps import INT64_MAX, INT64_MIN, TimestampError, check_history_timestamps, iso_text_seconds
 
 TEMPERATURE_RANGE = (0.01, 100.0)  # sampling and beam temperatures: softmax(scores / t) stays finite
 SEED_RANGE = (0, INT64_MAX)
@@ -334,7 +334,7 @@ class RequestSchema:
         for name in self.token_features:
             out.setdefault(name, self.unknown(name, count))
         if TIMESTAMPS in columns:
-            out[TIMESTAMPS] = _ids(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
+            out[TIMESTAMPS] = _timestamps(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
             lengths[TIMESTAMPS] = len(out[TIMESTAMPS])
             if not candidates:
                 try:
@@ -443,6 +443,21 @@ def _flat(values: Any, where: str, strings: bool = True) -> np.ndarray:
 def _ids(values: Any, where: str) -> np.ndarray:
     """A list of integers in int64 (model ids, timestamps) -> [n] int64."""
     return _flat(values, where, strings=False).astype(np.int64)
+
+
+def _timestamps(values: Any, where: str) -> np.ndarray:
+    """A list of timestamps, each integer seconds in int64 or an ISO 8601 text (``2024-01-05T10:00:00Z``,
+    ``gr.timestamps.iso_text_seconds``: UTC unless it has an offset, floored to the second) -> [n] int64."""
+    if isinstance(values, (list, tuple, np.ndarray)) and any(isinstance(v, str) for v in values):
+        seconds = [iso_text_seconds(v) if isinstance(v, str) else v for v in values]
+        bad = next((k for k, (v, s) in enumerate(zip(values, seconds)) if isinstance(v, str) and s is None), None)
+        if bad is not None:
+            raise RequestError(
+                f"{where}: [{bad}] = {str(values[bad])!r} is not an ISO 8601 date or time (such as "
+                "2024-01-05T10:00:00Z) nor an integer (seconds)"[:300]
+            )
+        values = seconds
+    return _ids(values, where)
 
 
 def _model_ids(values: Any, where: str, feature: str, raw: Optional[IdMaps], unknown_ids: str) -> np.ndarray:

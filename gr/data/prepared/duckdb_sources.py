@@ -45,14 +45,16 @@ from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST, side_table_fr
 from gr.data.readers import (
     MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
-    check_table_parquet_types,
-    read_table_parquet_schema,
+    source_files,
     table_csv_layout,
     table_parquet_columns,
+    table_parquet_types,
 )
+from gr.timestamps import ISO_TEXT_SQL
 
 SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "time": "BIGINT", "list": "VARCHAR[]"}
 INT64_LIMIT = 2**63
+ISO_PATTERN = "'" + ISO_TEXT_SQL + "'"  # a SQL literal: the pattern holds no quote
 # Text -> value by the readers' rules (``read_delimited``'s kinds); NULL where the readers refuse the text.
 MACROS = (
     r"""CREATE TEMP MACRO gr_int(x) AS
@@ -78,11 +80,39 @@ MACROS = (
     """CREATE TEMP MACRO gr_floor_parts(p) AS
         gr_floor_digits(p.sign = '-', ltrim(p.whole || p.fraction, '0'),
                         TRY_CAST(COALESCE(NULLIF(p.exponent, ''), '0') AS BIGINT) - length(p.fraction))""",
+    # An ISO 8601 text's seconds (``gr.timestamps.iso_text_seconds``): days from the civil date (the
+    # proleptic Gregorian calendar, years from 1), NULL for an impossible date, time or offset.
+    """CREATE TEMP MACRO gr_days(shifted, month, day) AS
+        (shifted // 400) * 146097 + (shifted % 400) * 365 + (shifted % 400) // 4 - (shifted % 400) // 100
+        + (153 * ((month + 9) % 12) + 2) // 5 + day - 1 - 719468""",
+    """CREATE TEMP MACRO gr_iso_seconds(year, month, day, hour, minute, second, sign, zone_hours, zone_minutes) AS
+        CASE WHEN year >= 1 AND month BETWEEN 1 AND 12 AND day >= 1
+                  AND day <= CASE WHEN month = 2
+                                  THEN 28 + CASE WHEN year % 4 = 0 AND (year % 100 <> 0 OR year % 400 = 0)
+                                                 THEN 1 ELSE 0 END
+                                  ELSE 30 + (month + month // 8) % 2 END
+                  AND hour <= 23 AND minute <= 59 AND second <= 59 AND zone_hours <= 23 AND zone_minutes <= 59
+             THEN gr_days(year - CASE WHEN month <= 2 THEN 1 ELSE 0 END, month, day) * 86400
+                  + hour * 3600 + minute * 60 + second
+                  - CASE WHEN sign = '-' THEN -1 ELSE 1 END * (zone_hours * 3600 + zone_minutes * 60) END""",
+    """CREATE TEMP MACRO gr_iso_parts(p) AS
+        gr_iso_seconds(CAST(p.year AS BIGINT), CAST(p.month AS BIGINT), CAST(p.day AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.hour, ''), '0') AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.minute, ''), '0') AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.second, ''), '0') AS BIGINT), p.sign,
+                       CAST(COALESCE(NULLIF(p.zone_hours, ''), '0') AS BIGINT),
+                       CAST(COALESCE(NULLIF(p.zone_minutes, ''), '0') AS BIGINT))""",
     r"""CREATE TEMP MACRO gr_seconds(x) AS
         CASE WHEN regexp_full_match(x, '-?[0-9]+') THEN TRY_CAST(x AS BIGINT)
              WHEN regexp_full_match(x, '[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?')
              THEN gr_floor_parts(regexp_extract(x, '^([-+]?)([0-9]*)\.?([0-9]*)(?:[eE]([-+]?[0-9]+))?$',
-                                                ['sign', 'whole', 'fraction', 'exponent'])) END""",
+                                                ['sign', 'whole', 'fraction', 'exponent']))
+             WHEN regexp_full_match(x, """
+    + ISO_PATTERN
+    + """) THEN gr_iso_parts(regexp_extract(x, """
+    + ISO_PATTERN
+    + """, ['year', 'month', 'day', 'hour', 'minute', 'second', 'zone', 'sign', 'zone_hours', 'zone_minutes']))
+        END""",
 )
 PARSE = {"int": "gr_int", "float": "gr_float", "str": "gr_text", "time": "gr_seconds"}
 
@@ -140,7 +170,7 @@ def load_source(con: duckdb.DuckDBPyConnection, config: DataConfig) -> SourceTab
     ratings = RATINGS_FILES[config.source]
     file = ratings.find(config.path)
     names = [name for name, _ in ratings.columns]
-    files = _Files(con, [file])
+    files = _Files(con, file, [file])
     files.insert_delimited(list(ratings.columns), ratings.delimiter, ratings.header, quoted=False)
     files.check_parsed(list(ratings.columns), ratings.delimiter, ratings.header, quoted=False)
     user, item, rating, timestamp = (f"c{names.index(name)}" for name in names)
@@ -158,25 +188,12 @@ def load_source(con: duckdb.DuckDBPyConnection, config: DataConfig) -> SourceTab
     return table
 
 
-def source_files(path: Path, suffix: str) -> List[Path]:
-    """``path`` itself, or the ``*<suffix>`` partition files of the directory ``path`` in name order
-    (hidden files and ``_``-prefixed markers such as ``_SUCCESS`` left out)."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: missing file or directory (data.path)")
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(suffix) and p.name[0] not in "._")
-    if not files:
-        raise DataFormatError(path, f"no *{suffix} partition files in the directory (data.path)")
-    return files
-
-
 class _Files:
     """The files of one source loaded into table ``rows`` in order (columns c0, c1, ... of a layout),
     and which file and row a ``rows`` rowid comes from."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, files: List[Path]) -> None:
-        self.con, self.files, self.starts = con, files, [0]
+    def __init__(self, con: duckdb.DuckDBPyConnection, source: Path, files: List[Path]) -> None:
+        self.con, self.source, self.files, self.starts = con, source, files, [0]
 
     def locate(self, rowid: int) -> Tuple[Path, int]:
         """(file, 0-based row in it) of ``rows``' row ``rowid``."""
@@ -203,7 +220,7 @@ class _Files:
             options = (
                 f"header={str(header != 'none').lower()}, delim={literal(delimiter)}, quote={quote_char}, "
                 f"escape={quote_char}, columns={{{', '.join(f'{literal(f)}: VARCHAR' for f in fields)}}}, "
-                "auto_detect=false, strict_mode=true, null_padding=false"
+                "auto_detect=false, strict_mode=true, null_padding=false, hive_partitioning=false"
             )
             try:
                 self.con.execute(
@@ -214,7 +231,7 @@ class _Files:
                 raise bad_line_error(file, layout, delimiter, header, "utf8", quoted, reason) from None
             self.starts.append(self._count())
         if self._count() == 0:
-            where = self.files[0] if len(self.files) == 1 else self.files[0].parent
+            where = self.files[0] if len(self.files) == 1 else self.source
             raise DataFormatError(where, "no data rows (empty dataset)")
 
     def check_parsed(self, layout: List[Tuple[str, str]], delimiter: str, header: str, quoted: bool) -> None:
@@ -263,7 +280,7 @@ def _features(columns: ColumnConfig, alias: Callable[[str], str]) -> Dict[str, L
 
 def _load_table_csv(con: duckdb.DuckDBPyConnection, path: Path, columns: ColumnConfig) -> SourceTable:
     """A CSV (or a directory of CSV partitions), as ``read_table_csv`` reads one."""
-    files = _Files(con, source_files(path, ".csv"))
+    files = _Files(con, path, source_files(path, ".csv"))
     layout = table_csv_layout(columns)
     names = [name for name, _ in layout]
 
@@ -350,22 +367,10 @@ def _create_typed(
 
 def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: ColumnConfig) -> SourceTable:
     """A Parquet file (or a directory of Parquet partitions), as ``read_table_parquet`` reads one."""
-    files = _Files(con, source_files(path, ".parquet"))
+    files = _Files(con, path, source_files(path, ".parquet"))
     wanted, numeric = table_parquet_columns(columns)
     categorical = columns.categorical_columns()
-    schemas = []
-    for file in files.files:
-        schema = read_table_parquet_schema(file, columns)
-        check_table_parquet_types(file, schema, columns)
-        schemas.append(schema)
-        first = schemas[0]
-        differing = [c for c in wanted if schema.field(c).type != first.field(c).type]
-        if differing:
-            c = differing[0]
-            raise DataFormatError(
-                file, f"column {c!r} has type {schema.field(c).type}, but {files.files[0]} has {first.field(c).type}"
-            )
-    kinds = {c: schemas[0].field(c).type for c in wanted}
+    kinds = table_parquet_types(files.files, columns)
     for name in (c for c in categorical if c not in columns.list_features):
         kind = kinds[name]
         if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
@@ -382,7 +387,7 @@ def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: Col
     for index, file in enumerate(files.files):
         statement = "CREATE TABLE rows AS" if index == 0 else "INSERT INTO rows"
         try:
-            con.execute(f"{statement} SELECT {select} FROM read_parquet({literal(str(file))})")
+            con.execute(f"{statement} SELECT {select} FROM read_parquet({literal(str(file))}, hive_partitioning=false)")
         except duckdb.Error as error:  # a page its footer promises but DuckDB cannot decode (corrupt)
             raise unreadable_parquet(file, str(error).replace(f'Failed to read file "{file}": ', "")) from None
         files.starts.append(files._count())

@@ -35,7 +35,6 @@ from gr.data.parsing import (
     table_parquet_error,
     unreadable_parquet,
 )
-from gr.data.prepared.duckdb_sources import source_files
 from gr.data.prepared.manifest import check_preparable
 from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST
 from gr.data.prepared.spark_text import (
@@ -57,10 +56,10 @@ from gr.data.prepared.spark_text import (
 from gr.data.readers import (
     MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
-    check_table_parquet_types,
-    read_table_parquet_schema,
+    source_files,
     table_csv_layout,
     table_parquet_columns,
+    table_parquet_types,
 )
 
 if TYPE_CHECKING:
@@ -320,7 +319,7 @@ def _text_checks(frame: DataFrame, source: Source) -> Dict[str, Any]:
         checks.update(_id_checks(F.col(USER), F.col(ITEM)))
     found = _aggregates(frame, checks)
     if not found["rows"]:
-        where = files[0] if len(files) == 1 else files[0].parent
+        where = files[0] if len(files) == 1 else source.source
         raise DataFormatError(where, "no data rows (empty dataset)")
     if found["line"] is not None:
         file, line = _located(files, found["line"])
@@ -393,19 +392,7 @@ def _typed_ids(
 def _parquet_types(files: Sequence[Path], columns: ColumnConfig) -> Dict[str, pa.DataType]:
     """{column: Arrow type} of the columns ``read_table_parquet`` reads, checked as it checks them,
     the same in every file (footers only)."""
-    wanted, _ = table_parquet_columns(columns)
-    schemas = []
-    for file in files:
-        schema = read_table_parquet_schema(file, columns)
-        check_table_parquet_types(file, schema, columns)
-        schemas.append(schema)
-        differing = [c for c in wanted if schema.field(c).type != schemas[0].field(c).type]
-        if differing:
-            c = differing[0]
-            raise DataFormatError(
-                file, f"column {c!r} has type {schema.field(c).type}, but {files[0]} has {schemas[0].field(c).type}"
-            )
-    types = {c: schemas[0].field(c).type for c in wanted}
+    types = table_parquet_types(files, columns)
     readable = [c for c in columns.categorical_columns() if c not in columns.list_features]
     for name in [columns.user, columns.item, *readable]:
         kind = types[name]

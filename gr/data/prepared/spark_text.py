@@ -7,7 +7,7 @@ source, split at "\\n" as the readers count lines). A line's number is its split
 position in the split (Spark's per-partition row id): never the order in which Spark schedules
 partitions. A quoted CSV whose values span lines is read whole instead (``records``). ``fields``
 splits a record, ``checked`` converts a field by ``read_delimited``'s kinds (``exact_seconds`` for
-timestamps): all in Spark SQL, no Python function runs on the executors.
+timestamps: numbers and ISO 8601 texts): all in Spark SQL, no Python function runs on the executors.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlparse
 from gr.data.config import ColumnConfig
 from gr.data.interactions import DataFormatError
 from gr.data.parsing import check_first_line
+from gr.timestamps import ISO_TEXT_SQL
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -35,6 +36,7 @@ FLOAT_TEXT = r"^[ \t]*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?[ \t]*$"
 SECONDS_TEXT = r"^([-+]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([-+]?[0-9]+))?$"  # parsing.exact_seconds' forms
 INTEGER_SECONDS = r"^-?[0-9]+$"
 DECIMAL_SECONDS = r"^-?[0-9]+\.[0-9]{0,18}$"  # exact in decimal(38,18)
+ISO_SECONDS = f"^{ISO_TEXT_SQL}$"  # parsing.exact_seconds' ISO 8601 texts
 MAX_EXPONENT = 10**18  # a larger exponent leaves int64 (or floors to 0 or -1 alike)
 RATINGS_ROLES = ("user", "item", "rating", "timestamp")  # a ratings file's columns (readers.RATINGS_FILES)
 
@@ -272,8 +274,49 @@ def exact_seconds(text: Column) -> Column:
     return (
         F.when(text.rlike(INTEGER_SECONDS), integral)
         .when(text.rlike(DECIMAL_SECONDS), places)
+        .when(text.rlike(ISO_SECONDS), _iso_seconds(text))
         .otherwise(_floored_digits(text))
     )
+
+
+def _iso_seconds(text: Column) -> Column:
+    """``gr.timestamps.iso_text_seconds`` of a text matching ``ISO_SECONDS``: its fields' seconds from
+    the civil date (the proleptic Gregorian calendar, years from 1) in integer arithmetic, null for an
+    impossible date, time or offset."""
+    from pyspark.sql import functions as F
+
+    def part(index: int) -> Column:
+        return F.coalesce(F.regexp_extract(text, ISO_SECONDS, index).try_cast("long"), F.lit(0).cast("long"))
+
+    year, month, day, hour, minute, second = (part(k) for k in range(1, 7))
+    sign, zone_hours, zone_minutes = F.regexp_extract(text, ISO_SECONDS, 8), part(9), part(10)
+    leap = (year % 4 == 0) & ((year % 100 != 0) | (year % 400 == 0))
+    days_in_month = F.when(month == 2, F.when(leap, 29).otherwise(28)).otherwise(30 + (month + F.floor(month / 8)) % 2)
+    valid = (
+        (year >= 1)
+        & month.between(1, 12)
+        & (day >= 1)
+        & (day <= days_in_month)
+        & (hour <= 23)
+        & (minute <= 59)
+        & (second <= 59)
+        & (zone_hours <= 23)
+        & (zone_minutes <= 59)
+    )
+    shifted = year - F.when(month <= 2, 1).otherwise(0)
+    of_era = shifted % 400
+    days = (
+        F.floor(shifted / 400) * 146097
+        + of_era * 365
+        + F.floor(of_era / 4)
+        - F.floor(of_era / 100)
+        + F.floor((153 * ((month + 9) % 12) + 2) / 5)
+        + day
+        - 1
+        - 719468
+    )
+    offset = F.when(sign == "-", -1).otherwise(1) * (zone_hours * 3600 + zone_minutes * 60)
+    return F.when(valid, (days * 86400 + hour * 3600 + minute * 60 + second - offset).cast("long"))
 
 
 def _floored_digits(text: Column) -> Column:
