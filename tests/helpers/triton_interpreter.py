@@ -7,8 +7,9 @@ call of a ``@triton.jit`` device function inside the kernel: a pass of ``inspect
 the language modules that changes nothing once the modules the function names are patched, and took
 a third of an attention kernel's interpreted time. Such calls skip it here. A function that names a
 module the launch did not patch (Triton's own ``tl.zeros`` names ``triton.language.core``) patches
-it as before, on its first call in the launch (the interpreter never restores that patch). The kernels compute the same bits either way (the conformance suites compare
-them with the reference).
+it as before, on its first call in the launch (the interpreter never restores that patch). The
+kernels compute the same bits either way (checked on every conformance case of both Triton
+kernels), and the conformance suites compare them with the reference.
 """
 
 import inspect

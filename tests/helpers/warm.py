@@ -18,10 +18,12 @@ import runpy
 import subprocess
 import sys
 import tempfile
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import List, Mapping, Sequence
 
-PRELOAD = ["torch", "lightning", "torchrec", "gr.train.run", "gr.export", "gr.serving"]
+PRELOAD = ["torch", "lightning", "torchrec", "gr.train.run", "gr.export", "gr.serving", "helpers.warm_exporter"]
+TESTS = Path(__file__).resolve().parents[1]
 FORKED_TORCHRUN = Path(__file__).with_name("forked_torchrun.py")
 
 
@@ -33,12 +35,30 @@ class WarmPython:
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(PRELOAD)
         self.base_path = list(base_path)  # a fresh interpreter's sys.path, without PYTHONPATH and script dir
+        self.server_started = False
+
+    def _start_server(self) -> None:
+        """The fork server, with tests/ on its PYTHONPATH: Python 3.11's server does not take the
+        parent's sys.path, and PRELOAD names a module of ``helpers``."""
+        if self.server_started:
+            return
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), before) if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
+        self.server_started = True
 
     def run(
         self, argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float
     ) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            self._start_server()
             child = self.context.Process(
                 target=_child, args=(list(argv), str(cwd), dict(env), self.base_path, str(out), str(err))
             )
