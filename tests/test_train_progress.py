@@ -86,6 +86,7 @@ def test_a_terminal_without_a_size_shows_the_bar_as_it_trains_epochs_from_1_with
     assert process.wait(timeout=60) == 0, screen.decode(errors="replace")[-3000:]
     text = screen.decode(errors="replace")
     assert while_training, text[-3000:]  # drawn as it happens, not when the run ends
-    done = r"Epoch 1/1: 100%\|.*\| (\d+)/\1 \[.*loss=[\d.]+, val/ndcg@5=[\d.]+, samples/s=[\d.]+, tokens/s="
+    number = r"[\d.]+(?:e[+-]\d+)?"  # tqdm writes a postfix number of 1,000 or more as 1.25e+3
+    done = rf"Epoch 1/1: 100%\|.*\| (\d+)/\1 \[.*loss={number}, val/ndcg@5={number}, samples/s={number}, tokens/s="
     assert re.search(done, text), text[-3000:]
     assert "Epoch 0" not in text and "epoch 1/1 step" not in text  # lines are for logs, not terminals
