@@ -1,7 +1,7 @@
 """Training-step time of this checkout against another one, paired: the A/B a shared machine needs.
 
     python bench/ab_steps.py --against ../gr-before [--recipe small] [--precision 32-true] [--rounds 16] [--steps 10]
-    python bench/ab_steps.py --smoke      # this checkout against itself, 400 users: checks that the bench runs
+    python bench/ab_steps.py --smoke      # against itself, 400 users, step processes forked: checks that it runs
 
 Whole-benchmark runs drift by 10-20 % within minutes on a shared 2-core machine, more than most
 changes. Here two long-lived processes, one per checkout (its ``gr``, its ``bench/train_dedup.py``
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,14 +72,59 @@ def serve(checkout: Path, recipe: str, data: str, precision: str) -> None:
         print(f"{1000 * (time.perf_counter() - start) / int(line):.3f}", flush=True)
 
 
-def start(checkout: Path, args: argparse.Namespace, data: Path, extensions: Optional[Path]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    if extensions is not None:
-        env["GR_EXTENSIONS_DIR"] = str(extensions)
+class ForkedSteps:
+    """A step process forked from this one (``--smoke`` against this checkout: its numbers mean
+    nothing, and this process has the checkout's code imported): ``serve`` on pipes that stand in for
+    its stdin and stdout, read and written as ``subprocess.Popen``'s."""
+
+    def __init__(self, checkout: Path, config: Path, data: Path, precision: str, siblings: List["ForkedSteps"]) -> None:
+        to_child, from_parent = os.pipe()
+        to_parent, from_child = os.pipe()
+        sys.stdout.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            code = 1
+            try:
+                for sibling in siblings:  # their pipes' copies here would keep them from ever seeing EOF
+                    sibling.stdin.close()
+                    sibling.stdout.close()
+                os.close(from_parent)
+                os.close(to_parent)
+                sys.stdin, sys.stdout = os.fdopen(to_child), os.fdopen(from_child, "w")
+                serve(checkout, str(config), str(data), precision)
+                code = 0
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        os.close(to_child)
+        os.close(from_child)
+        self.stdin, self.stdout = os.fdopen(from_parent, "w"), os.fdopen(to_parent)
+
+    def wait(self) -> int:
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+    def kill(self) -> None:
+        os.kill(self.pid, 9)
+
+
+def start(
+    checkout: Path, args: argparse.Namespace, data: Path, extensions: Optional[Path], started: Dict[str, Any]
+) -> "subprocess.Popen | ForkedSteps":
+    """The step process of ``checkout``, ready (``started``: the step processes started before it)."""
     config = checkout / ML1M_RECIPES[args.recipe]
-    command = [sys.executable, __file__, "--serve", str(checkout), "--config", str(config)]
-    command += ["--precision", args.precision, "--data", str(data)]
-    process = subprocess.Popen(command, cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process: "subprocess.Popen | ForkedSteps"
+    if args.smoke and checkout == Path(__file__).resolve().parents[1]:
+        siblings = [p for p in started.values() if isinstance(p, ForkedSteps)]
+        process = ForkedSteps(checkout, config, data, args.precision, siblings)
+    else:
+        env = dict(os.environ, PYTHONPATH=str(checkout))
+        if extensions is not None:
+            env["GR_EXTENSIONS_DIR"] = str(extensions)
+        command = [sys.executable, __file__, "--serve", str(checkout), "--config", str(config)]
+        command += ["--precision", args.precision, "--data", str(data)]
+        process = subprocess.Popen(
+            command, cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
     answer = process.stdout.readline().strip()
     if answer != "ready":
         process.kill()
@@ -87,7 +132,7 @@ def start(checkout: Path, args: argparse.Namespace, data: Path, extensions: Opti
     return process
 
 
-def steps_ms(process: subprocess.Popen, steps: int) -> float:
+def steps_ms(process: "subprocess.Popen | ForkedSteps", steps: int) -> float:
     process.stdin.write(f"{steps}\n")
     process.stdin.flush()
     return float(process.stdout.readline())
@@ -120,10 +165,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ab_steps_"))
     write_ml1m_shaped_ratings(work, args.users)
     print(f"{this} against {other}: {args.recipe} recipe, {args.precision}, {args.users} users", flush=True)
-    processes = {
-        "this": start(this, args, work, None),
-        "other": start(other, args, work, None if other == this else work / "other_extensions"),
-    }
+    processes: Dict[str, Any] = {}
+    processes["this"] = start(this, args, work, None, processes)
+    processes["other"] = start(other, args, work, None if other == this else work / "other_extensions", processes)
     load_before = os.getloadavg()
     times: Dict[str, List[float]] = {"this": [], "other": []}
     try:
