@@ -233,3 +233,34 @@ def test_the_library_name_hashes_sources_flags_torch_and_its_install_and_a_build
     native.build("gr_test_flags_unchanged", [], tmp_path / "extensions")
     native.build("gr_test_flags_unchanged", [], tmp_path / "extensions")
     assert (native.CFLAGS, native.LDFLAGS) == before
+
+
+def test_a_build_killed_while_it_held_the_lock_leaves_nothing_that_stops_the_next(tmp_path):
+    """A process killed mid-build (here: one that exits holding the lock) leaves torch's lock file
+    behind: the next build takes the lock at once and removes that file."""
+    pid = os.fork()
+    if pid == 0:  # the killed build: takes the lock, writes torch's file, dies without a word
+        with native.build_lock(tmp_path):
+            (tmp_path / "lock").write_text("")
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0 and (tmp_path / "lock").exists()
+    start = time.monotonic()
+    with native.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert time.monotonic() - start < 5
+
+
+def test_a_second_build_waits_for_the_first_to_release_the_lock(tmp_path):
+    order = []
+
+    def second():
+        with native.build_lock(tmp_path):
+            order.append("second")
+
+    with native.build_lock(tmp_path):
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(0.5)
+        order.append("first")
+    thread.join(5)
+    assert order == ["first", "second"]

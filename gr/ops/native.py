@@ -27,7 +27,7 @@ version and installation, this CPU's model and flags) and compiles copies of the
 so two versions or environments never share or rebuild each other's library, and checkouts of one
 version using one environment share one build. One
 process builds and loads it at most once, whatever its threads do; concurrent processes wait for
-each other's build (``torch.utils.cpp_extension``'s lock file). The attention and layer ops multiply
+each other's build (``build_lock``, which a killed build does not leave held). The attention and layer ops multiply
 with ``gr/ops/csrc/gr_gemm.h`` (in bf16 math under CPU autocast to bf16: ``cpu_bf16_math``), which links
 the BLAS that PyTorch's x86 builds carry (MKL, ``gr/ops/csrc/gr_blas.h``); where that, or a compiler, is
 missing the build fails once per process and the reason is logged.
@@ -38,6 +38,7 @@ fallback. The build directory is ``$GR_EXTENSIONS_DIR`` or ``~/.cache/gr/extensi
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -203,7 +204,7 @@ def build(name: str, sources: List[Path], directory: Path) -> None:
 
     build_dir = directory / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    with first_on_path(ninja.BIN_DIR):
+    with build_lock(build_dir), first_on_path(ninja.BIN_DIR):
         load(
             name=name,
             sources=[str(source) for source in _staged(sources, build_dir / "src")],
@@ -214,6 +215,18 @@ def build(name: str, sources: List[Path], directory: Path) -> None:
             is_python_module=False,
             verbose=False,
         )
+
+
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """One build in ``build_dir`` at a time, whatever the process: an ``fcntl.flock``, which the OS
+    releases when its holder dies. torch's ``load()`` takes a lock file of its own (``lock``) that a
+    process killed mid-build leaves behind, and every later ``load()`` there waited for it forever;
+    under this lock no other build runs, so such a file is a leftover and is removed."""
+    with open(build_dir / ".build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 @contextmanager
