@@ -223,11 +223,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         ("data.seed", str(args.seed)),
     ]
     if args.smoke:
-        overrides += [
-            ("trainer.limit_train_batches", "2"),
-            ("data.max_seq_len", "50"),
-            ("model.hstu.max_seq_len", "50"),
-        ]
+        overrides += smoke.ML_100K_SMOKE_TRAINING
     overrides += parse_overrides(parser, rest)
     source = Path(next((v for k, v in overrides if k == "data.path"), str(smoke.ML_100K)))
     overrides = [(k, v) for k, v in overrides if k != "data.path"]

@@ -176,12 +176,7 @@ def main(argv: List[str] | None = None) -> None:
         parser.error(f"--cuts: expected 2 or 3 increasing percentiles above 0, got {args.cuts}")
     overrides = [("data.path", str(smoke.ML_100K)), ("trainer.enable_progress_bar", "false")]
     if args.smoke:
-        overrides += [
-            ("trainer.max_epochs", "1"),
-            ("trainer.limit_train_batches", "2"),
-            ("data.max_seq_len", "50"),
-            ("model.hstu.max_seq_len", "50"),
-        ]
+        overrides += [("trainer.max_epochs", "1"), *smoke.ML_100K_SMOKE_TRAINING]
     overrides += parse_overrides(parser, rest)
     shared: Dict[str, str] = {}
     if args.warm_epochs is not None:

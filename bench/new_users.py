@@ -110,11 +110,7 @@ def main(argv: List[str] | None = None) -> None:
         ("task.retrieval.new_user_weight", str(args.new_user_weight)),
     ]
     if args.smoke:
-        overrides += [
-            ("trainer.limit_train_batches", "2"),
-            ("data.max_seq_len", "50"),
-            ("model.hstu.max_seq_len", "50"),
-        ]
+        overrides += smoke.ML_100K_SMOKE_TRAINING
     overrides += parse_overrides(parser, rest)
     start_load = load_average()
     with tempfile.TemporaryDirectory() as work:

@@ -18,6 +18,12 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 # $GR_ML100K_DIR (a relative path is taken from the repository root), as the tests read it, else
 # data/ml-100k, where `gr data download ml-100k data/ml-100k` writes it.
 ML_100K = Path(__file__).resolve().parents[1] / (os.environ.get("GR_ML100K_DIR") or "data/ml-100k")
+# A --smoke run's training on ML-100K: two steps an epoch, on sequences of at most 50 events.
+ML_100K_SMOKE_TRAINING: List[Tuple[str, str]] = [
+    ("trainer.limit_train_batches", "2"),
+    ("data.max_seq_len", "50"),
+    ("model.hstu.max_seq_len", "50"),
+]
 
 
 def parse_args(
