@@ -10,10 +10,11 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from gr.commands.cli import main as gr_main
-from gr.commands.evaluate import default_output
+from gr.commands.evaluate import default_output, evaluate_export, evaluate_run
 from gr.data.config import SyntheticConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.popularity import POPULARITY_FILE, load_popularity
@@ -22,7 +23,8 @@ from gr.export.manifest import MANIFEST
 from gr.export.popularity import POPULARITY
 from gr.export.writer import export_run
 from gr.serving import Ranker, RecommendRequest
-from gr.train import load_config, train
+from gr.train import load_config, load_trained_model, train
+from gr.train.tasks import RetrievalTask
 from helpers.runs import RANKING, RETRIEVAL, config
 
 RETRIEVAL_KEYS = ("hr@5", "ndcg@5", "hr@10", "ndcg@10", "mrr")
@@ -130,6 +132,52 @@ def test_per_user_metrics_name_each_test_user_once_and_average_to_the_reported_m
         for key in RETRIEVAL_KEYS:
             assert np.mean([float(row[key]) for row in rows]) == pytest.approx(reports[name][key], abs=1e-12), key
     assert reports["export"]["hr@10"] == pytest.approx(reports["run"]["hr@10"], abs=1e-5)
+
+
+def per_target_metrics(run, overrides) -> dict:
+    """The run's test metrics with every test target scored from a sequence of its own (no two
+    neighbouring rows of a batch are one user's targets in time order, so none share a sequence)."""
+    model, cfg = load_trained_model(run)
+    data = SequenceDataModule(load_config(run / "config.yaml", overrides).data, cfg.model.hstu.eviction_block)
+    data.setup()
+    split = data.splits["test"]
+    within = np.arange(len(split.users)) - np.searchsorted(split.users, split.users)  # a target's place in its user's
+    order = np.lexsort((split.users, -within))  # the users' last targets first, then the ones before...
+    task = RetrievalTask(cfg.task.retrieval, data.num_items, model.postfix_dnn.item_embedding)
+    task.start_evaluation(model.embeddings)
+    with torch.no_grad():
+        for rows in np.array_split(order, max(1, len(order) // 64)):
+            batch = split.build(rows, np.random.default_rng(0))
+            assert len(batch.seq_offsets) - 1 == len(rows)
+            task.evaluation_step(model(batch), batch)
+    return task.finish_evaluation()
+
+
+@pytest.mark.parametrize("window", [20, 6])
+def test_every_test_event_of_a_user_is_scored_from_one_pass_with_the_per_target_metrics(retrieval, window, tmp_path):
+    """``data.test_events: all``: a user's targets whose windows start alike share one sequence (6:
+    windows slide, so a user's targets span several); run and export reach the per-target metrics."""
+    run, export, _ = retrieval
+    data = SequenceDataModule(load_config(run / "config.yaml").data)
+    data.setup()
+    cut = int(np.percentile(data.corpus.sequences.timestamps, 50))
+    overrides = [("data.split", "time"), ("data.split_time", str(cut)), ("data.test_events", "all")]
+    overrides.append(("data.max_seq_len", str(window)))
+    reference = per_target_metrics(run, overrides)
+    from_run = evaluate_run(run, overrides)
+    served = evaluate_export(export, run / "config.yaml", overrides)
+    targets = from_run["data"]["evaluated_targets"]["test"]
+    assert targets > 2 * from_run["data"]["evaluated_users"]["test"]
+    for key in RETRIEVAL_KEYS:
+        assert from_run[key] == pytest.approx(reference[key], abs=1e-6), key
+        assert served[key] == pytest.approx(reference[key], abs=1e-6), key
+    timed = SequenceDataModule(load_config(run / "config.yaml", overrides).data)
+    timed.setup()
+    sequences = sum(len(batch.seq_offsets) - 1 for batch in timed.test_dataloader())
+    if window == 20:  # the histories fit: about one sequence a user
+        assert sequences < targets / 2
+    else:  # windows slide: a user's targets span several sequences
+        assert sequences > from_run["data"]["evaluated_users"]["test"]
 
 
 def test_per_user_metrics_of_a_ranking_model_are_refused_in_one_line(ranking, capsys, tmp_path):

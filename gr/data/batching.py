@@ -295,9 +295,14 @@ class RetrievalTrainBatches(SplitBatches):
 class RetrievalEvalBatches(SplitBatches):
     """One sample per held-out event: the history before it (most recent ``max_seq_len``).
 
-    labels: ``target_item`` [B]; ``exclude_offsets`` [B+1] and ``exclude_items`` [E]: the
-    distinct items not to rank (the whole history before the target, or only the input
-    window when ``exclude == "window"``), never the target itself.
+    A batch's samples of one user whose windows start at the same event (consecutive targets,
+    ``data.test_events: all``) share one sequence: the window up to the last of them. HSTU is
+    causal, so the output at the token before each target is the one its own sequence would end
+    with: one forward scores them all. labels, per target (S of them, in the rows' order):
+    ``target_item`` [S]; ``query_index`` [S] the flat token row of the target's query (the token
+    before it); ``exclude_offsets`` [S+1] and ``exclude_items`` [E]: the distinct items not to rank
+    (the whole history before the target, or only its input window when ``exclude == "window"``),
+    never the target itself; ``user`` [B] stays per sequence.
     """
 
     def __init__(
@@ -314,8 +319,13 @@ class RetrievalEvalBatches(SplitBatches):
         seqs = self.corpus.sequences
         users, targets = self.users[rows], self.targets[rows]
         starts = self.windows(seqs.starts[users], targets)
-        lengths = targets - starts
-        index = concat_ranges(starts, lengths)
+        opens = np.ones(len(rows), dtype=bool)  # a new sequence: another user, window start, or no later target
+        opens[1:] = (users[1:] != users[:-1]) | (starts[1:] != starts[:-1]) | (targets[1:] <= targets[:-1])
+        sequence = np.cumsum(opens) - 1
+        closes = np.r_[opens[1:], True]
+        lengths = targets[closes] - starts[opens]
+        index = concat_ranges(starts[opens], lengths)
+        query_index = (np.cumsum(lengths) - lengths)[sequence] + targets - 1 - starts
         target_items = seqs.items[targets]
         exclude_starts = starts if self.exclude == "window" else seqs.starts[users]
         exclude_lengths = targets - exclude_starts
@@ -327,7 +337,7 @@ class RetrievalEvalBatches(SplitBatches):
         # The token after each input token is the next one, then the target: its time is the request's.
         return assemble(
             self.corpus,
-            users,
+            users[opens],
             seqs.items[index],
             seqs.timestamps[index],
             seqs.timestamps[index + 1],
@@ -335,6 +345,7 @@ class RetrievalEvalBatches(SplitBatches):
             None,
             {
                 "target_item": target_items,
+                "query_index": query_index,
                 "exclude_offsets": exclude_offsets.astype(np.int64),
                 "exclude_items": keys % seqs.num_items,
             },
