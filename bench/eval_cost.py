@@ -92,7 +92,11 @@ def config(source: Path, split_time: int, args: argparse.Namespace) -> TrainConf
     values["data"].pop("synthetic")
     values["model"]["hstu"]["max_seq_len"] = args.max_seq_len
     values["trainer"].update(
-        max_epochs=1, limit_train_batches=args.steps, seed=args.seed, enable_progress_bar=False, num_threads=args.threads
+        max_epochs=1,
+        limit_train_batches=args.steps,
+        seed=args.seed,
+        enable_progress_bar=False,
+        num_threads=args.threads,
     )
     return TrainConfig.from_dict(values)
 
@@ -143,7 +147,10 @@ def main(argv: List[str] | None = None) -> None:
     targets = {name: reports[name]["data"]["evaluated_targets"]["test"] for name in ("next", "all")}
     for name, report in reports.items():
         print(f"{name}: {report['seconds']:.2f} s, hr@10 {report['hr@10']:.4f}")
-    ratios = {"all_over_next": seconds["all"] / seconds["next"], "export_over_next": seconds["export"] / seconds["next"]}
+    ratios = {
+        "all_over_next": seconds["all"] / seconds["next"],
+        "export_over_next": seconds["export"] / seconds["next"],
+    }
     print(
         f"{targets['next']} test targets (next), {targets['all']} (all): all/next {ratios['all_over_next']:.2f}, "
         f"export/next {ratios['export_over_next']:.2f}"

@@ -80,7 +80,9 @@ def queries(encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> 
     return torch.from_numpy(model.heads_batch(hidden, commons, [1] * len(encoded))[QUERY])
 
 
-def token_queries(histories: Sequence[History], positions: Sequence[np.ndarray], request_times: Sequence[int]) -> Tensor:
+def token_queries(
+    histories: Sequence[History], positions: Sequence[np.ndarray], request_times: Sequence[int]
+) -> Tensor:
     """[sum P_b, d] the retrieval query at tokens ``positions[b]`` ([P_b] int64, of the validated
     tokens) of each history (one model's, each non-empty), from one pass that leaves the user cache
     alone. The query at token i is the one a request with tokens 0..i as its history gets when it
