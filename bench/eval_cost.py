@@ -1,24 +1,30 @@
 """Evaluation cost: a run's test pass with ``data.test_events: next``, with ``all``, and its export's.
 
-    python bench/eval_cost.py [--users 3000] [--items 2000] [--min-len 60] [--max-len 260] [--repeats 2]
+    python bench/eval_cost.py [--users 3000] [--items 2000] [--min-len 60] [--max-len 260] [--max-seq-len 200]
+                              [--eviction-block 1] [--repeats 2]
     python bench/eval_cost.py --smoke                 # 150 users, a few training steps: checks it runs
 
 The source: one month of a log (one Parquet file: user, item, time), generated deterministically from
 ``--seed``: ``gr.data.synthetic``'s learnable sequences (``--users`` users of ``--min-len`` to
 ``--max-len`` events, ``--items`` items), each user's events at sorted random times over the month. The
 split is the time split at the ``--cut`` percentile of the timestamps. configs/quickstart.yaml's model
-(with ``--max-seq-len``) trains on it for ``--steps`` steps (what it learns does not matter here), is
-exported, and then, in this process, each pass is timed (the fastest of ``--repeats``, each from
-reading the data to the metrics):
+(with ``--max-seq-len`` and ``--eviction-block``) trains on it for ``--steps`` steps (what it learns
+does not matter here), is exported, and then, in this process, each pass is timed (the fastest of
+``--repeats``, each from reading the data to the metrics):
 
 * next: ``gr evaluate RUN`` with ``data.test_events: next`` (the run's own test pass: one target a user);
 * all: ``gr evaluate RUN`` with ``data.test_events: all`` (every event of a user after its validation
   event is a test target, with every earlier event as history);
 * export: ``gr evaluate EXPORT`` with ``data.test_events: all`` (through the serving runtime).
 
-Prints each pass, then one JSON line: bench, users, items, interactions, test_targets (next, all),
-seconds (next, all, export), all_over_next, export_over_next, hr@10 (per pass; all and export agree to
-fp32 tolerance), targets (both ratios at most 1.5), threads, cpu, cpu_flags, load_average.
+A user's targets whose windows start at the same event share one sequence; a history longer than
+``--max-seq-len`` slides its window (in blocks of ``--eviction-block``), so its targets share one only
+within a block: the tokens the test batches hold (``tokens``) bound what ``all`` can cost.
+
+Prints each pass, then one JSON line: bench, users, items, interactions, max_seq_len, eviction_block,
+test_targets and tokens (next, all: the test batches' tokens), seconds (next, all, export),
+all_over_next, export_over_next, tokens_all_over_next, hr@10 (per pass; all and export agree to fp32
+tolerance), targets (both time ratios at most 1.5), threads, cpu, cpu_flags, load_average.
 """
 
 from __future__ import annotations
@@ -47,10 +53,11 @@ from _host import cpu, load_average  # noqa: E402
 
 from gr.commands.evaluate import evaluate_export, evaluate_run  # noqa: E402
 from gr.data.config import SyntheticConfig  # noqa: E402
+from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.data.synthetic import generate_synthetic  # noqa: E402
 from gr.export.writer import export_run  # noqa: E402
 from gr.ops.native import native_ops  # noqa: E402
-from gr.train.config import TrainConfig  # noqa: E402
+from gr.train.config import TrainConfig, load_config  # noqa: E402
 from gr.train.run import train  # noqa: E402
 
 RECIPE = ROOT / "configs" / "quickstart.yaml"
@@ -90,7 +97,7 @@ def config(source: Path, split_time: int, args: argparse.Namespace) -> TrainConf
         max_seq_len=args.max_seq_len,
     )
     values["data"].pop("synthetic")
-    values["model"]["hstu"]["max_seq_len"] = args.max_seq_len
+    values["model"]["hstu"].update(max_seq_len=args.max_seq_len, eviction_block=args.eviction_block)
     values["trainer"].update(
         max_epochs=1,
         limit_train_batches=args.steps,
@@ -99,6 +106,14 @@ def config(source: Path, split_time: int, args: argparse.Namespace) -> TrainConf
         num_threads=args.threads,
     )
     return TrainConfig.from_dict(values)
+
+
+def batch_tokens(run: Path, test_events: str) -> int:
+    """The tokens of the run's test batches under ``data.test_events: test_events``."""
+    values = load_config(run / "config.yaml", [("data.test_events", test_events)])
+    data = SequenceDataModule(values.data, values.model.hstu.eviction_block)
+    data.setup()
+    return sum(int(batch.seq_offsets[-1]) for batch in data.test_dataloader())
 
 
 def fastest(run: Callable[[], Dict[str, Any]], repeats: int) -> Dict[str, Any]:
@@ -120,6 +135,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--min-len", type=int, default=60)
     parser.add_argument("--max-len", type=int, default=260)
     parser.add_argument("--max-seq-len", type=int, default=200)
+    parser.add_argument("--eviction-block", type=int, default=1, help="model.hstu.eviction_block")
     parser.add_argument("--cut", type=float, default=90.0, help="the split time's percentile of the timestamps")
     parser.add_argument("--steps", type=int, default=20, help="training steps (the model's quality does not matter)")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls of each pass; the fastest counts")
@@ -143,6 +159,7 @@ def main(argv: List[str] | None = None) -> None:
             "export": lambda: evaluate_export(export, run / "config.yaml", [("data.test_events", "all")]),
         }
         reports = {name: fastest(call, args.repeats) for name, call in passes.items()}
+        tokens = {name: batch_tokens(run, name) for name in ("next", "all")}
     seconds = {name: report["seconds"] for name, report in reports.items()}
     targets = {name: reports[name]["data"]["evaluated_targets"]["test"] for name in ("next", "all")}
     for name, report in reports.items():
@@ -152,8 +169,8 @@ def main(argv: List[str] | None = None) -> None:
         "export_over_next": seconds["export"] / seconds["next"],
     }
     print(
-        f"{targets['next']} test targets (next), {targets['all']} (all): all/next {ratios['all_over_next']:.2f}, "
-        f"export/next {ratios['export_over_next']:.2f}"
+        f"{targets['next']} test targets in {tokens['next']} tokens (next), {targets['all']} in {tokens['all']} "
+        f"(all): all/next {ratios['all_over_next']:.2f}, export/next {ratios['export_over_next']:.2f}"
     )
     model, flags = cpu()
     summary = {
@@ -161,9 +178,13 @@ def main(argv: List[str] | None = None) -> None:
         "users": args.users,
         "items": args.items,
         "interactions": log["interactions"],
+        "max_seq_len": args.max_seq_len,
+        "eviction_block": args.eviction_block,
         "test_targets": targets,
+        "tokens": tokens,
         "seconds": seconds,
         **ratios,
+        "tokens_all_over_next": tokens["all"] / tokens["next"],
         "hr@10": {name: report["hr@10"] for name, report in reports.items()},
         "targets": {f"{name}_at_most_{TARGET_RATIO}": value <= TARGET_RATIO for name, value in ratios.items()},
         "threads": args.threads,

@@ -185,6 +185,14 @@ def test_batch_plan_splits_each_global_batch_over_ranks_with_disjoint_rows():
         BatchPlan(103, 2, shuffle=True, seed=5, rank=0, world_size=3)
 
 
+def test_an_evaluation_plan_deals_each_rank_a_contiguous_run_of_rows():
+    """A user's test targets are neighbouring rows: on one rank they can share a sequence."""
+    batches = [
+        [key.rows.tolist() for key in BatchPlan(11, 4, shuffle=False, seed=5, rank=r, world_size=2)] for r in (0, 1)
+    ]
+    assert batches == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [10]]]
+
+
 def test_popularity_counts_training_parts_only(retrieval):
     expected = np.zeros(retrieval.num_items, dtype=np.int64)
     for user in range(retrieval.num_users):

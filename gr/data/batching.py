@@ -43,11 +43,12 @@ class BatchPlan(Sampler):
     """Yields this rank's ``BatchKey``s for one split, one epoch at a time.
 
     ``batch_size`` is the global batch: rows per step over all ranks, so a run takes the same
-    steps of the same size on any number of ranks. Rows are shuffled from (seed, epoch) when
-    ``shuffle``, dealt round-robin to the ``world_size`` ranks, and each rank's rows are cut
-    into ceil(num_rows / batch_size) batches (about batch_size / world_size rows each), so
-    every rank steps equally often and no row repeats. Lightning calls ``set_epoch`` before
-    each training epoch.
+    steps of the same size on any number of ranks. Rows are shuffled from (seed, epoch) and
+    dealt round-robin to the ``world_size`` ranks when ``shuffle``; else (evaluation) each rank
+    takes a contiguous run of them, so a user's targets stay together (``RetrievalEvalBatches``
+    scores them from one sequence). Each rank's rows are cut into ceil(num_rows / batch_size)
+    batches (about batch_size / world_size rows each), so every rank steps equally often and no
+    row repeats. Lightning calls ``set_epoch`` before each training epoch.
     """
 
     def __init__(
@@ -73,9 +74,9 @@ class BatchPlan(Sampler):
     def __iter__(self) -> Iterator[BatchKey]:
         if self.shuffle:
             order = epoch_generator(self.seed, self.epoch).permutation(self.num_rows)
+            mine = order[self.rank :: self.world_size]
         else:
-            order = np.arange(self.num_rows)
-        mine = order[self.rank :: self.world_size]
+            mine = np.array_split(np.arange(self.num_rows), self.world_size)[self.rank]
         for i, rows in enumerate(np.array_split(mine, len(self))):
             yield BatchKey(self.epoch, i * self.world_size + self.rank, rows)
 
