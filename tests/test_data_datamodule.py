@@ -185,12 +185,13 @@ def test_batch_plan_splits_each_global_batch_over_ranks_with_disjoint_rows():
         BatchPlan(103, 2, shuffle=True, seed=5, rank=0, world_size=3)
 
 
-def test_an_evaluation_plan_deals_each_rank_a_contiguous_run_of_rows():
-    """A user's test targets are neighbouring rows: on one rank they can share a sequence."""
-    batches = [
-        [key.rows.tolist() for key in BatchPlan(11, 4, shuffle=False, seed=5, rank=r, world_size=2)] for r in (0, 1)
-    ]
-    assert batches == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [10]]]
+def test_an_evaluation_plan_deals_each_rank_a_contiguous_run_of_rows_and_keeps_a_group_in_one_batch():
+    """A user's test targets are neighbouring rows: on one rank, in one batch, they share a sequence."""
+    plans = [BatchPlan(11, 4, shuffle=False, seed=5, rank=r, world_size=2) for r in (0, 1)]
+    assert [[key.rows.tolist() for key in plan] for plan in plans] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [10]]]
+    groups = np.array([0, 0, 0, 1, 2, 2, 3, 4, 4, 4, 4, 5])  # 6 groups, batches of 4 groups over 2 ranks
+    plans = [BatchPlan(12, 4, shuffle=False, seed=5, rank=r, world_size=2, groups=groups) for r in (0, 1)]
+    assert [[key.rows.tolist() for key in plan] for plan in plans] == [[[0, 1, 2, 3], [4, 5]], [[6, 7, 8, 9, 10], [11]]]
 
 
 def test_popularity_counts_training_parts_only(retrieval):

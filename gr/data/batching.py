@@ -45,17 +45,32 @@ class BatchPlan(Sampler):
     ``batch_size`` is the global batch: rows per step over all ranks, so a run takes the same
     steps of the same size on any number of ranks. Rows are shuffled from (seed, epoch) and
     dealt round-robin to the ``world_size`` ranks when ``shuffle``; else (evaluation) each rank
-    takes a contiguous run of them, so a user's targets stay together (``RetrievalEvalBatches``
-    scores them from one sequence). Each rank's rows are cut into ceil(num_rows / batch_size)
+    takes a contiguous run of them. Each rank's rows are cut into ceil(num_rows / batch_size)
     batches (about batch_size / world_size rows each), so every rank steps equally often and no
-    row repeats. Lightning calls ``set_epoch`` before each training epoch.
+    row repeats. ``groups`` ([num_rows] int64, non-decreasing; evaluation only): rows that share a
+    sequence (``SplitBatches.groups``) stay in one batch, and ``batch_size`` counts groups instead
+    of rows. Lightning calls ``set_epoch`` before each training epoch.
     """
 
     def __init__(
-        self, num_rows: int, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+        self,
+        num_rows: int,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        groups: Optional[np.ndarray] = None,
     ) -> None:
-        if num_rows < world_size:
-            raise ValueError(f"BatchPlan: {num_rows} samples cannot feed {world_size} ranks")
+        if shuffle and groups is not None:
+            raise ValueError("BatchPlan: groups keep evaluation rows together; training rows are shuffled")
+        # the first row of each unit dealt out (a row, or a group of rows), then num_rows
+        self.bounds = (
+            np.arange(num_rows + 1) if groups is None else np.flatnonzero(np.r_[True, np.diff(groups) != 0, True])
+        )
+        units = len(self.bounds) - 1
+        if units < world_size:
+            raise ValueError(f"BatchPlan: {units} samples cannot feed {world_size} ranks")
         if batch_size < world_size:
             raise ValueError(
                 f"BatchPlan: a global batch of {batch_size} cannot feed {world_size} ranks "
@@ -69,15 +84,19 @@ class BatchPlan(Sampler):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return math.ceil(self.num_rows / self.batch_size)
+        return math.ceil((len(self.bounds) - 1) / self.batch_size)
 
     def __iter__(self) -> Iterator[BatchKey]:
         if self.shuffle:
             order = epoch_generator(self.seed, self.epoch).permutation(self.num_rows)
-            mine = order[self.rank :: self.world_size]
+            batches = np.array_split(order[self.rank :: self.world_size], len(self))
         else:
-            mine = np.array_split(np.arange(self.num_rows), self.world_size)[self.rank]
-        for i, rows in enumerate(np.array_split(mine, len(self))):
+            mine = np.array_split(np.arange(len(self.bounds) - 1), self.world_size)[self.rank]
+            batches = [
+                np.arange(self.bounds[units[0]], self.bounds[units[-1] + 1]) if len(units) else units
+                for units in np.array_split(mine, len(self))
+            ]
+        for i, rows in enumerate(batches):
             yield BatchKey(self.epoch, i * self.world_size + self.rank, rows)
 
 
@@ -241,6 +260,11 @@ class SplitBatches(Dataset, abc.ABC):
     def __len__(self) -> int:
         """Number of samples (rows) in the split."""
 
+    def groups(self) -> Optional[np.ndarray]:
+        """[rows] int64 non-decreasing: the sequence each row's sample shares with its neighbours
+        (``BatchPlan`` keeps a group in one batch and counts groups); None: a sequence each."""
+        return None
+
     @abc.abstractmethod
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         """rows: [B] int64 sample indices -> the batch."""
@@ -303,7 +327,8 @@ class RetrievalEvalBatches(SplitBatches):
     ``target_item`` [S]; ``query_index`` [S] the flat token row of the target's query (the token
     before it); ``exclude_offsets`` [S+1] and ``exclude_items`` [E]: the distinct items not to rank
     (the whole history before the target, or only its input window when ``exclude == "window"``),
-    never the target itself; ``user`` [B] stays per sequence.
+    never the target itself; ``user`` [B] stays per sequence. ``groups``: the rows of one sequence,
+    which an evaluation ``BatchPlan`` keeps in one batch.
     """
 
     def __init__(
@@ -316,12 +341,22 @@ class RetrievalEvalBatches(SplitBatches):
     def __len__(self) -> int:
         return len(self.users)
 
+    def groups(self) -> np.ndarray:
+        return np.cumsum(self._opens(self.users, self.targets)) - 1
+
+    def _opens(self, users: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """[S] bool: whether each of these targets (in this order) opens a sequence: its user's or
+        window's first, or one not after the target before it."""
+        starts = self.windows(self.corpus.sequences.starts[users], targets)
+        opens = np.ones(len(users), dtype=bool)
+        opens[1:] = (users[1:] != users[:-1]) | (starts[1:] != starts[:-1]) | (targets[1:] <= targets[:-1])
+        return opens
+
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         seqs = self.corpus.sequences
         users, targets = self.users[rows], self.targets[rows]
         starts = self.windows(seqs.starts[users], targets)
-        opens = np.ones(len(rows), dtype=bool)  # a new sequence: another user, window start, or no later target
-        opens[1:] = (users[1:] != users[:-1]) | (starts[1:] != starts[:-1]) | (targets[1:] <= targets[:-1])
+        opens = self._opens(users, targets)
         sequence = np.cumsum(opens) - 1
         closes = np.r_[opens[1:], True]
         lengths = targets[closes] - starts[opens]
