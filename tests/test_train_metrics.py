@@ -21,6 +21,7 @@ from gr.train.metrics import (
     ranking_metrics,
     retrieval_metrics,
     score_ranks,
+    shared_score_ranks,
     target_metrics,
     target_ranks,
 )
@@ -47,6 +48,23 @@ def test_target_rank_excludes_items_and_breaks_ties_by_id():
     popularity = torch.tensor([float(i % 4) for i in range(30)]).expand(7, -1)
     expected_pop = [naive_rank(popularity[b], int(targets[b]), set(excluded[b])) for b in range(7)]
     assert score_ranks(popularity, targets, offsets, flat).tolist() == expected_pop
+
+
+def test_shared_score_ranks_are_the_ranks_of_the_score_matrix_from_one_sort():
+    """The popularity baseline's ranks: ties, an item excluded twice, a target among its own exclusions."""
+    generator = torch.Generator().manual_seed(2)
+    popularity = torch.randint(0, 5, (40,), generator=generator).float()
+    targets = torch.randint(0, 40, (50,), generator=generator)
+    lengths = torch.randint(0, 12, (50,), generator=generator)
+    lengths[0] = 3
+    flat = torch.randint(0, 40, (int(lengths.sum()),), generator=generator)
+    flat[:2] = targets[0]  # row 0 excludes its own target, twice
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    expected = score_ranks(popularity.expand(50, -1), targets, offsets, flat)
+    assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected.tolist()
+    popularity[7] = float("nan")  # non-finite scores rank as score_ranks ranks them
+    expected = score_ranks(popularity.expand(50, -1), targets, offsets, flat)
+    assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected.tolist()
 
 
 def test_target_rank_in_chunks_matches_one_pass(monkeypatch):

@@ -50,6 +50,23 @@ def score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclud
     return _ranks(scores.clone(), targets, owner, exclude_items, 0, scores.shape[0])
 
 
+def shared_score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclude_items: Tensor) -> Tensor:
+    """``score_ranks`` of one score vector every row shares (scores: [I] float, e.g. item popularity):
+    [B] int64, the same ranks from one sort of the catalogue and the excluded items instead of a
+    [B, I] matrix (a finite target's rank: its place in the (-score, id) order, less the excluded
+    items before it)."""
+    if not bool(scores.isfinite().all()):
+        return score_ranks(scores.expand(targets.numel(), -1), targets, exclude_offsets, exclude_items)
+    count = scores.numel()
+    place = torch.empty(count, dtype=torch.long, device=scores.device)
+    place[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(count, device=scores.device)
+    owner = token_seq_ids(exclude_offsets, exclude_items.numel())
+    pairs = torch.unique(owner * count + exclude_items)  # an item listed twice for a row is left out once
+    owner, items = pairs // count, pairs % count
+    before = place[items] < place[targets[owner]]
+    return place[targets] - torch.bincount(owner[before], minlength=targets.numel())
+
+
 def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor, start: int, stop: int) -> Tensor:
     rows = torch.arange(scores.shape[0], device=scores.device)
     target_scores = scores[rows, targets].unsqueeze(1)

@@ -43,7 +43,7 @@ from gr.train.metrics import (
     per_user_metrics,
     ranking_metrics,
     retrieval_metrics,
-    score_ranks,
+    shared_score_ranks,
     target_metrics,
     target_ranks,
 )
@@ -206,8 +206,8 @@ class RetrievalTask:
         self.users.append(labels["user"][sequences.to(labels["user"].device)].cpu())
         self.ranks.setdefault("model", []).append(target_ranks(queries, self.catalogue, *args).cpu())
         if popularity is not None:
-            scores = popularity.to(queries.dtype).to(queries.device).expand(queries.shape[0], -1)
-            self.ranks.setdefault("popularity", []).append(score_ranks(scores, *args).cpu())
+            scores = popularity.to(queries.dtype).to(queries.device)
+            self.ranks.setdefault("popularity", []).append(shared_score_ranks(scores, *args).cpu())
 
     def user_metrics(self) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
         """The model's metrics per user over every rank's targets so far (call before
