@@ -173,6 +173,29 @@ def test_worker_processes_give_the_same_batches(retrieval):
         assert torch.equal(ours.sequence_ids.values(), theirs.sequence_ids.values())
 
 
+@pytest.mark.parametrize("exclude", ["history", "window"])
+def test_targets_sharing_a_sequence_each_exclude_the_distinct_items_before_them(tmp_path, exclude):
+    """``test_events: all`` with repeated items: each target's exclusions are its own (its history's
+    or its window's distinct items, never itself), wherever its sequence starts."""
+    histories = {1: [5, 6, 7, 5, 8, 6, 9, 10, 5, 11], 2: [1, 2, 1, 3, 2, 4], 3: [7, 7, 8, 7, 9]}
+    rows = ["user_id,item_id,timestamp"] + [
+        f"{u},{i},{t}" for u, items in histories.items() for t, i in enumerate(items)
+    ]
+    path = tmp_path / "events.csv"
+    path.write_text("\n".join(rows) + "\n")
+    dm = module(
+        source="csv", path=str(path), split="time", split_time=2, test_events="all", max_seq_len=4, eval_exclude=exclude
+    )
+    batch = next(iter(dm.test_dataloader()))
+    seqs, offsets = dm.corpus.sequences, batch.labels["exclude_offsets"].tolist()
+    users, targets = seqs.targets("test")
+    assert len(batch.seq_offsets) - 1 < len(targets)  # some targets share a sequence
+    for s, (user, target) in enumerate(zip(users.tolist(), targets.tolist())):
+        begin = seqs.starts[user] if exclude == "history" else max(seqs.starts[user], target - 4)
+        expected = sorted(set(seqs.items[begin:target].tolist()) - {int(seqs.items[target])})
+        assert batch.labels["exclude_items"][offsets[s] : offsets[s + 1]].tolist() == expected, (user, target)
+
+
 def test_batch_plan_splits_each_global_batch_over_ranks_with_disjoint_rows():
     plans = [BatchPlan(103, 10, shuffle=True, seed=5, rank=r, world_size=3) for r in range(3)]
     batches = [list(plan) for plan in plans]

@@ -363,13 +363,12 @@ class RetrievalEvalBatches(SplitBatches):
         index = concat_ranges(starts[opens], lengths)
         query_index = (np.cumsum(lengths) - lengths)[sequence] + targets - 1 - starts
         target_items = seqs.items[targets]
-        exclude_starts = starts if self.exclude == "window" else seqs.starts[users]
-        exclude_lengths = targets - exclude_starts
-        owner = np.repeat(np.arange(len(users)), exclude_lengths)
-        excluded = seqs.items[concat_ranges(exclude_starts, exclude_lengths)]
-        keys = np.unique(owner * seqs.num_items + excluded)
-        keys = keys[keys % seqs.num_items != target_items[keys // seqs.num_items]]
-        exclude_offsets = np.concatenate([[0], np.cumsum(np.bincount(keys // seqs.num_items, minlength=len(users)))])
+        owner, excluded = self._excluded(
+            sequence, targets, (starts if self.exclude == "window" else seqs.starts[users])
+        )
+        keep = excluded != target_items[owner]
+        owner, excluded = owner[keep], excluded[keep]
+        exclude_offsets = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(users)))])
         # The token after each input token is the next one, then the target: its time is the request's.
         return assemble(
             self.corpus,
@@ -383,10 +382,30 @@ class RetrievalEvalBatches(SplitBatches):
                 "target_item": target_items,
                 "query_index": query_index,
                 "exclude_offsets": exclude_offsets.astype(np.int64),
-                "exclude_items": keys % seqs.num_items,
+                "exclude_items": excluded,
             },
             index,
         )
+
+    def _excluded(self, sequence: np.ndarray, targets: np.ndarray, begins: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """The distinct items of each target's rows ``begins .. target - 1`` (the targets of one
+        sequence share their begin): (owner [E] int64 the target's index, items [E] int64), by target,
+        each target's in item order. Each sequence's span is scanned once: a target's items are the
+        first occurrences in its sequence's span before it."""
+        items = self.corpus.sequences.items
+        opens = np.r_[True, sequence[1:] != sequence[:-1]]
+        first = begins[opens]
+        spans = targets[np.r_[opens[1:], True]] - first
+        span_rows = concat_ranges(first, spans)
+        span_offsets = np.cumsum(spans) - spans
+        keys = np.repeat(np.arange(len(first)), spans) * self.corpus.sequences.num_items + items[span_rows]
+        firsts = np.sort(np.unique(keys, return_index=True)[1])  # span positions, sequence by sequence
+        low = np.searchsorted(firsts, span_offsets[sequence])
+        high = np.searchsorted(firsts, span_offsets[sequence] + targets - begins)
+        owner = np.repeat(np.arange(len(targets)), high - low)
+        excluded = items[span_rows[firsts[concat_ranges(low, high - low)]]]
+        order = np.lexsort((excluded, owner))
+        return owner[order], excluded[order]
 
 
 class RankingBatches(SplitBatches):
