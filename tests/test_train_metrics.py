@@ -50,8 +50,9 @@ def test_target_rank_excludes_items_and_breaks_ties_by_id():
     assert score_ranks(popularity, targets, offsets, flat).tolist() == expected_pop
 
 
-def test_shared_score_ranks_are_the_ranks_of_the_score_matrix_from_one_sort():
-    """The popularity baseline's ranks: ties, an item excluded twice, a target among its own exclusions."""
+def test_ranks_of_a_shared_score_vector_and_of_a_score_matrix_follow_the_definition():
+    """The popularity baseline's ranks from one sort, and a score matrix's: ties, an item excluded
+    twice, a target among its own exclusions; non-finite scores as the matrix ranks them."""
     generator = torch.Generator().manual_seed(2)
     popularity = torch.randint(0, 5, (40,), generator=generator).float()
     targets = torch.randint(0, 40, (50,), generator=generator)
@@ -60,9 +61,11 @@ def test_shared_score_ranks_are_the_ranks_of_the_score_matrix_from_one_sort():
     flat = torch.randint(0, 40, (int(lengths.sum()),), generator=generator)
     flat[:2] = targets[0]  # row 0 excludes its own target, twice
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    expected = score_ranks(popularity.expand(50, -1), targets, offsets, flat)
-    assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected.tolist()
-    popularity[7] = float("nan")  # non-finite scores rank as score_ranks ranks them
+    excluded = [set(flat[offsets[b] : offsets[b + 1]].tolist()) for b in range(50)]
+    expected = [naive_rank(popularity, int(targets[b]), excluded[b]) for b in range(50)]
+    assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected
+    assert score_ranks(popularity.expand(50, -1), targets, offsets, flat).tolist() == expected
+    popularity[7] = float("nan")
     expected = score_ranks(popularity.expand(50, -1), targets, offsets, flat)
     assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected.tolist()
 

@@ -60,20 +60,34 @@ def shared_score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor,
     count = scores.numel()
     place = torch.empty(count, dtype=torch.long, device=scores.device)
     place[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(count, device=scores.device)
-    owner = token_seq_ids(exclude_offsets, exclude_items.numel())
-    pairs = torch.unique(owner * count + exclude_items)  # an item listed twice for a row is left out once
+    pairs = _distinct(token_seq_ids(exclude_offsets, exclude_items.numel()) * count + exclude_items)
     owner, items = pairs // count, pairs % count
     before = place[items] < place[targets[owner]]
     return place[targets] - torch.bincount(owner[before], minlength=targets.numel())
+
+
+def _distinct(keys: Tensor) -> Tensor:
+    """[K] int64 keys -> the distinct ones, ascending: an item listed twice for a row is left out
+    once (the data module's lists are already distinct and ascending: then no sort)."""
+    if keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):
+        return keys
+    return torch.unique(keys)
 
 
 def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor, start: int, stop: int) -> Tensor:
     rows = torch.arange(scores.shape[0], device=scores.device)
     target_scores = scores[rows, targets].unsqueeze(1)
     keep = (owner >= start) & (owner < stop)
+    ids = torch.arange(scores.shape[1], device=scores.device)
+    if bool(scores.isfinite().all()):  # count every item above the target, then take the excluded ones back
+        ranks = (scores > target_scores).sum(1) + ((scores == target_scores) & (ids < targets.unsqueeze(1))).sum(1)
+        pairs = _distinct((owner[keep] - start) * scores.shape[1] + exclude_items[keep])
+        row, item = pairs // scores.shape[1], pairs % scores.shape[1]
+        excluded, target = scores[row, item], target_scores[row, 0]
+        counted = (excluded > target) | ((excluded == target) & (item < targets[row]))
+        return ranks - torch.bincount(row[counted], minlength=scores.shape[0])
     scores[owner[keep] - start, exclude_items[keep]] = float("-inf")
     scores[~scores.isfinite()] = float("-inf")  # excluded and non-finite items never rank above a target
-    ids = torch.arange(scores.shape[1], device=scores.device)
     above = scores > target_scores
     tied_before = (scores == target_scores) & (ids.unsqueeze(0) < targets.unsqueeze(1))
     ranks = (above | tied_before).sum(1)
