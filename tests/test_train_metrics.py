@@ -80,6 +80,8 @@ def test_target_rank_in_chunks_matches_one_pass(monkeypatch):
     whole = target_ranks(queries, items, targets, offsets, flat)
     monkeypatch.setattr(metrics, "SCORE_CHUNK_ELEMENTS", 40)  # two rows per chunk
     assert target_ranks(queries, items, targets, offsets, flat).tolist() == whole.tolist()
+    monkeypatch.setattr(metrics, "INT16_COLUMNS", 7)  # a row's items counted in three blocks
+    assert target_ranks(queries, items, targets, offsets, flat).tolist() == whole.tolist()
 
 
 def test_retrieval_metrics_follow_their_definitions():

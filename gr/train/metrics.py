@@ -13,6 +13,7 @@ from gr.jagged import token_seq_ids
 
 # Score rows per chunk when ranking a big catalogue: bounds the [rows, items] score matrix.
 SCORE_CHUNK_ELEMENTS = 1 << 24
+INT16_COLUMNS = (1 << 15) - 1  # columns a row's int16 count can hold
 
 
 def target_ranks(
@@ -66,6 +67,15 @@ def shared_score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor,
     return place[targets] - torch.bincount(owner[before], minlength=targets.numel())
 
 
+def _row_counts(mask: Tensor) -> Tensor:
+    """[R, I] bool -> [R] int64 the true entries of each row, summed in int16 a block of columns at a
+    time (a bool tensor's int64 sum is several times slower)."""
+    counts = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    for column in range(0, mask.shape[1], INT16_COLUMNS):
+        counts += mask[:, column : column + INT16_COLUMNS].sum(1, dtype=torch.int16)
+    return counts
+
+
 def _distinct(keys: Tensor) -> Tensor:
     """[K] int64 keys -> the distinct ones, ascending: an item listed twice for a row is left out
     once (the data module's lists are already distinct and ascending: then no sort)."""
@@ -79,8 +89,12 @@ def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor
     target_scores = scores[rows, targets].unsqueeze(1)
     keep = (owner >= start) & (owner < stop)
     ids = torch.arange(scores.shape[1], device=scores.device)
-    if bool(scores.isfinite().all()):  # count every item above the target, then take the excluded ones back
-        ranks = (scores > target_scores).sum(1) + ((scores == target_scores) & (ids < targets.unsqueeze(1))).sum(1)
+    if bool(scores.sum().isfinite()):  # every score finite: count the items above each target, then
+        ranks = _row_counts(scores > target_scores)  # take the excluded ones back
+        tied = torch.nonzero(_row_counts(scores >= target_scores) - ranks > 1).flatten()  # another item ties it
+        if tied.numel():
+            ties = (scores[tied] == target_scores[tied]) & (ids < targets[tied].unsqueeze(1))
+            ranks[tied] += _row_counts(ties)
         pairs = _distinct((owner[keep] - start) * scores.shape[1] + exclude_items[keep])
         row, item = pairs // scores.shape[1], pairs % scores.shape[1]
         excluded, target = scores[row, item], target_scores[row, 0]
