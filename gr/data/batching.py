@@ -390,7 +390,7 @@ class RetrievalEvalBatches(SplitBatches):
     def _excluded(self, sequence: np.ndarray, targets: np.ndarray, begins: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """The distinct items of each target's rows ``begins .. target - 1`` (the targets of one
         sequence share their begin): (owner [E] int64 the target's index, items [E] int64), by target,
-        each target's in item order. Each sequence's span is scanned once: a target's items are the
+        each target's in the order they first occur. Each sequence's span is scanned once: a target's items are the
         first occurrences in its sequence's span before it."""
         items = self.corpus.sequences.items
         opens = np.r_[True, sequence[1:] != sequence[:-1]]
@@ -403,9 +403,7 @@ class RetrievalEvalBatches(SplitBatches):
         low = np.searchsorted(firsts, span_offsets[sequence])
         high = np.searchsorted(firsts, span_offsets[sequence] + targets - begins)
         owner = np.repeat(np.arange(len(targets)), high - low)
-        excluded = items[span_rows[firsts[concat_ranges(low, high - low)]]]
-        order = np.lexsort((excluded, owner))
-        return owner[order], excluded[order]
+        return owner, items[span_rows[firsts[concat_ranges(low, high - low)]]]
 
 
 class RankingBatches(SplitBatches):

@@ -61,7 +61,9 @@ def shared_score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor,
     count = scores.numel()
     place = torch.empty(count, dtype=torch.long, device=scores.device)
     place[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(count, device=scores.device)
-    pairs = _distinct(token_seq_ids(exclude_offsets, exclude_items.numel()) * count + exclude_items)
+    pairs = _distinct(
+        token_seq_ids(exclude_offsets, exclude_items.numel()) * count + exclude_items, targets.numel() * count
+    )
     owner, items = pairs // count, pairs % count
     before = place[items] < place[targets[owner]]
     return place[targets] - torch.bincount(owner[before], minlength=targets.numel())
@@ -76,12 +78,12 @@ def _row_counts(mask: Tensor) -> Tensor:
     return counts
 
 
-def _distinct(keys: Tensor) -> Tensor:
-    """[K] int64 keys -> the distinct ones, ascending: an item listed twice for a row is left out
-    once (the data module's lists are already distinct and ascending: then no sort)."""
-    if keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):
-        return keys
-    return torch.unique(keys)
+def _distinct(keys: Tensor, size: int) -> Tensor:
+    """[K] int64 keys in [0, size) -> the distinct ones: an item listed twice for a row is left out
+    once (the data module's lists are already distinct: then no sort, one count per key)."""
+    hits = torch.zeros(size, dtype=torch.int32, device=keys.device)
+    hits.index_put_((keys,), torch.ones_like(keys, dtype=torch.int32), accumulate=True)
+    return keys if keys.numel() == 0 or int(hits[keys].max()) == 1 else torch.unique(keys)
 
 
 def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor, start: int, stop: int) -> Tensor:
@@ -95,7 +97,7 @@ def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor
         if tied.numel():
             ties = (scores[tied] == target_scores[tied]) & (ids < targets[tied].unsqueeze(1))
             ranks[tied] += _row_counts(ties)
-        pairs = _distinct((owner[keep] - start) * scores.shape[1] + exclude_items[keep])
+        pairs = _distinct((owner[keep] - start) * scores.shape[1] + exclude_items[keep], scores.numel())
         row, item = pairs // scores.shape[1], pairs % scores.shape[1]
         excluded, target = scores[row, item], target_scores[row, 0]
         counted = (excluded > target) | ((excluded == target) & (item < targets[row]))
