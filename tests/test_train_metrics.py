@@ -45,6 +45,7 @@ def test_target_rank_excludes_items_and_breaks_ties_by_id():
     ranks = target_ranks(queries, items, targets, offsets, flat)
     expected = [naive_rank(queries[b] @ items.T, int(targets[b]), set(excluded[b])) for b in range(7)]
     assert ranks.tolist() == expected
+    assert target_ranks(queries, items, targets, offsets, flat, distinct=True).tolist() == expected
     popularity = torch.tensor([float(i % 4) for i in range(30)]).expand(7, -1)
     expected_pop = [naive_rank(popularity[b], int(targets[b]), set(excluded[b])) for b in range(7)]
     assert score_ranks(popularity, targets, offsets, flat).tolist() == expected_pop

@@ -22,12 +22,14 @@ def target_ranks(
     targets: Tensor,
     exclude_offsets: Tensor,
     exclude_items: Tensor,
+    distinct: bool = False,
 ) -> Tensor:
     """0-based rank of each target among the catalogue, excluded items left out.
 
     queries: [B, d] float; items: [I, d] float (the whole catalogue, scored by dot product)
     targets: [B] int64 item ids; exclude_offsets: [B+1] int64; exclude_items: [E] int64,
-    the items not ranked for each query (a target listed there is still ranked).
+    the items not ranked for each query (a target listed there is still ranked); distinct: each
+    query's are known to be distinct (an evaluation batch's), which skips looking for repeats.
     Ties are broken by item id, as a stable sort of (-score, id) would: the rank is the
     number of kept items scoring above the target, plus those tying it with a smaller id.
     Non-finite scores rank last: a NaN or infinite item never ranks above a finite target,
@@ -41,7 +43,7 @@ def target_ranks(
     for start in range(0, queries.shape[0], rows):
         stop = min(start + rows, queries.shape[0])
         scores = queries[start:stop] @ items.T
-        ranks.append(_ranks(scores, targets[start:stop], owner, exclude_items, start, stop))
+        ranks.append(_ranks(scores, targets[start:stop], owner, exclude_items, start, stop, distinct))
     return torch.cat(ranks) if ranks else targets.new_zeros(0)
 
 
@@ -51,19 +53,20 @@ def score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclud
     return _ranks(scores.clone(), targets, owner, exclude_items, 0, scores.shape[0])
 
 
-def shared_score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclude_items: Tensor) -> Tensor:
+def shared_score_ranks(
+    scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclude_items: Tensor, distinct: bool = False
+) -> Tensor:
     """``score_ranks`` of one score vector every row shares (scores: [I] float, e.g. item popularity):
     [B] int64, the same ranks from one sort of the catalogue and the excluded items instead of a
     [B, I] matrix (a finite target's rank: its place in the (-score, id) order, less the excluded
-    items before it)."""
+    items before it); distinct as ``target_ranks`` reads it."""
     if not bool(scores.isfinite().all()):
         return score_ranks(scores.expand(targets.numel(), -1), targets, exclude_offsets, exclude_items)
     count = scores.numel()
     place = torch.empty(count, dtype=torch.long, device=scores.device)
     place[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(count, device=scores.device)
-    pairs = _distinct(
-        token_seq_ids(exclude_offsets, exclude_items.numel()) * count + exclude_items, targets.numel() * count
-    )
+    pairs = token_seq_ids(exclude_offsets, exclude_items.numel()) * count + exclude_items
+    pairs = pairs if distinct else torch.unique(pairs)  # an item listed twice for a row is left out once
     owner, items = pairs // count, pairs % count
     before = place[items] < place[targets[owner]]
     return place[targets] - torch.bincount(owner[before], minlength=targets.numel())
@@ -78,15 +81,15 @@ def _row_counts(mask: Tensor) -> Tensor:
     return counts
 
 
-def _distinct(keys: Tensor, size: int) -> Tensor:
-    """[K] int64 keys in [0, size) -> the distinct ones: an item listed twice for a row is left out
-    once (the data module's lists are already distinct: then no sort, one count per key)."""
-    hits = torch.zeros(size, dtype=torch.int32, device=keys.device)
-    hits.index_put_((keys,), torch.ones_like(keys, dtype=torch.int32), accumulate=True)
-    return keys if keys.numel() == 0 or int(hits[keys].max()) == 1 else torch.unique(keys)
-
-
-def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor, start: int, stop: int) -> Tensor:
+def _ranks(
+    scores: Tensor,
+    targets: Tensor,
+    owner: Tensor,
+    exclude_items: Tensor,
+    start: int,
+    stop: int,
+    distinct: bool = False,
+) -> Tensor:
     rows = torch.arange(scores.shape[0], device=scores.device)
     target_scores = scores[rows, targets].unsqueeze(1)
     keep = (owner >= start) & (owner < stop)
@@ -97,7 +100,8 @@ def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor
         if tied.numel():
             ties = (scores[tied] == target_scores[tied]) & (ids < targets[tied].unsqueeze(1))
             ranks[tied] += _row_counts(ties)
-        pairs = _distinct((owner[keep] - start) * scores.shape[1] + exclude_items[keep], scores.numel())
+        pairs = (owner[keep] - start) * scores.shape[1] + exclude_items[keep]
+        pairs = pairs if distinct else torch.unique(pairs)  # an item listed twice is taken back once
         row, item = pairs // scores.shape[1], pairs % scores.shape[1]
         excluded, target = scores[row, item], target_scores[row, 0]
         counted = (excluded > target) | ((excluded == target) & (item < targets[row]))

@@ -204,10 +204,11 @@ class RetrievalTask:
         args = (labels["target_item"], labels["exclude_offsets"], labels["exclude_items"])
         sequences = torch.searchsorted(inputs.seq_offsets[1:], query_rows(inputs), right=True)
         self.users.append(labels["user"][sequences.to(labels["user"].device)].cpu())
-        self.ranks.setdefault("model", []).append(target_ranks(queries, self.catalogue, *args).cpu())
+        # the evaluation batches' exclusions are distinct (RetrievalEvalBatches)
+        self.ranks.setdefault("model", []).append(target_ranks(queries, self.catalogue, *args, distinct=True).cpu())
         if popularity is not None:
             scores = popularity.to(queries.dtype).to(queries.device)
-            self.ranks.setdefault("popularity", []).append(shared_score_ranks(scores, *args).cpu())
+            self.ranks.setdefault("popularity", []).append(shared_score_ranks(scores, *args, distinct=True).cpu())
 
     def user_metrics(self) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
         """The model's metrics per user over every rank's targets so far (call before
