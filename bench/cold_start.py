@@ -143,7 +143,7 @@ def scored_events(export: Path, config: TrainConfig, data_path: Path) -> Dict[st
         with torch.no_grad():
             query = served_queries(ranker, batch, requests)
         block = query @ vectors.T
-        labels, rows = batch.labels, torch.arange(len(requests))
+        labels, rows = batch.labels, torch.arange(len(query))  # one query per test event
         target_scores = block[rows, labels["target_item"]].clone()
         owner = torch.repeat_interleave(rows, labels["exclude_offsets"].diff())
         block[owner, labels["exclude_items"]] = float("-inf")

@@ -37,6 +37,7 @@ TRAINING_BENCHES = {
     "data_scale",
     "prepared_vs_raw",
     "new_users",
+    "eval_cost",
 }
 
 
@@ -233,6 +234,27 @@ BENCHES = (
             "target_share_held_out",
             "share_ratio",
             "targets",
+            "cpu",
+            "cpu_flags",
+            "load_average",
+        ),
+    ),
+    Bench(
+        "bench/eval_cost.py",
+        (
+            "users",
+            "interactions",
+            "max_seq_len",
+            "eviction_block",
+            "test_targets",
+            "tokens",
+            "seconds",
+            "all_over_next",
+            "export_over_next",
+            "tokens_all_over_next",
+            "hr@10",
+            "targets",
+            "threads",
             "cpu",
             "cpu_flags",
             "load_average",

@@ -88,7 +88,7 @@ def test_retrieval_eval_batch_holds_out_one_event_and_excludes_the_history(retri
         assert tokens[b] == items[:target][-MAX_LEN:].tolist()
         assert query_times[b] == stamps[1 : target + 1][-MAX_LEN:].tolist()  # the last: the target's time
         excluded = batch.labels["exclude_items"][offsets[b] : offsets[b + 1]].tolist()
-        assert excluded == sorted(set(items[:target].tolist()))
+        assert sorted(excluded) == sorted(set(items[:target].tolist()))
 
 
 def test_window_exclusion_keeps_only_the_input_items_and_never_the_target(tmp_path):
@@ -101,7 +101,7 @@ def test_window_exclusion_keeps_only_the_input_items_and_never_the_target(tmp_pa
         batch = next(iter(dm.val_dataloader()))  # user 1's validation target is item 5, seen before
         raw = dm.item_map.decode(batch.labels["exclude_items"][: batch.labels["exclude_offsets"][1]].numpy())
         assert dm.item_map.decode(batch.labels["target_item"][:1].numpy()).tolist() == [5]
-        assert raw.tolist() == expected
+        assert sorted(raw.tolist()) == expected
 
 
 def test_ranking_train_sample_is_history_then_real_next_items_then_unseen_negatives(ranking):
@@ -173,6 +173,29 @@ def test_worker_processes_give_the_same_batches(retrieval):
         assert torch.equal(ours.sequence_ids.values(), theirs.sequence_ids.values())
 
 
+@pytest.mark.parametrize("exclude", ["history", "window"])
+def test_targets_sharing_a_sequence_each_exclude_the_distinct_items_before_them(tmp_path, exclude):
+    """``test_events: all`` with repeated items: each target's exclusions are its own (its history's
+    or its window's distinct items, never itself), wherever its sequence starts."""
+    histories = {1: [5, 6, 7, 5, 8, 6, 9, 10, 5, 11], 2: [1, 2, 1, 3, 2, 4], 3: [7, 7, 8, 7, 9]}
+    rows = ["user_id,item_id,timestamp"] + [
+        f"{u},{i},{t}" for u, items in histories.items() for t, i in enumerate(items)
+    ]
+    path = tmp_path / "events.csv"
+    path.write_text("\n".join(rows) + "\n")
+    dm = module(
+        source="csv", path=str(path), split="time", split_time=2, test_events="all", max_seq_len=4, eval_exclude=exclude
+    )
+    batch = next(iter(dm.test_dataloader()))
+    seqs, offsets = dm.corpus.sequences, batch.labels["exclude_offsets"].tolist()
+    users, targets = seqs.targets("test")
+    assert len(batch.seq_offsets) - 1 < len(targets)  # some targets share a sequence
+    for s, (user, target) in enumerate(zip(users.tolist(), targets.tolist())):
+        begin = seqs.starts[user] if exclude == "history" else max(seqs.starts[user], target - 4)
+        expected = sorted(set(seqs.items[begin:target].tolist()) - {int(seqs.items[target])})
+        assert sorted(batch.labels["exclude_items"][offsets[s] : offsets[s + 1]].tolist()) == expected, (user, target)
+
+
 def test_batch_plan_splits_each_global_batch_over_ranks_with_disjoint_rows():
     plans = [BatchPlan(103, 10, shuffle=True, seed=5, rank=r, world_size=3) for r in range(3)]
     batches = [list(plan) for plan in plans]
@@ -183,6 +206,15 @@ def test_batch_plan_splits_each_global_batch_over_ranks_with_disjoint_rows():
     assert max(len(key.rows) for rank in batches for key in rank) <= 4  # ceil(10 / 3)
     with pytest.raises(ValueError, match="global batch of 2 cannot feed 3 ranks"):
         BatchPlan(103, 2, shuffle=True, seed=5, rank=0, world_size=3)
+
+
+def test_an_evaluation_plan_deals_each_rank_a_contiguous_run_of_rows_and_keeps_a_group_in_one_batch():
+    """A user's test targets are neighbouring rows: on one rank, in one batch, they share a sequence."""
+    plans = [BatchPlan(11, 4, shuffle=False, seed=5, rank=r, world_size=2) for r in (0, 1)]
+    assert [[key.rows.tolist() for key in plan] for plan in plans] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [10]]]
+    groups = np.array([0, 0, 0, 1, 2, 2, 3, 4, 4, 4, 4, 5])  # 6 groups, batches of 4 groups over 2 ranks
+    plans = [BatchPlan(12, 4, shuffle=False, seed=5, rank=r, world_size=2, groups=groups) for r in (0, 1)]
+    assert [[key.rows.tolist() for key in plan] for plan in plans] == [[[0, 1, 2, 3], [4, 5]], [[6, 7, 8, 9, 10], [11]]]
 
 
 def test_popularity_counts_training_parts_only(retrieval):

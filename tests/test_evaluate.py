@@ -10,19 +10,23 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from gr.commands.cli import main as gr_main
-from gr.commands.evaluate import default_output
+from gr.commands.evaluate import default_output, evaluate_export, evaluate_run
 from gr.data.config import SyntheticConfig
 from gr.data.datamodule import SequenceDataModule
+from gr.data.mappings import model_maps
 from gr.data.popularity import POPULARITY_FILE, load_popularity
 from gr.data.synthetic import generate_synthetic
 from gr.export.manifest import MANIFEST
 from gr.export.popularity import POPULARITY
 from gr.export.writer import export_run
 from gr.serving import Ranker, RecommendRequest
-from gr.train import load_config, train
+from gr.train import load_config, load_trained_model, train
+from gr.train.run_files import CONFIG_FILE, MAPPINGS_DIR
+from gr.train.tasks import RetrievalTask
 from helpers.runs import RANKING, RETRIEVAL, config
 
 RETRIEVAL_KEYS = ("hr@5", "ndcg@5", "hr@10", "ndcg@10", "mrr")
@@ -130,6 +134,58 @@ def test_per_user_metrics_name_each_test_user_once_and_average_to_the_reported_m
         for key in RETRIEVAL_KEYS:
             assert np.mean([float(row[key]) for row in rows]) == pytest.approx(reports[name][key], abs=1e-12), key
     assert reports["export"]["hr@10"] == pytest.approx(reports["run"]["hr@10"], abs=1e-5)
+
+
+def per_target_metrics(run, overrides) -> dict:
+    """The run's test metrics with every test target scored from a sequence of its own (no two
+    neighbouring rows of a batch are one user's targets in time order, so none share a sequence)."""
+    model, cfg = load_trained_model(run)
+    maps = model_maps(str(run / MAPPINGS_DIR))
+    data = SequenceDataModule(load_config(run / CONFIG_FILE, overrides).data, 1, maps, new_ids="unknown")
+    data.setup()
+    split = data.splits["test"]
+    within = np.arange(len(split.users)) - np.searchsorted(split.users, split.users)  # a target's place in its user's
+    order = np.lexsort((split.users, -within))  # the users' last targets first, then the ones before...
+    task = RetrievalTask(cfg.task.retrieval, data.num_items, model.postfix_dnn.item_embedding)
+    task.start_evaluation(model.embeddings)
+    with torch.no_grad():
+        for rows in np.array_split(order, max(1, len(order) // 64)):
+            batch = split.build(rows, np.random.default_rng(0))
+            assert len(batch.seq_offsets) - 1 == len(rows)
+            task.evaluation_step(model(batch), batch)
+    return task.finish_evaluation()
+
+
+@pytest.mark.parametrize("window", [20, 12])
+def test_every_test_event_of_a_user_is_scored_from_one_pass_with_the_per_target_metrics(retrieval, window, tmp_path):
+    """``data.test_events: all`` on the run's events, each user's k-th event at second 1000 k: every
+    user has 5 events before the cut and its later ones after it. A user's targets whose windows
+    start alike share one sequence (12: longer histories slide, so their targets span several); the run and
+    its export reach the metrics of scoring each target from a sequence of its own."""
+    run, export, _ = retrieval
+    data = generate_synthetic(SyntheticConfig(**RETRIEVAL["data"]["synthetic"]), seed=0)
+    starts = np.flatnonzero(np.r_[True, data.users[1:] != data.users[:-1]])  # the generator's rows: user by user
+    seconds = 1000 * (np.arange(len(data.users)) - np.repeat(starts, np.diff(np.r_[starts, len(data.users)])))
+    rows = zip(data.users.tolist(), data.items.tolist(), seconds.tolist())
+    events = tmp_path / "events.csv"
+    events.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    overrides = [("data.source", "csv"), ("data.path", str(events)), ("data.split", "time")]
+    overrides += [("data.split_time", "4500"), ("data.test_events", "all"), ("data.max_seq_len", str(window))]
+    reference = per_target_metrics(run, overrides)
+    from_run = evaluate_run(run, overrides)
+    served = evaluate_export(export, run / CONFIG_FILE, overrides)
+    users, targets = from_run["data"]["evaluated_users"]["test"], from_run["data"]["evaluated_targets"]["test"]
+    assert users == RETRIEVAL["data"]["synthetic"]["num_users"] and targets > 3 * users
+    for key in RETRIEVAL_KEYS:
+        assert from_run[key] == pytest.approx(reference[key], abs=1e-6), key
+        assert served[key] == pytest.approx(reference[key], abs=1e-6), key
+    timed = SequenceDataModule(load_config(run / CONFIG_FILE, overrides).data)
+    timed.setup()
+    sequences = sum(len(batch.seq_offsets) - 1 for batch in timed.test_dataloader())
+    if window == 20:  # every history fits: one sequence a user (two where a batch ends amid its targets)
+        assert sequences < users + len(timed.test_dataloader())
+    else:  # windows slide: a user's targets span several sequences
+        assert users + len(timed.test_dataloader()) < sequences < targets
 
 
 def test_per_user_metrics_of_a_ranking_model_are_refused_in_one_line(ranking, capsys, tmp_path):

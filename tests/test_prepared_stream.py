@@ -2,6 +2,7 @@
 batches are raw reading's, each rank reads its own shards and takes as many steps as the others,
 the training order is seeded per epoch, the shuffle buffer is bounded, and bad shards are named."""
 
+import bisect
 import collections
 import csv
 import json
@@ -156,15 +157,21 @@ def positives(config: DataConfig, split: str) -> int:
 
 
 def samples(batch, real: int) -> list:
-    """[(dataset user id, everything the batch says of one sample but its sampled negatives)]."""
+    """[(dataset user id, everything the batch says of one sample but its sampled negatives)]; a
+    retrieval evaluation sample per target (a sequence may hold several: ``query_index``)."""
     offsets = batch.seq_offsets.tolist()
     targets = None if batch.num_targets is None else batch.num_targets.tolist()
     ids = {k: jt.values().tolist() for k, jt in batch.sequence_ids.to_dict().items()}
     bags = {k: _bags(jt) for k, jt in (batch.token_lists.to_dict() if batch.token_lists else {}).items()}
     common = {k: _bags(jt) for k, jt in (batch.common_ids.to_dict() if batch.common_ids else {}).items()}
+    query = batch.labels.get("query_index")
+    if query is None:  # (sequence, its end, its sample's index among the labels)
+        pieces = [(b, offsets[b + 1], b) for b in range(len(offsets) - 1)]
+    else:
+        pieces = [(bisect.bisect_right(offsets, q) - 1, q + 1, i) for i, q in enumerate(query.tolist())]
     found, candidate = [], 0
-    for b in range(len(offsets) - 1):
-        start, end = offsets[b], offsets[b + 1]
+    for b, end, i in pieces:
+        start = offsets[b]
         kept = end if targets is None else end - targets[b] + real
         sample = {
             "ids": {k: v[start:kept] for k, v in ids.items()},
@@ -179,10 +186,10 @@ def samples(batch, real: int) -> list:
             if name == "next_item":
                 sample[name] = value[start:end].tolist()
             elif name == "target_item":
-                sample[name] = int(value[b])
+                sample[name] = int(value[i])
             elif name == "exclude_offsets":
-                sample["exclude"] = sorted(batch.labels["exclude_items"][value[b] : value[b + 1]].tolist())
-            elif name not in ("user", "exclude_items"):  # a ranking task: one label per candidate
+                sample["exclude"] = sorted(batch.labels["exclude_items"][value[i] : value[i + 1]].tolist())
+            elif name not in ("user", "exclude_items", "query_index"):  # a ranking task: one label per candidate
                 sample[name] = value[candidate : candidate + real].tolist()
         candidate += 0 if targets is None else targets[b]
         found.append((int(batch.labels["user"][b]), repr(sample)))

@@ -90,9 +90,14 @@ def test_every_test_event_is_each_later_event_in_the_window_with_its_whole_histo
         next_only.targets("test")[0].tolist(),
     ]
     batch = data.splits["test"].build(np.arange(len(users)), np.random.default_rng(0))
-    lengths = np.diff(batch.seq_offsets.numpy())
-    window = data.config.max_seq_len
-    assert (lengths == np.minimum(targets - seqs.starts[users], window)).all()  # earlier test events are history
+    offsets, tokens = batch.seq_offsets.numpy(), batch.sequence_ids["item_id"].values().numpy()
+    query = batch.labels["query_index"].numpy()
+    sequence = np.searchsorted(offsets[1:], query, side="right")
+    starts = np.maximum(seqs.starts[users], targets - data.config.max_seq_len)
+    for s, t, q, w in zip(sequence.tolist(), targets.tolist(), query.tolist(), starts.tolist()):
+        assert tokens[offsets[s] : q + 1].tolist() == seqs.items[w:t].tolist()  # earlier test events are history
+    assert batch.labels["user"][sequence].tolist() == users.tolist()
+    assert len(offsets) - 1 == np.unique(np.stack([users, starts]), axis=1).shape[1]  # one sequence a window
     assert batch.labels["target_item"].tolist() == seqs.items[targets].tolist()
     assert data.summary["evaluated_users"]["test"] == len(np.unique(users))
     assert data.summary["evaluated_targets"]["test"] == len(users)

@@ -21,6 +21,7 @@ from gr.train.metrics import (
     ranking_metrics,
     retrieval_metrics,
     score_ranks,
+    shared_score_ranks,
     target_metrics,
     target_ranks,
 )
@@ -44,9 +45,30 @@ def test_target_rank_excludes_items_and_breaks_ties_by_id():
     ranks = target_ranks(queries, items, targets, offsets, flat)
     expected = [naive_rank(queries[b] @ items.T, int(targets[b]), set(excluded[b])) for b in range(7)]
     assert ranks.tolist() == expected
+    assert target_ranks(queries, items, targets, offsets, flat, distinct=True).tolist() == expected
     popularity = torch.tensor([float(i % 4) for i in range(30)]).expand(7, -1)
     expected_pop = [naive_rank(popularity[b], int(targets[b]), set(excluded[b])) for b in range(7)]
     assert score_ranks(popularity, targets, offsets, flat).tolist() == expected_pop
+
+
+def test_ranks_of_a_shared_score_vector_and_of_a_score_matrix_follow_the_definition():
+    """The popularity baseline's ranks from one sort, and a score matrix's: ties, an item excluded
+    twice, a target among its own exclusions; non-finite scores as the matrix ranks them."""
+    generator = torch.Generator().manual_seed(2)
+    popularity = torch.randint(0, 5, (40,), generator=generator).float()
+    targets = torch.randint(0, 40, (50,), generator=generator)
+    lengths = torch.randint(0, 12, (50,), generator=generator)
+    lengths[0] = 3
+    flat = torch.randint(0, 40, (int(lengths.sum()),), generator=generator)
+    flat[:2] = targets[0]  # row 0 excludes its own target, twice
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    excluded = [set(flat[offsets[b] : offsets[b + 1]].tolist()) for b in range(50)]
+    expected = [naive_rank(popularity, int(targets[b]), excluded[b]) for b in range(50)]
+    assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected
+    assert score_ranks(popularity.expand(50, -1), targets, offsets, flat).tolist() == expected
+    popularity[7] = float("nan")
+    expected = score_ranks(popularity.expand(50, -1), targets, offsets, flat)
+    assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected.tolist()
 
 
 def test_target_rank_in_chunks_matches_one_pass(monkeypatch):
@@ -58,6 +80,8 @@ def test_target_rank_in_chunks_matches_one_pass(monkeypatch):
     offsets, flat = torch.tensor([0, 1] + [1] * 8), torch.tensor([4])
     whole = target_ranks(queries, items, targets, offsets, flat)
     monkeypatch.setattr(metrics, "SCORE_CHUNK_ELEMENTS", 40)  # two rows per chunk
+    assert target_ranks(queries, items, targets, offsets, flat).tolist() == whole.tolist()
+    monkeypatch.setattr(metrics, "INT16_COLUMNS", 7)  # a row's items counted in three blocks
     assert target_ranks(queries, items, targets, offsets, flat).tolist() == whole.tolist()
 
 

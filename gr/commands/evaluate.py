@@ -149,8 +149,7 @@ def evaluate_export(
     for i, batch in enumerate(data.test_dataloader()):
         requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
         if config.task_type == "retrieval":
-            queries = {"query": served_queries(ranker, batch, requests)}
-            task.evaluation_step(_output(queries, torch.arange(len(requests) + 1)), batch, popularity)
+            task.evaluate_queries(served_queries(ranker, batch, requests), batch, popularity)
         else:
             results = ranker.rank([RankRequest(**r) for r in requests])
             logits = {
@@ -198,16 +197,21 @@ def write_user_metrics(path: Path, task: RetrievalTask, user_map: IdMap) -> None
 
 
 def served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
-    """[B, d] the served retrieval query at each sequence's last token (its query time as in the
-    batch), the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
+    """[S, d] the served retrieval query of each held-out item of the batch, at its query token
+    (``gr.train.tasks.query_rows``: a sequence may hold several), each at the time of the event after
+    it, the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
     from gr.serving import encode as encoding  # loaded by evaluate_export
+    from gr.train.tasks import query_rows
 
-    last = batch.seq_offsets[1:] - 1
     assert batch.timestamps is not None  # the data module's batches carry them
     times = batch.timestamps if batch.query_times is None else batch.query_times
+    offsets = batch.seq_offsets.numpy()
+    rows = query_rows(batch).numpy()
+    sequences = np.searchsorted(offsets[1:], rows, side="right")
+    positions = np.split(rows - offsets[sequences], np.cumsum(np.bincount(sequences, minlength=len(requests)))[:-1])
     histories = [ranker.history(r["user_id"], r["history"], r["common_features"]) for r in requests]
-    encoded = encoding.encode(ranker.cache, histories, use_cache=False)
-    return encoding.queries(encoded, [int(t) for t in times[last].tolist()])
+    assert not any(h.truncated for h in histories)  # evaluation windows fit max_seq_len
+    return encoding.token_queries(histories, positions, [int(t) for t in times[offsets[1:] - 1].tolist()])
 
 
 def _output(predictions: Dict[str, torch.Tensor], row_offsets: torch.Tensor) -> GROutput:

@@ -43,18 +43,34 @@ class BatchPlan(Sampler):
     """Yields this rank's ``BatchKey``s for one split, one epoch at a time.
 
     ``batch_size`` is the global batch: rows per step over all ranks, so a run takes the same
-    steps of the same size on any number of ranks. Rows are shuffled from (seed, epoch) when
-    ``shuffle``, dealt round-robin to the ``world_size`` ranks, and each rank's rows are cut
-    into ceil(num_rows / batch_size) batches (about batch_size / world_size rows each), so
-    every rank steps equally often and no row repeats. Lightning calls ``set_epoch`` before
-    each training epoch.
+    steps of the same size on any number of ranks. Rows are shuffled from (seed, epoch) and
+    dealt round-robin to the ``world_size`` ranks when ``shuffle``; else (evaluation) each rank
+    takes a contiguous run of them. Each rank's rows are cut into ceil(num_rows / batch_size)
+    batches (about batch_size / world_size rows each), so every rank steps equally often and no
+    row repeats. ``groups`` ([num_rows] int64, non-decreasing; evaluation only): rows that share a
+    sequence (``SplitBatches.groups``) stay in one batch, and ``batch_size`` counts groups instead
+    of rows. Lightning calls ``set_epoch`` before each training epoch.
     """
 
     def __init__(
-        self, num_rows: int, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+        self,
+        num_rows: int,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        groups: Optional[np.ndarray] = None,
     ) -> None:
-        if num_rows < world_size:
-            raise ValueError(f"BatchPlan: {num_rows} samples cannot feed {world_size} ranks")
+        if shuffle and groups is not None:
+            raise ValueError("BatchPlan: groups keep evaluation rows together; training rows are shuffled")
+        # the first row of each unit dealt out (a row, or a group of rows), then num_rows
+        self.bounds = (
+            np.arange(num_rows + 1) if groups is None else np.flatnonzero(np.r_[True, np.diff(groups) != 0, True])
+        )
+        units = len(self.bounds) - 1
+        if units < world_size:
+            raise ValueError(f"BatchPlan: {units} samples cannot feed {world_size} ranks")
         if batch_size < world_size:
             raise ValueError(
                 f"BatchPlan: a global batch of {batch_size} cannot feed {world_size} ranks "
@@ -68,15 +84,19 @@ class BatchPlan(Sampler):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return math.ceil(self.num_rows / self.batch_size)
+        return math.ceil((len(self.bounds) - 1) / self.batch_size)
 
     def __iter__(self) -> Iterator[BatchKey]:
         if self.shuffle:
             order = epoch_generator(self.seed, self.epoch).permutation(self.num_rows)
+            batches = np.array_split(order[self.rank :: self.world_size], len(self))
         else:
-            order = np.arange(self.num_rows)
-        mine = order[self.rank :: self.world_size]
-        for i, rows in enumerate(np.array_split(mine, len(self))):
+            mine = np.array_split(np.arange(len(self.bounds) - 1), self.world_size)[self.rank]
+            batches = [
+                np.arange(self.bounds[units[0]], self.bounds[units[-1] + 1]) if len(units) else units
+                for units in np.array_split(mine, len(self))
+            ]
+        for i, rows in enumerate(batches):
             yield BatchKey(self.epoch, i * self.world_size + self.rank, rows)
 
 
@@ -240,6 +260,11 @@ class SplitBatches(Dataset, abc.ABC):
     def __len__(self) -> int:
         """Number of samples (rows) in the split."""
 
+    def groups(self) -> Optional[np.ndarray]:
+        """[rows] int64 non-decreasing: the sequence each row's sample shares with its neighbours
+        (``BatchPlan`` keeps a group in one batch and counts groups); None: a sequence each."""
+        return None
+
     @abc.abstractmethod
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         """rows: [B] int64 sample indices -> the batch."""
@@ -295,9 +320,15 @@ class RetrievalTrainBatches(SplitBatches):
 class RetrievalEvalBatches(SplitBatches):
     """One sample per held-out event: the history before it (most recent ``max_seq_len``).
 
-    labels: ``target_item`` [B]; ``exclude_offsets`` [B+1] and ``exclude_items`` [E]: the
-    distinct items not to rank (the whole history before the target, or only the input
-    window when ``exclude == "window"``), never the target itself.
+    A batch's samples of one user whose windows start at the same event (consecutive targets,
+    ``data.test_events: all``) share one sequence: the window up to the last of them. HSTU is
+    causal, so the output at the token before each target is the one its own sequence would end
+    with: one forward scores them all. labels, per target (S of them, in the rows' order):
+    ``target_item`` [S]; ``query_index`` [S] the flat token row of the target's query (the token
+    before it); ``exclude_offsets`` [S+1] and ``exclude_items`` [E]: the distinct items not to rank
+    (the whole history before the target, or only its input window when ``exclude == "window"``),
+    never the target itself; ``user`` [B] stays per sequence. ``groups``: the rows of one sequence,
+    which an evaluation ``BatchPlan`` keeps in one batch.
     """
 
     def __init__(
@@ -310,24 +341,38 @@ class RetrievalEvalBatches(SplitBatches):
     def __len__(self) -> int:
         return len(self.users)
 
+    def groups(self) -> np.ndarray:
+        return np.cumsum(self._opens(self.users, self.targets)) - 1
+
+    def _opens(self, users: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """[S] bool: whether each of these targets (in this order) opens a sequence: its user's or
+        window's first, or one not after the target before it."""
+        starts = self.windows(self.corpus.sequences.starts[users], targets)
+        opens = np.ones(len(users), dtype=bool)
+        opens[1:] = (users[1:] != users[:-1]) | (starts[1:] != starts[:-1]) | (targets[1:] <= targets[:-1])
+        return opens
+
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         seqs = self.corpus.sequences
         users, targets = self.users[rows], self.targets[rows]
         starts = self.windows(seqs.starts[users], targets)
-        lengths = targets - starts
-        index = concat_ranges(starts, lengths)
+        opens = self._opens(users, targets)
+        sequence = np.cumsum(opens) - 1
+        closes = np.r_[opens[1:], True]
+        lengths = targets[closes] - starts[opens]
+        index = concat_ranges(starts[opens], lengths)
+        query_index = (np.cumsum(lengths) - lengths)[sequence] + targets - 1 - starts
         target_items = seqs.items[targets]
-        exclude_starts = starts if self.exclude == "window" else seqs.starts[users]
-        exclude_lengths = targets - exclude_starts
-        owner = np.repeat(np.arange(len(users)), exclude_lengths)
-        excluded = seqs.items[concat_ranges(exclude_starts, exclude_lengths)]
-        keys = np.unique(owner * seqs.num_items + excluded)
-        keys = keys[keys % seqs.num_items != target_items[keys // seqs.num_items]]
-        exclude_offsets = np.concatenate([[0], np.cumsum(np.bincount(keys // seqs.num_items, minlength=len(users)))])
+        owner, excluded = self._excluded(
+            sequence, targets, (starts if self.exclude == "window" else seqs.starts[users])
+        )
+        keep = excluded != target_items[owner]
+        owner, excluded = owner[keep], excluded[keep]
+        exclude_offsets = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(users)))])
         # The token after each input token is the next one, then the target: its time is the request's.
         return assemble(
             self.corpus,
-            users,
+            users[opens],
             seqs.items[index],
             seqs.timestamps[index],
             seqs.timestamps[index + 1],
@@ -335,11 +380,30 @@ class RetrievalEvalBatches(SplitBatches):
             None,
             {
                 "target_item": target_items,
+                "query_index": query_index,
                 "exclude_offsets": exclude_offsets.astype(np.int64),
-                "exclude_items": keys % seqs.num_items,
+                "exclude_items": excluded,
             },
             index,
         )
+
+    def _excluded(self, sequence: np.ndarray, targets: np.ndarray, begins: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """The distinct items of each target's rows ``begins .. target - 1`` (the targets of one
+        sequence share their begin): (owner [E] int64 the target's index, items [E] int64), by target,
+        each target's in the order they first occur. Each sequence's span is scanned once: a target's items are the
+        first occurrences in its sequence's span before it."""
+        items = self.corpus.sequences.items
+        opens = np.r_[True, sequence[1:] != sequence[:-1]]
+        first = begins[opens]
+        spans = targets[np.r_[opens[1:], True]] - first
+        span_rows = concat_ranges(first, spans)
+        span_offsets = np.cumsum(spans) - spans
+        keys = np.repeat(np.arange(len(first)), spans) * self.corpus.sequences.num_items + items[span_rows]
+        firsts = np.sort(np.unique(keys, return_index=True)[1])  # span positions, sequence by sequence
+        low = np.searchsorted(firsts, span_offsets[sequence])
+        high = np.searchsorted(firsts, span_offsets[sequence] + targets - begins)
+        owner = np.repeat(np.arange(len(targets)), high - low)
+        return owner, items[span_rows[firsts[concat_ranges(low, high - low)]]]
 
 
 class RankingBatches(SplitBatches):

@@ -311,7 +311,8 @@ class DataConfig(Section):
     (path: the file; columns say which column is what).
     max_seq_len: longest history fed to the model (the most recent items are kept).
     batch_size / eval_batch_size: samples per step over all ranks (each rank takes its share),
-    so torchrun runs the schedule of one process.
+    so torchrun runs the schedule of one process; a retrieval evaluation batch counts sequences (a
+    user's targets that share one, under ``test_events: all``, count once).
     min_seq_len: users with fewer interactions are dropped (at least 2: a history and a target;
     leave-one-out needs 3: a training, a validation and a test event).
     min_item_interactions: items with fewer interactions are dropped first.

@@ -359,6 +359,7 @@ class SequenceDataModule(lightning.LightningDataModule):
             seed=config.seed,
             rank=rank,
             world_size=world,
+            groups=None if split == "train" else self.splits[split].groups(),
         )
         return DataLoader(
             self.splits[split],

@@ -3,13 +3,15 @@
 ``encode``: each user's cached state (``gr.hstu.user_state``) reused, extended with the new
 tokens, or encoded and stored, in rounds of distinct users (a user met twice waits for the next
 round, as if its requests came one after the other). ``queries``: the retrieval query at the last
-token of each encoded history, all from shared passes.
+token of each encoded history, all from shared passes. ``token_queries``: the query at chosen
+tokens of each history (offline evaluation: every target of a user from one encoding).
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -17,8 +19,9 @@ from gr.hstu.user_state import UserState, encode_states
 from gr.serving.catalogue import QUERY
 from gr.serving.history import EncodedHistory, History
 from gr.serving.user_cache import UserCache
+from gr.timestamps import TIMESTAMPS
 
-__all__ = ["encode", "queries"]
+__all__ = ["encode", "queries", "token_queries"]
 
 
 def encode(cache: UserCache[UserState], histories: Sequence[History], use_cache: bool = True) -> List[EncodedHistory]:
@@ -75,3 +78,26 @@ def queries(encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> 
         hidden = torch.stack(last)
     commons = [e.history.common for e in encoded]
     return torch.from_numpy(model.heads_batch(hidden, commons, [1] * len(encoded))[QUERY])
+
+
+def token_queries(
+    histories: Sequence[History], positions: Sequence[np.ndarray], request_times: Sequence[int]
+) -> Tensor:
+    """[sum P_b, d] the retrieval query at tokens ``positions[b]`` ([P_b] int64, of the validated
+    tokens) of each history (one model's, each non-empty), from one pass that leaves the user cache
+    alone. The query at token i is the one a request with tokens 0..i as its history gets when it
+    comes at token i+1's time (HSTU is causal: later tokens change nothing before them); at the last
+    token, at ``request_times[b]`` (seconds, read by "next_event" models)."""
+    model = histories[0].model
+    engine = model.engine
+    tokens = [h.tokens for h in histories]
+    x = model.embed_tokens({name: np.concatenate([t[name] for t in tokens]) for name in tokens[0]})
+    times = [torch.from_numpy(t[TIMESTAMPS]) for t in tokens]
+    encoded = engine.encode_batch(torch.split(x, [h.length for h in histories]), times)
+    outputs = [hidden for _, hidden in encoded]
+    if engine.defers_last:  # the last token's output waits for the request's time
+        settled = engine.settle_batch([cache for cache, _ in encoded], list(request_times))
+        outputs = [torch.cat([hidden, last]) for hidden, (_, last) in zip(outputs, settled)]
+    hidden = torch.cat([out[torch.from_numpy(np.asarray(p, dtype=np.int64))] for out, p in zip(outputs, positions)])
+    commons = [h.common for h in histories]
+    return torch.from_numpy(model.heads_batch(hidden, commons, [len(p) for p in positions])[QUERY])

@@ -13,6 +13,7 @@ from gr.jagged import token_seq_ids
 
 # Score rows per chunk when ranking a big catalogue: bounds the [rows, items] score matrix.
 SCORE_CHUNK_ELEMENTS = 1 << 24
+INT16_COLUMNS = (1 << 15) - 1  # columns a row's int16 count can hold
 
 
 def target_ranks(
@@ -21,12 +22,14 @@ def target_ranks(
     targets: Tensor,
     exclude_offsets: Tensor,
     exclude_items: Tensor,
+    distinct: bool = False,
 ) -> Tensor:
     """0-based rank of each target among the catalogue, excluded items left out.
 
     queries: [B, d] float; items: [I, d] float (the whole catalogue, scored by dot product)
     targets: [B] int64 item ids; exclude_offsets: [B+1] int64; exclude_items: [E] int64,
-    the items not ranked for each query (a target listed there is still ranked).
+    the items not ranked for each query (a target listed there is still ranked); distinct: each
+    query's are known to be distinct (an evaluation batch's), which skips looking for repeats.
     Ties are broken by item id, as a stable sort of (-score, id) would: the rank is the
     number of kept items scoring above the target, plus those tying it with a smaller id.
     Non-finite scores rank last: a NaN or infinite item never ranks above a finite target,
@@ -40,7 +43,7 @@ def target_ranks(
     for start in range(0, queries.shape[0], rows):
         stop = min(start + rows, queries.shape[0])
         scores = queries[start:stop] @ items.T
-        ranks.append(_ranks(scores, targets[start:stop], owner, exclude_items, start, stop))
+        ranks.append(_ranks(scores, targets[start:stop], owner, exclude_items, start, stop, distinct))
     return torch.cat(ranks) if ranks else targets.new_zeros(0)
 
 
@@ -50,13 +53,61 @@ def score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclud
     return _ranks(scores.clone(), targets, owner, exclude_items, 0, scores.shape[0])
 
 
-def _ranks(scores: Tensor, targets: Tensor, owner: Tensor, exclude_items: Tensor, start: int, stop: int) -> Tensor:
+def shared_score_ranks(
+    scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclude_items: Tensor, distinct: bool = False
+) -> Tensor:
+    """``score_ranks`` of one score vector every row shares (scores: [I] float, e.g. item popularity):
+    [B] int64, the same ranks from one sort of the catalogue and the excluded items instead of a
+    [B, I] matrix (a finite target's rank: its place in the (-score, id) order, less the excluded
+    items before it); distinct as ``target_ranks`` reads it."""
+    if not bool(scores.isfinite().all()):
+        return score_ranks(scores.expand(targets.numel(), -1), targets, exclude_offsets, exclude_items)
+    count = scores.numel()
+    place = torch.empty(count, dtype=torch.long, device=scores.device)
+    place[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(count, device=scores.device)
+    pairs = token_seq_ids(exclude_offsets, exclude_items.numel()) * count + exclude_items
+    pairs = pairs if distinct else torch.unique(pairs)  # an item listed twice for a row is left out once
+    owner, items = pairs // count, pairs % count
+    before = place[items] < place[targets[owner]]
+    return place[targets] - torch.bincount(owner[before], minlength=targets.numel())
+
+
+def _row_counts(mask: Tensor) -> Tensor:
+    """[R, I] bool -> [R] int64 the true entries of each row, summed in int16 a block of columns at a
+    time (a bool tensor's int64 sum is several times slower)."""
+    counts = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    for column in range(0, mask.shape[1], INT16_COLUMNS):
+        counts += mask[:, column : column + INT16_COLUMNS].sum(1, dtype=torch.int16)
+    return counts
+
+
+def _ranks(
+    scores: Tensor,
+    targets: Tensor,
+    owner: Tensor,
+    exclude_items: Tensor,
+    start: int,
+    stop: int,
+    distinct: bool = False,
+) -> Tensor:
     rows = torch.arange(scores.shape[0], device=scores.device)
     target_scores = scores[rows, targets].unsqueeze(1)
     keep = (owner >= start) & (owner < stop)
+    ids = torch.arange(scores.shape[1], device=scores.device)
+    if bool(scores.sum().isfinite()):  # every score finite: count the items above each target, then
+        ranks = _row_counts(scores > target_scores)  # take the excluded ones back
+        tied = torch.nonzero(_row_counts(scores >= target_scores) - ranks > 1).flatten()  # another item ties it
+        if tied.numel():
+            ties = (scores[tied] == target_scores[tied]) & (ids < targets[tied].unsqueeze(1))
+            ranks[tied] += _row_counts(ties)
+        pairs = (owner[keep] - start) * scores.shape[1] + exclude_items[keep]
+        pairs = pairs if distinct else torch.unique(pairs)  # an item listed twice is taken back once
+        row, item = pairs // scores.shape[1], pairs % scores.shape[1]
+        excluded, target = scores[row, item], target_scores[row, 0]
+        counted = (excluded > target) | ((excluded == target) & (item < targets[row]))
+        return ranks - torch.bincount(row[counted], minlength=scores.shape[0])
     scores[owner[keep] - start, exclude_items[keep]] = float("-inf")
     scores[~scores.isfinite()] = float("-inf")  # excluded and non-finite items never rank above a target
-    ids = torch.arange(scores.shape[1], device=scores.device)
     above = scores > target_scores
     tied_before = (scores == target_scores) & (ids.unsqueeze(0) < targets.unsqueeze(1))
     ranks = (above | tied_before).sum(1)

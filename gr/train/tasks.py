@@ -43,7 +43,7 @@ from gr.train.metrics import (
     per_user_metrics,
     ranking_metrics,
     retrieval_metrics,
-    score_ranks,
+    shared_score_ranks,
     target_metrics,
     target_ranks,
 )
@@ -191,17 +191,24 @@ class RetrievalTask:
         self.ranks, self.users = {}, []
 
     def evaluation_step(self, output: GROutput, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
-        """Rank each sequence's held-out item; with ``popularity`` [I], the most-popular baseline too."""
+        """Rank each held-out item of the batch by the query at its token (``query_rows``); with
+        ``popularity`` [I], the most-popular baseline too."""
+        rows = query_rows(inputs).to(output.predictions["query"].device)
+        self.evaluate_queries(output.predictions["query"].index_select(0, rows), inputs, popularity)
+
+    def evaluate_queries(self, queries: Tensor, inputs: GRInput, popularity: Optional[Tensor] = None) -> None:
+        """``evaluation_step`` of queries computed elsewhere (served ones): [S, d], one per held-out item."""
         if self.catalogue is None:
             raise RuntimeError("RetrievalTask: call start_evaluation before evaluation_step")
         labels = inputs.labels
-        queries = output.predictions["query"][output.row_offsets[1:] - 1]  # each sequence's last token
         args = (labels["target_item"], labels["exclude_offsets"], labels["exclude_items"])
-        self.users.append(labels["user"].cpu())
-        self.ranks.setdefault("model", []).append(target_ranks(queries, self.catalogue, *args).cpu())
+        sequences = torch.searchsorted(inputs.seq_offsets[1:], query_rows(inputs), right=True)
+        self.users.append(labels["user"][sequences.to(labels["user"].device)].cpu())
+        # the evaluation batches' exclusions are distinct (RetrievalEvalBatches)
+        self.ranks.setdefault("model", []).append(target_ranks(queries, self.catalogue, *args, distinct=True).cpu())
         if popularity is not None:
-            scores = popularity.to(queries.dtype).to(queries.device).expand(queries.shape[0], -1)
-            self.ranks.setdefault("popularity", []).append(score_ranks(scores, *args).cpu())
+            scores = popularity.to(queries.dtype).to(queries.device)
+            self.ranks.setdefault("popularity", []).append(shared_score_ranks(scores, *args, distinct=True).cpu())
 
     def user_metrics(self) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
         """The model's metrics per user over every rank's targets so far (call before
@@ -220,6 +227,14 @@ class RetrievalTask:
             out.update({f"{prefix}{name}": value for name, value in metrics.items()})
         self.catalogue, self.ranks, self.users = None, {}, []
         return out
+
+
+def query_rows(inputs: GRInput) -> Tensor:
+    """[S] int64 the flat token row whose retrieval query ranks each held-out item of an evaluation
+    batch: its ``query_index`` label (a sequence may hold several targets), else each sequence's
+    last token."""
+    rows = inputs.labels.get("query_index")
+    return inputs.seq_offsets[1:] - 1 if rows is None else rows
 
 
 class RankingTask:
