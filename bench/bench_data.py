@@ -24,12 +24,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Tuple
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smoke  # noqa: E402
+
+MONTH_START = 1_709_251_200  # 2024-03-01T00:00:00Z
+MONTH_SECONDS = 31 * 86_400
+
+
+def synthetic_month(synthetic: Any, seed: int) -> Tuple[Any, np.ndarray, np.random.Generator]:
+    """gr's synthetic data (``synthetic``: a ``SyntheticConfig``) as a month's log: each user's events
+    at sorted random times in March 2024 -> (the ``Interactions``, their timestamps [N] int64, the
+    generator that drew them, for the log's further columns)."""
+    from gr.data.synthetic import generate_synthetic
+
+    data = generate_synthetic(synthetic, seed)
+    rng = np.random.default_rng([seed, 1])
+    lengths = np.bincount(data.users - 1, minlength=synthetic.num_users)  # the generator's rows: user by user
+    times = MONTH_START + np.concatenate([np.sort(rng.integers(0, MONTH_SECONDS, n)) for n in lengths])
+    return data, times, rng
 
 
 def write_ratings(path: Path, lines: int) -> None:

@@ -50,29 +50,24 @@ import smoke  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from _host import cpu, load_average  # noqa: E402
+from bench_data import synthetic_month  # noqa: E402
 
 from gr.commands.evaluate import evaluate_export, evaluate_run  # noqa: E402
 from gr.data.config import SyntheticConfig  # noqa: E402
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
-from gr.data.synthetic import generate_synthetic  # noqa: E402
 from gr.export.writer import export_run  # noqa: E402
 from gr.ops.native import native_ops  # noqa: E402
 from gr.train.config import TrainConfig, load_config  # noqa: E402
 from gr.train.run import train  # noqa: E402
 
 RECIPE = ROOT / "configs" / "quickstart.yaml"
-MONTH_START = 1_709_251_200  # 2024-03-01T00:00:00Z
-MONTH_SECONDS = 31 * 86_400
 TARGET_RATIO = 1.5
 
 
 def write_log(path: Path, args: argparse.Namespace) -> Dict[str, int]:
     """Write the month's log (module docstring) to ``path`` -> {"interactions", "split_time"}."""
     synthetic = SyntheticConfig(num_users=args.users, num_items=args.items, min_len=args.min_len, max_len=args.max_len)
-    data = generate_synthetic(synthetic, args.seed)
-    rng = np.random.default_rng([args.seed, 1])
-    lengths = np.bincount(data.users - 1, minlength=args.users)  # the generator's rows: user by user, in order
-    times = MONTH_START + np.concatenate([np.sort(rng.integers(0, MONTH_SECONDS, n)) for n in lengths])
+    data, times, _ = synthetic_month(synthetic, args.seed)
     table = pa.table(
         {
             "user_id": pa.array(data.users.astype(np.int64)),

@@ -45,17 +45,15 @@ import pyarrow.parquet as pq  # noqa: E402
 import smoke  # noqa: E402
 import yaml  # noqa: E402
 from _host import cpu, load_average  # noqa: E402
+from bench_data import synthetic_month  # noqa: E402
 
 from gr.data.config import SyntheticConfig  # noqa: E402
 from gr.data.prepared.duckdb_engine import prepare_with_duckdb  # noqa: E402
-from gr.data.synthetic import generate_synthetic  # noqa: E402
 from gr.ops.native import native_ops  # noqa: E402
 from gr.train.config import TrainConfig  # noqa: E402
 from gr.train.run import train  # noqa: E402
 
 RECIPE = ROOT / "configs" / "quickstart.yaml"
-MONTH_START = 1_709_251_200  # 2024-03-01T00:00:00Z
-MONTH_SECONDS = 31 * 86_400
 COUNTRIES = ("fr", "de", "jp", "us", "br", "in", "ng")
 COLUMNS = {
     "user": "user_id",
@@ -76,10 +74,7 @@ TABLES = [
 
 def write_log(path: Path, users: int, items: int, seed: int) -> Dict[str, int]:
     """Write the month's log (module docstring) to ``path`` -> {"interactions", "split_time"}."""
-    data = generate_synthetic(SyntheticConfig(num_users=users, num_items=items, min_len=10, max_len=60), seed)
-    rng = np.random.default_rng([seed, 1])
-    lengths = np.bincount(data.users - 1, minlength=users)  # the generator's rows: user by user, in order
-    times = MONTH_START + np.concatenate([np.sort(rng.integers(0, MONTH_SECONDS, n)) for n in lengths])
+    data, times, rng = synthetic_month(SyntheticConfig(num_users=users, num_items=items, min_len=10, max_len=60), seed)
     category = data.item_side.categorical["item_category"]  # [items] by raw id - 1
     genres = [[f"g{c}", f"g{(c * 7 + i) % 17}"][: 1 + i % 2] for i, c in enumerate(category.tolist())]
     item, user = data.items - 1, data.users - 1
