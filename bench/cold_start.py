@@ -56,6 +56,7 @@ import smoke  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
+from stats import paired_difference  # noqa: E402
 
 from gr.commands.evaluate import batch_requests, served_queries  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402
@@ -193,14 +194,6 @@ def summary_of(values: Dict[str, torch.Tensor]) -> Dict[str, float]:
     return out
 
 
-def paired(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
-    """The mean of a - b over the same events, its standard error and their ratio."""
-    diff = a - b
-    se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
-    mean = float(diff.mean()) if len(diff) else float("nan")
-    return {"mean": mean, "se": se, "in_se": mean / se if se and se > 0 else 0.0}
-
-
 def new_users(source: Path, users: np.ndarray) -> Optional[Dict[str, Any]]:
     """(b): the held-out ``users``' first events scored from their user features alone, against
     popularity. Not measured here: serving a user with no history from user features is built
@@ -277,8 +270,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     top = tower.topk(K, dim=1).indices
     top_share = float((top >= trained).double().mean())
     target_share = float(cold.double().mean())
-    a_vs_pop = paired(metrics_a["tower"]["hr@10"], metrics_a["popularity"]["hr@10"])
-    c_vs_plain = paired(metrics_c["tower"]["hr@10"], metrics_c["no_tower"]["hr@10"])
+    a_vs_pop = paired_difference(metrics_a["tower"]["hr@10"], metrics_a["popularity"]["hr@10"], "events")
+    c_vs_plain = paired_difference(metrics_c["tower"]["hr@10"], metrics_c["no_tower"]["hr@10"], "events")
     ratio = top_share / target_share if target_share else float("nan")
     model, flags = cpu()
     summary = {

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import smoke  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
+from stats import paired_difference  # noqa: E402
 
 from gr.commands.evaluate import evaluate_run  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402
@@ -96,15 +97,7 @@ def paired(hits: Dict[str, List[Dict[str, float]]], pairs: Sequence[Tuple[str, s
     mean = {run: np.mean([[seed[u] for u in users] for seed in seeds], axis=0) for run, seeds in hits.items()}
     out: Dict[str, Any] = {}
     for a, b in pairs:
-        diff = mean[a] - mean[b]
-        se = float(np.std(diff, ddof=1) / math.sqrt(len(users)))
-        out[f"{a}_minus_{b}"] = {
-            "mean": float(diff.mean()),
-            "se": se,
-            "in_se": float(diff.mean() / se) if se > 0 else 0.0,
-            "users_higher": int((diff > 0).sum()),
-            "users_lower": int((diff < 0).sum()),
-        }
+        out[f"{a}_minus_{b}"] = paired_difference(mean[a], mean[b])
     return out, float(np.std(mean["cold"], ddof=1) / math.sqrt(len(users)))
 
 

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import List, Tuple
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import smoke  # noqa: E402
 import torch  # noqa: E402
 from _host import cpu, load_average  # noqa: E402
+from stats import paired_difference  # noqa: E402
 
 from gr.commands.evaluate import first_event_ranks  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402
@@ -78,21 +79,6 @@ def split_users(source: Path, out: Path, holdout: float, seed: int) -> Tuple[Pat
     trained = {i for line, i in zip(lines, item) if int(line.split("\t", 1)[0]) not in held}
     unknown = sum(1 for line, i in zip(lines, item) if int(line.split("\t", 1)[0]) in held and i not in trained)
     return dirs[0], dirs[1], len(held), unknown
-
-
-def paired(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
-    """Per-user values of two scorers -> their mean difference a - b, its standard error, the ratio,
-    and the users where a is higher and lower."""
-    diff = a - b
-    se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
-    mean = float(diff.mean())
-    return {
-        "mean": mean,
-        "se": se,
-        "in_se": mean / se if se > 0 else float("nan"),
-        "users_higher": int((diff > 0).sum()),
-        "users_lower": int((diff < 0).sum()),
-    }
 
 
 def main(argv: List[str] | None = None) -> None:
@@ -132,7 +118,7 @@ def main(argv: List[str] | None = None) -> None:
         }
         for s in SCORERS
     }
-    pairs = {m: paired(per_user["new_user"][m], per_user["popularity"][m]) for m in METRICS}
+    pairs = {m: paired_difference(per_user["new_user"][m], per_user["popularity"][m]) for m in METRICS}
     model, flags = cpu()
     summary = {
         "bench": "new_users",
