@@ -39,8 +39,10 @@ def skip_repatching_in_launches() -> None:
 
     def call_in_launch(self, *args, **kwargs):
         languages = _languages(self.fn)
-        if not patched or not languages <= patched:
-            patched.update(languages if patched else ())  # patched for the rest of the launch: never restored
+        if not patched:  # outside a launch
+            return device_call(self, *args, **kwargs)
+        if not languages <= patched:  # the call patches them for the rest of the launch (never restored)
+            patched.update(languages)
             return device_call(self, *args, **kwargs)
         fn = self.rewrite()
         try:
