@@ -28,7 +28,9 @@ from __future__ import annotations
 import configparser
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from safetensors import SafetensorError, safe_open
 
 from gr.timestamps import TIMESTAMPS as TIMESTAMPS  # [tokens] int64 seconds: the HSTU slice's input
 
@@ -136,6 +138,19 @@ def read_ini(root: Path, rel: str, problems: List[Problem]) -> Optional[configpa
         )
         return None
     return parser
+
+
+def read_safetensors(
+    root: Path, rel: str, problems: List[Problem], framework: str = "numpy"
+) -> Optional[Tuple[Dict[str, str], Dict[str, Any]]]:
+    """``root/rel``'s metadata and tensors (numpy arrays, or torch tensors with ``framework="pt"``),
+    read once; None, with a problem added, where it is not a readable safetensors file."""
+    try:
+        with safe_open(str(root / rel), framework=framework) as f:
+            return dict(f.metadata() or {}), {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        problems.append(Problem(rel, "-", f"not a readable safetensors file (truncated or corrupt?): {exc}"))
+        return None
 
 
 def split_list(value: str) -> List[str]:

@@ -22,10 +22,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file
 from safetensors.numpy import save as safetensors_bytes
 
-from gr.export.format import Problem
+from gr.export.format import Problem, read_safetensors
 from gr.export.item_store import ITEM_FEATURE, ITEM_STORE
 from gr.export.sparse_manifest import SparseManifest
 from gr.utils.atomic import write_bytes
@@ -56,13 +55,10 @@ def check_item_encoder(
     def problem(key: str, message: str) -> None:
         problems.append(Problem(ITEM_ENCODER, key, message))
 
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
-        weights = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        problem("-", f"not a readable safetensors file (truncated or corrupt?): {exc}")
+    read = read_safetensors(root, ITEM_ENCODER, problems)
+    if read is None:
         return None
+    metadata, weights = read
     if metadata.get("format_version") != ENCODER_FORMAT_VERSION:
         version = metadata.get("format_version")
         problem("format_version", f"unknown format version {version!r}; this reader knows {ENCODER_FORMAT_VERSION}")

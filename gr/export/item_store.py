@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file
 from safetensors.numpy import save as safetensors_bytes
 
-from gr.export.format import TIMESTAMPS, TOKEN_BAGS, TOKENS, ExportError, ExportFormatError, Problem
+from gr.export.format import TIMESTAMPS, TOKEN_BAGS, TOKENS, ExportError, ExportFormatError, Problem, read_safetensors
 from gr.export.slice_graph import CANDIDATES_OPTIONAL, SliceGraph
 from gr.export.sparse_manifest import SparseManifest
 from gr.jagged_rows import JaggedRows
@@ -134,13 +132,10 @@ def check_item_store(
     def problem(key: str, message: str) -> None:
         problems.append(Problem(ITEM_STORE, key, message))
 
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        problem("-", f"not a readable safetensors file (truncated or corrupt?): {exc}")
+    read = read_safetensors(root, ITEM_STORE, problems)
+    if read is None:
         return None
+    metadata, tensors = read
     version, item_feature = metadata.get("format_version"), metadata.get("item_feature")
     if version != STORE_FORMAT_VERSION:
         problem("format_version", f"unknown format version {version!r}; this reader knows {STORE_FORMAT_VERSION}")

@@ -14,11 +14,10 @@ from typing import List, Optional
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from gr.export.format import HSTU_CONFIG, Problem
+from gr.export.format import HSTU_CONFIG, Problem, read_safetensors
 from gr.utils.atomic import write_bytes
 
 EMPTY_HISTORY_FILE = "hstu/empty_history.safetensors"
@@ -37,11 +36,10 @@ def check_empty_history(root: Path, hidden_dim: int, problems: List[Problem]) ->
     path = root / EMPTY_HISTORY_FILE
     if not path.exists():
         return
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        problems.append(Problem(EMPTY_HISTORY_FILE, "-", f"not a readable safetensors file: {exc}"))
+    read = read_safetensors(root, EMPTY_HISTORY_FILE, problems, framework="pt")
+    if read is None:
         return
+    tensors = read[1]
     state = tensors.get(EMPTY_HISTORY_TENSOR)
     if set(tensors) != {EMPTY_HISTORY_TENSOR} or state is None:
         problems.append(
