@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from gr.jagged import offsets_from_lengths
 from gr.jagged_rows import JaggedRows
 from gr.prefix_dnn.mlp_encoder import mlp
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
@@ -177,8 +178,7 @@ class ItemTower(nn.Module):
             all_ids, all_offsets = self._items(f"{feature.name}_ids"), self._items(f"{feature.name}_offsets")
             starts = all_offsets[items]
             lengths = all_offsets[items + 1] - starts
-            offsets = torch.zeros(items.numel() + 1, dtype=torch.int64, device=items.device)
-            torch.cumsum(lengths, 0, out=offsets[1:])
+            offsets = offsets_from_lengths(lengths)
             shift = torch.repeat_interleave(starts - offsets[:-1], lengths)
             values[feature.name] = (all_ids[shift + torch.arange(shift.numel(), device=items.device)], offsets)
         return values

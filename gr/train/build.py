@@ -159,9 +159,9 @@ def build_item_tower(config: TrainConfig, spec: FeatureSpec, tables: Sequence[Ta
     where = "model.item_tower.features"
     table_of = {f: t for t in tables for f in t.features}
     item = config.task.retrieval.item_feature
+    events = set(spec.event_features)
     features = []
     for name in section.features:
-        events = set(spec.event_features)
         if name == item or name in events:
             what = "the item itself" if name == item else "a feature of the interaction, not of the item"
             raise ValueError(f"{where}: {name!r} is {what}; the tower reads item features")
