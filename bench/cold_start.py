@@ -55,8 +55,8 @@ import numpy as np  # noqa: E402
 import smoke  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from _stats import paired_difference  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
-from stats import paired_difference  # noqa: E402
 
 from gr.commands.evaluate import batch_requests, served_queries  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402

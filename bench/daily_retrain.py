@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import smoke  # noqa: E402
+from _stats import paired_difference  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
-from stats import paired_difference  # noqa: E402
 
 from gr.commands.evaluate import evaluate_run  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import smoke  # noqa: E402
 import torch  # noqa: E402
 from _host import cpu, load_average  # noqa: E402
-from stats import paired_difference  # noqa: E402
+from _stats import paired_difference  # noqa: E402
 
 from gr.commands.evaluate import first_event_ranks  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402

@@ -24,7 +24,7 @@ import pytest
 from helpers.warm import WarmPython
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_BENCHMARKS = {"smoke.py", "_peak.py", "_host.py"}  # modules the benchmarks import
+NOT_BENCHMARKS = {"smoke.py", "_peak.py", "_host.py", "_stats.py"}  # modules the benchmarks import
 TIMEOUT_S = 300  # generous: the machine is shared; a quiet one runs the whole table in well under a minute
 # Run by tests/test_benches_training.py: a second module, so the suite's two workers share the smoke runs.
 TRAINING_BENCHES = {
