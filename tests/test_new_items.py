@@ -202,7 +202,7 @@ def test_overwrite_replaces_an_existing_out_and_is_what_the_refusal_suggests(exp
             [[5, "b1", "drama", 1.0]],
             r"new\.csv: row 1: column 'item_id': item 5 is already in the export \(--replace-known replaces",
         ),
-        ([["x9", "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': expected an integer id, got 'x9'"),
+        ([["x9", "b1", "drama", 1.0]], r"new\.csv: row 1: column 'item_id': expected an integer, got 'x9'"),
         (
             [[403, "b1", "drama", 1.0], [2**64, "b1", "drama", 1.0]],
             r"new\.csv: row 2: column 'item_id': id 18446744073709551616 does not fit int64",
@@ -312,3 +312,10 @@ def test_the_command_reports_where_new_items_land_as_recommend_ranks_them(retrie
         "best_new_rank": min(reached, default=None),
         "new_share": round(new / (10 * NUM_ITEMS), 4),
     }
+
+
+def test_a_value_that_is_not_an_integer_for_an_integer_feature_names_its_row(retrieval_export, tmp_path):
+    (tmp_path / "new.csv").write_text("item_id,genre\n1000,1\n1001,drama\n")
+    with pytest.raises(ItemsFileError, match=r"new\.csv: row 2: column 'genre': expected an integer, got 'drama'$"):
+        add_items(retrieval_export, tmp_path / "new.csv", tmp_path / "grown")
+    assert not (tmp_path / "grown").exists()

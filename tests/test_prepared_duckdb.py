@@ -436,6 +436,19 @@ def test_gr_data_prepare_command_applies_data_overrides(tmp_path, capsys):
     )
 
 
+def test_a_memory_limit_duckdb_cannot_read_is_one_line_naming_the_flag_and_nothing_is_written(tmp_path, capsys):
+    events = write_csv(tmp_path / "events.csv", table_rows(seed=3, rows=150))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"data:\n  source: csv\n  path: {events}\n  columns: {COLUMNS}\n")
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--config", str(recipe), "--out", str(out), "--memory-limit", "abc"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "gr data prepare: error: memory_limit (--memory-limit): expected a size such as 4GB or 80%, got 'abc'\n"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["events.csv", "recipe.yaml"]
+
+
 def test_a_second_prepare_into_an_out_being_written_is_refused_and_the_first_completes(tmp_path, capsys, monkeypatch):
     events = write_csv(tmp_path / "events.csv", table_rows(seed=3, rows=150))
     recipe = tmp_path / "recipe.yaml"

@@ -132,10 +132,14 @@ def add_items(
     features: Dict[str, Column] = {}
     for name, stored in store.features.items():
         values = frame[name]
+        flat, rows_of = (values.values, values.offsets) if isinstance(values, JaggedRows) else (values, None)
         if name in maps:  # categorical (one value, or a list): raw values -> ids, 0 when unknown
-            flat = values.values if isinstance(values, JaggedRows) else values
-            ids = maps[name].encode(flat.astype(maps[name].raw.dtype) if len(flat) else flat, unknown=0)
+            ids = maps[name].encode(_typed_raw(items_file, name, flat, maps[name].raw.dtype, rows_of), unknown=0)
             unknown += int((ids == 0).sum())
+            values = values.with_values(ids) if isinstance(values, JaggedRows) else ids
+        elif flat.dtype.kind != "f":  # categorical without a map: its values are the ids
+            kind = (stored.values if isinstance(stored, JaggedRows) else np.asarray(stored)).dtype
+            ids = _typed_raw(items_file, name, flat, kind, rows_of)
             values = values.with_values(ids) if isinstance(values, JaggedRows) else ids
         combined = _appended(stored, values)
         features[name] = combined.take(take) if isinstance(combined, JaggedRows) else combined[take]
@@ -214,16 +218,26 @@ def _appended(stored: Column, new: Column) -> Column:
     return np.concatenate([np.asarray(stored), np.asarray(new).astype(np.asarray(stored).dtype)])
 
 
+def _typed_raw(
+    path: Path, column: str, raw: np.ndarray, kind: np.dtype, offsets: Optional[np.ndarray] = None
+) -> np.ndarray:
+    """raw: [n] str values of ``column`` -> [n] in an id map's raw type ``kind`` (int64 for an integer
+    map: a value that is not an integer names its file row; ``offsets``: [rows+1] of a list column)."""
+    if kind.kind not in "iu":
+        return raw.astype(kind)
+    texts = raw.tolist()
+    index = next((i for i, text in enumerate(texts) if not fits_int64(text)), None)
+    if index is not None:
+        text = texts[index]
+        message = id_overflow(text) if INT_PATTERN.fullmatch(text) else f"expected an integer, got {text!r}"
+        row = index if offsets is None else int(np.searchsorted(offsets, index, side="right")) - 1
+        raise _row_error(path, column, row, message)
+    return raw.astype(np.int64)
+
+
 def _file_ids(path: Path, raw: np.ndarray, kind: np.dtype) -> np.ndarray:
     """The items file's raw ids, in the item map's raw type ``kind``, checked distinct."""
-    if kind.kind in "iu":
-        texts = raw.tolist()
-        row = next((i for i, text in enumerate(texts) if not fits_int64(text)), None)
-        if row is not None:
-            text = texts[row]
-            message = id_overflow(text) if INT_PATTERN.fullmatch(text) else f"expected an integer id, got {text!r}"
-            raise ItemsFileError(f"{path}: row {row + 1}: column {ITEM_FEATURE!r}: {message}")
-        raw = raw.astype(np.int64)
+    raw = _typed_raw(path, ITEM_FEATURE, raw, kind)
     values, counts = np.unique(raw, return_counts=True)
     if (counts > 1).any():
         repeated = values[counts > 1][0]

@@ -105,7 +105,12 @@ def prepare_with_duckdb(
         work.mkdir()
         con = duckdb.connect(str(work / "prepare.duckdb"))
         try:
-            con.execute(f"SET memory_limit = {literal(memory_limit)}")
+            try:
+                con.execute(f"SET memory_limit = {literal(memory_limit)}")
+            except duckdb.Error:
+                raise ValueError(
+                    f"memory_limit (--memory-limit): expected a size such as 4GB or 80%, got {memory_limit!r}"
+                ) from None
             con.execute(f"SET temp_directory = {literal(str(work / 'spill'))}")
             con.execute("SET enable_progress_bar = false")
             if threads is not None:
