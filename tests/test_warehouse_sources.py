@@ -251,9 +251,10 @@ ITEM_SIDE = ("category", "genres", "price")  # its item features, one value per 
 
 def write_side_tables(events: Path, root: Path, without: tuple = (), unused: bool = True) -> dict:
     """The events CSV split as a warehouse keeps it: the events without their user and item features,
-    ``users.parquet`` (list<string> langs, float age) and ``items.csv`` keyed by a ``movie`` column,
-    each key's values as the events give them; the ids ``without`` left out of the side tables, and
-    with ``unused`` a row of each for an id the events lack -> the data section's overrides."""
+    ``users/`` (two Parquet partitions: list<string> langs, float age) and ``items.csv`` keyed by a
+    ``movie`` column, each key's values as the events give them; the ids ``without`` left out of the
+    side tables, and with ``unused`` a row of each for an id the events lack -> the data section's
+    overrides."""
     root.mkdir(parents=True, exist_ok=True)
     header, *lines = events.read_text().splitlines()
     names = header.split(",")
@@ -262,24 +263,24 @@ def write_side_tables(events: Path, root: Path, without: tuple = (), unused: boo
     (root / "events.csv").write_text("\n".join([",".join(kept), *(",".join(r[n] for n in kept) for r in rows)]) + "\n")
     users = {r["user_id"]: r for r in rows if r["user_id"] not in without}
     users.update({"ghost": {"user_id": "ghost", "country": "nz", "langs": "mi", "age": "1"}} if unused else {})
-    pq.write_table(
-        pa.table(
-            {
-                "user_id": list(users),
-                "country": [r["country"] for r in users.values()],
-                "langs": [r["langs"].split("|") for r in users.values()],
-                "age": [float(r["age"]) for r in users.values()],
-            }
-        ),
-        root / "users.parquet",
+    table = pa.table(
+        {
+            "user_id": list(users),
+            "country": [r["country"] for r in users.values()],
+            "langs": [r["langs"].split("|") for r in users.values()],
+            "age": [float(r["age"]) for r in users.values()],
+        }
     )
+    (root / "users").mkdir()
+    pq.write_table(table.slice(0, 10), root / "users" / "part-0.parquet")
+    pq.write_table(table.slice(10), root / "users" / "part-1.parquet")
     items = {r["item_id"]: r for r in rows if r["item_id"] not in without}
     items.update({"999999": {"category": "c9", "genres": "g9", "price": "9.0"}} if unused else {})
     lines = [f"{i},{r['category']},{r['genres']},{r['price']}" for i, r in items.items()]
     (root / "items.csv").write_text("\n".join(["movie,category,genres,price", *lines]) + "\n")
     return {
         "path": str(root / "events.csv"),
-        "users": str(root / "users.parquet"),
+        "users": str(root / "users"),
         "items": {"path": str(root / "items.csv"), "key": "movie"},
     }
 
@@ -338,8 +339,8 @@ def bad_side_tables(events: Path, root: Path) -> dict:
     )
     cases["in_both"] = (
         {**base, "path": str(events)},
-        f"{users}: data.columns.user_features: column 'country' is in this side table (data.users) and in the "
-        f"events {events} (data.path)",
+        f"{users / 'part-0.parquet'}: data.columns.user_features: column 'country' is in this side table "
+        f"(data.users) and in the events {events} (data.path)",
     )
     pq.write_table(table.drop_columns("age"), root / "no_age.parquet")
     cases["in_neither"] = (
