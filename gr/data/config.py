@@ -380,7 +380,8 @@ class DataConfig(Section):
     prepared: a directory ``gr data prepare`` wrote from this source (``gr.data.prepared``): training
     streams its shards instead of reading ``path`` (which may then be left out); a ``path`` naming
     such a directory streams it too. The keys that shape what is prepared (source, columns,
-    filters, features) must match the preparing config's; splits, batches and seeds are free.
+    filters, features, the side tables' id columns) must match the preparing config's; splits,
+    batches and seeds are free.
     users / items: a side table of the users' (items') features keyed by id (``SideTableConfig``):
     every declared user (item) feature is then read from it, none from the events (a declared
     column found in both, or missing from the side table, is refused); an id of the events that
@@ -462,6 +463,7 @@ class DataConfig(Section):
             )
 
     def _check_side_tables(self, where: str) -> None:
+        """``data.users`` / ``data.items`` built, read only by a table source declaring their side's features."""
         for key, side in SIDES.items():
             value = getattr(self, key)
             if value is None:
