@@ -33,7 +33,7 @@ from gr.data.prepared.manifest import (
     read_manifest,
     verify_file,
 )
-from gr.data.readers import read_source
+from gr.data.readers import read_source, side_table_summary
 from gr.data.sequences import build_sequences
 from gr.jagged_rows import JaggedRows
 from helpers.corrupt_parquet import write_corrupt_parquet
@@ -218,6 +218,9 @@ def assert_prepared_equals_raw(directory: Path, config: DataConfig, raw_config: 
         "users": sequences.num_users,
         "items": sequences.num_items,
         "interactions": len(sequences.items),
+        **side_table_summary(
+            config, {"users": data.user_side, "items": data.item_side}, {"users": users, "items": items}
+        ),
     }
 
 

@@ -1,6 +1,7 @@
 """The prepared dataset format's manifest: config hash, write/read round trip, and every check a
 reader relies on (format, paths, missing files, checksums, another config, shard order)."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -14,6 +15,7 @@ from gr.data.mappings import IdMap, save_mappings
 from gr.data.prepared.manifest import (
     ENGINES,
     MANIFEST,
+    PREPARED_KEYS,
     PreparedManifest,
     check_shard_order,
     config_data,
@@ -111,6 +113,20 @@ def test_manifest_of_another_config_names_the_first_differing_key(tmp_path):
     )
     with pytest.raises(DataFormatError, match="data.min_seq_len differs: prepared with 3, this config has 5"):
         read_manifest(tmp_path, table_config(min_seq_len=5))
+
+
+def test_a_side_table_is_a_prepared_key_by_its_id_column_not_its_path(tmp_path):
+    write_dataset(tmp_path, table_config(items={"path": "items.parquet", "key": "movie"}))
+    read_manifest(tmp_path, table_config(items={"path": "moved/items.csv", "key": "movie"}))
+    with pytest.raises(DataFormatError, match='data.items.key differs: prepared with "movie", this config has null'):
+        read_manifest(tmp_path, table_config(items="items.parquet"))
+    with pytest.raises(
+        DataFormatError, match='data.items differs: prepared with {"key": "movie"}, this config has null'
+    ):
+        read_manifest(tmp_path, table_config())
+    values = config_data(table_config())  # without side tables, the hash of a dataset prepared before them
+    before = json.dumps({key: values[key] for key in PREPARED_KEYS}, sort_keys=True, separators=(",", ":"))
+    assert config_hash(table_config()) == hashlib.sha256(before.encode("utf8")).hexdigest()
 
 
 def test_corrupt_shard_fails_its_checksum_naming_the_file(tmp_path):

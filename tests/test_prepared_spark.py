@@ -30,6 +30,8 @@ from test_prepared_duckdb import (
     write_csv,
     write_source,
 )
+from test_prepared_stream import data_config, write_events
+from test_warehouse_sources import write_side_tables
 
 from gr.commands import cli
 from gr.data.config import DataConfig
@@ -304,3 +306,13 @@ def test_synthetic_and_missing_sources_are_refused_before_spark_starts(tmp_path)
     with pytest.raises(FileNotFoundError, match="ratings.dat: missing file"):
         prepare_with_spark(config, tmp_path / "prepared")
     assert not (tmp_path / "prepared").exists()
+
+
+def test_side_tables_with_ids_missing_both_ways_prepare_what_duckdb_and_the_readers_do(spark, tmp_path):
+    events = write_events(tmp_path / "events.csv", users=30, items=20)
+    sides = write_side_tables(events, tmp_path / "log", without=("u3", "7"))
+    config = DataConfig.from_dict(data_config(events, **sides))
+    prepared = prepare_both(config, tmp_path, users_per_shard=10)
+    assert_prepared_equals_raw(prepared, config)
+    counts = read_manifest(prepared).summary["side_tables"]
+    assert [counts[key]["ids_without_row"] for key in ("users", "items")] == [1, 1]

@@ -2,6 +2,7 @@
 (Hive-style ``month=2024-01/`` folders too) or a glob, of CSV or Parquet, read raw and prepared
 alike, in path order (the order of equal timestamps); bad partitions are one line naming the file."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from test_prepared_stream import COLUMNS, SPLIT_CONFIGS, USERS, data_config, in_
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.interactions import DataFormatError
+from gr.data.prepared.manifest import read_manifest
 from gr.data.readers import find_source, read_source
 from gr.data.sequences import SPLITS, build_sequences
 from gr.timestamps import PER_SECOND
@@ -239,3 +241,163 @@ def test_a_bad_partition_is_one_line_naming_its_file_raw_and_prepared_alike(tmp_
 def test_gr_train_finds_a_directory_or_a_glob_of_partitions(warehouse):
     for path in (warehouse, warehouse / "month=*" / "*.parquet"):
         assert find_source(DataConfig.from_dict({"source": "parquet", "path": str(path)})) == path
+
+
+# ---- side tables: data.users, data.items ----------------------------------------------------
+
+USER_SIDE = ("country", "langs", "age")  # the user features of ``write_events``, one value per user
+ITEM_SIDE = ("category", "genres", "price")  # its item features, one value per item
+
+
+def write_side_tables(events: Path, root: Path, without: tuple = (), unused: bool = True) -> dict:
+    """The events CSV split as a warehouse keeps it: the events without their user and item features,
+    ``users/`` (two Parquet partitions: list<string> langs, float age) and ``items.csv`` keyed by a
+    ``movie`` column, each key's values as the events give them; the ids ``without`` left out of the
+    side tables, and with ``unused`` a row of each for an id the events lack -> the data section's
+    overrides."""
+    root.mkdir(parents=True, exist_ok=True)
+    header, *lines = events.read_text().splitlines()
+    names = header.split(",")
+    rows = [dict(zip(names, line.split(","))) for line in lines]
+    kept = [n for n in names if n not in USER_SIDE + ITEM_SIDE]
+    (root / "events.csv").write_text("\n".join([",".join(kept), *(",".join(r[n] for n in kept) for r in rows)]) + "\n")
+    users = {r["user_id"]: r for r in rows if r["user_id"] not in without}
+    users.update({"ghost": {"user_id": "ghost", "country": "nz", "langs": "mi", "age": "1"}} if unused else {})
+    table = pa.table(
+        {
+            "user_id": list(users),
+            "country": [r["country"] for r in users.values()],
+            "langs": [r["langs"].split("|") for r in users.values()],
+            "age": [float(r["age"]) for r in users.values()],
+        }
+    )
+    (root / "users").mkdir()
+    pq.write_table(table.slice(0, 10), root / "users" / "part-0.parquet")
+    pq.write_table(table.slice(10), root / "users" / "part-1.parquet")
+    items = {r["item_id"]: r for r in rows if r["item_id"] not in without}
+    items.update({"999999": {"category": "c9", "genres": "g9", "price": "9.0"}} if unused else {})
+    lines = [f"{i},{r['category']},{r['genres']},{r['price']}" for i, r in items.items()]
+    (root / "items.csv").write_text("\n".join(["movie,category,genres,price", *lines]) + "\n")
+    return {
+        "path": str(root / "events.csv"),
+        "users": str(root / "users"),
+        "items": {"path": str(root / "items.csv"), "key": "movie"},
+    }
+
+
+def test_side_tables_give_the_batches_of_the_events_joined_by_hand(events, tmp_path):
+    sides = write_side_tables(events, tmp_path)
+    joined = SequenceDataModule(data_config(events, shuffle_buffer=USERS, **SPLIT_CONFIGS["time"]))
+    joined.setup()
+    module = SequenceDataModule(data_config(events, shuffle_buffer=USERS, **SPLIT_CONFIGS["time"], **sides))
+    module.setup()
+    assert batches(module) == batches(joined)
+    assert module.summary["side_tables"] == {
+        "users": {"path": sides["users"], "rows": USERS + 1, "unused_rows": 1, "ids_without_row": 0},
+        "items": {"path": sides["items"]["path"], "rows": joined.num_items + 1, "unused_rows": 1, "ids_without_row": 0},
+    }
+
+
+def test_ids_missing_from_a_side_table_are_unknown_and_counted_raw_and_prepared_alike(events, tmp_path):
+    sides = write_side_tables(events, tmp_path / "log", without=("u3", "7"))
+    config = data_config(events, shuffle_buffer=USERS, **SPLIT_CONFIGS["time"], **sides)
+    raw = SequenceDataModule(config)
+    raw.setup()
+    prepared = prepare(config, tmp_path / "prepared", users_per_shard=30)
+    streamed = SequenceDataModule({**config, "prepared": str(prepared)})
+    streamed.setup()
+    assert batches(streamed) == batches(raw)
+    counts = {"unused_rows": 1, "ids_without_row": 1}
+    assert raw.summary["side_tables"]["users"] == {"path": sides["users"], "rows": USERS, **counts}
+    assert raw.summary["side_tables"]["items"]["unused_rows"] == 1
+    assert raw.summary["side_tables"]["items"]["ids_without_row"] == 1
+    assert (
+        read_manifest(prepared).summary["side_tables"] == streamed.summary["side_tables"] == raw.summary["side_tables"]
+    )
+    for module in (raw, streamed):
+        user = int(module.user_map.encode(np.asarray(["u3"]))[0])
+        assert module.user_features.categorical["country"][user] == 0  # the unknown value
+        assert module.user_features.lists["langs"].lengths()[user] == 0
+        assert module.user_features.dense["age"][user].tolist() == [0.0]
+        assert module.user_features.categorical["country"][user + 1] > 0
+
+
+def bad_side_tables(events: Path, root: Path) -> dict:
+    """{case: (the data section, the start of its one-line error)}."""
+    sides = write_side_tables(events, root / "log")
+    users, items = Path(sides["users"]), Path(sides["items"]["path"])
+    table = pq.read_table(users)
+    base = data_config(sides["path"], **sides)
+    cases = {}
+    doubled = root / "doubled"
+    doubled.mkdir()
+    pq.write_table(table.slice(0, 50), doubled / "part-0.parquet")
+    pq.write_table(table.slice(40), doubled / "part-1.parquet")
+    cases["duplicate_id"] = (
+        {**base, "users": str(doubled)},
+        f"{doubled / 'part-1.parquet'}: row 1: column 'user_id': id 'u40' is on an earlier row too (data.users",
+    )
+    cases["in_both"] = (
+        {**base, "path": str(events)},
+        f"{users / 'part-0.parquet'}: data.columns.user_features: column 'country' is in this side table "
+        f"(data.users) and in the events {events} (data.path)",
+    )
+    pq.write_table(table.drop_columns("age"), root / "no_age.parquet")
+    cases["in_neither"] = (
+        {**base, "users": str(root / "no_age.parquet")},
+        f"{root / 'no_age.parquet'}: data.columns.user_dense.age: lacks column 'age'; with data.users every declared "
+        "user feature is read from it",
+    )
+    cases["no_key_column"] = (
+        {**base, "items": {"path": str(items), "key": "item"}},
+        f"{items}: data.items.key: lacks the id column 'item' (data.items)",
+    )
+    pq.write_table(table.set_column(1, "country", pa.array([1.5] * table.num_rows)), root / "float.parquet")
+    cases["wrong_type"] = (
+        {**base, "users": str(root / "float.parquet")},
+        f"{root / 'float.parquet'}: data.columns.user_features: column 'country' has type double; expected integer "
+        "or string values",
+    )
+    text_ids = root / "text_ids.csv"
+    text_ids.write_text(re.sub(r"(?m)^(\d)", r"m\1", items.read_text()))
+    cases["text_ids"] = (
+        {**base, "items": {"path": str(text_ids), "key": "movie"}},
+        f"{text_ids}: data.items: the ids of column 'movie' are strings (e.g. 'm266'), the events' integers",
+    )
+    cases["missing_file"] = ({**base, "users": str(root / "nowhere")}, f"data.users: {root / 'nowhere'}: no such file")
+    return cases
+
+
+@pytest.mark.parametrize(
+    "case", ["duplicate_id", "text_ids", "in_both", "in_neither", "no_key_column", "wrong_type", "missing_file"]
+)
+def test_a_bad_side_table_is_one_line_naming_the_key_and_file_up_front_raw_and_prepared_alike(events, tmp_path, case):
+    from gr.data.prepared.duckdb_engine import prepare_with_duckdb
+
+    values, message = bad_side_tables(events, tmp_path)[case]
+    config = DataConfig.from_dict(values)
+    with pytest.raises((DataFormatError, FileNotFoundError)) as raw:
+        SequenceDataModule(config).setup()
+    assert str(raw.value).startswith(message) and "\n" not in str(raw.value)
+    with pytest.raises((DataFormatError, FileNotFoundError)) as prepared:
+        prepare_with_duckdb(config, tmp_path / "prepared")
+    assert str(prepared.value) == str(raw.value)
+    if case not in ("duplicate_id", "text_ids"):  # found before gr train imports its training stack (not reading ids)
+        with pytest.raises((DataFormatError, FileNotFoundError)) as found:
+            find_source(config)
+        assert str(found.value) == str(raw.value)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"source": "ml-100k", "path": "d", "users": "u.parquet"}, "data.users: only the csv and parquet sources"),
+        ({"source": "csv", "path": "e.csv", "users": "u.parquet"}, "data.users: declares no user feature"),
+        ({"source": "csv", "path": "e.csv", "items": {"key": "movie"}}, "data.items.path: expected a non-empty string"),
+        ({"source": "csv", "path": "e.csv", "items": {"path": "i.csv", "id": 1}}, "data.items: unknown key(s) ['id']"),
+    ],
+)
+def test_a_side_table_key_is_checked_with_the_config(values, message):
+    with pytest.raises(ValueError) as error:
+        DataConfig.from_dict(values)
+    assert str(error.value).startswith(message)

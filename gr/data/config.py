@@ -87,6 +87,7 @@ TABLE_SOURCES = ("csv", "parquet")
 MOVIELENS_SOURCES = ("ml-100k", "ml-1m", "ml-20m")
 GENRE_LAYOUTS = ("multi_hot", "list")
 DECLARED_FEATURES = ("user_features", "item_features", "token_features", "token_dense", "item_dense", "user_dense")
+SIDES = {"users": "user", "items": "item"}  # data.users / data.items -> whose features they hold
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,44 @@ class ColumnConfig(Section):
     def declared(self) -> List[str]:
         """The keys of this section that declare features (non-empty)."""
         return [key for key in DECLARED_FEATURES if getattr(self, key)]
+
+    def side_columns(self, side: str) -> List[Tuple[str, str]]:
+        """[(key, column)] of the declared features of ``side`` ("user" | "item"), categorical then
+        dense, e.g. ``("user_dense.age", "age")``."""
+        return [(k, c) for k, c in self.column_roles() if k.startswith((f"{side}_features", f"{side}_dense."))]
+
+    def without_side(self, side: str) -> "ColumnConfig":
+        """These columns without the declared features of ``side`` ("user" | "item"): what the events
+        hold when a side table gives them."""
+        moved = {c for _, c in self.side_columns(side)}
+        cleared: Dict[str, Any] = {f"{side}_features": (), f"{side}_dense": {}}
+        return dataclasses.replace(
+            self, **cleared, list_features=tuple(c for c in self.list_features if c not in moved)
+        )
+
+
+@dataclass(frozen=True)
+class SideTableConfig(Section):
+    """A side table of features keyed by id: ``data.users`` (user features) or ``data.items`` (item
+    features). A plain string is its ``path``.
+
+    path: a CSV or Parquet file, or a directory or glob of them (as ``data.path`` reads partitions);
+    key: its id column (null: the events' id column, ``data.columns.user`` / ``data.columns.item``).
+    """
+
+    path: str = checked(None, NAME)
+    key: Optional[str] = checked(None, optional(NAME))
+    where: InitVar[str] = "data.users"
+
+    def __post_init__(self, where: str) -> None:
+        self.validate(where)
+
+    @classmethod
+    def from_value(cls, value: Any, where: str) -> "SideTableConfig":
+        """``data.users`` / ``data.items`` as YAML gives it: a path, or a mapping {path, key}."""
+        if isinstance(value, cls):
+            return value
+        return cls(path=value, where=where) if isinstance(value, str) else cls.from_dict(value, where)
 
 
 @dataclass(frozen=True)
@@ -341,7 +380,13 @@ class DataConfig(Section):
     prepared: a directory ``gr data prepare`` wrote from this source (``gr.data.prepared``): training
     streams its shards instead of reading ``path`` (which may then be left out); a ``path`` naming
     such a directory streams it too. The keys that shape what is prepared (source, columns,
-    filters, features) must match the preparing config's; splits, batches and seeds are free.
+    filters, features, the side tables' id columns) must match the preparing config's; splits,
+    batches and seeds are free.
+    users / items: a side table of the users' (items') features keyed by id (``SideTableConfig``):
+    every declared user (item) feature is then read from it, none from the events (a declared
+    column found in both, or missing from the side table, is refused); an id of the events that
+    it lacks takes the unknown value, a row whose id the kept events lack is unused (both
+    counted in the summary).
     shuffle_buffer: users a rank holds to shuffle prepared training samples (memory grows with it); one
         holding every user, on one rank with at most one worker, orders them as raw reading does.
     """
@@ -371,6 +416,8 @@ class DataConfig(Section):
     test_events: str = checked("next", one_of(*TEST_EVENTS))
     genres: str = checked("multi_hot", one_of(*GENRE_LAYOUTS))
     columns: ColumnConfig = field(default_factory=ColumnConfig)
+    users: Optional[SideTableConfig] = None
+    items: Optional[SideTableConfig] = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)
     where: InitVar[str] = "data"
@@ -395,6 +442,7 @@ class DataConfig(Section):
             if not isinstance(value, section):
                 object.__setattr__(self, name, section.from_dict(value, f"{where}.{name}"))
         self._check_split(where, iso_text if dated else str)
+        self._check_side_tables(where)
         declared = self.columns.declared()
         for side in ("item", "user"):
             switched_off = [k for k in (f"{side}_features", f"{side}_dense") if getattr(self.columns, k)]
@@ -413,6 +461,44 @@ class DataConfig(Section):
                 f"{where}.genres: only the MovieLens sources ({', '.join(MOVIELENS_SOURCES)}) have genres; "
                 f"{self.source!r} declares list features in data.columns.list_features"
             )
+
+    def _check_side_tables(self, where: str) -> None:
+        """``data.users`` / ``data.items`` built, read only by a table source declaring their side's features."""
+        for key, side in SIDES.items():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            object.__setattr__(self, key, SideTableConfig.from_value(value, f"{where}.{key}"))
+            if self.source not in TABLE_SOURCES:
+                raise ValueError(
+                    f"{where}.{key}: only the {' and '.join(TABLE_SOURCES)} sources read side tables; "
+                    f"{self.source!r} has its own (data.{side}_features)"
+                )
+            if not self.columns.side_columns(side):
+                raise ValueError(
+                    f"{where}.{key}: declares no {side} feature to read from {getattr(self, key).path} "
+                    f"(name its columns in {where}.columns.{side}_features or {side}_dense)"
+                )
+
+    def side_table(self, key: str) -> Optional[SideTableConfig]:
+        """``data.users`` or ``data.items`` (``key``), or None."""
+        value = getattr(self, key)
+        assert value is None or isinstance(value, SideTableConfig)  # __post_init__ built it
+        return value
+
+    def side_key(self, key: str) -> str:
+        """The id column of the side table ``key`` ("users" | "items"): its ``key``, else the events'."""
+        table = self.side_table(key)
+        assert table is not None
+        return table.key or (self.columns.user if key == "users" else self.columns.item)
+
+    def event_columns(self) -> ColumnConfig:
+        """The columns the events hold: ``columns`` without the features a side table gives (every
+        declared user feature with ``data.users``, every item feature with ``data.items``)."""
+        columns = self.columns
+        for key, side in SIDES.items():
+            columns = columns.without_side(side) if getattr(self, key) is not None else columns
+        return columns
 
     def _check_split(self, where: str, shown: Callable[[int], str]) -> None:
         """shown: how a time is written in messages (as dates when the config gave dates)."""
@@ -473,7 +559,9 @@ class DataConfig(Section):
 
     def inputs(self) -> List[Tuple[str, str]]:
         """[(config key, path), ...] of the files and directories this data section reads."""
-        return [(f"data.{key}", path) for key, path in (("path", self.path), ("prepared", self.prepared)) if path]
+        sides = [(key, table.path) for key in SIDES if (table := self.side_table(key)) is not None]
+        inputs = [("path", self.path), ("prepared", self.prepared), *sides]
+        return [(f"data.{key}", path) for key, path in inputs if path]
 
     def label_names(self) -> Tuple[str, ...]:
         """The ranking tasks' label names; empty for retrieval."""

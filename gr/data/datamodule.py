@@ -30,7 +30,7 @@ from gr.data.mappings import IdMap
 from gr.data.prepared.manifest import SUMMARY_KEYS, prepared_directory
 from gr.data.prepared.reader import PreparedData
 from gr.data.prepared.stream import EpochLoader, PreparedSplit
-from gr.data.readers import read_source
+from gr.data.readers import SIDE_SUMMARY, read_source, side_table_summary
 from gr.data.sampling import check_room
 from gr.data.sequences import EVALUATED, build_sequences, configured_split
 from gr.jagged_rows import concat_ranges
@@ -102,6 +102,9 @@ class SequenceDataModule(lightning.LightningDataModule):
             data, config.min_seq_len, config.min_item_interactions, base.get("items"), unknown, config.columns.item
         )
         sequences.split = configured_split(sequences, config)
+        sides = side_table_summary(
+            config, {"users": data.user_side, "items": data.item_side}, {"users": self.user_map, "items": self.item_map}
+        )
         self.corpus = Corpus(
             sequences=sequences,
             item_features=SideFeatures.align(
@@ -126,6 +129,7 @@ class SequenceDataModule(lightning.LightningDataModule):
                 "items": sequences.num_items,
                 "interactions": len(sequences.items),
                 **({} if unknown is None else {"unknown_items": _unknown_items(data.source, data.items, unknown)}),
+                **sides,
             }
         )
         ranking = config.ranking
@@ -156,7 +160,9 @@ class SequenceDataModule(lightning.LightningDataModule):
                     "evaluate the model on the raw data.path, which leaves the events of new items out, "
                     "or warm start it on these data"
                 )
-        summary = {key: data.manifest.summary[key] for key in SUMMARY_KEYS}
+        summary = {
+            key: data.manifest.summary[key] for key in (*SUMMARY_KEYS, SIDE_SUMMARY) if key in data.manifest.summary
+        }
         self._set_summary({**summary, "items": self.num_items, "prepared": str(directory)})
         self._check(
             int(data.counts["train"].sum()),

@@ -7,6 +7,7 @@ and builds ``Interactions`` with their side tables; values are parsed and refuse
 
 from __future__ import annotations
 
+import csv
 import functools
 import glob
 import logging
@@ -14,16 +15,18 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gr.data.config import ColumnConfig, DataConfig
+from gr.data.config import SIDES, ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
+from gr.data.mappings import IdMap, id_kind
 from gr.data.parsing import (
     as_ids,
+    check_first_line,
     is_list_type,
     numbers_of_text,
     parquet_column,
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 ML_GENRES = "item_genres"
 ML_AGE_BUCKETS = (1, 18, 25, 35, 45, 50, 56)  # MovieLens-1M age codes: under 18, 18-24, ..., 56+
 RATING_KINDS = ("int", "int", "float", "int")
+SIDE_SUMMARY = "side_tables"  # a summary's counts of data.users / data.items (``side_table_summary``)
 
 
 def _require_file(path: Path, what: str) -> Path:
@@ -288,36 +292,42 @@ def _files_under(directory: Path) -> List[Path]:
     return found
 
 
-def source_files(path: Path, suffix: str) -> List[Path]:
-    """The files a table source reads from ``data.path``, in the order their rows are read (which
-    orders the rows of equal timestamps): ``path`` itself when it is a file; else the ``*<suffix>``
-    files under the directory ``path``, subdirectories included (Hive-style ``month=2024-01/``
-    folders: their keys are not columns), or matched by the glob ``path`` (``**`` spans folders, a
-    matched directory counts as its files), in path order (compared folder by folder, then by
-    name), leaving out hidden and ``_``-prefixed names (``_SUCCESS``, ``_temporary/``).
+def _found_files(path: Path, key: str) -> List[Path]:
+    """Every listed file under the directory ``path`` or matched by the glob ``path``, unordered;
+    nothing there raises FileNotFoundError naming the config ``key``."""
+    if path.is_dir():
+        return _files_under(path)
+    if GLOB_CHARACTERS.search(str(path)):
+        matched = [Path(m) for m in glob.glob(str(path), recursive=True)]
+        if not matched:
+            raise FileNotFoundError(f"{key}: {path}: no file or directory matches the pattern")
+        return [f for m in matched for f in (_files_under(m) if m.is_dir() else [m] if _listed(m.name) else [])]
+    raise FileNotFoundError(f"{key}: {path}: no such file or directory")
+
+
+def source_files(path: Path, suffix: str, key: str = "data.path") -> List[Path]:
+    """The files a table source reads from ``data.path`` (or the config ``key`` naming ``path``), in
+    the order their rows are read (which orders the rows of equal timestamps): ``path`` itself when
+    it is a file; else the ``*<suffix>`` files under the directory ``path``, subdirectories included
+    (Hive-style ``month=2024-01/`` folders: their keys are not columns), or matched by the glob
+    ``path`` (``**`` spans folders, a matched directory counts as its files), in path order
+    (compared folder by folder, then by name), leaving out hidden and ``_``-prefixed names
+    (``_SUCCESS``, ``_temporary/``).
 
     Nothing at ``path`` (or nothing it matches) raises FileNotFoundError; no ``*<suffix>`` file, or
     a file of the other table format among them, DataFormatError naming it."""
     if path.is_file():
         return [path]
-    if path.is_dir():
-        found = _files_under(path)
-    elif GLOB_CHARACTERS.search(str(path)):
-        matched = [Path(m) for m in glob.glob(str(path), recursive=True)]
-        if not matched:
-            raise FileNotFoundError(f"data.path: {path}: no file or directory matches the pattern")
-        found = [f for m in matched for f in (_files_under(m) if m.is_dir() else [m] if _listed(m.name) else [])]
-    else:
-        raise FileNotFoundError(f"data.path: {path}: no such file or directory")
+    found = _found_files(path, key)
     for file in found:
         other = next((s for s in TABLE_SUFFIXES if s != suffix and file.name.endswith(s)), None)
         if other is not None:
             raise DataFormatError(
-                file, f"a {other} file among the {suffix} files of data.path {path} (one format per source)"
+                file, f"a {other} file among the {suffix} files of {key} {path} (one format per source)"
             )
     files = sorted({f for f in found if f.name.endswith(suffix)}, key=lambda f: f.parts)
     if not files:
-        raise DataFormatError(path, f"no *{suffix} files (data.path: a file, a directory of partition files or a glob)")
+        raise DataFormatError(path, f"no *{suffix} files ({key}: a file, a directory of partition files or a glob)")
     return files
 
 
@@ -338,11 +348,11 @@ class _Part:
         return len(next(iter(self.values.values())))
 
 
-def _concatenated(path: Path, parts: Sequence[_Part], columns: ColumnConfig) -> Interactions:
-    """The interactions of a table source's files ``parts`` in their order (one file: as it is)."""
+def _merged(path: Path, parts: Sequence[_Part]) -> _Part:
+    """The rows of a source's files ``parts`` in their order, as one part of ``path`` whose ``bad``
+    names the file and row of a merged row (one file: that part as it is)."""
     if len(parts) == 1:
-        part = parts[0]
-        return _table_interactions(part.file, part.values, part.lists, columns, part.bad, part.ratings)
+        return parts[0]
     starts = np.cumsum([0, *(len(part) for part in parts)])
     if starts[-1] == 0:
         raise DataFormatError(path, "no data rows (empty dataset)")
@@ -361,7 +371,13 @@ def _concatenated(path: Path, parts: Sequence[_Part], columns: ColumnConfig) -> 
         index = int(np.searchsorted(starts, row, side="right")) - 1
         return parts[index].bad(name, row - int(starts[index]), message)
 
-    return _table_interactions(path, values, lists, columns, bad, ratings)
+    return _Part(path, values, lists, ratings, bad)
+
+
+def _concatenated(path: Path, parts: Sequence[_Part], columns: ColumnConfig) -> Interactions:
+    """The interactions of a table source's files ``parts`` in their order (one file: as it is)."""
+    part = _merged(path, parts)
+    return _table_interactions(part.file, part.values, part.lists, columns, part.bad, part.ratings)
 
 
 def read_table_csv(path: str, columns: ColumnConfig) -> Interactions:
@@ -564,6 +580,237 @@ def _table_interactions(
     return data
 
 
+# ---- side tables: data.users, data.items ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """What a side table (``data.users`` / ``data.items``: ``key``) gives: the declared features of
+    ``side`` ("user" | "item"), read from ``files`` (of ``suffix``) by their id column ``id_column``.
+
+    columns: [(config key, column)] of the declared features, e.g. ``("user_dense.age", "age")``."""
+
+    key: str
+    side: str
+    path: Path
+    files: Tuple[Path, ...]
+    suffix: str
+    id_column: str
+    columns: Tuple[Tuple[str, str], ...]
+
+    def wanted(self) -> List[str]:
+        """Every column read, the id first, each once."""
+        return list(dict.fromkeys([self.id_column, *(c for _, c in self.columns)]))
+
+    def declared(self, column: str) -> str:
+        """The config key declaring ``column`` (``data.columns.user_features``, ...)."""
+        return "data.columns." + next(k for k, c in self.columns if c == column).split(".")[0]
+
+
+def side_specs(config: DataConfig) -> List[SideSpec]:
+    """The side tables ``config`` names (``data.users``, ``data.items``), their files found: nothing
+    there raises FileNotFoundError, no CSV or Parquet file DataFormatError (each naming the key)."""
+    specs = []
+    for key, side in SIDES.items():
+        table = config.side_table(key)
+        if table is None:
+            continue
+        path, where = Path(table.path), f"data.{key}"
+        suffix = next((s for s in TABLE_SUFFIXES if path.name.endswith(s)), None)
+        if suffix is None and not path.is_file():
+            names = sorted(f.name for f in _found_files(path, where))
+            suffix = next((s for name in names for s in TABLE_SUFFIXES if name.endswith(s)), ".parquet")
+        if suffix is None:
+            raise DataFormatError(path, f"{where}: expected a {' or '.join(TABLE_SUFFIXES)} file")
+        files = tuple(source_files(path, suffix, where))
+        columns = tuple(config.columns.side_columns(side))
+        specs.append(SideSpec(key, side, path, files, suffix, config.side_key(key), columns))
+    return specs
+
+
+def _column_names(file: Path, suffix: str, delimiter: str) -> List[str]:
+    """The columns of a table file: its CSV header (first line) or its Parquet schema."""
+    if suffix == ".parquet":
+        try:
+            return list(pq.read_schema(file).names)
+        except (pa.ArrowInvalid, OSError) as error:
+            raise unreadable_parquet(file, str(error)) from None
+    check_first_line(file, [], delimiter, "select", quoted=True)
+    with open(file, encoding="utf8", newline="") as f:
+        return next(row for row in csv.reader(f, delimiter=delimiter) if row)
+
+
+def check_side_tables(config: DataConfig) -> List[SideSpec]:
+    """Check ``data.users`` / ``data.items`` before anything is read (headers and footers only) ->
+    their specs. Each file holds the id column and every declared feature of its side (Parquet: of a
+    type it may have); a declared column the events hold too is refused (a feature is read from one
+    place). Errors are one line naming the config key and the file."""
+    specs = side_specs(config)
+    if not specs:
+        return specs
+    assert config.path is not None  # DataConfig: a table source reads data.path
+    events = source_files(Path(config.path), f".{config.source}")[0]
+    event_names = set(_column_names(events, f".{config.source}", config.columns.delimiter))
+    for spec in specs:
+        for file in spec.files:
+            names = _column_names(file, spec.suffix, config.columns.delimiter)
+            if spec.id_column not in names:
+                table = config.side_table(spec.key)
+                key = f"data.{spec.key}.key" if table is not None and table.key else f"data.columns.{spec.side}"
+                raise DataFormatError(
+                    file, f"{key}: lacks the id column {spec.id_column!r} (data.{spec.key}); it has {names}"
+                )
+            for key, column in spec.columns:
+                if column not in names:
+                    raise DataFormatError(
+                        file,
+                        f"data.columns.{key}: lacks column {column!r}; with data.{spec.key} every declared "
+                        f"{spec.side} feature is read from it (it has {names})",
+                    )
+            if spec.suffix == ".parquet":
+                _check_side_parquet_types(file, pq.read_schema(file), spec, config.columns.list_features)
+        both = [(k, c) for k, c in spec.columns if c in event_names and c != spec.id_column]
+        if both:
+            key, column = both[0]
+            raise DataFormatError(
+                spec.files[0],
+                f"data.columns.{key}: column {column!r} is in this side table (data.{spec.key}) and in the events "
+                f"{events} (data.path); a declared {spec.side} feature is read from one of them: drop the "
+                "column from the events",
+            )
+    return specs
+
+
+def _check_side_parquet_types(file: Path, schema: pa.Schema, spec: SideSpec, list_features: Sequence[str]) -> None:
+    """Refuse a side table column of a type it may not have: ids and categorical values integer or
+    string, a list feature list<string> or list<int>, a dense column numbers."""
+    dense = {c for k, c in spec.columns if "_dense." in k}
+    for column in spec.wanted():
+        kind = schema.field(column).type
+        if column in list_features and column != spec.id_column:
+            ok = is_list_type(kind) and _id_type(kind.value_type)
+            expected = "list<string> or list<int>"
+        elif column in dense:
+            ok, expected = pa.types.is_integer(kind) or pa.types.is_floating(kind), "numbers"
+        else:
+            ok, expected = _id_type(kind), "integer or string values"
+        if not ok:
+            key = f"data.{spec.key}" if column == spec.id_column else spec.declared(column)
+            raise DataFormatError(file, f"{key}: column {column!r} has type {kind}; expected {expected}")
+
+
+def _id_type(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _side_part(spec: SideSpec, file: Path, columns: ColumnConfig) -> _Part:
+    """One file of a side table: its id column as text, its declared features' values."""
+    categorical = [c for k, c in spec.columns if "_dense." not in k]
+    dense = {c for k, c in spec.columns if "_dense." in k}
+    partition = len(spec.files) > 1
+    if spec.suffix == ".csv":
+        kinds = {c: "float" if c in dense else "list" if c in columns.list_features else "str" for _, c in spec.columns}
+        layout = {spec.id_column: "str", **kinds}
+        values = read_delimited(
+            file, list(layout.items()), columns.delimiter, header="select", quoted=True, empty=partition
+        )
+
+        def bad_csv(name: str, row: int, message: str) -> DataFormatError:
+            return table_csv_error(file, columns.delimiter, name, row, message)
+
+        lists = {
+            c: split_lists(values[c], columns.list_separator, functools.partial(bad_csv, c))
+            for c in categorical
+            if c in columns.list_features
+        }
+        return _Part(file, values, lists, None, bad_csv)
+    try:
+        table = pq.read_table(file, columns=spec.wanted())
+    except (pa.ArrowInvalid, OSError) as error:
+        raise unreadable_parquet(file, str(error)) from None
+    if table.num_rows == 0 and not partition:
+        raise DataFormatError(file, "no data rows (empty dataset)")
+    values, lists = {}, {}
+    for name in spec.wanted():
+        column = table[name]
+        if column.null_count:
+            row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DataFormatError(file, f"row {row + 1}: column {name!r} is null")
+        if name in columns.list_features and name != spec.id_column:
+            lists[name] = parquet_list(file, name, column, declared=True)
+        else:
+            values[name] = parquet_column(file, name, column, numeric=name in dense)
+
+    def bad_parquet(name: str, row: int, message: str) -> DataFormatError:
+        return table_parquet_error(file, name, row, message)
+
+    return _Part(file, values, lists, None, bad_parquet)
+
+
+def read_side_table(spec: SideSpec, columns: ColumnConfig) -> SideTable:
+    """The side table ``spec`` (``check_side_tables`` checked it) -> one row per id (int64 ids when
+    all are canonical integers, as the events' ids), its declared features as the events would give
+    them. An id on two rows raises DataFormatError naming the file, the id column and the id."""
+    part = _merged(spec.path, [_side_part(spec, file, columns) for file in spec.files])
+    keys = as_ids(part.values[spec.id_column], functools.partial(part.bad, spec.id_column))
+    order = np.argsort(keys, kind="stable")
+    repeated = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+    if len(repeated):
+        row = int(order[1:][repeated].min())  # the first row repeating an earlier id
+        raise part.bad(
+            spec.id_column, row, f"id {keys[row].item()!r} is on an earlier row too (data.{spec.key}: one row per id)"
+        )
+    categorical = [c for k, c in spec.columns if k.startswith(f"{spec.side}_features")]
+    rows = _row_table(part.values, part.lists, categorical, getattr(columns, f"{spec.side}_dense"))
+    return SideTable(keys, rows.categorical, rows.dense, rows.dense_columns, rows.lists)
+
+
+def read_side_tables(config: DataConfig) -> Dict[str, SideTable]:
+    """{"users" | "items": its side table} of the side tables ``config`` names, checked first."""
+    return {spec.key: read_side_table(spec, config.columns) for spec in check_side_tables(config)}
+
+
+def side_table_summary(
+    config: DataConfig, tables: Mapping[str, Optional[SideTable]], ids: Mapping[str, IdMap]
+) -> Dict[str, Any]:
+    """{"side_tables": {"users" | "items": {"path", "rows", "unused_rows", "ids_without_row"}}} of
+    the side tables ``config`` names (``tables``: {"users" | "items": the side read}) against the
+    dataset's ids ({"users" | "items": IdMap}): rows whose id the kept events lack (unused), ids
+    without a row (their features unknown), each logged; {} without side tables. Text ids against
+    the events' integer ids raise DataFormatError naming the file."""
+    summary = {}
+    for key, table in tables.items():
+        side = config.side_table(key)
+        if side is None or table is None:
+            continue
+        path = side.path
+        if ids[key].raw.dtype.kind in "iu" and table.keys.dtype.kind == "U":
+            raise DataFormatError(
+                path,
+                f"data.{key}: the ids of column {config.side_key(key)!r} are {id_kind(table.keys)} (e.g. "
+                f"{table.keys[0].item()!r}), the events' {id_kind(ids[key].raw)}: no row would match",
+            )
+        found = ids[key].encode(table.keys, unknown=-1) >= 0
+        known = int(found.sum())
+        counts = {"rows": len(table.keys), "unused_rows": len(table.keys) - known}
+        counts["ids_without_row"] = ids[key].cardinality - known
+        summary[key] = {"path": path, **counts}
+        if counts["ids_without_row"]:
+            log.warning(
+                "%s (data.%s): %d of %d %s have no row: their features are the unknown value",
+                path,
+                key,
+                counts["ids_without_row"],
+                ids[key].cardinality,
+                key,
+            )
+        if counts["unused_rows"]:
+            log.info(
+                "%s (data.%s): %d rows for %s absent from the events, unused", path, key, counts["unused_rows"], key
+            )
+    return {SIDE_SUMMARY: summary} if summary else {}
+
+
 # ---- registry ------------------------------------------------------------------------------
 
 
@@ -580,8 +827,8 @@ READERS: Dict[str, Callable[[DataConfig], Interactions]] = {
     "ml-1m": lambda c: read_ml_1m(_path(c), c.item_features, c.user_features, c.genres),
     "ml-20m": lambda c: read_ml_20m(_path(c), c.item_features, c.user_features, c.genres),
     "amazon": lambda c: read_amazon(_path(c)),
-    "csv": lambda c: read_table_csv(_path(c), c.columns),
-    "parquet": lambda c: read_table_parquet(_path(c), c.columns),
+    "csv": lambda c: read_table_csv(_path(c), c.event_columns()),
+    "parquet": lambda c: read_table_parquet(_path(c), c.event_columns()),
 }
 
 
@@ -597,6 +844,7 @@ def find_source(config: DataConfig) -> Optional[Path]:
     path = Path(config.path)
     if config.source in ("csv", "parquet"):
         source_files(path, f".{config.source}")
+        check_side_tables(config)
     elif not path.exists():
         raise FileNotFoundError(f"data.path: {path}: no such file or directory (the {config.source} source)")
     return path
@@ -606,8 +854,12 @@ def read_source(config: DataConfig) -> Interactions:
     """The interactions ``config.source`` names (read from ``config.path``, or generated).
 
     Rows repeating an earlier row's (user, item, timestamp) are dropped and counted (a warning
-    names how many) unless ``config.keep_duplicates``; ``Interactions.duplicates`` holds the count."""
+    names how many) unless ``config.keep_duplicates``; ``Interactions.duplicates`` holds the count.
+    The side tables ``data.users`` / ``data.items`` give the user / item side."""
+    sides = read_side_tables(config)
     data = READERS[config.source](config).without_duplicates(drop=not config.keep_duplicates)
+    data.user_side = sides.get("users", data.user_side)
+    data.item_side = sides.get("items", data.item_side)
     log_duplicates(data.source, data.duplicates, data.duplicates_dropped)
     return data
 

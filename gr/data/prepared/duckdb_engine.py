@@ -70,7 +70,7 @@ from gr.data.prepared.manifest import (
     write_manifest,
 )
 from gr.data.prepared.side_tables import raw_values, write_side_table
-from gr.data.readers import log_duplicates
+from gr.data.readers import log_duplicates, side_table_summary
 from gr.data.sequences import log_rare_items, log_short_users, no_user_left, too_wide_span
 from gr.utils.atomic import atomic_directory
 
@@ -147,6 +147,9 @@ class _Preparation:
         con.execute("SET preserve_insertion_order = false")  # from here on every order is an ORDER BY
         duplicates = self._events(source)
         users, items = self._dense_ids(source)
+        sides = side_table_summary(
+            config, {"users": source.user_side, "items": source.item_side}, {"users": users, "items": items}
+        )
         interactions = self._sequences(source)
         maps, columns = self._side_tables(source, users, items)
         maps.update(self._event_vocabularies(source.event_features))
@@ -160,9 +163,18 @@ class _Preparation:
             engine_version=duckdb.__version__,
             config_hash=config_hash(config),
             data=config_data(config),
-            summary=prepared_summary(
-                source.source, rows, duplicates, config.keep_duplicates, len(users.raw), len(items.raw), interactions
-            ),
+            summary={
+                **prepared_summary(
+                    source.source,
+                    rows,
+                    duplicates,
+                    config.keep_duplicates,
+                    len(users.raw),
+                    len(items.raw),
+                    interactions,
+                ),
+                **sides,
+            },
             has_ratings=source.has_ratings,
             event_features={f.name: f.kind for f in source.event_features},
             shards=shards,

@@ -13,7 +13,8 @@ Values the readers refuse are refused with the readers' message. A file DuckDB c
 it cannot convert, goes through the readers' own streaming line scan (``bad_line_error``), which names
 the file, line and column; the checks the readers make after parsing (integer ids outside int64, empty
 values inside lists, a rating column's numbers) name the file and line (CSV) or row (Parquet) of the
-first offending row. MovieLens side files (catalogue- and user-sized) are read by the readers themselves.
+first offending row. MovieLens side files and the side tables ``data.users`` / ``data.items`` (catalogue-
+and user-sized) are read by the readers themselves.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST, side_table_fr
 from gr.data.readers import (
     MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
+    read_side_tables,
     source_files,
     table_csv_layout,
     table_parquet_columns,
@@ -147,7 +149,8 @@ class Feature:
 class SourceTable:
     """What ``load_source`` read. source: the file (or directory) errors and the summary name;
     item_features / user_features / event_features: the declared features in ``typed`` (table sources);
-    item_side / user_side: a built-in source's side tables, read by ``gr.data.readers``."""
+    item_side / user_side: a built-in source's side tables, or those of ``data.items`` / ``data.users``,
+    read by ``gr.data.readers``."""
 
     source: str
     has_ratings: bool
@@ -163,10 +166,12 @@ def load_source(con: duckdb.DuckDBPyConnection, config: DataConfig) -> SourceTab
     for macro in MACROS:
         con.execute(macro)
     assert config.path is not None  # DataConfig requires it for every source read from files
-    if config.source == "csv":
-        return _load_table_csv(con, Path(config.path), config.columns)
-    if config.source == "parquet":
-        return _load_table_parquet(con, Path(config.path), config.columns)
+    if config.source in ("csv", "parquet"):
+        sides = read_side_tables(config)
+        load = _load_table_csv if config.source == "csv" else _load_table_parquet
+        table = load(con, Path(config.path), config.event_columns())
+        table.item_side, table.user_side = sides.get("items"), sides.get("users")
+        return table
     ratings = RATINGS_FILES[config.source]
     file = ratings.find(config.path)
     names = [name for name, _ in ratings.columns]

@@ -59,6 +59,8 @@ PREPARED_KEYS = (
     "item_features",
     "user_features",
 )
+# data.users / data.items change what is prepared too: their id column (not their path, as data.path)
+SIDE_TABLE_KEYS = ("users", "items")
 SUMMARY_KEYS = ("source", "rows_read", "duplicates_dropped", "duplicates_kept", "users", "items", "interactions")
 PathLike = Union[str, Path]
 
@@ -166,9 +168,14 @@ def config_data(config: DataConfig) -> Dict[str, Any]:
 
 
 def prepared_keys(config: DataConfig) -> Dict[str, Any]:
-    """{key: JSON value} of the ``PREPARED_KEYS`` of ``config``."""
+    """{key: JSON value} of the ``PREPARED_KEYS`` of ``config``, and of its side tables (``SIDE_TABLE_KEYS``)."""
     values = config_data(config)
-    return {key: values[key] for key in PREPARED_KEYS}
+    return {**{key: values[key] for key in PREPARED_KEYS}, **_side_table_keys(values)}
+
+
+def _side_table_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """{"users" | "items": {"key": its id column or None}} of the side tables a data section names."""
+    return {key: {"key": values[key].get("key")} for key in SIDE_TABLE_KEYS if isinstance(values.get(key), dict)}
 
 
 def config_hash(config: DataConfig) -> str:
@@ -367,8 +374,9 @@ def _check_contents(path: Path, manifest: PreparedManifest) -> None:
 def _difference(prepared: Mapping[str, Any], config: DataConfig) -> str:
     """'data.<key> differs: prepared with X, this config has Y' for the first differing prepared key."""
     wanted = prepared_keys(config)
-    for key in PREPARED_KEYS:
-        found = _first_difference(f"data.{key}", prepared.get(key), wanted[key])
+    sides = _side_table_keys(prepared)
+    for key in (*PREPARED_KEYS, *SIDE_TABLE_KEYS):
+        found = _first_difference(f"data.{key}", sides.get(key, prepared.get(key)), wanted.get(key))
         if found:
             return found
     return f"config_hash {config_hash(config)} differs from the manifest's, whose data section was edited"

@@ -84,7 +84,7 @@ from gr.data.prepared.spark_read import (
     source_of,
 )
 from gr.data.prepared.spark_read import USER as RAW_USER
-from gr.data.readers import log_duplicates
+from gr.data.readers import log_duplicates, side_table_summary
 from gr.data.sequences import log_rare_items, log_short_users, no_user_left, too_wide_span
 from gr.utils.atomic import atomic_directory
 
@@ -201,6 +201,7 @@ def _prepare(
         events = events.join(item_index, ITEM)
         cached.append(events.persist(StorageLevel.MEMORY_AND_DISK))
         maps: Dict[str, IdMap] = {"users": user_map, "items": item_map}
+        sides = side_table_summary(config, {"users": source.user_side, "items": source.item_side}, maps)
         columns: Dict[str, List[str]] = {}
         for side, name, ids in (("item", ITEMS_TABLE, item_map), ("user", USERS_TABLE, user_map)):
             table = _side_table(source, rows, side)
@@ -226,9 +227,18 @@ def _prepare(
         engine_version=pyspark.__version__,
         config_hash=config_hash(config),
         data=config_data(config),
-        summary=prepared_summary(
-            source.source, read, duplicates, config.keep_duplicates, len(user_map.raw), len(item_map.raw), interactions
-        ),
+        summary={
+            **prepared_summary(
+                source.source,
+                read,
+                duplicates,
+                config.keep_duplicates,
+                len(user_map.raw),
+                len(item_map.raw),
+                interactions,
+            ),
+            **sides,
+        },
         has_ratings=source.has_ratings,
         event_features=dict(event_kinds),
         shards=shards,

@@ -56,6 +56,7 @@ from gr.data.prepared.spark_text import (
 from gr.data.readers import (
     MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
+    read_side_tables,
     source_files,
     table_csv_layout,
     table_parquet_columns,
@@ -90,7 +91,8 @@ class Source:
     dense_columns: {dense feature: its column names}
     text: how text files are laid out (None: Parquet), with each file's ``FileLayout`` in ``layouts``
     parquet: {column: Arrow type} of a Parquet source's columns
-    item_side / user_side: a MovieLens source's side tables, read by the readers
+    item_side / user_side: a MovieLens source's side tables, or those of ``data.items`` / ``data.users``,
+        read by the readers
     """
 
     source: str
@@ -128,8 +130,9 @@ def source_of(config: DataConfig) -> Source:
     Parquet schema raise as the readers raise them, before any Spark work."""
     check_preparable(config)
     assert config.path is not None  # check_preparable
-    path, columns = Path(config.path), config.columns
+    path, columns = Path(config.path), config.event_columns()
     if config.source in ("csv", "parquet"):
+        sides = read_side_tables(config)
         groups = {**columns.token_dense, **columns.item_dense, **columns.user_dense}
         files = tuple(source_files(path, f".{config.source}"))
         found = Source(
@@ -145,6 +148,7 @@ def source_of(config: DataConfig) -> Source:
         else:
             layout = TextLayout(tuple(table_csv_layout(columns)), columns.delimiter, "select", True, columns)
             found.text, found.layouts = layout, file_layouts(files, layout)
+        found.item_side, found.user_side = sides.get("items"), sides.get("users")
         return found
     ratings = RATINGS_FILES[config.source]
     file = ratings.find(config.path)
