@@ -60,6 +60,12 @@ def spark():
         # A short-lived JVM (local mode: the executors run in it): the quick JIT compiler alone and a serial
         # GC; the optimising compiler's and the parallel GC's threads took a third of its CPU time here.
         .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+        # Rows in the hundreds: Spark's interpreted expressions, not Java source compiled per query (whole-stage
+        # and expression code generation compile more than the rows take to evaluate), and one plan per query
+        # (adaptive execution re-plans after each shuffle). Spark computes the same rows either way.
+        .config("spark.sql.codegen.wholeStage", "false")
+        .config("spark.sql.codegen.factoryMode", "NO_CODEGEN")
+        .config("spark.sql.adaptive.enabled", "false")
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("OFF")
