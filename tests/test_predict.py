@@ -313,13 +313,12 @@ def test_rows_without_history_columns_read_their_users_stored_histories(retrieva
     for r in requests:
         serving.append(EventsRequest(r["user_id"], r["history"]))
     users = write(pa.table({"user_id": [r["user_id"] for r in requests]}), tmp_path / "users.parquet")
-    predict(path, users, tmp_path / "top.parquet", k=5, batch_size=3, history_store=str(spec))
-    for row, r in zip(pq.read_table(tmp_path / "top.parquet").to_pylist(), requests):
-        want = serving.recommend(RecommendRequest(r["user_id"], r["history"], 5, id_options=RAW))
-        assert (row["items"], row["scores"], row["history_length"]) == (
-            want.items,
-            want.scores.tolist(),
-            len(r["history"]["timestamps"]),
-        )
+    predict(path, users, tmp_path / "stored.parquet", k=5, batch_size=3, history_store=str(spec))
+    sent = write(as_table(requests, ("history",)), tmp_path / "sent.parquet")
+    predict(path, sent, tmp_path / "sent_top.parquet", k=5, batch_size=3)
+    stored, given = (pq.read_table(tmp_path / name).to_pylist() for name in ("stored.parquet", "sent_top.parquet"))
+    assert stored == given and [row["history_length"] for row in stored] == [
+        len(r["history"]["timestamps"]) for r in requests
+    ]
     with pytest.raises(ValueError, match=r"^--ids model: the rows read their users' stored histories"):
         predict(path, users, tmp_path / "model.parquet", ids="model", history_store=str(spec))
