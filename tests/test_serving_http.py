@@ -818,7 +818,8 @@ def test_answers_by_user_id_after_events_equal_answers_with_the_same_history_in_
         )
         assert server.call("POST", "/v1/events", {"user_id": "kept", "history": rest})[1]["stored"] == 5
         candidates = {"item_id": [RAW_ITEMS[1], RAW_ITEMS[40], RAW_ITEMS[9]]}
-        for path, body in (("/v1/rank", {"candidates": candidates}), ("/v1/recommend", {"k": 5})):
+        verbs = (("/v1/generate", {"k": 3}), ("/v1/rank", {"candidates": candidates}), ("/v1/recommend", {"k": 5}))
+        for path, body in verbs:
             by_id = server.call("POST", path, {"user_id": "kept", **body})[1]
             sent = server.call("POST", path, {"user_id": "sent", "history": HISTORY, **body})[1]
             for key in ("scores", "items", "history_length", "model_version"):
@@ -841,7 +842,7 @@ def test_answers_by_user_id_after_events_equal_answers_with_the_same_history_in_
         )
         text = server.call("GET", "/metrics")[1]
     assert metric(text, "gr_history_store_seconds_count", operation="append") == 3
-    assert metric(text, "gr_history_store_seconds_count", operation="read") == 4
+    assert metric(text, "gr_history_store_seconds_count", operation="read") == 5
     assert metric(text, "gr_history_store_errors_total", operation="read") == 0
 
 
