@@ -202,12 +202,13 @@ def test_a_query_string_neither_relabels_a_requests_metrics_nor_picks_its_handle
     server = servers[1]
     before = server.call("GET", "/metrics")[1]
     status, answer = server.call("POST", "/v1/rank?_path=evil&_serve=x", {"user_id": "u"})
-    assert status == 400 and answer["error"] == "bad_request" and answer["field"] == "body.history", answer
+    assert status == 400 and answer["error"] == "bad_request" and answer["field"] == "body.candidates", answer
     after = server.call("GET", "/metrics")[1]
     counted = [metric(text, "gr_requests_total", endpoint="rank") for text in (before, after)]
     assert counted[1] - counted[0] == 1 and "evil" not in after
     paths = server.call("GET", "/openapi.json")[1]["paths"]
-    assert [paths[f"/v1/{verb}"]["post"].get("parameters") for verb in ("rank", "recommend", "generate")] == [None] * 3
+    verbs = ("rank", "recommend", "generate", "events")
+    assert [paths[f"/v1/{verb}"]["post"].get("parameters") for verb in verbs] == [None] * 4
 
 
 def test_reload_under_concurrent_traffic_never_mixes_two_models_in_one_response(servers, exports):

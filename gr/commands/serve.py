@@ -14,9 +14,8 @@ one error line and exit status 2.
 ``serve`` binds its address before anything loads (a port in use or a host that does not resolve is
 one line and exit status 2), then logs on stderr (``--log-format text|json``, ``gr.serving.logs``):
 one start-up line (export, model version: the MANIFEST's digest, device, workers, the history store,
-address), one
-access line per request, a warning for each worker that ends and the one started in its place
-(``--workers N``), and one line when it stops.
+address), one access line per request, a warning for each worker that ends and the one started in
+its place (``--workers N``), and one line when it stops.
 
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
