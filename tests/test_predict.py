@@ -322,3 +322,5 @@ def test_rows_without_history_columns_read_their_users_stored_histories(retrieva
     ]
     with pytest.raises(ValueError, match=r"^--ids model: the rows read their users' stored histories"):
         predict(path, users, tmp_path / "model.parquet", ids="model", history_store=str(spec))
+    with pytest.raises(FileNotFoundError, match=r"^--history-store \S+typo.sqlite: no such file"):
+        predict(path, users, tmp_path / "typo.parquet", history_store=str(tmp_path / "typo.sqlite"))

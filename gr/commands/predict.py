@@ -126,7 +126,7 @@ def predict(
     history columns read their users' histories (``gr serve --history-store``'s value)."""
     # The serving runtime (torch, ONNX Runtime): imported to score, never to parse gr predict's arguments.
     from gr.serving.history_store import HistoryStoreError
-    from gr.serving.history_store_spec import open_history_store
+    from gr.serving.history_store_spec import REDIS_SCHEMES, open_history_store
     from gr.serving.model import check_device
     from gr.serving.request import IdOptions
     from gr.serving.runtime import Ranker
@@ -146,6 +146,8 @@ def predict(
     if layout.stored:
         if ids != "raw":
             raise ValueError(f"--ids {ids}: the rows read their users' stored histories, which hold raw ids")
+        if not str(history_store).startswith(REDIS_SCHEMES) and not Path(str(history_store)).is_file():
+            raise FileNotFoundError(f"--history-store {history_store}: no such file (gr serve's history store)")
         try:
             ranker.history_store = open_history_store(str(history_store), ranker.model.config.max_seq_len)
         except HistoryStoreError as exc:
