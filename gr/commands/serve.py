@@ -13,9 +13,9 @@ one error line and exit status 2.
 
 ``serve`` binds its address before anything loads (a port in use or a host that does not resolve is
 one line and exit status 2), then logs on stderr (``--log-format text|json``, ``gr.serving.logs``):
-one start-up line (export, model version: the MANIFEST's digest, device, workers, address), one
-access line per request, a warning for each worker that ends and the one started in its place
-(``--workers N``), and one line when it stops.
+one start-up line (export, model version: the MANIFEST's digest, device, workers, the history store,
+address), one access line per request, a warning for each worker that ends and the one started in
+its place (``--workers N``), and one line when it stops.
 
 request.json holds one request object (see ``gr.serving.request``) or a list of them.
 A bad request prints ``{"error": ...}`` in its place; the exit status is then 2.
@@ -34,7 +34,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from gr.export.format import ExportFormatError
 from gr.export.manifest import manifest_digest
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from gr.serving.runtime import Ranker
 
 ADMIN_TOKEN_ENV = "GR_ADMIN_TOKEN"
+DEFAULT_HISTORY_STORE = "gr-histories.sqlite"  # in the working directory
+HISTORY_STORE_OFF = "off"
 GRACEFUL_SHUTDOWN_S = 5  # SIGTERM: requests in flight get this long, then a 503 (gr.serving.http)
 
 IDS_HELP = "ids of requests without an 'ids' key: raw (through sparse/id_maps) or model (table rows)"
@@ -145,6 +147,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=DEFAULT_MAX_PENDING,
         help="rank, recommend and generate requests a worker process serves at once, queued or running; one more "
         f"is answered 503 overloaded with Retry-After: 1 (default {DEFAULT_MAX_PENDING})",
+    )
+    serve.add_argument(
+        "--history-store",
+        default=DEFAULT_HISTORY_STORE,
+        help="where the users' histories that POST /v1/events appends to are kept: an SQLite file (default "
+        f"{DEFAULT_HISTORY_STORE} in the working directory, created when missing, kept across restarts), a Redis URL "
+        f"redis://host:port/db shared by several servers, or {HISTORY_STORE_OFF} (every request carries its history)",
+    )
+    serve.add_argument(
+        "--history-events",
+        type=int,
+        default=None,
+        help="events kept per user, the most recent (default: the model's max_seq_len)",
     )
     serve.add_argument(
         "--log-format",
@@ -280,6 +295,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        store, histories = _history_store(args)
+    except ValueError as exc:
+        sock.close()
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if args.workers > 1:  # every worker writes its metrics here, and /metrics adds them up (gr.serving.metrics)
         metrics_dir = tempfile.mkdtemp(prefix="gr-metrics-")
@@ -288,6 +309,8 @@ def _serve(args: argparse.Namespace) -> int:
         {
             "export_dir": str(args.export_dir.resolve()),
             "admin_token": token,
+            "history_store": store,
+            "history_events": args.history_events,
             "batching": not args.no_batching,
             "batch_window_ms": args.batch_window_ms,
             "body_timeout_s": args.body_timeout,
@@ -315,7 +338,15 @@ def _serve(args: argparse.Namespace) -> int:
     url = f"http://{host}:{args.port}"
     workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
     version = manifest_digest(args.export_dir)
-    log.info("serving %s (model %s, %s, %s) on %s", args.export_dir, version, args.device, workers, url)
+    log.info(
+        "serving %s (model %s, %s, %s, histories: %s) on %s",
+        args.export_dir,
+        version,
+        args.device,
+        workers,
+        histories,
+        url,
+    )
     started = True
     try:
         if args.workers > 1:
@@ -333,6 +364,29 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     log.info("stopped serving on %s (started with %s; reloads log what followed)", url, args.export_dir)
     return 0
+
+
+def _history_store(args: argparse.Namespace) -> Tuple[Optional[str], str]:
+    """``--history-store`` as the workers open it (None: off; an SQLite file's absolute path) and
+    where it keeps the histories, for the start-up line (a Redis URL without its password); opened
+    once here, so that a store that cannot be opened is one line (ValueError) before the server
+    starts."""
+    from gr.serving.history_store import HistoryStoreError
+    from gr.serving.history_store_spec import REDIS_SCHEMES, open_history_store
+
+    if args.history_events is not None and args.history_events < 1:
+        raise ValueError(f"--history-events: expected an integer >= 1, got {args.history_events}")
+    if args.history_store == HISTORY_STORE_OFF:
+        return None, HISTORY_STORE_OFF
+    spec = args.history_store
+    if not spec.startswith(REDIS_SCHEMES):
+        spec = str(Path(spec).resolve())
+    try:
+        store = open_history_store(spec, args.history_events or 1)
+    except HistoryStoreError as exc:
+        raise ValueError(f"--history-store {args.history_store}: {exc}") from None
+    store.close()
+    return spec, store.location
 
 
 def _run_one(server: Any, sock: socket.socket) -> bool:

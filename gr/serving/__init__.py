@@ -11,6 +11,7 @@ from gr.utils.lazy import lazy_getattr
 if TYPE_CHECKING:
     from gr.serving.errors import RequestError as RequestError
     from gr.serving.errors import ScoringError as ScoringError
+    from gr.serving.request import EventsRequest as EventsRequest
     from gr.serving.request import GenerateRequest as GenerateRequest
     from gr.serving.request import IdOptions as IdOptions
     from gr.serving.request import RankRequest as RankRequest
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from gr.serving.user_cache import UserCache as UserCache
 
 _EXPORTS = {
+    "EventsRequest": "gr.serving.request",
     "GenerateRequest": "gr.serving.request",
     "IdOptions": "gr.serving.request",
     "RankRequest": "gr.serving.request",

@@ -6,7 +6,7 @@ retrieval query)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -20,8 +20,8 @@ from gr.serving.errors import RequestError
 from gr.serving.id_maps import IdMaps
 from gr.serving.limits import RequestLimits
 from gr.serving.model import ServingModel
-from gr.serving.request import MODEL_IDS, IdOptions
-from gr.timestamps import TimestampError, check_time_span
+from gr.serving.request import MODEL_IDS, IdOptions, timestamp_seconds
+from gr.timestamps import TimestampError, check_history_timestamps, check_time_span
 
 COLUMN_TYPES = (list, tuple, np.ndarray)  # a request column: one value per token
 
@@ -114,6 +114,36 @@ def validate(
         common = model.schema.common(common_features, model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
     tokens, truncated = fit(tokens, model.config.max_seq_len, reserve, long_history, model.config.eviction_block)
     return History(model, model_version, user_id, tokens, common, truncated, raw, unknown, left_out, given)
+
+
+def stored_events(
+    model: ServingModel, history: Any, limits: RequestLimits, unknown_ids: str = "error"
+) -> List[Dict[str, Any]]:
+    """A history to append to the store (raw ids), validated as a request's history is (``validate``:
+    features, ids, limits, timestamps in order; under ``unknown_ids="oov"`` the tokens of items the
+    model has no row for are kept, for a later export to know) -> one JSON-ready object per event
+    ({feature: its value at the token, "timestamps": integer seconds}). RequestError for an empty one."""
+    raw = model.id_maps
+    checked, _ = without_unknown_items(history, raw, model.schema.token_ids) if unknown_ids == "oov" else (history, 0)
+    model.schema.tokens(checked, "history", model.sparse, raw=raw, unknown_ids=unknown_ids, limits=limits)
+    times = history.get(TIMESTAMPS) if isinstance(history, Mapping) else None
+    if times is None or len(times) == 0:
+        raise RequestError("history: empty; expected at least one event to append")
+    where = f"history.{TIMESTAMPS}"
+    seconds = timestamp_seconds(times, where)
+    try:
+        check_history_timestamps(seconds, where)  # the tokens left out above were not checked
+    except TimestampError as exc:
+        raise RequestError(str(exc)) from None
+    columns = {name: _json_ready(values) for name, values in history.items() if name != TIMESTAMPS}
+    return [
+        {**{name: column[i] for name, column in columns.items()}, TIMESTAMPS: int(t)} for i, t in enumerate(seconds)
+    ]
+
+
+def _json_ready(values: Any) -> list:
+    """A column as JSON values (numpy arrays and scalars to lists and Python numbers)."""
+    return [v.tolist() if isinstance(v, (np.ndarray, np.generic)) else v for v in values]
 
 
 def without_unknown_items(history: Any, raw: IdMaps, token_ids: Sequence[str]) -> Tuple[Any, int]:

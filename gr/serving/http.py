@@ -2,7 +2,9 @@
 OpenAPI at /openapi.json and /docs.
 
 POST /v1/rank, /v1/recommend, /v1/generate take the request objects of ``gr.serving.request``
-(raw ids by default; ``"ids": "model"`` for table rows). GET /healthz (process alive),
+(raw ids by default; ``"ids": "model"`` for table rows); one without a history is answered from
+the user's history kept by the service, which POST /v1/events {"user_id", "history"} appends to
+(``gr.serving.history_store``; answered {"user_id", "appended", "stored"}). GET /healthz (process alive),
 /readyz (200 once the model is loaded and warmed up: the fused kernels built and one request of
 each kind answered; 503 before, or once the process can no longer answer), /metrics (Prometheus,
 added up over the server's worker processes: ``gr.serving.metrics``).
@@ -20,7 +22,8 @@ infinity, 500 ``internal`` for anything unexpected (logged with its traceback), 
 ``unavailable`` when the request batcher has stopped (the process then exits, non-zero, for its
 supervisor to restart it) or when the server shuts down (SIGTERM) before the request is done, 503
 ``overloaded`` (with ``Retry-After: 1``) when ``max_pending`` requests of this process are already
-being served: a flood is answered at once instead of queueing without bound.
+being served: a flood is answered at once instead of queueing without bound, 503
+``history_store_unavailable`` when the history store cannot be read or written.
 Every error counts in ``gr_errors_total`` by endpoint, status and kind (its ``error`` name), and
 every request logs one access line with its request id (``gr.serving.logs``). A recommend or
 generate request with an empty history gets the new-user query's answer from the user's common
@@ -54,6 +57,8 @@ from starlette.requests import ClientDisconnect
 from gr.export.manifest import manifest_digest
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
+from gr.serving.history_store import HistoryStoreError
+from gr.serving.history_store_spec import open_history_store
 from gr.serving.limits import (
     BODY_TIMEOUT_FLAG,
     DEFAULT_BODY_TIMEOUT_S,
@@ -66,11 +71,13 @@ from gr.serving.logs import AccessLog, error_kind
 from gr.serving.metrics import ServerMetrics
 from gr.serving.options import UNKNOWN_IDS
 from gr.serving.request import (
+    EVENTS_KEYS,
     GENERATE_KEYS,
     RECOMMEND_KEYS,
     REQUEST_KEYS,
     SEED_RANGE,
     TEMPERATURE_RANGE,
+    EventsRequest,
     GenerateRequest,
     IdOptions,
     RankRequest,
@@ -234,6 +241,8 @@ def _error_response(endpoint: str, exc: Exception) -> Response:
         return _error(500, "non_finite_score", str(exc))
     if isinstance(exc, IdMapError):
         return _error(500, "id_maps_unreadable", str(exc))
+    if isinstance(exc, HistoryStoreError):
+        return _error(503, "history_store_unavailable", str(exc))
     if isinstance(exc, BatcherDied):
         return _error(503, "unavailable", f"{exc}; this process is exiting")
     if isinstance(exc, Overloaded):
@@ -254,23 +263,30 @@ VERBS = (
     (
         "rank",
         REQUEST_KEYS,
-        ("user_id", "history", "candidates"),
+        ("user_id", "candidates"),
         {**EXAMPLE, "candidates": {"item_id": [5, 9]}},
         "Scores of the given candidates (ranking heads by name; retrieval: 'retrieval' cosines)",
     ),
     (
         "recommend",
         RECOMMEND_KEYS,
-        ("user_id", "history"),
+        ("user_id",),
         {**EXAMPLE, "k": 10},
         "The top k items of the whole catalogue, seen items excluded by default (retrieval exports)",
     ),
     (
         "generate",
         GENERATE_KEYS,
-        ("user_id", "history"),
+        ("user_id",),
         {**EXAMPLE, "k": 10},
         "The user's next k items, generated autoregressively",
+    ),
+    (
+        "events",
+        EVENTS_KEYS,
+        ("user_id", "history"),
+        EXAMPLE,
+        "Append events to the user's stored history (a request without a history is answered from it)",
     ),
 )
 
@@ -327,7 +343,7 @@ class ServingApp:
         app.add_middleware(AccessLog)
         app.state.ranker = self.ranker
         app.exception_handler(Exception)(self.internal)
-        handlers = {"rank": self.rank, "recommend": self.recommend, "generate": self.generate}
+        handlers = {"rank": self.rank, "recommend": self.recommend, "generate": self.generate, "events": self.events}
         for path, keys, required, example, summary in VERBS:
             schema = _body_schema(keys, required, example)
             app.post(f"/v1/{path}", summary=summary, openapi_extra=schema)(self._route(path, handlers[path]))
@@ -351,6 +367,8 @@ class ServingApp:
             self.readiness.set("ready")
         yield
         self.metrics.close()
+        if self.ranker.history_store is not None:
+            self.ranker.history_store.close()
         if self.exit_after_shutdown:
             exit_soon(0)
 
@@ -453,6 +471,10 @@ class ServingApp:
         """POST /v1/generate's body -> its answer."""
         request = GenerateRequest.from_dict(payload, "body", self.defaults)
         return {"user_id": request.user_id, **self.ranker.generate(request).to_json()}
+
+    def events(self, payload: Any) -> Dict[str, Any]:
+        """POST /v1/events's body -> {"user_id", "appended", "stored"} (``Ranker.append``)."""
+        return self.ranker.append(EventsRequest.from_dict(payload, "body", self.defaults))
 
     # The routes' contracts are comments: FastAPI would publish an endpoint's docstring in /openapi.json.
 
@@ -564,7 +586,8 @@ OPTIONS_ENV = "GR_SERVING_OPTIONS"
 
 def app_from_environment() -> FastAPI:
     """The app of one uvicorn worker process: ``$GR_SERVING_OPTIONS`` holds the JSON of
-    {"export_dir", "admin_token", and Ranker options} that ``python -m gr.serving serve`` set."""
+    {"export_dir", "admin_token", "history_store" (None: off) and "history_events", and Ranker
+    options} that ``python -m gr.serving serve`` set."""
     options = json.loads(os.environ[OPTIONS_ENV])
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
     app_options = {
@@ -573,5 +596,8 @@ def app_from_environment() -> FastAPI:
         if key in options
     }
     limits = limits_from_options(options.pop("limits", {}))
+    store, events = options.pop("history_store", None), options.pop("history_events", None)
     ranker = Ranker.load(export_dir, limits=limits, **options)
+    if store is not None:
+        ranker.history_store = open_history_store(store, events or ranker.model.config.max_seq_len)
     return create_app(ranker, admin_token=admin_token, exit_after_shutdown=True, **app_options)

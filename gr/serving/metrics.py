@@ -36,8 +36,9 @@ class ServerMetrics:
     """Requests and client disconnects by endpoint, errors by endpoint, HTTP status and kind (the
     ``error`` name of the answer: bad_request, limit_exceeded, internal, ...), latency histograms,
     the request batcher's batch sizes and queue depths (``observe_batch``), cache hit/extend/miss
-    counts, cache entries and bytes, fallback answers by kind, the model version of ``ranker`` and
-    the live worker processes. ``refresh`` sets this process's gauges (after each request and
+    counts, cache entries and bytes, fallback answers by kind, the history store's latency and
+    errors by operation (append, read; ``observe_store``), the model version of ``ranker`` and the
+    live worker processes. ``refresh`` sets this process's gauges (after each request and
     reload; a scrape reads the other workers' last values)."""
 
     def __init__(self, ranker: Ranker) -> None:
@@ -93,6 +94,21 @@ class ServerMetrics:
             "History tokens of items the model has no row for, left out under unknown_ids oov",
             registry=self.registry,
         )
+        self.store_latency = Histogram(
+            "gr_history_store_seconds",
+            "History store latency by operation (append, read)",
+            ["operation"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.store_errors = Counter(
+            "gr_history_store_errors",
+            "History store operations that failed (unreachable, locked, unreadable) by operation (append, read)",
+            ["operation"],
+            registry=self.registry,
+        )
+        if ranker.history_store is not None:
+            ranker.history_store.observer = self.observe_store
         self.cache_entries = Gauge(
             "gr_cache_entries",
             "Users held by the user history caches of the live workers",
@@ -119,6 +135,12 @@ class ServerMetrics:
         """A batch of ``size`` requests formed while ``waiting`` requests waited (``RequestBatcher.on_batch``)."""
         self.batch_size.observe(size)
         self.queue_depth.observe(waiting)
+
+    def observe_store(self, operation: str, seconds: float, failed: bool) -> None:
+        """One history store operation (``HistoryStore.observer``)."""
+        self.store_latency.labels(operation).observe(seconds)
+        if failed:
+            self.store_errors.labels(operation).inc()
 
     def refresh(self) -> None:
         """Set this process's cache entries, cache bytes and model version."""

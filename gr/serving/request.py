@@ -17,6 +17,11 @@ tables); a pooled common feature takes one id or a list of ids; a list-valued to
 []]``), pooled through its table when the request is validated. The request time is when the last history action's
 next event happens, for models whose ``HSTUConfig.query_time`` is "next_event".
 
+A request without "history" (or with ``"history": null``) is answered from the user's history kept
+by the service (``gr.serving.history_store``; raw ids), which ``POST /v1/events`` appends to with an
+``EventsRequest`` ({"user_id", "history"}, its history validated as a request's); a request that
+sends a history is answered from it alone (the stored one is neither read nor changed).
+
 Every integer (ids, timestamps, request_time, seed) must fit int64: larger ones are refused, never
 wrapped. History timestamps follow ``gr.timestamps`` (oldest first, ties allowed, negatives allowed).
 Sizes are bounded by the service's ``gr.serving.limits.RequestLimits``.
@@ -58,6 +63,7 @@ GENERATE_KEYS = (
     *ID_OPTIONS,
 )
 RECOMMEND_KEYS = ("user_id", "history", "k", "common_features", "request_time", "exclude_seen", *ID_OPTIONS)
+EVENTS_KEYS = ("user_id", "history", "unknown_ids")
 
 
 @dataclass(frozen=True)
@@ -137,10 +143,11 @@ def _flag(data: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
 
 @dataclass
 class RankRequest:
-    """One user's ranking request; see the module docstring for the column layout."""
+    """One user's ranking request; see the module docstring for the column layout (history None:
+    the stored one)."""
 
     user_id: Hashable
-    history: Mapping[str, Any]
+    history: Optional[Mapping[str, Any]]
     candidates: Mapping[str, Any]
     common_features: Optional[Mapping[str, Any]] = None
     request_time: Optional[int] = None
@@ -148,10 +155,10 @@ class RankRequest:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "request", defaults: IdOptions = MODEL_IDS) -> "RankRequest":
-        data = _object(data, where, REQUEST_KEYS, ("user_id", "history", "candidates"))
+        data = _object(data, where, REQUEST_KEYS, ("user_id", "candidates"))
         return cls(
             data["user_id"],
-            data["history"],
+            data.get("history"),
             data["candidates"],
             data.get("common_features"),
             _int(data, "request_time", where, None),
@@ -161,10 +168,11 @@ class RankRequest:
 
 @dataclass
 class RecommendRequest:
-    """The top ``k`` catalogue items for a user (retrieval exports); seen items excluded by default."""
+    """The top ``k`` catalogue items for a user (retrieval exports); seen items excluded by default
+    (history None: the stored one)."""
 
     user_id: Hashable
-    history: Mapping[str, Any]
+    history: Optional[Mapping[str, Any]]
     k: int = 10
     common_features: Optional[Mapping[str, Any]] = None
     request_time: Optional[int] = None
@@ -173,10 +181,10 @@ class RecommendRequest:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "request", defaults: IdOptions = MODEL_IDS) -> "RecommendRequest":
-        data = _object(data, where, RECOMMEND_KEYS, ("user_id", "history"))
+        data = _object(data, where, RECOMMEND_KEYS, ("user_id",))
         return cls(
             data["user_id"],
-            data["history"],
+            data.get("history"),
             _int(data, "k", where, 10, 1),
             data.get("common_features"),
             _int(data, "request_time", where, None),
@@ -187,10 +195,11 @@ class RecommendRequest:
 
 @dataclass
 class GenerateRequest:
-    """A user's next ``k`` items (``gr.serving.generate``): no candidates, a decoding strategy."""
+    """A user's next ``k`` items (``gr.serving.generate``): no candidates, a decoding strategy
+    (history None: the stored one)."""
 
     user_id: Hashable
-    history: Mapping[str, Any]
+    history: Optional[Mapping[str, Any]]
     k: int = 10
     common_features: Optional[Mapping[str, Any]] = None
     request_time: Optional[int] = None
@@ -203,7 +212,7 @@ class GenerateRequest:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "request", defaults: IdOptions = MODEL_IDS) -> "GenerateRequest":
-        data = _object(data, where, GENERATE_KEYS, ("user_id", "history"))
+        data = _object(data, where, GENERATE_KEYS, ("user_id",))
         temperature = data.get("temperature", 1.0)
         check_sampling(temperature, None, f"{where}.")
         strategy = data.get("strategy", "greedy")
@@ -211,7 +220,7 @@ class GenerateRequest:
             raise RequestError(f"{where}.strategy: expected a string, got {strategy!r}")
         return cls(
             data["user_id"],
-            data["history"],
+            data.get("history"),
             _int(data, "k", where, 10, 1),
             data.get("common_features"),
             _int(data, "request_time", where, None),
@@ -222,6 +231,21 @@ class GenerateRequest:
             _int(data, "seed", where, None, SEED_RANGE[0]),
             IdOptions.from_dict(data, where, defaults),
         )
+
+
+@dataclass
+class EventsRequest:
+    """Events to append to a user's stored history (``POST /v1/events``): a history object in raw
+    ids, validated as a request's; unknown_ids as a request's."""
+
+    user_id: Hashable
+    history: Mapping[str, Any]
+    unknown_ids: str = "error"
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "request", defaults: IdOptions = MODEL_IDS) -> "EventsRequest":
+        data = _object(data, where, EVENTS_KEYS, ("user_id", "history"))
+        return cls(data["user_id"], data["history"], IdOptions.from_dict(data, where, defaults).unknown_ids)
 
 
 @dataclass(frozen=True)
@@ -334,7 +358,7 @@ class RequestSchema:
         for name in self.token_features:
             out.setdefault(name, self.unknown(name, count))
         if TIMESTAMPS in columns:
-            out[TIMESTAMPS] = _timestamps(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
+            out[TIMESTAMPS] = timestamp_seconds(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
             lengths[TIMESTAMPS] = len(out[TIMESTAMPS])
             if not candidates:
                 try:
@@ -445,7 +469,7 @@ def _ids(values: Any, where: str) -> np.ndarray:
     return _flat(values, where, strings=False).astype(np.int64)
 
 
-def _timestamps(values: Any, where: str) -> np.ndarray:
+def timestamp_seconds(values: Any, where: str) -> np.ndarray:
     """A list of timestamps, each integer seconds in int64 or an ISO 8601 text (``2024-01-05T10:00:00Z``,
     ``gr.timestamps.iso_text_seconds``: UTC unless it has an offset, floored to the second) -> [n] int64."""
     if isinstance(values, (list, tuple, np.ndarray)) and any(isinstance(v, str) for v in values):

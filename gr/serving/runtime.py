@@ -18,7 +18,21 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Callable, Hashable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, cast, overload
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Hashable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+    cast,
+    overload,
+)
 
 from gr.hstu.user_state import UserState
 from gr.serving import generate as generation
@@ -27,13 +41,14 @@ from gr.serving import recommend as recommendation
 from gr.serving.catalogue import Catalogue
 from gr.serving.errors import RequestError
 from gr.serving.generate import GenerateResult, PreparedGenerate
-from gr.serving.history import History, check_span, validate
+from gr.serving.history import History, check_span, stored_events, validate
+from gr.serving.history_store import HistoryStore
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.model import ServingModel
 from gr.serving.options import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, LONG_HISTORY
 from gr.serving.rank import PreparedRank, RankResult
 from gr.serving.recommend import PreparedRecommend, RecommendResult
-from gr.serving.request import MODEL_IDS, GenerateRequest, IdOptions, RankRequest, RecommendRequest
+from gr.serving.request import MODEL_IDS, EventsRequest, GenerateRequest, IdOptions, RankRequest, RecommendRequest
 from gr.serving.user_cache import UserCache
 
 WARM_UP_USER = ("gr", "warm-up")  # a key no request can send (user ids are strings or integers)
@@ -70,6 +85,9 @@ class Ranker:
     device: where ``load`` and ``reload`` put a model: "cpu", "cuda" or "npu" (None: the
         given model's device; a different one is refused)
     limits: bounds on one request's size and work (``gr.serving.limits``)
+    history_store: the users' histories kept by the service (``gr.serving.history_store``):
+        ``append`` adds events, and a request without a history is answered from the user's
+        stored one (None: every request carries its history)
     Thread-safe: concurrent calls share the cache; ``reload`` swaps the model and invalidates
     the cache, and every result comes from one model (its ``model_version``).
     """
@@ -85,6 +103,7 @@ class Ranker:
         index: str = "exact",
         device: Optional[str] = None,
         limits: RequestLimits = DEFAULT_LIMITS,
+        history_store: Optional[HistoryStore] = None,
     ) -> None:
         if device is not None and device != model.device:
             raise ValueError(f"Ranker.device: {device!r}, but the model was loaded on {model.device!r}")
@@ -98,6 +117,7 @@ class Ranker:
         self.index = index
         self.device = model.device
         self.limits = limits
+        self.history_store = history_store
         self.cache: UserCache[UserState] = UserCache(cache_bytes)
         self._model = model
         self._lock = threading.Lock()
@@ -331,22 +351,52 @@ class Ranker:
             return recommendation.run(self.cache, cast(Sequence[PreparedRecommend], prepared))
         return generation.run(self.cache, cast(Sequence[PreparedGenerate], prepared))
 
+    def append(self, request: EventsRequest) -> Dict[str, Any]:
+        """Append a user's events to the history store, validated against the current model
+        (``gr.serving.history.stored_events``) -> {"user_id", "appended": events, "stored": events
+        now held for the user}. RequestError without a store, for a bad history, or for events
+        earlier than the user's last stored one."""
+        if self.history_store is None:
+            raise RequestError("user_id: this service keeps no histories (no history store): send them with requests")
+        self.limits.check_user_id(request.user_id)
+        events = stored_events(self.model, request.history, self.limits, request.unknown_ids)
+        held = self.history_store.append(request.user_id, events)
+        return {"user_id": request.user_id, "appended": len(events), "stored": held}
+
     def history(
         self,
         user_id: Hashable,
-        history: Mapping[str, Any],
+        history: Optional[Mapping[str, Any]],
         common_features: Optional[Mapping[str, Any]] = None,
         *,
         reserve: int = 0,
         id_options: IdOptions = MODEL_IDS,
     ) -> History:
         """Validate a history (and common features) against the current model (``gr.serving.history.validate``);
-        touches no cache. reserve: tokens to keep free of max_seq_len (generated items)."""
+        touches no cache. reserve: tokens to keep free of max_seq_len (generated items). history
+        None: the user's stored one (raw ids; its most recent tokens that fit, whatever
+        ``long_history`` says; none for a user the store does not know)."""
         with self._lock:
             model, model_version = self._model, self.cache.model_version
+        long_history = self.long_history
+        if history is None:
+            history, long_history = self._stored(user_id, id_options), "truncate"
         return validate(
-            model, model_version, user_id, history, common_features, self.limits, self.long_history, reserve, id_options
+            model, model_version, user_id, history, common_features, self.limits, long_history, reserve, id_options
         )
+
+    def _stored(self, user_id: Hashable, id_options: IdOptions) -> Dict[str, list]:
+        """The user's stored history for a request that sent none; RequestError without a store or
+        for a request in model ids (the store keeps raw ids)."""
+        if self.history_store is None:
+            raise RequestError("history: missing (this service keeps no histories, so a request carries its own)")
+        if id_options.ids != "raw":
+            raise RequestError(
+                "ids: a request without a history reads the stored one, which holds raw ids: send raw ids "
+                f'(got "ids": "{id_options.ids}")'
+            )
+        self.limits.check_user_id(user_id)
+        return self.history_store.read(user_id, self.limits.max_history_tokens)
 
 
 def _prepare_each(prepare: Callable[[Any], R], requests: Sequence[Any]) -> List[R]:

