@@ -1,0 +1,147 @@
+"""The paged KV cache (gr.hstu.paged): an engine whose caches live in a page pool answers exactly as
+one whose caches are tensors, extending writes only the new tokens, and pages come back when no
+cache holds them."""
+
+import gc
+
+import pytest
+import torch
+from test_serving_hstu_cache import CASES, REQUEST_TIME, make_engine, tokens
+
+from gr.hstu.cache import CachedHSTU
+from gr.hstu.paged import PagePool
+
+
+def paged_twin(engine: CachedHSTU, pages: int, page_size: int = 4) -> CachedHSTU:
+    """The same HSTU with a page pool."""
+    return CachedHSTU(engine.hstu, PagePool(engine.config, pages, page_size))
+
+
+def fragment(pool: PagePool, seed: int = 0) -> list:
+    """Hold every other page in a shuffled order (a pool after some evictions); -> the holders."""
+    g = torch.Generator().manual_seed(seed)
+    taken = pool._take(pool.pages)
+    assert taken is not None
+    kept = [pool._table([p], 0) for p in taken[1::2]]
+    pool._free = [taken[i] for i in torch.randperm(len(taken), generator=g).tolist() if i % 2 == 0]
+    return kept
+
+
+def same_kv(got, want):
+    assert got.length == want.length and got.committed == want.committed
+    for i in range(len(want.keys)):
+        for mine, ref in zip(got.layer(i), want.layer(i)):
+            torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+    torch.testing.assert_close(got.timestamps, want.timestamps, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_a_paged_engine_encodes_extends_and_scores_as_the_unpaged_one_to_the_bit(case):
+    """Users encoded together into a fragmented pool, extended by 0..5 tokens (partial and whole
+    pages), then scored: K/V, outputs and scores equal the unpaged engine's exactly."""
+    plain = make_engine(**case)
+    engine = paged_twin(plain, pages=64)
+    held = fragment(engine.pool)
+    lengths, added = [30, 1, 0, 12, 5], [4, 2, 0, 1, 5]
+    users = [tokens(n + k + 3, 0, seed=s) for s, (n, k) in enumerate(zip(lengths, added))]
+    first = (
+        lambda e: e.encode_batch(  # noqa: E731
+            [x[:n] for (x, _), n in zip(users, lengths)], [t[:n] for (_, t), n in zip(users, lengths)]
+        )
+    )
+    paged, unpaged = first(engine), first(plain)
+    for (got, got_hidden), (want, want_hidden) in zip(paged, unpaged):
+        assert got.paged is not None and not got.keys
+        same_kv(got, want)
+        torch.testing.assert_close(got_hidden, want_hidden, rtol=0, atol=0)
+    grow = [b for b, (c, _) in enumerate(unpaged) if plain.can_extend(c)]
+    step = (
+        lambda e, caches: e.extend_batch(  # noqa: E731
+            [caches[b][0] for b in grow],
+            [users[b][0][lengths[b] : lengths[b] + added[b]] for b in grow],
+            [users[b][1][lengths[b] : lengths[b] + added[b]] for b in grow],
+        )
+    )
+    grown, grown_plain = step(engine, paged), step(plain, unpaged)
+    for (got, got_hidden), (want, want_hidden) in zip(grown, grown_plain):
+        same_kv(got, want)
+        torch.testing.assert_close(got_hidden, want_hidden, rtol=0, atol=0)
+    counts = torch.tensor([2, 0, 3, 1, 1][: len(grow)])
+    candidates = torch.randn(int(counts.sum()), 16, generator=torch.Generator().manual_seed(9))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    times = torch.full((int(counts.sum()),), REQUEST_TIME)
+    request_times = [REQUEST_TIME] * len(grow)
+    got = engine.score_batch([c for c, _ in grown], candidates, offsets, times, 3, request_times)
+    want = plain.score_batch([c for c, _ in grown_plain], candidates, offsets, times, 3, request_times)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert held  # the fragmenting pages stay held throughout
+
+
+def test_extending_writes_only_the_new_tokens_into_the_last_page():
+    """The prefix's pages are shared, not copied: the extension's page table starts with the base's
+    pages, and only pages for the new tokens are taken."""
+    plain = make_engine(num_heads=2)
+    engine = paged_twin(plain, pages=16, page_size=4)
+    x, ts = tokens(12, 0)
+    base = engine.encode(x[:6], ts[:6])  # pages 0, 1 (two slots of page 1 used)
+    assert base.paged.pages == (0, 1) and engine.pool.used == 2
+    grown = engine.extend(base, x[6:11], ts[6:11])  # slots 2, 3 of page 1, then page 2
+    assert grown.paged.pages == (0, 1, 2) and engine.pool.used == 3
+    same_kv(grown, plain.extend(plain.encode(x[:6], ts[:6]), x[6:11], ts[6:11]))
+
+
+def test_two_extensions_of_one_history_copy_its_last_page_instead_of_sharing_its_free_slots():
+    plain = make_engine(num_heads=2)
+    engine = paged_twin(plain, pages=16, page_size=4)
+    x, ts = tokens(12, 0)
+    y = torch.randn(3, 16)
+    base = engine.encode(x[:6], ts[:6])
+    first = engine.extend(base, x[6:8], ts[6:8])
+    second = engine.extend(base, y[:2], ts[6:8])  # another continuation: must not overwrite the first's slots
+    assert first.paged.pages[1] == base.paged.pages[1] != second.paged.pages[1]
+    unpaged = plain.encode(x[:6], ts[:6])
+    same_kv(first, plain.extend(unpaged, x[6:8], ts[6:8]))
+    same_kv(second, plain.extend(unpaged, y[:2], ts[6:8]))
+    same_kv(base, plain.encode(x[:6], ts[:6]))
+
+
+def test_pages_return_to_the_pool_when_no_cache_holds_them():
+    engine = paged_twin(make_engine(num_heads=2), pages=8, page_size=4)
+    x, ts = tokens(12, 0)
+    base = engine.encode(x[:6], ts[:6])
+    grown = engine.extend(base, x[6:11], ts[6:11])
+    assert engine.pool.used == 3
+    del base  # its pages are grown's prefix: still held
+    gc.collect()
+    assert engine.pool.used == 3
+    del grown
+    gc.collect()
+    assert engine.pool.used == 0 and engine.pool.free == 8
+
+
+def test_a_full_pool_calls_on_full_then_keeps_the_history_unpaged():
+    """A pool with no room: on_full is asked to free pages; when it cannot, the cache is the
+    unpaged one, with the same answers."""
+    plain = make_engine(num_heads=2)
+    engine = paged_twin(plain, pages=3, page_size=4)
+    x, ts = tokens(20, 0)
+    kept = [engine.encode(x[:8], ts[:8])]  # 2 of the 3 pages
+    calls = []
+
+    def on_full() -> bool:
+        calls.append(len(kept))
+        if not kept:
+            return False
+        kept.pop()
+        gc.collect()
+        return True
+
+    engine.pool.on_full = on_full
+    mid = engine.encode(x[:10], ts[:10])  # 3 pages: the first history is evicted for it
+    assert calls == [1] and mid.paged is not None
+    big = engine.encode(x[:16], ts[:16])  # 4 pages: more than the pool holds
+    assert big.paged is None and big.keys
+    same_kv(big, plain.encode(x[:16], ts[:16]))
+    grown = engine.extend(mid, x[10:14], ts[10:14])  # no page free while mid holds all 3
+    assert grown.paged is None
+    same_kv(grown, plain.extend(plain.encode(x[:10], ts[:10]), x[10:14], ts[10:14]))
