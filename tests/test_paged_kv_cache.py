@@ -44,24 +44,26 @@ def test_a_paged_engine_encodes_extends_and_scores_as_the_unpaged_one_to_the_bit
     held = fragment(engine.pool)
     lengths, added = [30, 1, 0, 12, 5], [4, 2, 0, 1, 5]
     users = [tokens(n + k + 3, 0, seed=s) for s, (n, k) in enumerate(zip(lengths, added))]
-    first = (
-        lambda e: e.encode_batch(  # noqa: E731
+
+    def first(e):
+        return e.encode_batch(
             [x[:n] for (x, _), n in zip(users, lengths)], [t[:n] for (_, t), n in zip(users, lengths)]
         )
-    )
+
     paged, unpaged = first(engine), first(plain)
     for (got, got_hidden), (want, want_hidden) in zip(paged, unpaged):
         assert got.paged is not None and not got.keys
         same_kv(got, want)
         torch.testing.assert_close(got_hidden, want_hidden, rtol=0, atol=0)
     grow = [b for b, (c, _) in enumerate(unpaged) if plain.can_extend(c)]
-    step = (
-        lambda e, caches: e.extend_batch(  # noqa: E731
+
+    def step(e, caches):
+        return e.extend_batch(
             [caches[b][0] for b in grow],
             [users[b][0][lengths[b] : lengths[b] + added[b]] for b in grow],
             [users[b][1][lengths[b] : lengths[b] + added[b]] for b in grow],
         )
-    )
+
     grown, grown_plain = step(engine, paged), step(plain, unpaged)
     for (got, got_hidden), (want, want_hidden) in zip(grown, grown_plain):
         same_kv(got, want)
