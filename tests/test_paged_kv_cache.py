@@ -147,3 +147,29 @@ def test_a_full_pool_calls_on_full_then_keeps_the_history_unpaged():
     grown = engine.extend(mid, x[10:14], ts[10:14])  # no page free while mid holds all 3
     assert grown.paged is None
     same_kv(grown, plain.extend(plain.encode(x[:10], ts[:10]), x[10:14], ts[10:14]))
+
+
+def test_a_pool_that_fills_in_the_middle_of_a_batch_answers_as_the_unpaged_engine():
+    """Three users extended in one pass while the pool has room for only the first one's new pages,
+    on_full evicting another history meanwhile: the rest stay unpaged, every answer unchanged."""
+    plain = make_engine(num_heads=2)
+    engine = paged_twin(plain, pages=10, page_size=4)
+    users = [tokens(14, 0, seed=s) for s in range(3)]
+    bases = [engine.encode(x[:8], t[:8]) for x, t in users]  # 2 pages each: 6 used
+    other = [engine.encode(users[0][0][:4], users[0][1][:4])]  # 1 page, dropped when the pool is full
+    engine.pool.on_full = lambda: bool(other) and (other.clear() or gc.collect() or True)
+    grown = engine.extend_batch(bases, [x[8:14] for x, _ in users], [t[8:14] for _, t in users])
+    assert [g.paged is not None for g, _ in grown] == [True, True, False] and not other
+    plain_bases = [plain.encode(x[:8], t[:8]) for x, t in users]
+    want = plain.extend_batch(plain_bases, [x[8:14] for x, _ in users], [t[8:14] for _, t in users])
+    for (got, got_hidden), (ref, ref_hidden) in zip(grown, want):
+        same_kv(got, ref)
+        torch.testing.assert_close(got_hidden, ref_hidden, rtol=0, atol=0)
+    offsets = torch.tensor([0, 2, 3, 5])
+    candidates, times = torch.randn(5, 16), torch.full((5,), REQUEST_TIME)
+    torch.testing.assert_close(
+        engine.score_batch([g for g, _ in grown], candidates, offsets, times),
+        plain.score_batch([g for g, _ in want], candidates, offsets, times),
+        rtol=0,
+        atol=0,
+    )

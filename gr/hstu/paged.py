@@ -196,7 +196,7 @@ class PagePool:
 
     def _release(self, pages: Tuple[int, ...]) -> None:
         with self._lock:
-            for page in pages:
+            for page in reversed(pages):  # popped back in token order: a history's pages stay consecutive
                 self._refs[page] -= 1
                 if self._refs[page] == 0:
                     self._fill[page] = 0
