@@ -2,7 +2,7 @@
 one whose caches are tensors, extending writes only the new tokens, and pages come back when no
 cache holds them."""
 
-import gc
+import threading
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from test_serving_hstu_cache import CASES, REQUEST_TIME, make_engine, tokens
 
 from gr.hstu.cache import CachedHSTU
 from gr.hstu.paged import PagePool
+from gr.serving.user_cache import UserCache
 
 
 def paged_twin(engine: CachedHSTU, pages: int, page_size: int = 4) -> CachedHSTU:
@@ -114,10 +115,8 @@ def test_pages_return_to_the_pool_when_no_cache_holds_them():
     grown = engine.extend(base, x[6:11], ts[6:11])
     assert engine.pool.used == 3
     del base  # its pages are grown's prefix: still held
-    gc.collect()
     assert engine.pool.used == 3
-    del grown
-    gc.collect()
+    del grown  # freed at once (no reference cycle holds a history)
     assert engine.pool.used == 0 and engine.pool.free == 8
 
 
@@ -135,7 +134,6 @@ def test_a_full_pool_calls_on_full_then_keeps_the_history_unpaged():
         if not kept:
             return False
         kept.pop()
-        gc.collect()
         return True
 
     engine.pool.on_full = on_full
@@ -157,7 +155,7 @@ def test_a_pool_that_fills_in_the_middle_of_a_batch_answers_as_the_unpaged_engin
     users = [tokens(14, 0, seed=s) for s in range(3)]
     bases = [engine.encode(x[:8], t[:8]) for x, t in users]  # 2 pages each: 6 used
     other = [engine.encode(users[0][0][:4], users[0][1][:4])]  # 1 page, dropped when the pool is full
-    engine.pool.on_full = lambda: bool(other) and (other.clear() or gc.collect() or True)
+    engine.pool.on_full = lambda: bool(other) and (other.clear() or True)
     grown = engine.extend_batch(bases, [x[8:14] for x, _ in users], [t[8:14] for _, t in users])
     assert [g.paged is not None for g, _ in grown] == [True, True, False] and not other
     plain_bases = [plain.encode(x[:8], t[:8]) for x, t in users]
@@ -173,3 +171,37 @@ def test_a_pool_that_fills_in_the_middle_of_a_batch_answers_as_the_unpaged_engin
         rtol=0,
         atol=0,
     )
+
+
+def test_threads_extending_and_evicting_in_one_small_pool_never_see_a_page_reused_under_them():
+    """Four threads extend one shared history with their own tokens and keep the results in a
+    byte-bounded LRU that a full pool evicts from; each result, read after the others ran, still
+    holds exactly its unpaged K/V."""
+    plain = make_engine(num_heads=2)
+    engine = paged_twin(plain, pages=12, page_size=4)
+    lru = UserCache(6 * engine.pool.page_bytes)
+    engine.pool.on_full = lru.evict_oldest
+    x, ts = tokens(6, 0)
+    base, plain_base = engine.encode(x, ts), plain.encode(x, ts)
+    news = [torch.randn(3, 16, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    times = ts[-1] + torch.arange(1, 4)
+    wants = [plain.extend(plain_base, new, times) for new in news]
+    errors = []
+
+    def work(i: int) -> None:
+        try:
+            for step in range(5):
+                mine = engine.extend(base, news[i], times)
+                lru.put((i, step), mine, 0)
+                same_kv(mine, wants[i])
+        except AssertionError as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    same_kv(base, plain_base)
+    assert engine.pool.used <= engine.pool.pages

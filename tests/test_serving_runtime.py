@@ -3,7 +3,6 @@ reload, threads), bad requests, batch form and CLI; and the HSTU slice and the r
 and scoring in a process that cannot import the training code (an import guard refuses
 torchrec, lightning and gr.model/train/data/sparse/DNNs)."""
 
-import gc
 import json
 import os
 import shutil
@@ -289,7 +288,6 @@ def test_a_full_page_pool_evicts_least_recently_used_users_and_a_reload_frees_ev
     assert ranker.cache.get(requests[-1]["user_id"]).cache.paged is not None
     old_pool = ranker.model.engine.pool
     ranker.reload(path)
-    gc.collect()
     assert len(ranker.cache) == 0 and old_pool.used == 0, "a reload frees every page"
     assert ranker.pages() == (0, 20)
 
