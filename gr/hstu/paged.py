@@ -184,9 +184,12 @@ class PagePool:
                 self._fill[pages[i]] = min(self.page_size, end - i * self.page_size)
 
     def _rows(self, pages: List[int], start: int, end: int) -> Tensor:
-        table = torch.tensor(pages, dtype=torch.long, device=self.device)
-        slots = torch.arange(self.page_size, device=self.device)
-        return (table.view(-1, 1) * self.page_size + slots).flatten()[start:end]
+        """[end - start] int64: the pool rows of tokens start .. end - 1 of a history on ``pages``."""
+        size = self.page_size
+        first = start // size
+        table = torch.tensor(pages[first : -(-end // size)], dtype=torch.long, device=self.device)
+        slots = torch.arange(size, device=self.device)
+        return (table.view(-1, 1) * size + slots).flatten()[start - first * size : end - first * size]
 
     def _table(self, pages: List[int], length: int) -> "PagedKV":
         with self._lock:

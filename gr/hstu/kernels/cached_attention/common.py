@@ -41,6 +41,13 @@ class PageTables:
         self.tables = list(tables)
         self.page_size = int(page_size)
         self._reads: dict = {}  # (request, length) -> ("run", first row) | ("rows", [length] int64)
+        self._extremes: Optional[list] = None  # per table (smallest, largest page id), for the checks
+
+    def extremes(self) -> list:
+        """Per table (smallest page id, largest page id), or None for an empty table (computed once)."""
+        if self._extremes is None:
+            self._extremes = [(int(t.min()), int(t.max())) if t.numel() else None for t in self.tables]
+        return self._extremes
 
     def __len__(self) -> int:
         return len(self.tables)
@@ -197,10 +204,8 @@ def _check_paged(op: str, name: str, cache: PagedCache, lengths: Sequence[int], 
     if len(tables) != len(lengths):
         raise ValueError(f"{op}: {name}: {len(tables)} page tables for {len(lengths)} requests")
     pages = pool.shape[1] // tables.page_size
-    for b, (table, length) in enumerate(zip(tables.tables, lengths)):
-        if table.numel() * tables.page_size < length or (
-            table.numel() and not 0 <= int(table.min()) <= int(table.max()) < pages
-        ):
+    for b, (table, length, extremes) in enumerate(zip(tables.tables, lengths, tables.extremes())):
+        if table.numel() * tables.page_size < length or (extremes and not 0 <= extremes[0] <= extremes[1] < pages):
             raise ValueError(
                 f"{op}: {name}: request {b}'s page table {table.tolist()} does not hold its {length} tokens "
                 f"in a pool of {pages} pages of {tables.page_size}"
