@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gr.hstu.kernels.attention import RelativeBias, hstu_attention
-from gr.hstu.kernels.cached_attention import hstu_cached_attention
+from gr.hstu.kernels.cached_attention import PagedCache, PageTables, hstu_cached_attention
 from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 pytestmark = pytest.mark.attention
@@ -214,4 +214,70 @@ def test_per_request_cache_tensors_equal_one_jagged_cache(backend):
             offsets(p["cache_lengths"]),
             cache_timestamps=ts,
             **common,
+        )
+
+
+def paged(cache, lengths, page_size, seed):
+    """``cache`` [H, C, D] (jagged over ``lengths``) written into a fragmented pool: each request's pages
+    scattered at random among more pages than needed, the unused ones full of garbage."""
+    g = torch.Generator().manual_seed(seed)
+    pages_each = [-(-n // page_size) for n in lengths]
+    total = sum(pages_each) + 3
+    order = torch.randperm(total, generator=g)
+    pool = torch.randn(cache.shape[0], total * page_size, cache.shape[2], generator=g)
+    tables, start, used = [], 0, 0
+    for n, count in zip(lengths, pages_each):
+        table = order[used : used + count]
+        used += count
+        rows = (table.view(-1, 1) * page_size + torch.arange(page_size)).flatten()[:n]
+        pool[:, rows] = cache[:, start : start + n]
+        tables.append(table)
+        start += n
+    return pool, tables
+
+
+# every page size on the fast backends; one that leaves partial pages on the interpreted kernels
+PAGED = [(b, size) for b in BACKENDS for size in ((1, 4, 16) if b in ("pytorch", "cpu") else (4,))]
+
+
+@pytest.mark.parametrize("backend,page_size", PAGED)
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_tokens, page_size):
+    """K/V read through random page tables of a fragmented pool give the unpaged answer exactly."""
+    p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 1], new_lengths=[3, 2, 4, 1])
+    cache_rows, new_rows = split(p)
+    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
+    pool_k, tables = paged(keys, p["cache_lengths"], page_size, seed=page_size)
+    pool_v, _ = paged(values, p["cache_lengths"], page_size, seed=page_size)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    rab = bias(p, new_rows)
+    rab = RelativeBias(dev(rab.position_weights), dev(rab.time_weights), dev(rab.timestamps), rab.time_bucketing, None)
+    args = [dev(t) for t in (p["q"][new_rows], p["k"][new_rows], p["v"][new_rows], offsets(p["new_lengths"]))]
+    common = dict(new_tokens=new_tokens, rab=rab, backend=backend, alpha=0.3, cache_timestamps=dev(p["ts"][cache_rows]))
+    want = hstu_cached_attention(*args, dev(keys), dev(values), dev(offsets(p["cache_lengths"])), **common)
+    page_tables = PageTables([dev(t) for t in tables], page_size)
+    got = hstu_cached_attention(
+        *args,
+        PagedCache(dev(pool_k), page_tables),
+        PagedCache(dev(pool_v), page_tables),
+        dev(offsets(p["cache_lengths"])),
+        **common,
+    )
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
+
+
+def test_a_page_table_too_short_for_its_tokens_is_a_named_error():
+    p = problem(cache_lengths=[5], new_lengths=[2])
+    cache_rows, new_rows = split(p)
+    tables = PageTables([torch.tensor([0])], 4)  # 4 slots for 5 tokens
+    with pytest.raises(ValueError, match="cache_k: request 0's page table"):
+        hstu_cached_attention(
+            p["q"][new_rows],
+            p["k"][new_rows],
+            p["v"][new_rows],
+            torch.tensor([0, 2]),
+            PagedCache(torch.zeros(HEADS, 8, DA), tables),
+            PagedCache(torch.zeros(HEADS, 8, DL), tables),
+            torch.tensor([0, 5]),
         )

@@ -178,6 +178,7 @@ BENCHES = (
             "retrieval",
         ),
     ),
+    Bench("bench/serving_state.py", ("bench", "clock", "cpu", "load_average", "extend", "memory")),
     Bench("bench/serving_http.py", ("history", "candidates", "in_process", "http", "http_p50_overhead_at_1_client")),
     Bench(
         "bench/train_step.py",

@@ -196,6 +196,8 @@ def test_metrics_count_requests_errors_cache_statuses_and_latency(servers):
     assert [moved("gr_cache_total", status=s) for s in ("miss", "hit", "extend")] == [1, 1, 1]
     assert moved("gr_request_seconds_count", endpoint="recommend") == 4
     assert metric(after, "gr_cache_bytes") > 0 and metric(after, "gr_model_version") == 0
+    used, free = metric(after, "gr_cache_pages_used"), metric(after, "gr_cache_pages_free")
+    assert used > 0 and free > 0, "the user's history holds pages of the worker's pool"
 
 
 def test_a_query_string_neither_relabels_a_requests_metrics_nor_picks_its_handler(servers):

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 from gr.commands.serve import main as serving_main
 from gr.export import export_model
 from gr.export.manifest import write_manifest
-from gr.hstu.cache import cache_bytes_per_token
+from gr.hstu.cache import TIMESTAMP_BYTES, cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
 from gr.serving.limits import RequestLimits
 from gr.serving.scores import ranking_scores
@@ -187,7 +187,9 @@ def test_user_cache_keeps_at_most_its_byte_bound_and_evicts_the_least_recently_u
         rank(ranker, r)
         sizes[r["user_id"]] = kept_bytes(r["user_id"], ranker.cache.get(r["user_id"]))
         history_bytes = ranker.cache.get(r["user_id"]).cache.nbytes
-        assert history_bytes == len(r["history"]["timestamps"]) * cache_bytes_per_token(config)
+        length, page = len(r["history"]["timestamps"]), ranker.page_size  # K/V in whole pages, a timestamp a token
+        kv_per_token = cache_bytes_per_token(config) - TIMESTAMP_BYTES
+        assert history_bytes == -(-length // page) * page * kv_per_token + length * TIMESTAMP_BYTES
     u0, u1, u2, u3 = (r["user_id"] for r in requests)
     bound = sizes[u0] + sizes[u1] + sizes[u2] - 1  # the three first users do not fit together
     ranker = Ranker.load(path, cache_bytes=bound)
@@ -251,6 +253,43 @@ def test_concurrent_requests_give_the_sequential_results(exported, users):
             np.testing.assert_allclose(result.scores[task], value, rtol=0, atol=ATOL)
     assert ranker.cache.nbytes <= ranker.cache.max_bytes
     assert {res.cache_status for _, res in results} <= {"miss", "hit"}
+
+
+def test_a_paged_ranker_answers_as_the_unpaged_one_to_the_bit(exported, users):
+    """Histories kept in K/V pages (encoded, then extended a few actions at a time) give exactly the
+    scores of histories kept in their own tensors; the pool counts the pages they hold."""
+    _, path = exported
+    _, requests = users
+    paged, unpaged = Ranker.load(path, page_size=4), Ranker.load(path, page_size=0)
+    for end in (5, 6, 9, 40):
+        for r in requests:
+            got, want = rank(paged, slice_history(r, end)), rank(unpaged, slice_history(r, end))
+            assert got.cache_status == want.cache_status
+            for task, value in want.scores.items():
+                np.testing.assert_array_equal(got.scores[task], value)
+    assert all(paged.cache.get(r["user_id"]).cache.paged is not None for r in requests)
+    used, free = paged.pages()
+    pages = sum(-(-len(r["history"]["timestamps"]) // 4) for r in requests)
+    assert used == pages and used + free == paged.model.engine.pool.pages
+    assert unpaged.pages() == (0, 0)
+
+
+def test_a_full_page_pool_evicts_least_recently_used_users_and_a_reload_frees_every_page(exported, users):
+    _, path = exported
+    _, requests = users
+    config = Ranker.load(path).model.config
+    page_bytes = 4 * (cache_bytes_per_token(config) - TIMESTAMP_BYTES)
+    ranker = Ranker.load(path, page_size=4, cache_bytes=20 * page_bytes)  # 20 pages: two users of 40 tokens do not fit
+    for r in requests:
+        rank(ranker, r)
+    used, free = ranker.pages()
+    assert used + free == 20 and used <= 20
+    assert ranker.cache.users()[-1] == requests[-1]["user_id"]
+    assert ranker.cache.get(requests[-1]["user_id"]).cache.paged is not None
+    old_pool = ranker.model.engine.pool
+    ranker.reload(path)
+    assert len(ranker.cache) == 0 and old_pool.used == 0, "a reload frees every page"
+    assert ranker.pages() == (0, 20)
 
 
 BAD_REQUESTS = {

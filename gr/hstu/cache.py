@@ -18,11 +18,16 @@ histories and caches run in one pass (``encode_batch``, ``extend_batch``, ``scor
 parameters are (``CachedHSTU.device``): new tokens and timestamps are moved there, and every
 cache tensor lives there. Imports only torch, gr.hstu and gr.jagged: the serving runtime uses it
 without the training code.
+
+With a ``PagePool`` (``CachedHSTU.pool``, ``gr.hstu.paged``) the committed K/V live in the pool's
+pages: encoding writes them there, extending appends the new tokens' K/V to the history's pages
+(no copy of the prefix) and attention reads them through the page tables. A history the pool
+cannot hold stays in its own tensors, as without a pool; both give the same results, bit for bit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -30,8 +35,9 @@ from torch import Tensor
 
 from gr.hstu.config import HSTUConfig
 from gr.hstu.kernels.attention import AttentionWorkspace
-from gr.hstu.kernels.cached_attention import default_positions
+from gr.hstu.kernels.cached_attention import CacheTensor, PagedCache, PageTables, default_positions
 from gr.hstu.layer import HSTULayer
+from gr.hstu.paged import PagedKV, PagePool
 from gr.hstu.stack import HSTU
 from gr.jagged import offsets_from_lengths
 
@@ -43,15 +49,18 @@ class HistoryCache:
     """One user's encoded history; immutable, so concurrent readers can share it.
 
     keys: per layer [H, C, Da] float, values: per layer [H, C, Dl] float: the C committed tokens
+        (empty tuples when ``paged`` holds them)
     timestamps: [L] int64 seconds of all L history tokens
     pending: [L - C, D] float or None: the input (PrefixDNN output) of the last history tokens,
         whose outputs wait for the time of the event after them ("next_event" query time)
+    paged: the committed tokens' K/V in a ``PagePool`` (``gr.hstu.paged``), or None
     """
 
     keys: Tuple[Tensor, ...]
     values: Tuple[Tensor, ...]
     timestamps: Tensor
     pending: Optional[Tensor] = None
+    paged: Optional[PagedKV] = None
 
     @property
     def length(self) -> int:
@@ -65,8 +74,27 @@ class HistoryCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes it holds: its K/V tensors or pages, timestamps and pending inputs."""
         tensors = (*self.keys, *self.values, self.timestamps, *(() if self.pending is None else (self.pending,)))
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + (0 if self.paged is None else self.paged.nbytes)
+
+    def layer(self, index: int) -> Tuple[Tensor, Tensor]:
+        """Layer ``index``'s committed (K [H, C, Da], V [H, C, Dl]), read through the page table when paged."""
+        if self.paged is not None:
+            return self.paged.layer(index)
+        return self.keys[index], self.values[index]
+
+    def unpaged(self) -> "HistoryCache":
+        """The same cache with its K/V in its own tensors (a copy of the pages when paged)."""
+        if self.paged is None:
+            return self
+        layers = [self.layer(i) for i in range(len(self.paged.pool.keys))]
+        return HistoryCache(
+            tuple(k.contiguous() for k, _ in layers),
+            tuple(v.contiguous() for _, v in layers),
+            self.timestamps,
+            self.pending,
+        )
 
 
 def cache_bytes_per_token(config: HSTUConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -85,11 +113,12 @@ class CachedHSTU:
     encoding the longer history in one pass. Inputs from any device are moved to ``device``.
     """
 
-    def __init__(self, hstu: HSTU) -> None:
+    def __init__(self, hstu: HSTU, pool: Optional[PagePool] = None) -> None:
         if not isinstance(hstu, HSTU):
             raise TypeError(f"CachedHSTU: expected an HSTU module, got {type(hstu).__name__}")
         self.hstu = hstu.eval()
         self.config = hstu.config
+        self.pool = pool  # where new caches' K/V go (None: each cache's own tensors)
         # whether the last history token's output waits for the time of the event after it
         self.defers_last = hstu.config.query_time == "next_event" and hstu.config.time_buckets > 0
 
@@ -146,14 +175,18 @@ class CachedHSTU:
         for b, x in enumerate(xs):
             if b in starts:
                 rows = slice(starts[b], starts[b] + committed[b])
-                cached_k = tuple(k[:, rows].contiguous() for k in keys)
-                cached_v = tuple(v[:, rows].contiguous() for v in values)
+                layers_k, layers_v = [k[:, rows] for k in keys], [v[:, rows] for v in values]
                 outputs = hidden[rows]
             else:
-                cached_k, cached_v = (tuple(kv) for kv in self._empty_kv(x))
+                layers_k, layers_v = self._empty_kv(x)
                 outputs = x.new_zeros(0, self.config.hidden_dim)
             pending = x[committed[b] :] if committed[b] < lengths[b] else None
-            out.append((HistoryCache(cached_k, cached_v, ts[b], pending), outputs))
+            paged = None if self.pool is None else self.pool.store(layers_k, layers_v)
+            if paged is not None:
+                out.append((HistoryCache((), (), ts[b], pending, paged), outputs))
+            else:
+                cached_k, cached_v = tuple(k.contiguous() for k in layers_k), tuple(v.contiguous() for v in layers_v)
+                out.append((HistoryCache(cached_k, cached_v, ts[b], pending), outputs))
         return out
 
     @torch.inference_mode()
@@ -194,12 +227,12 @@ class CachedHSTU:
         out = []
         for b, cache in enumerate(caches):
             if b not in done:  # no new token, or one that waits for its next event: nothing to run
-                grown = cache if new[b] == 0 else HistoryCache(cache.keys, cache.values, times[b], tokens[b])
+                grown = cache if new[b] == 0 else replace(cache, timestamps=times[b], pending=tokens[b])
                 out.append((grown, tokens[b].new_zeros(0, self.config.hidden_dim)))
                 continue
             grown, hidden = done[b]
             pending = tokens[b][runs[b] :] if runs[b] < tokens[b].shape[0] else None
-            out.append((HistoryCache(grown.keys, grown.values, times[b], pending), hidden))
+            out.append((replace(grown, timestamps=times[b], pending=pending), hidden))
         return out
 
     @torch.inference_mode()
@@ -243,7 +276,7 @@ class CachedHSTU:
             tokens = [c.pending for c in caches if c.pending is not None]
             committed = self.commit_batch([caches[i] for i in pending], tokens, times)
             for i, (cache, hidden) in zip(pending, committed):
-                out[i] = HistoryCache(cache.keys, cache.values, caches[i].timestamps), hidden
+                out[i] = replace(cache, timestamps=caches[i].timestamps), hidden
         return [out[i] for i in range(len(caches))]
 
     @torch.inference_mode()
@@ -373,7 +406,7 @@ class CachedHSTU:
         xs, times = [x.to(self.device) for x in xs], [t.to(self.device) for t in times]
         lengths = torch.tensor([x.shape[0] for x in xs])
         if int(lengths.sum()) == 0:
-            return [(HistoryCache(c.keys, c.values, c.timestamps[: c.committed]), x) for c, x in zip(caches, xs)]
+            return [(replace(c, timestamps=c.timestamps[: c.committed], pending=None), x) for c, x in zip(caches, xs)]
         x = torch.cat(list(xs))
         timestamps = torch.cat([t[:n] for t, n in zip(times, lengths.tolist())])
         query_times = torch.cat([t[1:] for t in times]) if self.defers_last else None
@@ -382,18 +415,29 @@ class CachedHSTU:
         out, bounds = [], offsets.tolist()
         for b, cache in enumerate(caches):
             rows = slice(bounds[b], bounds[b + 1])
-            grown = HistoryCache(
-                tuple(
-                    torch.cat([old[:, : cache.committed], new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)
-                ),
-                tuple(
-                    torch.cat([old[:, : cache.committed], new[:, rows]], dim=1)
-                    for old, new in zip(cache.values, values)
-                ),
-                torch.cat([cache.timestamps[: cache.committed], timestamps[rows]]),
+            grown = self._grown(cache, [k[:, rows] for k in keys], [v[:, rows] for v in values])
+            out.append(
+                (
+                    replace(grown, timestamps=torch.cat([cache.timestamps[: cache.committed], timestamps[rows]])),
+                    hidden[rows],
+                )
             )
-            out.append((grown, hidden[rows]))
         return out
+
+    def _grown(self, cache: HistoryCache, keys: List[Tensor], values: List[Tensor]) -> HistoryCache:
+        """The committed K/V of ``cache`` followed by new tokens' (per layer [H, n, *]): appended to its
+        pages (no copy of the prefix) when it is paged in the engine's pool and the pool has room,
+        else concatenated into new tensors. Timestamps and pending are left to the caller."""
+        if cache.paged is not None and cache.paged.pool is self.pool:
+            paged = self.pool.append(cache.paged, keys, values)
+            if paged is not None:
+                return HistoryCache((), (), cache.timestamps, None, paged)
+        layers = [cache.layer(i) for i in range(len(keys))]
+        return HistoryCache(
+            tuple(torch.cat([old[:, : cache.committed], new], dim=1) for (old, _), new in zip(layers, keys)),
+            tuple(torch.cat([old[:, : cache.committed], new], dim=1) for (_, old), new in zip(layers, values)),
+            cache.timestamps,
+        )
 
     def _run_new_tokens(
         self,
@@ -420,16 +464,30 @@ class CachedHSTU:
             x, default_positions(new_offsets, cache_offsets, new_tokens) if positions is None else positions
         )
         cache_ts = [c.timestamps[:n] for c, n in zip(caches, committed)]
+        pool = self.pool
+        # every cache in the engine's pool: attention reads K/V through their page tables
+        tables = None
+        if pool is not None and all(c.paged is not None and c.paged.pool is pool for c in caches):
+            tables = PageTables([cast(PagedKV, c.paged).table for c in caches], pool.page_size)
         keys, values = [], []
         for i, layer in enumerate(cast(Sequence[HSTULayer], self.hstu.layers)):
             u, q, k, v = layer.project(h)
+            cache_k: CacheTensor
+            cache_v: CacheTensor
+            if tables is not None:
+                assert pool is not None  # tables come from its pages
+                cache_k, cache_v = PagedCache(pool.keys[i], tables), PagedCache(pool.values[i], tables)
+            else:
+                layers = [c.layer(i) for c in caches]
+                cache_k = [kv[0][:, :n] for kv, n in zip(layers, committed)]
+                cache_v = [kv[1][:, :n] for kv, n in zip(layers, committed)]
             attn = layer.attend_cached(
                 q,
                 k,
                 v,
                 new_offsets,
-                [c.keys[i][:, :n] for c, n in zip(caches, committed)],
-                [c.values[i][:, :n] for c, n in zip(caches, committed)],
+                cache_k,
+                cache_v,
                 cache_offsets,
                 new_tokens=new_tokens,
                 positions=positions,

@@ -154,7 +154,8 @@ def evict(tokens: Tokens, limit: int, block: int = 1) -> Tuple[Tokens, int]:
 
 
 def truncate(cache: HistoryCache, length: int) -> HistoryCache:
-    """The cache of the first ``length`` tokens (of a cache with nothing pending)."""
+    """The cache of the first ``length`` tokens (of a cache with nothing pending), in its own tensors."""
+    cache = cache.unpaged()
     return HistoryCache(
         tuple(k[:, :length] for k in cache.keys), tuple(v[:, :length] for v in cache.values), cache.timestamps[:length]
     )
@@ -164,7 +165,8 @@ def append(
     cache: HistoryCache, keys: List[Tensor], values: List[Tensor], timestamps: Tensor, rows: Tensor
 ) -> HistoryCache:
     """Commit ``rows`` of a ``CachedHSTU.run_block`` result. keys/values: per layer [H, n, *];
-    timestamps: [n]; rows: [r] int64."""
+    timestamps: [n]; rows: [r] int64. The result keeps its K/V in its own tensors."""
+    cache = cache.unpaged()
     return HistoryCache(
         tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)),
         tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.values, values)),

@@ -36,9 +36,9 @@ class ServerMetrics:
     """Requests and client disconnects by endpoint, errors by endpoint, HTTP status and kind (the
     ``error`` name of the answer: bad_request, limit_exceeded, internal, ...), latency histograms,
     the request batcher's batch sizes and queue depths (``observe_batch``), cache hit/extend/miss
-    counts, cache entries and bytes, fallback answers by kind, the history store's latency and
-    errors by operation (append, read; ``observe_store``), the model version of ``ranker`` and the
-    live worker processes. ``refresh`` sets this process's gauges (after each request and
+    counts, cache entries and bytes, K/V pages used and free, fallback answers by kind, the history
+    store's latency and errors by operation (append, read; ``observe_store``), the model version of
+    ``ranker`` and the live worker processes. ``refresh`` sets this process's gauges (after each request and
     reload; a scrape reads the other workers' last values)."""
 
     def __init__(self, ranker: Ranker) -> None:
@@ -121,6 +121,18 @@ class ServerMetrics:
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+        self.pages_used = Gauge(
+            "gr_cache_pages_used",
+            "K/V pages held by cached histories in the page pools of the live workers",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.pages_free = Gauge(
+            "gr_cache_pages_free",
+            "Free K/V pages in the page pools of the live workers",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self.model_version = Gauge(
             "gr_model_version",
             "Model reloads since start (0: the first model); the largest over the live workers",
@@ -143,9 +155,12 @@ class ServerMetrics:
             self.store_errors.labels(operation).inc()
 
     def refresh(self) -> None:
-        """Set this process's cache entries, cache bytes and model version."""
+        """Set this process's cache entries, cache bytes, pages used and free and model version."""
         self.cache_entries.set(len(self.ranker.cache))
         self.cache_bytes.set(self.ranker.cache.nbytes)
+        used, free = self.ranker.pages()
+        self.pages_used.set(used)
+        self.pages_free.set(free)
         self.model_version.set(self.ranker.cache.model_version)
 
     def exposition(self) -> bytes:

@@ -34,6 +34,7 @@ from typing import (
     overload,
 )
 
+from gr.hstu.paged import DEFAULT_PAGE_SIZE, PagePool
 from gr.hstu.user_state import UserState
 from gr.serving import generate as generation
 from gr.serving import rank as ranking
@@ -76,7 +77,9 @@ __all__ = [
 class Ranker:
     """Ranks, recommends and generates for users from an export, caching each user's encoded history.
 
-    cache_bytes: bound of the user cache (LRU by bytes)
+    cache_bytes: bound of the user cache (LRU by bytes); with pages, also the size of the page pool
+        that holds every cached history's K/V (``gr.hstu.paged``): a full pool evicts LRU users
+    page_size: tokens per K/V page (0: each history's K/V in its own tensors, copied on extension)
     micro_batch: candidates per HSTU pass (results do not depend on it)
     long_history: "truncate" (keep the most recent max_seq_len tokens, reported in the
         result) or "refuse" (a RequestError)
@@ -104,7 +107,10 @@ class Ranker:
         device: Optional[str] = None,
         limits: RequestLimits = DEFAULT_LIMITS,
         history_store: Optional[HistoryStore] = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
     ) -> None:
+        if page_size < 0:
+            raise ValueError(f"Ranker.page_size: expected >= 0, got {page_size}")
         if device is not None and device != model.device:
             raise ValueError(f"Ranker.device: {device!r}, but the model was loaded on {model.device!r}")
         if long_history not in LONG_HISTORY:
@@ -118,9 +124,27 @@ class Ranker:
         self.device = model.device
         self.limits = limits
         self.history_store = history_store
+        self.page_size = page_size
         self.cache: UserCache[UserState] = UserCache(cache_bytes)
         self._model = model
         self._lock = threading.Lock()
+        self._use_pages(model)
+
+    def _use_pages(self, model: ServingModel) -> None:
+        """Give ``model``'s engine a page pool of ``cache_bytes`` whose eviction is this cache's LRU."""
+        engine = model.engine
+        if not self.page_size:
+            engine.pool = None
+            return
+        dtype = next(engine.hstu.parameters()).dtype
+        pool = PagePool.of_bytes(engine.config, self.cache.max_bytes, self.page_size, dtype=dtype, device=engine.device)
+        pool.on_full = self.cache.evict_oldest
+        engine.pool = pool
+
+    def pages(self) -> Tuple[int, int]:
+        """(used, free) pages of the current model's K/V page pool; (0, 0) without one."""
+        pool = self.model.engine.pool
+        return (0, 0) if pool is None else (pool.used, pool.free)
 
     @classmethod
     def load(cls, export_dir: Union[str, Path], **options: Any) -> "Ranker":
@@ -139,7 +163,10 @@ class Ranker:
         serves, then swap it in and invalidate every cached history. model_version: the version
         the new model takes (default: one more than the current one)."""
         model = ServingModel(export_dir, self.threads, self.index, self.device)
-        Ranker(model, micro_batch=self.micro_batch, long_history=self.long_history, limits=self.limits).warm_up()
+        Ranker(
+            model, micro_batch=self.micro_batch, long_history=self.long_history, limits=self.limits, page_size=0
+        ).warm_up()
+        self._use_pages(model)
         with self._lock:
             self._model = model
             self.cache.invalidate(model_version)

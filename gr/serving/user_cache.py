@@ -86,6 +86,17 @@ class UserCache(Generic[Entry]):
             self._bytes += size
             return True
 
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used entry (a full page pool asks for room: ``PagePool.on_full``);
+        -> whether there was one."""
+        with self._lock:
+            if not self._entries:
+                return False
+            _, (evicted, size) = self._entries.popitem(last=False)
+            self._bytes -= size
+        del evicted  # outside the lock: freeing its pages takes the pool's lock
+        return True
+
     def discard(self, user: Hashable) -> None:
         """Forget ``user``'s entry, if any."""
         with self._lock:

@@ -4,7 +4,8 @@ of ``gr.hstu.kernels.attention.hstu_attention``, with the same backend names.
 * ``pytorch``: the reference, one request at a time with dense masks (``pytorch``);
 * ``cpu``: the fast path for CPU tensors (``cpu``);
 * ``triton``, ``ascend``, ``ascend_triton``: that backend's training kernel over each request's
-  cache followed by its new tokens (``by_concat``).
+  cache followed by its new tokens (``by_concat``; a paged cache is gathered through its page
+  tables into that layout).
 
 Every backend's entry takes one ``CachedAttentionCall`` (``common``) by keyword, checked once here.
 """
@@ -17,9 +18,15 @@ from torch import Tensor
 
 from gr.hstu.kernels.attention import RelativeBias, backend_entry, resolve_backend
 from gr.hstu.kernels.cached_attention.by_concat import concat_hstu_cached_attention
-from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, CacheTensor, default_positions
+from gr.hstu.kernels.cached_attention.common import (
+    CachedAttentionCall,
+    CacheTensor,
+    PagedCache,
+    PageTables,
+    default_positions,
+)
 
-__all__ = ["CachedAttentionCall", "default_positions", "hstu_cached_attention"]
+__all__ = ["CachedAttentionCall", "PageTables", "PagedCache", "default_positions", "hstu_cached_attention"]
 
 _BACKENDS: Dict[str, str] = {  # name -> "module:function"; the others run by_concat
     "pytorch": "gr.hstu.kernels.cached_attention.pytorch:pytorch_hstu_cached_attention",
@@ -56,7 +63,9 @@ def hstu_cached_attention(
     new_offsets: [B+1] int64 over the N new tokens
     cache_k: [H, C, Da] float, cache_v: [H, C, Dl] float: the requests' cached keys and values,
         head-major (the layout ``gr.hstu.cache.HistoryCache`` keeps), jagged over C; or B
-        per-request tensors [H, C_b, *] (no copy of several users' caches into one)
+        per-request tensors [H, C_b, *] (no copy of several users' caches into one), or a
+        ``PagedCache``: a page pool [H, P * page_size, *] read through each request's page table
+        (every backend; results equal to the same K/V given as tensors, bit for bit)
     cache_offsets: [B+1] int64 over the C cached tokens
     new_tokens: "targets" (candidates at position C_b: each sees the history and itself) or
         "history" (the history goes on: causal among themselves, positions C_b, C_b + 1, ...)

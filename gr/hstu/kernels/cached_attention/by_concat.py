@@ -2,7 +2,9 @@
 new tokens are laid out as one jagged sequence (history + targets, or a longer history) and
 the new tokens' rows are kept. Exact by construction; it also computes the cached rows, so it
 costs O((C + n)^2) per request instead of O(n (C + n)). Draft trees (``block_visible``) and
-explicit positions have no training-kernel layout and run on the pytorch reference."""
+explicit positions have no training-kernel layout and run on the pytorch reference. A paged cache
+(``PagedCache``) is gathered through its page tables straight into that layout, feeding the same
+kernel."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ def concat_hstu_cached_attention(call: CachedAttentionCall, *, backend: str) -> 
     q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
     if call.block_visible is not None or call.positions is not None:
         return pytorch_hstu_cached_attention(call)
-    cache_k, cache_v = joined(call.cache_k, 1), joined(call.cache_v, 1)
-    cache_timestamps = joined(call.cache_timestamps, 0)
     new_lengths, cache_lengths = lengths_from_offsets(call.new_offsets), lengths_from_offsets(call.cache_offsets)
+    spans = cache_lengths.tolist()
+    cache_k, cache_v = joined(call.cache_k, 1, spans), joined(call.cache_v, 1, spans)
+    cache_timestamps = joined(call.cache_timestamps, 0, spans)
     seq_offsets = offsets_from_lengths(new_lengths + cache_lengths)
     cache_rows, new_rows = _rows(seq_offsets, cache_lengths, new_lengths)
     total = int(seq_offsets[-1])

@@ -5,7 +5,7 @@ request's cached history K/V and to new tokens of the same request, under the tr
 mask and bias (``gr.hstu.kernels.attention.common``): the result equals the rows of the one-pass
 ``hstu_attention`` over history + new tokens. This module holds the shared pieces: the call
 (``CachedAttentionCall``), the per-request slices and the mask and bias of one request's (new,
-key) pairs.
+key) pairs, and the paged form of a cache (``PagedCache``: K or V read through page tables).
 """
 
 from __future__ import annotations
@@ -27,8 +27,83 @@ from gr.hstu.kernels.attention.common import (
 from gr.jagged import lengths_from_offsets, token_offsets_in_seq
 
 NEW_TOKEN_KINDS = ("targets", "history")
-# A cached tensor of B requests: one jagged tensor, or a sequence of B per-request tensors.
-CacheTensor = Union[Tensor, Sequence[Tensor]]
+
+
+class PageTables:
+    """B requests' page tables into one page pool, shared by every layer's ``PagedCache``.
+
+    tables: B [n_b] int64 page ids, the request's tokens in order (token j in page
+    tables[b][j // page_size], slot j % page_size); page_size: tokens per page.
+    The pool rows of a request's tokens are computed once and reused by every layer.
+    """
+
+    def __init__(self, tables: Sequence[Tensor], page_size: int) -> None:
+        self.tables = list(tables)
+        self.page_size = int(page_size)
+        self._reads: dict = {}  # (request, length) -> ("run", first row) | ("rows", [length] int64)
+        self._extremes: Optional[list] = None  # per table (smallest, largest page id), for the checks
+
+    def extremes(self) -> list:
+        """Per table (smallest page id, largest page id), or None for an empty table (computed once)."""
+        if self._extremes is None:
+            self._extremes = [(int(t.min()), int(t.max())) if t.numel() else None for t in self.tables]
+        return self._extremes
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def read(self, index: int, length: int) -> Tuple[str, Union[int, Tensor]]:
+        """How request ``index``'s first ``length`` tokens are read: ("run", first pool row) when
+        its pages are consecutive in the pool (a view), else ("rows", [length] int64 pool rows)."""
+        key = (index, length)
+        found = self._reads.get(key)
+        if found is None:
+            table, size = self.tables[index], self.page_size
+            pages = table[: -(-length // size)]
+            if pages.numel() <= 1 or bool((pages[1:] - pages[:-1] == 1).all()):
+                found = ("run", int(pages[0]) * size if pages.numel() else 0)
+            else:
+                slots = torch.arange(size, device=table.device)
+                found = ("rows", (pages.view(-1, 1) * size + slots).flatten()[:length])
+            self._reads[key] = found
+        return found
+
+
+@dataclass(frozen=True, eq=False)
+class PagedCache:
+    """One layer's cached K (or V) of B requests, kept in a page pool and read through page tables.
+
+    pool: [H, P * page_size, D] float, head-major: the pool's P pages of this layer, page p's
+    slots in rows p * page_size ...; tables: the requests' ``PageTables`` (request b's length
+    comes from the call's cache_offsets). A request's K/V is read as [H, C_b, D]: a view of the
+    pool when its pages are consecutive, else one gather of its rows; the values are the
+    pool's, so results equal those of the same K/V given as tensors, bit for bit.
+    """
+
+    pool: Tensor
+    tables: PageTables
+
+    def read(self, index: int, length: int) -> Tensor:
+        """[H, length, D]: request ``index``'s first ``length`` cached tokens."""
+        kind, where = self.tables.read(index, length)
+        if kind == "run":
+            return self.pool.narrow(1, int(where), length)
+        return self.pool.index_select(1, where)  # type: ignore[arg-type]
+
+    def rows(self, lengths: Sequence[int]) -> Tensor:
+        """[sum lengths] int64: the pool rows of every request's tokens, back to back."""
+        out = []
+        for index, length in enumerate(lengths):
+            kind, where = self.tables.read(index, length)
+            if kind == "run":
+                out.append(torch.arange(int(where), int(where) + length, device=self.pool.device))
+            else:
+                out.append(where)  # type: ignore[arg-type]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=self.pool.device)
+
+
+# A cached tensor of B requests: one jagged tensor, a sequence of B per-request tensors, or pages.
+CacheTensor = Union[Tensor, Sequence[Tensor], PagedCache]
 
 
 @dataclass(frozen=True)
@@ -99,11 +174,16 @@ class CachedAttentionCall:
         if int(new_offsets[-1]) != q.shape[0]:
             raise ValueError(f"{op}: new_offsets[-1] must be N, the number of new tokens")
         lengths = lengths_from_offsets(cache_offsets).tolist()
-        spans = [sum(lengths)] if isinstance(self.cache_k, Tensor) else lengths
         timed = self.rab is not None and self.rab.time_weights is not None
         named = (("cache_k", self.cache_k, q.shape[2]), ("cache_v", self.cache_v, v.shape[2]))
         for name, cache, dim in named + ((("cache_timestamps", self.cache_timestamps, None),) if timed else ()):
+            if isinstance(cache, PagedCache):
+                if dim is None:
+                    raise ValueError(f"{op}: {name} must be tensors, not pages")
+                _check_paged(op, name, cache, lengths, q.shape[1], dim)
+                continue
             parts = [cache] if cache is None or isinstance(cache, Tensor) else list(cache)
+            spans = [sum(lengths)] if isinstance(cache, Tensor) else lengths
             for span, part in zip(spans, parts) if len(parts) == len(spans) else [(None, None)]:
                 shape = (span,) if dim is None else (q.shape[1], span, dim)
                 if part is None or tuple(part.shape) != shape:
@@ -112,6 +192,24 @@ class CachedAttentionCall:
                         f" (cache_offsets say {lengths} tokens per request), got "
                         f"{None if part is None else tuple(part.shape)}"
                     )
+
+
+def _check_paged(op: str, name: str, cache: PagedCache, lengths: Sequence[int], heads: int, dim: int) -> None:
+    """A paged cache holds B page tables, each with room for its request's tokens, in a [H, rows, D] pool."""
+    pool, tables = cache.pool, cache.tables
+    if pool.dim() != 3 or pool.shape[0] != heads or pool.shape[2] != dim or pool.shape[1] % tables.page_size:
+        raise ValueError(
+            f"{op}: {name}: the page pool must be [{heads}, pages * {tables.page_size}, {dim}], got {tuple(pool.shape)}"
+        )
+    if len(tables) != len(lengths):
+        raise ValueError(f"{op}: {name}: {len(tables)} page tables for {len(lengths)} requests")
+    pages = pool.shape[1] // tables.page_size
+    for b, (table, length, extremes) in enumerate(zip(tables.tables, lengths, tables.extremes())):
+        if table.numel() * tables.page_size < length or (extremes and not 0 <= extremes[0] <= extremes[1] < pages):
+            raise ValueError(
+                f"{op}: {name}: request {b}'s page table {table.tolist()} does not hold its {length} tokens "
+                f"in a pool of {pages} pages of {tables.page_size}"
+            )
 
 
 def default_positions(new_offsets: Tensor, cache_offsets: Tensor, new_tokens: str) -> Tensor:
@@ -195,8 +293,11 @@ def part(cache: CacheTensor, request: CachedRequest, dim: int) -> Tensor: ...
 @overload
 def part(cache: None, request: CachedRequest, dim: int) -> None: ...
 def part(cache: Optional[CacheTensor], request: CachedRequest, dim: int) -> Optional[Tensor]:
-    """One request's cached tensor: its slice of a jagged tensor along ``dim``, or its own entry of a
-    per-request list (which lets callers pass several users' caches without copying them together)."""
+    """One request's cached tensor: its slice of a jagged tensor along ``dim``, its own entry of a
+    per-request list (which lets callers pass several users' caches without copying them together),
+    or its tokens read through its page table."""
+    if isinstance(cache, PagedCache):
+        return cache.read(request.index, request.cache.stop - request.cache.start)
     if cache is None or isinstance(cache, Tensor):
         return (
             None if cache is None else cache.narrow(dim, request.cache.start, request.cache.stop - request.cache.start)
@@ -205,11 +306,14 @@ def part(cache: Optional[CacheTensor], request: CachedRequest, dim: int) -> Opti
 
 
 @overload
-def joined(cache: CacheTensor, dim: int) -> Tensor: ...
+def joined(cache: CacheTensor, dim: int, lengths: Sequence[int] = ()) -> Tensor: ...
 @overload
-def joined(cache: None, dim: int) -> None: ...
-def joined(cache: Optional[CacheTensor], dim: int) -> Optional[Tensor]:
-    """A cached tensor as one jagged tensor (per-request lists concatenated along ``dim``)."""
+def joined(cache: None, dim: int, lengths: Sequence[int] = ()) -> None: ...
+def joined(cache: Optional[CacheTensor], dim: int, lengths: Sequence[int] = ()) -> Optional[Tensor]:
+    """A cached tensor as one jagged tensor (per-request lists concatenated along ``dim``; a paged
+    cache's requests, of ``lengths`` tokens, gathered through their page tables in one read)."""
+    if isinstance(cache, PagedCache):
+        return cache.pool.index_select(1, cache.rows(lengths))
     return cache if cache is None or isinstance(cache, Tensor) else torch.cat(list(cache), dim=dim)
 
 
