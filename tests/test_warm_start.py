@@ -5,6 +5,7 @@ it began from and the ids it added, and a model that differs is refused naming t
 data is read."""
 
 import copy
+import csv
 import json
 import logging
 import math
@@ -235,12 +236,18 @@ def test_bad_warm_start_keys_are_refused_naming_them_with_or_without_init_from(
 def test_a_warm_run_trains_new_rows_on_either_backend_and_records_its_origin(
     day_runs, tmp_path, backend, dense_state, caplog
 ):
+    """Also: the dense optimizer's state carried on TorchRec, the learning rate decaying to its floor."""
     values = _config(day_runs / "all.csv", backend, init_from=str(day_runs / "day0")).to_dict()
     values["warm_start"]["dense_optimizer_state"] = dense_state
+    values["optimizer"].update(lr_decay="linear", lr_floor=0.1)  # as warm_start.lr_decay / lr_floor set them
     config = TrainConfig.from_dict(values)
     with caplog.at_level(logging.INFO, logger="gr.train.run"):
         metrics = train(config, tmp_path / "warm")
     assert 0 <= metrics["hr@10"] <= 1
+    with (tmp_path / "warm" / "logs" / "metrics.csv").open() as f:
+        lrs = [float(row["train/lr"]) for row in csv.DictReader(f) if row["train/lr"]]
+    assert len(lrs) > 2 and lrs == sorted(lrs, reverse=True) and lrs[0] > lrs[-1]
+    assert lrs[-1] == pytest.approx(0.1 * config.optimizer.lr)
     old = len(load_mappings(str(day_runs / "day0" / "mappings"))[0]["items"].raw)
     origin = metrics["init_from"]
     assert origin["checkpoint"] == json.loads((day_runs / "day0" / "metrics.json").read_text())["best_checkpoint"]
