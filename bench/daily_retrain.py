@@ -17,8 +17,11 @@ so each user counts once:
       last checkpoint tested (nothing validated: the validation target, each user's first event
       after pT, is about 90 users, too few to pick an epoch by); and one warm run per variant
       ``--variants SPEC``: ``key=value[,key=value...]`` over the recipe, keys of ``warm_start``
-      (replay, max_epochs, lr, warmup_steps, table_optimizer_state) or ``replay_from=P`` (replayed
-      events from the P-th time percentile on: data.replay_start); ``--warm-epochs N`` and
+      (replay, max_epochs, lr, warmup_steps, lr_decay, lr_floor, replay_days, validation_days,
+      early_stopping_patience, table_optimizer_state, dense_optimizer_state) or ``replay_from=P``
+      (replayed events from the P-th time percentile on: data.replay_start); a variant with
+      validation_days validates on those last days of day 1 and its best checkpoint is tested;
+      ``--warm-epochs N`` and
       ``--replay-from P`` set those for every warm run;
   (c) day 0: the recipe on day 0 (split_time pD), its best checkpoint tested with split_time pT
       (``gr evaluate`` RUN).
@@ -68,7 +71,20 @@ from gr.train.run import train  # noqa: E402
 RECIPE = "configs/ml100k_hstu.yaml"
 METRICS = ("hr@10", "ndcg@10")
 WARM = "warm"  # the recipe's warm run; a variant's is warm[SPEC]
-VARIANT_KEYS = ("replay", "max_epochs", "lr", "warmup_steps", "table_optimizer_state", "replay_from")
+VARIANT_KEYS = (
+    "replay",
+    "max_epochs",
+    "lr",
+    "warmup_steps",
+    "lr_decay",
+    "lr_floor",
+    "replay_days",
+    "validation_days",
+    "early_stopping_patience",
+    "table_optimizer_state",
+    "dense_optimizer_state",
+    "replay_from",
+)
 # One lever moved at a time from the recipe (warm_start's defaults).
 VARIANTS = (
     "replay=0",
@@ -204,7 +220,9 @@ def main(argv: List[str] | None = None) -> None:
             results["day0"].append({**{m: tested[m] for m in METRICS}, **counts})
             trained = {"cold": run(root / f"cold-{seed}", seeded, tested_split)}
             for i, (name, spec) in enumerate(warm_runs.items()):
-                extra = [*tested_split, ("data.train_start", day1), ("trainer.check_val_every_n_epoch", NEVER)]
+                extra = [*tested_split, ("data.train_start", day1)]
+                if "validation_days" not in spec:
+                    extra.append(("trainer.check_val_every_n_epoch", NEVER))
                 trained[name] = run(
                     root / f"warm{i}-{seed}",
                     seeded,

@@ -28,7 +28,7 @@ from gr.jagged_rows import JaggedRows
 from gr.postfix_dnn.item_tower import ItemEncoder, ItemTower, TowerFeature
 from gr.serving import Ranker
 from gr.train import load_trained_model
-from gr.train.build import build_model, check_declared_features, seeded_model
+from gr.train.build import build_model, check_declared_features, dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
 from gr.train.run import _warm_start, train
 from gr.train.tasks import RetrievalTask
@@ -217,10 +217,12 @@ def test_check_names_an_item_encoder_that_does_not_fit_its_features(tower_run, t
 
 # ---- warm start -------------------------------------------------------------------------------------
 def test_warm_start_grows_the_towers_bags_with_new_rows_at_zero(tower_run, tmp_path):
+    """Their carried dense optimizer state too: the run's for its rows, zero for the new ones."""
     run, _ = tower_run
     values = _values(features=[CATEGORY])
     values["data"]["synthetic"]["num_categories"] = 16  # values the run never saw: the category vocabulary grows
     values["trainer"].update(init_from=str(run), limit_train_batches=2)
+    values["warm_start"] = {"dense_optimizer_state": "carry"}
     config = TrainConfig.from_dict(values)
     warm = _warm_start(config)
     data = SequenceDataModule(config.data, base_maps=warm.maps)
@@ -230,5 +232,11 @@ def test_warm_start_grows_the_towers_bags_with_new_rows_at_zero(tower_run, tmp_p
     old, new = warm.model.item_tower.encoder.bags[CATEGORY].weight, model.item_tower.encoder.bags[CATEGORY].weight
     assert new.shape[0] > old.shape[0]
     assert torch.equal(new[: old.shape[0]], old) and not new[old.shape[0] :].any()
+    dense = [(name, p) for name, p in model.named_parameters() if not name.startswith("embeddings.")]
+    optimizer = dense_optimizer(config.optimizer, [p for _, p in dense])
+    warm.copy_dense_optimizer_state(optimizer, dense)
+    saved = warm.dense_optimizer_state[f"item_tower.encoder.bags.{CATEGORY}.weight"]["exp_avg_sq"]
+    moments = optimizer.state[new]["exp_avg_sq"]
+    assert saved.any() and torch.equal(moments[: old.shape[0]], saved) and not moments[old.shape[0] :].any()
     metrics = train(config, tmp_path / "warm")
     assert np.isfinite(metrics["hr@10"])

@@ -182,6 +182,28 @@ def test_a_replay_start_bounds_the_replayed_events_under_split_none(times):
     assert len(rows) < len(_label_rows(everything))
 
 
+def test_a_validation_start_validates_every_event_before_the_cut_never_trains_them_and_keeps_the_tests(times):
+    split = dict(split="time", split_time=times[90], train_start=times[50], test_events="all", replay=1.0)
+    data, without = _data(**split, val_start=times[70]), _data(**split)
+    seqs = data.corpus.sequences
+    users, targets = seqs.targets("val")
+    expected = [
+        (u, row)
+        for u in range(seqs.num_users)
+        for row in range(seqs.starts[u], seqs.offsets[u + 1])
+        if times[70] <= seqs.timestamps[row] < times[90] and seqs.timestamps[seqs.starts[u]] < times[70]
+    ]
+    assert list(zip(users.tolist(), targets.tolist())) == expected and len(targets) > 2 * len(np.unique(users))
+    test = [t.tolist() for t in seqs.targets("test")]
+    assert test == [t.tolist() for t in without.corpus.sequences.targets("test")] and test[0]  # never a test event
+    rows = _label_rows(data)
+    assert (seqs.timestamps[rows] < times[70]).all() and (seqs.timestamps[rows] >= times[50]).any()
+    assert not np.isin(rows, targets).any()  # replayed or not, no validation event trains
+    assert data.summary["split"]["val_start"] == times[70]
+    again = _data(**split, val_start=times[70]).corpus.sequences  # deterministic
+    assert [t.tolist() for t in again.targets("val")] == [users.tolist(), targets.tolist()]
+
+
 def test_ranking_cuts_lie_in_the_training_window(times):
     data = _data("ranking", split="time", split_time=times[90], train_start=times[50])
     seqs, train = data.corpus.sequences, data.splits["train"]
@@ -224,6 +246,12 @@ def test_leave_one_out_is_unchanged_by_the_split_machinery():
             {"split": "time", "split_time": 9, "train_start": 5, "replay": 0.5, "replay_start": 5},
             r"data\.replay_start: expected before train_start 5",
         ),
+        ({"split": "time", "split_time": 9, "val_start": 9}, r"data\.val_start: expected before split_time 9"),
+        (
+            {"split": "time", "split_time": 9, "train_start": 5, "val_start": 4},
+            r"data\.val_start: expected after train_start 5 \(the new day's events before it train\), got 4",
+        ),
+        ({"split": "none", "val_start": 5}, r"data\.val_start: only data\.split 'time' reads it \(the split is none"),
     ],
 )
 def test_bad_split_keys_are_refused_naming_them(values, message):

@@ -5,8 +5,10 @@ it began from and the ids it added, and a model that differs is refused naming t
 data is read."""
 
 import copy
+import csv
 import json
 import logging
+import math
 import re
 import shutil
 from pathlib import Path
@@ -19,10 +21,12 @@ import yaml
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import MANIFEST, load_mappings
 from gr.sparse.torch_tables import attach_optimizers
+from gr.train import checkpoint as ckpt
 from gr.train import load_trained_model
-from gr.train.build import seeded_model
-from gr.train.config import TrainConfig, WarmStartSection, config_yaml, load_config
-from gr.train.run import _warm_start, train
+from gr.train.build import dense_optimizer, seeded_model
+from gr.train.config import OptimizerSection, TrainConfig, WarmStartSection, config_yaml, load_config
+from gr.train.module import lr_factor
+from gr.train.run import _warm_start, best_checkpoint, train
 from helpers.runs import RETRIEVAL, ratings_csv
 
 ITEM_WEIGHT = "embeddings.sequence.dim16.embeddings.item.weight"
@@ -99,6 +103,78 @@ def test_a_reset_table_optimizer_state_starts_every_row_at_zero(day_runs):
     assert old.abs().sum() > 0 and not state.any()
 
 
+@pytest.mark.parametrize("policy", ["carry", "fresh"])
+def test_a_carried_dense_optimizer_state_is_the_checkpoints_and_a_fresh_one_is_empty(day_runs, policy):
+    """Adam's moments and step count of each dense parameter, under the new run's learning rate;
+    the weights are untouched either way (bit-identical at step 0)."""
+    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
+    values["warm_start"]["dense_optimizer_state"] = policy
+    values["optimizer"]["lr"] = 0.0007
+    config = TrainConfig.from_dict(values)
+    warm = _warm_start(config)
+    data = SequenceDataModule(config.data, base_maps=warm.maps)
+    data.setup()
+    model = seeded_model(config, data.feature_spec())
+    warm.copy_weights(model)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    dense = [(name, p) for name, p in model.named_parameters() if not name.startswith("embeddings.")]
+    optimizer = dense_optimizer(config.optimizer, [p for _, p in dense])
+    warm.copy_dense_optimizer_state(optimizer, dense)
+    state = optimizer.state_dict()["state"]
+    saved = ckpt.read_meta(best_checkpoint(day_runs / "day0"))["optimizer_states"][0]["state"]
+    if policy == "fresh":
+        assert state == {}
+    else:
+        assert len(state) == len(dense) == len(saved) and saved[0]["step"] > 0
+        for i in saved:
+            assert all(torch.equal(state[i][k], saved[i][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert optimizer.param_groups[0]["lr"] == 0.0007
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_carrying_the_dense_optimizer_state_of_another_optimizer_type_is_refused_naming_the_key(day_runs):
+    values = _config(day_runs / "absent.csv", init_from=str(day_runs / "day0")).to_dict()
+    values["warm_start"]["dense_optimizer_state"] = "carry"
+    values["optimizer"]["type"] = "sgd"
+    with pytest.raises(ValueError, match=r"^optimizer\.type: 'sgd' here, 'adamw' in .*day0; warm_start\.dense_opt"):
+        train(TrainConfig.from_dict(values), day_runs / "refused")
+
+
+@pytest.mark.parametrize(
+    "decay, factors",
+    [
+        ("none", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.25, 0.5, 0.75, 1.0, 0.8, 0.6, 0.4, 0.2]),
+        ("cosine", [0.25, 0.5, 0.75, 1.0, *(0.2 + 0.4 * (1 + math.cos(math.pi * k / 4)) for k in (1, 2, 3, 4))]),
+    ],
+)
+def test_the_dense_learning_rate_warms_up_then_decays_to_its_floor_at_the_last_step(decay, factors):
+    opt = OptimizerSection(warmup_steps=4, lr_decay=decay, lr_floor=0.2)
+    assert [lr_factor(opt, step, 8) for step in range(8)] == pytest.approx(factors)
+    assert lr_factor(opt, 20, 8) == pytest.approx(factors[-1])  # past the estimate: the floor
+
+
+def test_replay_days_replays_only_the_last_days_before_the_train_start(tmp_path):
+    day = 86_400
+    warm = [("trainer.init_from", "runs/day0"), ("warm_start.replay_days", "2.5")]
+    config = load_config(_recipe_file(tmp_path), warm)
+    assert config.data.replay_start == 1_700_000_000 - 2.5 * day and config.data.replay > 0
+    given = load_config(_recipe_file(tmp_path), [*warm, ("data.replay_start", "1699000000")])
+    assert given.data.replay_start == 1_699_000_000 and given.warm_start.replay_days is None  # resumes alike
+    none = load_config(_recipe_file(tmp_path), [*warm, ("warm_start.replay", "0")])
+    assert none.data.replay_start is None  # nothing replayed: no start
+    assert load_config(_recipe_file(tmp_path), warm[:1]).data.replay_start is None  # null: every earlier event
+
+
+def test_validation_days_validate_the_last_days_before_the_cut_under_a_time_split(tmp_path):
+    warm = [("trainer.init_from", "runs/day0"), ("warm_start.validation_days", "1")]
+    timed = [*warm, ("data.split", "time"), ("data.split_time", "1700500000")]
+    assert load_config(_recipe_file(tmp_path), timed).data.val_start == 1_700_500_000 - 86_400
+    given = load_config(_recipe_file(tmp_path), [*timed, ("data.val_start", "1700400000")])
+    assert given.data.val_start == 1_700_400_000 and given.warm_start.validation_days is None
+    assert load_config(_recipe_file(tmp_path), warm).data.val_start is None  # split none: nothing to validate
+
+
 def _recipe_file(tmp_path: Path, **trainer) -> Path:
     """A config file as a cold recipe writes it: many epochs, early stopping, a split none day cut."""
     values = copy.deepcopy(RETRIEVAL)
@@ -141,6 +217,11 @@ def test_keys_given_on_the_command_line_win_over_the_recipe_and_resume_alike(tmp
         ("warm_start.max_epochs", "0", r"warm_start\.max_epochs: expected null or an int >= 1, got 0"),
         ("warm_start.table_optimizer_state", "keep", r"warm_start\.table_optimizer_state: expected one of"),
         ("warm_start.epochs", "3", r"warm_start: unknown key\(s\) \['epochs'\]"),
+        ("warm_start.dense_optimizer_state", "keep", r"warm_start\.dense_optimizer_state: expected one of"),
+        ("warm_start.lr_decay", "step", r"warm_start\.lr_decay: expected null or one of"),
+        ("warm_start.lr_floor", "1.5", r"warm_start\.lr_floor: expected null or a number in \[0\.0, 1\.0\]"),
+        ("warm_start.replay_days", "0", r"warm_start\.replay_days: expected null or a number in \(0\.0, inf\]"),
+        ("warm_start.validation_days", "-1", r"warm_start\.validation_days: expected null or a number in \(0\.0"),
     ],
 )
 @pytest.mark.parametrize("init_from", [[], [("trainer.init_from", "runs/day0")]])
@@ -151,12 +232,22 @@ def test_bad_warm_start_keys_are_refused_naming_them_with_or_without_init_from(
         load_config(_recipe_file(tmp_path), [*init_from, (key, value)])
 
 
-@pytest.mark.parametrize("backend", ["torch", "torchrec"])
-def test_a_warm_run_trains_new_rows_on_either_backend_and_records_its_origin(day_runs, tmp_path, backend, caplog):
-    config = _config(day_runs / "all.csv", backend, init_from=str(day_runs / "day0"))
+@pytest.mark.parametrize("backend, dense_state", [("torch", "fresh"), ("torchrec", "carry")])
+def test_a_warm_run_trains_new_rows_on_either_backend_and_records_its_origin(
+    day_runs, tmp_path, backend, dense_state, caplog
+):
+    """Also: the dense optimizer's state carried on TorchRec, the learning rate decaying to its floor."""
+    values = _config(day_runs / "all.csv", backend, init_from=str(day_runs / "day0")).to_dict()
+    values["warm_start"]["dense_optimizer_state"] = dense_state
+    values["optimizer"].update(lr_decay="linear", lr_floor=0.1)  # as warm_start.lr_decay / lr_floor set them
+    config = TrainConfig.from_dict(values)
     with caplog.at_level(logging.INFO, logger="gr.train.run"):
         metrics = train(config, tmp_path / "warm")
     assert 0 <= metrics["hr@10"] <= 1
+    with (tmp_path / "warm" / "logs" / "metrics.csv").open() as f:
+        lrs = [float(row["train/lr"]) for row in csv.DictReader(f) if row["train/lr"]]
+    assert len(lrs) > 2 and lrs == sorted(lrs, reverse=True) and lrs[0] > lrs[-1]
+    assert lrs[-1] == pytest.approx(0.1 * config.optimizer.lr)
     old = len(load_mappings(str(day_runs / "day0" / "mappings"))[0]["items"].raw)
     origin = metrics["init_from"]
     assert origin["checkpoint"] == json.loads((day_runs / "day0" / "metrics.json").read_text())["best_checkpoint"]

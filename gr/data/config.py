@@ -29,7 +29,7 @@ from gr.utils.config_checks import (
 ITEM_ID = "item_id"  # the token feature every sequence has: its item (a reserved feature name)
 SPLITS = ("leave_one_out", "time", "none")
 TEST_EVENTS = ("next", "all")
-SPLIT_TIMES = ("split_time", "split_end", "train_start", "replay_start")  # times: seconds or ISO 8601
+SPLIT_TIMES = ("split_time", "split_end", "train_start", "replay_start", "val_start")  # times: seconds or ISO 8601
 TRAIN_TIMES = ("train_start", "replay_start")  # the times data.split none reads too
 UTC_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 SECONDS: Check = (is_int, "an integer number of seconds, or an ISO 8601 date or time (UTC unless it has an offset)")
@@ -372,7 +372,10 @@ class DataConfig(Section):
     as in the time split; the run's last checkpoint is its best). ``replay``: the share of users
     (in [0, 1], a fixed sample per ``seed``: ``gr.data.sequences.replayed_users``) whose training
     events before ``train_start`` (from ``replay_start`` on, when given) are predicted again, next to
-    the new day; it never reaches a validation or test event. ``test_events``: "next"
+    the new day; it never reaches a validation or test event. ``val_start`` (time split only):
+    every event in [val_start, split_time) is a validation target instead (with every earlier event
+    as history, the user's targets averaged first) and none of them trains, so a warm start is
+    judged on the latest part of its new day; the test targets stay those without it. ``test_events``: "next"
     (the test target is each user's event after its validation event) or "all" (every later
     event in [split_time, split_end) is a test target, with every earlier event as history: a
     whole day judged; retrieval metrics average each user's targets first, so each user counts
@@ -413,6 +416,7 @@ class DataConfig(Section):
     train_start: Optional[int] = checked(None, optional(SECONDS))
     replay: float = checked(0.0, number_in(0.0, 1.0))
     replay_start: Optional[int] = checked(None, optional(SECONDS))
+    val_start: Optional[int] = checked(None, optional(SECONDS))
     test_events: str = checked("next", one_of(*TEST_EVENTS))
     genres: str = checked("multi_hot", one_of(*GENRE_LAYOUTS))
     columns: ColumnConfig = field(default_factory=ColumnConfig)
@@ -528,6 +532,15 @@ class DataConfig(Section):
             raise ValueError(f"{where}.split_end: expected after split_time {cut}, got {shown(self.split_end)}")
         if self.train_start is not None and self.train_start >= self.split_time:
             raise ValueError(f"{where}.train_start: expected before split_time {cut}, got {shown(self.train_start)}")
+        if self.val_start is None:
+            return
+        if self.val_start >= self.split_time:
+            raise ValueError(f"{where}.val_start: expected before split_time {cut}, got {shown(self.val_start)}")
+        if self.train_start is not None and self.val_start <= self.train_start:
+            raise ValueError(
+                f"{where}.val_start: expected after train_start {shown(self.train_start)} (the new day's events "
+                f"before it train), got {shown(self.val_start)}"
+            )
 
     def _check_replay(self, where: str, shown: Callable[[int], str]) -> None:
         if self.replay and self.train_start is None:

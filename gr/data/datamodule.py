@@ -194,6 +194,11 @@ class SequenceDataModule(lightning.LightningDataModule):
             self.summary["evaluated_users"] = evaluated
             self.summary["evaluated_targets"] = targets
             empty = [s for s, n in evaluated.items() if n == 0]
+            if empty and empty[0] == "val" and config.val_start is not None:
+                raise ValueError(
+                    f"data.val_start: no user has a val target (an event before {config.val_start} and one at or "
+                    f"after it, before data.split_time {config.split_time})"
+                )
             if empty:
                 needed = 1 if empty[0] == "val" else 2
                 raise ValueError(

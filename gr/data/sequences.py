@@ -6,7 +6,9 @@ rows ``s .. s+n-3`` the training part. A target's history is every earlier event
 
 Time split (``time_split``) at a cut time C (and an optional end E): a user's events before C
 are its training part; its first event in [C, E) is its validation target and its second the
-test target (whose history then includes the validation event); with ``every_test_event``
+test target (whose history then includes the validation event); with a validation start V < C,
+the training part ends at V and every event in [V, C) is a validation target instead (the first
+event in [C, E) is then neither trained on nor a target); with ``every_test_event``
 (``data.test_events: all``) each later event in [C, E) is a test target too, with every earlier
 event as its history. A user with no event before C, or fewer than one (two) in [C, E), has
 no validation (test) target. With a train start S, training samples predict only events at or
@@ -145,9 +147,11 @@ def time_split(
     every_test_event: bool = False,
     replay: Optional[Replay] = None,
     user_ids: Optional[np.ndarray] = None,
+    val_start: Optional[int] = None,
 ) -> SplitRows:
     """The time split of ``sequences`` at ``cut`` seconds, or None: no cut (the module docstring says
-    how). user_ids: [U] the dataset's dense id of each user (None: 0 .. U-1), which ``replay`` draws by."""
+    how; ``val_start``: V, only with a cut). user_ids: [U] the dataset's dense id of each user (None:
+    0 .. U-1), which ``replay`` draws by."""
     starts, times = sequences.starts, sequences.timestamps
 
     def per_user(mask: np.ndarray) -> np.ndarray:
@@ -158,14 +162,20 @@ def time_split(
     else:
         before = per_user(times < cut)
         after = per_user((times >= cut) & (times < (end if end is not None else np.iinfo(np.int64).max)))
-    train_ends = starts + before
-    validated = np.flatnonzero((before >= 1) & (after >= 1))
+    cut_rows = starts + before
     tested = np.flatnonzero((before >= 1) & (after >= 2))
     per_test = after[tested] - 1 if every_test_event else np.ones(len(tested), dtype=np.int64)
-    targets = {
-        "val": (validated, train_ends[validated]),
-        "test": (np.repeat(tested, per_test), concat_ranges(train_ends[tested] + 1, per_test)),
-    }
+    test = (np.repeat(tested, per_test), concat_ranges(cut_rows[tested] + 1, per_test))
+    if val_start is None:
+        train_ends = cut_rows
+        validated = np.flatnonzero((before >= 1) & (after >= 1))
+        targets = {"val": (validated, train_ends[validated]), "test": test}
+    else:
+        kept = per_user(times < val_start)
+        train_ends, window = starts + kept, before - kept
+        validated = np.flatnonzero((kept >= 1) & (window >= 1))
+        val = (np.repeat(validated, window[validated]), concat_ranges(train_ends[validated], window[validated]))
+        targets = {"val": val, "test": test}
     label_starts = starts if train_start is None else starts + per_user(times < train_start)
     if replay is not None and replay.share > 0 and train_start is not None:
         ids = np.arange(sequences.num_users, dtype=np.int64) if user_ids is None else user_ids
@@ -188,7 +198,14 @@ def configured_split(
     assert config.split_time is not None  # DataConfig requires it with the time split
     every_test_event = config.test_events == "all"
     return time_split(
-        sequences, config.split_time, config.split_end, config.train_start, every_test_event, replay, user_ids
+        sequences,
+        config.split_time,
+        config.split_end,
+        config.train_start,
+        every_test_event,
+        replay,
+        user_ids,
+        config.val_start,
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from gr.data.config import DataConfig
+from gr.data.config import DataConfig, iso_seconds
 from gr.hstu.config import HSTUConfig
 from gr.sparse.config import PLACEMENTS, SPARSE_BACKENDS, TableConfig
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
@@ -60,6 +60,9 @@ GPU_ACCELERATORS = ("gpu", "cuda")
 # over ranks with FSDP2 (``fully_shard``), the DNNs stay replicated (DDP).
 DENSE_SHARDINGS = ("none", "fsdp2")
 TABLE_OPTIMIZER_STATES = ("carry", "reset")
+DENSE_OPTIMIZER_STATES = ("fresh", "carry")
+LR_DECAYS = ("none", "linear", "cosine")
+DAY_SECONDS = 86_400
 # The key each warm_start key sets under trainer.init_from (``apply_warm_start``).
 WARM_START_KEYS = {
     "replay": "data.replay",
@@ -67,7 +70,11 @@ WARM_START_KEYS = {
     "early_stopping_patience": "trainer.early_stopping_patience",
     "lr": "optimizer.lr",
     "warmup_steps": "optimizer.warmup_steps",
+    "lr_decay": "optimizer.lr_decay",
+    "lr_floor": "optimizer.lr_floor",
 }
+# The data time each warm_start key in days sets, and the data time it counts back from.
+WARM_START_DAYS = {"replay_days": ("replay_start", "train_start"), "validation_days": ("val_start", "split_time")}
 
 TOP_K: Check = list_of(int_at_least(1), non_empty=True)
 
@@ -374,7 +381,9 @@ class TaskSection:
 @dataclass(frozen=True)
 class OptimizerSection(Section):
     """The dense parameters' optimizer (embedding tables have theirs in ``sparse``);
-    linear warm-up over ``warmup_steps`` steps, then constant."""
+    linear warm-up over ``warmup_steps`` steps, then constant (``lr_decay`` "none"), or decaying
+    "linear"ly or on a half "cosine" from ``lr`` to ``lr_floor`` * ``lr`` at the run's last step
+    (``trainer.max_epochs`` epochs; ``gr.train.module.lr_factor``)."""
 
     type: str = checked("adamw", one_of(*DENSE_OPTIMIZERS))
     lr: float = checked(1e-3, number_in(0.0, open_low=True))
@@ -382,6 +391,8 @@ class OptimizerSection(Section):
     eps: float = checked(1e-8, number_in(0.0, open_low=True))
     weight_decay: float = checked(0.0, number_in(0.0))
     warmup_steps: int = checked(0, int_at_least(0))
+    lr_decay: str = checked("none", one_of(*LR_DECAYS))
+    lr_floor: float = checked(0.0, number_in(0.0, 1.0))
     where: InitVar[str] = "optimizer"
 
     def __post_init__(self, where: str) -> None:
@@ -447,16 +458,27 @@ class WarmStartSection(Section):
     ``table_optimizer_state`` sets the key ``WARM_START_KEYS`` names (null: that key as the config
     says): ``replay`` data.replay (only with data.train_start), ``max_epochs`` trainer.max_epochs,
     ``early_stopping_patience`` trainer.early_stopping_patience, ``lr`` optimizer.lr (the dense
-    learning rate), ``warmup_steps`` optimizer.warmup_steps (a re-warm of the dense learning rate).
+    learning rate), ``warmup_steps`` optimizer.warmup_steps (a re-warm of the dense learning rate),
+    ``lr_decay`` / ``lr_floor`` optimizer.lr_decay / lr_floor (its decay over the warm run).
+    ``replay_days``: replay only the last N days before data.train_start (sets data.replay_start
+    to train_start - N days, when the run replays; null: every earlier event). ``validation_days``:
+    with data.split time, the last N days before data.split_time validate instead of training (sets
+    data.val_start), so the best epoch is judged on the new day (and early stopping can stop on it).
     ``table_optimizer_state``: "carry" the run's per-row table optimizer state for its rows, or
-    "reset" it to zero (``gr.train.warm_start``)."""
+    "reset" it to zero; ``dense_optimizer_state``: "carry" the run's dense optimizer state (Adam's
+    moments and step count) or start it "fresh" (``gr.train.warm_start``)."""
 
     replay: Optional[float] = checked(1.0, optional(number_in(0.0, 1.0)))
     max_epochs: Optional[int] = checked(5, optional(int_at_least(1)))
     early_stopping_patience: Optional[int] = checked(0, optional(int_at_least(0)))
     lr: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
     warmup_steps: Optional[int] = checked(None, optional(int_at_least(0)))
+    lr_decay: Optional[str] = checked(None, optional(one_of(*LR_DECAYS)))
+    lr_floor: Optional[float] = checked(None, optional(number_in(0.0, 1.0)))
+    replay_days: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
+    validation_days: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
     table_optimizer_state: str = checked("carry", one_of(*TABLE_OPTIMIZER_STATES))
+    dense_optimizer_state: str = checked("fresh", one_of(*DENSE_OPTIMIZER_STATES))
     where: InitVar[str] = "warm_start"
 
     def __post_init__(self, where: str) -> None:
@@ -715,7 +737,29 @@ def apply_warm_start(values: Dict[str, Any], given: Collection[str]) -> None:
             resolved[key] = section[name]
         elif resolved[key] is not None and (key != "replay" or section.get("train_start") is not None):
             section[name] = resolved[key]
+    data = values.get("data")
+    if isinstance(data, dict):
+        _apply_days(data, resolved, given, "replay_days", bool(data.get("replay")))
+        _apply_days(data, resolved, given, "validation_days", data.get("split") == "time")
     values["warm_start"] = resolved
+
+
+def _apply_days(
+    data: Dict[str, Any], resolved: Dict[str, Any], given: Collection[str], key: str, applies: bool
+) -> None:
+    """The data time ``key`` (a warm_start key in days: ``WARM_START_DAYS``) stands for, that many
+    days before the data time it counts from, when it ``applies``; that data key given on the
+    command line wins (``key`` is then recorded as null, so a resume reads the given time)."""
+    target, base = WARM_START_DAYS[key]
+    if f"data.{target}" in given:
+        resolved[key] = None
+        return
+    days = resolved[key]
+    if days is None or not applies or data.get(base) is None:
+        return
+    seconds = iso_seconds(data[base])
+    if is_int(seconds):  # anything else: the base key's own check names it
+        data[target] = seconds - round(days * DAY_SECONDS)
 
 
 def _check_path_is_read(values: Dict[str, Any], path: Path, overrides: Sequence[Tuple[str, str]]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast, overload
 
 import numpy as np
@@ -37,7 +38,7 @@ from gr.postfix_dnn.item_tower import Column
 from gr.sparse.sharding import check_one_rank, table_device
 from gr.sparse.torch_tables import prepare_for_training
 from gr.train.build import dense_optimizer, seeded_model
-from gr.train.config import TrainConfig
+from gr.train.config import OptimizerSection, TrainConfig
 from gr.train.tasks import RankingTask, RetrievalTask
 from gr.train.warm_start import WarmStart
 from gr.utils.finite import NonFiniteError, gradients_finite, non_finite
@@ -168,22 +169,29 @@ class GRTrainingModule(LightningModule):
         if self.config.sparse.backend == "torch":  # Adam's bias correction goes on from the checkpoint's step
             self.table_optimizers.resume_at(int(checkpoint.get("global_step", 0)))
 
-    def dense_parameters(self) -> List[torch.nn.Parameter]:
-        """The parameters the Lightning optimizer steps: all but the tables' (updated in backward)."""
+    def dense_parameters(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """(GRModel name, parameter) of each parameter the Lightning optimizer steps, in its order:
+        all but the tables' (updated in backward)."""
         if self.config.sparse.backend == "torch":
             tables = {id(p) for p in self.model.embeddings.parameters()}
-            return [p for p in self.model.parameters() if id(p) not in tables and p.requires_grad]
+            return [(n, p) for n, p in self.model.named_parameters() if id(p) not in tables and p.requires_grad]
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-        return [p for _, p in in_backward_optimizer_filter(self.model.named_parameters()) if p.requires_grad]
+        names = {id(p): n for n, p in self.gr_model.named_parameters()}
+        dense = in_backward_optimizer_filter(self.model.named_parameters())
+        return [(names.get(id(p), n), p) for n, p in dense if p.requires_grad]
 
     def configure_optimizers(self) -> Any:
         opt = self.config.optimizer
-        optimizer = dense_optimizer(opt, self.dense_parameters())
-        if opt.warmup_steps == 0:
+        parameters = self.dense_parameters()
+        optimizer = dense_optimizer(opt, [p for _, p in parameters])
+        if self.warm_start is not None:
+            self.warm_start.copy_dense_optimizer_state(optimizer, parameters)
+        if opt.warmup_steps == 0 and opt.lr_decay == "none":
             return optimizer
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / opt.warmup_steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+        total = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(opt, step, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def _ids_device(self) -> torch.device:
         """Where the tables take ids: host memory, or the dense model's device."""
@@ -302,3 +310,16 @@ def _gradient_norm(grads: List[Tensor]) -> Tensor:
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
     norms = [norm.float().cpu() for tensors in groups.values() for norm in torch._foreach_norm(tensors)]
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def lr_factor(opt: OptimizerSection, step: int, total: int) -> float:
+    """The dense learning rate at optimizer step ``step`` (from 0) of ``total``, as a factor of
+    optimizer.lr: (step + 1) / warmup_steps over the warm-up, then 1 ("none"), or from 1 down to
+    lr_floor at the last step, "linear"ly or on a half cosine."""
+    if step < opt.warmup_steps:
+        return (step + 1) / opt.warmup_steps
+    if opt.lr_decay == "none":
+        return 1.0
+    done = min(1.0, (step + 1 - opt.warmup_steps) / max(1, total - opt.warmup_steps))
+    shape = 1.0 - done if opt.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return opt.lr_floor + (1.0 - opt.lr_floor) * shape

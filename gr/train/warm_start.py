@@ -14,14 +14,16 @@
   (``task.retrieval.new_user_query``) gives none: it starts fresh;
 * the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
   rows and starts at zero for new rows (``warm_start.table_optimizer_state: carry``; ``reset``:
-  zero for every row); the dense optimizer (Adam's moments) starts fresh, as
-  its step count does: a new run's learning-rate schedule and bias correction begin again.
+  zero for every row); the dense optimizer's state (Adam's moments and step count, so its bias
+  correction) starts fresh (``warm_start.dense_optimizer_state: fresh``) or is the run's
+  (``carry``: a parameter grown by new ids, an item tower's bag, has zero state in its new rows);
+  the learning-rate schedule begins again either way.
 An export is not a source: it holds the user's modules as ONNX graphs, not trainable weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Sequence, Tuple
 
@@ -45,13 +47,16 @@ class WarmStart:
     """What a new run takes from a trained one: where it comes from (the run and checkpoint, with its
     epoch and step: ``checkpoint.checkpoint_source``), its model (unsharded, torch tables), its id
     maps ({"items"|feature: IdMap}) and its tables' optimizer state (TorchRec's layout), and whether
-    that state is carried ("carry") or every row's starts at zero ("reset": ``warm_start.table_optimizer_state``)."""
+    that state is carried ("carry") or every row's starts at zero ("reset": ``warm_start.table_optimizer_state``);
+    the dense optimizer's state to carry ({dense parameter's name: its state}; empty: it starts
+    fresh, ``warm_start.dense_optimizer_state``)."""
 
     origin: Dict[str, Any]
     model: GRModel
     maps: Dict[str, IdMap]
     table_optimizer_state: Dict[str, Any]
     table_state_policy: str = "carry"
+    dense_optimizer_state: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def load(
@@ -65,9 +70,11 @@ class WarmStart:
         """Run ``source`` (its config, spec and tasks: ``run``; its best ``checkpoint``; its
         ``mappings`` directory), after checking that ``config`` builds the same model (ValueError
         naming the first differing key otherwise) and that the maps fit the checkpoint
-        (``check_maps``). Reads no data."""
+        (``check_maps``), and that a carried dense optimizer state can be (``check_dense_state``).
+        Reads no data."""
         old_config, spec, tasks = run
         check_same_model(config, old_config, source)
+        check_dense_state(config, old_config, source)
         model = build_model(old_config, spec, tasks, for_training=False)  # refuses a spec its tables do not hold
         without_empty_history(model, {k.removeprefix("model.") for k in ckpt.model_keys(checkpoint)})
         maps = model_maps(str(mappings))
@@ -80,7 +87,11 @@ class WarmStart:
         state = ckpt.load_checkpoint(template, checkpoint)
         model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
         policy = config.warm_start.table_optimizer_state
-        return cls(ckpt.checkpoint_source(source, checkpoint), model, maps, state["sparse_optimizer"], policy)
+        dense = {}
+        if config.warm_start.dense_optimizer_state == "carry":
+            dense = _named_dense_state(model, state.get(ckpt.DENSE_OPTIMIZER_KEY), checkpoint)
+        origin = ckpt.checkpoint_source(source, checkpoint)
+        return cls(origin, model, maps, state["sparse_optimizer"], policy, dense)
 
     def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
         """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""
@@ -117,6 +128,77 @@ class WarmStart:
                 if end > rows.start:
                     local[: end - rows.start].copy_(source[rows.start : end])
         table_optimizers.load_state_dict(state)
+
+    @torch.no_grad()
+    def copy_dense_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, parameters: Sequence[Tuple[str, Tensor]]
+    ) -> None:
+        """Into ``optimizer`` (fresh, stepping ``parameters``: (GRModel name, parameter) in its order):
+        the run's state of each parameter it had, rows grown by new ids at zero; its learning rates
+        and other hyperparameters stay the new run's. Nothing when the state starts fresh."""
+        if not self.dense_optimizer_state:
+            return
+        state = optimizer.state_dict()
+        for index, (name, parameter) in enumerate(parameters):
+            old = self.dense_optimizer_state.get(name)
+            if old is not None:
+                state["state"][index] = {key: _grown(value, parameter, name) for key, value in old.items()}
+        optimizer.load_state_dict(state)
+
+
+def check_dense_state(config: TrainConfig, old: TrainConfig, source: Path) -> None:
+    """ValueError naming the key unless ``config``'s dense optimizer can take run ``source``'s state
+    (``warm_start.dense_optimizer_state: carry``): the same optimizer.type, and both dense models
+    replicated (``distributed.dense_sharding: none``, whose state the checkpoint keeps whole)."""
+    if config.warm_start.dense_optimizer_state != "carry":
+        return
+    carry = "warm_start.dense_optimizer_state carry"
+    if config.optimizer.type != old.optimizer.type:
+        raise ValueError(
+            f"optimizer.type: {config.optimizer.type!r} here, {old.optimizer.type!r} in {source}; {carry} needs "
+            "the run's optimizer (or warm_start.dense_optimizer_state fresh)"
+        )
+    for name, sharding in (
+        ("here", config.distributed.dense_sharding),
+        (f"in {source}", old.distributed.dense_sharding),
+    ):
+        if sharding != "none":
+            raise ValueError(
+                f"distributed.dense_sharding: {sharding!r} {name}; {carry} needs a replicated dense model ('none') "
+                "in both runs (or warm_start.dense_optimizer_state fresh)"
+            )
+
+
+def _named_dense_state(model: GRModel, saved: Any, checkpoint: Path) -> Dict[str, Dict[str, Any]]:
+    """{dense parameter's name: its state} of a checkpoint's replicated dense optimizer (``saved``:
+    Lightning's list of optimizer state dicts, which number the parameters in the order the training
+    module gives them: the GRModel's, tables left out)."""
+    if not saved or "state" not in saved[0]:
+        raise ValueError(f"{checkpoint}: holds no dense optimizer state to carry (warm_start.dense_optimizer_state)")
+    tables = {id(p) for p in model.embeddings.parameters()} if model.embeddings is not None else set()
+    names = [name for name, p in model.named_parameters() if id(p) not in tables and p.requires_grad]
+    (group,) = saved[0]["param_groups"]
+    if len(group["params"]) != len(names):
+        raise ValueError(
+            f"{checkpoint}: the dense optimizer steps {len(group['params'])} parameters, the model has "
+            f"{len(names)}; the checkpoint is not this model's"
+        )
+    by_index = dict(zip(group["params"], names))
+    return {by_index[index]: entry for index, entry in saved[0]["state"].items()}
+
+
+def _grown(value: Any, parameter: Tensor, name: str) -> Any:
+    """A parameter's saved state entry for ``parameter``: as it is, or (a parameter grown by new ids)
+    in its first rows, the rest zero."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or value.shape == parameter.shape:
+        return value
+    if value.shape[1:] != parameter.shape[1:] or value.shape[0] > parameter.shape[0]:
+        raise ValueError(
+            f"{name}: dense optimizer state of shape {list(value.shape)}, parameter {list(parameter.shape)}"
+        )
+    grown = torch.zeros(parameter.shape, dtype=value.dtype)
+    grown[: value.shape[0]] = value
+    return grown
 
 
 def check_not_export(source: Path) -> None:
