@@ -4,8 +4,11 @@ the dense slices; base + delta squashes into the full export bit for bit, on eit
 a tampered, missing or out-of-order delta is refused by name, and so is a delta of another model."""
 
 import filecmp
+import itertools
 import json
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +19,15 @@ from safetensors.numpy import load_file, save_file
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.commands.export import main as export_main
 from gr.data.mappings import IdMap, save_mappings
-from gr.export.delta import APPEND, DELTA, WHOLE, check_chain, export_identity, write_delta
+from gr.export.delta import APPEND, DELTA, WHOLE, _sparse, check_chain, export_identity, write_delta
+from gr.export.format import ExportFormatError
 from gr.export.manifest import MANIFEST, write_manifest
+from gr.export.popularity import write_popularity
 from gr.export.writer import check_lineage, export_model
 from gr.postfix_dnn import RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
+from gr.serving import Ranker
+from gr.serving.request import RankRequest, RecommendRequest
 from gr.sparse.tables import sparse_backend
 from gr.train.config import TrainConfig, save_config
 from helpers.models import HSTU_KW, perturb
@@ -134,7 +141,8 @@ def test_check_accepts_a_chain_in_order_and_refuses_a_missing_or_out_of_order_de
 
 
 def test_check_and_squash_refuse_a_tampered_delta_naming_its_file(chain, tmp_path, capsys):
-    base, d1, d2 = chain
+    base, _, d2 = chain
+    d1 = shutil.copytree(chain[1], tmp_path / "d1")
     rows = d1 / "sparse/item.delta.safetensors"
     data = bytearray(rows.read_bytes())
     data[-1] ^= 1
@@ -189,3 +197,84 @@ def test_base_must_be_an_export_of_the_run_or_of_one_it_was_warm_started_from(tm
     check_lineage(day2, tmp_path / "export")
     with pytest.raises(ValueError, match=r"^--base .*export: an export of the run .*day0, which is neither .*other"):
         check_lineage(_run(tmp_path / "other"), tmp_path / "export")
+
+
+HISTORY = {"item_id": [3, 12, 7, 20], "timestamps": [100, 200, 300, 400]}
+KNOWN = {"item_id": [3, 7, 10, 20]}  # two rows day 1 trained, two it did not
+CANDIDATES = {"item_id": [3, 7, 10, 52, 58]}  # and two of its new items
+
+
+def _answers(ranker: Ranker, user: str = "u", candidates: dict = CANDIDATES) -> tuple:
+    rank = ranker.rank(RankRequest(user, HISTORY, candidates))
+    top = ranker.recommend(RecommendRequest(user, HISTORY, k=5))
+    return rank.scores["retrieval"], top.items, top.scores
+
+
+def test_a_delta_applied_to_a_serving_model_answers_bit_for_bit_like_the_full_export(day0, day1):
+    full, delta = day1
+    ranker = Ranker.load(day0[1])
+    before = _answers(ranker, candidates=KNOWN)
+    ranker.reload(delta)
+    served, expected = _answers(ranker, "v"), _answers(Ranker.load(full), "v")
+    assert np.array_equal(served[0], expected[0]) and served[1] == expected[1]
+    assert np.array_equal(served[2], expected[2]) and not np.allclose(before[0][:2], served[0][:2])
+    assert ranker.cache.model_version == 1 and ranker.cache.users() == ["v"]  # u's history was day 0's
+    assert ranker.model.identity == export_identity(full)
+
+
+def test_a_delta_that_does_not_follow_the_serving_model_is_refused_and_the_old_model_serves(chain):
+    base, _, d2 = chain
+    ranker = Ranker.load(base)
+    with pytest.raises(ExportFormatError, match=rf"{d2}/{DELTA} \[base\]: applies to the export"):
+        ranker.reload(d2)
+    assert ranker.model.identity == export_identity(base) and ranker.cache.model_version == 0
+
+
+def test_a_delta_that_changes_nothing_a_history_is_encoded_from_keeps_the_user_cache(day1, tmp_path):
+    full, _ = day1
+    counted = tmp_path / "counted"
+    shutil.copytree(full, counted)
+    write_popularity(counted, np.arange(DAY1_ITEMS), _sparse(counted))
+    (counted / MANIFEST).unlink()
+    write_manifest(counted)
+    (tmp_path / "d").mkdir()
+    write_delta(full, counted, tmp_path / "d")
+    ranker = Ranker.load(full)
+    _answers(ranker)
+    ranker.reload(tmp_path / "d")
+    assert ranker.cache.users() == ["u"] and ranker.cache.model_version == 1
+    assert ranker.model.popularity.tolist() == list(range(DAY1_ITEMS))
+    assert _answers(ranker)[0].tolist() == _answers(Ranker.load(counted), "w")[0].tolist()
+
+
+def test_sixteen_clients_during_an_apply_never_see_an_answer_that_mixes_versions(day0, day1):
+    full, delta = day1
+    expected = {
+        0: _answers(Ranker.load(day0[1]), candidates=KNOWN)[0],
+        1: _answers(Ranker.load(full), candidates=KNOWN)[0],
+    }
+    assert not np.allclose(expected[0], expected[1], atol=1e-3)
+    ranker = Ranker.load(day0[1])
+    seen: list = []
+    applied = threading.Event()
+
+    def client(number: int) -> None:
+        after = 0  # answers asked for once the apply returned
+        for turn in itertools.count():
+            asked_after = applied.is_set()
+            result = ranker.rank(RankRequest(f"user{number}-{turn % 3}", HISTORY, KNOWN))
+            seen.append((result.model_version, result.scores["retrieval"], asked_after))
+            after += asked_after
+            if after == 3:
+                return
+
+    with ThreadPoolExecutor(16) as pool:
+        clients = [pool.submit(client, n) for n in range(16)]
+        ranker.reload(delta)
+        applied.set()
+        for done in clients:
+            done.result()
+    assert {version for version, _, _ in seen} == {0, 1}
+    assert {version for version, _, asked_after in seen if asked_after} == {1}
+    mixed = [v for v, scores, _ in seen if not np.allclose(scores, expected[v], rtol=0, atol=1e-5)]
+    assert mixed == []

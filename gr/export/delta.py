@@ -21,6 +21,8 @@ code: ``gr check`` and the serving runtime read deltas through this module.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import shutil
 from dataclasses import dataclass
@@ -31,8 +33,10 @@ import numpy as np
 from safetensors.numpy import load_file
 from safetensors.numpy import save as safetensors_bytes
 
+from gr.data.mappings import IdMap
 from gr.export.format import (
     HSTU_CONFIG,
+    HSTU_WEIGHTS,
     ID_MAPS_DIR,
     SLICE_GRAPH,
     SPARSE_DIR,
@@ -54,6 +58,7 @@ DELTA_FORMAT, DELTA_VERSION = "gr-delta", 1
 IDS, ROWS = "ids", "rows"  # the tensors of a table's delta file
 WHOLE, APPEND = "whole", "append"  # how a delta carries a file: the new file, or the lines added to the base's
 TABLE_SUFFIX = ".delta.safetensors"
+HSTU_FILES = (HSTU_CONFIG, HSTU_WEIGHTS)  # carried together: a delta's hstu/ loads as the HSTU slice alone
 PathLike = Union[str, Path]
 
 
@@ -126,8 +131,9 @@ def write_delta(base: PathLike, full: PathLike, out: Path) -> Dict[str, Any]:
         write_bytes(out / file, safetensors_bytes({IDS: ids, ROWS: np.ascontiguousarray(new[ids])}))
         tables[name] = {"file": file, "rows": table.rows, "dim": table.dim, "base_rows": len(old), "changed": len(ids)}
     files: Dict[str, str] = {}
+    hstu_changed = any(base_files.get(rel) != full_files.get(rel) for rel in HSTU_FILES)
     for rel, digest in sorted(full_files.items()):
-        if rel in table_files or base_files.get(rel) == digest:
+        if rel in table_files or (base_files.get(rel) == digest and not (hstu_changed and rel in HSTU_FILES)):
             continue
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         data = (full / rel).read_bytes()
@@ -221,7 +227,8 @@ def read_delta(root: Path, problems: List[Problem]) -> Optional[Delta]:
     """A delta directory, its MANIFEST, ``delta.json`` and table files checked; None (problems
     added, each naming the file and key) where any does not hold."""
     start = len(problems)
-    if read_manifest(root, problems) is None:
+    own = read_manifest(root, problems)
+    if own is None:
         return None
     try:
         values = json.loads((root / DELTA).read_text(encoding="utf8"))
@@ -240,9 +247,15 @@ def read_delta(root: Path, problems: List[Problem]) -> Optional[Delta]:
     if not isinstance(files, dict) or any(kind not in (WHOLE, APPEND) for kind in files.values()):
         problems.append(Problem(DELTA, "files", f"expected {{file: {WHOLE!r} | {APPEND!r}}}"))
         files = {}
-    for rel in files:
-        if inside(root, rel, DELTA, f"files.{rel}", problems) is not None and rel not in manifest:
+    for rel, kind in files.items():
+        if inside(root, rel, DELTA, f"files.{rel}", problems) is None:
+            continue
+        if rel not in manifest:
             problems.append(Problem(DELTA, f"files.{rel}", "not a file of the export it makes (manifest)"))
+        elif kind == WHOLE and own.get(rel) != manifest[rel]:
+            problems.append(
+                Problem(rel, "-", f"sha256 differs from {DELTA}'s manifest: not the file of the export it makes")
+            )
     tables = _read_tables(root, values.get("tables"), problems)
     removed = values.get("removed", [])
     if not isinstance(removed, list) or not all(isinstance(r, str) for r in removed):
@@ -321,16 +334,18 @@ def chain_deltas(identity: str, paths: Sequence[PathLike]) -> List[Delta]:
     """Deltas that apply, in order, to the export whose identity (its MANIFEST's sha256) is
     ``identity`` (a running service's model); ExportFormatError naming the first that does not."""
     deltas: List[Delta] = []
-    problems: List[Problem] = []
     for path in map(Path, paths):
-        delta = read_delta(path, problems)
-        if delta is None:
-            break
-        _link(identity, delta, f"the export before it ({identity[:12]})", problems)
+        problems: List[Problem] = []
+        if not is_delta(path):
+            problems.append(Problem(DELTA, "-", "file is missing: not a delta (a full export reloads alone)"))
+        delta = read_delta(path, problems) if not problems else None
+        if delta is not None:
+            _link(identity, delta, f"the serving model ({identity[:12]})", problems)
+        if problems:
+            raise ExportFormatError([Problem(f"{path}/{p.file}", p.key, p.message) for p in problems])
+        assert delta is not None  # read without problems
         deltas.append(delta)
         identity = delta.target
-    if problems:
-        raise ExportFormatError([Problem(f"{p.file}", p.key, p.message) for p in problems])
     return deltas
 
 
@@ -438,3 +453,15 @@ def patched(weight: np.ndarray, rows: int, ids: np.ndarray, values: np.ndarray) 
     out[: len(weight)] = weight
     out[ids] = values
     return out
+
+
+def appended_map(id_map: IdMap, lines: bytes, where: str) -> IdMap:
+    """``id_map`` with the ``dense_id<TAB>raw_id`` lines a delta adds to its TSV file
+    (``gr.data.mappings``); ValueError naming ``where`` when their dense ids do not continue it."""
+    rows = list(csv.reader(io.StringIO(lines.decode("utf8")), delimiter="\t"))
+    dense = [row[0] for row in rows if row]
+    raw = [row[1] if len(row) == 2 else "" for row in rows if row]
+    if dense != [str(i) for i in range(id_map.cardinality, id_map.cardinality + len(dense))]:
+        raise ValueError(f"{where}: its lines do not continue the map's dense ids from {id_map.cardinality}")
+    added = np.asarray(raw, dtype=np.int64 if id_map.raw.dtype.kind in "iu" else str)
+    return IdMap(np.concatenate([id_map.raw, added]), id_map.offset, id_map.source)
