@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.commands.export import main as export_main
 from gr.data.mappings import IdMap, save_mappings
-from gr.export.delta import APPEND, DELTA, WHOLE, _sparse, check_chain, export_identity, write_delta
+from gr.export.delta import APPEND, DELTA, WHOLE, _sparse, check_chain, export_identity, patched, write_delta
 from gr.export.format import ExportFormatError
 from gr.export.manifest import MANIFEST, write_manifest
 from gr.export.popularity import write_popularity
@@ -28,6 +28,7 @@ from gr.postfix_dnn import RetrievalHead
 from gr.prefix_dnn import MLPTokenEncoder
 from gr.serving import Ranker
 from gr.serving.request import RankRequest, RecommendRequest
+from gr.serving.sparse_store import PatchedTable, patch_table
 from gr.sparse.tables import sparse_backend
 from gr.train.config import TrainConfig, save_config
 from helpers.models import HSTU_KW, perturb
@@ -278,3 +279,24 @@ def test_sixteen_clients_during_an_apply_never_see_an_answer_that_mixes_versions
     assert {version for version, _, asked_after in seen if asked_after} == {1}
     mixed = [v for v, scores, _ in seen if not np.allclose(scores, expected[v], rtol=0, atol=1e-5)]
     assert mixed == []
+
+
+def test_a_patched_table_gathers_the_rows_of_its_merged_array_and_never_writes_its_base():
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((100, 4)).astype(np.float32)
+    kept = base.copy()
+    first = patch_table(base, 103, np.array([5, 40, 100, 101, 102]), rng.standard_normal((5, 4)).astype(np.float32))
+    second = patch_table(first, 104, np.array([40, 77, 103]), rng.standard_normal((3, 4)).astype(np.float32))
+    assert (
+        isinstance(second, PatchedTable)
+        and second.shape == (104, 4)
+        and second.ids.tolist() == [5, 40, 77, 100, 101, 102, 103]
+    )
+    merged = patched(
+        patched(base, 103, first.ids, first.values), 104, np.array([40, 77, 103]), second.values[[1, 2, 6]]
+    )
+    rows = rng.integers(0, 104, 500)
+    assert np.array_equal(second[rows], merged[rows]) and np.array_equal(second.array(), merged)
+    assert np.array_equal(base, kept)
+    many = patch_table(base, 100, np.arange(0, 100, 5), np.zeros((20, 4), np.float32))  # 20% of the rows: one array
+    assert isinstance(many, np.ndarray) and not many[::5].any() and np.array_equal(many[1::5], base[1::5])

@@ -298,8 +298,10 @@ def _read_tables(root: Path, entries: Any, problems: List[Problem]) -> Dict[str,
             or ids.shape != (table.changed,)
             or rows.shape != (table.changed, table.dim)
             or (len(ids) and (ids[0] < 0 or ids[-1] >= table.rows or bool((np.diff(ids) <= 0).any())))
-            or table.rows < table.base_rows
-            or not np.isin(np.arange(table.base_rows, table.rows), ids).all()
+            or not 0 <= table.rows - table.base_rows <= len(ids)
+            or not np.array_equal(
+                ids[len(ids) - (table.rows - table.base_rows) :], np.arange(table.base_rows, table.rows)
+            )
         ):
             problems.append(Problem(table.file, "-", f"expected {expected}, every row past base_rows included"))
         elif not np.isfinite(rows).all():

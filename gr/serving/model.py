@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gr.data.mappings import MANIFEST as MAPPINGS_MANIFEST
-from gr.export.delta import APPEND, Delta, appended_map, export_identity, patched
+from gr.export.delta import APPEND, Delta, appended_map, export_identity
 from gr.export.format import (
     BAG,
     HSTU_CONFIG,
@@ -50,7 +50,7 @@ from gr.serving.id_maps import IdMaps
 from gr.serving.onnx_slice import OnnxSlice, execution_providers
 from gr.serving.options import INDEXES
 from gr.serving.request import RequestSchema
-from gr.serving.sparse_store import SparseStore
+from gr.serving.sparse_store import SparseStore, patch_table
 from gr.utils.devices import DEVICES, require_device
 
 Tokens = Dict[str, np.ndarray]
@@ -93,7 +93,8 @@ class ServingModel:
         """(this model with ``deltas`` applied in order, whether a cached history of this model
         still holds for it). ``deltas`` chain from this model (``gr.export.delta.chain_deltas``).
 
-        This model is left as it is: a changed table is a patched copy, a changed ONNX or HSTU
+        This model is left as it is: a changed table is its rows with the delta's over them
+        (``gr.serving.sparse_store.patch_table``: no copy of the table), a changed ONNX or HSTU
         slice, item store, popularity or new-user state is loaded from the delta, id maps grow by
         the delta's lines; every other part is shared. A cached history is computed from the token
         features' tables, the item store and the prefix and HSTU slices: it holds when none of
@@ -108,7 +109,7 @@ class ServingModel:
         for delta in deltas:
             for name, table in delta.tables.items():
                 if table.changed:
-                    sparse.tables[name] = patched(sparse.tables[name], table.rows, *delta.table_rows(name))
+                    sparse.tables[name] = patch_table(sparse.tables[name], table.rows, *delta.table_rows(name))
                     cache_holds = cache_holds and name not in token_tables
             for rel, kind in delta.files.items():
                 cache_holds = cache_holds and rel not in HISTORY_FILES
