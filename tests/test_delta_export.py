@@ -19,7 +19,16 @@ from safetensors.numpy import load_file, save_file
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.commands.export import main as export_main
 from gr.data.mappings import IdMap, save_mappings
-from gr.export.delta import APPEND, DELTA, WHOLE, _sparse, check_chain, export_identity, patched, write_delta
+from gr.export.delta import (
+    APPEND,
+    DELTA,
+    WHOLE,
+    check_chain,
+    export_identity,
+    patched,
+    read_sparse_manifest,
+    write_delta,
+)
 from gr.export.format import ExportFormatError
 from gr.export.manifest import MANIFEST, write_manifest
 from gr.export.popularity import write_popularity
@@ -235,7 +244,7 @@ def test_a_delta_that_changes_nothing_a_history_is_encoded_from_keeps_the_user_c
     full, _ = day1
     counted = tmp_path / "counted"
     shutil.copytree(full, counted)
-    write_popularity(counted, np.arange(DAY1_ITEMS), _sparse(counted))
+    write_popularity(counted, np.arange(DAY1_ITEMS), read_sparse_manifest(counted))
     (counted / MANIFEST).unlink()
     write_manifest(counted)
     (tmp_path / "d").mkdir()

@@ -12,7 +12,8 @@ A delta directory holds::
                                       (a grown vocabulary)
     <file>                            every other file that differs from the base's, whole
                                       ("whole": the dense slices, sparse.ini, source.json, ...), or the
-                                      lines an id map adds to the base's ("append")
+                                      lines an id map adds to the base's ("append"; a map of table
+                                      rows must extend the base's, another one may be rewritten whole)
     MANIFEST                          sha256 of the delta's own files (``gr.export.manifest``)
 
 A chain is a full export followed by deltas, each naming the export before it. Imports no training
@@ -118,7 +119,7 @@ def write_delta(base: PathLike, full: PathLike, out: Path) -> Dict[str, Any]:
     not extend the base's (known ids renumbered: a run not warm-started from the base's)."""
     base, full = Path(base), Path(full)
     base_files, full_files = _checked_export(base), _checked_export(full)
-    base_sparse, full_sparse = _sparse(base), _sparse(full)
+    base_sparse, full_sparse = read_sparse_manifest(base), read_sparse_manifest(full)
     _refuse_another_model(base, full, base_sparse, full_sparse)
     tables: Dict[str, Dict[str, Any]] = {}
     table_files = {f"{SPARSE_DIR}/{t.file}" for t in full_sparse.tables.values()}
@@ -131,19 +132,20 @@ def write_delta(base: PathLike, full: PathLike, out: Path) -> Dict[str, Any]:
         write_bytes(out / file, safetensors_bytes({IDS: ids, ROWS: np.ascontiguousarray(new[ids])}))
         tables[name] = {"file": file, "rows": table.rows, "dim": table.dim, "base_rows": len(old), "changed": len(ids)}
     files: Dict[str, str] = {}
+    row_maps = {f"{SPARSE_DIR}/{f.id_mapping}" for f in full_sparse.features.values() if f.id_mapping is not None}
     hstu_changed = any(base_files.get(rel) != full_files.get(rel) for rel in HSTU_FILES)
     for rel, digest in sorted(full_files.items()):
         if rel in table_files or (base_files.get(rel) == digest and not (hstu_changed and rel in HSTU_FILES)):
             continue
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         data = (full / rel).read_bytes()
-        if rel in base_files and rel.startswith(f"{ID_MAPS_DIR}/") and rel.endswith(".tsv"):
-            known = (base / rel).read_bytes()
-            if not data.startswith(known):
-                raise ValueError(
-                    f"{full / rel}: this id map does not extend {base / rel} (known ids renumbered): the run "
-                    f"is not a warm start of the base export's run, so no delta of it applies to {base}"
-                )
+        known = (base / rel).read_bytes() if rel in base_files and rel.startswith(f"{ID_MAPS_DIR}/") else None
+        if known is not None and rel in row_maps and not data.startswith(known):
+            raise ValueError(
+                f"{full / rel}: this id map does not extend {base / rel} (known ids renumbered): the run "
+                f"is not a warm start of the base export's run, so no delta of it applies to {base}"
+            )
+        if known is not None and rel.endswith(".tsv") and data.startswith(known):
             files[rel], data = APPEND, data[len(known) :]
         else:
             files[rel] = WHOLE
@@ -182,7 +184,8 @@ def _checked_export(root: Path) -> Dict[str, str]:
     return listed
 
 
-def _sparse(root: Path) -> SparseManifest:
+def read_sparse_manifest(root: Path) -> SparseManifest:
+    """An export's ``sparse/sparse.ini``, parsed; ExportFormatError naming what does not parse."""
     problems: List[Problem] = []
     parser = read_ini(root, SPARSE_INI, problems)
     sparse = None if parser is None else SparseManifest.from_ini(parser, problems)
@@ -411,7 +414,7 @@ def squash(paths: Sequence[PathLike], out: PathLike, *, overwrite: bool = False)
         shutil.copytree(base, tmp, dirs_exist_ok=True)
         (tmp / MANIFEST).unlink()
         tables: Dict[str, np.ndarray] = {}
-        sparse = _sparse(tmp)
+        sparse = read_sparse_manifest(tmp)
         for delta in deltas:
             for name, table in delta.tables.items():
                 weight = tables.get(name)
@@ -419,7 +422,7 @@ def squash(paths: Sequence[PathLike], out: PathLike, *, overwrite: bool = False)
                     weight = load_file(str(tmp / SPARSE_DIR / sparse.tables[name].file))[TABLE_TENSOR]
                 tables[name] = patched(weight, table.rows, *delta.table_rows(name))
             apply_files(delta, tmp)
-            sparse = _sparse(tmp)
+            sparse = read_sparse_manifest(tmp)
         for name, weight in tables.items():
             write_bytes(tmp / SPARSE_DIR / sparse.tables[name].file, safetensors_bytes({TABLE_TENSOR: weight}))
         write_manifest(tmp)

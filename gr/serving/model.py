@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gr.data.mappings import MANIFEST as MAPPINGS_MANIFEST
 from gr.export.delta import APPEND, Delta, appended_map, export_identity
 from gr.export.format import (
     BAG,
@@ -209,7 +208,7 @@ class ServingModel:
 def _extend_maps(id_maps: IdMaps, sparse: SparseManifest, delta: Delta, rel: str, kind: str) -> None:
     """Grow the maps of every feature whose ``id_mapping`` is ``rel`` by the lines ``delta`` adds."""
     features = [f.name for f in sparse.features.values() if f"{SPARSE_DIR}/{f.id_mapping}" == rel]
-    if kind != APPEND and (features or not rel.endswith(MAPPINGS_MANIFEST)):
+    if kind != APPEND and features:
         raise ExportFormatError(
             [Problem(str(delta.root / rel), "-", "an id map replaced, not extended: reload the squashed full export")]
         )
