@@ -27,6 +27,7 @@ from gr.export.delta import (
     export_identity,
     patched,
     read_sparse_manifest,
+    squash,
     write_delta,
 )
 from gr.export.format import ExportFormatError
@@ -309,3 +310,22 @@ def test_a_patched_table_gathers_the_rows_of_its_merged_array_and_never_writes_i
     assert np.array_equal(base, kept)
     many = patch_table(base, 100, np.arange(0, 100, 5), np.zeros((20, 4), np.float32))  # 20% of the rows: one array
     assert isinstance(many, np.ndarray) and not many[::5].any() and np.array_equal(many[1::5], base[1::5])
+
+
+def _with_users(export: Path, out: Path, items: int, users: list) -> Path:
+    shutil.copytree(export, out)
+    maps = {"items": IdMap(np.arange(1000, 1000 + items)), "users": IdMap(np.array(users))}
+    save_mappings(str(out / "sparse/id_maps"), maps, {})
+    (out / MANIFEST).unlink()
+    write_manifest(out)
+    return out
+
+
+def test_a_map_that_names_no_table_rows_may_be_rewritten_whole_while_the_items_map_extends(day0, day1, tmp_path):
+    base = _with_users(day0[1], tmp_path / "base", DAY0_ITEMS, ["b", "d"])
+    full = _with_users(day1[0], tmp_path / "full", DAY1_ITEMS, ["a", "b", "c", "d"])  # renumbered users
+    (tmp_path / "d").mkdir()
+    files = write_delta(base, full, tmp_path / "d")["files"]
+    assert files["sparse/id_maps/users.tsv"] == WHOLE and files["sparse/id_maps/items.tsv"] == APPEND
+    squash([base, tmp_path / "d"], tmp_path / "squashed")
+    assert _same_files(tmp_path / "squashed", full)
