@@ -38,6 +38,7 @@ TRAINING_BENCHES = {
     "prepared_vs_raw",
     "new_users",
     "eval_cost",
+    "delta_deploy",
 }
 
 
@@ -221,6 +222,7 @@ BENCHES = (
     ),
     Bench("bench/device_check.py", (), covered_by="tests/test_device_check.py"),
     Bench("bench/daily_retrain.py", (), covered_by="tests/test_daily_retrain_bench.py"),
+    Bench("bench/delta_deploy.py", ("bench", "ml100k", "synthetic", "targets", "load_average")),
     Bench(
         "bench/cold_start.py",
         (

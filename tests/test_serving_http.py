@@ -27,6 +27,7 @@ from starlette.requests import Request
 
 from gr.commands.serve import main as serving_main
 from gr.export import export_model
+from gr.export.delta import write_delta
 from gr.serving import GenerateRequest, IdOptions, Ranker, RecommendRequest
 from gr.serving.batcher import RequestBatcher
 from gr.serving.history_store import SqliteHistoryStore
@@ -256,6 +257,22 @@ def test_reload_under_concurrent_traffic_never_mixes_two_models_in_one_response(
         np.testing.assert_allclose(body["scores"]["retrieval"], want[name], rtol=0, atol=1e-6)
         seen.add(name)
     assert seen == {"first", "second"}
+
+
+def test_reload_applies_a_delta_given_as_deltas_and_refuses_one_that_does_not_follow_the_model(exports, tmp_path):
+    (tmp_path / "delta").mkdir()
+    write_delta(exports["first"], exports["second"], tmp_path / "delta")
+    candidates = {"item_id": RAW_ITEMS[:20:2]}
+    want = Ranker.load(exports["second"]).rank("x", HISTORY, candidates, id_options=IdOptions("raw"))
+    auth = [("Authorization", f"Bearer {TOKEN}")]
+    with AppServer(create_app(Ranker.load(exports["first"]), admin_token=TOKEN)) as server:
+        server.wait_ready()
+        status, answer = server.call("POST", "/admin/reload", {"deltas": [str(tmp_path / "delta")]}, headers=auth)
+        assert (status, answer) == (200, {"status": "reloaded", "model_version": 1})
+        status, body = server.call("POST", "/v1/rank", {"user_id": "x", "history": HISTORY, "candidates": candidates})
+        assert status == 200 and body["scores"]["retrieval"] == want.scores["retrieval"].tolist()
+        status, answer = server.call("POST", "/admin/reload", {"export_dir": str(tmp_path / "delta")}, headers=auth)
+        assert status == 400 and answer["error"] == "bad_export" and "delta.json [base]: applies to" in answer["detail"]
 
 
 def test_a_users_second_request_is_a_cache_hit_on_the_replica_its_id_hashes_to(servers):

@@ -9,6 +9,7 @@ the export directory.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path, PurePosixPath
 from typing import Dict, List, Optional
 
@@ -22,8 +23,17 @@ LINKED = "a symbolic link: an export holds plain files only"
 
 def write_manifest(root: Path) -> None:
     """Hash every file under ``root`` (the manifest itself excepted) into ``root/MANIFEST``."""
-    lines = [f"{file_sha256(path)}  {rel}" for rel, path in sorted(_files(root).items())]
-    write_text(root / MANIFEST, "".join(line + "\n" for line in lines))
+    write_text(root / MANIFEST, manifest_text({rel: file_sha256(path) for rel, path in _files(root).items()}))
+
+
+def manifest_text(digests: Dict[str, str]) -> str:
+    """{relative path: sha256 hex} -> the MANIFEST's text (one sorted line per file)."""
+    return "".join(f"{digest}  {rel}\n" for rel, digest in sorted(digests.items()))
+
+
+def text_sha256(text: str) -> str:
+    """The sha256 hex of ``text`` (UTF-8): a MANIFEST's, for ``manifest_text``."""
+    return hashlib.sha256(text.encode("utf8")).hexdigest()
 
 
 def manifest_digest(root: Path) -> str:
@@ -33,11 +43,17 @@ def manifest_digest(root: Path) -> str:
 
 def check_manifest(root: Path, problems: List[Problem]) -> bool:
     """Verify ``root/MANIFEST`` against the files; -> whether it holds (problems added if not)."""
+    return read_manifest(root, problems) is not None
+
+
+def read_manifest(root: Path, problems: List[Problem]) -> Optional[Dict[str, str]]:
+    """{relative path: sha256 hex} of ``root/MANIFEST``, verified against the files; None (problems
+    added) where it does not hold."""
     start = len(problems)
     path = root / MANIFEST
     if path.is_symlink():  # never followed: it could point at any file on the host
         problems.append(Problem(MANIFEST, "-", LINKED))
-        return False
+        return None
     if not path.is_file():
         problems.append(
             Problem(
@@ -46,13 +62,13 @@ def check_manifest(root: Path, problems: List[Problem]) -> bool:
                 "file is missing: every export carries the sha256 of its files (re-export it with this version of gr)",
             )
         )
-        return False
+        return None
     listed: Dict[str, str] = {}
     try:
         text = path.read_text(encoding="utf8")
     except (OSError, UnicodeDecodeError) as exc:
         problems.append(Problem(MANIFEST, "-", f"unreadable: {exc}"))
-        return False
+        return None
     for number, line in enumerate(text.splitlines(), start=1):
         digest, sep, rel = line.partition("  ")
         if not sep or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -71,7 +87,7 @@ def check_manifest(root: Path, problems: List[Problem]) -> bool:
             problems.append(Problem(rel, "-", f"sha256 differs from {MANIFEST}: the file was changed after export"))
     for rel in sorted(set(on_disk) - set(listed)):
         problems.append(Problem(rel, "-", f"file is not in {MANIFEST}: added after export"))
-    return len(problems) == start
+    return listed if len(problems) == start else None
 
 
 def inside(root: Path, rel: str, where: str, key: str, problems: List[Problem], base: str = "") -> Optional[Path]:

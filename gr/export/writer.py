@@ -18,6 +18,7 @@ from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import model_maps
 from gr.data.popularity import POPULARITY_FILE, load_popularity
+from gr.export.delta import write_delta
 from gr.export.format import (
     BAG,
     BATCH,
@@ -66,7 +67,9 @@ from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
 from gr.train.checkpoint import checkpoint_source
+from gr.train.config import load_config
 from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run
+from gr.train.run_files import CONFIG_FILE
 from gr.utils.atomic import atomic_directory, write_bytes, write_json
 from gr.utils.outputs import checked_output
 from gr.utils.run_lock import run_lock
@@ -75,6 +78,7 @@ EXAMPLE_ROWS = 3  # rows of the example inputs traced for ONNX (>= 2: 0/1 sizes 
 VERIFY_ROWS = (1, 5)  # row counts at which ONNX Runtime is checked against PyTorch after export
 VERIFY_ATOL = 1e-4
 REQUEST_TENSORS = (TIMESTAMPS, SEQ_OFFSETS, NUM_TARGETS)  # request tensors besides the features
+STAGING_FULL, STAGING_DELTA = "full", "delta"  # where export_model(base=...) writes, inside its temporary directory
 
 
 def export_model(
@@ -89,6 +93,7 @@ def export_model(
     item_features: Optional[Mapping[str, Column]] = None,
     popularity: Optional[np.ndarray] = None,
     source: Optional[Mapping[str, Any]] = None,
+    base: Union[str, Path, None] = None,
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
@@ -117,6 +122,9 @@ def export_model(
     serving's answer to an empty history with the user's common features (``gr.export.new_user``).
     source: where the model came from (``export_run``: the run, its checkpoint, epoch and step),
         written to ``source.json`` and hashed in the MANIFEST with every other file.
+    base: a full export of an earlier version of this model: ``export_dir`` is then the delta
+        from it (``gr.export.delta``; the full export is written and checked first, beside the
+        delta, and removed). A ``base`` of another model is a ValueError naming what differs.
     """
     if hstu_dtype not in SLICE_DTYPES:
         raise ValueError(f"hstu_dtype: expected one of {list(SLICE_DTYPES)}, got {hstu_dtype!r}")
@@ -127,27 +135,44 @@ def export_model(
     model.eval()
     try:
         with atomic_directory(export_dir, command="gr export", overwrite=overwrite) as tmp:
+            full = tmp if base is None else tmp / STAGING_FULL
+            full.mkdir(exist_ok=True)
             sparse = _write(
-                model, tmp, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype, item_features
+                model, full, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype, item_features
             )
             if popularity is not None:
-                write_popularity(tmp, popularity, sparse)
+                write_popularity(full, popularity, sparse)
             if source is not None:
-                write_json(tmp / SOURCE, dict(source))
-            write_manifest(tmp)
-            problems = check_export(tmp)
+                write_json(full / SOURCE, dict(source))
+            write_manifest(full)
+            problems = check_export(full)
             if problems:
                 raise ExportFormatError(problems)
+            if base is not None:
+                delta = tmp / STAGING_DELTA
+                delta.mkdir()
+                write_delta(base, full, delta)
+                shutil.rmtree(full)
+                for entry in list(delta.iterdir()):
+                    entry.rename(tmp / entry.name)
+                delta.rmdir()
     finally:
         model.train(was_training)
     return export_dir
 
 
 def export_run(
-    run_dir: Union[str, Path], export_dir: Union[str, Path], *, overwrite: bool = False, hstu_dtype: str = "float32"
+    run_dir: Union[str, Path],
+    export_dir: Union[str, Path],
+    *,
+    overwrite: bool = False,
+    hstu_dtype: str = "float32",
+    base: Union[str, Path, None] = None,
 ) -> Path:
     """Export a training run's best checkpoint (all shards merged) with its id mappings, naming
-    the run and that checkpoint in the export's ``source.json``.
+    the run and that checkpoint in the export's ``source.json``. base: an export of this run or
+    of a run it was warm-started from (``trainer.init_from``, followed back): ``export_dir`` is
+    the delta from it (``export_model``); an export of another run is a ValueError naming both.
 
     Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``; the item
     features the model reads from the run's training data (``gr.export.item_store``). The run
@@ -158,6 +183,8 @@ def export_run(
     with run_lock(run_dir, "gr export", shared=True):
         config, spec, _ = read_run(run_dir)
         checked_output(export_dir, [("RUN_DIR", run_dir), *config.data.inputs()], "EXPORT_DIR")
+        if base is not None:
+            check_lineage(run_dir, Path(base))
         checkpoint = best_checkpoint(run_dir)
         model, _ = load_trained_model(run_dir, checkpoint)
         mappings = run_dir / MAPPINGS_DIR
@@ -175,7 +202,30 @@ def export_run(
             item_features=item_features,
             popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
             source=checkpoint_source(run_dir, checkpoint),
+            base=base,
         )
+
+
+def check_lineage(run_dir: Path, base: Path) -> None:
+    """ValueError unless the run that ``base`` (an export) names in its ``source.json`` is
+    ``run_dir`` or one it was warm-started from (``trainer.init_from``, followed back). An export
+    without ``source.json`` (``export_model`` of a model) names no run: nothing to check."""
+    source = base / SOURCE
+    if not source.is_file():
+        return
+    origin = Path(str(json.loads(source.read_text()).get("run", ""))).resolve()
+    chain: List[Path] = []
+    run: Optional[Path] = run_dir.resolve()
+    while run is not None and run not in chain:
+        chain.append(run)
+        if run == origin:
+            return
+        init_from = load_config(run / CONFIG_FILE).trainer.init_from if (run / CONFIG_FILE).is_file() else None
+        run = None if init_from is None else Path(init_from).resolve()
+    raise ValueError(
+        f"--base {base}: an export of the run {origin}, which is neither {run_dir} nor a run it was warm-started "
+        f"from (its runs: {' <- '.join(map(str, chain))}); a delta applies only to an earlier export of its model"
+    )
 
 
 def _write(

@@ -34,7 +34,7 @@ from gr.serving.errors import RequestError
 from gr.serving.onnx_slice import OnnxSlice
 from gr.serving.options import INDEXES
 from gr.serving.request import RequestSchema
-from gr.serving.sparse_store import SparseStore
+from gr.serving.sparse_store import PatchedTable, SparseStore
 
 QUERY = POSTFIX_QUERY
 INDEX_CLASSES = dict(zip(INDEXES, (ExactIndex, HNSWIndex), strict=True))  # --index NAME -> its class
@@ -93,7 +93,8 @@ class Catalogue:
                 columns[name] = model.sparse.stored(name, ids)
             self.tokens = model.embed_tokens(columns)
         table = model.sparse.tables[model.sparse.features[item_feature].table]
-        self.vectors = F.normalize(torch.from_numpy(table), dim=-1)  # [M, d]
+        weight = table.array() if isinstance(table, PatchedTable) else table
+        self.vectors = F.normalize(torch.from_numpy(weight), dim=-1)  # [M, d]
         self.index: ItemIndex = INDEX_CLASSES[index](self.vectors)
 
 

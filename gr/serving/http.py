@@ -9,8 +9,9 @@ the user's history kept by the service, which POST /v1/events {"user_id", "histo
 each kind answered; 503 before, or once the process can no longer answer), /metrics (Prometheus,
 added up over the server's worker processes: ``gr.serving.metrics``).
 POST /admin/reload {"export_dir": ...} loads and warms up the new model while the old one serves,
-then swaps it in; it answers 404 unless the server was given an admin token, 401 without
-``Authorization: Bearer <token>``, and 409 when the server runs several worker processes (a
+then swaps it in ({"export_dir": DELTA} or {"deltas": [DELTA, ...]}: a delta export or a chain of
+them applied to the serving model, ``Ranker.reload``); it answers 404 unless the server was given
+an admin token, 401 without ``Authorization: Bearer <token>``, and 409 when the server runs several worker processes (a
 reload would swap only the one that answers).
 
 Errors are JSON ``{"error": name, "field": request field, "detail": message}``, each for its own
@@ -46,7 +47,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -54,7 +55,6 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from gr.export.manifest import manifest_digest
 from gr.serving.batcher import BatcherDied, RequestBatcher
 from gr.serving.errors import IdMapError, RequestError, ScoringError
 from gr.serving.history_store import HistoryStoreError
@@ -508,13 +508,17 @@ class ServingApp:
             return _body_error(exc)
         except RequestError as exc:
             return _error(400, "bad_request", str(exc), "body")
-        if (
-            not isinstance(payload, dict)
-            or set(payload) != {"export_dir"}
-            or not isinstance(payload["export_dir"], str)
-        ):
-            return _error(400, "bad_request", 'body: expected {"export_dir": "<path>"}', "body.export_dir")
-        return await self._swap_in(Path(payload["export_dir"]))
+        if isinstance(payload, dict) and set(payload) == {"export_dir"} and isinstance(payload["export_dir"], str):
+            return await self._swap_in([Path(payload["export_dir"])])
+        deltas = payload.get("deltas") if isinstance(payload, dict) and set(payload) == {"deltas"} else None
+        if isinstance(deltas, list) and deltas and all(isinstance(d, str) for d in deltas):
+            return await self._swap_in([Path(d) for d in deltas])
+        return _error(
+            400,
+            "bad_request",
+            'body: expected {"export_dir": "<export or delta path>"} or {"deltas": ["<delta path>", ...]}',
+            "body.export_dir",
+        )
 
     def _reload_refused(self, request: Request) -> Optional[Response]:
         """Why this server refuses the reload before reading its body (None: it does not)."""
@@ -533,18 +537,19 @@ class ServingApp:
             )
         return None
 
-    async def _swap_in(self, export_dir: Path) -> Response:
-        """``Ranker.reload`` of ``export_dir`` -> 200 with the new model version, or 400 ``bad_export``
-        (logged) while the old model keeps serving."""
+    async def _swap_in(self, paths: List[Path]) -> Response:
+        """``Ranker.reload`` of an export or of deltas -> 200 with the new model version, or 400
+        ``bad_export`` (logged) while the old model keeps serving."""
+        given = " ".join(map(str, paths))
         try:
-            await run_in_threadpool(self.ranker.reload, export_dir)
+            await run_in_threadpool(self.ranker.reload, paths)
         except Exception as exc:  # a bad export: the old model keeps serving
             why = " ".join(str(exc).split())  # one log line
-            log.warning("reload of %s refused, the previous model keeps serving: %s", export_dir, why)
+            log.warning("reload of %s refused, the previous model keeps serving: %s", given, why)
             return _error(400, "bad_export", f"body.export_dir: {exc}"[:2000], "body.export_dir")
         self.metrics.refresh()
         version = self.ranker.cache.model_version
-        log.info("reloaded: serving %s (model %s, version %d)", export_dir, manifest_digest(export_dir), version)
+        log.info("reloaded: serving %s (model %s, version %d)", given, self.ranker.model.identity[:12], version)
         return _json({"status": "reloaded", "model_version": version})
 
 

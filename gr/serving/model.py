@@ -5,18 +5,23 @@ numpy at the ONNX boundaries only. Imports no training code."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from gr.export.delta import APPEND, Delta, appended_map, export_identity
 from gr.export.format import (
     BAG,
+    HSTU_CONFIG,
     HSTU_OUTPUT,
     HSTU_SLICE,
+    HSTU_WEIGHTS,
+    ID_MAPS_DIR,
     POSTFIX,
     POSTFIX_ONNX,
     PREFIX,
@@ -24,14 +29,19 @@ from gr.export.format import (
     PREFIX_OUTPUT,
     REPEAT_PER_TARGET,
     SPARSE,
+    SPARSE_DIR,
     TIMESTAMPS,
     TOKEN_BAGS,
     TOKENS,
+    ExportFormatError,
+    Problem,
 )
-from gr.export.new_user import read_empty_history
-from gr.export.popularity import read_popularity
+from gr.export.item_store import ITEM_STORE, load_item_store
+from gr.export.new_user import EMPTY_HISTORY_FILE, read_empty_history
+from gr.export.popularity import POPULARITY, read_popularity
 from gr.export.reader import load_hstu, open_export
 from gr.export.slice_graph import REQUEST
+from gr.export.sparse_manifest import TOKEN_KINDS, SparseManifest
 from gr.hstu.cache import CachedHSTU
 from gr.serving.catalogue import QUERY, Catalogue
 from gr.serving.errors import ScoringError
@@ -39,10 +49,11 @@ from gr.serving.id_maps import IdMaps
 from gr.serving.onnx_slice import OnnxSlice, execution_providers
 from gr.serving.options import INDEXES
 from gr.serving.request import RequestSchema
-from gr.serving.sparse_store import SparseStore
+from gr.serving.sparse_store import SparseStore, patch_table
 from gr.utils.devices import DEVICES, require_device
 
 Tokens = Dict[str, np.ndarray]
+HISTORY_FILES = (PREFIX_ONNX, HSTU_CONFIG, HSTU_WEIGHTS, ITEM_STORE)  # what a cached history is computed from
 
 
 class ServingModel:
@@ -58,8 +69,11 @@ class ServingModel:
         check_device(device)
         self.index = index
         self.device = device
+        self.threads = threads
         manifest = open_export(export_dir)
         self.root = manifest.root
+        self.identity = export_identity(manifest.root)  # what a delta names as its base (gr.export.delta)
+        self.sparse_manifest = manifest.sparse
         self.graph = manifest.graph
         self.config = manifest.hstu_config
         self.sparse = SparseStore(manifest)
@@ -73,6 +87,53 @@ class ServingModel:
         self.empty_history: Optional[np.ndarray] = read_empty_history(manifest.root)  # [D] float32, or None
         self._catalogue: Optional[Catalogue] = None
         self._catalogue_lock = threading.Lock()
+
+    def applied(self, deltas: Sequence[Delta]) -> Tuple["ServingModel", bool]:
+        """(this model with ``deltas`` applied in order, whether a cached history of this model
+        still holds for it). ``deltas`` chain from this model (``gr.export.delta.chain_deltas``).
+
+        This model is left as it is: a changed table is its rows with the delta's over them
+        (``gr.serving.sparse_store.patch_table``: no copy of the table), a changed ONNX or HSTU
+        slice, item store, popularity or new-user state is loaded from the delta, id maps grow by
+        the delta's lines; every other part is shared. A cached history is computed from the token
+        features' tables, the item store and the prefix and HSTU slices: it holds when none of
+        them changed."""
+        model = copy.copy(self)
+        sparse = model.sparse = copy.copy(self.sparse)
+        sparse.tables = dict(self.sparse.tables)
+        id_maps = model.id_maps = copy.copy(self.id_maps)
+        id_maps.maps = dict(self.id_maps.maps)
+        cache_holds = True
+        token_tables = {f.table for f in self.sparse_manifest.features.values() if f.kind in TOKEN_KINDS}
+        for delta in deltas:
+            for name, table in delta.tables.items():
+                if table.changed:
+                    sparse.tables[name] = patch_table(sparse.tables[name], table.rows, *delta.table_rows(name))
+                    cache_holds = cache_holds and name not in token_tables
+            for rel, kind in delta.files.items():
+                cache_holds = cache_holds and rel not in HISTORY_FILES
+                if rel.startswith(f"{ID_MAPS_DIR}/"):
+                    _extend_maps(id_maps, self.sparse_manifest, delta, rel, kind)
+            files = set(delta.files)
+            if PREFIX_ONNX in files:
+                model.prefix = OnnxSlice(delta.root / PREFIX_ONNX, self.graph.slice(PREFIX), self.threads, self.device)
+            if POSTFIX_ONNX in files:
+                model.postfix = OnnxSlice(
+                    delta.root / POSTFIX_ONNX, self.graph.slice(POSTFIX), self.threads, self.device
+                )
+            if HSTU_WEIGHTS in files:
+                model.engine = CachedHSTU(load_hstu(delta.root).to(self.device))
+            if ITEM_STORE in files or ITEM_STORE in delta.removed:
+                sparse.items = load_item_store(delta.root, self.graph, self.sparse_manifest)
+                cache_holds = False
+            if POPULARITY in files or POPULARITY in delta.removed:
+                model.popularity = read_popularity(delta.root)
+            if EMPTY_HISTORY_FILE in files or EMPTY_HISTORY_FILE in delta.removed:
+                model.empty_history = read_empty_history(delta.root)
+            model.root, model.identity = delta.root, delta.target
+        model._catalogue = None  # built from the new item table on first use
+        model._catalogue_lock = threading.Lock()
+        return model, cache_holds
 
     @property
     def is_retrieval(self) -> bool:
@@ -142,6 +203,19 @@ class ServingModel:
             if t.shape == (BAG,):
                 env[f"{SPARSE}.{t.name}"] = self.sparse.pooled(t.name, env[t.input_source])
         return env
+
+
+def _extend_maps(id_maps: IdMaps, sparse: SparseManifest, delta: Delta, rel: str, kind: str) -> None:
+    """Grow the maps of every feature whose ``id_mapping`` is ``rel`` by the lines ``delta`` adds."""
+    features = [f.name for f in sparse.features.values() if f"{SPARSE_DIR}/{f.id_mapping}" == rel]
+    if kind != APPEND and features:
+        raise ExportFormatError(
+            [Problem(str(delta.root / rel), "-", "an id map replaced, not extended: reload the squashed full export")]
+        )
+    for feature in features:
+        id_maps.maps[feature] = appended_map(
+            id_maps.maps[feature], (delta.root / rel).read_bytes(), str(delta.root / rel)
+        )
 
 
 def check_device(device: str) -> None:

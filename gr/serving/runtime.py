@@ -16,6 +16,7 @@ batch equals the request's own. Imports no training code.
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
 from typing import (
@@ -34,6 +35,7 @@ from typing import (
     overload,
 )
 
+from gr.export.delta import chain_deltas, is_delta
 from gr.hstu.paged import DEFAULT_PAGE_SIZE, PagePool
 from gr.hstu.user_state import UserState
 from gr.serving import generate as generation
@@ -128,6 +130,7 @@ class Ranker:
         self.cache: UserCache[UserState] = UserCache(cache_bytes)
         self._model = model
         self._lock = threading.Lock()
+        self._reloading = threading.Lock()
         self._use_pages(model)
 
     def _use_pages(self, model: ServingModel) -> None:
@@ -158,18 +161,42 @@ class Ranker:
     def model(self) -> ServingModel:
         return self._model
 
-    def reload(self, export_dir: Union[str, Path], model_version: Optional[int] = None) -> None:
+    def reload(
+        self, export_dir: Union[str, Path, Sequence[Union[str, Path]]], model_version: Optional[int] = None
+    ) -> None:
         """Load another export (e.g. a newer model), warm it up (``warm_up``) while the old one
         serves, then swap it in and invalidate every cached history. model_version: the version
-        the new model takes (default: one more than the current one)."""
-        model = ServingModel(export_dir, self.threads, self.index, self.device)
-        Ranker(
-            model, micro_batch=self.micro_batch, long_history=self.long_history, limits=self.limits, page_size=0
-        ).warm_up()
-        self._use_pages(model)
-        with self._lock:
-            self._model = model
-            self.cache.invalidate(model_version)
+        the new model takes (default: one more than the current one).
+
+        A delta export, or a sequence of them (a chain, oldest first), is applied to the current
+        model instead (``ServingModel.applied``; ExportFormatError naming the first delta that
+        does not follow it): the same answers as the full export of the last delta's run, for the
+        time of patching the changed rows. Cached histories, and the K/V pages they hold, are kept
+        when the deltas change nothing they are computed from (the token features' tables, the item
+        store, the prefix and HSTU slices), and invalidated otherwise."""
+        paths = [export_dir] if isinstance(export_dir, (str, Path)) else list(export_dir)
+        with self._reloading:  # one reload at a time: a delta applies to the model it follows
+            cache_holds = False
+            if len(paths) != 1 or is_delta(paths[0]):
+                model, cache_holds = self.model.applied(chain_deltas(self.model.identity, paths))
+            else:
+                model = ServingModel(paths[0], self.threads, self.index, self.device)
+            pool = self.model.engine.pool
+            if model.engine is self.model.engine:  # the HSTU slice is unchanged: the same weights, a pool of its own
+                model.engine = copy.copy(model.engine)
+            Ranker(
+                model, micro_batch=self.micro_batch, long_history=self.long_history, limits=self.limits, page_size=0
+            ).warm_up()
+            if cache_holds:
+                model.engine.pool = pool
+            else:
+                self._use_pages(model)
+            with self._lock:
+                self._model = model
+                if cache_holds:
+                    self.cache.advance(model_version)
+                else:
+                    self.cache.invalidate(model_version)
 
     def warm_up(self) -> None:
         """Answer one small request of each kind the current model serves (rank; recommend and

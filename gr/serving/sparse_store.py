@@ -3,7 +3,7 @@ the export's item feature store (``gr.export.item_store``), when it has one."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -14,6 +14,56 @@ from gr.export.reader import ExportManifest
 from gr.jagged_rows import JaggedRows
 from gr.serving.errors import RequestError
 
+# An overlay past this fraction of its table's rows is merged into a copy of the table.
+MERGE_FRACTION = 0.1
+
+
+class PatchedTable:
+    """A table with rows replaced or appended, without copying it: ``base`` [R0, d] float32, and an
+    overlay of rows ``ids`` [k] int64 ascending with ``values`` [k, d] (every row past R0 among
+    them). Gathers (``table[ids]``) and ``shape`` work as on the array it stands for; ``array()``
+    makes that array. The base array is shared with the table it was patched from, never written."""
+
+    def __init__(self, base: np.ndarray, rows: int, ids: np.ndarray, values: np.ndarray) -> None:
+        self.base, self.ids, self.values = base, ids, values
+        self.shape: Tuple[int, int] = (rows, base.shape[1])
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows)
+        out = (
+            self.base[np.minimum(rows, len(self.base) - 1)]
+            if len(self.base)
+            else np.zeros((len(rows), self.shape[1]), np.float32)
+        )
+        at = np.minimum(np.searchsorted(self.ids, rows), max(len(self.ids) - 1, 0))
+        hit = self.ids[at] == rows if len(self.ids) else np.zeros(rows.shape, bool)
+        out[hit] = self.values[at[hit]]
+        return out
+
+    def array(self) -> np.ndarray:
+        """[rows, d] float32: the table as one array (a new one)."""
+        out = np.empty(self.shape, dtype=np.float32)
+        out[: len(self.base)] = self.base
+        out[self.ids] = self.values
+        return out
+
+
+Table = Union[np.ndarray, PatchedTable]
+
+
+def patch_table(table: Table, rows: int, ids: np.ndarray, values: np.ndarray) -> Table:
+    """``table`` grown to ``rows`` rows with ``values`` [k, d] at rows ``ids`` [k] (ascending), as a
+    new table that shares ``table``'s arrays: an overlay while it holds at most MERGE_FRACTION of the
+    rows, else one merged array."""
+    if isinstance(table, PatchedTable):
+        keep = ~np.isin(table.ids, ids)
+        merged = np.concatenate([table.ids[keep], ids])
+        order = np.argsort(merged, kind="stable")
+        patched = PatchedTable(table.base, rows, merged[order], np.concatenate([table.values[keep], values])[order])
+    else:
+        patched = PatchedTable(table, rows, ids, values)
+    return patched if len(patched.ids) <= MERGE_FRACTION * rows else patched.array()
+
 
 class SparseStore:
     """Every table of an export in memory; ``sequence`` gathers rows, ``pooled`` sums/means a bag,
@@ -21,7 +71,7 @@ class SparseStore:
 
     def __init__(self, manifest: ExportManifest) -> None:
         self.features = manifest.sparse.features
-        self.tables: Dict[str, np.ndarray] = {
+        self.tables: Dict[str, Table] = {
             name: load_file(str(manifest.path(f"{SPARSE_DIR}/{table.file}")))[TABLE_TENSOR]
             for name, table in manifest.sparse.tables.items()
         }

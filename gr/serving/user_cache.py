@@ -107,6 +107,12 @@ class UserCache(Generic[Entry]):
         if old is not None:
             self._bytes -= old[1]
 
+    def advance(self, model_version: Optional[int] = None) -> None:
+        """The model changed, but not what any entry was computed from: keep every entry; the
+        model version becomes ``model_version`` (default: one more)."""
+        with self._lock:
+            self._model_version = self._model_version + 1 if model_version is None else model_version
+
     def invalidate(self, model_version: Optional[int] = None) -> None:
         """Drop every entry (the model changed); the model version becomes ``model_version``
         (default: one more)."""
