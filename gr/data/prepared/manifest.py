@@ -56,9 +56,13 @@ PREPARED_KEYS = (
     "min_item_interactions",
     "keep_duplicates",
     "genres",
+    "release_year",
     "item_features",
     "user_features",
 )
+# Prepared keys added since the format was first written, with their defaults: left out of a config's
+# prepared keys at the default, so a directory prepared before them keeps its config hash.
+LATER_PREPARED_KEYS: Dict[str, Any] = {"release_year": False}
 SUMMARY_KEYS = ("source", "rows_read", "duplicates_dropped", "duplicates_kept", "users", "items", "interactions")
 PathLike = Union[str, Path]
 
@@ -168,7 +172,11 @@ def config_data(config: DataConfig) -> Dict[str, Any]:
 def prepared_keys(config: DataConfig) -> Dict[str, Any]:
     """{key: JSON value} of the ``PREPARED_KEYS`` of ``config``."""
     values = config_data(config)
-    return {key: values[key] for key in PREPARED_KEYS}
+    return {
+        key: values[key]
+        for key in PREPARED_KEYS
+        if key not in LATER_PREPARED_KEYS or values[key] != LATER_PREPARED_KEYS[key]
+    }
 
 
 def config_hash(config: DataConfig) -> str:
@@ -368,7 +376,8 @@ def _difference(prepared: Mapping[str, Any], config: DataConfig) -> str:
     """'data.<key> differs: prepared with X, this config has Y' for the first differing prepared key."""
     wanted = prepared_keys(config)
     for key in PREPARED_KEYS:
-        found = _first_difference(f"data.{key}", prepared.get(key), wanted[key])
+        default = LATER_PREPARED_KEYS.get(key)
+        found = _first_difference(f"data.{key}", prepared.get(key, default), wanted.get(key, default))
         if found:
             return found
     return f"config_hash {config_hash(config)} differs from the manifest's, whose data section was edited"
