@@ -1,36 +1,41 @@
-"""Cold-start items on MovieLens-100K: items no model trained on, added to its export and scored by their features.
+"""Cold-start items and users on MovieLens-100K: items no model trained on, added to its export and scored by
+their features; users no model trained on, served from their features.
 
-    python bench/cold_start.py [--epochs 15] [--seed 0] [--held-out 0.1] [--id-dropout 0.5] [--data.path DIR]
-                                      (ML-100K: $GR_ML100K_DIR or data/ml-100k)
+    python bench/cold_start.py [--epochs 15] [--seed 0] [--held-out 0.1] [--id-dropout 0.2] [--no-year]
+                               [--mlp-dims 64] [--data.path DIR]   (ML-100K: $GR_ML100K_DIR or data/ml-100k)
     python bench/cold_start.py --smoke                                 # 1 epoch of 2 steps a run: checks it runs
 
 The custom project's model and features (examples/custom_project/config.yaml: genres as a list, user
-age, gender and occupation; sparse.backend torch) trained twice on the same data: with an item tower
-over the genres (``model.item_tower: {features: [item_genres], id_dropout: --id-dropout}``) and
-without it (items are their rows). ``--held-out`` of the items (every event of theirs removed from
-training) and of the users (every event removed; kept for (b)) are drawn by ``--seed``. Both runs
-are exported and the held-out items added (``gr items add``: with the tower their rows are the
-encoder of their genres; without it zero rows). Then the test: each other user's last event (leave
-one out, on all of its events, held-out items included), ranked by the served query over the grown
-catalogue, the user's earlier items excluded:
+age, gender and occupation; sparse.backend torch), with the items' release years (``data.release_year``:
+an ``item_year`` table read by its GenreEncoder; ``--no-year`` leaves them out), trained twice on the
+same data: with an item tower over the genres and years (``model.item_tower: {features: [item_genres,
+item_year], id_dropout: --id-dropout, mlp_dims: --mlp-dims}``) and without it (items are their rows).
+``--held-out`` of the items (every event of theirs removed from training) and of the users (every
+event removed; kept for (b)) are drawn by ``--seed``. Both runs are exported and the held-out items
+added (``gr items add``: with the tower their rows are the encoder of their features; without it zero
+rows). Then the test: each other user's last event (leave one out, on all of its events, held-out
+items included), ranked by the served query over the grown catalogue, the user's earlier items excluded:
   (a) events whose target is a held-out item, ranked among the held-out items: the tower model,
       popularity among them (their counts in the test data's training parts: the events before each
       user's last two), and the model without the tower (zero rows, what ``gr items add`` gives it,
       or the mean trained row alike: every held-out item ties); over the whole catalogue also the
       tower model and the model without it with zero rows and with the mean trained row;
-  (b) held-out users' first events from user features alone against popularity: not measured here
-      (``new_users``: the serving side of new users is built apart);
+  (b) the held-out users' first events, ranked over the tower model's trained catalogue from their
+      user features alone (its new-user query) against popularity: ``bench/new_users.py``'s
+      measurement (``first_event_ranks``, ``first_event_metrics``);
   (c) every other event, over the whole catalogue: the tower model against the model without it;
 and the share of the top-10 slots (whole catalogue, warm users) the held-out items take against
-their share of the test targets.
+their share of the test targets, with what places them: the mean cosine of the warm users' queries
+with the held-out items' and with the trained items' rows, and those rows' mean norms.
 
-Prints each run, then one JSON line: seed, epochs, id_dropout, held_out (items, users, fractions), events per
-group, metrics {group: {scorer: {hr@10, ndcg@10, se_hr@10, se_ndcg@10}}} (SE: the sample standard
-error of the mean over the group's events), paired differences (mean, SE, in SE) for the targets'
-comparisons, top10_share_held_out, target_share_held_out, their ratio, targets ((a) tower above
-popularity among the held-out items by more than one paired SE in HR@10; (c) tower within one
-paired SE of no tower or better; share ratio within [0.5, 2]), train seconds, cpu, cpu_flags,
-load_average.
+Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, held_out (items, users,
+fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10, se_hr@10, se_ndcg@10}}} (SE:
+the sample standard error of the mean over the group's events), b_new_users (``first_event_metrics``),
+paired differences (mean, SE, in SE) for the targets' comparisons, placement, top10_share_held_out,
+target_share_held_out, their ratio, targets ((a) tower above popularity among the held-out items by
+more than one paired SE in HR@10; (b) the new-user query above popularity by more than one paired SE in
+HR@10; (c) tower within one paired SE of no tower or better; share ratio within [0.5, 2]), train
+seconds, cpu, cpu_flags, load_average.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,9 +62,11 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from _stats import paired_difference  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
+from new_users import first_event_metrics, print_first_event_metrics  # noqa: E402
 
-from gr.commands.evaluate import batch_requests, served_queries  # noqa: E402
+from gr.commands.evaluate import batch_requests, first_event_ranks, served_queries  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402
+from gr.data.config import RELEASE_YEAR  # noqa: E402
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.data.mappings import model_maps  # noqa: E402
 from gr.data.readers import ML_GENRES, ml_100k_side_tables  # noqa: E402
@@ -76,6 +83,7 @@ RECIPE = "examples/custom_project/config.yaml"
 SIDE_FILES = ("u.item", "u.user", "u.genre", "u.occupation")
 METRICS = ("hr@10", "ndcg@10")
 K = 10
+YEAR_DIM = 8  # the release year table's dim (as the age and occupation tables')
 
 
 def held_out(events: np.ndarray, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -99,26 +107,44 @@ def write_data(source: Path, out: Path, events: np.ndarray) -> Path:
     return out
 
 
-def items_file(source: Path, items: np.ndarray, path: Path) -> Path:
-    """The ``gr items add`` file of ``items``: item_id and their genres joined by "|"."""
-    side, _ = ml_100k_side_tables(source, True, False, "list")
+def items_file(source: Path, items: np.ndarray, path: Path, year: bool) -> Path:
+    """The ``gr items add`` file of ``items``: item_id, their genres joined by "|" and, with ``year``,
+    their release year buckets (as the reader gives them)."""
+    side, _ = ml_100k_side_tables(source, True, False, "list", release_year=year)
     assert side is not None  # u.item is there
     row = {int(item): i for i, item in enumerate(side.keys)}
     genres = side.lists[ML_GENRES]
+    years = [RELEASE_YEAR] if year else []
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["item_id", ML_GENRES])
+        writer.writerow(["item_id", ML_GENRES, *years])
         for item in items.tolist():
-            writer.writerow([item, "|".join(genres.take(np.array([row[item]])).values.tolist())])
+            index = np.array([row[item]])
+            writer.writerow(
+                [item, "|".join(genres.take(index).values.tolist()), *(side.categorical[y][row[item]] for y in years)]
+            )
     return path
 
 
-def recipe(data_path: Path, overrides: List[Tuple[str, str]], id_dropout: Optional[float]) -> TrainConfig:
+def recipe(
+    data_path: Path,
+    overrides: List[Tuple[str, str]],
+    id_dropout: Optional[float],
+    year: bool,
+    mlp_dims: Sequence[int] = (),
+) -> TrainConfig:
     """The custom project's config on ``data_path`` with ``overrides``, with the item tower (its
-    ``id_dropout``) or without it (None)."""
+    ``id_dropout`` and ``mlp_dims``) or without it (None); with ``year`` the items' release years
+    (``data.release_year``) join the genres in the GenreEncoder (a table of their own) and the tower."""
     values = yaml.safe_load(Path(RECIPE).read_text())
+    features = [ML_GENRES]
+    if year:
+        values["data"]["release_year"] = True
+        values["model"]["tables"].append({"name": "year", "embedding_dim": YEAR_DIM, "features": [RELEASE_YEAR]})
+        values["model"]["prefix_dnn"]["kwargs"]["year_feature"] = RELEASE_YEAR
+        features.append(RELEASE_YEAR)
     if id_dropout is not None:
-        values["model"]["item_tower"] = {"features": [ML_GENRES], "id_dropout": id_dropout}
+        values["model"]["item_tower"] = {"features": features, "id_dropout": id_dropout, "mlp_dims": list(mlp_dims)}
     for key, value in [("data.path", str(data_path)), ("sparse.backend", "torch"), *overrides]:
         apply_override(values, key, yaml.safe_load(value))
     return TrainConfig.from_dict(values)
@@ -194,20 +220,18 @@ def summary_of(values: Dict[str, torch.Tensor]) -> Dict[str, float]:
     return out
 
 
-def new_users(source: Path, users: np.ndarray) -> Optional[Dict[str, Any]]:
-    """(b): the held-out ``users``' first events scored from their user features alone, against
-    popularity. Not measured here: serving a user with no history from user features is built
-    apart; this is where that measurement goes. -> None."""
-    return None
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=15, help="each run's epochs (its best validation epoch is kept)")
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out items and users; seeds training")
     parser.add_argument("--held-out", type=float, default=0.1, help="fraction of the items, and of the users, held out")
     parser.add_argument("--id-dropout", type=float, default=0.2, help="the tower's model.item_tower.id_dropout")
+    parser.add_argument(
+        "--year", action=argparse.BooleanOptionalAction, default=True, help="the items' release years (both runs)"
+    )
+    parser.add_argument("--mlp-dims", default="", help="the tower's model.item_tower.mlp_dims, comma-separated")
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
+    mlp_dims = [int(d) for d in args.mlp_dims.split(",") if d]
     overrides = [
         ("trainer.max_epochs", str(args.epochs)),
         ("trainer.early_stopping_patience", "0"),
@@ -228,10 +252,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         trained_on = ~np.isin(events[:, 1], cold_items) & ~np.isin(events[:, 0], cold_users)
         train_data = write_data(source, root / "train-data", events[trained_on])
         test_data = write_data(source, root / "test-data", events[~np.isin(events[:, 0], cold_users)])
-        new_items = items_file(source, cold_items, root / "held_out_items.csv")
+        user_data = write_data(source, root / "new-user-data", events[np.isin(events[:, 0], cold_users)])
+        new_items = items_file(source, cold_items, root / "held_out_items.csv", args.year)
         scored, seconds, added = {}, {}, {}
         for name, id_dropout in (("tower", args.id_dropout), ("no_tower", None)):
-            config = recipe(train_data, overrides, id_dropout)
+            config = recipe(train_data, overrides, id_dropout, args.year, mlp_dims)
             start = time.perf_counter()
             metrics = train(config, root / name)
             seconds[name] = time.perf_counter() - start
@@ -239,6 +264,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             added[name] = add_items(root / f"{name}-export", new_items, root / f"{name}-grown")
             scored[name] = scored_events(root / f"{name}-grown", config, test_data)
             print(f"{name}: validation-picked test hr@10 {metrics['hr@10']:.4f} ({seconds[name]:.1f} s)", flush=True)
+        users_config = recipe(user_data, overrides, args.id_dropout, args.year, mlp_dims).data
+        metrics_b = first_event_metrics(first_event_ranks(root / "tower-export", users_config))
+        rows = export_trained_rows(Ranker.load(root / "tower-grown"))
     trained = added["tower"]["trained_items"]
     if added["no_tower"]["trained_items"] != trained or not torch.equal(
         scored["tower"]["targets"], scored["no_tower"]["targets"]
@@ -273,24 +301,41 @@ def main(argv: Optional[List[str]] = None) -> None:
     a_vs_pop = paired_difference(metrics_a["tower"]["hr@10"], metrics_a["popularity"]["hr@10"], "events")
     c_vs_plain = paired_difference(metrics_c["tower"]["hr@10"], metrics_c["no_tower"]["hr@10"], "events")
     ratio = top_share / target_share if target_share else float("nan")
+    warm_scores = tower[~cold]
+    finite = torch.isfinite(warm_scores)
+    norms = np.linalg.norm(rows, axis=1)
+    placement = {  # the held-out items' score scale against the trained items' (warm users' queries)
+        "mean_cosine_held_out": float(warm_scores[:, trained:][finite[:, trained:]].mean()),
+        "mean_cosine_trained": float(warm_scores[:, :trained][finite[:, :trained]].mean()),
+        "mean_row_norm_held_out": float(norms[trained:].mean()),
+        "mean_row_norm_trained": float(norms[:trained].mean()),
+    }
     model, flags = cpu()
     summary = {
         "bench": "cold_start",
         "seed": args.seed,
         "epochs": args.epochs,
         "id_dropout": args.id_dropout,
+        "year": args.year,
+        "mlp_dims": mlp_dims,
         "held_out": {"fraction": args.held_out, "items": len(cold_items), "users": len(cold_users)},
         "events": {"a_held_out_targets": int(cold.sum()), "c_other_targets": int((~cold).sum())},
         "a_among_held_out": {name: summary_of(v) for name, v in metrics_a.items()},
         "a_whole_catalogue": {name: summary_of(v) for name, v in whole_a.items()},
-        "b_new_users": new_users(source, cold_users),
+        "b_new_users": metrics_b,
         "c_other_events": {name: summary_of(v) for name, v in metrics_c.items()},
-        "paired_hr@10": {"a_tower_minus_popularity": a_vs_pop, "c_tower_minus_no_tower": c_vs_plain},
+        "paired_hr@10": {
+            "a_tower_minus_popularity": a_vs_pop,
+            "b_new_user_minus_popularity": metrics_b["paired"]["hr@10"],
+            "c_tower_minus_no_tower": c_vs_plain,
+        },
+        "placement": placement,
         "top10_share_held_out": top_share,
         "target_share_held_out": target_share,
         "share_ratio": ratio,
         "targets": {
             "a_tower_above_popularity_by_more_than_one_se": a_vs_pop["in_se"] > 1.0,
+            "b_new_user_above_popularity_by_more_than_one_se": metrics_b["paired"]["hr@10"]["in_se"] > 1.0,
             "c_tower_within_one_se_of_no_tower_or_better": c_vs_plain["in_se"] >= -1.0,
             "top10_share_within_2x_of_target_share": 0.5 <= ratio <= 2.0,
         },
@@ -301,6 +346,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     }
     for group, metrics in (("(a) among held-out", metrics_a), ("(c) other events", metrics_c)):
         print(group + ": " + ", ".join(f"{n} hr@10 {float(v['hr@10'].mean()):.4f}" for n, v in metrics.items()))
+    print("(b) held-out users' first events from their features:")
+    print_first_event_metrics(metrics_b)
     print(f"top-10 share of held-out items {top_share:.4f} vs their share of targets {target_share:.4f}")
     print(json.dumps(summary))
 

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,6 +81,43 @@ def split_users(source: Path, out: Path, holdout: float, seed: int) -> Tuple[Pat
     return dirs[0], dirs[1], len(held), unknown
 
 
+def first_event_metrics(ranks: Dict[str, np.ndarray]) -> Dict[str, Any]:
+    """``first_event_ranks``' ranks -> {users (scored), scorers ({new_user, popularity}: hr@10,
+    ndcg@10, se_<metric>), paired ({metric: new_user - popularity}), new_user_over_popularity,
+    targets} (the module docstring)."""
+    users = len(ranks["user"])
+    values = {s: target_metrics(torch.from_numpy(ranks[s]), [10]) for s in SCORERS}
+    per_user = {s: {m: values[s][m].numpy() for m in METRICS} for s in SCORERS}
+    scorers = {
+        s: {
+            **{m: float(per_user[s][m].mean()) for m in METRICS},
+            **{f"se_{m}": float(per_user[s][m].std(ddof=1) / math.sqrt(users)) for m in METRICS},
+        }
+        for s in SCORERS
+    }
+    pairs = {m: paired_difference(per_user["new_user"][m], per_user["popularity"][m]) for m in METRICS}
+    return {
+        "users": users,
+        "scorers": scorers,
+        "paired": pairs,
+        "new_user_over_popularity": {
+            m: scorers["new_user"][m] / scorers["popularity"][m] if scorers["popularity"][m] else float("nan")
+            for m in METRICS
+        },
+        "targets": {f"new_user_above_popularity_by_more_than_one_se_{m}": pairs[m]["in_se"] > 1.0 for m in METRICS},
+    }
+
+
+def print_first_event_metrics(measured: Dict[str, Any]) -> None:
+    """Each scorer's HR@10 / NDCG@10 and the paired differences of ``first_event_metrics``."""
+    for s in SCORERS:
+        scorer = measured["scorers"][s]
+        line = ", ".join(f"{m} {scorer[m]:.4f} (SE {scorer[f'se_{m}']:.4f})" for m in METRICS)
+        print(f"{s}: {line} over {measured['users']} held-out users' first events")
+    for m, d in measured["paired"].items():
+        print(f"paired {m} new_user - popularity: {d['mean']:+.4f} (SE {d['se']:.4f}, {d['in_se']:+.2f} SE)")
+
+
 def main(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out users and seeds training")
@@ -108,43 +145,23 @@ def main(argv: List[str] | None = None) -> None:
         train_seconds = time.perf_counter() - started
         held_out = load_config(RECIPE, [*overrides, ("data.path", str(held_dir))]).data
         ranks = first_event_ranks(root / "run", held_out)
-    users = len(ranks["user"])
-    values = {s: target_metrics(torch.from_numpy(ranks[s]), [10]) for s in SCORERS}
-    per_user = {s: {m: values[s][m].numpy() for m in METRICS} for s in SCORERS}
-    scorers = {
-        s: {
-            **{m: float(per_user[s][m].mean()) for m in METRICS},
-            **{f"se_{m}": float(per_user[s][m].std(ddof=1) / math.sqrt(users)) for m in METRICS},
-        }
-        for s in SCORERS
-    }
-    pairs = {m: paired_difference(per_user["new_user"][m], per_user["popularity"][m]) for m in METRICS}
+    measured = first_event_metrics(ranks)
     model, flags = cpu()
     summary = {
         "bench": "new_users",
         "seed": args.seed,
         "holdout": args.holdout,
         "held_out_users": held,
-        "users": users,
+        "users": measured["users"],
         "unknown_items": unknown,
         "epochs": metrics["epochs"],
         "train_seconds": train_seconds,
-        "scorers": scorers,
-        "paired": pairs,
-        "new_user_over_popularity": {
-            m: scorers["new_user"][m] / scorers["popularity"][m] if scorers["popularity"][m] else float("nan")
-            for m in METRICS
-        },
-        "targets": {f"new_user_above_popularity_by_more_than_one_se_{m}": pairs[m]["in_se"] > 1.0 for m in METRICS},
+        **{k: v for k, v in measured.items() if k != "users"},
         "cpu": model,
         "cpu_flags": flags,
         "load_average": {"start": start_load, "end": load_average()},
     }
-    for s in SCORERS:
-        line = ", ".join(f"{m} {scorers[s][m]:.4f} (SE {scorers[s][f'se_{m}']:.4f})" for m in METRICS)
-        print(f"{s}: {line} over {users} held-out users' first events")
-    for m, d in pairs.items():
-        print(f"paired {m} new_user - popularity: {d['mean']:+.4f} (SE {d['se']:.4f}, {d['in_se']:+.2f} SE)")
+    print_first_event_metrics(measured)
     print(json.dumps(summary))
 
 

@@ -233,6 +233,7 @@ BENCHES = (
             "b_new_users",
             "c_other_events",
             "paired_hr@10",
+            "placement",
             "top10_share_held_out",
             "target_share_held_out",
             "share_ratio",

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from gr.commands import cli
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings
+from gr.jagged_rows import JaggedRows
 from gr.serving import Ranker
 from gr.serving.http import create_app
 from gr.train.build import build_model
-from gr.train.config import load_config
+from gr.train.config import TrainConfig, load_config
 from gr.train.run import load_trained_model, train
 from helpers.movielens import CUSTOM_PROJECT, SMALL, small_ml_100k
 from helpers.servers import AppServer
@@ -108,3 +109,34 @@ def test_custom_project_trains_exports_and_serves_raw_features_with_the_trained_
             "POST", "/v1/rank", {**request, "common_features": {**request["common_features"], "user_zip": "x"}}
         )
         assert status == 400 and "user_zip" in answer["detail"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchrec"])
+def test_release_years_reach_the_genre_encoder_and_the_item_tower_on_both_backends(tmp_path, backend):
+    root = small_ml_100k(tmp_path / "ml-100k")
+    lines = (root / "u.item").read_text().splitlines()
+    years = [1975, 1994, 1997]  # items i, i+1, i+2 (same genres or not) by turn; "1970s", "1994", "1997"
+    dated = [line.replace("01-Jan-1995", f"01-Jan-{years[i % 3]}") for i, line in enumerate(lines)]
+    (root / "u.item").write_text("\n".join(dated) + "\n")
+    config = load_config(
+        CUSTOM_PROJECT,
+        [("data.path", str(root)), *SMALL, ("sparse.backend", backend), ("data.release_year", "true")],
+    )
+    values = config.to_dict()
+    values["model"]["tables"].append({"name": "year", "embedding_dim": 4, "features": ["item_year"]})
+    values["model"]["prefix_dnn"]["kwargs"]["year_feature"] = "item_year"
+    values["model"]["item_tower"] = {"features": ["item_genres", "item_year"]}
+    train(TrainConfig.from_dict(values), tmp_path / "run")
+
+    model, config = load_trained_model(tmp_path / "run")
+    assert model.prefix_dnn.feature_names == ("item_id", "item_genres", "item_year")
+    assert model.prefix_dnn.out.weight[:, -4:].abs().sum() > 0  # the year's columns learned
+    data = SequenceDataModule(config.data, eviction_block=config.model.hstu.eviction_block)
+    data.setup()
+    columns = data.item_features.columns()
+    assert set(np.asarray(columns["item_year"])[1:].tolist()) == {1, 2, 3}  # 0: the unknown id
+    features = [f.name for f in model.item_tower.encoder.features]
+    assert features == ["item_genres", "item_year"]
+    no_genres = JaggedRows.from_lengths(np.zeros(3, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    encoded = model.item_tower.encoder.encode_columns({"item_genres": no_genres, "item_year": np.array([1, 2, 3])})
+    assert torch.cdist(encoded, encoded)[np.triu_indices(3, 1)].min() > 0  # same genres, three years: three vectors

@@ -31,6 +31,14 @@ from gr.data.config import DataConfig
         ),
         ({"columns": {"delimiter": "::"}}, r"data\.columns\.delimiter"),
         ({"columns": {"user_features": "country"}}, r"data\.columns\.user_features"),
+        (
+            {"source": "ml-1m", "path": "x", "release_year": True},
+            r"data\.release_year: only MovieLens-100K's item features .* got source 'ml-1m'",
+        ),
+        (
+            {"source": "ml-100k", "path": "x", "release_year": True, "item_features": False},
+            r"data\.release_year: .* got item_features false",
+        ),
     ],
 )
 def test_invalid_value_is_named(values, key):

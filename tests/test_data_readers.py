@@ -53,6 +53,29 @@ def test_ml_100k_reads_ratings_genres_and_bucketed_user_attributes(tmp_path):
     assert data.user_side.categorical["user_occupation"].tolist() == ["technician", "other"]
 
 
+def test_ml_100k_release_years_are_years_from_1990_decades_before_and_unknown_when_empty(tmp_path):
+    root = ml_100k_dir(tmp_path)
+    flags = "|".join(["0"] * 19)
+    write(
+        root / "u.item",
+        f"10|A (1995)|01-Jan-1995||http://x|{flags}\n30|B (1985)|12-Mar-1985||http://y|{flags}\n"
+        f"20|unknown|||http://z|{flags}\n",
+        "latin-1",
+    )
+    side = read_ml_100k(str(root), release_year=True).item_side
+    assert side.keys.tolist() == [10, 30, 20]
+    assert side.categorical["item_year"].tolist() == ["1995", "1980s", "unknown"]
+    assert "item_year" not in read_ml_100k(str(root)).item_side.categorical  # not asked: not read
+
+
+def test_ml_100k_bad_release_date_names_its_line(tmp_path):
+    root = ml_100k_dir(tmp_path)
+    flags = "|".join(["0"] * 19)
+    write(root / "u.item", f"10|A|01-Jan-1995||x|{flags}\n30|B|1985||x|{flags}\n", "latin-1")
+    with pytest.raises(DataFormatError, match=r"u\.item:2: release date '1985': expected DD-Mon-YYYY or an empty"):
+        read_ml_100k(str(root), release_year=True)
+
+
 def test_ml_100k_real_files_have_the_published_counts(ml_100k):
     data = read_ml_100k(str(ml_100k))
     assert len(data.users) == 100_000

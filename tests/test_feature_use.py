@@ -150,13 +150,15 @@ def test_the_declared_spec_names_what_the_data_provides(tmp_path, source):
     assert sorted(declared.event_features) == sorted(read.event_features)
 
 
-def test_the_ml_100k_declared_spec_names_what_its_reader_provides(ml_100k):
-    config = DataConfig.from_dict({"source": "ml-100k", "path": str(ml_100k)})
+@pytest.mark.parametrize("release_year", [False, True])
+def test_the_ml_100k_declared_spec_names_what_its_reader_provides(ml_100k, release_year):
+    config = DataConfig.from_dict({"source": "ml-100k", "path": str(ml_100k), "release_year": release_year})
     data = SequenceDataModule(config)
     data.setup()
     declared, read = declared_spec(config), data.feature_spec()
     assert (set(declared.sequence), set(declared.common)) == (set(read.sequence), set(read.common))
     assert declared.token_dense == read.token_dense
+    assert ("item_year" in read.sequence) == release_year
 
 
 def test_switching_off_declared_item_or_user_columns_is_refused_naming_both_keys():

@@ -280,6 +280,13 @@ def test_movielens_100k_prepares_to_what_its_reader_gives(tmp_path, ml_100k):
     assert_prepared_equals_raw(tmp_path / "prepared", config)
 
 
+def test_movielens_100k_release_years_prepare_to_what_the_reader_gives(tmp_path, ml_100k):
+    config = DataConfig.from_dict({"source": "ml-100k", "path": str(ml_100k), "genres": "list", "release_year": True})
+    prepare_with_duckdb(config, tmp_path / "prepared", threads=2)
+    assert "item_year" in pq.read_table(tmp_path / "prepared" / ITEMS_TABLE).column_names
+    assert_prepared_equals_raw(tmp_path / "prepared", config)
+
+
 def ml_100k_dir(root: Path, ratings: str) -> Path:
     root.mkdir()
     (root / "u.data").write_text(ratings)

@@ -22,6 +22,7 @@ from gr.data.prepared.manifest import (
     config_hash,
     describe_shard,
     file_checksums,
+    prepared_keys,
     read_manifest,
     shard_path,
     verify_digest,
@@ -87,6 +88,12 @@ def test_config_hash_ignores_path_splits_batching_and_seeds_but_not_what_is_prep
         {"source": "parquet"},
     ]
     assert len({config_hash(table_config(**o)) for o in different} | {base}) == len(different) + 1
+
+
+def test_release_year_is_prepared_but_left_out_of_the_hash_of_configs_without_it():
+    ml = {"source": "ml-100k", "path": "ml"}
+    assert "release_year" not in prepared_keys(DataConfig.from_dict(ml))  # directories prepared before it still match
+    assert prepared_keys(DataConfig.from_dict({**ml, "release_year": True}))["release_year"] is True
 
 
 def test_written_manifest_reads_back_with_shard_counts_and_file_checksums(tmp_path):

@@ -19,7 +19,7 @@ resolves from the repository root (``train.py`` and ``gr`` both put it on the im
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,23 +30,34 @@ from gr.sparse.keyed_jagged import JaggedTensor, KeyedJaggedTensor
 
 
 class GenreEncoder(PrefixDNN):
-    """features: the item [T, d_item] and its genres' pooled vector [T, d_genre] -> [T, hidden_dim].
+    """features: the item [T, d_item], its genres' pooled vector [T, d_genre] and, when
+    ``year_feature`` is given, its release year's row [T, d_year] -> [T, hidden_dim].
 
-    item_feature / genre_feature: the token features read (a list-valued genre feature pooled
-    by mean gives the mean of the genres' vectors; an item without genres gives zeros)."""
+    item_feature / genre_feature / year_feature: the token features read (a list-valued genre
+    feature pooled by mean gives the mean of the genres' vectors; an item without genres gives
+    zeros; ``year_feature`` None: no year read)."""
 
-    def __init__(self, hidden_dim: int, feature_dims: Mapping[str, int], item_feature: str, genre_feature: str) -> None:
+    def __init__(
+        self,
+        hidden_dim: int,
+        feature_dims: Mapping[str, int],
+        item_feature: str,
+        genre_feature: str,
+        year_feature: Optional[str] = None,
+    ) -> None:
         super().__init__()
-        self.feature_names = (item_feature, genre_feature)
-        self.item_feature, self.genre_feature = item_feature, genre_feature
+        side = (genre_feature,) if year_feature is None else (genre_feature, year_feature)
+        self.feature_names = (item_feature, *side)
+        self.item_feature, self.genre_feature, self.side_features = item_feature, genre_feature, side
         item_dim = feature_dims[item_feature]
         self.item = nn.Identity() if item_dim == hidden_dim else nn.Linear(item_dim, hidden_dim)
-        self.out = nn.Linear(feature_dims[genre_feature], hidden_dim)
+        self.out = nn.Linear(sum(feature_dims[f] for f in side), hidden_dim)
         nn.init.zeros_(self.out.weight)  # starts as the plain item embedding
         nn.init.zeros_(self.out.bias)
 
     def forward(self, features: Dict[str, Tensor]) -> Tensor:
-        return self.item(features[self.item_feature]) + self.out(features[self.genre_feature])
+        side = torch.cat([features[f] for f in self.side_features], dim=-1)
+        return self.item(features[self.item_feature]) + self.out(side)
 
 
 class DemographicQueryHead(PostfixDNN):

@@ -27,6 +27,7 @@ from gr.utils.config_checks import (
 )
 
 ITEM_ID = "item_id"  # the token feature every sequence has: its item (a reserved feature name)
+RELEASE_YEAR = "item_year"  # MovieLens-100K's release year of each item (data.release_year)
 SPLITS = ("leave_one_out", "time", "none")
 TEST_EVENTS = ("next", "all")
 SPLIT_TIMES = ("split_time", "split_end", "train_start", "replay_start", "val_start")  # times: seconds or ISO 8601
@@ -361,6 +362,9 @@ class DataConfig(Section):
     genres: how the MovieLens readers give an item's genres (``item_genres``): "multi_hot"
         ([T, G] floats per token) or "list" (a list-valued item feature: the genre names, one
         bag of ids per token, read by a ``token_bag`` table).
+    release_year: MovieLens-100K only (needs item_features): each item's release year from u.item's
+        release date as the categorical item feature ``item_year``: the year itself from 1990 on, the
+        decade before ("1980s"), "unknown" for an empty date (``gr.data.readers.release_year_buckets``).
     keep_duplicates: keep rows that repeat an earlier row's user, item and timestamp (by
     default they are dropped, and the run's metrics.json counts them under "data").
     split: "leave_one_out" (each user's last event is its test target, the one before its
@@ -419,6 +423,7 @@ class DataConfig(Section):
     val_start: Optional[int] = checked(None, optional(SECONDS))
     test_events: str = checked("next", one_of(*TEST_EVENTS))
     genres: str = checked("multi_hot", one_of(*GENRE_LAYOUTS))
+    release_year: bool = checked(False, BOOL)
     columns: ColumnConfig = field(default_factory=ColumnConfig)
     users: Optional[SideTableConfig] = None
     items: Optional[SideTableConfig] = None
@@ -464,6 +469,12 @@ class DataConfig(Section):
             raise ValueError(
                 f"{where}.genres: only the MovieLens sources ({', '.join(MOVIELENS_SOURCES)}) have genres; "
                 f"{self.source!r} declares list features in data.columns.list_features"
+            )
+        if self.release_year and (self.source != "ml-100k" or not self.item_features):
+            got = f"source {self.source!r}" if self.source != "ml-100k" else "item_features false"
+            raise ValueError(
+                f"{where}.release_year: only MovieLens-100K's item features (data.source ml-100k, "
+                f"data.item_features true) have release dates; got {got}"
             )
 
     def _check_side_tables(self, where: str) -> None:

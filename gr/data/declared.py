@@ -2,7 +2,8 @@
 
 ``declared_spec(config)`` is the FeatureSpec the data will provide, by name: the declared
 columns of CSV/Parquet (``data.columns``) or a built-in source's side features (switched by
-``data.item_features`` / ``data.user_features``; MovieLens genres as ``data.genres`` says).
+``data.item_features`` / ``data.user_features``; MovieLens genres as ``data.genres`` says, ML-100K's
+release years as ``data.release_year`` does).
 Cardinalities are placeholders (1) and the dims of features a built-in source derives from its
 files (MovieLens genres) nominal: what it
 is for is checking, before the data loads, that the model's tables and modules read exactly the
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
-from gr.data.config import DataConfig
+from gr.data.config import RELEASE_YEAR, DataConfig
 from gr.data.features import ITEM_ID, FeatureSpec
 
 UNKNOWN_CARDINALITY = 1
@@ -58,6 +59,8 @@ def declared_spec(config: DataConfig) -> FeatureSpec:
     if config.genres == "list" and GENRES in item_dense:  # MovieLens genre names: a list-valued item feature
         item_dense = {name: dim for name, dim in item_dense.items() if name != GENRES}
         item, lists = (*item, GENRES), (GENRES,)
+    if config.release_year:  # MovieLens-100K's release years: a categorical item feature
+        item = (*item, RELEASE_YEAR)
     if not config.item_features:
         item, item_dense = (), {}
     if not config.user_features:

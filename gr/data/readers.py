@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gr.data.config import SIDES, ColumnConfig, DataConfig
+from gr.data.config import RELEASE_YEAR, SIDES, ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError, Interactions, SideTable
 from gr.data.mappings import IdMap, id_kind
 from gr.data.parsing import (
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 ML_GENRES = "item_genres"
 ML_AGE_BUCKETS = (1, 18, 25, 35, 45, 50, 56)  # MovieLens-1M age codes: under 18, 18-24, ..., 56+
+YEARS_FROM = 1990  # release years from here on are their own bucket (most of ML-100K's items); earlier: decades
+UNKNOWN_YEAR = "unknown"
 RATING_KINDS = ("int", "int", "float", "int")
 SIDE_SUMMARY = "side_tables"  # a summary's counts of data.users / data.items (``side_table_summary``)
 
@@ -137,7 +139,9 @@ def _optional(path: Path, wanted: bool, name: str) -> bool:
     return wanted and path.is_file()
 
 
-def ml_100k_side_tables(root: Path, item_features: bool, user_features: bool, genres: str) -> SideTables:
+def ml_100k_side_tables(
+    root: Path, item_features: bool, user_features: bool, genres: str, release_year: bool = False
+) -> SideTables:
     """(item side, user side) of MovieLens-100K in ``root`` (``read_ml_100k`` says which); None
     for a table not wanted or whose file is absent."""
     item_side = user_side = None
@@ -147,21 +151,22 @@ def ml_100k_side_tables(root: Path, item_features: bool, user_features: bool, ge
         layout = [
             ("item", "int"),
             ("title", "skip"),
-            ("release_date", "skip"),
+            ("release_date", "list" if release_year else "skip"),  # "list": text, empty allowed
             ("video_release_date", "skip"),
             ("imdb_url", "skip"),
             *((f, "int") for f in flags),
         ]
         items = read_delimited(root / "u.item", layout, "|", encoding="latin-1")
         flagged = np.stack([items[f] for f in flags], axis=1)  # [M, 19], every genre of u.genre in its order
+        years = {RELEASE_YEAR: release_year_buckets(root / "u.item", items["release_date"])} if release_year else {}
         if genres == "list":
             rows, codes = np.nonzero(flagged)
             lengths = np.bincount(rows, minlength=len(flagged))
             labels = JaggedRows.from_lengths(lengths, np.asarray(names)[codes])
-            item_side = SideTable(items["item"], lists={ML_GENRES: labels})
+            item_side = SideTable(items["item"], categorical=years, lists={ML_GENRES: labels})
         else:
             multi_hot = {ML_GENRES: flagged.astype(np.float32)}
-            item_side = SideTable(items["item"], dense=multi_hot, dense_columns={ML_GENRES: names})
+            item_side = SideTable(items["item"], categorical=years, dense=multi_hot, dense_columns={ML_GENRES: names})
     if _optional(root / "u.user", user_features, "user"):
         layout = [("user", "int"), ("age", "int"), ("gender", "str"), ("occupation", "str"), ("zip", "skip")]
         users = read_delimited(root / "u.user", layout, "|")
@@ -173,15 +178,39 @@ def ml_100k_side_tables(root: Path, item_features: bool, user_features: bool, ge
     return item_side, user_side
 
 
+def release_year_buckets(path: Path, dates: np.ndarray) -> np.ndarray:
+    """[M] release dates of ``path`` (u.item: ``01-Jan-1995``, or empty) -> [M] str buckets: the
+    year from ``YEARS_FROM`` on ("1995"), its decade before ("1980s"), "unknown" for an empty date.
+    Another text raises DataFormatError naming its line."""
+    out = np.full(len(dates), UNKNOWN_YEAR, dtype=object)
+    for row, date in enumerate(dates.tolist()):
+        if not date:
+            continue
+        match = re.fullmatch(r"\d{1,2}-[A-Za-z]{3}-(\d{4})", date)
+        if match is None:
+            raise DataFormatError(path, f"release date {date!r}: expected DD-Mon-YYYY or an empty field", line=row + 1)
+        year = int(match.group(1))
+        out[row] = str(year) if year >= YEARS_FROM else f"{year // 10 * 10}s"
+    return out.astype(str)
+
+
 def read_ml_100k(
-    directory: str, item_features: bool = True, user_features: bool = True, genres: str = "multi_hot"
+    directory: str,
+    item_features: bool = True,
+    user_features: bool = True,
+    genres: str = "multi_hot",
+    release_year: bool = False,
 ) -> Interactions:
     """MovieLens-100K: ``u.data`` (tab: user item rating timestamp), optional ``u.item``
     (``id|title|release|video release|url|19 genre flags``, latin-1) and ``u.user``
     (``id|age|gender|occupation|zip``). Side features: item_genres ([19] multi-hot, or the
-    genre names as a list-valued feature: ``genres="list"``); user_age (bucketed like ML-1M),
-    user_gender, user_occupation."""
-    return _read_movielens("ml-100k", directory, item_features, user_features, genres)
+    genre names as a list-valued feature: ``genres="list"``); with ``release_year``, item_year
+    (``release_year_buckets``); user_age (bucketed like ML-1M), user_gender, user_occupation."""
+    return _read_movielens(
+        "ml-100k",
+        directory,
+        lambda root: ml_100k_side_tables(root, item_features, user_features, genres, release_year),
+    )
 
 
 def _ml_100k_genres(path: Path) -> List[str]:
@@ -221,7 +250,9 @@ def read_ml_1m(
     """MovieLens-1M: ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``), optional
     ``movies.dat`` (``MovieID::Title::Genres``, genres pipe-separated, latin-1) and
     ``users.dat`` (``UserID::Gender::Age::Occupation::Zip-code``)."""
-    return _read_movielens("ml-1m", directory, item_features, user_features, genres)
+    return _read_movielens(
+        "ml-1m", directory, lambda root: ml_1m_side_tables(root, item_features, user_features, genres)
+    )
 
 
 def ml_20m_side_tables(root: Path, item_features: bool, user_features: bool, genres: str) -> SideTables:
@@ -244,22 +275,24 @@ def read_ml_20m(
 ) -> Interactions:
     """MovieLens-20M: ``ratings.csv`` with header ``userId,movieId,rating,timestamp`` (ratings
     like 3.5), optional ``movies.csv`` (``movieId,title,genres``, quoted titles). No user file."""
-    return _read_movielens("ml-20m", directory, item_features, user_features, genres)
+    return _read_movielens(
+        "ml-20m", directory, lambda root: ml_20m_side_tables(root, item_features, user_features, genres)
+    )
 
 
-MOVIELENS_SIDE_TABLES: Dict[str, Callable[[Path, bool, bool, str], SideTables]] = {
-    "ml-100k": ml_100k_side_tables,
-    "ml-1m": ml_1m_side_tables,
-    "ml-20m": ml_20m_side_tables,
-}
+def movielens_side_tables(root: Path, config: DataConfig) -> SideTables:
+    """(item side, user side) of MovieLens source ``config.source`` in ``root``, as ``config`` asks."""
+    if config.source == "ml-100k":
+        return ml_100k_side_tables(root, config.item_features, config.user_features, config.genres, config.release_year)
+    side_tables = ml_1m_side_tables if config.source == "ml-1m" else ml_20m_side_tables
+    return side_tables(root, config.item_features, config.user_features, config.genres)
 
 
-def _read_movielens(source: str, directory: str, item_features: bool, user_features: bool, genres: str) -> Interactions:
+def _read_movielens(source: str, directory: str, side_tables: Callable[[Path], SideTables]) -> Interactions:
     """The ratings of MovieLens ``source`` in ``directory``, then its side tables."""
     ratings = RATINGS_FILES[source]
     data = ratings.read(ratings.find(directory))
-    side_tables = MOVIELENS_SIDE_TABLES[source]
-    data.item_side, data.user_side = side_tables(Path(directory), item_features, user_features, genres)
+    data.item_side, data.user_side = side_tables(Path(directory))
     return data
 
 
@@ -823,7 +856,7 @@ def _path(config: DataConfig) -> str:
 
 READERS: Dict[str, Callable[[DataConfig], Interactions]] = {
     "synthetic": lambda c: generate_synthetic(c.synthetic, c.seed),
-    "ml-100k": lambda c: read_ml_100k(_path(c), c.item_features, c.user_features, c.genres),
+    "ml-100k": lambda c: read_ml_100k(_path(c), c.item_features, c.user_features, c.genres, c.release_year),
     "ml-1m": lambda c: read_ml_1m(_path(c), c.item_features, c.user_features, c.genres),
     "ml-20m": lambda c: read_ml_20m(_path(c), c.item_features, c.user_features, c.genres),
     "amazon": lambda c: read_amazon(_path(c)),

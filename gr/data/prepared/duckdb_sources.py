@@ -44,8 +44,8 @@ from gr.data.parsing import (
 )
 from gr.data.prepared.side_tables import CATEGORICAL, DENSE, LIST, side_table_from_arrow
 from gr.data.readers import (
-    MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
+    movielens_side_tables,
     read_side_tables,
     source_files,
     table_csv_layout,
@@ -186,10 +186,7 @@ def load_source(con: duckdb.DuckDBPyConnection, config: DataConfig) -> SourceTab
     con.execute("DROP TABLE rows")
     table = SourceTable(str(file), has_ratings=True)
     if config.source in MOVIELENS_SOURCES:
-        side_tables = MOVIELENS_SIDE_TABLES[config.source]
-        table.item_side, table.user_side = side_tables(
-            Path(config.path), config.item_features, config.user_features, config.genres
-        )
+        table.item_side, table.user_side = movielens_side_tables(Path(config.path), config)
     return table
 
 

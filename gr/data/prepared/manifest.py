@@ -56,11 +56,15 @@ PREPARED_KEYS = (
     "min_item_interactions",
     "keep_duplicates",
     "genres",
+    "release_year",
     "item_features",
     "user_features",
 )
 # data.users / data.items change what is prepared too: their id column (not their path, as data.path)
 SIDE_TABLE_KEYS = ("users", "items")
+# Prepared keys added since the format was first written, with their defaults: left out of a config's
+# prepared keys at the default, so a directory prepared before them keeps its config hash.
+LATER_PREPARED_KEYS: Dict[str, Any] = {"release_year": False}
 SUMMARY_KEYS = ("source", "rows_read", "duplicates_dropped", "duplicates_kept", "users", "items", "interactions")
 PathLike = Union[str, Path]
 
@@ -170,7 +174,12 @@ def config_data(config: DataConfig) -> Dict[str, Any]:
 def prepared_keys(config: DataConfig) -> Dict[str, Any]:
     """{key: JSON value} of the ``PREPARED_KEYS`` of ``config``, and of its side tables (``SIDE_TABLE_KEYS``)."""
     values = config_data(config)
-    return {**{key: values[key] for key in PREPARED_KEYS}, **_side_table_keys(values)}
+    prepared = {
+        key: values[key]
+        for key in PREPARED_KEYS
+        if key not in LATER_PREPARED_KEYS or values[key] != LATER_PREPARED_KEYS[key]
+    }
+    return {**prepared, **_side_table_keys(values)}
 
 
 def _side_table_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
@@ -376,7 +385,8 @@ def _difference(prepared: Mapping[str, Any], config: DataConfig) -> str:
     wanted = prepared_keys(config)
     sides = _side_table_keys(prepared)
     for key in (*PREPARED_KEYS, *SIDE_TABLE_KEYS):
-        found = _first_difference(f"data.{key}", sides.get(key, prepared.get(key)), wanted.get(key))
+        default = LATER_PREPARED_KEYS.get(key)
+        found = _first_difference(f"data.{key}", sides.get(key, prepared.get(key, default)), wanted.get(key, default))
         if found:
             return found
     return f"config_hash {config_hash(config)} differs from the manifest's, whose data section was edited"

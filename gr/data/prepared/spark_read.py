@@ -54,8 +54,8 @@ from gr.data.prepared.spark_text import (
     records,
 )
 from gr.data.readers import (
-    MOVIELENS_SIDE_TABLES,
     RATINGS_FILES,
+    movielens_side_tables,
     read_side_tables,
     source_files,
     table_csv_layout,
@@ -155,8 +155,7 @@ def source_of(config: DataConfig) -> Source:
     layout = TextLayout(ratings.columns, ratings.delimiter, ratings.header)
     found = Source(str(file), True, (file,), columns, text=layout, layouts=file_layouts((file,), layout))
     if config.source in MOVIELENS_SOURCES:
-        side_tables = MOVIELENS_SIDE_TABLES[config.source]
-        found.item_side, found.user_side = side_tables(path, config.item_features, config.user_features, config.genres)
+        found.item_side, found.user_side = movielens_side_tables(path, config)
     return found
 
 
