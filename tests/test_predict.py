@@ -348,12 +348,30 @@ def test_predict_from_the_event_log_equals_hand_built_histories(retrieval, tmp_p
     assert got.equals(want)
     assert got.column("truncated").to_pylist() == [0, 0, 5, 0]  # user 3's 45 events cut to the window of 40
 
-    predict_events(path, events, tmp_path / "two.parquet", recipe, users=["4", "2"], k=5)
+    (tmp_path / "users.txt").write_text("4\n\n2\n")  # a listed user's row follows the list's order
+    argv = [
+        "predict",
+        str(path),
+        "--events",
+        str(events),
+        "--config",
+        str(recipe),
+        "--users",
+        str(tmp_path / "users.txt"),
+    ]
+    assert gr_main([*argv, "--k", "5", "--output", str(tmp_path / "two.parquet")]) == 0
     two = pq.read_table(tmp_path / "two.parquet").to_pylist()
     assert [row["user_id"] for row in two] == [4, 2]
     for row, alone in zip(two, [want.to_pylist()[3], want.to_pylist()[1]]):  # batched apart: float noise
         np.testing.assert_allclose(row.pop("scores"), alone.pop("scores"), rtol=0, atol=ATOL)
         assert row == alone
+
+
+def test_predict_from_the_event_log_refuses_a_ranking_export_in_one_line(ranking, tmp_path):
+    events, recipe, _ = _event_log(tmp_path)
+    with pytest.raises(ValueError, match="is a ranking export, which scores candidates: give them with --input"):
+        predict_events(ranking[0], events, tmp_path / "out.parquet", recipe)
+    assert not (tmp_path / "out.parquet").exists()
 
 
 @pytest.mark.parametrize(
