@@ -4,7 +4,7 @@ as dotted ones, and bad input is one error naming the file, row and column, with
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gr.commands.cli import main as gr_main
-from gr.commands.predict import predict
+from gr.commands.predict import predict, predict_events
 from gr.data.config import ColumnConfig
 from gr.data.interactions import DataFormatError
 from gr.data.mappings import IdMap, save_mappings
@@ -324,3 +324,94 @@ def test_rows_without_history_columns_read_their_users_stored_histories(retrieva
         predict(path, users, tmp_path / "model.parquet", ids="model", history_store=str(spec))
     with pytest.raises(FileNotFoundError, match=r"^--history-store \S+typo.sqlite: no such file"):
         predict(path, users, tmp_path / "typo.parquet", history_store=str(tmp_path / "typo.sqlite"))
+
+
+def _event_log(root: Path) -> Tuple[Path, Path, Dict[int, Tuple[List[str], List[int]]]]:
+    """A small event log of the retrieval export's items in two Parquet partitions (user 3 has more
+    events than the model's window of 40; user 2's last events tie in time across the partitions),
+    a recipe naming its columns, and each user's history built by hand: {user: (items, times)}."""
+    rng = np.random.default_rng(11)
+    counts = {1: 6, 2: 9, 3: 45, 4: 1}
+    rows = [
+        (u, str(RAW_ITEMS[rng.integers(50)]), int(rng.integers(1000, 2000)))
+        for u, n in counts.items()
+        for _ in range(n)
+    ]
+    rows[10], rows[11] = (2, "m08", 3000), (2, "m07", 3000)  # read in this order, not sorted by item
+    order = rng.permutation(len(rows))
+    halves = [[rows[i] for i in order if i != 11], [rows[11]]]  # the tie's second event is read last
+    for n, (folder, part) in enumerate(zip(("month=1", "month=2"), halves)):
+        (root / "events" / folder).mkdir(parents=True)
+        users, items, times = zip(*part)
+        table = pa.table({"uid": list(users), "movie": list(items), "ts": list(times)})
+        pq.write_table(table, root / "events" / folder / f"part-{n}.parquet")
+    (root / "recipe.yaml").write_text("data:\n  source: parquet\n  columns: {user: uid, item: movie, timestamp: ts}\n")
+    by_hand = {}
+    for user in counts:  # sorted() is stable: equal times keep the order read (partition, then row)
+        read = [r for part in halves for r in part if r[0] == user]
+        events = sorted(read, key=lambda r: r[2])
+        by_hand[user] = ([r[1] for r in events], [r[2] for r in events])
+    return root / "events", root / "recipe.yaml", by_hand
+
+
+def test_predict_from_the_event_log_equals_hand_built_histories(retrieval, tmp_path):
+    path, _ = retrieval
+    events, recipe, by_hand = _event_log(tmp_path)
+    users = pa.table(
+        {
+            "user_id": list(by_hand),
+            "history.item_id": [items for items, _ in by_hand.values()],
+            "history.timestamps": [times for _, times in by_hand.values()],
+        }
+    )
+    predict(path, write(users, tmp_path / "users.parquet"), tmp_path / "want.parquet", k=5, batch_size=3)
+    assert predict_events(path, events, tmp_path / "got.parquet", recipe, k=5, batch_size=3)["rows"] == 4
+    got, want = pq.read_table(tmp_path / "got.parquet"), pq.read_table(tmp_path / "want.parquet")
+    assert got.equals(want)
+    assert got.column("truncated").to_pylist() == [0, 0, 5, 0]  # user 3's 45 events cut to the window of 40
+
+    (tmp_path / "users.txt").write_text("4\n\n2\n")  # a listed user's row follows the list's order
+    argv = [
+        "predict",
+        str(path),
+        "--events",
+        str(events),
+        "--config",
+        str(recipe),
+        "--users",
+        str(tmp_path / "users.txt"),
+    ]
+    assert gr_main([*argv, "--k", "5", "--output", str(tmp_path / "two.parquet")]) == 0
+    two = pq.read_table(tmp_path / "two.parquet").to_pylist()
+    assert [row["user_id"] for row in two] == [4, 2]
+    for row, alone in zip(two, [want.to_pylist()[3], want.to_pylist()[1]]):  # batched apart: float noise
+        np.testing.assert_allclose(row.pop("scores"), alone.pop("scores"), rtol=0, atol=ATOL)
+        assert row == alone
+
+
+def test_predict_from_the_event_log_refuses_a_ranking_export_in_one_line(ranking, tmp_path):
+    events, recipe, _ = _event_log(tmp_path)
+    with pytest.raises(ValueError, match="is a ranking export, which scores candidates: give them with --input"):
+        predict_events(ranking[0], events, tmp_path / "out.parquet", recipe)
+    assert not (tmp_path / "out.parquet").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (["--users", "2,9"], "gr predict: error: --users: user(s) ['9'] have no event in "),
+        (["--users", "two"], "gr predict: error: --users: ['two']: expected integers"),
+        (["--config", "item: film"], "lacks column(s) ['film']"),
+    ],
+)
+def test_bad_event_input_is_one_line(retrieval, tmp_path, capsys, edit, expected):
+    path, _ = retrieval
+    events, recipe, _ = _event_log(tmp_path)
+    if edit[0] == "--config":
+        recipe.write_text(recipe.read_text().replace("item: movie", edit[1]))
+        edit = []
+    argv = ["predict", str(path), "--events", str(events), "--config", str(recipe), *edit]
+    assert gr_main([*argv, "--output", str(tmp_path / "out.parquet")]) != 0
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("gr predict: error: ") and expected in line
+    assert not (tmp_path / "out.parquet").exists()

@@ -50,23 +50,31 @@ columns; CSV has no list type, and a list encoding inside CSV cells would be a s
 to document and validate. Bad input stops before the output appears, with one error naming the
 file, the row (counted from 1, as training's Parquet errors count them) and the column. An
 ``--output`` that is the input file (under any spelling or link) or a directory is refused first.
+
+``--events LOG --config RECIPE [--users IDS]`` builds that input from the event log instead
+(``predict_events``): a row per user with ``history.item_id`` and ``history.timestamps`` from their
+events, read as training reads ``data.path`` with the recipe's ``data`` format and columns, each
+row answered with its top ``--k`` items (retrieval exports).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
 from gr.export.format import TIMESTAMPS
 from gr.export.item_store import ITEM_FEATURE
+from gr.jagged_rows import concat_ranges, evicted_prefix
 from gr.serving.errors import RequestError, ScoringError
 from gr.serving.options import DEFAULT_MICRO_BATCH, ID_SPACES, UNKNOWN_IDS
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
@@ -76,6 +84,7 @@ from gr.utils.cli_errors import run_cli
 from gr.utils.devices import DEVICES
 
 if TYPE_CHECKING:
+    from gr.data.interactions import Interactions
     from gr.serving import Ranker, RankRequest, RankResult, RecommendResult, ServingModel
     from gr.serving.recommend import PreparedRecommend
     from gr.serving.request import IdOptions
@@ -124,63 +133,237 @@ def predict(
     """Score every row of ``input_path`` with the export on ``device`` (cpu|cuda|npu, as
     ``gr serve --device``); returns {"rows", "mode", "seconds"}. history_store: where rows without
     history columns read their users' histories (``gr serve --history-store``'s value)."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    ranker = _load(export_dir, input_path, output_path, k, batch_size, micro_batch, device)
+    source = _open(input_path)
+    schema = _flatten(source.schema_arrow.empty_table()).schema
+    layout = input_layout(schema, ranker.model, input_path, stored=history_store is not None)
+    if layout.stored:
+        _open_history_store(ranker, str(history_store), ids)
+    batches = (_flatten(pa.Table.from_batches([batch])) for batch in _batches(source, input_path, batch_size))
+    scoring = _Scoring(ranker, export_dir, k, batch_size, ids, unknown_ids, exclude_seen, progress)
+    try:
+        return scoring.run(layout, schema, batches, source.metadata.num_rows, input_path, output_path)
+    finally:
+        if ranker.history_store is not None:
+            ranker.history_store.close()
+
+
+def predict_events(
+    export_dir: str | Path,
+    events: str | Path,
+    output_path: str | Path,
+    config: str | Path,
+    *,
+    users: Optional[Sequence[str]] = None,
+    k: int = 10,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    ids: str = "raw",
+    unknown_ids: str = "error",
+    exclude_seen: bool = True,
+    micro_batch: int = DEFAULT_MICRO_BATCH,
+    device: str = "cpu",
+    progress: bool = True,
+) -> Dict[str, Any]:
+    """Each user's top ``k`` items (a retrieval export) from their latest history in the event log
+    ``events`` (a CSV or Parquet file, a directory of partitions or a glob, read as training reads
+    ``data.path``: the format and columns of ``data`` in the recipe ``config``).
+
+    A user's events are taken in timestamp order (equal timestamps in the order they are read, as
+    training orders them; duplicates dropped unless ``data.keep_duplicates``), the oldest cut as
+    serving cuts a history longer than the model's window (counted in ``truncated``). users: the
+    raw user ids to score, in that order (default: every user of the log, in id order); one the
+    log has no event of is a ValueError naming ``--users``. Output rows as ``predict``'s."""
+    events, output_path = Path(events), Path(output_path)
+    ranker = _load(export_dir, events, output_path, k, batch_size, micro_batch, device)
+    if not ranker.model.is_retrieval:
+        raise ValueError(
+            f"--events: {export_dir} is a ranking export, which scores candidates: give them with --input "
+            f"(a Parquet file with {CANDIDATES}.* columns per user)"
+        )
+    data = _read_events(events, Path(config))
+    config_ = ranker.model.config
+    table, truncated = events_table(data, users, config_.max_seq_len, config_.eviction_block)
+    batches = (table.slice(start, batch_size) for start in range(0, table.num_rows, batch_size))
+    scoring = _Scoring(ranker, export_dir, k, batch_size, ids, unknown_ids, exclude_seen, progress)
+    layout = input_layout(table.schema, ranker.model, events)
+    return scoring.run(layout, table.schema, batches, table.num_rows, events, output_path, truncated)
+
+
+def _load(
+    export_dir: str | Path, input_path: Path, output_path: Path, k: int, batch_size: int, micro_batch: int, device: str
+) -> Ranker:
+    """The export's ranker on ``device``, after the arguments are checked (ValueError naming them)."""
     # The serving runtime (torch, ONNX Runtime): imported to score, never to parse gr predict's arguments.
-    from gr.serving.history_store import HistoryStoreError
-    from gr.serving.history_store_spec import REDIS_SCHEMES, open_history_store
     from gr.serving.model import check_device
-    from gr.serving.request import IdOptions
     from gr.serving.runtime import Ranker
 
     if batch_size < 1 or k < 1:
         raise ValueError(f"--batch-size and --k: expected >= 1, got {batch_size} and {k}")
-    input_path, output_path = Path(input_path), Path(output_path)
     _check_output(input_path, output_path)
     try:
         check_device(device)
     except RuntimeError as exc:  # the host cannot serve there: bad input, one line
         raise ValueError(str(exc)) from None
-    ranker = Ranker.load(export_dir, micro_batch=micro_batch, device=device)
-    source = _open(input_path)
-    schema = _flatten(source.schema_arrow.empty_table()).schema
-    layout = input_layout(schema, ranker.model, input_path, stored=history_store is not None)
-    if layout.stored:
-        if ids != "raw":
-            raise ValueError(f"--ids {ids}: the rows read their users' stored histories, which hold raw ids")
-        if not str(history_store).startswith(REDIS_SCHEMES) and not Path(str(history_store)).is_file():
-            raise FileNotFoundError(f"--history-store {history_store}: no such file (gr serve's history store)")
-        try:
-            ranker.history_store = open_history_store(str(history_store), ranker.model.config.max_seq_len)
-        except HistoryStoreError as exc:
-            raise ValueError(f"--history-store {history_store}: {exc}") from None
-    if not layout.rank and not ranker.model.is_retrieval:
+    return Ranker.load(export_dir, micro_batch=micro_batch, device=device)
+
+
+def _open_history_store(ranker: Ranker, spec: str, ids: str) -> None:
+    """Give ``ranker`` the history store ``spec`` (``gr serve --history-store``'s value), which
+    rows without history columns read (ValueError / FileNotFoundError naming the flag)."""
+    from gr.serving.history_store import HistoryStoreError
+    from gr.serving.history_store_spec import REDIS_SCHEMES, open_history_store
+
+    if ids != "raw":
+        raise ValueError(f"--ids {ids}: the rows read their users' stored histories, which hold raw ids")
+    if not spec.startswith(REDIS_SCHEMES) and not Path(spec).is_file():
+        raise FileNotFoundError(f"--history-store {spec}: no such file (gr serve's history store)")
+    try:
+        ranker.history_store = open_history_store(spec, ranker.model.config.max_seq_len)
+    except HistoryStoreError as exc:
+        raise ValueError(f"--history-store {spec}: {exc}") from None
+
+
+def _read_events(events: Path, config: Path) -> Interactions:
+    """The event log ``events`` read as the ``data`` section of the recipe ``config`` reads its
+    ``data.path`` (a csv or parquet source), duplicates dropped as training drops them."""
+    from gr.data.config import DataConfig
+    from gr.data.readers import read_table_csv, read_table_parquet
+    from gr.train.config import read_yaml
+
+    try:
+        values = read_yaml(config.read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {config}: cannot read the recipe ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {config}: invalid YAML: {exc}") from None
+    section = values.get("data") if isinstance(values, dict) else None
+    if not isinstance(section, dict):
+        raise ValueError(f"--config {config}: expected a data: section naming the event columns (data.columns)")
+    try:
+        data = DataConfig.from_dict({**section, "path": str(events)})
+    except ValueError as exc:
+        raise ValueError(f"--config {config}: {exc}") from None
+    readers = {"csv": read_table_csv, "parquet": read_table_parquet}
+    if data.source not in readers:
         raise ValueError(
-            f"{input_path}: no {CANDIDATES}.* columns, so each row asks for its top {k} items, which needs a "
-            f"retrieval export; {export_dir} is a ranking export: give {CANDIDATES}.{ITEM_FEATURE} (and its other "
-            "token features) to score"
+            f"--config {config}: data.source {data.source!r}: --events reads an event table, data.source csv or parquet"
         )
-    options = IdOptions(ids, unknown_ids)
-    out_schema = output_schema(schema, ranker.model, layout)
-    total = source.metadata.num_rows
-    started = time.perf_counter()
-    shown = _Progress(total, batch_size, progress)
-    with atomic_file(output_path, binary=True) as handle, pq.ParquetWriter(handle, out_schema) as writer:
-        first = 0
-        for batch in _batches(source, input_path, batch_size):
-            table = _flatten(pa.Table.from_batches([batch]))
-            rows = _Rows(table, input_path, first)
-            requests = [_request(rows, i, layout, options) for i in range(table.num_rows)]
-            results: List[Any]  # RankResult or RecommendResult
-            if layout.rank:
-                results = _rank(ranker, requests, rows)
-            else:
-                results = _recommend(ranker, requests, rows, k, exclude_seen)
-            writer.write_table(_output_table(table, results, out_schema))
-            first += table.num_rows
-            shown.update(first)
-    shown.close()
-    if ranker.history_store is not None:
-        ranker.history_store.close()
-    return {"rows": total, "mode": "rank" if layout.rank else f"top-{k}", "seconds": time.perf_counter() - started}
+    read = readers[data.source](str(events), data.event_columns())
+    return read.without_duplicates(drop=not data.keep_duplicates)
+
+
+def events_table(
+    data: Interactions, users: Optional[Sequence[str]], max_seq_len: int, eviction_block: int = 1
+) -> Tuple[pa.Table, np.ndarray]:
+    """``predict``'s input from an event log: one row per user (``users``' raw ids in their order,
+    else every user in id order) with ``user_id``, ``history.item_id`` and ``history.timestamps``
+    in timestamp order (ties: the log's order), each history cut as serving cuts one longer than
+    ``max_seq_len`` (whole ``eviction_block``s) -> (the table, [rows] int64 tokens cut per row)."""
+    order = np.lexsort((np.arange(len(data.users)), data.timestamps, data.users))
+    user_ids, starts, counts = np.unique(data.users[order], return_index=True, return_counts=True)
+    if users is not None:
+        wanted = _as_user_ids(users, user_ids)
+        rows = np.minimum(np.searchsorted(user_ids, wanted), len(user_ids) - 1)
+        known = user_ids[rows] == wanted
+        if not known.all():
+            missing = [u for u, ok in zip(users, known) if not ok]
+            raise ValueError(
+                f"--users: user(s) {missing[:5]} have no event in {data.source} ({len(user_ids)} users there)"
+            )
+        user_ids, starts, counts = user_ids[rows], starts[rows], counts[rows]
+    cut = np.minimum(evicted_prefix(counts, max_seq_len, eviction_block), counts)
+    offsets = np.concatenate([[0], np.cumsum(counts - cut)])
+    taken = order[concat_ranges(starts + cut, counts - cut)]
+    table = pa.table(
+        {
+            USER: pa.array(user_ids),
+            f"{HISTORY}.{ITEM_FEATURE}": pa.ListArray.from_arrays(offsets, pa.array(data.items[taken])),
+            f"{HISTORY}.{TIMESTAMPS}": pa.ListArray.from_arrays(offsets, pa.array(data.timestamps[taken], pa.int64())),
+        }
+    )
+    return table, cut.astype(np.int64)
+
+
+def _as_user_ids(users: Sequence[str], like: np.ndarray) -> np.ndarray:
+    """``--users``' texts as ids of the log's kind: int64 when the log's ids are integers (a text
+    that is not one is a ValueError naming it), else strings."""
+    if like.dtype.kind != "i":
+        return np.asarray(users, dtype=str)
+    bad = [u for u in users if not re.fullmatch(r"-?\d+", u.strip())]
+    if bad:
+        raise ValueError(f"--users: {bad[:5]}: expected integers, as the log's user ids are")
+    return np.asarray([int(u) for u in users], dtype=np.int64)
+
+
+def read_users(text: str) -> List[str]:
+    """``--users``: a file of one user id a line (blank lines skipped), else ids separated by commas."""
+    path = Path(text)
+    values = path.read_text().splitlines() if path.is_file() else text.split(",")
+    users = [v.strip() for v in values if v.strip()]
+    if not users:
+        raise ValueError(f"--users {text}: no user id given")
+    return users
+
+
+class _Scoring:
+    """Rows of ``predict``'s input layout through the export, into the output file."""
+
+    def __init__(
+        self,
+        ranker: Ranker,
+        export_dir: str | Path,
+        k: int,
+        batch_size: int,
+        ids: str,
+        unknown_ids: str,
+        exclude_seen: bool,
+        progress: bool,
+    ) -> None:
+        from gr.serving.request import IdOptions
+
+        self.ranker, self.export_dir, self.k, self.batch_size = ranker, export_dir, k, batch_size
+        self.options, self.exclude_seen, self.progress = IdOptions(ids, unknown_ids), exclude_seen, progress
+
+    def run(
+        self,
+        layout: Layout,
+        schema: pa.Schema,
+        batches: Iterable[pa.Table],
+        total: int,
+        input_path: Path,
+        output_path: Path,
+        truncated: Optional[np.ndarray] = None,
+    ) -> Dict[str, Any]:
+        """Score the flattened ``batches`` (``schema``'s columns as ``layout`` reads them, ``total`` rows,
+        read from ``input_path``) into ``output_path``; truncated: [rows] tokens already cut from each
+        row's history, added to the output's ``truncated``. Returns {"rows", "mode", "seconds"}."""
+        ranker, k = self.ranker, self.k
+        if not layout.rank and not ranker.model.is_retrieval:
+            raise ValueError(
+                f"{input_path}: no {CANDIDATES}.* columns, so each row asks for its top {k} items, which needs a "
+                f"retrieval export; {self.export_dir} is a ranking export: give {CANDIDATES}.{ITEM_FEATURE} (and its "
+                "other token features) to score"
+            )
+        out_schema = output_schema(schema, ranker.model, layout)
+        started = time.perf_counter()
+        shown = _Progress(total, self.batch_size, self.progress)
+        with atomic_file(output_path, binary=True) as handle, pq.ParquetWriter(handle, out_schema) as writer:
+            first = 0
+            for table in batches:
+                rows = _Rows(table, input_path, first)
+                requests = [_request(rows, i, layout, self.options) for i in range(table.num_rows)]
+                results: List[Any]  # RankResult or RecommendResult
+                if layout.rank:
+                    results = _rank(ranker, requests, rows)
+                else:
+                    results = _recommend(ranker, requests, rows, k, self.exclude_seen)
+                cut = None if truncated is None else truncated[first : first + table.num_rows]
+                writer.write_table(_output_table(table, results, out_schema, cut))
+                first += table.num_rows
+                shown.update(first)
+        shown.close()
+        return {"rows": total, "mode": "rank" if layout.rank else f"top-{k}", "seconds": time.perf_counter() - started}
 
 
 def input_layout(schema: pa.Schema, model: ServingModel, path: Path, stored: bool = False) -> Layout:
@@ -440,8 +623,11 @@ def _batched(
         raise
 
 
-def _output_table(table: pa.Table, results: List[Any], schema: pa.Schema) -> pa.Table:
-    """One batch's output rows (``output_schema``'s columns) from its input and its results."""
+def _output_table(
+    table: pa.Table, results: List[Any], schema: pa.Schema, truncated: Optional[np.ndarray] = None
+) -> pa.Table:
+    """One batch's output rows (``output_schema``'s columns) from its input and its results;
+    truncated: [rows] tokens cut from each history before it was scored, added to ``truncated``."""
     columns: Dict[str, Any] = {}
     for name in schema.names:
         if name == USER or name.startswith(f"{CANDIDATES}."):
@@ -450,6 +636,8 @@ def _output_table(table: pa.Table, results: List[Any], schema: pa.Schema) -> pa.
             columns[name] = [r.scores[name[len(SCORES) + 1 :]] for r in results]
         else:  # items, scores (top k), history_length, truncated, left_out, fallback
             columns[name] = [getattr(r, name) for r in results]
+    if truncated is not None:
+        columns["truncated"] = (np.asarray(columns["truncated"], dtype=np.int64) + truncated).astype(np.int32)
     return pa.table(columns, schema=schema)
 
 
@@ -496,7 +684,16 @@ def _main(argv: List[str]) -> int:
         "messages.",
     )
     parser.add_argument("export_dir", type=Path, metavar="EXPORT")
-    parser.add_argument("--input", type=Path, required=True, help="Parquet file, one row per user")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--input", type=Path, help="Parquet file, one row per user")
+    given.add_argument(
+        "--events",
+        type=Path,
+        help="event log (CSV or Parquet file, directory of partitions or glob) read as --config's data section "
+        "reads data.path: each user's top --k items from their latest history (retrieval exports)",
+    )
+    parser.add_argument("--config", type=Path, help="with --events: the recipe whose data section names the columns")
+    parser.add_argument("--users", help="with --events: user ids to score, comma-separated or a file, one a line")
     parser.add_argument("--output", type=Path, required=True, help="Parquet file to write (atomically)")
     parser.add_argument("--k", type=int, default=10, help="items per user without candidates (default 10)")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="users scored together")
@@ -513,10 +710,7 @@ def _main(argv: List[str]) -> int:
         "columns reads each user's stored history",
     )
     args = parser.parse_args(argv)
-    summary = predict(
-        args.export_dir,
-        args.input,
-        args.output,
+    options = dict(
         k=args.k,
         batch_size=args.batch_size,
         ids=args.ids,
@@ -525,8 +719,19 @@ def _main(argv: List[str]) -> int:
         micro_batch=args.micro_batch,
         device=args.device,
         progress=not args.no_progress,
-        history_store=args.history_store,
     )
+    if args.events is None:
+        unused = [flag for flag, value in (("--config", args.config), ("--users", args.users)) if value is not None]
+        if unused:
+            parser.error(f"{unused[0]}: only --events reads it")
+        summary = predict(args.export_dir, args.input, args.output, history_store=args.history_store, **options)
+    else:
+        if args.config is None:
+            parser.error("--events: give --config, the recipe whose data section names the event columns")
+        if args.history_store is not None:
+            parser.error("--history-store: --events reads the histories from the event log")
+        users = None if args.users is None else read_users(args.users)
+        summary = predict_events(args.export_dir, args.events, args.output, args.config, users=users, **options)
     rows = f"{summary['rows']} row{'' if summary['rows'] == 1 else 's'}"
     print(f"wrote {args.output}: {rows} ({summary['mode']}) in {summary['seconds']:.1f}s")
     return 0
