@@ -218,6 +218,23 @@ def test_gr_serve_unknown_ids_oov_is_the_default_of_requests_that_do_not_say(exp
         create_app(Ranker.load(exports["popular"]), unknown_ids="skip")
 
 
+@pytest.mark.parametrize("page_size", [0, 8])
+def test_gr_serve_page_size_reaches_every_workers_page_pool(exports, monkeypatch, page_size):
+    options = {"export_dir": str(exports["popular"]), "admin_token": None, "page_size": page_size}
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps(options))
+    given = {}
+    monkeypatch.setattr(http, "create_app", lambda ranker, **kwargs: given.update(ranker=ranker))
+    http.app_from_environment()
+    pool = given["ranker"].model.engine.pool
+    assert (pool is None) if page_size == 0 else (pool.page_size == page_size and pool.pages > 0)
+
+
+def test_a_negative_page_size_is_one_line_and_exit_2(exports, capsys):
+    assert serving_main(["serve", str(exports["popular"]), "--port", str(free_port()), "--page-size", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--page-size >= 0" in err[0]
+
+
 def test_a_port_in_use_and_a_bad_address_are_one_line_and_exit_2(exports, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

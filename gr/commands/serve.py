@@ -49,7 +49,15 @@ from gr.serving.limits import (
     flag,
 )
 from gr.serving.logs import LOG_FORMATS, log_config
-from gr.serving.options import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, ID_SPACES, INDEXES, LONG_HISTORY, UNKNOWN_IDS
+from gr.serving.options import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_PAGE_SIZE,
+    ID_SPACES,
+    INDEXES,
+    LONG_HISTORY,
+    UNKNOWN_IDS,
+)
 from gr.utils.devices import DEVICES
 
 if TYPE_CHECKING:
@@ -111,6 +119,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     serve.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH, help="candidates per HSTU pass")
     serve.add_argument("--long-history", choices=LONG_HISTORY, default="truncate")
     serve.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
+    serve.add_argument(
+        "--page-size",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help=f"tokens per page of the cached histories' K/V (one pool of --cache-bytes per worker; 0: each history "
+        f"in its own tensors, copied when it grows; default {DEFAULT_PAGE_SIZE})",
+    )
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
     serve.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     serve.add_argument("--unknown-ids", choices=UNKNOWN_IDS, default="error", help=UNKNOWN_IDS_HELP)
@@ -264,13 +279,14 @@ def _serve(args: argparse.Namespace) -> int:
         or not 0 < args.port < 65536
         or args.micro_batch < 1
         or args.cache_bytes < 0
+        or args.page_size < 0
         or args.batch_window_ms < 0
         or not 0 < args.body_timeout < float("inf")
         or args.max_pending < 1
     ):
         print(
             "serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
-            f"--batch-window-ms >= 0, {BODY_TIMEOUT_FLAG} > 0 (finite), {MAX_PENDING_FLAG} >= 1",
+            f"--page-size >= 0, --batch-window-ms >= 0, {BODY_TIMEOUT_FLAG} > 0 (finite), {MAX_PENDING_FLAG} >= 1",
             file=sys.stderr,
         )
         return 2
@@ -319,6 +335,7 @@ def _serve(args: argparse.Namespace) -> int:
             "micro_batch": args.micro_batch,
             "long_history": args.long_history,
             "cache_bytes": args.cache_bytes,
+            "page_size": args.page_size,
             "threads": args.threads,
             "index": args.index,
             "device": args.device,

@@ -30,7 +30,11 @@ from torch import Tensor
 from gr.hstu.config import HSTUConfig
 from gr.hstu.kernels.cached_attention import PagedCache, PageTables
 
-DEFAULT_PAGE_SIZE = 16  # tokens per page
+
+def page_bytes(config: HSTUConfig, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page: ``page_size`` tokens' K and V in every layer."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return page_size * config.num_layers * config.num_heads * (config.attention_dim + config.linear_dim) * element
 
 
 class PagePool:
@@ -46,7 +50,7 @@ class PagePool:
         self,
         config: HSTUConfig,
         pages: int,
-        page_size: int = DEFAULT_PAGE_SIZE,
+        page_size: int,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -62,8 +66,7 @@ class PagePool:
         self.values = [
             torch.empty(heads, rows, config.linear_dim, dtype=dtype, device=device) for _ in range(config.num_layers)
         ]
-        element = torch.empty(0, dtype=dtype).element_size()
-        self.page_bytes = page_size * config.num_layers * heads * (config.attention_dim + config.linear_dim) * element
+        self.page_bytes = page_bytes(config, page_size, dtype)
         self.on_full: Optional[Callable[[], bool]] = None
         self._refs = [0] * pages  # PagedKV objects holding each page
         self._fill = [0] * pages  # slots written in each page (claimed by the history at its tip)
@@ -75,15 +78,14 @@ class PagePool:
         cls,
         config: HSTUConfig,
         max_bytes: int,
-        page_size: int = DEFAULT_PAGE_SIZE,
+        page_size: int,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> "PagePool":
         """The largest pool of ``max_bytes`` or less."""
-        element = torch.empty(0, dtype=dtype).element_size()
-        per_page = page_size * config.num_layers * config.num_heads * (config.attention_dim + config.linear_dim)
-        return cls(config, max(0, max_bytes) // (per_page * element), page_size, dtype=dtype, device=device)
+        pages = max(0, max_bytes) // page_bytes(config, page_size, dtype)
+        return cls(config, pages, page_size, dtype=dtype, device=device)
 
     @property
     def pages(self) -> int:

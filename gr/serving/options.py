@@ -7,4 +7,5 @@ UNKNOWN_IDS = ("error", "oov")  # an unknown raw id: a RequestError, or the map'
 LONG_HISTORY = ("truncate", "refuse")  # a history longer than max_seq_len: its most recent tokens, or an error
 INDEXES = ("exact", "hnsw")  # the catalogue's item index, each a class in gr.serving.catalogue
 DEFAULT_CACHE_BYTES = 256 * 2**20  # the user cache's budget
+DEFAULT_PAGE_SIZE = 16  # tokens per page of the cached histories' K/V (gr.hstu.paged.PagePool)
 DEFAULT_MICRO_BATCH = 256  # candidates per HSTU pass

@@ -36,7 +36,7 @@ from typing import (
 )
 
 from gr.export.delta import chain_deltas, is_delta
-from gr.hstu.paged import DEFAULT_PAGE_SIZE, PagePool
+from gr.hstu.paged import PagePool
 from gr.hstu.user_state import UserState
 from gr.serving import generate as generation
 from gr.serving import rank as ranking
@@ -48,7 +48,7 @@ from gr.serving.history import History, check_span, stored_events, validate
 from gr.serving.history_store import HistoryStore
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.model import ServingModel
-from gr.serving.options import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, LONG_HISTORY
+from gr.serving.options import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, DEFAULT_PAGE_SIZE, LONG_HISTORY
 from gr.serving.rank import PreparedRank, RankResult
 from gr.serving.recommend import PreparedRecommend, RecommendResult
 from gr.serving.request import MODEL_IDS, EventsRequest, GenerateRequest, IdOptions, RankRequest, RecommendRequest
