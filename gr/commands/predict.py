@@ -228,7 +228,7 @@ def _read_events(events: Path, config: Path) -> Interactions:
     """The event log ``events`` read as the ``data`` section of the recipe ``config`` reads its
     ``data.path`` (a csv or parquet source), duplicates dropped as training drops them."""
     from gr.data.config import DataConfig
-    from gr.data.readers import read_table_csv, read_table_parquet
+    from gr.data.readers import READERS
     from gr.train.config import read_yaml
 
     try:
@@ -244,13 +244,11 @@ def _read_events(events: Path, config: Path) -> Interactions:
         data = DataConfig.from_dict({**section, "path": str(events)})
     except ValueError as exc:
         raise ValueError(f"--config {config}: {exc}") from None
-    readers = {"csv": read_table_csv, "parquet": read_table_parquet}
-    if data.source not in readers:
+    if data.source not in ("csv", "parquet"):
         raise ValueError(
             f"--config {config}: data.source {data.source!r}: --events reads an event table, data.source csv or parquet"
         )
-    read = readers[data.source](str(events), data.event_columns())
-    return read.without_duplicates(drop=not data.keep_duplicates)
+    return READERS[data.source](data).without_duplicates(drop=not data.keep_duplicates)
 
 
 def events_table(
