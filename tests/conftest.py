@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from gr.export import onnx_graph_cache  # noqa: E402
 from helpers.movielens import ml_100k_missing, ml_100k_path  # noqa: E402
 from helpers.warm import WarmPython, fresh_sys_path  # noqa: E402
 
@@ -68,6 +69,15 @@ SLOW_MODULES = {
     "test_train_progress.py",
     "test_train_run.py",
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def onnx_graph_cache_of_the_run(tmp_path_factory):
+    """One ONNX graph cache for the run (both xdist workers and the processes they start) instead of
+    the developer's ~/.cache/gr/onnx: the run's first export of an architecture translates it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ.setdefault(onnx_graph_cache.CACHE_DIR_ENV, str(shared / "onnx-graphs"))
 
 
 def pytest_collection_modifyitems(items):

@@ -39,6 +39,7 @@ TRAINING_BENCHES = {
     "new_users",
     "eval_cost",
     "delta_deploy",
+    "export_graphs",
 }
 
 
@@ -238,6 +239,21 @@ BENCHES = (
             "target_share_held_out",
             "share_ratio",
             "targets",
+            "cpu",
+            "cpu_flags",
+            "load_average",
+        ),
+    ),
+    Bench(
+        "bench/export_graphs.py",
+        (
+            "bench",
+            "config",
+            "seconds",
+            "fresh_over_reused",
+            "identical",
+            "cache_bytes",
+            "threads",
             "cpu",
             "cpu_flags",
             "load_average",

@@ -4,6 +4,7 @@ row, no warning and none of the known third-party noise, and one line per epoch;
 examples/custom_project prints no warning either."""
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from typing import List
 import pytest
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from gr.export import onnx_graph_cache
 from gr.utils.console import KNOWN_LOG_LINES, quiet_console
 from helpers.movielens import CUSTOM_PROJECT, SMALL, small_ml_100k
 
@@ -59,9 +61,12 @@ def demo_commands(run: Path, export: Path) -> List[str]:
 
 
 def _shell(command: str) -> str:
-    """stdout and stderr of one command, interleaved as a terminal shows them."""
+    """stdout and stderr of one command, interleaved as a terminal shows them, as on a fresh machine:
+    ``gr export`` translates its graphs (and would print the translator's noise) instead of reusing
+    the graphs this test run cached."""
+    env = {**os.environ, onnx_graph_cache.CACHE_DIR_ENV: onnx_graph_cache.OFF}
     done = subprocess.run(
-        command, shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+        command, shell=True, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
     )
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}"
     return done.stdout

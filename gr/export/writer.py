@@ -58,6 +58,7 @@ from gr.export.item_encoder import write_item_encoder
 from gr.export.item_store import ITEM_FEATURE, Column, write_item_store
 from gr.export.manifest import write_manifest
 from gr.export.new_user import write_empty_history
+from gr.export.onnx_graph_cache import CachedGraph
 from gr.export.onnx_registry import registry_built_once
 from gr.export.popularity import write_popularity
 from gr.export.reader import ONNX_DTYPES, check_export
@@ -441,7 +442,8 @@ def _export_onnx(
     dim_name: str,
     path: Path,
 ) -> List[TensorSpec]:
-    """Export ``adapter`` with a dynamic first dim, check ONNX Runtime against PyTorch; -> output specs."""
+    """Export ``adapter`` with a dynamic first dim, check ONNX Runtime against PyTorch; -> output specs.
+    An architecture exported before gets its cached graph with these weights (``gr.export.onnx_graph_cache``)."""
     label = f"{slice_name} ({type(module).__qualname__})"
     path.parent.mkdir(parents=True, exist_ok=True)
     dim = torch.export.Dim(dim_name)
@@ -452,10 +454,17 @@ def _export_onnx(
         dynamic = ({0: dim},)
     else:
         dynamic = (tuple({0: dim} for _ in example),)
+    with torch.no_grad():
+        cached = CachedGraph.trace(adapter, example, input_names, output_names, dynamic)
+    if cached is not None and cached.write(path):
+        try:
+            return _checked_onnx(label, adapter, example, input_names, output_names, dim_name, path)
+        except ExportError:
+            cached.discard()
     try:
         with torch.no_grad(), registry_built_once():
             torch.onnx.export(
-                adapter,
+                adapter if cached is None else cached.program,
                 example,
                 str(path),
                 dynamo=True,
@@ -467,6 +476,23 @@ def _export_onnx(
             )
     except Exception as exc:  # the exporter raises many types; all mean "cannot export this module"
         raise ExportError(f"{label}: ONNX export failed: {type(exc).__name__}: {_first_lines(exc)}") from exc
+    specs = _checked_onnx(label, adapter, example, input_names, output_names, dim_name, path)
+    if cached is not None:
+        cached.keep(path)
+    return specs
+
+
+def _checked_onnx(
+    label: str,
+    adapter: nn.Module,
+    example: Tuple[Tensor, ...],
+    input_names: List[str],
+    output_names: List[str],
+    dim_name: str,
+    path: Path,
+) -> List[TensorSpec]:
+    """The exported model at ``path``: every input and output [dim_name, ...], ONNX Runtime equal to
+    PyTorch; -> output specs."""
     model = onnx.load(str(path))
     for value in model.graph.input:
         shape: Sequence[Any] = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
