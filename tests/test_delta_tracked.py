@@ -5,15 +5,18 @@ whole tables makes; a run without that record falls back to comparing, and says 
 import copy
 import filecmp
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.numpy import load_file
 
 from gr.export import delta as delta_module
-from gr.export.delta import IDS, read_sparse_manifest, write_delta
+from gr.export.delta import IDS, check_chain, read_sparse_manifest, squash, write_delta
+from gr.export.publish import published
 from gr.export.writer import export_run, tracked_rows
 from gr.sparse.touched import NEVER, TouchedRows, rows_since
 from gr.train.config import TrainConfig
@@ -21,6 +24,7 @@ from gr.train.run import best_checkpoint, train
 from helpers.runs import RETRIEVAL, ratings_csv
 
 ITEMS_DAY0 = 80  # items above it are new on day 1
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(path: Path, backend: str = "torch", batch_size: int = 8, **trainer) -> TrainConfig:
@@ -110,3 +114,36 @@ def test_rows_are_known_from_the_step_tracking_began_at_and_a_base_before_it_is_
     assert rows_since(saved, 3)["item"].tolist() == [4, 5] and rows_since(saved, 2)["item"].tolist() == [1, 4, 5]
     with pytest.raises(ValueError, match="rows were tracked from step 2 on, not from step 1"):
         rows_since(saved, 1)
+
+
+def test_two_ranks_sharding_the_tables_row_wise_track_their_rows_and_full_equals_base_plus_delta(
+    day0, tmp_path, warm_python
+):
+    """torchrun, 2 CPU processes (gloo), TorchRec's row-wise item table: each rank records its
+    shard's rows; the delta from day 0's export reads only the rows the ranks updated, equals the
+    compared delta, and squashed onto day 0's export is the run's full export bit for bit. The
+    run also publishes (every rank saves its shards, rank 0 exports): a chain ``gr check`` accepts."""
+    run, export0, everything = day0
+    values = _config(everything, "torchrec", 4, init_from=str(run), limit_train_batches=2).to_dict()
+    values["trainer"].update(publish_every=1, publish_dir=str(tmp_path / "live"))
+    values["warm_start"]["max_epochs"] = None  # the config's one epoch, not the warm-start recipe's
+    recipe = tmp_path / "day1.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
+    argv = ["train.py", "--config", str(recipe), "--out", str(tmp_path / "run")]
+    done = warm_python.torchrun(2, argv, ROOT, env, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert [p.name for p in published(tmp_path / "live")] == ["000000", "000001"]
+    assert check_chain(published(tmp_path / "live")) == []
+
+    export_run(tmp_path / "run", tmp_path / "full")
+    export_run(tmp_path / "run", tmp_path / "tracked", base=export0)
+    (tmp_path / "compared").mkdir()
+    write_delta(export0, tmp_path / "full", tmp_path / "compared")
+    assert _same_files(tmp_path / "tracked", tmp_path / "compared")
+    squash([export0, tmp_path / "tracked"], tmp_path / "squashed")
+    assert _same_files(tmp_path / "squashed", tmp_path / "full")
+    touched = tracked_rows(tmp_path / "run", best_checkpoint(tmp_path / "run"), export0)[0]["item"]
+    known = read_sparse_manifest(export0).tables["item"].rows
+    half = read_sparse_manifest(tmp_path / "full").tables["item"].rows // 2
+    assert (touched < half).any() and ((touched >= half) & (touched < known)).any()  # both ranks' shards

@@ -397,6 +397,6 @@ def load_trained_model(run_dir: str | Path, checkpoint: Optional[Path] = None) -
     keys = {k.removeprefix("model.") for k in ckpt.model_keys(checkpoint)}
     model = without_empty_history(build_model(config, spec, tasks, for_training=False), keys)
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    ckpt.load_checkpoint({"state_dict": state}, checkpoint)
+    ckpt.load_checkpoint({"state_dict": state}, checkpoint, alone=True)  # whole tensors: no rank needed
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model.eval(), config
