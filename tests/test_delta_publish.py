@@ -6,6 +6,7 @@ checkpoint does, bit for bit. The keys are validated up front, naming themselves
 import copy
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,3 +88,11 @@ def test_publish_every_takes_steps_or_a_duration():
 def test_bad_publishing_keys_are_refused_naming_them(tmp_path, trainer, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.from_dict(_values(tmp_path / "events.csv", **trainer))
+
+
+def test_a_publish_dir_whose_newest_export_is_not_the_kept_base_is_refused_in_one_line(tmp_path):
+    values = _values(tmp_path / "events.csv", publish_every=5, publish_dir=str(tmp_path / "live"))
+    (tmp_path / "live/000000").mkdir(parents=True)  # a publish cut short before its full export was kept
+    publisher = Publisher(TrainConfig.from_dict(values), tmp_path / "run")
+    with pytest.raises(ValueError, match=r"^trainer\.publish_dir: .*live holds exports up to 000000, but \.base"):
+        publisher.on_train_start(SimpleNamespace(is_global_zero=True), None)
