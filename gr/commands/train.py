@@ -110,8 +110,13 @@ def _train(argv: Sequence[str], prog: str) -> int:
 
     from gr.train.run import METRICS_FILE, RunComplete, train  # Lightning: not for --help / --print-config
 
+    callbacks = []
+    if config.trainer.publish_every is not None:
+        from gr.export.publish import Publisher  # the export stack: only a run that publishes imports it
+
+        callbacks.append(Publisher(config.self_contained(), out))
     try:
-        metrics = train(config, out, resume=resume)
+        metrics = train(config, out, resume=resume, callbacks=callbacks)
     except RunComplete as done:
         print(f"{prog}: {done}")
         return 0

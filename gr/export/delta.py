@@ -28,7 +28,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -109,9 +109,17 @@ def export_identity(root: Path) -> str:
 
 
 # ---- writing ------------------------------------------------------------------------------
-def write_delta(base: PathLike, full: PathLike, out: Path) -> Dict[str, Any]:
+def write_delta(
+    base: PathLike, full: PathLike, out: Path, touched: Optional[Mapping[str, np.ndarray]] = None
+) -> Dict[str, Any]:
     """Write into the empty directory ``out`` the delta that turns export ``base`` into export
     ``full`` (both checked: ``ExportFormatError`` otherwise) -> the summary kept in ``delta.json``.
+
+    touched: {table: [n] int64 ids}, the rows training updated since ``base`` was taken
+    (``gr.sparse.touched``): only those rows of such a table are read, from both exports, and
+    the ones whose bits differ are written (with the rows past the base's); the delta is the
+    one comparing whole tables makes, provided no other row changed. A table it does not name
+    is compared whole.
 
     Raises ValueError in one line naming what differs when ``full`` is not a later version of
     ``base``'s model: another table set or dim, another request schema or slices
@@ -124,13 +132,23 @@ def write_delta(base: PathLike, full: PathLike, out: Path) -> Dict[str, Any]:
     tables: Dict[str, Dict[str, Any]] = {}
     table_files = {f"{SPARSE_DIR}/{t.file}" for t in full_sparse.tables.values()}
     for name, table in full_sparse.tables.items():
-        old = load_file(str(base / SPARSE_DIR / base_sparse.tables[name].file))[TABLE_TENSOR]
-        new = load_file(str(full / SPARSE_DIR / table.file))[TABLE_TENSOR]
-        ids = changed_rows(old, new)
+        base_file, full_file = base / SPARSE_DIR / base_sparse.tables[name].file, full / SPARSE_DIR / table.file
+        base_rows = base_sparse.tables[name].rows
+        if touched is not None and name in touched:
+            candidates = np.unique(touched[name][touched[name] < base_rows])
+            old_rows, new_rows = table_rows_at(base_file, candidates), table_rows_at(full_file, candidates)
+            differ = (old_rows.view(np.uint32) != new_rows.view(np.uint32)).any(axis=1)
+            ids = np.concatenate([candidates[differ], np.arange(base_rows, table.rows)]).astype(np.int64)
+            rows = table_rows_at(full_file, ids)
+        else:
+            old = load_file(str(base_file))[TABLE_TENSOR]
+            new = load_file(str(full_file))[TABLE_TENSOR]
+            ids = changed_rows(old, new)
+            rows = np.ascontiguousarray(new[ids])
         file = f"{SPARSE_DIR}/{name}{TABLE_SUFFIX}"
         (out / SPARSE_DIR).mkdir(exist_ok=True)
-        write_bytes(out / file, safetensors_bytes({IDS: ids, ROWS: np.ascontiguousarray(new[ids])}))
-        tables[name] = {"file": file, "rows": table.rows, "dim": table.dim, "base_rows": len(old), "changed": len(ids)}
+        write_bytes(out / file, safetensors_bytes({IDS: ids, ROWS: rows}))
+        tables[name] = {"file": file, "rows": table.rows, "dim": table.dim, "base_rows": base_rows, "changed": len(ids)}
     files: Dict[str, str] = {}
     row_maps = {f"{SPARSE_DIR}/{f.id_mapping}" for f in full_sparse.features.values() if f.id_mapping is not None}
     hstu_changed = any(base_files.get(rel) != full_files.get(rel) for rel in HSTU_FILES)
@@ -170,6 +188,18 @@ def changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     known = len(old)
     differ = np.flatnonzero((old.view(np.uint32) != new[:known].view(np.uint32)).any(axis=1))
     return np.concatenate([differ, np.arange(known, len(new))]).astype(np.int64)
+
+
+def table_rows_at(path: Path, ids: np.ndarray) -> np.ndarray:
+    """ids: [n] int64 -> [n, d] float32: those rows of the table an export's table file holds
+    (``TABLE_TENSOR``, float32 as ``check_export`` verified), read through a map of the file:
+    the other rows are never read."""
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        entry = json.loads(handle.read(size))[TABLE_TENSOR]
+    start = 8 + size + int(entry["data_offsets"][0])
+    table = np.memmap(path, dtype=np.float32, mode="r", offset=start, shape=tuple(entry["shape"]))
+    return np.ascontiguousarray(table[ids])
 
 
 def _checked_export(root: Path) -> Dict[str, str]:

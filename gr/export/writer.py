@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -67,14 +68,17 @@ from gr.export.sparse_manifest import TOKEN_KINDS, FeatureEntry, SparseManifest,
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
 from gr.prefix_dnn import PrefixDNN, check_token_wise
-from gr.train.checkpoint import checkpoint_source
+from gr.sparse.touched import rows_since
+from gr.train.checkpoint import checkpoint_source, read_meta
 from gr.train.config import load_config
+from gr.train.module import TOUCHED_ROWS
 from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run
-from gr.train.run_files import CONFIG_FILE
+from gr.train.run_files import CONFIG_FILE, INIT_FROM_FILE
 from gr.utils.atomic import atomic_directory, write_bytes, write_json
 from gr.utils.outputs import checked_output
 from gr.utils.run_lock import run_lock
 
+log = logging.getLogger(__name__)
 EXAMPLE_ROWS = 3  # rows of the example inputs traced for ONNX (>= 2: 0/1 sizes get specialised)
 VERIFY_ROWS = (1, 5)  # row counts at which ONNX Runtime is checked against PyTorch after export
 VERIFY_ATOL = 1e-4
@@ -95,6 +99,8 @@ def export_model(
     popularity: Optional[np.ndarray] = None,
     source: Optional[Mapping[str, Any]] = None,
     base: Union[str, Path, None] = None,
+    touched: Optional[Mapping[str, np.ndarray]] = None,
+    keep_full: Optional[Path] = None,
 ) -> Path:
     """Write ``model``'s sliced export to ``export_dir`` atomically and validate it.
 
@@ -126,6 +132,10 @@ def export_model(
     base: a full export of an earlier version of this model: ``export_dir`` is then the delta
         from it (``gr.export.delta``; the full export is written and checked first, beside the
         delta, and removed). A ``base`` of another model is a ValueError naming what differs.
+    touched: with ``base``, {table: row ids} training updated since ``base`` was taken: only
+        those rows of those tables are compared (``gr.export.delta.write_delta``).
+    keep_full: with ``base``, a new directory where the full export the delta was taken from
+        is left (a publisher's next base), instead of being removed.
     """
     if hstu_dtype not in SLICE_DTYPES:
         raise ValueError(f"hstu_dtype: expected one of {list(SLICE_DTYPES)}, got {hstu_dtype!r}")
@@ -136,7 +146,7 @@ def export_model(
     model.eval()
     try:
         with atomic_directory(export_dir, command="gr export", overwrite=overwrite) as tmp:
-            full = tmp if base is None else tmp / STAGING_FULL
+            full = tmp if base is None else keep_full or tmp / STAGING_FULL
             full.mkdir(exist_ok=True)
             sparse = _write(
                 model, full, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype, item_features
@@ -152,8 +162,9 @@ def export_model(
             if base is not None:
                 delta = tmp / STAGING_DELTA
                 delta.mkdir()
-                write_delta(base, full, delta)
-                shutil.rmtree(full)
+                write_delta(base, full, delta, touched)
+                if keep_full is None:
+                    shutil.rmtree(full)
                 for entry in list(delta.iterdir()):
                     entry.rename(tmp / entry.name)
                 delta.rmdir()
@@ -173,7 +184,9 @@ def export_run(
     """Export a training run's best checkpoint (all shards merged) with its id mappings, naming
     the run and that checkpoint in the export's ``source.json``. base: an export of this run or
     of a run it was warm-started from (``trainer.init_from``, followed back): ``export_dir`` is
-    the delta from it (``export_model``); an export of another run is a ValueError naming both.
+    the delta from it (``export_model``), which reads only the rows the run recorded updating
+    since ``base`` was taken where it can (``tracked_rows``); an export of another run is a
+    ValueError naming both.
 
     Dense feature dims come from the run's ``features.json``; mappings from ``mappings/``; the item
     features the model reads from the run's training data (``gr.export.item_store``). The run
@@ -182,29 +195,78 @@ def export_run(
     """
     run_dir = Path(run_dir)
     with run_lock(run_dir, "gr export", shared=True):
-        config, spec, _ = read_run(run_dir)
+        config, _, _ = read_run(run_dir)
         checked_output(export_dir, [("RUN_DIR", run_dir), *config.data.inputs()], "EXPORT_DIR")
         if base is not None:
             check_lineage(run_dir, Path(base))
-        checkpoint = best_checkpoint(run_dir)
-        model, _ = load_trained_model(run_dir, checkpoint)
-        mappings = run_dir / MAPPINGS_DIR
-        item_features = run_item_features(run_dir, model.prefix_dnn.feature_names)
-        if model.item_tower is not None:
-            model.item_tower.set_items(item_features)
-        return export_model(
-            model,
-            export_dir,
-            id_mappings_dir=mappings if mappings.is_dir() else None,
-            dense_dims={**spec.token_dense, **spec.common_dense},
-            event_features=spec.event_features,
-            overwrite=overwrite,
-            hstu_dtype=hstu_dtype,
-            item_features=item_features,
-            popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
-            source=checkpoint_source(run_dir, checkpoint),
-            base=base,
+        return export_checkpoint(
+            run_dir, best_checkpoint(run_dir), export_dir, overwrite=overwrite, hstu_dtype=hstu_dtype, base=base
         )
+
+
+def export_checkpoint(
+    run_dir: Path,
+    checkpoint: Path,
+    export_dir: Union[str, Path],
+    *,
+    overwrite: bool = False,
+    hstu_dtype: str = "float32",
+    base: Union[str, Path, None] = None,
+    keep_full: Optional[Path] = None,
+) -> Path:
+    """``export_run`` of one ``checkpoint`` of the run, unlocked and unchecked (the caller holds
+    the run, or is its training); keep_full as ``export_model`` takes it."""
+    _, spec, _ = read_run(run_dir)
+    model, _ = load_trained_model(run_dir, checkpoint)
+    mappings = run_dir / MAPPINGS_DIR
+    item_features = run_item_features(run_dir, model.prefix_dnn.feature_names)
+    if model.item_tower is not None:
+        model.item_tower.set_items(item_features)
+    touched = None
+    if base is not None:
+        touched, why = tracked_rows(run_dir, checkpoint, Path(base))
+        if touched is not None and model.embeddings is not None and model.item_tower is not None:
+            # the tower's table is exported as its item vectors: a step of its encoder moves every row
+            item, tables = model.item_tower.item_feature, model.embeddings.tables
+            touched = {t: ids for t, ids in touched.items() if item not in tables[t].features}
+        log.info("delta rows: %s", why if touched is None else f"tracked by training for tables {sorted(touched)}")
+    return export_model(
+        model,
+        export_dir,
+        id_mappings_dir=mappings if mappings.is_dir() else None,
+        dense_dims={**spec.token_dense, **spec.common_dense},
+        event_features=spec.event_features,
+        overwrite=overwrite,
+        hstu_dtype=hstu_dtype,
+        item_features=item_features,
+        popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
+        source=checkpoint_source(run_dir, checkpoint),
+        base=base,
+        touched=touched,
+        keep_full=keep_full,
+    )
+
+
+def tracked_rows(run_dir: Path, checkpoint: Path, base: Path) -> Tuple[Optional[Dict[str, np.ndarray]], str]:
+    """({table: row ids} the run's training updated between the model ``base`` (an export) holds
+    and ``checkpoint``'s, "") when the run recorded them (``trainer.track_rows``, or publishing)
+    from a point no later than ``base``: ``base`` is an export of this run, or of the checkpoint
+    it was warm-started from. Otherwise (None, why the tables are compared whole)."""
+    saved = read_meta(checkpoint).get(TOUCHED_ROWS)
+    if saved is None:
+        return None, f"compared whole tables ({checkpoint} holds no record of the rows training updated)"
+    source = json.loads((base / SOURCE).read_text()) if (base / SOURCE).is_file() else {}
+    origin = json.loads((run_dir / INIT_FROM_FILE).read_text()) if (run_dir / INIT_FROM_FILE).is_file() else {}
+    if source.get("run") == str(run_dir.resolve()):
+        step = int(source.get("global_step") or 0)
+    elif source and (source.get("run"), source.get("checkpoint")) == (origin.get("run"), origin.get("checkpoint")):
+        step = 0  # the weights this run started from
+    else:
+        return None, f"compared whole tables (the base {base} is neither an export of this run nor of its warm start)"
+    try:
+        return rows_since(saved, step), ""
+    except ValueError as exc:
+        return None, f"compared whole tables ({checkpoint}: {exc})"
 
 
 def check_lineage(run_dir: Path, base: Path) -> None:

@@ -21,7 +21,7 @@ TorchRec's fused optimizer (``{"state": {weight name: {"<table>.momentum1": ...,
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -43,12 +43,14 @@ class RowOptimizer:
     """One table's optimizer. weight: [rows, D] float, updated in place; its state lives beside it.
 
     ``step`` counts updates (Adam's bias correction); ``TableOptimizers.resume_at`` sets it on resume.
+    ``updated``: None, or a list each update appends the rows it wrote to ([n] int64, distinct).
     """
 
     def __init__(self, config: EmbeddingOptimizerConfig, weight: Tensor) -> None:
         self.config = config
         self.weight = weight
         self.step = 0
+        self.updated: Optional[List[Tensor]] = None
         rows = weight.shape[0]
         self.state = {
             name: torch.zeros(rows if per_row else weight.shape, dtype=torch.float32, device=weight.device)
@@ -63,6 +65,8 @@ class RowOptimizer:
         self.step += 1
         w = self.weight.index_select(0, rows)
         self.weight.index_copy_(0, rows, getattr(self, f"_{self.config.type}")(rows, w, g))
+        if self.updated is not None:
+            self.updated.append(rows)
 
     def _sgd(self, rows: Tensor, w: Tensor, g: Tensor) -> Tensor:
         return w - self.config.lr * g

@@ -29,8 +29,16 @@ from gr.sparse.optimizer import EmbeddingOptimizerConfig
 from gr.sparse.row_optimizers import RowOptimizer, TableOptimizers
 from gr.sparse.sharding import EMBEDDINGS_ATTR, table_device
 from gr.sparse.tables import SparseEmbeddings, TableConfig, storage_dim
+from gr.sparse.touched import Drain
 
-__all__ = ["KeyedJaggedTensor", "attach_optimizers", "pooled_collection", "prepare_for_training", "sequence_collection"]
+__all__ = [
+    "KeyedJaggedTensor",
+    "attach_optimizers",
+    "pooled_collection",
+    "prepare_for_training",
+    "sequence_collection",
+    "track_updated_rows",
+]
 
 
 class _UpdateInBackward(torch.autograd.Function):
@@ -188,6 +196,24 @@ def attach_optimizers(model: nn.Module, default: EmbeddingOptimizerConfig) -> Ta
             collection.optimizers[table] = optimizer
             found[names[id(module.weight)]] = (table, optimizer)
     return TableOptimizers(found)
+
+
+def track_updated_rows(optimizers: TableOptimizers) -> Drain:
+    """Record the rows each table's optimizer updates -> a function returning {table: [n] int64
+    row ids} updated since its last call (``gr.sparse.touched``)."""
+    for _, optimizer in optimizers.optimizers.values():
+        optimizer.updated = []
+
+    def drain() -> Dict[str, Tensor]:
+        out = {}
+        for table, optimizer in optimizers.optimizers.values():
+            assert optimizer.updated is not None  # set above
+            if optimizer.updated:
+                out[table] = torch.cat(optimizer.updated)
+                optimizer.updated.clear()
+        return out
+
+    return drain
 
 
 def _initialise(weight: Tensor, table: TableConfig) -> None:

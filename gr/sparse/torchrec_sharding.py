@@ -25,6 +25,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -33,6 +34,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from gr.sparse.optimizer import EmbeddingOptimizerConfig
 from gr.sparse.sharding import EMBEDDINGS_ATTR, table_device
 from gr.sparse.tables import SparseEmbeddings
+from gr.sparse.touched import Drain
 
 
 def apply_embedding_optimizers(
@@ -122,6 +124,32 @@ def shard_model(
     for name, state in initial_bags.items():  # TorchRec copies EmbeddingCollection weights into shards, not bag weights
         sharded[name].load_state_dict(state)
     return dmp
+
+
+def track_updated_rows(dmp: DistributedModelParallel) -> Drain:
+    """Record the ids of each lookup of ``dmp``'s tables with TorchRec's ModelDeltaTracker -> a
+    function returning {table: [n] int64 global row ids} of this rank's shards looked up since
+    its last call (``gr.sparse.touched``). The tracker sees a shard's local ids: a row-wise
+    shard's are moved by the shard's first row."""
+    tracker = ModelDeltaTrackerTrec(dmp, delete_on_read=True)  # built here: DMP's own builder wants DDP around it
+    rank = dist.get_rank(dmp._env.process_group) if dist.is_initialized() else 0
+    first_rows = {}
+    for tables in dmp.plan.plan.values():
+        for name, sharding in tables.items():
+            shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
+            mine = [s.shard_offsets[0] for s in shards if s.placement is not None and s.placement.rank() == rank]
+            first_rows[name] = mine[0] if mine else 0
+    fqn_table = {fqn: name for name, fqn in tracker.table_to_fqn.items()}
+
+    def drain() -> Dict[str, torch.Tensor]:
+        if not any(tracker.store.per_fqn_lookups.values()):
+            return {}
+        ids = tracker.get_unique_ids()
+        tracker.clear()
+        tracker.step()
+        return {fqn_table[fqn]: local + first_rows[fqn_table[fqn]] for fqn, local in ids.items()}
+
+    return drain
 
 
 def sharders() -> List:

@@ -62,15 +62,17 @@ def save_checkpoint(checkpoint: Dict[str, Any], path: str | Path, sharded_keys: 
     _barrier()
 
 
-def load_checkpoint(template: Dict[str, Any], path: str | Path) -> Dict[str, Any]:
-    """Load directory ``path`` into ``template`` ({key: state dict to fill in place}) -> full checkpoint dict."""
+def load_checkpoint(template: Dict[str, Any], path: str | Path, *, alone: bool = False) -> Dict[str, Any]:
+    """Load directory ``path`` into ``template`` ({key: state dict to fill in place}) -> full checkpoint dict.
+    alone: this process loads it by itself (a template of whole tensors), even when
+    torch.distributed runs (rank 0 exporting while the other ranks wait); otherwise every rank loads."""
     path = Path(path)
     if not is_complete(path):
         raise FileNotFoundError(f"{path}: not a complete gr checkpoint directory (no {META_FILE})")
     try:
         with warnings.catch_warnings():  # a model loaded back in one process (export, evaluate) is meant to be
             warnings.filterwarnings("ignore", message=SINGLE_PROCESS_LOAD, category=UserWarning)
-            dcp.load(template, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            dcp.load(template, checkpoint_id=str(path), no_dist=alone or not dist.is_initialized())
     except CheckpointException as error:  # a BaseException: would escape every `except Exception`
         causes = "; ".join(f"rank {rank}: {_failure_text(cause)}" for rank, cause in sorted(error.failures.items()))
         raise ValueError(f"{path}: the checkpoint does not fit this model and config ({causes})") from error

@@ -77,6 +77,21 @@ WARM_START_KEYS = {
 WARM_START_DAYS = {"replay_days": ("replay_start", "train_start"), "validation_days": ("val_start", "split_time")}
 
 TOP_K: Check = list_of(int_at_least(1), non_empty=True)
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+DURATION = re.compile(r"^([1-9][0-9]*)(s|m|h)$")
+PUBLISH_EVERY: Check = (
+    (lambda v: (is_int(v) and v >= 1) or (isinstance(v, str) and DURATION.match(v) is not None)),
+    'a number of training steps >= 1 or a duration such as "90s", "10m", "1h"',
+)
+
+
+def publish_interval(every: Any) -> Tuple[int, float]:
+    """``trainer.publish_every`` (valid) -> (steps, seconds): one of them 0 (not by that measure)."""
+    if is_int(every):
+        return int(every), 0.0
+    match = DURATION.match(str(every))
+    assert match is not None  # validated by PUBLISH_EVERY
+    return 0, float(int(match.group(1)) * DURATION_UNITS[match.group(2)])
 
 
 @dataclass(frozen=True)
@@ -412,7 +427,12 @@ class TrainerSection(Section):
     subsampled to that length with probability 1 - max_seq_len^alpha / length^2
     (``gr.data.stochastic_length``; never at evaluation). ``memory_check``: refuse a CPU run
     whose ``gr plan`` estimate exceeds the machine's available memory (``gr.train.memory.check_memory_fits``).
-    ``init_from``: a trained run to start from (``gr train --init-from RUN``; ``gr.train.warm_start``)."""
+    ``init_from``: a trained run to start from (``gr train --init-from RUN``; ``gr.train.warm_start``).
+    ``track_rows``: record the rows each training step updates (``gr.sparse.touched``), so a delta
+    export of the run reads only those rows. ``publish_every``: null (off), N training steps, or a
+    duration ("90s", "10m", "1h"): every so often the run publishes a delta export into
+    ``publish_dir`` (``gr.export.publish``; rows tracked), against ``publish_base`` (a full export
+    of the run it warm-starts from) or a full export it publishes first."""
 
     max_epochs: int = checked(100, int_at_least(1))
     seed: int = checked(0, int_at_least(0))
@@ -432,6 +452,10 @@ class TrainerSection(Section):
     stochastic_length_alpha: Optional[float] = checked(None, optional(number_in(1.0, 2.0, open_low=True)))
     memory_check: bool = checked(True, BOOL)
     init_from: Optional[str] = checked(None, optional(NAME))
+    track_rows: bool = checked(False, BOOL)
+    publish_every: Any = checked(None, optional(PUBLISH_EVERY))
+    publish_dir: Optional[str] = checked(None, optional(NAME))
+    publish_base: Optional[str] = checked(None, optional(NAME))
     where: InitVar[str] = "trainer"
 
     def __post_init__(self, where: str) -> None:
@@ -545,6 +569,12 @@ class TrainConfig:
                 f"model.hstu.eviction_block: {self.model.hstu.eviction_block} exceeds data.max_seq_len "
                 f"{self.data.max_seq_len}; a block must fit in a window"
             )
+        t = self.trainer
+        if (t.publish_every is None) != (t.publish_dir is None):
+            given, missing = ("publish_every", "publish_dir")[:: 1 if t.publish_dir is None else -1]
+            raise ValueError(f"trainer.{missing}: required with trainer.{given} (publishing needs how often and where)")
+        if t.publish_base is not None and t.publish_every is None:
+            raise ValueError("trainer.publish_base: set only with trainer.publish_every (the first delta's base)")
         if self.trainer.precision == "16-mixed" and self.trainer.accelerator not in GPU_ACCELERATORS:
             raise ValueError(
                 f"trainer.precision: '16-mixed' (fp16 with loss scaling) needs trainer.accelerator "
@@ -598,8 +628,12 @@ class TrainConfig:
             data = replace(data, path=str(Path(data.path).resolve()))
         if data.prepared is not None and not Path(data.prepared).is_absolute():
             data = replace(data, prepared=str(Path(data.prepared).resolve()))
-        if trainer.init_from is not None:
-            trainer = replace(trainer, init_from=str(Path(trainer.init_from).resolve()))
+        paths: Dict[str, Any] = {
+            key: str(Path(getattr(trainer, key)).resolve())
+            for key in ("init_from", "publish_dir", "publish_base")
+            if getattr(trainer, key) is not None
+        }
+        trainer = replace(trainer, **paths)
         return replace(self, data=data, trainer=trainer, model=self.model.with_code_roots())
 
     def to_dict(self) -> Dict[str, Any]:

@@ -36,7 +36,8 @@ from gr.data.stochastic_length import subsample_histories
 from gr.model import GRInput
 from gr.postfix_dnn.item_tower import Column
 from gr.sparse.sharding import check_one_rank, table_device
-from gr.sparse.torch_tables import prepare_for_training
+from gr.sparse.torch_tables import prepare_for_training, track_updated_rows
+from gr.sparse.touched import Drain, TouchedRows
 from gr.train.build import dense_optimizer, seeded_model
 from gr.train.config import OptimizerSection, TrainConfig
 from gr.train.tasks import RankingTask, RetrievalTask
@@ -44,6 +45,7 @@ from gr.train.warm_start import WarmStart
 from gr.utils.finite import NonFiniteError, gradients_finite, non_finite
 
 log = logging.getLogger(__name__)
+TOUCHED_ROWS = "touched_rows"  # a checkpoint's record of the rows training updated (gr.sparse.touched)
 _Destination = TypeVar("_Destination", bound=Dict[str, Any])  # a state_dict destination
 
 
@@ -77,6 +79,8 @@ class GRTrainingModule(LightningModule):
         self.last_metrics: Dict[str, Dict[str, float]] = {}  # split -> the latest evaluation, full precision
         self.step_loss: Optional[Tensor] = None  # the current training step's loss, checked before its optimizer step
         self.step_batch = 0
+        self.touched: Optional[TouchedRows] = None  # the rows training updated (trainer.track_rows)
+        self.drain_touched: Optional[Drain] = None
 
     # ---- model -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -120,6 +124,22 @@ class GRTrainingModule(LightningModule):
             self.table_optimizers = self.model.fused_optimizer
         if self.warm_start is not None:
             self.warm_start.copy_table_optimizer_state(self.table_optimizers)
+        if self.tracks_rows:
+            self._track_rows(gr_model)
+
+    @property
+    def tracks_rows(self) -> bool:
+        """Whether training records the rows it updates: ``trainer.track_rows``, or publishing."""
+        return self.config.trainer.track_rows or self.config.trainer.publish_every is not None
+
+    def _track_rows(self, gr_model: Any) -> None:
+        self.touched = TouchedRows({name: t.num_embeddings for name, t in gr_model.embeddings.tables.items()})
+        if self.config.sparse.backend == "torch":
+            self.drain_touched = track_updated_rows(self.table_optimizers)
+        else:
+            from gr.sparse.torchrec_sharding import track_updated_rows as track_sharded_rows  # torchrec, as above
+
+            self.drain_touched = track_sharded_rows(self.model)
 
     @property
     def dense_sharded(self) -> bool:
@@ -163,9 +183,17 @@ class GRTrainingModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         checkpoint["sparse_optimizer"] = self.sparse_optimizer_state()
+        if self.touched is not None:  # every rank: the ranks' records are merged
+            checkpoint[TOUCHED_ROWS] = self.touched.merged()
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self.table_optimizers.load_state_dict(checkpoint["sparse_optimizer"])
+        if self.touched is not None:  # a checkpoint that tracked nothing: rows are known from its step on
+            saved = checkpoint.get(TOUCHED_ROWS)
+            if saved is not None:
+                self.touched.load(saved)
+            else:
+                self.touched.since = int(checkpoint.get("global_step", 0))
         if self.config.sparse.backend == "torch":  # Adam's bias correction goes on from the checkpoint's step
             self.table_optimizers.resume_at(int(checkpoint.get("global_step", 0)))
 
@@ -220,6 +248,13 @@ class GRTrainingModule(LightningModule):
         torch_seed, sampler_seed = (int(s) for s in seed.generate_state(2))
         torch.manual_seed(torch_seed)
         self.generator.manual_seed(sampler_seed)
+        if self.drain_touched is not None:
+            self.drain_touched()  # lookups since the last training step (evaluation's) updated no row
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Record the rows this step updated, at its global step (counted from 0)."""
+        if self.touched is not None and self.drain_touched is not None:
+            self.touched.record(self.drain_touched(), self.global_step - 1)
 
     def training_step(self, batch: GRInput, batch_idx: int) -> Tensor:
         alpha = self.config.trainer.stochastic_length_alpha

@@ -53,13 +53,19 @@ from gr.utils.run_lock import run_lock, writes_run
 log = logging.getLogger(__name__)
 
 
-def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dict[str, Any]:
+def train(
+    config: TrainConfig, out_dir: str | Path, resume: bool = False, callbacks: Sequence[Callback] = ()
+) -> Dict[str, Any]:
     """Train, validate every epoch, test the best checkpoint; returns what ``metrics.json`` holds.
 
     resume: continue from the run's newest complete checkpoint (``resume_checkpoint``; the
     same run, e.g. with a larger ``trainer.max_epochs``). The run directory's files
     (config.yaml, features.json, mappings) are written once training starts, after that
     checkpoint has loaded, so a resume that fails leaves the run as it was; logs append.
+
+    callbacks: more Lightning callbacks, called after the run's own (the run's files are written
+    by then): ``gr.export.publish.Publisher`` publishes as ``trainer.publish_every`` says
+    (``gr train`` adds it; the training code itself writes no export).
 
     Refused before anything is written (ValueError, one line): an accelerator this host lacks,
     a run directory another process holds (``gr.utils.run_lock``; rank 0 takes it), and on CPU a
@@ -69,7 +75,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False) -> Dic
     check_accelerator(config.trainer.accelerator)
     command = "gr train --resume" if resume else "gr train"
     with run_lock(out_dir, command) if writes_run() else contextlib.nullcontext():
-        return _train(config, out_dir, resume)
+        return _train(config, out_dir, resume, callbacks)
 
 
 class RunComplete(Exception):
@@ -77,7 +83,7 @@ class RunComplete(Exception):
     there is nothing to train, and nothing is rewritten."""
 
 
-def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
+def _train(config: TrainConfig, out_dir: Path, resume: bool, callbacks: Sequence[Callback]) -> Dict[str, Any]:
     config = config.self_contained()  # the run's config.yaml reads the same from any working directory
     start = resume_checkpoint(out_dir) if resume else None
     if start:
@@ -117,7 +123,7 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool) -> Dict[str, Any]:
         if init_from:
             write_json(out_dir / INIT_FROM_FILE, init_from)
 
-    trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files)], resumed_step)
+    trainer, checkpoints = make_trainer(config, out_dir, [_OnTrainStart(write_run_files), *callbacks], resumed_step)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(start) if start else None)
     test: Dict[str, float] = {}
     if config.data.validates:
@@ -391,6 +397,6 @@ def load_trained_model(run_dir: str | Path, checkpoint: Optional[Path] = None) -
     keys = {k.removeprefix("model.") for k in ckpt.model_keys(checkpoint)}
     model = without_empty_history(build_model(config, spec, tasks, for_training=False), keys)
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    ckpt.load_checkpoint({"state_dict": state}, checkpoint)
+    ckpt.load_checkpoint({"state_dict": state}, checkpoint, alone=True)  # whole tensors: no rank needed
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model.eval(), config
