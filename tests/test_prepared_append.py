@@ -2,7 +2,9 @@
 whole log prepared at once, rewrites none of its files, is recorded in the manifest, and refuses
 another config, schema or earlier events in one line; ``data.since_append`` reads only its shards."""
 
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -17,7 +19,10 @@ from gr.data.mappings import load_mappings
 from gr.data.prepared.duckdb_append import append_with_duckdb
 from gr.data.prepared.manifest import MANIFEST, MAPS, read_manifest
 from gr.data.sequences import SPLITS
+from gr.train import train
+from gr.train.config import TrainConfig
 from gr.utils.checksums import file_sha256
+from helpers.runs import RETRIEVAL, ratings_csv, with_overrides
 
 HEADER = "user_id,item_id,ts,rating,device,tags,watch,country,langs,age,category,genres,price"
 DAY = 1_003_000  # the first append's events are from here on, the second's from NEXT_DAY
@@ -67,14 +72,22 @@ def log(tmp_path_factory) -> dict:
     }
 
 
-def prepared_month(log: dict, out: Path) -> Path:
-    return prepare(data_config(log["month"]), out, users_per_shard=PER_SHARD)
+@pytest.fixture(scope="module")
+def month(log, tmp_path_factory) -> Path:
+    """The month prepared (3 shards); copied by each test that appends to it."""
+    return prepare(data_config(log["month"]), tmp_path_factory.mktemp("month") / "dir", users_per_shard=PER_SHARD)
+
+
+@pytest.fixture
+def prepared_month(month) -> Callable[[Path], Path]:
+    """out -> a copy of the prepared month there (files' bytes and times kept)."""
+    return lambda out: Path(shutil.copytree(month, out))
 
 
 @pytest.fixture(scope="module")
-def appended(log, tmp_path_factory) -> Path:
+def appended(month, log, tmp_path_factory) -> Path:
     """The month prepared, then the day appended."""
-    out = prepared_month(log, tmp_path_factory.mktemp("appended") / "dir")
+    out = Path(shutil.copytree(month, tmp_path_factory.mktemp("appended") / "dir"))
     append_with_duckdb(out, log["day"], threads=1, users_per_shard=PER_SHARD)
     return out
 
@@ -119,8 +132,8 @@ def test_an_append_reads_as_the_whole_log_prepared_at_once(appended, at_once):
         assert len(expected) > 10
 
 
-def test_an_append_rewrites_no_file_and_records_itself_in_the_manifest(log, tmp_path):
-    out = prepared_month(log, tmp_path / "dir")
+def test_an_append_rewrites_no_file_and_records_itself_in_the_manifest(log, prepared_month, tmp_path):
+    out = prepared_month(tmp_path / "dir")
     before, manifest_before = files_of(out), read_manifest(out)
     manifest = append_with_duckdb(out, log["day"], threads=1, users_per_shard=PER_SHARD)
     after = files_of(out)
@@ -139,9 +152,9 @@ def test_an_append_rewrites_no_file_and_records_itself_in_the_manifest(log, tmp_
     assert manifest.summary["users"] == 70 and manifest.summary["rows_read"] == 664
 
 
-def test_known_ids_keep_theirs_and_new_ones_are_appended_in_sorted_order(log, tmp_path):
+def test_known_ids_keep_theirs_and_new_ones_are_appended_in_sorted_order(log, prepared_month, tmp_path):
     """The next day's new users (u61 known, u70-u74 new) follow the day's: dense ids never move."""
-    out = prepared_month(log, tmp_path / "dir")
+    out = prepared_month(tmp_path / "dir")
     append_with_duckdb(out, log["day"], threads=1)
     first, _ = load_mappings(str(out / "appends/00001" / MAPS))
     append_with_duckdb(out, log["next_day"], threads=1)
@@ -151,8 +164,8 @@ def test_known_ids_keep_theirs_and_new_ones_are_appended_in_sorted_order(log, tm
     assert second["users"].raw[70:].tolist() == [f"u{u}" for u in range(70, 75)]
 
 
-def test_a_second_append_supersedes_a_users_rows_and_reads_as_everything_at_once(log, tmp_path):
-    out = prepared_month(log, tmp_path / "dir")
+def test_a_second_append_supersedes_a_users_rows_and_reads_as_everything_at_once(log, prepared_month, tmp_path):
+    out = prepared_month(tmp_path / "dir")
     append_with_duckdb(out, log["day"], threads=1, users_per_shard=PER_SHARD)
     append_with_duckdb(out, log["next_day"], threads=1, users_per_shard=PER_SHARD)
     everything = prepare(data_config(log["everything"]), tmp_path / "everything", users_per_shard=PER_SHARD)
@@ -240,8 +253,8 @@ def run_append(capsys, out: Path, partition: Path, *flags: str) -> tuple:
     return status, captured.out, (captured.err.splitlines() or [""])[-1]
 
 
-def test_gr_data_prepare_append_prints_what_it_added(log, tmp_path, capsys):
-    out = prepared_month(log, tmp_path / "dir")
+def test_gr_data_prepare_append_prints_what_it_added(log, prepared_month, tmp_path, capsys):
+    out = prepared_month(tmp_path / "dir")
     status, printed, _ = run_append(capsys, out, log["day"])
     assert status == 0
     assert printed == (
@@ -250,8 +263,8 @@ def test_gr_data_prepare_append_prints_what_it_added(log, tmp_path, capsys):
     )
 
 
-def test_bad_appends_are_one_line_and_leave_the_dataset_as_it_was(log, tmp_path, capsys):
-    out = prepared_month(log, tmp_path / "dir")
+def test_bad_appends_are_one_line_and_leave_the_dataset_as_it_was(log, prepared_month, tmp_path, capsys):
+    out = prepared_month(tmp_path / "dir")
     before = files_of(out)
     recipe = tmp_path / "recipe.yaml"
     columns = data_config(out)["columns"]
@@ -280,9 +293,9 @@ def test_bad_appends_are_one_line_and_leave_the_dataset_as_it_was(log, tmp_path,
 
 
 def test_a_crash_before_the_manifest_leaves_the_dataset_as_it_was_and_the_next_append_completes(
-    log, tmp_path, monkeypatch
+    log, prepared_month, tmp_path, monkeypatch
 ):
-    out = prepared_month(log, tmp_path / "dir")
+    out = prepared_month(tmp_path / "dir")
     before = files_of(out)
 
     def crash(directory, manifest):
@@ -298,3 +311,33 @@ def test_a_crash_before_the_manifest_leaves_the_dataset_as_it_was_and_the_next_a
     manifest = append_with_duckdb(out, log["day"], threads=1, users_per_shard=PER_SHARD)
     assert [entry.path for entry in manifest.appends] == ["appends/00001"]
     assert module(out).summary["users"] == 70
+
+
+@pytest.mark.slow
+def test_gr_train_warm_starts_on_the_appended_day_reading_only_its_shards(tmp_path, opened):
+    """A run trained on the prepared month, then ``--init-from`` it with ``data.since_append 1``:
+    the warm start trains (from the run's maps) on the day's shards alone."""
+    events = ratings_csv(tmp_path / "events.csv").read_text().splitlines()
+    stamps = np.array([int(line.split(",")[2]) for line in events[1:]])
+    cut = int(np.quantile(stamps, 0.9))
+    month = tmp_path / "month.csv"
+    month.write_text("\n".join([events[0], *(e for e, t in zip(events[1:], stamps) if t < cut)]) + "\n")
+    day = tmp_path / "day.csv"
+    day.write_text("\n".join([events[0], *(e for e, t in zip(events[1:], stamps) if t >= cut)]) + "\n")
+    values = with_overrides(RETRIEVAL, ("trainer.max_epochs", 1))
+    values["data"].update(source="csv", path=str(month), columns={"rating": "rating"})
+    prepared = prepare(values["data"], tmp_path / "prepared", users_per_shard=55)
+    values["data"]["prepared"] = str(prepared)
+    train(TrainConfig.from_dict(values), tmp_path / "day0")
+    entry = append_with_duckdb(prepared, day, threads=1, users_per_shard=55).appends[0]
+    opened.clear()
+    warm = with_overrides(
+        values,
+        ("trainer.init_from", str(tmp_path / "day0")),
+        ("data.since_append", 1),
+        ("data.split", "none"),
+        ("trainer.early_stopping_patience", 0),
+    )
+    metrics = train(TrainConfig.from_dict(warm), tmp_path / "day1")
+    assert shard_files(opened, prepared) == {shard.path for shard in entry.shards}
+    assert len(read_manifest(prepared).shards) == 3 and metrics["init_from"]["run"] == str(tmp_path / "day0")
