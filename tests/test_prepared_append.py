@@ -22,6 +22,7 @@ from gr.data.sequences import SPLITS
 from gr.train import train
 from gr.train.config import TrainConfig
 from gr.utils.checksums import file_sha256
+from gr.utils.run_lock import RunLockedError, output_lock
 from helpers.runs import RETRIEVAL, ratings_csv, with_overrides
 
 HEADER = "user_id,item_id,ts,rating,device,tags,watch,country,langs,age,category,genres,price"
@@ -341,3 +342,13 @@ def test_gr_train_warm_starts_on_the_appended_day_reading_only_its_shards(tmp_pa
     metrics = train(TrainConfig.from_dict(warm), tmp_path / "day1")
     assert shard_files(opened, prepared) == {shard.path for shard in entry.shards}
     assert len(read_manifest(prepared).shards) == 3 and metrics["init_from"]["run"] == str(tmp_path / "day0")
+
+
+def test_an_append_to_a_dataset_another_writer_holds_is_refused_before_anything_is_written(
+    log, prepared_month, tmp_path
+):
+    out = prepared_month(tmp_path / "dir")
+    before = files_of(out)
+    with output_lock(out, "gr data prepare --overwrite"), pytest.raises(RunLockedError, match=str(out)):
+        append_with_duckdb(out, log["day"], threads=1)
+    assert files_of(out) == before
