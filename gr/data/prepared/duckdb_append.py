@@ -47,7 +47,7 @@ from gr.data.prepared.duckdb_engine import (
     _shard_schema,
     connect,
 )
-from gr.data.prepared.duckdb_sources import SourceTable, load_source
+from gr.data.prepared.duckdb_sources import SourceTable, literal, load_source
 from gr.data.prepared.duckdb_sources import side_table as read_side_table
 from gr.data.prepared.manifest import (
     APPENDS,
@@ -317,7 +317,7 @@ class _Append(_Preparation):
         their manifest entries (paths relative to the dataset)."""
         con = self.con
         schema = _shard_schema(source)
-        con.register("old_rows", self._current_rows(known_users, schema))
+        self._current_rows(known_users, schema)
         con.execute("SET preserve_insertion_order = true")  # streamed in ORDER BY uid
         values = {"items": "iid", TIMESTAMPS: "ts", **({RATINGS: "r"} if source.has_ratings else {})}
         values.update({event_column(f.name): f.column for f in source.event_features})
@@ -350,27 +350,34 @@ class _Append(_Preparation):
             shards.append(dataclasses.replace(entry, path=f"{self.relpath}/{relpath}"))
         return shards
 
-    def _current_rows(self, known_users: int, schema: pa.Schema) -> pa.Table:
-        """The current rows (``schema``) of the known users with a new event, from the shards that
-        hold their last rows (each verified against the manifest first)."""
-        manifest = self.manifest
-        wanted = _raw_ids(self.con, f"SELECT DISTINCT uid FROM seq WHERE uid < {known_users}").astype(np.int64)
+    def _current_rows(self, known_users: int, schema: pa.Schema) -> None:
+        """Table ``old_rows`` (``schema``'s columns): the current rows of the known users with a new
+        event, read by DuckDB (out of core) from the shards holding their last rows, each verified
+        against the manifest first."""
+        manifest, con = self.manifest, self.con
+        wanted = _raw_ids(con, f"SELECT DISTINCT uid FROM seq WHERE uid < {known_users}").astype(np.int64)
         owner = np.full(known_users, -1, dtype=np.int64)
         shards = manifest.shards_since()
         for position, shard in enumerate(shards):
             if position < len(manifest.shards):
                 owner[shard.first_user : shard.first_user + shard.users] = position
             else:
-                users = pq.read_table(manifest.path(shard.path), columns=[USER])[USER].to_numpy()
-                owner[users] = position
-        parts = [schema.empty_table()]
-        for position in np.unique(owner[wanted]):
-            shard = shards[int(position)]
-            verify_file(manifest, shard.path)
-            rows = pq.read_table(manifest.path(shard.path)).select(schema.names).cast(schema)
-            mine = wanted[owner[wanted] == position]
-            parts.append(rows.filter(pc.is_in(rows[USER], value_set=pa.array(mine))))
-        return pa.concat_tables(parts)
+                owner[pq.read_table(manifest.path(shard.path), columns=[USER])[USER].to_numpy()] = position
+        if not len(wanted):
+            con.register("old_rows", schema.empty_table())
+            return
+        files = {int(p): str(manifest.path(shards[int(p)].path)) for p in np.unique(owner[wanted])}
+        for position in files:
+            verify_file(manifest, shards[position].path)
+        con.register("owners", pa.table({"uid": wanted, "file": [files[int(p)] for p in owner[wanted]]}))
+        casts = ", ".join(
+            f'CAST(p."{name}" AS {_duckdb_type(schema.field(name).type)}) AS "{name}"' for name in schema.names[1:]
+        )
+        paths = ", ".join(map(literal, files.values()))
+        con.execute(
+            f'CREATE TABLE old_rows AS SELECT p."{USER}", {casts} FROM read_parquet([{paths}], filename = true) p '
+            f'JOIN owners o ON p."{USER}" = o.uid AND p.filename = o.file'
+        )
 
 
 def _extended_table(path: Path, old: Optional[pa.Table], new: Optional[SideTable]) -> pa.Table:
