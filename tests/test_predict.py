@@ -3,6 +3,7 @@
 as dotted ones, and bad input is one error naming the file, row and column, with no output."""
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -13,14 +14,17 @@ import pytest
 
 from gr.commands.cli import main as gr_main
 from gr.commands.predict import predict, predict_events
-from gr.data.config import ColumnConfig
+from gr.data.config import ColumnConfig, DataConfig
 from gr.data.interactions import DataFormatError
 from gr.data.mappings import IdMap, save_mappings
+from gr.data.prepared.duckdb_append import append_with_duckdb
+from gr.data.prepared.duckdb_engine import prepare_with_duckdb
 from gr.data.readers import read_table_parquet
 from gr.export import export_model
 from gr.serving import IdOptions, Ranker, RecommendRequest
 from gr.serving.history_store import SqliteHistoryStore
 from gr.serving.request import EventsRequest
+from gr.train.config import read_yaml
 from helpers.corrupt_parquet import write_corrupt_parquet
 from helpers.instants import SECONDS, TEXTS, timestamps
 from helpers.models import (
@@ -387,6 +391,31 @@ def test_predict_from_the_event_log_equals_hand_built_histories(retrieval, tmp_p
     for row, alone in zip(two, [want.to_pylist()[3], want.to_pylist()[1]]):  # batched apart: float noise
         np.testing.assert_allclose(row.pop("scores"), alone.pop("scores"), rtol=0, atol=ATOL)
         assert row == alone
+
+
+def test_predict_from_a_prepared_dataset_equals_predict_from_its_event_log(retrieval, tmp_path, capsys):
+    """The log prepared (users with two events or more: user 4 is left out), with an append of later
+    events: each user's row is the raw log's, with and without the recipe."""
+    path, _ = retrieval
+    events, recipe, _ = _event_log(tmp_path)
+    section = read_yaml(recipe.read_text())["data"]
+    config = DataConfig.from_dict({**section, "path": str(events), "split": "none", "min_seq_len": 2})
+    prepared = prepare_with_duckdb(config, tmp_path / "prepared", threads=1).directory
+    later = pa.table({"uid": [1, 1, 2, 5, 5], "movie": ["m01", "m02", "m03", "m04", "m05"], "ts": [4000] * 5})
+    append_with_duckdb(prepared, write(later, tmp_path / "later.parquet"), threads=1)
+    log = tmp_path / "log"
+    shutil.copytree(events, log)
+    pq.write_table(later, log / "month=3.parquet")
+    predict_events(path, log, tmp_path / "want.parquet", recipe, k=5, users=["1", "2", "3", "5"])
+    assert predict_events(path, prepared, tmp_path / "got.parquet", None, k=5)["rows"] == 4
+    want = pq.read_table(tmp_path / "want.parquet")
+    assert pq.read_table(tmp_path / "got.parquet").equals(want)
+    argv = ["predict", str(path), "--events", str(prepared), "--config", str(recipe), "--k", "5"]
+    assert gr_main([*argv, "--output", str(tmp_path / "cli.parquet")]) == 2
+    assert "prepared for another data config (data.min_seq_len differs: prepared with 2" in capsys.readouterr().err
+    recipe.write_text(recipe.read_text().replace("data:\n", "data:\n  split: none\n  min_seq_len: 2\n"))
+    assert gr_main([*argv, "--output", str(tmp_path / "cli.parquet")]) == 0
+    assert pq.read_table(tmp_path / "cli.parquet").equals(want)
 
 
 def test_predict_from_the_event_log_refuses_a_ranking_export_in_one_line(ranking, tmp_path):

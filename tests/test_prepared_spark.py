@@ -36,6 +36,7 @@ from test_warehouse_sources import write_side_tables
 from gr.commands import cli
 from gr.data.config import DataConfig
 from gr.data.interactions import DataFormatError
+from gr.data.prepared.duckdb_append import append_with_duckdb
 from gr.data.prepared.duckdb_engine import prepare_with_duckdb
 from gr.data.prepared.manifest import read_manifest
 from gr.data.prepared.spark_engine import main, prepare_with_spark
@@ -322,3 +323,20 @@ def test_side_tables_with_ids_missing_both_ways_prepare_what_duckdb_and_the_read
     assert_prepared_equals_raw(prepared, config)
     counts = read_manifest(prepared).summary["side_tables"]
     assert [counts[key]["ids_without_row"] for key in ("users", "items")] == [1, 1]
+
+
+def test_an_append_to_a_spark_prepared_dataset_is_the_one_to_a_duckdb_prepared_dataset(table_prepared, tmp_path):
+    """The table CSV prepared by each engine, then later rows (new items and users, rare items, short
+    users, duplicates) appended, on DuckDB, to each: the same append, its shards, maps and side tables
+    byte for byte."""
+    prepared, config, _ = table_prepared
+    rows = [line.split(",", 3) for line in table_rows(seed=5)]  # user u3 comes back as a new user, v3
+    day = write_csv(tmp_path / "day.csv", [f"{u.replace('u3', 'v3')},{i},{float(t) + 100},{r}" for u, i, t, r in rows])
+    spark_prepared = Path(shutil.copytree(prepared, tmp_path / "spark"))
+    prepare_with_duckdb(config, tmp_path / "duckdb", threads=1, users_per_shard=10)
+    appends = [
+        append_with_duckdb(directory, day, threads=1, users_per_shard=10).appends[0]
+        for directory in (spark_prepared, tmp_path / "duckdb")
+    ]
+    assert appends[0].shards == appends[1].shards and appends[0].files == appends[1].files
+    assert appends[0].users_added == 1 and appends[0].duplicates_dropped > 0 and len(appends[0].shards) > 1

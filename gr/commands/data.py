@@ -1,6 +1,7 @@
 """``gr data download NAME DIR``: fetch a public dataset (``gr.data.download``) and print what it holds.
 ``gr data prepare --config C --out DIR``: write the prepared sequence dataset of a config's data section
-(``gr.data.prepared``) with an engine (DuckDB, or Spark).
+(``gr.data.prepared``) with an engine (DuckDB, or Spark); ``--append PARTITION --out DIR`` adds a
+partition of later events to it (``gr.data.prepared.duckdb_append``).
 
 Imports no torch (``gr.data.download`` reads with numpy, a config's data section is read without
 torch), like ``gr --help``; ``gr data prepare`` imports its engine once its arguments are parsed.
@@ -91,8 +92,19 @@ def prepare_parser() -> argparse.ArgumentParser:
         "tables and per-user sequence shards, for training with data.prepared: DIR. Any data key can be "
         "overridden by its dotted path, e.g. --data.path data/ml-1m --data.min_seq_len 5",
     )
-    parser.add_argument("--config", required=True, help="recipe YAML (its data: section is read)")
+    parser.add_argument(
+        "--config",
+        help="recipe YAML (its data: section is read); with --append optional, and then its "
+        "prepared keys must be the dataset's",
+    )
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="the prepared dataset to write")
+    parser.add_argument(
+        "--append",
+        metavar="PARTITION",
+        help="add the events of PARTITION (a file, a directory of partition files or a glob, as data.path) to "
+        "the prepared dataset DIR: new shards, the maps and side tables extended; every event must be later "
+        "than DIR's last (duckdb engine)",
+    )
     parser.add_argument("--engine", choices=sorted(ENGINES), default="duckdb", help="default: duckdb")
     parser.add_argument(
         "--memory-limit", help="the engine's memory (duckdb: its memory_limit, default 4GB; spark: its heap, e.g. 8g)"
@@ -118,7 +130,9 @@ def prepare(argv: Optional[Sequence[str]] = None) -> int:
     outside = [key for key, _ in overrides if not key.startswith("data.")]
     if outside:
         parser.error(f"--{outside[0]}: gr data prepare reads the data section only (override data.* keys)")
-    return run_cli("gr data prepare", lambda: _prepare(args, overrides))
+    if args.append is None and args.config is None:
+        parser.error("the following arguments are required: --config (or --append PARTITION)")
+    return run_cli("gr data prepare", lambda: (_append if args.append is not None else _prepare)(args, overrides))
 
 
 def _engine_options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -141,24 +155,68 @@ def _engine_options(args: argparse.Namespace) -> Dict[str, Any]:
     return options
 
 
+def _data_config(path: Optional[Path], base: Dict[str, Any], overrides: Sequence[Tuple[str, str]]) -> DataConfig:
+    """The data section of the config file ``path`` (None: ``base``, a manifest's) with the overrides."""
+    data = base
+    if path is not None:
+        try:
+            values = read_yaml(path.read_text(encoding="utf8"))
+        except OSError as error:
+            raise ValueError(f"{path}: cannot read the config ({error})") from None
+        sections: Dict[str, Any] = values if isinstance(values, dict) else {}
+        section = sections.get("data")
+        data = section if isinstance(section, dict) else {}
+    for dotted, text in overrides:
+        apply_override({"data": data}, dotted, parse_value(text))
+    try:
+        return DataConfig.from_dict(data)
+    except ValueError as error:
+        given = " ".join(f"--{k} {v}" for k, v in overrides)
+        where = f"{given} (command line, over {path or 'the manifest'})" if given else path
+        raise ValueError(f"{where}: {error}") from None
+
+
+def _append(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> int:
+    """``--append PARTITION``: DuckDB adds the partition to DIR (``append_with_duckdb``)."""
+    if args.engine != "duckdb":
+        raise ValueError(f"--append: the duckdb engine appends (got --engine {args.engine})")
+    if args.overwrite:
+        raise ValueError("--append adds to DIR, --overwrite replaces it: give one")
+    if args.master:
+        raise ValueError("--master: only the spark engine runs on a cluster, and --append runs on duckdb")
+    from gr.data.prepared.duckdb_append import append_with_duckdb
+    from gr.data.prepared.manifest import read_manifest
+
+    config = None
+    if args.config is not None or overrides:
+        base = {} if args.config is not None else read_manifest(args.out).data
+        config = _data_config(None if args.config is None else Path(args.config), base, overrides)
+    options = _engine_options(args)
+    options.pop("overwrite")
+    stages = logging.getLogger("gr.data")
+    level = stages.level
+    stages.setLevel(logging.INFO)
+    try:
+        manifest = append_with_duckdb(args.out, args.append, config, **options)
+    finally:
+        stages.setLevel(level)
+    entry = manifest.appends[-1]
+    print(
+        f"{args.out}: append {len(manifest.appends)} ({entry.path}): {entry.events:,} events, "
+        f"{entry.users_added:,} new users, {entry.items_added:,} new items, "
+        f"{sum(s.users for s in entry.shards):,} users in {len(entry.shards)} shards; now "
+        f"{manifest.summary['users']:,} users, {manifest.summary['items']:,} items, "
+        f"{manifest.summary['interactions']:,} interactions"
+    )
+    return 0
+
+
 def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> int:
     module, function = ENGINES[args.engine]
     if importlib.util.find_spec(module) is None:
         raise ValueError(f"--engine {args.engine}: this installation has no {module} module")
     path = Path(args.config)
-    try:
-        values = read_yaml(path.read_text(encoding="utf8"))
-    except OSError as error:
-        raise ValueError(f"{path}: cannot read the config ({error})") from None
-    sections: Dict[str, Any] = values if isinstance(values, dict) else {}
-    data = sections.get("data") if isinstance(sections.get("data"), dict) else {}
-    for dotted, text in overrides:
-        apply_override({"data": data}, dotted, parse_value(text))
-    try:
-        config = DataConfig.from_dict(data)
-    except ValueError as error:
-        given = " ".join(f"--{k} {v}" for k, v in overrides)
-        raise ValueError(f"{given + ' (command line, over ' + str(path) + ')' if given else path}: {error}") from None
+    config = _data_config(path, {}, overrides)
     checked_output(args.out, [("--config", path), *config.inputs()], "--out")
     engine = getattr(importlib.import_module(module), function)
     stages = logging.getLogger("gr.data")

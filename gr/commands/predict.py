@@ -54,12 +54,15 @@ file, the row (counted from 1, as training's Parquet errors count them) and the 
 ``--events LOG --config RECIPE [--users IDS]`` builds that input from the event log instead
 (``predict_events``): a row per user with ``history.item_id`` and ``history.timestamps`` from their
 events, read as training reads ``data.path`` with the recipe's ``data`` format and columns, each
-row answered with its top ``--k`` items (retrieval exports).
+row answered with its top ``--k`` items (retrieval exports). ``--events DIR`` of a prepared
+dataset (``gr data prepare``, appends included) reads its users' sequences instead, ``--config``
+optional (when given, its prepared keys must be the dataset's).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -80,7 +83,7 @@ from gr.serving.options import DEFAULT_MICRO_BATCH, ID_SPACES, UNKNOWN_IDS
 from gr.serving.scores import LOGIT_SUFFIX, RETRIEVAL
 from gr.timestamps import INT64_MAX, floor_seconds
 from gr.utils.atomic import atomic_file
-from gr.utils.cli_errors import run_cli
+from gr.utils.cli_errors import one_line, run_cli
 from gr.utils.devices import DEVICES
 
 if TYPE_CHECKING:
@@ -153,7 +156,7 @@ def predict_events(
     export_dir: str | Path,
     events: str | Path,
     output_path: str | Path,
-    config: str | Path,
+    config: Optional[str | Path],
     *,
     users: Optional[Sequence[str]] = None,
     k: int = 10,
@@ -167,21 +170,27 @@ def predict_events(
 ) -> Dict[str, Any]:
     """Each user's top ``k`` items (a retrieval export) from their latest history in the event log
     ``events`` (a CSV or Parquet file, a directory of partitions or a glob, read as training reads
-    ``data.path``: the format and columns of ``data`` in the recipe ``config``).
+    ``data.path``: the format and columns of ``data`` in the recipe ``config``), or in the prepared
+    dataset directory ``events`` (its users' sequences: the users and items its filters kept; ``config``
+    may be None).
 
     A user's events are taken in timestamp order (equal timestamps in the order they are read, as
     training orders them; duplicates dropped unless ``data.keep_duplicates``), the oldest cut as
     serving cuts a history longer than the model's window (counted in ``truncated``). users: the
     raw user ids to score, in that order (default: every user of the log, in id order); one the
     log has no event of is a ValueError naming ``--users``. Output rows as ``predict``'s."""
+    from gr.data.prepared.manifest import MANIFEST
+
     events, output_path = Path(events), Path(output_path)
+    if config is None and not (events / MANIFEST).is_file():
+        raise ValueError("--events: give --config, the recipe whose data section names the event columns")
     ranker = _load(export_dir, events, output_path, k, batch_size, micro_batch, device)
     if not ranker.model.is_retrieval:
         raise ValueError(
             f"--events: {export_dir} is a ranking export, which scores candidates: give them with --input "
             f"(a Parquet file with {CANDIDATES}.* columns per user)"
         )
-    data = _read_events(events, Path(config))
+    data = _read_events(events, None if config is None else Path(config))
     config_ = ranker.model.config
     table, truncated = events_table(data, users, config_.max_seq_len, config_.eviction_block)
     batches = (table.slice(start, batch_size) for start in range(0, table.num_rows, batch_size))
@@ -224,13 +233,18 @@ def _open_history_store(ranker: Ranker, spec: str, ids: str) -> None:
         raise ValueError(f"--history-store {spec}: {exc}") from None
 
 
-def _read_events(events: Path, config: Path) -> Interactions:
+def _read_events(events: Path, config: Optional[Path]) -> Interactions:
     """The event log ``events`` read as the ``data`` section of the recipe ``config`` reads its
-    ``data.path`` (a csv or parquet source), duplicates dropped as training drops them."""
+    ``data.path`` (a csv or parquet source), duplicates dropped as training drops them; or the
+    prepared dataset ``events`` (``_read_prepared``)."""
     from gr.data.config import DataConfig
+    from gr.data.prepared.manifest import MANIFEST
     from gr.data.readers import READERS
     from gr.train.config import read_yaml
 
+    if (events / MANIFEST).is_file():
+        return _read_prepared(events, config)
+    assert config is not None  # predict_events asks for it
     try:
         values = read_yaml(config.read_text())
     except OSError as exc:
@@ -249,6 +263,34 @@ def _read_events(events: Path, config: Path) -> Interactions:
             f"--config {config}: data.source {data.source!r}: --events reads an event table, data.source csv or parquet"
         )
     return READERS[data.source](data).without_duplicates(drop=not data.keep_duplicates)
+
+
+def _read_prepared(directory: Path, config: Optional[Path]) -> Interactions:
+    """The events of the prepared dataset ``directory``: each user's current sequence (a later append's
+    row superseding an earlier one), in time order, as raw ids; checked against the data section of
+    the recipe ``config`` when given (its prepared keys must be the dataset's)."""
+    from gr.data.config import DataConfig
+    from gr.data.interactions import Interactions
+    from gr.data.prepared.manifest import read_manifest
+    from gr.data.prepared.reader import PreparedData
+    from gr.train.config import read_yaml
+
+    data = read_manifest(directory).data_config()
+    if config is not None:
+        try:
+            section = (read_yaml(config.read_text()) or {}).get("data") or {}
+            data = DataConfig.from_dict({**section, "prepared": str(directory)})
+        except (OSError, AttributeError, yaml.YAMLError, ValueError) as exc:
+            raise ValueError(f"--config {config}: {one_line(exc)}") from None
+    prepared = PreparedData(directory, dataclasses.replace(data, since_append=None), {})
+    parts = [rows for _, rows in prepared.scan(prepared.row_groups)]
+    users = np.concatenate([np.repeat(rows.users, np.diff(rows.offsets)) for rows in parts])
+    return Interactions(
+        prepared.user_map.decode(users),
+        prepared.item_map.decode(np.concatenate([rows.items for rows in parts])),
+        np.concatenate([rows.timestamps for rows in parts]),
+        source=str(directory),
+    )
 
 
 def events_table(
@@ -688,7 +730,8 @@ def _main(argv: List[str]) -> int:
         "--events",
         type=Path,
         help="event log (CSV or Parquet file, directory of partitions or glob) read as --config's data section "
-        "reads data.path: each user's top --k items from their latest history (retrieval exports)",
+        "reads data.path, or a prepared dataset directory (gr data prepare; --config optional): each user's top "
+        "--k items from their latest history (retrieval exports)",
     )
     parser.add_argument("--config", type=Path, help="with --events: the recipe whose data section names the columns")
     parser.add_argument("--users", help="with --events: user ids to score, comma-separated or a file, one a line")
@@ -724,8 +767,6 @@ def _main(argv: List[str]) -> int:
             parser.error(f"{unused[0]}: only --events reads it")
         summary = predict(args.export_dir, args.input, args.output, history_store=args.history_store, **options)
     else:
-        if args.config is None:
-            parser.error("--events: give --config, the recipe whose data section names the event columns")
         if args.history_store is not None:
             parser.error("--history-store: --events reads the histories from the event log")
         users = None if args.users is None else read_users(args.users)

@@ -396,12 +396,16 @@ class DataConfig(Section):
     counted in the summary).
     shuffle_buffer: users a rank holds to shuffle prepared training samples (memory grows with it); one
         holding every user, on one rank with at most one worker, orders them as raw reading does.
+    since_append: N reads only the shards of a prepared dataset's appends N, N+1, ... (numbered from
+        1, ``gr data prepare --append``): the users with an event since, whole histories; ``train_start``
+        defaults to append N's first event and may not be earlier.
     """
 
     source: str = checked("synthetic", one_of(*SOURCES))
     path: Optional[str] = checked(None, optional(NAME))
     prepared: Optional[str] = checked(None, optional(NAME))
     shuffle_buffer: int = checked(4096, int_at_least(1))
+    since_append: Optional[int] = checked(None, optional(int_at_least(1)))
     task: str = checked("retrieval", one_of(*TASKS))
     max_seq_len: int = checked(50, int_at_least(1))
     batch_size: int = checked(128, int_at_least(1))

@@ -88,6 +88,11 @@ class SequenceDataModule(lightning.LightningDataModule):
         if self.corpus is not None or self.prepared is not None:
             return
         directory = prepared_directory(self.config)
+        if directory is None and self.config.since_append is not None:
+            raise ValueError(
+                f"data.since_append: reads the shards of a prepared dataset's appends; data.path "
+                f"{self.config.path} is not a prepared dataset (set data.prepared: DIR)"
+            )
         if directory is None:
             self._setup_raw()
         else:

@@ -101,28 +101,35 @@ def prepare_with_duckdb(
         raise ValueError(f"users_per_shard: expected a positive number of users, got {users_per_shard}")
     out = Path(out)
     with atomic_directory(out, command="gr data prepare", overwrite=overwrite) as tmp:
-        work = tmp / WORK
-        work.mkdir()
-        con = duckdb.connect(str(work / "prepare.duckdb"))
+        con = connect(tmp / WORK, memory_limit, threads)
         try:
-            try:
-                con.execute(f"SET memory_limit = {literal(memory_limit)}")
-            except duckdb.Error:
-                raise ValueError(
-                    f"memory_limit (--memory-limit): expected a size such as 4GB or 80%, got {memory_limit!r}"
-                ) from None
-            con.execute(f"SET temp_directory = {literal(str(work / 'spill'))}")
-            con.execute("SET enable_progress_bar = false")
-            if threads is not None:
-                con.execute(f"SET threads = {int(threads)}")
             manifest = _Preparation(con, config, tmp).run(users_per_shard)
         finally:
             con.close()
-        shutil.rmtree(work)
+        shutil.rmtree(tmp / WORK)
         manifest.files = file_checksums(tmp)
         write_manifest(tmp, manifest)
     manifest.directory = out
     return manifest
+
+
+def connect(work: Path, memory_limit: str, threads: Optional[int]) -> duckdb.DuckDBPyConnection:
+    """A DuckDB database in the new directory ``work``, spilling there beyond ``memory_limit``, on
+    ``threads`` cores (None: one per core); a memory limit DuckDB cannot read is a ValueError."""
+    work.mkdir()
+    con = duckdb.connect(str(work / "prepare.duckdb"))
+    try:
+        con.execute(f"SET memory_limit = {literal(memory_limit)}")
+    except duckdb.Error:
+        con.close()
+        raise ValueError(
+            f"memory_limit (--memory-limit): expected a size such as 4GB or 80%, got {memory_limit!r}"
+        ) from None
+    con.execute(f"SET temp_directory = {literal(str(work / 'spill'))}")
+    con.execute("SET enable_progress_bar = false")
+    if threads is not None:
+        con.execute(f"SET threads = {int(threads)}")
+    return con
 
 
 class _Preparation:

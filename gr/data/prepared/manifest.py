@@ -10,6 +10,14 @@ A prepared dataset DIR (``gr data prepare`` writes it with an engine; training s
     DIR/shards/part-00000.parquet    one row per user: user, items, timestamps[, ratings][, event:<F>],
                                      sorted by dense user id; shard k holds a contiguous range of users;
                                      row groups of at most ``ROW_GROUP_USERS`` users
+    DIR/appends/00001/               ``gr data prepare --append``'s first append (``AppendEntry``): the
+                                     maps and side tables extended (old ids first, unchanged), and
+                                     shards/ holding every user with a new event, whole sequence
+                                     (history and new events), users increasing but not consecutive;
+                                     a user's row in a later append supersedes its earlier rows
+
+The dataset's current maps and side tables are those of its last append (``current``); the files of
+the earlier ones stay, unused, so that no file a manifest lists is ever rewritten.
 
 The writer calls ``describe_shard`` per shard, ``file_checksums`` for the rest and ``write_manifest``
 last; the reader calls ``read_manifest``, then ``verify_file`` (or ``verify_digest`` with a digest it
@@ -65,6 +73,7 @@ SIDE_TABLE_KEYS = ("users", "items")
 # Prepared keys added since the format was first written, with their defaults: left out of a config's
 # prepared keys at the default, so a directory prepared before them keeps its config hash.
 LATER_PREPARED_KEYS: Dict[str, Any] = {"release_year": False}
+APPENDS = "appends"
 SUMMARY_KEYS = ("source", "rows_read", "duplicates_dropped", "duplicates_kept", "users", "items", "interactions")
 PathLike = Union[str, Path]
 
@@ -81,6 +90,34 @@ class ShardEntry:
     sha256: str
 
 
+@dataclass(frozen=True)
+class AppendEntry:
+    """One ``gr data prepare --append``: ``path`` (``appends/00001``, relative to DIR) holds its files.
+
+    partition: the events read (as given); appended_at: when (ISO 8601, UTC); rows_read /
+    duplicates_dropped / events: rows of the partition, those dropped as repeats, new events kept;
+    users_added / items_added: ids appended to the maps; first_timestamp / last_timestamp: of its
+    new events; shards: every user with a new event (``ShardEntry.first_user``: the shard's first
+    user; its users increase); files: {relative path: sha256} of its maps and side tables.
+    """
+
+    path: str
+    partition: str
+    appended_at: str
+    rows_read: int
+    duplicates_dropped: int
+    events: int
+    users_added: int
+    items_added: int
+    first_timestamp: int
+    last_timestamp: int
+    shards: List[ShardEntry]
+    files: Dict[str, str]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {**vars(self), "shards": [vars(shard) for shard in self.shards]}
+
+
 @dataclass
 class PreparedManifest:
     """A prepared dataset's ``manifest.json`` (the module docstring lists its files).
@@ -88,7 +125,8 @@ class PreparedManifest:
     directory: DIR; data: ``DataConfig.to_dict()`` of the preparing config; summary: the
     ``SUMMARY_KEYS`` counts (as ``SequenceDataModule.summary``); event_features: {name: one of
     ``EVENT_KINDS``} of the shards' ``event:<name>`` columns; files: {relative path: sha256} of
-    every file but the manifest and the shards.
+    every file but the manifest and the shards; appends: the ``AppendEntry`` of each append, in order
+    (the summary counts them in).
     """
 
     directory: Path
@@ -101,10 +139,30 @@ class PreparedManifest:
     event_features: Dict[str, str] = field(default_factory=dict)
     shards: List[ShardEntry] = field(default_factory=list)
     files: Dict[str, str] = field(default_factory=dict)
+    appends: List[AppendEntry] = field(default_factory=list)
 
     @property
     def num_users(self) -> int:
-        return sum(shard.users for shard in self.shards)
+        return sum(shard.users for shard in self.shards) + sum(entry.users_added for entry in self.appends)
+
+    def current(self, relpath: str) -> str:
+        """The relative path of the dataset's current ``relpath`` (``MAPS``, ``ITEMS_TABLE``,
+        ``USERS_TABLE``): the last append's, else the preparation's."""
+        return f"{self.appends[-1].path}/{relpath}" if self.appends else relpath
+
+    def current_files(self) -> Dict[str, str]:
+        """{relative path: sha256} of the current maps and side tables (the files a reader loads)."""
+        return self.appends[-1].files if self.appends else self.files
+
+    def shards_since(self, append: int = 0) -> List[ShardEntry]:
+        """The shards of appends ``append`` .. (numbered from 1), or every shard (``append`` 0: the
+        preparation's, then each append's), in that order: a user's last row among them is its own."""
+        if not 0 <= append <= len(self.appends):
+            raise ValueError(
+                f"data.since_append: {self.directory / MANIFEST} records {len(self.appends)} appends, got {append}"
+            )
+        first = self.shards if append == 0 else []
+        return first + [shard for entry in self.appends[max(append - 1, 0) :] for shard in entry.shards]
 
     def path(self, relpath: str) -> Path:
         """The file ``relpath`` (a path the manifest lists) inside DIR."""
@@ -116,7 +174,8 @@ class PreparedManifest:
 
     def checksum(self, relpath: str) -> str:
         """The sha256 the manifest lists for ``relpath`` (a shard or another file)."""
-        listed = {**self.files, **{shard.path: shard.sha256 for shard in self.shards}}
+        listed = {**self.files, **{shard.path: shard.sha256 for shard in self.shards_since()}}
+        listed.update({path: digest for entry in self.appends for path, digest in entry.files.items()})
         if relpath not in listed:
             raise ValueError(f"{self.directory / MANIFEST}: lists no file {relpath!r}")
         return listed[relpath]
@@ -135,6 +194,7 @@ class PreparedManifest:
             "event_features": self.event_features,
             "shards": [vars(shard) for shard in self.shards],
             "files": self.files,
+            **({"appends": [entry.to_dict() for entry in self.appends]} if self.appends else {}),
         }
 
 
@@ -254,6 +314,7 @@ def read_manifest(directory: PathLike, config: Optional[DataConfig] = None) -> P
         raise DataFormatError(
             path, f"version: expected {VERSION}, got {raw.get('version')!r} (prepared by another version of gr)"
         )
+    raw.setdefault("appends", [])  # absent from a dataset never appended to
     manifest = PreparedManifest(
         directory=root,
         engine=_field(path, raw, "engine", str),
@@ -265,6 +326,7 @@ def read_manifest(directory: PathLike, config: Optional[DataConfig] = None) -> P
         event_features=_field(path, raw, "event_features", dict),
         shards=[_shard(path, raw, i) for i in range(len(_field(path, raw, "shards", list)))],
         files=_field(path, raw, "files", dict),
+        appends=[_append(path, raw, i) for i in range(len(_field(path, raw, "appends", list)))],
     )
     _check_contents(path, manifest)
     if config is not None and manifest.config_hash != config_hash(config):
@@ -293,25 +355,36 @@ def check_shard_order(
     offsets: np.ndarray,
     timestamps: np.ndarray,
     users: IdMap,
-    first_user: int,
+    first_user: Optional[int],
 ) -> None:
     """Check rows read from ``shard`` (a whole shard or one row group of it).
 
-    user_ids: [B] int64 dense user ids, expected ``first_user .. first_user+B-1``
+    user_ids: [B] int64 dense user ids, expected ``first_user .. first_user+B-1``, or (``first_user``
+    None: an append's shard) increasing, each below ``users.cardinality``
     offsets: [B+1] int64 row r's events are ``offsets[r]:offsets[r+1]``
     timestamps: [T] int64, expected non-decreasing within each row
     users: the dataset's user map (errors name the raw id)
     Raises DataFormatError naming the shard, the user (raw id) and the position in its sequence.
     """
-    expected = first_user + np.arange(len(user_ids), dtype=np.int64)
-    wrong = np.flatnonzero(np.asarray(user_ids) != expected)
-    if len(wrong):
-        row = int(wrong[0])
-        raise DataFormatError(
-            shard,
-            f"row {row} holds dense user {int(user_ids[row])}, expected {int(expected[row])} (a shard holds "
-            "consecutive users sorted by dense id; prepare the dataset again)",
-        )
+    user_ids = np.asarray(user_ids)
+    if first_user is None:
+        wrong = np.flatnonzero((np.diff(user_ids, prepend=-1) <= 0) | (user_ids >= users.cardinality))
+        if len(wrong):
+            raise DataFormatError(
+                shard,
+                f"row {int(wrong[0])} holds dense user {int(user_ids[wrong[0]])} (an append's shard holds users "
+                f"sorted by dense id, each once, below {users.cardinality})",
+            )
+    else:
+        expected = first_user + np.arange(len(user_ids), dtype=np.int64)
+        wrong = np.flatnonzero(user_ids != expected)
+        if len(wrong):
+            row = int(wrong[0])
+            raise DataFormatError(
+                shard,
+                f"row {row} holds dense user {int(user_ids[row])}, expected {int(expected[row])} (a shard holds "
+                "consecutive users sorted by dense id; prepare the dataset again)",
+            )
     later = np.zeros(len(timestamps), dtype=bool)  # later[t]: event t is not its user's first
     later[1:] = True
     later[offsets[:-1][offsets[:-1] < len(timestamps)]] = False
@@ -336,14 +409,39 @@ def _field(path: Path, raw: Mapping[str, Any], key: str, kind: type, where: str 
     return value
 
 
-def _shard(path: Path, raw: Mapping[str, Any], index: int) -> ShardEntry:
+def _shard(path: Path, raw: Mapping[str, Any], index: int, within: str = "") -> ShardEntry:
     entry = raw["shards"][index]
-    where = f"shards[{index}]."
+    where = f"{within}shards[{index}]."
     if not isinstance(entry, dict):
-        raise DataFormatError(path, f"shards[{index}]: expected an object, got {entry!r}")
+        raise DataFormatError(path, f"{within}shards[{index}]: expected an object, got {entry!r}")
     counts = {k: _field(path, entry, k, int, where) for k in ("first_user", "users", "interactions", "row_groups")}
     relpath, digest = (_field(path, entry, k, str, where) for k in ("path", "sha256"))
     return ShardEntry(relpath, sha256=digest, **counts)
+
+
+def _append(path: Path, raw: Mapping[str, Any], index: int) -> AppendEntry:
+    entry = raw["appends"][index]
+    where = f"appends[{index}]."
+    if not isinstance(entry, dict):
+        raise DataFormatError(path, f"appends[{index}]: expected an object, got {entry!r}")
+    shards = _field(path, entry, "shards", list, where)
+    return AppendEntry(
+        **{k: _field(path, entry, k, str, where) for k in ("path", "partition", "appended_at")},
+        **{
+            k: _field(path, entry, k, int, where)
+            for k in (
+                "rows_read",
+                "duplicates_dropped",
+                "events",
+                "users_added",
+                "items_added",
+                "first_timestamp",
+                "last_timestamp",
+            )
+        },
+        shards=[_shard(path, {"shards": shards}, i, where) for i in range(len(shards))],
+        files=_field(path, entry, "files", dict, where),
+    )
 
 
 def _check_contents(path: Path, manifest: PreparedManifest) -> None:
@@ -363,12 +461,16 @@ def _check_contents(path: Path, manifest: PreparedManifest) -> None:
                 f"{shard.first_user} with {shard.users} users",
             )
         first += shard.users
-    for key in ("users", "interactions"):
+    for key, added in (("users", "users_added"), ("interactions", "events")):
         total = sum(getattr(shard, key) for shard in manifest.shards)
+        total += sum(getattr(entry, added) for entry in manifest.appends)
         if manifest.summary[key] != total:
             raise DataFormatError(path, f"summary.{key}: {manifest.summary[key]!r}, but the shards hold {total}")
     listed = [(f"shards[{i}].path", s.path) for i, s in enumerate(manifest.shards)]
     listed += [(f"files.{rel}", rel) for rel in manifest.files]
+    for k, entry in enumerate(manifest.appends):
+        listed += [(f"appends[{k}].shards[{i}].path", s.path) for i, s in enumerate(entry.shards)]
+        listed += [(f"appends[{k}].files.{rel}", rel) for rel in entry.files]
     for key, rel in listed:
         pure = PurePosixPath(rel)
         if not rel or pure.is_absolute() or ".." in pure.parts or rel == MANIFEST:

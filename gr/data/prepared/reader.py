@@ -11,10 +11,16 @@ groups (counts), never with the interactions.
 
 Each shard is verified (sha256) the first time this process opens it, and each row group decoded
 is checked (consecutive users, timestamps in order: ``check_shard_order``); errors name the shard.
+
+A dataset appended to (``gr data prepare --append``) is read as its shards then each append's, a
+user's row in a later shard superseding its earlier ones (``owner``: the shard of each user's last
+row, from the appends' ``user`` columns); ``data.since_append: N`` reads the shards of appends N.. only.
+A dataset never appended to reads as before: no owners, nothing skipped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -56,11 +62,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RowGroup:
     """One row group of one shard, the unit ranks and workers are dealt: users
-    ``first_user .. first_user+users-1``."""
+    ``first_user .. first_user+users-1``, or (``first_user`` None: an append's) ``users`` increasing ids,
+    not counting those a later shard supersedes."""
 
     shard: int
     index: int
-    first_user: int
+    first_user: Optional[int]
     users: int
 
 
@@ -119,12 +126,14 @@ class PreparedData:
     """
 
     def __init__(self, directory: Path, config: DataConfig, base_maps: Mapping[str, IdMap]) -> None:
-        self.config = config
         self.manifest = read_manifest(directory, config)
+        self.shards = self.manifest.shards_since(config.since_append or 0)
+        self.prepared_shards = 0 if config.since_append else len(self.manifest.shards)  # before the appends'
+        self.config = self._since_append(config)
         self._verified: Set[str] = set()
-        for relpath in self.manifest.files:  # maps and side tables: small, read whole now
+        for relpath in self.manifest.current_files():  # maps and side tables: small, read whole now
             self._verify(relpath)
-        maps, columns = load_mappings(str(self.manifest.path(MAPS)))
+        maps, columns = load_mappings(str(self.manifest.path(self.manifest.current(MAPS))))
         self.dense_columns = columns
         self.user_map = maps.pop("users")
         stored_items = maps.pop("items")
@@ -143,6 +152,8 @@ class PreparedData:
         self.user_features = self._side_features(USERS_TABLE, self.user_map, config.user_features)
         no_ids = IdMap(np.zeros(0, dtype=np.int64))
         self.event_features = SideFeatures.align(self._no_events(), no_ids, self.vocabularies)
+        self._append_users: Dict[int, np.ndarray] = {}  # an append's shard -> [users] its user column
+        self.owner = self._owners()
         self.row_groups = self._row_groups()
         self.counts: Dict[str, np.ndarray] = {}
         self.popularity = np.zeros(self.item_map.cardinality, dtype=np.int64)
@@ -153,6 +164,22 @@ class PreparedData:
     @property
     def directory(self) -> Path:
         return self.manifest.directory
+
+    def _since_append(self, config: DataConfig) -> DataConfig:
+        """``config`` with ``train_start`` at append N's first event when ``data.since_append: N`` leaves
+        it out; ValueError when it is earlier (the users without a later event are not read)."""
+        if config.since_append is None:
+            return config
+        first = self.manifest.appends[config.since_append - 1].first_timestamp
+        if config.train_start is None:
+            log.info("data.since_append %d: data.train_start %d, its first event", config.since_append, first)
+            return dataclasses.replace(config, train_start=first)
+        if config.train_start < first:
+            raise ValueError(
+                f"data.train_start: with data.since_append {config.since_append} expected at or after its first "
+                f"event, {first} (the users without a later event are not read), got {config.train_start}"
+            )
+        return config
 
     @property
     def num_items(self) -> int:
@@ -168,7 +195,7 @@ class PreparedData:
     def open_shard(self, shard: int) -> pq.ParquetFile:
         """Shard ``shard``'s Parquet file, verified; DataFormatError naming it when it does not hold
         the row groups and users the manifest lists."""
-        entry = self.manifest.shards[shard]
+        entry = self.shards[shard]
         self._verify(entry.path)
         path = self.manifest.path(entry.path)
         try:
@@ -184,25 +211,63 @@ class PreparedData:
             )
         return parquet
 
+    def _owners(self) -> Optional[np.ndarray]:
+        """[num_users] int64: the shard (position in ``shards``) of each user's last row, -1 for none;
+        None when no shard supersedes another's rows (no append read)."""
+        if len(self.shards) == self.prepared_shards:
+            return None
+        owner = np.full(self.user_map.cardinality, -1, dtype=np.int64)
+        for shard, entry in enumerate(self.shards):
+            if shard < self.prepared_shards:
+                owner[entry.first_user : entry.first_user + entry.users] = shard
+            else:
+                self._append_users[shard] = self._column_users(shard)
+                owner[self._append_users[shard]] = shard
+        return owner
+
+    def _column_users(self, shard: int) -> np.ndarray:
+        """[users] int64: the ``user`` column of an append's shard."""
+        path = self.manifest.path(self.shards[shard].path)
+        try:
+            column = self.open_shard(shard).read(columns=[USER])[USER].combine_chunks()
+        except (pa.ArrowException, OSError) as error:
+            raise DataFormatError(path, f"column {USER!r}: not readable ({error})") from None
+        users = _values(path, USER, column)
+        check_shard_order(path, users, np.zeros(len(users) + 1, np.int64), users[:0], self.user_map, None)
+        return users
+
     def _row_groups(self) -> List[RowGroup]:
-        """Every shard's row groups in order (the users of each from the shard's footer)."""
+        """Every shard's row groups in order (the users of each from the shard's footer; of an append's
+        shard, those no later shard supersedes); row groups left with no user are left out."""
         groups = []
-        for shard, entry in enumerate(self.manifest.shards):
+        for shard, entry in enumerate(self.shards):
             metadata = self.open_shard(shard).metadata
+            consecutive = shard < self.prepared_shards
             first = entry.first_user
+            users = self._append_users.get(shard)
+            start = 0
             for index in range(metadata.num_row_groups):
-                users = metadata.row_group(index).num_rows
-                groups.append(RowGroup(shard, index, first, users))
-                first += users
+                rows = metadata.row_group(index).num_rows
+                if self.owner is None:
+                    current = rows
+                elif consecutive:
+                    current = int((self.owner[first + start : first + start + rows] == shard).sum())
+                else:
+                    assert users is not None
+                    current = int((self.owner[users[start : start + rows]] == shard).sum())
+                if current:
+                    groups.append(RowGroup(shard, index, first + start if consecutive else None, current))
+                start += rows
         return groups
 
     def shard_path(self, group: RowGroup) -> Path:
-        return self.manifest.path(self.manifest.shards[group.shard].path)
+        return self.manifest.path(self.shards[group.shard].path)
 
     # ---- side features ---------------------------------------------------------------------------
     def _side_features(self, relpath: str, ids: IdMap, wanted: bool) -> SideFeatures:
         """The side table ``relpath`` aligned with ``ids`` and the vocabularies (none: no features)."""
-        if not wanted or relpath not in self.manifest.files:
+        relpath = self.manifest.current(relpath)
+        if not wanted or relpath not in self.manifest.current_files():
             return SideFeatures()
         path = self.manifest.path(relpath)
         try:
@@ -287,7 +352,10 @@ class PreparedData:
         events = self._events(path, table, lengths) if full else SideFeatures()
         if self.item_codes is not None:
             items = self.item_codes[items]
-        return UserRows(users.astype(np.int64), offsets, items, timestamps, ratings, events)
+        rows = UserRows(users.astype(np.int64), offsets, items, timestamps, ratings, events)
+        if self.owner is not None:
+            rows = rows.take(np.flatnonzero(self.owner[rows.users] == group.shard))
+        return rows
 
     def _events(self, path: Path, table: pa.Table, lengths: np.ndarray) -> SideFeatures:
         """The ``event:<F>`` columns of a row group (one value per event of each user: ``lengths``
@@ -405,14 +473,14 @@ class PreparedData:
             self.directory,
             {split: int(c.sum()) for split, c in counts.items()},
             len(self.row_groups),
-            len(self.manifest.shards),
+            len(self.shards),
         )
 
     # ---- layout ----------------------------------------------------------------------------------
     def rank_groups(self, rank: int, world: int) -> List[int]:
         """Positions (in ``row_groups``) of rank ``rank``'s row groups: those of shards rank, rank+world,
         ... when there are at least ``world`` shards, else row groups rank, rank+world, ..."""
-        shards = len(self.manifest.shards)
+        shards = len(self.shards)
         if shards >= world:
             return [i for i, group in enumerate(self.row_groups) if group.shard % world == rank]
         if len(self.row_groups) < world:
