@@ -412,13 +412,15 @@ def test_history_timestamps_may_be_negative_or_equal_but_not_out_of_order(app_se
 
 
 def test_iso_8601_timestamps_are_read_as_the_seconds_they_name(app_servers):
-    """The instants of helpers.instants as seconds and as ISO 8601 texts score alike; a bad text is a 400."""
+    """The instants of helpers.instants as seconds and as ISO 8601 texts (history, candidates and
+    request_time) score alike; a bad text is a 400 naming its field."""
     server = app_servers["batched"]
     picks = [0, 2, 5, 7, 8]  # one text of each instant, oldest first
     answers = []
     for times in ([SECONDS[p] for p in picks], [TEXTS[p] for p in picks]):
         candidates = {"item_id": [RAW_ITEMS[3], RAW_ITEMS[8]], "timestamps": times[-2:]}
         body = {**GOOD_RANK, "history": {**HISTORY, "timestamps": times}, "candidates": candidates}
+        body["request_time"] = times[-2]
         status, answer = server.call("POST", "/v1/rank", body)
         assert status == 200, answer
         answers.append(answer["scores"])
@@ -426,6 +428,8 @@ def test_iso_8601_timestamps_are_read_as_the_seconds_they_name(app_servers):
     bad = {**GOOD_RANK, "history": {**HISTORY, "timestamps": [TEXTS[p] for p in picks[:4]] + ["2024-01-05T25:00"]}}
     status, answer = server.call("POST", "/v1/rank", bad)
     assert status == 400 and answer["field"] == "history.timestamps" and "[4] = '2024-01-05T25:00'" in answer["detail"]
+    status, answer = server.call("POST", "/v1/rank", {**GOOD_RANK, "request_time": "yesterday"})
+    assert status == 400 and answer["field"] == "body.request_time" and "'yesterday'" in answer["detail"]
 
 
 def post_chunks_past(port: int, path: str, body: bytes, limit: int):

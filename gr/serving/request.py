@@ -24,6 +24,7 @@ sends a history is answered from it alone (the stored one is neither read nor ch
 
 Every integer (ids, timestamps, request_time, seed) must fit int64: larger ones are refused, never
 wrapped. History timestamps follow ``gr.timestamps`` (oldest first, ties allowed, negatives allowed).
+Timestamps and request_time may also be ISO 8601 texts (``timestamp_seconds``).
 Sizes are bounded by the service's ``gr.serving.limits.RequestLimits``.
 """
 
@@ -115,6 +116,14 @@ def _int(data: Mapping[str, Any], key: str, where: str, default: Any, low: int =
     return value
 
 
+def _request_time(data: Mapping[str, Any], where: str) -> Optional[int]:
+    """data["request_time"]: None, integer seconds in int64, or an ISO 8601 text (``timestamp_seconds``)."""
+    value = data.get("request_time")
+    if isinstance(value, str):
+        return int(timestamp_seconds([value], f"{where}.request_time")[0])
+    return _int(data, "request_time", where, None)
+
+
 def check_sampling(temperature: Any, seed: Any, prefix: str = "") -> None:
     """temperature: a number in TEMPERATURE_RANGE; seed: None or an integer in SEED_RANGE."""
     low, high = TEMPERATURE_RANGE
@@ -161,7 +170,7 @@ class RankRequest:
             data.get("history"),
             data["candidates"],
             data.get("common_features"),
-            _int(data, "request_time", where, None),
+            _request_time(data, where),
             IdOptions.from_dict(data, where, defaults),
         )
 
@@ -187,7 +196,7 @@ class RecommendRequest:
             data.get("history"),
             _int(data, "k", where, 10, 1),
             data.get("common_features"),
-            _int(data, "request_time", where, None),
+            _request_time(data, where),
             _flag(data, "exclude_seen", where, True),
             IdOptions.from_dict(data, where, defaults),
         )
@@ -223,7 +232,7 @@ class GenerateRequest:
             data.get("history"),
             _int(data, "k", where, 10, 1),
             data.get("common_features"),
-            _int(data, "request_time", where, None),
+            _request_time(data, where),
             strategy,
             _flag(data, "exclude_seen", where, True),
             _int(data, "beam_width", where, 4, 1),
