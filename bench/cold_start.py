@@ -2,14 +2,16 @@
 their features; users no model trained on, served from their features.
 
     python bench/cold_start.py [--epochs 15] [--seed 0] [--held-out 0.1] [--id-dropout 0.2] [--no-year]
-                               [--mlp-dims 64] [--data.path DIR]   (ML-100K: $GR_ML100K_DIR or data/ml-100k)
+                               [--mlp-dims 64] [--feature-loss-weight 1] [--data.path DIR]
+                               (ML-100K: $GR_ML100K_DIR or data/ml-100k)
     python bench/cold_start.py --smoke                                 # 1 epoch of 2 steps a run: checks it runs
 
 The custom project's model and features (examples/custom_project/config.yaml: genres as a list, user
 age, gender and occupation; sparse.backend torch), with the items' release years (``data.release_year``:
 an ``item_year`` table read by its GenreEncoder; ``--no-year`` leaves them out), trained twice on the
 same data: with an item tower over the genres and years (``model.item_tower: {features: [item_genres,
-item_year], id_dropout: --id-dropout, mlp_dims: --mlp-dims}``) and without it (items are their rows).
+item_year], id_dropout: --id-dropout, mlp_dims: --mlp-dims, feature_loss_weight: --feature-loss-weight}``)
+and without it (items are their rows).
 ``--held-out`` of the items (every event of theirs removed from training) and of the users (every
 event removed; kept for (b)) are drawn by ``--seed``. Both runs are exported and the held-out items
 added (``gr items add``: with the tower their rows are the encoder of their features; without it zero
@@ -26,11 +28,14 @@ items included), ranked by the served query over the grown catalogue, the user's
   (c) every other event, over the whole catalogue: the tower model against the model without it;
 and the share of the top-10 slots (whole catalogue, warm users) the held-out items take against
 their share of the test targets, with what places them: the mean cosine of the warm users' queries
-with the held-out items' and with the trained items' rows, and those rows' mean norms.
+with the held-out items' and with the trained items' rows, the spread of those cosines (each query's
+standard deviation over the items, averaged), each query's best held-out cosine against its tenth
+best trained one (the bar of its top 10), and the rows' mean norms.
 
-Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, held_out (items, users,
-fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10, se_hr@10, se_ndcg@10}}} (SE:
-the sample standard error of the mean over the group's events), b_new_users (``first_event_metrics``),
+Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, feature_loss_weight,
+held_out (items, users, fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10,
+se_hr@10, se_ndcg@10}}} (SE: the sample standard error of the mean over the group's events),
+b_new_users (``first_event_metrics``),
 paired differences (mean, SE, in SE) for the targets' comparisons, placement, top10_share_held_out,
 target_share_held_out, their ratio, targets ((a) tower above popularity among the held-out items by
 more than one paired SE in HR@10; (b) the new-user query above popularity by more than one paired SE in
@@ -132,10 +137,12 @@ def recipe(
     id_dropout: Optional[float],
     year: bool,
     mlp_dims: Sequence[int] = (),
+    feature_loss_weight: float = 0.0,
 ) -> TrainConfig:
     """The custom project's config on ``data_path`` with ``overrides``, with the item tower (its
-    ``id_dropout`` and ``mlp_dims``) or without it (None); with ``year`` the items' release years
-    (``data.release_year``) join the genres in the GenreEncoder (a table of their own) and the tower."""
+    ``id_dropout``, ``mlp_dims`` and ``feature_loss_weight``) or without it (None); with ``year`` the
+    items' release years (``data.release_year``) join the genres in the GenreEncoder (a table of their
+    own) and the tower."""
     values = yaml.safe_load(Path(RECIPE).read_text())
     features = [ML_GENRES]
     if year:
@@ -144,7 +151,12 @@ def recipe(
         values["model"]["prefix_dnn"]["kwargs"]["year_feature"] = RELEASE_YEAR
         features.append(RELEASE_YEAR)
     if id_dropout is not None:
-        values["model"]["item_tower"] = {"features": features, "id_dropout": id_dropout, "mlp_dims": list(mlp_dims)}
+        values["model"]["item_tower"] = {
+            "features": features,
+            "id_dropout": id_dropout,
+            "mlp_dims": list(mlp_dims),
+            "feature_loss_weight": feature_loss_weight,
+        }
     for key, value in [("data.path", str(data_path)), ("sparse.backend", "torch"), *overrides]:
         apply_override(values, key, yaml.safe_load(value))
     return TrainConfig.from_dict(values)
@@ -220,6 +232,16 @@ def summary_of(values: Dict[str, torch.Tensor]) -> Dict[str, float]:
     return out
 
 
+def score_spread(scores: torch.Tensor) -> float:
+    """The mean over rows of ``scores`` [E, M] of the standard deviation of each row's finite scores."""
+    finite = torch.isfinite(scores)
+    counts = finite.sum(1).double()
+    values = torch.where(finite, scores, 0.0).double()
+    means = values.sum(1) / counts
+    squares = torch.where(finite, (values - means.unsqueeze(1)) ** 2, 0.0).sum(1)
+    return float((squares / (counts - 1)).sqrt().mean())
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=15, help="each run's epochs (its best validation epoch is kept)")
@@ -230,6 +252,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         "--year", action=argparse.BooleanOptionalAction, default=True, help="the items' release years (both runs)"
     )
     parser.add_argument("--mlp-dims", default="", help="the tower's model.item_tower.mlp_dims, comma-separated")
+    parser.add_argument(
+        "--feature-loss-weight", type=float, default=0.0, help="the tower's model.item_tower.feature_loss_weight"
+    )
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
     mlp_dims = [int(d) for d in args.mlp_dims.split(",") if d]
     overrides = [
@@ -256,7 +281,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         new_items = items_file(source, cold_items, root / "held_out_items.csv", args.year)
         scored, seconds, added = {}, {}, {}
         for name, id_dropout in (("tower", args.id_dropout), ("no_tower", None)):
-            config = recipe(train_data, overrides, id_dropout, args.year, mlp_dims)
+            config = recipe(train_data, overrides, id_dropout, args.year, mlp_dims, args.feature_loss_weight)
             start = time.perf_counter()
             metrics = train(config, root / name)
             seconds[name] = time.perf_counter() - start
@@ -264,7 +289,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             added[name] = add_items(root / f"{name}-export", new_items, root / f"{name}-grown")
             scored[name] = scored_events(root / f"{name}-grown", config, test_data)
             print(f"{name}: validation-picked test hr@10 {metrics['hr@10']:.4f} ({seconds[name]:.1f} s)", flush=True)
-        users_config = recipe(user_data, overrides, args.id_dropout, args.year, mlp_dims).data
+        users_config = recipe(user_data, overrides, args.id_dropout, args.year, mlp_dims, args.feature_loss_weight).data
         metrics_b = first_event_metrics(first_event_ranks(root / "tower-export", users_config))
         rows = export_trained_rows(Ranker.load(root / "tower-grown"))
     trained = added["tower"]["trained_items"]
@@ -304,9 +329,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     warm_scores = tower[~cold]
     finite = torch.isfinite(warm_scores)
     norms = np.linalg.norm(rows, axis=1)
+    held, kept = warm_scores[:, trained:], warm_scores[:, :trained]
     placement = {  # the held-out items' score scale against the trained items' (warm users' queries)
-        "mean_cosine_held_out": float(warm_scores[:, trained:][finite[:, trained:]].mean()),
-        "mean_cosine_trained": float(warm_scores[:, :trained][finite[:, :trained]].mean()),
+        "mean_cosine_held_out": float(held[finite[:, trained:]].mean()),
+        "mean_cosine_trained": float(kept[finite[:, :trained]].mean()),
+        "spread_held_out": score_spread(held),
+        "spread_trained": score_spread(kept),
+        "mean_best_cosine_held_out": float(held.max(dim=1).values.mean()),
+        "mean_tenth_cosine_trained": float(kept.topk(K, dim=1).values[:, -1].mean()),
         "mean_row_norm_held_out": float(norms[trained:].mean()),
         "mean_row_norm_trained": float(norms[:trained].mean()),
     }
@@ -318,6 +348,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "id_dropout": args.id_dropout,
         "year": args.year,
         "mlp_dims": mlp_dims,
+        "feature_loss_weight": args.feature_loss_weight,
         "held_out": {"fraction": args.held_out, "items": len(cold_items), "users": len(cold_users)},
         "events": {"a_held_out_targets": int(cold.sum()), "c_other_targets": int((~cold).sum())},
         "a_among_held_out": {name: summary_of(v) for name, v in metrics_a.items()},

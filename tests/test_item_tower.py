@@ -25,10 +25,12 @@ from gr.export.new_items import add_items
 from gr.export.reader import check_export
 from gr.export.writer import export_run
 from gr.jagged_rows import JaggedRows
+from gr.model import GRInput, GROutput
 from gr.postfix_dnn.item_tower import ItemEncoder, ItemTower, TowerFeature
 from gr.serving import Ranker
+from gr.sparse.keyed_jagged import KeyedJaggedTensor
 from gr.train import load_trained_model
-from gr.train.build import build_model, check_declared_features, dense_optimizer, seeded_model
+from gr.train.build import SAMPLED_ITEMS, build_model, check_declared_features, dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
 from gr.train.run import _warm_start, train
 from gr.train.tasks import RetrievalTask
@@ -104,6 +106,39 @@ def test_id_dropout_zeroes_whole_id_rows_in_training_only():
     assert torch.equal(tower.eval()(items, rows), encoded + rows)
 
 
+def test_the_feature_loss_scores_each_target_by_its_features_alone_against_the_same_negatives():
+    """Each target's feature-only vector (no id row) is the positive, the main loss's negatives (as
+    the model embeds them) the rest, the target's own row among them masked; only the encoder learns."""
+    tower = _tower()
+    torch.nn.init.normal_(tower.encoder.mlp[-1].weight)
+    config = TrainConfig.from_dict(_values()).task.retrieval
+    normalise = torch.nn.functional.normalize
+    task = RetrievalTask(config, 4, normalise, feature_vectors=tower.feature_vectors, feature_loss_weight=1.0)
+    sampled, rows = torch.tensor([2, 0, 3]), torch.randn(3, 6, requires_grad=True)
+    queries = normalise(torch.randn(2, 6), dim=-1).requires_grad_()
+    labels = {
+        "next_item": torch.tensor([2, 3]),
+        "positive_index": torch.tensor([0, 2]),  # items 2 and 3
+        "negative_index": torch.tensor([[1, 0], [2, 1]]),  # each row's own item once, item 0 once
+    }
+    inputs = GRInput(
+        seq_offsets=torch.tensor([0, 2]),
+        max_seq_len=2,
+        sequence_ids=KeyedJaggedTensor.from_lengths_sync([SAMPLED_ITEMS], sampled, torch.tensor([3])),
+        labels=labels,
+    )
+    output = GROutput({"query": queries}, queries, torch.arange(2), torch.tensor([0, 2]), {SAMPLED_ITEMS: rows}, {})
+    losses = task.loss(output, inputs)
+    features = normalise(tower.feature_vectors(torch.tensor([2, 3])), dim=-1)
+    negative = normalise(rows[1], dim=0)  # item 0 as the model embeds it: each row's only unmasked negative
+    logits = torch.stack([(queries * features).sum(-1), queries @ negative], dim=-1).detach() / config.temperature
+    want = torch.nn.functional.cross_entropy(logits, torch.zeros(2, dtype=torch.int64))
+    torch.testing.assert_close(losses["feature_loss"], want)
+    torch.testing.assert_close(losses["loss"], RetrievalTask(config, 4, normalise).loss(output, inputs)["loss"] + want)
+    task.feature_loss(queries, normalise(rows, dim=-1), inputs).backward()
+    assert queries.grad is None and rows.grad is None and tower.encoder.mlp[-1].weight.grad.abs().sum() > 0
+
+
 def test_a_tower_without_its_items_features_says_so():
     features = [TowerFeature("brand", "categorical", 4, 3)]
     tower = ItemTower("item_id", ("item_id",), 4, ItemEncoder(features, 6), 0.5)
@@ -120,6 +155,10 @@ def test_a_tower_without_its_items_features_says_so():
         (lambda v: v["model"].update(item_tower={"features": []}), r"model.item_tower.features: expected a non-empty"),
         (lambda v: v["model"].update(item_tower={"features": [CATEGORY], "id_dropout": 1}), r"item_tower.id_dropout"),
         (lambda v: v["model"].update(item_tower={"features": [CATEGORY], "mlp": [4]}), r"model.item_tower: unknown"),
+        (
+            lambda v: v["model"].update(item_tower={"features": [CATEGORY], "feature_loss_weight": -1}),
+            r"^model.item_tower.feature_loss_weight: ",
+        ),
         (lambda v: v["model"].update(item_tower={"features": ["brand"]}), r"'brand' is not a declared item feature"),
         (lambda v: v["model"].update(item_tower={"features": ["item_id"]}), r"'item_id' is the item itself"),
         (

@@ -203,5 +203,9 @@ class ItemTower(nn.Module):
     def item_vectors(self, items: Tensor, id_rows: Tensor) -> Tensor:
         """As ``forward`` in evaluation mode (whole id rows), whatever the module's mode: the
         vectors that evaluation ranks and an export stores."""
-        items = items.to(id_rows.device)
-        return id_rows + self.encoder(self.item_features(items)).to(id_rows.dtype)
+        return id_rows + self.feature_vectors(items.to(id_rows.device)).to(id_rows.dtype)
+
+    def feature_vectors(self, items: Tensor) -> Tensor:
+        """items: [n] int64 model ids -> [n, d] their vectors without an id row: what an item the
+        table has no trained row for (``gr items add``) is scored by."""
+        return self.encoder(self.item_features(items))

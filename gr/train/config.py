@@ -190,11 +190,14 @@ class ItemTowerSection(Section):
     (``gr.postfix_dnn.item_tower``): ``features``, declared item features (categorical, list-valued
     or dense) that an encoder of its own turns into a vector added to the item's row; in training
     each looked-up item's row is zeroed with probability ``id_dropout``, so the features alone
-    learn to score; ``mlp_dims``: the encoder's hidden layers (none: one projection)."""
+    learn to score; ``mlp_dims``: the encoder's hidden layers (none: one projection);
+    ``feature_loss_weight``: the weight of a second sampled softmax in which each target is scored
+    by its features alone (no id row) against the same negatives (0: none)."""
 
     features: Tuple[str, ...] = checked((), list_of(NAME, non_empty=True))
     id_dropout: float = checked(0.2, PROBABILITY)
     mlp_dims: Tuple[int, ...] = checked((), list_of(int_at_least(1)))
+    feature_loss_weight: float = checked(0.0, number_in(0.0))
     where: InitVar[str] = "model.item_tower"
 
     def __post_init__(self, where: str) -> None:
@@ -204,7 +207,12 @@ class ItemTowerSection(Section):
             raise ValueError(f"{where}.features: {repeated} named more than once")
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"features": list(self.features), "id_dropout": self.id_dropout, "mlp_dims": list(self.mlp_dims)}
+        return {
+            "features": list(self.features),
+            "id_dropout": self.id_dropout,
+            "mlp_dims": list(self.mlp_dims),
+            "feature_loss_weight": self.feature_loss_weight,
+        }
 
 
 @dataclass(frozen=True)

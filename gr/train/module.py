@@ -99,13 +99,15 @@ class GRTrainingModule(LightningModule):
             item_feature = self.config.task.retrieval.item_feature
             # cast: torch's stubs type a module's attributes (Module.__getattr__) as Tensor | Module
             item_embedding = cast(Callable[[Tensor], Tensor], gr_model.postfix_dnn.item_embedding)
-            tower = gr_model.item_tower
+            tower, section = gr_model.item_tower, self.config.model.item_tower
             self.task = RetrievalTask(
                 self.config.task.retrieval,
                 self.spec.sequence[item_feature],
                 item_embedding,
                 None if tower is None else tower.item_vectors,
                 new_user=gr_model.empty_history is not None,
+                feature_vectors=None if tower is None else tower.feature_vectors,
+                feature_loss_weight=0.0 if section is None else section.feature_loss_weight,
             )
         else:
             self.task = RankingTask(self.config.task.ranking, self.tasks)

@@ -61,7 +61,9 @@ class RetrievalTask:
     item_vectors: (item ids [M], their table rows [M, d]) -> item vectors [M, d] in evaluation mode
     (the model's ``ItemTower.item_vectors``), None: the rows themselves. In training the model's
     forward has applied the tower to the sampled items' rows already; new_user: also train the
-    new-user query (``GROutput.new_user``) on each sequence's first item."""
+    new-user query (``GROutput.new_user``) on each sequence's first item; feature_vectors: item ids
+    [n] -> their vectors without an id row (``ItemTower.feature_vectors``), which a second sampled
+    softmax weighing ``feature_loss_weight`` scores each target by (``feature_loss``)."""
 
     name = "retrieval"
 
@@ -72,12 +74,18 @@ class RetrievalTask:
         item_embedding: Callable[[Tensor], Tensor],
         item_vectors: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
         new_user: bool = False,
+        feature_vectors: Optional[Callable[[Tensor], Tensor]] = None,
+        feature_loss_weight: float = 0.0,
     ) -> None:
+        if feature_loss_weight > 0 and feature_vectors is None:
+            raise ValueError("model.item_tower.feature_loss_weight: needs the item tower's feature vectors")
         self.config = config
         self.num_items = num_items
         self.item_embedding = item_embedding
         self.item_vectors = item_vectors
         self.new_user = new_user
+        self.feature_vectors = feature_vectors
+        self.feature_loss_weight = feature_loss_weight
         self.catalogue: Optional[Tensor] = None
         self.ranks: Dict[str, List[Tensor]] = {}
         self.users: List[Tensor] = []  # each evaluated target's dataset user id, as ``ranks``
@@ -132,7 +140,8 @@ class RetrievalTask:
 
     def loss(self, output: GROutput, inputs: GRInput) -> Dict[str, Tensor]:
         """{"loss": the sampled softmax over every target, each first-item target weighing
-        ``new_user_weight`` tokens; with first-item targets, also "new_user_loss": theirs alone}."""
+        ``new_user_weight`` tokens, plus ``feature_loss_weight`` times "feature_loss" (``feature_loss``;
+        present when that weight is > 0); with first-item targets, also "new_user_loss": theirs alone}."""
         scored = inputs.labels["next_item"] >= 0
         queries = output.predictions["query"]
         if not bool(scored.all()):  # training histories score every token: no copy (and no index_add_) then
@@ -147,6 +156,17 @@ class RetrievalTask:
             self.config.temperature,
             self.config.rows_per_draw,
         )
+        losses = self.new_user_losses(loss, queries.shape[0], items, output, labels)
+        if self.feature_loss_weight > 0:
+            feature_loss = self.feature_loss(queries, items, inputs)
+            losses["loss"] = losses["loss"] + self.feature_loss_weight * feature_loss
+            losses["feature_loss"] = feature_loss.detach()
+        return losses
+
+    def new_user_losses(
+        self, loss: Tensor, tokens: int, items: Tensor, output: GROutput, labels: Dict[str, Tensor]
+    ) -> Dict[str, Tensor]:
+        """The tokens' ``loss`` (over ``tokens`` targets) joined by the first-item targets' (``loss``)."""
         first = labels.get("first_positive_index")
         if not output.new_user:
             return {"loss": loss}
@@ -161,9 +181,31 @@ class RetrievalTask:
             self.config.temperature,
             self.config.rows_per_draw,
         )
-        tokens, weight = queries.shape[0], self.config.new_user_weight * first.numel()
+        weight = self.config.new_user_weight * first.numel()
         total = (tokens * loss + weight * new_user_loss) / max(tokens + weight, 1e-12)
         return {"loss": total, "new_user_loss": new_user_loss.detach()}
+
+    def feature_loss(self, queries: Tensor, items: Tensor, inputs: GRInput) -> Tensor:
+        """The sampled softmax of each next-item target scored by its features alone
+        (``feature_vectors``: no id row, as an item added to an export is) against the negatives of
+        the main loss, embedded as the model embeds them (``items`` [U, d]): the encoder learns to
+        rank a new item among trained ones. queries: [N, d], one per target. Only the feature-only
+        vectors take its gradient (the queries and ``items`` are detached), so it trains the encoder
+        alone. A negative that is the target itself is masked, as in the main loss (with negatives
+        drawn per row)."""
+        assert self.feature_vectors is not None and inputs.sequence_ids is not None  # __init__, training_inputs
+        labels, rows = inputs.labels, items.shape[0]
+        positives, negatives = labels["positive_index"], labels["negative_index"]
+        targets, index = torch.unique(positives, return_inverse=True)
+        sampled = inputs.sequence_ids[SAMPLED_ITEMS].values().to(targets.device)
+        features = self.item_embedding(self.feature_vectors(sampled[targets]).to(items.dtype))
+        own = index + rows  # each target's feature-only row, after the sampled items' rows
+        if negatives.dim() == 2 and self.config.rows_per_draw == 1:
+            negatives = torch.where(negatives == positives.unsqueeze(1), own.unsqueeze(1), negatives)
+        candidates = torch.cat([items.detach(), features])
+        return sampled_softmax_loss(
+            queries.detach(), candidates, own, negatives, self.config.temperature, self.config.rows_per_draw
+        )
 
     def finish_training_epoch(self) -> Dict[str, float]:
         """What the epoch's training batches tell beside the loss: nothing for retrieval."""
