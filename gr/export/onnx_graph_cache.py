@@ -29,7 +29,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import onnx
 import torch
@@ -136,18 +136,11 @@ class CachedGraph:
             model = onnx.load_model_from_string(self.path.read_bytes())
         except (OSError, DecodeError):
             return False
-        weights = _weights(self.program)
-        filled = set()
-        for initializer in model.graph.initializer:
-            tensor = weights.get(initializer.name)
-            if tensor is None:
-                continue
-            if list(initializer.dims) != list(tensor.shape) or initializer.raw_data:
-                return False
-            initializer.raw_data = _tensor_bytes(tensor)
-            filled.add(initializer.name)
-        if filled != set(weights):
+        pairs = _weight_initializers(model, self.program)
+        if pairs is None or any(initializer.raw_data for initializer, _ in pairs):
             return False
+        for initializer, data in pairs:
+            initializer.raw_data = data
         write_bytes(target, model.SerializeToString())
         with contextlib.suppress(OSError):
             os.utime(self.path)
@@ -157,18 +150,11 @@ class CachedGraph:
         """Stores the freshly translated graph at ``translated`` without its weights; one in which a
         weight is not an initializer of its own (folded into another constant) is not stored."""
         model = onnx.load_model_from_string(translated.read_bytes())
-        weights = _weights(self.program)
-        stripped = set()
-        for initializer in model.graph.initializer:
-            tensor = weights.get(initializer.name)
-            if tensor is None:
-                continue
-            if list(initializer.dims) != list(tensor.shape) or initializer.raw_data != _tensor_bytes(tensor):
-                return
-            initializer.ClearField("raw_data")
-            stripped.add(initializer.name)
-        if stripped != set(weights):
+        pairs = _weight_initializers(model, self.program)
+        if pairs is None or any(initializer.raw_data != data for initializer, data in pairs):
             return
+        for initializer, _ in pairs:
+            initializer.ClearField("raw_data")
         self.directory.mkdir(parents=True, exist_ok=True)
         write_bytes(self.path, model.SerializeToString())
         _evict(self.directory)
@@ -178,9 +164,19 @@ class CachedGraph:
         self.path.unlink(missing_ok=True)
 
 
-def _weights(program: torch.export.ExportedProgram) -> Dict[str, Tensor]:
-    """Parameters and buffers by the names their ONNX initializers carry."""
-    return {name: tensor.detach() for name, tensor in program.state_dict.items()}
+def _weight_initializers(
+    model: onnx.ModelProto, program: torch.export.ExportedProgram
+) -> Optional[List[Tuple[onnx.TensorProto, bytes]]]:
+    """Each parameter and buffer of ``program`` as (its initializer in ``model``, by name, its bytes);
+    None when one has no initializer of its shape."""
+    initializers = {initializer.name: initializer for initializer in model.graph.initializer}
+    pairs = []
+    for name, tensor in program.state_dict.items():
+        initializer = initializers.get(name)
+        if initializer is None or list(initializer.dims) != list(tensor.shape):
+            return None
+        pairs.append((initializer, _tensor_bytes(tensor)))
+    return pairs
 
 
 def _tensor_bytes(tensor: Tensor) -> bytes:
