@@ -5,17 +5,19 @@ foreign entry is a miss that is counted, never an answer; the SQLite tier keeps 
 
 import copy
 import dataclasses
+import json
 from collections import Counter
 from typing import List, Optional
 
 import numpy as np
 import pytest
 
+from gr.commands.serve import main as serving_main
 from gr.export import export_model
 from gr.serving import Ranker
 from gr.serving.shared_tier import SqliteTier, TieredCache, pack_state, unpack_state, user_key
 from helpers.models import DENSE_DIMS, build_ranking_model, random_batch, requests_from_batch
-from helpers.servers import RedisServer
+from helpers.servers import RedisServer, free_port
 
 LONG = 24  # history tokens of the shared users: past the tiers' min_tokens below
 MIN_TOKENS = 8
@@ -90,10 +92,9 @@ def from_scratch(path, request):
     return rank(Ranker.load(path, page_size=0), request).scores
 
 
-def without_tiers(path, request, end):
-    """The scores of ``request`` cut to ``end`` tokens from a worker without tiers that encoded its
-    first LONG tokens before (encoded from scratch when ``end`` is LONG, else extended)."""
-    ranker = Ranker.load(path)
+def without_tiers(ranker, request, end):
+    """The scores of ``request`` cut to ``end`` tokens from ``ranker``, a worker without tiers, once
+    it has encoded the first LONG tokens (encoded from scratch when ``end`` is LONG, else extended)."""
     rank(ranker, cut(request, LONG))
     return rank(ranker, cut(request, end)).scores
 
@@ -104,12 +105,13 @@ def test_a_worker_fetches_what_another_encoded_and_answers_as_that_worker_would_
     for r in requests:
         assert rank(first, cut(r, LONG)).cache_status == "miss"
     assert counts(first).stores["shared", False] == len(requests), "each fresh encoding is written through"
+    reference = Ranker.load(path)
     for end, status in ((LONG, "hit"), (LONG + 5, "extend")):
         second = worker(path, SqliteTier(tmp_path / "tier.sqlite", 2**26))  # its own connection, as another process
         for r in requests:
             got = rank(second, cut(r, end))
             assert got.cache_status == status
-            assert_same_scores(got.scores, without_tiers(path, r, end))
+            assert_same_scores(got.scores, without_tiers(reference, r, end))
         seen = counts(second)
         assert seen.sources == {"shared": len(requests)} and seen.recomputed == [end - LONG] * len(requests)
 
@@ -127,7 +129,7 @@ def test_an_entry_the_local_cache_evicts_is_written_back_and_fetched_by_the_next
     rank(ranker, cut(requests[1], LONG))  # fetched: evicts user 0, longer than the tier's copy: written back
     got = rank(ranker, cut(requests[0], LONG + 6))
     assert got.cache_status == "hit" and counts(ranker).sources["shared"] == 3
-    assert_same_scores(got.scores, without_tiers(path, requests[0], LONG + 6))
+    assert_same_scores(got.scores, without_tiers(Ranker.load(path), requests[0], LONG + 6))
 
 
 def test_short_histories_are_neither_shared_nor_fetched(exported, tmp_path):
@@ -153,18 +155,21 @@ def test_a_corrupt_short_foreign_or_other_history_entry_is_a_counted_miss(export
         "short": blob[: len(blob) // 3],
         "foreign": tier.get(version, user1),  # another user's entry under this user's key
     }
-    reasons = {"corrupt": "corrupt", "short": "corrupt", "foreign": "corrupt"}
+    want = from_scratch(path, cut(requests[0], LONG))
+    ranker = worker(path, tier)
     for name, bad in damaged.items():
         assert bad is not None
         tier.put(version, user0, bad)
-        ranker = worker(path, tier)
+        ranker.cache.discard(requests[0]["user_id"])
+        ranker.cache.observer = Counts()
         got = rank(ranker, cut(requests[0], LONG))
         assert got.cache_status == "miss", name
-        assert counts(ranker).fetches == {("shared", reasons[name]): 1}, name
-        assert_same_scores(got.scores, from_scratch(path, cut(requests[0], LONG)))
+        assert counts(ranker).fetches == {("shared", "corrupt"): 1}, name
+        assert_same_scores(got.scores, want)
     other = {**requests[0], "history": {**requests[0]["history"]}}
     other["history"]["item_id"] = list(reversed(other["history"]["item_id"]))  # not the history the entry encodes
-    ranker = worker(path, tier)
+    ranker.cache.discard(requests[0]["user_id"])
+    ranker.cache.observer = Counts()
     assert rank(ranker, cut(other, LONG)).cache_status == "miss"
     assert counts(ranker).fetches == {("shared", "other_history"): 1}
 
@@ -211,10 +216,11 @@ def test_the_redis_tier_serves_a_second_client_and_fills_the_nearer_tier(exporte
         rank(first, cut(r, LONG))
     near = SqliteTier(tmp_path / "near.sqlite", 2**26)
     second = worker(path, near, RedisTier(redis_url))  # another machine: its own shared tier, the same Redis
+    reference = Ranker.load(path)
     for r in requests:
         got = rank(second, cut(r, LONG + 3))
         assert got.cache_status == "extend"
-        assert_same_scores(got.scores, without_tiers(path, r, LONG + 3))
+        assert_same_scores(got.scores, without_tiers(reference, r, LONG + 3))
     assert counts(second).sources["remote"] == len(requests)
     assert all(near.get(second.cache.version, user_key(r["user_id"])) is not None for r in requests)
 
@@ -236,3 +242,40 @@ def test_the_sqlite_tier_keeps_its_byte_bound_evicting_the_least_recently_used(t
 def test_tiered_cache_refuses_min_tokens_below_one():
     with pytest.raises(ValueError, match="min_tokens"):
         TieredCache(10, min_tokens=0)
+
+
+def test_gr_serve_gives_every_worker_the_tiers_and_metrics_count_them(exported, tmp_path, monkeypatch):
+    from gr.serving import http
+    from gr.serving.metrics import ServerMetrics
+
+    path, requests = exported
+    options = {"export_dir": str(path), "admin_token": None, "page_size": 4, "tier_min_tokens": MIN_TOKENS}
+    options.update(tier_path=str(tmp_path / "tier.sqlite"), tier_bytes=2**26, tier_redis=None)
+    monkeypatch.setenv(http.OPTIONS_ENV, json.dumps(options))
+    given = {}
+    monkeypatch.setattr(http, "create_app", lambda ranker, **kwargs: given.update(ranker=ranker))
+    http.app_from_environment()
+    first = given["ranker"]
+    assert [type(t) for t in first.cache.tiers] == [SqliteTier]
+    http.app_from_environment()
+    second = given["ranker"]  # another worker of the same server
+    metrics = ServerMetrics(second)
+    rank(first, cut(requests[0], LONG))
+    rank(second, cut(requests[0], LONG + 2))
+    rank(second, cut(requests[0], LONG + 2))
+    text = metrics.exposition().decode()
+    assert 'gr_cache_tier_hits_total{tier="shared"} 1.0' in text
+    assert 'gr_cache_tier_hits_total{tier="local"} 1.0' in text
+    assert 'gr_cache_tier_seconds_count{operation="fetch",tier="shared"} 1.0' in text
+    assert "gr_tokens_recomputed_sum 2.0" in text and "gr_tokens_recomputed_count 2.0" in text
+
+
+def test_an_unreachable_remote_tier_or_a_bad_tier_flag_is_one_line_and_exit_2(exported, capsys):
+    path, _ = exported
+    serve = ["serve", str(path), "--port", str(free_port())]
+    assert serving_main([*serve, "--tier-redis", "redis://:secret@127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("serve: --tier-redis: remote tier redis://127.0.0.1:1/0: "), err
+    assert serving_main([*serve, "--tier-min-tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tier-min-tokens >= 1" in err[0]
