@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -113,15 +114,14 @@ def user_tokens(user: int, length: int, seed: int) -> Dict[str, np.ndarray]:
     return {"item_id": items, TIMESTAMPS: 1_000_000 + np.arange(length, dtype=np.int64) * STEP_S}
 
 
-def line_section(args: argparse.Namespace, name: str, clock: Callable[[], float]) -> Dict:
+def line_section(args: argparse.Namespace, name: str, directory: Path, clock: Callable[[], float]) -> Dict:
     """Per history length L, a request that brings 4 new actions to a history of L: encoded whole
     (a miss, the tier looked up first) against fetched from the shared tier and extended."""
     config = shape(name, max(args.line_lengths) + 8)
     torch.manual_seed(args.seed)
     hstu = HSTU(config).eval()
     table = torch.randn(ITEMS, config.hidden_dim)
-    directory = tier_directory()
-    tier = SqliteTier(directory / "line.sqlite", 2**34)
+    tier = SqliteTier(directory / f"line-{name}.sqlite", 2**34)
     room = 2 * (max(args.line_lengths) + 8) * cache_bytes_per_token(config) + 2**20
     writer = Worker(hstu, table, room, args.page_size, [tier], 1)
     reader = Worker(hstu, table, room, args.page_size, [tier], 1)
@@ -152,18 +152,11 @@ def line_section(args: argparse.Namespace, name: str, clock: Callable[[], float]
     assert reader.tally.sources["shared"] == len(args.line_lengths) * (args.line_reps + 1)
     cheaper = [length for length, row in rows.items() if row["ratio"] > 1]
     tier.close()
-    _remove(directory)
     return {
         "model": {k: getattr(config, k) for k in ("hidden_dim", "num_layers", "num_heads", "attention_dim")},
         "per_length": {f"L{length}": row for length, row in rows.items()},
         "fetch_cheaper_from": min(cheaper) if cheaper else None,
     }
-
-
-def _remove(directory: Path) -> None:
-    for path in directory.iterdir():
-        path.unlink()
-    directory.rmdir()
 
 
 def zipf_users(users: int, requests: int, rng: np.random.Generator) -> np.ndarray:
@@ -172,7 +165,9 @@ def zipf_users(users: int, requests: int, rng: np.random.Generator) -> np.ndarra
     return rng.choice(users, size=requests, p=weights / weights.sum())
 
 
-def zipf_section(args: argparse.Namespace, hstu: HSTU, table: torch.Tensor, clock: Callable[[], float]) -> Dict:
+def zipf_section(
+    args: argparse.Namespace, hstu: HSTU, table: torch.Tensor, directory: Path, clock: Callable[[], float]
+) -> Dict:
     config = hstu.config
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(args.min_history, args.max_history + 1, size=args.users)
@@ -181,7 +176,6 @@ def zipf_section(args: argparse.Namespace, hstu: HSTU, table: torch.Tensor, cloc
     entry = pages * (per_token - 8) + lengths * (8 + 16) + 4 * config.hidden_dim  # K/V pages, times, tokens, pending
     working_set = sum(kept_bytes(user, SimpleNamespace(nbytes=int(e))) for user, e in enumerate(entry))
     worker_bytes = working_set // 4
-    directory = tier_directory()
     tier_bytes = 2 * working_set
     systems = {
         "without_tier": [Worker(hstu, table, worker_bytes, args.page_size, [], args.tier_min_tokens) for _ in range(2)],
@@ -244,7 +238,6 @@ def zipf_section(args: argparse.Namespace, hstu: HSTU, table: torch.Tensor, cloc
     for workers in systems.values():
         for worker in workers:
             worker.cache.close()
-    _remove(directory)
     without, with_tier = out["without_tier"], out["with_tier"]
     return {
         "users": args.users,
@@ -297,10 +290,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     load_start = load_average()
     model, flags = cpu()
     print(f"cpu: {model}; flags: {' '.join(flags)}; load average {load_start}; clock: {args.clock}")
-    line = {name: line_section(args, name, clock) for name in args.line_shapes}
-    config = shape("ml1m", args.max_history + 64)
-    torch.manual_seed(args.seed)
-    zipf = zipf_section(args, HSTU(config).eval(), torch.randn(ITEMS, config.hidden_dim), clock)
+    directory = tier_directory()  # the shared tiers' files, removed however the run ends
+    try:
+        line = {name: line_section(args, name, directory, clock) for name in args.line_shapes}
+        config = shape("ml1m", args.max_history + 64)
+        torch.manual_seed(args.seed)
+        zipf = zipf_section(args, HSTU(config).eval(), torch.randn(ITEMS, config.hidden_dim), directory, clock)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     summary = {
         "bench": "serving_tier",
         "clock": args.clock,

@@ -6,6 +6,8 @@ foreign entry is a miss that is counted, never an answer; the SQLite tier keeps 
 import copy
 import dataclasses
 import json
+import struct
+import zlib
 from collections import Counter
 from typing import List, Optional
 
@@ -174,7 +176,16 @@ def test_a_corrupt_short_foreign_or_other_history_entry_is_a_counted_miss(export
     assert counts(ranker).fetches == {("shared", "other_history"): 1}
 
 
-def test_unpacking_refuses_an_entry_of_another_engine_shape(exported, tmp_path):
+def reframed(blob: bytes, **changes) -> bytes:
+    """``blob`` with its header's keys changed, in a well-formed frame (a right CRC)."""
+    size = struct.unpack_from("<I", blob, 8)[0]
+    header = {**json.loads(blob[12 : 12 + size]), **changes}
+    head = json.dumps(header).encode()
+    body = blob[:8] + struct.pack("<I", len(head)) + head + blob[12 + size : -4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_unpacking_refuses_an_entry_of_another_engine_shape_or_a_bad_header(exported, tmp_path):
     path, requests = exported
     ranker = worker(path)
     rank(ranker, cut(requests[0], LONG))
@@ -184,6 +195,8 @@ def test_unpacking_refuses_an_entry_of_another_engine_shape(exported, tmp_path):
     got, reason = unpack_state(blob, "v", "u", state.tokens, 0, engine)
     assert reason == "" and got is not None and got.length == LONG
     assert unpack_state(blob, "w", "u", state.tokens, 0, engine) == (None, "corrupt")  # another model version
+    for bad in ({"length": None}, {"history": 7}, {"arrays": [["k0", "no_such_dtype", [1]]]}, {"format": 2}):
+        assert unpack_state(reframed(blob, **bad), "v", "u", state.tokens, 0, engine) == (None, "corrupt"), bad
     deeper = copy.copy(engine)
     deeper.config = dataclasses.replace(engine.config, num_layers=engine.config.num_layers + 1)
     assert unpack_state(blob, "v", "u", state.tokens, 0, deeper) == (None, "corrupt")
@@ -237,6 +250,9 @@ def test_the_sqlite_tier_keeps_its_byte_bound_evicting_the_least_recently_used(t
     assert tier.get("v", "huge") is None, "an entry larger than the bound is not stored"
     other = SqliteTier(tmp_path / "tier.sqlite", 1000)  # another worker's connection sees the same entries
     assert other.get("v", "d") == bytes(300)
+    other.put("w", "a", bytes(100))
+    tier.purge("v")
+    assert tier.nbytes() == 100 and other.get("w", "a") is not None and other.get("v", "d") is None
 
 
 def test_tiered_cache_refuses_min_tokens_below_one():

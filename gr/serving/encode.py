@@ -1,11 +1,12 @@
 """Encoding validated histories through the user cache, several users at once, and their queries.
 
 ``encode``: each user's cached state (``gr.hstu.user_state``) reused, extended with the new
-tokens, or encoded and stored, in rounds of distinct users; a user the worker's cache cannot serve
-is looked up in the shared tiers behind it (``gr.serving.shared_tier.TieredCache``) (a user met twice waits for the next
-round, as if its requests came one after the other). ``queries``: the retrieval query at the last
-token of each encoded history, all from shared passes. ``token_queries``: the query at chosen
-tokens of each history (offline evaluation: every target of a user from one encoding).
+tokens, or encoded and stored, in rounds of distinct users (a user met twice waits for the next
+round, as if its requests came one after the other); a user the worker's cache cannot serve is
+looked up in the tiers behind it (``gr.serving.shared_tier.TieredCache``). ``queries``: the
+retrieval query at the last token of each encoded history, all from shared passes.
+``token_queries``: the query at chosen tokens of each history (offline evaluation: every target of
+a user from one encoding).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _encode_round(cache: UserCache[UserState], histories: Sequence[History], use
     out = []
     for h, base, tier, (state, status) in zip(histories, found, tiers, states):
         tier = tier if status in ("hit", "extend") else None
-        if use_cache and (status != "hit" or tier not in (None, "local")):
+        if use_cache and (status != "hit" or tier != "local"):
             cache.put(h.user_id, state, h.model_version)
         if isinstance(cache, TieredCache):
             if status == "miss":

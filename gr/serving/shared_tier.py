@@ -89,10 +89,11 @@ class TierStore(ABC):
 
 class SqliteTier(TierStore):
     """The shared tier of one server: entries in one SQLite file (WAL), which every worker process
-    opens (put it in shared memory: ``/dev/shm``). One transaction stores an entry, counts its bytes
-    and evicts the least recently fetched or stored entries past ``max_bytes``, so the bound and the
-    LRU order hold across processes without a lock protocol of ours, and a reader sees a whole
-    entry or none (an entry larger than ``max_bytes`` is not stored)."""
+    opens (put it in shared memory: ``/dev/shm``). One transaction stores an entry, adds its bytes
+    to the count the file keeps and evicts the least recently fetched or stored entries past
+    ``max_bytes``, so the bound and the LRU order hold across processes without a lock protocol of
+    ours, and a reader sees a whole entry or none (an entry larger than ``max_bytes`` is not
+    stored)."""
 
     name = "shared"
 
@@ -110,6 +111,8 @@ class SqliteTier(TierStore):
                 "bytes INTEGER NOT NULL, used INTEGER NOT NULL, blob BLOB NOT NULL);"
                 "CREATE INDEX IF NOT EXISTS entries_used ON entries (used);"
                 "CREATE INDEX IF NOT EXISTS entries_version ON entries (version);"
+                "CREATE TABLE IF NOT EXISTS held (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER NOT NULL);"
+                "INSERT OR IGNORE INTO held VALUES (0, 0);"
             )
         except sqlite3.Error as exc:
             raise TierError(f"shared tier {self.path}: {exc}") from None
@@ -131,9 +134,12 @@ class SqliteTier(TierStore):
                 db = self._db
                 db.execute("BEGIN IMMEDIATE")
                 try:
-                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                    held = db.execute("SELECT bytes FROM held").fetchone()[0]
+                    old_size = db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
+                    if old_size is not None:
+                        db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                        held -= old_size[0]
                     if size <= self.max_bytes:
-                        held = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM entries").fetchone()[0]
                         dropped = []
                         for old, old_size in db.execute("SELECT key, bytes FROM entries ORDER BY used"):
                             if held + size <= self.max_bytes:
@@ -144,6 +150,8 @@ class SqliteTier(TierStore):
                         db.execute(
                             "INSERT INTO entries VALUES (?, ?, ?, ?, ?)", (key, version, size, time.time_ns(), blob)
                         )
+                        held += size
+                    db.execute("UPDATE held SET bytes = ?", (held,))
                     db.execute("COMMIT")
                 except BaseException:
                     db.execute("ROLLBACK")
@@ -152,11 +160,20 @@ class SqliteTier(TierStore):
                 raise TierError(f"shared tier {self.path}: put: {exc}") from None
 
     def purge(self, version: str) -> None:
-        self._run("purge", "DELETE FROM entries WHERE version = ?", (version,))
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("DELETE FROM entries WHERE version = ?", (version,))
+                self._db.execute("UPDATE held SET bytes = (SELECT COALESCE(SUM(bytes), 0) FROM entries)")
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise TierError(f"shared tier {self.path}: purge: {exc}") from None
 
     def nbytes(self) -> int:
-        """Bytes of the entries held."""
-        row = self._run("size", "SELECT COALESCE(SUM(bytes), 0) FROM entries", ())
+        """Bytes of the entries held (counted as they are stored and evicted)."""
+        row = self._run("size", "SELECT bytes FROM held", ())
         return 0 if row is None else int(row[0])
 
     def close(self) -> None:
@@ -236,7 +253,7 @@ def unpack_state(
     if header is None:
         return None, "corrupt"
     length, committed = header["length"], header["committed"]
-    if not isinstance(length, int) or not 0 <= length <= len(tokens[TIMESTAMPS]):
+    if not 0 <= length <= len(tokens[TIMESTAMPS]):
         return None, "other_history"
     if header["history"] != history_digest(tokens, length):
         return None, "other_history"
@@ -275,6 +292,10 @@ def _header(blob: bytes, version: str, user: str) -> Optional[Dict[str, Any]]:
         return None
     if header.get("version") != version or header.get("user") != user or not isinstance(header.get("arrays"), list):
         return None
+    if not isinstance(header.get("history"), str) or not all(
+        type(header.get(k)) is int for k in ("length", "committed")
+    ):
+        return None
     return {**header, "_head": size}
 
 
@@ -301,7 +322,7 @@ def _arrays(blob: bytes, header: Dict[str, Any], offset: int) -> Optional[Dict[s
     return out if offset == end else None
 
 
-def _fits(engine: CachedHSTU, arrays: Dict[str, Tensor], length: int, committed: Any) -> bool:
+def _fits(engine: CachedHSTU, arrays: Dict[str, Tensor], length: int, committed: int) -> bool:
     """Whether the arrays are a state of ``length`` tokens that ``engine`` computes: its layers, heads,
     dims and dtype, and as many committed tokens as it commits."""
     c = engine.config
