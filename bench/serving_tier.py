@@ -13,8 +13,9 @@ slices, which cost the same with or without the tier.
       (a miss) against fetched from the shared tier (``SqliteTier`` in /dev/shm: read, check, unpack
       into the page pool) and extended; the shortest L from which fetching is cheaper is where
       ``--tier-min-tokens`` belongs for that shape.
-  zipf: ``--users`` users, histories of ``--min-history``..``--max-history`` tokens, each user's
-      history encoded once first (a server that has run a while); then ``--requests`` requests,
+  zipf: ``--zipf-shape``'s HSTU (the recipe's by default), ``--users`` users, histories of
+      ``--min-history``..``--max-history`` tokens, each user's history encoded once first (a
+      server that has run a while); then ``--requests`` requests,
       users drawn from Zipf(1.0), each bringing 1-4 new actions and landing on a random worker; each
       worker's pool (and cache bound) a quarter of the working set (every user's encoded history).
       Without the tier against with it (the same requests, taking turns request by request): history
@@ -240,6 +241,7 @@ def zipf_section(
             worker.cache.close()
     without, with_tier = out["without_tier"], out["with_tier"]
     return {
+        "model": {k: getattr(config, k) for k in ("hidden_dim", "num_layers", "num_heads", "attention_dim")},
         "users": args.users,
         "requests": args.requests,
         "history": [args.min_history, args.max_history],
@@ -261,6 +263,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--requests", type=int, default=20_000, help="Zipf requests timed (after each user's first)")
     parser.add_argument("--min-history", type=int, default=32)
     parser.add_argument("--max-history", type=int, default=160)
+    parser.add_argument(
+        "--zipf-shape", choices=["ml1m", "production"], default="ml1m", help="the HSTU of the zipf section"
+    )
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--tier-min-tokens", type=int, default=16)
@@ -272,13 +277,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args, _ = smoke.parse_args(
         parser,
         {
-            "users": 200,
-            "requests": 300,
+            "users": 100,
+            "requests": 120,
             "min_history": 16,
-            "max_history": 48,
+            "max_history": 32,
             "candidates": 4,
             "page_size": 4,
-            "line_lengths": [4, 16],
+            "line_lengths": [16],
             "line_shapes": ["ml1m"],
             "line_reps": 1,
         },
@@ -293,7 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     directory = tier_directory()  # the shared tiers' files, removed however the run ends
     try:
         line = {name: line_section(args, name, directory, clock) for name in args.line_shapes}
-        config = shape("ml1m", args.max_history + 64)
+        config = shape(args.zipf_shape, args.max_history + 64)
         torch.manual_seed(args.seed)
         zipf = zipf_section(args, HSTU(config).eval(), torch.randn(ITEMS, config.hidden_dim), directory, clock)
     finally:
