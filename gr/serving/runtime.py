@@ -209,6 +209,7 @@ class Ranker:
                     self.cache.advance(model_version)
                 else:
                     self.cache.invalidate(model_version, tier_version(model.identity, model.engine))
+            self.cache.purge_retired()  # outside the lock: requests go on meanwhile
 
     def warm_up(self) -> None:
         """Answer one small request of each kind the current model serves (rank; recommend and

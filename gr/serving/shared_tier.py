@@ -360,8 +360,8 @@ class TieredCache(UserCache[UserState]):
     """A worker's user cache (``UserCache``, the "local" tier) in front of ``tiers`` (nearest first):
     ``fetch`` looks a history up in them, ``share`` writes an entry to them, and an entry the LRU
     evicts is written back (see the module docstring). ``version``: the model version entries are
-    keyed by; ``invalidate`` with a new one purges the old one from every tier. A tier that fails
-    is a miss, never a failed request."""
+    keyed by; after ``invalidate``, ``purge_retired`` purges the old one from every tier. A tier
+    that fails is a miss, never a failed request."""
 
     def __init__(
         self,
@@ -378,6 +378,7 @@ class TieredCache(UserCache[UserState]):
         self.observer: Optional[TierObserver] = None
         self._version = version
         self._shared: Dict[Hashable, int] = {}  # user -> tokens the tiers hold of it (users this worker saw)
+        self._retired: List[str] = []  # keys of models replaced, their entries not yet purged
 
     @property
     def version(self) -> str:
@@ -450,18 +451,25 @@ class TieredCache(UserCache[UserState]):
 
     def invalidate(self, model_version: Optional[int] = None, version: Optional[str] = None) -> None:
         """Drop every entry; the model version becomes ``model_version`` (default: one more) and the
-        tiers' key ``version`` (default: unchanged). Every tier's entries of the old key are purged."""
+        tiers' key ``version`` (default: unchanged). The old key's entries are purged from every tier
+        by the next ``purge_retired`` (outside the caller's locks: a purge of a large tier takes a while)."""
         with self._lock:
-            old = self._version
+            self._retired.append(self._version)
             self._shared.clear()
             if version is not None:
                 self._version = version
         super().invalidate(model_version)
-        for tier in self.tiers:
-            try:
-                tier.purge(old)
-            except TierError:
-                self._observe_store(tier.name, 0.0, True)
+
+    def purge_retired(self) -> None:
+        """Purge the entries of every key ``invalidate`` retired from every tier."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for version in retired:
+            for tier in self.tiers:
+                try:
+                    tier.purge(version)
+                except TierError:
+                    self._observe_store(tier.name, 0.0, True)
 
     def close(self) -> None:
         """Close every tier's connection."""
