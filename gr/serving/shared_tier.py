@@ -108,9 +108,11 @@ class SqliteTier(TierStore):
             self._db.execute("PRAGMA synchronous=OFF")  # in memory, for the server's lifetime: nothing to make durable
             self._db.executescript(
                 "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, version TEXT NOT NULL, "
-                "bytes INTEGER NOT NULL, used INTEGER NOT NULL, blob BLOB NOT NULL);"
-                "CREATE INDEX IF NOT EXISTS entries_used ON entries (used);"
+                "bytes INTEGER NOT NULL, blob BLOB NOT NULL);"
                 "CREATE INDEX IF NOT EXISTS entries_version ON entries (version);"
+                # when each entry was last stored or fetched, apart: an UPDATE rewrites the whole row, blob included
+                "CREATE TABLE IF NOT EXISTS used (key TEXT PRIMARY KEY, at INTEGER NOT NULL);"
+                "CREATE INDEX IF NOT EXISTS used_at ON used (at);"
                 "CREATE TABLE IF NOT EXISTS held (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER NOT NULL);"
                 "INSERT OR IGNORE INTO held VALUES (0, 0);"
             )
@@ -122,9 +124,10 @@ class SqliteTier(TierStore):
         return str(self.path)
 
     def get(self, version: str, user: str) -> Optional[bytes]:
-        row = self._run(
-            "get", "UPDATE entries SET used = ? WHERE key = ? RETURNING blob", (time.time_ns(), _key(version, user))
-        )
+        key = _key(version, user)
+        row = self._run("get", "SELECT blob FROM entries WHERE key = ?", (key,))
+        if row is not None:
+            self._run("get", "UPDATE used SET at = ? WHERE key = ?", (time.time_ns(), key))
         return None if row is None else bytes(row[0])
 
     def put(self, version: str, user: str, blob: bytes) -> None:
@@ -138,18 +141,20 @@ class SqliteTier(TierStore):
                     old_size = db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
                     if old_size is not None:
                         db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                        db.execute("DELETE FROM used WHERE key = ?", (key,))
                         held -= old_size[0]
                     if size <= self.max_bytes:
                         dropped = []
-                        for old, old_size in db.execute("SELECT key, bytes FROM entries ORDER BY used"):
+                        oldest = "SELECT used.key, bytes FROM used JOIN entries USING (key) ORDER BY at"
+                        for old, old_size in db.execute(oldest):
                             if held + size <= self.max_bytes:
                                 break
                             dropped.append((old,))
                             held -= old_size
                         db.executemany("DELETE FROM entries WHERE key = ?", dropped)
-                        db.execute(
-                            "INSERT INTO entries VALUES (?, ?, ?, ?, ?)", (key, version, size, time.time_ns(), blob)
-                        )
+                        db.executemany("DELETE FROM used WHERE key = ?", dropped)
+                        db.execute("INSERT INTO entries VALUES (?, ?, ?, ?)", (key, version, size, blob))
+                        db.execute("INSERT INTO used VALUES (?, ?)", (key, time.time_ns()))
                         held += size
                     db.execute("UPDATE held SET bytes = ?", (held,))
                     db.execute("COMMIT")
@@ -163,6 +168,9 @@ class SqliteTier(TierStore):
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(
+                    "DELETE FROM used WHERE key IN (SELECT key FROM entries WHERE version = ?)", (version,)
+                )
                 self._db.execute("DELETE FROM entries WHERE version = ?", (version,))
                 self._db.execute("UPDATE held SET bytes = (SELECT COALESCE(SUM(bytes), 0) FROM entries)")
                 self._db.execute("COMMIT")
