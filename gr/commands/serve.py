@@ -53,6 +53,8 @@ from gr.serving.options import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_MICRO_BATCH,
     DEFAULT_PAGE_SIZE,
+    DEFAULT_TIER_BYTES,
+    DEFAULT_TIER_MIN_TOKENS,
     ID_SPACES,
     INDEXES,
     LONG_HISTORY,
@@ -125,6 +127,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=DEFAULT_PAGE_SIZE,
         help=f"tokens per page of the cached histories' K/V (one pool of --cache-bytes per worker; 0: each history "
         f"in its own tensors, copied when it grows; default {DEFAULT_PAGE_SIZE})",
+    )
+    serve.add_argument(
+        "--tier-bytes",
+        type=int,
+        default=DEFAULT_TIER_BYTES,
+        help="bytes of the shared tier every worker reads and writes: encoded histories in shared memory, fetched "
+        "instead of encoded again when a user's request lands on another worker or was evicted (0: off; default "
+        f"{DEFAULT_TIER_BYTES})",
+    )
+    serve.add_argument(
+        "--tier-redis",
+        default=None,
+        help="redis://host:port/db: the remote tier, encoded histories shared by servers on several machines "
+        "(behind the shared tier; bound it with Redis' maxmemory and allkeys-lru; default: off)",
+    )
+    serve.add_argument(
+        "--tier-min-tokens",
+        type=int,
+        default=DEFAULT_TIER_MIN_TOKENS,
+        help="histories shorter than this are encoded, never fetched from nor written to a tier: encoding them "
+        f"costs less than fetching (default {DEFAULT_TIER_MIN_TOKENS})",
     )
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
     serve.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
@@ -272,6 +295,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gr.export.reader import check_export  # the export reader (torch, onnx), as the runtime in main
     from gr.serving.http import OPTIONS_ENV  # the HTTP stack (fastapi), loaded by serve only, as uvicorn
     from gr.serving.metrics import MULTIPROC_ENV
+    from gr.serving.tier_spec import TIER_FILE
     from gr.serving.workers import LoggedMultiprocess
 
     if (
@@ -280,13 +304,16 @@ def _serve(args: argparse.Namespace) -> int:
         or args.micro_batch < 1
         or args.cache_bytes < 0
         or args.page_size < 0
+        or args.tier_bytes < 0
+        or args.tier_min_tokens < 1
         or args.batch_window_ms < 0
         or not 0 < args.body_timeout < float("inf")
         or args.max_pending < 1
     ):
         print(
             "serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
-            f"--page-size >= 0, --batch-window-ms >= 0, {BODY_TIMEOUT_FLAG} > 0 (finite), {MAX_PENDING_FLAG} >= 1",
+            "--page-size >= 0, --tier-bytes >= 0, --tier-min-tokens >= 1, --batch-window-ms >= 0, "
+            f"{BODY_TIMEOUT_FLAG} > 0 (finite), {MAX_PENDING_FLAG} >= 1",
             file=sys.stderr,
         )
         return 2
@@ -313,6 +340,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         store, histories = _history_store(args)
+        tier_dir, tiers = _tiers(args)
     except ValueError as exc:
         sock.close()
         print(f"serve: {exc}", file=sys.stderr)
@@ -336,6 +364,10 @@ def _serve(args: argparse.Namespace) -> int:
             "long_history": args.long_history,
             "cache_bytes": args.cache_bytes,
             "page_size": args.page_size,
+            "tier_path": None if tier_dir is None else str(tier_dir / TIER_FILE),
+            "tier_bytes": args.tier_bytes,
+            "tier_redis": args.tier_redis,
+            "tier_min_tokens": args.tier_min_tokens,
             "threads": args.threads,
             "index": args.index,
             "device": args.device,
@@ -356,12 +388,13 @@ def _serve(args: argparse.Namespace) -> int:
     workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
     version = manifest_digest(args.export_dir)
     log.info(
-        "serving %s (model %s, %s, %s, histories: %s) on %s",
+        "serving %s (model %s, %s, %s, histories: %s%s) on %s",
         args.export_dir,
         version,
         args.device,
         workers,
         histories,
+        f", tiers: {tiers}" if tiers else "",
         url,
     )
     started = True
@@ -376,6 +409,8 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         if args.workers > 1:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        if tier_dir is not None:
+            shutil.rmtree(tier_dir, ignore_errors=True)
     if not started:
         print(f"serve: {args.export_dir}: the server did not start (the log above says why)", file=sys.stderr)
         return 1
@@ -404,6 +439,26 @@ def _history_store(args: argparse.Namespace) -> Tuple[Optional[str], str]:
         raise ValueError(f"--history-store {args.history_store}: {exc}") from None
     store.close()
     return spec, store.location
+
+
+def _tiers(args: argparse.Namespace) -> Tuple[Optional[Path], str]:
+    """The shared tier's new directory (``--tier-bytes`` > 0; None: off) and the tiers, for the
+    start-up line; each opened once here, so that one that cannot be opened is one line
+    (ValueError) before the server starts."""
+    from gr.serving.shared_tier import TierError
+    from gr.serving.tier_spec import TIER_FILE, open_tiers, tier_directory
+
+    directory = tier_directory() if args.tier_bytes > 0 else None
+    try:
+        tiers = open_tiers(None if directory is None else str(directory / TIER_FILE), args.tier_bytes, args.tier_redis)
+    except TierError as exc:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        flag = "--tier-redis" if args.tier_redis and "remote" in str(exc) else "--tier-bytes"
+        raise ValueError(f"{flag}: {exc}") from None
+    for tier in tiers:
+        tier.close()
+    return directory, ", ".join(f"{tier.name} {tier.location}" for tier in tiers)
 
 
 def _run_one(server: Any, sock: socket.socket) -> bool:

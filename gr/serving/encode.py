@@ -2,22 +2,25 @@
 
 ``encode``: each user's cached state (``gr.hstu.user_state``) reused, extended with the new
 tokens, or encoded and stored, in rounds of distinct users (a user met twice waits for the next
-round, as if its requests came one after the other). ``queries``: the retrieval query at the last
-token of each encoded history, all from shared passes. ``token_queries``: the query at chosen
-tokens of each history (offline evaluation: every target of a user from one encoding).
+round, as if its requests came one after the other); a user the worker's cache cannot serve is
+looked up in the tiers behind it (``gr.serving.shared_tier.TieredCache``). ``queries``: the
+retrieval query at the last token of each encoded history, all from shared passes.
+``token_queries``: the query at chosen tokens of each history (offline evaluation: every target of
+a user from one encoding).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from gr.hstu.user_state import UserState, encode_states
+from gr.hstu.user_state import UserState, encode_states, tokens_after
 from gr.serving.catalogue import QUERY
 from gr.serving.history import EncodedHistory, History
+from gr.serving.shared_tier import TieredCache
 from gr.serving.user_cache import UserCache
 from gr.timestamps import TIMESTAMPS
 
@@ -50,13 +53,27 @@ def _encode_round(cache: UserCache[UserState], histories: Sequence[History], use
     if not histories:
         return []
     model = histories[0].model
-    found = [cache.get(h.user_id) if use_cache else None for h in histories]
+    found: List[Optional[UserState]] = [cache.get(h.user_id) if use_cache else None for h in histories]
+    tiers: List[Optional[str]] = [None] * len(histories)  # where each found state comes from
+    for i, (h, state) in enumerate(zip(histories, found)):
+        if state is not None and state.continued_by(h.tokens, h.model_version):
+            tiers[i] = "local"
+        elif use_cache and isinstance(cache, TieredCache):
+            fetched = cache.fetch(h.user_id, h.tokens, h.model_version, model.engine)
+            if fetched is not None:
+                found[i], tiers[i] = fetched
     tokens, versions = [h.tokens for h in histories], [h.model_version for h in histories]
     states = encode_states(model.engine, model.embed_tokens, tokens, versions, found, use_cache)
     out = []
-    for h, (state, status) in zip(histories, states):
-        if use_cache and status != "hit":
+    for h, base, tier, (state, status) in zip(histories, found, tiers, states):
+        tier = tier if status in ("hit", "extend") else None
+        if use_cache and (status != "hit" or tier != "local"):
             cache.put(h.user_id, state, h.model_version)
+        if isinstance(cache, TieredCache):
+            if status == "miss":
+                cache.share(h.user_id, state, fresh=True)
+            new = 0 if status == "hit" else len(tokens_after(h.tokens, base if tier else None)[TIMESTAMPS])
+            cache.encoded(tier, new)
         out.append(EncodedHistory(h, state, status))
     return out
 

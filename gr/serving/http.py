@@ -84,6 +84,7 @@ from gr.serving.request import (
     RecommendRequest,
 )
 from gr.serving.runtime import Ranker
+from gr.serving.tier_spec import open_tiers
 from gr.timestamps import INT64_MAX, INT64_MIN
 
 RAW = "raw"
@@ -369,6 +370,7 @@ class ServingApp:
         self.metrics.close()
         if self.ranker.history_store is not None:
             self.ranker.history_store.close()
+        self.ranker.cache.close()
         if self.exit_after_shutdown:
             exit_soon(0)
 
@@ -591,8 +593,9 @@ OPTIONS_ENV = "GR_SERVING_OPTIONS"
 
 def app_from_environment() -> FastAPI:
     """The app of one uvicorn worker process: ``$GR_SERVING_OPTIONS`` holds the JSON of
-    {"export_dir", "admin_token", "history_store" (None: off) and "history_events", and Ranker
-    options} that ``python -m gr.serving serve`` set."""
+    {"export_dir", "admin_token", "history_store" (None: off) and "history_events", the tiers'
+    "tier_path" (None: no shared tier), "tier_bytes" and "tier_redis" (None: no remote tier), and
+    Ranker options} that ``python -m gr.serving serve`` set."""
     options = json.loads(os.environ[OPTIONS_ENV])
     export_dir, admin_token = options.pop("export_dir"), options.pop("admin_token")
     app_options = {
@@ -602,6 +605,12 @@ def app_from_environment() -> FastAPI:
     }
     limits = limits_from_options(options.pop("limits", {}))
     store, events = options.pop("history_store", None), options.pop("history_events", None)
+    tier_path, tier_bytes, tier_redis = (
+        options.pop("tier_path", None),
+        options.pop("tier_bytes", 0),
+        options.pop("tier_redis", None),
+    )
+    options["tiers"] = open_tiers(tier_path, tier_bytes, tier_redis)
     ranker = Ranker.load(export_dir, limits=limits, **options)
     if store is not None:
         ranker.history_store = open_history_store(store, events or ranker.model.config.max_seq_len)

@@ -29,6 +29,7 @@ from gr.serving.runtime import Ranker
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests per batch, requests waiting
+TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # history tokens encoded per request
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client when it is first imported
 
 
@@ -37,7 +38,10 @@ class ServerMetrics:
     ``error`` name of the answer: bad_request, limit_exceeded, internal, ...), latency histograms,
     the request batcher's batch sizes and queue depths (``observe_batch``), cache hit/extend/miss
     counts, cache entries and bytes, K/V pages used and free, fallback answers by kind, the history
-    store's latency and errors by operation (append, read; ``observe_store``), the model version of
+    store's latency and errors by operation (append, read; ``observe_store``), where each request's
+    encoded history came from (tiers local, shared, remote: ``gr.serving.shared_tier``; a request
+    encoded from scratch counts as a ``gr_cache`` miss), the tiers' misses by reason, fetch and
+    store latency and failed stores, the history tokens each request encoded, the model version of
     ``ranker`` and the live worker processes. ``refresh`` sets this process's gauges (after each request and
     reload; a scrape reads the other workers' last values)."""
 
@@ -109,6 +113,39 @@ class ServerMetrics:
         )
         if ranker.history_store is not None:
             ranker.history_store.observer = self.observe_store
+        self.tier_hits = Counter(
+            "gr_cache_tier_hits",
+            "Requests whose encoded history came from a tier (local: the worker's cache, shared: the server's "
+            "shared tier, remote: Redis), by tier",
+            ["tier"],
+            registry=self.registry,
+        )
+        self.tier_misses = Counter(
+            "gr_cache_tier_misses",
+            "Tier lookups without a usable entry by tier and reason (absent, other_history, corrupt, unreachable)",
+            ["tier", "reason"],
+            registry=self.registry,
+        )
+        self.tier_latency = Histogram(
+            "gr_cache_tier_seconds",
+            "Tier latency by tier and operation (fetch, store)",
+            ["tier", "operation"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tier_store_errors = Counter(
+            "gr_cache_tier_store_errors",
+            "Tier stores and purges that failed (unreachable, locked) by tier",
+            ["tier"],
+            registry=self.registry,
+        )
+        self.recomputed = Histogram(
+            "gr_tokens_recomputed",
+            "History tokens each request encoded (0: its whole history came from a tier)",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        ranker.cache.observer = self
         self.cache_entries = Gauge(
             "gr_cache_entries",
             "Users held by the user history caches of the live workers",
@@ -153,6 +190,25 @@ class ServerMetrics:
         self.store_latency.labels(operation).observe(seconds)
         if failed:
             self.store_errors.labels(operation).inc()
+
+    def tier_fetched(self, tier: str, seconds: float, reason: str) -> None:
+        """One fetch from ``tier`` (``TieredCache.observer``): reason "" for a hit, else the miss's."""
+        self.tier_latency.labels(tier, "fetch").observe(seconds)
+        if reason:
+            self.tier_misses.labels(tier, reason).inc()
+
+    def tier_stored(self, tier: str, seconds: float, failed: bool) -> None:
+        """One entry written to ``tier`` (``TieredCache.observer``)."""
+        self.tier_latency.labels(tier, "store").observe(seconds)
+        if failed:
+            self.tier_store_errors.labels(tier).inc()
+
+    def encoded(self, tier: Optional[str], recomputed: int) -> None:
+        """One request's history (``TieredCache.observer``): the tier its state came from (None:
+        encoded from scratch) and the tokens it encoded."""
+        if tier is not None:
+            self.tier_hits.labels(tier).inc()
+        self.recomputed.observe(recomputed)
 
     def refresh(self) -> None:
         """Set this process's cache entries, cache bytes, pages used and free and model version."""

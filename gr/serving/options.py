@@ -9,3 +9,5 @@ INDEXES = ("exact", "hnsw")  # the catalogue's item index, each a class in gr.se
 DEFAULT_CACHE_BYTES = 256 * 2**20  # the user cache's budget
 DEFAULT_PAGE_SIZE = 16  # tokens per page of the cached histories' K/V (gr.hstu.paged.PagePool)
 DEFAULT_MICRO_BATCH = 256  # candidates per HSTU pass
+DEFAULT_TIER_BYTES = 0  # the shared tier of a server's workers (gr.serving.shared_tier; 0: off)
+DEFAULT_TIER_MIN_TOKENS = 64  # shorter histories are encoded, never fetched from a tier (bench/serving_tier.py)

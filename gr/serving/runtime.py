@@ -37,7 +37,6 @@ from typing import (
 
 from gr.export.delta import chain_deltas, is_delta
 from gr.hstu.paged import PagePool
-from gr.hstu.user_state import UserState
 from gr.serving import generate as generation
 from gr.serving import rank as ranking
 from gr.serving import recommend as recommendation
@@ -48,11 +47,17 @@ from gr.serving.history import History, check_span, stored_events, validate
 from gr.serving.history_store import HistoryStore
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.model import ServingModel
-from gr.serving.options import DEFAULT_CACHE_BYTES, DEFAULT_MICRO_BATCH, DEFAULT_PAGE_SIZE, LONG_HISTORY
+from gr.serving.options import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_PAGE_SIZE,
+    DEFAULT_TIER_MIN_TOKENS,
+    LONG_HISTORY,
+)
 from gr.serving.rank import PreparedRank, RankResult
 from gr.serving.recommend import PreparedRecommend, RecommendResult
 from gr.serving.request import MODEL_IDS, EventsRequest, GenerateRequest, IdOptions, RankRequest, RecommendRequest
-from gr.serving.user_cache import UserCache
+from gr.serving.shared_tier import TieredCache, TierStore, tier_version
 
 WARM_UP_USER = ("gr", "warm-up")  # a key no request can send (user ids are strings or integers)
 
@@ -93,6 +98,10 @@ class Ranker:
     history_store: the users' histories kept by the service (``gr.serving.history_store``):
         ``append`` adds events, and a request without a history is answered from the user's
         stored one (None: every request carries its history)
+    tiers: where encoded histories are shared with other workers and servers, nearest first
+        (``gr.serving.shared_tier``: ``SqliteTier``, ``gr.serving.redis_tier.RedisTier``); a user this
+        worker's cache cannot serve is fetched from them; tier_min_tokens: histories shorter than
+        this are encoded, never fetched nor shared
     Thread-safe: concurrent calls share the cache; ``reload`` swaps the model and invalidates
     the cache, and every result comes from one model (its ``model_version``).
     """
@@ -110,6 +119,8 @@ class Ranker:
         limits: RequestLimits = DEFAULT_LIMITS,
         history_store: Optional[HistoryStore] = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        tiers: Sequence[TierStore] = (),
+        tier_min_tokens: int = DEFAULT_TIER_MIN_TOKENS,
     ) -> None:
         if page_size < 0:
             raise ValueError(f"Ranker.page_size: expected >= 0, got {page_size}")
@@ -127,7 +138,7 @@ class Ranker:
         self.limits = limits
         self.history_store = history_store
         self.page_size = page_size
-        self.cache: UserCache[UserState] = UserCache(cache_bytes)
+        self.cache = TieredCache(cache_bytes, tiers, tier_min_tokens, tier_version(model.identity, model.engine))
         self._model = model
         self._lock = threading.Lock()
         self._reloading = threading.Lock()
@@ -173,7 +184,8 @@ class Ranker:
         does not follow it): the same answers as the full export of the last delta's run, for the
         time of patching the changed rows. Cached histories, and the K/V pages they hold, are kept
         when the deltas change nothing they are computed from (the token features' tables, the item
-        store, the prefix and HSTU slices), and invalidated otherwise."""
+        store, the prefix and HSTU slices), and invalidated otherwise: then the shared tiers' entries
+        of the old model are purged and new ones are keyed by the new model's identity."""
         paths = [export_dir] if isinstance(export_dir, (str, Path)) else list(export_dir)
         with self._reloading:  # one reload at a time: a delta applies to the model it follows
             cache_holds = False
@@ -196,7 +208,8 @@ class Ranker:
                 if cache_holds:
                     self.cache.advance(model_version)
                 else:
-                    self.cache.invalidate(model_version)
+                    self.cache.invalidate(model_version, tier_version(model.identity, model.engine))
+            self.cache.purge_retired()  # outside the lock: requests go on meanwhile
 
     def warm_up(self) -> None:
         """Answer one small request of each kind the current model serves (rank; recommend and

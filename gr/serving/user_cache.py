@@ -73,6 +73,7 @@ class UserCache(Generic[Entry]):
     def put(self, user: Hashable, entry: Entry, model_version: int) -> bool:
         """Store ``entry`` (replacing the user's old one) and evict LRU users to fit; -> stored?"""
         size = kept_bytes(user, entry)
+        evicted: List[Tuple[Hashable, Entry]] = []
         with self._lock:
             if model_version != self._model_version:
                 return False
@@ -80,11 +81,14 @@ class UserCache(Generic[Entry]):
             if size > self.max_bytes:
                 return False
             while self._entries and self._bytes + size > self.max_bytes:
-                _, (_, evicted) = self._entries.popitem(last=False)
-                self._bytes -= evicted
+                old, (kept, old_size) = self._entries.popitem(last=False)
+                self._bytes -= old_size
+                evicted.append((old, kept))
             self._entries[user] = (entry, size)
             self._bytes += size
-            return True
+        if evicted:
+            self.evicted(evicted)
+        return True
 
     def evict_oldest(self) -> bool:
         """Drop the least recently used entry (a full page pool asks for room: ``PagePool.on_full``);
@@ -92,10 +96,15 @@ class UserCache(Generic[Entry]):
         with self._lock:
             if not self._entries:
                 return False
-            _, (evicted, size) = self._entries.popitem(last=False)
+            user, (evicted, size) = self._entries.popitem(last=False)
             self._bytes -= size
+        self.evicted([(user, evicted)])
         del evicted  # outside the lock: freeing its pages takes the pool's lock
         return True
+
+    def evicted(self, entries: List[Tuple[Hashable, Entry]]) -> None:
+        """Called outside the lock with the (user, entry) pairs the LRU just evicted (default: nothing;
+        ``gr.serving.shared_tier.TieredCache`` writes them back to its tiers)."""
 
     def discard(self, user: Hashable) -> None:
         """Forget ``user``'s entry, if any."""
