@@ -153,3 +153,11 @@ def test_impressions_draw_no_negatives_by_default():
         {"task": "ranking", "ranking": {"candidates": "impressions", "tasks": TASKS}}
     ).ranking
     assert (ranking.num_negatives, ranking.eval_num_negatives) == (0, 0)
+
+
+def test_impressions_without_a_label_column_is_a_config_error(impressions_file):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.ranking\.candidates: impressions .*impressions\.csv has no .*\(set data\.columns\.rating",
+    ):
+        impressions_module(impressions_file, columns={"user": "user", "item": "item", "timestamp": "time"})
