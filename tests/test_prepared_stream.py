@@ -257,6 +257,21 @@ def test_one_rank_with_every_user_in_the_buffer_takes_raw_readings_batches_in_or
             assert len(expected) > 1
 
 
+def test_impressions_stream_from_a_prepared_dataset_as_raw_reading_makes_them(events, prepared):
+    """``candidates: impressions``: every split's batches hold the shown items alone, those of raw reading."""
+    impressions = {**RANKING, "candidates": "impressions", "num_negatives": 0, "eval_num_negatives": 0}
+    impressions["tasks"] = [{"name": "like", "min_rating": 4}]
+    raw, streamed = modules(
+        events, prepared, task="ranking", shuffle_buffer=USERS, ranking=impressions, **SPLIT_CONFIGS["time"]
+    )
+    for name in SPLITS:
+        batches = [list(getattr(module, f"{name}_dataloader")()) for module in (raw, streamed)]
+        expected = in_order(batches[0], sampled=True)
+        assert in_order(batches[1], sampled=True) == expected and len(expected) > 1, name
+        real = positives(raw.config, name)
+        assert all(batch.num_targets.tolist() == [real] * len(batch.num_targets) for batch in batches[1]), name
+
+
 @pytest.mark.parametrize("split", list(SPLIT_CONFIGS))
 def test_maps_features_summary_and_popularity_are_raw_readings(events, prepared, split, tmp_path):
     raw, streamed = modules(events, prepared, task="ranking", **SPLIT_CONFIGS[split])

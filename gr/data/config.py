@@ -65,6 +65,7 @@ def iso_text(seconds: int) -> str:
 SOURCES = ("synthetic", "ml-100k", "ml-1m", "ml-20m", "amazon", "csv", "parquet")
 TASKS = ("retrieval", "ranking")
 EVAL_EXCLUDES = ("history", "window")
+CANDIDATES = ("sampled", "impressions")  # data.ranking.candidates
 MAX_SYNTHETIC_ITEMS = 10_000
 DELIMITER: Check = (
     (lambda v: isinstance(v, str) and len(v) == 1 and v not in '\n\r"'),
@@ -321,8 +322,13 @@ class RankingConfig(Section):
     ``positives_per_sample`` real items + ``num_negatives`` sampled items.
     Validation/test: the history before the held-out item + that item + ``eval_num_negatives``
     sampled items (drawn once, from ``seed``).
+    candidates: "sampled" (as above) or "impressions": every event is an item the user was shown,
+    labelled by ``data.columns.rating`` (each task's ``min_rating``, required, thresholds it: a 0/1
+    click column takes ``min_rating: 1``); the candidates are the shown items alone, the shown but
+    not liked ones the negatives, and no item is sampled (both negative counts are 0).
     """
 
+    candidates: str = checked("sampled", one_of(*CANDIDATES))
     positives_per_sample: int = checked(4, int_at_least(1))
     samples_per_user: int = checked(4, int_at_least(1))
     num_negatives: int = checked(16, int_at_least(0))
@@ -340,6 +346,28 @@ class RankingConfig(Section):
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.tasks: duplicate task names {names}")
         object.__setattr__(self, "tasks", tasks)
+        if self.candidates == "impressions":
+            for key in ("num_negatives", "eval_num_negatives"):
+                if getattr(self, key):
+                    raise ValueError(
+                        f"{where}.{key}: candidates: impressions samples no items (the shown items not liked are "
+                        f"the negatives); expected 0 or no key, got {getattr(self, key)}"
+                    )
+            unlabelled = [t.name for t in tasks if t.min_rating is None]
+            if unlabelled:
+                raise ValueError(
+                    f"{where}.tasks: candidates: impressions labels each shown item from data.columns.rating; "
+                    f"give every task a min_rating (missing for {unlabelled})"
+                )
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str) -> "RankingConfig":
+        """Build from the ``data.ranking`` mapping; under ``candidates: impressions`` the negative
+        counts default to 0."""
+        values = known_keys(cls, values, where)
+        if values.get("candidates") == "impressions":
+            values = {"num_negatives": 0, "eval_num_negatives": 0, **values}
+        return cls(**values, where=where)
 
 
 @dataclass(frozen=True)

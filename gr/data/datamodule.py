@@ -221,6 +221,11 @@ class SequenceDataModule(lightning.LightningDataModule):
                 raise ValueError(f"{config.source}: no user has 2 training events {where}{start}; nothing to train on")
             return
         ranking = config.ranking
+        if not has_ratings and ranking.candidates == "impressions":
+            raise ValueError(
+                f"data.ranking.candidates: impressions labels each shown item from data.columns.rating; "
+                f"{config.path or config.source} has no such column (set data.columns.rating to the label column)"
+            )
         if not has_ratings and any(t.min_rating is not None for t in ranking.tasks):
             raise ValueError(
                 f"data.ranking.tasks: {config.source} has no ratings; drop min_rating tasks "
