@@ -10,11 +10,11 @@ meanwhile); a read is one LRANGE. Needs the ``redis`` client package.
 from __future__ import annotations
 
 from typing import Any, Hashable, List, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from gr.serving.history_store import HistoryStore, HistoryStoreError, Tail, check_follows
+from gr.serving.redis_client import connect, location
 
 KEY_PREFIX = "gr:history:"
 TIMEOUT_S = 5.0  # connect and socket timeouts: an unreachable store fails the request, never hangs it
@@ -27,18 +27,13 @@ class RedisHistoryStore(HistoryStore):
         super().__init__(max_events)
         self.url = url
         try:
-            self._client = redis.Redis.from_url(
-                url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S, decode_responses=True
-            )
-            self._client.ping()
+            self._client = connect(url, TIMEOUT_S, decode_responses=True)
         except (redis.RedisError, ValueError) as exc:
             raise HistoryStoreError(f"history store {self.location}: {exc}") from None
 
     @property
     def location(self) -> str:
-        parts = urlsplit(self.url)
-        host = parts.netloc.rpartition("@")[2]  # no password in a log line
-        return urlunsplit((parts.scheme, host, parts.path, "", ""))
+        return location(self.url)
 
     def _append(self, key: str, encoded: List[str], first: Tail, user_id: Hashable) -> int:
         key = KEY_PREFIX + key

@@ -11,10 +11,10 @@ the ``redis`` client package.
 from __future__ import annotations
 
 from typing import List, Optional, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from gr.serving.redis_client import connect, location
 from gr.serving.shared_tier import TierError, TierStore
 
 KEY_PREFIX = "gr:kv:"
@@ -30,16 +30,13 @@ class RedisTier(TierStore):
     def __init__(self, url: str) -> None:
         self.url = url
         try:
-            self._client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
-            self._client.ping()
+            self._client = connect(url, TIMEOUT_S)
         except (redis.RedisError, ValueError) as exc:
             raise TierError(f"remote tier {self.location}: {exc}") from None
 
     @property
     def location(self) -> str:
-        parts = urlsplit(self.url)
-        host = parts.netloc.rpartition("@")[2]  # no password in a log line
-        return urlunsplit((parts.scheme, host, parts.path, "", ""))
+        return location(self.url)
 
     def get(self, version: str, user: str) -> Optional[bytes]:
         try:
