@@ -1,5 +1,5 @@
 """Near-real-time publishing: a training run writes a delta export every ``trainer.publish_every``
-steps or seconds into ``trainer.publish_dir``, a chain a service follows (docs/export.md,
+steps or seconds into ``trainer.publish_dir``, a chain a service follows (docs/export_format.md,
 "Publishing from a training run").
 
 The directory holds the chain by number: ``000000``, a full export (unless ``trainer.publish_base``
