@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from gr.commands.train import parse_overrides
 from gr.data.config import DataConfig
 from gr.data.download import DATASETS, DownloadError, download_dataset
-from gr.train.config import apply_override, parse_value, read_yaml
+from gr.train.config import apply_override, parse_value, read_recipe
 from gr.utils.cli_errors import USAGE_EXIT_STATUS, one_line, run_cli
 from gr.utils.outputs import checked_output
 
@@ -159,12 +159,7 @@ def _data_config(path: Optional[Path], base: Dict[str, Any], overrides: Sequence
     """The data section of the config file ``path`` (None: ``base``, a manifest's) with the overrides."""
     data = base
     if path is not None:
-        try:
-            values = read_yaml(path.read_text(encoding="utf8"))
-        except OSError as error:
-            raise ValueError(f"{path}: cannot read the config ({error})") from None
-        sections: Dict[str, Any] = values if isinstance(values, dict) else {}
-        section = sections.get("data")
+        section = read_recipe(path).get("data")
         data = section if isinstance(section, dict) else {}
     for dotted, text in overrides:
         apply_override({"data": data}, dotted, parse_value(text))

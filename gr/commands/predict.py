@@ -73,7 +73,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List,
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 
 from gr.export.format import TIMESTAMPS
 from gr.export.item_store import ITEM_FEATURE
@@ -240,18 +239,12 @@ def _read_events(events: Path, config: Optional[Path]) -> Interactions:
     from gr.data.config import DataConfig
     from gr.data.prepared.manifest import MANIFEST
     from gr.data.readers import READERS
-    from gr.train.config import read_yaml
+    from gr.train.config import read_recipe
 
     if (events / MANIFEST).is_file():
         return _read_prepared(events, config)
     assert config is not None  # predict_events asks for it
-    try:
-        values = read_yaml(config.read_text())
-    except OSError as exc:
-        raise ValueError(f"--config {config}: cannot read the recipe ({exc})") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--config {config}: invalid YAML: {exc}") from None
-    section = values.get("data") if isinstance(values, dict) else None
+    section = read_recipe(config, f"--config {config}").get("data")
     if not isinstance(section, dict):
         raise ValueError(f"--config {config}: expected a data: section naming the event columns (data.columns)")
     try:
@@ -273,14 +266,14 @@ def _read_prepared(directory: Path, config: Optional[Path]) -> Interactions:
     from gr.data.interactions import Interactions
     from gr.data.prepared.manifest import read_manifest
     from gr.data.prepared.reader import PreparedData
-    from gr.train.config import read_yaml
+    from gr.train.config import read_recipe
 
     data = read_manifest(directory).data_config()
     if config is not None:
+        section = read_recipe(config, f"--config {config}").get("data")
         try:
-            section = (read_yaml(config.read_text()) or {}).get("data") or {}
-            data = DataConfig.from_dict({**section, "prepared": str(directory)})
-        except (OSError, AttributeError, yaml.YAMLError, ValueError) as exc:
+            data = DataConfig.from_dict({**(section if isinstance(section, dict) else {}), "prepared": str(directory)})
+        except ValueError as exc:
             raise ValueError(f"--config {config}: {one_line(exc)}") from None
     prepared = PreparedData(directory, dataclasses.replace(data, since_append=None), {})
     parts = [rows for _, rows in prepared.scan(prepared.row_groups)]

@@ -736,17 +736,25 @@ def _list_index(node: list, part: str, where: str) -> int:
     return int(part)
 
 
+def read_recipe(path: str | Path, name: Optional[str] = None) -> Dict[str, Any]:
+    """The sections of the recipe YAML at ``path``; a ValueError starting with ``name`` (default: the
+    path) when it cannot be read, is not YAML or is not a mapping of sections."""
+    name = str(path) if name is None else name
+    try:
+        values = read_yaml(Path(path).read_text(encoding="utf8"))
+    except OSError as error:
+        raise ValueError(f"{name}: cannot read the config ({error})") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"{name}: invalid YAML: {error}") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{name}: expected a mapping of sections (data:, model:, ...), got {type(values).__name__}")
+    return values
+
+
 def load_config(path: str | Path, overrides: Sequence[Tuple[str, str]] = ()) -> TrainConfig:
     """Read a recipe YAML, apply ``(dotted.key, text)`` overrides, validate. Errors name the file."""
     path = Path(path)
-    try:
-        values = read_yaml(path.read_text())
-    except OSError as error:
-        raise ValueError(f"{path}: cannot read the config ({error})") from error
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path}: invalid YAML: {error}") from error
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of sections (data:, model:, ...), got {type(values).__name__}")
+    values = read_recipe(path)
     for dotted, text in overrides:
         apply_override(values, dotted, parse_value(text))
     _check_path_is_read(values, path, overrides)
