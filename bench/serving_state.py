@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import yaml
@@ -155,6 +155,18 @@ def memory_section(args: argparse.Namespace) -> Dict[str, object]:
     }
 
 
+def measuring(clock_name: str) -> Tuple[Callable[[], float], Dict[str, Any]]:
+    """The clock a run times with ("wall": ``time.perf_counter``; "thread": this thread's CPU time, torch
+    on one thread) and the summary's host fields (clock, cpu, load_average at the start), printed as a line."""
+    clock = time.perf_counter if clock_name == "wall" else time.thread_time
+    if clock_name == "thread":
+        torch.set_num_threads(1)
+    load_start = load_average()
+    model, flags = cpu()
+    print(f"cpu: {model}; flags: {' '.join(flags)}; load average {load_start}; clock: {clock_name}")
+    return clock, {"clock": clock_name, "cpu": {"model": model, "flags": flags}, "load_average": {"start": load_start}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
@@ -177,19 +189,13 @@ def main() -> None:
             "shapes": ["ml1m"],
         },
     )
-    clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    if args.clock == "thread":
-        torch.set_num_threads(1)
-    load_start = load_average()
-    model, flags = cpu()
-    print(f"cpu: {model}; flags: {' '.join(flags)}; load average {load_start}; clock: {args.clock}")
+    clock, host = measuring(args.clock)
     extend = {name: extend_section(args, name, clock) for name in args.shapes}
     memory = memory_section(args)
+    host["load_average"]["end"] = load_average()
     summary = {
         "bench": "serving_state",
-        "clock": args.clock,
-        "cpu": {"model": model, "flags": flags},
-        "load_average": {"start": load_start, "end": load_average()},
+        **host,
         "extend": extend,
         "memory": memory,
     }

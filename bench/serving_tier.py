@@ -34,7 +34,6 @@ import json
 import shutil
 import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke  # noqa: E402
-from _host import cpu, load_average  # noqa: E402
-from serving_state import shape  # noqa: E402
+from _host import load_average  # noqa: E402
+from serving_state import measuring, shape  # noqa: E402
 
 from gr.hstu import HSTU
 from gr.hstu.cache import CachedHSTU, cache_bytes_per_token
@@ -289,12 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         },
         argv,
     )
-    clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    if args.clock == "thread":
-        torch.set_num_threads(1)
-    load_start = load_average()
-    model, flags = cpu()
-    print(f"cpu: {model}; flags: {' '.join(flags)}; load average {load_start}; clock: {args.clock}")
+    clock, host = measuring(args.clock)
     directory = tier_directory()  # the shared tiers' files, removed however the run ends
     try:
         line = {name: line_section(args, name, directory, clock) for name in args.line_shapes}
@@ -303,11 +297,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         zipf = zipf_section(args, HSTU(config).eval(), torch.randn(ITEMS, config.hidden_dim), directory, clock)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    host["load_average"]["end"] = load_average()
     summary = {
         "bench": "serving_tier",
-        "clock": args.clock,
-        "cpu": {"model": model, "flags": flags},
-        "load_average": {"start": load_start, "end": load_average()},
+        **host,
         "line": line,
         "zipf": zipf,
     }
