@@ -19,7 +19,7 @@ DEFAULTS = {
     "model.tables[].sharding": "null (row_wise for sequence tables, table_wise for common ones)",
     "model.tables[].optimizer": "null (sparse.optimizer)",
     **{
-        f"data.ranking.{key}": f"{getattr(RankingConfig(), key)} (0 under candidates: impressions, which samples no items)"
+        f"data.ranking.{key}": f"{getattr(RankingConfig(), key)} (0 under candidates: impressions: no item is sampled)"
         for key in ("num_negatives", "eval_num_negatives")
     },
 }
