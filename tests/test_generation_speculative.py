@@ -21,8 +21,10 @@ from gr.generation.draft_tree import DraftTree, tree_from_paths
 from gr.generation.drafts import ModelDrafter, PoolDrafter, RankingDrafter
 from gr.generation.pools import SequencePool
 from gr.generation.speculative_retrieval import SpeculativeRetrieval, greedy_speculative_retrieval
+from gr.hstu.cache import CachedHSTU
+from gr.hstu.paged import PagePool
 from gr.index.exact import ExactIndex, top_items
-from helpers.generation import NUM_ITEMS, REQUEST_TIME, begin, make_model, random_user
+from helpers.generation import NUM_ITEMS, REQUEST_TIME, TableModel, begin, make_model, random_user
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -325,3 +327,30 @@ def test_speculative_greedy_with_a_shared_budget_equals_greedy_and_skips_the_dra
     got = speculative_greedy(model, index, begin(model, items, ts), 12, REQUEST_TIME, drafter, budget=losing)
     assert got.items == want and drafter.calls == 0 and got.stats.drafted == 0
     assert drafter.inner.state is None, "a request that never drafts never runs the draft model"
+
+
+def test_generation_on_a_paged_engine_writes_only_new_tokens_and_equals_generation_on_tensors(model, index):
+    """Each step's state shares the history's pages (the new token goes into the last page's free
+    slots or one new page; a speculative rollback shares the kept pages and copies at most its
+    partial last one); greedy, speculative greedy and the queries equal the unpaged engine's."""
+    engine = CachedHSTU(model.engine.hstu, PagePool(model.engine.config, 96, 4))
+    paged = TableModel(engine, model.table)
+    pool = SequencePool(max_ngram=2)
+    users = [random_user(seed) for seed in range(20, 24)]
+    for items, ts in users[:2]:
+        pool.add(items.tolist() + greedy(model, index, begin(model, items, ts), 8, REQUEST_TIME).items)
+    for items, ts in users:
+        state, plain = begin(paged, items, ts), begin(model, items, ts)
+        assert state.cache.paged is not None and not state.cache.keys
+        torch.testing.assert_close(state.query, plain.query, rtol=0, atol=0)
+        used = engine.pool.used
+        after = step(paged, state, 0, REQUEST_TIME)
+        assert after.cache.paged.pages[: len(state.cache.paged.pages) - 1] == state.cache.paged.pages[:-1]
+        assert engine.pool.used - used <= 1
+        torch.testing.assert_close(after.query, step(model, plain, 0, REQUEST_TIME).query, rtol=0, atol=0)
+        want = greedy(model, index, plain, 8, REQUEST_TIME)
+        assert greedy(paged, index, state, 8, REQUEST_TIME).items == want.items
+        drafted = speculative_greedy(paged, index, state, 8, REQUEST_TIME, PoolDrafter(pool, max_depth=4))
+        assert drafted.items == want.items
+    del state, after
+    assert engine.pool.used == 0  # every state's pages came back

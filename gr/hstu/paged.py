@@ -152,6 +152,16 @@ class PagePool:
         self._write(pages, length, keys, values, first_fresh=len(kept))
         return self._table(pages, length + n)
 
+    def truncated(self, base: "PagedKV", length: int) -> "PagedKV":
+        """The first ``length`` tokens of ``base`` (0 <= length <= base.length), sharing its pages: no
+        copy. Appending to it later copies its partial last page (``append``), so ``base``'s tokens
+        after ``length`` stay as they are."""
+        if base.pool is not self:
+            raise ValueError("PagePool.truncated: the history's pages are in another pool")
+        if not 0 <= length <= base.length:
+            raise ValueError(f"PagePool.truncated: expected 0 <= length <= {base.length}, got {length}")
+        return self._table(list(base.pages[: -(-length // self.page_size)]), length)
+
     def _fits(self, keys: Sequence[Tensor], values: Sequence[Tensor]) -> bool:
         return len(keys) == len(self.keys) and all(t.dtype == self.dtype for t in (*keys, *values))
 

@@ -154,8 +154,11 @@ def evict(tokens: Tokens, limit: int, block: int = 1) -> Tuple[Tokens, int]:
 
 
 def truncate(cache: HistoryCache, length: int) -> HistoryCache:
-    """The cache of the first ``length`` tokens (of a cache with nothing pending), in its own tensors."""
-    cache = cache.unpaged()
+    """The cache of the first ``length`` tokens (of a cache with nothing pending): a paged cache's
+    first pages, shared (``PagePool.truncated``), else views of its own tensors."""
+    if cache.paged is not None:
+        paged = cache.paged.pool.truncated(cache.paged, length)
+        return HistoryCache((), (), cache.timestamps[:length], None, paged)
     return HistoryCache(
         tuple(k[:, :length] for k in cache.keys), tuple(v[:, :length] for v in cache.values), cache.timestamps[:length]
     )
@@ -165,10 +168,18 @@ def append(
     cache: HistoryCache, keys: List[Tensor], values: List[Tensor], timestamps: Tensor, rows: Tensor
 ) -> HistoryCache:
     """Commit ``rows`` of a ``CachedHSTU.run_block`` result. keys/values: per layer [H, n, *];
-    timestamps: [n]; rows: [r] int64. The result keeps its K/V in its own tensors."""
+    timestamps: [n]; rows: [r] int64. A paged cache gets the new tokens written into its pool
+    (``PagePool.append``: the prefix is not copied); otherwise, or when the pool is full, the
+    result keeps its K/V in its own tensors."""
+    times = torch.cat([cache.timestamps, timestamps[rows].to(torch.long)])
+    new_keys, new_values = [k[:, rows] for k in keys], [v[:, rows] for v in values]
+    if cache.paged is not None:
+        paged = cache.paged.pool.append(cache.paged, new_keys, new_values)
+        if paged is not None:
+            return HistoryCache((), (), times, None, paged)
     cache = cache.unpaged()
     return HistoryCache(
-        tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.keys, keys)),
-        tuple(torch.cat([old, new[:, rows]], dim=1) for old, new in zip(cache.values, values)),
-        torch.cat([cache.timestamps, timestamps[rows].to(torch.long)]),
+        tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.keys, new_keys)),
+        tuple(torch.cat([old, new], dim=1) for old, new in zip(cache.values, new_values)),
+        times,
     )
