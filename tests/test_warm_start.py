@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from gr.commands.evaluate import evaluate_run
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import MANIFEST, load_mappings
 from gr.sparse.torch_tables import attach_optimizers
@@ -347,14 +348,20 @@ def test_id_maps_that_do_not_fit_the_runs_checkpoint_are_refused_naming_the_file
     assert "\n" not in str(refused.value)
 
 
-def test_new_data_whose_ids_are_of_another_kind_than_the_runs_are_refused_naming_the_column_and_map(day_runs, tmp_path):
+def test_new_data_whose_ids_are_of_another_kind_than_the_runs_are_refused_by_a_warm_start_and_evaluation(
+    day_runs, tmp_path
+):
     header, *rows = (day_runs / "all.csv").read_text().splitlines()
     named = [f"{user},i{item},{rest}" for user, item, rest in (row.split(",", 2) for row in rows)]
     (tmp_path / "named.csv").write_text("\n".join([header, *named]) + "\n")
     config = _config(tmp_path / "named.csv", init_from=str(day_runs / "day0"))
     message = (
-        rf"^{re.escape(str(tmp_path / 'named.csv'))}: column 'item_id': the new data's ids are strings, those of "
+        rf"^{re.escape(str(tmp_path / 'named.csv'))}: column 'item_id': the data's ids are strings, those of "
         rf"{re.escape(str((day_runs / 'day0' / 'mappings' / 'items.tsv').resolve()))} \(the model's\) are integers; "
     )
     with pytest.raises(ValueError, match=message):
         train(config, tmp_path / "warm")
+    with pytest.raises(
+        ValueError, match=message.replace(r"\(the model's\) are integers; ", r"\(the model's\) are integers$")
+    ):
+        evaluate_run(day_runs / "day0", [("data.path", str(tmp_path / "named.csv"))])  # judged on later data

@@ -102,7 +102,10 @@ class SequenceDataModule(lightning.LightningDataModule):
         config = self.config
         data = read_source(config)
         base, extend = self.base_maps, self.new_ids == "extend"
-        unknown = None if extend or "items" not in base else base["items"].encode(data.items, unknown=-1) < 0
+        unknown = None
+        if not extend and "items" in base:
+            base["items"].check_kind(data.items, f"{data.source}: column {config.columns.item!r}")
+            unknown = base["items"].encode(data.items, unknown=-1) < 0
         sequences, self.user_map, self.item_map = build_sequences(
             data, config.min_seq_len, config.min_item_interactions, base.get("items"), unknown, config.columns.item
         )

@@ -51,15 +51,20 @@ class IdMap:
         keeps its dense id. column: where ``values`` come from (e.g. "FILE: column 'item_id'"),
         named when they are not of the map's kind (integers, strings): ValueError in one line."""
         values = np.unique(np.asarray(values))
-        if len(values) and len(self.raw) and id_kind(values) != id_kind(self.raw):
-            raise ValueError(
-                f"{column}: the new data's ids are {id_kind(values)}, those of {self.source or 'the map'} (the "
-                f"model's) are {id_kind(self.raw)}; new ids extend a map only when they are of its kind"
-            )
+        self.check_kind(values, column, "; new ids extend a map only when they are of its kind")
         new = values[self.encode(values, unknown=-1) < 0]
         if not len(new):
             return self
         return IdMap(np.concatenate([self.raw, new.astype(self.raw.dtype)]) if len(self.raw) else new, self.offset)
+
+    def check_kind(self, values: np.ndarray, column: str, why: str = "") -> None:
+        """ValueError in one line naming ``column`` (where ``values``, [N] raw ids, come from) when
+        they are not of this map's kind (integers, strings); ``why`` ends the message."""
+        if len(values) and len(self.raw) and id_kind(values) != id_kind(self.raw):
+            raise ValueError(
+                f"{column}: the data's ids are {id_kind(values)}, those of {self.source or 'the map'} (the "
+                f"model's) are {id_kind(self.raw)}{why}"
+            )
 
     @property
     def cardinality(self) -> int:
