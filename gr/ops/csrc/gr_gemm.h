@@ -61,9 +61,10 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-// dst[kk * ldd + j] = src[j * lds + kk] for j < n, kk < k: the [k, n] transpose of a row-major [n, k],
-// 16 x 16 blocks at a time in registers.
-inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float* dst, int64_t ldd) {
+// dst[kk * ldd + j] = row(j)[kk] for j < n, kk < k: the [k, n] transpose of n rows of k floats, each
+// wherever row(j) (a const float*) puts it, 16 x 16 blocks at a time in registers.
+template <typename Row>
+inline void transpose_rows(int64_t n, int64_t k, const Row& row, float* dst, int64_t ldd) {
   __m512 r[16];
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n - j0);
@@ -72,11 +73,16 @@ inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float
       const int64_t cols = std::min<int64_t>(16, k - k0);
       const __mmask16 col_mask = first_lanes(cols);
       for (int64_t i = 0; i < 16; ++i)
-        r[i] = i < rows ? _mm512_maskz_loadu_ps(col_mask, src + (j0 + i) * lds + k0) : _mm512_setzero_ps();
+        r[i] = i < rows ? _mm512_maskz_loadu_ps(col_mask, row(j0 + i) + k0) : _mm512_setzero_ps();
       transpose16(r);
       for (int64_t c = 0; c < cols; ++c) _mm512_mask_storeu_ps(dst + (k0 + c) * ldd + j0, row_mask, r[c]);
     }
   }
+}
+
+// dst[kk * ldd + j] = src[j * lds + kk] for j < n, kk < k: the [k, n] transpose of a row-major [n, k].
+inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float* dst, int64_t ldd) {
+  transpose_rows(n, k, [&](int64_t j) { return src + j * lds; }, dst, ldd);
 }
 
 // A's element (i, k) at data[i * row_stride + k * col_stride]: either layout, read in place.
@@ -122,6 +128,33 @@ struct Fp32Operands {
     for (int64_t k = 0; k < depth; ++k) {
       const __m512 b0 = _mm512_maskz_loadu_ps(lo, b + k * ldb);
       const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + k * ldb + 16) : _mm512_setzero_ps();
+      const float* ak = a.data + k * a.col_stride;
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
+        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+        if constexpr (kTwo) acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      }
+    }
+  }
+};
+
+// Fp32Operands with B's rows anywhere: row k of B at rows[k] (+ col, this column block's first).
+struct Fp32RowOperands {
+  View a;
+  const float* const* rows;
+  int64_t col;
+  __mmask16 lo, hi;
+
+  Fp32RowOperands rows_from(int64_t i0) const {
+    return {{a.data + i0 * a.row_stride, a.row_stride, a.col_stride}, rows, col, lo, hi};
+  }
+  // acc[r] += sum_k A[r, k] B[k, lanes] for k < depth.
+  template <int R, bool kTwo>
+  void accumulate(int64_t depth, __m512 acc[R][2]) const {
+    for (int64_t k = 0; k < depth; ++k) {
+      const float* b = rows[k] + col;
+      const __m512 b0 = _mm512_maskz_loadu_ps(lo, b);
+      const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + 16) : _mm512_setzero_ps();
       const float* ak = a.data + k * a.col_stride;
       for (int r = 0; r < R; ++r) {
         const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
@@ -253,6 +286,31 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
   }
 }
 
+// gemm(false, trans_b, ...) with B's stored rows anywhere: row r at rows[r] (trans_b: B stored [N, K],
+// row j is column j of op(B); else [K, N]). Each element is summed as gemm sums it (k ascending within
+// passes of kDepth, columns in blocks of kCols, no narrow_columns), so it depends on the rows' values
+// only: rows read through a page table give the bits of the same rows read in place.
+__attribute__((noinline, noclone)) inline void gemm_rows(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                                                         const float* a, int64_t lda, const float* const* rows,
+                                                         float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0 || k <= 0) return gemm(false, trans_b, m, n, k, alpha, a, lda, nullptr, 0, beta, c, ldc);
+  alignas(64) float panel[kDepth * kCols];
+  for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+    const int64_t cols = std::min(kCols, n - j0);
+    const __mmask16 lo = first_lanes(cols), hi = first_lanes(cols - 16);
+    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+      const int64_t depth = std::min(kDepth, k - k0);
+      const View av{a + k0, lda, 1};
+      if (trans_b) {
+        transpose_rows(cols, depth, [&](int64_t j) { return rows[j0 + j] + k0; }, panel, kCols);
+        column_block(m, cols, depth, alpha, Fp32Operands{av, panel, kCols, lo, hi}, beta, k0 == 0, c + j0, ldc);
+      } else {
+        column_block(m, cols, depth, alpha, Fp32RowOperands{av, rows + k0, j0, lo, hi}, beta, k0 == 0, c + j0, ldc);
+      }
+    }
+  }
+}
+
 #else  // no AVX-512 in this build: the BLAS
 
 inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float* dst, int64_t ldd) {
@@ -261,6 +319,16 @@ inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float
 }
 
 using gr_blas::gemm;
+
+// gemm(false, trans_b, ...) with B's stored rows anywhere (row r at rows[r]): the rows copied into one
+// aligned tile first, so that equal rows give equal bits wherever they are.
+inline void gemm_rows(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                      const float* const* rows, float beta, float* c, int64_t ldc) {
+  const int64_t count = trans_b ? n : k, width = trans_b ? k : n;
+  gr_blas::AlignedFloats tile(count * width);
+  for (int64_t r = 0; r < count; ++r) std::copy(rows[r], rows[r] + width, tile.data() + r * width);
+  gemm(false, trans_b, m, n, k, alpha, a, lda, tile.data(), std::max<int64_t>(width, 1), beta, c, ldc);
+}
 
 #endif
 

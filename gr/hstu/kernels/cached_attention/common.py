@@ -10,8 +10,9 @@ key) pairs, and the paged form of a cache (``PagedCache``: K or V read through p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Tuple, Union, overload
+from typing import Iterator, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
 from torch import Tensor
@@ -42,6 +43,7 @@ class PageTables:
         self.page_size = int(page_size)
         self._reads: dict = {}  # (request, length) -> ("run", first row) | ("rows", [length] int64)
         self._extremes: Optional[list] = None  # per table (smallest, largest page id), for the checks
+        self._blocks: dict = {}  # lengths -> (first pool row of each page read [S] int64, offsets [B+1])
 
     def extremes(self) -> list:
         """Per table (smallest page id, largest page id), or None for an empty table (computed once)."""
@@ -51,6 +53,20 @@ class PageTables:
 
     def __len__(self) -> int:
         return len(self.tables)
+
+    def blocks(self, lengths: Sequence[int]) -> Tuple[Tensor, List[int]]:
+        """-> (starts [S] int64: the first pool row of each page holding the requests' first ``lengths``
+        tokens, request after request, on the CPU; offsets [B+1]: where each request's pages begin in
+        starts), computed once per lengths: token j of request b is in row starts[offsets[b] + j //
+        page_size] + j % page_size."""
+        key = tuple(lengths)
+        found = self._blocks.get(key)
+        if found is None:
+            used = [table[: -(-length // self.page_size)].cpu() for table, length in zip(self.tables, key)]
+            starts = torch.cat(used).long() * self.page_size if used else torch.zeros(0, dtype=torch.long)
+            found = (starts, [0, *itertools.accumulate(t.numel() for t in used)])
+            self._blocks[key] = found
+        return found
 
     def read(self, index: int, length: int) -> Tuple[str, Union[int, Tensor]]:
         """How request ``index``'s first ``length`` tokens are read: ("run", first pool row) when
