@@ -317,10 +317,50 @@ def test_the_fused_cpu_kernel_reads_pages_where_they_lie_with_the_bits_of_tensor
     torch.testing.assert_close(got, reference_rows(p, new_tokens, options), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_request_pages_among_tensors_equal_one_jagged_cache(backend, monkeypatch):
+    """A batch whose users are partly paged (each its own page table into a fragmented pool) and partly
+    in tensors, as after a pool filled in the middle of a batch: the jagged answer, bit for bit; the
+    fused CPU kernel reads the pages where they lie (no request's pages read into a tensor)."""
+    p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 9], new_lengths=[3, 2, 4, 1])
+    cache_rows, new_rows = split(p)
+    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
+    pool_k, tables = paged(keys, p["cache_lengths"], 4, seed=1)
+    pool_v, _ = paged(values, p["cache_lengths"], 4, seed=1)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    bounds = offsets(p["cache_lengths"]).tolist()
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    own_tables = [PageTables([dev(t)], 4) for t in tables]
+    mixed_k = [PagedCache(dev(pool_k), own_tables[0]), dev(keys[:, 5:5]), PagedCache(dev(pool_k), own_tables[2])]
+    mixed_v = [PagedCache(dev(pool_v), own_tables[0]), dev(values[:, 5:5]), PagedCache(dev(pool_v), own_tables[2])]
+    mixed_k.append(dev(keys[:, bounds[3] :]))
+    mixed_v.append(dev(values[:, bounds[3] :]))
+    rab = bias(p, new_rows)
+    rab = RelativeBias(dev(rab.position_weights), dev(rab.time_weights), dev(rab.timestamps), rab.time_bucketing, None)
+    args = [dev(t) for t in (p["q"][new_rows], p["k"][new_rows], p["v"][new_rows], offsets(p["new_lengths"]))]
+    common_args = dict(new_tokens="history", rab=rab, backend=backend, alpha=0.3)
+    common_args["cache_timestamps"] = dev(p["ts"][cache_rows])
+    want = hstu_cached_attention(*args, dev(keys), dev(values), dev(offsets(p["cache_lengths"])), **common_args)
+    if backend == "cpu" and native_ops("gr_cpu_cached") is not None:
+        monkeypatch.setattr(common.PagedCache, "read", lambda *_: pytest.fail("pages read into a tensor"))
+    got = hstu_cached_attention(*args, mixed_k, mixed_v, dev(offsets(p["cache_lengths"])), **common_args)
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
+
+
 def test_a_page_table_too_short_for_its_tokens_is_a_named_error():
     p = problem(cache_lengths=[5], new_lengths=[2])
     cache_rows, new_rows = split(p)
     tables = PageTables([torch.tensor([0])], 4)  # 4 slots for 5 tokens
+    with pytest.raises(ValueError, match="cache_k: request 0's page table"):
+        hstu_cached_attention(
+            p["q"][new_rows],
+            p["k"][new_rows],
+            p["v"][new_rows],
+            torch.tensor([0, 2]),
+            [PagedCache(torch.zeros(HEADS, 8, DA), tables)],
+            [PagedCache(torch.zeros(HEADS, 8, DL), tables)],
+            torch.tensor([0, 5]),
+        )
     with pytest.raises(ValueError, match="cache_k: request 0's page table"):
         hstu_cached_attention(
             p["q"][new_rows],

@@ -155,7 +155,8 @@ def _load_once() -> Tuple[bool, str]:
     instead of building again (loading a library twice would register its op namespaces twice,
     which aborts the process)."""
     with _load_lock:
-        pending = tuple(source for source in SOURCES if not any(source in loaded for loaded in _libraries))
+        # SOURCES only grows, and each library took the sources added before it: the rest are pending
+        pending = tuple(SOURCES[sum(map(len, _libraries)) :])
         if pending:
             _libraries.append(pending)
         failed = [why for built, why in map(_load, _libraries) if not built]

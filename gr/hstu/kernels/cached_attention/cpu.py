@@ -11,7 +11,7 @@ view, or a gather of its rows when its pages are not consecutive)."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,9 @@ from gr.jagged import lengths_from_offsets
 from gr.ops.native import cpu_bf16_math, native_ops
 
 # Where the fused kernel reads K/V: (K pools, V pools, each request's pool [B], the first pool row of
-# each block of tokens [S] int64, where each request's blocks begin in those [B+1], tokens per block).
-Layout = Tuple[List[Tensor], List[Tensor], List[int], Tensor, List[int], int]
+# each block of tokens [S] int64, where each request's blocks begin in those [B+1], each request's
+# tokens per block [B]).
+Layout = Tuple[List[Tensor], List[Tensor], List[int], Tensor, List[int], List[int]]
 
 
 def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
@@ -85,9 +86,9 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     fused = None
     if layout is not None:
         assert ops is not None  # a layout is made for the fused kernel only
-        pools_k, pools_v, pool_index, starts, block_offsets, size = layout
+        pools_k, pools_v, pool_index, starts, block_offsets, sizes = layout
         fused = ops.cached_forward(
-            q, pools_k, pools_v, call.new_offsets.tolist(), lengths, pool_index, starts, block_offsets, size,
+            q, pools_k, pools_v, call.new_offsets.tolist(), lengths, pool_index, starts, block_offsets, sizes,
             float(call.alpha), biases, masks,
         )  # fmt: skip
     for request, attn, new_part in steps:
@@ -120,28 +121,45 @@ def _cached_part(
 def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layout]:
     """Where the fused kernel reads each request's K/V (on the CPU, fp32), or None when it cannot: a
     paged cache through its page tables (K and V sharing them), a jagged tensor or per-request
-    tensors in place (one block of a request's tokens from its first row)."""
+    tensors in place (one block of a request's tokens from its first row), per-request pages
+    through their own tables."""
     cache_k, cache_v, count = call.cache_k, call.cache_v, len(lengths)
     if isinstance(cache_k, PagedCache) or isinstance(cache_v, PagedCache):
-        if (
-            not isinstance(cache_k, PagedCache)
-            or not isinstance(cache_v, PagedCache)
-            or cache_k.tables is not cache_v.tables
-        ):
+        if not isinstance(cache_k, PagedCache) or not isinstance(cache_v, PagedCache):
+            return None  # one of them in tensors
+        if cache_k.tables is not cache_v.tables:
             return None
         starts, offsets = cache_k.tables.blocks(lengths)
-        pools_k, pools_v, index, size = [cache_k.pool], [cache_v.pool], [0] * count, cache_k.tables.page_size
+        pools_k, pools_v, index = [cache_k.pool], [cache_v.pool], [0] * count
+        sizes = [cache_k.tables.page_size] * count
+    elif isinstance(cache_k, Tensor) and isinstance(cache_v, Tensor):
+        pools_k, pools_v, index, starts = [cache_k], [cache_v], [0] * count, call.cache_offsets.cpu()
+        offsets, sizes = list(range(count + 1)), [max(1, n) for n in lengths]  # one block a request
     else:
-        offsets, size = list(range(count + 1)), max([1, *lengths])  # one block a request
-        if isinstance(cache_k, Tensor) and isinstance(cache_v, Tensor):
-            pools_k, pools_v, index, starts = [cache_k], [cache_v], [0] * count, call.cache_offsets.cpu()
-        else:
-            pools_k, pools_v = list(cache_k), list(cache_v)
-            index, starts = list(range(count)), torch.zeros(count, dtype=torch.long)
+        assert not isinstance(cache_k, Tensor) and not isinstance(cache_v, Tensor)  # per-request lists
+        pools_k, pools_v, index, parts, offsets, sizes = [], [], [], [], [0], []
+        where: Dict[int, int] = {}  # id of a K pool -> its place in pools_k
+        for own_k, own_v, length in zip(cache_k, cache_v, lengths):
+            if isinstance(own_k, PagedCache) and isinstance(own_v, PagedCache) and own_k.tables is own_v.tables:
+                part_starts, _ = own_k.tables.blocks([length])
+                pool_k, pool_v, size = own_k.pool, own_v.pool, own_k.tables.page_size
+            elif isinstance(own_k, Tensor) and isinstance(own_v, Tensor):
+                part_starts, pool_k, pool_v, size = torch.zeros(1, dtype=torch.long), own_k, own_v, max(1, length)
+            else:
+                return None
+            if id(pool_k) not in where:
+                where[id(pool_k)] = len(pools_k)
+                pools_k.append(pool_k)
+                pools_v.append(pool_v)
+            index.append(where[id(pool_k)])
+            parts.append(part_starts)
+            offsets.append(offsets[-1] + int(part_starts.numel()))
+            sizes.append(size)
+        starts = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
     pools_k, pools_v = [_rows_contiguous(t) for t in pools_k], [_rows_contiguous(t) for t in pools_v]
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*pools_k, *pools_v)):
         return None
-    return pools_k, pools_v, index, starts, offsets, size
+    return pools_k, pools_v, index, starts, offsets, sizes
 
 
 def _rows_contiguous(t: Tensor) -> Tensor:

@@ -9,7 +9,7 @@
 // by the shapes alone), so the same K/V give the same bits wherever they lie: no gather copy of the
 // cache, and no slower code for the unpaged one. Each (request, head) takes its new tokens kRowBlock at
 // a time against kKeyBlock keys at a time: a block's keys are transposed once for all of its rows
-// (one or two new tokens take dot products instead), and its scores tile stays in this core's cache
+// (one or two new tokens take dot products and a weighted sum instead), and its scores tile stays in this core's cache
 // through bias, SiLU and mask to the second GEMM.
 // Built and loaded by gr/ops/native.py; the PyTorch code runs when this cannot be built.
 #include <ATen/ATen.h>
@@ -36,7 +36,7 @@ using at::Tensor;
 
 constexpr int64_t kRowBlock = 64;   // new tokens per scores tile
 constexpr int64_t kKeyBlock = 256;  // cached keys per scores tile (gr_gemm's kDepth: one pass of the second GEMM)
-constexpr int64_t kDotRows = 2;     // at most this many new tokens: their scores by dot_rows, else gemm_rows
+constexpr int64_t kDotRows = 2;     // at most this many new tokens: dot_rows and weigh_rows, else gemm_rows
 
 // An fp32 [n or 1, C] tensor of per-(new token, cached key) terms (bias or mask), or none.
 struct Rows {
@@ -80,14 +80,53 @@ void dot_rows(int64_t m, int64_t n, int64_t D, float alpha, const float* q, int6
   }
 }
 
+// out[i * ldo + c] = (accumulate ? out : 0) + sum_j w[i * ld + j] values[j][c] for i < m (at most
+// kDotRows), j < n, c < Dl: per 16 columns, the keys in 4 interleaved partial sums (one would wait
+// on the last FMA at every key), added pairwise at the end.
+void weigh_rows(int64_t m, int64_t n, int64_t Dl, const float* w, int64_t ld, const float* const* values,
+                bool accumulate, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  constexpr int64_t kWays = 4;
+  for (int64_t c0 = 0; c0 < Dl; c0 += 16) {
+    const __mmask16 lanes = gr_gemm::first_lanes(Dl - c0);
+    __m512 acc[kDotRows][kWays];
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t u = 0; u < kWays; ++u) acc[r][u] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + kWays <= n; j += kWays)
+      for (int64_t u = 0; u < kWays; ++u) {
+        const __m512 x = _mm512_maskz_loadu_ps(lanes, values[j + u] + c0);
+        for (int64_t r = 0; r < m; ++r) acc[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * ld + j + u]), x, acc[r][u]);
+      }
+    for (; j < n; ++j) {
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, values[j] + c0);
+      for (int64_t r = 0; r < m; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * ld + j]), x, acc[r][0]);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+      if (accumulate) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, out + r * ldo + c0), sum);
+      _mm512_mask_storeu_ps(out + r * ldo + c0, lanes, sum);
+    }
+  }
+#else
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < Dl; ++c) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += w[r * ld + j] * values[j][c];
+      out[r * ldo + c] = accumulate ? out[r * ldo + c] + sum : sum;
+    }
+#endif
+}
+
 // out [N, H, Dl] = per request b and head h, rows [new_offsets[b], new_offsets[b + 1]):
 // sum_j mask * SiLU(alpha q k_j + bias) v_j over its cache_lengths[b] cached keys j (k_j, v_j in
 // pools_k / pools_v[pool_index[b]], row block_starts[block_offsets[b] + j / block] + j % block, the
-// request's blocks from block_offsets[b] on); zero rows for a request without cached keys.
+// request's blocks of block = block_sizes[b] tokens from block_offsets[b] on); zero rows for a request
+// without cached keys.
 // bias, mask: per request an fp32 [n_b or 1, C_b] or None.
 Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList pools_v, IntArrayRef new_offsets,
                       IntArrayRef cache_lengths, IntArrayRef pool_index, const Tensor& block_starts,
-                      IntArrayRef block_offsets, int64_t block, double alpha,
+                      IntArrayRef block_offsets, IntArrayRef block_sizes, double alpha,
                       const c10::List<std::optional<Tensor>>& bias, const c10::List<std::optional<Tensor>>& mask) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
               "cpu_cached: q must be an fp32 [N, H, Da] tensor whose last dimension is contiguous");
@@ -96,10 +135,11 @@ Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList po
               "cpu_cached: block_starts must be a contiguous int64 vector");
   const int64_t B = static_cast<int64_t>(cache_lengths.size()), N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Dl = pools_v[0].size(2);
-  TORCH_CHECK(static_cast<int64_t>(new_offsets.size()) == B + 1 && static_cast<int64_t>(block_offsets.size()) == B + 1 &&
-                  static_cast<int64_t>(pool_index.size()) == B && bias.size() == static_cast<size_t>(B) &&
-                  mask.size() == static_cast<size_t>(B) && block >= 1,
-              "cpu_cached: B requests need [B+1] offsets, [B] lengths and pool indices, B biases and masks, block >= 1");
+  TORCH_CHECK(static_cast<int64_t>(new_offsets.size()) == B + 1 &&
+                  static_cast<int64_t>(block_offsets.size()) == B + 1 &&
+                  static_cast<int64_t>(pool_index.size()) == B && static_cast<int64_t>(block_sizes.size()) == B &&
+                  bias.size() == static_cast<size_t>(B) && mask.size() == static_cast<size_t>(B),
+              "cpu_cached: B requests need [B+1] offsets, [B] lengths, pool indices and block sizes, B biases and masks");
   for (size_t p = 0; p < pools_k.size(); ++p) {
     const Tensor &pk = pools_k[p], &pv = pools_v[p];
     TORCH_CHECK(pk.dim() == 3 && pv.dim() == 3 && pk.scalar_type() == at::kFloat && pv.scalar_type() == at::kFloat &&
@@ -116,7 +156,9 @@ Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList po
   TORCH_CHECK(news[0] == 0 && news[B] == N, "cpu_cached: new_offsets must run from 0 to N");
   std::vector<Rows> biases, masks;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = news[b + 1] - news[b], C = lengths[b], used = (C + block - 1) / block;
+    const int64_t n = news[b + 1] - news[b], C = lengths[b], block = block_sizes[b];
+    TORCH_CHECK(block >= 1, "cpu_cached: request ", b, "'s blocks must hold at least one token");
+    const int64_t used = (C + block - 1) / block;
     TORCH_CHECK(n >= 0 && C >= 0 && pools[b] >= 0 && pools[b] < static_cast<int64_t>(pools_k.size()) &&
                     blocks[b] >= 0 && blocks[b] + used <= block_starts.numel(),
                 "cpu_cached: request ", b, " needs a pool index and one block start per ", block, " cached tokens");
@@ -154,6 +196,7 @@ Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList po
         const int64_t k_ld = pk.stride(1), v_ld = pv.stride(1);
         keys.resize(C);
         values.resize(C);
+        const int64_t block = block_sizes[b];
         for (int64_t s = blocks[b], j = 0; j < C; ++s)
           for (int64_t row = starts[s], end = j + std::min(block, C - j); j < end; ++j, ++row) {
             keys[j] = k_head + row * k_ld;
@@ -178,8 +221,11 @@ Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList po
               if (keep != nullptr)
                 for (int64_t j = 0; j < nb; ++j) s[j] *= keep[c0 + j];
             }
-            gr_gemm::gemm_rows(false, m, Dl, nb, 1.0f, scores, kKeyBlock, values.data() + c0, c0 == 0 ? 0.0f : 1.0f,
-                               o + r0 * ldo, ldo);
+            if (m <= kDotRows)
+              weigh_rows(m, nb, Dl, scores, kKeyBlock, values.data() + c0, c0 > 0, o + r0 * ldo, ldo);
+            else
+              gr_gemm::gemm_rows(false, m, Dl, nb, 1.0f, scores, kKeyBlock, values.data() + c0, c0 == 0 ? 0.0f : 1.0f,
+                                 o + r0 * ldo, ldo);
           }
         }
       });
@@ -191,7 +237,7 @@ Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList po
 TORCH_LIBRARY(gr_cpu_cached, m) {
   m.def(
       "cached_forward(Tensor q, Tensor[] pools_k, Tensor[] pools_v, int[] new_offsets, int[] cache_lengths, "
-      "int[] pool_index, Tensor block_starts, int[] block_offsets, int block, float alpha, Tensor?[] bias, "
+      "int[] pool_index, Tensor block_starts, int[] block_offsets, int[] block_sizes, float alpha, Tensor?[] bias, "
       "Tensor?[] mask) -> Tensor");
 }
 
