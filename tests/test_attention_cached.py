@@ -347,27 +347,19 @@ def test_per_request_pages_among_tensors_equal_one_jagged_cache(backend, monkeyp
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
 
 
-def test_a_page_table_too_short_for_its_tokens_is_a_named_error():
+@pytest.mark.parametrize("per_request", [False, True], ids=["pages", "per-request pages"])
+def test_a_page_table_too_short_for_its_tokens_is_a_named_error(per_request):
     p = problem(cache_lengths=[5], new_lengths=[2])
     cache_rows, new_rows = split(p)
     tables = PageTables([torch.tensor([0])], 4)  # 4 slots for 5 tokens
+    cache_k, cache_v = PagedCache(torch.zeros(HEADS, 8, DA), tables), PagedCache(torch.zeros(HEADS, 8, DL), tables)
     with pytest.raises(ValueError, match="cache_k: request 0's page table"):
         hstu_cached_attention(
             p["q"][new_rows],
             p["k"][new_rows],
             p["v"][new_rows],
             torch.tensor([0, 2]),
-            [PagedCache(torch.zeros(HEADS, 8, DA), tables)],
-            [PagedCache(torch.zeros(HEADS, 8, DL), tables)],
-            torch.tensor([0, 5]),
-        )
-    with pytest.raises(ValueError, match="cache_k: request 0's page table"):
-        hstu_cached_attention(
-            p["q"][new_rows],
-            p["k"][new_rows],
-            p["v"][new_rows],
-            torch.tensor([0, 2]),
-            PagedCache(torch.zeros(HEADS, 8, DA), tables),
-            PagedCache(torch.zeros(HEADS, 8, DL), tables),
+            [cache_k] if per_request else cache_k,
+            [cache_v] if per_request else cache_v,
             torch.tensor([0, 5]),
         )

@@ -111,50 +111,37 @@ inline void store_block(const __m512 acc[R][2], float alpha, float beta, bool fi
   }
 }
 
-// fp32 operands of one register block: A read in place, `b` at B's row 0 of this column block (row
-// stride ldb), the lanes the masks select.
-struct Fp32Operands {
-  View a;
+// Where B's rows lie for Fp32Operands: row k at b + k * ldb (Strided), or at rows[k] + col (Pointed:
+// rows anywhere, col this column block's first).
+struct Strided {
   const float* b;
   int64_t ldb;
+  const float* row(int64_t k) const { return b + k * ldb; }
+};
+struct Pointed {
+  const float* const* rows;
+  int64_t col;
+  const float* row(int64_t k) const { return rows[k] + col; }
+};
+
+// fp32 operands of one register block: A read in place, B's rows of this column block where `b`
+// says (BRows: Strided or Pointed), the lanes the masks select.
+template <typename BRows>
+struct Fp32Operands {
+  View a;
+  BRows b;
   __mmask16 lo, hi;
 
   Fp32Operands rows_from(int64_t i0) const {
-    return {{a.data + i0 * a.row_stride, a.row_stride, a.col_stride}, b, ldb, lo, hi};
+    return {{a.data + i0 * a.row_stride, a.row_stride, a.col_stride}, b, lo, hi};
   }
   // acc[r] += sum_k A[r, k] B[k, lanes] for k < depth.
   template <int R, bool kTwo>
   void accumulate(int64_t depth, __m512 acc[R][2]) const {
     for (int64_t k = 0; k < depth; ++k) {
-      const __m512 b0 = _mm512_maskz_loadu_ps(lo, b + k * ldb);
-      const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + k * ldb + 16) : _mm512_setzero_ps();
-      const float* ak = a.data + k * a.col_stride;
-      for (int r = 0; r < R; ++r) {
-        const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
-        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-        if constexpr (kTwo) acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
-      }
-    }
-  }
-};
-
-// Fp32Operands with B's rows anywhere: row k of B at rows[k] (+ col, this column block's first).
-struct Fp32RowOperands {
-  View a;
-  const float* const* rows;
-  int64_t col;
-  __mmask16 lo, hi;
-
-  Fp32RowOperands rows_from(int64_t i0) const {
-    return {{a.data + i0 * a.row_stride, a.row_stride, a.col_stride}, rows, col, lo, hi};
-  }
-  // acc[r] += sum_k A[r, k] B[k, lanes] for k < depth.
-  template <int R, bool kTwo>
-  void accumulate(int64_t depth, __m512 acc[R][2]) const {
-    for (int64_t k = 0; k < depth; ++k) {
-      const float* b = rows[k] + col;
-      const __m512 b0 = _mm512_maskz_loadu_ps(lo, b);
-      const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + 16) : _mm512_setzero_ps();
+      const float* bk = b.row(k);
+      const __m512 b0 = _mm512_maskz_loadu_ps(lo, bk);
+      const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, bk + 16) : _mm512_setzero_ps();
       const float* ak = a.data + k * a.col_stride;
       for (int r = 0; r < R; ++r) {
         const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
@@ -272,7 +259,7 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
         bld = kCols;
       }
       const View av = trans_a ? View{a + k0 * lda, 1, lda} : View{a + k0, lda, 1};
-      column_block(m, cols, depth, alpha, Fp32Operands{av, bp, bld, lo, hi}, beta, k0 == 0, c + j0, ldc);
+      column_block(m, cols, depth, alpha, Fp32Operands<Strided>{av, {bp, bld}, lo, hi}, beta, k0 == 0, c + j0, ldc);
     }
   }
   if (narrow > 0) {
@@ -303,9 +290,11 @@ __attribute__((noinline, noclone)) inline void gemm_rows(bool trans_b, int64_t m
       const View av{a + k0, lda, 1};
       if (trans_b) {
         transpose_rows(cols, depth, [&](int64_t j) { return rows[j0 + j] + k0; }, panel, kCols);
-        column_block(m, cols, depth, alpha, Fp32Operands{av, panel, kCols, lo, hi}, beta, k0 == 0, c + j0, ldc);
+        column_block(m, cols, depth, alpha, Fp32Operands<Strided>{av, {panel, kCols}, lo, hi}, beta, k0 == 0, c + j0,
+                     ldc);
       } else {
-        column_block(m, cols, depth, alpha, Fp32RowOperands{av, rows + k0, j0, lo, hi}, beta, k0 == 0, c + j0, ldc);
+        column_block(m, cols, depth, alpha, Fp32Operands<Pointed>{av, {rows + k0, j0}, lo, hi}, beta, k0 == 0, c + j0,
+                     ldc);
       }
     }
   }

@@ -54,12 +54,29 @@ struct Rows {
 };
 
 // scores[i * ld + j] = alpha * q_i . keys[j] for i < m (at most kDotRows), j < n: each key's D values
-// against each new token in vector lanes, then one horizontal sum. For a request's few new tokens,
-// where transposing the keys for gemm_rows costs more than the products; the order of the sums is set
-// by D alone.
+// against each new token in vector lanes, then a sum across the lanes. For a request's few new
+// tokens, where transposing the keys for gemm_rows costs more than the products; the order of the
+// sums is set by m, n and D alone.
 void dot_rows(int64_t m, int64_t n, int64_t D, float alpha, const float* q, int64_t ldq, const float* const* keys,
               float* scores, int64_t ld) {
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  // One new token: 16 keys' lane sums at a time, added up across lanes by one 16 x 16 transpose.
+  for (; m == 1 && j + 16 <= n; j += 16) {
+    __m512 acc[16];
+    for (int64_t i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      const __mmask16 lanes = gr_gemm::first_lanes(D - d0);
+      const __m512 qv = _mm512_maskz_loadu_ps(lanes, q + d0);
+      for (int64_t i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, keys[j + i] + d0), qv, acc[i]);
+    }
+    gr_gemm::transpose16(acc);  // acc[c] lane i: lane c of key i's sums
+    for (int64_t width = 8; width >= 1; width /= 2)
+      for (int64_t c = 0; c < width; ++c) acc[c] = _mm512_add_ps(acc[c], acc[c + width]);
+    _mm512_storeu_ps(scores + j, _mm512_mul_ps(_mm512_set1_ps(alpha), acc[0]));
+  }
+#endif
+  for (; j < n; ++j) {
     const float* k = keys[j];
 #if defined(__AVX512F__)
     __m512 acc[kDotRows];
