@@ -11,7 +11,7 @@ view, or a gather of its rows when its pages are not consecutive)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -137,28 +137,47 @@ def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layou
         offsets, sizes = list(range(count + 1)), [max(1, n) for n in lengths]  # one block a request
     else:
         assert not isinstance(cache_k, Tensor) and not isinstance(cache_v, Tensor)  # per-request lists
-        pools_k, pools_v, index, parts, offsets, sizes = [], [], [], [], [0], []
-        where: Dict[int, int] = {}  # id of a K pool -> its place in pools_k
-        for own_k, own_v, length in zip(cache_k, cache_v, lengths):
-            if isinstance(own_k, PagedCache) and isinstance(own_v, PagedCache) and own_k.tables is own_v.tables:
-                part_starts, _ = own_k.tables.blocks([length])
-                pool_k, pool_v, size = own_k.pool, own_v.pool, own_k.tables.page_size
-            elif isinstance(own_k, Tensor) and isinstance(own_v, Tensor):
-                part_starts, pool_k, pool_v, size = torch.zeros(1, dtype=torch.long), own_k, own_v, max(1, length)
-            else:
+        if all(isinstance(t, Tensor) for t in (*cache_k, *cache_v)):  # each request a tensor: one block from row 0
+            pools_k, pools_v, index = list(cache_k), list(cache_v), list(range(count))  # type: ignore[arg-type]
+            starts, offsets = torch.zeros(count, dtype=torch.long), list(range(count + 1))
+            sizes = [max(1, n) for n in lengths]
+        else:
+            found = _mixed_layout(cache_k, cache_v, lengths)
+            if found is None:
                 return None
-            if id(pool_k) not in where:
-                where[id(pool_k)] = len(pools_k)
-                pools_k.append(pool_k)
-                pools_v.append(pool_v)
-            index.append(where[id(pool_k)])
-            parts.append(part_starts)
-            offsets.append(offsets[-1] + int(part_starts.numel()))
-            sizes.append(size)
-        starts = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+            pools_k, pools_v, index, starts, offsets, sizes = found
     pools_k, pools_v = [_rows_contiguous(t) for t in pools_k], [_rows_contiguous(t) for t in pools_v]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*pools_k, *pools_v)):
+    if not all(t.is_cpu and t.dtype is torch.float32 for t in (*pools_k, *pools_v)):
         return None
+    return pools_k, pools_v, index, starts, offsets, sizes
+
+
+def _mixed_layout(
+    cache_k: Sequence[Union[Tensor, PagedCache]], cache_v: Sequence[Union[Tensor, PagedCache]], lengths: Sequence[int]
+) -> Optional[Layout]:
+    """``_layout`` of per-request entries, some a request's pages (K and V through one page table),
+    the others tensors; None when a request's K and V are not alike."""
+    pools_k: List[Tensor] = []
+    pools_v: List[Tensor] = []
+    index, parts, offsets, sizes = [], [], [0], []
+    where: Dict[int, int] = {}  # id of a K pool -> its place in pools_k
+    for own_k, own_v, length in zip(cache_k, cache_v, lengths):
+        if isinstance(own_k, PagedCache) and isinstance(own_v, PagedCache) and own_k.tables is own_v.tables:
+            part_starts, _ = own_k.tables.blocks([length])
+            pool_k, pool_v, size = own_k.pool, own_v.pool, own_k.tables.page_size
+        elif isinstance(own_k, Tensor) and isinstance(own_v, Tensor):
+            part_starts, pool_k, pool_v, size = torch.zeros(1, dtype=torch.long), own_k, own_v, max(1, length)
+        else:
+            return None
+        if id(pool_k) not in where:
+            where[id(pool_k)] = len(pools_k)
+            pools_k.append(pool_k)
+            pools_v.append(pool_v)
+        index.append(where[id(pool_k)])
+        parts.append(part_starts)
+        offsets.append(offsets[-1] + int(part_starts.numel()))
+        sizes.append(size)
+    starts = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
     return pools_k, pools_v, index, starts, offsets, sizes
 
 

@@ -9,8 +9,8 @@
 // by the shapes alone), so the same K/V give the same bits wherever they lie: no gather copy of the
 // cache, and no slower code for the unpaged one. Each (request, head) takes its new tokens kRowBlock at
 // a time against kKeyBlock keys at a time: a block's keys are transposed once for all of its rows
-// (one or two new tokens take dot products and a weighted sum instead), and its scores tile stays in this core's cache
-// through bias, SiLU and mask to the second GEMM.
+// (one or two new tokens take dot products and a weighted sum instead), and its scores tile stays in
+// this core's cache through bias, SiLU and mask to the second GEMM.
 // Built and loaded by gr/ops/native.py; the PyTorch code runs when this cannot be built.
 #include <ATen/ATen.h>
 #include <torch/library.h>
