@@ -231,6 +231,18 @@ inline void narrow_columns(bool trans_a, int64_t m, int64_t k, float alpha, cons
   }
 }
 
+// body(j0, cols, lo, hi, k0, depth) for each block of kCols columns [j0, j0 + cols) of n (lo, hi: the
+// lanes of its two registers) and, within it, each pass [k0, k0 + depth) of kDepth of k: the order
+// in which gemm and gemm_rows sum.
+template <typename Body>
+inline void column_passes(int64_t n, int64_t k, const Body& body) {
+  for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+    const int64_t cols = std::min(kCols, n - j0);
+    const __mmask16 lo = first_lanes(cols), hi = first_lanes(cols - 16);
+    for (int64_t k0 = 0; k0 < k; k0 += kDepth) body(j0, cols, lo, hi, k0, std::min(kDepth, k - k0));
+  }
+}
+
 // Row-major C[M, N] = alpha * op(A) op(B) + beta * C; op(A) is [M, K], op(B) is [K, N]: the BLAS's
 // sgemm contract in row-major terms (C is not read when beta == 0). Not inlined: inside the callers'
 // loops GCC spilled a B register to the stack.
@@ -246,22 +258,17 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
   const int64_t narrow = n > 16 && m >= 8 && tail <= kNarrow ? tail : 0;  // columns on the row lanes
   const int64_t wide = n - narrow;
   alignas(64) float panel[kDepth * kCols];
-  for (int64_t j0 = 0; j0 < wide; j0 += kCols) {
-    const int64_t cols = std::min(kCols, wide - j0);
-    const __mmask16 lo = first_lanes(cols), hi = first_lanes(cols - 16);
-    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-      const int64_t depth = std::min(kDepth, k - k0);
-      const float* bp = b + k0 * ldb + j0;
-      int64_t bld = ldb;
-      if (trans_b) {  // B is stored [N, K]
-        transpose(cols, depth, b + j0 * ldb + k0, ldb, panel, kCols);
-        bp = panel;
-        bld = kCols;
-      }
-      const View av = trans_a ? View{a + k0 * lda, 1, lda} : View{a + k0, lda, 1};
-      column_block(m, cols, depth, alpha, Fp32Operands<Strided>{av, {bp, bld}, lo, hi}, beta, k0 == 0, c + j0, ldc);
+  column_passes(wide, k, [&](int64_t j0, int64_t cols, __mmask16 lo, __mmask16 hi, int64_t k0, int64_t depth) {
+    const float* bp = b + k0 * ldb + j0;
+    int64_t bld = ldb;
+    if (trans_b) {  // B is stored [N, K]
+      transpose(cols, depth, b + j0 * ldb + k0, ldb, panel, kCols);
+      bp = panel;
+      bld = kCols;
     }
-  }
+    const View av = trans_a ? View{a + k0 * lda, 1, lda} : View{a + k0, lda, 1};
+    column_block(m, cols, depth, alpha, Fp32Operands<Strided>{av, {bp, bld}, lo, hi}, beta, k0 == 0, c + j0, ldc);
+  });
   if (narrow > 0) {
     const float* bn = trans_b ? b + wide * ldb : b + wide;
     const int64_t ldbj = trans_b ? ldb : 1, ldbk = trans_b ? 1 : ldb;
@@ -282,22 +289,17 @@ __attribute__((noinline, noclone)) inline void gemm_rows(bool trans_b, int64_t m
                                                          float beta, float* c, int64_t ldc) {
   if (m <= 0 || n <= 0 || k <= 0) return gemm(false, trans_b, m, n, k, alpha, a, lda, nullptr, 0, beta, c, ldc);
   alignas(64) float panel[kDepth * kCols];
-  for (int64_t j0 = 0; j0 < n; j0 += kCols) {
-    const int64_t cols = std::min(kCols, n - j0);
-    const __mmask16 lo = first_lanes(cols), hi = first_lanes(cols - 16);
-    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-      const int64_t depth = std::min(kDepth, k - k0);
-      const View av{a + k0, lda, 1};
-      if (trans_b) {
-        transpose_rows(cols, depth, [&](int64_t j) { return rows[j0 + j] + k0; }, panel, kCols);
-        column_block(m, cols, depth, alpha, Fp32Operands<Strided>{av, {panel, kCols}, lo, hi}, beta, k0 == 0, c + j0,
-                     ldc);
-      } else {
-        column_block(m, cols, depth, alpha, Fp32Operands<Pointed>{av, {rows + k0, j0}, lo, hi}, beta, k0 == 0, c + j0,
-                     ldc);
-      }
+  column_passes(n, k, [&](int64_t j0, int64_t cols, __mmask16 lo, __mmask16 hi, int64_t k0, int64_t depth) {
+    const View av{a + k0, lda, 1};
+    if (trans_b) {
+      transpose_rows(cols, depth, [&](int64_t j) { return rows[j0 + j] + k0; }, panel, kCols);
+      const Fp32Operands<Strided> x{av, {panel, kCols}, lo, hi};
+      column_block(m, cols, depth, alpha, x, beta, k0 == 0, c + j0, ldc);
+    } else {
+      const Fp32Operands<Pointed> x{av, {rows + k0, j0}, lo, hi};
+      column_block(m, cols, depth, alpha, x, beta, k0 == 0, c + j0, ldc);
     }
-  }
+  });
 }
 
 #else  // no AVX-512 in this build: the BLAS

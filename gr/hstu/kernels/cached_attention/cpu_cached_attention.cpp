@@ -68,7 +68,8 @@ void dot_rows(int64_t m, int64_t n, int64_t D, float alpha, const float* q, int6
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       const __mmask16 lanes = gr_gemm::first_lanes(D - d0);
       const __m512 qv = _mm512_maskz_loadu_ps(lanes, q + d0);
-      for (int64_t i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, keys[j + i] + d0), qv, acc[i]);
+      for (int64_t i = 0; i < 16; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, keys[j + i] + d0), qv, acc[i]);
     }
     gr_gemm::transpose16(acc);  // acc[c] lane i: lane c of key i's sums
     for (int64_t width = 8; width >= 1; width /= 2)
@@ -84,7 +85,8 @@ void dot_rows(int64_t m, int64_t n, int64_t D, float alpha, const float* q, int6
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       const __mmask16 lanes = gr_gemm::first_lanes(D - d0);
       const __m512 kv = _mm512_maskz_loadu_ps(lanes, k + d0);
-      for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + r * ldq + d0), kv, acc[r]);
+      for (int64_t r = 0; r < m; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + r * ldq + d0), kv, acc[r]);
     }
     for (int64_t r = 0; r < m; ++r) scores[r * ld + j] = alpha * _mm512_reduce_add_ps(acc[r]);
 #else
@@ -156,7 +158,8 @@ Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList po
                   static_cast<int64_t>(block_offsets.size()) == B + 1 &&
                   static_cast<int64_t>(pool_index.size()) == B && static_cast<int64_t>(block_sizes.size()) == B &&
                   bias.size() == static_cast<size_t>(B) && mask.size() == static_cast<size_t>(B),
-              "cpu_cached: B requests need [B+1] offsets, [B] lengths, pool indices and block sizes, B biases and masks");
+              "cpu_cached: B requests need [B+1] offsets, [B] lengths, pool indices and block sizes, B biases and "
+              "masks");
   for (size_t p = 0; p < pools_k.size(); ++p) {
     const Tensor &pk = pools_k[p], &pv = pools_v[p];
     TORCH_CHECK(pk.dim() == 3 && pv.dim() == 3 && pk.scalar_type() == at::kFloat && pv.scalar_type() == at::kFloat &&
