@@ -240,14 +240,19 @@ def paged(cache, lengths, page_size, seed):
     return pool, tables
 
 
-# every page size on the fast backends; one that leaves partial pages on the interpreted kernels
+# every page size on the fast backends; one that leaves partial pages on the interpreted kernels; the
+# cpu backend also without its fused kernel (GR_CPU_FUSED=0: PyTorch matmuls over pages read into tensors)
 PAGED = [(b, size) for b in BACKENDS for size in ((1, 4, 16) if b in ("pytorch", "cpu") else (4,))]
+PAGED += [("cpu-unfused", 4)] if "cpu" in BACKENDS else []
 
 
 @pytest.mark.parametrize("backend,page_size", PAGED)
 @pytest.mark.parametrize("new_tokens", ["targets", "history"])
-def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_tokens, page_size):
+def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_tokens, page_size, monkeypatch):
     """K/V read through random page tables of a fragmented pool give the unpaged answer exactly."""
+    if backend == "cpu-unfused":
+        monkeypatch.setenv("GR_CPU_FUSED", "0")
+        backend = "cpu"
     p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 1], new_lengths=[3, 2, 4, 1])
     cache_rows, new_rows = split(p)
     keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
