@@ -126,6 +126,7 @@ def test_train_help_lists_every_config_key_with_type_and_default(capsys):
     for path in resolved:
         assert documented[path].type in lines[path] and f"default {documented[path].default}" in lines[path]
     assert "trainer.max_epochs" in lines and "default 100" in lines["trainer.max_epochs"]
+    assert "default 16 (0 under candidates: impressions" in lines["data.ranking.num_negatives"]
 
 
 def test_print_config_prints_the_resolved_yaml_and_trains_nothing(capsys, tmp_path, monkeypatch):

@@ -36,20 +36,32 @@ def _answers(ranker: Ranker, items: list) -> tuple:
     return rank.scores["retrieval"], top.items, top.scores
 
 
-@pytest.mark.parametrize("backend", ["torch", "torchrec"])
-def test_a_live_training_publishes_deltas_a_service_follows_to_the_full_exports_answers(tmp_path, backend, caplog):
+@pytest.mark.parametrize(
+    "backend, every, steps",
+    [("torch", 2, [2, 4, 6]), ("torchrec", 4, [4, 6])],
+    ids=["torch-every-2", "torchrec-every-4-and-the-end"],
+)
+def test_a_live_training_publishes_deltas_a_service_follows_to_the_full_exports_answers(
+    tmp_path, backend, every, steps, caplog
+):
+    """Six training steps publish after each step the interval falls on, and after the last one
+    (once, when it falls there too): the chain ends at the run's final model."""
     events = ratings_csv(tmp_path / "events.csv")
     out = tmp_path / "publish"
-    values = _values(events, publish_every=2, publish_dir=str(out))
+    values = _values(events, publish_every=every, publish_dir=str(out))
     values["sparse"]["backend"] = backend
     config = TrainConfig.from_dict(values)
     with caplog.at_level(logging.INFO, logger="gr.export"):
         train(config, tmp_path / "run", callbacks=[Publisher(config.self_contained(), tmp_path / "run")])
     chain = published(out)
-    assert [p.name for p in chain] == ["000000", "000001", "000002"]  # after steps 2, 4 and 6
+    assert [p.name for p in chain] == [f"{n:06d}" for n in range(len(steps))]
+    assert [m for m in caplog.messages if m.startswith("published the model at step")] == [
+        f"published the model at step {step}: {p} ({'a delta' if n else 'a full export'})"
+        for n, (step, p) in enumerate(zip(steps, chain))
+    ]
     assert not is_delta(chain[0]) and all(is_delta(p) for p in chain[1:]) and (out / BASE).is_dir()
     assert check_chain(chain) == []
-    assert caplog.messages.count("delta rows: tracked by training for tables ['item']") == 2
+    assert caplog.messages.count("delta rows: tracked by training for tables ['item']") == len(steps) - 1
     assert not (tmp_path / "run/publish").exists()  # the publish checkpoint is gone once exported
 
     export_run(tmp_path / "run", tmp_path / "full")  # the run's one epoch ends at step 6
@@ -95,4 +107,4 @@ def test_a_publish_dir_whose_newest_export_is_not_the_kept_base_is_refused_in_on
     (tmp_path / "live/000000").mkdir(parents=True)  # a publish cut short before its full export was kept
     publisher = Publisher(TrainConfig.from_dict(values), tmp_path / "run")
     with pytest.raises(ValueError, match=r"^trainer\.publish_dir: .*live holds exports up to 000000, but \.base"):
-        publisher.on_train_start(SimpleNamespace(is_global_zero=True), None)
+        publisher.on_train_start(SimpleNamespace(is_global_zero=True, global_step=0), None)

@@ -9,6 +9,8 @@ from torchrec import KeyedJaggedTensor
 
 from gr import GRInput, GROutput
 from gr.ops import random as rng
+from gr.ops.catalogue_rank import pytorch as catalogue_rank_pytorch
+from gr.ops.native import native_ops
 from gr.ops.sampled_softmax import cpu as sampled_softmax_cpu
 from gr.ops.sampled_softmax import pytorch as sampled_softmax_pytorch
 from gr.ops.sampled_softmax import sampled_softmax_loss
@@ -71,18 +73,50 @@ def test_ranks_of_a_shared_score_vector_and_of_a_score_matrix_follow_the_definit
     assert shared_score_ranks(popularity, targets, offsets, flat).tolist() == expected.tolist()
 
 
-def test_target_rank_in_chunks_matches_one_pass(monkeypatch):
+@pytest.mark.parametrize("fused", ["0", "auto"], ids=["pytorch", "fused-if-built"])
+def test_target_rank_in_chunks_matches_one_pass(monkeypatch, fused):
+    import gr.ops.catalogue_rank.pytorch as pytorch_ranks
     import gr.train.metrics as metrics
 
+    monkeypatch.setenv("GR_CPU_FUSED", fused)
     torch.manual_seed(1)
     queries, items = torch.randn(9, 3), torch.randn(20, 3)
     targets = torch.randint(0, 20, (9,))
-    offsets, flat = torch.tensor([0, 1] + [1] * 8), torch.tensor([4])
+    offsets, flat = torch.tensor([0, 1, 1, 3] + [3] * 6), torch.tensor([4, 7, 7])
     whole = target_ranks(queries, items, targets, offsets, flat)
     monkeypatch.setattr(metrics, "SCORE_CHUNK_ELEMENTS", 40)  # two rows per chunk
     assert target_ranks(queries, items, targets, offsets, flat).tolist() == whole.tolist()
-    monkeypatch.setattr(metrics, "INT16_COLUMNS", 7)  # a row's items counted in three blocks
+    monkeypatch.setattr(pytorch_ranks, "INT16_COLUMNS", 7)  # a row's items counted in three blocks
     assert target_ranks(queries, items, targets, offsets, flat).tolist() == whole.tolist()
+
+
+def test_catalogue_and_shared_ranks_native_and_pytorch_count_alike_and_follow_the_definition():
+    """Ties (also with the target), an item excluded twice, a target among its own exclusions,
+    a chunk whose exclusions start inside the list: the C++ passes and the PyTorch ones agree with
+    the definition, from a score matrix and from one shared score vector."""
+    native = native_ops("gr_cpu_rank")
+    if native is None:
+        pytest.skip("gr's native kernels are not built on this machine")
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 6, (40, 25), generator=generator).float()  # many ties
+    targets = torch.randint(0, 25, (40,), generator=generator)
+    lengths = torch.randint(0, 9, (40,), generator=generator)
+    lengths[0] = 4
+    flat = torch.randint(0, 25, (int(lengths.sum()) + 3,), generator=generator)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]) + 3  # the first 3 belong to no row
+    flat[3:5] = targets[0]  # row 0 excludes its own target, twice
+    excluded = [set(flat[offsets[b] : offsets[b + 1]].tolist()) for b in range(40)]
+    expected = [naive_rank(scores[b], int(targets[b]), excluded[b]) for b in range(40)]
+    assert native.catalogue_ranks(scores, targets, offsets, flat).tolist() == expected
+    assert catalogue_rank_pytorch.catalogue_ranks(scores, targets, offsets, flat).tolist() == expected
+    shared = scores[0]
+    place = torch.empty(25, dtype=torch.long)
+    place[torch.sort(shared, descending=True, stable=True).indices] = torch.arange(25)
+    expected = [naive_rank(shared, int(targets[b]), excluded[b]) for b in range(40)]
+    assert native.place_ranks(place, targets, offsets, flat).tolist() == expected
+    assert catalogue_rank_pytorch.place_ranks(place, targets, offsets, flat).tolist() == expected
+    with pytest.raises(RuntimeError, match="excluded item 25 outside"):
+        native.catalogue_ranks(scores, targets, offsets, torch.where(flat == flat[3], 25, flat))
 
 
 def test_retrieval_metrics_follow_their_definitions():

@@ -136,7 +136,7 @@ def evaluate_export(
     config = load_config(config_path, with_new_cut(data_overrides))
     _check_test_split(config)
     _check_per_user(config, per_user)
-    ranker = Ranker.load(export_dir)
+    ranker = Ranker.load(export_dir, page_size=0)  # each history is encoded once: no page pool to copy it into
     schema = ranker.model.schema
     reads = {*schema.token_features, *schema.common_ids, *schema.common_dense}
     maps = Path(export_dir) / ID_MAPS_DIR

@@ -28,11 +28,9 @@ import errno
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -61,6 +59,7 @@ from gr.serving.options import (
     UNKNOWN_IDS,
 )
 from gr.utils.devices import DEVICES
+from gr.utils.scratch_dir import ScratchDirectory
 
 if TYPE_CHECKING:
     from gr.serving.runtime import Ranker
@@ -346,9 +345,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
-    if args.workers > 1:  # every worker writes its metrics here, and /metrics adds them up (gr.serving.metrics)
-        metrics_dir = tempfile.mkdtemp(prefix="gr-metrics-")
-        os.environ[MULTIPROC_ENV] = metrics_dir
+    # every worker writes its metrics here, and /metrics adds them up (gr.serving.metrics)
+    metrics_dir = ScratchDirectory("gr-metrics-") if args.workers > 1 else None
+    if metrics_dir is not None:
+        os.environ[MULTIPROC_ENV] = str(metrics_dir.path)
     os.environ[OPTIONS_ENV] = json.dumps(
         {
             "export_dir": str(args.export_dir.resolve()),
@@ -364,7 +364,7 @@ def _serve(args: argparse.Namespace) -> int:
             "long_history": args.long_history,
             "cache_bytes": args.cache_bytes,
             "page_size": args.page_size,
-            "tier_path": None if tier_dir is None else str(tier_dir / TIER_FILE),
+            "tier_path": None if tier_dir is None else str(tier_dir.path / TIER_FILE),
             "tier_bytes": args.tier_bytes,
             "tier_redis": args.tier_redis,
             "tier_min_tokens": args.tier_min_tokens,
@@ -407,10 +407,9 @@ def _serve(args: argparse.Namespace) -> int:
         started = False
     finally:
         sock.close()
-        if args.workers > 1:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-        if tier_dir is not None:
-            shutil.rmtree(tier_dir, ignore_errors=True)
+        for scratch in (metrics_dir, tier_dir):
+            if scratch is not None:
+                scratch.close()
     if not started:
         print(f"serve: {args.export_dir}: the server did not start (the log above says why)", file=sys.stderr)
         return 1
@@ -441,7 +440,7 @@ def _history_store(args: argparse.Namespace) -> Tuple[Optional[str], str]:
     return spec, store.location
 
 
-def _tiers(args: argparse.Namespace) -> Tuple[Optional[Path], str]:
+def _tiers(args: argparse.Namespace) -> Tuple[Optional[ScratchDirectory], str]:
     """The shared tier's new directory (``--tier-bytes`` > 0; None: off) and the tiers, for the
     start-up line; each opened once here, so that one that cannot be opened is one line
     (ValueError) before the server starts."""
@@ -450,10 +449,12 @@ def _tiers(args: argparse.Namespace) -> Tuple[Optional[Path], str]:
 
     directory = tier_directory() if args.tier_bytes > 0 else None
     try:
-        tiers = open_tiers(None if directory is None else str(directory / TIER_FILE), args.tier_bytes, args.tier_redis)
+        tiers = open_tiers(
+            None if directory is None else str(directory.path / TIER_FILE), args.tier_bytes, args.tier_redis
+        )
     except TierError as exc:
         if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
+            directory.close()
         flag = "--tier-redis" if args.tier_redis and "remote" in str(exc) else "--tier-bytes"
         raise ValueError(f"{flag}: {exc}") from None
     for tier in tiers:

@@ -58,7 +58,7 @@ def made_identity(export: Path) -> str:
 
 class Publisher(Callback):
     """Publishes the model of the run in ``run_dir`` as ``config.trainer`` says (``publish_every``,
-    ``publish_dir``, ``publish_base``), after the training steps it falls on. A ``publish_dir``
+    ``publish_dir``, ``publish_base``), after the training steps it falls on and when training ends. A ``publish_dir``
     that is, holds or lies inside the run or its data is a ValueError, as is one holding a chain
     whose newest export is not the one kept in ``.base`` (a publish cut short there)."""
 
@@ -71,9 +71,11 @@ class Publisher(Callback):
         self.directory = checked_output(trainer.publish_dir, [*run, *config.data.inputs()], "trainer.publish_dir")
         self.first_base = None if trainer.publish_base is None else Path(trainer.publish_base)
         self.last_time = 0.0
+        self.published_step = 0  # the training step of the model published last (or training started at)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.last_time = time.monotonic()
+        self.published_step = trainer.global_step
         if not trainer.is_global_zero:
             return
         if self.first_base is not None:
@@ -90,6 +92,12 @@ class Publisher(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
         if self._due(trainer.global_step):
+            self.publish(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The model training ends with is published too, unless it already is (its step fell on the
+        interval) or training took no step: the chain ends at the run's last step."""
+        if trainer.global_step != self.published_step:
             self.publish(trainer)
 
     def _due(self, step: int) -> bool:
@@ -112,7 +120,7 @@ class Publisher(Callback):
             finally:
                 shutil.rmtree(checkpoint, ignore_errors=True)
         trainer.strategy.barrier()
-        self.last_time = time.monotonic()
+        self.last_time, self.published_step = time.monotonic(), trainer.global_step
         return written
 
     def _export(self, checkpoint: Path, step: int) -> Path:

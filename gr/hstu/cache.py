@@ -146,9 +146,10 @@ class CachedHSTU:
 
         xs[b]: [L_b, D] float; timestamps[b]: [L_b] int64 or None
         -> per user (its cache, the HSTU outputs of its committed tokens [C_b, D])"""
-        xs = [x.to(self.device) for x in xs]
+        device = self.device  # looked up once: it walks the parameters
+        xs = [x.to(device) for x in xs]
         lengths = [self._check_tokens(x, t, start=0) for x, t in zip(xs, timestamps)]
-        ts = [self._timestamps(t, n, self.device) for t, n in zip(timestamps, lengths)]
+        ts = [self._timestamps(t, n, device) for t, n in zip(timestamps, lengths)]
         committed = [n - 1 if self.defers_last and n else n for n in lengths]
         run = [b for b, c in enumerate(committed) if c]  # users with tokens to encode
         offsets = offsets_from_lengths(torch.tensor([committed[b] for b in run], dtype=torch.long))
@@ -403,7 +404,8 @@ class CachedHSTU:
         engine defers the last token (then times[b][i + 1] is token i's query time)
         -> per user (a cache of the committed tokens and these, nothing pending; outputs [n_b, D])
         """
-        xs, times = [x.to(self.device) for x in xs], [t.to(self.device) for t in times]
+        device = self.device
+        xs, times = [x.to(device) for x in xs], [t.to(device) for t in times]
         lengths = torch.tensor([x.shape[0] for x in xs])
         if int(lengths.sum()) == 0:
             return [(replace(c, timestamps=c.timestamps[: c.committed], pending=None), x) for c, x in zip(caches, xs)]

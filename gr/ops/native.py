@@ -1,11 +1,13 @@
-"""gr's fused CPU kernels, compiled for this machine on first use: one library, seven op namespaces.
+"""gr's fused CPU kernels, compiled for this machine on first use: one library, eight op namespaces.
 
-Four are gr.ops' own (``SOURCES``):
+Five are gr.ops' own (``SOURCES``):
 
 * ``gr_cpu_loss`` (``gr/ops/sampled_softmax/sampled_softmax.cpp``): the per-row sampled softmax, used by
   ``gr.ops.sampled_softmax.cpu`` (``sampled_softmax_forward``, ``sampled_softmax_backward``);
 * ``gr_cpu_random`` (``gr/ops/random/random.cpp``): counter-based dropout masks and integer draws, used by
   ``gr.ops.random`` (``keep_mask``, ``randint``);
+* ``gr_cpu_rank`` (``gr/ops/catalogue_rank/catalogue_rank.cpp``): each evaluation target's rank among the
+  catalogue, used by ``gr.ops.catalogue_rank`` (``catalogue_ranks``);
 * ``gr_cpu_gemm`` (``gr/ops/csrc/gemm.cpp``): the small-tile GEMM the attention and layer kernels call
   (``gr/ops/csrc/gr_gemm.h``: AVX-512 where the CPU has it, MKL's ``sgemm_`` otherwise), as ops for
   its tests (``gemm``, ``transpose``);
@@ -15,7 +17,7 @@ Four are gr.ops' own (``SOURCES``):
 The packages above add their own sources as they are imported (``add_sources``): ``gr.hstu.kernels``
 the HSTU attention tiles (``gr_cpu_fused``), cached attention's (``gr_cpu_cached``) and the HSTU layer's
 steps (``gr_cpu_layer``). A process that imports them before it first asks for an op (``import gr.hstu``
-does) builds and loads one library of all seven; a source added after that is built into a library of
+does) builds and loads one library of all eight; a source added after that is built into a library of
 its own at the next call.
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
@@ -63,6 +65,7 @@ OPS = Path(__file__).resolve().parent  # gr/ops: each op's C++ beside its CPU co
 SOURCES = [
     OPS / "sampled_softmax" / "sampled_softmax.cpp",
     OPS / "random" / "random.cpp",
+    OPS / "catalogue_rank" / "catalogue_rank.cpp",
     OPS / "csrc" / "gemm.cpp",
     OPS / "csrc" / "silu.cpp",
 ]

@@ -481,7 +481,11 @@ def _ids(values: Any, where: str) -> np.ndarray:
 def timestamp_seconds(values: Any, where: str) -> np.ndarray:
     """A list of timestamps, each integer seconds in int64 or an ISO 8601 text (``2024-01-05T10:00:00Z``,
     ``gr.timestamps.iso_text_seconds``: UTC unless it has an offset, floored to the second) -> [n] int64."""
-    if isinstance(values, (list, tuple, np.ndarray)) and any(isinstance(v, str) for v in values):
+    if isinstance(values, np.ndarray):
+        texts = values.dtype.kind in "OUS"  # a numeric array holds no text: no look at each value
+    else:
+        texts = isinstance(values, (list, tuple)) and any(isinstance(v, str) for v in values)
+    if texts:
         seconds = [iso_text_seconds(v) if isinstance(v, str) else v for v in values]
         bad = next((k for k, (v, s) in enumerate(zip(values, seconds)) if isinstance(v, str) and s is None), None)
         if bad is not None:

@@ -5,21 +5,22 @@ workers) and the remote one (a Redis URL), nearest first."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import List, Optional
 
 from gr.serving.shared_tier import SqliteTier, TierError, TierStore
+from gr.utils.scratch_dir import ScratchDirectory
 
 SHARED_MEMORY = Path("/dev/shm")
 TIER_FILE = "tier.sqlite"
 
 
-def tier_directory() -> Path:
+def tier_directory() -> ScratchDirectory:
     """A new directory for a server's shared tier: in shared memory (``/dev/shm``) where the OS has
-    it, else in the OS temporary directory; the server removes it when it stops."""
+    it, else in the OS temporary directory; the server removes it when it stops, and the next server
+    removes one a killed server left (``gr.utils.scratch_dir``)."""
     shm = SHARED_MEMORY if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="gr-tier-", dir=shm))
+    return ScratchDirectory("gr-tier-", shm)
 
 
 def open_tiers(shared: Optional[str], shared_bytes: int, remote: Optional[str]) -> List[TierStore]:

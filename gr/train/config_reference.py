@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Mapping, Tuple
 
+from gr.data.config import RankingConfig
 from gr.sparse.config import TableConfig
 from gr.train.config import ModelSection, ModuleSpec, TrainConfig
 
@@ -17,6 +18,10 @@ DEFAULTS = {
     "model.tables[].num_embeddings": "null (the largest cardinality of the table's features in the data)",
     "model.tables[].sharding": "null (row_wise for sequence tables, table_wise for common ones)",
     "model.tables[].optimizer": "null (sparse.optimizer)",
+    **{
+        f"data.ranking.{key}": f"{getattr(RankingConfig(), key)} (0 under candidates: impressions: no item is sampled)"
+        for key in ("num_negatives", "eval_num_negatives")
+    },
 }
 
 

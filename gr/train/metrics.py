@@ -10,10 +10,10 @@ from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc
 
 from gr.jagged import token_seq_ids
+from gr.ops.catalogue_rank import catalogue_ranks, shared_ranks
 
 # Score rows per chunk when ranking a big catalogue: bounds the [rows, items] score matrix.
 SCORE_CHUNK_ELEMENTS = 1 << 24
-INT16_COLUMNS = (1 << 15) - 1  # columns a row's int16 count can hold
 
 
 def target_ranks(
@@ -38,19 +38,17 @@ def target_ranks(
     returns: [B] int64
     """
     rows = max(1, SCORE_CHUNK_ELEMENTS // max(1, items.shape[0]))
-    owner = token_seq_ids(exclude_offsets, exclude_items.numel())
     ranks = []
     for start in range(0, queries.shape[0], rows):
         stop = min(start + rows, queries.shape[0])
         scores = queries[start:stop] @ items.T
-        ranks.append(_ranks(scores, targets[start:stop], owner, exclude_items, start, stop, distinct))
+        ranks.append(_ranks(scores, targets[start:stop], exclude_offsets[start : stop + 1], exclude_items, distinct))
     return torch.cat(ranks) if ranks else targets.new_zeros(0)
 
 
 def score_ranks(scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclude_items: Tensor) -> Tensor:
     """Like ``target_ranks`` for precomputed scores: [B, I] float (e.g. item popularity per row)."""
-    owner = token_seq_ids(exclude_offsets, exclude_items.numel())
-    return _ranks(scores.clone(), targets, owner, exclude_items, 0, scores.shape[0])
+    return _ranks(scores.clone(), targets, exclude_offsets, exclude_items)
 
 
 def shared_score_ranks(
@@ -58,56 +56,24 @@ def shared_score_ranks(
 ) -> Tensor:
     """``score_ranks`` of one score vector every row shares (scores: [I] float, e.g. item popularity):
     [B] int64, the same ranks from one sort of the catalogue and the excluded items instead of a
-    [B, I] matrix (a finite target's rank: its place in the (-score, id) order, less the excluded
-    items before it); distinct as ``target_ranks`` reads it."""
+    [B, I] matrix (``gr.ops.catalogue_rank.shared_ranks``); distinct as ``target_ranks`` reads it."""
     if not bool(scores.isfinite().all()):
         return score_ranks(scores.expand(targets.numel(), -1), targets, exclude_offsets, exclude_items)
-    count = scores.numel()
-    place = torch.empty(count, dtype=torch.long, device=scores.device)
-    place[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(count, device=scores.device)
-    pairs = token_seq_ids(exclude_offsets, exclude_items.numel()) * count + exclude_items
-    pairs = pairs if distinct else torch.unique(pairs)  # an item listed twice for a row is left out once
-    owner, items = pairs // count, pairs % count
-    before = place[items] < place[targets[owner]]
-    return place[targets] - torch.bincount(owner[before], minlength=targets.numel())
-
-
-def _row_counts(mask: Tensor) -> Tensor:
-    """[R, I] bool -> [R] int64 the true entries of each row, summed in int16 a block of columns at a
-    time (a bool tensor's int64 sum is several times slower)."""
-    counts = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
-    for column in range(0, mask.shape[1], INT16_COLUMNS):
-        counts += mask[:, column : column + INT16_COLUMNS].sum(1, dtype=torch.int16)
-    return counts
+    return shared_ranks(scores, targets, exclude_offsets, exclude_items, distinct)
 
 
 def _ranks(
-    scores: Tensor,
-    targets: Tensor,
-    owner: Tensor,
-    exclude_items: Tensor,
-    start: int,
-    stop: int,
-    distinct: bool = False,
+    scores: Tensor, targets: Tensor, exclude_offsets: Tensor, exclude_items: Tensor, distinct: bool = False
 ) -> Tensor:
-    rows = torch.arange(scores.shape[0], device=scores.device)
-    target_scores = scores[rows, targets].unsqueeze(1)
-    keep = (owner >= start) & (owner < stop)
-    ids = torch.arange(scores.shape[1], device=scores.device)
-    if bool(scores.sum().isfinite()):  # every score finite: count the items above each target, then
-        ranks = _row_counts(scores > target_scores)  # take the excluded ones back
-        tied = torch.nonzero(_row_counts(scores >= target_scores) - ranks > 1).flatten()  # another item ties it
-        if tied.numel():
-            ties = (scores[tied] == target_scores[tied]) & (ids < targets[tied].unsqueeze(1))
-            ranks[tied] += _row_counts(ties)
-        pairs = (owner[keep] - start) * scores.shape[1] + exclude_items[keep]
-        pairs = pairs if distinct else torch.unique(pairs)  # an item listed twice is taken back once
-        row, item = pairs // scores.shape[1], pairs % scores.shape[1]
-        excluded, target = scores[row, item], target_scores[row, 0]
-        counted = (excluded > target) | ((excluded == target) & (item < targets[row]))
-        return ranks - torch.bincount(row[counted], minlength=scores.shape[0])
-    scores[owner[keep] - start, exclude_items[keep]] = float("-inf")
+    """scores: [R, I] (overwritten when some score is not finite); exclude_offsets: [R+1] int64 positions
+    into exclude_items (a chunk's: offsets[0] may be above 0) -> [R] int64 ranks (``target_ranks``)."""
+    if bool(scores.sum().isfinite()):
+        return catalogue_ranks(scores, targets, exclude_offsets, exclude_items, distinct)
+    start, stop = int(exclude_offsets[0]), int(exclude_offsets[-1])
+    scores[token_seq_ids(exclude_offsets - start, stop - start), exclude_items[start:stop]] = float("-inf")
     scores[~scores.isfinite()] = float("-inf")  # excluded and non-finite items never rank above a target
+    target_scores = scores[torch.arange(scores.shape[0], device=scores.device), targets].unsqueeze(1)
+    ids = torch.arange(scores.shape[1], device=scores.device)
     above = scores > target_scores
     tied_before = (scores == target_scores) & (ids.unsqueeze(0) < targets.unsqueeze(1))
     ranks = (above | tied_before).sum(1)
