@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gr.hstu.kernels.attention import RelativeBias, hstu_attention
-from gr.hstu.kernels.cached_attention import PagedCache, PageTables, hstu_cached_attention
+from gr.hstu.kernels.cached_attention import PagedCache, PageTables, common, hstu_cached_attention
+from gr.ops.native import native_ops
 from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 pytestmark = pytest.mark.attention
@@ -40,13 +41,16 @@ def problem(
     query_times=False,
     cache_lengths=CACHE_LENGTHS,
     new_lengths=NEW_LENGTHS,
+    dims=(HEADS, DA, DL),
 ):
-    """Random requests: per request a cached history and new tokens, joined one after the other."""
+    """Random requests: per request a cached history and new tokens, joined one after the other;
+    dims: (heads, Da, Dl)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [c + n for c, n in zip(cache_lengths, new_lengths)]
     total = sum(lengths)
-    q, k = (torch.randn(total, HEADS, DA, generator=g) for _ in range(2))
-    v = torch.randn(total, HEADS, DL, generator=g)
+    heads, da, dl = dims
+    q, k = (torch.randn(total, heads, da, generator=g) for _ in range(2))
+    v = torch.randn(total, heads, dl, generator=g)
     ts = torch.cat([torch.sort(torch.randint(0, 10**6, (n,), generator=g)).values for n in lengths])
     query_ts = ts + torch.randint(0, 10**4, ts.shape, generator=g) if query_times else None
     pos_w = torch.randn(pos_buckets, generator=g) if pos_buckets else None
@@ -236,14 +240,19 @@ def paged(cache, lengths, page_size, seed):
     return pool, tables
 
 
-# every page size on the fast backends; one that leaves partial pages on the interpreted kernels
+# every page size on the fast backends; one that leaves partial pages on the interpreted kernels; the
+# cpu backend also without its fused kernel (GR_CPU_FUSED=0: PyTorch matmuls over pages read into tensors)
 PAGED = [(b, size) for b in BACKENDS for size in ((1, 4, 16) if b in ("pytorch", "cpu") else (4,))]
+PAGED += [("cpu-unfused", 4)] if "cpu" in BACKENDS else []
 
 
 @pytest.mark.parametrize("backend,page_size", PAGED)
 @pytest.mark.parametrize("new_tokens", ["targets", "history"])
-def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_tokens, page_size):
+def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_tokens, page_size, monkeypatch):
     """K/V read through random page tables of a fragmented pool give the unpaged answer exactly."""
+    if backend == "cpu-unfused":
+        monkeypatch.setenv("GR_CPU_FUSED", "0")
+        backend = "cpu"
     p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 1], new_lengths=[3, 2, 4, 1])
     cache_rows, new_rows = split(p)
     keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
@@ -267,17 +276,95 @@ def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_to
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
 
 
-def test_a_page_table_too_short_for_its_tokens_is_a_named_error():
+@pytest.mark.skipif(DEVICE != "cpu" or native_ops("gr_cpu_cached") is None, reason="the fused CPU kernel is not built")
+@pytest.mark.parametrize("new", [1, 2, 3, 70])  # dot products (1, 2), GEMM tiles (3), two row tiles (70)
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+def test_the_fused_cpu_kernel_reads_pages_where_they_lie_with_the_bits_of_tensors(
+    new, page_size, new_tokens, monkeypatch
+):
+    """The cpu backend's fused kernel over random page tables of a fragmented pool, with caches across
+    several key tiles (256 keys) and a masked window: the answer of the same K/V as one jagged tensor
+    and as per-request tensors, bit for bit, without reading any request's pages into a tensor; all
+    within float tolerance of the one-pass reference."""
+    cache_lengths, new_lengths = [300, 0, 17, 513], [new, 2, new, 1]
+    p = problem(seed=new, pos_buckets=40, time_buckets=24, cache_lengths=cache_lengths, new_lengths=new_lengths,
+                dims=(2, 20, 36))  # fmt: skip
+    options = dict(alpha=0.3, silu_scale=None, contextual_len=3, max_attn_len=400)
+    cache_rows, new_rows = split(p)
+    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
+    pool_k, tables = paged(keys, cache_lengths, page_size, seed=page_size)
+    pool_v, _ = paged(values, cache_lengths, page_size, seed=page_size)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    bounds = offsets(cache_lengths).tolist()
+    per_request = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    args = (p["q"][new_rows], p["k"][new_rows], p["v"][new_rows], offsets(new_lengths))
+    common_args = dict(new_tokens=new_tokens, rab=bias(p, new_rows), backend="cpu")
+    common_args["cache_timestamps"] = p["ts"][cache_rows]
+    jagged = hstu_cached_attention(*args, keys, values, offsets(cache_lengths), **common_args, **options)
+    listed = hstu_cached_attention(
+        *args, [keys[:, s] for s in per_request], [values[:, s] for s in per_request], offsets(cache_lengths),
+        **common_args, **options,
+    )  # fmt: skip
+
+    def no_gather(*_args, **_kwargs):
+        raise AssertionError("a request's pages were read into a tensor")
+
+    monkeypatch.setattr(common.PagedCache, "read", no_gather)
+    monkeypatch.setattr(common.PagedCache, "rows", no_gather)
+    page_tables = PageTables(tables, page_size)
+    got = hstu_cached_attention(
+        *args, PagedCache(pool_k, page_tables), PagedCache(pool_v, page_tables), offsets(cache_lengths),
+        **common_args, **options,
+    )  # fmt: skip
+    torch.testing.assert_close(got, jagged, rtol=0, atol=0)
+    torch.testing.assert_close(listed, jagged, rtol=0, atol=0)
+    torch.testing.assert_close(got, reference_rows(p, new_tokens, options), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_request_pages_among_tensors_equal_one_jagged_cache(backend, monkeypatch):
+    """A batch whose users are partly paged (each its own page table into a fragmented pool) and partly
+    in tensors, as after a pool filled in the middle of a batch: the jagged answer, bit for bit; the
+    fused CPU kernel reads the pages where they lie (no request's pages read into a tensor)."""
+    p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 9], new_lengths=[3, 2, 4, 1])
+    cache_rows, new_rows = split(p)
+    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
+    pool_k, tables = paged(keys, p["cache_lengths"], 4, seed=1)
+    pool_v, _ = paged(values, p["cache_lengths"], 4, seed=1)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    bounds = offsets(p["cache_lengths"]).tolist()
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    own_tables = [PageTables([dev(t)], 4) for t in tables]
+    mixed_k = [PagedCache(dev(pool_k), own_tables[0]), dev(keys[:, 5:5]), PagedCache(dev(pool_k), own_tables[2])]
+    mixed_v = [PagedCache(dev(pool_v), own_tables[0]), dev(values[:, 5:5]), PagedCache(dev(pool_v), own_tables[2])]
+    mixed_k.append(dev(keys[:, bounds[3] :]))
+    mixed_v.append(dev(values[:, bounds[3] :]))
+    rab = bias(p, new_rows)
+    rab = RelativeBias(dev(rab.position_weights), dev(rab.time_weights), dev(rab.timestamps), rab.time_bucketing, None)
+    args = [dev(t) for t in (p["q"][new_rows], p["k"][new_rows], p["v"][new_rows], offsets(p["new_lengths"]))]
+    common_args = dict(new_tokens="history", rab=rab, backend=backend, alpha=0.3)
+    common_args["cache_timestamps"] = dev(p["ts"][cache_rows])
+    want = hstu_cached_attention(*args, dev(keys), dev(values), dev(offsets(p["cache_lengths"])), **common_args)
+    if backend == "cpu" and native_ops("gr_cpu_cached") is not None:
+        monkeypatch.setattr(common.PagedCache, "read", lambda *_: pytest.fail("pages read into a tensor"))
+    got = hstu_cached_attention(*args, mixed_k, mixed_v, dev(offsets(p["cache_lengths"])), **common_args)
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("per_request", [False, True], ids=["pages", "per-request pages"])
+def test_a_page_table_too_short_for_its_tokens_is_a_named_error(per_request):
     p = problem(cache_lengths=[5], new_lengths=[2])
     cache_rows, new_rows = split(p)
     tables = PageTables([torch.tensor([0])], 4)  # 4 slots for 5 tokens
+    cache_k, cache_v = PagedCache(torch.zeros(HEADS, 8, DA), tables), PagedCache(torch.zeros(HEADS, 8, DL), tables)
     with pytest.raises(ValueError, match="cache_k: request 0's page table"):
         hstu_cached_attention(
             p["q"][new_rows],
             p["k"][new_rows],
             p["v"][new_rows],
             torch.tensor([0, 2]),
-            PagedCache(torch.zeros(HEADS, 8, DA), tables),
-            PagedCache(torch.zeros(HEADS, 8, DL), tables),
+            [cache_k] if per_request else cache_k,
+            [cache_v] if per_request else cache_v,
             torch.tensor([0, 5]),
         )

@@ -479,10 +479,12 @@ class CachedHSTU:
             if tables is not None:
                 assert pool is not None  # tables come from its pages
                 cache_k, cache_v = PagedCache(pool.keys[i], tables), PagedCache(pool.values[i], tables)
-            else:
-                layers = [c.layer(i) for c in caches]
-                cache_k = [kv[0][:, :n] for kv, n in zip(layers, committed)]
-                cache_v = [kv[1][:, :n] for kv, n in zip(layers, committed)]
+            else:  # per user: its pages (read where they lie) or its own tensors
+                layers = [
+                    c.paged.pages_of(i) if c.paged is not None else (c.keys[i][:, :n], c.values[i][:, :n])
+                    for c, n in zip(caches, committed)
+                ]
+                cache_k, cache_v = [kv[0] for kv in layers], [kv[1] for kv in layers]
             attn = layer.attend_cached(
                 q,
                 k,

@@ -241,8 +241,10 @@ class PagedKV:
     def layer(self, index: int) -> Tuple[Tensor, Tensor]:
         """Layer ``index``'s (K [H, C, Da], V [H, C, Dl]) read through the page table: a view of the
         pool when the pages are consecutive, else a gather."""
-        pool, tables = self.pool, self._tables
-        return (
-            PagedCache(pool.keys[index], tables).read(0, self.length),
-            PagedCache(pool.values[index], tables).read(0, self.length),
-        )
+        keys, values = self.pages_of(index)
+        return keys.read(0, self.length), values.read(0, self.length)
+
+    def pages_of(self, index: int) -> Tuple[PagedCache, PagedCache]:
+        """Layer ``index``'s K and V as cached attention reads them where they lie: ``PagedCache``
+        of the pool's layer through this history's page table (one request's)."""
+        return PagedCache(self.pool.keys[index], self._tables), PagedCache(self.pool.values[index], self._tables)

@@ -1,4 +1,4 @@
-"""gr's fused CPU kernels, compiled for this machine on first use: one library, seven op namespaces.
+"""gr's fused CPU kernels, compiled for this machine on first use: one library, eight op namespaces.
 
 Five are gr.ops' own (``SOURCES``):
 
@@ -15,9 +15,10 @@ Five are gr.ops' own (``SOURCES``):
   (``gr/ops/csrc/gr_silu.h``), as an op for its tests (``silu``).
 
 The packages above add their own sources as they are imported (``add_sources``): ``gr.hstu.kernels``
-the HSTU attention tiles (``gr_cpu_fused``) and the HSTU layer's steps (``gr_cpu_layer``). A process
-that imports them before it first asks for an op (``import gr.hstu`` does) builds and loads one
-library of all seven; a source added after that is built into a library of its own at the next call.
+the HSTU attention tiles (``gr_cpu_fused``), cached attention's (``gr_cpu_cached``) and the HSTU layer's
+steps (``gr_cpu_layer``). A process that imports them before it first asks for an op (``import gr.hstu``
+does) builds and loads one library of all eight; a source added after that is built into a library of
+its own at the next call.
 
 ``native_ops(namespace)`` returns ``torch.ops.<namespace>`` or None when the kernels are off or
 unavailable; the callers then run their PyTorch code, which computes the same thing. The build uses
@@ -157,7 +158,8 @@ def _load_once() -> Tuple[bool, str]:
     instead of building again (loading a library twice would register its op namespaces twice,
     which aborts the process)."""
     with _load_lock:
-        pending = tuple(source for source in SOURCES if not any(source in loaded for loaded in _libraries))
+        # SOURCES only grows, and each library took the sources added before it: the rest are pending
+        pending = tuple(SOURCES[sum(map(len, _libraries)) :])
         if pending:
             _libraries.append(pending)
         failed = [why for built, why in map(_load, _libraries) if not built]

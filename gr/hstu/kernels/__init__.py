@@ -4,8 +4,8 @@ its cost model (``cost``).
 
 * ``attention``: ``hstu_attention`` (backends ``pytorch``, ``cpu``, ``triton``, ``ascend``,
   ``ascend_triton``);
-* ``cached_attention``: ``hstu_cached_attention``, the serving analogue (``pytorch``, ``cpu``, and
-  the others through their training kernel: ``by_concat``);
+* ``cached_attention``: ``hstu_cached_attention``, the serving analogue (``pytorch``, ``cpu`` with
+  its fused C++ ``gr_cpu_cached``, and the others through their training kernel: ``by_concat``);
 * ``layer_ops``: the HSTU layer's steps around attention (``project``, ``combine``,
   ``norm_mul_dropout``, ``stack_input``; fused CPU ops in ``cpu``).
 
@@ -19,5 +19,9 @@ from pathlib import Path
 from gr.ops.native import add_sources
 
 KERNELS = Path(__file__).resolve().parent
-SOURCES = (KERNELS / "attention" / "cpu_fused_attention.cpp", KERNELS / "layer_ops" / "layer_ops.cpp")
+SOURCES = (
+    KERNELS / "attention" / "cpu_fused_attention.cpp",
+    KERNELS / "cached_attention" / "cpu_cached_attention.cpp",
+    KERNELS / "layer_ops" / "layer_ops.cpp",
+)
 add_sources(SOURCES)

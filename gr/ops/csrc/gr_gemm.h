@@ -61,9 +61,10 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-// dst[kk * ldd + j] = src[j * lds + kk] for j < n, kk < k: the [k, n] transpose of a row-major [n, k],
-// 16 x 16 blocks at a time in registers.
-inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float* dst, int64_t ldd) {
+// dst[kk * ldd + j] = row(j)[kk] for j < n, kk < k: the [k, n] transpose of n rows of k floats, each
+// wherever row(j) (a const float*) puts it, 16 x 16 blocks at a time in registers.
+template <typename Row>
+inline void transpose_rows(int64_t n, int64_t k, const Row& row, float* dst, int64_t ldd) {
   __m512 r[16];
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t rows = std::min<int64_t>(16, n - j0);
@@ -72,11 +73,16 @@ inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float
       const int64_t cols = std::min<int64_t>(16, k - k0);
       const __mmask16 col_mask = first_lanes(cols);
       for (int64_t i = 0; i < 16; ++i)
-        r[i] = i < rows ? _mm512_maskz_loadu_ps(col_mask, src + (j0 + i) * lds + k0) : _mm512_setzero_ps();
+        r[i] = i < rows ? _mm512_maskz_loadu_ps(col_mask, row(j0 + i) + k0) : _mm512_setzero_ps();
       transpose16(r);
       for (int64_t c = 0; c < cols; ++c) _mm512_mask_storeu_ps(dst + (k0 + c) * ldd + j0, row_mask, r[c]);
     }
   }
+}
+
+// dst[kk * ldd + j] = src[j * lds + kk] for j < n, kk < k: the [k, n] transpose of a row-major [n, k].
+inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float* dst, int64_t ldd) {
+  transpose_rows(n, k, [&](int64_t j) { return src + j * lds; }, dst, ldd);
 }
 
 // A's element (i, k) at data[i * row_stride + k * col_stride]: either layout, read in place.
@@ -105,23 +111,37 @@ inline void store_block(const __m512 acc[R][2], float alpha, float beta, bool fi
   }
 }
 
-// fp32 operands of one register block: A read in place, `b` at B's row 0 of this column block (row
-// stride ldb), the lanes the masks select.
-struct Fp32Operands {
-  View a;
+// Where B's rows lie for Fp32Operands: row k at b + k * ldb (Strided), or at rows[k] + col (Pointed:
+// rows anywhere, col this column block's first).
+struct Strided {
   const float* b;
   int64_t ldb;
+  const float* row(int64_t k) const { return b + k * ldb; }
+};
+struct Pointed {
+  const float* const* rows;
+  int64_t col;
+  const float* row(int64_t k) const { return rows[k] + col; }
+};
+
+// fp32 operands of one register block: A read in place, B's rows of this column block where `b`
+// says (BRows: Strided or Pointed), the lanes the masks select.
+template <typename BRows>
+struct Fp32Operands {
+  View a;
+  BRows b;
   __mmask16 lo, hi;
 
   Fp32Operands rows_from(int64_t i0) const {
-    return {{a.data + i0 * a.row_stride, a.row_stride, a.col_stride}, b, ldb, lo, hi};
+    return {{a.data + i0 * a.row_stride, a.row_stride, a.col_stride}, b, lo, hi};
   }
   // acc[r] += sum_k A[r, k] B[k, lanes] for k < depth.
   template <int R, bool kTwo>
   void accumulate(int64_t depth, __m512 acc[R][2]) const {
     for (int64_t k = 0; k < depth; ++k) {
-      const __m512 b0 = _mm512_maskz_loadu_ps(lo, b + k * ldb);
-      const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, b + k * ldb + 16) : _mm512_setzero_ps();
+      const float* bk = b.row(k);
+      const __m512 b0 = _mm512_maskz_loadu_ps(lo, bk);
+      const __m512 b1 = kTwo ? _mm512_maskz_loadu_ps(hi, bk + 16) : _mm512_setzero_ps();
       const float* ak = a.data + k * a.col_stride;
       for (int r = 0; r < R; ++r) {
         const __m512 x = _mm512_set1_ps(ak[r * a.row_stride]);
@@ -211,6 +231,18 @@ inline void narrow_columns(bool trans_a, int64_t m, int64_t k, float alpha, cons
   }
 }
 
+// body(j0, cols, lo, hi, k0, depth) for each block of kCols columns [j0, j0 + cols) of n (lo, hi: the
+// lanes of its two registers) and, within it, each pass [k0, k0 + depth) of kDepth of k: the order
+// in which gemm and gemm_rows sum.
+template <typename Body>
+inline void column_passes(int64_t n, int64_t k, const Body& body) {
+  for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+    const int64_t cols = std::min(kCols, n - j0);
+    const __mmask16 lo = first_lanes(cols), hi = first_lanes(cols - 16);
+    for (int64_t k0 = 0; k0 < k; k0 += kDepth) body(j0, cols, lo, hi, k0, std::min(kDepth, k - k0));
+  }
+}
+
 // Row-major C[M, N] = alpha * op(A) op(B) + beta * C; op(A) is [M, K], op(B) is [K, N]: the BLAS's
 // sgemm contract in row-major terms (C is not read when beta == 0). Not inlined: inside the callers'
 // loops GCC spilled a B register to the stack.
@@ -226,22 +258,17 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
   const int64_t narrow = n > 16 && m >= 8 && tail <= kNarrow ? tail : 0;  // columns on the row lanes
   const int64_t wide = n - narrow;
   alignas(64) float panel[kDepth * kCols];
-  for (int64_t j0 = 0; j0 < wide; j0 += kCols) {
-    const int64_t cols = std::min(kCols, wide - j0);
-    const __mmask16 lo = first_lanes(cols), hi = first_lanes(cols - 16);
-    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-      const int64_t depth = std::min(kDepth, k - k0);
-      const float* bp = b + k0 * ldb + j0;
-      int64_t bld = ldb;
-      if (trans_b) {  // B is stored [N, K]
-        transpose(cols, depth, b + j0 * ldb + k0, ldb, panel, kCols);
-        bp = panel;
-        bld = kCols;
-      }
-      const View av = trans_a ? View{a + k0 * lda, 1, lda} : View{a + k0, lda, 1};
-      column_block(m, cols, depth, alpha, Fp32Operands{av, bp, bld, lo, hi}, beta, k0 == 0, c + j0, ldc);
+  column_passes(wide, k, [&](int64_t j0, int64_t cols, __mmask16 lo, __mmask16 hi, int64_t k0, int64_t depth) {
+    const float* bp = b + k0 * ldb + j0;
+    int64_t bld = ldb;
+    if (trans_b) {  // B is stored [N, K]
+      transpose(cols, depth, b + j0 * ldb + k0, ldb, panel, kCols);
+      bp = panel;
+      bld = kCols;
     }
-  }
+    const View av = trans_a ? View{a + k0 * lda, 1, lda} : View{a + k0, lda, 1};
+    column_block(m, cols, depth, alpha, Fp32Operands<Strided>{av, {bp, bld}, lo, hi}, beta, k0 == 0, c + j0, ldc);
+  });
   if (narrow > 0) {
     const float* bn = trans_b ? b + wide * ldb : b + wide;
     const int64_t ldbj = trans_b ? ldb : 1, ldbk = trans_b ? 1 : ldb;
@@ -253,6 +280,28 @@ __attribute__((noinline, noclone)) inline void gemm(bool trans_a, bool trans_b, 
   }
 }
 
+// gemm(false, trans_b, ...) with B's stored rows anywhere: row r at rows[r] (trans_b: B stored [N, K],
+// row j is column j of op(B); else [K, N]). Each element is summed as gemm sums it (k ascending within
+// passes of kDepth, columns in blocks of kCols, no narrow_columns), so it depends on the rows' values
+// only: rows read through a page table give the bits of the same rows read in place.
+__attribute__((noinline, noclone)) inline void gemm_rows(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                                                         const float* a, int64_t lda, const float* const* rows,
+                                                         float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0 || k <= 0) return gemm(false, trans_b, m, n, k, alpha, a, lda, nullptr, 0, beta, c, ldc);
+  alignas(64) float panel[kDepth * kCols];
+  column_passes(n, k, [&](int64_t j0, int64_t cols, __mmask16 lo, __mmask16 hi, int64_t k0, int64_t depth) {
+    const View av{a + k0, lda, 1};
+    if (trans_b) {
+      transpose_rows(cols, depth, [&](int64_t j) { return rows[j0 + j] + k0; }, panel, kCols);
+      const Fp32Operands<Strided> x{av, {panel, kCols}, lo, hi};
+      column_block(m, cols, depth, alpha, x, beta, k0 == 0, c + j0, ldc);
+    } else {
+      const Fp32Operands<Pointed> x{av, {rows + k0, j0}, lo, hi};
+      column_block(m, cols, depth, alpha, x, beta, k0 == 0, c + j0, ldc);
+    }
+  });
+}
+
 #else  // no AVX-512 in this build: the BLAS
 
 inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float* dst, int64_t ldd) {
@@ -261,6 +310,16 @@ inline void transpose(int64_t n, int64_t k, const float* src, int64_t lds, float
 }
 
 using gr_blas::gemm;
+
+// gemm(false, trans_b, ...) with B's stored rows anywhere (row r at rows[r]): the rows copied into one
+// aligned tile first, so that equal rows give equal bits wherever they are.
+inline void gemm_rows(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                      const float* const* rows, float beta, float* c, int64_t ldc) {
+  const int64_t count = trans_b ? n : k, width = trans_b ? k : n;
+  gr_blas::AlignedFloats tile(count * width);
+  for (int64_t r = 0; r < count; ++r) std::copy(rows[r], rows[r] + width, tile.data() + r * width);
+  gemm(false, trans_b, m, n, k, alpha, a, lda, tile.data(), std::max<int64_t>(width, 1), beta, c, ldc);
+}
 
 #endif
 

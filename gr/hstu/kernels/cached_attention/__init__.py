@@ -2,7 +2,8 @@
 of ``gr.hstu.kernels.attention.hstu_attention``, with the same backend names.
 
 * ``pytorch``: the reference, one request at a time with dense masks (``pytorch``);
-* ``cpu``: the fast path for CPU tensors (``cpu``);
+* ``cpu``: the fast path for CPU tensors (``cpu``; its fused C++ kernel reads K/V where they lie,
+  through page tables or in place, with no gather);
 * ``triton``, ``ascend``, ``ascend_triton``: that backend's training kernel over each request's
   cache followed by its new tokens (``by_concat``; a paged cache is gathered through its page
   tables into that layout).
@@ -65,7 +66,8 @@ def hstu_cached_attention(
         head-major (the layout ``gr.hstu.cache.HistoryCache`` keeps), jagged over C; or B
         per-request tensors [H, C_b, *] (no copy of several users' caches into one), or a
         ``PagedCache``: a page pool [H, P * page_size, *] read through each request's page table
-        (every backend; results equal to the same K/V given as tensors, bit for bit)
+        (every backend; results equal to the same K/V given as tensors, bit for bit); a per-request
+        entry may be that request's ``PagedCache`` (one page table) among tensors
     cache_offsets: [B+1] int64 over the C cached tokens
     new_tokens: "targets" (candidates at position C_b: each sees the history and itself) or
         "history" (the history goes on: causal among themselves, positions C_b, C_b + 1, ...)

@@ -10,8 +10,9 @@ key) pairs, and the paged form of a cache (``PagedCache``: K or V read through p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Tuple, Union, overload
+from typing import Iterator, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
 from torch import Tensor
@@ -42,6 +43,7 @@ class PageTables:
         self.page_size = int(page_size)
         self._reads: dict = {}  # (request, length) -> ("run", first row) | ("rows", [length] int64)
         self._extremes: Optional[list] = None  # per table (smallest, largest page id), for the checks
+        self._blocks: dict = {}  # lengths -> (first pool row of each page read [S] int64, offsets [B+1])
 
     def extremes(self) -> list:
         """Per table (smallest page id, largest page id), or None for an empty table (computed once)."""
@@ -51,6 +53,20 @@ class PageTables:
 
     def __len__(self) -> int:
         return len(self.tables)
+
+    def blocks(self, lengths: Sequence[int]) -> Tuple[Tensor, List[int]]:
+        """-> (starts [S] int64: the first pool row of each page holding the requests' first ``lengths``
+        tokens, request after request, on the CPU; offsets [B+1]: where each request's pages begin in
+        starts), computed once per lengths: token j of request b is in row starts[offsets[b] + j //
+        page_size] + j % page_size."""
+        key = tuple(lengths)
+        found = self._blocks.get(key)
+        if found is None:
+            used = [table[: -(-length // self.page_size)].cpu() for table, length in zip(self.tables, key)]
+            starts = torch.cat(used).long() * self.page_size if used else torch.zeros(0, dtype=torch.long)
+            found = (starts, [0, *itertools.accumulate(t.numel() for t in used)])
+            self._blocks[key] = found
+        return found
 
     def read(self, index: int, length: int) -> Tuple[str, Union[int, Tensor]]:
         """How request ``index``'s first ``length`` tokens are read: ("run", first pool row) when
@@ -102,8 +118,9 @@ class PagedCache:
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=self.pool.device)
 
 
-# A cached tensor of B requests: one jagged tensor, a sequence of B per-request tensors, or pages.
-CacheTensor = Union[Tensor, Sequence[Tensor], PagedCache]
+# A cached tensor of B requests: one jagged tensor, a sequence of B per-request ones (each a tensor, or
+# that request's pages: a PagedCache of one page table), or all of them in pages.
+CacheTensor = Union[Tensor, Sequence[Union[Tensor, PagedCache]], PagedCache]
 
 
 @dataclass(frozen=True)
@@ -132,7 +149,7 @@ class CachedAttentionCall:
     q, k: [N, H, Da] float, v: [N, H, Dl] float: the new tokens' projections
     new_offsets: [B+1] int64 over the N new tokens
     cache_k: [H, C, Da] float, cache_v: [H, C, Dl] float, head-major and jagged over C; or B
-        per-request tensors [H, C_b, *]
+        per-request tensors [H, C_b, *] (or that request's ``PagedCache``); or a ``PagedCache``
     cache_offsets: [B+1] int64 over the C cached tokens
     new_tokens: "targets" or "history"
     positions: [N] int64 or None: explicit positions of new history tokens (draft trees)
@@ -178,13 +195,14 @@ class CachedAttentionCall:
         named = (("cache_k", self.cache_k, q.shape[2]), ("cache_v", self.cache_v, v.shape[2]))
         for name, cache, dim in named + ((("cache_timestamps", self.cache_timestamps, None),) if timed else ()):
             if isinstance(cache, PagedCache):
-                if dim is None:
-                    raise ValueError(f"{op}: {name} must be tensors, not pages")
                 _check_paged(op, name, cache, lengths, q.shape[1], dim)
                 continue
             parts = [cache] if cache is None or isinstance(cache, Tensor) else list(cache)
             spans = [sum(lengths)] if isinstance(cache, Tensor) else lengths
             for span, part in zip(spans, parts) if len(parts) == len(spans) else [(None, None)]:
+                if isinstance(part, PagedCache):  # one request's pages
+                    _check_paged(op, name, part, [span or 0], q.shape[1], dim)
+                    continue
                 shape = (span,) if dim is None else (q.shape[1], span, dim)
                 if part is None or tuple(part.shape) != shape:
                     raise ValueError(
@@ -194,8 +212,11 @@ class CachedAttentionCall:
                     )
 
 
-def _check_paged(op: str, name: str, cache: PagedCache, lengths: Sequence[int], heads: int, dim: int) -> None:
-    """A paged cache holds B page tables, each with room for its request's tokens, in a [H, rows, D] pool."""
+def _check_paged(op: str, name: str, cache: PagedCache, lengths: Sequence[int], heads: int, dim: Optional[int]) -> None:
+    """A paged cache holds B page tables, each with room for its request's tokens, in a [H, rows, D]
+    pool (dim None: timestamps, which are never paged)."""
+    if dim is None:
+        raise ValueError(f"{op}: {name} must be tensors, not pages")
     pool, tables = cache.pool, cache.tables
     if pool.dim() != 3 or pool.shape[0] != heads or pool.shape[2] != dim or pool.shape[1] % tables.page_size:
         raise ValueError(
@@ -302,7 +323,8 @@ def part(cache: Optional[CacheTensor], request: CachedRequest, dim: int) -> Opti
         return (
             None if cache is None else cache.narrow(dim, request.cache.start, request.cache.stop - request.cache.start)
         )
-    return cache[request.index]
+    own = cache[request.index]
+    return own.read(0, request.cache.stop - request.cache.start) if isinstance(own, PagedCache) else own
 
 
 @overload
@@ -314,7 +336,9 @@ def joined(cache: Optional[CacheTensor], dim: int, lengths: Sequence[int] = ()) 
     cache's requests, of ``lengths`` tokens, gathered through their page tables in one read)."""
     if isinstance(cache, PagedCache):
         return cache.pool.index_select(1, cache.rows(lengths))
-    return cache if cache is None or isinstance(cache, Tensor) else torch.cat(list(cache), dim=dim)
+    if cache is None or isinstance(cache, Tensor):
+        return cache
+    return torch.cat([c.read(0, lengths[i]) if isinstance(c, PagedCache) else c for i, c in enumerate(cache)], dim=dim)
 
 
 def _all_equal(values: Tensor) -> bool:

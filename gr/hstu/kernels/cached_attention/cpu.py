@@ -1,26 +1,53 @@
 """Fast cached HSTU attention for CPU tensors: per request, the cached part and the new block
-as separate matmuls (no copy of the cache), one bias row for a request's candidates, the
-mask multiply skipped where everything is visible, and the candidates' self term elementwise."""
+apart (no copy of the cache), one bias row for a request's candidates, the mask multiply skipped
+where everything is visible, and the candidates' self term elementwise.
+
+The cached part runs the fused C++ kernel (``cpu_cached_attention.cpp``, op ``gr_cpu_cached``) on
+fp32 tensors: it reads K/V where they lie, through the page tables of a ``PagedCache`` or in place
+in tensors, by the same GEMMs, so a paged cache gives the unpaged answer bit for bit without a
+gather. Where the kernel is not built (``gr.ops.native``), under bf16 autocast, or for other dtypes,
+PyTorch matmuls run over each request's K/V (a paged cache's read through ``PagedCache.read``: a
+view, or a gather of its rows when its pages are not consecutive)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from gr.hstu.kernels.attention.common import RelativeBias, silu_norm, time_bucket
-from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
+from gr.hstu.kernels.cached_attention.common import (
+    CachedAttentionCall,
+    CachedRequest,
+    PagedCache,
+    bias_between,
+    part,
+    requests,
+    visibility,
+)
+from gr.jagged import lengths_from_offsets
+from gr.ops.native import cpu_bf16_math, native_ops
+
+# Where the fused kernel reads K/V: (K pools, V pools, each request's pool [B], the first pool row of
+# each block of tokens [S] int64, where each request's blocks begin in those [B+1], each request's
+# tokens per block [B]).
+Layout = Tuple[List[Tensor], List[Tensor], List[int], Tensor, List[int], List[int]]
 
 
 def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
     q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
+    lengths = lengths_from_offsets(call.cache_offsets).tolist()
+    ops = native_ops("gr_cpu_cached") if q.dtype == torch.float32 and not cpu_bf16_math() else None
+    layout = None if ops is None else _layout(call, lengths)
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    steps: List[Tuple[CachedRequest, Optional[Tensor], Tensor]] = []  # (request, cached part, new tokens' part)
+    biases: List[Optional[Tensor]] = []
+    masks: List[Optional[Tensor]] = []
     for request in requests(call):
         new, pos = request.new, request.positions
-        cached = request.cache.stop - request.cache.start
         qh = q[new].transpose(0, 1) * call.alpha  # [H, n, Da]
         kh, vh = k[new].transpose(0, 1), v[new].transpose(0, 1)
         query_ts = new_ts = cache_ts = None
@@ -30,40 +57,133 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
             query_ts, new_ts = rab.resolved_query_times[new].long(), rab.timestamps[new].long()
             cache_ts = part(call.cache_timestamps, request, 0).long()
         cache_visible, new_visible = visibility(request, new_tokens, call.contextual_len, call.max_attn_len)
-
-        logits = torch.matmul(qh, part(call.cache_k, request, 1).transpose(1, 2))  # [H, n, C]
-        if rab is not None:
-            bias = bias_between(
-                rab,
-                pos,
-                query_ts,
-                torch.arange(cached, device=q.device),
-                cache_ts,
-            )
-            if bias is not None:
-                logits.add_(bias.to(logits.dtype))
-        scores = F.silu(logits, inplace=True)
-        if not bool(cache_visible.all()):
-            scores.mul_(cache_visible.to(scores.dtype))
-        attn = torch.matmul(scores, part(call.cache_v, request, 1))  # [H, n, Dl]
-
         if new_tokens == "targets":  # each candidate sees itself only: an elementwise term
             self_logits = (qh * kh).sum(-1)  # [H, n]
             if rab is not None:
                 self_bias = _self_bias(rab, pos, query_ts, new_ts)
                 if self_bias is not None:
                     self_logits = self_logits + self_bias.to(self_logits.dtype)
-            attn.add_(F.silu(self_logits).unsqueeze(-1) * vh)
+            new_part = F.silu(self_logits).unsqueeze(-1) * vh
         else:
             block = torch.matmul(qh, kh.transpose(1, 2))  # [H, n, n]
             if rab is not None:
-                bias = bias_between(rab, pos, query_ts, pos, new_ts)
-                if bias is not None:
-                    block = block + bias.to(block.dtype)
-            attn.add_(torch.matmul(F.silu(block) * new_visible.to(block.dtype), vh))
-        attn.mul_(silu_norm(pos, call.silu_scale).to(attn.dtype).view(1, -1, 1))
-        out[new] = attn.transpose(0, 1)
+                block_bias = bias_between(rab, pos, query_ts, pos, new_ts)
+                if block_bias is not None:
+                    block = block + block_bias.to(block.dtype)
+            new_part = torch.matmul(F.silu(block) * new_visible.to(block.dtype), vh)
+
+        cached = request.cache.stop - request.cache.start
+        bias = None
+        if rab is not None:
+            bias = bias_between(rab, pos, query_ts, torch.arange(cached, device=q.device), cache_ts)
+        visible = None if bool(cache_visible.all()) else cache_visible
+        if layout is None:
+            steps.append((request, _cached_part(call, request, qh, bias, visible), new_part))
+        else:
+            biases.append(None if bias is None else bias.to(torch.float32).contiguous())
+            masks.append(None if visible is None else visible.to(torch.float32))
+            steps.append((request, None, new_part))
+    fused = None
+    if layout is not None:
+        assert ops is not None  # a layout is made for the fused kernel only
+        pools_k, pools_v, pool_index, starts, block_offsets, sizes = layout
+        fused = ops.cached_forward(
+            q, pools_k, pools_v, call.new_offsets.tolist(), lengths, pool_index, starts, block_offsets, sizes,
+            float(call.alpha), biases, masks,
+        )  # fmt: skip
+    for request, attn, new_part in steps:
+        if attn is None:
+            assert fused is not None  # the requests without a PyTorch cached part have the fused one
+            attn = fused[request.new] + new_part.transpose(0, 1)  # [n, H, Dl]
+            attn.mul_(silu_norm(request.positions, call.silu_scale).to(attn.dtype).view(-1, 1, 1))
+            out[request.new] = attn
+        else:
+            attn = attn + new_part
+            attn.mul_(silu_norm(request.positions, call.silu_scale).to(attn.dtype).view(1, -1, 1))
+            out[request.new] = attn.transpose(0, 1)
     return out
+
+
+def _cached_part(
+    call: CachedAttentionCall, request: CachedRequest, qh: Tensor, bias: Optional[Tensor], visible: Optional[Tensor]
+) -> Tensor:
+    """[H, n, Dl]: the request's new tokens (qh: [H, n, Da], alpha applied) against its cached K/V by
+    PyTorch matmuls; bias: [n or 1, C] or None, visible: [n, C] bool or None (all visible)."""
+    logits = torch.matmul(qh, part(call.cache_k, request, 1).transpose(1, 2))  # [H, n, C]
+    if bias is not None:
+        logits.add_(bias.to(logits.dtype))
+    scores = F.silu(logits, inplace=True)
+    if visible is not None:
+        scores.mul_(visible.to(scores.dtype))
+    return torch.matmul(scores, part(call.cache_v, request, 1))
+
+
+def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layout]:
+    """Where the fused kernel reads each request's K/V (on the CPU, fp32), or None when it cannot: a
+    paged cache through its page tables (K and V sharing them), a jagged tensor or per-request
+    tensors in place (one block of a request's tokens from its first row), per-request pages
+    through their own tables."""
+    cache_k, cache_v, count = call.cache_k, call.cache_v, len(lengths)
+    if isinstance(cache_k, PagedCache) or isinstance(cache_v, PagedCache):
+        if not isinstance(cache_k, PagedCache) or not isinstance(cache_v, PagedCache):
+            return None  # one of them in tensors
+        if cache_k.tables is not cache_v.tables:
+            return None
+        starts, offsets = cache_k.tables.blocks(lengths)
+        pools_k, pools_v, index = [cache_k.pool], [cache_v.pool], [0] * count
+        sizes = [cache_k.tables.page_size] * count
+    elif isinstance(cache_k, Tensor) and isinstance(cache_v, Tensor):
+        pools_k, pools_v, index, starts = [cache_k], [cache_v], [0] * count, call.cache_offsets.cpu()
+        offsets, sizes = list(range(count + 1)), [max(1, n) for n in lengths]  # one block a request
+    else:
+        assert not isinstance(cache_k, Tensor) and not isinstance(cache_v, Tensor)  # per-request lists
+        if all(isinstance(t, Tensor) for t in (*cache_k, *cache_v)):  # each request a tensor: one block from row 0
+            pools_k, pools_v, index = list(cache_k), list(cache_v), list(range(count))  # type: ignore[arg-type]
+            starts, offsets = torch.zeros(count, dtype=torch.long), list(range(count + 1))
+            sizes = [max(1, n) for n in lengths]
+        else:
+            found = _mixed_layout(cache_k, cache_v, lengths)
+            if found is None:
+                return None
+            pools_k, pools_v, index, starts, offsets, sizes = found
+    pools_k, pools_v = [_rows_contiguous(t) for t in pools_k], [_rows_contiguous(t) for t in pools_v]
+    if not all(t.is_cpu and t.dtype is torch.float32 for t in (*pools_k, *pools_v)):
+        return None
+    return pools_k, pools_v, index, starts, offsets, sizes
+
+
+def _mixed_layout(
+    cache_k: Sequence[Union[Tensor, PagedCache]], cache_v: Sequence[Union[Tensor, PagedCache]], lengths: Sequence[int]
+) -> Optional[Layout]:
+    """``_layout`` of per-request entries, some a request's pages (K and V through one page table),
+    the others tensors; None when a request's K and V are not alike."""
+    pools_k: List[Tensor] = []
+    pools_v: List[Tensor] = []
+    index, parts, offsets, sizes = [], [], [0], []
+    where: Dict[int, int] = {}  # id of a K pool -> its place in pools_k
+    for own_k, own_v, length in zip(cache_k, cache_v, lengths):
+        if isinstance(own_k, PagedCache) and isinstance(own_v, PagedCache) and own_k.tables is own_v.tables:
+            part_starts, _ = own_k.tables.blocks([length])
+            pool_k, pool_v, size = own_k.pool, own_v.pool, own_k.tables.page_size
+        elif isinstance(own_k, Tensor) and isinstance(own_v, Tensor):
+            part_starts, pool_k, pool_v, size = torch.zeros(1, dtype=torch.long), own_k, own_v, max(1, length)
+        else:
+            return None
+        if id(pool_k) not in where:
+            where[id(pool_k)] = len(pools_k)
+            pools_k.append(pool_k)
+            pools_v.append(pool_v)
+        index.append(where[id(pool_k)])
+        parts.append(part_starts)
+        offsets.append(offsets[-1] + int(part_starts.numel()))
+        sizes.append(size)
+    starts = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return pools_k, pools_v, index, starts, offsets, sizes
+
+
+def _rows_contiguous(t: Tensor) -> Tensor:
+    """``t`` [H, rows, D], with each row's D values adjacent (a copy only when they are not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _self_bias(

@@ -1,0 +1,264 @@
+// The cached part of HSTU cached attention for CPU (fp32): per request and head, the new tokens' rows
+// against the request's cached keys and values, read row by row where they lie (gr.hstu.kernels.
+// cached_attention.cpu adds the new tokens' own term and the normaliser).
+//
+// A request's cached token j lies in row starts[j / block] + j % block of its pool ([H, rows, D]): a
+// page pool read through the request's page table (block = the page size, starts = its pages' first
+// rows), or a cache in its own tensor (one block from its first row). Either way the kernel makes a
+// table of row pointers and runs the same GEMMs over it (gr_gemm::gemm_rows: each sum in an order set
+// by the shapes alone), so the same K/V give the same bits wherever they lie: no gather copy of the
+// cache, and no slower code for the unpaged one. Each (request, head) takes its new tokens kRowBlock at
+// a time against kKeyBlock keys at a time: a block's keys are transposed once for all of its rows
+// (one or two new tokens take dot products and a weighted sum instead), and its scores tile stays in
+// this core's cache through bias, SiLU and mask to the second GEMM.
+// Built and loaded by gr/ops/native.py; the PyTorch code runs when this cannot be built.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "gr_blas.h"
+#include "gr_gemm.h"
+#include "gr_parallel.h"
+#include "gr_silu.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using at::IntArrayRef;
+using at::Tensor;
+
+constexpr int64_t kRowBlock = 64;   // new tokens per scores tile
+constexpr int64_t kKeyBlock = 256;  // cached keys per scores tile (gr_gemm's kDepth: one pass of the second GEMM)
+constexpr int64_t kDotRows = 2;     // at most this many new tokens: dot_rows and weigh_rows, else gemm_rows
+
+// An fp32 [n or 1, C] tensor of per-(new token, cached key) terms (bias or mask), or none.
+struct Rows {
+  const float* data = nullptr;
+  bool shared = false;  // one row for every new token
+  Rows(const std::optional<Tensor>& t, int64_t n, int64_t C, const char* what, int64_t b) {
+    if (!t.has_value()) return;
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(1) == C &&
+                    (t->size(0) == n || t->size(0) == 1),
+                "cpu_cached: request ", b, "'s ", what, " must be a contiguous fp32 [", n, " or 1, ", C, "] tensor");
+    data = t->data_ptr<float>();
+    shared = t->size(0) == 1;
+  }
+  const float* row(int64_t i, int64_t C) const { return data == nullptr ? nullptr : data + (shared ? 0 : i) * C; }
+};
+
+// scores[i * ld + j] = alpha * q_i . keys[j] for i < m (at most kDotRows), j < n: each key's D values
+// against each new token in vector lanes, then a sum across the lanes. For a request's few new
+// tokens, where transposing the keys for gemm_rows costs more than the products; the order of the
+// sums is set by m, n and D alone.
+void dot_rows(int64_t m, int64_t n, int64_t D, float alpha, const float* q, int64_t ldq, const float* const* keys,
+              float* scores, int64_t ld) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  // One new token: 16 keys' lane sums at a time, added up across lanes by one 16 x 16 transpose.
+  for (; m == 1 && j + 16 <= n; j += 16) {
+    __m512 acc[16];
+    for (int64_t i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      const __mmask16 lanes = gr_gemm::first_lanes(D - d0);
+      const __m512 qv = _mm512_maskz_loadu_ps(lanes, q + d0);
+      for (int64_t i = 0; i < 16; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, keys[j + i] + d0), qv, acc[i]);
+    }
+    gr_gemm::transpose16(acc);  // acc[c] lane i: lane c of key i's sums
+    for (int64_t width = 8; width >= 1; width /= 2)
+      for (int64_t c = 0; c < width; ++c) acc[c] = _mm512_add_ps(acc[c], acc[c + width]);
+    _mm512_storeu_ps(scores + j, _mm512_mul_ps(_mm512_set1_ps(alpha), acc[0]));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float* k = keys[j];
+#if defined(__AVX512F__)
+    __m512 acc[kDotRows];
+    for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      const __mmask16 lanes = gr_gemm::first_lanes(D - d0);
+      const __m512 kv = _mm512_maskz_loadu_ps(lanes, k + d0);
+      for (int64_t r = 0; r < m; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + r * ldq + d0), kv, acc[r]);
+    }
+    for (int64_t r = 0; r < m; ++r) scores[r * ld + j] = alpha * _mm512_reduce_add_ps(acc[r]);
+#else
+    for (int64_t r = 0; r < m; ++r) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) sum += q[r * ldq + d] * k[d];
+      scores[r * ld + j] = alpha * sum;
+    }
+#endif
+  }
+}
+
+// out[i * ldo + c] = (accumulate ? out : 0) + sum_j w[i * ld + j] values[j][c] for i < m (at most
+// kDotRows), j < n, c < Dl: per 16 columns, the keys in 4 interleaved partial sums (one would wait
+// on the last FMA at every key), added pairwise at the end.
+void weigh_rows(int64_t m, int64_t n, int64_t Dl, const float* w, int64_t ld, const float* const* values,
+                bool accumulate, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  constexpr int64_t kWays = 4;
+  for (int64_t c0 = 0; c0 < Dl; c0 += 16) {
+    const __mmask16 lanes = gr_gemm::first_lanes(Dl - c0);
+    __m512 acc[kDotRows][kWays];
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t u = 0; u < kWays; ++u) acc[r][u] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + kWays <= n; j += kWays)
+      for (int64_t u = 0; u < kWays; ++u) {
+        const __m512 x = _mm512_maskz_loadu_ps(lanes, values[j + u] + c0);
+        for (int64_t r = 0; r < m; ++r) acc[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * ld + j + u]), x, acc[r][u]);
+      }
+    for (; j < n; ++j) {
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, values[j] + c0);
+      for (int64_t r = 0; r < m; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * ld + j]), x, acc[r][0]);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+      if (accumulate) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, out + r * ldo + c0), sum);
+      _mm512_mask_storeu_ps(out + r * ldo + c0, lanes, sum);
+    }
+  }
+#else
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < Dl; ++c) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += w[r * ld + j] * values[j][c];
+      out[r * ldo + c] = accumulate ? out[r * ldo + c] + sum : sum;
+    }
+#endif
+}
+
+// out [N, H, Dl] = per request b and head h, rows [new_offsets[b], new_offsets[b + 1]):
+// sum_j mask * SiLU(alpha q k_j + bias) v_j over its cache_lengths[b] cached keys j (k_j, v_j in
+// pools_k / pools_v[pool_index[b]], row block_starts[block_offsets[b] + j / block] + j % block, the
+// request's blocks of block = block_sizes[b] tokens from block_offsets[b] on); zero rows for a request
+// without cached keys.
+// bias, mask: per request an fp32 [n_b or 1, C_b] or None.
+Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList pools_v, IntArrayRef new_offsets,
+                      IntArrayRef cache_lengths, IntArrayRef pool_index, const Tensor& block_starts,
+                      IntArrayRef block_offsets, IntArrayRef block_sizes, double alpha,
+                      const c10::List<std::optional<Tensor>>& bias, const c10::List<std::optional<Tensor>>& mask) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
+              "cpu_cached: q must be an fp32 [N, H, Da] tensor whose last dimension is contiguous");
+  TORCH_CHECK(!pools_k.empty() && pools_k.size() == pools_v.size(), "cpu_cached: one V pool per K pool");
+  TORCH_CHECK(block_starts.scalar_type() == at::kLong && block_starts.is_contiguous() && block_starts.dim() == 1,
+              "cpu_cached: block_starts must be a contiguous int64 vector");
+  const int64_t B = static_cast<int64_t>(cache_lengths.size()), N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Dl = pools_v[0].size(2);
+  TORCH_CHECK(static_cast<int64_t>(new_offsets.size()) == B + 1 &&
+                  static_cast<int64_t>(block_offsets.size()) == B + 1 &&
+                  static_cast<int64_t>(pool_index.size()) == B && static_cast<int64_t>(block_sizes.size()) == B &&
+                  bias.size() == static_cast<size_t>(B) && mask.size() == static_cast<size_t>(B),
+              "cpu_cached: B requests need [B+1] offsets, [B] lengths, pool indices and block sizes, B biases and "
+              "masks");
+  for (size_t p = 0; p < pools_k.size(); ++p) {
+    const Tensor &pk = pools_k[p], &pv = pools_v[p];
+    TORCH_CHECK(pk.dim() == 3 && pv.dim() == 3 && pk.scalar_type() == at::kFloat && pv.scalar_type() == at::kFloat &&
+                    pk.size(0) == H && pv.size(0) == H && pk.size(2) == D && pv.size(2) == Dl &&
+                    pk.size(1) == pv.size(1) && pk.stride(2) == 1 && pv.stride(2) == 1,
+                "cpu_cached: pool ", p, " must be fp32 K [", H, ", rows, ", D, "] and V [", H, ", rows, ", Dl,
+                "] with contiguous rows");
+  }
+  const int64_t* news = new_offsets.data();
+  const int64_t* lengths = cache_lengths.data();
+  const int64_t* pools = pool_index.data();
+  const int64_t* starts = block_starts.data_ptr<int64_t>();
+  const int64_t* blocks = block_offsets.data();
+  TORCH_CHECK(news[0] == 0 && news[B] == N, "cpu_cached: new_offsets must run from 0 to N");
+  std::vector<Rows> biases, masks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = news[b + 1] - news[b], C = lengths[b], block = block_sizes[b];
+    TORCH_CHECK(block >= 1, "cpu_cached: request ", b, "'s blocks must hold at least one token");
+    const int64_t used = (C + block - 1) / block;
+    TORCH_CHECK(n >= 0 && C >= 0 && pools[b] >= 0 && pools[b] < static_cast<int64_t>(pools_k.size()) &&
+                    blocks[b] >= 0 && blocks[b] + used <= block_starts.numel(),
+                "cpu_cached: request ", b, " needs a pool index and one block start per ", block, " cached tokens");
+    const int64_t rows = pools_k[pools[b]].size(1);
+    for (int64_t s = blocks[b], j = 0; j < C; ++s, j += block)
+      TORCH_CHECK(starts[s] >= 0 && starts[s] + std::min(block, C - j) <= rows, "cpu_cached: request ", b,
+                  "'s block at row ", starts[s], " runs past its pool's ", rows, " rows");
+    biases.emplace_back(bias.get(b), n, C, "bias", b);
+    masks.emplace_back(mask.get(b), n, C, "mask", b);
+  }
+  Tensor out = at::empty({N, H, Dl}, q.options());
+  float* o_data = out.data_ptr<float>();
+  const float* q_data = q.data_ptr<float>();
+  const int64_t ldq = q.stride(0), ldo = H * Dl;
+  const float a = static_cast<float>(alpha);
+  gr_parallel::dynamic_for(
+      B * H,
+      [] { return std::make_tuple(gr_blas::AlignedFloats(kRowBlock * kKeyBlock), std::vector<const float*>(),
+                                  std::vector<const float*>()); },
+      [&](auto& state, int64_t item) {
+        const int64_t b = item / H, h = item % H;
+        const int64_t n = news[b + 1] - news[b], C = lengths[b];
+        float* o = o_data + news[b] * ldo + h * Dl;
+        if (n == 0) return;
+        if (C == 0) {
+          for (int64_t i = 0; i < n; ++i) std::fill(o + i * ldo, o + i * ldo + Dl, 0.0f);
+          return;
+        }
+        float* scores = std::get<0>(state).data();
+        std::vector<const float*>& keys = std::get<1>(state);
+        std::vector<const float*>& values = std::get<2>(state);
+        const Tensor &pk = pools_k[pools[b]], &pv = pools_v[pools[b]];
+        const float* k_head = pk.data_ptr<float>() + h * pk.stride(0);
+        const float* v_head = pv.data_ptr<float>() + h * pv.stride(0);
+        const int64_t k_ld = pk.stride(1), v_ld = pv.stride(1);
+        keys.resize(C);
+        values.resize(C);
+        const int64_t block = block_sizes[b];
+        for (int64_t s = blocks[b], j = 0; j < C; ++s)
+          for (int64_t row = starts[s], end = j + std::min(block, C - j); j < end; ++j, ++row) {
+            keys[j] = k_head + row * k_ld;
+            values[j] = v_head + row * v_ld;
+          }
+        const float* q_rows = q_data + news[b] * ldq + h * q.stride(1);
+        for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
+          const int64_t m = std::min(kRowBlock, n - r0);
+          for (int64_t c0 = 0; c0 < C; c0 += kKeyBlock) {
+            const int64_t nb = std::min(kKeyBlock, C - c0);
+            if (m <= kDotRows)
+              dot_rows(m, nb, D, a, q_rows + r0 * ldq, ldq, keys.data() + c0, scores, kKeyBlock);
+            else
+              gr_gemm::gemm_rows(true, m, nb, D, a, q_rows + r0 * ldq, ldq, keys.data() + c0, 0.0f, scores, kKeyBlock);
+            for (int64_t i = 0; i < m; ++i) {
+              float* __restrict s = scores + i * kKeyBlock;
+              const float* __restrict add = biases[b].row(r0 + i, C);
+              if (add != nullptr)
+                for (int64_t j = 0; j < nb; ++j) s[j] += add[c0 + j];
+              gr_silu::silu(s, s, nullptr, nb);
+              const float* __restrict keep = masks[b].row(r0 + i, C);
+              if (keep != nullptr)
+                for (int64_t j = 0; j < nb; ++j) s[j] *= keep[c0 + j];
+            }
+            if (m <= kDotRows)
+              weigh_rows(m, nb, Dl, scores, kKeyBlock, values.data() + c0, c0 > 0, o + r0 * ldo, ldo);
+            else
+              gr_gemm::gemm_rows(false, m, Dl, nb, 1.0f, scores, kKeyBlock, values.data() + c0, c0 == 0 ? 0.0f : 1.0f,
+                                 o + r0 * ldo, ldo);
+          }
+        }
+      });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gr_cpu_cached, m) {
+  m.def(
+      "cached_forward(Tensor q, Tensor[] pools_k, Tensor[] pools_v, int[] new_offsets, int[] cache_lengths, "
+      "int[] pool_index, Tensor block_starts, int[] block_offsets, int[] block_sizes, float alpha, Tensor?[] bias, "
+      "Tensor?[] mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gr_cpu_cached, CPU, m) { m.impl("cached_forward", &cached_forward); }
