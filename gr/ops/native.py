@@ -7,7 +7,7 @@ Five are gr.ops' own (``SOURCES``):
 * ``gr_cpu_random`` (``gr/ops/random/random.cpp``): counter-based dropout masks and integer draws, used by
   ``gr.ops.random`` (``keep_mask``, ``randint``);
 * ``gr_cpu_rank`` (``gr/ops/catalogue_rank/catalogue_rank.cpp``): each evaluation target's rank among the
-  catalogue, used by ``gr.ops.catalogue_rank`` (``catalogue_ranks``);
+  catalogue, used by ``gr.ops.catalogue_rank`` (``catalogue_ranks``, ``shared_ranks``);
 * ``gr_cpu_gemm`` (``gr/ops/csrc/gemm.cpp``): the small-tile GEMM the attention and layer kernels call
   (``gr/ops/csrc/gr_gemm.h``: AVX-512 where the CPU has it, MKL's ``sgemm_`` otherwise), as ops for
   its tests (``gemm``, ``transpose``);
