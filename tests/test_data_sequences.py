@@ -105,9 +105,7 @@ def test_an_extended_id_map_keeps_every_known_id_and_appends_new_ones_through_fi
     save_mappings(str(tmp_path), {"items": grown}, {})
     loaded = load_mappings(str(tmp_path))[0]["items"]
     assert loaded.raw.tolist() == grown.raw.tolist() and loaded.encode(np.array([5])).tolist() == [4]
-    with pytest.raises(
-        ValueError, match=r"^new\.csv: column 'item': the data's ids are strings, those of the map "
-    ):
+    with pytest.raises(ValueError, match=r"^new\.csv: column 'item': the data's ids are strings, those of the map "):
         old.extended(np.array(["x"]), "new.csv: column 'item'")
     with pytest.raises(ValueError, match=r"^the new ids: the data's ids are strings, those of .*items\.tsv \(the"):
         loaded.extended(np.array(["x"]))  # a map read from a file names it

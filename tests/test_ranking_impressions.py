@@ -4,8 +4,11 @@ shown, labelled by the file's label column, and AUC / GAUC are computed over the
 import itertools
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from gr import GRModel, HSTUConfig, TableConfig
 from gr.data import SequenceDataModule
@@ -161,3 +164,106 @@ def test_impressions_without_a_label_column_is_a_config_error(impressions_file):
         match=r"data\.ranking\.candidates: impressions .*impressions\.csv has no .*\(set data\.columns\.rating",
     ):
         impressions_module(impressions_file, columns={"user": "user", "item": "item", "timestamp": "time"})
+
+
+# user -> its requests in time order: (time, [(item, clicked) shown together])
+REQUESTS = {
+    1: [(0, [(10, 1)]), (1, [(11, 0), (12, 1), (13, 0)]), (2, [(14, 1), (15, 0)]), (3, [(16, 0), (17, 1), (18, 1)])],
+    2: [(0, [(20, 0), (21, 1)]), (1, [(22, 1)]), (2, [(23, 0), (24, 1), (25, 0)]), (3, [(26, 1), (27, 0)])],
+}
+
+
+@pytest.fixture(scope="module", params=["csv", "parquet"])
+def requests_file(tmp_path_factory, request):
+    """The REQUESTS log, a request id per row: as CSV or as Parquet (string request ids)."""
+    rows = [
+        (user, item, time, click, f"u{user}t{time}")
+        for user, requests in REQUESTS.items()
+        for time, shown in requests
+        for item, click in shown
+    ]
+    path = tmp_path_factory.mktemp("requests") / f"requests.{request.param}"
+    if request.param == "csv":
+        path.write_text("\n".join(["user,item,time,clicked,request", *(",".join(map(str, r)) for r in rows)]) + "\n")
+    else:
+        names = ["user", "item", "time", "clicked", "request"]
+        pq.write_table(pa.table({name: [r[i] for r in rows] for i, name in enumerate(names)}), path)
+    return path
+
+
+REQUEST_COLUMNS = {"user": "user", "item": "item", "timestamp": "time", "rating": "clicked", "request": "request"}
+
+
+def test_a_request_s_impressions_are_one_samples_candidates_and_never_each_others_history(requests_file):
+    """Training: each sample is the history before a request, then that request's impressions (at
+    most positives_per_sample) with their labels. Evaluation: every test impression is scored with
+    the events before its request, none of the request's own."""
+    dm = impressions_module(
+        requests_file,
+        source=requests_file.suffix[1:],
+        columns=REQUEST_COLUMNS,
+        ranking={**IMPRESSIONS, "positives_per_sample": 3, "samples_per_user": 5, "tasks": TASKS},
+        split="time",
+        split_time=3,
+        test_events="all",
+    )
+    samples = []
+    for batch in dm.train_dataloader():
+        tokens = per_sequence(batch, dm.item_map.decode(batch.sequence_ids["item_id"].values().numpy()))
+        labels = batch.labels["click"].tolist()
+        for b, user in enumerate(dm.user_map.decode(batch.labels["user"].numpy()).tolist()):
+            n = int(batch.num_targets[b])
+            samples.append((int(user), tokens[b][:-n], tokens[b][-n:], labels[:n]))
+            labels = labels[n:]
+    shown = {u: [[item for item, _ in s] for _, s in requests] for u, requests in REQUESTS.items()}
+    expected = []
+    for user, requests in REQUESTS.items():  # the requests before the split's time, after the user's first
+        for k, (_, impressions) in enumerate(requests[1:3], start=1):
+            history = [item for earlier in shown[user][:k] for item in earlier]
+            expected.append((user, history, [i for i, _ in impressions], [float(c) for _, c in impressions]))
+    assert sorted(samples) == sorted(expected)
+    scored = []
+    for batch in dm.test_dataloader():
+        tokens = per_sequence(batch, dm.item_map.decode(batch.sequence_ids["item_id"].values().numpy()))
+        for b, user in enumerate(dm.user_map.decode(batch.labels["user"].numpy()).tolist()):
+            scored.append((int(user), tokens[b][:-1], tokens[b][-1]))
+    # each user's last request (time 3): the first impression validates, the later ones are tested
+    expected = [
+        (user, [item for earlier in shown[user][:3] for item in earlier], item)
+        for user in REQUESTS
+        for item in shown[user][3][1:]
+    ]
+    assert sorted(scored) == sorted(expected)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"task": "retrieval"}, r"^data\.columns\.request: groups impressions into requests; it needs data\.task"),
+        (
+            {"task": "ranking", "ranking": {"candidates": "impressions", "tasks": TASKS}, "prepared": "p"},
+            r"^data\.columns\.request: read from raw files only \(data\.path\); a prepared dataset does not carry",
+        ),
+    ],
+)
+def test_a_request_column_is_refused_where_it_cannot_group_impressions(data, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig.from_dict({"source": "csv", "path": "x.csv", "columns": REQUEST_COLUMNS, **data})
+
+
+def test_gr_data_prepare_refuses_request_ids_in_one_line_and_writes_nothing(requests_file, tmp_path, capsys):
+    from gr.commands import cli
+
+    recipe = tmp_path / "recipe.yaml"
+    data = {
+        "source": requests_file.suffix[1:],
+        "path": str(requests_file),
+        "task": "ranking",
+        "columns": REQUEST_COLUMNS,
+        "ranking": {"candidates": "impressions", "tasks": TASKS},
+    }
+    recipe.write_text(yaml.safe_dump({"data": data}))
+    assert cli.main(["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"gr data prepare: error: {recipe}: data.columns.request: gr data prepare does not carry")
+    assert not (tmp_path / "out").exists()

@@ -157,6 +157,30 @@ def ranking_cuts(sequences: UserSequences, positives: int, samples_per_user: int
     return row_users, cuts
 
 
+def request_cuts(sequences: UserSequences, positives: int, samples_per_user: int) -> Tuple[np.ndarray, ...]:
+    """The ranking training samples when impressions come in requests: (row_users [R] int64, cuts [R]
+    int64 flat rows, counts [R] int64). A sample's candidates are one request's first ``counts``
+    impressions (at most ``positives``, the part in training), its history the events before the
+    request; each request starting in a user's label part, after its first event, is one; a user's
+    last ``samples_per_user``."""
+    starts = sequences.request_starts
+    assert starts is not None  # read with data.columns.request
+    rows = np.arange(len(starts))
+    owner = np.repeat(np.arange(sequences.num_users), sequences.lengths)
+    boundaries = np.flatnonzero(starts == rows)  # every request's first row, a user's first among them
+    ends = np.append(boundaries[1:], len(starts))  # one past each request
+    first = np.maximum(sequences.starts + 1, sequences.label_starts())[owner[boundaries]]
+    train_ends = sequences.train_ends()[owner[boundaries]]
+    kept = (boundaries >= first) & (boundaries < train_ends)
+    cuts, users = boundaries[kept], owner[boundaries[kept]]
+    counts = np.minimum(np.minimum(ends[kept], train_ends[kept]) - cuts, positives)
+    per_user = np.bincount(users, minlength=sequences.num_users)
+    first_of_user = np.cumsum(per_user) - per_user  # users are in order: each user's cuts are consecutive
+    from_end = per_user[users] - (np.arange(len(users)) - first_of_user[users])  # 1: the user's last request
+    last = from_end <= samples_per_user
+    return users[last], cuts[last], counts[last]
+
+
 def assemble(
     corpus: Corpus,
     users: np.ndarray,
@@ -414,6 +438,9 @@ class RankingBatches(SplitBatches):
     unseen items, all stamped with the cut event's time. Labels per candidate, one per
     task: real event vs sampled (no ``min_rating``) or real event rated >= ``min_rating``.
     ``negative_table`` [rows, negatives] fixes the negatives (evaluation); None draws them per batch.
+    counts: [rows] int64 each row's real events (``request_cuts``: a request's), instead of
+    ``positives`` for all; history_ends: [rows] int64 where each history ends instead of the cut
+    (an impression's request start, when ``data.columns.request`` groups them).
     """
 
     def __init__(
@@ -429,50 +456,56 @@ class RankingBatches(SplitBatches):
         tasks: Sequence[TaskConfig],
         negative_table: Optional[np.ndarray] = None,
         eviction_block: int = 1,
+        counts: Optional[np.ndarray] = None,
+        history_ends: Optional[np.ndarray] = None,
     ) -> None:
         super().__init__(corpus, split, max_seq_len, seed, eviction_block)
         self.row_users, self.cuts = row_users, cuts
         self.positives, self.negatives, self.tasks = positives, negatives, tuple(tasks)
         self.negative_table = negative_table
+        self.counts = np.full(len(cuts), positives, dtype=np.int64) if counts is None else counts
+        self.history_ends = cuts if history_ends is None else history_ends
 
     def __len__(self) -> int:
         return len(self.row_users)
 
     def build(self, rows: np.ndarray, rng: np.random.Generator) -> GRInput:
         seqs = self.corpus.sequences
-        users, cuts = self.row_users[rows], self.cuts[rows]
-        starts = self.windows(seqs.starts[users], cuts)
-        history = cuts - starts
-        positive_rows = cuts[:, None] + np.arange(self.positives)  # [R, P]
+        users, cuts, counts, ends = self.row_users[rows], self.cuts[rows], self.counts[rows], self.history_ends[rows]
+        starts = self.windows(seqs.starts[users], ends)
+        history = ends - starts
+        positive_rows = concat_ranges(cuts, counts)  # [sum counts], row by row
         if self.negative_table is not None:
             negatives = self.negative_table[rows].astype(np.int64)
         else:
             negatives = self.corpus.sampler.sample(users, self.negatives, rng)
-        candidates = np.concatenate([seqs.items[positive_rows], negatives], axis=1)  # [R, P + N]
-        num_candidates = candidates.shape[1]
+        num_candidates = counts + negatives.shape[1]  # [R]: each row's real events, then its negatives
         lengths = history + num_candidates
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         history_slots = concat_ranges(offsets[:-1], history)
-        candidate_slots = concat_ranges(offsets[:-1] + history, np.full(len(rows), num_candidates))
+        candidate_slots = concat_ranges(offsets[:-1] + history, num_candidates)
+        real_slots = concat_ranges(offsets[:-1] + history, counts)
+        negative_slots = concat_ranges(offsets[:-1] + history + counts, np.full(len(rows), negatives.shape[1]))
         history_rows = concat_ranges(starts, history)
         items = np.empty(int(offsets[-1]), dtype=np.int64)
         times = np.empty(int(offsets[-1]), dtype=np.int64)
         events = np.full(int(offsets[-1]), -1, dtype=np.int64)  # candidates have no event (row) features
         events[history_slots] = history_rows
-        items[history_slots], items[candidate_slots] = seqs.items[history_rows], candidates.ravel()
+        items[history_slots], items[real_slots] = seqs.items[history_rows], seqs.items[positive_rows]
+        items[negative_slots] = negatives.ravel()
         times[history_slots] = seqs.timestamps[history_rows]
         times[candidate_slots] = np.repeat(seqs.timestamps[cuts], num_candidates)
-        query_times = times.copy()  # the last history token's next event is the cut: the request
+        query_times = times.copy()  # the last history token's next event is the history's end: the request
         query_times[history_slots] = seqs.timestamps[history_rows + 1]
+        candidate_offsets = np.concatenate([[0], np.cumsum(num_candidates)])
+        real_candidates = concat_ranges(candidate_offsets[:-1], counts)  # the real events among the candidates
         labels = {}
         for task in self.tasks:
+            label = np.zeros(int(candidate_offsets[-1]), dtype=np.float32)
             if task.min_rating is None:
-                real = np.ones_like(positive_rows, dtype=bool)
+                label[real_candidates] = 1.0
             else:
                 assert seqs.ratings is not None  # a min_rating task needs ratings (the datamodule checks)
-                real = seqs.ratings[positive_rows] >= task.min_rating
-            labels[task.name] = np.concatenate([real, np.zeros_like(negatives, dtype=bool)], 1).ravel()
-            labels[task.name] = labels[task.name].astype(np.float32)
-        return assemble(
-            self.corpus, users, items, times, query_times, lengths, np.full(len(rows), num_candidates), labels, events
-        )
+                label[real_candidates] = seqs.ratings[positive_rows] >= task.min_rating
+            labels[task.name] = label
+        return assemble(self.corpus, users, items, times, query_times, lengths, num_candidates, labels, events)

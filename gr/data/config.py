@@ -109,6 +109,10 @@ class ColumnConfig(Section):
     rating: the column ranking tasks read their labels from (``data.ranking.tasks``); it may
         also be one token feature (categorical or dense): history tokens then carry it, while
         candidates, which have no row, take the unknown id (zeros), so no label leaks.
+    request: the column naming the request (a page load) each impression was shown in, under
+        ``data.ranking.candidates: impressions``: a user's consecutive rows of one request are
+        shown together, so a training sample's candidates are one request's impressions and every
+        impression's history ends before its request (none of the request's own); raw files only.
     list_features: the declared categorical columns (of any of the three kinds) that hold a list
         of values per cell (a movie's genres): a CSV cell splits on ``list_separator`` (an empty
         cell is an empty list), a Parquet column is list<string> or list<int>. A list feature
@@ -123,6 +127,7 @@ class ColumnConfig(Section):
     item: str = checked("item_id", NAME)
     timestamp: str = checked("timestamp", NAME)
     rating: Optional[str] = checked(None, optional(NAME))
+    request: Optional[str] = checked(None, optional(NAME))
     user_features: Tuple[str, ...] = checked((), NAMES)
     item_features: Tuple[str, ...] = checked((), NAMES)
     token_features: Tuple[str, ...] = checked((), NAMES)
@@ -178,6 +183,7 @@ class ColumnConfig(Section):
         """[(key, column)] of every column this config reads, e.g. ``("token_dense.watch", "watch_ratio")``."""
         roles = [("user", self.user), ("item", self.item), ("timestamp", self.timestamp)]
         roles += [("rating", self.rating)] if self.rating else []
+        roles += [("request", self.request)] if self.request else []
         for key in ("user_features", "item_features", "token_features"):
             roles += [(key, column) for column in getattr(self, key)]
         for key in ("token_dense", "item_dense", "user_dense"):
@@ -484,6 +490,7 @@ class DataConfig(Section):
                 object.__setattr__(self, name, section.from_dict(value, f"{where}.{name}"))
         self._check_split(where, iso_text if dated else str)
         self._check_side_tables(where)
+        self._check_requests(where)
         declared = self.columns.declared()
         for side in ("item", "user"):
             switched_off = [k for k in (f"{side}_features", f"{side}_dense") if getattr(self.columns, k)]
@@ -507,6 +514,22 @@ class DataConfig(Section):
             raise ValueError(
                 f"{where}.release_year: only MovieLens-100K's item features (data.source ml-100k, "
                 f"data.item_features true) have release dates; got {got}"
+            )
+
+    def _check_requests(self, where: str) -> None:
+        """``columns.request`` groups impressions, read from raw files."""
+        if self.columns.request is None:
+            return
+        if self.task != "ranking" or self.ranking.candidates != "impressions":
+            raise ValueError(
+                f"{where}.columns.request: groups impressions into requests; it needs {where}.task ranking with "
+                f"{where}.ranking.candidates impressions (got task {self.task!r}, "
+                f"candidates {self.ranking.candidates!r})"
+            )
+        if self.prepared is not None:
+            raise ValueError(
+                f"{where}.columns.request: read from raw files only ({where}.path); a prepared dataset does not "
+                f"carry request ids (got {where}.prepared {self.prepared!r})"
             )
 
     def _check_side_tables(self, where: str) -> None:

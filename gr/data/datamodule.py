@@ -22,6 +22,7 @@ from gr.data.batching import (
     SplitBatches,
     identity_collate,
     ranking_cuts,
+    request_cuts,
     trainable_users,
 )
 from gr.data.config import DataConfig
@@ -141,7 +142,11 @@ class SequenceDataModule(lightning.LightningDataModule):
             }
         )
         ranking = config.ranking
-        row_users, cuts = ranking_cuts(sequences, ranking.positives_per_sample, ranking.samples_per_user)
+        counts = None
+        if sequences.request_starts is not None:
+            row_users, cuts, counts = request_cuts(sequences, ranking.positives_per_sample, ranking.samples_per_user)
+        else:
+            row_users, cuts = ranking_cuts(sequences, ranking.positives_per_sample, ranking.samples_per_user)
         self._check(
             len(row_users) if config.task == "ranking" else len(trainable_users(sequences)),
             {split: len(sequences.evaluated_users(split)) for split in EVALUATED},
@@ -149,7 +154,9 @@ class SequenceDataModule(lightning.LightningDataModule):
             sequences.ratings is not None,
             lambda: int(self._corpus().sampler.distinct_seen.max()),
         )
-        self.splits = self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits(row_users, cuts)
+        self.splits = (
+            self._retrieval_splits() if config.task == "retrieval" else self._ranking_splits(row_users, cuts, counts)
+        )
 
     def _setup_prepared(self, directory: Path) -> None:
         config = self.config
@@ -254,8 +261,11 @@ class SequenceDataModule(lightning.LightningDataModule):
             },
         }
 
-    def _ranking_splits(self, row_users: np.ndarray, cuts: np.ndarray) -> Dict[str, SplitBatches]:
-        """row_users / cuts: [R] the training samples (``ranking_cuts``)."""
+    def _ranking_splits(
+        self, row_users: np.ndarray, cuts: np.ndarray, counts: Optional[np.ndarray] = None
+    ) -> Dict[str, SplitBatches]:
+        """row_users / cuts: [R] the training samples (``ranking_cuts``; with request ids ``request_cuts``,
+        counts: [R] each one's impressions); a held-out impression's history ends before its request."""
         config, corpus, ranking = self.config, self._corpus(), self.config.ranking
         sequences = corpus.sequences
         splits: Dict[str, SplitBatches] = {
@@ -270,6 +280,7 @@ class SequenceDataModule(lightning.LightningDataModule):
                 ranking.num_negatives,
                 ranking.tasks,
                 eviction_block=self.eviction_block,
+                counts=counts,
             )
         }
         for code, split in enumerate(("val", "test"), start=1):
@@ -288,6 +299,7 @@ class SequenceDataModule(lightning.LightningDataModule):
                 ranking.tasks,
                 negative_table=table,
                 eviction_block=self.eviction_block,
+                history_ends=None if sequences.request_starts is None else sequences.request_starts[targets],
             )
         return splits
 

@@ -62,6 +62,7 @@ class Interactions:
     items: [N] raw item ids (int64 or str)
     timestamps: [N] int64 seconds
     ratings: [N] float32, or None when the source has none
+    requests: [N] raw request ids (``data.columns.request``), or None
     user_side / item_side: side features keyed by raw user / item id
     row_side: features of each row itself (keys 0 .. N-1, in file order), or None
     source: the file (or generator) it came from, for error messages
@@ -73,6 +74,7 @@ class Interactions:
     items: np.ndarray
     timestamps: np.ndarray
     ratings: Optional[np.ndarray] = None
+    requests: Optional[np.ndarray] = None
     user_side: Optional[SideTable] = None
     item_side: Optional[SideTable] = None
     row_side: Optional[SideTable] = None
@@ -82,7 +84,8 @@ class Interactions:
 
     def __post_init__(self) -> None:
         n = len(self.users)
-        lengths = [len(self.items), len(self.timestamps)] + ([len(self.ratings)] if self.ratings is not None else [])
+        optional = [column for column in (self.ratings, self.requests) if column is not None]
+        lengths = [len(self.items), len(self.timestamps)] + [len(column) for column in optional]
         if any(length != n for length in lengths):
             raise ValueError(f"Interactions from {self.source}: columns have different lengths {[n, *lengths]}")
         if n == 0:
@@ -113,6 +116,7 @@ class Interactions:
             items=self.items[keep],
             timestamps=self.timestamps[keep],
             ratings=None if self.ratings is None else self.ratings[keep],
+            requests=None if self.requests is None else self.requests[keep],
             row_side=None if self.row_side is None else self.row_side.take(np.flatnonzero(keep)),
             duplicates=count,
             duplicates_dropped=True,

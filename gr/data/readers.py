@@ -449,6 +449,7 @@ def table_csv_layout(columns: ColumnConfig) -> List[Tuple[str, str]]:
         columns.item: "str",
         columns.timestamp: "time",
         **({columns.rating: "float"} if columns.rating else {}),
+        **({columns.request: "str"} if columns.request else {}),
         **{c: "float" for c in columns.dense_columns()},
         # categorical columns as text (a rating that is also a categorical feature too; lists split below)
         **{c: "list" if c in columns.list_features else "str" for c in columns.categorical_columns()},
@@ -487,7 +488,8 @@ def _parquet_part(file: Path, columns: ColumnConfig, partition: bool) -> _Part:
 def table_parquet_columns(columns: ColumnConfig) -> Tuple[List[str], List[str]]:
     """(every column ``read_table_parquet`` reads, each once; the numeric ones among them)."""
     numeric = [columns.timestamp, *([columns.rating] if columns.rating else []), *columns.dense_columns()]
-    wanted = list(dict.fromkeys([columns.user, columns.item, *numeric, *columns.categorical_columns()]))
+    requests = [columns.request] if columns.request else []
+    wanted = list(dict.fromkeys([columns.user, columns.item, *requests, *numeric, *columns.categorical_columns()]))
     return wanted, numeric
 
 
@@ -597,11 +599,13 @@ def _table_interactions(
     items = as_ids(values[columns.item], lambda row, message: bad_id(columns.item, row, message))
     if ratings is None and columns.rating:
         ratings = values[columns.rating]
+    request = columns.request
     data = Interactions(
         users,
         items,
         values[columns.timestamp],
         None if ratings is None else ratings.astype(np.float32),
+        None if request is None else as_ids(values[request], lambda row, message: bad_id(request, row, message)),
         source=str(file),
     )
     if columns.user_features or columns.user_dense:

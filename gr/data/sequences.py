@@ -63,6 +63,8 @@ class UserSequences:
     timestamps: [N] int64 seconds, non-decreasing within a user
     ratings: [N] float32, or None
     events: features of each event (``Interactions.row_side`` in this order, keys 0 .. N-1), or None
+    request_starts: [N] int64 the flat row of the first event of each event's request (a user's
+        consecutive events of one ``data.columns.request`` id), or None: no request ids
     """
 
     offsets: np.ndarray
@@ -72,6 +74,7 @@ class UserSequences:
     num_items: int
     events: Optional[SideTable] = None
     split: Optional[SplitRows] = None  # None: leave-one-out
+    request_starts: Optional[np.ndarray] = None
 
     @property
     def num_users(self) -> int:
@@ -304,8 +307,19 @@ def build_sequences(
         ratings=None if data.ratings is None else data.ratings[rows][order].astype(np.float32),
         num_items=items.cardinality,
         events=None if data.row_side is None else data.row_side.take(rows[order]),
+        request_starts=None if data.requests is None else request_starts(offsets, data.requests[rows][order]),
     )
     return sequences, users, items
+
+
+def request_starts(offsets: np.ndarray, requests: np.ndarray) -> np.ndarray:
+    """offsets: [U+1] int64 the users' rows; requests: [N] raw request ids in sequence order -> [N]
+    int64 the first row of each row's request: a run of a user's consecutive rows of one id."""
+    first = np.ones(len(requests), dtype=bool)
+    first[1:] = requests[1:] != requests[:-1]
+    first[offsets[:-1][offsets[:-1] < len(requests)]] = True  # a user's first event begins a request
+    starts = np.flatnonzero(first)
+    return starts[np.cumsum(first) - 1]
 
 
 def window_starts(begins: np.ndarray, ends: np.ndarray, max_len: int, block: int = 1) -> np.ndarray:
