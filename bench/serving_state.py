@@ -9,6 +9,12 @@ next-event query times) and a production-like one (hidden 512, 8 layers, 4 heads
       each request); "paged": caches in a page pool (``gr.hstu.paged``: only the new tokens written).
       Median ms per request at each L, the ratio copy / paged, and paged's flatness (its time at the
       longest L over the shortest).
+  generate: a history of L tokens is encoded, then ``--steps`` generation steps each append one item
+      (``gr.generation.decoding.step``: one HSTU pass over the new token, its K/V committed, the next
+      query), as greedy decoding does between its catalogue searches. "tensors": the history's K/V in
+      its own tensors (each step concatenates the whole prefix anew); "paged": in a page pool (each
+      step writes the new token into the history's last page). Median ms per step at each L and the
+      ratio tensors / paged.
   memory: a pool of ``--pool-mb`` behind a byte-bounded LRU (``gr.serving.user_cache.UserCache``,
       evicting when the pool is full, as ``Ranker`` wires them) caches ``--users`` users of
       ``--memory-history`` tokens, then 10x as many: the process's resident set after each, against
@@ -17,7 +23,7 @@ next-event query times) and a production-like one (hidden 512, 8 layers, 4 heads
 Run: ``.venv/bin/python bench/serving_state.py`` (a few minutes on 2 cores). ``--clock thread`` (the
 default) runs torch on one thread and times its CPU time, which other processes barely skew.
 ``--smoke``: tiny sizes. Last line: one JSON object with keys bench, clock, cpu, load_average,
-extend, memory.
+extend, generate, memory.
 """
 
 from __future__ import annotations
@@ -27,22 +33,26 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke  # noqa: E402
 from _host import cpu, load_average  # noqa: E402
 
+from gr.generation.decoding import start, step
 from gr.hstu import HSTU, HSTUConfig
 from gr.hstu.cache import CachedHSTU, HistoryCache
 from gr.hstu.paged import PagePool
 from gr.serving.user_cache import UserCache
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs/ml1m_hstu.yaml"
+GENERATED_ITEMS = 1000  # the random item table's rows
 PRODUCTION = dict(hidden_dim=512, num_layers=8, num_heads=4, attention_dim=128, linear_dim=128)
 
 
@@ -121,6 +131,61 @@ def extend_section(args: argparse.Namespace, name: str, clock: Callable[[], floa
     }
 
 
+@dataclass
+class TableModel:
+    """A generative model over a random item table (``gr.generation.decoding.GenerativeModel``): an
+    item's token is its row, a query the normalised HSTU output."""
+
+    engine: CachedHSTU
+    table: torch.Tensor
+
+    def item_tokens(self, items: torch.Tensor) -> torch.Tensor:
+        return self.table[items]
+
+    def queries(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.normalize(hidden, dim=-1)
+
+
+def generate_section(args: argparse.Namespace, name: str, clock: Callable[[], float]) -> Dict[str, object]:
+    config = shape(name, max(args.lengths) + args.steps + 8)
+    torch.manual_seed(0)
+    hstu = HSTU(config)
+    table = torch.randn(GENERATED_ITEMS, config.hidden_dim)
+    pages = 2 * (max(args.lengths) + args.steps) // args.page_size + 8
+    models = [
+        TableModel(CachedHSTU(hstu), table),
+        TableModel(CachedHSTU(hstu, PagePool(config, pages, args.page_size)), table),
+    ]
+    rows: Dict[str, Dict[str, float]] = {}
+    print(f"{name}: generation steps, page {args.page_size}")
+    print(f"{'L':>6} {'tensors ms':>11} {'paged ms':>9} {'tensors/paged':>14}")
+    for length in args.lengths:
+        g = torch.Generator().manual_seed(length)
+        items = torch.randint(0, GENERATED_ITEMS, (length + args.steps,), generator=g)
+        timestamps = torch.arange(length, dtype=torch.long) * 60
+        request_time = length * 60
+        states = [start(model, items[:length], timestamps, request_time) for model in models]
+        assert states[1].cache.paged is not None, "the pool is too small for the benchmark's history"
+        times: List[List[float]] = [[], []]
+        for s in range(args.steps):  # the two take turns step by step, so a change of load skews them alike
+            for i, model in enumerate(models):
+                began = clock()
+                states[i] = step(model, states[i], int(items[length + s]), request_time)
+                times[i].append(clock() - began)
+        tensors_ms, paged_ms = (1e3 * statistics.median(t[1:]) for t in times)  # the first step warms up
+        rows[f"L{length}"] = {
+            "tensors_ms": tensors_ms,
+            "paged_ms": paged_ms,
+            "tensors_over_paged": tensors_ms / paged_ms,
+        }
+        print(f"{length:>6} {tensors_ms:>11.2f} {paged_ms:>9.2f} {tensors_ms / paged_ms:>14.2f}")
+        del states
+    return {
+        "steps": args.steps,
+        "per_length": {k: {m: round(v, 3) for m, v in r.items()} for k, r in rows.items()},
+    }
+
+
 def resident_bytes() -> int:
     """This process's resident set now (``VmRSS``)."""
     with open("/proc/self/status", encoding="ascii") as handle:
@@ -176,6 +241,7 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=20, help="users cached first; then 10x as many")
     parser.add_argument("--memory-history", type=int, default=256)
     parser.add_argument("--pool-mb", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=16, help="generation steps timed per history length")
     parser.add_argument("--clock", choices=("wall", "thread"), default="thread")
     args, _ = smoke.parse_args(
         parser,
@@ -186,17 +252,20 @@ def main() -> None:
             "users": 2,
             "memory_history": 16,
             "pool_mb": 2,
+            "steps": 3,
             "shapes": ["ml1m"],
         },
     )
     clock, host = measuring(args.clock)
     extend = {name: extend_section(args, name, clock) for name in args.shapes}
+    generate = {name: generate_section(args, name, clock) for name in args.shapes}
     memory = memory_section(args)
     host["load_average"]["end"] = load_average()
     summary = {
         "bench": "serving_state",
         **host,
         "extend": extend,
+        "generate": generate,
         "memory": memory,
     }
     print(json.dumps(summary))
