@@ -18,9 +18,11 @@ so each user counts once:
       after pT, is about 90 users, too few to pick an epoch by); and one warm run per variant
       ``--variants SPEC``: ``key=value[,key=value...]`` over the recipe, keys of ``warm_start``
       (replay, max_epochs, lr, warmup_steps, lr_decay, lr_floor, replay_days, validation_days,
-      early_stopping_patience, table_optimizer_state, dense_optimizer_state) or ``replay_from=P``
-      (replayed events from the P-th time percentile on: data.replay_start); a variant with
-      validation_days validates on those last days of day 1 and its best checkpoint is tested;
+      early_stopping_patience, table_optimizer_state, dense_optimizer_state, shrink) or ``replay_from=P``
+      (replayed events from the P-th time percentile on: data.replay_start) or ``validate=1``
+      (validates every epoch on the cold run's validation target and tests its best checkpoint,
+      as the cold run does); a variant with validation_days validates on those last days of day 1
+      and its best checkpoint is tested;
       ``--warm-epochs N`` and
       ``--replay-from P`` set those for every warm run;
   (c) day 0: the recipe on day 0 (split_time pD), its best checkpoint tested with split_time pT
@@ -33,9 +35,10 @@ mean test hr@10/ndcg@10 and the wall seconds of training (a, b), se_hr10 (sqrt(p
 (a)'s mean over the n test users: a bound on the standard error of a mean of n per-user hit rates),
 warm_time_over_cold, ``paired``: runs compared user by user (``gr evaluate --per-user``): each
 user's HR@10 averaged over the seeds, then per pair of runs (every warm run against the cold run
-and against day 0, and the cold run against day 0) the mean difference over the test users, its
-standard error (the differences' sample standard deviation / sqrt(n)), their ratio (in_se) and how
-many users each run scores higher; ``se_hr10_per_user``: the sample standard error of (a)'s mean;
+and day 0, each variant against the recipe's warm run, and the cold run against day 0) the mean
+difference over the test users, its standard error (the differences' sample standard deviation /
+sqrt(n)), their ratio (in_se) and how many users each run scores higher; ``se_hr10_per_user``:
+the sample standard error of (a)'s mean;
 targets of the recipe's warm run (b): within one paired SE of (a) or better, in at most a third of
 (a)'s time, above (c) by more than one paired SE; cpu, load_average.
 """
@@ -83,7 +86,9 @@ VARIANT_KEYS = (
     "early_stopping_patience",
     "table_optimizer_state",
     "dense_optimizer_state",
+    "shrink",
     "replay_from",
+    "validate",
 )
 # One lever moved at a time from the recipe (warm_start's defaults).
 VARIANTS = (
@@ -149,6 +154,8 @@ def warm_overrides(spec: Dict[str, str], at: Dict[str, int]) -> List[Tuple[str, 
     """A variant's overrides: its warm_start keys, replay_from as data.replay_start (none when it replays nothing)."""
     extra: List[Tuple[str, Any]] = []
     for key, value in spec.items():
+        if key == "validate":
+            continue  # the run's validation: main
         if key == "replay_from":
             if float(spec.get("replay", 1)) > 0:
                 extra.append(("data.replay_start", at[f"p{value}"]))
@@ -221,7 +228,7 @@ def main(argv: List[str] | None = None) -> None:
             trained = {"cold": run(root / f"cold-{seed}", seeded, tested_split)}
             for i, (name, spec) in enumerate(warm_runs.items()):
                 extra = [*tested_split, ("data.train_start", day1)]
-                if "validation_days" not in spec:
+                if "validation_days" not in spec and spec.get("validate", "0") == "0":
                     extra.append(("trainer.check_val_every_n_epoch", NEVER))
                 trained[name] = run(
                     root / f"warm{i}-{seed}",
@@ -248,6 +255,7 @@ def main(argv: List[str] | None = None) -> None:
     means = {name: {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} for name, rows in results.items()}
     p = means["cold"]["hr@10"]
     pairs_list = [*((w, other) for w in warm_runs for other in ("cold", "day0")), ("cold", "day0")]
+    pairs_list += [(w, WARM) for w in warm_runs if w != WARM]
     pairs, se_per_user = paired(hits, pairs_list)
     for name in warm_runs:
         means[name]["time_over_cold"] = means[name]["seconds"] / means["cold"]["seconds"]
