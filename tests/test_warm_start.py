@@ -100,7 +100,9 @@ def test_a_shrunk_warm_start_begins_each_carried_weight_between_the_runs_and_its
 
 
 def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_ones(day_runs):
-    config = _config(day_runs / "all.csv", init_from=str(day_runs / "day0"))
+    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
+    values["warm_start"]["table_optimizer_state"] = "carry"
+    config = TrainConfig.from_dict(values)
     warm = _warm_start(config)
     data = SequenceDataModule(config.data, base_maps=warm.maps)
     data.setup()
@@ -114,9 +116,9 @@ def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_o
 
 
 def test_a_reset_table_optimizer_state_starts_every_row_at_zero(day_runs):
-    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
-    values["warm_start"]["table_optimizer_state"] = "reset"
-    config = TrainConfig.from_dict(values)
+    """The recipe's default."""
+    config = _config(day_runs / "all.csv", init_from=str(day_runs / "day0"))
+    assert config.warm_start.table_optimizer_state == "reset"
     warm = _warm_start(config)
     data = SequenceDataModule(config.data, base_maps=warm.maps)
     data.setup()

@@ -10,15 +10,14 @@
   bit; new rows keep their fresh initialisation (``init_std``, as the config says);
 * ``warm_start.shrink`` below 1 starts each carried weight, dense parameters and the run's table rows
   alike, at shrink x the run's value + (1 - shrink) x the new run's fresh initialisation (Ash and
-  Adams' "shrink and perturb", the perturbation being the fresh model): a warm start that keeps
-  the run's direction but learns the new data like a younger model;
+  Adams' "shrink and perturb", the perturbation being the fresh model; 1, the default: none);
 * dense parameters (PrefixDNN, HSTU, PostfixDNN, the item tower, the new-user state
   ``empty_history``) are the run's; the item tower's bags (``model.item_tower``) grow with their
   features' tables, their new rows starting at zero; a run without ``empty_history``
   (``task.retrieval.new_user_query``) gives none: it starts fresh;
 * the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
-  rows and starts at zero for new rows (``warm_start.table_optimizer_state: carry``; ``reset``:
-  zero for every row); the dense optimizer's state (Adam's moments and step count, so its bias
+  rows and starts at zero for new rows (``warm_start.table_optimizer_state: carry``; ``reset``, the
+  recipe's default: zero for every row); the dense optimizer's state (Adam's moments and step count, so its bias
   correction) starts fresh (``warm_start.dense_optimizer_state: fresh``) or is the run's
   (``carry``: a parameter grown by new ids, an item tower's bag, has zero state in its new rows);
   the learning-rate schedule begins again either way.
