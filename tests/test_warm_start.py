@@ -12,6 +12,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from typing import Any, Dict, Optional
 
 import numpy as np
 import pytest
@@ -75,15 +76,23 @@ def test_known_ids_keep_their_rows_and_new_ids_get_new_ones(day_runs):
     assert dense and all(torch.equal(model.state_dict()[k], trained[k]) for k in dense)
 
 
-def test_a_shrunk_warm_start_begins_each_carried_weight_between_the_runs_and_its_fresh_initialisation(day_runs):
-    """shrink 0.25: a quarter of the run's value, three quarters of the new run's fresh one, for
-    the run's table rows and the dense parameters; new rows keep their fresh initialisation."""
+def _warm(day_runs: Path, optimizer: Optional[Dict[str, Any]] = None, **warm_start):
+    """A warm start from day 0 on every event, ``optimizer`` and ``warm_start`` keys set:
+    (config, WarmStart, its data set up)."""
     values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
-    values["warm_start"]["shrink"] = 0.25
+    values["warm_start"].update(warm_start)
+    values["optimizer"].update(optimizer or {})
     config = TrainConfig.from_dict(values)
     warm = _warm_start(config)
     data = SequenceDataModule(config.data, base_maps=warm.maps)
     data.setup()
+    return config, warm, data
+
+
+def test_a_shrunk_warm_start_begins_each_carried_weight_between_the_runs_and_its_fresh_initialisation(day_runs):
+    """shrink 0.25: a quarter of the run's value, three quarters of the new run's fresh one, for
+    the run's table rows and the dense parameters; new rows keep their fresh initialisation."""
+    config, warm, data = _warm(day_runs, shrink=0.25)
     model = seeded_model(config, data.feature_spec())
     fresh = {k: v.clone() for k, v in model.state_dict().items()}
     warm.copy_weights(model)
@@ -100,12 +109,7 @@ def test_a_shrunk_warm_start_begins_each_carried_weight_between_the_runs_and_its
 
 
 def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_ones(day_runs):
-    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
-    values["warm_start"]["table_optimizer_state"] = "carry"
-    config = TrainConfig.from_dict(values)
-    warm = _warm_start(config)
-    data = SequenceDataModule(config.data, base_maps=warm.maps)
-    data.setup()
+    config, warm, data = _warm(day_runs, table_optimizer_state="carry")
     model = seeded_model(config, data.feature_spec())
     optimizers = attach_optimizers(model, config.sparse.optimizer)
     warm.copy_table_optimizer_state(optimizers)
@@ -117,11 +121,8 @@ def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_o
 
 def test_a_reset_table_optimizer_state_starts_every_row_at_zero(day_runs):
     """The recipe's default."""
-    config = _config(day_runs / "all.csv", init_from=str(day_runs / "day0"))
+    config, warm, data = _warm(day_runs)
     assert config.warm_start.table_optimizer_state == "reset"
-    warm = _warm_start(config)
-    data = SequenceDataModule(config.data, base_maps=warm.maps)
-    data.setup()
     optimizers = attach_optimizers(seeded_model(config, data.feature_spec()), config.sparse.optimizer)
     warm.copy_table_optimizer_state(optimizers)
     (state,) = [v for k, v in optimizers.state_dict()["state"][ITEM_WEIGHT].items() if k.endswith("momentum1")]
@@ -133,13 +134,7 @@ def test_a_reset_table_optimizer_state_starts_every_row_at_zero(day_runs):
 def test_a_carried_dense_optimizer_state_is_the_checkpoints_and_a_fresh_one_is_empty(day_runs, policy):
     """Adam's moments and step count of each dense parameter, under the new run's learning rate;
     the weights are untouched either way (bit-identical at step 0)."""
-    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
-    values["warm_start"]["dense_optimizer_state"] = policy
-    values["optimizer"]["lr"] = 0.0007
-    config = TrainConfig.from_dict(values)
-    warm = _warm_start(config)
-    data = SequenceDataModule(config.data, base_maps=warm.maps)
-    data.setup()
+    config, warm, data = _warm(day_runs, {"lr": 0.0007}, dense_optimizer_state=policy)
     model = seeded_model(config, data.feature_spec())
     warm.copy_weights(model)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
