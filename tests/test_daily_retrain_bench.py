@@ -34,9 +34,11 @@ def test_the_daily_retrain_bench_compares_warm_cold_and_day0_runs_on_the_same_te
         == runs["warm"]["time_over_cold"]
         == runs["warm"]["seconds"] / runs["cold"]["seconds"]
     )
+    assert result["warm_cpu_time_over_cold"] == runs["warm"]["cpu_seconds"] / runs["cold"]["cpu_seconds"]
+    assert all(0 < runs[r]["cpu_seconds"] for r in ("cold", "warm", variant))
     pairs = result["paired"]
     warm_pairs = {f"{w}_minus_{other}" for w in ("warm", variant) for other in ("cold", "day0")}
-    assert set(pairs) == {*warm_pairs, "cold_minus_day0"}
+    assert set(pairs) == {*warm_pairs, "cold_minus_day0", f"{variant}_minus_warm"}
     for pair in pairs.values():
         assert pair["users_higher"] + pair["users_lower"] <= result["test_users"] and pair["se"] >= 0
     one_seed = result["runs"]  # one seed: each paired mean is the difference of the runs' means
@@ -48,5 +50,6 @@ def test_the_daily_retrain_bench_compares_warm_cold_and_day0_runs_on_the_same_te
     assert set(result["targets"]) == {
         "warm_within_one_se_of_cold_or_better",
         "warm_at_most_a_third_of_cold_time",
+        "warm_at_most_a_third_of_cold_cpu_time",
         "warm_above_day0_by_more_than_one_se",
     }

@@ -32,6 +32,7 @@ WARM = (
     ("trainer.limit_train_batches", 1),
     ("optimizer.lr", 1e-12),
     ("sparse.optimizer.lr", 1e-12),
+    ("warm_start.table_optimizer_state", "carry"),
 )
 
 

@@ -12,6 +12,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from typing import Any, Dict, Optional
 
 import numpy as np
 import pytest
@@ -76,11 +77,40 @@ def test_known_ids_keep_their_rows_and_new_ids_get_new_ones(day_runs):
     assert dense and all(torch.equal(model.state_dict()[k], trained[k]) for k in dense)
 
 
-def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_ones(day_runs):
-    config = _config(day_runs / "all.csv", init_from=str(day_runs / "day0"))
+def _warm(day_runs: Path, optimizer: Optional[Dict[str, Any]] = None, **warm_start):
+    """A warm start from day 0 on every event, ``optimizer`` and ``warm_start`` keys set:
+    (config, WarmStart, its data set up)."""
+    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
+    values["warm_start"].update(warm_start)
+    values["optimizer"].update(optimizer or {})
+    config = TrainConfig.from_dict(values)
     warm = _warm_start(config)
     data = SequenceDataModule(config.data, base_maps=warm.maps)
     data.setup()
+    return config, warm, data
+
+
+def test_a_shrunk_warm_start_begins_each_carried_weight_between_the_runs_and_its_fresh_initialisation(day_runs):
+    """shrink 0.25: a quarter of the run's value, three quarters of the new run's fresh one, for
+    the run's table rows and the dense parameters; new rows keep their fresh initialisation."""
+    config, warm, data = _warm(day_runs, shrink=0.25)
+    model = seeded_model(config, data.feature_spec())
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    warm.copy_weights(model)
+    trained, started = load_trained_model(day_runs / "day0")[0].state_dict(), model.state_dict()
+    known = trained[ITEM_WEIGHT].shape[0]
+    assert torch.equal(started[ITEM_WEIGHT][known:], fresh[ITEM_WEIGHT][known:])
+    floats = [k for k, v in trained.items() if v.is_floating_point()]
+    assert ITEM_WEIGHT in floats and len(floats) > 1
+    for name in floats:
+        old = trained[name]
+        expected = 0.25 * old + 0.75 * fresh[name][: old.shape[0]]
+        assert torch.allclose(started[name][: old.shape[0]], expected, atol=1e-7), name
+    assert not torch.equal(started[ITEM_WEIGHT][:known], trained[ITEM_WEIGHT])
+
+
+def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_ones(day_runs):
+    config, warm, data = _warm(day_runs, table_optimizer_state="carry")
     model = seeded_model(config, data.feature_spec())
     optimizers = attach_optimizers(model, config.sparse.optimizer)
     warm.copy_table_optimizer_state(optimizers)
@@ -91,12 +121,9 @@ def test_the_tables_optimizer_state_is_carried_for_known_rows_and_zero_for_new_o
 
 
 def test_a_reset_table_optimizer_state_starts_every_row_at_zero(day_runs):
-    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
-    values["warm_start"]["table_optimizer_state"] = "reset"
-    config = TrainConfig.from_dict(values)
-    warm = _warm_start(config)
-    data = SequenceDataModule(config.data, base_maps=warm.maps)
-    data.setup()
+    """The recipe's default."""
+    config, warm, data = _warm(day_runs)
+    assert config.warm_start.table_optimizer_state == "reset"
     optimizers = attach_optimizers(seeded_model(config, data.feature_spec()), config.sparse.optimizer)
     warm.copy_table_optimizer_state(optimizers)
     (state,) = [v for k, v in optimizers.state_dict()["state"][ITEM_WEIGHT].items() if k.endswith("momentum1")]
@@ -108,13 +135,7 @@ def test_a_reset_table_optimizer_state_starts_every_row_at_zero(day_runs):
 def test_a_carried_dense_optimizer_state_is_the_checkpoints_and_a_fresh_one_is_empty(day_runs, policy):
     """Adam's moments and step count of each dense parameter, under the new run's learning rate;
     the weights are untouched either way (bit-identical at step 0)."""
-    values = _config(day_runs / "all.csv", init_from=str(day_runs / "day0")).to_dict()
-    values["warm_start"]["dense_optimizer_state"] = policy
-    values["optimizer"]["lr"] = 0.0007
-    config = TrainConfig.from_dict(values)
-    warm = _warm_start(config)
-    data = SequenceDataModule(config.data, base_maps=warm.maps)
-    data.setup()
+    config, warm, data = _warm(day_runs, {"lr": 0.0007}, dense_optimizer_state=policy)
     model = seeded_model(config, data.feature_spec())
     warm.copy_weights(model)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -223,6 +244,7 @@ def test_keys_given_on_the_command_line_win_over_the_recipe_and_resume_alike(tmp
         ("warm_start.lr_floor", "1.5", r"warm_start\.lr_floor: expected null or a number in \[0\.0, 1\.0\]"),
         ("warm_start.replay_days", "0", r"warm_start\.replay_days: expected null or a number in \(0\.0, inf\]"),
         ("warm_start.validation_days", "-1", r"warm_start\.validation_days: expected null or a number in \(0\.0"),
+        ("warm_start.shrink", "0", r"warm_start\.shrink: expected a number in \(0\.0, 1\.0\], got 0"),
     ],
 )
 @pytest.mark.parametrize("init_from", [[], [("trainer.init_from", "runs/day0")]])

@@ -498,10 +498,12 @@ class WarmStartSection(Section):
     data.val_start), so the best epoch is judged on the new day (and early stopping can stop on it).
     ``table_optimizer_state``: "carry" the run's per-row table optimizer state for its rows, or
     "reset" it to zero; ``dense_optimizer_state``: "carry" the run's dense optimizer state (Adam's
-    moments and step count) or start it "fresh" (``gr.train.warm_start``)."""
+    moments and step count) or start it "fresh"; ``shrink``: each carried weight (dense parameters
+    and the run's table rows) starts at shrink x the run's value + (1 - shrink) x its fresh
+    initialisation (1: the run's weights bit for bit; ``gr.train.warm_start``)."""
 
     replay: Optional[float] = checked(1.0, optional(number_in(0.0, 1.0)))
-    max_epochs: Optional[int] = checked(5, optional(int_at_least(1)))
+    max_epochs: Optional[int] = checked(10, optional(int_at_least(1)))
     early_stopping_patience: Optional[int] = checked(0, optional(int_at_least(0)))
     lr: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
     warmup_steps: Optional[int] = checked(None, optional(int_at_least(0)))
@@ -509,8 +511,9 @@ class WarmStartSection(Section):
     lr_floor: Optional[float] = checked(None, optional(number_in(0.0, 1.0)))
     replay_days: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
     validation_days: Optional[float] = checked(None, optional(number_in(0.0, open_low=True)))
-    table_optimizer_state: str = checked("carry", one_of(*TABLE_OPTIMIZER_STATES))
+    table_optimizer_state: str = checked("reset", one_of(*TABLE_OPTIMIZER_STATES))
     dense_optimizer_state: str = checked("fresh", one_of(*DENSE_OPTIMIZER_STATES))
+    shrink: float = checked(1.0, number_in(0.0, 1.0, open_low=True))
     where: InitVar[str] = "warm_start"
 
     def __post_init__(self, where: str) -> None:

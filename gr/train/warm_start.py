@@ -8,13 +8,16 @@
   its dense id, so its table row; new ids are appended;
 * tables: the run's rows are copied into the first rows of each (larger) new table, bit for
   bit; new rows keep their fresh initialisation (``init_std``, as the config says);
+* ``warm_start.shrink`` below 1 starts each carried weight, dense parameters and the run's table rows
+  alike, at shrink x the run's value + (1 - shrink) x the new run's fresh initialisation (Ash and
+  Adams' "shrink and perturb", the perturbation being the fresh model; 1, the default: none);
 * dense parameters (PrefixDNN, HSTU, PostfixDNN, the item tower, the new-user state
   ``empty_history``) are the run's; the item tower's bags (``model.item_tower``) grow with their
   features' tables, their new rows starting at zero; a run without ``empty_history``
   (``task.retrieval.new_user_query``) gives none: it starts fresh;
 * the tables' optimizer state (e.g. RowWiseAdagrad's per-row sums) is carried for the run's
-  rows and starts at zero for new rows (``warm_start.table_optimizer_state: carry``; ``reset``:
-  zero for every row); the dense optimizer's state (Adam's moments and step count, so its bias
+  rows and starts at zero for new rows (``warm_start.table_optimizer_state: carry``; ``reset``, the
+  recipe's default: zero for every row); the dense optimizer's state (Adam's moments and step count, so its bias
   correction) starts fresh (``warm_start.dense_optimizer_state: fresh``) or is the run's
   (``carry``: a parameter grown by new ids, an item tower's bag, has zero state in its new rows);
   the learning-rate schedule begins again either way.
@@ -49,7 +52,8 @@ class WarmStart:
     maps ({"items"|feature: IdMap}) and its tables' optimizer state (TorchRec's layout), and whether
     that state is carried ("carry") or every row's starts at zero ("reset": ``warm_start.table_optimizer_state``);
     the dense optimizer's state to carry ({dense parameter's name: its state}; empty: it starts
-    fresh, ``warm_start.dense_optimizer_state``)."""
+    fresh, ``warm_start.dense_optimizer_state``); the share of each carried weight kept
+    (``warm_start.shrink``, the rest the fresh initialisation)."""
 
     origin: Dict[str, Any]
     model: GRModel
@@ -57,6 +61,7 @@ class WarmStart:
     table_optimizer_state: Dict[str, Any]
     table_state_policy: str = "carry"
     dense_optimizer_state: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    shrink: float = 1.0
 
     @classmethod
     def load(
@@ -91,7 +96,7 @@ class WarmStart:
         if config.warm_start.dense_optimizer_state == "carry":
             dense = _named_dense_state(model, state.get(ckpt.DENSE_OPTIMIZER_KEY), checkpoint)
         origin = ckpt.checkpoint_source(source, checkpoint)
-        return cls(origin, model, maps, state["sparse_optimizer"], policy, dense)
+        return cls(origin, model, maps, state["sparse_optimizer"], policy, dense, config.warm_start.shrink)
 
     def new_ids(self, maps: Mapping[str, IdMap]) -> Dict[str, int]:
         """{map: how many ids ``maps`` (the new data's, extending the run's) add to the run's}."""
@@ -101,18 +106,27 @@ class WarmStart:
     def copy_weights(self, model: GRModel) -> None:
         """Into ``model`` (freshly built, unsharded, tables at least as large): the run's dense
         parameters, and its table rows into each table's first rows (an item tower's bag: the
-        rest zero). An ``empty_history`` the run lacks keeps its fresh initialisation."""
+        rest zero), each floating-point weight shrunk towards its fresh value (``shrink``). An
+        ``empty_history`` the run lacks keeps its fresh initialisation."""
         old = self.model.state_dict()
         for name, value in model.state_dict().items():
             if name == EMPTY_HISTORY and name not in old:
                 continue
             source = old[name]
             if source.shape == value.shape:
-                value.copy_(source)
+                self._carry(value, source)
             else:  # a table, or an item tower's bag, grown by new ids
-                value[: source.shape[0]].copy_(source)
+                self._carry(value[: source.shape[0]], source)
                 if name.startswith(TOWER_PREFIX):  # a new feature value starts with no say in the item vector
                     value[source.shape[0] :].zero_()
+
+    def _carry(self, fresh: Tensor, source: Tensor) -> None:
+        """fresh <- source (shrink 1, or not floating point: bit for bit), else
+        shrink * source + (1 - shrink) * fresh, in place."""
+        if self.shrink == 1.0 or not fresh.is_floating_point():
+            fresh.copy_(source)
+        else:
+            fresh.mul_(1.0 - self.shrink).add_(source, alpha=self.shrink)
 
     @torch.no_grad()
     def copy_table_optimizer_state(self, table_optimizers: Any) -> None:
