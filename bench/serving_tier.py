@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 from collections import Counter
@@ -289,14 +288,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         argv,
     )
     clock, host = measuring(args.clock)
-    directory = tier_directory()  # the shared tiers' files, removed however the run ends
+    scratch = tier_directory()  # the shared tiers' files, removed however the run ends
     try:
-        line = {name: line_section(args, name, directory, clock) for name in args.line_shapes}
+        line = {name: line_section(args, name, scratch.path, clock) for name in args.line_shapes}
         config = shape(args.zipf_shape, args.max_history + 64)
         torch.manual_seed(args.seed)
-        zipf = zipf_section(args, HSTU(config).eval(), torch.randn(ITEMS, config.hidden_dim), directory, clock)
+        zipf = zipf_section(args, HSTU(config).eval(), torch.randn(ITEMS, config.hidden_dim), scratch.path, clock)
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        scratch.close()
     host["load_average"]["end"] = load_average()
     summary = {
         "bench": "serving_tier",
