@@ -1,6 +1,7 @@
 """The ``gr`` command: subcommand dispatch, the console script declaration, ``gr train --help``
 listing every config key, ``--print-config`` and the ``train.py`` alias."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -138,13 +139,8 @@ def test_print_config_prints_the_resolved_yaml_and_trains_nothing(capsys, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_train_py_is_an_alias_of_gr_train():
-    done = subprocess.run(
-        [sys.executable, "train.py", "--config", str(QUICKSTART), "--print-config", "--model.hstu.num_layers", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_train_py_is_an_alias_of_gr_train(warm_python):
+    argv = ["train.py", "--config", str(QUICKSTART), "--print-config", "--model.hstu.num_layers", "1"]
+    done = warm_python.run(argv, cwd=ROOT, env=os.environ, timeout=120)  # a process of its own (helpers.warm)
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout)["model"]["hstu"]["num_layers"] == 1

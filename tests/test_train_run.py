@@ -6,8 +6,6 @@ import copy
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -148,7 +146,7 @@ class ProjectModel(GRModel):
 '''
 
 
-def test_a_run_reads_its_data_and_imports_its_classes_from_any_working_directory(tmp_path, monkeypatch):
+def test_a_run_reads_its_data_and_imports_its_classes_from_any_working_directory(tmp_path, monkeypatch, warm_python):
     project = tmp_path / "project"
     (project / "myproj").mkdir(parents=True)
     (project / "myproj" / "__init__.py").write_text("")
@@ -166,14 +164,12 @@ def test_a_run_reads_its_data_and_imports_its_classes_from_any_working_directory
     assert saved["model"]["code_path"] == [str(project)]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    loaded = subprocess.run(  # a fresh interpreter, another working directory: only the run tells where
-        [sys.executable, "-c", LOAD_RUN, str(project / "runs" / "r")],
-        cwd=elsewhere,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    script = elsewhere / "load_run.py"
+    script.write_text(LOAD_RUN)
+    # a process of its own that never imported the project (helpers.warm), another working directory: only the
+    # run tells where
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    loaded = warm_python.run([str(script), str(project / "runs" / "r")], cwd=elsewhere, env=env, timeout=300)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout.split() == ["ProjectModel", str(project / "events.csv")]
 

@@ -7,7 +7,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,6 +19,7 @@ import numpy as np
 
 from gr.data.mappings import IdMap, save_mappings
 from gr.serving.batcher import RequestBatcher
+from helpers.warm import WarmPython
 
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = ROOT.parent  # its gr, whatever the working directory
@@ -108,34 +108,19 @@ class AppServer(Client):
 
 
 class Server(Client):
-    """One server process on a free port, in a working directory of its own (where its default history
-    store goes), removed when it stops."""
+    """One ``python -m gr.serving serve`` process on a free port, in a working directory of its own
+    (where its default history store goes), removed when it stops: a child of the warm interpreter
+    (``helpers.warm``: torch, Lightning and gr imported already); its ``--workers`` are fresh
+    interpreters (uvicorn spawns them)."""
 
-    def __init__(self, export_dir: Path, *extra: str) -> None:
+    def __init__(self, warm: WarmPython, export_dir: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.directory = tempfile.mkdtemp(prefix="gr-serve-")
         path = os.pathsep.join((str(REPOSITORY), str(ROOT)))
         env = {**os.environ, "PYTHONPATH": path, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gr.serving",
-                "serve",
-                str(export_dir),
-                "--port",
-                str(self.port),
-                "--threads",
-                "1",
-                *extra,
-            ],
-            env=env,
-            cwd=self.directory,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        argv = ["-m", "gr.serving", "serve", str(export_dir), "--port", str(self.port), "--threads", "1", *extra]
+        self.process = warm.start(argv, Path(self.directory), env)
         deadline = time.time() + 90
         while time.time() < deadline:
             if self.process.poll() is not None:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from multiprocessing import forkserver
 from pathlib import Path
-from typing import List, Mapping, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 PRELOAD = ["torch", "lightning", "torchrec", "gr.train.run", "gr.export", "gr.serving", "helpers.warm_exporter"]
 TESTS = Path(__file__).resolve().parents[1]
@@ -58,11 +58,7 @@ class WarmPython:
     ) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            self._start_server()
-            child = self.context.Process(
-                target=_child, args=(list(argv), str(cwd), dict(env), self.base_path, str(out), str(err))
-            )
-            child.start()
+            child = self._start_child(argv, cwd, env, out, err)
             child.join(timeout)
             if child.is_alive():
                 child.kill()
@@ -72,12 +68,67 @@ class WarmPython:
                 [sys.executable, *argv], child.exitcode, out.read_text(), err.read_text()
             )
 
+    def start(self, argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> "WarmProcess":
+        """``subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=PIPE, stderr=STDOUT,
+        text=True)`` in a child of the fork server, left running."""
+        handle, name = tempfile.mkstemp(prefix="gr-warm-", suffix=".out")
+        os.close(handle)
+        output = Path(name)
+        return WarmProcess(self._start_child(argv, cwd, env, output, None), output)
+
+    def _start_child(
+        self, argv: Sequence[str], cwd: Path, env: Mapping[str, str], out: Path, err: Optional[Path]
+    ) -> multiprocessing.process.BaseProcess:
+        """The started child running ``python *argv``, its stdout in ``out``, its stderr in ``err``
+        (None: in ``out`` too, interleaved as they are written)."""
+        self._start_server()
+        child = self.context.Process(
+            target=_child,
+            args=(list(argv), str(cwd), dict(env), self.base_path, str(out), None if err is None else str(err)),
+        )
+        child.start()
+        return child
+
     def torchrun(
         self, nproc: int, argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float
     ) -> subprocess.CompletedProcess:
         """``torchrun --nproc_per_node NPROC *argv`` with its ranks forked from a warm child
         (``forked_torchrun.py``), as ``run`` returns it."""
         return self.run([str(FORKED_TORCHRUN), str(nproc), *argv], cwd, env, timeout)
+
+
+class WarmProcess:
+    """A child of the fork server as ``subprocess.Popen`` gives one started with ``stdout=PIPE,
+    stderr=STDOUT, text=True``: ``pid``, ``poll``, ``wait``, ``terminate``, ``kill``, ``returncode``,
+    and ``stdout``, what it printed (read it once it has ended)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, output: Path) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.stdout = output.open()  # open before the file goes: what the child writes stays readable
+        self.output = output
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.process.exitcode
+
+    def poll(self) -> Optional[int]:
+        if self.process.exitcode is not None:
+            self.output.unlink(missing_ok=True)
+        return self.process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self.process.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+        return code
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
 
 
 def fresh_sys_path() -> List[str]:
@@ -88,9 +139,20 @@ def fresh_sys_path() -> List[str]:
     return json.loads(done.stdout)
 
 
-def _child(argv: List[str], cwd: str, env: Mapping[str, str], base_path: List[str], out: str, err: str) -> None:
+def _child(
+    argv: List[str], cwd: str, env: Mapping[str, str], base_path: List[str], out: str, err: Optional[str]
+) -> None:
     """In the forked child: the process state ``python *argv`` starts with, then run it."""
-    for fd, path in ((1, out), (2, err)):
+    # stdin: /dev/null on fd 0 (multiprocessing gives the child one on another descriptor, which a process it
+    # spawns, uvicorn's workers, does not inherit)
+    handle = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(handle, 0)
+    os.close(handle)
+    sys.stdin = open(0, closefd=False)  # fd 0 stays open: the process's stdin
+    for fd, path in ((1, out), (2, err if err is not None else out)):
+        if fd == 2 and err is None:
+            os.dup2(1, 2)  # one open file: stdout and stderr interleaved as written
+            continue
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(handle, fd)
         os.close(handle)
