@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -211,6 +212,19 @@ class NewestAndBestCheckpoints(ModelCheckpoint):
         return super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
 
+def _after_event_files(out_dir: Path, resumed_step: Optional[int]) -> Optional[int]:
+    """-> resumed_step, once a resumed run's TensorBoard file will sort after the interrupted run's.
+    TensorBoard reads a directory's event files in name order and a purge applies to the files read
+    before it; a name starts with the second its writer was made in (then host and pid), so within
+    the newest existing file's second the new one could sort first: that second is waited out."""
+    if resumed_step is not None:
+        names = [p.name.split(".") for p in (out_dir / LOGS_DIR).glob("events.out.tfevents.*")]
+        seconds = [int(parts[3]) for parts in names if parts[3].isdigit()]
+        if seconds:
+            time.sleep(max(0.0, max(seconds) + 1 - time.time()))
+    return resumed_step
+
+
 def make_trainer(
     config: TrainConfig, out_dir: Path, extra_callbacks: Sequence[Callback] = (), resumed_step: Optional[int] = None
 ) -> Tuple[Trainer, ModelCheckpoint]:
@@ -253,7 +267,7 @@ def make_trainer(
         enable_progress_bar=t.enable_progress_bar,
         callbacks=callbacks,
         logger=[
-            TensorBoardLogger(out_dir, name=LOGS_DIR, version="", purge_step=resumed_step),
+            TensorBoardLogger(out_dir, name=LOGS_DIR, version="", purge_step=_after_event_files(out_dir, resumed_step)),
             AppendingCSVLogger(out_dir, name=LOGS_DIR, version=""),
         ],
         use_distributed_sampler=False,  # the data module deals batches to ranks itself
