@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from test_prepared_stream import USERS, by_user, data_config, in_order, prepare
+from test_prepared_stream import EVENTS_HEADER, USERS, by_user, data_config, event_row, in_order, prepare
 
 import gr.data.prepared.duckdb_append as duckdb_append
 import gr.data.prepared.manifest as prepared_format
@@ -25,7 +25,6 @@ from gr.utils.checksums import file_sha256
 from gr.utils.run_lock import RunLockedError, output_lock
 from helpers.runs import RETRIEVAL, ratings_csv, with_overrides
 
-HEADER = "user_id,item_id,ts,rating,device,tags,watch,country,langs,age,category,genres,price"
 DAY = 1_003_000  # the first append's events are from here on, the second's from NEXT_DAY
 NEXT_DAY = 1_005_000
 PER_SHARD = 25
@@ -40,19 +39,12 @@ def event_lines(users, items, start: int, end: int, seed: int) -> list:
     for u in users:
         times = np.sort(rng.integers(start, end, size=int(rng.integers(3, 12))))
         for k, stamp in enumerate(times):
-            i = int(rng.choice(items))
-            tags = "|".join(rng.choice(["x", "y", "z", "w"], size=int(rng.integers(0, 3)), replace=False))
-            country = ("fr", "de", "jp")[u % 3]
-            lines.append(
-                f"u{u:02d},{i * 7},{stamp},{int(rng.integers(1, 6))},{('web', 'app')[k % 2]},{tags},"
-                f"{rng.random():.3f},{country},{'en|' + country if u % 2 else 'en'},{20 + u % 40},"
-                f"c{i % 5},g{i % 4}|g{i % 3},{i / 10:.1f}"
-            )
+            lines.append(event_row(rng, f"u{u:02d}", u, int(rng.choice(items)), int(stamp), k))
     return lines
 
 
 def write(path: Path, *parts: list) -> Path:
-    path.write_text("\n".join([HEADER, *(line for part in parts for line in part)]) + "\n")
+    path.write_text("\n".join([EVENTS_HEADER, *(line for part in parts for line in part)]) + "\n")
     return path
 
 

@@ -70,23 +70,31 @@ SPLIT_CONFIGS = {
 USERS = 90
 
 
+EVENTS_HEADER = "user_id,item_id,ts,rating,device,tags,watch,country,langs,age,category,genres,price"
+
+
+def event_row(rng: np.random.Generator, user: str, u: int, i: int, stamp: int, k: int) -> str:
+    """One CSV row of ``EVENTS_HEADER``: user ``user`` (number ``u``: its features), item ``7 i`` (its
+    features from ``i``), the user's ``k``-th event at ``stamp``; tags, rating and watch drawn from ``rng``."""
+    tags = "|".join(rng.choice(["x", "y", "z", "w"], size=int(rng.integers(0, 3)), replace=False))
+    country = ("fr", "de", "jp")[u % 3]
+    return (
+        f"{user},{i * 7},{stamp},{int(rng.integers(1, 6))},{('web', 'app')[k % 2]},{tags},"
+        f"{rng.random():.3f},{country},{'en|' + country if u % 2 else 'en'},{20 + u % 40},"
+        f"c{i % 5},g{i % 4}|g{i % 3},{i / 10:.1f}"
+    )
+
+
 def write_events(path: Path, users: int = USERS, items: int = 70) -> Path:
     """A CSV of every feature kind (row, item and user; categorical, list and dense), with ratings,
     tied timestamps and string user ids."""
     rng = np.random.default_rng(0)
-    lines = ["user_id,item_id,ts,rating,device,tags,watch,country,langs,age,category,genres,price"]
+    lines = [EVENTS_HEADER]
     for u in range(users):
         n = int(rng.integers(3, 30))
         times = 1_000_000 + np.sort(rng.integers(0, 5000, size=n))
         for k in range(n):
-            i = int(rng.integers(0, items))
-            tags = "|".join(rng.choice(["x", "y", "z", "w"], size=int(rng.integers(0, 3)), replace=False))
-            country = ("fr", "de", "jp")[u % 3]
-            lines.append(
-                f"u{u},{i * 7},{times[k]},{int(rng.integers(1, 6))},{('web', 'app')[k % 2]},{tags},"
-                f"{rng.random():.3f},{country},{'en|' + country if u % 2 else 'en'},{20 + u % 40},"
-                f"c{i % 5},g{i % 4}|g{i % 3},{i / 10:.1f}"
-            )
+            lines.append(event_row(rng, f"u{u}", u, int(rng.integers(0, items)), int(times[k]), k))
     path.write_text("\n".join(lines) + "\n")
     return path
 
