@@ -43,7 +43,8 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     ops = native_ops("gr_cpu_cached") if q.dtype == torch.float32 and not cpu_bf16_math() else None
     layout = None if ops is None else _layout(call, lengths)
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    steps: List[Tuple[CachedRequest, Optional[Tensor], Tensor]] = []  # (request, cached part, new tokens' part)
+    # (request, its cached part [n, H, Dl] or None: the fused kernel's, its new tokens' part [H, n, Dl])
+    steps: List[Tuple[CachedRequest, Optional[Tensor], Tensor]] = []
     biases: List[Optional[Tensor]] = []
     masks: List[Optional[Tensor]] = []
     for request in requests(call):
@@ -78,7 +79,7 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
             bias = bias_between(rab, pos, query_ts, torch.arange(cached, device=q.device), cache_ts)
         visible = None if bool(cache_visible.all()) else cache_visible
         if layout is None:
-            steps.append((request, _cached_part(call, request, qh, bias, visible), new_part))
+            steps.append((request, _cached_part(call, request, qh, bias, visible).transpose(0, 1), new_part))
         else:
             biases.append(None if bias is None else bias.to(torch.float32).contiguous())
             masks.append(None if visible is None else visible.to(torch.float32))
@@ -91,16 +92,13 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
             q, pools_k, pools_v, call.new_offsets.tolist(), lengths, pool_index, starts, block_offsets, sizes,
             float(call.alpha), biases, masks,
         )  # fmt: skip
-    for request, attn, new_part in steps:
-        if attn is None:
+    for request, cached_part, new_part in steps:
+        if cached_part is None:
             assert fused is not None  # the requests without a PyTorch cached part have the fused one
-            attn = fused[request.new] + new_part.transpose(0, 1)  # [n, H, Dl]
-            attn.mul_(silu_norm(request.positions, call.silu_scale).to(attn.dtype).view(-1, 1, 1))
-            out[request.new] = attn
-        else:
-            attn = attn + new_part
-            attn.mul_(silu_norm(request.positions, call.silu_scale).to(attn.dtype).view(1, -1, 1))
-            out[request.new] = attn.transpose(0, 1)
+            cached_part = fused[request.new]
+        attn = cached_part + new_part.transpose(0, 1)  # [n, H, Dl]
+        attn.mul_(silu_norm(request.positions, call.silu_scale).to(attn.dtype).view(-1, 1, 1))
+        out[request.new] = attn
     return out
 
 
