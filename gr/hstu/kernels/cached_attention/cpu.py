@@ -135,26 +135,21 @@ def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layou
         offsets, sizes = list(range(count + 1)), [max(1, n) for n in lengths]  # one block a request
     else:
         assert not isinstance(cache_k, Tensor) and not isinstance(cache_v, Tensor)  # per-request lists
-        if all(isinstance(t, Tensor) for t in (*cache_k, *cache_v)):  # each request a tensor: one block from row 0
-            pools_k, pools_v, index = list(cache_k), list(cache_v), list(range(count))  # type: ignore[arg-type]
-            starts, offsets = torch.zeros(count, dtype=torch.long), list(range(count + 1))
-            sizes = [max(1, n) for n in lengths]
-        else:
-            found = _mixed_layout(cache_k, cache_v, lengths)
-            if found is None:
-                return None
-            pools_k, pools_v, index, starts, offsets, sizes = found
+        found = _request_layout(cache_k, cache_v, lengths)
+        if found is None:
+            return None
+        pools_k, pools_v, index, starts, offsets, sizes = found
     pools_k, pools_v = [_rows_contiguous(t) for t in pools_k], [_rows_contiguous(t) for t in pools_v]
     if not all(t.is_cpu and t.dtype is torch.float32 for t in (*pools_k, *pools_v)):
         return None
     return pools_k, pools_v, index, starts, offsets, sizes
 
 
-def _mixed_layout(
+def _request_layout(
     cache_k: Sequence[Union[Tensor, PagedCache]], cache_v: Sequence[Union[Tensor, PagedCache]], lengths: Sequence[int]
 ) -> Optional[Layout]:
-    """``_layout`` of per-request entries, some a request's pages (K and V through one page table),
-    the others tensors; None when a request's K and V are not alike."""
+    """``_layout`` of per-request entries, each a request's pages (K and V through one page table) or
+    its tensors (one block from row 0); None when a request's K and V are not alike."""
     pools_k: List[Tensor] = []
     pools_v: List[Tensor] = []
     index, parts, offsets, sizes = [], [], [0], []
