@@ -79,6 +79,7 @@ from gr.export.format import ID_MAPS_DIR  # noqa: E402
 from gr.export.item_store import ITEM_FEATURE  # noqa: E402
 from gr.export.new_items import add_items  # noqa: E402
 from gr.export.writer import export_run  # noqa: E402
+from gr.postfix_dnn.item_tower import POPULARITY_FEATURE  # noqa: E402
 from gr.serving import Ranker  # noqa: E402
 from gr.train.config import TrainConfig, apply_override  # noqa: E402
 from gr.train.metrics import score_ranks, target_metrics  # noqa: E402
@@ -112,9 +113,12 @@ def write_data(source: Path, out: Path, events: np.ndarray) -> Path:
     return out
 
 
-def items_file(source: Path, items: np.ndarray, path: Path, year: bool) -> Path:
-    """The ``gr items add`` file of ``items``: item_id, their genres joined by "|" and, with ``year``,
-    their release year buckets (as the reader gives them)."""
+def items_file(
+    source: Path, items: np.ndarray, path: Path, year: bool, counts: Optional[Dict[int, int]] = None
+) -> Path:
+    """The ``gr items add`` file of ``items``: item_id, their genres joined by "|", with ``year``
+    their release year buckets (as the reader gives them), with ``counts`` ({raw item: events})
+    their ``item_popularity``."""
     side, _ = ml_100k_side_tables(source, True, False, "list", release_year=year)
     assert side is not None  # u.item is there
     row = {int(item): i for i, item in enumerate(side.keys)}
@@ -122,13 +126,27 @@ def items_file(source: Path, items: np.ndarray, path: Path, year: bool) -> Path:
     years = [RELEASE_YEAR] if year else []
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["item_id", ML_GENRES, *years])
+        writer.writerow(["item_id", ML_GENRES, *years, *([POPULARITY_FEATURE] if counts is not None else [])])
         for item in items.tolist():
             index = np.array([row[item]])
             writer.writerow(
-                [item, "|".join(genres.take(index).values.tolist()), *(side.categorical[y][row[item]] for y in years)]
+                [
+                    item,
+                    "|".join(genres.take(index).values.tolist()),
+                    *(side.categorical[y][row[item]] for y in years),
+                    *([counts.get(item, 0)] if counts is not None else []),
+                ]
             )
     return path
+
+
+def training_counts(data_path: Path, overrides: List[Tuple[str, str]], year: bool) -> Dict[int, int]:
+    """{raw item: its events in the training parts of ``data_path``} (the events before each user's
+    last two): what the popularity baseline counts, and what ``--popularity`` gives the added items."""
+    data = SequenceDataModule(recipe(data_path, overrides, None, year).data)
+    data.setup()
+    assert data.item_map is not None  # set by setup()
+    return dict(zip(data.item_map.raw.tolist(), data.popularity().tolist()))
 
 
 def recipe(
@@ -138,11 +156,12 @@ def recipe(
     year: bool,
     mlp_dims: Sequence[int] = (),
     feature_loss_weight: float = 0.0,
+    popularity: bool = False,
 ) -> TrainConfig:
     """The custom project's config on ``data_path`` with ``overrides``, with the item tower (its
-    ``id_dropout``, ``mlp_dims`` and ``feature_loss_weight``) or without it (None); with ``year`` the
-    items' release years (``data.release_year``) join the genres in the GenreEncoder (a table of their
-    own) and the tower."""
+    ``id_dropout``, ``mlp_dims``, ``feature_loss_weight`` and ``popularity``) or without it (None);
+    with ``year`` the items' release years (``data.release_year``) join the genres in the GenreEncoder
+    (a table of their own) and the tower."""
     values = yaml.safe_load(Path(RECIPE).read_text())
     features = [ML_GENRES]
     if year:
@@ -156,6 +175,7 @@ def recipe(
             "id_dropout": id_dropout,
             "mlp_dims": list(mlp_dims),
             "feature_loss_weight": feature_loss_weight,
+            "popularity": popularity,
         }
     for key, value in [("data.path", str(data_path)), ("sparse.backend", "torch"), *overrides]:
         apply_override(values, key, yaml.safe_load(value))
@@ -255,6 +275,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument(
         "--feature-loss-weight", type=float, default=0.0, help="the tower's model.item_tower.feature_loss_weight"
     )
+    parser.add_argument(
+        "--popularity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the tower's model.item_tower.popularity; the added items' counts are the baseline's",
+    )
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
     mlp_dims = [int(d) for d in args.mlp_dims.split(",") if d]
     overrides = [
@@ -278,18 +304,23 @@ def main(argv: Optional[List[str]] = None) -> None:
         train_data = write_data(source, root / "train-data", events[trained_on])
         test_data = write_data(source, root / "test-data", events[~np.isin(events[:, 0], cold_users)])
         user_data = write_data(source, root / "new-user-data", events[np.isin(events[:, 0], cold_users)])
-        new_items = items_file(source, cold_items, root / "held_out_items.csv", args.year)
+        counts = training_counts(test_data, overrides, args.year) if args.popularity else None
+        new_items = items_file(source, cold_items, root / "held_out_items.csv", args.year, counts)
+        plain_items = items_file(source, cold_items, root / "held_out_items_no_counts.csv", args.year)
         scored, seconds, added = {}, {}, {}
         for name, id_dropout in (("tower", args.id_dropout), ("no_tower", None)):
-            config = recipe(train_data, overrides, id_dropout, args.year, mlp_dims, args.feature_loss_weight)
+            tower_options = (mlp_dims, args.feature_loss_weight, args.popularity)
+            config = recipe(train_data, overrides, id_dropout, args.year, *tower_options)
             start = time.perf_counter()
             metrics = train(config, root / name)
             seconds[name] = time.perf_counter() - start
             export_run(root / name, root / f"{name}-export")
-            added[name] = add_items(root / f"{name}-export", new_items, root / f"{name}-grown")
+            added[name] = add_items(
+                root / f"{name}-export", new_items if id_dropout is not None else plain_items, root / f"{name}-grown"
+            )
             scored[name] = scored_events(root / f"{name}-grown", config, test_data)
             print(f"{name}: validation-picked test hr@10 {metrics['hr@10']:.4f} ({seconds[name]:.1f} s)", flush=True)
-        users_config = recipe(user_data, overrides, args.id_dropout, args.year, mlp_dims, args.feature_loss_weight).data
+        users_config = recipe(user_data, overrides, args.id_dropout, args.year, *tower_options).data
         metrics_b = first_event_metrics(first_event_ranks(root / "tower-export", users_config))
         rows = export_trained_rows(Ranker.load(root / "tower-grown"))
     trained = added["tower"]["trained_items"]
@@ -349,6 +380,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "year": args.year,
         "mlp_dims": mlp_dims,
         "feature_loss_weight": args.feature_loss_weight,
+        "popularity": args.popularity,
         "held_out": {"fraction": args.held_out, "items": len(cold_items), "users": len(cold_users)},
         "events": {"a_held_out_targets": int(cold.sum()), "c_other_targets": int((~cold).sum())},
         "a_among_held_out": {name: summary_of(v) for name, v in metrics_a.items()},

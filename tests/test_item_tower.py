@@ -3,7 +3,8 @@ its item features, so an item with no trained row is scored by its features. Tra
 evaluation, ``gr evaluate`` and serving rank the same catalogue vectors; ``gr items add`` on a tower
 export gives new items the encoder of their features (different features, different scores); a bad
 section is one line naming the key; a model without the tower is built as before; warm start
-grows the tower's bags, their new rows at zero."""
+grows the tower's bags, their new rows at zero. With ``popularity`` the encoder also reads each
+item's log count, and ``gr items add`` takes a new item's count from its file."""
 
 import copy
 import json
@@ -26,13 +27,13 @@ from gr.export.reader import check_export
 from gr.export.writer import export_run
 from gr.jagged_rows import JaggedRows
 from gr.model import GRInput, GROutput
-from gr.postfix_dnn.item_tower import ItemEncoder, ItemTower, TowerFeature
+from gr.postfix_dnn.item_tower import POPULARITY_FEATURE, ItemEncoder, ItemTower, TowerFeature
 from gr.serving import Ranker
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
 from gr.train import load_trained_model
 from gr.train.build import SAMPLED_ITEMS, build_model, check_declared_features, dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
-from gr.train.run import _warm_start, train
+from gr.train.run import _warm_start, run_popularity, train
 from gr.train.tasks import RetrievalTask
 from helpers.runs import RETRIEVAL
 
@@ -59,12 +60,20 @@ def tower_run(tmp_path_factory):
     return root / "run", export_run(root / "run", root / "export")
 
 
+@pytest.fixture(scope="module")
+def popularity_run(tmp_path_factory):
+    """As ``tower_run``, the tower also reading the items' popularity."""
+    root = tmp_path_factory.mktemp("popularity")
+    train(TrainConfig.from_dict(_values(features=[CATEGORY], popularity=True)), root / "run")
+    return root / "run", export_run(root / "run", root / "export")
+
+
 def _trained(run: Path):
     """The run's model with its items' features given, and its data module."""
     model, config = load_trained_model(run)
     data = SequenceDataModule(config.data, base_maps=model_maps(str(run / "mappings")))
     data.setup()
-    model.item_tower.set_items(data.item_features.columns())
+    model.item_tower.set_items(data.item_features.columns(), run_popularity(run))
     return model, config, data
 
 
@@ -139,6 +148,19 @@ def test_the_feature_loss_scores_each_target_by_its_features_alone_against_the_s
     assert queries.grad is None and rows.grad is None and tower.encoder.mlp[-1].weight.grad.abs().sum() > 0
 
 
+def test_the_popularity_feature_is_each_items_log_count():
+    features = [TowerFeature("brand", "categorical", 4, 3), TowerFeature(POPULARITY_FEATURE, "popularity", 0, 1)]
+    tower = ItemTower("item_id", ("item_id",), 4, ItemEncoder(features, 6), 0.0)
+    with pytest.raises(ValueError, match=r"^model.item_tower.popularity: the items' training counts were not given"):
+        tower.set_items({"brand": np.array([1, 2, 3, 1])})
+    tower.set_items({"brand": np.array([1, 2, 3, 1])}, np.array([0, 1, 9, 99]))
+    read = tower.item_features(torch.tensor([3, 0, 2]))[POPULARITY_FEATURE]
+    torch.testing.assert_close(read, torch.log1p(torch.tensor([[99.0], [0.0], [9.0]])))
+    torch.nn.init.normal_(tower.encoder.mlp[-1].weight)
+    vectors = tower.feature_vectors(torch.tensor([0, 3]))  # brand 1 both: only the counts differ
+    assert not torch.equal(vectors[0], vectors[1])
+
+
 def test_a_tower_without_its_items_features_says_so():
     features = [TowerFeature("brand", "categorical", 4, 3)]
     tower = ItemTower("item_id", ("item_id",), 4, ItemEncoder(features, 6), 0.5)
@@ -160,6 +182,10 @@ def test_a_tower_without_its_items_features_says_so():
             r"^model.item_tower.feature_loss_weight: ",
         ),
         (lambda v: v["model"].update(item_tower={"features": ["brand"]}), r"'brand' is not a declared item feature"),
+        (
+            lambda v: v["model"].update(item_tower={"features": [CATEGORY], "popularity": "yes"}),
+            r"^model.item_tower.popularity: ",
+        ),
         (lambda v: v["model"].update(item_tower={"features": ["item_id"]}), r"'item_id' is the item itself"),
         (
             lambda v: (
@@ -238,6 +264,45 @@ def test_added_items_are_scored_by_their_features(tower_run, tmp_path):
     scores = catalogue.vectors[n:] @ query
     assert scores[0] != scores[1]
     assert torch.equal(catalogue.vectors[n:], model.postfix_dnn.item_embedding(want))
+
+
+def test_added_items_are_placed_by_their_counts_on_a_popularity_tower(popularity_run, tmp_path):
+    """Two new items of one category, one without a count: rows differ by the count alone, each the
+    trained encoder of its category and log count; the counts join the export's popularity; a known
+    item given a count keeps its id part and takes the count; evaluation ranks what serving ranks."""
+    run, export = popularity_run
+    (tmp_path / "new.csv").write_text(f"item_id,{CATEGORY},{POPULARITY_FEATURE}\n9001,3,0\n9002,3,40\n1,3,7\n")
+    add_items(export, tmp_path / "new.csv", tmp_path / "grown", replace_known=True)
+    assert check_export(tmp_path / "grown") == []
+    model, config, data = _trained(run)
+    n, category = data.num_items, _category_id(run, "3")
+    rows = load_file(str(tmp_path / "grown" / "sparse" / "item.safetensors"))["weight"]
+    trained = run_popularity(run)
+    with torch.no_grad():
+        counts = torch.from_numpy(np.log1p(np.array([[0.0], [40.0], [7.0]])).astype(np.float32))
+        encoded = model.item_tower.encoder({CATEGORY: torch.tensor([category] * 3), POPULARITY_FEATURE: counts})
+        replaced = model.embeddings.table_weight("item")[0] + encoded[2]
+    torch.testing.assert_close(torch.from_numpy(rows[n:]), encoded[:2], rtol=0, atol=1e-6)
+    assert (encoded[0] - encoded[1]).abs().max() > 1e-4  # the counts alone move the row
+    np.testing.assert_allclose(rows[0], replaced.numpy(), rtol=0, atol=1e-5)
+    popularity = load_file(str(tmp_path / "grown" / "sparse" / "popularity.safetensors"))["count"]
+    assert popularity[n:].tolist() == [0, 40] and popularity[0] == 7 and (popularity[1:n] == trained[1:]).all()
+    task = RetrievalTask(config.task.retrieval, n, model.postfix_dnn.item_embedding, model.item_tower.item_vectors)
+    task.start_evaluation(model.embeddings)
+    assert torch.equal(task.catalogue, Ranker.load(export).model.catalogue().vectors)
+    (tmp_path / "bad.csv").write_text(f"item_id,{CATEGORY},{POPULARITY_FEATURE}\n9003,3,-2\n")
+    with pytest.raises(ValueError, match=rf"bad.csv: row 1: column '{POPULARITY_FEATURE}': expected a count"):
+        add_items(export, tmp_path / "bad.csv", tmp_path / "bad")
+
+
+def test_an_items_count_is_refused_where_the_export_stores_no_popularity(tower_run, tmp_path):
+    _, export = tower_run
+    shutil.copytree(export, tmp_path / "export")
+    (tmp_path / "export" / "sparse" / "popularity.safetensors").unlink()
+    write_manifest(tmp_path / "export")
+    (tmp_path / "new.csv").write_text(f"item_id,{CATEGORY},{POPULARITY_FEATURE}\n9001,3,5\n")
+    with pytest.raises(ValueError, match=rf"unknown column\(s\) \['{POPULARITY_FEATURE}'\]"):
+        add_items(tmp_path / "export", tmp_path / "new.csv", tmp_path / "grown")
 
 
 def test_check_names_an_item_encoder_that_does_not_fit_its_features(tower_run, tmp_path):

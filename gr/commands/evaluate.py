@@ -95,7 +95,7 @@ def evaluate_run(
     # The training stack (torch, Lightning): imported to evaluate, never to parse gr evaluate's arguments.
     import torch
 
-    from gr.train.run import load_trained_model
+    from gr.train.run import load_trained_model, run_popularity
 
     config = load_config(Path(run_dir) / CONFIG_FILE, with_new_cut(data_overrides))
     _check_test_split(config)
@@ -104,7 +104,7 @@ def evaluate_run(
     data = _data(config.data, config.model.hstu.eviction_block, model_maps(str(Path(run_dir) / MAPPINGS_DIR)))
     tower = model.item_tower
     if tower is not None:  # the items' features come from the data, as in training
-        tower.set_items(data.item_features.columns())
+        tower.set_items(data.item_features.columns(), run_popularity(run_dir))
     task = _task(
         config,
         data,

@@ -9,7 +9,8 @@ One safetensors file: the encoder's weights (its ``state_dict``: ``bags.<feature
 dim] per categorical or list-valued feature, ``mlp.<i>.weight`` / ``.bias``), float32; metadata
 ``format_version`` "1", ``item_feature``, and what rebuilds the module (``ItemEncoder.metadata``:
 ``features`` JSON [{name, kind, rows, dim}], ``embedding_dim``, ``mlp_dims`` JSON). Each feature is
-one of the item store's (``gr.export.item_store``), a bag's rows those of the feature's table.
+one of the item store's (``gr.export.item_store``), a bag's rows those of the feature's table, but
+a "popularity" one (the item's ``log1p`` count): its values come from ``sparse/popularity.safetensors``.
 Covered by the MANIFEST like every other file; ``check_item_encoder`` is what ``gr check`` and
 every loader verify.
 """
@@ -26,6 +27,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from gr.export.format import Problem, read_safetensors
 from gr.export.item_store import ITEM_FEATURE, ITEM_STORE
+from gr.export.popularity import POPULARITY
 from gr.export.sparse_manifest import SparseManifest
 from gr.utils.atomic import write_bytes
 
@@ -85,7 +87,10 @@ def check_item_encoder(
     width = 0
     for feature in features:
         name, kind, rows, dim = feature.get("name"), feature.get("kind"), feature.get("rows"), feature.get("dim")
-        if name not in stored:
+        if kind == "popularity":  # derived from the counts, not stored with the items
+            if dim != 1 or rows != 0 or not (root / POPULARITY).is_file():
+                problem(f"features[{name}]", f"a popularity feature needs dim 1, rows 0 and {POPULARITY}")
+        elif name not in stored:
             problem(f"features[{name}]", f"not a feature of the item store ({ITEM_STORE}), which gr items add reads")
         if kind in FEATURE_KINDS:
             entry = sparse.features.get(name)
@@ -95,8 +100,8 @@ def check_item_encoder(
             bag = weights.get(f"bags.{name}.weight")
             if bag is None or bag.shape != (rows, dim):
                 problem(f"bags.{name}.weight", f"expected float32 [{rows}, {dim}]")
-        elif kind != "dense":
-            problem(f"features[{name}]", f"unknown kind {kind!r}; expected categorical, list or dense")
+        elif kind not in ("dense", "popularity"):
+            problem(f"features[{name}]", f"unknown kind {kind!r}; expected categorical, list, dense or popularity")
         width += dim
     for i, (fan_in, fan_out) in enumerate(zip([width, *mlp_dims], [*mlp_dims, embedding_dim])):
         layer = f"mlp.{2 * i}"

@@ -18,19 +18,24 @@ Parquet) join the catalogue with their item features:
   their rows are that mean, what the PrefixDNN reads beside their features;
 * their item features go to the item store (categorical values through the export's
   vocabularies: a value the model never saw takes the unknown id 0), as items the data had;
-* their popularity (when the export stores it) is 0.
+* their popularity (when the export stores it) is the file's ``item_popularity`` column, each item's
+  count of events, or 0 without one. An export whose tower reads popularity
+  (``model.item_tower.popularity``) encodes that count with the features; count over the span the
+  training data covered (or scale to it), since the encoder learned what a training count means.
 
 An item the export already has is refused, unless ``replace_known`` (``--replace-known``): then
 its stored features become the file's (a changed brand, price, genres), while its trained row and
-its popularity stay; served by id, it is scored with its new features. With an item tower its row
-becomes its trained id part (the row less the encoder of its old features) plus the encoder of
-its new features.
+its popularity stay (the popularity becomes the file's ``item_popularity`` where the file gives
+one); served by id, it is scored with its new features. With an item tower its row becomes its
+trained id part (the row less the encoder of its old features and count) plus the encoder of its
+new ones: refreshing an added item's count this way moves it as its events accumulate.
 
 An export whose model reads no item feature is refused: every new item would score alike.
 ITEMS holds one row per new item: the item column (``item_id``) and each stored item feature
 by name: a categorical value, a list of them (a Parquet list, or in CSV one cell joined by
-``list_separator``), or a dense feature's columns as the export's id maps name them; no other
-column. Lists are read by the training readers' rules (an empty value inside one is refused).
+``list_separator``), or a dense feature's columns as the export's id maps name them; optionally
+``item_popularity`` (integers >= 0) on an export that stores popularity; no other column. Lists
+are read by the training readers' rules (an empty value inside one is refused).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ from gr.export.reader import ExportManifest, check_export, open_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL
 from gr.export.sparse_manifest import SparseManifest
 from gr.jagged_rows import JaggedRows
-from gr.postfix_dnn.item_tower import ItemEncoder
+from gr.postfix_dnn.item_tower import POPULARITY_FEATURE, ItemEncoder, popularity_columns, reads_popularity
 from gr.utils.atomic import atomic_directory
 from gr.utils.outputs import checked_output
 
@@ -111,8 +116,13 @@ def add_items(
     if ITEMS_MAP not in maps:
         raise ValueError(f"{export_dir}: no raw item id map ({ID_MAPS_DIR}/{ITEMS_MAP}.tsv) to add raw ids to")
     table = export.sparse.tables[export.sparse.features[ITEM_FEATURE].table]
-    frame = _read_items(items_file, store.features, columns, list_separator)
+    popularity = read_popularity(export.root)
+    encoder = _item_encoder(export.root, export.sparse)
+    if encoder is not None and reads_popularity(encoder) and popularity is None:
+        raise ExportFormatError([Problem(POPULARITY, "count", "missing: the item encoder reads the items' popularity")])
+    frame = _read_items(items_file, store.features, columns, list_separator, counts=popularity is not None)
     item_column = frame.pop(ITEM_FEATURE)
+    given = frame.pop(POPULARITY_FEATURE, None)  # [n] int64 each file row's count, or None
     if isinstance(item_column, JaggedRows):
         raise ItemsFileError(f"{items_file}: column {ITEM_FEATURE!r}: expected one id per row, got lists")
     file_ids = _file_ids(items_file, item_column, maps[ITEMS_MAP].raw.dtype)
@@ -151,13 +161,27 @@ def add_items(
         searched = POSTFIX_QUERY in [t.name for t in export.graph.slice(POSTFIX).outputs]
         new_row = np.zeros_like(weights[:1]) if searched else weights.mean(0, keepdims=True)
         grown = np.concatenate([weights, np.repeat(new_row, added, axis=0)])
-        encoder = _item_encoder(export.root, export.sparse)
-        if encoder is not None:  # rows = trained id part + the encoder of the (new) features
+        counts = None
+        if popularity is not None:  # known items keep their counts unless the file gives them
+            counts = np.concatenate([popularity, np.zeros(added, dtype=np.int64)])
+            if given is not None:  # file row r's item: its known row, or the next new row
+                counts[np.where(rows >= 0, rows, table.rows + np.cumsum(rows < 0) - 1)] = given
+        if encoder is not None:  # rows = trained id part + the encoder of the (new) features and counts
             replaced = rows[rows >= 0]
-            old = encoder.encode_columns({name: store.lookup(name, replaced) for name in store.features})
+            old = encoder.encode_columns(
+                {
+                    **{name: store.lookup(name, replaced) for name in store.features},
+                    **popularity_columns(encoder, None if popularity is None else popularity[replaced]),
+                }
+            )
             new_items = np.concatenate([replaced, np.arange(table.rows, table.rows + added)])
             grown_store = ItemStore(ITEM_FEATURE, features)
-            new = encoder.encode_columns({name: grown_store.lookup(name, new_items) for name in features})
+            new = encoder.encode_columns(
+                {
+                    **{name: grown_store.lookup(name, new_items) for name in features},
+                    **popularity_columns(encoder, None if counts is None else counts[new_items]),
+                }
+            )
             grown[replaced] -= old.numpy()
             grown[new_items] += new.numpy()
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
@@ -168,10 +192,9 @@ def add_items(
         graph_features, event_features = _token_features(export)
         (tmp / ITEM_STORE).unlink()
         write_item_store(tmp, features, graph_features, sparse, event_features)
-        popularity = read_popularity(export.root)
-        if popularity is not None:
+        if counts is not None:
             (tmp / POPULARITY).unlink()
-            write_popularity(tmp, np.concatenate([popularity, np.zeros(added, dtype=np.int64)]), sparse)
+            write_popularity(tmp, counts, sparse)
         write_manifest(tmp)
         problems = check_export(tmp)
         if problems:
@@ -249,12 +272,15 @@ def _file_ids(path: Path, raw: np.ndarray, kind: np.dtype) -> np.ndarray:
 
 
 def _read_items(
-    path: Path, stored: Dict[str, Column], dense_columns: Dict[str, List[str]], list_separator: str
+    path: Path, stored: Dict[str, Column], dense_columns: Dict[str, List[str]], list_separator: str, counts: bool
 ) -> Dict[str, Column]:
     """{"item_id": [n] str, feature: [n] str | JaggedRows of str | [n, d] float32} from the items file;
-    ``stored``: the item store's features (a JaggedRows one is list-valued)."""
+    ``stored``: the item store's features (a JaggedRows one is list-valued); with ``counts`` the file
+    may also give ``item_popularity``: [n] int64 >= 0."""
     table = _table(path)
     wanted = {ITEM_FEATURE: [ITEM_FEATURE], **{f: dense_columns.get(f, [f]) for f in stored}}
+    if counts and POPULARITY_FEATURE in table.column_names:
+        wanted[POPULARITY_FEATURE] = [POPULARITY_FEATURE]
     every = [c for cs in wanted.values() for c in cs]
     missing = [c for c in every if c not in table.column_names]
     if missing:
@@ -269,7 +295,9 @@ def _read_items(
             if column.null_count:
                 row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
                 raise ItemsFileError(f"{path}: row {row + 1}: column {column_name!r} is null")
-        if name in dense_columns:
+        if name == POPULARITY_FEATURE:
+            out[name] = _count_column(path, table[name])
+        elif name in dense_columns:
             out[name] = np.stack([_numbers(path, c, table[c]) for c in names], axis=1).astype(np.float32)
         elif pa.types.is_list(table[name].type) or pa.types.is_large_list(table[name].type):
             try:  # list<string> or list<int>, no null or empty value inside: as training reads one
@@ -323,6 +351,17 @@ def _numbers(path: Path, name: str, column: pa.ChunkedArray) -> np.ndarray:
             f"{path}: row {bad[0] + 1}: column {name!r}: expected a finite number, got {values[bad[0]]}"
         )
     return values
+
+
+def _count_column(path: Path, column: pa.ChunkedArray) -> np.ndarray:
+    """``item_popularity`` -> [n] int64 counts; the first value that is not an integer >= 0 names its row."""
+    values = _numbers(path, POPULARITY_FEATURE, column)
+    bad = np.flatnonzero((values < 0) | (values != np.round(values)))
+    if len(bad):
+        raise _row_error(
+            path, POPULARITY_FEATURE, int(bad[0]), f"expected a count (an integer >= 0), got {values[bad[0]]}"
+        )
+    return values.astype(np.int64)
 
 
 def _is_number(text: str) -> bool:

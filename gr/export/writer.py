@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from gr.data.config import DataConfig
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import model_maps
-from gr.data.popularity import POPULARITY_FILE, load_popularity
 from gr.export.delta import write_delta
 from gr.export.format import (
     BAG,
@@ -72,7 +71,7 @@ from gr.sparse.touched import rows_since
 from gr.train.checkpoint import checkpoint_source, read_meta
 from gr.train.config import load_config
 from gr.train.module import TOUCHED_ROWS
-from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run
+from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run, run_popularity
 from gr.train.run_files import CONFIG_FILE, INIT_FROM_FILE
 from gr.utils.atomic import atomic_directory, write_bytes, write_json
 from gr.utils.outputs import checked_output
@@ -220,8 +219,9 @@ def export_checkpoint(
     model, _ = load_trained_model(run_dir, checkpoint)
     mappings = run_dir / MAPPINGS_DIR
     item_features = run_item_features(run_dir, model.prefix_dnn.feature_names)
+    popularity = run_popularity(run_dir)
     if model.item_tower is not None:
-        model.item_tower.set_items(item_features)
+        model.item_tower.set_items(item_features, popularity)
     touched = None
     if base is not None:
         touched, why = tracked_rows(run_dir, checkpoint, Path(base))
@@ -239,7 +239,7 @@ def export_checkpoint(
         overwrite=overwrite,
         hstu_dtype=hstu_dtype,
         item_features=item_features,
-        popularity=load_popularity(run_dir / POPULARITY_FILE) if (run_dir / POPULARITY_FILE).is_file() else None,
+        popularity=popularity,
         source=checkpoint_source(run_dir, checkpoint),
         base=base,
         touched=touched,

@@ -2,14 +2,17 @@
 
 An item's vector is ``keep * id_row + encoder(its item features)`` [M, d]: ``ItemEncoder`` has
 parameters of its own (an ``nn.EmbeddingBag``, mean pooling, per categorical or list-valued
-feature; dense features as they are), concatenated and projected to the item table's dim by a
+feature; dense features and the popularity as they are), concatenated and projected to the item table's dim by a
 projection that starts at zero, so training starts from the model without the tower. In
 training, ``keep`` zeroes the id row of each looked-up item occurrence with probability
 ``id_dropout``, so the features alone learn to score an item; in evaluation ``keep`` is 1.
 
 The items' feature values (the catalogue attributes: each model item's categorical ids, bag of
 list ids, dense vector) are data, not parameters: ``ItemTower.set_items`` gives them from the
-data, as non-persistent buffers (no checkpoint holds them). The tower replaces, in the looked-up
+data, as non-persistent buffers (no checkpoint holds them). The encoder may also read the item's
+popularity (``POPULARITY_FEATURE``: ``log1p`` of its training count, a dense feature of width 1
+derived from the counts ``set_items`` is given), so an item without a trained row is placed by how
+often it occurs as well as by what it is. The tower replaces, in the looked-up
 rows of ``GRModel``, the item feature's token rows (what the PrefixDNN reads) and the sampled
 items' rows (what the retrieval loss scores); evaluation and export apply it to the catalogue.
 """
@@ -29,7 +32,9 @@ from gr.jagged_rows import JaggedRows
 from gr.prefix_dnn.mlp_encoder import mlp
 from gr.sparse.keyed_jagged import KeyedJaggedTensor
 
-FEATURE_KINDS = ("categorical", "list", "dense")
+FEATURE_KINDS = ("categorical", "list", "dense", "popularity")
+POPULARITY_FEATURE = "item_popularity"  # the "popularity" feature's name: no data column declares it
+UNPOOLED = ("dense", "popularity")  # kinds read as they are (no bag)
 Values = Union[Tensor, Tuple[Tensor, Tensor]]  # [n] ids | ([V] ids, [n+1] offsets) | [n, d] floats
 Column = Union[np.ndarray, JaggedRows]  # [rows] int64 | rows of int64 ids | [rows, d] float32
 
@@ -37,8 +42,9 @@ Column = Union[np.ndarray, JaggedRows]  # [rows] int64 | rows of int64 ids | [ro
 @dataclass(frozen=True)
 class TowerFeature:
     """One item feature the encoder reads. kind: "categorical" (one id per item), "list" (a bag of
-    ids) or "dense"; rows: its bag's rows (ids < rows; 0 for dense); dim: its bag's embedding dim,
-    or the dense feature's width."""
+    ids), "dense" or "popularity" (``log1p`` of the item's count, width 1, derived from the counts
+    ``ItemTower.set_items`` is given); rows: its bag's rows (ids < rows; 0 for the unpooled kinds);
+    dim: its bag's embedding dim, or the unpooled feature's width."""
 
     name: str
     kind: str
@@ -63,7 +69,7 @@ class ItemEncoder(nn.Module):
             {
                 f.name: nn.EmbeddingBag(f.rows, f.dim, mode="mean", include_last_offset=True)
                 for f in self.features
-                if f.kind != "dense"
+                if f.kind not in UNPOOLED
             }
         )
         self.mlp = mlp(sum(f.dim for f in self.features), [*self.mlp_dims, embedding_dim])
@@ -78,7 +84,7 @@ class ItemEncoder(nn.Module):
         parts = []
         for feature in self.features:
             value = values[feature.name]
-            if feature.kind == "dense":
+            if feature.kind in UNPOOLED:
                 assert isinstance(value, Tensor)
                 parts.append(value.float())
                 continue
@@ -118,6 +124,24 @@ class ItemEncoder(nn.Module):
             return self(values)
 
 
+def reads_popularity(encoder: ItemEncoder) -> bool:
+    """Whether ``encoder`` reads the items' popularity (a feature of kind "popularity")."""
+    return any(f.kind == "popularity" for f in encoder.features)
+
+
+def popularity_columns(encoder: ItemEncoder, counts: Optional[np.ndarray]) -> Dict[str, Column]:
+    """The encoder's popularity input of n items: {its popularity feature: [n, 1] float32
+    ``log1p(counts)``} from counts: [n] int64 >= 0; {} when it reads none. ValueError when it reads
+    one and ``counts`` is None."""
+    names = [f.name for f in encoder.features if f.kind == "popularity"]
+    if names and counts is None:
+        raise ValueError("model.item_tower.popularity: the items' training counts were not given")
+    if not names:
+        return {}
+    column = np.log1p(np.asarray(counts, dtype=np.float64)).astype(np.float32)[:, None]
+    return {name: column for name in names}
+
+
 class ItemTower(nn.Module):
     """``keep * id_row + encoder(item features)`` of each looked-up item (module docstring).
 
@@ -135,10 +159,12 @@ class ItemTower(nn.Module):
         self.id_dropout = id_dropout
         self.has_items = False
 
-    def set_items(self, columns: Mapping[str, Column]) -> None:
+    def set_items(self, columns: Mapping[str, Column], popularity: Optional[np.ndarray] = None) -> None:
         """Give each model item's features: {feature: [items] int64 | items rows of ids | [items, d]
         float32}, row i model item i's (e.g. the data module's ``item_features``); rows past the
-        item table's are dropped, items without a row get the unknown id 0, an empty bag, zeros."""
+        item table's are dropped, items without a row get the unknown id 0, an empty bag, zeros.
+        popularity: [items] int64 training counts, required when the encoder reads them."""
+        columns = {**columns, **popularity_columns(self.encoder, popularity)}
         missing = [f.name for f in self.encoder.features if f.name not in columns]
         if missing:
             raise ValueError(f"model.item_tower.features: the data has no item values for {missing}")

@@ -36,7 +36,7 @@ from gr.data.declared import declared_spec
 from gr.data.features import ITEM_ID, FeatureSpec
 from gr.model import GRModel
 from gr.postfix_dnn import PostfixDNN
-from gr.postfix_dnn.item_tower import ItemEncoder, ItemTower, TowerFeature
+from gr.postfix_dnn.item_tower import POPULARITY_FEATURE, ItemEncoder, ItemTower, TowerFeature
 from gr.prefix_dnn import PrefixDNN
 from gr.sparse.tables import TableConfig, sparse_backend
 from gr.train.config import ModuleSpec, OptimizerSection, TrainConfig
@@ -178,6 +178,13 @@ def build_item_tower(config: TrainConfig, spec: FeatureSpec, tables: Sequence[Ta
                 f"{where}: {name!r} is not a declared item feature (item features: {item_features}; see "
                 "data.item_features and data.columns)"
             )
+    if section.popularity:
+        if POPULARITY_FEATURE in (*spec.sequence, *spec.token_lists, *spec.token_dense):
+            raise ValueError(
+                f"model.item_tower.popularity: the data declares a feature named {POPULARITY_FEATURE!r}, the name "
+                "of the tower's derived popularity; rename that feature"
+            )
+        features.append(TowerFeature(POPULARITY_FEATURE, "popularity", 0, 1))
     items = item_table(tables, item)
     encoder = ItemEncoder(features, items.embedding_dim, section.mlp_dims)
     return ItemTower(item, (item, SAMPLED_ITEMS), items.num_embeddings, encoder, section.id_dropout)

@@ -192,12 +192,15 @@ class ItemTowerSection(Section):
     each looked-up item's row is zeroed with probability ``id_dropout``, so the features alone
     learn to score; ``mlp_dims``: the encoder's hidden layers (none: one projection);
     ``feature_loss_weight``: the weight of a second sampled softmax in which each target is scored
-    by its features alone (no id row) against the same negatives (0: none)."""
+    by its features alone (no id row) against the same negatives (0: none); ``popularity``: the
+    encoder also reads each item's ``log1p`` training count (a new item's: the count given to
+    ``gr items add``), so an item without a trained row is placed by its popularity too."""
 
     features: Tuple[str, ...] = checked((), list_of(NAME, non_empty=True))
     id_dropout: float = checked(0.2, PROBABILITY)
     mlp_dims: Tuple[int, ...] = checked((), list_of(int_at_least(1)))
     feature_loss_weight: float = checked(0.0, number_in(0.0))
+    popularity: bool = checked(False, BOOL)
     where: InitVar[str] = "model.item_tower"
 
     def __post_init__(self, where: str) -> None:
@@ -212,6 +215,7 @@ class ItemTowerSection(Section):
             "id_dropout": self.id_dropout,
             "mlp_dims": list(self.mlp_dims),
             "feature_loss_weight": self.feature_loss_weight,
+            "popularity": self.popularity,
         }
 
 

@@ -92,7 +92,8 @@ class GRTrainingModule(LightningModule):
         if gr_model.item_tower is not None:
             if self.item_features is None:
                 raise ValueError("model.item_tower: the training module was given no item features (item_features)")
-            gr_model.item_tower.set_items(self.item_features)
+            counts = None if self.popularity is None else self.popularity.numpy()
+            gr_model.item_tower.set_items(self.item_features, counts)
         if self.warm_start is not None:
             self.warm_start.copy_weights(gr_model)
         if self.config.task_type == "retrieval":

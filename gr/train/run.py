@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -23,7 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from gr.data.datamodule import SequenceDataModule
 from gr.data.features import FeatureSpec
 from gr.data.mappings import IdMap, model_maps
-from gr.data.popularity import POPULARITY_FILE, save_popularity
+from gr.data.popularity import POPULARITY_FILE, load_popularity, save_popularity
 from gr.model import GRModel
 from gr.sparse.sharding import local_table_rows
 from gr.train import checkpoint as ckpt
@@ -398,6 +399,12 @@ def best_checkpoint(run_dir: str | Path) -> Path:
         if best and ckpt.is_complete(path.parent / Path(best).name):
             return path.parent / Path(best).name
     return found[0][0]
+
+
+def run_popularity(run_dir: str | Path) -> Optional[np.ndarray]:
+    """[num_items] int64: the training counts a run wrote (``popularity.safetensors``), or None."""
+    path = Path(run_dir) / POPULARITY_FILE
+    return load_popularity(path) if path.is_file() else None
 
 
 def load_trained_model(run_dir: str | Path, checkpoint: Optional[Path] = None) -> Tuple[GRModel, TrainConfig]:
