@@ -37,7 +37,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow.compute as pc
@@ -266,7 +266,19 @@ def _side_table_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
 
 def config_hash(config: DataConfig) -> str:
     """sha256 hex of the canonical JSON (sorted keys) of ``prepared_keys(config)``."""
-    text = json.dumps(prepared_keys(config), sort_keys=True, separators=(",", ":"))
+    return _hash(prepared_keys(config))
+
+
+def accepted_hashes(config: DataConfig) -> Tuple[str, str]:
+    """The hashes a dataset prepared for ``config`` may carry: ``config_hash(config)``, and the hash of
+    the same keys with each of ``LATER_COLUMN_KEYS`` present at its default (as they were hashed before
+    being left out at their defaults)."""
+    keys = prepared_keys(config)
+    return _hash(keys), _hash({**keys, "columns": {**LATER_COLUMN_KEYS, **keys["columns"]}})
+
+
+def _hash(keys: Mapping[str, Any]) -> str:
+    text = json.dumps(keys, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf8")).hexdigest()
 
 
@@ -353,7 +365,7 @@ def read_manifest(directory: PathLike, config: Optional[DataConfig] = None) -> P
             f"data.columns.request: {config.columns.request!r}, but this dataset was prepared without request ids "
             "(data.columns.request null); prepare it again with this config",
         )
-    if config is not None and manifest.config_hash != config_hash(config):
+    if config is not None and manifest.config_hash not in accepted_hashes(config):
         raise DataFormatError(path, f"prepared for another data config ({_difference(manifest.data, config)})")
     return manifest
 
