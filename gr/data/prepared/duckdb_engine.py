@@ -11,7 +11,7 @@ to a temporary directory inside the output's temporary directory), on ``threads`
 4. side tables and vocabularies: each key's last row (file order); vocabularies as
    ``SideFeatures.align`` makes them (catalogue- and user-sized work, in numpy)
 5. shards: per user ``list(x ORDER BY ts, fr)`` (equal timestamps keep file order, as
-   ``build_sequences``), ``users_per_shard`` users per file, streamed from DuckDB as Arrow and
+   ``build_sequences``; request ids as text), ``users_per_shard`` users per file, streamed from DuckDB as Arrow and
    written in row groups of ``ROW_GROUP_USERS`` users (DuckDB's own COPY rounds a row group up to 2048
    rows)
 

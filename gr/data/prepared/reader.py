@@ -5,9 +5,9 @@ config's hash), the files beside the shards verified against their checksums, th
 (``load_mappings``; a warm start's maps extended by them, so known ids keep theirs), the item and
 user side tables aligned with the stored vocabularies (``SideFeatures.align`` with them as ``base``:
 the codes raw reading gives). Then one pass over every row group reads only ``items`` (and
-``timestamps`` under the time split) to count each row group's samples per split and the training
-items' popularity. What it holds grows with the users and items (maps, side features) and the row
-groups (counts), never with the interactions.
+``timestamps`` under the time split, ``requests`` with ``data.columns.request``) to count each row
+group's samples per split and the training items' popularity. What it holds grows with the users
+and items (maps, side features) and the row groups (counts), never with the interactions.
 
 Each shard is verified (sha256) the first time this process opens it, and each row group decoded
 is checked (consecutive users, timestamps in order: ``check_shard_order``); errors name the shard.
