@@ -342,6 +342,19 @@ def test_bad_values_are_refused_with_the_readers_file_and_line(tmp_path, source,
     assert not (tmp_path / "prepared").exists()
 
 
+@pytest.mark.parametrize("request_id", ["", "99999999999999999999"])
+def test_a_request_id_the_readers_refuse_is_refused_with_their_file_line_and_words(tmp_path, request_id):
+    events = tmp_path / "e.csv"
+    events.write_text(f"user,item,ts,clicked,request\nu1,1,1,0,7\nu1,2,2,1,8\nu1,3,5,1,{request_id}\n")
+    config = DataConfig.from_dict(request_data(events))
+    with pytest.raises(DataFormatError) as expected:
+        read_source(config)
+    with pytest.raises(DataFormatError) as got:
+        prepare_with_duckdb(config, tmp_path / "prepared")
+    assert str(got.value) == str(expected.value) and expected.value.line == 4
+    assert "column 'request'" in str(got.value) and not (tmp_path / "prepared").exists()
+
+
 def test_empty_value_inside_a_list_names_its_line(tmp_path):
     lines = table_rows(rows=30)
     lines.insert(12, "u1,3,4,2,g1,0.5,t1||t2,a0,d1,,0.1")
