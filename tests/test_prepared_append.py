@@ -23,6 +23,7 @@ from gr.train import train
 from gr.train.config import TrainConfig
 from gr.utils.checksums import file_sha256
 from gr.utils.run_lock import RunLockedError, output_lock
+from helpers.request_log import request_data, request_rows, request_samples, write_request_log
 from helpers.runs import RETRIEVAL, ratings_csv, with_overrides
 
 DAY = 1_003_000  # the first append's events are from here on, the second's from NEXT_DAY
@@ -123,6 +124,33 @@ def test_an_append_reads_as_the_whole_log_prepared_at_once(appended, at_once):
         expected = by_user(getattr(theirs, f"{name}_dataloader")(), 0)
         assert by_user(getattr(mine, f"{name}_dataloader")(), 0) == expected, name
         assert len(expected) > 10
+
+
+@pytest.mark.parametrize("split", [{}, {"split": "time", "split_time": 120, "test_events": "all"}])
+def test_an_append_keeps_request_ids_and_reads_as_the_whole_log_prepared_at_once(tmp_path, split):
+    """``data.columns.request``: the request ids of the appended events join the users' stored ones, so
+    a request the append continues (same id) stays one request, as preparing everything at once reads it."""
+    month = request_rows(range(20), 0, 100, seed=7)
+    day = request_rows(range(0, 24, 2), 100, 150, seed=8)  # every other user, and two new ones
+    last = {row[0]: row[4] for row in month}
+    first = {}
+    for row in day:
+        first.setdefault(row[0], row[4])
+    assert any(last.get(user) == request for user, request in first.items())  # continued over the append
+    logs = [
+        write_request_log(tmp_path / f"{name}.csv", *parts) for name, parts in [("m", [month]), ("md", [month, day])]
+    ]
+    appended = prepare(request_data(logs[0]), tmp_path / "appended", users_per_shard=6)
+    append_with_duckdb(appended, write_request_log(tmp_path / "d.csv", day), threads=1, users_per_shard=6)
+    at_once = prepare(request_data(logs[1]), tmp_path / "at_once", users_per_shard=6)
+    mine, theirs = (
+        SequenceDataModule({**request_data(logs[1], **split), "prepared": str(d)}) for d in (appended, at_once)
+    )
+    mine.setup()
+    theirs.setup()
+    for name in SPLITS:
+        expected = request_samples(getattr(theirs, f"{name}_dataloader")())
+        assert request_samples(getattr(mine, f"{name}_dataloader")()) == expected and len(expected) > 10, name
 
 
 def test_an_append_rewrites_no_file_and_records_itself_in_the_manifest(log, prepared_month, tmp_path):

@@ -26,6 +26,7 @@ from gr.data.prepared.manifest import (
     ITEMS_TABLE,
     MANIFEST,
     MAPS,
+    REQUESTS,
     SIDE_KEY,
     USERS_TABLE,
     check_shard_order,
@@ -34,9 +35,10 @@ from gr.data.prepared.manifest import (
     verify_file,
 )
 from gr.data.readers import read_source, side_table_summary
-from gr.data.sequences import build_sequences
+from gr.data.sequences import build_sequences, request_starts
 from gr.jagged_rows import JaggedRows
 from helpers.corrupt_parquet import write_corrupt_parquet
+from helpers.request_log import request_data, request_rows, write_request_log
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = "user_id,item_id,timestamp,rating,genre,brand_w,tags,age,device,actions,watch"
@@ -92,6 +94,7 @@ class Decoded:
     events: Dict[str, object]
     item_side: Optional[SideTable]
     user_side: Optional[SideTable]
+    requests: Optional[np.ndarray]
 
 
 def flat(column: pa.ChunkedArray) -> pa.Array:
@@ -151,6 +154,7 @@ def decode(directory: Path, config: DataConfig) -> Decoded:
         events=events,
         item_side=side_table(directory / ITEMS_TABLE),
         user_side=side_table(directory / USERS_TABLE),
+        requests=flat(shards[REQUESTS]).to_numpy(zero_copy_only=False) if REQUESTS in shards.column_names else None,
     )
 
 
@@ -196,6 +200,11 @@ def assert_prepared_equals_raw(directory: Path, config: DataConfig, raw_config: 
         np.testing.assert_array_equal(got.events[name].values, rows.values)
     for name, matrix in events.dense.items():
         np.testing.assert_array_equal(got.events[name], matrix)
+    if sequences.request_starts is None:
+        assert got.requests is None
+    else:  # the raw ids as text, so each event's request starts where raw reading starts it
+        assert got.requests is not None and got.requests.dtype == object
+        np.testing.assert_array_equal(request_starts(got.offsets, got.requests), sequences.request_starts)
     expected = {
         "items": SideFeatures.align(data.item_side if config.item_features else None, items),
         "users": SideFeatures.align(data.user_side if config.user_features else None, users),
@@ -236,6 +245,21 @@ def test_table_csv_with_every_feature_kind_prepares_to_what_the_readers_give(tmp
     assert manifest.event_features == {"device": "categorical", "actions": "list", "watch": "dense"}
     assert summary["duplicates_dropped" if not keep_duplicates else "duplicates_kept"] >= 3
     assert_prepared_equals_raw(tmp_path / "prepared", config)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_request_ids_prepare_to_the_requests_the_readers_give(tmp_path, suffix):
+    """Text (CSV) or integer (Parquet) request ids, ids coming back later, requests sharing a time,
+    repeated rows dropped and rare items filtered before the requests are found."""
+    rows = request_rows(range(12), 0, 40, seed=3)
+    events = write_request_log(tmp_path / f"requests{suffix}", rows, rows[:4])
+    config = DataConfig.from_dict(request_data(events, min_item_interactions=2))
+    prepare_with_duckdb(config, tmp_path / "prepared", threads=1, users_per_shard=5)
+    assert_prepared_equals_raw(tmp_path / "prepared", config)
+    sequences, _, _ = build_sequences(read_source(config), config.min_seq_len, config.min_item_interactions)
+    assert sequences.request_starts is not None
+    sizes = np.bincount(sequences.request_starts)[np.unique(sequences.request_starts)]
+    assert sizes.min() == 1 and sizes.max() > 1  # requests of one impression and of several
 
 
 def test_parquet_directory_of_partitions_prepares_to_the_single_file_they_split(tmp_path):
@@ -316,6 +340,19 @@ def test_bad_values_are_refused_with_the_readers_file_and_line(tmp_path, source,
         prepare_with_duckdb(config, tmp_path / "prepared")
     assert str(got.value) == str(expected.value) and expected.value.line is not None
     assert not (tmp_path / "prepared").exists()
+
+
+@pytest.mark.parametrize("request_id", ["", "99999999999999999999"])
+def test_a_request_id_the_readers_refuse_is_refused_with_their_file_line_and_words(tmp_path, request_id):
+    events = tmp_path / "e.csv"
+    events.write_text(f"user,item,ts,clicked,request\nu1,1,1,0,7\nu1,2,2,1,8\nu1,3,5,1,{request_id}\n")
+    config = DataConfig.from_dict(request_data(events))
+    with pytest.raises(DataFormatError) as expected:
+        read_source(config)
+    with pytest.raises(DataFormatError) as got:
+        prepare_with_duckdb(config, tmp_path / "prepared")
+    assert str(got.value) == str(expected.value) and expected.value.line == 4
+    assert "column 'request'" in str(got.value) and not (tmp_path / "prepared").exists()
 
 
 def test_empty_value_inside_a_list_names_its_line(tmp_path):

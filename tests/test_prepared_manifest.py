@@ -66,6 +66,12 @@ def write_dataset(root, config: DataConfig) -> PreparedManifest:
     return manifest
 
 
+def hash_before_later_keys(data: dict) -> str:
+    """The config hash of a manifest's ``data`` as written before the prepared keys added later."""
+    kept = {key: data[key] for key in PREPARED_KEYS if key not in LATER_PREPARED_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, separators=(",", ":")).encode("utf8")).hexdigest()
+
+
 def edit_manifest(root, edit) -> None:
     raw = json.loads((root / MANIFEST).read_text())
     edit(raw)
@@ -95,6 +101,31 @@ def test_release_year_is_prepared_but_left_out_of_the_hash_of_configs_without_it
     ml = {"source": "ml-100k", "path": "ml"}
     assert "release_year" not in prepared_keys(DataConfig.from_dict(ml))  # directories prepared before it still match
     assert prepared_keys(DataConfig.from_dict({**ml, "release_year": True}))["release_year"] is True
+
+
+def test_a_dataset_prepared_before_request_ids_still_reads_and_a_config_asking_for_them_is_one_line(tmp_path):
+    write_dataset(tmp_path, table_config())
+
+    edit_manifest(tmp_path, lambda raw: raw.update(config_hash=hash_before_later_keys(raw["data"])))
+    assert read_manifest(tmp_path, table_config()).request_column is None  # hashed with "request": null
+
+    def without_the_key(raw: dict) -> None:  # data.columns before it had a "request" key
+        del raw["data"]["columns"]["request"]
+        raw["config_hash"] = hash_before_later_keys(raw["data"])
+
+    edit_manifest(tmp_path, without_the_key)
+    assert read_manifest(tmp_path, table_config()).request_column is None
+    requests = table_config(
+        task="ranking",
+        columns={"item_features": ["genre"], "rating": "clicked", "request": "page"},
+        ranking={"candidates": "impressions", "tasks": [{"name": "click", "min_rating": 1}]},
+    )
+    with pytest.raises(DataFormatError) as error:
+        read_manifest(tmp_path, requests)
+    assert str(error.value) == (
+        f"{tmp_path / MANIFEST}: data.columns.request: 'page', but this dataset was prepared without request ids "
+        "(data.columns.request null); prepare it again with this config"
+    )
 
 
 def test_written_manifest_reads_back_with_shard_counts_and_file_checksums(tmp_path):
@@ -133,9 +164,8 @@ def test_a_side_table_is_a_prepared_key_by_its_id_column_not_its_path(tmp_path):
     ):
         read_manifest(tmp_path, table_config())
     values = config_data(table_config())  # without side tables, the hash of a dataset prepared before them
-    kept = {key: values[key] for key in PREPARED_KEYS if key not in LATER_PREPARED_KEYS}
-    before = json.dumps(kept, sort_keys=True, separators=(",", ":"))
-    assert config_hash(table_config()) == hashlib.sha256(before.encode("utf8")).hexdigest()
+    del values["columns"]["request"]  # and before data.columns.request
+    assert config_hash(table_config()) == hash_before_later_keys(values)
 
 
 def test_corrupt_shard_fails_its_checksum_naming_the_file(tmp_path):

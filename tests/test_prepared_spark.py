@@ -43,6 +43,7 @@ from gr.data.prepared.spark_engine import main, prepare_with_spark
 from gr.data.prepared.spark_read import read_failure, source_of
 from gr.data.readers import read_source
 from helpers.instants import SECONDS, TEXTS, iso_text
+from helpers.request_log import request_data, request_rows, write_request_log
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +324,14 @@ def test_side_tables_with_ids_missing_both_ways_prepare_what_duckdb_and_the_read
     assert_prepared_equals_raw(prepared, config)
     counts = read_manifest(prepared).summary["side_tables"]
     assert [counts[key]["ids_without_row"] for key in ("users", "items")] == [1, 1]
+
+
+def test_request_ids_prepare_what_duckdb_and_the_readers_do(spark, tmp_path):
+    """Integer request ids in a CSV (read as int64, written as text): the same ``requests`` column as
+    DuckDB's, and the requests the readers find."""
+    rows = [(*row[:4], row[4][1:]) for row in request_rows(range(12), 0, 40, seed=3)]  # r2 -> 2
+    config = DataConfig.from_dict(request_data(write_request_log(tmp_path / "requests.csv", rows, rows[:4])))
+    assert_prepared_equals_raw(prepare_both(config, tmp_path, users_per_shard=5), config)
 
 
 def test_an_append_to_a_spark_prepared_dataset_is_the_one_to_a_duckdb_prepared_dataset(table_prepared, tmp_path):

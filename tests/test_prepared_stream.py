@@ -30,6 +30,7 @@ from gr.train import train
 from gr.train.config import TrainConfig, plain, save_config
 from gr.train.run import CONFIG_FILE, FEATURES_FILE, MAPPINGS_DIR
 from gr.utils.atomic import write_json
+from helpers.request_log import request_data, request_rows, request_samples, write_request_log
 from helpers.runs import RETRIEVAL, ratings_csv, with_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,6 +279,31 @@ def test_impressions_stream_from_a_prepared_dataset_as_raw_reading_makes_them(ev
         assert in_order(batches[1], sampled=True) == expected and len(expected) > 1, name
         real = positives(raw.config, name)
         assert all(batch.num_targets.tolist() == [real] * len(batch.num_targets) for batch in batches[1]), name
+
+
+@pytest.fixture(scope="module")
+def request_log(tmp_path_factory):
+    """(an impressions log of 30 users grouped in requests, it prepared in 5 shards)."""
+    root = tmp_path_factory.mktemp("requests")
+    log = write_request_log(root / "requests.csv", request_rows(range(30), 0, 60, seed=5))
+    return log, prepare(request_data(log), root / "prepared", users_per_shard=7)
+
+
+@pytest.mark.parametrize("split", [{}, {"split": "time", "split_time": 30, "test_events": "all"}])
+def test_request_impressions_stream_from_a_prepared_dataset_as_raw_reading_makes_them(request_log, split):
+    """``data.columns.request``: a training sample is a request's impressions after the history before
+    it, a held-out impression's history ends before its request; one rank holding every user takes
+    raw reading's batches, in order."""
+    log, prepared = request_log
+    data = request_data(log, **split)
+    raw, streamed = SequenceDataModule(data), SequenceDataModule({**data, "prepared": str(prepared)})
+    raw.setup()
+    streamed.setup()
+    for name in SPLITS:
+        batches = [[request_samples([b]) for b in getattr(m, f"{name}_dataloader")()] for m in (raw, streamed)]
+        assert batches[1] == batches[0] and len(batches[0]) > 1, name
+    assert {len(sample[3]) for sample in request_samples(raw.test_dataloader())} == {1}  # one at a time
+    assert {len(sample[3]) for sample in request_samples(raw.train_dataloader())} == {1, 2, 3}  # at most 3
 
 
 @pytest.mark.parametrize("split", list(SPLIT_CONFIGS))

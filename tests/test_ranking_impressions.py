@@ -241,8 +241,8 @@ def test_a_request_s_impressions_are_one_samples_candidates_and_never_each_other
     [
         ({"task": "retrieval"}, r"^data\.columns\.request: groups impressions into requests; it needs data\.task"),
         (
-            {"task": "ranking", "ranking": {"candidates": "impressions", "tasks": TASKS}, "prepared": "p"},
-            r"^data\.columns\.request: read from raw files only \(data\.path\); a prepared dataset does not carry",
+            {"source": "ml-100k", "task": "ranking", "ranking": {"candidates": "impressions", "tasks": TASKS}},
+            r"^data\.columns\.request: only the csv and parquet sources read a request column \(got source 'ml-100k'\)",
         ),
     ],
 )
@@ -251,7 +251,9 @@ def test_a_request_column_is_refused_where_it_cannot_group_impressions(data, mes
         DataConfig.from_dict({"source": "csv", "path": "x.csv", "columns": REQUEST_COLUMNS, **data})
 
 
-def test_gr_data_prepare_refuses_request_ids_in_one_line_and_writes_nothing(requests_file, tmp_path, capsys):
+def test_gr_data_prepare_carries_request_ids_and_a_run_on_them_takes_raw_readings_samples(
+    requests_file, tmp_path, capsys
+):
     from gr.commands import cli
 
     recipe = tmp_path / "recipe.yaml"
@@ -259,11 +261,26 @@ def test_gr_data_prepare_refuses_request_ids_in_one_line_and_writes_nothing(requ
         "source": requests_file.suffix[1:],
         "path": str(requests_file),
         "task": "ranking",
+        "max_seq_len": 20,
+        "batch_size": 8,
         "columns": REQUEST_COLUMNS,
-        "ranking": {"candidates": "impressions", "tasks": TASKS},
+        "ranking": {**IMPRESSIONS, "positives_per_sample": 3, "samples_per_user": 5, "tasks": TASKS},
+        "split": "time",
+        "split_time": 3,
+        "test_events": "all",
     }
     recipe.write_text(yaml.safe_dump({"data": data}))
-    assert cli.main(["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "out")]) == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"gr data prepare: error: {recipe}: data.columns.request: gr data prepare does not carry")
-    assert not (tmp_path / "out").exists()
+    assert cli.main(["data", "prepare", "--config", str(recipe), "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'out'}: 2 users, 17 items, 17 interactions")
+    raw, prepared = SequenceDataModule(data), SequenceDataModule({**data, "prepared": str(tmp_path / "out")})
+    raw.setup()
+    prepared.setup()
+    for split in ("train", "val", "test"):
+        expected = [batch_samples(batch) for batch in getattr(raw, f"{split}_dataloader")()]
+        assert [batch_samples(batch) for batch in getattr(prepared, f"{split}_dataloader")()] == expected, split
+
+
+def batch_samples(batch):
+    """(sequences' items, candidates per sequence, labels) of a batch."""
+    items = per_sequence(batch, batch.sequence_ids["item_id"].values())
+    return items, batch.num_targets.tolist(), batch.labels["click"].tolist()

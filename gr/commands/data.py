@@ -212,11 +212,6 @@ def _prepare(args: argparse.Namespace, overrides: Sequence[Tuple[str, str]]) -> 
         raise ValueError(f"--engine {args.engine}: this installation has no {module} module")
     path = Path(args.config)
     config = _data_config(path, {}, overrides)
-    if config.columns.request is not None:
-        raise ValueError(
-            f"{path}: data.columns.request: gr data prepare does not carry request ids; train on the raw files "
-            f"(data.path {config.path})"
-        )
     checked_output(args.out, [("--config", path), *config.inputs()], "--out")
     engine = getattr(importlib.import_module(module), function)
     stages = logging.getLogger("gr.data")

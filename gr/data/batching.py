@@ -168,17 +168,25 @@ def request_cuts(sequences: UserSequences, positives: int, samples_per_user: int
     rows = np.arange(len(starts))
     owner = np.repeat(np.arange(sequences.num_users), sequences.lengths)
     boundaries = np.flatnonzero(starts == rows)  # every request's first row, a user's first among them
-    ends = np.append(boundaries[1:], len(starts))  # one past each request
     first = np.maximum(sequences.starts + 1, sequences.label_starts())[owner[boundaries]]
     train_ends = sequences.train_ends()[owner[boundaries]]
     kept = (boundaries >= first) & (boundaries < train_ends)
     cuts, users = boundaries[kept], owner[boundaries[kept]]
-    counts = np.minimum(np.minimum(ends[kept], train_ends[kept]) - cuts, positives)
     per_user = np.bincount(users, minlength=sequences.num_users)
     first_of_user = np.cumsum(per_user) - per_user  # users are in order: each user's cuts are consecutive
     from_end = per_user[users] - (np.arange(len(users)) - first_of_user[users])  # 1: the user's last request
     last = from_end <= samples_per_user
-    return users[last], cuts[last], counts[last]
+    return users[last], cuts[last], request_counts(sequences, users[last], cuts[last], positives)
+
+
+def request_counts(sequences: UserSequences, users: np.ndarray, cuts: np.ndarray, positives: int) -> np.ndarray:
+    """users / cuts: [R] int64 training samples of ``request_cuts`` (each cut a request's first row)
+    -> [R] int64 their candidates: the request's impressions in the user's training part, at most
+    ``positives``."""
+    starts = sequences.request_starts
+    assert starts is not None  # read with data.columns.request
+    ends = np.searchsorted(starts, cuts, side="right")  # one past each request: starts never decrease
+    return np.minimum(np.minimum(ends, sequences.train_ends()[users]) - cuts, positives)
 
 
 def assemble(

@@ -112,7 +112,8 @@ class ColumnConfig(Section):
     request: the column naming the request (a page load) each impression was shown in, under
         ``data.ranking.candidates: impressions``: a user's consecutive rows of one request are
         shown together, so a training sample's candidates are one request's impressions and every
-        impression's history ends before its request (none of the request's own); raw files only.
+        impression's history ends before its request (none of the request's own); a prepared
+        dataset carries the ids in its shards (``gr.data.prepared.manifest``).
     list_features: the declared categorical columns (of any of the three kinds) that hold a list
         of values per cell (a movie's genres): a CSV cell splits on ``list_separator`` (an empty
         cell is an empty list), a Parquet column is list<string> or list<int>. A list feature
@@ -517,7 +518,7 @@ class DataConfig(Section):
             )
 
     def _check_requests(self, where: str) -> None:
-        """``columns.request`` groups impressions, read from raw files."""
+        """``columns.request`` groups impressions: ranking from impressions of a csv or parquet source."""
         if self.columns.request is None:
             return
         if self.task != "ranking" or self.ranking.candidates != "impressions":
@@ -526,10 +527,10 @@ class DataConfig(Section):
                 f"{where}.ranking.candidates impressions (got task {self.task!r}, "
                 f"candidates {self.ranking.candidates!r})"
             )
-        if self.prepared is not None:
+        if self.source not in TABLE_SOURCES:
             raise ValueError(
-                f"{where}.columns.request: read from raw files only ({where}.path); a prepared dataset does not "
-                f"carry request ids (got {where}.prepared {self.prepared!r})"
+                f"{where}.columns.request: only the {' and '.join(TABLE_SOURCES)} sources read a request column "
+                f"(got source {self.source!r})"
             )
 
     def _check_side_tables(self, where: str) -> None:

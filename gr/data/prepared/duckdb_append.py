@@ -46,6 +46,7 @@ from gr.data.prepared.duckdb_engine import (
     _raw_ids,
     _shard_schema,
     connect,
+    shard_values,
 )
 from gr.data.prepared.duckdb_sources import SourceTable, literal, load_source
 from gr.data.prepared.duckdb_sources import side_table as read_side_table
@@ -54,7 +55,6 @@ from gr.data.prepared.manifest import (
     DEFAULT_USERS_PER_SHARD,
     ITEMS_TABLE,
     MAPS,
-    RATINGS,
     ROW_GROUP_USERS,
     SHARDS,
     SIDE_KEY,
@@ -65,7 +65,6 @@ from gr.data.prepared.manifest import (
     PreparedManifest,
     ShardEntry,
     describe_shard,
-    event_column,
     file_checksums,
     read_manifest,
     shard_path,
@@ -319,8 +318,7 @@ class _Append(_Preparation):
         schema = _shard_schema(source)
         self._current_rows(known_users, schema)
         con.execute("SET preserve_insertion_order = true")  # streamed in ORDER BY uid
-        values = {"items": "iid", TIMESTAMPS: "ts", **({RATINGS: "r"} if source.has_ratings else {})}
-        values.update({event_column(f.name): f.column for f in source.event_features})
+        values = shard_values(source)
         fields = {name: f"v{k}" for k, name in enumerate(values)}
         events = ", ".join(f"{fields[name]}: {column}" for name, column in values.items())
         columns = [

@@ -11,7 +11,7 @@ to a temporary directory inside the output's temporary directory), on ``threads`
 4. side tables and vocabularies: each key's last row (file order); vocabularies as
    ``SideFeatures.align`` makes them (catalogue- and user-sized work, in numpy)
 5. shards: per user ``list(x ORDER BY ts, fr)`` (equal timestamps keep file order, as
-   ``build_sequences``), ``users_per_shard`` users per file, streamed from DuckDB as Arrow and
+   ``build_sequences``; request ids as text), ``users_per_shard`` users per file, streamed from DuckDB as Arrow and
    written in row groups of ``ROW_GROUP_USERS`` users (DuckDB's own COPY rounds a row group up to 2048
    rows)
 
@@ -52,6 +52,7 @@ from gr.data.prepared.manifest import (
     ITEMS_TABLE,
     MAPS,
     RATINGS,
+    REQUESTS,
     ROW_GROUP_USERS,
     SHARDS,
     TIMESTAMPS,
@@ -191,7 +192,7 @@ class _Preparation:
         """Table ``events`` (typed without side-feature columns), duplicates dropped unless kept;
         -> how many rows repeat an earlier row's (user, item, timestamp)."""
         con, config = self.con, self.config
-        columns = ", ".join(["fr", "u", "i", "ts", *(["r"] if source.has_ratings else [])])
+        columns = ", ".join(["fr", "u", "i", "ts", *["r"] * source.has_ratings, *["q"] * source.has_requests])
         columns += "".join(f", {f.column}" for f in source.event_features)
         duplicates = self.count(
             "SELECT COALESCE(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM typed GROUP BY u, i, ts)"
@@ -241,9 +242,15 @@ class _Preparation:
         return users, items
 
     def _sequences(self, source: SourceTable) -> int:
-        """Table ``seq`` (uid, iid, ts, fr[, r], event features) sorted by user and time -> its rows."""
+        """Table ``seq`` (uid, iid, ts, fr[, r][, q], event features) sorted by user and time -> its rows."""
         con = self.con
-        extra = "".join([", e.r" if source.has_ratings else "", *(f", e.{f.column}" for f in source.event_features)])
+        extra = "".join(
+            [
+                ", e.r" if source.has_ratings else "",
+                ", e.q" if source.has_requests else "",
+                *(f", e.{f.column}" for f in source.event_features),
+            ]
+        )
         con.execute(
             f"CREATE TABLE seq AS SELECT users.uid, items.iid, e.ts, e.fr{extra} FROM kept e "
             "JOIN users ON e.u = users.u JOIN items ON e.i = items.i ORDER BY users.uid, e.ts, e.fr"
@@ -299,8 +306,7 @@ class _Preparation:
         self.con.execute("SET preserve_insertion_order = true")  # streamed in ORDER BY uid
         schema = _shard_schema(source)
         # One ordered aggregate of every event's values (one sort per user), split into the columns.
-        values = {ITEMS: "iid", TIMESTAMPS: "ts", **({RATINGS: "r"} if source.has_ratings else {})}
-        values.update({event_column(f.name): f.column for f in source.event_features})
+        values = shard_values(source)
         fields = {name: f"v{k}" for k, name in enumerate(values)}
         events = ", ".join(f"{fields[name]}: {column}" for name, column in values.items())
         columns = [f'list_transform(e, lambda x: x.{fields[name]}) AS "{name}"' for name in values]
@@ -321,6 +327,14 @@ class _Preparation:
         return shards
 
 
+def shard_values(source: SourceTable) -> Dict[str, str]:
+    """{shard column: the SQL of its value per event in table ``seq``} of every per-event column."""
+    values = {ITEMS: "iid", TIMESTAMPS: "ts", **({RATINGS: "r"} if source.has_ratings else {})}
+    values.update({REQUESTS: "CAST(q AS VARCHAR)"} if source.has_requests else {})
+    values.update({event_column(f.name): f.column for f in source.event_features})
+    return values
+
+
 def _raw_ids(con: duckdb.DuckDBPyConnection, query: str) -> np.ndarray:
     """The single column of ``query`` -> numpy raw ids (int64, or str)."""
     return raw_values(con.sql(query).to_arrow_table().column(0).combine_chunks())
@@ -333,6 +347,7 @@ def _shard_schema(source: SourceTable) -> pa.Schema:
         pa.field(ITEMS, pa.list_(pa.int64())),
         pa.field(TIMESTAMPS, pa.list_(pa.int64())),
         *([pa.field(RATINGS, pa.list_(pa.float32()))] if source.has_ratings else []),
+        *([pa.field(REQUESTS, pa.list_(pa.string()))] if source.has_requests else []),
         *(pa.field(event_column(f.name), pa.list_(ARROW_VALUES[f.kind])) for f in source.event_features),
     ]
     return pa.schema(fields)

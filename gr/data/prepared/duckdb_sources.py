@@ -6,6 +6,7 @@
     u, i            raw user / item ids: BIGINT, or VARCHAR for string ids (the readers' choice)
     ts BIGINT       seconds (``gr.data.parsing.exact_seconds`` of a text timestamp)
     r FLOAT         the rating, when the source has ratings
+    q               the raw request id (``data.columns.request``), when named: BIGINT, or VARCHAR (as u, i)
     <feature>       one column per declared feature (``SourceTable``): categorical VARCHAR (the raw
                     text), list VARCHAR[], dense FLOAT[] (its columns in order)
 
@@ -150,10 +151,11 @@ class SourceTable:
     """What ``load_source`` read. source: the file (or directory) errors and the summary name;
     item_features / user_features / event_features: the declared features in ``typed`` (table sources);
     item_side / user_side: a built-in source's side tables, or those of ``data.items`` / ``data.users``,
-    read by ``gr.data.readers``."""
+    read by ``gr.data.readers``; has_requests: ``typed`` holds ``q``."""
 
     source: str
     has_ratings: bool
+    has_requests: bool = False
     item_features: List[Feature] = field(default_factory=list)
     user_features: List[Feature] = field(default_factory=list)
     event_features: List[Feature] = field(default_factory=list)
@@ -312,7 +314,7 @@ def _load_table_csv(con: duckdb.DuckDBPyConnection, path: Path, columns: ColumnC
             f"array_to_string({alias(name)}, {separator})",
         )
     ids = []
-    for key, column in (("u", columns.user), ("i", columns.item)):
+    for key, column in _id_columns(columns):
         numeric = _all_canonical_ints(con, alias(column))
         if numeric:
             refuse(column, f"TRY_CAST({alias(column)} AS BIGINT) IS NULL", id_overflow, alias(column))
@@ -321,7 +323,14 @@ def _load_table_csv(con: duckdb.DuckDBPyConnection, path: Path, columns: ColumnC
     if rating is not None:
         ratings = [f"CAST({'gr_float(' + alias(rating) + ')' if rating_is_text else alias(rating)} AS FLOAT) AS r"]
     features = _features(columns, alias)
-    return _create_typed(con, str(path), features, ids, alias(columns.timestamp), ratings, alias)
+    return _create_typed(
+        con, str(path), features, ids, alias(columns.timestamp), ratings, alias, columns.request is not None
+    )
+
+
+def _id_columns(columns: ColumnConfig) -> List[Tuple[str, str]]:
+    """[(``typed``'s column, the source's)] of the ids read as ``parsing.as_ids`` reads them: u, i, q."""
+    return [("u", columns.user), ("i", columns.item), *([("q", columns.request)] if columns.request else [])]
 
 
 def _all_canonical_ints(con: duckdb.DuckDBPyConnection, column: str) -> bool:
@@ -339,8 +348,10 @@ def _create_typed(
     timestamp: str,
     ratings: List[str],
     alias: Callable[[str], str],
+    requests: bool,
 ) -> SourceTable:
-    """Table ``typed`` from ``rows`` (then dropped): fr = rowid, the ids, seconds, ratings, features."""
+    """Table ``typed`` from ``rows`` (then dropped): fr = rowid, the ids (with q when ``requests``),
+    seconds, ratings, features."""
     feature_columns = [
         *(
             f"[{', '.join(f'CAST(CAST({alias(c)} AS DOUBLE) AS FLOAT)' for c in f.dense_columns)}] AS {f.column}"
@@ -361,6 +372,7 @@ def _create_typed(
     return SourceTable(
         source,
         has_ratings=bool(ratings),
+        has_requests=requests,
         item_features=features["item"],
         user_features=features["user"],
         event_features=features["event"],
@@ -433,7 +445,7 @@ def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: Col
                 lambda file, row, _, n=name: DataFormatError(file, f"row {row + 1}: column {n!r} is not finite"),
             )
     ids = []
-    for key, column in (("u", columns.user), ("i", columns.item)):
+    for key, column in _id_columns(columns):
         c, kind = alias(column), kinds[column]
         numeric_ids = pa.types.is_integer(kind) or _all_canonical_ints(con, c)
         if numeric_ids:
@@ -445,7 +457,8 @@ def _load_table_parquet(con: duckdb.DuckDBPyConnection, path: Path, columns: Col
         ids.append(f"{'CAST(' + c + ' AS BIGINT)' if numeric_ids else c} AS {key}")
     timestamp = _parquet_seconds(alias(columns.timestamp), kinds[columns.timestamp])
     ratings = [f"CAST(CAST({alias(columns.rating)} AS DOUBLE) AS FLOAT) AS r"] if columns.rating else []
-    return _create_typed(con, str(path), _features(columns, alias), ids, timestamp, ratings, alias)
+    features = _features(columns, alias)
+    return _create_typed(con, str(path), features, ids, timestamp, ratings, alias, columns.request is not None)
 
 
 def _parquet_seconds(column: str, kind: pa.DataType) -> str:

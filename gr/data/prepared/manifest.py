@@ -7,14 +7,21 @@ A prepared dataset DIR (``gr data prepare`` writes it with an engine; training s
     DIR/maps/                        ``gr.data.mappings.save_mappings``: users, items, vocabularies
     DIR/items.parquet                the item side table: "key" (raw item id) + one column per feature
     DIR/users.parquet                the user side table, the same way (each absent when there is none)
-    DIR/shards/part-00000.parquet    one row per user: user, items, timestamps[, ratings][, event:<F>],
-                                     sorted by dense user id; shard k holds a contiguous range of users;
-                                     row groups of at most ``ROW_GROUP_USERS`` users
+    DIR/shards/part-00000.parquet    one row per user: user, items, timestamps[, ratings][, requests]
+                                     [, event:<F>], sorted by dense user id; shard k holds a contiguous
+                                     range of users; row groups of at most ``ROW_GROUP_USERS`` users
     DIR/appends/00001/               ``gr data prepare --append``'s first append (``AppendEntry``): the
                                      maps and side tables extended (old ids first, unchanged), and
                                      shards/ holding every user with a new event, whole sequence
                                      (history and new events), users increasing but not consecutive;
                                      a user's row in a later append supersedes its earlier rows
+
+Shard columns: ``user`` int64 (the dense user id); per event, in time order (ties in file order),
+``items`` list<int64> (dense item ids), ``timestamps`` list<int64> (seconds), ``ratings``
+list<float32> (with ``has_ratings``), ``requests`` list<string> (each event's raw request id as text,
+a canonical integer for an integer id: present when the data config names ``columns.request``; a
+user's consecutive events of one id are one request, ``gr.data.sequences.request_starts``) and
+``event:<F>`` (the raw values of row feature F, of kind ``event_features[F]``).
 
 The dataset's current maps and side tables are those of its last append (``current``); the files of
 the earlier ones stay, unused, so that no file a manifest lists is ever rewritten.
@@ -30,7 +37,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow.compute as pc
@@ -52,7 +59,7 @@ USERS_TABLE = "users.parquet"
 SIDE_KEY = "key"  # the raw id column of items.parquet / users.parquet
 ROW_GROUP_USERS = 1024
 DEFAULT_USERS_PER_SHARD = 16 * ROW_GROUP_USERS
-USER, ITEMS, TIMESTAMPS, RATINGS = "user", "items", "timestamps", "ratings"
+USER, ITEMS, TIMESTAMPS, RATINGS, REQUESTS = "user", "items", "timestamps", "ratings", "requests"
 EVENT_PREFIX = "event:"
 EVENT_KINDS = ("categorical", "list", "dense")
 ENGINES = ("duckdb", "spark")
@@ -73,6 +80,7 @@ SIDE_TABLE_KEYS = ("users", "items")
 # Prepared keys added since the format was first written, with their defaults: left out of a config's
 # prepared keys at the default, so a directory prepared before them keeps its config hash.
 LATER_PREPARED_KEYS: Dict[str, Any] = {"release_year": False}
+LATER_COLUMN_KEYS: Dict[str, Any] = {"request": None}  # the same for keys of data.columns
 APPENDS = "appends"
 SUMMARY_KEYS = ("source", "rows_read", "duplicates_dropped", "duplicates_kept", "users", "items", "interactions")
 PathLike = Union[str, Path]
@@ -140,6 +148,13 @@ class PreparedManifest:
     shards: List[ShardEntry] = field(default_factory=list)
     files: Dict[str, str] = field(default_factory=dict)
     appends: List[AppendEntry] = field(default_factory=list)
+
+    @property
+    def request_column(self) -> Optional[str]:
+        """The preparing config's ``data.columns.request``: the shards hold ``REQUESTS`` when it is set."""
+        columns = self.data.get("columns")
+        request = columns.get("request") if isinstance(columns, dict) else None
+        return request if isinstance(request, str) else None
 
     @property
     def num_users(self) -> int:
@@ -234,12 +249,14 @@ def config_data(config: DataConfig) -> Dict[str, Any]:
 def prepared_keys(config: DataConfig) -> Dict[str, Any]:
     """{key: JSON value} of the ``PREPARED_KEYS`` of ``config``, and of its side tables (``SIDE_TABLE_KEYS``)."""
     values = config_data(config)
-    prepared = {
-        key: values[key]
-        for key in PREPARED_KEYS
-        if key not in LATER_PREPARED_KEYS or values[key] != LATER_PREPARED_KEYS[key]
-    }
+    values["columns"] = _without_defaults(values["columns"], LATER_COLUMN_KEYS)
+    prepared = _without_defaults({key: values[key] for key in PREPARED_KEYS}, LATER_PREPARED_KEYS)
     return {**prepared, **_side_table_keys(values)}
+
+
+def _without_defaults(values: Mapping[str, Any], later: Mapping[str, Any]) -> Dict[str, Any]:
+    """``values`` without the keys added later (``later``: {key: its default}) that hold their default."""
+    return {key: value for key, value in values.items() if key not in later or value != later[key]}
 
 
 def _side_table_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
@@ -249,7 +266,19 @@ def _side_table_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
 
 def config_hash(config: DataConfig) -> str:
     """sha256 hex of the canonical JSON (sorted keys) of ``prepared_keys(config)``."""
-    text = json.dumps(prepared_keys(config), sort_keys=True, separators=(",", ":"))
+    return _hash(prepared_keys(config))
+
+
+def accepted_hashes(config: DataConfig) -> Tuple[str, str]:
+    """The hashes a dataset prepared for ``config`` may carry: ``config_hash(config)``, and the hash of
+    the same keys with each of ``LATER_COLUMN_KEYS`` present at its default (as they were hashed before
+    being left out at their defaults)."""
+    keys = prepared_keys(config)
+    return _hash(keys), _hash({**keys, "columns": {**LATER_COLUMN_KEYS, **keys["columns"]}})
+
+
+def _hash(keys: Mapping[str, Any]) -> str:
+    text = json.dumps(keys, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf8")).hexdigest()
 
 
@@ -295,7 +324,8 @@ def read_manifest(directory: PathLike, config: Optional[DataConfig] = None) -> P
     """Read and check ``directory/manifest.json``: format and version, field types, every path
     inside DIR, shards covering dense users 0 .. users-1 in order, every listed file present, and,
     given ``config``, that it was prepared for the same ``PREPARED_KEYS`` (the first differing key
-    named). Errors: one line naming the manifest (or the missing file) and the key."""
+    named; request ids asked of a dataset prepared without them named first). Errors: one line
+    naming the manifest (or the missing file) and the key."""
     root = Path(directory)
     path = root / MANIFEST
     if not path.is_file():
@@ -329,7 +359,13 @@ def read_manifest(directory: PathLike, config: Optional[DataConfig] = None) -> P
         appends=[_append(path, raw, i) for i in range(len(_field(path, raw, "appends", list)))],
     )
     _check_contents(path, manifest)
-    if config is not None and manifest.config_hash != config_hash(config):
+    if config is not None and config.columns.request is not None and manifest.request_column is None:
+        raise DataFormatError(
+            path,
+            f"data.columns.request: {config.columns.request!r}, but this dataset was prepared without request ids "
+            "(data.columns.request null); prepare it again with this config",
+        )
+    if config is not None and manifest.config_hash not in accepted_hashes(config):
         raise DataFormatError(path, f"prepared for another data config ({_difference(manifest.data, config)})")
     return manifest
 

@@ -5,9 +5,9 @@ config's hash), the files beside the shards verified against their checksums, th
 (``load_mappings``; a warm start's maps extended by them, so known ids keep theirs), the item and
 user side tables aligned with the stored vocabularies (``SideFeatures.align`` with them as ``base``:
 the codes raw reading gives). Then one pass over every row group reads only ``items`` (and
-``timestamps`` under the time split) to count each row group's samples per split and the training
-items' popularity. What it holds grows with the users and items (maps, side features) and the row
-groups (counts), never with the interactions.
+``timestamps`` under the time split, ``requests`` with ``data.columns.request``) to count each row
+group's samples per split and the training items' popularity. What it holds grows with the users
+and items (maps, side features) and the row groups (counts), never with the interactions.
 
 Each shard is verified (sha256) the first time this process opens it, and each row group decoded
 is checked (consecutive users, timestamps in order: ``check_shard_order``); errors name the shard.
@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gr.data.batching import Corpus, ranking_cuts, trainable_users
+from gr.data.batching import Corpus, ranking_cuts, request_cuts, trainable_users
 from gr.data.config import DataConfig
 from gr.data.features import SideFeatures
 from gr.data.interactions import DataFormatError, SideTable
@@ -43,6 +43,7 @@ from gr.data.prepared.manifest import (
     MANIFEST,
     MAPS,
     RATINGS,
+    REQUESTS,
     SIDE_KEY,
     TIMESTAMPS,
     USER,
@@ -53,7 +54,7 @@ from gr.data.prepared.manifest import (
     verify_file,
 )
 from gr.data.sampling import UnseenSampler
-from gr.data.sequences import EVALUATED, SPLITS, UserSequences, configured_split
+from gr.data.sequences import EVALUATED, SPLITS, UserSequences, configured_split, request_starts
 from gr.jagged_rows import JaggedRows, concat_ranges
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class UserRows:
     users: [U] int64 dense user ids; offsets: [U+1] int64, user u owns events ``offsets[u]:offsets[u+1]``
     items: [N] int64 dense item ids; timestamps: [N] int64; ratings: [N] float32 or None
     events: the features of each event ([N] rows, aligned with the dataset's vocabularies)
+    requests: [N] str raw request ids (``data.columns.request``), or None
     """
 
     users: np.ndarray
@@ -86,6 +88,7 @@ class UserRows:
     timestamps: np.ndarray
     ratings: Optional[np.ndarray]
     events: SideFeatures
+    requests: Optional[np.ndarray] = None
 
     def take(self, index: np.ndarray) -> "UserRows":
         """The users ``index`` ([U'] int64 positions), in that order."""
@@ -98,12 +101,14 @@ class UserRows:
             self.timestamps[rows],
             None if self.ratings is None else self.ratings[rows],
             self.events.take(rows),
+            None if self.requests is None else self.requests[rows],
         )
 
     @classmethod
     def concat(cls, parts: Sequence["UserRows"]) -> "UserRows":
         """The users of ``parts``, one part after another."""
         ratings = [p.ratings for p in parts if p.ratings is not None]
+        requests = [p.requests for p in parts if p.requests is not None]
         return cls(
             np.concatenate([p.users for p in parts]),
             _offsets(np.concatenate([np.diff(p.offsets) for p in parts])),
@@ -111,6 +116,7 @@ class UserRows:
             np.concatenate([p.timestamps for p in parts]),
             np.concatenate(ratings) if len(ratings) == len(parts) else None,
             SideFeatures.concat([p.events for p in parts]),
+            np.concatenate(requests) if len(requests) == len(parts) else None,
         )
 
 
@@ -329,11 +335,12 @@ class PreparedData:
     # ---- row groups ------------------------------------------------------------------------------
     def read(self, parquet: pq.ParquetFile, group: RowGroup, full: bool = True) -> UserRows:
         """Row group ``group`` of its shard (``parquet``, from ``open_shard``), decoded and checked.
-        full=False reads only what counting needs: items, and timestamps under the time split or
-        with a train start (else the timestamps are zeros)."""
+        full=False reads only what counting needs: items, request ids, and timestamps under the time
+        split or with a train start (else the timestamps are zeros)."""
         path = self.shard_path(group)
         timed = full or self.config.split == "time" or self.config.train_start is not None
-        columns = [USER, ITEMS, *([TIMESTAMPS] if timed else [])]
+        requested = self.config.columns.request is not None
+        columns = [USER, ITEMS, *([TIMESTAMPS] if timed else []), *([REQUESTS] if requested else [])]
         if full:
             columns += [RATINGS] * self.manifest.has_ratings
             columns += [event_column(name) for name in self.manifest.event_features]
@@ -349,10 +356,11 @@ class PreparedData:
         timestamps = self._aligned(path, table, TIMESTAMPS, lengths) if timed else np.zeros(len(items), np.int64)
         check_shard_order(path, users, offsets, timestamps, self.user_map, group.first_user)
         ratings = self._aligned(path, table, RATINGS, lengths).astype(np.float32) if RATINGS in columns else None
+        requests = self._aligned(path, table, REQUESTS, lengths) if requested else None
         events = self._events(path, table, lengths) if full else SideFeatures()
         if self.item_codes is not None:
             items = self.item_codes[items]
-        rows = UserRows(users.astype(np.int64), offsets, items, timestamps, ratings, events)
+        rows = UserRows(users.astype(np.int64), offsets, items, timestamps, ratings, events, requests)
         if self.owner is not None:
             rows = rows.take(np.flatnonzero(self.owner[rows.users] == group.shard))
         return rows
@@ -435,18 +443,26 @@ class PreparedData:
 
     # ---- samples ---------------------------------------------------------------------------------
     def corpus(self, rows: UserRows) -> Corpus:
-        """``rows`` as a Corpus of their own (the configured split applied; batches carry the dataset's user ids)."""
-        sequences = UserSequences(rows.offsets, rows.items, rows.timestamps, rows.ratings, self.num_items)
+        """``rows`` as a Corpus of their own (the configured split applied; batches carry the dataset's user
+        ids; with request ids, each event's request start)."""
+        starts = None if rows.requests is None else request_starts(rows.offsets, rows.requests)
+        sequences = UserSequences(
+            rows.offsets, rows.items, rows.timestamps, rows.ratings, self.num_items, request_starts=starts
+        )
         sequences.split = configured_split(sequences, self.config, user_ids=rows.users)
         return Corpus(sequences, self.item_features, self.user_features, rows.events, user_ids=rows.users)
 
     def samples(self, sequences: UserSequences, split: str) -> Tuple[np.ndarray, np.ndarray]:
         """The ``split`` samples of ``sequences``, as the raw module makes them: (users [R] int64,
         cuts [R] int64 flat rows: an evaluation sample's target, a ranking training sample's first
-        candidate event, a retrieval training sample's user's start)."""
+        candidate event (with request ids, its request's first), a retrieval training sample's
+        user's start)."""
         config = self.config
         if split == "train" and config.task == "ranking":
             ranking = config.ranking
+            if sequences.request_starts is not None:
+                users, cuts, _ = request_cuts(sequences, ranking.positives_per_sample, ranking.samples_per_user)
+                return users, cuts
             return ranking_cuts(sequences, ranking.positives_per_sample, ranking.samples_per_user)
         if split == "train":
             users = trainable_users(sequences)

@@ -14,9 +14,9 @@ JVM code only):
    MovieLens side file read by the readers; brought to the driver (catalogue- and user-sized) and
    written with their vocabularies (``side_tables.write_side_table``); the events' vocabularies
 5. shards: per user ``sort_array(collect_list(struct(timestamp, place, ...)))`` (equal timestamps
-   keep file order, as ``build_sequences``), repartitioned by shard and sorted by user, so each
-   shard is one part file (moved into ``shards/``), in row groups of ``ROW_GROUP_USERS`` users
-   (``parquet.block.row.count.limit``)
+   keep file order, as ``build_sequences``; request ids as text), repartitioned by shard and sorted
+   by user, so each shard is one part file (moved into ``shards/``), in row groups of
+   ``ROW_GROUP_USERS`` users (``parquet.block.row.count.limit``)
 
 Only id maps, vocabularies, side tables and per-shard counts reach the driver.
 
@@ -53,6 +53,7 @@ from gr.data.prepared.manifest import (
     ITEMS_TABLE,
     MAPS,
     RATINGS,
+    REQUESTS,
     ROW_GROUP_USERS,
     SHARDS,
     SIDE_KEY,
@@ -76,6 +77,7 @@ from gr.data.prepared.spark_read import (
     ITEM,
     ORD,
     RATING,
+    REQUEST,
     TIME,
     Source,
     feature_column,
@@ -353,6 +355,9 @@ def _write_shards(
 
     features = list(source.features["event"])
     values = {ITEMS: "item_id", TIMESTAMPS: TIME, **({RATINGS: RATING} if source.has_ratings else {})}
+    if source.columns.request is not None:  # the raw ids as text (``gr.data.prepared.manifest``)
+        values[REQUESTS] = REQUEST
+        events = events.withColumn(REQUEST, F.col(REQUEST).cast("string"))
     values.update({event_column(f): feature_column(f) for f in features})
     fields = [F.col(TIME), F.col(ORD), *[F.col(f"`{c}`") for c in values.values() if c != TIME]]
     grouped = events.groupBy("user_id").agg(F.sort_array(F.collect_list(F.struct(*fields))).alias("e"))

@@ -66,7 +66,7 @@ from gr.data.readers import (
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-USER, ITEM, TIME, RATING = "_user", "_item", "_time", "_rating"
+USER, ITEM, TIME, RATING, REQUEST = "_user", "_item", "_time", "_rating", "_request"
 FEATURE = "f:"  # the rows' column of a declared feature: "f:<name>"
 INT64_SPAN = 2**63
 # Spark's error for a file it cannot read (error class FAILED_READ_FILE), and the JVM causes under it
@@ -162,7 +162,8 @@ def source_of(config: DataConfig) -> Source:
 def read_rows(spark: SparkSession, source: Source, cached: List[DataFrame]) -> DataFrame:
     """One row per interaction of ``source``: ORD (long, the files' order), USER and ITEM (raw ids:
     long, or string when the readers keep them as text), TIME (long seconds), RATING (float, when
-    the source has ratings), ``feature_column(F)`` per declared feature (categorical: string, list:
+    the source has ratings), REQUEST (the raw request id as USER's, with ``data.columns.request``),
+    ``feature_column(F)`` per declared feature (categorical: string, list:
     array<string>, dense: array<float> of its columns). A refused value raises DataFormatError as
     the readers raise it. The DataFrames persisted on the way are appended to ``cached``."""
     if source.text is None:
@@ -245,6 +246,8 @@ def _text_rows(spark: SparkSession, source: Source, cached: List[DataFrame]) -> 
     out = {FILE: F.col(FILE), ORD: F.col(ORD), "valid": valid}
     out.update({USER: values[layout.column("user")], ITEM: values[layout.column("item")]})
     out[TIME] = values[layout.column("timestamp")]
+    if table is not None and table.request is not None:
+        out[REQUEST] = values[table.request]
     rating = layout.rating()
     if rating is not None:
         if table is not None and rating in table.categorical_columns():  # its text is a feature's
@@ -260,7 +263,7 @@ def _text_rows(spark: SparkSession, source: Source, cached: List[DataFrame]) -> 
 
     def bad_id(order: int, role: str, message: str) -> DataFormatError:
         assert table is not None  # only a table's ids become int64
-        return _table_csv_error(frame, source, order, table.user if role == USER else table.item, message)
+        return _table_csv_error(frame, source, order, _id_roles(table)[role], message)
 
     return _typed_ids(frame, found if table is not None else None, bad_id)
 
@@ -319,7 +322,7 @@ def _text_checks(frame: DataFrame, source: Source) -> Dict[str, Any]:
     for name in lists:
         checks[name] = _first_where(F.col("valid") & F.array_contains(F.col(f"`{feature_column(name)}`"), ""))
     if table is not None:
-        checks.update(_id_checks(F.col(USER), F.col(ITEM)))
+        checks.update(_id_checks({role: F.col(role) for role in _id_roles(table)}))
     found = _aggregates(frame, checks)
     if not found["rows"]:
         where = files[0] if len(files) == 1 else source.source
@@ -357,13 +360,18 @@ def _table_csv_error(frame: DataFrame, source: Source, order: int, column: str, 
     return table_csv_error(source.files[file], source.columns.delimiter, column, row, message)
 
 
-def _id_checks(user: Column, item: Column) -> Dict[str, Column]:
-    """Aggregates for ``parsing.as_ids`` of the text columns ``user`` and ``item``: whether every
-    id is a canonical integer, and the first ORD of one outside int64."""
+def _id_roles(columns: ColumnConfig) -> Dict[str, str]:
+    """{USER | ITEM | REQUEST: the source's column} of the ids read as ``parsing.as_ids`` reads them."""
+    return {USER: columns.user, ITEM: columns.item, **({REQUEST: columns.request} if columns.request else {})}
+
+
+def _id_checks(ids: Mapping[str, Column]) -> Dict[str, Column]:
+    """Aggregates for ``parsing.as_ids`` of the text columns ``ids`` ({USER | ITEM | REQUEST: column}):
+    whether every id is a canonical integer, and the first ORD of one outside int64."""
     from pyspark.sql import functions as F
 
     checks = {}
-    for role, column in ((USER, user), (ITEM, item)):
+    for role, column in ids.items():
         canonical = column.rlike(CANONICAL_INT)
         checks[f"{role}_integers"] = F.bool_and(canonical)
         checks[f"{role}_outside"] = _first_where(canonical & column.try_cast("long").isNull())
@@ -373,19 +381,19 @@ def _id_checks(user: Column, item: Column) -> Dict[str, Column]:
 def _typed_ids(
     frame: DataFrame, checks: Optional[Mapping[str, Any]], bad_id: Callable[[int, str, str], DataFormatError]
 ) -> DataFrame:
-    """``frame``'s interaction columns, a table's USER and ITEM as int64 when ``checks``
+    """``frame``'s interaction columns, a table's USER, ITEM (and REQUEST) as int64 when ``checks``
     (``_id_checks``; None: not a table) say that all the column's ids are canonical integers
-    (``parsing.as_ids``). bad_id(ORD, USER | ITEM, message): the error of an id outside int64."""
+    (``parsing.as_ids``). bad_id(ORD, USER | ITEM | REQUEST, message): the error of an id outside int64."""
     from pyspark.sql import functions as F
 
     typed = {}
     if checks is not None:
-        for role in (USER, ITEM):
+        for role in (r for r in (USER, ITEM, REQUEST) if f"{r}_integers" in checks):
             typed[role] = bool(checks[f"{role}_integers"])
             outside = checks[f"{role}_outside"]
             if typed[role] and outside is not None:
                 raise bad_id(outside, role, id_overflow(str(_value_at(frame, outside, role))))
-    columns = [c for c in frame.columns if c in (ORD, USER, ITEM, TIME, RATING) or c.startswith(FEATURE)]
+    columns = [c for c in frame.columns if c in (ORD, USER, ITEM, TIME, RATING, REQUEST) or c.startswith(FEATURE)]
     return frame.select(*[F.col(c).cast("long").alias(c) if typed.get(c) else F.col(f"`{c}`") for c in columns])
 
 
@@ -397,11 +405,10 @@ def _parquet_types(files: Sequence[Path], columns: ColumnConfig) -> Dict[str, pa
     the same in every file (footers only)."""
     types = table_parquet_types(files, columns)
     readable = [c for c in columns.categorical_columns() if c not in columns.list_features]
-    for name in [columns.user, columns.item, *readable]:
+    for name in [*_id_roles(columns).values(), *readable]:
         kind = types[name]
         if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            keys = ("user", "item", "user_features", "item_features", "token_features")
-            key = next(k for k in keys if getattr(columns, k) == name or name in getattr(columns, k))
+            key = next(k for k, c in columns.column_roles() if c == name)
             raise ValueError(
                 f"data.columns.{key}: column {name!r} has type {kind}; the spark engine reads ids and categorical "
                 "Parquet columns of integer or string type"
@@ -485,7 +492,8 @@ def _parquet_rows(spark: SparkSession, source: Source, cached: List[DataFrame]) 
 
     checks = _parquet_checks(source, value)
     aggregates = {"rows": F.count(F.lit(1)), **{f"check{k}": _first_where(c.condition) for k, c in enumerate(checks)}}
-    aggregates.update(_id_checks(value(columns.user).cast("string"), value(columns.item).cast("string")))
+    ids = _id_roles(columns)
+    aggregates.update(_id_checks({role: value(column).cast("string") for role, column in ids.items()}))
     found = _aggregates(frame, aggregates)
     if not found["rows"]:
         raise DataFormatError(source.source, "no data rows (empty dataset)")
@@ -501,12 +509,13 @@ def _parquet_rows(spark: SparkSession, source: Source, cached: List[DataFrame]) 
         value(columns.item).cast("string").alias(ITEM),
         _seconds(value(columns.timestamp), types[columns.timestamp]).alias(TIME),
         *([value(columns.rating).cast("double").cast("float").alias(RATING)] if columns.rating else []),
+        *([value(columns.request).cast("string").alias(REQUEST)] if columns.request else []),
         *[column.alias(name) for name, column in features.items()],
     )
 
     def bad_id(order: int, role: str, message: str) -> DataFormatError:
         file, row = _located(files, order)
-        return table_parquet_error(file, columns.user if role == USER else columns.item, row, message)
+        return table_parquet_error(file, ids[role], row, message)
 
     return _typed_ids(typed, found, bad_id)
 

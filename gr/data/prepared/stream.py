@@ -40,6 +40,7 @@ from gr.data.batching import (
     SplitBatches,
     epoch_generator,
     identity_collate,
+    request_counts,
 )
 from gr.data.interactions import DataFormatError
 from gr.data.prepared.reader import PreparedData, RowGroup, UserRows
@@ -217,6 +218,12 @@ class PreparedSplit(IterableDataset):
         config, split = self.data.config, self.split
         if config.task == "ranking":
             ranking, train = config.ranking, split == "train"
+            requests = corpus.sequences.request_starts  # a request's impressions: one sample, one history
+            counts = history_ends = None
+            if requests is not None and train:
+                counts = request_counts(corpus.sequences, owners, cuts, ranking.positives_per_sample)
+            elif requests is not None:
+                history_ends = requests[cuts]
             dataset: SplitBatches = RankingBatches(
                 corpus,
                 split,
@@ -229,6 +236,8 @@ class PreparedSplit(IterableDataset):
                 ranking.tasks,
                 negative_table=negatives,
                 eviction_block=self.eviction_block,
+                counts=counts,
+                history_ends=history_ends,
             )
             return dataset, np.arange(len(owners))
         if split == "train":
