@@ -10,12 +10,13 @@ The custom project's model and features (examples/custom_project/config.yaml: ge
 age, gender and occupation; sparse.backend torch), with the items' release years (``data.release_year``:
 an ``item_year`` table read by its GenreEncoder; ``--no-year`` leaves them out), trained twice on the
 same data: with an item tower over the genres and years (``model.item_tower: {features: [item_genres,
-item_year], id_dropout: --id-dropout, mlp_dims: --mlp-dims, feature_loss_weight: --feature-loss-weight}``)
-and without it (items are their rows).
+item_year], id_dropout: --id-dropout, mlp_dims: --mlp-dims, feature_loss_weight: --feature-loss-weight,
+popularity: --popularity}``) and without it (items are their rows).
 ``--held-out`` of the items (every event of theirs removed from training) and of the users (every
 event removed; kept for (b)) are drawn by ``--seed``. Both runs are exported and the held-out items
-added (``gr items add``: with the tower their rows are the encoder of their features; without it zero
-rows). Then the test: each other user's last event (leave one out, on all of its events, held-out
+added (``gr items add``: with the tower each row is the encoder of its features, placed by its count,
+``item_popularity``, the events the popularity baseline counts (``gr.export.new_item_rows``); without
+it zero rows). Then the test: each other user's last event (leave one out, on all of its events, held-out
 items included), ranked by the served query over the grown catalogue, the user's earlier items excluded:
   (a) events whose target is a held-out item, ranked among the held-out items: the tower model,
       popularity among them (their counts in the test data's training parts: the events before each
@@ -142,7 +143,7 @@ def items_file(
 
 def training_counts(data_path: Path, overrides: List[Tuple[str, str]], year: bool) -> Dict[int, int]:
     """{raw item: its events in the training parts of ``data_path``} (the events before each user's
-    last two): what the popularity baseline counts, and what ``--popularity`` gives the added items."""
+    last two): what the popularity baseline counts, and the added items' ``item_popularity``."""
     data = SequenceDataModule(recipe(data_path, overrides, None, year).data)
     data.setup()
     assert data.item_map is not None  # set by setup()
@@ -278,8 +279,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument(
         "--popularity",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the tower's model.item_tower.popularity; the added items' counts are the baseline's",
+        default=False,
+        help="the tower's model.item_tower.popularity (the encoder reads each item's log count)",
     )
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
     mlp_dims = [int(d) for d in args.mlp_dims.split(",") if d]
@@ -304,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         train_data = write_data(source, root / "train-data", events[trained_on])
         test_data = write_data(source, root / "test-data", events[~np.isin(events[:, 0], cold_users)])
         user_data = write_data(source, root / "new-user-data", events[np.isin(events[:, 0], cold_users)])
-        counts = training_counts(test_data, overrides, args.year) if args.popularity else None
+        counts = training_counts(test_data, overrides, args.year)
         new_items = items_file(source, cold_items, root / "held_out_items.csv", args.year, counts)
         plain_items = items_file(source, cold_items, root / "held_out_items_no_counts.csv", args.year)
         scored, seconds, added = {}, {}, {}

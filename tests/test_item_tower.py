@@ -20,8 +20,9 @@ from safetensors.numpy import load_file, save_file
 from gr.commands.evaluate import evaluate_run
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings, model_maps
-from gr.export.item_encoder import ITEM_ENCODER
+from gr.export.item_encoder import ITEM_ENCODER, MEAN_QUERY
 from gr.export.manifest import write_manifest
+from gr.export.new_item_rows import fit_gain, placed_rows
 from gr.export.new_items import add_items
 from gr.export.reader import check_export
 from gr.export.writer import export_run
@@ -75,6 +76,18 @@ def _trained(run: Path):
     data.setup()
     model.item_tower.set_items(data.item_features.columns(), run_popularity(run))
     return model, config, data
+
+
+def _placed(model, export: Path, n: int, features_only: torch.Tensor, counts) -> torch.Tensor:
+    """What ``gr items add`` writes for new items of ``features_only`` [k, d] and ``counts`` [k]: the
+    rows ``gr.export.new_item_rows`` places by the export's mean query and the trained items' fit."""
+    mean_query = load_file(str(export / ITEM_ENCODER))[MEAN_QUERY]
+    trained_counts = load_file(str(export / "sparse" / "popularity.safetensors"))["count"]
+    items = torch.arange(n)
+    with torch.no_grad():
+        trained = model.item_tower.item_vectors(items, model.embeddings.table_weight("item")[:n])
+        fit = fit_gain(mean_query, trained.numpy(), model.item_tower.feature_vectors(items).numpy(), trained_counts)
+    return torch.from_numpy(placed_rows(features_only.numpy(), np.asarray(counts), mean_query, fit))
 
 
 def _category_id(run: Path, raw: str) -> int:
@@ -244,7 +257,8 @@ def test_evaluation_and_serving_rank_the_same_catalogue_vectors(tower_run):
 
 def test_added_items_are_scored_by_their_features(tower_run, tmp_path):
     """Two new items with different categories get different rows and scores, each row the trained
-    encoder of its features with no id part; a known item given a new category keeps its id part."""
+    encoder of its features with no id part, placed by the export's mean query (count 0); a known
+    item given a new category keeps its id part."""
     run, export = tower_run
     (tmp_path / "new.csv").write_text(f"item_id,{CATEGORY}\n9001,3\n9002,5\n1,7\n")
     summary = add_items(export, tmp_path / "new.csv", tmp_path / "grown", replace_known=True)
@@ -257,13 +271,14 @@ def test_added_items_are_scored_by_their_features(tower_run, tmp_path):
         want = model.item_tower.encoder({CATEGORY: categories})
         id_row = model.embeddings.table_weight("item")[0]
         replaced = id_row + model.item_tower.encoder({CATEGORY: torch.tensor([_category_id(run, "7")])})[0]
-    assert torch.equal(torch.from_numpy(rows[n:]), want) and not torch.equal(want[0], want[1])
+    placed = _placed(model, export, n, want, [0, 0])
+    torch.testing.assert_close(torch.from_numpy(rows[n:]), placed, rtol=0, atol=1e-6)
     np.testing.assert_allclose(rows[0], replaced.numpy(), rtol=0, atol=1e-6)
     catalogue = Ranker.load(tmp_path / "grown").model.catalogue()
     query = torch.nn.functional.normalize(torch.randn(16), dim=0)
     scores = catalogue.vectors[n:] @ query
     assert scores[0] != scores[1]
-    assert torch.equal(catalogue.vectors[n:], model.postfix_dnn.item_embedding(want))
+    torch.testing.assert_close(catalogue.vectors[n:], model.postfix_dnn.item_embedding(placed), rtol=0, atol=1e-6)
 
 
 def test_added_items_are_placed_by_their_counts_on_a_popularity_tower(popularity_run, tmp_path):
@@ -282,8 +297,9 @@ def test_added_items_are_placed_by_their_counts_on_a_popularity_tower(popularity
         counts = torch.from_numpy(np.log1p(np.array([[0.0], [40.0], [7.0]])).astype(np.float32))
         encoded = model.item_tower.encoder({CATEGORY: torch.tensor([category] * 3), POPULARITY_FEATURE: counts})
         replaced = model.embeddings.table_weight("item")[0] + encoded[2]
-    torch.testing.assert_close(torch.from_numpy(rows[n:]), encoded[:2], rtol=0, atol=1e-6)
-    assert (encoded[0] - encoded[1]).abs().max() > 1e-4  # the counts alone move the row
+    placed = _placed(model, export, n, encoded[:2], [0, 40])
+    torch.testing.assert_close(torch.from_numpy(rows[n:]), placed, rtol=0, atol=1e-6)
+    assert (encoded[0] - encoded[1]).abs().max() > 1e-4  # the counts alone move the encoder's vector
     np.testing.assert_allclose(rows[0], replaced.numpy(), rtol=0, atol=1e-5)
     popularity = load_file(str(tmp_path / "grown" / "sparse" / "popularity.safetensors"))["count"]
     assert popularity[n:].tolist() == [0, 40] and popularity[0] == 7 and (popularity[1:n] == trained[1:]).all()

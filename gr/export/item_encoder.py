@@ -8,7 +8,9 @@ add`` reads it: a new item's row is the encoder of its features alone (no traine
 One safetensors file: the encoder's weights (its ``state_dict``: ``bags.<feature>.weight`` [rows,
 dim] per categorical or list-valued feature, ``mlp.<i>.weight`` / ``.bias``), float32; metadata
 ``format_version`` "1", ``item_feature``, and what rebuilds the module (``ItemEncoder.metadata``:
-``features`` JSON [{name, kind, rows, dim}], ``embedding_dim``, ``mlp_dims`` JSON). Each feature is
+``features`` JSON [{name, kind, rows, dim}], ``embedding_dim``, ``mlp_dims`` JSON); optionally
+``mean_query`` [embedding_dim], the mean of the normalised served queries of validation events,
+which places new items' rows (``gr.export.new_item_rows``). Each feature is
 one of the item store's (``gr.export.item_store``), a bag's rows those of the feature's table, but
 a "popularity" one (the item's ``log1p`` count): its values come from ``sparse/popularity.safetensors``.
 Covered by the MANIFEST like every other file; ``check_item_encoder`` is what ``gr check`` and
@@ -32,15 +34,19 @@ from gr.export.sparse_manifest import SparseManifest
 from gr.utils.atomic import write_bytes
 
 ITEM_ENCODER = "sparse/item_encoder.safetensors"
+MEAN_QUERY = "mean_query"  # [d]: the mean normalised served query (gr.export.new_item_rows), optional
 ENCODER_FORMAT_VERSION = "1"
 FEATURE_KINDS = {"categorical": "sequence", "list": "token_bag"}  # encoder kind -> the feature's table kind
 
 
-def write_item_encoder(root: Path, weights: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
-    """Write ``root/sparse/item_encoder.safetensors``: ``weights`` {name: float32 array} and the
-    encoder's ``metadata`` (``ItemEncoder.metadata``)."""
+def write_item_encoder(
+    root: Path, weights: Mapping[str, np.ndarray], metadata: Mapping[str, str], mean_query: Optional[np.ndarray]
+) -> None:
+    """Write ``root/sparse/item_encoder.safetensors``: ``weights`` {name: float32 array}, the
+    encoder's ``metadata`` (``ItemEncoder.metadata``) and the ``mean_query`` [d] (or None)."""
     meta = {"format_version": ENCODER_FORMAT_VERSION, "item_feature": ITEM_FEATURE, **metadata}
-    tensors = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in weights.items()}
+    extra = {} if mean_query is None else {MEAN_QUERY: mean_query}
+    tensors = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in {**weights, **extra}.items()}
     write_bytes(root / ITEM_ENCODER, safetensors_bytes(tensors, metadata=meta))
 
 
@@ -108,6 +114,9 @@ def check_item_encoder(
         weight, bias = weights.get(f"{layer}.weight"), weights.get(f"{layer}.bias")
         if weight is None or bias is None or weight.shape != (fan_out, fan_in) or bias.shape != (fan_out,):
             problem(layer, f"expected weight [{fan_out}, {fan_in}] and bias [{fan_out}]")
+    mean_query = weights.get(MEAN_QUERY)
+    if mean_query is not None and (mean_query.shape != (embedding_dim,) or np.linalg.norm(mean_query) > 1 + 1e-5):
+        problem(MEAN_QUERY, f"expected [{embedding_dim}] of norm at most 1 (a mean of unit queries)")
     for name, value in weights.items():
         if value.dtype != np.float32 or not np.isfinite(value).all():
             problem(name, "expected finite float32 values")

@@ -70,9 +70,10 @@ from gr.export.format import (
     ExportFormatError,
     Problem,
 )
-from gr.export.item_encoder import check_item_encoder
+from gr.export.item_encoder import MEAN_QUERY, check_item_encoder
 from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, ItemStore, load_item_store, write_item_store
 from gr.export.manifest import write_manifest
+from gr.export.new_item_rows import fit_gain, placed_rows
 from gr.export.popularity import POPULARITY, read_popularity, write_popularity
 from gr.export.reader import ExportManifest, check_export, open_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL
@@ -117,7 +118,7 @@ def add_items(
         raise ValueError(f"{export_dir}: no raw item id map ({ID_MAPS_DIR}/{ITEMS_MAP}.tsv) to add raw ids to")
     table = export.sparse.tables[export.sparse.features[ITEM_FEATURE].table]
     popularity = read_popularity(export.root)
-    encoder = _item_encoder(export.root, export.sparse)
+    encoder, mean_query = _item_encoder(export.root, export.sparse)
     if encoder is not None and reads_popularity(encoder) and popularity is None:
         raise ExportFormatError([Problem(POPULARITY, "count", "missing: the item encoder reads the items' popularity")])
     frame = _read_items(items_file, store.features, columns, list_separator, counts=popularity is not None)
@@ -184,6 +185,13 @@ def add_items(
             )
             grown[replaced] -= old.numpy()
             grown[new_items] += new.numpy()
+            if mean_query is not None and popularity is not None and counts is not None and added:  # new_item_rows
+                trained = np.arange(table.rows)
+                store_columns = {name: store.lookup(name, trained) for name in store.features}
+                features_only = encoder.encode_columns({**store_columns, **popularity_columns(encoder, popularity)})
+                fit = fit_gain(mean_query, weights, features_only.numpy(), popularity)
+                fresh = new_items[len(replaced) :]
+                grown[fresh] = placed_rows(grown[fresh], counts[fresh], mean_query, fit)
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
         sparse = replace(
             export.sparse, tables={**export.sparse.tables, table.name: replace(table, rows=table.rows + added)}
@@ -205,18 +213,20 @@ def add_items(
     return summary
 
 
-def _item_encoder(root: Path, sparse: SparseManifest) -> Optional[ItemEncoder]:
-    """The export's item tower encoder (``gr.export.item_encoder``), None when it has none."""
+def _item_encoder(root: Path, sparse: SparseManifest) -> Tuple[Optional[ItemEncoder], Optional[np.ndarray]]:
+    """The export's item tower encoder (``gr.export.item_encoder``) and its mean query [d]: None for
+    each the export lacks."""
     problems: List[Problem] = []
     read = check_item_encoder(root, sparse, problems)
     if problems:
         raise ExportFormatError(problems)
     if read is None:
-        return None
+        return None, None
     metadata, weights = read
+    mean_query = weights.pop(MEAN_QUERY, None)
     encoder = ItemEncoder.from_metadata(metadata)
     encoder.load_state_dict({name: torch.from_numpy(value) for name, value in weights.items()})
-    return encoder.eval()
+    return encoder.eval(), mean_query
 
 
 def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
@@ -57,6 +58,7 @@ from gr.export.hstu_slice import SLICE_DTYPES, slice_config, slice_tensor_shapes
 from gr.export.item_encoder import write_item_encoder
 from gr.export.item_store import ITEM_FEATURE, Column, write_item_store
 from gr.export.manifest import write_manifest
+from gr.export.new_item_rows import MEAN_QUERY_SAMPLE
 from gr.export.new_user import write_empty_history
 from gr.export.onnx_graph_cache import CachedGraph
 from gr.export.onnx_registry import registry_built_once
@@ -73,6 +75,7 @@ from gr.train.config import load_config
 from gr.train.module import TOUCHED_ROWS
 from gr.train.run import MAPPINGS_DIR, best_checkpoint, load_trained_model, read_run, run_popularity
 from gr.train.run_files import CONFIG_FILE, INIT_FROM_FILE
+from gr.train.tasks import query_rows
 from gr.utils.atomic import atomic_directory, write_bytes, write_json
 from gr.utils.outputs import checked_output
 from gr.utils.run_lock import run_lock
@@ -96,6 +99,7 @@ def export_model(
     hstu_dtype: str = "float32",
     item_features: Optional[Mapping[str, Column]] = None,
     popularity: Optional[np.ndarray] = None,
+    mean_query: Optional[np.ndarray] = None,
     source: Optional[Mapping[str, Any]] = None,
     base: Union[str, Path, None] = None,
     touched: Optional[Mapping[str, np.ndarray]] = None,
@@ -124,6 +128,8 @@ def export_model(
         from which serving fills them for items a request gives by id alone.
     popularity: [item table rows] training counts of each item (``gr.data.popularity``), written to
         ``sparse/popularity.safetensors``: serving's answer to an empty history (``gr.export.popularity``).
+    mean_query: with an item tower, [d] the mean normalised served query (``mean_served_query``),
+        written beside the encoder: where ``gr items add`` places new items (``gr.export.new_item_rows``).
     The model's ``empty_history``, when it has one, is written to ``hstu/empty_history.safetensors``:
     serving's answer to an empty history with the user's common features (``gr.export.new_user``).
     source: where the model came from (``export_run``: the run, its checkpoint, epoch and step),
@@ -148,7 +154,14 @@ def export_model(
             full = tmp if base is None else keep_full or tmp / STAGING_FULL
             full.mkdir(exist_ok=True)
             sparse = _write(
-                model, full, id_mappings_dir, dict(dense_dims or {}), tuple(event_features), hstu_dtype, item_features
+                model,
+                full,
+                id_mappings_dir,
+                dict(dense_dims or {}),
+                tuple(event_features),
+                hstu_dtype,
+                item_features,
+                mean_query,
             )
             if popularity is not None:
                 write_popularity(full, popularity, sparse)
@@ -218,10 +231,13 @@ def export_checkpoint(
     _, spec, _ = read_run(run_dir)
     model, _ = load_trained_model(run_dir, checkpoint)
     mappings = run_dir / MAPPINGS_DIR
-    item_features = run_item_features(run_dir, model.prefix_dnn.feature_names)
+    data = run_data(run_dir, "an item tower") if model.item_tower is not None else None
+    item_features = run_item_features(run_dir, model.prefix_dnn.feature_names, data)
     popularity = run_popularity(run_dir)
-    if model.item_tower is not None:
+    mean_query = None
+    if model.item_tower is not None and data is not None:
         model.item_tower.set_items(item_features, popularity)
+        mean_query = mean_served_query(model, data)
     touched = None
     if base is not None:
         touched, why = tracked_rows(run_dir, checkpoint, Path(base))
@@ -240,6 +256,7 @@ def export_checkpoint(
         hstu_dtype=hstu_dtype,
         item_features=item_features,
         popularity=popularity,
+        mean_query=mean_query,
         source=checkpoint_source(run_dir, checkpoint),
         base=base,
         touched=touched,
@@ -299,6 +316,7 @@ def _write(
     event_features: Tuple[str, ...],
     hstu_dtype: str,
     item_features: Optional[Mapping[str, Column]],
+    mean_query: Optional[np.ndarray],
 ) -> SparseManifest:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
@@ -308,7 +326,7 @@ def _write(
     if model.item_tower is not None:
         encoder = model.item_tower.encoder
         weights = {name: value.detach().float().cpu().numpy() for name, value in encoder.state_dict().items()}
-        write_item_encoder(root, weights, encoder.metadata())
+        write_item_encoder(root, weights, encoder.metadata(), mean_query)
     common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, ("common",), dense_dims, "common_dims")
     _check_names(prefix, postfix)
 
@@ -662,16 +680,11 @@ def _first_lines(exc: BaseException, limit: int = 12) -> str:
     return "\n".join(lines[:limit]) + ("\n..." if len(lines) > limit else "")
 
 
-def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, Column]:
-    """The item features among ``feature_names`` (what the prefix_dnn reads) of a training run, read
-    from its data (``data`` of its config.yaml) as training saw them: {feature: [items] int64 |
-    [items, d] float32 | items rows of int64 ids} by model item id. Empty when the model reads none
-    (the data is not read)."""
-    config, spec, _ = read_run(run_dir)
-    declared = set(spec.sequence) | set(spec.token_lists) | set(spec.token_dense)
-    wanted = [f for f in feature_names if f in declared and f != ITEM_FEATURE and f not in spec.event_features]
-    if not wanted:
-        return {}
+def run_data(run_dir: Path, reader: str) -> SequenceDataModule:
+    """The run's data (``data`` of its config.yaml) set up with the run's maps, as training saw it;
+    ExportError naming the run and what ``reader`` (what needs it) when it cannot be read or its items
+    differ from the run's."""
+    config, _, _ = read_run(run_dir)
     # read with the run's maps: a warm-started run's are extended (new ids after the old), not sorted
     trained_maps = model_maps(str(Path(run_dir) / MAPPINGS_DIR))
     data = SequenceDataModule(config.data, config.model.hstu.eviction_block, trained_maps)
@@ -679,9 +692,9 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
         data.setup()
     except (OSError, ValueError) as exc:
         raise ExportError(
-            f"{run_dir}: the model reads item features {wanted}, which the export stores from the run's "
-            f"training data (data.source {config.data.source!r}, {_data_location(config.data)}), and that "
-            f"data cannot be read: {exc}"
+            f"{run_dir}: the model reads {reader}, which the export takes from the run's training data "
+            f"(data.source {config.data.source!r}, {_data_location(config.data)}), and that data cannot be "
+            f"read: {exc}"
         ) from exc
     trained = trained_maps.get("items")
     assert data.item_map is not None  # set by setup()
@@ -690,8 +703,37 @@ def run_item_features(run_dir: Path, feature_names: Sequence[str]) -> Dict[str, 
             f"{run_dir}: the items of {_data_location(config.data)} differ from those the run was trained on "
             f"({MAPPINGS_DIR}/items.tsv): its item features cannot be matched to the model's items"
         )
-    side = data.item_features.columns()
+    return data
+
+
+def run_item_features(
+    run_dir: Path, feature_names: Sequence[str], data: Optional[SequenceDataModule] = None
+) -> Dict[str, Column]:
+    """The item features among ``feature_names`` (what the prefix_dnn reads) of a training run, read
+    from its data (``run_data``, or ``data`` when given) as training saw them: {feature: [items]
+    int64 | [items, d] float32 | items rows of int64 ids} by model item id. Empty when the model
+    reads none (the data is not read)."""
+    _, spec, _ = read_run(run_dir)
+    declared = set(spec.sequence) | set(spec.token_lists) | set(spec.token_dense)
+    wanted = [f for f in feature_names if f in declared and f != ITEM_FEATURE and f not in spec.event_features]
+    if not wanted:
+        return {}
+    side = (data or run_data(run_dir, f"item features {wanted}")).item_features.columns()
     return {f: side[f] for f in wanted if f in side}
+
+
+def mean_served_query(model: GRModel, data: SequenceDataModule) -> Optional[np.ndarray]:
+    """[d] float32 the mean of the L2-normalised retrieval queries of up to ``MEAN_QUERY_SAMPLE``
+    validation events of ``data`` (None when it has none): ``gr.export.new_item_rows``' mean query."""
+    total, seen = None, 0
+    with torch.no_grad():
+        for batch in data.val_dataloader():
+            query = model(batch).predictions["query"].index_select(0, query_rows(batch))
+            step = F.normalize(query.float(), dim=-1).sum(0)
+            total, seen = step if total is None else total + step, seen + len(query)
+            if seen >= MEAN_QUERY_SAMPLE:
+                break
+    return None if total is None or seen == 0 else (total / seen).numpy().astype(np.float32)
 
 
 def _data_location(data: DataConfig) -> str:
