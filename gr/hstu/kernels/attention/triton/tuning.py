@@ -30,7 +30,7 @@ from gr.utils.atomic import write_json
 ENV_AUTOTUNE = "GR_TRITON_AUTOTUNE"
 ENV_CACHE_DIR = "GR_TRITON_CACHE_DIR"
 FORMAT = 1
-KERNELS = ("forward", "backward_dq", "backward_dkv")
+KERNELS = ("forward", "backward_dq", "backward_dkv", "cached_forward")  # the last: serving, not autotuned
 
 
 @dataclass(frozen=True)
@@ -71,21 +71,25 @@ _TABLE: Dict[str, Dict[str, List[TileConfig]]] = {
         "forward": _configs("16x32/w8/s2", "16x32/w4/s1", "16x16/w4/s1"),
         "backward_dq": _configs("16x32/w4/s1"),
         "backward_dkv": _configs("16x16/w4/s1"),
+        "cached_forward": _configs("16x32/w4/s2"),
     },
     "fp32/d128": {
         "forward": _configs("16x16/w8/s1", "16x16/w4/s2"),
         "backward_dq": _configs("16x32/w8/s1"),
         "backward_dkv": _configs("16x16/w8/s1"),
+        "cached_forward": _configs("16x16/w8/s1"),
     },
     "16bit/d64": {
         "forward": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s2"),
         "backward_dq": _configs("64x32/w8/s2"),
         "backward_dkv": _configs("32x32/w8/s2", "16x32/w8/s2", "32x16/w4/s2"),
+        "cached_forward": _configs("16x64/w4/s2"),
     },
     "16bit/d128": {
         "forward": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s1"),
         "backward_dq": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s1"),
         "backward_dkv": _configs("32x32/w8/s2", "16x32/w4/s2"),
+        "cached_forward": _configs("16x64/w8/s2"),
     },
 }
 # Per architecture family (8: Ampere, 9: Hopper and later): measured apart, the same table won on both
