@@ -469,3 +469,12 @@ def test_a_triton_call_that_needs_gradients_gets_the_references():
         grads.append([x.grad.cpu() for x in (q, k, v)])
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="triton runs on CUDA or under its interpreter on CPU")
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+def test_the_triton_kernel_over_a_batch_with_nothing_cached_is_the_reference(new_tokens):
+    p = problem(seed=2, pos_buckets=30, time_buckets=24, cache_lengths=[0, 0], new_lengths=[2, 3])
+    options = dict(alpha=0.3, silu_scale=None)
+    got = cached(p, new_tokens, "triton", options)
+    torch.testing.assert_close(got, reference_rows(p, new_tokens, options), rtol=1e-4, atol=1e-5)

@@ -98,8 +98,14 @@ def cached_launch(call: CachedAttentionCall, interpreted: bool) -> Tuple[Launch,
     new_lengths = lengths_from_offsets(call.new_offsets)
     pool_k, pool_v, starts, page_offsets, page_size = _pages(call, lengths)
     check_dtypes(OP, cache_k=pool_k, cache_v=pool_v)
-    tables = bias_tables(_one_pass_bias(call, lengths), device, OP)
     cached = sum(lengths)
+    if cached == 0:  # no cached token in the batch: no empty tensor (no address) for the kernel
+        pool_k, pool_v = (
+            pool_k.new_zeros(pool_k.shape[0], 1, pool_k.shape[2]),
+            pool_v.new_zeros(pool_v.shape[0], 1, pool_v.shape[2]),
+        )
+        starts = torch.zeros(1, dtype=torch.long)
+    tables = bias_tables(_one_pass_bias(call, lengths), device, OP)
     timed = tables.num_time > 0  # times of the cached keys, then the new ones
     cache_ts = tables.timestamps[:cached] if timed else tables.timestamps
     new_ts = tables.timestamps[cached:] if timed else tables.timestamps
