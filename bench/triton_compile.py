@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from torch import Tensor  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
@@ -117,26 +118,36 @@ class Variant:
     shared_bytes: int = 0
 
 
+def case_tensors(case: Case, tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Zero q, k [tokens, H, Dqk] and v [tokens, H, Dv] of ``case``'s heads, dims and dtype."""
+    dtype = DTYPES[case.dtype]
+    q, k = (torch.zeros(tokens, case.heads, case.dim_qk, dtype=dtype) for _ in range(2))
+    return q, k, torch.zeros(tokens, case.heads, case.dim_v, dtype=dtype)
+
+
+def case_bias(case: Case, times: Tensor, next_event: bool) -> Optional[RelativeBias]:
+    """``case``'s bias parts over tokens at ``times`` (queries 30 s later with ``next_event``)."""
+    position, bucketing = BIAS_PARTS[case.bias]
+    if not position and not bucketing:
+        return None
+    return RelativeBias(
+        position_weights=torch.zeros(201) if position else None,
+        time_weights=torch.zeros(128) if bucketing else None,
+        timestamps=times if bucketing else None,
+        time_bucketing=bucketing or "log",
+        query_times=times + 30 if bucketing and next_event else None,
+    )
+
+
 def case_launches(case: Case) -> List[Tuple[Launch, object]]:
     """The kernels ``case`` launches, assembled by the launcher's code on CPU tensors."""
     if case.path == "serving":
         return [(launch, None) for launch in [serving_launch(case)] if not case.kernels or launch.name in case.kernels]
     lengths = [40, 7, 25]
     seq_offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    total, dtype = sum(lengths), DTYPES[case.dtype]
-    q, k = (torch.zeros(total, case.heads, case.dim_qk, dtype=dtype) for _ in range(2))
-    v = torch.zeros(total, case.heads, case.dim_v, dtype=dtype)
-    position, bucketing = BIAS_PARTS[case.bias]
-    times = torch.arange(total) * 60
-    rab = None
-    if position or bucketing:
-        rab = RelativeBias(
-            position_weights=torch.zeros(201) if position else None,
-            time_weights=torch.zeros(128) if bucketing else None,
-            timestamps=times if bucketing else None,
-            time_bucketing=bucketing or "log",
-            query_times=times + 30 if bucketing and case.switch == "next-event" else None,
-        )
+    total = sum(lengths)
+    q, k, v = case_tensors(case, total)
+    rab = case_bias(case, torch.arange(total) * 60, next_event=case.switch == "next-event")
     targets = torch.tensor([3, 0, 5]) if case.switch == "targets" else None
     call = AttentionCall(
         q,
@@ -164,24 +175,12 @@ def serving_launch(case: Case) -> Launch:
     pool of pages of 16), with the case's bias parts and next-event query times."""
     cache_lengths, new_lengths, page_size = [40, 0, 25], [3, 1, 5], 16
     offsets = lambda lengths: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])  # noqa: E731
-    total, cached, dtype = sum(new_lengths), sum(cache_lengths), DTYPES[case.dtype]
-    q, k = (torch.zeros(total, case.heads, case.dim_qk, dtype=dtype) for _ in range(2))
-    v = torch.zeros(total, case.heads, case.dim_v, dtype=dtype)
+    total, cached = sum(new_lengths), sum(cache_lengths)
+    q, k, v = case_tensors(case, total)
     pages = [-(-n // page_size) for n in cache_lengths]
     tables = PageTables(list(torch.arange(sum(pages)).split(pages)), page_size)
-    pool_k = torch.zeros(case.heads, sum(pages) * page_size, case.dim_qk, dtype=dtype)
-    pool_v = torch.zeros(case.heads, sum(pages) * page_size, case.dim_v, dtype=dtype)
-    position, bucketing = BIAS_PARTS[case.bias]
-    times = torch.arange(total) * 60 + 10**6
-    rab = None
-    if position or bucketing:
-        rab = RelativeBias(
-            position_weights=torch.zeros(201) if position else None,
-            time_weights=torch.zeros(128) if bucketing else None,
-            timestamps=times if bucketing else None,
-            time_bucketing=bucketing or "log",
-            query_times=times + 30 if bucketing else None,
-        )
+    pool_k, pool_v = (x.new_zeros(case.heads, sum(pages) * page_size, x.shape[2]) for x in (k, v))  # as PagePool's
+    rab = case_bias(case, torch.arange(total) * 60 + 10**6, next_event=True)
     call = CachedAttentionCall(
         q, k, v, offsets(new_lengths), PagedCache(pool_k, tables), PagedCache(pool_v, tables), offsets(cache_lengths),
         "targets", alpha=0.5, silu_scale=1 / 200, rab=rab, cache_timestamps=torch.arange(cached) * 60,

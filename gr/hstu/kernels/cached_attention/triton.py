@@ -25,16 +25,16 @@ import torch
 import triton
 from torch import Tensor
 
-from gr.hstu.kernels.attention.common import RelativeBias
+from gr.hstu.kernels.attention.common import AttentionOptions, RelativeBias
 from gr.hstu.kernels.attention.triton import tuning
 from gr.hstu.kernels.attention.triton.blocks import cached_attention_kernel
 from gr.hstu.kernels.attention.triton.host import (
     Launch,
-    bias_tables,
     check_dtypes,
-    dot_precision,
-    head_block,
+    head_args,
     interpreted_on,
+    kernel_inputs,
+    option_args,
     strides,
 )
 from gr.hstu.kernels.attention.triton.tuning import TileConfig
@@ -94,8 +94,8 @@ def cached_launch(call: CachedAttentionCall, interpreted: bool) -> Tuple[Launch,
     q, k, v, device = call.q, call.k, call.v, call.q.device
     check_dtypes(OP, q=q, k=k, v=v)
     q, k, v = (x if x.dtype == q.dtype and x.stride(-1) == 1 else x.to(q.dtype).contiguous() for x in (q, k, v))
-    lengths = lengths_from_offsets(call.cache_offsets).tolist()
-    new_lengths = lengths_from_offsets(call.new_offsets)
+    cache_lengths, new_lengths = lengths_from_offsets(call.cache_offsets), lengths_from_offsets(call.new_offsets)
+    lengths = cache_lengths.tolist()
     pool_k, pool_v, starts, page_offsets, page_size = _pages(call, lengths)
     check_dtypes(OP, cache_k=pool_k, cache_v=pool_v)
     cached = sum(lengths)
@@ -105,11 +105,11 @@ def cached_launch(call: CachedAttentionCall, interpreted: bool) -> Tuple[Launch,
             pool_v.new_zeros(pool_v.shape[0], 1, pool_v.shape[2]),
         )
         starts = torch.zeros(1, dtype=torch.long)
-    tables = bias_tables(_one_pass_bias(call, lengths), device, OP)
-    timed = tables.num_time > 0  # times of the cached keys, then the new ones
-    cache_ts = tables.timestamps[:cached] if timed else tables.timestamps
-    new_ts = tables.timestamps[cached:] if timed else tables.timestamps
-    query_ts = tables.query_times[cached:] if timed else tables.query_times
+    history = cache_lengths + (new_lengths if call.new_tokens == "history" else 0)
+    max_new = int(new_lengths.max()) if len(lengths) else 0
+    options, one_pass = AttentionOptions.of(call), _one_pass_bias(call, lengths)
+    inputs = kernel_inputs(OP, call.new_offsets, history, max_new, options, one_pass, device)
+    timed = inputs.num_time > 0  # times of the cached keys, then the new ones
     out = torch.empty(*q.shape[:2], v.shape[2], dtype=v.dtype, device=device)
     args: Dict[str, Any] = dict(
         Q=q,
@@ -120,39 +120,22 @@ def cached_launch(call: CachedAttentionCall, interpreted: bool) -> Tuple[Launch,
         CacheV=pool_v,
         PageStarts=starts.to(device),
         PageOffsets=torch.tensor(page_offsets, dtype=torch.int32, device=device),
-        NewOffsets=call.new_offsets.to(device=device, dtype=torch.int32),
+        SeqOffsets=inputs.seq_offsets,
+        History=inputs.history,
         CacheOffsets=call.cache_offsets.to(device=device, dtype=torch.int32),
-        CacheTs=cache_ts,
-        Ts=new_ts,
-        QueryTimes=query_ts,
-        PosW=tables.pos_w,
-        TimeW=tables.time_w,
-        Thresholds=tables.thresholds,
+        CacheTs=inputs.timestamps[:cached] if timed else inputs.timestamps,
+        Ts=inputs.timestamps[cached:] if timed else inputs.timestamps,
+        QueryTimes=inputs.query_times[cached:] if timed else inputs.query_times,
         **strides(q=q, k=k, v=v, o=out),
         stride_ckh=pool_k.stride(0),
         stride_ckr=pool_k.stride(1),
         stride_cvh=pool_v.stride(0),
         stride_cvr=pool_v.stride(1),
         page_size=page_size,
-        targets=int(call.new_tokens == "targets"),
-        alpha=float(call.alpha),
-        silu_scale=float(call.silu_scale) if call.silu_scale is not None else 0.0,
-        scale_by_position=int(call.silu_scale is None),
-        contextual_len=int(call.contextual_len),
-        max_attn_len=int(call.max_attn_len),
-        num_pos=tables.num_pos,
-        num_time=tables.num_time,
-        DIM_QK=q.shape[2],
-        DIM_V=v.shape[2],
-        H=q.shape[1],
-        HAS_POS=tables.num_pos > 0,
-        HAS_TIME=timed,
-        TIME_LOG=tables.time_log,
-        BLOCK_DQK=head_block(q.shape[2]),
-        BLOCK_DV=head_block(v.shape[2]),
-        PRECISION=dot_precision(q.dtype, interpreted),
+        **option_args(inputs),
+        **head_args(q, v, interpreted),
     )
-    return Launch(KERNEL, cached_attention_kernel, args, "BLOCK_M"), int(new_lengths.max()) if len(lengths) else 0
+    return Launch(KERNEL, cached_attention_kernel, args, "BLOCK_M"), max_new
 
 
 def tile_args(config: TileConfig) -> Dict[str, int]:

@@ -51,8 +51,8 @@ RUNTIME_SCALARS = (
     "num_work",
     "H",
 )
-# the cached-attention kernel's: the same but the work-list size, and its page size and mode
-CACHED_RUNTIME_SCALARS = (*(name for name in RUNTIME_SCALARS if name != "num_work"), "page_size", "targets")
+# the cached-attention kernel's: the same but the work-list size, and its page size
+CACHED_RUNTIME_SCALARS = (*(name for name in RUNTIME_SCALARS if name != "num_work"), "page_size")
 
 
 @triton.jit
@@ -641,7 +641,8 @@ def cached_attention_kernel(
     CacheV,
     PageStarts,
     PageOffsets,
-    NewOffsets,
+    SeqOffsets,
+    History,
     CacheOffsets,
     CacheTs,
     Ts,
@@ -662,7 +663,6 @@ def cached_attention_kernel(
     stride_cvh,
     stride_cvr,
     page_size,
-    targets,
     alpha,
     silu_scale,
     scale_by_position,
@@ -686,25 +686,26 @@ def cached_attention_kernel(
     over their request's cached K/V, read through its page table, then over its new tokens, as the
     forward pass over the request's one-pass sequence (cache, then new tokens) computes their rows.
 
-    Program (b * H + h, query block). Q, K, V, Out: [N, H, D] new tokens, jagged by NewOffsets [B+1];
+    Program (b * H + h, query block). Q, K, V, Out: [N, H, D] new tokens, jagged by SeqOffsets [B+1];
     CacheK / CacheV: [H, rows, D] pools; request b's cached token j lies in row
     PageStarts[PageOffsets[b] + j // page_size] + j % page_size (a tensor cache: one page a request);
     CacheOffsets [B+1]: cached tokens per request (and where its CacheTs [C] begin); Ts, QueryTimes:
-    [N] key and query times of the new tokens. targets != 0: each new token is a candidate at position
-    C_b (sees the history and itself), else the history goes on (causal). The loop visits the same key
-    ranges, tiles and self term as the training forward pass, in one-pass key order."""
+    [N] key and query times of the new tokens; History [B]: the request's history length, C_b when its
+    new tokens are candidates at position C_b (each sees the history and itself), C_b + n_b when they
+    go on with the history (causal). The loop visits the same key ranges, tiles and self term as the
+    training forward pass, in one-pass key order."""
     time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, False, 1)
     b = tl.program_id(0) // H
     h = (tl.program_id(0) % H).to(tl.int64)
     first = tl.program_id(1) * BLOCK_M
-    new_start = tl.load(NewOffsets + b).to(tl.int64)
-    count = tl.load(NewOffsets + b + 1) - new_start
+    new_start = tl.load(SeqOffsets + b).to(tl.int64)
+    count = tl.load(SeqOffsets + b + 1) - new_start
     if first < count:
         cache_start = tl.load(CacheOffsets + b).to(tl.int64)
         cached = (tl.load(CacheOffsets + b + 1) - cache_start).to(tl.int32)
         page_base = tl.load(PageOffsets + b)
         length = cached + count.to(tl.int32)
-        hist = tl.where(targets != 0, cached, length)
+        hist = tl.load(History + b)
         own = first + tl.arange(0, BLOCK_M)
         own_ok = own < count
         rows = cached + own  # one-pass indices of the new tokens

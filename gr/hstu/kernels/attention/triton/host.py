@@ -25,7 +25,13 @@ import triton
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from gr.hstu.kernels.attention.common import AttentionCall, RelativeBias, rebased_times, time_bucket_thresholds
+from gr.hstu.kernels.attention.common import (
+    AttentionCall,
+    AttentionOptions,
+    RelativeBias,
+    rebased_times,
+    time_bucket_thresholds,
+)
 from gr.hstu.kernels.attention.triton.blocks import attention_kernel
 from gr.hstu.kernels.attention.triton.tuning import TileConfig
 from gr.jagged import history_lengths
@@ -126,18 +132,35 @@ def bias_tables(rab: Optional[RelativeBias], device: torch.device, op: str) -> B
 
 def prepare_inputs(call: AttentionCall, backend: str) -> KernelInputs:
     """Check the dtypes the kernels support and build their ``KernelInputs`` (shapes: ``call.validate``)."""
-    op, seq_offsets, device = f"hstu_attention[{backend}]", call.seq_offsets, call.q.device
+    op = f"hstu_attention[{backend}]"
     check_dtypes(op, q=call.q, k=call.k, v=call.v)
+    history = history_lengths(call.seq_offsets, call.num_targets)
+    return kernel_inputs(
+        op, call.seq_offsets, history, call.max_seq_len, AttentionOptions.of(call), call.rab, call.q.device
+    )
+
+
+def kernel_inputs(
+    op: str,
+    seq_offsets: Tensor,
+    history: Tensor,
+    max_seq_len: int,
+    options: AttentionOptions,
+    rab: Optional[RelativeBias],
+    device: torch.device,
+) -> KernelInputs:
+    """``KernelInputs`` of sequences ``seq_offsets`` [B+1] with ``history`` [B] history tokens each
+    (``op`` names the call in errors)."""
     return KernelInputs(
         seq_offsets=seq_offsets.to(device=device, dtype=torch.int32),
-        history=history_lengths(seq_offsets, call.num_targets).to(device=device, dtype=torch.int32),
-        **vars(bias_tables(call.rab, device, op)),
-        max_seq_len=max(int(call.max_seq_len), 1),
-        alpha=float(call.alpha),
-        silu_scale=float(call.silu_scale) if call.silu_scale is not None else 0.0,
-        scale_by_position=call.silu_scale is None,
-        contextual_len=int(call.contextual_len),
-        max_attn_len=int(call.max_attn_len),
+        history=history.to(device=device, dtype=torch.int32),
+        **vars(bias_tables(rab, device, op)),
+        max_seq_len=max(int(max_seq_len), 1),
+        alpha=float(options.alpha),
+        silu_scale=float(options.silu_scale) if options.silu_scale is not None else 0.0,
+        scale_by_position=options.silu_scale is None,
+        contextual_len=int(options.contextual_len),
+        max_attn_len=int(options.max_attn_len),
     )
 
 
@@ -222,10 +245,18 @@ def common_args(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: Kerne
         History=inputs.history,
         Ts=inputs.timestamps,
         QueryTimes=inputs.query_times,
+        **strides(q=q, k=k, v=v, do=grad_out),
+        **option_args(inputs),
+        **head_args(q, v, interpreted),
+    )
+
+
+def option_args(inputs: KernelInputs) -> dict:
+    """The kernels' bias tables, mask and norm scalars and bias switches, by name."""
+    return dict(
         PosW=inputs.pos_w,
         TimeW=inputs.time_w,
         Thresholds=inputs.thresholds,
-        **strides(q=q, k=k, v=v, do=grad_out),
         alpha=inputs.alpha,
         silu_scale=inputs.silu_scale,
         scale_by_position=int(inputs.scale_by_position),
@@ -233,12 +264,19 @@ def common_args(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: Kerne
         max_attn_len=inputs.max_attn_len,
         num_pos=inputs.num_pos,
         num_time=inputs.num_time,
-        DIM_QK=q.shape[2],
-        DIM_V=v.shape[2],
-        H=q.shape[1],
         HAS_POS=inputs.num_pos > 0,
         HAS_TIME=inputs.num_time > 0,
         TIME_LOG=inputs.time_log,
+    )
+
+
+def head_args(q: Tensor, v: Tensor, interpreted: bool) -> dict:
+    """The kernels' head count, head dims and their blocks, and dot precision, from q [T, H, Dqk] and
+    v [T, H, Dv]."""
+    return dict(
+        DIM_QK=q.shape[2],
+        DIM_V=v.shape[2],
+        H=q.shape[1],
         BLOCK_DQK=head_block(q.shape[2]),
         BLOCK_DV=head_block(v.shape[2]),
         PRECISION=dot_precision(q.dtype, interpreted),
