@@ -67,14 +67,14 @@ def _configs(*labels: str) -> List[TileConfig]:
 # 16 (loads element by element) first. fp32 tiles are small because each dot holds its operands
 # twice (the tf32 high and low parts). The cached-attention kernel (serving: few new tokens, so 16-row
 # tiles) takes one configuration, chosen among tiles of 16x16 to 32x64, 4 or 8 warps and 1 or 2 stages
-# as one that spills nowhere on sm_80 and sm_90 at head dims 50, 64 and 128 (``bench/triton_compile.py
+# as one that spills nowhere on sm_80 and sm_90 at head dims 25, 50, 64 and 128 (``bench/triton_compile.py
 # --kernels cached_forward``); its speed on a GPU is not measured.
 _TABLE: Dict[str, Dict[str, List[TileConfig]]] = {
     "fp32/d64": {
         "forward": _configs("16x32/w8/s2", "16x32/w4/s1", "16x16/w4/s1"),
         "backward_dq": _configs("16x32/w4/s1"),
         "backward_dkv": _configs("16x16/w4/s1"),
-        "cached_forward": _configs("16x32/w4/s1"),
+        "cached_forward": _configs("16x32/w8/s1"),
     },
     "fp32/d128": {
         "forward": _configs("16x16/w8/s1", "16x16/w4/s2"),
