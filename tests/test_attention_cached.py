@@ -240,6 +240,16 @@ def paged(cache, lengths, page_size, seed):
     return pool, tables
 
 
+def paged_kv(p, page_size, seed):
+    """-> the problem's cached keys [H, C, Da] and values [H, C, Dl] as tensors, the same in fragmented
+    pools (``paged``; K and V through one set of page tables), and those tables."""
+    cache_rows, _ = split(p)
+    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
+    pool_k, tables = paged(keys, p["cache_lengths"], page_size, seed=seed)
+    pool_v, _ = paged(values, p["cache_lengths"], page_size, seed=seed)
+    return keys, values, pool_k, pool_v, tables
+
+
 # every page size on the fast backends; one that leaves partial pages on the interpreted kernels; the
 # cpu backend also without its fused kernel (GR_CPU_FUSED=0: PyTorch matmuls over pages read into tensors)
 PAGED = [(b, size) for b in BACKENDS for size in ((1, 4, 16) if b in ("pytorch", "cpu") else (4,))]
@@ -255,9 +265,7 @@ def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_to
         backend = "cpu"
     p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 1], new_lengths=[3, 2, 4, 1])
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, p["cache_lengths"], page_size, seed=page_size)
-    pool_v, _ = paged(values, p["cache_lengths"], page_size, seed=page_size)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, page_size, seed=page_size)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     dev = lambda x: x.to(DEVICE)  # noqa: E731
     rab = bias(p, new_rows)
@@ -292,9 +300,7 @@ def test_the_fused_cpu_kernel_reads_pages_where_they_lie_with_the_bits_of_tensor
                 dims=(2, 20, 36))  # fmt: skip
     options = dict(alpha=0.3, silu_scale=None, contextual_len=3, max_attn_len=400)
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, cache_lengths, page_size, seed=page_size)
-    pool_v, _ = paged(values, cache_lengths, page_size, seed=page_size)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, page_size, seed=page_size)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     bounds = offsets(cache_lengths).tolist()
     per_request = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -329,9 +335,7 @@ def test_per_request_pages_among_tensors_equal_one_jagged_cache(backend, monkeyp
     fused CPU kernel reads the pages where they lie (no request's pages read into a tensor)."""
     p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 9], new_lengths=[3, 2, 4, 1])
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, p["cache_lengths"], 4, seed=1)
-    pool_v, _ = paged(values, p["cache_lengths"], 4, seed=1)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, 4, seed=1)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     bounds = offsets(p["cache_lengths"]).tolist()
     dev = lambda x: x.to(DEVICE)  # noqa: E731
@@ -396,9 +400,7 @@ def test_the_triton_kernel_reads_pages_where_they_lie_with_the_bits_of_tensors(p
                 new_lengths=new_lengths, dims=(2, 20, 36))  # fmt: skip
     options = dict(alpha=0.3, silu_scale=None, contextual_len=3, max_attn_len=40)
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, cache_lengths, page_size, seed=page_size)
-    pool_v, _ = paged(values, cache_lengths, page_size, seed=page_size)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, page_size, seed=page_size)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     dev = lambda x: x.to(DEVICE)  # noqa: E731
     rab = bias(p, new_rows)
@@ -430,9 +432,7 @@ def test_the_triton_kernel_takes_bf16_pages_as_it_takes_bf16_tensors():
     cache_lengths, new_lengths = [9, 0, 21], [2, 3, 1]
     p = problem(seed=7, pos_buckets=30, cache_lengths=cache_lengths, new_lengths=new_lengths)
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, cache_lengths, 4, seed=2)
-    pool_v, _ = paged(values, cache_lengths, 4, seed=2)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, 4, seed=2)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     half = lambda x: x.to(DEVICE, torch.bfloat16)  # noqa: E731
     rab = RelativeBias(p["pos_w"].to(DEVICE))
