@@ -1,6 +1,6 @@
 """Device code of the Triton HSTU attention kernels, shared by the GPU and NPU variants.
 
-One kernel, ``attention_kernel``, three passes (``PASS``): "forward" and "dq" compute query
+The training kernel, ``attention_kernel``, has three passes (``PASS``): "forward" and "dq" compute query
 blocks [m0, m0 + BLOCK_M) of a sequence and head (the attention output, or dq), "dkv" computes
 dk, dv of key blocks [n0, n0 + BLOCK_N) and adds the bias-weight gradients; every pass runs the
 same tile and self-term code. The GPU and NPU variants differ only in how programs map to
@@ -20,6 +20,10 @@ Compile-time switches are only what changes the data flow: the pass, the bias pa
 norm options (contextual prefix, look-back window, per-position norm, query times) are
 runtime scalars, so one compiled kernel serves them all and each compile stays small.
 Helpers take their arguments by keyword where a swap would go unnoticed (pointers, strides).
+
+``cached_attention_kernel`` is serving's forward pass over a request's cached keys (read through a
+page table) followed by its new tokens: the forward pass's tiles, key ranges and self term over
+those rows, for the new tokens' query blocks only.
 
 Block skipping: a query block visits history keys [0, ctx_hi) and [lo, hi) only, in one loop;
 a key block the query rows that can see it; a target's only visible target key is itself,
