@@ -1,13 +1,13 @@
 """Ahead-of-time compile of every Triton attention kernel variant, for a GPU target, on this CPU.
 
     python bench/triton_compile.py --arch sm_90            # every variant; about 5 minutes here
-    python bench/triton_compile.py --arch sm_80 --smoke    # two variants (tests)
+    python bench/triton_compile.py --arch sm_80 --smoke    # three variants (tests)
     python bench/triton_compile.py --arch sm_90 --recipe configs/ml1m_hstu.yaml --only-recipe
 
 The variants are what training and serving launch, assembled by the launcher's own argument
 code (``gr.hstu.kernels.attention.triton.host``) on CPU tensors and specialized by Triton's own binder,
-so a variant here is one compile there: the forward, dq and dk/dv passes, and the cached
-attention of serving (which runs the forward pass over history + new tokens); fp32 and bf16;
+so a variant here is one compile there: the forward, dq and dk/dv passes, and the cached-attention
+kernel of serving (``cached_forward``: new tokens over K/V read through page tables); fp32 and bf16;
 each bias part (position, time with log or sqrt buckets); the mask and norm switches (targets,
 contextual prefix, look-back window, next-event query times, per-position norm), which are
 runtime scalars and so share their variant; head dims 64, and 50 and 128 with both bias parts
@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from torch import Tensor  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
@@ -66,6 +67,9 @@ from gr.hstu.kernels.attention.triton.host import (  # noqa: E402
     row_block,
 )
 from gr.hstu.kernels.attention.triton.tuning import TileConfig  # noqa: E402
+from gr.hstu.kernels.cached_attention import CachedAttentionCall, PagedCache, PageTables  # noqa: E402
+from gr.hstu.kernels.cached_attention.triton import KERNEL as CACHED_KERNEL  # noqa: E402
+from gr.hstu.kernels.cached_attention.triton import cached_launch, tile_args  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BIAS_PARTS = {  # name -> (position bias, time bucketing or None)
@@ -114,25 +118,37 @@ class Variant:
     shared_bytes: int = 0
 
 
+def case_tensors(case: Case, tokens: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Zero q, k [tokens, H, Dqk] and v [tokens, H, Dv] of ``case``'s heads, dims and dtype."""
+    dtype = DTYPES[case.dtype]
+    q, k = (torch.zeros(tokens, case.heads, case.dim_qk, dtype=dtype) for _ in range(2))
+    return q, k, torch.zeros(tokens, case.heads, case.dim_v, dtype=dtype)
+
+
+def case_bias(case: Case, times: Tensor, next_event: bool) -> Optional[RelativeBias]:
+    """``case``'s bias parts over tokens at ``times`` (queries 30 s later with ``next_event``)."""
+    position, bucketing = BIAS_PARTS[case.bias]
+    if not position and not bucketing:
+        return None
+    return RelativeBias(
+        position_weights=torch.zeros(201) if position else None,
+        time_weights=torch.zeros(128) if bucketing else None,
+        timestamps=times if bucketing else None,
+        time_bucketing=bucketing or "log",
+        query_times=times + 30 if bucketing and next_event else None,
+    )
+
+
 def case_launches(case: Case) -> List[Tuple[Launch, object]]:
     """The kernels ``case`` launches, assembled by the launcher's code on CPU tensors."""
+    if case.path == "serving":
+        return [(launch, None) for launch in [serving_launch(case)] if not case.kernels or launch.name in case.kernels]
     lengths = [40, 7, 25]
     seq_offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    total, dtype = sum(lengths), DTYPES[case.dtype]
-    q, k = (torch.zeros(total, case.heads, case.dim_qk, dtype=dtype) for _ in range(2))
-    v = torch.zeros(total, case.heads, case.dim_v, dtype=dtype)
-    position, bucketing = BIAS_PARTS[case.bias]
-    times = torch.arange(total) * 60
-    rab = None
-    if position or bucketing:
-        rab = RelativeBias(
-            position_weights=torch.zeros(201) if position else None,
-            time_weights=torch.zeros(128) if bucketing else None,
-            timestamps=times if bucketing else None,
-            time_bucketing=bucketing or "log",
-            query_times=times + 30 if bucketing and (case.switch == "next-event" or case.path == "serving") else None,
-        )
-    targets = torch.tensor([3, 0, 5]) if case.switch == "targets" or case.path == "serving" else None
+    total = sum(lengths)
+    q, k, v = case_tensors(case, total)
+    rab = case_bias(case, torch.arange(total) * 60, next_event=case.switch == "next-event")
+    targets = torch.tensor([3, 0, 5]) if case.switch == "targets" else None
     call = AttentionCall(
         q,
         k,
@@ -154,16 +170,38 @@ def case_launches(case: Case) -> List[Tuple[Launch, object]]:
     return [(launch, inputs) for launch in launches if not case.kernels or launch.name in case.kernels]
 
 
+def serving_launch(case: Case) -> Launch:
+    """The cached-attention launch of ``case``: candidates of 3 users (40, 0 and 25 cached tokens in a
+    pool of pages of 16), with the case's bias parts and next-event query times."""
+    cache_lengths, new_lengths, page_size = [40, 0, 25], [3, 1, 5], 16
+    offsets = lambda lengths: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])  # noqa: E731
+    total, cached = sum(new_lengths), sum(cache_lengths)
+    q, k, v = case_tensors(case, total)
+    pages = [-(-n // page_size) for n in cache_lengths]
+    tables = PageTables(list(torch.arange(sum(pages)).split(pages)), page_size)
+    pool_k, pool_v = (x.new_zeros(case.heads, sum(pages) * page_size, x.shape[2]) for x in (k, v))  # as PagePool's
+    rab = case_bias(case, torch.arange(total) * 60 + 10**6, next_event=True)
+    call = CachedAttentionCall(
+        q, k, v, offsets(new_lengths), PagedCache(pool_k, tables), PagedCache(pool_v, tables), offsets(cache_lengths),
+        "targets", alpha=0.5, silu_scale=1 / 200, rab=rab, cache_timestamps=torch.arange(cached) * 60,
+    )  # fmt: skip
+    call.validate()
+    return cached_launch(call, interpreted=False)[0]
+
+
 def compile_variant(launch: Launch, inputs, config: TileConfig, target: GPUTarget, backend):
     """Triton's binder on the launch's full arguments -> (compile key, ASTSource, options)."""
-    _, work = CudaLayout(None).work(launch, inputs, row_block(launch, config))
-    kwargs = dict(
-        launch.args,
-        **work,
-        **layout_args(config, False, inputs),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    if launch.name == CACHED_KERNEL:
+        kwargs = dict(launch.args, **tile_args(config))
+    else:
+        _, work = CudaLayout(None).work(launch, inputs, row_block(launch, config))
+        kwargs = dict(
+            launch.args,
+            **work,
+            **layout_args(config, False, inputs),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
     kernel = launch.kernel
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(**kwargs)
@@ -203,17 +241,23 @@ def configs_of(
 
 
 def cases(smoke: bool) -> List[Case]:
-    if smoke:  # the smallest variant and the largest
+    if smoke:  # the smallest training variant, the largest, and the serving kernel
         return [
             Case("training", "fp32", "none", "plain", kernels=("forward",)),
             Case("training", "bf16", "pos+time-log", "targets", kernels=("backward_dkv",)),
+            Case("serving", "fp32", "pos+time-log", "targets"),
         ]
     dtypes = ("fp32", "bf16")  # fp16 only where a recipe asks for it
     out = [Case("training", dtype, bias, "plain") for dtype in dtypes for bias in BIAS_PARTS]
     out += [Case("training", dtype, "pos+time-log", switch) for dtype in dtypes for switch in SWITCHES[1:]]
     out += [Case("serving", dtype, bias, "targets") for dtype in dtypes for bias in BIAS_PARTS]
     # head dims that are not a multiple of 16 (no vector loads) or above 64 (the wide tiles)
-    out += [Case("training", dtype, "pos+time-log", "plain", dim, dim) for dtype in dtypes for dim in (50, 128)]
+    out += [
+        Case(path, dtype, "pos+time-log", "targets" if path == "serving" else "plain", dim, dim)
+        for path in ("training", "serving")
+        for dtype in dtypes
+        for dim in (50, 128)
+    ]
     return out
 
 
@@ -292,7 +336,7 @@ def summary(variants: List[Variant]) -> Dict[str, object]:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, choices=["sm_80", "sm_90"])
-    parser.add_argument("--smoke", action="store_true", help="two variants at the default tiles (seconds)")
+    parser.add_argument("--smoke", action="store_true", help="three variants at the default tiles (seconds)")
     parser.add_argument(
         "--recipe",
         type=Path,
@@ -330,12 +374,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ]
 
     print(f"triton {triton.__version__}, target sm_{arch}; load average {'%.2f %.2f %.2f' % os.getloadavg()}")
-    header = f"{'kernel':<13} {'dtype':<5} {'bias':<14} {'tiles':<17} {'dims':<6} {'seconds':>7} {'regs':>5} "
+    header = f"{'kernel':<14} {'dtype':<5} {'bias':<14} {'tiles':<17} {'dims':<6} {'seconds':>7} {'regs':>5} "
     print(header + f"{'spill B':>7} {'stack B':>7} {'shared B':>8}")
 
     def log(v: Variant) -> None:
         print(
-            f"{v.kernel:<13} {v.dtype:<5} {v.bias:<14} {v.config:<17} {v.dims:<6} {v.compile_s:>7.2f} "
+            f"{v.kernel:<14} {v.dtype:<5} {v.bias:<14} {v.config:<17} {v.dims:<6} {v.compile_s:>7.2f} "
             f"{v.registers:>5} {v.spill_bytes:>7} {v.stack_bytes:>7} {v.shared_bytes:>8}",
             flush=True,
         )

@@ -240,6 +240,16 @@ def paged(cache, lengths, page_size, seed):
     return pool, tables
 
 
+def paged_kv(p, page_size, seed):
+    """-> the problem's cached keys [H, C, Da] and values [H, C, Dl] as tensors, the same in fragmented
+    pools (``paged``; K and V through one set of page tables), and those tables."""
+    cache_rows, _ = split(p)
+    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
+    pool_k, tables = paged(keys, p["cache_lengths"], page_size, seed=seed)
+    pool_v, _ = paged(values, p["cache_lengths"], page_size, seed=seed)
+    return keys, values, pool_k, pool_v, tables
+
+
 # every page size on the fast backends; one that leaves partial pages on the interpreted kernels; the
 # cpu backend also without its fused kernel (GR_CPU_FUSED=0: PyTorch matmuls over pages read into tensors)
 PAGED = [(b, size) for b in BACKENDS for size in ((1, 4, 16) if b in ("pytorch", "cpu") else (4,))]
@@ -255,9 +265,7 @@ def test_paged_cache_equals_the_same_cache_as_tensors_to_the_bit(backend, new_to
         backend = "cpu"
     p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 1], new_lengths=[3, 2, 4, 1])
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, p["cache_lengths"], page_size, seed=page_size)
-    pool_v, _ = paged(values, p["cache_lengths"], page_size, seed=page_size)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, page_size, seed=page_size)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     dev = lambda x: x.to(DEVICE)  # noqa: E731
     rab = bias(p, new_rows)
@@ -292,9 +300,7 @@ def test_the_fused_cpu_kernel_reads_pages_where_they_lie_with_the_bits_of_tensor
                 dims=(2, 20, 36))  # fmt: skip
     options = dict(alpha=0.3, silu_scale=None, contextual_len=3, max_attn_len=400)
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, cache_lengths, page_size, seed=page_size)
-    pool_v, _ = paged(values, cache_lengths, page_size, seed=page_size)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, page_size, seed=page_size)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     bounds = offsets(cache_lengths).tolist()
     per_request = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -329,9 +335,7 @@ def test_per_request_pages_among_tensors_equal_one_jagged_cache(backend, monkeyp
     fused CPU kernel reads the pages where they lie (no request's pages read into a tensor)."""
     p = problem(pos_buckets=30, time_buckets=24, cache_lengths=[5, 0, 17, 9], new_lengths=[3, 2, 4, 1])
     cache_rows, new_rows = split(p)
-    keys, values = p["k"][cache_rows].transpose(0, 1), p["v"][cache_rows].transpose(0, 1)
-    pool_k, tables = paged(keys, p["cache_lengths"], 4, seed=1)
-    pool_v, _ = paged(values, p["cache_lengths"], 4, seed=1)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, 4, seed=1)
     offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
     bounds = offsets(p["cache_lengths"]).tolist()
     dev = lambda x: x.to(DEVICE)  # noqa: E731
@@ -368,3 +372,109 @@ def test_a_page_table_too_short_for_its_tokens_is_a_named_error(per_request):
             [cache_v] if per_request else cache_v,
             torch.tensor([0, 5]),
         )
+
+
+def _no_gather(monkeypatch):
+    """Reading any request's pages into a tensor, or running the training kernel over cache + new
+    tokens, fails the test."""
+
+    def fail(*_args, **_kwargs):
+        raise AssertionError("a request's pages were read into a tensor, or the call ran by_concat")
+
+    monkeypatch.setattr(common.PagedCache, "read", fail)
+    monkeypatch.setattr(common.PagedCache, "rows", fail)
+    monkeypatch.setattr("gr.hstu.kernels.cached_attention.triton.concat_hstu_cached_attention", fail)
+
+
+@pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="triton runs on CUDA or under its interpreter on CPU")
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+def test_the_triton_kernel_reads_pages_where_they_lie_with_the_bits_of_tensors(page_size, new_tokens, monkeypatch):
+    """The triton backend's kernel over random page tables of a fragmented pool (requests of 0 to 70
+    cached tokens: two key tiles; up to 20 new ones: two query tiles; a masked window and a context):
+    the answer of the same K/V as one jagged tensor bit for bit, and of per-request pages of that pool,
+    without reading any request's pages into a tensor; all within float tolerance of the one-pass
+    reference."""
+    cache_lengths, new_lengths = [70, 0, 17, 33, 1], [3, 20, 1, 17, 2]
+    p = problem(seed=page_size, pos_buckets=40, time_buckets=24, query_times=True, cache_lengths=cache_lengths,
+                new_lengths=new_lengths, dims=(2, 20, 36))  # fmt: skip
+    options = dict(alpha=0.3, silu_scale=None, contextual_len=3, max_attn_len=40)
+    cache_rows, new_rows = split(p)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, page_size, seed=page_size)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    rab = bias(p, new_rows)
+    rab = RelativeBias(dev(rab.position_weights), dev(rab.time_weights), dev(rab.timestamps), rab.time_bucketing,
+                       dev(rab.query_times))  # fmt: skip
+    args = [dev(t) for t in (p["q"][new_rows], p["k"][new_rows], p["v"][new_rows], offsets(new_lengths))]
+    keywords = dict(new_tokens=new_tokens, rab=rab, backend="triton", cache_timestamps=dev(p["ts"][cache_rows]))
+    cache_offsets = dev(offsets(cache_lengths))
+    _no_gather(monkeypatch)
+    jagged = hstu_cached_attention(*args, dev(keys), dev(values), cache_offsets, **keywords, **options)
+    page_tables = PageTables([dev(t) for t in tables], page_size)
+    got = hstu_cached_attention(
+        *args, PagedCache(dev(pool_k), page_tables), PagedCache(dev(pool_v), page_tables), cache_offsets,
+        **keywords, **options,
+    )  # fmt: skip
+    own = [PageTables([dev(t)], page_size) for t in tables]
+    per_request = hstu_cached_attention(
+        *args, [PagedCache(dev(pool_k), t) for t in own], [PagedCache(dev(pool_v), t) for t in own], cache_offsets,
+        **keywords, **options,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), jagged.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(per_request.cpu(), jagged.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(got.cpu(), reference_rows(p, new_tokens, options), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="triton runs on CUDA or under its interpreter on CPU")
+def test_the_triton_kernel_takes_bf16_pages_as_it_takes_bf16_tensors():
+    """bf16 K/V in pages and in a tensor: one answer bit for bit, near the fp32 reference."""
+    cache_lengths, new_lengths = [9, 0, 21], [2, 3, 1]
+    p = problem(seed=7, pos_buckets=30, cache_lengths=cache_lengths, new_lengths=new_lengths)
+    cache_rows, new_rows = split(p)
+    keys, values, pool_k, pool_v, tables = paged_kv(p, 4, seed=2)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    half = lambda x: x.to(DEVICE, torch.bfloat16)  # noqa: E731
+    rab = RelativeBias(p["pos_w"].to(DEVICE))
+    args = [half(p["q"][new_rows]), half(p["k"][new_rows]), half(p["v"][new_rows]), offsets(new_lengths).to(DEVICE)]
+    keywords = dict(new_tokens="targets", rab=rab, backend="triton", alpha=0.4)
+    page_tables = PageTables([t.to(DEVICE) for t in tables], 4)
+    cache_offsets = offsets(cache_lengths).to(DEVICE)
+    tensors = hstu_cached_attention(*args, half(keys), half(values), cache_offsets, **keywords)
+    pages = hstu_cached_attention(
+        *args, PagedCache(half(pool_k), page_tables), PagedCache(half(pool_v), page_tables), cache_offsets, **keywords
+    )
+    assert pages.dtype == torch.bfloat16
+    torch.testing.assert_close(pages.cpu(), tensors.cpu(), rtol=0, atol=0)
+    want = reference_rows(p, "targets", dict(alpha=0.4))
+    torch.testing.assert_close(pages.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="triton runs on CUDA or under its interpreter on CPU")
+def test_a_triton_call_that_needs_gradients_gets_the_references():
+    """The kernel is forward only: a call whose q, k, v require grad runs the training kernel, and its
+    gradients are the reference's."""
+    p = problem(seed=5, pos_buckets=30)
+    cache_rows, new_rows = split(p)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    grads = []
+    for backend in ("triton", "pytorch"):
+        q, k, v = (x[new_rows].to(DEVICE).requires_grad_() for x in (p["q"], p["k"], p["v"]))
+        out = hstu_cached_attention(
+            q, k, v, offsets(p["new_lengths"]).to(DEVICE), p["k"][cache_rows].transpose(0, 1).to(DEVICE),
+            p["v"][cache_rows].transpose(0, 1).to(DEVICE), offsets(p["cache_lengths"]).to(DEVICE),
+            rab=RelativeBias(p["pos_w"].to(DEVICE)), backend=backend, alpha=0.3,
+        )  # fmt: skip
+        out.square().sum().backward()
+        grads.append([x.grad.cpu() for x in (q, k, v)])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="triton runs on CUDA or under its interpreter on CPU")
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+def test_the_triton_kernel_over_a_batch_with_nothing_cached_is_the_reference(new_tokens):
+    p = problem(seed=2, pos_buckets=30, time_buckets=24, cache_lengths=[0, 0], new_lengths=[2, 3])
+    options = dict(alpha=0.3, silu_scale=None)
+    got = cached(p, new_tokens, "triton", options)
+    torch.testing.assert_close(got, reference_rows(p, new_tokens, options), rtol=1e-4, atol=1e-5)

@@ -13,6 +13,7 @@ from gr.hstu.kernels.cached_attention import PagedCache
 from gr.hstu.paged import PagePool
 from gr.ops.native import native_ops
 from gr.serving.user_cache import UserCache
+from helpers.backends import DEVICE, KERNEL_BACKENDS
 
 
 def paged_twin(engine: CachedHSTU, pages: int, page_size: int = 4) -> CachedHSTU:
@@ -38,7 +39,11 @@ def same_kv(got, want):
     torch.testing.assert_close(got.timestamps, want.timestamps, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+# every case on the CPU backends; one on the triton kernel under Triton's interpreter (the engines are on CPU)
+ENGINES = CASES + ([dict(CASES[2], kernel_backend="triton")] if DEVICE == "cpu" and "triton" in KERNEL_BACKENDS else [])
+
+
+@pytest.mark.parametrize("case", ENGINES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_a_paged_engine_encodes_extends_and_scores_as_the_unpaged_one_to_the_bit(case):
     """Users encoded together into a fragmented pool, extended by 0..5 tokens (partial and whole
     pages), then scored: K/V, outputs and scores equal the unpaged engine's exactly."""

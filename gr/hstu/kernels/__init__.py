@@ -5,7 +5,8 @@ its cost model (``cost``).
 * ``attention``: ``hstu_attention`` (backends ``pytorch``, ``cpu``, ``triton``, ``ascend``,
   ``ascend_triton``);
 * ``cached_attention``: ``hstu_cached_attention``, the serving analogue (``pytorch``, ``cpu`` with
-  its fused C++ ``gr_cpu_cached``, and the others through their training kernel: ``by_concat``);
+  its fused C++ ``gr_cpu_cached``, ``triton`` with its own kernel, and the Ascend ones through their
+  training kernel: ``by_concat``);
 * ``layer_ops``: the HSTU layer's steps around attention (``project``, ``combine``,
   ``norm_mul_dropout``, ``stack_input``; fused CPU ops in ``cpu``).
 

@@ -4,9 +4,11 @@ of ``gr.hstu.kernels.attention.hstu_attention``, with the same backend names.
 * ``pytorch``: the reference, one request at a time with dense masks (``pytorch``);
 * ``cpu``: the fast path for CPU tensors (``cpu``; its fused C++ kernel reads K/V where they lie,
   through page tables or in place, with no gather);
-* ``triton``, ``ascend``, ``ascend_triton``: that backend's training kernel over each request's
-  cache followed by its new tokens (``by_concat``; a paged cache is gathered through its page
-  tables into that layout).
+* ``triton``: its own kernel (``triton``), which reads K/V where they lie, through page tables or
+  in place, with no gather (draft trees and calls that need gradients run ``by_concat``);
+* ``ascend``, ``ascend_triton``: that backend's training kernel over each request's cache followed
+  by its new tokens (``by_concat``; a paged cache is gathered through its page tables into that
+  layout).
 
 Every backend's entry takes one ``CachedAttentionCall`` (``common``) by keyword, checked once here.
 """
@@ -32,6 +34,7 @@ __all__ = ["CachedAttentionCall", "PageTables", "PagedCache", "default_positions
 _BACKENDS: Dict[str, str] = {  # name -> "module:function"; the others run by_concat
     "pytorch": "gr.hstu.kernels.cached_attention.pytorch:pytorch_hstu_cached_attention",
     "cpu": "gr.hstu.kernels.cached_attention.cpu:cpu_hstu_cached_attention",
+    "triton": "gr.hstu.kernels.cached_attention.triton:triton_hstu_cached_attention",
 }
 
 

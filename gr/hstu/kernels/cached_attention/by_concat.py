@@ -1,4 +1,5 @@
-"""Cached attention on a device backend by way of its training kernel: each request's cache and
+"""Cached attention on a device backend by way of its training kernel (the Ascend backends; the
+triton backend's draft trees and calls that need gradients): each request's cache and
 new tokens are laid out as one jagged sequence (history + targets, or a longer history) and
 the new tokens' rows are kept. Exact by construction; it also computes the cached rows, so it
 costs O((C + n)^2) per request instead of O(n (C + n)). Draft trees (``block_visible``) and

@@ -120,7 +120,8 @@ class PagedCache:
 
 # A cached tensor of B requests: one jagged tensor, a sequence of B per-request ones (each a tensor, or
 # that request's pages: a PagedCache of one page table), or all of them in pages.
-CacheTensor = Union[Tensor, Sequence[Union[Tensor, PagedCache]], PagedCache]
+CacheEntry = Union[Tensor, PagedCache]  # one request's entry of a per-request sequence
+CacheTensor = Union[Tensor, Sequence[CacheEntry], PagedCache]
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,11 @@ def joined(cache: Optional[CacheTensor], dim: int, lengths: Sequence[int] = ()) 
     if cache is None or isinstance(cache, Tensor):
         return cache
     return torch.cat([c.read(0, lengths[i]) if isinstance(c, PagedCache) else c for i, c in enumerate(cache)], dim=dim)
+
+
+def rows_contiguous(t: Tensor) -> Tensor:
+    """``t`` [H, rows, D], with each row's D values adjacent (a copy only when they are not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _all_equal(values: Tensor) -> bool:

@@ -25,6 +25,7 @@ from gr.hstu.kernels.cached_attention.common import (
     bias_between,
     part,
     requests,
+    rows_contiguous,
     visibility,
 )
 from gr.jagged import lengths_from_offsets
@@ -139,7 +140,7 @@ def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layou
         if found is None:
             return None
         pools_k, pools_v, index, starts, offsets, sizes = found
-    pools_k, pools_v = [_rows_contiguous(t) for t in pools_k], [_rows_contiguous(t) for t in pools_v]
+    pools_k, pools_v = [rows_contiguous(t) for t in pools_k], [rows_contiguous(t) for t in pools_v]
     if not all(t.is_cpu and t.dtype is torch.float32 for t in (*pools_k, *pools_v)):
         return None
     return pools_k, pools_v, index, starts, offsets, sizes
@@ -172,11 +173,6 @@ def _request_layout(
         sizes.append(size)
     starts = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
     return pools_k, pools_v, index, starts, offsets, sizes
-
-
-def _rows_contiguous(t: Tensor) -> Tensor:
-    """``t`` [H, rows, D], with each row's D values adjacent (a copy only when they are not)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _self_bias(

@@ -1,6 +1,6 @@
 """Device code of the Triton HSTU attention kernels, shared by the GPU and NPU variants.
 
-One kernel, ``attention_kernel``, three passes (``PASS``): "forward" and "dq" compute query
+The training kernel, ``attention_kernel``, has three passes (``PASS``): "forward" and "dq" compute query
 blocks [m0, m0 + BLOCK_M) of a sequence and head (the attention output, or dq), "dkv" computes
 dk, dv of key blocks [n0, n0 + BLOCK_N) and adds the bias-weight gradients; every pass runs the
 same tile and self-term code. The GPU and NPU variants differ only in how programs map to
@@ -20,6 +20,10 @@ Compile-time switches are only what changes the data flow: the pass, the bias pa
 norm options (contextual prefix, look-back window, per-position norm, query times) are
 runtime scalars, so one compiled kernel serves them all and each compile stays small.
 Helpers take their arguments by keyword where a swap would go unnoticed (pointers, strides).
+
+``cached_attention_kernel`` is serving's forward pass over a request's cached keys (read through a
+page table) followed by its new tokens: the forward pass's tiles, key ranges and self term over
+those rows, for the new tokens' query blocks only.
 
 Block skipping: a query block visits history keys [0, ctx_hi) and [lo, hi) only, in one loop;
 a key block the query rows that can see it; a target's only visible target key is itself,
@@ -51,6 +55,8 @@ RUNTIME_SCALARS = (
     "num_work",
     "H",
 )
+# the cached-attention kernel's: the same but the work-list size, and its page size
+CACHED_RUNTIME_SCALARS = (*(name for name in RUNTIME_SCALARS if name != "num_work"), "page_size")
 
 
 @triton.jit
@@ -588,3 +594,206 @@ def attention_kernel(
                     DIM=DIM_QK if PASS == "dq" else DIM_V,
                     BLOCK_D=BLOCK_DQK if PASS == "dq" else BLOCK_DV,
                 )
+
+
+@triton.jit
+def _request_rows(
+    Cached, New, PageStarts, page_base, page_size, cached, new_start, cols, ok, h, stride_ch, stride_cr,
+    stride_nt, stride_nh, DIM, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rows ``cols`` of head h of one request's keys (or values) in one-pass order -> [len(cols),
+    BLOCK_D] in ``New``'s dtype, zeros where not ok: cached token j < ``cached`` from its page of the
+    [H, rows, D] pool ``Cached`` (row PageStarts[page_base + j // page_size] + j % page_size), new
+    token j from row new_start + j - cached of the [N, H, D] tensor ``New``."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = (d < DIM)[None, :]
+    in_cache = ok & (cols < cached)
+    j = tl.where(in_cache, cols, 0)
+    row = tl.load(PageStarts + page_base + j // page_size, mask=in_cache, other=0) + j % page_size
+    old = tl.load(
+        Cached + h * stride_ch + row[:, None] * stride_cr + d[None, :], mask=in_cache[:, None] & d_ok, other=0.0
+    )
+    in_new = ok & (cols >= cached)
+    new = tl.load(
+        New + (new_start + cols - cached)[:, None] * stride_nt + h * stride_nh + d[None, :],
+        mask=in_new[:, None] & d_ok,
+        other=0.0,
+    )
+    return tl.where(in_cache[:, None], old.to(New.dtype.element_ty), new)
+
+
+@triton.jit
+def _request_times(CacheTs, Ts, cache_start, cached, new_start, cols, ok, HAS_TIME: tl.constexpr):
+    """Timestamps of one request's keys ``cols`` in one-pass order: cached ones from ``CacheTs``, new
+    ones from ``Ts`` (the indices themselves, unused, without time bias)."""
+    ts = cols
+    if HAS_TIME:
+        in_cache = ok & (cols < cached)
+        old = tl.load(CacheTs + cache_start + cols, mask=in_cache, other=0)
+        new = tl.load(Ts + new_start + cols - cached, mask=ok & (cols >= cached), other=0)
+        ts = tl.where(in_cache, old, new)
+    return ts
+
+
+@triton.jit(do_not_specialize=CACHED_RUNTIME_SCALARS)
+def cached_attention_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    CacheK,
+    CacheV,
+    PageStarts,
+    PageOffsets,
+    SeqOffsets,
+    History,
+    CacheOffsets,
+    CacheTs,
+    Ts,
+    QueryTimes,
+    PosW,
+    TimeW,
+    Thresholds,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_ckh,
+    stride_ckr,
+    stride_cvh,
+    stride_cvr,
+    page_size,
+    alpha,
+    silu_scale,
+    scale_by_position,
+    contextual_len,
+    max_attn_len,
+    num_pos,
+    num_time,
+    DIM_QK,
+    DIM_V,
+    H,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    TIME_LOG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Cached attention (serving, forward): new tokens [BLOCK_M block of request b] of head h attend
+    over their request's cached K/V, read through its page table, then over its new tokens, as the
+    forward pass over the request's one-pass sequence (cache, then new tokens) computes their rows.
+
+    Program (b * H + h, query block). Q, K, V, Out: [N, H, D] new tokens, jagged by SeqOffsets [B+1];
+    CacheK / CacheV: [H, rows, D] pools; request b's cached token j lies in row
+    PageStarts[PageOffsets[b] + j // page_size] + j % page_size (a tensor cache: one page a request);
+    CacheOffsets [B+1]: cached tokens per request (and where its CacheTs [C] begin); Ts, QueryTimes:
+    [N] key and query times of the new tokens; History [B]: the request's history length, C_b when its
+    new tokens are candidates at position C_b (each sees the history and itself), C_b + n_b when they
+    go on with the history (causal). The loop visits the same key ranges, tiles and self term as the
+    training forward pass, in one-pass key order."""
+    time_table, thr_table = _tables(TimeW, Thresholds, num_time, HAS_TIME, False, 1)
+    b = tl.program_id(0) // H
+    h = (tl.program_id(0) % H).to(tl.int64)
+    first = tl.program_id(1) * BLOCK_M
+    new_start = tl.load(SeqOffsets + b).to(tl.int64)
+    count = tl.load(SeqOffsets + b + 1) - new_start
+    if first < count:
+        cache_start = tl.load(CacheOffsets + b).to(tl.int64)
+        cached = (tl.load(CacheOffsets + b + 1) - cache_start).to(tl.int32)
+        page_base = tl.load(PageOffsets + b)
+        length = cached + count.to(tl.int32)
+        hist = tl.load(History + b)
+        own = first + tl.arange(0, BLOCK_M)
+        own_ok = own < count
+        rows = cached + own  # one-pass indices of the new tokens
+        q = _load_rows(
+            Q, new_start, own, own_ok, h, stride_t=stride_qt, stride_h=stride_qh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+        )
+        ts_rows = _times(QueryTimes, new_start, own, own_ok, HAS_TIME)
+        norm = _row_norm(rows, hist, silu_scale, scale_by_position)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        ctx_hi, lo, hi = _key_ranges(cached + first, hist, contextual_len, max_attn_len, BLOCK_M)
+        ctx_blocks = tl.cdiv(ctx_hi, BLOCK_N)
+        for i in range(0, ctx_blocks + tl.cdiv(hi - lo, BLOCK_N)):
+            in_ctx = i < ctx_blocks
+            cols = tl.where(in_ctx, i * BLOCK_N, lo + (i - ctx_blocks) * BLOCK_N) + tl.arange(0, BLOCK_N)
+            col_ok = cols < tl.where(in_ctx, ctx_hi, hi)
+            k = _request_rows(
+                CacheK, K, PageStarts, page_base, page_size, cached, new_start, cols, col_ok, h,
+                stride_ch=stride_ckh, stride_cr=stride_ckr, stride_nt=stride_kt, stride_nh=stride_kh,
+                DIM=DIM_QK, BLOCK_D=BLOCK_DQK,
+            )  # fmt: skip
+            v = _request_rows(
+                CacheV, V, PageStarts, page_base, page_size, cached, new_start, cols, col_ok, h,
+                stride_ch=stride_cvh, stride_cr=stride_cvr, stride_nt=stride_vt, stride_nh=stride_vh,
+                DIM=DIM_V, BLOCK_D=BLOCK_DV,
+            )  # fmt: skip
+            ts_cols = _request_times(CacheTs, Ts, cache_start, cached, new_start, cols, col_ok, HAS_TIME)
+            _, silu, weight, _, _ = _tile(
+                q=q,
+                k=k,
+                rows=rows,
+                cols=cols,
+                tile_ok=col_ok[None, :],
+                norm=norm,
+                length=length,
+                hist=hist,
+                ts_rows=ts_rows,
+                ts_cols=ts_cols,
+                alpha=alpha,
+                contextual_len=contextual_len,
+                max_attn_len=max_attn_len,
+                PosW=PosW,
+                TimeW=TimeW,
+                Thresholds=Thresholds,
+                time_table=time_table,
+                thr_table=thr_table,
+                num_pos=num_pos,
+                num_time=num_time,
+                HAS_POS=HAS_POS,
+                HAS_TIME=HAS_TIME,
+                TIME_LOG=TIME_LOG,
+                UB_TABLES=False,
+                POS_WINDOW=1,
+                PRECISION=PRECISION,
+            )
+            acc += _dot((silu * weight).to(v.dtype), v, PRECISION)
+        # a candidate's only visible new key is itself
+        target = own_ok & (rows >= hist)
+        k_self = _load_rows(
+            K, new_start, own, target, h, stride_t=stride_kt, stride_h=stride_kh, DIM=DIM_QK, BLOCK_D=BLOCK_DQK
+        ).to(tl.float32)
+        v_self = _load_rows(
+            V, new_start, own, target, h, stride_t=stride_vt, stride_h=stride_vh, DIM=DIM_V, BLOCK_D=BLOCK_DV
+        ).to(tl.float32)
+        _, silu, _ = _self_term(
+            a=q.to(tl.float32),
+            b=k_self,
+            idx=own,
+            ok=target,
+            start=new_start,
+            alpha=alpha,
+            Ts=Ts,
+            QueryTimes=QueryTimes,
+            PosW=PosW,
+            TimeW=TimeW,
+            Thresholds=Thresholds,
+            time_table=time_table,
+            thr_table=thr_table,
+            num_time=num_time,
+            HAS_POS=HAS_POS,
+            HAS_TIME=HAS_TIME,
+            TIME_LOG=TIME_LOG,
+            UB_TABLES=False,
+        )
+        acc += (silu * tl.where(target, _row_norm(rows, hist, silu_scale, scale_by_position), 0.0))[:, None] * v_self
+        _store_rows(
+            Out, acc, new_start, own, own_ok, h, stride_t=stride_ot, stride_h=stride_oh, DIM=DIM_V, BLOCK_D=BLOCK_DV
+        )

@@ -18,12 +18,18 @@ import torch
 import triton
 import triton.testing
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
 from gr.hstu.kernels.attention.common import AttentionCall
 from gr.hstu.kernels.attention.triton import tuning
 from gr.hstu.kernels.attention.triton.blocks import attention_kernel
-from gr.hstu.kernels.attention.triton.host import KernelInputs, Launch, TritonKernels, apply_kernels, prepare_inputs
+from gr.hstu.kernels.attention.triton.host import (
+    KernelInputs,
+    Launch,
+    TritonKernels,
+    apply_kernels,
+    interpreted_on,
+    prepare_inputs,
+)
 from gr.hstu.kernels.attention.triton.tuning import TileConfig, TuningKey
 
 INTERPRETER_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N) when interpreted on CPU
@@ -36,12 +42,7 @@ def triton_hstu_attention(call: AttentionCall, *, blocks: Optional[Tuple[int, in
     blocks: (BLOCK_M, BLOCK_N), multiples of 16; None: ``tuning``'s choice on CUDA,
     ``INTERPRETER_BLOCKS`` under the interpreter.
     """
-    interpreted = isinstance(attention_kernel, InterpretedFunction)
-    if call.q.device.type != "cuda" and not interpreted:
-        raise RuntimeError(
-            f"hstu_attention[triton]: tensors are on {call.q.device.type}; the Triton kernels need CUDA, or "
-            "TRITON_INTERPRET=1 set before gr.hstu.kernels.attention.triton.cuda is imported (CPU, tests only)"
-        )
+    interpreted = interpreted_on(call.q.device, "hstu_attention[triton]", attention_kernel)
     if blocks is not None and any(b % 16 or b <= 0 for b in blocks):
         raise ValueError(f"hstu_attention[triton]: blocks must be positive multiples of 16, got {blocks}")
     inputs = prepare_inputs(call, "triton")

@@ -18,13 +18,20 @@ tokens' own times).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Protocol, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 import triton
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
-from gr.hstu.kernels.attention.common import AttentionCall, RelativeBias, rebased_times, time_bucket_thresholds
+from gr.hstu.kernels.attention.common import (
+    AttentionCall,
+    AttentionOptions,
+    RelativeBias,
+    rebased_times,
+    time_bucket_thresholds,
+)
 from gr.hstu.kernels.attention.triton.blocks import attention_kernel
 from gr.hstu.kernels.attention.triton.tuning import TileConfig
 from gr.jagged import history_lengths
@@ -65,13 +72,42 @@ class KernelInputs:
         return self.seq_offsets.numel() - 1
 
 
-def prepare_inputs(call: AttentionCall, backend: str) -> KernelInputs:
-    """Check the dtypes the kernels support and build their ``KernelInputs`` (shapes: ``call.validate``)."""
-    rab, seq_offsets = call.rab, call.seq_offsets
-    for name, x in (("q", call.q), ("k", call.k), ("v", call.v)):
+def interpreted_on(device: torch.device, op: str, kernel: triton.runtime.KernelInterface) -> bool:
+    """Whether ``kernel`` runs under Triton's interpreter (CPU tensors); an error unless it does or
+    ``device`` is CUDA."""
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            f"{op}: tensors are on {device.type}; the Triton kernels need CUDA, or TRITON_INTERPRET=1 set "
+            "before gr.hstu.kernels.attention.triton is imported (CPU, tests only)"
+        )
+    return interpreted
+
+
+def check_dtypes(op: str, **tensors: Tensor) -> None:
+    """Each named tensor of a dtype the kernels support (``op`` names the call in the error)."""
+    for name, x in tensors.items():
         if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"hstu_attention[{backend}]: {name} is {x.dtype}; supported: fp32, bf16, fp16")
-    device = call.q.device
+            raise TypeError(f"{op}: {name} is {x.dtype}; supported: fp32, bf16, fp16")
+
+
+@dataclass
+class BiasTables:
+    """The fused relative bias laid out for the kernels: ``KernelInputs``' fields of those names."""
+
+    timestamps: Tensor
+    query_times: Tensor
+    pos_w: Tensor
+    time_w: Tensor
+    thresholds: Tensor
+    num_pos: int
+    num_time: int
+    time_log: bool
+
+
+def bias_tables(rab: Optional[RelativeBias], device: torch.device, op: str) -> BiasTables:
+    """``rab``'s weights, int32 rebased times and bucket thresholds on ``device`` ([1] dummies for
+    the parts that are off); ``op`` names the call in errors."""
     dummy = torch.zeros(1, dtype=torch.float32, device=device)
     pos_w = rab.position_weights if rab is not None else None
     time_w = rab.time_weights if rab is not None else None
@@ -79,12 +115,10 @@ def prepare_inputs(call: AttentionCall, backend: str) -> KernelInputs:
     thresholds = dummy
     time_log = True
     if rab is not None and time_w is not None:
-        timestamps, query_times = _rebased_times(rab, device, backend)
+        timestamps, query_times = _rebased_times(rab, device, op)
         thresholds = time_bucket_thresholds(rab.time_bucketing, time_w.numel(), device)
         time_log = rab.time_bucketing == "log"
-    return KernelInputs(
-        seq_offsets=seq_offsets.to(device=device, dtype=torch.int32),
-        history=history_lengths(seq_offsets, call.num_targets).to(device=device, dtype=torch.int32),
+    return BiasTables(
         timestamps=timestamps,
         query_times=query_times,
         pos_w=pos_w.detach().float().contiguous() if pos_w is not None else dummy,
@@ -93,24 +127,50 @@ def prepare_inputs(call: AttentionCall, backend: str) -> KernelInputs:
         num_pos=pos_w.numel() if pos_w is not None else 0,
         num_time=time_w.numel() if time_w is not None else 0,
         time_log=time_log,
-        max_seq_len=max(int(call.max_seq_len), 1),
-        alpha=float(call.alpha),
-        silu_scale=float(call.silu_scale) if call.silu_scale is not None else 0.0,
-        scale_by_position=call.silu_scale is None,
-        contextual_len=int(call.contextual_len),
-        max_attn_len=int(call.max_attn_len),
     )
 
 
-def _rebased_times(rab: RelativeBias, device: torch.device, backend: str) -> Tuple[Tensor, Tensor]:
+def prepare_inputs(call: AttentionCall, backend: str) -> KernelInputs:
+    """Check the dtypes the kernels support and build their ``KernelInputs`` (shapes: ``call.validate``)."""
+    op = f"hstu_attention[{backend}]"
+    check_dtypes(op, q=call.q, k=call.k, v=call.v)
+    history = history_lengths(call.seq_offsets, call.num_targets)
+    return kernel_inputs(
+        op, call.seq_offsets, history, call.max_seq_len, AttentionOptions.of(call), call.rab, call.q.device
+    )
+
+
+def kernel_inputs(
+    op: str,
+    seq_offsets: Tensor,
+    history: Tensor,
+    max_seq_len: int,
+    options: AttentionOptions,
+    rab: Optional[RelativeBias],
+    device: torch.device,
+) -> KernelInputs:
+    """``KernelInputs`` of sequences ``seq_offsets`` [B+1] with ``history`` [B] history tokens each
+    (``op`` names the call in errors)."""
+    return KernelInputs(
+        seq_offsets=seq_offsets.to(device=device, dtype=torch.int32),
+        history=history.to(device=device, dtype=torch.int32),
+        **vars(bias_tables(rab, device, op)),
+        max_seq_len=max(int(max_seq_len), 1),
+        alpha=float(options.alpha),
+        silu_scale=float(options.silu_scale) if options.silu_scale is not None else 0.0,
+        scale_by_position=options.silu_scale is None,
+        contextual_len=int(options.contextual_len),
+        max_attn_len=int(options.max_attn_len),
+    )
+
+
+def _rebased_times(rab: RelativeBias, device: torch.device, op: str) -> Tuple[Tensor, Tensor]:
     """-> (key timestamps, query times), each [T] int32 seconds since the earliest of both; one
     tensor twice when ``rab.query_times`` is None."""
     keys, queries = rebased_times(rab, device)
     span = max(int(keys.max()), int(queries.max())) if keys.numel() else 0
     if span >= 2**31:
-        raise ValueError(
-            f"hstu_attention[{backend}]: RelativeBias.timestamps (and query_times) span {span} s, more than 2^31 - 1"
-        )
+        raise ValueError(f"{op}: RelativeBias.timestamps (and query_times) span {span} s, more than 2^31 - 1")
     keys32 = keys.to(torch.int32)
     return (keys32, keys32) if queries is keys else (keys32, queries.to(torch.int32))
 
@@ -176,10 +236,6 @@ def strides(**tensors: Tensor) -> dict:
 def common_args(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: KernelInputs, interpreted: bool) -> dict:
     """The arguments every kernel takes, by name: inputs, tables, strides, scalars, switches.
     grad_out: [T, H, Dv] d output (``q`` itself in forward, where it is not read)."""
-    if interpreted:
-        precision = "ieee" if q.dtype == torch.float32 else "upcast"
-    else:  # fp32: three tf32 products on tensor cores, ~fp32 accuracy (tf32: ignored for 16-bit operands)
-        precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
     return dict(
         Q=q,
         K=k,
@@ -189,10 +245,18 @@ def common_args(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: Kerne
         History=inputs.history,
         Ts=inputs.timestamps,
         QueryTimes=inputs.query_times,
+        **strides(q=q, k=k, v=v, do=grad_out),
+        **option_args(inputs),
+        **head_args(q, v, interpreted),
+    )
+
+
+def option_args(inputs: KernelInputs) -> dict:
+    """The kernels' bias tables, mask and norm scalars and bias switches, by name."""
+    return dict(
         PosW=inputs.pos_w,
         TimeW=inputs.time_w,
         Thresholds=inputs.thresholds,
-        **strides(q=q, k=k, v=v, do=grad_out),
         alpha=inputs.alpha,
         silu_scale=inputs.silu_scale,
         scale_by_position=int(inputs.scale_by_position),
@@ -200,16 +264,31 @@ def common_args(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, inputs: Kerne
         max_attn_len=inputs.max_attn_len,
         num_pos=inputs.num_pos,
         num_time=inputs.num_time,
-        DIM_QK=q.shape[2],
-        DIM_V=v.shape[2],
-        H=q.shape[1],
         HAS_POS=inputs.num_pos > 0,
         HAS_TIME=inputs.num_time > 0,
         TIME_LOG=inputs.time_log,
+    )
+
+
+def head_args(q: Tensor, v: Tensor, interpreted: bool) -> dict:
+    """The kernels' head count, head dims and their blocks, and dot precision, from q [T, H, Dqk] and
+    v [T, H, Dv]."""
+    return dict(
+        DIM_QK=q.shape[2],
+        DIM_V=v.shape[2],
+        H=q.shape[1],
         BLOCK_DQK=head_block(q.shape[2]),
         BLOCK_DV=head_block(v.shape[2]),
-        PRECISION=precision,
+        PRECISION=dot_precision(q.dtype, interpreted),
     )
+
+
+def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
+    """The kernels' ``PRECISION`` for operands of ``dtype``."""
+    if interpreted:
+        return "ieee" if dtype == torch.float32 else "upcast"
+    # fp32: three tf32 products on tensor cores, ~fp32 accuracy (tf32: ignored for 16-bit operands)
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def forward_launch(q: Tensor, k: Tensor, v: Tensor, inputs: KernelInputs, interpreted: bool) -> Launch:

@@ -30,7 +30,7 @@ from gr.utils.atomic import write_json
 ENV_AUTOTUNE = "GR_TRITON_AUTOTUNE"
 ENV_CACHE_DIR = "GR_TRITON_CACHE_DIR"
 FORMAT = 1
-KERNELS = ("forward", "backward_dq", "backward_dkv")
+KERNELS = ("forward", "backward_dq", "backward_dkv", "cached_forward")  # the last: serving, not autotuned
 
 
 @dataclass(frozen=True)
@@ -65,27 +65,34 @@ def _configs(*labels: str) -> List[TileConfig]:
 # dk/dv at head dims above 64 (16-64 bytes; no recipe runs it). Larger tiles, 4 warps on 64-row
 # tiles or deeper pipelines spilled, in the 16-bit kernels at head dims that are not a multiple of
 # 16 (loads element by element) first. fp32 tiles are small because each dot holds its operands
-# twice (the tf32 high and low parts).
+# twice (the tf32 high and low parts). The cached-attention kernel (serving: few new tokens, so 16-row
+# tiles) takes one configuration, chosen among tiles of 16x16 to 32x64, 4 or 8 warps and 1 or 2 stages
+# as one that spills nowhere on sm_80 and sm_90 at head dims 25, 50, 64 and 128 (``bench/triton_compile.py
+# --kernels cached_forward``); its speed on a GPU is not measured.
 _TABLE: Dict[str, Dict[str, List[TileConfig]]] = {
     "fp32/d64": {
         "forward": _configs("16x32/w8/s2", "16x32/w4/s1", "16x16/w4/s1"),
         "backward_dq": _configs("16x32/w4/s1"),
         "backward_dkv": _configs("16x16/w4/s1"),
+        "cached_forward": _configs("16x32/w8/s1"),
     },
     "fp32/d128": {
         "forward": _configs("16x16/w8/s1", "16x16/w4/s2"),
         "backward_dq": _configs("16x32/w8/s1"),
         "backward_dkv": _configs("16x16/w8/s1"),
+        "cached_forward": _configs("16x16/w8/s1"),
     },
     "16bit/d64": {
         "forward": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s2"),
         "backward_dq": _configs("64x32/w8/s2"),
         "backward_dkv": _configs("32x32/w8/s2", "16x32/w8/s2", "32x16/w4/s2"),
+        "cached_forward": _configs("16x32/w4/s2"),
     },
     "16bit/d128": {
         "forward": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s1"),
         "backward_dq": _configs("32x64/w8/s2", "64x32/w8/s2", "32x32/w4/s1"),
         "backward_dkv": _configs("32x32/w8/s2", "16x32/w4/s2"),
+        "cached_forward": _configs("16x32/w8/s2"),
     },
 }
 # Per architecture family (8: Ampere, 9: Hopper and later): measured apart, the same table won on both
