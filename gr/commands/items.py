@@ -29,8 +29,10 @@ def _main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="gr items add",
         description="Write a new export (the old one is left as it is) whose catalogue also holds the items of "
-        "ITEMS (CSV with a header, or Parquet): a column item_id and each item feature the export stores; their "
-        "features tell them apart. On an export with a retrieval head their item-table rows are zero, so a "
+        "ITEMS (CSV with a header, or Parquet): a column item_id, each item feature the export stores and "
+        "optionally item_popularity (each item's count of events); their features tell them apart. On an export "
+        "with an item tower their rows are its encoder of their features, placed by their counts. On another "
+        "export with a retrieval head their item-table rows are zero, so a "
         "catalogue search (recommend, generate) scores each 0 and ranks it below every trained item the query "
         "matches (the mean of the trained rows, where typical queries point, would put them first for nearly "
         "everyone); the summary's placement gives, for 100 trained items taken as one-item histories, how many "
@@ -46,7 +48,8 @@ def _main(argv: List[str]) -> int:
     parser.add_argument(
         "--replace-known",
         action="store_true",
-        help="an item the export already has gets the file's features (its trained row and popularity stay); "
+        help="an item the export already has gets the file's features (its trained row stays, and its popularity "
+        "unless the file gives item_popularity); "
         "without it such an item is refused",
     )
     args = parser.parse_args(argv)
