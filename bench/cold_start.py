@@ -70,7 +70,7 @@ from _stats import paired_difference  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
 from new_users import first_event_metrics, print_first_event_metrics  # noqa: E402
 
-from gr.commands.evaluate import batch_requests, first_event_ranks, served_queries  # noqa: E402
+from gr.commands.evaluate import first_event_ranks, served_queries  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402
 from gr.data.config import RELEASE_YEAR  # noqa: E402
 from gr.data.datamodule import SequenceDataModule  # noqa: E402
@@ -199,9 +199,8 @@ def scored_events(export: Path, config: TrainConfig, data_path: Path) -> Dict[st
     vectors = catalogue.vectors[: data.num_items]
     scores, targets, queries = [], [], []
     for i, batch in enumerate(data.test_dataloader()):
-        requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
         with torch.no_grad():
-            query = served_queries(ranker, batch, requests)
+            query = served_queries(ranker, batch, reads, prefix=f"b{i}:")
         block = query @ vectors.T
         labels, rows = batch.labels, torch.arange(len(query))  # one query per test event
         target_scores = block[rows, labels["target_item"]].clone()

@@ -24,7 +24,8 @@ within a block: the tokens the test batches hold (``tokens``) bound what ``all``
 Prints each pass, then one JSON line: bench, users, items, interactions, max_seq_len, eviction_block,
 test_targets and tokens (next, all: the test batches' tokens), seconds and cpu_seconds (next, all,
 export: wall and this process's CPU), all_over_next, export_over_next and their cpu_ forms,
-tokens_all_over_next, hr@10 (per pass; all and export agree to fp32 tolerance), targets (both ratios of
+tokens_all_over_next, hr@10 (per pass), export_metric_difference (the largest difference between a
+metric of the export's pass and the same metric of all's: fp32 rounding at most), targets (both ratios of
 CPU seconds at most 1.5: with one torch thread the CPU seconds are the pass's work, which other jobs on
 a shared machine do not inflate), threads, cpu, cpu_flags, load_average.
 """
@@ -172,6 +173,9 @@ def main(argv: List[str] | None = None) -> None:
         "cpu_all_over_next": cpu_seconds["all"] / cpu_seconds["next"],
         "cpu_export_over_next": cpu_seconds["export"] / cpu_seconds["next"],
     }
+    metrics = [key for key in reports["all"] if key.startswith(("hr@", "ndcg@", "mrr"))]
+    difference = max(abs(reports["export"][key] - reports["all"][key]) for key in metrics)
+    print(f"export's metrics against all's ({', '.join(metrics)}): at most {difference:.2e} apart")
     print(
         f"{targets['next']} test targets in {tokens['next']} tokens (next), {targets['all']} in {tokens['all']} "
         f"(all): all/next {ratios['all_over_next']:.2f} ({cpu_ratios['cpu_all_over_next']:.2f} in CPU seconds), "
@@ -193,6 +197,7 @@ def main(argv: List[str] | None = None) -> None:
         **cpu_ratios,
         "tokens_all_over_next": tokens["all"] / tokens["next"],
         "hr@10": {name: report["hr@10"] for name, report in reports.items()},
+        "export_metric_difference": difference,
         "targets": {f"{name}_at_most_{TARGET_RATIO}": value <= TARGET_RATIO for name, value in cpu_ratios.items()},
         "threads": args.threads,
         "cpu": model,

@@ -280,6 +280,7 @@ BENCHES = (
             "cpu_export_over_next",
             "tokens_all_over_next",
             "hr@10",
+            "export_metric_difference",
             "targets",
             "threads",
             "cpu",

@@ -47,6 +47,14 @@ def ranking(tmp_path_factory):
     return out, export_run(out, out.parent / "export"), metrics
 
 
+@pytest.fixture(scope="module")
+def next_event(tmp_path_factory):
+    """A retrieval run whose queries read the time of the event after each token ("next_event")."""
+    out = tmp_path_factory.mktemp("evaluate") / "run"
+    train(config(RETRIEVAL, ("trainer.max_epochs", 1), ("model.hstu.query_time", "next_event")), out)
+    return out, export_run(out, out.parent / "export")
+
+
 def evaluate(capsys, *argv):
     capsys.readouterr()  # what the fixtures' training printed
     assert gr_main(["evaluate", *map(str, argv)]) == 0
@@ -93,6 +101,19 @@ def test_a_run_evaluated_on_data_with_a_new_item_keeps_its_ids_and_leaves_the_ne
         assert evaluated["data"]["unknown_items"] == {"items": 1, "events": len(added)}, written
         for key in RETRIEVAL_KEYS:
             assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("window", [20, 12])
+def test_a_next_event_models_export_reaches_the_runs_metrics_on_every_later_event(next_event, window, tmp_path):
+    """Each target's query at the time of its own event (the last token's at the target's): the
+    export's one pass over every test token agrees with the run's test pass, ``data.test_events: all``
+    (12: windows slide)."""
+    run, export = next_event
+    overrides = every_later_event(tmp_path, window)
+    from_run, served = evaluate_run(run, overrides), evaluate_export(export, run / CONFIG_FILE, overrides)
+    assert from_run["data"]["evaluated_targets"]["test"] > from_run["data"]["evaluated_users"]["test"]
+    for key in RETRIEVAL_KEYS:
+        assert served[key] == pytest.approx(from_run[key], abs=1e-5), key
 
 
 def test_a_new_cut_on_the_command_line_clears_the_runs_stored_end_unless_an_end_is_given(retrieval, capsys, tmp_path):
@@ -156,13 +177,9 @@ def per_target_metrics(run, overrides) -> dict:
     return task.finish_evaluation()
 
 
-@pytest.mark.parametrize("window", [20, 12])
-def test_every_test_event_of_a_user_is_scored_from_one_pass_with_the_per_target_metrics(retrieval, window, tmp_path):
-    """``data.test_events: all`` on the run's events, each user's k-th event at second 1000 k: every
-    user has 5 events before the cut and its later ones after it. A user's targets whose windows
-    start alike share one sequence (12: longer histories slide, so their targets span several); the run and
-    its export reach the metrics of scoring each target from a sequence of its own."""
-    run, export, _ = retrieval
+def every_later_event(tmp_path, window: int) -> list:
+    """Data overrides: the runs' synthetic events as a CSV, each user's k-th event at second 1000 k,
+    cut at 4500 (5 events before it), every later event a test target, windows of ``window``."""
     data = generate_synthetic(SyntheticConfig(**RETRIEVAL["data"]["synthetic"]), seed=0)
     starts = np.flatnonzero(np.r_[True, data.users[1:] != data.users[:-1]])  # the generator's rows: user by user
     seconds = 1000 * (np.arange(len(data.users)) - np.repeat(starts, np.diff(np.r_[starts, len(data.users)])))
@@ -170,7 +187,17 @@ def test_every_test_event_of_a_user_is_scored_from_one_pass_with_the_per_target_
     events = tmp_path / "events.csv"
     events.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
     overrides = [("data.source", "csv"), ("data.path", str(events)), ("data.split", "time")]
-    overrides += [("data.split_time", "4500"), ("data.test_events", "all"), ("data.max_seq_len", str(window))]
+    return overrides + [("data.split_time", "4500"), ("data.test_events", "all"), ("data.max_seq_len", str(window))]
+
+
+@pytest.mark.parametrize("window", [20, 12])
+def test_every_test_event_of_a_user_is_scored_from_one_pass_with_the_per_target_metrics(retrieval, window, tmp_path):
+    """``data.test_events: all`` on the run's events, each user's k-th event at second 1000 k: every
+    user has 5 events before the cut and its later ones after it. A user's targets whose windows
+    start alike share one sequence (12: longer histories slide, so their targets span several); the run and
+    its export reach the metrics of scoring each target from a sequence of its own."""
+    run, export, _ = retrieval
+    overrides = every_later_event(tmp_path, window)
     reference = per_target_metrics(run, overrides)
     from_run = evaluate_run(run, overrides)
     served = evaluate_export(export, run / CONFIG_FILE, overrides)

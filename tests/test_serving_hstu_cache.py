@@ -187,3 +187,38 @@ def test_encoding_and_extending_users_in_one_pass_equals_one_user_at_a_time(case
         torch.testing.assert_close(hidden, one_hidden, rtol=0, atol=1e-5)
         for got, ref in zip((*cache.keys, *cache.values), (*one_cache.keys, *one_cache.values)):
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_every_tokens_output_in_one_cacheless_pass_equals_encoding_then_settling_each_user(case):
+    """outputs_batch over histories of 30, 1, 12 and 5 tokens: each user's outputs are those its
+    encode (then settle at its request time, for "next_event" models) gives, user by user."""
+    engine = make_engine(**case)
+    lengths = [30, 1, 12, 5]
+    users = [tokens(n, 0, seed=s) for s, n in enumerate(lengths)]
+    request_times = torch.tensor([REQUEST_TIME + 10**5 * b for b in range(len(lengths))])
+    got = engine.outputs_batch(
+        torch.cat([x for x, _ in users]),
+        torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        torch.cat([t for _, t in users]),
+        request_times,
+    )
+    want = []
+    for (x, t), when in zip(users, request_times.tolist()):
+        ((cache, hidden),) = engine.encode_batch([x], [t])
+        if engine.defers_last:
+            hidden = torch.cat([hidden, engine.settle(cache, when)[1]])
+        want.append(hidden)
+    torch.testing.assert_close(got, torch.cat(want), rtol=0, atol=1e-5)
+    if engine.defers_last:
+        with pytest.raises(ValueError, match="request_times"):
+            engine.outputs_batch(users[0][0], torch.tensor([0, lengths[0]]), users[0][1])
+
+
+def test_a_cacheless_pass_refuses_histories_beyond_max_seq_len_and_missing_timestamps():
+    engine = make_engine()
+    x, ts = tokens(49, 0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.outputs_batch(x, torch.tensor([0, 49]), ts)
+    with pytest.raises(ValueError, match="timestamps are required"):
+        engine.outputs_batch(x[:5], torch.tensor([0, 5]), None)

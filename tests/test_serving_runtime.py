@@ -359,6 +359,41 @@ def test_history_longer_than_max_seq_len_is_truncated_and_reported_or_refused(ex
     )
 
 
+def test_a_batch_of_histories_validates_as_each_one_alone_and_a_bad_one_is_named(exported, users):
+    """Ranker.histories of the users' histories back to back: each History as Ranker.history gives it;
+    a history out of order or past the token limit is named by its index (the histories' own
+    boundaries going back in time are not refused), an id out of range by its feature."""
+    _, path = exported
+    _, requests = users
+    ranker = Ranker.load(path)
+    names = list(requests[0]["history"])
+    columns = {name: np.concatenate([r["history"][name] for r in requests]) for name in names}
+    offsets = np.cumsum([0, *(len(r["history"]["timestamps"]) for r in requests)])
+    ts = columns["timestamps"]
+    assert (ts[offsets[1:-1]] < ts[offsets[1:-1] - 1]).any()  # a history starts before the last one ends
+    user_ids, commons = [r["user_id"] for r in requests], [r["common_features"] for r in requests]
+    together = ranker.histories(user_ids, columns, offsets, commons)
+    for got, request in zip(together, requests):
+        alone = ranker.history(request["user_id"], request["history"], request["common_features"])
+        assert (got.user_id, got.truncated, got.model_version) == (alone.user_id, alone.truncated, alone.model_version)
+        for name in (*alone.tokens, *alone.common):
+            want, have = alone.tokens.get(name, alone.common.get(name)), got.tokens.get(name, got.common.get(name))
+            np.testing.assert_array_equal(have, want)
+    backwards = {**columns, "timestamps": ts.copy()}
+    backwards["timestamps"][offsets[2] + 3] = backwards["timestamps"][offsets[2] + 2] - 1
+    with pytest.raises(RequestError, match=r"history\[2\]\.timestamps: out of order: \[3\]"):
+        ranker.histories(user_ids, backwards, offsets, commons)
+    limited = Ranker.load(path, limits=RequestLimits(max_history_tokens=30))
+    with pytest.raises(RequestError, match=r"history\[2\]: 38 tokens exceed the limit 30"):
+        limited.histories(user_ids, columns, offsets, commons)
+    bad_id = {**columns, "item_id": columns["item_id"].copy()}
+    bad_id["item_id"][offsets[3]] = 50
+    with pytest.raises(RequestError, match=r"history\.item_id: ids \[50\] out of range"):
+        ranker.histories(user_ids, bad_id, offsets, commons)
+    with pytest.raises(ValueError, match="3 users, 4 common features and 4 histories"):
+        ranker.histories(user_ids[:3], columns, offsets, commons)
+
+
 def test_batch_form_and_cli_print_scores_per_task(exported, users, tmp_path, capsys):
     _, path = exported
     want, requests = users

@@ -47,13 +47,12 @@ EVALUATION_FILE = "evaluation.json"
 EXPORT_MARKER = "MANIFEST"
 
 
-def batch_requests(
-    batch: GRInput, prefix: str = "user", features: Optional[Collection[str]] = None
-) -> List[Dict[str, Any]]:
-    """One serving request per sequence of ``batch`` (model ids): history = its non-target tokens,
-    candidates = its ``num_targets`` trailing tokens (none when ``num_targets`` is None), the
-    sequence's common features (only those in ``features``, when given: what an export reads);
-    user ids ``f"{prefix}{b}"``. A list feature gives each token its bag."""
+def batch_columns(
+    batch: GRInput, features: Optional[Collection[str]] = None
+) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """The request columns of every token of ``batch`` (model ids), [T] values each (a list feature:
+    T bags of ids), "timestamps" included, and each sequence's common features: B {feature: value}.
+    Only the features in ``features``, when given (what an export reads)."""
 
     def kept(columns: Dict[str, Any]) -> Dict[str, Any]:
         return columns if features is None else {k: v for k, v in columns.items() if k in features}
@@ -61,27 +60,41 @@ def batch_requests(
     seq = kept(batch.sequence_ids.to_dict() if batch.sequence_ids is not None else {})
     bags = kept(batch.token_lists.to_dict() if batch.token_lists is not None else {})
     common = kept(batch.common_ids.to_dict() if batch.common_ids is not None else {})
+    assert batch.timestamps is not None  # the data module's batches carry them
+    cols: Dict[str, Any] = {f: jt.values().numpy() for f, jt in seq.items()}
+    cols.update({f: v.numpy() for f, v in kept(batch.token_dense).items()})
+    for f, jt in bags.items():
+        bag_offsets, ids = jt.offsets().tolist(), jt.values().numpy()
+        cols[f] = [ids[bag_offsets[t] : bag_offsets[t + 1]] for t in range(len(bag_offsets) - 1)]
+    cols["timestamps"] = batch.timestamps.numpy()
+    commons = []
+    for b in range(len(batch.seq_offsets) - 1):
+        values = {f: jt.values()[int(jt.offsets()[b]) : int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
+        values.update({f: v[b].numpy() for f, v in kept(batch.common_dense).items()})
+        commons.append(values)
+    return cols, commons
+
+
+def batch_requests(
+    batch: GRInput, prefix: str = "user", features: Optional[Collection[str]] = None
+) -> List[Dict[str, Any]]:
+    """One serving request per sequence of ``batch`` (model ids): history = its non-target tokens,
+    candidates = its ``num_targets`` trailing tokens (none when ``num_targets`` is None), the
+    sequence's common features (``batch_columns``: only those in ``features``, when given);
+    user ids ``f"{prefix}{b}"``. A list feature gives each token its bag."""
+    cols, commons = batch_columns(batch, features)
     offsets = batch.seq_offsets.tolist()
     num_targets = [0] * (len(offsets) - 1) if batch.num_targets is None else batch.num_targets.tolist()
-    assert batch.timestamps is not None  # the data module's batches carry them
     out = []
     for b, targets in enumerate(num_targets):
         start, end = offsets[b], offsets[b + 1]
-        split = end - targets - start
-        cols = {f: jt.values()[start:end].numpy() for f, jt in seq.items()}
-        cols.update({f: v[start:end].numpy() for f, v in kept(batch.token_dense).items()})
-        for f, jt in bags.items():
-            bag_offsets, ids = jt.offsets().tolist(), jt.values().numpy()
-            cols[f] = [ids[bag_offsets[t] : bag_offsets[t + 1]] for t in range(start, end)]
-        cols["timestamps"] = batch.timestamps[start:end].numpy()
-        commons = {f: jt.values()[int(jt.offsets()[b]) : int(jt.offsets()[b + 1])].numpy() for f, jt in common.items()}
-        commons.update({f: v[b].numpy() for f, v in kept(batch.common_dense).items()})
+        split = end - targets
         out.append(
             {
                 "user_id": f"{prefix}{b}",
-                "history": {f: v[:split] for f, v in cols.items()},
-                "candidates": {f: v[split:] for f, v in cols.items()},
-                "common_features": commons,
+                "history": {f: v[start:split] for f, v in cols.items()},
+                "candidates": {f: v[split:end] for f, v in cols.items()},
+                "common_features": commons[b],
             }
         )
     return out
@@ -147,11 +160,10 @@ def evaluate_export(
         task.catalogue, task.ranks = catalogue.vectors[: data.num_items], {}  # what start_evaluation embeds
         popularity = data.popularity()
     for i, batch in enumerate(data.test_dataloader()):
-        requests = batch_requests(batch, prefix=f"b{i}:", features=reads)
         if config.task_type == "retrieval":
-            task.evaluate_queries(served_queries(ranker, batch, requests), batch, popularity)
+            task.evaluate_queries(served_queries(ranker, batch, reads, prefix=f"b{i}:"), batch, popularity)
         else:
-            results = ranker.rank([RankRequest(**r) for r in requests])
+            results = ranker.rank([RankRequest(**r) for r in batch_requests(batch, prefix=f"b{i}:", features=reads)])
             logits = {
                 t: torch.from_numpy(np.concatenate([r.scores[f"{t}{LOGIT_SUFFIX}"] for r in results]))
                 for t in task.tasks
@@ -196,20 +208,27 @@ def write_user_metrics(path: Path, task: RetrievalTask, user_map: IdMap) -> None
         writer.writerows(zip(raw, targets.tolist(), *(value.tolist() for value in metrics.values())))
 
 
-def served_queries(ranker: Ranker, batch: GRInput, requests: List[Dict[str, Any]]) -> torch.Tensor:
-    """[S, d] the served retrieval query of each held-out item of the batch, at its query token
-    (``gr.train.tasks.query_rows``: a sequence may hold several), each at the time of the event after
-    it, the whole batch in shared passes (``gr.serving.encode``), the user cache left alone."""
+def served_queries(
+    ranker: Ranker, batch: GRInput, features: Optional[Collection[str]] = None, prefix: str = "user"
+) -> torch.Tensor:
+    """[S, d] the served retrieval query of each held-out item of the batch (a retrieval evaluation
+    batch: no candidates), at its query token (``gr.train.tasks.query_rows``: a sequence may hold
+    several), each at the time of the event after it: the batch's histories validated at once
+    (``Ranker.histories``: user ids ``f"{prefix}{b}"``, the request features in ``features`` when
+    given) and encoded in shared passes (``gr.serving.encode``), the user cache left alone."""
     from gr.serving import encode as encoding  # loaded by evaluate_export
     from gr.train.tasks import query_rows
 
-    assert batch.timestamps is not None  # the data module's batches carry them
+    assert batch.num_targets is None  # retrieval evaluation batches: every token is history
     times = batch.timestamps if batch.query_times is None else batch.query_times
+    assert times is not None  # the data module's batches carry them
     offsets = batch.seq_offsets.numpy()
     rows = query_rows(batch).numpy()
     sequences = np.searchsorted(offsets[1:], rows, side="right")
-    positions = np.split(rows - offsets[sequences], np.cumsum(np.bincount(sequences, minlength=len(requests)))[:-1])
-    histories = [ranker.history(r["user_id"], r["history"], r["common_features"]) for r in requests]
+    positions = np.split(rows - offsets[sequences], np.cumsum(np.bincount(sequences, minlength=len(offsets) - 1))[:-1])
+    columns, commons = batch_columns(batch, features)
+    users = [f"{prefix}{b}" for b in range(len(commons))]
+    histories = ranker.histories(users, columns, offsets, commons)
     assert not any(h.truncated for h in histories)  # evaluation windows fit max_seq_len
     return encoding.token_queries(histories, positions, [int(t) for t in times[offsets[1:] - 1].tolist()])
 

@@ -191,6 +191,42 @@ class CachedHSTU:
         return out
 
     @torch.inference_mode()
+    def outputs_batch(
+        self, x: Tensor, offsets: Tensor, timestamps: Optional[Tensor], request_times: Optional[Tensor] = None
+    ) -> Tensor:
+        """The HSTU outputs at every token of B histories, all in one jagged pass that keeps no cache
+        (``HSTU.forward``): what ``encode_batch``, then ``settle_batch`` at ``request_times`` when the
+        engine defers the last token, give for them, without building any user's ``HistoryCache``.
+
+        x: [T, D] float, history b's tokens at rows [offsets[b], offsets[b+1]); offsets: [B+1] int64
+        timestamps: [T] int64 or None; request_times: [B] int64 seconds, the query time of each
+        non-empty history's last token (needed when the engine ``defers_last``; a token's query
+        time is otherwise the next token's timestamp) -> [T, D]"""
+        device = self.device
+        x, offsets = x.to(device), offsets.to(device)
+        lengths = offsets.diff()
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest > self.config.max_seq_len:
+            raise ValueError(
+                f"HSTU cache: a history of {longest} tokens exceeds HSTUConfig.max_seq_len {self.config.max_seq_len}"
+            )
+        if timestamps is None and self.config.time_buckets > 0:
+            raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
+        ts = None if timestamps is None else timestamps.to(device=device, dtype=torch.long)
+        query_ts = None
+        if self.defers_last:
+            if request_times is None or request_times.shape != lengths.shape:
+                raise ValueError(
+                    f"HSTU cache: request_times [{lengths.numel()}] are required: the last history token's output "
+                    "depends on the time of the request (HSTUConfig.query_time is 'next_event')"
+                )
+            assert ts is not None  # defers_last needs time_buckets, checked above
+            query_ts = torch.cat([ts[1:], ts[:1]])
+            ends = lengths > 0
+            query_ts[offsets[1:][ends] - 1] = request_times.to(device=device, dtype=torch.long)[ends]
+        return self.hstu(x, offsets, longest, ts, None, query_ts)
+
+    @torch.inference_mode()
     def extend(self, cache: HistoryCache, x: Tensor, timestamps: Optional[Tensor]) -> HistoryCache:
         """Append n history tokens, computing only them (and the pending one, whose next event
         they bring). x: [n, D] float; timestamps: [n] int64."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gr.hstu.user_state import UserState, encode_states, tokens_after
+from gr.jagged import offsets_from_lengths
 from gr.serving.catalogue import QUERY
 from gr.serving.history import EncodedHistory, History
 from gr.serving.shared_tier import TieredCache
@@ -101,20 +102,23 @@ def token_queries(
     histories: Sequence[History], positions: Sequence[np.ndarray], request_times: Sequence[int]
 ) -> Tensor:
     """[sum P_b, d] the retrieval query at tokens ``positions[b]`` ([P_b] int64, of the validated
-    tokens) of each history (one model's, each non-empty), from one pass that leaves the user cache
-    alone. The query at token i is the one a request with tokens 0..i as its history gets when it
-    comes at token i+1's time (HSTU is causal: later tokens change nothing before them); at the last
-    token, at ``request_times[b]`` (seconds, read by "next_event" models)."""
+    tokens) of each history (one model's, each non-empty), from one pass that builds no user's cache
+    and leaves the user cache alone (``CachedHSTU.outputs_batch``). The query at token i is the one a
+    request with tokens 0..i as its history gets when it comes at token i+1's time (HSTU is causal:
+    later tokens change nothing before them); at the last token, at ``request_times[b]`` (seconds,
+    read by "next_event" models)."""
     model = histories[0].model
-    engine = model.engine
     tokens = [h.tokens for h in histories]
-    x = model.embed_tokens({name: np.concatenate([t[name] for t in tokens]) for name in tokens[0]})
-    times = [torch.from_numpy(t[TIMESTAMPS]) for t in tokens]
-    encoded = engine.encode_batch(torch.split(x, [h.length for h in histories]), times)
-    outputs = [hidden for _, hidden in encoded]
-    if engine.defers_last:  # the last token's output waits for the request's time
-        settled = engine.settle_batch([cache for cache, _ in encoded], list(request_times))
-        outputs = [torch.cat([hidden, last]) for hidden, (_, last) in zip(outputs, settled)]
-    hidden = torch.cat([out[torch.from_numpy(np.asarray(p, dtype=np.int64))] for out, p in zip(outputs, positions)])
+    columns = {name: np.concatenate([t[name] for t in tokens]) for name in tokens[0]}
+    offsets = offsets_from_lengths(torch.tensor([h.length for h in histories], dtype=torch.long))
+    hidden = model.engine.outputs_batch(
+        model.embed_tokens(columns),
+        offsets,
+        torch.from_numpy(columns[TIMESTAMPS]),
+        torch.tensor(list(request_times), dtype=torch.long),
+    )
+    rows = np.concatenate([np.asarray(p, dtype=np.int64) + start for p, start in zip(positions, offsets.tolist())])
     commons = [h.common for h in histories]
-    return torch.from_numpy(model.heads_batch(hidden, commons, [len(p) for p in positions])[QUERY])
+    return torch.from_numpy(
+        model.heads_batch(hidden[torch.from_numpy(rows)], commons, [len(p) for p in positions])[QUERY]
+    )

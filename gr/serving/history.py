@@ -108,6 +108,57 @@ def validate(
     if raw is not None and unknown == "oov":
         history, left_out = without_unknown_items(history, raw, model.schema.token_ids)
     tokens = model.schema.tokens(history, "history", model.sparse, raw=raw, unknown_ids=unknown, limits=limits)
+    return _validated(
+        model, model_version, user_id, tokens, common_features, limits, long_history, reserve, id_options, left_out
+    )
+
+
+def validate_batch(
+    model: ServingModel,
+    model_version: int,
+    user_ids: Sequence[Hashable],
+    histories: Mapping[str, Any],
+    offsets: np.ndarray,
+    common_features: Sequence[Optional[Mapping[str, Any]]],
+    limits: RequestLimits,
+    long_history: str,
+) -> List[History]:
+    """``validate`` of B users' histories in model ids, given back to back: ``histories`` holds a
+    history's columns, history b's tokens at [offsets[b], offsets[b+1]) (offsets: [B+1] int64),
+    converted and checked in one go (``RequestSchema.tokens``: each history's size and timestamps
+    as its own); common_features: each user's. Touches no cache."""
+    if not len(user_ids) == len(common_features) == len(offsets) - 1:
+        raise ValueError(
+            f"validate_batch: {len(user_ids)} users, {len(common_features)} common features and "
+            f"{len(offsets) - 1} histories (offsets [B+1]) must agree"
+        )
+    for user_id in user_ids:
+        limits.check_user_id(user_id)
+    tokens = model.schema.tokens(histories, "history", model.sparse, limits=limits, offsets=offsets)
+    bounds = np.asarray(offsets).tolist()
+    return [
+        _validated(
+            model, model_version, user, {k: v[start:end] for k, v in tokens.items()}, common, limits, long_history
+        )
+        for user, common, start, end in zip(user_ids, common_features, bounds[:-1], bounds[1:])
+    ]
+
+
+def _validated(
+    model: ServingModel,
+    model_version: int,
+    user_id: Hashable,
+    tokens: Tokens,
+    common_features: Optional[Mapping[str, Any]],
+    limits: RequestLimits,
+    long_history: str,
+    reserve: int = 0,
+    id_options: IdOptions = MODEL_IDS,
+    left_out: int = 0,
+) -> History:
+    """The History of a history's validated ``tokens``: its common features validated, and fit to max_seq_len."""
+    raw = model.id_maps if id_options.ids == "raw" else None
+    unknown = id_options.unknown_ids
     given = common_features is not None and not (isinstance(common_features, Mapping) and not common_features)
     common: Tokens = {}
     if given or len(tokens[TIMESTAMPS]):  # a new user without features gets the popularity fallback

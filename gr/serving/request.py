@@ -321,6 +321,7 @@ class RequestSchema:
         unknown_ids: str = "error",
         candidates: bool = False,
         limits: RequestLimits = DEFAULT_LIMITS,
+        offsets: Optional[np.ndarray] = None,
     ) -> Dict[str, np.ndarray]:
         """Columns -> {feature: [n] int64 | [n, d] float32, "timestamps": [n] int64}; a list feature
         gives its pooled rows [n, d] float32 (``store.bags``).
@@ -331,6 +332,9 @@ class RequestSchema:
         (id 0 / zeros), at most ``limits.max_candidates`` tokens (a history: at most
         ``limits.max_history_tokens``, timestamps as ``gr.timestamps`` says). A ``stored``
         feature left out takes each token's item's value from ``store.items``.
+        offsets: [B+1] int64: the columns hold B histories back to back (history b's tokens at
+        [offsets[b], offsets[b+1]), named ``where[b]`` in errors), converted at once, each history's
+        size and timestamps checked as a history's alone.
         """
         if columns is None or (isinstance(columns, Mapping) and not columns):
             columns = {name: [] for name in self.token_features}
@@ -343,7 +347,14 @@ class RequestSchema:
         _check_features(columns, required, where, optional=(TIMESTAMPS, *optional))
         limit, what = ("max_candidates", "candidates") if candidates else ("max_history_tokens", "tokens")
         for name, values in columns.items():
-            limits.check_count(_length(values, f"{where}.{name}"), limit, f"{where}.{name}", what)
+            count = _length(values, f"{where}.{name}")
+            if offsets is None:
+                limits.check_count(count, limit, f"{where}.{name}", what)
+            elif count != offsets[-1]:
+                raise RequestError(f"{where}.{name}: {count} values for {int(offsets[-1])} tokens (offsets)")
+        if offsets is not None and len(offsets) > 1:
+            longest = int(np.argmax(np.diff(offsets)))
+            limits.check_count(int(offsets[longest + 1] - offsets[longest]), limit, f"{where}[{longest}]", what)
         out: Dict[str, np.ndarray] = {}
         for name in self.token_ids:
             if name not in columns:
@@ -370,10 +381,7 @@ class RequestSchema:
             out[TIMESTAMPS] = timestamp_seconds(columns[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
             lengths[TIMESTAMPS] = len(out[TIMESTAMPS])
             if not candidates:
-                try:
-                    check_history_timestamps(out[TIMESTAMPS], f"{where}.{TIMESTAMPS}")
-                except TimestampError as exc:
-                    raise RequestError(str(exc)) from None
+                _check_order(out[TIMESTAMPS], where, offsets)
         elif default_timestamp is not None or count == 0:
             out[TIMESTAMPS] = np.full(count, default_timestamp or 0, dtype=np.int64)
         else:
@@ -432,6 +440,22 @@ class RequestSchema:
         for name, dim in self.common_dense.items():
             out[name] = _dense([values[name]], dim, f"common_features.{name}")
         return out
+
+
+def _check_order(ts: np.ndarray, where: str, offsets: Optional[np.ndarray]) -> None:
+    """RequestError unless the history's timestamps [n] int64 (each of B histories' when ``offsets``
+    [B+1] int64 gives them back to back) are oldest first (``check_history_timestamps``)."""
+    if offsets is not None:
+        back = np.flatnonzero(ts[1:] < ts[:-1]) + 1  # tokens earlier than the one before them
+        back = back[~np.isin(back, offsets)]  # a history's first token follows another history's last
+        if not back.size:
+            return
+        b = int(np.searchsorted(offsets, back[0], side="right")) - 1
+        ts, where = ts[offsets[b] : offsets[b + 1]], f"{where}[{b}]"
+    try:
+        check_history_timestamps(ts, f"{where}.{TIMESTAMPS}")
+    except TimestampError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _check_features(

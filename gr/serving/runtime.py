@@ -35,6 +35,8 @@ from typing import (
     overload,
 )
 
+import numpy as np
+
 from gr.export.delta import chain_deltas, is_delta
 from gr.hstu.paged import PagePool
 from gr.serving import generate as generation
@@ -43,7 +45,7 @@ from gr.serving import recommend as recommendation
 from gr.serving.catalogue import Catalogue
 from gr.serving.errors import RequestError
 from gr.serving.generate import GenerateResult, PreparedGenerate
-from gr.serving.history import History, check_span, stored_events, validate
+from gr.serving.history import History, check_span, stored_events, validate, validate_batch
 from gr.serving.history_store import HistoryStore
 from gr.serving.limits import DEFAULT_LIMITS, RequestLimits
 from gr.serving.model import ServingModel
@@ -450,6 +452,22 @@ class Ranker:
             history, long_history = self._stored(user_id, id_options), "truncate"
         return validate(
             model, model_version, user_id, history, common_features, self.limits, long_history, reserve, id_options
+        )
+
+    def histories(
+        self,
+        user_ids: Sequence[Hashable],
+        histories: Mapping[str, Any],
+        offsets: np.ndarray,
+        common_features: Sequence[Optional[Mapping[str, Any]]],
+    ) -> List[History]:
+        """``history`` of B users at once, in model ids, their histories back to back (history b's
+        tokens at [offsets[b], offsets[b+1]) of the columns; offsets: [B+1] int64), converted and
+        checked in one go (``gr.serving.history.validate_batch``); touches no cache."""
+        with self._lock:
+            model, model_version = self._model, self.cache.model_version
+        return validate_batch(
+            model, model_version, user_ids, histories, offsets, common_features, self.limits, self.long_history
         )
 
     def _stored(self, user_id: Hashable, id_options: IdOptions) -> Dict[str, list]:
