@@ -724,10 +724,12 @@ def run_item_features(
 
 def mean_served_query(model: GRModel, data: SequenceDataModule) -> Optional[np.ndarray]:
     """[d] float32 the mean of the L2-normalised retrieval queries of up to ``MEAN_QUERY_SAMPLE``
-    validation events of ``data`` (None when it has none): ``gr.export.new_item_rows``' mean query."""
+    validation events of ``data`` (with ``data.split: none``, the queries that end training
+    sequences; None when there are none): ``gr.export.new_item_rows``' mean query."""
     total, seen = None, 0
+    loader = data.val_dataloader() if data.config.validates else data.train_dataloader()
     with torch.no_grad():
-        for batch in data.val_dataloader():
+        for batch in loader:
             query = model(batch).predictions["query"].index_select(0, query_rows(batch))
             step = F.normalize(query.float(), dim=-1).sum(0)
             total, seen = step if total is None else total + step, seen + len(query)
