@@ -45,7 +45,7 @@ import functools
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -97,11 +97,12 @@ def add_items(
     list_separator: str = "|",
     replace_known: bool = False,
     overwrite: bool = False,
-) -> Dict[str, int]:
+) -> Dict[str, Any]:
     """Write ``out_dir``: the export ``export_dir`` with the items of ``items_file`` added, or with
     ``replace_known`` their features replaced where the export has them (module docstring) ->
     {"items_added", "items_replaced", "unknown_values"} (feature values the vocabularies lacked),
-    and on a retrieval export with items added "trained_items" (the item rows before the new ones).
+    on a retrieval export with items added "trained_items" (the item rows before the new ones), and
+    where new rows were placed "gain_fit" {"alpha", "beta"} (``gr.export.new_item_rows``).
 
     ``out_dir`` must lie apart from the export and the items file (``gr.utils.outputs``); an existing
     ``out_dir`` is replaced only with ``overwrite``."""
@@ -136,6 +137,7 @@ def add_items(
         )
     raw_ids = file_ids[rows < 0]
     added, unknown = len(raw_ids), 0
+    fit = None
     # The new store's rows, taken from [stored rows, file rows]: known items' from the file, then the new ones.
     take = np.arange(table.rows, dtype=np.int64)
     take[rows[rows >= 0]] = table.rows + np.flatnonzero(rows >= 0)
@@ -207,7 +209,13 @@ def add_items(
         problems = check_export(tmp)
         if problems:
             raise ExportFormatError(problems)
-    summary = {"items_added": added, "items_replaced": int((rows >= 0).sum()), "unknown_values": unknown}
+    summary: Dict[str, Any] = {
+        "items_added": added,
+        "items_replaced": int((rows >= 0).sum()),
+        "unknown_values": unknown,
+    }
+    if fit is not None:
+        summary["gain_fit"] = {"alpha": fit.alpha, "beta": fit.beta}
     if searched and added:
         summary["trained_items"] = table.rows
     return summary
