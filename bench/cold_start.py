@@ -37,11 +37,11 @@ Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, f
 held_out (items, users, fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10,
 se_hr@10, se_ndcg@10}}} (SE: the sample standard error of the mean over the group's events),
 b_new_users (``first_event_metrics``),
-paired differences (mean, SE, in SE) for the targets' comparisons, placement, gain_fit (``gr items add``'s), top10_share_held_out,
-target_share_held_out, their ratio, targets ((a) tower above popularity among the held-out items by
-more than one paired SE in HR@10; (b) the new-user query above popularity by more than one paired SE in
-HR@10; (c) tower within one paired SE of no tower or better; share ratio within [0.5, 2]), train
-seconds, cpu, cpu_flags, load_average.
+paired differences (mean, SE, in SE) for the targets' comparisons, placement, gain_fit (``gr items
+add``'s), top10_share_held_out, target_share_held_out, their ratio, targets ((a) tower above
+popularity among the held-out items by more than one paired SE in HR@10; (b) the new-user query above
+popularity by more than one paired SE in HR@10; (c) tower within one paired SE of no tower or better;
+share ratio within [0.5, 2]), train seconds, cpu, cpu_flags, load_average.
 """
 
 from __future__ import annotations
