@@ -33,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,6 +76,9 @@ class Tally:
     def tier_stored(self, tier: str, seconds: float, failed: bool) -> None:
         pass
 
+    def tier_write_dropped(self, reason: str, count: int) -> None:
+        self.misses[f"write_dropped_{reason}"] += count
+
     def encoded(self, tier: Optional[str], recomputed: int) -> None:
         self.sources[tier or "encoded"] += 1
         self.recomputed.append(recomputed)
@@ -105,6 +109,17 @@ class Worker:
         offsets = torch.tensor([0, len(candidates)])
         self.engine.score_batch([encoded.cache], candidates, offsets, times, 256, [request_time])
 
+    def written(self) -> float:
+        """Wait for the tier writes queued so far -> the CPU seconds the writer's thread has spent."""
+        self.cache.flush()
+        thread = self.cache.writer.thread
+        return 0.0 if thread is None or thread.ident is None else thread_seconds(thread.ident)
+
+
+def thread_seconds(ident: int) -> float:
+    """The CPU seconds thread ``ident`` (``threading.Thread.ident``) has spent."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
 
 def user_tokens(user: int, length: int, seed: int) -> Dict[str, np.ndarray]:
     """User ``user``'s first ``length`` actions (the same every call)."""
@@ -133,13 +148,16 @@ def line_section(args: argparse.Namespace, name: str, directory: Path, clock: Ca
             user = 2 * (length * 1000 + rep)
             tokens = user_tokens(user, length + 4, args.seed)
             encode.encode(writer.cache, [writer.history(user, {k: v[:length] for k, v in tokens.items()})])
-            writer.cache.discard(user)  # written through to the tier
+            writer.cache.flush()  # written through to the tier
+            writer.cache.discard(user)
             started = clock()
             encode.encode(reader.cache, [reader.history(user + 1, tokens)])  # not in the tier: encoded
             encoded = clock() - started
+            reader.cache.flush()  # its write-through, off the request's path
             started = clock()
             encode.encode(reader.cache, [reader.history(user, tokens)])  # fetched, extended by 4
             fetched = clock() - started
+            reader.cache.flush()
             reader.cache.discard(user)
             reader.cache.discard(user + 1)
             if rep:  # the first is a warm-up
@@ -207,7 +225,9 @@ def zipf_section(
                 encode.encode(workers[w].cache, histories)
     for workers in systems.values():
         for worker in workers:
+            worker.written()
             worker.tally.__init__()
+    writer_before = {name: sum(w.written() for w in workers) for name, workers in systems.items()}
     users = zipf_users(args.users, args.requests, rng)
     routes = rng.integers(0, 2, size=args.requests)
     growth = rng.integers(1, 5, size=args.requests)
@@ -220,14 +240,17 @@ def zipf_section(
             started = clock()
             workers[route].serve(user, tokens, candidates)
             seconds[name].append(clock() - started)
+            workers[route].cache.flush()  # its writes (in the writer's thread) never overlap the next request
     out: Dict[str, Dict] = {}
     for name, workers in systems.items():
         recomputed = [n for w in workers for n in w.tally.recomputed]
         sources = sum((w.tally.sources for w in workers), Counter())
         misses = sum((w.tally.misses for w in workers), Counter())
         times = sorted(seconds[name])
+        writer_s = sum(w.written() for w in workers) - writer_before[name]
         out[name] = {
             "recomputed_per_request": round(statistics.mean(recomputed), 2),
+            "writer_cpu_ms_per_request": round(1e3 * writer_s / len(times), 3),
             "p50_ms": round(1e3 * times[len(times) // 2], 3),
             "p99_ms": round(1e3 * times[min(len(times) - 1, int(0.99 * len(times)))], 3),
             "sources": dict(sources),

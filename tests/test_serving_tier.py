@@ -50,6 +50,7 @@ class Counts:
     def __init__(self) -> None:
         self.fetches: Counter = Counter()  # (tier, reason)
         self.stores: Counter = Counter()  # (tier, failed)
+        self.dropped: Counter = Counter()  # reason
         self.sources: Counter = Counter()  # tier or None
         self.recomputed: List[int] = []
 
@@ -58,6 +59,9 @@ class Counts:
 
     def tier_stored(self, tier: str, seconds: float, failed: bool) -> None:
         self.stores[tier, failed] += 1
+
+    def tier_write_dropped(self, reason: str, count: int) -> None:
+        self.dropped[reason] += count
 
     def encoded(self, tier: Optional[str], recomputed: int) -> None:
         self.sources[tier] += 1
@@ -81,7 +85,10 @@ def cut(request, end):
 
 
 def rank(ranker, request):
-    return ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"])
+    """The ranker's answer, once the tier writes it queued are done (they run in its writer's thread)."""
+    result = ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"])
+    assert ranker.cache.flush(timeout=30)
+    return result
 
 
 def assert_same_scores(got, want):
@@ -238,11 +245,12 @@ def test_the_redis_tier_serves_a_second_client_and_fills_the_nearer_tier(exporte
     assert all(near.get(second.cache.version, user_key(r["user_id"])) is not None for r in requests)
 
 
-def test_the_sqlite_tier_keeps_its_byte_bound_evicting_the_least_recently_used(tmp_path):
+def test_the_sqlite_tier_keeps_its_byte_bound_evicting_the_least_recently_touched(tmp_path):
     tier = SqliteTier(tmp_path / "tier.sqlite", 1000)
     for user in "abc":
         tier.put("v", user, bytes(300))
-    assert tier.get("v", "a") is not None  # a is now the most recently used
+    assert tier.get("v", "a") is not None  # a read marks nothing: a fetch marks the entry with touch
+    tier.touch("v", "a")  # a is now the most recently used
     tier.put("v", "d", bytes(300))
     assert tier.nbytes() <= 1000
     assert tier.get("v", "b") is None and all(tier.get("v", u) is not None for u in "acd")
