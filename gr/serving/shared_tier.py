@@ -538,10 +538,10 @@ class TieredCache(UserCache[UserState]):
         """Wait until every write queued so far is done -> False when ``timeout`` seconds passed first."""
         return self.writer.flush(timeout)
 
-    def close(self) -> None:
-        """Write what is queued (for at most ``CLOSE_TIMEOUT_S``; the rest is dropped), then close
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is queued (for at most ``timeout`` seconds; the rest is dropped), then close
         every tier's connection."""
-        self.writer.close(CLOSE_TIMEOUT_S)
+        self.writer.close(timeout)
         for tier in self.tiers:
             tier.close()
 
