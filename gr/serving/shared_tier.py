@@ -20,7 +20,8 @@ request's, is a miss (counted by reason), never an answer.
 Policy (``TieredCache``): a fresh encoding of at least ``min_tokens`` tokens is written through to
 every tier (another worker may get the user's next request), and an entry that the local cache
 evicts is written back when it holds more tokens than the tiers do (the user's next request
-fetches it). Histories shorter than ``min_tokens`` are neither stored nor fetched: under that
+fetches it); both are written by the worker's tier writer (``gr.serving.tier_writer``), never in
+the request. Histories shorter than ``min_tokens`` are neither stored nor fetched: under that
 length encoding costs less than fetching (``bench/serving_tier.py`` measures both). A reload that
 invalidates the cache moves to a new model version and purges the old one from every tier.
 """
@@ -556,7 +557,7 @@ class TieredCache(UserCache[UserState]):
             version = self._version
             self._shared[user_id] = state.length
         if copy and state.cache.paged is not None:
-            state = replace(state, cache=_copied(state.cache))
+            state = replace(state, cache=state.cache.unpaged())
         write = _Write(tuple(self.tiers), version, user_key(user_id), state.model_version, state=state)
         self.writer.submit(write, state.nbytes)
 
@@ -597,11 +598,3 @@ class TieredCache(UserCache[UserState]):
     def _observe_drop(self, reason: str, count: int) -> None:
         if self.observer is not None:
             self.observer.tier_write_dropped(reason, count)
-
-
-def _copied(cache: HistoryCache) -> HistoryCache:
-    """``cache`` with its K/V in tensors of its own (copies: none a view of a page pool)."""
-    layers = [cache.layer(i) for i in range(len(cache.keys) if cache.paged is None else len(cache.paged.pool.keys))]
-    return HistoryCache(
-        tuple(k.clone() for k, _ in layers), tuple(v.clone() for _, v in layers), cache.timestamps, cache.pending
-    )
