@@ -216,13 +216,16 @@ def zipf_section(
     current = lengths.copy()
     first = rng.permutation(args.users)
     home = rng.integers(0, 2, size=args.users)
-    for start in range(0, args.users, 64):  # every user's history encoded once, on a random worker
-        batch = first[start : start + 64]
+    # every user's history encoded once, on a random worker, in batches whose writes its tier writer's queue holds
+    size = max(1, min(64, systems["with_tier"][0].cache.writer.max_bytes // int(entry.max())))
+    for start in range(0, args.users, size):
+        batch = first[start : start + size]
         for workers in systems.values():
             for w in (0, 1):
                 mine = [int(u) for u in batch if home[u] == w]
                 histories = [workers[w].history(u, user_tokens(u, int(current[u]), args.seed)) for u in mine]
                 encode.encode(workers[w].cache, histories)
+                workers[w].cache.flush()
     for workers in systems.values():
         for worker in workers:
             worker.written()

@@ -415,8 +415,9 @@ class TieredCache(UserCache[UserState]):
     that fails is a miss, never a failed request.
 
     Every write goes through a ``BackgroundWriter`` (a thread of the worker's, started by the first
-    write), so no request waits for one; its queue holds at most ``queue_bytes`` (default a quarter
-    of ``max_bytes``) of the entries' bytes, past which a write is dropped and counted. An evicted
+    write), so no request waits for one; its queue holds at most ``queue_bytes`` (default half of
+    ``max_bytes``) of the entries' bytes, past which a write is dropped and counted (a dropped fresh
+    entry is written back when the LRU evicts it). An evicted
     entry's K/V are copied out of the page pool before they are queued (the pool gets its pages at
     once); a queued fresh one keeps its pages until written. A write queued before a reload that
     invalidates is never written (``invalidate`` drops the queue, and the writer checks the model
@@ -442,7 +443,7 @@ class TieredCache(UserCache[UserState]):
         self._retired: List[str] = []  # keys of models replaced, their entries not yet purged
         self._writing = threading.Lock()  # held by a write from its version check to its end, and by purges
         self.writer: BackgroundWriter[_Write] = BackgroundWriter(
-            self._write, self.max_bytes // 4 if queue_bytes is None else queue_bytes, self._observe_drop
+            self._write, self.max_bytes // 2 if queue_bytes is None else queue_bytes, self._observe_drop
         )
 
     @property
@@ -555,11 +556,12 @@ class TieredCache(UserCache[UserState]):
             if stale or (not fresh and self._shared.get(user_id, 0) >= state.length):
                 return
             version = self._version
-            self._shared[user_id] = state.length
         if copy and state.cache.paged is not None:
             state = replace(state, cache=state.cache.unpaged())
         write = _Write(tuple(self.tiers), version, user_key(user_id), state.model_version, state=state)
-        self.writer.submit(write, state.nbytes)
+        if self.writer.submit(write, state.nbytes):  # a dropped write leaves the entry to its write-back
+            with self._lock:
+                self._shared[user_id] = state.length
 
     def _write(self, write: _Write) -> None:
         """One queued write (in the writer's thread): dropped ("stale") when a reload came since."""
