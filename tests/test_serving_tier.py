@@ -358,7 +358,7 @@ def test_a_reload_drops_the_queued_writes_and_nothing_of_the_old_model_is_left_i
     assert tier.nbytes() == 0
 
 
-def test_a_full_write_queue_drops_the_write_and_metrics_count_it(exported, tmp_path):
+def test_a_full_write_queue_drops_the_write_counts_it_and_the_eviction_writes_it_back(exported, tmp_path):
     from gr.serving.metrics import ServerMetrics
 
     path, requests = exported
@@ -375,6 +375,11 @@ def test_a_full_write_queue_drops_the_write_and_metrics_count_it(exported, tmp_p
     assert ranker.cache.flush(timeout=30)
     stored = [tier.get(ranker.cache.version, user_key(r["user_id"])) is not None for r in requests]
     assert stored == [True] + [False] * (len(requests) - 1)
+    ranker.cache.writer.max_bytes = 2**30
+    while ranker.cache.evict_oldest():  # a dropped entry is written back when the cache evicts it
+        pass
+    assert ranker.cache.flush(timeout=30)
+    assert all(tier.get(ranker.cache.version, user_key(r["user_id"])) is not None for r in requests)
 
 
 def test_closing_the_cache_drops_what_its_writer_cannot_write_in_time_and_counts_it(exported, tmp_path):

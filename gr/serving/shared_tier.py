@@ -36,9 +36,10 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -144,51 +145,33 @@ class SqliteTier(TierStore):
 
     def put(self, version: str, user: str, blob: bytes) -> None:
         key, size = _key(version, user), len(blob)
-        try:
-            db = self._db()
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                held = db.execute("SELECT bytes FROM held").fetchone()[0]
-                old_size = db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
-                if old_size is not None:
-                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
-                    db.execute("DELETE FROM used WHERE key = ?", (key,))
-                    held -= old_size[0]
-                if size <= self.max_bytes:
-                    dropped = []
-                    oldest = "SELECT used.key, bytes FROM used JOIN entries USING (key) ORDER BY at"
-                    for old, old_size in db.execute(oldest):
-                        if held + size <= self.max_bytes:
-                            break
-                        dropped.append((old,))
-                        held -= old_size
-                    db.executemany("DELETE FROM entries WHERE key = ?", dropped)
-                    db.executemany("DELETE FROM used WHERE key = ?", dropped)
-                    db.execute("INSERT INTO entries VALUES (?, ?, ?, ?)", (key, version, size, blob))
-                    db.execute("INSERT INTO used VALUES (?, ?)", (key, time.time_ns()))
-                    held += size
-                db.execute("UPDATE held SET bytes = ?", (held,))
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise TierError(f"shared tier {self.path}: put: {exc}") from None
+        with self._transaction("put") as db:
+            held = db.execute("SELECT bytes FROM held").fetchone()[0]
+            old_size = db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
+            if old_size is not None:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                db.execute("DELETE FROM used WHERE key = ?", (key,))
+                held -= old_size[0]
+            if size <= self.max_bytes:
+                dropped = []
+                oldest = "SELECT used.key, bytes FROM used JOIN entries USING (key) ORDER BY at"
+                for old, old_size in db.execute(oldest):
+                    if held + size <= self.max_bytes:
+                        break
+                    dropped.append((old,))
+                    held -= old_size
+                db.executemany("DELETE FROM entries WHERE key = ?", dropped)
+                db.executemany("DELETE FROM used WHERE key = ?", dropped)
+                db.execute("INSERT INTO entries VALUES (?, ?, ?, ?)", (key, version, size, blob))
+                db.execute("INSERT INTO used VALUES (?, ?)", (key, time.time_ns()))
+                held += size
+            db.execute("UPDATE held SET bytes = ?", (held,))
 
     def purge(self, version: str) -> None:
-        try:
-            db = self._db()
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                db.execute("DELETE FROM used WHERE key IN (SELECT key FROM entries WHERE version = ?)", (version,))
-                db.execute("DELETE FROM entries WHERE version = ?", (version,))
-                db.execute("UPDATE held SET bytes = (SELECT COALESCE(SUM(bytes), 0) FROM entries)")
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise TierError(f"shared tier {self.path}: purge: {exc}") from None
+        with self._transaction("purge") as db:
+            db.execute("DELETE FROM used WHERE key IN (SELECT key FROM entries WHERE version = ?)", (version,))
+            db.execute("DELETE FROM entries WHERE version = ?", (version,))
+            db.execute("UPDATE held SET bytes = (SELECT COALESCE(SUM(bytes), 0) FROM entries)")
 
     def nbytes(self) -> int:
         """Bytes of the entries held (counted as they are stored and evicted)."""
@@ -212,6 +195,22 @@ class SqliteTier(TierStore):
                 self._connections.append(db)
             self._local.db = db
         return db
+
+    @contextmanager
+    def _transaction(self, what: str) -> Iterator[sqlite3.Connection]:
+        """This thread's connection in one write transaction (committed, or rolled back when the
+        block fails); TierError naming ``what`` when SQLite fails (e.g. locked past its timeout)."""
+        try:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise TierError(f"shared tier {self.path}: {what}: {exc}") from None
 
     def _run(self, what: str, sql: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
         try:
