@@ -19,7 +19,9 @@ slices, which cost the same with or without the tier.
       users drawn from Zipf(1.0), each bringing 1-4 new actions and landing on a random worker; each
       worker's pool (and cache bound) a quarter of the working set (every user's encoded history).
       Without the tier against with it (the same requests, taking turns request by request): history
-      tokens encoded per request, p50/p99 latency per request, where each history came from.
+      tokens encoded per request, p50/p99 latency per request, where each history came from, and
+      the CPU time each worker's tier writer thread spent a request (its writes are waited for
+      between requests, outside the timing: they run beside requests, not in them).
 
 Run: ``.venv/bin/python bench/serving_tier.py`` (several minutes on 2 cores). ``--clock thread`` (the
 default) runs torch on one thread and times its CPU time (the tier's SQLite runs in that thread too),

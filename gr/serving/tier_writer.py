@@ -79,14 +79,7 @@ class BackgroundWriter(Generic[Item]):
 
     def discard(self) -> int:
         """Drop every queued item (counted "stale"; one being written finishes) -> how many."""
-        with self._changed:
-            count = len(self._queue)
-            self._bytes -= sum(size for _, size in self._queue)
-            self._queue.clear()
-            self._changed.notify_all()
-        if count:
-            self._dropped("stale", count)
-        return count
+        return self._drop_queued("stale")
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every item queued so far is written -> False when ``timeout`` seconds passed first."""
@@ -101,16 +94,21 @@ class BackgroundWriter(Generic[Item]):
             self._closed = True
             self._changed.notify_all()
         self.flush(timeout)
+        self._drop_queued("shutdown")
+        thread = self.thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _drop_queued(self, reason: str) -> int:
+        """Drop every queued item, counted under ``reason`` -> how many."""
         with self._changed:
-            left = len(self._queue)
+            count = len(self._queue)
             self._bytes -= sum(size for _, size in self._queue)
             self._queue.clear()
             self._changed.notify_all()
-            thread = self._thread
-        if left:
-            self._dropped("shutdown", left)
-        if thread is not None:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        if count:
+            self._dropped(reason, count)
+        return count
 
     def _run(self) -> None:
         while True:
