@@ -9,7 +9,8 @@ import torch
 from test_serving_hstu_cache import CASES, REQUEST_TIME, make_engine, tokens
 
 from gr.hstu.cache import CachedHSTU
-from gr.hstu.kernels.cached_attention import PagedCache
+from gr.hstu.kernels.cached_attention import PagedCache, PageTables
+from gr.hstu.kernels.cached_attention.common import LAYOUTS_KEPT
 from gr.hstu.paged import PagePool
 from gr.ops.native import native_ops
 from gr.serving.user_cache import UserCache
@@ -212,3 +213,20 @@ def test_threads_extending_and_evicting_in_one_small_pool_never_see_a_page_reuse
     assert not errors
     same_kv(base, plain_base)
     assert engine.pool.used <= engine.pool.pages
+
+
+def test_page_tables_keep_a_bounded_number_of_layouts_and_read_the_same_rows_past_the_bound():
+    """A history's page tables live as long as its cache entry: reads at ever new lengths keep at most
+    LAYOUTS_KEPT layouts of each kind, and a layout computed again equals the first."""
+    size, pages = 2, torch.tensor([5, 2, 9, 3, 7, 1, 8, 4, 6, 0] * 20)
+    tables = PageTables([pages], size)
+    lengths = range(size + 1, size + 2 * LAYOUTS_KEPT + 2)  # two pages or more: never consecutive here
+    first = {n: (tables.read(0, n), tables.blocks([n])) for n in lengths}
+    assert tables.layouts <= 2 * LAYOUTS_KEPT
+    for n in lengths:
+        (kind, rows), (starts, offsets) = tables.read(0, n), tables.blocks([n])
+        assert kind == first[n][0][0] == "rows" and torch.equal(rows, first[n][0][1])
+        want = (pages.view(-1, 1) * size + torch.arange(size)).flatten()[:n]
+        assert torch.equal(rows, want)
+        assert torch.equal(starts, first[n][1][0]) and offsets == first[n][1][1]
+    assert tables.layouts <= 2 * LAYOUTS_KEPT

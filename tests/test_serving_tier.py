@@ -7,6 +7,8 @@ import copy
 import dataclasses
 import json
 import struct
+import threading
+import time
 import zlib
 from collections import Counter
 from typing import List, Optional
@@ -50,6 +52,7 @@ class Counts:
     def __init__(self) -> None:
         self.fetches: Counter = Counter()  # (tier, reason)
         self.stores: Counter = Counter()  # (tier, failed)
+        self.dropped: Counter = Counter()  # reason
         self.sources: Counter = Counter()  # tier or None
         self.recomputed: List[int] = []
 
@@ -58,6 +61,9 @@ class Counts:
 
     def tier_stored(self, tier: str, seconds: float, failed: bool) -> None:
         self.stores[tier, failed] += 1
+
+    def tier_write_dropped(self, reason: str, count: int) -> None:
+        self.dropped[reason] += count
 
     def encoded(self, tier: Optional[str], recomputed: int) -> None:
         self.sources[tier] += 1
@@ -81,7 +87,10 @@ def cut(request, end):
 
 
 def rank(ranker, request):
-    return ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"])
+    """The ranker's answer, once the tier writes it queued are done (they run in its writer's thread)."""
+    result = ranker.rank(request["user_id"], request["history"], request["candidates"], request["common_features"])
+    assert ranker.cache.flush(timeout=30)
+    return result
 
 
 def assert_same_scores(got, want):
@@ -238,11 +247,12 @@ def test_the_redis_tier_serves_a_second_client_and_fills_the_nearer_tier(exporte
     assert all(near.get(second.cache.version, user_key(r["user_id"])) is not None for r in requests)
 
 
-def test_the_sqlite_tier_keeps_its_byte_bound_evicting_the_least_recently_used(tmp_path):
+def test_the_sqlite_tier_keeps_its_byte_bound_evicting_the_least_recently_touched(tmp_path):
     tier = SqliteTier(tmp_path / "tier.sqlite", 1000)
     for user in "abc":
         tier.put("v", user, bytes(300))
-    assert tier.get("v", "a") is not None  # a is now the most recently used
+    assert tier.get("v", "a") is not None  # a read marks nothing: a fetch marks the entry with touch
+    tier.touch("v", "a")  # a is now the most recently used
     tier.put("v", "d", bytes(300))
     assert tier.nbytes() <= 1000
     assert tier.get("v", "b") is None and all(tier.get("v", u) is not None for u in "acd")
@@ -295,3 +305,94 @@ def test_an_unreachable_remote_tier_or_a_bad_tier_flag_is_one_line_and_exit_2(ex
     assert serving_main([*serve, "--tier-min-tokens", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tier-min-tokens >= 1" in err[0]
+
+
+class GatedTier(SqliteTier):
+    """A shared tier whose writes wait until ``opened`` is set (a slow or locked tier)."""
+
+    def __init__(self, path, max_bytes: int) -> None:
+        super().__init__(path, max_bytes)
+        self.opened = threading.Event()
+        self.writing = threading.Event()  # a write is waiting at the gate
+
+    def put(self, version: str, user: str, blob: bytes) -> None:
+        self.writing.set()
+        assert self.opened.wait(30), "the test never opened the gate"
+        super().put(version, user, blob)
+
+
+def test_a_request_does_not_wait_for_its_tier_writes_and_they_land_afterwards(exported, tmp_path):
+    path, requests = exported
+    tier = GatedTier(tmp_path / "tier.sqlite", 2**26)
+    ranker = worker(path, tier)
+    got = [ranker.rank(r["user_id"], cut(r, LONG)["history"], r["candidates"], r["common_features"]) for r in requests]
+    assert [g.cache_status for g in got] == ["miss"] * len(requests)  # answered while the tier is shut
+    assert tier.writing.wait(30) and counts(ranker).stores == {}
+    assert ranker.cache.writer.pending[0] == len(requests)
+    tier.opened.set()
+    assert ranker.cache.flush(timeout=30)
+    assert counts(ranker).stores == {("shared", False): len(requests)} and not counts(ranker).dropped
+    version = ranker.cache.version
+    assert all(tier.get(version, user_key(r["user_id"])) is not None for r in requests)
+
+
+def test_a_reload_drops_the_queued_writes_and_nothing_of_the_old_model_is_left_in_the_tier(exported, tmp_path):
+    path, requests = exported
+    tier = GatedTier(tmp_path / "tier.sqlite", 2**26)
+    ranker = worker(path, tier)
+    old = ranker.cache.version
+    for r in requests:
+        ranker.rank(r["user_id"], cut(r, LONG)["history"], r["candidates"], r["common_features"])
+    assert tier.writing.wait(30)  # the first write is at the gate, the others queued
+    reload = threading.Thread(target=ranker.reload, args=(path,))
+    reload.start()
+    deadline = time.monotonic() + 60
+    while not counts(ranker).dropped and time.monotonic() < deadline:  # the reload's warm-up, then its swap
+        time.sleep(0.01)
+    assert ranker.cache.model_version == 1
+    assert counts(ranker).dropped == {"stale": len(requests) - 1}
+    tier.opened.set()  # the write that began before the reload ends; the reload's purge follows it
+    reload.join(60)
+    assert not reload.is_alive() and ranker.cache.flush(timeout=30)
+    assert all(tier.get(old, user_key(r["user_id"])) is None for r in requests)
+    assert tier.nbytes() == 0
+
+
+def test_a_full_write_queue_drops_the_write_counts_it_and_the_eviction_writes_it_back(exported, tmp_path):
+    from gr.serving.metrics import ServerMetrics
+
+    path, requests = exported
+    tier = GatedTier(tmp_path / "tier.sqlite", 2**26)
+    ranker = Ranker.load(path, page_size=4, tiers=[tier], tier_min_tokens=MIN_TOKENS)
+    ranker.cache.writer.max_bytes = 1  # one write at a time: the one at the gate
+    metrics = ServerMetrics(ranker)
+    for r in requests:
+        ranker.rank(r["user_id"], cut(r, LONG)["history"], r["candidates"], r["common_features"])
+    assert ranker.cache.writer.pending[0] == 1
+    text = metrics.exposition().decode()
+    assert f'gr_cache_tier_writes_dropped_total{{reason="queue_full"}} {len(requests) - 1}.0' in text
+    tier.opened.set()
+    assert ranker.cache.flush(timeout=30)
+    stored = [tier.get(ranker.cache.version, user_key(r["user_id"])) is not None for r in requests]
+    assert stored == [True] + [False] * (len(requests) - 1)
+    ranker.cache.writer.max_bytes = 2**30
+    while ranker.cache.evict_oldest():  # a dropped entry is written back when the cache evicts it
+        pass
+    assert ranker.cache.flush(timeout=30)
+    assert all(tier.get(ranker.cache.version, user_key(r["user_id"])) is not None for r in requests)
+
+
+def test_closing_the_cache_drops_what_its_writer_cannot_write_in_time_and_counts_it(exported, tmp_path):
+    path, requests = exported
+    tier = GatedTier(tmp_path / "tier.sqlite", 2**26)
+    ranker = worker(path, tier)
+    for r in requests:
+        ranker.rank(r["user_id"], cut(r, LONG)["history"], r["candidates"], r["common_features"])
+    assert tier.writing.wait(30)
+    started = time.monotonic()
+    ranker.cache.close(timeout=0.2)
+    assert time.monotonic() - started < 10
+    assert counts(ranker).dropped == {"shutdown": len(requests) - 1}
+    tier.opened.set()  # the write at the gate fails: its connection is closed
+    ranker.cache.share("late", ranker.cache.get(requests[0]["user_id"]), fresh=True)
+    assert counts(ranker).dropped == {"shutdown": len(requests)}

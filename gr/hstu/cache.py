@@ -85,13 +85,14 @@ class HistoryCache:
         return self.keys[index], self.values[index]
 
     def unpaged(self) -> "HistoryCache":
-        """The same cache with its K/V in its own tensors (a copy of the pages when paged)."""
+        """The same cache with its K/V in its own tensors (a copy of the pages when paged: never a view
+        of the pool, whose pages may be reused once this cache's ``paged`` is gone)."""
         if self.paged is None:
             return self
         layers = [self.layer(i) for i in range(len(self.paged.pool.keys))]
         return HistoryCache(
-            tuple(k.contiguous() for k, _ in layers),
-            tuple(v.contiguous() for _, v in layers),
+            tuple(k.clone(memory_format=torch.contiguous_format) for k, _ in layers),
+            tuple(v.clone(memory_format=torch.contiguous_format) for _, v in layers),
             self.timestamps,
             self.pending,
         )

@@ -41,9 +41,10 @@ class ServerMetrics:
     store's latency and errors by operation (append, read; ``observe_store``), where each request's
     encoded history came from (tiers local, shared, remote: ``gr.serving.shared_tier``; a request
     encoded from scratch counts as a ``gr_cache`` miss), the tiers' misses by reason, fetch and
-    store latency and failed stores, the history tokens each request encoded, the model version of
-    ``ranker`` and the live worker processes. ``refresh`` sets this process's gauges (after each request and
-    reload; a scrape reads the other workers' last values)."""
+    store latency, failed stores and the writes dropped before reaching them, the history tokens
+    each request encoded, the model version of ``ranker`` and the live worker processes. ``refresh``
+    sets this process's gauges (after each request and reload; a scrape reads the other workers'
+    last values)."""
 
     def __init__(self, ranker: Ranker) -> None:
         self.ranker = ranker
@@ -139,6 +140,13 @@ class ServerMetrics:
             ["tier"],
             registry=self.registry,
         )
+        self.tier_writes_dropped = Counter(
+            "gr_cache_tier_writes_dropped",
+            "Tier writes dropped before reaching the tiers by reason (queue_full: the writer's queue was full; "
+            "stale: a reload came first; shutdown: the worker stopped)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.recomputed = Histogram(
             "gr_tokens_recomputed",
             "History tokens each request encoded (0: its whole history came from a tier)",
@@ -202,6 +210,10 @@ class ServerMetrics:
         self.tier_latency.labels(tier, "store").observe(seconds)
         if failed:
             self.tier_store_errors.labels(tier).inc()
+
+    def tier_write_dropped(self, reason: str, count: int) -> None:
+        """``count`` tier writes dropped (``TieredCache.observer``, from the tier writer's thread)."""
+        self.tier_writes_dropped.labels(reason).inc(count)
 
     def encoded(self, tier: Optional[str], recomputed: int) -> None:
         """One request's history (``TieredCache.observer``): the tier its state came from (None:

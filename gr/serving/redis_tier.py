@@ -50,6 +50,9 @@ class RedisTier(TierStore):
         except redis.RedisError as exc:
             raise TierError(f"remote tier {self.location}: put: {exc}") from None
 
+    def touch(self, version: str, user: str) -> None:
+        """Nothing: Redis marks a key used when ``get`` reads it."""
+
     def purge(self, version: str) -> None:
         try:
             batch: List[bytes] = []

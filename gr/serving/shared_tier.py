@@ -20,7 +20,8 @@ request's, is a miss (counted by reason), never an answer.
 Policy (``TieredCache``): a fresh encoding of at least ``min_tokens`` tokens is written through to
 every tier (another worker may get the user's next request), and an entry that the local cache
 evicts is written back when it holds more tokens than the tiers do (the user's next request
-fetches it). Histories shorter than ``min_tokens`` are neither stored nor fetched: under that
+fetches it); both are written by the worker's tier writer (``gr.serving.tier_writer``), never in
+the request. Histories shorter than ``min_tokens`` are neither stored nor fetched: under that
 length encoding costs less than fetching (``bench/serving_tier.py`` measures both). A reload that
 invalidates the cache moves to a new model version and purges the old one from every tier.
 """
@@ -35,8 +36,10 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -45,6 +48,7 @@ from torch import Tensor
 from gr.hstu.cache import CachedHSTU, HistoryCache
 from gr.hstu.user_state import Tokens, UserState
 from gr.serving.options import DEFAULT_TIER_MIN_TOKENS
+from gr.serving.tier_writer import BackgroundWriter
 from gr.serving.user_cache import UserCache
 from gr.timestamps import TIMESTAMPS
 
@@ -53,7 +57,12 @@ MAGIC = b"GRKVTIER"
 _HEAD = struct.Struct("<8sI")  # magic, header bytes
 _CRC = struct.Struct("<I")  # CRC-32 of everything before it
 BUSY_TIMEOUT_S = 5.0  # how long a shared-tier writer waits for another worker's transaction
+# The shared tier's SQLite pages (entries of 0.1-100 MB: large pages make short overflow chains) and
+# how much of its file a connection maps; bench/serving_tier.py's line section times fetches with them.
+PAGE_BYTES = 65536
+MMAP_BYTES = 2**31
 MISS_REASONS = ("absent", "other_history", "corrupt", "unreachable")
+CLOSE_TIMEOUT_S = 5.0  # how long closing a worker's cache writes what its writer has queued
 
 
 class TierError(RuntimeError):
@@ -79,6 +88,11 @@ class TierStore(ABC):
         """Store (replace) the blob of ``user`` under model ``version``; TierError when unreachable."""
 
     @abstractmethod
+    def touch(self, version: str, user: str) -> None:
+        """Mark the entry of ``user`` under model ``version`` used now (``get`` only reads: a fetch
+        marks it from the tier writer's thread); TierError when unreachable."""
+
+    @abstractmethod
     def purge(self, version: str) -> None:
         """Drop every entry of model ``version``; TierError when unreachable."""
 
@@ -93,7 +107,8 @@ class SqliteTier(TierStore):
     to the count the file keeps and evicts the least recently fetched or stored entries past
     ``max_bytes``, so the bound and the LRU order hold across processes without a lock protocol of
     ours, and a reader sees a whole entry or none (an entry larger than ``max_bytes`` is not
-    stored)."""
+    stored). Each thread has a connection of its own: a read (WAL) never waits for a write, not
+    even one of its own process."""
 
     name = "shared"
 
@@ -101,12 +116,14 @@ class SqliteTier(TierStore):
         if max_bytes < 1:
             raise ValueError(f"SqliteTier.max_bytes: expected >= 1, got {max_bytes}")
         self.path, self.max_bytes = Path(path), int(max_bytes)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the list of connections
+        self._connections: List[sqlite3.Connection] = []
+        self._local = threading.local()  # this thread's connection
         try:
-            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=OFF")  # in memory, for the server's lifetime: nothing to make durable
-            self._db.executescript(
+            db = self._db()
+            db.execute(f"PRAGMA page_size={PAGE_BYTES}")  # before the first table: a new file's pages
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(
                 "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, version TEXT NOT NULL, "
                 "bytes INTEGER NOT NULL, blob BLOB NOT NULL);"
                 "CREATE INDEX IF NOT EXISTS entries_version ON entries (version);"
@@ -124,60 +141,42 @@ class SqliteTier(TierStore):
         return str(self.path)
 
     def get(self, version: str, user: str) -> Optional[bytes]:
-        key = _key(version, user)
-        row = self._run("get", "SELECT blob FROM entries WHERE key = ?", (key,))
-        if row is not None:
-            self._run("get", "UPDATE used SET at = ? WHERE key = ?", (time.time_ns(), key))
+        """The blob (a read only: ``touch`` marks it used)."""
+        row = self._run("get", "SELECT blob FROM entries WHERE key = ?", (_key(version, user),))
         return None if row is None else bytes(row[0])
+
+    def touch(self, version: str, user: str) -> None:
+        self._run("touch", "UPDATE used SET at = ? WHERE key = ?", (time.time_ns(), _key(version, user)))
 
     def put(self, version: str, user: str, blob: bytes) -> None:
         key, size = _key(version, user), len(blob)
-        with self._lock:
-            try:
-                db = self._db
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    held = db.execute("SELECT bytes FROM held").fetchone()[0]
-                    old_size = db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
-                    if old_size is not None:
-                        db.execute("DELETE FROM entries WHERE key = ?", (key,))
-                        db.execute("DELETE FROM used WHERE key = ?", (key,))
-                        held -= old_size[0]
-                    if size <= self.max_bytes:
-                        dropped = []
-                        oldest = "SELECT used.key, bytes FROM used JOIN entries USING (key) ORDER BY at"
-                        for old, old_size in db.execute(oldest):
-                            if held + size <= self.max_bytes:
-                                break
-                            dropped.append((old,))
-                            held -= old_size
-                        db.executemany("DELETE FROM entries WHERE key = ?", dropped)
-                        db.executemany("DELETE FROM used WHERE key = ?", dropped)
-                        db.execute("INSERT INTO entries VALUES (?, ?, ?, ?)", (key, version, size, blob))
-                        db.execute("INSERT INTO used VALUES (?, ?)", (key, time.time_ns()))
-                        held += size
-                    db.execute("UPDATE held SET bytes = ?", (held,))
-                    db.execute("COMMIT")
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise TierError(f"shared tier {self.path}: put: {exc}") from None
+        with self._transaction("put") as db:
+            held = db.execute("SELECT bytes FROM held").fetchone()[0]
+            old_size = db.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()
+            if old_size is not None:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                db.execute("DELETE FROM used WHERE key = ?", (key,))
+                held -= old_size[0]
+            if size <= self.max_bytes:
+                dropped = []
+                oldest = "SELECT used.key, bytes FROM used JOIN entries USING (key) ORDER BY at"
+                for old, old_size in db.execute(oldest):
+                    if held + size <= self.max_bytes:
+                        break
+                    dropped.append((old,))
+                    held -= old_size
+                db.executemany("DELETE FROM entries WHERE key = ?", dropped)
+                db.executemany("DELETE FROM used WHERE key = ?", dropped)
+                db.execute("INSERT INTO entries VALUES (?, ?, ?, ?)", (key, version, size, blob))
+                db.execute("INSERT INTO used VALUES (?, ?)", (key, time.time_ns()))
+                held += size
+            db.execute("UPDATE held SET bytes = ?", (held,))
 
     def purge(self, version: str) -> None:
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute(
-                    "DELETE FROM used WHERE key IN (SELECT key FROM entries WHERE version = ?)", (version,)
-                )
-                self._db.execute("DELETE FROM entries WHERE version = ?", (version,))
-                self._db.execute("UPDATE held SET bytes = (SELECT COALESCE(SUM(bytes), 0) FROM entries)")
-                self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise TierError(f"shared tier {self.path}: purge: {exc}") from None
+        with self._transaction("purge") as db:
+            db.execute("DELETE FROM used WHERE key IN (SELECT key FROM entries WHERE version = ?)", (version,))
+            db.execute("DELETE FROM entries WHERE version = ?", (version,))
+            db.execute("UPDATE held SET bytes = (SELECT COALESCE(SUM(bytes), 0) FROM entries)")
 
     def nbytes(self) -> int:
         """Bytes of the entries held (counted as they are stored and evicted)."""
@@ -186,14 +185,44 @@ class SqliteTier(TierStore):
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            connections, self._connections = self._connections, []
+        for db in connections:
+            db.close()
+
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection (opened on its first call)."""
+        db: Optional[sqlite3.Connection] = getattr(self._local, "db", None)
+        if db is None:
+            # check_same_thread off: close() closes every thread's connection
+            db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA synchronous=OFF")  # in memory, for the server's lifetime: nothing to make durable
+            db.execute(f"PRAGMA mmap_size={MMAP_BYTES}")  # reads of the file map it instead of read() calls
+            with self._lock:
+                self._connections.append(db)
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def _transaction(self, what: str) -> Iterator[sqlite3.Connection]:
+        """This thread's connection in one write transaction (committed, or rolled back when the
+        block fails); TierError naming ``what`` when SQLite fails (e.g. locked past its timeout)."""
+        try:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise TierError(f"shared tier {self.path}: {what}: {exc}") from None
 
     def _run(self, what: str, sql: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        with self._lock:
-            try:
-                return self._db.execute(sql, args).fetchone()
-            except sqlite3.Error as exc:
-                raise TierError(f"shared tier {self.path}: {what}: {exc}") from None
+        try:
+            return self._db().execute(sql, args).fetchone()
+        except sqlite3.Error as exc:
+            raise TierError(f"shared tier {self.path}: {what}: {exc}") from None
 
 
 def _key(version: str, user: str) -> str:
@@ -351,7 +380,8 @@ def _fits(engine: CachedHSTU, arrays: Dict[str, Tensor], length: int, committed:
 
 # ---- the user cache in front of the tiers ---------------------------------------------------
 class TierObserver(Protocol):
-    """What the server's metrics count (``gr.serving.metrics.ServerMetrics``)."""
+    """What the server's metrics count (``gr.serving.metrics.ServerMetrics``); the writes' calls
+    come from the tier writer's thread."""
 
     def tier_fetched(self, tier: str, seconds: float, reason: str) -> None:
         """One fetch from ``tier``: reason "" (a hit) or a miss's (``MISS_REASONS``)."""
@@ -359,9 +389,27 @@ class TierObserver(Protocol):
     def tier_stored(self, tier: str, seconds: float, failed: bool) -> None:
         """One entry written to ``tier``."""
 
+    def tier_write_dropped(self, reason: str, count: int) -> None:
+        """``count`` writes dropped before reaching the tiers (``gr.serving.tier_writer.DROP_REASONS``)."""
+
     def encoded(self, tier: Optional[str], recomputed: int) -> None:
         """One request's history: the tier its state came from (None: encoded from scratch) and the
         tokens it encoded."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Write:
+    """One write the tier writer does: ``state`` (packed there) or ``blob`` to ``tiers`` under
+    ``version`` (the tiers' key) and ``model_version`` (the cache's), or with ``touch`` the mark
+    that ``user``'s entry in ``tiers[0]`` was used."""
+
+    tiers: Tuple[TierStore, ...]
+    version: str
+    user: str
+    model_version: int
+    state: Optional[UserState] = None
+    blob: Optional[bytes] = None
+    touch: bool = False
 
 
 class TieredCache(UserCache[UserState]):
@@ -369,7 +417,17 @@ class TieredCache(UserCache[UserState]):
     ``fetch`` looks a history up in them, ``share`` writes an entry to them, and an entry the LRU
     evicts is written back (see the module docstring). ``version``: the model version entries are
     keyed by; after ``invalidate``, ``purge_retired`` purges the old one from every tier. A tier
-    that fails is a miss, never a failed request."""
+    that fails is a miss, never a failed request.
+
+    Every write goes through a ``BackgroundWriter`` (a thread of the worker's, started by the first
+    write), so no request waits for one; its queue holds at most ``queue_bytes`` (default half of
+    ``max_bytes``) of the entries' bytes, past which a write is dropped and counted (a dropped fresh
+    entry is written back when the LRU evicts it). An evicted
+    entry's K/V are copied out of the page pool before they are queued (the pool gets its pages at
+    once); a queued fresh one keeps its pages until written. A write queued before a reload that
+    invalidates is never written (``invalidate`` drops the queue, and the writer checks the model
+    version again under the lock ``purge_retired`` takes). ``flush`` waits for the writes queued;
+    ``close`` writes what it can in ``CLOSE_TIMEOUT_S`` and drops the rest."""
 
     def __init__(
         self,
@@ -377,6 +435,7 @@ class TieredCache(UserCache[UserState]):
         tiers: Sequence[TierStore] = (),
         min_tokens: int = DEFAULT_TIER_MIN_TOKENS,
         version: str = "",
+        queue_bytes: Optional[int] = None,
     ) -> None:
         super().__init__(max_bytes)
         if min_tokens < 1:
@@ -387,6 +446,10 @@ class TieredCache(UserCache[UserState]):
         self._version = version
         self._shared: Dict[Hashable, int] = {}  # user -> tokens the tiers hold of it (users this worker saw)
         self._retired: List[str] = []  # keys of models replaced, their entries not yet purged
+        self._writing = threading.Lock()  # held by a write from its version check to its end, and by purges
+        self.writer: BackgroundWriter[_Write] = BackgroundWriter(
+            self._write, self.max_bytes // 2 if queue_bytes is None else queue_bytes, self._observe_drop
+        )
 
     @property
     def version(self) -> str:
@@ -398,7 +461,8 @@ class TieredCache(UserCache[UserState]):
     ) -> Optional[Tuple[UserState, str]]:
         """The user's state from the nearest tier holding a prefix of ``tokens`` -> (state, tier
         name), or None (a history shorter than ``min_tokens``, or no tier holds one). An entry from
-        a farther tier is copied into the nearer ones."""
+        a farther tier is copied into the nearer ones, and the tier it came from marks it used (both
+        by the writer)."""
         if not self.tiers or len(tokens[TIMESTAMPS]) < self.min_tokens:
             return None
         with self._lock:
@@ -420,26 +484,21 @@ class TieredCache(UserCache[UserState]):
             self._observe_fetch(tier.name, time.perf_counter() - started, reason)
             if state is not None:
                 assert blob is not None  # a state comes from a blob
-                self._put_blob(self.tiers[:depth], version, user, blob)
+                self.writer.submit(_Write((tier,), version, user, model_version, touch=True), 0)
+                if depth:
+                    self.writer.submit(
+                        _Write(tuple(self.tiers[:depth]), version, user, model_version, blob=blob), len(blob)
+                    )
                 with self._lock:
                     self._shared[user_id] = state.length
                 return state, tier.name
         return None
 
     def share(self, user_id: Hashable, state: UserState, fresh: bool = False) -> None:
-        """Write ``state`` to every tier when it holds ``min_tokens`` or more, and more tokens than
-        they hold of the user or ``fresh`` (a new encoding: what they hold did not serve), unless a
-        reload made it stale."""
-        if not self.tiers or state.length < self.min_tokens:
-            return
-        with self._lock:
-            stale = state.model_version != self._model_version
-            if stale or (not fresh and self._shared.get(user_id, 0) >= state.length):
-                return
-            version = self._version
-            self._shared[user_id] = state.length
-        user = user_key(user_id)
-        self._put_blob(self.tiers, version, user, pack_state(state, version, user))
+        """Queue ``state``'s write to every tier when it holds ``min_tokens`` or more, and more tokens
+        than they hold of the user or ``fresh`` (a new encoding: what they hold did not serve),
+        unless a reload made it stale."""
+        self._share(user_id, state, fresh, copy=False)
 
     def encoded(self, tier: Optional[str], recomputed: int) -> None:
         """Count one request's history: the tier its state came from and the tokens it encoded."""
@@ -448,7 +507,7 @@ class TieredCache(UserCache[UserState]):
 
     def evicted(self, entries: List[Tuple[Hashable, UserState]]) -> None:
         for user_id, state in entries:
-            self.share(user_id, state)
+            self._share(user_id, state, fresh=False, copy=True)  # its pages go back to the pool now
             with self._lock:
                 self._shared.pop(user_id, None)
 
@@ -458,40 +517,82 @@ class TieredCache(UserCache[UserState]):
             self._shared.pop(user, None)
 
     def invalidate(self, model_version: Optional[int] = None, version: Optional[str] = None) -> None:
-        """Drop every entry; the model version becomes ``model_version`` (default: one more) and the
-        tiers' key ``version`` (default: unchanged). The old key's entries are purged from every tier
-        by the next ``purge_retired`` (outside the caller's locks: a purge of a large tier takes a while)."""
+        """Drop every entry and every queued write; the model version becomes ``model_version``
+        (default: one more) and the tiers' key ``version`` (default: unchanged). The old key's
+        entries are purged from every tier by the next ``purge_retired`` (outside the caller's
+        locks: a purge of a large tier takes a while)."""
         with self._lock:
             self._retired.append(self._version)
             self._shared.clear()
             if version is not None:
                 self._version = version
         super().invalidate(model_version)
+        self.writer.discard()
 
     def purge_retired(self) -> None:
         """Purge the entries of every key ``invalidate`` retired from every tier."""
         with self._lock:
             retired, self._retired = self._retired, []
-        for version in retired:
-            for tier in self.tiers:
-                try:
-                    tier.purge(version)
-                except TierError:
-                    self._observe_store(tier.name, 0.0, True)
+        with self._writing:  # a write that checked its version before the reload ends first
+            for version in retired:
+                for tier in self.tiers:
+                    try:
+                        tier.purge(version)
+                    except TierError:
+                        self._observe_store(tier.name, 0.0, True)
 
-    def close(self) -> None:
-        """Close every tier's connection."""
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every write queued so far is done -> False when ``timeout`` seconds passed first."""
+        return self.writer.flush(timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is queued (for at most ``timeout`` seconds; the rest is dropped), then close
+        every tier's connection."""
+        self.writer.close(timeout)
         for tier in self.tiers:
             tier.close()
 
-    def _put_blob(self, tiers: Sequence[TierStore], version: str, user: str, blob: bytes) -> None:
-        for tier in tiers:
-            started, failed = time.perf_counter(), False
+    def _share(self, user_id: Hashable, state: UserState, fresh: bool, copy: bool) -> None:
+        """``share``; copy: queue a copy of a paged state's K/V (its pages stay free to reuse)."""
+        if not self.tiers or state.length < self.min_tokens:
+            return
+        with self._lock:
+            stale = state.model_version != self._model_version
+            if stale or (not fresh and self._shared.get(user_id, 0) >= state.length):
+                return
+            version = self._version
+        if copy and state.cache.paged is not None:
+            state = replace(state, cache=state.cache.unpaged())
+        write = _Write(tuple(self.tiers), version, user_key(user_id), state.model_version, state=state)
+        if self.writer.submit(write, state.nbytes):  # a dropped write leaves the entry to its write-back
+            with self._lock:
+                self._shared[user_id] = state.length
+
+    def _write(self, write: _Write) -> None:
+        """One queued write (in the writer's thread): dropped ("stale") when a reload came since."""
+        if write.touch:
             try:
-                tier.put(version, user, blob)
+                write.tiers[0].touch(write.version, write.user)
             except TierError:
-                failed = True
-            self._observe_store(tier.name, time.perf_counter() - started, failed)
+                pass  # the entry keeps its place in the LRU order: nothing to count
+            return
+        blob = write.blob
+        if blob is None:
+            assert write.state is not None  # a write holds a state or a blob
+            blob = pack_state(write.state, write.version, write.user)
+        with self._writing:
+            with self._lock:
+                stale = write.model_version != self._model_version or write.version != self._version
+            if stale:
+                self._observe_drop("stale", 1)
+                return
+            for tier in write.tiers:
+                started, failed = time.perf_counter(), False
+                try:
+                    tier.put(write.version, write.user, blob)
+                except TierError:
+                    failed = True
+                self._observe_store(tier.name, time.perf_counter() - started, failed)
 
     def _observe_fetch(self, tier: str, seconds: float, reason: str) -> None:
         if self.observer is not None:
@@ -500,3 +601,7 @@ class TieredCache(UserCache[UserState]):
     def _observe_store(self, tier: str, seconds: float, failed: bool) -> None:
         if self.observer is not None:
             self.observer.tier_stored(tier, seconds, failed)
+
+    def _observe_drop(self, reason: str, count: int) -> None:
+        if self.observer is not None:
+            self.observer.tier_write_dropped(reason, count)

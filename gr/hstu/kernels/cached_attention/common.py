@@ -28,6 +28,7 @@ from gr.hstu.kernels.attention.common import (
 from gr.jagged import lengths_from_offsets, token_offsets_in_seq
 
 NEW_TOKEN_KINDS = ("targets", "history")
+LAYOUTS_KEPT = 64  # read and block layouts a PageTables keeps, each kind (past it, it starts afresh)
 
 
 class PageTables:
@@ -35,7 +36,9 @@ class PageTables:
 
     tables: B [n_b] int64 page ids, the request's tokens in order (token j in page
     tables[b][j // page_size], slot j % page_size); page_size: tokens per page.
-    The pool rows of a request's tokens are computed once and reused by every layer.
+    The pool rows of a request's tokens are computed once and reused by every layer; at most
+    ``LAYOUTS_KEPT`` reads and as many block layouts are kept (a history's tables live as long as
+    its cache entry, read at whatever lengths its requests ask).
     """
 
     def __init__(self, tables: Sequence[Tensor], page_size: int) -> None:
@@ -65,7 +68,7 @@ class PageTables:
             used = [table[: -(-length // self.page_size)].cpu() for table, length in zip(self.tables, key)]
             starts = torch.cat(used).long() * self.page_size if used else torch.zeros(0, dtype=torch.long)
             found = (starts, [0, *itertools.accumulate(t.numel() for t in used)])
-            self._blocks[key] = found
+            _keep(self._blocks, key, found)
         return found
 
     def read(self, index: int, length: int) -> Tuple[str, Union[int, Tensor]]:
@@ -81,8 +84,21 @@ class PageTables:
             else:
                 slots = torch.arange(size, device=table.device)
                 found = ("rows", (pages.view(-1, 1) * size + slots).flatten()[:length])
-            self._reads[key] = found
+            _keep(self._reads, key, found)
         return found
+
+    @property
+    def layouts(self) -> int:
+        """Reads and block layouts kept (each kind at most ``LAYOUTS_KEPT``)."""
+        return len(self._reads) + len(self._blocks)
+
+
+def _keep(layouts: dict, key: object, layout: object) -> None:
+    """Keep ``layout`` under ``key``, emptying ``layouts`` first when it holds ``LAYOUTS_KEPT`` (one
+    step, safe beside other threads reading or keeping: no iteration)."""
+    if len(layouts) >= LAYOUTS_KEPT:
+        layouts.clear()
+    layouts[key] = layout
 
 
 @dataclass(frozen=True, eq=False)
