@@ -7,8 +7,9 @@ Parquet) join the catalogue with their item features:
 * their raw ids extend the item id map (every known item keeps its row);
 * their rows of the item table: on an export of a model with an item tower (``model.item_tower``:
   ``sparse/item_encoder.safetensors``, ``gr.export.item_encoder``), the tower's encoder of their
-  item features, what the model gives an item with those features and no trained id row, so a
-  catalogue search scores each by its features. Otherwise (the model has never seen them; their item
+  item features, what the model gives an item with those features and no trained id row, turned by
+  its count where the encoder file holds the mean served query (``gr.export.new_item_rows``), so a
+  catalogue search scores each by its features and how often it was seen. Otherwise (the model has never seen them; their item
   features, which the PrefixDNN reads, are what tells them apart as candidates) they are, on an
   export with a retrieval head, zero: a catalogue search (recommend, generation) scores an item by
   the cosine of its normalised row with the query, and a zero row normalises to zero (never NaN), so
