@@ -9,8 +9,9 @@ Parquet) join the catalogue with their item features:
   ``sparse/item_encoder.safetensors``, ``gr.export.item_encoder``), the tower's encoder of their
   item features, what the model gives an item with those features and no trained id row, turned by
   its count where the encoder file holds the mean served query (``gr.export.new_item_rows``), so a
-  catalogue search scores each by its features and how often it was seen. Otherwise (the model has never seen them; their item
-  features, which the PrefixDNN reads, are what tells them apart as candidates) they are, on an
+  catalogue search scores each by its features and how often it was seen. Otherwise (the model has
+  never seen them; their item features, which the PrefixDNN reads, are what tells them apart as
+  candidates) they are, on an
   export with a retrieval head, zero: a catalogue search (recommend, generation) scores an item by
   the cosine of its normalised row with the query, and a zero row normalises to zero (never NaN), so
   a new item scores 0 for every query and ranks below every trained item the query has a positive
