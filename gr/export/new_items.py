@@ -172,30 +172,20 @@ def add_items(
             if given is not None:  # file row r's item: its known row, or the next new row
                 counts[np.where(rows >= 0, rows, table.rows + np.cumsum(rows < 0) - 1)] = given
         if encoder is not None:  # rows = trained id part + the encoder of the (new) features and counts
-            replaced = rows[rows >= 0]
-            old = encoder.encode_columns(
-                {
-                    **{name: store.lookup(name, replaced) for name in store.features},
-                    **popularity_columns(encoder, None if popularity is None else popularity[replaced]),
-                }
-            )
-            new_items = np.concatenate([replaced, np.arange(table.rows, table.rows + added)])
+            replaced, fresh = rows[rows >= 0], np.arange(table.rows, table.rows + added)
+            placing = mean_query is not None and popularity is not None and added > 0  # gr.export.new_item_rows
+            # every trained item's feature-only vector when placing (the fit reads them), else the replaced ones'
+            known = np.arange(table.rows) if placing else replaced
+            trained_only = _feature_vectors(encoder, store, popularity, known)
+            grown[replaced] -= trained_only[replaced] if placing else trained_only
             grown_store = ItemStore(ITEM_FEATURE, features)
-            new = encoder.encode_columns(
-                {
-                    **{name: grown_store.lookup(name, new_items) for name in features},
-                    **popularity_columns(encoder, None if counts is None else counts[new_items]),
-                }
-            )
-            grown[replaced] -= old.numpy()
-            grown[new_items] += new.numpy()
-            if mean_query is not None and popularity is not None and counts is not None and added:  # new_item_rows
-                trained = np.arange(table.rows)
-                store_columns = {name: store.lookup(name, trained) for name in store.features}
-                features_only = encoder.encode_columns({**store_columns, **popularity_columns(encoder, popularity)})
-                fit = fit_gain(mean_query, weights, features_only.numpy(), popularity)
-                fresh = new_items[len(replaced) :]
-                grown[fresh] = placed_rows(grown[fresh], counts[fresh], mean_query, fit)
+            grown[replaced] += _feature_vectors(encoder, grown_store, counts, replaced)
+            new = _feature_vectors(encoder, grown_store, counts, fresh)
+            if placing:
+                assert mean_query is not None and popularity is not None and counts is not None  # placing says so
+                fit = fit_gain(mean_query, weights, trained_only, popularity)
+                new = placed_rows(new, counts[fresh], mean_query, fit)
+            grown[fresh] = new
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
         sparse = replace(
             export.sparse, tables={**export.sparse.tables, table.name: replace(table, rows=table.rows + added)}
@@ -221,6 +211,17 @@ def add_items(
     if searched and added:
         summary["trained_items"] = table.rows
     return summary
+
+
+def _feature_vectors(
+    encoder: ItemEncoder, store: ItemStore, counts: Optional[np.ndarray], items: np.ndarray
+) -> np.ndarray:
+    """[n, d] the encoder's vectors of ``items`` [n] from their features in ``store`` and, when it
+    reads them, their ``counts`` ([rows] int64)."""
+    columns = {name: store.lookup(name, items) for name in store.features}
+    return encoder.encode_columns(
+        {**columns, **popularity_columns(encoder, None if counts is None else counts[items])}
+    ).numpy()
 
 
 def _item_encoder(root: Path, sparse: SparseManifest) -> Tuple[Optional[ItemEncoder], Optional[np.ndarray]]:

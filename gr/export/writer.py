@@ -235,7 +235,8 @@ def export_checkpoint(
     item_features = run_item_features(run_dir, model.prefix_dnn.feature_names, data)
     popularity = run_popularity(run_dir)
     mean_query = None
-    if model.item_tower is not None and data is not None:
+    if data is not None:  # an item tower: its items' features and counts, then the mean query it serves
+        assert model.item_tower is not None
         model.item_tower.set_items(item_features, popularity)
         mean_query = mean_served_query(model, data)
     touched = None
