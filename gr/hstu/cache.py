@@ -207,12 +207,7 @@ class CachedHSTU:
         x, offsets = x.to(device), offsets.to(device)
         lengths = offsets.diff()
         longest = int(lengths.max()) if lengths.numel() else 0
-        if longest > self.config.max_seq_len:
-            raise ValueError(
-                f"HSTU cache: a history of {longest} tokens exceeds HSTUConfig.max_seq_len {self.config.max_seq_len}"
-            )
-        if timestamps is None and self.config.time_buckets > 0:
-            raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
+        self._check_history(longest, timestamps)
         ts = None if timestamps is None else timestamps.to(device=device, dtype=torch.long)
         query_ts = None
         if self.defers_last:
@@ -558,13 +553,15 @@ class CachedHSTU:
         c = self.config
         if x.dim() != 2 or x.shape[1] != c.hidden_dim:
             raise ValueError(f"HSTU cache: x must be [n, {c.hidden_dim}], got {tuple(x.shape)}")
-        if timestamps is None and c.time_buckets > 0:
-            raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
         if timestamps is not None and timestamps.shape != x.shape[:1]:
             raise ValueError(f"HSTU cache: timestamps must be [{x.shape[0]}], got {tuple(timestamps.shape)}")
-        history_end = start if targets else start + x.shape[0]
-        if history_end > c.max_seq_len:
-            raise ValueError(
-                f"HSTU cache: a history of {history_end} tokens exceeds HSTUConfig.max_seq_len {c.max_seq_len}"
-            )
+        self._check_history(start if targets else start + x.shape[0], timestamps)
         return int(x.shape[0])
+
+    def _check_history(self, length: int, timestamps: Optional[Tensor]) -> None:
+        """A history of ``length`` tokens fits max_seq_len, with timestamps where the time bias reads them."""
+        c = self.config
+        if timestamps is None and c.time_buckets > 0:
+            raise ValueError("HSTU cache: timestamps are required when HSTUConfig.time_buckets > 0")
+        if length > c.max_seq_len:
+            raise ValueError(f"HSTU cache: a history of {length} tokens exceeds HSTUConfig.max_seq_len {c.max_seq_len}")
