@@ -35,7 +35,7 @@ from torch import Tensor
 
 from gr.hstu.config import HSTUConfig
 from gr.hstu.kernels.attention import AttentionWorkspace
-from gr.hstu.kernels.cached_attention import CacheTensor, PagedCache, PageTables, default_positions
+from gr.hstu.kernels.cached_attention import CachedSetup, CacheTensor, PagedCache, PageTables, default_positions
 from gr.hstu.layer import HSTULayer
 from gr.hstu.paged import PagedKV, PagePool
 from gr.hstu.stack import HSTU
@@ -504,6 +504,7 @@ class CachedHSTU:
         if pool is not None and all(c.paged is not None and c.paged.pool is pool for c in caches):
             tables = PageTables([cast(PagedKV, c.paged).table for c in caches], pool.page_size)
         keys, values = [], []
+        setup = CachedSetup()  # the layers' calls share their requests' masks and bias buckets
         for i, layer in enumerate(cast(Sequence[HSTULayer], self.hstu.layers)):
             u, q, k, v = layer.project(h)
             cache_k: CacheTensor
@@ -531,6 +532,7 @@ class CachedHSTU:
                 timestamps=timestamps,
                 query_times=timestamps if query_times is None else query_times,
                 cache_timestamps=cache_ts,
+                setup=setup,
             )
             h = layer.combine(h, attn, u)
             keys.append(k.transpose(0, 1))

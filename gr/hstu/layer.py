@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from gr.hstu.config import HSTUConfig
 from gr.hstu.dropout import Dropout
 from gr.hstu.kernels.attention import AttentionWorkspace, RelativeBias, hstu_attention
-from gr.hstu.kernels.cached_attention import hstu_cached_attention
+from gr.hstu.kernels.cached_attention import CachedSetup, hstu_cached_attention
 from gr.hstu.kernels.cached_attention.common import CacheTensor
 from gr.hstu.kernels.layer_ops import combine, project
 
@@ -116,9 +116,11 @@ class HSTULayer(nn.Module):
         timestamps: Optional[Tensor] = None,
         query_times: Optional[Tensor] = None,
         cache_timestamps: Optional[CacheTensor] = None,
+        setup: Optional[CachedSetup] = None,
     ) -> Tensor:
         """New tokens against cached K/V and themselves under this layer's mask and bias
-        (``gr.hstu.kernels.cached_attention.hstu_cached_attention``): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
+        (``gr.hstu.kernels.cached_attention.hstu_cached_attention``; ``setup``: the pass's, shared by
+        its layers): q, k: [N, H, Da], v: [N, H, Dl] -> [N, H, Dl]."""
         return hstu_cached_attention(
             q,
             k,
@@ -132,6 +134,7 @@ class HSTULayer(nn.Module):
             block_visible=block_visible,
             rab=self.relative_bias(timestamps, query_times),
             cache_timestamps=cache_timestamps,
+            setup=setup,
             backend=self.config.kernel_backend,
             **self.attention_options.keywords(),
         )

@@ -198,10 +198,8 @@ class PagePool:
     def _rows(self, pages: List[int], start: int, end: int) -> Tensor:
         """[end - start] int64: the pool rows of tokens start .. end - 1 of a history on ``pages``."""
         size = self.page_size
-        first = start // size
-        table = torch.tensor(pages[first : -(-end // size)], dtype=torch.long, device=self.device)
-        slots = torch.arange(size, device=self.device)
-        return (table.view(-1, 1) * size + slots).flatten()[start - first * size : end - first * size]
+        rows = [pages[j // size] * size + j % size for j in range(start, end)]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _table(self, pages: List[int], length: int) -> "PagedKV":
         with self._lock:

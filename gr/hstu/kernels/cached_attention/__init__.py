@@ -23,13 +23,21 @@ from gr.hstu.kernels.attention import RelativeBias, backend_entry, resolve_backe
 from gr.hstu.kernels.cached_attention.by_concat import concat_hstu_cached_attention
 from gr.hstu.kernels.cached_attention.common import (
     CachedAttentionCall,
+    CachedSetup,
     CacheTensor,
     PagedCache,
     PageTables,
     default_positions,
 )
 
-__all__ = ["CachedAttentionCall", "PageTables", "PagedCache", "default_positions", "hstu_cached_attention"]
+__all__ = [
+    "CachedAttentionCall",
+    "CachedSetup",
+    "PageTables",
+    "PagedCache",
+    "default_positions",
+    "hstu_cached_attention",
+]
 
 _BACKENDS: Dict[str, str] = {  # name -> "module:function"; the others run by_concat
     "pytorch": "gr.hstu.kernels.cached_attention.pytorch:pytorch_hstu_cached_attention",
@@ -56,6 +64,7 @@ def hstu_cached_attention(
     silu_scale: Optional[float] = None,
     rab: Optional[RelativeBias] = None,
     cache_timestamps: Optional[CacheTensor] = None,
+    setup: Optional[CachedSetup] = None,
     backend: str = "auto",
 ) -> Tensor:
     """HSTU attention of new tokens over their request's cached K/V and the new tokens themselves.
@@ -81,12 +90,15 @@ def hstu_cached_attention(
     rab: ``RelativeBias`` of the new tokens (``timestamps``/``query_times``: [N] int64) or None
     cache_timestamps: [C] int64 seconds of the cached tokens (or B per-request [C_b]); required
         with a time bias
+    setup: a ``CachedSetup`` shared by the calls of one pass through the layers (they differ only in
+        q, k, v, the caches' pools and the bias weights): what they share is checked and worked out
+        once; None: this call alone
     backend: one of ``gr.hstu.kernels.attention.available_backends()`` or "auto" (by q's device)
     returns: [N, H, Dl]
     """
     call = CachedAttentionCall(
         q, k, v, new_offsets, cache_k, cache_v, cache_offsets, new_tokens, positions, block_visible,
-        contextual_len, max_attn_len, alpha, silu_scale, rab, cache_timestamps,
+        contextual_len, max_attn_len, alpha, silu_scale, rab, cache_timestamps, setup,
     )  # fmt: skip
     call.validate()
     name = resolve_backend(backend, q.device.type)

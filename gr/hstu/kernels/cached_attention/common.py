@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple, Union, overload
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from gr.hstu.kernels.attention.common import (
     position_bucket,
     time_bucket,
 )
-from gr.jagged import lengths_from_offsets, token_offsets_in_seq
+from gr.jagged import lengths_from_offsets
 
 NEW_TOKEN_KINDS = ("targets", "history")
 LAYOUTS_KEPT = 64  # read and block layouts a PageTables keeps, each kind (past it, it starts afresh)
@@ -158,6 +158,21 @@ class CachedRequest:
     block_visible: Optional[Tensor]
 
 
+class CachedSetup:
+    """What the cached-attention calls of one pass through the layers share, worked out by the first
+    call and reused by the others: the call's checks, and what a backend derives from the requests'
+    offsets, positions, masks and times (kept under the backend's name in ``kept``).
+
+    One setup serves one pass: every call given it has the same new_offsets, cache_offsets,
+    positions, block_visible, options, timestamps, query times and cache timestamps, and caches of
+    the same lengths and page tables; q, k, v, the caches' pools and the bias weights may differ
+    (each layer's)."""
+
+    def __init__(self) -> None:
+        self.validated = False
+        self.kept: Dict[str, object] = {}
+
+
 @dataclass(frozen=True, eq=False)
 class CachedAttentionCall:
     """One cached-attention call: what every backend of ``hstu_cached_attention`` takes, by keyword
@@ -174,6 +189,7 @@ class CachedAttentionCall:
     contextual_len, max_attn_len, alpha, silu_scale: as ``AttentionOptions`` documents them
     rab: ``RelativeBias`` of the new tokens ([N] timestamps / query_times) or None
     cache_timestamps: [C] int64 (or B per-request [C_b]); required with a time bias
+    setup: the pass's ``CachedSetup`` (None: this call alone)
     """
 
     q: Tensor
@@ -192,12 +208,16 @@ class CachedAttentionCall:
     silu_scale: Optional[float] = None
     rab: Optional[RelativeBias] = None
     cache_timestamps: Optional[CacheTensor] = None
+    setup: Optional[CachedSetup] = None
 
     def validate(self) -> None:
-        """Shapes, dtypes and devices every backend relies on; errors name the argument."""
+        """Shapes, dtypes and devices every backend relies on; errors name the argument. Within a
+        pass (``setup``) what the calls share is checked by the first one only."""
         op = "hstu_cached_attention"
         q, k, v, new_offsets, cache_offsets = self.q, self.k, self.v, self.new_offsets, self.cache_offsets
         check_qkv(op, q, k, v, "[N, H, Da]", "[N, H, Dl]")
+        if self.setup is not None and self.setup.validated:
+            return
         if self.new_tokens not in NEW_TOKEN_KINDS:
             raise ValueError(f"{op}: new_tokens must be one of {list(NEW_TOKEN_KINDS)}, got {self.new_tokens!r}")
         if new_offsets.shape != cache_offsets.shape or new_offsets.dim() != 1:
@@ -227,6 +247,8 @@ class CachedAttentionCall:
                         f" (cache_offsets say {lengths} tokens per request), got "
                         f"{None if part is None else tuple(part.shape)}"
                     )
+        if self.setup is not None:
+            self.setup.validated = True
 
 
 def _check_paged(op: str, name: str, cache: PagedCache, lengths: Sequence[int], heads: int, dim: Optional[int]) -> None:
@@ -253,11 +275,14 @@ def _check_paged(op: str, name: str, cache: PagedCache, lengths: Sequence[int], 
 def default_positions(new_offsets: Tensor, cache_offsets: Tensor, new_tokens: str) -> Tensor:
     """[N] int64 positions of new tokens: targets sit at their request's cache length, history
     tokens follow the cache one by one."""
-    new_lengths = lengths_from_offsets(new_offsets)
-    cached = torch.repeat_interleave(lengths_from_offsets(cache_offsets), new_lengths)
+    news, cached = new_offsets.tolist(), cache_offsets.tolist()
+    starts = [c1 - c0 for c0, c1 in zip(cached, cached[1:])]
+    spans = zip(starts, (n1 - n0 for n0, n1 in zip(news, news[1:])))
     if new_tokens == "targets":
-        return cached
-    return cached + token_offsets_in_seq(new_offsets, int(new_offsets[-1]))
+        positions = [p for start, n in spans for p in itertools.repeat(start, n)]
+    else:
+        positions = [p for start, n in spans for p in range(start, start + n)]
+    return torch.tensor(positions, dtype=torch.long, device=new_offsets.device)
 
 
 def requests(call: CachedAttentionCall) -> Iterator[CachedRequest]:
@@ -275,25 +300,89 @@ def requests(call: CachedAttentionCall) -> Iterator[CachedRequest]:
         yield CachedRequest(b, slice(ns, ne), slice(cs, ce), pos, cached + (n if new_tokens == "history" else 0), block)
 
 
-def visibility(
-    request: CachedRequest, new_tokens: str, contextual_len: int, max_attn_len: int
-) -> Tuple[Tensor, Tensor]:
-    """-> (cache_visible [n, C] bool, new_visible [n, n] bool) of one request."""
+def cache_visibility(request: CachedRequest, contextual_len: int, max_attn_len: int) -> Optional[Tensor]:
+    """[n, C] bool: which cached token each new token of one request sees; None when it sees them all
+    (every new token stands after the cache, so only a bounded look-back hides cached tokens)."""
+    if max_attn_len <= 0:
+        return None
     pos = request.positions
     cached = request.cache.stop - request.cache.start
     length = torch.tensor(torch.iinfo(torch.int64).max, device=pos.device)
     history_len = torch.tensor(request.history_len, device=pos.device)
     cols = torch.arange(cached, device=pos.device)
-    cache_visible = hstu_visibility(
-        pos.view(-1, 1), cols.view(1, -1), length, history_len, contextual_len, max_attn_len
-    )
+    return hstu_visibility(pos.view(-1, 1), cols.view(1, -1), length, history_len, contextual_len, max_attn_len)
+
+
+def new_visibility(request: CachedRequest, new_tokens: str, contextual_len: int, max_attn_len: int) -> Tensor:
+    """[n, n] bool: which new token of one request sees which (targets: each itself only)."""
+    pos = request.positions
     eye = torch.eye(pos.numel(), dtype=torch.bool, device=pos.device)
     if new_tokens == "targets":
-        return cache_visible, eye
-    new_visible = hstu_visibility(pos.view(-1, 1), pos.view(1, -1), length, history_len, contextual_len, max_attn_len)
+        return eye
+    if max_attn_len <= 0 and request.cache.stop - request.cache.start >= contextual_len:
+        new_visible = pos.view(-1, 1) > pos.view(1, -1)  # causal: no new token is contextual
+    else:
+        length = torch.tensor(torch.iinfo(torch.int64).max, device=pos.device)
+        history_len = torch.tensor(request.history_len, device=pos.device)
+        new_visible = hstu_visibility(
+            pos.view(-1, 1), pos.view(1, -1), length, history_len, contextual_len, max_attn_len
+        )
     if request.block_visible is not None:
         new_visible = new_visible & request.block_visible.bool()
-    return cache_visible, new_visible | eye
+    return new_visible | eye
+
+
+@dataclass(frozen=True)
+class BiasBuckets:
+    """Where a relative bias between queries and keys of one request reads its weights, worked out
+    once and read against each layer's ``RelativeBias`` (``bias``): position, time: int64 bucket
+    indices of one shape (e.g. [n, K]), or None where that part is off (not both)."""
+
+    position: Optional[Tensor]
+    time: Optional[Tensor]
+
+    def bias(self, rab: RelativeBias) -> Tensor:
+        """The bias at these buckets, float, of their shape: position part + time part."""
+        bias = None
+        if self.position is not None:
+            assert rab.position_weights is not None  # buckets made for a position bias
+            bias = rab.position_weights[self.position]
+        if self.time is not None:
+            assert rab.time_weights is not None  # buckets made for a time bias
+            part = rab.time_weights[self.time]
+            bias = part if bias is None else bias + part
+        assert bias is not None  # bias_buckets makes none without a part
+        return bias
+
+
+def bias_buckets(
+    rab: RelativeBias,
+    query_positions: Tensor,
+    query_times: Optional[Tensor],
+    key_positions: Tensor,
+    key_timestamps: Optional[Tensor],
+) -> Optional[BiasBuckets]:
+    """[n, K] buckets of the relative bias of n queries against K keys of one request (None when off).
+
+    query_positions: [n] int64, query_times: [n] int64; key_positions: [K] int64,
+    key_timestamps: [K] int64. When every query shares position and time (a request's
+    candidates) one row is worked out, [1, K], broadcasting over the queries.
+    """
+    if rab.position_weights is None and rab.time_weights is None:
+        return None
+    if _all_equal(query_positions) and (query_times is None or _all_equal(query_times)):
+        query_positions = query_positions[:1]
+        query_times = None if query_times is None else query_times[:1]
+    position = time = None
+    if rab.position_weights is not None:
+        position = position_bucket(
+            query_positions.view(-1, 1) - key_positions.view(1, -1), rab.position_weights.numel()
+        )
+    if rab.time_weights is not None:
+        assert query_times is not None and key_timestamps is not None  # given with a time bias
+        delta = query_times.view(-1, 1) - key_timestamps.view(1, -1)
+        time = time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())
+    return BiasBuckets(position, time)
 
 
 def bias_between(
@@ -303,27 +392,10 @@ def bias_between(
     key_positions: Tensor,
     key_timestamps: Optional[Tensor],
 ) -> Optional[Tensor]:
-    """[n, K] float relative bias of n queries against K keys of one request (None when off).
-
-    query_positions: [n] int64, query_times: [n] int64; key_positions: [K] int64,
-    key_timestamps: [K] int64. When every query shares position and time (a request's
-    candidates) one row is computed and returned as [1, K], broadcasting over the queries.
-    """
-    if rab.position_weights is None and rab.time_weights is None:
-        return None
-    if _all_equal(query_positions) and (query_times is None or _all_equal(query_times)):
-        query_positions = query_positions[:1]
-        query_times = None if query_times is None else query_times[:1]
-    bias = None
-    if rab.position_weights is not None:
-        rel = query_positions.view(-1, 1) - key_positions.view(1, -1)
-        bias = rab.position_weights[position_bucket(rel, rab.position_weights.numel())]
-    if rab.time_weights is not None:
-        assert query_times is not None and key_timestamps is not None  # given with a time bias
-        delta = query_times.view(-1, 1) - key_timestamps.view(1, -1)
-        part = rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
-        bias = part if bias is None else bias + part
-    return bias
+    """[n, K] float relative bias of n queries against K keys of one request (None when off): the
+    weights at ``bias_buckets`` (which takes the same arguments; [1, K] for candidates)."""
+    buckets = bias_buckets(rab, query_positions, query_times, key_positions, key_timestamps)
+    return None if buckets is None else buckets.bias(rab)
 
 
 @overload

@@ -11,7 +11,8 @@ view, or a gather of its rows when its pages are not consecutive)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +20,16 @@ from torch import Tensor
 
 from gr.hstu.kernels.attention.common import RelativeBias, silu_norm, time_bucket
 from gr.hstu.kernels.cached_attention.common import (
+    BiasBuckets,
     CachedAttentionCall,
     CachedRequest,
     PagedCache,
-    bias_between,
+    bias_buckets,
+    cache_visibility,
+    new_visibility,
     part,
     requests,
     rows_contiguous,
-    visibility,
 )
 from gr.jagged import lengths_from_offsets
 from gr.ops.native import cpu_bf16_math, native_ops
@@ -37,54 +40,58 @@ from gr.ops.native import cpu_bf16_math, native_ops
 Layout = Tuple[List[Tensor], List[Tensor], List[int], Tensor, List[int], List[int]]
 
 
+@dataclass(frozen=True)
+class _RequestSetup:
+    """What every layer of a pass reads the same for one request.
+
+    cache_visible: [n, C] float32 0/1, or None (all visible); new_visible: [n, n] float32 0/1
+    bias: buckets of its tokens' bias against the cache ([n or 1, C], targets) or against the cache
+        and themselves ([n, C + n], history), or None (no bias)
+    self_bias: targets: [n] buckets of each with itself, else None
+    norm: [n, 1, 1] float32, the factor after SiLU (``silu_norm``)
+    """
+
+    request: CachedRequest
+    cache_visible: Optional[Tensor]
+    new_visible: Tensor
+    bias: Optional[BiasBuckets]
+    self_bias: Optional[BiasBuckets]
+    norm: Tensor
+
+
 def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
-    q, k, v, rab, new_tokens = call.q, call.k, call.v, call.rab, call.new_tokens
-    lengths = lengths_from_offsets(call.cache_offsets).tolist()
+    q, k, v, rab = call.q, call.k, call.v, call.rab
+    lengths, setups = _setup(call)
     ops = native_ops("gr_cpu_cached") if q.dtype == torch.float32 and not cpu_bf16_math() else None
     layout = None if ops is None else _layout(call, lengths)
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
     # (request, its cached part [n, H, Dl] or None: the fused kernel's, its new tokens' part [H, n, Dl])
-    steps: List[Tuple[CachedRequest, Optional[Tensor], Tensor]] = []
+    steps: List[Tuple[_RequestSetup, Optional[Tensor], Tensor]] = []
     biases: List[Optional[Tensor]] = []
     masks: List[Optional[Tensor]] = []
-    for request in requests(call):
-        new, pos = request.new, request.positions
+    for own in setups:
+        new, cached = own.request.new, own.request.cache.stop - own.request.cache.start
         qh = q[new].transpose(0, 1) * call.alpha  # [H, n, Da]
         kh, vh = k[new].transpose(0, 1), v[new].transpose(0, 1)
-        query_ts = new_ts = cache_ts = None
-        if rab is not None and rab.time_weights is not None:
-            assert rab.timestamps is not None and rab.resolved_query_times is not None  # set with time_weights
-            assert call.cache_timestamps is not None  # required with a time bias (validate)
-            query_ts, new_ts = rab.resolved_query_times[new].long(), rab.timestamps[new].long()
-            cache_ts = part(call.cache_timestamps, request, 0).long()
-        cache_visible, new_visible = visibility(request, new_tokens, call.contextual_len, call.max_attn_len)
-        if new_tokens == "targets":  # each candidate sees itself only: an elementwise term
+        bias = None if own.bias is None or rab is None else own.bias.bias(rab)
+        if call.new_tokens == "targets":  # each candidate sees itself only: an elementwise term
             self_logits = (qh * kh).sum(-1)  # [H, n]
-            if rab is not None:
-                self_bias = _self_bias(rab, pos, query_ts, new_ts)
-                if self_bias is not None:
-                    self_logits = self_logits + self_bias.to(self_logits.dtype)
+            if own.self_bias is not None and rab is not None:
+                self_logits = self_logits + own.self_bias.bias(rab).to(self_logits.dtype)
             new_part = F.silu(self_logits).unsqueeze(-1) * vh
         else:
             block = torch.matmul(qh, kh.transpose(1, 2))  # [H, n, n]
-            if rab is not None:
-                block_bias = bias_between(rab, pos, query_ts, pos, new_ts)
-                if block_bias is not None:
-                    block = block + block_bias.to(block.dtype)
-            new_part = torch.matmul(F.silu(block) * new_visible.to(block.dtype), vh)
-
-        cached = request.cache.stop - request.cache.start
-        bias = None
-        if rab is not None:
-            bias = bias_between(rab, pos, query_ts, torch.arange(cached, device=q.device), cache_ts)
-        visible = None if bool(cache_visible.all()) else cache_visible
+            if bias is not None:
+                block = block + bias[:, cached:].to(block.dtype)
+                bias = bias[:, :cached]
+            new_part = torch.matmul(F.silu(block) * own.new_visible.to(block.dtype), vh)
         if layout is None:
-            steps.append((request, _cached_part(call, request, qh, bias, visible).transpose(0, 1), new_part))
+            steps.append((own, _cached_part(call, own.request, qh, bias, own.cache_visible).transpose(0, 1), new_part))
         else:
             biases.append(None if bias is None else bias.to(torch.float32).contiguous())
-            masks.append(None if visible is None else visible.to(torch.float32))
-            steps.append((request, None, new_part))
+            masks.append(own.cache_visible)
+            steps.append((own, None, new_part))
     fused = None
     if layout is not None:
         assert ops is not None  # a layout is made for the fused kernel only
@@ -93,21 +100,66 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
             q, pools_k, pools_v, call.new_offsets.tolist(), lengths, pool_index, starts, block_offsets, sizes,
             float(call.alpha), biases, masks,
         )  # fmt: skip
-    for request, cached_part, new_part in steps:
+    for own, cached_part, new_part in steps:
         if cached_part is None:
             assert fused is not None  # the requests without a PyTorch cached part have the fused one
-            cached_part = fused[request.new]
+            cached_part = fused[own.request.new]
         attn = cached_part + new_part.transpose(0, 1)  # [n, H, Dl]
-        attn.mul_(silu_norm(request.positions, call.silu_scale).to(attn.dtype).view(-1, 1, 1))
-        out[request.new] = attn
+        attn.mul_(own.norm.to(attn.dtype))
+        out[own.request.new] = attn
     return out
+
+
+def _setup(call: CachedAttentionCall) -> Tuple[List[int], List[_RequestSetup]]:
+    """(the cached tokens of each request [B], each request's ``_RequestSetup``): worked out once a pass
+    (kept in the call's ``CachedSetup``)."""
+    kept = None if call.setup is None else call.setup.kept.get("cpu")
+    if kept is not None:
+        return cast(Tuple[List[int], List[_RequestSetup]], kept)
+    rab, new_tokens = call.rab, call.new_tokens
+    lengths = lengths_from_offsets(call.cache_offsets).tolist()
+    setups = []
+    for request in requests(call):
+        new, pos = request.new, request.positions
+        query_ts = new_ts = cache_ts = None
+        if rab is not None and rab.time_weights is not None:
+            assert rab.timestamps is not None and rab.resolved_query_times is not None  # set with time_weights
+            assert call.cache_timestamps is not None  # required with a time bias (validate)
+            query_ts, new_ts = rab.resolved_query_times[new].long(), rab.timestamps[new].long()
+            cache_ts = part(call.cache_timestamps, request, 0).long()
+        cache_visible = cache_visibility(request, call.contextual_len, call.max_attn_len)
+        if cache_visible is not None and bool(cache_visible.all()):
+            cache_visible = None
+        bias = self_bias = None
+        if rab is not None:
+            key_pos = torch.arange(request.cache.stop - request.cache.start, device=pos.device)
+            if new_tokens == "targets":
+                bias = bias_buckets(rab, pos, query_ts, key_pos, cache_ts)
+                self_bias = _self_buckets(rab, pos, query_ts, new_ts)
+            else:  # the cache's keys and the new tokens' in one
+                key_ts = None if cache_ts is None or new_ts is None else torch.cat([cache_ts, new_ts])
+                bias = bias_buckets(rab, pos, query_ts, torch.cat([key_pos, pos]), key_ts)
+        setups.append(
+            _RequestSetup(
+                request,
+                None if cache_visible is None else cache_visible.to(torch.float32),
+                new_visibility(request, new_tokens, call.contextual_len, call.max_attn_len).to(torch.float32),
+                bias,
+                self_bias,
+                silu_norm(pos, call.silu_scale).view(-1, 1, 1),
+            )
+        )
+    found = (lengths, setups)
+    if call.setup is not None:
+        call.setup.kept["cpu"] = found
+    return found
 
 
 def _cached_part(
     call: CachedAttentionCall, request: CachedRequest, qh: Tensor, bias: Optional[Tensor], visible: Optional[Tensor]
 ) -> Tensor:
     """[H, n, Dl]: the request's new tokens (qh: [H, n, Da], alpha applied) against its cached K/V by
-    PyTorch matmuls; bias: [n or 1, C] or None, visible: [n, C] bool or None (all visible)."""
+    PyTorch matmuls; bias: [n or 1, C] or None, visible: [n, C] 0/1 float or None (all visible)."""
     logits = torch.matmul(qh, part(call.cache_k, request, 1).transpose(1, 2))  # [H, n, C]
     if bias is not None:
         logits.add_(bias.to(logits.dtype))
@@ -175,16 +227,14 @@ def _request_layout(
     return pools_k, pools_v, index, starts, offsets, sizes
 
 
-def _self_bias(
+def _self_buckets(
     rab: RelativeBias, pos: Tensor, query_ts: Optional[Tensor], new_ts: Optional[Tensor]
-) -> Optional[Tensor]:
-    """[n] bias of each token with itself: position distance 0, time delta query time - own time."""
-    bias = None
-    if rab.position_weights is not None:
-        bias = rab.position_weights[0].expand(pos.numel())
+) -> Optional[BiasBuckets]:
+    """[n] buckets of each token's bias with itself: position distance 0, time delta query time - own time."""
+    if rab.position_weights is None and rab.time_weights is None:
+        return None
+    time = None
     if rab.time_weights is not None:
         assert query_ts is not None and new_ts is not None  # given with a time bias
-        delta = query_ts - new_ts
-        part = rab.time_weights[time_bucket(delta, rab.time_bucketing, rab.time_weights.numel())]
-        bias = part if bias is None else bias + part
-    return bias
+        time = time_bucket(query_ts - new_ts, rab.time_bucketing, rab.time_weights.numel())
+    return BiasBuckets(None if rab.position_weights is None else torch.zeros_like(pos), time)

@@ -7,7 +7,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gr.hstu.kernels.attention.common import silu_norm
-from gr.hstu.kernels.cached_attention.common import CachedAttentionCall, bias_between, part, requests, visibility
+from gr.hstu.kernels.cached_attention.common import (
+    CachedAttentionCall,
+    bias_between,
+    cache_visibility,
+    new_visibility,
+    part,
+    requests,
+)
 
 
 def pytorch_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
@@ -18,7 +25,11 @@ def pytorch_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
         new, pos = request.new, request.positions
         keys = torch.cat([part(call.cache_k, request, 1), k[new].transpose(0, 1)], dim=1)  # [H, C + n, Da]
         values = torch.cat([part(call.cache_v, request, 1), v[new].transpose(0, 1)], dim=1)
-        cache_visible, new_visible = visibility(request, new_tokens, call.contextual_len, call.max_attn_len)
+        cache_visible = cache_visibility(request, call.contextual_len, call.max_attn_len)
+        if cache_visible is None:
+            cached = request.cache.stop - request.cache.start
+            cache_visible = torch.ones(pos.numel(), cached, dtype=torch.bool, device=q.device)
+        new_visible = new_visibility(request, new_tokens, call.contextual_len, call.max_attn_len)
         visible = torch.cat([cache_visible, new_visible], dim=1)  # [n, C + n]
         logits = torch.matmul(q[new].transpose(0, 1) * call.alpha, keys.transpose(1, 2))  # [H, n, C + n]
         if rab is not None:

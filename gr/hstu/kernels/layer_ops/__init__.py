@@ -21,7 +21,7 @@ ops run. Both give the same values to fp32 rounding (outside autocast); dropout 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, cast
+from typing import Any, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,12 @@ def _mask_and_gate(
     return keep, 1.0 / (1.0 - p), u
 
 
-def _fused_fp32(norm: nn.LayerNorm, linear: nn.Linear, *rows: Tensor) -> Optional[object]:
+def _recorded(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records an op on ``tensors`` (grad on and one of them requires it)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _fused_fp32(norm: nn.LayerNorm, linear: nn.Linear, *rows: Tensor) -> Optional[Any]:
     """The native ops when ``rows`` are fp32 [T, n] CPU tensors outside autocast or under its bf16
     (the GEMMs then in bf16 math) and the layers have their affine weights and bias, else None."""
     fusable = (
@@ -71,13 +76,11 @@ def project(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear, sizes: Sequence[in
     if ops is None:
         return torch.split(F.silu(linear(norm_mul_dropout(x, norm))), list(sizes), dim=-1)
     # SiLU'(pre) is kept for backward only when there will be one (not in serving, under no_grad).
-    keep_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, norm.weight, norm.bias, linear.weight, linear.bias)
-    )
-    return cpu.Projection.apply(
-        ops, x.contiguous(), norm.weight, norm.bias, norm.eps, linear.weight.contiguous(), linear.bias, tuple(sizes),
-        keep_grad, cpu_bf16_math(),
-    )  # fmt: skip
+    keep_grad = _recorded(x, norm.weight, norm.bias, linear.weight, linear.bias)
+    args = (x.contiguous(), norm.weight, norm.bias, norm.eps, linear.weight.contiguous(), linear.bias)
+    if not keep_grad:  # nothing to differentiate: the op alone, without autograd's bookkeeping
+        return tuple(ops.projection_forward(*args, list(sizes), False, cpu_bf16_math())[0])
+    return cpu.Projection.apply(ops, *args, tuple(sizes), keep_grad, cpu_bf16_math())
 
 
 def combine(
@@ -88,10 +91,13 @@ def combine(
     if ops is None:
         return x + linear(norm_mul_dropout(attention, norm, u, dropout))
     keep, scale, gate = _mask_and_gate(attention.shape, attention.device, dropout, u)
-    return cpu.Output.apply(
-        ops, attention.contiguous(), gate, keep, scale, norm.weight, norm.bias, norm.eps,
+    args = (
+        attention.contiguous(), gate, keep, scale, norm.weight, norm.bias, norm.eps,
         linear.weight.contiguous(), linear.bias, x.contiguous(), cpu_bf16_math(),
     )  # fmt: skip
+    if not _recorded(attention, u, x, norm.weight, norm.bias, linear.weight, linear.bias):
+        return ops.output_forward(*args)[0]  # nothing to differentiate: the op alone
+    return cpu.Output.apply(ops, *args)
 
 
 def norm_mul_dropout(
@@ -129,4 +135,7 @@ def stack_input(x: Tensor, scale: float, table: Tensor, rows: Tensor, dropout: n
     if ops is None:  # index_select: its backward (index_add_) is several times cheaper on CPU than embedding's
         return dropout(x * scale + table.index_select(0, rows))
     keep, keep_scale, _ = _mask_and_gate(x.shape, x.device, dropout, None)
-    return cpu.StackInput.apply(ops, x.contiguous(), scale, table.contiguous(), rows.contiguous(), keep, keep_scale)
+    args = (x.contiguous(), scale, table.contiguous(), rows.contiguous(), keep, keep_scale)
+    if not _recorded(x, table):
+        return ops.input_forward(*args)  # nothing to differentiate: the op alone
+    return cpu.StackInput.apply(ops, *args)
