@@ -155,6 +155,25 @@ def test_cached_rows_equal_the_one_pass_reference(backend, new_tokens, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layers_sharing_a_setup_get_each_call_alone_to_the_bit(backend, new_tokens, case):
+    """Two "layers" of one pass (their own q/k/v, caches and bias weights, the same requests and
+    times) sharing a ``CachedSetup`` get what each call gets alone."""
+    spec = dict(CASES[case])
+    options = spec.pop("options")
+    layers = [problem(seed=seed, **spec) for seed in (1, 2)]
+    for p in layers[1:]:  # the pass's requests and times are the first layer's
+        p["ts"], p["query_ts"] = layers[0]["ts"], layers[0]["query_ts"]
+    setup = common.CachedSetup()
+    shared = [cached(p, new_tokens, backend, options, setup=setup) for p in layers]
+    assert setup.validated
+    for p, got in zip(layers, shared):
+        assert torch.equal(got, cached(p, new_tokens, backend, options))
+    assert not torch.equal(shared[0], shared[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_draft_tree_branch_equals_the_chain_it_stands_for(backend):
     """New history tokens 0 -> 1 and 0 -> 2 (siblings at depth 2): each branch's rows equal the
     history mode's rows for that chain; siblings never see each other."""
