@@ -17,7 +17,9 @@ slices, which cost the same with or without the tier.
       ``--min-history``..``--max-history`` tokens, each user's history encoded once first (a
       server that has run a while); then ``--requests`` requests,
       users drawn from Zipf(1.0), each bringing 1-4 new actions and landing on a random worker; each
-      worker's pool (and cache bound) a quarter of the working set (every user's encoded history).
+      worker's pool (and cache bound) a quarter of the working set (every user's encoded history);
+      the tier takes histories of ``--tier-min-tokens`` or more (default auto: the line measured on
+      the first worker's engine and tier as ``gr serve`` measures it, ``gr.serving.tier_line``).
       Without the tier against with it (the same requests, taking turns request by request): history
       tokens encoded per request, p50/p99 latency per request, where each history came from, and
       the CPU time each worker's tier writer thread spent a request (its writes are waited for
@@ -55,6 +57,7 @@ from gr.hstu.paged import PagePool
 from gr.serving import encode
 from gr.serving.history import History
 from gr.serving.shared_tier import SqliteTier, TieredCache
+from gr.serving.tier_line import TierLine, measure_tier_line
 from gr.serving.tier_spec import tier_directory
 from gr.serving.user_cache import kept_bytes
 from gr.timestamps import TIMESTAMPS
@@ -178,6 +181,14 @@ def line_section(args: argparse.Namespace, name: str, directory: Path, clock: Ca
     }
 
 
+def line_costs(line: TierLine) -> Dict[str, Dict[str, float]]:
+    """A measured tier line's costs in ms by history length, for the JSON line."""
+    return {
+        f"L{length}": {"encode_ms": round(1e3 * e, 3), "fetch_extend_ms": round(1e3 * f, 3)}
+        for length, (e, f) in sorted(line.costs.items())
+    }
+
+
 def zipf_users(users: int, requests: int, rng: np.random.Generator) -> np.ndarray:
     """``requests`` user ids from Zipf(1.0) over ``users`` users (user 0 the most frequent)."""
     weights = 1.0 / np.arange(1, users + 1)
@@ -197,19 +208,22 @@ def zipf_section(
     worker_bytes = working_set // 4
     tier_bytes = 2 * working_set
     systems = {
-        "without_tier": [Worker(hstu, table, worker_bytes, args.page_size, [], args.tier_min_tokens) for _ in range(2)],
+        "without_tier": [Worker(hstu, table, worker_bytes, args.page_size, [], 1) for _ in range(2)],
         "with_tier": [
-            Worker(
-                hstu,
-                table,
-                worker_bytes,
-                args.page_size,
-                [SqliteTier(directory / "tier.sqlite", tier_bytes)],
-                args.tier_min_tokens,
-            )
+            Worker(hstu, table, worker_bytes, args.page_size, [SqliteTier(directory / "tier.sqlite", tier_bytes)], 1)
             for _ in range(2)
         ],
     }
+    line = None
+    min_tokens = args.tier_min_tokens
+    if min_tokens == "auto":  # as gr serve measures it, on the first worker's engine and tier
+        first = systems["with_tier"][0]
+        line = measure_tier_line(first.engine, first.cache.tiers[0], args.page_size)
+        print(line.describe())
+        min_tokens = config.max_seq_len + 1 if line.min_tokens is None else line.min_tokens
+    for workers in systems.values():
+        for worker in workers:
+            worker.cache.min_tokens = min_tokens
     print(
         f"zipf: {args.users} users, histories {args.min_history}..{args.max_history}, working set "
         f"{working_set / 2**20:.0f} MB, each worker {worker_bytes / 2**20:.0f} MB, shared tier bound "
@@ -273,7 +287,8 @@ def zipf_section(
         "history": [args.min_history, args.max_history],
         "working_set_mb": round(working_set / 2**20, 1),
         "worker_mb": round(worker_bytes / 2**20, 1),
-        "tier_min_tokens": args.tier_min_tokens,
+        "tier_min_tokens": min_tokens,
+        "tier_line": None if line is None else {"min_tokens": line.min_tokens, "costs_ms": line_costs(line)},
         **out,
         "recomputed_ratio": round(
             without["recomputed_per_request"] / max(with_tier["recomputed_per_request"], 1e-9), 2
@@ -294,7 +309,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--tier-min-tokens", type=int, default=16)
+    parser.add_argument(
+        "--tier-min-tokens",
+        type=lambda value: value if value == "auto" else int(value),
+        default="auto",
+        help="the tiers' min_tokens in the zipf section; auto (default): measured as gr serve does",
+    )
     parser.add_argument("--line-lengths", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--line-shapes", nargs="+", default=["ml1m", "production"], choices=["ml1m", "production"])
     parser.add_argument("--line-reps", type=int, default=3)

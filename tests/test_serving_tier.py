@@ -305,6 +305,9 @@ def test_an_unreachable_remote_tier_or_a_bad_tier_flag_is_one_line_and_exit_2(ex
     assert serving_main([*serve, "--tier-min-tokens", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tier-min-tokens >= 1" in err[0]
+    with pytest.raises(SystemExit) as exit_:
+        serving_main([*serve, "--tier-min-tokens", "sometimes"])
+    assert exit_.value.code == 2 and "expected a number of tokens or auto, got 'sometimes'" in capsys.readouterr().err
 
 
 class GatedTier(SqliteTier):

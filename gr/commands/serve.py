@@ -143,10 +143,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     serve.add_argument(
         "--tier-min-tokens",
-        type=int,
-        default=DEFAULT_TIER_MIN_TOKENS,
+        type=_min_tokens,
+        default="auto",
         help="histories shorter than this are encoded, never fetched from nor written to a tier: encoding them "
-        f"costs less than fetching (default {DEFAULT_TIER_MIN_TOKENS})",
+        "costs less than fetching; auto (default): where that line lies, measured for the model at start-up and "
+        f"at each reload (a number: fixed; {DEFAULT_TIER_MIN_TOKENS} suits models whose passes cost milliseconds)",
     )
     serve.add_argument("--threads", type=int, default=None, help="intra-op threads per ONNX Runtime session")
     serve.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
@@ -259,6 +260,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 2 if failed else 0
 
 
+def _min_tokens(value: str) -> Any:
+    """--tier-min-tokens: "auto" or an int (its range is checked with the other options)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or auto, got {value!r}") from None
+
+
 def _rank_one(ranker: Ranker, item: Any, where: str, args: argparse.Namespace) -> Dict[str, Any]:
     from gr.serving.request import IdOptions, RankRequest  # loaded by main
 
@@ -304,14 +315,14 @@ def _serve(args: argparse.Namespace) -> int:
         or args.cache_bytes < 0
         or args.page_size < 0
         or args.tier_bytes < 0
-        or args.tier_min_tokens < 1
+        or (args.tier_min_tokens != "auto" and args.tier_min_tokens < 1)
         or args.batch_window_ms < 0
         or not 0 < args.body_timeout < float("inf")
         or args.max_pending < 1
     ):
         print(
             "serve: expected --workers >= 1, --port in 1..65535, --micro-batch >= 1, --cache-bytes >= 0, "
-            "--page-size >= 0, --tier-bytes >= 0, --tier-min-tokens >= 1, --batch-window-ms >= 0, "
+            "--page-size >= 0, --tier-bytes >= 0, --tier-min-tokens >= 1 (or auto), --batch-window-ms >= 0, "
             f"{BODY_TIMEOUT_FLAG} > 0 (finite), {MAX_PENDING_FLAG} >= 1",
             file=sys.stderr,
         )

@@ -17,6 +17,7 @@ batch equals the request's own. Imports no training code.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from pathlib import Path
 from typing import (
@@ -60,6 +61,9 @@ from gr.serving.rank import PreparedRank, RankResult
 from gr.serving.recommend import PreparedRecommend, RecommendResult
 from gr.serving.request import MODEL_IDS, EventsRequest, GenerateRequest, IdOptions, RankRequest, RecommendRequest
 from gr.serving.shared_tier import TieredCache, TierStore, tier_version
+from gr.serving.tier_line import TierLine, measure_tier_line
+
+log = logging.getLogger(__name__)
 
 WARM_UP_USER = ("gr", "warm-up")  # a key no request can send (user ids are strings or integers)
 
@@ -103,7 +107,8 @@ class Ranker:
     tiers: where encoded histories are shared with other workers and servers, nearest first
         (``gr.serving.shared_tier``: ``SqliteTier``, ``gr.serving.redis_tier.RedisTier``); a user this
         worker's cache cannot serve is fetched from them; tier_min_tokens: histories shorter than
-        this are encoded, never fetched nor shared
+        this are encoded, never fetched nor shared, or "auto": the line where fetching costs less
+        than encoding, measured for each model loaded (``gr.serving.tier_line``; ``tier_line``)
     Thread-safe: concurrent calls share the cache; ``reload`` swaps the model and invalidates
     the cache, and every result comes from one model (its ``model_version``).
     """
@@ -122,8 +127,10 @@ class Ranker:
         history_store: Optional[HistoryStore] = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         tiers: Sequence[TierStore] = (),
-        tier_min_tokens: int = DEFAULT_TIER_MIN_TOKENS,
+        tier_min_tokens: Union[int, str] = "auto",
     ) -> None:
+        if tier_min_tokens != "auto" and (not isinstance(tier_min_tokens, int) or tier_min_tokens < 1):
+            raise ValueError(f"Ranker.tier_min_tokens: expected an int >= 1 or 'auto', got {tier_min_tokens!r}")
         if page_size < 0:
             raise ValueError(f"Ranker.page_size: expected >= 0, got {page_size}")
         if device is not None and device != model.device:
@@ -140,11 +147,24 @@ class Ranker:
         self.limits = limits
         self.history_store = history_store
         self.page_size = page_size
-        self.cache = TieredCache(cache_bytes, tiers, tier_min_tokens, tier_version(model.identity, model.engine))
+        fixed = tier_min_tokens if isinstance(tier_min_tokens, int) else DEFAULT_TIER_MIN_TOKENS
+        self.cache = TieredCache(cache_bytes, tiers, fixed, tier_version(model.identity, model.engine))
+        self.measures_tier_line = tier_min_tokens == "auto" and bool(tiers)
+        self.tier_line: Optional[TierLine] = None  # the last line measured (tier_min_tokens "auto")
         self._model = model
         self._lock = threading.Lock()
         self._reloading = threading.Lock()
         self._use_pages(model)
+        if self.measures_tier_line:
+            self.cache.min_tokens = self._measured_min_tokens(model)
+
+    def _measured_min_tokens(self, model: ServingModel) -> int:
+        """The tier line of ``model`` (``tier_line``, logged) -> the tiers' min_tokens: past its
+        max_seq_len where fetching never costs less."""
+        line = measure_tier_line(model.engine, self.cache.tiers[0], self.page_size)
+        self.tier_line = line
+        log.info("%s", line.describe())
+        return model.engine.config.max_seq_len + 1 if line.min_tokens is None else line.min_tokens
 
     def _use_pages(self, model: ServingModel) -> None:
         """Give ``model``'s engine a page pool of ``cache_bytes`` whose eviction is this cache's LRU."""
@@ -205,12 +225,15 @@ class Ranker:
                 model.engine.pool = pool
             else:
                 self._use_pages(model)
+            min_tokens = self._measured_min_tokens(model) if self.measures_tier_line and not cache_holds else None
             with self._lock:
                 self._model = model
                 if cache_holds:
                     self.cache.advance(model_version)
                 else:
                     self.cache.invalidate(model_version, tier_version(model.identity, model.engine))
+                if min_tokens is not None:
+                    self.cache.min_tokens = min_tokens
             self.cache.purge_retired()  # outside the lock: requests go on meanwhile
 
     def warm_up(self) -> None:
