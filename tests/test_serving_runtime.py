@@ -22,6 +22,7 @@ from gr.export import export_model
 from gr.export.manifest import write_manifest
 from gr.hstu.cache import TIMESTAMP_BYTES, cache_bytes_per_token
 from gr.serving import Ranker, RankRequest, RequestError, UserCache
+from gr.serving.history_store import SqliteHistoryStore
 from gr.serving.limits import RequestLimits
 from gr.serving.scores import ranking_scores
 from gr.serving.user_cache import kept_bytes
@@ -567,3 +568,16 @@ def test_a_batch_of_users_scores_exactly_as_one_user_at_a_time(query_time, tmp_p
         for task in w.scores:
             np.testing.assert_allclose(g.scores[task], w.scores[task], rtol=0, atol=ATOL)
     assert [g.cache_status for g in batched.rank([RankRequest(**r) for r in requests])] == ["hit"] * 4
+
+
+@pytest.mark.parametrize("history_events", [None, 12])
+def test_a_reload_carries_the_new_model_window_to_the_history_store_unless_its_bound_was_given(
+    tmp_path, history_events
+):
+    short = export_model(build_ranking_model(max_seq_len=20), tmp_path / "short", dense_dims=DENSE_DIMS)
+    long = export_model(build_ranking_model(max_seq_len=48), tmp_path / "long", dense_dims=DENSE_DIMS)
+    store = SqliteHistoryStore(tmp_path / "histories.sqlite", history_events or 20)
+    ranker = Ranker.load(short, history_store=store, history_events=history_events)
+    ranker.reload(long)
+    assert store.max_events == (48 if history_events is None else history_events)
+    store.close()

@@ -611,7 +611,7 @@ def app_from_environment() -> FastAPI:
         options.pop("tier_redis", None),
     )
     options["tiers"] = open_tiers(tier_path, tier_bytes, tier_redis)
-    ranker = Ranker.load(export_dir, limits=limits, **options)
+    ranker = Ranker.load(export_dir, limits=limits, history_events=events, **options)
     if store is not None:
         ranker.history_store = open_history_store(store, events or ranker.model.config.max_seq_len)
     return create_app(ranker, admin_token=admin_token, exit_after_shutdown=True, **app_options)

@@ -103,7 +103,9 @@ class Ranker:
     limits: bounds on one request's size and work (``gr.serving.limits``)
     history_store: the users' histories kept by the service (``gr.serving.history_store``):
         ``append`` adds events, and a request without a history is answered from the user's
-        stored one (None: every request carries its history)
+        stored one (None: every request carries its history); history_events: the events it keeps
+        a user, or None: the model's max_seq_len, which a reload to a model of another window
+        carries over to the store
     tiers: where encoded histories are shared with other workers and servers, nearest first
         (``gr.serving.shared_tier``: ``SqliteTier``, ``gr.serving.redis_tier.RedisTier``); a user this
         worker's cache cannot serve is fetched from them; tier_min_tokens: histories shorter than
@@ -125,6 +127,7 @@ class Ranker:
         device: Optional[str] = None,
         limits: RequestLimits = DEFAULT_LIMITS,
         history_store: Optional[HistoryStore] = None,
+        history_events: Optional[int] = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         tiers: Sequence[TierStore] = (),
         tier_min_tokens: Union[int, str] = "auto",
@@ -146,6 +149,7 @@ class Ranker:
         self.device = model.device
         self.limits = limits
         self.history_store = history_store
+        self.history_events = history_events
         self.page_size = page_size
         fixed = tier_min_tokens if isinstance(tier_min_tokens, int) else DEFAULT_TIER_MIN_TOKENS
         self.cache = TieredCache(cache_bytes, tiers, fixed, tier_version(model.identity, model.engine))
@@ -234,6 +238,8 @@ class Ranker:
                     self.cache.invalidate(model_version, tier_version(model.identity, model.engine))
                 if min_tokens is not None:
                     self.cache.min_tokens = min_tokens
+                if self.history_store is not None and self.history_events is None:
+                    self.history_store.max_events = model.config.max_seq_len
             self.cache.purge_retired()  # outside the lock: requests go on meanwhile
 
     def warm_up(self) -> None:
