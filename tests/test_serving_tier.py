@@ -211,6 +211,26 @@ def test_unpacking_refuses_an_entry_of_another_engine_shape_or_a_bad_header(expo
     assert unpack_state(blob, "v", "u", state.tokens, 0, deeper) == (None, "corrupt")
 
 
+def test_an_unpacked_state_keeps_copies_never_views_of_the_entry(exported):
+    """The arrays are read in place from the entry's bytes (no copy of the whole entry), and what the
+    state keeps, in pages or in tensors of its own, is copied out of them."""
+    path, requests = exported
+    ranker = worker(path)
+    rank(ranker, cut(requests[0], LONG))
+    state = ranker.cache.get(requests[0]["user_id"])
+    blob = pack_state(state, "v", "u")
+    start = np.frombuffer(blob, dtype=np.uint8).ctypes.data
+    inside = lambda t: t is not None and start <= t.untyped_storage().data_ptr() < start + len(blob)  # noqa: E731
+    unpaged = copy.copy(ranker.model.engine)
+    unpaged.pool = None  # its K/V in tensors of their own
+    for engine in (ranker.model.engine, unpaged):
+        got, reason = unpack_state(blob, "v", "u", state.tokens, 0, engine)
+        assert reason == "" and got is not None
+        assert (got.cache.paged is not None) == (engine.pool is not None)
+        kept = [*got.cache.keys, *got.cache.values, got.cache.pending, got.last_hidden]
+        assert any(t is not None for t in kept) and not any(inside(t) for t in kept)
+
+
 def test_a_reload_purges_every_tier_and_keys_new_entries_by_the_new_model(exported, tmp_path, redis_url):
     from gr.serving.redis_tier import RedisTier
 

@@ -34,12 +34,13 @@ import sqlite3
 import struct
 import threading
 import time
+import warnings
 import zlib
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union, cast
 
 import numpy as np
 import torch
@@ -298,18 +299,22 @@ def unpack_state(
     if arrays is None or not _fits(engine, arrays, length, committed):
         return None, "corrupt"
     device, layers = engine.device, engine.config.num_layers
-    keys = [arrays[f"k{i}"].to(device) for i in range(layers)]
-    values = [arrays[f"v{i}"].to(device) for i in range(layers)]
-    pending = arrays.get("pending")
+
+    def kept(name: str) -> Optional[Tensor]:  # an array the state keeps: a copy, never a view of the blob
+        return None if name not in arrays else arrays[name].to(device, copy=True)
+
     timestamps = torch.from_numpy(tokens[TIMESTAMPS][:length]).to(device=device, dtype=torch.long)
-    paged = None if engine.pool is None else engine.pool.store(keys, values)
+    paged = None
+    if engine.pool is not None:  # the pages take copies of the K/V
+        keys = [arrays[f"k{i}"].to(device) for i in range(layers)]
+        paged = engine.pool.store(keys, [arrays[f"v{i}"].to(device) for i in range(layers)])
     if paged is not None:
-        cache = HistoryCache((), (), timestamps, None if pending is None else pending.to(device), paged)
+        cache = HistoryCache((), (), timestamps, kept("pending"), paged)
     else:
-        cache = HistoryCache(tuple(keys), tuple(values), timestamps, None if pending is None else pending.to(device))
-    last = arrays.get("last_hidden")
+        own = [cast(Tensor, kept(f"{kind}{i}")) for kind in "kv" for i in range(layers)]
+        cache = HistoryCache(tuple(own[:layers]), tuple(own[layers:]), timestamps, kept("pending"))
     prefix = {name: column[:length] for name, column in tokens.items()}
-    return UserState(prefix, cache, model_version, None if last is None else last.to(device)), ""
+    return UserState(prefix, cache, model_version, kept("last_hidden")), ""
 
 
 def _header(blob: bytes, version: str, user: str) -> Optional[Dict[str, Any]]:
@@ -337,8 +342,9 @@ def _header(blob: bytes, version: str, user: str) -> Optional[Dict[str, Any]]:
 
 
 def _arrays(blob: bytes, header: Dict[str, Any], offset: int) -> Optional[Dict[str, Tensor]]:
-    """The entry's arrays (views of a copy of the blob), or None when they do not fill it exactly."""
-    buffer = bytearray(blob)  # writable: torch.frombuffer shares it
+    """The entry's arrays, or None when they do not fill it exactly: views of the blob itself (no
+    copy of an entry of up to ~100 MB), which must not be written to; what a state keeps of them is
+    copied (``unpack_state``)."""
     end = len(blob) - _CRC.size
     out: Dict[str, Tensor] = {}
     try:
@@ -351,7 +357,9 @@ def _arrays(blob: bytes, header: Dict[str, Any], offset: int) -> Optional[Dict[s
             if offset + size > end:
                 return None
             empty = torch.empty(0, dtype=dtype)
-            flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count else empty
+            with warnings.catch_warnings():  # read only (torch cannot mark it): unpack_state copies what it keeps
+                warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+                flat = torch.frombuffer(blob, dtype=dtype, count=count, offset=offset) if count else empty
             out[name] = flat.reshape(shape)
             offset += size
     except (TypeError, ValueError, AttributeError):
