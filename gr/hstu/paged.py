@@ -144,11 +144,10 @@ class PagePool:
                     self._fill[last] = offset
             return None
         pages = kept + fresh
-        if start < length:  # copy-on-write of the partial last page
-            rows = self._rows(pages, start, length)
-            old = self._rows(list(base.pages), start, length)
+        if start < length:  # copy-on-write of the partial last page (its rows are consecutive in both pages)
+            source, target = base.pages[-1] * size, pages[len(kept)] * size
             for pool in (*self.keys, *self.values):
-                pool[:, rows] = pool[:, old]
+                pool[:, target : target + offset].copy_(pool[:, source : source + offset])
         self._write(pages, length, keys, values, first_fresh=len(kept))
         return self._table(pages, length + n)
 
