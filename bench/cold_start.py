@@ -5,6 +5,7 @@ their features; users no model trained on, served from their features.
                                [--mlp-dims 64] [--feature-loss-weight 1] [--data.path DIR]
                                (ML-100K: $GR_ML100K_DIR or data/ml-100k)
     python bench/cold_start.py --smoke                                 # 1 epoch of 2 steps a run: checks it runs
+    python bench/cold_start.py --seed 2 --work DIR   # keeps the runs in DIR; a later call with DIR reuses them
 
 The custom project's model and features (examples/custom_project/config.yaml: genres as a list, user
 age, gender and occupation; sparse.backend torch), with the items' release years (``data.release_year``:
@@ -33,6 +34,11 @@ with the held-out items' and with the trained items' rows, the spread of those c
 standard deviation over the items, averaged), each query's best held-out cosine against its tenth
 best trained one (the bar of its top 10), and the rows' mean norms.
 
+``--work DIR`` works in DIR instead of a temporary directory and keeps it: a run DIR already holds
+(``metrics.json``, its export) is reused, not trained again, so a later call with the same DIR
+(the same seed, held-out fraction, epochs and options, checked against ``DIR/arguments.json``)
+measures ``gr items add`` and the scoring again in minutes.
+
 Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, feature_loss_weight,
 held_out (items, users, fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10,
 se_hr@10, se_ndcg@10}}} (SE: the sample standard error of the mean over the group's events),
@@ -47,10 +53,12 @@ share ratio within [0.5, 2]), train seconds, cpu, cpu_flags, load_average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -148,6 +156,28 @@ def training_counts(data_path: Path, overrides: List[Tuple[str, str]], year: boo
     data.setup()
     assert data.item_map is not None  # set by setup()
     return dict(zip(data.item_map.raw.tolist(), data.popularity().tolist()))
+
+
+def reusable(root: Path, arguments: Dict[str, Any], overrides: List[Tuple[str, str]]) -> None:
+    """Record ``arguments`` and ``overrides`` in ``root/arguments.json``, or check that the runs ``root``
+    holds were made with them (ValueError naming what differs): its data files are rewritten each call."""
+    record = root / "arguments.json"
+    current = json.loads(json.dumps({"arguments": arguments, "overrides": overrides}, default=str))
+    if record.is_file():
+        kept = json.loads(record.read_text())
+        if kept != current:
+            differ = sorted(
+                k
+                for k in {*kept["arguments"], *current["arguments"]}
+                if kept["arguments"].get(k) != current["arguments"].get(k)
+            )
+            raise ValueError(
+                f"{record}: its runs were made with other arguments ({differ or 'overrides'}); use another --work"
+            )
+    for name in ("train-data", "test-data", "new-user-data"):
+        shutil.rmtree(root / name, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(current, indent=1))
 
 
 def recipe(
@@ -281,6 +311,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=False,
         help="the tower's model.item_tower.popularity (the encoder reads each item's log count)",
     )
+    parser.add_argument(
+        "--work", type=Path, default=None, help="work in (and keep) this directory; reuse the runs it holds"
+    )
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
     mlp_dims = [int(d) for d in args.mlp_dims.split(",") if d]
     overrides = [
@@ -298,8 +331,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     events = np.loadtxt(source / "u.data", dtype=np.int64, ndmin=2)
     cold_items, cold_users = held_out(events, args.held_out, args.seed)
     start_load = load_average()
-    with tempfile.TemporaryDirectory() as work:
-        root = Path(work)
+    with contextlib.ExitStack() as stack:
+        root = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        reusable(root, {k: v for k, v in vars(args).items() if k != "work"}, overrides)
         trained_on = ~np.isin(events[:, 1], cold_items) & ~np.isin(events[:, 0], cold_users)
         train_data = write_data(source, root / "train-data", events[trained_on])
         test_data = write_data(source, root / "test-data", events[~np.isin(events[:, 0], cold_users)])
@@ -312,11 +346,18 @@ def main(argv: Optional[List[str]] = None) -> None:
             tower_options = (mlp_dims, args.feature_loss_weight, args.popularity)
             config = recipe(train_data, overrides, id_dropout, args.year, *tower_options)
             start = time.perf_counter()
-            metrics = train(config, root / name)
+            if (root / f"{name}-export").is_dir():  # kept by an earlier call with --work
+                metrics = json.loads((root / name / "metrics.json").read_text())
+            else:
+                shutil.rmtree(root / name, ignore_errors=True)  # an unfinished run of an earlier call
+                metrics = train(config, root / name)
+                export_run(root / name, root / f"{name}-export")
             seconds[name] = time.perf_counter() - start
-            export_run(root / name, root / f"{name}-export")
             added[name] = add_items(
-                root / f"{name}-export", new_items if id_dropout is not None else plain_items, root / f"{name}-grown"
+                root / f"{name}-export",
+                new_items if id_dropout is not None else plain_items,
+                root / f"{name}-grown",
+                overwrite=True,
             )
             scored[name] = scored_events(root / f"{name}-grown", config, test_data)
             print(f"{name}: validation-picked test hr@10 {metrics['hr@10']:.4f} ({seconds[name]:.1f} s)", flush=True)
