@@ -35,9 +35,10 @@ standard deviation over the items, averaged), each query's best held-out cosine 
 best trained one (the bar of its top 10), and the rows' mean norms.
 
 ``--work DIR`` works in DIR instead of a temporary directory and keeps it: a run DIR already holds
-(``metrics.json``, its export) is reused, not trained again, so a later call with the same DIR
-(the same seed, held-out fraction, epochs and options, checked against ``DIR/arguments.json``)
-measures ``gr items add`` and the scoring again in minutes.
+(its ``metrics.json``) is not trained again, nor its export (``NAME-export``) written again, so a
+later call with the same DIR (the same seed, held-out fraction, epochs and options, checked against
+``DIR/arguments.json``) measures ``gr items add`` and the scoring again in minutes (remove the
+exports to export the runs again).
 
 Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, feature_loss_weight,
 held_out (items, users, fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10,
@@ -346,11 +347,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             tower_options = (mlp_dims, args.feature_loss_weight, args.popularity)
             config = recipe(train_data, overrides, id_dropout, args.year, *tower_options)
             start = time.perf_counter()
-            if (root / f"{name}-export").is_dir():  # kept by an earlier call with --work
+            if (root / name / "metrics.json").is_file():  # trained by an earlier call with --work
                 metrics = json.loads((root / name / "metrics.json").read_text())
             else:
                 shutil.rmtree(root / name, ignore_errors=True)  # an unfinished run of an earlier call
                 metrics = train(config, root / name)
+            if not (root / f"{name}-export").is_dir():  # kept by an earlier call, unless removed
                 export_run(root / name, root / f"{name}-export")
             seconds[name] = time.perf_counter() - start
             added[name] = add_items(

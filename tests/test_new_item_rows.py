@@ -6,7 +6,16 @@ its cosine there gains what a trained item of its count gains."""
 import numpy as np
 import pytest
 
-from gr.export.new_item_rows import MAX_COSINE, GainFit, fit_gain, placed_rows
+from gr.export.new_item_rows import (
+    MAX_COSINE,
+    GainFit,
+    expected_rates,
+    exposure_shift,
+    fit_gain,
+    placed_rows,
+    top_bars,
+    top_rates,
+)
 
 
 def _unit(rows: np.ndarray) -> np.ndarray:
@@ -64,3 +73,61 @@ def test_a_new_item_never_counted_scores_below_its_features_alone_when_the_fit_s
     assert (rows @ mean_query < _unit(features_only) @ mean_query).all()
     same = placed_rows(features_only, np.zeros(20, dtype=np.int64), np.zeros(4), GainFit(-0.3, 0.07))
     np.testing.assert_allclose(same, _unit(features_only), atol=1e-6)
+
+
+def _exposure_case(seed: int):
+    """Trained items whose vectors are their features' direction turned towards the mean query by a
+    gain that grows with their counts plus a spread of their own, served queries around the mean,
+    and new items of those features and counts: (features_only, counts, mean_query, queries,
+    trained, trained_counts, new_features, new_counts)."""
+    rng = np.random.default_rng(seed)
+    d, m, n, s = 8, 400, 60, 300
+    u = _unit(rng.normal(size=d))
+    queries = _unit(u + 0.8 * rng.normal(size=(s, d)) / np.sqrt(d))
+    mean_query = queries.mean(0)
+    features_only = rng.normal(size=(m + n, d))
+    counts = rng.integers(0, 300, size=m + n)
+    target = _unit(features_only) @ mean_query - 0.3 + 0.06 * np.log1p(counts) + 0.1 * rng.normal(size=m + n)
+    limit = MAX_COSINE * np.linalg.norm(mean_query)
+    trained = _turned(features_only[:m], mean_query, np.clip(target[:m], -limit, limit))
+    return features_only[:m], counts[:m], mean_query, queries, trained, counts[:m], features_only[m:], counts[m:]
+
+
+def _taken(features_only, counts, mean_query, fit, queries, trained) -> float:
+    """The top-10 slots of ``queries`` the rows placed by ``fit`` take, summed over the rows."""
+    rows = placed_rows(features_only, counts, mean_query, fit)
+    return float(top_rates(queries, rows, top_bars(queries, trained)).sum())
+
+
+def test_the_shift_gives_new_items_the_top_10_slots_trained_items_of_their_counts_take():
+    trained_features, _, mean_query, queries, trained, trained_counts, features, counts = _exposure_case(3)
+    fit = fit_gain(mean_query, trained, trained_features, trained_counts)
+    shift = exposure_shift(features, counts, mean_query, fit, queries, trained, trained_counts)
+    bars = top_bars(queries, trained)
+    want = expected_rates(trained_counts, top_rates(queries, trained, bars), counts).sum()
+    unshifted = _taken(features, counts, mean_query, fit, queries, trained)
+    shifted = _taken(features, counts, mean_query, GainFit(fit.alpha, fit.beta, shift), queries, trained)
+    assert abs(unshifted - want) > 0.2 * want  # the fit alone misses the tail that fills a top 10
+    assert np.sign(shift) == np.sign(want - unshifted) and shifted <= want < shifted + 2.0 / len(queries) * len(counts)
+    # one shift for every new item: their order at the mean query is the fit's
+    np.testing.assert_allclose(
+        placed_rows(features, counts, mean_query, GainFit(fit.alpha, fit.beta, shift)) @ mean_query,
+        np.clip(_unit(features) @ mean_query + fit.gain(counts) + shift, -0.99 * np.linalg.norm(mean_query), None),
+        atol=1e-6,
+    )
+
+
+def test_a_new_items_expected_top_rate_is_that_of_the_trained_items_nearest_its_count():
+    trained_counts = np.concatenate([np.full(100, 2), np.full(100, 500)])
+    rates = np.concatenate([np.full(100, 0.001), np.full(100, 0.05)])
+    found = expected_rates(trained_counts, rates, np.array([0, 2, 3, 480, 5000]))
+    np.testing.assert_allclose(found, [0.001, 0.001, 0.001, 0.05, 0.05])
+    np.testing.assert_allclose(expected_rates(trained_counts[:10], rates[:10], np.array([7])), [0.001])
+
+
+def test_each_querys_bar_is_its_tenth_best_trained_cosine_and_the_rates_of_the_trained_items_fill_it():
+    _, _, _, queries, trained, _, _, _ = _exposure_case(4)
+    bars = top_bars(queries, trained)
+    cosines = queries @ _unit(trained).T
+    np.testing.assert_allclose(bars, np.sort(cosines, axis=1)[:, -10])
+    assert top_rates(queries, trained, bars).sum() == pytest.approx(10.0)
