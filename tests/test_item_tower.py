@@ -22,7 +22,7 @@ from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings, model_maps
 from gr.export.item_encoder import ITEM_ENCODER, MEAN_QUERY, SERVED_QUERIES
 from gr.export.manifest import write_manifest
-from gr.export.new_item_rows import GainFit, exposure_shift, fit_gain, placed_rows
+from gr.export.new_item_rows import place
 from gr.export.new_items import add_items
 from gr.export.reader import check_export
 from gr.export.writer import export_run
@@ -80,17 +80,24 @@ def _trained(run: Path):
 
 def _placed(model, export: Path, n: int, features_only: torch.Tensor, counts) -> torch.Tensor:
     """What ``gr items add`` writes for new items of ``features_only`` [k, d] and ``counts`` [k]: the
-    rows ``gr.export.new_item_rows`` places by the export's mean query and the trained items' fit,
-    shifted to the top-10 share of the export's served queries that trained items of their counts take."""
+    rows ``gr.export.new_item_rows`` places from the trained items' vectors and feature-only vectors,
+    their counts, and the export's mean and served queries."""
     encoder_file = load_file(str(export / ITEM_ENCODER))
-    mean_query, queries = encoder_file[MEAN_QUERY], encoder_file[SERVED_QUERIES]
     trained_counts = load_file(str(export / "sparse" / "popularity.safetensors"))["count"]
-    items, counts = torch.arange(n), np.asarray(counts)
+    items = torch.arange(n)
     with torch.no_grad():
         trained = model.item_tower.item_vectors(items, model.embeddings.table_weight("item")[:n]).numpy()
-        fit = fit_gain(mean_query, trained, model.item_tower.feature_vectors(items).numpy(), trained_counts)
-    shift = exposure_shift(features_only.numpy(), counts, mean_query, fit, queries, trained, trained_counts)
-    return torch.from_numpy(placed_rows(features_only.numpy(), counts, mean_query, GainFit(fit.alpha, fit.beta, shift)))
+        trained_features = model.item_tower.feature_vectors(items).numpy()
+    rows, _ = place(
+        features_only.numpy(),
+        np.asarray(counts),
+        trained,
+        trained_features,
+        trained_counts,
+        encoder_file[MEAN_QUERY],
+        encoder_file[SERVED_QUERIES],
+    )
+    return torch.from_numpy(rows)
 
 
 def _category_id(run: Path, raw: str) -> int:
@@ -274,9 +281,9 @@ def test_the_export_stores_the_validation_events_served_queries_and_their_mean(t
 
 
 def test_added_items_are_scored_by_their_features(tower_run, tmp_path):
-    """Two new items with different categories get different rows and scores, each row the trained
-    encoder of its features with no id part, placed by the export's mean and served queries (count 0); a known
-    item given a new category keeps its id part."""
+    """Two new items with different categories get different rows and scores, each row placed from
+    the trained encoder of its features with no id part (its nearest trained items, the export's mean
+    and served queries, count 0); a known item given a new category keeps its id part."""
     run, export = tower_run
     (tmp_path / "new.csv").write_text(f"item_id,{CATEGORY}\n9001,3\n9002,5\n1,7\n")
     summary = add_items(export, tmp_path / "new.csv", tmp_path / "grown", replace_known=True)

@@ -1,17 +1,22 @@
 """Where ``gr items add`` places a new item's row on a tower export (``gr.export.new_item_rows``):
-the id row's gain at the mean query is fitted against log1p(count) over the trained items, and a
-new row of unit norm turns its features' direction towards (or away from) the mean query until
-its cosine there gains what a trained item of its count gains."""
+its direction is that of the trained items nearest its features, the gain of the id rows at the
+mean query over such directions is fitted against log1p(count) over the trained items, a new row of
+unit norm turns its direction towards (or away from) the mean query until its cosine there gains
+what a trained item of its count gains, and one shift for every new row gives them the top-10 slots
+of the served queries that trained items of their counts take."""
 
 import numpy as np
 import pytest
 
+from gr.export import new_item_rows
 from gr.export.new_item_rows import (
     MAX_COSINE,
     GainFit,
     expected_rates,
     exposure_shift,
     fit_gain,
+    neighbour_directions,
+    place,
     placed_rows,
     top_bars,
     top_rates,
@@ -131,3 +136,57 @@ def test_each_querys_bar_is_its_tenth_best_trained_cosine_and_the_rates_of_the_t
     cosines = queries @ _unit(trained).T
     np.testing.assert_allclose(bars, np.sort(cosines, axis=1)[:, -10])
     assert top_rates(queries, trained, bars).sum() == pytest.approx(10.0)
+
+
+def test_a_new_items_direction_is_the_count_weighted_mean_direction_of_its_nearest_trained_items(monkeypatch):
+    rng = np.random.default_rng(5)
+    trained_features = np.array([[1.0, 0, 0], [0.9, 0.1, 0], [0.8, 0, 0.2], [0.3, 1.0, 0], [0, 0, 1.0]])
+    trained = rng.normal(size=(5, 3))
+    counts = np.array([10, 0, 100, 5, 5])
+    # at most a tenth of the trained items: of five, the nearest alone
+    found = neighbour_directions(np.array([[2.0, 0.1, 0.1]]), trained_features, trained, counts)
+    np.testing.assert_allclose(found[0], _unit(trained[0]), atol=1e-9)
+    monkeypatch.setattr(new_item_rows, "NEIGHBOURS", 3)
+    monkeypatch.setattr(new_item_rows, "NEIGHBOURHOOD_SHARE", 1)
+    found = neighbour_directions(np.array([[2.0, 0.1, 0.1]]), trained_features, trained, counts)
+    weights = np.log1p(counts[:3]) + 1e-6
+    np.testing.assert_allclose(found[0], _unit(weights @ _unit(trained[:3])), atol=1e-9)
+    # a trained item is left out of its own neighbours: item 0's are 1, 2 and 3
+    own = neighbour_directions(trained_features[:1], trained_features, trained, counts, np.array([0]))
+    weights = np.log1p(counts[1:4]) + 1e-6
+    np.testing.assert_allclose(own[0], _unit(weights @ _unit(trained[1:4])), atol=1e-9)
+
+
+def test_scores_held_in_blocks_give_what_whole_matrices_give(monkeypatch):
+    trained_features, counts, mean_query, queries, trained, _, features, new_counts = _exposure_case(6)
+    whole = (
+        top_bars(queries, trained),
+        neighbour_directions(features, trained_features, trained, counts),
+        neighbour_directions(trained_features[:50], trained_features, trained, counts, np.arange(50)),
+    )
+    whole_rates = top_rates(queries, trained, whole[0])
+    monkeypatch.setattr(new_item_rows, "BLOCK", 1000)  # a few rows a block
+    np.testing.assert_array_equal(top_bars(queries, trained), whole[0])
+    np.testing.assert_array_equal(top_rates(queries, trained, whole[0]), whole_rates)
+    np.testing.assert_allclose(neighbour_directions(features, trained_features, trained, counts), whole[1], atol=1e-12)
+    np.testing.assert_allclose(
+        neighbour_directions(trained_features[:50], trained_features, trained, counts, np.arange(50)),
+        whole[2],
+        atol=1e-12,
+    )
+
+
+def test_place_turns_the_neighbours_directions_by_the_fit_over_the_trained_items_own_neighbours(monkeypatch):
+    monkeypatch.setattr(new_item_rows, "FIT_SAMPLE", 100)
+    trained_features, counts, mean_query, queries, trained, _, features, new_counts = _exposure_case(7)
+    rows, fit = place(features, new_counts, trained, trained_features, counts, mean_query, queries)
+    sample = np.unique(np.linspace(0, len(trained) - 1, 100).round().astype(np.int64))
+    own = neighbour_directions(trained_features[sample], trained_features, trained, counts, sample)
+    want_fit = fit_gain(mean_query, trained[sample], own, counts[sample])
+    directions = neighbour_directions(features, trained_features, trained, counts)
+    shift = exposure_shift(directions, new_counts, mean_query, want_fit, queries, trained, counts)
+    assert fit == GainFit(want_fit.alpha, want_fit.beta, shift) and shift != 0.0
+    np.testing.assert_allclose(rows, placed_rows(directions, new_counts, mean_query, fit), atol=1e-7)
+    unshifted, fit_without = place(features, new_counts, trained, trained_features, counts, mean_query, None)
+    assert fit_without == want_fit  # no served queries: the fit alone
+    np.testing.assert_allclose(unshifted, placed_rows(directions, new_counts, mean_query, want_fit), atol=1e-7)

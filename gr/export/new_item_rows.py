@@ -1,19 +1,29 @@
 """Where ``gr items add`` points a new item's row on an export with an item tower.
 
 A new item has no trained id row, so its feature-only vector ``f`` (the tower's encoder of its
-features) lacks what a trained item's id row adds to its scores; how much that is grows with the
-item's popularity (a popular item's id row pulls it towards the queries). The export's item encoder
-file holds the mean served query ``q`` [d] (the mean of the normalised retrieval queries of up to
-``MEAN_QUERY_SAMPLE`` validation events). Over the trained items with a count ``n > 0``, the gain
-of the id row at the mean query, ``q . (v_hat - f_hat)`` (``v``: the trained vector, ``_hat``:
-L2-normalised, as the catalogue scores), is fitted by least squares as ``alpha + beta * log1p(n)``.
-A new item with count ``n`` (``item_popularity``; 0 without one) then gets the row of unit norm in
-the plane of ``f_hat`` and ``u = q / |q|`` whose cosine with ``u`` is ``u . f_hat + (alpha + beta *
-log1p(n)) / |q|`` (clipped to ``MAX_COSINE``): its score at the mean query is what a trained item of
-its features and count would score there, while its direction away from ``u`` is its features'.
+features) lacks what a trained item's id row adds to its scores. Two things of it are recovered:
+
+* where it points (``neighbour_directions``): the encoder gives every item of the same features one
+  vector, the average of what the queries learned of such items. The trained items nearest a new
+  item in feature-only vectors (cosine; ``NEIGHBOURS`` of them, at most a tenth of the trained
+  items) hold what the queries learned of items like it, and the mean of their trained vectors'
+  directions, weighted by ``log1p`` of their counts (a popular item's row is the better learned),
+  is the new item's direction ``g``.
+* how far towards the queries (its gain, growing with its popularity: a popular item's id row pulls
+  it towards the queries). The export's item encoder file holds the mean served query ``q`` [d]
+  (the mean of the normalised retrieval queries of up to ``MEAN_QUERY_SAMPLE`` validation events).
+  Over the trained items with a count ``n > 0`` (up to ``FIT_SAMPLE`` of them), the gain of their
+  vector over their own neighbours' direction (themselves left out) at the mean query, ``q . (v_hat
+  - g_hat)`` (``v``: the trained vector, ``_hat``: L2-normalised, as the catalogue scores), is
+  fitted by least squares as ``alpha + beta * log1p(n)``. A new item with count ``n``
+  (``item_popularity``; 0 without one) then gets the row of unit norm in the plane of ``g_hat`` and
+  ``u = q / |q|`` whose cosine with ``u`` is ``u . g_hat + (alpha + beta * log1p(n)) / |q|``
+  (clipped to ``MAX_COSINE``): its score at the mean query is what a trained item of its neighbours
+  and count would score there, while its direction away from ``u`` is its neighbours'.
+
 Serving reads the row like any other (no score term of its own). An item never seen (n = 0) takes
 the gain fitted for the least popular trained items: where that is negative, a new item scores
-below a trained item of the same features at the mean query.
+below a trained item of the same neighbours at the mean query.
 
 The fit matches a new item's score at the mean query, but a top 10 is filled by the tail of each
 query's scores, and a least-squares fit gives every new item the mean gain of its count (none of
@@ -25,11 +35,15 @@ gain: the one at which the new rows take as many top-``EXPOSURE_TOP`` slots of t
 take (``expected_rates``: the mean rate of the ``COUNT_NEIGHBOURS`` trained items nearest in
 count). One shift keeps the new items' order among themselves (features and counts) as the fit
 gives it and moves only their level against the trained items.
+
+Cost: the neighbour search and the top-10 bars compare (the new items, up to ``FIT_SAMPLE``
+trained items, and the served queries) with every trained item, in blocks of ``BLOCK`` scores.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -39,6 +53,10 @@ EXPOSURE_TOP = 10  # the top of each served query's ranking whose slots new item
 COUNT_NEIGHBOURS = 50  # the trained items, nearest in count, whose top-10 rate a new item's count expects
 SHIFT_BOUND = 1.0  # the largest shift of the gain either way (a score at the mean query: at most 1 apart)
 SHIFT_STEPS = 30  # bisection steps: the shift to within 2 * SHIFT_BOUND / 2**30
+NEIGHBOURS = 100  # the trained items nearest in feature-only vectors whose directions a new item takes
+NEIGHBOURHOOD_SHARE = 10  # ... and at most this share of them (1/10), so a small catalogue's stay near
+FIT_SAMPLE = 4096  # the most trained items the gain is fitted over (evenly spaced rows)
+BLOCK = 1 << 22  # the most scores (float64) held at once
 
 
 @dataclass(frozen=True)
@@ -88,19 +106,86 @@ def placed_rows(features_only: np.ndarray, counts: np.ndarray, mean_query: np.nd
     return np.where((width > 1e-6)[:, None], turned, f).astype(np.float32)
 
 
+def _blocks(rows: int, width: int) -> List[slice]:
+    """Blocks of ``rows`` rows, each of at most ``BLOCK`` scores of ``width`` (at least one row)."""
+    step = max(1, BLOCK // max(width, 1))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
 def top_rates(queries: np.ndarray, rows: np.ndarray, bars: np.ndarray) -> np.ndarray:
     """queries: [S, d] unit served queries, rows: [n, d] item rows, bars: [S] each query's bar ->
     [n] float64 the fraction of the queries whose cosine with each row's direction reaches the bar."""
-    scores = queries.astype(np.float64) @ _unit(rows.astype(np.float64)).T
-    return (scores >= bars[:, None]).mean(0)
+    unit_rows = _unit(rows.astype(np.float64))
+    reached = np.zeros(len(rows))
+    for block in _blocks(len(queries), len(rows)):
+        reached += ((queries[block].astype(np.float64) @ unit_rows.T) >= bars[block, None]).sum(0)
+    return reached / len(queries)
 
 
 def top_bars(queries: np.ndarray, trained: np.ndarray) -> np.ndarray:
     """queries: [S, d], trained: [M, d] the trained items' vectors -> [S] float64 each query's
     ``EXPOSURE_TOP``-th best cosine with them (its worst, with fewer items)."""
-    scores = queries.astype(np.float64) @ _unit(trained.astype(np.float64)).T
-    top = min(EXPOSURE_TOP, scores.shape[1])
-    return np.partition(scores, scores.shape[1] - top, axis=1)[:, scores.shape[1] - top]
+    unit_trained = _unit(trained.astype(np.float64))
+    top = min(EXPOSURE_TOP, len(trained))
+    bars = np.empty(len(queries))
+    for block in _blocks(len(queries), len(trained)):
+        scores = queries[block].astype(np.float64) @ unit_trained.T
+        bars[block] = np.partition(scores, len(trained) - top, axis=1)[:, len(trained) - top]
+    return bars
+
+
+def neighbour_directions(
+    features_only: np.ndarray,
+    trained_features: np.ndarray,
+    trained: np.ndarray,
+    trained_counts: np.ndarray,
+    themselves: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """features_only: [n, d] items' feature-only vectors; trained_features, trained: [M, d] the
+    trained items' feature-only and trained vectors; trained_counts: [M] int64; themselves: [n] the
+    trained row each item is (left out of its own neighbours), or None for new items -> [n, d]
+    float64 unit rows: the ``log1p(count)``-weighted mean direction of the trained vectors of the
+    ``NEIGHBOURS`` trained items nearest each item's feature-only vector in cosine (at most a
+    ``NEIGHBOURHOOD_SHARE``-th of them, at least one; evenly weighted where none was counted)."""
+    k = min(NEIGHBOURS, max(1, len(trained) // NEIGHBOURHOOD_SHARE), len(trained) - (themselves is not None))
+    if k < 1:
+        return _unit(features_only.astype(np.float64))
+    unit_features, directions = _unit(trained_features.astype(np.float64)), _unit(trained.astype(np.float64))
+    weights = np.log1p(trained_counts.astype(np.float64)) + 1e-6
+    out = np.empty(features_only.shape, dtype=np.float64)
+    for block in _blocks(len(features_only), len(trained)):
+        similarity = _unit(features_only[block].astype(np.float64)) @ unit_features.T
+        if themselves is not None:
+            similarity[np.arange(len(similarity)), themselves[block]] = -np.inf
+        nearest = np.argpartition(-similarity, k - 1, axis=1)[:, :k]
+        out[block] = np.einsum("nk,nkd->nd", weights[nearest], directions[nearest])
+    return _unit(out)
+
+
+def place(
+    features_only: np.ndarray,
+    counts: np.ndarray,
+    trained: np.ndarray,
+    trained_features: np.ndarray,
+    trained_counts: np.ndarray,
+    mean_query: np.ndarray,
+    queries: Optional[np.ndarray],
+) -> Tuple[np.ndarray, GainFit]:
+    """features_only: [n, d] new items' feature-only vectors, counts: [n] int64; trained,
+    trained_features: [M, d] the trained items' vectors and feature-only vectors, trained_counts:
+    [M] int64; mean_query: [d]; queries: [S, d] the served queries or None -> ([n, d] float32 unit
+    rows, the fit with its shift): the module docstring's placement (no shift without queries)."""
+    sample = np.unique(np.linspace(0, len(trained) - 1, min(FIT_SAMPLE, len(trained))).round().astype(np.int64))
+    own = neighbour_directions(trained_features[sample], trained_features, trained, trained_counts, sample)
+    fit = fit_gain(mean_query, trained[sample], own, trained_counts[sample])
+    directions = neighbour_directions(features_only, trained_features, trained, trained_counts)
+    if queries is not None and len(directions):
+        fit = GainFit(
+            fit.alpha,
+            fit.beta,
+            exposure_shift(directions, counts, mean_query, fit, queries, trained, trained_counts),
+        )
+    return placed_rows(directions, counts, mean_query, fit), fit
 
 
 def expected_rates(trained_counts: np.ndarray, trained_rates: np.ndarray, counts: np.ndarray) -> np.ndarray:

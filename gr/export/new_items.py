@@ -7,11 +7,12 @@ Parquet) join the catalogue with their item features:
 * their raw ids extend the item id map (every known item keeps its row);
 * their rows of the item table: on an export of a model with an item tower (``model.item_tower``:
   ``sparse/item_encoder.safetensors``, ``gr.export.item_encoder``), the tower's encoder of their
-  item features, what the model gives an item with those features and no trained id row, turned by
-  its count where the encoder file holds the mean served query, and lifted or lowered with the other
-  new rows to the share of top 10s trained items of their counts take where it holds the served
-  queries (``gr.export.new_item_rows``), so a catalogue search scores each by its features and how
-  often it was seen. Otherwise (the model has
+  item features, what the model gives an item with those features and no trained id row; where the
+  encoder file holds the mean served query, the direction of the trained items nearest those
+  features instead, turned by its count, and lifted or lowered with the other new rows to the share
+  of top 10s trained items of their counts take where it holds the served queries
+  (``gr.export.new_item_rows``), so a catalogue search scores each by its features and how often it
+  was seen. Otherwise (the model has
   never seen them; their item features, which the PrefixDNN reads, are what tells them apart as
   candidates) they are, on an
   export with a retrieval head, zero: a catalogue search (recommend, generation) scores an item by
@@ -77,7 +78,7 @@ from gr.export.format import (
 from gr.export.item_encoder import MEAN_QUERY, SERVED_QUERIES, check_item_encoder
 from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, ItemStore, load_item_store, write_item_store
 from gr.export.manifest import write_manifest
-from gr.export.new_item_rows import GainFit, exposure_shift, fit_gain, placed_rows
+from gr.export.new_item_rows import place
 from gr.export.popularity import POPULARITY, read_popularity, write_popularity
 from gr.export.reader import ExportManifest, check_export, open_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL
@@ -185,11 +186,7 @@ def add_items(
             new = _feature_vectors(encoder, grown_store, counts, fresh)
             if placing:
                 assert mean_query is not None and popularity is not None and counts is not None  # placing says so
-                fit = fit_gain(mean_query, weights, trained_only, popularity)
-                if served_queries is not None:
-                    shift = exposure_shift(new, counts[fresh], mean_query, fit, served_queries, weights, popularity)
-                    fit = GainFit(fit.alpha, fit.beta, shift)
-                new = placed_rows(new, counts[fresh], mean_query, fit)
+                new, fit = place(new, counts[fresh], weights, trained_only, popularity, mean_query, served_queries)
             grown[fresh] = new
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
         sparse = replace(
