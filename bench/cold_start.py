@@ -15,8 +15,9 @@ item_year], id_dropout: --id-dropout, mlp_dims: --mlp-dims, feature_loss_weight:
 popularity: --popularity}``) and without it (items are their rows).
 ``--held-out`` of the items (every event of theirs removed from training) and of the users (every
 event removed; kept for (b)) are drawn by ``--seed``. Both runs are exported and the held-out items
-added (``gr items add``: with the tower each row is the encoder of its features, placed by its count,
-``item_popularity``, the events the popularity baseline counts (``gr.export.new_item_rows``); without
+added (``gr items add``: with the tower each row is placed from the encoder of its features (the
+trained items nearest it) and its count, ``item_popularity``, the events the popularity baseline
+counts (``gr.export.new_item_rows``); without
 it zero rows). Then the test: each other user's last event (leave one out, on all of its events, held-out
 items included), ranked by the served query over the grown catalogue, the user's earlier items excluded:
   (a) events whose target is a held-out item, ranked among the held-out items: the tower model,
@@ -78,6 +79,7 @@ import yaml  # noqa: E402
 from _stats import paired_difference  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
 from new_users import first_event_metrics, print_first_event_metrics  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 from gr.commands.evaluate import first_event_ranks, served_queries  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402
@@ -86,19 +88,23 @@ from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.data.mappings import model_maps  # noqa: E402
 from gr.data.readers import ML_GENRES, ml_100k_side_tables  # noqa: E402
 from gr.export.format import ID_MAPS_DIR  # noqa: E402
+from gr.export.item_encoder import ITEM_ENCODER, MEAN_QUERY, SERVED_QUERIES  # noqa: E402
 from gr.export.item_store import ITEM_FEATURE  # noqa: E402
+from gr.export.new_item_rows import NEIGHBOURS, place  # noqa: E402
 from gr.export.new_items import add_items  # noqa: E402
-from gr.export.writer import export_run  # noqa: E402
+from gr.export.writer import export_run, run_data, run_item_features  # noqa: E402
 from gr.postfix_dnn.item_tower import POPULARITY_FEATURE  # noqa: E402
 from gr.serving import Ranker  # noqa: E402
+from gr.train import load_trained_model  # noqa: E402
 from gr.train.config import TrainConfig, apply_override  # noqa: E402
 from gr.train.metrics import score_ranks, target_metrics  # noqa: E402
-from gr.train.run import train  # noqa: E402
+from gr.train.run import run_popularity, train  # noqa: E402
 
 RECIPE = "examples/custom_project/config.yaml"
 SIDE_FILES = ("u.item", "u.user", "u.genre", "u.occupation")
 METRICS = ("hr@10", "ndcg@10")
 K = 10
+PSEUDO_FOLDS = 5  # folds of the trained items placed as new in turn (pseudo_cold)
 YEAR_DIM = 8  # the release year table's dim (as the age and occupation tables')
 
 
@@ -258,6 +264,58 @@ def export_trained_rows(ranker: Ranker) -> np.ndarray:
     return sparse.tables[sparse.features[ITEM_FEATURE].table]
 
 
+def pseudo_cold(run: Path, export: Path, scored: Dict[str, Any], warm: torch.Tensor, seed: int) -> Dict[str, Any]:
+    """(a) over more events: each of ``PSEUDO_FOLDS`` folds of the trained items of the tower ``run``
+    (its ``export``) placed as ``gr items add`` places new items (``gr.export.new_item_rows.place``:
+    from their feature-only vectors and their counts in the test data, the other folds' vectors,
+    feature-only vectors and training counts, the export's mean and served queries); the ``warm``
+    [E] bool events of ``scored`` whose target is in a fold, ranked among that fold's items by the
+    placed rows, by rows placed from the feature-only vectors' own directions (no neighbours) and by
+    popularity -> {"events", "tower", "tower_features_direction", "popularity", "paired_hr@10" (tower
+    - popularity), "paired_hr@10_neighbours" (tower - tower_features_direction)}. The queries were
+    trained with these items' rows: an estimate of (a) from more events, not the same test."""
+    model, _ = load_trained_model(run)
+    data = run_data(run, "the pseudo-cold items")
+    model.item_tower.set_items(run_item_features(run, model.prefix_dnn.feature_names, data), run_popularity(run))
+    trained = export_trained_rows(Ranker.load(export)).astype(np.float64)
+    with torch.no_grad():
+        features = model.item_tower.feature_vectors(torch.arange(len(trained))).double().numpy()
+    encoder = load_file(str(export / ITEM_ENCODER))
+    counts, test_counts = run_popularity(run), scored["popularity"].numpy()
+    assert counts is not None  # a run with an item tower stores its counts
+    fold = np.random.default_rng(seed).integers(0, PSEUDO_FOLDS, len(trained))
+    scores, targets = scored["scores"], scored["targets"]
+    hits: Dict[str, List[torch.Tensor]] = {"tower": [], "tower_features_direction": [], "popularity": []}
+    for k in range(PSEUDO_FOLDS):
+        items, rest = np.flatnonzero(fold == k), fold != k
+        chosen = warm & torch.from_numpy(np.isin(targets.numpy(), items))
+        excluded = torch.isinf(scores[chosen])  # the user's earlier items
+        for name, neighbours in (("tower", NEIGHBOURS), ("tower_features_direction", 0)):
+            rows, _ = place(
+                features[items],
+                test_counts[items],
+                trained[rest],
+                features[rest],
+                counts[rest],
+                encoder[MEAN_QUERY],
+                encoder[SERVED_QUERIES],
+                neighbours,
+            )
+            candidates = torch.full_like(scores[chosen], float("-inf"))
+            candidates[:, torch.from_numpy(items)] = scored["queries"][chosen] @ torch.from_numpy(rows).T
+            candidates[excluded] = float("-inf")
+            hits[name].append(ranked(candidates, targets[chosen])["hr@10"])
+        counted = torch.where(torch.isinf(candidates), candidates, scored["popularity"].double().expand_as(candidates))
+        hits["popularity"].append(ranked(counted, targets[chosen])["hr@10"])
+    joined = {name: torch.cat(v) for name, v in hits.items()}
+    return {
+        "events": len(joined["tower"]),
+        **{name: summary_of({"hr@10": v}) for name, v in joined.items()},
+        "paired_hr@10": paired_difference(joined["tower"], joined["popularity"], "events"),
+        "paired_hr@10_neighbours": paired_difference(joined["tower"], joined["tower_features_direction"], "events"),
+    }
+
+
 def mean_row_scores(scored: Dict[str, Any], trained: int) -> torch.Tensor:
     """``scored``'s scores with every added item (rows from ``trained`` on) scored as the mean trained row."""
     scores = scored["scores"].clone()
@@ -366,6 +424,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         users_config = recipe(user_data, overrides, args.id_dropout, args.year, *tower_options).data
         metrics_b = first_event_metrics(first_event_ranks(root / "tower-export", users_config))
         rows = export_trained_rows(Ranker.load(root / "tower-grown"))
+        trained_count = added["tower"]["trained_items"]
+        warm_events = scored["tower"]["targets"] < trained_count
+        a_pseudo = pseudo_cold(root / "tower", root / "tower-export", scored["tower"], warm_events, args.seed)
     trained = added["tower"]["trained_items"]
     if added["no_tower"]["trained_items"] != trained or not torch.equal(
         scored["tower"]["targets"], scored["no_tower"]["targets"]
@@ -428,6 +489,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "events": {"a_held_out_targets": int(cold.sum()), "c_other_targets": int((~cold).sum())},
         "a_among_held_out": {name: summary_of(v) for name, v in metrics_a.items()},
         "a_whole_catalogue": {name: summary_of(v) for name, v in whole_a.items()},
+        "a_pseudo_cold": a_pseudo,
         "b_new_users": metrics_b,
         "c_other_events": {name: summary_of(v) for name, v in metrics_c.items()},
         "paired_hr@10": {
@@ -453,6 +515,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     }
     for group, metrics in (("(a) among held-out", metrics_a), ("(c) other events", metrics_c)):
         print(group + ": " + ", ".join(f"{n} hr@10 {float(v['hr@10'].mean()):.4f}" for n, v in metrics.items()))
+    pseudo = a_pseudo["paired_hr@10"]
+    print(
+        f"(a) pseudo-cold trained items ({a_pseudo['events']} events): tower hr@10 {a_pseudo['tower']['hr@10']:.4f}, "
+        f"popularity {a_pseudo['popularity']['hr@10']:.4f}, paired {pseudo['mean']:+.4f} ({pseudo['in_se']:+.2f} SE); "
+        f"placed from the features' own direction {a_pseudo['tower_features_direction']['hr@10']:.4f}"
+    )
     print("(b) held-out users' first events from their features:")
     print_first_event_metrics(metrics_b)
     print(f"top-10 share of held-out items {top_share:.4f} vs their share of targets {target_share:.4f}")

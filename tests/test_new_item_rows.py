@@ -146,15 +146,17 @@ def test_a_new_items_direction_is_the_count_weighted_mean_direction_of_its_neare
     # at most a tenth of the trained items: of five, the nearest alone
     found = neighbour_directions(np.array([[2.0, 0.1, 0.1]]), trained_features, trained, counts)
     np.testing.assert_allclose(found[0], _unit(trained[0]), atol=1e-9)
-    monkeypatch.setattr(new_item_rows, "NEIGHBOURS", 3)
     monkeypatch.setattr(new_item_rows, "NEIGHBOURHOOD_SHARE", 1)
-    found = neighbour_directions(np.array([[2.0, 0.1, 0.1]]), trained_features, trained, counts)
+    found = neighbour_directions(np.array([[2.0, 0.1, 0.1]]), trained_features, trained, counts, neighbours=3)
     weights = np.log1p(counts[:3]) + 1e-6
     np.testing.assert_allclose(found[0], _unit(weights @ _unit(trained[:3])), atol=1e-9)
     # a trained item is left out of its own neighbours: item 0's are 1, 2 and 3
-    own = neighbour_directions(trained_features[:1], trained_features, trained, counts, np.array([0]))
+    own = neighbour_directions(trained_features[:1], trained_features, trained, counts, np.array([0]), 3)
     weights = np.log1p(counts[1:4]) + 1e-6
     np.testing.assert_allclose(own[0], _unit(weights @ _unit(trained[1:4])), atol=1e-9)
+    # no neighbours: the feature-only vectors' own directions
+    alone = neighbour_directions(trained_features, trained_features, trained, counts, np.arange(5), neighbours=0)
+    np.testing.assert_allclose(alone, _unit(trained_features), atol=1e-12)
 
 
 def test_scores_held_in_blocks_give_what_whole_matrices_give(monkeypatch):
@@ -190,3 +192,8 @@ def test_place_turns_the_neighbours_directions_by_the_fit_over_the_trained_items
     unshifted, fit_without = place(features, new_counts, trained, trained_features, counts, mean_query, None)
     assert fit_without == want_fit  # no served queries: the fit alone
     np.testing.assert_allclose(unshifted, placed_rows(directions, new_counts, mean_query, want_fit), atol=1e-7)
+    # no neighbours: the fit over the trained items' own feature-only vectors, as for a new item's
+    alone, fit_alone = place(features, new_counts, trained, trained_features, counts, mean_query, None, neighbours=0)
+    want_alone = fit_gain(mean_query, trained[sample], trained_features[sample], counts[sample])
+    assert (fit_alone.alpha, fit_alone.beta) == pytest.approx((want_alone.alpha, want_alone.beta), abs=1e-12)
+    np.testing.assert_allclose(alone, placed_rows(features, new_counts, mean_query, fit_alone), atol=1e-7)

@@ -3,8 +3,8 @@ feature encoder of a model trained with ``model.item_tower`` (``gr.postfix_dnn.i
 
 The export's item table already holds each item's vector as the model embeds it (its id row plus
 the encoder of its features), so serving reads neither this file nor anything new. ``gr items
-add`` reads it: a new item's row is the encoder of its features alone (no trained id part), placed by
-its count (``gr.export.new_item_rows``).
+add`` reads it: a new item has no trained id part, and its row is placed from the encoder of its
+features (the trained items nearest it) and its count (``gr.export.new_item_rows``).
 
 One safetensors file: the encoder's weights (its ``state_dict``: ``bags.<feature>.weight`` [rows,
 dim] per categorical or list-valued feature, ``mlp.<i>.weight`` / ``.bias``), float32; metadata

@@ -140,14 +140,17 @@ def neighbour_directions(
     trained: np.ndarray,
     trained_counts: np.ndarray,
     themselves: Optional[np.ndarray] = None,
+    neighbours: int = NEIGHBOURS,
 ) -> np.ndarray:
     """features_only: [n, d] items' feature-only vectors; trained_features, trained: [M, d] the
     trained items' feature-only and trained vectors; trained_counts: [M] int64; themselves: [n] the
     trained row each item is (left out of its own neighbours), or None for new items -> [n, d]
     float64 unit rows: the ``log1p(count)``-weighted mean direction of the trained vectors of the
-    ``NEIGHBOURS`` trained items nearest each item's feature-only vector in cosine (at most a
-    ``NEIGHBOURHOOD_SHARE``-th of them, at least one; evenly weighted where none was counted)."""
-    k = min(NEIGHBOURS, max(1, len(trained) // NEIGHBOURHOOD_SHARE), len(trained) - (themselves is not None))
+    ``neighbours`` trained items nearest each item's feature-only vector in cosine (at most a
+    ``NEIGHBOURHOOD_SHARE``-th of them, at least one; evenly weighted where none was counted); with
+    ``neighbours`` 0, the feature-only vectors' own directions."""
+    share = max(1, len(trained) // NEIGHBOURHOOD_SHARE)
+    k = min(neighbours, share, len(trained) - (themselves is not None))
     if k < 1:
         return _unit(features_only.astype(np.float64))
     unit_features, directions = _unit(trained_features.astype(np.float64)), _unit(trained.astype(np.float64))
@@ -170,15 +173,17 @@ def place(
     trained_counts: np.ndarray,
     mean_query: np.ndarray,
     queries: Optional[np.ndarray],
+    neighbours: int = NEIGHBOURS,
 ) -> Tuple[np.ndarray, GainFit]:
     """features_only: [n, d] new items' feature-only vectors, counts: [n] int64; trained,
     trained_features: [M, d] the trained items' vectors and feature-only vectors, trained_counts:
     [M] int64; mean_query: [d]; queries: [S, d] the served queries or None -> ([n, d] float32 unit
-    rows, the fit with its shift): the module docstring's placement (no shift without queries)."""
+    rows, the fit with its shift): the module docstring's placement (no shift without queries; with
+    ``neighbours`` 0, from the feature-only vectors' own directions)."""
     sample = np.unique(np.linspace(0, len(trained) - 1, min(FIT_SAMPLE, len(trained))).round().astype(np.int64))
-    own = neighbour_directions(trained_features[sample], trained_features, trained, trained_counts, sample)
+    own = neighbour_directions(trained_features[sample], trained_features, trained, trained_counts, sample, neighbours)
     fit = fit_gain(mean_query, trained[sample], own, trained_counts[sample])
-    directions = neighbour_directions(features_only, trained_features, trained, trained_counts)
+    directions = neighbour_directions(features_only, trained_features, trained, trained_counts, None, neighbours)
     if queries is not None and len(directions):
         fit = GainFit(
             fit.alpha,
