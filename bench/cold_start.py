@@ -29,6 +29,10 @@ items included), ranked by the served query over the grown catalogue, the user's
       user features alone (its new-user query) against popularity: ``bench/new_users.py``'s
       measurement (``first_event_ranks``, ``first_event_metrics``);
   (c) every other event, over the whole catalogue: the tower model against the model without it;
+  (a) over more events (``pseudo_cold``): each fifth of the trained items placed in turn as ``gr items
+      add`` places new items, from the other four fifths, and the warm events that target them ranked
+      among that fifth: the placement, the placement from the items' own feature-only directions (no
+      neighbours), and popularity;
 and the share of the top-10 slots (whole catalogue, warm users) the held-out items take against
 their share of the test targets, with what places them: the mean cosine of the warm users' queries
 with the held-out items' and with the trained items' rows, the spread of those cosines (each query's
@@ -44,7 +48,7 @@ exports to export the runs again).
 Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, feature_loss_weight,
 held_out (items, users, fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10,
 se_hr@10, se_ndcg@10}}} (SE: the sample standard error of the mean over the group's events),
-b_new_users (``first_event_metrics``),
+a_pseudo_cold (``pseudo_cold``), b_new_users (``first_event_metrics``),
 paired differences (mean, SE, in SE) for the targets' comparisons, placement, gain_fit (``gr items
 add``'s), top10_share_held_out, target_share_held_out, their ratio, targets ((a) tower above
 popularity among the held-out items by more than one paired SE in HR@10; (b) the new-user query above
