@@ -346,6 +346,28 @@ def test_an_items_count_is_refused_where_the_export_stores_no_popularity(tower_r
         add_items(tmp_path / "export", tmp_path / "new.csv", tmp_path / "grown")
 
 
+@pytest.mark.parametrize(
+    "broken_queries",
+    [lambda q: q * 2.0, lambda q: q[:, :-1], lambda q: q[:0]],
+    ids=["not_unit", "another_width", "none"],
+)
+def test_check_names_served_queries_that_are_not_unit_queries_of_the_embedding_width(
+    tower_run, tmp_path, broken_queries
+):
+    _, export = tower_run
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    weights = load_file(str(broken / ITEM_ENCODER))
+    with safe_open(str(broken / ITEM_ENCODER), framework="numpy") as f:
+        metadata = f.metadata()
+    weights[SERVED_QUERIES] = np.ascontiguousarray(broken_queries(weights[SERVED_QUERIES]))
+    save_file(weights, str(broken / ITEM_ENCODER), metadata=metadata)
+    write_manifest(broken)
+    problems = [str(p) for p in check_export(broken)]
+    assert len(problems) == 1 and SERVED_QUERIES in problems[0] and ITEM_ENCODER in problems[0]
+    assert "unit rows" in problems[0]
+
+
 def test_check_names_an_item_encoder_that_does_not_fit_its_features(tower_run, tmp_path):
     _, export = tower_run
     broken = tmp_path / "broken"
