@@ -5,6 +5,7 @@ their features; users no model trained on, served from their features.
                                [--mlp-dims 64] [--feature-loss-weight 1] [--data.path DIR]
                                (ML-100K: $GR_ML100K_DIR or data/ml-100k)
     python bench/cold_start.py --smoke                                 # 1 epoch of 2 steps a run: checks it runs
+    python bench/cold_start.py --seed 2 --work DIR   # keeps the runs in DIR; a later call with DIR reuses them
 
 The custom project's model and features (examples/custom_project/config.yaml: genres as a list, user
 age, gender and occupation; sparse.backend torch), with the items' release years (``data.release_year``:
@@ -14,8 +15,9 @@ item_year], id_dropout: --id-dropout, mlp_dims: --mlp-dims, feature_loss_weight:
 popularity: --popularity}``) and without it (items are their rows).
 ``--held-out`` of the items (every event of theirs removed from training) and of the users (every
 event removed; kept for (b)) are drawn by ``--seed``. Both runs are exported and the held-out items
-added (``gr items add``: with the tower each row is the encoder of its features, placed by its count,
-``item_popularity``, the events the popularity baseline counts (``gr.export.new_item_rows``); without
+added (``gr items add``: with the tower each row is placed from the encoder of its features (the
+trained items nearest it) and its count, ``item_popularity``, the events the popularity baseline
+counts (``gr.export.new_item_rows``); without
 it zero rows). Then the test: each other user's last event (leave one out, on all of its events, held-out
 items included), ranked by the served query over the grown catalogue, the user's earlier items excluded:
   (a) events whose target is a held-out item, ranked among the held-out items: the tower model,
@@ -27,16 +29,26 @@ items included), ranked by the served query over the grown catalogue, the user's
       user features alone (its new-user query) against popularity: ``bench/new_users.py``'s
       measurement (``first_event_ranks``, ``first_event_metrics``);
   (c) every other event, over the whole catalogue: the tower model against the model without it;
+  (a) over more events (``pseudo_cold``): each fifth of the trained items placed in turn as ``gr items
+      add`` places new items, from the other four fifths, and the warm events that target them ranked
+      among that fifth: the placement, the placement from the items' own feature-only directions (no
+      neighbours), and popularity;
 and the share of the top-10 slots (whole catalogue, warm users) the held-out items take against
 their share of the test targets, with what places them: the mean cosine of the warm users' queries
 with the held-out items' and with the trained items' rows, the spread of those cosines (each query's
 standard deviation over the items, averaged), each query's best held-out cosine against its tenth
 best trained one (the bar of its top 10), and the rows' mean norms.
 
+``--work DIR`` works in DIR instead of a temporary directory and keeps it: a run DIR already holds
+(its ``metrics.json``) is not trained again, nor its export (``NAME-export``) written again, so a
+later call with the same DIR (the same seed, held-out fraction, epochs and options, checked against
+``DIR/arguments.json``) measures ``gr items add`` and the scoring again in minutes (remove the
+exports to export the runs again).
+
 Prints each run, then one JSON line: seed, epochs, id_dropout, year, mlp_dims, feature_loss_weight,
 held_out (items, users, fractions), events per group, metrics {group: {scorer: {hr@10, ndcg@10,
 se_hr@10, se_ndcg@10}}} (SE: the sample standard error of the mean over the group's events),
-b_new_users (``first_event_metrics``),
+a_pseudo_cold (``pseudo_cold``), b_new_users (``first_event_metrics``),
 paired differences (mean, SE, in SE) for the targets' comparisons, placement, gain_fit (``gr items
 add``'s), top10_share_held_out, target_share_held_out, their ratio, targets ((a) tower above
 popularity among the held-out items by more than one paired SE in HR@10; (b) the new-user query above
@@ -47,10 +59,12 @@ share ratio within [0.5, 2]), train seconds, cpu, cpu_flags, load_average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -69,6 +83,7 @@ import yaml  # noqa: E402
 from _stats import paired_difference  # noqa: E402
 from memory import cpu, load_average  # noqa: E402
 from new_users import first_event_metrics, print_first_event_metrics  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 from gr.commands.evaluate import first_event_ranks, served_queries  # noqa: E402
 from gr.commands.train import parse_overrides  # noqa: E402
@@ -77,19 +92,23 @@ from gr.data.datamodule import SequenceDataModule  # noqa: E402
 from gr.data.mappings import model_maps  # noqa: E402
 from gr.data.readers import ML_GENRES, ml_100k_side_tables  # noqa: E402
 from gr.export.format import ID_MAPS_DIR  # noqa: E402
+from gr.export.item_encoder import ITEM_ENCODER, MEAN_QUERY, SERVED_QUERIES  # noqa: E402
 from gr.export.item_store import ITEM_FEATURE  # noqa: E402
+from gr.export.new_item_rows import NEIGHBOURS, place  # noqa: E402
 from gr.export.new_items import add_items  # noqa: E402
-from gr.export.writer import export_run  # noqa: E402
+from gr.export.writer import export_run, run_data, run_item_features  # noqa: E402
 from gr.postfix_dnn.item_tower import POPULARITY_FEATURE  # noqa: E402
 from gr.serving import Ranker  # noqa: E402
+from gr.train import load_trained_model  # noqa: E402
 from gr.train.config import TrainConfig, apply_override  # noqa: E402
 from gr.train.metrics import score_ranks, target_metrics  # noqa: E402
-from gr.train.run import train  # noqa: E402
+from gr.train.run import run_popularity, train  # noqa: E402
 
 RECIPE = "examples/custom_project/config.yaml"
 SIDE_FILES = ("u.item", "u.user", "u.genre", "u.occupation")
 METRICS = ("hr@10", "ndcg@10")
 K = 10
+PSEUDO_FOLDS = 5  # folds of the trained items placed as new in turn (pseudo_cold)
 YEAR_DIM = 8  # the release year table's dim (as the age and occupation tables')
 
 
@@ -148,6 +167,28 @@ def training_counts(data_path: Path, overrides: List[Tuple[str, str]], year: boo
     data.setup()
     assert data.item_map is not None  # set by setup()
     return dict(zip(data.item_map.raw.tolist(), data.popularity().tolist()))
+
+
+def reusable(root: Path, arguments: Dict[str, Any], overrides: List[Tuple[str, str]]) -> None:
+    """Record ``arguments`` and ``overrides`` in ``root/arguments.json``, or check that the runs ``root``
+    holds were made with them (ValueError naming what differs): its data files are rewritten each call."""
+    record = root / "arguments.json"
+    current = json.loads(json.dumps({"arguments": arguments, "overrides": overrides}, default=str))
+    if record.is_file():
+        kept = json.loads(record.read_text())
+        if kept != current:
+            differ = sorted(
+                k
+                for k in {*kept["arguments"], *current["arguments"]}
+                if kept["arguments"].get(k) != current["arguments"].get(k)
+            )
+            raise ValueError(
+                f"{record}: its runs were made with other arguments ({differ or 'overrides'}); use another --work"
+            )
+    for name in ("train-data", "test-data", "new-user-data"):
+        shutil.rmtree(root / name, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(current, indent=1))
 
 
 def recipe(
@@ -227,6 +268,58 @@ def export_trained_rows(ranker: Ranker) -> np.ndarray:
     return sparse.tables[sparse.features[ITEM_FEATURE].table]
 
 
+def pseudo_cold(run: Path, export: Path, scored: Dict[str, Any], warm: torch.Tensor, seed: int) -> Dict[str, Any]:
+    """(a) over more events: each of ``PSEUDO_FOLDS`` folds of the trained items of the tower ``run``
+    (its ``export``) placed as ``gr items add`` places new items (``gr.export.new_item_rows.place``:
+    from their feature-only vectors and their counts in the test data, the other folds' vectors,
+    feature-only vectors and training counts, the export's mean and served queries); the ``warm``
+    [E] bool events of ``scored`` whose target is in a fold, ranked among that fold's items by the
+    placed rows, by rows placed from the feature-only vectors' own directions (no neighbours) and by
+    popularity -> {"events", "tower", "tower_features_direction", "popularity", "paired_hr@10" (tower
+    - popularity), "paired_hr@10_neighbours" (tower - tower_features_direction)}. The queries were
+    trained with these items' rows: an estimate of (a) from more events, not the same test."""
+    model, _ = load_trained_model(run)
+    data = run_data(run, "the pseudo-cold items")
+    model.item_tower.set_items(run_item_features(run, model.prefix_dnn.feature_names, data), run_popularity(run))
+    trained = export_trained_rows(Ranker.load(export)).astype(np.float64)
+    with torch.no_grad():
+        features = model.item_tower.feature_vectors(torch.arange(len(trained))).double().numpy()
+    encoder = load_file(str(export / ITEM_ENCODER))
+    counts, test_counts = run_popularity(run), scored["popularity"].numpy()
+    assert counts is not None  # a run with an item tower stores its counts
+    fold = np.random.default_rng(seed).integers(0, PSEUDO_FOLDS, len(trained))
+    scores, targets = scored["scores"], scored["targets"]
+    hits: Dict[str, List[torch.Tensor]] = {"tower": [], "tower_features_direction": [], "popularity": []}
+    for k in range(PSEUDO_FOLDS):
+        items, rest = np.flatnonzero(fold == k), fold != k
+        chosen = warm & torch.from_numpy(np.isin(targets.numpy(), items))
+        excluded = torch.isinf(scores[chosen])  # the user's earlier items
+        for name, neighbours in (("tower", NEIGHBOURS), ("tower_features_direction", 0)):
+            rows, _ = place(
+                features[items],
+                test_counts[items],
+                trained[rest],
+                features[rest],
+                counts[rest],
+                encoder[MEAN_QUERY],
+                encoder[SERVED_QUERIES],
+                neighbours,
+            )
+            candidates = torch.full_like(scores[chosen], float("-inf"))
+            candidates[:, torch.from_numpy(items)] = scored["queries"][chosen] @ torch.from_numpy(rows).T
+            candidates[excluded] = float("-inf")
+            hits[name].append(ranked(candidates, targets[chosen])["hr@10"])
+        counted = torch.where(torch.isinf(candidates), candidates, scored["popularity"].double().expand_as(candidates))
+        hits["popularity"].append(ranked(counted, targets[chosen])["hr@10"])
+    joined = {name: torch.cat(v) for name, v in hits.items()}
+    return {
+        "events": len(joined["tower"]),
+        **{name: summary_of({"hr@10": v}) for name, v in joined.items()},
+        "paired_hr@10": paired_difference(joined["tower"], joined["popularity"], "events"),
+        "paired_hr@10_neighbours": paired_difference(joined["tower"], joined["tower_features_direction"], "events"),
+    }
+
+
 def mean_row_scores(scored: Dict[str, Any], trained: int) -> torch.Tensor:
     """``scored``'s scores with every added item (rows from ``trained`` on) scored as the mean trained row."""
     scores = scored["scores"].clone()
@@ -281,6 +374,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=False,
         help="the tower's model.item_tower.popularity (the encoder reads each item's log count)",
     )
+    parser.add_argument(
+        "--work", type=Path, default=None, help="work in (and keep) this directory; reuse the runs it holds"
+    )
     args, rest = smoke.parse_args(parser, {"epochs": 1}, argv, known=True)
     mlp_dims = [int(d) for d in args.mlp_dims.split(",") if d]
     overrides = [
@@ -298,8 +394,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     events = np.loadtxt(source / "u.data", dtype=np.int64, ndmin=2)
     cold_items, cold_users = held_out(events, args.held_out, args.seed)
     start_load = load_average()
-    with tempfile.TemporaryDirectory() as work:
-        root = Path(work)
+    with contextlib.ExitStack() as stack:
+        root = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        reusable(root, {k: v for k, v in vars(args).items() if k != "work"}, overrides)
         trained_on = ~np.isin(events[:, 1], cold_items) & ~np.isin(events[:, 0], cold_users)
         train_data = write_data(source, root / "train-data", events[trained_on])
         test_data = write_data(source, root / "test-data", events[~np.isin(events[:, 0], cold_users)])
@@ -312,17 +409,28 @@ def main(argv: Optional[List[str]] = None) -> None:
             tower_options = (mlp_dims, args.feature_loss_weight, args.popularity)
             config = recipe(train_data, overrides, id_dropout, args.year, *tower_options)
             start = time.perf_counter()
-            metrics = train(config, root / name)
+            if (root / name / "metrics.json").is_file():  # trained by an earlier call with --work
+                metrics = json.loads((root / name / "metrics.json").read_text())
+            else:
+                shutil.rmtree(root / name, ignore_errors=True)  # an unfinished run of an earlier call
+                metrics = train(config, root / name)
+            if not (root / f"{name}-export").is_dir():  # kept by an earlier call, unless removed
+                export_run(root / name, root / f"{name}-export")
             seconds[name] = time.perf_counter() - start
-            export_run(root / name, root / f"{name}-export")
             added[name] = add_items(
-                root / f"{name}-export", new_items if id_dropout is not None else plain_items, root / f"{name}-grown"
+                root / f"{name}-export",
+                new_items if id_dropout is not None else plain_items,
+                root / f"{name}-grown",
+                overwrite=True,
             )
             scored[name] = scored_events(root / f"{name}-grown", config, test_data)
             print(f"{name}: validation-picked test hr@10 {metrics['hr@10']:.4f} ({seconds[name]:.1f} s)", flush=True)
         users_config = recipe(user_data, overrides, args.id_dropout, args.year, *tower_options).data
         metrics_b = first_event_metrics(first_event_ranks(root / "tower-export", users_config))
         rows = export_trained_rows(Ranker.load(root / "tower-grown"))
+        trained_count = added["tower"]["trained_items"]
+        warm_events = scored["tower"]["targets"] < trained_count
+        a_pseudo = pseudo_cold(root / "tower", root / "tower-export", scored["tower"], warm_events, args.seed)
     trained = added["tower"]["trained_items"]
     if added["no_tower"]["trained_items"] != trained or not torch.equal(
         scored["tower"]["targets"], scored["no_tower"]["targets"]
@@ -385,6 +493,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "events": {"a_held_out_targets": int(cold.sum()), "c_other_targets": int((~cold).sum())},
         "a_among_held_out": {name: summary_of(v) for name, v in metrics_a.items()},
         "a_whole_catalogue": {name: summary_of(v) for name, v in whole_a.items()},
+        "a_pseudo_cold": a_pseudo,
         "b_new_users": metrics_b,
         "c_other_events": {name: summary_of(v) for name, v in metrics_c.items()},
         "paired_hr@10": {
@@ -410,6 +519,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     }
     for group, metrics in (("(a) among held-out", metrics_a), ("(c) other events", metrics_c)):
         print(group + ": " + ", ".join(f"{n} hr@10 {float(v['hr@10'].mean()):.4f}" for n, v in metrics.items()))
+    pseudo = a_pseudo["paired_hr@10"]
+    print(
+        f"(a) pseudo-cold trained items ({a_pseudo['events']} events): tower hr@10 {a_pseudo['tower']['hr@10']:.4f}, "
+        f"popularity {a_pseudo['popularity']['hr@10']:.4f}, paired {pseudo['mean']:+.4f} ({pseudo['in_se']:+.2f} SE); "
+        f"placed from the features' own direction {a_pseudo['tower_features_direction']['hr@10']:.4f}"
+    )
     print("(b) held-out users' first events from their features:")
     print_first_event_metrics(metrics_b)
     print(f"top-10 share of held-out items {top_share:.4f} vs their share of targets {target_share:.4f}")

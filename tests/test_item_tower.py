@@ -20,9 +20,9 @@ from safetensors.numpy import load_file, save_file
 from gr.commands.evaluate import evaluate_run
 from gr.data.datamodule import SequenceDataModule
 from gr.data.mappings import load_mappings, model_maps
-from gr.export.item_encoder import ITEM_ENCODER, MEAN_QUERY
+from gr.export.item_encoder import ITEM_ENCODER, MEAN_QUERY, SERVED_QUERIES
 from gr.export.manifest import write_manifest
-from gr.export.new_item_rows import fit_gain, placed_rows
+from gr.export.new_item_rows import place
 from gr.export.new_items import add_items
 from gr.export.reader import check_export
 from gr.export.writer import export_run
@@ -35,7 +35,7 @@ from gr.train import load_trained_model
 from gr.train.build import SAMPLED_ITEMS, build_model, check_declared_features, dense_optimizer, seeded_model
 from gr.train.config import TrainConfig
 from gr.train.run import _warm_start, run_popularity, train
-from gr.train.tasks import RetrievalTask
+from gr.train.tasks import RetrievalTask, query_rows
 from helpers.runs import RETRIEVAL
 
 CATEGORY = "item_category"
@@ -80,14 +80,24 @@ def _trained(run: Path):
 
 def _placed(model, export: Path, n: int, features_only: torch.Tensor, counts) -> torch.Tensor:
     """What ``gr items add`` writes for new items of ``features_only`` [k, d] and ``counts`` [k]: the
-    rows ``gr.export.new_item_rows`` places by the export's mean query and the trained items' fit."""
-    mean_query = load_file(str(export / ITEM_ENCODER))[MEAN_QUERY]
+    rows ``gr.export.new_item_rows`` places from the trained items' vectors and feature-only vectors,
+    their counts, and the export's mean and served queries."""
+    encoder_file = load_file(str(export / ITEM_ENCODER))
     trained_counts = load_file(str(export / "sparse" / "popularity.safetensors"))["count"]
     items = torch.arange(n)
     with torch.no_grad():
-        trained = model.item_tower.item_vectors(items, model.embeddings.table_weight("item")[:n])
-        fit = fit_gain(mean_query, trained.numpy(), model.item_tower.feature_vectors(items).numpy(), trained_counts)
-    return torch.from_numpy(placed_rows(features_only.numpy(), np.asarray(counts), mean_query, fit))
+        trained = model.item_tower.item_vectors(items, model.embeddings.table_weight("item")[:n]).numpy()
+        trained_features = model.item_tower.feature_vectors(items).numpy()
+    rows, _ = place(
+        features_only.numpy(),
+        np.asarray(counts),
+        trained,
+        trained_features,
+        trained_counts,
+        encoder_file[MEAN_QUERY],
+        encoder_file[SERVED_QUERIES],
+    )
+    return torch.from_numpy(rows)
 
 
 def _category_id(run: Path, raw: str) -> int:
@@ -255,10 +265,25 @@ def test_evaluation_and_serving_rank_the_same_catalogue_vectors(tower_run):
     assert evaluate_run(run)["hr@10"] == pytest.approx(metrics["hr@10"], abs=1e-6)
 
 
+def test_the_export_stores_the_validation_events_served_queries_and_their_mean(tower_run):
+    """Beside the encoder: the normalised queries the model serves for its validation events (what
+    places new items' rows) and their mean."""
+    run, export = tower_run
+    model, _, data = _trained(run)
+    with torch.no_grad():
+        served = [
+            torch.nn.functional.normalize(model(b).predictions["query"].index_select(0, query_rows(b)), dim=-1)
+            for b in data.val_dataloader()
+        ]
+    stored = load_file(str(export / ITEM_ENCODER))
+    torch.testing.assert_close(torch.from_numpy(stored[SERVED_QUERIES]), torch.cat(served), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(stored[MEAN_QUERY], stored[SERVED_QUERIES].mean(0), rtol=0, atol=1e-6)
+
+
 def test_added_items_are_scored_by_their_features(tower_run, tmp_path):
-    """Two new items with different categories get different rows and scores, each row the trained
-    encoder of its features with no id part, placed by the export's mean query (count 0); a known
-    item given a new category keeps its id part."""
+    """Two new items with different categories get different rows and scores, each row placed from
+    the trained encoder of its features with no id part (its nearest trained items, the export's mean
+    and served queries, count 0); a known item given a new category keeps its id part."""
     run, export = tower_run
     (tmp_path / "new.csv").write_text(f"item_id,{CATEGORY}\n9001,3\n9002,5\n1,7\n")
     summary = add_items(export, tmp_path / "new.csv", tmp_path / "grown", replace_known=True)
@@ -319,6 +344,28 @@ def test_an_items_count_is_refused_where_the_export_stores_no_popularity(tower_r
     (tmp_path / "new.csv").write_text(f"item_id,{CATEGORY},{POPULARITY_FEATURE}\n9001,3,5\n")
     with pytest.raises(ValueError, match=rf"unknown column\(s\) \['{POPULARITY_FEATURE}'\]"):
         add_items(tmp_path / "export", tmp_path / "new.csv", tmp_path / "grown")
+
+
+@pytest.mark.parametrize(
+    "broken_queries",
+    [lambda q: q * 2.0, lambda q: q[:, :-1], lambda q: q[:0]],
+    ids=["not_unit", "another_width", "none"],
+)
+def test_check_names_served_queries_that_are_not_unit_queries_of_the_embedding_width(
+    tower_run, tmp_path, broken_queries
+):
+    _, export = tower_run
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    weights = load_file(str(broken / ITEM_ENCODER))
+    with safe_open(str(broken / ITEM_ENCODER), framework="numpy") as f:
+        metadata = f.metadata()
+    weights[SERVED_QUERIES] = np.ascontiguousarray(broken_queries(weights[SERVED_QUERIES]))
+    save_file(weights, str(broken / ITEM_ENCODER), metadata=metadata)
+    write_manifest(broken)
+    problems = [str(p) for p in check_export(broken)]
+    assert len(problems) == 1 and SERVED_QUERIES in problems[0] and ITEM_ENCODER in problems[0]
+    assert "unit rows" in problems[0]
 
 
 def test_check_names_an_item_encoder_that_does_not_fit_its_features(tower_run, tmp_path):

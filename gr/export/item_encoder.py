@@ -3,15 +3,16 @@ feature encoder of a model trained with ``model.item_tower`` (``gr.postfix_dnn.i
 
 The export's item table already holds each item's vector as the model embeds it (its id row plus
 the encoder of its features), so serving reads neither this file nor anything new. ``gr items
-add`` reads it: a new item's row is the encoder of its features alone (no trained id part), placed by
-its count (``gr.export.new_item_rows``).
+add`` reads it: a new item has no trained id part, and its row is placed from the encoder of its
+features (the trained items nearest it) and its count (``gr.export.new_item_rows``).
 
 One safetensors file: the encoder's weights (its ``state_dict``: ``bags.<feature>.weight`` [rows,
 dim] per categorical or list-valued feature, ``mlp.<i>.weight`` / ``.bias``), float32; metadata
 ``format_version`` "1", ``item_feature``, and what rebuilds the module (``ItemEncoder.metadata``:
 ``features`` JSON [{name, kind, rows, dim}], ``embedding_dim``, ``mlp_dims`` JSON); optionally
 ``mean_query`` [embedding_dim], the mean of the normalised served queries of validation events,
-which places new items' rows (``gr.export.new_item_rows``). Each feature is
+which places new items' rows, and with it ``served_queries`` [S, embedding_dim], those queries,
+which set the placed rows' level (``gr.export.new_item_rows``). Each feature is
 one of the item store's (``gr.export.item_store``), a bag's rows those of the feature's table, but
 a "popularity" one (the item's ``log1p`` count): its values come from ``sparse/popularity.safetensors``.
 Covered by the MANIFEST like every other file; ``check_item_encoder`` is what ``gr check`` and
@@ -36,17 +37,21 @@ from gr.utils.atomic import write_bytes
 
 ITEM_ENCODER = "sparse/item_encoder.safetensors"
 MEAN_QUERY = "mean_query"  # [d]: the mean normalised served query (gr.export.new_item_rows), optional
+SERVED_QUERIES = "served_queries"  # [S, d]: the normalised served queries of that mean, optional
 ENCODER_FORMAT_VERSION = "1"
 FEATURE_KINDS = {"categorical": "sequence", "list": "token_bag"}  # encoder kind -> the feature's table kind
 
 
 def write_item_encoder(
-    root: Path, weights: Mapping[str, np.ndarray], metadata: Mapping[str, str], mean_query: Optional[np.ndarray]
+    root: Path, weights: Mapping[str, np.ndarray], metadata: Mapping[str, str], served_queries: Optional[np.ndarray]
 ) -> None:
     """Write ``root/sparse/item_encoder.safetensors``: ``weights`` {name: float32 array}, the
-    encoder's ``metadata`` (``ItemEncoder.metadata``) and the ``mean_query`` [d] (or None)."""
+    encoder's ``metadata`` (``ItemEncoder.metadata``), and the ``served_queries`` [S, d] (S >= 1,
+    unit rows; or None) with their mean."""
     meta = {"format_version": ENCODER_FORMAT_VERSION, "item_feature": ITEM_FEATURE, **metadata}
-    extra = {} if mean_query is None else {MEAN_QUERY: mean_query}
+    extra = {}
+    if served_queries is not None:
+        extra = {MEAN_QUERY: served_queries.mean(0), SERVED_QUERIES: served_queries}
     tensors = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in {**weights, **extra}.items()}
     write_bytes(root / ITEM_ENCODER, safetensors_bytes(tensors, metadata=meta))
 
@@ -118,6 +123,15 @@ def check_item_encoder(
     mean_query = weights.get(MEAN_QUERY)
     if mean_query is not None and (mean_query.shape != (embedding_dim,) or np.linalg.norm(mean_query) > 1 + 1e-5):
         problem(MEAN_QUERY, f"expected [{embedding_dim}] of norm at most 1 (a mean of unit queries)")
+    queries = weights.get(SERVED_QUERIES)
+    if queries is not None and (
+        mean_query is None
+        or queries.ndim != 2
+        or queries.shape[1:] != (embedding_dim,)
+        or len(queries) == 0
+        or not np.allclose(np.linalg.norm(queries, axis=1), 1.0, atol=1e-4)
+    ):
+        problem(SERVED_QUERIES, f"expected [S >= 1, {embedding_dim}] unit rows, beside {MEAN_QUERY}")
     for name, value in weights.items():
         if value.dtype != np.float32 or not np.isfinite(value).all():
             problem(name, "expected finite float32 values")

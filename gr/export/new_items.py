@@ -7,9 +7,12 @@ Parquet) join the catalogue with their item features:
 * their raw ids extend the item id map (every known item keeps its row);
 * their rows of the item table: on an export of a model with an item tower (``model.item_tower``:
   ``sparse/item_encoder.safetensors``, ``gr.export.item_encoder``), the tower's encoder of their
-  item features, what the model gives an item with those features and no trained id row, turned by
-  its count where the encoder file holds the mean served query (``gr.export.new_item_rows``), so a
-  catalogue search scores each by its features and how often it was seen. Otherwise (the model has
+  item features, what the model gives an item with those features and no trained id row; where the
+  encoder file holds the mean served query, the direction of the trained items nearest those
+  features instead, turned by its count, and lifted or lowered with the other new rows to the share
+  of top 10s trained items of their counts take where it holds the served queries
+  (``gr.export.new_item_rows``), so a catalogue search scores each by its features and how often it
+  was seen. Otherwise (the model has
   never seen them; their item features, which the PrefixDNN reads, are what tells them apart as
   candidates) they are, on an
   export with a retrieval head, zero: a catalogue search (recommend, generation) scores an item by
@@ -72,10 +75,10 @@ from gr.export.format import (
     ExportFormatError,
     Problem,
 )
-from gr.export.item_encoder import MEAN_QUERY, check_item_encoder
+from gr.export.item_encoder import MEAN_QUERY, SERVED_QUERIES, check_item_encoder
 from gr.export.item_store import ITEM_FEATURE, ITEM_STORE, Column, ItemStore, load_item_store, write_item_store
 from gr.export.manifest import write_manifest
-from gr.export.new_item_rows import fit_gain, placed_rows
+from gr.export.new_item_rows import place
 from gr.export.popularity import POPULARITY, read_popularity, write_popularity
 from gr.export.reader import ExportManifest, check_export, open_export
 from gr.export.slice_graph import CANDIDATES_OPTIONAL
@@ -104,7 +107,7 @@ def add_items(
     ``replace_known`` their features replaced where the export has them (module docstring) ->
     {"items_added", "items_replaced", "unknown_values"} (feature values the vocabularies lacked),
     on a retrieval export with items added "trained_items" (the item rows before the new ones), and
-    where new rows were placed "gain_fit" {"alpha", "beta"} (``gr.export.new_item_rows``).
+    where new rows were placed "gain_fit" {"alpha", "beta", "shift"} (``gr.export.new_item_rows``).
 
     ``out_dir`` must lie apart from the export and the items file (``gr.utils.outputs``); an existing
     ``out_dir`` is replaced only with ``overwrite``."""
@@ -121,7 +124,7 @@ def add_items(
         raise ValueError(f"{export_dir}: no raw item id map ({ID_MAPS_DIR}/{ITEMS_MAP}.tsv) to add raw ids to")
     table = export.sparse.tables[export.sparse.features[ITEM_FEATURE].table]
     popularity = read_popularity(export.root)
-    encoder, mean_query = _item_encoder(export.root, export.sparse)
+    encoder, mean_query, served_queries = _item_encoder(export.root, export.sparse)
     if encoder is not None and reads_popularity(encoder) and popularity is None:
         raise ExportFormatError([Problem(POPULARITY, "count", "missing: the item encoder reads the items' popularity")])
     frame = _read_items(items_file, store.features, columns, list_separator, counts=popularity is not None)
@@ -183,8 +186,7 @@ def add_items(
             new = _feature_vectors(encoder, grown_store, counts, fresh)
             if placing:
                 assert mean_query is not None and popularity is not None and counts is not None  # placing says so
-                fit = fit_gain(mean_query, weights, trained_only, popularity)
-                new = placed_rows(new, counts[fresh], mean_query, fit)
+                new, fit = place(new, counts[fresh], weights, trained_only, popularity, mean_query, served_queries)
             grown[fresh] = new
         (tmp / SPARSE_DIR / table.file).write_bytes(safetensors_bytes({TABLE_TENSOR: grown.astype(np.float32)}))
         sparse = replace(
@@ -207,7 +209,7 @@ def add_items(
         "unknown_values": unknown,
     }
     if fit is not None:
-        summary["gain_fit"] = {"alpha": fit.alpha, "beta": fit.beta}
+        summary["gain_fit"] = {"alpha": fit.alpha, "beta": fit.beta, "shift": fit.shift}
     if searched and added:
         summary["trained_items"] = table.rows
     return summary
@@ -224,20 +226,22 @@ def _feature_vectors(
     ).numpy()
 
 
-def _item_encoder(root: Path, sparse: SparseManifest) -> Tuple[Optional[ItemEncoder], Optional[np.ndarray]]:
-    """The export's item tower encoder (``gr.export.item_encoder``) and its mean query [d]: None for
-    each the export lacks."""
+def _item_encoder(
+    root: Path, sparse: SparseManifest
+) -> Tuple[Optional[ItemEncoder], Optional[np.ndarray], Optional[np.ndarray]]:
+    """The export's item tower encoder (``gr.export.item_encoder``), its mean query [d] and its served
+    queries [S, d]: None for each the export lacks."""
     problems: List[Problem] = []
     read = check_item_encoder(root, sparse, problems)
     if problems:
         raise ExportFormatError(problems)
     if read is None:
-        return None, None
+        return None, None, None
     metadata, weights = read
-    mean_query = weights.pop(MEAN_QUERY, None)
+    mean_query, served_queries = weights.pop(MEAN_QUERY, None), weights.pop(SERVED_QUERIES, None)
     encoder = ItemEncoder.from_metadata(metadata)
     encoder.load_state_dict({name: torch.from_numpy(value) for name, value in weights.items()})
-    return encoder.eval(), mean_query
+    return encoder.eval(), mean_query, served_queries
 
 
 def _token_features(export: ExportManifest) -> Tuple[Dict[str, int], Tuple[str, ...]]:

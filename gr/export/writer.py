@@ -99,7 +99,7 @@ def export_model(
     hstu_dtype: str = "float32",
     item_features: Optional[Mapping[str, Column]] = None,
     popularity: Optional[np.ndarray] = None,
-    mean_query: Optional[np.ndarray] = None,
+    served_queries: Optional[np.ndarray] = None,
     source: Optional[Mapping[str, Any]] = None,
     base: Union[str, Path, None] = None,
     touched: Optional[Mapping[str, np.ndarray]] = None,
@@ -128,8 +128,9 @@ def export_model(
         from which serving fills them for items a request gives by id alone.
     popularity: [item table rows] training counts of each item (``gr.data.popularity``), written to
         ``sparse/popularity.safetensors``: serving's answer to an empty history (``gr.export.popularity``).
-    mean_query: with an item tower, [d] the mean normalised served query (``mean_served_query``),
-        written beside the encoder: where ``gr items add`` places new items (``gr.export.new_item_rows``).
+    served_queries: with an item tower, [S, d] normalised served queries (``served_query_sample``),
+        written with their mean beside the encoder: where ``gr items add`` places new items
+        (``gr.export.new_item_rows``).
     The model's ``empty_history``, when it has one, is written to ``hstu/empty_history.safetensors``:
     serving's answer to an empty history with the user's common features (``gr.export.new_user``).
     source: where the model came from (``export_run``: the run, its checkpoint, epoch and step),
@@ -161,7 +162,7 @@ def export_model(
                 tuple(event_features),
                 hstu_dtype,
                 item_features,
-                mean_query,
+                served_queries,
             )
             if popularity is not None:
                 write_popularity(full, popularity, sparse)
@@ -234,11 +235,11 @@ def export_checkpoint(
     data = run_data(run_dir, "an item tower") if model.item_tower is not None else None
     item_features = run_item_features(run_dir, model.prefix_dnn.feature_names, data)
     popularity = run_popularity(run_dir)
-    mean_query = None
-    if data is not None:  # an item tower: its items' features and counts, then the mean query it serves
+    served_queries = None
+    if data is not None:  # an item tower: its items' features and counts, then the queries it serves
         assert model.item_tower is not None
         model.item_tower.set_items(item_features, popularity)
-        mean_query = mean_served_query(model, data)
+        served_queries = served_query_sample(model, data)
     touched = None
     if base is not None:
         touched, why = tracked_rows(run_dir, checkpoint, Path(base))
@@ -257,7 +258,7 @@ def export_checkpoint(
         hstu_dtype=hstu_dtype,
         item_features=item_features,
         popularity=popularity,
-        mean_query=mean_query,
+        served_queries=served_queries,
         source=checkpoint_source(run_dir, checkpoint),
         base=base,
         touched=touched,
@@ -317,7 +318,7 @@ def _write(
     event_features: Tuple[str, ...],
     hstu_dtype: str,
     item_features: Optional[Mapping[str, Column]],
-    mean_query: Optional[np.ndarray],
+    served_queries: Optional[np.ndarray],
 ) -> SparseManifest:
     prefix, postfix, config = model.prefix_dnn, model.postfix_dnn, model.hstu.config
     sparse = _write_sparse(model, root, id_mappings_dir)
@@ -327,7 +328,7 @@ def _write(
     if model.item_tower is not None:
         encoder = model.item_tower.encoder
         weights = {name: value.detach().float().cpu().numpy() for name, value in encoder.state_dict().items()}
-        write_item_encoder(root, weights, encoder.metadata(), mean_query)
+        write_item_encoder(root, weights, encoder.metadata(), served_queries)
     common_dims = _feature_dims(postfix, postfix.common_feature_names, sparse, ("common",), dense_dims, "common_dims")
     _check_names(prefix, postfix)
 
@@ -723,20 +724,21 @@ def run_item_features(
     return {f: side[f] for f in wanted if f in side}
 
 
-def mean_served_query(model: GRModel, data: SequenceDataModule) -> Optional[np.ndarray]:
-    """[d] float32 the mean of the L2-normalised retrieval queries of up to ``MEAN_QUERY_SAMPLE``
-    validation events of ``data`` (with ``data.split: none``, the queries that end training
-    sequences; None when there are none): ``gr.export.new_item_rows``' mean query."""
-    total, seen = None, 0
+def served_query_sample(model: GRModel, data: SequenceDataModule) -> Optional[np.ndarray]:
+    """[S, d] float32 the L2-normalised retrieval queries of the first ``MEAN_QUERY_SAMPLE`` validation
+    events of ``data`` (with ``data.split: none``, the queries that end training sequences; None when
+    there are none): ``gr.export.new_item_rows``' served queries, and their mean its mean query."""
+    queries: List[Tensor] = []
+    seen = 0
     loader = data.val_dataloader() if data.config.validates else data.train_dataloader()
     with torch.no_grad():
         for batch in loader:
             query = model(batch).predictions["query"].index_select(0, query_rows(batch))
-            step = F.normalize(query.float(), dim=-1).sum(0)
-            total, seen = step if total is None else total + step, seen + len(query)
+            queries.append(F.normalize(query.float(), dim=-1)[: MEAN_QUERY_SAMPLE - seen])
+            seen += len(queries[-1])
             if seen >= MEAN_QUERY_SAMPLE:
                 break
-    return None if total is None or seen == 0 else (total / seen).numpy().astype(np.float32)
+    return torch.cat(queries).numpy().astype(np.float32) if seen else None
 
 
 def _data_location(data: DataConfig) -> str:
