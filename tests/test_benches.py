@@ -183,6 +183,7 @@ BENCHES = (
     Bench("bench/serving_state.py", ("bench", "clock", "cpu", "load_average", "extend", "generate", "memory")),
     Bench("bench/paged_attention.py", ("bench", "clock", "cpu", "load_average", "shapes")),
     Bench("bench/serving_tier.py", ("bench", "clock", "cpu", "load_average", "line", "zipf")),
+    Bench("bench/new_item_placement.py", ("bench", "cpu", "load_average", "dim", "sizes", "selection")),
     Bench("bench/serving_http.py", ("history", "candidates", "in_process", "http", "http_p50_overhead_at_1_client")),
     Bench(
         "bench/train_step.py",
