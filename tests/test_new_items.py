@@ -311,7 +311,27 @@ def test_the_command_reports_where_new_items_land_as_recommend_ranks_them(retrie
         "histories_with_new": len(reached),
         "best_new_rank": min(reached, default=None),
         "new_share": round(new / (10 * NUM_ITEMS), 4),
+        "catalogue_share": round(2 / (NUM_ITEMS + 2), 4),
     }
+
+
+@pytest.mark.parametrize(
+    ("new_share", "catalogue_share", "warned"), [(0.5, 0.05, True), (0.5, 0.4, False), (0.08, 0.0, False)]
+)
+def test_the_command_warns_of_new_items_flooding_the_top_10_not_of_their_share(
+    retrieval_export, tmp_path, capsys, monkeypatch, new_share, catalogue_share, warned
+):
+    """A warning when new items take over 10% of the slots and over twice their share of the catalogue."""
+    import gr.commands.items as items
+
+    report = {"histories": 100, "histories_with_new": 50, "best_new_rank": 1}
+    monkeypatch.setattr(
+        items, "placement", lambda *_: {**report, "new_share": new_share, "catalogue_share": catalogue_share}
+    )
+    (tmp_path / "new.csv").write_text("item_id,genre\n1000,1\n")
+    assert items_main([str(retrieval_export), str(tmp_path / "new.csv"), "--out", str(tmp_path / "grown")]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: new items take 50% of the top-10 slots" in err) == warned and (err == "") == (not warned)
 
 
 def test_a_value_that_is_not_an_integer_for_an_integer_feature_names_its_row(retrieval_export, tmp_path):

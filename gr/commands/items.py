@@ -3,8 +3,9 @@ the file ITEMS too, with their item features (``gr.export.new_items``); the mode
 
 On a retrieval export the summary's ``placement`` says where the new items land: ``PLACEMENT_HISTORIES``
 trained items, each a one-item history (an export holds no user histories), get the new export's top
-``PLACEMENT_K``, as ``gr recommend`` gives it; a share of new items over ``PLACEMENT_WARN_SHARE`` of those
-slots is warned about on stderr."""
+``PLACEMENT_K``, as ``gr recommend`` gives it; new items taking more of those slots than
+``PLACEMENT_WARN_SHARE`` and than twice their share of the catalogue (a flood, not the share their
+counts earn them) are warned about on stderr."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def _main(argv: List[str]) -> int:
         "catalogue search (recommend, generate) scores each 0 and ranks it below every trained item the query "
         "matches (the mean of the trained rows, where typical queries point, would put them first for nearly "
         "everyone); the summary's placement gives, for 100 trained items taken as one-item histories, how many "
-        "top 10s hold a new item, the best rank one reaches and their share of the slots (a warning above 10%). "
+        "top 10s hold a new item, the best rank one reaches and their share of the slots (a warning above 10% "
+        "and above twice their share of the catalogue). "
         "On a ranking export their rows are the mean of the trained rows. Serve it with "
         'gr serve NEW_EXPORT, or POST /admin/reload {"export_dir": NEW_EXPORT} to a running service.',
     )
@@ -63,10 +65,11 @@ def _main(argv: List[str]) -> int:
     trained = out.pop("trained_items", None)
     if isinstance(trained, int):
         out["placement"] = report = placement(args.out, trained)
-        if report["new_share"] > PLACEMENT_WARN_SHARE:
+        if report["new_share"] > max(PLACEMENT_WARN_SHARE, 2 * report["catalogue_share"]):
             print(
                 f"gr items add: warning: new items take {report['new_share']:.0%} of the top-{PLACEMENT_K} slots "
-                f"for {report['histories']} trained items' one-item histories",
+                f"for {report['histories']} trained items' one-item histories, being "
+                f"{report['catalogue_share']:.0%} of the catalogue",
                 file=sys.stderr,
             )
     print(json.dumps(out))
@@ -77,7 +80,8 @@ def placement(export_dir: Path, trained: int) -> Dict[str, Any]:
     """Where items from row ``trained`` on land in the top ``PLACEMENT_K`` of ``export_dir``'s
     catalogue search, for up to ``PLACEMENT_HISTORIES`` one-item histories of trained items (spread
     evenly over the rows) -> {"histories", "histories_with_new" (whose top k holds a new item),
-    "best_new_rank" (1-based, None: no new item in any top k), "new_share" (of all top-k slots)}."""
+    "best_new_rank" (1-based, None: no new item in any top k), "new_share" (of all top-k slots),
+    "catalogue_share" (new items among all the catalogue's)}."""
     import numpy as np
 
     from gr.export.format import TIMESTAMPS
@@ -101,4 +105,5 @@ def placement(export_dir: Path, trained: int) -> Dict[str, Any]:
         "histories_with_new": len(reached),
         "best_new_rank": min(reached) if reached else None,
         "new_share": round(new_slots / max(slots, 1), 4),
+        "catalogue_share": round(1 - trained / max(len(ranker.catalogue()[0].vectors), 1), 4),
     }
