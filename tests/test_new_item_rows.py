@@ -197,3 +197,12 @@ def test_place_turns_the_neighbours_directions_by_the_fit_over_the_trained_items
     want_alone = fit_gain(mean_query, trained[sample], trained_features[sample], counts[sample])
     assert (fit_alone.alpha, fit_alone.beta) == pytest.approx((want_alone.alpha, want_alone.beta), abs=1e-12)
     np.testing.assert_allclose(alone, placed_rows(features, new_counts, mean_query, fit_alone), atol=1e-7)
+
+
+def test_of_trained_items_with_the_same_features_the_more_counted_is_the_neighbour():
+    rng = np.random.default_rng(3)
+    features = np.tile(rng.standard_normal((1, 6)), (4, 1))  # four trained items, one set of features
+    trained = rng.standard_normal((4, 6))
+    counts = np.array([3, 40, 7, 0])
+    got = neighbour_directions(features[:1] * 2.0, features, trained, counts, neighbours=1)
+    np.testing.assert_allclose(got[0], trained[1] / np.linalg.norm(trained[1]))

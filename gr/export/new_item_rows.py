@@ -58,6 +58,7 @@ NEIGHBOURS = 100  # the trained items nearest in feature-only vectors whose dire
 NEIGHBOURHOOD_SHARE = 10  # ... and at most this share of them (1/10), so a small catalogue's stay near
 FIT_SAMPLE = 4096  # the most trained items the gain is fitted over (evenly spaced rows)
 BLOCK = 1 << 22  # the most scores (float64) held at once
+TIE_BREAK = 1e-9  # at most this added to a cosine, by count, to order trained items of the same features
 
 
 @dataclass(frozen=True)
@@ -153,17 +154,20 @@ def neighbour_directions(
     trained row each item is (left out of its own neighbours), or None for new items -> [n, d]
     float64 unit rows: the ``log1p(count)``-weighted mean direction of the trained vectors of the
     ``neighbours`` trained items nearest each item's feature-only vector in cosine (at most a
-    ``NEIGHBOURHOOD_SHARE``-th of them, at least one; evenly weighted where none was counted); with
-    ``neighbours`` 0, the feature-only vectors' own directions."""
+    ``NEIGHBOURHOOD_SHARE``-th of them, at least one; evenly weighted where none was counted; of
+    items equally near, the more counted first); with ``neighbours`` 0, the feature-only vectors'
+    own directions."""
     share = max(1, len(trained) // NEIGHBOURHOOD_SHARE)
     k = min(neighbours, share, len(trained) - (themselves is not None))
     if k < 1:
         return _unit(features_only.astype(np.float64))
     unit_features, directions = _unit(trained_features.astype(np.float64)), _unit(trained.astype(np.float64))
     weights = np.log1p(trained_counts.astype(np.float64)) + 1e-6
+    # items of the same features tie exactly: the more counted (the better learned) goes first
+    tie_break = TIE_BREAK * weights / weights.max()
     out = np.empty(features_only.shape, dtype=np.float64)
     for block in _blocks(len(features_only), len(trained)):
-        similarity = _unit(features_only[block].astype(np.float64)) @ unit_features.T
+        similarity = _unit(features_only[block].astype(np.float64)) @ unit_features.T + tie_break
         if themselves is not None:
             similarity[np.arange(len(similarity)), themselves[block]] = -np.inf
         nearest = torch.topk(torch.from_numpy(similarity), k, dim=1).indices.numpy()  # far faster than argpartition
