@@ -354,32 +354,29 @@ def test_an_items_count_is_refused_where_the_export_stores_no_popularity(tower_r
 def test_check_names_served_queries_that_are_not_unit_queries_of_the_embedding_width(
     tower_run, tmp_path, broken_queries
 ):
-    _, export = tower_run
-    broken = tmp_path / "broken"
-    shutil.copytree(export, broken)
-    weights = load_file(str(broken / ITEM_ENCODER))
-    with safe_open(str(broken / ITEM_ENCODER), framework="numpy") as f:
-        metadata = f.metadata()
-    weights[SERVED_QUERIES] = np.ascontiguousarray(broken_queries(weights[SERVED_QUERIES]))
-    save_file(weights, str(broken / ITEM_ENCODER), metadata=metadata)
-    write_manifest(broken)
-    problems = [str(p) for p in check_export(broken)]
+    problems = _encoder_problems(tower_run, tmp_path, SERVED_QUERIES, broken_queries)
     assert len(problems) == 1 and SERVED_QUERIES in problems[0] and ITEM_ENCODER in problems[0]
     assert "unit rows" in problems[0]
 
 
 def test_check_names_an_item_encoder_that_does_not_fit_its_features(tower_run, tmp_path):
+    problems = _encoder_problems(tower_run, tmp_path, f"bags.{CATEGORY}.weight", lambda weight: weight[:-1])
+    assert len(problems) == 1 and f"bags.{CATEGORY}.weight" in problems[0] and ITEM_ENCODER in problems[0]
+
+
+def _encoder_problems(tower_run, tmp_path, name, change):
+    """``check_export``'s problems with a copy of the run's export whose item-encoder tensor ``name`` is
+    ``change(tensor)`` (its manifest rewritten to match)."""
     _, export = tower_run
     broken = tmp_path / "broken"
     shutil.copytree(export, broken)
     weights = load_file(str(broken / ITEM_ENCODER))
     with safe_open(str(broken / ITEM_ENCODER), framework="numpy") as f:
         metadata = f.metadata()
-    weights[f"bags.{CATEGORY}.weight"] = weights[f"bags.{CATEGORY}.weight"][:-1]
+    weights[name] = np.ascontiguousarray(change(weights[name]))
     save_file(weights, str(broken / ITEM_ENCODER), metadata=metadata)
     write_manifest(broken)
-    problems = [str(p) for p in check_export(broken)]
-    assert len(problems) == 1 and f"bags.{CATEGORY}.weight" in problems[0] and ITEM_ENCODER in problems[0]
+    return [str(p) for p in check_export(broken)]
 
 
 # ---- warm start -------------------------------------------------------------------------------------
