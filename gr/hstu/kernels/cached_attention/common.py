@@ -305,12 +305,8 @@ def cache_visibility(request: CachedRequest, contextual_len: int, max_attn_len: 
     (every new token stands after the cache, so only a bounded look-back hides cached tokens)."""
     if max_attn_len <= 0:
         return None
-    pos = request.positions
-    cached = request.cache.stop - request.cache.start
-    length = torch.tensor(torch.iinfo(torch.int64).max, device=pos.device)
-    history_len = torch.tensor(request.history_len, device=pos.device)
-    cols = torch.arange(cached, device=pos.device)
-    return hstu_visibility(pos.view(-1, 1), cols.view(1, -1), length, history_len, contextual_len, max_attn_len)
+    cols = torch.arange(request.cache.stop - request.cache.start, device=request.positions.device)
+    return _sees(request, cols, contextual_len, max_attn_len)
 
 
 def new_visibility(request: CachedRequest, new_tokens: str, contextual_len: int, max_attn_len: int) -> Tensor:
@@ -322,14 +318,19 @@ def new_visibility(request: CachedRequest, new_tokens: str, contextual_len: int,
     if max_attn_len <= 0 and request.cache.stop - request.cache.start >= contextual_len:
         new_visible = pos.view(-1, 1) > pos.view(1, -1)  # causal: no new token is contextual
     else:
-        length = torch.tensor(torch.iinfo(torch.int64).max, device=pos.device)
-        history_len = torch.tensor(request.history_len, device=pos.device)
-        new_visible = hstu_visibility(
-            pos.view(-1, 1), pos.view(1, -1), length, history_len, contextual_len, max_attn_len
-        )
+        new_visible = _sees(request, pos, contextual_len, max_attn_len)
     if request.block_visible is not None:
         new_visible = new_visible & request.block_visible.bool()
     return new_visible | eye
+
+
+def _sees(request: CachedRequest, keys: Tensor, contextual_len: int, max_attn_len: int) -> Tensor:
+    """[n, K] bool: whether each new token of one request sees each key at positions ``keys`` [K]
+    (``hstu_visibility`` within the request's history)."""
+    pos = request.positions
+    length = torch.tensor(torch.iinfo(torch.int64).max, device=pos.device)
+    history_len = torch.tensor(request.history_len, device=pos.device)
+    return hstu_visibility(pos.view(-1, 1), keys.view(1, -1), length, history_len, contextual_len, max_attn_len)
 
 
 @dataclass(frozen=True)
