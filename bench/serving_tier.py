@@ -220,7 +220,7 @@ def zipf_section(
         first = systems["with_tier"][0]
         line = measure_tier_line(first.engine, first.cache.tiers[0], args.page_size)
         print(line.describe())
-        min_tokens = config.max_seq_len + 1 if line.min_tokens is None else line.min_tokens
+        min_tokens = line.tier_min_tokens
     for workers in systems.values():
         for worker in workers:
             worker.cache.min_tokens = min_tokens

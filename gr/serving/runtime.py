@@ -168,7 +168,7 @@ class Ranker:
         line = measure_tier_line(model.engine, self.cache.tiers[0], self.page_size)
         self.tier_line = line
         log.info("%s", line.describe())
-        return model.engine.config.max_seq_len + 1 if line.min_tokens is None else line.min_tokens
+        return line.tier_min_tokens
 
     def _use_pages(self, model: ServingModel) -> None:
         """Give ``model``'s engine a page pool of ``cache_bytes`` whose eviction is this cache's LRU."""

@@ -44,10 +44,17 @@ CALIBRATION_USER = "tier-line"
 @dataclass(frozen=True)
 class TierLine:
     """min_tokens: the shortest history fetched rather than encoded, or None (encoding always costs
-    less); costs: per history length measured, (encode seconds, fetch and extend seconds)."""
+    less); costs: per history length measured, (encode seconds, fetch and extend seconds);
+    max_seq_len: the model's window."""
 
     min_tokens: Optional[int]
     costs: Dict[int, Tuple[float, float]]
+    max_seq_len: int
+
+    @property
+    def tier_min_tokens(self) -> int:
+        """The tiers' ``min_tokens`` that this line gives: past the window where none was found."""
+        return self.max_seq_len + 1 if self.min_tokens is None else self.min_tokens
 
     def describe(self) -> str:
         """One log line: where the line is and the costs on either side of it."""
@@ -84,7 +91,7 @@ def measure_tier_line(engine: CachedHSTU, tier: TierStore, page_size: int) -> Ti
             length *= 2
     finally:
         tier.purge(version)
-    return TierLine(first_cheaper(costs), costs)
+    return TierLine(first_cheaper(costs), costs, config.max_seq_len)
 
 
 def _costs(
