@@ -11,8 +11,9 @@ slices, which cost the same with or without the tier.
   line: per shape (the recipe's; a production-like one: hidden 512, 8 layers, 4 heads of 128 + 128)
       and history length L, a request bringing 4 new actions to a history of L tokens: encoded whole
       (a miss) against fetched from the shared tier (``SqliteTier`` in /dev/shm: read, check, unpack
-      into the page pool) and extended; the shortest L from which fetching is cheaper is where
-      ``--tier-min-tokens`` belongs for that shape.
+      into the page pool) and extended, each settled at the request's time as the serving runtime
+      settles it; the shortest L from which fetching is cheaper is where ``--tier-min-tokens``
+      belongs for that shape.
   zipf: ``--zipf-shape``'s HSTU (the recipe's by default), ``--users`` users, histories of
       ``--min-history``..``--max-history`` tokens, each user's history encoded once first (a
       server that has run a while); then ``--requests`` requests,
@@ -52,7 +53,7 @@ from _host import load_average  # noqa: E402
 from serving_state import measuring, shape  # noqa: E402
 
 from gr.hstu import HSTU
-from gr.hstu.cache import CachedHSTU, cache_bytes_per_token
+from gr.hstu.cache import CachedHSTU, HistoryCache, cache_bytes_per_token
 from gr.hstu.paged import PagePool
 from gr.serving import encode
 from gr.serving.history import History
@@ -106,13 +107,21 @@ class Worker:
     def history(self, user: int, tokens: Dict[str, np.ndarray]) -> History:
         return History(self.model, 0, user, tokens, {}, 0, None, "error")  # type: ignore[arg-type]
 
+    def settled(self, user: int, tokens: Dict[str, np.ndarray]) -> HistoryCache:
+        """The user's history through the cache and tiers, settled at the request's time (a minute
+        after its last action) as the serving runtime settles it."""
+        request_time = int(tokens[TIMESTAMPS][-1]) + STEP_S
+        [encoded] = encode.encode(self.cache, [self.history(user, tokens)], request_times=[request_time])
+        [(settled, _)] = encode.settled([encoded], [request_time])
+        return settled
+
     def serve(self, user: int, tokens: Dict[str, np.ndarray], candidates: torch.Tensor) -> None:
-        """One request: the user's history through the cache and tiers, then its candidates scored."""
-        [encoded] = encode.encode(self.cache, [self.history(user, tokens)])
+        """One request: the user's history through the cache and tiers, settled, then its candidates scored."""
+        settled = self.settled(user, tokens)
         request_time = int(tokens[TIMESTAMPS][-1]) + STEP_S
         times = torch.full((len(candidates),), request_time, dtype=torch.long)
         offsets = torch.tensor([0, len(candidates)])
-        self.engine.score_batch([encoded.cache], candidates, offsets, times, 256, [request_time])
+        self.engine.score_batch([settled], candidates, offsets, times, 256, [request_time])
 
     def written(self) -> float:
         """Wait for the tier writes queued so far -> the CPU seconds the writer's thread has spent."""
@@ -156,11 +165,11 @@ def line_section(args: argparse.Namespace, name: str, directory: Path, clock: Ca
             writer.cache.flush()  # written through to the tier
             writer.cache.discard(user)
             started = clock()
-            encode.encode(reader.cache, [reader.history(user + 1, tokens)])  # not in the tier: encoded
+            reader.settled(user + 1, tokens)  # not in the tier: encoded
             encoded = clock() - started
             reader.cache.flush()  # its write-through, off the request's path
             started = clock()
-            encode.encode(reader.cache, [reader.history(user, tokens)])  # fetched, extended by 4
+            reader.settled(user, tokens)  # fetched, extended by 4
             fetched = clock() - started
             reader.cache.flush()
             reader.cache.discard(user)

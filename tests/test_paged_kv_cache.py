@@ -116,6 +116,47 @@ def test_two_extensions_of_one_history_copy_its_last_page_instead_of_sharing_its
     same_kv(base, plain.encode(x[:6], ts[:6]))
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_extending_and_settling_in_one_pass_pages_as_tensors_and_leaves_the_extension_free_to_grow(case):
+    """extend_settled_batch in a fragmented pool equals the unpaged engine's to the bit; the settled
+    token's K/V, written after the extension's, never reach it: extending the extension again
+    (its next request) equals the unpaged engine's too."""
+    plain = make_engine(**case)
+    engine = paged_twin(plain, pages=64)
+    held = fragment(engine.pool)
+    lengths, added = [30, 6, 12], [3, 1, 0]
+    users = [tokens(n + k + 2, 0, seed=s) for s, (n, k) in enumerate(zip(lengths, added))]
+    request_times = [REQUEST_TIME + b for b in range(len(users))]
+
+    def run(e):
+        bases = [e.encode(x[:n], t[:n]) for (x, t), n in zip(users, lengths)]
+        ends = [n + k for n, k in zip(lengths, added)]
+        both = e.extend_settled_batch(
+            bases,
+            [x[n:end] for (x, _), n, end in zip(users, lengths, ends)],
+            [t[n:end] for (_, t), n, end in zip(users, lengths, ends)],
+            request_times,
+        )
+        again = e.extend_batch(
+            [extended for (extended, _), _ in both],
+            [x[end : end + 2] for (x, _), end in zip(users, ends)],
+            [t[end : end + 2] for (_, t), end in zip(users, ends)],
+        )
+        return both, again
+
+    (both, again), (both_plain, again_plain) = run(engine), run(plain)
+    for ((extended, hidden), (settled, last)), ((want, want_hidden), (want_settled, want_last)) in zip(
+        both, both_plain
+    ):
+        same_kv(extended, want)
+        same_kv(settled, want_settled)
+        assert torch.equal(hidden, want_hidden) and torch.equal(last, want_last)
+    for (got, got_hidden), (want, want_hidden) in zip(again, again_plain):
+        same_kv(got, want)
+        assert torch.equal(got_hidden, want_hidden)
+    assert held
+
+
 def test_pages_return_to_the_pool_when_no_cache_holds_them():
     engine = paged_twin(make_engine(num_heads=2), pages=8, page_size=4)
     x, ts = tokens(12, 0)

@@ -222,3 +222,42 @@ def test_a_cacheless_pass_refuses_histories_beyond_max_seq_len_and_missing_times
         engine.outputs_batch(x, torch.tensor([0, 49]), ts)
     with pytest.raises(ValueError, match="timestamps are required"):
         engine.outputs_batch(x[:5], torch.tensor([0, 5]), None)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_extending_and_settling_in_one_pass_equals_extending_then_settling(case):
+    """extend_settled_batch over users gaining 0..4 tokens, each at its own request time: the extended
+    caches (the last token still pending for "next_event" models) and the settled ones equal
+    extend_batch then settle_batch, the scores on them the one-pass forward, and the batch each
+    user alone, to the bit."""
+    engine = make_engine(**case)
+    lengths, added = [30, 12, 5, 9], [4, 1, 0, 2]
+    users = [tokens(n + k, 4, seed=s) for s, (n, k) in enumerate(zip(lengths, added))]
+    bases = [engine.encode(x[:n], t[:n]) for (x, t), n in zip(users, lengths)]
+    new_x = [x[n : n + k] for (x, _), n, k in zip(users, lengths, added)]
+    new_t = [t[n : n + k] for (_, t), n, k in zip(users, lengths, added)]
+    request_times = [REQUEST_TIME + 1000 * b for b in range(len(users))]
+    together = engine.extend_settled_batch(bases, new_x, new_t, request_times)
+    apart = engine.extend_batch(bases, new_x, new_t)
+    settled_apart = engine.settle_batch([c for c, _ in apart], request_times)
+    for b, (((extended, hidden), (settled, last)), (want, want_hidden), (want_settled, want_last)) in enumerate(
+        zip(together, apart, settled_apart)
+    ):
+        assert (extended.length, extended.committed) == (want.length, want.committed)
+        assert settled.pending is None and settled.length == lengths[b] + added[b]
+        torch.testing.assert_close(extended.pending, want.pending, rtol=0, atol=0)
+        torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=1e-5)
+        torch.testing.assert_close(last, want_last, rtol=0, atol=1e-5)
+        for got, ref in zip((*extended.keys, *settled.keys), (*want.keys, *want_settled.keys)):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        (x, t), end = users[b], lengths[b] + added[b]
+        cands_ts = torch.full((4,), request_times[b])
+        scores = engine.score(settled, x[end:], cands_ts, request_time=request_times[b])
+        all_ts = torch.cat([t[:end], cands_ts])
+        torch.testing.assert_close(scores, one_pass(engine, x, all_ts, end, request_times[b]), rtol=0, atol=1e-5)
+        [((alone, alone_hidden), (alone_settled, alone_last))] = engine.extend_settled_batch(
+            [bases[b]], [new_x[b]], [new_t[b]], [request_times[b]]
+        )
+        assert torch.equal(hidden, alone_hidden) and torch.equal(last, alone_last)
+        for got, ref in zip((*extended.keys, *settled.values), (*alone.keys, *alone_settled.values)):
+            assert torch.equal(got, ref)

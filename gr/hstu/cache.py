@@ -91,11 +91,13 @@ class HistoryCache:
             return self
         layers = [self.layer(i) for i in range(len(self.paged.pool.keys))]
         return HistoryCache(
-            tuple(k.clone(memory_format=torch.contiguous_format) for k, _ in layers),
-            tuple(v.clone(memory_format=torch.contiguous_format) for _, v in layers),
-            self.timestamps,
-            self.pending,
+            tuple(_own(k) for k, _ in layers), tuple(_own(v) for _, v in layers), self.timestamps, self.pending
         )
+
+
+def _own(read: Tensor) -> Tensor:
+    """A paged read in a tensor of its own: a view of the pool copied, a gather (already a copy) kept."""
+    return read.clone(memory_format=torch.contiguous_format) if read._base is not None else read
 
 
 def cache_bytes_per_token(config: HSTUConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -236,20 +238,9 @@ class CachedHSTU:
 
         xs[b]: [n_b, D] float; timestamps[b]: [n_b] int64 or None
         -> per user (the extended cache, the HSTU outputs of the tokens it commits [c_b, D])"""
-        for cache in caches:
-            if not self.can_extend(cache):
-                raise ValueError(
-                    f"HSTU cache: a history of {cache.length} tokens is shorter than HSTUConfig.contextual_len "
-                    f"{self.config.contextual_len}; encode the whole history instead"
-                )
-        tokens, times, runs, new = [], [], [], []
-        for cache, x, t in zip(caches, xs, timestamps):
-            x = x.to(self.device)
-            new.append(self._check_tokens(x, t, start=cache.length))
-            tokens.append(x if cache.pending is None else torch.cat([cache.pending, x]))
-            times.append(torch.cat([cache.timestamps, self._timestamps(t, new[-1], x.device)]))
-            # the tokens to commit: all, or all but the last when it waits for its next event
-            runs.append(0 if new[-1] == 0 else tokens[-1].shape[0] - int(self.defers_last))
+        tokens, times, new = self._grown_tokens(caches, xs, timestamps)
+        # the tokens to commit: all, or all but the last when it waits for its next event
+        runs = [0 if n == 0 else t.shape[0] - int(self.defers_last) for t, n in zip(tokens, new)]
         run = [b for b, r in enumerate(runs) if r]
         committed = self.commit_batch(
             [caches[b] for b in run],
@@ -267,6 +258,71 @@ class CachedHSTU:
             pending = tokens[b][runs[b] :] if runs[b] < tokens[b].shape[0] else None
             out.append((replace(grown, timestamps=times[b], pending=pending), hidden))
         return out
+
+    @torch.inference_mode()
+    def extend_settled_batch(
+        self,
+        caches: Sequence[HistoryCache],
+        xs: Sequence[Tensor],
+        timestamps: Sequence[Optional[Tensor]],
+        request_times: Sequence[int],
+    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor]]]:
+        """``extend_batch``, then ``settle_batch`` of its caches at ``request_times`` (seconds), with
+        one pass for both where the engine defers the last token: a user's pending and new tokens
+        run together, the last one asked at its request time, its K/V kept by the settled cache
+        only (the extended cache keeps it pending, as ``extend_batch``'s does). A user without new
+        tokens is settled alone.
+
+        -> per user ((the extended cache, the outputs of the tokens it commits [c_b, D]),
+        (its settled cache, nothing pending, the outputs of the tokens settled [p_b, D]))"""
+        if not self.defers_last:
+            extended = self.extend_batch(caches, xs, timestamps)
+            return [(e, (e[0], e[1].new_zeros(0, self.config.hidden_dim))) for e in extended]
+        tokens, times, new = self._grown_tokens(caches, xs, timestamps)
+        out: Dict[int, Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor]]] = {}
+        run = [b for b, n in enumerate(new) if n]
+        if run:  # token i asked at token i + 1's time, the last at the request's
+            asked = [
+                torch.cat([times[b][caches[b].committed :], times[b].new_tensor([int(request_times[b])])]) for b in run
+            ]
+            hidden, keys, values, bounds = self._run_history([caches[b] for b in run], [tokens[b] for b in run], asked)
+            for j, b in enumerate(run):
+                kept, last = slice(bounds[j], bounds[j + 1] - 1), slice(bounds[j + 1] - 1, bounds[j + 1])
+                extended = replace(
+                    self._grown(caches[b], [k[:, kept] for k in keys], [v[:, kept] for v in values]),
+                    timestamps=times[b],
+                    pending=tokens[b][-1:],
+                )
+                settled = replace(
+                    self._grown(extended, [k[:, last] for k in keys], [v[:, last] for v in values]),
+                    timestamps=times[b],
+                    pending=None,
+                )
+                out[b] = ((extended, hidden[kept]), (settled, hidden[last]))
+        rest = [b for b, n in enumerate(new) if not n]
+        settled_alone = self.settle_batch([caches[b] for b in rest], [request_times[b] for b in rest])
+        for b, settled_one in zip(rest, settled_alone):
+            out[b] = ((caches[b], tokens[b].new_zeros(0, self.config.hidden_dim)), settled_one)
+        return [out[b] for b in range(len(caches))]
+
+    def _grown_tokens(
+        self, caches: Sequence[HistoryCache], xs: Sequence[Tensor], timestamps: Sequence[Optional[Tensor]]
+    ) -> Tuple[List[Tensor], List[Tensor], List[int]]:
+        """The extension of each cache checked -> per user (its uncommitted tokens: the pending ones, then
+        the new [u_b, D]; every history timestamp after the extension [L_b + n_b]; its new tokens n_b)."""
+        for cache in caches:
+            if not self.can_extend(cache):
+                raise ValueError(
+                    f"HSTU cache: a history of {cache.length} tokens is shorter than HSTUConfig.contextual_len "
+                    f"{self.config.contextual_len}; encode the whole history instead"
+                )
+        tokens, times, new = [], [], []
+        for cache, x, t in zip(caches, xs, timestamps):
+            x = x.to(self.device)
+            new.append(self._check_tokens(x, t, start=cache.length))
+            tokens.append(x if cache.pending is None else torch.cat([cache.pending, x]))
+            times.append(torch.cat([cache.timestamps, self._timestamps(t, new[-1], x.device)]))
+        return tokens, times, new
 
     @torch.inference_mode()
     def settle(self, cache: HistoryCache, request_time: Optional[int]) -> Tuple[HistoryCache, Tensor]:
@@ -436,27 +492,34 @@ class CachedHSTU:
         engine defers the last token (then times[b][i + 1] is token i's query time)
         -> per user (a cache of the committed tokens and these, nothing pending; outputs [n_b, D])
         """
+        lengths = [x.shape[0] for x in xs]
+        if sum(lengths) == 0:
+            return [(replace(c, timestamps=c.timestamps[: c.committed], pending=None), x) for c, x in zip(caches, xs)]
+        hidden, keys, values, bounds = self._run_history(caches, xs, times)
+        out = []
+        for b, cache in enumerate(caches):
+            rows = slice(bounds[b], bounds[b + 1])
+            grown = self._grown(cache, [k[:, rows] for k in keys], [v[:, rows] for v in values])
+            own_times = times[b][: lengths[b]].to(cache.timestamps.device)
+            out.append(
+                (replace(grown, timestamps=torch.cat([cache.timestamps[: cache.committed], own_times])), hidden[rows])
+            )
+        return out
+
+    def _run_history(
+        self, caches: Sequence[HistoryCache], xs: Sequence[Tensor], times: Sequence[Tensor]
+    ) -> Tuple[Tensor, List[Tensor], List[Tensor], List[int]]:
+        """``commit_batch``'s pass (its arguments) -> (outputs [N, D], per-layer keys [H, N, Da] and
+        values [H, N, Dl], user b's rows [bounds[b], bounds[b + 1]))."""
         device = self.device
         xs, times = [x.to(device) for x in xs], [t.to(device) for t in times]
         lengths = torch.tensor([x.shape[0] for x in xs])
-        if int(lengths.sum()) == 0:
-            return [(replace(c, timestamps=c.timestamps[: c.committed], pending=None), x) for c, x in zip(caches, xs)]
         x = torch.cat(list(xs))
         timestamps = torch.cat([t[:n] for t, n in zip(times, lengths.tolist())])
         query_times = torch.cat([t[1:] for t in times]) if self.defers_last else None
         offsets = offsets_from_lengths(lengths).to(x.device)
         hidden, keys, values = self._run_new_tokens(caches, x, offsets, "history", timestamps, query_times)
-        out, bounds = [], offsets.tolist()
-        for b, cache in enumerate(caches):
-            rows = slice(bounds[b], bounds[b + 1])
-            grown = self._grown(cache, [k[:, rows] for k in keys], [v[:, rows] for v in values])
-            out.append(
-                (
-                    replace(grown, timestamps=torch.cat([cache.timestamps[: cache.committed], timestamps[rows]])),
-                    hidden[rows],
-                )
-            )
-        return out
+        return hidden, keys, values, offsets.tolist()
 
     def _grown(self, cache: HistoryCache, keys: List[Tensor], values: List[Tensor]) -> HistoryCache:
         """The committed K/V of ``cache`` followed by new tokens' (per layer [H, n, *]): appended to its

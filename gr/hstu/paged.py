@@ -196,9 +196,8 @@ class PagePool:
 
     def _rows(self, pages: List[int], start: int, end: int) -> Tensor:
         """[end - start] int64: the pool rows of tokens start .. end - 1 of a history on ``pages``."""
-        size = self.page_size
-        rows = [pages[j // size] * size + j % size for j in range(start, end)]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        size, tokens = self.page_size, torch.arange(start, end, device=self.device)
+        return torch.tensor(pages, dtype=torch.long, device=self.device)[tokens // size] * size + tokens % size
 
     def _table(self, pages: List[int], length: int) -> "PagedKV":
         with self._lock:

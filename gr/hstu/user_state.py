@@ -26,8 +26,11 @@ from gr.jagged_rows import evicted_prefix
 from gr.timestamps import TIMESTAMPS
 
 Tokens = Dict[str, np.ndarray]
+# A cache settled at a request's time (nothing pending) and the outputs of the tokens settled [p, D]
+Settled = Tuple[HistoryCache, Tensor]
 
 __all__ = [
+    "Settled",
     "Tokens",
     "UserState",
     "append",
@@ -100,13 +103,17 @@ def encode_states(
     model_versions: Sequence[int],
     found: Sequence[Optional[UserState]],
     use_cache: bool = True,
-) -> List[Tuple[UserState, str]]:
+    request_times: Optional[Sequence[int]] = None,
+) -> List[Tuple[UserState, str, Optional[Settled]]]:
     """Several distinct users' states for their ``histories`` (one model's, computed under
     ``model_versions``, a version each): each user's ``found``
     state reused ("hit"), extended with its new tokens ("extend") or replaced by a fresh encoding
     ("miss"; "off" when use_cache is False and found is ignored). The new tokens of every user go
     through ``embed`` (the PrefixDNN) in one run, the histories to encode in one HSTU pass and those
-    to extend in another. -> per user (its state, status)."""
+    to extend in another. With ``request_times`` (seconds, a user each) an extended state is settled
+    at its user's request time in the pass that extends it (``CachedHSTU.extend_settled_batch``).
+    -> per user (its state, status, the state's cache settled at the request time with the settled
+    tokens' outputs when the pass settled it, else None)."""
     matched = [
         _match(s if use_cache else None, t, v, engine, use_cache) for s, t, v in zip(found, histories, model_versions)
     ]
@@ -121,12 +128,20 @@ def encode_states(
     extends = {i: state for i in runs if (state := matched[i][0]) is not None}  # i -> the state it extends
     ran = dict(zip(misses, engine.encode_batch([xs[i] for i in misses], [times[i] for i in misses])))
     bases = [state.cache for state in extends.values()]
-    ran.update(zip(extends, engine.extend_batch(bases, [xs[i] for i in extends], [times[i] for i in extends])))
-    out = []
+    settled: Dict[int, Settled] = {}
+    if request_times is None:
+        ran.update(zip(extends, engine.extend_batch(bases, [xs[i] for i in extends], [times[i] for i in extends])))
+    else:
+        both = engine.extend_settled_batch(
+            bases, [xs[i] for i in extends], [times[i] for i in extends], [request_times[i] for i in extends]
+        )
+        for i, (extended, settled[i]) in zip(extends, both):
+            ran[i] = extended
+    out: List[Tuple[UserState, str, Optional[Settled]]] = []
     for i, (tokens, version, (base, status)) in enumerate(zip(histories, model_versions, matched)):
         if status == "hit":
             assert base is not None  # _match: a hit comes with its state
-            out.append((base, status))
+            out.append((base, status, None))
             continue
         cache, hidden = ran[i]
         if engine.defers_last or len(tokens[TIMESTAMPS]) == 0:
@@ -136,7 +151,7 @@ def encode_states(
         else:  # no token committed now: the cached state's last output still holds
             assert base is not None  # a fresh encoding commits every token
             last = base.last_hidden
-        out.append((UserState(tokens, cache, version, last), status))
+        out.append((UserState(tokens, cache, version, last), status, settled.get(i)))
     return out
 
 

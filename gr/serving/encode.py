@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gr.hstu.user_state import UserState, encode_states, tokens_after
+from gr.hstu.user_state import Settled, UserState, encode_states, tokens_after
 from gr.jagged import offsets_from_lengths
 from gr.serving.catalogue import QUERY
 from gr.serving.history import EncodedHistory, History
@@ -25,15 +25,22 @@ from gr.serving.shared_tier import TieredCache
 from gr.serving.user_cache import UserCache
 from gr.timestamps import TIMESTAMPS
 
-__all__ = ["encode", "queries", "token_queries"]
+__all__ = ["encode", "queries", "settled", "token_queries"]
 
 
-def encode(cache: UserCache[UserState], histories: Sequence[History], use_cache: bool = True) -> List[EncodedHistory]:
+def encode(
+    cache: UserCache[UserState],
+    histories: Sequence[History],
+    use_cache: bool = True,
+    request_times: Optional[Sequence[int]] = None,
+) -> List[EncodedHistory]:
     """The users' encoded histories (one model's): the new tokens of every user in one prefix_dnn
     run, the histories to encode in one HSTU pass and those to extend in another.
 
     Only a cache entry of a history's model version is used or stored (a reload may race the
-    request). use_cache=False encodes the histories and leaves the cache alone (status "off")."""
+    request). use_cache=False encodes the histories and leaves the cache alone (status "off").
+    request_times: seconds, a history each: an extended history is settled at its request's time
+    in the pass that extends it (``EncodedHistory.settled``; ``settled`` settles the others)."""
     out: Dict[int, EncodedHistory] = {}
     waiting = list(range(len(histories)))
     while waiting:
@@ -43,13 +50,19 @@ def encode(cache: UserCache[UserState], histories: Sequence[History], use_cache:
         for i in waiting:
             (later if histories[i].user_id in users else now).append(i)
             users.add(histories[i].user_id)
-        for i, encoded in zip(now, _encode_round(cache, [histories[i] for i in now], use_cache)):
+        times = None if request_times is None else [request_times[i] for i in now]
+        for i, encoded in zip(now, _encode_round(cache, [histories[i] for i in now], use_cache, times)):
             out[i] = encoded
         waiting = later
     return [out[i] for i in range(len(histories))]
 
 
-def _encode_round(cache: UserCache[UserState], histories: Sequence[History], use_cache: bool) -> List[EncodedHistory]:
+def _encode_round(
+    cache: UserCache[UserState],
+    histories: Sequence[History],
+    use_cache: bool,
+    request_times: Optional[Sequence[int]],
+) -> List[EncodedHistory]:
     """``encode`` of histories of distinct users."""
     if not histories:
         return []
@@ -64,9 +77,9 @@ def _encode_round(cache: UserCache[UserState], histories: Sequence[History], use
             if fetched is not None:
                 found[i], tiers[i] = fetched
     tokens, versions = [h.tokens for h in histories], [h.model_version for h in histories]
-    states = encode_states(model.engine, model.embed_tokens, tokens, versions, found, use_cache)
+    states = encode_states(model.engine, model.embed_tokens, tokens, versions, found, use_cache, request_times)
     out = []
-    for h, base, tier, (state, status) in zip(histories, found, tiers, states):
+    for h, base, tier, (state, status, at_request) in zip(histories, found, tiers, states):
         tier = tier if status in ("hit", "extend") else None
         if use_cache and (status != "hit" or tier != "local"):
             cache.put(h.user_id, state, h.model_version)
@@ -75,8 +88,17 @@ def _encode_round(cache: UserCache[UserState], histories: Sequence[History], use
                 cache.share(h.user_id, state, fresh=True)
             new = 0 if status == "hit" else len(tokens_after(h.tokens, base if tier else None)[TIMESTAMPS])
             cache.encoded(tier, new)
-        out.append(EncodedHistory(h, state, status))
+        out.append(EncodedHistory(h, state, status, at_request))
     return out
+
+
+def settled(encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> List[Settled]:
+    """Each encoded history's cache settled at its request's time (seconds; nothing pending) and the
+    outputs of the tokens settled [p, D]: the one its encoding settled, the others in one pass."""
+    engine = encoded[0].history.model.engine
+    alone = [b for b, e in enumerate(encoded) if e.settled is None]
+    found = dict(zip(alone, engine.settle_batch([encoded[b].cache for b in alone], [request_times[b] for b in alone])))
+    return [e.settled if e.settled is not None else found[b] for b, e in enumerate(encoded)]
 
 
 def queries(encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> Tensor:
@@ -86,8 +108,7 @@ def queries(encoded: Sequence[EncodedHistory], request_times: Sequence[int]) -> 
     user's next event happens (read by "next_event" models)."""
     model = encoded[0].history.model
     if model.engine.defers_last:
-        settled = model.engine.settle_batch([e.cache for e in encoded], list(request_times))
-        hidden = torch.cat([outputs[-1:] for _, outputs in settled])
+        hidden = torch.cat([outputs[-1:] for _, outputs in settled(encoded, request_times)])
     else:
         last: List[Tensor] = []
         for e in encoded:

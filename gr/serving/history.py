@@ -14,7 +14,7 @@ import torch
 from gr.export.format import TIMESTAMPS
 from gr.generation.decoding import DecodeState, start
 from gr.hstu.cache import HistoryCache
-from gr.hstu.user_state import Tokens, UserState, evict
+from gr.hstu.user_state import Settled, Tokens, UserState, evict
 from gr.serving.catalogue import Catalogue, ServingGenerativeModel
 from gr.serving.errors import RequestError
 from gr.serving.id_maps import IdMaps
@@ -73,6 +73,7 @@ class EncodedHistory:
     history: History
     state: UserState
     cache_status: str
+    settled: Optional[Settled] = None  # the state's cache settled at the request's time, when its encoding did
 
     @property
     def cache(self) -> HistoryCache:

@@ -129,16 +129,17 @@ def run(cache: UserCache, prepared: Sequence[PreparedRank], micro_batch: int, us
         return _retrieval(cache, prepared, use_cache)
     if not use_cache:
         return [_uncached(p) for p in prepared]
-    encoded = encode.encode(cache, [p.history for p in prepared])
+    request_times = [p.request_time for p in prepared]
+    encoded = encode.encode(cache, [p.history for p in prepared], request_times=request_times)
     counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
     joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
     hidden = model.engine.score_batch(
-        [e.cache for e in encoded],
+        [settled for settled, _ in encode.settled(encoded, request_times)],
         model.embed_tokens(joined),
         offsets_from_lengths(torch.tensor(counts)),
         torch.from_numpy(joined[TIMESTAMPS]),
         micro_batch,
-        [p.request_time for p in prepared],
+        request_times,
     )
     scores = ranking_scores(model.heads_batch(hidden, [p.history.common for p in prepared], counts))
     bounds = np.cumsum([0, *counts])
@@ -170,10 +171,11 @@ def _retrieval(cache: UserCache, prepared: Sequence[PreparedRank], use_cache: bo
     catalogue = model.catalogue()
     warm = [b for b, p in enumerate(prepared) if p.history.length]
     cold = [b for b, p in enumerate(prepared) if not p.history.length]  # new users: the new-user query
-    encoded = dict(zip(warm, encode.encode(cache, [prepared[b].history for b in warm], use_cache)))
+    warm_times = [prepared[b].request_time for b in warm]
+    encoded = dict(zip(warm, encode.encode(cache, [prepared[b].history for b in warm], use_cache, warm_times)))
     queries = torch.zeros(len(prepared), catalogue.vectors.shape[1], dtype=catalogue.vectors.dtype)  # [B, d]
     if warm:
-        queries[warm] = encode.queries([encoded[b] for b in warm], [prepared[b].request_time for b in warm])
+        queries[warm] = encode.queries([encoded[b] for b in warm], warm_times)
     if cold:
         queries[cold] = model.new_user_queries([prepared[b].history.common for b in cold]).to(queries.dtype)
     counts = torch.tensor([len(p.candidates[TIMESTAMPS]) for p in prepared])

@@ -103,8 +103,9 @@ def _run_modelled(cache: UserCache, prepared: List[PreparedRecommend]) -> List[R
     model = prepared[0].history.model
     if any(p.history.model is not model for p in prepared):  # a reload raced the batch: one model each
         return [_run_modelled(cache, [p])[0] for p in prepared]
-    encoded = encode.encode(cache, [p.history for p in prepared])
-    queries = encode.queries(encoded, [p.request_time for p in prepared])  # [B, d]
+    request_times = [p.request_time for p in prepared]
+    encoded = encode.encode(cache, [p.history for p in prepared], request_times=request_times)
+    queries = encode.queries(encoded, request_times)  # [B, d]
     found = _search(model.catalogue().index, prepared, queries)
     item_feature, out = model.catalogue().item_feature, []
     for b, (p, e) in enumerate(zip(prepared, encoded)):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sqlite3
 import struct
 import threading
@@ -348,20 +349,23 @@ def _arrays(blob: bytes, header: Dict[str, Any], offset: int) -> Optional[Dict[s
     end = len(blob) - _CRC.size
     out: Dict[str, Tensor] = {}
     try:
-        for name, dtype_name, shape in header["arrays"]:
-            dtype = getattr(torch, dtype_name)
-            if not isinstance(dtype, torch.dtype) or not all(isinstance(s, int) and s >= 0 for s in shape):
-                return None
-            count = int(np.prod(shape, dtype=np.int64))
-            size = count * torch.empty(0, dtype=dtype).element_size()
-            if offset + size > end:
-                return None
-            empty = torch.empty(0, dtype=dtype)
-            with warnings.catch_warnings():  # read only (torch cannot mark it): unpack_state copies what it keeps
-                warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-                flat = torch.frombuffer(blob, dtype=dtype, count=count, offset=offset) if count else empty
-            out[name] = flat.reshape(shape)
-            offset += size
+        with warnings.catch_warnings():  # read only (torch cannot mark it): unpack_state copies what it keeps
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            for name, dtype_name, shape in header["arrays"]:
+                dtype = getattr(torch, dtype_name)
+                if not isinstance(dtype, torch.dtype) or not all(type(s) is int and s >= 0 for s in shape):
+                    return None
+                count = math.prod(shape)
+                size = count * dtype.itemsize
+                if offset + size > end:
+                    return None
+                flat = (
+                    torch.frombuffer(blob, dtype=dtype, count=count, offset=offset)
+                    if count
+                    else torch.empty(0, dtype=dtype)
+                )
+                out[name] = flat.reshape(shape)
+                offset += size
     except (TypeError, ValueError, AttributeError):
         return None
     return out if offset == end else None

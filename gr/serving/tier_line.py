@@ -5,7 +5,9 @@ For history lengths L = ``FIRST_LENGTH``, 2 L, 4 L, ... up to the model's ``max_
 synthetic history of L tokens (random HSTU inputs, an event a minute) followed by ``NEW_TOKENS``
 new ones is (a) encoded whole, and (b) fetched: its entry read back from the nearest tier (written
 there beforehand under a version of its own, purged afterwards), unpacked (checks included) into
-the engine's pages, and extended by the new tokens. Each is the fastest of ``REPS`` runs in this
+the engine's pages, and extended by the new tokens; each then settled at a request's time, as a
+request does (for engines that defer the last token: (a) settles it in a pass of its own, (b) in
+the pass that extends, ``CachedHSTU.extend_settled_batch``). Each is the fastest of ``REPS`` runs in this
 thread's CPU time, which other processes and the server's other threads (a reload measures while
 requests are served) barely skew; work torch spreads over other threads is not counted, which
 favours encoding (long histories are the ones it spreads). The line is the shortest L at which (b) costs less than
@@ -108,15 +110,17 @@ def _costs(
     tier.put(version, CALIBRATION_USER, pack_state(state, version, CALIBRATION_USER))
     del state, cache  # its pages back to the probe's pool
 
+    request_time = [int(times[-1]) + STEP_S]
+
     def encode() -> None:
-        engine.encode(x, times)
+        engine.settle_batch([engine.encode(x, times)], request_time)
 
     def fetch() -> None:
         blob = tier.get(version, CALIBRATION_USER)
         assert blob is not None  # written above
         fetched, reason = unpack_state(blob, version, CALIBRATION_USER, tokens, 0, engine)
         assert fetched is not None, reason  # the entry of this very history
-        engine.extend(fetched.cache, x[length:], times[length:])
+        engine.extend_settled_batch([fetched.cache], [x[length:]], [times[length:]], request_time)
 
     return _fastest(encode), _fastest(fetch)
 
