@@ -117,10 +117,10 @@ def test_two_extensions_of_one_history_copy_its_last_page_instead_of_sharing_its
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-def test_extending_and_settling_in_one_pass_pages_as_tensors_and_leaves_the_extension_free_to_grow(case):
-    """extend_settled_batch in a fragmented pool equals the unpaged engine's to the bit; the settled
-    token's K/V, written after the extension's, never reach it: extending the extension again
-    (its next request) equals the unpaged engine's too."""
+def test_encoding_or_extending_and_settling_in_one_pass_pages_as_tensors_and_leaves_the_cache_free_to_grow(case):
+    """encode_settled_batch, then extend_settled_batch, in a fragmented pool equal the unpaged
+    engine's to the bit; the settled token's K/V, written after the cache's, never reach it:
+    extending the extension again (its next request) equals the unpaged engine's too."""
     plain = make_engine(**case)
     engine = paged_twin(plain, pages=64)
     held = fragment(engine.pool)
@@ -129,7 +129,10 @@ def test_extending_and_settling_in_one_pass_pages_as_tensors_and_leaves_the_exte
     request_times = [REQUEST_TIME + b for b in range(len(users))]
 
     def run(e):
-        bases = [e.encode(x[:n], t[:n]) for (x, t), n in zip(users, lengths)]
+        first = e.encode_settled_batch(
+            [x[:n] for (x, _), n in zip(users, lengths)], [t[:n] for (_, t), n in zip(users, lengths)], request_times
+        )
+        bases = [cache for (cache, _), _ in first]
         ends = [n + k for n, k in zip(lengths, added)]
         both = e.extend_settled_batch(
             bases,
@@ -142,7 +145,7 @@ def test_extending_and_settling_in_one_pass_pages_as_tensors_and_leaves_the_exte
             [x[end : end + 2] for (x, _), end in zip(users, ends)],
             [t[end : end + 2] for (_, t), end in zip(users, ends)],
         )
-        return both, again
+        return first + both, again
 
     (both, again), (both_plain, again_plain) = run(engine), run(plain)
     for ((extended, hidden), (settled, last)), ((want, want_hidden), (want_settled, want_last)) in zip(

@@ -261,3 +261,33 @@ def test_extending_and_settling_in_one_pass_equals_extending_then_settling(case)
         assert torch.equal(hidden, alone_hidden) and torch.equal(last, alone_last)
         for got, ref in zip((*extended.keys, *settled.values), (*alone.keys, *alone_settled.values)):
             assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_encoding_and_settling_in_one_pass_equals_encoding_then_settling(case):
+    """encode_settled_batch over histories of 0..30 tokens, each at its own request time: the encoded
+    caches equal encode_batch's to the bit (the pending token run beside them changes none of
+    theirs), the settled caches and outputs equal settle_batch's, and the batch each user alone."""
+    engine = make_engine(**case)
+    lengths = [30, 0, 1, 2, 3, 12]  # 1..3 tokens: up to and past contextual_len 2 or 3
+    users = [tokens(n, 0, seed=s) for s, n in enumerate(lengths)]
+    request_times = [REQUEST_TIME + 1000 * b for b in range(len(users))]
+    together = engine.encode_settled_batch([x for x, _ in users], [t for _, t in users], request_times)
+    apart = engine.encode_batch([x for x, _ in users], [t for _, t in users])
+    settled_apart = engine.settle_batch([c for c, _ in apart], request_times)
+    for b, (((cache, hidden), (settled, last)), (want, want_hidden), (want_settled, want_last)) in enumerate(
+        zip(together, apart, settled_apart)
+    ):
+        assert (cache.length, cache.committed) == (want.length, want.committed) == (lengths[b], want.committed)
+        assert settled.pending is None and settled.length == lengths[b]
+        assert torch.equal(hidden, want_hidden)
+        for i in range(engine.config.num_layers):
+            assert all(torch.equal(got, ref) for got, ref in zip(cache.layer(i), want.layer(i)))
+            for got, ref in zip(settled.layer(i), want_settled.layer(i)):
+                torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(last, want_last, rtol=0, atol=1e-5)
+        [((alone, alone_hidden), (alone_settled, alone_last))] = engine.encode_settled_batch(
+            [users[b][0]], [users[b][1]], [request_times[b]]
+        )
+        assert torch.equal(hidden, alone_hidden) and torch.equal(last, alone_last)
+        assert all(torch.equal(got, ref) for got, ref in zip(settled.layer(0), alone_settled.layer(0)))

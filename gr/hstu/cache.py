@@ -149,25 +149,65 @@ class CachedHSTU:
 
         xs[b]: [L_b, D] float; timestamps[b]: [L_b] int64 or None
         -> per user (its cache, the HSTU outputs of its committed tokens [C_b, D])"""
+        return [encoded for encoded, _ in self._encode(xs, timestamps, None)]
+
+    @torch.inference_mode()
+    def encode_settled_batch(
+        self, xs: Sequence[Tensor], timestamps: Sequence[Optional[Tensor]], request_times: Sequence[int]
+    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor]]]:
+        """``encode_batch``, then ``settle_batch`` of its caches at ``request_times`` (seconds), in one
+        pass where the engine defers the last token: it runs with the others, asked at its request
+        time, its K/V kept by the settled cache only (the encoded cache keeps it pending). A history
+        of at most contextual_len tokens is settled in a pass of its own (its last token is
+        contextual: the others would see it).
+
+        -> per user ((its cache, the outputs of its committed tokens [C_b, D]), (its settled cache,
+        nothing pending, the outputs of the tokens settled [p_b, D]))"""
+        encoded = self._encode(xs, timestamps, request_times)
+        alone = [b for b, (_, settled) in enumerate(encoded) if settled is None]
+        settled_alone = dict(
+            zip(alone, self.settle_batch([encoded[b][0][0] for b in alone], [request_times[b] for b in alone]))
+        )
+        return [(one, settled_alone[b] if settled is None else settled) for b, (one, settled) in enumerate(encoded)]
+
+    def _encode(
+        self, xs: Sequence[Tensor], timestamps: Sequence[Optional[Tensor]], request_times: Optional[Sequence[int]]
+    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Optional[Tuple[HistoryCache, Tensor]]]]:
+        """``encode_settled_batch``, each settled cache None where this pass did not settle it (a
+        contextual last token); without ``request_times`` nothing is settled."""
         device = self.device  # looked up once: it walks the parameters
         xs = [x.to(device) for x in xs]
         lengths = [self._check_tokens(x, t, start=0) for x, t in zip(xs, timestamps)]
         ts = [self._timestamps(t, n, device) for t, n in zip(timestamps, lengths)]
         committed = [n - 1 if self.defers_last and n else n for n in lengths]
-        run = [b for b, c in enumerate(committed) if c]  # users with tokens to encode
-        offsets = offsets_from_lengths(torch.tensor([committed[b] for b in run], dtype=torch.long))
+        # the users whose pending token runs in this pass, asked at the request's time
+        settles = [
+            request_times is not None and (not self.defers_last or n > self.config.contextual_len) for n in lengths
+        ]
+        ran = [n if settle else c for n, c, settle in zip(lengths, committed, settles)]
+        run = [b for b, n in enumerate(ran) if n]  # users with tokens to run
+        offsets = offsets_from_lengths(torch.tensor([ran[b] for b in run], dtype=torch.long))
         starts = dict(zip(run, offsets.tolist()))
         keys: List[Tensor] = []
         values: List[Tensor] = []
         if run:
-            x = torch.cat([xs[b][: committed[b]] for b in run])
+            x = torch.cat([xs[b][: ran[b]] for b in run])
             offsets = offsets.to(x.device)
-            positions = torch.cat([torch.arange(committed[b], device=x.device) for b in run])
-            flat_ts = torch.cat([ts[b][: committed[b]] for b in run])
-            query_ts = torch.cat([ts[b][1 : committed[b] + 1] for b in run]) if self.defers_last else None
+            positions = torch.cat([torch.arange(ran[b], device=x.device) for b in run])
+            flat_ts = torch.cat([ts[b][: ran[b]] for b in run])
+            query_ts = None
+            if self.defers_last:  # a token is asked at the next one's time, a last one run at its request's
+                request_at = [] if request_times is None else list(request_times)
+                asked = [
+                    torch.cat([ts[b][1:], ts[b].new_tensor([int(request_at[b])])])
+                    if ran[b] == lengths[b]
+                    else ts[b][1 : ran[b] + 1]
+                    for b in run
+                ]
+                query_ts = torch.cat(asked)
             workspace = AttentionWorkspace(offsets)
             hidden = self.hstu.embed(x, positions)
-            longest = max(committed[b] for b in run)
+            longest = max(ran[b] for b in run)
             # cast: torch's stubs type nn.ModuleList's items as nn.Module
             for layer in cast(Sequence[HSTULayer], self.hstu.layers):
                 u, q, k, v = layer.project(hidden)
@@ -175,7 +215,7 @@ class CachedHSTU:
                 hidden = layer.combine(hidden, attn, u)
                 keys.append(k.transpose(0, 1))
                 values.append(v.transpose(0, 1))
-        out = []
+        out: List[Tuple[Tuple[HistoryCache, Tensor], Optional[Tuple[HistoryCache, Tensor]]]] = []
         for b, x in enumerate(xs):
             if b in starts:
                 rows = slice(starts[b], starts[b] + committed[b])
@@ -187,10 +227,18 @@ class CachedHSTU:
             pending = x[committed[b] :] if committed[b] < lengths[b] else None
             paged = None if self.pool is None else self.pool.store(layers_k, layers_v)
             if paged is not None:
-                out.append((HistoryCache((), (), ts[b], pending, paged), outputs))
+                cache = HistoryCache((), (), ts[b], pending, paged)
             else:
                 cached_k, cached_v = tuple(k.contiguous() for k in layers_k), tuple(v.contiguous() for v in layers_v)
-                out.append((HistoryCache(cached_k, cached_v, ts[b], pending), outputs))
+                cache = HistoryCache(cached_k, cached_v, ts[b], pending)
+            settled = None
+            if settles[b] and pending is None:  # nothing to settle
+                settled = (cache, outputs[:0])
+            elif settles[b]:
+                last = slice(starts[b] + committed[b], starts[b] + lengths[b])
+                grown = self._grown(cache, [k[:, last] for k in keys], [v[:, last] for v in values])
+                settled = (replace(grown, timestamps=ts[b], pending=None), hidden[last])
+            out.append(((cache, outputs), settled))
         return out
 
     @torch.inference_mode()
@@ -276,8 +324,7 @@ class CachedHSTU:
         -> per user ((the extended cache, the outputs of the tokens it commits [c_b, D]),
         (its settled cache, nothing pending, the outputs of the tokens settled [p_b, D]))"""
         if not self.defers_last:
-            extended = self.extend_batch(caches, xs, timestamps)
-            return [(e, (e[0], e[1].new_zeros(0, self.config.hidden_dim))) for e in extended]
+            return [(e, (e[0], e[1][:0])) for e in self.extend_batch(caches, xs, timestamps)]
         tokens, times, new = self._grown_tokens(caches, xs, timestamps)
         out: Dict[int, Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor]]] = {}
         run = [b for b, n in enumerate(new) if n]

@@ -110,8 +110,9 @@ def encode_states(
     state reused ("hit"), extended with its new tokens ("extend") or replaced by a fresh encoding
     ("miss"; "off" when use_cache is False and found is ignored). The new tokens of every user go
     through ``embed`` (the PrefixDNN) in one run, the histories to encode in one HSTU pass and those
-    to extend in another. With ``request_times`` (seconds, a user each) an extended state is settled
-    at its user's request time in the pass that extends it (``CachedHSTU.extend_settled_batch``).
+    to extend in another. With ``request_times`` (seconds, a user each) a state encoded or extended
+    is settled at its user's request time in the pass that encodes or extends it
+    (``CachedHSTU.encode_settled_batch``, ``extend_settled_batch``).
     -> per user (its state, status, the state's cache settled at the request time with the settled
     tokens' outputs when the pass settled it, else None)."""
     matched = [
@@ -126,17 +127,21 @@ def encode_states(
     times = {i: torch.from_numpy(new[i][TIMESTAMPS]) for i in runs}
     misses = [i for i in runs if matched[i][0] is None]
     extends = {i: state for i in runs if (state := matched[i][0]) is not None}  # i -> the state it extends
-    ran = dict(zip(misses, engine.encode_batch([xs[i] for i in misses], [times[i] for i in misses])))
     bases = [state.cache for state in extends.values()]
+    ran: Dict[int, Tuple[HistoryCache, Tensor]] = {}
     settled: Dict[int, Settled] = {}
     if request_times is None:
+        ran.update(zip(misses, engine.encode_batch([xs[i] for i in misses], [times[i] for i in misses])))
         ran.update(zip(extends, engine.extend_batch(bases, [xs[i] for i in extends], [times[i] for i in extends])))
     else:
-        both = engine.extend_settled_batch(
+        encoded = engine.encode_settled_batch(
+            [xs[i] for i in misses], [times[i] for i in misses], [request_times[i] for i in misses]
+        )
+        extended = engine.extend_settled_batch(
             bases, [xs[i] for i in extends], [times[i] for i in extends], [request_times[i] for i in extends]
         )
-        for i, (extended, settled[i]) in zip(extends, both):
-            ran[i] = extended
+        for i, (one, at_request) in [*zip(misses, encoded), *zip(extends, extended)]:
+            ran[i], settled[i] = one, at_request
     out: List[Tuple[UserState, str, Optional[Settled]]] = []
     for i, (tokens, version, (base, status)) in enumerate(zip(histories, model_versions, matched)):
         if status == "hit":

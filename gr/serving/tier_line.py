@@ -5,9 +5,9 @@ For history lengths L = ``FIRST_LENGTH``, 2 L, 4 L, ... up to the model's ``max_
 synthetic history of L tokens (random HSTU inputs, an event a minute) followed by ``NEW_TOKENS``
 new ones is (a) encoded whole, and (b) fetched: its entry read back from the nearest tier (written
 there beforehand under a version of its own, purged afterwards), unpacked (checks included) into
-the engine's pages, and extended by the new tokens; each then settled at a request's time, as a
-request does (for engines that defer the last token: (a) settles it in a pass of its own, (b) in
-the pass that extends, ``CachedHSTU.extend_settled_batch``). Each is the fastest of ``REPS`` runs in this
+the engine's pages, and extended by the new tokens; each settled at a request's time in the pass
+that encodes or extends it, as a request is (``CachedHSTU.encode_settled_batch``,
+``extend_settled_batch``). Each is the fastest of ``REPS`` runs in this
 thread's CPU time, which other processes and the server's other threads (a reload measures while
 requests are served) barely skew; work torch spreads over other threads is not counted, which
 favours encoding (long histories are the ones it spreads). The line is the shortest L at which (b) costs less than
@@ -113,7 +113,7 @@ def _costs(
     request_time = [int(times[-1]) + STEP_S]
 
     def encode() -> None:
-        engine.settle_batch([engine.encode(x, times)], request_time)
+        engine.encode_settled_batch([x], [times], request_time)
 
     def fetch() -> None:
         blob = tier.get(version, CALIBRATION_USER)
