@@ -171,6 +171,7 @@ def test_concurrent_first_uses_build_and_load_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(native, "build", slow_build)
     monkeypatch.setenv("GR_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", [])
     native._load.cache_clear()
     try:
         results = []
@@ -193,6 +194,7 @@ def test_sources_added_after_the_library_loaded_build_a_library_of_their_own(mon
     monkeypatch.setenv("GR_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(native, "SOURCES", list(native.SOURCES))
     monkeypatch.setattr(native, "_libraries", [])
+    monkeypatch.setattr(native, "_loaded", [])
     late = tmp_path / "late.cpp"
     late.write_text("int gr_late() { return 1; }\n")
     first = list(native.SOURCES)

@@ -186,9 +186,15 @@ class PagePool:
         n = int(keys[0].shape[1]) if keys else 0
         if n == 0:
             return
-        rows = self._rows(pages, start, start + n)
-        for pool, new in zip((*self.keys, *self.values), (*keys, *values)):
-            pool.index_copy_(1, rows, new.to(pool.device))
+        size, first, last = self.page_size, start // self.page_size, (start + n - 1) // self.page_size
+        if all(pages[i + 1] == pages[i] + 1 for i in range(first, last)):  # consecutive pages: one slice of rows
+            row = pages[first] * size + start % size
+            for pool, new in zip((*self.keys, *self.values), (*keys, *values)):
+                pool[:, row : row + n].copy_(new)
+        else:
+            rows = self._rows(pages, start, start + n)
+            for pool, new in zip((*self.keys, *self.values), (*keys, *values)):
+                pool.index_copy_(1, rows, new.to(pool.device))
         with self._lock:
             end = start + n
             for i in range(max(first_fresh, start // self.page_size), len(pages)):

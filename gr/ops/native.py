@@ -77,6 +77,7 @@ LDFLAGS = ("-fopenmp", "-lmvec")
 HEADERS = OPS / "csrc"
 _load_lock = threading.Lock()
 _libraries: List[Tuple[Path, ...]] = []  # the sources of each library this process loaded (or failed to build)
+_loaded: List[Tuple[int, Tuple[bool, str]]] = []  # (sources covered, _load_once's answer) once they were loaded
 
 
 def _cpu_text() -> str:
@@ -126,7 +127,11 @@ def fused_setting() -> str:
 def fused_expected() -> bool:
     """Whether the fused kernels are on for this machine (x86-64, not GR_CPU_FUSED=0), without building
     them: for estimates such as ``gr plan``'s (a build can still fail, and then the PyTorch code runs)."""
-    return fused_setting() != "0" and platform.machine() in ("x86_64", "AMD64")
+    return _expected(fused_setting())
+
+
+def _expected(setting: str) -> bool:
+    return setting != "0" and platform.machine() in ("x86_64", "AMD64")
 
 
 def cpu_bf16_math() -> bool:
@@ -140,7 +145,7 @@ def cpu_bf16_math() -> bool:
 def native_ops(namespace: str) -> Optional[Any]:
     """``torch.ops.<namespace>`` (ops as attributes: Any) when the fused CPU kernels are on and built, else None."""
     setting = fused_setting()
-    if not fused_expected():
+    if not _expected(setting):
         if setting == "1":
             raise RuntimeError("GR_CPU_FUSED=1: gr's fused CPU kernels need an x86-64 CPU")
         return None
@@ -157,13 +162,18 @@ def _load_once() -> Tuple[bool, str]:
     The lock is held across the cached calls: a second thread waits for the first one's result
     instead of building again (loading a library twice would register its op namespaces twice,
     which aborts the process)."""
+    known = _loaded[-1] if _loaded else None  # read without the lock: the fast path of every op call
+    if known is not None and known[0] == len(SOURCES):
+        return known[1]
     with _load_lock:
         # SOURCES only grows, and each library took the sources added before it: the rest are pending
         pending = tuple(SOURCES[sum(map(len, _libraries)) :])
         if pending:
             _libraries.append(pending)
         failed = [why for built, why in map(_load, _libraries) if not built]
-    return (False, failed[0]) if failed else (True, "")
+        found = (False, failed[0]) if failed else (True, "")
+        _loaded.append((len(SOURCES), found))
+    return found
 
 
 @lru_cache(maxsize=None)

@@ -60,7 +60,7 @@ def _fused_fp32(norm: nn.LayerNorm, linear: nn.Linear, *rows: Tensor) -> Optiona
     """The native ops when ``rows`` are fp32 [T, n] CPU tensors outside autocast or under its bf16
     (the GEMMs then in bf16 math) and the layers have their affine weights and bias, else None."""
     fusable = (
-        all(r.device.type == "cpu" and r.dim() == 2 and r.dtype == torch.float32 for r in rows)
+        all(r.is_cpu and r.dim() == 2 and r.dtype == torch.float32 for r in rows)
         and (not torch.is_autocast_enabled("cpu") or cpu_bf16_math())
         and _affine(norm, rows[0].shape[-1])
         and linear.bias is not None
