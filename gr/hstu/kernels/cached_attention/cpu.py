@@ -59,17 +59,47 @@ class _RequestSetup:
     norm: Tensor
 
 
+@dataclass(frozen=True)
+class _PassSetup:
+    """What every layer's call of one pass reads the same (kept in the call's ``CachedSetup``).
+
+    lengths: [B] the requests' cached tokens; new_bounds: [B+1] their rows in q, k, v
+    requests: [B] each request's ``_RequestSetup``
+    fused: the fused op's per-request arguments, B entries each: the bias buckets' position and time
+        parts (contiguous int64, or None), the targets' self buckets' (likewise), cache_visible (fp32
+        [n, C] or None), new_visible (fp32 [n, n]) and norm (fp32 [n, 1, 1])
+    tensor_blocks: where the fused kernel reads a jagged cache tensor: (each request's first row [B]
+        int64, block offsets [B+1], tokens per block [B]: one block a request)
+    """
+
+    lengths: List[int]
+    new_bounds: List[int]
+    requests: List[_RequestSetup]
+    fused: Tuple[List[Optional[Tensor]], ...]
+    tensor_blocks: Tuple[Tensor, List[int], List[int]]
+
+
 def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
-    q, k, v, rab = call.q, call.k, call.v, call.rab
-    lengths, setups = _setup(call)
+    q, rab = call.q, call.rab
+    kept = _setup(call)
     ops = native_ops("gr_cpu_cached") if q.dtype == torch.float32 and not cpu_bf16_math() else None
-    layout = None if ops is None else _layout(call, lengths)
+    layout = None if ops is None else _layout(call, kept)
+    if layout is not None:  # one op for the layer: every request's own part, bias, cached part, sum and norm
+        assert ops is not None  # a layout is made for the fused kernel only
+        return ops.cached_layer(
+            q, call.k, call.v, layout[0], layout[1], kept.new_bounds, kept.lengths, *layout[2:], float(call.alpha),
+            call.new_tokens == "targets", None if rab is None else rab.position_weights,
+            None if rab is None else rab.time_weights, *kept.fused,
+        )  # fmt: skip
+    return _pytorch_layer(call, kept.requests)
+
+
+def _pytorch_layer(call: CachedAttentionCall, setups: Sequence[_RequestSetup]) -> Tensor:
+    """[N, H, Dl]: the call by PyTorch ops, request by request (what ``gr_cpu_cached.cached_layer`` computes
+    where it runs)."""
+    q, k, v, rab = call.q, call.k, call.v, call.rab
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    # (request, its cached part [n, H, Dl] or None: the fused kernel's, its new tokens' part [H, n, Dl])
-    steps: List[Tuple[_RequestSetup, Optional[Tensor], Tensor]] = []
-    biases: List[Optional[Tensor]] = []
-    masks: List[Optional[Tensor]] = []
     for own in setups:
         new, cached = own.request.new, own.request.cache.stop - own.request.cache.start
         qh = q[new].transpose(0, 1) * call.alpha  # [H, n, Da]
@@ -86,36 +116,17 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
                 block = block + bias[:, cached:].to(block.dtype)
                 bias = bias[:, :cached]
             new_part = torch.matmul(F.silu(block) * own.new_visible.to(block.dtype), vh)
-        if layout is None:
-            steps.append((own, _cached_part(call, own.request, qh, bias, own.cache_visible).transpose(0, 1), new_part))
-        else:
-            biases.append(None if bias is None else bias.to(torch.float32).contiguous())
-            masks.append(own.cache_visible)
-            steps.append((own, None, new_part))
-    fused = None
-    if layout is not None:
-        assert ops is not None  # a layout is made for the fused kernel only
-        pools_k, pools_v, pool_index, starts, block_offsets, sizes = layout
-        fused = ops.cached_forward(
-            q, pools_k, pools_v, call.new_offsets.tolist(), lengths, pool_index, starts, block_offsets, sizes,
-            float(call.alpha), biases, masks,
-        )  # fmt: skip
-    for own, cached_part, new_part in steps:
-        if cached_part is None:
-            assert fused is not None  # the requests without a PyTorch cached part have the fused one
-            cached_part = fused[own.request.new]
-        attn = cached_part + new_part.transpose(0, 1)  # [n, H, Dl]
-        attn.mul_(own.norm.to(attn.dtype))
-        out[own.request.new] = attn
+        attn = _cached_part(call, own.request, qh, bias, own.cache_visible).transpose(0, 1) + new_part.transpose(0, 1)
+        attn.mul_(own.norm.to(attn.dtype))  # [n, H, Dl]
+        out[new] = attn
     return out
 
 
-def _setup(call: CachedAttentionCall) -> Tuple[List[int], List[_RequestSetup]]:
-    """(the cached tokens of each request [B], each request's ``_RequestSetup``): worked out once a pass
-    (kept in the call's ``CachedSetup``)."""
+def _setup(call: CachedAttentionCall) -> _PassSetup:
+    """The pass's ``_PassSetup``: worked out once a pass (kept in the call's ``CachedSetup``)."""
     kept = None if call.setup is None else call.setup.kept.get("cpu")
     if kept is not None:
-        return cast(Tuple[List[int], List[_RequestSetup]], kept)
+        return cast(_PassSetup, kept)
     rab, new_tokens = call.rab, call.new_tokens
     lengths = lengths_from_offsets(call.cache_offsets).tolist()
     setups = []
@@ -149,10 +160,29 @@ def _setup(call: CachedAttentionCall) -> Tuple[List[int], List[_RequestSetup]]:
                 silu_norm(pos, call.silu_scale).view(-1, 1, 1),
             )
         )
-    found = (lengths, setups)
+    found = _PassSetup(
+        lengths,
+        call.new_offsets.tolist(),
+        setups,
+        (
+            [_contiguous(None if s.bias is None else s.bias.position) for s in setups],
+            [_contiguous(None if s.bias is None else s.bias.time) for s in setups],
+            [_contiguous(None if s.self_bias is None else s.self_bias.position) for s in setups],
+            [_contiguous(None if s.self_bias is None else s.self_bias.time) for s in setups],
+            [s.cache_visible for s in setups],
+            [s.new_visible for s in setups],
+            [s.norm for s in setups],
+        ),
+        (call.cache_offsets.cpu(), list(range(len(lengths) + 1)), [max(1, n) for n in lengths]),
+    )
     if call.setup is not None:
         call.setup.kept["cpu"] = found
     return found
+
+
+def _contiguous(buckets: Optional[Tensor]) -> Optional[Tensor]:
+    """Bucket indices as the fused op reads them: contiguous int64 on the CPU (None stays None)."""
+    return None if buckets is None else buckets.to(device="cpu", dtype=torch.long).contiguous()
 
 
 def _cached_part(
@@ -169,12 +199,13 @@ def _cached_part(
     return torch.matmul(scores, part(call.cache_v, request, 1))
 
 
-def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layout]:
+def _layout(call: CachedAttentionCall, kept: _PassSetup) -> Optional[Layout]:
     """Where the fused kernel reads each request's K/V (on the CPU, fp32), or None when it cannot: a
     paged cache through its page tables (K and V sharing them), a jagged tensor or per-request
     tensors in place (one block of a request's tokens from its first row), per-request pages
-    through their own tables."""
-    cache_k, cache_v, count = call.cache_k, call.cache_v, len(lengths)
+    through their own tables. What depends on the pass alone comes from ``kept``."""
+    cache_k, cache_v, lengths = call.cache_k, call.cache_v, kept.lengths
+    count = len(lengths)
     if isinstance(cache_k, PagedCache) or isinstance(cache_v, PagedCache):
         if not isinstance(cache_k, PagedCache) or not isinstance(cache_v, PagedCache):
             return None  # one of them in tensors
@@ -184,8 +215,8 @@ def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layou
         pools_k, pools_v, index = [cache_k.pool], [cache_v.pool], [0] * count
         sizes = [cache_k.tables.page_size] * count
     elif isinstance(cache_k, Tensor) and isinstance(cache_v, Tensor):
-        pools_k, pools_v, index, starts = [cache_k], [cache_v], [0] * count, call.cache_offsets.cpu()
-        offsets, sizes = list(range(count + 1)), [max(1, n) for n in lengths]  # one block a request
+        pools_k, pools_v, index = [cache_k], [cache_v], [0] * count
+        starts, offsets, sizes = kept.tensor_blocks  # one block a request
     else:
         assert not isinstance(cache_k, Tensor) and not isinstance(cache_v, Tensor)  # per-request lists
         found = _request_layout(cache_k, cache_v, lengths)
