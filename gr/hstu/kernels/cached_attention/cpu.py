@@ -12,7 +12,7 @@ view, or a gather of its rows when its pages are not consecutive)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,9 @@ from gr.ops.native import cpu_bf16_math, native_ops
 
 # Where the fused kernel reads K/V: (K pools, V pools, each request's pool [B], the first pool row of
 # each block of tokens [S] int64, where each request's blocks begin in those [B+1], each request's
-# tokens per block [B]).
+# tokens per block [B]); Blocks: the last three, which depend on the pass alone.
 Layout = Tuple[List[Tensor], List[Tensor], List[int], Tensor, List[int], List[int]]
+Blocks = Tuple[Tensor, List[int], List[int]]
 
 
 @dataclass(frozen=True)
@@ -68,31 +69,41 @@ class _PassSetup:
     fused: the fused op's per-request arguments, B entries each: the bias buckets' position and time
         parts (contiguous int64, or None), the targets' self buckets' (likewise), cache_visible (fp32
         [n, C] or None), new_visible (fp32 [n, n]) and norm (fp32 [n, 1, 1])
-    tensor_blocks: where the fused kernel reads a jagged cache tensor: (each request's first row [B]
-        int64, block offsets [B+1], tokens per block [B]: one block a request)
+    ops: ``torch.ops.gr_cpu_cached``, or None where the fused kernels are off or not built
+    blocks: where the fused kernel reads the requests' K/V (``Blocks``), by cache kind: "tensor" (a
+        jagged tensor) and "requests" (per-request entries), worked out by the first layer to read them
     """
 
     lengths: List[int]
     new_bounds: List[int]
     requests: List[_RequestSetup]
     fused: Tuple[List[Optional[Tensor]], ...]
-    tensor_blocks: Tuple[Tensor, List[int], List[int]]
+    ops: Optional[Any]
+    blocks: Dict[str, Blocks]
 
 
 def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
     q, rab = call.q, call.rab
     kept = _setup(call)
-    ops = native_ops("gr_cpu_cached") if q.dtype == torch.float32 and not cpu_bf16_math() else None
-    layout = None if ops is None else _layout(call, kept)
+    fused = kept.ops is not None and q.dtype == torch.float32 and not cpu_bf16_math() and not _needs_grad(call)
+    layout = _layout(call, kept) if fused else None
     if layout is not None:  # one op for the layer: every request's own part, bias, cached part, sum and norm
-        assert ops is not None  # a layout is made for the fused kernel only
-        return ops.cached_layer(
+        return kept.ops.cached_layer(
             q, call.k, call.v, layout[0], layout[1], kept.new_bounds, kept.lengths, *layout[2:], float(call.alpha),
             call.new_tokens == "targets", None if rab is None else rab.position_weights,
             None if rab is None else rab.time_weights, *kept.fused,
         )  # fmt: skip
     return _pytorch_layer(call, kept.requests)
+
+
+def _needs_grad(call: CachedAttentionCall) -> bool:
+    """Whether autograd records the call (the fused op has no backward: the PyTorch ops run instead)."""
+    if not torch.is_grad_enabled():
+        return False
+    rab = call.rab
+    weights = () if rab is None else (rab.position_weights, rab.time_weights)
+    return any(t is not None and t.requires_grad for t in (call.q, call.k, call.v, *weights))
 
 
 def _pytorch_layer(call: CachedAttentionCall, setups: Sequence[_RequestSetup]) -> Tensor:
@@ -173,7 +184,8 @@ def _setup(call: CachedAttentionCall) -> _PassSetup:
             [s.new_visible for s in setups],
             [s.norm for s in setups],
         ),
-        (call.cache_offsets.cpu(), list(range(len(lengths) + 1)), [max(1, n) for n in lengths]),
+        native_ops("gr_cpu_cached"),
+        {},
     )
     if call.setup is not None:
         call.setup.kept["cpu"] = found
@@ -216,34 +228,38 @@ def _layout(call: CachedAttentionCall, kept: _PassSetup) -> Optional[Layout]:
         sizes = [cache_k.tables.page_size] * count
     elif isinstance(cache_k, Tensor) and isinstance(cache_v, Tensor):
         pools_k, pools_v, index = [cache_k], [cache_v], [0] * count
-        starts, offsets, sizes = kept.tensor_blocks  # one block a request
+        if "tensor" not in kept.blocks:  # one block a request, from its first row
+            kept.blocks["tensor"] = (call.cache_offsets.cpu(), list(range(count + 1)), [max(1, n) for n in lengths])
+        starts, offsets, sizes = kept.blocks["tensor"]
     else:
         assert not isinstance(cache_k, Tensor) and not isinstance(cache_v, Tensor)  # per-request lists
-        found = _request_layout(cache_k, cache_v, lengths)
-        if found is None:
+        pools = _request_pools(cache_k, cache_v)
+        if pools is None:
             return None
-        pools_k, pools_v, index, starts, offsets, sizes = found
+        pools_k, pools_v, index = pools
+        if "requests" not in kept.blocks:
+            kept.blocks["requests"] = _request_blocks(cache_k, lengths)
+        starts, offsets, sizes = kept.blocks["requests"]
     pools_k, pools_v = [rows_contiguous(t) for t in pools_k], [rows_contiguous(t) for t in pools_v]
     if not all(t.is_cpu and t.dtype is torch.float32 for t in (*pools_k, *pools_v)):
         return None
     return pools_k, pools_v, index, starts, offsets, sizes
 
 
-def _request_layout(
-    cache_k: Sequence[Union[Tensor, PagedCache]], cache_v: Sequence[Union[Tensor, PagedCache]], lengths: Sequence[int]
-) -> Optional[Layout]:
-    """``_layout`` of per-request entries, each a request's pages (K and V through one page table) or
-    its tensors (one block from row 0); None when a request's K and V are not alike."""
+def _request_pools(
+    cache_k: Sequence[Union[Tensor, PagedCache]], cache_v: Sequence[Union[Tensor, PagedCache]]
+) -> Optional[Tuple[List[Tensor], List[Tensor], List[int]]]:
+    """Per-request entries' (K pools, V pools, each request's pool [B]): a request's pages (K and V
+    through one page table) or its tensors; None when a request's K and V are not alike."""
     pools_k: List[Tensor] = []
     pools_v: List[Tensor] = []
-    index, parts, offsets, sizes = [], [], [0], []
+    index = []
     where: Dict[int, int] = {}  # id of a K pool -> its place in pools_k
-    for own_k, own_v, length in zip(cache_k, cache_v, lengths):
+    for own_k, own_v in zip(cache_k, cache_v):
         if isinstance(own_k, PagedCache) and isinstance(own_v, PagedCache) and own_k.tables is own_v.tables:
-            part_starts, _ = own_k.tables.blocks([length])
-            pool_k, pool_v, size = own_k.pool, own_v.pool, own_k.tables.page_size
+            pool_k, pool_v = own_k.pool, own_v.pool
         elif isinstance(own_k, Tensor) and isinstance(own_v, Tensor):
-            part_starts, pool_k, pool_v, size = torch.zeros(1, dtype=torch.long), own_k, own_v, max(1, length)
+            pool_k, pool_v = own_k, own_v
         else:
             return None
         if id(pool_k) not in where:
@@ -251,11 +267,24 @@ def _request_layout(
             pools_k.append(pool_k)
             pools_v.append(pool_v)
         index.append(where[id(pool_k)])
+    return pools_k, pools_v, index
+
+
+def _request_blocks(cache_k: Sequence[Union[Tensor, PagedCache]], lengths: Sequence[int]) -> Blocks:
+    """``Blocks`` of per-request entries of ``lengths`` tokens: a request's pages through its page table,
+    its tensor as one block from row 0 (the same for every layer of a pass: its tables are the pass's)."""
+    parts, offsets, sizes = [], [0], []
+    for own_k, length in zip(cache_k, lengths):
+        if isinstance(own_k, PagedCache):
+            part_starts, _ = own_k.tables.blocks([length])
+            size = own_k.tables.page_size
+        else:
+            part_starts, size = torch.zeros(1, dtype=torch.long), max(1, length)
         parts.append(part_starts)
         offsets.append(offsets[-1] + int(part_starts.numel()))
         sizes.append(size)
     starts = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    return pools_k, pools_v, index, starts, offsets, sizes
+    return starts, offsets, sizes
 
 
 def _self_buckets(

@@ -270,6 +270,51 @@ std::optional<Tensor> bias_at(const std::optional<Tensor>& position_weights, con
   return bias;
 }
 
+// Columns [from, from + cols) of bias_at's bias as a contiguous fp32 [rows, cols] tensor, gathered by
+// one loop where the weights are fp32 (a gather and at most one add per entry: bias_at's bits); else
+// bias_at's, sliced. The buckets: [rows, K] int64 ([K] for one row: a [cols] tensor back).
+std::optional<Tensor> bias_columns(const std::optional<Tensor>& position_weights,
+                                   const std::optional<Tensor>& time_weights, const std::optional<Tensor>& position,
+                                   const std::optional<Tensor>& time, int64_t from, int64_t cols, int64_t b) {
+  if ((!position_weights.has_value() && !time_weights.has_value()) || (!position.has_value() && !time.has_value()))
+    return std::nullopt;
+  const Tensor& shape = position.has_value() ? *position : *time;
+  const bool fp32 = (!position.has_value() || (position_weights.has_value() &&
+                                               position_weights->scalar_type() == at::kFloat)) &&
+                    (!time.has_value() || (time_weights.has_value() && time_weights->scalar_type() == at::kFloat));
+  if (!fp32) {
+    const Tensor bias = *bias_at(position_weights, time_weights, position, time, b);
+    return bias.narrow(-1, from, cols).to(at::kFloat).contiguous();
+  }
+  const int64_t rows = shape.dim() == 2 ? shape.size(0) : 1, K = shape.size(-1);
+  TORCH_CHECK(shape.dim() <= 2 && from >= 0 && from + cols <= K, "cpu_cached: request ", b, "'s buckets must be [",
+              "n or 1, ", from + cols, "]");
+  Tensor out = at::empty(shape.dim() == 2 ? std::vector<int64_t>{rows, cols} : std::vector<int64_t>{cols},
+                         shape.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  std::fill(o, o + rows * cols, 0.0f);
+  bool first = true;
+  for (const auto& [weights, buckets, what] : {std::make_tuple(&position_weights, &position, "position"),
+                                               std::make_tuple(&time_weights, &time, "time")}) {
+    if (!buckets->has_value()) continue;
+    const Tensor w = (*weights)->contiguous(), where = (*buckets)->contiguous();
+    TORCH_CHECK(w.dim() == 1 && where.scalar_type() == at::kLong && where.sizes() == shape.sizes(), "cpu_cached: request ",
+                b, "'s ", what, " buckets must be int64 of the bias's shape, over [buckets] weights");
+    const float* wd = w.data_ptr<float>();
+    const int64_t* id = where.data_ptr<int64_t>();
+    const int64_t count = w.numel();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t bucket = id[r * K + from + c];
+        TORCH_CHECK(bucket >= 0 && bucket < count, "cpu_cached: request ", b, "'s ", what, " bucket ", bucket,
+                    " is out of its ", count, " weights");
+        o[r * cols + c] = first ? wd[bucket] : o[r * cols + c] + wd[bucket];
+      }
+    first = false;
+  }
+  return out;
+}
+
 // One layer's cached attention [N, H, Dl]: per request b (rows [new_offsets[b], new_offsets[b + 1]) of
 // q, k [N, H, Da], v [N, H, Dl]), norm * (its new tokens' own part + cached_forward's cached part), the
 // sums and their order those of gr.hstu.kernels.cached_attention.cpu's PyTorch composition. The new
@@ -300,30 +345,26 @@ Tensor cached_layer(const Tensor& q, const Tensor& k, const Tensor& v, at::Tenso
     const int64_t start = new_offsets[b], n = new_offsets[b + 1] - start, C = cache_lengths[b];
     const int64_t index = static_cast<int64_t>(b);
     masks.push_back(cache_mask.get(b));
-    std::optional<Tensor> bias = bias_at(position_weights, time_weights, position.get(b), time.get(b), index);
     if (n == 0) {
       biases.push_back(std::nullopt);
       continue;
     }
+    const std::optional<Tensor> pos = position.get(b), tim = time.get(b);
+    biases.push_back(bias_columns(position_weights, time_weights, pos, tim, 0, C, index));  // the cache's keys
     const Tensor qh = at::mul(q.narrow(0, start, n).transpose(0, 1), alpha);  // [H, n, Da]
     const Tensor kh = k.narrow(0, start, n).transpose(0, 1), vh = v.narrow(0, start, n).transpose(0, 1);
     if (targets) {  // each candidate sees itself only: an elementwise term
       Tensor self_logits = at::sum(at::mul(qh, kh), -1);  // [H, n]
       const std::optional<Tensor> self_bias =
-          bias_at(position_weights, time_weights, self_position.get(b), self_time.get(b), index);
+          bias_columns(position_weights, time_weights, self_position.get(b), self_time.get(b), 0, n, index);
       if (self_bias.has_value()) self_logits = at::add(self_logits, self_bias->to(self_logits.scalar_type()));
       own_parts[b] = at::mul(at::silu(self_logits).unsqueeze(-1), vh);
     } else {
       Tensor block = at::matmul(qh, kh.transpose(1, 2));  // [H, n, n]
-      if (bias.has_value()) {
-        TORCH_CHECK(bias->dim() == 2 && bias->size(1) == C + n, "cpu_cached: request ", b,
-                    "'s history buckets must be [", n, " or 1, ", C + n, "]");
-        block = at::add(block, bias->slice(1, C).to(block.scalar_type()));
-        bias = bias->slice(1, 0, C);
-      }
+      const std::optional<Tensor> bias = bias_columns(position_weights, time_weights, pos, tim, C, n, index);
+      if (bias.has_value()) block = at::add(block, bias->to(block.scalar_type()));
       own_parts[b] = at::matmul(at::mul(at::silu(block), new_mask[b].to(block.scalar_type())), vh);
     }
-    biases.push_back(bias.has_value() ? std::optional<Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt);
   }
   Tensor out = cached_forward(q, pools_k, pools_v, new_offsets, cache_lengths, pool_index, block_starts,
                               block_offsets, block_sizes, alpha, biases, masks);  // the cached part [N, H, Dl]
