@@ -2,12 +2,16 @@
 apart (no copy of the cache), one bias row for a request's candidates, the mask multiply skipped
 where everything is visible, and the candidates' self term elementwise.
 
-The cached part runs the fused C++ kernel (``cpu_cached_attention.cpp``, op ``gr_cpu_cached``) on
-fp32 tensors: it reads K/V where they lie, through the page tables of a ``PagedCache`` or in place
-in tensors, by the same GEMMs, so a paged cache gives the unpaged answer bit for bit without a
-gather. Where the kernel is not built (``gr.ops.native``), under bf16 autocast, or for other dtypes,
-PyTorch matmuls run over each request's K/V (a paged cache's read through ``PagedCache.read``: a
-view, or a gather of its rows when its pages are not consecutive)."""
+On fp32 tensors a layer's call is one C++ op (``cpu_cached_attention.cpp``, ``gr_cpu_cached.cached_layer``):
+every request's new-token part by the ATen ops ``_pytorch_layer`` issues, its bias gathered from the
+layer's weights at the pass's buckets, the cached part by the fused kernel, the sum and the norm. The
+fused kernel reads K/V where they lie, through the page tables of a ``PagedCache`` or in place in
+tensors, by the same GEMMs, so a paged cache gives the unpaged answer bit for bit without a gather.
+What the layers of a pass share (masks, buckets, norms, the requests' bounds, the cache's block
+layout) is worked out once (``_PassSetup``). Where the kernel is not built (``gr.ops.native``), under
+bf16 autocast, for other dtypes, or where autograd records the call, PyTorch ops run request by
+request (``_pytorch_layer``; a paged cache's K/V read through ``PagedCache.read``: a view, or a
+gather of its rows when its pages are not consecutive)."""
 
 from __future__ import annotations
 
@@ -86,14 +90,15 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
     q, rab = call.q, call.rab
     kept = _setup(call)
-    fused = kept.ops is not None and q.dtype == torch.float32 and not cpu_bf16_math() and not _needs_grad(call)
-    layout = _layout(call, kept) if fused else None
-    if layout is not None:  # one op for the layer: every request's own part, bias, cached part, sum and norm
-        return kept.ops.cached_layer(
-            q, call.k, call.v, layout[0], layout[1], kept.new_bounds, kept.lengths, *layout[2:], float(call.alpha),
-            call.new_tokens == "targets", None if rab is None else rab.position_weights,
-            None if rab is None else rab.time_weights, *kept.fused,
-        )  # fmt: skip
+    ops = kept.ops
+    if ops is not None and q.dtype == torch.float32 and not cpu_bf16_math() and not _needs_grad(call):
+        layout = _layout(call, kept)
+        if layout is not None:  # one op for the layer: every request's own part, bias, cached part, sum, norm
+            return ops.cached_layer(
+                q, call.k, call.v, layout[0], layout[1], kept.new_bounds, kept.lengths, *layout[2:],
+                float(call.alpha), call.new_tokens == "targets", None if rab is None else rab.position_weights,
+                None if rab is None else rab.time_weights, *kept.fused,
+            )  # fmt: skip
     return _pytorch_layer(call, kept.requests)
 
 
@@ -107,8 +112,9 @@ def _needs_grad(call: CachedAttentionCall) -> bool:
 
 
 def _pytorch_layer(call: CachedAttentionCall, setups: Sequence[_RequestSetup]) -> Tensor:
-    """[N, H, Dl]: the call by PyTorch ops, request by request (what ``gr_cpu_cached.cached_layer`` computes
-    where it runs)."""
+    """[N, H, Dl]: the call by PyTorch ops, request by request: ``gr_cpu_cached.cached_layer``'s new-token
+    part and sums, its cached part by matmuls over each request's K/V (equal to the fused one within
+    float rounding)."""
     q, k, v, rab = call.q, call.k, call.v, call.rab
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
     for own in setups:
