@@ -576,6 +576,45 @@ def test_the_triton_kernel_takes_bf16_pages_as_it_takes_bf16_tensors():
     torch.testing.assert_close(pages.float().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif("cpu" not in KERNEL_BACKENDS, reason="the cpu backend runs on CPU tensors")
+def test_a_cpu_call_that_needs_gradients_gets_the_references():
+    """The fused op is forward only: a call whose q, k, v or bias weights require grad runs PyTorch ops,
+    and its gradients (bias weights included) are the reference's."""
+    p = problem(seed=6, pos_buckets=30, cache_lengths=[5, 0, 300], new_lengths=[3, 2, 4])
+    cache_rows, new_rows = split(p)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    grads = []
+    for backend in ("cpu", "pytorch"):
+        q, k, v = (x[new_rows].clone().requires_grad_() for x in (p["q"], p["k"], p["v"]))
+        weights = p["pos_w"].clone().requires_grad_()
+        out = hstu_cached_attention(
+            q, k, v, offsets(p["new_lengths"]), p["k"][cache_rows].transpose(0, 1),
+            p["v"][cache_rows].transpose(0, 1), offsets(p["cache_lengths"]), new_tokens="history",
+            rab=RelativeBias(weights), backend=backend, alpha=0.3,
+        )  # fmt: skip
+        out.square().sum().backward()
+        grads.append([x.grad for x in (q, k, v, weights)])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or native_ops("gr_cpu_cached") is None, reason="the fused CPU kernel is not built")
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+def test_the_cpu_backend_under_bf16_autocast_runs_pytorch_ops_near_the_reference(new_tokens, monkeypatch):
+    """Under CPU autocast to bf16 the fused op (fp32 math) is not called; the PyTorch ops' answer is
+    within bf16 rounding of the fp32 reference."""
+    from gr.hstu.kernels.cached_attention import cpu
+
+    refusing = type("Refusing", (), {"cached_layer": lambda *_: pytest.fail("the fused op ran under bf16 autocast")})()
+    monkeypatch.setattr(cpu, "native_ops", lambda _: refusing)
+    spec = dict(CASES["pos+log-time"])
+    options = spec.pop("options")
+    p = problem(**spec)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cached(p, new_tokens, "cpu", options)
+    torch.testing.assert_close(got.float(), reference_rows(p, new_tokens, options), rtol=0.05, atol=0.05)
+
+
 @pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="triton runs on CUDA or under its interpreter on CPU")
 def test_a_triton_call_that_needs_gradients_gets_the_references():
     """The kernel is forward only: a call whose q, k, v require grad runs the training kernel, and its

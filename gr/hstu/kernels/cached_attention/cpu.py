@@ -199,8 +199,8 @@ def _setup(call: CachedAttentionCall) -> _PassSetup:
 
 
 def _contiguous(buckets: Optional[Tensor]) -> Optional[Tensor]:
-    """Bucket indices as the fused op reads them: contiguous int64 on the CPU (None stays None)."""
-    return None if buckets is None else buckets.to(device="cpu", dtype=torch.long).contiguous()
+    """Bucket indices (int64, ``bias_buckets``'s) as the fused op reads them: contiguous (None stays None)."""
+    return None if buckets is None else buckets.contiguous()
 
 
 def _cached_part(
