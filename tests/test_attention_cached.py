@@ -576,6 +576,18 @@ def test_the_triton_kernel_takes_bf16_pages_as_it_takes_bf16_tensors():
     torch.testing.assert_close(pages.float().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(DEVICE != "cpu" or native_ops("gr_cpu_cached") is None, reason="the fused CPU kernel is not built")
+def test_a_layer_whose_bias_weights_miss_the_pass_buckets_is_a_named_error():
+    """The pass's buckets come from its first call's weights: a later call with fewer position weights
+    is an error naming the request and the bucket, not a read past the weights."""
+    p = problem(pos_buckets=30, cache_lengths=[9], new_lengths=[3])
+    setup = common.CachedSetup()
+    cached(p, "history", "cpu", dict(alpha=0.3), setup=setup)
+    p["pos_w"] = p["pos_w"][:5]
+    with pytest.raises(RuntimeError, match="request 0's position bucket .* is out of its 5 weights"):
+        cached(p, "history", "cpu", dict(alpha=0.3), setup=setup)
+
+
 @pytest.mark.skipif("cpu" not in KERNEL_BACKENDS, reason="the cpu backend runs on CPU tensors")
 def test_a_cpu_call_that_needs_gradients_gets_the_references():
     """The fused op is forward only: a call whose q, k, v or bias weights require grad runs PyTorch ops,

@@ -292,14 +292,14 @@ std::optional<Tensor> bias_columns(const std::optional<Tensor>& position_weights
   Tensor out = at::empty(shape.dim() == 2 ? std::vector<int64_t>{rows, cols} : std::vector<int64_t>{cols},
                          shape.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  std::fill(o, o + rows * cols, 0.0f);
-  bool first = true;
+  bool first = true;  // the first part is written, the second added
   for (const auto& [weights, buckets, what] : {std::make_tuple(&position_weights, &position, "position"),
                                                std::make_tuple(&time_weights, &time, "time")}) {
     if (!buckets->has_value()) continue;
     const Tensor w = (*weights)->contiguous(), where = (*buckets)->contiguous();
-    TORCH_CHECK(w.dim() == 1 && where.scalar_type() == at::kLong && where.sizes() == shape.sizes(), "cpu_cached: request ",
-                b, "'s ", what, " buckets must be int64 of the bias's shape, over [buckets] weights");
+    TORCH_CHECK(w.dim() == 1 && where.scalar_type() == at::kLong && where.sizes() == shape.sizes(),
+                "cpu_cached: request ", b, "'s ", what, " buckets must be int64 of the bias's shape, over [buckets] ",
+                what, " weights");
     const float* wd = w.data_ptr<float>();
     const int64_t* id = where.data_ptr<int64_t>();
     const int64_t count = w.numel();
