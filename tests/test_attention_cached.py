@@ -375,6 +375,113 @@ def test_per_request_pages_among_tensors_equal_one_jagged_cache(backend, monkeyp
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
 
 
+def composed_layer(call, ops):
+    """The PyTorch composition the cpu backend's ``cached_layer`` op stands for: per request its new
+    tokens' own part by PyTorch ops, every request's cached part by ``cached_forward``, then the sum
+    and the normaliser."""
+    from gr.hstu.kernels.cached_attention import cpu
+
+    kept = cpu._setup(call)
+    q, k, v, rab = call.q, call.k, call.v, call.rab
+    biases, masks, own_parts = [], [], []
+    for own in kept.requests:
+        new, cached = own.request.new, own.request.cache.stop - own.request.cache.start
+        qh = q[new].transpose(0, 1) * call.alpha
+        kh, vh = k[new].transpose(0, 1), v[new].transpose(0, 1)
+        bias_ = None if own.bias is None or rab is None else own.bias.bias(rab)
+        if call.new_tokens == "targets":
+            self_logits = (qh * kh).sum(-1)
+            if own.self_bias is not None and rab is not None:
+                self_logits = self_logits + own.self_bias.bias(rab).to(self_logits.dtype)
+            own_parts.append(torch.nn.functional.silu(self_logits).unsqueeze(-1) * vh)
+        else:
+            block = torch.matmul(qh, kh.transpose(1, 2))
+            if bias_ is not None:
+                block = block + bias_[:, cached:].to(block.dtype)
+                bias_ = bias_[:, :cached]
+            own_parts.append(torch.matmul(torch.nn.functional.silu(block) * own.new_visible.to(block.dtype), vh))
+        biases.append(None if bias_ is None else bias_.to(torch.float32).contiguous())
+        masks.append(own.cache_visible)
+    pools_k, pools_v, index, starts, block_offsets, sizes = cpu._layout(call, kept)
+    fused = ops.cached_forward(
+        q, pools_k, pools_v, kept.new_bounds, kept.lengths, index, starts, block_offsets, sizes, float(call.alpha),
+        biases, masks,
+    )  # fmt: skip
+    out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for own, own_part in zip(kept.requests, own_parts):
+        attn = fused[own.request.new] + own_part.transpose(0, 1)
+        attn.mul_(own.norm.to(attn.dtype))
+        out[own.request.new] = attn
+    return out
+
+
+def random_layer_call(seed):
+    """A random cached-attention call for the cpu backend: targets or history, 1-5 requests of 0-40
+    cached and 1-9 new tokens (sometimes 0), any of the bias parts (sometimes fp64 weights), a window
+    and contextual tokens or not, K/V as one jagged tensor, per-request tensors, a fragmented page
+    pool or per-request pages."""
+    g = np.random.default_rng(seed)
+    count = int(g.integers(1, 6))
+    cache_lengths = [int(c) for c in g.integers(0, 41, count)]
+    new_lengths = [int(n) if g.random() > 0.1 else 0 for n in g.integers(1, 10, count)]
+    pos_buckets, time_buckets = [int(g.choice([0, 30])), int(g.choice([0, 24]))]
+    p = problem(
+        seed=seed, pos_buckets=pos_buckets, time_buckets=time_buckets, bucketing=str(g.choice(["log", "sqrt"])),
+        query_times=bool(g.random() < 0.5), cache_lengths=cache_lengths, new_lengths=new_lengths, dims=(2, 8, 6),
+    )  # fmt: skip
+    if g.random() < 0.2:  # weights of another dtype than q's
+        p["pos_w"], p["time_w"] = (None if w is None else w.double() for w in (p["pos_w"], p["time_w"]))
+    cache_rows, new_rows = split(p)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    page_size = int(g.integers(1, 9))
+    keys, values, pool_k, pool_v, tables = paged_kv(p, page_size, seed=seed)
+    bounds = offsets(cache_lengths).tolist()
+    kind = str(g.choice(["tensor", "requests", "pages", "request pages"]))
+    if kind == "tensor":
+        cache_k, cache_v = keys, values
+    elif kind == "requests":
+        cache_k = [keys[:, a:b] for a, b in zip(bounds, bounds[1:])]
+        cache_v = [values[:, a:b] for a, b in zip(bounds, bounds[1:])]
+    elif kind == "pages":
+        shared = PageTables(tables, page_size)
+        cache_k, cache_v = PagedCache(pool_k, shared), PagedCache(pool_v, shared)
+    else:
+        own_tables = [PageTables([t], page_size) for t in tables]
+        cache_k, cache_v = [PagedCache(pool_k, t) for t in own_tables], [PagedCache(pool_v, t) for t in own_tables]
+    options = dict(
+        alpha=float(g.uniform(0.1, 1.0)),
+        silu_scale=None if g.random() < 0.5 else float(g.uniform(0.01, 0.2)),
+        contextual_len=int(g.choice([0, 0, 2, 5])),
+        max_attn_len=int(g.choice([0, 0, 3, 12])),
+    )
+    call = common.CachedAttentionCall(
+        p["q"][new_rows], p["k"][new_rows], p["v"][new_rows], offsets(new_lengths), cache_k, cache_v,
+        offsets(cache_lengths), new_tokens=str(g.choice(["targets", "history"])), rab=bias(p, new_rows),
+        cache_timestamps=p["ts"][cache_rows], **options,
+    )  # fmt: skip
+    call.validate()
+    return call
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or native_ops("gr_cpu_cached") is None, reason="the fused CPU kernel is not built")
+@pytest.mark.parametrize("seed", range(48))
+def test_the_fused_cpu_layer_op_is_its_pytorch_composition_to_the_bit(seed):
+    """The cpu backend's one op per call (``gr_cpu_cached.cached_layer``: own parts, bias, cached part,
+    sum, normaliser) gives the bits of the PyTorch composition it replaces, over random calls."""
+    from gr.hstu.kernels.cached_attention import cpu
+
+    call = random_layer_call(seed)
+    ops = native_ops("gr_cpu_cached")
+    want = composed_layer(call, ops)
+    calls = []
+    spy = type("Spy", (), {"cached_layer": lambda _, *a: calls.append(a) or ops.cached_layer(*a)})()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "native_ops", lambda _: spy)
+        got = cpu.cpu_hstu_cached_attention(call)
+    assert len(calls) == 1  # the fused op ran, once
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("per_request", [False, True], ids=["pages", "per-request pages"])
 def test_a_page_table_too_short_for_its_tokens_is_a_named_error(per_request):
     p = problem(cache_lengths=[5], new_lengths=[2])
@@ -467,6 +574,57 @@ def test_the_triton_kernel_takes_bf16_pages_as_it_takes_bf16_tensors():
     torch.testing.assert_close(pages.cpu(), tensors.cpu(), rtol=0, atol=0)
     want = reference_rows(p, "targets", dict(alpha=0.4))
     torch.testing.assert_close(pages.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or native_ops("gr_cpu_cached") is None, reason="the fused CPU kernel is not built")
+def test_a_layer_whose_bias_weights_miss_the_pass_buckets_is_a_named_error():
+    """The pass's buckets come from its first call's weights: a later call with fewer position weights
+    is an error naming the request and the bucket, not a read past the weights."""
+    p = problem(pos_buckets=30, cache_lengths=[9], new_lengths=[3])
+    setup = common.CachedSetup()
+    cached(p, "history", "cpu", dict(alpha=0.3), setup=setup)
+    p["pos_w"] = p["pos_w"][:5]
+    with pytest.raises(RuntimeError, match="request 0's position bucket .* is out of its 5 weights"):
+        cached(p, "history", "cpu", dict(alpha=0.3), setup=setup)
+
+
+@pytest.mark.skipif("cpu" not in KERNEL_BACKENDS, reason="the cpu backend runs on CPU tensors")
+def test_a_cpu_call_that_needs_gradients_gets_the_references():
+    """The fused op is forward only: a call whose q, k, v or bias weights require grad runs PyTorch ops,
+    and its gradients (bias weights included) are the reference's."""
+    p = problem(seed=6, pos_buckets=30, cache_lengths=[5, 0, 300], new_lengths=[3, 2, 4])
+    cache_rows, new_rows = split(p)
+    offsets = lambda lengths: torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])  # noqa: E731
+    grads = []
+    for backend in ("cpu", "pytorch"):
+        q, k, v = (x[new_rows].clone().requires_grad_() for x in (p["q"], p["k"], p["v"]))
+        weights = p["pos_w"].clone().requires_grad_()
+        out = hstu_cached_attention(
+            q, k, v, offsets(p["new_lengths"]), p["k"][cache_rows].transpose(0, 1),
+            p["v"][cache_rows].transpose(0, 1), offsets(p["cache_lengths"]), new_tokens="history",
+            rab=RelativeBias(weights), backend=backend, alpha=0.3,
+        )  # fmt: skip
+        out.square().sum().backward()
+        grads.append([x.grad for x in (q, k, v, weights)])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or native_ops("gr_cpu_cached") is None, reason="the fused CPU kernel is not built")
+@pytest.mark.parametrize("new_tokens", ["targets", "history"])
+def test_the_cpu_backend_under_bf16_autocast_runs_pytorch_ops_near_the_reference(new_tokens, monkeypatch):
+    """Under CPU autocast to bf16 the fused op (fp32 math) is not called; the PyTorch ops' answer is
+    within bf16 rounding of the fp32 reference."""
+    from gr.hstu.kernels.cached_attention import cpu
+
+    refusing = type("Refusing", (), {"cached_layer": lambda *_: pytest.fail("the fused op ran under bf16 autocast")})()
+    monkeypatch.setattr(cpu, "native_ops", lambda _: refusing)
+    spec = dict(CASES["pos+log-time"])
+    options = spec.pop("options")
+    p = problem(**spec)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cached(p, new_tokens, "cpu", options)
+    torch.testing.assert_close(got.float(), reference_rows(p, new_tokens, options), rtol=0.05, atol=0.05)
 
 
 @pytest.mark.skipif("triton" not in KERNEL_BACKENDS, reason="triton runs on CUDA or under its interpreter on CPU")

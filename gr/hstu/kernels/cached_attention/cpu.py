@@ -2,17 +2,21 @@
 apart (no copy of the cache), one bias row for a request's candidates, the mask multiply skipped
 where everything is visible, and the candidates' self term elementwise.
 
-The cached part runs the fused C++ kernel (``cpu_cached_attention.cpp``, op ``gr_cpu_cached``) on
-fp32 tensors: it reads K/V where they lie, through the page tables of a ``PagedCache`` or in place
-in tensors, by the same GEMMs, so a paged cache gives the unpaged answer bit for bit without a
-gather. Where the kernel is not built (``gr.ops.native``), under bf16 autocast, or for other dtypes,
-PyTorch matmuls run over each request's K/V (a paged cache's read through ``PagedCache.read``: a
-view, or a gather of its rows when its pages are not consecutive)."""
+On fp32 tensors a layer's call is one C++ op (``cpu_cached_attention.cpp``, ``gr_cpu_cached.cached_layer``):
+every request's new-token part by the ATen ops ``_pytorch_layer`` issues, its bias gathered from the
+layer's weights at the pass's buckets, the cached part by the fused kernel, the sum and the norm. The
+fused kernel reads K/V where they lie, through the page tables of a ``PagedCache`` or in place in
+tensors, by the same GEMMs, so a paged cache gives the unpaged answer bit for bit without a gather.
+What the layers of a pass share (masks, buckets, norms, the requests' bounds, the cache's block
+layout) is worked out once (``_PassSetup``). Where the kernel is not built (``gr.ops.native``), under
+bf16 autocast, for other dtypes, or where autograd records the call, PyTorch ops run request by
+request (``_pytorch_layer``; a paged cache's K/V read through ``PagedCache.read``: a view, or a
+gather of its rows when its pages are not consecutive)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +40,9 @@ from gr.ops.native import cpu_bf16_math, native_ops
 
 # Where the fused kernel reads K/V: (K pools, V pools, each request's pool [B], the first pool row of
 # each block of tokens [S] int64, where each request's blocks begin in those [B+1], each request's
-# tokens per block [B]).
+# tokens per block [B]); Blocks: the last three, which depend on the pass alone.
 Layout = Tuple[List[Tensor], List[Tensor], List[int], Tensor, List[int], List[int]]
+Blocks = Tuple[Tensor, List[int], List[int]]
 
 
 @dataclass(frozen=True)
@@ -59,17 +64,59 @@ class _RequestSetup:
     norm: Tensor
 
 
+@dataclass(frozen=True)
+class _PassSetup:
+    """What every layer's call of one pass reads the same (kept in the call's ``CachedSetup``).
+
+    lengths: [B] the requests' cached tokens; new_bounds: [B+1] their rows in q, k, v
+    requests: [B] each request's ``_RequestSetup``
+    fused: the fused op's per-request arguments, B entries each: the bias buckets' position and time
+        parts (contiguous int64, or None), the targets' self buckets' (likewise), cache_visible (fp32
+        [n, C] or None), new_visible (fp32 [n, n]) and norm (fp32 [n, 1, 1])
+    ops: ``torch.ops.gr_cpu_cached``, or None where the fused kernels are off or not built
+    blocks: where the fused kernel reads the requests' K/V (``Blocks``), by cache kind: "tensor" (a
+        jagged tensor) and "requests" (per-request entries), worked out by the first layer to read them
+    """
+
+    lengths: List[int]
+    new_bounds: List[int]
+    requests: List[_RequestSetup]
+    fused: Tuple[List[Optional[Tensor]], ...]
+    ops: Optional[Any]
+    blocks: Dict[str, Blocks]
+
+
 def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
     """See ``gr.hstu.kernels.cached_attention.hstu_cached_attention``; returns [N, H, Dl]."""
+    q, rab = call.q, call.rab
+    kept = _setup(call)
+    ops = kept.ops
+    if ops is not None and q.dtype == torch.float32 and not cpu_bf16_math() and not _needs_grad(call):
+        layout = _layout(call, kept)
+        if layout is not None:  # one op for the layer: every request's own part, bias, cached part, sum, norm
+            return ops.cached_layer(
+                q, call.k, call.v, layout[0], layout[1], kept.new_bounds, kept.lengths, *layout[2:],
+                float(call.alpha), call.new_tokens == "targets", None if rab is None else rab.position_weights,
+                None if rab is None else rab.time_weights, *kept.fused,
+            )  # fmt: skip
+    return _pytorch_layer(call, kept.requests)
+
+
+def _needs_grad(call: CachedAttentionCall) -> bool:
+    """Whether autograd records the call (the fused op has no backward: the PyTorch ops run instead)."""
+    if not torch.is_grad_enabled():
+        return False
+    rab = call.rab
+    weights = () if rab is None else (rab.position_weights, rab.time_weights)
+    return any(t is not None and t.requires_grad for t in (call.q, call.k, call.v, *weights))
+
+
+def _pytorch_layer(call: CachedAttentionCall, setups: Sequence[_RequestSetup]) -> Tensor:
+    """[N, H, Dl]: the call by PyTorch ops, request by request: ``gr_cpu_cached.cached_layer``'s new-token
+    part and sums, its cached part by matmuls over each request's K/V (equal to the fused one within
+    float rounding)."""
     q, k, v, rab = call.q, call.k, call.v, call.rab
-    lengths, setups = _setup(call)
-    ops = native_ops("gr_cpu_cached") if q.dtype == torch.float32 and not cpu_bf16_math() else None
-    layout = None if ops is None else _layout(call, lengths)
     out = v.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    # (request, its cached part [n, H, Dl] or None: the fused kernel's, its new tokens' part [H, n, Dl])
-    steps: List[Tuple[_RequestSetup, Optional[Tensor], Tensor]] = []
-    biases: List[Optional[Tensor]] = []
-    masks: List[Optional[Tensor]] = []
     for own in setups:
         new, cached = own.request.new, own.request.cache.stop - own.request.cache.start
         qh = q[new].transpose(0, 1) * call.alpha  # [H, n, Da]
@@ -86,36 +133,17 @@ def cpu_hstu_cached_attention(call: CachedAttentionCall) -> Tensor:
                 block = block + bias[:, cached:].to(block.dtype)
                 bias = bias[:, :cached]
             new_part = torch.matmul(F.silu(block) * own.new_visible.to(block.dtype), vh)
-        if layout is None:
-            steps.append((own, _cached_part(call, own.request, qh, bias, own.cache_visible).transpose(0, 1), new_part))
-        else:
-            biases.append(None if bias is None else bias.to(torch.float32).contiguous())
-            masks.append(own.cache_visible)
-            steps.append((own, None, new_part))
-    fused = None
-    if layout is not None:
-        assert ops is not None  # a layout is made for the fused kernel only
-        pools_k, pools_v, pool_index, starts, block_offsets, sizes = layout
-        fused = ops.cached_forward(
-            q, pools_k, pools_v, call.new_offsets.tolist(), lengths, pool_index, starts, block_offsets, sizes,
-            float(call.alpha), biases, masks,
-        )  # fmt: skip
-    for own, cached_part, new_part in steps:
-        if cached_part is None:
-            assert fused is not None  # the requests without a PyTorch cached part have the fused one
-            cached_part = fused[own.request.new]
-        attn = cached_part + new_part.transpose(0, 1)  # [n, H, Dl]
-        attn.mul_(own.norm.to(attn.dtype))
-        out[own.request.new] = attn
+        attn = _cached_part(call, own.request, qh, bias, own.cache_visible).transpose(0, 1) + new_part.transpose(0, 1)
+        attn.mul_(own.norm.to(attn.dtype))  # [n, H, Dl]
+        out[new] = attn
     return out
 
 
-def _setup(call: CachedAttentionCall) -> Tuple[List[int], List[_RequestSetup]]:
-    """(the cached tokens of each request [B], each request's ``_RequestSetup``): worked out once a pass
-    (kept in the call's ``CachedSetup``)."""
+def _setup(call: CachedAttentionCall) -> _PassSetup:
+    """The pass's ``_PassSetup``: worked out once a pass (kept in the call's ``CachedSetup``)."""
     kept = None if call.setup is None else call.setup.kept.get("cpu")
     if kept is not None:
-        return cast(Tuple[List[int], List[_RequestSetup]], kept)
+        return cast(_PassSetup, kept)
     rab, new_tokens = call.rab, call.new_tokens
     lengths = lengths_from_offsets(call.cache_offsets).tolist()
     setups = []
@@ -149,10 +177,30 @@ def _setup(call: CachedAttentionCall) -> Tuple[List[int], List[_RequestSetup]]:
                 silu_norm(pos, call.silu_scale).view(-1, 1, 1),
             )
         )
-    found = (lengths, setups)
+    found = _PassSetup(
+        lengths,
+        call.new_offsets.tolist(),
+        setups,
+        (
+            [_contiguous(None if s.bias is None else s.bias.position) for s in setups],
+            [_contiguous(None if s.bias is None else s.bias.time) for s in setups],
+            [_contiguous(None if s.self_bias is None else s.self_bias.position) for s in setups],
+            [_contiguous(None if s.self_bias is None else s.self_bias.time) for s in setups],
+            [s.cache_visible for s in setups],
+            [s.new_visible for s in setups],
+            [s.norm for s in setups],
+        ),
+        native_ops("gr_cpu_cached"),
+        {},
+    )
     if call.setup is not None:
         call.setup.kept["cpu"] = found
     return found
+
+
+def _contiguous(buckets: Optional[Tensor]) -> Optional[Tensor]:
+    """Bucket indices (int64, ``bias_buckets``'s) as the fused op reads them: contiguous (None stays None)."""
+    return None if buckets is None else buckets.contiguous()
 
 
 def _cached_part(
@@ -169,12 +217,13 @@ def _cached_part(
     return torch.matmul(scores, part(call.cache_v, request, 1))
 
 
-def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layout]:
+def _layout(call: CachedAttentionCall, kept: _PassSetup) -> Optional[Layout]:
     """Where the fused kernel reads each request's K/V (on the CPU, fp32), or None when it cannot: a
     paged cache through its page tables (K and V sharing them), a jagged tensor or per-request
     tensors in place (one block of a request's tokens from its first row), per-request pages
-    through their own tables."""
-    cache_k, cache_v, count = call.cache_k, call.cache_v, len(lengths)
+    through their own tables. What depends on the pass alone comes from ``kept``."""
+    cache_k, cache_v, lengths = call.cache_k, call.cache_v, kept.lengths
+    count = len(lengths)
     if isinstance(cache_k, PagedCache) or isinstance(cache_v, PagedCache):
         if not isinstance(cache_k, PagedCache) or not isinstance(cache_v, PagedCache):
             return None  # one of them in tensors
@@ -184,35 +233,39 @@ def _layout(call: CachedAttentionCall, lengths: Sequence[int]) -> Optional[Layou
         pools_k, pools_v, index = [cache_k.pool], [cache_v.pool], [0] * count
         sizes = [cache_k.tables.page_size] * count
     elif isinstance(cache_k, Tensor) and isinstance(cache_v, Tensor):
-        pools_k, pools_v, index, starts = [cache_k], [cache_v], [0] * count, call.cache_offsets.cpu()
-        offsets, sizes = list(range(count + 1)), [max(1, n) for n in lengths]  # one block a request
+        pools_k, pools_v, index = [cache_k], [cache_v], [0] * count
+        if "tensor" not in kept.blocks:  # one block a request, from its first row
+            kept.blocks["tensor"] = (call.cache_offsets.cpu(), list(range(count + 1)), [max(1, n) for n in lengths])
+        starts, offsets, sizes = kept.blocks["tensor"]
     else:
         assert not isinstance(cache_k, Tensor) and not isinstance(cache_v, Tensor)  # per-request lists
-        found = _request_layout(cache_k, cache_v, lengths)
-        if found is None:
+        pools = _request_pools(cache_k, cache_v)
+        if pools is None:
             return None
-        pools_k, pools_v, index, starts, offsets, sizes = found
+        pools_k, pools_v, index = pools
+        if "requests" not in kept.blocks:
+            kept.blocks["requests"] = _request_blocks(cache_k, lengths)
+        starts, offsets, sizes = kept.blocks["requests"]
     pools_k, pools_v = [rows_contiguous(t) for t in pools_k], [rows_contiguous(t) for t in pools_v]
     if not all(t.is_cpu and t.dtype is torch.float32 for t in (*pools_k, *pools_v)):
         return None
     return pools_k, pools_v, index, starts, offsets, sizes
 
 
-def _request_layout(
-    cache_k: Sequence[Union[Tensor, PagedCache]], cache_v: Sequence[Union[Tensor, PagedCache]], lengths: Sequence[int]
-) -> Optional[Layout]:
-    """``_layout`` of per-request entries, each a request's pages (K and V through one page table) or
-    its tensors (one block from row 0); None when a request's K and V are not alike."""
+def _request_pools(
+    cache_k: Sequence[Union[Tensor, PagedCache]], cache_v: Sequence[Union[Tensor, PagedCache]]
+) -> Optional[Tuple[List[Tensor], List[Tensor], List[int]]]:
+    """Per-request entries' (K pools, V pools, each request's pool [B]): a request's pages (K and V
+    through one page table) or its tensors; None when a request's K and V are not alike."""
     pools_k: List[Tensor] = []
     pools_v: List[Tensor] = []
-    index, parts, offsets, sizes = [], [], [0], []
+    index = []
     where: Dict[int, int] = {}  # id of a K pool -> its place in pools_k
-    for own_k, own_v, length in zip(cache_k, cache_v, lengths):
+    for own_k, own_v in zip(cache_k, cache_v):
         if isinstance(own_k, PagedCache) and isinstance(own_v, PagedCache) and own_k.tables is own_v.tables:
-            part_starts, _ = own_k.tables.blocks([length])
-            pool_k, pool_v, size = own_k.pool, own_v.pool, own_k.tables.page_size
+            pool_k, pool_v = own_k.pool, own_v.pool
         elif isinstance(own_k, Tensor) and isinstance(own_v, Tensor):
-            part_starts, pool_k, pool_v, size = torch.zeros(1, dtype=torch.long), own_k, own_v, max(1, length)
+            pool_k, pool_v = own_k, own_v
         else:
             return None
         if id(pool_k) not in where:
@@ -220,11 +273,24 @@ def _request_layout(
             pools_k.append(pool_k)
             pools_v.append(pool_v)
         index.append(where[id(pool_k)])
+    return pools_k, pools_v, index
+
+
+def _request_blocks(cache_k: Sequence[Union[Tensor, PagedCache]], lengths: Sequence[int]) -> Blocks:
+    """``Blocks`` of per-request entries of ``lengths`` tokens: a request's pages through its page table,
+    its tensor as one block from row 0 (the same for every layer of a pass: its tables are the pass's)."""
+    parts, offsets, sizes = [], [0], []
+    for own_k, length in zip(cache_k, lengths):
+        if isinstance(own_k, PagedCache):
+            part_starts, _ = own_k.tables.blocks([length])
+            size = own_k.tables.page_size
+        else:
+            part_starts, size = torch.zeros(1, dtype=torch.long), max(1, length)
         parts.append(part_starts)
         offsets.append(offsets[-1] + int(part_starts.numel()))
         sizes.append(size)
     starts = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    return pools_k, pools_v, index, starts, offsets, sizes
+    return starts, offsets, sizes
 
 
 def _self_buckets(

@@ -1,6 +1,7 @@
-// The cached part of HSTU cached attention for CPU (fp32): per request and head, the new tokens' rows
-// against the request's cached keys and values, read row by row where they lie (gr.hstu.kernels.
-// cached_attention.cpu adds the new tokens' own term and the normaliser).
+// HSTU cached attention for CPU (fp32). cached_forward: per request and head, the new tokens' rows
+// against the request's cached keys and values, read row by row where they lie. cached_layer: one
+// layer's whole call (gr.hstu.kernels.cached_attention.cpu), every request's new tokens' own term, its
+// bias gathered from the layer's weights, cached_forward in-process, then the sum and the normaliser.
 //
 // A request's cached token j lies in row starts[j / block] + j % block of its pool ([H, rows, D]): a
 // page pool read through the request's page table (block = the page size, starts = its pages' first
@@ -252,6 +253,128 @@ Tensor cached_forward(const Tensor& q, at::TensorList pools_k, at::TensorList po
   return out;
 }
 
+// A relative bias at one request's buckets: position_weights[position] + time_weights[time], in the
+// weights' dtype and the buckets' shape (BiasBuckets.bias); none without weights (no RelativeBias).
+std::optional<Tensor> bias_at(const std::optional<Tensor>& position_weights, const std::optional<Tensor>& time_weights,
+                              const std::optional<Tensor>& position, const std::optional<Tensor>& time, int64_t b) {
+  if (!position_weights.has_value() && !time_weights.has_value()) return std::nullopt;
+  std::optional<Tensor> bias;
+  for (const auto& [weights, buckets, what] : {std::make_tuple(&position_weights, &position, "position"),
+                                               std::make_tuple(&time_weights, &time, "time")}) {
+    if (!buckets->has_value()) continue;
+    TORCH_CHECK(weights->has_value() && (*weights)->dim() == 1, "cpu_cached: request ", b, "'s ", what,
+                " buckets need [buckets] ", what, " weights");
+    const Tensor part = at::index_select(**weights, 0, (*buckets)->reshape(-1)).view((*buckets)->sizes());
+    bias = bias.has_value() ? at::add(*bias, part) : part;
+  }
+  return bias;
+}
+
+// Columns [from, from + cols) of bias_at's bias as a contiguous fp32 [rows, cols] tensor, gathered by
+// one loop where the weights are fp32 (a gather and at most one add per entry: bias_at's bits); else
+// bias_at's, sliced. The buckets: [rows, K] int64 ([K] for one row: a [cols] tensor back).
+std::optional<Tensor> bias_columns(const std::optional<Tensor>& position_weights,
+                                   const std::optional<Tensor>& time_weights, const std::optional<Tensor>& position,
+                                   const std::optional<Tensor>& time, int64_t from, int64_t cols, int64_t b) {
+  if ((!position_weights.has_value() && !time_weights.has_value()) || (!position.has_value() && !time.has_value()))
+    return std::nullopt;
+  const Tensor& shape = position.has_value() ? *position : *time;
+  const bool fp32 = (!position.has_value() || (position_weights.has_value() &&
+                                               position_weights->scalar_type() == at::kFloat)) &&
+                    (!time.has_value() || (time_weights.has_value() && time_weights->scalar_type() == at::kFloat));
+  if (!fp32) {
+    const Tensor bias = *bias_at(position_weights, time_weights, position, time, b);
+    return bias.narrow(-1, from, cols).to(at::kFloat).contiguous();
+  }
+  const int64_t rows = shape.dim() == 2 ? shape.size(0) : 1, K = shape.size(-1);
+  TORCH_CHECK(shape.dim() <= 2 && from >= 0 && from + cols <= K, "cpu_cached: request ", b, "'s buckets must be [",
+              "n or 1, ", from + cols, "]");
+  Tensor out = at::empty(shape.dim() == 2 ? std::vector<int64_t>{rows, cols} : std::vector<int64_t>{cols},
+                         shape.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  bool first = true;  // the first part is written, the second added
+  for (const auto& [weights, buckets, what] : {std::make_tuple(&position_weights, &position, "position"),
+                                               std::make_tuple(&time_weights, &time, "time")}) {
+    if (!buckets->has_value()) continue;
+    const Tensor w = (*weights)->contiguous(), where = (*buckets)->contiguous();
+    TORCH_CHECK(w.dim() == 1 && where.scalar_type() == at::kLong && where.sizes() == shape.sizes(),
+                "cpu_cached: request ", b, "'s ", what, " buckets must be int64 of the bias's shape, over [buckets] ",
+                what, " weights");
+    const float* wd = w.data_ptr<float>();
+    const int64_t* id = where.data_ptr<int64_t>();
+    const int64_t count = w.numel();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t bucket = id[r * K + from + c];
+        TORCH_CHECK(bucket >= 0 && bucket < count, "cpu_cached: request ", b, "'s ", what, " bucket ", bucket,
+                    " is out of its ", count, " weights");
+        o[r * cols + c] = first ? wd[bucket] : o[r * cols + c] + wd[bucket];
+      }
+    first = false;
+  }
+  return out;
+}
+
+// One layer's cached attention [N, H, Dl]: per request b (rows [new_offsets[b], new_offsets[b + 1]) of
+// q, k [N, H, Da], v [N, H, Dl]), norm * (its new tokens' own part + cached_forward's cached part), the
+// sums and their order those of gr.hstu.kernels.cached_attention.cpu's PyTorch composition. The new
+// tokens' own part: targets, SiLU(qh . kh + self bias) vh, each token with itself; history, (SiLU(qh kh^T
+// + bias of the new keys) * new_mask) vh. qh = alpha q, head-major. Per request (Tensor?[] of B):
+// position, time: int64 buckets of its bias against the cache [n or 1, C] (targets) or the cache and
+// itself [n or 1, C + n] (history); self_position, self_time: targets' [n] buckets against themselves;
+// cache_mask: fp32 [n, C] or None; new_mask: fp32 [n, n]; norm: fp32 [n, 1, 1]. The weights: [P], [NB]
+// or None. K/V pools and blocks: as cached_forward takes them.
+Tensor cached_layer(const Tensor& q, const Tensor& k, const Tensor& v, at::TensorList pools_k, at::TensorList pools_v,
+                    IntArrayRef new_offsets, IntArrayRef cache_lengths, IntArrayRef pool_index,
+                    const Tensor& block_starts, IntArrayRef block_offsets, IntArrayRef block_sizes, double alpha,
+                    bool targets, const std::optional<Tensor>& position_weights,
+                    const std::optional<Tensor>& time_weights, const c10::List<std::optional<Tensor>>& position,
+                    const c10::List<std::optional<Tensor>>& time, const c10::List<std::optional<Tensor>>& self_position,
+                    const c10::List<std::optional<Tensor>>& self_time,
+                    const c10::List<std::optional<Tensor>>& cache_mask, at::TensorList new_mask,
+                    at::TensorList norm) {
+  const size_t B = cache_lengths.size();
+  TORCH_CHECK(new_offsets.size() == B + 1 && position.size() == B && time.size() == B && self_position.size() == B &&
+                  self_time.size() == B && cache_mask.size() == B && new_mask.size() == B && norm.size() == B,
+              "cpu_cached: B requests need [B+1] new_offsets and B buckets, masks and norms of each kind");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(0) == q.size(0) && v.size(0) == q.size(0),
+              "cpu_cached: q, k and v must be [N, H, D] of the same N new tokens");
+  c10::List<std::optional<Tensor>> biases, masks;
+  std::vector<Tensor> own_parts(B);  // each request's new tokens' own part [H, n, Dl]
+  for (size_t b = 0; b < B; ++b) {
+    const int64_t start = new_offsets[b], n = new_offsets[b + 1] - start, C = cache_lengths[b];
+    const int64_t index = static_cast<int64_t>(b);
+    masks.push_back(cache_mask.get(b));
+    if (n == 0) {
+      biases.push_back(std::nullopt);
+      continue;
+    }
+    const std::optional<Tensor> pos = position.get(b), tim = time.get(b);
+    biases.push_back(bias_columns(position_weights, time_weights, pos, tim, 0, C, index));  // the cache's keys
+    const Tensor qh = at::mul(q.narrow(0, start, n).transpose(0, 1), alpha);  // [H, n, Da]
+    const Tensor kh = k.narrow(0, start, n).transpose(0, 1), vh = v.narrow(0, start, n).transpose(0, 1);
+    if (targets) {  // each candidate sees itself only: an elementwise term
+      Tensor self_logits = at::sum(at::mul(qh, kh), -1);  // [H, n]
+      const std::optional<Tensor> self_bias =
+          bias_columns(position_weights, time_weights, self_position.get(b), self_time.get(b), 0, n, index);
+      if (self_bias.has_value()) self_logits = at::add(self_logits, self_bias->to(self_logits.scalar_type()));
+      own_parts[b] = at::mul(at::silu(self_logits).unsqueeze(-1), vh);
+    } else {
+      Tensor block = at::matmul(qh, kh.transpose(1, 2));  // [H, n, n]
+      const std::optional<Tensor> bias = bias_columns(position_weights, time_weights, pos, tim, C, n, index);
+      if (bias.has_value()) block = at::add(block, bias->to(block.scalar_type()));
+      own_parts[b] = at::matmul(at::mul(at::silu(block), new_mask[b].to(block.scalar_type())), vh);
+    }
+  }
+  Tensor out = cached_forward(q, pools_k, pools_v, new_offsets, cache_lengths, pool_index, block_starts,
+                              block_offsets, block_sizes, alpha, biases, masks);  // the cached part [N, H, Dl]
+  for (size_t b = 0; b < B; ++b) {
+    const int64_t start = new_offsets[b], n = new_offsets[b + 1] - start;
+    if (n > 0) out.narrow(0, start, n).add_(own_parts[b].transpose(0, 1)).mul_(norm[b].to(out.scalar_type()));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gr_cpu_cached, m) {
@@ -259,6 +382,15 @@ TORCH_LIBRARY(gr_cpu_cached, m) {
       "cached_forward(Tensor q, Tensor[] pools_k, Tensor[] pools_v, int[] new_offsets, int[] cache_lengths, "
       "int[] pool_index, Tensor block_starts, int[] block_offsets, int[] block_sizes, float alpha, Tensor?[] bias, "
       "Tensor?[] mask) -> Tensor");
+  m.def(
+      "cached_layer(Tensor q, Tensor k, Tensor v, Tensor[] pools_k, Tensor[] pools_v, int[] new_offsets, "
+      "int[] cache_lengths, int[] pool_index, Tensor block_starts, int[] block_offsets, int[] block_sizes, "
+      "float alpha, bool targets, Tensor? position_weights, Tensor? time_weights, Tensor?[] position, "
+      "Tensor?[] time, Tensor?[] self_position, Tensor?[] self_time, Tensor?[] cache_mask, Tensor[] new_mask, "
+      "Tensor[] norm) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(gr_cpu_cached, CPU, m) { m.impl("cached_forward", &cached_forward); }
+TORCH_LIBRARY_IMPL(gr_cpu_cached, CPU, m) {
+  m.impl("cached_forward", &cached_forward);
+  m.impl("cached_layer", &cached_layer);
+}
