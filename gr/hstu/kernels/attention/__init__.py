@@ -17,6 +17,7 @@ work estimates of the ``cpu`` backend that ``gr.train.memory`` sums.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from importlib import import_module
 from typing import Any, Callable, Dict, List, Optional
 
@@ -63,14 +64,20 @@ def backend_entry(name: str, table: Optional[Dict[str, str]] = None) -> Callable
     package is a clear error."""
     if name not in _BACKENDS:
         raise ValueError(f"hstu_attention: unknown backend {name!r}; available: {available_backends()} or 'auto'")
-    module, function = (_BACKENDS if table is None else table)[name].split(":")
     try:
-        return getattr(import_module(module), function)
+        return _entry((_BACKENDS if table is None else table)[name])
     except ImportError as err:
         raise ImportError(
             f"hstu_attention: backend {name!r} needs a package that is not installed ({err}); "
             "triton comes with the 'cuda'/'test' extras, triton-ascend and torch-npu with 'ascend'"
         ) from err
+
+
+@lru_cache(maxsize=None)
+def _entry(spec: str) -> Callable[..., Tensor]:
+    """The function ``spec`` ("module:function") names, imported once (a failed import is retried)."""
+    module, function = spec.split(":")
+    return getattr(import_module(module), function)
 
 
 def hstu_attention(
