@@ -13,12 +13,14 @@ from gr.hstu.config import HSTUConfig
 from gr.hstu.paged import PagePool
 from gr.serving import Ranker
 from gr.serving.shared_tier import SqliteTier
-from gr.serving.tier_line import FIRST_LENGTH, NEW_TOKENS, first_cheaper, measure_tier_line
+from gr.serving.tier_line import FIRST_LENGTH, MARGIN, NEW_TOKENS, first_cheaper, measure_tier_line
 from helpers.models import DENSE_DIMS, build_ranking_model
 
 
-def test_the_line_is_the_shortest_length_whose_fetch_costs_less():
-    assert first_cheaper({16: (1.0, 2.0), 32: (1.5, 1.4), 64: (3.0, 1.0)}) == 32
+def test_the_line_is_the_shortest_length_whose_fetch_costs_less_by_the_margin():
+    assert MARGIN > 1
+    assert first_cheaper({16: (1.0, 2.0), 32: (1.5, 1.4), 64: (3.0, 1.0)}) == 64  # 32: cheaper, not by the margin
+    assert first_cheaper({16: (1.0, 2.0), 32: (1.5, 1.4 / MARGIN - 1e-9), 64: (3.0, 1.0)}) == 32
     assert first_cheaper({64: (3.0, 1.0), 16: (1.0, 0.5)}) == 16
     assert first_cheaper({16: (1.0, 2.0), 32: (1.0, 1.0)}) is None
     assert first_cheaper({}) is None

@@ -11,7 +11,7 @@ that encodes or extends it, as a request is (``CachedHSTU.encode_settled_batch``
 thread's CPU time, which other processes and the server's other threads (a reload measures while
 requests are served) barely skew; work torch spreads over other threads is not counted, which
 favours encoding (long histories are the ones it spreads). The line is the shortest L at which (b) costs less than
-(a): histories from there on are fetched, shorter ones encoded; with no such L up to
+(a) by ``MARGIN``: histories from there on are fetched, shorter ones encoded; with no such L up to
 ``max_seq_len`` (small models, whose passes cost little more than their fixed overhead), none is.
 
 The PrefixDNN is left out of both (a fetched history embeds only its new tokens, an encoded one all
@@ -41,6 +41,11 @@ NEW_TOKENS = 4  # actions a request brings to its history
 REPS = 5
 STEP_S = 60  # seconds between the synthetic history's events
 CALIBRATION_USER = "tier-line"
+# How much less a fetch must cost than an encoding here: the probe reads one entry again and again,
+# warm in the CPU's caches and in SQLite's, where under traffic an entry is cold and other workers'
+# writes make the reader re-read the tier's index (the ML-1M recipe's shape: 0.2-0.3 ms a fetch
+# here, 0.6-0.7 ms in bench/serving_tier.py's Zipf traffic).
+MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,8 @@ class TierLine:
 
 
 def first_cheaper(costs: Dict[int, Tuple[float, float]]) -> Optional[int]:
-    """The shortest length whose fetch costs less than its encoding, or None."""
-    return next((n for n, (encode, fetch) in sorted(costs.items()) if fetch < encode), None)
+    """The shortest length whose fetch costs less than its encoding by ``MARGIN``, or None."""
+    return next((n for n, (encode, fetch) in sorted(costs.items()) if fetch * MARGIN < encode), None)
 
 
 def measure_tier_line(engine: CachedHSTU, tier: TierStore, page_size: int) -> TierLine:
