@@ -116,12 +116,17 @@ class Worker:
         return settled
 
     def serve(self, user: int, tokens: Dict[str, np.ndarray], candidates: torch.Tensor) -> None:
-        """One request: the user's history through the cache and tiers, settled, then its candidates scored."""
-        settled = self.settled(user, tokens)
+        """One request as the runtime ranks it: the user's history through the cache and tiers, its
+        candidates run in the pass that encodes a missed history, else scored against the settled cache."""
         request_time = int(tokens[TIMESTAMPS][-1]) + STEP_S
         times = torch.full((len(candidates),), request_time, dtype=torch.long)
-        offsets = torch.tensor([0, len(candidates)])
-        self.engine.score_batch([settled], candidates, offsets, times, 256, [request_time])
+        history, aims = self.history(user, tokens), [(candidates, times)]
+        [encoded] = encode.encode(self.cache, [history], request_times=[request_time], targets=aims)
+        if encoded.scored is None:
+            [(settled, _)] = encode.settled([encoded], [request_time])
+            self.engine.score_batch(
+                [settled], candidates, torch.tensor([0, len(candidates)]), times, 256, [request_time]
+            )
 
     def written(self) -> float:
         """Wait for the tier writes queued so far -> the CPU seconds the writer's thread has spent."""

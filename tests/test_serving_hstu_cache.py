@@ -291,3 +291,36 @@ def test_encoding_and_settling_in_one_pass_equals_encoding_then_settling(case):
         )
         assert torch.equal(hidden, alone_hidden) and torch.equal(last, alone_last)
         assert all(torch.equal(got, ref) for got, ref in zip(settled.layer(0), alone_settled.layer(0)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_encoding_and_scoring_in_one_pass_equals_the_one_pass_forward_and_keeps_the_encoded_caches(case):
+    """encode_scored_batch over histories of 0..30 tokens with 0..5 candidates each: the encoded and
+    settled caches are encode_settled_batch's (the encoded ones to the bit), each user's candidate
+    outputs those of scoring its settled cache in a pass of their own and, past contextual_len, of
+    the one-pass target-aware forward, and the batch each user alone, to the bit."""
+    engine = make_engine(**case)
+    lengths, counts = [30, 0, 2, 3, 12], [5, 2, 3, 0, 1]  # 2, 3 tokens: up to and past contextual_len
+    users = [tokens(n, k, seed=s) for s, (n, k) in enumerate(zip(lengths, counts))]
+    request_times = [REQUEST_TIME + 1000 * b for b in range(len(users))]
+    histories = [(x[:n], t[:n]) for (x, t), n in zip(users, lengths)]
+    candidates = [(x[n:], torch.full((k,), when)) for (x, _), n, k, when in zip(users, lengths, counts, request_times)]
+    together = engine.encode_scored_batch(
+        [x for x, _ in histories], [t for _, t in histories], request_times, candidates
+    )
+    settled_only = engine.encode_settled_batch([x for x, _ in histories], [t for _, t in histories], request_times)
+    for b, ((encoded, settled, scored), (want_encoded, want_settled)) in enumerate(zip(together, settled_only)):
+        (cache, hidden), (want, want_hidden) = encoded, want_encoded
+        assert torch.equal(hidden, want_hidden) and cache.length == want.length == lengths[b]
+        for i in range(engine.config.num_layers):
+            assert all(torch.equal(got, ref) for got, ref in zip(cache.layer(i), want.layer(i)))
+        torch.testing.assert_close(settled[1], want_settled[1], rtol=0, atol=1e-5)
+        (x, t), (cx, ct) = histories[b], candidates[b]
+        assert scored.shape == (counts[b], engine.config.hidden_dim)
+        two_passes = engine.score(want_settled[0], cx, ct, request_time=request_times[b])
+        torch.testing.assert_close(scored, two_passes, rtol=0, atol=1e-5)
+        if lengths[b] > engine.config.contextual_len:  # shorter: its contextual tokens see the later ones in one pass
+            reference = one_pass(engine, torch.cat([x, cx]), torch.cat([t, ct]), lengths[b], request_times[b])
+            torch.testing.assert_close(scored, reference, rtol=0, atol=1e-5)
+        [(_, _, alone)] = engine.encode_scored_batch([x], [t], [request_times[b]], [candidates[b]])
+        assert torch.equal(scored, alone)

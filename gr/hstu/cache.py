@@ -149,7 +149,7 @@ class CachedHSTU:
 
         xs[b]: [L_b, D] float; timestamps[b]: [L_b] int64 or None
         -> per user (its cache, the HSTU outputs of its committed tokens [C_b, D])"""
-        return [encoded for encoded, _ in self._encode(xs, timestamps, None)]
+        return [encoded for encoded, _, _ in self._encode(xs, timestamps, None)]
 
     @torch.inference_mode()
     def encode_settled_batch(
@@ -163,18 +163,58 @@ class CachedHSTU:
 
         -> per user ((its cache, the outputs of its committed tokens [C_b, D]), (its settled cache,
         nothing pending, the outputs of the tokens settled [p_b, D]))"""
-        encoded = self._encode(xs, timestamps, request_times)
-        alone = [b for b, (_, settled) in enumerate(encoded) if settled is None]
+        return [(encoded, settled) for encoded, settled, _ in self._encode_settled(xs, timestamps, request_times)]
+
+    @torch.inference_mode()
+    def encode_scored_batch(
+        self,
+        xs: Sequence[Tensor],
+        timestamps: Sequence[Optional[Tensor]],
+        request_times: Sequence[int],
+        targets: Sequence[Tuple[Tensor, Optional[Tensor]]],
+    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor], Tensor]]:
+        """``encode_settled_batch``, then ``score`` of each settled cache with its user's targets
+        (targets[b]: (x [N_b, D] float, timestamps [N_b] int64 or None), the request's candidates), in
+        the one pass where the user's last token settles: its targets follow its history there, as in
+        the one-pass target-aware forward (``HSTU.forward`` with ``num_targets``).
+
+        -> per user (as ``encode_settled_batch``, its targets' HSTU outputs [N_b, D])"""
+        out = []
+        for b, (encoded, settled, scored) in enumerate(self._encode_settled(xs, timestamps, request_times, targets)):
+            if scored is None:  # its last token settled in a pass of its own: its targets too
+                x, times = targets[b]
+                scored = self.score(settled[0], x, times, max(1, x.shape[0]), request_times[b])
+            out.append((encoded, settled, scored))
+        return out
+
+    def _encode_settled(
+        self,
+        xs: Sequence[Tensor],
+        timestamps: Sequence[Optional[Tensor]],
+        request_times: Sequence[int],
+        targets: Optional[Sequence[Tuple[Tensor, Optional[Tensor]]]] = None,
+    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor], Optional[Tensor]]]:
+        """``_encode``, the users it did not settle settled in one more pass."""
+        encoded = self._encode(xs, timestamps, request_times, targets)
+        alone = [b for b, (_, settled, _) in enumerate(encoded) if settled is None]
         settled_alone = dict(
             zip(alone, self.settle_batch([encoded[b][0][0] for b in alone], [request_times[b] for b in alone]))
         )
-        return [(one, settled_alone[b] if settled is None else settled) for b, (one, settled) in enumerate(encoded)]
+        return [
+            (one, settled_alone[b] if settled is None else settled, scored)
+            for b, (one, settled, scored) in enumerate(encoded)
+        ]
 
     def _encode(
-        self, xs: Sequence[Tensor], timestamps: Sequence[Optional[Tensor]], request_times: Optional[Sequence[int]]
-    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Optional[Tuple[HistoryCache, Tensor]]]]:
-        """``encode_settled_batch``, each settled cache None where this pass did not settle it (a
-        contextual last token); without ``request_times`` nothing is settled."""
+        self,
+        xs: Sequence[Tensor],
+        timestamps: Sequence[Optional[Tensor]],
+        request_times: Optional[Sequence[int]],
+        targets: Optional[Sequence[Tuple[Tensor, Optional[Tensor]]]] = None,
+    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Optional[Tuple[HistoryCache, Tensor]], Optional[Tensor]]]:
+        """``encode_scored_batch``, each settled cache None where this pass did not settle it (a
+        contextual last token), and then its targets' outputs None too; without ``request_times``
+        nothing is settled, without ``targets`` nothing scored."""
         device = self.device  # looked up once: it walks the parameters
         xs = [x.to(device) for x in xs]
         lengths = [self._check_tokens(x, t, start=0) for x, t in zip(xs, timestamps)]
@@ -185,37 +225,54 @@ class CachedHSTU:
             request_times is not None and (not self.defers_last or n > self.config.contextual_len) for n in lengths
         ]
         ran = [n if settle else c for n, c, settle in zip(lengths, committed, settles)]
-        run = [b for b, n in enumerate(ran) if n]  # users with tokens to run
-        offsets = offsets_from_lengths(torch.tensor([ran[b] for b in run], dtype=torch.long))
+        # each settled user's targets (None: none run), after its history at its length, asked at their own times
+        aimed: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(xs)
+        for b, (target, settle) in enumerate(zip(targets or (), settles)):
+            if settle:
+                count = self._check_tokens(target[0], target[1], start=lengths[b], targets=True)
+                aimed[b] = (target[0].to(device), self._timestamps(target[1], count, device))
+        aims = [0 if aim is None else int(aim[0].shape[0]) for aim in aimed]
+        run = [b for b, n in enumerate(ran) if n + aims[b]]  # users with tokens to run
+        offsets = offsets_from_lengths(torch.tensor([ran[b] + aims[b] for b in run], dtype=torch.long))
         starts = dict(zip(run, offsets.tolist()))
         keys: List[Tensor] = []
         values: List[Tensor] = []
         if run:
-            x = torch.cat([xs[b][: ran[b]] for b in run])
+            pieces: List[Tensor] = []
+            positions_of: List[Tensor] = []
+            times: List[Tensor] = []
+            asked: List[Tensor] = []  # each token's query time: the next one's timestamp, a settled last one's request
+            for b in run:
+                pieces.append(xs[b][: ran[b]])
+                positions_of.append(torch.arange(ran[b], device=device))
+                times.append(ts[b][: ran[b]])
+                asked.append(ts[b][1 : ran[b] + 1])
+                if request_times is not None and committed[b] < ran[b]:  # its pending token runs
+                    asked.append(ts[b].new_tensor([int(request_times[b])]))
+                aim = aimed[b]
+                if aim is not None:
+                    pieces.append(aim[0])
+                    positions_of.append(torch.full((aims[b],), ran[b], device=device))
+                    times.append(aim[1])
+                    asked.append(aim[1])
+            x = torch.cat(pieces)
             offsets = offsets.to(x.device)
-            positions = torch.cat([torch.arange(ran[b], device=x.device) for b in run])
-            flat_ts = torch.cat([ts[b][: ran[b]] for b in run])
-            query_ts = None
-            if self.defers_last:  # a token is asked at the next one's time, a last one run at its request's
-                request_at = [] if request_times is None else list(request_times)
-                asked = [
-                    torch.cat([ts[b][1:], ts[b].new_tensor([int(request_at[b])])])
-                    if ran[b] == lengths[b]
-                    else ts[b][1 : ran[b] + 1]
-                    for b in run
-                ]
-                query_ts = torch.cat(asked)
+            positions, flat_ts = torch.cat(positions_of), torch.cat(times)
+            query_ts = torch.cat(asked) if self.defers_last else None
+            num_targets = None if targets is None else torch.tensor([aims[b] for b in run], device=x.device)
             workspace = AttentionWorkspace(offsets)
             hidden = self.hstu.embed(x, positions)
-            longest = max(ran[b] for b in run)
+            longest = max(ran[b] + aims[b] for b in run)
             # cast: torch's stubs type nn.ModuleList's items as nn.Module
             for layer in cast(Sequence[HSTULayer], self.hstu.layers):
                 u, q, k, v = layer.project(hidden)
-                attn = layer.attend(q, k, v, offsets, longest, flat_ts, query_times=query_ts, workspace=workspace)
+                attn = layer.attend(
+                    q, k, v, offsets, longest, flat_ts, num_targets, query_times=query_ts, workspace=workspace
+                )
                 hidden = layer.combine(hidden, attn, u)
                 keys.append(k.transpose(0, 1))
                 values.append(v.transpose(0, 1))
-        out: List[Tuple[Tuple[HistoryCache, Tensor], Optional[Tuple[HistoryCache, Tensor]]]] = []
+        out: List[Tuple[Tuple[HistoryCache, Tensor], Optional[Tuple[HistoryCache, Tensor]], Optional[Tensor]]] = []
         for b, x in enumerate(xs):
             if b in starts:
                 rows = slice(starts[b], starts[b] + committed[b])
@@ -231,14 +288,17 @@ class CachedHSTU:
             else:
                 cached_k, cached_v = tuple(k.contiguous() for k in layers_k), tuple(v.contiguous() for v in layers_v)
                 cache = HistoryCache(cached_k, cached_v, ts[b], pending)
-            settled = None
+            settled = scored = None
             if settles[b] and pending is None:  # nothing to settle
                 settled = (cache, outputs[:0])
             elif settles[b]:
                 last = slice(starts[b] + committed[b], starts[b] + lengths[b])
                 grown = self._grown(cache, [k[:, last] for k in keys], [v[:, last] for v in values])
                 settled = (replace(grown, timestamps=ts[b], pending=None), hidden[last])
-            out.append(((cache, outputs), settled))
+            if aimed[b] is not None:
+                first = starts[b] + lengths[b] if b in starts else 0
+                scored = hidden[first : first + aims[b]] if b in starts else outputs[:0]
+            out.append(((cache, outputs), settled, scored))
         return out
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ runtime and generation both build on it, neither through the other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ Tokens = Dict[str, np.ndarray]
 Settled = Tuple[HistoryCache, Tensor]
 
 __all__ = [
+    "Encoded",
     "Settled",
     "Tokens",
     "UserState",
@@ -96,6 +97,18 @@ def _match(
     return None, "miss" if use_cache else "off"
 
 
+class Encoded(NamedTuple):
+    """One user's ``encode_states`` result: its state and status ("hit", "extend", "miss", "off");
+    settled: the state's cache settled at the request's time and the settled tokens' outputs, when
+    the pass that encoded or extended it settled it; scored: its targets' HSTU outputs [N, D], when
+    that pass ran them."""
+
+    state: UserState
+    status: str
+    settled: Optional[Settled] = None
+    scored: Optional[Tensor] = None
+
+
 def encode_states(
     engine: CachedHSTU,
     embed: Callable[[Tokens], Tensor],
@@ -104,7 +117,8 @@ def encode_states(
     found: Sequence[Optional[UserState]],
     use_cache: bool = True,
     request_times: Optional[Sequence[int]] = None,
-) -> List[Tuple[UserState, str, Optional[Settled]]]:
+    targets: Optional[Sequence[Tuple[Tensor, Tensor]]] = None,
+) -> List[Encoded]:
     """Several distinct users' states for their ``histories`` (one model's, computed under
     ``model_versions``, a version each): each user's ``found``
     state reused ("hit"), extended with its new tokens ("extend") or replaced by a fresh encoding
@@ -112,9 +126,9 @@ def encode_states(
     through ``embed`` (the PrefixDNN) in one run, the histories to encode in one HSTU pass and those
     to extend in another. With ``request_times`` (seconds, a user each) a state encoded or extended
     is settled at its user's request time in the pass that encodes or extends it
-    (``CachedHSTU.encode_settled_batch``, ``extend_settled_batch``).
-    -> per user (its state, status, the state's cache settled at the request time with the settled
-    tokens' outputs when the pass settled it, else None)."""
+    (``CachedHSTU.encode_settled_batch``, ``extend_settled_batch``), and with ``targets`` (a user's
+    candidates: HSTU inputs [N, D] and timestamps [N]) a history encoded from scratch runs them in
+    its pass (``CachedHSTU.encode_scored_batch``). -> per user its ``Encoded``."""
     matched = [
         _match(s if use_cache else None, t, v, engine, use_cache) for s, t, v in zip(found, histories, model_versions)
     ]
@@ -130,23 +144,29 @@ def encode_states(
     bases = [state.cache for state in extends.values()]
     ran: Dict[int, Tuple[HistoryCache, Tensor]] = {}
     settled: Dict[int, Settled] = {}
+    scored: Dict[int, Tensor] = {}
     if request_times is None:
         ran.update(zip(misses, engine.encode_batch([xs[i] for i in misses], [times[i] for i in misses])))
         ran.update(zip(extends, engine.extend_batch(bases, [xs[i] for i in extends], [times[i] for i in extends])))
     else:
-        encoded = engine.encode_settled_batch(
-            [xs[i] for i in misses], [times[i] for i in misses], [request_times[i] for i in misses]
-        )
+        miss_args = ([xs[i] for i in misses], [times[i] for i in misses], [request_times[i] for i in misses])
+        if targets is None:
+            for i, (one, at_request) in zip(misses, engine.encode_settled_batch(*miss_args)):
+                ran[i], settled[i] = one, at_request
+        else:
+            miss_targets = [targets[i] for i in misses]
+            for i, (one, at_request, scores) in zip(misses, engine.encode_scored_batch(*miss_args, miss_targets)):
+                ran[i], settled[i], scored[i] = one, at_request, scores
         extended = engine.extend_settled_batch(
             bases, [xs[i] for i in extends], [times[i] for i in extends], [request_times[i] for i in extends]
         )
-        for i, (one, at_request) in [*zip(misses, encoded), *zip(extends, extended)]:
+        for i, (one, at_request) in zip(extends, extended):
             ran[i], settled[i] = one, at_request
-    out: List[Tuple[UserState, str, Optional[Settled]]] = []
+    out: List[Encoded] = []
     for i, (tokens, version, (base, status)) in enumerate(zip(histories, model_versions, matched)):
         if status == "hit":
             assert base is not None  # _match: a hit comes with its state
-            out.append((base, status, None))
+            out.append(Encoded(base, status))
             continue
         cache, hidden = ran[i]
         if engine.defers_last or len(tokens[TIMESTAMPS]) == 0:
@@ -156,7 +176,7 @@ def encode_states(
         else:  # no token committed now: the cached state's last output still holds
             assert base is not None  # a fresh encoding commits every token
             last = base.last_hidden
-        out.append((UserState(tokens, cache, version, last), status, settled.get(i)))
+        out.append(Encoded(UserState(tokens, cache, version, last), status, settled.get(i), scored.get(i)))
     return out
 
 

@@ -11,7 +11,7 @@ a user from one encoding).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -33,14 +33,17 @@ def encode(
     histories: Sequence[History],
     use_cache: bool = True,
     request_times: Optional[Sequence[int]] = None,
+    targets: Optional[Sequence[Tuple[Tensor, Tensor]]] = None,
 ) -> List[EncodedHistory]:
     """The users' encoded histories (one model's): the new tokens of every user in one prefix_dnn
     run, the histories to encode in one HSTU pass and those to extend in another.
 
     Only a cache entry of a history's model version is used or stored (a reload may race the
     request). use_cache=False encodes the histories and leaves the cache alone (status "off").
-    request_times: seconds, a history each: an extended history is settled at its request's time
-    in the pass that extends it (``EncodedHistory.settled``; ``settled`` settles the others)."""
+    request_times: seconds, a history each: a history encoded or extended is settled at its
+    request's time in that pass (``EncodedHistory.settled``; ``settled`` settles the others).
+    targets: a history each, its request's candidates (HSTU inputs [N, D], timestamps [N]): a
+    history encoded from scratch runs them in its pass (``EncodedHistory.scored``)."""
     out: Dict[int, EncodedHistory] = {}
     waiting = list(range(len(histories)))
     while waiting:
@@ -51,7 +54,8 @@ def encode(
             (later if histories[i].user_id in users else now).append(i)
             users.add(histories[i].user_id)
         times = None if request_times is None else [request_times[i] for i in now]
-        for i, encoded in zip(now, _encode_round(cache, [histories[i] for i in now], use_cache, times)):
+        aims = None if targets is None else [targets[i] for i in now]
+        for i, encoded in zip(now, _encode_round(cache, [histories[i] for i in now], use_cache, times, aims)):
             out[i] = encoded
         waiting = later
     return [out[i] for i in range(len(histories))]
@@ -62,6 +66,7 @@ def _encode_round(
     histories: Sequence[History],
     use_cache: bool,
     request_times: Optional[Sequence[int]],
+    targets: Optional[Sequence[Tuple[Tensor, Tensor]]],
 ) -> List[EncodedHistory]:
     """``encode`` of histories of distinct users."""
     if not histories:
@@ -77,9 +82,9 @@ def _encode_round(
             if fetched is not None:
                 found[i], tiers[i] = fetched
     tokens, versions = [h.tokens for h in histories], [h.model_version for h in histories]
-    states = encode_states(model.engine, model.embed_tokens, tokens, versions, found, use_cache, request_times)
+    states = encode_states(model.engine, model.embed_tokens, tokens, versions, found, use_cache, request_times, targets)
     out = []
-    for h, base, tier, (state, status, at_request) in zip(histories, found, tiers, states):
+    for h, base, tier, (state, status, at_request, scored) in zip(histories, found, tiers, states):
         tier = tier if status in ("hit", "extend") else None
         if use_cache and (status != "hit" or tier != "local"):
             cache.put(h.user_id, state, h.model_version)
@@ -88,7 +93,7 @@ def _encode_round(
                 cache.share(h.user_id, state, fresh=True)
             new = 0 if status == "hit" else len(tokens_after(h.tokens, base if tier else None)[TIMESTAMPS])
             cache.encoded(tier, new)
-        out.append(EncodedHistory(h, state, status, at_request))
+        out.append(EncodedHistory(h, state, status, at_request, scored))
     return out
 
 

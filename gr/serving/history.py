@@ -74,6 +74,7 @@ class EncodedHistory:
     state: UserState
     cache_status: str
     settled: Optional[Settled] = None  # the state's cache settled at the request's time, when its encoding did
+    scored: Optional[torch.Tensor] = None  # [N, D] the request's candidates' HSTU outputs, when its encoding ran them
 
     @property
     def cache(self) -> HistoryCache:

@@ -130,19 +130,28 @@ def run(cache: UserCache, prepared: Sequence[PreparedRank], micro_batch: int, us
     if not use_cache:
         return [_uncached(p) for p in prepared]
     request_times = [p.request_time for p in prepared]
-    encoded = encode.encode(cache, [p.history for p in prepared], request_times=request_times)
     counts = [len(p.candidates[TIMESTAMPS]) for p in prepared]
-    joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
-    hidden = model.engine.score_batch(
-        [settled for settled, _ in encode.settled(encoded, request_times)],
-        model.embed_tokens(joined),
-        offsets_from_lengths(torch.tensor(counts)),
-        torch.from_numpy(joined[TIMESTAMPS]),
-        micro_batch,
-        request_times,
-    )
-    scores = ranking_scores(model.heads_batch(hidden, [p.history.common for p in prepared], counts))
     bounds = np.cumsum([0, *counts])
+    joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
+    x, times = model.embed_tokens(joined), torch.from_numpy(joined[TIMESTAMPS])
+    targets = [(x[bounds[b] : bounds[b + 1]], times[bounds[b] : bounds[b + 1]]) for b in range(len(prepared))]
+    # a history encoded from scratch runs its candidates in that pass; the others score them against their caches
+    encoded = encode.encode(cache, [p.history for p in prepared], request_times=request_times, targets=targets)
+    rest = [b for b, e in enumerate(encoded) if e.scored is None]
+    outputs = {b: e.scored for b, e in enumerate(encoded) if e.scored is not None}
+    if rest:
+        rows = torch.from_numpy(np.concatenate([np.arange(bounds[b], bounds[b + 1]) for b in rest]))
+        hidden = model.engine.score_batch(
+            [settled for settled, _ in encode.settled([encoded[b] for b in rest], [request_times[b] for b in rest])],
+            x[rows],
+            offsets_from_lengths(torch.tensor([counts[b] for b in rest])),
+            times[rows],
+            micro_batch,
+            [request_times[b] for b in rest],
+        )
+        outputs.update(zip(rest, torch.split(hidden, [counts[b] for b in rest])))
+    hidden = torch.cat([outputs[b] for b in range(len(prepared))])
+    scores = ranking_scores(model.heads_batch(hidden, [p.history.common for p in prepared], counts))
     return [
         RankResult(
             {task: value[bounds[b] : bounds[b + 1]] for task, value in scores.items()},
