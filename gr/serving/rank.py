@@ -1,6 +1,7 @@
 """Rank requests: validated candidates scored against each user's encoded history, several users as
 one batch. A ranking export scores every user's candidates against that user's cached history in
-shared HSTU passes (``CachedHSTU.score_batch``) and shared prefix/postfix ONNX runs; a retrieval
+shared HSTU passes (``CachedHSTU.score_batch``), a history encoded from scratch running them in its
+encoding pass (``CachedHSTU.encode_scored_batch``), and in shared prefix/postfix ONNX runs; a retrieval
 export computes every user's query in shared passes (``gr.serving.encode``) and scores the
 candidates against them. Without the cache, a ranking export runs one target-aware pass a request.
 """
