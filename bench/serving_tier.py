@@ -4,9 +4,10 @@ The ML-1M recipe's HSTU shape (``configs/ml1m_hstu.yaml``: hidden 50, 2 layers, 
 query times), K/V in pages of ``--page-size`` tokens. Two in-process workers (not two server
 processes: on 2 shared cores their scheduling would swamp the numbers), each its own engine, page
 pool and user cache (``gr.serving.shared_tier.TieredCache``), run the serving runtime's encoding
-path (``gr.serving.encode.encode``) and score ``--candidates`` candidates a request
-(``CachedHSTU.score_batch``); tokens are embedded by a table lookup instead of the export's ONNX
-slices, which cost the same with or without the tier.
+path (``gr.serving.encode.encode``) and score ``--candidates`` candidates a request as ranking
+does (in the pass that encodes a missed history, else ``CachedHSTU.score_batch``); tokens are
+embedded by a table lookup instead of the export's ONNX slices, which cost the same with or without
+the tier.
 
   line: per shape (the recipe's; a production-like one: hidden 512, 8 layers, 4 heads of 128 + 128)
       and history length L, a request bringing 4 new actions to a history of L tokens: encoded whole
