@@ -58,6 +58,7 @@ from gr.hstu.cache import CachedHSTU, HistoryCache, cache_bytes_per_token
 from gr.hstu.paged import PagePool
 from gr.serving import encode
 from gr.serving.history import History
+from gr.serving.options import DEFAULT_MICRO_BATCH
 from gr.serving.shared_tier import SqliteTier, TieredCache
 from gr.serving.tier_line import TierLine, measure_tier_line
 from gr.serving.tier_spec import tier_directory
@@ -122,12 +123,13 @@ class Worker:
         request_time = int(tokens[TIMESTAMPS][-1]) + STEP_S
         times = torch.full((len(candidates),), request_time, dtype=torch.long)
         history, aims = self.history(user, tokens), [(candidates, times)]
-        [encoded] = encode.encode(self.cache, [history], request_times=[request_time], targets=aims)
+        [encoded] = encode.encode(
+            self.cache, [history], request_times=[request_time], targets=aims, max_targets=DEFAULT_MICRO_BATCH
+        )
         if encoded.scored is None:
             [(settled, _)] = encode.settled([encoded], [request_time])
-            self.engine.score_batch(
-                [settled], candidates, torch.tensor([0, len(candidates)]), times, 256, [request_time]
-            )
+            offsets = torch.tensor([0, len(candidates)])
+            self.engine.score_batch([settled], candidates, offsets, times, DEFAULT_MICRO_BATCH, [request_time])
 
     def written(self) -> float:
         """Wait for the tier writes queued so far -> the CPU seconds the writer's thread has spent."""

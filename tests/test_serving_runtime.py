@@ -133,6 +133,25 @@ def test_cached_uncached_and_trained_scores_agree_for_every_micro_batch(exported
             np.testing.assert_allclose(uncached[task], want[task], rtol=0, atol=ATOL)
 
 
+def test_a_missed_history_runs_its_candidates_in_its_encoding_pass_when_they_fit_a_micro_batch(exported, users):
+    """A history encoded from scratch scores its candidates in the encoding pass, unless they are more
+    than micro_batch (then they are scored against its cache in passes of micro_batch); a cached
+    history always scores them against its cache. Scores equal the trained model's either way."""
+    _, path = exported
+    want, requests = users  # 5, 9, 2 and 6 candidates
+    ranker = Ranker.load(path, micro_batch=6)
+    engine, passes = ranker.model.engine, []
+    score_batch = engine.score_batch
+    engine.score_batch = lambda caches, x, *args: passes.append(x.shape[0]) or score_batch(caches, x, *args)
+    cold = rank_all(ranker, requests)
+    assert passes == [9]  # the one user whose candidates do not fit
+    warm = rank_all(ranker, requests)
+    assert passes == [9, 5, 9, 2, 6]
+    for task in want:
+        np.testing.assert_allclose(cold[task], want[task], rtol=0, atol=ATOL)
+        np.testing.assert_allclose(warm[task], want[task], rtol=0, atol=ATOL)
+
+
 def test_new_actions_extend_the_cached_history_and_match_the_trained_model(exported, users):
     _, path = exported
     want, requests = users

@@ -171,19 +171,19 @@ class CachedHSTU:
         xs: Sequence[Tensor],
         timestamps: Sequence[Optional[Tensor]],
         request_times: Sequence[int],
-        targets: Sequence[Tuple[Tensor, Optional[Tensor]]],
-    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor], Tensor]]:
+        targets: Sequence[Optional[Tuple[Tensor, Optional[Tensor]]]],
+    ) -> List[Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor], Optional[Tensor]]]:
         """``encode_settled_batch``, then ``score`` of each settled cache with its user's targets
-        (targets[b]: (x [N_b, D] float, timestamps [N_b] int64 or None), the request's candidates), in
-        the one pass where the user's last token settles: its targets follow its history there, as in
-        the one-pass target-aware forward (``HSTU.forward`` with ``num_targets``).
+        (targets[b]: (x [N_b, D] float, timestamps [N_b] int64 or None), the request's candidates, or
+        None: none), in the one pass where the user's last token settles: its targets follow its
+        history there, as in the one-pass target-aware forward (``HSTU.forward`` with ``num_targets``).
 
-        -> per user (as ``encode_settled_batch``, its targets' HSTU outputs [N_b, D])"""
+        -> per user (as ``encode_settled_batch``, its targets' HSTU outputs [N_b, D] or None)"""
         out = []
         for b, (encoded, settled, scored) in enumerate(self._encode_settled(xs, timestamps, request_times, targets)):
-            if scored is None:  # its last token settled in a pass of its own: its targets too
-                x, times = targets[b]
-                scored = self.score(settled[0], x, times, max(1, x.shape[0]), request_times[b])
+            target = targets[b]
+            if scored is None and target is not None:  # its last token settled in a pass of its own: its targets too
+                scored = self.score(settled[0], target[0], target[1], max(1, target[0].shape[0]), request_times[b])
             out.append((encoded, settled, scored))
         return out
 
@@ -192,7 +192,7 @@ class CachedHSTU:
         xs: Sequence[Tensor],
         timestamps: Sequence[Optional[Tensor]],
         request_times: Sequence[int],
-        targets: Optional[Sequence[Tuple[Tensor, Optional[Tensor]]]] = None,
+        targets: Optional[Sequence[Optional[Tuple[Tensor, Optional[Tensor]]]]] = None,
     ) -> List[Tuple[Tuple[HistoryCache, Tensor], Tuple[HistoryCache, Tensor], Optional[Tensor]]]:
         """``_encode``, the users it did not settle settled in one more pass."""
         encoded = self._encode(xs, timestamps, request_times, targets)
@@ -210,7 +210,7 @@ class CachedHSTU:
         xs: Sequence[Tensor],
         timestamps: Sequence[Optional[Tensor]],
         request_times: Optional[Sequence[int]],
-        targets: Optional[Sequence[Tuple[Tensor, Optional[Tensor]]]] = None,
+        targets: Optional[Sequence[Optional[Tuple[Tensor, Optional[Tensor]]]]] = None,
     ) -> List[Tuple[Tuple[HistoryCache, Tensor], Optional[Tuple[HistoryCache, Tensor]], Optional[Tensor]]]:
         """``encode_scored_batch``, each settled cache None where this pass did not settle it (a
         contextual last token), and then its targets' outputs None too; without ``request_times``
@@ -228,7 +228,7 @@ class CachedHSTU:
         # each settled user's targets (None: none run), after its history at its length, asked at their own times
         aimed: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(xs)
         for b, (target, settle) in enumerate(zip(targets or (), settles)):
-            if settle:
+            if settle and target is not None:
                 count = self._check_tokens(target[0], target[1], start=lengths[b], targets=True)
                 aimed[b] = (target[0].to(device), self._timestamps(target[1], count, device))
         aims = [0 if aim is None else int(aim[0].shape[0]) for aim in aimed]

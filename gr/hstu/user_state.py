@@ -118,6 +118,7 @@ def encode_states(
     use_cache: bool = True,
     request_times: Optional[Sequence[int]] = None,
     targets: Optional[Sequence[Tuple[Tensor, Tensor]]] = None,
+    max_targets: int = 0,
 ) -> List[Encoded]:
     """Several distinct users' states for their ``histories`` (one model's, computed under
     ``model_versions``, a version each): each user's ``found``
@@ -127,8 +128,9 @@ def encode_states(
     to extend in another. With ``request_times`` (seconds, a user each) a state encoded or extended
     is settled at its user's request time in the pass that encodes or extends it
     (``CachedHSTU.encode_settled_batch``, ``extend_settled_batch``), and with ``targets`` (a user's
-    candidates: HSTU inputs [N, D] and timestamps [N]) a history encoded from scratch runs them in
-    its pass (``CachedHSTU.encode_scored_batch``). -> per user its ``Encoded``."""
+    candidates: HSTU inputs [N, D] and timestamps [N]) histories encoded from scratch run theirs in
+    their pass (``CachedHSTU.encode_scored_batch``), at most ``max_targets`` candidates in all (the
+    users first in order whose candidates fit). -> per user its ``Encoded``."""
     matched = [
         _match(s if use_cache else None, t, v, engine, use_cache) for s, t, v in zip(found, histories, model_versions)
     ]
@@ -154,9 +156,16 @@ def encode_states(
             for i, (one, at_request) in zip(misses, engine.encode_settled_batch(*miss_args)):
                 ran[i], settled[i] = one, at_request
         else:
-            miss_targets = [targets[i] for i in misses]
+            miss_targets: List[Optional[Tuple[Tensor, Optional[Tensor]]]] = []
+            room = max_targets
+            for i in misses:  # the pass's candidates within its budget
+                fits = len(targets[i][1]) <= room
+                miss_targets.append((targets[i][0], targets[i][1]) if fits else None)
+                room -= len(targets[i][1]) if fits else 0
             for i, (one, at_request, scores) in zip(misses, engine.encode_scored_batch(*miss_args, miss_targets)):
-                ran[i], settled[i], scored[i] = one, at_request, scores
+                ran[i], settled[i] = one, at_request
+                if scores is not None:
+                    scored[i] = scores
         extended = engine.extend_settled_batch(
             bases, [xs[i] for i in extends], [times[i] for i in extends], [request_times[i] for i in extends]
         )

@@ -34,6 +34,7 @@ def encode(
     use_cache: bool = True,
     request_times: Optional[Sequence[int]] = None,
     targets: Optional[Sequence[Tuple[Tensor, Tensor]]] = None,
+    max_targets: int = 0,
 ) -> List[EncodedHistory]:
     """The users' encoded histories (one model's): the new tokens of every user in one prefix_dnn
     run, the histories to encode in one HSTU pass and those to extend in another.
@@ -43,7 +44,8 @@ def encode(
     request_times: seconds, a history each: a history encoded or extended is settled at its
     request's time in that pass (``EncodedHistory.settled``; ``settled`` settles the others).
     targets: a history each, its request's candidates (HSTU inputs [N, D], timestamps [N]): a
-    history encoded from scratch runs them in its pass (``EncodedHistory.scored``)."""
+    history encoded from scratch runs them in its pass (``EncodedHistory.scored``), at most
+    ``max_targets`` candidates a pass."""
     out: Dict[int, EncodedHistory] = {}
     waiting = list(range(len(histories)))
     while waiting:
@@ -55,7 +57,8 @@ def encode(
             users.add(histories[i].user_id)
         times = None if request_times is None else [request_times[i] for i in now]
         aims = None if targets is None else [targets[i] for i in now]
-        for i, encoded in zip(now, _encode_round(cache, [histories[i] for i in now], use_cache, times, aims)):
+        round_ = _encode_round(cache, [histories[i] for i in now], use_cache, times, aims, max_targets)
+        for i, encoded in zip(now, round_):
             out[i] = encoded
         waiting = later
     return [out[i] for i in range(len(histories))]
@@ -67,6 +70,7 @@ def _encode_round(
     use_cache: bool,
     request_times: Optional[Sequence[int]],
     targets: Optional[Sequence[Tuple[Tensor, Tensor]]],
+    max_targets: int,
 ) -> List[EncodedHistory]:
     """``encode`` of histories of distinct users."""
     if not histories:
@@ -82,7 +86,8 @@ def _encode_round(
             if fetched is not None:
                 found[i], tiers[i] = fetched
     tokens, versions = [h.tokens for h in histories], [h.model_version for h in histories]
-    states = encode_states(model.engine, model.embed_tokens, tokens, versions, found, use_cache, request_times, targets)
+    engine, embed = model.engine, model.embed_tokens
+    states = encode_states(engine, embed, tokens, versions, found, use_cache, request_times, targets, max_targets)
     out = []
     for h, base, tier, (state, status, at_request, scored) in zip(histories, found, tiers, states):
         tier = tier if status in ("hit", "extend") else None

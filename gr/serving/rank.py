@@ -136,8 +136,10 @@ def run(cache: UserCache, prepared: Sequence[PreparedRank], micro_batch: int, us
     joined = {name: np.concatenate([p.candidates[name] for p in prepared]) for name in prepared[0].candidates}
     x, times = model.embed_tokens(joined), torch.from_numpy(joined[TIMESTAMPS])
     targets = [(x[bounds[b] : bounds[b + 1]], times[bounds[b] : bounds[b + 1]]) for b in range(len(prepared))]
-    # a history encoded from scratch runs its candidates in that pass; the others score them against their caches
-    encoded = encode.encode(cache, [p.history for p in prepared], request_times=request_times, targets=targets)
+    # a history encoded from scratch runs its candidates in that pass (micro_batch of them at most, in all);
+    # the others score theirs against their caches
+    histories = [p.history for p in prepared]
+    encoded = encode.encode(cache, histories, request_times=request_times, targets=targets, max_targets=micro_batch)
     rest = [b for b, e in enumerate(encoded) if e.scored is None]
     outputs = {b: e.scored for b, e in enumerate(encoded) if e.scored is not None}
     if rest:
