@@ -293,7 +293,7 @@ class CachedHSTU:
                 settled = (cache, outputs[:0])
             elif settles[b]:
                 last = slice(starts[b] + committed[b], starts[b] + lengths[b])
-                grown = self._grown(cache, [k[:, last] for k in keys], [v[:, last] for v in values])
+                grown = self._grown(cache, keys, values, last)
                 settled = (replace(grown, timestamps=ts[b], pending=None), hidden[last])
             if aimed[b] is not None:
                 first = starts[b] + lengths[b] if b in starts else 0
@@ -396,12 +396,12 @@ class CachedHSTU:
             for j, b in enumerate(run):
                 kept, last = slice(bounds[j], bounds[j + 1] - 1), slice(bounds[j + 1] - 1, bounds[j + 1])
                 extended = replace(
-                    self._grown(caches[b], [k[:, kept] for k in keys], [v[:, kept] for v in values]),
+                    self._grown(caches[b], keys, values, kept),
                     timestamps=times[b],
                     pending=tokens[b][-1:],
                 )
                 settled = replace(
-                    self._grown(extended, [k[:, last] for k in keys], [v[:, last] for v in values]),
+                    self._grown(extended, keys, values, last),
                     timestamps=times[b],
                     pending=None,
                 )
@@ -606,7 +606,7 @@ class CachedHSTU:
         out = []
         for b, cache in enumerate(caches):
             rows = slice(bounds[b], bounds[b + 1])
-            grown = self._grown(cache, [k[:, rows] for k in keys], [v[:, rows] for v in values])
+            grown = self._grown(cache, keys, values, rows)
             own_times = times[b][: lengths[b]].to(cache.timestamps.device)
             out.append(
                 (replace(grown, timestamps=torch.cat([cache.timestamps[: cache.committed], own_times])), hidden[rows])
@@ -628,10 +628,12 @@ class CachedHSTU:
         hidden, keys, values = self._run_new_tokens(caches, x, offsets, "history", timestamps, query_times)
         return hidden, keys, values, offsets.tolist()
 
-    def _grown(self, cache: HistoryCache, keys: List[Tensor], values: List[Tensor]) -> HistoryCache:
-        """The committed K/V of ``cache`` followed by new tokens' (per layer [H, n, *]): appended to its
-        pages (no copy of the prefix) when it is paged in the engine's pool and the pool has room,
-        else concatenated into new tensors. Timestamps and pending are left to the caller."""
+    def _grown(self, cache: HistoryCache, keys: List[Tensor], values: List[Tensor], rows: slice) -> HistoryCache:
+        """The committed K/V of ``cache`` followed by the new tokens at ``rows`` of a pass's per-layer
+        keys and values ([H, N, *]): appended to its pages (no copy of the prefix) when it is paged in
+        the engine's pool and the pool has room, else concatenated into new tensors. Timestamps and
+        pending are left to the caller."""
+        keys, values = [k[:, rows] for k in keys], [v[:, rows] for v in values]
         if cache.paged is not None and cache.paged.pool is self.pool:
             paged = self.pool.append(cache.paged, keys, values)
             if paged is not None:

@@ -197,7 +197,7 @@ class PagePool:
                 pool.index_copy_(1, rows, new.to(pool.device))
         with self._lock:
             end = start + n
-            for i in range(max(first_fresh, start // self.page_size), len(pages)):
+            for i in range(max(first_fresh, first), len(pages)):
                 self._fill[pages[i]] = min(self.page_size, end - i * self.page_size)
 
     def _rows(self, pages: List[int], start: int, end: int) -> Tensor:

@@ -160,7 +160,7 @@ def encode_states(
             room = max_targets
             for i in misses:  # the pass's candidates within its budget
                 fits = len(targets[i][1]) <= room
-                miss_targets.append((targets[i][0], targets[i][1]) if fits else None)
+                miss_targets.append(targets[i] if fits else None)
                 room -= len(targets[i][1]) if fits else 0
             for i, (one, at_request, scores) in zip(misses, engine.encode_scored_batch(*miss_args, miss_targets)):
                 ran[i], settled[i] = one, at_request
